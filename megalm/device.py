@@ -1,0 +1,79 @@
+"""The one place that picks the compute device and the communication backend.
+
+CUDA + NCCL when a GPU is visible, CPU + gloo otherwise.  Nothing else in megalm calls
+``.cuda()`` or names a backend: ask :func:`get_device` and :func:`get_backend`.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+def use_cuda() -> bool:
+    return torch.cuda.is_available() and os.environ.get("MEGALM_FORCE_CPU", "0") != "1"
+
+
+def get_backend() -> str:
+    return "nccl" if use_cuda() else "gloo"
+
+
+def get_device() -> torch.device:
+    if use_cuda():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def local_world_size() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+
+
+def configure_cpu_threads() -> int:
+    """On CPU give each local rank ``cores // local ranks`` threads, unless OMP_NUM_THREADS is set."""
+    if "OMP_NUM_THREADS" in os.environ:
+        threads = max(1, int(os.environ["OMP_NUM_THREADS"]))
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = max(1, cores // max(1, local_world_size()))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def initialize_distributed(timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+    """Initialize torch.distributed from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR...).
+
+    A single process with no torchrun environment gets a world of one on a local port.
+    """
+    if dist.is_initialized():
+        return
+    if use_cuda():
+        torch.cuda.set_device(local_rank())
+    else:
+        configure_cpu_threads()
+    if "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    dist.init_process_group(backend=get_backend(), timeout=timeout)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def synchronize() -> None:
+    if use_cuda():
+        torch.cuda.synchronize()

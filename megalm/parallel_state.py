@@ -1,0 +1,364 @@
+"""Process-group state: the only module that holds parallel layout globals.
+
+Rank layout follows Megatron-LM's default order ``tp-cp-ep-dp-pp``: tensor-parallel
+ranks are adjacent (fastest varying), pipeline stages are outermost.  Dense layers use
+the ``tp-cp-dp-pp`` decomposition of the world; expert (MoE) layers re-split the ranks
+of one pipeline stage as ``tp-ep-edp`` (expert tensor parallel = tensor parallel), so an
+expert-data-parallel group holds the ranks that own the same experts.
+
+Example, world 8, tp 2, pp 2 (dp 2)::
+
+    tensor groups:   [0,1] [2,3] [4,5] [6,7]
+    data groups:     [0,2] [1,3] [4,6] [5,7]
+    pipeline groups: [0,4] [1,5] [2,6] [3,7]
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Dict, List, Optional, Sequence
+
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+@dataclass
+class _State:
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    dp: int
+    vpp: Optional[int]
+    rank: int
+    world: int
+    groups: Dict[str, object]  # name -> ProcessGroup containing this rank
+    ranks: Dict[str, List[int]]  # name -> ranks of that group (global ids)
+    virtual_pipeline_rank: Optional[int] = None
+
+
+_STATE: Optional[_State] = None
+
+
+def rank_groups(sizes: Dict[str, int], order: Sequence[str], group_dims: Sequence[str]) -> List[List[int]]:
+    """All groups of ranks that vary only along ``group_dims``.
+
+    ``order`` lists dimensions from fastest to slowest varying; a rank's coordinate along
+    dimension ``order[i]`` is ``(rank // prod(sizes[order[:i]])) % sizes[order[i]]``.
+    Within a group, ranks are listed with the first dimension of ``group_dims`` (by
+    ``order``) varying fastest, as Megatron does.
+    """
+    strides, stride = {}, 1
+    for name in order:
+        strides[name] = stride
+        stride *= sizes[name]
+    inner = [d for d in order if d in group_dims]
+    outer = [d for d in order if d not in group_dims]
+    groups = []
+    for outer_idx in itertools.product(*[range(sizes[d]) for d in reversed(outer)]):
+        base = sum(i * strides[d] for i, d in zip(outer_idx, reversed(outer)))
+        members = []
+        for inner_idx in itertools.product(*[range(sizes[d]) for d in reversed(inner)]):
+            members.append(base + sum(i * strides[d] for i, d in zip(inner_idx, reversed(inner))))
+        groups.append(sorted(members))
+    return groups
+
+
+def validate_layout(world_size: int, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                    context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
+                    virtual_pipeline_model_parallel_size: Optional[int] = None) -> int:
+    """Check that the layout fits ``world_size``; return the data-parallel size."""
+    tp, pp, cp, ep = (tensor_model_parallel_size, pipeline_model_parallel_size,
+                      context_parallel_size, expert_model_parallel_size)
+    for name, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+                        ("context_parallel_size", cp), ("expert_model_parallel_size", ep)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    model_parallel = tp * pp * cp
+    if world_size % model_parallel != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) x "
+            f"context ({cp}) parallel size = {model_parallel}")
+    dp = world_size // model_parallel
+    if (dp * cp) % ep != 0:
+        raise ValueError(
+            f"expert_model_parallel_size {ep} must divide data ({dp}) x context ({cp}) parallel size "
+            f"= {dp * cp} (world size {world_size}, tp {tp}, pp {pp})")
+    if virtual_pipeline_model_parallel_size is not None:
+        if virtual_pipeline_model_parallel_size < 1:
+            raise ValueError("virtual_pipeline_model_parallel_size must be >= 1")
+        if pp < 2 and virtual_pipeline_model_parallel_size > 1:
+            raise ValueError("virtual pipeline stages need pipeline_model_parallel_size >= 2")
+    return dp
+
+
+def compute_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> Dict[str, List[List[int]]]:
+    """Every group of every kind, as lists of global ranks (pure function, no process group)."""
+    dp = validate_layout(world_size, tp, pp, cp, ep)
+    dense = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+    order = ["tp", "cp", "dp", "pp"]
+    layout = {
+        "tensor": rank_groups(dense, order, ["tp"]),
+        "context": rank_groups(dense, order, ["cp"]),
+        "data": rank_groups(dense, order, ["dp"]),
+        "data_context": rank_groups(dense, order, ["cp", "dp"]),
+        "pipeline": rank_groups(dense, order, ["pp"]),
+        "model": rank_groups(dense, order, ["tp", "pp"]),
+        "tensor_context": rank_groups(dense, order, ["tp", "cp"]),
+        "tensor_data_context": rank_groups(dense, order, ["tp", "cp", "dp"]),
+    }
+    edp = (dp * cp) // ep
+    expert = {"tp": tp, "ep": ep, "edp": edp, "pp": pp}
+    e_order = ["tp", "ep", "edp", "pp"]
+    layout["expert"] = rank_groups(expert, e_order, ["ep"])
+    layout["expert_data"] = rank_groups(expert, e_order, ["edp"])
+    layout["expert_tensor_expert"] = rank_groups(expert, e_order, ["tp", "ep"])
+    layout["expert_model"] = rank_groups(expert, e_order, ["tp", "ep", "pp"])
+    # Embedding group: first and last stage of each pipeline (shares tied embeddings).
+    layout["embedding"] = [sorted({g[0], g[-1]}) for g in layout["pipeline"]]
+    layout["position_embedding"] = [[g[0]] for g in layout["pipeline"]]
+    return layout
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                              virtual_pipeline_model_parallel_size: Optional[int] = None,
+                              context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
+                              timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+    """Create every process group of the layout.  ``torch.distributed`` must be initialized."""
+    global _STATE
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized; call megalm.initialize.initialize_distributed first")
+    if _STATE is not None:
+        raise RuntimeError("model parallel state is already initialized; call destroy_model_parallel() first")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    tp, pp, cp, ep = (tensor_model_parallel_size, pipeline_model_parallel_size,
+                      context_parallel_size, expert_model_parallel_size)
+    dp = validate_layout(world, tp, pp, cp, ep, virtual_pipeline_model_parallel_size)
+    layout = compute_layout(world, tp, pp, cp, ep)
+    groups, ranks = {}, {}
+    for name, group_list in layout.items():
+        for members in group_list:
+            # new_group is collective: every rank creates every group, in the same order.
+            pg = dist.new_group(members, timeout=timeout) if len(members) < world else dist.group.WORLD
+            if rank in members:
+                groups[name], ranks[name] = pg, members
+    vpp = virtual_pipeline_model_parallel_size
+    _STATE = _State(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, vpp=vpp, rank=rank, world=world,
+                    groups=groups, ranks=ranks, virtual_pipeline_rank=0 if vpp else None)
+
+
+def model_parallel_is_initialized() -> bool:
+    return _STATE is not None
+
+
+def destroy_model_parallel() -> None:
+    """Forget the layout (process groups are released with the default group)."""
+    global _STATE
+    _STATE = None
+
+
+def _state() -> _State:
+    if _STATE is None:
+        raise RuntimeError("model parallel state is not initialized; call initialize_model_parallel first")
+    return _STATE
+
+
+def _group_rank(name: str) -> int:
+    s = _state()
+    return s.ranks[name].index(s.rank)
+
+
+# --- tensor parallel -------------------------------------------------------------------
+
+def get_tensor_model_parallel_group():
+    return _state().groups["tensor"]
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return _state().tp if _STATE is not None else 1
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return _group_rank("tensor") if _STATE is not None else 0
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """Global rank of TP rank 0 in this rank's tensor group (source of data broadcasts)."""
+    return _state().ranks["tensor"][0]
+
+
+def get_tensor_model_parallel_ranks() -> List[int]:
+    return list(_state().ranks["tensor"])
+
+
+# --- pipeline parallel -----------------------------------------------------------------
+
+def get_pipeline_model_parallel_group():
+    return _state().groups["pipeline"]
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return _state().pp if _STATE is not None else 1
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return _group_rank("pipeline") if _STATE is not None else 0
+
+
+def get_pipeline_model_parallel_ranks() -> List[int]:
+    return list(_state().ranks["pipeline"])
+
+
+def get_pipeline_model_parallel_next_rank() -> int:
+    ranks = _state().ranks["pipeline"]
+    return ranks[(ranks.index(_state().rank) + 1) % len(ranks)]
+
+
+def get_pipeline_model_parallel_prev_rank() -> int:
+    ranks = _state().ranks["pipeline"]
+    return ranks[(ranks.index(_state().rank) - 1) % len(ranks)]
+
+
+def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:
+    return _state().vpp if _STATE is not None else None
+
+
+def get_virtual_pipeline_model_parallel_rank() -> Optional[int]:
+    return _state().virtual_pipeline_rank
+
+
+def set_virtual_pipeline_model_parallel_rank(rank: Optional[int]) -> None:
+    _state().virtual_pipeline_rank = rank
+
+
+def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
+    """True on the stage that owns the embedding (and, with virtual stages, chunk 0)."""
+    if _STATE is None:
+        return True
+    if not ignore_virtual and _STATE.vpp and _STATE.virtual_pipeline_rank != 0:
+        return False
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
+    """True on the stage that owns the output layer and loss (with virtual stages, the last chunk)."""
+    if _STATE is None:
+        return True
+    if not ignore_virtual and _STATE.vpp and _STATE.virtual_pipeline_rank != _STATE.vpp - 1:
+        return False
+    return get_pipeline_model_parallel_rank() == _STATE.pp - 1
+
+
+# --- data / context parallel -----------------------------------------------------------
+
+def get_data_parallel_group(with_context_parallel: bool = False):
+    return _state().groups["data_context" if with_context_parallel else "data"]
+
+
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    if _STATE is None:
+        return 1
+    return _STATE.dp * (_STATE.cp if with_context_parallel else 1)
+
+
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    if _STATE is None:
+        return 0
+    return _group_rank("data_context" if with_context_parallel else "data")
+
+
+def get_data_parallel_ranks(with_context_parallel: bool = False) -> List[int]:
+    return list(_state().ranks["data_context" if with_context_parallel else "data"])
+
+
+def get_context_parallel_group():
+    return _state().groups["context"]
+
+
+def get_context_parallel_world_size() -> int:
+    return _state().cp if _STATE is not None else 1
+
+
+def get_context_parallel_rank() -> int:
+    return _group_rank("context") if _STATE is not None else 0
+
+
+def get_model_parallel_group():
+    """Tensor x pipeline ranks holding one full model replica (used for found-inf and grad norm)."""
+    return _state().groups["model"]
+
+
+def get_model_parallel_world_size() -> int:
+    return len(_state().ranks["model"]) if _STATE is not None else 1
+
+
+def get_tensor_and_context_parallel_group():
+    return _state().groups["tensor_context"]
+
+
+def get_tensor_and_data_parallel_group(with_context_parallel: bool = False):
+    """All ranks of one pipeline stage."""
+    return _state().groups["tensor_data_context"]
+
+
+# --- expert parallel -------------------------------------------------------------------
+
+def get_expert_model_parallel_group():
+    return _state().groups["expert"]
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return _state().ep if _STATE is not None else 1
+
+
+def get_expert_model_parallel_rank() -> int:
+    return _group_rank("expert") if _STATE is not None else 0
+
+
+def get_expert_data_parallel_group():
+    """Ranks holding the same experts: expert gradients are reduced here."""
+    return _state().groups["expert_data"]
+
+
+def get_expert_data_parallel_world_size() -> int:
+    return len(_state().ranks["expert_data"]) if _STATE is not None else 1
+
+
+def get_expert_data_parallel_rank() -> int:
+    return _group_rank("expert_data") if _STATE is not None else 0
+
+
+def get_expert_tensor_and_model_parallel_group():
+    return _state().groups["expert_tensor_expert"]
+
+
+# --- embedding groups ------------------------------------------------------------------
+
+def get_embedding_group():
+    """First and last pipeline stage: tied word-embedding gradients are all-reduced here."""
+    return _state().groups.get("embedding")
+
+
+def get_embedding_ranks() -> List[int]:
+    return list(_state().ranks.get("embedding", []))
+
+
+def is_rank_in_embedding_group(ignore_virtual: bool = True) -> bool:
+    s = _state()
+    if s.rank not in s.ranks.get("embedding", []):
+        return False
+    if ignore_virtual:
+        return True
+    return is_pipeline_first_stage() or is_pipeline_last_stage()
+
+
+def get_position_embedding_group():
+    return _state().groups.get("position_embedding")
+
+
+def get_all_group_ranks() -> Dict[str, List[int]]:
+    """This rank's groups by name (for logging and tests)."""
+    return {k: list(v) for k, v in _state().ranks.items()}
