@@ -1,0 +1,291 @@
+"""Training checkpoints: save, find the latest, load under any parallel layout.
+
+Directory layout (Megatron-like)::
+
+    <save>/latest_checkpointed_iteration.txt   # written last, atomically: the iteration number
+    <save>/iter_0000020/
+        .metadata, __*_*.distcp                # DCP: model weights and optimizer tensors
+        common.json                            # iteration, consumed samples, config, scheduler, scaler
+        rng/rank_00000.pt ...                  # per-rank RNG states (tensors only; weights_only load)
+
+Model tensors are keyed ``model.<global parameter name>`` and stored as blocks of their
+full (unpadded-vocabulary) tensors, so any TP/PP/DP layout can load them (see
+:mod:`megalm.dist_checkpointing`).  Optimizer tensors are keyed
+``optimizer.<global parameter name>.<state>`` with the parameter's layout.  Nothing is
+unpickled on load: DCP for tensors, JSON for metadata, ``torch.load(weights_only=True)`` for RNG.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megalm import parallel_state
+from megalm.dist_checkpointing import ShardedStateDict, ShardedTensorSpec, load_sharded, save_sharded
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+# --- describing the model's tensors as blocks of global tensors ------------------------
+
+def param_spec(param: torch.Tensor, data: Optional[torch.Tensor] = None) -> ShardedTensorSpec:
+    """Where this rank's piece of ``param`` sits in the full tensor (from its TP attributes).
+
+    ``data`` (default ``param`` itself) is any tensor laid out like the parameter, e.g. an
+    Adam moment or an fp32 main copy.
+    """
+    data = param.detach() if data is None else data
+    if not getattr(param, "tensor_model_parallel", False):
+        return ShardedTensorSpec.replicated(data)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    dim = param.partition_dim % data.dim()
+    stride = getattr(param, "partition_stride", 1)
+    local = list(data.shape)
+    if stride > 1:
+        # A fused [a; b] weight split as [a_r; b_r]: view as (stride, n/stride) along ``dim``.
+        view = data.reshape(local[:dim] + [stride, local[dim] // stride] + local[dim + 1:])
+        global_shape = local[:dim] + [stride, local[dim] // stride * tp] + local[dim + 1:]
+        offsets = [0] * view.dim()
+        offsets[dim + 1] = rank * (local[dim] // stride)
+        return ShardedTensorSpec(view, global_shape, offsets)
+    offsets = [0] * data.dim()
+    offsets[dim] = rank * local[dim]
+    global_shape = list(local)
+    global_shape[dim] = local[dim] * tp
+    vocab = getattr(param, "vocab_unpadded", None)
+    if vocab is not None and dim == 0:
+        # Padded vocabulary rows are not saved: the padding depends on the TP size.
+        keep = max(0, min(local[0], vocab - offsets[0]))
+        data = data.narrow(0, 0, keep)
+        global_shape[0] = vocab
+        offsets[0] = min(offsets[0], vocab)
+    return ShardedTensorSpec(data, global_shape, offsets)
+
+
+def model_parameters(model_chunks: Sequence[torch.nn.Module]) -> Dict[str, torch.nn.Parameter]:
+    """Global parameter names -> parameters of this rank, skipping duplicate copies of tied weights."""
+    params: Dict[str, torch.nn.Parameter] = {}
+    for chunk in model_chunks:
+        module = getattr(chunk, "module", chunk)
+        for name, p in module.named_parameters():
+            if getattr(p, "shared_embedding", False) and name.startswith("output_layer."):
+                continue  # the last stage's copy of a tied embedding: the first stage's is saved
+            params[name] = p
+    return params
+
+
+def model_sharded_state(model_chunks: Sequence[torch.nn.Module]) -> ShardedStateDict:
+    return {f"model.{name}": param_spec(p) for name, p in model_parameters(model_chunks).items()}
+
+
+# --- RNG -------------------------------------------------------------------------------
+
+def get_rng_state() -> Dict[str, object]:
+    from megalm.tensor_parallel.random import get_rng_tracker
+
+    np_state = np.random.get_state()
+    state = {
+        "python": list(random.getstate()[1]), "python_version": random.getstate()[0],
+        "python_gauss": random.getstate()[2],
+        "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)), "numpy_pos": int(np_state[2]),
+        "numpy_has_gauss": int(np_state[3]), "numpy_gauss": float(np_state[4]),
+        "torch": torch.get_rng_state(),
+        "tracker": {k: v for k, v in get_rng_tracker().get_states().items()},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: Dict[str, object]) -> None:
+    from megalm.tensor_parallel.random import get_rng_tracker
+
+    random.setstate((state["python_version"], tuple(state["python"]), state["python_gauss"]))
+    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), state["numpy_pos"],
+                         state["numpy_has_gauss"], state["numpy_gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_rng_tracker().set_states(state["tracker"])
+
+
+# --- save --------------------------------------------------------------------------------
+
+def save_checkpoint(root: str, iteration: int, model_chunks, optimizer=None, scheduler=None,
+                    consumed_train_samples: int = 0, consumed_valid_samples: int = 0,
+                    config: Optional[dict] = None, extra: Optional[dict] = None) -> str:
+    """Collective over all ranks.  Returns the iteration directory."""
+    path = checkpoint_dir(root, iteration)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        if os.path.isdir(path):
+            shutil.rmtree(path)  # a stale, never-completed save of this iteration
+        os.makedirs(os.path.join(path, "rng"))
+    _barrier()
+    specs = model_sharded_state(model_chunks)
+    if optimizer is not None:
+        specs.update(optimizer_sharded_state(optimizer, model_chunks))
+    save_sharded(specs, path)
+    torch.save(get_rng_state(), os.path.join(path, "rng", f"rank_{rank:05d}.pt"))
+    if rank == 0:
+        common = {
+            "format_version": FORMAT_VERSION, "iteration": iteration,
+            "consumed_train_samples": consumed_train_samples, "consumed_valid_samples": consumed_valid_samples,
+            "world_size": world, "layout": _layout(),
+            "config": config, "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "optimizer_common": optimizer_common_state(optimizer) if optimizer is not None else None,
+            "extra": extra or {}, "saved_at": time.time(),
+        }
+        _write_atomic(os.path.join(path, "common.json"), json.dumps(common, indent=1))
+    _barrier()
+    if rank == 0:
+        _write_atomic(os.path.join(root, TRACKER_FILENAME), str(iteration))
+    _barrier()
+    return path
+
+
+def _layout() -> dict:
+    return {"tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+            "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+            "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+            "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size()}
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# --- optimizer adapters ------------------------------------------------------------------
+
+def optimizer_sharded_state(optimizer, model_chunks) -> ShardedStateDict:
+    """Optimizer tensors (main weights, moments) keyed by global parameter name, laid out like the parameter."""
+    params = model_parameters(model_chunks)
+    specs: ShardedStateDict = {}
+    for name, tensors in optimizer.sharded_param_state().items():
+        if name not in params:
+            continue
+        for key, tensor in tensors.items():
+            if tensor.dim() == 0:
+                specs[f"optimizer.{name}.{key}"] = ShardedTensorSpec.replicated(tensor.reshape(1))
+            else:
+                specs[f"optimizer.{name}.{key}"] = param_spec(params[name], tensor)
+    return specs
+
+
+def optimizer_common_state(optimizer) -> dict:
+    return optimizer.common_state_dict()
+
+
+# --- load --------------------------------------------------------------------------------
+
+def read_tracker(root: str) -> Optional[int]:
+    tracker = os.path.join(root, TRACKER_FILENAME)
+    if not os.path.isfile(tracker):
+        return None
+    text = open(tracker).read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{tracker} should hold an iteration number, found {text!r}") from None
+
+
+def find_checkpoint(root: str, iteration: Optional[int] = None) -> Optional[str]:
+    """The directory to load: ``iteration`` if given, else the tracker's; None if no checkpoint."""
+    if not os.path.isdir(root):
+        raise CheckpointError(f"--load directory {root} does not exist")
+    if iteration is None:
+        iteration = read_tracker(root)
+        if iteration is None:
+            return None
+    path = checkpoint_dir(root, iteration)
+    for needed in ("common.json", ".metadata"):
+        if not os.path.isfile(os.path.join(path, needed)):
+            raise CheckpointError(f"checkpoint {path} is incomplete or unreadable: {needed} is missing")
+    return path
+
+
+def read_common(path: str) -> dict:
+    try:
+        with open(os.path.join(path, "common.json")) as f:
+            common = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read {path}/common.json: {e}") from None
+    if common.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: unsupported checkpoint format {common.get('format_version')!r}")
+    return common
+
+
+def load_checkpoint(root: str, model_chunks, optimizer=None, scheduler=None, load_optim: bool = True,
+                    load_rng: bool = True, finetune: bool = False, iteration: Optional[int] = None) -> dict:
+    """Collective.  Fills the model (and optimizer/scheduler/RNG) in place; returns common.json's content.
+
+    ``finetune`` loads the weights only and reports iteration 0.
+    """
+    path = find_checkpoint(root, iteration)
+    if path is None:
+        raise CheckpointError(f"no checkpoint in {root} (no {TRACKER_FILENAME})")
+    common = read_common(path)
+    specs = model_sharded_state(model_chunks)
+    with_optim = optimizer is not None and load_optim and not finetune
+    if with_optim:
+        specs.update(optimizer_sharded_state(optimizer, model_chunks))
+    try:
+        load_sharded(specs, path)
+    except Exception as e:  # DCP wraps per-rank errors; name the checkpoint
+        raise CheckpointError(f"failed to load {path}: {e}") from e
+    if with_optim:
+        optimizer.load_common_state_dict(common.get("optimizer_common") or {})
+        optimizer.reload_model_params()
+        if scheduler is not None and common.get("scheduler") is not None:
+            scheduler.load_state_dict(common["scheduler"])
+    elif optimizer is not None:
+        optimizer.reload_model_params()
+    if load_rng and not finetune:
+        load_rng_state(path, common)
+    common = dict(common, path=path)
+    if finetune:
+        common = dict(common, iteration=0, consumed_train_samples=0, consumed_valid_samples=0)
+    return common
+
+
+def load_rng_state(path: str, common: dict) -> None:
+    """Restore this rank's RNG states (skipped, with a message, when the layout changed)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if common.get("world_size") != world or common.get("layout") != _layout():
+        if rank == 0:
+            print(f"[megalm] checkpoint was saved with layout {common.get('layout')}, now {_layout()}: "
+                  f"RNG states are not restored", flush=True)
+        return
+    state = torch.load(os.path.join(path, "rng", f"rank_{rank:05d}.pt"), weights_only=True)
+    set_rng_state(state)

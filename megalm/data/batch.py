@@ -1,0 +1,76 @@
+"""Deliver one micro-batch to every rank of a tensor-parallel group.
+
+Only TP rank 0 reads data; :func:`get_batch` broadcasts its micro-batch to the other TP
+ranks (``src = get_tensor_model_parallel_src_rank()`` within the TP group).  As in
+Megatron, the first pipeline stage needs ``tokens`` and ``position_ids``, the last stage
+``labels`` and ``loss_mask``; keys a stage does not need are None, and middle stages get
+None for the whole batch.  Shapes are ``[micro_batch_size, seq_length]``, known to every
+rank from the config, so nothing but the data itself is communicated.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megalm import parallel_state as ps
+from megalm.device import get_device
+
+KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+_BATCH_SHAPE: Optional[Tuple[int, int]] = None
+
+
+def set_batch_shape(micro_batch_size: int, seq_length: int) -> None:
+    """Remember the micro-batch shape (done by ``build_train_valid_test_data_iterators``)."""
+    global _BATCH_SHAPE
+    _BATCH_SHAPE = (int(micro_batch_size), int(seq_length))
+
+
+def _shape(cfg) -> Tuple[int, int]:
+    if cfg is not None:
+        return cfg.training.micro_batch_size, cfg.model.seq_length
+    if _BATCH_SHAPE is None:
+        raise RuntimeError("get_batch needs the micro-batch shape: pass cfg, or build the data iterators first")
+    return _BATCH_SHAPE
+
+
+def _stage_keys() -> Tuple[Tuple[str, ...], bool]:
+    """Integer keys this pipeline stage needs, and whether it needs the loss mask."""
+    first, last = ps.is_pipeline_first_stage(ignore_virtual=True), ps.is_pipeline_last_stage(ignore_virtual=True)
+    int_keys = (("tokens", "position_ids") if first else ()) + (("labels",) if last else ())
+    return int_keys, last
+
+
+def get_batch(data_iterator, cfg=None) -> Optional[Dict[str, Optional[torch.Tensor]]]:
+    """Next micro-batch on this rank's device, broadcast within the tensor-parallel group."""
+    device = get_device()
+    if not ps.model_parallel_is_initialized():
+        data = next(data_iterator)
+        return {k: data[k].to(device, non_blocking=True) for k in KEYS}
+    int_keys, need_mask = _stage_keys()
+    if not int_keys and not need_mask:
+        return None  # middle pipeline stage: activations come from the previous stage
+    mbs, seq = _shape(cfg)
+    src, tp = ps.get_tensor_model_parallel_src_rank(), ps.get_tensor_model_parallel_world_size()
+    if ps.get_tensor_model_parallel_rank() == 0:
+        data = next(data_iterator)
+        for k in int_keys + (("loss_mask",) if need_mask else ()):
+            if tuple(data[k].shape) != (mbs, seq):
+                raise ValueError(f"batch {k} has shape {tuple(data[k].shape)}, expected ({mbs}, {seq})")
+        ints = torch.stack([data[k] for k in int_keys]).to(device, torch.int64) if int_keys else None
+        mask = data["loss_mask"].to(device, torch.float32) if need_mask else None
+    else:
+        ints = torch.empty((len(int_keys), mbs, seq), dtype=torch.int64, device=device) if int_keys else None
+        mask = torch.empty((mbs, seq), dtype=torch.float32, device=device) if need_mask else None
+    if tp > 1:
+        group = ps.get_tensor_model_parallel_group()
+        for t in (ints, mask):
+            if t is not None:
+                dist.broadcast(t, src, group=group)
+    out: Dict[str, Optional[torch.Tensor]] = dict.fromkeys(KEYS)
+    for i, k in enumerate(int_keys):
+        out[k] = ints[i]
+    out["loss_mask"] = mask
+    return out

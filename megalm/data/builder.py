@@ -1,0 +1,200 @@
+"""From the data flags to train / valid / test datasets (Megatron's dataset builder).
+
+* ``--data-path "0.3 A 0.7 B"`` (or one prefix without weight) is split by documents with
+  ``--split 969,30,1``; each prefix is split the same way and the splits are blended.
+* ``--train-data-path`` / ``--valid-data-path`` / ``--test-data-path`` give each split its
+  own blend of whole datasets.
+* ``--mock-data`` uses :class:`MockIndexedDataset`, split as a single prefix.
+
+Sample counts per split follow Megatron (:func:`get_train_valid_test_num_samples`); a
+blended prefix is asked for ``ceil(weight * n * 1.005)`` samples so the blend never runs
+short.  When ``torch.distributed`` is initialized, global rank 0 builds (and caches) every
+index first, then after a barrier the other ranks load them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch.distributed as dist
+
+from megalm.data.blended_dataset import BlendedDataset, normalize_weights
+from megalm.data.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megalm.data.indexed_dataset import IndexedDataset
+from megalm.data.mock_dataset import MockIndexedDataset
+
+SPLITS = ("train", "valid", "test")
+BLEND_MARGIN = 1.005  # Megatron's over-sampling of each blended dataset
+
+
+# --- parsing ---------------------------------------------------------------------------
+
+def parse_blend(paths: Optional[Sequence[str]]) -> Tuple[List[str], Optional[List[float]]]:
+    """``(prefixes, weights)`` from ``["0.3", "A", "0.7", "B"]`` or ``["A"]`` (weights None).
+
+    Elements may themselves hold several whitespace-separated items (a quoted blend).
+    """
+    items = [tok for p in (paths or []) for tok in str(p).split()]
+    if not items:
+        raise ValueError("empty data path")
+    if len(items) == 1:
+        return items, None
+    if len(items) % 2:
+        raise ValueError(f"data path {' '.join(items)!r}: expected 'weight prefix' pairs (or a single prefix)")
+    weights, prefixes = [], []
+    for w, p in zip(items[0::2], items[1::2]):
+        try:
+            weights.append(float(w))
+        except ValueError:
+            raise ValueError(f"data path {' '.join(items)!r}: {w!r} is not a weight; expected 'weight prefix' "
+                             f"pairs") from None
+        prefixes.append(p)
+    if any(w <= 0 for w in weights):
+        raise ValueError(f"data path {' '.join(items)!r}: weights must be positive (drop zero-weight prefixes)")
+    return prefixes, [float(x) for x in normalize_weights(weights)]
+
+
+def parse_split(split: str) -> List[float]:
+    """``"969,30,1"`` -> normalized ``[train, valid, test]`` fractions (missing ones are 0)."""
+    values = [float(x) for x in re.findall(r"[.0-9]+", split or "")]
+    if not values or len(values) > 3 or any(v < 0 for v in values) or sum(values) <= 0:
+        raise ValueError(f"--split {split!r} needs up to three non-negative proportions with a positive sum")
+    values += [0.0] * (3 - len(values))
+    total = sum(values)
+    return [v / total for v in values]
+
+
+def split_document_ranges(num_documents: int, split: Sequence[float]) -> List[Tuple[int, int]]:
+    """Document ``[begin, end)`` of each split: ``round(cumulative fraction x documents)``."""
+    bounds = np.concatenate(([0.0], np.cumsum(split)))
+    edges = [int(round(b * num_documents)) for b in bounds]
+    edges[-1] = num_documents
+    return [(edges[i], edges[i + 1]) for i in range(3)]
+
+
+def get_train_valid_test_num_samples(cfg) -> Tuple[int, int, int]:
+    """Samples each split must provide, as Megatron computes them.
+
+    train = train_iters x global batch (or --train-samples); valid =
+    (train_iters // eval_interval + 1) x eval_iters x global batch; test = eval_iters x
+    global batch.
+    """
+    t = cfg.training
+    gbs = t.global_batch_size or t.micro_batch_size * (cfg.parallel.data_parallel_size or 1)
+    if t.train_samples is not None:
+        train_samples = t.train_samples
+        train_iters = t.train_iters if t.train_iters is not None else t.train_samples // gbs
+    elif t.train_iters is not None:
+        train_iters = t.train_iters
+        train_samples = train_iters * gbs
+    else:
+        raise ValueError("the data pipeline needs --train-iters or --train-samples to size the datasets")
+    eval_iters = t.eval_iters if t.eval_iters else 0
+    valid = (train_iters // t.eval_interval + 1) * eval_iters * gbs
+    test = eval_iters * gbs
+    return train_samples, valid, test
+
+
+# --- building --------------------------------------------------------------------------
+
+def _gpt_config(cfg, eod: int) -> GPTDatasetConfig:
+    return GPTDatasetConfig(seq_length=cfg.model.seq_length, seed=cfg.training.seed, eod=eod,
+                            eod_mask_loss=cfg.data.eod_mask_loss, cache_dir=cfg.data.data_cache_path)
+
+
+def _split_datasets(low_level, split: Sequence[float], num_samples: Sequence[int], config) -> list:
+    """One GPTDataset per split of one low-level dataset (None where empty or not needed)."""
+    out = []
+    for name, (beg, end), n in zip(SPLITS, split_document_ranges(len(low_level), split), num_samples):
+        if n <= 0 or end <= beg:
+            out.append(None)
+        else:
+            out.append(GPTDataset(low_level, np.arange(beg, end, dtype=np.int32), n, name, config))
+    return out
+
+
+def _blend(prefixes, weights, split, num_samples, config, cache_dir) -> list:
+    """Per split: the single dataset, or a BlendedDataset of every prefix's split."""
+    if weights is None:
+        return _split_datasets(IndexedDataset(prefixes[0]), split, num_samples, config)
+    per_prefix = []
+    for prefix, w in zip(prefixes, weights):
+        sizes = [int(math.ceil(n * w * BLEND_MARGIN)) for n in num_samples]
+        per_prefix.append(_split_datasets(IndexedDataset(prefix), split, sizes, config))
+    out = []
+    for s, n in enumerate(num_samples):
+        parts = [p[s] for p in per_prefix]
+        if n <= 0 or all(p is None for p in parts):
+            out.append(None)
+            continue
+        if any(p is None for p in parts):
+            empty = [prefixes[i] for i, p in enumerate(parts) if p is None]
+            raise ValueError(f"{SPLITS[s]} split of {empty} is empty; cannot blend it (check --split)")
+        out.append(BlendedDataset(parts, weights, n, cache_dir))
+    return out
+
+
+def _build_datasets(cfg, tokenizer, num_samples: Sequence[int]) -> list:
+    d = cfg.data
+    if tokenizer is None:
+        raise ValueError("the data pipeline needs a tokenizer for its end-of-document id "
+                         "(for --mock-data e.g. --tokenizer-type NullTokenizer --vocab-size N)")
+    config = _gpt_config(cfg, tokenizer.eod)
+    if d.mock_data:
+        mock = MockIndexedDataset(tokenizer.vocab_size, tokenizer.eod, max_length=2 * cfg.model.seq_length,
+                                  seed=cfg.training.seed)
+        return _split_datasets(mock, parse_split(d.split), num_samples, config)
+    if d.data_path:
+        prefixes, weights = parse_blend(d.data_path)
+        return _blend(prefixes, weights, parse_split(d.split), num_samples, config, d.data_cache_path)
+    per_split = (d.train_data_path, d.valid_data_path, d.test_data_path)
+    if not any(per_split):
+        raise ValueError("no data: give --data-path, --train/valid/test-data-path or --mock-data")
+    out = []
+    for s, paths in enumerate(per_split):
+        if not paths or num_samples[s] <= 0:
+            out.append(None)
+            continue
+        prefixes, weights = parse_blend(paths)
+        only = [num_samples[s] if i == s else 0 for i in range(3)]
+        whole = [1.0 if i == s else 0.0 for i in range(3)]
+        out.append(_blend(prefixes, weights, whole, only, config, d.data_cache_path)[s])
+    return out
+
+
+def run_rank_zero_first(build: Callable[[], object]) -> object:
+    """``build()`` on global rank 0, a barrier, then on the other ranks (they load its cache).
+
+    Without an initialized process group this is just ``build()``.  An error on rank 0 is
+    raised only after the barrier, so the other ranks are not left waiting.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return build()
+    result, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            result = build()
+        except Exception as e:  # noqa: BLE001 - re-raised after the barrier
+            error = e
+    dist.barrier()
+    if error is not None:
+        raise error
+    if dist.get_rank() != 0:
+        result = build()
+    return result
+
+
+def build_train_valid_test_datasets(cfg, tokenizer, is_built_on_rank: bool = True,
+                                    num_samples: Optional[Sequence[int]] = None):
+    """``(train, valid, test)`` datasets (None where a split is empty or unneeded).
+
+    Collective when a process group exists: every rank must call it; only ranks with
+    ``is_built_on_rank`` construct datasets (the others get ``(None, None, None)``).
+    """
+    if num_samples is None:
+        num_samples = get_train_valid_test_num_samples(cfg)
+    result = run_rank_zero_first(lambda: _build_datasets(cfg, tokenizer, num_samples) if is_built_on_rank else None)
+    return tuple(result) if result is not None else (None, None, None)

@@ -1,0 +1,86 @@
+"""Data loaders and the one entry point the trainer calls.
+
+:func:`build_train_valid_test_data_iterators` builds the datasets collectively (rank 0
+first, cached, then the others), and returns iterators of micro-batch dicts on the ranks
+that read data: tensor-parallel rank 0 of the first and last pipeline stages.  Every
+other rank gets ``None`` and receives its batches through :func:`megalm.data.get_batch`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megalm import parallel_state as ps
+from megalm.data import batch as batch_module
+from megalm.data.builder import build_train_valid_test_datasets, get_train_valid_test_num_samples
+from megalm.data.samplers import MegatronPretrainingSampler
+from megalm.device import get_device
+
+
+def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
+                                  data_parallel_size: int, num_workers: int = 0) -> Optional[torch.utils.data.DataLoader]:
+    """DataLoader over this rank's micro-batches of ``dataset`` starting at ``consumed_samples``."""
+    if dataset is None:
+        return None
+    sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size, data_parallel_rank,
+                                         data_parallel_size)
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                                       pin_memory=get_device().type == "cuda", persistent_workers=num_workers > 0)
+
+
+def cyclic_iter(iterable) -> Iterator:
+    """Iterate ``iterable`` again from its start each time it is exhausted."""
+    while True:
+        yielded = False
+        for x in iterable:
+            yielded = True
+            yield x
+        if not yielded:
+            return
+
+
+def rank_reads_data() -> bool:
+    """TP rank 0 of the first or last pipeline stage (every rank without model parallelism)."""
+    if not ps.model_parallel_is_initialized():
+        return True
+    return ps.get_tensor_model_parallel_rank() == 0 and (
+        ps.is_pipeline_first_stage(ignore_virtual=True) or ps.is_pipeline_last_stage(ignore_virtual=True))
+
+
+def data_parallel_rank_and_size() -> Tuple[int, int]:
+    if ps.model_parallel_is_initialized():
+        return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def build_train_valid_test_data_iterators(cfg, tokenizer, consumed_train_samples: int = 0,
+                                          consumed_valid_samples: int = 0):
+    """``(train_iter, valid_iter, test_iter)`` of micro-batch dicts; None on ranks that do not read.
+
+    Collective: every rank calls it.  The valid iterator is cyclic (each evaluation goes
+    on where the last stopped, and wraps around), the train and test ones are not.
+    """
+    batch_module.set_batch_shape(cfg.training.micro_batch_size, cfg.model.seq_length)
+    reads = rank_reads_data()
+    num_samples = get_train_valid_test_num_samples(cfg)
+    train_ds, valid_ds, test_ds = build_train_valid_test_datasets(cfg, tokenizer, reads, num_samples)
+    if not reads:
+        return None, None, None
+    dp_rank, dp_size = data_parallel_rank_and_size()
+    mbs, workers = cfg.training.micro_batch_size, cfg.data.num_workers
+
+    def loader(ds, consumed):
+        return build_pretraining_data_loader(ds, consumed, mbs, dp_rank, dp_size, workers)
+
+    train = loader(train_ds, consumed_train_samples)
+    # The valid set is cycled, so a count beyond its size wraps around.
+    valid = loader(valid_ds, consumed_valid_samples % len(valid_ds) if valid_ds is not None else 0)
+    test = loader(test_ds, 0)
+    return (iter(train) if train is not None else None,
+            iter(cyclic_iter(valid)) if valid is not None else None,
+            iter(test) if test is not None else None)

@@ -1,0 +1,206 @@
+"""Data-parallel wrapper: gradients accumulate in contiguous buffers and are reduced by bucket.
+
+Per iteration the trainer does::
+
+    model.zero_grad_buffer()                 # zero main_grad buffers
+    for each microbatch but the last:
+        with model.no_sync():                # no communication at all
+            backward(...)
+    backward(last microbatch)                # overlap_grad_reduce: buckets are launched here
+    finalize_model_grads([model])            # -> model.finish_grad_sync(): waits / reduces
+
+Communication: one all-reduce (SUM of grads pre-scaled by 1/DP, i.e. the mean) per bucket over
+the data-parallel group (with context parallel: data x context); expert parameters
+(``param.allreduce is False``) live in separate buffers reduced over the expert-data-parallel
+group, pre-scaled by the same 1/DP as Megatron (each expert sees tokens of all EP ranks).
+
+Buckets sharing one process group are always launched in the same order on every rank (a
+ready bucket waits for the buckets before it), so data-dependent gradient order cannot make
+ranks issue collectives in different orders.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megalm import parallel_state
+from megalm.distributed import comm
+from megalm.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
+
+
+def default_bucket_size(data_parallel_size: int) -> int:
+    """Megatron's default: max(40M, 1M x DP) elements."""
+    return max(40_000_000, 1_000_000 * data_parallel_size)
+
+
+def _groups():
+    """(dp group, dp size, expert-dp group, expert-dp size); no groups without parallel state."""
+    if not parallel_state.model_parallel_is_initialized():
+        return None, 1, None, 1
+    dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    edp = parallel_state.get_expert_data_parallel_world_size()
+    return (parallel_state.get_data_parallel_group(with_context_parallel=True), dp,
+            parallel_state.get_expert_data_parallel_group(), edp)
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Wrap ``module``; see the module docstring for the protocol.
+
+    Args:
+        module: the model chunk.
+        parallel_cfg: :class:`megalm.config.ParallelConfig` (``ddp_bucket_size``,
+            ``overlap_grad_reduce``, ``accumulate_allreduce_grads_in_fp32``,
+            ``use_distributed_optimizer``).
+        grad_dtype: dtype of ``main_grad``; default fp32 when
+            ``accumulate_allreduce_grads_in_fp32`` else each parameter's dtype.
+
+    Bucket size: ``ddp_bucket_size`` when given; otherwise max(40M, 1M x DP) with
+    ``overlap_grad_reduce`` and a single bucket per buffer without it (as Megatron).
+    """
+
+    def __init__(self, module: torch.nn.Module, parallel_cfg, grad_dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.module = module
+        self.overlap_grad_reduce = bool(getattr(parallel_cfg, "overlap_grad_reduce", False))
+        self.use_distributed_optimizer = bool(getattr(parallel_cfg, "use_distributed_optimizer", False))
+        fp32_grads = bool(getattr(parallel_cfg, "accumulate_allreduce_grads_in_fp32", True))
+        dp_group, dp, edp_group, edp = _groups()
+        self.data_parallel_world_size = dp
+        self.bucket_size = getattr(parallel_cfg, "ddp_bucket_size", None)
+        if self.bucket_size is None and self.overlap_grad_reduce:
+            self.bucket_size = default_bucket_size(dp)
+        names = {p: n for n, p in module.named_parameters()}
+
+        def pick_grad_dtype(p):
+            return grad_dtype or (torch.float32 if fp32_grads else p.dtype)
+
+        self.buffers: List[ParamAndGradBuffer] = []
+        self.expert_buffers: List[ParamAndGradBuffer] = []
+        for expert in (False, True):
+            keyed: Dict[tuple, list] = {}
+            for p in module.parameters():
+                if p.requires_grad and (getattr(p, "allreduce", True) is False) == expert:
+                    keyed.setdefault((p.dtype, pick_grad_dtype(p)), []).append(p)
+            group, world = (edp_group, edp) if expert else (dp_group, dp)
+            for (_, gdtype), params in keyed.items():
+                buf = ParamAndGradBuffer(params, gdtype, self.bucket_size, group if world > 1 else None,
+                                         world, 1.0 / dp, allocate_param_data=self.use_distributed_optimizer, param_names=names)
+                (self.expert_buffers if expert else self.buffers).append(buf)
+        self._param_to_buffer = {p: b for b in self.all_buffers for p in b.param_index_map}
+        self._build_launch_queues()
+        self._grad_sync_enabled = True
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook())
+                              for p in self._param_to_buffer]
+
+    # --- structure -----------------------------------------------------------------------
+    @property
+    def all_buffers(self) -> List[ParamAndGradBuffer]:
+        return self.buffers + self.expert_buffers
+
+    def _build_launch_queues(self) -> None:
+        """One ordered queue of buckets per process group (launch order is identical on all ranks)."""
+        queues: Dict[int, List[Bucket]] = {}
+        for buf in self.all_buffers:
+            queues.setdefault(id(buf.data_parallel_group), []).extend(buf.buckets)
+        self._queues = list(queues.values())
+        self._cursors = [0] * len(self._queues)
+        self._queue_of = {id(b): qi for qi, q in enumerate(self._queues) for b in q}
+
+    def bucket_ranges(self) -> Dict[str, tuple]:
+        """``{param name: (buffer index, start, end, bucket id)}`` (expert buffers after dense ones)."""
+        names = {p: n for n, p in self.module.named_parameters()}
+        out = {}
+        for bi, buf in enumerate(self.all_buffers):
+            for p, (s, e, b) in buf.param_index_map.items():
+                out[names[p]] = (bi, s, e, b)
+        return out
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    # --- hooks ---------------------------------------------------------------------------
+    def _make_hook(self):
+        def hook(param: torch.nn.Parameter) -> None:
+            if param.grad is None:
+                return
+            param.main_grad.add_(param.grad)
+            param.grad = None
+            if self.overlap_grad_reduce and self._grad_sync_enabled:
+                bucket = self._param_to_buffer[param].bucket_of(param)
+                bucket.mark_ready(param)
+                if bucket.is_ready():
+                    self._advance(self._queue_of[id(bucket)])
+        return hook
+
+    def _advance(self, qi: int) -> None:
+        """Launch the ready prefix of queue ``qi``."""
+        queue = self._queues[qi]
+        while self._cursors[qi] < len(queue) and queue[self._cursors[qi]].is_ready():
+            queue[self._cursors[qi]].start_grad_sync()
+            self._cursors[qi] += 1
+
+    # --- protocol --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward inside this context only accumulates into ``main_grad`` (no communication)."""
+        self._grad_sync_enabled = False
+        try:
+            yield
+        finally:
+            self._grad_sync_enabled = True
+
+    def disable_grad_sync(self) -> None:
+        self._grad_sync_enabled = False
+
+    def enable_grad_sync(self) -> None:
+        self._grad_sync_enabled = True
+
+    def start_grad_sync(self) -> None:
+        """Launch every bucket not yet launched, queue by queue in order (async)."""
+        for qi, queue in enumerate(self._queues):
+            for bucket in queue[self._cursors[qi]:]:
+                bucket.start_grad_sync()
+            self._cursors[qi] = len(queue)
+
+    def finish_grad_sync(self) -> None:
+        """Make ``main_grad`` hold the DP mean: launch what is left, wait for every bucket."""
+        self.start_grad_sync()
+        for queue in self._queues:
+            for bucket in queue:
+                bucket.finish_grad_sync()
+        for buf in self.all_buffers:
+            buf.reset(zero=False)
+        self._cursors = [0] * len(self._queues)
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every ``main_grad`` (and free ``param.grad``); call once per iteration."""
+        for p in self._param_to_buffer:
+            p.grad = None
+        for buf in self.all_buffers:
+            buf.reset(zero=True)
+        self._cursors = [0] * len(self._queues)
+        self._grad_sync_enabled = True
+
+    def broadcast_params(self) -> None:
+        """Copy DP rank 0's parameters to every DP rank (expert params: expert-DP rank 0)."""
+        if not parallel_state.model_parallel_is_initialized():
+            return
+        dp_src = parallel_state.get_data_parallel_ranks(with_context_parallel=True)[0]
+        edp_group = parallel_state.get_expert_data_parallel_group()
+        edp_src = dist.get_global_rank(edp_group, 0) if edp_group is not None else None
+        for buf in self.all_buffers:
+            expert = buf in self.expert_buffers
+            group = edp_group if expert else parallel_state.get_data_parallel_group(with_context_parallel=True)
+            for p in buf.params:
+                comm.broadcast(p.data, src=edp_src if expert else dp_src, group=group, kind="param_broadcast")
+
+    # --- pass-through state --------------------------------------------------------------
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
+        return self.module.load_state_dict(state_dict, strict=strict, **kwargs)

@@ -1,0 +1,144 @@
+"""Everything that must happen to gradients between the last backward and ``optimizer.step()``.
+
+:func:`finalize_model_grads` (as Megatron's), in order:
+
+1. ``finish_grad_sync()`` on every model chunk: the data-parallel mean of every gradient
+   (all-reduce per bucket over DP; expert buffers over expert-DP).
+2. Sequence-parallel norm parameters (``param.sequence_parallel``): each TP rank saw only its
+   slice of the sequence, so their gradients are summed over the tensor-parallel group (one
+   coalesced all-reduce).
+3. Tied word embeddings with pipeline parallelism: the first stage's word embedding and the
+   last stage's output-layer copy (``param.shared_embedding``) must receive the same update,
+   so their gradients are summed over the embedding group (first + last stage) — one
+   all-reduce of the weight's gradient.
+
+Finding the tied weight: on the last stage, the parameter of ``model_chunks[-1]`` with
+``shared_embedding = True``; on the first stage, the parameter of ``model_chunks[0]`` with
+``shared_embedding = True``, else the module's ``shared_embedding_or_output_weight()``, else the
+one parameter with ``vocab_unpadded``.  Whether embeddings are tied is agreed once (MAX of
+"I know I am tied" over the embedding group: the last stage's ``shared_embedding`` flag or any
+chunk's ``share_embeddings_and_output_weights`` attribute) and cached on the first chunk.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from megalm import parallel_state
+from megalm.device import get_device
+from megalm.distributed import comm
+
+
+def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
+    """Strip data-parallel / precision wrappers (anything exposing ``.module`` that says so)."""
+    from megalm.distributed.data_parallel import DistributedDataParallel
+
+    while isinstance(module, (DistributedDataParallel, torch.nn.parallel.DistributedDataParallel)) or \
+            getattr(module, "is_megalm_wrapper", False):
+        module = module.module
+    return module
+
+
+def grad_of(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """The gradient a parameter accumulated: ``main_grad`` under DDP, else ``.grad``."""
+    g = getattr(param, "main_grad", None)
+    return g if g is not None else param.grad
+
+
+def allreduce_sequence_parallel_grads(model_chunks: Sequence[torch.nn.Module]) -> None:
+    """Sum gradients of ``sequence_parallel`` params over TP (one coalesced all-reduce)."""
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
+    params = [p for c in model_chunks for p in c.parameters()
+              if p.requires_grad and getattr(p, "sequence_parallel", False)]
+    if not params:
+        return
+    grads = [grad_of(p) if grad_of(p) is not None else torch.zeros_like(p, dtype=torch.float32) for p in params]
+    by_dtype = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for dtype in sorted(by_dtype, key=str):  # same order on every TP rank
+        group_grads = by_dtype[dtype]
+        flat = _flatten_dense_tensors(group_grads)
+        comm.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group(), kind="sp_grad_all_reduce")
+        for g, synced in zip(group_grads, _unflatten_dense_tensors(flat, group_grads)):
+            g.copy_(synced)
+
+
+def _find_shared_embedding(chunk: torch.nn.Module, first_stage: bool) -> Optional[torch.nn.Parameter]:
+    module = unwrap_model(chunk)
+    flagged = [p for p in module.parameters() if getattr(p, "shared_embedding", False)]
+    if flagged:
+        return flagged[0]
+    getter = getattr(module, "shared_embedding_or_output_weight", None)
+    if callable(getter):
+        return getter()
+    if first_stage:
+        vocab = [p for p in module.parameters() if hasattr(p, "vocab_unpadded")]
+        if len(vocab) == 1:
+            return vocab[0]
+    return None
+
+
+def _embedding_stage():
+    """'first', 'last' or None (not in an embedding group of size > 1)."""
+    if not parallel_state.model_parallel_is_initialized() or \
+            parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return None
+    if not parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
+        return None
+    if parallel_state.is_pipeline_first_stage(ignore_virtual=True):
+        return "first"
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return "last"
+    return None
+
+
+def _tied(model_chunks: Sequence[torch.nn.Module], stage: str, weight) -> bool:
+    """Agree once over the embedding group whether embeddings are tied (cached on chunk 0)."""
+    cached = getattr(model_chunks[0], "_megalm_tied_embeddings", None)
+    if cached is not None:
+        return cached
+    knows = (stage == "last" and weight is not None and getattr(weight, "shared_embedding", False)) or any(
+        getattr(unwrap_model(c), "share_embeddings_and_output_weights", False) for c in model_chunks)
+    flag = torch.tensor([1.0 if knows else 0.0], device=get_device())
+    comm.all_reduce(flag, op=dist.ReduceOp.MAX, group=parallel_state.get_embedding_group(), kind="tie_flag")
+    tied = bool(flag.item() > 0)
+    model_chunks[0]._megalm_tied_embeddings = tied
+    return tied
+
+
+def allreduce_embedding_grads(model_chunks: Sequence[torch.nn.Module], tied: Optional[bool] = None) -> None:
+    """Sum the tied word-embedding gradient over the embedding group (first + last stage)."""
+    stage = _embedding_stage()
+    if stage is None:
+        return
+    chunk = model_chunks[0] if stage == "first" else model_chunks[-1]
+    weight = _find_shared_embedding(chunk, first_stage=stage == "first")
+    if tied is None:
+        tied = _tied(model_chunks, stage, weight)
+    if not tied:
+        return
+    if weight is None:
+        raise RuntimeError(
+            f"embeddings are tied but the {stage} pipeline stage has no tied embedding weight: mark it with "
+            f"`param.shared_embedding = True` or give the model `shared_embedding_or_output_weight()`")
+    grad = grad_of(weight)
+    if grad is None:
+        grad = weight.grad = torch.zeros_like(weight)  # unused this iteration: contribute zeros
+    comm.all_reduce(grad, group=parallel_state.get_embedding_group(), kind="embedding_grad_all_reduce")
+
+
+def finalize_model_grads(model_chunks: List[torch.nn.Module], tied_embeddings: Optional[bool] = None) -> None:
+    """DP sync, then sequence-parallel norm grads over TP, then tied embedding grads over the
+    embedding group.  Call once per iteration, after the last backward, before ``optimizer.step()``."""
+    for chunk in model_chunks:
+        finish = getattr(chunk, "finish_grad_sync", None)
+        if finish is not None:
+            finish()
+    allreduce_sequence_parallel_grads(model_chunks)
+    allreduce_embedding_grads(model_chunks, tied_embeddings)

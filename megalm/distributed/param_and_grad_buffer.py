@@ -1,0 +1,201 @@
+"""Contiguous gradient buffers split into communication buckets.
+
+Layout of one :class:`ParamAndGradBuffer` (all parameters share one param dtype, one grad
+dtype and one reduction group)::
+
+    grad_data: [ bucket 0 | pad | bucket 1 | pad | ... ]      (1-D, grad_dtype, zero-filled)
+                 ^ last parameter of the module first: backward produces its gradient first
+
+* Parameters are laid out in *reverse* module order (``reversed(module.parameters())``), the
+  order in which backward produces gradients, so the first bucket fills up first.
+* ``param.main_grad`` is a view ``grad_data[start:end].view(param.shape)``; gradients are
+  accumulated there (fp32 by default) and ``param.grad`` is freed.
+* A bucket is closed as soon as it holds at least ``bucket_size`` elements (``None``: one
+  bucket).  A parameter is never split across buckets.
+* Each bucket's end is padded with zeros to a multiple of ``pad_multiple`` (the data-parallel
+  size by default), so a bucket can be reduce-scattered into equal shards: DP rank ``r`` owns
+  ``[bucket.offset + r * shard, bucket.offset + (r + 1) * shard)`` with ``shard = numel / DP``
+  (:meth:`Bucket.shard_range`).  Padding stays zero.
+* ``param_index_map[param] = (start, end, bucket_id)`` in buffer coordinates;
+  ``bucket.param_ranges[param] = (start, end)`` relative to the bucket start.
+* With ``allocate_param_data`` (for the distributed optimizer) the parameters' storage is
+  moved into a parallel buffer ``param_data`` with the same layout (``param.data`` becomes a
+  view), so updated shards can be all-gathered bucket by bucket.
+
+Communication (:meth:`Bucket.start_grad_sync`): the bucket view is multiplied by
+``gradient_scaling_factor`` (1/DP: the mean over data-parallel ranks) and all-reduced with SUM
+over the buffer's group, asynchronously; :meth:`Bucket.finish_grad_sync` waits.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from megalm.distributed import comm
+
+
+class Bucket:
+    """A contiguous slice of a :class:`ParamAndGradBuffer` reduced by one collective."""
+
+    def __init__(self, index: int, params: List[torch.nn.Parameter], grad_data: torch.Tensor,
+                 param_data: Optional[torch.Tensor], offset: int, numel_unpadded: int,
+                 param_ranges: Dict[torch.nn.Parameter, Tuple[int, int]], buffer: "ParamAndGradBuffer"):
+        self.index = index
+        self.params = params                      # in buffer order
+        self.grad_data = grad_data                # view into buffer.grad_data (padded length)
+        self.param_data = param_data              # view into buffer.param_data or None
+        self.offset = offset                      # start of the bucket in the buffer
+        self.numel_unpadded = numel_unpadded
+        self.param_ranges = param_ranges          # param -> (start, end) relative to the bucket
+        self.buffer = buffer
+        self._params_set = set(params)
+        self.reset()
+
+    @property
+    def numel(self) -> int:
+        return self.grad_data.numel()
+
+    def reset(self) -> None:
+        """Forget readiness and communication state (after finish / zeroing)."""
+        self.params_ready: set = set()
+        self.handle = None
+        self.launched = False
+
+    def is_ready(self) -> bool:
+        return len(self.params_ready) == len(self.params)
+
+    def mark_ready(self, param: torch.nn.Parameter) -> None:
+        if self.launched:
+            raise RuntimeError(
+                f"gradient of a parameter of shape {tuple(param.shape)} arrived after its bucket "
+                f"{self.index} was already reduced: run the backward of every microbatch but the last "
+                f"inside DistributedDataParallel.no_sync(), and call zero_grad_buffer() each iteration")
+        self.params_ready.add(param)
+
+    def shard_range(self, dp_rank: int, dp_size: Optional[int] = None) -> Tuple[int, int]:
+        """Buffer coordinates of the equal shard of this bucket owned by ``dp_rank``."""
+        dp_size = dp_size or self.buffer.data_parallel_world_size
+        shard = self.numel // dp_size
+        return self.offset + dp_rank * shard, self.offset + (dp_rank + 1) * shard
+
+    def start_grad_sync(self) -> None:
+        """Scale by ``gradient_scaling_factor`` and launch the async all-reduce (SUM) of the bucket."""
+        if self.launched:
+            return
+        self.launched = True
+        factor = self.buffer.gradient_scaling_factor
+        if factor != 1.0:
+            self.grad_data.mul_(factor)
+        if self.buffer.data_parallel_group is not None:  # None: a group of one, nothing to reduce
+            self.handle = comm.all_reduce(self.grad_data, group=self.buffer.data_parallel_group, async_op=True,
+                                          kind="grad_all_reduce")
+
+    def finish_grad_sync(self) -> None:
+        """Launch if needed, then wait for the bucket's all-reduce."""
+        if not self.launched:
+            self.start_grad_sync()
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+
+
+class ParamAndGradBuffer:
+    """One contiguous gradient (and optionally parameter) buffer over ``params``.
+
+    ``params``: in module order (they are laid out reversed).  ``data_parallel_group`` may be
+    None for no communication.  See the module docstring for the layout.
+    """
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], grad_dtype: torch.dtype,
+                 bucket_size: Optional[int], data_parallel_group, data_parallel_world_size: int,
+                 gradient_scaling_factor: float, pad_multiple: Optional[int] = None,
+                 allocate_param_data: bool = False, param_names: Optional[Dict[torch.nn.Parameter, str]] = None):
+        if not params:
+            raise ValueError("ParamAndGradBuffer needs at least one parameter")
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise ValueError(f"one buffer holds one parameter dtype, got {sorted(map(str, dtypes))}")
+        if bucket_size is not None and bucket_size <= 0:
+            raise ValueError(f"bucket_size must be positive or None, got {bucket_size}")
+        self.param_dtype = params[0].dtype
+        self.grad_dtype = grad_dtype
+        self.data_parallel_group = data_parallel_group
+        self.data_parallel_world_size = data_parallel_world_size
+        self.gradient_scaling_factor = gradient_scaling_factor
+        self.pad_multiple = pad_multiple or data_parallel_world_size
+        self.params = list(reversed(list(params)))  # buffer order
+        self.param_names = param_names or {}
+        self.param_index_map: Dict[torch.nn.Parameter, Tuple[int, int, int]] = {}
+        device = params[0].device
+
+        bucket_spans = self._layout(bucket_size)
+        self.numel = bucket_spans[-1][1] if bucket_spans else 0
+        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        self.param_data = None
+        if allocate_param_data:
+            self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
+        self._attach_views()
+        self.buckets = [self._make_bucket(i, start, end, members, unpadded)
+                        for i, (start, end, members, unpadded) in enumerate(bucket_spans)]
+
+    # --- layout ------------------------------------------------------------------------
+    def _pad(self, n: int) -> int:
+        return int(math.ceil(n / self.pad_multiple) * self.pad_multiple)
+
+    def _layout(self, bucket_size: Optional[int]) -> List[tuple]:
+        """Assign ``(start, end, bucket_id)`` to every parameter; return bucket spans.
+
+        Span: ``(start, padded_end, params, unpadded_end)`` in buffer coordinates.
+        """
+        spans, cursor, bucket_start, members = [], 0, 0, []
+        for p in self.params:
+            start, end = cursor, cursor + p.numel()
+            self.param_index_map[p] = (start, end, len(spans))
+            members.append(p)
+            cursor = end
+            if bucket_size is not None and cursor - bucket_start >= bucket_size:
+                padded = self._pad(cursor)
+                spans.append((bucket_start, padded, members, cursor))
+                cursor = bucket_start = padded
+                members = []
+        if members:
+            spans.append((bucket_start, self._pad(cursor), members, cursor))
+        return spans
+
+    def _attach_views(self) -> None:
+        for p, (start, end, _) in self.param_index_map.items():
+            p.main_grad = self.grad_data[start:end].view(p.shape)
+            if self.param_data is not None:
+                view = self.param_data[start:end].view(p.shape)
+                view.copy_(p.data)
+                p.data = view
+
+    def _make_bucket(self, index: int, start: int, end: int, members: List[torch.nn.Parameter],
+                     unpadded_end: int) -> Bucket:
+        ranges = {p: (self.param_index_map[p][0] - start, self.param_index_map[p][1] - start) for p in members}
+        param_view = self.param_data[start:end] if self.param_data is not None else None
+        return Bucket(index, members, self.grad_data[start:end], param_view, start, unpadded_end - start,
+                      ranges, self)
+
+    # --- state -------------------------------------------------------------------------
+    def bucket_of(self, param: torch.nn.Parameter) -> Bucket:
+        return self.buckets[self.param_index_map[param][2]]
+
+    def reset(self, zero: bool = True) -> None:
+        """Zero the gradients (padding included) and forget communication state."""
+        if zero:
+            self.grad_data.zero_()
+        for b in self.buckets:
+            b.reset()
+
+    def describe(self) -> str:
+        """One line per bucket: index, buffer range, element count, parameter names."""
+        lines = []
+        for b in self.buckets:
+            names = [self.param_names.get(p, f"<{tuple(p.shape)}>") for p in b.params]
+            lines.append(f"bucket {b.index}: [{b.offset}, {b.offset + b.numel}) numel {b.numel} "
+                         f"(unpadded {b.numel_unpadded}) params {names}")
+        return "\n".join(lines)

@@ -1,0 +1,145 @@
+"""GPT decoder-only language model (one pipeline chunk of it).
+
+    tokens [b, s] --embedding--> [s(/tp), b, h] --decoder layers--> final norm
+           --output layer--> vocab-parallel logits [s, b, V/tp] --cross entropy--> loss [b, s]
+
+* ``pre_process`` (first stage): embedding; otherwise the input comes from
+  :meth:`GPTModel.set_input_tensor` (Megatron's pipelining interface).
+* ``post_process`` (last stage): final norm, output layer (column parallel without gather:
+  forward all-gathers the sequence under SP; backward all-reduces / reduce-scatters the
+  input gradient) and the vocab-parallel cross entropy (three ``[s, b]`` all-reduces).
+* ``layer_numbers``: the GLOBAL 0-based layers of this chunk (see
+  :func:`megalm.models.layer_split.layers_for_stage`); parameter names are global and are
+  both the checkpoint keys and the init seeds.
+
+Tied output weights: with ``pre_process`` and ``post_process`` on one rank the output layer
+uses the embedding's Parameter.  When the last stage has no embedding it owns a copy
+(``output_layer.weight``) initialized exactly like ``embedding.word_embeddings.weight``;
+both carry ``shared_embedding = True`` and their grads are summed by
+:func:`megalm.distributed.finalize_model_grads.allreduce_embedding_grads`.
+
+The tensor-parallel layout (size, rank) comes from :mod:`megalm.parallel_state`; sequence
+parallelism is on when ``cfg.parallel.sequence_parallel`` and the TP size is above one.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from megalm import parallel_state
+from megalm.config import MegalmConfig, pad_vocab_size
+from megalm.models.embedding import LanguageModelEmbedding
+from megalm.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalm.tensor_parallel.initialization import initialize_weights
+from megalm.tensor_parallel.layers import ColumnParallelLinear
+from megalm.transformer.rope import RotaryEmbedding
+from megalm.transformer.transformer_block import TransformerBlock
+from megalm.transformer.utils import init_std, sequence_parallel_enabled
+
+WORD_EMBEDDING_NAME = "embedding.word_embeddings.weight"
+
+
+def _padded_vocab_size(cfg: MegalmConfig) -> int:
+    m = cfg.model
+    if m.vocab_size is None:
+        raise ValueError("cfg.model.vocab_size is not set (set it from the tokenizer: megalm.config.set_vocab_size)")
+    if m.padded_vocab_size is not None:
+        return m.padded_vocab_size
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+
+
+class GPTModel(nn.Module):
+    def __init__(self, cfg: MegalmConfig, pre_process: bool = True, post_process: bool = True,
+                 layer_numbers: Optional[Sequence[int]] = None):
+        super().__init__()
+        m = cfg.model
+        self.cfg = cfg
+        self.pre_process, self.post_process = pre_process, post_process
+        self.sequence_parallel = sequence_parallel_enabled(cfg.parallel)
+        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.padded_vocab_size = _padded_vocab_size(cfg)
+        self.vocab_size = cfg.model.vocab_size
+        self.share_embeddings_and_output_weights = not m.untie_embeddings_and_output_weights
+        self.layer_numbers: List[int] = list(range(m.num_layers) if layer_numbers is None else layer_numbers)
+
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(m, self.padded_vocab_size, self.sequence_parallel)
+        self.rotary = (RotaryEmbedding(m.head_dim, m.rotary_percent, m.rotary_base)
+                       if m.position_embedding_type == "rope" else None)
+        self.decoder = TransformerBlock(m, self.layer_numbers, post_process, self.sequence_parallel)
+        if post_process:
+            self.output_layer = self._build_output_layer(m)
+        self._mark_shared_embedding()
+        initialize_weights(self, cfg.training.seed)
+
+    def _build_output_layer(self, m) -> ColumnParallelLinear:
+        reuse_embedding = self.share_embeddings_and_output_weights and self.pre_process
+        layer = ColumnParallelLinear(m.hidden_size, self.padded_vocab_size, bias=False, gather_output=False,
+                                     init_std=init_std(m), sequence_parallel=self.sequence_parallel,
+                                     skip_weight_param_allocation=reuse_embedding, vocab_unpadded=m.vocab_size)
+        if self.share_embeddings_and_output_weights and not self.pre_process:
+            layer.weight.init_name = WORD_EMBEDDING_NAME  # same values as the first stage's embedding
+        return layer
+
+    def _mark_shared_embedding(self) -> None:
+        if self.share_embeddings_and_output_weights and (self.pre_process or self.post_process):
+            self.shared_embedding_or_output_weight().shared_embedding = True
+
+    def shared_embedding_or_output_weight(self) -> Optional[nn.Parameter]:
+        """The word embedding (first stage) or the output weight (last stage without embedding)."""
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self.post_process:
+            return self.output_layer.weight
+        return None
+
+    def set_input_tensor(self, input_tensor: Union[torch.Tensor, Sequence[torch.Tensor], None]) -> None:
+        """Hidden states ``[s(/tp), b, h]`` from the previous pipeline stage (a one-element list is accepted)."""
+        if isinstance(input_tensor, (list, tuple)):
+            if len(input_tensor) != 1:
+                raise ValueError(f"GPTModel takes one input tensor, got {len(input_tensor)}")
+            input_tensor = input_tensor[0]
+        self.decoder.set_input_tensor(input_tensor)
+
+    def _rotary_tables(self, hidden: torch.Tensor, position_ids: Optional[torch.Tensor]):
+        if self.rotary is None:
+            return None, None
+        seq_length = hidden.shape[0] * (self.tp_size if self.sequence_parallel else 1)
+        return self.rotary.tables(position_ids, seq_length, hidden.device)
+
+    def _mask_padded_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits of padding ids (>= the tokenizer's vocabulary) are -inf.
+
+        So padding rows never train (they stay zero), the softmax does not depend on how much
+        padding the TP size implies, and checkpoints may drop those rows.
+        """
+        shard = logits.shape[-1]
+        valid = self.vocab_size - parallel_state.get_tensor_model_parallel_rank() * shard
+        if valid >= shard:
+            return logits
+        padded = torch.arange(shard, device=logits.device) >= valid
+        return logits.masked_fill(padded, float("-inf"))
+
+    def forward(self, tokens: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Per-token fp32 loss ``[b, s]`` (last stage, labels given), vocab-parallel logits
+        ``[b, s, V/tp]`` (last stage, no labels), else hidden states ``[s(/tp), b, h]``."""
+        if self.pre_process:
+            hidden = self.embedding(tokens, position_ids)
+        else:
+            hidden = self.decoder.input_tensor
+            if hidden is None:
+                raise RuntimeError("GPTModel without pre_process needs set_input_tensor() before forward")
+        rotary_cos, rotary_sin = self._rotary_tables(hidden, position_ids)
+        hidden = self.decoder(hidden, rotary_cos, rotary_sin)
+        if not self.post_process:
+            return hidden
+        weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
+        logits = self._mask_padded_vocab(self.output_layer(hidden, weight=weight))  # [s, b, V/tp]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        return vocab_parallel_cross_entropy(logits, labels.transpose(0, 1)).transpose(0, 1).contiguous()

@@ -1,0 +1,134 @@
+"""Global gradient norm, clipping, zero counting and overflow detection across model-parallel ranks.
+
+Which gradients count in the norm (each distinct gradient exactly once over the model replica):
+
+* tensor-parallel duplicates: a parameter with ``tensor_model_parallel`` False is replicated on
+  every TP rank, so it counts only on TP rank 0;
+* the tied embedding copy on the last pipeline stage (``param.shared``, or
+  ``param.shared_embedding`` on a stage other than the first) is not counted: its gradient equals
+  the first stage's after the embedding all-reduce.
+
+Communication: ``||g||^2`` (and the zero count) are summed with one all-reduce over the
+model-parallel group (TP x PP); with expert parallelism (EP > 1) the expert parameters'
+(``allreduce`` False) part is summed over the expert-model-parallel group (TP x EP x PP) by a
+second all-reduce.  Overflow flags are MAX-reduced over the model-parallel group (the world
+with EP > 1, so that ranks sharing dense parameters always take the same decision).
+
+Clipping (as torch.nn.utils.clip_grad_norm_ and Megatron): ``g *= max_norm / (norm + 1e-6)``
+when that factor is < 1.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megalm import parallel_state
+from megalm.device import get_device
+from megalm.distributed import comm
+
+
+def _initialized() -> bool:
+    return parallel_state.model_parallel_is_initialized()
+
+
+def param_is_not_shared(param: torch.Tensor) -> bool:
+    if getattr(param, "shared", False):
+        return False
+    if getattr(param, "shared_embedding", False):
+        return parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+    return True
+
+
+def param_is_not_tensor_parallel_duplicate(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "tensor_model_parallel", False)) or \
+        parallel_state.get_tensor_model_parallel_rank() == 0
+
+
+def param_counts_in_norm(param: torch.Tensor) -> bool:
+    return param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param)
+
+
+def is_expert_param(param: torch.Tensor) -> bool:
+    return getattr(param, "allreduce", True) is False
+
+
+def _expert_parallel() -> bool:
+    return _initialized() and parallel_state.get_expert_model_parallel_world_size() > 1
+
+
+def _model_parallel_group():
+    if not _initialized() or parallel_state.get_model_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_model_parallel_group()
+
+
+def _expert_model_parallel_group():
+    getter = getattr(parallel_state, "get_expert_tensor_model_pipeline_parallel_group", None)
+    if getter is not None:
+        return getter()
+    return parallel_state._state().groups["expert_model"]  # noqa: SLF001 - no public getter yet
+
+
+def _all_reduce(t: torch.Tensor, op, group, kind: str) -> None:
+    """All-reduce unless ``group`` is None (no model parallelism: nothing to reduce)."""
+    if group is not None:
+        comm.all_reduce(t, op=op, group=group, kind=kind)
+
+
+def _sum_squares_and_zeros(grads: Sequence[torch.Tensor], count_zeros: bool) -> torch.Tensor:
+    """``[sum ||g||^2, zeros]`` as a 2-element fp32 tensor (zeros 0 unless counted)."""
+    out = torch.zeros(2, dtype=torch.float32, device=grads[0].device if grads else get_device())
+    if grads:
+        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
+        out[0] = torch.stack(norms).pow(2).sum()
+        if count_zeros:
+            out[1] = sum((g == 0).sum() for g in grads).float()
+    return out
+
+
+def grad_norm_and_zeros(grads_with_params: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+                        count_zeros: bool = False) -> Tuple[float, Optional[float]]:
+    """Global L2 norm of the gradients (and number of zero entries) over model-parallel ranks.
+
+    ``grads_with_params``: ``(grad, model_param)`` pairs; the model parameter's attributes
+    decide whether the gradient counts (see the module docstring).
+    """
+    counted = [(g, p) for g, p in grads_with_params if g is not None and param_counts_in_norm(p)]
+    split_expert = _expert_parallel()
+    dense = [g for g, p in counted if not (split_expert and is_expert_param(p))]
+    stats = _sum_squares_and_zeros(dense, count_zeros)
+    _all_reduce(stats, dist.ReduceOp.SUM, _model_parallel_group(), "grad_norm_all_reduce")
+    if split_expert:
+        expert = [g for g, p in counted if is_expert_param(p)]
+        e_stats = _sum_squares_and_zeros(expert, count_zeros).to(stats.device)
+        _all_reduce(e_stats, dist.ReduceOp.SUM, _expert_model_parallel_group(), "grad_norm_all_reduce")
+        stats = stats + e_stats
+    norm = math.sqrt(stats[0].item()) if stats[0].item() >= 0 else float("nan")
+    return norm, (stats[1].item() if count_zeros else None)
+
+
+def clip_grads_by_total_norm(grads: List[torch.Tensor], max_norm: float, total_norm: float) -> float:
+    """Scale ``grads`` in place by ``max_norm / (total_norm + 1e-6)`` when < 1; return the factor."""
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, coeff)
+    return min(coeff, 1.0)
+
+
+def unscale_and_check_for_inf(grads: List[torch.Tensor], inv_scale: float) -> bool:
+    """Multiply ``grads`` by ``inv_scale`` in place; True when any rank saw inf/nan.
+
+    Communication: one MAX all-reduce of a flag over the model-parallel group (world with EP > 1).
+    """
+    device = grads[0].device if grads else get_device()
+    found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+    if grads:
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            grads, found_inf, torch.full((1,), inv_scale, dtype=torch.float32, device=device))
+    group = (dist.group.WORLD if _expert_parallel() else _model_parallel_group())
+    _all_reduce(found_inf, dist.ReduceOp.MAX, group, "found_inf_all_reduce")
+    return bool(found_inf.item() > 0)

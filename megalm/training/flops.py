@@ -1,0 +1,155 @@
+"""Model FLOPs per iteration (Megatron's accounting), device peak FLOP/s, and MFU.
+
+Model FLOPs (activation recomputation excluded; causal attention counted fully), for ``B``
+sequences of length ``s``, ``L`` layers, hidden ``h``, ``n`` heads of size ``d`` (query
+projection ``n d``), ``g`` key/value groups, MLP width ``f``, padded vocabulary ``V``::
+
+    FLOPs = 12 B s L h^2 [ (1 + g/n + s/h) (n d / h)       # QKV + output projections, QK^T and AV
+                           + (f/h) k c                      # MLP: c = 3/2 with SwiGLU (3 matrices)
+                           + f_shared/h c                   # MoE shared experts (0 for dense)
+                           + V / (2 L h) ]                  # logits
+
+``12 = 3 (forward, weight grad, input grad) x 2 (two GEMMs of each size) x 2 (multiply-add)``;
+``k`` is the number of experts each token is routed to (1 for a dense MLP).  Dense GPT without
+GQA and ``f = 4h`` reduces to ``72 B s L h^2 (1 + s/(6h) + V/(12 L h))``.
+
+MoE hook: :func:`transformer_flops` takes ``moe_router_topk``, ``moe_ffn_hidden_size``,
+``num_moe_layers`` and ``shared_expert_ffn_hidden_size``; :func:`num_floating_point_operations`
+reads them from the model config when such fields exist (``num_experts``, ``moe_router_topk``,
+``moe_ffn_hidden_size``, ``moe_layer_freq``, ``moe_shared_expert_intermediate_size``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional, Tuple
+
+import torch
+
+# Dense peak FLOP/s per device (no sparsity).  "fp32" is the non-tensor-core rate, "tf32" the
+# tensor-core rate used by fp32 matmuls when torch allows TF32.
+DEVICE_PEAK_FLOPS = {
+    "H100 SXM": {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 494.5e12, "fp32": 66.9e12},
+    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "fp8": 1513e12, "tf32": 378e12, "fp32": 51.2e12},
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 494.5e12, "fp32": 66.9e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
+}
+
+_DTYPE_KEY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def transformer_flops(batch_size: float, seq_length: int, num_layers: int, hidden_size: int,
+                      num_attention_heads: int, ffn_hidden_size: int, vocab_size: int,
+                      num_query_groups: Optional[int] = None, kv_channels: Optional[int] = None,
+                      swiglu: bool = False, moe_router_topk: int = 1, moe_ffn_hidden_size: Optional[int] = None,
+                      num_moe_layers: int = 0, shared_expert_ffn_hidden_size: int = 0) -> float:
+    """Model FLOPs of one iteration over ``batch_size`` sequences (see the module docstring)."""
+    h, L, s = float(hidden_size), num_layers, float(seq_length)
+    heads = num_attention_heads
+    groups = num_query_groups or heads
+    head_dim = kv_channels or hidden_size // heads
+    gated = 1.5 if swiglu else 1.0
+    attention = (1.0 + groups / heads + s / h) * (heads * head_dim / h)
+    dense_layers = L - num_moe_layers
+    moe_ffn = moe_ffn_hidden_size or ffn_hidden_size
+    mlp_total = (dense_layers * ffn_hidden_size + num_moe_layers * (moe_router_topk * moe_ffn
+                                                                   + shared_expert_ffn_hidden_size)) * gated / h
+    mlp = mlp_total / L  # mean per layer
+    logits = vocab_size / (2.0 * L * h)
+    return 12.0 * batch_size * s * L * h * h * (attention + mlp + logits)
+
+
+def num_floating_point_operations(cfg, batch_size: float) -> float:
+    """Model FLOPs per iteration for ``batch_size`` sequences from a MegalmConfig or ModelConfig."""
+    m = getattr(cfg, "model", cfg)
+    vocab = m.padded_vocab_size or m.vocab_size
+    if vocab is None:
+        raise ValueError("num_floating_point_operations needs the vocabulary size (set_vocab_size first)")
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    num_experts = getattr(m, "num_experts", None)
+    num_moe_layers, topk, moe_ffn, shared = 0, 1, None, 0
+    if num_experts:
+        freq = getattr(m, "moe_layer_freq", 1) or 1
+        num_moe_layers = len([i for i in range(m.num_layers) if i % int(freq) == 0]) if isinstance(freq, int) \
+            else int(sum(freq))
+        topk = getattr(m, "moe_router_topk", 1) or 1
+        moe_ffn = getattr(m, "moe_ffn_hidden_size", None)
+        shared = getattr(m, "moe_shared_expert_intermediate_size", None) or 0
+    return transformer_flops(batch_size, m.seq_length, m.num_layers, m.hidden_size, m.num_attention_heads, ffn,
+                             vocab, num_query_groups=m.num_query_groups if m.group_query_attention else None,
+                             kv_channels=m.kv_channels, swiglu=m.swiglu, moe_router_topk=topk,
+                             moe_ffn_hidden_size=moe_ffn, num_moe_layers=num_moe_layers,
+                             shared_expert_ffn_hidden_size=shared)
+
+
+# --- device peaks ---------------------------------------------------------------------------------
+
+def _table_entry(device_name: str) -> Optional[dict]:
+    name = device_name.upper()
+    if "H200" in name:
+        return DEVICE_PEAK_FLOPS["H200"]
+    if "H100" in name:
+        return DEVICE_PEAK_FLOPS["H100 PCIe" if "PCIE" in name else "H100 SXM"]
+    if "A100" in name:
+        return DEVICE_PEAK_FLOPS["A100"]
+    return None
+
+
+def _dtype_key(dtype: torch.dtype) -> str:
+    key = _DTYPE_KEY.get(dtype, "fp32")
+    if key == "fp32" and torch.cuda.is_available() and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return key
+
+
+_MEASURED: dict = {}
+
+
+def measure_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 5,
+                         device: Optional[torch.device] = None) -> float:
+    """Best FLOP/s of ``repeats`` timed ``n x n @ n x n`` matmuls (after one warm-up); cached."""
+    device = device or torch.device("cpu")
+    key = (dtype, n, str(device), torch.get_num_threads())
+    if key not in _MEASURED:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        torch.matmul(a, b)
+        best = float("inf")
+        for _ in range(repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            torch.matmul(a, b)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        _MEASURED[key] = 2.0 * n ** 3 / best
+    return _MEASURED[key]
+
+
+def device_peak_flops(dtype: torch.dtype = torch.bfloat16, override: Optional[float] = None,
+                      device: Optional[torch.device] = None) -> Tuple[float, str]:
+    """``(peak FLOP/s per device, source)``; source is ``"override"``, ``"table: <name> <dtype>"``
+    or ``"measured: <n>^3 matmul"`` (CPU, or a GPU not in the table)."""
+    if override:
+        return float(override), "override"
+    device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                        else torch.device("cpu"))
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        entry = _table_entry(name)
+        key = _dtype_key(dtype)
+        if entry is not None and key in entry:
+            return entry[key], f"table: {name} {key}"
+    n = 1024
+    return measure_matmul_flops(dtype, n=n, device=device), f"measured: {n}^3 {_DTYPE_KEY.get(dtype, dtype)} matmul"
+
+
+def tflops_per_rank(flops_per_iteration: float, iteration_time_s: float, world_size: int) -> float:
+    """Achieved model TFLOP/s per rank (Megatron's 'throughput per GPU')."""
+    return flops_per_iteration / (iteration_time_s * world_size * 1e12)
+
+
+def mfu(flops_per_iteration: float, iteration_time_s: float, world_size: int, peak_flops: float) -> float:
+    """Model FLOPs utilization: achieved FLOP/s per rank / peak FLOP/s per device."""
+    return flops_per_iteration / (iteration_time_s * world_size) / peak_flops

@@ -1,0 +1,49 @@
+"""Start-up: process groups, layout, seeds.  Called once by :func:`megalm.training.pretrain`."""
+
+from __future__ import annotations
+
+import random
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megalm import parallel_state
+from megalm.config import MegalmConfig
+from megalm.device import initialize_distributed
+
+
+def initialize_megalm(cfg: MegalmConfig) -> None:
+    """Initialize torch.distributed (from torchrun's env) and the parallel layout, then seed."""
+    timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
+    initialize_distributed(timeout=timeout)
+    p = cfg.parallel
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=p.tensor_model_parallel_size,
+            pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+            context_parallel_size=p.context_parallel_size,
+            expert_model_parallel_size=p.expert_model_parallel_size,
+            timeout=timeout)
+    set_random_seed(cfg.training.seed)
+
+
+def set_random_seed(seed: int) -> None:
+    """Seed python/numpy/torch (offset per pipeline stage, as Megatron) and the TP RNG tracker."""
+    from megalm.tensor_parallel.random import model_parallel_manual_seed
+
+    stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    model_parallel_manual_seed(stage_seed)
+
+
+def world_size_from_env() -> int:
+    import os
+
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))

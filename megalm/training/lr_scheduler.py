@@ -1,0 +1,163 @@
+"""Learning-rate schedule (Megatron's OptimizerParamScheduler), counted in samples.
+
+With ``n`` = samples consumed so far (``num_steps``), ``W`` warm-up steps, ``D`` decay steps,
+``lr0`` = ``--lr-warmup-init``, ``M`` = ``--lr``, ``m`` = ``--min-lr``:
+
+* warm-up, ``W > 0`` and ``n <= W``:  ``lr0 + (M - lr0) n / W``
+* ``constant``:                       ``M``
+* ``n > D``:                          ``m``
+* ``inverse-square-root``:            ``max(m, M sqrt(max(W, 1)) / sqrt(max(n, 1)))``
+* otherwise, with ``r = (n - W) / (D - W)``: ``m + c (M - m)`` where ``c`` is
+  ``linear`` ``1 - r``; ``cosine`` ``(1 + cos(pi r)) / 2``; ``WSD``: 1 until ``D - S`` (``S`` =
+  WSD decay steps), then with ``q = (n - (D - S)) / S``: ``exponential`` ``2 * 0.5**q - 1``,
+  ``linear`` ``1 - q``, ``cosine`` ``(1 + cos(pi q)) / 2``.
+
+``from_config`` converts iterations to samples as Megatron does (x global batch size);
+``--lr-warmup-fraction`` is a fraction of the decay steps.  The trainer calls
+``step(increment=global_batch_size)`` after every *successful* optimizer step.  Each param
+group's lr is the schedule's value times its ``lr_mult`` (default 1).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine")
+
+
+class OptimizerParamScheduler:
+    def __init__(self, optimizer, init_lr: float, max_lr: float, min_lr: float, lr_warmup_steps: float,
+                 lr_decay_steps: float, lr_decay_style: str, wsd_decay_steps: Optional[float] = None,
+                 lr_wsd_decay_style: str = "exponential", override_opt_param_scheduler: bool = False,
+                 use_checkpoint_opt_param_scheduler: bool = False):
+        self.optimizer = optimizer
+        self.init_lr, self.max_lr, self.min_lr = float(init_lr), float(max_lr), float(min_lr)
+        self.lr_warmup_steps = lr_warmup_steps
+        self.lr_decay_steps = lr_decay_steps
+        self.lr_decay_style = lr_decay_style
+        self.wsd_decay_steps = wsd_decay_steps
+        self.lr_wsd_decay_style = lr_wsd_decay_style
+        self.override_opt_param_scheduler = override_opt_param_scheduler
+        self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
+        if override_opt_param_scheduler and use_checkpoint_opt_param_scheduler:
+            raise ValueError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler "
+                             "are mutually exclusive")
+        self._validate()
+        self.num_steps = 0
+        self.step(0)
+
+    def _validate(self) -> None:
+        if self.lr_decay_style not in DECAY_STYLES:
+            raise ValueError(f"--lr-decay-style {self.lr_decay_style!r} is not one of {DECAY_STYLES}")
+        if not 0.0 <= self.min_lr <= self.max_lr:
+            raise ValueError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.max_lr})")
+        if self.init_lr > self.max_lr:
+            raise ValueError(f"--lr-warmup-init {self.init_lr} is larger than --lr {self.max_lr}")
+        if not self.lr_decay_steps or self.lr_decay_steps <= 0:
+            raise ValueError(f"lr decay steps must be positive, got {self.lr_decay_steps}")
+        if self.lr_decay_style != "constant" and self.lr_warmup_steps >= self.lr_decay_steps:
+            raise ValueError(f"lr warm-up ({self.lr_warmup_steps} samples) must be shorter than the decay "
+                             f"({self.lr_decay_steps} samples): check --lr-warmup-* and --lr-decay-iters")
+        if self.lr_decay_style == "WSD":
+            if self.lr_wsd_decay_style not in WSD_DECAY_STYLES:
+                raise ValueError(f"--lr-wsd-decay-style {self.lr_wsd_decay_style!r} is not one of {WSD_DECAY_STYLES}")
+            if not self.wsd_decay_steps or not 0 < self.wsd_decay_steps <= self.lr_decay_steps:
+                raise ValueError(f"--lr-decay-style WSD needs --lr-wsd-decay-iters in (0, decay iters]; "
+                                 f"got {self.wsd_decay_steps} of {self.lr_decay_steps} samples")
+
+    @classmethod
+    def from_config(cls, cfg, optimizer) -> "OptimizerParamScheduler":
+        """Build from a :class:`megalm.config.MegalmConfig` (global batch size must be set)."""
+        t = cfg.training
+        gbs = t.global_batch_size
+        if gbs is None:
+            raise ValueError("global batch size is unknown: validate the config with the world size first")
+        extra = lambda name: getattr(t, name, None)  # noqa: E731 - optional sample-based flags
+        if t.train_iters is not None:
+            decay = (t.lr_decay_iters or t.train_iters) * gbs
+            warmup = t.lr_warmup_iters * gbs
+            wsd = t.lr_wsd_decay_iters * gbs if t.lr_wsd_decay_iters else None
+        elif t.train_samples is not None:
+            decay = extra("lr_decay_samples") or (t.lr_decay_iters * gbs if t.lr_decay_iters else t.train_samples)
+            warmup = extra("lr_warmup_samples") or t.lr_warmup_iters * gbs
+            wsd = extra("lr_wsd_decay_samples") or (t.lr_wsd_decay_iters * gbs if t.lr_wsd_decay_iters else None)
+        elif getattr(t, "skip_train", False):  # evaluation only: the schedule is never stepped
+            decay, warmup, wsd = 1, 0, None
+        else:
+            raise ValueError("the learning-rate schedule needs --train-iters or --train-samples")
+        if t.lr_warmup_fraction is not None:
+            warmup = t.lr_warmup_fraction * decay
+        return cls(optimizer, init_lr=t.lr_warmup_init, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=warmup,
+                   lr_decay_steps=decay, lr_decay_style=t.lr_decay_style, wsd_decay_steps=wsd,
+                   lr_wsd_decay_style=t.lr_wsd_decay_style,
+                   override_opt_param_scheduler=bool(extra("override_opt_param_scheduler")),
+                   use_checkpoint_opt_param_scheduler=bool(extra("use_checkpoint_opt_param_scheduler")))
+
+    # --- the schedule ----------------------------------------------------------------------
+    def get_lr(self, param_group: Optional[dict] = None) -> float:
+        """Learning rate at ``num_steps`` (before the group's ``lr_mult``)."""
+        max_lr = (param_group or {}).get("max_lr", self.max_lr)
+        min_lr = (param_group or {}).get("min_lr", self.min_lr)
+        n, warmup, decay = self.num_steps, self.lr_warmup_steps, self.lr_decay_steps
+        if warmup > 0 and n <= warmup:
+            return self.init_lr + (max_lr - self.init_lr) * float(n) / float(warmup)
+        if self.lr_decay_style == "constant":
+            return max_lr
+        if n > decay:
+            return min_lr
+        if self.lr_decay_style == "inverse-square-root":
+            return max(min_lr, max_lr * math.sqrt(max(warmup, 1)) / math.sqrt(max(n, 1)))
+        ratio = float(n - warmup) / float(decay - warmup)
+        if self.lr_decay_style == "linear":
+            coeff = 1.0 - ratio
+        elif self.lr_decay_style == "cosine":
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        else:
+            coeff = self._wsd_coeff(n)
+        return min_lr + coeff * (max_lr - min_lr)
+
+    def _wsd_coeff(self, n: float) -> float:
+        anneal_start = self.lr_decay_steps - self.wsd_decay_steps
+        if n <= anneal_start:
+            return 1.0
+        q = float(n - anneal_start) / float(self.wsd_decay_steps)
+        if self.lr_wsd_decay_style == "linear":
+            return 1.0 - q
+        if self.lr_wsd_decay_style == "cosine":
+            return 0.5 * (math.cos(math.pi * q) + 1.0)
+        return 2.0 * math.pow(0.5, q) - 1.0
+
+    def step(self, increment: int) -> float:
+        """Advance by ``increment`` samples and set every param group's lr; returns the base lr."""
+        self.num_steps += increment
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.get_lr(group) * group.get("lr_mult", 1.0)
+        return self.get_lr()
+
+    # --- checkpointing -------------------------------------------------------------------
+    _CHECKED = ("max_lr", "min_lr", "init_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style",
+                "wsd_decay_steps", "lr_wsd_decay_style")
+
+    def state_dict(self) -> dict:
+        """JSON-serializable: the schedule's settings and ``num_steps``."""
+        return {"num_steps": self.num_steps, **{k: getattr(self, k) for k in self._CHECKED}}
+
+    def _check_and_set(self, name: str, cls_value, sd_value):
+        if self.override_opt_param_scheduler or sd_value is None:
+            return cls_value
+        if not self.use_checkpoint_opt_param_scheduler and cls_value != sd_value:
+            raise ValueError(
+                f"OptimizerParamScheduler: {name} is {cls_value} on the command line but {sd_value} in the "
+                f"checkpoint; pass --override-opt-param-scheduler to use the command line or "
+                f"--use-checkpoint-opt-param-scheduler to use the checkpoint")
+        return sd_value
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore ``num_steps`` (and, per the two flags, the settings); re-applies the lr."""
+        for name in self._CHECKED:
+            setattr(self, name, self._check_and_set(name, getattr(self, name), state_dict.get(name)))
+        self._validate()
+        self.num_steps = 0
+        self.step(state_dict["num_steps"])

@@ -1,0 +1,66 @@
+"""Peak memory per rank: CUDA allocator peaks on GPU, peak resident set size on CPU.
+
+On CPU the number is the whole process's peak RSS (``resource.getrusage``: kilobytes on Linux,
+bytes on macOS) and cannot be reset; on GPU it is ``torch.cuda.max_memory_allocated`` (tensors)
+and ``max_memory_reserved`` (allocator cache), resettable with :func:`reset_peak_memory`.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+MB = 1024 * 1024
+
+
+def _cpu_peak_rss_bytes() -> int:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def peak_memory(device: Optional[torch.device] = None) -> Dict[str, object]:
+    """``{"kind", "peak_bytes", ...}`` for this rank: ``cuda`` (allocated and reserved peaks) or
+    ``cpu_rss`` (peak resident set size of the process)."""
+    device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                        else torch.device("cpu"))
+    if device.type == "cuda":
+        return {"kind": "cuda", "peak_bytes": int(torch.cuda.max_memory_allocated(device)),
+                "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+                "current_bytes": int(torch.cuda.memory_allocated(device))}
+    return {"kind": "cpu_rss", "peak_bytes": _cpu_peak_rss_bytes()}
+
+
+def peak_memory_bytes(device: Optional[torch.device] = None) -> int:
+    return int(peak_memory(device)["peak_bytes"])
+
+
+def reset_peak_memory(device: Optional[torch.device] = None) -> None:
+    """Reset CUDA peak statistics (no-op on CPU, where the OS keeps the peak RSS)."""
+    if torch.cuda.is_available() and (device is None or device.type == "cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def memory_report(rank: Optional[int] = None, device: Optional[torch.device] = None) -> str:
+    """One line, e.g. ``[rank 0] memory (MB) | max allocated: 1234.5 | max reserved: 1500.0``."""
+    rank = dist.get_rank() if rank is None and dist.is_initialized() else (rank or 0)
+    m = peak_memory(device)
+    if m["kind"] == "cuda":
+        return (f"[rank {rank}] memory (MB) | allocated: {m['current_bytes'] / MB:.1f} | max allocated: "
+                f"{m['peak_bytes'] / MB:.1f} | max reserved: {m['peak_reserved_bytes'] / MB:.1f}")
+    return f"[rank {rank}] memory (MB) | peak RSS (process): {m['peak_bytes'] / MB:.1f}"
+
+
+def gather_peak_memory(group=None) -> List[int]:
+    """Peak bytes of every rank of ``group`` (collective: one all-gather of an int64)."""
+    local = torch.tensor([peak_memory_bytes()], dtype=torch.int64)
+    if not dist.is_initialized():
+        return [int(local.item())]
+    if torch.cuda.is_available() and dist.get_backend(group) == "nccl":
+        local = local.cuda()
+    out = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=local.device)
+    dist.all_gather_into_tensor(out, local, group=group)
+    return [int(v) for v in out.cpu()]

@@ -1,0 +1,451 @@
+"""The training loop: ``pretrain(...)`` as in Megatron-LM, in readable pieces.
+
+Per iteration: zero the gradient buffers, run the schedule over the microbatches (backward
+of all but the last microbatch without communication), finalize gradients (data-parallel
+bucket reduction, sequence-parallel and tied-embedding reductions), optimizer step (loss
+scale check, clipping), learning-rate step, logging, evaluation, checkpoint, exit checks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megalm import checkpointing, parallel_state
+from megalm.config import MegalmConfig, parse_config, set_vocab_size
+from megalm.device import get_device
+from megalm.pipeline_parallel import get_forward_backward_func
+from megalm.training.initialize import initialize_megalm, world_size_from_env
+from megalm.training.microbatches import MicrobatchCalculator
+from megalm.training.signals import ExitSignalHandler
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
+    start_time: float = field(default_factory=time.time)
+
+
+def print_rank_0(*args) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def print_rank_last(*args) -> None:
+    if not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1:
+        print(*args, flush=True)
+
+
+def is_logging_rank() -> bool:
+    """The rank that reports losses: last pipeline stage, TP rank 0, DP rank 0 (the world's last rank ... or first)."""
+    return (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+            and parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_data_parallel_rank() == 0)
+
+
+# --- building ----------------------------------------------------------------------------
+
+def build_model_chunks(cfg: MegalmConfig, model_provider: Callable) -> List[torch.nn.Module]:
+    """One model chunk per virtual pipeline stage of this rank, cast and moved to the device."""
+    from megalm.models.layer_split import layers_for_stage
+
+    vpp = cfg.parallel.virtual_pipeline_model_parallel_size or 1
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    chunks = []
+    for v in range(vpp):
+        if cfg.parallel.virtual_pipeline_model_parallel_size:
+            parallel_state.set_virtual_pipeline_model_parallel_rank(v)
+        model = model_provider(cfg, pre_process=parallel_state.is_pipeline_first_stage(),
+                               post_process=parallel_state.is_pipeline_last_stage(),
+                               layer_numbers=layers_for_stage(cfg, pp_rank, v))
+        chunks.append(model)
+    if cfg.parallel.virtual_pipeline_model_parallel_size:
+        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+    dtype = torch.bfloat16 if cfg.training.bf16 else torch.float16 if cfg.training.fp16 else torch.float32
+    device = get_device()
+    return [m.to(device=device, dtype=dtype) for m in chunks]
+
+
+def wrap_data_parallel(cfg: MegalmConfig, chunks: Sequence[torch.nn.Module]) -> List[torch.nn.Module]:
+    from megalm.distributed.data_parallel import DistributedDataParallel
+
+    return [DistributedDataParallel(chunk, cfg.parallel) for chunk in chunks]
+
+
+def count_parameters(chunks: Sequence[torch.nn.Module]) -> int:
+    return sum(p.numel() for c in chunks for p in c.parameters())
+
+
+# --- one iteration -----------------------------------------------------------------------
+
+def train_step(cfg: MegalmConfig, forward_step_func: Callable, data_iterator, model: List[torch.nn.Module],
+               optimizer, scheduler, num_microbatches: int) -> Dict[str, object]:
+    from megalm.distributed.finalize_model_grads import finalize_model_grads
+
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    forward_backward = get_forward_backward_func()
+    reported = forward_backward(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                                num_microbatches=num_microbatches, forward_only=False,
+                                loss_scale=optimizer.scale_loss, seq_length=cfg.model.seq_length,
+                                micro_batch_size=cfg.training.micro_batch_size, config=cfg)
+    finalize_model_grads(model)
+    update_successful, grad_norm, num_zeros = optimizer.step()
+    return {"reported": average_reported(reported), "update_successful": update_successful,
+            "grad_norm": grad_norm}
+
+
+def average_reported(reported: List[Dict]) -> Dict[str, float]:
+    """Mean over microbatches, then over data-parallel ranks (one all-reduce)."""
+    if not reported:
+        return {}
+    keys = sorted(reported[0])
+    local = torch.tensor([[float(r[k]) for k in keys] for r in reported], dtype=torch.float64).mean(0)
+    if parallel_state.get_data_parallel_world_size() > 1:
+        local = local.to(get_device())
+        dist.all_reduce(local, group=parallel_state.get_data_parallel_group())
+        local = local.cpu() / parallel_state.get_data_parallel_world_size()
+    return {k: float(v) for k, v in zip(keys, local)}
+
+
+def evaluate(cfg: MegalmConfig, forward_step_func: Callable, data_iterator, model: List[torch.nn.Module],
+             eval_iters: int, num_microbatches: int) -> Dict[str, float]:
+    """Forward-only over ``eval_iters`` global batches; mean of each reported value."""
+    for chunk in model:
+        chunk.eval()
+    forward_backward = get_forward_backward_func()
+    totals: Dict[str, float] = {}
+    with torch.no_grad():
+        for _ in range(eval_iters):
+            reported = forward_backward(forward_step_func=forward_step_func, data_iterator=data_iterator,
+                                        model=model, num_microbatches=num_microbatches, forward_only=True,
+                                        seq_length=cfg.model.seq_length,
+                                        micro_batch_size=cfg.training.micro_batch_size, config=cfg)
+            for k, v in average_reported(reported).items():
+                totals[k] = totals.get(k, 0.0) + v / eval_iters
+    for chunk in model:
+        chunk.train()
+    return totals
+
+
+# --- the loop ----------------------------------------------------------------------------
+
+def pretrain(model_provider: Callable, forward_step_func: Callable, argv: Optional[Sequence[str]] = None,
+             cfg: Optional[MegalmConfig] = None, extra_validation: Optional[Callable] = None) -> TrainState:
+    """Megatron-LM's ``pretrain``: parse flags, build everything, train, evaluate, save.
+
+    ``model_provider(cfg, pre_process, post_process, layer_numbers) -> nn.Module`` and
+    ``forward_step_func(data_iterator, model) -> (output, loss_func)``.
+    """
+    if cfg is None:
+        cfg = parse_config(list(argv) if argv is not None else None, world_size=world_size_from_env())
+    if extra_validation is not None:
+        extra_validation(cfg)
+    run = Trainer(cfg, model_provider, forward_step_func)
+    return run.run()
+
+
+class Trainer:
+    """Holds what one run builds; ``run()`` trains.  Kept small: each step is a method."""
+
+    def __init__(self, cfg: MegalmConfig, model_provider: Callable, forward_step_func: Callable):
+        self.cfg = cfg
+        self.model_provider = model_provider
+        self.forward_step_func = forward_step_func
+        self.state = TrainState()
+
+    # -- set-up --
+    def setup(self) -> None:
+        from megalm.optimizer import build_optimizer
+        from megalm.training.lr_scheduler import OptimizerParamScheduler
+        from megalm.training.metrics import MetricsWriter
+
+        cfg = self.cfg
+        self._check_before_start()
+        initialize_megalm(cfg)
+        get_forward_backward_func()  # fail early if the layout's schedule is not available
+        self.tokenizer = self._build_tokenizer()
+        chunks = build_model_chunks(cfg, self.model_provider)
+        self.model = wrap_data_parallel(cfg, chunks)
+        self.optimizer = build_optimizer(cfg, self.model)
+        self.scheduler = OptimizerParamScheduler.from_config(cfg, self.optimizer)
+        t = cfg.training
+        self.microbatches = MicrobatchCalculator(t.global_batch_size, t.micro_batch_size,
+                                                 parallel_state.get_data_parallel_world_size(), t.rampup_batch_size)
+        self.train_iters = self._train_iters()
+        loaded = self._load() if cfg.checkpoint.load else None
+        self.microbatches.update(self.state.consumed_train_samples)
+        self.metrics = MetricsWriter(cfg, enabled=is_logging_rank())
+        self._build_data()
+        if loaded is not None and not (cfg.checkpoint.no_load_rng or cfg.checkpoint.finetune):
+            # Last: building data loaders draws from the torch RNG.
+            checkpointing.load_rng_state(loaded["path"], loaded)
+        self.signal_handler = ExitSignalHandler() if t.exit_signal_handler else None
+        n_params = count_parameters(chunks)
+        print_rank_0(f"[megalm] world {dist.get_world_size()} | tp {cfg.parallel.tensor_model_parallel_size} "
+                     f"pp {cfg.parallel.pipeline_model_parallel_size} dp {parallel_state.get_data_parallel_world_size()} "
+                     f"| parameters on rank 0: {n_params:,} | train iters {self.train_iters}")
+
+    def _check_before_start(self) -> None:
+        cfg = self.cfg
+        if cfg.training.train_iters is None and cfg.training.train_samples is None and not cfg.training.skip_train:
+            raise SystemExit("error: give --train-iters or --train-samples")
+        d = cfg.data
+        if not (d.mock_data or d.data_path or d.train_data_path):
+            raise SystemExit("error: no training data: give --data-path PREFIX (or --train-data-path, or --mock-data)")
+        if cfg.checkpoint.load and not os.path.isdir(cfg.checkpoint.load):
+            raise SystemExit(f"error: --load directory {cfg.checkpoint.load} does not exist")
+        p = cfg.parallel
+        not_yet = [(p.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size > 1 (pipeline parallelism)"),
+                   (p.use_distributed_optimizer, "--use-distributed-optimizer"),
+                   (p.overlap_param_gather, "--overlap-param-gather"),
+                   (p.expert_model_parallel_size > 1, "--expert-model-parallel-size > 1 (mixture of experts)"),
+                   (cfg.model.transformer_impl != "local", "--transformer-impl transformer_engine"),
+                   (p.variable_seq_lengths, "--variable-seq-lengths")]
+        for asked, flag in not_yet:
+            if asked:
+                raise SystemExit(f"error: {flag} is not implemented in megalm yet")
+
+    def _build_tokenizer(self):
+        from megalm.tokenizers import build_tokenizer
+
+        cfg = self.cfg
+        if cfg.data.tokenizer_type is None:
+            if cfg.model.vocab_size is None:
+                raise SystemExit("error: give --tokenizer-type (and --tokenizer-model), or --vocab-size for --mock-data")
+            cfg.data.tokenizer_type = "NullTokenizer"
+        tokenizer = build_tokenizer(cfg.data, cfg.model)
+        set_vocab_size(cfg, tokenizer.vocab_size)
+        return tokenizer
+
+    def _train_iters(self) -> int:
+        t = self.cfg.training
+        if t.train_iters is not None:
+            return t.train_iters
+        if t.train_samples is None:
+            return 0
+        # Walk the ramp-up to count iterations.
+        calc = MicrobatchCalculator(t.global_batch_size, t.micro_batch_size,
+                                    parallel_state.get_data_parallel_world_size(), t.rampup_batch_size)
+        iters, consumed = 0, 0
+        while consumed < t.train_samples:
+            calc.update(consumed)
+            consumed += calc.current_global_batch_size
+            iters += 1
+        return iters
+
+    def _build_data(self) -> None:
+        from megalm.data import build_train_valid_test_data_iterators
+
+        cfg = self.cfg
+        if cfg.training.train_iters is None:
+            cfg.training.train_iters = self.train_iters
+        self.do_valid = cfg.training.eval_iters > 0 and self._split_exists(1)
+        self.do_test = cfg.training.eval_iters > 0 and self._split_exists(2)
+        self.train_iter, self.valid_iter, self.test_iter = build_train_valid_test_data_iterators(
+            cfg, self.tokenizer, self.state.consumed_train_samples, self.state.consumed_valid_samples)
+
+    def _load(self) -> None:
+        c = self.cfg.checkpoint
+        try:
+            common = checkpointing.load_checkpoint(
+                c.load, self.model, self.optimizer, self.scheduler, load_optim=not c.no_load_optim,
+                load_rng=False, finetune=c.finetune, iteration=c.ckpt_step)
+        except checkpointing.CheckpointError as e:
+            raise SystemExit(f"error: {e}") from None
+        self.state.iteration = common["iteration"]
+        self.state.consumed_train_samples = common["consumed_train_samples"]
+        self.state.consumed_valid_samples = common["consumed_valid_samples"]
+        print_rank_0(f"[megalm] loaded checkpoint from {c.load} at iteration {self.state.iteration}")
+        return common
+
+    # -- the loop --
+    def run(self) -> TrainState:
+        self.setup()
+        cfg, state = self.cfg, self.state
+        try:
+            if not cfg.training.skip_train and state.iteration < self.train_iters:
+                self.train()
+            if self.do_valid:
+                self.evaluate_and_log("validation", self.valid_iter)
+            if self.do_test:
+                self.evaluate_and_log("test", self.test_iter)
+        finally:
+            self.metrics.close()
+        return state
+
+    def _split_exists(self, index: int) -> bool:
+        """Whether split ``index`` (0 train, 1 valid, 2 test) has data; the same answer on every rank."""
+        d = self.cfg.data
+        if d.mock_data:
+            return True
+        if d.data_path:
+            parts = [float(x) for x in d.split.replace("/", ",").split(",") if x.strip()] + [0.0, 0.0]
+            return parts[index] > 0
+        return bool([d.train_data_path, d.valid_data_path, d.test_data_path][index])
+
+    def train(self) -> None:
+        cfg, state, t = self.cfg, self.state, self.cfg.training
+        for chunk in self.model:
+            chunk.train()
+        log = IntervalStats()
+        saved_at = None
+        while state.iteration < self.train_iters:
+            self.microbatches.update(state.consumed_train_samples)
+            gbs = self.microbatches.current_global_batch_size
+            start = time.perf_counter()
+            out = train_step(cfg, self.forward_step_func, self.train_iter, self.model, self.optimizer,
+                             self.scheduler, self.microbatches.num_microbatches)
+            if out["update_successful"]:
+                self.scheduler.step(increment=gbs)
+            else:
+                state.skipped_iterations += 1
+            grad_norm = out["grad_norm"]
+            if grad_norm is not None and not math.isfinite(grad_norm):
+                state.nan_iterations += 1
+            state.iteration += 1
+            state.consumed_train_samples += gbs
+            log.add(time.perf_counter() - start, out, gbs)
+            if state.iteration % cfg.logging.log_interval == 0:
+                self.log_training(log)
+                log = IntervalStats()
+            if self.do_valid and t.eval_interval and state.iteration % t.eval_interval == 0 \
+                    and state.iteration < self.train_iters:
+                self.evaluate_and_log("validation", self.valid_iter)
+            c = cfg.checkpoint
+            if c.save and c.save_interval and state.iteration % c.save_interval == 0:
+                self.save()
+                saved_at = state.iteration
+            reason = self.exit_reason()
+            if reason:
+                if c.save and saved_at != state.iteration:
+                    self.save()
+                print_rank_0(f"[megalm] exiting at iteration {state.iteration}: {reason}")
+                self.metrics.close()
+                if dist.is_initialized():
+                    dist.barrier()
+                sys.exit(0)
+        if cfg.checkpoint.save and saved_at != state.iteration:
+            self.save()
+
+    def exit_reason(self) -> Optional[str]:
+        t, state = self.cfg.training, self.state
+        if t.exit_interval and state.iteration % t.exit_interval == 0:
+            return f"--exit-interval {t.exit_interval}"
+        flags = torch.zeros(2)
+        if t.exit_duration_in_mins is not None:
+            flags[0] = float((time.time() - state.start_time) / 60.0 > t.exit_duration_in_mins)
+        if self.signal_handler is not None:
+            flags[1] = float(self.signal_handler.received())
+        if t.exit_duration_in_mins is None and self.signal_handler is None:
+            return None
+        if dist.is_initialized():
+            flags = flags.to(get_device())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            flags = flags.cpu()
+        if flags[0] > 0:
+            return f"--exit-duration-in-mins {t.exit_duration_in_mins}"
+        if flags[1] > 0:
+            return "received SIGTERM (--exit-signal-handler)"
+        return None
+
+    def save(self) -> None:
+        state = self.state
+        checkpointing.save_checkpoint(self.cfg.checkpoint.save, state.iteration, self.model, self.optimizer,
+                                      self.scheduler, state.consumed_train_samples, state.consumed_valid_samples,
+                                      config=self.cfg.to_dict())
+        print_rank_0(f"[megalm] saved checkpoint at iteration {state.iteration} to {self.cfg.checkpoint.save}")
+
+    # -- logging and evaluation --
+    def log_training(self, log: "IntervalStats") -> None:
+        from megalm.training.flops import num_floating_point_operations
+        from megalm.training.metrics import format_log_line
+
+        cfg, state = self.cfg, self.state
+        elapsed = log.mean_time()
+        tokens = log.samples / max(log.iterations, 1) * cfg.model.seq_length
+        flops = num_floating_point_operations(cfg, log.samples / max(log.iterations, 1))
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        record = {
+            "iteration": state.iteration, "consumed_samples": state.consumed_train_samples,
+            "lm_loss": log.mean("lm loss"), "grad_norm": log.last_grad_norm,
+            "lr": self.scheduler.get_lr(), "loss_scale": self.optimizer.get_loss_scale(),
+            "tokens_per_sec": tokens / elapsed if elapsed > 0 else 0.0,
+            "tflops_per_rank": flops / elapsed / world / 1e12 if elapsed > 0 else 0.0,
+            "elapsed_ms": elapsed * 1000.0, "global_batch_size": self.microbatches.current_global_batch_size,
+            "skipped_iterations": log.skipped, "nan_iterations": log.nans,
+        }
+        for key in log.keys():
+            if key != "lm loss":
+                record[key.replace(" ", "_")] = log.mean(key)
+        if is_logging_rank():
+            print(format_log_line(record, self.train_iters), flush=True)
+        self.metrics.log_iteration(record)
+
+    def evaluate_and_log(self, split: str, data_iterator) -> None:
+        t = self.cfg.training
+        n_micro = self.microbatches.num_microbatches
+        values = evaluate(self.cfg, self.forward_step_func, data_iterator, self.model, t.eval_iters, n_micro)
+        self.state.consumed_valid_samples += t.eval_iters * self.microbatches.current_global_batch_size \
+            if split == "validation" else 0
+        loss = values.get("lm loss")
+        if loss is None:
+            return
+        ppl = math.exp(min(20.0, loss))
+        if is_logging_rank():
+            bar = "-" * 90
+            print(f"{bar}\n {split} loss at iteration {self.state.iteration} | lm loss value: {loss:.6E} | "
+                  f"lm loss PPL: {ppl:.6E} |\n{bar}", flush=True)
+        self.metrics.log_evaluation(self.state.iteration, split, loss, ppl)
+
+
+class IntervalStats:
+    """Accumulates per-iteration values between two log lines."""
+
+    def __init__(self):
+        self.iterations = 0
+        self.time = 0.0
+        self.samples = 0
+        self.sums: Dict[str, float] = {}
+        self.counts: Dict[str, int] = {}
+        self.skipped = 0
+        self.nans = 0
+        self.last_grad_norm = None
+
+    def add(self, seconds: float, out: Dict, global_batch: int) -> None:
+        self.iterations += 1
+        self.time += seconds
+        self.samples += global_batch
+        if not out["update_successful"]:
+            self.skipped += 1
+        gn = out["grad_norm"]
+        if gn is not None:
+            gn = float(gn)
+            if not math.isfinite(gn):
+                self.nans += 1
+            self.last_grad_norm = gn
+        if out["update_successful"]:
+            for k, v in out["reported"].items():
+                self.sums[k] = self.sums.get(k, 0.0) + v
+                self.counts[k] = self.counts.get(k, 0) + 1
+
+    def keys(self):
+        return list(self.sums)
+
+    def mean(self, key: str) -> Optional[float]:
+        return self.sums[key] / self.counts[key] if self.counts.get(key) else None
+
+    def mean_time(self) -> float:
+        return self.time / max(self.iterations, 1)

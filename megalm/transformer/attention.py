@@ -1,0 +1,87 @@
+"""Causal self-attention with tensor-parallel heads (multi-head and grouped-query).
+
+The fused QKV weight has Megatron's grouped layout: for each query group ``g`` the rows are
+``[q heads of group g ; k_g ; v_g]`` (``(heads/groups + 2) * head_dim`` rows per group),
+so splitting dim 0 over TP ranks gives each rank whole groups: rank ``r`` owns groups
+``[r G/tp, (r+1) G/tp)`` and their query heads.  Multi-head attention is the case
+``groups == heads``.
+
+Communication: ``linear_qkv`` (column parallel) — forward nothing (all-gather of the
+sequence under SP), backward all-reduce (reduce-scatter under SP) of the input gradient;
+``linear_proj`` (row parallel) — forward all-reduce (reduce-scatter under SP), backward
+nothing (all-gather under SP).  The attention core is local to each rank's heads.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalm import parallel_state
+from megalm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megalm.tensor_parallel.random import checkpoint, get_rng_tracker
+from megalm.tensor_parallel.utils import divide
+from megalm.transformer.rope import apply_rotary
+from megalm.transformer.utils import init_std, output_init_std
+
+
+class SelfAttention(nn.Module):
+    """``linear_proj(softmax(q k^T / sqrt(d) + causal) v)`` over this rank's heads.
+
+    Input and output ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism).  Attention
+    dropout runs in the tracker's model-parallel stream (each rank holds different heads).
+    With ``recompute_core`` (selective recompute) the core is recomputed in backward.
+    """
+
+    def __init__(self, model_cfg, sequence_parallel: bool = False, recompute_core: bool = False):
+        super().__init__()
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        m = model_cfg
+        self.head_dim = m.head_dim
+        num_groups = m.num_query_groups if m.group_query_attention else m.num_attention_heads
+        self.queries_per_group = divide(m.num_attention_heads, num_groups)
+        self.groups_per_rank = divide(num_groups, tp)
+        self.heads_per_rank = divide(m.num_attention_heads, tp)
+        self.attention_dropout = m.attention_dropout
+        self.recompute_core = recompute_core
+        qkv_size = (m.num_attention_heads + 2 * num_groups) * self.head_dim
+        self.linear_qkv = ColumnParallelLinear(m.hidden_size, qkv_size, bias=m.add_bias_linear,
+                                               init_std=init_std(m), sequence_parallel=sequence_parallel)
+        self.linear_proj = RowParallelLinear(m.num_attention_heads * self.head_dim, m.hidden_size,
+                                             bias=m.add_bias_linear, init_std=output_init_std(m),
+                                             sequence_parallel=sequence_parallel)
+
+    def split_qkv(self, mixed: torch.Tensor):
+        """``[s, b, groups_r * (q_per_group + 2) * d]`` -> q ``[s, b, heads_r, d]``, k, v ``[s, b, groups_r, d]``."""
+        s, b = mixed.shape[:2]
+        d = self.head_dim
+        grouped = mixed.view(s, b, self.groups_per_rank, (self.queries_per_group + 2) * d)
+        q, k, v = torch.split(grouped, [self.queries_per_group * d, d, d], dim=-1)
+        return q.reshape(s, b, self.heads_per_rank, d), k, v
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal SDPA on ``[s, b, n, d]`` tensors; returns ``[s, b, heads_r * d]``."""
+        s, b = q.shape[:2]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+        p = self.attention_dropout if self.training else 0.0
+        gqa = self.groups_per_rank != self.heads_per_rank
+        if p > 0.0:
+            with get_rng_tracker().fork():
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
+
+    def forward(self, hidden: torch.Tensor, rotary_cos: Optional[torch.Tensor] = None,
+                rotary_sin: Optional[torch.Tensor] = None) -> torch.Tensor:
+        q, k, v = self.split_qkv(self.linear_qkv(hidden))
+        if rotary_cos is not None:
+            q, k = apply_rotary(q, rotary_cos, rotary_sin), apply_rotary(k, rotary_cos, rotary_sin)
+        if self.recompute_core:
+            context = checkpoint(self.core_attention, q, k, v)
+        else:
+            context = self.core_attention(q, k, v)
+        return self.linear_proj(context)

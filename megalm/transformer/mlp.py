@@ -1,0 +1,43 @@
+"""Feed-forward block: ``linear_fc2(act(linear_fc1(x)))`` with GELU or SwiGLU.
+
+``linear_fc1`` is column parallel (each rank computes ``ffn/tp`` features), ``linear_fc2``
+row parallel.  With SwiGLU ``linear_fc1`` is a fused ``[gate; up]`` weight of
+``2 * ffn`` rows; TP rank ``r`` holds ``[gate_r; up_r]`` (``partition_stride = 2``), so the
+activation ``silu(gate_r) * up_r`` is local.
+
+Communication: fc1 — forward nothing (all-gather of the sequence under SP), backward
+all-reduce (reduce-scatter under SP); fc2 — forward all-reduce (reduce-scatter under SP),
+backward nothing (all-gather under SP).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megalm.transformer.utils import init_std, output_init_std
+
+
+class MLP(nn.Module):
+    """Input/output ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism)."""
+
+    def __init__(self, model_cfg, sequence_parallel: bool = False):
+        super().__init__()
+        m = model_cfg
+        self.swiglu = m.swiglu
+        fc1_size = 2 * m.ffn_hidden_size if m.swiglu else m.ffn_hidden_size
+        self.linear_fc1 = ColumnParallelLinear(m.hidden_size, fc1_size, bias=m.add_bias_linear, init_std=init_std(m),
+                                               stride=2 if m.swiglu else 1, sequence_parallel=sequence_parallel)
+        self.linear_fc2 = RowParallelLinear(m.ffn_hidden_size, m.hidden_size, bias=m.add_bias_linear,
+                                            init_std=output_init_std(m), sequence_parallel=sequence_parallel)
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            gate, up = torch.chunk(x, 2, dim=-1)
+            return F.silu(gate) * up
+        return F.gelu(x)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.activation(self.linear_fc1(hidden)))

@@ -1,0 +1,86 @@
+"""The transformer layers of one model chunk, the final norm on the last stage, and
+activation recomputation.
+
+Layers are stored as ``layers = ModuleDict({str(global_index): layer})`` so parameter names
+are global (``decoder.layers.5.mlp.linear_fc1.weight``) for every pipeline split.
+
+Recomputation (``--recompute-granularity``), numerically identical to none:
+
+* ``full`` + ``uniform``: the chunk's layers are cut into groups of ``recompute_num_layers``
+  consecutive layers; only each group's input is kept and the group is recomputed in backward.
+* ``full`` + ``block``: the first ``recompute_num_layers`` layers of this chunk are each
+  recomputed; the others keep their activations.
+* ``selective``: only the attention core (the ``s x s`` part) is recomputed.
+
+No communication of its own.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from megalm.tensor_parallel.random import checkpoint
+from megalm.transformer.norm import build_norm
+from megalm.transformer.transformer_layer import TransformerLayer
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, model_cfg, layer_numbers: Sequence[int], post_process: bool = True,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        m = model_cfg
+        self.recompute_granularity = m.recompute_granularity
+        self.recompute_method = m.recompute_method
+        self.recompute_num_layers = m.recompute_num_layers
+        selective = m.recompute_granularity == "selective"
+        self.layers = nn.ModuleDict({
+            str(i): TransformerLayer(m, i, sequence_parallel, recompute_core_attention=selective)
+            for i in layer_numbers
+        })
+        self.final_layernorm = (build_norm(m.normalization, m.hidden_size, m.norm_epsilon, sequence_parallel)
+                                if post_process else None)
+        self.input_tensor: Optional[torch.Tensor] = None
+
+    def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
+        """Hidden states received from the previous pipeline stage (used when not pre_process)."""
+        self.input_tensor = input_tensor
+
+    def _layer_list(self) -> List[TransformerLayer]:
+        return list(self.layers.values())
+
+    @staticmethod
+    def _run_layers(layers: Sequence[TransformerLayer]):
+        def run(hidden, rotary_cos, rotary_sin):
+            for layer in layers:
+                hidden = layer(hidden, rotary_cos, rotary_sin)
+            return hidden
+        return run
+
+    def _forward_full_recompute(self, hidden, rotary_cos, rotary_sin):
+        layers, n = self._layer_list(), self.recompute_num_layers
+        if self.recompute_method == "uniform":
+            for start in range(0, len(layers), n):
+                hidden = checkpoint(self._run_layers(layers[start:start + n]), hidden, rotary_cos, rotary_sin)
+            return hidden
+        if self.recompute_method == "block":
+            for index, layer in enumerate(layers):
+                if index < n:
+                    hidden = checkpoint(layer, hidden, rotary_cos, rotary_sin)
+                else:
+                    hidden = layer(hidden, rotary_cos, rotary_sin)
+            return hidden
+        raise ValueError(f"unknown --recompute-method {self.recompute_method!r}")
+
+    def forward(self, hidden: torch.Tensor, rotary_cos: Optional[torch.Tensor] = None,
+                rotary_sin: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[s(/tp), b, h]`` in and out; the final norm is applied on the last stage."""
+        if self.recompute_granularity == "full" and self.training:
+            hidden = self._forward_full_recompute(hidden, rotary_cos, rotary_sin)
+        else:
+            hidden = self._run_layers(self._layer_list())(hidden, rotary_cos, rotary_sin)
+        if self.final_layernorm is not None:
+            hidden = self.final_layernorm(hidden)
+        return hidden

@@ -1,0 +1,148 @@
+# Shared plumbing for scripts/pretrain_*.sh.  Sourced, not run.
+#
+# A model script sets MODEL_NAME, its layout defaults (TP, PP, MICRO_BATCH_SIZE,
+# GLOBAL_BATCH_SIZE, NNODES, ...), VOCAB_SIZE and TOKENIZER_TYPE defaults, and the arrays
+# MODEL_ARGS and OPTIMIZER_ARGS; then calls `megalm_launch "$@"`.  Everything
+# machine-specific comes from the environment (defaults in brackets):
+#
+#   GPUS_PER_NODE [8]  NNODES [1, or what the model needs]  NODE_RANK [0]
+#   MASTER_ADDR [localhost]  MASTER_PORT [6000]  TORCHRUN [torchrun]
+#   DATA_PATH         Megatron .bin/.idx prefix, or a blend "0.7 /data/a 0.3 /data/b".
+#                     Unset: synthetic --mock-data (for smoke tests and benchmarks only).
+#   SPLIT [969,30,1]  DATA_CACHE_PATH []  NUM_WORKERS [2]
+#   TOKENIZER_MODEL   sentencepiece .model, or a Hugging Face tokenizer.json / directory
+#                     (local files only).  Unset: NullTokenizer with VOCAB_SIZE ids.
+#   TOKENIZER_TYPE    SentencePieceTokenizer | HuggingFaceTokenizer | NullTokenizer
+#   VOCAB_SIZE        the tokenizer's vocabulary, used only with NullTokenizer
+#   RUN_DIR [<repo>/runs/$MODEL_NAME]   CHECKPOINT_DIR [$RUN_DIR/checkpoints]
+#   LOAD_DIR [$CHECKPOINT_DIR]  (passed as --load only when it holds a checkpoint)
+#   TENSORBOARD_DIR [$RUN_DIR/tensorboard]  METRICS_FILE [$RUN_DIR/metrics.jsonl]
+#   WANDB_PROJECT []  WANDB_EXP_NAME [$MODEL_NAME]
+#   SAVE_INTERVAL [1000]  LOG_INTERVAL [10]  EVAL_INTERVAL [1000]  EVAL_ITERS [10]
+#   PRECISION [bf16]  (bf16 | fp16 | fp32)
+#   SEQUENCE_PARALLEL [1]  (adds --sequence-parallel when TP > 1)
+#   RECOMPUTE [none]  (none | selective | full; full uses uniform chunks of RECOMPUTE_NUM_LAYERS [1])
+#   VP_LAYERS []      layers per virtual pipeline stage (interleaved 1F1B; needs PP > 1)
+#   DIST_OPT [0]      1: --use-distributed-optimizer --overlap-grad-reduce
+#   DRY_RUN [0]       1: print the command and the pretrain_gpt.py flags, launch nothing
+#
+# Layout knobs every script honours: TP, PP, MICRO_BATCH_SIZE, GLOBAL_BATCH_SIZE, TRAIN_ITERS.
+# Flags given to the script are appended last, so they override anything above
+# (argparse keeps the last value of a repeated flag).
+
+MEGALM_REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+megalm_warn() { echo "[megalm] $*" >&2; }
+megalm_die() { echo "[megalm] error: $*" >&2; exit 2; }
+
+# Warm-up must end before the decay does (a shrunk TRAIN_ITERS would otherwise break it).
+megalm_fix_schedule() {
+    (( TRAIN_ITERS >= 1 )) || megalm_die "TRAIN_ITERS must be >= 1, got $TRAIN_ITERS"
+    (( LR_DECAY_ITERS >= 1 )) || LR_DECAY_ITERS=1
+    if (( LR_WARMUP_ITERS >= LR_DECAY_ITERS )); then
+        LR_WARMUP_ITERS=$(( LR_DECAY_ITERS / 10 ))
+    fi
+}
+
+megalm_launch() {
+    : "${MODEL_NAME:?MODEL_NAME must be set by the model script}"
+    : "${GPUS_PER_NODE:=8}" "${NNODES:=1}" "${NODE_RANK:=0}"
+    : "${MASTER_ADDR:=localhost}" "${MASTER_PORT:=6000}" "${TORCHRUN:=torchrun}"
+    : "${TP:=1}" "${PP:=1}" "${SEQUENCE_PARALLEL:=1}" "${DIST_OPT:=0}" "${DRY_RUN:=0}"
+    : "${RECOMPUTE:=none}" "${RECOMPUTE_NUM_LAYERS:=1}" "${VP_LAYERS:=}" "${PRECISION:=bf16}"
+    : "${RUN_DIR:=$MEGALM_REPO_ROOT/runs/$MODEL_NAME}"
+    : "${CHECKPOINT_DIR:=$RUN_DIR/checkpoints}" "${LOAD_DIR:=$CHECKPOINT_DIR}"
+    : "${TENSORBOARD_DIR:=$RUN_DIR/tensorboard}" "${METRICS_FILE:=$RUN_DIR/metrics.jsonl}"
+    : "${SAVE_INTERVAL:=1000}" "${LOG_INTERVAL:=10}" "${EVAL_INTERVAL:=1000}" "${EVAL_ITERS:=10}"
+    : "${SPLIT:=969,30,1}" "${NUM_WORKERS:=2}"
+
+    local parallel=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
+    if [[ "$SEQUENCE_PARALLEL" == 1 ]] && (( TP > 1 )); then
+        parallel+=(--sequence-parallel)
+    fi
+    if [[ -n "$VP_LAYERS" ]]; then
+        parallel+=(--num-layers-per-virtual-pipeline-stage "$VP_LAYERS")
+    fi
+    # The distributed optimizer (ZeRO-1) is not in megalm yet: the trainer refuses the flag.
+    # Once the "Distributed optimizer" issue lands DIST_OPT defaults to 1.
+    if [[ "$DIST_OPT" == 1 ]]; then
+        parallel+=(--use-distributed-optimizer --overlap-grad-reduce)
+    fi
+    case "$RECOMPUTE" in
+        none) ;;
+        selective) parallel+=(--recompute-granularity selective) ;;
+        full) parallel+=(--recompute-granularity full --recompute-method uniform
+                         --recompute-num-layers "$RECOMPUTE_NUM_LAYERS") ;;
+        *) megalm_die "RECOMPUTE must be none, selective or full, got '$RECOMPUTE'" ;;
+    esac
+
+    local precision=()
+    case "$PRECISION" in
+        bf16) precision=(--bf16) ;;
+        fp16) precision=(--fp16) ;;
+        fp32) ;;
+        *) megalm_die "PRECISION must be bf16, fp16 or fp32, got '$PRECISION'" ;;
+    esac
+
+    local batch=(--micro-batch-size "$MICRO_BATCH_SIZE" --global-batch-size "$GLOBAL_BATCH_SIZE"
+                 --train-iters "$TRAIN_ITERS")
+
+    local data=()
+    if [[ -n "${DATA_PATH:-}" ]]; then
+        local paths
+        read -r -a paths <<< "$DATA_PATH"
+        data+=(--data-path "${paths[@]}" --split "$SPLIT")
+    else
+        megalm_warn "DATA_PATH is not set: training on synthetic --mock-data"
+        data+=(--mock-data)
+    fi
+    if [[ -n "${DATA_CACHE_PATH:-}" ]]; then
+        data+=(--data-cache-path "$DATA_CACHE_PATH")
+    fi
+    data+=(--num-workers "$NUM_WORKERS")
+    if [[ -n "${TOKENIZER_MODEL:-}" && "${TOKENIZER_TYPE:-}" != NullTokenizer ]]; then
+        : "${TOKENIZER_TYPE:?TOKENIZER_TYPE must be set with TOKENIZER_MODEL}"
+        data+=(--tokenizer-type "$TOKENIZER_TYPE" --tokenizer-model "$TOKENIZER_MODEL")
+    else
+        : "${VOCAB_SIZE:?VOCAB_SIZE must be set when no TOKENIZER_MODEL is given}"
+        if [[ -n "${DATA_PATH:-}" ]]; then
+            megalm_warn "TOKENIZER_MODEL is not set: NullTokenizer with $VOCAB_SIZE ids (end-of-document id $(( VOCAB_SIZE - 1 )))"
+        fi
+        # NullTokenizer adds the end-of-document id after --vocab-size ids, so VOCAB_SIZE - 1
+        # gives a vocabulary of exactly VOCAB_SIZE (GPT-2: 50256 ids + <|endoftext|> = 50257).
+        data+=(--tokenizer-type NullTokenizer --vocab-size "$(( VOCAB_SIZE - 1 ))")
+    fi
+
+    local checkpoint=(--save "$CHECKPOINT_DIR" --save-interval "$SAVE_INTERVAL")
+    # megalm's --load fails on a directory without a checkpoint: resume only when there is one.
+    if [[ -f "$LOAD_DIR/latest_checkpointed_iteration.txt" ]]; then
+        checkpoint+=(--load "$LOAD_DIR")
+    fi
+
+    local logging=(--log-interval "$LOG_INTERVAL" --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS"
+                   --tensorboard-dir "$TENSORBOARD_DIR" --metrics-file "$METRICS_FILE")
+    if [[ -n "${WANDB_PROJECT:-}" ]]; then
+        logging+=(--wandb-project "$WANDB_PROJECT" --wandb-exp-name "${WANDB_EXP_NAME:-$MODEL_NAME}"
+                  --wandb-save-dir "$RUN_DIR/wandb")
+    fi
+
+    local args=("${MODEL_ARGS[@]}" "${parallel[@]}" "${batch[@]}" ${precision[@]+"${precision[@]}"}
+                "${OPTIMIZER_ARGS[@]}" "${data[@]}" "${checkpoint[@]}" "${logging[@]}"
+                ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"} "$@")
+    local cmd=("$TORCHRUN" --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK"
+               --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" pretrain_gpt.py "${args[@]}")
+
+    if [[ "$DRY_RUN" == 1 ]]; then
+        printf '[megalm] cd %q &&' "$MEGALM_REPO_ROOT"
+        printf ' %q' "${cmd[@]}"
+        printf '\n---- pretrain_gpt.py flags ----\n'
+        printf '%s\n' "${args[@]}"
+        exit 0
+    fi
+
+    cd "$MEGALM_REPO_ROOT"
+    mkdir -p "$CHECKPOINT_DIR" "$TENSORBOARD_DIR" "$(dirname "$METRICS_FILE")"
+    echo "[megalm] $MODEL_NAME: node $NODE_RANK of $NNODES, $GPUS_PER_NODE processes, TP $TP PP $PP," \
+         "micro $MICRO_BATCH_SIZE global $GLOBAL_BATCH_SIZE, $TRAIN_ITERS iterations" >&2
+    exec "${cmd[@]}"
+}

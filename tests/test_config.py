@@ -1,0 +1,71 @@
+"""Config validation: every invalid combination fails before any process group or model exists."""
+
+import pytest
+
+from megalm.config import ConfigError, MegalmConfig, build_parser, config_from_args, parse_config, validate_config
+
+
+def _cfg(argv, world_size=None):
+    return validate_config(config_from_args(build_parser().parse_args(argv)), world_size=world_size)
+
+
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"]
+
+
+@pytest.mark.parametrize("argv, world, message", [
+    (["--tensor-model-parallel-size", "8"], 8, "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 8"),
+    (["--group-query-attention", "--num-query-groups", "1", "--tensor-model-parallel-size", "2"], 2,
+     "--num-query-groups 1 is not divisible by --tensor-model-parallel-size 2"),
+    (["--group-query-attention", "--num-query-groups", "3"], None, "not divisible by --num-query-groups 3"),
+    (["--group-query-attention"], None, "needs --num-query-groups"),
+    (["--pipeline-model-parallel-size", "3"], 3, "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"),
+    (["--max-position-embeddings", "16"], None, "--seq-length 32 is longer than --max-position-embeddings 16"),
+    (["--hidden-size", "66"], None, "--hidden-size 66 is not divisible by --num-attention-heads 4"),
+    (["--bf16", "--fp16"], None, "mutually exclusive"),
+    (["--recompute-granularity", "full"], None, "needs --recompute-method"),
+    (["--recompute-method", "uniform"], None, "needs --recompute-granularity full"),
+    (["--global-batch-size", "6", "--micro-batch-size", "2"], 2, "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 2"),
+    (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible"),
+    (["--train-iters", "5", "--train-samples", "5"], None, "only one of --train-iters and --train-samples"),
+    (["--mock-data", "--data-path", "x"], None, "--mock-data cannot be combined"),
+    (["--tokenizer-type", "SentencePieceTokenizer"], None, "needs --tokenizer-model"),
+    (["--tokenizer-type", "NullTokenizer"], None, "needs --vocab-size"),
+    (["--split", "a,b"], None, "--split"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"], 2, "not divisible by --num-layers-per-virtual-pipeline-stage 3"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "3"], 2,
+     "microbatches \\(3\\) to be divisible by --pipeline-model-parallel-size 2"),
+    (["--pipeline-model-parallel-size", "3", "--decoder-first-pipeline-num-layers", "1"], 3, "cannot be split evenly"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "31", "--max-position-embeddings", "64"], 2,
+     "--seq-length 31 is not divisible by --tensor-model-parallel-size 2"),
+    (["--min-lr", "1", "--lr", "0.1"], None, "--min-lr 1.0 is larger than --lr 0.1"),
+])
+def test_invalid_combinations(argv, world, message):
+    with pytest.raises(ConfigError, match=message):
+        _cfg(BASE + argv, world)
+
+
+def test_parse_config_exits_with_message(capsys):
+    with pytest.raises(SystemExit):
+        parse_config(BASE + ["--tensor-model-parallel-size", "3"])
+    assert "not divisible by --tensor-model-parallel-size 3" in capsys.readouterr().err
+
+
+def test_derived_values_and_megatron_flags():
+    cfg = _cfg(BASE + ["--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+                       "--tensor-model-parallel-size", "2", "--vocab-size", "1000", "--micro-batch-size", "2",
+                       "--data-path", "0.3", "a", "0.7", "b", "--position-embedding-type", "rope"], world_size=8)
+    assert cfg.model.ffn_hidden_size == 128  # int(4 * 64 * 2/3 / 64) * 64
+    assert cfg.model.add_bias_linear is False
+    assert cfg.model.untie_embeddings_and_output_weights is True
+    assert cfg.model.padded_vocab_size == 1024
+    assert cfg.parallel.data_parallel_size == 4
+    assert cfg.training.global_batch_size == 8
+    assert cfg.data.data_path == ["0.3", "a", "0.7", "b"]
+    cfg = _cfg(BASE + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "2"], 2)
+    assert cfg.parallel.virtual_pipeline_model_parallel_size == 2
+
+
+def test_round_trip_through_dict():
+    cfg = _cfg(BASE + ["--bf16", "--lr", "3e-4"], 1)
+    again = MegalmConfig.from_dict(cfg.to_dict())
+    assert again == cfg

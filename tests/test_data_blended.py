@@ -1,0 +1,171 @@
+"""Blending (exact proportions), blend / split parsing, split boundaries, sample counts, dataset building."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from megalm.config import MegalmConfig
+from megalm.data import helpers
+from megalm.data.blended_dataset import BlendedDataset
+from megalm.data.builder import (build_train_valid_test_datasets, get_train_valid_test_num_samples, parse_blend,
+                                 parse_split, split_document_ranges)
+from megalm.data.indexed_dataset import IndexedDatasetBuilder
+from megalm.tokenizers import NullTokenizer
+
+
+def greedy_blend(weights, size):
+    """Megatron's build_blending_indices as a plain loop (independent reference)."""
+    taken = [0] * len(weights)
+    index, sample = [], []
+    for i in range(size):
+        t = max(i, 1)
+        errors = [w * t - c for w, c in zip(weights, taken)]
+        best = errors.index(max(errors))
+        index.append(best)
+        sample.append(taken[best])
+        taken[best] += 1
+    return index, sample
+
+
+@pytest.mark.parametrize("weights", [[0.3, 0.7], [0.5, 0.5], [0.2, 0.3, 0.5], [0.1, 0.6, 0.05, 0.25], [1.0]])
+def test_blending_indices_match_megatron_greedy(weights):
+    index, sample = helpers.build_blending_indices(weights, 2000)
+    ref_index, ref_sample = greedy_blend(weights, 2000)
+    assert index.tolist() == ref_index and sample.tolist() == ref_sample
+    for n in (1, 10, 99, 1000, 2000):  # every prefix is within one sample of its share
+        counts = np.bincount(index[:n], minlength=len(weights))
+        assert np.all(np.abs(counts - np.array(weights) * n) <= 1)
+
+
+def test_blend_proportions_exact():
+    index, sample = helpers.build_blending_indices([0.3, 0.7], 1000)
+    assert np.bincount(index).tolist() == [300, 700]
+    index, _ = helpers.build_blending_indices([0.2, 0.3, 0.5], 10_000)
+    assert np.bincount(index).tolist() == [2000, 3000, 5000]
+    # Each dataset's samples are used in order, each exactly once.
+    index, sample = helpers.build_blending_indices([0.2, 0.3, 0.5], 10_000)
+    for d, n in enumerate([2000, 3000, 5000]):
+        assert sample[index == d].tolist() == list(range(n))
+
+
+def test_python_fallback_matches_compiled(monkeypatch):
+    compiled = helpers.build_blending_indices([0.15, 0.35, 0.5], 3000)
+    monkeypatch.setattr(helpers, "_helper_lib", lambda: None)
+    fallback = helpers.build_blending_indices([0.15, 0.35, 0.5], 3000)
+    assert all(np.array_equal(a, b) for a, b in zip(compiled, fallback))
+
+
+def test_parse_blend_and_split():
+    assert parse_blend(["data/a"]) == (["data/a"], None)
+    assert parse_blend(["30", "a", "70", "b"]) == (["a", "b"], [0.3, 0.7])
+    assert parse_blend(["0.3 a 0.7 b"]) == (["a", "b"], [0.3, 0.7])
+    with pytest.raises(ValueError, match="'weight prefix' pairs"):
+        parse_blend(["0.3", "a", "b"])
+    with pytest.raises(ValueError, match="is not a weight"):
+        parse_blend(["a", "b"])
+    with pytest.raises(ValueError, match="weights must be positive"):
+        parse_blend(["0", "a", "1", "b"])
+    assert parse_split("969,30,1") == pytest.approx([0.969, 0.03, 0.001])
+    assert parse_split("98,2") == pytest.approx([0.98, 0.02, 0.0])
+    assert parse_split("1/1/2") == pytest.approx([0.25, 0.25, 0.5])
+    with pytest.raises(ValueError, match="--split"):
+        parse_split("1,2,3,4")
+
+
+def test_split_boundaries_by_documents():
+    assert split_document_ranges(1000, parse_split("969,30,1")) == [(0, 969), (969, 999), (999, 1000)]
+    assert split_document_ranges(10, parse_split("8,1,1")) == [(0, 8), (8, 9), (9, 10)]
+    assert split_document_ranges(7, parse_split("1,0,0")) == [(0, 7), (7, 7), (7, 7)]
+    assert split_document_ranges(3, parse_split("1,1,1")) == [(0, 1), (1, 2), (2, 3)]
+
+
+def test_sample_counts_per_split_as_megatron():
+    cfg = MegalmConfig()
+    cfg.training.train_iters, cfg.training.global_batch_size = 1000, 32
+    cfg.training.eval_interval, cfg.training.eval_iters = 100, 10
+    assert get_train_valid_test_num_samples(cfg) == (32_000, (1000 // 100 + 1) * 10 * 32, 320)
+    cfg.training.train_iters, cfg.training.train_samples = None, 64_000
+    assert get_train_valid_test_num_samples(cfg) == (64_000, (2000 // 100 + 1) * 10 * 32, 320)
+    cfg.training.eval_iters = 0
+    assert get_train_valid_test_num_samples(cfg) == (64_000, 0, 0)
+
+
+def write_tagged(prefix, tag, num_docs, vocab=1000):
+    """Documents whose tokens all equal ``tag`` except a doc-number token, ending in eod (vocab)."""
+    with IndexedDatasetBuilder(str(prefix), np.uint16) as b:
+        for d in range(num_docs):
+            b.add_item([tag] * 5 + [d % 900 + 10, vocab])
+            b.end_document()
+        b.finalize()
+    return str(prefix)
+
+
+def make_cfg(seq=8, iters=50, gbs=4, eval_interval=10, eval_iters=2, **data):
+    cfg = MegalmConfig()
+    cfg.model.seq_length = seq
+    cfg.training.train_iters, cfg.training.global_batch_size, cfg.training.micro_batch_size = iters, gbs, 2
+    cfg.training.eval_interval, cfg.training.eval_iters = eval_interval, eval_iters
+    for k, v in data.items():
+        setattr(cfg.data, k, v)
+    return cfg
+
+
+def test_blended_datasets_from_data_path(tmp_path):
+    a = write_tagged(tmp_path / "a", 1, 200)
+    b = write_tagged(tmp_path / "b", 2, 300)
+    cfg = make_cfg(data_path=["0.25", a, "0.75", b], split="90,5,5")
+    tok = NullTokenizer(1000)
+    train, valid, test = build_train_valid_test_datasets(cfg, tok)
+    assert isinstance(train, BlendedDataset) and len(train) == 200 and len(valid) == 48 and len(test) == 8
+    assert np.bincount(train.dataset_index).tolist() == [50, 150]
+    # Every sample comes from its own dataset: tags 1 (a) and 2 (b) never mix.
+    for i in range(len(train)):
+        tokens = train[i]["tokens"].numpy()
+        own, other = (1, 2) if train.dataset_index[i] == 0 else (2, 1)
+        assert own in tokens and other not in tokens
+    # Train samples only use each prefix's first 90% of documents.
+    gpt_a = train.datasets[0]
+    assert gpt_a.documents.min() == 0 and gpt_a.documents.max() == 179
+    assert valid.datasets[1].documents.tolist() == list(range(270, 285))
+    # Second build loads every index from the cache.
+    again = build_train_valid_test_datasets(cfg, tok)
+    assert not again[0].built_indices and not again[0].datasets[0].built_indices
+    np.testing.assert_array_equal(again[0].dataset_index, train.dataset_index)
+    assert torch.equal(again[0][17]["tokens"], train[17]["tokens"])
+    assert os.path.isdir(tmp_path / "cache" / "BlendedDataset_indices")
+
+
+def test_single_prefix_per_split_paths_and_mock(tmp_path):
+    a = write_tagged(tmp_path / "a", 1, 100)
+    b = write_tagged(tmp_path / "b", 2, 50)
+    c = write_tagged(tmp_path / "c", 3, 50)
+    tok = NullTokenizer(1000)
+    train, valid, test = build_train_valid_test_datasets(make_cfg(data_path=[a], split="98,2,0"), tok)
+    assert test is None and len(train) >= 200 and len(valid) >= 48
+    assert valid.documents.tolist() == [98, 99]
+    train, valid, test = build_train_valid_test_datasets(
+        make_cfg(train_data_path=[a], valid_data_path=["1", b, "1", c], test_data_path=[c],
+                 data_cache_path=str(tmp_path / "cache2")), tok)
+    assert train.documents.tolist() == list(range(100)) and len(train) >= 200
+    assert isinstance(valid, BlendedDataset) and np.bincount(valid.dataset_index).tolist() == [24, 24]
+    test_tokens = torch.cat([test[i]["tokens"] for i in range(len(test))]).numpy()
+    assert 3 in test_tokens and not np.isin(test_tokens, [1, 2]).any()  # only dataset c (tag 3)
+    assert len(os.listdir(tmp_path / "cache2")) > 0
+    mock_cfg = make_cfg(mock_data=True)
+    m1 = build_train_valid_test_datasets(mock_cfg, tok)
+    m2 = build_train_valid_test_datasets(mock_cfg, tok)
+    assert torch.equal(m1[0][7]["tokens"], m2[0][7]["tokens"]) and m1[0][7]["tokens"].shape == (8,)
+
+
+def test_errors_name_the_problem(tmp_path):
+    tok = NullTokenizer(1000)
+    with pytest.raises(ValueError, match="no data"):
+        build_train_valid_test_datasets(make_cfg(), tok)
+    with pytest.raises(ValueError, match="--train-iters or --train-samples"):
+        build_train_valid_test_datasets(make_cfg(iters=None, mock_data=True), tok)
+    from megalm.data.indexed_dataset import IndexedDatasetError
+
+    with pytest.raises(IndexedDatasetError, match="does not exist"):
+        build_train_valid_test_datasets(make_cfg(data_path=[str(tmp_path / "nope")]), tok)

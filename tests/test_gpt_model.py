@@ -1,0 +1,372 @@
+"""GPT model: TP/SP parity with a single-device model, layout-independent init, recompute,
+pipeline-style chunks and the layer split.
+
+The multi-rank checks run in one 4-rank spawned group; each rank first builds the TP=1
+reference of every configuration (no model-parallel state: tensor-parallel size one),
+then every TP layout, and returns the measured errors for the assertions here.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from megalm import parallel_state
+from megalm.config import MegalmConfig, validate_config
+from megalm.models import GPTModel, layers_for_stage
+from megalm.tensor_parallel import (
+    allreduce_sequence_parallel_grads,
+    gather_tensor_parallel_grad,
+    gather_tensor_parallel_param,
+    model_parallel_manual_seed,
+)
+from megalm.testing import run_distributed
+
+VOCAB, SEQ, BATCH = 50, 8, 2
+
+CONFIGS = {
+    "learned-LayerNorm-GELU-bias-tied-MHA": dict(position_embedding_type="learned_absolute"),
+    "rope-RMSNorm-SwiGLU-nobias-untied-GQA": dict(
+        position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+        untie_embeddings_and_output_weights=True, num_attention_heads=8, group_query_attention=True,
+        num_query_groups=4),
+    "rope50%-LayerNorm-SwiGLU-bias-tied-MHA": dict(position_embedding_type="rope", rotary_percent=0.5, swiglu=True),
+    "learned-RMSNorm-GELU-nobias-untied-GQA": dict(
+        normalization="RMSNorm", add_bias_linear=False, untie_embeddings_and_output_weights=True,
+        num_attention_heads=8, group_query_attention=True, num_query_groups=4),
+    "none-LayerNorm-GELU-bias-untied-MHA": dict(position_embedding_type="none",
+                                                untie_embeddings_and_output_weights=True),
+}
+
+
+def make_cfg(tp: int = 1, sp: bool = False, pp: int = 1, **model) -> MegalmConfig:
+    cfg = MegalmConfig()
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size = 2, 32, 4, 64
+    m.seq_length, m.vocab_size, m.make_vocab_size_divisible_by = SEQ, VOCAB, 16
+    m.hidden_dropout = m.attention_dropout = 0.0
+    for key, value in model.items():
+        setattr(m, key, value)
+    cfg.parallel.tensor_model_parallel_size, cfg.parallel.sequence_parallel = tp, sp
+    cfg.parallel.pipeline_model_parallel_size = pp
+    cfg.training.seed = 4321
+    return validate_config(cfg)
+
+
+def make_batch(seed: int = 0, rope_offsets: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    if rope_offsets:
+        positions = positions + 3 * torch.arange(BATCH).unsqueeze(1)
+    loss_weights = torch.rand(BATCH, SEQ, generator=g)
+    return tokens, positions, labels, loss_weights
+
+
+def _rel(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    denom = b.norm().item()
+    return (a - b).norm().item() / denom if denom > 0 else (a - b).norm().item()
+
+
+def _run_step(model, batch):
+    tokens, positions, labels, weights = batch
+    loss = model(tokens, positions, labels)
+    (loss * weights).sum().backward()
+    allreduce_sequence_parallel_grads(model)
+    return loss.detach()
+
+
+def _snapshot(model, batch):
+    """Loss, logits and the full (gathered) weights and grads of one training step."""
+    with torch.no_grad():
+        logits = gather_tensor_parallel_param(_vocab_split(model(batch[0], batch[1])))
+    padding = logits[..., VOCAB:]
+    assert bool(torch.all(padding == float("-inf"))), "padded vocabulary logits must be -inf"
+    logits = logits[..., :VOCAB]
+    loss = _run_step(model, batch)
+    weights = {n: gather_tensor_parallel_param(p) for n, p in model.named_parameters()}
+    grads = {n: gather_tensor_parallel_grad(p) for n, p in model.named_parameters()}
+    return {"loss": loss, "logits": logits, "weights": weights, "grads": grads}
+
+
+def _vocab_split(logits):
+    logits.tensor_model_parallel, logits.partition_dim, logits.partition_stride = True, 2, 1
+    return logits
+
+
+def _attribute_problems(model, sp: bool) -> list:
+    problems = []
+    for name, p in model.named_parameters():
+        if not all(hasattr(p, a) for a in ("tensor_model_parallel", "partition_dim", "partition_stride")):
+            problems.append(f"{name}: missing TP attributes")
+        is_norm_or_bias = "layernorm" in name or name.endswith(".bias")
+        if (p.ndim == 1) != is_norm_or_bias:
+            problems.append(f"{name}: ndim {p.ndim}")
+        wants_sp = sp and ("layernorm" in name or (name.endswith(".bias") and "linear_proj" in name)
+                           or (name.endswith(".bias") and "linear_fc2" in name))
+        if bool(getattr(p, "sequence_parallel", False)) != wants_sp:
+            problems.append(f"{name}: sequence_parallel={getattr(p, 'sequence_parallel', None)}")
+        if ("word_embeddings" in name or name == "output_layer.weight") and getattr(p, "vocab_unpadded", None) != VOCAB:
+            problems.append(f"{name}: vocab_unpadded={getattr(p, 'vocab_unpadded', None)}")
+    return problems
+
+
+# --- parity over TP / SP layouts ------------------------------------------------------------
+
+def _parity_errors(name, overrides, tp, sp, reference, batch) -> dict:
+    model = GPTModel(make_cfg(tp, sp, **overrides))
+    got = _snapshot(model, batch)
+    tag = f"{name} tp={tp} sp={sp}"
+    errors = {f"{tag} weights differ": float(any(not torch.equal(got["weights"][n], w)
+                                                 for n, w in reference["weights"].items())),
+              f"{tag} names differ": float(set(got["weights"]) != set(reference["weights"])),
+              f"{tag} loss": _rel(got["loss"], reference["loss"]),
+              f"{tag} logits": _rel(got["logits"], reference["logits"]),
+              f"{tag} attribute problems": float(len(_attribute_problems(model, sp and tp > 1)))}
+    for n, g in reference["grads"].items():
+        errors[f"{tag} grad {n}"] = _rel(got["grads"][n], g)
+    return errors
+
+
+def _check_parity() -> dict:
+    batches = {name: make_batch(i, rope_offsets="rope" in name) for i, name in enumerate(CONFIGS)}
+    parallel_state.destroy_model_parallel()
+    references = {name: _snapshot(GPTModel(make_cfg(1, False, **o)), batches[name]) for name, o in CONFIGS.items()}
+    errors = {}
+    for tp in (1, 2, 4):
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        for name, overrides in CONFIGS.items():
+            for sp in ((False, True) if tp > 1 else (False,)):
+                errors.update(_parity_errors(name, overrides, tp, sp, references[name], batches[name]))
+    return errors
+
+
+# --- recompute ------------------------------------------------------------------------------
+
+RECOMPUTE_MODES = {
+    "full-uniform-1": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "full-uniform-2": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+    "full-block-1": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+    "selective": dict(recompute_granularity="selective"),
+}
+
+
+def _dropout_step(tp, sp, recompute: dict, seed=99):
+    overrides = dict(CONFIGS["rope-RMSNorm-SwiGLU-nobias-untied-GQA"], hidden_dropout=0.2, attention_dropout=0.3,
+                     num_layers=3, **recompute)
+    model = GPTModel(make_cfg(tp, sp, **overrides))
+    model.train()
+    model_parallel_manual_seed(seed)
+    loss = _run_step(model, make_batch(5, rope_offsets=True))
+    return loss, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _recompute_mismatches(tp: int, sp: bool) -> dict:
+    base_loss, base_grads = _dropout_step(tp, sp, {})
+    errors = {f"tp={tp} sp={sp} dropout changes the loss": float(torch.equal(base_loss, _dropout_step(tp, sp, {}, 5)[0]))}
+    for mode, settings in RECOMPUTE_MODES.items():
+        loss, grads = _dropout_step(tp, sp, settings)
+        tag = f"recompute {mode} tp={tp} sp={sp}"
+        errors[f"{tag} loss not bit-identical"] = float(not torch.equal(loss, base_loss))
+        errors[f"{tag} grads not bit-identical"] = float(any(not torch.equal(grads[n], g) for n, g in base_grads.items()))
+    return errors
+
+
+# --- pipeline-style chunks --------------------------------------------------------------------
+
+def _pipeline_chunks(cfg, pp: int, vpp: int):
+    split_cfg = copy.deepcopy(cfg)
+    split_cfg.parallel.pipeline_model_parallel_size = pp
+    split_cfg.parallel.num_virtual_stages_per_pipeline_rank = vpp
+    split_cfg = validate_config(split_cfg)
+    order = [(v, r) for v in range(vpp) for r in range(pp)]  # model chunk k = v * pp + r
+    return [GPTModel(cfg, pre_process=k == 0, post_process=k == len(order) - 1,
+                     layer_numbers=layers_for_stage(split_cfg, r, v)) for k, (v, r) in enumerate(order)]
+
+
+def _pipeline_errors(name, overrides, tp, sp) -> dict:
+    cfg = make_cfg(tp, sp, **dict(overrides, num_layers=4))
+    batch = make_batch(3, rope_offsets="rope" in name)
+    full = GPTModel(cfg)
+    full_loss = _run_step(full, batch)
+    full_params = dict(full.named_parameters())
+    chunks = _pipeline_chunks(cfg, pp=2, vpp=2)
+    tag = f"pipeline {name} tp={tp} sp={sp}"
+    errors = {}
+    for chunk in chunks:
+        for n, p in chunk.named_parameters():
+            source = full_params["embedding.word_embeddings.weight" if getattr(p, "init_name", None) else n]
+            errors[f"{tag} init {n}"] = float(not torch.equal(p, source))
+    hidden = None
+    tokens, positions, labels, weights = batch
+    for chunk in chunks:
+        if not chunk.pre_process:
+            chunk.set_input_tensor(hidden)
+        hidden = chunk(tokens if chunk.pre_process else None, positions, labels if chunk.post_process else None)
+    (hidden * weights).sum().backward()
+    errors[f"{tag} loss"] = _rel(hidden.detach(), full_loss)
+    grads = {}
+    for chunk in chunks:
+        allreduce_sequence_parallel_grads(chunk)
+        for n, p in chunk.named_parameters():
+            key = "embedding.word_embeddings.weight" if getattr(p, "init_name", None) else n
+            grads[key] = grads[key] + p.grad if key in grads else p.grad.clone()
+    covered = set(grads) == set(full_params)
+    errors[f"{tag} parameters covered"] = float(not covered)
+    for n, p in full_params.items():
+        errors[f"{tag} grad {n}"] = _rel(grads[n], p.grad) if n in grads else 1.0
+    return errors
+
+
+def _check_recompute_pipeline_bf16() -> dict:
+    errors = {}
+    parallel_state.destroy_model_parallel()
+    errors.update(_recompute_mismatches(1, False))
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    for sp in (False, True):
+        errors.update(_recompute_mismatches(2, sp))
+    for name in ("learned-LayerNorm-GELU-bias-tied-MHA", "rope-RMSNorm-SwiGLU-nobias-untied-GQA"):
+        errors.update(_pipeline_errors(name, CONFIGS[name], 2, True))
+    errors.update(_bf16_errors())
+    return errors
+
+
+def _bf16_errors() -> dict:
+    cfg = make_cfg(2, True, **CONFIGS["rope-RMSNorm-SwiGLU-nobias-untied-GQA"])
+    batch = make_batch(7, rope_offsets=True)
+    fp32_loss = GPTModel(cfg)(*batch[:3]).detach()
+    model = GPTModel(cfg).to(torch.bfloat16)
+    loss = _run_step(model, batch)
+    finite = all(torch.isfinite(p.grad).all() for p in model.parameters())
+    autocast_model = GPTModel(cfg)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast_loss = _run_step(autocast_model, batch)
+    autocast_ok = all(p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all()
+                      for p in autocast_model.parameters())
+    return {"autocast loss close to fp32 (>2e-2 rel)": float(_rel(autocast_loss, fp32_loss) > 2e-2),
+            "autocast grads fp32 and finite": float(not autocast_ok),
+            "bf16 loss dtype": float(loss.dtype != torch.float32),
+            "bf16 loss close to fp32 (>2e-2 rel)": float(_rel(loss, fp32_loss) > 2e-2),
+            "bf16 grads finite": float(not finite),
+            "bf16 grads bf16": float(any(p.grad.dtype != torch.bfloat16 for p in model.parameters()))}
+
+
+# --- tests ------------------------------------------------------------------------------------
+
+def _assert_small(results, tolerance=1e-5, minimum_checks=10):
+    for rank, errors in enumerate(results):
+        assert len(errors) >= minimum_checks
+        bad = {k: v for k, v in errors.items() if not v <= tolerance}
+        assert not bad, f"rank {rank}: {len(bad)} of {len(errors)} checks failed: {dict(list(bad.items())[:20])}"
+
+
+def test_tensor_parallel_gpt_matches_single_device():
+    results = run_distributed(_check_parity, world_size=4, timeout=180)
+    _assert_small(results, minimum_checks=5 * 5 * 20)
+
+
+def test_recompute_pipeline_chunks_and_bf16_on_tensor_parallel_ranks():
+    results = run_distributed(_check_recompute_pipeline_bf16, world_size=2, timeout=180)
+    _assert_small(results, minimum_checks=50)
+
+
+def test_model_structure_and_tied_weights_single_rank():
+    cfg = make_cfg(1, False, **CONFIGS["learned-LayerNorm-GELU-bias-tied-MHA"])
+    model = GPTModel(cfg)
+    assert model.output_layer.weight is None  # the output layer uses the embedding Parameter
+    weight = model.shared_embedding_or_output_weight()
+    assert weight is model.embedding.word_embeddings.weight and weight.shared_embedding
+    assert weight.shape == (64, 32) and weight.vocab_unpadded == VOCAB
+    assert torch.count_nonzero(weight[VOCAB:]) == 0 and torch.count_nonzero(weight[:VOCAB]) == VOCAB * 32
+    assert not _attribute_problems(model, sp=False)
+    names = [n for n, _ in model.named_parameters()]
+    assert "decoder.layers.1.self_attention.linear_qkv.weight" in names
+    assert "decoder.final_layernorm.weight" in names and "embedding.position_embeddings.weight" in names
+    std = model.decoder.layers["0"].mlp.linear_fc2.weight.std().item()
+    assert abs(std - 0.02 / 2) < 0.003  # scaled init: 0.02 / sqrt(2 * 2 layers)
+    tokens, positions, labels, _ = make_batch(0)
+    logits = model(tokens, positions)
+    assert logits.shape == (BATCH, SEQ, 64)
+    loss = model(tokens, positions, labels)
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), labels.reshape(-1), reduction="none")
+    assert loss.shape == (BATCH, SEQ) and loss.dtype == torch.float32
+    assert _rel(loss.reshape(-1), ref) < 1e-6
+
+    middle = GPTModel(cfg, pre_process=False, post_process=False, layer_numbers=[1])
+    assert [n.split(".")[2] for n, _ in middle.named_parameters()] == ["1"] * len(list(middle.parameters()))
+    hidden = torch.randn(SEQ, BATCH, 32)
+    middle.set_input_tensor([hidden])
+    assert middle(None, positions).shape == (SEQ, BATCH, 32)
+    last = GPTModel(cfg, pre_process=False, post_process=True, layer_numbers=[1])
+    assert last.output_layer.weight.shared_embedding and torch.equal(last.output_layer.weight, weight)
+
+
+@pytest.mark.parametrize("layout, expected", [
+    (dict(num_layers=8, pp=4), {(0, 0): [0, 1], (1, 0): [2, 3], (2, 0): [4, 5], (3, 0): [6, 7]}),
+    (dict(num_layers=10, pp=4, first=1, last=3), {(0, 0): [0], (1, 0): [1, 2, 3], (2, 0): [4, 5, 6], (3, 0): [7, 8, 9]}),
+    (dict(num_layers=7, pp=3, first=1), {(0, 0): [0], (1, 0): [1, 2, 3], (2, 0): [4, 5, 6]}),
+    (dict(num_layers=5, pp=3, last=1), {(0, 0): [0, 1], (1, 0): [2, 3], (2, 0): [4]}),
+    (dict(num_layers=8, pp=2, layers_per_virtual=2), {(0, 0): [0, 1], (1, 0): [2, 3], (0, 1): [4, 5], (1, 1): [6, 7]}),
+    (dict(num_layers=8, pp=2, virtual=4), {(0, 0): [0], (1, 0): [1], (0, 1): [2], (1, 1): [3],
+                                           (0, 2): [4], (1, 2): [5], (0, 3): [6], (1, 3): [7]}),
+    (dict(num_layers=12, pp=3, virtual=2), {(0, 0): [0, 1], (1, 0): [2, 3], (2, 0): [4, 5],
+                                            (0, 1): [6, 7], (1, 1): [8, 9], (2, 1): [10, 11]}),
+])
+def test_layers_for_stage(layout, expected):
+    cfg = make_cfg(num_layers=layout["num_layers"])
+    cfg.parallel.pipeline_model_parallel_size = layout["pp"]
+    cfg.parallel.decoder_first_pipeline_num_layers = layout.get("first")
+    cfg.parallel.decoder_last_pipeline_num_layers = layout.get("last")
+    cfg.parallel.num_layers_per_virtual_pipeline_stage = layout.get("layers_per_virtual")
+    cfg.parallel.num_virtual_stages_per_pipeline_rank = layout.get("virtual")
+    cfg = validate_config(cfg)
+    got = {key: layers_for_stage(cfg, *key) for key in expected}
+    assert got == expected
+    assert sorted(i for layers in got.values() for i in layers) == list(range(layout["num_layers"]))
+
+
+def test_attention_rope_and_swiglu_match_naive_formulas():
+    """The TP=1 building blocks against independent textbook formulas (Megatron conventions)."""
+    from megalm.transformer import MLP, RotaryEmbedding, SelfAttention, apply_rotary
+
+    cfg = make_cfg(**dict(CONFIGS["rope-RMSNorm-SwiGLU-nobias-untied-GQA"], add_bias_linear=True))
+    m = cfg.model
+    heads, groups, d, s, b = m.num_attention_heads, m.num_query_groups, m.head_dim, SEQ, BATCH
+    g = torch.Generator().manual_seed(0)
+    attention = SelfAttention(m)
+    with torch.no_grad():
+        for p in attention.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    x = torch.randn(s, b, m.hidden_size, generator=g)
+    # Grouped QKV layout: per group [q heads of the group; k; v].
+    mixed = (x @ attention.linear_qkv.weight.t() + attention.linear_qkv.bias).view(s, b, groups, -1)
+    q_per_group = heads // groups
+    q = mixed[..., :q_per_group * d].reshape(s, b, groups, q_per_group, d)
+    k, v = mixed[..., q_per_group * d:(q_per_group + 1) * d], mixed[..., (q_per_group + 1) * d:]
+    scores = torch.einsum("sbgjd,tbgd->bgjst", q, k) / d ** 0.5
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    context = torch.einsum("bgjst,tbgd->sbgjd", scores.softmax(-1), v).reshape(s, b, heads * d)
+    expected = context @ attention.linear_proj.weight.t() + attention.linear_proj.bias
+    assert _rel(attention(x), expected) < 1e-6
+
+    rope = RotaryEmbedding(head_dim=8, rotary_percent=0.5, base=100.0)
+    positions = torch.tensor([[0, 3, 7]])
+    cos, sin = rope.tables(positions, 3, "cpu")
+    t = torch.randn(3, 1, 2, 8, generator=g)
+    rotated = apply_rotary(t, cos, sin)
+    angles = positions.t().float().view(3, 1, 1, 1) * 100.0 ** (-torch.arange(0, 4, 2) / 4.0)
+    z = torch.complex(t[..., 0:2], t[..., 2:4]) * torch.exp(1j * angles)  # pairs (i, i + rot/2)
+    assert _rel(rotated[..., :4], torch.cat([z.real, z.imag], -1)) < 1e-6
+    assert torch.equal(rotated[..., 4:], t[..., 4:])
+
+    mlp = MLP(m)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    gate_w, up_w = mlp.linear_fc1.weight.chunk(2, 0)
+    gate_b, up_b = mlp.linear_fc1.bias.chunk(2, 0)
+    hidden = torch.nn.functional.silu(x @ gate_w.t() + gate_b) * (x @ up_w.t() + up_b)
+    assert _rel(mlp(x), hidden @ mlp.linear_fc2.weight.t() + mlp.linear_fc2.bias) < 1e-6

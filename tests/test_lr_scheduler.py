@@ -1,0 +1,137 @@
+"""OptimizerParamScheduler against closed-form learning-rate formulas."""
+
+import json
+import math
+
+import pytest
+
+from megalm.config import MegalmConfig
+from megalm.training.lr_scheduler import OptimizerParamScheduler
+
+MAX, MIN, INIT, W, D = 3e-4, 3e-5, 1e-6, 100, 1000
+
+
+class FakeOptimizer:
+    def __init__(self):
+        self.param_groups = [{"lr": -1.0}, {"lr": -1.0, "lr_mult": 0.5}]
+
+
+def sched(style, warmup=W, decay=D, wsd=None, wsd_style="exponential", init=INIT, **kw):
+    return OptimizerParamScheduler(FakeOptimizer(), init_lr=init, max_lr=MAX, min_lr=MIN, lr_warmup_steps=warmup,
+                                   lr_decay_steps=decay, lr_decay_style=style, wsd_decay_steps=wsd,
+                                   lr_wsd_decay_style=wsd_style, **kw)
+
+
+def lr_at(s, n):
+    s.step(n - s.num_steps)
+    assert s.optimizer.param_groups[0]["lr"] == s.get_lr()
+    assert s.optimizer.param_groups[1]["lr"] == pytest.approx(0.5 * s.get_lr(), rel=1e-15)
+    return s.get_lr()
+
+
+def decay_expected(style, n):
+    r = (n - W) / (D - W)
+    if style == "linear":
+        return MIN + (MAX - MIN) * (1 - r)
+    if style == "cosine":
+        return MIN + (MAX - MIN) * 0.5 * (1 + math.cos(math.pi * r))
+    if style == "inverse-square-root":
+        return max(MIN, MAX * math.sqrt(W) / math.sqrt(n))
+    if style == "constant":
+        return MAX
+    raise AssertionError(style)
+
+
+POINTS = [0, 1, 50, 100, 101, 250, 550, 999, 1000, 1001, 5000]
+
+
+@pytest.mark.parametrize("style", ["constant", "linear", "cosine", "inverse-square-root"])
+def test_decay_styles_match_closed_form(style):
+    s = sched(style)
+    for n in POINTS:
+        if n <= W:
+            expected = INIT + (MAX - INIT) * n / W
+        elif n > D and style != "constant":
+            expected = MIN
+        else:
+            expected = decay_expected(style, n)
+        assert lr_at(s, n) == pytest.approx(expected, rel=1e-12, abs=1e-18), (style, n)
+
+
+@pytest.mark.parametrize("wsd_style", ["exponential", "linear", "cosine"])
+def test_wsd_matches_closed_form(wsd_style):
+    S = 200  # annealing over the last 200 of 1000 steps
+    s = sched("WSD", wsd=S, wsd_style=wsd_style)
+    for n in POINTS + [800, 801, 900]:
+        if n <= W:
+            expected = INIT + (MAX - INIT) * n / W
+        elif n > D:
+            expected = MIN
+        elif n <= D - S:
+            expected = MAX  # the stable phase
+        else:
+            q = (n - (D - S)) / S
+            coeff = {"exponential": 2 * 0.5 ** q - 1, "linear": 1 - q,
+                     "cosine": 0.5 * (1 + math.cos(math.pi * q))}[wsd_style]
+            expected = MIN + coeff * (MAX - MIN)
+        assert lr_at(s, n) == pytest.approx(expected, rel=1e-12), (wsd_style, n)
+    assert sched("WSD", wsd=S, wsd_style="exponential").get_lr() == INIT
+
+
+def test_no_warmup_and_validation_errors():
+    s = sched("cosine", warmup=0, init=0.0)
+    assert s.get_lr() == MAX and lr_at(s, 500) == pytest.approx(MIN + (MAX - MIN) * 0.5 * (1 + math.cos(math.pi / 2)))
+    assert sched("inverse-square-root", warmup=0).get_lr() == MAX  # max(W, 1) / max(n, 1)
+    with pytest.raises(ValueError, match="warm-up"):
+        sched("linear", warmup=D)
+    with pytest.raises(ValueError, match="WSD"):
+        sched("WSD")
+    with pytest.raises(ValueError, match="min-lr"):
+        OptimizerParamScheduler(FakeOptimizer(), 0.0, 1e-4, 1e-3, 0, 10, "linear")
+
+
+def _cfg(**training):
+    cfg = MegalmConfig()
+    cfg.training.global_batch_size = 8
+    cfg.training.lr, cfg.training.min_lr = MAX, MIN
+    for k, v in training.items():
+        setattr(cfg.training, k, v)
+    return cfg
+
+
+def test_from_config_counts_samples_like_megatron():
+    s = OptimizerParamScheduler.from_config(_cfg(train_iters=100, lr_warmup_iters=10), FakeOptimizer())
+    assert (s.lr_warmup_steps, s.lr_decay_steps) == (80, 800)
+    s = OptimizerParamScheduler.from_config(_cfg(train_iters=100, lr_decay_iters=50, lr_warmup_fraction=0.1),
+                                            FakeOptimizer())
+    assert (s.lr_warmup_steps, s.lr_decay_steps) == (pytest.approx(40.0), 400)
+    s = OptimizerParamScheduler.from_config(_cfg(train_iters=100, lr_decay_style="WSD", lr_wsd_decay_iters=20),
+                                            FakeOptimizer())
+    assert s.wsd_decay_steps == 160
+    s = OptimizerParamScheduler.from_config(_cfg(train_samples=4000, lr_warmup_iters=5), FakeOptimizer())
+    assert (s.lr_warmup_steps, s.lr_decay_steps) == (40, 4000)
+    # one iteration of 8 samples is 8 steps of the schedule
+    s = OptimizerParamScheduler.from_config(_cfg(train_iters=100, lr_warmup_iters=10, lr_warmup_init=0.0),
+                                            FakeOptimizer())
+    s.step(increment=8)
+    assert s.get_lr() == pytest.approx(MAX / 10)
+
+
+def test_state_dict_round_trip_and_mismatch():
+    s = sched("cosine")
+    lr_at(s, 321)
+    saved = json.loads(json.dumps(s.state_dict()))  # checkpoints keep it in JSON
+    t = sched("cosine")
+    t.load_state_dict(saved)
+    assert t.num_steps == 321 and t.get_lr() == s.get_lr() and t.optimizer.param_groups[0]["lr"] == s.get_lr()
+    other = OptimizerParamScheduler(FakeOptimizer(), INIT, MAX, MIN, W, 2 * D, "cosine")
+    with pytest.raises(ValueError, match="lr_decay_steps.*--override-opt-param-scheduler"):
+        other.load_state_dict(saved)
+    override = OptimizerParamScheduler(FakeOptimizer(), INIT, MAX, MIN, W, 2 * D, "cosine",
+                                       override_opt_param_scheduler=True)
+    override.load_state_dict(saved)
+    assert override.lr_decay_steps == 2 * D and override.num_steps == 321
+    from_ckpt = OptimizerParamScheduler(FakeOptimizer(), INIT, MAX, MIN, W, 2 * D, "cosine",
+                                        use_checkpoint_opt_param_scheduler=True)
+    from_ckpt.load_state_dict(saved)
+    assert from_ckpt.lr_decay_steps == D and from_ckpt.get_lr() == s.get_lr()

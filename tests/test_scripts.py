@@ -1,0 +1,222 @@
+"""scripts/: every pretraining script's flags parse and validate, and its model has the size its name says.
+
+Each ``scripts/pretrain_*.sh`` is run with ``DRY_RUN=1`` (it prints the ``pretrain_gpt.py`` flags
+after a marker line and launches nothing); the flags go through megalm's own parser and
+``validate_config`` at the script's default world size (GPUS_PER_NODE x NNODES).
+"""
+
+import os
+import re
+import shlex
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from megalm.config import MegalmConfig, build_parser, config_from_args, validate_config
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS_DIR = REPO / "scripts"
+SCRIPTS = sorted(SCRIPTS_DIR.glob("pretrain_*.sh"))
+MARKER = "---- pretrain_gpt.py flags ----"
+COMMAND_PREFIX = "[megalm] cd "
+
+# Variables a developer's shell may have set that would change the scripts' defaults.
+SCRIPT_ENV = ("GPUS_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHRUN", "TP", "PP",
+              "MICRO_BATCH_SIZE", "GLOBAL_BATCH_SIZE", "TRAIN_ITERS", "TRAIN_TOKENS", "LR", "MIN_LR",
+              "LR_DECAY_ITERS", "LR_WARMUP_ITERS", "DATA_PATH", "DATA_CACHE_PATH", "SPLIT", "NUM_WORKERS",
+              "TOKENIZER_MODEL", "TOKENIZER_TYPE", "VOCAB_SIZE", "RUN_DIR", "CHECKPOINT_DIR", "LOAD_DIR",
+              "TENSORBOARD_DIR", "METRICS_FILE", "WANDB_PROJECT", "WANDB_EXP_NAME", "SAVE_INTERVAL",
+              "LOG_INTERVAL", "EVAL_INTERVAL", "EVAL_ITERS", "PRECISION", "SEQUENCE_PARALLEL", "RECOMPUTE",
+              "RECOMPUTE_NUM_LAYERS", "VP_LAYERS", "DIST_OPT", "DRY_RUN", "SLURM_JOB_NODELIST", "SLURM_NNODES",
+              "SLURM_NODEID", "SLURM_SUBMIT_DIR", "SLURM_GPUS_ON_NODE")
+
+
+def run_script(script, *extra, env=None, cwd=None):
+    """Dry-run ``script``; return (torchrun argv, pretrain_gpt.py argv)."""
+    full_env = {k: v for k, v in os.environ.items() if k not in SCRIPT_ENV}
+    # A run directory that does not exist, so checkpoints from real runs in runs/ are not seen.
+    full_env["RUN_DIR"] = os.path.join(tempfile.gettempdir(), f"megalm-test-scripts-{os.getpid()}", "no-run")
+    full_env.update(env or {})
+    full_env["DRY_RUN"] = "1"
+    proc = subprocess.run(["bash", str(script), *extra], env=full_env, cwd=cwd or "/", capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 0, f"{script.name} failed ({proc.returncode}):\n{proc.stderr}"
+    lines = proc.stdout.splitlines()
+    assert MARKER in lines, f"{script.name}: no '{MARKER}' line in:\n{proc.stdout}"
+    command = [line for line in lines if line.startswith(COMMAND_PREFIX)]
+    assert len(command) == 1, proc.stdout
+    words = shlex.split(command[0][len("[megalm] "):])
+    assert words[:3] == ["cd", str(REPO), "&&"], words[:3]
+    flags = lines[lines.index(MARKER) + 1:]
+    launcher = words[3:]
+    assert launcher[-len(flags) - 1:] == ["pretrain_gpt.py", *flags], "printed command and flags disagree"
+    return launcher[:-len(flags) - 1], flags
+
+
+def launcher_options(launcher):
+    assert launcher[0] == "torchrun"
+    opts = launcher[1:]
+    return dict(zip(opts[::2], opts[1::2]))
+
+
+def parse(flags, world_size):
+    cfg = config_from_args(build_parser().parse_args(flags))
+    return validate_config(cfg, world_size=world_size)
+
+
+def count_parameters(cfg: MegalmConfig) -> int:
+    """Parameters of the whole GPT model (all TP/PP shards together)."""
+    m = cfg.model
+    h, d, heads, groups = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_kv_heads
+    f, bias = m.ffn_hidden_size, int(m.add_bias_linear)
+    norm = h if m.normalization == "RMSNorm" else 2 * h
+    qkv = (heads + 2 * groups) * d
+    attention = h * qkv + heads * d * h + bias * (qkv + h)
+    fc1 = 2 * f if m.swiglu else f
+    mlp = h * fc1 + f * h + bias * (fc1 + h)
+    layer = attention + mlp + 2 * norm
+    vocab = m.padded_vocab_size
+    embedding = vocab * h + (m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0)
+    output = vocab * h if m.untie_embeddings_and_output_weights else 0
+    return embedding + m.num_layers * layer + norm + output
+
+
+def size_from_name(name):
+    """``pretrain_gpt3_1.3b.sh`` -> 1.3e9; None for names without a size (the tiny CPU script)."""
+    match = re.search(r"_(\d+(?:\.\d+)?)([mb])\.sh$", name)
+    if not match:
+        return None
+    return float(match.group(1)) * (1e6 if match.group(2) == "m" else 1e9)
+
+
+def test_scripts_exist():
+    names = {s.name for s in SCRIPTS}
+    for size in ("125m", "350m", "1.3b", "2.7b", "6.7b", "13b", "175b"):
+        assert f"pretrain_gpt3_{size}.sh" in names
+    for name in ("llama2_7b", "llama3_8b", "llama2_13b", "llama2_70b", "gpt_tiny_cpu"):
+        assert f"pretrain_{name}.sh" in names
+    for script in SCRIPTS + [SCRIPTS_DIR / "slurm" / "pretrain.sbatch"]:
+        assert os.access(script, os.X_OK), f"{script} is not executable"
+        subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.name)
+def test_script_flags_validate_and_size_matches_name(script):
+    launcher, flags = run_script(script)
+    opts = launcher_options(launcher)
+    world = int(opts["--nproc_per_node"]) * int(opts["--nnodes"])
+    assert opts["--node_rank"] == "0" and opts["--master_addr"] == "localhost" and opts["--master_port"] == "6000"
+    cfg = parse(flags, world)
+    m, p, t, d = cfg.model, cfg.parallel, cfg.training, cfg.data
+
+    # Self-consistent and complete: data (mock by default), tokenizer, a training length.
+    assert d.mock_data and d.tokenizer_type == "NullTokenizer" and m.vocab_size is not None
+    assert t.train_iters and t.train_iters >= 1
+    assert 0 <= t.lr_warmup_iters < t.lr_decay_iters <= t.train_iters
+    assert t.min_lr < t.lr
+    assert cfg.checkpoint.save and cfg.checkpoint.load is None  # no checkpoint yet: no --load
+    assert not p.use_distributed_optimizer  # DIST_OPT defaults to 0 until the distributed optimizer lands
+    assert t.bf16
+
+    if "tiny_cpu" in script.name:
+        assert world == 4 and p.tensor_model_parallel_size == 2 and p.data_parallel_size == 2
+        return
+    assert world % 8 == 0 and int(opts["--nproc_per_node"]) == 8
+    assert p.sequence_parallel == (p.tensor_model_parallel_size > 1)
+    if "llama" in script.name:
+        assert m.position_embedding_type == "rope" and m.normalization == "RMSNorm" and m.swiglu
+        assert not m.add_bias_linear and m.untie_embeddings_and_output_weights
+    else:
+        assert m.position_embedding_type == "learned_absolute" and m.normalization == "LayerNorm"
+        assert not m.swiglu and not m.untie_embeddings_and_output_weights and m.seq_length == 2048
+
+    expected = size_from_name(script.name)
+    n = count_parameters(cfg)
+    assert abs(n - expected) <= 0.1 * expected, f"{script.name}: {n / 1e9:.3f}B parameters"
+
+
+def test_known_shapes():
+    """Spot checks against published parameter counts and shapes."""
+    n = {}
+    for name in ("gpt3_175b", "llama2_7b", "llama3_8b", "llama2_70b"):
+        launcher, flags = run_script(SCRIPTS_DIR / f"pretrain_{name}.sh")
+        opts = launcher_options(launcher)
+        cfg = parse(flags, int(opts["--nproc_per_node"]) * int(opts["--nnodes"]))
+        n[name] = (count_parameters(cfg), cfg)
+    assert n["gpt3_175b"][1].parallel.pipeline_model_parallel_size == 16
+    assert n["gpt3_175b"][1].parallel.world_size == 128
+    # Hugging Face's published sizes use the unpadded vocabulary; padding adds < 0.5%.
+    assert abs(n["llama2_7b"][0] - 6_738_415_616) / 6_738_415_616 < 0.005
+    assert abs(n["llama3_8b"][0] - 8_030_261_248) / 8_030_261_248 < 0.005
+    assert abs(n["llama2_70b"][0] - 68_976_648_192) / 68_976_648_192 < 0.005
+    llama3 = n["llama3_8b"][1].model
+    assert (llama3.num_query_groups, llama3.rotary_base, llama3.ffn_hidden_size, llama3.seq_length) == (8, 500000, 14336, 8192)
+    assert n["llama2_70b"][1].model.num_query_groups == 8
+    assert n["llama2_7b"][1].model.num_query_groups is None
+
+
+def test_environment_overrides_and_extra_flags(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("100")
+    env = {"TP": "2", "PP": "1", "MICRO_BATCH_SIZE": "1", "GLOBAL_BATCH_SIZE": "8", "TRAIN_ITERS": "50",
+           "GPUS_PER_NODE": "4", "NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "node-a", "MASTER_PORT": "29500",
+           "DATA_PATH": "0.7 /data/a_text_document 0.3 /data/b_text_document",
+           "TOKENIZER_MODEL": "/models/llama-2/tokenizer.model", "CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+           "TENSORBOARD_DIR": str(tmp_path / "tb"), "WANDB_PROJECT": "proj", "DIST_OPT": "1", "RECOMPUTE": "full"}
+    launcher, flags = run_script(SCRIPTS_DIR / "pretrain_llama2_70b.sh", "--lr", "1e-5", "--min-lr", "1e-6", "--log-interval", "1", env=env)
+    opts = launcher_options(launcher)
+    assert opts == {"--nproc_per_node": "4", "--nnodes": "2", "--node_rank": "1", "--master_addr": "node-a",
+                    "--master_port": "29500"}
+    assert flags[-6:] == ["--lr", "1e-5", "--min-lr", "1e-6", "--log-interval", "1"]
+    cfg = parse(flags, 8)
+    p, t, d = cfg.parallel, cfg.training, cfg.data
+    assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size) == (2, 1, 4)
+    assert p.sequence_parallel and p.use_distributed_optimizer and p.overlap_grad_reduce
+    assert (t.micro_batch_size, t.global_batch_size, t.train_iters, t.lr_decay_iters) == (1, 8, 50, 50)
+    assert t.lr_warmup_iters < 50  # the 2000-iteration warm-up is cut to fit a shrunk run
+    assert t.lr == 1e-5 and cfg.logging.log_interval == 1
+    assert d.data_path == ["0.7", "/data/a_text_document", "0.3", "/data/b_text_document"] and not d.mock_data
+    assert d.tokenizer_type == "SentencePieceTokenizer" and d.tokenizer_model == "/models/llama-2/tokenizer.model"
+    assert cfg.checkpoint.save == cfg.checkpoint.load == str(tmp_path / "ckpt")  # resumes: a checkpoint exists
+    assert cfg.logging.tensorboard_dir == str(tmp_path / "tb") and cfg.logging.wandb_project == "proj"
+    assert cfg.model.recompute_granularity == "full" and cfg.model.recompute_method == "uniform"
+
+
+def test_tiny_cpu_with_real_data_and_tokenizer():
+    env = {"DATA_PATH": "data/corpus_text_document", "TOKENIZER_MODEL": "data/tok.model", "TRAIN_ITERS": "3"}
+    launcher, flags = run_script(SCRIPTS_DIR / "pretrain_gpt_tiny_cpu.sh", env=env)
+    cfg = parse(flags, 4)
+    assert cfg.data.data_path == ["data/corpus_text_document"] and not cfg.data.mock_data
+    assert cfg.data.tokenizer_type == "SentencePieceTokenizer" and cfg.data.tokenizer_model == "data/tok.model"
+    assert cfg.training.train_iters == 3 and cfg.training.lr_warmup_iters < cfg.training.lr_decay_iters
+
+
+def test_slurm_wrapper_sets_rendezvous(tmp_path):
+    """Run the sbatch file with stand-ins for scontrol and srun (srun runs the task as node 3)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text('#!/bin/bash\n[[ "$1 $2" == "show hostnames" ]] || exit 1\n'
+                                      'printf "gpu-node-07\\ngpu-node-08\\n"\n')
+    (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == -* ]]; do shift; done\n'
+                                  'SLURM_NODEID=3 exec "$@"\n')
+    for tool in ("scontrol", "srun"):
+        (bin_dir / tool).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in SCRIPT_ENV}
+    env.update({"PATH": f"{bin_dir}:{env['PATH']}", "DRY_RUN": "1", "SLURM_JOB_NODELIST": "gpu-node-[07-08]",
+                "SLURM_NNODES": "16", "SLURM_NODEID": "0", "SLURM_SUBMIT_DIR": str(REPO)})
+    proc = subprocess.run(["bash", str(SCRIPTS_DIR / "slurm" / "pretrain.sbatch"), "scripts/pretrain_gpt3_175b.sh",
+                           "--log-interval", "1"], env=env, cwd=str(tmp_path), capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    command = next(line for line in proc.stdout.splitlines() if line.startswith(COMMAND_PREFIX))
+    words = shlex.split(command[len("[megalm] "):])
+    opts = launcher_options(words[3:words.index("pretrain_gpt.py")])
+    assert opts == {"--nproc_per_node": "8", "--nnodes": "16", "--node_rank": "3", "--master_addr": "gpu-node-07",
+                    "--master_port": "6000"}
+    assert words[-2:] == ["--log-interval", "1"]
+
+    missing = subprocess.run(["bash", str(SCRIPTS_DIR / "slurm" / "pretrain.sbatch")], env=env,
+                             capture_output=True, text=True, timeout=30)
+    assert missing.returncode == 2 and "usage" in missing.stderr

@@ -1,0 +1,237 @@
+"""End-to-end training through pretrain_gpt.py's pieces on real spawned ranks (fp32, tiny GPT).
+
+Each spawned group runs several trainings; losses are read back from --metrics-file.
+"""
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from megalm.testing import run_distributed
+
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--max-position-embeddings", "32", "--mock-data", "--vocab-size", "500", "--num-workers", "0",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "2e-3", "--min-lr", "1e-4",
+        "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-iters", "0",
+        "--seed", "7", "--clip-grad", "1.0", "--weight-decay", "0.1"]
+
+
+def _argv(tmp, name, *extra):
+    return TINY + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl")] + list(extra)
+
+
+def _run_trainings(runs):
+    """Run each (argv, options) in turn on this rank; return exit codes."""
+    import pretrain_gpt
+    from megalm import parallel_state
+    from megalm.training import pretrain
+
+    codes = []
+    for argv, options in runs:
+        forward_step = pretrain_gpt.forward_step
+        if options.get("sigterm_at_call"):
+            forward_step = _sigterm_after(forward_step, options["sigterm_at_call"])
+        if options.get("inf_at_call"):
+            forward_step = _inf_at(forward_step, options["inf_at_call"])
+        try:
+            pretrain(pretrain_gpt.model_provider, forward_step, argv=argv)
+            codes.append(0)
+        except SystemExit as e:
+            codes.append(e.code if isinstance(e.code, int) else str(e.code))
+        parallel_state.destroy_model_parallel()
+    return codes
+
+
+def _sigterm_after(forward_step, n):
+    calls = {"n": 0}
+
+    def step(data_iterator, model):
+        calls["n"] += 1
+        if calls["n"] == n:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return forward_step(data_iterator, model)
+
+    return step
+
+
+def _inf_at(forward_step, n):
+    calls = {"n": 0}
+
+    def step(data_iterator, model):
+        calls["n"] += 1
+        out, loss_func = forward_step(data_iterator, model)
+        if calls["n"] == n:
+            out = out * float("inf")
+        return out, loss_func
+
+    return step
+
+
+def _records(tmp, name, kind="train"):
+    with open(os.path.join(tmp, f"{name}.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    if kind == "train":
+        return [r for r in rows if "lm_loss" in r]
+    return [r for r in rows if r.get("split") == kind]
+
+
+def _losses(tmp, name):
+    return [r["lm_loss"] for r in _records(tmp, name)]
+
+
+def _assert_close(a, b, rel=1e-5):
+    assert len(a) == len(b) and len(a) > 0, (a, b)
+    for x, y in zip(a, b):
+        assert abs(x - y) <= rel * abs(y), (a, b)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """All trainings of this module, in three spawned groups (1, 2 and 4 ranks)."""
+    tmp = str(tmp_path_factory.mktemp("train"))
+    it = ["--train-iters", "6"]
+    single = [
+        (_argv(tmp, "ref", *it, "--micro-batch-size", "8", "--global-batch-size", "8"), {}),
+        (_argv(tmp, "accum", *it, "--micro-batch-size", "2", "--global-batch-size", "8"), {}),
+        (_argv(tmp, "bf16", "--train-iters", "12", "--micro-batch-size", "8", "--bf16"), {}),
+        (_argv(tmp, "fp16", "--train-iters", "6", "--micro-batch-size", "8", "--fp16", "--initial-loss-scale", "1024",
+               "--hysteresis", "1", "--loss-scale-window", "3"), {"inf_at_call": 3}),
+    ]
+    codes1 = run_distributed(_run_trainings, 1, args=(single,), timeout=240)
+    double = [
+        (_argv(tmp, "dp2", *it, "--micro-batch-size", "4", "--global-batch-size", "8"), {}),
+        (_argv(tmp, "dp2_overlap", *it, "--micro-batch-size", "2", "--global-batch-size", "8",
+               "--overlap-grad-reduce", "--ddp-bucket-size", "5000"), {}),
+    ]
+    codes2 = run_distributed(_run_trainings, 2, args=(double,), timeout=240)
+    ck = os.path.join(tmp, "ckpt")
+    ck_sig = os.path.join(tmp, "ckpt_sig")
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--micro-batch-size", "2",
+           "--global-batch-size", "8"]
+    drop = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    quad = [
+        (_argv(tmp, "tp2dp2", *it, *tp2), {}),
+        # Exact resume with dropout on: 10 straight vs 5 + resume + 5.
+        (_argv(tmp, "straight", "--train-iters", "10", *tp2, *drop), {}),
+        (_argv(tmp, "first_half", "--train-iters", "10", "--exit-interval", "5", "--save", ck,
+               "--save-interval", "100", *tp2, *drop), {}),
+        (_argv(tmp, "second_half", "--train-iters", "10", "--load", ck, "--save", ck, *tp2, *drop), {}),
+        # Layout change: the TP2 x DP2 checkpoint at iteration 5 continued as TP1 x DP4.
+        (_argv(tmp, "relayout", "--train-iters", "10", "--load", ck, "--ckpt-step", "5",
+               "--micro-batch-size", "2", "--global-batch-size", "8", *drop), {}),
+        # SIGTERM during iteration 3 (microbatch call 5 of 2 per iteration): finish, save, exit 0.
+        (_argv(tmp, "sigterm", "--train-iters", "10", "--exit-signal-handler", "--save", ck_sig, *tp2),
+         {"sigterm_at_call": 5}),
+    ]
+    codes4 = run_distributed(_run_trainings, 4, args=(quad,), timeout=300)
+    return {"tmp": tmp, "codes": (codes1, codes2, codes4), "ckpt": ck, "ckpt_sig": ck_sig}
+
+
+def test_all_runs_exit_cleanly(runs):
+    codes1, codes2, codes4 = runs["codes"]
+    assert all(c == [0, 0, 0, 0] for c in codes1), codes1
+    assert all(c == [0, 0] for c in codes2), codes2
+    assert all(c == [0] * 6 for c in codes4), codes4
+
+
+def test_microbatch_accumulation_equals_one_big_batch(runs):
+    _assert_close(_losses(runs["tmp"], "accum"), _losses(runs["tmp"], "ref"))
+
+
+def test_data_parallel_equals_single_process(runs):
+    ref = _losses(runs["tmp"], "ref")
+    _assert_close(_losses(runs["tmp"], "dp2"), ref)
+    _assert_close(_losses(runs["tmp"], "dp2_overlap"), ref)
+
+
+def test_tensor_and_data_parallel_equal_single_process(runs):
+    _assert_close(_losses(runs["tmp"], "tp2dp2"), _losses(runs["tmp"], "ref"))
+
+
+def test_grad_norm_and_lr_logged_identically(runs):
+    ref = _records(runs["tmp"], "ref")
+    tp = _records(runs["tmp"], "tp2dp2")
+    for a, b in zip(ref, tp):
+        assert a["lr"] == pytest.approx(b["lr"], rel=1e-12)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["consumed_samples"] == b["consumed_samples"]
+
+
+def test_exact_resume(runs):
+    tmp = runs["tmp"]
+    straight = _losses(tmp, "straight")
+    resumed = _losses(tmp, "first_half") + _losses(tmp, "second_half")
+    assert len(straight) == 10
+    assert resumed == straight  # bit-identical, dropout included
+    assert [r["iteration"] for r in _records(tmp, "second_half")] == list(range(6, 11))
+
+
+def test_checkpoint_layout_and_tracker(runs):
+    ck = runs["ckpt"]
+    assert open(os.path.join(ck, "latest_checkpointed_iteration.txt")).read().strip() == "10"
+    for it in (5, 10):
+        d = os.path.join(ck, f"iter_{it:07d}")
+        assert os.path.isfile(os.path.join(d, ".metadata"))
+        common = json.load(open(os.path.join(d, "common.json")))
+        assert common["iteration"] == it and common["consumed_train_samples"] == it * 8
+        assert sorted(os.listdir(os.path.join(d, "rng"))) == [f"rank_{r:05d}.pt" for r in range(4)]
+
+
+def test_layout_changing_load_continues_training(runs):
+    tmp = runs["tmp"]
+    straight = _losses(tmp, "straight")
+    relayout = _losses(tmp, "relayout")
+    # Dropout masks depend on the layout, so compare loosely; the first loss after loading is
+    # computed from identical weights and data with the same dropout rate.
+    assert len(relayout) == 5
+    assert abs(relayout[0] - straight[5]) < 0.05 * straight[5]
+    assert relayout[-1] < _losses(tmp, "straight")[0]
+
+
+def test_sigterm_saves_and_exits_zero(runs):
+    ck = runs["ckpt_sig"]
+    assert open(os.path.join(ck, "latest_checkpointed_iteration.txt")).read().strip() == "3"
+    assert [r["iteration"] for r in _records(runs["tmp"], "sigterm")] == [1, 2, 3]
+
+
+def test_fp16_loss_scaler_skips_inf_and_recovers(runs):
+    rec = _records(runs["tmp"], "fp16")
+    scales = [r["loss_scale"] for r in rec]
+    # The inf appears in iteration 3 (one microbatch per iteration): skipped, scale halved.
+    assert scales[:2] == [1024.0, 1024.0]
+    assert scales[2] == 512.0
+    assert rec[2]["skipped_iterations"] == 1
+    assert all(r["skipped_iterations"] == 0 for i, r in enumerate(rec) if i != 2)
+    losses = [r["lm_loss"] for i, r in enumerate(rec) if i != 2]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    # Grows back after --loss-scale-window 3 clean iterations.
+    assert scales[5] == 1024.0
+
+
+def test_bf16_trains(runs):
+    losses = _losses(runs["tmp"], "bf16")
+    assert len(losses) == 12
+    assert losses[-1] < losses[0] - 0.3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--micro-batch-size", "3", "--global-batch-size", "8", "--train-iters", "1"], "not divisible by --micro-batch-size 3"),
+    (["--train-iters", "1"], "no training data"),
+    (["--train-iters", "1", "--mock-data", "--load", "/nonexistent/ckpt"], "--load directory /nonexistent/ckpt does not exist"),
+    (["--train-iters", "1", "--mock-data", "--use-distributed-optimizer"], "not implemented"),
+])
+def test_bad_flags_fail_before_start(argv, message, capsys):
+    import pretrain_gpt
+    from megalm.training import pretrain
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--vocab-size", "500"]
+    with pytest.raises(SystemExit) as e:
+        pretrain(pretrain_gpt.model_provider, pretrain_gpt.forward_step, argv=base + argv)
+    text = str(e.value.code) + capsys.readouterr().err
+    assert message in text
+    import torch.distributed as dist
+    assert not dist.is_initialized()
