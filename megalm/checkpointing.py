@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from megalm import parallel_state
-from megalm.dist_checkpointing import ShardedStateDict, ShardedTensorSpec, load_sharded, save_sharded
+from megalm.dist_checkpointing import (ShardedStateDict, ShardedTensorSpec, load_sharded, save_sharded,
+                                      saved_tensor_shapes)
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
@@ -255,16 +256,17 @@ def load_checkpoint(root: str, model_chunks, optimizer=None, scheduler=None, loa
     if path is None:
         raise CheckpointError(f"no checkpoint in {root} (no {TRACKER_FILENAME})")
     common = read_common(path)
-    specs = model_sharded_state(model_chunks)
+    saved = saved_tensor_shapes(path)
     with_optim = optimizer is not None and load_optim and not finetune
-    if with_optim:
-        specs.update(optimizer_sharded_state(optimizer, model_chunks))
+    specs, main_params_missing = _load_specs(model_chunks, optimizer if with_optim else None, saved)
     try:
         load_sharded(specs, path)
     except Exception as e:  # DCP wraps per-rank errors; name the checkpoint
         raise CheckpointError(f"failed to load {path}: {e}") from e
     if with_optim:
         optimizer.load_common_state_dict(common.get("optimizer_common") or {})
+        if main_params_missing:  # e.g. an fp32 checkpoint resumed with --bf16: main <- model
+            optimizer._main_params_restored = False
         optimizer.reload_model_params()
         if scheduler is not None and common.get("scheduler") is not None:
             scheduler.load_state_dict(common["scheduler"])
@@ -276,6 +278,33 @@ def load_checkpoint(root: str, model_chunks, optimizer=None, scheduler=None, loa
     if finetune:
         common = dict(common, iteration=0, consumed_train_samples=0, consumed_valid_samples=0)
     return common
+
+
+def _load_specs(model_chunks, optimizer, saved: Dict[str, tuple]):
+    """What to read into which tensor, given the names in the checkpoint.
+
+    Model weights come from the fp32 main copy when the checkpoint has one and nothing else
+    reads it (an fp32 model, or no optimizer state loaded): it is the more precise value.
+    Missing fp32 main copies (a checkpoint of an fp32 run) are rebuilt from the weights.
+    """
+    params = model_parameters(model_chunks)
+    opt_specs = optimizer_sharded_state(optimizer, model_chunks) if optimizer is not None else {}
+    missing = sorted(k for k in opt_specs if k not in saved)
+    other_missing = [k for k in missing if not k.endswith(".main_param")]
+    if other_missing:
+        raise CheckpointError(f"checkpoint has no optimizer state for {other_missing[:3]} "
+                              f"({len(other_missing)} tensors); load with --no-load-optim to start a fresh optimizer")
+    for key in missing:
+        del opt_specs[key]
+    specs: ShardedStateDict = {}
+    for name, p in params.items():
+        main_key = f"optimizer.{name}.main_param"
+        if main_key in saved and main_key not in opt_specs:
+            specs[main_key] = param_spec(p)
+        else:
+            specs[f"model.{name}"] = param_spec(p)
+    specs.update(opt_specs)
+    return specs, bool(missing)
 
 
 def load_rng_state(path: str, common: dict) -> None:

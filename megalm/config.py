@@ -130,6 +130,11 @@ class TrainingConfig:
     lr_warmup_fraction: Optional[float] = _f(None, "Warm-up as a fraction of --lr-decay-iters.")
     lr_warmup_init: float = _f(0.0, "Learning rate at the start of warm-up.")
     lr_decay_iters: Optional[int] = _f(None, "Iterations to decay over; default --train-iters.")
+    lr_decay_samples: Optional[int] = _f(None, "Samples to decay over (with --train-samples).")
+    lr_warmup_samples: Optional[int] = _f(None, "Warm-up samples (with --train-samples).")
+    lr_wsd_decay_samples: Optional[int] = _f(None, "Samples of WSD's final decay phase (with --train-samples).")
+    override_opt_param_scheduler: bool = _f(False, "On load, use the learning-rate schedule of the command line.")
+    use_checkpoint_opt_param_scheduler: bool = _f(False, "On load, use the learning-rate schedule saved in the checkpoint.")
     lr_wsd_decay_style: str = _f("exponential", "Annealing shape of WSD's decay phase.", choices=["exponential", "linear", "cosine"])
     lr_wsd_decay_iters: Optional[int] = _f(None, "Length of WSD's final decay phase.")
     weight_decay: float = _f(0.01, "Decoupled weight decay (not applied to biases and norms).")
@@ -138,6 +143,7 @@ class TrainingConfig:
     adam_eps: float = _f(1e-8, "Adam epsilon.")
     sgd_momentum: float = _f(0.9, "SGD momentum.")
     clip_grad: float = _f(1.0, "Clip gradients to this global L2 norm (0 disables).")
+    log_num_zeros_in_grad: bool = _f(False, "Count zero gradient entries and log them.")
     bf16: bool = _f(False, "bf16 weights and compute, fp32 main weights and gradients.")
     fp16: bool = _f(False, "fp16 weights and compute, fp32 main weights, dynamic loss scaling.")
     loss_scale: Optional[float] = _f(None, "Static loss scale (fp16); dynamic when unset.")
@@ -427,8 +433,13 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
            "give only one of --train-iters and --train-samples")
     _check(t.rampup_batch_size is None or t.train_samples is not None,
            "--rampup-batch-size needs --train-samples")
-    _check(t.lr_warmup_fraction is None or t.lr_warmup_iters == 0,
-           "give only one of --lr-warmup-iters and --lr-warmup-fraction")
+    _check(t.lr_warmup_fraction is None or (t.lr_warmup_iters == 0 and t.lr_warmup_samples is None),
+           "give only one of --lr-warmup-iters, --lr-warmup-samples and --lr-warmup-fraction")
+    _check(not (t.override_opt_param_scheduler and t.use_checkpoint_opt_param_scheduler),
+           "give only one of --override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler")
+    for name in ("lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples"):
+        _check(getattr(t, name) is None or t.train_samples is not None,
+               f"--{name.replace('_', '-')} needs --train-samples (with --train-iters use the *-iters flags)")
     _check(t.min_lr <= t.lr, f"--min-lr {t.min_lr} is larger than --lr {t.lr}")
     _check(t.loss_scale_window >= 1 and t.hysteresis >= 1, "--loss-scale-window and --hysteresis must be >= 1")
 

@@ -332,7 +332,13 @@ def get_expert_data_parallel_rank() -> int:
 
 
 def get_expert_tensor_and_model_parallel_group():
+    """Tensor x expert ranks of one pipeline stage (the ranks an MoE layer's tokens travel between)."""
     return _state().groups["expert_tensor_expert"]
+
+
+def get_expert_tensor_model_pipeline_parallel_group():
+    """Tensor x expert x pipeline ranks: one full set of experts (the expert part of the grad norm)."""
+    return _state().groups["expert_model"]
 
 
 # --- embedding groups ------------------------------------------------------------------

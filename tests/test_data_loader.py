@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megalm.config import MegalmConfig
-from megalm.data import build_train_valid_test_data_iterators, get_batch
+from megalm.data import build_train_valid_test_data_iterators, get_batch, splits_available
 from megalm.data.builder import build_train_valid_test_datasets
 from megalm.data.indexed_dataset import IndexedDatasetBuilder
 from megalm.data.samplers import MegatronPretrainingSampler
@@ -128,12 +128,13 @@ def _ranks_read_and_broadcast(prefix):
         train, valid, test = build_train_valid_test_data_iterators(cfg, tok, consumed_train_samples=8)
         dp = ps.get_data_parallel_world_size()
         micro = [get_batch(train, cfg) for _ in range(2 * 8 // (2 * dp))]
+        splits = splits_available()
         out[name] = {"built": None if train_ds is None else bool(train_ds.built_indices), "reads": train is not None,
+                     "splits": splits,
                      "valid_none": valid is None, "dp_rank": ps.get_data_parallel_rank(), "dp": dp,
                      "tp_rank": ps.get_tensor_model_parallel_rank(), "first": ps.is_pipeline_first_stage(),
                      "last": ps.is_pipeline_last_stage(),
-                     "micro": [None if m is None else {k: (None if v is None else v.tolist()) for k, v in m.items()}
-                               for m in micro]}
+                     "micro": [{k: (None if v is None else v.tolist()) for k, v in m.items()} for m in micro]}
         dist.barrier()
         ps.destroy_model_parallel()
     return out
@@ -153,9 +154,10 @@ def test_real_ranks_dp_independent_batches_and_tp_broadcast(tmp_path):
         for rank, r in enumerate(results):
             info = r[name]
             assert info["reads"] == (info["tp_rank"] == 0) and info["dp"] == dp
+            assert info["splits"] == (True, True, True)
             for m, batch in enumerate(info["micro"]):
                 if not info["first"] and not info["last"]:
-                    assert batch is None
+                    assert batch == dict.fromkeys(batch) and len(batch) == 4
                     continue
                 # Micro-step m covers samples 8 + m*2*dp ..; this rank's slice starts at dp_rank*2.
                 ids = [8 + m * 2 * dp + info["dp_rank"] * 2 + j for j in range(2)]
@@ -173,3 +175,11 @@ def test_real_ranks_dp_independent_batches_and_tp_broadcast(tmp_path):
     assert results[1]["tp2"]["micro"] == results[0]["tp2"]["micro"]
     assert results[3]["tp4"]["micro"] == results[0]["tp4"]["micro"]
     assert results[3]["tp2pp2"]["micro"] == results[2]["tp2pp2"]["micro"]
+
+
+def test_splits_available_reports_empty_splits():
+    cfg = make_cfg(None)
+    cfg.data.split = "100,0,0"
+    train, valid, test = build_train_valid_test_data_iterators(cfg, NullTokenizer(64))
+    assert splits_available() == (True, False, False)
+    assert train is not None and valid is None and test is None

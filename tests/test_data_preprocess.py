@@ -249,3 +249,19 @@ def test_tools_help(tool, flags):
                          text=True, check=True).stdout
     for flag in flags:
         assert flag in out
+
+
+def test_huggingface_tokenizer_preprocess(tmp_path):
+    from megalm.tokenizers import HuggingFaceTokenizer
+    from tests.test_tokenizers import make_hf_tokenizer_json
+
+    path = make_hf_tokenizer_json(tmp_path / "tokenizer.json")
+    texts = sample_texts(30, seed=15)
+    opts = PreprocessOptions(input=write_jsonl(tmp_path / "in.jsonl", texts), output_prefix=str(tmp_path / "hf"),
+                             tokenizer_type="HuggingFaceTokenizer", tokenizer_model=path, append_eod=True,
+                             workers=2, progress=False)
+    preprocess(opts)
+    tok = HuggingFaceTokenizer(path)
+    ds = IndexedDataset(str(tmp_path / "hf_text_document"))
+    assert [ds[i].tolist() for i in range(len(ds))] == [tok.tokenize(t) + [tok.eod] for t in texts]
+    assert tok.detokenize(ds[4][:-1]) == texts[4]

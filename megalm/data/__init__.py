@@ -16,6 +16,7 @@ _LAZY = {
     "MegatronPretrainingSampler": "megalm.data.samplers",
     "build_pretraining_data_loader": "megalm.data.loaders",
     "build_train_valid_test_data_iterators": "megalm.data.loaders",
+    "splits_available": "megalm.data.loaders",
     "get_batch": "megalm.data.batch",
 }
 

@@ -3,8 +3,8 @@
 Only TP rank 0 reads data; :func:`get_batch` broadcasts its micro-batch to the other TP
 ranks (``src = get_tensor_model_parallel_src_rank()`` within the TP group).  As in
 Megatron, the first pipeline stage needs ``tokens`` and ``position_ids``, the last stage
-``labels`` and ``loss_mask``; keys a stage does not need are None, and middle stages get
-None for the whole batch.  Shapes are ``[micro_batch_size, seq_length]``, known to every
+``labels`` and ``loss_mask``; keys a stage does not need are None (every key on middle
+stages, which read nothing).  The returned dict always has the four keys.  Shapes are ``[micro_batch_size, seq_length]``, known to every
 rank from the config, so nothing but the data itself is communicated.
 """
 
@@ -43,7 +43,7 @@ def _stage_keys() -> Tuple[Tuple[str, ...], bool]:
     return int_keys, last
 
 
-def get_batch(data_iterator, cfg=None) -> Optional[Dict[str, Optional[torch.Tensor]]]:
+def get_batch(data_iterator, cfg=None) -> Dict[str, Optional[torch.Tensor]]:
     """Next micro-batch on this rank's device, broadcast within the tensor-parallel group."""
     device = get_device()
     if not ps.model_parallel_is_initialized():
@@ -51,7 +51,7 @@ def get_batch(data_iterator, cfg=None) -> Optional[Dict[str, Optional[torch.Tens
         return {k: data[k].to(device, non_blocking=True) for k in KEYS}
     int_keys, need_mask = _stage_keys()
     if not int_keys and not need_mask:
-        return None  # middle pipeline stage: activations come from the previous stage
+        return dict.fromkeys(KEYS)  # middle pipeline stage: activations come from the previous stage
     mbs, seq = _shape(cfg)
     src, tp = ps.get_tensor_model_parallel_src_rank(), ps.get_tensor_model_parallel_world_size()
     if ps.get_tensor_model_parallel_rank() == 0:

@@ -4,6 +4,8 @@
 first, cached, then the others), and returns iterators of micro-batch dicts on the ranks
 that read data: tensor-parallel rank 0 of the first and last pipeline stages.  Every
 other rank gets ``None`` and receives its batches through :func:`megalm.data.get_batch`.
+:func:`splits_available` then tells every rank which splits have data (as Megatron's
+``do_train`` / ``do_valid`` / ``do_test`` flags), since only reading ranks can see it.
 """
 
 from __future__ import annotations
@@ -58,6 +60,29 @@ def data_parallel_rank_and_size() -> Tuple[int, int]:
     return 0, 1
 
 
+_SPLITS_AVAILABLE: Optional[Tuple[bool, bool, bool]] = None
+
+
+def _share_split_flags(local: list) -> None:
+    """Agree on which splits exist: OR of the reading ranks' answers (collective)."""
+    global _SPLITS_AVAILABLE
+    flags = torch.tensor([int(x) for x in local], dtype=torch.int64, device=get_device())
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    _SPLITS_AVAILABLE = tuple(bool(x) for x in flags.tolist())
+
+
+def splits_available() -> Tuple[bool, bool, bool]:
+    """``(train, valid, test)``: whether each split has data, the same on every rank.
+
+    Valid after :func:`build_train_valid_test_data_iterators`; use it to decide whether
+    to train / evaluate (ranks that do not read data get None iterators either way).
+    """
+    if _SPLITS_AVAILABLE is None:
+        raise RuntimeError("splits_available() is known only after build_train_valid_test_data_iterators()")
+    return _SPLITS_AVAILABLE
+
+
 def build_train_valid_test_data_iterators(cfg, tokenizer, consumed_train_samples: int = 0,
                                           consumed_valid_samples: int = 0):
     """``(train_iter, valid_iter, test_iter)`` of micro-batch dicts; None on ranks that do not read.
@@ -69,6 +94,7 @@ def build_train_valid_test_data_iterators(cfg, tokenizer, consumed_train_samples
     reads = rank_reads_data()
     num_samples = get_train_valid_test_num_samples(cfg)
     train_ds, valid_ds, test_ds = build_train_valid_test_datasets(cfg, tokenizer, reads, num_samples)
+    _share_split_flags([ds is not None for ds in (train_ds, valid_ds, test_ds)])
     if not reads:
         return None, None, None
     dp_rank, dp_size = data_parallel_rank_and_size()

@@ -22,6 +22,8 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
+from megalm.tensor_parallel.utils import all_gather_flat, reduce_scatter_flat
+
 
 @dataclass
 class CollectiveStats:
@@ -88,7 +90,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=dist.Red
         return None
     b = _nbytes(input)
     _record(kind, b, (k - 1) / k * b)
-    return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    return reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op)
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False,
@@ -100,7 +102,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
         return None
     b = _nbytes(output)
     _record(kind, b, (k - 1) / k * b)
-    return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+    return all_gather_flat(output, input, group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False, kind: str = "broadcast"):

@@ -70,7 +70,7 @@ def _expert_model_parallel_group():
     getter = getattr(parallel_state, "get_expert_tensor_model_pipeline_parallel_group", None)
     if getter is not None:
         return getter()
-    return parallel_state._state().groups["expert_model"]  # noqa: SLF001 - no public getter yet
+    return parallel_state.get_expert_tensor_model_pipeline_parallel_group()
 
 
 def _all_reduce(t: torch.Tensor, op, group, kind: str) -> None:

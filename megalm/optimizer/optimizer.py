@@ -340,13 +340,16 @@ def _make_torch_optimizer(t) -> Callable[[List[dict]], torch.optim.Optimizer]:
 
 
 def build_optimizer(cfg, model_chunks: Sequence[torch.nn.Module],
-                    log_num_zeros_in_grad: bool = False) -> MegatronOptimizer:
+                    log_num_zeros_in_grad: Optional[bool] = None) -> MegatronOptimizer:
     """Optimizer over every trainable parameter of ``model_chunks`` (DDP-wrapped or not).
 
     Mixed precision (fp32 main params) when any parameter is bf16/fp16; fp16 gets a dynamic
-    (or ``--loss-scale`` constant) loss scaler.
+    (or ``--loss-scale`` constant) loss scaler.  ``log_num_zeros_in_grad`` defaults to the
+    config's ``training.log_num_zeros_in_grad`` when that field exists, else False.
     """
     t = cfg.training
+    if log_num_zeros_in_grad is None:
+        log_num_zeros_in_grad = bool(getattr(t, "log_num_zeros_in_grad", False))
     named = named_parameters_for_optimizer(model_chunks)
     if not named:
         raise ValueError("build_optimizer: the model has no trainable parameters")

@@ -84,7 +84,8 @@ class OptimizerParamScheduler:
             warmup = extra("lr_warmup_samples") or t.lr_warmup_iters * gbs
             wsd = extra("lr_wsd_decay_samples") or (t.lr_wsd_decay_iters * gbs if t.lr_wsd_decay_iters else None)
         elif getattr(t, "skip_train", False):  # evaluation only: the schedule is never stepped
-            decay, warmup, wsd = 1, 0, None
+            return cls(optimizer, init_lr=t.lr, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=0, lr_decay_steps=1,
+                       lr_decay_style="constant")
         else:
             raise ValueError("the learning-rate schedule needs --train-iters or --train-samples")
         if t.lr_warmup_fraction is not None:

@@ -14,6 +14,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megalm.tensor_parallel.utils import all_gather_flat
+
 MB = 1024 * 1024
 
 
@@ -62,5 +64,5 @@ def gather_peak_memory(group=None) -> List[int]:
     if torch.cuda.is_available() and dist.get_backend(group) == "nccl":
         local = local.cuda()
     out = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=local.device)
-    dist.all_gather_into_tensor(out, local, group=group)
+    all_gather_flat(out, local, group=group)
     return [int(v) for v in out.cpu()]

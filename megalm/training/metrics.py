@@ -187,7 +187,7 @@ class MetricsWriter:
 
 _LINE_KEYS = {"iteration", "consumed_samples", "elapsed_ms", "lr", "global_batch_size", "lm_loss", "loss_scale",
               "grad_norm", "num_zeros", "skipped_iterations", "nan_iterations", "tokens_per_sec",
-              "tflops_per_rank"}
+              "tflops_per_rank", "mfu"}
 
 
 def format_log_line(record: Dict[str, Any], train_iters: int, extra_losses: Optional[Iterable[str]] = None) -> str:
@@ -216,5 +216,8 @@ def format_log_line(record: Dict[str, Any], train_iters: int, extra_losses: Opti
     if r.get("tokens_per_sec") is not None:
         parts.append(f"tokens per second: {float(r['tokens_per_sec']):.1f}")
     if r.get("tflops_per_rank") is not None:
-        parts.append(f"TFLOP/s per rank: {float(r['tflops_per_rank']):.2f}")
+        tflops = float(r["tflops_per_rank"])
+        parts.append(f"TFLOP/s per rank: {tflops:.1f}" if tflops >= 10 else f"TFLOP/s per rank: {tflops:.3f}")
+    if r.get("mfu") is not None:
+        parts.append(f"MFU: {100.0 * float(r['mfu']):.1f}%")
     return " | ".join(parts) + " |"

@@ -193,10 +193,21 @@ class Trainer:
             # Last: building data loaders draws from the torch RNG.
             checkpointing.load_rng_state(loaded["path"], loaded)
         self.signal_handler = ExitSignalHandler() if t.exit_signal_handler else None
+        self.peak_flops, self.peak_source = self._device_peak()
+        self.memory_reported = False
         n_params = count_parameters(chunks)
         print_rank_0(f"[megalm] world {dist.get_world_size()} | tp {cfg.parallel.tensor_model_parallel_size} "
                      f"pp {cfg.parallel.pipeline_model_parallel_size} dp {parallel_state.get_data_parallel_world_size()} "
                      f"| parameters on rank 0: {n_params:,} | train iters {self.train_iters}")
+
+    def _device_peak(self):
+        from megalm.training.flops import device_peak_flops
+
+        t = self.cfg.training
+        dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
+        peak, source = device_peak_flops(dtype, self.cfg.logging.device_peak_flops, get_device())
+        print_rank_0(f"[megalm] device peak for MFU: {peak / 1e12:.3f} TFLOP/s per rank ({source})")
+        return peak, source
 
     def _check_before_start(self) -> None:
         cfg = self.cfg
@@ -217,6 +228,12 @@ class Trainer:
         for asked, flag in not_yet:
             if asked:
                 raise SystemExit(f"error: {flag} is not implemented in megalm yet")
+        from megalm.training.metrics import WandbSetupError, check_wandb_ready
+
+        try:
+            check_wandb_ready(cfg.logging)  # on every rank, before any work
+        except WandbSetupError as e:
+            raise SystemExit(f"error: {e}") from None
 
     def _build_tokenizer(self):
         from megalm.tokenizers import build_tokenizer
@@ -384,6 +401,7 @@ class Trainer:
             "lr": self.scheduler.get_lr(), "loss_scale": self.optimizer.get_loss_scale(),
             "tokens_per_sec": tokens / elapsed if elapsed > 0 else 0.0,
             "tflops_per_rank": flops / elapsed / world / 1e12 if elapsed > 0 else 0.0,
+            "mfu": flops / elapsed / world / self.peak_flops if elapsed > 0 and self.peak_flops else None,
             "elapsed_ms": elapsed * 1000.0, "global_batch_size": self.microbatches.current_global_batch_size,
             "skipped_iterations": log.skipped, "nan_iterations": log.nans,
         }
@@ -393,6 +411,18 @@ class Trainer:
         if is_logging_rank():
             print(format_log_line(record, self.train_iters), flush=True)
         self.metrics.log_iteration(record)
+        if cfg.logging.log_memory and not self.memory_reported:
+            self.report_memory()
+
+    def report_memory(self) -> None:
+        """Peak memory of every rank, once, at the first log line (collective)."""
+        from megalm.training.memory import gather_peak_memory, peak_memory
+
+        self.memory_reported = True
+        peaks = gather_peak_memory()
+        kind = "max allocated" if peak_memory(get_device())["kind"] == "cuda" else "peak RSS"
+        print_rank_0(f"[megalm] memory per rank ({kind}, MB): "
+                     + ", ".join(f"rank {r}: {b / 2**20:.0f}" for r, b in enumerate(peaks)))
 
     def evaluate_and_log(self, split: str, data_iterator) -> None:
         t = self.cfg.training
