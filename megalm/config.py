@@ -435,6 +435,10 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
            "--rampup-batch-size needs --train-samples")
     _check(t.lr_warmup_fraction is None or (t.lr_warmup_iters == 0 and t.lr_warmup_samples is None),
            "give only one of --lr-warmup-iters, --lr-warmup-samples and --lr-warmup-fraction")
+    if t.train_iters is not None and t.lr_decay_style != "constant" and t.lr_warmup_fraction is None:
+        decay = t.lr_decay_iters or t.train_iters
+        _check(t.lr_warmup_iters < decay, f"--lr-warmup-iters {t.lr_warmup_iters} must be shorter than the decay "
+                                          f"({decay} iterations: --lr-decay-iters or --train-iters)")
     _check(not (t.override_opt_param_scheduler and t.use_checkpoint_opt_param_scheduler),
            "give only one of --override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler")
     for name in ("lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples"):

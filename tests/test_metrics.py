@@ -66,7 +66,7 @@ def test_format_log_line():
                 "elapsed time per iteration (ms): 250.5", "learning rate: 3.000000E-04", "global batch size:    32",
                 "lm loss: 2.000000E+00", "load balancing loss: 2.500000E-01", "loss scale: 1.0",
                 "grad norm: 0.143", "number of skipped iterations:   0", "number of nan iterations:   0",
-                "tokens per second: 12345.7", "TFLOP/s per rank: 0.12"]
+                "tokens per second: 12345.7", "TFLOP/s per rank: 0.123"]
     assert line == " | ".join(expected) + " |"
     assert "grad norm" not in format_log_line({**_record(1, 1.0), "grad_norm": None}, 10)
 

@@ -16,7 +16,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--max-position-embeddings", "32", "--mock-data", "--vocab-size", "500", "--num-workers", "0",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "2e-3", "--min-lr", "1e-4",
         "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-iters", "0",
-        "--seed", "7", "--clip-grad", "1.0", "--weight-decay", "0.1"]
+        "--seed", "7", "--clip-grad", "1.0", "--weight-decay", "0.1", "--split", "90,5,5"]
 
 
 def _argv(tmp, name, *extra):
@@ -93,14 +93,25 @@ def runs(tmp_path_factory):
     """All trainings of this module, in three spawned groups (1, 2 and 4 ranks)."""
     tmp = str(tmp_path_factory.mktemp("train"))
     it = ["--train-iters", "6"]
+    evals = ["--eval-interval", "3", "--eval-iters", "2"]
     single = [
-        (_argv(tmp, "ref", *it, "--micro-batch-size", "8", "--global-batch-size", "8"), {}),
+        (_argv(tmp, "ref", *it, *evals, "--micro-batch-size", "8", "--global-batch-size", "8"), {}),
         (_argv(tmp, "accum", *it, "--micro-batch-size", "2", "--global-batch-size", "8"), {}),
         (_argv(tmp, "bf16", "--train-iters", "12", "--micro-batch-size", "8", "--bf16"), {}),
         (_argv(tmp, "fp16", "--train-iters", "6", "--micro-batch-size", "8", "--fp16", "--initial-loss-scale", "1024",
                "--hysteresis", "1", "--loss-scale-window", "3"), {"inf_at_call": 3}),
     ]
-    codes1 = run_distributed(_run_trainings, 1, args=(single,), timeout=240)
+    ck_prec, bad = os.path.join(tmp, "ckpt_prec"), os.path.join(tmp, "bad_ckpt")
+    os.makedirs(bad)
+    with open(os.path.join(bad, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("7")  # names an iteration that was never written
+    single += [
+        (_argv(tmp, "prec_fp32", "--train-iters", "8", "--exit-interval", "4", "--micro-batch-size", "8",
+               "--save", ck_prec), {}),
+        (_argv(tmp, "prec_bf16", "--train-iters", "8", "--micro-batch-size", "8", "--load", ck_prec, "--bf16"), {}),
+        (_argv(tmp, "bad", "--train-iters", "4", "--micro-batch-size", "8", "--load", bad), {}),
+    ]
+    codes1 = run_distributed(_run_trainings, 1, args=(single,), timeout=300)
     double = [
         (_argv(tmp, "dp2", *it, "--micro-batch-size", "4", "--global-batch-size", "8"), {}),
         (_argv(tmp, "dp2_overlap", *it, "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -113,7 +124,7 @@ def runs(tmp_path_factory):
            "--global-batch-size", "8"]
     drop = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     quad = [
-        (_argv(tmp, "tp2dp2", *it, *tp2), {}),
+        (_argv(tmp, "tp2dp2", *it, *evals, *tp2), {}),
         # Exact resume with dropout on: 10 straight vs 5 + resume + 5.
         (_argv(tmp, "straight", "--train-iters", "10", *tp2, *drop), {}),
         (_argv(tmp, "first_half", "--train-iters", "10", "--exit-interval", "5", "--save", ck,
@@ -132,7 +143,7 @@ def runs(tmp_path_factory):
 
 def test_all_runs_exit_cleanly(runs):
     codes1, codes2, codes4 = runs["codes"]
-    assert all(c == [0, 0, 0, 0] for c in codes1), codes1
+    assert all(c[:6] == [0] * 6 for c in codes1), codes1
     assert all(c == [0, 0] for c in codes2), codes2
     assert all(c == [0] * 6 for c in codes4), codes4
 
@@ -211,6 +222,30 @@ def test_fp16_loss_scaler_skips_inf_and_recovers(runs):
     assert scales[5] == 1024.0
 
 
+def test_unreadable_checkpoint_fails_with_clear_error(runs):
+    code = runs["codes"][0][0][6]
+    assert "iter_0000007 is incomplete or unreadable" in str(code), code
+
+
+def test_resume_fp32_checkpoint_with_bf16(runs):
+    fp32 = _losses(runs["tmp"], "prec_fp32")
+    bf16 = _records(runs["tmp"], "prec_bf16")
+    assert [r["iteration"] for r in bf16] == [5, 6, 7, 8]
+    # Same weights, same data: the first bf16 loss is the fp32 run's trajectory within bf16 error.
+    assert abs(bf16[0]["lm_loss"] - fp32[-1]) < 0.05 * fp32[-1]
+    assert all(r["skipped_iterations"] == 0 for r in bf16)
+
+
+def test_evaluation_is_layout_independent(runs):
+    ref = _records(runs["tmp"], "ref", "validation")
+    tp = _records(runs["tmp"], "tp2dp2", "validation")
+    assert [r["iteration"] for r in ref] == [3, 6] and len(tp) == 2
+    for a, b in zip(ref, tp):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["ppl"] == pytest.approx(a["ppl"], rel=1e-4)
+    assert _records(runs["tmp"], "ref", "test")[0]["loss"] > 0
+
+
 def test_bf16_trains(runs):
     losses = _losses(runs["tmp"], "bf16")
     assert len(losses) == 12
@@ -218,10 +253,11 @@ def test_bf16_trains(runs):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--micro-batch-size", "3", "--global-batch-size", "8", "--train-iters", "1"], "not divisible by --micro-batch-size 3"),
-    (["--train-iters", "1"], "no training data"),
-    (["--train-iters", "1", "--mock-data", "--load", "/nonexistent/ckpt"], "--load directory /nonexistent/ckpt does not exist"),
-    (["--train-iters", "1", "--mock-data", "--use-distributed-optimizer"], "not implemented"),
+    (["--micro-batch-size", "3", "--global-batch-size", "8", "--train-iters", "4"], "not divisible by --micro-batch-size 3"),
+    (["--train-iters", "4"], "no training data"),
+    (["--train-iters", "4", "--mock-data", "--lr-warmup-iters", "4"], "--lr-warmup-iters 4 must be shorter"),
+    (["--train-iters", "4", "--mock-data", "--load", "/nonexistent/ckpt"], "--load directory /nonexistent/ckpt does not exist"),
+    (["--train-iters", "4", "--mock-data", "--use-distributed-optimizer"], "not implemented"),
 ])
 def test_bad_flags_fail_before_start(argv, message, capsys):
     import pretrain_gpt
