@@ -263,6 +263,21 @@ def _handle_issues(result: ChunkResult, files: Sequence[str], opts: PreprocessOp
                 progress.warn("WARNING: further skipped records are only counted (see the summary)")
 
 
+def _worker_pool(opts: PreprocessOptions, dtype: np.dtype):
+    """Worker processes started from a clean single-threaded fork server.
+
+    Forking the caller directly is unsafe when it has threads (torch, DataLoader, a
+    trainer): a child can inherit a held lock and hang.  The fork server preloads this
+    module once, so later pools start as fast as plain fork.
+    """
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["megalm.data.preprocess"])
+    else:
+        ctx = mp.get_context("spawn")
+    return ctx.Pool(opts.workers, initializer=_init_worker, initargs=(opts, dtype))
+
+
 def _raise_on_sigterm(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -277,9 +292,8 @@ def preprocess(opts: PreprocessOptions) -> PreprocessSummary:
     prefixes = output_prefixes(opts.output_prefix, opts.json_keys)
     summary = PreprocessSummary(dtype=str(dtype), outputs=prefixes)
     start = time.perf_counter()
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    pool = _worker_pool(opts, dtype)
     old_term = signal.signal(signal.SIGTERM, _raise_on_sigterm) if _in_main_thread() else None
-    pool = ctx.Pool(opts.workers, initializer=_init_worker, initargs=(opts, dtype))
     progress = _Progress(files, opts.progress, opts.log_interval)
     try:
         with ExitStack() as stack:

@@ -269,10 +269,13 @@ class Trainer:
         cfg = self.cfg
         if cfg.training.train_iters is None:
             cfg.training.train_iters = self.train_iters
-        self.do_valid = cfg.training.eval_iters > 0 and self._split_exists(1)
-        self.do_test = cfg.training.eval_iters > 0 and self._split_exists(2)
+        from megalm.data import splits_available
+
         self.train_iter, self.valid_iter, self.test_iter = build_train_valid_test_data_iterators(
             cfg, self.tokenizer, self.state.consumed_train_samples, self.state.consumed_valid_samples)
+        _, has_valid, has_test = splits_available()  # the same answer on every rank
+        self.do_valid = cfg.training.eval_iters > 0 and has_valid
+        self.do_test = cfg.training.eval_iters > 0 and has_test
 
     def _load(self) -> None:
         c = self.cfg.checkpoint
@@ -302,16 +305,6 @@ class Trainer:
         finally:
             self.metrics.close()
         return state
-
-    def _split_exists(self, index: int) -> bool:
-        """Whether split ``index`` (0 train, 1 valid, 2 test) has data; the same answer on every rank."""
-        d = self.cfg.data
-        if d.mock_data:
-            return True
-        if d.data_path:
-            parts = [float(x) for x in d.split.replace("/", ",").split(",") if x.strip()] + [0.0, 0.0]
-            return parts[index] > 0
-        return bool([d.train_data_path, d.valid_data_path, d.test_data_path][index])
 
     def train(self) -> None:
         cfg, state, t = self.cfg, self.state, self.cfg.training
