@@ -110,6 +110,8 @@ def runs(tmp_path_factory):
                "--save", ck_prec), {}),
         (_argv(tmp, "prec_bf16", "--train-iters", "8", "--micro-batch-size", "8", "--load", ck_prec, "--bf16"), {}),
         (_argv(tmp, "bad", "--train-iters", "4", "--micro-batch-size", "8", "--load", bad), {}),
+        (_argv(tmp, "duration", "--train-iters", "4", "--micro-batch-size", "8", "--exit-duration-in-mins", "0",
+               "--save", os.path.join(tmp, "ckpt_duration")), {}),
     ]
     codes1 = run_distributed(_run_trainings, 1, args=(single,), timeout=300)
     double = [
@@ -222,6 +224,13 @@ def test_fp16_loss_scaler_skips_inf_and_recovers(runs):
     assert scales[5] == 1024.0
 
 
+def test_exit_duration_saves_and_exits(runs):
+    assert runs["codes"][0][0][7] == 0
+    ck = os.path.join(runs["tmp"], "ckpt_duration")
+    assert open(os.path.join(ck, "latest_checkpointed_iteration.txt")).read().strip() == "1"
+    assert [r["iteration"] for r in _records(runs["tmp"], "duration")] == [1]
+
+
 def test_unreadable_checkpoint_fails_with_clear_error(runs):
     code = runs["codes"][0][0][6]
     assert "iter_0000007 is incomplete or unreadable" in str(code), code
@@ -257,7 +266,7 @@ def test_bf16_trains(runs):
     (["--train-iters", "4"], "no training data"),
     (["--train-iters", "4", "--mock-data", "--lr-warmup-iters", "4"], "--lr-warmup-iters 4 must be shorter"),
     (["--train-iters", "4", "--mock-data", "--load", "/nonexistent/ckpt"], "--load directory /nonexistent/ckpt does not exist"),
-    (["--train-iters", "4", "--mock-data", "--use-distributed-optimizer"], "not implemented"),
+    (["--train-iters", "4", "--mock-data", "--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer"),
 ])
 def test_bad_flags_fail_before_start(argv, message, capsys):
     import pretrain_gpt
