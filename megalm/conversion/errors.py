@@ -1,0 +1,7 @@
+"""The one error type of the conversion tools: a checkpoint or config that cannot be mapped."""
+
+from __future__ import annotations
+
+
+class ConversionError(ValueError):
+    """The message names the offending field, file or tensor and what would be accepted."""

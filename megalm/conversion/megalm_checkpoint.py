@@ -1,0 +1,200 @@
+"""Read and write megalm checkpoints as FULL tensors from a single process.
+
+A megalm checkpoint (:mod:`megalm.checkpointing`) stores every model tensor as blocks of its
+full tensor keyed ``model.<global parameter name>`` (padded vocabulary rows dropped, a SwiGLU
+``linear_fc1`` as ``[2, ffn, h]``), so whatever TP/PP layout saved it, one process can read
+each full tensor without any process group.  Mixed-precision runs also hold the fp32 main
+copy ``optimizer.<name>.main_param``: :meth:`MegalmCheckpointReader.load` prefers it.
+
+Nothing is unpickled beyond DCP's own metadata classes: ``.metadata`` (a pickle written by
+``torch.distributed.checkpoint``) is read with a restricted unpickler that accepts only the
+metadata dataclasses, ``torch.Size``, dtypes and paths; tensor data goes through DCP's
+``torch.load(weights_only=True)``; ``common.json`` is JSON.
+
+:func:`write_checkpoint` writes full tensors with :func:`megalm.dist_checkpointing.save_sharded`
+(replicated specs), a ``common.json`` and the tracker file, so any TP/PP layout can load it
+(with ``--finetune`` or ``--no-load-optim``: it has no optimizer state).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import time
+import warnings
+from typing import Dict, Iterable, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from megalm.checkpointing import (FORMAT_VERSION, TRACKER_FILENAME, CheckpointError, checkpoint_dir,
+                                  find_checkpoint, read_common)
+from megalm.config import MegalmConfig
+from megalm.conversion.errors import ConversionError
+
+MODEL_PREFIX = "model."
+MAIN_PARAM_SUFFIX = ".main_param"
+
+_ALLOWED_MODULES = {"torch.distributed.checkpoint.metadata"}
+_ALLOWED_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"), ("pathlib", "Path"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Accepts only what DCP writes into ``.metadata``; anything else is an error, not code."""
+
+    def find_class(self, module: str, name: str):
+        if module in _ALLOWED_MODULES or (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name} from a checkpoint's .metadata "
+                                     f"(only torch.distributed.checkpoint metadata classes are allowed)")
+
+
+def read_metadata(path: str) -> Metadata:
+    """DCP metadata of the checkpoint directory ``path``, read with the restricted unpickler."""
+    file = os.path.join(path, ".metadata")
+    try:
+        with open(file, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except OSError as e:
+        raise CheckpointError(f"cannot read {file}: {e}") from None
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{file}: {e}") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{file} does not hold torch.distributed.checkpoint metadata")
+    return metadata
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader with the restricted metadata unpickler."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        metadata = read_metadata(str(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def tensor_entries(metadata: Metadata) -> Dict[str, tuple]:
+    """``{key: (global shape, dtype)}`` of every tensor in the checkpoint."""
+    out = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if hasattr(md, "size") and hasattr(md, "properties"):
+            out[key] = (tuple(md.size), md.properties.dtype)
+    return out
+
+
+class MegalmCheckpointReader:
+    """One iteration directory of a megalm checkpoint root, read tensor by tensor.
+
+    ``root`` is the ``--save`` directory (or an ``iter_XXXXXXX`` directory itself); the
+    latest iteration is used unless ``iteration`` is given.
+    """
+
+    def __init__(self, root: str, iteration: Optional[int] = None):
+        if not os.path.isdir(root):
+            raise CheckpointError(f"checkpoint directory {root} does not exist")
+        if os.path.isfile(os.path.join(root, "common.json")) and iteration is None:
+            path = root
+        else:
+            path = find_checkpoint(root, iteration)
+            if path is None:
+                raise CheckpointError(f"no checkpoint in {root} (no {TRACKER_FILENAME}; give --iteration N)")
+        self.path = path
+        self.common = read_common(path)
+        if not self.common.get("config"):
+            raise CheckpointError(f"{path}/common.json has no config: cannot tell the model's architecture")
+        self.config = MegalmConfig.from_dict(self.common["config"])
+        self.entries = tensor_entries(read_metadata(path))
+        self.model_names = sorted(k[len(MODEL_PREFIX):] for k in self.entries if k.startswith(MODEL_PREFIX))
+
+    @property
+    def iteration(self) -> int:
+        return int(self.common["iteration"])
+
+    def has(self, name: str) -> bool:
+        return MODEL_PREFIX + name in self.entries
+
+    def shape(self, name: str) -> tuple:
+        return self._entry(name)[0]
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype the model weight was saved in (bf16 for a ``--bf16`` run)."""
+        return self._entry(name)[1]
+
+    def _entry(self, name: str) -> tuple:
+        key = MODEL_PREFIX + name
+        if key not in self.entries:
+            raise ConversionError(f"checkpoint {self.path} has no tensor {key!r} (it has {len(self.model_names)} "
+                                  f"model tensors, e.g. {self.model_names[:3]})")
+        return self.entries[key]
+
+    def load(self, names: Iterable[str], prefer_main_param: bool = True) -> Dict[str, torch.Tensor]:
+        """Full tensors of the model parameters ``names`` (fp32 main copies where saved)."""
+        request: Dict[str, torch.Tensor] = {}
+        source: Dict[str, str] = {}
+        for name in names:
+            shape, dtype = self._entry(name)
+            main = "optimizer." + name + MAIN_PARAM_SUFFIX
+            key = main if prefer_main_param and main in self.entries and self.entries[main][0] == shape \
+                else MODEL_PREFIX + name
+            request[key] = torch.empty(self.entries[key][0], dtype=self.entries[key][1])
+            source[name] = key
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed.*")
+            dcp.load(request, storage_reader=_SafeReader(self.path), planner=DefaultLoadPlanner(), no_dist=True)
+        return {name: request[key] for name, key in source.items()}
+
+
+def write_checkpoint(root: str, iteration: int, tensors: Dict[str, torch.Tensor], config: MegalmConfig,
+                     extra: Optional[dict] = None) -> str:
+    """Write ``tensors`` (full, keyed by global parameter name) as a megalm checkpoint.
+
+    ``common.json`` records the config (its parallel section gives the intended layout),
+    ``world_size`` None (so no RNG state is looked for) and ``extra``.  Returns the iteration
+    directory; the tracker file is written last.
+    """
+    from megalm.dist_checkpointing import ShardedTensorSpec, save_sharded
+
+    path = checkpoint_dir(root, iteration)
+    if os.path.exists(path):
+        raise ConversionError(f"{path} already exists: choose another --save-dir or --iteration")
+    os.makedirs(path)
+    specs = {MODEL_PREFIX + name: ShardedTensorSpec.replicated(t.contiguous()) for name, t in tensors.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed.*")
+        save_sharded(specs, path)
+    p = config.parallel
+    common = {
+        "format_version": FORMAT_VERSION, "iteration": iteration,
+        "consumed_train_samples": 0, "consumed_valid_samples": 0,
+        "world_size": None,
+        "layout": {"tensor_model_parallel_size": p.tensor_model_parallel_size,
+                   "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+                   "data_parallel_size": None, "expert_model_parallel_size": p.expert_model_parallel_size},
+        "config": config.to_dict(), "scheduler": None, "optimizer_common": None,
+        "extra": extra or {}, "saved_at": time.time(),
+    }
+    _write_atomic(os.path.join(path, "common.json"), json.dumps(common, indent=1))
+    _write_atomic(os.path.join(root, TRACKER_FILENAME), str(iteration))
+    return path
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)

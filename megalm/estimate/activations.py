@@ -1,0 +1,182 @@
+"""Activation memory: the bytes autograd keeps per microbatch, and how many microbatches are in flight.
+
+Counted from what megalm's modules save for backward (tests measure the forward's saved
+tensors with ``torch.autograd.graph.saved_tensors_hooks`` and compare), with ``S = s b`` tokens
+of a microbatch, ``S_r = S / TP`` under sequence parallelism (else ``S``), ``B`` the model
+dtype's bytes, ``n`` heads, ``g`` query groups, ``d`` head dim, ``f`` FFN width, per layer:
+
+==============================  =====================================================================
+norms (x2)                      fp32 copy of the input ``4 S_r h`` + stats (LayerNorm mean/rstd, RMSNorm
+                                rstd, ``4 S_r`` each); RMSNorm on CPU (composite kernel) also keeps the
+                                normalized input ``4 S_r h``; half precision also fp32 weight copies
+linear inputs (QKV, fc1)        ``B S_r h`` each (under SP the local slice; gathered again in backward)
+fused QKV output                ``B S (n + 2g) d / TP`` (kept by the attention core's k/v views)
+RoPE                            rotated q and k ``B S (n + g) d / TP`` (+ small cos/sin tables)
+attention core (flash/SDPA)     output ``B S n d / TP`` + log-sum-exp ``4 b n s / TP``; the
+                                ``[s, b, n d]`` context copy for ``linear_proj`` ``B S n d / TP`` (on CPU
+                                SDPA returns the output in that layout already: one tensor); selective
+                                recompute keeps only the context
+MLP                             GELU ``2 B S f / TP`` (fc1 output, GELU output); SwiGLU ``4 B S f / TP``
+dropout masks                   ``S_r h`` elements each after attention and MLP when ``--hidden-dropout > 0``
+                                (bool on CUDA; the activation dtype on CPU)
+==============================  =====================================================================
+
+First stage: token ids (int64) and the embedding dropout mask.  Last stage: final norm,
+output-layer input, and the cross entropy's fp32 softmax ``4 S V_pad / TP``.  Full recompute
+keeps only each recomputed chunk's input ``B S_r h`` and rebuilds one chunk during backward.
+MoE layers are estimated (not measured): router scores and the top-k copies of the tokens
+through the experts.
+
+In flight (Megatron's schedules): no pipelining 1 microbatch; 1F1B stage ``r`` of ``p`` holds
+``min(p - r, m)``; interleaved with ``v`` chunks ``min(2 (p - r - 1) + (v - 1) p + 1, m v)``
+chunk-microbatches, i.e. ``L/p (1 + (p-1)/(p v))`` layers' worth on the first stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict
+
+from megalm.estimate.parameters import moe_layers
+from megalm.models.layer_split import layers_for_stage, virtual_stages
+
+
+@dataclass
+class Shape:
+    """What activations depend on: microbatch shape, layout, precision and kernels."""
+
+    seq: int
+    micro_batch: int
+    tp: int
+    sequence_parallel: bool
+    dtype_bytes: int
+    device: str = "cuda"   # "cuda" or "cpu": which kernels' saved tensors to count
+
+    @property
+    def tokens(self) -> int:
+        return self.seq * self.micro_batch
+
+    @property
+    def local_tokens(self) -> int:
+        return self.tokens // self.tp if self.sequence_parallel else self.tokens
+
+
+def norm_bytes(m, sh: Shape) -> int:
+    h, t = m.hidden_size, sh.local_tokens
+    half = sh.dtype_bytes < 4
+    if m.normalization == "LayerNorm":
+        return 4 * t * h + 8 * t + (8 * h if half else 0)
+    kept = 4 * t * h + 4 * t + (4 * h if half else 0)
+    return kept + (4 * t * h if sh.device == "cpu" else 0)
+
+
+def layer_bytes(m, sh: Shape, is_moe: bool = False) -> Dict[str, int]:
+    """Saved bytes of one transformer layer for one microbatch, by part."""
+    B, S, tp, h = sh.dtype_bytes, sh.tokens, sh.tp, m.hidden_size
+    n, d = m.num_attention_heads, m.head_dim
+    g = m.num_query_groups if m.group_query_attention else n
+    out = {"norms": 2 * norm_bytes(m, sh),
+           "linear_inputs": B * sh.local_tokens * h * (1 if is_moe else 2),
+           "qkv": B * S * (n + 2 * g) * d // tp}
+    if m.position_embedding_type == "rope":
+        rot = int(d * m.rotary_percent)
+        out["rope"] = B * S * (n + g) * d // tp + (4 * sh.seq * rot * B if B < 4 else 0)
+    context = B * S * n * d // tp
+    if m.recompute_granularity == "selective":
+        out["attention"] = context
+    else:
+        lse = 4 * sh.micro_batch * sh.seq * n // tp
+        out["attention"] = context * (1 if sh.device == "cpu" else 2) + lse
+    if is_moe:
+        out["moe"] = moe_bytes(m, sh)
+    else:
+        out["mlp"] = B * S * m.ffn_hidden_size // tp * (4 if m.swiglu else 2)
+    if m.hidden_dropout > 0:
+        out["dropout_masks"] = 2 * sh.local_tokens * h * mask_bytes(sh)
+    return out
+
+
+def mask_bytes(sh: Shape) -> int:
+    """Bytes per element of a saved dropout mask: bool on CUDA, the activation dtype on CPU."""
+    return sh.dtype_bytes if sh.device == "cpu" else 1
+
+
+def moe_bytes(m, sh: Shape) -> int:
+    """Estimate of an MoE block: router scores, top-k token copies through the experts' MLPs."""
+    B, h, k, E = sh.dtype_bytes, m.hidden_size, m.moe_router_topk, m.num_experts
+    t = sh.tokens // sh.tp  # each TP rank routes its own slice of the sequence
+    f = m.moe_ffn_hidden_size or m.ffn_hidden_size
+    router = B * t * h + 3 * 4 * t * E
+    routed = k * t * (2 * B * h + B * f * (4 if m.swiglu else 2))
+    shared = getattr(m, "moe_shared_expert_intermediate_size", None) or 0
+    return router + routed + B * t * (h + shared * (4 if m.swiglu else 2))
+
+
+def embedding_bytes(m, sh: Shape) -> int:
+    """First stage: token ids (and masks of the vocabulary-parallel lookup), embedding dropout mask."""
+    ids = 8 * sh.tokens + (sh.tokens if sh.tp > 1 else 0)
+    if m.position_embedding_type == "learned_absolute":
+        ids += 8 * sh.seq
+    elif m.position_embedding_type == "rope" and sh.dtype_bytes == 4:
+        ids += 2 * 4 * sh.seq * int(m.head_dim * m.rotary_percent)  # fp32 cos/sin tables, shared by layers
+    return ids + (sh.local_tokens * m.hidden_size * mask_bytes(sh) if m.hidden_dropout > 0 else 0)
+
+
+def output_bytes(m, sh: Shape) -> int:
+    """Last stage: final norm, output-layer input, fp32 softmax of the vocabulary-parallel cross entropy."""
+    vocab = m.padded_vocab_size // sh.tp
+    return (norm_bytes(m, sh) + sh.dtype_bytes * sh.local_tokens * m.hidden_size + 4 * sh.tokens * vocab
+            + 9 * sh.tokens + (vocab if m.padded_vocab_size != m.vocab_size else 0))
+
+
+def logits_transient_bytes(m, sh: Shape) -> int:
+    """Logits in the model dtype, alive next to the fp32 softmax during the loss (not saved)."""
+    return sh.dtype_bytes * sh.tokens * m.padded_vocab_size // sh.tp
+
+
+def chunk_bytes(m, sh: Shape, layers, pre_process: bool, post_process: bool) -> Dict[str, int]:
+    """``{"kept", "recompute_peak"}`` for one model chunk and one microbatch, with recompute applied."""
+    pattern = moe_layers(m)
+    full = [sum(layer_bytes(m, sh, pattern[i]).values()) for i in layers]
+    hidden_in = sh.dtype_bytes * sh.local_tokens * m.hidden_size
+    kept, peak = sum(full), 0
+    if m.recompute_granularity == "full" and layers:
+        n = m.recompute_num_layers
+        if m.recompute_method == "uniform":
+            groups = [full[i:i + n] for i in range(0, len(full), n)]
+            kept = hidden_in * len(groups)
+            peak = max(sum(gr) for gr in groups)
+        else:  # block: the first n layers of the chunk are recomputed one by one
+            kept = hidden_in * min(n, len(full)) + sum(full[n:])
+            peak = max(full[:n]) if full[:n] else 0
+    if pre_process:
+        kept += embedding_bytes(m, sh)
+    if post_process:
+        kept += output_bytes(m, sh)
+    return {"kept": kept, "recompute_peak": peak}
+
+
+def in_flight(pp: int, pp_rank: int, num_microbatches: int, vpp: int = 1) -> float:
+    """Microbatches whose activations pipeline rank ``pp_rank`` holds at its peak (chunk-microbatches / v)."""
+    if pp == 1:
+        return 1
+    if vpp > 1:
+        return min(2 * (pp - pp_rank - 1) + (vpp - 1) * pp + 1, num_microbatches * vpp) / vpp
+    return min(pp - pp_rank, num_microbatches)
+
+
+def stage_activation_bytes(cfg, pp_rank: int, sh: Shape, num_microbatches: int) -> Dict[str, float]:
+    """Per-microbatch bytes of this pipeline rank, microbatches in flight, and the peak activation bytes."""
+    m, p = cfg.model, cfg.parallel
+    pp = p.pipeline_model_parallel_size
+    vpp = virtual_stages(p, m.num_layers) or 1
+    per_micro, recompute_peak = 0, 0
+    for v in range(vpp):
+        c = chunk_bytes(m, sh, layers_for_stage(cfg, pp_rank, v), pp_rank == 0 and v == 0,
+                        pp_rank == pp - 1 and v == vpp - 1)
+        per_micro += c["kept"]
+        recompute_peak = max(recompute_peak, c["recompute_peak"])
+    flight = in_flight(pp, pp_rank, num_microbatches, vpp)
+    transient = recompute_peak + (logits_transient_bytes(m, sh) if pp_rank == pp - 1 else 0)
+    return {"per_microbatch": per_micro, "in_flight": flight, "activations": per_micro * flight,
+            "transient": transient}

@@ -1,0 +1,58 @@
+"""``tools/estimate.py``: pretrain_gpt.py's flags (megalm's own parser and validate_config) plus
+the planner's (``--world-size``, ``--gpu-memory-gb``, ``--mfu``, ``--device``, ``--reserve-gb``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from typing import List, Optional, Tuple
+
+from megalm.config import ConfigError, MegalmConfig, build_parser, config_from_args, set_vocab_size, validate_config
+from megalm.estimate.planner import PlannerOptions, format_plan, plan
+
+
+def _vocab_size(cfg: MegalmConfig) -> int:
+    """The tokenizer's vocabulary, as the trainer would set it (NullTokenizer: --vocab-size + 1)."""
+    d, m = cfg.data, cfg.model
+    if d.tokenizer_type in (None, "NullTokenizer"):
+        if m.vocab_size is None:
+            raise ConfigError("give --vocab-size (or --tokenizer-type/--tokenizer-model) for the vocabulary")
+        return m.vocab_size + 1 if d.tokenizer_type == "NullTokenizer" else m.vocab_size
+    from megalm.tokenizers import build_tokenizer
+
+    try:
+        return build_tokenizer(d, m).vocab_size
+    except (OSError, ValueError) as e:
+        if m.vocab_size is not None:
+            return m.vocab_size
+        raise ConfigError(f"cannot read the tokenizer ({e}); give --vocab-size") from None
+
+
+def parse(argv: Optional[List[str]] = None) -> Tuple[MegalmConfig, PlannerOptions]:
+    parser = build_parser("megalm memory and speed planner", extra_sections={"planner": PlannerOptions})
+    args = parser.parse_args(argv)
+    values = vars(args)
+    options = PlannerOptions(**{f.name: values[f"planner.{f.name}"] for f in dataclasses.fields(PlannerOptions)})
+    cfg = config_from_args(args)
+    p = cfg.parallel
+    world = options.world_size or (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+                                   * p.context_parallel_size * p.expert_model_parallel_size)
+    try:
+        validate_config(cfg, world_size=world)
+        set_vocab_size(cfg, _vocab_size(cfg))
+    except ConfigError as e:
+        parser.error(str(e))
+    options.world_size = world
+    return cfg, options
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in argv
+    if as_json:
+        argv.remove("--json")
+    cfg, options = parse(argv)
+    result = plan(cfg, options)
+    print(json.dumps(result, indent=1) if as_json else format_plan(cfg, result))
+    return 0

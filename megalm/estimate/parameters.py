@@ -1,0 +1,110 @@
+"""Parameters held by one rank: which layers its pipeline stage builds and their TP shards.
+
+Counts follow the modules exactly (tests compare with the built model):
+
+* column-parallel weights and biases (QKV, fc1, vocabulary rows) are divided by TP; row-parallel
+  weights (proj, fc2) by TP; their biases and the norms are replicated;
+* the word embedding has the padded vocabulary ``V_pad / TP`` rows on the first stage; the
+  output layer has them on the last stage when untied, or, tied, as a copy when the last stage
+  has no embedding (PP > 1);
+* MoE layers (``--num-experts``): a replicated router ``[E, h]`` and ``E / EP`` whole experts
+  per rank (experts are not split over TP), counted separately as *expert* parameters because
+  the distributed optimizer shards them over the expert-data-parallel group instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+from megalm.models.layer_split import layers_for_stage, virtual_stages
+
+
+@dataclass
+class StageParameters:
+    pp_rank: int
+    layers: List[int]
+    dense: int           # replicated over data parallel (sharded over DP by the distributed optimizer)
+    expert: int          # sharded over the expert-data-parallel group instead
+    embedding: int       # part of ``dense`` in embeddings / output layer (for reporting)
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+def _norm(m) -> int:
+    return 2 * m.hidden_size if m.normalization == "LayerNorm" else m.hidden_size
+
+
+def _mlp(m, ffn: int, tp: int) -> int:
+    h, bias = m.hidden_size, int(m.add_bias_linear)
+    fc1 = (2 * ffn if m.swiglu else ffn) // tp
+    return fc1 * h + bias * fc1 + h * (ffn // tp) + bias * h
+
+
+def moe_layers(m) -> List[bool]:
+    if not getattr(m, "num_experts", None):
+        return [False] * m.num_layers
+    from megalm.transformer.moe.moe_layer import moe_layer_pattern
+
+    return list(moe_layer_pattern(m))
+
+
+def layer_parameters(m, tp: int, ep: int, is_moe: bool) -> tuple:
+    """``(dense, expert)`` parameters of one transformer layer on one rank."""
+    h, n, d = m.hidden_size, m.num_attention_heads, m.head_dim
+    groups = m.num_query_groups if m.group_query_attention else n
+    bias = int(m.add_bias_linear)
+    qkv = (n + 2 * groups) * d // tp
+    attention = qkv * h + bias * qkv + h * (n * d // tp) + bias * h
+    dense = 2 * _norm(m) + attention
+    if not is_moe:
+        return dense + _mlp(m, m.ffn_hidden_size, tp), 0
+    experts = m.num_experts // ep
+    f = m.moe_ffn_hidden_size or m.ffn_hidden_size
+    expert = experts * _mlp(m, f, 1)
+    dense += m.num_experts * h
+    shared = getattr(m, "moe_shared_expert_intermediate_size", None)
+    if shared:
+        dense += _mlp(m, shared, tp)
+    return dense, expert
+
+
+def stage_parameters(cfg, pp_rank: int) -> StageParameters:
+    """Parameters of pipeline rank ``pp_rank`` (all its virtual stages) on one TP/EP rank."""
+    m, p = cfg.model, cfg.parallel
+    tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
+    vpp = virtual_stages(p, m.num_layers) or 1
+    layers = [i for v in range(vpp) for i in layers_for_stage(cfg, pp_rank, v)]
+    pattern = moe_layers(m)
+    dense = expert = 0
+    for i in layers:
+        a, b = layer_parameters(m, tp, ep, pattern[i])
+        dense, expert = dense + a, expert + b
+    vocab_rows = m.padded_vocab_size // tp
+    embedding = 0
+    if pp_rank == 0:
+        embedding += vocab_rows * m.hidden_size
+        if m.position_embedding_type == "learned_absolute":
+            embedding += m.max_position_embeddings * m.hidden_size
+    if pp_rank == pp - 1:
+        dense += _norm(m)
+        if m.untie_embeddings_and_output_weights or pp > 1:
+            embedding += vocab_rows * m.hidden_size
+    return StageParameters(pp_rank, layers, dense + embedding, expert, embedding)
+
+
+def all_stages(cfg) -> List[StageParameters]:
+    return [stage_parameters(cfg, r) for r in range(cfg.parallel.pipeline_model_parallel_size)]
+
+
+def total_parameters(cfg) -> int:
+    """The whole model's parameters (unsharded, padded vocabulary, one copy of a tied embedding)."""
+    m = cfg.model
+    pattern = moe_layers(m)
+    total = sum(sum(layer_parameters(m, 1, 1, pattern[i])) for i in range(m.num_layers)) + _norm(m)
+    total += m.padded_vocab_size * m.hidden_size * (2 if m.untie_embeddings_and_output_weights else 1)
+    if m.position_embedding_type == "learned_absolute":
+        total += m.max_position_embeddings * m.hidden_size
+    return total

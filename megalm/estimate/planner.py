@@ -1,0 +1,176 @@
+"""Memory and speed plan of a training layout: per-rank bytes, FLOPs, expected step time.
+
+Bytes of model state per parameter on a rank (``d`` = data-parallel size, ``d_e`` the
+expert-data-parallel size for expert parameters; shared/README's formulas, megalm's dtypes):
+
+=====================================  ===========  =========================  ===============
+precision                              weights      gradients (``main_grad``)  optimizer (Adam)
+=====================================  ===========  =========================  ===============
+fp32                                   4            4                          8 (moments)
+bf16/fp16, fp32 grads (the default)    2            4                          4 main + 8
+bf16/fp16, half grads                  2            2                          4 main + 4 main grad + 8
+=====================================  ===========  =========================  ===============
+
+so 16 / 18 / 20 bytes; the distributed optimizer divides the optimizer column by ``d``
+(``d_e`` for experts): ``8 + 8/d``, ``6 + 12/d``, ``4 + 16/d``.  SGD keeps 4 bytes of momentum
+instead of Adam's 8 (0 without momentum).
+
+Per rank: parameters of its pipeline stage (:mod:`.parameters`), activations of the
+microbatches in flight (:mod:`.activations`), transient buffers (logits next to the loss, the
+chunk being recomputed), plus ``reserve_gb`` for the CUDA context, communication buffers and
+allocator fragmentation.  FLOPs per iteration are :func:`megalm.training.flops.num_floating_point_operations`
+of the global batch; time = FLOPs / (world x peak x MFU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+from megalm.estimate.activations import Shape, stage_activation_bytes
+from megalm.estimate.parameters import all_stages, total_parameters
+
+GB = 1e9
+
+# Peak dense FLOP/s per device by name (megalm.training.flops' table), and aliases for the flag.
+DEVICE_ALIASES = {"h100": "H100 SXM", "h100-sxm": "H100 SXM", "h100-pcie": "H100 PCIe", "h200": "H200",
+                  "a100": "A100", "cpu": "cpu"}
+
+
+@dataclass
+class PlannerOptions:
+    """Flags of tools/estimate.py beyond the training flags."""
+
+    world_size: Optional[int] = field(default=None, metadata={
+        "help": "Number of GPUs (default: TP x PP x CP x EP... i.e. data-parallel size 1)."})
+    gpu_memory_gb: float = field(default=80.0, metadata={"help": "Memory of one GPU in GB (1e9 bytes)."})
+    mfu: float = field(default=0.4, metadata={"help": "Assumed model FLOPs utilization for the time estimate."})
+    device: str = field(default="h100", metadata={
+        "help": "Device for the peak FLOP/s (and kernels): h100 (SXM), h100-pcie, h200, a100, cpu.",
+        "choices": sorted(DEVICE_ALIASES)})
+    reserve_gb: float = field(default=4.0, metadata={
+        "help": "GB per GPU kept for the CUDA context, communication buffers and fragmentation."})
+
+
+def state_bytes_per_param(precision: str, optimizer: str, sgd_momentum: float, fp32_grads: bool) -> Dict[str, float]:
+    """``{"weights", "grads", "optimizer"}`` bytes per parameter without the distributed optimizer."""
+    moments = 8 if optimizer == "adam" else (4 if sgd_momentum else 0)
+    if precision == "fp32":
+        return {"weights": 4, "grads": 4, "optimizer": moments}
+    if fp32_grads:
+        return {"weights": 2, "grads": 4, "optimizer": 4 + moments}
+    return {"weights": 2, "grads": 2, "optimizer": 8 + moments}
+
+
+def _precision(t) -> str:
+    return "bf16" if t.bf16 else "fp16" if t.fp16 else "fp32"
+
+
+def data_parallel_sizes(cfg, world_size: int) -> tuple:
+    p = cfg.parallel
+    dp = p.data_parallel_size or world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+                                                * p.context_parallel_size)
+    # Experts are whole on every TP rank: their gradients are reduced over DP x TP / EP ranks.
+    edp = max(1, dp * p.tensor_model_parallel_size * p.context_parallel_size // p.expert_model_parallel_size)
+    return dp, edp
+
+
+def device_peak(options: PlannerOptions, precision: str, override: Optional[float]) -> tuple:
+    from megalm.training.flops import DEVICE_PEAK_FLOPS, measure_matmul_flops
+
+    if override:
+        return float(override), "override"
+    name = DEVICE_ALIASES[options.device]
+    if name == "cpu":
+        import torch
+
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+        return measure_matmul_flops(dtype), "cpu: measured 1024^3 matmul"
+    table = DEVICE_PEAK_FLOPS[name]
+    key = precision if precision in table else "tf32"
+    return table[key], f"{name} {key} dense peak"
+
+
+def plan(cfg, options: PlannerOptions) -> dict:
+    """Everything the report prints, as numbers (bytes, FLOPs, seconds)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    world = p.world_size or options.world_size
+    dp, edp = data_parallel_sizes(cfg, world)
+    precision = _precision(t)
+    per_param = state_bytes_per_param(precision, t.optimizer, t.sgd_momentum,
+                                      p.accumulate_allreduce_grads_in_fp32 or precision == "fp32")
+    gbs = t.global_batch_size or t.micro_batch_size * dp
+    num_micro = gbs // (t.micro_batch_size * dp)
+    shape = Shape(m.seq_length, t.micro_batch_size, p.tensor_model_parallel_size, p.sequence_parallel,
+                  4 if precision == "fp32" else 2, "cpu" if options.device == "cpu" else "cuda")
+    stages = []
+    for st in all_stages(cfg):
+        weights = st.total * per_param["weights"]
+        grads = st.total * per_param["grads"]
+        optim_plain = st.total * per_param["optimizer"]
+        optim_dist = st.dense * per_param["optimizer"] / dp + st.expert * per_param["optimizer"] / edp
+        act = stage_activation_bytes(cfg, st.pp_rank, shape, num_micro)
+        rest = act["activations"] + act["transient"] + options.reserve_gb * GB
+        stages.append({"pp_rank": st.pp_rank, "layers": len(st.layers), "parameters": st.total,
+                       "expert_parameters": st.expert, "weights": weights, "grads": grads,
+                       "optimizer": optim_plain, "optimizer_distributed": optim_dist, **act,
+                       "total": weights + grads + optim_plain + rest,
+                       "total_distributed": weights + grads + optim_dist + rest})
+    from megalm.training.flops import num_floating_point_operations
+
+    flops = num_floating_point_operations(cfg, gbs)
+    peak, peak_source = device_peak(options, precision, cfg.logging.device_peak_flops)
+    step = flops / (world * peak * options.mfu)
+    key = "total_distributed" if p.use_distributed_optimizer else "total"
+    worst = max(stages, key=lambda s: s[key])
+    return {"world_size": world, "data_parallel_size": dp, "expert_data_parallel_size": edp,
+            "precision": precision, "bytes_per_param": per_param, "total_parameters": total_parameters(cfg),
+            "global_batch_size": gbs, "num_microbatches": num_micro, "stages": stages,
+            "flops_per_iteration": flops, "peak_flops": peak, "peak_source": peak_source, "mfu": options.mfu,
+            "step_time_s": step, "tokens_per_s": gbs * m.seq_length / step,
+            "distributed_optimizer": p.use_distributed_optimizer, "largest_rank_bytes": worst[key],
+            "largest_pp_rank": worst["pp_rank"], "gpu_memory_bytes": options.gpu_memory_gb * GB,
+            "reserve_bytes": options.reserve_gb * GB,
+            "fits": worst[key] <= options.gpu_memory_gb * GB}
+
+
+def format_plan(cfg, r: dict) -> str:
+    m, p = cfg.model, cfg.parallel
+    g = lambda x: f"{x / GB:8.2f}"  # noqa: E731
+    virtual = f" (virtual {p.virtual_pipeline_model_parallel_size})" if p.virtual_pipeline_model_parallel_size else ""
+    experts = (f" | EP {p.expert_model_parallel_size}, expert DP {r['expert_data_parallel_size']}"
+               if p.expert_model_parallel_size > 1 else "")
+    lines = [
+        f"model: {r['total_parameters'] / 1e9:.3f}B parameters (padded vocabulary {m.padded_vocab_size}), "
+        f"{m.num_layers} layers, hidden {m.hidden_size}, seq {m.seq_length}",
+        f"layout: world {r['world_size']} = TP {p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size}"
+        f"{virtual} x DP {r['data_parallel_size']}{experts}"
+        f" | SP {'on' if p.sequence_parallel else 'off'} | recompute {m.recompute_granularity or 'none'}"
+        f" | {r['precision']} | micro {cfg.training.micro_batch_size} x {r['num_microbatches']} microbatches"
+        f" = global {r['global_batch_size']}",
+        "bytes per parameter (weights + grads + optimizer): "
+        + " + ".join(f"{v:g}" for v in r["bytes_per_param"].values())
+        + f" = {sum(r['bytes_per_param'].values()):g}; distributed optimizer: optimizer / {r['data_parallel_size']}",
+        "",
+        "GB per rank (1e9 B)  params(M)  weights    grads optim(plain) optim(dist)  act/micro  in-flight "
+        "activations transient   total(plain) total(dist)",
+    ]
+    for s in r["stages"]:
+        lines.append(f"  pp rank {s['pp_rank']:<3} {s['layers']:3d} layers {s['parameters'] / 1e6:9.1f} "
+                     f"{g(s['weights'])} "
+                     f"{g(s['grads'])} {g(s['optimizer'])}  {g(s['optimizer_distributed'])}   {g(s['per_microbatch'])}"
+                     f"  {s['in_flight']:6.2f}  {g(s['activations'])} {g(s['transient'])}   {g(s['total'])}"
+                     f"    {g(s['total_distributed'])}")
+    which = "with" if r["distributed_optimizer"] else "without"
+    lines += [
+        f"(totals include {r['reserve_bytes'] / GB:.1f} GB reserved for the CUDA context, communication buffers "
+        f"and fragmentation)",
+        f"largest rank ({which} the distributed optimizer, as configured): pp rank {r['largest_pp_rank']}, "
+        f"{r['largest_rank_bytes'] / GB:.1f} GB of {r['gpu_memory_bytes'] / GB:.0f} GB -> "
+        f"{'fits' if r['fits'] else 'DOES NOT FIT'}",
+        f"FLOPs per iteration: {r['flops_per_iteration']:.4e} | peak {r['peak_flops'] / 1e12:.1f} TFLOP/s "
+        f"({r['peak_source']}) | at MFU {r['mfu']:.0%}: {r['step_time_s']:.3f} s per iteration, "
+        f"{r['tokens_per_s']:,.0f} tokens/s, {r['tokens_per_s'] / r['world_size']:,.0f} tokens/s per GPU",
+    ]
+    return "\n".join(lines)
+

@@ -1,0 +1,223 @@
+"""The planner (tools/estimate.py) against measurements of the real model and optimizer.
+
+* parameters, weight / gradient / optimizer bytes: built model + DDP buffers + optimizer state,
+  counted tensor by tensor, must equal the prediction exactly (1 process, and 2 real TP ranks);
+* activations: bytes saved for backward during a forward (``saved_tensors_hooks``, unique
+  storages, parameters excluded) against the prediction, across architectures, precisions,
+  recompute modes and TP 2 + sequence parallelism;
+* every script in scripts/ fits its 80 GB GPUs as it would run (pipeline and distributed
+  optimizer included).
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from megalm.config import MegalmConfig, set_vocab_size, validate_config
+from megalm.estimate.activations import Shape, chunk_bytes, in_flight
+from megalm.estimate.cli import main as estimate_main, parse
+from megalm.estimate.parameters import stage_parameters, total_parameters
+from megalm.estimate.planner import PlannerOptions, plan
+from megalm.testing import run_distributed
+
+LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+             untie_embeddings_and_output_weights=True, group_query_attention=True, num_query_groups=2)
+
+
+def make_cfg(tp=1, sp=False, bf16=False, micro=2, **model) -> MegalmConfig:
+    cfg = MegalmConfig()
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size = 3, 64, 4, 96
+    m.seq_length, m.vocab_size, m.make_vocab_size_divisible_by = 32, 200, 64
+    m.hidden_dropout = m.attention_dropout = 0.0
+    for k, v in model.items():
+        setattr(m, k, v)
+    cfg.parallel.tensor_model_parallel_size, cfg.parallel.sequence_parallel = tp, sp
+    cfg.training.bf16, cfg.training.micro_batch_size = bf16, micro
+    validate_config(cfg, world_size=tp)
+    set_vocab_size(cfg, m.vocab_size)
+    return cfg
+
+
+def measured_state_bytes(cfg):
+    """Build model + DDP + optimizer (state created) in this process; count bytes by kind."""
+    from megalm.distributed.data_parallel import DistributedDataParallel
+    from megalm.models import GPTModel
+    from megalm.optimizer import build_optimizer
+
+    dtype = torch.bfloat16 if cfg.training.bf16 else torch.float32
+    model = DistributedDataParallel(GPTModel(cfg).to(dtype), cfg.parallel)
+    optimizer = build_optimizer(cfg, [model])
+    optimizer.init_state()
+    params = {id(p): p for p in model.parameters()}.values()
+    grads = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
+             for g in (p.main_grad for p in params)}
+    model_ids = {id(p) for p in params}
+    optim = sum(m.numel() * m.element_size() for m in optimizer.main_params if id(m) not in model_ids)
+    optim += sum(t.numel() * t.element_size() for s in optimizer.optimizer.state.values()
+                 for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+    return {"parameters": sum(p.numel() for p in params),
+            "weights": sum(p.numel() * p.element_size() for p in params),
+            "grads": sum(grads.values()), "optimizer": optim}
+
+
+@pytest.mark.parametrize("bf16,arch", [(True, LLAMA), (False, {})], ids=["llama-gqa-bf16", "gpt-tied-fp32"])
+def test_parameter_and_state_bytes_equal_measured(bf16, arch):
+    cfg = make_cfg(bf16=bf16, **arch)
+    predicted = plan(cfg, PlannerOptions(world_size=1))["stages"][0]
+    measured = measured_state_bytes(cfg)
+    for key in ("parameters", "weights", "grads", "optimizer"):
+        assert predicted[key] == measured[key], (key, predicted[key], measured[key])
+    assert total_parameters(cfg) == measured["parameters"]
+    assert sum(predicted[k] for k in ("weights", "grads", "optimizer")) == (18 if bf16 else 16) * measured["parameters"]
+
+
+def test_moe_parameters_equal_built_model():
+    from megalm.models import GPTModel
+
+    cfg = make_cfg(num_experts=4, moe_ffn_hidden_size=48, moe_layer_freq=2, moe_router_topk=2,
+                   moe_shared_expert_intermediate_size=32, **LLAMA)
+    model = GPTModel(cfg)
+    expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    st = stage_parameters(cfg, 0)
+    assert (st.total, st.expert) == (sum(p.numel() for p in model.parameters()), expert)
+
+
+def saved_activation_bytes(model, cfg, dtype) -> int:
+    """Bytes of the unique storages autograd saves during one training forward (parameters excluded)."""
+    m, t = cfg.model, cfg.training
+    model = model.to(dtype).train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(x):
+        storage = x.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return x
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length), generator=g)
+    labels = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length), generator=g)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        model(tokens, None, labels)
+    return sum(seen.values())
+
+
+def predicted_activation_bytes(cfg) -> int:
+    m, p = cfg.model, cfg.parallel
+    sh = Shape(m.seq_length, cfg.training.micro_batch_size, p.tensor_model_parallel_size, p.sequence_parallel,
+               2 if cfg.training.bf16 else 4, device="cpu")
+    return chunk_bytes(m, sh, list(range(m.num_layers)), True, True)["kept"]
+
+
+ACTIVATION_CASES = {
+    "gpt-fp32": dict(),
+    "gpt-bf16-dropout": dict(bf16=True, hidden_dropout=0.1),
+    "llama-gqa-fp32": dict(**LLAMA),
+    "llama-gqa-bf16": dict(bf16=True, **LLAMA),
+    "llama-selective": dict(recompute_granularity="selective", **LLAMA),
+    "gpt-full-uniform-2": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+    "llama-full-block-1": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1,
+                               **LLAMA),
+}
+
+
+@pytest.mark.parametrize("case", list(ACTIVATION_CASES))
+def test_activation_estimate_matches_saved_tensors(case):
+    from megalm.models import GPTModel
+
+    cfg = make_cfg(**ACTIVATION_CASES[case])
+    dtype = torch.bfloat16 if cfg.training.bf16 else torch.float32
+    measured = saved_activation_bytes(GPTModel(cfg), cfg, dtype)
+    predicted = predicted_activation_bytes(cfg)
+    assert abs(predicted - measured) / measured < 0.05, (case, predicted, measured)
+
+
+def _tp2_measurements(cases):
+    from megalm import parallel_state
+    from megalm.models import GPTModel
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    out = []
+    for model_kw, sp in cases:
+        cfg = make_cfg(tp=2, sp=sp, **model_kw)
+        model = GPTModel(cfg)
+        out.append((sum(p.numel() for p in model.parameters()), saved_activation_bytes(model, cfg, torch.float32)))
+    return out
+
+
+TP2_CASES = [(dict(), True), (LLAMA, True), (LLAMA, False)]
+
+
+def test_tp2_parameters_and_activations_per_rank():
+    results = run_distributed(_tp2_measurements, world_size=2, args=(TP2_CASES,), timeout=120)
+    for (model_kw, sp), per_rank in zip(TP2_CASES, zip(*results)):
+        cfg = make_cfg(tp=2, sp=sp, **model_kw)
+        assert all(n == stage_parameters(cfg, 0).total for n, _ in per_rank)
+        predicted = predicted_activation_bytes(cfg)
+        for _, measured in per_rank:
+            assert abs(predicted - measured) / measured < 0.05, (model_kw, sp, predicted, measured)
+
+
+def test_in_flight_microbatches_follow_the_schedules():
+    assert [in_flight(4, r, 16) for r in range(4)] == [4, 3, 2, 1]
+    assert in_flight(4, 0, 2) == 2 and in_flight(1, 0, 64) == 1
+    # Interleaved: the first stage holds (1 + (p-1)/(p v)) x the 1F1B stage's p microbatches (Megatron's paper);
+    # in_flight counts in units of the rank's per-microbatch activations (all its v chunks).
+    p, v = 4, 2
+    assert in_flight(p, 0, 16, v) == pytest.approx(p * (1 + (p - 1) / (p * v)))
+    assert in_flight(p, p - 1, 16, v) == pytest.approx((p * (v - 1) + 1) / v)
+
+
+def test_flops_and_step_time():
+    from megalm.training.flops import num_floating_point_operations
+
+    cfg, options = parse(["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8",
+                          "--seq-length", "1024", "--vocab-size", "32767", "--tokenizer-type", "NullTokenizer",
+                          "--micro-batch-size", "2", "--global-batch-size", "64", "--bf16",
+                          "--tensor-model-parallel-size", "2", "--world-size", "8", "--mfu", "0.5", "--device", "a100"])
+    r = plan(cfg, options)
+    B, s, L, h, V = 64, 1024, 4, 512, 32768
+    assert r["flops_per_iteration"] == pytest.approx(72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h)))
+    assert r["flops_per_iteration"] == num_floating_point_operations(cfg, 64)
+    assert r["step_time_s"] == pytest.approx(r["flops_per_iteration"] / (8 * 312e12 * 0.5))
+    assert r["data_parallel_size"] == 4 and r["num_microbatches"] == 8
+
+
+def test_distributed_optimizer_bytes_follow_the_formula():
+    cfg, options = parse(["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4",
+                          "--seq-length", "128", "--vocab-size", "1023", "--tokenizer-type", "NullTokenizer",
+                          "--bf16", "--world-size", "4", "--use-distributed-optimizer"])
+    st = plan(cfg, options)["stages"][0]
+    n = st["parameters"]
+    assert st["weights"] + st["grads"] + st["optimizer_distributed"] == pytest.approx((6 + 12 / 4) * n)
+    assert st["weights"] + st["grads"] + st["optimizer"] == 18 * n
+
+
+def _script_config(script):
+    from tests.test_scripts import launcher_options, run_script
+
+    launcher, flags = run_script(script)
+    opts = launcher_options(launcher)
+    world = int(opts["--nproc_per_node"]) * int(opts["--nnodes"])
+    return parse(flags + ["--world-size", str(world)])
+
+
+def test_every_script_fits_its_gpus(capsys):
+    from tests.test_scripts import SCRIPTS
+
+    assert SCRIPTS
+    for script in SCRIPTS:
+        cfg, options = _script_config(script)
+        if "cpu" in script.name:
+            options = dataclasses.replace(options, device="cpu", reserve_gb=0.0)
+        r = plan(cfg, options)
+        assert r["fits"], f"{script.name}: largest rank needs {r['largest_rank_bytes'] / 1e9:.1f} GB"
+        if "cpu" in script.name:
+            assert r["largest_rank_bytes"] < 2e9, script.name
+        print(f"{script.name}: {r['largest_rank_bytes'] / 1e9:.1f} GB on pp rank {r['largest_pp_rank']}")
+    assert estimate_main(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                          "--vocab-size", "100", "--world-size", "2", "--tensor-model-parallel-size", "2"]) == 0
+    assert "fits" in capsys.readouterr().out

@@ -1,0 +1,81 @@
+"""tools/checkpoint/inspect.py: a checkpoint described from its metadata alone; metadata is never
+unpickled beyond DCP's own classes."""
+
+import json
+import os
+import pickle
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megalm import checkpointing
+from megalm.config import MegalmConfig, set_vocab_size, validate_config
+from megalm.conversion.checkpoint_info import describe, format_description
+from megalm.conversion.megalm_checkpoint import read_metadata
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from megalm.models import GPTModel
+    from megalm.optimizer import build_optimizer
+
+    cfg = MegalmConfig()
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size, m.vocab_size = 2, 32, 4, 64, 100
+    validate_config(cfg)
+    set_vocab_size(cfg, 100)
+    model = GPTModel(cfg)
+    optimizer = build_optimizer(cfg, [model])
+    root = tmp_path_factory.mktemp("ckpt")
+    for iteration in (5, 10):
+        checkpointing.save_checkpoint(str(root), iteration, [model], optimizer, consumed_train_samples=4 * iteration,
+                                      config=cfg.to_dict())
+    n = sum(p.numel() for p in model.parameters()) - (128 - 100) * 32  # padded vocabulary rows are not saved
+    return root, n
+
+
+def test_describe_reads_metadata_only(checkpoint):
+    root, n = checkpoint
+    info = describe(str(root))
+    assert info["iteration"] == 10 and info["consumed_train_samples"] == 40
+    assert info["total_parameters"] == n and info["model_bytes"] == 4 * n
+    assert info["hf_architecture"] == "GPT2LMHeadModel" and info["has_optimizer_state"]
+    shapes = {t["name"]: tuple(t["shape"]) for t in info["model_tensors"]}
+    assert shapes["model.embedding.word_embeddings.weight"] == (100, 32)
+    assert shapes["model.decoder.layers.1.self_attention.linear_qkv.weight"] == (96, 32)
+    assert describe(str(root), iteration=5)["consumed_train_samples"] == 20
+    text = format_description(info)
+    assert f"{n:,} parameters" in text and "float32" in text and "tensor 1" in text
+
+
+def test_cli_runs_as_a_script_without_shadowing_stdlib_inspect(checkpoint, capsys):
+    root, n = checkpoint
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "checkpoint" / "inspect.py"), str(root), "--json",
+                           "--iteration", "5"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["iteration"] == 5 and info["total_parameters"] == n
+    main = runpy.run_path(str(REPO / "tools" / "checkpoint" / "inspect.py"))["main"]
+    assert main([str(root / "nope")]) == 2 and "does not exist" in capsys.readouterr().err
+    assert main([str(root), "--all"]) == 0 and "optimizer.decoder.layers.0" in capsys.readouterr().out
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_metadata_reader_refuses_arbitrary_objects(checkpoint, tmp_path):
+    root, _ = checkpoint
+    path = checkpointing.find_checkpoint(str(root))
+    assert read_metadata(path).state_dict_metadata  # the real metadata passes
+    bad = tmp_path / "iter"
+    bad.mkdir()
+    (bad / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    with pytest.raises(checkpointing.CheckpointError, match="refusing to unpickle"):
+        read_metadata(str(bad))

@@ -1,0 +1,102 @@
+#!/usr/bin/env python
+"""Convert checkpoints between megalm and Hugging Face transformers (safetensors only).
+
+    # megalm -> HF (latest iteration unless --iteration; any TP/PP layout it was saved with)
+    python tools/checkpoint/convert.py --to hf --load-dir CKPT --save-dir HF_DIR [--dtype bfloat16] [--verify]
+
+    # HF -> megalm, for a target layout (other pretrain_gpt.py flags are recorded in the config)
+    python tools/checkpoint/convert.py --to megalm --load-dir HF_DIR --save-dir CKPT \\
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 [--verify]
+
+Llama-style models map to ``LlamaForCausalLM``, GPT-2-style ones to ``GPT2LMHeadModel``;
+anything else (including MoE for now) is refused with the reason.  ``--verify`` (needs
+transformers) loads both models and prints the largest logit difference and the KL
+divergence on a few random sequences; it exits 1 when they disagree beyond
+``--verify-tolerance``.  Train from an imported checkpoint with ``--load CKPT --finetune``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# This directory holds inspect.py, which must not shadow the standard library's inspect module.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path.insert(0, os.path.abspath(os.path.join(_HERE, os.pardir, os.pardir)))
+
+import argparse  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    parser.add_argument("--to", required=True, choices=["hf", "megalm"], help="Direction of the conversion.")
+    parser.add_argument("--load-dir", required=True, help="megalm checkpoint root (--to hf) or HF directory (--to megalm).")
+    parser.add_argument("--save-dir", required=True, help="HF directory (--to hf) or megalm checkpoint root (--to megalm).")
+    parser.add_argument("--iteration", type=int, default=None,
+                        help="--to hf: the iteration to read (default: latest); --to megalm: the iteration to write "
+                             "(default 0).")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help="Weight dtype written (default: --to hf the training dtype, --to megalm as stored).")
+    parser.add_argument("--max-shard-size", default="5GB", help="--to hf: largest safetensors shard (default 5GB).")
+    parser.add_argument("--tokenizer-model", default=None,
+                        help="--to hf: tokenizer file/directory to copy when the path in the checkpoint's config moved.")
+    parser.add_argument("--verify", action="store_true", help="Compare both models' logits (needs transformers).")
+    parser.add_argument("--verify-tolerance", type=float, default=1e-3,
+                        help="Largest acceptable absolute logit difference for --verify (default 1e-3).")
+    return parser
+
+
+def _verify(megalm_dir, hf_dir, iteration, round_to, tolerance) -> int:
+    from megalm.conversion.verify import compare_logits
+
+    r = compare_logits(megalm_dir, hf_dir, iteration=iteration, round_to=round_to)
+    ok = r["max_abs_diff"] <= tolerance
+    print(f"[convert] verify: {r['tokens']} tokens | max |logit diff| {r['max_abs_diff']:.3e} | KL mean "
+          f"{r['mean_kl']:.3e} max {r['max_kl']:.3e} | {'OK' if ok else f'FAILED (tolerance {tolerance:g})'}")
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    from megalm.checkpointing import CheckpointError
+    from megalm.conversion.errors import ConversionError
+    from megalm.conversion.hf_files import DTYPES, parse_size
+
+    try:
+        if args.to == "hf":
+            if rest:
+                parser.error(f"unrecognized arguments for --to hf: {' '.join(rest)}")
+            from megalm.conversion.export_hf import export_to_hf
+
+            r = export_to_hf(args.load_dir, args.save_dir, iteration=args.iteration, dtype=args.dtype,
+                             max_shard_bytes=parse_size(args.max_shard_size), tokenizer_model=args.tokenizer_model)
+            print(f"[convert] iteration {r.iteration} -> {r.architecture} in {r.save_dir}: {r.num_tensors} tensors, "
+                  f"{r.total_bytes / 2**20:.1f} MiB {r.dtype} in {', '.join(r.files)}")
+            for note in r.notes:
+                print(f"[convert] {note}")
+            if args.verify:
+                return _verify(args.load_dir, args.save_dir, r.iteration, DTYPES[r.dtype], args.verify_tolerance)
+            return 0
+        from megalm.conversion.import_hf import import_from_hf
+
+        r = import_from_hf(args.load_dir, args.save_dir, extra_args=rest, iteration=args.iteration or 0,
+                           dtype=args.dtype)
+        p = r.config.parallel
+        print(f"[convert] {r.architecture} -> {r.path}: {r.num_tensors} tensors, {r.num_parameters:,} parameters; "
+              f"layout TP {p.tensor_model_parallel_size} PP {p.pipeline_model_parallel_size} recorded; "
+              f"train with --load {args.save_dir} --finetune")
+        for note in r.notes:
+            print(f"[convert] {note}")
+        if args.verify:
+            return _verify(args.save_dir, args.load_dir, args.iteration or 0, None, args.verify_tolerance)
+        return 0
+    except (ConversionError, CheckpointError) as e:
+        print(f"[convert] error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
