@@ -20,6 +20,7 @@ from megalm.config import MegalmConfig
 from megalm.data import get_batch
 from megalm.models import GPTModel
 from megalm.training import pretrain
+from megalm.transformer.moe import pop_moe_metrics
 
 
 def model_provider(cfg: MegalmConfig, pre_process: bool = True, post_process: bool = True,
@@ -29,11 +30,13 @@ def model_provider(cfg: MegalmConfig, pre_process: bool = True, post_process: bo
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Mean of the per-token losses over unmasked tokens of this microbatch."""
+    """Mean of the per-token losses over unmasked tokens of this microbatch; MoE models also
+    report their routers' auxiliary losses and load statistics (their gradients are already
+    attached to the backward pass by the routers)."""
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.reshape(-1).float()
     loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
-    return loss, {"lm loss": loss.detach()}
+    return loss, {"lm loss": loss.detach(), **pop_moe_metrics()}
 
 
 def forward_step(data_iterator, model):

@@ -11,13 +11,18 @@ Directory layout (Megatron-like)::
 Model tensors are keyed ``model.<global parameter name>`` and stored as blocks of their
 full (unpadded-vocabulary) tensors, so any TP/PP/DP layout can load them (see
 :mod:`megalm.dist_checkpointing`).  Optimizer tensors are keyed
-``optimizer.<global parameter name>.<state>`` with the parameter's layout.  Nothing is
+``optimizer.<global parameter name>.<state>`` with the parameter's layout; the distributed
+optimizer saves, for each parameter range of its data-parallel shard, the blocks of the full
+tensor that range covers (:func:`param_range_specs`), with no gather: the same keys and the
+same global tensors as the plain optimizer, so either loads the other's checkpoints under any
+TP/PP/DP layout.  Nothing is
 unpickled on load: DCP for tensors, JSON for metadata, ``torch.load(weights_only=True)`` for RNG.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -29,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from megalm import parallel_state
-from megalm.dist_checkpointing import (ShardedStateDict, ShardedTensorSpec, load_sharded, save_sharded,
-                                      saved_tensor_shapes)
+from megalm.dist_checkpointing import (ShardedStateDict, ShardedTensorSpec, flat_range_blocks, load_sharded,
+                                      save_sharded, saved_tensor_shapes)
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
@@ -81,16 +86,65 @@ def param_spec(param: torch.Tensor, data: Optional[torch.Tensor] = None) -> Shar
     return ShardedTensorSpec(data, global_shape, offsets)
 
 
+def param_range_specs(param: torch.Tensor, data: torch.Tensor, start: int, end: int) -> List[ShardedTensorSpec]:
+    """Blocks of the full tensor covered by the flat range ``[start, end)`` of this rank's ``param``.
+
+    ``data`` is 1-D with ``end - start`` elements (e.g. the distributed optimizer's moments for
+    that range).  The range is cut into rectangles of the parameter's checkpoint view (see
+    :func:`param_spec`: TP offset, fused-stride view, unpadded vocabulary) by
+    :func:`megalm.dist_checkpointing.flat_range_blocks`; each block is a view of ``data``.
+    """
+    if data.dim() != 1 or data.numel() != end - start:
+        raise ValueError(f"range data must be 1-D with {end - start} elements, got {tuple(data.shape)}")
+    where = param_spec(param, torch.empty(param.shape, device="meta"))
+    view_shape = tuple(where.local.shape)  # the flat order of the local tensor, possibly cut to fewer rows
+    end_kept = min(end, math.prod(view_shape))
+    specs = []
+    for flat, offsets, sizes in flat_range_blocks(view_shape, start, end_kept) if start < end_kept else []:
+        block = data[flat - start:flat - start + math.prod(sizes)].view(sizes)
+        specs.append(ShardedTensorSpec(block, tuple(where.global_shape),
+                                       tuple(o + w for o, w in zip(offsets, where.offsets))))
+    return specs
+
+
+def finish_param_sync(model_chunks: Sequence[torch.nn.Module]) -> None:
+    """Wait for pending parameter all-gathers (distributed optimizer with overlapped gathers)."""
+    for chunk in model_chunks:
+        finish = getattr(chunk, "finish_param_sync", None)
+        if finish is not None:
+            finish()
+
+
+def _is_tied_copy(name: str, p: torch.Tensor) -> bool:
+    return bool(getattr(p, "shared_embedding", False)) and name.startswith("output_layer.")
+
+
 def model_parameters(model_chunks: Sequence[torch.nn.Module]) -> Dict[str, torch.nn.Parameter]:
     """Global parameter names -> parameters of this rank, skipping duplicate copies of tied weights."""
     params: Dict[str, torch.nn.Parameter] = {}
     for chunk in model_chunks:
         module = getattr(chunk, "module", chunk)
         for name, p in module.named_parameters():
-            if getattr(p, "shared_embedding", False) and name.startswith("output_layer."):
+            if _is_tied_copy(name, p):
                 continue  # the last stage's copy of a tied embedding: the first stage's is saved
             params[name] = p
     return params
+
+
+def tied_embedding_copies(model_chunks: Sequence[torch.nn.Module]) -> Dict[str, tuple]:
+    """``{copy name: (source name, parameter)}`` for the last pipeline stage's copies of a tied embedding.
+
+    A copy is not saved (the first stage's embedding is) but is loaded from the source's tensors,
+    weights and optimizer state alike: both copies receive the same summed gradient and the
+    same update, so they are equal.  The source is the copy's ``init_name`` (the word embedding).
+    """
+    out = {}
+    for chunk in model_chunks:
+        module = getattr(chunk, "module", chunk)
+        for name, p in module.named_parameters():
+            if _is_tied_copy(name, p):
+                out[name] = (getattr(p, "init_name", "embedding.word_embeddings.weight"), p)
+    return out
 
 
 def model_sharded_state(model_chunks: Sequence[torch.nn.Module]) -> ShardedStateDict:
@@ -143,6 +197,7 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer=None, sch
             shutil.rmtree(path)  # a stale, never-completed save of this iteration
         os.makedirs(os.path.join(path, "rng"))
     _barrier()
+    finish_param_sync(model_chunks)
     specs = model_sharded_state(model_chunks)
     if optimizer is not None:
         specs.update(optimizer_sharded_state(optimizer, model_chunks))
@@ -188,9 +243,29 @@ def _barrier() -> None:
 
 # --- optimizer adapters ------------------------------------------------------------------
 
-def optimizer_sharded_state(optimizer, model_chunks) -> ShardedStateDict:
-    """Optimizer tensors (main weights, moments) keyed by global parameter name, laid out like the parameter."""
+def optimizer_sharded_state(optimizer, model_chunks, tied_copies: bool = False) -> ShardedStateDict:
+    """Optimizer tensors (main weights, moments) keyed by global parameter name, laid out like the parameter.
+
+    An optimizer with ``sharded_state_specs(params)`` (the distributed optimizer) describes its
+    own blocks; otherwise each tensor is the parameter's local TP shard.  ``tied_copies`` (for
+    loading): also the state of tied embedding copies, under their source's keys.
+    """
     params = model_parameters(model_chunks)
+    renames = {}
+    if tied_copies:
+        for name, (source, p) in tied_embedding_copies(model_chunks).items():
+            if source not in params:
+                params[name] = p
+                renames[f"optimizer.{name}."] = f"optimizer.{source}."
+    specs = _optimizer_specs(optimizer, params)
+    for old, new in renames.items():
+        specs = {(new + k[len(old):] if k.startswith(old) else k): v for k, v in specs.items()}
+    return specs
+
+
+def _optimizer_specs(optimizer, params: Dict[str, torch.nn.Parameter]) -> ShardedStateDict:
+    if hasattr(optimizer, "sharded_state_specs"):
+        return optimizer.sharded_state_specs(params)
     specs: ShardedStateDict = {}
     for name, tensors in optimizer.sharded_param_state().items():
         if name not in params:
@@ -257,6 +332,7 @@ def load_checkpoint(root: str, model_chunks, optimizer=None, scheduler=None, loa
         raise CheckpointError(f"no checkpoint in {root} (no {TRACKER_FILENAME})")
     common = read_common(path)
     saved = saved_tensor_shapes(path)
+    finish_param_sync(model_chunks)
     with_optim = optimizer is not None and load_optim and not finetune
     specs, main_params_missing = _load_specs(model_chunks, optimizer if with_optim else None, saved)
     try:
@@ -286,9 +362,12 @@ def _load_specs(model_chunks, optimizer, saved: Dict[str, tuple]):
     Model weights come from the fp32 main copy when the checkpoint has one and nothing else
     reads it (an fp32 model, or no optimizer state loaded): it is the more precise value.
     Missing fp32 main copies (a checkpoint of an fp32 run) are rebuilt from the weights.
+    A last stage's tied embedding copy reads the embedding's weights and optimizer state.
     """
     params = model_parameters(model_chunks)
-    opt_specs = optimizer_sharded_state(optimizer, model_chunks) if optimizer is not None else {}
+    for source, p in tied_embedding_copies(model_chunks).values():
+        params.setdefault(source, p)  # a last stage's tied copy loads the embedding's tensors
+    opt_specs = optimizer_sharded_state(optimizer, model_chunks, tied_copies=True) if optimizer is not None else {}
     missing = sorted(k for k in opt_specs if k not in saved)
     other_missing = [k for k in missing if not k.endswith(".main_param")]
     if other_missing:

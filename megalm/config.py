@@ -16,7 +16,7 @@ import dataclasses
 import math
 import typing
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Union
 
 
 def _f(default, help: str, **meta):
@@ -34,7 +34,7 @@ class ConfigError(ValueError):
 # ---------------------------------------------------------------------------------------
 @dataclass
 class ModelConfig:
-    """Architecture of the GPT (and later MoE) transformer."""
+    """Architecture of the GPT transformer, dense or mixture of experts."""
 
     num_layers: int = _f(2, "Number of transformer layers.")
     hidden_size: int = _f(128, "Transformer hidden size.")
@@ -72,6 +72,36 @@ class ModelConfig:
     masked_softmax_fusion: bool = _f(True, "Disable the fused masked softmax.", flag="--no-masked-softmax-fusion", action="store_false")
     cross_entropy_loss_fusion: bool = _f(False, "Fuse the pieces of the vocab-parallel cross entropy.")
     transformer_impl: str = _f("local", "Transformer layer implementation.", choices=["local", "transformer_engine"])
+
+    # Mixture of experts (Megatron-LM's --num-experts / --moe-* flags); see megalm/transformer/moe.
+    num_experts: Optional[int] = _f(None, "Number of experts in each MoE layer (unset: dense model).")
+    moe_ffn_hidden_size: Optional[int] = _f(None, "Hidden size of each expert's MLP; default --ffn-hidden-size.")
+    moe_layer_freq: Union[int, List[int]] = _f(
+        1, "Which layers are MoE layers: every k-th layer (an int k: layers 0, k, 2k, ...), or one 0/1 entry "
+           "per layer as a Python list, e.g. \"[0,1,1,1]\" or \"([0]+[1]*3)*2\".", type="moe_layer_freq")
+    moe_router_topk: int = _f(2, "Number of experts each token is routed to.")
+    moe_router_score_function: str = _f("softmax", "Router score function.", choices=["softmax", "sigmoid"])
+    moe_router_pre_softmax: bool = _f(False, "Softmax over all experts before the top-k (default: top-k of the "
+                                             "logits, then softmax over the k chosen).")
+    moe_router_load_balancing_type: str = _f("aux_loss", "Load-balancing loss: per micro-batch (aux_loss), per "
+                                                         "sequence (seq_aux_loss) or none.",
+                                             choices=["aux_loss", "seq_aux_loss", "none"])
+    moe_aux_loss_coeff: float = _f(0.0, "Coefficient of the load-balancing loss (1e-2 is typical).")
+    moe_z_loss_coeff: Optional[float] = _f(None, "Coefficient of the router z-loss (1e-3 is typical; unset: off).")
+    moe_router_dtype: Optional[str] = _f(None, "Compute router logits and probabilities in this precision "
+                                               "(default: the model's).", choices=["fp32", "fp64"])
+    moe_shared_expert_intermediate_size: Optional[int] = _f(None, "Hidden size of a shared expert every token "
+                                                                  "goes through (unset: none).")
+    moe_token_dispatcher_type: str = _f("allgather", "How tokens reach the experts over the expert-parallel group.",
+                                        choices=["allgather", "alltoall"])
+    moe_expert_capacity_factor: Optional[float] = _f(None, "Expert capacity = ceil(tokens x topk / experts x "
+                                                           "factor); tokens beyond it are dropped (unset: dropless).")
+    moe_token_drop_policy: str = _f("probs", "Which tokens an over-full expert keeps: highest probabilities or "
+                                             "earliest positions.", choices=["probs", "position"])
+    moe_pad_expert_input_to_capacity: bool = _f(False, "Pad every expert's input to its capacity (needs "
+                                                       "--moe-expert-capacity-factor).")
+    moe_grouped_gemm: bool = _f(False, "Compute the local experts with one batched matmul instead of a loop.")
+    moe_per_layer_logging: bool = _f(False, "Also log each MoE layer's losses and tokens per expert.")
 
     # Derived values (not flags), filled by validate_config.
     padded_vocab_size: Optional[int] = field(default=None, metadata={"derived": True})
@@ -231,6 +261,36 @@ SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(MegalmConfig)}
 
 # --- command line ----------------------------------------------------------------------
 
+def parse_moe_layer_freq(text) -> Union[int, List[int]]:
+    """``--moe-layer-freq``: an int, or a list written as a Python literal built from int lists with
+    ``+`` and ``*`` (Megatron's form, e.g. ``"([0]+[1]*3)*2"``).  Evaluated without ``eval``."""
+    import ast
+
+    if isinstance(text, (int, list)):
+        return text
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(text)
+    try:
+        out = value(ast.parse(str(text).strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f"--moe-layer-freq {text!r} is neither an int nor a list such as "
+                                         f"\"[0,1,1,1]\" or \"([0]+[1]*3)*2\"") from None
+    if isinstance(out, list) and not all(isinstance(v, int) for v in out):
+        raise argparse.ArgumentTypeError(f"--moe-layer-freq {text!r} must be a flat list of 0/1 entries")
+    return out
+
+
+# Flag parsers for fields whose type is not a plain int/float/str (metadata["type"]).
+_FLAG_TYPES = {"moe_layer_freq": parse_moe_layer_freq}
+
+
 def _flag(f: dataclasses.Field) -> str:
     return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
 
@@ -261,7 +321,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, extra_sections: Option
                 kw["action"] = action or "store_true"
                 kw["default"] = f.default
             else:
-                kw["type"] = _base_type(tp)
+                kw["type"] = _FLAG_TYPES.get(f.metadata.get("type"), _base_type(tp))
                 kw["default"] = f.default if f.default is not dataclasses.MISSING else None
                 for key in ("choices", "nargs"):
                     if key in f.metadata:
@@ -307,6 +367,44 @@ def pad_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
+
+
+def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
+    """Mixture-of-experts flags (needs ``ffn_hidden_size`` and ``sequence_parallel`` settled)."""
+    ep, tp = p.expert_model_parallel_size, p.tensor_model_parallel_size
+    if m.num_experts is None:
+        _check(ep == 1, f"--expert-model-parallel-size {ep} needs --num-experts")
+        return
+    e = m.num_experts
+    _check(e >= 1, f"--num-experts must be >= 1, got {e}")
+    _check(1 <= m.moe_router_topk <= e, f"--moe-router-topk {m.moe_router_topk} must be in [1, --num-experts {e}]")
+    _check(ep >= 1 and e % ep == 0, f"--num-experts {e} is not divisible by --expert-model-parallel-size {ep}")
+    _check(tp == 1 or p.sequence_parallel,
+           f"MoE with --tensor-model-parallel-size {tp} needs --sequence-parallel (each tensor-parallel rank "
+           f"routes its own slice of the sequence)")
+    if m.moe_ffn_hidden_size is None:
+        m.moe_ffn_hidden_size = m.ffn_hidden_size
+    _check(m.moe_ffn_hidden_size > 0, f"--moe-ffn-hidden-size must be positive, got {m.moe_ffn_hidden_size}")
+    freq = m.moe_layer_freq
+    if isinstance(freq, int):
+        _check(freq >= 1, f"--moe-layer-freq {freq} must be >= 1")
+    else:
+        _check(isinstance(freq, list) and len(freq) == m.num_layers and all(v in (0, 1) for v in freq),
+               f"--moe-layer-freq {freq} must have one 0/1 entry per layer (--num-layers {m.num_layers})")
+    _check(m.moe_router_score_function == "softmax" or not m.moe_router_pre_softmax,
+           "--moe-router-pre-softmax needs --moe-router-score-function softmax")
+    _check(m.moe_aux_loss_coeff >= 0.0, f"--moe-aux-loss-coeff must be >= 0, got {m.moe_aux_loss_coeff}")
+    _check(m.moe_z_loss_coeff is None or m.moe_z_loss_coeff >= 0.0,
+           f"--moe-z-loss-coeff must be >= 0, got {m.moe_z_loss_coeff}")
+    shared = m.moe_shared_expert_intermediate_size
+    if shared is not None:
+        _check(shared > 0 and shared % tp == 0,
+               f"--moe-shared-expert-intermediate-size {shared} must be positive and divisible by "
+               f"--tensor-model-parallel-size {tp}")
+    cf = m.moe_expert_capacity_factor
+    _check(cf is None or cf > 0.0, f"--moe-expert-capacity-factor must be positive, got {cf}")
+    _check(cf is not None or not m.moe_pad_expert_input_to_capacity,
+           "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
 
 
 def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> MegalmConfig:
@@ -390,11 +488,14 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
                    f"--num-virtual-stages-per-pipeline-rank {vpp}")
     p.virtual_pipeline_model_parallel_size = vpp
     _check(p.context_parallel_size == 1, "--context-parallel-size > 1 is not supported yet")
+    _check(not p.overlap_param_gather or p.use_distributed_optimizer,
+           "--overlap-param-gather needs --use-distributed-optimizer (it overlaps the optimizer's parameter all-gather)")
     if p.sequence_parallel and tp == 1:
         p.sequence_parallel = False  # as Megatron: a no-op without tensor parallelism
     if p.sequence_parallel:
         _check(m.seq_length % tp == 0,
                f"--seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size {tp} (sequence parallel)")
+    _validate_moe(m, p)
 
     # Precision.
     _check(not (t.bf16 and t.fp16), "--bf16 and --fp16 are mutually exclusive")

@@ -9,12 +9,19 @@ tensor/pipeline/data-parallel layout loads under any other.
 Replicated copies (data-parallel replicas, or TP-replicated norms) describe the same block
 and DCP's planner writes it once.  The two planners below only teach DCP that a plain local
 tensor sits at a non-zero offset of its global tensor; all I/O and resharding is DCP's.
+
+A key may also map to a *list* of specs: several disjoint blocks of one global tensor held by
+one rank (the distributed optimizer's shard of a flattened bucket covers, for each parameter,
+a contiguous range of its flattened tensor, which :func:`flat_range_blocks` cuts into at most
+``2 (ndim - 1) + 1`` rectangular blocks).  Each block is its own DCP chunk (write item) on save
+and its own destination chunk on load.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Sequence
+import math
+from typing import Dict, List, Sequence, Tuple, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -49,42 +56,91 @@ class ShardedTensorSpec:
         return ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=torch.Size(self.local.shape))
 
 
-ShardedStateDict = Dict[str, ShardedTensorSpec]
+ShardedStateDict = Dict[str, Union[ShardedTensorSpec, List[ShardedTensorSpec]]]
+
+
+def _as_list(value) -> List[ShardedTensorSpec]:
+    return value if isinstance(value, list) else [value]
+
+
+def _locals(specs: ShardedStateDict) -> dict:
+    return {k: [s.local for s in v] if isinstance(v, list) else v.local for k, v in specs.items()}
+
+
+def flat_range_blocks(shape: Sequence[int], start: int, end: int) -> List[Tuple[int, Tuple[int, ...], Tuple[int, ...]]]:
+    """Cut the flat (row-major) elements ``[start, end)`` of a tensor of ``shape`` into rectangular blocks.
+
+    Returns ``(flat_start, offsets, sizes)`` per block, in flat order; each block is itself a
+    contiguous flat range, so a 1-D slice ``data[flat_start - start:][:prod(sizes)]`` viewed as
+    ``sizes`` is that block.  Per dimension: a partial first row, the full rows, a partial
+    last row (recursively): at most ``2 (ndim - 1) + 1`` blocks.
+    """
+    shape = tuple(int(n) for n in shape)
+    if start >= end:
+        return []
+    if start < 0 or end > math.prod(shape):
+        raise ValueError(f"flat range [{start}, {end}) outside a tensor of shape {shape}")
+    if len(shape) <= 1:
+        return [(start, (start,) if shape else (), (end - start,) if shape else ())]
+    inner = math.prod(shape[1:])
+
+    def in_row(row: int, lo: int, hi: int):
+        return [(row * inner + fs, (row,) + off, (1,) + size)
+                for fs, off, size in flat_range_blocks(shape[1:], lo, hi)]
+
+    first, last = start // inner, (end - 1) // inner
+    if first == last:
+        return in_row(first, start - first * inner, end - first * inner)
+    blocks = []
+    full_start, full_end = -(-start // inner), end // inner
+    if start % inner:
+        blocks += in_row(first, start % inner, inner)
+    if full_end > full_start:
+        blocks.append((full_start * inner, (full_start,) + (0,) * (len(shape) - 1),
+                       (full_end - full_start,) + shape[1:]))
+    if end % inner:
+        blocks += in_row(full_end, 0, end % inner)
+    return blocks
 
 
 class _ShardSavePlanner(DefaultSavePlanner):
     def __init__(self, specs: ShardedStateDict):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.specs = specs
+        self._by_offsets = {(fqn, tuple(s.offsets)): s for fqn, v in specs.items() for s in _as_list(v)}
 
     def create_local_plan(self) -> SavePlan:
         items: List[WriteItem] = []
-        for fqn, spec in self.specs.items():
-            if spec.local.numel() == 0:
-                continue
-            items.append(WriteItem(
-                index=MetadataIndex(fqn, torch.Size(spec.offsets)),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(chunk=spec.chunk(),
-                                            properties=TensorProperties.create_from_tensor(spec.local),
-                                            size=torch.Size(spec.global_shape))))
+        for fqn, value in self.specs.items():
+            for spec in _as_list(value):
+                if spec.local.numel() == 0:
+                    continue
+                items.append(WriteItem(
+                    index=MetadataIndex(fqn, torch.Size(spec.offsets)),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(chunk=spec.chunk(),
+                                                properties=TensorProperties.create_from_tensor(spec.local),
+                                                size=torch.Size(spec.global_shape))))
         self.plan = SavePlan(items)
         return self.plan
 
     def resolve_data(self, write_item: WriteItem):
-        return self.specs[write_item.index.fqn].local.detach().contiguous()
+        spec = self._by_offsets[(write_item.index.fqn, tuple(write_item.index.offset))]
+        return spec.local.detach().contiguous()
 
 
 class _ShardLoadPlanner(DefaultLoadPlanner):
     def __init__(self, specs: ShardedStateDict, strict: bool = True):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=not strict)
-        self.specs = specs
+        # Empty blocks read nothing; the read items' dest_index.index is the position in this list.
+        self.specs = {k: [s for s in _as_list(v) if s.local.numel()] for k, v in specs.items()}
+        self._shapes = {k: [tuple(s.global_shape) for s in _as_list(v)] for k, v in specs.items()}
         self.strict = strict
 
     def create_local_plan(self) -> LoadPlan:
         md = self.metadata.state_dict_metadata
         requests = []
-        for fqn, spec in self.specs.items():
+        for fqn, specs in self.specs.items():
             if fqn not in md:
                 if self.strict:
                     raise KeyError(f"checkpoint has no tensor named {fqn!r}")
@@ -92,24 +148,24 @@ class _ShardLoadPlanner(DefaultLoadPlanner):
             saved = md[fqn]
             if not hasattr(saved, "chunks"):
                 raise ValueError(f"checkpoint entry {fqn!r} is not a tensor")
-            if tuple(saved.size) != tuple(spec.global_shape):
-                raise ValueError(f"checkpoint tensor {fqn!r} has shape {tuple(saved.size)}, "
-                                 f"the model expects {tuple(spec.global_shape)}")
-            if spec.local.numel():
-                requests += create_read_items_for_chunk_list(fqn, saved, [spec.chunk()])
+            for shape in self._shapes[fqn]:
+                if tuple(saved.size) != shape:
+                    raise ValueError(f"checkpoint tensor {fqn!r} has shape {tuple(saved.size)}, "
+                                     f"the model expects {shape}")
+            if specs:
+                requests += create_read_items_for_chunk_list(fqn, saved, [s.chunk() for s in specs])
         self.plan = LoadPlan(requests)
         return self.plan
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return self.specs[index.fqn].local
+        return self.specs[index.fqn][index.index or 0].local
 
     def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
         # ``tensor`` is the narrowed view returned by resolve_tensor (already filled in place).
         pass
 
     def resolve_tensor(self, read_item):
-        local = self.specs[read_item.dest_index.fqn].local
-        view = local
+        view = self.specs[read_item.dest_index.fqn][read_item.dest_index.index or 0].local
         for dim, (off, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
             view = view.narrow(dim, off, length)
         return view
@@ -117,17 +173,17 @@ class _ShardLoadPlanner(DefaultLoadPlanner):
 
 def save_sharded(specs: ShardedStateDict, path: str, process_group=None) -> None:
     """Collective: every rank of ``process_group`` (default world) calls this with its blocks."""
-    dcp.save({k: v.local for k, v in specs.items()}, checkpoint_id=path, planner=_ShardSavePlanner(specs),
-             process_group=process_group)
+    dcp.save(_locals(specs), checkpoint_id=path, planner=_ShardSavePlanner(specs), process_group=process_group)
 
 
 def load_sharded(specs: ShardedStateDict, path: str, strict: bool = True, process_group=None) -> None:
     """Collective: fill every ``spec.local`` in place from the checkpoint at ``path``."""
-    for fqn, spec in specs.items():
-        if not spec.local.is_contiguous():
-            raise ValueError(f"load target {fqn!r} must be contiguous")
-    dcp.load({k: v.local for k, v in specs.items()}, checkpoint_id=path,
-             planner=_ShardLoadPlanner(specs, strict), process_group=process_group)
+    for fqn, value in specs.items():
+        for spec in _as_list(value):
+            if not spec.local.is_contiguous():
+                raise ValueError(f"load target {fqn!r} must be contiguous")
+    dcp.load(_locals(specs), checkpoint_id=path, planner=_ShardLoadPlanner(specs, strict),
+             process_group=process_group)
 
 
 def saved_tensor_shapes(path: str) -> Dict[str, tuple]:

@@ -29,7 +29,7 @@ SCRIPT_ENV = ("GPUS_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_POR
               "TOKENIZER_MODEL", "TOKENIZER_TYPE", "VOCAB_SIZE", "RUN_DIR", "CHECKPOINT_DIR", "LOAD_DIR",
               "TENSORBOARD_DIR", "METRICS_FILE", "WANDB_PROJECT", "WANDB_EXP_NAME", "SAVE_INTERVAL",
               "LOG_INTERVAL", "EVAL_INTERVAL", "EVAL_ITERS", "PRECISION", "SEQUENCE_PARALLEL", "RECOMPUTE",
-              "RECOMPUTE_NUM_LAYERS", "VP_LAYERS", "DIST_OPT", "DRY_RUN", "SLURM_JOB_NODELIST", "SLURM_NNODES",
+              "RECOMPUTE_NUM_LAYERS", "VP_LAYERS", "DIST_OPT", "EP", "DRY_RUN", "SLURM_JOB_NODELIST", "SLURM_NNODES",
               "SLURM_NODEID", "SLURM_SUBMIT_DIR", "SLURM_GPUS_ON_NODE")
 
 
@@ -66,25 +66,45 @@ def parse(flags, world_size):
     return validate_config(cfg, world_size=world_size)
 
 
-def count_parameters(cfg: MegalmConfig) -> int:
-    """Parameters of the whole GPT model (all TP/PP shards together)."""
+def count_parameters(cfg: MegalmConfig, active: bool = False) -> int:
+    """Parameters of the whole GPT model (all TP/PP/EP shards together); with ``active``, only
+    those a token goes through (MoE: the router's top-k experts)."""
     m = cfg.model
     h, d, heads, groups = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_kv_heads
-    f, bias = m.ffn_hidden_size, int(m.add_bias_linear)
+    bias = int(m.add_bias_linear)
     norm = h if m.normalization == "RMSNorm" else 2 * h
     qkv = (heads + 2 * groups) * d
     attention = h * qkv + heads * d * h + bias * (qkv + h)
-    fc1 = 2 * f if m.swiglu else f
-    mlp = h * fc1 + f * h + bias * (fc1 + h)
-    layer = attention + mlp + 2 * norm
+
+    def mlp(f):
+        fc1 = 2 * f if m.swiglu else f
+        return h * fc1 + f * h + bias * (fc1 + h)
+
+    layers = m.num_layers * (attention + 2 * norm + mlp(m.ffn_hidden_size))
+    if m.num_experts:
+        freq = m.moe_layer_freq
+        moe_layers = sum(freq) if isinstance(freq, list) else len(range(0, m.num_layers, freq))
+        experts = m.moe_router_topk if active else m.num_experts
+        moe = m.num_experts * h + experts * mlp(m.moe_ffn_hidden_size)  # router + experts
+        if m.moe_shared_expert_intermediate_size:
+            moe += mlp(m.moe_shared_expert_intermediate_size)
+        layers += moe_layers * (moe - mlp(m.ffn_hidden_size))
     vocab = m.padded_vocab_size
     embedding = vocab * h + (m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0)
     output = vocab * h if m.untie_embeddings_and_output_weights else 0
-    return embedding + m.num_layers * layer + norm + output
+    return embedding + layers + norm + output
+
+
+# Mixture-of-experts names give the expert layout, not the size: published totals.
+MOE_SIZES = {"8x7b": 46.7e9}
 
 
 def size_from_name(name):
-    """``pretrain_gpt3_1.3b.sh`` -> 1.3e9; None for names without a size (the tiny CPU script)."""
+    """``pretrain_gpt3_1.3b.sh`` -> 1.3e9, ``pretrain_mixtral_8x7b.sh`` -> 46.7e9 (total); None for
+    names without a size (the tiny CPU scripts)."""
+    moe = re.search(r"_(\d+x\d+(?:\.\d+)?[mb])\.sh$", name)
+    if moe:
+        return MOE_SIZES[moe.group(1)]
     match = re.search(r"_(\d+(?:\.\d+)?)([mb])\.sh$", name)
     if not match:
         return None
@@ -95,7 +115,8 @@ def test_scripts_exist():
     names = {s.name for s in SCRIPTS}
     for size in ("125m", "350m", "1.3b", "2.7b", "6.7b", "13b", "175b"):
         assert f"pretrain_gpt3_{size}.sh" in names
-    for name in ("llama2_7b", "llama3_8b", "llama2_13b", "llama2_70b", "gpt_tiny_cpu"):
+    for name in ("llama2_7b", "llama3_8b", "llama2_13b", "llama2_70b", "gpt_tiny_cpu", "mixtral_8x7b",
+                 "moe_tiny_cpu"):
         assert f"pretrain_{name}.sh" in names
     for script in SCRIPTS + [SCRIPTS_DIR / "slurm" / "pretrain.sbatch"]:
         assert os.access(script, os.X_OK), f"{script} is not executable"
@@ -125,7 +146,7 @@ def test_script_flags_validate_and_size_matches_name(script):
         return
     assert world % 8 == 0 and int(opts["--nproc_per_node"]) == 8
     assert p.sequence_parallel == (p.tensor_model_parallel_size > 1)
-    if "llama" in script.name:
+    if "llama" in script.name or "mixtral" in script.name:
         assert m.position_embedding_type == "rope" and m.normalization == "RMSNorm" and m.swiglu
         assert not m.add_bias_linear and m.untie_embeddings_and_output_weights
     else:
@@ -155,6 +176,24 @@ def test_known_shapes():
     assert (llama3.num_query_groups, llama3.rotary_base, llama3.ffn_hidden_size, llama3.seq_length) == (8, 500000, 14336, 8192)
     assert n["llama2_70b"][1].model.num_query_groups == 8
     assert n["llama2_7b"][1].model.num_query_groups is None
+
+
+def test_mixtral_shape_and_expert_layout():
+    launcher, flags = run_script(SCRIPTS_DIR / "pretrain_mixtral_8x7b.sh")
+    opts = launcher_options(launcher)
+    cfg = parse(flags, int(opts["--nproc_per_node"]) * int(opts["--nnodes"]))
+    m, p = cfg.model, cfg.parallel
+    # Hugging Face's Mixtral-8x7B-v0.1: 46,702,792,704 parameters; 2 of 8 experts active per token.
+    assert count_parameters(cfg) == 46_702_792_704
+    assert abs(count_parameters(cfg, active=True) - 12.9e9) < 0.01 * 12.9e9
+    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_layer_freq) == (8, 2, 14336, 1)
+    assert (m.num_query_groups, m.rotary_base, m.seq_length) == (8, 1000000, 4096)
+    assert m.moe_token_dispatcher_type == "alltoall" and m.moe_grouped_gemm and m.moe_aux_loss_coeff == 1e-2
+    assert (p.expert_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size) == (8, 4, 8)
+    assert cfg.model.recompute_granularity == "full"
+    tiny = parse(run_script(SCRIPTS_DIR / "pretrain_moe_tiny_cpu.sh")[1], 4)
+    assert tiny.parallel.expert_model_parallel_size == 2 and tiny.parallel.sequence_parallel
+    assert tiny.model.num_experts == 8
 
 
 def test_environment_overrides_and_extra_flags(tmp_path):

@@ -17,6 +17,19 @@ group, pre-scaled by the same 1/DP as Megatron (each expert sees tokens of all E
 Buckets sharing one process group are always launched in the same order on every rank (a
 ready bucket waits for the buckets before it), so data-dependent gradient order cannot make
 ranks issue collectives in different orders.
+
+With ``use_distributed_optimizer`` (ZeRO-1, see :mod:`megalm.optimizer.distrib_optimizer`):
+
+* each bucket is reduce-scattered instead of all-reduced (``(K-1)/K`` instead of ``2 (K-1)/K``
+  x bucket bytes), so after :meth:`finish_grad_sync` a rank holds the mean gradient of its
+  shard only; tied embedding copies (``param.shared_embedding``) get buckets of their own;
+* parameters live in ``param_data`` buffers; after the optimizer step
+  :meth:`start_param_sync` all-gathers them bucket by bucket (another ``(K-1)/K`` x bucket
+  bytes, in the parameter dtype).  Without ``overlap_param_gather`` it waits at once; with it
+  the all-gathers run in the background (launched in forward order) and a forward pre-hook on
+  every module that owns parameters waits for the buckets holding them, so the next forward
+  overlaps the rest.  :meth:`finish_param_sync` waits for everything (before a checkpoint is
+  saved or loaded, and before the next optimizer step writes its shard).
 """
 
 from __future__ import annotations
@@ -47,6 +60,18 @@ def _groups():
             parallel_state.get_expert_data_parallel_group(), edp)
 
 
+def _is_shared_embedding(param: torch.nn.Parameter) -> bool:
+    return bool(getattr(param, "shared_embedding", False))
+
+
+def _wait_for(buckets: List[Bucket]):
+    def hook(module, args):
+        for bucket in buckets:
+            if bucket.param_handle is not None:
+                bucket.finish_param_sync()
+    return hook
+
+
 class DistributedDataParallel(torch.nn.Module):
     """Wrap ``module``; see the module docstring for the protocol.
 
@@ -54,7 +79,7 @@ class DistributedDataParallel(torch.nn.Module):
         module: the model chunk.
         parallel_cfg: :class:`megalm.config.ParallelConfig` (``ddp_bucket_size``,
             ``overlap_grad_reduce``, ``accumulate_allreduce_grads_in_fp32``,
-            ``use_distributed_optimizer``).
+            ``use_distributed_optimizer``, ``overlap_param_gather``).
         grad_dtype: dtype of ``main_grad``; default fp32 when
             ``accumulate_allreduce_grads_in_fp32`` else each parameter's dtype.
 
@@ -67,6 +92,9 @@ class DistributedDataParallel(torch.nn.Module):
         self.module = module
         self.overlap_grad_reduce = bool(getattr(parallel_cfg, "overlap_grad_reduce", False))
         self.use_distributed_optimizer = bool(getattr(parallel_cfg, "use_distributed_optimizer", False))
+        self.overlap_param_gather = bool(getattr(parallel_cfg, "overlap_param_gather", False))
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("overlap_param_gather needs use_distributed_optimizer")
         fp32_grads = bool(getattr(parallel_cfg, "accumulate_allreduce_grads_in_fp32", True))
         dp_group, dp, edp_group, edp = _groups()
         self.data_parallel_world_size = dp
@@ -88,13 +116,17 @@ class DistributedDataParallel(torch.nn.Module):
             group, world = (edp_group, edp) if expert else (dp_group, dp)
             for (_, gdtype), params in keyed.items():
                 buf = ParamAndGradBuffer(params, gdtype, self.bucket_size, group if world > 1 else None,
-                                         world, 1.0 / dp, allocate_param_data=self.use_distributed_optimizer, param_names=names)
+                                         world, 1.0 / dp, param_names=names,
+                                         use_distributed_optimizer=self.use_distributed_optimizer,
+                                         isolate=_is_shared_embedding if self.use_distributed_optimizer else None)
                 (self.expert_buffers if expert else self.buffers).append(buf)
         self._param_to_buffer = {p: b for b in self.all_buffers for p in b.param_index_map}
         self._build_launch_queues()
         self._grad_sync_enabled = True
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook())
                               for p in self._param_to_buffer]
+        if self.overlap_param_gather:
+            self._hook_handles += self._register_param_gather_hooks()
 
     # --- structure -----------------------------------------------------------------------
     @property
@@ -184,6 +216,41 @@ class DistributedDataParallel(torch.nn.Module):
             buf.reset(zero=True)
         self._cursors = [0] * len(self._queues)
         self._grad_sync_enabled = True
+
+    # --- parameter all-gather (distributed optimizer) --------------------------------------------
+    def start_param_sync(self, force_sync: bool = False) -> None:
+        """All-gather every bucket's ``param_data`` (each rank's shard was just updated).
+
+        Buckets are launched in forward order (the reverse of the buffer order), queue by
+        queue, the same on every rank.  Waits at once unless ``overlap_param_gather`` (and not
+        ``force_sync``); then the forward pre-hooks wait, bucket by bucket.
+        """
+        if not self.use_distributed_optimizer:
+            raise RuntimeError("start_param_sync is only used with use_distributed_optimizer")
+        wait = force_sync or not self.overlap_param_gather
+        for queue in self._queues:
+            for bucket in reversed(queue):
+                bucket.start_param_sync(async_op=not wait)
+
+    def finish_param_sync(self) -> None:
+        """Wait for every pending parameter all-gather (no-op when none is pending)."""
+        for buf in self.all_buffers:
+            for bucket in buf.buckets:
+                bucket.finish_param_sync()
+
+    def _register_param_gather_hooks(self) -> list:
+        """A forward pre-hook per module owning parameters: wait for the buckets holding them."""
+        handles = []
+        for module in self.module.modules():
+            buckets, seen = [], set()
+            for p in module.parameters(recurse=False):
+                buf = self._param_to_buffer.get(p)
+                if buf is not None and id(buf.bucket_of(p)) not in seen:
+                    seen.add(id(buf.bucket_of(p)))
+                    buckets.append(buf.bucket_of(p))
+            if buckets:
+                handles.append(module.register_forward_pre_hook(_wait_for(buckets)))
+        return handles
 
     def broadcast_params(self) -> None:
         """Copy DP rank 0's parameters to every DP rank (expert params: expert-DP rank 0)."""

@@ -10,7 +10,9 @@
 3. Tied word embeddings with pipeline parallelism: the first stage's word embedding and the
    last stage's output-layer copy (``param.shared_embedding``) must receive the same update,
    so their gradients are summed over the embedding group (first + last stage) — one
-   all-reduce of the weight's gradient.
+   all-reduce of the weight's gradient.  With the distributed optimizer this runs after the
+   reduce-scatter and is still right for the shard a rank owns, because the weight has a
+   bucket of its own on both stages (the same shard ranges).
 
 Finding the tied weight: on the last stage, the parameter of ``model_chunks[-1]`` with
 ``shared_embedding = True``; on the first stage, the parameter of ``model_chunks[0]`` with
@@ -112,6 +114,18 @@ def _tied(model_chunks: Sequence[torch.nn.Module], stage: str, weight) -> bool:
     return tied
 
 
+def _check_own_bucket(chunk: torch.nn.Module, weight: torch.nn.Parameter) -> None:
+    """With the distributed optimizer only the owned shard of a gradient is reduced, so the two
+    stages must shard the tied weight alike: it must sit alone in its bucket (DDP puts a weight
+    flagged ``shared_embedding`` there)."""
+    if not getattr(chunk, "use_distributed_optimizer", False):
+        return
+    for buf in chunk.all_buffers:
+        if weight in buf.param_index_map and len(buf.bucket_of(weight).params) != 1:
+            raise RuntimeError("with the distributed optimizer the tied embedding weight needs a gradient bucket of "
+                               "its own: mark it with `param.shared_embedding = True` on both pipeline stages")
+
+
 def allreduce_embedding_grads(model_chunks: Sequence[torch.nn.Module], tied: Optional[bool] = None) -> None:
     """Sum the tied word-embedding gradient over the embedding group (first + last stage)."""
     stage = _embedding_stage()
@@ -127,6 +141,7 @@ def allreduce_embedding_grads(model_chunks: Sequence[torch.nn.Module], tied: Opt
         raise RuntimeError(
             f"embeddings are tied but the {stage} pipeline stage has no tied embedding weight: mark it with "
             f"`param.shared_embedding = True` or give the model `shared_embedding_or_output_weight()`")
+    _check_own_bucket(chunk, weight)
     grad = grad_of(weight)
     if grad is None:
         grad = weight.grad = torch.zeros_like(weight)  # unused this iteration: contribute zeros

@@ -21,18 +21,30 @@ dtype and one reduction group)::
 * With ``allocate_param_data`` (for the distributed optimizer) the parameters' storage is
   moved into a parallel buffer ``param_data`` with the same layout (``param.data`` becomes a
   view), so updated shards can be all-gathered bucket by bucket.
+* ``isolate(param)`` True puts that parameter in a bucket of its own (the distributed optimizer
+  does this for tied embedding copies, so that the first and the last pipeline stage shard the
+  weight identically and the embedding all-reduce after the reduce-scatter stays correct).
 
-Communication (:meth:`Bucket.start_grad_sync`): the bucket view is multiplied by
-``gradient_scaling_factor`` (1/DP: the mean over data-parallel ranks) and all-reduced with SUM
-over the buffer's group, asynchronously; :meth:`Bucket.finish_grad_sync` waits.
+Communication (:meth:`Bucket.start_grad_sync`), per bucket, asynchronous, over the buffer's group
+of ``K`` ranks; :meth:`Bucket.finish_grad_sync` waits:
+
+* plain data parallel: the bucket is multiplied by ``gradient_scaling_factor`` (1/DP: the mean
+  over data-parallel ranks) and all-reduced (SUM): ``2 (K-1)/K`` x bucket bytes per rank.
+* ``use_distributed_optimizer``: scaled the same way, then reduce-scattered in place: only this
+  rank's shard of ``grad_data`` holds the mean afterwards (the rest keeps local, unreduced
+  values, never read): ``(K-1)/K`` x bucket bytes.  After the optimizer wrote the updated
+  weights of its shard into ``param_data``, :meth:`Bucket.start_param_sync` all-gathers the
+  bucket's ``param_data`` in place (``(K-1)/K`` x bucket bytes of the parameter dtype) and
+  :meth:`Bucket.finish_param_sync` waits for it.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 from megalm.distributed import comm
 
@@ -44,6 +56,7 @@ class Bucket:
                  param_data: Optional[torch.Tensor], offset: int, numel_unpadded: int,
                  param_ranges: Dict[torch.nn.Parameter, Tuple[int, int]], buffer: "ParamAndGradBuffer"):
         self.index = index
+        self.param_handle = None                  # pending all-gather of param_data
         self.params = params                      # in buffer order
         self.grad_data = grad_data                # view into buffer.grad_data (padded length)
         self.param_data = param_data              # view into buffer.param_data or None
@@ -81,17 +94,29 @@ class Bucket:
         shard = self.numel // dp_size
         return self.offset + dp_rank * shard, self.offset + (dp_rank + 1) * shard
 
+    def local_shard(self) -> Tuple[int, int]:
+        """This rank's shard ``(start, end)`` relative to the bucket start."""
+        start, end = self.shard_range(self.buffer.data_parallel_rank)
+        return start - self.offset, end - self.offset
+
     def start_grad_sync(self) -> None:
-        """Scale by ``gradient_scaling_factor`` and launch the async all-reduce (SUM) of the bucket."""
+        """Scale by ``gradient_scaling_factor`` and launch the async all-reduce (SUM) of the bucket,
+        or its in-place reduce-scatter (SUM) with ``use_distributed_optimizer``."""
         if self.launched:
             return
         self.launched = True
         factor = self.buffer.gradient_scaling_factor
         if factor != 1.0:
             self.grad_data.mul_(factor)
-        if self.buffer.data_parallel_group is not None:  # None: a group of one, nothing to reduce
-            self.handle = comm.all_reduce(self.grad_data, group=self.buffer.data_parallel_group, async_op=True,
-                                          kind="grad_all_reduce")
+        group = self.buffer.data_parallel_group
+        if group is None:  # a group of one, nothing to reduce
+            return
+        if self.buffer.use_distributed_optimizer:
+            lo, hi = self.local_shard()
+            self.handle = comm.reduce_scatter_tensor(self.grad_data[lo:hi], self.grad_data, group=group,
+                                                     async_op=True, kind="grad_reduce_scatter")
+        else:
+            self.handle = comm.all_reduce(self.grad_data, group=group, async_op=True, kind="grad_all_reduce")
 
     def finish_grad_sync(self) -> None:
         """Launch if needed, then wait for the bucket's all-reduce."""
@@ -101,18 +126,41 @@ class Bucket:
             self.handle.wait()
             self.handle = None
 
+    def start_param_sync(self, async_op: bool = True) -> None:
+        """All-gather ``param_data`` in place: every rank contributes its shard (distributed optimizer)."""
+        if self.param_data is None:
+            raise RuntimeError("start_param_sync needs a buffer built with allocate_param_data")
+        self.finish_param_sync()
+        group = self.buffer.data_parallel_group
+        if group is None:
+            return
+        lo, hi = self.local_shard()
+        self.param_handle = comm.all_gather_into_tensor(self.param_data, self.param_data[lo:hi], group=group,
+                                                        async_op=async_op, kind="param_all_gather")
+        if not async_op:
+            self.param_handle = None
+
+    def finish_param_sync(self) -> None:
+        """Wait for the pending parameter all-gather, if any."""
+        if self.param_handle is not None:
+            self.param_handle.wait()
+            self.param_handle = None
+
 
 class ParamAndGradBuffer:
     """One contiguous gradient (and optionally parameter) buffer over ``params``.
 
     ``params``: in module order (they are laid out reversed).  ``data_parallel_group`` may be
-    None for no communication.  See the module docstring for the layout.
+    None for no communication.  ``use_distributed_optimizer`` reduce-scatters instead of
+    all-reducing and implies ``allocate_param_data``.  See the module docstring for the layout.
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], grad_dtype: torch.dtype,
                  bucket_size: Optional[int], data_parallel_group, data_parallel_world_size: int,
                  gradient_scaling_factor: float, pad_multiple: Optional[int] = None,
-                 allocate_param_data: bool = False, param_names: Optional[Dict[torch.nn.Parameter, str]] = None):
+                 allocate_param_data: bool = False, param_names: Optional[Dict[torch.nn.Parameter, str]] = None,
+                 use_distributed_optimizer: bool = False,
+                 isolate: Optional[Callable[[torch.nn.Parameter], bool]] = None):
         if not params:
             raise ValueError("ParamAndGradBuffer needs at least one parameter")
         dtypes = {p.dtype for p in params}
@@ -124,6 +172,9 @@ class ParamAndGradBuffer:
         self.grad_dtype = grad_dtype
         self.data_parallel_group = data_parallel_group
         self.data_parallel_world_size = data_parallel_world_size
+        self.data_parallel_rank = dist.get_rank(data_parallel_group) if data_parallel_group is not None else 0
+        self.use_distributed_optimizer = use_distributed_optimizer
+        allocate_param_data = allocate_param_data or use_distributed_optimizer
         self.gradient_scaling_factor = gradient_scaling_factor
         self.pad_multiple = pad_multiple or data_parallel_world_size
         self.params = list(reversed(list(params)))  # buffer order
@@ -131,7 +182,7 @@ class ParamAndGradBuffer:
         self.param_index_map: Dict[torch.nn.Parameter, Tuple[int, int, int]] = {}
         device = params[0].device
 
-        bucket_spans = self._layout(bucket_size)
+        bucket_spans = self._layout(bucket_size, isolate or (lambda p: False))
         self.numel = bucket_spans[-1][1] if bucket_spans else 0
         self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
         self.param_data = None
@@ -145,18 +196,24 @@ class ParamAndGradBuffer:
     def _pad(self, n: int) -> int:
         return int(math.ceil(n / self.pad_multiple) * self.pad_multiple)
 
-    def _layout(self, bucket_size: Optional[int]) -> List[tuple]:
+    def _layout(self, bucket_size: Optional[int], isolate: Callable[[torch.nn.Parameter], bool]) -> List[tuple]:
         """Assign ``(start, end, bucket_id)`` to every parameter; return bucket spans.
 
         Span: ``(start, padded_end, params, unpadded_end)`` in buffer coordinates.
         """
         spans, cursor, bucket_start, members = [], 0, 0, []
         for p in self.params:
+            alone = isolate(p)
+            if alone and members:  # close the open bucket: p gets one of its own
+                padded = self._pad(cursor)
+                spans.append((bucket_start, padded, members, cursor))
+                cursor = bucket_start = padded
+                members = []
             start, end = cursor, cursor + p.numel()
             self.param_index_map[p] = (start, end, len(spans))
             members.append(p)
             cursor = end
-            if bucket_size is not None and cursor - bucket_start >= bucket_size:
+            if alone or (bucket_size is not None and cursor - bucket_start >= bucket_size):
                 padded = self._pad(cursor)
                 spans.append((bucket_start, padded, members, cursor))
                 cursor = bucket_start = padded

@@ -14,6 +14,14 @@ model-parallel group (TP x PP); with expert parallelism (EP > 1) the expert para
 second all-reduce.  Overflow flags are MAX-reduced over the model-parallel group (the world
 with EP > 1, so that ranks sharing dense parameters always take the same decision).
 
+Sharded gradients (the distributed optimizer: each data-parallel rank holds a disjoint shard
+of every gradient, ``sharded=True``): the local sums of squares are summed with ONE all-reduce
+over the world.  That is the DP-then-model-parallel sum: the world is the product of the
+data-parallel (x context) group and the model-parallel group for dense parameters, and of the
+expert-data-parallel group and the expert-model-parallel group for expert parameters, each
+element of each distinct gradient lives on exactly one rank of it, and the duplicates above are
+excluded before summing.  The overflow flag is MAX-reduced over the world as well.
+
 Clipping (as torch.nn.utils.clip_grad_norm_ and Megatron): ``g *= max_norm / (norm + 1e-6)``
 when that factor is < 1.
 """
@@ -90,14 +98,24 @@ def _sum_squares_and_zeros(grads: Sequence[torch.Tensor], count_zeros: bool) -> 
     return out
 
 
+def _world_group():
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
+
+
 def grad_norm_and_zeros(grads_with_params: Sequence[Tuple[torch.Tensor, torch.Tensor]],
-                        count_zeros: bool = False) -> Tuple[float, Optional[float]]:
+                        count_zeros: bool = False, sharded: bool = False) -> Tuple[float, Optional[float]]:
     """Global L2 norm of the gradients (and number of zero entries) over model-parallel ranks.
 
     ``grads_with_params``: ``(grad, model_param)`` pairs; the model parameter's attributes
-    decide whether the gradient counts (see the module docstring).
+    decide whether the gradient counts (see the module docstring).  ``sharded``: the gradients
+    are this rank's data-parallel shards (distributed optimizer): one SUM over the world.
     """
     counted = [(g, p) for g, p in grads_with_params if g is not None and param_counts_in_norm(p)]
+    if sharded:
+        stats = _sum_squares_and_zeros([g for g, _ in counted], count_zeros)
+        _all_reduce(stats, dist.ReduceOp.SUM, _world_group(), "grad_norm_all_reduce")
+        norm = math.sqrt(stats[0].item()) if stats[0].item() >= 0 else float("nan")
+        return norm, (stats[1].item() if count_zeros else None)
     split_expert = _expert_parallel()
     dense = [g for g, p in counted if not (split_expert and is_expert_param(p))]
     stats = _sum_squares_and_zeros(dense, count_zeros)
@@ -119,16 +137,20 @@ def clip_grads_by_total_norm(grads: List[torch.Tensor], max_norm: float, total_n
     return min(coeff, 1.0)
 
 
-def unscale_and_check_for_inf(grads: List[torch.Tensor], inv_scale: float) -> bool:
+def unscale_and_check_for_inf(grads: List[torch.Tensor], inv_scale: float, sharded: bool = False) -> bool:
     """Multiply ``grads`` by ``inv_scale`` in place; True when any rank saw inf/nan.
 
-    Communication: one MAX all-reduce of a flag over the model-parallel group (world with EP > 1).
+    Communication: one MAX all-reduce of a flag over the model-parallel group (world with EP > 1,
+    or with ``sharded`` gradients: each data-parallel rank sees only its shard).
     """
     device = grads[0].device if grads else get_device()
     found_inf = torch.zeros(1, dtype=torch.float32, device=device)
     if grads:
         torch._amp_foreach_non_finite_check_and_unscale_(
             grads, found_inf, torch.full((1,), inv_scale, dtype=torch.float32, device=device))
-    group = (dist.group.WORLD if _expert_parallel() else _model_parallel_group())
+    if sharded:
+        group = _world_group()
+    else:
+        group = dist.group.WORLD if _expert_parallel() else _model_parallel_group()
     _all_reduce(found_inf, dist.ReduceOp.MAX, group, "found_inf_all_reduce")
     return bool(found_inf.item() > 0)

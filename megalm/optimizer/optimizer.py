@@ -37,6 +37,7 @@ import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 from megalm import parallel_state
 from megalm.distributed.finalize_model_grads import grad_of, unwrap_model
@@ -45,6 +46,12 @@ from megalm.optimizer.grad_scaler import GradScaler, build_grad_scaler
 
 FORMAT = "megalm-optimizer-v1"
 StepResult = Tuple[bool, Optional[float], Optional[float]]
+
+
+def grad_of_dtype(param: torch.Tensor) -> Optional[torch.dtype]:
+    """dtype of the gradient the parameter accumulates into (``main_grad`` under DDP)."""
+    g = getattr(param, "main_grad", None)
+    return g.dtype if g is not None else None
 
 
 def get_param_groups(named_params: Sequence[Tuple[str, torch.nn.Parameter]], weight_decay: float) -> List[dict]:
@@ -238,6 +245,19 @@ class MegatronOptimizer:
     def _main_params_state_one(self, name: str, main: torch.nn.Parameter) -> Dict[str, torch.Tensor]:
         return {}
 
+    def memory_breakdown(self) -> Dict[str, int]:
+        """Bytes beyond the model's weights and gradient buffers: fp32 main weights (copies only),
+        fp32 main gradients (copies made during the step when gradients are not fp32) and the
+        optimizer state (moments; the 0-dim step counters are left out).  The state is created
+        first if no step was taken yet."""
+        self.init_state()
+        copies = [(p, m) for p, m in zip(self.model_params, self.main_params) if m is not p]
+        half_grads = [p for p, _ in copies if (grad_of_dtype(p) or p.dtype) != torch.float32]
+        return {"main_params": sum(m.numel() * m.element_size() for _, m in copies),
+                "main_grads": sum(p.numel() * 4 for p in half_grads),
+                "optimizer_state": sum(t.numel() * t.element_size() for m in self.main_params
+                                       for t in self.optimizer.state[m].values() if t.dim() > 0)}
+
     def common_state_dict(self) -> dict:
         """JSON-serializable rest: loss scaler and (for the record) the hyper-parameters."""
         groups = [{k: v for k, v in g.items() if isinstance(v, (int, float, str, bool)) and k != "params"}
@@ -340,12 +360,16 @@ def _make_torch_optimizer(t) -> Callable[[List[dict]], torch.optim.Optimizer]:
 
 
 def build_optimizer(cfg, model_chunks: Sequence[torch.nn.Module],
-                    log_num_zeros_in_grad: Optional[bool] = None) -> MegatronOptimizer:
+                    log_num_zeros_in_grad: Optional[bool] = None, report_memory: bool = True) -> MegatronOptimizer:
     """Optimizer over every trainable parameter of ``model_chunks`` (DDP-wrapped or not).
 
     Mixed precision (fp32 main params) when any parameter is bf16/fp16; fp16 gets a dynamic
-    (or ``--loss-scale`` constant) loss scaler.  ``log_num_zeros_in_grad`` defaults to the
-    config's ``training.log_num_zeros_in_grad`` when that field exists, else False.
+    (or ``--loss-scale`` constant) loss scaler.  ``--use-distributed-optimizer``: a
+    :class:`megalm.optimizer.distrib_optimizer.DistributedOptimizer` over the chunks' DDP buffers
+    (built with the same config).  ``log_num_zeros_in_grad`` defaults to the config's
+    ``training.log_num_zeros_in_grad`` when that field exists, else False.  ``report_memory``:
+    global rank 0 prints the bytes per parameter of weights, gradients, main weights and
+    optimizer state against the formula (:mod:`megalm.optimizer.memory_accounting`).
     """
     t = cfg.training
     if log_num_zeros_in_grad is None:
@@ -354,7 +378,18 @@ def build_optimizer(cfg, model_chunks: Sequence[torch.nn.Module],
     if not named:
         raise ValueError("build_optimizer: the model has no trainable parameters")
     groups = get_param_groups(named, t.weight_decay)
-    half = any(p.dtype in (torch.float16, torch.bfloat16) for _, p in named)
-    cls = MixedPrecisionOptimizer if half else FP32Optimizer
-    return cls(groups, _make_torch_optimizer(t), clip_grad=t.clip_grad, grad_scaler=build_grad_scaler(t),
-               log_num_zeros_in_grad=log_num_zeros_in_grad)
+    if getattr(cfg.parallel, "use_distributed_optimizer", False):
+        from megalm.optimizer.distrib_optimizer import DistributedOptimizer
+
+        optimizer = DistributedOptimizer(groups, _make_torch_optimizer(t), model_chunks, clip_grad=t.clip_grad,
+                                         grad_scaler=build_grad_scaler(t), log_num_zeros_in_grad=log_num_zeros_in_grad)
+    else:
+        half = any(p.dtype in (torch.float16, torch.bfloat16) for _, p in named)
+        cls = MixedPrecisionOptimizer if half else FP32Optimizer
+        optimizer = cls(groups, _make_torch_optimizer(t), clip_grad=t.clip_grad, grad_scaler=build_grad_scaler(t),
+                        log_num_zeros_in_grad=log_num_zeros_in_grad)
+    if report_memory and (not dist.is_initialized() or dist.get_rank() == 0):
+        from megalm.optimizer.memory_accounting import format_memory_report, optimizer_memory
+
+        print(format_memory_report(optimizer_memory(optimizer, model_chunks)), flush=True)
+    return optimizer

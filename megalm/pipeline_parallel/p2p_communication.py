@@ -80,6 +80,9 @@ class P2PCommunicator:
     @classmethod
     def from_config(cls, cfg, seq_length: Optional[int] = None, micro_batch_size: Optional[int] = None
                     ) -> "P2PCommunicator":
+        if cfg is None:
+            raise ValueError("a pipelined schedule needs config= (a MegalmConfig: exchanged shape and dtype) "
+                             "or communicator=")
         return cls(pipeline_tensor_shape(cfg, seq_length, micro_batch_size), pipeline_dtype(cfg),
                    bool(cfg.parallel.variable_seq_lengths))
 

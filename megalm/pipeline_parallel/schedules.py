@@ -4,6 +4,14 @@ A schedule calls ``forward_step_func(data_iterator, model) -> (output, loss_func
 ``loss_func(output) -> (loss, {name: value})`` as in Megatron-LM, scales each microbatch's
 loss by ``1 / num_microbatches`` (and the loss scale), runs backward, and returns the list of
 per-microbatch reported values (on the stage that computes the loss).
+
+:func:`get_forward_backward_func` picks the schedule for this rank's layout:
+
+* no pipeline parallelism: :func:`forward_backward_no_pipelining` (below);
+* pipeline parallelism: 1F1B,
+  :func:`megalm.pipeline_parallel.schedule_1f1b.forward_backward_pipelining_without_interleaving`;
+* with virtual stages: interleaved 1F1B,
+  :func:`megalm.pipeline_parallel.schedule_interleaved.forward_backward_pipelining_with_interleaving`.
 """
 
 from __future__ import annotations
@@ -59,8 +67,14 @@ def forward_backward_no_pipelining(forward_step_func: Callable, data_iterator, m
 
 
 def get_forward_backward_func() -> Callable:
-    """The schedule for this rank's layout (pipelined schedules arrive with the pipeline issue)."""
+    """The schedule for this rank's layout: no pipelining, 1F1B, or interleaved 1F1B (virtual stages)."""
+    from megalm.pipeline_parallel.schedule_1f1b import forward_backward_pipelining_without_interleaving
+    from megalm.pipeline_parallel.schedule_interleaved import forward_backward_pipelining_with_interleaving
+
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    if pp > 1:
-        raise NotImplementedError("pipeline parallelism (--pipeline-model-parallel-size > 1) is not available yet")
-    return forward_backward_no_pipelining
+    if pp == 1:
+        return forward_backward_no_pipelining
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is not None and vpp > 1:
+        return forward_backward_pipelining_with_interleaving
+    return forward_backward_pipelining_without_interleaving

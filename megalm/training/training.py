@@ -92,10 +92,12 @@ def count_parameters(chunks: Sequence[torch.nn.Module]) -> int:
 def train_step(cfg: MegalmConfig, forward_step_func: Callable, data_iterator, model: List[torch.nn.Module],
                optimizer, scheduler, num_microbatches: int) -> Dict[str, object]:
     from megalm.distributed.finalize_model_grads import finalize_model_grads
+    from megalm.transformer.moe import begin_training_step as begin_moe_step
 
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    begin_moe_step(optimizer.get_loss_scale(), num_microbatches)  # aux-loss backward scale (MoE)
     forward_backward = get_forward_backward_func()
     reported = forward_backward(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                                 num_microbatches=num_microbatches, forward_only=False,
@@ -108,7 +110,15 @@ def train_step(cfg: MegalmConfig, forward_step_func: Callable, data_iterator, mo
 
 
 def average_reported(reported: List[Dict]) -> Dict[str, float]:
-    """Mean over microbatches, then over data-parallel ranks (one all-reduce)."""
+    """Mean over microbatches, then over data-parallel ranks (one all-reduce); with pipeline
+    parallelism only the last stage has values and broadcasts them to every stage (collective
+    over the pipeline group: every rank calls this)."""
+    from megalm.pipeline_parallel.reporting import broadcast_from_last_stage
+
+    return broadcast_from_last_stage(_average_over_microbatches_and_dp(reported))
+
+
+def _average_over_microbatches_and_dp(reported: List[Dict]) -> Dict[str, float]:
     if not reported:
         return {}
     keys = sorted(reported[0])
@@ -219,12 +229,7 @@ class Trainer:
         if cfg.checkpoint.load and not os.path.isdir(cfg.checkpoint.load):
             raise SystemExit(f"error: --load directory {cfg.checkpoint.load} does not exist")
         p = cfg.parallel
-        not_yet = [(p.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size > 1 (pipeline parallelism)"),
-                   (p.use_distributed_optimizer, "--use-distributed-optimizer"),
-                   (p.overlap_param_gather, "--overlap-param-gather"),
-                   (p.expert_model_parallel_size > 1, "--expert-model-parallel-size > 1 (mixture of experts)"),
-                   (cfg.model.transformer_impl != "local", "--transformer-impl transformer_engine"),
-                   (p.variable_seq_lengths, "--variable-seq-lengths")]
+        not_yet = [(cfg.model.transformer_impl != "local", "--transformer-impl transformer_engine")]
         for asked, flag in not_yet:
             if asked:
                 raise SystemExit(f"error: {flag} is not implemented in megalm yet")
@@ -343,10 +348,12 @@ class Trainer:
                 if c.save and saved_at != state.iteration:
                     self.save()
                 print_rank_0(f"[megalm] exiting at iteration {state.iteration}: {reason}")
+                checkpointing.finish_param_sync(self.model)  # overlapped parameter all-gathers
                 self.metrics.close()
                 if dist.is_initialized():
                     dist.barrier()
                 sys.exit(0)
+        checkpointing.finish_param_sync(self.model)  # the last step's overlapped parameter all-gathers
         if cfg.checkpoint.save and saved_at != state.iteration:
             self.save()
 

@@ -6,6 +6,10 @@
 Activations ``[s, b, h]``; under sequence parallelism ``[s/tp, b, h]``, the norms and the
 hidden dropout work on this rank's slice of the sequence and the dropout draws from the
 tracker's model-parallel stream.  Communication is that of the attention and MLP blocks.
+
+``mlp`` is a dense :class:`~megalm.transformer.mlp.MLP`, or a
+:class:`~megalm.transformer.moe.MoELayer` on the layers ``--num-experts`` /
+``--moe-layer-freq`` select (:func:`~megalm.transformer.moe.is_moe_layer`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from torch import nn
 from megalm.tensor_parallel.random import dropout
 from megalm.transformer.attention import SelfAttention
 from megalm.transformer.mlp import MLP
+from megalm.transformer.moe.moe_layer import MoELayer, is_moe_layer
 from megalm.transformer.norm import build_norm
 
 
@@ -32,7 +37,8 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = build_norm(m.normalization, m.hidden_size, m.norm_epsilon, sequence_parallel)
         self.self_attention = SelfAttention(m, sequence_parallel, recompute_core=recompute_core_attention)
         self.pre_mlp_layernorm = build_norm(m.normalization, m.hidden_size, m.norm_epsilon, sequence_parallel)
-        self.mlp = MLP(m, sequence_parallel)
+        self.is_moe = is_moe_layer(m, layer_number)
+        self.mlp = MoELayer(m, layer_number, sequence_parallel) if self.is_moe else MLP(m, sequence_parallel)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return dropout(x, self.hidden_dropout, self.training, model_parallel_rng=self.sequence_parallel)

@@ -1,0 +1,270 @@
+"""Distributed optimizer (ZeRO-1): fp32 main weights and Adam moments sharded over data-parallel ranks.
+
+Ownership.  Every gradient bucket of :class:`megalm.distributed.ParamAndGradBuffer` is padded
+to a multiple of its group size ``K`` and split into ``K`` equal contiguous shards; data-parallel
+rank ``r`` owns shard ``r`` of every bucket (expert buffers: the expert-data-parallel rank over
+the expert-data-parallel group).  A shard covers, for each parameter it overlaps, one contiguous
+range of that parameter's flattened (TP-local) tensor: a :class:`ShardRange`.  This rank keeps
+fp32 main weights, ``exp_avg`` and ``exp_avg_sq`` for its ranges only (1-D tensors); for fp32
+models the main weights are the ranges of the parameter buffer themselves (no copy).
+
+One iteration (``K`` ranks, bucket of ``B`` bytes of gradients, ``P`` bytes of parameters)::
+
+    backward -> reduce-scatter each gradient bucket (mean)        (K-1)/K B per rank, per bucket
+                (overlapped with backward under --overlap-grad-reduce)
+    step:  found_inf (fp16): MAX of a flag over the world          1 float
+           grad norm: SUM of this rank's shard squares over world   2 floats
+           clip, AdamW on the shard ranges, write the new weights (rounded to bf16/fp16)
+           into this rank's shard of the parameter buffer
+    all-gather each parameter bucket in place                      (K-1)/K P per rank, per bucket
+                (without --overlap-param-gather: at once, right after the step; with it:
+                 in the background, each module's forward pre-hook waits for its buckets)
+
+against ``2 (K-1)/K B`` for the plain data-parallel all-reduce.  The norm over the world equals
+"sum over the DP group of the shards, then over the model-parallel group" (see
+:mod:`megalm.optimizer.clip_grads`): TP-replicated parameters count on TP rank 0 only and the
+last stage's tied embedding copy not at all.  A skipped step (overflow or non-finite norm)
+changes no weight, so nothing is gathered.
+
+Memory per parameter on a rank (``d`` = data-parallel size): weights + gradient buffer + (fp32
+main weights + fp32 main gradients + 8 B Adam state) / d, i.e. bf16 params with fp32 grads
+``6 + 12/d``, fp32 ``8 + 8/d``, fp16/bf16 params with half-precision grads ``4 + 16/d`` (the
+fp32 copy of the gradient shard is a persistent buffer of this class).  See
+:mod:`megalm.optimizer.memory_accounting`.
+
+Checkpoints: for each range, every state tensor is saved as the rectangular blocks of the full
+tensor it covers (:func:`megalm.checkpointing.param_range_specs`), under the plain optimizer's
+keys ``optimizer.<name>.{exp_avg, exp_avg_sq, main_param, step}``: a true sharded save with no
+gather, loadable by this optimizer under any DP/TP/PP layout and by the plain optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from megalm.dist_checkpointing import ShardedStateDict, ShardedTensorSpec
+from megalm.distributed.param_and_grad_buffer import Bucket
+from megalm.optimizer.clip_grads import clip_grads_by_total_norm, grad_norm_and_zeros, unscale_and_check_for_inf
+from megalm.optimizer.grad_scaler import GradScaler
+from megalm.optimizer.optimizer import MegatronOptimizer, StepResult
+
+
+@dataclass
+class ShardRange:
+    """The part ``[start, end)`` (flat, of the TP-local tensor) of one parameter this rank owns."""
+
+    name: str                              # global parameter name
+    param: torch.nn.Parameter              # the model parameter
+    start: int
+    end: int
+    model: torch.Tensor                    # 1-D view of the parameter buffer over the range
+    grad: torch.Tensor                     # 1-D view of the gradient buffer over the range
+    main: torch.nn.Parameter               # fp32 main weights (``model`` itself for fp32 params)
+    main_grad: Optional[torch.Tensor]      # persistent fp32 copy of ``grad`` when grads are not fp32
+    bucket: Bucket
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    @property
+    def main_is_model(self) -> bool:
+        return self.main.data_ptr() == self.model.data_ptr()
+
+
+def _data_parallel_chunks(model_chunks: Sequence[torch.nn.Module]) -> list:
+    chunks = list(model_chunks)
+    for chunk in chunks:
+        if not getattr(chunk, "use_distributed_optimizer", False) or not hasattr(chunk, "all_buffers"):
+            raise ValueError("the distributed optimizer needs model chunks wrapped in "
+                             "megalm.distributed.DistributedDataParallel with use_distributed_optimizer=True "
+                             "(--use-distributed-optimizer)")
+    return chunks
+
+
+class DistributedOptimizer(MegatronOptimizer):
+    """AdamW/SGD over this rank's shard ranges; see the module docstring.
+
+    Args:
+        groups: from :func:`megalm.optimizer.get_param_groups` (model parameters, global names).
+        make_optimizer: builds the torch optimizer from param-group dicts over main params.
+        model_chunks: the DDP-wrapped chunks whose buffers define the shards.
+        clip_grad, grad_scaler, log_num_zeros_in_grad: as :class:`MegatronOptimizer`.
+    """
+
+    def __init__(self, groups: List[dict], make_optimizer: Callable[[List[dict]], torch.optim.Optimizer],
+                 model_chunks: Sequence[torch.nn.Module], clip_grad: float = 0.0,
+                 grad_scaler: Optional[GradScaler] = None, log_num_zeros_in_grad: bool = False):
+        # MegatronOptimizer.__init__ is not called: main params are shard ranges, not parameters.
+        self.model_chunks = _data_parallel_chunks(model_chunks)
+        self.model_params: List[torch.nn.Parameter] = [p for g in groups for p in g["params"]]
+        self.names: List[str] = [n for g in groups for n in g["names"]]
+        if len(set(self.names)) != len(self.names):
+            dup = sorted({n for n in self.names if self.names.count(n) > 1})
+            raise ValueError(f"parameter names must be unique across model chunks, duplicated: {dup[:5]}")
+        group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+        name_of = dict(zip(map(id, self.model_params), self.names))
+        self.ranges = self._build_ranges(name_of)
+        self.main_params: List[torch.nn.Parameter] = [r.main for r in self.ranges]
+        torch_groups = [{k: v for k, v in g.items() if k not in ("params", "names")} |
+                        {"params": [r.main for r in self.ranges if group_of[id(r.param)] == gi]}
+                        for gi, g in enumerate(groups)]
+        self.optimizer = make_optimizer(torch_groups)
+        self.clip_grad = float(clip_grad)
+        self.grad_scaler = grad_scaler
+        self.log_num_zeros_in_grad = log_num_zeros_in_grad
+        self.data_parallel_size = max((b.data_parallel_world_size for c in self.model_chunks for b in c.buffers),
+                                      default=1)
+
+    # --- shard layout ---------------------------------------------------------------------------
+    def _build_ranges(self, name_of: Dict[int, str]) -> List[ShardRange]:
+        """Intersect this rank's shard of every bucket with the parameters in it."""
+        pieces = []
+        in_buffers = set()
+        for chunk in self.model_chunks:
+            for buf in chunk.all_buffers:
+                for bucket in buf.buckets:
+                    lo, hi = bucket.shard_range(buf.data_parallel_rank)
+                    for p in bucket.params:
+                        in_buffers.add(id(p))
+                        ps, pe, _ = buf.param_index_map[p]
+                        s, e = max(ps, lo), min(pe, hi)
+                        if s >= e or id(p) not in name_of:
+                            continue
+                        pieces.append((p, s - ps, e - ps, buf, s, e, bucket))
+        missing = [name_of[id(p)] for p in self.model_params if id(p) not in in_buffers]
+        if missing:
+            raise ValueError(f"parameters outside the data-parallel buffers cannot be sharded: {missing[:5]}")
+        half_grads = [pc for pc in pieces if pc[3].grad_dtype != torch.float32]
+        grad_copy = torch.zeros(sum(pc[2] - pc[1] for pc in half_grads), dtype=torch.float32,
+                                device=pieces[0][0].device) if half_grads else None
+        ranges, cursor = [], 0
+        for p, start, end, buf, s, e, bucket in pieces:
+            model = buf.param_data[s:e]
+            if p.dtype == torch.float32:
+                main = torch.nn.Parameter(model, requires_grad=p.requires_grad)  # shares the buffer's storage
+            else:
+                main = torch.nn.Parameter(model.detach().clone().float(), requires_grad=p.requires_grad)
+            main_grad = None
+            if buf.grad_dtype != torch.float32:
+                main_grad = grad_copy[cursor:cursor + (e - s)]
+                cursor += e - s
+            ranges.append(ShardRange(name_of[id(p)], p, start, end, model, buf.grad_data[s:e], main, main_grad,
+                                     bucket))
+        return ranges
+
+    def describe(self) -> str:
+        """One line per owned range: name, flat range, numel."""
+        return "\n".join(f"{r.name}[{r.start}:{r.end}] ({r.numel})" for r in self.ranges)
+
+    # --- step -----------------------------------------------------------------------------------
+    def _finish_param_sync(self) -> None:
+        for chunk in self.model_chunks:
+            chunk.finish_param_sync()
+
+    def _main_grads(self) -> List[torch.Tensor]:
+        grads = []
+        for r in self.ranges:
+            g = r.grad
+            if r.main_grad is not None:
+                r.main_grad.copy_(g)
+                g = r.main_grad
+            r.main.grad = g
+            grads.append(g)
+        return grads
+
+    def _release_grads(self) -> None:
+        for r in self.ranges:
+            r.main.grad = None
+
+    @torch.no_grad()
+    def _copy_main_to_model(self) -> None:
+        for r in self.ranges:
+            if not r.main_is_model:
+                r.model.copy_(r.main)
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        """One update of this rank's ranges, then the parameter all-gather (see the module docstring)."""
+        self._finish_param_sync()  # a pending gather must not overwrite the shard written below
+        try:
+            grads = self._main_grads()
+            if self.grad_scaler is not None:
+                found_inf = unscale_and_check_for_inf(grads, self.grad_scaler.inv_scale, sharded=True)
+                self.grad_scaler.update(found_inf)
+                if found_inf:
+                    return False, None, None
+            norm, zeros = grad_norm_and_zeros([(g, r.param) for g, r in zip(grads, self.ranges)],
+                                              self.log_num_zeros_in_grad, sharded=True)
+            if not math.isfinite(norm):
+                return False, norm, zeros
+            if self.clip_grad > 0.0:
+                clip_grads_by_total_norm(grads, self.clip_grad, norm)
+            self.optimizer.step()
+            self._copy_main_to_model()
+            for chunk in self.model_chunks:
+                chunk.start_param_sync()
+            return True, norm, zeros
+        finally:
+            self._release_grads()
+
+    # --- checkpointing ---------------------------------------------------------------------------
+    def sharded_state_specs(self, params: Dict[str, torch.nn.Parameter]) -> ShardedStateDict:
+        """``optimizer.<name>.<state>`` -> the blocks of the full tensors this rank's ranges cover.
+
+        ``params``: the checkpointed parameters by name (a tied copy left out there is left out
+        here).  ``step`` (0-dim) is saved replicated; ``main_param`` only for half-precision models.
+        """
+        from megalm.checkpointing import param_range_specs
+
+        self.init_state()
+        specs: ShardedStateDict = {}
+        for r in self.ranges:
+            if r.name not in params:
+                continue
+            tensors = dict(self.optimizer.state[r.main])
+            if not r.main_is_model:
+                tensors["main_param"] = r.main.data
+            for key, t in tensors.items():
+                fqn = f"optimizer.{r.name}.{key}"
+                if t.dim() == 0:
+                    specs[fqn] = ShardedTensorSpec.replicated(t.reshape(1))
+                else:
+                    blocks = param_range_specs(r.param, t, r.start, r.end)
+                    if blocks:
+                        specs[fqn] = blocks
+        return specs
+
+    def _whole_params_only(self, *_args, **_kwargs):
+        raise TypeError("the distributed optimizer holds ranges of parameters, not whole ones: checkpoint it with "
+                        "megalm.checkpointing (sharded_state_specs), which any layout can load")
+
+    # The plain optimizer's whole-parameter state protocols do not apply to ranges.
+    sharded_param_state = state_dict = load_state_dict = _whole_params_only
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Main ranges <- model weights; skipped once right after :meth:`load_common_state_dict`."""
+        if getattr(self, "_main_params_restored", False):
+            self._main_params_restored = False
+            return
+        for r in self.ranges:
+            if not r.main_is_model:
+                r.main.copy_(r.model.float())
+
+    # --- accounting ---------------------------------------------------------------------------------
+    def memory_breakdown(self) -> Dict[str, int]:
+        """Bytes this rank holds beyond the model's weights and gradient buffers, measured on the
+        live tensors (the optimizer state is created first if no step was taken yet)."""
+        self.init_state()
+        state = sum(t.numel() * t.element_size() for r in self.ranges
+                    for t in self.optimizer.state[r.main].values() if t.dim() > 0)
+        return {"main_params": sum(r.main.numel() * r.main.element_size() for r in self.ranges
+                                   if not r.main_is_model),
+                "main_grads": sum(r.main_grad.numel() * r.main_grad.element_size() for r in self.ranges
+                                  if r.main_grad is not None),
+                "optimizer_state": state}

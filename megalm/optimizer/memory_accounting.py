@@ -1,0 +1,80 @@
+"""Bytes per parameter of weights, gradients, main weights and optimizer state on this rank.
+
+Measured on the live tensors (no communication) and set against the usual formula, with ``d``
+the data-parallel size the optimizer state is sharded over (``d = 1`` without the distributed
+optimizer, which gives the plain numbers 16 / 18 / 20):
+
+================================  ==========================  ==================
+parameters / gradient buffers     formula (distributed)       plain optimizer
+================================  ==========================  ==================
+fp32 / fp32                       4 + 4 + (8) / d = 8 + 8/d   16
+bf16 or fp16 / fp32 (default)     2 + 4 + (4 + 8) / d         18
+bf16 or fp16 / same half dtype    2 + 2 + (4 + 4 + 8) / d     20
+================================  ==========================  ==================
+
+(main weights 4 B and, for half-precision gradients, an fp32 main-gradient copy 4 B; AdamW
+``exp_avg`` + ``exp_avg_sq`` 8 B.)  megalm accumulates gradients in fp32 by default
+(``--accumulate-allreduce-grads-in-fp32``), so fp16 models are on the ``6 + 12/d`` line unless
+that is turned off.  Bucket padding (< d elements per bucket) makes measured values differ
+slightly from the formula; the formula ignores the few bytes of ``step`` counters.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Sequence
+
+import torch
+
+from megalm.distributed.finalize_model_grads import unwrap_model
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+def formula_bytes_per_param(param_dtype: torch.dtype, grad_dtype: torch.dtype, d: int) -> tuple:
+    """``(bytes per parameter, text of the formula)`` for these dtypes and sharding ``d``."""
+    if param_dtype not in HALF:
+        return 8 + 8 / d, "8 + 8/d (fp32 params and grads)"
+    name = "bf16" if param_dtype == torch.bfloat16 else "fp16"
+    if grad_dtype == torch.float32:
+        return 6 + 12 / d, f"6 + 12/d ({name} params, fp32 grads)"
+    return 4 + 16 / d, f"4 + 16/d ({name} params and grads)"
+
+
+def optimizer_memory(optimizer, model_chunks: Sequence[torch.nn.Module]) -> Dict[str, object]:
+    """This rank's bytes by kind, bytes per parameter, and the formula that applies.
+
+    Keys: ``params`` (elements of trainable parameters on this rank), ``weights``,
+    ``grads``, ``main_params``, ``main_grads``, ``optimizer_state`` (bytes), ``total``,
+    ``per_param`` (``{kind: bytes / params}``), ``d``, ``distributed``, ``formula``,
+    ``formula_text``.
+    """
+    params = [p for c in model_chunks for p in unwrap_model(c).parameters() if p.requires_grad]
+    params = list({id(p): p for p in params}.values())
+    n = sum(p.numel() for p in params)
+    grads = [getattr(p, "main_grad", None) for p in params]
+    out = {"params": n,
+           "weights": sum(p.numel() * p.element_size() for p in params),
+           "grads": sum((g.numel() * g.element_size()) if g is not None else p.numel() * p.element_size()
+                        for p, g in zip(params, grads))}
+    out.update(optimizer.memory_breakdown())
+    kinds = ("weights", "grads", "main_params", "main_grads", "optimizer_state")
+    out["total"] = sum(out[k] for k in kinds)
+    out["per_param"] = {k: out[k] / max(n, 1) for k in kinds + ("total",)}
+    distributed = hasattr(optimizer, "sharded_state_specs")
+    d = getattr(optimizer, "data_parallel_size", 1) if distributed else 1
+    param_dtype = params[0].dtype if params else torch.float32
+    grad_dtype = grads[0].dtype if params and grads[0] is not None else param_dtype
+    formula, text = formula_bytes_per_param(param_dtype, grad_dtype, d)
+    out.update(d=d, distributed=distributed, formula=formula, formula_text=text)
+    return out
+
+
+def format_memory_report(mem: Dict[str, object]) -> str:
+    """One log line: measured bytes per parameter by kind against the formula."""
+    pp = mem["per_param"]
+    which = f"distributed optimizer, d={mem['d']}" if mem["distributed"] else "optimizer not sharded, d=1"
+    return (f"[megalm] optimizer memory on this rank ({which}): weights {pp['weights']:.2f} + grads "
+            f"{pp['grads']:.2f} + main weights {pp['main_params']:.2f} + main grads {pp['main_grads']:.2f} + "
+            f"optimizer state {pp['optimizer_state']:.2f} = {pp['total']:.2f} B/param over "
+            f"{mem['params']:,} params ({mem['total'] / 2**20:.1f} MiB); formula {mem['formula_text']} = "
+            f"{mem['formula']:.2f} B/param")

@@ -1,0 +1,132 @@
+"""The experts held by this rank: ``E / EP`` MLPs, each its own parameters named by GLOBAL index.
+
+Parameter names follow Megatron's SequentialMLP: ``mlp.experts.local_experts.<global index>.
+linear_fc1.weight`` ``[f or 2f (SwiGLU: [gate; up]), h]`` and ``linear_fc2.weight`` ``[h, f]``
+(plus biases without ``--disable-bias-linear``).  Because the index is global, initialization
+(seeded by the global name) and checkpoints (one full tensor per expert) do not depend on the
+expert-parallel size: EP rank ``r`` simply holds experts ``[r E/EP, (r+1) E/EP)``.
+
+Experts are not split over tensor-parallel ranks: each TP rank holds the whole local experts
+and computes the tokens of its own sequence slice (see :mod:`~megalm.transformer.moe.moe_layer`).
+Every expert parameter carries ``allreduce = False`` (gradients reduced over the
+expert-data-parallel group by DDP) and ``sequence_parallel`` when TP > 1 (partial gradients
+summed over TP, as for norms).
+
+:meth:`LocalExperts.forward` takes the tokens sorted by local expert with their counts and
+computes ``fc2(act(fc1(x)))`` per expert, either
+
+* in a loop of per-expert matmuls, or
+* with ``--moe-grouped-gemm``: one ``bmm`` over the local experts' stacked weights, each
+  expert's tokens padded to the largest count (padding rows are zeros and are discarded).
+
+Both give the same values (to float rounding).  No communication.
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalm.device import get_device
+from megalm.tensor_parallel.initialization import mark_init
+from megalm.tensor_parallel.utils import set_tensor_model_parallel_attributes
+from megalm.transformer.utils import init_std, output_init_std
+
+
+def _expert_parameter(*shape: int, kind: str, std=None, sequence_parallel: bool = False) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(*shape, dtype=torch.float32, device=get_device()))
+    set_tensor_model_parallel_attributes(param, False, -1)
+    mark_init(param, kind, std)
+    param.allreduce = False
+    param.sequence_parallel = bool(sequence_parallel)
+    return param
+
+
+def activation(x: torch.Tensor, swiglu: bool) -> torch.Tensor:
+    """GELU, or SwiGLU of a ``[gate, up]`` last dimension."""
+    if swiglu:
+        gate, up = torch.chunk(x, 2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(x)
+
+
+class _Linear(nn.Module):
+    """``x W^T + b`` with expert parameters (so names read ``linear_fc1.weight``)."""
+
+    def __init__(self, in_size: int, out_size: int, bias: bool, std: float, sequence_parallel: bool):
+        super().__init__()
+        self.weight = _expert_parameter(out_size, in_size, kind="normal", std=std, sequence_parallel=sequence_parallel)
+        self.bias = (_expert_parameter(out_size, kind="zeros", sequence_parallel=sequence_parallel)
+                     if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ExpertMLP(nn.Module):
+    """One expert: ``linear_fc2(act(linear_fc1(x)))``."""
+
+    def __init__(self, model_cfg, sequence_parallel: bool = False):
+        super().__init__()
+        m = model_cfg
+        f = m.moe_ffn_hidden_size
+        self.swiglu = m.swiglu
+        self.linear_fc1 = _Linear(m.hidden_size, 2 * f if m.swiglu else f, m.add_bias_linear, init_std(m),
+                                  sequence_parallel)
+        self.linear_fc2 = _Linear(f, m.hidden_size, m.add_bias_linear, output_init_std(m), sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(activation(self.linear_fc1(x), self.swiglu))
+
+
+class LocalExperts(nn.Module):
+    """Experts ``first, ..., first + count - 1`` (global indices) of this EP rank."""
+
+    def __init__(self, model_cfg, first: int, count: int, sequence_parallel: bool = False, grouped: bool = False):
+        super().__init__()
+        self.first, self.count = first, count
+        self.swiglu = model_cfg.swiglu
+        self.grouped = grouped
+        self.local_experts = nn.ModuleDict({str(first + j): ExpertMLP(model_cfg, sequence_parallel)
+                                            for j in range(count)})
+
+    def experts(self) -> List[ExpertMLP]:
+        return list(self.local_experts.values())
+
+    def forward(self, tokens: torch.Tensor, tokens_per_expert: Sequence[int]) -> torch.Tensor:
+        """``tokens`` ``[N, h]`` sorted by local expert, ``tokens_per_expert`` their counts (sum N)."""
+        counts = [int(c) for c in tokens_per_expert]
+        if len(counts) != self.count or sum(counts) != tokens.shape[0]:
+            raise ValueError(f"{tokens.shape[0]} tokens do not match counts {counts} for {self.count} experts")
+        if self.grouped:
+            return self._grouped(tokens, counts)
+        chunks = torch.split(tokens, counts, dim=0)
+        return torch.cat([expert(chunk) for expert, chunk in zip(self.experts(), chunks)], dim=0)
+
+    def _grouped(self, tokens: torch.Tensor, counts: List[int]) -> torch.Tensor:
+        """One bmm per linear layer over ``[experts, max count, h]`` zero-padded token blocks."""
+        experts = self.experts()
+        width = max(counts) if counts else 0
+        h = tokens.shape[-1]
+        expert_of = torch.repeat_interleave(torch.arange(self.count, device=tokens.device),
+                                            torch.tensor(counts, device=tokens.device))
+        starts = torch.tensor([0] + counts[:-1], device=tokens.device).cumsum(0)
+        slot = expert_of * width + (torch.arange(tokens.shape[0], device=tokens.device) - starts[expert_of])
+        padded = tokens.new_zeros(self.count * width, h).index_copy(0, slot, tokens).view(self.count, width, h)
+        out = self._grouped_linear(padded, [e.linear_fc1 for e in experts])
+        out = self._grouped_linear(activation(out, self.swiglu), [e.linear_fc2 for e in experts])
+        return out.reshape(self.count * width, out.shape[-1]).index_select(0, slot)
+
+    @staticmethod
+    def _grouped_linear(x: torch.Tensor, layers: Sequence[_Linear]) -> torch.Tensor:
+        weight = torch.stack([layer.weight for layer in layers])  # [L, out, in]
+        out = torch.bmm(x, weight.transpose(1, 2))
+        if layers[0].bias is not None:
+            out = out + torch.stack([layer.bias for layer in layers]).unsqueeze(1)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"experts {self.first}..{self.first + self.count - 1}, grouped={self.grouped}"

@@ -1,0 +1,90 @@
+"""The mixture-of-experts block that replaces the dense MLP of MoE layers.
+
+    probs, routing_map = router(x)                       # top-k of E experts per token
+    y = dispatcher(x, probs, routing_map, local experts) # routed experts, weighted by probs
+    y = y + shared_experts(x)                            # with --moe-shared-expert-intermediate-size
+
+Input and output ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism, which MoE requires
+when TP > 1).  Parameter names (Megatron's): ``mlp.router.weight``,
+``mlp.experts.local_experts.<global expert>.linear_fc{1,2}.{weight,bias}``,
+``mlp.shared_experts.linear_fc{1,2}...``.
+
+Parallelism and communication, per MoE layer and micro-batch:
+
+* Tensor parallel (design choice): experts are *not* split over TP.  Each TP rank routes and
+  dispatches only the tokens of its own sequence slice, so the expert MLPs do no TP
+  communication at all (Megatron's default instead gathers the sequence over TP and splits
+  every expert over TP: an all-gather and a reduce-scatter of ``[s, b, h]`` per layer).  The
+  cost is memory: each TP rank holds its ``E / EP`` experts whole.  Router and expert
+  gradients are partial per TP rank and are summed over TP after the backward pass
+  (``sequence_parallel`` attribute, one coalesced all-reduce with the norms); the router's
+  statistics for the auxiliary losses take one small all-reduce over TP (see the router).
+* Expert parallel: tokens travel over the EP group (ranks with the same TP rank), by all-gather
+  + reduce-scatter or by two all-to-alls (see the token dispatcher).
+* Data parallel: expert parameters carry ``allreduce = False``; DDP reduces their gradients
+  over the expert-data-parallel group (the ranks holding the same experts), dense ones
+  (router, shared experts) over the whole data-parallel group.
+* Shared experts are a dense tensor-parallel MLP: the communication of
+  :class:`~megalm.transformer.mlp.MLP` (all-gather / reduce-scatter of the sequence under SP).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List
+
+import torch
+from torch import nn
+
+from megalm.transformer.mlp import MLP
+from megalm.transformer.moe.experts import LocalExperts
+from megalm.transformer.moe.mappings import ep_rank, ep_size
+from megalm.transformer.moe.router import TopKRouter
+from megalm.transformer.moe.token_dispatcher import build_token_dispatcher
+
+
+def moe_layer_pattern(model_cfg) -> List[bool]:
+    """For each global layer (0-based), whether it is an MoE layer.
+
+    ``--moe-layer-freq k`` (int): layers ``0, k, 2k, ...`` (Megatron's ``i % k == 0``);
+    a list: one 0/1 entry per layer.  All False without ``--num-experts``.
+    """
+    m = model_cfg
+    if not getattr(m, "num_experts", None):
+        return [False] * m.num_layers
+    freq = m.moe_layer_freq
+    if isinstance(freq, int):
+        return [i % freq == 0 for i in range(m.num_layers)]
+    if len(freq) != m.num_layers:
+        raise ValueError(f"--moe-layer-freq has {len(freq)} entries for {m.num_layers} layers")
+    return [bool(v) for v in freq]
+
+
+def is_moe_layer(model_cfg, layer_number: int) -> bool:
+    """Whether global layer ``layer_number`` (0-based) has an MoE block instead of a dense MLP."""
+    return moe_layer_pattern(model_cfg)[layer_number]
+
+
+class MoELayer(nn.Module):
+    def __init__(self, model_cfg, layer_number: int, sequence_parallel: bool = False):
+        super().__init__()
+        m = model_cfg
+        ep = ep_size()
+        if m.num_experts % ep != 0:
+            raise ValueError(f"--num-experts {m.num_experts} is not divisible by the expert-parallel size {ep}")
+        local = m.num_experts // ep
+        self.layer_number = layer_number
+        self.router = TopKRouter(m, layer_number, sequence_parallel)
+        self.experts = LocalExperts(m, ep_rank() * local, local, sequence_parallel, grouped=m.moe_grouped_gemm)
+        self.token_dispatcher = build_token_dispatcher(m.moe_token_dispatcher_type)
+        shared = m.moe_shared_expert_intermediate_size
+        self.shared_experts = (MLP(dataclasses.replace(m, ffn_hidden_size=shared), sequence_parallel)
+                               if shared else None)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        s, b, h = hidden.shape
+        probs, routing_map = self.router(hidden)
+        out = self.token_dispatcher(hidden.reshape(s * b, h), probs, routing_map, self.experts).view(s, b, h)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden)
+        return out

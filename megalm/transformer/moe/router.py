@@ -1,0 +1,182 @@
+"""Top-k router: which experts each token goes to, with what weight, and the auxiliary losses.
+
+For the ``T = s * b`` tokens of this rank (``[s, b, h]`` flattened, token ``t = s_index * b +
+b_index``; under sequence parallelism ``s`` is this TP rank's slice):
+
+    logits = x W_r^T                                   [T, E]  (in --moe-router-dtype when given)
+    softmax:           top-k of the logits, softmax over the k chosen logits
+    softmax + --moe-router-pre-softmax: softmax over all E logits, top-k of the probabilities
+    sigmoid:           sigmoid of the logits, top-k, normalized to sum 1 when k > 1
+
+The result is ``probs`` ``[T, E]`` (0 outside each token's top-k) and ``routing_map``
+``[T, E]`` (bool), then capacity dropping (:mod:`~megalm.transformer.moe.capacity`).
+
+In training the router also computes the load-balancing loss and the z-loss
+(:mod:`~megalm.transformer.moe.aux_losses`), attaches them to the backward pass (z-loss on the
+logits, load balancing on the probabilities) and records them and the tokens per expert for
+logging (:mod:`~megalm.transformer.moe.tracker`).
+
+The router weight ``[E, h]`` is replicated over TP ranks.  Communication: with TP > 1 (always
+with sequence parallelism) one all-reduce over the TP group of ``2 b E + 1`` floats per forward
+in training (per-sequence top-k counts, score sums and the z-loss sum of each rank's slice of
+the sequence) — nothing in evaluation.  Backward: none here; the router weight carries
+``sequence_parallel`` so its partial gradients are summed over TP with the norms'.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megalm import parallel_state
+from megalm.device import get_device
+from megalm.tensor_parallel.initialization import mark_init
+from megalm.tensor_parallel.utils import set_tensor_model_parallel_attributes
+from megalm.transformer.moe.aux_losses import (attach_aux_loss, sequence_load_balancing_loss,
+                                               switch_load_balancing_loss)
+from megalm.transformer.moe.capacity import apply_capacity, expert_capacity
+from megalm.transformer.moe.tracker import get_moe_tracker
+from megalm.transformer.utils import init_std
+
+_ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
+
+
+def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def topk_routing(logits: torch.Tensor, topk: int, score_function: str = "softmax",
+                 pre_softmax: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(probs, routing_map)``, both ``[T, E]``: the top-k weights (0 elsewhere) and where they are."""
+    wide = _at_least_fp32(logits.dtype)
+    if score_function == "softmax":
+        if pre_softmax:
+            scores = torch.softmax(logits, dim=-1, dtype=wide).type_as(logits)
+            probs, indices = torch.topk(scores, k=topk, dim=-1)
+        else:
+            top_logits, indices = torch.topk(logits, k=topk, dim=-1)
+            probs = torch.softmax(top_logits, dim=-1, dtype=wide).type_as(logits)
+    elif score_function == "sigmoid":
+        scores = torch.sigmoid(logits.to(wide)).type_as(logits)
+        probs, indices = torch.topk(scores, k=topk, dim=-1)
+        if topk > 1:
+            probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        raise ValueError(f"unknown --moe-router-score-function {score_function!r}")
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
+    return torch.zeros_like(logits).scatter(1, indices, probs), routing_map
+
+
+def scores_for_aux_loss(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """Scores over all experts (fp32 or wider) entering the load-balancing loss: softmax, or
+    sigmoid normalized to sum 1."""
+    wide = _at_least_fp32(logits.dtype)
+    if score_function == "softmax":
+        return torch.softmax(logits, dim=-1, dtype=wide)
+    scores = torch.sigmoid(logits.to(wide))
+    return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (a recomputation under activation checkpointing)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+class TopKRouter(nn.Module):
+    """``forward(hidden [s, b, h]) -> (probs [T, E], routing_map [T, E])``; see the module docstring."""
+
+    def __init__(self, model_cfg, layer_number: int, sequence_parallel: bool = False):
+        super().__init__()
+        m = model_cfg
+        self.layer_number = layer_number
+        self.num_experts, self.topk = m.num_experts, m.moe_router_topk
+        self.score_function, self.pre_softmax = m.moe_router_score_function, m.moe_router_pre_softmax
+        self.load_balancing_type = m.moe_router_load_balancing_type
+        self.aux_loss_coeff, self.z_loss_coeff = m.moe_aux_loss_coeff, m.moe_z_loss_coeff
+        self.router_dtype = _ROUTER_DTYPES[m.moe_router_dtype]
+        self.capacity_factor = m.moe_expert_capacity_factor
+        self.drop_policy, self.pad_to_capacity = m.moe_token_drop_policy, m.moe_pad_expert_input_to_capacity
+        self.per_layer_logging = m.moe_per_layer_logging
+        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        self.weight = nn.Parameter(torch.empty(m.num_experts, m.hidden_size, dtype=torch.float32, device=get_device()))
+        set_tensor_model_parallel_attributes(self.weight, False, -1)
+        mark_init(self.weight, "normal", init_std(m))
+        self.weight.sequence_parallel = self.sequence_parallel
+
+    def gating(self, x: torch.Tensor) -> torch.Tensor:
+        """Router logits ``[T, E]``, computed in ``--moe-router-dtype`` when given."""
+        if self.router_dtype is not None:
+            return F.linear(x.to(self.router_dtype), self.weight.to(self.router_dtype))
+        return F.linear(x, self.weight)
+
+    def _tp_sum(self, *tensors: torch.Tensor):
+        """Sum detached statistics over the TP group (one all-reduce); the identity at TP 1."""
+        if self.tp_size == 1:
+            return tensors
+        flat = torch.cat([t.detach().float().reshape(-1) for t in tensors])
+        dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
+        return tuple(chunk.view_as(t) for chunk, t in zip(torch.split(flat, [t.numel() for t in tensors]), tensors))
+
+    def forward(self, hidden: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        s, b, h = hidden.shape
+        logits = self.gating(hidden.reshape(s * b, h))
+        if not self.training:
+            probs, routing_map = topk_routing(logits, self.topk, self.score_function, self.pre_softmax)
+            return self._capacity(probs, routing_map)
+        graph = torch.is_grad_enabled()
+        record = not _in_backward()
+        lse_sq = None
+        if self.z_loss_coeff is not None:
+            lse_sq = torch.logsumexp(logits.to(_at_least_fp32(logits.dtype)), dim=-1).square()  # [T]
+            if graph and self.z_loss_coeff > 0:
+                # Each TP rank's mean over its slice / tp: the TP ranks' partial losses add up
+                # to the z-loss of the whole sequence.
+                logits = attach_aux_loss(logits, lse_sq.mean() * (self.z_loss_coeff / self.tp_size))
+        probs, routing_map = topk_routing(logits, self.topk, self.score_function, self.pre_softmax)
+        probs = self._load_balancing(logits, probs, routing_map, lse_sq, s, b, graph, record)
+        return self._capacity(probs, routing_map)
+
+    def _load_balancing(self, logits, probs, routing_map, lse_sq: Optional[torch.Tensor], s: int, b: int,
+                        graph: bool, record: bool) -> torch.Tensor:
+        """Statistics over the whole sequence (TP-summed), the load-balancing loss attached to
+        ``probs``, and the tracker records."""
+        e = self.num_experts
+        scores = scores_for_aux_loss(logits, self.score_function)  # [T, E] fp32
+        counts_local = routing_map.view(s, b, e).sum(0).float()  # [b, E]
+        probs_sum_local = scores.view(s, b, e).sum(0)  # [b, E], part of the graph
+        z_local = lse_sq.sum().reshape(1) if lse_sq is not None else torch.zeros(1, device=logits.device)
+        counts, probs_sum, z_sum = (t.detach() for t in self._tp_sum(counts_local, probs_sum_local, z_local))
+        seq_full = s * self.tp_size
+        lb_partial = lb_full = None
+        if self.load_balancing_type == "aux_loss":
+            lb_partial = switch_load_balancing_loss(probs_sum_local.sum(0), counts.sum(0), seq_full * b, self.topk)
+            lb_full = switch_load_balancing_loss(probs_sum.sum(0), counts.sum(0), seq_full * b, self.topk)
+        elif self.load_balancing_type == "seq_aux_loss":
+            lb_partial = sequence_load_balancing_loss(probs_sum_local, counts, seq_full, self.topk)
+            lb_full = sequence_load_balancing_loss(probs_sum, counts, seq_full, self.topk)
+        if lb_partial is not None and graph and self.aux_loss_coeff > 0:
+            probs = attach_aux_loss(probs, lb_partial * self.aux_loss_coeff)
+        if record:
+            tracker, layer, per_layer = get_moe_tracker(), self.layer_number, self.per_layer_logging
+            tracker.record(layer, "tokens_per_expert", counts.sum(0), per_layer)
+            if lb_full is not None:
+                tracker.record(layer, "load_balancing_loss", lb_full, per_layer)
+            if lse_sq is not None:
+                tracker.record(layer, "z_loss", z_sum[0] / (seq_full * b), per_layer)
+        return probs
+
+    def _capacity(self, probs: torch.Tensor, routing_map: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self.capacity_factor is None:
+            return probs, routing_map
+        capacity = expert_capacity(routing_map.shape[0], self.num_experts, self.topk, self.capacity_factor)
+        return apply_capacity(probs, routing_map, capacity, self.drop_policy, self.pad_to_capacity)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, topk={self.topk}, score={self.score_function}, "
+                f"load_balancing={self.load_balancing_type}, capacity_factor={self.capacity_factor}")

@@ -1,0 +1,198 @@
+"""MoE layer in one process: experts (looped = grouped), the layer against a per-token
+reference, recomputation, model wiring, flags and FLOPs accounting."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megalm.config import ConfigError, build_parser, config_from_args, parse_config, validate_config
+from megalm.tensor_parallel.initialization import initialize_weights
+from megalm.transformer.moe import MoELayer, is_moe_layer, moe_layer_pattern, pop_moe_metrics
+from megalm.transformer.moe.experts import LocalExperts
+
+BASE = ["--num-layers", "4", "--hidden-size", "16", "--num-attention-heads", "4", "--seq-length", "8",
+        "--vocab-size", "64", "--num-experts", "4", "--moe-ffn-hidden-size", "24", "--hidden-dropout", "0",
+        "--attention-dropout", "0"]
+
+
+def _cfg(*extra, world_size=None):
+    return validate_config(config_from_args(build_parser().parse_args(BASE + list(extra))), world_size=world_size)
+
+
+def _experts(m, grouped):
+    experts = LocalExperts(m, first=0, count=4, grouped=grouped)
+    initialize_weights(experts, seed=5)
+    return experts
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_grouped_and_looped_experts_are_equal(swiglu):
+    m = _cfg(*(["--swiglu"] if swiglu else [])).model
+    loop, grouped = _experts(m, False), _experts(m, True)
+    counts = [5, 0, 9, 2]  # an expert without tokens too
+    x = torch.randn(16, 16, generator=torch.Generator().manual_seed(1))
+    grad = torch.randn(16, 16, generator=torch.Generator().manual_seed(2))
+    outs = []
+    for experts in (loop, grouped):
+        xi = x.clone().requires_grad_()
+        out = experts(xi, counts)
+        out.backward(grad)
+        outs.append((out.detach(), xi.grad, {n: p.grad for n, p in experts.named_parameters()}))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-6, atol=1e-7)
+    assert outs[0][2].keys() == outs[1][2].keys()
+    for name in outs[0][2]:
+        torch.testing.assert_close(outs[0][2][name], outs[1][2][name], rtol=1e-6, atol=1e-7)
+    assert outs[0][2]["local_experts.1.linear_fc1.weight"].abs().max() == 0  # no tokens, zero grad
+
+
+def test_experts_without_any_token():
+    """An EP rank may receive no token at all: both paths return [0, h] and zero gradients."""
+    m = _cfg().model
+    for grouped in (False, True):
+        experts = _experts(m, grouped)
+        x = torch.zeros(0, 16, requires_grad=True)
+        out = experts(x, [0, 0, 0, 0])
+        assert out.shape == (0, 16)
+        out.sum().backward()
+        assert all(p.grad is not None and p.grad.abs().max() == 0 for p in experts.parameters())
+
+
+def _reference_moe(layer, x):
+    """out[t] = sum over the token's top-2 experts of p * fc2(act(fc1(x_t))), token by token."""
+    w = layer.router.weight
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        logits = x[t] @ w.t()
+        top = torch.topk(logits, 2)
+        p = torch.softmax(top.values, -1)
+        for weight, e in zip(p, top.indices.tolist()):
+            expert = layer.experts.local_experts[str(e)]
+            hid = F.gelu(expert.linear_fc1(x[t]))
+            out[t] += weight * expert.linear_fc2(hid)
+    return out
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_moe_layer_equals_per_token_reference(dispatcher, grouped):
+    extra = ["--moe-token-dispatcher-type", dispatcher, "--moe-router-load-balancing-type", "none"]
+    m = _cfg(*extra, *(["--moe-grouped-gemm"] if grouped else [])).model
+    layer = MoELayer(m, layer_number=0)
+    initialize_weights(layer, seed=3)
+    x = torch.randn(6, 2, 16, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    out = layer(x)
+    ref_x = x.detach().clone().requires_grad_()
+    ref = _reference_moe(layer, ref_x.reshape(-1, 16)).view(6, 2, 16)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    got = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+    ref.backward(grad)
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-5, atol=1e-6)
+    for n, p in layer.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-5, atol=1e-6)
+    pop_moe_metrics()
+
+
+def test_parameter_names_attributes_and_shared_experts():
+    m = _cfg("--moe-shared-expert-intermediate-size", "8", "--swiglu", "--disable-bias-linear").model
+    layer = MoELayer(m, layer_number=2)
+    params = dict(layer.named_parameters())
+    assert sorted(params) == sorted(
+        ["router.weight", "shared_experts.linear_fc1.weight", "shared_experts.linear_fc2.weight"]
+        + [f"experts.local_experts.{e}.linear_fc{i}.weight" for e in range(4) for i in (1, 2)])
+    assert params["experts.local_experts.3.linear_fc1.weight"].shape == (48, 16)  # [gate; up]
+    assert params["shared_experts.linear_fc1.weight"].shape == (16, 16)
+    for name, p in params.items():
+        assert (getattr(p, "allreduce", True) is False) == name.startswith("experts.")
+        assert p.tensor_model_parallel is False or name.startswith("shared_experts")
+
+
+def test_full_recompute_gives_same_gradients_and_logs_once():
+    from megalm.models import GPTModel
+    from megalm.tensor_parallel.random import model_parallel_manual_seed
+
+    grads, logged = [], []
+    for recompute in ([], ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                           "--recompute-num-layers", "2"]):
+        cfg = _cfg("--moe-aux-loss-coeff", "0.1", "--moe-z-loss-coeff", "0.01", "--moe-layer-freq", "2", *recompute)
+        model_parallel_manual_seed(1)
+        model = GPTModel(cfg)
+        model.train()
+        tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+        model(tokens, labels=tokens).mean().backward()
+        logged.append(pop_moe_metrics())
+        assert pop_moe_metrics() == {}  # the recomputation in backward recorded nothing
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert logged[0].keys() == logged[1].keys() == {"load_balancing_loss", "z_loss", "expert_load_imbalance"}
+    for key in logged[0]:
+        assert logged[0][key].item() == pytest.approx(logged[1][key].item(), rel=1e-6)
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], rtol=1e-5, atol=1e-7)
+    assert grads[0]["decoder.layers.2.mlp.router.weight"].abs().sum() > 0
+
+
+def test_layer_pattern():
+    assert moe_layer_pattern(_cfg().model) == [True] * 4
+    assert moe_layer_pattern(_cfg("--moe-layer-freq", "2").model) == [True, False, True, False]
+    assert moe_layer_pattern(_cfg("--moe-layer-freq", "[0,1,1,1]").model) == [False, True, True, True]
+    assert moe_layer_pattern(_cfg("--moe-layer-freq", "([0]+[1]*1)*2").model) == [False, True, False, True]
+    dense = dataclasses.replace(_cfg().model, num_experts=None)
+    assert not any(is_moe_layer(dense, i) for i in range(4))
+
+
+@pytest.mark.parametrize("argv, world, message", [
+    (["--expert-model-parallel-size", "2", "--num-experts", "3"], 2, "--num-experts 3 is not divisible by --expert-model-parallel-size 2"),
+    (["--moe-router-topk", "5"], None, "--moe-router-topk 5 must be in"),
+    (["--tensor-model-parallel-size", "2"], 2, "needs --sequence-parallel"),
+    (["--moe-layer-freq", "[1,0]"], None, "one 0/1 entry per layer"),
+    (["--moe-layer-freq", "[1,2,1,1]"], None, "one 0/1 entry per layer"),
+    (["--moe-pad-expert-input-to-capacity"], None, "needs --moe-expert-capacity-factor"),
+    (["--moe-expert-capacity-factor", "0"], None, "must be positive"),
+    (["--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax"], None, "needs --moe-router-score-function softmax"),
+    (["--moe-shared-expert-intermediate-size", "5", "--tensor-model-parallel-size", "2", "--sequence-parallel"], 2,
+     "divisible by --tensor-model-parallel-size 2"),
+    (["--expert-model-parallel-size", "4"], 2, "must divide data"),
+])
+def test_invalid_moe_flags(argv, world, message):
+    with pytest.raises(ConfigError, match=message):
+        _cfg(*argv, world_size=world)
+
+
+def test_expert_parallel_needs_experts_and_bad_freq_is_rejected(capsys):
+    with pytest.raises(ConfigError, match="--expert-model-parallel-size 2 needs --num-experts"):
+        validate_config(config_from_args(build_parser().parse_args(["--expert-model-parallel-size", "2"])), 2)
+    with pytest.raises(SystemExit):
+        parse_config(BASE + ["--moe-layer-freq", "every other"])
+    assert "--moe-layer-freq 'every other' is neither an int nor a list" in capsys.readouterr().err
+
+
+def test_defaults_follow_megatron():
+    m = _cfg("--ffn-hidden-size", "40").model
+    assert (m.moe_router_topk, m.moe_token_dispatcher_type, m.moe_router_load_balancing_type) == (2, "allgather", "aux_loss")
+    assert (m.moe_aux_loss_coeff, m.moe_z_loss_coeff, m.moe_expert_capacity_factor) == (0.0, None, None)
+    assert m.moe_ffn_hidden_size == 24
+    m = validate_config(config_from_args(build_parser().parse_args(
+        ["--num-experts", "2", "--ffn-hidden-size", "40", "--hidden-size", "16"]))).model
+    assert m.moe_ffn_hidden_size == 40  # default: --ffn-hidden-size
+
+
+def test_flops_count_only_activated_experts():
+    from megalm.training.flops import num_floating_point_operations
+
+    base = ["--moe-layer-freq", "[1,0,1,0]", "--moe-router-topk", "2", "--moe-shared-expert-intermediate-size", "8",
+            "--ffn-hidden-size", "40"]
+    moe = _cfg(*base)
+    dense = dataclasses.replace(moe.model, num_experts=None)
+    h, s, L, B = 16, 8, 4, 3
+    delta = num_floating_point_operations(moe, B) - num_floating_point_operations(dense, B)
+    # Two MoE layers replace a 40-wide MLP (2 matmuls of h x 40, x 3 for fwd + 2 bwd, x 2 FLOPs per MAC)
+    # by 2 activated experts of width 24 plus the shared expert of width 8; router FLOPs not counted.
+    per_width = 2 * 2 * 3 * B * s * h
+    assert delta == pytest.approx(2 * per_width * (2 * 24 + 8 - 40))
+    more_experts = dataclasses.replace(moe.model, num_experts=64)
+    assert num_floating_point_operations(more_experts, B) == num_floating_point_operations(moe, B)
