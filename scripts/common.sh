@@ -23,7 +23,7 @@
 #   SEQUENCE_PARALLEL [1]  (adds --sequence-parallel when TP > 1)
 #   RECOMPUTE [none]  (none | selective | full; full uses uniform chunks of RECOMPUTE_NUM_LAYERS [1])
 #   VP_LAYERS []      layers per virtual pipeline stage (interleaved 1F1B; needs PP > 1)
-#   DIST_OPT [0]      1: --use-distributed-optimizer --overlap-grad-reduce
+#   DIST_OPT [1]      1: --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather; 0: off
 #   DRY_RUN [0]       1: print the command and the pretrain_gpt.py flags, launch nothing
 #
 # Layout knobs every script honours: TP, PP, MICRO_BATCH_SIZE, GLOBAL_BATCH_SIZE, TRAIN_ITERS.
@@ -48,7 +48,7 @@ megalm_launch() {
     : "${MODEL_NAME:?MODEL_NAME must be set by the model script}"
     : "${GPUS_PER_NODE:=8}" "${NNODES:=1}" "${NODE_RANK:=0}"
     : "${MASTER_ADDR:=localhost}" "${MASTER_PORT:=6000}" "${TORCHRUN:=torchrun}"
-    : "${TP:=1}" "${PP:=1}" "${SEQUENCE_PARALLEL:=1}" "${DIST_OPT:=0}" "${DRY_RUN:=0}"
+    : "${TP:=1}" "${PP:=1}" "${SEQUENCE_PARALLEL:=1}" "${DIST_OPT:=1}" "${DRY_RUN:=0}"
     : "${RECOMPUTE:=none}" "${RECOMPUTE_NUM_LAYERS:=1}" "${VP_LAYERS:=}" "${PRECISION:=bf16}"
     : "${RUN_DIR:=$MEGALM_REPO_ROOT/runs/$MODEL_NAME}"
     : "${CHECKPOINT_DIR:=$RUN_DIR/checkpoints}" "${LOAD_DIR:=$CHECKPOINT_DIR}"
@@ -63,10 +63,10 @@ megalm_launch() {
     if [[ -n "$VP_LAYERS" ]]; then
         parallel+=(--num-layers-per-virtual-pipeline-stage "$VP_LAYERS")
     fi
-    # The distributed optimizer (ZeRO-1) is not in megalm yet: the trainer refuses the flag.
-    # Once the "Distributed optimizer" issue lands DIST_OPT defaults to 1.
+    # The distributed optimizer (ZeRO-1) with both overlaps is the recommended default;
+    # DIST_OPT=0 keeps full optimizer state on every data-parallel rank.
     if [[ "$DIST_OPT" == 1 ]]; then
-        parallel+=(--use-distributed-optimizer --overlap-grad-reduce)
+        parallel+=(--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather)
     fi
     case "$RECOMPUTE" in
         none) ;;

@@ -17,11 +17,11 @@
 #   activations: 34*s*b*h/TP bytes per layer and microbatch = 357 MB
 #     x 32 layers = 11 GB (no recompute; flash attention: no s^2 term);
 #   logits (s*b*V/TP x ~12 B, last stage) 2.5 GB; runtime/NCCL/fragmentation ~4 GB.
-#   Total ~42 GB of 80 GB today; with DIST_OPT=1 ~30 GB.
-#   Once DIST_OPT lands: TP=1 (DP 8) with DIST_OPT=1 needs ~52 GB per GPU.
+#   Total ~42 GB of 80 GB with DIST_OPT=0; with DIST_OPT=1 (default) ~30 GB.
+#   With the distributed optimizer (default) a smaller layout also fits: TP=1 (DP 8) with DIST_OPT=1 needs ~52 GB per GPU.
 # Needs:
-#   tensor parallelism 2 + sequence parallelism (in megalm today)
-#   DIST_OPT=1 (distributed optimizer): NOT in megalm yet; becomes the default when it lands
+#   tensor parallelism 2 + sequence parallelism 
+#   distributed optimizer with overlapped reduce-scatter/all-gather (DIST_OPT=1, the default)
 # Environment (see scripts/common.sh for all of it):
 #   DATA_PATH (unset: --mock-data), TOKENIZER_MODEL (unset: NullTokenizer with VOCAB_SIZE ids),
 #   TOKENIZER_TYPE, CHECKPOINT_DIR, TENSORBOARD_DIR, WANDB_PROJECT, GPUS_PER_NODE, NNODES,

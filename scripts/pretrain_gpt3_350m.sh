@@ -17,10 +17,10 @@
 #   activations: 34*s*b*h/TP bytes per layer and microbatch = 570 MB
 #     x 24 layers = 14 GB (no recompute; flash attention: no s^2 term);
 #   logits (s*b*V/TP x ~12 B, last stage) 9.9 GB; runtime/NCCL/fragmentation ~4 GB.
-#   Total ~34 GB of 80 GB today; with DIST_OPT=1 ~30 GB.
+#   Total ~34 GB of 80 GB with DIST_OPT=0; with DIST_OPT=1 (default) ~30 GB.
 # Needs:
-#   data parallelism only (in megalm today)
-#   DIST_OPT=1 (distributed optimizer): NOT in megalm yet; becomes the default when it lands
+#   data parallelism only 
+#   distributed optimizer with overlapped reduce-scatter/all-gather (DIST_OPT=1, the default)
 # Environment (see scripts/common.sh for all of it):
 #   DATA_PATH (unset: --mock-data), TOKENIZER_MODEL (unset: NullTokenizer with VOCAB_SIZE ids),
 #   TOKENIZER_TYPE, CHECKPOINT_DIR, TENSORBOARD_DIR, WANDB_PROJECT, GPUS_PER_NODE, NNODES,

@@ -17,11 +17,11 @@
 #   activations: 34*s*b*h/TP bytes per layer and microbatch = 143 MB
 #     x 32 layers = 4.6 GB (no recompute; flash attention: no s^2 term);
 #   logits (s*b*V/TP x ~12 B, last stage) 0.6 GB; runtime/NCCL/fragmentation ~4 GB.
-#   Total ~39 GB of 80 GB today; with DIST_OPT=1 ~29 GB.
-#   Once DIST_OPT lands: TP=2 (DP 4) with DIST_OPT=1 needs ~44 GB per GPU.
+#   Total ~39 GB of 80 GB with DIST_OPT=0; with DIST_OPT=1 (default) ~29 GB.
+#   With the distributed optimizer (default) a smaller layout also fits: TP=2 (DP 4) with DIST_OPT=1 needs ~44 GB per GPU.
 # Needs:
-#   tensor parallelism 4 + sequence parallelism (in megalm today)
-#   DIST_OPT=1 (distributed optimizer): NOT in megalm yet; becomes the default when it lands
+#   tensor parallelism 4 + sequence parallelism 
+#   distributed optimizer with overlapped reduce-scatter/all-gather (DIST_OPT=1, the default)
 # Environment (see scripts/common.sh for all of it):
 #   DATA_PATH (unset: --mock-data), TOKENIZER_MODEL (unset: NullTokenizer with VOCAB_SIZE ids),
 #   TOKENIZER_TYPE, CHECKPOINT_DIR, TENSORBOARD_DIR, WANDB_PROJECT, GPUS_PER_NODE, NNODES,

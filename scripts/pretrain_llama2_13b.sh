@@ -17,11 +17,11 @@
 #   activations: s*b*(12h + 4*g*d + 6*ffn)/TP bytes per layer and microbatch = 84 MB
 #     x 40 layers = 3.4 GB (no recompute; flash attention: no s^2 term);
 #   logits (s*b*V/TP x ~12 B, last stage) 0.2 GB; runtime/NCCL/fragmentation ~4 GB.
-#   Total ~37 GB of 80 GB today.
-#   Once DIST_OPT lands: TP=4 (DP 2) with DIST_OPT=1 needs ~50 GB per GPU.
+#   Total ~37 GB of 80 GB.
+#   With the distributed optimizer (default) a smaller layout also fits: TP=4 (DP 2) with DIST_OPT=1 needs ~50 GB per GPU.
 # Needs:
-#   tensor parallelism 8 + sequence parallelism (in megalm today)
-#   DIST_OPT=1 (distributed optimizer): NOT in megalm yet; becomes the default when it lands
+#   tensor parallelism 8 + sequence parallelism 
+#   distributed optimizer with overlapped reduce-scatter/all-gather (DIST_OPT=1, the default)
 # Environment (see scripts/common.sh for all of it):
 #   DATA_PATH (unset: --mock-data), TOKENIZER_MODEL (unset: NullTokenizer with VOCAB_SIZE ids),
 #   TOKENIZER_TYPE, CHECKPOINT_DIR, TENSORBOARD_DIR, WANDB_PROJECT, GPUS_PER_NODE, NNODES,

@@ -17,14 +17,13 @@
 #   activations: s*b*(12h + 4*g*d + 6*ffn)/TP bytes per layer and microbatch = 141 MB
 #     x 20 layers per stage x 4 microbatches in flight (1F1B, first stage) = 11 GB;
 #   logits (s*b*V/TP x ~12 B, last stage) 0.2 GB; runtime/NCCL/fragmentation ~4 GB.
-#   Total ~55 GB of 80 GB today.
-#   Once DIST_OPT lands: TP=4 with NNODES=8 (DP 4) with DIST_OPT=1 needs ~66 GB per GPU.
+#   Total ~55 GB of 80 GB.
+#   With the distributed optimizer (default) a smaller layout also fits: TP=4 with NNODES=8 (DP 4) with DIST_OPT=1 needs ~66 GB per GPU.
 # Needs:
-#   tensor parallelism 8 + sequence parallelism (in megalm today)
-#   pipeline parallelism 4 (1F1B): NOT in megalm yet -- the trainer refuses
-#     --pipeline-model-parallel-size > 1 until the 'Pipeline parallelism' issue lands
+#   tensor parallelism 8 + sequence parallelism 
+#   pipeline parallelism 4 (1F1B)
 #   4 nodes x 8 GPUs (GPUS_PER_NODE x NNODES = 32); see scripts/slurm/pretrain.sbatch
-#   DIST_OPT=1 (distributed optimizer): NOT in megalm yet; becomes the default when it lands
+#   distributed optimizer with overlapped reduce-scatter/all-gather (DIST_OPT=1, the default)
 # Environment (see scripts/common.sh for all of it):
 #   DATA_PATH (unset: --mock-data), TOKENIZER_MODEL (unset: NullTokenizer with VOCAB_SIZE ids),
 #   TOKENIZER_TYPE, CHECKPOINT_DIR, TENSORBOARD_DIR, WANDB_PROJECT, GPUS_PER_NODE, NNODES,

@@ -23,9 +23,9 @@
 #     recomputed: s*b*(12h + 4*g*d + k*(6*ffn + 8h)) = 1.2 GB (k = 2 routed copies of each token);
 #     without recompute 32 x 1.2 GB = 38 GB (too much next to the weights);
 #   logits (s*b*V/TP x ~12 B, last stage) 1.6 GB; runtime/NCCL/fragmentation ~4 GB.
-#   Total ~42 GB of 80 GB today; with DIST_OPT=1 ~37 GB.
+#   Total ~42 GB of 80 GB with DIST_OPT=0; with DIST_OPT=1 (default) ~37 GB.
 # Needs:
-#   mixture of experts with expert parallelism 8, alltoall dispatcher (in megalm today); experts
+#   mixture of experts with expert parallelism 8, alltoall dispatcher ; experts
 #     are not split over tensor-parallel ranks in megalm, so keep TP 1 for this model
 #   pipeline parallelism 4 (1F1B): being added; until it lands the trainer refuses
 #     --pipeline-model-parallel-size > 1 (PP=1 NNODES=... shrinks the run meanwhile)

@@ -138,7 +138,7 @@ def test_script_flags_validate_and_size_matches_name(script):
     assert 0 <= t.lr_warmup_iters < t.lr_decay_iters <= t.train_iters
     assert t.min_lr < t.lr
     assert cfg.checkpoint.save and cfg.checkpoint.load is None  # no checkpoint yet: no --load
-    assert not p.use_distributed_optimizer  # DIST_OPT defaults to 0 until the distributed optimizer lands
+    assert p.use_distributed_optimizer and p.overlap_grad_reduce and p.overlap_param_gather  # DIST_OPT=1 default
     assert t.bf16
 
     if "tiny_cpu" in script.name:
