@@ -5,7 +5,7 @@
 #   2. builds a ~20 MB text corpus from this machine's Python standard library
 #   3. trains an 8k-vocabulary sentencepiece BPE tokenizer (tools/train_tokenizer.py)
 #   4. preprocesses the corpus to Megatron .bin/.idx (tools/preprocess_data.py)
-#   5. trains a 4-layer GPT with 4 processes, tensor parallel 2 x data parallel 2
+#   5. trains a 4-layer GPT with 4 processes, tensor parallel 2 x pipeline parallel 2 (1F1B)
 #      (torchrun + pretrain_gpt.py), evaluates validation/test perplexity, saves a checkpoint
 #
 # Everything goes to $OUT (default: quickstart_out/).  Takes about 5-8 minutes on 2 cores.
@@ -37,7 +37,7 @@ fi
 
 rm -rf checkpoints tensorboard metrics.jsonl
 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" "$ROOT/pretrain_gpt.py" \
-    --tensor-model-parallel-size 2 --sequence-parallel \
+    --tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2 \
     --num-layers 4 --hidden-size 256 --num-attention-heads 4 \
     --seq-length 128 --max-position-embeddings 128 \
     --hidden-dropout 0.0 --attention-dropout 0.0 \

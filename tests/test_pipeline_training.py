@@ -4,11 +4,8 @@ Loss sequences of PP 2, PP 4, PP 2 x VPP 2, uneven first/last stages, PP 2 x TP 
 PP 2 x TP 2 x DP 2 equal the single-process run within 1e-5 (tied and untied embeddings);
 the tied embedding copies on the first and last stage stay identical; evaluation, recompute,
 variable-sequence-length exchange and fp16 loss scaling work; a checkpoint saved under PP 2
-loads under PP 1, PP 2 and PP 4 and continues the uninterrupted run.
-
-Tied embeddings loaded onto a last stage that has its own copy of the embedding (PP 2 resume,
-PP 4) need megalm.checkpointing to load that copy from the embedding's tensors; those two
-checks are expected to fail until it does (``tied_embedding_copies``).
+loads under PP 1, PP 2 and PP 4 and continues the uninterrupted run (with tied embeddings the
+last stage's copy, which is not saved, is loaded from the embedding's weights and optimizer state).
 
 Groups are spawned in the order 2, 1, 4, 8 ranks (the PP 2 checkpoint is read by later groups).
 """
@@ -19,10 +16,7 @@ import os
 import pytest
 import torch
 
-from megalm import checkpointing
 from megalm.testing import run_distributed
-
-LOADS_TIED_COPY = hasattr(checkpointing, "tied_embedding_copies")
 
 PIPE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "32", "--mock-data", "--vocab-size", "500", "--num-workers", "0",
@@ -209,17 +203,8 @@ def test_fp16_loss_scaling_skip_matches_single_process(runs):
                   [r["lm_loss"] for r in ref if r["lm_loss"] is not None], rel=1e-3)
 
 
-NEEDS_TIED_COPY_LOAD = pytest.mark.xfail(
-    not LOADS_TIED_COPY, strict=True,
-    reason="megalm.checkpointing does not load the last stage's tied embedding copy (nor its optimizer state)")
-
-
-@pytest.mark.parametrize("name,ref", [
-    ("load_pp1", "ref"),
-    ("load_pp4_untied", "ref_untied"),
-    pytest.param("load_pp2", "ref", marks=NEEDS_TIED_COPY_LOAD),
-    pytest.param("load_pp4", "ref", marks=NEEDS_TIED_COPY_LOAD),
-])
+@pytest.mark.parametrize("name,ref", [("load_pp1", "ref"), ("load_pp2", "ref"), ("load_pp4", "ref"),
+                                      ("load_pp4_untied", "ref_untied")])
 def test_pp2_checkpoint_continues_under_other_pipeline_sizes(runs, name, ref):
     tmp = runs["tmp"]
     assert open(os.path.join(runs["ckpt"], "latest_checkpointed_iteration.txt")).read().strip() == "6"
@@ -229,7 +214,6 @@ def test_pp2_checkpoint_continues_under_other_pipeline_sizes(runs, name, ref):
     _assert_close([r["lm_loss"] for r in loaded], [r["lm_loss"] for r in reference[3:]])
 
 
-@NEEDS_TIED_COPY_LOAD
 def test_tied_copies_identical_after_resume(runs):
     per_rank = [rank_results[-1]["tied"] for rank_results in runs["results"][2]]
     assert torch.equal(per_rank[0]["embedding"], per_rank[1]["output"])
