@@ -84,6 +84,9 @@ def runs(tmp_path_factory):
         _argv(tmp, "ep4_load", *_ep(4, "alltoall"), "--load", ck),
         # Pipeline 2 x EP 2: the load-balancing gradient of layer 0 enters the first stage's backward.
         _argv(tmp, "pp2ep2", *_ep(2, "alltoall"), "--pipeline-model-parallel-size", "2"),
+        # Distributed optimizer: expert shards live on the expert-data-parallel group.
+        _argv(tmp, "ep2_distopt", *_ep(2, "alltoall"), "--use-distributed-optimizer", "--overlap-grad-reduce",
+              "--overlap-param-gather"),
     ]
     codes4 = run_distributed(_run_trainings, 4, args=(quad,), timeout=400)
     codes1 = run_distributed(_run_trainings, 1, args=([_argv(tmp, "single")],), timeout=200)
@@ -91,7 +94,7 @@ def runs(tmp_path_factory):
 
 
 def test_all_runs_exit_cleanly(runs):
-    assert all(c[:12] == [0] * 12 for c in runs["codes"][:4]), runs["codes"]
+    assert all(c[:12] == [0] * 12 and c[13] == 0 for c in runs["codes"][:4]), runs["codes"]
     assert runs["codes"][4] == [0], runs["codes"]
 
 
@@ -109,7 +112,7 @@ def test_pipeline_and_expert_parallel_equal_expert_parallel_1(runs):
 
 
 @pytest.mark.parametrize("name", ["ep2_allgather", "ep2_alltoall", "ep4_allgather", "ep4_alltoall",
-                                  "tp2ep2_alltoall", "tp2ep2_allgather", "single"])
+                                  "tp2ep2_alltoall", "tp2ep2_allgather", "single", "ep2_distopt"])
 def test_layouts_equal_expert_parallel_1(runs, name):
     ref, got = _records(runs["tmp"], "ep1"), _records(runs["tmp"], name)
     assert len(ref) == ITERS
