@@ -125,9 +125,18 @@ class GPTModel(nn.Module):
         return logits.masked_fill(padded, float("-inf"))
 
     def forward(self, tokens: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+                labels: Optional[torch.Tensor] = None, inference_cache=None) -> torch.Tensor:
         """Per-token fp32 loss ``[b, s]`` (last stage, labels given), vocab-parallel logits
-        ``[b, s, V/tp]`` (last stage, no labels), else hidden states ``[s(/tp), b, h]``."""
+        ``[b, s, V/tp]`` (last stage, no labels), else hidden states ``[s(/tp), b, h]``.
+
+        ``inference_cache`` (generation, :class:`megalm.inference.kv_cache.KVCache`): ``tokens``
+        continue the cached sequence; positions default to ``cache.offset ..`` and the cache
+        advances by ``s`` after the forward.
+        """
+        if inference_cache is not None and position_ids is None:
+            s = tokens.shape[1] if tokens is not None else self.decoder.input_tensor.shape[0]
+            position_ids = torch.arange(inference_cache.offset, inference_cache.offset + s,
+                                        device=tokens.device if tokens is not None else None).unsqueeze(0)
         if self.pre_process:
             hidden = self.embedding(tokens, position_ids)
         else:
@@ -135,7 +144,11 @@ class GPTModel(nn.Module):
             if hidden is None:
                 raise RuntimeError("GPTModel without pre_process needs set_input_tensor() before forward")
         rotary_cos, rotary_sin = self._rotary_tables(hidden, position_ids)
-        hidden = self.decoder(hidden, rotary_cos, rotary_sin)
+        if inference_cache is None:
+            hidden = self.decoder(hidden, rotary_cos, rotary_sin)
+        else:
+            hidden = self.decoder(hidden, rotary_cos, rotary_sin, inference_cache=inference_cache)
+            inference_cache.advance(hidden.shape[0])
         if not self.post_process:
             return hidden
         weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None

@@ -75,12 +75,31 @@ class SelfAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
 
+    def cached_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
+        """Inference: ``q`` ``[s_new, b, n, d]`` at positions ``offset..``, ``k``/``v`` all ``offset + s_new``
+        cached positions; query ``i`` sees keys ``0..offset+i``.  Returns ``[s_new, b, heads_r * d]``."""
+        s, b = q.shape[:2]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+        mask = None
+        if s > 1:
+            query_pos = torch.arange(offset, offset + s, device=q.device).unsqueeze(1)
+            mask = torch.arange(k.shape[2], device=q.device).unsqueeze(0) <= query_pos  # [s_new, s_all]
+        gqa = self.groups_per_rank != self.heads_per_rank
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
+
     def forward(self, hidden: torch.Tensor, rotary_cos: Optional[torch.Tensor] = None,
-                rotary_sin: Optional[torch.Tensor] = None) -> torch.Tensor:
+                rotary_sin: Optional[torch.Tensor] = None, kv_cache=None) -> torch.Tensor:
+        """``kv_cache`` (inference only): a per-layer cache (:class:`megalm.inference.kv_cache.LayerKVCache`)
+        that stores this call's keys/values (after RoPE) and returns all cached ones."""
         q, k, v = self.split_qkv(self.linear_qkv(hidden))
         if rotary_cos is not None:
             q, k = apply_rotary(q, rotary_cos, rotary_sin), apply_rotary(k, rotary_cos, rotary_sin)
-        if self.recompute_core:
+        if kv_cache is not None:
+            offset = kv_cache.offset
+            k, v = kv_cache.update(k, v)
+            context = self.cached_attention(q, k, v, offset)
+        elif self.recompute_core:
             context = checkpoint(self.core_attention, q, k, v)
         else:
             context = self.core_attention(q, k, v)

@@ -75,9 +75,16 @@ class TransformerBlock(nn.Module):
         raise ValueError(f"unknown --recompute-method {self.recompute_method!r}")
 
     def forward(self, hidden: torch.Tensor, rotary_cos: Optional[torch.Tensor] = None,
-                rotary_sin: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``[s(/tp), b, h]`` in and out; the final norm is applied on the last stage."""
-        if self.recompute_granularity == "full" and self.training:
+                rotary_sin: Optional[torch.Tensor] = None, inference_cache=None) -> torch.Tensor:
+        """``[s(/tp), b, h]`` in and out; the final norm is applied on the last stage.
+
+        ``inference_cache`` (generation only, see :class:`megalm.inference.kv_cache.KVCache`):
+        each layer appends its keys/values to ``inference_cache.layer(layer_number)``; no recompute.
+        """
+        if inference_cache is not None:
+            for layer in self._layer_list():
+                hidden = layer(hidden, rotary_cos, rotary_sin, kv_cache=inference_cache.layer(layer.layer_number))
+        elif self.recompute_granularity == "full" and self.training:
             hidden = self._forward_full_recompute(hidden, rotary_cos, rotary_sin)
         else:
             hidden = self._run_layers(self._layer_list())(hidden, rotary_cos, rotary_sin)

@@ -44,7 +44,11 @@ class TransformerLayer(nn.Module):
         return dropout(x, self.hidden_dropout, self.training, model_parallel_rng=self.sequence_parallel)
 
     def forward(self, hidden: torch.Tensor, rotary_cos: Optional[torch.Tensor] = None,
-                rotary_sin: Optional[torch.Tensor] = None) -> torch.Tensor:
-        attention_out = self.self_attention(self.input_layernorm(hidden), rotary_cos, rotary_sin)
+                rotary_sin: Optional[torch.Tensor] = None, kv_cache=None) -> torch.Tensor:
+        """``kv_cache``: this layer's inference cache (see :class:`~megalm.transformer.attention.SelfAttention`)."""
+        if kv_cache is None:
+            attention_out = self.self_attention(self.input_layernorm(hidden), rotary_cos, rotary_sin)
+        else:
+            attention_out = self.self_attention(self.input_layernorm(hidden), rotary_cos, rotary_sin, kv_cache=kv_cache)
         hidden = hidden + self._dropout(attention_out)
         return hidden + self._dropout(self.mlp(self.pre_mlp_layernorm(hidden)))
