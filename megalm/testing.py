@@ -19,7 +19,7 @@ import socket
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist

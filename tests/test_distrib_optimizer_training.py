@@ -16,13 +16,16 @@
 Groups are spawned in the order 2, 4, 1 ranks (later groups read earlier checkpoints).
 """
 
-import json
 import os
 
 import pytest
 
 from megalm.dist_checkpointing import saved_tensor_shapes
 from megalm.testing import run_distributed
+from tests.training_runs import assert_close as _assert_close
+from tests.training_runs import losses
+from tests.training_runs import records as _records
+from tests.training_runs import run_trainings as _run_trainings
 
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "32", "--mock-data", "--vocab-size", "500", "--num-workers", "0",
@@ -39,39 +42,6 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
 BF16 = ["--bf16"]
 FP16 = ["--fp16", "--initial-loss-scale", "1024", "--hysteresis", "1", "--loss-scale-window", "3",
         "--train-iters", "6", "--micro-batch-size", "4", "--global-batch-size", "8"]
-
-
-def _run_trainings(runs):
-    """Run each (argv, options) in turn on this rank; return exit codes."""
-    import torch.distributed as dist
-
-    import pretrain_gpt
-    from megalm import parallel_state
-    from megalm.training import pretrain
-
-    codes = []
-    for argv, options in runs:
-        forward_step = pretrain_gpt.forward_step
-        if options.get("inf_at_call") and dist.get_rank() == options.get("inf_rank", 0):
-            forward_step = _inf_at(forward_step, options["inf_at_call"])
-        try:
-            pretrain(pretrain_gpt.model_provider, forward_step, argv=argv)
-            codes.append(0)
-        except SystemExit as e:
-            codes.append(e.code if isinstance(e.code, int) else str(e.code))
-        parallel_state.destroy_model_parallel()
-    return codes
-
-
-def _inf_at(forward_step, n):
-    calls = {"n": 0}
-
-    def step(data_iterator, model):
-        calls["n"] += 1
-        out, loss_func = forward_step(data_iterator, model)
-        return (out * float("inf") if calls["n"] == n else out), loss_func
-
-    return step
 
 
 @pytest.fixture(scope="module")
@@ -119,19 +89,8 @@ def runs(tmp_path_factory):
     return {"tmp": tmp, "codes": (codes2, codes4, codes1), "ckpt": ck}
 
 
-def _records(tmp, name):
-    with open(os.path.join(tmp, f"{name}.jsonl")) as f:
-        return [r for r in map(json.loads, f) if "lm_loss" in r]
-
-
 def _losses(runs, name):
-    return [r["lm_loss"] for r in _records(runs["tmp"], name)]
-
-
-def _assert_close(a, b, rel):
-    assert len(a) == len(b) and len(a) > 0, (a, b)
-    for x, y in zip(a, b):
-        assert abs(x - y) <= rel * abs(y), (a, b)
+    return losses(runs["tmp"], name)
 
 
 def test_all_runs_exit_cleanly(runs):

@@ -8,12 +8,14 @@ micro-batches, capacity dropping with padding, a checkpoint saved under EP 2 and
 under EP 1 and EP 4, and pipeline 2 x EP 2 (skipped while pipeline parallelism is refused).
 """
 
-import json
 import os
 
 import pytest
 
 from megalm.testing import run_distributed
+from tests.training_runs import assert_close as _assert_close
+from tests.training_runs import records as _records
+from tests.training_runs import run_trainings as _run_trainings
 
 MOE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
        "--max-position-embeddings", "16", "--mock-data", "--vocab-size", "128", "--num-workers", "0",
@@ -33,33 +35,6 @@ def _argv(tmp, name, *extra):
 
 def _ep(n, dispatcher="allgather"):
     return ["--expert-model-parallel-size", str(n), "--moe-token-dispatcher-type", dispatcher]
-
-
-def _run_trainings(runs):
-    import pretrain_gpt
-    from megalm import parallel_state
-    from megalm.training import pretrain
-
-    codes = []
-    for argv in runs:
-        try:
-            pretrain(pretrain_gpt.model_provider, pretrain_gpt.forward_step, argv=argv)
-            codes.append(0)
-        except SystemExit as e:
-            codes.append(e.code if isinstance(e.code, int) else str(e.code))
-        parallel_state.destroy_model_parallel()
-    return codes
-
-
-def _records(tmp, name):
-    with open(os.path.join(tmp, f"{name}.jsonl")) as f:
-        return [r for r in map(json.loads, f) if "lm_loss" in r]
-
-
-def _assert_close(a, b, rel=1e-5):
-    assert len(a) == len(b) and len(a) > 0, (a, b)
-    for x, y in zip(a, b):
-        assert abs(x - y) <= rel * abs(y), (a, b)
 
 
 @pytest.fixture(scope="module")

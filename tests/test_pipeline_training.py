@@ -10,13 +10,16 @@ last stage's copy, which is not saved, is loaded from the embedding's weights an
 Groups are spawned in the order 2, 1, 4, 8 ranks (the PP 2 checkpoint is read by later groups).
 """
 
-import json
 import os
 
 import pytest
 import torch
 
 from megalm.testing import run_distributed
+from tests.training_runs import assert_close as _assert_close
+from tests.training_runs import inf_at
+from tests.training_runs import losses as _losses
+from tests.training_runs import records as _records
 
 PIPE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "32", "--mock-data", "--vocab-size", "500", "--num-workers", "0",
@@ -61,7 +64,7 @@ def _run_trainings(runs):
     for argv, options in runs:
         forward_step = pretrain_gpt.forward_step
         if options.get("inf_at_call"):
-            forward_step = _inf_at(forward_step, options["inf_at_call"])
+            forward_step = inf_at(forward_step, options["inf_at_call"])
         try:
             cfg = parse_config(argv, world_size=world_size_from_env())
             trainer = Trainer(cfg, pretrain_gpt.model_provider, forward_step)
@@ -71,37 +74,6 @@ def _run_trainings(runs):
             results.append({"code": e.code if isinstance(e.code, int) else str(e.code), "tied": {}})
         parallel_state.destroy_model_parallel()
     return results
-
-
-def _inf_at(forward_step, n):
-    calls = {"n": 0}
-
-    def step(data_iterator, model):
-        calls["n"] += 1
-        out, loss_func = forward_step(data_iterator, model)
-        if calls["n"] == n:
-            out = out * float("inf")
-        return out, loss_func
-
-    return step
-
-
-def _records(tmp, name, kind="train"):
-    with open(os.path.join(tmp, f"{name}.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    if kind == "train":
-        return [r for r in rows if "lm_loss" in r]
-    return [r for r in rows if r.get("split") == kind]
-
-
-def _losses(tmp, name):
-    return [r["lm_loss"] for r in _records(tmp, name)]
-
-
-def _assert_close(a, b, rel=1e-5):
-    assert len(a) == len(b) and len(a) > 0, (a, b)
-    for x, y in zip(a, b):
-        assert abs(x - y) <= rel * abs(y), (a, b)
 
 
 @pytest.fixture(scope="module")

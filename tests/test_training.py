@@ -5,12 +5,15 @@ Each spawned group runs several trainings; losses are read back from --metrics-f
 
 import json
 import os
-import signal
 
 import pytest
 import torch
 
 from megalm.testing import run_distributed
+from tests.training_runs import assert_close as _assert_close
+from tests.training_runs import losses as _losses
+from tests.training_runs import records as _records
+from tests.training_runs import run_trainings as _run_trainings
 
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--max-position-embeddings", "32", "--mock-data", "--vocab-size", "500", "--num-workers", "0",
@@ -21,71 +24,6 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 
 def _argv(tmp, name, *extra):
     return TINY + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl")] + list(extra)
-
-
-def _run_trainings(runs):
-    """Run each (argv, options) in turn on this rank; return exit codes."""
-    import pretrain_gpt
-    from megalm import parallel_state
-    from megalm.training import pretrain
-
-    codes = []
-    for argv, options in runs:
-        forward_step = pretrain_gpt.forward_step
-        if options.get("sigterm_at_call"):
-            forward_step = _sigterm_after(forward_step, options["sigterm_at_call"])
-        if options.get("inf_at_call"):
-            forward_step = _inf_at(forward_step, options["inf_at_call"])
-        try:
-            pretrain(pretrain_gpt.model_provider, forward_step, argv=argv)
-            codes.append(0)
-        except SystemExit as e:
-            codes.append(e.code if isinstance(e.code, int) else str(e.code))
-        parallel_state.destroy_model_parallel()
-    return codes
-
-
-def _sigterm_after(forward_step, n):
-    calls = {"n": 0}
-
-    def step(data_iterator, model):
-        calls["n"] += 1
-        if calls["n"] == n:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return forward_step(data_iterator, model)
-
-    return step
-
-
-def _inf_at(forward_step, n):
-    calls = {"n": 0}
-
-    def step(data_iterator, model):
-        calls["n"] += 1
-        out, loss_func = forward_step(data_iterator, model)
-        if calls["n"] == n:
-            out = out * float("inf")
-        return out, loss_func
-
-    return step
-
-
-def _records(tmp, name, kind="train"):
-    with open(os.path.join(tmp, f"{name}.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    if kind == "train":
-        return [r for r in rows if "lm_loss" in r]
-    return [r for r in rows if r.get("split") == kind]
-
-
-def _losses(tmp, name):
-    return [r["lm_loss"] for r in _records(tmp, name)]
-
-
-def _assert_close(a, b, rel=1e-5):
-    assert len(a) == len(b) and len(a) > 0, (a, b)
-    for x, y in zip(a, b):
-        assert abs(x - y) <= rel * abs(y), (a, b)
 
 
 @pytest.fixture(scope="module")

@@ -228,11 +228,8 @@ class Trainer:
             raise SystemExit("error: no training data: give --data-path PREFIX (or --train-data-path, or --mock-data)")
         if cfg.checkpoint.load and not os.path.isdir(cfg.checkpoint.load):
             raise SystemExit(f"error: --load directory {cfg.checkpoint.load} does not exist")
-        p = cfg.parallel
-        not_yet = [(cfg.model.transformer_impl != "local", "--transformer-impl transformer_engine")]
-        for asked, flag in not_yet:
-            if asked:
-                raise SystemExit(f"error: {flag} is not implemented in megalm yet")
+        if cfg.model.transformer_impl != "local":
+            raise SystemExit("error: --transformer-impl transformer_engine is not implemented in megalm yet")
         from megalm.training.metrics import WandbSetupError, check_wandb_ready
 
         try:
