@@ -42,7 +42,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def forward_step(data_iterator, model):
     """One microbatch: tokens in, per-token losses out (on the last stage)."""
     batch = get_batch(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], loss_mask=batch["loss_mask"])
     return output, partial(loss_func, batch["loss_mask"])
 
 

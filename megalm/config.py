@@ -73,8 +73,10 @@ class ModelConfig:
     norm_fusion: bool = _f(True, "Disable the compiled LayerNorm/RMSNorm (megalm; apex's fused norms are used "
                                  "instead whenever NVIDIA apex is installed on a GPU).",
                            flag="--no-norm-fusion", action="store_false")
-    cross_entropy_loss_fusion: bool = _f(False, "Fuse the pieces of the vocab-parallel cross entropy (one pass "
-                                                "forward and backward, no fp32 softmax kept).")
+    cross_entropy_loss_fusion: bool = _f(True, "Output layer and vocab-parallel cross entropy as one chunked function "
+                                               "that never materializes the logits (on by default in megalm; "
+                                               "--no-cross-entropy-loss-fusion: logits, then the loss).",
+                                         action=argparse.BooleanOptionalAction)
     attention_backend: str = _f("auto", "Attention core: auto (flash-attn when installed with bf16/fp16 on a GPU, "
                                         "else PyTorch SDPA), flash (flash-attn), fused (PyTorch SDPA), unfused or "
                                         "local (QK^T, masked softmax, @V).",

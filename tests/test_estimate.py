@@ -114,6 +114,8 @@ def predicted_activation_bytes(cfg) -> int:
 
 ACTIVATION_CASES = {
     "gpt-fp32": dict(),
+    "gpt-fp32-unfused-loss": dict(cross_entropy_loss_fusion=False),
+    "llama-bf16-unfused-loss": dict(bf16=True, cross_entropy_loss_fusion=False, **LLAMA),
     "gpt-bf16-dropout": dict(bf16=True, hidden_dropout=0.1),
     "llama-gqa-fp32": dict(**LLAMA),
     "llama-gqa-bf16": dict(bf16=True, **LLAMA),

@@ -1,5 +1,6 @@
-"""Every fusion against its eager reference (forward and backward), fused vs unfused cross
-entropy, and the backend plan (which pieces compile, optional packages, clear errors)."""
+"""Every fusion against its eager reference (forward and backward) and the backend plan (which
+pieces compile, optional packages, clear errors).  The fused output layer + cross entropy is
+tested in tests/test_linear_cross_entropy.py and tests/test_tensor_parallel.py."""
 
 import os
 
@@ -15,7 +16,6 @@ from megalm.fusions.dropout_add import bias_dropout_add
 from megalm.fusions.norms import layer_norm, rms_norm
 from megalm.fusions.rope import rotary_qk
 from megalm.fusions.softmax import scaled_causal_softmax
-from megalm.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalm.transformer.rope import RotaryEmbedding
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -104,6 +104,36 @@ def test_elementwise_fusions_match_eager(dtype):
     assert compile_stats().graphs > 0
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_moe_expert_activations_compile_once_for_changing_token_counts(grouped):
+    """Experts with the compiled bias + activation equal the eager experts, for token counts that
+    change every call (0, 1 and many tokens per expert); only dynamo's 0/1 specializations add graphs."""
+    from megalm.config import build_parser, config_from_args, validate_config
+    from megalm.tensor_parallel.initialization import initialize_weights
+    from megalm.transformer.moe.experts import LocalExperts
+
+    m = validate_config(config_from_args(build_parser().parse_args(
+        ["--hidden-size", "16", "--num-attention-heads", "4", "--vocab-size", "64", "--num-experts", "3",
+         "--moe-ffn-hidden-size", "24", "--swiglu"]))).model
+    experts = {}
+    for name, plan in (("compiled", plan_fusions(m)), ("eager", EAGER)):
+        experts[name] = LocalExperts(m, first=0, count=3, grouped=grouped, plan=plan)
+        initialize_weights(experts[name], seed=5)
+    assert experts["compiled"].bias_activation.dynamic
+    graphs = []
+    for step, counts in enumerate([[5, 0, 9], [7, 1, 4], [3, 6, 8], [9, 2, 12], [4, 10, 5]]):
+        x = torch.randn(sum(counts), 16, generator=torch.Generator().manual_seed(step))
+        results = []
+        for name in ("compiled", "eager"):
+            xi = x.clone().requires_grad_()
+            out = experts[name](xi, counts)
+            out.pow(2).sum().backward()
+            results.append((out, xi.grad))
+        assert _rel(results[0][0], results[1][0]) < 1e-5 and _rel(results[0][1], results[1][1]) < 1e-5
+        graphs.append(compile_stats().graphs)
+    assert graphs[-1] == graphs[2], graphs  # steps 3 and 4 bring no new (0/1/many) pattern: no recompile
+
+
 def test_fusion_references_are_the_textbook_formulas():
     g = torch.Generator().manual_seed(0)
     x, bias = torch.randn(5, 12, generator=g), torch.randn(12, generator=g)
@@ -137,32 +167,6 @@ def test_dropout_fusion_masks_like_dropout():
     assert abs((~kept).float().mean().item() - p) < 0.02
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_cross_entropy_matches_unfused(dtype):
-    """One rank: fused (compiled and eager) == unfused in loss and logits gradient; padded
-    vocabulary columns at -inf get zero gradient."""
-    from megalm import parallel_state
-
-    parallel_state.destroy_model_parallel()  # world of one: rank 0 of a TP group of 1
-    g = torch.Generator().manual_seed(0)
-    logits = (torch.randn(6, 3, 40, generator=g) * 3).to(dtype)
-    logits[..., 37:] = float("-inf")
-    target = torch.randint(0, 37, (6, 3), generator=g)
-    grad = torch.rand(6, 3, generator=g)
-    results = []
-    for kwargs in (dict(fused=False), dict(fused=True, compiled=False), dict(fused=True, compiled=True)):
-        leaf = logits.detach().clone().requires_grad_()
-        loss = vocab_parallel_cross_entropy(leaf, target, **kwargs)
-        (loss * grad).sum().backward()
-        results.append((loss, leaf.grad))
-    reference = F.cross_entropy(logits.float().reshape(-1, 40), target.reshape(-1), reduction="none").view(6, 3)
-    for loss, logits_grad in results:
-        assert loss.dtype == torch.float32 and logits_grad.dtype == dtype
-        assert _rel(loss, reference) < 1e-6
-        assert _rel(logits_grad, results[0][1]) < TOL[dtype]
-        assert torch.equal(logits_grad[..., 37:], torch.zeros_like(logits_grad[..., 37:]))
-
-
 def _model_cfg(**overrides):
     m = MegalmConfig().model
     m.position_embedding_type, m.swiglu = "rope", True
@@ -174,17 +178,17 @@ def _model_cfg(**overrides):
 def test_plan_follows_flags_and_environment(monkeypatch):
     plan = plan_fusions(_model_cfg())
     assert (plan.attention, plan.norm, plan.bias_activation, plan.rope, plan.bias_dropout_add, plan.cross_entropy) == (
-        "sdpa", "compiled", "compiled", "compiled", "compiled", "unfused")
+        "sdpa", "compiled", "compiled", "compiled", "compiled", "fused linear")
     off = plan_fusions(_model_cfg(bias_swiglu_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False,
-                                  norm_fusion=False, masked_softmax_fusion=False, cross_entropy_loss_fusion=True,
+                                  norm_fusion=False, masked_softmax_fusion=False, cross_entropy_loss_fusion=False,
                                   attention_backend="unfused"))
     assert (off.attention, off.masked_softmax, off.norm, off.bias_activation, off.rope, off.bias_dropout_add,
-            off.cross_entropy) == ("unfused", "eager", "eager", "eager", "eager", "eager", "fused, compiled")
+            off.cross_entropy) == ("unfused", "eager", "eager", "eager", "eager", "eager", "unfused")
     assert plan_fusions(_model_cfg(swiglu=False, bias_gelu_fusion=False)).bias_activation == "eager"
     assert plan_fusions(_model_cfg(position_embedding_type="learned_absolute")).rope == "none"
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
-    eager = plan_fusions(_model_cfg(cross_entropy_loss_fusion=True))
-    assert eager.norm == eager.rope == eager.bias_activation == "eager" and eager.cross_entropy == "fused, eager"
+    eager = plan_fusions(_model_cfg())
+    assert eager.norm == eager.rope == eager.bias_activation == "eager" and eager.cross_entropy == "fused linear"
     assert "norm: eager" in eager.describe()
     assert EAGER.attention == "sdpa" and not any(EAGER.compiled(f) for f in vars(EAGER))
 

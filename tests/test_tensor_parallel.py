@@ -32,6 +32,7 @@ from megalm.tensor_parallel import (
     set_all_rng_states,
     vocab_parallel_cross_entropy,
 )
+from megalm.tensor_parallel import linear_cross_entropy as lce
 from megalm.tensor_parallel.utils import assemble_full, shard_of_full
 from megalm.testing import run_distributed
 from megalm.transformer.norm import LayerNorm
@@ -236,6 +237,38 @@ def _check_cross_entropy(tp: int, dtype: torch.dtype) -> dict:
             f"{name} grad dtype": float(shard.grad.dtype != dtype)}
 
 
+def _check_linear_cross_entropy(tp: int, sp: bool) -> dict:
+    """Fused output layer + loss on vocabulary shards (padding on the last rank) against
+    ``F.linear`` + ``F.cross_entropy`` on the full weight: the loss's own gradient (saved
+    gradients scaled) and an arbitrary one (recomputed), chunks of 5 tokens."""
+    r = parallel_state.get_tensor_model_parallel_rank()
+    vocab_padded, vocab = 16 * tp, 16 * tp - 3
+    budget = lce.CHUNK_BYTES["cpu"]
+    lce.CHUNK_BYTES["cpu"] = 4 * 5 * (vocab_padded // tp)
+    x_full = _same_input(S, B, H, seed=20)
+    weight_full = _same_input(vocab_padded, H, seed=21)
+    weight_full[vocab:] = 0.0
+    target = torch.randint(0, vocab, (S, B), generator=torch.Generator().manual_seed(22))
+    mask = (_same_input(S, B, seed=23) > -0.5).float()
+    errors = {}
+    for kind, upstream in (("scaled", 0.25 * mask), ("recomputed", _same_input(S, B, seed=24))):
+        x = (x_full.chunk(tp, 0)[r] if sp else x_full).clone().requires_grad_()
+        weight = weight_full.chunk(tp, 0)[r].clone().requires_grad_()
+        loss = lce.linear_cross_entropy(x, weight, target, vocab, token_weight=mask, sequence_parallel=sp)
+        (loss * upstream).sum().backward()
+        ref_x, ref_w = x_full.clone().requires_grad_(), weight_full.clone().requires_grad_()
+        logits = (ref_x @ ref_w.t()).masked_fill(torch.arange(vocab_padded) >= vocab, float("-inf"))
+        ref_loss = F.cross_entropy(logits.view(-1, vocab_padded), target.view(-1), reduction="none").view(S, B)
+        (ref_loss * upstream).sum().backward()
+        dx = torch.cat(_gather_list(x.grad), 0) if sp else x.grad
+        name = f"linear cross entropy sp={sp} {kind}"
+        errors[f"{name} loss"] = _rel(loss, ref_loss)
+        errors[f"{name} dx"] = _rel(dx, ref_x.grad)
+        errors[f"{name} dW"] = _rel(torch.cat(_gather_list(weight.grad), 0), ref_w.grad)
+    lce.CHUNK_BYTES["cpu"] = budget
+    return errors
+
+
 # --- sequence-parallel norm grads ---------------------------------------------------------
 
 def _check_sequence_parallel_norm(tp: int) -> dict:
@@ -336,6 +369,8 @@ def _all_checks() -> dict:
             found.update(_check_embedding(tp, reduce_scatter))
         for dtype in (torch.float32, torch.bfloat16):
             found.update(_check_cross_entropy(tp, dtype))
+        for sp in (False, True):
+            found.update(_check_linear_cross_entropy(tp, sp))
         found.update(_check_sequence_parallel_norm(tp))
         found.update(_check_rng(tp))
         errors.update({f"tp{tp} {k}": v for k, v in found.items()})

@@ -22,7 +22,10 @@ dropout masks                   ``S_r h`` elements each after attention and MLP 
 ==============================  =====================================================================
 
 First stage: token ids (int64) and the embedding dropout mask.  Last stage: final norm,
-output-layer input, and the cross entropy's fp32 softmax ``4 S V_pad / TP``.  Full recompute
+output-layer input, and what the loss keeps: with the fused output layer + cross entropy (the
+default) the gradients it computes in forward, ``B S h`` for the input and an fp32 ``4 V_pad h / TP``
+for the weight (plus fp32 token weights and int64 targets); unfused, the cross entropy's fp32
+softmax ``4 S V_pad / TP``.  Full recompute
 keeps only each recomputed chunk's input ``B S_r h`` and rebuilds one chunk during backward.
 MoE layers are estimated (not measured): router scores and the top-k copies of the tokens
 through the experts.
@@ -37,8 +40,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict
 
+import torch
+
 from megalm.estimate.parameters import moe_layers
 from megalm.models.layer_split import layers_for_stage, virtual_stages
+from megalm.tensor_parallel.linear_cross_entropy import chunk_rows
 
 
 @dataclass
@@ -123,15 +129,24 @@ def embedding_bytes(m, sh: Shape) -> int:
 
 
 def output_bytes(m, sh: Shape) -> int:
-    """Last stage: final norm, output-layer input, fp32 softmax of the vocabulary-parallel cross entropy."""
+    """Last stage: final norm, output-layer input, and the loss's saved tensors (see the module docstring)."""
     vocab = m.padded_vocab_size // sh.tp
-    return (norm_bytes(m, sh) + sh.dtype_bytes * sh.local_tokens * m.hidden_size + 4 * sh.tokens * vocab
-            + 9 * sh.tokens + (vocab if m.padded_vocab_size != m.vocab_size else 0))
+    kept = norm_bytes(m, sh) + sh.dtype_bytes * sh.local_tokens * m.hidden_size
+    if m.cross_entropy_loss_fusion:
+        return kept + sh.dtype_bytes * sh.tokens * m.hidden_size + 4 * vocab * m.hidden_size + 12 * sh.tokens
+    return kept + 4 * sh.tokens * vocab + 9 * sh.tokens + (vocab if m.padded_vocab_size != m.vocab_size else 0)
 
 
 def logits_transient_bytes(m, sh: Shape) -> int:
-    """Logits in the model dtype, alive next to the fp32 softmax during the loss (not saved)."""
-    return sh.dtype_bytes * sh.tokens * m.padded_vocab_size // sh.tp
+    """Alive during the loss only: the fused loss's logits chunk (fp32, plus a copy in the model
+    dtype) and, under sequence parallelism, the gathered input; else the logits in the model
+    dtype next to the fp32 softmax."""
+    vocab = m.padded_vocab_size // sh.tp
+    if m.cross_entropy_loss_fusion:
+        rows = chunk_rows(sh.tokens, vocab, torch.device(sh.device))
+        gathered = sh.dtype_bytes * sh.tokens * m.hidden_size if sh.sequence_parallel and sh.tp > 1 else 0
+        return (4 + (sh.dtype_bytes if sh.dtype_bytes != 4 else 0)) * rows * vocab + gathered
+    return sh.dtype_bytes * sh.tokens * vocab
 
 
 def chunk_bytes(m, sh: Shape, layers, pre_process: bool, post_process: bool) -> Dict[str, int]:

@@ -8,8 +8,11 @@ Order of preference per piece:
   kernels on CUDA, the flash CPU kernel here); ``unfused|local`` is ``QK^T``, the scaled
   causal softmax (compiled when ``--masked-softmax-fusion`` is on) and ``@V``;
 * norms: NVIDIA apex's fused LayerNorm/RMSNorm when importable on CUDA, else compiled;
-* elementwise fusions (bias + GeLU/SwiGLU, RoPE, bias + dropout + add, cross entropy):
-  ``torch.compile`` (inductor) when its flag is on, else eager.
+* elementwise fusions (bias + GeLU/SwiGLU, RoPE, bias + dropout + add):
+  ``torch.compile`` (inductor) when its flag is on, else eager;
+* output layer + cross entropy: one chunked function
+  (:mod:`megalm.tensor_parallel.linear_cross_entropy`) with ``--cross-entropy-loss-fusion``
+  (the default), else the logits and then the vocabulary-parallel loss.
 
 Transformer Engine, apex and flash-attn are optional GPU packages, imported lazily; asking
 for one that is missing raises :class:`BackendUnavailable` saying how to install it.
@@ -86,7 +89,7 @@ class FusionPlan:
     bias_activation: str   # "compiled" | "eager"
     rope: str              # "compiled" | "eager" | "none"
     bias_dropout_add: str  # "compiled" | "eager"
-    cross_entropy: str     # "fused, compiled" | "fused, eager" | "unfused"
+    cross_entropy: str     # "fused linear" (output layer + loss in chunks) | "unfused"
 
     def compiled(self, piece: str) -> bool:
         return getattr(self, piece).endswith("compiled")
@@ -123,9 +126,6 @@ def plan_fusions(m, half_precision: bool = False) -> FusionPlan:
     def compiled_if(flag: bool) -> str:
         return "compiled" if flag and can_compile else "eager"
 
-    cross_entropy = "unfused"
-    if m.cross_entropy_loss_fusion:
-        cross_entropy = "fused, compiled" if can_compile else "fused, eager"
     bias_activation = m.bias_swiglu_fusion if m.swiglu else m.bias_gelu_fusion
     return FusionPlan(
         attention=_attention(m, half_precision),
@@ -134,7 +134,7 @@ def plan_fusions(m, half_precision: bool = False) -> FusionPlan:
         bias_activation=compiled_if(bias_activation),
         rope=compiled_if(m.apply_rope_fusion) if m.position_embedding_type == "rope" else "none",
         bias_dropout_add=compiled_if(m.bias_dropout_fusion),
-        cross_entropy=cross_entropy,
+        cross_entropy="fused linear" if m.cross_entropy_loss_fusion else "unfused",
     )
 
 

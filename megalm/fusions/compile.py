@@ -10,6 +10,10 @@ up to rounding.
 
 Compilation is paid on the first call per input signature; :func:`compile_stats` reports
 the number of such calls and the seconds they took, which the trainer logs.
+
+A fusion made with ``dynamic=True`` (the MoE experts' activation, whose token counts change
+every step) compiles one graph with symbolic sizes instead; it recompiles only where dynamo
+specializes, for a dimension of size 0 or 1, so a handful of graphs in all.
 """
 
 from __future__ import annotations
@@ -38,8 +42,13 @@ def compile_stats() -> CompileStats:
     return CompileStats(_STATS.graphs, _STATS.seconds)
 
 
-def _signature(args) -> Tuple:
-    return tuple((tuple(a.shape), a.dtype, a.requires_grad, a.device.type) if isinstance(a, torch.Tensor) else a
+def _signature(args, dynamic: bool) -> Tuple:
+    """What selects a compiled graph: shapes (with ``dynamic``, only which sizes are 0, 1 or more),
+    dtypes, whether autograd records, devices, and the non-tensor arguments."""
+    def shape(t: torch.Tensor) -> Tuple[int, ...]:
+        return tuple(min(d, 2) for d in t.shape) if dynamic else tuple(t.shape)
+
+    return tuple((shape(a), a.dtype, a.requires_grad, a.device.type) if isinstance(a, torch.Tensor) else a
                  for a in args)
 
 
@@ -48,11 +57,13 @@ class Fusion:
 
     ``fusion(*args)`` uses the compiled version; ``fusion.eager(*args)`` is the reference.
     Non-tensor arguments must be hashable constants (they specialize the compiled graph).
+    ``dynamic``: compile for changing sizes (see the module docstring).
     """
 
-    def __init__(self, fn: Callable, name: str):
+    def __init__(self, fn: Callable, name: str, dynamic: bool = False):
         self.eager = fn
         self.name = name
+        self.dynamic = dynamic
         self._compiled = None
         self._failed = False
         self._seen: Dict[Tuple, bool] = {}
@@ -60,13 +71,13 @@ class Fusion:
 
     def _compiled_fn(self):
         if self._compiled is None:
-            self._compiled = torch.compile(self.eager, dynamic=False, fullgraph=True)
+            self._compiled = torch.compile(self.eager, dynamic=self.dynamic, fullgraph=True)
         return self._compiled
 
     def __call__(self, *args):
         if self._failed:
             return self.eager(*args)
-        key = _signature(args)
+        key = _signature(args, self.dynamic)
         if key in self._seen:
             return self._compiled_fn()(*args)
         start = time.perf_counter()
@@ -84,9 +95,9 @@ class Fusion:
         return out
 
 
-def fusion(name: str) -> Callable[[Callable], Fusion]:
+def fusion(name: str, dynamic: bool = False) -> Callable[[Callable], Fusion]:
     """Decorator: ``@fusion("bias_swiglu") def bias_swiglu(...)`` makes a :class:`Fusion`."""
-    return lambda fn: Fusion(fn, name)
+    return lambda fn: Fusion(fn, name, dynamic)
 
 
 def select(fused: Fusion, enabled: bool) -> Callable:

@@ -8,6 +8,9 @@
 * ``post_process`` (last stage): final norm, output layer (column parallel without gather:
   forward all-gathers the sequence under SP; backward all-reduces / reduce-scatters the
   input gradient) and the vocab-parallel cross entropy (three ``[s, b]`` all-reduces).
+  With the fused cross entropy (the default) output layer and loss are one chunked
+  function (:mod:`megalm.tensor_parallel.linear_cross_entropy`) that never materializes
+  the logits; given ``loss_mask`` its backward is a scaling.
 * ``fusion_plan``: which fused kernels the layers use (:mod:`megalm.fusions.backends`);
   by default planned from the config and what is installed.
 * ``layer_numbers``: the GLOBAL 0-based layers of this chunk (see
@@ -38,6 +41,7 @@ from megalm.models.embedding import LanguageModelEmbedding
 from megalm.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalm.tensor_parallel.initialization import initialize_weights
 from megalm.tensor_parallel.layers import ColumnParallelLinear
+from megalm.tensor_parallel.linear_cross_entropy import linear_cross_entropy
 from megalm.transformer.rope import RotaryEmbedding
 from megalm.transformer.transformer_block import TransformerBlock
 from megalm.transformer.utils import init_std, sequence_parallel_enabled
@@ -130,9 +134,14 @@ class GPTModel(nn.Module):
         return logits
 
     def forward(self, tokens: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None, inference_cache=None) -> torch.Tensor:
+                labels: Optional[torch.Tensor] = None, inference_cache=None,
+                loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Per-token fp32 loss ``[b, s]`` (last stage, labels given), vocab-parallel logits
         ``[b, s, V/tp]`` (last stage, no labels), else hidden states ``[s(/tp), b, h]``.
+
+        ``loss_mask`` ``[b, s]`` (optional, with labels): the weights the loss function will
+        apply to the per-token losses; the fused cross entropy computes its gradients with
+        them in the forward (any other weighting stays exact, at the cost of a recompute).
 
         ``inference_cache`` (generation, :class:`megalm.inference.kv_cache.KVCache`): ``tokens``
         continue the cached sequence; positions default to ``cache.offset ..`` and the cache
@@ -157,10 +166,13 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return hidden
         weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
+        if labels is not None and self.fusion_plan.cross_entropy != "unfused":
+            losses = linear_cross_entropy(hidden, self.output_layer.weight if weight is None else weight,
+                                          labels.transpose(0, 1), self.vocab_size,
+                                          token_weight=None if loss_mask is None else loss_mask.transpose(0, 1),
+                                          sequence_parallel=self.sequence_parallel)
+            return losses.transpose(0, 1).contiguous()
         logits = self._mask_padded_vocab(self.output_layer(hidden, weight=weight))  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
-        plan = self.fusion_plan
-        losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), fused=plan.cross_entropy != "unfused",
-                                              compiled=plan.compiled("cross_entropy"))
-        return losses.transpose(0, 1).contiguous()
+        return vocab_parallel_cross_entropy(logits, labels.transpose(0, 1)).transpose(0, 1).contiguous()

@@ -9,9 +9,8 @@ restricted to this rank's slice, scaled by the incoming gradient.
 Padded vocabulary rows take part in the softmax through their logits (the model sets them
 to -inf, see :class:`megalm.models.gpt.GPTModel`); they are never targets.
 
-With ``fused=True`` (``--cross-entropy-loss-fusion``) the local work is two compiled passes
-(:mod:`megalm.fusions.cross_entropy`) and the communication two all-reduces: MAX of the
-per-rank maxima, then one SUM of ``[sum of rescaled exps ; target logit]`` stacked.
+This is the loss of ``--no-cross-entropy-loss-fusion`` and of callers holding logits; the
+model's default fuses it with the output layer (:mod:`megalm.tensor_parallel.linear_cross_entropy`).
 """
 
 from __future__ import annotations
@@ -20,8 +19,6 @@ import torch
 import torch.distributed as dist
 
 from megalm import parallel_state
-from megalm.fusions.compile import select
-from megalm.fusions.cross_entropy import local_logsumexp_and_target, softmax_minus_one_hot
 
 
 def _all_reduce(x: torch.Tensor, op) -> torch.Tensor:
@@ -79,45 +76,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None
 
 
-class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
-    """Same loss as :class:`_VocabParallelCrossEntropy`; saves the logits instead of an fp32 softmax."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, compiled: bool) -> torch.Tensor:
-        flat = logits.reshape(-1, logits.shape[-1])
-        local_target, outside = _local_target(target.reshape(-1), flat.shape[-1])
-        row_max, sum_exp, target_logit = select(local_logsumexp_and_target, compiled)(flat, local_target, outside)
-        global_max = _all_reduce(row_max.clone(), dist.ReduceOp.MAX)
-        stacked = torch.stack([sum_exp * torch.exp(row_max - global_max), target_logit])
-        sum_exp, target_logit = _all_reduce(stacked, dist.ReduceOp.SUM)
-        log_sum_exp = global_max + torch.log(sum_exp)
-        ctx.save_for_backward(flat, log_sum_exp, local_target, outside)
-        ctx.compiled, ctx.shape = compiled, logits.shape
-        return (log_sum_exp - target_logit).view(target.shape)
-
-    @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor):
-        flat, log_sum_exp, local_target, outside = ctx.saved_tensors
-        if not ctx.needs_input_grad[0]:
-            return None, None, None
-        grad = select(softmax_minus_one_hot, ctx.compiled)(flat, log_sum_exp, local_target, outside,
-                                                           grad_loss.reshape(-1).float())
-        return grad.view(ctx.shape), None, None
-
-
-def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, fused: bool = False,
-                                 compiled: bool = True) -> torch.Tensor:
+def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Per-token fp32 loss ``-log softmax(logits)[target]`` from vocabulary-parallel logits.
 
     ``logits_shard``: ``[..., V/tp]`` (any float dtype; computed in fp32), this rank's slice
     of the padded vocabulary in rank order.  ``target``: int64 ``[...]`` full-vocabulary ids
     in ``[0, V)`` (no ignore index: multiply the returned losses by a loss mask instead).
     Forward sends three all-reduces of ``[...]`` (max, target logit, sum of exps) over TP;
-    backward sends nothing.  ``fused``: the two-pass version (two all-reduces), compiled
-    unless ``compiled=False`` (its eager reference).
+    backward sends nothing.
     """
     if logits_shard.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(logits_shard.shape)} and target {tuple(target.shape)} do not match")
-    if fused:
-        return _FusedVocabParallelCrossEntropy.apply(logits_shard, target, compiled)
     return _VocabParallelCrossEntropy.apply(logits_shard, target)

@@ -46,7 +46,7 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = build_norm(m.normalization, m.hidden_size, m.norm_epsilon, sequence_parallel,
                                             plan.norm)
         self.is_moe = is_moe_layer(m, layer_number)
-        self.mlp = (MoELayer(m, layer_number, sequence_parallel) if self.is_moe
+        self.mlp = (MoELayer(m, layer_number, sequence_parallel, plan=plan) if self.is_moe
                     else MLP(m, sequence_parallel, plan=plan, skip_output_bias=True))
         self.bias_dropout_add = select(bias_dropout_add, plan.compiled("bias_dropout_add"))
 

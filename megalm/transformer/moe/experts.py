@@ -19,7 +19,10 @@ computes ``fc2(act(fc1(x)))`` per expert, either
 * with ``--moe-grouped-gemm``: one ``bmm`` over the local experts' stacked weights, each
   expert's tokens padded to the largest count (padding rows are zeros and are discarded).
 
-Both give the same values (to float rounding).  No communication.
+Both give the same values (to float rounding).  The bias of ``linear_fc1`` and the activation
+are one fused call (``expert_bias_gelu`` / ``expert_bias_swiglu`` of
+:mod:`megalm.fusions.activations`, compiled for changing token counts when the fusion plan
+compiles the bias activation).  No communication.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalm.device import get_device
+from megalm.fusions.activations import expert_bias_gelu, expert_bias_swiglu
+from megalm.fusions.backends import EAGER, FusionPlan
+from megalm.fusions.compile import select
 from megalm.tensor_parallel.initialization import mark_init
 from megalm.tensor_parallel.utils import set_tensor_model_parallel_attributes
 from megalm.transformer.utils import init_std, output_init_std
@@ -45,12 +51,9 @@ def _expert_parameter(*shape: int, kind: str, std=None, sequence_parallel: bool 
     return param
 
 
-def activation(x: torch.Tensor, swiglu: bool) -> torch.Tensor:
-    """GELU, or SwiGLU of a ``[gate, up]`` last dimension."""
-    if swiglu:
-        gate, up = torch.chunk(x, 2, dim=-1)
-        return F.silu(gate) * up
-    return F.gelu(x)
+def bias_activation(swiglu: bool, plan: FusionPlan):
+    """``act(x + bias)`` (GELU, or SwiGLU of a ``[gate, up]`` last dimension), compiled per the plan."""
+    return select(expert_bias_swiglu if swiglu else expert_bias_gelu, plan.compiled("bias_activation"))
 
 
 class _Linear(nn.Module):
@@ -62,35 +65,36 @@ class _Linear(nn.Module):
         self.bias = (_expert_parameter(out_size, kind="zeros", sequence_parallel=sequence_parallel)
                      if bias else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias if add_bias else None)
 
 
 class ExpertMLP(nn.Module):
-    """One expert: ``linear_fc2(act(linear_fc1(x)))``."""
+    """One expert: ``linear_fc2(act(linear_fc1(x)))``, fc1's bias added inside the activation."""
 
-    def __init__(self, model_cfg, sequence_parallel: bool = False):
+    def __init__(self, model_cfg, sequence_parallel: bool = False, plan: FusionPlan = EAGER):
         super().__init__()
         m = model_cfg
         f = m.moe_ffn_hidden_size
-        self.swiglu = m.swiglu
         self.linear_fc1 = _Linear(m.hidden_size, 2 * f if m.swiglu else f, m.add_bias_linear, init_std(m),
                                   sequence_parallel)
         self.linear_fc2 = _Linear(f, m.hidden_size, m.add_bias_linear, output_init_std(m), sequence_parallel)
+        self.bias_activation = bias_activation(m.swiglu, plan)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(activation(self.linear_fc1(x), self.swiglu))
+        return self.linear_fc2(self.bias_activation(self.linear_fc1(x, add_bias=False), self.linear_fc1.bias))
 
 
 class LocalExperts(nn.Module):
     """Experts ``first, ..., first + count - 1`` (global indices) of this EP rank."""
 
-    def __init__(self, model_cfg, first: int, count: int, sequence_parallel: bool = False, grouped: bool = False):
+    def __init__(self, model_cfg, first: int, count: int, sequence_parallel: bool = False, grouped: bool = False,
+                 plan: FusionPlan = EAGER):
         super().__init__()
         self.first, self.count = first, count
-        self.swiglu = model_cfg.swiglu
         self.grouped = grouped
-        self.local_experts = nn.ModuleDict({str(first + j): ExpertMLP(model_cfg, sequence_parallel)
+        self.bias_activation = bias_activation(model_cfg.swiglu, plan)
+        self.local_experts = nn.ModuleDict({str(first + j): ExpertMLP(model_cfg, sequence_parallel, plan)
                                             for j in range(count)})
 
     def experts(self) -> List[ExpertMLP]:
@@ -116,17 +120,22 @@ class LocalExperts(nn.Module):
         starts = torch.tensor([0] + counts[:-1], device=tokens.device).cumsum(0)
         slot = expert_of * width + (torch.arange(tokens.shape[0], device=tokens.device) - starts[expert_of])
         padded = tokens.new_zeros(self.count * width, h).index_copy(0, slot, tokens).view(self.count, width, h)
-        out = self._grouped_linear(padded, [e.linear_fc1 for e in experts])
-        out = self._grouped_linear(activation(out, self.swiglu), [e.linear_fc2 for e in experts])
+        fc1 = [e.linear_fc1 for e in experts]
+        out = self.bias_activation(self._grouped_linear(padded, fc1, add_bias=False), self._stacked_bias(fc1))
+        out = self._grouped_linear(out, [e.linear_fc2 for e in experts])
         return out.reshape(self.count * width, out.shape[-1]).index_select(0, slot)
 
     @staticmethod
-    def _grouped_linear(x: torch.Tensor, layers: Sequence[_Linear]) -> torch.Tensor:
+    def _stacked_bias(layers: Sequence[_Linear]):
+        """``[L, 1, out]`` biases of ``layers`` (broadcast over each expert's tokens), or None."""
+        return None if layers[0].bias is None else torch.stack([layer.bias for layer in layers]).unsqueeze(1)
+
+    @classmethod
+    def _grouped_linear(cls, x: torch.Tensor, layers: Sequence[_Linear], add_bias: bool = True) -> torch.Tensor:
         weight = torch.stack([layer.weight for layer in layers])  # [L, out, in]
         out = torch.bmm(x, weight.transpose(1, 2))
-        if layers[0].bias is not None:
-            out = out + torch.stack([layer.bias for layer in layers]).unsqueeze(1)
-        return out
+        bias = cls._stacked_bias(layers) if add_bias else None
+        return out if bias is None else out + bias
 
     def extra_repr(self) -> str:
         return f"experts {self.first}..{self.first + self.count - 1}, grouped={self.grouped}"

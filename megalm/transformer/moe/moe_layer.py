@@ -36,6 +36,7 @@ from typing import List
 import torch
 from torch import nn
 
+from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.transformer.mlp import MLP
 from megalm.transformer.moe.experts import LocalExperts
 from megalm.transformer.moe.mappings import ep_rank, ep_size
@@ -66,7 +67,7 @@ def is_moe_layer(model_cfg, layer_number: int) -> bool:
 
 
 class MoELayer(nn.Module):
-    def __init__(self, model_cfg, layer_number: int, sequence_parallel: bool = False):
+    def __init__(self, model_cfg, layer_number: int, sequence_parallel: bool = False, plan: FusionPlan = EAGER):
         super().__init__()
         m = model_cfg
         ep = ep_size()
@@ -75,10 +76,11 @@ class MoELayer(nn.Module):
         local = m.num_experts // ep
         self.layer_number = layer_number
         self.router = TopKRouter(m, layer_number, sequence_parallel)
-        self.experts = LocalExperts(m, ep_rank() * local, local, sequence_parallel, grouped=m.moe_grouped_gemm)
+        self.experts = LocalExperts(m, ep_rank() * local, local, sequence_parallel, grouped=m.moe_grouped_gemm,
+                                    plan=plan)
         self.token_dispatcher = build_token_dispatcher(m.moe_token_dispatcher_type)
         shared = m.moe_shared_expert_intermediate_size
-        self.shared_experts = (MLP(dataclasses.replace(m, ffn_hidden_size=shared), sequence_parallel)
+        self.shared_experts = (MLP(dataclasses.replace(m, ffn_hidden_size=shared), sequence_parallel, plan=plan)
                                if shared else None)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
