@@ -65,6 +65,13 @@ def test_derived_values_and_megatron_flags():
     assert cfg.parallel.virtual_pipeline_model_parallel_size == 2
 
 
+def test_fusion_flags_default_on_with_megatron_spelling_accepted():
+    assert _cfg(BASE).model.cross_entropy_loss_fusion is True
+    assert _cfg(BASE + ["--cross-entropy-loss-fusion"]).model.cross_entropy_loss_fusion is True  # Megatron's flag
+    assert _cfg(BASE + ["--no-cross-entropy-loss-fusion"]).model.cross_entropy_loss_fusion is False
+    assert _cfg(BASE + ["--no-bias-swiglu-fusion"]).model.bias_swiglu_fusion is False
+
+
 def test_round_trip_through_dict():
     cfg = _cfg(BASE + ["--bf16", "--lr", "3e-4"], 1)
     again = MegalmConfig.from_dict(cfg.to_dict())

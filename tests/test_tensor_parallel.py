@@ -143,6 +143,7 @@ def _check_column_linear(tp: int, sp: bool, gather_output: bool, stride: int) ->
     out_features = 16
     layer = ColumnParallelLinear(H, out_features, bias=True, gather_output=gather_output, stride=stride,
                                  sequence_parallel=sp, init_std=0.3)
+    initialize_weights(layer, seed=9)  # parameters start as torch.empty: never compare uninitialized memory
     with torch.no_grad():
         layer.bias.normal_(generator=torch.Generator().manual_seed(r))
     x_full = _same_input(S, B, H, seed=2)
@@ -174,6 +175,7 @@ def _check_row_linear(tp: int, sp: bool, input_is_parallel: bool) -> dict:
     in_features = 16
     layer = RowParallelLinear(in_features, H, bias=True, input_is_parallel=input_is_parallel, sequence_parallel=sp,
                               init_std=0.3)
+    initialize_weights(layer, seed=10)
     with torch.no_grad():
         layer.bias.normal_(generator=torch.Generator().manual_seed(7))
     x_full = _same_input(S, B, in_features, seed=4)
@@ -381,7 +383,7 @@ def test_tensor_parallel_blocks_match_single_device_reference():
     results = run_distributed(_all_checks, world_size=4, timeout=150)
     assert len(results[0]) > 100
     for rank, errors in enumerate(results):
-        bad = {k: v for k, v in errors.items() if v > 1e-5}
+        bad = {k: v for k, v in errors.items() if not v <= 1e-5}  # NaN counts as bad
         assert not bad, f"rank {rank}: {bad}"
 
 
