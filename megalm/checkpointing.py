@@ -17,6 +17,11 @@ tensor that range covers (:func:`param_range_specs`), with no gather: the same k
 same global tensors as the plain optimizer, so either loads the other's checkpoints under any
 TP/PP/DP layout.  Nothing is
 unpickled on load: DCP for tensors, JSON for metadata, ``torch.load(weights_only=True)`` for RNG.
+
+Only parameters are saved.  Transformer Engine modules also carry ``_extra_state`` (fp8 scaling
+metadata: amax history and scales, a pickled object): it is not saved, so a TE checkpoint is
+exactly a local one (same names, see :mod:`megalm.parameter_names`) and loading never unpickles;
+after a load fp8 scaling restarts from fresh amax statistics (``--fp8-amax-history-len`` steps).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import torch.distributed as dist
 from megalm import parallel_state
 from megalm.dist_checkpointing import (ShardedStateDict, ShardedTensorSpec, flat_range_blocks, load_sharded,
                                       save_sharded, saved_tensor_shapes)
+from megalm.parameter_names import canonical_name
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
@@ -120,14 +126,18 @@ def _is_tied_copy(name: str, p: torch.Tensor) -> bool:
 
 
 def model_parameters(model_chunks: Sequence[torch.nn.Module]) -> Dict[str, torch.nn.Parameter]:
-    """Global parameter names -> parameters of this rank, skipping duplicate copies of tied weights."""
+    """Global parameter names -> parameters of this rank, skipping duplicate copies of tied weights.
+
+    Names are canonical (:func:`megalm.parameter_names.canonical_name`): a Transformer Engine
+    model's fused norm weights get the local names, so checkpoints are the same for both.
+    """
     params: Dict[str, torch.nn.Parameter] = {}
     for chunk in model_chunks:
         module = getattr(chunk, "module", chunk)
         for name, p in module.named_parameters():
             if _is_tied_copy(name, p):
                 continue  # the last stage's copy of a tied embedding: the first stage's is saved
-            params[name] = p
+            params[canonical_name(name)] = p
     return params
 
 

@@ -81,9 +81,16 @@ class ModelConfig:
                                         "else PyTorch SDPA), flash (flash-attn), fused (PyTorch SDPA), unfused or "
                                         "local (QK^T, masked softmax, @V).",
                                 choices=["auto", "flash", "fused", "unfused", "local"])
-    transformer_impl: str = _f("local", "Transformer layer implementation.", choices=["local", "transformer_engine"])
+    transformer_impl: str = _f("local", "Transformer layer implementation: megalm's (local) or NVIDIA Transformer "
+                                        "Engine's fused modules (transformer_engine, GPU).",
+                               choices=["local", "transformer_engine"])
     fp8_format: Optional[str] = _f(None, "FP8 training through Transformer Engine (needs --transformer-impl "
-                                         "transformer_engine on a GPU).", choices=["e4m3", "hybrid"])
+                                         "transformer_engine on a GPU): e4m3 everywhere, or hybrid (e4m3 forward, "
+                                         "e5m2 gradients).", choices=["e4m3", "hybrid"])
+    fp8_margin: int = _f(0, "FP8 delayed scaling: scale = fp8 max / amax / 2^margin.")
+    fp8_amax_history_len: int = _f(1, "FP8 delayed scaling: number of steps of amax history kept per tensor.")
+    fp8_amax_compute_algo: str = _f("most_recent", "FP8 delayed scaling: the amax used from the history.",
+                                    choices=["most_recent", "max"])
 
     # Mixture of experts (Megatron-LM's --num-experts / --moe-* flags); see megalm/transformer/moe.
     num_experts: Optional[int] = _f(None, "Number of experts in each MoE layer (unset: dense model).")
@@ -419,6 +426,28 @@ def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
            "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
 
 
+def _validate_fp8(m: ModelConfig, p: ParallelConfig, t) -> None:
+    """``--fp8-*``: Transformer Engine layers, delayed-scaling settings, and the shapes TE's fp8 GEMMs take."""
+    if m.fp8_format is None:
+        return
+    _check(m.transformer_impl == "transformer_engine", f"--fp8-format {m.fp8_format} needs --transformer-impl "
+                                                       f"transformer_engine (fp8 runs inside Transformer Engine's layers)")
+    _check(m.fp8_margin >= 0 and m.fp8_amax_history_len >= 1,
+           f"--fp8-margin must be >= 0 and --fp8-amax-history-len >= 1, got {m.fp8_margin} and {m.fp8_amax_history_len}")
+    _check(m.recompute_granularity != "full", "--fp8-format with --recompute-granularity full is not supported "
+                                              "(megalm's recompute does not replay TE's fp8 scaling state); use "
+                                              "--recompute-granularity selective or no recompute")
+    tp, heads, d = p.tensor_model_parallel_size, m.num_attention_heads, m.head_dim
+    widths = {"hidden": m.hidden_size, "qkv/tp": (heads + 2 * m.num_kv_heads) * d // tp, "heads*d/tp": heads * d // tp,
+              "ffn/tp": m.ffn_hidden_size // tp}  # fc1's [gate; up] width is twice ffn/tp
+    bad = {name: width for name, width in widths.items() if width % 16}
+    _check(not bad, f"--fp8-format: Transformer Engine's fp8 GEMMs need widths divisible by 16, got {bad}")
+    tokens = m.seq_length * t.micro_batch_size // (tp if p.sequence_parallel else 1)
+    _check(tokens % 8 == 0, f"--fp8-format: Transformer Engine's fp8 GEMMs need the tokens per rank and micro-batch "
+                            f"(--seq-length x --micro-batch-size, / TP under sequence parallelism) divisible by 8, "
+                            f"got {tokens}")
+
+
 def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> MegalmConfig:
     """Check every combination and fill derived values.  Raises :class:`ConfigError`."""
     m, p, t, d = cfg.model, cfg.parallel, cfg.training, cfg.data
@@ -511,8 +540,7 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
 
     # Precision.
     _check(not (t.bf16 and t.fp16), "--bf16 and --fp16 are mutually exclusive")
-    _check(m.fp8_format is None or m.transformer_impl == "transformer_engine",
-           f"--fp8-format {m.fp8_format} needs --transformer-impl transformer_engine")
+    _validate_fp8(m, p, t)
     _check(m.attention_backend != "flash" or t.bf16 or t.fp16,
            "--attention-backend flash needs --bf16 or --fp16 (flash-attn has no fp32 kernels)")
     _check(t.loss_scale is None or t.fp16, "--loss-scale needs --fp16")

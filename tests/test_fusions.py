@@ -234,9 +234,10 @@ def test_optional_packages_are_used_when_importable(monkeypatch):
         assert plan.norm == "apex" and plan.attention == "flash-attn"
         assert plan_fusions(_model_cfg(attention_backend="fused"), half_precision=True).attention == "sdpa"
         assert plan_fusions(_model_cfg(), half_precision=False).attention == "sdpa"
-        with pytest.raises(BackendUnavailable, match="not implemented"):  # TE present but no TE layers yet
-            monkeypatch.setitem(sys.modules, "transformer_engine", types.SimpleNamespace(pytorch=object()))
-            plan_fusions(_model_cfg(transformer_impl="transformer_engine"))
+        monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
+        monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", types.ModuleType("transformer_engine.pytorch"))
+        te_plan = plan_fusions(_model_cfg(transformer_impl="transformer_engine"))  # TE layers: test_transformer_engine.py
+        assert te_plan.uses_te() and te_plan.attention == "te" and "transformer: te" in te_plan.describe()
         from megalm.transformer.norm import RMSNorm
 
         norm = RMSNorm(8, impl=plan.norm)

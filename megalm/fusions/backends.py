@@ -13,6 +13,12 @@ Order of preference per piece:
 * output layer + cross entropy: one chunked function
   (:mod:`megalm.tensor_parallel.linear_cross_entropy`) with ``--cross-entropy-loss-fusion``
   (the default), else the logits and then the vocabulary-parallel loss.
+* transformer layers (``--transformer-impl``): megalm's own (``local``), or Transformer Engine's
+  ``LayerNormLinear`` / ``Linear`` / ``DotProductAttention`` (``te``, see
+  :mod:`megalm.transformer.te_layers`; MoE experts stay local), with fp8 delayed scaling when
+  ``--fp8-format`` is given (:mod:`megalm.transformer.fp8`).  Under TE the attention core is
+  TE's ``DotProductAttention`` for ``--attention-backend auto`` (TE picks flash / cuDNN /
+  unfused itself) and megalm's core for the other values.
 
 Transformer Engine, apex and flash-attn are optional GPU packages, imported lazily; asking
 for one that is missing raises :class:`BackendUnavailable` saying how to install it.
@@ -26,6 +32,7 @@ import functools
 import importlib
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 from megalm.device import use_cuda
 
@@ -55,7 +62,12 @@ def _import(module: str, attribute: str):
 @functools.lru_cache(maxsize=None)
 def transformer_engine_module():
     """``transformer_engine.pytorch`` on a CUDA machine, else None."""
-    return _import("transformer_engine", "pytorch") if use_cuda() else None
+    if not use_cuda():
+        return None
+    try:
+        return importlib.import_module("transformer_engine.pytorch")
+    except Exception:  # noqa: BLE001 - ImportError, or a broken CUDA extension raising anything
+        return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,19 +95,27 @@ def compile_available() -> bool:
 @dataclass(frozen=True)
 class FusionPlan:
     """What runs where; every field is a short name used in the start-up log."""
-    attention: str         # "flash-attn" | "sdpa" | "unfused"
+    attention: str         # "flash-attn" | "sdpa" | "unfused" | "te" (TE's DotProductAttention)
     masked_softmax: str    # "compiled" | "eager" (only used by unfused attention)
     norm: str              # "apex" | "compiled" | "eager"
     bias_activation: str   # "compiled" | "eager"
     rope: str              # "compiled" | "eager" | "none"
     bias_dropout_add: str  # "compiled" | "eager"
     cross_entropy: str     # "fused linear" (output layer + loss in chunks) | "unfused"
+    transformer: str = "local"  # "local" | "te" | "te, MoE experts local" (--transformer-impl)
+    fp8: Optional[str] = None   # fp8 recipe with TE, e.g. "hybrid, delayed scaling (margin 0, ...)"
 
     def compiled(self, piece: str) -> bool:
-        return getattr(self, piece).endswith("compiled")
+        value = getattr(self, piece)
+        return isinstance(value, str) and value.endswith("compiled")
+
+    def uses_te(self) -> bool:
+        """The transformer layers are Transformer Engine's (``--transformer-impl transformer_engine``)."""
+        return self.transformer.startswith("te")
 
     def describe(self) -> str:
-        return " | ".join(f"{name.replace('_', ' ')}: {value}" for name, value in vars(self).items())
+        return " | ".join(f"{name.replace('_', ' ')}: {value}" for name, value in vars(self).items()
+                          if value is not None)
 
 
 def _attention(m, half_precision: bool) -> str:
@@ -111,30 +131,62 @@ def _attention(m, half_precision: bool) -> str:
     return "unfused" if backend in ("unfused", "local") else "sdpa"
 
 
+def _fp8_unsupported_reason() -> Optional[str]:
+    """Why this GPU cannot run TE's fp8 (TE's own check, when this TE version has it), else None."""
+    check = (_import("transformer_engine.pytorch.fp8", "check_fp8_support")  # TE 1.x
+             or _import("transformer_engine.pytorch.quantization", "check_fp8_support"))  # TE 2.x
+    if check is None:
+        return None  # unknown here: TE's fp8_autocast raises at the first forward if it cannot
+    available, reason = check()
+    return None if available else (reason or "not supported on this GPU")
+
+
+def describe_fp8(m) -> str:
+    """The fp8 recipe of ``--fp8-*`` in words (start-up log)."""
+    return (f"{m.fp8_format}, delayed scaling (margin {m.fp8_margin}, amax history {m.fp8_amax_history_len}, "
+            f"{m.fp8_amax_compute_algo})")
+
+
+def _transformer_engine(m) -> str:
+    """Check ``--transformer-impl transformer_engine`` / ``--fp8-format``; the plan's ``transformer`` field."""
+    if m.transformer_impl != "transformer_engine":
+        if m.fp8_format is not None:
+            raise BackendUnavailable(f"--fp8-format {m.fp8_format} needs --transformer-impl transformer_engine "
+                                     f"(fp8 runs inside Transformer Engine's layers, on a GPU)")
+        return "local"
+    if transformer_engine_module() is None:
+        raise BackendUnavailable(f"--transformer-impl transformer_engine: Transformer Engine is not available "
+                                 f"{'here' if use_cuda() else 'without a GPU'}. {TE_INSTALL}; "
+                                 f"or use --transformer-impl local")
+    if m.fp8_format is not None:
+        reason = _fp8_unsupported_reason()
+        if reason is not None:
+            raise BackendUnavailable(f"--fp8-format {m.fp8_format}: Transformer Engine cannot run fp8 here: {reason}; "
+                                     f"drop --fp8-format to train the TE layers in bf16")
+    return "te, MoE experts local" if m.num_experts else "te"
+
+
 def plan_fusions(m, half_precision: bool = False) -> FusionPlan:
     """The plan for model config ``m`` (:class:`megalm.config.ModelConfig`); ``half_precision``:
     the model computes in bf16/fp16.  Raises :class:`BackendUnavailable` for a missing package."""
-    if m.transformer_impl == "transformer_engine":
-        if transformer_engine_module() is None:
-            raise BackendUnavailable(f"--transformer-impl transformer_engine: Transformer Engine is not available "
-                                     f"{'here' if use_cuda() else 'without a GPU'}. {TE_INSTALL}; "
-                                     f"or use --transformer-impl local")
-        raise BackendUnavailable("--transformer-impl transformer_engine: Transformer Engine is installed, but megalm's "
-                                 "TE layers are not implemented yet; use --transformer-impl local")
+    transformer = _transformer_engine(m)
     can_compile = compile_available()
 
     def compiled_if(flag: bool) -> str:
         return "compiled" if flag and can_compile else "eager"
 
     bias_activation = m.bias_swiglu_fusion if m.swiglu else m.bias_gelu_fusion
+    te_attention = transformer != "local" and m.attention_backend == "auto"
     return FusionPlan(
-        attention=_attention(m, half_precision),
+        attention="te" if te_attention else _attention(m, half_precision),
         masked_softmax=compiled_if(m.masked_softmax_fusion),
         norm="apex" if apex_norm_functions() is not None else compiled_if(m.norm_fusion),
         bias_activation=compiled_if(bias_activation),
         rope=compiled_if(m.apply_rope_fusion) if m.position_embedding_type == "rope" else "none",
         bias_dropout_add=compiled_if(m.bias_dropout_fusion),
         cross_entropy="fused linear" if m.cross_entropy_loss_fusion else "unfused",
+        transformer=transformer,
+        fp8=describe_fp8(m) if transformer != "local" and m.fp8_format is not None else None,
     )
 
 

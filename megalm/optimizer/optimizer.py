@@ -43,6 +43,7 @@ from megalm import parallel_state
 from megalm.distributed.finalize_model_grads import grad_of, unwrap_model
 from megalm.optimizer.clip_grads import clip_grads_by_total_norm, grad_norm_and_zeros, unscale_and_check_for_inf
 from megalm.optimizer.grad_scaler import GradScaler, build_grad_scaler
+from megalm.parameter_names import canonical_name
 
 FORMAT = "megalm-optimizer-v1"
 StepResult = Tuple[bool, Optional[float], Optional[float]]
@@ -329,8 +330,9 @@ def named_parameters_for_optimizer(model_chunks: Sequence[torch.nn.Module]) -> L
     """``(global name, param)`` over all chunks.
 
     Name: ``module.global_parameter_name(local_name)`` when the (unwrapped) module defines it,
-    otherwise ``named_parameters()``' name (the model names layers globally, as the checkpoint
-    code assumes).  Names must be unique over the chunks.
+    otherwise ``named_parameters()``' name made canonical (the model names layers globally, as
+    the checkpoint code assumes; :func:`megalm.parameter_names.canonical_name` gives a Transformer
+    Engine model's fused norm weights their local names).  Names must be unique over the chunks.
     """
     out = []
     for chunk in model_chunks:
@@ -339,7 +341,7 @@ def named_parameters_for_optimizer(model_chunks: Sequence[torch.nn.Module]) -> L
         for n, p in module.named_parameters():
             if not p.requires_grad:
                 continue
-            out.append((to_global(n) if callable(to_global) else n, p))
+            out.append((to_global(n) if callable(to_global) else canonical_name(n), p))
     return out
 
 

@@ -5,7 +5,9 @@ Modules record *how* each parameter is initialized (``mark_init``) when they are
 (gathered) weights are identical for every tensor/pipeline layout:
 
 * each parameter's full fp32 tensor is drawn from a CPU generator seeded by a stable hash
-  of ``(seed, global parameter name)`` (parameter names are global: ``decoder.layers.5...``);
+  of ``(seed, global parameter name)`` (parameter names are global: ``decoder.layers.5...``,
+  and canonical: a Transformer Engine model's fused norm weights use the local names, see
+  :mod:`megalm.parameter_names`, so both implementations start from the same weights);
 * this rank's shard is cut from it with ``tensor_model_parallel`` / ``partition_dim`` /
   ``partition_stride`` and copied in;
 * vocabulary rows at or beyond ``vocab_unpadded`` are zero.
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from megalm import parallel_state
+from megalm.parameter_names import canonical_name
 from megalm.tensor_parallel.utils import full_shape, shard_of_full
 
 INIT_KINDS = ("normal", "zeros", "ones")
@@ -79,7 +82,7 @@ def initialize_weights(model: Union[nn.Module, Iterable[nn.Module]], seed: int) 
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     for name, param in _named_unique_parameters(model):
-        full = full_initial_value(param, name, seed, tp_size)
+        full = full_initial_value(param, canonical_name(name), seed, tp_size)
         if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
             full = shard_of_full(full, param.partition_dim, tp_rank, tp_size, param.partition_stride)
         if tuple(full.shape) != tuple(param.shape):

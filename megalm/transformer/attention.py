@@ -61,11 +61,17 @@ class SelfAttention(nn.Module):
         self.rotary_qk = select(rotary_qk, plan.compiled("rope"))
         self.masked_softmax = select(scaled_causal_softmax, plan.compiled("masked_softmax"))
         qkv_size = (m.num_attention_heads + 2 * num_groups) * self.head_dim
-        self.linear_qkv = ColumnParallelLinear(m.hidden_size, qkv_size, bias=m.add_bias_linear,
-                                               init_std=init_std(m), sequence_parallel=sequence_parallel)
-        self.linear_proj = RowParallelLinear(m.num_attention_heads * self.head_dim, m.hidden_size,
-                                             bias=m.add_bias_linear, init_std=output_init_std(m),
-                                             sequence_parallel=sequence_parallel, skip_bias_add=skip_output_bias)
+        self.linear_qkv, self.linear_proj = self.build_projections(m, qkv_size, sequence_parallel, skip_output_bias)
+
+    def build_projections(self, m, qkv_size: int, sequence_parallel: bool, skip_output_bias: bool):
+        """``(linear_qkv, linear_proj)``: column- and row-parallel linears (TE's in
+        :class:`megalm.transformer.te_layers.TESelfAttention`)."""
+        linear_qkv = ColumnParallelLinear(m.hidden_size, qkv_size, bias=m.add_bias_linear, init_std=init_std(m),
+                                          sequence_parallel=sequence_parallel)
+        linear_proj = RowParallelLinear(m.num_attention_heads * self.head_dim, m.hidden_size, bias=m.add_bias_linear,
+                                        init_std=output_init_std(m), sequence_parallel=sequence_parallel,
+                                        skip_bias_add=skip_output_bias)
+        return linear_qkv, linear_proj
 
     def split_qkv(self, mixed: torch.Tensor):
         """``[s, b, groups_r * (q_per_group + 2) * d]`` -> q ``[s, b, heads_r, d]``, k, v ``[s, b, groups_r, d]``."""

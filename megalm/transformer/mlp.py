@@ -34,14 +34,20 @@ class MLP(nn.Module):
                  skip_output_bias: bool = False):
         super().__init__()
         m = model_cfg
-        fc1_size = 2 * m.ffn_hidden_size if m.swiglu else m.ffn_hidden_size
-        self.linear_fc1 = ColumnParallelLinear(m.hidden_size, fc1_size, bias=m.add_bias_linear, init_std=init_std(m),
-                                               stride=2 if m.swiglu else 1, sequence_parallel=sequence_parallel,
-                                               skip_bias_add=True)
-        self.linear_fc2 = RowParallelLinear(m.ffn_hidden_size, m.hidden_size, bias=m.add_bias_linear,
-                                            init_std=output_init_std(m), sequence_parallel=sequence_parallel,
-                                            skip_bias_add=skip_output_bias)
+        self.linear_fc1, self.linear_fc2 = self.build_linears(m, sequence_parallel, skip_output_bias)
         self.bias_activation = select(bias_swiglu if m.swiglu else bias_gelu, plan.compiled("bias_activation"))
+
+    def build_linears(self, m, sequence_parallel: bool, skip_output_bias: bool):
+        """``(linear_fc1, linear_fc2)``; fc1 returns ``(output, bias)`` for the fused bias + activation
+        (TE's in :class:`megalm.transformer.te_layers.TEMLP`)."""
+        fc1_size = 2 * m.ffn_hidden_size if m.swiglu else m.ffn_hidden_size
+        linear_fc1 = ColumnParallelLinear(m.hidden_size, fc1_size, bias=m.add_bias_linear, init_std=init_std(m),
+                                          stride=2 if m.swiglu else 1, sequence_parallel=sequence_parallel,
+                                          skip_bias_add=True)
+        linear_fc2 = RowParallelLinear(m.ffn_hidden_size, m.hidden_size, bias=m.add_bias_linear,
+                                       init_std=output_init_std(m), sequence_parallel=sequence_parallel,
+                                       skip_bias_add=skip_output_bias)
+        return linear_fc1, linear_fc2
 
     def forward(self, hidden: torch.Tensor):
         """``[s, b, h]`` output, or ``(output, fc2 bias or None)`` with ``skip_output_bias``."""

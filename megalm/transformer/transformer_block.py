@@ -12,11 +12,16 @@ Recomputation (``--recompute-granularity``), numerically identical to none:
   recomputed; the others keep their activations.
 * ``selective``: only the attention core (the ``s x s`` part) is recomputed.
 
-No communication of its own.
+With ``--fp8-format`` (Transformer Engine layers) the layers of every forward run inside TE's
+``fp8_autocast`` (:mod:`megalm.transformer.fp8`): one region per model chunk, so every pipeline
+stage is covered; the final norm and KV-cache generation stay outside.
+
+No communication of its own (fp8: TE's amax reduction, see :mod:`megalm.transformer.fp8`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional, Sequence
 
 import torch
@@ -24,6 +29,7 @@ from torch import nn
 
 from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.tensor_parallel.random import checkpoint
+from megalm.transformer.fp8 import fp8_autocast
 from megalm.transformer.norm import build_norm
 from megalm.transformer.transformer_layer import TransformerLayer
 
@@ -44,6 +50,7 @@ class TransformerBlock(nn.Module):
         self.final_layernorm = (build_norm(m.normalization, m.hidden_size, m.norm_epsilon, sequence_parallel,
                                            plan.norm) if post_process else None)
         self.input_tensor: Optional[torch.Tensor] = None
+        self.fp8_autocast = fp8_autocast(m) if plan.fp8 is not None else None  # a factory of fp8 regions
 
     def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
         """Hidden states received from the previous pipeline stage (used when not pre_process)."""
@@ -85,10 +92,12 @@ class TransformerBlock(nn.Module):
         if inference_cache is not None:
             for layer in self._layer_list():
                 hidden = layer(hidden, rotary_cos, rotary_sin, kv_cache=inference_cache.layer(layer.layer_number))
-        elif self.recompute_granularity == "full" and self.training:
-            hidden = self._forward_full_recompute(hidden, rotary_cos, rotary_sin)
         else:
-            hidden = self._run_layers(self._layer_list())(hidden, rotary_cos, rotary_sin)
+            with self.fp8_autocast() if self.fp8_autocast is not None else contextlib.nullcontext():
+                if self.recompute_granularity == "full" and self.training:
+                    hidden = self._forward_full_recompute(hidden, rotary_cos, rotary_sin)
+                else:
+                    hidden = self._run_layers(self._layer_list())(hidden, rotary_cos, rotary_sin)
         if self.final_layernorm is not None:
             hidden = self.final_layernorm(hidden)
         return hidden

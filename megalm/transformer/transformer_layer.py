@@ -13,6 +13,10 @@ tracker's model-parallel stream.  Communication is that of the attention and MLP
 ``mlp`` is a dense :class:`~megalm.transformer.mlp.MLP`, or a
 :class:`~megalm.transformer.moe.MoELayer` on the layers ``--num-experts`` /
 ``--moe-layer-freq`` select (:func:`~megalm.transformer.moe.is_moe_layer`).
+
+With Transformer Engine layers (``plan.uses_te()``, :mod:`megalm.transformer.te_layers`) the
+attention and dense MLP are TE's and normalize their own input, so ``input_layernorm`` and a
+dense layer's ``pre_mlp_layernorm`` are identities; MoE layers keep megalm's norm and experts.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from megalm.transformer.attention import SelfAttention
 from megalm.transformer.mlp import MLP
 from megalm.transformer.moe.moe_layer import MoELayer, is_moe_layer
 from megalm.transformer.norm import build_norm
+from megalm.transformer.te_layers import TEMLP, TESelfAttention
 
 
 class TransformerLayer(nn.Module):
@@ -40,14 +45,19 @@ class TransformerLayer(nn.Module):
         self.layer_number = layer_number  # global, 0-based
         self.hidden_dropout = m.hidden_dropout
         self.sequence_parallel = sequence_parallel
-        self.input_layernorm = build_norm(m.normalization, m.hidden_size, m.norm_epsilon, sequence_parallel, plan.norm)
-        self.self_attention = SelfAttention(m, sequence_parallel, recompute_core=recompute_core_attention, plan=plan,
-                                            skip_output_bias=True)
-        self.pre_mlp_layernorm = build_norm(m.normalization, m.hidden_size, m.norm_epsilon, sequence_parallel,
-                                            plan.norm)
+        te = plan.uses_te()  # TE's attention / MLP fuse the norm before them: the layer's norm is an identity
+
+        def norm(fused_away: bool) -> nn.Module:
+            return nn.Identity() if fused_away else build_norm(m.normalization, m.hidden_size, m.norm_epsilon,
+                                                                sequence_parallel, plan.norm)
+
+        self.input_layernorm = norm(te)
+        self.self_attention = (TESelfAttention if te else SelfAttention)(
+            m, sequence_parallel, recompute_core=recompute_core_attention, plan=plan, skip_output_bias=True)
         self.is_moe = is_moe_layer(m, layer_number)
+        self.pre_mlp_layernorm = norm(te and not self.is_moe)
         self.mlp = (MoELayer(m, layer_number, sequence_parallel, plan=plan) if self.is_moe
-                    else MLP(m, sequence_parallel, plan=plan, skip_output_bias=True))
+                    else (TEMLP if te else MLP)(m, sequence_parallel, plan=plan, skip_output_bias=True))
         self.bias_dropout_add = select(bias_dropout_add, plan.compiled("bias_dropout_add"))
 
     def _residual_add(self, out: Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]],

@@ -1,0 +1,179 @@
+"""Attention and MLP built from NVIDIA Transformer Engine modules (``--transformer-impl transformer_engine``).
+
+The layout is Megatron-LM's TE layer spec: the layer's own norms are identities and each norm is
+fused into the linear that follows it::
+
+    self_attention.linear_qkv         te.LayerNormLinear     input norm + QKV, parallel_mode="column"
+    self_attention.te_core_attention  te.DotProductAttention qkv_format "sbhd", causal, GQA via num_gqa_groups
+    self_attention.linear_proj        te.Linear              attention output, parallel_mode="row"
+    mlp.linear_fc1                    te.LayerNormLinear     pre-MLP norm + fc1 ([gate; up] for SwiGLU), "column"
+    mlp.linear_fc2                    te.Linear              fc2, parallel_mode="row"
+
+Everything else is megalm's: the QKV split (Megatron's grouped layout), RoPE, the bias +
+activation and bias + dropout + residual fusions, the KV-cache path of generation, MoE layers.
+
+Communication (TE's, over the tensor-parallel group):
+
+* ``LayerNormLinear`` (column): forward normalizes this rank's input, then all-gathers the
+  normalized ``[s/tp, b, h]`` along the sequence under sequence parallelism (nothing otherwise);
+  backward reduce-scatters (SP) or all-reduces the gradient of the normalized input before the
+  norm's backward, so norm gradients are complete without SP and partial (summed by megalm's
+  sequence-parallel all-reduce) with it.
+* ``Linear`` (row): forward all-reduces the partial products (reduce-scatter along the sequence
+  under SP); backward all-gathers the output gradient under SP, nothing otherwise.
+* ``DotProductAttention``: none (this rank's heads); dropout draws from the tracker's
+  model-parallel stream as megalm's own core does.
+
+Parameters keep megalm's contract (:mod:`megalm.tensor_parallel.utils`): TE's weights are
+marked like the local layers' (``partition_stride`` 2 for SwiGLU's fused ``[gate; up]`` fc1,
+whose rank ``r`` holds ``[gate_r; up_r]`` as in Megatron), norm weights are replicated and carry
+``sequence_parallel``, and every parameter has an init rule; TE's own initialization is skipped
+(``init_method`` is a no-op) because :func:`~megalm.tensor_parallel.initialization.initialize_weights`
+fills every parameter afterwards, seeded by its canonical name (:mod:`megalm.parameter_names`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megalm import parallel_state
+from megalm.device import get_device
+from megalm.fusions import backends
+from megalm.fusions.backends import EAGER, FusionPlan
+from megalm.tensor_parallel.initialization import mark_init
+from megalm.tensor_parallel.random import dropout_rng, get_rng_tracker
+from megalm.tensor_parallel.utils import set_tensor_model_parallel_attributes
+from megalm.transformer.attention import SelfAttention
+from megalm.transformer.mlp import MLP
+from megalm.transformer.utils import init_std, output_init_std
+
+
+def _skip_init(weight: torch.Tensor) -> None:
+    """TE's ``init_method``: nothing, megalm's layout-independent init fills the weight later (and
+    TE drawing its own values would only consume random numbers)."""
+
+
+def _te():
+    te = backends.transformer_engine_module()
+    if te is None:
+        raise backends.BackendUnavailable(f"Transformer Engine layers need Transformer Engine on a GPU: "
+                                          f"{backends.TE_INSTALL}")
+    return te
+
+
+def _tensor_parallel_kwargs(sequence_parallel: bool) -> dict:
+    """``tp_group`` / ``tp_size`` / ``sequence_parallel`` as TE's modules take them."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    group = parallel_state.get_tensor_model_parallel_group() if parallel_state.model_parallel_is_initialized() else None
+    return dict(sequence_parallel=bool(sequence_parallel) and tp > 1, tp_group=group, tp_size=tp)
+
+
+def _replicated(param: torch.nn.Parameter, kind: str, sequence_parallel: bool) -> None:
+    set_tensor_model_parallel_attributes(param, False, -1)
+    mark_init(param, kind)
+    param.sequence_parallel = bool(sequence_parallel)
+
+
+def adopt_te_parameters(module: torch.nn.Module, parallel_mode: str, std: float, stride: int = 1,
+                        sequence_parallel: bool = False) -> torch.nn.Module:
+    """Give a TE ``Linear`` / ``LayerNormLinear``'s parameters megalm's attributes and init rules.
+
+    ``weight``: split along dim 0 (column, with ``stride``) or 1 (row), normal(0, ``std``);
+    ``bias``: split like the output (column) or replicated with ``sequence_parallel`` (row), zeros;
+    ``layer_norm_weight`` / ``layer_norm_bias``: replicated with ``sequence_parallel``, ones / zeros.
+    """
+    column = parallel_mode == "column"
+    sp = bool(sequence_parallel) and parallel_state.get_tensor_model_parallel_world_size() > 1
+    for name, param in module.named_parameters(recurse=False):
+        if name == "weight":
+            set_tensor_model_parallel_attributes(param, True, 0 if column else 1, stride if column else 1)
+            mark_init(param, "normal", std)
+        elif name == "bias" and column:
+            set_tensor_model_parallel_attributes(param, True, 0, stride)
+            mark_init(param, "zeros")
+        elif name == "bias":
+            _replicated(param, "zeros", sp)  # added after the row reduction: partial grads under SP
+        elif name in ("layer_norm_weight", "layer_norm_bias"):
+            _replicated(param, "ones" if name == "layer_norm_weight" else "zeros", sp)
+        else:
+            raise ValueError(f"unexpected Transformer Engine parameter {name!r} in {type(module).__name__}")
+    return module
+
+
+def norm_column_linear(m, input_size: int, output_size: int, *, std: float, return_bias: bool,
+                       sequence_parallel: bool, stride: int = 1) -> torch.nn.Module:
+    """``te.LayerNormLinear``: ``--normalization`` (eps ``--norm-epsilon``) fused with a column-parallel linear."""
+    bias = m.add_bias_linear
+    module = _te().LayerNormLinear(input_size, output_size, eps=m.norm_epsilon, bias=bias,
+                                   normalization=m.normalization, return_bias=return_bias and bias,
+                                   parallel_mode="column", init_method=_skip_init, params_dtype=torch.float32,
+                                   device=get_device(), **_tensor_parallel_kwargs(sequence_parallel))
+    return adopt_te_parameters(module, "column", std, stride, sequence_parallel)
+
+
+def row_linear(m, input_size: int, output_size: int, *, std: float, return_bias: bool,
+               sequence_parallel: bool) -> torch.nn.Module:
+    """``te.Linear`` in row-parallel mode (input split along its last dimension)."""
+    bias = m.add_bias_linear
+    module = _te().Linear(input_size, output_size, bias=bias, return_bias=return_bias and bias,
+                          parallel_mode="row", init_method=_skip_init, params_dtype=torch.float32,
+                          device=get_device(), **_tensor_parallel_kwargs(sequence_parallel))
+    return adopt_te_parameters(module, "row", std, 1, sequence_parallel)
+
+
+def _output_and_bias(out):
+    """TE returns ``(output, bias)`` only when asked for the bias (and the layer has one)."""
+    return out if isinstance(out, tuple) else (out, None)
+
+
+class TESelfAttention(SelfAttention):
+    """:class:`~megalm.transformer.attention.SelfAttention` on TE modules.
+
+    ``linear_qkv`` normalizes its input (the layer's ``input_layernorm`` is an identity).  The core
+    is TE's ``DotProductAttention`` when the plan's attention is ``"te"`` (``--attention-backend
+    auto``), else megalm's.  Generation with a KV cache uses megalm's cached attention.
+    """
+
+    def __init__(self, model_cfg, sequence_parallel: bool = False, recompute_core: bool = False,
+                 plan: FusionPlan = EAGER, skip_output_bias: bool = False):
+        super().__init__(model_cfg, sequence_parallel, recompute_core=recompute_core, plan=plan,
+                         skip_output_bias=skip_output_bias)
+        m = model_cfg
+        self.te_core_attention = None
+        if plan.attention == "te":
+            self.te_core_attention = _te().DotProductAttention(
+                m.num_attention_heads, m.head_dim, num_gqa_groups=m.num_kv_heads, attention_dropout=m.attention_dropout,
+                qkv_format="sbhd", attn_mask_type="causal", get_rng_state_tracker=get_rng_tracker,
+                **_tensor_parallel_kwargs(sequence_parallel))
+
+    def build_projections(self, m, qkv_size: int, sequence_parallel: bool, skip_output_bias: bool):
+        linear_qkv = norm_column_linear(m, m.hidden_size, qkv_size, std=init_std(m), return_bias=False,
+                                        sequence_parallel=sequence_parallel)
+        linear_proj = row_linear(m, m.num_attention_heads * self.head_dim, m.hidden_size, std=output_init_std(m),
+                                 return_bias=skip_output_bias, sequence_parallel=sequence_parallel)
+        return linear_qkv, linear_proj
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``[s, b, n, d]`` q/k/v -> ``[s, b, heads_r * d]``."""
+        if self.te_core_attention is None:
+            return super().core_attention(q, k, v)
+        p = self.attention_dropout if self.training else 0.0
+        with dropout_rng(p, model_parallel_rng=True):
+            return self.te_core_attention(q, k, v)
+
+
+class TEMLP(MLP):
+    """:class:`~megalm.transformer.mlp.MLP` on TE modules: ``linear_fc1`` normalizes its input (the
+    layer's ``pre_mlp_layernorm`` is an identity) and returns its bias for megalm's fused bias +
+    GeLU / SwiGLU; ``linear_fc2`` returns its bias for the layer's bias + dropout + add."""
+
+    def build_linears(self, m, sequence_parallel: bool, skip_output_bias: bool):
+        fc1_size = 2 * m.ffn_hidden_size if m.swiglu else m.ffn_hidden_size
+        linear_fc1 = norm_column_linear(m, m.hidden_size, fc1_size, std=init_std(m), return_bias=True,
+                                        sequence_parallel=sequence_parallel, stride=2 if m.swiglu else 1)
+        linear_fc2 = row_linear(m, m.ffn_hidden_size, m.hidden_size, std=output_init_std(m),
+                                return_bias=skip_output_bias, sequence_parallel=sequence_parallel)
+        return linear_fc1, linear_fc2
+
+    def forward(self, hidden: torch.Tensor):
+        return self.linear_fc2(self.bias_activation(*_output_and_bias(self.linear_fc1(hidden))))
