@@ -48,6 +48,7 @@ def _reference(x, w, target, upstream):
 @pytest.mark.parametrize("rows", [1, 5, 21])  # one token per chunk, a ragged last chunk, one chunk
 def test_matches_linear_then_cross_entropy(dtype, rows, monkeypatch):
     monkeypatch.setitem(lce.CHUNK_BYTES, "cpu", 4 * V_PAD * rows)
+    monkeypatch.setattr(lce, "MIN_CHUNK_ROWS", 1)
     x, w, target, mask = _inputs(dtype)
     g = torch.Generator().manual_seed(1)
     # The loss's usual gradient (scale x mask: saved gradients scaled) and any other one (recomputed).
@@ -87,9 +88,10 @@ def test_default_weights_and_errors():
 
 
 def test_chunk_rows_follow_the_byte_budget():
-    assert lce.chunk_rows(10_000, 8192, torch.device("cpu")) == (16 << 20) // (4 * 8192)
+    assert lce.chunk_rows(10_000, 4096, torch.device("cpu")) == (16 << 20) // (4 * 4096)  # 1024 tokens
+    assert lce.chunk_rows(10_000, 128_000, torch.device("cpu")) == lce.MIN_CHUNK_ROWS
+    assert lce.chunk_rows(10_000, 128_000, torch.device("cuda")) == (512 << 20) // (4 * 128_000)
     assert lce.chunk_rows(3, 8192, torch.device("cpu")) == 3
-    assert lce.chunk_rows(10_000, 10 ** 9, torch.device("cpu")) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -245,8 +245,8 @@ def _check_linear_cross_entropy(tp: int, sp: bool) -> dict:
     gradients scaled) and an arbitrary one (recomputed), chunks of 5 tokens."""
     r = parallel_state.get_tensor_model_parallel_rank()
     vocab_padded, vocab = 16 * tp, 16 * tp - 3
-    budget = lce.CHUNK_BYTES["cpu"]
-    lce.CHUNK_BYTES["cpu"] = 4 * 5 * (vocab_padded // tp)
+    budget, minimum = lce.CHUNK_BYTES["cpu"], lce.MIN_CHUNK_ROWS
+    lce.CHUNK_BYTES["cpu"], lce.MIN_CHUNK_ROWS = 4 * 5 * (vocab_padded // tp), 1
     x_full = _same_input(S, B, H, seed=20)
     weight_full = _same_input(vocab_padded, H, seed=21)
     weight_full[vocab:] = 0.0
@@ -267,7 +267,7 @@ def _check_linear_cross_entropy(tp: int, sp: bool) -> dict:
         errors[f"{name} loss"] = _rel(loss, ref_loss)
         errors[f"{name} dx"] = _rel(dx, ref_x.grad)
         errors[f"{name} dW"] = _rel(torch.cat(_gather_list(weight.grad), 0), ref_w.grad)
-    lce.CHUNK_BYTES["cpu"] = budget
+    lce.CHUNK_BYTES["cpu"], lce.MIN_CHUNK_ROWS = budget, minimum
     return errors
 
 
