@@ -10,15 +10,28 @@
 #
 # Everything goes to $OUT (default: quickstart_out/).  Takes about 5-8 minutes on 2 cores.
 # Override: TRAIN_ITERS=100 bash examples/quickstart.sh
+# Precision: PRECISION=auto (default) trains in bf16 (fp32 main weights) on a GPU or on a CPU with
+# native bf16 instructions, else in fp32 (without them bf16 matmuls crawl); or PRECISION=bf16|fp32.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT=${OUT:-$ROOT/quickstart_out}
 TRAIN_ITERS=${TRAIN_ITERS:-300}
 NPROC=${NPROC:-4}
 PY=${PYTHON:-python3}
+PRECISION=${PRECISION:-auto}
 export WANDB_MODE=${WANDB_MODE:-offline}
 
 bash "$ROOT/tools/install.sh"
+if [ "$PRECISION" = auto ]; then
+  PRECISION=$("$PY" -c "import torch; from megalm.training.flops import cpu_has_native_bf16; \
+print('bf16' if torch.cuda.is_available() or cpu_has_native_bf16() else 'fp32')")
+fi
+case "$PRECISION" in
+  bf16) PRECISION_ARGS=(--bf16) ;;
+  fp32) PRECISION_ARGS=() ;;
+  *) echo "PRECISION must be auto, bf16 or fp32, got '$PRECISION'" >&2; exit 2 ;;
+esac
+echo "[quickstart] precision: $PRECISION"
 mkdir -p "$OUT"
 cd "$OUT"
 
@@ -43,7 +56,7 @@ rm -rf checkpoints tensorboard metrics.jsonl
     --hidden-dropout 0.0 --attention-dropout 0.0 \
     --micro-batch-size 4 --global-batch-size 16 --train-iters "$TRAIN_ITERS" \
     --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 20 --weight-decay 0.1 --clip-grad 1.0 \
-    --bf16 \
+    "${PRECISION_ARGS[@]}" \
     --data-path stdlib_text_document --split 98,1,1 --num-workers 0 \
     --tokenizer-type SentencePieceTokenizer --tokenizer-model tokenizer.model \
     --log-interval 10 --eval-interval 100 --eval-iters 5 \
