@@ -22,11 +22,12 @@ from megalm.fusions import BackendUnavailable, plan_fusions
 from megalm.models import GPTModel
 from megalm.optimizer import build_optimizer
 from megalm.parameter_names import canonical_name
-from megalm.tensor_parallel import allreduce_sequence_parallel_grads, gather_tensor_parallel_grad
+from megalm.tensor_parallel import gather_tensor_parallel_grad
 from megalm.tensor_parallel import gather_tensor_parallel_param
 from megalm.testing import run_distributed
 from megalm.transformer.fp8 import fp8_recipe
 from tests import te_standin
+from tests.test_gpt_model import _run_step as _step
 
 VOCAB, SEQ, BATCH = 50, 8, 2
 TE = "transformer_engine"
@@ -69,13 +70,6 @@ def _rel(a, b) -> float:
     a, b = a.detach().double(), b.detach().double()
     return (a - b).norm().item() / max(b.norm().item(), 1e-30)
 
-
-def _step(model, batch):
-    tokens, positions, labels, weights = batch
-    loss = model(tokens, positions, labels)
-    (loss * weights).sum().backward()
-    allreduce_sequence_parallel_grads(model)
-    return loss.detach()
 
 
 def _snapshot(model, batch) -> dict:
