@@ -51,10 +51,12 @@ class BackendUnavailable(RuntimeError):
     """A flag asked for an optional accelerator package that cannot be used here."""
 
 
-def _import(module: str, attribute: str):
-    """``module.attribute`` or None when the module (or its compiled extension) cannot be imported."""
+def _import(module: str, attribute: Optional[str] = None):
+    """``module.attribute`` (the module itself without ``attribute``), or None when the module (or
+    its compiled extension) cannot be imported."""
     try:
-        return getattr(importlib.import_module(module), attribute, None)
+        imported = importlib.import_module(module)
+        return imported if attribute is None else getattr(imported, attribute, None)
     except Exception:  # noqa: BLE001 - ImportError, or a broken CUDA extension raising anything
         return None
 
@@ -62,12 +64,7 @@ def _import(module: str, attribute: str):
 @functools.lru_cache(maxsize=None)
 def transformer_engine_module():
     """``transformer_engine.pytorch`` on a CUDA machine, else None."""
-    if not use_cuda():
-        return None
-    try:
-        return importlib.import_module("transformer_engine.pytorch")
-    except Exception:  # noqa: BLE001 - ImportError, or a broken CUDA extension raising anything
-        return None
+    return _import("transformer_engine.pytorch") if use_cuda() else None
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,13 +21,14 @@ import torch.distributed as dist
 from megalm import parallel_state
 
 
-def _all_reduce(x: torch.Tensor, op) -> torch.Tensor:
+def all_reduce_over_vocab(x: torch.Tensor, op) -> torch.Tensor:
+    """In-place all-reduce of per-token statistics over the TP group (the vocabulary shards)."""
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         dist.all_reduce(x, op=op, group=parallel_state.get_tensor_model_parallel_group())
     return x
 
 
-def _local_target(target: torch.Tensor, per_rank: int):
+def target_on_rank(target: torch.Tensor, per_rank: int):
     """``(column of the target on this rank (0 where outside), outside mask)``."""
     vocab_start = parallel_state.get_tensor_model_parallel_rank() * per_rank
     outside = (target < vocab_start) | (target >= vocab_start + per_rank)
@@ -39,19 +40,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         per_rank = logits.shape[-1]
         logits_max = logits.max(dim=-1).values.float()
-        _all_reduce(logits_max, dist.ReduceOp.MAX)
+        all_reduce_over_vocab(logits_max, dist.ReduceOp.MAX)
         # A new contiguous fp32 buffer: becomes exp(logits) and then the saved softmax.
         shifted = (logits.float() - logits_max.unsqueeze(-1)).contiguous()
 
-        local_target, outside = _local_target(target, per_rank)
+        local_target, outside = target_on_rank(target, per_rank)
         flat = shifted.view(-1, per_rank)
         rows = torch.arange(flat.shape[0], device=flat.device)
         predicted = flat[rows, local_target.reshape(-1)].view(target.shape).masked_fill(outside, 0.0)
-        _all_reduce(predicted, dist.ReduceOp.SUM)
+        all_reduce_over_vocab(predicted, dist.ReduceOp.SUM)
 
         exp_logits = shifted.exp_()
         sum_exp = exp_logits.sum(dim=-1)
-        _all_reduce(sum_exp, dist.ReduceOp.SUM)
+        all_reduce_over_vocab(sum_exp, dist.ReduceOp.SUM)
         loss = torch.log(sum_exp) - predicted
 
         softmax = exp_logits.div_(sum_exp.unsqueeze(-1))

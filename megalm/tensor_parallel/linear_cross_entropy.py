@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from megalm import parallel_state
+from megalm.tensor_parallel.cross_entropy import all_reduce_over_vocab, target_on_rank
 from megalm.tensor_parallel.mappings import all_gather_first_dim, all_reduce_tp, reduce_scatter_first_dim
 
 # Bytes of one fp32 logits chunk (a GPU wants large chunks: few kernel launches and all-reduces)
@@ -54,12 +55,6 @@ def chunk_rows(num_rows: int, vocab_local: int, device: torch.device) -> int:
     at most ``num_rows``."""
     budget = CHUNK_BYTES.get(device.type, CHUNK_BYTES["cuda"])
     return max(1, min(num_rows, max(MIN_CHUNK_ROWS, budget // (4 * vocab_local))))
-
-
-def _all_reduce(x: torch.Tensor, op) -> torch.Tensor:
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(x, op=op, group=parallel_state.get_tensor_model_parallel_group())
-    return x
 
 
 class _Chunks:
@@ -76,8 +71,7 @@ class _Chunks:
         self.vocab_local = weight.shape[0]
         start = parallel_state.get_tensor_model_parallel_rank() * self.vocab_local
         self.valid = min(self.vocab_local, max(0, vocab_size - start))  # unpadded columns on this rank
-        self.outside = (target < start) | (target >= start + self.vocab_local)
-        self.local_target = (target - start).masked_fill(self.outside, 0)
+        self.local_target, self.outside = target_on_rank(target, self.vocab_local)
         self.rows = chunk_rows(x.shape[0], self.vocab_local, x.device)
         self._buffers = {}
 
@@ -103,11 +97,11 @@ class _Chunks:
             z.copy_(gemm)
         if self.valid < self.vocab_local:
             z[self.valid:] = float("-inf")
-        token_max = _all_reduce(z.amax(dim=0), dist.ReduceOp.MAX)
+        token_max = all_reduce_over_vocab(z.amax(dim=0), dist.ReduceOp.MAX)
         outside = self.outside[start:end]
         target_logit = z.gather(0, self.local_target[None, start:end]).squeeze(0).masked_fill(outside, 0.0)
         z.sub_(token_max[None, :]).exp_()
-        sums = _all_reduce(torch.stack([z.sum(dim=0), target_logit]), dist.ReduceOp.SUM)
+        sums = all_reduce_over_vocab(torch.stack([z.sum(dim=0), target_logit]), dist.ReduceOp.SUM)
         return z, token_max, sums[0], sums[1]
 
     def logit_grad(self, e: torch.Tensor, sum_exp: torch.Tensor, weight: torch.Tensor, start: int, end: int):
