@@ -22,10 +22,8 @@ PRECISION=${PRECISION:-auto}
 export WANDB_MODE=${WANDB_MODE:-offline}
 
 bash "$ROOT/tools/install.sh"
-if [ "$PRECISION" = auto ]; then
-  PRECISION=$("$PY" -c "import torch; from megalm.training.flops import cpu_has_native_bf16; \
-print('bf16' if torch.cuda.is_available() or cpu_has_native_bf16() else 'fp32')")
-fi
+source "$ROOT/scripts/common.sh"
+PYTHON=$PY megalm_resolve_precision
 case "$PRECISION" in
   bf16) PRECISION_ARGS=(--bf16) ;;
   fp32) PRECISION_ARGS=() ;;

@@ -19,7 +19,8 @@
 #   TENSORBOARD_DIR [$RUN_DIR/tensorboard]  METRICS_FILE [$RUN_DIR/metrics.jsonl]
 #   WANDB_PROJECT []  WANDB_EXP_NAME [$MODEL_NAME]
 #   SAVE_INTERVAL [1000]  LOG_INTERVAL [10]  EVAL_INTERVAL [1000]  EVAL_ITERS [10]
-#   PRECISION [bf16]  (bf16 | fp16 | fp32)
+#   PRECISION [bf16]  (bf16 | fp16 | fp32 | auto: bf16 on a GPU or a CPU with native bf16
+#                     instructions, else fp32; the tiny CPU scripts' default)  PYTHON [python3]
 #   SEQUENCE_PARALLEL [1]  (adds --sequence-parallel when TP > 1)
 #   RECOMPUTE [none]  (none | selective | full; full uses uniform chunks of RECOMPUTE_NUM_LAYERS [1])
 #   VP_LAYERS []      layers per virtual pipeline stage (interleaved 1F1B; needs PP > 1)
@@ -41,6 +42,18 @@ megalm_fix_schedule() {
     (( LR_DECAY_ITERS >= 1 )) || LR_DECAY_ITERS=1
     if (( LR_WARMUP_ITERS >= LR_DECAY_ITERS )); then
         LR_WARMUP_ITERS=$(( LR_DECAY_ITERS / 10 ))
+    fi
+}
+
+# PRECISION=auto -> bf16 or fp32 (asks torch through PYTHON [python3], from the repository
+# root).  Without native bf16 instructions a CPU runs a bf16 matmul ~100x slower than fp32.
+megalm_resolve_precision() {
+    if [[ "${PRECISION:-}" == auto ]]; then
+        PRECISION=$(cd "$MEGALM_REPO_ROOT" && "${PYTHON:-python3}" -c "import torch; \
+from megalm.training.flops import cpu_has_native_bf16; \
+print('bf16' if torch.cuda.is_available() or cpu_has_native_bf16() else 'fp32')") \
+            || megalm_die "PRECISION=auto: could not ask torch through ${PYTHON:-python3} (is megalm installed?)"
+        megalm_warn "PRECISION=auto: $PRECISION"
     fi
 }
 
@@ -76,12 +89,13 @@ megalm_launch() {
         *) megalm_die "RECOMPUTE must be none, selective or full, got '$RECOMPUTE'" ;;
     esac
 
+    megalm_resolve_precision
     local precision=()
     case "$PRECISION" in
         bf16) precision=(--bf16) ;;
         fp16) precision=(--fp16) ;;
         fp32) ;;
-        *) megalm_die "PRECISION must be bf16, fp16 or fp32, got '$PRECISION'" ;;
+        *) megalm_die "PRECISION must be bf16, fp16, fp32 or auto, got '$PRECISION'" ;;
     esac
 
     local batch=(--micro-batch-size "$MICRO_BATCH_SIZE" --global-batch-size "$GLOBAL_BATCH_SIZE"

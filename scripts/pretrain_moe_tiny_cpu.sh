@@ -8,7 +8,8 @@
 #   given) -> ~3.5M parameters (~1.4M active per token).
 # Layout: TP 2 (+ sequence parallel: each TP rank routes its half of the sequence), EP 2 (4 experts
 #   per rank and layer), DP 2 (expert DP 1), micro batch 4, global batch 16 -> 2 microbatches per
-#   DP rank per step; --bf16 as the GPU scripts (PRECISION=fp32 for exact fp32).
+#   DP rank per step; PRECISION=auto: bf16 (fp32 main weights) where the CPU has native bf16
+#   instructions, else fp32.
 # Memory: ~3.5M x 18 B per rank at most (experts are split over EP, not TP) plus activations and
 #   torch itself: ~1-2 GB for all four processes.
 # Time (2 cores, 4 ranks oversubscribing them): ~1-2 s per iteration; 20 iterations by default.
@@ -34,7 +35,7 @@ GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-16}
 SEQ_LENGTH=256
 TOKENIZER_TYPE=${TOKENIZER_TYPE:-SentencePieceTokenizer}
 VOCAB_SIZE=${VOCAB_SIZE:-8192}
-PRECISION=${PRECISION:-bf16}
+PRECISION=${PRECISION:-auto}
 NUM_WORKERS=${NUM_WORKERS:-0}
 
 TRAIN_ITERS=${TRAIN_ITERS:-20}

@@ -38,6 +38,8 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "31", "--max-position-embeddings", "64"], 2,
      "--seq-length 31 is not divisible by --tensor-model-parallel-size 2"),
     (["--min-lr", "1", "--lr", "0.1"], None, "--min-lr 1.0 is larger than --lr 0.1"),
+    (["--attention-backend", "blocked", "--attention-dropout", "0.1"], None,
+     "--attention-backend blocked has no attention dropout: set --attention-dropout 0"),
 ])
 def test_invalid_combinations(argv, world, message):
     with pytest.raises(ConfigError, match=message):

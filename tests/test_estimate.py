@@ -119,6 +119,8 @@ ACTIVATION_CASES = {
     "gpt-bf16-dropout": dict(bf16=True, hidden_dropout=0.1),
     "llama-gqa-fp32": dict(**LLAMA),
     "llama-gqa-bf16": dict(bf16=True, **LLAMA),
+    "gpt-fp32-blocked-attention": dict(attention_backend="blocked", seq_length=160, max_position_embeddings=160),
+    "llama-gqa-fp32-blocked-attention": dict(attention_backend="blocked", seq_length=128, **LLAMA),
     "llama-selective": dict(recompute_granularity="selective", **LLAMA),
     "gpt-full-uniform-2": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
     "llama-full-block-1": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1,

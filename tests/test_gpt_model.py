@@ -30,6 +30,10 @@ CONFIGS = {
         position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
         untie_embeddings_and_output_weights=True, num_attention_heads=8, group_query_attention=True,
         num_query_groups=4),
+    "rope-RMSNorm-SwiGLU-nobias-untied-GQA-blocked-attention": dict(
+        position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+        untie_embeddings_and_output_weights=True, num_attention_heads=8, group_query_attention=True,
+        num_query_groups=4, attention_backend="blocked"),
     "rope50%-LayerNorm-SwiGLU-bias-tied-MHA": dict(position_embedding_type="rope", rotary_percent=0.5, swiglu=True),
     "learned-RMSNorm-GELU-nobias-untied-GQA": dict(
         normalization="RMSNorm", add_bias_linear=False, untie_embeddings_and_output_weights=True,

@@ -16,6 +16,10 @@ attention core (flash/SDPA)     output ``B S n d / TP`` + log-sum-exp ``4 b n s 
                                 ``[s, b, n d]`` context copy for ``linear_proj`` ``B S n d / TP`` (on CPU
                                 SDPA returns the output in that layout already: one tensor); selective
                                 recompute keeps only the context
+attention core (blocked)        the context ``B S n d / TP`` + each query block's probabilities,
+                                ``B b n s (s + 64) / 2 / TP``; with GQA k and v expanded to ``n`` heads
+                                ``2 B S n d / TP`` (with RoPE the QKV output and the rotated k are then
+                                not kept)
 MLP                             GELU ``2 B S f / TP`` (fc1 output, GELU output); SwiGLU ``4 B S f / TP``
 dropout masks                   ``S_r h`` elements each after attention and MLP when ``--hidden-dropout > 0``
                                 (bool on CUDA; the activation dtype on CPU)
@@ -43,8 +47,10 @@ from typing import Dict
 import torch
 
 from megalm.estimate.parameters import moe_layers
+from megalm.fusions.backends import auto_picks_blocked_attention
 from megalm.models.layer_split import layers_for_stage, virtual_stages
 from megalm.tensor_parallel.linear_cross_entropy import chunk_rows
+from megalm.transformer.blocked_attention import block_ranges
 
 
 @dataclass
@@ -90,6 +96,13 @@ def layer_bytes(m, sh: Shape, is_moe: bool = False) -> Dict[str, int]:
     context = B * S * n * d // tp
     if m.recompute_granularity == "selective":
         out["attention"] = context
+    elif uses_blocked_attention(m, sh):
+        out["attention"] = context + blocked_probability_bytes(m, sh)
+        if g != n:  # k and v are kept expanded to n heads instead of the projections' own
+            out["attention"] += 2 * context
+            if "rope" in out:  # q is the rotated copy; the QKV output and the rotated k are let go
+                out["qkv"] = 0
+                out["rope"] -= B * S * g * d // tp
     else:
         lse = 4 * sh.micro_batch * sh.seq * n // tp
         out["attention"] = context * (1 if sh.device == "cpu" else 2) + lse
@@ -100,6 +113,18 @@ def layer_bytes(m, sh: Shape, is_moe: bool = False) -> Dict[str, int]:
     if m.hidden_dropout > 0:
         out["dropout_masks"] = 2 * sh.local_tokens * h * mask_bytes(sh)
     return out
+
+
+def uses_blocked_attention(m, sh: Shape) -> bool:
+    """The attention core is :mod:`megalm.transformer.blocked_attention` (as the fusion plan decides)."""
+    return m.attention_backend == "blocked" or (
+        m.attention_backend == "auto" and auto_picks_blocked_attention(m, sh.dtype_bytes < 4, sh.device == "cuda"))
+
+
+def blocked_probability_bytes(m, sh: Shape) -> int:
+    """What the blocked attention keeps per layer: query block ``[r0, r1)`` keeps ``[b, n/tp, r1 - r0, r1]``."""
+    rows = sum((end - start) * end for start, end in block_ranges(sh.seq))
+    return sh.dtype_bytes * sh.micro_batch * (m.num_attention_heads // sh.tp) * rows
 
 
 def mask_bytes(sh: Shape) -> int:

@@ -12,7 +12,7 @@ sequence under SP), backward all-reduce (reduce-scatter under SP) of the input g
 nothing (all-gather under SP).  The attention core is local to each rank's heads.
 
 The core runs on the plan's backend (:mod:`megalm.fusions.backends`): PyTorch SDPA,
-flash-attn, or the unfused ``softmax(QK^T / sqrt(d) + causal) V`` with its scaled masked
+flash-attn, the blocked causal attention (:mod:`megalm.transformer.blocked_attention`), or the unfused ``softmax(QK^T / sqrt(d) + causal) V`` with its scaled masked
 softmax compiled or eager.  RoPE on q and k is one fused call when the plan compiles it.
 """
 
@@ -33,6 +33,7 @@ from megalm.fusions.softmax import scaled_causal_softmax
 from megalm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalm.tensor_parallel.random import checkpoint, dropout_rng
 from megalm.tensor_parallel.utils import divide
+from megalm.transformer.blocked_attention import blocked_causal_attention
 from megalm.transformer.utils import init_std, output_init_std
 
 
@@ -91,16 +92,20 @@ class SelfAttention(nn.Module):
                 out = backends.flash_attn_function()(*(t.transpose(0, 1) for t in (q, k, v)), dropout_p=p,
                                                      causal=True).transpose(0, 1)
             else:
-                out = self._unfused_or_sdpa(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), p).permute(2, 0, 1, 3)
+                out = self._core_on_heads(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), p).permute(2, 0, 1, 3)
         return out.reshape(s, b, self.heads_per_rank * self.head_dim)
 
-    def _unfused_or_sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
-        """``[b, n, s, d]`` -> ``[b, heads_r, s, d]``."""
+    def _core_on_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
+        """SDPA, blocked or unfused core: ``[b, n, s, d]`` -> ``[b, heads_r, s, d]``."""
         gqa = self.groups_per_rank != self.heads_per_rank
         if self.backend == "sdpa":
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
         if gqa:
             k, v = (t.repeat_interleave(self.queries_per_group, dim=1) for t in (k, v))
+        if self.backend == "blocked":
+            if p > 0.0:
+                raise ValueError("the blocked attention has no attention dropout (set --attention-dropout 0)")
+            return blocked_causal_attention(q, k, v)
         probs = self.masked_softmax(torch.matmul(q, k.transpose(-2, -1)), self.head_dim ** -0.5)
         return torch.matmul(F.dropout(probs, p) if p > 0.0 else probs, v)
 

@@ -1,0 +1,108 @@
+"""The command line built from the configuration dataclasses: one flag per field, grouped by
+section, parsed into a :class:`~megalm.config.sections.MegalmConfig` and validated."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import List, Optional, Union
+
+from megalm.config.sections import SECTIONS, ConfigError, MegalmConfig
+from megalm.config.validation import validate_config
+
+
+def parse_moe_layer_freq(text) -> Union[int, List[int]]:
+    """``--moe-layer-freq``: an int, or a list written as a Python literal built from int lists with
+    ``+`` and ``*`` (Megatron's form, e.g. ``"([0]+[1]*3)*2"``).  Evaluated without ``eval``."""
+    import ast
+
+    if isinstance(text, (int, list)):
+        return text
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(text)
+    try:
+        out = value(ast.parse(str(text).strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f"--moe-layer-freq {text!r} is neither an int nor a list such as "
+                                         f"\"[0,1,1,1]\" or \"([0]+[1]*3)*2\"") from None
+    if isinstance(out, list) and not all(isinstance(v, int) for v in out):
+        raise argparse.ArgumentTypeError(f"--moe-layer-freq {text!r} must be a flat list of 0/1 entries")
+    return out
+
+
+# Flag parsers for fields whose type is not a plain int/float/str (metadata["type"]).
+_FLAG_TYPES = {"moe_layer_freq": parse_moe_layer_freq}
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+
+
+def _base_type(tp):
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _base_type(args[0])
+    if origin in (list, List):
+        return _base_type(typing.get_args(tp)[0])
+    return tp
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, extra_sections: Optional[dict] = None) -> argparse.ArgumentParser:
+    """Add one flag per config field, grouped by section."""
+    sections = dict(SECTIONS, **(extra_sections or {}))
+    for section, cls in sections.items():
+        group = parser.add_argument_group(section)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("derived"):
+                continue
+            kw = {"dest": f"{section}.{f.name}", "help": f.metadata.get("help")}
+            action = f.metadata.get("action")
+            tp = hints[f.name]
+            if action or _base_type(tp) is bool:
+                kw["action"] = action or "store_true"
+                kw["default"] = f.default
+            else:
+                kw["type"] = _FLAG_TYPES.get(f.metadata.get("type"), _base_type(tp))
+                kw["default"] = f.default if f.default is not dataclasses.MISSING else None
+                for key in ("choices", "nargs"):
+                    if key in f.metadata:
+                        kw[key] = f.metadata[key]
+                if "choices" not in f.metadata:
+                    kw["metavar"] = f.name.upper()
+            group.add_argument(_flag(f), **kw)
+    return parser
+
+
+def build_parser(description: str = "megalm", extra_sections: Optional[dict] = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    return add_config_arguments(parser, extra_sections)
+
+
+def config_from_args(args: argparse.Namespace) -> MegalmConfig:
+    values = vars(args)
+    kwargs = {}
+    for section, cls in SECTIONS.items():
+        kwargs[section] = cls(**{f.name: values[f"{section}.{f.name}"] for f in dataclasses.fields(cls)
+                                 if f"{section}.{f.name}" in values})
+    return MegalmConfig(**kwargs)
+
+
+def parse_config(argv: Optional[List[str]] = None, world_size: Optional[int] = None) -> MegalmConfig:
+    """Parse Megatron-style flags and validate them (before any process group exists)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cfg = config_from_args(args)
+    try:
+        return validate_config(cfg, world_size=world_size)
+    except ConfigError as e:
+        parser.error(str(e))
