@@ -147,11 +147,12 @@ def plot(rows: List[dict], path: str) -> None:
             xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(precisions))]
             bars = ax.bar(xs, values, width, label=label)
             ax.bar_label(bars, fmt="%.0f", fontsize=7)
+        ax.set_ylim(top=1.35 * max((r["tokens_per_s"] for r in sub), default=1.0))  # room for the legend
         ax.set_xticks(range(len(precisions)), precisions)
         ax.set_ylabel("tokens/s (higher is better)")
         s = SHAPES[shape]
         ax.set_title(f"{shape}: h {s['hidden']}, L {s['layers']}, seq {s['seq']}, V {s['vocab']}, b {s['micro_batch']}")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper right")
     fig.suptitle(f"training-step throughput, {THREADS} threads (fwd + bwd + AdamW)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
