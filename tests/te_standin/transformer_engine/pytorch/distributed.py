@@ -35,64 +35,36 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     return _all_reduce(x, group).chunk(size, dim=0)[rank].contiguous()
 
 
-class _CopyToRegion(torch.autograd.Function):
-    """Column parallel input without SP: forward identity, backward all-reduce."""
+def _identity(x: torch.Tensor, group) -> torch.Tensor:
+    return x
+
+
+class _Collective(torch.autograd.Function):
+    """``forward_op(x, group)`` in forward, its adjoint ``backward_op(grad, group)`` in backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
-
-
-class _GatherSequence(torch.autograd.Function):
-    """Column parallel input under SP: forward all-gather along dim 0, backward reduce-scatter."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather_first_dim(x, group)
+    def forward(ctx, x, group, forward_op, backward_op):
+        ctx.group, ctx.backward_op = group, backward_op
+        return forward_op(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_first_dim(grad, ctx.group), None
-
-
-class _ReduceFromRegion(torch.autograd.Function):
-    """Row parallel output without SP: forward all-reduce, backward identity."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    """Row parallel output under SP: forward reduce-scatter along dim 0, backward all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_first_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_first_dim(grad, ctx.group), None
+        return ctx.backward_op(grad, ctx.group), None, None, None
 
 
 def column_parallel_input(x: torch.Tensor, group, tp_size: int, sequence_parallel: bool) -> torch.Tensor:
+    """Under SP: all-gather along dim 0 (backward reduce-scatter); else identity (backward all-reduce)."""
     if tp_size == 1:
         return x
-    return _GatherSequence.apply(x, group) if sequence_parallel else _CopyToRegion.apply(x, group)
+    if sequence_parallel:
+        return _Collective.apply(x, group, _all_gather_first_dim, _reduce_scatter_first_dim)
+    return _Collective.apply(x, group, _identity, _all_reduce)
 
 
 def row_parallel_output(x: torch.Tensor, group, tp_size: int, sequence_parallel: bool) -> torch.Tensor:
+    """Under SP: reduce-scatter along dim 0 (backward all-gather); else all-reduce (backward identity)."""
     if tp_size == 1:
         return x
-    return _ReduceScatterSequence.apply(x, group) if sequence_parallel else _ReduceFromRegion.apply(x, group)
+    if sequence_parallel:
+        return _Collective.apply(x, group, _reduce_scatter_first_dim, _all_gather_first_dim)
+    return _Collective.apply(x, group, _all_reduce, _identity)
