@@ -27,6 +27,12 @@ from megalm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinea
 from megalm.transformer.utils import init_std, output_init_std
 
 
+def fc1_layout(m):
+    """``(output size, partition stride)`` of ``linear_fc1``: SwiGLU's is ``[gate; up]`` (twice the FFN
+    width), split with stride 2 so TP rank ``r`` holds ``[gate_r; up_r]``."""
+    return (2 * m.ffn_hidden_size, 2) if m.swiglu else (m.ffn_hidden_size, 1)
+
+
 class MLP(nn.Module):
     """Input/output ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism)."""
 
@@ -40,10 +46,9 @@ class MLP(nn.Module):
     def build_linears(self, m, sequence_parallel: bool, skip_output_bias: bool):
         """``(linear_fc1, linear_fc2)``; fc1 returns ``(output, bias)`` for the fused bias + activation
         (TE's in :class:`megalm.transformer.te_layers.TEMLP`)."""
-        fc1_size = 2 * m.ffn_hidden_size if m.swiglu else m.ffn_hidden_size
+        fc1_size, stride = fc1_layout(m)
         linear_fc1 = ColumnParallelLinear(m.hidden_size, fc1_size, bias=m.add_bias_linear, init_std=init_std(m),
-                                          stride=2 if m.swiglu else 1, sequence_parallel=sequence_parallel,
-                                          skip_bias_add=True)
+                                          stride=stride, sequence_parallel=sequence_parallel, skip_bias_add=True)
         linear_fc2 = RowParallelLinear(m.ffn_hidden_size, m.hidden_size, bias=m.add_bias_linear,
                                        init_std=output_init_std(m), sequence_parallel=sequence_parallel,
                                        skip_bias_add=skip_output_bias)

@@ -24,12 +24,18 @@ from megalm.tensor_parallel.initialization import mark_init
 from megalm.tensor_parallel.utils import set_tensor_model_parallel_attributes
 
 
-def _norm_parameter(size: int, kind: str, sequence_parallel: bool) -> nn.Parameter:
-    param = nn.Parameter(torch.empty(size, dtype=torch.float32, device=get_device()))
+def mark_norm_parameter(param: torch.Tensor, kind: str, sequence_parallel: bool) -> torch.Tensor:
+    """A norm's weight or bias: replicated over TP, init ``kind`` ("ones"/"zeros"), and with
+    ``sequence_parallel`` its (partial) gradient summed over the TP group."""
     set_tensor_model_parallel_attributes(param, False, -1)
     mark_init(param, kind)
     param.sequence_parallel = bool(sequence_parallel)
     return param
+
+
+def _norm_parameter(size: int, kind: str, sequence_parallel: bool) -> nn.Parameter:
+    return mark_norm_parameter(nn.Parameter(torch.empty(size, dtype=torch.float32, device=get_device())), kind,
+                               sequence_parallel)
 
 
 class LayerNorm(nn.Module):

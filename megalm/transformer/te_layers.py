@@ -44,7 +44,8 @@ from megalm.tensor_parallel.initialization import mark_init
 from megalm.tensor_parallel.random import dropout_rng, get_rng_tracker
 from megalm.tensor_parallel.utils import set_tensor_model_parallel_attributes
 from megalm.transformer.attention import SelfAttention
-from megalm.transformer.mlp import MLP
+from megalm.transformer.mlp import MLP, fc1_layout
+from megalm.transformer.norm import mark_norm_parameter
 from megalm.transformer.utils import init_std, output_init_std
 
 
@@ -68,12 +69,6 @@ def _tensor_parallel_kwargs(sequence_parallel: bool) -> dict:
     return dict(sequence_parallel=bool(sequence_parallel) and tp > 1, tp_group=group, tp_size=tp)
 
 
-def _replicated(param: torch.nn.Parameter, kind: str, sequence_parallel: bool) -> None:
-    set_tensor_model_parallel_attributes(param, False, -1)
-    mark_init(param, kind)
-    param.sequence_parallel = bool(sequence_parallel)
-
-
 def adopt_te_parameters(module: torch.nn.Module, parallel_mode: str, std: float, stride: int = 1,
                         sequence_parallel: bool = False) -> torch.nn.Module:
     """Give a TE ``Linear`` / ``LayerNormLinear``'s parameters megalm's attributes and init rules.
@@ -92,9 +87,9 @@ def adopt_te_parameters(module: torch.nn.Module, parallel_mode: str, std: float,
             set_tensor_model_parallel_attributes(param, True, 0, stride)
             mark_init(param, "zeros")
         elif name == "bias":
-            _replicated(param, "zeros", sp)  # added after the row reduction: partial grads under SP
+            mark_norm_parameter(param, "zeros", sp)  # added after the row reduction: partial grads under SP
         elif name in ("layer_norm_weight", "layer_norm_bias"):
-            _replicated(param, "ones" if name == "layer_norm_weight" else "zeros", sp)
+            mark_norm_parameter(param, "ones" if name == "layer_norm_weight" else "zeros", sp)
         else:
             raise ValueError(f"unexpected Transformer Engine parameter {name!r} in {type(module).__name__}")
     return module
@@ -168,9 +163,9 @@ class TEMLP(MLP):
     GeLU / SwiGLU; ``linear_fc2`` returns its bias for the layer's bias + dropout + add."""
 
     def build_linears(self, m, sequence_parallel: bool, skip_output_bias: bool):
-        fc1_size = 2 * m.ffn_hidden_size if m.swiglu else m.ffn_hidden_size
+        fc1_size, stride = fc1_layout(m)
         linear_fc1 = norm_column_linear(m, m.hidden_size, fc1_size, std=init_std(m), return_bias=True,
-                                        sequence_parallel=sequence_parallel, stride=2 if m.swiglu else 1)
+                                        sequence_parallel=sequence_parallel, stride=stride)
         linear_fc2 = row_linear(m, m.ffn_hidden_size, m.hidden_size, std=output_init_std(m),
                                 return_bias=skip_output_bias, sequence_parallel=sequence_parallel)
         return linear_fc1, linear_fc2
