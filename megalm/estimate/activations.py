@@ -47,7 +47,7 @@ from typing import Dict
 import torch
 
 from megalm.estimate.parameters import moe_layers
-from megalm.fusions.backends import auto_picks_blocked_attention
+from megalm.fusions.backends import uses_blocked_attention
 from megalm.models.layer_split import layers_for_stage, virtual_stages
 from megalm.tensor_parallel.linear_cross_entropy import chunk_rows
 from megalm.transformer.blocked_attention import block_ranges
@@ -96,7 +96,7 @@ def layer_bytes(m, sh: Shape, is_moe: bool = False) -> Dict[str, int]:
     context = B * S * n * d // tp
     if m.recompute_granularity == "selective":
         out["attention"] = context
-    elif uses_blocked_attention(m, sh):
+    elif uses_blocked_attention(m, sh.dtype_bytes < 4, sh.device == "cuda"):
         out["attention"] = context + blocked_probability_bytes(m, sh)
         if g != n:  # k and v are kept expanded to n heads instead of the projections' own
             out["attention"] += 2 * context
@@ -113,12 +113,6 @@ def layer_bytes(m, sh: Shape, is_moe: bool = False) -> Dict[str, int]:
     if m.hidden_dropout > 0:
         out["dropout_masks"] = 2 * sh.local_tokens * h * mask_bytes(sh)
     return out
-
-
-def uses_blocked_attention(m, sh: Shape) -> bool:
-    """The attention core is :mod:`megalm.transformer.blocked_attention` (as the fusion plan decides)."""
-    return m.attention_backend == "blocked" or (
-        m.attention_backend == "auto" and auto_picks_blocked_attention(m, sh.dtype_bytes < 4, sh.device == "cuda"))
 
 
 def blocked_probability_bytes(m, sh: Shape) -> int:

@@ -128,7 +128,7 @@ def _attention(m, half_precision: bool) -> str:
         if not half_precision:
             raise BackendUnavailable("--attention-backend flash needs --bf16 or --fp16 (flash-attn has no fp32 kernel)")
         return "flash-attn"
-    if backend == "blocked" or (backend == "auto" and auto_picks_blocked_attention(m, half_precision, use_cuda())):
+    if uses_blocked_attention(m, half_precision, use_cuda()):
         return "blocked"
     return "unfused" if backend in ("unfused", "local") else "sdpa"
 
@@ -139,11 +139,15 @@ def _attention(m, half_precision: bool) -> str:
 BLOCKED_ATTENTION_SEQ_RANGE = (128, 1024)
 
 
-def auto_picks_blocked_attention(m, half_precision: bool, cuda: bool) -> bool:
-    """``--attention-backend auto`` uses the blocked attention: on a CPU, fp32, no attention dropout,
-    sequence length within :data:`BLOCKED_ATTENTION_SEQ_RANGE`."""
+def uses_blocked_attention(m, half_precision: bool, cuda: bool) -> bool:
+    """The attention core is the blocked one: ``--attention-backend blocked``, or ``auto`` with megalm's
+    layers on a CPU, in fp32, without attention dropout, at a sequence length within
+    :data:`BLOCKED_ATTENTION_SEQ_RANGE`.  (The plan and the memory estimate both ask here.)"""
+    if m.attention_backend == "blocked":
+        return True
     low, high = BLOCKED_ATTENTION_SEQ_RANGE
-    return not cuda and not half_precision and m.attention_dropout == 0 and low <= m.seq_length <= high
+    return (m.attention_backend == "auto" and m.transformer_impl == "local" and not cuda and not half_precision
+            and m.attention_dropout == 0 and low <= m.seq_length <= high)
 
 
 def _fp8_unsupported_reason() -> Optional[str]:
