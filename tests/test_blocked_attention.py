@@ -4,13 +4,16 @@ GPT models with either core, and when ``--attention-backend auto`` picks it.  Te
 parity with it is in tests/test_gpt_model.py, its config error (no attention dropout) in
 tests/test_config.py, its saved bytes in tests/test_estimate.py."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from megalm.config import MegalmConfig, validate_config
-from megalm.fusions import backends, plan_fusions
+from megalm.fusions import EAGER, backends, plan_fusions
 from megalm.models import GPTModel
+from megalm.transformer.attention import SelfAttention
 from megalm.transformer.blocked_attention import BLOCK, block_ranges, blocked_causal_attention
 
 
@@ -106,3 +109,9 @@ def test_auto_picks_blocked_on_cpu_fp32_without_dropout_in_the_measured_range(mo
     monkeypatch.setattr(backends, "use_cuda", lambda: True)
     assert plan_fusions(_model_cfg(seq_length=256).model).attention == "sdpa"
 
+
+def test_attention_built_with_blocked_core_and_dropout_fails_at_construction():
+    m = MegalmConfig().model  # not validated: attention dropout 0.1
+    m.num_layers, m.hidden_size, m.num_attention_heads = 1, 32, 4
+    with pytest.raises(ValueError, match="no attention dropout.*--attention-dropout 0 \\(got 0.1\\)"):
+        SelfAttention(m, plan=dataclasses.replace(EAGER, attention="blocked"))

@@ -59,6 +59,9 @@ class SelfAttention(nn.Module):
         self.attention_dropout = m.attention_dropout
         self.recompute_core = recompute_core
         self.backend = plan.attention
+        if self.backend == "blocked" and m.attention_dropout > 0:  # as validate_config, for unvalidated configs
+            raise ValueError(f"the blocked attention has no attention dropout: set --attention-dropout 0 "
+                             f"(got {m.attention_dropout}) or use another --attention-backend")
         self.rotary_qk = select(rotary_qk, plan.compiled("rope"))
         self.masked_softmax = select(scaled_causal_softmax, plan.compiled("masked_softmax"))
         qkv_size = (m.num_attention_heads + 2 * num_groups) * self.head_dim
@@ -103,8 +106,6 @@ class SelfAttention(nn.Module):
         if gqa:
             k, v = (t.repeat_interleave(self.queries_per_group, dim=1) for t in (k, v))
         if self.backend == "blocked":
-            if p > 0.0:
-                raise ValueError("the blocked attention has no attention dropout (set --attention-dropout 0)")
             return blocked_causal_attention(q, k, v)
         probs = self.masked_softmax(torch.matmul(q, k.transpose(-2, -1)), self.head_dim ** -0.5)
         return torch.matmul(F.dropout(probs, p) if p > 0.0 else probs, v)
