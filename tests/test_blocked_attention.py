@@ -15,6 +15,7 @@ from megalm.fusions import EAGER, backends, plan_fusions
 from megalm.models import GPTModel
 from megalm.transformer.attention import SelfAttention
 from megalm.transformer.blocked_attention import BLOCK, block_ranges, blocked_causal_attention
+from tests.numerics import relative_error
 
 
 def _qkv_views(s, b, n, d, dtype, seed=0):
@@ -37,11 +38,6 @@ def _sdpa(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def _rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm()).item()
-
-
 @pytest.mark.parametrize("s", [1, 37, BLOCK, 2 * BLOCK + 22])
 def test_blocked_attention_matches_sdpa(s):
     b, n, d = 2, 3, 16
@@ -49,12 +45,12 @@ def test_blocked_attention_matches_sdpa(s):
         out, grad = _output_and_grad(blocked_causal_attention, s, b, n, d, dtype)
         ref_out, ref_grad = _output_and_grad(_sdpa, s, b, n, d, dtype)
         assert out.dtype == dtype and out.shape == (b, n, s, d)
-        assert _rel(out, ref_out) < tol and _rel(grad, ref_grad) < tol, (dtype, _rel(out, ref_out), _rel(grad, ref_grad))
+        assert relative_error(out, ref_out) < tol and relative_error(grad, ref_grad) < tol, (dtype, relative_error(out, ref_out), relative_error(grad, ref_grad))
         # written in [s, b, n, d] memory: the context for linear_proj is a view, no copy
         assert out.permute(2, 0, 1, 3).is_contiguous()
     out, grad = _output_and_grad(blocked_causal_attention, s, b, n, d, torch.bfloat16)
     ref_out, ref_grad = _output_and_grad(_sdpa, s, b, n, d, torch.float64)
-    assert out.dtype == torch.bfloat16 and _rel(out, ref_out) < 2e-2 and _rel(grad, ref_grad) < 3e-2
+    assert out.dtype == torch.bfloat16 and relative_error(out, ref_out) < 2e-2 and relative_error(grad, ref_grad) < 3e-2
 
 
 def test_block_ranges_cover_the_sequence_once():
@@ -91,9 +87,9 @@ def test_gpt_with_blocked_attention_equals_sdpa():
         loss.mean().backward()
         results[backend] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
     (loss, grads), (ref_loss, ref_grads) = results["blocked"], results["fused"]
-    assert _rel(loss, ref_loss) < 1e-6
+    assert relative_error(loss, ref_loss) < 1e-6
     for name, ref in ref_grads.items():
-        assert _rel(grads[name], ref) < 1e-5, name
+        assert relative_error(grads[name], ref) < 1e-5, name
 
 
 def test_auto_picks_blocked_on_cpu_fp32_without_dropout_in_the_measured_range(monkeypatch):

@@ -6,7 +6,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from megalm.config import MegalmConfig
 from megalm.fusions import EAGER, BackendUnavailable, compile_stats, plan_fusions
@@ -17,6 +16,7 @@ from megalm.fusions.norms import layer_norm, rms_norm
 from megalm.fusions.rope import rotary_qk
 from megalm.fusions.softmax import scaled_causal_softmax
 from megalm.transformer.rope import RotaryEmbedding
+from tests.numerics import relative_error
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -35,11 +35,6 @@ def compile_on():
         os.environ.pop("TORCHDYNAMO_DISABLE", None)
     else:
         os.environ["TORCHDYNAMO_DISABLE"] = saved_env
-
-
-def _rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
 
 def _leaves(*tensors, dtype, seed=0):
@@ -69,10 +64,10 @@ def _check(fusion, args, dtype, tol=None, float_args=None):
     (fused_out, fused_grads), (ref_out, ref_grads) = results
     for a, b in zip(fused_out, ref_out):
         assert a.dtype == b.dtype and a.shape == b.shape
-        assert _rel(a, b) < tol, (fusion.name, "forward", _rel(a, b))
+        assert relative_error(a, b) < tol, (fusion.name, "forward", relative_error(a, b))
     assert len(fused_grads) == len(ref_grads) > 0
     for a, b in zip(fused_grads, ref_grads):
-        assert _rel(a, b) < tol, (fusion.name, "backward", _rel(a, b))
+        assert relative_error(a, b) < tol, (fusion.name, "backward", relative_error(a, b))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -129,7 +124,7 @@ def test_moe_expert_activations_compile_once_for_changing_token_counts(grouped):
             out = experts[name](xi, counts)
             out.pow(2).sum().backward()
             results.append((out, xi.grad))
-        assert _rel(results[0][0], results[1][0]) < 1e-5 and _rel(results[0][1], results[1][1]) < 1e-5
+        assert relative_error(results[0][0], results[1][0]) < 1e-5 and relative_error(results[0][1], results[1][1]) < 1e-5
         graphs.append(compile_stats().graphs)
     assert graphs[-1] == graphs[2], graphs  # steps 3 and 4 bring no new (0/1/many) pattern: no recompile
 

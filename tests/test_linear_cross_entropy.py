@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from megalm import parallel_state
 from megalm.tensor_parallel import linear_cross_entropy as lce
 from megalm.tensor_parallel.linear_cross_entropy import linear_cross_entropy
+from tests.numerics import relative_error
 from tests.test_gpt_model import CONFIGS, make_batch, make_cfg
 
 S, B, H, V_PAD, VOCAB = 7, 3, 16, 48, 45  # 21 tokens; columns 45..47 are padding
@@ -18,11 +19,6 @@ TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
 @pytest.fixture(autouse=True)
 def one_process():
     parallel_state.destroy_model_parallel()  # tensor-parallel size one, no process group
-
-
-def _rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def _inputs(dtype, seed=0):
@@ -58,10 +54,10 @@ def test_matches_linear_then_cross_entropy(dtype, rows, monkeypatch):
         (loss * upstream).sum().backward()
         ref_loss, ref_dx, ref_dw = _reference(x, w, target, upstream)
         assert loss.dtype == torch.float32 and loss.shape == (S, B)
-        assert _rel(loss, ref_loss) < TOL[dtype] / 10
+        assert relative_error(loss, ref_loss) < TOL[dtype] / 10
         assert x.grad.dtype == dtype and w.grad.dtype == dtype
         if upstream.any():
-            assert _rel(x.grad, ref_dx) < TOL[dtype] and _rel(w.grad, ref_dw) < TOL[dtype]
+            assert relative_error(x.grad, ref_dx) < TOL[dtype] and relative_error(w.grad, ref_dw) < TOL[dtype]
         else:
             assert not x.grad.any() and not w.grad.any()
         assert not w.grad[VOCAB:].any()  # padded rows get no gradient
@@ -74,7 +70,7 @@ def test_default_weights_and_errors():
     loss = linear_cross_entropy(x, w, target, VOCAB)  # token weights default to ones
     loss.mean().backward()
     _, ref_dx, ref_dw = _reference(x, w, target, torch.full((S, B), 1.0 / (S * B)))
-    assert _rel(x.grad, ref_dx) < 2e-6 and _rel(w.grad, ref_dw) < 2e-6
+    assert relative_error(x.grad, ref_dx) < 2e-6 and relative_error(w.grad, ref_dw) < 2e-6
     loss = linear_cross_entropy(x, w, target, VOCAB)
     loss.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward runs once"):
@@ -113,7 +109,7 @@ def test_gpt_model_fused_equals_unfused(config, dtype):
         loss.backward()
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
     (loss_on, grads_on), (loss_off, grads_off) = results
-    assert _rel(loss_on, loss_off) < TOL[dtype] / 10
+    assert relative_error(loss_on, loss_off) < TOL[dtype] / 10
     assert grads_on.keys() == grads_off.keys()
     for name in grads_on:
-        assert _rel(grads_on[name].float(), grads_off[name].float()) < 5 * TOL[dtype], name
+        assert relative_error(grads_on[name].float(), grads_off[name].float()) < 5 * TOL[dtype], name

@@ -26,6 +26,7 @@ from megalm.tensor_parallel import gather_tensor_parallel_grad
 from megalm.tensor_parallel import gather_tensor_parallel_param
 from megalm.testing import run_distributed
 from megalm.transformer.fp8 import fp8_recipe
+from tests.numerics import relative_error
 from tests import te_standin
 from tests.test_gpt_model import _run_step as _step
 
@@ -66,12 +67,6 @@ def make_batch(seed: int):
     return tokens, positions, labels, torch.rand(BATCH, SEQ, generator=g)
 
 
-def _rel(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return (a - b).norm().item() / max(b.norm().item(), 1e-30)
-
-
-
 def _snapshot(model, batch) -> dict:
     """Loss and full (gathered) weights and gradients by canonical name."""
     loss = _step(model, batch)
@@ -97,10 +92,10 @@ def _contract_problems(model, sp: bool) -> list:
 
 def _compare(tag: str, got: dict, reference: dict) -> dict:
     errors = {f"{tag} names": float(set(got["weights"]) != set(reference["weights"])),
-              f"{tag} loss": _rel(got["loss"], reference["loss"])}
+              f"{tag} loss": relative_error(got["loss"], reference["loss"])}
     for n, w in reference["weights"].items():
         errors[f"{tag} weight {n}"] = float(not torch.equal(got["weights"][n], w))  # same init: bit-identical
-        errors[f"{tag} grad {n}"] = _rel(got["grads"][n], reference["grads"][n])
+        errors[f"{tag} grad {n}"] = relative_error(got["grads"][n], reference["grads"][n])
     return errors
 
 
@@ -181,7 +176,7 @@ def _tensor_parallel_rank(ckpt_root: str):
     errors["fp8 group is not TP x DP"] = float(dist.get_process_group_ranks(group) != [0, 1])
     errors["fp8 modules outside the region"] = float(any(m.fp8_forwards != 1 or m.fp8_meta["recipe"] is not recipe
                                                          for m in _te_modules(model)))
-    errors["fp8 loss"] = _rel(loss, references["llama"]["loss"])
+    errors["fp8 loss"] = relative_error(loss, references["llama"]["loss"])
     return errors, saved
 
 
@@ -271,7 +266,7 @@ def test_fp8_recipe_follows_flags_and_autocast_wraps_every_chunk(te):
                                       for m in _te_modules(model))
     assert not te_fp8.is_fp8_enabled()  # left after the layers
     reference = GPTModel(make_cfg(impl=TE, **CONFIGS["llama"]))(*batch[:3])
-    assert _rel(loss, reference) < 1e-6  # the stand-in does not quantize
+    assert relative_error(loss, reference) < 1e-6  # the stand-in does not quantize
 
     # A later pipeline stage (no embedding) opens its own region around its layers.
     stage = GPTModel(cfg, pre_process=False, post_process=True, layer_numbers=[1])
