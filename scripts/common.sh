@@ -10,9 +10,11 @@
 #   DATA_PATH         Megatron .bin/.idx prefix, or a blend "0.7 /data/a 0.3 /data/b".
 #                     Unset: synthetic --mock-data (for smoke tests and benchmarks only).
 #   SPLIT [969,30,1]  DATA_CACHE_PATH []  NUM_WORKERS [2]
+#   VOCAB_FILE, MERGE_FILE   GPT-2 BPE files (gpt2-vocab.json, gpt2-merges.txt): GPT2BPETokenizer
 #   TOKENIZER_MODEL   sentencepiece .model, or a Hugging Face tokenizer.json / directory
-#                     (local files only).  Unset: NullTokenizer with VOCAB_SIZE ids.
-#   TOKENIZER_TYPE    SentencePieceTokenizer | HuggingFaceTokenizer | NullTokenizer
+#                     (local files only).  Neither: NullTokenizer with VOCAB_SIZE ids.
+#   TOKENIZER_TYPE    with TOKENIZER_MODEL: SentencePieceTokenizer | GPTSentencePieceTokenizer |
+#                     Llama2Tokenizer | HuggingFaceTokenizer
 #   VOCAB_SIZE        the tokenizer's vocabulary, used only with NullTokenizer
 #   RUN_DIR [<repo>/runs/$MODEL_NAME]   CHECKPOINT_DIR [$RUN_DIR/checkpoints]
 #   LOAD_DIR [$CHECKPOINT_DIR]  (passed as --load only when it holds a checkpoint)
@@ -114,13 +116,17 @@ megalm_launch() {
         data+=(--data-cache-path "$DATA_CACHE_PATH")
     fi
     data+=(--num-workers "$NUM_WORKERS")
-    if [[ -n "${TOKENIZER_MODEL:-}" && "${TOKENIZER_TYPE:-}" != NullTokenizer ]]; then
+    if [[ -n "${VOCAB_FILE:-}" || -n "${MERGE_FILE:-}" ]]; then
+        [[ -n "${VOCAB_FILE:-}" && -n "${MERGE_FILE:-}" ]] || megalm_die "GPT-2 BPE needs both VOCAB_FILE and MERGE_FILE"
+        [[ -z "${TOKENIZER_MODEL:-}" ]] || megalm_die "give VOCAB_FILE/MERGE_FILE (GPT-2 BPE) or TOKENIZER_MODEL, not both"
+        data+=(--tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE")
+    elif [[ -n "${TOKENIZER_MODEL:-}" && "${TOKENIZER_TYPE:-}" != NullTokenizer ]]; then
         : "${TOKENIZER_TYPE:?TOKENIZER_TYPE must be set with TOKENIZER_MODEL}"
         data+=(--tokenizer-type "$TOKENIZER_TYPE" --tokenizer-model "$TOKENIZER_MODEL")
     else
-        : "${VOCAB_SIZE:?VOCAB_SIZE must be set when no TOKENIZER_MODEL is given}"
+        : "${VOCAB_SIZE:?VOCAB_SIZE must be set when no TOKENIZER_MODEL or VOCAB_FILE is given}"
         if [[ -n "${DATA_PATH:-}" ]]; then
-            megalm_warn "TOKENIZER_MODEL is not set: NullTokenizer with $VOCAB_SIZE ids (end-of-document id $(( VOCAB_SIZE - 1 )))"
+            megalm_warn "no TOKENIZER_MODEL or VOCAB_FILE/MERGE_FILE: NullTokenizer with $VOCAB_SIZE ids (end-of-document id $(( VOCAB_SIZE - 1 )))"
         fi
         # NullTokenizer adds the end-of-document id after --vocab-size ids, so VOCAB_SIZE - 1
         # gives a vocabulary of exactly VOCAB_SIZE (GPT-2: 50256 ids + <|endoftext|> = 50257).

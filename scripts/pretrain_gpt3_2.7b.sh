@@ -23,12 +23,13 @@
 #   tensor parallelism 2 + sequence parallelism 
 #   distributed optimizer with overlapped reduce-scatter/all-gather (DIST_OPT=1, the default)
 # Environment (see scripts/common.sh for all of it):
-#   DATA_PATH (unset: --mock-data), TOKENIZER_MODEL (unset: NullTokenizer with VOCAB_SIZE ids),
-#   TOKENIZER_TYPE, CHECKPOINT_DIR, TENSORBOARD_DIR, WANDB_PROJECT, GPUS_PER_NODE, NNODES,
-#   NODE_RANK, MASTER_ADDR, MASTER_PORT, DIST_OPT, RECOMPUTE, DRY_RUN=1 (print, do not launch).
+#   DATA_PATH (unset: --mock-data), VOCAB_FILE + MERGE_FILE (GPT-2 BPE) or TOKENIZER_MODEL
+#   (unset: NullTokenizer with VOCAB_SIZE ids), TOKENIZER_TYPE, CHECKPOINT_DIR, TENSORBOARD_DIR,
+#   WANDB_PROJECT, GPUS_PER_NODE, NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, DIST_OPT, RECOMPUTE, DRY_RUN=1 (print, do not launch).
 #   Layout: TP, PP, MICRO_BATCH_SIZE, GLOBAL_BATCH_SIZE, TRAIN_ITERS.  Extra flags are appended.
 #
-# Usage:  DATA_PATH=/data/pile_text_document TOKENIZER_MODEL=/models/gpt2 scripts/pretrain_gpt3_2.7b.sh
+# Usage:  DATA_PATH=/data/pile_text_document VOCAB_FILE=/data/gpt2-vocab.json MERGE_FILE=/data/gpt2-merges.txt \
+#             scripts/pretrain_gpt3_2.7b.sh
 #         sbatch --nodes 1 scripts/slurm/pretrain.sbatch scripts/pretrain_gpt3_2.7b.sh
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -40,7 +41,7 @@ PP=${PP:-1}
 MICRO_BATCH_SIZE=${MICRO_BATCH_SIZE:-4}
 GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-512}
 SEQ_LENGTH=2048
-# GPT-2 BPE: a local tokenizer.json (or directory) for HuggingFaceTokenizer.
+# GPT-2 BPE: VOCAB_FILE + MERGE_FILE (GPT2BPETokenizer), or a tokenizer.json as TOKENIZER_MODEL.
 TOKENIZER_TYPE=${TOKENIZER_TYPE:-HuggingFaceTokenizer}
 VOCAB_SIZE=${VOCAB_SIZE:-50257}
 

@@ -42,7 +42,7 @@ PP=${PP:-4}
 MICRO_BATCH_SIZE=${MICRO_BATCH_SIZE:-1}
 GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-1024}
 SEQ_LENGTH=4096
-TOKENIZER_TYPE=${TOKENIZER_TYPE:-SentencePieceTokenizer}
+TOKENIZER_TYPE=${TOKENIZER_TYPE:-Llama2Tokenizer}  # sentencepiece, BOS before each document
 VOCAB_SIZE=${VOCAB_SIZE:-32000}
 
 # 2T tokens, cosine decay over all of them, 2000 warm-up iterations.

@@ -30,6 +30,9 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
     (["--mock-data", "--data-path", "x"], None, "--mock-data cannot be combined"),
     (["--tokenizer-type", "SentencePieceTokenizer"], None, "needs --tokenizer-model"),
     (["--tokenizer-type", "NullTokenizer"], None, "needs --vocab-size"),
+    (["--tokenizer-type", "GPT2BPETokenizer"], None, "needs --vocab-file and --merge-file"),
+    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json"], None, "needs --merge-file"),
+    (["--tokenizer-type", "Llama2Tokenizer"], None, "needs --tokenizer-model"),
     (["--split", "a,b"], None, "--split"),
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"], 2, "not divisible by --num-layers-per-virtual-pipeline-stage 3"),
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "3"], 2,
@@ -63,6 +66,9 @@ def test_derived_values_and_megatron_flags():
     assert cfg.parallel.data_parallel_size == 4
     assert cfg.training.global_batch_size == 8
     assert cfg.data.data_path == ["0.3", "a", "0.7", "b"]
+    cfg = _cfg(BASE + ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "gpt2-vocab.json", "--merge-file",
+                       "gpt2-merges.txt"])
+    assert (cfg.data.vocab_file, cfg.data.merge_file) == ("gpt2-vocab.json", "gpt2-merges.txt")
     cfg = _cfg(BASE + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "2"], 2)
     assert cfg.parallel.virtual_pipeline_model_parallel_size == 2
 

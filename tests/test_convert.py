@@ -247,3 +247,44 @@ def test_convert_cli_with_verify(tmp_path, capsys):
     assert convert["main"](["--to", "megalm", "--load-dir", str(tmp_path / "ckpt"), "--save-dir",
                             str(tmp_path / "x")]) == 2
     assert "config.json" in capsys.readouterr().err
+
+
+def test_gpt2_bpe_tokenizer_through_both_conversions(tmp_path):
+    """GPT2BPETokenizer (Megatron's --vocab-file/--merge-file) exports as a transformers GPT-2
+    tokenizer with the same ids, and an import records the files given on its command line."""
+    from megalm.tokenizers import GPT2BPETokenizer
+    from tests.test_tokenizers import TRICKY_TEXTS, make_gpt2_files, sample_texts
+
+    vocab_file, merge_file = make_gpt2_files(tmp_path)
+    tok = GPT2BPETokenizer(vocab_file, merge_file)
+    cfg = tiny_cfg(tok.vocab_size, **GPT2)
+    cfg.data.tokenizer_type, cfg.data.vocab_file, cfg.data.merge_file = "GPT2BPETokenizer", vocab_file, merge_file
+    save_random_model(cfg, tmp_path / "ckpt")
+    convert = runpy.run_path(str(REPO / "tools" / "checkpoint" / "convert.py"))
+    assert convert["main"](["--to", "hf", "--load-dir", str(tmp_path / "ckpt"), "--save-dir", str(tmp_path / "hf")]) == 0
+    for name in ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "hf" / name).is_file(), name
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    for text in sample_texts(10, seed=6) + TRICKY_TEXTS[:4]:
+        assert hf_tok(text).input_ids == tok.tokenize(text), text
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["eos_token_id"] == hf_tok.eos_token_id == tok.eod
+
+    assert convert["main"](["--to", "megalm", "--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "back"),
+                            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab_file,
+                            "--merge-file", merge_file]) == 0
+    data = MegalmCheckpointReader(str(tmp_path / "back")).config.data
+    assert (data.tokenizer_type, data.vocab_file, data.merge_file) == ("GPT2BPETokenizer", vocab_file, merge_file)
+
+
+def test_llama2_tokenizer_exports_with_bos(tmp_path, sp_model):
+    from megalm.conversion.tokenizer_files import export_tokenizer
+    from megalm.tokenizers import Llama2Tokenizer
+    from tests.test_tokenizers import sample_texts
+
+    special, note = export_tokenizer("Llama2Tokenizer", str(tmp_path), 16, tokenizer_model=sp_model)
+    assert "BOS added" in note and special["bos_token_id"] == 1
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = Llama2Tokenizer(sp_model)
+    for text in sample_texts(5, seed=8):
+        assert hf_tok(text).input_ids == ours.tokenize(text)

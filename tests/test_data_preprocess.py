@@ -265,3 +265,27 @@ def test_huggingface_tokenizer_preprocess(tmp_path):
     ds = IndexedDataset(str(tmp_path / "hf_text_document"))
     assert [ds[i].tolist() for i in range(len(ds))] == [tok.tokenize(t) + [tok.eod] for t in texts]
     assert tok.detokenize(ds[4][:-1]) == texts[4]
+
+
+def test_gpt2_bpe_preprocess_command_line(tmp_path):
+    """Megatron's GPT-2 invocation: --tokenizer-type GPT2BPETokenizer --vocab-file --merge-file."""
+    from megalm.tokenizers import GPT2BPETokenizer
+    from tests.test_tokenizers import TRICKY_TEXTS, make_gpt2_files
+
+    vocab_file, merge_file = make_gpt2_files(tmp_path)
+    texts = sample_texts(40, seed=16) + [t for t in TRICKY_TEXTS if t.strip()]
+    inp = write_jsonl(tmp_path / "in.jsonl", texts)
+    proc = subprocess.run([sys.executable, TOOL, "--input", inp, "--output-prefix", str(tmp_path / "gpt2"),
+                           "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab_file, "--merge-file",
+                           merge_file, "--append-eod", "--workers", "2", "--no-progress"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    tok = GPT2BPETokenizer(vocab_file, merge_file)
+    ds = IndexedDataset(str(tmp_path / "gpt2_text_document"))
+    assert ds.dtype == np.uint16
+    assert [ds[i].tolist() for i in range(len(ds))] == [tok.tokenize(t) + [tok.eod] for t in texts]
+    missing = subprocess.run([sys.executable, TOOL, "--input", inp, "--output-prefix", str(tmp_path / "none"),
+                              "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab_file],
+                             capture_output=True, text=True)
+    assert missing.returncode == 1 and "needs --merge-file" in missing.stderr
+    assert not os.path.exists(str(tmp_path / "none_text_document.idx"))

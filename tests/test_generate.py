@@ -304,3 +304,38 @@ def test_cli_output_json(checkpoints, tmp_path, capsys):
     assert tool["main"](["--load", str(checkpoints["llama"]), "--prompt", "1", "--max-new-tokens", "2",
                          "--tensor-model-parallel-size", "2"]) == 2
     assert "needs 2 processes (or a multiple: data-parallel replicas), this run has 1" in capsys.readouterr().err
+
+
+def test_gpt2_bpe_text_prompts_and_tokenizer_overrides(tmp_path):
+    """A checkpoint trained with GPT2BPETokenizer: text prompts are encoded with its files, and
+    --vocab-file / --merge-file replace paths that moved."""
+    import shutil
+
+    from megalm.inference.generation import tokenizer_for
+    from megalm.tokenizers import GPT2BPETokenizer, NullTokenizer
+    from tests.test_tokenizers import make_gpt2_files
+
+    vocab_file, merge_file = make_gpt2_files(tmp_path)
+    tok = GPT2BPETokenizer(vocab_file, merge_file)
+    cfg = tiny_cfg(tok.vocab_size, **LLAMA)
+    cfg.data.tokenizer_type, cfg.data.vocab_file, cfg.data.merge_file = "GPT2BPETokenizer", vocab_file, merge_file
+    save_random_model(cfg, tmp_path / "ckpt")
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    for f in (vocab_file, merge_file):
+        shutil.move(f, moved)
+    tool = runpy.run_path(str(REPO / "tools" / "generate.py"))
+    args = ["--load", str(tmp_path / "ckpt"), "--prompt", "alpha beta gamma", "--max-new-tokens", "4",
+            "--output-json", str(tmp_path / "out.json")]
+    assert tool["main"](args) == 2  # the files the config names are gone
+    assert tool["main"](args + ["--vocab-file", str(moved / "vocab.json"), "--merge-file",
+                                str(moved / "merges.txt")]) == 0
+    result = json.loads((tmp_path / "out.json").read_text())[0]
+    moved_tok = GPT2BPETokenizer(str(moved / "vocab.json"), str(moved / "merges.txt"))
+    assert result["prompt_ids"] == moved_tok.tokenize("alpha beta gamma")
+    assert result["text"] == moved_tok.detokenize([i for i in result["generated_ids"] if i != tok.eod])
+    assert isinstance(tokenizer_for(cfg, "NullTokenizer", vocab_size=10), NullTokenizer)  # a type override
+    small = tiny_cfg(100)
+    small.data = cfg.data
+    with pytest.raises(ValueError, match="larger than the model's"):
+        tokenizer_for(small, vocab_file=str(moved / "vocab.json"), merge_file=str(moved / "merges.txt"))

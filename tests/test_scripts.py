@@ -28,7 +28,7 @@ COMMAND_PREFIX = "[megalm] cd "
 SCRIPT_ENV = ("GPUS_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHRUN", "TP", "PP",
               "MICRO_BATCH_SIZE", "GLOBAL_BATCH_SIZE", "TRAIN_ITERS", "TRAIN_TOKENS", "LR", "MIN_LR",
               "LR_DECAY_ITERS", "LR_WARMUP_ITERS", "DATA_PATH", "DATA_CACHE_PATH", "SPLIT", "NUM_WORKERS",
-              "TOKENIZER_MODEL", "TOKENIZER_TYPE", "VOCAB_SIZE", "RUN_DIR", "CHECKPOINT_DIR", "LOAD_DIR",
+              "TOKENIZER_MODEL", "TOKENIZER_TYPE", "VOCAB_SIZE", "VOCAB_FILE", "MERGE_FILE", "RUN_DIR", "CHECKPOINT_DIR", "LOAD_DIR",
               "TENSORBOARD_DIR", "METRICS_FILE", "WANDB_PROJECT", "WANDB_EXP_NAME", "SAVE_INTERVAL",
               "LOG_INTERVAL", "EVAL_INTERVAL", "EVAL_ITERS", "PRECISION", "SEQUENCE_PARALLEL", "RECOMPUTE",
               "RECOMPUTE_NUM_LAYERS", "VP_LAYERS", "DIST_OPT", "EP", "DRY_RUN", "PYTHON", "SLURM_JOB_NODELIST", "SLURM_NNODES",
@@ -219,7 +219,7 @@ def test_environment_overrides_and_extra_flags(tmp_path):
     assert t.lr_warmup_iters < 50  # the 2000-iteration warm-up is cut to fit a shrunk run
     assert t.lr == 1e-5 and cfg.logging.log_interval == 1
     assert d.data_path == ["0.7", "/data/a_text_document", "0.3", "/data/b_text_document"] and not d.mock_data
-    assert d.tokenizer_type == "SentencePieceTokenizer" and d.tokenizer_model == "/models/llama-2/tokenizer.model"
+    assert d.tokenizer_type == "Llama2Tokenizer" and d.tokenizer_model == "/models/llama-2/tokenizer.model"
     assert cfg.checkpoint.save == cfg.checkpoint.load == str(tmp_path / "ckpt")  # resumes: a checkpoint exists
     assert cfg.logging.tensorboard_dir == str(tmp_path / "tb") and cfg.logging.wandb_project == "proj"
     assert cfg.model.recompute_granularity == "full" and cfg.model.recompute_method == "uniform"
@@ -232,6 +232,22 @@ def test_tiny_cpu_with_real_data_and_tokenizer():
     assert cfg.data.data_path == ["data/corpus_text_document"] and not cfg.data.mock_data
     assert cfg.data.tokenizer_type == "SentencePieceTokenizer" and cfg.data.tokenizer_model == "data/tok.model"
     assert cfg.training.train_iters == 3 and cfg.training.lr_warmup_iters < cfg.training.lr_decay_iters
+
+
+def test_gpt2_bpe_files_from_the_environment():
+    env = {"DATA_PATH": "/data/pile_text_document", "VOCAB_FILE": "/data/gpt2-vocab.json",
+           "MERGE_FILE": "/data/gpt2-merges.txt"}
+    cfg = parse(run_script(SCRIPTS_DIR / "pretrain_gpt3_125m.sh", env=env)[1], 8)
+    d = cfg.data
+    assert (d.tokenizer_type, d.vocab_file, d.merge_file) == ("GPT2BPETokenizer", "/data/gpt2-vocab.json",
+                                                              "/data/gpt2-merges.txt")
+    assert d.tokenizer_model is None and cfg.model.vocab_size is None  # the vocab file sets it at start
+    for bad, message in (({"VOCAB_FILE": "/v.json"}, "needs both VOCAB_FILE and MERGE_FILE"),
+                         ({**env, "TOKENIZER_MODEL": "/models/gpt2"}, "not both")):
+        full_env = {k: v for k, v in os.environ.items() if k not in SCRIPT_ENV}
+        proc = subprocess.run(["bash", str(SCRIPTS_DIR / "pretrain_gpt3_125m.sh")],
+                              env={**full_env, **bad, "DRY_RUN": "1"}, capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 2 and message in proc.stderr
 
 
 def test_slurm_wrapper_sets_rendezvous(tmp_path):

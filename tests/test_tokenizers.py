@@ -1,4 +1,5 @@
-"""Tokenizers: sentencepiece (tiny model trained here), Hugging Face (tokenizer.json built here), Null."""
+"""Tokenizers: GPT-2 BPE (files trained here, checked against a reference BPE written below),
+sentencepiece / Llama-2 (tiny model trained here), Hugging Face (tokenizer.json built here), Null."""
 
 import json
 import pickle
@@ -7,8 +8,8 @@ import random
 import pytest
 
 from megalm.config import DataConfig, ModelConfig
-from megalm.tokenizers import (HuggingFaceTokenizer, NullTokenizer, SentencePieceTokenizer, build_tokenizer,
-                               create_tokenizer)
+from megalm.tokenizers import (GPT2BPETokenizer, HuggingFaceTokenizer, Llama2Tokenizer, NullTokenizer,
+                               SentencePieceTokenizer, build_tokenizer, create_tokenizer)
 
 WORDS = ["alpha", "beta", "gamma", "delta", "data", "model", "token", "train", "layer", "norm", "loss", "grad",
          "the", "of", "and", "a", "to", "in", "is", "mega", "tensor", "pipe", "line", "batch"]
@@ -128,8 +129,15 @@ def test_build_tokenizer_from_config(sp_model):
         build_tokenizer(DataConfig(tokenizer_type="NullTokenizer"), ModelConfig())
     with pytest.raises(ValueError, match="needs --tokenizer-model"):
         create_tokenizer("SentencePieceTokenizer")
-    with pytest.raises(ValueError, match="is not one of"):
+    with pytest.raises(ValueError, match="needs --vocab-file and --merge-file"):
         create_tokenizer("GPT2BPETokenizer")
+    with pytest.raises(ValueError, match="is not one of"):
+        create_tokenizer("BertWordPieceLowerCase")
+    gpt_sp = build_tokenizer(DataConfig(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=sp_model),
+                             ModelConfig())
+    assert type(gpt_sp) is SentencePieceTokenizer
+    llama = build_tokenizer(DataConfig(tokenizer_type="Llama2Tokenizer", tokenizer_model=sp_model), ModelConfig())
+    assert isinstance(llama, Llama2Tokenizer) and llama.vocab_size == 120
 
 
 def test_train_tokenizer_tool(tmp_path, capsys):
@@ -161,3 +169,137 @@ def test_train_tokenizer_tool(tmp_path, capsys):
     assert sp.piece_to_id("<|im_start|>") == 3 and sp.piece_to_id("<|im_end|>") == 4
     assert "<|im_start|>" in sp.encode("x <|im_start|>alpha", out_type=str)
     assert sp.id_to_piece(sp.encode("é")[-1]) == "<0xA9>"  # byte fallback for an unseen character
+
+
+# --- GPT-2 BPE -------------------------------------------------------------------------------
+
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+TRICKY_TEXTS = ["It's 2024: naïve café, 12,345 tokens!!", "  leading spaces\n\n\ttab   runs  ", "don't we'll I'd",
+                "emoji 🙂 and 中文 and Ωmega", "literal <|endoftext|> stays text", "x" * 300, "", " ", "\n"]
+
+
+def make_gpt2_files(directory) -> tuple:
+    """A tiny byte-level BPE in OpenAI's GPT-2 file format: (vocab.json, merges.txt)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(sample_texts(500, seed=2) + ["don't we'll it's 12,345 café"] * 20, trainer=trainer)
+    vocab, merges = tok.model.save(str(directory))
+    return vocab, merges
+
+
+def _bytes_to_unicode() -> dict:
+    """GPT-2's byte -> printable character map."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def reference_gpt2_encode(text: str, vocab: dict, merges: list) -> list:
+    """OpenAI's GPT-2 encoder algorithm, written out: regex split, bytes to symbols, merges by rank."""
+    regex = pytest.importorskip("regex")
+    ranks = {tuple(m.split()): r for r, m in enumerate(merges)}
+    byte_map = _bytes_to_unicode()
+    ids = []
+    for piece in regex.findall(GPT2_PATTERN, text):
+        word = [byte_map[b] for b in piece.encode("utf-8")]
+        while len(word) > 1:
+            pair = min(zip(word, word[1:]), key=lambda p: ranks.get(p, float("inf")))
+            if pair not in ranks:
+                break
+            merged, i = [], 0
+            while i < len(word):
+                if i + 1 < len(word) and (word[i], word[i + 1]) == pair:
+                    merged.append(word[i] + word[i + 1])
+                    i += 2
+                else:
+                    merged.append(word[i])
+                    i += 1
+            word = merged
+        ids += [vocab[symbol] for symbol in word]
+    return ids
+
+
+@pytest.fixture(scope="module")
+def gpt2_files(tmp_path_factory):
+    return make_gpt2_files(tmp_path_factory.mktemp("gpt2"))
+
+
+def test_gpt2_bpe_matches_reference_encoder(gpt2_files):
+    vocab_file, merge_file = gpt2_files
+    vocab = json.loads(open(vocab_file, encoding="utf-8").read())
+    merges = [line for line in open(merge_file, encoding="utf-8").read().split("\n")[1:] if line]
+    tok = GPT2BPETokenizer(vocab_file, merge_file)
+    assert tok.vocab_size == len(vocab) > 300 and tok.eod == vocab["<|endoftext|>"] == 0 and tok.pad == -1
+    texts = sample_texts(30, seed=7) + TRICKY_TEXTS
+    for text in texts:
+        ids = tok.tokenize(text)
+        assert ids == reference_gpt2_encode(text, vocab, merges), text
+        assert tok.detokenize(ids) == text
+    assert len(tok.tokenize("alpha beta")) < len("alpha beta")  # merges were applied
+    assert tok.eod not in tok.tokenize(TRICKY_TEXTS[4])  # no special tokens are recognised in text
+    assert tok.tokenize_batch(texts) == [tok.tokenize(t) for t in texts]
+    assert pickle.loads(pickle.dumps(tok)).tokenize(texts[0]) == tok.tokenize(texts[0])
+    assert tok.detokenize([vocab["Ã"]]) == "\ufffd"  # half a UTF-8 character decodes as a replacement
+
+
+def test_gpt2_bpe_hand_made_files(tmp_path):
+    byte_map = _bytes_to_unicode()
+    vocab = {byte_map[b]: b for b in range(256)}
+    vocab.update({"he": 256, "ll": 257, "hell": 258, "Ġw": 259, "<|endoftext|>": 260})
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\nh e\nl l\nhe ll\nĠ w\n")
+    tok = create_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"),
+                           merge_file=str(tmp_path / "merges.txt"))
+    assert tok.vocab_size == 261 and tok.eod == 260
+    # hello -> h e l l o -> he l l o -> he ll o -> hell o;  " world" -> Ġw o r l d
+    assert tok.tokenize("hello world") == [258, ord("o"), 259, ord("o"), ord("r"), ord("l"), ord("d")]
+
+
+def test_gpt2_bpe_bad_files(tmp_path, gpt2_files):
+    vocab_file, merge_file = gpt2_files
+    with pytest.raises(FileNotFoundError, match="--vocab-file"):
+        GPT2BPETokenizer(str(tmp_path / "missing.json"), merge_file)
+    with pytest.raises(FileNotFoundError, match="--merge-file"):
+        GPT2BPETokenizer(vocab_file, str(tmp_path / "missing.txt"))
+    vocab = json.loads(open(vocab_file, encoding="utf-8").read())
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not a GPT-2 vocab.json"):
+        GPT2BPETokenizer(str(bad), merge_file)
+    bad.write_text(json.dumps({k: v for k, v in vocab.items() if k != "<|endoftext|>"}))
+    with pytest.raises(ValueError, match="no <\\|endoftext\\|> entry"):
+        GPT2BPETokenizer(str(bad), merge_file)
+    bad.write_text(json.dumps({k: v for k, v in vocab.items() if k != "Ā"}))
+    with pytest.raises(ValueError, match="1 of the 256 byte symbols are missing"):
+        GPT2BPETokenizer(str(bad), merge_file)
+    merges = tmp_path / "merges.txt"
+    merges.write_text("#version: 0.2\nzz qq\n")
+    with pytest.raises(ValueError, match="not a GPT-2 merges file"):
+        GPT2BPETokenizer(vocab_file, str(merges))
+
+
+def test_llama2_tokenizer_adds_bos(sp_model, tmp_path):
+    plain, llama = SentencePieceTokenizer(sp_model), Llama2Tokenizer(sp_model)
+    assert (llama.vocab_size, llama.eod, llama.bos) == (plain.vocab_size, plain.eod, 1)
+    texts = sample_texts(5, seed=9)
+    for text in texts:
+        assert llama.tokenize(text) == [1] + plain.tokenize(text)
+        assert llama.detokenize(llama.tokenize(text)) == text
+    assert llama.tokenize_batch(texts) == [llama.tokenize(t) for t in texts]
+    assert pickle.loads(pickle.dumps(llama)).tokenize(texts[0])[0] == 1
+    import sentencepiece as spm
+
+    prefix = str(tmp_path / "nobos")
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(sample_texts(300, seed=1)), model_prefix=prefix,
+                                   vocab_size=40, bos_id=-1, minloglevel=2, num_threads=1)
+    with pytest.raises(ValueError, match="no beginning-of-sentence piece"):
+        Llama2Tokenizer(prefix + ".model")
+    assert SentencePieceTokenizer(prefix + ".model").vocab_size == 40

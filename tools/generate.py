@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-type", default=None, help="Override the checkpoint's tokenizer type.")
     p.add_argument("--tokenizer-model", default=None, help="Override the checkpoint's tokenizer model file.")
     p.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer only: ids 0..V-1.")
+    p.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: override the checkpoint's vocab.json.")
+    p.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: override the checkpoint's merges file.")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="Dtype the model runs in (default float32).")
     p.add_argument("--output-json", default=None, help="Write the prompts and generations as JSON here.")
@@ -147,7 +149,8 @@ def run(args) -> List[dict]:
         else:
             model, cfg, reader = load_model(args.load, args.iteration, dtype=dtype)
             model = model.to(device)
-        tokenizer = tokenizer_for(cfg, args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+        tokenizer = tokenizer_for(cfg, args.tokenizer_type, args.tokenizer_model, args.vocab_size, args.vocab_file,
+                                  args.merge_file)
         eod = None if args.no_stop_at_eod else tokenizer.eod
         ids = [tokenizer.tokenize(prompt) for prompt in prompts]
         for prompt, prompt_ids in zip(prompts, ids):

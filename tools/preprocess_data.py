@@ -11,6 +11,10 @@ Example::
     python tools/preprocess_data.py --input corpus.jsonl --json-keys text \\
         --tokenizer-type SentencePieceTokenizer --tokenizer-model tok.model \\
         --output-prefix data/corpus --append-eod --workers 2
+
+    # GPT-2 BPE from OpenAI's files, as in Megatron-LM's examples
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \
+        --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt --append-eod
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ def get_args(argv=None) -> argparse.Namespace:
     group.add_argument("--tokenizer-model", type=str, default=None,
                        help="Sentencepiece .model file, or Hugging Face tokenizer.json / directory.")
     group.add_argument("--vocab-size", type=int, default=None, help="Size of vocab for use with NullTokenizer.")
+    group.add_argument("--vocab-file", type=str, default=None, help="GPT2BPETokenizer: the vocab.json file.")
+    group.add_argument("--merge-file", type=str, default=None, help="GPT2BPETokenizer: the BPE merges file.")
     group.add_argument("--append-eod", action="store_true", help="Append an <eod> token to the end of a document.")
     group = parser.add_argument_group(title="output data")
     group.add_argument("--output-prefix", type=str, required=True,
@@ -57,7 +63,8 @@ def main(argv=None) -> int:
     args = get_args(argv)
     opts = PreprocessOptions(input=args.input, output_prefix=args.output_prefix, json_keys=args.json_keys,
                              tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-                             vocab_size=args.vocab_size, append_eod=args.append_eod, workers=args.workers,
+                             vocab_size=args.vocab_size, vocab_file=args.vocab_file, merge_file=args.merge_file,
+                             append_eod=args.append_eod, workers=args.workers,
                              log_interval=args.log_interval, strict=args.strict, progress=not args.no_progress)
     try:
         summary = preprocess(opts)

@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
+from megalm.tokenizers.build import TOKENIZER_TYPES
+
 
 def _f(default, help: str, **meta):
     """A dataclass field carrying its flag documentation."""
@@ -216,8 +218,10 @@ class DataConfig:
     test_data_path: Optional[List[str]] = _f(None, "Separate test blend.", nargs="*")
     data_cache_path: Optional[str] = _f(None, "Where built sample indices are cached (default: beside the data).")
     mock_data: bool = _f(False, "Use deterministic synthetic data.")
-    tokenizer_type: Optional[str] = _f(None, "Tokenizer.", choices=["SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
+    tokenizer_type: Optional[str] = _f(None, "Tokenizer.", choices=list(TOKENIZER_TYPES))
     tokenizer_model: Optional[str] = _f(None, "Sentencepiece model file or Hugging Face tokenizer.json / directory.")
+    vocab_file: Optional[str] = _f(None, "GPT2BPETokenizer: the vocab.json (e.g. gpt2-vocab.json).")
+    merge_file: Optional[str] = _f(None, "GPT2BPETokenizer: the BPE merges (e.g. gpt2-merges.txt).")
     num_workers: int = _f(2, "DataLoader worker processes.")
     eod_mask_loss: bool = _f(False, "Mask the loss on end-of-document tokens.")
 

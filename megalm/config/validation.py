@@ -8,6 +8,7 @@ import math
 from typing import Optional
 
 from megalm.config.sections import ConfigError, MegalmConfig, ModelConfig, ParallelConfig
+from megalm.tokenizers.build import missing_tokenizer_flags
 
 
 def pad_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
@@ -240,10 +241,10 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
             raise ConfigError(f"--split {d.split!r} must be comma-separated numbers, e.g. 969,30,1") from None
         _check(len(vals) <= 3 and all(v >= 0 for v in vals) and sum(vals) > 0,
                f"--split {d.split!r} needs up to three non-negative proportions with a positive sum")
-    if d.tokenizer_type in ("SentencePieceTokenizer", "HuggingFaceTokenizer"):
-        _check(d.tokenizer_model is not None, f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model")
-    if d.tokenizer_type == "NullTokenizer":
-        _check(m.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size")
+    if d.tokenizer_type is not None:
+        missing = missing_tokenizer_flags(d.tokenizer_type, tokenizer_model=d.tokenizer_model, vocab_size=m.vocab_size,
+                                          vocab_file=d.vocab_file, merge_file=d.merge_file)
+        _check(not missing, f"--tokenizer-type {d.tokenizer_type} needs {' and '.join(missing)}")
     if m.vocab_size is not None:
         m.padded_vocab_size = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
 

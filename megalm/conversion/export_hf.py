@@ -46,8 +46,10 @@ def _check_shapes(reader: MegalmCheckpointReader, m) -> None:
 
 
 def export_to_hf(load_dir: str, save_dir: str, iteration: Optional[int] = None, dtype: Optional[str] = None,
-                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer_model: Optional[str] = None) -> ExportResult:
-    """Write the HF directory ``save_dir`` (created; must be empty) from the megalm checkpoint in ``load_dir``."""
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer_model: Optional[str] = None,
+                 vocab_file: Optional[str] = None, merge_file: Optional[str] = None) -> ExportResult:
+    """Write the HF directory ``save_dir`` (created; must be empty) from the megalm checkpoint in ``load_dir``.
+    ``tokenizer_model`` / ``vocab_file`` / ``merge_file`` replace the tokenizer paths in its config."""
     reader = MegalmCheckpointReader(load_dir, iteration)
     m = reader.config.model
     if m.vocab_size is None:
@@ -64,8 +66,9 @@ def export_to_hf(load_dir: str, save_dir: str, iteration: Optional[int] = None, 
     os.makedirs(save_dir, exist_ok=True)
 
     d = reader.config.data
-    special, tokenizer_note = export_tokenizer(d.tokenizer_type, tokenizer_model or d.tokenizer_model, save_dir,
-                                               m.max_position_embeddings)
+    special, tokenizer_note = export_tokenizer(d.tokenizer_type, save_dir, m.max_position_embeddings,
+                                               tokenizer_model or d.tokenizer_model, vocab_file or d.vocab_file,
+                                               merge_file or d.merge_file)
     writer = SafetensorsWriter(save_dir, max_shard_bytes)
     for name, tensor in arch.to_hf(m, reader.load):
         writer.add(name, tensor.to(target))

@@ -40,12 +40,20 @@ class PreprocessOptions:
     tokenizer_type: Optional[str] = None
     tokenizer_model: Optional[str] = None
     vocab_size: Optional[int] = None
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
     append_eod: bool = False
     workers: int = 1
     log_interval: int = 1000
     strict: bool = False
     progress: bool = True
     chunk_bytes: int = 1 << 20
+
+    def make_tokenizer(self):
+        from megalm.tokenizers import create_tokenizer
+
+        return create_tokenizer(self.tokenizer_type, self.tokenizer_model, self.vocab_size, self.vocab_file,
+                                self.merge_file)
 
 
 @dataclass
@@ -87,12 +95,10 @@ _WORKER: dict = {}
 
 
 def _init_worker(opts: PreprocessOptions, dtype: np.dtype) -> None:
-    from megalm.tokenizers import create_tokenizer
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles interrupts
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # pool.terminate() must just stop us
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    _WORKER["tokenizer"] = create_tokenizer(opts.tokenizer_type, opts.tokenizer_model, opts.vocab_size)
+    _WORKER["tokenizer"] = opts.make_tokenizer()
     _WORKER["keys"] = list(opts.json_keys)
     _WORKER["append_eod"] = opts.append_eod
     _WORKER["dtype"] = dtype
@@ -284,10 +290,8 @@ def _raise_on_sigterm(signum, frame):
 
 def preprocess(opts: PreprocessOptions) -> PreprocessSummary:
     """Tokenize ``opts.input`` into ``<output_prefix>_<key>_document.{bin,idx}``."""
-    from megalm.tokenizers import create_tokenizer
-
     files = _check_before_start(opts)
-    tokenizer = create_tokenizer(opts.tokenizer_type, opts.tokenizer_model, opts.vocab_size)
+    tokenizer = opts.make_tokenizer()
     dtype = np.dtype(optimal_dtype(tokenizer.vocab_size))
     prefixes = output_prefixes(opts.output_prefix, opts.json_keys)
     summary = PreprocessSummary(dtype=str(dtype), outputs=prefixes)

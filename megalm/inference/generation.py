@@ -308,18 +308,22 @@ def load_model_parallel(load_dir: str, iteration: Optional[int] = None, dtype: t
 
 
 def tokenizer_for(cfg, tokenizer_type: Optional[str] = None, tokenizer_model: Optional[str] = None,
-                  vocab_size: Optional[int] = None):
-    """The tokenizer named by the flags, else the one in the checkpoint's config."""
+                  vocab_size: Optional[int] = None, vocab_file: Optional[str] = None,
+                  merge_file: Optional[str] = None):
+    """The tokenizer named by the flags, else the one in the checkpoint's config.  A file flag
+    not given is taken from the config when the type is the config's."""
     from megalm.tokenizers.build import create_tokenizer
 
     kind = tokenizer_type or cfg.data.tokenizer_type
-    model_file = tokenizer_model or (cfg.data.tokenizer_model if tokenizer_type in (None, cfg.data.tokenizer_type)
-                                     else None)
     if kind is None:
         raise ValueError("the checkpoint's config names no tokenizer: pass --tokenizer-type (and --tokenizer-model)")
+    if tokenizer_type in (None, cfg.data.tokenizer_type):
+        tokenizer_model = tokenizer_model or cfg.data.tokenizer_model
+        vocab_file = vocab_file or cfg.data.vocab_file
+        merge_file = merge_file or cfg.data.merge_file
     if kind == "NullTokenizer" and vocab_size is None:
         vocab_size = cfg.model.vocab_size - 1  # the saved vocab_size is the tokenizer's (ids + EOD)
-    tokenizer = create_tokenizer(kind, model_file, vocab_size)
+    tokenizer = create_tokenizer(kind, tokenizer_model, vocab_size, vocab_file, merge_file)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"tokenizer vocabulary {tokenizer.vocab_size} is larger than the model's "
                          f"{cfg.model.vocab_size}")

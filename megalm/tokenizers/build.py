@@ -1,36 +1,55 @@
-"""Build the tokenizer named by ``--tokenizer-type``."""
+"""Build the tokenizer named by ``--tokenizer-type`` (Megatron-LM's names)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, List, Optional, Tuple
 
 from megalm.tokenizers.base import Tokenizer
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+# --tokenizer-type -> the (argument, flag) pairs it needs.
+_NEEDS: Dict[str, Tuple[Tuple[str, str], ...]] = {
+    "GPT2BPETokenizer": (("vocab_file", "--vocab-file"), ("merge_file", "--merge-file")),
+    "SentencePieceTokenizer": (("tokenizer_model", "--tokenizer-model"),),
+    "GPTSentencePieceTokenizer": (("tokenizer_model", "--tokenizer-model"),),
+    "Llama2Tokenizer": (("tokenizer_model", "--tokenizer-model"),),
+    "HuggingFaceTokenizer": (("tokenizer_model", "--tokenizer-model"),),
+    "NullTokenizer": (("vocab_size", "--vocab-size"),),
+}
+TOKENIZER_TYPES = tuple(_NEEDS)
+# Types whose --tokenizer-model is a sentencepiece .model file.
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+
+
+def missing_tokenizer_flags(tokenizer_type: str, **given) -> List[str]:
+    """The flags ``tokenizer_type`` needs that are None in ``given`` (keyword = argument name)."""
+    return [flag for arg, flag in _NEEDS.get(tokenizer_type, ()) if given.get(arg) is None]
 
 
 def create_tokenizer(tokenizer_type: Optional[str], tokenizer_model: Optional[str] = None,
-                     vocab_size: Optional[int] = None) -> Tokenizer:
+                     vocab_size: Optional[int] = None, vocab_file: Optional[str] = None,
+                     merge_file: Optional[str] = None) -> Tokenizer:
     """Tokenizer from plain values (used by the tools, which have no full config)."""
-    if tokenizer_type == "SentencePieceTokenizer":
-        from megalm.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer
+    if tokenizer_type not in _NEEDS:
+        raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
+    missing = missing_tokenizer_flags(tokenizer_type, tokenizer_model=tokenizer_model, vocab_size=vocab_size,
+                                      vocab_file=vocab_file, merge_file=merge_file)
+    if missing:
+        raise ValueError(f"--tokenizer-type {tokenizer_type} needs {' and '.join(missing)}")
+    if tokenizer_type == "GPT2BPETokenizer":
+        from megalm.tokenizers.gpt2_bpe_tokenizer import GPT2BPETokenizer
 
-        if tokenizer_model is None:
-            raise ValueError("--tokenizer-type SentencePieceTokenizer needs --tokenizer-model <file.model>")
-        return SentencePieceTokenizer(tokenizer_model)
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type in SENTENCEPIECE_TYPES:
+        from megalm.tokenizers.sentencepiece_tokenizer import Llama2Tokenizer, SentencePieceTokenizer
+
+        return (Llama2Tokenizer if tokenizer_type == "Llama2Tokenizer" else SentencePieceTokenizer)(tokenizer_model)
     if tokenizer_type == "HuggingFaceTokenizer":
         from megalm.tokenizers.huggingface_tokenizer import HuggingFaceTokenizer
 
-        if tokenizer_model is None:
-            raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model <tokenizer.json or dir>")
         return HuggingFaceTokenizer(tokenizer_model)
-    if tokenizer_type == "NullTokenizer":
-        from megalm.tokenizers.null_tokenizer import NullTokenizer
+    from megalm.tokenizers.null_tokenizer import NullTokenizer
 
-        if vocab_size is None:
-            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
-        return NullTokenizer(vocab_size)
-    raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
+    return NullTokenizer(vocab_size)
 
 
 def build_tokenizer(data_cfg, model_cfg) -> Tokenizer:
@@ -39,4 +58,5 @@ def build_tokenizer(data_cfg, model_cfg) -> Tokenizer:
     The model's ``--vocab-size`` is read only by ``NullTokenizer``; record the returned
     tokenizer's ``vocab_size`` with :func:`megalm.config.set_vocab_size`.
     """
-    return create_tokenizer(data_cfg.tokenizer_type, data_cfg.tokenizer_model, model_cfg.vocab_size)
+    return create_tokenizer(data_cfg.tokenizer_type, data_cfg.tokenizer_model, model_cfg.vocab_size,
+                            data_cfg.vocab_file, data_cfg.merge_file)

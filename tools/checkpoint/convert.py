@@ -43,7 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Weight dtype written (default: --to hf the training dtype, --to megalm as stored).")
     parser.add_argument("--max-shard-size", default="5GB", help="--to hf: largest safetensors shard (default 5GB).")
     parser.add_argument("--tokenizer-model", default=None,
-                        help="--to hf: tokenizer file/directory to copy when the path in the checkpoint's config moved.")
+                        help="--to hf: tokenizer file/directory to copy when the path in the checkpoint's config moved; "
+                             "--to megalm: recorded in the config (with --tokenizer-type).")
+    parser.add_argument("--vocab-file", default=None,
+                        help="GPT2BPETokenizer's vocab.json, as --tokenizer-model.")
+    parser.add_argument("--merge-file", default=None,
+                        help="GPT2BPETokenizer's merges file, as --tokenizer-model.")
     parser.add_argument("--verify", action="store_true", help="Compare both models' logits (needs transformers).")
     parser.add_argument("--verify-tolerance", type=float, default=1e-3,
                         help="Largest acceptable absolute logit difference for --verify (default 1e-3).")
@@ -74,7 +79,8 @@ def main(argv=None) -> int:
             from megalm.conversion.export_hf import export_to_hf
 
             r = export_to_hf(args.load_dir, args.save_dir, iteration=args.iteration, dtype=args.dtype,
-                             max_shard_bytes=parse_size(args.max_shard_size), tokenizer_model=args.tokenizer_model)
+                             max_shard_bytes=parse_size(args.max_shard_size), tokenizer_model=args.tokenizer_model,
+                             vocab_file=args.vocab_file, merge_file=args.merge_file)
             print(f"[convert] iteration {r.iteration} -> {r.architecture} in {r.save_dir}: {r.num_tensors} tensors, "
                   f"{r.total_bytes / 2**20:.1f} MiB {r.dtype} in {', '.join(r.files)}")
             for note in r.notes:
@@ -84,6 +90,11 @@ def main(argv=None) -> int:
             return 0
         from megalm.conversion.import_hf import import_from_hf
 
+        # The tokenizer file flags are also pretrain_gpt.py flags: pass them on to the config.
+        for flag, value in (("--tokenizer-model", args.tokenizer_model), ("--vocab-file", args.vocab_file),
+                            ("--merge-file", args.merge_file)):
+            if value is not None:
+                rest += [flag, value]
         r = import_from_hf(args.load_dir, args.save_dir, extra_args=rest, iteration=args.iteration or 0,
                            dtype=args.dtype)
         p = r.config.parallel
