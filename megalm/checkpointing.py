@@ -320,6 +320,31 @@ def find_checkpoint(root: str, iteration: Optional[int] = None) -> Optional[str]
     return path
 
 
+def checkpoint_to_resume(load: str, save: Optional[str], ckpt_step: Optional[int] = None,
+                         exit_on_missing: bool = False) -> bool:
+    """Whether ``--load`` has a checkpoint to load (True), or training may start from scratch
+    (False: Megatron's auto-resume, ``--load`` = ``--save`` with no checkpoint written yet).
+
+    Anything else without a checkpoint raises :class:`CheckpointError`: a ``--load`` other than
+    ``--save`` (most likely a wrong path), ``--ckpt-step``, ``--exit-on-missing-checkpoint``, or
+    iteration directories without a tracker file (a checkpoint that was being written).
+    """
+    if ckpt_step is not None or (os.path.isdir(load) and read_tracker(load) is not None):
+        find_checkpoint(load, ckpt_step)  # a missing or incomplete one fails here, before any work
+        return True
+    why = None
+    if exit_on_missing:
+        why = "--exit-on-missing-checkpoint"
+    elif save is None or os.path.abspath(load) != os.path.abspath(save):
+        why = ("starting from scratch needs --load and --save to name the same directory (Megatron-style "
+               "auto-resume); check the path")
+    elif os.path.isdir(load) and any(n.startswith("iter_") for n in os.listdir(load)):
+        why = "it holds iter_* directories: restore or remove them, or write the tracker file by hand"
+    if why is not None:
+        raise CheckpointError(f"--load {load}: no checkpoint ({TRACKER_FILENAME} is missing); {why}")
+    return False
+
+
 def read_common(path: str) -> dict:
     try:
         with open(os.path.join(path, "common.json")) as f:

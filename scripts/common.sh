@@ -17,7 +17,7 @@
 #                     Llama2Tokenizer | HuggingFaceTokenizer
 #   VOCAB_SIZE        the tokenizer's vocabulary, used only with NullTokenizer
 #   RUN_DIR [<repo>/runs/$MODEL_NAME]   CHECKPOINT_DIR [$RUN_DIR/checkpoints]
-#   LOAD_DIR [$CHECKPOINT_DIR]  (passed as --load only when it holds a checkpoint)
+#   LOAD_DIR [$CHECKPOINT_DIR]  (--load; the default resumes when a checkpoint exists, else starts fresh)
 #   TENSORBOARD_DIR [$RUN_DIR/tensorboard]  METRICS_FILE [$RUN_DIR/metrics.jsonl]
 #   WANDB_PROJECT []  WANDB_EXP_NAME [$MODEL_NAME]
 #   SAVE_INTERVAL [1000]  LOG_INTERVAL [10]  EVAL_INTERVAL [1000]  EVAL_ITERS [10]
@@ -133,11 +133,9 @@ megalm_launch() {
         data+=(--tokenizer-type NullTokenizer --vocab-size "$(( VOCAB_SIZE - 1 ))")
     fi
 
-    local checkpoint=(--save "$CHECKPOINT_DIR" --save-interval "$SAVE_INTERVAL")
-    # megalm's --load fails on a directory without a checkpoint: resume only when there is one.
-    if [[ -f "$LOAD_DIR/latest_checkpointed_iteration.txt" ]]; then
-        checkpoint+=(--load "$LOAD_DIR")
-    fi
+    # Megatron's auto-resume: with --load = --save, the first launch starts from scratch and every
+    # later one resumes.  A LOAD_DIR of its own must hold a checkpoint (megalm fails otherwise).
+    local checkpoint=(--save "$CHECKPOINT_DIR" --save-interval "$SAVE_INTERVAL" --load "$LOAD_DIR")
 
     local logging=(--log-interval "$LOG_INTERVAL" --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS"
                    --tensorboard-dir "$TENSORBOARD_DIR" --metrics-file "$METRICS_FILE")

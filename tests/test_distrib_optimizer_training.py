@@ -31,7 +31,8 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--max-position-embeddings", "32", "--mock-data", "--vocab-size", "500", "--num-workers", "0",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "2e-3", "--min-lr", "1e-4",
         "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-iters", "0",
-        "--seed", "7", "--clip-grad", "1.0", "--weight-decay", "0.1", "--split", "90,5,5", "--no-log-memory"]
+        "--seed", "7", "--clip-grad", "1.0", "--weight-decay", "0.1", "--split", "90,5,5", "--no-log-memory",
+        "--log-params-norm"]
 DIST = ["--use-distributed-optimizer"]
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "5000"]
 BATCH = ["--micro-batch-size", "2", "--global-batch-size", "8"]
@@ -108,6 +109,9 @@ def test_fp32_losses_and_grad_norms_equal_plain_optimizer(runs, plain, distribut
     _assert_close([r["lm_loss"] for r in got], [r["lm_loss"] for r in ref], rel=1e-6)
     _assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref], rel=1e-6)
     assert min(r["grad_norm"] for r in ref) > 1.0  # --clip-grad 1.0 is active in every step
+    # With --overlap-param-gather the step's all-gather is finished before the norm is taken.
+    _assert_close([r["params_norm"] for r in got], [r["params_norm"] for r in ref], rel=1e-6)
+    assert len({r["params_norm"] for r in ref}) == len(ref)  # it moves every step
 
 
 def test_layouts_agree_with_each_other(runs):

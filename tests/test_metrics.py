@@ -69,6 +69,8 @@ def test_format_log_line():
                 "tokens per second: 12345.7", "TFLOP/s per rank: 0.123"]
     assert line == " | ".join(expected) + " |"
     assert "grad norm" not in format_log_line({**_record(1, 1.0), "grad_norm": None}, 10)
+    with_params = format_log_line({**_record(10, 2.0), "params_norm": 123.4567}, train_iters=1000)
+    assert "grad norm: 0.143 | params norm: 123.457 | number of skipped" in with_params
 
 
 # --- W&B -------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ MOE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
        "--global-batch-size", "8", "--train-iters", "5",
        "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48",
        "--moe-shared-expert-intermediate-size", "32", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3",
-       "--moe-router-dtype", "fp32", "--moe-per-layer-logging"]
+       "--moe-router-dtype", "fp32", "--moe-per-layer-logging", "--log-params-norm"]
 ITERS = 5
 
 
@@ -81,6 +81,7 @@ def test_pipeline_and_expert_parallel_equal_expert_parallel_1(runs):
     ref, got = _records(runs["tmp"], "ep1"), _records(runs["tmp"], "pp2ep2")
     _assert_close([r["lm_loss"] for r in got], [r["lm_loss"] for r in ref])
     _assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref], rel=1e-4)
+    _assert_close([r["params_norm"] for r in got], [r["params_norm"] for r in ref], rel=1e-5)
     # The last stage reports the MoE layers it holds (layer 1).
     for key in ("load_balancing_loss_layer_1", "tokens_per_expert_layer_1_expert_2"):
         _assert_close([r[key] for r in got], [r[key] for r in ref], rel=1e-4)
@@ -97,6 +98,8 @@ def test_layouts_equal_expert_parallel_1(runs, name):
                 "tokens_per_expert_layer_0_expert_3"):
         _assert_close([r[key] for r in got], [r[key] for r in ref], rel=1e-4)
     _assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref], rel=1e-4)
+    # Expert parameters count once over the expert-model-parallel group, dense ones over TP x PP.
+    _assert_close([r["params_norm"] for r in got], [r["params_norm"] for r in ref], rel=1e-5)
 
 
 def test_moe_metrics_are_logged(runs):

@@ -26,7 +26,7 @@ PIPE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
         "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "2e-3", "--min-lr", "1e-4",
         "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-iters", "0",
         "--seed", "7", "--clip-grad", "0.5", "--weight-decay", "0.1", "--split", "90,5,5",
-        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "6"]
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "6", "--log-params-norm"]
 EVALS = ["--eval-interval", "3", "--eval-iters", "2"]
 UNTIED = ["--untie-embeddings-and-output-weights"]
 FP16 = ["--fp16", "--initial-loss-scale", "1024", "--hysteresis", "1", "--loss-scale-window", "3"]
@@ -143,6 +143,15 @@ def test_clipping_is_active_and_grad_norm_is_global(runs):
     for name in ["pp2", "pp4", "pp2_vpp2", "pp2_tp2", "pp2_tp2_dp2"]:
         for a, b in zip(_records(tmp, name), ref):
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), name
+
+
+@pytest.mark.parametrize("name, ref", [("pp2", "ref"), ("pp4", "ref"), ("pp2_vpp2", "ref"), ("pp2_tp2", "ref"),
+                                       ("pp2_tp2_dp2", "ref"), ("pp2_vpp2_dp2", "ref"), ("pp2_untied", "ref_untied"),
+                                       ("pp2_last1", "ref_untied")])
+def test_params_norm_counts_each_parameter_once(runs, name, ref):
+    """--log-params-norm: the tied embedding's last-stage copy and TP-replicated parameters once."""
+    tmp = runs["tmp"]
+    _assert_close([r["params_norm"] for r in _records(tmp, name)], [r["params_norm"] for r in _records(tmp, ref)])
 
 
 def test_evaluation_equals_single_process(runs):

@@ -139,7 +139,7 @@ def test_script_flags_validate_and_size_matches_name(script):
     assert t.train_iters and t.train_iters >= 1
     assert 0 <= t.lr_warmup_iters < t.lr_decay_iters <= t.train_iters
     assert t.min_lr < t.lr
-    assert cfg.checkpoint.save and cfg.checkpoint.load is None  # no checkpoint yet: no --load
+    assert cfg.checkpoint.save and cfg.checkpoint.load == cfg.checkpoint.save  # Megatron's auto-resume
     assert p.use_distributed_optimizer and p.overlap_grad_reduce and p.overlap_param_gather  # DIST_OPT=1 default
     if "tiny_cpu" in script.name:  # PRECISION=auto: bf16 only where this CPU has native bf16
         assert t.bf16 == (torch.cuda.is_available() or cpu_has_native_bf16())

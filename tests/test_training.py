@@ -19,7 +19,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--max-position-embeddings", "32", "--mock-data", "--vocab-size", "500", "--num-workers", "0",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "2e-3", "--min-lr", "1e-4",
         "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-iters", "0",
-        "--seed", "7", "--clip-grad", "1.0", "--weight-decay", "0.1", "--split", "90,5,5"]
+        "--seed", "7", "--clip-grad", "1.0", "--weight-decay", "0.1", "--split", "90,5,5", "--log-params-norm"]
 
 
 def _argv(tmp, name, *extra):
@@ -51,6 +51,10 @@ def runs(tmp_path_factory):
         (_argv(tmp, "duration", "--train-iters", "4", "--micro-batch-size", "8", "--exit-duration-in-mins", "0",
                "--save", os.path.join(tmp, "ckpt_duration")), {}),
     ]
+    # Megatron's auto-resume: the same --load/--save on every launch; the first finds nothing.
+    auto = ["--train-iters", "4", "--micro-batch-size", "8", "--save", os.path.join(tmp, "ckpt_auto"), "--load",
+            os.path.join(tmp, "ckpt_auto"), "--save-interval", "100"]
+    single += [(_argv(tmp, "auto_first", *auto, "--exit-interval", "2"), {}), (_argv(tmp, "auto_second", *auto), {})]
     codes1 = run_distributed(_run_trainings, 1, args=(single,), timeout=300)
     double = [
         (_argv(tmp, "dp2", *it, "--micro-batch-size", "4", "--global-batch-size", "8"), {}),
@@ -108,7 +112,19 @@ def test_grad_norm_and_lr_logged_identically(runs):
     for a, b in zip(ref, tp):
         assert a["lr"] == pytest.approx(b["lr"], rel=1e-12)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["params_norm"] == pytest.approx(b["params_norm"], rel=1e-5)
         assert a["consumed_samples"] == b["consumed_samples"]
+
+
+def test_params_norm_is_the_saved_weights_norm(runs):
+    """--log-params-norm at iteration 4 equals the L2 norm of every tensor the checkpoint holds."""
+    from megalm.conversion.megalm_checkpoint import MegalmCheckpointReader
+
+    reader = MegalmCheckpointReader(os.path.join(runs["tmp"], "ckpt_prec"))
+    assert reader.iteration == 4
+    total = sum(t.double().pow(2).sum().item() for t in reader.load(reader.model_names).values())
+    logged = [r["params_norm"] for r in _records(runs["tmp"], "prec_fp32") if r["iteration"] == 4]
+    assert logged == [pytest.approx(total ** 0.5, rel=1e-6)]
 
 
 def test_exact_resume(runs):
@@ -169,6 +185,26 @@ def test_exit_duration_saves_and_exits(runs):
     assert [r["iteration"] for r in _records(runs["tmp"], "duration")] == [1]
 
 
+def test_same_load_and_save_starts_from_scratch_then_resumes(runs):
+    assert runs["codes"][0][0][8:10] == [0, 0]
+    first, second = _records(runs["tmp"], "auto_first"), _records(runs["tmp"], "auto_second")
+    assert [r["iteration"] for r in first] == [1, 2] and [r["iteration"] for r in second] == [3, 4]
+    _assert_close([r["lm_loss"] for r in first], _losses(runs["tmp"], "prec_fp32")[:2])  # same seed and data
+
+
+def test_half_written_checkpoint_is_not_overwritten(tmp_path, capsys):
+    """iter_* directories without a tracker: refused even when --load is --save."""
+    import pretrain_gpt
+    from megalm.training import pretrain
+
+    (tmp_path / "iter_0000002").mkdir()
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--vocab-size", "500", "--train-iters", "4", "--mock-data", "--load", str(tmp_path), "--save", str(tmp_path)]
+    with pytest.raises(SystemExit) as e:
+        pretrain(pretrain_gpt.model_provider, pretrain_gpt.forward_step, argv=argv)
+    assert "it holds iter_* directories" in str(e.value.code)
+
+
 def test_unreadable_checkpoint_fails_with_clear_error(runs):
     code = runs["codes"][0][0][6]
     assert "iter_0000007 is incomplete or unreadable" in str(code), code
@@ -203,7 +239,13 @@ def test_bf16_trains(runs):
     (["--micro-batch-size", "3", "--global-batch-size", "8", "--train-iters", "4"], "not divisible by --micro-batch-size 3"),
     (["--train-iters", "4"], "no training data"),
     (["--train-iters", "4", "--mock-data", "--lr-warmup-iters", "4"], "--lr-warmup-iters 4 must be shorter"),
-    (["--train-iters", "4", "--mock-data", "--load", "/nonexistent/ckpt"], "--load directory /nonexistent/ckpt does not exist"),
+    (["--train-iters", "4", "--mock-data", "--load", "/nonexistent/ckpt"],
+     "--load /nonexistent/ckpt: no checkpoint (latest_checkpointed_iteration.txt is missing); starting from scratch "
+     "needs --load and --save to name the same directory"),
+    (["--train-iters", "4", "--mock-data", "--load", "/nonexistent/ckpt", "--save", "/nonexistent/ckpt",
+      "--exit-on-missing-checkpoint"], "is missing); --exit-on-missing-checkpoint"),
+    (["--train-iters", "4", "--mock-data", "--load", "/nonexistent/ckpt", "--save", "/nonexistent/ckpt",
+      "--ckpt-step", "3"], "--load directory /nonexistent/ckpt does not exist"),
     (["--train-iters", "4", "--mock-data", "--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer"),
 ])
 def test_bad_flags_fail_before_start(argv, message, capsys):

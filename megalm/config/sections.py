@@ -232,7 +232,10 @@ class CheckpointConfig:
 
     save: Optional[str] = _f(None, "Directory to save checkpoints to.")
     save_interval: Optional[int] = _f(None, "Save every this many iterations.")
-    load: Optional[str] = _f(None, "Directory to load the latest checkpoint from.")
+    load: Optional[str] = _f(None, "Directory to load the latest checkpoint from.  With the same directory as "
+                                   "--save and no checkpoint in it yet, training starts from scratch (Megatron's "
+                                   "auto-resume); otherwise a missing checkpoint is an error.")
+    exit_on_missing_checkpoint: bool = _f(False, "Fail when --load holds no checkpoint, also when it is --save.")
     no_load_optim: bool = _f(False, "Do not load optimizer and scheduler state.")
     no_load_rng: bool = _f(False, "Do not load random number generator states.")
     finetune: bool = _f(False, "Load weights only and start from iteration 0.")
@@ -245,6 +248,7 @@ class LoggingConfig:
     """Console, metrics file, TensorBoard and Weights & Biases."""
 
     log_interval: int = _f(100, "Print a log line every this many iterations.")
+    log_params_norm: bool = _f(False, "Log the L2 norm of the parameters (each distinct parameter counted once).")
     metrics_file: Optional[str] = _f(None, "Append JSON Lines metrics here (one record per logged iteration and evaluation).")
     tensorboard_dir: Optional[str] = _f(None, "Write TensorBoard scalars here.")
     wandb_project: Optional[str] = _f(None, "Weights & Biases project (enables W&B logging).")

@@ -129,6 +129,13 @@ def grad_norm_and_zeros(grads_with_params: Sequence[Tuple[torch.Tensor, torch.Te
     return norm, (stats[1].item() if count_zeros else None)
 
 
+def params_norm(params: Sequence[torch.nn.Parameter]) -> float:
+    """Global L2 norm of the model parameters, each distinct parameter once (the same
+    de-duplication and all-reduces as the gradient norm; parameters are whole on every
+    data-parallel rank, so nothing is summed over data parallelism)."""
+    return grad_norm_and_zeros([(p.detach(), p) for p in params])[0]
+
+
 def clip_grads_by_total_norm(grads: List[torch.Tensor], max_norm: float, total_norm: float) -> float:
     """Scale ``grads`` in place by ``max_norm / (total_norm + 1e-6)`` when < 1; return the factor."""
     coeff = max_norm / (total_norm + 1.0e-6)

@@ -13,8 +13,9 @@ on every other rank each method is a no-op.  Nothing here communicates.
 Non-finite floats are written as ``NaN`` / ``Infinity`` (what Python's json reads back).
 
 TensorBoard tags (``--tensorboard-dir``): ``lm loss``, ``lm loss vs samples`` (x = consumed
-samples), ``learning-rate``, ``grad-norm``, ``loss-scale``, ``batch-size``, ``iteration-time-ms``,
-``tokens-per-sec``, ``tflops-per-rank``, other numeric keys by name; evaluations
+samples), ``learning-rate``, ``grad-norm``, ``params-norm`` (``--log-params-norm``),
+``loss-scale``, ``batch-size``, ``iteration-time-ms``, ``tokens-per-sec``, ``tflops-per-rank``,
+other numeric keys by name; evaluations
 ``lm loss <split>`` and ``lm loss <split> ppl``.
 
 W&B (``--wandb-project``): ``wandb.log(record, step=iteration)``.  Online mode needs
@@ -31,8 +32,8 @@ import os
 from typing import Any, Dict, Iterable, Optional
 from urllib.parse import urlparse
 
-TB_TAGS = {"lm_loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm", "loss_scale": "loss-scale",
-           "global_batch_size": "batch-size", "elapsed_ms": "iteration-time-ms",
+TB_TAGS = {"lm_loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm", "params_norm": "params-norm",
+           "loss_scale": "loss-scale", "global_batch_size": "batch-size", "elapsed_ms": "iteration-time-ms",
            "tokens_per_sec": "tokens-per-sec", "tflops_per_rank": "tflops-per-rank"}
 
 
@@ -186,7 +187,7 @@ class MetricsWriter:
 # --- console line -------------------------------------------------------------------------------
 
 _LINE_KEYS = {"iteration", "consumed_samples", "elapsed_ms", "lr", "global_batch_size", "lm_loss", "loss_scale",
-              "grad_norm", "num_zeros", "skipped_iterations", "nan_iterations", "tokens_per_sec",
+              "grad_norm", "params_norm", "num_zeros", "skipped_iterations", "nan_iterations", "tokens_per_sec",
               "tflops_per_rank", "mfu", "compiled_graphs", "compile_seconds"}  # compilation has its own log line
 
 
@@ -211,6 +212,8 @@ def format_log_line(record: Dict[str, Any], train_iters: int, extra_losses: Opti
         parts.append(f"grad norm: {float(r['grad_norm']):.3f}")
     if r.get("num_zeros") is not None:
         parts.append(f"num zeros: {float(r['num_zeros']):.1f}")
+    if r.get("params_norm") is not None:
+        parts.append(f"params norm: {float(r['params_norm']):.3f}")
     parts += [f"number of skipped iterations: {int(r.get('skipped_iterations', 0)):3d}",
               f"number of nan iterations: {int(r.get('nan_iterations', 0)):3d}"]
     if r.get("tokens_per_sec") is not None:

@@ -9,7 +9,6 @@ scale check, clipping), learning-rate step, logging, evaluation, checkpoint, exi
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -196,7 +195,7 @@ class Trainer:
         self.microbatches = MicrobatchCalculator(t.global_batch_size, t.micro_batch_size,
                                                  parallel_state.get_data_parallel_world_size(), t.rampup_batch_size)
         self.train_iters = self._train_iters()
-        loaded = self._load() if cfg.checkpoint.load else None
+        loaded = self._load() if self.resume else None
         self.microbatches.update(self.state.consumed_train_samples)
         self.metrics = MetricsWriter(cfg, enabled=is_logging_rank())
         self._build_data()
@@ -234,8 +233,15 @@ class Trainer:
         d = cfg.data
         if not (d.mock_data or d.data_path or d.train_data_path):
             raise SystemExit("error: no training data: give --data-path PREFIX (or --train-data-path, or --mock-data)")
-        if cfg.checkpoint.load and not os.path.isdir(cfg.checkpoint.load):
-            raise SystemExit(f"error: --load directory {cfg.checkpoint.load} does not exist")
+        c = cfg.checkpoint
+        try:
+            self.resume = bool(c.load) and checkpointing.checkpoint_to_resume(c.load, c.save, c.ckpt_step,
+                                                                              c.exit_on_missing_checkpoint)
+        except checkpointing.CheckpointError as e:
+            raise SystemExit(f"error: {e}") from None
+        if c.load and not self.resume:
+            print_rank_0(f"[megalm] warning: no checkpoint in --load {c.load} yet: training starts from scratch "
+                         f"(--exit-on-missing-checkpoint makes this an error)")
         try:
             plan_fusions(cfg.model, half_precision=cfg.training.bf16 or cfg.training.fp16)
         except BackendUnavailable as e:
@@ -415,12 +421,24 @@ class Trainer:
         for key in log.keys():
             if key != "lm loss":
                 record[key.replace(" ", "_")] = log.mean(key)
+        if cfg.logging.log_params_norm:
+            record["params_norm"] = self.params_norm()
         record.update(self._new_compilations())
         if is_logging_rank():
             print(format_log_line(record, self.train_iters), flush=True)
         self.metrics.log_iteration(record)
         if cfg.logging.log_memory and not self.memory_reported:
             self.report_memory()
+
+    def params_norm(self) -> float:
+        """--log-params-norm: the distributed optimizer's pending parameter all-gathers are
+        finished first (they would otherwise wait for the next forward)."""
+        from megalm.optimizer.clip_grads import params_norm
+
+        for chunk in self.model:
+            if hasattr(chunk, "finish_param_sync"):
+                chunk.finish_param_sync()
+        return params_norm([p for chunk in self.model for p in chunk.parameters()])
 
     def _new_compilations(self) -> dict:
         """Fused graphs compiled since the last log line (all in the first interval when shapes
