@@ -1,5 +1,7 @@
 """Config validation: every invalid combination fails before any process group or model exists."""
 
+import json
+
 import pytest
 
 from megalm.config import ConfigError, MegalmConfig, build_parser, config_from_args, parse_config, validate_config
@@ -84,3 +86,35 @@ def test_round_trip_through_dict():
     cfg = _cfg(BASE + ["--bf16", "--lr", "3e-4"], 1)
     again = MegalmConfig.from_dict(cfg.to_dict())
     assert again == cfg
+
+
+def test_use_checkpoint_args(tmp_path, capsys):
+    """Architecture and tokenizer flags come from the checkpoint unless given; the result builds a
+    model whose parameters load from it and train (one --finetune step)."""
+    from megalm.testing import run_distributed
+    from tests.checkpoint_fixtures import LLAMA, save_random_model, tiny_cfg
+    from tests.training_runs import run_trainings
+
+    saved = tiny_cfg(300, "NullTokenizer", **LLAMA)  # as a --mock-data run saves it: 299 ids + EOD
+    save_random_model(saved, tmp_path / "ckpt")
+    run = ["--load", str(tmp_path / "ckpt"), "--use-checkpoint-args", "--mock-data", "--micro-batch-size", "2"]
+    cfg = parse_config(run + ["--seq-length", "8", "--hidden-dropout", "0"])
+    m, s = cfg.model, saved.model
+    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                 "position_embedding_type", "normalization", "swiglu", "untie_embeddings_and_output_weights",
+                 "rotary_base", "norm_epsilon", "add_bias_linear", "max_position_embeddings"):
+        assert getattr(m, name) == getattr(s, name), name
+    assert m.seq_length == 8 and s.seq_length == 16  # given on the command line: kept
+    assert m.hidden_dropout == 0.0 and cfg.data.tokenizer_type == "NullTokenizer" and m.vocab_size == 299
+    assert parse_config(run + ["--num-layers", "4"]).model.num_layers == 4
+    with pytest.raises(SystemExit):
+        parse_config(["--use-checkpoint-args", "--mock-data"])
+    assert "--use-checkpoint-args needs --load" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_config(["--use-checkpoint-args", "--load", str(tmp_path)])
+    assert f"--use-checkpoint-args: no checkpoint in {tmp_path}" in capsys.readouterr().err
+    train = run + ["--finetune", "--train-iters", "1", "--eval-iters", "0", "--num-workers", "0", "--hidden-dropout",
+                   "0", "--attention-dropout", "0", "--log-interval", "1", "--metrics-file", str(tmp_path / "m.jsonl")]
+    assert run_distributed(run_trainings, 1, args=([train],), timeout=200) == [[0]]  # a fresh process
+    record = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[0])
+    assert record["iteration"] == 1 and 0 < record["lm_loss"] < 20

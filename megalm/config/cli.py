@@ -97,12 +97,28 @@ def config_from_args(args: argparse.Namespace) -> MegalmConfig:
     return MegalmConfig(**kwargs)
 
 
+def given_flags(parser: argparse.ArgumentParser, argv: Optional[List[str]]) -> set:
+    """The ``section.field`` destinations set on the command line ``argv`` (not by a default)."""
+    saved = {a.dest: a.default for a in parser._actions}
+    try:
+        for action in parser._actions:
+            action.default = argparse.SUPPRESS
+        return set(vars(parser.parse_args(argv)))
+    finally:
+        for action in parser._actions:
+            action.default = saved[action.dest]
+
+
 def parse_config(argv: Optional[List[str]] = None, world_size: Optional[int] = None) -> MegalmConfig:
     """Parse Megatron-style flags and validate them (before any process group exists)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     cfg = config_from_args(args)
     try:
+        if cfg.checkpoint.use_checkpoint_args:
+            from megalm.config.checkpoint_args import apply_checkpoint_args
+
+            apply_checkpoint_args(cfg, given_flags(parser, argv))
         return validate_config(cfg, world_size=world_size)
     except ConfigError as e:
         parser.error(str(e))

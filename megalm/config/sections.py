@@ -236,6 +236,8 @@ class CheckpointConfig:
                                    "--save and no checkpoint in it yet, training starts from scratch (Megatron's "
                                    "auto-resume); otherwise a missing checkpoint is an error.")
     exit_on_missing_checkpoint: bool = _f(False, "Fail when --load holds no checkpoint, also when it is --save.")
+    use_checkpoint_args: bool = _f(False, "Take the architecture and tokenizer flags not given on the command line "
+                                          "from the checkpoint in --load.")
     no_load_optim: bool = _f(False, "Do not load optimizer and scheduler state.")
     no_load_rng: bool = _f(False, "Do not load random number generator states.")
     finetune: bool = _f(False, "Load weights only and start from iteration 0.")
