@@ -21,6 +21,7 @@
 #   TENSORBOARD_DIR [$RUN_DIR/tensorboard]  METRICS_FILE [$RUN_DIR/metrics.jsonl]
 #   WANDB_PROJECT []  WANDB_EXP_NAME [$MODEL_NAME]
 #   SAVE_INTERVAL [1000]  LOG_INTERVAL [10]  EVAL_INTERVAL [1000]  EVAL_ITERS [10]
+#   TIMING_LOG_LEVEL [0]  (0 | 1 | 2: per-phase timers in the log; above 0 also to TensorBoard)
 #   PRECISION [bf16]  (bf16 | fp16 | fp32 | auto: bf16 on a GPU or a CPU with native bf16
 #                     instructions, else fp32; the tiny CPU scripts' default)  PYTHON [python3]
 #   SEQUENCE_PARALLEL [1]  (adds --sequence-parallel when TP > 1)
@@ -69,6 +70,7 @@ megalm_launch() {
     : "${CHECKPOINT_DIR:=$RUN_DIR/checkpoints}" "${LOAD_DIR:=$CHECKPOINT_DIR}"
     : "${TENSORBOARD_DIR:=$RUN_DIR/tensorboard}" "${METRICS_FILE:=$RUN_DIR/metrics.jsonl}"
     : "${SAVE_INTERVAL:=1000}" "${LOG_INTERVAL:=10}" "${EVAL_INTERVAL:=1000}" "${EVAL_ITERS:=10}"
+    : "${TIMING_LOG_LEVEL:=0}"
     : "${SPLIT:=969,30,1}" "${NUM_WORKERS:=2}"
 
     local parallel=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
@@ -138,7 +140,11 @@ megalm_launch() {
     local checkpoint=(--save "$CHECKPOINT_DIR" --save-interval "$SAVE_INTERVAL" --load "$LOAD_DIR")
 
     local logging=(--log-interval "$LOG_INTERVAL" --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS"
-                   --tensorboard-dir "$TENSORBOARD_DIR" --metrics-file "$METRICS_FILE")
+                   --tensorboard-dir "$TENSORBOARD_DIR" --metrics-file "$METRICS_FILE"
+                   --timing-log-level "$TIMING_LOG_LEVEL")
+    if [[ "$TIMING_LOG_LEVEL" != 0 ]]; then
+        logging+=(--log-timers-to-tensorboard)
+    fi
     if [[ -n "${WANDB_PROJECT:-}" ]]; then
         logging+=(--wandb-project "$WANDB_PROJECT" --wandb-exp-name "${WANDB_EXP_NAME:-$MODEL_NAME}"
                   --wandb-save-dir "$RUN_DIR/wandb")

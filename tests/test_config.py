@@ -45,6 +45,14 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
     (["--min-lr", "1", "--lr", "0.1"], None, "--min-lr 1.0 is larger than --lr 0.1"),
     (["--attention-backend", "blocked", "--attention-dropout", "0.1"], None,
      "--attention-backend blocked has no attention dropout: set --attention-dropout 0"),
+    (["--use-flash-attn", "--attention-backend", "fused", "--bf16"], None,
+     "--use-flash-attn contradicts --attention-backend fused"),
+    (["--use-flash-attn"], None, "--attention-backend flash needs --bf16 or --fp16"),
+    (["--use-pytorch-profiler", "--tensorboard-dir", "tb"], None, "--use-pytorch-profiler needs --profile"),
+    (["--profile", "--use-pytorch-profiler"], None, "writes its trace to --tensorboard-dir"),
+    (["--profile", "--profile-step-start", "5", "--profile-step-end", "5"], None,
+     "--profile-step-start 5 must be >= 0 and before --profile-step-end 5"),
+    (["--profile", "--profile-ranks", "0", "4"], 4, "--profile-ranks \\[4\\] must be ranks of the world \\(size 4\\)"),
 ])
 def test_invalid_combinations(argv, world, message):
     with pytest.raises(ConfigError, match=message):
@@ -80,6 +88,13 @@ def test_fusion_flags_default_on_with_megatron_spelling_accepted():
     assert _cfg(BASE + ["--cross-entropy-loss-fusion"]).model.cross_entropy_loss_fusion is True  # Megatron's flag
     assert _cfg(BASE + ["--no-cross-entropy-loss-fusion"]).model.cross_entropy_loss_fusion is False
     assert _cfg(BASE + ["--no-bias-swiglu-fusion"]).model.bias_swiglu_fusion is False
+
+
+def test_megatron_spellings_of_flash_attention_and_throughput():
+    cfg = _cfg(BASE + ["--use-flash-attn", "--bf16", "--log-throughput"])
+    assert cfg.model.attention_backend == "flash" and cfg.logging.log_throughput
+    assert _cfg(BASE + ["--use-flash-attn", "--attention-backend", "flash", "--fp16"]).model.attention_backend == "flash"
+    assert _cfg(BASE).model.attention_backend == "auto"
 
 
 def test_round_trip_through_dict():

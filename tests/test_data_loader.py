@@ -8,7 +8,7 @@ from megalm.config import MegalmConfig
 from megalm.data import build_train_valid_test_data_iterators, get_batch, splits_available
 from megalm.data.builder import build_train_valid_test_datasets
 from megalm.data.indexed_dataset import IndexedDatasetBuilder
-from megalm.data.samplers import MegatronPretrainingSampler
+from megalm.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler, epoch_generator_seed
 from megalm.testing import run_distributed
 from megalm.tokenizers import NullTokenizer
 
@@ -183,3 +183,140 @@ def test_splits_available_reports_empty_splits():
     train, valid, test = build_train_valid_test_data_iterators(cfg, NullTokenizer(64))
     assert splits_available() == (True, False, False)
     assert train is not None and valid is None and test is None
+
+
+# --- --dataloader-type cyclic: MegatronPretrainingRandomSampler -------------------------------
+
+def random_sampler(total, consumed, mbs, rank, dp, sharding=True, seed=1234):
+    return MegatronPretrainingRandomSampler(total, consumed, mbs, rank, dp, data_sharding=sharding, seed=seed)
+
+
+def rank_sequences(total, mbs, dp, epochs, consumed=0, sharding=True, seed=1234):
+    """Each rank's micro-batches over ``epochs`` passes of one sampler (as a cyclic iterator reads them)."""
+    out = []
+    for rank in range(dp):
+        sampler = random_sampler(total, consumed, mbs, rank, dp, sharding, seed)
+        out.append([m for _ in range(epochs) for m in sampler])
+    return out
+
+
+@pytest.mark.parametrize("sharding", [True, False])
+@pytest.mark.parametrize("total, mbs, dp", [(50, 2, 1), (50, 3, 2), (53, 2, 4), (14, 2, 4), (7, 1, 2)])
+def test_random_sampler_epoch_is_a_permutation_split_over_ranks(total, mbs, dp, sharding):
+    step = mbs * dp
+    epoch_samples = total - total % step  # the last incomplete step is dropped
+    per_rank = rank_sequences(total, mbs, dp, 1, sharding=sharding)
+    for rank, batches in enumerate(per_rank):
+        assert len(batches) == epoch_samples // step and all(len(m) == mbs for m in batches)
+        ids = [i for m in batches for i in m]
+        assert len(set(ids)) == len(ids)  # no sample twice in an epoch
+        if sharding:  # rank r shuffles exactly its own contiguous bucket
+            bucket = epoch_samples // dp
+            assert sorted(ids) == list(range(rank * bucket, (rank + 1) * bucket))
+    for k in range(epoch_samples // step):  # one step over all ranks: mbs x dp distinct samples
+        step_ids = [i for rank in range(dp) for i in per_rank[rank][k]]
+        assert len(set(step_ids)) == step
+    union = [i for batches in per_rank for m in batches for i in m]
+    assert len(set(union)) == epoch_samples and all(0 <= i < total for i in union)
+    if epoch_samples // dp >= 8:  # shuffled
+        assert all([i for m in batches for i in m] != sorted(i for m in batches for i in m) for batches in per_rank)
+
+
+def test_random_sampler_global_steps_without_sharding_are_dp_independent_prefixes():
+    """Without sharding, step k over the ranks is samples perm[k*step:(k+1)*step] of the epoch's permutation."""
+    one = [i for m in rank_sequences(48, 2, 1, 1, sharding=False)[0] for i in m]
+    four = rank_sequences(48, 2, 4, 1, sharding=False)
+    for k in range(6):
+        assert sorted(i for rank in range(4) for i in four[rank][k]) == sorted(one[8 * k:8 * (k + 1)])
+
+
+def test_random_sampler_order_depends_on_seed_and_epoch():
+    a = rank_sequences(40, 2, 2, 2, seed=7)
+    assert rank_sequences(40, 2, 2, 2, seed=7) == a  # deterministic
+    for other in (0, 8, 1235, 2**31 - 1):
+        assert rank_sequences(40, 2, 2, 2, seed=other) != a
+    # Generator seeds (torch keeps 32 bits): seeds s1 != s2 in [0, 2**16) can share one only for epochs
+    # 52,777 or more apart, as (s2 - s1) * 0x9E3779B9 is at least that far from 0 modulo 2**32.
+    d = np.arange(1, 2**16, dtype=np.uint64)
+    residue = (d * np.uint64(0x9E3779B9)) % np.uint64(2**32)
+    assert np.minimum(residue, np.uint64(2**32) - residue).min() == 52777
+    assert epoch_generator_seed(0, 3) == 3 and epoch_generator_seed(1234, 2**32) == epoch_generator_seed(1234, 0)
+    for rank in range(2):
+        first, second = a[rank][:10], a[rank][10:]
+        assert first != second and sorted(sum(first, [])) == sorted(sum(second, []))  # same bucket, new order
+    # --seed 0: Megatron's permutation (torch.randperm seeded by the epoch alone), here epoch 1 of rank 1's bucket.
+    sampler = random_sampler(40, 40, 2, 1, 2, seed=0)
+    expected = (20 + torch.randperm(20, generator=torch.Generator().manual_seed(1))).tolist()
+    assert [i for m in sampler for i in m] == expected
+
+
+@pytest.mark.parametrize("sharding", [True, False])
+def test_random_sampler_resume_continues_the_same_sequence(sharding):
+    total, mbs, dp = 45, 2, 3  # step 6, epoch 42 samples = 7 steps
+    full = rank_sequences(total, mbs, dp, 3, sharding=sharding)
+    for consumed in (0, 6, 18, 36, 42, 48, 84, 96):
+        resumed = rank_sequences(total, mbs, dp, 2, consumed=consumed, sharding=sharding)
+        k = consumed // 6
+        for rank in range(dp):
+            tail = full[rank][k:]
+            got = resumed[rank][:len(tail)]  # first iter(): the rest of the epoch; then whole epochs
+            assert got == tail[:len(got)] and len(got) >= min(len(tail), 7), (consumed, rank)
+    sampler = random_sampler(total, 18, mbs, 0, dp, sharding)
+    assert sampler.epoch_and_offset() == (0, 18) and len(sampler) == 4
+    assert len(list(sampler)) == 4 and sampler.consumed_samples == 42 and len(sampler) == 7
+    assert sampler.epoch_and_offset() == (1, 0)
+
+
+@pytest.mark.parametrize("args, message", [
+    ((10, 0, 0, 0, 1), "micro_batch_size must be >= 1, got 0"),
+    ((10, 0, 2, 0, 0), "data_parallel_size must be >= 1, got 0"),
+    ((10, 0, 2, 2, 2), "data_parallel_rank 2 is outside \\[0, 2\\)"),
+    ((7, 0, 2, 0, 4), "total_samples 7 is less than one step of micro_batch_size x data_parallel_size = 8"),
+    ((0, 0, 1, 0, 1), "total_samples 0 is less than one step"),
+    ((10, -2, 2, 0, 1), "consumed_samples must be >= 0, got -2"),
+    ((20, 6, 2, 0, 2), "consumed_samples 6 is not a multiple of micro_batch_size x data_parallel_size = 4"),
+])
+def test_random_sampler_rejects_bad_arguments(args, message):
+    with pytest.raises(ValueError, match=message):
+        MegatronPretrainingRandomSampler(*args)
+
+
+def test_dataloader_type_flag_parses(capsys):
+    from megalm.config import parse_config
+
+    assert parse_config([]).data.dataloader_type == "single" and parse_config([]).data.data_sharding is True
+    cfg = parse_config(["--dataloader-type", "cyclic", "--no-data-sharding"])
+    assert cfg.data.dataloader_type == "cyclic" and cfg.data.data_sharding is False
+    with pytest.raises(SystemExit):
+        parse_config(["--dataloader-type", "external"])
+    assert "invalid choice: 'external'" in capsys.readouterr().err
+
+
+def test_cyclic_iterators_shuffle_wrap_epochs_and_resume(tmp_path):
+    prefix = write_numbered_dataset(tmp_path / "ds")
+    tok = NullTokenizer(VOCAB)
+    cfg = make_cfg(prefix)
+    cfg.data.dataloader_type, cfg.training.seed = "cyclic", 5
+    train_ds, valid_ds, _ = build_train_valid_test_datasets(cfg, tok)
+    sampler = random_sampler(len(train_ds), 0, 2, 0, 1, seed=5)
+    per_epoch = len(sampler)
+    expected = [m for _ in range(2) for m in sampler]  # two epochs of sample ids
+    train, valid, test = build_train_valid_test_data_iterators(cfg, tok, 0, 0)
+    n = per_epoch + 3  # past the end of the first epoch
+    got = [get_batch(train)["tokens"] for _ in range(n)]
+    for batch, ids in zip(got, expected):
+        assert torch.equal(batch, torch.stack([train_ds[i]["tokens"] for i in ids]))
+    assert [i for m in expected[:per_epoch] for i in m] != list(range(2 * per_epoch))  # shuffled
+    # Resume after 3 global batches (12 samples), with 2 workers, across the epoch boundary.
+    cfg.data.num_workers = 2
+    resumed, _, _ = build_train_valid_test_data_iterators(cfg, tok, 12, 0)
+    for batch in got[6:]:
+        assert torch.equal(get_batch(resumed)["tokens"], batch)
+    # Valid and test are cyclic too (as Megatron's): valid from its consumed samples, into a new epoch.
+    valid_sampler = random_sampler(len(valid_ds), 4, 2, 0, 1, seed=5)
+    valid_ids = [m for _ in range(2) for m in valid_sampler][:len(valid_ds) // 2 + 1]
+    cfg.data.num_workers = 0
+    valid = build_train_valid_test_data_iterators(cfg, tok, 0, 4)[1]
+    for ids in valid_ids:
+        assert torch.equal(get_batch(valid)["tokens"], torch.stack([valid_ds[i]["tokens"] for i in ids]))
+    assert all(get_batch(test)["tokens"].shape == (2, 16) for _ in range(20))  # more than the test split holds

@@ -247,6 +247,8 @@ def test_bf16_trains(runs):
     (["--train-iters", "4", "--mock-data", "--load", "/nonexistent/ckpt", "--save", "/nonexistent/ckpt",
       "--ckpt-step", "3"], "--load directory /nonexistent/ckpt does not exist"),
     (["--train-iters", "4", "--mock-data", "--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer"),
+    (["--train-iters", "4", "--mock-data", "--profile"],
+     "--profile without --use-pytorch-profiler drives nsys through CUDA and this machine has no GPU"),
 ])
 def test_bad_flags_fail_before_start(argv, message, capsys):
     import pretrain_gpt

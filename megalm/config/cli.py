@@ -73,7 +73,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, extra_sections: Option
                 kw["default"] = f.default
             else:
                 kw["type"] = _FLAG_TYPES.get(f.metadata.get("type"), _base_type(tp))
-                kw["default"] = f.default if f.default is not dataclasses.MISSING else None
+                kw["default"] = _field_default(f)
                 for key in ("choices", "nargs"):
                     if key in f.metadata:
                         kw[key] = f.metadata[key]
@@ -81,6 +81,12 @@ def add_config_arguments(parser: argparse.ArgumentParser, extra_sections: Option
                     kw["metavar"] = f.name.upper()
             group.add_argument(_flag(f), **kw)
     return parser
+
+
+def _field_default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
 
 
 def build_parser(description: str = "megalm", extra_sections: Optional[dict] = None) -> argparse.ArgumentParser:

@@ -80,6 +80,7 @@ class ModelConfig:
                                         "blocked (causal attention in query blocks, no dropout), unfused or local "
                                         "(QK^T, masked softmax, @V).",
                                 choices=["auto", "flash", "fused", "blocked", "unfused", "local"])
+    use_flash_attn: bool = _f(False, "Megatron-LM's spelling of --attention-backend flash.")
     transformer_impl: str = _f("local", "Transformer layer implementation: megalm's (local) or NVIDIA Transformer "
                                         "Engine's fused modules (transformer_engine, GPU).",
                                choices=["local", "transformer_engine"])
@@ -223,6 +224,13 @@ class DataConfig:
     vocab_file: Optional[str] = _f(None, "GPT2BPETokenizer: the vocab.json (e.g. gpt2-vocab.json).")
     merge_file: Optional[str] = _f(None, "GPT2BPETokenizer: the BPE merges (e.g. gpt2-merges.txt).")
     num_workers: int = _f(2, "DataLoader worker processes.")
+    dataloader_type: str = _f("single", "Sample order: single (in order, from the consumed samples on) or cyclic "
+                                        "(epochs of shuffled samples seeded by --seed and the epoch, re-iterated "
+                                        "endlessly; for train, valid and test as in Megatron).",
+                              choices=["single", "cyclic"])
+    data_sharding: bool = _f(True, "With --dataloader-type cyclic: shuffle over all samples instead of each "
+                                   "data-parallel rank within its own contiguous bucket.",
+                             flag="--no-data-sharding", action="store_false")
     eod_mask_loss: bool = _f(False, "Mask the loss on end-of-document tokens.")
 
 
@@ -258,6 +266,24 @@ class LoggingConfig:
     wandb_save_dir: Optional[str] = _f(None, "Weights & Biases local directory.")
     device_peak_flops: Optional[float] = _f(None, "Peak FLOP/s per device for MFU (default: table, or measured on CPU).")
     log_memory: bool = _f(True, "Disable the peak-memory report.", flag="--no-log-memory", action="store_false")
+    log_throughput: bool = _f(False, "Accepted for Megatron-LM scripts: megalm always logs tokens per second, "
+                                     "TFLOP/s per rank and MFU.")
+    timing_log_level: int = _f(0, "Per-phase timers in the log: 0 set-up and checkpoint saving, 1 adds forward-backward, "
+                                  "gradient sync and optimizer steps, 2 adds compute, data and pipeline exchanges "
+                                  "(see megalm/timers.py).", choices=[0, 1, 2])
+    timing_log_option: str = _f("minmax", "Timer values shown across ranks: max, minmax or all.",
+                                choices=["max", "minmax", "all"])
+    log_timers_to_tensorboard: bool = _f(False, "Also write the timers (slowest rank, seconds per iteration) to "
+                                                "TensorBoard, W&B and the metrics file as <name>-time.")
+    barrier_with_level_1_timing: bool = _f(True, "Do not start level-1 timers with a barrier over all ranks.",
+                                           flag="--no-barrier-with-level-1-timing", action="store_false")
+    profile: bool = _f(False, "Profile iterations --profile-step-start to --profile-step-end on --profile-ranks: "
+                              "with --use-pytorch-profiler a torch.profiler trace in --tensorboard-dir, else "
+                              "cudaProfilerStart/Stop and NVTX ranges for nsys (CUDA).")
+    use_pytorch_profiler: bool = _f(False, "With --profile: use torch.profiler (CPU and CUDA activities).")
+    profile_step_start: int = _f(10, "First profiled iteration (the step that starts after this many iterations).")
+    profile_step_end: int = _f(12, "Profiling stops after this many iterations.")
+    profile_ranks: List[int] = _f([0], "Global ranks to profile.", nargs="+")
 
 
 @dataclass

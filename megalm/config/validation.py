@@ -174,6 +174,10 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
     # Precision.
     _check(not (t.bf16 and t.fp16), "--bf16 and --fp16 are mutually exclusive")
     _validate_fp8(m, p, t)
+    if m.use_flash_attn:
+        _check(m.attention_backend in ("auto", "flash"),
+               f"--use-flash-attn contradicts --attention-backend {m.attention_backend}: give one of them")
+        m.attention_backend = "flash"
     _check(m.attention_backend != "flash" or t.bf16 or t.fp16,
            "--attention-backend flash needs --bf16 or --fp16 (flash-attn has no fp32 kernels)")
     _check(m.attention_backend != "blocked" or m.attention_dropout == 0,
@@ -251,7 +255,22 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
     # Checkpoints and logging.
     _check(cfg.checkpoint.save_interval is None or cfg.checkpoint.save_interval > 0, "--save-interval must be positive")
     _check(cfg.logging.log_interval > 0, "--log-interval must be positive")
+    _validate_profiling(cfg.logging, world_size)
     return cfg
+
+
+def _validate_profiling(lg, world_size: Optional[int]) -> None:
+    if lg.use_pytorch_profiler:
+        _check(lg.profile, "--use-pytorch-profiler needs --profile")
+        _check(lg.tensorboard_dir is not None, "--use-pytorch-profiler writes its trace to --tensorboard-dir: give one")
+    if not lg.profile:
+        return
+    _check(0 <= lg.profile_step_start < lg.profile_step_end,
+           f"--profile-step-start {lg.profile_step_start} must be >= 0 and before --profile-step-end "
+           f"{lg.profile_step_end}")
+    bad = [r for r in lg.profile_ranks if r < 0 or (world_size is not None and r >= world_size)]
+    _check(not bad and lg.profile_ranks, f"--profile-ranks {bad or lg.profile_ranks} must be ranks of the world "
+                                         f"(size {world_size})")
 
 
 def set_vocab_size(cfg: MegalmConfig, vocab_size: int) -> None:

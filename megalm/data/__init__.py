@@ -14,6 +14,7 @@ _LAZY = {
     "build_train_valid_test_datasets": "megalm.data.builder",
     "get_train_valid_test_num_samples": "megalm.data.builder",
     "MegatronPretrainingSampler": "megalm.data.samplers",
+    "MegatronPretrainingRandomSampler": "megalm.data.samplers",
     "build_pretraining_data_loader": "megalm.data.loaders",
     "build_train_valid_test_data_iterators": "megalm.data.loaders",
     "splits_available": "megalm.data.loaders",

@@ -18,17 +18,29 @@ import torch.distributed as dist
 from megalm import parallel_state as ps
 from megalm.data import batch as batch_module
 from megalm.data.builder import build_train_valid_test_datasets, get_train_valid_test_num_samples
-from megalm.data.samplers import MegatronPretrainingSampler
+from megalm.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
 from megalm.device import get_device
 
 
 def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
-                                  data_parallel_size: int, num_workers: int = 0) -> Optional[torch.utils.data.DataLoader]:
-    """DataLoader over this rank's micro-batches of ``dataset`` starting at ``consumed_samples``."""
+                                  data_parallel_size: int, num_workers: int = 0, dataloader_type: str = "single",
+                                  seed: int = 0, data_sharding: bool = True) -> Optional[torch.utils.data.DataLoader]:
+    """DataLoader over this rank's micro-batches of ``dataset`` starting at ``consumed_samples``.
+
+    ``dataloader_type`` "single": in order (:class:`MegatronPretrainingSampler`); "cyclic": the
+    rest of the current shuffled epoch, the next epoch on each new ``iter()``
+    (:class:`MegatronPretrainingRandomSampler` seeded by ``seed``, with ``data_sharding``).
+    """
     if dataset is None:
         return None
-    sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size, data_parallel_rank,
-                                         data_parallel_size)
+    if dataloader_type == "single":
+        sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size, data_parallel_rank,
+                                             data_parallel_size)
+    elif dataloader_type == "cyclic":
+        sampler = MegatronPretrainingRandomSampler(len(dataset), consumed_samples, micro_batch_size,
+                                                   data_parallel_rank, data_parallel_size, data_sharding, seed)
+    else:
+        raise ValueError(f"dataloader_type must be 'single' or 'cyclic', got {dataloader_type!r}")
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                        pin_memory=get_device().type == "cuda", persistent_workers=num_workers > 0)
 
@@ -87,8 +99,10 @@ def build_train_valid_test_data_iterators(cfg, tokenizer, consumed_train_samples
                                           consumed_valid_samples: int = 0):
     """``(train_iter, valid_iter, test_iter)`` of micro-batch dicts; None on ranks that do not read.
 
-    Collective: every rank calls it.  The valid iterator is cyclic (each evaluation goes
-    on where the last stopped, and wraps around), the train and test ones are not.
+    Collective: every rank calls it.  ``--dataloader-type single``: the valid iterator is
+    cyclic (each evaluation goes on where the last stopped, and wraps around), the train and
+    test ones are not.  ``cyclic`` (as Megatron): all three shuffle and re-iterate endlessly,
+    the valid one from ``consumed_valid_samples`` (the sampler derives the epoch from it).
     """
     batch_module.set_batch_shape(cfg.training.micro_batch_size, cfg.model.seq_length)
     reads = rank_reads_data()
@@ -98,15 +112,19 @@ def build_train_valid_test_data_iterators(cfg, tokenizer, consumed_train_samples
     if not reads:
         return None, None, None
     dp_rank, dp_size = data_parallel_rank_and_size()
-    mbs, workers = cfg.training.micro_batch_size, cfg.data.num_workers
+    mbs, workers, kind = cfg.training.micro_batch_size, cfg.data.num_workers, cfg.data.dataloader_type
 
     def loader(ds, consumed):
-        return build_pretraining_data_loader(ds, consumed, mbs, dp_rank, dp_size, workers)
+        return build_pretraining_data_loader(ds, consumed, mbs, dp_rank, dp_size, workers, kind,
+                                             cfg.training.seed, cfg.data.data_sharding)
 
+    def iterate(dl, cyclic):
+        return None if dl is None else iter(cyclic_iter(dl)) if cyclic else iter(dl)
+
+    cyclic = kind == "cyclic"
     train = loader(train_ds, consumed_train_samples)
-    # The valid set is cycled, so a count beyond its size wraps around.
-    valid = loader(valid_ds, consumed_valid_samples % len(valid_ds) if valid_ds is not None else 0)
+    # single: the valid set is cycled, so a count beyond its size wraps around.
+    wrapped_valid = consumed_valid_samples if cyclic or valid_ds is None else consumed_valid_samples % len(valid_ds)
+    valid = loader(valid_ds, wrapped_valid)
     test = loader(test_ds, 0)
-    return (iter(train) if train is not None else None,
-            iter(cyclic_iter(valid)) if valid is not None else None,
-            iter(test) if test is not None else None)
+    return iterate(train, cyclic), iterate(valid, True), iterate(test, cyclic)

@@ -33,6 +33,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from megalm import parallel_state
 from megalm.device import get_device
 from megalm.distributed import comm
+from megalm.timers import NULL_TIMERS
 
 
 def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
@@ -148,12 +149,18 @@ def allreduce_embedding_grads(model_chunks: Sequence[torch.nn.Module], tied: Opt
     comm.all_reduce(grad, group=parallel_state.get_embedding_group(), kind="embedding_grad_all_reduce")
 
 
-def finalize_model_grads(model_chunks: List[torch.nn.Module], tied_embeddings: Optional[bool] = None) -> None:
+def finalize_model_grads(model_chunks: List[torch.nn.Module], tied_embeddings: Optional[bool] = None,
+                         timers=NULL_TIMERS) -> None:
     """DP sync, then sequence-parallel norm grads over TP, then tied embedding grads over the
-    embedding group.  Call once per iteration, after the last backward, before ``optimizer.step()``."""
-    for chunk in model_chunks:
-        finish = getattr(chunk, "finish_grad_sync", None)
-        if finish is not None:
-            finish()
-    allreduce_sequence_parallel_grads(model_chunks)
-    allreduce_embedding_grads(model_chunks, tied_embeddings)
+    embedding group.  Call once per iteration, after the last backward, before ``optimizer.step()``.
+    ``timers``: Megatron's level-1 ``all-grads-sync``, ``layernorm-grads-all-reduce`` and
+    ``embedding-grads-all-reduce`` (:mod:`megalm.timers`)."""
+    with timers("all-grads-sync"):
+        for chunk in model_chunks:
+            finish = getattr(chunk, "finish_grad_sync", None)
+            if finish is not None:
+                finish()
+    with timers("layernorm-grads-all-reduce"):
+        allreduce_sequence_parallel_grads(model_chunks)
+    with timers("embedding-grads-all-reduce"):
+        allreduce_embedding_grads(model_chunks, tied_embeddings)

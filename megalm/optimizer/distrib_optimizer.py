@@ -51,6 +51,7 @@ from megalm.distributed.param_and_grad_buffer import Bucket
 from megalm.optimizer.clip_grads import clip_grads_by_total_norm, grad_norm_and_zeros, unscale_and_check_for_inf
 from megalm.optimizer.grad_scaler import GradScaler
 from megalm.optimizer.optimizer import MegatronOptimizer, StepResult
+from megalm.timers import NULL_TIMERS
 
 
 @dataclass
@@ -188,26 +189,33 @@ class DistributedOptimizer(MegatronOptimizer):
                 r.model.copy_(r.main)
 
     @torch.no_grad()
-    def step(self) -> StepResult:
-        """One update of this rank's ranges, then the parameter all-gather (see the module docstring)."""
+    def step(self, timers=NULL_TIMERS) -> StepResult:
+        """One update of this rank's ranges, then the parameter all-gather (see the module docstring).
+        ``timers``: Megatron's level-1 ``optimizer-*`` and ``params-all-gather`` timers."""
         self._finish_param_sync()  # a pending gather must not overwrite the shard written below
         try:
-            grads = self._main_grads()
+            with timers("optimizer-copy-to-main-grad"):
+                grads = self._main_grads()
             if self.grad_scaler is not None:
-                found_inf = unscale_and_check_for_inf(grads, self.grad_scaler.inv_scale, sharded=True)
+                with timers("optimizer-unscale-and-check-inf"):
+                    found_inf = unscale_and_check_for_inf(grads, self.grad_scaler.inv_scale, sharded=True)
                 self.grad_scaler.update(found_inf)
                 if found_inf:
                     return False, None, None
-            norm, zeros = grad_norm_and_zeros([(g, r.param) for g, r in zip(grads, self.ranges)],
-                                              self.log_num_zeros_in_grad, sharded=True)
+            with timers("optimizer-clip-main-grad"):
+                norm, zeros = grad_norm_and_zeros([(g, r.param) for g, r in zip(grads, self.ranges)],
+                                                  self.log_num_zeros_in_grad, sharded=True)
+                if math.isfinite(norm) and self.clip_grad > 0.0:
+                    clip_grads_by_total_norm(grads, self.clip_grad, norm)
             if not math.isfinite(norm):
                 return False, norm, zeros
-            if self.clip_grad > 0.0:
-                clip_grads_by_total_norm(grads, self.clip_grad, norm)
-            self.optimizer.step()
-            self._copy_main_to_model()
-            for chunk in self.model_chunks:
-                chunk.start_param_sync()
+            with timers("optimizer-inner-step"):
+                self.optimizer.step()
+            with timers("optimizer-copy-main-to-model-params"):
+                self._copy_main_to_model()
+            with timers("params-all-gather"):
+                for chunk in self.model_chunks:
+                    chunk.start_param_sync()
             return True, norm, zeros
         finally:
             self._release_grads()

@@ -44,6 +44,7 @@ from megalm.distributed.finalize_model_grads import grad_of, unwrap_model
 from megalm.optimizer.clip_grads import clip_grads_by_total_norm, grad_norm_and_zeros, unscale_and_check_for_inf
 from megalm.optimizer.grad_scaler import GradScaler, build_grad_scaler
 from megalm.parameter_names import canonical_name
+from megalm.timers import NULL_TIMERS
 
 FORMAT = "megalm-optimizer-v1"
 StepResult = Tuple[bool, Optional[float], Optional[float]]
@@ -145,23 +146,29 @@ class MegatronOptimizer:
                 model.grad = None
 
     @torch.no_grad()
-    def step(self) -> StepResult:
-        """One update; returns ``(update_successful, grad_norm, num_zeros_in_grad or None)``."""
+    def step(self, timers=NULL_TIMERS) -> StepResult:
+        """One update; returns ``(update_successful, grad_norm, num_zeros_in_grad or None)``.
+        ``timers``: Megatron's level-1 ``optimizer-*`` timers (:mod:`megalm.timers`)."""
         try:
-            grads = self._main_grads()
+            with timers("optimizer-copy-to-main-grad"):
+                grads = self._main_grads()
             present = [g for g in grads if g is not None]
             if self.grad_scaler is not None:
-                found_inf = unscale_and_check_for_inf(present, self.grad_scaler.inv_scale)
+                with timers("optimizer-unscale-and-check-inf"):
+                    found_inf = unscale_and_check_for_inf(present, self.grad_scaler.inv_scale)
                 self.grad_scaler.update(found_inf)
                 if found_inf:
                     return False, None, None
-            norm, zeros = grad_norm_and_zeros(list(zip(grads, self.model_params)), self.log_num_zeros_in_grad)
+            with timers("optimizer-clip-main-grad"):
+                norm, zeros = grad_norm_and_zeros(list(zip(grads, self.model_params)), self.log_num_zeros_in_grad)
+                if math.isfinite(norm) and self.clip_grad > 0.0:
+                    clip_grads_by_total_norm(present, self.clip_grad, norm)
             if not math.isfinite(norm):
                 return False, norm, zeros
-            if self.clip_grad > 0.0:
-                clip_grads_by_total_norm(present, self.clip_grad, norm)
-            self.optimizer.step()
-            self._copy_main_to_model()
+            with timers("optimizer-inner-step"):
+                self.optimizer.step()
+            with timers("optimizer-copy-main-to-model-params"):
+                self._copy_main_to_model()
             return True, norm, zeros
         finally:
             self._release_grads()

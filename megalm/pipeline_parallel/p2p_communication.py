@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from megalm import parallel_state
 from megalm.device import get_device
+from megalm.timers import NULL_TIMERS
 
 TAG_ACTIVATION = 1
 TAG_GRADIENT = 2
@@ -68,7 +69,9 @@ class P2PCommunicator:
         variable_seq_lengths: exchange shapes before each transfer.
     """
 
-    def __init__(self, tensor_shape: Sequence[int], dtype: torch.dtype, variable_seq_lengths: bool = False):
+    def __init__(self, tensor_shape: Sequence[int], dtype: torch.dtype, variable_seq_lengths: bool = False,
+                 timers=NULL_TIMERS):
+        self.timers = timers  # level-2 timers of Megatron's exchange names (megalm.timers)
         self.tensor_shape = tuple(int(s) for s in tensor_shape)
         self.dtype = dtype
         self.variable_seq_lengths = variable_seq_lengths
@@ -78,13 +81,13 @@ class P2PCommunicator:
         self.device = get_device()
 
     @classmethod
-    def from_config(cls, cfg, seq_length: Optional[int] = None, micro_batch_size: Optional[int] = None
-                    ) -> "P2PCommunicator":
+    def from_config(cls, cfg, seq_length: Optional[int] = None, micro_batch_size: Optional[int] = None,
+                    timers=NULL_TIMERS) -> "P2PCommunicator":
         if cfg is None:
             raise ValueError("a pipelined schedule needs config= (a MegalmConfig: exchanged shape and dtype) "
                              "or communicator=")
         return cls(pipeline_tensor_shape(cfg, seq_length, micro_batch_size), pipeline_dtype(cfg),
-                   bool(cfg.parallel.variable_seq_lengths))
+                   bool(cfg.parallel.variable_seq_lengths), timers)
 
     # --- the one primitive -----------------------------------------------------------------
     def _run(self, ops: List[dist.P2POp]) -> None:
@@ -152,44 +155,53 @@ class P2PCommunicator:
     # --- Megatron's named exchanges ---------------------------------------------------------
     def recv_forward(self, requires_grad: bool = True) -> torch.Tensor:
         """Receive an activation from the previous stage."""
-        return self.communicate(recv_prev=True, requires_grad=requires_grad)[0]
+        with self.timers("forward-recv"):
+            return self.communicate(recv_prev=True, requires_grad=requires_grad)[0]
 
     def recv_backward(self) -> torch.Tensor:
         """Receive an output gradient from the next stage."""
-        return self.communicate(recv_next=True)[1]
+        with self.timers("backward-recv"):
+            return self.communicate(recv_next=True)[1]
 
     def send_forward(self, output: Optional[torch.Tensor]) -> None:
         """Send an activation to the next stage (nothing when ``output`` is None)."""
-        self.communicate(send_next=output)
+        with self.timers("forward-send"):
+            self.communicate(send_next=output)
 
     def send_backward(self, input_grad: Optional[torch.Tensor]) -> None:
         """Send an input gradient to the previous stage (nothing when None)."""
-        self.communicate(send_prev=input_grad)
+        with self.timers("backward-send"):
+            self.communicate(send_prev=input_grad)
 
     def send_forward_recv_backward(self, output: Optional[torch.Tensor], recv_next: bool = True
                                    ) -> Optional[torch.Tensor]:
         """Send an activation to the next stage and receive its gradient from it, batched."""
-        return self.communicate(send_next=output, recv_next=recv_next)[1]
+        with self.timers("forward-send-backward-recv"):
+            return self.communicate(send_next=output, recv_next=recv_next)[1]
 
     def send_backward_recv_forward(self, input_grad: Optional[torch.Tensor], recv_prev: bool = True,
                                    requires_grad: bool = True) -> Optional[torch.Tensor]:
         """Send an input gradient to the previous stage and receive the next activation from it."""
-        return self.communicate(send_prev=input_grad, recv_prev=recv_prev, requires_grad=requires_grad)[0]
+        with self.timers("backward-send-forward-recv"):
+            return self.communicate(send_prev=input_grad, recv_prev=recv_prev, requires_grad=requires_grad)[0]
 
     def send_forward_recv_forward(self, output: Optional[torch.Tensor], recv_prev: bool,
                                   requires_grad: bool = True) -> Optional[torch.Tensor]:
         """Send an activation to the next stage, receive one from the previous stage."""
-        return self.communicate(send_next=output, recv_prev=recv_prev, requires_grad=requires_grad)[0]
+        with self.timers("forward-send-forward-recv"):
+            return self.communicate(send_next=output, recv_prev=recv_prev, requires_grad=requires_grad)[0]
 
     def send_backward_recv_backward(self, input_grad: Optional[torch.Tensor], recv_next: bool
                                     ) -> Optional[torch.Tensor]:
         """Send a gradient to the previous stage, receive one from the next stage."""
-        return self.communicate(send_prev=input_grad, recv_next=recv_next)[1]
+        with self.timers("backward-send-backward-recv"):
+            return self.communicate(send_prev=input_grad, recv_next=recv_next)[1]
 
     def send_forward_backward_recv_forward_backward(self, output: Optional[torch.Tensor],
                                                     input_grad: Optional[torch.Tensor], recv_prev: bool,
                                                     recv_next: bool, requires_grad: bool = True):
         """All four at once: activation to next, gradient to prev, activation from prev,
         gradient from next; returns (activation, gradient) received."""
-        return self.communicate(send_next=output, send_prev=input_grad, recv_prev=recv_prev,
-                                recv_next=recv_next, requires_grad=requires_grad)
+        with self.timers("forward-backward-send-forward-backward-recv"):
+            return self.communicate(send_next=output, send_prev=input_grad, recv_prev=recv_prev,
+                                    recv_next=recv_next, requires_grad=requires_grad)

@@ -25,6 +25,7 @@ from megalm import parallel_state
 from megalm.pipeline_parallel.p2p_communication import P2PCommunicator
 from megalm.pipeline_parallel.steps import (GradSyncControl, ScheduleTrace, backward_step, chunk_data_iterators,
                                             deallocate_output_tensor, forward_step)
+from megalm.timers import NULL_TIMERS
 
 
 def num_warmup_microbatches(pipeline_size: int, pipeline_rank: int, num_microbatches: int) -> int:
@@ -36,7 +37,7 @@ class _OneFOneB:
     """State of one run of the schedule on this rank (one method per phase)."""
 
     def __init__(self, forward_step_func, data_iterator, model, num_microbatches, forward_only, loss_scale,
-                 comm: P2PCommunicator, trace: Optional[ScheduleTrace]):
+                 comm: P2PCommunicator, trace: Optional[ScheduleTrace], timers=NULL_TIMERS):
         self.forward_step_func = forward_step_func
         self.data_iterator = data_iterator
         self.model = model
@@ -45,6 +46,7 @@ class _OneFOneB:
         self.loss_scale = loss_scale
         self.comm = comm
         self.trace = trace
+        self.timers = timers
         self.first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
         self.last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         self.collect: List[Dict] = []
@@ -82,7 +84,7 @@ class _OneFOneB:
         mb = self.next_forward
         self.next_forward += 1
         ctx = torch.no_grad() if self.forward_only else torch.enable_grad()
-        with ctx:
+        with ctx, self.timers("forward-compute"):
             output = forward_step(self.forward_step_func, self.data_iterator, self.model, self.m, input_tensor,
                                   self.collect, self.last)
         if self.trace is not None:
@@ -100,7 +102,8 @@ class _OneFOneB:
 
     def backward(self, grad_output):
         input_tensor, output = self.inputs.pop(0), self.outputs.pop(0)
-        input_grad = backward_step(input_tensor, output, grad_output, self.loss_scale)
+        with self.timers("backward-compute"):
+            input_grad = backward_step(input_tensor, output, grad_output, self.loss_scale)
         if self.trace is not None:
             self.trace.backward(self.next_backward, 0)
         self.next_backward += 1
@@ -165,7 +168,7 @@ def forward_backward_pipelining_without_interleaving(
         num_microbatches: int, forward_only: bool = False,
         loss_scale: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, seq_length: Optional[int] = None,
         micro_batch_size: Optional[int] = None, config=None, trace: Optional[ScheduleTrace] = None,
-        communicator: Optional[P2PCommunicator] = None, **_unused) -> List[Dict]:
+        communicator: Optional[P2PCommunicator] = None, timers=NULL_TIMERS, **_unused) -> List[Dict]:
     """Run 1F1B over ``num_microbatches`` on this stage; returns the last stage's reported values
     (an empty list on other stages).  ``config`` (a :class:`megalm.config.MegalmConfig`) gives the
     exchanged shape and dtype unless ``communicator`` is passed."""
@@ -176,6 +179,6 @@ def forward_backward_pipelining_without_interleaving(
     if num_microbatches < 1:
         raise ValueError(f"need at least one microbatch, got {num_microbatches}")
     iterators, _ = chunk_data_iterators(data_iterator, 1)
-    comm = communicator or P2PCommunicator.from_config(config, seq_length, micro_batch_size)
+    comm = communicator or P2PCommunicator.from_config(config, seq_length, micro_batch_size, timers)
     return _OneFOneB(forward_step_func, iterators[0], model, num_microbatches, forward_only, loss_scale,
-                     comm, trace).run()
+                     comm, trace, timers).run()

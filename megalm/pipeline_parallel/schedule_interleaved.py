@@ -30,6 +30,7 @@ from megalm import parallel_state
 from megalm.pipeline_parallel.p2p_communication import P2PCommunicator
 from megalm.pipeline_parallel.steps import (GradSyncControl, ScheduleTrace, SharedMicrobatches, backward_step,
                                             chunk_data_iterators, deallocate_output_tensor, forward_step)
+from megalm.timers import NULL_TIMERS
 
 
 def check_interleaving(num_microbatches: int, pipeline_size: int, num_chunks: int) -> None:
@@ -58,7 +59,7 @@ class _Interleaved:
     """State of one run on this rank; ``k`` below is a virtual microbatch (step) index."""
 
     def __init__(self, forward_step_func, data_iterators, shared: Optional[SharedMicrobatches], model,
-                 num_microbatches, forward_only, loss_scale, comm: P2PCommunicator, trace):
+                 num_microbatches, forward_only, loss_scale, comm: P2PCommunicator, trace, timers=NULL_TIMERS):
         self.forward_step_func = forward_step_func
         self.data_iterators = data_iterators
         self.shared = shared
@@ -74,6 +75,7 @@ class _Interleaved:
         self.loss_scale = loss_scale
         self.comm = comm
         self.trace = trace
+        self.timers = timers
         self.collect: List[Dict] = []
         self.inputs: List[List] = [[] for _ in range(self.v)]
         self.outputs: List[List] = [[] for _ in range(self.v)]
@@ -107,7 +109,7 @@ class _Interleaved:
         if self.shared is not None:
             self.shared.current = mb
         ctx = torch.no_grad() if self.forward_only else torch.enable_grad()
-        with ctx:
+        with ctx, self.timers("forward-compute"):
             output = forward_step(self.forward_step_func, self.data_iterators[c], self.model[c], self.m,
                                   input_tensor, self.collect, self.last_stage(c))
         if self.forward_only:
@@ -126,7 +128,8 @@ class _Interleaved:
         if self.last_stage(c):
             self.grads[c].append(None)
         input_tensor, output = self.inputs[c].pop(0), self.outputs[c].pop(0)
-        input_grad = backward_step(input_tensor, output, self.grads[c].pop(0), self.loss_scale)
+        with self.timers("backward-compute"):
+            input_grad = backward_step(input_tensor, output, self.grads[c].pop(0), self.loss_scale)
         self.sync.disable(c)
         if self.trace is not None:
             self.trace.backward(self.microbatch(k), c)
@@ -235,7 +238,7 @@ def forward_backward_pipelining_with_interleaving(
         forward_only: bool = False, loss_scale: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
         seq_length: Optional[int] = None, micro_batch_size: Optional[int] = None, config=None,
         trace: Optional[ScheduleTrace] = None, communicator: Optional[P2PCommunicator] = None,
-        **_unused) -> List[Dict]:
+        timers=NULL_TIMERS, **_unused) -> List[Dict]:
     """Run the interleaved schedule over ``model`` (this rank's chunks, virtual stage order);
     returns the last stage's reported values (empty elsewhere).
 
@@ -246,6 +249,6 @@ def forward_backward_pipelining_with_interleaving(
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     check_interleaving(num_microbatches, pp, len(model))
     iterators, shared = chunk_data_iterators(data_iterator, len(model))
-    comm = communicator or P2PCommunicator.from_config(config, seq_length, micro_batch_size)
+    comm = communicator or P2PCommunicator.from_config(config, seq_length, micro_batch_size, timers)
     return _Interleaved(forward_step_func, iterators, shared, model, num_microbatches, forward_only, loss_scale,
-                        comm, trace).run()
+                        comm, trace, timers).run()

@@ -22,6 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import torch
 
 from megalm import parallel_state
+from megalm.timers import NULL_TIMERS
 
 
 def _no_sync(model):
@@ -29,9 +30,10 @@ def _no_sync(model):
 
 
 def forward_step(forward_step_func: Callable, data_iterator, model, num_microbatches: int,
-                 forward_only: bool, collect: List[Dict]):
-    output, loss_func = forward_step_func(data_iterator, model)
-    loss, reported = loss_func(output)
+                 forward_only: bool, collect: List[Dict], timers=NULL_TIMERS):
+    with timers("forward-compute"):
+        output, loss_func = forward_step_func(data_iterator, model)
+        loss, reported = loss_func(output)
     collect.append({k: v.detach() if torch.is_tensor(v) else v for k, v in reported.items()})
     return loss / num_microbatches
 
@@ -39,7 +41,7 @@ def forward_step(forward_step_func: Callable, data_iterator, model, num_microbat
 def forward_backward_no_pipelining(forward_step_func: Callable, data_iterator, model: Union[torch.nn.Module, Sequence],
                                    num_microbatches: int, forward_only: bool = False,
                                    loss_scale: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                                   **_unused) -> List[Dict]:
+                                   timers=NULL_TIMERS, **_unused) -> List[Dict]:
     """Gradient accumulation on one stage: no communication except in the last microbatch's backward.
 
     Backward of microbatches 0..m-2 runs under ``model.no_sync()``; the last one lets the
@@ -59,10 +61,12 @@ def forward_backward_no_pipelining(forward_step_func: Callable, data_iterator, m
         with ctx:
             if forward_only:
                 with torch.no_grad():
-                    forward_step(forward_step_func, data_iterator, model, num_microbatches, True, collect)
+                    forward_step(forward_step_func, data_iterator, model, num_microbatches, True, collect, timers)
             else:
-                loss = forward_step(forward_step_func, data_iterator, model, num_microbatches, False, collect)
-                scale(loss).backward()
+                loss = forward_step(forward_step_func, data_iterator, model, num_microbatches, False, collect,
+                                    timers)
+                with timers("backward-compute"):
+                    scale(loss).backward()
     return collect
 
 

@@ -22,8 +22,10 @@ from megalm.config import MegalmConfig, parse_config, set_vocab_size
 from megalm.device import get_device
 from megalm.fusions import BackendUnavailable, compile_stats, plan_fusions
 from megalm.pipeline_parallel import get_forward_backward_func
+from megalm.timers import ITERATION_TIMERS, NULL_TIMERS, SETUP_TIMERS, Timers, timed_iterator
 from megalm.training.initialize import initialize_megalm, world_size_from_env
 from megalm.training.microbatches import MicrobatchCalculator
+from megalm.training.profiling import StepProfiler
 from megalm.training.signals import ExitSignalHandler
 
 
@@ -45,6 +47,12 @@ def print_rank_0(*args) -> None:
 def print_rank_last(*args) -> None:
     if not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1:
         print(*args, flush=True)
+
+
+def print_timing(block: Optional[str]) -> None:
+    """A timing block from :meth:`megalm.timers.Timers.log`, on the last rank (as Megatron)."""
+    if block is not None:
+        print_rank_last(block)
 
 
 def is_logging_rank() -> bool:
@@ -90,7 +98,7 @@ def count_parameters(chunks: Sequence[torch.nn.Module]) -> int:
 # --- one iteration -----------------------------------------------------------------------
 
 def train_step(cfg: MegalmConfig, forward_step_func: Callable, data_iterator, model: List[torch.nn.Module],
-               optimizer, scheduler, num_microbatches: int) -> Dict[str, object]:
+               optimizer, scheduler, num_microbatches: int, timers=NULL_TIMERS) -> Dict[str, object]:
     from megalm.distributed.finalize_model_grads import finalize_model_grads
     from megalm.transformer.moe import begin_training_step as begin_moe_step
 
@@ -99,12 +107,15 @@ def train_step(cfg: MegalmConfig, forward_step_func: Callable, data_iterator, mo
     optimizer.zero_grad()
     begin_moe_step(optimizer.get_loss_scale(), num_microbatches)  # aux-loss backward scale (MoE)
     forward_backward = get_forward_backward_func()
-    reported = forward_backward(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-                                num_microbatches=num_microbatches, forward_only=False,
-                                loss_scale=optimizer.scale_loss, seq_length=cfg.model.seq_length,
-                                micro_batch_size=cfg.training.micro_batch_size, config=cfg)
-    finalize_model_grads(model)
-    update_successful, grad_norm, num_zeros = optimizer.step()
+    with timers("forward-backward"):
+        reported = forward_backward(forward_step_func=forward_step_func,
+                                    data_iterator=timed_iterator(data_iterator, timers("batch-generator")),
+                                    model=model, num_microbatches=num_microbatches, forward_only=False,
+                                    loss_scale=optimizer.scale_loss, seq_length=cfg.model.seq_length,
+                                    micro_batch_size=cfg.training.micro_batch_size, config=cfg, timers=timers)
+    finalize_model_grads(model, timers=timers)
+    with timers("optimizer"):
+        update_successful, grad_norm, num_zeros = optimizer.step(timers)
     return {"reported": average_reported(reported), "update_successful": update_successful,
             "grad_norm": grad_norm}
 
@@ -186,7 +197,10 @@ class Trainer:
         self._check_before_start()
         initialize_megalm(cfg)
         get_forward_backward_func()  # fail early if the layout's schedule is not available
+        self.timers = Timers.from_config(cfg.logging)
+        self.profiler = StepProfiler(cfg.logging, dist.get_rank())
         self.tokenizer = self._build_tokenizer()
+        self.timers("model-and-optimizer-setup").start()
         chunks = build_model_chunks(cfg, self.model_provider)
         self.model = wrap_data_parallel(cfg, chunks)
         self.optimizer = build_optimizer(cfg, self.model)
@@ -197,8 +211,10 @@ class Trainer:
         self.train_iters = self._train_iters()
         loaded = self._load() if self.resume else None
         self.microbatches.update(self.state.consumed_train_samples)
+        self.timers("model-and-optimizer-setup").stop()
         self.metrics = MetricsWriter(cfg, enabled=is_logging_rank())
-        self._build_data()
+        with self.timers("train/valid/test-data-iterators-setup"):
+            self._build_data()
         if loaded is not None and not (cfg.checkpoint.no_load_rng or cfg.checkpoint.finetune):
             # Last: building data loaders draws from the torch RNG.
             checkpointing.load_rng_state(loaded["path"], loaded)
@@ -213,6 +229,7 @@ class Trainer:
         print_rank_0(f"[megalm] world {dist.get_world_size()} | tp {cfg.parallel.tensor_model_parallel_size} "
                      f"pp {cfg.parallel.pipeline_model_parallel_size} dp {parallel_state.get_data_parallel_world_size()} "
                      f"| parameters on rank 0: {n_params:,} | train iters {self.train_iters}")
+        print_timing(self.timers.log(SETUP_TIMERS))  # collective
 
     def _device_peak(self):
         from megalm.training.flops import cpu_has_native_bf16, device_peak_flops
@@ -246,6 +263,10 @@ class Trainer:
             plan_fusions(cfg.model, half_precision=cfg.training.bf16 or cfg.training.fp16)
         except BackendUnavailable as e:
             raise SystemExit(f"error: {e}") from None
+        lg = cfg.logging
+        if lg.profile and not lg.use_pytorch_profiler and get_device().type != "cuda":
+            raise SystemExit("error: --profile without --use-pytorch-profiler drives nsys through CUDA and this "
+                             "machine has no GPU: add --use-pytorch-profiler (and --tensorboard-dir)")
         from megalm.training.metrics import WandbSetupError, check_wandb_ready
 
         try:
@@ -330,12 +351,16 @@ class Trainer:
             chunk.train()
         log = IntervalStats()
         saved_at = None
+        note = self.profiler.note_on_resume(state.iteration)
+        if note:
+            print(f"[megalm] warning (rank {dist.get_rank()}): {note}", flush=True)
         while state.iteration < self.train_iters:
             self.microbatches.update(state.consumed_train_samples)
             gbs = self.microbatches.current_global_batch_size
+            self.profiler.before_step(state.iteration)
             start = time.perf_counter()
             out = train_step(cfg, self.forward_step_func, self.train_iter, self.model, self.optimizer,
-                             self.scheduler, self.microbatches.num_microbatches)
+                             self.scheduler, self.microbatches.num_microbatches, self.timers)
             if out["update_successful"]:
                 self.scheduler.step(increment=gbs)
             else:
@@ -346,6 +371,7 @@ class Trainer:
             state.iteration += 1
             state.consumed_train_samples += gbs
             log.add(time.perf_counter() - start, out, gbs)
+            self.profiler.after_step(state.iteration)
             if state.iteration % cfg.logging.log_interval == 0:
                 self.log_training(log)
                 log = IntervalStats()
@@ -361,11 +387,13 @@ class Trainer:
                 if c.save and saved_at != state.iteration:
                     self.save()
                 print_rank_0(f"[megalm] exiting at iteration {state.iteration}: {reason}")
+                self.profiler.close()
                 checkpointing.finish_param_sync(self.model)  # overlapped parameter all-gathers
                 self.metrics.close()
                 if dist.is_initialized():
                     dist.barrier()
                 sys.exit(0)
+        self.profiler.close()  # a window past the last iteration: keep what was recorded
         checkpointing.finish_param_sync(self.model)  # the last step's overlapped parameter all-gathers
         if cfg.checkpoint.save and saved_at != state.iteration:
             self.save()
@@ -393,10 +421,13 @@ class Trainer:
 
     def save(self) -> None:
         state = self.state
+        self.timers("save-checkpoint").start(barrier=True)
         checkpointing.save_checkpoint(self.cfg.checkpoint.save, state.iteration, self.model, self.optimizer,
                                       self.scheduler, state.consumed_train_samples, state.consumed_valid_samples,
                                       config=self.cfg.to_dict())
+        self.timers("save-checkpoint").stop(barrier=True)
         print_rank_0(f"[megalm] saved checkpoint at iteration {state.iteration} to {self.cfg.checkpoint.save}")
+        print_timing(self.timers.log(["save-checkpoint"]))  # collective
 
     # -- logging and evaluation --
     def log_training(self, log: "IntervalStats") -> None:
@@ -426,9 +457,20 @@ class Trainer:
         record.update(self._new_compilations())
         if is_logging_rank():
             print(format_log_line(record, self.train_iters), flush=True)
+        record.update(self._log_timers(log.iterations))
         self.metrics.log_iteration(record)
         if cfg.logging.log_memory and not self.memory_reported:
             self.report_memory()
+
+    def _log_timers(self, iterations: int) -> dict:
+        """The interval's per-phase timing block (collective; nothing at --timing-log-level 0);
+        returns ``{"<name>-time": seconds}`` with --log-timers-to-tensorboard."""
+        if self.timers.log_level == 0:
+            return {}
+        to_writers = (self.timers.max_seconds(ITERATION_TIMERS, iterations, reset=False)
+                      if self.cfg.logging.log_timers_to_tensorboard else {})
+        print_timing(self.timers.log(ITERATION_TIMERS, iterations))
+        return to_writers
 
     def params_norm(self) -> float:
         """--log-params-norm: the distributed optimizer's pending parameter all-gathers are

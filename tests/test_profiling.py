@@ -1,0 +1,96 @@
+"""--profile (megalm/training/profiling.py): which iterations a torch.profiler trace holds, on
+which ranks, read back from the trace file; and a real training on 2 spawned ranks."""
+
+import glob
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megalm.testing import run_distributed
+from megalm.training.profiling import ProfilerUnavailable, StepProfiler
+
+
+def _cfg(trace_dir, start, end, ranks=(0,), torch_profiler=True, profile=True):
+    return SimpleNamespace(profile=profile, use_pytorch_profiler=torch_profiler, profile_step_start=start,
+                           profile_step_end=end, profile_ranks=list(ranks), tensorboard_dir=str(trace_dir))
+
+
+def _trace(trace_dir, rank=0):
+    files = glob.glob(os.path.join(str(trace_dir), f"rank{rank}.*.pt.trace.json"))
+    assert len(files) == 1, files
+    with open(files[0]) as f:
+        events = json.load(f)["traceEvents"]
+    names = {e.get("name", "") for e in events}
+    return (sorted(n for n in names if n.startswith("iteration ")),
+            sorted(n for n in names if n.startswith("ProfilerStep#")))
+
+
+def _train(profiler, iterations, stop_early_at=None):
+    """A stand-in loop: each step is a labelled matmul, with the trainer's hook calls."""
+    x = torch.randn(32, 32)
+    for it in range(iterations):
+        if it == stop_early_at:
+            break
+        profiler.before_step(it)
+        with torch.profiler.record_function(f"iteration {it}"):
+            x = torch.tanh(x @ x)
+        profiler.after_step(it + 1)
+    profiler.close()
+
+
+def test_window_records_steps_start_to_end_minus_one(tmp_path):
+    _train(StepProfiler(_cfg(tmp_path, 2, 4), rank=0), 6)
+    labels, steps = _trace(tmp_path)
+    assert labels == ["iteration 2", "iteration 3"]  # iteration 1 was the discarded warm-up
+    assert steps == ["ProfilerStep#1", "ProfilerStep#2"]
+
+
+def test_window_from_the_first_step(tmp_path):
+    _train(StepProfiler(_cfg(tmp_path, 0, 2), rank=0), 4)
+    assert _trace(tmp_path)[0] == ["iteration 0", "iteration 1"]
+
+
+def test_training_that_ends_inside_the_window_keeps_what_was_recorded(tmp_path):
+    _train(StepProfiler(_cfg(tmp_path, 1, 10), rank=0), 10, stop_early_at=4)
+    assert _trace(tmp_path)[0] == ["iteration 1", "iteration 2", "iteration 3"]
+
+
+def test_ranks_not_listed_and_runs_without_profile_write_nothing(tmp_path):
+    _train(StepProfiler(_cfg(tmp_path, 0, 2, ranks=(1,)), rank=0), 3)
+    _train(StepProfiler(_cfg(tmp_path, 0, 2, profile=False), rank=0), 3)
+    assert os.listdir(tmp_path) == []
+
+
+def test_resumed_past_the_window_says_so(tmp_path):
+    profiler = StepProfiler(_cfg(tmp_path, 10, 12), rank=0)
+    assert profiler.note_on_resume(9) is None  # step 9 is the warm-up: the window is still ahead
+    assert "--profile-step-start 10 is before the resumed iteration 11" in profiler.note_on_resume(11)
+    assert StepProfiler(_cfg(tmp_path, 10, 12, ranks=(1,)), rank=0).note_on_resume(11) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the nsys path needs no error on a GPU")
+def test_nsys_profiling_without_a_gpu_is_refused():
+    with pytest.raises(ProfilerUnavailable, match="add --use-pytorch-profiler"):
+        StepProfiler(_cfg("unused", 0, 2, torch_profiler=False), rank=0)
+    StepProfiler(_cfg("unused", 0, 2, ranks=(1,), torch_profiler=False), rank=0)  # not profiled here: fine
+
+
+def _pretrain(argv):
+    from tests.training_runs import run_trainings
+
+    return run_trainings([argv])
+
+
+def test_training_traces_the_window_on_the_listed_rank(tmp_path):
+    tb = tmp_path / "tb"
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--max-position-embeddings", "16", "--mock-data", "--vocab-size", "200", "--num-workers", "0",
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "5", "--log-interval", "5",
+            "--eval-iters", "0", "--profile", "--use-pytorch-profiler", "--profile-step-start", "2",
+            "--profile-step-end", "4", "--profile-ranks", "1", "--tensorboard-dir", str(tb)]
+    assert run_distributed(_pretrain, 2, args=(argv,), timeout=240) == [[0], [0]]
+    assert glob.glob(str(tb / "rank0.*")) == []
+    assert _trace(tb, rank=1)[1] == ["ProfilerStep#1", "ProfilerStep#2"]
