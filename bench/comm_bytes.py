@@ -48,7 +48,7 @@ def setup_trainer(argv):
 
 
 def one_step(trainer):
-    from megalm.training.training import train_step
+    from megalm.training.step import train_step
 
     return train_step(trainer.cfg, trainer.forward_step_func, trainer.train_iter, trainer.model, trainer.optimizer,
                       trainer.scheduler, trainer.microbatches.num_microbatches)

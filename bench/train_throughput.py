@@ -235,7 +235,7 @@ class Runner:
 
     def step(self) -> float:
         if self.spec["impl"] == "megalm":
-            from megalm.training.training import train_step
+            from megalm.training.step import train_step
 
             t = self.trainer
             out = train_step(t.cfg, t.forward_step_func, t.train_iter, t.model, t.optimizer, t.scheduler,

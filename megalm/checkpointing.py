@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megalm import parallel_state
+from megalm.async_save import AsyncCheckpointWriter
 from megalm.dist_checkpointing import (ShardedStateDict, ShardedTensorSpec, flat_range_blocks, load_sharded,
                                       save_sharded, saved_tensor_shapes)
 from megalm.parameter_names import canonical_name
@@ -196,8 +197,15 @@ def set_rng_state(state: Dict[str, object]) -> None:
 
 def save_checkpoint(root: str, iteration: int, model_chunks, optimizer=None, scheduler=None,
                     consumed_train_samples: int = 0, consumed_valid_samples: int = 0,
-                    config: Optional[dict] = None, extra: Optional[dict] = None) -> str:
-    """Collective over all ranks.  Returns the iteration directory."""
+                    config: Optional[dict] = None, extra: Optional[dict] = None,
+                    async_writer: Optional[AsyncCheckpointWriter] = None) -> str:
+    """Collective over all ranks.  Returns the iteration directory.
+
+    With ``async_writer`` (``--async-save``) the tensors are staged to CPU now and written in
+    the background; ``common.json`` and the tracker follow when the write is complete (see
+    :mod:`megalm.async_save`)."""
+    if async_writer is not None:
+        async_writer.wait()  # one save in flight: the previous one is complete (tracker written) first
     path = checkpoint_dir(root, iteration)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -211,8 +219,8 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer=None, sch
     specs = model_sharded_state(model_chunks)
     if optimizer is not None:
         specs.update(optimizer_sharded_state(optimizer, model_chunks))
-    save_sharded(specs, path)
     torch.save(get_rng_state(), os.path.join(path, "rng", f"rank_{rank:05d}.pt"))
+    common = None
     if rank == 0:
         common = {
             "format_version": FORMAT_VERSION, "iteration": iteration,
@@ -222,12 +230,43 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer=None, sch
             "optimizer_common": optimizer_common_state(optimizer) if optimizer is not None else None,
             "extra": extra or {}, "saved_at": time.time(),
         }
-        _write_atomic(os.path.join(path, "common.json"), json.dumps(common, indent=1))
-    _barrier()
-    if rank == 0:
-        _write_atomic(os.path.join(root, TRACKER_FILENAME), str(iteration))
-    _barrier()
+    if async_writer is None:
+        save_sharded(specs, path)
+        _write_common(path, common)
+        _barrier()
+        _write_tracker(root, iteration)
+        _barrier()
+        return path
+    staged = stage_to_cpu(specs)
+    group = parallel_state.get_checkpoint_io_group() if dist.is_initialized() else None
+
+    def write_in_background():
+        save_sharded(staged, path, process_group=group)  # returns once every rank's files are written
+        _write_common(path, common)
+        _write_tracker(root, iteration)
+
+    async_writer.submit(iteration, write_in_background)
     return path
+
+
+def stage_to_cpu(specs: ShardedStateDict) -> ShardedStateDict:
+    """A copy of every block in new CPU memory (what an asynchronous save writes)."""
+    def copy(spec: ShardedTensorSpec) -> ShardedTensorSpec:
+        local = spec.local.detach().to("cpu", copy=True)
+        return ShardedTensorSpec(local, spec.global_shape, spec.offsets)
+
+    return {k: [copy(s) for s in v] if isinstance(v, list) else copy(v) for k, v in specs.items()}
+
+
+def _write_common(path: str, common: Optional[dict]) -> None:
+    """Rank 0 (the one holding ``common``) writes ``common.json``, after the tensors."""
+    if common is not None:
+        _write_atomic(os.path.join(path, "common.json"), json.dumps(common, indent=1))
+
+
+def _write_tracker(root: str, iteration: int) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        _write_atomic(os.path.join(root, TRACKER_FILENAME), str(iteration))
 
 
 def _layout() -> dict:

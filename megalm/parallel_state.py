@@ -365,6 +365,22 @@ def get_position_embedding_group():
     return _state().groups.get("position_embedding")
 
 
+# --- checkpoint I/O ------------------------------------------------------------------------
+
+def get_checkpoint_io_group():
+    """A gloo group over the whole world for checkpoint writes in a background thread
+    (``--async-save``): its collectives never interleave with the training's on other groups.
+
+    Created on the first call, which is collective: every rank calls it at the same point (the
+    first asynchronous save)."""
+    s = _state()
+    if "checkpoint_io" not in s.groups:
+        members = list(range(s.world))
+        s.groups["checkpoint_io"] = dist.new_group(members, backend="gloo", timeout=DEFAULT_TIMEOUT)
+        s.ranks["checkpoint_io"] = members
+    return s.groups["checkpoint_io"]
+
+
 def get_all_group_ranks() -> Dict[str, List[int]]:
     """This rank's groups by name (for logging and tests)."""
     return {k: list(v) for k, v in _state().ranks.items()}

@@ -250,7 +250,8 @@ class CheckpointConfig:
     no_load_rng: bool = _f(False, "Do not load random number generator states.")
     finetune: bool = _f(False, "Load weights only and start from iteration 0.")
     ckpt_step: Optional[int] = _f(None, "Load this iteration instead of the latest.")
-    async_save: bool = _f(False, "Write checkpoints in the background.")
+    async_save: bool = _f(False, "Write checkpoint tensors in a background thread after copying them to CPU memory; "
+                                 "the tracker file follows when every rank's write is complete.")
 
 
 @dataclass

@@ -254,6 +254,7 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
 
     # Checkpoints and logging.
     _check(cfg.checkpoint.save_interval is None or cfg.checkpoint.save_interval > 0, "--save-interval must be positive")
+    _check(not cfg.checkpoint.async_save or cfg.checkpoint.save is not None, "--async-save needs --save")
     _check(cfg.logging.log_interval > 0, "--log-interval must be positive")
     _validate_profiling(cfg.logging, world_size)
     return cfg

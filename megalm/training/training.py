@@ -1,9 +1,8 @@
 """The training loop: ``pretrain(...)`` as in Megatron-LM, in readable pieces.
 
-Per iteration: zero the gradient buffers, run the schedule over the microbatches (backward
-of all but the last microbatch without communication), finalize gradients (data-parallel
-bucket reduction, sequence-parallel and tied-embedding reductions), optimizer step (loss
-scale check, clipping), learning-rate step, logging, evaluation, checkpoint, exit checks.
+Per iteration: the training step (:func:`megalm.training.step.train_step`: schedule over the
+microbatches, gradient finalization, optimizer step), learning-rate step, logging, evaluation,
+checkpoint, exit checks.
 """
 
 from __future__ import annotations
@@ -18,15 +17,17 @@ import torch
 import torch.distributed as dist
 
 from megalm import checkpointing, parallel_state
+from megalm.async_save import AsyncCheckpointWriter, AsyncSaveError
 from megalm.config import MegalmConfig, parse_config, set_vocab_size
 from megalm.device import get_device
 from megalm.fusions import BackendUnavailable, compile_stats, plan_fusions
 from megalm.pipeline_parallel import get_forward_backward_func
-from megalm.timers import ITERATION_TIMERS, NULL_TIMERS, SETUP_TIMERS, Timers, timed_iterator
+from megalm.timers import ITERATION_TIMERS, SETUP_TIMERS, Timers
 from megalm.training.initialize import initialize_megalm, world_size_from_env
 from megalm.training.microbatches import MicrobatchCalculator
 from megalm.training.profiling import StepProfiler
 from megalm.training.signals import ExitSignalHandler
+from megalm.training.step import evaluate, train_step
 
 
 @dataclass
@@ -95,72 +96,6 @@ def count_parameters(chunks: Sequence[torch.nn.Module]) -> int:
     return sum(p.numel() for c in chunks for p in c.parameters())
 
 
-# --- one iteration -----------------------------------------------------------------------
-
-def train_step(cfg: MegalmConfig, forward_step_func: Callable, data_iterator, model: List[torch.nn.Module],
-               optimizer, scheduler, num_microbatches: int, timers=NULL_TIMERS) -> Dict[str, object]:
-    from megalm.distributed.finalize_model_grads import finalize_model_grads
-    from megalm.transformer.moe import begin_training_step as begin_moe_step
-
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    begin_moe_step(optimizer.get_loss_scale(), num_microbatches)  # aux-loss backward scale (MoE)
-    forward_backward = get_forward_backward_func()
-    with timers("forward-backward"):
-        reported = forward_backward(forward_step_func=forward_step_func,
-                                    data_iterator=timed_iterator(data_iterator, timers("batch-generator")),
-                                    model=model, num_microbatches=num_microbatches, forward_only=False,
-                                    loss_scale=optimizer.scale_loss, seq_length=cfg.model.seq_length,
-                                    micro_batch_size=cfg.training.micro_batch_size, config=cfg, timers=timers)
-    finalize_model_grads(model, timers=timers)
-    with timers("optimizer"):
-        update_successful, grad_norm, num_zeros = optimizer.step(timers)
-    return {"reported": average_reported(reported), "update_successful": update_successful,
-            "grad_norm": grad_norm}
-
-
-def average_reported(reported: List[Dict]) -> Dict[str, float]:
-    """Mean over microbatches, then over data-parallel ranks (one all-reduce); with pipeline
-    parallelism only the last stage has values and broadcasts them to every stage (collective
-    over the pipeline group: every rank calls this)."""
-    from megalm.pipeline_parallel.reporting import broadcast_from_last_stage
-
-    return broadcast_from_last_stage(_average_over_microbatches_and_dp(reported))
-
-
-def _average_over_microbatches_and_dp(reported: List[Dict]) -> Dict[str, float]:
-    if not reported:
-        return {}
-    keys = sorted(reported[0])
-    local = torch.tensor([[float(r[k]) for k in keys] for r in reported], dtype=torch.float64).mean(0)
-    if parallel_state.get_data_parallel_world_size() > 1:
-        local = local.to(get_device())
-        dist.all_reduce(local, group=parallel_state.get_data_parallel_group())
-        local = local.cpu() / parallel_state.get_data_parallel_world_size()
-    return {k: float(v) for k, v in zip(keys, local)}
-
-
-def evaluate(cfg: MegalmConfig, forward_step_func: Callable, data_iterator, model: List[torch.nn.Module],
-             eval_iters: int, num_microbatches: int) -> Dict[str, float]:
-    """Forward-only over ``eval_iters`` global batches; mean of each reported value."""
-    for chunk in model:
-        chunk.eval()
-    forward_backward = get_forward_backward_func()
-    totals: Dict[str, float] = {}
-    with torch.no_grad():
-        for _ in range(eval_iters):
-            reported = forward_backward(forward_step_func=forward_step_func, data_iterator=data_iterator,
-                                        model=model, num_microbatches=num_microbatches, forward_only=True,
-                                        seq_length=cfg.model.seq_length,
-                                        micro_batch_size=cfg.training.micro_batch_size, config=cfg)
-            for k, v in average_reported(reported).items():
-                totals[k] = totals.get(k, 0.0) + v / eval_iters
-    for chunk in model:
-        chunk.train()
-    return totals
-
-
 # --- the loop ----------------------------------------------------------------------------
 
 def pretrain(model_provider: Callable, forward_step_func: Callable, argv: Optional[Sequence[str]] = None,
@@ -199,6 +134,7 @@ class Trainer:
         get_forward_backward_func()  # fail early if the layout's schedule is not available
         self.timers = Timers.from_config(cfg.logging)
         self.profiler = StepProfiler(cfg.logging, dist.get_rank())
+        self.async_writer = AsyncCheckpointWriter() if cfg.checkpoint.async_save else None
         self.tokenizer = self._build_tokenizer()
         self.timers("model-and-optimizer-setup").start()
         chunks = build_model_chunks(cfg, self.model_provider)
@@ -386,6 +322,7 @@ class Trainer:
             if reason:
                 if c.save and saved_at != state.iteration:
                     self.save()
+                self.complete_async_save()
                 print_rank_0(f"[megalm] exiting at iteration {state.iteration}: {reason}")
                 self.profiler.close()
                 checkpointing.finish_param_sync(self.model)  # overlapped parameter all-gathers
@@ -397,6 +334,7 @@ class Trainer:
         checkpointing.finish_param_sync(self.model)  # the last step's overlapped parameter all-gathers
         if cfg.checkpoint.save and saved_at != state.iteration:
             self.save()
+        self.complete_async_save()
 
     def exit_reason(self) -> Optional[str]:
         t, state = self.cfg.training, self.state
@@ -420,14 +358,37 @@ class Trainer:
         return None
 
     def save(self) -> None:
+        """Save (collective); with --async-save the time shown is what training waited for: the
+        previous background save, staging and the RNG files."""
         state = self.state
         self.timers("save-checkpoint").start(barrier=True)
+        self.complete_async_save()
         checkpointing.save_checkpoint(self.cfg.checkpoint.save, state.iteration, self.model, self.optimizer,
                                       self.scheduler, state.consumed_train_samples, state.consumed_valid_samples,
-                                      config=self.cfg.to_dict())
+                                      config=self.cfg.to_dict(), async_writer=self.async_writer)
         self.timers("save-checkpoint").stop(barrier=True)
-        print_rank_0(f"[megalm] saved checkpoint at iteration {state.iteration} to {self.cfg.checkpoint.save}")
+        how = "started saving" if self.async_writer is not None else "saved"
+        print_rank_0(f"[megalm] {how} checkpoint at iteration {state.iteration} to {self.cfg.checkpoint.save}"
+                     + (" in the background" if self.async_writer is not None else ""))
         print_timing(self.timers.log(["save-checkpoint"]))  # collective
+
+    def complete_async_save(self) -> None:
+        """Wait for the background save in flight (--async-save); collective, so that a write
+        that failed on any rank stops every rank with its message."""
+        if self.async_writer is None:
+            return
+        message, iteration = "", None
+        try:
+            iteration = self.async_writer.wait()
+        except AsyncSaveError as e:
+            message = str(e)
+        failed = torch.tensor([1.0 if message else 0.0], device=get_device())
+        if dist.is_initialized():
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item() > 0:
+            raise SystemExit(f"error: {message or 'a background checkpoint save failed on another rank'}")
+        if iteration is not None:
+            print_rank_0(f"[megalm] finished saving checkpoint at iteration {iteration} in the background")
 
     # -- logging and evaluation --
     def log_training(self, log: "IntervalStats") -> None:
