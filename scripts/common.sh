@@ -22,6 +22,7 @@
 #   WANDB_PROJECT []  WANDB_EXP_NAME [$MODEL_NAME]
 #   SAVE_INTERVAL [1000]  LOG_INTERVAL [10]  EVAL_INTERVAL [1000]  EVAL_ITERS [10]
 #   TIMING_LOG_LEVEL [0]  (0 | 1 | 2: per-phase timers in the log; above 0 also to TensorBoard)
+#   ASYNC_SAVE [0]    1: --async-save (checkpoints written in the background)
 #   PRECISION [bf16]  (bf16 | fp16 | fp32 | auto: bf16 on a GPU or a CPU with native bf16
 #                     instructions, else fp32; the tiny CPU scripts' default)  PYTHON [python3]
 #   SEQUENCE_PARALLEL [1]  (adds --sequence-parallel when TP > 1)
@@ -70,7 +71,7 @@ megalm_launch() {
     : "${CHECKPOINT_DIR:=$RUN_DIR/checkpoints}" "${LOAD_DIR:=$CHECKPOINT_DIR}"
     : "${TENSORBOARD_DIR:=$RUN_DIR/tensorboard}" "${METRICS_FILE:=$RUN_DIR/metrics.jsonl}"
     : "${SAVE_INTERVAL:=1000}" "${LOG_INTERVAL:=10}" "${EVAL_INTERVAL:=1000}" "${EVAL_ITERS:=10}"
-    : "${TIMING_LOG_LEVEL:=0}"
+    : "${TIMING_LOG_LEVEL:=0}" "${ASYNC_SAVE:=0}"
     : "${SPLIT:=969,30,1}" "${NUM_WORKERS:=2}"
 
     local parallel=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
@@ -138,6 +139,9 @@ megalm_launch() {
     # Megatron's auto-resume: with --load = --save, the first launch starts from scratch and every
     # later one resumes.  A LOAD_DIR of its own must hold a checkpoint (megalm fails otherwise).
     local checkpoint=(--save "$CHECKPOINT_DIR" --save-interval "$SAVE_INTERVAL" --load "$LOAD_DIR")
+    if [[ "$ASYNC_SAVE" == 1 ]]; then
+        checkpoint+=(--async-save)
+    fi
 
     local logging=(--log-interval "$LOG_INTERVAL" --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS"
                    --tensorboard-dir "$TENSORBOARD_DIR" --metrics-file "$METRICS_FILE"

@@ -30,7 +30,7 @@ SCRIPT_ENV = ("GPUS_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_POR
               "LR_DECAY_ITERS", "LR_WARMUP_ITERS", "DATA_PATH", "DATA_CACHE_PATH", "SPLIT", "NUM_WORKERS",
               "TOKENIZER_MODEL", "TOKENIZER_TYPE", "VOCAB_SIZE", "VOCAB_FILE", "MERGE_FILE", "RUN_DIR", "CHECKPOINT_DIR", "LOAD_DIR",
               "TENSORBOARD_DIR", "METRICS_FILE", "WANDB_PROJECT", "WANDB_EXP_NAME", "SAVE_INTERVAL",
-              "LOG_INTERVAL", "EVAL_INTERVAL", "EVAL_ITERS", "TIMING_LOG_LEVEL", "PRECISION", "SEQUENCE_PARALLEL", "RECOMPUTE",
+              "LOG_INTERVAL", "EVAL_INTERVAL", "EVAL_ITERS", "TIMING_LOG_LEVEL", "ASYNC_SAVE", "PRECISION", "SEQUENCE_PARALLEL", "RECOMPUTE",
               "RECOMPUTE_NUM_LAYERS", "VP_LAYERS", "DIST_OPT", "EP", "DRY_RUN", "PYTHON", "SLURM_JOB_NODELIST", "SLURM_NNODES",
               "SLURM_NODEID", "SLURM_SUBMIT_DIR", "SLURM_GPUS_ON_NODE")
 
@@ -206,7 +206,7 @@ def test_environment_overrides_and_extra_flags(tmp_path):
            "DATA_PATH": "0.7 /data/a_text_document 0.3 /data/b_text_document",
            "TOKENIZER_MODEL": "/models/llama-2/tokenizer.model", "CHECKPOINT_DIR": str(tmp_path / "ckpt"),
            "TENSORBOARD_DIR": str(tmp_path / "tb"), "WANDB_PROJECT": "proj", "DIST_OPT": "1", "RECOMPUTE": "full",
-           "TIMING_LOG_LEVEL": "2"}
+           "TIMING_LOG_LEVEL": "2", "ASYNC_SAVE": "1"}
     launcher, flags = run_script(SCRIPTS_DIR / "pretrain_llama2_70b.sh", "--lr", "1e-5", "--min-lr", "1e-6", "--log-interval", "1", env=env)
     opts = launcher_options(launcher)
     assert opts == {"--nproc_per_node": "4", "--nnodes": "2", "--node_rank": "1", "--master_addr": "node-a",
@@ -225,6 +225,7 @@ def test_environment_overrides_and_extra_flags(tmp_path):
     assert cfg.logging.tensorboard_dir == str(tmp_path / "tb") and cfg.logging.wandb_project == "proj"
     assert cfg.model.recompute_granularity == "full" and cfg.model.recompute_method == "uniform"
     assert cfg.logging.timing_log_level == 2 and cfg.logging.log_timers_to_tensorboard
+    assert cfg.checkpoint.async_save
 
 
 def test_tiny_cpu_with_real_data_and_tokenizer():
@@ -235,6 +236,7 @@ def test_tiny_cpu_with_real_data_and_tokenizer():
     assert cfg.data.tokenizer_type == "SentencePieceTokenizer" and cfg.data.tokenizer_model == "data/tok.model"
     assert cfg.training.train_iters == 3 and cfg.training.lr_warmup_iters < cfg.training.lr_decay_iters
     assert cfg.logging.timing_log_level == 0 and not cfg.logging.log_timers_to_tensorboard
+    assert not cfg.checkpoint.async_save
 
 
 def test_gpt2_bpe_files_from_the_environment():

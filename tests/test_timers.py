@@ -219,6 +219,8 @@ def trained(tmp_path_factory):
 
     runs = [
         ("pp2_level2", argv("pp2_level2", *PP2, "--timing-log-level", "2", "--log-timers-to-tensorboard",
+                            "--log-memory-to-tensorboard", "--log-world-size-to-tensorboard",
+                            "--log-validation-ppl-to-tensorboard",
                             "--tensorboard-dir", os.path.join(tmp, "tb"), "--save", os.path.join(tmp, "ck"),
                             "--save-interval", "4")),
         ("pp2_level0", argv("pp2_level0", *PP2)),
@@ -291,6 +293,23 @@ def test_level_2_writers_get_the_slowest_rank_per_iteration(trained):
     acc.Reload()
     written = [e.value for e in acc.Scalars("forward-backward-time")]
     assert written == pytest.approx([r["forward-backward-time"] for r in rows], rel=1e-6)
+
+
+def test_memory_and_world_size_go_to_the_writers_only(trained):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rows = records(trained, "pp2_level2")
+    rss = [r["mem-max-rss-bytes"] for r in rows]
+    assert [r["world-size"] for r in rows] == [2, 2]
+    assert 50 * 2**20 < rss[0] <= rss[1] < 8 * 2**30  # the process's peak RSS: positive, never decreasing
+    report = re.search(r"memory per rank \(peak RSS, MB\): rank 0: \d+, rank 1: (\d+)", _log(trained, "pp2_level2", 0))
+    assert abs(int(report.group(1)) - rss[0] / 2**20) <= 2  # the report printed at the same log line
+    acc = EventAccumulator(os.path.join(trained, "tb"))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("world-size")] == [2.0, 2.0]
+    assert [e.value for e in acc.Scalars("mem-max-rss-bytes")] == pytest.approx(rss)
+    line = [ln for ln in _log(trained, "pp2_level2", 1).splitlines() if ln.startswith(" iteration")][0]
+    assert "mem" not in line and "world" not in line  # not printed as losses
 
 
 def test_timers_do_not_change_the_numbers(trained):

@@ -274,6 +274,12 @@ class LoggingConfig:
                                   "(see megalm/timers.py).", choices=[0, 1, 2])
     timing_log_option: str = _f("minmax", "Timer values shown across ranks: max, minmax or all.",
                                 choices=["max", "minmax", "all"])
+    log_memory_to_tensorboard: bool = _f(False, "Also write this rank's memory (CUDA: mem-reserved-bytes, "
+                                                "mem-allocated-bytes, mem-max-allocated-bytes, mem-allocated-count; "
+                                                "CPU: mem-max-rss-bytes) to TensorBoard, W&B and the metrics file.")
+    log_world_size_to_tensorboard: bool = _f(False, "Also write world-size to TensorBoard, W&B and the metrics file.")
+    log_validation_ppl_to_tensorboard: bool = _f(False, "Accepted for Megatron-LM scripts: validation perplexity is "
+                                                        "always logged (lm loss <split> ppl).")
     log_timers_to_tensorboard: bool = _f(False, "Also write the timers (slowest rank, seconds per iteration) to "
                                                 "TensorBoard, W&B and the metrics file as <name>-time.")
     barrier_with_level_1_timing: bool = _f(True, "Do not start level-1 timers with a barrier over all ranks.",

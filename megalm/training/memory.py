@@ -40,6 +40,19 @@ def peak_memory_bytes(device: Optional[torch.device] = None) -> int:
     return int(peak_memory(device)["peak_bytes"])
 
 
+def memory_scalars(device: Optional[torch.device] = None) -> Dict[str, int]:
+    """``--log-memory-to-tensorboard``: Megatron's ``mem-*`` scalars of this rank on CUDA
+    (allocator bytes and the live allocation count), the peak RSS on CPU."""
+    m = peak_memory(device)
+    if m["kind"] != "cuda":
+        return {"mem-max-rss-bytes": int(m["peak_bytes"])}
+    stats = torch.cuda.memory_stats(device)
+    return {"mem-reserved-bytes": int(stats.get("reserved_bytes.all.current", 0)),
+            "mem-allocated-bytes": int(stats.get("allocated_bytes.all.current", 0)),
+            "mem-max-allocated-bytes": int(m["peak_bytes"]),
+            "mem-allocated-count": int(stats.get("allocation.all.current", 0))}
+
+
 def reset_peak_memory(device: Optional[torch.device] = None) -> None:
     """Reset CUDA peak statistics (no-op on CPU, where the OS keeps the peak RSS)."""
     if torch.cuda.is_available() and (device is None or device.type == "cuda"):

@@ -419,9 +419,21 @@ class Trainer:
         if is_logging_rank():
             print(format_log_line(record, self.train_iters), flush=True)
         record.update(self._log_timers(log.iterations))
+        record.update(self._writer_only_scalars())
         self.metrics.log_iteration(record)
         if cfg.logging.log_memory and not self.memory_reported:
             self.report_memory()
+
+    def _writer_only_scalars(self) -> dict:
+        """--log-memory-to-tensorboard / --log-world-size-to-tensorboard (not in the console line)."""
+        from megalm.training.memory import memory_scalars
+
+        lg, values = self.cfg.logging, {}
+        if lg.log_memory_to_tensorboard:
+            values.update(memory_scalars(get_device()))
+        if lg.log_world_size_to_tensorboard:
+            values["world-size"] = dist.get_world_size() if dist.is_initialized() else 1
+        return values
 
     def _log_timers(self, iterations: int) -> dict:
         """The interval's per-phase timing block (collective; nothing at --timing-log-level 0);
