@@ -26,8 +26,9 @@ def flops_per_step(shape: dict) -> float:
     return num_floating_point_operations(m, shape["micro_batch"])
 
 
-def measure_peaks(warmup_s: float = 1.0, repeats: int = 3) -> Dict[str, dict]:
-    """megalm's device peak (CPU: a measured 1024^3 matmul) per precision, at THREADS threads."""
+def measure_peaks(warmup_s: float = 1.0, repeats: int = 3, precisions=("fp32", "bf16")) -> Dict[str, dict]:
+    """megalm's device peak (CPU: a measured 1024^3 matmul) per precision in ``precisions``, at
+    THREADS threads (only those measured: a CPU without native bf16 takes seconds per bf16 matmul)."""
     import torch
     from megalm.training import flops
     from megalm.training.flops import device_peak_flops
@@ -35,6 +36,8 @@ def measure_peaks(warmup_s: float = 1.0, repeats: int = 3) -> Dict[str, dict]:
     torch.set_num_threads(THREADS)
     out = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        if name not in precisions:
+            continue
         # megalm measures once, after a single warm-up matmul; the first matmuls of a process run
         # well below the steady rate here, so warm up for ~1 s first and keep the best of several.
         a = torch.randn(1024, 1024).to(dtype)

@@ -427,7 +427,7 @@ def run_group(shape_name: str, configs: List[dict], args, steps: int, log_dir: s
                 res[w.name].update(last_loss=r["losses"][-1], compile_end=r.get("compile"))
                 if res[w.name]["first_loss"] is None:
                     res[w.name]["first_loss"] = r["losses"][0]
-            update_peaks(peaks, measure_peaks(0.2, 1))  # between blocks: nothing else of ours computes
+            update_peaks(peaks, measure_peaks(0.2, 1, args.precision))  # between blocks: nothing else of ours computes
             print(f"  round {rnd + 1}/{args.rounds}: " + ", ".join(
                 f"{w.name.split('-', 1)[1]} {statistics.median(res[w.name]['times']) * 1e3:.0f} ms" for w in workers),
                 file=sys.stderr, flush=True)
@@ -557,7 +557,7 @@ def main(argv=None) -> List[dict]:
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="megalm-train-throughput-")
     os.makedirs(log_dir, exist_ok=True)
     t_start = time.perf_counter()
-    peaks = measure_peaks(*((0.2, 1) if args.quick else (1.0, 3)))
+    peaks = measure_peaks(*((0.2, 1) if args.quick else (1.0, 3)), precisions=args.precision)
     print(f"matmul peaks ({THREADS} threads): " + ", ".join(
         f"{k} {v['flops'] / 1e9:.0f} GFLOP/s ({v['source']})" for k, v in peaks.items()), file=sys.stderr)
     rows: List[dict] = []
@@ -577,9 +577,9 @@ def main(argv=None) -> List[dict]:
     print(f"\nTraining-step throughput, {THREADS} threads, fwd+bwd+AdamW; median of "
           f"{len(rows[0]['step_times_s'])} alternated steps per row" if rows else "")
     print(markdown_table(rows))
-    print(f"\nMFU against the best matmul peak measured during the run: fp32 {peaks['fp32']['flops'] / 1e9:.0f} "
-          f"GFLOP/s, bf16 {peaks['bf16']['flops'] / 1e9:.0f} GFLOP/s (megalm's device_peak_flops: a 1024^3 matmul, "
-          f"best of {peaks['fp32']['measurements']}); "
+    measured = ", ".join(f"{k} {v['flops'] / 1e9:.0f} GFLOP/s" for k, v in peaks.items())
+    print(f"\nMFU against the best matmul peak measured during the run: {measured} (megalm's device_peak_flops: a "
+          f"1024^3 matmul, best of {next(iter(peaks.values()))['measurements']}); "
           f"FLOPs per step: " + ", ".join(f"{s} {flops_per_step(SHAPES[s]) / 1e9:.1f} G" for s in args.shapes)
           + f". torch {torch.__version__}, transformers {tf_version}. Total {elapsed:.0f} s.")
     for note in notes(rows):
