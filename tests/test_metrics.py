@@ -156,6 +156,11 @@ def test_device_peak_mfu_and_memory():
     assert flops._table_entry("NVIDIA H100 PCIe") is flops.DEVICE_PEAK_FLOPS["H100 PCIe"]
     peak, source = flops.device_peak_flops(torch.float32, device=torch.device("cpu"))
     assert source.startswith("measured") and 1e9 < peak < 1e13
+    for half, key in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        if not flops.cpu_has_native_half(half):  # this machine: the fp32 matmul, in milliseconds
+            assert flops.device_peak_flops(half, device=torch.device("cpu")) == (
+                flops.measure_matmul_flops(torch.float32), f"measured: 1024^3 fp32 matmul (this CPU has no native "
+                                                           f"{key} instructions)")
     assert flops.tflops_per_rank(8e12, 2.0, 2) == pytest.approx(2.0)
     assert flops.mfu(8e12, 2.0, 2, peak_flops=4e12) == pytest.approx(0.5)
     before = memory.peak_memory_bytes()

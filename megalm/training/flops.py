@@ -108,7 +108,20 @@ _MEASURED: dict = {}
 def cpu_has_native_bf16() -> bool:
     """Whether oneDNN has fast bf16 kernels on this CPU (AVX512-BF16 or AMX); without them a bf16
     matmul ran at ~1 GFLOP/s where fp32 ran at ~190 (an AVX2-only machine)."""
-    check = getattr(getattr(torch.ops, "mkldnn", None), "_is_mkldnn_bf16_supported", None)
+    return _mkldnn_supports("_is_mkldnn_bf16_supported")
+
+
+def cpu_has_native_half(dtype: torch.dtype) -> bool:
+    """bf16 as :func:`cpu_has_native_bf16`; fp16 likewise (AVX512-FP16 or AMX-FP16); fp32: True."""
+    if dtype == torch.bfloat16:
+        return cpu_has_native_bf16()
+    if dtype == torch.float16:
+        return _mkldnn_supports("_is_mkldnn_fp16_supported")
+    return True
+
+
+def _mkldnn_supports(check_name: str) -> bool:
+    check = getattr(getattr(torch.ops, "mkldnn", None), check_name, None)
     try:
         return bool(check()) if check is not None else True
     except Exception:  # noqa: BLE001 - an odd build: assume yes, the MFU line shows the truth
@@ -156,6 +169,11 @@ def device_peak_flops(dtype: torch.dtype = torch.bfloat16, override: Optional[fl
         if entry is not None and key in entry:
             return entry[key], f"table: {name} {key}"
     n = 1024
+    if device.type == "cpu" and not cpu_has_native_half(dtype):
+        # Half-precision matmuls without native instructions run ~100x below fp32 (seconds per
+        # measurement): the machine's peak is its fp32 one, and MFU says how much of it is used.
+        return (measure_matmul_flops(torch.float32, n=n, device=device),
+                f"measured: {n}^3 fp32 matmul (this CPU has no native {_DTYPE_KEY.get(dtype, dtype)} instructions)")
     return measure_matmul_flops(dtype, n=n, device=device), f"measured: {n}^3 {_DTYPE_KEY.get(dtype, dtype)} matmul"
 
 

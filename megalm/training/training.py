@@ -168,13 +168,15 @@ class Trainer:
         print_timing(self.timers.log(SETUP_TIMERS))  # collective
 
     def _device_peak(self):
-        from megalm.training.flops import cpu_has_native_bf16, device_peak_flops
+        from megalm.training.flops import cpu_has_native_half, device_peak_flops
 
         t = self.cfg.training
         dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
-        if get_device().type == "cpu" and dtype == torch.bfloat16 and not cpu_has_native_bf16():
-            print_rank_0("[megalm] warning: this CPU has no native bf16 matrix instructions (oneDNN reports none): "
-                         "--bf16 matmuls run orders of magnitude slower than fp32 here; drop --bf16 to train in fp32")
+        if get_device().type == "cpu" and not cpu_has_native_half(dtype):
+            flag = "--bf16" if t.bf16 else "--fp16"
+            print_rank_0(f"[megalm] warning: this CPU has no native {flag[2:]} matrix instructions (oneDNN reports "
+                         f"none): {flag} matmuls run orders of magnitude slower than fp32 here; drop {flag} to train "
+                         f"in fp32")
         peak, source = device_peak_flops(dtype, self.cfg.logging.device_peak_flops, get_device())
         print_rank_0(f"[megalm] device peak for MFU: {peak / 1e12:.3f} TFLOP/s per rank ({source})")
         return peak, source
