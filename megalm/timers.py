@@ -31,8 +31,9 @@ iteration (accumulated / iterations) in milliseconds, gathered from every rank (
 * ``max``: the slowest rank;
 * ``all``: every rank.
 
-On CUDA a timer synchronizes the device at start and stop, so a phase's time includes its
-kernels; level-1 timers also start with a barrier over the world (unless
+Each running timer is also a ``record_function`` range, so ``--profile --use-pytorch-profiler``
+traces show the phases by these names.  On CUDA a timer synchronizes the device at start and
+stop, so a phase's time includes its kernels; level-1 timers also start with a barrier over the world (unless
 ``--no-barrier-with-level-1-timing``) so that waiting for other ranks is not counted as work.
 TensorBoard (``--log-timers-to-tensorboard``) and the metrics file get ``<name>-time``: the
 slowest rank's seconds per iteration, as Megatron writes it.
@@ -110,6 +111,7 @@ class Timer:
         self.barrier_on_start = barrier_on_start
         self._elapsed = 0.0
         self._started_at: Optional[float] = None
+        self._range = None
 
     @property
     def running(self) -> bool:
@@ -121,6 +123,8 @@ class Timer:
         if (self.barrier_on_start if barrier is None else barrier) and dist.is_initialized():
             dist.barrier()
         self._synchronize()
+        self._range = torch.autograd.profiler.record_function(self.name)  # a named range in --profile traces
+        self._range.__enter__()
         self._started_at = self._clock()
 
     def stop(self, barrier: bool = False) -> None:
@@ -131,6 +135,8 @@ class Timer:
         self._synchronize()
         self._elapsed += self._clock() - self._started_at
         self._started_at = None
+        self._range.__exit__(None, None, None)
+        self._range = None
 
     def elapsed(self, reset: bool = True) -> float:
         """Accumulated seconds (a running timer counts up to now and keeps running)."""

@@ -90,7 +90,17 @@ def test_training_traces_the_window_on_the_listed_rank(tmp_path):
             "--max-position-embeddings", "16", "--mock-data", "--vocab-size", "200", "--num-workers", "0",
             "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "5", "--log-interval", "5",
             "--eval-iters", "0", "--profile", "--use-pytorch-profiler", "--profile-step-start", "2",
-            "--profile-step-end", "4", "--profile-ranks", "1", "--tensorboard-dir", str(tb)]
+            "--profile-step-end", "4", "--profile-ranks", "1", "--tensorboard-dir", str(tb),
+            "--timing-log-level", "2"]
     assert run_distributed(_pretrain, 2, args=(argv,), timeout=240) == [[0], [0]]
     assert glob.glob(str(tb / "rank0.*")) == []
     assert _trace(tb, rank=1)[1] == ["ProfilerStep#1", "ProfilerStep#2"]
+    phases = _event_names(tb, rank=1)  # the timers' ranges name the phases in the trace
+    assert {"forward-backward", "forward-compute", "backward-compute", "optimizer", "optimizer-inner-step",
+            "all-grads-sync", "batch-generator"} <= phases
+
+
+def _event_names(trace_dir, rank):
+    (path,) = glob.glob(os.path.join(str(trace_dir), f"rank{rank}.*.pt.trace.json"))
+    with open(path) as f:
+        return {e.get("name", "") for e in json.load(f)["traceEvents"]}
