@@ -124,9 +124,11 @@ def trained(tmp_path_factory):
               "--ckpt-step", "2", "--async-save"), os.path.join(tmp, "resume.seen")),
         (argv("sync", "--train-iters", "6", "--save", os.path.join(tmp, "ck_sync"), "--save-interval", "2"),
          os.path.join(tmp, "sync.seen")),
+        (argv("exit", "--train-iters", "6", "--save", os.path.join(tmp, "ck_exit"), "--save-interval", "100",
+              "--exit-interval", "3", "--async-save"), os.path.join(tmp, "exit.seen")),
     ]
     codes = run_distributed(_slowed_trainings, 2, args=(runs, 1.0), timeout=300)
-    assert codes == [[0, 0, 0]] * 2, codes
+    assert codes == [[0, 0, 0, 0]] * 2, codes
     return tmp
 
 
@@ -156,6 +158,14 @@ def test_async_checkpoints_hold_the_state_of_their_iteration(trained):
     assert len(full) == 6 and resumed == full[2:]
     assert losses(trained, "sync") == full  # the same numbers as synchronous saving
     assert [r["iteration"] for r in records(trained, "resume2")] == [3, 4, 5, 6]
+
+
+def test_exit_interval_waits_for_the_background_save(trained):
+    ck = os.path.join(trained, "ck_exit")
+    assert [s["path"] for s in _seen(os.path.join(trained, "exit.seen"), 0)] == ["iter_0000003"]
+    assert open(os.path.join(ck, TRACKER_FILENAME)).read() == "3"  # written before the process exited
+    assert os.path.isfile(os.path.join(ck, "iter_0000003", "common.json"))
+    assert [r["iteration"] for r in records(trained, "exit")] == [1, 2, 3]
 
 
 def test_sync_saves_never_use_the_background_thread(trained):
