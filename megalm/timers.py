@@ -42,7 +42,7 @@ slowest rank's seconds per iteration, as Megatron writes it.
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -215,21 +215,22 @@ class Timers:
         dist.all_gather(every, local)
         return torch.stack(every).cpu()
 
+    def report(self, names: Sequence[str], normalizer: float = 1.0,
+               reset: bool = True) -> Tuple[Optional[str], Dict[str, float]]:
+        """From one gather (collective over the world): the timing block for ``names`` (None when
+        nothing ran) and ``{"<name>-time": slowest rank's seconds / normalizer}`` for the timers
+        that ran (what the writers get)."""
+        names = self.names_at_level(names)
+        if not names:
+            return None, {}
+        times = self.gather(names, reset)
+        slowest = {f"{n}-time": float(times[:, i].max()) / normalizer for i, n in enumerate(names)
+                   if (times[:, i] > 0).any()}
+        return format_times(names, times, normalizer, self.log_option), slowest
+
     def log(self, names: Sequence[str], normalizer: float = 1.0, reset: bool = True) -> Optional[str]:
         """The timing block for ``names`` (collective over the world; None when nothing ran)."""
-        names = self.names_at_level(names)
-        if not names:
-            return None
-        return format_times(names, self.gather(names, reset), normalizer, self.log_option)
-
-    def max_seconds(self, names: Sequence[str], normalizer: float = 1.0, reset: bool = True) -> Dict[str, float]:
-        """``{"<name>-time": slowest rank's seconds / normalizer}`` for timers that ran (collective)."""
-        names = self.names_at_level(names)
-        if not names:
-            return {}
-        times = self.gather(names, reset)
-        return {f"{n}-time": float(times[:, i].max()) / normalizer for i, n in enumerate(names)
-                if (times[:, i] > 0).any()}
+        return self.report(names, normalizer, reset)[0]
 
 
 def format_times(names: Sequence[str], times: torch.Tensor, normalizer: float, option: str) -> Optional[str]:

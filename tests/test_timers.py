@@ -118,8 +118,8 @@ def test_single_process_log_and_max_seconds():
     for _ in range(4):  # four iterations of 30 ms forward-backward
         with timers("forward-backward"):
             clock.now += 0.030
-    assert timers.max_seconds(ITERATION_TIMERS, 4, reset=False) == {"forward-backward-time": pytest.approx(0.030)}
-    block = timers.log(ITERATION_TIMERS, 4)
+    block, slowest = timers.report(ITERATION_TIMERS, 4)
+    assert slowest == {"forward-backward-time": pytest.approx(0.030)}
     assert block == ("(min, max) time across ranks (ms):\n"
                      "    forward-backward ...............................: (30.00, 30.00)")
     assert timers.log(ITERATION_TIMERS, 4) is None  # reset by the previous log

@@ -28,6 +28,7 @@ def apply_checkpoint_args(cfg: MegalmConfig, given: Collection[str]) -> List[str
     """Copy the saved fields into ``cfg`` unless their ``section.field`` is in ``given`` (flags on
     the command line); returns the ``section.field`` names copied."""
     from megalm.checkpointing import CheckpointError, find_checkpoint, read_common
+    from megalm.tokenizers.null_tokenizer import NullTokenizer
 
     c = cfg.checkpoint
     if not c.load:
@@ -49,6 +50,6 @@ def apply_checkpoint_args(cfg: MegalmConfig, given: Collection[str]) -> List[str
     # (its ids, to which it adds the end-of-document id).
     if "model.vocab_size" not in given and saved.data.tokenizer_type == "NullTokenizer" \
             and saved.model.vocab_size is not None and cfg.data.tokenizer_type == "NullTokenizer":
-        cfg.model.vocab_size = saved.model.vocab_size - 1
+        cfg.model.vocab_size = NullTokenizer.ids_for(saved.model.vocab_size)
         copied.append("model.vocab_size")
     return copied

@@ -27,10 +27,7 @@ class MegatronPretrainingSampler:
             raise ValueError(f"no samples to consume: total_samples = {total_samples}")
         if not 0 <= consumed_samples <= total_samples:
             raise ValueError(f"consumed_samples {consumed_samples} is outside [0, total_samples {total_samples}]")
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-        if not 0 <= data_parallel_rank < data_parallel_size:
-            raise ValueError(f"data_parallel_rank {data_parallel_rank} is outside [0, {data_parallel_size})")
+        _check_micro_batch_layout(micro_batch_size, data_parallel_rank, data_parallel_size)
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
@@ -142,12 +139,7 @@ def epoch_generator_seed(seed: int, epoch: int) -> int:
 def _check_random_sampler_args(total_samples: int, consumed_samples: int, micro_batch_size: int,
                                data_parallel_rank: int, data_parallel_size: int) -> None:
     """ValueError naming the first bad argument of :class:`MegatronPretrainingRandomSampler`."""
-    if micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    if data_parallel_size < 1:
-        raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
-    if not 0 <= data_parallel_rank < data_parallel_size:
-        raise ValueError(f"data_parallel_rank {data_parallel_rank} is outside [0, {data_parallel_size})")
+    _check_micro_batch_layout(micro_batch_size, data_parallel_rank, data_parallel_size)
     step = micro_batch_size * data_parallel_size
     if total_samples < step:
         raise ValueError(f"total_samples {total_samples} is less than one step of micro_batch_size x "
@@ -157,3 +149,13 @@ def _check_random_sampler_args(total_samples: int, consumed_samples: int, micro_
     if consumed_samples % step:
         raise ValueError(f"consumed_samples {consumed_samples} is not a multiple of micro_batch_size x "
                          f"data_parallel_size = {step}")
+
+
+def _check_micro_batch_layout(micro_batch_size: int, data_parallel_rank: int, data_parallel_size: int) -> None:
+    """ValueError for a micro-batch size or data-parallel rank / size either sampler cannot use."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    if data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+    if not 0 <= data_parallel_rank < data_parallel_size:
+        raise ValueError(f"data_parallel_rank {data_parallel_rank} is outside [0, {data_parallel_size})")

@@ -313,6 +313,7 @@ def tokenizer_for(cfg, tokenizer_type: Optional[str] = None, tokenizer_model: Op
     """The tokenizer named by the flags, else the one in the checkpoint's config.  A file flag
     not given is taken from the config when the type is the config's."""
     from megalm.tokenizers.build import create_tokenizer
+    from megalm.tokenizers.null_tokenizer import NullTokenizer
 
     kind = tokenizer_type or cfg.data.tokenizer_type
     if kind is None:
@@ -322,7 +323,7 @@ def tokenizer_for(cfg, tokenizer_type: Optional[str] = None, tokenizer_model: Op
         vocab_file = vocab_file or cfg.data.vocab_file
         merge_file = merge_file or cfg.data.merge_file
     if kind == "NullTokenizer" and vocab_size is None:
-        vocab_size = cfg.model.vocab_size - 1  # the saved vocab_size is the tokenizer's (ids + EOD)
+        vocab_size = NullTokenizer.ids_for(cfg.model.vocab_size)  # the saved vocab_size is the tokenizer's
     tokenizer = create_tokenizer(kind, tokenizer_model, vocab_size, vocab_file, merge_file)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"tokenizer vocabulary {tokenizer.vocab_size} is larger than the model's "

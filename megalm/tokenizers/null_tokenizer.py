@@ -17,6 +17,12 @@ class NullTokenizer(Tokenizer):
             raise ValueError(f"NullTokenizer needs --vocab-size >= 1, got {vocab_size!r}")
         self._ids = int(vocab_size)
 
+    @staticmethod
+    def ids_for(tokenizer_vocab_size: int) -> int:
+        """The ``--vocab-size`` whose tokenizer has ``vocab_size == tokenizer_vocab_size`` (the
+        value a checkpoint's config records)."""
+        return int(tokenizer_vocab_size) - 1
+
     @property
     def vocab_size(self) -> int:
         return self._ids + 1

@@ -30,6 +30,15 @@ class ProfilerUnavailable(RuntimeError):
     """``--profile`` asked for the nsys path on a machine without CUDA."""
 
 
+def check_profiler_available(logging_cfg) -> None:
+    """Raise :class:`ProfilerUnavailable` when ``--profile`` asks for nsys (no
+    ``--use-pytorch-profiler``) on a machine without CUDA."""
+    lg = logging_cfg
+    if lg.profile and not lg.use_pytorch_profiler and not use_cuda():
+        raise ProfilerUnavailable("--profile without --use-pytorch-profiler drives nsys through CUDA and this "
+                                  "machine has no GPU: add --use-pytorch-profiler (and --tensorboard-dir)")
+
+
 class StepProfiler:
     """Hooks the training loop calls around each step; does nothing on ranks not profiled.
 
@@ -47,9 +56,8 @@ class StepProfiler:
         self.rank = rank
         self._prof = None
         self._nvtx: Optional[contextlib.AbstractContextManager] = None
-        if self.enabled and not self.torch_profiler and not use_cuda():
-            raise ProfilerUnavailable("--profile without --use-pytorch-profiler drives nsys through CUDA and this "
-                                      "machine has no GPU: add --use-pytorch-profiler (and --tensorboard-dir)")
+        if self.enabled:
+            check_profiler_available(lg)
 
     def note_on_resume(self, iteration: int) -> Optional[str]:
         """A warning when training starts (at ``iteration``) past the profiled window's start."""

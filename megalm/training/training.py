@@ -25,7 +25,7 @@ from megalm.pipeline_parallel import get_forward_backward_func
 from megalm.timers import ITERATION_TIMERS, SETUP_TIMERS, Timers
 from megalm.training.initialize import initialize_megalm, world_size_from_env
 from megalm.training.microbatches import MicrobatchCalculator
-from megalm.training.profiling import StepProfiler
+from megalm.training.profiling import ProfilerUnavailable, StepProfiler, check_profiler_available
 from megalm.training.signals import ExitSignalHandler
 from megalm.training.step import evaluate, train_step
 
@@ -201,10 +201,10 @@ class Trainer:
             plan_fusions(cfg.model, half_precision=cfg.training.bf16 or cfg.training.fp16)
         except BackendUnavailable as e:
             raise SystemExit(f"error: {e}") from None
-        lg = cfg.logging
-        if lg.profile and not lg.use_pytorch_profiler and get_device().type != "cuda":
-            raise SystemExit("error: --profile without --use-pytorch-profiler drives nsys through CUDA and this "
-                             "machine has no GPU: add --use-pytorch-profiler (and --tensorboard-dir)")
+        try:
+            check_profiler_available(cfg.logging)  # on every rank, not only the profiled ones
+        except ProfilerUnavailable as e:
+            raise SystemExit(f"error: {e}") from None
         from megalm.training.metrics import WandbSetupError, check_wandb_ready
 
         try:
@@ -442,19 +442,16 @@ class Trainer:
         returns ``{"<name>-time": seconds}`` with --log-timers-to-tensorboard."""
         if self.timers.log_level == 0:
             return {}
-        to_writers = (self.timers.max_seconds(ITERATION_TIMERS, iterations, reset=False)
-                      if self.cfg.logging.log_timers_to_tensorboard else {})
-        print_timing(self.timers.log(ITERATION_TIMERS, iterations))
-        return to_writers
+        block, slowest = self.timers.report(ITERATION_TIMERS, iterations)
+        print_timing(block)
+        return slowest if self.cfg.logging.log_timers_to_tensorboard else {}
 
     def params_norm(self) -> float:
         """--log-params-norm: the distributed optimizer's pending parameter all-gathers are
         finished first (they would otherwise wait for the next forward)."""
         from megalm.optimizer.clip_grads import params_norm
 
-        for chunk in self.model:
-            if hasattr(chunk, "finish_param_sync"):
-                chunk.finish_param_sync()
+        checkpointing.finish_param_sync(self.model)
         return params_norm([p for chunk in self.model for p in chunk.parameters()])
 
     def _new_compilations(self) -> dict:
