@@ -16,13 +16,73 @@ Example, world 8, tp 2, pp 2 (dp 2)::
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
-from typing import Dict, List, Optional, Sequence
+from types import MappingProxyType
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """The process groups of one rank, built once and passed to whatever communicates.
+
+    Layers, mappings, DDP, the optimizers, schedules and p2p take the group(s) they use as
+    arguments (Megatron-core's ``tp_group=`` / ``ProcessGroupCollection`` direction) instead of
+    reading globals.  A field that is ``None`` stands for a group holding this rank alone: its
+    collectives are identities, so :meth:`single` serves a single process without
+    ``torch.distributed``.  :func:`group_size` and :func:`group_rank` read any field.
+
+    ``ranks`` maps each field name to the global ranks of that group, in group-rank order.
+    ``embd`` and ``pos_embd`` are ``None`` on ranks outside them (middle pipeline stages):
+    ``"embd" in ranks`` tells membership.
+    """
+
+    tp: Optional[object] = None          # tensor parallel
+    cp: Optional[object] = None          # context parallel
+    dp: Optional[object] = None          # data parallel (dense parameters)
+    dp_cp: Optional[object] = None       # data x context parallel (dense gradient reduction)
+    pp: Optional[object] = None          # pipeline stages of one model replica
+    mp: Optional[object] = None          # tensor x pipeline: one model replica (grad norm, found-inf)
+    tp_cp: Optional[object] = None       # tensor x context
+    tp_dp_cp: Optional[object] = None    # every rank of one pipeline stage
+    ep: Optional[object] = None          # expert parallel
+    expt_dp: Optional[object] = None     # expert data parallel (expert gradient reduction)
+    tp_ep: Optional[object] = None       # expert tensor x expert (an MoE layer's token exchange)
+    tp_ep_pp: Optional[object] = None    # one full set of experts (expert part of the grad norm)
+    embd: Optional[object] = None        # first and last pipeline stage (tied embedding grads)
+    pos_embd: Optional[object] = None    # first pipeline stage (position embedding)
+    ranks: Mapping[str, Tuple[int, ...]] = field(default_factory=lambda: MappingProxyType({}))
+
+    @classmethod
+    def single(cls) -> "ProcessGroups":
+        """Every group is this process alone (no ``torch.distributed`` needed)."""
+        return cls()
+
+    def group_names(self) -> List[str]:
+        return [f.name for f in fields(self) if f.name != "ranks"]
+
+
+def group_size(group) -> int:
+    """Size of ``group``; 1 for ``None`` (this rank alone)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    """This rank's index in ``group``; 0 for ``None`` (this rank alone)."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+# compute_layout name -> ProcessGroups field
+_FIELD_OF_LAYOUT = {
+    "tensor": "tp", "context": "cp", "data": "dp", "data_context": "dp_cp", "pipeline": "pp",
+    "model": "mp", "tensor_context": "tp_cp", "tensor_data_context": "tp_dp_cp", "expert": "ep",
+    "expert_data": "expt_dp", "expert_tensor_expert": "tp_ep", "expert_model": "tp_ep_pp",
+    "embedding": "embd", "position_embedding": "pos_embd",
+}
 
 
 @dataclass
@@ -37,6 +97,7 @@ class _State:
     world: int
     groups: Dict[str, object]  # name -> ProcessGroup containing this rank
     ranks: Dict[str, List[int]]  # name -> ranks of that group (global ids)
+    process_groups: ProcessGroups
     virtual_pipeline_rank: Optional[int] = None
 
 
@@ -146,8 +207,18 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
             if rank in members:
                 groups[name], ranks[name] = pg, members
     vpp = virtual_pipeline_model_parallel_size
+    bundle = ProcessGroups(**{_FIELD_OF_LAYOUT[name]: pg for name, pg in groups.items()},
+                           ranks=MappingProxyType({_FIELD_OF_LAYOUT[name]: tuple(members)
+                                                   for name, members in ranks.items()}))
     _STATE = _State(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, vpp=vpp, rank=rank, world=world,
-                    groups=groups, ranks=ranks, virtual_pipeline_rank=0 if vpp else None)
+                    groups=groups, ranks=ranks, process_groups=bundle,
+                    virtual_pipeline_rank=0 if vpp else None)
+
+
+def get_process_groups() -> ProcessGroups:
+    """This rank's :class:`ProcessGroups`; :meth:`ProcessGroups.single` before
+    :func:`initialize_model_parallel` (a single process)."""
+    return _STATE.process_groups if _STATE is not None else ProcessGroups.single()
 
 
 def model_parallel_is_initialized() -> bool:
