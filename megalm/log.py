@@ -1,0 +1,58 @@
+"""megalm's one logging channel: Python ``logging`` under the ``megalm`` logger, configured
+once per process by the entry point with :func:`setup_logging`.
+
+Every message carries the rank in its prefix (``[megalm rank 3] ...``).  By default INFO
+messages are shown on one rank only (``log_ranks``: rank 0, or the last rank for the training
+log line, see :func:`get_logger`) and WARNING and above on every rank.  Library modules write
+``logger = get_logger(__name__)`` and never ``print``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Optional
+
+ROOT = "megalm"
+
+
+class _RankFilter(logging.Filter):
+    """Pass WARNING+ everywhere; INFO and below only on ``info_rank`` (or everywhere if None)."""
+
+    def __init__(self, rank: int, info_rank: Optional[int]):
+        super().__init__()
+        self.rank, self.info_rank = rank, info_rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self.rank
+        if record.levelno >= logging.WARNING or self.info_rank is None:
+            return True
+        wanted = getattr(record, "on_rank", self.info_rank)
+        return wanted is None or wanted == self.rank
+
+
+def setup_logging(rank: int = 0, world_size: int = 1, info_rank: Optional[int] = 0,
+                  level: int = logging.INFO, stream=None) -> logging.Logger:
+    """Configure the ``megalm`` logger for this process (idempotent: replaces its handler).
+
+    ``info_rank`` None shows INFO on every rank.  A record may name its rank with
+    ``logger.info(msg, extra={"on_rank": world_size - 1})`` (Megatron's ``print_rank_last``).
+    """
+    logger = logging.getLogger(ROOT)
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    handler = logging.StreamHandler(stream or sys.stdout)
+    prefix = "[megalm rank %(rank)d] " if world_size > 1 else "[megalm] "
+    handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
+    handler.addFilter(_RankFilter(rank, info_rank))
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
+    return logger
+
+
+def get_logger(name: str) -> logging.Logger:
+    """The logger for a megalm module (a child of ``megalm``)."""
+    if name != ROOT and not name.startswith(ROOT + "."):
+        name = f"{ROOT}.{name}"
+    return logging.getLogger(name)
