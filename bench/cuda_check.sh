@@ -18,6 +18,7 @@ run() {  # name, env assignments..., -- extra flags
         timeout 240 bash "${SCRIPT}" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     echo "== $name rc=$rc ($((SECONDS - t0)) s): $(grep -iE 'iteration' "$OUT/$name.log" | tail -1 | cut -c1-400)"
+    tail -1 "$OUT/run_$name/metrics.jsonl" 2>/dev/null | cut -c1-600
     [[ $rc == 0 ]] || tail -25 "$OUT/$name.log"
 }
 COMMON=(TRAIN_ITERS=30 LOG_INTERVAL=10 EVAL_INTERVAL=1000 EVAL_ITERS=2 SAVE_INTERVAL=1000000 TOKENIZER_TYPE=NullTokenizer VOCAB_SIZE=50304 MICRO_BATCH_SIZE=8 GLOBAL_BATCH_SIZE=32)
