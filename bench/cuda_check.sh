@@ -6,8 +6,9 @@
 # $OUT (or ./cuda_check_out).  Prints one summary line per run: iterations/s, tokens/s, MFU.
 set -uo pipefail
 OUT=${OUT:-$PWD/cuda_check_out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 GPUS_PER_NODE=1 TORCHRUN="python3 -m torch.distributed.run"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 GPUS_PER_NODE=1 TORCHRUN=/tmp/megalm_torchrun
 export WANDB_MODE=disabled
+printf '#!/bin/sh\nexec python3 -m torch.distributed.run "$@"\n' > /tmp/megalm_torchrun; chmod +x /tmp/megalm_torchrun
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0)); sys.exit(0 if torch.cuda.is_available() else 1)" || exit 1
 run() {  # name, env assignments..., -- extra flags
@@ -28,6 +29,6 @@ run gpt125m_bf16_ddp "${COMMON[@]}" PRECISION=bf16 DIST_OPT=0 -- --seq-length 10
 run gpt125m_fp16 "${COMMON[@]}" PRECISION=fp16 DIST_OPT=1 -- --seq-length 1024 --max-position-embeddings 1024
 run gpt125m_bf16_recompute "${COMMON[@]}" PRECISION=bf16 RECOMPUTE=full -- --seq-length 1024 --max-position-embeddings 1024
 SCRIPT=scripts/pretrain_moe_tiny_cpu.sh
-run moe_tiny_bf16 TRAIN_ITERS=20 LOG_INTERVAL=10 PRECISION=bf16 --
+run moe_tiny_bf16 TP=1 TRAIN_ITERS=20 LOG_INTERVAL=10 PRECISION=bf16 --
 echo "== unit tests with CUDA branches (single process)"
-timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_fusions.py tests/test_linear_cross_entropy.py tests/test_blocked_attention.py 2>&1 | tail -15
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_fusions.py tests/test_linear_cross_entropy.py tests/test_blocked_attention.py 2>&1 | tail -15
