@@ -306,15 +306,25 @@ OVERRIDES = {"TP": "2", "PP": "2", "EP": "1", "MICRO_BATCH_SIZE": "2", "GLOBAL_B
              "VP_LAYERS": "1", "PRECISION": "fp16", "VOCAB_SIZE": "1000", "GPUS_PER_NODE": "2", "NNODES": "3"}
 
 
+# The only flags scripts/common.sh adds to a preset's: data, tokenizer files, outputs, logging.
+LAUNCHER_FLAGS = {"--mock-data", "--data-path", "--split", "--data-cache-path", "--num-workers", "--tokenizer-type",
+                  "--vocab-size", "--vocab-file", "--merge-file", "--tokenizer-model", "--save", "--save-interval",
+                  "--load", "--async-save", "--log-interval", "--eval-interval", "--eval-iters", "--tensorboard-dir",
+                  "--metrics-file", "--timing-log-level", "--log-timers-to-tensorboard", "--wandb-project",
+                  "--wandb-exp-name", "--wandb-save-dir"}
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.name)
 def test_script_passes_its_presets_flags(script):
-    """The flags a script passes are its preset's (megalm.presets), by default and with overrides."""
+    """The flags a script passes are its preset's (megalm.presets), by default and with overrides,
+    then only the launcher's own."""
     preset = get_preset(preset_of(script))
     for env in ({}, OVERRIDES):
         launch = resolve(preset, Overrides.from_env(env))
         launcher, flags = run_script(script, env=env)
         recipe = recipe_flags(launch)
         assert flags[:len(recipe)] == recipe, (script.name, env)
+        assert {f for f in flags[len(recipe):] if f.startswith("--")} <= LAUNCHER_FLAGS
         i = flags.index("--tokenizer-type")
         assert flags[i:i + 4] == null_tokenizer_flags(launch)
         opts = launcher_options(launcher)
