@@ -68,7 +68,8 @@ def _run(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m megalm.presets", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python3 -m megalm.presets", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("name", nargs="?", help=f"one of: {', '.join(PRESETS)}")
     parser.add_argument("--shell", action="store_true", help="bash assignments, with the environment's overrides")
     parser.add_argument("--table", action="store_true", help="the markdown table of scripts/README.md")
