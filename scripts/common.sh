@@ -1,37 +1,43 @@
 # Shared plumbing for scripts/pretrain_*.sh.  Sourced, not run.
 #
-# A model script sets MODEL_NAME, its layout defaults (TP, PP, MICRO_BATCH_SIZE,
-# GLOBAL_BATCH_SIZE, NNODES, ...), VOCAB_SIZE and TOKENIZER_TYPE defaults, and the arrays
-# MODEL_ARGS and OPTIMIZER_ARGS; then calls `megalm_launch "$@"`.  Everything
-# machine-specific comes from the environment (defaults in brackets):
+# A model script calls `megalm_launch PRESET "$@"`.  The preset (megalm/presets/table.py: shape,
+# default layout, schedule) gives every model and training flag through
+# `python3 -m megalm.presets PRESET --shell`, which applies the layout and schedule overrides
+# below; this file adds only what is machine-specific: data, tokenizer files, outputs, rendezvous.
+# Everything comes from the environment (defaults in brackets; "preset": the preset's value):
 #
-#   GPUS_PER_NODE [8]  NNODES [1, or what the model needs]  NODE_RANK [0]
-#   MASTER_ADDR [localhost]  MASTER_PORT [6000]  TORCHRUN [torchrun]
-#   DATA_PATH         Megatron .bin/.idx prefix, or a blend "0.7 /data/a 0.3 /data/b".
+#   GPUS_PER_NODE [preset, 8]  NNODES [preset]  NODE_RANK [0]
+#   MASTER_ADDR [localhost]  MASTER_PORT [6000]  TORCHRUN [torchrun]  PYTHON [python3]
+#   DATA_PATH         Megatron .bin/.idx prefix, or a blend "0.7 data/a 0.3 data/b" (relative paths
+#                     are relative to the repository root, where the run starts).
 #                     Unset: synthetic --mock-data (for smoke tests and benchmarks only).
-#   SPLIT [969,30,1]  DATA_CACHE_PATH []  NUM_WORKERS [2]
+#   SPLIT [969,30,1]  DATA_CACHE_PATH []  NUM_WORKERS [2, or preset]
 #   VOCAB_FILE, MERGE_FILE   GPT-2 BPE files (gpt2-vocab.json, gpt2-merges.txt): GPT2BPETokenizer
 #   TOKENIZER_MODEL   sentencepiece .model, or a Hugging Face tokenizer.json / directory
 #                     (local files only).  Neither: NullTokenizer with VOCAB_SIZE ids.
-#   TOKENIZER_TYPE    with TOKENIZER_MODEL: SentencePieceTokenizer | GPTSentencePieceTokenizer |
+#   TOKENIZER_TYPE [preset]  with TOKENIZER_MODEL: SentencePieceTokenizer | GPTSentencePieceTokenizer |
 #                     Llama2Tokenizer | HuggingFaceTokenizer
-#   VOCAB_SIZE        the tokenizer's vocabulary, used only with NullTokenizer
+#   VOCAB_SIZE [preset]  the tokenizer's vocabulary, used only with NullTokenizer
 #   RUN_DIR [<repo>/runs/$MODEL_NAME]   CHECKPOINT_DIR [$RUN_DIR/checkpoints]
 #   LOAD_DIR [$CHECKPOINT_DIR]  (--load; the default resumes when a checkpoint exists, else starts fresh)
 #   TENSORBOARD_DIR [$RUN_DIR/tensorboard]  METRICS_FILE [$RUN_DIR/metrics.jsonl]
 #   WANDB_PROJECT []  WANDB_EXP_NAME [$MODEL_NAME]
-#   SAVE_INTERVAL [1000]  LOG_INTERVAL [10]  EVAL_INTERVAL [1000]  EVAL_ITERS [10]
+#   SAVE_INTERVAL [1000]  LOG_INTERVAL [10]  EVAL_INTERVAL [1000]  EVAL_ITERS [10]  (or preset)
 #   TIMING_LOG_LEVEL [0]  (0 | 1 | 2: per-phase timers in the log; above 0 also to TensorBoard)
 #   ASYNC_SAVE [0]    1: --async-save (checkpoints written in the background)
-#   PRECISION [bf16]  (bf16 | fp16 | fp32 | auto: bf16 on a GPU or a CPU with native bf16
-#                     instructions, else fp32; the tiny CPU scripts' default)  PYTHON [python3]
-#   SEQUENCE_PARALLEL [1]  (adds --sequence-parallel when TP > 1)
-#   RECOMPUTE [none]  (none | selective | full; full uses uniform chunks of RECOMPUTE_NUM_LAYERS [1])
-#   VP_LAYERS []      layers per virtual pipeline stage (interleaved 1F1B; needs PP > 1)
-#   DIST_OPT [1]      1: --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather; 0: off
 #   DRY_RUN [0]       1: print the command and the pretrain_gpt.py flags, launch nothing
 #
-# Layout knobs every script honours: TP, PP, MICRO_BATCH_SIZE, GLOBAL_BATCH_SIZE, TRAIN_ITERS.
+# Layout and schedule overrides, read by megalm.presets (megalm/presets/flags.py):
+#   TP, PP, EP, MICRO_BATCH_SIZE, GLOBAL_BATCH_SIZE [preset]
+#   TRAIN_TOKENS, TRAIN_ITERS, LR_DECAY_ITERS, LR_WARMUP_ITERS, LR, MIN_LR [preset; iterations
+#                     follow TRAIN_TOKENS and the global batch; warm-up is cut to fit a short run]
+#   PRECISION [preset: bf16 | fp16 | fp32 | auto: bf16 on a GPU or a CPU with native bf16
+#                     instructions, else fp32]
+#   SEQUENCE_PARALLEL [1]  (adds --sequence-parallel when TP > 1)
+#   RECOMPUTE [preset, none]  (none | selective | full; full uses uniform chunks of RECOMPUTE_NUM_LAYERS [1])
+#   VP_LAYERS []      layers per virtual pipeline stage (interleaved 1F1B; needs PP > 1)
+#   DIST_OPT [1]      1: --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather; 0: off
+#
 # Flags given to the script are appended last, so they override anything above
 # (argparse keeps the last value of a repeated flag).
 
@@ -39,15 +45,6 @@ MEGALM_REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 megalm_warn() { echo "[megalm] $*" >&2; }
 megalm_die() { echo "[megalm] error: $*" >&2; exit 2; }
-
-# Warm-up must end before the decay does (a shrunk TRAIN_ITERS would otherwise break it).
-megalm_fix_schedule() {
-    (( TRAIN_ITERS >= 1 )) || megalm_die "TRAIN_ITERS must be >= 1, got $TRAIN_ITERS"
-    (( LR_DECAY_ITERS >= 1 )) || LR_DECAY_ITERS=1
-    if (( LR_WARMUP_ITERS >= LR_DECAY_ITERS )); then
-        LR_WARMUP_ITERS=$(( LR_DECAY_ITERS / 10 ))
-    fi
-}
 
 # PRECISION=auto -> bf16 or fp32 (asks torch through PYTHON [python3], from the repository
 # root).  Without native bf16 instructions a CPU runs a bf16 matmul ~100x slower than fp32.
@@ -61,50 +58,27 @@ print('bf16' if torch.cuda.is_available() or cpu_has_native_bf16() else 'fp32')"
     fi
 }
 
+# Evaluate the preset's bash (megalm/presets/__main__.py: shell_code): MODEL_NAME, the resolved
+# layout (GPUS_PER_NODE, NNODES, TP, PP, MICRO_BATCH_SIZE, GLOBAL_BATCH_SIZE, TRAIN_ITERS, PRECISION,
+# VOCAB_SIZE), the preset's launcher defaults and the arrays RECIPE_ARGS and NULL_TOKENIZER_ARGS.
+megalm_load_preset() {
+    local code
+    code=$(cd "$MEGALM_REPO_ROOT" && "${PYTHON:-python3}" -m megalm.presets "$1" --shell) \
+        || megalm_die "could not load preset '$1' through ${PYTHON:-python3} -m megalm.presets (error above)"
+    eval "$code"
+}
+
 megalm_launch() {
-    : "${MODEL_NAME:?MODEL_NAME must be set by the model script}"
-    : "${GPUS_PER_NODE:=8}" "${NNODES:=1}" "${NODE_RANK:=0}"
-    : "${MASTER_ADDR:=localhost}" "${MASTER_PORT:=6000}" "${TORCHRUN:=torchrun}"
-    : "${TP:=1}" "${PP:=1}" "${SEQUENCE_PARALLEL:=1}" "${DIST_OPT:=1}" "${DRY_RUN:=0}"
-    : "${RECOMPUTE:=none}" "${RECOMPUTE_NUM_LAYERS:=1}" "${VP_LAYERS:=}" "${PRECISION:=bf16}"
+    (( $# >= 1 )) || megalm_die "usage: megalm_launch PRESET [extra pretrain_gpt.py flags]"
+    megalm_load_preset "$1"
+    shift
+    : "${NODE_RANK:=0}" "${MASTER_ADDR:=localhost}" "${MASTER_PORT:=6000}" "${TORCHRUN:=torchrun}" "${DRY_RUN:=0}"
     : "${RUN_DIR:=$MEGALM_REPO_ROOT/runs/$MODEL_NAME}"
     : "${CHECKPOINT_DIR:=$RUN_DIR/checkpoints}" "${LOAD_DIR:=$CHECKPOINT_DIR}"
     : "${TENSORBOARD_DIR:=$RUN_DIR/tensorboard}" "${METRICS_FILE:=$RUN_DIR/metrics.jsonl}"
     : "${SAVE_INTERVAL:=1000}" "${LOG_INTERVAL:=10}" "${EVAL_INTERVAL:=1000}" "${EVAL_ITERS:=10}"
     : "${TIMING_LOG_LEVEL:=0}" "${ASYNC_SAVE:=0}"
     : "${SPLIT:=969,30,1}" "${NUM_WORKERS:=2}"
-
-    local parallel=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
-    if [[ "$SEQUENCE_PARALLEL" == 1 ]] && (( TP > 1 )); then
-        parallel+=(--sequence-parallel)
-    fi
-    if [[ -n "$VP_LAYERS" ]]; then
-        parallel+=(--num-layers-per-virtual-pipeline-stage "$VP_LAYERS")
-    fi
-    # The distributed optimizer (ZeRO-1) with both overlaps is the recommended default;
-    # DIST_OPT=0 keeps full optimizer state on every data-parallel rank.
-    if [[ "$DIST_OPT" == 1 ]]; then
-        parallel+=(--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather)
-    fi
-    case "$RECOMPUTE" in
-        none) ;;
-        selective) parallel+=(--recompute-granularity selective) ;;
-        full) parallel+=(--recompute-granularity full --recompute-method uniform
-                         --recompute-num-layers "$RECOMPUTE_NUM_LAYERS") ;;
-        *) megalm_die "RECOMPUTE must be none, selective or full, got '$RECOMPUTE'" ;;
-    esac
-
-    megalm_resolve_precision
-    local precision=()
-    case "$PRECISION" in
-        bf16) precision=(--bf16) ;;
-        fp16) precision=(--fp16) ;;
-        fp32) ;;
-        *) megalm_die "PRECISION must be bf16, fp16, fp32 or auto, got '$PRECISION'" ;;
-    esac
-
-    local batch=(--micro-batch-size "$MICRO_BATCH_SIZE" --global-batch-size "$GLOBAL_BATCH_SIZE"
-                 --train-iters "$TRAIN_ITERS")
 
     local data=()
     if [[ -n "${DATA_PATH:-}" ]]; then
@@ -127,13 +101,11 @@ megalm_launch() {
         : "${TOKENIZER_TYPE:?TOKENIZER_TYPE must be set with TOKENIZER_MODEL}"
         data+=(--tokenizer-type "$TOKENIZER_TYPE" --tokenizer-model "$TOKENIZER_MODEL")
     else
-        : "${VOCAB_SIZE:?VOCAB_SIZE must be set when no TOKENIZER_MODEL or VOCAB_FILE is given}"
         if [[ -n "${DATA_PATH:-}" ]]; then
             megalm_warn "no TOKENIZER_MODEL or VOCAB_FILE/MERGE_FILE: NullTokenizer with $VOCAB_SIZE ids (end-of-document id $(( VOCAB_SIZE - 1 )))"
         fi
-        # NullTokenizer adds the end-of-document id after --vocab-size ids, so VOCAB_SIZE - 1
-        # gives a vocabulary of exactly VOCAB_SIZE (GPT-2: 50256 ids + <|endoftext|> = 50257).
-        data+=(--tokenizer-type NullTokenizer --vocab-size "$(( VOCAB_SIZE - 1 ))")
+        # --vocab-size VOCAB_SIZE - 1: NullTokenizer adds the end-of-document id (megalm/presets/flags.py).
+        data+=("${NULL_TOKENIZER_ARGS[@]}")
     fi
 
     # Megatron's auto-resume: with --load = --save, the first launch starts from scratch and every
@@ -154,8 +126,7 @@ megalm_launch() {
                   --wandb-save-dir "$RUN_DIR/wandb")
     fi
 
-    local args=("${MODEL_ARGS[@]}" "${parallel[@]}" "${batch[@]}" ${precision[@]+"${precision[@]}"}
-                "${OPTIMIZER_ARGS[@]}" "${data[@]}" "${checkpoint[@]}" "${logging[@]}"
+    local args=("${RECIPE_ARGS[@]}" "${data[@]}" "${checkpoint[@]}" "${logging[@]}"
                 ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"} "$@")
     local cmd=("$TORCHRUN" --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK"
                --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" pretrain_gpt.py "${args[@]}")

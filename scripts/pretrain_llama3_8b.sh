@@ -1,91 +1,15 @@
 #!/usr/bin/env bash
-# Llama-3 8B shape (Meta Llama 3 8B config.json; Llama 3 paper (Dubey et al. 2024)), Megatron-LM flags.
-# Shape: 32 layers, hidden 4096, 32 heads, 8 key/value groups (GQA), head dim 128, SwiGLU FFN 14336,
-#   seq 8192, rotary positions (base 500000), RMSNorm (eps 1e-5), no biases, untied output layer,
-#   no dropout, init std 0.02.
-# Parameters: 8.03B with vocabulary 128256 (padded to 128512 at TP 4);
-#   tokenizer: its tokenizer.json / directory (HuggingFaceTokenizer).
-# Schedule: batch 512 x 8192 = 4.2M tokens, lr 3.0e-4 -> 3.0e-5 cosine, warm-up 2000 iterations,
-#   15T tokens (3576278 iterations), AdamW betas (0.9, 0.95), eps 1e-5, weight decay 0.1,
-#   clip 1.0 (the Llama 2 recipe; Llama 3 published no 8B schedule).
-# Layout: 1 node x 8 x 80 GB GPUs = 8; TP 4, PP 1, DP 2, micro batch 1,
-#   global batch 512 -> 256 microbatches per DP rank per step; --bf16.
-# Memory per GPU (shared/README byte formulas; bf16 params, fp32 grads):
-#   weights + grads + Adam state: 1.88B parameters on the fullest GPU x 18 B
-#     (bf16 weights, fp32 grads, fp32 main weights + moments) = 34 GB;
-#     with DIST_OPT=1, DP 2: x (6 + 12/2) = 12.0 B = 23 GB.
-#   activations: s*b*(12h + 4*g*d + 6*ffn)/TP bytes per layer and microbatch = 285 MB
-#     x 32 layers = 9.1 GB (no recompute; flash attention: no s^2 term);
-#   logits (s*b*V/TP x ~12 B, last stage) 3.2 GB; runtime/NCCL/fragmentation ~4 GB.
-#   Total ~50 GB of 80 GB with DIST_OPT=0; with DIST_OPT=1 (default) ~39 GB.
-#   With the distributed optimizer (default) a smaller layout also fits: TP=2 (DP 4) with DIST_OPT=1 needs ~62 GB per GPU.
-# Needs:
-#   tensor parallelism 4 + sequence parallelism 
-#   distributed optimizer with overlapped reduce-scatter/all-gather (DIST_OPT=1, the default)
-# Environment (see scripts/common.sh for all of it):
-#   DATA_PATH (unset: --mock-data), TOKENIZER_MODEL (unset: NullTokenizer with VOCAB_SIZE ids),
-#   TOKENIZER_TYPE, CHECKPOINT_DIR, TENSORBOARD_DIR, WANDB_PROJECT, GPUS_PER_NODE, NNODES,
-#   NODE_RANK, MASTER_ADDR, MASTER_PORT, DIST_OPT, RECOMPUTE, DRY_RUN=1 (print, do not launch).
-#   Layout: TP, PP, MICRO_BATCH_SIZE, GLOBAL_BATCH_SIZE, TRAIN_ITERS.  Extra flags are appended.
+# Llama-3 8B: the `llama3_8b` preset (megalm/presets/table.py: shape, layout, schedule, sources).
+#   python3 -m megalm.presets llama3_8b            # the pretrain_gpt.py flags it passes
+#   python3 tools/estimate.py --preset llama3_8b   # memory per GPU and step time of its layout
+#   Tokenizer: its Hugging Face tokenizer directory or tokenizer.json as TOKENIZER_MODEL (HuggingFaceTokenizer).
+# Environment: scripts/common.sh lists every variable (DATA_PATH unset: --mock-data; DRY_RUN=1:
+#   print the command, launch nothing; TP, PP, MICRO_BATCH_SIZE, GLOBAL_BATCH_SIZE, TRAIN_ITERS, ...
+#   override the preset).  Flags given to the script are appended last and win.
 #
-# Usage:  DATA_PATH=/data/corpus_text_document TOKENIZER_MODEL=/models/Meta-Llama-3-8B scripts/pretrain_llama3_8b.sh
+# Usage:  DATA_PATH=data/corpus_text_document TOKENIZER_MODEL=data/Meta-Llama-3-8B scripts/pretrain_llama3_8b.sh
 #         sbatch --nodes 1 scripts/slurm/pretrain.sbatch scripts/pretrain_llama3_8b.sh
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-MODEL_NAME=llama3_8b
-NNODES=${NNODES:-1}
-TP=${TP:-4}
-PP=${PP:-1}
-MICRO_BATCH_SIZE=${MICRO_BATCH_SIZE:-1}
-GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-512}
-SEQ_LENGTH=8192
-TOKENIZER_TYPE=${TOKENIZER_TYPE:-HuggingFaceTokenizer}
-VOCAB_SIZE=${VOCAB_SIZE:-128256}
-
-# 15T tokens, cosine decay over all of them, 2000 warm-up iterations.
-TRAIN_TOKENS=${TRAIN_TOKENS:-15000000000000}
-TRAIN_ITERS=${TRAIN_ITERS:-$(( TRAIN_TOKENS / (GLOBAL_BATCH_SIZE * SEQ_LENGTH) ))}
-LR_DECAY_ITERS=${LR_DECAY_ITERS:-$TRAIN_ITERS}
-LR_WARMUP_ITERS=${LR_WARMUP_ITERS:-2000}
-megalm_fix_schedule
-LR=${LR:-3.0e-4}
-MIN_LR=${MIN_LR:-3.0e-5}
-
-MODEL_ARGS=(
-    --num-layers 32
-    --hidden-size 4096
-    --ffn-hidden-size 14336
-    --num-attention-heads 32
-    --group-query-attention
-    --num-query-groups 8
-    --seq-length "$SEQ_LENGTH"
-    --max-position-embeddings "$SEQ_LENGTH"
-    --position-embedding-type rope
-    --rotary-base 500000
-    --normalization RMSNorm
-    --norm-epsilon 1e-5
-    --swiglu
-    --disable-bias-linear
-    --untie-embeddings-and-output-weights
-    --hidden-dropout 0.0
-    --attention-dropout 0.0
-    --init-method-std 0.02
-)
-
-OPTIMIZER_ARGS=(
-    --optimizer adam
-    --lr "$LR"
-    --min-lr "$MIN_LR"
-    --lr-decay-style cosine
-    --lr-warmup-iters "$LR_WARMUP_ITERS"
-    --lr-decay-iters "$LR_DECAY_ITERS"
-    --adam-beta1 0.9
-    --adam-beta2 0.95
-    --adam-eps 1e-5
-    --weight-decay 0.1
-    --clip-grad 1.0
-    --exit-signal-handler
-)
-
-megalm_launch "$@"
+megalm_launch llama3_8b "$@"

@@ -1,89 +1,18 @@
 #!/usr/bin/env bash
 # Tiny mixture-of-experts GPT that trains on a CPU-only machine: 4 processes on one node,
-# TP 2 x EP 2 (x DP 2 for the dense layers), gloo.
-# Shape: 4 layers, hidden 128, 4 heads, seq 256, learned positions, LayerNorm, GELU, tied
-#   embeddings; every layer an MoE layer of 8 experts (FFN 256), top-2 softmax routing,
-#   load-balancing loss 1e-2 and z-loss 1e-3, router in fp32, alltoall dispatcher, grouped GEMM;
-#   vocabulary 8192 (NullTokenizer over --mock-data unless DATA_PATH and TOKENIZER_MODEL are
-#   given) -> ~3.5M parameters (~1.4M active per token).
-# Layout: TP 2 (+ sequence parallel: each TP rank routes its half of the sequence), EP 2 (4 experts
-#   per rank and layer), DP 2 (expert DP 1), micro batch 4, global batch 16 -> 2 microbatches per
-#   DP rank per step; PRECISION=auto: bf16 (fp32 main weights) where the CPU has native bf16
-#   instructions, else fp32.
-# Memory: ~3.5M x 18 B per rank at most (experts are split over EP, not TP) plus activations and
-#   torch itself: ~1-2 GB for all four processes.
+# TP 2 (+ sequence parallel: each TP rank routes its half of the sequence) x EP 2 (4 experts per
+# rank and layer) x DP 2 for the dense layers, gloo; PRECISION=auto as in pretrain_gpt_tiny_cpu.sh.
+# The `moe_tiny_cpu` preset (megalm/presets/table.py):
+#   python3 -m megalm.presets moe_tiny_cpu                          # the pretrain_gpt.py flags it passes
+#   python3 tools/estimate.py --preset moe_tiny_cpu --device cpu    # memory per process
 # Time (2 cores, 4 ranks oversubscribing them): ~1-2 s per iteration; 20 iterations by default.
-# Needs: tensor + sequence parallelism, data parallelism, mixture of experts with expert
-#   parallelism (all in megalm today).
 # Environment: the same as the GPU scripts (scripts/common.sh); GPUS_PER_NODE is the number of
-#   processes (default 4), EP the expert-parallel size.  Checkpoints go to
-#   runs/moe_tiny_cpu/checkpoints and a rerun resumes from there (rm -rf runs/moe_tiny_cpu to start over).
+#   processes (default 4).  Checkpoints go to runs/moe_tiny_cpu/checkpoints and a rerun resumes from
+#   there (rm -rf runs/moe_tiny_cpu to start over).
 #
 # Usage:  scripts/pretrain_moe_tiny_cpu.sh
 #         TRAIN_ITERS=100 scripts/pretrain_moe_tiny_cpu.sh --log-interval 1 --moe-per-layer-logging
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-MODEL_NAME=moe_tiny_cpu
-GPUS_PER_NODE=${GPUS_PER_NODE:-4}
-NNODES=${NNODES:-1}
-TP=${TP:-2}
-PP=${PP:-1}
-EP=${EP:-2}
-MICRO_BATCH_SIZE=${MICRO_BATCH_SIZE:-4}
-GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-16}
-SEQ_LENGTH=256
-TOKENIZER_TYPE=${TOKENIZER_TYPE:-SentencePieceTokenizer}
-VOCAB_SIZE=${VOCAB_SIZE:-8192}
-PRECISION=${PRECISION:-auto}
-NUM_WORKERS=${NUM_WORKERS:-0}
-
-TRAIN_ITERS=${TRAIN_ITERS:-20}
-LR_DECAY_ITERS=${LR_DECAY_ITERS:-$TRAIN_ITERS}
-LR_WARMUP_ITERS=${LR_WARMUP_ITERS:-2}
-megalm_fix_schedule
-LR=${LR:-1.0e-3}
-MIN_LR=${MIN_LR:-1.0e-4}
-SAVE_INTERVAL=${SAVE_INTERVAL:-$TRAIN_ITERS}
-LOG_INTERVAL=${LOG_INTERVAL:-5}
-EVAL_INTERVAL=${EVAL_INTERVAL:-10}
-EVAL_ITERS=${EVAL_ITERS:-2}
-
-MODEL_ARGS=(
-    --num-layers 4
-    --hidden-size 128
-    --num-attention-heads 4
-    --seq-length "$SEQ_LENGTH"
-    --max-position-embeddings "$SEQ_LENGTH"
-    --position-embedding-type learned_absolute
-    --normalization LayerNorm
-    --hidden-dropout 0.0
-    --attention-dropout 0.0
-    --init-method-std 0.02
-    # Mixture of experts
-    --num-experts 8
-    --moe-ffn-hidden-size 256
-    --moe-router-topk 2
-    --moe-aux-loss-coeff 1e-2
-    --moe-z-loss-coeff 1e-3
-    --moe-router-dtype fp32
-    --moe-token-dispatcher-type alltoall
-    --moe-grouped-gemm
-    --expert-model-parallel-size "$EP"
-)
-
-OPTIMIZER_ARGS=(
-    --optimizer adam
-    --lr "$LR"
-    --min-lr "$MIN_LR"
-    --lr-decay-style cosine
-    --lr-warmup-iters "$LR_WARMUP_ITERS"
-    --lr-decay-iters "$LR_DECAY_ITERS"
-    --adam-beta1 0.9
-    --adam-beta2 0.95
-    --weight-decay 0.1
-    --clip-grad 1.0
-    --distributed-timeout-minutes 5
-)
-
-megalm_launch "$@"
+megalm_launch moe_tiny_cpu "$@"

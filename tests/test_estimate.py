@@ -5,11 +5,17 @@
 * activations: bytes saved for backward during a forward (``saved_tensors_hooks``, unique
   storages, parameters excluded) against the prediction, across architectures, precisions,
   recompute modes and TP 2 + sequence parallelism;
-* every script in scripts/ fits its 80 GB GPUs as it would run (pipeline and distributed
-  optimizer included).
+* every preset (megalm/presets, what each script in scripts/ runs) fits its 80 GB GPUs as it
+  would run (pipeline and distributed optimizer included); ``--preset NAME`` plans exactly what
+  passing the preset's flags by hand plans, and an unknown name is an error listing the names.
 """
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +25,7 @@ from megalm.estimate.activations import Shape, chunk_bytes, in_flight
 from megalm.estimate.cli import main as estimate_main, parse
 from megalm.estimate.parameters import stage_parameters, total_parameters
 from megalm.estimate.planner import PlannerOptions, plan
+from megalm.presets import PRESETS, PresetError
 from megalm.testing import run_distributed
 
 LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
@@ -200,28 +207,53 @@ def test_distributed_optimizer_bytes_follow_the_formula():
     assert st["weights"] + st["grads"] + st["optimizer"] == 18 * n
 
 
-def _script_config(script):
-    from tests.test_scripts import launcher_options, run_script
-
-    launcher, flags = run_script(script)
-    opts = launcher_options(launcher)
-    world = int(opts["--nproc_per_node"]) * int(opts["--nnodes"])
-    return parse(flags + ["--world-size", str(world)])
+REPO = Path(__file__).resolve().parents[1]
 
 
-def test_every_script_fits_its_gpus(capsys):
-    from tests.test_scripts import SCRIPTS
-
-    assert SCRIPTS
-    for script in SCRIPTS:
-        cfg, options = _script_config(script)
-        if "cpu" in script.name:
+def test_every_preset_fits_its_gpus(capsys):
+    for name in PRESETS:
+        cfg, options = parse(["--preset", name])
+        assert options.world_size == PRESETS[name].layout.world_size
+        if "cpu" in name:
             options = dataclasses.replace(options, device="cpu", reserve_gb=0.0)
         r = plan(cfg, options)
-        assert r["fits"], f"{script.name}: largest rank needs {r['largest_rank_bytes'] / 1e9:.1f} GB"
-        if "cpu" in script.name:
-            assert r["largest_rank_bytes"] < 2e9, script.name
-        print(f"{script.name}: {r['largest_rank_bytes'] / 1e9:.1f} GB on pp rank {r['largest_pp_rank']}")
+        assert r["fits"], f"{name}: largest rank needs {r['largest_rank_bytes'] / 1e9:.1f} GB"
+        if "cpu" in name:
+            assert r["largest_rank_bytes"] < 2e9, name
+        print(f"{name}: {r['largest_rank_bytes'] / 1e9:.1f} GB on pp rank {r['largest_pp_rank']}")
     assert estimate_main(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                           "--vocab-size", "100", "--world-size", "2", "--tensor-model-parallel-size", "2"]) == 0
     assert "fits" in capsys.readouterr().out
+
+
+def _plan_json(argv, capsys):
+    assert estimate_main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("name,extra", [("llama2_70b", []), ("mixtral_8x7b", []),
+                                        ("llama2_7b", ["--tensor-model-parallel-size", "2"]),
+                                        ("gpt3_175b", ["--world-size", "256"])])
+def test_preset_plan_equals_its_flags_by_hand(name, extra, capsys):
+    """``--preset NAME [flags]`` == the flags ``python3 -m megalm.presets NAME`` prints, ``--world-size``
+    of the preset's GPUs, then the same flags."""
+    printed = subprocess.run([sys.executable, "-m", "megalm.presets", name], cwd=REPO, capture_output=True,
+                             text=True, timeout=60, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    by_hand = printed.stdout.split() + ["--world-size", str(PRESETS[name].layout.world_size)] + extra
+    planned = _plan_json(["--preset", name, *extra], capsys)
+    assert planned == _plan_json(by_hand, capsys)
+    default = _plan_json(["--preset", name], capsys)
+    if extra:  # the flags after --preset changed the plan
+        assert planned["largest_rank_bytes"] != default["largest_rank_bytes"]
+        assert planned["world_size"] == (256 if "--world-size" in extra else default["world_size"])
+    assert default["world_size"] == PRESETS[name].layout.world_size
+
+
+def test_unknown_preset_is_an_error_listing_the_names():
+    with pytest.raises(PresetError) as e:
+        estimate_main(["--preset", "llama9_1t"])
+    assert "unknown preset 'llama9_1t'" in str(e.value) and all(name in str(e.value) for name in PRESETS)
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "estimate.py"), "--preset=llama9_1t"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "unknown preset 'llama9_1t'" in proc.stderr and all(name in proc.stderr for name in PRESETS)

@@ -1,4 +1,5 @@
-"""scripts/: every pretraining script's flags parse and validate, and its model has the size its name says.
+"""scripts/: every pretraining script passes its preset's flags, they parse and validate, and its
+model has the size its name says; nothing in scripts/ refers to a file outside the repository.
 
 Each ``scripts/pretrain_*.sh`` is run with ``DRY_RUN=1`` (it prints the ``pretrain_gpt.py`` flags
 after a marker line and launches nothing); the flags go through megalm's own parser and
@@ -16,6 +17,8 @@ import pytest
 import torch
 
 from megalm.config import MegalmConfig, build_parser, config_from_args, validate_config
+from megalm.presets import PRESETS, Overrides, get_preset, recipe_flags, resolve
+from megalm.presets.flags import null_tokenizer_flags
 from megalm.training.flops import cpu_has_native_bf16
 
 REPO = Path(__file__).resolve().parents[1]
@@ -282,3 +285,121 @@ def test_slurm_wrapper_sets_rendezvous(tmp_path):
     missing = subprocess.run(["bash", str(SCRIPTS_DIR / "slurm" / "pretrain.sbatch")], env=env,
                              capture_output=True, text=True, timeout=30)
     assert missing.returncode == 2 and "usage" in missing.stderr
+
+
+def preset_of(script):
+    """``pretrain_gpt3_1.3b.sh`` -> ``gpt3_1.3b``."""
+    return script.name[len("pretrain_"):-len(".sh")]
+
+
+def test_every_preset_has_a_script_that_only_launches_it():
+    assert sorted(preset_of(s) for s in SCRIPTS) == sorted(PRESETS)
+    for script in SCRIPTS:
+        code = [line for line in script.read_text().splitlines() if line.strip() and not line.startswith("#")]
+        assert code == ["set -euo pipefail", 'source "$(dirname "${BASH_SOURCE[0]}")/common.sh"',
+                        f'megalm_launch {preset_of(script)} "$@"'], script.name
+
+
+# Overrides every script honours; each changes the recipe flags (EP only for the MoE presets).
+OVERRIDES = {"TP": "2", "PP": "2", "EP": "1", "MICRO_BATCH_SIZE": "2", "GLOBAL_BATCH_SIZE": "64",
+             "TRAIN_TOKENS": "1000000000", "LR": "1e-3", "MIN_LR": "1e-4", "DIST_OPT": "0", "RECOMPUTE": "selective",
+             "VP_LAYERS": "1", "PRECISION": "fp16", "VOCAB_SIZE": "1000", "GPUS_PER_NODE": "2", "NNODES": "3"}
+
+
+# The only flags scripts/common.sh adds to a preset's: data, tokenizer files, outputs, logging.
+LAUNCHER_FLAGS = {"--mock-data", "--data-path", "--split", "--data-cache-path", "--num-workers", "--tokenizer-type",
+                  "--vocab-size", "--vocab-file", "--merge-file", "--tokenizer-model", "--save", "--save-interval",
+                  "--load", "--async-save", "--log-interval", "--eval-interval", "--eval-iters", "--tensorboard-dir",
+                  "--metrics-file", "--timing-log-level", "--log-timers-to-tensorboard", "--wandb-project",
+                  "--wandb-exp-name", "--wandb-save-dir"}
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.name)
+def test_script_passes_its_presets_flags(script):
+    """The flags a script passes are its preset's (megalm.presets), by default and with overrides,
+    then only the launcher's own."""
+    preset = get_preset(preset_of(script))
+    for env in ({}, OVERRIDES):
+        launch = resolve(preset, Overrides.from_env(env))
+        launcher, flags = run_script(script, env=env)
+        recipe = recipe_flags(launch)
+        assert flags[:len(recipe)] == recipe, (script.name, env)
+        assert {f for f in flags[len(recipe):] if f.startswith("--")} <= LAUNCHER_FLAGS
+        i = flags.index("--tokenizer-type")
+        assert flags[i:i + 4] == null_tokenizer_flags(launch)
+        opts = launcher_options(launcher)
+        assert (int(opts["--nproc_per_node"]), int(opts["--nnodes"])) == (launch.layout.gpus_per_node,
+                                                                          launch.layout.nnodes)
+    # The overrides reached the flags.
+    cfg = config_from_args(build_parser().parse_args(flags))
+    p, t = cfg.parallel, cfg.training
+    assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, t.global_batch_size) == (2, 2, 64)
+    assert t.fp16 and not t.bf16 and not p.use_distributed_optimizer and cfg.model.recompute_granularity == "selective"
+    assert t.train_iters == 1_000_000_000 // (64 * cfg.model.seq_length) or preset.schedule.train_tokens is None
+    assert (t.lr, t.min_lr, cfg.model.vocab_size) == (1e-3, 1e-4, 999)
+    assert p.expert_model_parallel_size == 1
+    assert opts["--nproc_per_node"] == "2" and opts["--nnodes"] == "3"
+
+
+# What the scripts passed before they read presets (their dry-run flags up to the data flags),
+# numbers as they spelled them: the presets must keep these values.
+OLD_SCRIPT_FLAGS = {
+    "gpt3_125m": "--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 2048 "
+                 "--max-position-embeddings 2048 --position-embedding-type learned_absolute --normalization LayerNorm "
+                 "--hidden-dropout 0.1 --attention-dropout 0.1 --init-method-std 0.02 --tensor-model-parallel-size 1 "
+                 "--pipeline-model-parallel-size 1 --use-distributed-optimizer --overlap-grad-reduce "
+                 "--overlap-param-gather --micro-batch-size 8 --global-batch-size 256 --train-iters 572204 --bf16 "
+                 "--optimizer adam --lr 6.0e-4 --min-lr 6.0e-5 --lr-decay-style cosine --lr-warmup-iters 715 "
+                 "--lr-decay-iters 495910 --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --weight-decay 0.1 "
+                 "--clip-grad 1.0 --exit-signal-handler",
+    "mixtral_8x7b": "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 "
+                    "--group-query-attention --num-query-groups 8 --seq-length 4096 --max-position-embeddings 32768 "
+                    "--position-embedding-type rope --rotary-base 1000000 --normalization RMSNorm --norm-epsilon 1e-5 "
+                    "--swiglu --disable-bias-linear --untie-embeddings-and-output-weights --hidden-dropout 0.0 "
+                    "--attention-dropout 0.0 --init-method-std 0.01 --num-experts 8 --moe-ffn-hidden-size 14336 "
+                    "--moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 "
+                    "--moe-router-dtype fp32 --moe-token-dispatcher-type alltoall --moe-grouped-gemm "
+                    "--expert-model-parallel-size 8 --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 "
+                    "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --recompute-granularity "
+                    "full --recompute-method uniform --recompute-num-layers 1 --micro-batch-size 1 "
+                    "--global-batch-size 256 --train-iters 500000 --bf16 --optimizer adam --lr 1.0e-4 --min-lr 1.0e-5 "
+                    "--lr-decay-style cosine --lr-warmup-iters 500 --lr-decay-iters 320000 --adam-beta1 0.9 "
+                    "--adam-beta2 0.95 --weight-decay 0.1 --clip-grad 1.0 --exit-signal-handler",
+}
+
+
+@pytest.mark.parametrize("name", sorted(OLD_SCRIPT_FLAGS))
+def test_presets_keep_the_old_scripts_flags(name):
+    old = OLD_SCRIPT_FLAGS[name].split()
+    new = recipe_flags(resolve(get_preset(name)))
+    assert len(new) == len(old)
+    for a, b in zip(old, new):
+        assert a == b or float(a) == float(b), (a, b)
+
+
+def outside_references(text):
+    """(line number, text) of each path that leaves the repository: absolute paths, ``../``, ``~/``
+    and ``$HOME``.  A ``#!`` first line is allowed; ``a/b`` inside a word (``12/8``, ``s/TP``) is not a path."""
+    pattern = re.compile(r"""(?:^|[\s=:"'(`])(/[\w.~-][^\s"'`)]*)|(\.\./)|(?:^|[\s=:"'(`])(~/)|(\$\{?HOME\b)""")
+    found = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if number == 1 and line.startswith("#!"):
+            continue
+        found += [(number, m.group(0).strip()) for m in pattern.finditer(line)]
+    return found
+
+
+def test_outside_reference_scanner():
+    for bad in ("DATA_PATH=/data/pile_text_document", 'TOKENIZER_MODEL="/models/tok.model"', "source ../../x.sh",
+                "CHECKPOINT_DIR=~/ckpt", 'cd "$HOME/megalm"', "see `/lustre/ckpt`", "  blend 0.7 /data/a"):
+        assert outside_references(bad), bad
+    for good in ("#!/usr/bin/env bash", "6 + 12/8 B; s*b*V/TP; 260/300; 8 / 256", "data/pile_text_document",
+                 'cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd', "$RUN_DIR/checkpoints", "https://example.org/x"):
+        assert not outside_references(good), good
+
+
+def test_scripts_refer_to_no_file_outside_the_repository():
+    files = sorted(f for f in SCRIPTS_DIR.rglob("*") if f.is_file())
+    assert SCRIPTS_DIR / "README.md" in files and SCRIPTS_DIR / "common.sh" in files
+    for f in files:
+        assert not outside_references(f.read_text()), (f.relative_to(REPO), outside_references(f.read_text()))

@@ -1,8 +1,12 @@
 """``tools/estimate.py``: pretrain_gpt.py's flags (megalm's own parser and validate_config) plus
-the planner's (``--world-size``, ``--gpu-memory-gb``, ``--mfu``, ``--device``, ``--reserve-gb``)."""
+the planner's (``--world-size``, ``--gpu-memory-gb``, ``--mfu``, ``--device``, ``--reserve-gb``).
+
+``--preset NAME`` puts the preset's flags (``python3 -m megalm.presets NAME``: the flags its script
+passes on mock data) and its world size first; flags given with it come after and win."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import sys
@@ -10,6 +14,7 @@ from typing import List, Optional, Tuple
 
 from megalm.config import ConfigError, MegalmConfig, build_parser, config_from_args, set_vocab_size, validate_config
 from megalm.estimate.planner import PlannerOptions, format_plan, plan
+from megalm.presets import get_preset, preset_flags
 
 
 def _vocab_size(cfg: MegalmConfig) -> int:
@@ -29,9 +34,23 @@ def _vocab_size(cfg: MegalmConfig) -> int:
         raise ConfigError(f"cannot read the tokenizer ({e}); give --vocab-size") from None
 
 
+def expand_preset(argv: list[str]) -> list[str]:
+    """``--preset NAME`` (or ``--preset=NAME``) -> the preset's flags and ``--world-size``, then the
+    rest of ``argv``; raises :class:`megalm.presets.PresetError` for an unknown name."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--preset")
+    known, rest = pre.parse_known_args(argv)
+    if known.preset is None:
+        return list(argv)
+    world = get_preset(known.preset).layout.world_size
+    return preset_flags(known.preset) + ["--world-size", str(world)] + rest
+
+
 def parse(argv: Optional[List[str]] = None) -> Tuple[MegalmConfig, PlannerOptions]:
-    parser = build_parser("megalm memory and speed planner", extra_sections={"planner": PlannerOptions})
-    args = parser.parse_args(argv)
+    parser = build_parser("megalm memory and speed planner; --preset NAME plans a preset of megalm.presets "
+                          "(python3 -m megalm.presets lists them), overridable by the flags that follow",
+                          extra_sections={"planner": PlannerOptions})
+    args = parser.parse_args(expand_preset(list(sys.argv[1:] if argv is None else argv)))
     values = vars(args)
     options = PlannerOptions(**{f.name: values[f"planner.{f.name}"] for f in dataclasses.fields(PlannerOptions)})
     cfg = config_from_args(args)
