@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
+from megalm.errors import MegalmError
 from megalm.tokenizers.build import TOKENIZER_TYPES
 
 
@@ -24,7 +25,7 @@ def _f(default, help: str, **meta):
     return field(default=default, metadata=meta)
 
 
-class ConfigError(ValueError):
+class ConfigError(MegalmError, ValueError):
     """An invalid configuration; the message names the offending flags and values."""
 
 

@@ -50,11 +50,11 @@ def build_config(fields: dict, extra_args: Sequence[str], overridable: Sequence[
     tokenizer's vocabulary, for HF models whose embedding was padded.  Fields named in
     ``overridable`` (training-only settings) take the flag's value when the flag is given.
     """
-    parser = build_parser("megalm import")
+    parser = build_parser("megalm import", exit_on_error=False)
     try:
         args = parser.parse_args(list(extra_args))
-    except SystemExit:
-        raise ConversionError(f"cannot parse the megalm flags {list(extra_args)}") from None
+    except ConfigError as e:
+        raise ConversionError(f"cannot parse the megalm flags {list(extra_args)}: {e}") from None
     cfg = config_from_args(args)
     explicit = _explicit_dests(parser, extra_args)
     vocab_size = cfg.model.vocab_size if "model.vocab_size" in explicit else None

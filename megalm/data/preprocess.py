@@ -24,11 +24,12 @@ import numpy as np
 
 from megalm.data import text_sources as ts
 from megalm.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
+from megalm.errors import MegalmError
 
 MAX_WARNINGS = 10
 
 
-class PreprocessError(RuntimeError):
+class PreprocessError(MegalmError, RuntimeError):
     """Bad input under --strict, or an input/output problem found before work starts."""
 
 
