@@ -51,3 +51,10 @@ def test_import_hf_flags_that_do_not_parse_are_a_conversion_error():
     with pytest.raises(ConversionError, match=r"cannot parse the megalm flags \['--no-such-flag'\]: "
                                               r"unrecognized arguments: --no-such-flag"):
         build_config({}, ["--no-such-flag"])
+
+
+def test_import_hf_refuses_fields_that_are_not_megalm_model_fields():
+    from megalm.conversion.import_hf import build_config
+
+    with pytest.raises(ConversionError, match=r"sets \['num_layerz'\], which are not megalm model fields"):
+        build_config({"num_layerz": 2, "max_position_embeddings": 16}, [])
