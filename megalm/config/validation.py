@@ -9,7 +9,19 @@ from typing import Optional, Tuple
 
 from megalm.config.sections import (CheckpointConfig, ConfigError, DataConfig, LoggingConfig, MegalmConfig, ModelConfig,
                                     ParallelConfig, TrainingConfig)
+from megalm.log import get_logger
 from megalm.tokenizers.build import missing_tokenizer_flags
+
+logger = get_logger(__name__)
+
+# Megatron-LM flags that have no meaning in megalm: accepted so Megatron scripts run unchanged,
+# with a warning naming what megalm does instead.
+MEGATRON_NO_OPS = {
+    "--apply-query-key-layer-scaling": "Megatron's fp16 overflow guard inside its fused softmax; megalm's "
+                                       "attention scales q k^T by 1/sqrt(head dim) only",
+    "--log-throughput": "megalm always logs tokens per second, TFLOP/s per rank and MFU",
+    "--log-validation-ppl-to-tensorboard": "megalm always logs validation perplexity (lm loss <split> ppl)",
+}
 
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine")
@@ -101,7 +113,17 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
     _validate_data(cfg.data, m, p)
     _validate_checkpoint(cfg.checkpoint)
     _validate_logging(cfg.logging, world_size)
+    _warn_megatron_no_ops(cfg)
     return cfg
+
+
+def _warn_megatron_no_ops(cfg: MegalmConfig) -> None:
+    given = {"--apply-query-key-layer-scaling": cfg.model.apply_query_key_layer_scaling,
+             "--log-throughput": cfg.logging.log_throughput,
+             "--log-validation-ppl-to-tensorboard": cfg.logging.log_validation_ppl_to_tensorboard}
+    for flag, value in given.items():
+        if value:
+            logger.warning("%s has no effect in megalm: %s", flag, MEGATRON_NO_OPS[flag])
 
 
 def _validate_model(m: ModelConfig, p: ParallelConfig) -> None:
