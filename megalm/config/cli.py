@@ -56,7 +56,8 @@ def _base_type(tp):
     return tp
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, extra_sections: Optional[dict] = None) -> argparse.ArgumentParser:
+def add_config_arguments(parser: argparse.ArgumentParser,
+                         extra_sections: Optional[dict] = None) -> argparse.ArgumentParser:
     """Add one flag per config field, grouped by section."""
     sections = dict(SECTIONS, **(extra_sections or {}))
     for section, cls in sections.items():

@@ -79,10 +79,11 @@ def _validate_fp8(m: ModelConfig, p: ParallelConfig, t: TrainingConfig) -> None:
     """``--fp8-*``: Transformer Engine layers, delayed-scaling settings, and the shapes TE's fp8 GEMMs take."""
     if m.fp8_format is None:
         return
-    _check(m.transformer_impl == "transformer_engine", f"--fp8-format {m.fp8_format} needs --transformer-impl "
-                                                       f"transformer_engine (fp8 runs inside Transformer Engine's layers)")
-    _check(m.fp8_margin >= 0 and m.fp8_amax_history_len >= 1,
-           f"--fp8-margin must be >= 0 and --fp8-amax-history-len >= 1, got {m.fp8_margin} and {m.fp8_amax_history_len}")
+    _check(m.transformer_impl == "transformer_engine",
+           f"--fp8-format {m.fp8_format} needs --transformer-impl transformer_engine "
+           f"(fp8 runs inside Transformer Engine's layers)")
+    _check(m.fp8_margin >= 0 and m.fp8_amax_history_len >= 1, f"--fp8-margin must be >= 0 and --fp8-amax-history-len "
+                                                               f">= 1, got {m.fp8_margin} and {m.fp8_amax_history_len}")
     _check(m.recompute_granularity != "full", "--fp8-format with --recompute-granularity full is not supported "
                                               "(megalm's recompute does not replay TE's fp8 scaling state); use "
                                               "--recompute-granularity selective or no recompute")
