@@ -79,7 +79,7 @@ def _module_level_imports(body: List[ast.stmt]):
 
 def imported_modules(module: str, path: str, known: Set[str]) -> Set[str]:
     """The megalm modules ``module`` imports at module level (``from pkg import sub`` names the
-    submodule when ``sub`` is one, else the package)."""
+    submodule when ``sub`` is one, else the package), with the packages each of them runs first."""
     is_package = path.endswith("__init__.py")
     out = set()
     for node in _module_level_imports(_tree(path).body):
@@ -97,6 +97,11 @@ def imported_modules(module: str, path: str, known: Set[str]) -> Set[str]:
                 out.add(sub)
             elif base in known:
                 out.add(base)
+    # Importing a.b.c first runs the packages a and a.b (other than the importer's own packages).
+    for name in list(out):
+        parts = name.split(".")
+        out.update(p for p in (".".join(parts[:i]) for i in range(1, len(parts)))
+                   if p in known and not module.startswith(p + "."))
     out.discard(module)
     return out
 
@@ -189,7 +194,9 @@ def test_cycle_finder_reports_the_cycle_and_ignores_lazy_imports(tmp_path):
                               "if TYPE_CHECKING:\n    import pkg.z\n")
     (pkg / "y.py").write_text("def f():\n    from pkg import x\n")
     (pkg / "z.py").write_text("import pkg.x\n")
-    known = {"pkg", "pkg.x", "pkg.y", "pkg.z"}
+    (tmp_path / "other.py").write_text("import pkg.y\n")  # runs the package pkg, then pkg.y
+    known = {"pkg", "pkg.x", "pkg.y", "pkg.z", "other"}
+    assert imported_modules("other", str(tmp_path / "other.py"), known) == {"pkg", "pkg.y"}
     assert imported_modules("pkg", str(pkg / "__init__.py"), known) == {"pkg.x"}
     assert imported_modules("pkg.x", str(pkg / "x.py"), known) == {"pkg.y"}
     assert imported_modules("pkg.y", str(pkg / "y.py"), known) == set()
