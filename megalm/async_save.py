@@ -21,8 +21,10 @@ from __future__ import annotations
 import threading
 from typing import Callable, Optional
 
+from megalm.errors import MegalmError
 
-class AsyncSaveError(RuntimeError):
+
+class AsyncSaveError(MegalmError, RuntimeError):
     """The background write of a checkpoint failed."""
 
 

@@ -42,13 +42,14 @@ from megalm import parallel_state
 from megalm.async_save import AsyncCheckpointWriter
 from megalm.dist_checkpointing import (ShardedStateDict, ShardedTensorSpec, flat_range_blocks, load_sharded,
                                       save_sharded, saved_tensor_shapes)
+from megalm.errors import MegalmError
 from megalm.parameter_names import canonical_name
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(MegalmError, RuntimeError):
     pass
 
 

@@ -31,17 +31,35 @@ class _RankFilter(logging.Filter):
         return wanted is None or wanted == self.rank
 
 
+class _StdHandler(logging.StreamHandler):
+    """Writes to ``sys.stdout`` or ``sys.stderr`` as they are at each record (not as they were
+    at setup), so a replaced stream (pytest's capture, a redirect) still gets the messages."""
+
+    def __init__(self, name: str):
+        logging.Handler.__init__(self)
+        self._name = name
+
+    @property
+    def stream(self):
+        return getattr(sys, self._name)
+
+
 def setup_logging(rank: int = 0, world_size: int = 1, info_rank: Optional[int] = 0,
-                  level: int = logging.INFO, stream=None) -> logging.Logger:
+                  level: int = logging.INFO, stream="stdout") -> logging.Logger:
     """Configure the ``megalm`` logger for this process (idempotent: replaces its handler).
 
-    ``info_rank`` None shows INFO on every rank.  A record may name its rank with
-    ``logger.info(msg, extra={"on_rank": world_size - 1})`` (Megatron's ``print_rank_last``).
+    ``stream``: ``"stdout"`` (training logs, as Megatron prints them), ``"stderr"`` (command-line
+    tools, whose stdout is their result) or a file object.  ``info_rank`` None shows INFO on
+    every rank.  A record may name its rank with ``logger.info(msg, extra={"on_rank": world_size - 1})``
+    (Megatron's ``print_rank_last``).
     """
     logger = logging.getLogger(ROOT)
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
-    handler = logging.StreamHandler(stream or sys.stdout)
+    if stream is None or stream in ("stdout", "stderr"):
+        handler = _StdHandler(stream or "stdout")
+    else:
+        handler = logging.StreamHandler(stream)
     prefix = "[megalm rank %(rank)d] " if world_size > 1 else "[megalm] "
     handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
     handler.addFilter(_RankFilter(rank, info_rank))

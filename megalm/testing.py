@@ -25,8 +25,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megalm.errors import MegalmError
 
-class DistributedTestError(RuntimeError):
+
+class DistributedTestError(MegalmError, RuntimeError):
     pass
 
 

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from megalm.device import get_device, synchronize
+from megalm.errors import MegalmError
 
 TIMER_LEVELS: Dict[str, int] = {
     "model-and-optimizer-setup": 0, "train/valid/test-data-iterators-setup": 0, "save-checkpoint": 0,
@@ -65,7 +66,7 @@ ITERATION_TIMERS = [name for name, level in TIMER_LEVELS.items() if level > 0]  
 LOG_OPTIONS = ("max", "minmax", "all")
 
 
-class TimerError(RuntimeError):
+class TimerError(MegalmError, RuntimeError):
     """A timer was started twice or stopped without being started."""
 
 

@@ -133,3 +133,14 @@ def test_use_checkpoint_args(tmp_path, capsys):
     assert run_distributed(run_trainings, 1, args=([train],), timeout=200) == [[0]]  # a fresh process
     record = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[0])
     assert record["iteration"] == 1 and 0 < record["lm_loss"] < 20
+
+
+def test_checkpoint_args_copy_only_real_fields():
+    """--use-checkpoint-args copies these names: each must be a field of its section."""
+    import dataclasses
+
+    from megalm.config.checkpoint_args import DATA_FIELDS, MODEL_FIELDS
+    from megalm.config.sections import DataConfig, ModelConfig
+
+    assert set(MODEL_FIELDS) <= {f.name for f in dataclasses.fields(ModelConfig)}
+    assert set(DATA_FIELDS) <= {f.name for f in dataclasses.fields(DataConfig)}

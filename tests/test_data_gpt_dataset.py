@@ -178,3 +178,23 @@ def test_index_building_is_vectorized_fast():
     elapsed = time.perf_counter() - t0
     assert idx["sample_index"].shape[0] - 1 >= 400_000
     assert elapsed < 5.0, f"index build took {elapsed:.1f} s"
+
+
+def test_dataset_messages_reach_megalm_log_on_rank_zero_only(tmp_path, capsys):
+    """GPTDataset / the index cache write through megalm's channel: INFO on the logging rank,
+    warnings on every rank, each with its rank prefix."""
+    from tests.logs import megalm_logs
+
+    write_dataset(tmp_path / "ds")
+    ds_file = IndexedDataset(str(tmp_path / "ds"))
+    (tmp_path / "afile").write_text("x")
+    cfg = GPTDatasetConfig(seq_length=8, seed=3, eod=EOD, cache_dir=str(tmp_path / "afile" / "sub"))
+    with megalm_logs("stdout", rank=0, world_size=2):
+        ds = GPTDataset(ds_file, np.arange(40), 20, "valid", cfg)
+    out = capsys.readouterr().out
+    assert f"[megalm rank 0] GPTDataset valid: {len(ds)} samples, indices built in" in out
+    assert f"[megalm rank 0] could not cache indices in {tmp_path / 'afile' / 'sub'}" in out
+    with megalm_logs("stdout", rank=1, world_size=2):
+        GPTDataset(ds_file, np.arange(40), 20, "valid", cfg)
+    out = capsys.readouterr().out
+    assert "GPTDataset valid" not in out and "[megalm rank 1] could not cache indices" in out

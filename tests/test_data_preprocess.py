@@ -14,6 +14,7 @@ import pytest
 from megalm.data.indexed_dataset import IndexedDataset
 from megalm.data.preprocess import PreprocessError, PreprocessOptions, preprocess
 from megalm.tokenizers import SentencePieceTokenizer
+from tests.logs import megalm_logs
 from tests.test_tokenizers import make_sp_model, sample_texts
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
@@ -95,13 +96,14 @@ def write_bad_input(path):
 
 def test_bad_records_are_skipped_counted_and_reported(sp_model, tmp_path, capsys):
     inp = write_bad_input(tmp_path / "bad.jsonl")
-    summary = run(sp_model, inp, tmp_path / "out", append_eod=True)
+    with megalm_logs("stderr"):
+        summary = run(sp_model, inp, tmp_path / "out", append_eod=True)
     assert summary.documents == 2
     assert summary.blank_lines == 1
     assert summary.skipped == {"malformed JSON": 2, "missing key 'text'": 2, "non-UTF-8 bytes": 2,
                                "empty document": 2, "value of 'text' is not a string": 1}
     err = capsys.readouterr().err
-    assert f"{inp}:2: malformed JSON" in err and f"{inp}:4: non-UTF-8 bytes" in err
+    assert f"[megalm] WARNING: skipping {inp}:2: malformed JSON" in err and f"{inp}:4: non-UTF-8 bytes" in err
     text = summary.format()
     assert "skipped records: 9" in text and "malformed JSON: 2" in text and "blank lines ignored: 1" in text
     tok = SentencePieceTokenizer(sp_model)

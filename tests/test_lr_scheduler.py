@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from megalm.config import MegalmConfig
+from megalm.config import ConfigError, MegalmConfig, validate_config
 from megalm.training.lr_scheduler import OptimizerParamScheduler
 
 MAX, MIN, INIT, W, D = 3e-4, 3e-5, 1e-6, 100, 1000
@@ -78,16 +78,37 @@ def test_wsd_matches_closed_form(wsd_style):
     assert sched("WSD", wsd=S, wsd_style="exponential").get_lr() == INIT
 
 
-def test_no_warmup_and_validation_errors():
+def test_no_warmup():
     s = sched("cosine", warmup=0, init=0.0)
     assert s.get_lr() == MAX and lr_at(s, 500) == pytest.approx(MIN + (MAX - MIN) * 0.5 * (1 + math.cos(math.pi / 2)))
     assert sched("inverse-square-root", warmup=0).get_lr() == MAX  # max(W, 1) / max(n, 1)
-    with pytest.raises(ValueError, match="warm-up"):
-        sched("linear", warmup=D)
-    with pytest.raises(ValueError, match="WSD"):
-        sched("WSD")
-    with pytest.raises(ValueError, match="min-lr"):
-        OptimizerParamScheduler(FakeOptimizer(), 0.0, 1e-4, 1e-3, 0, 10, "linear")
+
+
+@pytest.mark.parametrize("training, message", [
+    # Checked in samples (x --global-batch-size 8) once the global batch size is known.
+    (dict(train_samples=8000, lr_warmup_samples=8000), r"lr warm-up \(8000 samples\) must be shorter than the decay "
+                                                       r"\(8000 samples\)"),
+    (dict(train_samples=8000, lr_warmup_iters=1000), r"lr warm-up \(8000 samples\) must be shorter"),
+    (dict(train_iters=100, lr_warmup_iters=100), "--lr-warmup-iters 100 must be shorter than the decay"),
+    (dict(train_iters=100, lr_decay_style="WSD"), r"WSD needs --lr-wsd-decay-iters \(or --lr-wsd-decay-samples"),
+    (dict(train_iters=100, lr_decay_style="WSD", lr_wsd_decay_iters=101), "got 808 of 800 samples"),
+    (dict(train_iters=100, lr_decay_style="WSD", lr_wsd_decay_style="step"), "--lr-wsd-decay-style 'step' is not one"),
+    (dict(train_iters=100, lr_decay_style="exp"), "--lr-decay-style 'exp' is not one of"),
+    (dict(train_iters=100, min_lr=1e-3), "--min-lr 0.001 is larger than --lr 0.0003"),
+    (dict(train_iters=100, min_lr=-1e-5), "--min-lr must be >= 0, got -1e-05"),
+    (dict(train_iters=100, lr_warmup_init=1e-3), "--lr-warmup-init 0.001 is larger than --lr 0.0003"),
+    (dict(train_iters=100, lr_warmup_fraction=1.0), r"--lr-warmup-fraction 1.0 must be in \[0, 1\)"),
+    (dict(train_iters=0, lr_decay_style="constant"), "the learning-rate decay must be positive, got 0 samples"),
+    (dict(train_iters=100, override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=True),
+     "give only one of --override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler"),
+])
+def test_schedule_is_validated_with_the_config(training, message):
+    """The scheduler's checks live in megalm.config.validation (one place), in samples as it runs."""
+    cfg = _cfg(**training)
+    with pytest.raises(ConfigError, match=message):
+        validate_config(cfg)
+    assert OptimizerParamScheduler.from_config(_cfg(train_iters=100), FakeOptimizer()).lr_decay_steps == 800
+    validate_config(_cfg(train_iters=100, lr_decay_style="WSD", lr_wsd_decay_iters=100))  # the whole decay: allowed
 
 
 def _cfg(**training):

@@ -16,6 +16,9 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 from megalm.data.indexed_dataset import (IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError,  # noqa: E402
                                          dataset_exists)
+from megalm.log import get_logger, setup_logging  # noqa: E402
+
+logger = get_logger("tools.merge_datasets")
 
 
 def get_args(argv=None) -> argparse.Namespace:
@@ -68,11 +71,12 @@ def merge(prefixes, output_prefix: str) -> IndexedDataset:
 
 def main(argv=None) -> int:
     args = get_args(argv)
+    setup_logging(stream="stderr")  # warnings and errors; stdout carries the result
     try:
         prefixes = find_prefixes(args.input)
         merged = merge(prefixes, args.output_prefix)
     except IndexedDatasetError as e:
-        print(f"error: {e}", file=sys.stderr)
+        logger.error("error: %s", e)
         return 1
     docs = len(merged.document_indices) - 1
     print(f"merged {len(prefixes)} datasets: {docs:,} documents, {len(merged):,} sequences, "

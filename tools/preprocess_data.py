@@ -27,6 +27,9 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 from megalm.data.preprocess import PreprocessError, PreprocessOptions, preprocess  # noqa: E402
 from megalm.tokenizers.build import TOKENIZER_TYPES  # noqa: E402
+from megalm.log import get_logger, setup_logging  # noqa: E402
+
+logger = get_logger("tools.preprocess_data")
 
 
 def get_args(argv=None) -> argparse.Namespace:
@@ -61,6 +64,7 @@ def get_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = get_args(argv)
+    setup_logging(stream="stderr")  # warnings and errors; stdout carries the result
     opts = PreprocessOptions(input=args.input, output_prefix=args.output_prefix, json_keys=args.json_keys,
                              tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
                              vocab_size=args.vocab_size, vocab_file=args.vocab_file, merge_file=args.merge_file,
@@ -69,10 +73,10 @@ def main(argv=None) -> int:
     try:
         summary = preprocess(opts)
     except (PreprocessError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        logger.error("error: %s", e)
         return 1
     except KeyboardInterrupt:
-        print("interrupted: no output written", file=sys.stderr)
+        logger.error("interrupted: no output written")
         return 130
     print(summary.format())
     return 0

@@ -24,6 +24,9 @@ from typing import Iterator, List
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
 from megalm.data import text_sources as ts  # noqa: E402
+from megalm.log import get_logger, setup_logging  # noqa: E402
+
+logger = get_logger("tools.train_tokenizer")
 
 
 def get_args(argv=None) -> argparse.Namespace:
@@ -152,10 +155,11 @@ def summarize(args, stats: dict) -> str:
 
 def main(argv=None) -> int:
     args = get_args(argv)
+    setup_logging(stream="stderr")  # warnings and errors; stdout carries the result
     try:
         stats = train(args)
     except (ts.InputError, RuntimeError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        logger.error("error: %s", e)
         return 1
     print(summarize(args, stats))
     return 0

@@ -9,6 +9,7 @@ taken: megalm loads a checkpoint under any layout.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Collection, List
 
 from megalm.config.sections import ConfigError, MegalmConfig
@@ -41,10 +42,12 @@ def apply_checkpoint_args(cfg: MegalmConfig, given: Collection[str]) -> List[str
     except CheckpointError as e:
         raise ConfigError(f"--use-checkpoint-args: {e}") from None
     copied = []
-    for section, names in (("model", MODEL_FIELDS), ("data", DATA_FIELDS)):
+    for section, target, source, names in (("model", cfg.model, saved.model, MODEL_FIELDS),
+                                           ("data", cfg.data, saved.data, DATA_FIELDS)):
+        values = dataclasses.asdict(source)  # a name missing here is a typo in MODEL_FIELDS / DATA_FIELDS
         for name in names:
             if f"{section}.{name}" not in given:
-                setattr(getattr(cfg, section), name, getattr(getattr(saved, section), name))
+                setattr(target, name, values[name])
                 copied.append(f"{section}.{name}")
     # The saved vocab_size is the tokenizer's; only NullTokenizer is built from --vocab-size
     # (its ids, to which it adds the end-of-document id).

@@ -56,7 +56,8 @@ def _base_type(tp):
     return tp
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, extra_sections: Optional[dict] = None) -> argparse.ArgumentParser:
+def add_config_arguments(parser: argparse.ArgumentParser,
+                         extra_sections: Optional[dict] = None) -> argparse.ArgumentParser:
     """Add one flag per config field, grouped by section."""
     sections = dict(SECTIONS, **(extra_sections or {}))
     for section, cls in sections.items():
@@ -89,8 +90,23 @@ def _field_default(f: dataclasses.Field):
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
 
 
-def build_parser(description: str = "megalm", extra_sections: Optional[dict] = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+class RaisingArgumentParser(argparse.ArgumentParser):
+    """An argparse parser for library callers: a bad flag (or ``--help``) raises
+    :class:`ConfigError` with argparse's message instead of printing it and exiting."""
+
+    def error(self, message):
+        raise ConfigError(message)
+
+    def exit(self, status=0, message=None):
+        raise ConfigError(message or f"argument parsing stopped (status {status})")
+
+
+def build_parser(description: str = "megalm", extra_sections: Optional[dict] = None,
+                 exit_on_error: bool = True) -> argparse.ArgumentParser:
+    """The parser of every config flag.  ``exit_on_error`` True: argparse's command-line behaviour
+    (usage message, exit status 2), for entry points; False: a :class:`ConfigError` is raised."""
+    cls = argparse.ArgumentParser if exit_on_error else RaisingArgumentParser
+    parser = cls(description=description, allow_abbrev=False)
     return add_config_arguments(parser, extra_sections)
 
 

@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
+from megalm.errors import MegalmError
 from megalm.tokenizers.build import TOKENIZER_TYPES
 
 
@@ -24,7 +25,7 @@ def _f(default, help: str, **meta):
     return field(default=default, metadata=meta)
 
 
-class ConfigError(ValueError):
+class ConfigError(MegalmError, ValueError):
     """An invalid configuration; the message names the offending flags and values."""
 
 
@@ -61,7 +62,7 @@ class ModelConfig:
     recompute_method: Optional[str] = _f(None, "With full recompute: 'uniform' (chunks of N layers) or 'block' (first N layers of each stage).",
                                          choices=["uniform", "block"])
     recompute_num_layers: Optional[int] = _f(None, "Layers per recompute chunk (uniform) or recomputed layers per stage (block).")
-    apply_query_key_layer_scaling: bool = _f(False, "Accepted for compatibility; attention uses 1/sqrt(head dim).")
+    apply_query_key_layer_scaling: bool = _f(False, "Megatron-LM's fp16 guard; a no-op here (warns): attention scales by 1/sqrt(head dim).")
     bias_gelu_fusion: bool = _f(True, "Disable the fused bias + GeLU.", flag="--no-bias-gelu-fusion", action="store_false")
     bias_swiglu_fusion: bool = _f(True, "Disable the fused bias + SwiGLU.", flag="--no-bias-swiglu-fusion", action="store_false")
     bias_dropout_fusion: bool = _f(True, "Disable the fused bias + dropout + add.", flag="--no-bias-dropout-fusion", action="store_false")
@@ -267,7 +268,7 @@ class LoggingConfig:
     wandb_save_dir: Optional[str] = _f(None, "Weights & Biases local directory.")
     device_peak_flops: Optional[float] = _f(None, "Peak FLOP/s per device for MFU (default: table, or measured on CPU).")
     log_memory: bool = _f(True, "Disable the peak-memory report.", flag="--no-log-memory", action="store_false")
-    log_throughput: bool = _f(False, "Accepted for Megatron-LM scripts: megalm always logs tokens per second, "
+    log_throughput: bool = _f(False, "Accepted for Megatron-LM scripts (warns): megalm always logs tokens per second, "
                                      "TFLOP/s per rank and MFU.")
     timing_log_level: int = _f(0, "Per-phase timers in the log: 0 set-up and checkpoint saving, 1 adds forward-backward, "
                                   "gradient sync and optimizer steps, 2 adds compute, data and pipeline exchanges "
@@ -278,7 +279,7 @@ class LoggingConfig:
                                                 "mem-allocated-bytes, mem-max-allocated-bytes, mem-allocated-count; "
                                                 "CPU: mem-max-rss-bytes) to TensorBoard, W&B and the metrics file.")
     log_world_size_to_tensorboard: bool = _f(False, "Also write world-size to TensorBoard, W&B and the metrics file.")
-    log_validation_ppl_to_tensorboard: bool = _f(False, "Accepted for Megatron-LM scripts: validation perplexity is "
+    log_validation_ppl_to_tensorboard: bool = _f(False, "Accepted for Megatron-LM scripts (warns): validation perplexity is "
                                                         "always logged (lm loss <split> ppl).")
     log_timers_to_tensorboard: bool = _f(False, "Also write the timers (slowest rank, seconds per iteration) to "
                                                 "TensorBoard, W&B and the metrics file as <name>-time.")

@@ -5,10 +5,26 @@ before any process group or model exists.  Errors are :class:`ConfigError` namin
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
-from megalm.config.sections import ConfigError, MegalmConfig, ModelConfig, ParallelConfig
+from megalm.config.sections import (CheckpointConfig, ConfigError, DataConfig, LoggingConfig, MegalmConfig, ModelConfig,
+                                    ParallelConfig, TrainingConfig)
+from megalm.log import get_logger
 from megalm.tokenizers.build import missing_tokenizer_flags
+
+logger = get_logger(__name__)
+
+# Megatron-LM flags that have no meaning in megalm: accepted so Megatron scripts run unchanged,
+# with a warning naming what megalm does instead.
+MEGATRON_NO_OPS = {
+    "--apply-query-key-layer-scaling": "Megatron's fp16 overflow guard inside its fused softmax; megalm's "
+                                       "attention scales q k^T by 1/sqrt(head dim) only",
+    "--log-throughput": "megalm always logs tokens per second, TFLOP/s per rank and MFU",
+    "--log-validation-ppl-to-tensorboard": "megalm always logs validation perplexity (lm loss <split> ppl)",
+}
+
+DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine")
 
 
 def pad_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
@@ -59,14 +75,15 @@ def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
            "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
 
 
-def _validate_fp8(m: ModelConfig, p: ParallelConfig, t) -> None:
+def _validate_fp8(m: ModelConfig, p: ParallelConfig, t: TrainingConfig) -> None:
     """``--fp8-*``: Transformer Engine layers, delayed-scaling settings, and the shapes TE's fp8 GEMMs take."""
     if m.fp8_format is None:
         return
-    _check(m.transformer_impl == "transformer_engine", f"--fp8-format {m.fp8_format} needs --transformer-impl "
-                                                       f"transformer_engine (fp8 runs inside Transformer Engine's layers)")
-    _check(m.fp8_margin >= 0 and m.fp8_amax_history_len >= 1,
-           f"--fp8-margin must be >= 0 and --fp8-amax-history-len >= 1, got {m.fp8_margin} and {m.fp8_amax_history_len}")
+    _check(m.transformer_impl == "transformer_engine",
+           f"--fp8-format {m.fp8_format} needs --transformer-impl transformer_engine "
+           f"(fp8 runs inside Transformer Engine's layers)")
+    _check(m.fp8_margin >= 0 and m.fp8_amax_history_len >= 1, f"--fp8-margin must be >= 0 and --fp8-amax-history-len "
+                                                               f">= 1, got {m.fp8_margin} and {m.fp8_amax_history_len}")
     _check(m.recompute_granularity != "full", "--fp8-format with --recompute-granularity full is not supported "
                                               "(megalm's recompute does not replay TE's fp8 scaling state); use "
                                               "--recompute-granularity selective or no recompute")
@@ -82,28 +99,42 @@ def _validate_fp8(m: ModelConfig, p: ParallelConfig, t) -> None:
 
 
 def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> MegalmConfig:
-    """Check every combination and fill derived values.  Raises :class:`ConfigError`."""
-    m, p, t, d = cfg.model, cfg.parallel, cfg.training, cfg.data
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-        _check(getattr(m, name) > 0, f"--{name.replace('_', '-')} must be positive, got {getattr(m, name)}")
-    _check(tp >= 1 and pp >= 1, f"parallel sizes must be >= 1 (tensor {tp}, pipeline {pp})")
+    """Check every combination and fill derived values, one config section after the other
+    (later sections read values earlier ones derive).  Raises :class:`ConfigError`."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    _validate_model(m, p)
+    vpp = _validate_pipeline(m, p)
+    _validate_parallel(m, p)
+    _validate_moe(m, p)
+    _validate_precision(m, p, t)
+    if world_size is not None:
+        _validate_world(p, t, world_size, vpp)
+    _validate_training_length(t)
+    _validate_lr_schedule(t)
+    _validate_data(cfg.data, m, p)
+    _validate_checkpoint(cfg.checkpoint)
+    _validate_logging(cfg.logging, world_size)
+    _warn_megatron_no_ops(cfg)
+    return cfg
 
-    # Heads and hidden sizes.
-    if m.kv_channels is None:
-        _check(m.hidden_size % m.num_attention_heads == 0,
-               f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}")
-    _check(m.num_attention_heads % tp == 0,
-           f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}")
-    if m.group_query_attention:
-        _check(m.num_query_groups is not None and m.num_query_groups > 0,
-               "--group-query-attention needs --num-query-groups")
-        _check(m.num_attention_heads % m.num_query_groups == 0,
-               f"--num-attention-heads {m.num_attention_heads} is not divisible by --num-query-groups {m.num_query_groups}")
-        _check(m.num_query_groups % tp == 0,
-               f"--num-query-groups {m.num_query_groups} is not divisible by --tensor-model-parallel-size {tp}")
-    else:
-        m.num_query_groups = None
+
+def _warn_megatron_no_ops(cfg: MegalmConfig) -> None:
+    given = {"--apply-query-key-layer-scaling": cfg.model.apply_query_key_layer_scaling,
+             "--log-throughput": cfg.logging.log_throughput,
+             "--log-validation-ppl-to-tensorboard": cfg.logging.log_validation_ppl_to_tensorboard}
+    for flag, value in given.items():
+        if value:
+            logger.warning("%s has no effect in megalm: %s", flag, MEGATRON_NO_OPS[flag])
+
+
+def _validate_model(m: ModelConfig, p: ParallelConfig) -> None:
+    """Sizes, heads, FFN width (derived), positions, dropout and recompute."""
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    for name, value in (("num_layers", m.num_layers), ("hidden_size", m.hidden_size),
+                        ("num_attention_heads", m.num_attention_heads), ("seq_length", m.seq_length)):
+        _check(value > 0, f"--{name.replace('_', '-')} must be positive, got {value}")
+    _check(tp >= 1 and pp >= 1, f"parallel sizes must be >= 1 (tensor {tp}, pipeline {pp})")
+    _validate_heads(m, tp)
     if m.ffn_hidden_size is None:
         m.ffn_hidden_size = int((4 * m.hidden_size * 2 / 3) / 64) * 64 if m.swiglu else 4 * m.hidden_size
         m.ffn_hidden_size = max(m.ffn_hidden_size, 64 if m.swiglu else m.ffn_hidden_size)
@@ -119,10 +150,30 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
         _check(m.seq_length <= m.max_position_embeddings,
                f"--seq-length {m.seq_length} is longer than --max-position-embeddings {m.max_position_embeddings} "
                f"with learned absolute positions")
-    for name in ("hidden_dropout", "attention_dropout"):
-        _check(0.0 <= getattr(m, name) < 1.0, f"--{name.replace('_', '-')} must be in [0, 1)")
+    for name, value in (("hidden_dropout", m.hidden_dropout), ("attention_dropout", m.attention_dropout)):
+        _check(0.0 <= value < 1.0, f"--{name.replace('_', '-')} must be in [0, 1)")
+    _validate_recompute(m)
 
-    # Recompute.
+
+def _validate_heads(m: ModelConfig, tp: int) -> None:
+    """Attention heads and query groups split over the tensor-parallel ranks."""
+    if m.kv_channels is None:
+        _check(m.hidden_size % m.num_attention_heads == 0,
+               f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}")
+    _check(m.num_attention_heads % tp == 0,
+           f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}")
+    if not m.group_query_attention:
+        m.num_query_groups = None
+        return
+    _check(m.num_query_groups is not None and m.num_query_groups > 0,
+           "--group-query-attention needs --num-query-groups")
+    _check(m.num_attention_heads % m.num_query_groups == 0,
+           f"--num-attention-heads {m.num_attention_heads} is not divisible by --num-query-groups {m.num_query_groups}")
+    _check(m.num_query_groups % tp == 0,
+           f"--num-query-groups {m.num_query_groups} is not divisible by --tensor-model-parallel-size {tp}")
+
+
+def _validate_recompute(m: ModelConfig) -> None:
     if m.recompute_granularity == "full":
         _check(m.recompute_method is not None, "--recompute-granularity full needs --recompute-method {uniform,block}")
         _check(m.recompute_num_layers is not None and m.recompute_num_layers >= 1,
@@ -130,7 +181,10 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
     elif m.recompute_method is not None:
         _check(False, f"--recompute-method {m.recompute_method} needs --recompute-granularity full")
 
-    # Pipeline split.
+
+def _validate_pipeline(m: ModelConfig, p: ParallelConfig) -> Optional[int]:
+    """The layer split over pipeline stages; sets and returns the virtual pipeline size (or None)."""
+    pp = p.pipeline_model_parallel_size
     first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
     if first is not None or last is not None:
         _check(pp > 1, "--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size > 1")
@@ -149,29 +203,40 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
                "give only one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank")
         _check(pp > 1, "virtual pipeline stages need --pipeline-model-parallel-size > 1")
         _check(first is None and last is None, "uneven first/last stages are not supported with virtual stages")
+        per_rank = m.num_layers // pp
         if p.num_layers_per_virtual_pipeline_stage is not None:
-            per_rank = m.num_layers // pp
             _check(per_rank % p.num_layers_per_virtual_pipeline_stage == 0,
                    f"layers per pipeline rank ({per_rank}) is not divisible by "
                    f"--num-layers-per-virtual-pipeline-stage {p.num_layers_per_virtual_pipeline_stage}")
             vpp = per_rank // p.num_layers_per_virtual_pipeline_stage
         else:
             vpp = p.num_virtual_stages_per_pipeline_rank
-            _check((m.num_layers // pp) % vpp == 0,
-                   f"layers per pipeline rank ({m.num_layers // pp}) is not divisible by "
-                   f"--num-virtual-stages-per-pipeline-rank {vpp}")
+            _check(per_rank % vpp == 0, f"layers per pipeline rank ({per_rank}) is not divisible by "
+                                        f"--num-virtual-stages-per-pipeline-rank {vpp}")
     p.virtual_pipeline_model_parallel_size = vpp
+    return vpp
+
+
+def _validate_parallel(m: ModelConfig, p: ParallelConfig) -> None:
+    """Context parallelism, the data-parallel wrapper's flags and sequence parallelism."""
+    tp = p.tensor_model_parallel_size
     _check(p.context_parallel_size == 1, "--context-parallel-size > 1 is not supported yet")
-    _check(not p.overlap_param_gather or p.use_distributed_optimizer,
-           "--overlap-param-gather needs --use-distributed-optimizer (it overlaps the optimizer's parameter all-gather)")
+    _validate_data_parallel(p)
     if p.sequence_parallel and tp == 1:
         p.sequence_parallel = False  # as Megatron: a no-op without tensor parallelism
     if p.sequence_parallel:
         _check(m.seq_length % tp == 0,
                f"--seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size {tp} (sequence parallel)")
-    _validate_moe(m, p)
 
-    # Precision.
+
+def _validate_data_parallel(p: ParallelConfig) -> None:
+    """Flags of the data-parallel wrapper and the distributed optimizer."""
+    _check(not p.overlap_param_gather or p.use_distributed_optimizer, "--overlap-param-gather needs "
+           "--use-distributed-optimizer (it overlaps the optimizer's parameter all-gather)")
+
+
+def _validate_precision(m: ModelConfig, p: ParallelConfig, t: TrainingConfig) -> None:
+    """bf16 / fp16 / fp8, and the attention cores each precision allows."""
     _check(not (t.bf16 and t.fp16), "--bf16 and --fp16 are mutually exclusive")
     _validate_fp8(m, p, t)
     if m.use_flash_attn:
@@ -184,59 +249,104 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
            f"--attention-backend blocked has no attention dropout: set --attention-dropout 0 "
            f"(got {m.attention_dropout}) or use another backend")
     _check(t.loss_scale is None or t.fp16, "--loss-scale needs --fp16")
+    _check(t.loss_scale_window >= 1 and t.hysteresis >= 1, "--loss-scale-window and --hysteresis must be >= 1")
 
-    # World size dependent checks.
-    if world_size is not None:
-        from megalm.parallel_state import validate_layout
 
-        try:
-            p.data_parallel_size = validate_layout(world_size, tp, pp, p.context_parallel_size,
-                                                   p.expert_model_parallel_size, vpp)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        p.world_size = world_size
-        dp = p.data_parallel_size
-        if t.global_batch_size is None:
-            t.global_batch_size = t.micro_batch_size * dp
-        _check(t.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {t.micro_batch_size}")
-        _check(t.global_batch_size % (t.micro_batch_size * dp) == 0,
-               f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
-               f"{t.micro_batch_size} x data-parallel size {dp}")
-        if vpp is not None and vpp > 1:
-            n_micro = t.global_batch_size // (t.micro_batch_size * dp)
-            _check(n_micro % pp == 0,
-                   f"interleaved pipeline schedule needs the number of microbatches ({n_micro}) "
-                   f"to be divisible by --pipeline-model-parallel-size {pp}")
-        if t.rampup_batch_size is not None:
-            start, incr, _ = t.rampup_batch_size
-            _check(start % (t.micro_batch_size * dp) == 0 and incr % (t.micro_batch_size * dp) == 0,
-                   f"--rampup-batch-size start {start} and increment {incr} must be multiples of "
-                   f"micro batch x DP = {t.micro_batch_size * dp}")
+def _validate_world(p: ParallelConfig, t: TrainingConfig, world_size: int, vpp: Optional[int]) -> None:
+    """The layout against the world size; sets the data-parallel size and the global batch size."""
+    from megalm.parallel_state import validate_layout
 
-    # Training length.
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    try:
+        p.data_parallel_size = validate_layout(world_size, tp, pp, p.context_parallel_size,
+                                               p.expert_model_parallel_size, vpp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    p.world_size = world_size
+    dp = p.data_parallel_size
+    if t.global_batch_size is None:
+        t.global_batch_size = t.micro_batch_size * dp
+    _check(t.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {t.micro_batch_size}")
+    _check(t.global_batch_size % (t.micro_batch_size * dp) == 0,
+           f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
+           f"{t.micro_batch_size} x data-parallel size {dp}")
+    if vpp is not None and vpp > 1:
+        n_micro = t.global_batch_size // (t.micro_batch_size * dp)
+        _check(n_micro % pp == 0, f"interleaved pipeline schedule needs the number of microbatches ({n_micro}) "
+                                  f"to be divisible by --pipeline-model-parallel-size {pp}")
+    if t.rampup_batch_size is not None:
+        start, incr, _ = t.rampup_batch_size
+        _check(start % (t.micro_batch_size * dp) == 0 and incr % (t.micro_batch_size * dp) == 0,
+               f"--rampup-batch-size start {start} and increment {incr} must be multiples of "
+               f"micro batch x DP = {t.micro_batch_size * dp}")
+
+
+def _validate_training_length(t: TrainingConfig) -> None:
     _check(not (t.train_iters is not None and t.train_samples is not None),
            "give only one of --train-iters and --train-samples")
-    _check(t.rampup_batch_size is None or t.train_samples is not None,
-           "--rampup-batch-size needs --train-samples")
+    _check(t.rampup_batch_size is None or t.train_samples is not None, "--rampup-batch-size needs --train-samples")
+
+
+def _validate_lr_schedule(t: TrainingConfig) -> None:
+    """The learning-rate schedule's flags; with the global batch size known, also its lengths in
+    samples (:func:`lr_schedule_samples`, what the scheduler is built from)."""
+    _check(t.lr_decay_style in DECAY_STYLES, f"--lr-decay-style {t.lr_decay_style!r} is not one of {DECAY_STYLES}")
+    _check(t.min_lr <= t.lr, f"--min-lr {t.min_lr} is larger than --lr {t.lr}")
+    _check(t.min_lr >= 0.0, f"--min-lr must be >= 0, got {t.min_lr}")
+    _check(t.lr_warmup_init <= t.lr, f"--lr-warmup-init {t.lr_warmup_init} is larger than --lr {t.lr}")
     _check(t.lr_warmup_fraction is None or (t.lr_warmup_iters == 0 and t.lr_warmup_samples is None),
            "give only one of --lr-warmup-iters, --lr-warmup-samples and --lr-warmup-fraction")
+    _check(t.lr_warmup_fraction is None or 0.0 <= t.lr_warmup_fraction < 1.0,
+           f"--lr-warmup-fraction {t.lr_warmup_fraction} must be in [0, 1)")
     if t.train_iters is not None and t.lr_decay_style != "constant" and t.lr_warmup_fraction is None:
         decay = t.lr_decay_iters or t.train_iters
         _check(t.lr_warmup_iters < decay, f"--lr-warmup-iters {t.lr_warmup_iters} must be shorter than the decay "
                                           f"({decay} iterations: --lr-decay-iters or --train-iters)")
     _check(not (t.override_opt_param_scheduler and t.use_checkpoint_opt_param_scheduler),
            "give only one of --override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler")
-    for name in ("lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples"):
-        _check(getattr(t, name) is None or t.train_samples is not None,
+    for name, value in (("lr_decay_samples", t.lr_decay_samples), ("lr_warmup_samples", t.lr_warmup_samples),
+                        ("lr_wsd_decay_samples", t.lr_wsd_decay_samples)):
+        _check(value is None or t.train_samples is not None,
                f"--{name.replace('_', '-')} needs --train-samples (with --train-iters use the *-iters flags)")
-    _check(t.min_lr <= t.lr, f"--min-lr {t.min_lr} is larger than --lr {t.lr}")
-    _check(t.loss_scale_window >= 1 and t.hysteresis >= 1, "--loss-scale-window and --hysteresis must be >= 1")
+    if t.lr_decay_style == "WSD":
+        _check(t.lr_wsd_decay_style in WSD_DECAY_STYLES,
+               f"--lr-wsd-decay-style {t.lr_wsd_decay_style!r} is not one of {WSD_DECAY_STYLES}")
+        _check(t.lr_wsd_decay_iters or t.lr_wsd_decay_samples,
+               "--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples with --train-samples)")
+    if t.global_batch_size is None or (t.train_iters is None and t.train_samples is None):
+        return
+    warmup, decay, wsd = lr_schedule_samples(t)
+    _check(decay > 0, f"the learning-rate decay must be positive, got {decay} samples")
+    _check(t.lr_decay_style == "constant" or warmup < decay,
+           f"lr warm-up ({warmup} samples) must be shorter than the decay ({decay} samples): check "
+           f"--lr-warmup-* and --lr-decay-*")
+    _check(t.lr_decay_style != "WSD" or (wsd and 0 < wsd <= decay),
+           f"--lr-decay-style WSD needs --lr-wsd-decay-iters (or -samples) in (0, decay]; got {wsd} of {decay} samples")
 
-    # Data.
+
+def lr_schedule_samples(t: TrainingConfig) -> Tuple[float, float, Optional[float]]:
+    """``(warm-up, decay, WSD decay)`` lengths of the learning-rate schedule in samples, converted
+    from iterations as Megatron does (x ``--global-batch-size``); ``--lr-warmup-fraction`` is a
+    fraction of the decay.  Needs ``--train-iters`` or ``--train-samples`` and the global batch size."""
+    gbs = t.global_batch_size
+    if t.train_iters is not None:
+        decay = (t.lr_decay_iters or t.train_iters) * gbs
+        warmup = t.lr_warmup_iters * gbs
+        wsd = t.lr_wsd_decay_iters * gbs if t.lr_wsd_decay_iters else None
+    else:
+        decay = t.lr_decay_samples or (t.lr_decay_iters * gbs if t.lr_decay_iters else t.train_samples)
+        warmup = t.lr_warmup_samples or t.lr_warmup_iters * gbs
+        wsd = t.lr_wsd_decay_samples or (t.lr_wsd_decay_iters * gbs if t.lr_wsd_decay_iters else None)
+    if t.lr_warmup_fraction is not None:
+        warmup = t.lr_warmup_fraction * decay
+    return warmup, decay, wsd
+
+
+def _validate_data(d: DataConfig, m: ModelConfig, p: ParallelConfig) -> None:
+    """Data sources, split, tokenizer flags; sets the padded vocabulary size when the vocabulary is known."""
     sources = [d.data_path, d.train_data_path, d.valid_data_path, d.test_data_path]
     _check(not (d.mock_data and any(sources)), "--mock-data cannot be combined with data paths")
-    _check(not (d.data_path and any(sources[1:])),
-           "give either --data-path or --train/valid/test-data-path, not both")
+    _check(not (d.data_path and any(sources[1:])), "give either --data-path or --train/valid/test-data-path, not both")
     if d.split:
         parts = [s for s in d.split.replace("/", ",").split(",") if s.strip()]
         try:
@@ -250,14 +360,17 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
                                           vocab_file=d.vocab_file, merge_file=d.merge_file)
         _check(not missing, f"--tokenizer-type {d.tokenizer_type} needs {' and '.join(missing)}")
     if m.vocab_size is not None:
-        m.padded_vocab_size = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+        m.padded_vocab_size = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, p.tensor_model_parallel_size)
 
-    # Checkpoints and logging.
-    _check(cfg.checkpoint.save_interval is None or cfg.checkpoint.save_interval > 0, "--save-interval must be positive")
-    _check(not cfg.checkpoint.async_save or cfg.checkpoint.save is not None, "--async-save needs --save")
-    _check(cfg.logging.log_interval > 0, "--log-interval must be positive")
-    _validate_profiling(cfg.logging, world_size)
-    return cfg
+
+def _validate_checkpoint(c: CheckpointConfig) -> None:
+    _check(c.save_interval is None or c.save_interval > 0, "--save-interval must be positive")
+    _check(not c.async_save or c.save is not None, "--async-save needs --save")
+
+
+def _validate_logging(lg: LoggingConfig, world_size: Optional[int]) -> None:
+    _check(lg.log_interval > 0, "--log-interval must be positive")
+    _validate_profiling(lg, world_size)
 
 
 def _validate_profiling(lg, world_size: Optional[int]) -> None:

@@ -23,7 +23,7 @@ MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek
 
 
 def _moe_experts(m) -> int:
-    return int(getattr(m, "num_experts", None) or 0)
+    return int(m.num_experts or 0)
 
 
 def for_megalm(m) -> Architecture:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from megalm.errors import MegalmError
 
-class ConversionError(ValueError):
+
+class ConversionError(MegalmError, ValueError):
     """The message names the offending field, file or tensor and what would be accepted."""

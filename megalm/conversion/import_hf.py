@@ -12,6 +12,7 @@ them; the checkpoint has no optimizer state: train from it with ``--load DIR --f
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
@@ -50,20 +51,24 @@ def build_config(fields: dict, extra_args: Sequence[str], overridable: Sequence[
     tokenizer's vocabulary, for HF models whose embedding was padded.  Fields named in
     ``overridable`` (training-only settings) take the flag's value when the flag is given.
     """
-    parser = build_parser("megalm import")
+    parser = build_parser("megalm import", exit_on_error=False)
     try:
         args = parser.parse_args(list(extra_args))
-    except SystemExit:
-        raise ConversionError(f"cannot parse the megalm flags {list(extra_args)}") from None
+    except ConfigError as e:
+        raise ConversionError(f"cannot parse the megalm flags {list(extra_args)}: {e}") from None
     cfg = config_from_args(args)
     explicit = _explicit_dests(parser, extra_args)
     vocab_size = cfg.model.vocab_size if "model.vocab_size" in explicit else None
+    given = dataclasses.asdict(cfg.model)
+    unknown = sorted(set(fields) - set(given))
+    if unknown:
+        raise ConversionError(f"the architecture mapping sets {unknown}, which are not megalm model fields")
     for name, value in fields.items():
         dest = f"model.{name}"
         if dest in explicit and name in overridable:
             continue
-        if dest in explicit and name != "vocab_size" and getattr(cfg.model, name) != value:
-            raise ConversionError(f"{explicit[dest]} {getattr(cfg.model, name)} disagrees with config.json, which gives "
+        if dest in explicit and name != "vocab_size" and given[name] != value:
+            raise ConversionError(f"{explicit[dest]} {given[name]} disagrees with config.json, which gives "
                                   f"{name} = {value}; leave architecture flags out when importing")
         setattr(cfg.model, name, value)
     if "model.seq_length" not in explicit:

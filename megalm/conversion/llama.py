@@ -60,7 +60,7 @@ class Llama(Architecture):
 
     def megalm_mismatches(self, m) -> List[str]:
         wrong = []
-        if getattr(m, "num_experts", None) and not self.moe:
+        if m.num_experts and not self.moe:
             wrong.append(f"--num-experts {m.num_experts} ({self.hf_class} is dense)")
         if m.position_embedding_type != "rope":
             wrong.append(f"--position-embedding-type {m.position_embedding_type} (needs rope)")

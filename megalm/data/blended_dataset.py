@@ -9,7 +9,6 @@ its share, so after any prefix of ``n`` samples dataset ``d`` has supplied
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Dict, List, Optional, Sequence
 
@@ -18,8 +17,6 @@ import torch
 
 from megalm.data import helpers
 from megalm.data.index_cache import description_hash, load_or_build
-
-logger = logging.getLogger(__name__)
 
 
 def normalize_weights(weights: Sequence[float]) -> np.ndarray:

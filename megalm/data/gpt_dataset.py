@@ -18,7 +18,6 @@ The three indices are built once and cached (see :mod:`index_cache`).
 from __future__ import annotations
 
 import hashlib
-import logging
 import math
 import os
 import time
@@ -30,8 +29,9 @@ import torch
 
 from megalm.data import helpers
 from megalm.data.index_cache import load_or_build
+from megalm.log import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 LAST_EPOCH_THRESHOLD = 0.80  # Megatron's: separate the final epoch below 80% of an epoch
 INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")

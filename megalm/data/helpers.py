@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import logging
 import os
 import shutil
 import subprocess
@@ -20,7 +19,9 @@ from typing import Optional
 
 import numpy as np
 
-logger = logging.getLogger(__name__)
+from megalm.log import get_logger
+
+logger = get_logger(__name__)
 
 
 # --- GPT dataset indices ---------------------------------------------------------------

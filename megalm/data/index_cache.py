@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
-logger = logging.getLogger(__name__)
+from megalm.log import get_logger
+
+logger = get_logger(__name__)
 
 
 def description_hash(description: dict) -> str:

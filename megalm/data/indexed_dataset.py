@@ -24,6 +24,8 @@ from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
+from megalm.errors import MegalmError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_BYTES = len(MAGIC) + 8 + 1 + 8 + 8  # 34
@@ -50,7 +52,7 @@ def dataset_exists(prefix: str) -> bool:
     return os.path.isfile(index_file_path(prefix)) and os.path.isfile(data_file_path(prefix))
 
 
-class IndexedDatasetError(ValueError):
+class IndexedDatasetError(MegalmError, ValueError):
     """A .idx/.bin pair that is missing, truncated or not in Megatron's format."""
 
 

@@ -24,11 +24,14 @@ import numpy as np
 
 from megalm.data import text_sources as ts
 from megalm.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
+from megalm.errors import MegalmError
+from megalm.log import get_logger
 
+logger = get_logger(__name__)
 MAX_WARNINGS = 10
 
 
-class PreprocessError(RuntimeError):
+class PreprocessError(MegalmError, RuntimeError):
     """Bad input under --strict, or an input/output problem found before work starts."""
 
 
@@ -244,10 +247,12 @@ class _Progress:
             self._docs_since, self._bytes_since = 0, 0
 
     def warn(self, message: str) -> None:
-        if self.bar is not None:
-            self.bar.write(message, file=sys.stderr)
-        else:
-            print(message, file=sys.stderr)
+        """A warning through megalm's logger; the progress bar (if any) is lifted while it is written."""
+        if self.bar is None:
+            logger.warning(message)
+            return
+        with self.bar.external_write_mode(file=sys.stderr):
+            logger.warning(message)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Sequence, Tuple
 
+from megalm.errors import MegalmError
+
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 PARQUET_SUFFIXES = (".parquet",)
 SUPPORTED_SUFFIXES = JSONL_SUFFIXES + PARQUET_SUFFIXES
@@ -35,7 +37,7 @@ def not_a_string(key: str) -> str:
     return f"value of {key!r} is not a string"
 
 
-class InputError(ValueError):
+class InputError(MegalmError, ValueError):
     """No usable input files, or an unsupported one."""
 
 

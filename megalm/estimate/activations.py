@@ -133,7 +133,7 @@ def moe_bytes(m, sh: Shape) -> int:
     f = m.moe_ffn_hidden_size or m.ffn_hidden_size
     router = B * t * h + 3 * 4 * t * E
     routed = k * t * (2 * B * h + B * f * (4 if m.swiglu else 2))
-    shared = getattr(m, "moe_shared_expert_intermediate_size", None) or 0
+    shared = m.moe_shared_expert_intermediate_size or 0
     return router + routed + B * t * (h + shared * (4 if m.swiglu else 2))
 
 

@@ -44,7 +44,7 @@ def _mlp(m, ffn: int, tp: int) -> int:
 
 
 def moe_layers(m) -> List[bool]:
-    if not getattr(m, "num_experts", None):
+    if not m.num_experts:
         return [False] * m.num_layers
     from megalm.transformer.moe.moe_layer import moe_layer_pattern
 
@@ -65,7 +65,7 @@ def layer_parameters(m, tp: int, ep: int, is_moe: bool) -> tuple:
     f = m.moe_ffn_hidden_size or m.ffn_hidden_size
     expert = experts * _mlp(m, f, 1)
     dense += m.num_experts * h
-    shared = getattr(m, "moe_shared_expert_intermediate_size", None)
+    shared = m.moe_shared_expert_intermediate_size
     if shared:
         dense += _mlp(m, shared, tp)
     return dense, expert

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megalm.device import use_cuda
+from megalm.errors import MegalmError
 
 TE_INSTALL = ("NVIDIA Transformer Engine is needed: on a machine with CUDA, "
               "`pip install --no-build-isolation 'transformer_engine[pytorch]'` "
@@ -50,7 +51,7 @@ FLASH_ATTN_INSTALL = ("flash-attn is needed: on a machine with CUDA, `pip instal
                       "(https://github.com/Dao-AILab/flash-attention)")
 
 
-class BackendUnavailable(RuntimeError):
+class BackendUnavailable(MegalmError, RuntimeError):
     """A flag asked for an optional accelerator package that cannot be used here."""
 
 

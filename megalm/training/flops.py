@@ -26,6 +26,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from megalm.config.sections import MegalmConfig
+
 # Dense peak FLOP/s per device (no sparsity).  "fp32" is the non-tensor-core rate, "tf32" the
 # tensor-core rate used by fp32 matmuls when torch allows TF32.
 DEVICE_PEAK_FLOPS = {
@@ -61,20 +63,19 @@ def transformer_flops(batch_size: float, seq_length: int, num_layers: int, hidde
 
 def num_floating_point_operations(cfg, batch_size: float) -> float:
     """Model FLOPs per iteration for ``batch_size`` sequences from a MegalmConfig or ModelConfig."""
-    m = getattr(cfg, "model", cfg)
+    m = cfg.model if isinstance(cfg, MegalmConfig) else cfg
     vocab = m.padded_vocab_size or m.vocab_size
     if vocab is None:
         raise ValueError("num_floating_point_operations needs the vocabulary size (set_vocab_size first)")
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
-    num_experts = getattr(m, "num_experts", None)
     num_moe_layers, topk, moe_ffn, shared = 0, 1, None, 0
-    if num_experts:
-        freq = getattr(m, "moe_layer_freq", 1) or 1
+    if m.num_experts:
+        freq = m.moe_layer_freq or 1
         num_moe_layers = len([i for i in range(m.num_layers) if i % int(freq) == 0]) if isinstance(freq, int) \
             else int(sum(freq))
-        topk = getattr(m, "moe_router_topk", 1) or 1
-        moe_ffn = getattr(m, "moe_ffn_hidden_size", None)
-        shared = getattr(m, "moe_shared_expert_intermediate_size", None) or 0
+        topk = m.moe_router_topk or 1
+        moe_ffn = m.moe_ffn_hidden_size
+        shared = m.moe_shared_expert_intermediate_size or 0
     return transformer_flops(batch_size, m.seq_length, m.num_layers, m.hidden_size, m.num_attention_heads, ffn,
                              vocab, num_query_groups=m.num_query_groups if m.group_query_attention else None,
                              kv_channels=m.kv_channels, swiglu=m.swiglu, moe_router_topk=topk,

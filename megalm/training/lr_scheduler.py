@@ -23,11 +23,15 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
-WSD_DECAY_STYLES = ("exponential", "linear", "cosine")
+from megalm.config.sections import ConfigError
+from megalm.config.validation import lr_schedule_samples
 
 
 class OptimizerParamScheduler:
+    """The schedule of :mod:`this module <megalm.training.lr_scheduler>`.  Its settings are checked
+    once, with the rest of the configuration, by :func:`megalm.config.validate_config`
+    (``_validate_lr_schedule``); build it with :meth:`from_config` from a validated config."""
+
     def __init__(self, optimizer, init_lr: float, max_lr: float, min_lr: float, lr_warmup_steps: float,
                  lr_decay_steps: float, lr_decay_style: str, wsd_decay_steps: Optional[float] = None,
                  lr_wsd_decay_style: str = "exponential", override_opt_param_scheduler: bool = False,
@@ -41,60 +45,28 @@ class OptimizerParamScheduler:
         self.lr_wsd_decay_style = lr_wsd_decay_style
         self.override_opt_param_scheduler = override_opt_param_scheduler
         self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
-        if override_opt_param_scheduler and use_checkpoint_opt_param_scheduler:
-            raise ValueError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler "
-                             "are mutually exclusive")
-        self._validate()
         self.num_steps = 0
         self.step(0)
 
-    def _validate(self) -> None:
-        if self.lr_decay_style not in DECAY_STYLES:
-            raise ValueError(f"--lr-decay-style {self.lr_decay_style!r} is not one of {DECAY_STYLES}")
-        if not 0.0 <= self.min_lr <= self.max_lr:
-            raise ValueError(f"need 0 <= --min-lr ({self.min_lr}) <= --lr ({self.max_lr})")
-        if self.init_lr > self.max_lr:
-            raise ValueError(f"--lr-warmup-init {self.init_lr} is larger than --lr {self.max_lr}")
-        if not self.lr_decay_steps or self.lr_decay_steps <= 0:
-            raise ValueError(f"lr decay steps must be positive, got {self.lr_decay_steps}")
-        if self.lr_decay_style != "constant" and self.lr_warmup_steps >= self.lr_decay_steps:
-            raise ValueError(f"lr warm-up ({self.lr_warmup_steps} samples) must be shorter than the decay "
-                             f"({self.lr_decay_steps} samples): check --lr-warmup-* and --lr-decay-iters")
-        if self.lr_decay_style == "WSD":
-            if self.lr_wsd_decay_style not in WSD_DECAY_STYLES:
-                raise ValueError(f"--lr-wsd-decay-style {self.lr_wsd_decay_style!r} is not one of {WSD_DECAY_STYLES}")
-            if not self.wsd_decay_steps or not 0 < self.wsd_decay_steps <= self.lr_decay_steps:
-                raise ValueError(f"--lr-decay-style WSD needs --lr-wsd-decay-iters in (0, decay iters]; "
-                                 f"got {self.wsd_decay_steps} of {self.lr_decay_steps} samples")
-
     @classmethod
     def from_config(cls, cfg, optimizer) -> "OptimizerParamScheduler":
-        """Build from a :class:`megalm.config.MegalmConfig` (global batch size must be set)."""
+        """Build from a validated :class:`megalm.config.MegalmConfig` (global batch size set):
+        lengths in samples from :func:`megalm.config.validation.lr_schedule_samples`."""
         t = cfg.training
-        gbs = t.global_batch_size
-        if gbs is None:
-            raise ValueError("global batch size is unknown: validate the config with the world size first")
-        extra = lambda name: getattr(t, name, None)  # noqa: E731 - optional sample-based flags
-        if t.train_iters is not None:
-            decay = (t.lr_decay_iters or t.train_iters) * gbs
-            warmup = t.lr_warmup_iters * gbs
-            wsd = t.lr_wsd_decay_iters * gbs if t.lr_wsd_decay_iters else None
-        elif t.train_samples is not None:
-            decay = extra("lr_decay_samples") or (t.lr_decay_iters * gbs if t.lr_decay_iters else t.train_samples)
-            warmup = extra("lr_warmup_samples") or t.lr_warmup_iters * gbs
-            wsd = extra("lr_wsd_decay_samples") or (t.lr_wsd_decay_iters * gbs if t.lr_wsd_decay_iters else None)
-        elif getattr(t, "skip_train", False):  # evaluation only: the schedule is never stepped
+        if t.global_batch_size is None:
+            raise ConfigError("global batch size is unknown: validate the config with the world size first")
+        if t.train_iters is None and t.train_samples is None:
+            if not t.skip_train:
+                raise ConfigError("the learning-rate schedule needs --train-iters or --train-samples")
+            # evaluation only: the schedule is never stepped
             return cls(optimizer, init_lr=t.lr, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=0, lr_decay_steps=1,
                        lr_decay_style="constant")
-        else:
-            raise ValueError("the learning-rate schedule needs --train-iters or --train-samples")
-        if t.lr_warmup_fraction is not None:
-            warmup = t.lr_warmup_fraction * decay
+        warmup, decay, wsd = lr_schedule_samples(t)
         return cls(optimizer, init_lr=t.lr_warmup_init, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=warmup,
                    lr_decay_steps=decay, lr_decay_style=t.lr_decay_style, wsd_decay_steps=wsd,
                    lr_wsd_decay_style=t.lr_wsd_decay_style,
-                   override_opt_param_scheduler=bool(extra("override_opt_param_scheduler")),
-                   use_checkpoint_opt_param_scheduler=bool(extra("use_checkpoint_opt_param_scheduler")))
+                   override_opt_param_scheduler=t.override_opt_param_scheduler,
+                   use_checkpoint_opt_param_scheduler=t.use_checkpoint_opt_param_scheduler)
 
     # --- the schedule ----------------------------------------------------------------------
     def get_lr(self, param_group: Optional[dict] = None) -> float:
@@ -149,7 +121,7 @@ class OptimizerParamScheduler:
         if self.override_opt_param_scheduler or sd_value is None:
             return cls_value
         if not self.use_checkpoint_opt_param_scheduler and cls_value != sd_value:
-            raise ValueError(
+            raise ConfigError(
                 f"OptimizerParamScheduler: {name} is {cls_value} on the command line but {sd_value} in the "
                 f"checkpoint; pass --override-opt-param-scheduler to use the command line or "
                 f"--use-checkpoint-opt-param-scheduler to use the checkpoint")
@@ -159,6 +131,5 @@ class OptimizerParamScheduler:
         """Restore ``num_steps`` (and, per the two flags, the settings); re-applies the lr."""
         for name in self._CHECKED:
             setattr(self, name, self._check_and_set(name, getattr(self, name), state_dict.get(name)))
-        self._validate()
         self.num_steps = 0
         self.step(state_dict["num_steps"])

@@ -32,12 +32,14 @@ import os
 from typing import Any, Dict, Iterable, Optional
 from urllib.parse import urlparse
 
+from megalm.errors import MegalmError
+
 TB_TAGS = {"lm_loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm", "params_norm": "params-norm",
            "loss_scale": "loss-scale", "global_batch_size": "batch-size", "elapsed_ms": "iteration-time-ms",
            "tokens_per_sec": "tokens-per-sec", "tflops_per_rank": "tflops-per-rank"}
 
 
-class WandbSetupError(RuntimeError):
+class WandbSetupError(MegalmError, RuntimeError):
     """W&B logging was requested but cannot start (missing package or credentials)."""
 
 

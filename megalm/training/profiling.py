@@ -24,9 +24,10 @@ from typing import Optional
 import torch
 
 from megalm.device import use_cuda
+from megalm.errors import MegalmError
 
 
-class ProfilerUnavailable(RuntimeError):
+class ProfilerUnavailable(MegalmError, RuntimeError):
     """``--profile`` asked for the nsys path on a machine without CUDA."""
 
 
