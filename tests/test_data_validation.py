@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from megalm.config import MegalmConfig
-from megalm.data import token_ids
 from megalm.data.builder import build_train_valid_test_datasets, validate_data
 from megalm.data.gpt_dataset import build_gpt_indices
 from megalm.data.indexed_dataset import DataError, IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError
@@ -142,7 +141,7 @@ def test_default_cache_is_beside_the_data(tmp_path):
 def test_good_corpus_builds_the_same_sample_indices(tmp_path):
     a, b = write_corpus(tmp_path / "a"), write_corpus(tmp_path / "b", num_docs=80)
     cfg = make_cfg(tmp_path, data_path=["0.3", a, "0.7", b])
-    train, valid, _ = build_train_valid_test_datasets(cfg, NullTokenizer(VOCAB))
+    train, _, _ = build_train_valid_test_datasets(cfg, NullTokenizer(VOCAB))
     for gpt in train.datasets:
         ref = build_gpt_indices(gpt.dataset.sequence_lengths, gpt.documents, gpt.num_samples, 8, cfg.training.seed)
         for name, array in ref.items():
@@ -181,8 +180,10 @@ def test_truncated_bin_names_expected_and_actual_bytes(tmp_path):
 
 
 def _rewrite_idx(prefix, edit):
-    raw = bytearray(open(prefix + ".idx", "rb").read())
-    open(prefix + ".idx", "wb").write(bytes(edit(raw)))
+    with open(prefix + ".idx", "rb") as f:
+        raw = bytearray(f.read())
+    with open(prefix + ".idx", "wb") as f:
+        f.write(bytes(edit(raw)))
 
 
 def test_truncated_idx_names_expected_and_actual_bytes(tmp_path):
@@ -204,11 +205,11 @@ def test_truncated_idx_names_expected_and_actual_bytes(tmp_path):
 
 
 @pytest.mark.parametrize("where, value, message", [
-    (18, struct.pack("<Q", 1 << 40), f"1099511627776 sequences and 61 document indices in {34 + 12 * 2**40 + 8 * 61} "
-                                     f"bytes (truncated or garbled index)"),
+    (18, struct.pack("<Q", 1 << 40), (f"1099511627776 sequences and 61 document indices in {34 + 12 * 2**40 + 8 * 61} "
+                                      f"bytes (truncated or garbled index)")),
     (17, bytes([99]), "unknown dtype code 99 (garbled index)"),
-    (34 + 60 * 4 + 8 * 30, struct.pack("<q", 10 ** 9), "sequence 30 spans bytes [1000000000, 1000000042), "
-                                                       "outside the 2520 bytes of its .bin (garbled index)"),
+    (34 + 60 * 4 + 8 * 30, struct.pack("<q", 10 ** 9), ("sequence 30 spans bytes [1000000000, 1000000042), "
+                                                        "outside the 2520 bytes of its .bin (garbled index)")),
     (34 + 10 * 4, struct.pack("<i", -5), "sequence 10 has negative length -5 (garbled index)"),
     (34 + 60 * 12 + 8 * 20, struct.pack("<q", 5), "document indices are not non-decreasing (garbled index)"),
 ])
