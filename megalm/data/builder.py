@@ -57,7 +57,7 @@ def parse_blend(paths: Optional[Sequence[str]]) -> Tuple[List[str], Optional[Lis
             weights.append(float(w))
         except ValueError:
             raise DataError(f"data path {' '.join(items)!r}: {w!r} is not a weight; expected 'weight prefix' "
-                             f"pairs") from None
+                            f"pairs") from None
         prefixes.append(p)
     if any(w <= 0 for w in weights):
         raise DataError(f"data path {' '.join(items)!r}: weights must be positive (drop zero-weight prefixes)")
