@@ -284,23 +284,24 @@ def launches(tmp_path_factory):
     for name, p in procs.items():
         try:
             stdout, stderr = p.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired:  # a rank left waiting in a collective
             p.kill()
             stdout, stderr = p.communicate()
+            stderr += "\n<timed out>"
         out[name] = (p.returncode, stdout, stderr)
     return {"tmp": tmp, "bad": bad, **out}
 
 
 def test_pretrain_fails_on_ids_beyond_vocabulary_with_tp2(launches):
     code, _, stderr = launches["bad_ids"]
-    assert code != 0, stderr[-3000:]
+    assert code != 0 and "<timed out>" not in stderr, stderr[-3000:]  # every rank stops, none hangs
     message = f"data prefix {launches['bad']}: largest token id 700 >= vocabulary size 501 (tokenizer NullTokenizer)"
-    assert stderr.count(message) >= 2, stderr[-3000:]  # raised on both tensor-parallel ranks
+    assert message in stderr, stderr[-3000:]
 
 
 def test_pretrain_fails_on_missing_tokenizer_model_without_metrics_file(launches):
     code, _, stderr = launches["no_tokenizer"]
-    assert code != 0, stderr[-3000:]
+    assert code != 0 and "<timed out>" not in stderr, stderr[-3000:]
     model = launches["tmp"] / "missing.model"
     assert f"--tokenizer-model {model} does not exist (needed by --tokenizer-type SentencePieceTokenizer)" in stderr
     assert not os.path.exists(launches["tmp"] / "no_tokenizer.jsonl")
