@@ -9,14 +9,14 @@ its share, so after any prefix of ``n`` samples dataset ``d`` has supplied
 
 from __future__ import annotations
 
-import os
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 
 from megalm.data import helpers
-from megalm.data.index_cache import description_hash, load_or_build
+from megalm.data.index_cache import default_cache_dir, description_hash, load_or_build
+from megalm.data.indexed_dataset import DataError
 
 
 def normalize_weights(weights: Sequence[float]) -> np.ndarray:
@@ -45,7 +45,7 @@ class BlendedDataset(torch.utils.data.Dataset):
         if cache_dir is None:
             prefix = getattr(datasets[0], "path_prefix", None)
             if prefix is not None:
-                cache_dir = os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache", "BlendedDataset_indices")
+                cache_dir = default_cache_dir(prefix, "BlendedDataset_indices")
         arrays, self.built_indices = load_or_build(cache_dir, "BlendedDataset", self.description,
                                                    ("dataset_index", "dataset_sample_index"), self._build)
         self.dataset_index = arrays["dataset_index"]
@@ -56,7 +56,7 @@ class BlendedDataset(torch.utils.data.Dataset):
         counts = np.bincount(dataset_index, minlength=len(self.datasets))
         for d, (count, ds) in enumerate(zip(counts, self.datasets)):
             if count > len(ds):
-                raise ValueError(f"blend needs {count} samples from dataset {d} but it has only {len(ds)}")
+                raise DataError(f"blend needs {count} samples from dataset {d} but it has only {len(ds)}")
         return {"dataset_index": dataset_index, "dataset_sample_index": sample_index}
 
     def __len__(self) -> int:

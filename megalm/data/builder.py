@@ -6,10 +6,16 @@
   own blend of whole datasets.
 * ``--mock-data`` uses :class:`MockIndexedDataset`, split as a single prefix.
 
+Every prefix used is checked first (:func:`validate_data`): its ``.idx`` and ``.bin`` exist
+and agree, and its token ids are below the tokenizer's vocabulary size (scanned once per
+prefix and cached, see :mod:`megalm.data.token_ids`).  Bad data raises a
+:class:`~megalm.data.indexed_dataset.DataError` naming the file or prefix.
+
 Sample counts per split follow Megatron (:func:`get_train_valid_test_num_samples`); a
 blended prefix is asked for ``ceil(weight * n * 1.005)`` samples so the blend never runs
-short.  When ``torch.distributed`` is initialized, global rank 0 builds (and caches) every
-index first, then after a barrier the other ranks load them.
+short.  When ``torch.distributed`` is initialized, global rank 0 checks and builds (and
+caches) every index first, then after a barrier the other ranks load them: one barrier on
+the default group, no other communication.
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ import torch.distributed as dist
 
 from megalm.data.blended_dataset import BlendedDataset, normalize_weights
 from megalm.data.gpt_dataset import GPTDataset, GPTDatasetConfig
-from megalm.data.indexed_dataset import IndexedDataset
+from megalm.data.indexed_dataset import DataError, IndexedDataset
 from megalm.data.mock_dataset import MockIndexedDataset
+from megalm.data.token_ids import check_token_ids
 
 SPLITS = ("train", "valid", "test")
 BLEND_MARGIN = 1.005  # Megatron's over-sampling of each blended dataset
@@ -39,21 +46,21 @@ def parse_blend(paths: Optional[Sequence[str]]) -> Tuple[List[str], Optional[Lis
     """
     items = [tok for p in (paths or []) for tok in str(p).split()]
     if not items:
-        raise ValueError("empty data path")
+        raise DataError("empty data path")
     if len(items) == 1:
         return items, None
     if len(items) % 2:
-        raise ValueError(f"data path {' '.join(items)!r}: expected 'weight prefix' pairs (or a single prefix)")
+        raise DataError(f"data path {' '.join(items)!r}: expected 'weight prefix' pairs (or a single prefix)")
     weights, prefixes = [], []
     for w, p in zip(items[0::2], items[1::2]):
         try:
             weights.append(float(w))
         except ValueError:
-            raise ValueError(f"data path {' '.join(items)!r}: {w!r} is not a weight; expected 'weight prefix' "
-                             f"pairs") from None
+            raise DataError(f"data path {' '.join(items)!r}: {w!r} is not a weight; expected 'weight prefix' "
+                            f"pairs") from None
         prefixes.append(p)
     if any(w <= 0 for w in weights):
-        raise ValueError(f"data path {' '.join(items)!r}: weights must be positive (drop zero-weight prefixes)")
+        raise DataError(f"data path {' '.join(items)!r}: weights must be positive (drop zero-weight prefixes)")
     return prefixes, [float(x) for x in normalize_weights(weights)]
 
 
@@ -61,7 +68,7 @@ def parse_split(split: str) -> List[float]:
     """``"969,30,1"`` -> normalized ``[train, valid, test]`` fractions (missing ones are 0)."""
     values = [float(x) for x in re.findall(r"[.0-9]+", split or "")]
     if not values or len(values) > 3 or any(v < 0 for v in values) or sum(values) <= 0:
-        raise ValueError(f"--split {split!r} needs up to three non-negative proportions with a positive sum")
+        raise DataError(f"--split {split!r} needs up to three non-negative proportions with a positive sum")
     values += [0.0] * (3 - len(values))
     total = sum(values)
     return [v / total for v in values]
@@ -91,7 +98,7 @@ def get_train_valid_test_num_samples(cfg) -> Tuple[int, int, int]:
         train_iters = t.train_iters
         train_samples = train_iters * gbs
     else:
-        raise ValueError("the data pipeline needs --train-iters or --train-samples to size the datasets")
+        raise DataError("the data pipeline needs --train-iters or --train-samples to size the datasets")
     eval_iters = t.eval_iters if t.eval_iters else 0
     valid = (train_iters // t.eval_interval + 1) * eval_iters * gbs
     test = eval_iters * gbs
@@ -132,16 +139,57 @@ def _blend(prefixes, weights, split, num_samples, config, cache_dir) -> list:
             continue
         if any(p is None for p in parts):
             empty = [prefixes[i] for i, p in enumerate(parts) if p is None]
-            raise ValueError(f"{SPLITS[s]} split of {empty} is empty; cannot blend it (check --split)")
+            raise DataError(f"{SPLITS[s]} split of {empty} is empty; cannot blend it (check --split)")
         out.append(BlendedDataset(parts, weights, n, cache_dir))
     return out
 
 
+def _used_prefixes(cfg, num_samples: Sequence[int]) -> List[str]:
+    """Every prefix the datasets will read, in flag order (none for --mock-data)."""
+    d = cfg.data
+    if d.mock_data:
+        return []
+    if d.data_path:
+        return parse_blend(d.data_path)[0]
+    per_split = (d.train_data_path, d.valid_data_path, d.test_data_path)
+    if not any(per_split):
+        raise DataError("no data: give --data-path, --train/valid/test-data-path or --mock-data")
+    return [p for paths, n in zip(per_split, num_samples) if paths and n > 0 for p in parse_blend(paths)[0]]
+
+
+def _tokenizer_label(cfg, tokenizer) -> str:
+    """The tokenizer as the flags name it, for error messages."""
+    d = cfg.data
+    source = d.tokenizer_model or d.vocab_file
+    name = d.tokenizer_type or type(tokenizer).__name__
+    return f"{name} {source}" if source else name
+
+
+def _check_data(cfg, tokenizer, num_samples: Sequence[int]) -> None:
+    """Open every used prefix (its files exist and agree) and check its token ids (cached scan)."""
+    if tokenizer is None:
+        raise DataError("the data pipeline needs a tokenizer for its end-of-document id "
+                        "(for --mock-data e.g. --tokenizer-type NullTokenizer --vocab-size N)")
+    label = _tokenizer_label(cfg, tokenizer)
+    for prefix in dict.fromkeys(_used_prefixes(cfg, num_samples)):
+        check_token_ids(IndexedDataset(prefix), tokenizer.vocab_size, label, cfg.data.data_cache_path)
+
+
+def validate_data(cfg, tokenizer, num_samples: Optional[Sequence[int]] = None) -> None:
+    """Raise a :class:`DataError` naming the problem if any data prefix is missing, damaged or
+    holds token ids >= the tokenizer's vocabulary size.
+
+    Collective when a process group exists (rank 0 first, one barrier; the other ranks read
+    its cached scan): every rank raises the same error.  Cheap to repeat once cached.  Call
+    it before creating outputs (metrics file, checkpoints) so bad data leaves none behind.
+    """
+    if num_samples is None:
+        num_samples = get_train_valid_test_num_samples(cfg)
+    run_rank_zero_first(lambda: _check_data(cfg, tokenizer, num_samples))
+
+
 def _build_datasets(cfg, tokenizer, num_samples: Sequence[int]) -> list:
     d = cfg.data
-    if tokenizer is None:
-        raise ValueError("the data pipeline needs a tokenizer for its end-of-document id "
-                         "(for --mock-data e.g. --tokenizer-type NullTokenizer --vocab-size N)")
     config = _gpt_config(cfg, tokenizer.eod)
     if d.mock_data:
         mock = MockIndexedDataset(tokenizer.vocab_size, tokenizer.eod, max_length=2 * cfg.model.seq_length,
@@ -150,11 +198,8 @@ def _build_datasets(cfg, tokenizer, num_samples: Sequence[int]) -> list:
     if d.data_path:
         prefixes, weights = parse_blend(d.data_path)
         return _blend(prefixes, weights, parse_split(d.split), num_samples, config, d.data_cache_path)
-    per_split = (d.train_data_path, d.valid_data_path, d.test_data_path)
-    if not any(per_split):
-        raise ValueError("no data: give --data-path, --train/valid/test-data-path or --mock-data")
     out = []
-    for s, paths in enumerate(per_split):
+    for s, paths in enumerate((d.train_data_path, d.valid_data_path, d.test_data_path)):
         if not paths or num_samples[s] <= 0:
             out.append(None)
             continue
@@ -163,6 +208,12 @@ def _build_datasets(cfg, tokenizer, num_samples: Sequence[int]) -> list:
         whole = [1.0 if i == s else 0.0 for i in range(3)]
         out.append(_blend(prefixes, weights, whole, only, config, d.data_cache_path)[s])
     return out
+
+
+def _check_and_build(cfg, tokenizer, num_samples: Sequence[int], is_built_on_rank: bool):
+    """On every rank: check the data (so every rank fails alike); build where data is read."""
+    _check_data(cfg, tokenizer, num_samples)
+    return _build_datasets(cfg, tokenizer, num_samples) if is_built_on_rank else None
 
 
 def run_rank_zero_first(build: Callable[[], object]) -> object:
@@ -191,10 +242,11 @@ def build_train_valid_test_datasets(cfg, tokenizer, is_built_on_rank: bool = Tru
                                     num_samples: Optional[Sequence[int]] = None):
     """``(train, valid, test)`` datasets (None where a split is empty or unneeded).
 
-    Collective when a process group exists: every rank must call it; only ranks with
-    ``is_built_on_rank`` construct datasets (the others get ``(None, None, None)``).
+    Collective when a process group exists: every rank must call it and checks the data
+    (:func:`validate_data`), so bad data raises the same :class:`DataError` on every rank;
+    only ranks with ``is_built_on_rank`` construct datasets (the others get ``(None, None, None)``).
     """
     if num_samples is None:
         num_samples = get_train_valid_test_num_samples(cfg)
-    result = run_rank_zero_first(lambda: _build_datasets(cfg, tokenizer, num_samples) if is_built_on_rank else None)
+    result = run_rank_zero_first(lambda: _check_and_build(cfg, tokenizer, num_samples, is_built_on_rank))
     return tuple(result) if result is not None else (None, None, None)

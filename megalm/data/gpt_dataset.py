@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from megalm.data import helpers
-from megalm.data.index_cache import load_or_build
+from megalm.data.index_cache import default_cache_dir, load_or_build
+from megalm.data.indexed_dataset import DataError
 from megalm.log import get_logger
 
 logger = get_logger(__name__)
@@ -44,10 +45,6 @@ class GPTDatasetConfig:
     eod: int
     eod_mask_loss: bool = False
     cache_dir: Optional[str] = None  # None: "cache/GPTDataset_indices" beside the data
-
-
-def default_cache_dir(path_prefix: str) -> str:
-    return os.path.join(os.path.dirname(os.path.abspath(path_prefix)), "cache", "GPTDataset_indices")
 
 
 def _md5(array: np.ndarray) -> str:
@@ -72,7 +69,7 @@ def build_gpt_indices(sequence_lengths: np.ndarray, documents: np.ndarray, num_s
     """Document, sample and shuffle indices for ``num_samples`` samples (see module docstring)."""
     tokens_per_epoch = int(np.asarray(sequence_lengths)[documents].sum(dtype=np.int64))
     if tokens_per_epoch < 1:
-        raise ValueError(f"the {len(documents)} documents of this split hold no tokens")
+        raise DataError(f"the {len(documents)} documents of this split hold no tokens")
     num_epochs, separate, before_final = plan_epochs(tokens_per_epoch, num_samples, seq_length)
     rng = np.random.RandomState(seed)
     document_index = helpers.build_document_index(documents, num_epochs, rng, separate)
@@ -100,7 +97,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.dataset = indexed_dataset
         self.documents = np.asarray(documents, dtype=np.int32)
         if self.documents.size == 0:
-            raise ValueError(f"GPTDataset ({split}) of {self.path_prefix or 'mock data'} has no documents")
+            raise DataError(f"GPTDataset ({split}) of {self.path_prefix or 'mock data'} has no documents")
         self.num_samples = num_samples
         self.split = split
         self.config = config

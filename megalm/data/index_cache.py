@@ -22,6 +22,11 @@ from megalm.log import get_logger
 logger = get_logger(__name__)
 
 
+def default_cache_dir(path_prefix: str, kind: str = "GPTDataset_indices") -> str:
+    """``<directory of the data>/cache/<kind>``: where indices go without ``--data-cache-path``."""
+    return os.path.join(os.path.dirname(os.path.abspath(path_prefix)), "cache", kind)
+
+
 def description_hash(description: dict) -> str:
     return hashlib.md5(json.dumps(description, sort_keys=True).encode()).hexdigest()
 

@@ -52,8 +52,19 @@ def dataset_exists(prefix: str) -> bool:
     return os.path.isfile(index_file_path(prefix)) and os.path.isfile(data_file_path(prefix))
 
 
-class IndexedDatasetError(MegalmError, ValueError):
+class DataError(MegalmError, ValueError):
+    """Training data that cannot be used as given (a missing or damaged file, token ids out of range)."""
+
+
+class IndexedDatasetError(DataError):
     """A .idx/.bin pair that is missing, truncated or not in Megatron's format."""
+
+
+def _missing_file_hint(prefix: str) -> str:
+    """A hint for the usual mistake of naming a file instead of the prefix."""
+    if prefix.endswith((".bin", ".idx")):
+        return f" (give the prefix without its extension: {prefix[:-4]})"
+    return ""
 
 
 # ---------------------------------------------------------------------------------------
@@ -62,34 +73,43 @@ class _Index:
 
     def __init__(self, path: str):
         if not os.path.isfile(path):
-            raise IndexedDatasetError(f"index file {path} does not exist")
+            raise IndexedDatasetError(f"index file {path} does not exist{_missing_file_hint(path[:-4])}")
         size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            header = f.read(HEADER_BYTES)
-        if len(header) < HEADER_BYTES or header[:9] != MAGIC:
-            raise IndexedDatasetError(f"{path} is not a Megatron IndexedDataset index "
-                                      f"(magic {header[:9]!r}, expected {MAGIC!r})")
-        version, code, n, d = struct.unpack("<QBQQ", header[9:])
-        if version != VERSION:
-            raise IndexedDatasetError(f"{path}: index version {version} is not supported (expected {VERSION})")
-        if code not in DTYPE_CODES:
-            raise IndexedDatasetError(f"{path}: unknown dtype code {code}")
+        n, d = self._read_header(path, size)
         expected = HEADER_BYTES + n * 4 + n * 8 + d * 8
         if size == expected + n:
             raise IndexedDatasetError(f"{path} is a multimodal index (sequence modes present); not supported")
         if size != expected:
-            raise IndexedDatasetError(f"{path}: size {size} bytes does not match its header "
-                                      f"({n} sequences, {d} document indices -> {expected} bytes); truncated?")
+            raise IndexedDatasetError(f"{path}: {size} bytes on disk does not match its header, which describes "
+                                      f"{n} sequences and {d} document indices in {expected} bytes "
+                                      f"(truncated or garbled index)")
         self.path = path
-        self.dtype = np.dtype(DTYPE_CODES[code])
-        self._mmap = np.memmap(path, mode="r", dtype=np.uint8) if size > 0 else None
+        self._mmap = np.memmap(path, mode="r", dtype=np.uint8)
         buf = self._mmap
         self.sequence_lengths = np.frombuffer(buf, dtype=np.int32, count=n, offset=HEADER_BYTES)
         self.sequence_pointers = np.frombuffer(buf, dtype=np.int64, count=n, offset=HEADER_BYTES + 4 * n)
         self.document_indices = np.frombuffer(buf, dtype=np.int64, count=d, offset=HEADER_BYTES + 12 * n)
         if d < 1 or self.document_indices[0] != 0 or self.document_indices[-1] != n:
             raise IndexedDatasetError(f"{path}: document indices must start at 0 and end at the number of "
-                                      f"sequences {n}")
+                                      f"sequences {n} (garbled index)")
+
+    def _read_header(self, path: str, size: int):
+        """``(N, D)`` from the header; sets ``dtype``.  Raises on a short or foreign header."""
+        with open(path, "rb") as f:
+            header = f.read(HEADER_BYTES)
+        if header[:len(MAGIC)] != MAGIC[:len(header)]:
+            raise IndexedDatasetError(f"{path} is not a Megatron IndexedDataset index "
+                                      f"(magic {header[:9]!r}, expected {MAGIC!r})")
+        if len(header) < HEADER_BYTES:
+            raise IndexedDatasetError(f"{path}: {size} bytes, shorter than the {HEADER_BYTES}-byte header "
+                                      f"(truncated index)")
+        version, code, n, d = struct.unpack("<QBQQ", header[9:])
+        if version != VERSION:
+            raise IndexedDatasetError(f"{path}: index version {version} is not supported (expected {VERSION})")
+        if code not in DTYPE_CODES:
+            raise IndexedDatasetError(f"{path}: unknown dtype code {code} (garbled index)")
+        self.dtype = np.dtype(DTYPE_CODES[code])
+        return n, d
 
     def data_bytes(self) -> int:
         """Size the .bin must have."""
@@ -111,12 +131,14 @@ class IndexedDataset:
         self._index = _Index(index_file_path(path_prefix))
         bin_path = data_file_path(path_prefix)
         if not os.path.isfile(bin_path):
-            raise IndexedDatasetError(f"data file {bin_path} does not exist (its index {path_prefix}.idx does)")
+            raise IndexedDatasetError(f"data file {bin_path} does not exist (its index {index_file_path(path_prefix)} "
+                                      f"does)")
         expected = self._index.data_bytes()
         actual = os.path.getsize(bin_path)
         if actual != expected:
-            raise IndexedDatasetError(f"{bin_path}: {actual} bytes, but its index describes {expected} bytes "
-                                      f"(truncated or mismatched .bin/.idx)")
+            what = "truncated .bin" if actual < expected else "mismatched .bin/.idx"
+            raise IndexedDatasetError(f"{bin_path}: {actual} bytes, but its index {index_file_path(path_prefix)} "
+                                      f"describes {expected} bytes (truncated or mismatched .bin/.idx: {what})")
         self._bin: Optional[np.ndarray] = None
 
     # -- metadata -------------------------------------------------------------------------
@@ -142,6 +164,39 @@ class IndexedDataset:
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
+
+    # -- validation (O(tokens); callers cache the result, see megalm.data.token_ids) -------
+    def check_layout(self) -> None:
+        """Raise unless every sequence and document boundary lies inside the files (a garbled .idx)."""
+        lengths, pointers = self.sequence_lengths, self.sequence_pointers
+        itemsize, path = self.dtype.itemsize, index_file_path(self.path_prefix)
+        if lengths.size and int(lengths.min()) < 0:
+            raise IndexedDatasetError(f"{path}: sequence {int(np.argmin(lengths))} has negative length "
+                                      f"{int(lengths.min())} (garbled index)")
+        ends = pointers + lengths.astype(np.int64) * itemsize
+        bad = np.flatnonzero((pointers < 0) | (pointers % itemsize != 0) | (ends > self._index.data_bytes()))
+        if bad.size:
+            i = int(bad[0])
+            raise IndexedDatasetError(f"{path}: sequence {i} spans bytes [{int(pointers[i])}, {int(ends[i])}), "
+                                      f"outside the {self._index.data_bytes()} bytes of its .bin (garbled index)")
+        if np.any(np.diff(self.document_indices) < 0):
+            raise IndexedDatasetError(f"{path}: document indices are not non-decreasing (garbled index)")
+
+    def token_id_range(self, chunk_tokens: int = 1 << 24) -> tuple[int, int] | None:
+        """``(smallest, largest)`` token id in the .bin (None when it holds no tokens).
+
+        Reads the mapped .bin in chunks of ``chunk_tokens``, so memory stays small.
+        """
+        data = self._data()
+        if data.size == 0:
+            return None
+        lo, hi = None, None
+        for start in range(0, data.size, chunk_tokens):
+            chunk = data[start:start + chunk_tokens]
+            c_lo, c_hi = chunk.min(), chunk.max()
+            lo = c_lo if lo is None else min(lo, c_lo)
+            hi = c_hi if hi is None else max(hi, c_hi)
+        return int(lo), int(hi)
 
     # -- reads ----------------------------------------------------------------------------
     def _data(self) -> np.ndarray:
