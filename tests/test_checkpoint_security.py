@@ -127,17 +127,35 @@ def test_clean_metadata_reads_as_plain_pickle_does(world):
     assert "optimizer.decoder.layers.0.mlp.linear_fc1.weight.exp_avg" in md.state_dict_metadata
 
 
-def _spawned_pretrain(world_size, world):
-    runs = [_argv(world["tmp"], f"load_{kind}_{world_size}", "--load", world["poisoned"][kind][0],
-                  "--micro-batch-size", str(4 // world_size)) for kind in PAYLOADS]
-    return run_distributed(_run_trainings, world_size, args=(runs,), timeout=240)
+def _load_everything(runs, generate_argvs):
+    """On this rank: each training run (exit codes), then tools/generate.py's main per argv ((code, stderr))."""
+    import contextlib
+    import io
+
+    codes = _run_trainings(runs)
+    generated = []
+    for argv in generate_argvs:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = _tool("generate.py")(argv)
+        generated.append((code, err.getvalue()))
+    return codes, generated
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_pretrain_refuses_poisoned_metadata(world, world_size):
-    for rank_codes in _spawned_pretrain(world_size, world):
-        for kind, code in zip(PAYLOADS, rank_codes):
+def test_pretrain_and_parallel_generate_refuse_poisoned_metadata(world, world_size):
+    """pretrain() on 1 and 2 ranks (DP 2); generation with --tensor-model-parallel-size 2 on 2 ranks."""
+    runs = [_argv(world["tmp"], f"load_{kind}_{world_size}", "--load", world["poisoned"][kind][0],
+                  "--micro-batch-size", str(4 // world_size)) for kind in PAYLOADS]
+    generate = [["--load", world["poisoned"][kind][0], "--prompt", "1 2", "--max-new-tokens", "2",
+                 "--tensor-model-parallel-size", "2", "--distributed-timeout-minutes", "2"]
+                for kind in PAYLOADS] if world_size == 2 else []
+    for codes, generated in run_distributed(_load_everything, world_size, args=(runs, generate), timeout=240):
+        for kind, code in zip(PAYLOADS, codes):
             _assert_refused(world, kind, code, str(code))
+        assert len(generated) == len(generate)
+        for kind, (code, err) in zip(PAYLOADS, generated):
+            _assert_refused(world, kind, code, err, where="generate --tensor-model-parallel-size 2")
 
 
 def test_pretrain_gpt_script_exits_nonzero(world):
