@@ -44,6 +44,7 @@ from megalm.dist_checkpointing import (ShardedStateDict, ShardedTensorSpec, flat
                                       save_sharded, saved_tensor_shapes)
 from megalm.errors import MegalmError
 from megalm.parameter_names import canonical_name
+from megalm.safe_unpickle import CheckpointMetadataError
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
@@ -406,7 +407,10 @@ def load_checkpoint(root: str, model_chunks, optimizer=None, scheduler=None, loa
     if path is None:
         raise CheckpointError(f"no checkpoint in {root} (no {TRACKER_FILENAME})")
     common = read_common(path)
-    saved = saved_tensor_shapes(path)
+    try:
+        saved = saved_tensor_shapes(path)  # .metadata, read by megalm.safe_unpickle (refuses anything but DCP metadata)
+    except CheckpointMetadataError as e:
+        raise CheckpointError(str(e)) from e
     finish_param_sync(model_chunks)
     with_optim = optimizer is not None and load_optim and not finetune
     specs, main_params_missing = _load_specs(model_chunks, optimizer if with_optim else None, saved)

@@ -15,6 +15,10 @@ one rank (the distributed optimizer's shard of a flattened bucket covers, for ea
 a contiguous range of its flattened tensor, which :func:`flat_range_blocks` cuts into at most
 ``2 (ndim - 1) + 1`` rectangular blocks).  Each block is its own DCP chunk (write item) on save
 and its own destination chunk on load.
+
+Loading never uses DCP's plain-pickle metadata reader: ``.metadata`` is read by
+:mod:`megalm.safe_unpickle` (an exact allow-list of DCP's metadata classes), tensors by DCP
+with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import SavePlan, LoadPlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from megalm.safe_unpickle import SafeFileSystemReader, load_metadata
 
 
 @dataclasses.dataclass
@@ -182,18 +188,16 @@ def load_sharded(specs: ShardedStateDict, path: str, strict: bool = True, proces
         for spec in _as_list(value):
             if not spec.local.is_contiguous():
                 raise ValueError(f"load target {fqn!r} must be contiguous")
-    dcp.load(_locals(specs), checkpoint_id=path, planner=_ShardLoadPlanner(specs, strict),
+    dcp.load(_locals(specs), storage_reader=SafeFileSystemReader(path), planner=_ShardLoadPlanner(specs, strict),
              process_group=process_group)
 
 
 def saved_tensor_shapes(path: str) -> Dict[str, tuple]:
-    """Names and global shapes of the tensors in a checkpoint, reading only its metadata."""
-    reader = dcp.FileSystemReader(path)
-    md = reader.read_metadata().state_dict_metadata
-    return {k: tuple(v.size) for k, v in md.items() if hasattr(v, "size")}
+    """Names and global shapes of the tensors in a checkpoint, reading only its metadata (safely)."""
+    md = load_metadata(path).state_dict_metadata
+    return {k: tuple(v.size) for k, v in md.items()}
 
 
 def saved_tensor_dtypes(path: str) -> Dict[str, torch.dtype]:
-    reader = dcp.FileSystemReader(path)
-    md = reader.read_metadata().state_dict_metadata
-    return {k: v.properties.dtype for k, v in md.items() if hasattr(v, "properties")}
+    md = load_metadata(path).state_dict_metadata
+    return {k: v.properties.dtype for k, v in md.items()}

@@ -1,5 +1,5 @@
-"""tools/checkpoint/inspect.py: a checkpoint described from its metadata alone; metadata is never
-unpickled beyond DCP's own classes."""
+"""tools/checkpoint/inspect.py: a checkpoint described from its metadata alone, read by megalm.safe_unpickle
+(hostile .metadata files: tests/test_checkpoint_security.py)."""
 
 import json
 import os
@@ -14,7 +14,7 @@ import pytest
 from megalm import checkpointing
 from megalm.config import MegalmConfig, set_vocab_size, validate_config
 from megalm.conversion.checkpoint_info import describe, format_description
-from megalm.conversion.megalm_checkpoint import read_metadata
+from megalm.safe_unpickle import CheckpointSecurityError, load_metadata
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,9 +73,9 @@ class _Evil:
 def test_metadata_reader_refuses_arbitrary_objects(checkpoint, tmp_path):
     root, _ = checkpoint
     path = checkpointing.find_checkpoint(str(root))
-    assert read_metadata(path).state_dict_metadata  # the real metadata passes
+    assert load_metadata(path).state_dict_metadata  # the real metadata passes
     bad = tmp_path / "iter"
     bad.mkdir()
     (bad / ".metadata").write_bytes(pickle.dumps(_Evil()))
-    with pytest.raises(checkpointing.CheckpointError, match="refusing to unpickle"):
-        read_metadata(str(bad))
+    with pytest.raises(CheckpointSecurityError, match="refusing to unpickle"):
+        load_metadata(str(bad))

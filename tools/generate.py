@@ -195,10 +195,11 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from megalm.checkpointing import CheckpointError
     from megalm.conversion.errors import ConversionError
+    from megalm.errors import MegalmError
 
     try:
         results = run(args)
-    except (ValueError, OSError, CheckpointError, ConversionError) as e:
+    except (ValueError, OSError, MegalmError, CheckpointError, ConversionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not is_output_rank():

@@ -1,8 +1,8 @@
 """Describe a megalm checkpoint from its metadata alone (no tensor is read).
 
 :func:`describe` gathers the iteration, samples consumed, the layout it was saved with, the
-config, every tensor's global shape and dtype (from DCP's ``.metadata``, read with the
-restricted unpickler) and parameter / byte totals; :func:`format_description` renders it.
+config, every tensor's global shape and dtype (from DCP's ``.metadata``, read by
+:mod:`megalm.safe_unpickle`) and parameter / byte totals; :func:`format_description` renders it.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ full tensor keyed ``model.<global parameter name>`` (padded vocabulary rows drop
 each full tensor without any process group.  Mixed-precision runs also hold the fp32 main
 copy ``optimizer.<name>.main_param``: :meth:`MegalmCheckpointReader.load` prefers it.
 
-Nothing is unpickled beyond DCP's own metadata classes: ``.metadata`` (a pickle written by
-``torch.distributed.checkpoint``) is read with a restricted unpickler that accepts only the
-metadata dataclasses, ``torch.Size``, dtypes and paths; tensor data goes through DCP's
+Nothing from the checkpoint can run code: ``.metadata`` (a pickle written by
+``torch.distributed.checkpoint``) is read by :mod:`megalm.safe_unpickle` (an exact allow-list of
+DCP's metadata classes, ``torch.Size``, dtypes and the layout); tensor data goes through DCP's
 ``torch.load(weights_only=True)``; ``common.json`` is JSON.
 
 :func:`write_checkpoint` writes full tensors with :func:`megalm.dist_checkpointing.save_sharded`
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import time
 import warnings
 from typing import Dict, Iterable, Optional
@@ -28,73 +27,20 @@ from typing import Dict, Iterable, Optional
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata
 
 from megalm.checkpointing import (FORMAT_VERSION, TRACKER_FILENAME, CheckpointError, checkpoint_dir,
                                   find_checkpoint, read_common)
 from megalm.config import MegalmConfig
 from megalm.conversion.errors import ConversionError
+from megalm.safe_unpickle import SafeFileSystemReader, load_metadata
 
 MODEL_PREFIX = "model."
 MAIN_PARAM_SUFFIX = ".main_param"
 
-_ALLOWED_MODULES = {"torch.distributed.checkpoint.metadata"}
-_ALLOWED_GLOBALS = {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
-    ("pathlib", "PureWindowsPath"), ("pathlib", "Path"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Accepts only what DCP writes into ``.metadata``; anything else is an error, not code."""
-
-    def find_class(self, module: str, name: str):
-        if module in _ALLOWED_MODULES or (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name} from a checkpoint's .metadata "
-                                     f"(only torch.distributed.checkpoint metadata classes are allowed)")
-
-
-def read_metadata(path: str) -> Metadata:
-    """DCP metadata of the checkpoint directory ``path``, read with the restricted unpickler."""
-    file = os.path.join(path, ".metadata")
-    try:
-        with open(file, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-    except OSError as e:
-        raise CheckpointError(f"cannot read {file}: {e}") from None
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{file}: {e}") from None
-    if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{file} does not hold torch.distributed.checkpoint metadata")
-    return metadata
-
-
-class _SafeReader(FileSystemReader):
-    """DCP's file reader with the restricted metadata unpickler."""
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        metadata = read_metadata(str(self.path))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
 def tensor_entries(metadata: Metadata) -> Dict[str, tuple]:
     """``{key: (global shape, dtype)}`` of every tensor in the checkpoint."""
-    out = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if hasattr(md, "size") and hasattr(md, "properties"):
-            out[key] = (tuple(md.size), md.properties.dtype)
-    return out
+    return {key: (tuple(md.size), md.properties.dtype) for key, md in metadata.state_dict_metadata.items()}
 
 
 class MegalmCheckpointReader:
@@ -118,7 +64,7 @@ class MegalmCheckpointReader:
         if not self.common.get("config"):
             raise CheckpointError(f"{path}/common.json has no config: cannot tell the model's architecture")
         self.config = MegalmConfig.from_dict(self.common["config"])
-        self.entries = tensor_entries(read_metadata(path))
+        self.entries = tensor_entries(load_metadata(path))
         self.model_names = sorted(k[len(MODEL_PREFIX):] for k in self.entries if k.startswith(MODEL_PREFIX))
 
     @property
@@ -155,7 +101,7 @@ class MegalmCheckpointReader:
             source[name] = key
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed.*")
-            dcp.load(request, storage_reader=_SafeReader(self.path), planner=DefaultLoadPlanner(), no_dist=True)
+            dcp.load(request, storage_reader=SafeFileSystemReader(self.path), planner=DefaultLoadPlanner(), no_dist=True)
         return {name: request[key] for name, key in source.items()}
 
 

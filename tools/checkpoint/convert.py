@@ -71,6 +71,7 @@ def main(argv=None) -> int:
     from megalm.checkpointing import CheckpointError
     from megalm.conversion.errors import ConversionError
     from megalm.conversion.hf_files import DTYPES, parse_size
+    from megalm.errors import MegalmError
 
     try:
         if args.to == "hf":
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
         if args.verify:
             return _verify(args.save_dir, args.load_dir, args.iteration or 0, None, args.verify_tolerance)
         return 0
-    except (ConversionError, CheckpointError) as e:
+    except (MegalmError, ConversionError, CheckpointError) as e:
         print(f"[convert] error: {e}", file=sys.stderr)
         return 2
 

@@ -35,10 +35,11 @@ def main(argv=None) -> int:
     from megalm.checkpointing import CheckpointError
     from megalm.conversion.checkpoint_info import describe, format_description
     from megalm.conversion.errors import ConversionError
+    from megalm.errors import MegalmError
 
     try:
         info = describe(args.checkpoint, args.iteration)
-    except (CheckpointError, ConversionError) as e:
+    except (MegalmError, CheckpointError, ConversionError) as e:
         print(f"[inspect] error: {e}", file=sys.stderr)
         return 2
     if args.json:
