@@ -34,16 +34,14 @@ checkpointer can reshard: tensors are this rank's local TP shard, ``param_meta``
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from megalm import parallel_state
-from megalm.distributed.finalize_model_grads import grad_of, unwrap_model
+from megalm.distributed.finalize_model_grads import grad_of
 from megalm.optimizer.clip_grads import clip_grads_by_total_norm, grad_norm_and_zeros, unscale_and_check_for_inf
-from megalm.optimizer.grad_scaler import GradScaler, build_grad_scaler
-from megalm.parameter_names import canonical_name
+from megalm.optimizer.grad_scaler import GradScaler
 from megalm.timers import NULL_TIMERS
 
 FORMAT = "megalm-optimizer-v1"
@@ -54,18 +52,6 @@ def grad_of_dtype(param: torch.Tensor) -> Optional[torch.dtype]:
     """dtype of the gradient the parameter accumulates into (``main_grad`` under DDP)."""
     g = getattr(param, "main_grad", None)
     return g.dtype if g is not None else None
-
-
-def get_param_groups(named_params: Sequence[Tuple[str, torch.nn.Parameter]], weight_decay: float) -> List[dict]:
-    """Two groups: ``decay`` (ndim >= 2, ``weight_decay``) and ``no_decay`` (ndim <= 1, 0.0)."""
-    decay = [(n, p) for n, p in named_params if p.ndim >= 2]
-    no_decay = [(n, p) for n, p in named_params if p.ndim < 2]
-    groups = []
-    for tag, members, wd in (("decay", decay, weight_decay), ("no_decay", no_decay, 0.0)):
-        if members:
-            groups.append({"name": tag, "params": [p for _, p in members], "names": [n for n, _ in members],
-                           "weight_decay": wd, "lr_mult": 1.0})
-    return groups
 
 
 def _param_meta(p: torch.nn.Parameter) -> dict:
@@ -97,21 +83,47 @@ class MegatronOptimizer:
         if len(set(self.names)) != len(self.names):
             dup = sorted({n for n in self.names if self.names.count(n) > 1})
             raise ValueError(f"parameter names must be unique across model chunks, duplicated: {dup[:5]}")
-        self.main_params: List[torch.nn.Parameter] = self._make_main_params(self.model_params)
-        main_of = dict(zip(map(id, self.model_params), self.main_params))
-        torch_groups = [{k: v for k, v in g.items() if k not in ("params", "names")} |
-                        {"params": [main_of[id(p)] for p in g["params"]]} for g in groups]
+        main_groups = self._make_main_params(groups)
+        self.main_params: List[torch.nn.Parameter] = [m for mains in main_groups for m in mains]
+        torch_groups = [{k: v for k, v in g.items() if k not in ("params", "names")} | {"params": mains}
+                        for g, mains in zip(groups, main_groups)]
         self.optimizer = make_optimizer(torch_groups)
         self.clip_grad = float(clip_grad)
         self.grad_scaler = grad_scaler
         self.log_num_zeros_in_grad = log_num_zeros_in_grad
 
     # --- subclass hooks --------------------------------------------------------------------
-    def _make_main_params(self, model_params: List[torch.nn.Parameter]) -> List[torch.nn.Parameter]:
+    # Called by __init__ and the template step() (in this order): _make_main_params;
+    # _prepare_grads, [unscale, norm, clip, inner step], _copy_main_to_model, _after_update;
+    # _release_grads (always, last).
+    grads_sharded = False  # True: each data-parallel rank holds a disjoint shard of every gradient
+
+    def _make_main_params(self, groups: List[dict]) -> List[List[torch.nn.Parameter]]:
+        """The parameters the torch optimizer updates, one list per entry of ``groups``."""
         raise NotImplementedError
 
+    def _prepare_grads(self) -> List[Tuple[Optional[torch.Tensor], torch.nn.Parameter]]:
+        """Point each main param's ``.grad`` at its model gradient (fp32: alias, no copy);
+        return ``(main grad or None, model param)`` pairs, the model param deciding whether the
+        gradient counts in the norm (:mod:`megalm.optimizer.clip_grads`)."""
+        pairs = []
+        for model, main in zip(self.model_params, self.main_params):
+            g = grad_of(model)
+            main.grad = None if g is None else (g if g.dtype == main.dtype else g.to(main.dtype))
+            pairs.append((main.grad, model))
+        return pairs
+
     def _copy_main_to_model(self) -> None:
-        pass
+        """Model weights <- updated main weights (nothing when they are the same tensors)."""
+
+    def _after_update(self, timers) -> None:
+        """After a successful update (the distributed optimizer launches its parameter all-gather)."""
+
+    def _release_grads(self) -> None:
+        for model, main in zip(self.model_params, self.main_params):
+            main.grad = None
+            if getattr(model, "main_grad", None) is not None:
+                model.grad = None
 
     # --- public API --------------------------------------------------------------------------
     @property
@@ -130,45 +142,32 @@ class MegatronOptimizer:
         for p in self.model_params + self.main_params:
             p.grad = None
 
-    def _main_grads(self) -> List[Optional[torch.Tensor]]:
-        """Point each main param's ``.grad`` at its model gradient (fp32: alias, no copy)."""
-        grads = []
-        for model, main in zip(self.model_params, self.main_params):
-            g = grad_of(model)
-            main.grad = None if g is None else (g if g.dtype == main.dtype else g.to(main.dtype))
-            grads.append(main.grad)
-        return grads
-
-    def _release_grads(self) -> None:
-        for model, main in zip(self.model_params, self.main_params):
-            main.grad = None
-            if getattr(model, "main_grad", None) is not None:
-                model.grad = None
-
     @torch.no_grad()
     def step(self, timers=NULL_TIMERS) -> StepResult:
         """One update; returns ``(update_successful, grad_norm, num_zeros_in_grad or None)``.
         ``timers``: Megatron's level-1 ``optimizer-*`` timers (:mod:`megalm.timers`)."""
         try:
             with timers("optimizer-copy-to-main-grad"):
-                grads = self._main_grads()
-            present = [g for g in grads if g is not None]
+                pairs = self._prepare_grads()
+            grads = [g for g, _ in pairs if g is not None]
             if self.grad_scaler is not None:
                 with timers("optimizer-unscale-and-check-inf"):
-                    found_inf = unscale_and_check_for_inf(present, self.grad_scaler.inv_scale)
+                    found_inf = unscale_and_check_for_inf(grads, self.grad_scaler.inv_scale,
+                                                          sharded=self.grads_sharded)
                 self.grad_scaler.update(found_inf)
                 if found_inf:
                     return False, None, None
             with timers("optimizer-clip-main-grad"):
-                norm, zeros = grad_norm_and_zeros(list(zip(grads, self.model_params)), self.log_num_zeros_in_grad)
+                norm, zeros = grad_norm_and_zeros(pairs, self.log_num_zeros_in_grad, sharded=self.grads_sharded)
                 if math.isfinite(norm) and self.clip_grad > 0.0:
-                    clip_grads_by_total_norm(present, self.clip_grad, norm)
+                    clip_grads_by_total_norm(grads, self.clip_grad, norm)
             if not math.isfinite(norm):
                 return False, norm, zeros
             with timers("optimizer-inner-step"):
                 self.optimizer.step()
             with timers("optimizer-copy-main-to-model-params"):
                 self._copy_main_to_model()
+            self._after_update(timers)
             return True, norm, zeros
         finally:
             self._release_grads()
@@ -284,19 +283,16 @@ class MegatronOptimizer:
 class FP32Optimizer(MegatronOptimizer):
     """fp32 model: the model parameters are the optimizer's parameters."""
 
-    def _make_main_params(self, model_params):
-        return list(model_params)
+    def _make_main_params(self, groups):
+        return [list(g["params"]) for g in groups]
 
 
 class MixedPrecisionOptimizer(MegatronOptimizer):
     """bf16/fp16 model: the optimizer updates fp32 copies, then rounds them into the model."""
 
-    def _make_main_params(self, model_params):
-        mains = []
-        for p in model_params:
-            main = torch.nn.Parameter(p.detach().clone().float(), requires_grad=p.requires_grad)
-            mains.append(main)
-        return mains
+    def _make_main_params(self, groups):
+        return [[torch.nn.Parameter(p.detach().clone().float(), requires_grad=p.requires_grad) for p in g["params"]]
+                for g in groups]
 
     @torch.no_grad()
     def _copy_main_to_model(self) -> None:
@@ -329,76 +325,3 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
             return
         for model, main in zip(self.model_params, self.main_params):
             main.copy_(model.float())
-
-
-# --- construction ---------------------------------------------------------------------------
-
-def named_parameters_for_optimizer(model_chunks: Sequence[torch.nn.Module]) -> List[Tuple[str, torch.nn.Parameter]]:
-    """``(global name, param)`` over all chunks.
-
-    Name: ``module.global_parameter_name(local_name)`` when the (unwrapped) module defines it,
-    otherwise ``named_parameters()``' name made canonical (the model names layers globally, as
-    the checkpoint code assumes; :func:`megalm.parameter_names.canonical_name` gives a Transformer
-    Engine model's fused norm weights their local names).  Names must be unique over the chunks.
-    """
-    out = []
-    for chunk in model_chunks:
-        module = unwrap_model(chunk)
-        to_global = getattr(module, "global_parameter_name", None)
-        for n, p in module.named_parameters():
-            if not p.requires_grad:
-                continue
-            out.append((to_global(n) if callable(to_global) else canonical_name(n), p))
-    return out
-
-
-def _make_torch_optimizer(t) -> Callable[[List[dict]], torch.optim.Optimizer]:
-    def make(groups: List[dict]) -> torch.optim.Optimizer:
-        if t.optimizer == "adam":
-            cls, kw = torch.optim.AdamW, dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                                              weight_decay=t.weight_decay)
-        elif t.optimizer == "sgd":
-            cls, kw = torch.optim.SGD, dict(lr=t.lr, momentum=t.sgd_momentum, weight_decay=t.weight_decay)
-        else:
-            raise ValueError(f"unknown --optimizer {t.optimizer!r} (choose adam or sgd)")
-        try:  # the fused kernels are ~5x faster on CPU and on GPU
-            return cls(groups, fused=True, **kw)
-        except (RuntimeError, TypeError, ValueError):
-            return cls(groups, **kw)
-    return make
-
-
-def build_optimizer(cfg, model_chunks: Sequence[torch.nn.Module],
-                    log_num_zeros_in_grad: Optional[bool] = None, report_memory: bool = True) -> MegatronOptimizer:
-    """Optimizer over every trainable parameter of ``model_chunks`` (DDP-wrapped or not).
-
-    Mixed precision (fp32 main params) when any parameter is bf16/fp16; fp16 gets a dynamic
-    (or ``--loss-scale`` constant) loss scaler.  ``--use-distributed-optimizer``: a
-    :class:`megalm.optimizer.distrib_optimizer.DistributedOptimizer` over the chunks' DDP buffers
-    (built with the same config).  ``log_num_zeros_in_grad`` defaults to the config's
-    ``training.log_num_zeros_in_grad`` when that field exists, else False.  ``report_memory``:
-    global rank 0 prints the bytes per parameter of weights, gradients, main weights and
-    optimizer state against the formula (:mod:`megalm.optimizer.memory_accounting`).
-    """
-    t = cfg.training
-    if log_num_zeros_in_grad is None:
-        log_num_zeros_in_grad = bool(getattr(t, "log_num_zeros_in_grad", False))
-    named = named_parameters_for_optimizer(model_chunks)
-    if not named:
-        raise ValueError("build_optimizer: the model has no trainable parameters")
-    groups = get_param_groups(named, t.weight_decay)
-    if getattr(cfg.parallel, "use_distributed_optimizer", False):
-        from megalm.optimizer.distrib_optimizer import DistributedOptimizer
-
-        optimizer = DistributedOptimizer(groups, _make_torch_optimizer(t), model_chunks, clip_grad=t.clip_grad,
-                                         grad_scaler=build_grad_scaler(t), log_num_zeros_in_grad=log_num_zeros_in_grad)
-    else:
-        half = any(p.dtype in (torch.float16, torch.bfloat16) for _, p in named)
-        cls = MixedPrecisionOptimizer if half else FP32Optimizer
-        optimizer = cls(groups, _make_torch_optimizer(t), clip_grad=t.clip_grad, grad_scaler=build_grad_scaler(t),
-                        log_num_zeros_in_grad=log_num_zeros_in_grad)
-    if report_memory and (not dist.is_initialized() or dist.get_rank() == 0):
-        from megalm.optimizer.memory_accounting import format_memory_report, optimizer_memory
-
-        print(format_memory_report(optimizer_memory(optimizer, model_chunks)), flush=True)
-    return optimizer
