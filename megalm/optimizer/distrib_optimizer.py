@@ -33,7 +33,8 @@ fp32 copy of the gradient shard is a persistent buffer of this class).  See
 :mod:`megalm.optimizer.memory_accounting`.
 
 Checkpoints: for each range, every state tensor is saved as the rectangular blocks of the full
-tensor it covers (:func:`megalm.checkpointing.param_range_specs`), under the plain optimizer's
+tensor it covers (:func:`megalm.param_layout.param_range_specs`, through the checkpoint protocol
+of the base class, :meth:`MegatronOptimizer.sharded_state_dict`), under the plain optimizer's
 keys ``optimizer.<name>.{exp_avg, exp_avg_sq, main_param, step}``: a true sharded save with no
 gather, loadable by this optimizer under any DP/TP/PP layout and by the plain optimizer.
 """
@@ -45,10 +46,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from megalm.dist_checkpointing import ShardedStateDict, ShardedTensorSpec
 from megalm.distributed.param_and_grad_buffer import Bucket
 from megalm.optimizer.grad_scaler import GradScaler
-from megalm.optimizer.optimizer import MegatronOptimizer
+from megalm.optimizer.optimizer import MegatronOptimizer, ParamState
 
 
 @dataclass
@@ -185,46 +185,27 @@ class DistributedOptimizer(MegatronOptimizer):
             for chunk in self.model_chunks:
                 chunk.start_param_sync()
 
-    # --- checkpointing ---------------------------------------------------------------------------
-    def sharded_state_specs(self, params: Dict[str, torch.nn.Parameter]) -> ShardedStateDict:
-        """``optimizer.<name>.<state>`` -> the blocks of the full tensors this rank's ranges cover.
-
-        ``params``: the checkpointed parameters by name (a tied copy left out there is left out
-        here).  ``step`` (0-dim) is saved replicated; ``main_param`` only for half-precision models.
-        """
-        from megalm.checkpointing import param_range_specs
-
-        self.init_state()
-        specs: ShardedStateDict = {}
+    # --- checkpoint protocol (MegatronOptimizer.sharded_state_dict / load_sharded_state_dict) ------
+    def _param_states(self) -> List[ParamState]:
+        """One :class:`ParamState` per owned range: 1-D tensors over ``[start, end)`` of the parameter."""
+        out = []
         for r in self.ranges:
-            if r.name not in params:
-                continue
             tensors = dict(self.optimizer.state[r.main])
             if not r.main_is_model:
                 tensors["main_param"] = r.main.data
-            for key, t in tensors.items():
-                fqn = f"optimizer.{r.name}.{key}"
-                if t.dim() == 0:
-                    specs[fqn] = ShardedTensorSpec.replicated(t.reshape(1))
-                else:
-                    blocks = param_range_specs(r.param, t, r.start, r.end)
-                    if blocks:
-                        specs[fqn] = blocks
-        return specs
+            out.append(ParamState(r.name, r.param, tensors, (r.start, r.end)))
+        return out
 
     def _whole_params_only(self, *_args, **_kwargs):
         raise TypeError("the distributed optimizer holds ranges of parameters, not whole ones: checkpoint it with "
-                        "megalm.checkpointing (sharded_state_specs), which any layout can load")
+                        "megalm.checkpointing (sharded_state_dict), which any layout can load")
 
     # The plain optimizer's whole-parameter state protocols do not apply to ranges.
     sharded_param_state = state_dict = load_state_dict = _whole_params_only
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
-        """Main ranges <- model weights; skipped once right after :meth:`load_common_state_dict`."""
-        if getattr(self, "_main_params_restored", False):
-            self._main_params_restored = False
-            return
+        """Main ranges <- model weights (fp32 copies only)."""
         for r in self.ranges:
             if not r.main_is_model:
                 r.main.copy_(r.model.float())

@@ -34,14 +34,17 @@ checkpointer can reshard: tensors are this rank's local TP shard, ``param_meta``
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from megalm import parallel_state
+from megalm.dist_checkpointing import ShardedStateDict, ShardedTensorSpec
 from megalm.distributed.finalize_model_grads import grad_of
 from megalm.optimizer.clip_grads import clip_grads_by_total_norm, grad_norm_and_zeros, unscale_and_check_for_inf
 from megalm.optimizer.grad_scaler import GradScaler
+from megalm.param_layout import param_range_specs, param_spec
 from megalm.timers import NULL_TIMERS
 
 FORMAT = "megalm-optimizer-v1"
@@ -62,6 +65,23 @@ def _param_meta(p: torch.nn.Parameter) -> dict:
         global_shape[dim] *= parallel_state.get_tensor_model_parallel_world_size()
     return {"shape": tuple(p.shape), "global_shape": tuple(global_shape), "tensor_model_parallel": tp_sharded,
             "partition_dim": dim, "partition_stride": getattr(p, "partition_stride", 1)}
+
+
+@dataclass(frozen=True)
+class ParamState:
+    """The optimizer tensors one rank holds for one parameter: the typed unit of the checkpoint protocol.
+
+    ``tensors``: state key -> live tensor (``exp_avg``, ``exp_avg_sq``, ``step``, ``momentum_buffer``,
+    ``main_param``), laid out like the local (TP) parameter when ``flat_range`` is None, else 1-D
+    over the flat elements ``[start, end)`` of it (the distributed optimizer's shard ranges).  Where
+    the blocks sit in the full tensor follows from ``param``'s TP attributes
+    (:mod:`megalm.param_layout`).
+    """
+
+    name: str                                   # global parameter name
+    param: torch.nn.Parameter                   # the model parameter
+    tensors: Dict[str, torch.Tensor]
+    flat_range: Optional[Tuple[int, int]] = None
 
 
 class MegatronOptimizer:
@@ -96,7 +116,8 @@ class MegatronOptimizer:
     # Called by __init__ and the template step() (in this order): _make_main_params;
     # _prepare_grads, [unscale, norm, clip, inner step], _copy_main_to_model, _after_update;
     # _release_grads (always, last).
-    grads_sharded = False  # True: each data-parallel rank holds a disjoint shard of every gradient
+    grads_sharded = False     # True: each data-parallel rank holds a disjoint shard of every gradient
+    data_parallel_size = 1    # how many ranks the main weights and the optimizer state are sharded over
 
     def _make_main_params(self, groups: List[dict]) -> List[List[torch.nn.Parameter]]:
         """The parameters the torch optimizer updates, one list per entry of ``groups``."""
@@ -217,10 +238,15 @@ class MegatronOptimizer:
     def _load_main_params(self, main_params: Dict[str, torch.Tensor]) -> None:
         pass
 
+    @torch.no_grad()
     def reload_model_params(self) -> None:
-        """Copy model params into the main params (after loading weights without optimizer state)."""
+        """Main params <- model weights (fp32 copies only), after the weights were loaded without
+        the optimizer's fp32 main weights."""
+        for model, main in zip(self.model_params, self.main_params):
+            if main is not model:
+                main.copy_(model.float())
 
-    # --- in-place (sharded) checkpointing used by megalm.checkpointing ----------------------------
+    # --- checkpoint protocol (megalm.checkpointing), the same for every optimizer -----------------
     def init_state(self) -> None:
         """Create the optimizer state (zero moments, step 0) if no step was taken yet, so that a
         checkpoint can be loaded into it in place.  The next step behaves exactly as the lazy init."""
@@ -237,20 +263,64 @@ class MegatronOptimizer:
                 elif isinstance(self.optimizer, torch.optim.SGD) and group.get("momentum", 0) != 0:
                     state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
-    def sharded_param_state(self) -> Dict[str, Dict[str, torch.Tensor]]:
-        """``{global name: {state key: live tensor}}``: moments (shaped like the local param shard),
-        ``step`` (0-dim) and, for mixed precision, ``main_param`` (fp32).  Loading into these tensors
-        in place restores the optimizer; call :meth:`load_common_state_dict` afterwards."""
-        self.init_state()
-        out = {}
-        for name, main in zip(self.names, self.main_params):
+    def _param_states(self) -> List[ParamState]:
+        """This rank's state tensors, one :class:`ParamState` per parameter (whole local tensors)."""
+        out = []
+        for name, model, main in zip(self.names, self.model_params, self.main_params):
             tensors = dict(self.optimizer.state[main])
-            tensors.update(self._main_params_state_one(name, main))
-            out[name] = tensors
+            if main is not model:
+                tensors["main_param"] = main.data
+            out.append(ParamState(name, model, tensors))
         return out
 
-    def _main_params_state_one(self, name: str, main: torch.nn.Parameter) -> Dict[str, torch.Tensor]:
-        return {}
+    def sharded_state_dict(self, params: Dict[str, torch.nn.Parameter]) -> ShardedStateDict:
+        """``optimizer.<name>.<state>`` -> the blocks of the full tensors this rank holds.
+
+        ``params``: the checkpointed parameters by global name (state of a parameter left out there
+        is left out here).  Each block wraps the live tensor (the state is created first), so a
+        checkpoint load fills the optimizer in place; :meth:`load_sharded_state_dict` follows it.
+        ``step`` (0-dim) is saved replicated as one element; ``main_param`` only where the fp32 main
+        weights are a copy (half-precision models).  No communication.
+        """
+        self.init_state()
+        specs: ShardedStateDict = {}
+        for piece in self._param_states():
+            if piece.name not in params:
+                continue
+            for key, t in piece.tensors.items():
+                fqn = f"optimizer.{piece.name}.{key}"
+                if t.dim() == 0:
+                    specs[fqn] = ShardedTensorSpec.replicated(t.reshape(1))
+                elif piece.flat_range is None:
+                    specs[fqn] = param_spec(piece.param, t)
+                else:
+                    blocks = param_range_specs(piece.param, t, *piece.flat_range)
+                    if blocks:
+                        specs[fqn] = blocks
+        return specs
+
+    def common_state_dict(self) -> dict:
+        """JSON-serializable rest: loss scaler and (for the record) the hyper-parameters."""
+        groups = [{k: v for k, v in g.items() if isinstance(v, (int, float, str, bool)) and k != "params"}
+                  for g in self.optimizer.param_groups]
+        return {"format": FORMAT, "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,
+                "param_groups": groups}
+
+    def load_sharded_state_dict(self, common: dict, main_params_loaded: bool) -> None:
+        """Finish a load into the tensors of :meth:`sharded_state_dict`: restore the loss scaler from
+        ``common`` (:meth:`common_state_dict`'s output).  ``main_params_loaded`` False (the checkpoint
+        had no fp32 main weights, e.g. an fp32 run resumed with ``--bf16``): the main weights are
+        rebuilt from the (loaded) model weights; True keeps the checkpoint's, more precise, values."""
+        if self.grad_scaler is not None and common.get("grad_scaler"):
+            self.grad_scaler.load_state_dict(common["grad_scaler"])
+        if not main_params_loaded:
+            self.reload_model_params()
+
+    def sharded_param_state(self) -> Dict[str, Dict[str, torch.Tensor]]:
+        """``{global name: {state key: live tensor}}`` (whole local tensors): moments, ``step``
+        (0-dim) and, for mixed precision, ``main_param`` (fp32)."""
+        self.init_state()
+        return {piece.name: piece.tensors for piece in self._param_states()}
 
     def memory_breakdown(self) -> Dict[str, int]:
         """Bytes beyond the model's weights and gradient buffers: fp32 main weights (copies only),
@@ -264,20 +334,6 @@ class MegatronOptimizer:
                 "main_grads": sum(p.numel() * 4 for p in half_grads),
                 "optimizer_state": sum(t.numel() * t.element_size() for m in self.main_params
                                        for t in self.optimizer.state[m].values() if t.dim() > 0)}
-
-    def common_state_dict(self) -> dict:
-        """JSON-serializable rest: loss scaler and (for the record) the hyper-parameters."""
-        groups = [{k: v for k, v in g.items() if isinstance(v, (int, float, str, bool)) and k != "params"}
-                  for g in self.optimizer.param_groups]
-        return {"format": FORMAT, "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,
-                "param_groups": groups}
-
-    def load_common_state_dict(self, common: dict) -> None:
-        """Restore the loss scaler; marks the main params as restored, so that the
-        :meth:`reload_model_params` that follows a checkpoint load keeps the fp32 values."""
-        if self.grad_scaler is not None and common.get("grad_scaler"):
-            self.grad_scaler.load_state_dict(common["grad_scaler"])
-        self._main_params_restored = True
 
 
 class FP32Optimizer(MegatronOptimizer):
@@ -312,16 +368,3 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
                 raise ValueError(f"main param {n}: checkpoint shape {tuple(main_params[n].shape)} "
                                  f"!= local shape {tuple(m.shape)}")
             m.copy_(main_params[n])
-
-    def _main_params_state_one(self, name, main):
-        return {"main_param": main.data}
-
-    @torch.no_grad()
-    def reload_model_params(self) -> None:
-        """Main params <- model params; skipped once right after :meth:`load_common_state_dict`
-        (the fp32 main params were just restored from the checkpoint and are more precise)."""
-        if getattr(self, "_main_params_restored", False):
-            self._main_params_restored = False
-            return
-        for model, main in zip(self.model_params, self.main_params):
-            main.copy_(model.float())
