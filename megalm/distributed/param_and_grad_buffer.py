@@ -44,9 +44,9 @@ import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from megalm.distributed import comm
+from megalm.parallel_state import group_rank
 
 
 class Bucket:
@@ -150,8 +150,10 @@ class Bucket:
 class ParamAndGradBuffer:
     """One contiguous gradient (and optionally parameter) buffer over ``params``.
 
-    ``params``: in module order (they are laid out reversed).  ``data_parallel_group`` may be
-    None for no communication.  ``use_distributed_optimizer`` reduce-scatters instead of
+    ``params``: in module order (they are laid out reversed).  ``data_parallel_group``: the group
+    the buckets are reduced (and, for the distributed optimizer, gathered) over, as DDP passes it
+    (``dp_cp`` or ``expt_dp`` of a :class:`megalm.parallel_state.ProcessGroups`); None for this
+    rank alone (no communication).  ``use_distributed_optimizer`` reduce-scatters instead of
     all-reducing and implies ``allocate_param_data``.  See the module docstring for the layout.
     """
 
@@ -172,7 +174,7 @@ class ParamAndGradBuffer:
         self.grad_dtype = grad_dtype
         self.data_parallel_group = data_parallel_group
         self.data_parallel_world_size = data_parallel_world_size
-        self.data_parallel_rank = dist.get_rank(data_parallel_group) if data_parallel_group is not None else 0
+        self.data_parallel_rank = group_rank(data_parallel_group)
         self.use_distributed_optimizer = use_distributed_optimizer
         allocate_param_data = allocate_param_data or use_distributed_optimizer
         self.gradient_scaling_factor = gradient_scaling_factor

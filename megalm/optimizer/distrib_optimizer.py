@@ -49,6 +49,7 @@ import torch
 from megalm.distributed.param_and_grad_buffer import Bucket
 from megalm.optimizer.grad_scaler import GradScaler
 from megalm.optimizer.optimizer import MegatronOptimizer, ParamState
+from megalm.parallel_state import ProcessGroups
 
 
 @dataclass
@@ -92,16 +93,20 @@ class DistributedOptimizer(MegatronOptimizer):
         make_optimizer: builds the torch optimizer from param-group dicts over main params.
         model_chunks: the DDP-wrapped chunks whose buffers define the shards.
         clip_grad, grad_scaler, log_num_zeros_in_grad: as :class:`MegatronOptimizer`.
+        process_groups: as :class:`MegatronOptimizer`; the norm and the overflow flag are reduced
+            over all its ranks (data x model parallel).  The shards follow the DDP buffers'
+            groups (``dp_cp``, expert buffers ``expt_dp``), given to DDP at its construction.
     """
 
     grads_sharded = True
 
     def __init__(self, groups: List[dict], make_optimizer: Callable[[List[dict]], torch.optim.Optimizer],
                  model_chunks: Sequence[torch.nn.Module], clip_grad: float = 0.0,
-                 grad_scaler: Optional[GradScaler] = None, log_num_zeros_in_grad: bool = False):
+                 grad_scaler: Optional[GradScaler] = None, log_num_zeros_in_grad: bool = False,
+                 process_groups: Optional[ProcessGroups] = None):
         self.model_chunks = _data_parallel_chunks(model_chunks)  # read by _make_main_params
         super().__init__(groups, make_optimizer, clip_grad=clip_grad, grad_scaler=grad_scaler,
-                         log_num_zeros_in_grad=log_num_zeros_in_grad)
+                         log_num_zeros_in_grad=log_num_zeros_in_grad, process_groups=process_groups)
         self.data_parallel_size = max((b.data_parallel_world_size for c in self.model_chunks for b in c.buffers),
                                       default=1)
 

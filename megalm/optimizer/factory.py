@@ -18,12 +18,14 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megalm import parallel_state
 from megalm.distributed.finalize_model_grads import unwrap_model
 from megalm.log import get_logger
 from megalm.optimizer.distrib_optimizer import DistributedOptimizer
 from megalm.optimizer.grad_scaler import build_grad_scaler
 from megalm.optimizer.memory_accounting import format_memory_report, optimizer_memory
 from megalm.optimizer.optimizer import FP32Optimizer, MegatronOptimizer, MixedPrecisionOptimizer
+from megalm.parallel_state import ProcessGroups
 from megalm.parameter_names import canonical_name
 
 logger = get_logger(__name__)
@@ -78,24 +80,29 @@ def make_torch_optimizer(t) -> Callable[[List[dict]], torch.optim.Optimizer]:
 
 
 def build_optimizer(cfg, model_chunks: Sequence[torch.nn.Module], log_num_zeros_in_grad: Optional[bool] = None,
-                    report_memory: bool = True) -> MegatronOptimizer:
+                    report_memory: bool = True, process_groups: Optional[ProcessGroups] = None) -> MegatronOptimizer:
     """Optimizer over every trainable parameter of ``model_chunks`` (DDP-wrapped or not).
 
     Mixed precision (fp32 main params) when any parameter is bf16/fp16; fp16 gets a dynamic
     (or ``--loss-scale`` constant) loss scaler.  ``--use-distributed-optimizer``: a
     :class:`DistributedOptimizer` over the chunks' DDP buffers (built with the same config).
-    ``log_num_zeros_in_grad`` defaults to ``training.log_num_zeros_in_grad``.  ``report_memory``:
-    global rank 0 logs the bytes per parameter of weights, gradients, main weights and optimizer
-    state against the formula (:mod:`megalm.optimizer.memory_accounting`).
+    ``log_num_zeros_in_grad`` defaults to ``training.log_num_zeros_in_grad``.  ``process_groups``
+    (default :func:`megalm.parallel_state.get_process_groups`, resolved once here): the groups
+    of the gradient norm and the overflow check.  ``report_memory``: global rank 0 logs the bytes
+    per parameter of weights, gradients, main weights and optimizer state against the formula
+    (:mod:`megalm.optimizer.memory_accounting`).
     """
     t = cfg.training
     if log_num_zeros_in_grad is None:
         log_num_zeros_in_grad = bool(t.log_num_zeros_in_grad)
+    if process_groups is None:
+        process_groups = parallel_state.get_process_groups()
     named = named_parameters_for_optimizer(model_chunks)
     if not named:
         raise ValueError("build_optimizer: the model has no trainable parameters")
     groups = get_param_groups(named, t.weight_decay)
-    common = dict(clip_grad=t.clip_grad, grad_scaler=build_grad_scaler(t), log_num_zeros_in_grad=log_num_zeros_in_grad)
+    common = dict(clip_grad=t.clip_grad, grad_scaler=build_grad_scaler(t), log_num_zeros_in_grad=log_num_zeros_in_grad,
+                  process_groups=process_groups)
     if cfg.parallel.use_distributed_optimizer:
         optimizer = DistributedOptimizer(groups, make_torch_optimizer(t), model_chunks, **common)
     else:

@@ -45,6 +45,7 @@ from megalm.distributed.finalize_model_grads import grad_of
 from megalm.optimizer.clip_grads import clip_grads_by_total_norm, grad_norm_and_zeros, unscale_and_check_for_inf
 from megalm.optimizer.grad_scaler import GradScaler
 from megalm.param_layout import param_range_specs, param_spec
+from megalm.parallel_state import ProcessGroups, group_size
 from megalm.timers import NULL_TIMERS
 
 FORMAT = "megalm-optimizer-v1"
@@ -57,12 +58,12 @@ def grad_of_dtype(param: torch.Tensor) -> Optional[torch.dtype]:
     return g.dtype if g is not None else None
 
 
-def _param_meta(p: torch.nn.Parameter) -> dict:
+def _param_meta(p: torch.nn.Parameter, tp_size: int) -> dict:
     tp_sharded = bool(getattr(p, "tensor_model_parallel", False))
     dim = getattr(p, "partition_dim", None) if tp_sharded else None
     global_shape = list(p.shape)
     if dim is not None:
-        global_shape[dim] *= parallel_state.get_tensor_model_parallel_world_size()
+        global_shape[dim] *= tp_size
     return {"shape": tuple(p.shape), "global_shape": tuple(global_shape), "tensor_model_parallel": tp_sharded,
             "partition_dim": dim, "partition_stride": getattr(p, "partition_stride", 1)}
 
@@ -93,11 +94,16 @@ class MegatronOptimizer:
         clip_grad: max global L2 norm (0 disables clipping; the norm is still computed).
         grad_scaler: None (no loss scaling) or a :class:`GradScaler`.
         log_num_zeros_in_grad: also return the number of zero gradient entries.
+        process_groups: the groups of the gradient norm (``mp``; ``tp_ep_pp`` for expert
+            parameters with EP > 1) and of the overflow flag, and the ``tp`` / ``pp`` ranks that
+            decide which gradients count once; default
+            :func:`megalm.parallel_state.get_process_groups` (resolved here, once).
     """
 
     def __init__(self, groups: List[dict], make_optimizer: Callable[[List[dict]], torch.optim.Optimizer],
                  clip_grad: float = 0.0, grad_scaler: Optional[GradScaler] = None,
-                 log_num_zeros_in_grad: bool = False):
+                 log_num_zeros_in_grad: bool = False, process_groups: Optional[ProcessGroups] = None):
+        self.process_groups = parallel_state.get_process_groups() if process_groups is None else process_groups
         self.model_params: List[torch.nn.Parameter] = [p for g in groups for p in g["params"]]
         self.names: List[str] = [n for g in groups for n in g["names"]]
         if len(set(self.names)) != len(self.names):
@@ -174,12 +180,13 @@ class MegatronOptimizer:
             if self.grad_scaler is not None:
                 with timers("optimizer-unscale-and-check-inf"):
                     found_inf = unscale_and_check_for_inf(grads, self.grad_scaler.inv_scale,
-                                                          sharded=self.grads_sharded)
+                                                          sharded=self.grads_sharded, groups=self.process_groups)
                 self.grad_scaler.update(found_inf)
                 if found_inf:
                     return False, None, None
             with timers("optimizer-clip-main-grad"):
-                norm, zeros = grad_norm_and_zeros(pairs, self.log_num_zeros_in_grad, sharded=self.grads_sharded)
+                norm, zeros = grad_norm_and_zeros(pairs, self.log_num_zeros_in_grad, sharded=self.grads_sharded,
+                                                  groups=self.process_groups)
                 if math.isfinite(norm) and self.clip_grad > 0.0:
                     clip_grads_by_total_norm(grads, self.clip_grad, norm)
             if not math.isfinite(norm):
@@ -203,7 +210,8 @@ class MegatronOptimizer:
         return {"format": FORMAT, "optimizer": {"state": state, "param_groups": groups},
                 "main_params": self._main_params_state(),
                 "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
-                "param_meta": {n: _param_meta(p) for n, p in zip(self.names, self.model_params)}}
+                "param_meta": {n: _param_meta(p, group_size(self.process_groups.tp))
+                               for n, p in zip(self.names, self.model_params)}}
 
     def _main_params_state(self) -> Dict[str, torch.Tensor]:
         return {}
@@ -292,9 +300,9 @@ class MegatronOptimizer:
                 if t.dim() == 0:
                     specs[fqn] = ShardedTensorSpec.replicated(t.reshape(1))
                 elif piece.flat_range is None:
-                    specs[fqn] = param_spec(piece.param, t)
+                    specs[fqn] = param_spec(piece.param, t, self.process_groups)
                 else:
-                    blocks = param_range_specs(piece.param, t, *piece.flat_range)
+                    blocks = param_range_specs(piece.param, t, *piece.flat_range, groups=self.process_groups)
                     if blocks:
                         specs[fqn] = blocks
         return specs
