@@ -59,6 +59,15 @@ def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
            "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
 
 
+def _validate_data_parallel(p: ParallelConfig) -> None:
+    """The data-parallel wrapper's flags (megalm.distributed.data_parallel reads them unchecked)."""
+    _check(not p.overlap_param_gather or p.use_distributed_optimizer,
+           "--overlap-param-gather needs --use-distributed-optimizer "
+           "(it overlaps the optimizer's parameter all-gather)")
+    _check(p.ddp_bucket_size is None or p.ddp_bucket_size > 0,
+           f"--ddp-bucket-size must be positive, got {p.ddp_bucket_size}")
+
+
 def _validate_fp8(m: ModelConfig, p: ParallelConfig, t) -> None:
     """``--fp8-*``: Transformer Engine layers, delayed-scaling settings, and the shapes TE's fp8 GEMMs take."""
     if m.fp8_format is None:
@@ -162,8 +171,7 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
                    f"--num-virtual-stages-per-pipeline-rank {vpp}")
     p.virtual_pipeline_model_parallel_size = vpp
     _check(p.context_parallel_size == 1, "--context-parallel-size > 1 is not supported yet")
-    _check(not p.overlap_param_gather or p.use_distributed_optimizer,
-           "--overlap-param-gather needs --use-distributed-optimizer (it overlaps the optimizer's parameter all-gather)")
+    _validate_data_parallel(p)
     if p.sequence_parallel and tp == 1:
         p.sequence_parallel = False  # as Megatron: a no-op without tensor parallelism
     if p.sequence_parallel:
