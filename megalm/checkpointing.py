@@ -41,8 +41,11 @@ from megalm import parallel_state
 from megalm.async_save import AsyncCheckpointWriter
 from megalm.dist_checkpointing import (ShardedStateDict, ShardedTensorSpec, load_sharded, save_sharded,
                                       saved_tensor_shapes)
+from megalm.log import get_logger
 from megalm.param_layout import param_spec
 from megalm.parameter_names import canonical_name
+
+logger = get_logger(__name__)
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
@@ -390,9 +393,8 @@ def load_rng_state(path: str, common: dict) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     if common.get("world_size") != world or common.get("layout") != _layout():
-        if rank == 0:
-            print(f"[megalm] checkpoint was saved with layout {common.get('layout')}, now {_layout()}: "
-                  f"RNG states are not restored", flush=True)
+        logger.info(f"checkpoint was saved with layout {common.get('layout')}, now {_layout()}: "
+                    f"RNG states are not restored")
         return
     state = torch.load(os.path.join(path, "rng", f"rank_{rank:05d}.pt"), weights_only=True)
     set_rng_state(state)

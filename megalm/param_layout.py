@@ -18,7 +18,12 @@ import torch
 
 from megalm import parallel_state
 from megalm.dist_checkpointing import ShardedTensorSpec, flat_range_blocks
+from megalm.errors import MegalmError
 from megalm.parallel_state import ProcessGroups, group_rank, group_size
+
+
+class ParamLayoutError(MegalmError, ValueError):
+    """A tensor that does not fit the parameter range it is said to cover."""
 
 
 def param_spec(param: torch.Tensor, data: Optional[torch.Tensor] = None,
@@ -69,7 +74,7 @@ def param_range_specs(param: torch.Tensor, data: torch.Tensor, start: int, end: 
     :func:`megalm.dist_checkpointing.flat_range_blocks`; each block is a view of ``data``.
     """
     if data.dim() != 1 or data.numel() != end - start:
-        raise ValueError(f"range data must be 1-D with {end - start} elements, got {tuple(data.shape)}")
+        raise ParamLayoutError(f"range data must be 1-D with {end - start} elements, got {tuple(data.shape)}")
     where = param_spec(param, torch.empty(param.shape, device="meta"), groups)
     view_shape = tuple(where.local.shape)  # the flat order of the local tensor, possibly cut to fewer rows
     end_kept = min(end, math.prod(view_shape))

@@ -6,7 +6,8 @@
 * a parameter left out of ``params`` (a tied copy) has no entry;
 * ``load_sharded_state_dict(common, main_params_loaded)``: True keeps the loaded fp32 main
   weights, False rebuilds them from the model weights; the loss scaler comes from ``common``;
-* checkpointing.optimizer_sharded_state uses only the protocol (no duck typing).
+* checkpointing.optimizer_sharded_state uses only the protocol (no duck typing);
+* misuse raises megalm errors (whole-tensor state of the distributed optimizer, chunks without DDP).
 """
 
 import pytest
@@ -16,7 +17,9 @@ import torch.nn.functional as F
 from megalm import checkpointing
 from megalm.config import MegalmConfig, ParallelConfig
 from megalm.distributed import DistributedDataParallel
-from megalm.optimizer import DistributedOptimizer, MixedPrecisionOptimizer, build_optimizer
+from megalm.errors import MegalmError
+from megalm.optimizer import DistributedOptimizer, MixedPrecisionOptimizer, OptimizerError, build_optimizer
+from megalm.optimizer.factory import get_param_groups, make_torch_optimizer
 from megalm.optimizer.grad_scaler import ConstantGradScaler
 
 
@@ -119,3 +122,14 @@ def test_load_sharded_state_dict_main_params_loaded_is_explicit(distributed):
     for key, value in main_values.items():  # rebuilt from the model weights
         name = key[len("optimizer."):-len(".main_param")]
         assert torch.equal(value, model_values[f"model.{name}"]), key
+
+
+def test_misuse_raises_megalm_errors():
+    model, ddp, opt = _build(torch.float32, True)
+    for whole_tensor_call in (opt.state_dict, opt.sharded_param_state, lambda: opt.load_state_dict({})):
+        with pytest.raises(MegalmError, match="ranges of parameters"):
+            whole_tensor_call()
+    cfg = MegalmConfig()
+    groups = get_param_groups(list(model.named_parameters()), 0.0)
+    with pytest.raises(OptimizerError, match="use_distributed_optimizer=True"):
+        DistributedOptimizer(groups, make_torch_optimizer(cfg.training), [model])

@@ -40,7 +40,7 @@ from typing import Dict, List, Optional
 import torch
 
 from megalm import parallel_state
-from megalm.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
+from megalm.distributed.param_and_grad_buffer import Bucket, DataParallelError, ParamAndGradBuffer
 from megalm.parallel_state import ProcessGroups, group_size
 
 
@@ -214,7 +214,7 @@ class DistributedDataParallel(torch.nn.Module):
         ``force_sync``); then the forward pre-hooks wait, bucket by bucket.
         """
         if not self.use_distributed_optimizer:
-            raise RuntimeError("start_param_sync is only used with use_distributed_optimizer")
+            raise DataParallelError("start_param_sync is only used with use_distributed_optimizer")
         wait = force_sync or not self.overlap_param_gather
         for queue in self._queues:
             for bucket in reversed(queue):

@@ -46,9 +46,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from megalm.distributed.data_parallel import DistributedDataParallel
 from megalm.distributed.param_and_grad_buffer import Bucket
 from megalm.optimizer.grad_scaler import GradScaler
-from megalm.optimizer.optimizer import MegatronOptimizer, ParamState
+from megalm.optimizer.optimizer import MegatronOptimizer, OptimizerError, ParamState
 from megalm.parallel_state import ProcessGroups
 
 
@@ -78,8 +79,8 @@ class ShardRange:
 def _data_parallel_chunks(model_chunks: Sequence[torch.nn.Module]) -> list:
     chunks = list(model_chunks)
     for chunk in chunks:
-        if not getattr(chunk, "use_distributed_optimizer", False) or not hasattr(chunk, "all_buffers"):
-            raise ValueError("the distributed optimizer needs model chunks wrapped in "
+        if not isinstance(chunk, DistributedDataParallel) or not chunk.use_distributed_optimizer:
+            raise OptimizerError("the distributed optimizer needs model chunks wrapped in "
                              "megalm.distributed.DistributedDataParallel with use_distributed_optimizer=True "
                              "(--use-distributed-optimizer)")
     return chunks
@@ -135,7 +136,7 @@ class DistributedOptimizer(MegatronOptimizer):
                         pieces.append((p, s - ps, e - ps, buf, s, e, bucket))
         missing = [name_of[id(p)] for p in model_params if id(p) not in in_buffers]
         if missing:
-            raise ValueError(f"parameters outside the data-parallel buffers cannot be sharded: {missing[:5]}")
+            raise OptimizerError(f"parameters outside the data-parallel buffers cannot be sharded: {missing[:5]}")
         half_grads = [pc for pc in pieces if pc[3].grad_dtype != torch.float32]
         grad_copy = torch.zeros(sum(pc[2] - pc[1] for pc in half_grads), dtype=torch.float32,
                                 device=pieces[0][0].device) if half_grads else None
@@ -202,7 +203,7 @@ class DistributedOptimizer(MegatronOptimizer):
         return out
 
     def _whole_params_only(self, *_args, **_kwargs):
-        raise TypeError("the distributed optimizer holds ranges of parameters, not whole ones: checkpoint it with "
+        raise OptimizerError("the distributed optimizer holds ranges of parameters, not whole ones: checkpoint it with "
                         "megalm.checkpointing (sharded_state_dict), which any layout can load")
 
     # The plain optimizer's whole-parameter state protocols do not apply to ranges.

@@ -24,7 +24,7 @@ from megalm.log import get_logger
 from megalm.optimizer.distrib_optimizer import DistributedOptimizer
 from megalm.optimizer.grad_scaler import build_grad_scaler
 from megalm.optimizer.memory_accounting import format_memory_report, optimizer_memory
-from megalm.optimizer.optimizer import FP32Optimizer, MegatronOptimizer, MixedPrecisionOptimizer
+from megalm.optimizer.optimizer import FP32Optimizer, MegatronOptimizer, MixedPrecisionOptimizer, OptimizerError
 from megalm.parallel_state import ProcessGroups
 from megalm.parameter_names import canonical_name
 
@@ -71,7 +71,7 @@ def make_torch_optimizer(t) -> Callable[[List[dict]], torch.optim.Optimizer]:
         elif t.optimizer == "sgd":
             cls, kw = torch.optim.SGD, dict(lr=t.lr, momentum=t.sgd_momentum, weight_decay=t.weight_decay)
         else:
-            raise ValueError(f"unknown --optimizer {t.optimizer!r} (choose adam or sgd)")
+            raise OptimizerError(f"unknown --optimizer {t.optimizer!r} (choose adam or sgd)")
         try:  # the fused kernels are ~5x faster on CPU and on GPU
             return cls(groups, fused=True, **kw)
         except (RuntimeError, TypeError, ValueError):
@@ -99,7 +99,7 @@ def build_optimizer(cfg, model_chunks: Sequence[torch.nn.Module], log_num_zeros_
         process_groups = parallel_state.get_process_groups()
     named = named_parameters_for_optimizer(model_chunks)
     if not named:
-        raise ValueError("build_optimizer: the model has no trainable parameters")
+        raise OptimizerError("build_optimizer: the model has no trainable parameters")
     groups = get_param_groups(named, t.weight_decay)
     common = dict(clip_grad=t.clip_grad, grad_scaler=build_grad_scaler(t), log_num_zeros_in_grad=log_num_zeros_in_grad,
                   process_groups=process_groups)

@@ -1,16 +1,30 @@
 """Optimizer wrappers: fp32 main weights, loss-scale handling, global-norm clipping.
 
-``step()`` (both wrappers)::
+``step()`` is one template for every optimizer (the subclass hooks in brackets)::
 
-    main.grad <- model.main_grad (fp32 view from DDP; aliased, no copy) or model.grad
+    [_prepare_grads]  main.grad <- model.main_grad (fp32 view from DDP; aliased, no copy) or model.grad
     if loss scaler:  main.grad *= 1/scale; found_inf = MAX over model-parallel ranks
                      scaler.update(found_inf); found_inf -> skip (return False, None, None)
     norm = global L2 norm (each distinct gradient once over TP x PP, see clip_grads)
     norm not finite (no scaler: bf16/fp32) -> skip (return False, norm, zeros)
     clip_grad > 0 -> main.grad *= clip / (norm + 1e-6) when < 1
     torch optimizer step (AdamW: decoupled weight decay; SGD: momentum, L2 decay)
-    model param <- main param (rounded to bf16/fp16 for mixed precision)
-    return (True, norm, num_zeros or None)
+    [_copy_main_to_model]  model param <- main param (rounded to bf16/fp16 for mixed precision)
+    [_after_update]  (the distributed optimizer: all-gather the updated parameters)
+    return (True, norm, num_zeros or None)      [_release_grads] in every case
+
+Communication (groups from the ``ProcessGroups`` given at construction, default
+:func:`megalm.parallel_state.get_process_groups`): found_inf one MAX all-reduce of a flag over
+``mp`` (all ranks with EP > 1), the norm one SUM all-reduce over ``mp`` (plus ``tp_ep_pp`` for
+expert parameters with EP > 1); see :mod:`megalm.optimizer.clip_grads`.
+
+Checkpoint protocol (what :mod:`megalm.checkpointing` calls, the same for every optimizer):
+:meth:`MegatronOptimizer.sharded_state_dict` describes each state tensor this rank holds
+(:class:`ParamState`: whole local TP tensors here, flat ranges in the distributed optimizer) as
+blocks of its full tensor, keyed ``optimizer.<global name>.<state>``;
+:meth:`~MegatronOptimizer.common_state_dict` is the JSON rest; after the tensors were loaded in
+place, :meth:`~MegatronOptimizer.load_sharded_state_dict` restores the rest, told explicitly
+whether the checkpoint held the fp32 main weights.
 
 Skipping non-finite updates without a scaler is a deliberate difference from Megatron
 (which would apply them); the trainer counts such iterations as skipped.
@@ -18,8 +32,9 @@ Skipping non-finite updates without a scaler is a deliberate difference from Meg
 Parameter groups: weight decay on parameters with ndim >= 2, none on biases and norm
 weights (ndim <= 1).
 
-``state_dict()`` structure (every tensor keyed by the parameter's global name, so a
-checkpointer can reshard: tensors are this rank's local TP shard, ``param_meta`` says how)::
+``state_dict()`` (whole tensors; plain optimizers only) structure (every tensor keyed by the
+parameter's global name, so a checkpointer can reshard: tensors are this rank's local TP shard,
+``param_meta`` says how)::
 
     {"format": "megalm-optimizer-v1",
      "optimizer": {"state": {name: {"exp_avg": T, "exp_avg_sq": T, "step": T}  # SGD: momentum_buffer
@@ -41,6 +56,7 @@ import torch
 
 from megalm import parallel_state
 from megalm.dist_checkpointing import ShardedStateDict, ShardedTensorSpec
+from megalm.errors import MegalmError
 from megalm.distributed.finalize_model_grads import grad_of
 from megalm.optimizer.clip_grads import clip_grads_by_total_norm, grad_norm_and_zeros, unscale_and_check_for_inf
 from megalm.optimizer.grad_scaler import GradScaler
@@ -66,6 +82,10 @@ def _param_meta(p: torch.nn.Parameter, tp_size: int) -> dict:
         global_shape[dim] *= tp_size
     return {"shape": tuple(p.shape), "global_shape": tuple(global_shape), "tensor_model_parallel": tp_sharded,
             "partition_dim": dim, "partition_stride": getattr(p, "partition_stride", 1)}
+
+
+class OptimizerError(MegalmError, ValueError):
+    """An optimizer built or loaded inconsistently (names, groups, shapes, config)."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +128,7 @@ class MegatronOptimizer:
         self.names: List[str] = [n for g in groups for n in g["names"]]
         if len(set(self.names)) != len(self.names):
             dup = sorted({n for n in self.names if self.names.count(n) > 1})
-            raise ValueError(f"parameter names must be unique across model chunks, duplicated: {dup[:5]}")
+            raise OptimizerError(f"parameter names must be unique across model chunks, duplicated: {dup[:5]}")
         main_groups = self._make_main_params(groups)
         self.main_params: List[torch.nn.Parameter] = [m for mains in main_groups for m in mains]
         torch_groups = [{k: v for k, v in g.items() if k not in ("params", "names")} | {"params": mains}
@@ -219,13 +239,13 @@ class MegatronOptimizer:
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore from :meth:`state_dict` output, matching parameters by name."""
         if state_dict.get("format") != FORMAT:
-            raise ValueError(f"not a megalm optimizer state dict (format {state_dict.get('format')!r}, "
+            raise OptimizerError(f"not a megalm optimizer state dict (format {state_dict.get('format')!r}, "
                              f"expected {FORMAT!r})")
         saved_groups = state_dict["optimizer"]["param_groups"]
         saved_names = [n for g in saved_groups for n in g["params"]]
         missing, unexpected = set(self.names) - set(saved_names), set(saved_names) - set(self.names)
         if missing or unexpected:
-            raise ValueError(f"optimizer checkpoint does not match the model: missing {sorted(missing)[:5]}, "
+            raise OptimizerError(f"optimizer checkpoint does not match the model: missing {sorted(missing)[:5]}, "
                              f"unexpected {sorted(unexpected)[:5]}")
         index = {n: i for i, n in enumerate(self.names)}
         group_of = {n: g for g in saved_groups for n in g["params"]}
@@ -235,7 +255,7 @@ class MegatronOptimizer:
             names = [self.names[i] for i in g["params"]]
             src = group_of[names[0]]
             if set(src["params"]) != set(names):
-                raise ValueError(f"parameter group '{g.get('name')}' differs from the checkpoint's")
+                raise OptimizerError(f"parameter group '{g.get('name')}' differs from the checkpoint's")
             new_groups.append({k: v for k, v in src.items() if k != "params"} | {"params": list(g["params"])})
         state = {index[n]: s for n, s in state_dict["optimizer"]["state"].items()}
         self.optimizer.load_state_dict({"state": state, "param_groups": new_groups})
@@ -373,6 +393,6 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
             return
         for n, m in zip(self.names, self.main_params):
             if tuple(main_params[n].shape) != tuple(m.shape):
-                raise ValueError(f"main param {n}: checkpoint shape {tuple(main_params[n].shape)} "
+                raise OptimizerError(f"main param {n}: checkpoint shape {tuple(main_params[n].shape)} "
                                  f"!= local shape {tuple(m.shape)}")
             m.copy_(main_params[n])
