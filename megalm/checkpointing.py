@@ -13,26 +13,26 @@ full (unpadded-vocabulary) tensors, so any TP/PP/DP layout can load them (see
 :mod:`megalm.dist_checkpointing`).  Optimizer tensors are keyed
 ``optimizer.<global parameter name>.<state>`` with the parameter's layout; the distributed
 optimizer saves, for each parameter range of its data-parallel shard, the blocks of the full
-tensor that range covers (:func:`param_range_specs`), with no gather: the same keys and the
+tensor that range covers (:func:`megalm.param_layout.param_range_specs`), with no gather: the same keys and the
 same global tensors as the plain optimizer, so either loads the other's checkpoints under any
-TP/PP/DP layout.  Nothing is
-unpickled on load: DCP for tensors, JSON for metadata, ``torch.load(weights_only=True)`` for RNG.
+TP/PP/DP layout.  Nothing from a checkpoint can run code on load: DCP's ``.metadata`` is read by
+:mod:`megalm.safe_unpickle` (an exact allow-list), tensors and RNG states by
+``torch.load(weights_only=True)``, ``common.json`` as JSON.
 
 Only parameters are saved.  Transformer Engine modules also carry ``_extra_state`` (fp8 scaling
 metadata: amax history and scales, a pickled object): it is not saved, so a TE checkpoint is
-exactly a local one (same names, see :mod:`megalm.parameter_names`) and loading never unpickles;
+exactly a local one (same names, see :mod:`megalm.parameter_names`) and no object state is loaded;
 after a load fp8 scaling restarts from fresh amax statistics (``--fp8-amax-history-len`` steps).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import shutil
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import numpy as np
 import torch
@@ -40,11 +40,15 @@ import torch.distributed as dist
 
 from megalm import parallel_state
 from megalm.async_save import AsyncCheckpointWriter
-from megalm.dist_checkpointing import (ShardedStateDict, ShardedTensorSpec, flat_range_blocks, load_sharded,
+from megalm.dist_checkpointing import (ShardedStateDict, ShardedTensorSpec, load_sharded,
                                       save_sharded, saved_tensor_shapes)
 from megalm.errors import MegalmError
+from megalm.log import get_logger
+from megalm.param_layout import param_spec
 from megalm.parameter_names import canonical_name
 from megalm.safe_unpickle import CheckpointMetadataError
+
+logger = get_logger(__name__)
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
@@ -59,62 +63,6 @@ def checkpoint_dir(root: str, iteration: int) -> str:
 
 
 # --- describing the model's tensors as blocks of global tensors ------------------------
-
-def param_spec(param: torch.Tensor, data: Optional[torch.Tensor] = None) -> ShardedTensorSpec:
-    """Where this rank's piece of ``param`` sits in the full tensor (from its TP attributes).
-
-    ``data`` (default ``param`` itself) is any tensor laid out like the parameter, e.g. an
-    Adam moment or an fp32 main copy.
-    """
-    data = param.detach() if data is None else data
-    if not getattr(param, "tensor_model_parallel", False):
-        return ShardedTensorSpec.replicated(data)
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    rank = parallel_state.get_tensor_model_parallel_rank()
-    dim = param.partition_dim % data.dim()
-    stride = getattr(param, "partition_stride", 1)
-    local = list(data.shape)
-    if stride > 1:
-        # A fused [a; b] weight split as [a_r; b_r]: view as (stride, n/stride) along ``dim``.
-        view = data.reshape(local[:dim] + [stride, local[dim] // stride] + local[dim + 1:])
-        global_shape = local[:dim] + [stride, local[dim] // stride * tp] + local[dim + 1:]
-        offsets = [0] * view.dim()
-        offsets[dim + 1] = rank * (local[dim] // stride)
-        return ShardedTensorSpec(view, global_shape, offsets)
-    offsets = [0] * data.dim()
-    offsets[dim] = rank * local[dim]
-    global_shape = list(local)
-    global_shape[dim] = local[dim] * tp
-    vocab = getattr(param, "vocab_unpadded", None)
-    if vocab is not None and dim == 0:
-        # Padded vocabulary rows are not saved: the padding depends on the TP size.
-        keep = max(0, min(local[0], vocab - offsets[0]))
-        data = data.narrow(0, 0, keep)
-        global_shape[0] = vocab
-        offsets[0] = min(offsets[0], vocab)
-    return ShardedTensorSpec(data, global_shape, offsets)
-
-
-def param_range_specs(param: torch.Tensor, data: torch.Tensor, start: int, end: int) -> List[ShardedTensorSpec]:
-    """Blocks of the full tensor covered by the flat range ``[start, end)`` of this rank's ``param``.
-
-    ``data`` is 1-D with ``end - start`` elements (e.g. the distributed optimizer's moments for
-    that range).  The range is cut into rectangles of the parameter's checkpoint view (see
-    :func:`param_spec`: TP offset, fused-stride view, unpadded vocabulary) by
-    :func:`megalm.dist_checkpointing.flat_range_blocks`; each block is a view of ``data``.
-    """
-    if data.dim() != 1 or data.numel() != end - start:
-        raise ValueError(f"range data must be 1-D with {end - start} elements, got {tuple(data.shape)}")
-    where = param_spec(param, torch.empty(param.shape, device="meta"))
-    view_shape = tuple(where.local.shape)  # the flat order of the local tensor, possibly cut to fewer rows
-    end_kept = min(end, math.prod(view_shape))
-    specs = []
-    for flat, offsets, sizes in flat_range_blocks(view_shape, start, end_kept) if start < end_kept else []:
-        block = data[flat - start:flat - start + math.prod(sizes)].view(sizes)
-        specs.append(ShardedTensorSpec(block, tuple(where.global_shape),
-                                       tuple(o + w for o, w in zip(offsets, where.offsets))))
-    return specs
-
 
 def finish_param_sync(model_chunks: Sequence[torch.nn.Module]) -> None:
     """Wait for pending parameter all-gathers (distributed optimizer with overlapped gathers)."""
@@ -229,7 +177,7 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer=None, sch
             "consumed_train_samples": consumed_train_samples, "consumed_valid_samples": consumed_valid_samples,
             "world_size": world, "layout": _layout(),
             "config": config, "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "optimizer_common": optimizer_common_state(optimizer) if optimizer is not None else None,
+            "optimizer_common": optimizer.common_state_dict() if optimizer is not None else None,
             "extra": extra or {}, "saved_at": time.time(),
         }
     if async_writer is None:
@@ -295,11 +243,12 @@ def _barrier() -> None:
 # --- optimizer adapters ------------------------------------------------------------------
 
 def optimizer_sharded_state(optimizer, model_chunks, tied_copies: bool = False) -> ShardedStateDict:
-    """Optimizer tensors (main weights, moments) keyed by global parameter name, laid out like the parameter.
+    """Optimizer tensors (main weights, moments) keyed ``optimizer.<global parameter name>.<state>``.
 
-    An optimizer with ``sharded_state_specs(params)`` (the distributed optimizer) describes its
-    own blocks; otherwise each tensor is the parameter's local TP shard.  ``tied_copies`` (for
-    loading): also the state of tied embedding copies, under their source's keys.
+    Each optimizer describes its own blocks of the full tensors
+    (:meth:`megalm.optimizer.optimizer.MegatronOptimizer.sharded_state_dict`: the local TP shard
+    of each parameter, or the distributed optimizer's ranges).  ``tied_copies`` (for loading):
+    also the state of tied embedding copies, under their source's keys.
     """
     params = model_parameters(model_chunks)
     renames = {}
@@ -308,29 +257,10 @@ def optimizer_sharded_state(optimizer, model_chunks, tied_copies: bool = False) 
             if source not in params:
                 params[name] = p
                 renames[f"optimizer.{name}."] = f"optimizer.{source}."
-    specs = _optimizer_specs(optimizer, params)
+    specs = optimizer.sharded_state_dict(params)
     for old, new in renames.items():
         specs = {(new + k[len(old):] if k.startswith(old) else k): v for k, v in specs.items()}
     return specs
-
-
-def _optimizer_specs(optimizer, params: Dict[str, torch.nn.Parameter]) -> ShardedStateDict:
-    if hasattr(optimizer, "sharded_state_specs"):
-        return optimizer.sharded_state_specs(params)
-    specs: ShardedStateDict = {}
-    for name, tensors in optimizer.sharded_param_state().items():
-        if name not in params:
-            continue
-        for key, tensor in tensors.items():
-            if tensor.dim() == 0:
-                specs[f"optimizer.{name}.{key}"] = ShardedTensorSpec.replicated(tensor.reshape(1))
-            else:
-                specs[f"optimizer.{name}.{key}"] = param_spec(params[name], tensor)
-    return specs
-
-
-def optimizer_common_state(optimizer) -> dict:
-    return optimizer.common_state_dict()
 
 
 # --- load --------------------------------------------------------------------------------
@@ -419,10 +349,9 @@ def load_checkpoint(root: str, model_chunks, optimizer=None, scheduler=None, loa
     except Exception as e:  # DCP wraps per-rank errors; name the checkpoint
         raise CheckpointError(f"failed to load {path}: {e}") from e
     if with_optim:
-        optimizer.load_common_state_dict(common.get("optimizer_common") or {})
-        if main_params_missing:  # e.g. an fp32 checkpoint resumed with --bf16: main <- model
-            optimizer._main_params_restored = False
-        optimizer.reload_model_params()
+        # Missing fp32 main weights (e.g. an fp32 checkpoint resumed with --bf16) are rebuilt from the model's.
+        optimizer.load_sharded_state_dict(common.get("optimizer_common") or {},
+                                          main_params_loaded=not main_params_missing)
         if scheduler is not None and common.get("scheduler") is not None:
             scheduler.load_state_dict(common["scheduler"])
     elif optimizer is not None:
@@ -470,9 +399,8 @@ def load_rng_state(path: str, common: dict) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     if common.get("world_size") != world or common.get("layout") != _layout():
-        if rank == 0:
-            print(f"[megalm] checkpoint was saved with layout {common.get('layout')}, now {_layout()}: "
-                  f"RNG states are not restored", flush=True)
+        logger.info(f"checkpoint was saved with layout {common.get('layout')}, now {_layout()}: "
+                    f"RNG states are not restored")
         return
     state = torch.load(os.path.join(path, "rng", f"rank_{rank:05d}.pt"), weights_only=True)
     set_rng_state(state)

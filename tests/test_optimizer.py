@@ -163,8 +163,7 @@ def test_state_dict_round_trip_continues_identically(dtype, fp16):
     for name, tensors in saved_sharded.items():
         for key, tensor in tensors.items():
             live[name][key].copy_(tensor)
-    opt3.load_common_state_dict(saved_common)
-    opt3.reload_model_params()  # keeps the restored fp32 main params
+    opt3.load_sharded_state_dict(saved_common, main_params_loaded=True)  # keeps the restored fp32 main params
     for a, b in zip(_train(model3, ddp3, opt3, 3, seed=2), expected):
         assert torch.equal(a, b)
 

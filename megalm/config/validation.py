@@ -75,6 +75,15 @@ def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
            "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
 
 
+def _validate_data_parallel(p: ParallelConfig) -> None:
+    """The data-parallel wrapper's flags (megalm.distributed.data_parallel reads them unchecked)."""
+    _check(not p.overlap_param_gather or p.use_distributed_optimizer,
+           "--overlap-param-gather needs --use-distributed-optimizer "
+           "(it overlaps the optimizer's parameter all-gather)")
+    _check(p.ddp_bucket_size is None or p.ddp_bucket_size > 0,
+           f"--ddp-bucket-size must be positive, got {p.ddp_bucket_size}")
+
+
 def _validate_fp8(m: ModelConfig, p: ParallelConfig, t: TrainingConfig) -> None:
     """``--fp8-*``: Transformer Engine layers, delayed-scaling settings, and the shapes TE's fp8 GEMMs take."""
     if m.fp8_format is None:
@@ -227,12 +236,6 @@ def _validate_parallel(m: ModelConfig, p: ParallelConfig) -> None:
     if p.sequence_parallel:
         _check(m.seq_length % tp == 0,
                f"--seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size {tp} (sequence parallel)")
-
-
-def _validate_data_parallel(p: ParallelConfig) -> None:
-    """Flags of the data-parallel wrapper and the distributed optimizer."""
-    _check(not p.overlap_param_gather or p.use_distributed_optimizer, "--overlap-param-gather needs "
-           "--use-distributed-optimizer (it overlaps the optimizer's parameter all-gather)")
 
 
 def _validate_precision(m: ModelConfig, p: ParallelConfig, t: TrainingConfig) -> None:

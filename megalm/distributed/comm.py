@@ -11,13 +11,16 @@ Two byte counts are kept per operation kind:
   full (unsharded) buffer; broadcast ``B`` (upper bound).
 
 Groups of size 1 are not communicated over: the wrappers return at once and count nothing.
+``group=None`` means torch's default (world) group here, as in ``torch.distributed``; callers
+holding a :class:`megalm.parallel_state.ProcessGroups` field that is ``None`` (this rank alone)
+do not call these wrappers at all.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import asdict, dataclass
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 import torch.distributed as dist
@@ -113,12 +116,3 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
     b = _nbytes(tensor)
     _record(kind, b, b)
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
-
-
-def group_or_none(getter, *args) -> Optional[object]:
-    """Call a parallel_state group getter; None when parallel state is not initialized."""
-    from megalm import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return None
-    return getter(*args)

@@ -38,26 +38,15 @@ import contextlib
 from typing import Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
 from megalm import parallel_state
-from megalm.distributed import comm
-from megalm.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
+from megalm.distributed.param_and_grad_buffer import Bucket, DataParallelError, ParamAndGradBuffer
+from megalm.parallel_state import ProcessGroups, group_size
 
 
 def default_bucket_size(data_parallel_size: int) -> int:
     """Megatron's default: max(40M, 1M x DP) elements."""
     return max(40_000_000, 1_000_000 * data_parallel_size)
-
-
-def _groups():
-    """(dp group, dp size, expert-dp group, expert-dp size); no groups without parallel state."""
-    if not parallel_state.model_parallel_is_initialized():
-        return None, 1, None, 1
-    dp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-    edp = parallel_state.get_expert_data_parallel_world_size()
-    return (parallel_state.get_data_parallel_group(with_context_parallel=True), dp,
-            parallel_state.get_expert_data_parallel_group(), edp)
 
 
 def _is_shared_embedding(param: torch.nn.Parameter) -> bool:
@@ -82,23 +71,27 @@ class DistributedDataParallel(torch.nn.Module):
             ``use_distributed_optimizer``, ``overlap_param_gather``).
         grad_dtype: dtype of ``main_grad``; default fp32 when
             ``accumulate_allreduce_grads_in_fp32`` else each parameter's dtype.
+        process_groups: a :class:`megalm.parallel_state.ProcessGroups`; dense gradients are
+            reduced over ``dp_cp``, expert gradients (``param.allreduce is False``) over
+            ``expt_dp``.  Default :func:`megalm.parallel_state.get_process_groups`, resolved
+            once here.  The configuration is validated by :func:`megalm.config.validate_config`.
 
     Bucket size: ``ddp_bucket_size`` when given; otherwise max(40M, 1M x DP) with
     ``overlap_grad_reduce`` and a single bucket per buffer without it (as Megatron).
     """
 
-    def __init__(self, module: torch.nn.Module, parallel_cfg, grad_dtype: Optional[torch.dtype] = None):
+    def __init__(self, module: torch.nn.Module, parallel_cfg, grad_dtype: Optional[torch.dtype] = None,
+                 process_groups: Optional[ProcessGroups] = None):
         super().__init__()
+        pg = parallel_state.get_process_groups() if process_groups is None else process_groups
         self.module = module
-        self.overlap_grad_reduce = bool(getattr(parallel_cfg, "overlap_grad_reduce", False))
-        self.use_distributed_optimizer = bool(getattr(parallel_cfg, "use_distributed_optimizer", False))
-        self.overlap_param_gather = bool(getattr(parallel_cfg, "overlap_param_gather", False))
-        if self.overlap_param_gather and not self.use_distributed_optimizer:
-            raise ValueError("overlap_param_gather needs use_distributed_optimizer")
-        fp32_grads = bool(getattr(parallel_cfg, "accumulate_allreduce_grads_in_fp32", True))
-        dp_group, dp, edp_group, edp = _groups()
+        self.overlap_grad_reduce = parallel_cfg.overlap_grad_reduce
+        self.use_distributed_optimizer = parallel_cfg.use_distributed_optimizer
+        self.overlap_param_gather = parallel_cfg.overlap_param_gather
+        fp32_grads = parallel_cfg.accumulate_allreduce_grads_in_fp32
+        dp = group_size(pg.dp_cp)
         self.data_parallel_world_size = dp
-        self.bucket_size = getattr(parallel_cfg, "ddp_bucket_size", None)
+        self.bucket_size = parallel_cfg.ddp_bucket_size
         if self.bucket_size is None and self.overlap_grad_reduce:
             self.bucket_size = default_bucket_size(dp)
         names = {p: n for n, p in module.named_parameters()}
@@ -113,7 +106,8 @@ class DistributedDataParallel(torch.nn.Module):
             for p in module.parameters():
                 if p.requires_grad and (getattr(p, "allreduce", True) is False) == expert:
                     keyed.setdefault((p.dtype, pick_grad_dtype(p)), []).append(p)
-            group, world = (edp_group, edp) if expert else (dp_group, dp)
+            group = pg.expt_dp if expert else pg.dp_cp
+            world = group_size(group)
             for (_, gdtype), params in keyed.items():
                 buf = ParamAndGradBuffer(params, gdtype, self.bucket_size, group if world > 1 else None,
                                          world, 1.0 / dp, param_names=names,
@@ -185,12 +179,6 @@ class DistributedDataParallel(torch.nn.Module):
         finally:
             self._grad_sync_enabled = True
 
-    def disable_grad_sync(self) -> None:
-        self._grad_sync_enabled = False
-
-    def enable_grad_sync(self) -> None:
-        self._grad_sync_enabled = True
-
     def start_grad_sync(self) -> None:
         """Launch every bucket not yet launched, queue by queue in order (async)."""
         for qi, queue in enumerate(self._queues):
@@ -226,7 +214,7 @@ class DistributedDataParallel(torch.nn.Module):
         ``force_sync``); then the forward pre-hooks wait, bucket by bucket.
         """
         if not self.use_distributed_optimizer:
-            raise RuntimeError("start_param_sync is only used with use_distributed_optimizer")
+            raise DataParallelError("start_param_sync is only used with use_distributed_optimizer")
         wait = force_sync or not self.overlap_param_gather
         for queue in self._queues:
             for bucket in reversed(queue):
@@ -251,19 +239,6 @@ class DistributedDataParallel(torch.nn.Module):
             if buckets:
                 handles.append(module.register_forward_pre_hook(_wait_for(buckets)))
         return handles
-
-    def broadcast_params(self) -> None:
-        """Copy DP rank 0's parameters to every DP rank (expert params: expert-DP rank 0)."""
-        if not parallel_state.model_parallel_is_initialized():
-            return
-        dp_src = parallel_state.get_data_parallel_ranks(with_context_parallel=True)[0]
-        edp_group = parallel_state.get_expert_data_parallel_group()
-        edp_src = dist.get_global_rank(edp_group, 0) if edp_group is not None else None
-        for buf in self.all_buffers:
-            expert = buf in self.expert_buffers
-            group = edp_group if expert else parallel_state.get_data_parallel_group(with_context_parallel=True)
-            for p in buf.params:
-                comm.broadcast(p.data, src=edp_src if expert else dp_src, group=group, kind="param_broadcast")
 
     # --- pass-through state --------------------------------------------------------------
     def state_dict(self, *args, **kwargs):

@@ -44,9 +44,14 @@ import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from megalm.distributed import comm
+from megalm.errors import MegalmError
+from megalm.parallel_state import group_rank
+
+
+class DataParallelError(MegalmError, RuntimeError):
+    """Gradient buffers built or driven out of protocol (e.g. a backward outside ``no_sync()``)."""
 
 
 class Bucket:
@@ -82,7 +87,7 @@ class Bucket:
 
     def mark_ready(self, param: torch.nn.Parameter) -> None:
         if self.launched:
-            raise RuntimeError(
+            raise DataParallelError(
                 f"gradient of a parameter of shape {tuple(param.shape)} arrived after its bucket "
                 f"{self.index} was already reduced: run the backward of every microbatch but the last "
                 f"inside DistributedDataParallel.no_sync(), and call zero_grad_buffer() each iteration")
@@ -129,7 +134,7 @@ class Bucket:
     def start_param_sync(self, async_op: bool = True) -> None:
         """All-gather ``param_data`` in place: every rank contributes its shard (distributed optimizer)."""
         if self.param_data is None:
-            raise RuntimeError("start_param_sync needs a buffer built with allocate_param_data")
+            raise DataParallelError("start_param_sync needs a buffer built with allocate_param_data")
         self.finish_param_sync()
         group = self.buffer.data_parallel_group
         if group is None:
@@ -150,8 +155,10 @@ class Bucket:
 class ParamAndGradBuffer:
     """One contiguous gradient (and optionally parameter) buffer over ``params``.
 
-    ``params``: in module order (they are laid out reversed).  ``data_parallel_group`` may be
-    None for no communication.  ``use_distributed_optimizer`` reduce-scatters instead of
+    ``params``: in module order (they are laid out reversed).  ``data_parallel_group``: the group
+    the buckets are reduced (and, for the distributed optimizer, gathered) over, as DDP passes it
+    (``dp_cp`` or ``expt_dp`` of a :class:`megalm.parallel_state.ProcessGroups`); None for this
+    rank alone (no communication).  ``use_distributed_optimizer`` reduce-scatters instead of
     all-reducing and implies ``allocate_param_data``.  See the module docstring for the layout.
     """
 
@@ -162,17 +169,17 @@ class ParamAndGradBuffer:
                  use_distributed_optimizer: bool = False,
                  isolate: Optional[Callable[[torch.nn.Parameter], bool]] = None):
         if not params:
-            raise ValueError("ParamAndGradBuffer needs at least one parameter")
+            raise DataParallelError("ParamAndGradBuffer needs at least one parameter")
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
-            raise ValueError(f"one buffer holds one parameter dtype, got {sorted(map(str, dtypes))}")
+            raise DataParallelError(f"one buffer holds one parameter dtype, got {sorted(map(str, dtypes))}")
         if bucket_size is not None and bucket_size <= 0:
-            raise ValueError(f"bucket_size must be positive or None, got {bucket_size}")
+            raise DataParallelError(f"bucket_size must be positive or None, got {bucket_size}")
         self.param_dtype = params[0].dtype
         self.grad_dtype = grad_dtype
         self.data_parallel_group = data_parallel_group
         self.data_parallel_world_size = data_parallel_world_size
-        self.data_parallel_rank = dist.get_rank(data_parallel_group) if data_parallel_group is not None else 0
+        self.data_parallel_rank = group_rank(data_parallel_group)
         self.use_distributed_optimizer = use_distributed_optimizer
         allocate_param_data = allocate_param_data or use_distributed_optimizer
         self.gradient_scaling_factor = gradient_scaling_factor

@@ -8,11 +8,12 @@ Which gradients count in the norm (each distinct gradient exactly once over the 
   ``param.shared_embedding`` on a stage other than the first) is not counted: its gradient equals
   the first stage's after the embedding all-reduce.
 
-Communication: ``||g||^2`` (and the zero count) are summed with one all-reduce over the
-model-parallel group (TP x PP); with expert parallelism (EP > 1) the expert parameters'
-(``allreduce`` False) part is summed over the expert-model-parallel group (TP x EP x PP) by a
-second all-reduce.  Overflow flags are MAX-reduced over the model-parallel group (the world
-with EP > 1, so that ranks sharing dense parameters always take the same decision).
+Communication (the groups come from a :class:`megalm.parallel_state.ProcessGroups` passed in,
+by default :func:`megalm.parallel_state.get_process_groups`): ``||g||^2`` (and the zero count)
+are summed with one all-reduce over the model-parallel group ``mp`` (TP x PP); with expert
+parallelism (EP > 1) the expert parameters' (``allreduce`` False) part is summed over
+``tp_ep_pp`` (TP x EP x PP) by a second all-reduce.  Overflow flags are MAX-reduced over ``mp``
+(the world with EP > 1, so that ranks sharing dense parameters always take the same decision).
 
 Sharded gradients (the distributed optimizer: each data-parallel rank holds a disjoint shard
 of every gradient, ``sharded=True``): the local sums of squares are summed with ONE all-reduce
@@ -37,48 +38,38 @@ import torch.distributed as dist
 from megalm import parallel_state
 from megalm.device import get_device
 from megalm.distributed import comm
+from megalm.parallel_state import ProcessGroups, group_rank, group_size
 
 
-def _initialized() -> bool:
-    return parallel_state.model_parallel_is_initialized()
-
-
-def param_is_not_shared(param: torch.Tensor) -> bool:
+def param_is_not_shared(param: torch.Tensor, groups: ProcessGroups) -> bool:
     if getattr(param, "shared", False):
         return False
     if getattr(param, "shared_embedding", False):
-        return parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+        return group_rank(groups.pp) == 0  # the first pipeline stage's copy counts
     return True
 
 
-def param_is_not_tensor_parallel_duplicate(param: torch.Tensor) -> bool:
-    return bool(getattr(param, "tensor_model_parallel", False)) or \
-        parallel_state.get_tensor_model_parallel_rank() == 0
+def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, groups: ProcessGroups) -> bool:
+    return bool(getattr(param, "tensor_model_parallel", False)) or group_rank(groups.tp) == 0
 
 
-def param_counts_in_norm(param: torch.Tensor) -> bool:
-    return param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param)
+def param_counts_in_norm(param: torch.Tensor, groups: ProcessGroups) -> bool:
+    return param_is_not_shared(param, groups) and param_is_not_tensor_parallel_duplicate(param, groups)
 
 
 def is_expert_param(param: torch.Tensor) -> bool:
     return getattr(param, "allreduce", True) is False
 
 
-def _expert_parallel() -> bool:
-    return _initialized() and parallel_state.get_expert_model_parallel_world_size() > 1
+def _communicating(group) -> Optional[object]:
+    """``group`` when it holds more than this rank, else None (nothing to reduce)."""
+    return group if group_size(group) > 1 else None
 
 
-def _model_parallel_group():
-    if not _initialized() or parallel_state.get_model_parallel_world_size() == 1:
-        return None
-    return parallel_state.get_model_parallel_group()
-
-
-def _expert_model_parallel_group():
-    getter = getattr(parallel_state, "get_expert_tensor_model_pipeline_parallel_group", None)
-    if getter is not None:
-        return getter()
-    return parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+def world_group(groups: ProcessGroups) -> Optional[object]:
+    """Every rank of the layout (data x context x model parallel; the same ranks as expert data x
+    expert model parallel), or None for a single process."""
+    return dist.group.WORLD if group_size(groups.dp_cp) * group_size(groups.mp) > 1 else None
 
 
 def _all_reduce(t: torch.Tensor, op, group, kind: str) -> None:
@@ -98,42 +89,43 @@ def _sum_squares_and_zeros(grads: Sequence[torch.Tensor], count_zeros: bool) -> 
     return out
 
 
-def _world_group():
-    return dist.group.WORLD if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
-
-
 def grad_norm_and_zeros(grads_with_params: Sequence[Tuple[torch.Tensor, torch.Tensor]],
-                        count_zeros: bool = False, sharded: bool = False) -> Tuple[float, Optional[float]]:
+                        count_zeros: bool = False, sharded: bool = False,
+                        groups: Optional[ProcessGroups] = None) -> Tuple[float, Optional[float]]:
     """Global L2 norm of the gradients (and number of zero entries) over model-parallel ranks.
 
     ``grads_with_params``: ``(grad, model_param)`` pairs; the model parameter's attributes
     decide whether the gradient counts (see the module docstring).  ``sharded``: the gradients
     are this rank's data-parallel shards (distributed optimizer): one SUM over the world.
+    ``groups`` (default :func:`megalm.parallel_state.get_process_groups`): ``mp`` and, with
+    expert parallelism, ``tp_ep_pp`` carry the sums; ``tp`` and ``pp`` ranks pick what counts.
     """
-    counted = [(g, p) for g, p in grads_with_params if g is not None and param_counts_in_norm(p)]
+    if groups is None:
+        groups = parallel_state.get_process_groups()
+    counted = [(g, p) for g, p in grads_with_params if g is not None and param_counts_in_norm(p, groups)]
     if sharded:
         stats = _sum_squares_and_zeros([g for g, _ in counted], count_zeros)
-        _all_reduce(stats, dist.ReduceOp.SUM, _world_group(), "grad_norm_all_reduce")
+        _all_reduce(stats, dist.ReduceOp.SUM, world_group(groups), "grad_norm_all_reduce")
         norm = math.sqrt(stats[0].item()) if stats[0].item() >= 0 else float("nan")
         return norm, (stats[1].item() if count_zeros else None)
-    split_expert = _expert_parallel()
+    split_expert = group_size(groups.ep) > 1
     dense = [g for g, p in counted if not (split_expert and is_expert_param(p))]
     stats = _sum_squares_and_zeros(dense, count_zeros)
-    _all_reduce(stats, dist.ReduceOp.SUM, _model_parallel_group(), "grad_norm_all_reduce")
+    _all_reduce(stats, dist.ReduceOp.SUM, _communicating(groups.mp), "grad_norm_all_reduce")
     if split_expert:
         expert = [g for g, p in counted if is_expert_param(p)]
         e_stats = _sum_squares_and_zeros(expert, count_zeros).to(stats.device)
-        _all_reduce(e_stats, dist.ReduceOp.SUM, _expert_model_parallel_group(), "grad_norm_all_reduce")
+        _all_reduce(e_stats, dist.ReduceOp.SUM, _communicating(groups.tp_ep_pp), "grad_norm_all_reduce")
         stats = stats + e_stats
     norm = math.sqrt(stats[0].item()) if stats[0].item() >= 0 else float("nan")
     return norm, (stats[1].item() if count_zeros else None)
 
 
-def params_norm(params: Sequence[torch.nn.Parameter]) -> float:
+def params_norm(params: Sequence[torch.nn.Parameter], groups: Optional[ProcessGroups] = None) -> float:
     """Global L2 norm of the model parameters, each distinct parameter once (the same
     de-duplication and all-reduces as the gradient norm; parameters are whole on every
     data-parallel rank, so nothing is summed over data parallelism)."""
-    return grad_norm_and_zeros([(p.detach(), p) for p in params])[0]
+    return grad_norm_and_zeros([(p.detach(), p) for p in params], groups=groups)[0]
 
 
 def clip_grads_by_total_norm(grads: List[torch.Tensor], max_norm: float, total_norm: float) -> float:
@@ -144,20 +136,24 @@ def clip_grads_by_total_norm(grads: List[torch.Tensor], max_norm: float, total_n
     return min(coeff, 1.0)
 
 
-def unscale_and_check_for_inf(grads: List[torch.Tensor], inv_scale: float, sharded: bool = False) -> bool:
+def unscale_and_check_for_inf(grads: List[torch.Tensor], inv_scale: float, sharded: bool = False,
+                              groups: Optional[ProcessGroups] = None) -> bool:
     """Multiply ``grads`` by ``inv_scale`` in place; True when any rank saw inf/nan.
 
-    Communication: one MAX all-reduce of a flag over the model-parallel group (world with EP > 1,
-    or with ``sharded`` gradients: each data-parallel rank sees only its shard).
+    Communication: one MAX all-reduce of a flag over the model-parallel group ``mp`` (the world
+    with EP > 1, or with ``sharded`` gradients: each data-parallel rank sees only its shard).
+    ``groups``: as :func:`grad_norm_and_zeros`.
     """
+    if groups is None:
+        groups = parallel_state.get_process_groups()
     device = grads[0].device if grads else get_device()
     found_inf = torch.zeros(1, dtype=torch.float32, device=device)
     if grads:
         torch._amp_foreach_non_finite_check_and_unscale_(
             grads, found_inf, torch.full((1,), inv_scale, dtype=torch.float32, device=device))
-    if sharded:
-        group = _world_group()
+    if sharded or group_size(groups.ep) > 1:
+        group = world_group(groups)
     else:
-        group = dist.group.WORLD if _expert_parallel() else _model_parallel_group()
+        group = _communicating(groups.mp)
     _all_reduce(found_inf, dist.ReduceOp.MAX, group, "found_inf_all_reduce")
     return bool(found_inf.item() > 0)

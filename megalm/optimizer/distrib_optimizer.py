@@ -33,25 +33,24 @@ fp32 copy of the gradient shard is a persistent buffer of this class).  See
 :mod:`megalm.optimizer.memory_accounting`.
 
 Checkpoints: for each range, every state tensor is saved as the rectangular blocks of the full
-tensor it covers (:func:`megalm.checkpointing.param_range_specs`), under the plain optimizer's
+tensor it covers (:func:`megalm.param_layout.param_range_specs`, through the checkpoint protocol
+of the base class, :meth:`MegatronOptimizer.sharded_state_dict`), under the plain optimizer's
 keys ``optimizer.<name>.{exp_avg, exp_avg_sq, main_param, step}``: a true sharded save with no
 gather, loadable by this optimizer under any DP/TP/PP layout and by the plain optimizer.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from megalm.dist_checkpointing import ShardedStateDict, ShardedTensorSpec
+from megalm.distributed.data_parallel import DistributedDataParallel
 from megalm.distributed.param_and_grad_buffer import Bucket
-from megalm.optimizer.clip_grads import clip_grads_by_total_norm, grad_norm_and_zeros, unscale_and_check_for_inf
 from megalm.optimizer.grad_scaler import GradScaler
-from megalm.optimizer.optimizer import MegatronOptimizer, StepResult
-from megalm.timers import NULL_TIMERS
+from megalm.optimizer.optimizer import MegatronOptimizer, OptimizerError, ParamState
+from megalm.parallel_state import ProcessGroups
 
 
 @dataclass
@@ -80,8 +79,8 @@ class ShardRange:
 def _data_parallel_chunks(model_chunks: Sequence[torch.nn.Module]) -> list:
     chunks = list(model_chunks)
     for chunk in chunks:
-        if not getattr(chunk, "use_distributed_optimizer", False) or not hasattr(chunk, "all_buffers"):
-            raise ValueError("the distributed optimizer needs model chunks wrapped in "
+        if not isinstance(chunk, DistributedDataParallel) or not chunk.use_distributed_optimizer:
+            raise OptimizerError("the distributed optimizer needs model chunks wrapped in "
                              "megalm.distributed.DistributedDataParallel with use_distributed_optimizer=True "
                              "(--use-distributed-optimizer)")
     return chunks
@@ -95,34 +94,32 @@ class DistributedOptimizer(MegatronOptimizer):
         make_optimizer: builds the torch optimizer from param-group dicts over main params.
         model_chunks: the DDP-wrapped chunks whose buffers define the shards.
         clip_grad, grad_scaler, log_num_zeros_in_grad: as :class:`MegatronOptimizer`.
+        process_groups: as :class:`MegatronOptimizer`; the norm and the overflow flag are reduced
+            over all its ranks (data x model parallel).  The shards follow the DDP buffers'
+            groups (``dp_cp``, expert buffers ``expt_dp``), given to DDP at its construction.
     """
+
+    grads_sharded = True
 
     def __init__(self, groups: List[dict], make_optimizer: Callable[[List[dict]], torch.optim.Optimizer],
                  model_chunks: Sequence[torch.nn.Module], clip_grad: float = 0.0,
-                 grad_scaler: Optional[GradScaler] = None, log_num_zeros_in_grad: bool = False):
-        # MegatronOptimizer.__init__ is not called: main params are shard ranges, not parameters.
-        self.model_chunks = _data_parallel_chunks(model_chunks)
-        self.model_params: List[torch.nn.Parameter] = [p for g in groups for p in g["params"]]
-        self.names: List[str] = [n for g in groups for n in g["names"]]
-        if len(set(self.names)) != len(self.names):
-            dup = sorted({n for n in self.names if self.names.count(n) > 1})
-            raise ValueError(f"parameter names must be unique across model chunks, duplicated: {dup[:5]}")
-        group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
-        name_of = dict(zip(map(id, self.model_params), self.names))
-        self.ranges = self._build_ranges(name_of)
-        self.main_params: List[torch.nn.Parameter] = [r.main for r in self.ranges]
-        torch_groups = [{k: v for k, v in g.items() if k not in ("params", "names")} |
-                        {"params": [r.main for r in self.ranges if group_of[id(r.param)] == gi]}
-                        for gi, g in enumerate(groups)]
-        self.optimizer = make_optimizer(torch_groups)
-        self.clip_grad = float(clip_grad)
-        self.grad_scaler = grad_scaler
-        self.log_num_zeros_in_grad = log_num_zeros_in_grad
+                 grad_scaler: Optional[GradScaler] = None, log_num_zeros_in_grad: bool = False,
+                 process_groups: Optional[ProcessGroups] = None):
+        self.model_chunks = _data_parallel_chunks(model_chunks)  # read by _make_main_params
+        super().__init__(groups, make_optimizer, clip_grad=clip_grad, grad_scaler=grad_scaler,
+                         log_num_zeros_in_grad=log_num_zeros_in_grad, process_groups=process_groups)
         self.data_parallel_size = max((b.data_parallel_world_size for c in self.model_chunks for b in c.buffers),
                                       default=1)
 
+    def _make_main_params(self, groups: List[dict]) -> List[List[torch.nn.Parameter]]:
+        """Main params are this rank's shard ranges (:attr:`ranges`), grouped like their parameters."""
+        name_of = {id(p): n for g in groups for n, p in zip(g["names"], g["params"])}
+        group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+        self.ranges = self._build_ranges(name_of, [p for g in groups for p in g["params"]])
+        return [[r.main for r in self.ranges if group_of[id(r.param)] == gi] for gi in range(len(groups))]
+
     # --- shard layout ---------------------------------------------------------------------------
-    def _build_ranges(self, name_of: Dict[int, str]) -> List[ShardRange]:
+    def _build_ranges(self, name_of: Dict[int, str], model_params: List[torch.nn.Parameter]) -> List[ShardRange]:
         """Intersect this rank's shard of every bucket with the parameters in it."""
         pieces = []
         in_buffers = set()
@@ -137,9 +134,9 @@ class DistributedOptimizer(MegatronOptimizer):
                         if s >= e or id(p) not in name_of:
                             continue
                         pieces.append((p, s - ps, e - ps, buf, s, e, bucket))
-        missing = [name_of[id(p)] for p in self.model_params if id(p) not in in_buffers]
+        missing = [name_of[id(p)] for p in model_params if id(p) not in in_buffers]
         if missing:
-            raise ValueError(f"parameters outside the data-parallel buffers cannot be sharded: {missing[:5]}")
+            raise OptimizerError(f"parameters outside the data-parallel buffers cannot be sharded: {missing[:5]}")
         half_grads = [pc for pc in pieces if pc[3].grad_dtype != torch.float32]
         grad_copy = torch.zeros(sum(pc[2] - pc[1] for pc in half_grads), dtype=torch.float32,
                                 device=pieces[0][0].device) if half_grads else None
@@ -162,21 +159,21 @@ class DistributedOptimizer(MegatronOptimizer):
         """One line per owned range: name, flat range, numel."""
         return "\n".join(f"{r.name}[{r.start}:{r.end}] ({r.numel})" for r in self.ranges)
 
-    # --- step -----------------------------------------------------------------------------------
-    def _finish_param_sync(self) -> None:
+    # --- step hooks (the template is MegatronOptimizer.step) ------------------------------------
+    def _prepare_grads(self) -> List[tuple]:
+        """Wait for a pending parameter all-gather (it must not overwrite the shard the step writes),
+        then point each range's main param at its gradient shard (fp32 copy for half gradients)."""
         for chunk in self.model_chunks:
             chunk.finish_param_sync()
-
-    def _main_grads(self) -> List[torch.Tensor]:
-        grads = []
+        pairs = []
         for r in self.ranges:
             g = r.grad
             if r.main_grad is not None:
                 r.main_grad.copy_(g)
                 g = r.main_grad
             r.main.grad = g
-            grads.append(g)
-        return grads
+            pairs.append((g, r.param))
+        return pairs
 
     def _release_grads(self) -> None:
         for r in self.ranges:
@@ -188,78 +185,33 @@ class DistributedOptimizer(MegatronOptimizer):
             if not r.main_is_model:
                 r.model.copy_(r.main)
 
-    @torch.no_grad()
-    def step(self, timers=NULL_TIMERS) -> StepResult:
-        """One update of this rank's ranges, then the parameter all-gather (see the module docstring).
-        ``timers``: Megatron's level-1 ``optimizer-*`` and ``params-all-gather`` timers."""
-        self._finish_param_sync()  # a pending gather must not overwrite the shard written below
-        try:
-            with timers("optimizer-copy-to-main-grad"):
-                grads = self._main_grads()
-            if self.grad_scaler is not None:
-                with timers("optimizer-unscale-and-check-inf"):
-                    found_inf = unscale_and_check_for_inf(grads, self.grad_scaler.inv_scale, sharded=True)
-                self.grad_scaler.update(found_inf)
-                if found_inf:
-                    return False, None, None
-            with timers("optimizer-clip-main-grad"):
-                norm, zeros = grad_norm_and_zeros([(g, r.param) for g, r in zip(grads, self.ranges)],
-                                                  self.log_num_zeros_in_grad, sharded=True)
-                if math.isfinite(norm) and self.clip_grad > 0.0:
-                    clip_grads_by_total_norm(grads, self.clip_grad, norm)
-            if not math.isfinite(norm):
-                return False, norm, zeros
-            with timers("optimizer-inner-step"):
-                self.optimizer.step()
-            with timers("optimizer-copy-main-to-model-params"):
-                self._copy_main_to_model()
-            with timers("params-all-gather"):
-                for chunk in self.model_chunks:
-                    chunk.start_param_sync()
-            return True, norm, zeros
-        finally:
-            self._release_grads()
+    def _after_update(self, timers) -> None:
+        """All-gather the updated parameter buckets (the ``params-all-gather`` timer)."""
+        with timers("params-all-gather"):
+            for chunk in self.model_chunks:
+                chunk.start_param_sync()
 
-    # --- checkpointing ---------------------------------------------------------------------------
-    def sharded_state_specs(self, params: Dict[str, torch.nn.Parameter]) -> ShardedStateDict:
-        """``optimizer.<name>.<state>`` -> the blocks of the full tensors this rank's ranges cover.
-
-        ``params``: the checkpointed parameters by name (a tied copy left out there is left out
-        here).  ``step`` (0-dim) is saved replicated; ``main_param`` only for half-precision models.
-        """
-        from megalm.checkpointing import param_range_specs
-
-        self.init_state()
-        specs: ShardedStateDict = {}
+    # --- checkpoint protocol (MegatronOptimizer.sharded_state_dict / load_sharded_state_dict) ------
+    def _param_states(self) -> List[ParamState]:
+        """One :class:`ParamState` per owned range: 1-D tensors over ``[start, end)`` of the parameter."""
+        out = []
         for r in self.ranges:
-            if r.name not in params:
-                continue
             tensors = dict(self.optimizer.state[r.main])
             if not r.main_is_model:
                 tensors["main_param"] = r.main.data
-            for key, t in tensors.items():
-                fqn = f"optimizer.{r.name}.{key}"
-                if t.dim() == 0:
-                    specs[fqn] = ShardedTensorSpec.replicated(t.reshape(1))
-                else:
-                    blocks = param_range_specs(r.param, t, r.start, r.end)
-                    if blocks:
-                        specs[fqn] = blocks
-        return specs
+            out.append(ParamState(r.name, r.param, tensors, (r.start, r.end)))
+        return out
 
     def _whole_params_only(self, *_args, **_kwargs):
-        raise TypeError("the distributed optimizer holds ranges of parameters, not whole ones: checkpoint it with "
-                        "megalm.checkpointing (sharded_state_specs), which any layout can load")
+        raise OptimizerError("the distributed optimizer holds ranges of parameters, not whole ones: checkpoint it with "
+                        "megalm.checkpointing (sharded_state_dict), which any layout can load")
 
     # The plain optimizer's whole-parameter state protocols do not apply to ranges.
     sharded_param_state = state_dict = load_state_dict = _whole_params_only
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
-        """Main ranges <- model weights; skipped once right after :meth:`load_common_state_dict`."""
-        if getattr(self, "_main_params_restored", False):
-            self._main_params_restored = False
-            return
+        """Main ranges <- model weights (fp32 copies only)."""
         for r in self.ranges:
             if not r.main_is_model:
                 r.main.copy_(r.model.float())

@@ -60,8 +60,8 @@ def optimizer_memory(optimizer, model_chunks: Sequence[torch.nn.Module]) -> Dict
     kinds = ("weights", "grads", "main_params", "main_grads", "optimizer_state")
     out["total"] = sum(out[k] for k in kinds)
     out["per_param"] = {k: out[k] / max(n, 1) for k in kinds + ("total",)}
-    distributed = hasattr(optimizer, "sharded_state_specs")
-    d = getattr(optimizer, "data_parallel_size", 1) if distributed else 1
+    distributed = optimizer.grads_sharded
+    d = optimizer.data_parallel_size
     param_dtype = params[0].dtype if params else torch.float32
     grad_dtype = grads[0].dtype if params and grads[0] is not None else param_dtype
     formula, text = formula_bytes_per_param(param_dtype, grad_dtype, d)

@@ -1,0 +1,86 @@
+"""Where this rank's piece of a parameter sits in the full (global) tensor: checkpoint blocks.
+
+The model's weights and the optimizers' state are checkpointed as blocks of the full tensors
+(:class:`megalm.dist_checkpointing.ShardedTensorSpec`), so any TP/PP/DP layout can load them.
+This module turns a parameter's tensor-parallel attributes (``tensor_model_parallel``,
+``partition_dim``, ``partition_stride``, ``vocab_unpadded``) and the size and rank of its
+tensor-parallel group into such blocks: for a whole local tensor (:func:`param_spec`) or for a
+flat range of it (:func:`param_range_specs`, the distributed optimizer's shards).  No
+communication; it imports neither the checkpointer nor the optimizers (both use it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+import torch
+
+from megalm import parallel_state
+from megalm.dist_checkpointing import ShardedTensorSpec, flat_range_blocks
+from megalm.errors import MegalmError
+from megalm.parallel_state import ProcessGroups, group_rank, group_size
+
+
+class ParamLayoutError(MegalmError, ValueError):
+    """A tensor that does not fit the parameter range it is said to cover."""
+
+
+def param_spec(param: torch.Tensor, data: Optional[torch.Tensor] = None,
+               groups: Optional[ProcessGroups] = None) -> ShardedTensorSpec:
+    """Where this rank's piece of ``param`` sits in the full tensor (from its TP attributes).
+
+    ``data`` (default ``param`` itself) is any tensor laid out like the parameter, e.g. an
+    Adam moment or an fp32 main copy.  ``groups`` (default
+    :func:`megalm.parallel_state.get_process_groups`): its ``tp`` gives the TP size and rank.
+    """
+    data = param.detach() if data is None else data
+    if not getattr(param, "tensor_model_parallel", False):
+        return ShardedTensorSpec.replicated(data)
+    if groups is None:
+        groups = parallel_state.get_process_groups()
+    tp, rank = group_size(groups.tp), group_rank(groups.tp)
+    dim = param.partition_dim % data.dim()
+    stride = getattr(param, "partition_stride", 1)
+    local = list(data.shape)
+    if stride > 1:
+        # A fused [a; b] weight split as [a_r; b_r]: view as (stride, n/stride) along ``dim``.
+        view = data.reshape(local[:dim] + [stride, local[dim] // stride] + local[dim + 1:])
+        global_shape = local[:dim] + [stride, local[dim] // stride * tp] + local[dim + 1:]
+        offsets = [0] * view.dim()
+        offsets[dim + 1] = rank * (local[dim] // stride)
+        return ShardedTensorSpec(view, global_shape, offsets)
+    offsets = [0] * data.dim()
+    offsets[dim] = rank * local[dim]
+    global_shape = list(local)
+    global_shape[dim] = local[dim] * tp
+    vocab = getattr(param, "vocab_unpadded", None)
+    if vocab is not None and dim == 0:
+        # Padded vocabulary rows are not saved: the padding depends on the TP size.
+        keep = max(0, min(local[0], vocab - offsets[0]))
+        data = data.narrow(0, 0, keep)
+        global_shape[0] = vocab
+        offsets[0] = min(offsets[0], vocab)
+    return ShardedTensorSpec(data, global_shape, offsets)
+
+
+def param_range_specs(param: torch.Tensor, data: torch.Tensor, start: int, end: int,
+                      groups: Optional[ProcessGroups] = None) -> List[ShardedTensorSpec]:
+    """Blocks of the full tensor covered by the flat range ``[start, end)`` of this rank's ``param``.
+
+    ``data`` is 1-D with ``end - start`` elements (e.g. the distributed optimizer's moments for
+    that range).  The range is cut into rectangles of the parameter's checkpoint view (see
+    :func:`param_spec`: TP offset, fused-stride view, unpadded vocabulary) by
+    :func:`megalm.dist_checkpointing.flat_range_blocks`; each block is a view of ``data``.
+    """
+    if data.dim() != 1 or data.numel() != end - start:
+        raise ParamLayoutError(f"range data must be 1-D with {end - start} elements, got {tuple(data.shape)}")
+    where = param_spec(param, torch.empty(param.shape, device="meta"), groups)
+    view_shape = tuple(where.local.shape)  # the flat order of the local tensor, possibly cut to fewer rows
+    end_kept = min(end, math.prod(view_shape))
+    specs = []
+    for flat, offsets, sizes in flat_range_blocks(view_shape, start, end_kept) if start < end_kept else []:
+        block = data[flat - start:flat - start + math.prod(sizes)].view(sizes)
+        specs.append(ShardedTensorSpec(block, tuple(where.global_shape),
+                                       tuple(o + w for o, w in zip(offsets, where.offsets))))
+    return specs
