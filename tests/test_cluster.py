@@ -132,6 +132,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--tensor-model-parallel-size", "2", "--log-interval", "1"]
 
 
+@pytest.mark.slow
 @needs_cluster
 def test_two_nodes_train_like_one_host(tmp_path):
     """2 nodes x 2 ranks over a 200 Mbit/s link vs 4 ranks on one host: identical numbers.  Both
@@ -282,23 +283,33 @@ def test_link_is_shaped(tmp_path, bandwidth):
     assert_clean()
 
 
-@needs_cluster
-def test_slurm_script_launches_on_two_nodes(tmp_path):
-    """scripts/slurm/pretrain.sbatch + scripts/common.sh on the cluster with NNODES=2 (DRY_RUN):
-    Slurm's scontrol/srun are stand-ins that report the cluster's nodes; each node's torchrun
-    gets --nnodes 2, its own --node_rank and node 0's address as --master_addr."""
-    bin_dir = tmp_path / "bin"
+def slurm_stand_ins(bin_dir):
+    """scontrol/srun stand-ins: the job's nodes are the cluster's, each task is its node's NODE_RANK."""
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text('#!/bin/bash\nprintf "%s\\n" $CLUSTER_NODE_ADDRS\n')
     (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == -* ]]; do shift; done\n'
                                   'SLURM_NODEID=$NODE_RANK exec "$@"\n')
     for tool in ("scontrol", "srun"):
         (bin_dir / tool).chmod(0o755)
-    wrapper = ("export PATH=%s:$PATH SLURM_NNODES=$NNODES SLURM_JOB_NODELIST=sim SLURM_SUBMIT_DIR=%s "
-               "DRY_RUN=1 RUN_DIR=%s; unset MASTER_ADDR; exec bash scripts/slurm/pretrain.sbatch "
-               "scripts/pretrain_gpt_tiny_cpu.sh --log-interval 1") % (bin_dir, REPO, tmp_path / "run")
-    code, out, err = launch("--nodes", "2", "--procs-per-node", "2", "--port", "6000", "--timeout", "60", "--raw",
-                            "--", "bash", "-c", wrapper)
+
+
+def sbatch_on_cluster(tmp_path, env_words, *flags):
+    """``scripts/slurm/pretrain.sbatch scripts/pretrain_gpt_tiny_cpu.sh`` on 2 nodes x 2 processes."""
+    wrapper = (f"export PATH={tmp_path / 'bin'}:$PATH SLURM_NNODES=$NNODES SLURM_JOB_NODELIST=sim "
+               f"SLURM_SUBMIT_DIR={REPO} RUN_DIR={tmp_path / 'run'} {env_words}; unset MASTER_ADDR; "
+               f"exec bash scripts/slurm/pretrain.sbatch scripts/pretrain_gpt_tiny_cpu.sh {' '.join(flags)}")
+    return launch("--nodes", "2", "--procs-per-node", "2", "--port", "6000", "--inter-node-bandwidth", "200mbit",
+                  "--timeout", "120", "--raw", "--", "bash", "-c", wrapper, timeout=180)
+
+
+@pytest.mark.slow
+@needs_cluster
+def test_slurm_script_runs_on_two_nodes(tmp_path):
+    """scripts/slurm/pretrain.sbatch + scripts/common.sh on the cluster with NNODES=2 (Slurm's
+    scontrol/srun are stand-ins): DRY_RUN shows each node's torchrun with --nnodes 2, its own
+    --node_rank and node 0's address; then 2 real iterations train over torchrun's static rendezvous."""
+    slurm_stand_ins(tmp_path / "bin")
+    code, out, err = sbatch_on_cluster(tmp_path, "DRY_RUN=1", "--log-interval", "1")
     assert code == 0, out + err
     for node in (0, 1):
         command = next(x for x in node_lines(out, node) if x.startswith("[megalm] cd "))
@@ -308,6 +319,16 @@ def test_slurm_script_launches_on_two_nodes(tmp_path):
         assert opts == {"--nproc_per_node": "2", "--nnodes": "2", "--node_rank": str(node),
                         "--master_addr": ADDR0, "--master_port": "6000"}, command
         assert words[-2:] == ["--log-interval", "1"]
+    assert_clean()
+
+    code, out, err = sbatch_on_cluster(tmp_path, "TRAIN_ITERS=2 EVAL_ITERS=0 LOG_INTERVAL=1")
+    assert code == 0, out[-3000:] + err
+    for node in (0, 1):
+        assert any(line.startswith(f"[megalm] gpt_tiny_cpu: node {node} of 2, 2 processes, TP 2")
+                   for line in node_lines(out, node)), out[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["lm_loss"] for r in rows if "lm_loss" in r]
+    assert [r["iteration"] for r in rows if "lm_loss" in r] == [1, 2] and losses[1] < losses[0], rows
     assert_clean()
 
 
