@@ -10,13 +10,15 @@ nodes sends its collectives over the slow inter-node links::
     'topology: 2 nodes x 2 ranks (TP 2, CP 1, EP 1, DP 2, PP 1): DP group spans 2 nodes, TP group inside one node'
 
 Nothing here communicates: it reads only the rank layout.  ``tools/estimate.py --procs-per-node``
-prints the report; the training start-up log prints it with the run's world size.
+prints the report; the training start-up log prints :func:`run_topology_report` (ranks per node
+from torchrun's ``LOCAL_WORLD_SIZE``).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 from megalm.errors import MegalmError
 from megalm.parallel_state import compute_layout
@@ -107,3 +109,14 @@ def topology_report(world_size: int, procs_per_node: int, tp: int = 1, pp: int =
     if not ordered:
         return f"{head}: a single rank, no process group"
     return f"{head}: " + ", ".join(s.describe() for s in ordered)
+
+
+def run_topology_report(parallel, world_size: int, environ: Optional[Mapping[str, str]] = None) -> str:
+    """:func:`topology_report` of a launched run with ``parallel`` (a ``ParallelConfig``): ranks
+    per node from torchrun's ``LOCAL_WORLD_SIZE`` in ``environ`` (default ``os.environ``); without
+    it (a single process, ``torch.multiprocessing.spawn``) the world is one node."""
+    env = os.environ if environ is None else environ
+    per_node = int(env.get("LOCAL_WORLD_SIZE", world_size))
+    return topology_report(world_size, per_node, parallel.tensor_model_parallel_size,
+                           parallel.pipeline_model_parallel_size, parallel.context_parallel_size,
+                           parallel.expert_model_parallel_size)

@@ -7,9 +7,10 @@ import sys
 
 import pytest
 
+from megalm.config.sections import ParallelConfig
 from megalm.errors import MegalmError
 from megalm.estimate.cli import main as estimate_main
-from megalm.topology import GroupSpan, TopologyError, group_spans, nodes_of, topology_report
+from megalm.topology import GroupSpan, TopologyError, group_spans, nodes_of, run_topology_report, topology_report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,6 +61,18 @@ def test_bad_shapes_raise():
     assert issubclass(TopologyError, MegalmError)
     with pytest.raises(ValueError, match="not divisible"):
         topology_report(6, 2, tp=4)
+
+
+def test_run_report_reads_torchrun_local_world_size():
+    parallel = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    assert run_topology_report(parallel, 8, {"LOCAL_WORLD_SIZE": "4"}) == (
+        "topology: 2 nodes x 4 ranks (TP 2, CP 1, EP 1, DP 2, PP 2): "
+        "PP group spans 2 nodes, TP group inside one node, DP group inside one node")
+    assert run_topology_report(parallel, 8, {}) == (
+        "topology: 1 node x 8 ranks (TP 2, CP 1, EP 1, DP 2, PP 2): "
+        "TP group inside one node, DP group inside one node, PP group inside one node")
+    with pytest.raises(TopologyError):
+        run_topology_report(parallel, 8, {"LOCAL_WORLD_SIZE": "3"})
 
 
 def test_estimate_prints_topology(capsys):

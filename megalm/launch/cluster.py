@@ -54,6 +54,9 @@ class ClusterOptions:
     fail_grace: float = 30.0                    # seconds the others may run after one node fails
     kill_grace: float = 10.0                    # seconds between SIGTERM and SIGKILL
     raw: bool = False                           # run the command itself instead of torchrun <command>
+    cut_node: Optional[int] = None              # node whose link is cut (a network failure) ...
+    cut_after: float = 0.0                      # ... this many seconds after the start ...
+    cut_for: float = 0.0                        # ... for this many seconds
     command: List[str] = field(default_factory=list)
 
     def net(self) -> ClusterNet:
@@ -100,6 +103,7 @@ class _Nodes:
         self.threads: List[threading.Thread] = []
         self.stopped = set()  # nodes the launcher stopped (their exit codes do not count)
         self.stop_time: Optional[float] = None
+        self.cut_state = "before"  # "cut", "restored"
         self._write_lock = threading.Lock()
 
     def start(self) -> None:
@@ -137,6 +141,7 @@ class _Nodes:
         timed_out = False
         while self.running():
             now = time.monotonic()
+            self._cut_or_restore(now - start)
             if failed_at is None and any(p.poll() not in (None, 0) for p in self.procs):
                 failed_at = now
                 logger.warning("a node failed; stopping the others in %.0f s", self.opts.fail_grace)
@@ -154,6 +159,20 @@ class _Nodes:
         own = [exit_code(p.returncode) for i, p in enumerate(self.procs) if i not in self.stopped]
         worst = max(own, default=0)
         return worst if worst or not timed_out else TIMEOUT_EXIT_CODE
+
+    def _cut_or_restore(self, elapsed: float) -> None:
+        """Apply ``cut_node`` / ``cut_after`` / ``cut_for`` at their time."""
+        o = self.opts
+        if o.cut_node is None:
+            return
+        if self.cut_state == "before" and elapsed >= o.cut_after:
+            self.net.cut(o.cut_node)
+            self.cut_state = "cut"
+            logger.warning("cut node %d's link for %.1f s", o.cut_node, o.cut_for)
+        elif self.cut_state == "cut" and elapsed >= o.cut_after + o.cut_for:
+            self.net.restore(o.cut_node)
+            self.cut_state = "restored"
+            logger.warning("restored node %d's link", o.cut_node)
 
     def kill_remaining(self) -> None:
         for node in self.running():
@@ -210,6 +229,8 @@ def run_cluster(opts: ClusterOptions, out=None) -> int:
     if opts.procs_per_node < 1:
         raise ClusterError(f"--procs-per-node must be >= 1, got {opts.procs_per_node}")
     node_command(opts, net, 0)  # validates the command
+    if opts.cut_node is not None and not 0 <= opts.cut_node < opts.nodes:
+        raise ClusterError(f"--cut-node {opts.cut_node} is not a node of 0..{opts.nodes - 1}")
     with ClusterLock(opts.lock_path()) as took_over:
         if took_over or net.existing():
             logger.warning("removing what a previous launcher of cluster '%s' left behind", opts.name)

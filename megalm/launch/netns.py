@@ -158,6 +158,15 @@ class ClusterNet:
         if proc.returncode != 0:
             raise ClusterError(f"could not shape {dev} in {ns} with tc tbf: {proc.stderr.strip()}")
 
+    def cut(self, node: int) -> None:
+        """Cut node ``node`` off the switch: its port leaves the bridge, so every frame to or from
+        the node is dropped silently (no error to the sender: TCP just retransmits)."""
+        _ip("-n", self.switch, "link", "set", f"n{node}", "nomaster")
+
+    def restore(self, node: int) -> None:
+        """Undo :meth:`cut`."""
+        _ip("-n", self.switch, "link", "set", f"n{node}", "master", BRIDGE)
+
     def existing(self) -> List[str]:
         """This cluster's namespaces that exist now."""
         listed = _ip("netns", "list").stdout.split("\n")

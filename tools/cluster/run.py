@@ -60,6 +60,10 @@ def parse(argv):
     p.add_argument("--timeout", type=float, default=d.timeout, help="seconds before every node is stopped (exit 124)")
     p.add_argument("--fail-grace", type=float, default=d.fail_grace,
                    help="seconds the other nodes may run after one fails (default %(default)s)")
+    p.add_argument("--cut-node", type=int, default=d.cut_node,
+                   help="simulate a network failure: node whose link is cut (frames dropped silently)")
+    p.add_argument("--cut-after", type=float, default=d.cut_after, help="seconds after the start of the cut")
+    p.add_argument("--cut-for", type=float, default=d.cut_for, help="seconds the cut lasts")
     p.add_argument("--raw", action="store_true", help="run COMMAND itself on every node, not torchrun COMMAND")
     p.add_argument("command", nargs=argparse.REMAINDER, help="after --: the script and its flags")
     args = p.parse_args(argv)
