@@ -12,7 +12,11 @@ runs beside them (default name ``mlc``) is not touched.  Asserted:
 * the link is shaped: 4 MB at 50 Mbit/s takes at least the analytic time, unshaped far less;
 * ``scripts/slurm/pretrain.sbatch`` + ``scripts/common.sh`` launched on the cluster with NNODES=2;
 * every namespace, link and process is gone after success, a failing command, a timeout and
-  SIGINT to the launcher; a second run refuses while one is active; a stale lock is taken over.
+  SIGINT to the launcher; a second run refuses while one is active; a stale lock is taken over;
+* a network cut (node 1's switch port leaves the bridge) shorter than the collective timeout is
+  survived (the collective in flight stalls); a longer one ends every rank with gloo's timeout error.
+
+The launches that train or wait on purpose are marked ``slow`` (``-m "not slow"``: ~25 s).
 """
 
 import json
@@ -398,4 +402,68 @@ def test_second_run_refuses_and_stale_lock_is_taken_over(tmp_path):
     code, out, err = launch("--nodes", "2", "--raw", "--", "bash", "-c", "echo up")
     assert code == 0 and node_lines(out, 0) == ["up"] and node_lines(out, 1) == ["up"], out + err
     assert "removing what a previous launcher" in err
+    assert_clean()
+
+
+# --- a network failure ---------------------------------------------------------------------------
+
+CUT_LOOP = r'''
+import os, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+
+dist.init_process_group("gloo", timeout=timedelta(seconds=float(os.environ["CUT_TEST_TIMEOUT"])))
+until = float(os.environ["CUT_TEST_UNTIL"])
+t, flag = torch.ones(1 << 16), torch.zeros(1)
+slowest, steps = 0.0, 0
+while True:
+    start = time.monotonic()
+    dist.all_reduce(t)
+    slowest, steps = max(slowest, time.monotonic() - start), steps + 1
+    flag.fill_(float(time.time() > until))
+    dist.broadcast(flag, 0)  # rank 0's clock decides for everyone
+    if flag.item():
+        break
+    time.sleep(0.05)
+print(f"rank {dist.get_rank()} steps {steps} slowest {slowest:.2f}", flush=True)
+dist.barrier()
+'''
+
+
+def cut_run(tmp_path, collective_timeout, cut_for, loop_for):
+    """2 nodes x 2 ranks all-reducing in a loop for ``loop_for`` s; node 1's link cut 12 s after
+    the start (after start-up) for ``cut_for`` s; collectives time out after ``collective_timeout`` s."""
+    script = tmp_path / "loop.py"
+    script.write_text(CUT_LOOP)
+    env = dict(ENV, CUT_TEST_TIMEOUT=str(collective_timeout), CUT_TEST_UNTIL=str(time.time() + loop_for))
+    proc = subprocess.run(launcher("--nodes", "2", "--procs-per-node", "2", "--cut-node", "1", "--cut-after", "12",
+                                   "--cut-for", str(cut_for), "--timeout", "90", "--fail-grace", "60", "--",
+                                   str(script)), env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+@pytest.mark.slow
+@needs_cluster
+def test_short_cut_is_survived(tmp_path):
+    """A 3 s cut with a 20 s collective timeout: TCP retransmits, the collective in flight stalls
+    (at least the cut) and the run goes on."""
+    code, out, err = cut_run(tmp_path, collective_timeout=20, cut_for=3, loop_for=22)
+    assert code == 0, out[-3000:] + err
+    assert "cut node 1's link for 3.0 s" in err and "restored node 1's link" in err
+    slowest = [float(line.split()[-1]) for node in (0, 1) for line in node_lines(out, node) if " slowest " in line]
+    assert len(slowest) == 4 and min(slowest) >= 2.5, out[-3000:]
+    assert_clean()
+
+
+@pytest.mark.slow
+@needs_cluster
+def test_cut_longer_than_the_timeout_ends_every_rank_with_the_timeout(tmp_path):
+    """A 12 s cut with a 4 s collective timeout: no hang; every rank's collective fails with gloo's
+    timeout error, and both nodes' torchrun exit 1 on their own (once the link is back, node 1's
+    agent can close the rendezvous on node 0)."""
+    code, out, err = cut_run(tmp_path, collective_timeout=4, cut_for=12, loop_for=60)
+    assert code == 1, out[-3000:] + err
+    for node in (0, 1):
+        failed = {line.split("]")[0] for line in node_lines(out, node) if "Timed out waiting 4000ms" in line}
+        assert failed == ({"[rank0", "[rank1"} if node == 0 else {"[rank2", "[rank3"}), out[-5000:]
     assert_clean()
