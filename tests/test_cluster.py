@@ -168,17 +168,18 @@ def test_two_nodes_train_like_one_host(tmp_path):
 
 PROBE = r'''
 import json, os, socket
+from datetime import timedelta
 import torch, torch.distributed as dist
 from megalm import parallel_state as ps
 from megalm.topology import topology_report
 
-dist.init_process_group("gloo")
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
 rank, world = dist.get_rank(), dist.get_world_size()
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 s.connect((os.environ["MASTER_ADDR"], 9))  # UDP connect: picks the source address, sends nothing
 addrs = [None] * world
 dist.all_gather_object(addrs, s.getsockname()[0])
-ps.initialize_model_parallel(tensor_model_parallel_size=2)
+ps.initialize_model_parallel(tensor_model_parallel_size=2, timeout=timedelta(seconds=60))
 pg = ps.get_process_groups()
 
 def tx():
