@@ -15,6 +15,7 @@ from typing import List, Optional, Tuple
 from megalm.config import ConfigError, MegalmConfig, build_parser, config_from_args, set_vocab_size, validate_config
 from megalm.estimate.planner import PlannerOptions, format_plan, plan
 from megalm.presets import get_preset, preset_flags
+from megalm.topology import TopologyOptions, topology_report
 
 
 def _vocab_size(cfg: MegalmConfig) -> int:
@@ -47,9 +48,15 @@ def expand_preset(argv: list[str]) -> list[str]:
 
 
 def parse(argv: Optional[List[str]] = None) -> Tuple[MegalmConfig, PlannerOptions]:
+    """The training config and the planner's options of ``argv``."""
+    return parse_all(argv)[:2]
+
+
+def parse_all(argv: Optional[List[str]] = None) -> Tuple[MegalmConfig, PlannerOptions, TopologyOptions]:
+    """:func:`parse`, plus the node layout flags (``--procs-per-node``)."""
     parser = build_parser("megalm memory and speed planner; --preset NAME plans a preset of megalm.presets "
                           "(python3 -m megalm.presets lists them), overridable by the flags that follow",
-                          extra_sections={"planner": PlannerOptions})
+                          extra_sections={"planner": PlannerOptions, "topology": TopologyOptions})
     args = parser.parse_args(expand_preset(list(sys.argv[1:] if argv is None else argv)))
     values = vars(args)
     options = PlannerOptions(**{f.name: values[f"planner.{f.name}"] for f in dataclasses.fields(PlannerOptions)})
@@ -63,7 +70,8 @@ def parse(argv: Optional[List[str]] = None) -> Tuple[MegalmConfig, PlannerOption
     except ConfigError as e:
         parser.error(str(e))
     options.world_size = world
-    return cfg, options
+    topology = TopologyOptions(**{f.name: values[f"topology.{f.name}"] for f in dataclasses.fields(TopologyOptions)})
+    return cfg, options, topology
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -71,7 +79,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     as_json = "--json" in argv
     if as_json:
         argv.remove("--json")
-    cfg, options = parse(argv)
+    cfg, options, topology = parse_all(argv)
     result = plan(cfg, options)
     print(json.dumps(result, indent=1) if as_json else format_plan(cfg, result))
+    if topology.procs_per_node and not as_json:
+        p = cfg.parallel
+        print(topology_report(options.world_size, topology.procs_per_node, p.tensor_model_parallel_size,
+                              p.pipeline_model_parallel_size, p.context_parallel_size, p.expert_model_parallel_size))
     return 0
