@@ -76,6 +76,23 @@ def group_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+class _CurrentGroup:
+    """Type of :data:`CURRENT`."""
+
+    def __repr__(self) -> str:
+        return "parallel_state.CURRENT"
+
+
+# Default of a public layer's ``tp_group=`` / ``ep_group=`` argument: "this rank's group in
+# get_process_groups()", resolved once by the constructor (``None`` already means "this rank alone").
+CURRENT = _CurrentGroup()
+
+
+def resolve_group(group, name: str):
+    """``group``, or this rank's ``name`` field of :func:`get_process_groups` when ``group`` is :data:`CURRENT`."""
+    return getattr(get_process_groups(), name) if group is CURRENT else group
+
+
 # compute_layout name -> ProcessGroups field
 _FIELD_OF_LAYOUT = {
     "tensor": "tp", "context": "cp", "data": "dp", "data_context": "dp_cp", "pipeline": "pp",

@@ -24,7 +24,7 @@ from typing import Iterable, Optional, Union
 import torch
 from torch import nn
 
-from megalm import parallel_state
+from megalm.parallel_state import CURRENT, group_rank, group_size, resolve_group
 from megalm.parameter_names import canonical_name
 from megalm.tensor_parallel.utils import full_shape, shard_of_full
 
@@ -77,10 +77,12 @@ def _named_unique_parameters(model: Union[nn.Module, Iterable[nn.Module]]):
 
 
 @torch.no_grad()
-def initialize_weights(model: Union[nn.Module, Iterable[nn.Module]], seed: int) -> None:
-    """Fill every parameter of ``model`` (or of each model chunk) by the layout-independent rule."""
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+def initialize_weights(model: Union[nn.Module, Iterable[nn.Module]], seed: int, tp_group=CURRENT) -> None:
+    """Fill every parameter of ``model`` (or of each model chunk) by the layout-independent rule;
+    split parameters get this rank's shard for ``tp_group`` (default: this rank's TP group).
+    No communication."""
+    tp_group = resolve_group(tp_group, "tp")
+    tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
     for name, param in _named_unique_parameters(model):
         full = full_initial_value(param, canonical_name(name), seed, tp_size)
         if getattr(param, "tensor_model_parallel", False) and tp_size > 1:

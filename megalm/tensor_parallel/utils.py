@@ -130,6 +130,6 @@ def gather_tensor_parallel_grad(param: torch.Tensor, group=None) -> torch.Tensor
     return gather_tensor_parallel_param(holder, group)
 
 
-def sequence_parallel_enabled(parallel_cfg) -> bool:
+def sequence_parallel_enabled(parallel_cfg, tp_size: int) -> bool:
     """Sequence parallelism is on only with the flag and a tensor-parallel size above one."""
-    return bool(parallel_cfg.sequence_parallel) and parallel_state.get_tensor_model_parallel_world_size() > 1
+    return bool(parallel_cfg.sequence_parallel) and tp_size > 1
