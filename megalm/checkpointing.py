@@ -43,6 +43,7 @@ from megalm.async_save import AsyncCheckpointWriter
 from megalm.dist_checkpointing import (ShardedStateDict, ShardedTensorSpec, flat_range_blocks, load_sharded,
                                       save_sharded, saved_tensor_shapes)
 from megalm.parameter_names import canonical_name
+from megalm.tensor_parallel.param_info import param_info
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
@@ -65,12 +66,13 @@ def param_spec(param: torch.Tensor, data: Optional[torch.Tensor] = None) -> Shar
     Adam moment or an fp32 main copy.
     """
     data = param.detach() if data is None else data
-    if not getattr(param, "tensor_model_parallel", False):
+    info = param_info(param)
+    if info.replicated:
         return ShardedTensorSpec.replicated(data)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
-    dim = param.partition_dim % data.dim()
-    stride = getattr(param, "partition_stride", 1)
+    dim = info.partition_dim % data.dim()
+    stride = info.partition_stride
     local = list(data.shape)
     if stride > 1:
         # A fused [a; b] weight split as [a_r; b_r]: view as (stride, n/stride) along ``dim``.
@@ -83,7 +85,7 @@ def param_spec(param: torch.Tensor, data: Optional[torch.Tensor] = None) -> Shar
     offsets[dim] = rank * local[dim]
     global_shape = list(local)
     global_shape[dim] = local[dim] * tp
-    vocab = getattr(param, "vocab_unpadded", None)
+    vocab = info.vocab_unpadded
     if vocab is not None and dim == 0:
         # Padded vocabulary rows are not saved: the padding depends on the TP size.
         keep = max(0, min(local[0], vocab - offsets[0]))
@@ -123,7 +125,7 @@ def finish_param_sync(model_chunks: Sequence[torch.nn.Module]) -> None:
 
 
 def _is_tied_copy(name: str, p: torch.Tensor) -> bool:
-    return bool(getattr(p, "shared_embedding", False)) and name.startswith("output_layer.")
+    return param_info(p).copy_of is not None
 
 
 def model_parameters(model_chunks: Sequence[torch.nn.Module]) -> Dict[str, torch.nn.Parameter]:
@@ -147,14 +149,14 @@ def tied_embedding_copies(model_chunks: Sequence[torch.nn.Module]) -> Dict[str, 
 
     A copy is not saved (the first stage's embedding is) but is loaded from the source's tensors,
     weights and optimizer state alike: both copies receive the same summed gradient and the
-    same update, so they are equal.  The source is the copy's ``init_name`` (the word embedding).
+    same update, so they are equal.  The source is the copy's ``param_info(p).copy_of`` (the word embedding).
     """
     out = {}
     for chunk in model_chunks:
         module = getattr(chunk, "module", chunk)
         for name, p in module.named_parameters():
             if _is_tied_copy(name, p):
-                out[name] = (getattr(p, "init_name", "embedding.word_embeddings.weight"), p)
+                out[name] = (param_info(p).copy_of, p)
     return out
 
 

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from megalm import parallel_state
 from megalm.distributed import comm
 from megalm.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
+from megalm.tensor_parallel.param_info import param_info
 
 
 def default_bucket_size(data_parallel_size: int) -> int:
@@ -61,7 +62,7 @@ def _groups():
 
 
 def _is_shared_embedding(param: torch.nn.Parameter) -> bool:
-    return bool(getattr(param, "shared_embedding", False))
+    return param_info(param).tied
 
 
 def _wait_for(buckets: List[Bucket]):
@@ -111,7 +112,7 @@ class DistributedDataParallel(torch.nn.Module):
         for expert in (False, True):
             keyed: Dict[tuple, list] = {}
             for p in module.parameters():
-                if p.requires_grad and (getattr(p, "allreduce", True) is False) == expert:
+                if p.requires_grad and param_info(p).expert == expert:
                     keyed.setdefault((p.dtype, pick_grad_dtype(p)), []).append(p)
             group, world = (edp_group, edp) if expert else (dp_group, dp)
             for (_, gdtype), params in keyed.items():

@@ -4,22 +4,21 @@
 
 1. ``finish_grad_sync()`` on every model chunk: the data-parallel mean of every gradient
    (all-reduce per bucket over DP; expert buffers over expert-DP).
-2. Sequence-parallel norm parameters (``param.sequence_parallel``): each TP rank saw only its
+2. Sequence-parallel norm parameters (``param_info(p).sequence_parallel``): each TP rank saw only its
    slice of the sequence, so their gradients are summed over the tensor-parallel group (one
    coalesced all-reduce).
 3. Tied word embeddings with pipeline parallelism: the first stage's word embedding and the
-   last stage's output-layer copy (``param.shared_embedding``) must receive the same update,
+   last stage's output-layer copy (``param_info(p).tied``) must receive the same update,
    so their gradients are summed over the embedding group (first + last stage) — one
    all-reduce of the weight's gradient.  With the distributed optimizer this runs after the
    reduce-scatter and is still right for the shard a rank owns, because the weight has a
    bucket of its own on both stages (the same shard ranges).
 
-Finding the tied weight: on the last stage, the parameter of ``model_chunks[-1]`` with
-``shared_embedding = True``; on the first stage, the parameter of ``model_chunks[0]`` with
-``shared_embedding = True``, else the module's ``shared_embedding_or_output_weight()``, else the
-one parameter with ``vocab_unpadded``.  Whether embeddings are tied is agreed once (MAX of
-"I know I am tied" over the embedding group: the last stage's ``shared_embedding`` flag or any
-chunk's ``share_embeddings_and_output_weights`` attribute) and cached on the first chunk.
+Finding the tied weight: the parameter of ``model_chunks[-1]`` (last stage) or
+``model_chunks[0]`` (first stage) whose :func:`~megalm.tensor_parallel.param_info.param_info`
+says ``tied`` (``GPTModel.tied_weights()``).  Whether embeddings are tied is agreed once (MAX of
+"I know I am tied" over the embedding group: the last stage's tied weight or any chunk's
+``share_embeddings_and_output_weights`` attribute) and cached on the first chunk.
 
 Process groups: ``process_groups`` (default this rank's
 :func:`~megalm.parallel_state.get_process_groups`, read once per call) gives the TP group of
@@ -38,6 +37,7 @@ from megalm import parallel_state
 from megalm.device import get_device
 from megalm.distributed import comm
 from megalm.parallel_state import ProcessGroups, group_size
+from megalm.tensor_parallel.param_info import param_info
 from megalm.timers import NULL_TIMERS
 
 
@@ -62,7 +62,7 @@ def allreduce_sequence_parallel_grads(model_chunks: Sequence[torch.nn.Module], t
     if group_size(tp_group) == 1:
         return
     params = [p for c in model_chunks for p in c.parameters()
-              if p.requires_grad and getattr(p, "sequence_parallel", False)]
+              if p.requires_grad and param_info(p).sequence_parallel]
     if not params:
         return
     grads = [grad_of(p) if grad_of(p) is not None else torch.zeros_like(p, dtype=torch.float32) for p in params]
@@ -77,19 +77,12 @@ def allreduce_sequence_parallel_grads(model_chunks: Sequence[torch.nn.Module], t
             g.copy_(synced)
 
 
-def _find_shared_embedding(chunk: torch.nn.Module, first_stage: bool) -> Optional[torch.nn.Parameter]:
-    module = unwrap_model(chunk)
-    flagged = [p for p in module.parameters() if getattr(p, "shared_embedding", False)]
-    if flagged:
-        return flagged[0]
-    getter = getattr(module, "shared_embedding_or_output_weight", None)
-    if callable(getter):
-        return getter()
-    if first_stage:
-        vocab = [p for p in module.parameters() if hasattr(p, "vocab_unpadded")]
-        if len(vocab) == 1:
-            return vocab[0]
-    return None
+def _find_shared_embedding(chunk: torch.nn.Module) -> Optional[torch.nn.Parameter]:
+    """The parameter of ``chunk`` marked ``tied`` (at most one per chunk), or None."""
+    tied = [p for p in unwrap_model(chunk).parameters() if param_info(p).tied]
+    if len(tied) > 1:
+        raise RuntimeError(f"a model chunk holds {len(tied)} parameters marked tied; expected at most one")
+    return tied[0] if tied else None
 
 
 def _embedding_stage(pg: ProcessGroups):
@@ -109,7 +102,7 @@ def _tied(model_chunks: Sequence[torch.nn.Module], stage: str, weight, embd_grou
     cached = getattr(model_chunks[0], "_megalm_tied_embeddings", None)
     if cached is not None:
         return cached
-    knows = (stage == "last" and weight is not None and getattr(weight, "shared_embedding", False)) or any(
+    knows = (stage == "last" and weight is not None) or any(
         getattr(unwrap_model(c), "share_embeddings_and_output_weights", False) for c in model_chunks)
     flag = torch.tensor([1.0 if knows else 0.0], device=get_device())
     comm.all_reduce(flag, op=dist.ReduceOp.MAX, group=embd_group, kind="tie_flag")
@@ -121,13 +114,13 @@ def _tied(model_chunks: Sequence[torch.nn.Module], stage: str, weight, embd_grou
 def _check_own_bucket(chunk: torch.nn.Module, weight: torch.nn.Parameter) -> None:
     """With the distributed optimizer only the owned shard of a gradient is reduced, so the two
     stages must shard the tied weight alike: it must sit alone in its bucket (DDP puts a weight
-    flagged ``shared_embedding`` there)."""
+    marked ``tied`` there)."""
     if not getattr(chunk, "use_distributed_optimizer", False):
         return
     for buf in chunk.all_buffers:
         if weight in buf.param_index_map and len(buf.bucket_of(weight).params) != 1:
             raise RuntimeError("with the distributed optimizer the tied embedding weight needs a gradient bucket of "
-                               "its own: mark it with `param.shared_embedding = True` on both pipeline stages")
+                               "its own: mark it with `set_param_info(param, tied=True)` on both pipeline stages")
 
 
 def allreduce_embedding_grads(model_chunks: Sequence[torch.nn.Module], tied: Optional[bool] = None,
@@ -138,7 +131,7 @@ def allreduce_embedding_grads(model_chunks: Sequence[torch.nn.Module], tied: Opt
     if stage is None:
         return
     chunk = model_chunks[0] if stage == "first" else model_chunks[-1]
-    weight = _find_shared_embedding(chunk, first_stage=stage == "first")
+    weight = _find_shared_embedding(chunk)
     if tied is None:
         tied = _tied(model_chunks, stage, weight, pg.embd)
     if not tied:
@@ -146,7 +139,7 @@ def allreduce_embedding_grads(model_chunks: Sequence[torch.nn.Module], tied: Opt
     if weight is None:
         raise RuntimeError(
             f"embeddings are tied but the {stage} pipeline stage has no tied embedding weight: mark it with "
-            f"`param.shared_embedding = True` or give the model `shared_embedding_or_output_weight()`")
+            f"`megalm.tensor_parallel.param_info.set_param_info(param, tied=True)`")
     _check_own_bucket(chunk, weight)
     grad = grad_of(weight)
     if grad is None:

@@ -20,7 +20,8 @@
 Tied output weights: with ``pre_process`` and ``post_process`` on one rank the output layer
 uses the embedding's Parameter.  When the last stage has no embedding it owns a copy
 (``output_layer.weight``) initialized exactly like ``embedding.word_embeddings.weight``;
-both carry ``shared_embedding = True`` and their grads are summed by
+both are marked ``tied`` in their :class:`~megalm.tensor_parallel.param_info.ParamInfo`
+(:meth:`GPTModel.tied_weights` lists them) and their grads are summed by
 :func:`megalm.distributed.finalize_model_grads.allreduce_embedding_grads`.
 
 Process groups: ``process_groups`` (a :class:`~megalm.parallel_state.ProcessGroups`; by default
@@ -50,6 +51,7 @@ from megalm.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalm.tensor_parallel.initialization import initialize_weights
 from megalm.tensor_parallel.layers import ColumnParallelLinear
 from megalm.tensor_parallel.linear_cross_entropy import linear_cross_entropy
+from megalm.tensor_parallel.param_info import set_param_info
 from megalm.transformer.moe.state import MoEState
 from megalm.transformer.rope import RotaryEmbedding
 from megalm.transformer.transformer_block import TransformerBlock
@@ -106,11 +108,21 @@ class GPTModel(nn.Module):
                                      tp_group=self.tp_group)
         if self.share_embeddings_and_output_weights and not self.pre_process:
             layer.weight.init_name = WORD_EMBEDDING_NAME  # same values as the first stage's embedding
+            set_param_info(layer.weight, copy_of=WORD_EMBEDDING_NAME)  # saved and loaded as the embedding
         return layer
 
     def _mark_shared_embedding(self) -> None:
         if self.share_embeddings_and_output_weights and (self.pre_process or self.post_process):
-            self.shared_embedding_or_output_weight().shared_embedding = True
+            set_param_info(self.shared_embedding_or_output_weight(), tied=True)
+
+    def tied_weights(self) -> List[nn.Parameter]:
+        """The tied word-embedding / output weights this chunk holds: the word embedding (first
+        stage, also the output weight when the last stage is here) or the output layer's copy
+        (last stage without embedding); empty when untied or on a middle stage."""
+        if not self.share_embeddings_and_output_weights:
+            return []
+        weight = self.shared_embedding_or_output_weight()
+        return [] if weight is None else [weight]
 
     def shared_embedding_or_output_weight(self) -> Optional[nn.Parameter]:
         """The word embedding (first stage) or the output weight (last stage without embedding)."""

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from megalm import parallel_state
 from megalm.device import get_device
 from megalm.distributed import comm
+from megalm.tensor_parallel.param_info import param_info
 
 
 def _initialized() -> bool:
@@ -46,13 +47,13 @@ def _initialized() -> bool:
 def param_is_not_shared(param: torch.Tensor) -> bool:
     if getattr(param, "shared", False):
         return False
-    if getattr(param, "shared_embedding", False):
+    if param_info(param).tied:
         return parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     return True
 
 
 def param_is_not_tensor_parallel_duplicate(param: torch.Tensor) -> bool:
-    return bool(getattr(param, "tensor_model_parallel", False)) or \
+    return param_info(param).tensor_parallel or \
         parallel_state.get_tensor_model_parallel_rank() == 0
 
 
@@ -61,7 +62,7 @@ def param_counts_in_norm(param: torch.Tensor) -> bool:
 
 
 def is_expert_param(param: torch.Tensor) -> bool:
-    return getattr(param, "allreduce", True) is False
+    return param_info(param).expert
 
 
 def _expert_parallel() -> bool:

@@ -44,6 +44,7 @@ from megalm.distributed.finalize_model_grads import grad_of, unwrap_model
 from megalm.optimizer.clip_grads import clip_grads_by_total_norm, grad_norm_and_zeros, unscale_and_check_for_inf
 from megalm.optimizer.grad_scaler import GradScaler, build_grad_scaler
 from megalm.parameter_names import canonical_name
+from megalm.tensor_parallel.param_info import param_info
 from megalm.timers import NULL_TIMERS
 
 FORMAT = "megalm-optimizer-v1"
@@ -69,13 +70,13 @@ def get_param_groups(named_params: Sequence[Tuple[str, torch.nn.Parameter]], wei
 
 
 def _param_meta(p: torch.nn.Parameter) -> dict:
-    tp_sharded = bool(getattr(p, "tensor_model_parallel", False))
-    dim = getattr(p, "partition_dim", None) if tp_sharded else None
+    info = param_info(p)
+    dim = info.partition_dim if info.tensor_parallel else None
     global_shape = list(p.shape)
     if dim is not None:
         global_shape[dim] *= parallel_state.get_tensor_model_parallel_world_size()
-    return {"shape": tuple(p.shape), "global_shape": tuple(global_shape), "tensor_model_parallel": tp_sharded,
-            "partition_dim": dim, "partition_stride": getattr(p, "partition_stride", 1)}
+    return {"shape": tuple(p.shape), "global_shape": tuple(global_shape), "tensor_model_parallel": info.tensor_parallel,
+            "partition_dim": dim, "partition_stride": info.partition_stride}
 
 
 class MegatronOptimizer:

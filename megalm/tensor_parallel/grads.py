@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalm.parallel_state import CURRENT, group_size, resolve_group
+from megalm.tensor_parallel.param_info import param_info
 
 Modules = Union[nn.Module, Iterable[nn.Module]]
 
@@ -52,7 +53,7 @@ def _all_reduce_coalesced(grads: List[torch.Tensor], group) -> None:
 
 
 def sequence_parallel_params(model: Modules) -> List[torch.nn.Parameter]:
-    return [p for p in _unique_params(model) if getattr(p, "sequence_parallel", False)]
+    return [p for p in _unique_params(model) if param_info(p).sequence_parallel]
 
 
 @torch.no_grad()

@@ -32,6 +32,7 @@ from megalm.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from megalm.tensor_parallel.param_info import set_param_info
 from megalm.tensor_parallel.utils import divide, set_tensor_model_parallel_attributes
 
 
@@ -122,7 +123,7 @@ class ColumnParallelLinear(nn.Module):
             set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
             mark_init(self.weight, "normal", init_std)
             if vocab_unpadded is not None:
-                self.weight.vocab_unpadded = vocab_unpadded
+                set_param_info(self.weight, vocab_unpadded=vocab_unpadded)
         if bias:
             self.bias = _new_parameter(self.output_size_per_partition, dtype=dtype)
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
@@ -180,7 +181,7 @@ class RowParallelLinear(nn.Module):
             self.bias = _new_parameter(output_size, dtype=dtype)
             set_tensor_model_parallel_attributes(self.bias, False, -1)
             mark_init(self.bias, "zeros")
-            self.bias.sequence_parallel = self.sequence_parallel
+            set_param_info(self.bias, sequence_parallel=self.sequence_parallel)
         else:
             self.register_parameter("bias", None)
 
@@ -230,7 +231,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _new_parameter(self.per_partition, embedding_dim, dtype=dtype)
         set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
         mark_init(self.weight, "normal", init_std)
-        self.weight.vocab_unpadded = num_embeddings if vocab_unpadded is None else vocab_unpadded
+        set_param_info(self.weight, vocab_unpadded=num_embeddings if vocab_unpadded is None else vocab_unpadded)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

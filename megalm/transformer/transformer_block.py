@@ -55,7 +55,8 @@ class TransformerBlock(nn.Module):
         self.final_layernorm = (build_norm(m.normalization, m.hidden_size, m.norm_epsilon, sequence_parallel,
                                            plan.norm) if post_process else None)
         self.input_tensor: Optional[torch.Tensor] = None
-        self.fp8_autocast = fp8_autocast(m) if plan.fp8 is not None else None  # a factory of fp8 regions
+        # A factory of fp8 regions; TE reduces amax over the stage's tensor x data x context ranks.
+        self.fp8_autocast = fp8_autocast(m, process_groups.tp_dp_cp) if plan.fp8 is not None else None
 
     def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
         """Hidden states received from the previous pipeline stage (used when not pre_process)."""

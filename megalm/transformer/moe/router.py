@@ -35,6 +35,7 @@ from torch import nn
 from megalm.device import get_device
 from megalm.parallel_state import CURRENT, group_size, resolve_group
 from megalm.tensor_parallel.initialization import mark_init
+from megalm.tensor_parallel.param_info import set_param_info
 from megalm.tensor_parallel.utils import set_tensor_model_parallel_attributes
 from megalm.transformer.moe.aux_losses import attach_aux_loss, sequence_load_balancing_loss, switch_load_balancing_loss
 from megalm.transformer.moe.capacity import apply_capacity, expert_capacity
@@ -112,7 +113,7 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(m.num_experts, m.hidden_size, dtype=torch.float32, device=get_device()))
         set_tensor_model_parallel_attributes(self.weight, False, -1)
         mark_init(self.weight, "normal", init_std(m))
-        self.weight.sequence_parallel = self.sequence_parallel
+        set_param_info(self.weight, sequence_parallel=self.sequence_parallel)
 
     def gating(self, x: torch.Tensor) -> torch.Tensor:
         """Router logits ``[T, E]``, computed in ``--moe-router-dtype`` when given."""
