@@ -62,6 +62,10 @@ class ProcessGroups:
         """Every group is this process alone (no ``torch.distributed`` needed)."""
         return cls()
 
+    def __deepcopy__(self, memo) -> "ProcessGroups":
+        """Immutable and naming this rank's groups: a deep-copied model shares them."""
+        return self
+
     def group_names(self) -> List[str]:
         return [f.name for f in fields(self) if f.name != "ranks"]
 

@@ -392,6 +392,7 @@ def test_param_info_records_and_tied_weights():
     assert param_info(proj_bias).replicated and not param_info(proj_bias).sequence_parallel
     assert [n for n, p in model.named_parameters() if param_info(p).tied] == ["embedding.word_embeddings.weight"]
     assert word.tensor_model_parallel and word.partition_dim == 0 and word.shared_embedding and word.allreduce
+    assert copy.deepcopy(model).process_groups is model.process_groups  # a copied model shares its groups
     untied = GPTModel(make_cfg(1, False, **CONFIGS["rope-RMSNorm-SwiGLU-nobias-untied-GQA"]))
     assert untied.tied_weights() == [] and not any(param_info(p).tied for p in untied.parameters())
     assert param_info(untied.decoder.layers["1"].mlp.linear_fc1.weight).partition_stride == 2  # [gate; up]
