@@ -29,21 +29,21 @@ def model_provider(cfg: MegalmConfig, pre_process: bool = True, post_process: bo
     return GPTModel(cfg, pre_process=pre_process, post_process=post_process, layer_numbers=layer_numbers)
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+def loss_func(loss_mask: torch.Tensor, model: torch.nn.Module, output_tensor: torch.Tensor):
     """Mean of the per-token losses over unmasked tokens of this microbatch; MoE models also
     report their routers' auxiliary losses and load statistics (their gradients are already
     attached to the backward pass by the routers)."""
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.reshape(-1).float()
     loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
-    return loss, {"lm loss": loss.detach(), **pop_moe_metrics()}
+    return loss, {"lm loss": loss.detach(), **pop_moe_metrics(model)}
 
 
 def forward_step(data_iterator, model):
     """One microbatch: tokens in, per-token losses out (on the last stage)."""
     batch = get_batch(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], loss_mask=batch["loss_mask"])
-    return output, partial(loss_func, batch["loss_mask"])
+    return output, partial(loss_func, batch["loss_mask"], model)
 
 
 if __name__ == "__main__":

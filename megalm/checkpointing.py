@@ -47,6 +47,7 @@ from megalm.log import get_logger
 from megalm.param_layout import param_spec
 from megalm.parameter_names import canonical_name
 from megalm.safe_unpickle import CheckpointMetadataError
+from megalm.tensor_parallel.param_info import param_info
 
 logger = get_logger(__name__)
 
@@ -73,7 +74,7 @@ def finish_param_sync(model_chunks: Sequence[torch.nn.Module]) -> None:
 
 
 def _is_tied_copy(name: str, p: torch.Tensor) -> bool:
-    return bool(getattr(p, "shared_embedding", False)) and name.startswith("output_layer.")
+    return param_info(p).copy_of is not None
 
 
 def model_parameters(model_chunks: Sequence[torch.nn.Module]) -> Dict[str, torch.nn.Parameter]:
@@ -97,14 +98,14 @@ def tied_embedding_copies(model_chunks: Sequence[torch.nn.Module]) -> Dict[str, 
 
     A copy is not saved (the first stage's embedding is) but is loaded from the source's tensors,
     weights and optimizer state alike: both copies receive the same summed gradient and the
-    same update, so they are equal.  The source is the copy's ``init_name`` (the word embedding).
+    same update, so they are equal.  The source is the copy's ``param_info(p).copy_of`` (the word embedding).
     """
     out = {}
     for chunk in model_chunks:
         module = getattr(chunk, "module", chunk)
         for name, p in module.named_parameters():
             if _is_tied_copy(name, p):
-                out[name] = (getattr(p, "init_name", "embedding.word_embeddings.weight"), p)
+                out[name] = (param_info(p).copy_of, p)
     return out
 
 

@@ -62,6 +62,10 @@ class ProcessGroups:
         """Every group is this process alone (no ``torch.distributed`` needed)."""
         return cls()
 
+    def __deepcopy__(self, memo) -> "ProcessGroups":
+        """Immutable and naming this rank's groups: a deep-copied model shares them."""
+        return self
+
     def group_names(self) -> List[str]:
         return [f.name for f in fields(self) if f.name != "ranks"]
 
@@ -74,6 +78,23 @@ def group_size(group) -> int:
 def group_rank(group) -> int:
     """This rank's index in ``group``; 0 for ``None`` (this rank alone)."""
     return 0 if group is None else dist.get_rank(group)
+
+
+class _CurrentGroup:
+    """Type of :data:`CURRENT`."""
+
+    def __repr__(self) -> str:
+        return "parallel_state.CURRENT"
+
+
+# Default of a public layer's ``tp_group=`` / ``ep_group=`` argument: "this rank's group in
+# get_process_groups()", resolved once by the constructor (``None`` already means "this rank alone").
+CURRENT = _CurrentGroup()
+
+
+def resolve_group(group, name: str):
+    """``group``, or this rank's ``name`` field of :func:`get_process_groups` when ``group`` is :data:`CURRENT`."""
+    return getattr(get_process_groups(), name) if group is CURRENT else group
 
 
 # compute_layout name -> ProcessGroups field

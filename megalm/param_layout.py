@@ -2,8 +2,8 @@
 
 The model's weights and the optimizers' state are checkpointed as blocks of the full tensors
 (:class:`megalm.dist_checkpointing.ShardedTensorSpec`), so any TP/PP/DP layout can load them.
-This module turns a parameter's tensor-parallel attributes (``tensor_model_parallel``,
-``partition_dim``, ``partition_stride``, ``vocab_unpadded``) and the size and rank of its
+This module turns a parameter's layout record (:func:`megalm.tensor_parallel.param_info.param_info`:
+``tensor_parallel``, ``partition_dim``, ``partition_stride``, ``vocab_unpadded``) and the size and rank of its
 tensor-parallel group into such blocks: for a whole local tensor (:func:`param_spec`) or for a
 flat range of it (:func:`param_range_specs`, the distributed optimizer's shards).  No
 communication; it imports neither the checkpointer nor the optimizers (both use it).
@@ -18,12 +18,8 @@ import torch
 
 from megalm import parallel_state
 from megalm.dist_checkpointing import ShardedTensorSpec, flat_range_blocks
-from megalm.errors import MegalmError
+from megalm.tensor_parallel.param_info import ParamLayoutError, param_info
 from megalm.parallel_state import ProcessGroups, group_rank, group_size
-
-
-class ParamLayoutError(MegalmError, ValueError):
-    """A tensor that does not fit the parameter range it is said to cover."""
 
 
 def param_spec(param: torch.Tensor, data: Optional[torch.Tensor] = None,
@@ -35,13 +31,14 @@ def param_spec(param: torch.Tensor, data: Optional[torch.Tensor] = None,
     :func:`megalm.parallel_state.get_process_groups`): its ``tp`` gives the TP size and rank.
     """
     data = param.detach() if data is None else data
-    if not getattr(param, "tensor_model_parallel", False):
+    info = param_info(param)
+    if info.replicated:
         return ShardedTensorSpec.replicated(data)
     if groups is None:
         groups = parallel_state.get_process_groups()
     tp, rank = group_size(groups.tp), group_rank(groups.tp)
-    dim = param.partition_dim % data.dim()
-    stride = getattr(param, "partition_stride", 1)
+    dim = info.partition_dim % data.dim()
+    stride = info.partition_stride
     local = list(data.shape)
     if stride > 1:
         # A fused [a; b] weight split as [a_r; b_r]: view as (stride, n/stride) along ``dim``.
@@ -54,7 +51,7 @@ def param_spec(param: torch.Tensor, data: Optional[torch.Tensor] = None,
     offsets[dim] = rank * local[dim]
     global_shape = list(local)
     global_shape[dim] = local[dim] * tp
-    vocab = getattr(param, "vocab_unpadded", None)
+    vocab = info.vocab_unpadded
     if vocab is not None and dim == 0:
         # Padded vocabulary rows are not saved: the padding depends on the TP size.
         keep = max(0, min(local[0], vocab - offsets[0]))

@@ -14,6 +14,7 @@ seconds they are killed and the error says which ranks were still running.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import time
@@ -49,7 +50,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence,
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=collective_timeout_s))
         out = fn(*args, **kwargs)
-        results.put((rank, "ok", out))
+        # Plain pickle (bytes), not torch's fd-sharing reducers: a tensor shared by file descriptor
+        # needs this process alive until the parent fetches it, and the teardown below may not allow it.
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -84,7 +87,7 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence = (), kwargs: 
                 break
             try:
                 rank, status, payload = results.get(timeout=min(remaining, 1.0))
-                outcome[rank] = (status, payload)
+                outcome[rank] = (status, pickle.loads(payload) if status == "ok" else payload)
             except queue.Empty:
                 if any(r not in outcome and not p.is_alive() and p.exitcode not in (0, None)
                        for r, p in enumerate(procs)):
@@ -92,7 +95,7 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence = (), kwargs: 
                     while True:
                         try:
                             rank, status, payload = results.get_nowait()
-                            outcome[rank] = (status, payload)
+                            outcome[rank] = (status, pickle.loads(payload) if status == "ok" else payload)
                         except queue.Empty:
                             break
                     for r, p in enumerate(procs):

@@ -198,7 +198,7 @@ def _tp2_train_and_logits(argv, ids):
     checkpointing.load_checkpoint(cfg.checkpoint.save, [model], finetune=True)
     model.eval()
     with torch.no_grad():
-        logits = gather_from_tensor_model_parallel_region(model(ids))
+        logits = gather_from_tensor_model_parallel_region(model(ids), parallel_state.get_process_groups().tp)
     parallel_state.destroy_model_parallel()
     return logits[..., :cfg.model.vocab_size]
 

@@ -301,7 +301,9 @@ def _save_and_load_on_ranks(jobs, ids):
         else:
             checkpointing.load_checkpoint(root, chunks, finetune=True)
             with torch.no_grad():
-                out[name] = gather_from_tensor_model_parallel_region(chunks[0].eval()(ids))[..., :cfg.model.vocab_size]
+                logits = chunks[0].eval()(ids)
+                out[name] = gather_from_tensor_model_parallel_region(logits, parallel_state.get_process_groups().tp)[
+                    ..., :cfg.model.vocab_size]
         parallel_state.destroy_model_parallel()
     return out
 

@@ -170,6 +170,7 @@ def _finalize_checks():
         if rank == 0:
             stage = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 4))
             stage[0].weight.vocab_unpadded = 10
+            stage[0].weight.shared_embedding = True  # Megatron marks both copies
         else:
             stage = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 10, bias=False))
             stage[1].weight.shared_embedding = tied

@@ -374,3 +374,43 @@ def test_attention_rope_and_swiglu_match_naive_formulas():
     gate_b, up_b = mlp.linear_fc1.bias.chunk(2, 0)
     hidden = torch.nn.functional.silu(x @ gate_w.t() + gate_b) * (x @ up_w.t() + up_b)
     assert _rel(mlp(x), hidden @ mlp.linear_fc2.weight.t() + mlp.linear_fc2.bias) < 1e-6
+
+
+def test_param_info_records_and_tied_weights():
+    """One typed record per parameter (what checkpointing, DDP and the optimizer read), the tied
+    weights the model exposes, Megatron's attribute names derived from the record and read back
+    when a user module sets them, and an impossible record refused."""
+    from megalm.tensor_parallel.param_info import ParamInfo, ParamLayoutError, param_info, set_param_info
+
+    model = GPTModel(make_cfg(1, False, **CONFIGS["learned-LayerNorm-GELU-bias-tied-MHA"]))
+    word = model.embedding.word_embeddings.weight
+    assert model.tied_weights() == [word]
+    assert param_info(word) == ParamInfo(tensor_parallel=True, partition_dim=0, tied=True, vocab_unpadded=VOCAB)
+    fc1 = model.decoder.layers["0"].mlp.linear_fc1.weight
+    assert param_info(fc1) == ParamInfo(tensor_parallel=True, partition_dim=0)
+    proj_bias = model.decoder.layers["0"].self_attention.linear_proj.bias
+    assert param_info(proj_bias).replicated and not param_info(proj_bias).sequence_parallel
+    assert [n for n, p in model.named_parameters() if param_info(p).tied] == ["embedding.word_embeddings.weight"]
+    assert word.tensor_model_parallel and word.partition_dim == 0 and word.shared_embedding and word.allreduce
+    assert copy.deepcopy(model).process_groups is model.process_groups  # a copied model shares its groups
+    untied = GPTModel(make_cfg(1, False, **CONFIGS["rope-RMSNorm-SwiGLU-nobias-untied-GQA"]))
+    assert untied.tied_weights() == [] and not any(param_info(p).tied for p in untied.parameters())
+    assert param_info(untied.decoder.layers["1"].mlp.linear_fc1.weight).partition_stride == 2  # [gate; up]
+    last = GPTModel(make_cfg(1, False, **CONFIGS["learned-LayerNorm-GELU-bias-tied-MHA"]), pre_process=False,
+                    post_process=True, layer_numbers=[1])
+    assert last.tied_weights() == [last.output_layer.weight]
+    assert param_info(last.output_layer.weight) == ParamInfo(tensor_parallel=True, partition_dim=0, tied=True,
+                                                             vocab_unpadded=VOCAB,
+                                                             copy_of="embedding.word_embeddings.weight")
+    assert param_info(word).copy_of is None  # the source is what a checkpoint stores
+
+    plain = torch.nn.Linear(2, 2)
+    assert param_info(plain.weight) == ParamInfo()
+    plain.weight.allreduce, plain.weight.sequence_parallel = False, True  # marked the Megatron way
+    assert param_info(plain.weight) == ParamInfo(expert=True, sequence_parallel=True)
+    set_param_info(plain.bias, tensor_parallel=True, partition_dim=0, vocab_unpadded=1)
+    set_param_info(plain.bias, vocab_unpadded=None)
+    assert param_info(plain.bias) == ParamInfo(tensor_parallel=True, partition_dim=0)
+    assert "vocab_unpadded" not in plain.bias.__dict__
+    with pytest.raises(ParamLayoutError, match="partition_dim -1"):
+        set_param_info(plain.weight, partition_dim=1)

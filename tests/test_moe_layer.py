@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from megalm.config import ConfigError, build_parser, config_from_args, parse_config, validate_config
 from megalm.tensor_parallel.initialization import initialize_weights
-from megalm.transformer.moe import MoELayer, is_moe_layer, moe_layer_pattern, pop_moe_metrics
+from megalm.transformer.moe import MoELayer, is_moe_layer, moe_layer_pattern
 from megalm.transformer.moe.experts import LocalExperts
 
 BASE = ["--num-layers", "4", "--hidden-size", "16", "--num-attention-heads", "4", "--seq-length", "8",
@@ -95,7 +95,6 @@ def test_moe_layer_equals_per_token_reference(dispatcher, grouped):
     torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-5, atol=1e-6)
     for n, p in layer.named_parameters():
         torch.testing.assert_close(got[n], p.grad, rtol=1e-5, atol=1e-6)
-    pop_moe_metrics()
 
 
 def test_parameter_names_attributes_and_shared_experts():
@@ -125,8 +124,8 @@ def test_full_recompute_gives_same_gradients_and_logs_once():
         model.train()
         tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
         model(tokens, labels=tokens).mean().backward()
-        logged.append(pop_moe_metrics())
-        assert pop_moe_metrics() == {}  # the recomputation in backward recorded nothing
+        logged.append(model.moe_metrics())
+        assert model.moe_metrics() == {}  # the recomputation in backward recorded nothing
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     assert logged[0].keys() == logged[1].keys() == {"load_balancing_loss", "z_loss", "expert_load_imbalance"}
     for key in logged[0]:

@@ -10,10 +10,8 @@ import pytest
 import torch
 
 from megalm.config import ModelConfig
-from megalm.transformer.moe.aux_losses import MoEAuxLossAutoScaler
 from megalm.transformer.moe.capacity import apply_capacity, expert_capacity
 from megalm.transformer.moe.router import TopKRouter, topk_routing
-from megalm.transformer.moe.tracker import get_moe_tracker, pop_moe_metrics
 
 E, H = 6, 8
 
@@ -97,11 +95,10 @@ def _reference_losses(logits, k, s, b):
 
 @pytest.mark.parametrize("kind", ["aux_loss", "seq_aux_loss"])
 def test_aux_and_z_loss_values_and_tokens_per_expert(kind):
-    get_moe_tracker().clear()
     router, hidden = _router_and_input(moe_router_load_balancing_type=kind, moe_per_layer_logging=True)
     router.train()
     router(hidden)
-    logged = pop_moe_metrics()
+    logged = router.moe_state.pop_metrics()
     logits = hidden.detach().reshape(-1, H) @ router.weight.detach().t()
     switch, seq, z, counts = _reference_losses(logits, 2, 5, 3)
     assert logged["load_balancing_loss"].item() == pytest.approx((switch if kind == "aux_loss" else seq).item(), rel=1e-5)
@@ -109,7 +106,7 @@ def test_aux_and_z_loss_values_and_tokens_per_expert(kind):
     assert logged["z_loss"].item() == pytest.approx(z.item(), rel=1e-5)
     assert [logged[f"tokens_per_expert_layer_4_expert_{i}"].item() for i in range(E)] == counts.tolist()
     assert logged["expert_load_imbalance"].item() == pytest.approx((counts.max() / counts.mean()).item())
-    assert pop_moe_metrics() == {}  # popped
+    assert router.moe_state.pop_metrics() == {}  # popped
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.125])
@@ -118,12 +115,9 @@ def test_aux_gradients_enter_backward_with_the_main_loss_scale(scale):
     router, hidden = _router_and_input(seed=1)
     router.train()
     weights = torch.randn(15, E, generator=torch.Generator().manual_seed(9))
-    MoEAuxLossAutoScaler.set_loss_scale(scale)
-    try:
-        probs, _ = router(hidden)
-        (probs * weights).sum().backward()
-    finally:
-        MoEAuxLossAutoScaler.set_loss_scale(1.0)
+    router.moe_state.set_aux_loss_scale(scale)
+    probs, _ = router(hidden)
+    (probs * weights).sum().backward()
     got_w, got_x = router.weight.grad.clone(), hidden.grad.clone()
 
     w = router.weight.detach().clone().requires_grad_()
@@ -135,16 +129,14 @@ def test_aux_gradients_enter_backward_with_the_main_loss_scale(scale):
     ((probs * weights).sum() + scale * (0.1 * switch + 0.01 * z)).backward()
     torch.testing.assert_close(got_w, w.grad, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(got_x, x.grad, rtol=1e-5, atol=1e-7)
-    get_moe_tracker().clear()
 
 
 def test_no_aux_losses_in_evaluation():
-    get_moe_tracker().clear()
     router, hidden = _router_and_input()
     router.eval()
     probs, _ = router(hidden)
     probs.sum().backward()
-    assert pop_moe_metrics() == {}
+    assert router.moe_state.pop_metrics() == {}
     # Gradient of sum(probs) through the top-k softmax only: zero (each row sums to 1).
     assert router.weight.grad.abs().max() < 1e-6
 

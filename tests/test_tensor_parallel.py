@@ -72,50 +72,51 @@ def _all_tp(fn, *shape, seed=0):
 
 def _check_mappings(tp: int) -> dict:
     r = parallel_state.get_tensor_model_parallel_rank()
+    g = parallel_state.get_process_groups().tp
     errors = {}
     every_w = _all_tp(lambda t: t, S, B, H, seed=1)  # [tp, S, B, H] per-rank upstream grads
     w = every_w[r]
 
     x = _same_input(S, B, H).requires_grad_()
-    y = copy_to_tensor_model_parallel_region(x)
+    y = copy_to_tensor_model_parallel_region(x, g)
     (y * w).sum().backward()
     errors["copy fwd"] = _rel(y, x)
     errors["copy bwd"] = _rel(x.grad, every_w.sum(0))
 
     x = _rank_input(S, B, H).requires_grad_()
-    y = reduce_from_tensor_model_parallel_region(x)
+    y = reduce_from_tensor_model_parallel_region(x, g)
     (y * w).sum().backward()
     errors["reduce fwd"] = _rel(y, _all_tp(lambda t: t, S, B, H).sum(0))
     errors["reduce bwd"] = _rel(x.grad, w)
 
     x = _same_input(S, B, H).requires_grad_()
-    y = scatter_to_tensor_model_parallel_region(x)
+    y = scatter_to_tensor_model_parallel_region(x, g)
     (y * w.chunk(tp, -1)[r]).sum().backward()
     errors["scatter fwd"] = _rel(y, x.chunk(tp, -1)[r])
     errors["scatter bwd"] = _rel(x.grad, torch.cat([every_w[k].chunk(tp, -1)[k] for k in range(tp)], -1))
 
     x = _rank_input(S, B, H // tp).requires_grad_()
-    y = gather_from_tensor_model_parallel_region(x)
+    y = gather_from_tensor_model_parallel_region(x, g)
     (y * w).sum().backward()
     errors["gather fwd"] = _rel(y, torch.cat(list(_all_tp(lambda t: t, S, B, H // tp)), -1))
     errors["gather bwd"] = _rel(x.grad, w.chunk(tp, -1)[r])
 
     x = _same_input(S, B, H).requires_grad_()
-    y = scatter_to_sequence_parallel_region(x)
+    y = scatter_to_sequence_parallel_region(x, g)
     (y * w.chunk(tp, 0)[r]).sum().backward()
     errors["seq scatter fwd"] = _rel(y, x.chunk(tp, 0)[r])
     errors["seq scatter bwd"] = _rel(x.grad, torch.cat([every_w[k].chunk(tp, 0)[k] for k in range(tp)], 0))
 
     for tp_grad in (True, False):
         x = _rank_input(S // tp, B, H).requires_grad_()
-        y = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=tp_grad)
+        y = gather_from_sequence_parallel_region(x, g, tensor_parallel_output_grad=tp_grad)
         (y * (w if tp_grad else every_w[0])).sum().backward()
         errors[f"seq gather fwd {tp_grad}"] = _rel(y, torch.cat(list(_all_tp(lambda t: t, S // tp, B, H)), 0))
         expected = every_w.sum(0).chunk(tp, 0)[r] if tp_grad else every_w[0].chunk(tp, 0)[r]
         errors[f"seq gather bwd {tp_grad}"] = _rel(x.grad, expected)
 
     x = _rank_input(S, B, H).requires_grad_()
-    y = reduce_scatter_to_sequence_parallel_region(x)
+    y = reduce_scatter_to_sequence_parallel_region(x, g)
     (y * w.chunk(tp, 0)[r]).sum().backward()
     errors["seq reduce-scatter fwd"] = _rel(y, _all_tp(lambda t: t, S, B, H).sum(0).chunk(tp, 0)[r])
     errors["seq reduce-scatter bwd"] = _rel(x.grad, torch.cat([every_w[k].chunk(tp, 0)[k] for k in range(tp)], 0))

@@ -42,6 +42,7 @@ import torch
 from megalm import parallel_state
 from megalm.distributed.param_and_grad_buffer import Bucket, DataParallelError, ParamAndGradBuffer
 from megalm.parallel_state import ProcessGroups, group_size
+from megalm.tensor_parallel.param_info import param_info
 
 
 def default_bucket_size(data_parallel_size: int) -> int:
@@ -50,7 +51,7 @@ def default_bucket_size(data_parallel_size: int) -> int:
 
 
 def _is_shared_embedding(param: torch.nn.Parameter) -> bool:
-    return bool(getattr(param, "shared_embedding", False))
+    return param_info(param).tied
 
 
 def _wait_for(buckets: List[Bucket]):
@@ -104,7 +105,7 @@ class DistributedDataParallel(torch.nn.Module):
         for expert in (False, True):
             keyed: Dict[tuple, list] = {}
             for p in module.parameters():
-                if p.requires_grad and (getattr(p, "allreduce", True) is False) == expert:
+                if p.requires_grad and param_info(p).expert == expert:
                     keyed.setdefault((p.dtype, pick_grad_dtype(p)), []).append(p)
             group = pg.expt_dp if expert else pg.dp_cp
             world = group_size(group)

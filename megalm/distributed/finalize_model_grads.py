@@ -4,22 +4,25 @@
 
 1. ``finish_grad_sync()`` on every model chunk: the data-parallel mean of every gradient
    (all-reduce per bucket over DP; expert buffers over expert-DP).
-2. Sequence-parallel norm parameters (``param.sequence_parallel``): each TP rank saw only its
+2. Sequence-parallel norm parameters (``param_info(p).sequence_parallel``): each TP rank saw only its
    slice of the sequence, so their gradients are summed over the tensor-parallel group (one
    coalesced all-reduce).
 3. Tied word embeddings with pipeline parallelism: the first stage's word embedding and the
-   last stage's output-layer copy (``param.shared_embedding``) must receive the same update,
+   last stage's output-layer copy (``param_info(p).tied``) must receive the same update,
    so their gradients are summed over the embedding group (first + last stage) — one
    all-reduce of the weight's gradient.  With the distributed optimizer this runs after the
    reduce-scatter and is still right for the shard a rank owns, because the weight has a
    bucket of its own on both stages (the same shard ranges).
 
-Finding the tied weight: on the last stage, the parameter of ``model_chunks[-1]`` with
-``shared_embedding = True``; on the first stage, the parameter of ``model_chunks[0]`` with
-``shared_embedding = True``, else the module's ``shared_embedding_or_output_weight()``, else the
-one parameter with ``vocab_unpadded``.  Whether embeddings are tied is agreed once (MAX of
-"I know I am tied" over the embedding group: the last stage's ``shared_embedding`` flag or any
-chunk's ``share_embeddings_and_output_weights`` attribute) and cached on the first chunk.
+Finding the tied weight: the parameter of ``model_chunks[-1]`` (last stage) or
+``model_chunks[0]`` (first stage) whose :func:`~megalm.tensor_parallel.param_info.param_info`
+says ``tied`` (``GPTModel.tied_weights()``).  Whether embeddings are tied is agreed once (MAX of
+"I know I am tied" over the embedding group: the last stage's tied weight or any chunk's
+``share_embeddings_and_output_weights`` attribute) and cached on the first chunk.
+
+Process groups: ``process_groups`` (default this rank's
+:func:`~megalm.parallel_state.get_process_groups`, read once per call) gives the TP group of
+step 2 and the embedding / pipeline groups of step 3.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from megalm import parallel_state
 from megalm.device import get_device
 from megalm.distributed import comm
+from megalm.parallel_state import ProcessGroups, group_size
+from megalm.tensor_parallel.param_info import param_info
 from megalm.timers import NULL_TIMERS
 
 
@@ -52,12 +57,12 @@ def grad_of(param: torch.Tensor) -> Optional[torch.Tensor]:
     return g if g is not None else param.grad
 
 
-def allreduce_sequence_parallel_grads(model_chunks: Sequence[torch.nn.Module]) -> None:
-    """Sum gradients of ``sequence_parallel`` params over TP (one coalesced all-reduce)."""
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+def allreduce_sequence_parallel_grads(model_chunks: Sequence[torch.nn.Module], tp_group) -> None:
+    """Sum gradients of ``sequence_parallel`` params over ``tp_group`` (one coalesced all-reduce)."""
+    if group_size(tp_group) == 1:
         return
     params = [p for c in model_chunks for p in c.parameters()
-              if p.requires_grad and getattr(p, "sequence_parallel", False)]
+              if p.requires_grad and param_info(p).sequence_parallel]
     if not params:
         return
     grads = [grad_of(p) if grad_of(p) is not None else torch.zeros_like(p, dtype=torch.float32) for p in params]
@@ -67,49 +72,40 @@ def allreduce_sequence_parallel_grads(model_chunks: Sequence[torch.nn.Module]) -
     for dtype in sorted(by_dtype, key=str):  # same order on every TP rank
         group_grads = by_dtype[dtype]
         flat = _flatten_dense_tensors(group_grads)
-        comm.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group(), kind="sp_grad_all_reduce")
+        comm.all_reduce(flat, group=tp_group, kind="sp_grad_all_reduce")
         for g, synced in zip(group_grads, _unflatten_dense_tensors(flat, group_grads)):
             g.copy_(synced)
 
 
-def _find_shared_embedding(chunk: torch.nn.Module, first_stage: bool) -> Optional[torch.nn.Parameter]:
-    module = unwrap_model(chunk)
-    flagged = [p for p in module.parameters() if getattr(p, "shared_embedding", False)]
-    if flagged:
-        return flagged[0]
-    getter = getattr(module, "shared_embedding_or_output_weight", None)
-    if callable(getter):
-        return getter()
-    if first_stage:
-        vocab = [p for p in module.parameters() if hasattr(p, "vocab_unpadded")]
-        if len(vocab) == 1:
-            return vocab[0]
-    return None
+def _find_shared_embedding(chunk: torch.nn.Module) -> Optional[torch.nn.Parameter]:
+    """The parameter of ``chunk`` marked ``tied`` (at most one per chunk), or None."""
+    tied = [p for p in unwrap_model(chunk).parameters() if param_info(p).tied]
+    if len(tied) > 1:
+        raise RuntimeError(f"a model chunk holds {len(tied)} parameters marked tied; expected at most one")
+    return tied[0] if tied else None
 
 
-def _embedding_stage():
+def _embedding_stage(pg: ProcessGroups):
     """'first', 'last' or None (not in an embedding group of size > 1)."""
-    if not parallel_state.model_parallel_is_initialized() or \
-            parallel_state.get_pipeline_model_parallel_world_size() == 1:
+    if group_size(pg.pp) == 1 or pg.embd is None:
         return None
-    if not parallel_state.is_rank_in_embedding_group(ignore_virtual=True):
-        return None
-    if parallel_state.is_pipeline_first_stage(ignore_virtual=True):
+    stages, me = pg.ranks["pp"], dist.get_rank()
+    if me == stages[0]:
         return "first"
-    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+    if me == stages[-1]:
         return "last"
     return None
 
 
-def _tied(model_chunks: Sequence[torch.nn.Module], stage: str, weight) -> bool:
+def _tied(model_chunks: Sequence[torch.nn.Module], stage: str, weight, embd_group) -> bool:
     """Agree once over the embedding group whether embeddings are tied (cached on chunk 0)."""
     cached = getattr(model_chunks[0], "_megalm_tied_embeddings", None)
     if cached is not None:
         return cached
-    knows = (stage == "last" and weight is not None and getattr(weight, "shared_embedding", False)) or any(
+    knows = (stage == "last" and weight is not None) or any(
         getattr(unwrap_model(c), "share_embeddings_and_output_weights", False) for c in model_chunks)
     flag = torch.tensor([1.0 if knows else 0.0], device=get_device())
-    comm.all_reduce(flag, op=dist.ReduceOp.MAX, group=parallel_state.get_embedding_group(), kind="tie_flag")
+    comm.all_reduce(flag, op=dist.ReduceOp.MAX, group=embd_group, kind="tie_flag")
     tied = bool(flag.item() > 0)
     model_chunks[0]._megalm_tied_embeddings = tied
     return tied
@@ -118,49 +114,52 @@ def _tied(model_chunks: Sequence[torch.nn.Module], stage: str, weight) -> bool:
 def _check_own_bucket(chunk: torch.nn.Module, weight: torch.nn.Parameter) -> None:
     """With the distributed optimizer only the owned shard of a gradient is reduced, so the two
     stages must shard the tied weight alike: it must sit alone in its bucket (DDP puts a weight
-    flagged ``shared_embedding`` there)."""
+    marked ``tied`` there)."""
     if not getattr(chunk, "use_distributed_optimizer", False):
         return
     for buf in chunk.all_buffers:
         if weight in buf.param_index_map and len(buf.bucket_of(weight).params) != 1:
             raise RuntimeError("with the distributed optimizer the tied embedding weight needs a gradient bucket of "
-                               "its own: mark it with `param.shared_embedding = True` on both pipeline stages")
+                               "its own: mark it with `set_param_info(param, tied=True)` on both pipeline stages")
 
 
-def allreduce_embedding_grads(model_chunks: Sequence[torch.nn.Module], tied: Optional[bool] = None) -> None:
+def allreduce_embedding_grads(model_chunks: Sequence[torch.nn.Module], tied: Optional[bool] = None,
+                              process_groups: Optional[ProcessGroups] = None) -> None:
     """Sum the tied word-embedding gradient over the embedding group (first + last stage)."""
-    stage = _embedding_stage()
+    pg = parallel_state.get_process_groups() if process_groups is None else process_groups
+    stage = _embedding_stage(pg)
     if stage is None:
         return
     chunk = model_chunks[0] if stage == "first" else model_chunks[-1]
-    weight = _find_shared_embedding(chunk, first_stage=stage == "first")
+    weight = _find_shared_embedding(chunk)
     if tied is None:
-        tied = _tied(model_chunks, stage, weight)
+        tied = _tied(model_chunks, stage, weight, pg.embd)
     if not tied:
         return
     if weight is None:
         raise RuntimeError(
             f"embeddings are tied but the {stage} pipeline stage has no tied embedding weight: mark it with "
-            f"`param.shared_embedding = True` or give the model `shared_embedding_or_output_weight()`")
+            f"`megalm.tensor_parallel.param_info.set_param_info(param, tied=True)`")
     _check_own_bucket(chunk, weight)
     grad = grad_of(weight)
     if grad is None:
         grad = weight.grad = torch.zeros_like(weight)  # unused this iteration: contribute zeros
-    comm.all_reduce(grad, group=parallel_state.get_embedding_group(), kind="embedding_grad_all_reduce")
+    comm.all_reduce(grad, group=pg.embd, kind="embedding_grad_all_reduce")
 
 
 def finalize_model_grads(model_chunks: List[torch.nn.Module], tied_embeddings: Optional[bool] = None,
-                         timers=NULL_TIMERS) -> None:
+                         timers=NULL_TIMERS, process_groups: Optional[ProcessGroups] = None) -> None:
     """DP sync, then sequence-parallel norm grads over TP, then tied embedding grads over the
     embedding group.  Call once per iteration, after the last backward, before ``optimizer.step()``.
     ``timers``: Megatron's level-1 ``all-grads-sync``, ``layernorm-grads-all-reduce`` and
     ``embedding-grads-all-reduce`` (:mod:`megalm.timers`)."""
+    pg = parallel_state.get_process_groups() if process_groups is None else process_groups
     with timers("all-grads-sync"):
         for chunk in model_chunks:
             finish = getattr(chunk, "finish_grad_sync", None)
             if finish is not None:
                 finish()
     with timers("layernorm-grads-all-reduce"):
-        allreduce_sequence_parallel_grads(model_chunks)
+        allreduce_sequence_parallel_grads(model_chunks, pg.tp)
     with timers("embedding-grads-all-reduce"):
-        allreduce_embedding_grads(model_chunks, tied_embeddings)
+        allreduce_embedding_grads(model_chunks, tied_embeddings, pg)

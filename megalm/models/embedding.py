@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from megalm.device import get_device
+from megalm.parallel_state import CURRENT, resolve_group
 from megalm.tensor_parallel.initialization import mark_init
 from megalm.tensor_parallel.layers import VocabParallelEmbedding
 from megalm.tensor_parallel.mappings import scatter_to_sequence_parallel_region
@@ -26,15 +27,18 @@ from megalm.transformer.utils import init_std
 
 
 class LanguageModelEmbedding(nn.Module):
-    def __init__(self, model_cfg, padded_vocab_size: int, sequence_parallel: bool = False):
+    """See the module docstring; communicates over ``tp_group``."""
+
+    def __init__(self, model_cfg, padded_vocab_size: int, sequence_parallel: bool = False, tp_group=CURRENT):
         super().__init__()
         m = model_cfg
+        self.tp_group = resolve_group(tp_group, "tp")
         self.learned_positions = m.position_embedding_type == "learned_absolute"
         self.sequence_parallel = sequence_parallel
         self.embedding_dropout = m.hidden_dropout
         self.word_embeddings = VocabParallelEmbedding(
             padded_vocab_size, m.hidden_size, init_std=init_std(m), vocab_unpadded=m.vocab_size,
-            reduce_scatter_to_sequence=sequence_parallel and not self.learned_positions)
+            reduce_scatter_to_sequence=sequence_parallel and not self.learned_positions, tp_group=self.tp_group)
         if self.learned_positions:
             table = torch.empty(m.max_position_embeddings, m.hidden_size, dtype=torch.float32, device=get_device())
             # _weight skips nn.Embedding's own (RNG-consuming) init; initialize_weights fills it.
@@ -54,5 +58,5 @@ class LanguageModelEmbedding(nn.Module):
                 words = words + self.position_embeddings(position_ids)
             embeddings = words.transpose(0, 1).contiguous()
             if self.sequence_parallel:
-                embeddings = scatter_to_sequence_parallel_region(embeddings)
+                embeddings = scatter_to_sequence_parallel_region(embeddings, self.tp_group)
         return dropout(embeddings, self.embedding_dropout, self.training, model_parallel_rng=self.sequence_parallel)

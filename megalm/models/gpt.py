@@ -20,16 +20,24 @@
 Tied output weights: with ``pre_process`` and ``post_process`` on one rank the output layer
 uses the embedding's Parameter.  When the last stage has no embedding it owns a copy
 (``output_layer.weight``) initialized exactly like ``embedding.word_embeddings.weight``;
-both carry ``shared_embedding = True`` and their grads are summed by
+both are marked ``tied`` in their :class:`~megalm.tensor_parallel.param_info.ParamInfo`
+(:meth:`GPTModel.tied_weights` lists them) and their grads are summed by
 :func:`megalm.distributed.finalize_model_grads.allreduce_embedding_grads`.
 
-The tensor-parallel layout (size, rank) comes from :mod:`megalm.parallel_state`; sequence
-parallelism is on when ``cfg.parallel.sequence_parallel`` and the TP size is above one.
+Process groups: ``process_groups`` (a :class:`~megalm.parallel_state.ProcessGroups`; by default
+this rank's :func:`~megalm.parallel_state.get_process_groups`, read once here) is passed down
+explicitly: every tensor-parallel layer, the losses and the attention / MLP blocks get its
+``tp`` group, MoE blocks its ``tp`` and ``ep`` groups; no submodule reads parallel_state.
+Sequence parallelism is on when ``cfg.parallel.sequence_parallel`` and the TP size is above one.
+
+MoE run-time state (router metrics, auxiliary-loss backward factor) is the model's
+:attr:`GPTModel.moe_state`, reached by the trainer through :meth:`GPTModel.set_aux_loss_scale`
+and by the loss function through :meth:`GPTModel.moe_metrics`.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -38,10 +46,13 @@ from megalm import parallel_state
 from megalm.config import MegalmConfig, pad_vocab_size
 from megalm.fusions.backends import FusionPlan, plan_fusions
 from megalm.models.embedding import LanguageModelEmbedding
+from megalm.parallel_state import ProcessGroups, group_rank, group_size
 from megalm.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalm.tensor_parallel.initialization import initialize_weights
 from megalm.tensor_parallel.layers import ColumnParallelLinear
 from megalm.tensor_parallel.linear_cross_entropy import linear_cross_entropy
+from megalm.tensor_parallel.param_info import set_param_info
+from megalm.transformer.moe.state import MoEState
 from megalm.transformer.rope import RotaryEmbedding
 from megalm.transformer.transformer_block import TransformerBlock
 from megalm.transformer.utils import init_std, sequence_parallel_enabled
@@ -49,53 +60,69 @@ from megalm.transformer.utils import init_std, sequence_parallel_enabled
 WORD_EMBEDDING_NAME = "embedding.word_embeddings.weight"
 
 
-def _padded_vocab_size(cfg: MegalmConfig) -> int:
+def _padded_vocab_size(cfg: MegalmConfig, tp_size: int) -> int:
     m = cfg.model
     if m.vocab_size is None:
         raise ValueError("cfg.model.vocab_size is not set (set it from the tokenizer: megalm.config.set_vocab_size)")
     if m.padded_vocab_size is not None:
         return m.padded_vocab_size
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    return pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+    return pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp_size)
 
 
 class GPTModel(nn.Module):
     def __init__(self, cfg: MegalmConfig, pre_process: bool = True, post_process: bool = True,
-                 layer_numbers: Optional[Sequence[int]] = None, fusion_plan: Optional[FusionPlan] = None):
+                 layer_numbers: Optional[Sequence[int]] = None, fusion_plan: Optional[FusionPlan] = None,
+                 process_groups: Optional[ProcessGroups] = None):
         super().__init__()
         m = cfg.model
         self.cfg = cfg
+        self.process_groups = parallel_state.get_process_groups() if process_groups is None else process_groups
+        self.tp_group = self.process_groups.tp
         self.fusion_plan = fusion_plan or plan_fusions(m, half_precision=cfg.training.bf16 or cfg.training.fp16)
         self.pre_process, self.post_process = pre_process, post_process
-        self.sequence_parallel = sequence_parallel_enabled(cfg.parallel)
-        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
-        self.padded_vocab_size = _padded_vocab_size(cfg)
+        self.tp_size = group_size(self.tp_group)
+        self.sequence_parallel = sequence_parallel_enabled(cfg.parallel, self.tp_size)
+        self.moe_state = MoEState()
+        self.padded_vocab_size = _padded_vocab_size(cfg, self.tp_size)
         self.vocab_size = cfg.model.vocab_size
         self.share_embeddings_and_output_weights = not m.untie_embeddings_and_output_weights
         self.layer_numbers: List[int] = list(range(m.num_layers) if layer_numbers is None else layer_numbers)
 
         if pre_process:
-            self.embedding = LanguageModelEmbedding(m, self.padded_vocab_size, self.sequence_parallel)
+            self.embedding = LanguageModelEmbedding(m, self.padded_vocab_size, self.sequence_parallel,
+                                                    tp_group=self.tp_group)
         self.rotary = (RotaryEmbedding(m.head_dim, m.rotary_percent, m.rotary_base)
                        if m.position_embedding_type == "rope" else None)
-        self.decoder = TransformerBlock(m, self.layer_numbers, post_process, self.sequence_parallel, self.fusion_plan)
+        self.decoder = TransformerBlock(m, self.layer_numbers, self.process_groups, post_process,
+                                        self.sequence_parallel, self.fusion_plan, moe_state=self.moe_state)
         if post_process:
             self.output_layer = self._build_output_layer(m)
         self._mark_shared_embedding()
-        initialize_weights(self, cfg.training.seed)
+        initialize_weights(self, cfg.training.seed, tp_group=self.tp_group)
 
     def _build_output_layer(self, m) -> ColumnParallelLinear:
         reuse_embedding = self.share_embeddings_and_output_weights and self.pre_process
         layer = ColumnParallelLinear(m.hidden_size, self.padded_vocab_size, bias=False, gather_output=False,
                                      init_std=init_std(m), sequence_parallel=self.sequence_parallel,
-                                     skip_weight_param_allocation=reuse_embedding, vocab_unpadded=m.vocab_size)
+                                     skip_weight_param_allocation=reuse_embedding, vocab_unpadded=m.vocab_size,
+                                     tp_group=self.tp_group)
         if self.share_embeddings_and_output_weights and not self.pre_process:
             layer.weight.init_name = WORD_EMBEDDING_NAME  # same values as the first stage's embedding
+            set_param_info(layer.weight, copy_of=WORD_EMBEDDING_NAME)  # saved and loaded as the embedding
         return layer
 
     def _mark_shared_embedding(self) -> None:
         if self.share_embeddings_and_output_weights and (self.pre_process or self.post_process):
-            self.shared_embedding_or_output_weight().shared_embedding = True
+            set_param_info(self.shared_embedding_or_output_weight(), tied=True)
+
+    def tied_weights(self) -> List[nn.Parameter]:
+        """The tied word-embedding / output weights this chunk holds: the word embedding (first
+        stage, also the output weight when the last stage is here) or the output layer's copy
+        (last stage without embedding); empty when untied or on a middle stage."""
+        if not self.share_embeddings_and_output_weights:
+            return []
+        weight = self.shared_embedding_or_output_weight()
+        return [] if weight is None else [weight]
 
     def shared_embedding_or_output_weight(self) -> Optional[nn.Parameter]:
         """The word embedding (first stage) or the output weight (last stage without embedding)."""
@@ -104,6 +131,16 @@ class GPTModel(nn.Module):
         if self.post_process:
             return self.output_layer.weight
         return None
+
+    def moe_metrics(self) -> Dict[str, torch.Tensor]:
+        """Pop what this model's MoE routers recorded since the last call ({} for a dense model or
+        in evaluation); the loss function calls it after each micro-batch's forward."""
+        return self.moe_state.pop_metrics()
+
+    def set_aux_loss_scale(self, loss_scale: float, num_microbatches: int) -> None:
+        """Before each training step: the MoE auxiliary losses' backward factor becomes
+        ``loss_scale / num_microbatches`` (the main loss's) and unreported metrics are dropped."""
+        self.moe_state.begin_training_step(loss_scale, num_microbatches)
 
     def set_input_tensor(self, input_tensor: Union[torch.Tensor, Sequence[torch.Tensor], None]) -> None:
         """Hidden states ``[s(/tp), b, h]`` from the previous pipeline stage (a one-element list is accepted)."""
@@ -126,7 +163,7 @@ class GPTModel(nn.Module):
         padding the TP size implies, and checkpoints may drop those rows.
         """
         shard = logits.shape[-1]
-        valid = max(0, self.vocab_size - parallel_state.get_tensor_model_parallel_rank() * shard)
+        valid = max(0, self.vocab_size - group_rank(self.tp_group) * shard)
         if valid < shard:
             # In place on the fresh matmul output, touching only the padded columns (autograd
             # zeroes their gradient); a full masked copy of the logits cost ~10% of a CPU step.
@@ -170,9 +207,10 @@ class GPTModel(nn.Module):
             losses = linear_cross_entropy(hidden, self.output_layer.weight if weight is None else weight,
                                           labels.transpose(0, 1), self.vocab_size,
                                           token_weight=None if loss_mask is None else loss_mask.transpose(0, 1),
-                                          sequence_parallel=self.sequence_parallel)
+                                          sequence_parallel=self.sequence_parallel, tp_group=self.tp_group)
             return losses.transpose(0, 1).contiguous()
         logits = self._mask_padded_vocab(self.output_layer(hidden, weight=weight))  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
-        return vocab_parallel_cross_entropy(logits, labels.transpose(0, 1)).transpose(0, 1).contiguous()
+        losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), tp_group=self.tp_group)
+        return losses.transpose(0, 1).contiguous()

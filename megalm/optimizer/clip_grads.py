@@ -39,18 +39,19 @@ from megalm import parallel_state
 from megalm.device import get_device
 from megalm.distributed import comm
 from megalm.parallel_state import ProcessGroups, group_rank, group_size
+from megalm.tensor_parallel.param_info import param_info
 
 
 def param_is_not_shared(param: torch.Tensor, groups: ProcessGroups) -> bool:
     if getattr(param, "shared", False):
         return False
-    if getattr(param, "shared_embedding", False):
+    if param_info(param).tied:
         return group_rank(groups.pp) == 0  # the first pipeline stage's copy counts
     return True
 
 
 def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, groups: ProcessGroups) -> bool:
-    return bool(getattr(param, "tensor_model_parallel", False)) or group_rank(groups.tp) == 0
+    return param_info(param).tensor_parallel or group_rank(groups.tp) == 0
 
 
 def param_counts_in_norm(param: torch.Tensor, groups: ProcessGroups) -> bool:
@@ -58,7 +59,7 @@ def param_counts_in_norm(param: torch.Tensor, groups: ProcessGroups) -> bool:
 
 
 def is_expert_param(param: torch.Tensor) -> bool:
-    return getattr(param, "allreduce", True) is False
+    return param_info(param).expert
 
 
 def _communicating(group) -> Optional[object]:

@@ -62,6 +62,7 @@ from megalm.optimizer.clip_grads import clip_grads_by_total_norm, grad_norm_and_
 from megalm.optimizer.grad_scaler import GradScaler
 from megalm.param_layout import param_range_specs, param_spec
 from megalm.parallel_state import ProcessGroups, group_size
+from megalm.tensor_parallel.param_info import param_info
 from megalm.timers import NULL_TIMERS
 
 FORMAT = "megalm-optimizer-v1"
@@ -75,13 +76,13 @@ def grad_of_dtype(param: torch.Tensor) -> Optional[torch.dtype]:
 
 
 def _param_meta(p: torch.nn.Parameter, tp_size: int) -> dict:
-    tp_sharded = bool(getattr(p, "tensor_model_parallel", False))
-    dim = getattr(p, "partition_dim", None) if tp_sharded else None
+    info = param_info(p)
+    dim = info.partition_dim if info.tensor_parallel else None
     global_shape = list(p.shape)
     if dim is not None:
         global_shape[dim] *= tp_size
-    return {"shape": tuple(p.shape), "global_shape": tuple(global_shape), "tensor_model_parallel": tp_sharded,
-            "partition_dim": dim, "partition_stride": getattr(p, "partition_stride", 1)}
+    return {"shape": tuple(p.shape), "global_shape": tuple(global_shape), "tensor_model_parallel": info.tensor_parallel,
+            "partition_dim": dim, "partition_stride": info.partition_stride}
 
 
 class OptimizerError(MegalmError, ValueError):

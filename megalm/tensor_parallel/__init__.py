@@ -15,6 +15,7 @@ from megalm.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from megalm.tensor_parallel.param_info import ParamInfo, param_info, set_param_info
 from megalm.tensor_parallel.random import (
     checkpoint,
     dropout,
@@ -37,5 +38,6 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region", "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region", "checkpoint", "dropout", "get_all_rng_states", "get_rng_tracker",
     "model_parallel_manual_seed", "set_all_rng_states", "gather_tensor_parallel_grad",
-    "gather_tensor_parallel_param", "set_tensor_model_parallel_attributes",
+    "gather_tensor_parallel_param", "set_tensor_model_parallel_attributes", "ParamInfo", "param_info",
+    "set_param_info",
 ]

@@ -18,41 +18,41 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megalm import parallel_state
+from megalm.parallel_state import CURRENT, group_rank, group_size, resolve_group
 
 
-def all_reduce_over_vocab(x: torch.Tensor, op) -> torch.Tensor:
-    """In-place all-reduce of per-token statistics over the TP group (the vocabulary shards)."""
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(x, op=op, group=parallel_state.get_tensor_model_parallel_group())
+def all_reduce_over_vocab(x: torch.Tensor, op, group) -> torch.Tensor:
+    """In-place all-reduce of per-token statistics over ``group`` (the vocabulary shards' TP group)."""
+    if group_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
     return x
 
 
-def target_on_rank(target: torch.Tensor, per_rank: int):
-    """``(column of the target on this rank (0 where outside), outside mask)``."""
-    vocab_start = parallel_state.get_tensor_model_parallel_rank() * per_rank
+def target_on_rank(target: torch.Tensor, per_rank: int, group):
+    """``(column of the target on this rank of ``group`` (0 where outside), outside mask)``."""
+    vocab_start = group_rank(group) * per_rank
     outside = (target < vocab_start) | (target >= vocab_start + per_rank)
     return (target - vocab_start).masked_fill(outside, 0), outside
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group) -> torch.Tensor:
         per_rank = logits.shape[-1]
         logits_max = logits.max(dim=-1).values.float()
-        all_reduce_over_vocab(logits_max, dist.ReduceOp.MAX)
+        all_reduce_over_vocab(logits_max, dist.ReduceOp.MAX, group)
         # A new contiguous fp32 buffer: becomes exp(logits) and then the saved softmax.
         shifted = (logits.float() - logits_max.unsqueeze(-1)).contiguous()
 
-        local_target, outside = target_on_rank(target, per_rank)
+        local_target, outside = target_on_rank(target, per_rank, group)
         flat = shifted.view(-1, per_rank)
         rows = torch.arange(flat.shape[0], device=flat.device)
         predicted = flat[rows, local_target.reshape(-1)].view(target.shape).masked_fill(outside, 0.0)
-        all_reduce_over_vocab(predicted, dist.ReduceOp.SUM)
+        all_reduce_over_vocab(predicted, dist.ReduceOp.SUM, group)
 
         exp_logits = shifted.exp_()
         sum_exp = exp_logits.sum(dim=-1)
-        all_reduce_over_vocab(sum_exp, dist.ReduceOp.SUM)
+        all_reduce_over_vocab(sum_exp, dist.ReduceOp.SUM, group)
         loss = torch.log(sum_exp) - predicted
 
         softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
@@ -68,24 +68,25 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.backward_done = True
         softmax, outside, local_target = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
-            return None, None
+            return None, None, None
         grad = softmax  # reused in place: no second [..., V/tp] buffer
         flat = grad.view(-1, grad.shape[-1])
         rows = torch.arange(flat.shape[0], device=flat.device)
         flat[rows, local_target.reshape(-1)] -= (~outside).reshape(-1).to(flat.dtype)
         grad.mul_(grad_loss.unsqueeze(-1).to(grad.dtype))
-        return grad.to(ctx.logits_dtype), None
+        return grad.to(ctx.logits_dtype), None, None
 
 
-def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, tp_group=CURRENT) -> torch.Tensor:
     """Per-token fp32 loss ``-log softmax(logits)[target]`` from vocabulary-parallel logits.
 
     ``logits_shard``: ``[..., V/tp]`` (any float dtype; computed in fp32), this rank's slice
     of the padded vocabulary in rank order.  ``target``: int64 ``[...]`` full-vocabulary ids
     in ``[0, V)`` (no ignore index: multiply the returned losses by a loss mask instead).
-    Forward sends three all-reduces of ``[...]`` (max, target logit, sum of exps) over TP;
+    Forward sends three all-reduces of ``[...]`` (max, target logit, sum of exps) over
+    ``tp_group`` (default: this rank's TP group of :func:`megalm.parallel_state.get_process_groups`);
     backward sends nothing.
     """
     if logits_shard.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(logits_shard.shape)} and target {tuple(target.shape)} do not match")
-    return _VocabParallelCrossEntropy.apply(logits_shard, target)
+    return _VocabParallelCrossEntropy.apply(logits_shard, target, resolve_group(tp_group, "tp"))

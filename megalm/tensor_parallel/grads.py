@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalm import parallel_state
+from megalm.parallel_state import CURRENT, group_size, resolve_group
+from megalm.tensor_parallel.param_info import param_info
 
 Modules = Union[nn.Module, Iterable[nn.Module]]
 
@@ -52,14 +53,16 @@ def _all_reduce_coalesced(grads: List[torch.Tensor], group) -> None:
 
 
 def sequence_parallel_params(model: Modules) -> List[torch.nn.Parameter]:
-    return [p for p in _unique_params(model) if getattr(p, "sequence_parallel", False)]
+    return [p for p in _unique_params(model) if param_info(p).sequence_parallel]
 
 
 @torch.no_grad()
-def allreduce_sequence_parallel_grads(model: Modules) -> None:
-    """Sum over TP the grads of parameters marked ``sequence_parallel`` (one all-reduce per dtype)."""
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+def allreduce_sequence_parallel_grads(model: Modules, tp_group=CURRENT) -> None:
+    """Sum over ``tp_group`` (default: this rank's TP group) the grads of parameters marked
+    ``sequence_parallel`` (one all-reduce per dtype)."""
+    tp_group = resolve_group(tp_group, "tp")
+    if group_size(tp_group) == 1:
         return
     grads = [g for g in (_grad_of(p) for p in sequence_parallel_params(model)) if g is not None]
     if grads:
-        _all_reduce_coalesced(grads, parallel_state.get_tensor_model_parallel_group())
+        _all_reduce_coalesced(grads, tp_group)

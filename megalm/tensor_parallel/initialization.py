@@ -8,8 +8,8 @@ Modules record *how* each parameter is initialized (``mark_init``) when they are
   of ``(seed, global parameter name)`` (parameter names are global: ``decoder.layers.5...``,
   and canonical: a Transformer Engine model's fused norm weights use the local names, see
   :mod:`megalm.parameter_names`, so both implementations start from the same weights);
-* this rank's shard is cut from it with ``tensor_model_parallel`` / ``partition_dim`` /
-  ``partition_stride`` and copied in;
+* this rank's shard is cut from it by the parameter's split (its
+  :class:`~megalm.tensor_parallel.param_info.ParamInfo`) and copied in;
 * vocabulary rows at or beyond ``vocab_unpadded`` are zero.
 
 Only one full parameter exists at a time.  A parameter may carry ``init_name`` to be drawn
@@ -24,8 +24,9 @@ from typing import Iterable, Optional, Union
 import torch
 from torch import nn
 
-from megalm import parallel_state
+from megalm.parallel_state import CURRENT, group_rank, group_size, resolve_group
 from megalm.parameter_names import canonical_name
+from megalm.tensor_parallel.param_info import param_info
 from megalm.tensor_parallel.utils import full_shape, shard_of_full
 
 INIT_KINDS = ("normal", "zeros", "ones")
@@ -60,7 +61,7 @@ def full_initial_value(param: torch.Tensor, name: str, seed: int, tp_size: int) 
         return torch.ones(shape, dtype=torch.float32)
     generator = torch.Generator().manual_seed(stable_seed(seed, getattr(param, "init_name", name)))
     full = torch.empty(shape, dtype=torch.float32).normal_(0.0, param.init_std, generator=generator)
-    vocab = getattr(param, "vocab_unpadded", None)
+    vocab = param_info(param).vocab_unpadded
     if vocab is not None:
         full[vocab:].zero_()
     return full
@@ -77,14 +78,17 @@ def _named_unique_parameters(model: Union[nn.Module, Iterable[nn.Module]]):
 
 
 @torch.no_grad()
-def initialize_weights(model: Union[nn.Module, Iterable[nn.Module]], seed: int) -> None:
-    """Fill every parameter of ``model`` (or of each model chunk) by the layout-independent rule."""
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+def initialize_weights(model: Union[nn.Module, Iterable[nn.Module]], seed: int, tp_group=CURRENT) -> None:
+    """Fill every parameter of ``model`` (or of each model chunk) by the layout-independent rule;
+    split parameters get this rank's shard for ``tp_group`` (default: this rank's TP group).
+    No communication."""
+    tp_group = resolve_group(tp_group, "tp")
+    tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
     for name, param in _named_unique_parameters(model):
         full = full_initial_value(param, canonical_name(name), seed, tp_size)
-        if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
-            full = shard_of_full(full, param.partition_dim, tp_rank, tp_size, param.partition_stride)
+        info = param_info(param)
+        if info.tensor_parallel and tp_size > 1:
+            full = shard_of_full(full, info.partition_dim, tp_rank, tp_size, info.partition_stride)
         if tuple(full.shape) != tuple(param.shape):
             raise RuntimeError(f"{name}: shard shape {tuple(full.shape)} != parameter shape {tuple(param.shape)}")
         param.copy_(full)

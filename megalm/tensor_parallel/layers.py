@@ -5,6 +5,11 @@ contract of :mod:`megalm.tensor_parallel.utils` and an init rule
 (:func:`megalm.tensor_parallel.initialization.mark_init`); values are filled later by
 ``initialize_weights``.  Activations are ``[s, b, h]``; under sequence parallelism the
 replicated side of a layer is ``[s/tp, b, h]``.
+
+Every layer communicates over the ``tp_group`` it is built with (``None``: this rank alone,
+no communication); the default :data:`megalm.parallel_state.CURRENT` takes this rank's
+tensor-parallel group from :func:`megalm.parallel_state.get_process_groups` once, at
+construction.  Models pass their group explicitly.
 """
 
 from __future__ import annotations
@@ -15,18 +20,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalm import parallel_state
 from megalm.device import get_device
+from megalm.parallel_state import CURRENT, group_rank, group_size, resolve_group
 from megalm.tensor_parallel.initialization import mark_init
 from megalm.tensor_parallel.mappings import (
     all_gather_first_dim,
-    all_reduce_tp,
+    all_reduce,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_first_dim,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from megalm.tensor_parallel.param_info import set_param_info
 from megalm.tensor_parallel.utils import divide, set_tensor_model_parallel_attributes
 
 
@@ -41,11 +47,11 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, sequence_parallel: bool):
+    def forward(ctx, x, weight, bias, sequence_parallel: bool, group):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        ctx.sequence_parallel = sequence_parallel
-        total = all_gather_first_dim(x)[0] if sequence_parallel else x
+        ctx.sequence_parallel, ctx.group = sequence_parallel, group
+        total = all_gather_first_dim(x, group)[0] if sequence_parallel else x
         out = torch.matmul(total, weight.t())
         return out + bias if bias is not None else out
 
@@ -57,14 +63,14 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
         gather = None
         total = x
         if ctx.sequence_parallel and ctx.needs_input_grad[1]:
-            total, gather = all_gather_first_dim(x, async_op=True)
+            total, gather = all_gather_first_dim(x, ctx.group, async_op=True)
         grad_input, reduce = None, None
         if ctx.needs_input_grad[0]:
             grad_input = grad_out.matmul(weight)
             if ctx.sequence_parallel:
-                grad_input, reduce = reduce_scatter_first_dim(grad_input, async_op=True)
-            else:
-                grad_input, reduce = all_reduce_tp(grad_input, async_op=True)
+                grad_input, reduce = reduce_scatter_first_dim(grad_input, ctx.group, async_op=True)
+            else:  # in place: grad_input is this function's own matmul output
+                grad_input, reduce = all_reduce(grad_input, ctx.group, async_op=True)
         if gather is not None:
             gather.wait()
         grad_out_2d = grad_out.reshape(-1, grad_out.shape[-1])
@@ -74,7 +80,7 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
         grad_bias = grad_out_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if reduce is not None:
             reduce.wait()
-        return grad_input, grad_weight, grad_bias, None
+        return grad_input, grad_weight, grad_bias, None, None
 
 
 def _new_parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -98,12 +104,13 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True, gather_output: bool = False,
                  init_std: float = 0.02, stride: int = 1, sequence_parallel: bool = False,
                  skip_weight_param_allocation: bool = False, vocab_unpadded: Optional[int] = None,
-                 skip_bias_add: bool = False, dtype: torch.dtype = torch.float32):
+                 skip_bias_add: bool = False, dtype: torch.dtype = torch.float32, tp_group=CURRENT):
         super().__init__()
         if skip_bias_add and gather_output:
             raise ValueError("ColumnParallelLinear: skip_bias_add returns this rank's bias slice; it cannot be "
                              "combined with gather_output")
-        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.tp_group = resolve_group(tp_group, "tp")
+        self.tp_size = group_size(self.tp_group)
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = divide(output_size, self.tp_size)
         self.gather_output = gather_output
@@ -116,7 +123,7 @@ class ColumnParallelLinear(nn.Module):
             set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
             mark_init(self.weight, "normal", init_std)
             if vocab_unpadded is not None:
-                self.weight.vocab_unpadded = vocab_unpadded
+                set_param_info(self.weight, vocab_unpadded=vocab_unpadded)
         if bias:
             self.bias = _new_parameter(self.output_size_per_partition, dtype=dtype)
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
@@ -133,10 +140,10 @@ class ColumnParallelLinear(nn.Module):
         if self.tp_size == 1:
             out = F.linear(x, weight, bias)
         else:
-            out = _ColumnParallelLinearFunction.apply(x, weight, bias, self.sequence_parallel)
+            out = _ColumnParallelLinearFunction.apply(x, weight, bias, self.sequence_parallel, self.tp_group)
         if self.skip_bias_add:
             return out, self.bias
-        return gather_from_tensor_model_parallel_region(out) if self.gather_output else out
+        return gather_from_tensor_model_parallel_region(out, self.tp_group) if self.gather_output else out
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size}, out_per_rank={self.output_size_per_partition}, "
@@ -156,9 +163,10 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True, input_is_parallel: bool = True,
                  init_std: float = 0.02, sequence_parallel: bool = False, skip_bias_add: bool = False,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, tp_group=CURRENT):
         super().__init__()
-        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.tp_group = resolve_group(tp_group, "tp")
+        self.tp_size = group_size(self.tp_group)
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = divide(input_size, self.tp_size)
         self.skip_bias_add = skip_bias_add
@@ -173,7 +181,7 @@ class RowParallelLinear(nn.Module):
             self.bias = _new_parameter(output_size, dtype=dtype)
             set_tensor_model_parallel_attributes(self.bias, False, -1)
             mark_init(self.bias, "zeros")
-            self.bias.sequence_parallel = self.sequence_parallel
+            set_param_info(self.bias, sequence_parallel=self.sequence_parallel)
         else:
             self.register_parameter("bias", None)
 
@@ -183,12 +191,12 @@ class RowParallelLinear(nn.Module):
             out = F.linear(x, self.weight, None if self.skip_bias_add else self.bias)
         else:
             if not self.input_is_parallel:
-                x = scatter_to_tensor_model_parallel_region(x)
+                x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
             partial = torch.matmul(x, self.weight.t())
             if self.sequence_parallel:
-                out = reduce_scatter_to_sequence_parallel_region(partial)
-            else:
-                out = reduce_from_tensor_model_parallel_region(partial)
+                out = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
+            else:  # in place: the matmul output is a temporary that autograd did not save
+                out = reduce_from_tensor_model_parallel_region(partial, self.tp_group, in_place=True)
             if self.bias is not None and not self.skip_bias_add:
                 out = out + self.bias
         return (out, self.bias) if self.skip_bias_add else out
@@ -211,18 +219,19 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, init_std: float = 0.02,
                  vocab_unpadded: Optional[int] = None, reduce_scatter_to_sequence: bool = False,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, tp_group=CURRENT):
         super().__init__()
-        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.tp_group = resolve_group(tp_group, "tp")
+        self.tp_size = group_size(self.tp_group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.per_partition = divide(num_embeddings, self.tp_size)
-        self.vocab_start = parallel_state.get_tensor_model_parallel_rank() * self.per_partition
+        self.vocab_start = group_rank(self.tp_group) * self.per_partition
         self.vocab_end = self.vocab_start + self.per_partition
         self.reduce_scatter_to_sequence = reduce_scatter_to_sequence and self.tp_size > 1
         self.weight = _new_parameter(self.per_partition, embedding_dim, dtype=dtype)
         set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
         mark_init(self.weight, "normal", init_std)
-        self.weight.vocab_unpadded = num_embeddings if vocab_unpadded is None else vocab_unpadded
+        set_param_info(self.weight, vocab_unpadded=num_embeddings if vocab_unpadded is None else vocab_unpadded)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -231,8 +240,9 @@ class VocabParallelEmbedding(nn.Module):
         local_ids = (token_ids - self.vocab_start).masked_fill(outside, 0)
         partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.reduce_scatter_to_sequence:
-            return reduce_scatter_to_sequence_parallel_region(partial.transpose(0, 1).contiguous())
-        return reduce_from_tensor_model_parallel_region(partial)
+            return reduce_scatter_to_sequence_parallel_region(partial.transpose(0, 1).contiguous(), self.tp_group)
+        # in place: the masked lookup is a temporary (masked_fill saves only its mask)
+        return reduce_from_tensor_model_parallel_region(partial, self.tp_group, in_place=True)
 
     def extra_repr(self) -> str:
         return f"vocab={self.num_embeddings}, per_rank={self.per_partition}, dim={self.embedding_dim}"

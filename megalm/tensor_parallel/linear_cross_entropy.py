@@ -40,9 +40,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megalm import parallel_state
+from megalm.parallel_state import CURRENT, group_rank, group_size, resolve_group
 from megalm.tensor_parallel.cross_entropy import all_reduce_over_vocab, target_on_rank
-from megalm.tensor_parallel.mappings import all_gather_first_dim, all_reduce_tp, reduce_scatter_first_dim
+from megalm.tensor_parallel.mappings import all_gather_first_dim, all_reduce, reduce_scatter_first_dim
 
 # Bytes of one fp32 logits chunk (a GPU wants large chunks: few kernel launches and all-reduces)
 # and the fewest tokens per chunk (below that the GEMMs lose efficiency; measured on CPU).
@@ -66,12 +66,12 @@ class _Chunks:
     reductions over the vocabulary run down the columns."""
 
     def __init__(self, x: torch.Tensor, shape: torch.Size, weight: torch.Tensor, target: torch.Tensor,
-                 vocab_size: int):
-        self.x, self.shape, self.weight = x, shape, weight
+                 vocab_size: int, group):
+        self.x, self.shape, self.weight, self.group = x, shape, weight, group
         self.vocab_local = weight.shape[0]
-        start = parallel_state.get_tensor_model_parallel_rank() * self.vocab_local
+        start = group_rank(group) * self.vocab_local
         self.valid = min(self.vocab_local, max(0, vocab_size - start))  # unpadded columns on this rank
-        self.local_target, self.outside = target_on_rank(target, self.vocab_local)
+        self.local_target, self.outside = target_on_rank(target, self.vocab_local, group)
         self.rows = chunk_rows(x.shape[0], self.vocab_local, x.device)
         self._buffers = {}
 
@@ -97,11 +97,11 @@ class _Chunks:
             z.copy_(gemm)
         if self.valid < self.vocab_local:
             z[self.valid:] = float("-inf")
-        token_max = all_reduce_over_vocab(z.amax(dim=0), dist.ReduceOp.MAX)
+        token_max = all_reduce_over_vocab(z.amax(dim=0), dist.ReduceOp.MAX, self.group)
         outside = self.outside[start:end]
         target_logit = z.gather(0, self.local_target[None, start:end]).squeeze(0).masked_fill(outside, 0.0)
         z.sub_(token_max[None, :]).exp_()
-        sums = all_reduce_over_vocab(torch.stack([z.sum(dim=0), target_logit]), dist.ReduceOp.SUM)
+        sums = all_reduce_over_vocab(torch.stack([z.sum(dim=0), target_logit]), dist.ReduceOp.SUM, self.group)
         return z, token_max, sums[0], sums[1]
 
     def logit_grad(self, e: torch.Tensor, sum_exp: torch.Tensor, weight: torch.Tensor, start: int, end: int):
@@ -129,10 +129,10 @@ class _Chunks:
             dw.copy_(product) if first else dw.add_(product)
 
 
-def _chunks_for(hidden, weight, target, vocab_size: int, sequence_parallel: bool) -> _Chunks:
-    """The chunk state for ``hidden`` (all-gathered along the sequence under SP)."""
-    x = all_gather_first_dim(hidden)[0] if sequence_parallel else hidden  # [s, b, h]
-    return _Chunks(x.reshape(-1, x.shape[-1]), x.shape, weight, target.reshape(-1), vocab_size)
+def _chunks_for(hidden, weight, target, vocab_size: int, sequence_parallel: bool, group) -> _Chunks:
+    """The chunk state for ``hidden`` (all-gathered along the sequence over ``group`` under SP)."""
+    x = all_gather_first_dim(hidden, group)[0] if sequence_parallel else hidden  # [s, b, h]
+    return _Chunks(x.reshape(-1, x.shape[-1]), x.shape, weight, target.reshape(-1), vocab_size, group)
 
 
 def _losses_and_grads(chunks: _Chunks, token_weight: Optional[torch.Tensor], with_grads: bool):
@@ -165,13 +165,14 @@ def _common_scale(grad: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Te
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, token_weight, vocab_size: int, sequence_parallel: bool,
-                with_grads: bool):
-        chunks = _chunks_for(hidden, weight, target, vocab_size, sequence_parallel)
+                with_grads: bool, group):
+        chunks = _chunks_for(hidden, weight, target, vocab_size, sequence_parallel, group)
         token_weight = token_weight.reshape(-1).float()
         losses, dx, dw = _losses_and_grads(chunks, token_weight, with_grads)
         # The inputs are kept for the rare backward whose grad_loss is not proportional to token_weight.
         ctx.save_for_backward(dx, dw, token_weight, hidden, weight, target)
         ctx.vocab_size, ctx.sequence_parallel, ctx.gathered_shape = vocab_size, sequence_parallel, chunks.shape
+        ctx.group = group
         ctx.done = False
         return losses.view(chunks.shape[:-1])
 
@@ -189,15 +190,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
             dx.mul_(scale.to(dx.dtype))
             dw.mul_(scale)
         else:  # grad_loss is not proportional to the loss weights: redo the chunks with it
-            chunks = _chunks_for(hidden, weight, target, ctx.vocab_size, ctx.sequence_parallel)
+            chunks = _chunks_for(hidden, weight, target, ctx.vocab_size, ctx.sequence_parallel, ctx.group)
             _, dx, dw = _losses_and_grads(chunks, grad, with_grads=True)
         dx = dx.view(ctx.gathered_shape)
-        dx = reduce_scatter_first_dim(dx)[0] if ctx.sequence_parallel else all_reduce_tp(dx)[0]
-        return dx, dw.to(weight.dtype), None, None, None, None, None
+        dx = reduce_scatter_first_dim(dx, ctx.group)[0] if ctx.sequence_parallel else all_reduce(dx, ctx.group)[0]
+        return dx, dw.to(weight.dtype), None, None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, vocab_size: int,
-                         token_weight: Optional[torch.Tensor] = None, sequence_parallel: bool = False) -> torch.Tensor:
+                         token_weight: Optional[torch.Tensor] = None, sequence_parallel: bool = False,
+                         tp_group=CURRENT) -> torch.Tensor:
     """Per-token fp32 losses ``[s, b]`` of ``hidden`` ``[s, b, h]`` (``[s/tp, b, h]`` under sequence
     parallelism) through this rank's output-weight slice ``weight`` ``[V/tp, h]``.
 
@@ -208,7 +210,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     """
     if hidden.shape[-1] != weight.shape[-1]:
         raise ValueError(f"hidden size {hidden.shape[-1]} does not match the output weight {tuple(weight.shape)}")
-    tokens = hidden.shape[0] * (parallel_state.get_tensor_model_parallel_world_size() if sequence_parallel else 1)
+    group = resolve_group(tp_group, "tp")
+    tokens = hidden.shape[0] * (group_size(group) if sequence_parallel else 1)
     if tuple(target.shape) != (tokens,) + tuple(hidden.shape[1:-1]):
         raise ValueError(f"target {tuple(target.shape)} does not match hidden {tuple(hidden.shape)}")
     if token_weight is None:
@@ -217,4 +220,4 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         raise ValueError(f"token_weight {tuple(token_weight.shape)} does not match target {tuple(target.shape)}")
     with_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _LinearCrossEntropy.apply(hidden, weight, target, token_weight, vocab_size, sequence_parallel,
-                                     with_grads)
+                                     with_grads, group)

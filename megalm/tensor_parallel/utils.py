@@ -1,19 +1,8 @@
-"""Shapes, shard arithmetic and the parameter attribute contract of tensor parallelism.
+"""Shapes and shard arithmetic of tensor parallelism.
 
-Attribute contract (every parameter of a megalm model carries it; checkpointing, DDP and
-the optimizer read it):
-
-* ``tensor_model_parallel`` (bool): the parameter is split over tensor-parallel ranks.
-* ``partition_dim`` (int): the split dimension, ``-1`` when not split.
-* ``partition_stride`` (int): 1, or 2 for a fused ``[gate; up]`` SwiGLU weight whose TP
-  rank ``r`` holds ``[gate_r; up_r]``.  In general the full tensor is cut into
-  ``stride * tp`` equal chunks along ``partition_dim`` and rank ``r`` holds chunks
-  ``r, r + tp, r + 2 tp, ...`` concatenated (Megatron's convention).
-
-Optional attributes: ``sequence_parallel`` (grads must be all-reduced over TP, see
-:mod:`megalm.tensor_parallel.grads`), ``vocab_unpadded`` (true vocabulary size of a padded
-embedding / output weight), ``shared_embedding`` (tied word embedding / output weight
-whose grads are summed over the embedding group when the two live on different stages).
+A parameter's split (``tensor_parallel``, ``partition_dim``, ``partition_stride``) is part of
+its :class:`~megalm.tensor_parallel.param_info.ParamInfo` record, read with
+:func:`~megalm.tensor_parallel.param_info.param_info`.
 """
 
 from __future__ import annotations
@@ -23,13 +12,12 @@ from typing import List, Sequence
 import torch
 import torch.distributed as dist
 
-from megalm import parallel_state
+from megalm.parallel_state import CURRENT, group_size, resolve_group
+from megalm.tensor_parallel.param_info import ParamInfo, param_info, set_param_info
 
 # torch >= 2.13 renamed the flat collectives; keep the old names for older releases.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -40,35 +28,16 @@ def divide(numerator: int, denominator: int) -> int:
 
 
 def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool, dim: int, stride: int = 1) -> None:
-    """Mark ``param`` as split along ``dim`` (or replicated when ``is_parallel`` is False)."""
-    param.tensor_model_parallel = bool(is_parallel)
-    param.partition_dim = int(dim) if is_parallel else -1
-    param.partition_stride = int(stride) if is_parallel else 1
-
-
-def set_defaults_if_not_set_tensor_model_parallel_attributes(param: torch.Tensor) -> None:
-    """Give a replicated parameter the default attributes (idempotent)."""
-    for name, value in _DEFAULTS.items():
-        if not hasattr(param, name):
-            setattr(param, name, value)
-
-
-def copy_tensor_model_parallel_attributes(destination: torch.Tensor, source: torch.Tensor) -> None:
-    for name in _DEFAULTS:
-        if hasattr(source, name):
-            setattr(destination, name, getattr(source, name))
-
-
-def param_is_tensor_parallel_duplicate(param: torch.Tensor) -> bool:
-    """True for a replicated parameter on TP rank > 0 (counted once in norms and sizes)."""
-    return not getattr(param, "tensor_model_parallel", False) and parallel_state.get_tensor_model_parallel_rank() > 0
+    """Mark ``param`` as split along ``dim`` (or replicated when ``is_parallel`` is False) in its record."""
+    set_param_info(param, tensor_parallel=bool(is_parallel), partition_dim=int(dim) if is_parallel else -1,
+                   partition_stride=int(stride) if is_parallel else 1)
 
 
 def full_shape(param: torch.Tensor, tp_size: int) -> List[int]:
     """Shape of the gathered (unsplit) tensor of which ``param`` is this rank's shard."""
-    shape = list(param.shape)
-    if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
-        shape[param.partition_dim] *= tp_size
+    shape, info = list(param.shape), param_info(param)
+    if info.tensor_parallel and tp_size > 1:
+        shape[info.partition_dim] *= tp_size
     return shape
 
 
@@ -92,24 +61,21 @@ def assemble_full(shards: Sequence[torch.Tensor], dim: int, stride: int = 1) -> 
     return torch.cat([pieces[r][k] for k in range(stride) for r in range(size)], dim=dim)
 
 
-def split_tensor_along_dim(tensor: torch.Tensor, dim: int, num_partitions: int) -> List[torch.Tensor]:
-    """Equal views along ``dim`` (raises when it does not divide)."""
-    divide(tensor.shape[dim], num_partitions)
-    return list(torch.chunk(tensor, num_partitions, dim=dim))
-
-
-def gather_tensor_parallel_param(param: torch.Tensor, group=None) -> torch.Tensor:
-    """Full tensor of a TP-split parameter (or its grad), all-gathered over the TP group.
+def gather_tensor_parallel_param(param: torch.Tensor, group=CURRENT) -> torch.Tensor:
+    """Full tensor of a TP-split parameter (or its grad), all-gathered over ``group`` (default:
+    this rank's TP group).
 
     Sends this rank's shard to every TP rank (one all-gather); returns a new tensor.  A
     replicated tensor is returned as a copy.  Meant for tests, export and checkpoint tools.
     """
-    size = parallel_state.get_tensor_model_parallel_world_size()
-    source = param.detach()
-    if not getattr(param, "tensor_model_parallel", False) or size == 1:
+    return _gather_shards(param.detach(), param_info(param), resolve_group(group, "tp"))
+
+
+def _gather_shards(source: torch.Tensor, info: ParamInfo, group) -> torch.Tensor:
+    size = group_size(group)
+    if info.replicated or size == 1:
         return source.clone()
-    group = group or parallel_state.get_tensor_model_parallel_group()
-    dim, stride = param.partition_dim, param.partition_stride
+    dim, stride = info.partition_dim, info.partition_stride
     moved = source.movedim(dim, 0).contiguous()
     out = torch.empty((size * moved.shape[0],) + tuple(moved.shape[1:]), dtype=moved.dtype, device=moved.device)
     all_gather_flat(out, moved, group=group)
@@ -117,19 +83,16 @@ def gather_tensor_parallel_param(param: torch.Tensor, group=None) -> torch.Tenso
     return assemble_full(shards, dim, stride)
 
 
-def gather_tensor_parallel_grad(param: torch.Tensor, group=None) -> torch.Tensor:
+def gather_tensor_parallel_grad(param: torch.Tensor, group=CURRENT) -> torch.Tensor:
     """Full gradient of a parameter (``main_grad`` when present, else ``grad``), gathered over TP."""
     grad = getattr(param, "main_grad", None)
     if grad is None:
         grad = param.grad
     if grad is None:
         raise ValueError("parameter has no gradient")
-    holder = grad.detach()
-    for name in _DEFAULTS:
-        setattr(holder, name, getattr(param, name, _DEFAULTS[name]))
-    return gather_tensor_parallel_param(holder, group)
+    return _gather_shards(grad.detach(), param_info(param), resolve_group(group, "tp"))
 
 
-def sequence_parallel_enabled(parallel_cfg) -> bool:
+def sequence_parallel_enabled(parallel_cfg, tp_size: int) -> bool:
     """Sequence parallelism is on only with the flag and a tensor-parallel size above one."""
-    return bool(parallel_cfg.sequence_parallel) and parallel_state.get_tensor_model_parallel_world_size() > 1
+    return bool(parallel_cfg.sequence_parallel) and tp_size > 1

@@ -30,7 +30,7 @@ def train_step(cfg: MegalmConfig, forward_step_func: Callable, data_iterator, mo
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    begin_moe_step(optimizer.get_loss_scale(), num_microbatches)  # aux-loss backward scale (MoE)
+    begin_moe_step(model, optimizer.get_loss_scale(), num_microbatches)  # aux-loss backward scale (MoE)
     forward_backward = get_forward_backward_func()
     with timers("forward-backward"):
         reported = forward_backward(forward_step_func=forward_step_func,

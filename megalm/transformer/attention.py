@@ -24,12 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalm import parallel_state
 from megalm.fusions import backends
 from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.fusions.compile import select
 from megalm.fusions.rope import rotary_qk
 from megalm.fusions.softmax import scaled_causal_softmax
+from megalm.parallel_state import CURRENT, group_size, resolve_group
 from megalm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalm.tensor_parallel.random import checkpoint, dropout_rng
 from megalm.tensor_parallel.utils import divide
@@ -44,12 +44,14 @@ class SelfAttention(nn.Module):
     dropout runs in the tracker's model-parallel stream (each rank holds different heads).
     With ``recompute_core`` (selective recompute) the core is recomputed in backward.  With
     ``skip_output_bias`` :meth:`forward` returns ``(output, linear_proj bias or None)``.
+    ``tp_group``: the tensor-parallel group both projections communicate over.
     """
 
     def __init__(self, model_cfg, sequence_parallel: bool = False, recompute_core: bool = False,
-                 plan: FusionPlan = EAGER, skip_output_bias: bool = False):
+                 plan: FusionPlan = EAGER, skip_output_bias: bool = False, tp_group=CURRENT):
         super().__init__()
-        tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.tp_group = resolve_group(tp_group, "tp")
+        tp = group_size(self.tp_group)
         m = model_cfg
         self.head_dim = m.head_dim
         num_groups = m.num_query_groups if m.group_query_attention else m.num_attention_heads
@@ -71,10 +73,10 @@ class SelfAttention(nn.Module):
         """``(linear_qkv, linear_proj)``: column- and row-parallel linears (TE's in
         :class:`megalm.transformer.te_layers.TESelfAttention`)."""
         linear_qkv = ColumnParallelLinear(m.hidden_size, qkv_size, bias=m.add_bias_linear, init_std=init_std(m),
-                                          sequence_parallel=sequence_parallel)
+                                          sequence_parallel=sequence_parallel, tp_group=self.tp_group)
         linear_proj = RowParallelLinear(m.num_attention_heads * self.head_dim, m.hidden_size, bias=m.add_bias_linear,
                                         init_std=output_init_std(m), sequence_parallel=sequence_parallel,
-                                        skip_bias_add=skip_output_bias)
+                                        skip_bias_add=skip_output_bias, tp_group=self.tp_group)
         return linear_qkv, linear_proj
 
     def split_qkv(self, mixed: torch.Tensor):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib
 from typing import Callable, ContextManager, Optional
 
-from megalm import parallel_state
 from megalm.fusions import backends
 
 
@@ -34,20 +33,15 @@ def fp8_recipe(model_cfg):
                                  amax_history_len=m.fp8_amax_history_len, amax_compute_algo=m.fp8_amax_compute_algo)
 
 
-def amax_reduction_group():
-    """Tensor x data-parallel group of this pipeline stage (None without model-parallel state: TE's default)."""
-    if not parallel_state.model_parallel_is_initialized():
-        return None
-    return parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
-
-
-def fp8_autocast(model_cfg) -> Optional[Callable[[], ContextManager]]:
-    """A factory of ``te.fp8_autocast(enabled=True, fp8_recipe=..., fp8_group=...)`` regions for
-    ``--fp8-format``, or None when fp8 is off.  The recipe and group are built once."""
+def fp8_autocast(model_cfg, amax_group) -> Optional[Callable[[], ContextManager]]:
+    """A factory of ``te.fp8_autocast(enabled=True, fp8_recipe=..., fp8_group=amax_group)`` regions
+    for ``--fp8-format``, or None when fp8 is off.  ``amax_group``: where TE reduces the amax
+    history, the tensor x data x context-parallel group of this pipeline stage (``ProcessGroups.tp_dp_cp``;
+    None: this rank alone, TE's default).  The recipe is built once."""
     if model_cfg.fp8_format is None:
         return None
     te = backends.transformer_engine_module()
     if te is None:
         raise backends.BackendUnavailable(f"--fp8-format needs Transformer Engine: {backends.TE_INSTALL}")
-    recipe, group = fp8_recipe(model_cfg), amax_reduction_group()
-    return lambda: te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=group)
+    recipe = fp8_recipe(model_cfg)
+    return lambda: te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=amax_group)

@@ -23,6 +23,7 @@ from torch import nn
 from megalm.fusions.activations import bias_gelu, bias_swiglu
 from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.fusions.compile import select
+from megalm.parallel_state import CURRENT, resolve_group
 from megalm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalm.transformer.utils import init_std, output_init_std
 
@@ -34,12 +35,14 @@ def fc1_layout(m):
 
 
 class MLP(nn.Module):
-    """Input/output ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism)."""
+    """Input/output ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism); ``tp_group`` is the
+    tensor-parallel group both linears communicate over."""
 
     def __init__(self, model_cfg, sequence_parallel: bool = False, plan: FusionPlan = EAGER,
-                 skip_output_bias: bool = False):
+                 skip_output_bias: bool = False, tp_group=CURRENT):
         super().__init__()
         m = model_cfg
+        self.tp_group = resolve_group(tp_group, "tp")
         self.linear_fc1, self.linear_fc2 = self.build_linears(m, sequence_parallel, skip_output_bias)
         self.bias_activation = select(bias_swiglu if m.swiglu else bias_gelu, plan.compiled("bias_activation"))
 
@@ -48,10 +51,11 @@ class MLP(nn.Module):
         (TE's in :class:`megalm.transformer.te_layers.TEMLP`)."""
         fc1_size, stride = fc1_layout(m)
         linear_fc1 = ColumnParallelLinear(m.hidden_size, fc1_size, bias=m.add_bias_linear, init_std=init_std(m),
-                                          stride=stride, sequence_parallel=sequence_parallel, skip_bias_add=True)
+                                          stride=stride, sequence_parallel=sequence_parallel, skip_bias_add=True,
+                                          tp_group=self.tp_group)
         linear_fc2 = RowParallelLinear(m.ffn_hidden_size, m.hidden_size, bias=m.add_bias_linear,
                                        init_std=output_init_std(m), sequence_parallel=sequence_parallel,
-                                       skip_bias_add=skip_output_bias)
+                                       skip_bias_add=skip_output_bias, tp_group=self.tp_group)
         return linear_fc1, linear_fc2
 
     def forward(self, hidden: torch.Tensor):

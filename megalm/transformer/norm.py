@@ -21,6 +21,7 @@ from megalm.device import get_device
 from megalm.fusions import backends
 from megalm.fusions.norms import layer_norm, rms_norm
 from megalm.tensor_parallel.initialization import mark_init
+from megalm.tensor_parallel.param_info import set_param_info
 from megalm.tensor_parallel.utils import set_tensor_model_parallel_attributes
 
 
@@ -29,7 +30,7 @@ def mark_norm_parameter(param: torch.Tensor, kind: str, sequence_parallel: bool)
     ``sequence_parallel`` its (partial) gradient summed over the TP group."""
     set_tensor_model_parallel_attributes(param, False, -1)
     mark_init(param, kind)
-    param.sequence_parallel = bool(sequence_parallel)
+    set_param_info(param, sequence_parallel=bool(sequence_parallel))
     return param
 
 

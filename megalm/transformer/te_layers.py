@@ -36,10 +36,10 @@ from __future__ import annotations
 
 import torch
 
-from megalm import parallel_state
 from megalm.device import get_device
 from megalm.fusions import backends
 from megalm.fusions.backends import EAGER, FusionPlan
+from megalm.parallel_state import CURRENT, group_size
 from megalm.tensor_parallel.initialization import mark_init
 from megalm.tensor_parallel.random import dropout_rng, get_rng_tracker
 from megalm.tensor_parallel.utils import set_tensor_model_parallel_attributes
@@ -62,15 +62,14 @@ def _te():
     return te
 
 
-def _tensor_parallel_kwargs(sequence_parallel: bool) -> dict:
+def _tensor_parallel_kwargs(sequence_parallel: bool, tp_group) -> dict:
     """``tp_group`` / ``tp_size`` / ``sequence_parallel`` as TE's modules take them."""
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    group = parallel_state.get_tensor_model_parallel_group() if parallel_state.model_parallel_is_initialized() else None
-    return dict(sequence_parallel=bool(sequence_parallel) and tp > 1, tp_group=group, tp_size=tp)
+    tp = group_size(tp_group)
+    return dict(sequence_parallel=bool(sequence_parallel) and tp > 1, tp_group=tp_group, tp_size=tp)
 
 
 def adopt_te_parameters(module: torch.nn.Module, parallel_mode: str, std: float, stride: int = 1,
-                        sequence_parallel: bool = False) -> torch.nn.Module:
+                        sequence_parallel: bool = False, tp_size: int = 1) -> torch.nn.Module:
     """Give a TE ``Linear`` / ``LayerNormLinear``'s parameters megalm's attributes and init rules.
 
     ``weight``: split along dim 0 (column, with ``stride``) or 1 (row), normal(0, ``std``);
@@ -78,7 +77,7 @@ def adopt_te_parameters(module: torch.nn.Module, parallel_mode: str, std: float,
     ``layer_norm_weight`` / ``layer_norm_bias``: replicated with ``sequence_parallel``, ones / zeros.
     """
     column = parallel_mode == "column"
-    sp = bool(sequence_parallel) and parallel_state.get_tensor_model_parallel_world_size() > 1
+    sp = bool(sequence_parallel) and tp_size > 1
     for name, param in module.named_parameters(recurse=False):
         if name == "weight":
             set_tensor_model_parallel_attributes(param, True, 0 if column else 1, stride if column else 1)
@@ -96,24 +95,24 @@ def adopt_te_parameters(module: torch.nn.Module, parallel_mode: str, std: float,
 
 
 def norm_column_linear(m, input_size: int, output_size: int, *, std: float, return_bias: bool,
-                       sequence_parallel: bool, stride: int = 1) -> torch.nn.Module:
+                       sequence_parallel: bool, tp_group, stride: int = 1) -> torch.nn.Module:
     """``te.LayerNormLinear``: ``--normalization`` (eps ``--norm-epsilon``) fused with a column-parallel linear."""
     bias = m.add_bias_linear
     module = _te().LayerNormLinear(input_size, output_size, eps=m.norm_epsilon, bias=bias,
                                    normalization=m.normalization, return_bias=return_bias and bias,
                                    parallel_mode="column", init_method=_skip_init, params_dtype=torch.float32,
-                                   device=get_device(), **_tensor_parallel_kwargs(sequence_parallel))
-    return adopt_te_parameters(module, "column", std, stride, sequence_parallel)
+                                   device=get_device(), **_tensor_parallel_kwargs(sequence_parallel, tp_group))
+    return adopt_te_parameters(module, "column", std, stride, sequence_parallel, group_size(tp_group))
 
 
 def row_linear(m, input_size: int, output_size: int, *, std: float, return_bias: bool,
-               sequence_parallel: bool) -> torch.nn.Module:
+               sequence_parallel: bool, tp_group) -> torch.nn.Module:
     """``te.Linear`` in row-parallel mode (input split along its last dimension)."""
     bias = m.add_bias_linear
     module = _te().Linear(input_size, output_size, bias=bias, return_bias=return_bias and bias,
                           parallel_mode="row", init_method=_skip_init, params_dtype=torch.float32,
-                          device=get_device(), **_tensor_parallel_kwargs(sequence_parallel))
-    return adopt_te_parameters(module, "row", std, 1, sequence_parallel)
+                          device=get_device(), **_tensor_parallel_kwargs(sequence_parallel, tp_group))
+    return adopt_te_parameters(module, "row", std, 1, sequence_parallel, group_size(tp_group))
 
 
 def _output_and_bias(out):
@@ -130,22 +129,23 @@ class TESelfAttention(SelfAttention):
     """
 
     def __init__(self, model_cfg, sequence_parallel: bool = False, recompute_core: bool = False,
-                 plan: FusionPlan = EAGER, skip_output_bias: bool = False):
+                 plan: FusionPlan = EAGER, skip_output_bias: bool = False, tp_group=CURRENT):
         super().__init__(model_cfg, sequence_parallel, recompute_core=recompute_core, plan=plan,
-                         skip_output_bias=skip_output_bias)
+                         skip_output_bias=skip_output_bias, tp_group=tp_group)
         m = model_cfg
         self.te_core_attention = None
         if plan.attention == "te":
             self.te_core_attention = _te().DotProductAttention(
                 m.num_attention_heads, m.head_dim, num_gqa_groups=m.num_kv_heads, attention_dropout=m.attention_dropout,
                 qkv_format="sbhd", attn_mask_type="causal", get_rng_state_tracker=get_rng_tracker,
-                **_tensor_parallel_kwargs(sequence_parallel))
+                **_tensor_parallel_kwargs(sequence_parallel, self.tp_group))
 
     def build_projections(self, m, qkv_size: int, sequence_parallel: bool, skip_output_bias: bool):
         linear_qkv = norm_column_linear(m, m.hidden_size, qkv_size, std=init_std(m), return_bias=False,
-                                        sequence_parallel=sequence_parallel)
+                                        sequence_parallel=sequence_parallel, tp_group=self.tp_group)
         linear_proj = row_linear(m, m.num_attention_heads * self.head_dim, m.hidden_size, std=output_init_std(m),
-                                 return_bias=skip_output_bias, sequence_parallel=sequence_parallel)
+                                 return_bias=skip_output_bias, sequence_parallel=sequence_parallel,
+                                 tp_group=self.tp_group)
         return linear_qkv, linear_proj
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -165,9 +165,10 @@ class TEMLP(MLP):
     def build_linears(self, m, sequence_parallel: bool, skip_output_bias: bool):
         fc1_size, stride = fc1_layout(m)
         linear_fc1 = norm_column_linear(m, m.hidden_size, fc1_size, std=init_std(m), return_bias=True,
-                                        sequence_parallel=sequence_parallel, stride=stride)
+                                        sequence_parallel=sequence_parallel, tp_group=self.tp_group, stride=stride)
         linear_fc2 = row_linear(m, m.ffn_hidden_size, m.hidden_size, std=output_init_std(m),
-                                return_bias=skip_output_bias, sequence_parallel=sequence_parallel)
+                                return_bias=skip_output_bias, sequence_parallel=sequence_parallel,
+                                tp_group=self.tp_group)
         return linear_fc1, linear_fc2
 
     def forward(self, hidden: torch.Tensor):

@@ -16,7 +16,8 @@ With ``--fp8-format`` (Transformer Engine layers) the layers of every forward ru
 ``fp8_autocast`` (:mod:`megalm.transformer.fp8`): one region per model chunk, so every pipeline
 stage is covered; the final norm and KV-cache generation stay outside.
 
-No communication of its own (fp8: TE's amax reduction, see :mod:`megalm.transformer.fp8`).
+No communication of its own (fp8: TE's amax reduction, see :mod:`megalm.transformer.fp8`);
+the layers communicate over the groups of ``process_groups``.
 """
 
 from __future__ import annotations
@@ -28,15 +29,18 @@ import torch
 from torch import nn
 
 from megalm.fusions.backends import EAGER, FusionPlan
+from megalm.parallel_state import ProcessGroups
 from megalm.tensor_parallel.random import checkpoint
 from megalm.transformer.fp8 import fp8_autocast
+from megalm.transformer.moe.state import MoEState
 from megalm.transformer.norm import build_norm
 from megalm.transformer.transformer_layer import TransformerLayer
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, model_cfg, layer_numbers: Sequence[int], post_process: bool = True,
-                 sequence_parallel: bool = False, plan: FusionPlan = EAGER):
+    def __init__(self, model_cfg, layer_numbers: Sequence[int], process_groups: ProcessGroups,
+                 post_process: bool = True, sequence_parallel: bool = False, plan: FusionPlan = EAGER,
+                 moe_state: Optional[MoEState] = None):
         super().__init__()
         m = model_cfg
         self.recompute_granularity = m.recompute_granularity
@@ -44,13 +48,15 @@ class TransformerBlock(nn.Module):
         self.recompute_num_layers = m.recompute_num_layers
         selective = m.recompute_granularity == "selective"
         self.layers = nn.ModuleDict({
-            str(i): TransformerLayer(m, i, sequence_parallel, recompute_core_attention=selective, plan=plan)
+            str(i): TransformerLayer(m, i, process_groups, sequence_parallel, recompute_core_attention=selective,
+                                     plan=plan, moe_state=moe_state)
             for i in layer_numbers
         })
         self.final_layernorm = (build_norm(m.normalization, m.hidden_size, m.norm_epsilon, sequence_parallel,
                                            plan.norm) if post_process else None)
         self.input_tensor: Optional[torch.Tensor] = None
-        self.fp8_autocast = fp8_autocast(m) if plan.fp8 is not None else None  # a factory of fp8 regions
+        # A factory of fp8 regions; TE reduces amax over the stage's tensor x data x context ranks.
+        self.fp8_autocast = fp8_autocast(m, process_groups.tp_dp_cp) if plan.fp8 is not None else None
 
     def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
         """Hidden states received from the previous pipeline stage (used when not pre_process)."""

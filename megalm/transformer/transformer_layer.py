@@ -17,6 +17,9 @@ tracker's model-parallel stream.  Communication is that of the attention and MLP
 With Transformer Engine layers (``plan.uses_te()``, :mod:`megalm.transformer.te_layers`) the
 attention and dense MLP are TE's and normalize their own input, so ``input_layernorm`` and a
 dense layer's ``pre_mlp_layernorm`` are identities; MoE layers keep megalm's norm and experts.
+
+Process groups: ``process_groups`` (a :class:`~megalm.parallel_state.ProcessGroups`) gives
+attention and MLP their ``tp`` group and an MoE block its ``tp`` and ``ep`` groups.
 """
 
 from __future__ import annotations
@@ -29,17 +32,20 @@ from torch import nn
 from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.fusions.compile import select
 from megalm.fusions.dropout_add import bias_dropout_add
+from megalm.parallel_state import ProcessGroups
 from megalm.tensor_parallel.random import dropout_rng
 from megalm.transformer.attention import SelfAttention
 from megalm.transformer.mlp import MLP
 from megalm.transformer.moe.moe_layer import MoELayer, is_moe_layer
+from megalm.transformer.moe.state import MoEState
 from megalm.transformer.norm import build_norm
 from megalm.transformer.te_layers import TEMLP, TESelfAttention
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, model_cfg, layer_number: int, sequence_parallel: bool = False,
-                 recompute_core_attention: bool = False, plan: FusionPlan = EAGER):
+    def __init__(self, model_cfg, layer_number: int, process_groups: ProcessGroups, sequence_parallel: bool = False,
+                 recompute_core_attention: bool = False, plan: FusionPlan = EAGER,
+                 moe_state: Optional[MoEState] = None):
         super().__init__()
         m = model_cfg
         self.layer_number = layer_number  # global, 0-based
@@ -52,12 +58,16 @@ class TransformerLayer(nn.Module):
                                                                 sequence_parallel, plan.norm)
 
         self.input_layernorm = norm(te)
+        pg = process_groups
         self.self_attention = (TESelfAttention if te else SelfAttention)(
-            m, sequence_parallel, recompute_core=recompute_core_attention, plan=plan, skip_output_bias=True)
+            m, sequence_parallel, recompute_core=recompute_core_attention, plan=plan, skip_output_bias=True,
+            tp_group=pg.tp)
         self.is_moe = is_moe_layer(m, layer_number)
         self.pre_mlp_layernorm = norm(te and not self.is_moe)
-        self.mlp = (MoELayer(m, layer_number, sequence_parallel, plan=plan) if self.is_moe
-                    else (TEMLP if te else MLP)(m, sequence_parallel, plan=plan, skip_output_bias=True))
+        self.mlp = (MoELayer(m, layer_number, sequence_parallel, plan=plan, tp_group=pg.tp, ep_group=pg.ep,
+                             moe_state=moe_state) if self.is_moe
+                    else (TEMLP if te else MLP)(m, sequence_parallel, plan=plan, skip_output_bias=True,
+                                                tp_group=pg.tp))
         self.bias_dropout_add = select(bias_dropout_add, plan.compiled("bias_dropout_add"))
 
     def _residual_add(self, out: Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]],

@@ -27,8 +27,9 @@ backward passes the activation's gradient through and gives the loss the gradien
 ``main_loss_backward_scale`` = loss scale / number of micro-batches, exactly the factor the
 main loss gets from the schedule.  So the auxiliary gradient is right under fp16 loss scaling,
 gradient accumulation and pipeline parallelism (where the loss of a layer on an earlier stage
-never reaches the last stage's loss function).  The trainer sets the factor once per step
-(:func:`begin_training_step`).  No communication here.
+never reaches the last stage's loss function).  The factor lives in the model's
+:class:`~megalm.transformer.moe.state.MoEState`, read at backward time; the trainer sets it
+once per step (``GPTModel.set_aux_loss_scale``).  No communication here.
 """
 
 from __future__ import annotations
@@ -37,38 +38,25 @@ import torch
 
 
 class MoEAuxLossAutoScaler(torch.autograd.Function):
-    """``apply(activation, aux_loss) -> activation``; backward adds ``d aux_loss = scale``."""
-
-    main_loss_backward_scale: float = 1.0
+    """``apply(activation, aux_loss, state) -> activation``; backward adds
+    ``d aux_loss = state.aux_loss_scale`` (``state``: the model's ``MoEState``)."""
 
     @staticmethod
-    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, state) -> torch.Tensor:
         ctx.save_for_backward(aux_loss)
+        ctx.state = state
         return output
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (aux_loss,) = ctx.saved_tensors
-        return grad_output, torch.full_like(aux_loss, MoEAuxLossAutoScaler.main_loss_backward_scale)
-
-    @staticmethod
-    def set_loss_scale(scale: float) -> None:
-        """The main loss's backward factor: loss scale / number of micro-batches."""
-        MoEAuxLossAutoScaler.main_loss_backward_scale = float(scale)
+        return grad_output, torch.full_like(aux_loss, ctx.state.aux_loss_scale), None
 
 
-def attach_aux_loss(activation: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
-    """``activation`` unchanged; ``aux_loss`` joins the backward pass with the main loss's scale."""
-    return MoEAuxLossAutoScaler.apply(activation, aux_loss)
-
-
-def begin_training_step(loss_scale: float, num_microbatches: int) -> None:
-    """Called by the trainer before each step's forward/backward passes: sets the auxiliary
-    losses' backward factor and forgets metrics that were never reported."""
-    from megalm.transformer.moe.tracker import get_moe_tracker
-
-    MoEAuxLossAutoScaler.set_loss_scale(loss_scale / num_microbatches)
-    get_moe_tracker().clear()
+def attach_aux_loss(activation: torch.Tensor, aux_loss: torch.Tensor, state) -> torch.Tensor:
+    """``activation`` unchanged; ``aux_loss`` joins the backward pass with the main loss's scale
+    (``state.aux_loss_scale``)."""
+    return MoEAuxLossAutoScaler.apply(activation, aux_loss, state)
 
 
 # --- formulas -----------------------------------------------------------------------------------

@@ -8,9 +8,10 @@ expert-parallel size: EP rank ``r`` simply holds experts ``[r E/EP, (r+1) E/EP)`
 
 Experts are not split over tensor-parallel ranks: each TP rank holds the whole local experts
 and computes the tokens of its own sequence slice (see :mod:`~megalm.transformer.moe.moe_layer`).
-Every expert parameter carries ``allreduce = False`` (gradients reduced over the
-expert-data-parallel group by DDP) and ``sequence_parallel`` when TP > 1 (partial gradients
-summed over TP, as for norms).
+Every expert parameter's record (:func:`~megalm.tensor_parallel.param_info.param_info`) says
+``expert`` (gradients reduced over the expert-data-parallel group by DDP; Megatron's
+``allreduce = False``) and ``sequence_parallel`` when TP > 1 (partial gradients summed over TP,
+as for norms).
 
 :meth:`LocalExperts.forward` takes the tokens sorted by local expert with their counts and
 computes ``fc2(act(fc1(x)))`` per expert, either
@@ -38,6 +39,7 @@ from megalm.fusions.activations import expert_bias_gelu, expert_bias_swiglu
 from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.fusions.compile import select
 from megalm.tensor_parallel.initialization import mark_init
+from megalm.tensor_parallel.param_info import set_param_info
 from megalm.tensor_parallel.utils import set_tensor_model_parallel_attributes
 from megalm.transformer.utils import init_std, output_init_std
 
@@ -46,8 +48,7 @@ def _expert_parameter(*shape: int, kind: str, std=None, sequence_parallel: bool 
     param = nn.Parameter(torch.empty(*shape, dtype=torch.float32, device=get_device()))
     set_tensor_model_parallel_attributes(param, False, -1)
     mark_init(param, kind, std)
-    param.allreduce = False
-    param.sequence_parallel = bool(sequence_parallel)
+    set_param_info(param, expert=True, sequence_parallel=bool(sequence_parallel))
     return param
 
 

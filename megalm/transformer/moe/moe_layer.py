@@ -31,16 +31,17 @@ Parallelism and communication, per MoE layer and micro-batch:
 from __future__ import annotations
 
 import dataclasses
-from typing import List
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn
 
 from megalm.fusions.backends import EAGER, FusionPlan
+from megalm.parallel_state import CURRENT, group_rank, group_size, resolve_group
 from megalm.transformer.mlp import MLP
 from megalm.transformer.moe.experts import LocalExperts
-from megalm.transformer.moe.mappings import ep_rank, ep_size
 from megalm.transformer.moe.router import TopKRouter
+from megalm.transformer.moe.state import MoEState
 from megalm.transformer.moe.token_dispatcher import build_token_dispatcher
 
 
@@ -67,21 +68,28 @@ def is_moe_layer(model_cfg, layer_number: int) -> bool:
 
 
 class MoELayer(nn.Module):
-    def __init__(self, model_cfg, layer_number: int, sequence_parallel: bool = False, plan: FusionPlan = EAGER):
+    """``tp_group``: the router's statistics and the shared experts; ``ep_group``: the token
+    exchange (which experts this rank holds follows from its rank in it).  ``moe_state``: the
+    model's shared :class:`MoEState` (a new one when not given; :attr:`moe_state`)."""
+
+    def __init__(self, model_cfg, layer_number: int, sequence_parallel: bool = False, plan: FusionPlan = EAGER,
+                 tp_group=CURRENT, ep_group=CURRENT, moe_state: Optional[MoEState] = None):
         super().__init__()
         m = model_cfg
-        ep = ep_size()
+        tp_group, ep_group = resolve_group(tp_group, "tp"), resolve_group(ep_group, "ep")
+        ep = group_size(ep_group)
         if m.num_experts % ep != 0:
             raise ValueError(f"--num-experts {m.num_experts} is not divisible by the expert-parallel size {ep}")
         local = m.num_experts // ep
         self.layer_number = layer_number
-        self.router = TopKRouter(m, layer_number, sequence_parallel)
-        self.experts = LocalExperts(m, ep_rank() * local, local, sequence_parallel, grouped=m.moe_grouped_gemm,
-                                    plan=plan)
-        self.token_dispatcher = build_token_dispatcher(m.moe_token_dispatcher_type)
+        self.moe_state = MoEState() if moe_state is None else moe_state
+        self.router = TopKRouter(m, layer_number, sequence_parallel, tp_group=tp_group, moe_state=self.moe_state)
+        self.experts = LocalExperts(m, group_rank(ep_group) * local, local, sequence_parallel,
+                                    grouped=m.moe_grouped_gemm, plan=plan)
+        self.token_dispatcher = build_token_dispatcher(m.moe_token_dispatcher_type, ep_group)
         shared = m.moe_shared_expert_intermediate_size
-        self.shared_experts = (MLP(dataclasses.replace(m, ffn_hidden_size=shared), sequence_parallel, plan=plan)
-                               if shared else None)
+        self.shared_experts = (MLP(dataclasses.replace(m, ffn_hidden_size=shared), sequence_parallel, plan=plan,
+                                   tp_group=tp_group) if shared else None)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         s, b, h = hidden.shape
@@ -90,3 +98,31 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden)
         return out
+
+
+def moe_states(modules) -> List[MoEState]:
+    """The distinct :class:`MoEState` objects of the MoE layers inside ``modules`` (model chunks,
+    wrapped or not), in order of first appearance."""
+    found = {}
+    for root in modules:
+        for module in root.modules():
+            if isinstance(module, MoELayer):
+                found.setdefault(id(module.moe_state), module.moe_state)
+    return list(found.values())
+
+
+def begin_training_step(modules, loss_scale: float, num_microbatches: int) -> None:
+    """Called by the trainer before each step's forward/backward passes with its model chunks:
+    every MoE state's auxiliary-loss backward factor becomes ``loss_scale / num_microbatches`` and
+    unreported metrics are dropped.  Nothing happens for a dense model."""
+    for state in moe_states(modules):
+        state.begin_training_step(loss_scale, num_microbatches)
+
+
+def pop_moe_metrics(module: nn.Module) -> Dict[str, torch.Tensor]:
+    """What the MoE layers of ``module`` (one model chunk, wrapped or not) recorded since the last
+    call ({} for a dense model or in evaluation)."""
+    out: Dict[str, torch.Tensor] = {}
+    for state in moe_states([module]):
+        out.update(state.pop_metrics())
+    return out

@@ -14,10 +14,10 @@ The result is ``probs`` ``[T, E]`` (0 outside each token's top-k) and ``routing_
 In training the router also computes the load-balancing loss and the z-loss
 (:mod:`~megalm.transformer.moe.aux_losses`), attaches them to the backward pass (z-loss on the
 logits, load balancing on the probabilities) and records them and the tokens per expert for
-logging (:mod:`~megalm.transformer.moe.tracker`).
+logging, all in the model's :class:`~megalm.transformer.moe.state.MoEState` (``moe_state``).
 
 The router weight ``[E, h]`` is replicated over TP ranks.  Communication: with TP > 1 (always
-with sequence parallelism) one all-reduce over the TP group of ``2 b E + 1`` floats per forward
+with sequence parallelism) one all-reduce over ``tp_group`` of ``2 b E + 1`` floats per forward
 in training (per-sequence top-k counts, score sums and the z-loss sum of each rank's slice of
 the sequence) — nothing in evaluation.  Backward: none here; the router weight carries
 ``sequence_parallel`` so its partial gradients are summed over TP with the norms'.
@@ -32,14 +32,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megalm import parallel_state
 from megalm.device import get_device
+from megalm.parallel_state import CURRENT, group_size, resolve_group
 from megalm.tensor_parallel.initialization import mark_init
+from megalm.tensor_parallel.param_info import set_param_info
 from megalm.tensor_parallel.utils import set_tensor_model_parallel_attributes
-from megalm.transformer.moe.aux_losses import (attach_aux_loss, sequence_load_balancing_loss,
-                                               switch_load_balancing_loss)
+from megalm.transformer.moe.aux_losses import attach_aux_loss, sequence_load_balancing_loss, switch_load_balancing_loss
 from megalm.transformer.moe.capacity import apply_capacity, expert_capacity
-from megalm.transformer.moe.tracker import get_moe_tracker
+from megalm.transformer.moe.state import MoEState
 from megalm.transformer.utils import init_std
 
 _ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
@@ -88,11 +88,16 @@ def _in_backward() -> bool:
 
 
 class TopKRouter(nn.Module):
-    """``forward(hidden [s, b, h]) -> (probs [T, E], routing_map [T, E])``; see the module docstring."""
+    """``forward(hidden [s, b, h]) -> (probs [T, E], routing_map [T, E])``; see the module docstring.
 
-    def __init__(self, model_cfg, layer_number: int, sequence_parallel: bool = False):
+    ``moe_state``: the model's shared :class:`MoEState` (a new one when not given).
+    """
+
+    def __init__(self, model_cfg, layer_number: int, sequence_parallel: bool = False, tp_group=CURRENT,
+                 moe_state: Optional[MoEState] = None):
         super().__init__()
         m = model_cfg
+        self.moe_state = MoEState() if moe_state is None else moe_state
         self.layer_number = layer_number
         self.num_experts, self.topk = m.num_experts, m.moe_router_topk
         self.score_function, self.pre_softmax = m.moe_router_score_function, m.moe_router_pre_softmax
@@ -102,12 +107,13 @@ class TopKRouter(nn.Module):
         self.capacity_factor = m.moe_expert_capacity_factor
         self.drop_policy, self.pad_to_capacity = m.moe_token_drop_policy, m.moe_pad_expert_input_to_capacity
         self.per_layer_logging = m.moe_per_layer_logging
-        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.tp_group = resolve_group(tp_group, "tp")
+        self.tp_size = group_size(self.tp_group)
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
         self.weight = nn.Parameter(torch.empty(m.num_experts, m.hidden_size, dtype=torch.float32, device=get_device()))
         set_tensor_model_parallel_attributes(self.weight, False, -1)
         mark_init(self.weight, "normal", init_std(m))
-        self.weight.sequence_parallel = self.sequence_parallel
+        set_param_info(self.weight, sequence_parallel=self.sequence_parallel)
 
     def gating(self, x: torch.Tensor) -> torch.Tensor:
         """Router logits ``[T, E]``, computed in ``--moe-router-dtype`` when given."""
@@ -120,7 +126,7 @@ class TopKRouter(nn.Module):
         if self.tp_size == 1:
             return tensors
         flat = torch.cat([t.detach().float().reshape(-1) for t in tensors])
-        dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
+        dist.all_reduce(flat, group=self.tp_group)
         return tuple(chunk.view_as(t) for chunk, t in zip(torch.split(flat, [t.numel() for t in tensors]), tensors))
 
     def forward(self, hidden: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +143,7 @@ class TopKRouter(nn.Module):
             if graph and self.z_loss_coeff > 0:
                 # Each TP rank's mean over its slice / tp: the TP ranks' partial losses add up
                 # to the z-loss of the whole sequence.
-                logits = attach_aux_loss(logits, lse_sq.mean() * (self.z_loss_coeff / self.tp_size))
+                logits = attach_aux_loss(logits, lse_sq.mean() * (self.z_loss_coeff / self.tp_size), self.moe_state)
         probs, routing_map = topk_routing(logits, self.topk, self.score_function, self.pre_softmax)
         probs = self._load_balancing(logits, probs, routing_map, lse_sq, s, b, graph, record)
         return self._capacity(probs, routing_map)
@@ -161,9 +167,9 @@ class TopKRouter(nn.Module):
             lb_partial = sequence_load_balancing_loss(probs_sum_local, counts, seq_full, self.topk)
             lb_full = sequence_load_balancing_loss(probs_sum, counts, seq_full, self.topk)
         if lb_partial is not None and graph and self.aux_loss_coeff > 0:
-            probs = attach_aux_loss(probs, lb_partial * self.aux_loss_coeff)
+            probs = attach_aux_loss(probs, lb_partial * self.aux_loss_coeff, self.moe_state)
         if record:
-            tracker, layer, per_layer = get_moe_tracker(), self.layer_number, self.per_layer_logging
+            tracker, layer, per_layer = self.moe_state.metrics, self.layer_number, self.per_layer_logging
             tracker.record(layer, "tokens_per_expert", counts.sum(0), per_layer)
             if lb_full is not None:
                 tracker.record(layer, "load_balancing_loss", lb_full, per_layer)

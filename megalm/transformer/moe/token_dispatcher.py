@@ -35,10 +35,14 @@ from typing import List, Tuple
 
 import torch
 
+from megalm.parallel_state import group_rank, group_size
+from megalm.tensor_parallel.mappings import (
+    all_gather_first_dim,
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 from megalm.transformer.moe.experts import LocalExperts
-from megalm.transformer.moe.mappings import (all_gather_ep, all_to_all_expert_parallel, ep_rank, ep_size,
-                                             gather_from_expert_parallel_region,
-                                             reduce_scatter_to_expert_parallel_region)
+from megalm.transformer.moe.mappings import all_to_all_expert_parallel
 
 
 def permute(tokens: torch.Tensor, routing_map: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -58,17 +62,20 @@ def unpermute(expert_out: torch.Tensor, weights: torch.Tensor, token_index: torc
 
 
 class AllGatherTokenDispatcher:
-    """See the module docstring (``allgather``)."""
+    """See the module docstring (``allgather``); communicates over ``ep_group``."""
+
+    def __init__(self, ep_group) -> None:
+        self.ep_group = ep_group
 
     def __call__(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
                  experts: LocalExperts) -> torch.Tensor:
         num_experts = routing_map.shape[1]
         local = slice(experts.first, experts.first + experts.count)
-        all_tokens = gather_from_expert_parallel_region(tokens)
-        if ep_size() > 1:
+        all_tokens = gather_from_sequence_parallel_region(tokens, self.ep_group)
+        if group_size(self.ep_group) > 1:
             # Probabilities and the routing map travel together in one fp32 all-gather.
             routing = torch.cat([probs.float(), routing_map.float()], dim=1)
-            routing = gather_from_expert_parallel_region(routing)
+            routing = gather_from_sequence_parallel_region(routing, self.ep_group)
             all_probs, all_map = routing[:, :num_experts], routing[:, num_experts:].detach() > 0.5
         else:
             all_probs, all_map = probs, routing_map
@@ -78,30 +85,33 @@ class AllGatherTokenDispatcher:
         expert_out = experts(permuted, counts)
         weights = all_probs[:, local][token_index, expert_index]
         combined = unpermute(expert_out, weights, token_index, all_tokens.shape[0]).to(tokens.dtype)
-        return reduce_scatter_to_expert_parallel_region(combined)
+        return reduce_scatter_to_sequence_parallel_region(combined, self.ep_group)
 
 
 class AlltoAllTokenDispatcher:
-    """See the module docstring (``alltoall``)."""
+    """See the module docstring (``alltoall``); communicates over ``ep_group``."""
+
+    def __init__(self, ep_group) -> None:
+        self.ep_group = ep_group
 
     def __call__(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
                  experts: LocalExperts) -> torch.Tensor:
-        ep, local_count = ep_size(), experts.count
+        ep, local_count = group_size(self.ep_group), experts.count
         permuted, token_index, expert_index = permute(tokens, routing_map)
         counts = routing_map.sum(0)  # [E] pairs of this rank per global expert
         if ep == 1:
             expert_out = experts(permuted, counts.tolist())
         else:
-            all_counts = all_gather_ep(counts.to(torch.int64)).view(ep, -1).tolist()  # [EP][E]
-            me = ep_rank()
+            all_counts = all_gather_first_dim(counts.to(torch.int64), self.ep_group)[0].view(ep, -1).tolist()  # [EP][E]
+            me = group_rank(self.ep_group)
             input_splits = [sum(all_counts[me][r * local_count:(r + 1) * local_count]) for r in range(ep)]
             received_counts = [row[me * local_count:(me + 1) * local_count] for row in all_counts]  # [EP][L]
             output_splits = [sum(row) for row in received_counts]
-            received = all_to_all_expert_parallel(permuted, output_splits, input_splits)
+            received = all_to_all_expert_parallel(permuted, output_splits, input_splits, self.ep_group)
             order, per_expert = _group_by_local_expert(received_counts, received.device)
             grouped_out = experts(received.index_select(0, order), per_expert)
             back = grouped_out.index_select(0, torch.argsort(order))  # source-rank order again
-            expert_out = all_to_all_expert_parallel(back, input_splits, output_splits)
+            expert_out = all_to_all_expert_parallel(back, input_splits, output_splits, self.ep_group)
         weights = probs[token_index, expert_index]
         return unpermute(expert_out, weights, token_index, tokens.shape[0]).to(tokens.dtype)
 
@@ -123,10 +133,10 @@ def _group_by_local_expert(received_counts: List[List[int]], device) -> Tuple[to
     return order, [sum(received_counts[r][j] for r in range(ranks)) for j in range(local)]
 
 
-def build_token_dispatcher(kind: str):
-    """``--moe-token-dispatcher-type``: ``allgather`` or ``alltoall``."""
+def build_token_dispatcher(kind: str, ep_group):
+    """``--moe-token-dispatcher-type``: ``allgather`` or ``alltoall``, over ``ep_group``."""
     if kind == "allgather":
-        return AllGatherTokenDispatcher()
+        return AllGatherTokenDispatcher(ep_group)
     if kind == "alltoall":
-        return AlltoAllTokenDispatcher()
+        return AlltoAllTokenDispatcher(ep_group)
     raise ValueError(f"unknown --moe-token-dispatcher-type {kind!r}; expected allgather or alltoall")

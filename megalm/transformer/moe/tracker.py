@@ -7,8 +7,9 @@ detached values for its global layer number:
   of this data-parallel rank (summed over tensor-parallel slices);
 * ``tokens_per_expert``: ``[E]`` top-k counts before capacity dropping.
 
-The loss function (``pretrain_gpt.loss_func``) calls :func:`pop_moe_metrics` right after the
-forward pass of each micro-batch and adds the result to its reported dict; the trainer
+The tracker belongs to the model's :class:`~megalm.transformer.moe.state.MoEState`.  The loss
+function (``pretrain_gpt.loss_func``) calls ``pop_moe_metrics(model)`` right after the forward
+pass of each micro-batch and adds the result to its reported dict; the trainer
 averages reported values over micro-batches and data-parallel ranks and prints / writes every
 key.  Reported keys:
 
@@ -63,15 +64,3 @@ class MoEMetricsTracker:
                 for layer, v in layers.items():
                     out[f"{name}_layer_{layer}"] = v
         return out
-
-
-_TRACKER = MoEMetricsTracker()
-
-
-def get_moe_tracker() -> MoEMetricsTracker:
-    return _TRACKER
-
-
-def pop_moe_metrics() -> Dict[str, torch.Tensor]:
-    """What the MoE layers recorded since the last call ({} for a dense model or in evaluation)."""
-    return _TRACKER.pop() if _TRACKER else {}
