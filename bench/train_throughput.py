@@ -238,9 +238,10 @@ class Runner:
             from megalm.training.step import train_step
 
             t = self.trainer
-            out = train_step(t.cfg, t.forward_step_func, t.train_iter, t.model, t.optimizer, t.scheduler,
-                             t.microbatches.num_microbatches)
-            return float(out["reported"].get("lm loss", float("nan")))
+            out = train_step(t.cfg, t.forward_step_func, t.train_iter, t.model, t.optimizer, t.scheduler, t.state,
+                             t.microbatches, t.groups)
+            loss = out.losses.get("lm loss")
+            return float(loss) if loss is not None else float("nan")
         return reference_step(self.spec["impl"], self.model, self.optimizer, self.params, self._next_batch(),
                               self.autocast)
 
