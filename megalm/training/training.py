@@ -126,6 +126,8 @@ class Trainer:
         self.forward_step_func = forward_step_func
         self.state = TrainState()
         self.groups = parallel_state.get_process_groups()  # rebuilt in setup(), after initialization
+        self.interval = IntervalStats()  # values since the last log line
+        self.saved_at: Optional[int] = None  # iteration of the last checkpoint saved by the loop
 
     # -- set-up --
     def setup(self) -> None:
@@ -291,49 +293,62 @@ class Trainer:
         return state
 
     def train(self) -> None:
-        cfg, state, t = self.cfg, self.state, self.cfg.training
+        """Iterations until --train-iters (or an exit condition: :class:`TrainingStopped`)."""
+        cfg, state = self.cfg, self.state
         for chunk in self.model:
             chunk.train()
-        log = IntervalStats()
-        saved_at = None
+        self.interval = IntervalStats()
+        self.saved_at = None
         note = self.profiler.note_on_resume(state.iteration)
         if note:
             logger.warning(f"warning: {note}")
         while state.iteration < self.train_iters:
-            self.profiler.before_step(state.iteration)
-            start = time.perf_counter()
-            result = train_step(cfg, self.forward_step_func, self.train_iter, self.model, self.optimizer,
-                                self.scheduler, state, self.microbatches, self.groups, self.timers)
-            log.add(time.perf_counter() - start, result)
-            self.profiler.after_step(state.iteration)
-            if state.iteration % cfg.logging.log_interval == 0:
-                self.log_training(log)
-                log = IntervalStats()
-            if self.do_valid and t.eval_interval and state.iteration % t.eval_interval == 0 \
-                    and state.iteration < self.train_iters:
-                self.evaluate_and_log("validation", self.valid_iter)
-            c = cfg.checkpoint
-            if c.save and c.save_interval and state.iteration % c.save_interval == 0:
-                self.save()
-                saved_at = state.iteration
-            reason = self.exit_reason()
-            if reason:
-                if c.save and saved_at != state.iteration:
-                    self.save()
-                self.complete_async_save()
-                message = f"exiting at iteration {state.iteration}: {reason}"
-                logger.info(message)
-                self.profiler.close()
-                checkpointing.finish_param_sync(self.model)  # overlapped parameter all-gathers
-                self.metrics.close()
-                if dist.is_initialized():
-                    dist.barrier()
-                raise TrainingStopped(message, exit_code=0)
+            self.train_iteration()
         self.profiler.close()  # a window past the last iteration: keep what was recorded
         checkpointing.finish_param_sync(self.model)  # the last step's overlapped parameter all-gathers
-        if cfg.checkpoint.save and saved_at != state.iteration:
+        if cfg.checkpoint.save and self.saved_at != state.iteration:
             self.save()
         self.complete_async_save()
+
+    def train_iteration(self) -> StepResult:
+        """One iteration of the loop: the step, then its log line, evaluation, checkpoint and
+        exit checks when due (call :meth:`train` for a run; this is its body)."""
+        cfg, state, t = self.cfg, self.state, self.cfg.training
+        self.profiler.before_step(state.iteration)
+        start = time.perf_counter()
+        result = train_step(cfg, self.forward_step_func, self.train_iter, self.model, self.optimizer,
+                            self.scheduler, state, self.microbatches, self.groups, self.timers)
+        self.interval.add(time.perf_counter() - start, result)
+        self.profiler.after_step(state.iteration)
+        if state.iteration % cfg.logging.log_interval == 0:
+            self.log_training(self.interval)
+            self.interval = IntervalStats()
+        if self.do_valid and t.eval_interval and state.iteration % t.eval_interval == 0 \
+                and state.iteration < self.train_iters:
+            self.evaluate_and_log("validation", self.valid_iter)
+        c = cfg.checkpoint
+        if c.save and c.save_interval and state.iteration % c.save_interval == 0:
+            self.save()
+            self.saved_at = state.iteration
+        reason = self.exit_reason()
+        if reason:
+            self.stop(reason)
+        return result
+
+    def stop(self, reason: str) -> None:
+        """Save if not saved at this iteration, finish background work, raise :class:`TrainingStopped`."""
+        state, c = self.state, self.cfg.checkpoint
+        if c.save and self.saved_at != state.iteration:
+            self.save()
+        self.complete_async_save()
+        message = f"exiting at iteration {state.iteration}: {reason}"
+        logger.info(message)
+        self.profiler.close()
+        checkpointing.finish_param_sync(self.model)  # overlapped parameter all-gathers
+        self.metrics.close()
+        if dist.is_initialized():
+            dist.barrier()
+        raise TrainingStopped(message, exit_code=0)
 
     def exit_reason(self) -> Optional[str]:
         t, state = self.cfg.training, self.state
