@@ -178,6 +178,27 @@ def test_real_ranks_dp_independent_batches_and_tp_broadcast(tmp_path):
     assert results[3]["tp2pp2"]["micro"] == results[2]["tp2pp2"]["micro"]
 
 
+def _get_batch_without_cfg_under_model_parallelism():
+    from megalm import parallel_state as ps
+    from megalm.data.batch import BatchError
+
+    ps.initialize_model_parallel(1, 1)
+    try:
+        batch = {k: torch.zeros(2, 16, dtype=torch.int64) for k in ("tokens", "labels", "position_ids")}
+        batch["loss_mask"] = torch.ones(2, 16)
+        with pytest.raises(BatchError, match=r"get_batch needs cfg"):
+            get_batch(iter([batch]))
+        cfg = make_cfg(None)
+        return get_batch(iter([batch]), cfg)["tokens"].shape
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_get_batch_needs_the_config_not_a_remembered_shape():
+    """No module-level batch shape: under model parallelism the shape comes from cfg."""
+    assert run_distributed(_get_batch_without_cfg_under_model_parallelism, 1, timeout=60) == [(2, 16)]
+
+
 def test_splits_available_reports_empty_splits():
     cfg = make_cfg(None)
     cfg.data.split = "100,0,0"

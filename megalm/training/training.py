@@ -26,13 +26,13 @@ from megalm.config import MegalmConfig, parse_config, set_vocab_size
 from megalm.device import get_device
 from megalm.errors import MegalmError, TrainingStopped
 from megalm.fusions import BackendUnavailable, compile_stats, plan_fusions
+from megalm.log import get_logger
 from megalm.pipeline_parallel import get_forward_backward_func
 from megalm.timers import ITERATION_TIMERS, SETUP_TIMERS, Timers
 from megalm.training.initialize import initialize_megalm, world_size_from_env
 from megalm.training.microbatches import MicrobatchCalculator
 from megalm.training.profiling import ProfilerUnavailable, StepProfiler, check_profiler_available
 from megalm.training.signals import ExitSignalHandler
-from megalm.log import get_logger
 from megalm.training.step import StepResult, TrainState, evaluate, losses_to_floats, train_step
 
 logger = get_logger(__name__)
