@@ -12,12 +12,18 @@ The four familiar parts: model provider, batch getter, loss function, forward st
 
 from __future__ import annotations
 
+import os
+import sys
 from functools import partial
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from megalm.config import MegalmConfig
 from megalm.data import get_batch
+from megalm.distributed.finalize_model_grads import unwrap_model
+from megalm.errors import MegalmError, TrainingStopped
+from megalm.log import setup_logging
 from megalm.models import GPTModel
 from megalm.training import pretrain
 from megalm.transformer.moe import pop_moe_metrics
@@ -30,21 +36,45 @@ def model_provider(cfg: MegalmConfig, pre_process: bool = True, post_process: bo
 
 
 def loss_func(loss_mask: torch.Tensor, model: torch.nn.Module, output_tensor: torch.Tensor):
-    """Mean of the per-token losses over unmasked tokens of this microbatch; MoE models also
-    report their routers' auxiliary losses and load statistics (their gradients are already
-    attached to the backward pass by the routers)."""
+    """Megatron's three values: the sum of the per-token losses over unmasked tokens of this
+    microbatch, their number, and the reported ``{"lm loss": [sum, count]}`` (the schedule
+    divides by the count per microbatch, or, with --calculate-per-token-loss, the trainer by the
+    global count).  MoE models also report their routers' auxiliary losses and load statistics
+    (their gradients are already attached to the backward pass by the routers)."""
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.reshape(-1).float()
-    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
-    return loss, {"lm loss": loss.detach(), **pop_moe_metrics(model)}
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().detach()
+    return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens]), **pop_moe_metrics(model)}
 
 
 def forward_step(data_iterator, model):
     """One microbatch: tokens in, per-token losses out (on the last stage)."""
-    batch = get_batch(data_iterator)
+    batch = get_batch(data_iterator, unwrap_model(model).cfg)
     output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], loss_mask=batch["loss_mask"])
     return output, partial(loss_func, batch["loss_mask"], model)
 
 
+def _rank_and_world():
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def main(argv: Optional[Sequence[str]] = None, forward_step_func: Callable = forward_step) -> None:
+    """Train; a :class:`megalm.errors.MegalmError` becomes ``SystemExit("error: <message>")``
+    (exit code 1, the message on stderr), a stop on purpose (``TrainingStopped``) its exit code."""
+    setup_logging(*_rank_and_world())
+    try:
+        pretrain(model_provider, forward_step_func, argv=argv)
+    except TrainingStopped as e:
+        if e.exit_code:
+            raise SystemExit(e.exit_code) from None
+    except MegalmError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
 if __name__ == "__main__":
-    pretrain(model_provider, forward_step)
+    main(sys.argv[1:])

@@ -51,7 +51,7 @@ def one_step(trainer):
     from megalm.training.step import train_step
 
     return train_step(trainer.cfg, trainer.forward_step_func, trainer.train_iter, trainer.model, trainer.optimizer,
-                      trainer.scheduler, trainer.microbatches.num_microbatches)
+                      trainer.scheduler, trainer.state, trainer.microbatches, trainer.groups)
 
 
 def measure(configs, steps):

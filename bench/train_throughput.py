@@ -127,7 +127,8 @@ def _maxrss_bytes() -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
-def megalm_argv(shape: dict, precision: str, fusions: str, train_iters: int) -> List[str]:
+def megalm_argv(shape: dict, precision: str, fusions: str, train_iters: int, loop: bool = False) -> List[str]:
+    """megalm's flags for one row; ``loop``: the full-trainer-loop row logs every iteration."""
     b = str(shape["micro_batch"])
     return (["--num-layers", str(shape["layers"]), "--hidden-size", str(shape["hidden"]),
              "--num-attention-heads", str(shape["heads"]), "--ffn-hidden-size", str(shape["ffn"]),
@@ -135,7 +136,7 @@ def megalm_argv(shape: dict, precision: str, fusions: str, train_iters: int) -> 
              # megalm's NullTokenizer (Megatron's) adds an end-of-document id to --vocab-size: V - 1 gives V.
              "--vocab-size", str(shape["vocab"] - 1), "--micro-batch-size", b, "--global-batch-size", b,
              "--train-iters", str(train_iters), "--mock-data", "--num-workers", "0", "--eval-iters", "0",
-             "--log-interval", str(10 ** 9), "--no-log-memory", "--seed", str(SEED),
+             "--log-interval", "1" if loop else str(10 ** 9), "--no-log-memory", "--seed", str(SEED),
              "--lr", str(LR), "--lr-decay-style", "constant", "--weight-decay", str(WEIGHT_DECAY),
              "--adam-beta1", str(BETAS[0]), "--adam-beta2", str(BETAS[1]), "--adam-eps", str(EPS),
              "--clip-grad", str(CLIP_GRAD)]
@@ -207,15 +208,19 @@ class Runner:
         listed = {f for flags in MEGALM_FUSION_FLAGS.values() for f in flags}
         self.dropped_flags = [f for f in MEGALM_FUSION_FLAGS[spec["fusions"]] if f not in known]
         self.unlisted_fusion_flags = sorted(f for f in known if "fusion" in f and f not in listed)
-        argv = [a for a in megalm_argv(self.shape, spec["precision"], spec["fusions"], spec["train_iters"])
-                if a not in self.dropped_flags]
+        argv = [a for a in megalm_argv(self.shape, spec["precision"], spec["fusions"], spec["train_iters"],
+                                       spec.get("loop", False)) if a not in self.dropped_flags]
         cfg = parse_config(argv, world_size=world_size_from_env())
         trainer = Trainer(cfg, pretrain_gpt.model_provider, pretrain_gpt.forward_step)
         trainer.setup()
         for chunk in trainer.model:
             chunk.train()
         self.trainer = trainer
-        if spec["megalm_data"] == "random":
+        if spec.get("loop"):  # its own data loader, a log line per iteration (to the worker log)
+            from megalm.log import setup_logging
+
+            setup_logging(0, 1, stream=sys.stderr)
+        elif spec["megalm_data"] == "random":
             trainer.train_iter = self._megalm_batches()
         self.n_params = sum(p.numel() for c in trainer.model for p in c.parameters())
         self.argv = argv
@@ -238,9 +243,14 @@ class Runner:
             from megalm.training.step import train_step
 
             t = self.trainer
-            out = train_step(t.cfg, t.forward_step_func, t.train_iter, t.model, t.optimizer, t.scheduler,
-                             t.microbatches.num_microbatches)
-            return float(out["reported"].get("lm loss", float("nan")))
+            if self.spec.get("loop"):  # Trainer.train()'s body: step, log line, eval/save/exit checks
+                out = t.train_iteration()
+                loss = out.losses.get("lm loss")
+                return float(loss) if loss is not None else float("nan")
+            out = train_step(t.cfg, t.forward_step_func, t.train_iter, t.model, t.optimizer, t.scheduler, t.state,
+                             t.microbatches, t.groups)
+            loss = out.losses.get("lm loss")
+            return float(loss) if loss is not None else float("nan")
         return reference_step(self.spec["impl"], self.model, self.optimizer, self.params, self._next_batch(),
                               self.autocast)
 
@@ -379,11 +389,23 @@ def config_list(args) -> List[dict]:
                 continue
             for fusions in ([f for f in MEGALM_FUSION_FLAGS if f in args.fusions] if impl == "megalm" else [None]):
                 out.append({"impl": impl, "precision": precision, "fusions": fusions})
+                if impl == "megalm" and args.trainer_loop:
+                    out.append({"impl": impl, "precision": precision, "fusions": fusions, "loop": True})
     return out
 
 
 def config_name(c: dict) -> str:
-    return f"{c['impl']}{'-' + c['fusions'] if c['fusions'] else ''}/{c['precision']}"
+    return f"{c['impl']}{'-' + c['fusions'] if c['fusions'] else ''}{'+loop' if c.get('loop') else ''}/{c['precision']}"
+
+
+def add_loop_ratios(rows: List[dict]) -> None:
+    """``vs_step`` of each full-trainer-loop row: its tokens/s over the raw ``train_step`` row's
+    (same shape, precision and fusions; 1.0 = the loop costs nothing)."""
+    for row in rows:
+        if row.get("loop"):
+            raw = next(r for r in rows if r["impl"] == "megalm" and not r.get("loop") and
+                       (r["shape"], r["precision"], r["fusions"]) == (row["shape"], row["precision"], row["fusions"]))
+            row["vs_step"] = row["tokens_per_s"] / raw["tokens_per_s"]
 
 
 def alternation_groups(shape_name: str, configs: List[dict], mode: str) -> List[List[dict]]:
@@ -465,7 +487,8 @@ def run_shape(shape_name: str, args, peaks: dict, log_dir: str) -> List[dict]:
         info, ts = r["info"], r["times"]
         med = statistics.median(ts)
         rows.append({
-            "shape": shape_name, "impl": c["impl"], "implementation": IMPL_NAMES[c["impl"]],
+            "shape": shape_name, "impl": c["impl"], "loop": bool(c.get("loop")),
+            "implementation": "megalm through the full trainer loop" if c.get("loop") else IMPL_NAMES[c["impl"]],
             "precision": c["precision"], "fusions": c["fusions"], "name": config_name(c),
             "group": next(i for i, g in enumerate(groups) if c in g),
             "params": info["params"], "tokens_per_step": tokens, "flops_per_step": flops,
@@ -486,6 +509,7 @@ def run_shape(shape_name: str, args, peaks: dict, log_dir: str) -> List[dict]:
         for ref, key in (("hf", "vs_hf"), ("plain", "vs_plain")):
             other = next((r for r in rows if r["impl"] == ref and r["precision"] == row["precision"]), None)
             row[key] = row["tokens_per_s"] / other["tokens_per_s"] if other else None
+    add_loop_ratios(rows)
     return rows
 
 
@@ -507,6 +531,9 @@ def parse_args(argv=None):
                          f"(auto: {DEFAULT_ALTERNATE})")
     ap.add_argument("--megalm-data", default="random", choices=["random", "mock"],
                     help="megalm's batches: the shared random tokens (default) or its --mock-data loader")
+    ap.add_argument("--trainer-loop", action="store_true",
+                    help="add a row per megalm row: megalm through the full trainer loop (its data loader, a log "
+                         "line every iteration, timers at level 0), with its speed ratio to the raw train_step row")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: warm-up 1, 2 rounds of 1 step (explicit --warmup/--rounds/--steps win)")
     ap.add_argument("--profile", action="store_true", help="after timing, torch.profiler top ops of every row")
@@ -584,6 +611,10 @@ def main(argv=None) -> List[dict]:
           + f". torch {torch.__version__}, transformers {tf_version}. Total {elapsed:.0f} s.")
     for note in notes(rows):
         print(f"- {note}")
+    for r in rows:
+        if r.get("loop"):
+            print(f"- {r['shape']} {r['precision']} fusions {r['fusions']}: full trainer loop / raw train_step "
+                  f"tokens/s = {r['vs_step']:.3f} ({100 * (1 - r['vs_step']):+.1f}% loop cost)")
     if args.profile:
         print(profile_tables(rows))
     if args.json:

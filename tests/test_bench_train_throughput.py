@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench" / "train_throughput.py"
 
@@ -28,3 +30,22 @@ def test_quick_toy_rows(tmp_path):
         assert 0 < r["first_loss"] < 10  # ~ln(256) = 5.5 at random init: both train the same task
     assert rows[0]["vs_plain"] > 0 and rows[1]["vs_plain"] == 1.0
     assert "| toy | megalm | fp32 | on |" in proc.stdout
+
+
+def test_trainer_loop_row_is_compared_with_the_raw_step(tmp_path):
+    """--trainer-loop: a "megalm through the full trainer loop" row next to the raw train_step row,
+    with their speed ratio (the loop row trains through Trainer.train_iteration: loss from its log)."""
+    out = tmp_path / "rows.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--shape", "toy", "--only", "megalm", "--precision", "fp32",
+         "--fusions", "on", "--steps", "1", "--trainer-loop", "--json", str(out), "--log-dir", str(tmp_path / "logs")],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    raw, loop = json.loads(out.read_text())["rows"]
+    assert (raw["loop"], loop["loop"]) == (False, True)
+    assert loop["implementation"] == "megalm through the full trainer loop"
+    assert len(loop["step_times_s"]) == 2 and 0 < loop["first_loss"] < 10
+    assert loop["vs_step"] == pytest.approx(raw["median_step_s"] / loop["median_step_s"], rel=1e-9)
+    assert "full trainer loop / raw train_step tokens/s" in proc.stdout
+    log = (tmp_path / "logs" / "toy-megalm-on+loop_fp32.log").read_text()
+    assert log.count(" iteration ") >= 3  # a log line every iteration (warm-up + 2 timed steps)

@@ -125,10 +125,11 @@ def _ranks_read_and_broadcast(prefix):
         ps.initialize_model_parallel(tp, pp)
         cfg = make_cfg(prefix)
         train_ds = build_train_valid_test_datasets(cfg, tok, rank_reads_data())[0]
-        train, valid, test = build_train_valid_test_data_iterators(cfg, tok, consumed_train_samples=8)
+        iterators = build_train_valid_test_data_iterators(cfg, tok, consumed_train_samples=8)
+        train, valid, test = iterators
         dp = ps.get_data_parallel_world_size()
         micro = [get_batch(train, cfg) for _ in range(2 * 8 // (2 * dp))]
-        splits = splits_available()
+        splits = splits_available(iterators)
         out[name] = {"built": None if train_ds is None else bool(train_ds.built_indices), "reads": train is not None,
                      "splits": splits,
                      "valid_none": valid is None, "dp_rank": ps.get_data_parallel_rank(), "dp": dp,
@@ -177,11 +178,33 @@ def test_real_ranks_dp_independent_batches_and_tp_broadcast(tmp_path):
     assert results[3]["tp2pp2"]["micro"] == results[2]["tp2pp2"]["micro"]
 
 
+def _get_batch_without_cfg_under_model_parallelism():
+    from megalm import parallel_state as ps
+    from megalm.data.batch import BatchError
+
+    ps.initialize_model_parallel(1, 1)
+    try:
+        batch = {k: torch.zeros(2, 16, dtype=torch.int64) for k in ("tokens", "labels", "position_ids")}
+        batch["loss_mask"] = torch.ones(2, 16)
+        with pytest.raises(BatchError, match=r"get_batch needs cfg"):
+            get_batch(iter([batch]))
+        cfg = make_cfg(None)
+        return get_batch(iter([batch]), cfg)["tokens"].shape
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_get_batch_needs_the_config_not_a_remembered_shape():
+    """No module-level batch shape: under model parallelism the shape comes from cfg."""
+    assert run_distributed(_get_batch_without_cfg_under_model_parallelism, 1, timeout=60) == [(2, 16)]
+
+
 def test_splits_available_reports_empty_splits():
     cfg = make_cfg(None)
     cfg.data.split = "100,0,0"
-    train, valid, test = build_train_valid_test_data_iterators(cfg, NullTokenizer(64))
-    assert splits_available() == (True, False, False)
+    iterators = build_train_valid_test_data_iterators(cfg, NullTokenizer(64))
+    train, valid, test = iterators
+    assert splits_available(iterators) == (True, False, False)
     assert train is not None and valid is None and test is None
 
 

@@ -57,6 +57,7 @@ def _run_trainings(runs):
     import pretrain_gpt
     from megalm import parallel_state
     from megalm.config import parse_config
+    from megalm.errors import MegalmError, TrainingStopped
     from megalm.training.initialize import world_size_from_env
     from megalm.training.training import Trainer
 
@@ -70,8 +71,11 @@ def _run_trainings(runs):
             trainer = Trainer(cfg, pretrain_gpt.model_provider, forward_step)
             trainer.run()
             results.append({"code": 0, "tied": _tied_copies(trainer) if options.get("tied") else {}})
-        except SystemExit as e:
-            results.append({"code": e.code if isinstance(e.code, int) else str(e.code), "tied": {}})
+        except TrainingStopped as e:
+            results.append({"code": e.exit_code, "tied": {}})
+        except (SystemExit, MegalmError) as e:
+            code = e.code if isinstance(e, SystemExit) else f"error: {e}"
+            results.append({"code": code if isinstance(code, int) else str(code), "tied": {}})
         parallel_state.destroy_model_parallel()
     return results
 

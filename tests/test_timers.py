@@ -308,7 +308,8 @@ def test_memory_and_world_size_go_to_the_writers_only(trained):
     acc.Reload()
     assert [e.value for e in acc.Scalars("world-size")] == [2.0, 2.0]
     assert [e.value for e in acc.Scalars("mem-max-rss-bytes")] == pytest.approx(rss)
-    line = [ln for ln in _log(trained, "pp2_level2", 1).splitlines() if ln.startswith(" iteration")][0]
+    # The training log line through megalm.log: "[megalm rank 1]" + Megatron's " iteration ..." text.
+    line = [ln for ln in _log(trained, "pp2_level2", 1).splitlines() if ln.startswith("[megalm rank 1]  iteration")][0]
     assert "mem" not in line and "world" not in line  # not printed as losses
 
 

@@ -195,13 +195,12 @@ def test_same_load_and_save_starts_from_scratch_then_resumes(runs):
 def test_half_written_checkpoint_is_not_overwritten(tmp_path, capsys):
     """iter_* directories without a tracker: refused even when --load is --save."""
     import pretrain_gpt
-    from megalm.training import pretrain
 
     (tmp_path / "iter_0000002").mkdir()
     argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--vocab-size", "500", "--train-iters", "4", "--mock-data", "--load", str(tmp_path), "--save", str(tmp_path)]
     with pytest.raises(SystemExit) as e:
-        pretrain(pretrain_gpt.model_provider, pretrain_gpt.forward_step, argv=argv)
+        pretrain_gpt.main(argv)
     assert "it holds iter_* directories" in str(e.value.code)
 
 
@@ -252,12 +251,11 @@ def test_bf16_trains(runs):
 ])
 def test_bad_flags_fail_before_start(argv, message, capsys):
     import pretrain_gpt
-    from megalm.training import pretrain
 
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--vocab-size", "500"]
     with pytest.raises(SystemExit) as e:
-        pretrain(pretrain_gpt.model_provider, pretrain_gpt.forward_step, argv=base + argv)
+        pretrain_gpt.main(base + argv)
     text = str(e.value.code) + capsys.readouterr().err
     assert message in text
     import torch.distributed as dist

@@ -6,7 +6,8 @@ import signal
 
 
 def run_trainings(runs):
-    """On this rank, run each ``(argv, options)`` (or bare argv list) through ``pretrain()`` in turn.
+    """On this rank, run each ``(argv, options)`` (or bare argv list) through ``pretrain_gpt.main()``
+    (the entry point: errors become ``SystemExit("error: ...")``) in turn.
 
     Returns the exit codes (0, or SystemExit's code / message).  Options: ``inf_at_call`` (the
     n-th microbatch's output becomes inf, on ``inf_rank`` only if given), ``sigterm_at_call``
@@ -16,7 +17,6 @@ def run_trainings(runs):
 
     import pretrain_gpt
     from megalm import parallel_state
-    from megalm.training import pretrain
 
     codes = []
     for run in runs:
@@ -27,7 +27,7 @@ def run_trainings(runs):
         if options.get("inf_at_call") and dist.get_rank() == options.get("inf_rank", dist.get_rank()):
             forward_step = inf_at(forward_step, options["inf_at_call"])
         try:
-            pretrain(pretrain_gpt.model_provider, forward_step, argv=argv)
+            pretrain_gpt.main(argv, forward_step)
             codes.append(0)
         except SystemExit as e:
             codes.append(e.code if isinstance(e.code, int) else str(e.code))

@@ -194,6 +194,9 @@ class TrainingConfig:
     sgd_momentum: float = _f(0.9, "SGD momentum.")
     clip_grad: float = _f(1.0, "Clip gradients to this global L2 norm (0 disables).")
     log_num_zeros_in_grad: bool = _f(False, "Count zero gradient entries and log them.")
+    calculate_per_token_loss: bool = _f(False, "Loss = sum over all tokens / number of loss-mask tokens across "
+                                               "microbatches and data-parallel ranks (instead of the mean of "
+                                               "per-microbatch means).")
     bf16: bool = _f(False, "bf16 weights and compute, fp32 main weights and gradients.")
     fp16: bool = _f(False, "fp16 weights and compute, fp32 main weights, dynamic loss scaling.")
     loss_scale: Optional[float] = _f(None, "Static loss scale (fp16); dynamic when unset.")

@@ -4,8 +4,10 @@ Only TP rank 0 reads data; :func:`get_batch` broadcasts its micro-batch to the o
 ranks (``src = get_tensor_model_parallel_src_rank()`` within the TP group).  As in
 Megatron, the first pipeline stage needs ``tokens`` and ``position_ids``, the last stage
 ``labels`` and ``loss_mask``; keys a stage does not need are None (every key on middle
-stages, which read nothing).  The returned dict always has the four keys.  Shapes are ``[micro_batch_size, seq_length]``, known to every
-rank from the config, so nothing but the data itself is communicated.
+stages, which read nothing).  The returned dict always has the four keys.  Shapes are
+``[micro_batch_size, seq_length]``, known to every rank from the config passed in (a forward
+step takes it from its model: ``unwrap_model(model).cfg``), so nothing but the data itself is
+communicated.
 """
 
 from __future__ import annotations
@@ -17,23 +19,20 @@ import torch.distributed as dist
 
 from megalm import parallel_state as ps
 from megalm.device import get_device
+from megalm.errors import MegalmError
 
 KEYS = ("tokens", "labels", "loss_mask", "position_ids")
-_BATCH_SHAPE: Optional[Tuple[int, int]] = None
 
 
-def set_batch_shape(micro_batch_size: int, seq_length: int) -> None:
-    """Remember the micro-batch shape (done by ``build_train_valid_test_data_iterators``)."""
-    global _BATCH_SHAPE
-    _BATCH_SHAPE = (int(micro_batch_size), int(seq_length))
+class BatchError(MegalmError, ValueError):
+    """A micro-batch that does not fit the configuration, or no configuration to size it."""
 
 
 def _shape(cfg) -> Tuple[int, int]:
-    if cfg is not None:
-        return cfg.training.micro_batch_size, cfg.model.seq_length
-    if _BATCH_SHAPE is None:
-        raise RuntimeError("get_batch needs the micro-batch shape: pass cfg, or build the data iterators first")
-    return _BATCH_SHAPE
+    if cfg is None:
+        raise BatchError("get_batch needs cfg (the micro-batch shape) under model parallelism: "
+                         "get_batch(data_iterator, cfg)")
+    return cfg.training.micro_batch_size, cfg.model.seq_length
 
 
 def _stage_keys() -> Tuple[Tuple[str, ...], bool]:
@@ -44,7 +43,10 @@ def _stage_keys() -> Tuple[Tuple[str, ...], bool]:
 
 
 def get_batch(data_iterator, cfg=None) -> Dict[str, Optional[torch.Tensor]]:
-    """Next micro-batch on this rank's device, broadcast within the tensor-parallel group."""
+    """Next micro-batch on this rank's device, broadcast within the tensor-parallel group.
+
+    ``cfg`` (a :class:`megalm.config.MegalmConfig`) is needed once model parallelism is
+    initialized: ranks that do not read size their receive buffers from it."""
     device = get_device()
     if not ps.model_parallel_is_initialized():
         data = next(data_iterator)
@@ -58,7 +60,7 @@ def get_batch(data_iterator, cfg=None) -> Dict[str, Optional[torch.Tensor]]:
         data = next(data_iterator)
         for k in int_keys + (("loss_mask",) if need_mask else ()):
             if tuple(data[k].shape) != (mbs, seq):
-                raise ValueError(f"batch {k} has shape {tuple(data[k].shape)}, expected ({mbs}, {seq})")
+                raise BatchError(f"batch {k} has shape {tuple(data[k].shape)}, expected ({mbs}, {seq})")
         ints = torch.stack([data[k] for k in int_keys]).to(device, torch.int64) if int_keys else None
         mask = data["loss_mask"].to(device, torch.float32) if need_mask else None
     else:

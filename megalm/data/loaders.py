@@ -4,8 +4,9 @@
 first, cached, then the others), and returns iterators of micro-batch dicts on the ranks
 that read data: tensor-parallel rank 0 of the first and last pipeline stages.  Every
 other rank gets ``None`` and receives its batches through :func:`megalm.data.get_batch`.
-:func:`splits_available` then tells every rank which splits have data (as Megatron's
-``do_train`` / ``do_valid`` / ``do_test`` flags), since only reading ranks can see it.
+The returned :class:`DataIterators` also tells every rank which splits have data
+(``.splits``, as Megatron's ``do_train`` / ``do_valid`` / ``do_test`` flags), since only
+reading ranks can see it; :func:`splits_available` reads it.  Nothing is kept at module level.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from megalm import parallel_state as ps
-from megalm.data import batch as batch_module
 from megalm.data.builder import build_train_valid_test_datasets, get_train_valid_test_num_samples
 from megalm.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
 from megalm.device import get_device
@@ -72,31 +72,34 @@ def data_parallel_rank_and_size() -> Tuple[int, int]:
     return 0, 1
 
 
-_SPLITS_AVAILABLE: Optional[Tuple[bool, bool, bool]] = None
-
-
-def _share_split_flags(local: list) -> None:
-    """Agree on which splits exist: OR of the reading ranks' answers (collective)."""
-    global _SPLITS_AVAILABLE
+def _share_split_flags(local: list) -> Tuple[bool, bool, bool]:
+    """Agree on which splits exist: OR of the reading ranks' answers (one all-reduce, MAX, over
+    the world)."""
     flags = torch.tensor([int(x) for x in local], dtype=torch.int64, device=get_device())
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    _SPLITS_AVAILABLE = tuple(bool(x) for x in flags.tolist())
+    return tuple(bool(x) for x in flags.tolist())
 
 
-def splits_available() -> Tuple[bool, bool, bool]:
-    """``(train, valid, test)``: whether each split has data, the same on every rank.
+class DataIterators(tuple):
+    """``(train_iter, valid_iter, test_iter)`` (unpacks as a tuple) and ``splits``: whether
+    each split has data, ``(train, valid, test)``, the same on every rank."""
 
-    Valid after :func:`build_train_valid_test_data_iterators`; use it to decide whether
-    to train / evaluate (ranks that do not read data get None iterators either way).
-    """
-    if _SPLITS_AVAILABLE is None:
-        raise RuntimeError("splits_available() is known only after build_train_valid_test_data_iterators()")
-    return _SPLITS_AVAILABLE
+    def __new__(cls, train, valid, test, splits: Tuple[bool, bool, bool]):
+        obj = super().__new__(cls, (train, valid, test))
+        obj.splits = splits
+        return obj
+
+
+def splits_available(iterators: DataIterators) -> Tuple[bool, bool, bool]:
+    """``(train, valid, test)``: whether each split has data, the same on every rank; use it to
+    decide whether to train / evaluate (ranks that do not read data get None iterators either
+    way).  ``iterators``: what :func:`build_train_valid_test_data_iterators` returned."""
+    return iterators.splits
 
 
 def build_train_valid_test_data_iterators(cfg, tokenizer, consumed_train_samples: int = 0,
-                                          consumed_valid_samples: int = 0):
+                                          consumed_valid_samples: int = 0) -> DataIterators:
     """``(train_iter, valid_iter, test_iter)`` of micro-batch dicts; None on ranks that do not read.
 
     Collective: every rank calls it.  ``--dataloader-type single``: the valid iterator is
@@ -104,13 +107,12 @@ def build_train_valid_test_data_iterators(cfg, tokenizer, consumed_train_samples
     test ones are not.  ``cyclic`` (as Megatron): all three shuffle and re-iterate endlessly,
     the valid one from ``consumed_valid_samples`` (the sampler derives the epoch from it).
     """
-    batch_module.set_batch_shape(cfg.training.micro_batch_size, cfg.model.seq_length)
     reads = rank_reads_data()
     num_samples = get_train_valid_test_num_samples(cfg)
     train_ds, valid_ds, test_ds = build_train_valid_test_datasets(cfg, tokenizer, reads, num_samples)
-    _share_split_flags([ds is not None for ds in (train_ds, valid_ds, test_ds)])
+    splits = _share_split_flags([ds is not None for ds in (train_ds, valid_ds, test_ds)])
     if not reads:
-        return None, None, None
+        return DataIterators(None, None, None, splits)
     dp_rank, dp_size = data_parallel_rank_and_size()
     mbs, workers, kind = cfg.training.micro_batch_size, cfg.data.num_workers, cfg.data.dataloader_type
 
@@ -127,4 +129,4 @@ def build_train_valid_test_data_iterators(cfg, tokenizer, consumed_train_samples
     wrapped_valid = consumed_valid_samples if cyclic or valid_ds is None else consumed_valid_samples % len(valid_ds)
     valid = loader(valid_ds, wrapped_valid)
     test = loader(test_ds, 0)
-    return iterate(train, cyclic), iterate(valid, True), iterate(test, cyclic)
+    return DataIterators(iterate(train, cyclic), iterate(valid, True), iterate(test, cyclic), splits)

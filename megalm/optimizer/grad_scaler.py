@@ -1,7 +1,10 @@
 """Loss scalers for fp16 training (Megatron's semantics).
 
-The loss is multiplied by ``scale`` before backward; the optimizer divides gradients by it
-and reports whether any gradient overflowed (``found_inf``) to :meth:`update`.
+The scaler is the one owner of the loss scale.  In training, :func:`megalm.training.step.train_step`
+reads ``scale`` once per step and hands it to the schedule, whose
+:func:`megalm.pipeline_parallel.steps.backward_step` multiplies the last stage's loss by it (the
+only such multiplication), and to the MoE auxiliary losses; the optimizer divides the gradients by
+it and reports whether any gradient overflowed (``found_inf``) to :meth:`update`.
 
 :class:`DynamicGradScaler` (Megatron):
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from megalm import parallel_state
 from megalm.device import get_device
+from megalm.parallel_state import ProcessGroups
 from megalm.timers import NULL_TIMERS
 
 TAG_ACTIVATION = 1
@@ -43,13 +44,14 @@ def pipeline_dtype(cfg) -> torch.dtype:
     return torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
 
 
-def pipeline_tensor_shape(cfg, seq_length: Optional[int] = None, micro_batch_size: Optional[int] = None
-                          ) -> Tuple[int, int, int]:
+def pipeline_tensor_shape(cfg, seq_length: Optional[int] = None, micro_batch_size: Optional[int] = None,
+                          groups: Optional[ProcessGroups] = None) -> Tuple[int, int, int]:
     """``(s / cp [/ tp under SP], b, h)``: the hidden-state shape one stage hands the next."""
+    groups = groups if groups is not None else parallel_state.get_process_groups()
     seq = cfg.model.seq_length if seq_length is None else seq_length
     mbs = cfg.training.micro_batch_size if micro_batch_size is None else micro_batch_size
-    cp = parallel_state.get_context_parallel_world_size()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+    cp = parallel_state.group_size(groups.cp)
+    tp = parallel_state.group_size(groups.tp)
     seq //= cp
     if cfg.parallel.sequence_parallel and tp > 1:
         if seq % tp:
@@ -57,6 +59,20 @@ def pipeline_tensor_shape(cfg, seq_length: Optional[int] = None, micro_batch_siz
                              f"(sequence parallelism)")
         seq //= tp
     return seq, mbs, cfg.model.hidden_size
+
+
+def _as_shape(t: Optional[torch.Tensor]) -> Optional[Tuple[int, ...]]:
+    return tuple(int(x) for x in t.tolist()) if t is not None else None
+
+
+def neighbour_ranks(groups: ProcessGroups) -> Tuple[int, int]:
+    """Global ranks of the previous and next pipeline stage (wrapping around, as Megatron's)."""
+    ranks = groups.ranks.get("pp")
+    if not ranks or groups.pp is None:
+        me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return me, me
+    i = parallel_state.group_rank(groups.pp)
+    return ranks[(i - 1) % len(ranks)], ranks[(i + 1) % len(ranks)]
 
 
 class P2PCommunicator:
@@ -67,27 +83,30 @@ class P2PCommunicator:
             ``variable_seq_lengths``).
         dtype: their dtype.
         variable_seq_lengths: exchange shapes before each transfer.
+        timers: level-2 timers of Megatron's exchange names (:mod:`megalm.timers`).
+        groups: the rank's :class:`megalm.parallel_state.ProcessGroups`: the pipeline group
+            ``groups.pp`` and its ranks ``groups.ranks["pp"]`` (default: ``get_process_groups()``).
     """
 
     def __init__(self, tensor_shape: Sequence[int], dtype: torch.dtype, variable_seq_lengths: bool = False,
-                 timers=NULL_TIMERS):
-        self.timers = timers  # level-2 timers of Megatron's exchange names (megalm.timers)
+                 timers=NULL_TIMERS, groups: Optional[ProcessGroups] = None):
+        groups = groups if groups is not None else parallel_state.get_process_groups()
+        self.timers = timers
         self.tensor_shape = tuple(int(s) for s in tensor_shape)
         self.dtype = dtype
         self.variable_seq_lengths = variable_seq_lengths
-        self.group = parallel_state.get_pipeline_model_parallel_group()
-        self.prev_rank = parallel_state.get_pipeline_model_parallel_prev_rank()
-        self.next_rank = parallel_state.get_pipeline_model_parallel_next_rank()
+        self.group = groups.pp
+        self.prev_rank, self.next_rank = neighbour_ranks(groups)
         self.device = get_device()
 
     @classmethod
     def from_config(cls, cfg, seq_length: Optional[int] = None, micro_batch_size: Optional[int] = None,
-                    timers=NULL_TIMERS) -> "P2PCommunicator":
+                    timers=NULL_TIMERS, groups: Optional[ProcessGroups] = None) -> "P2PCommunicator":
         if cfg is None:
             raise ValueError("a pipelined schedule needs config= (a MegalmConfig: exchanged shape and dtype) "
                              "or communicator=")
-        return cls(pipeline_tensor_shape(cfg, seq_length, micro_batch_size), pipeline_dtype(cfg),
-                   bool(cfg.parallel.variable_seq_lengths), timers)
+        return cls(pipeline_tensor_shape(cfg, seq_length, micro_batch_size, groups), pipeline_dtype(cfg),
+                   bool(cfg.parallel.variable_seq_lengths), timers, groups)
 
     # --- the one primitive -----------------------------------------------------------------
     def _run(self, ops: List[dist.P2POp]) -> None:
@@ -111,8 +130,7 @@ class P2PCommunicator:
             from_next = torch.empty(3, dtype=torch.int64, device=self.device)
             ops.append(dist.P2POp(dist.irecv, from_next, self.next_rank, self.group, tag=TAG_SHAPE_GRADIENT))
         self._run(ops)
-        as_shape = (lambda t: tuple(int(x) for x in t.tolist()) if t is not None else None)
-        return as_shape(from_prev), as_shape(from_next)
+        return _as_shape(from_prev), _as_shape(from_next)
 
     def _buffer(self, shape, requires_grad: bool) -> torch.Tensor:
         return torch.empty(shape, dtype=self.dtype, device=self.device, requires_grad=requires_grad)

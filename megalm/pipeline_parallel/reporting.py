@@ -8,24 +8,26 @@ group must call it, whatever it holds.  Nothing is pickled.
 from __future__ import annotations
 
 import json
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
 
 from megalm import parallel_state
 from megalm.device import get_device
+from megalm.parallel_state import ProcessGroups
 
 
-def broadcast_from_last_stage(values: Dict[str, float]) -> Dict[str, float]:
-    """The last pipeline stage's ``values`` on every stage (as they are without pipelining)."""
-    if not parallel_state.model_parallel_is_initialized() or \
-            parallel_state.get_pipeline_model_parallel_world_size() == 1:
+def broadcast_from_last_stage(values: Dict[str, float], groups: Optional[ProcessGroups] = None) -> Dict[str, float]:
+    """The last pipeline stage's ``values`` on every stage (as they are without pipelining);
+    ``groups``: the rank's process groups (default ``parallel_state.get_process_groups()``)."""
+    groups = groups if groups is not None else parallel_state.get_process_groups()
+    if groups.pp is None or parallel_state.group_size(groups.pp) == 1:
         return values
-    group = parallel_state.get_pipeline_model_parallel_group()
-    src = parallel_state.get_pipeline_model_parallel_ranks()[-1]
+    group = groups.pp
+    src = groups.ranks["pp"][-1]
     device = get_device()
-    is_src = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    is_src = dist.get_rank() == src
     payload = json.dumps({k: float(v) for k, v in values.items()}).encode() if is_src else b""
     size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
     dist.broadcast(size, src, group=group)

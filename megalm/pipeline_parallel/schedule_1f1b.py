@@ -17,14 +17,15 @@ gradient reduction is held back (``no_sync``) until the last microbatch's backwa
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
 from megalm import parallel_state
+from megalm.parallel_state import ProcessGroups
 from megalm.pipeline_parallel.p2p_communication import P2PCommunicator
-from megalm.pipeline_parallel.steps import (GradSyncControl, ScheduleTrace, backward_step, chunk_data_iterators,
-                                            deallocate_output_tensor, forward_step)
+from megalm.pipeline_parallel.steps import (GradSyncControl, MicrobatchReports, ScheduleTrace, backward_step,
+                                            chunk_data_iterators, deallocate_output_tensor, forward_step)
 from megalm.timers import NULL_TIMERS
 
 
@@ -37,19 +38,22 @@ class _OneFOneB:
     """State of one run of the schedule on this rank (one method per phase)."""
 
     def __init__(self, forward_step_func, data_iterator, model, num_microbatches, forward_only, loss_scale,
-                 comm: P2PCommunicator, trace: Optional[ScheduleTrace], timers=NULL_TIMERS):
+                 per_token, comm: P2PCommunicator, groups: ProcessGroups, trace: Optional[ScheduleTrace],
+                 timers=NULL_TIMERS):
         self.forward_step_func = forward_step_func
         self.data_iterator = data_iterator
         self.model = model
         self.m = num_microbatches
         self.forward_only = forward_only
         self.loss_scale = loss_scale
+        self.per_token = per_token
         self.comm = comm
         self.trace = trace
         self.timers = timers
-        self.first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
-        self.last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-        self.collect: List[Dict] = []
+        self.pp, self.rank = parallel_state.group_size(groups.pp), parallel_state.group_rank(groups.pp)
+        self.first = self.rank == 0
+        self.last = self.rank == self.pp - 1
+        self.collect = MicrobatchReports()
         self.inputs: List[Optional[torch.Tensor]] = []
         self.outputs: List[torch.Tensor] = []
         self.next_forward = 0
@@ -86,7 +90,7 @@ class _OneFOneB:
         ctx = torch.no_grad() if self.forward_only else torch.enable_grad()
         with ctx, self.timers("forward-compute"):
             output = forward_step(self.forward_step_func, self.data_iterator, self.model, self.m, input_tensor,
-                                  self.collect, self.last)
+                                  self.collect, self.last, self.per_token)
         if self.trace is not None:
             self.trace.forward(mb, 0, keeps_activations=not self.forward_only)
         return output
@@ -110,10 +114,8 @@ class _OneFOneB:
         return input_grad
 
     # --- phases ---
-    def run(self) -> List[Dict]:
-        pp, rank = (parallel_state.get_pipeline_model_parallel_world_size(),
-                    parallel_state.get_pipeline_model_parallel_rank())
-        warmup = num_warmup_microbatches(pp, rank, self.m)
+    def run(self) -> MicrobatchReports:
+        warmup = num_warmup_microbatches(self.pp, self.rank, self.m)
         remaining = self.m - warmup
         if not self.forward_only:
             self.sync.disable_all()
@@ -164,21 +166,24 @@ class _OneFOneB:
 
 
 def forward_backward_pipelining_without_interleaving(
-        forward_step_func: Callable, data_iterator, model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
-        num_microbatches: int, forward_only: bool = False,
-        loss_scale: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, seq_length: Optional[int] = None,
-        micro_batch_size: Optional[int] = None, config=None, trace: Optional[ScheduleTrace] = None,
-        communicator: Optional[P2PCommunicator] = None, timers=NULL_TIMERS, **_unused) -> List[Dict]:
+        *, forward_step_func: Callable, data_iterator, model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
+        num_microbatches: int, forward_only: bool = False, loss_scale: float = 1.0,
+        calculate_per_token_loss: bool = False, seq_length: Optional[int] = None,
+        micro_batch_size: Optional[int] = None, config=None, groups: Optional[ProcessGroups] = None,
+        trace: Optional[ScheduleTrace] = None, communicator: Optional[P2PCommunicator] = None,
+        timers=NULL_TIMERS) -> MicrobatchReports:
     """Run 1F1B over ``num_microbatches`` on this stage; returns the last stage's reported values
-    (an empty list on other stages).  ``config`` (a :class:`megalm.config.MegalmConfig`) gives the
-    exchanged shape and dtype unless ``communicator`` is passed."""
+    (empty on other stages).  ``config`` (a :class:`megalm.config.MegalmConfig`) gives the
+    exchanged shape and dtype unless ``communicator`` is passed; the other keywords are those of
+    :func:`megalm.pipeline_parallel.schedules.forward_backward_no_pipelining`."""
     if isinstance(model, (list, tuple)):
         if len(model) != 1:
             raise ValueError("the 1F1B schedule takes one model chunk; virtual stages use the interleaved schedule")
         model = model[0]
     if num_microbatches < 1:
         raise ValueError(f"need at least one microbatch, got {num_microbatches}")
+    groups = groups if groups is not None else parallel_state.get_process_groups()
     iterators, _ = chunk_data_iterators(data_iterator, 1)
-    comm = communicator or P2PCommunicator.from_config(config, seq_length, micro_batch_size, timers)
+    comm = communicator or P2PCommunicator.from_config(config, seq_length, micro_batch_size, timers, groups)
     return _OneFOneB(forward_step_func, iterators[0], model, num_microbatches, forward_only, loss_scale,
-                     comm, trace, timers).run()
+                     calculate_per_token_loss, comm, groups, trace, timers).run()

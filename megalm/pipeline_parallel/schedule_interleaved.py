@@ -22,14 +22,16 @@ Data-parallel grad sync is off except for a chunk's last backward (its last micr
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
 from megalm import parallel_state
+from megalm.parallel_state import ProcessGroups
 from megalm.pipeline_parallel.p2p_communication import P2PCommunicator
-from megalm.pipeline_parallel.steps import (GradSyncControl, ScheduleTrace, SharedMicrobatches, backward_step,
-                                            chunk_data_iterators, deallocate_output_tensor, forward_step)
+from megalm.pipeline_parallel.steps import (GradSyncControl, MicrobatchReports, ScheduleTrace, SharedMicrobatches,
+                                            backward_step, chunk_data_iterators, deallocate_output_tensor,
+                                            forward_step)
 from megalm.timers import NULL_TIMERS
 
 
@@ -59,7 +61,8 @@ class _Interleaved:
     """State of one run on this rank; ``k`` below is a virtual microbatch (step) index."""
 
     def __init__(self, forward_step_func, data_iterators, shared: Optional[SharedMicrobatches], model,
-                 num_microbatches, forward_only, loss_scale, comm: P2PCommunicator, trace, timers=NULL_TIMERS):
+                 num_microbatches, forward_only, loss_scale, per_token, comm: P2PCommunicator,
+                 groups: ProcessGroups, trace, timers=NULL_TIMERS):
         self.forward_step_func = forward_step_func
         self.data_iterators = data_iterators
         self.shared = shared
@@ -67,16 +70,17 @@ class _Interleaved:
         self.v = len(self.model)
         self.m = num_microbatches
         self.total = self.m * self.v
-        self.p = parallel_state.get_pipeline_model_parallel_world_size()
-        self.rank = parallel_state.get_pipeline_model_parallel_rank()
+        self.p = parallel_state.group_size(groups.pp)
+        self.rank = parallel_state.group_rank(groups.pp)
         self.first_rank = self.rank == 0
         self.last_rank = self.rank == self.p - 1
         self.forward_only = forward_only
         self.loss_scale = loss_scale
+        self.per_token = per_token
         self.comm = comm
         self.trace = trace
         self.timers = timers
-        self.collect: List[Dict] = []
+        self.collect = MicrobatchReports()
         self.inputs: List[List] = [[] for _ in range(self.v)]
         self.outputs: List[List] = [[] for _ in range(self.v)]
         self.grads: List[List] = [[] for _ in range(self.v)]
@@ -111,7 +115,7 @@ class _Interleaved:
         ctx = torch.no_grad() if self.forward_only else torch.enable_grad()
         with ctx, self.timers("forward-compute"):
             output = forward_step(self.forward_step_func, self.data_iterators[c], self.model[c], self.m,
-                                  input_tensor, self.collect, self.last_stage(c))
+                                  input_tensor, self.collect, self.last_stage(c), self.per_token)
         if self.forward_only:
             self.inputs[c].pop()
         else:
@@ -142,7 +146,7 @@ class _Interleaved:
             self.trace.held_outputs(self.outputs)
 
     # --- phases ---
-    def run(self) -> List[Dict]:
+    def run(self) -> MicrobatchReports:
         warmup = interleaved_warmup(self.p, self.rank, self.m, self.v, self.forward_only)
         all_warmup = warmup == self.total and not self.forward_only
         if not self.forward_only:
@@ -234,21 +238,22 @@ class _Interleaved:
 
 
 def forward_backward_pipelining_with_interleaving(
-        forward_step_func: Callable, data_iterator, model: Sequence[torch.nn.Module], num_microbatches: int,
-        forward_only: bool = False, loss_scale: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+        *, forward_step_func: Callable, data_iterator, model: Sequence[torch.nn.Module], num_microbatches: int,
+        forward_only: bool = False, loss_scale: float = 1.0, calculate_per_token_loss: bool = False,
         seq_length: Optional[int] = None, micro_batch_size: Optional[int] = None, config=None,
-        trace: Optional[ScheduleTrace] = None, communicator: Optional[P2PCommunicator] = None,
-        timers=NULL_TIMERS, **_unused) -> List[Dict]:
+        groups: Optional[ProcessGroups] = None, trace: Optional[ScheduleTrace] = None,
+        communicator: Optional[P2PCommunicator] = None, timers=NULL_TIMERS) -> MicrobatchReports:
     """Run the interleaved schedule over ``model`` (this rank's chunks, virtual stage order);
-    returns the last stage's reported values (empty elsewhere).
+    returns the last stage's reported values (empty elsewhere).  Keywords as
+    :func:`megalm.pipeline_parallel.schedules.forward_backward_no_pipelining`.
 
     ``data_iterator``: one iterator shared by the chunks (each microbatch is read once and
     handed to every chunk that reads it), or one per chunk."""
     if not isinstance(model, (list, tuple)):
         raise TypeError("the interleaved schedule takes the list of this rank's model chunks")
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    check_interleaving(num_microbatches, pp, len(model))
+    groups = groups if groups is not None else parallel_state.get_process_groups()
+    check_interleaving(num_microbatches, parallel_state.group_size(groups.pp), len(model))
     iterators, shared = chunk_data_iterators(data_iterator, len(model))
-    comm = communicator or P2PCommunicator.from_config(config, seq_length, micro_batch_size, timers)
+    comm = communicator or P2PCommunicator.from_config(config, seq_length, micro_batch_size, timers, groups)
     return _Interleaved(forward_step_func, iterators, shared, model, num_microbatches, forward_only, loss_scale,
-                        comm, trace, timers).run()
+                        calculate_per_token_loss, comm, groups, trace, timers).run()

@@ -18,6 +18,13 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from megalm.errors import MegalmError
+
+
+class LossFunctionError(MegalmError):
+    """``loss_func`` returned something the schedule cannot use."""
+
+
 # --- forward / backward ------------------------------------------------------------------------
 
 
@@ -36,20 +43,57 @@ def set_input_tensor(model: torch.nn.Module, input_tensor: Optional[torch.Tensor
         raise TypeError(f"{type(target).__name__} has no set_input_tensor(); it cannot be a non-first pipeline stage")
 
 
-def forward_step(forward_step_func: Callable, data_iterator, model: torch.nn.Module, num_microbatches: int,
-                 input_tensor: Optional[torch.Tensor], collect: List[Dict], is_last_stage: bool) -> torch.Tensor:
-    """Run one microbatch through one model chunk.
+class MicrobatchReports(list):
+    """What a schedule returns: one ``{name: value}`` per microbatch (the last stage's
+    ``loss_func`` reports, detached, still on the device: no host sync per microbatch), plus
+    ``num_tokens``, the sum of the token counts ``loss_func`` returned (a device tensor on the
+    last stage when ``loss_func`` returns three values, else None)."""
 
-    On the last stage the loss function is applied: its reported values are appended to
-    ``collect`` and the loss divided by ``num_microbatches`` is returned; elsewhere the output
-    (hidden states) is returned and the loss function is not called.
+    def __init__(self):
+        super().__init__()
+        self.num_tokens: Optional[torch.Tensor] = None
+
+    def add(self, reported: Dict, num_tokens: Optional[torch.Tensor]) -> None:
+        self.append({k: v.detach() if torch.is_tensor(v) else v for k, v in reported.items()})
+        if num_tokens is not None:
+            n = num_tokens.detach() if torch.is_tensor(num_tokens) else torch.tensor(float(num_tokens))
+            self.num_tokens = n if self.num_tokens is None else self.num_tokens + n
+
+
+def forward_step(forward_step_func: Callable, data_iterator, model: torch.nn.Module, num_microbatches: int,
+                 input_tensor: Optional[torch.Tensor], collect: MicrobatchReports, is_last_stage: bool,
+                 calculate_per_token_loss: bool = False) -> torch.Tensor:
+    """Run one microbatch through one model chunk (the one forward step of every schedule).
+
+    ``loss_func(output)`` returns ``(loss, {name: value})`` or, as Megatron's, ``(loss_sum,
+    num_tokens, {name: value})``.  On the last stage its reported values are added to
+    ``collect`` and the loss to back-propagate is returned:
+
+    * ``calculate_per_token_loss``: the token sum as is (the trainer divides the gradients by
+      the global token count after the step's gradient reduction);
+    * otherwise the microbatch mean (``loss_sum / max(num_tokens, 1)`` for three values)
+      divided by ``num_microbatches``.
+
+    Elsewhere the output (hidden states) is returned and the loss function is not called.
+    No communication, no host synchronization.
     """
     set_input_tensor(model, input_tensor)
     output, loss_func = forward_step_func(data_iterator, model)
     if not is_last_stage:
         return output
-    loss, reported = loss_func(output)
-    collect.append({k: v.detach() if torch.is_tensor(v) else v for k, v in reported.items()})
+    outputs = loss_func(output)
+    if len(outputs) == 3:
+        loss, num_tokens, reported = outputs
+    else:
+        (loss, reported), num_tokens = outputs, None
+    collect.add(reported, num_tokens)
+    if calculate_per_token_loss:
+        if num_tokens is None:
+            raise LossFunctionError("--calculate-per-token-loss needs loss_func to return (loss_sum, num_tokens, "
+                                    "reported) as Megatron-LM's")
+        return loss
+    if num_tokens is not None:
+        loss = loss / torch.clamp(torch.as_tensor(num_tokens, dtype=loss.dtype, device=loss.device), min=1.0)
     return loss / num_microbatches
 
 
@@ -83,13 +127,15 @@ def custom_backward(output: torch.Tensor, grad_output: Optional[torch.Tensor]) -
 
 
 def backward_step(input_tensor: Optional[torch.Tensor], output: torch.Tensor, grad_output: Optional[torch.Tensor],
-                  loss_scale: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> Optional[torch.Tensor]:
+                  loss_scale: float = 1.0) -> Optional[torch.Tensor]:
     """Backward of one microbatch on one chunk; returns the gradient of its input (None on the first stage).
 
-    On the last stage (``grad_output`` None) the loss is first multiplied by the loss scale.
+    On the last stage (``grad_output`` None) the loss is first multiplied by ``loss_scale``:
+    the only place where the loss scale enters the backward pass (see
+    :mod:`megalm.training.step`, "Loss scaling").
     """
-    if grad_output is None and loss_scale is not None:
-        output = loss_scale(output)
+    if grad_output is None and loss_scale != 1.0:
+        output = output * loss_scale
     custom_backward(output, grad_output)
     if input_tensor is None:
         return None

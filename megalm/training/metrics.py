@@ -36,7 +36,7 @@ from megalm.errors import MegalmError
 
 TB_TAGS = {"lm_loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm", "params_norm": "params-norm",
            "loss_scale": "loss-scale", "global_batch_size": "batch-size", "elapsed_ms": "iteration-time-ms",
-           "tokens_per_sec": "tokens-per-sec", "tflops_per_rank": "tflops-per-rank"}
+           "tokens_per_sec": "tokens-per-sec", "tflops_per_rank": "tflops-per-rank", "num_zeros": "num-zeros"}
 
 
 class WandbSetupError(MegalmError, RuntimeError):

@@ -1,14 +1,35 @@
 """One training iteration and one evaluation pass, as Megatron-LM's ``train_step`` and ``evaluate``.
 
-``train_step``: zero the gradient buffers, run the schedule over the microbatches (backward of
-all but the last microbatch without communication), finalize gradients (data-parallel bucket
-reduction, sequence-parallel and tied-embedding reductions), optimizer step (loss scale check,
-clipping); each phase under its Megatron timer (:mod:`megalm.timers`).
+:func:`train_step` owns the whole step: batch size for this iteration (ramp-up), zero the
+gradient buffers, run the schedule over the microbatches (backward of all but the last
+microbatch without communication), finalize gradients (data-parallel bucket reduction,
+sequence-parallel and tied-embedding reductions), divide them by the global token count under
+``--calculate-per-token-loss``, optimizer step (loss-scale check, clipping), learning-rate step
+and the counters of :class:`TrainState`; each phase under its Megatron timer
+(:mod:`megalm.timers`).  It returns a :class:`StepResult`.
+
+Communication of the step itself, besides the model's, the schedule's and the optimizer's:
+one all-reduce (SUM, float64, one element pair per reported value) over the data-parallel
+group of the last pipeline stage's reported values, once per step; under
+``--calculate-per-token-loss`` also a broadcast of the token count from the last pipeline
+stage and its all-reduce over data x context parallel ranks.  Reported values stay on the
+device: nothing in the step synchronizes with the host per microbatch.
+
+Loss scaling (fp16, or ``--loss-scale``) has one owner, the optimizer's
+:class:`megalm.optimizer.grad_scaler.GradScaler`: its scale is read once per step here
+(:attr:`StepResult.loss_scale`) and handed, as a number, to the schedule, which multiplies
+the last stage's loss by it in :func:`megalm.pipeline_parallel.steps.backward_step` (the only
+multiplication of a loss by the scale in training), and to the MoE auxiliary losses' backward
+factor; the optimizer divides the gradients by the same scale, checks them for inf/nan and
+updates the scaler.  ``optimizer.scale_loss`` is for hand-written loops, not used here.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -16,71 +37,198 @@ import torch.distributed as dist
 from megalm import parallel_state
 from megalm.config import MegalmConfig
 from megalm.device import get_device
+from megalm.parallel_state import ProcessGroups
 from megalm.pipeline_parallel import get_forward_backward_func
 from megalm.timers import NULL_TIMERS, timed_iterator
+
+
+@dataclass
+class TrainState:
+    """The counters of a run (saved in checkpoints), advanced by :func:`train_step`."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
+    start_time: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one :func:`train_step` did.
+
+    ``losses``: each reported value reduced over the step's microbatches and data-parallel
+    ranks, as 0-dim float64 tensors on the device (``{}`` off the last pipeline stage); read
+    them with :func:`losses_to_floats` when logging.  ``grad_norm`` / ``num_zeros``: from the
+    optimizer (None when skipped or not asked for).  ``loss_scale``: the scale this step's
+    backward used.  ``skipped``: no update (loss-scale overflow, or a non-finite gradient
+    norm); ``nan``: the gradient norm was not finite.
+    """
+
+    losses: Dict[str, torch.Tensor]
+    grad_norm: Optional[float]
+    num_zeros: Optional[float]
+    loss_scale: float
+    skipped: bool
+    nan: bool
+    global_batch_size: int
+    num_microbatches: int
+
+    @property
+    def update_successful(self) -> bool:
+        return not self.skipped
 
 
 # --- one iteration -----------------------------------------------------------------------
 
 def train_step(cfg: MegalmConfig, forward_step_func: Callable, data_iterator, model: List[torch.nn.Module],
-               optimizer, scheduler, num_microbatches: int, timers=NULL_TIMERS) -> Dict[str, object]:
+               optimizer, scheduler, state: TrainState, microbatches, groups: Optional[ProcessGroups] = None,
+               timers=NULL_TIMERS) -> StepResult:
+    """One iteration on this rank (collective over every rank); advances ``state`` and the
+    learning-rate ``scheduler``.  ``microbatches``: the run's
+    :class:`megalm.training.microbatches.MicrobatchCalculator`; ``groups``: the rank's process
+    groups (default ``parallel_state.get_process_groups()``)."""
     from megalm.distributed.finalize_model_grads import finalize_model_grads
     from megalm.transformer.moe import begin_training_step as begin_moe_step
 
+    groups = groups if groups is not None else parallel_state.get_process_groups()
+    microbatches.update(state.consumed_train_samples)
+    gbs, m = microbatches.current_global_batch_size, microbatches.num_microbatches
+    per_token = cfg.training.calculate_per_token_loss
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    begin_moe_step(model, optimizer.get_loss_scale(), num_microbatches)  # aux-loss backward scale (MoE)
-    forward_backward = get_forward_backward_func()
+    loss_scale = optimizer.get_loss_scale()
+    begin_moe_step(model, loss_scale, 1 if per_token else m)  # aux-loss backward factor (MoE)
+    forward_backward = get_forward_backward_func(groups)
     with timers("forward-backward"):
         reported = forward_backward(forward_step_func=forward_step_func,
                                     data_iterator=timed_iterator(data_iterator, timers("batch-generator")),
-                                    model=model, num_microbatches=num_microbatches, forward_only=False,
-                                    loss_scale=optimizer.scale_loss, seq_length=cfg.model.seq_length,
-                                    micro_batch_size=cfg.training.micro_batch_size, config=cfg, timers=timers)
+                                    model=model, num_microbatches=m, forward_only=False, loss_scale=loss_scale,
+                                    calculate_per_token_loss=per_token, seq_length=cfg.model.seq_length,
+                                    micro_batch_size=cfg.training.micro_batch_size, config=cfg, groups=groups,
+                                    timers=timers)
     finalize_model_grads(model, timers=timers)
+    if per_token:
+        scale_gradients_by_token_count(model, global_token_count(reported.num_tokens, groups))
     with timers("optimizer"):
         update_successful, grad_norm, num_zeros = optimizer.step(timers)
-    return {"reported": average_reported(reported), "update_successful": update_successful,
-            "grad_norm": grad_norm}
+    if update_successful:
+        scheduler.step(increment=gbs)
+    nan = grad_norm is not None and not math.isfinite(grad_norm)
+    state.iteration += 1
+    state.consumed_train_samples += gbs
+    state.skipped_iterations += 0 if update_successful else 1
+    state.nan_iterations += 1 if nan else 0
+    return StepResult(losses=reduce_reported(reported, per_token, groups), grad_norm=grad_norm,
+                      num_zeros=num_zeros, loss_scale=loss_scale, skipped=not update_successful, nan=nan,
+                      global_batch_size=gbs, num_microbatches=m)
 
 
-def average_reported(reported: List[Dict]) -> Dict[str, float]:
-    """Mean over microbatches, then over data-parallel ranks (one all-reduce); with pipeline
-    parallelism only the last stage has values and broadcasts them to every stage (collective
-    over the pipeline group: every rank calls this)."""
-    from megalm.pipeline_parallel.reporting import broadcast_from_last_stage
+# --- per-token loss ------------------------------------------------------------------------
 
-    return broadcast_from_last_stage(_average_over_microbatches_and_dp(reported))
+def global_token_count(local: Optional[torch.Tensor], groups: ProcessGroups) -> torch.Tensor:
+    """Tokens of the step over all microbatches and data x context parallel ranks, on every rank:
+    a broadcast from the last pipeline stage (the one that saw the loss masks) over the
+    pipeline group, then an all-reduce (SUM) over ``groups.dp_cp``."""
+    n = torch.zeros(1, dtype=torch.float64, device=get_device())
+    if local is not None:
+        n += local.to(n.device, torch.float64)
+    if groups.pp is not None and parallel_state.group_size(groups.pp) > 1:
+        dist.broadcast(n, groups.ranks["pp"][-1], group=groups.pp)
+    if groups.dp_cp is not None and parallel_state.group_size(groups.dp_cp) > 1:
+        dist.all_reduce(n, group=groups.dp_cp)
+    return n
 
 
-def _average_over_microbatches_and_dp(reported: List[Dict]) -> Dict[str, float]:
+def scale_gradients_by_token_count(model: Sequence[torch.nn.Module], num_tokens: torch.Tensor) -> None:
+    """Turn reduced gradients of loss sums into gradients of the per-token mean: each gradient
+    buffer is multiplied by ``1 / (its data-parallel scaling factor x num_tokens)`` (the buffers
+    averaged over data-parallel ranks; here the ranks' contributions must add up).  No
+    communication; ``num_tokens`` stays on the device (clamped to at least 1)."""
+    inv = 1.0 / num_tokens.clamp(min=1.0)
+    for chunk in model:
+        buffers = getattr(chunk, "all_buffers", None)
+        if buffers is None:  # not data-parallel wrapped: a single process
+            for p in chunk.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(inv.to(p.grad.dtype))
+            continue
+        for buf in buffers:
+            buf.grad_data.mul_((inv / buf.gradient_scaling_factor).to(buf.grad_data.dtype))
+
+
+# --- reported values -------------------------------------------------------------------------
+
+def _as_pair(value, device) -> torch.Tensor:
+    """``(numerator, denominator)`` of one reported value: a 2-element tensor is Megatron's
+    ``[loss_sum, num_tokens]``; anything else is ``(value, 1)``."""
+    t = torch.as_tensor(value).to(device=device, dtype=torch.float64).reshape(-1)
+    if t.numel() == 2:
+        return t
+    if t.numel() != 1:
+        raise ValueError(f"a reported value must be a scalar or [sum, count], got {t.numel()} elements")
+    return torch.cat([t, torch.ones_like(t)])
+
+
+def reduce_reported(reported: List[Dict], per_token: bool, groups: ProcessGroups) -> Dict[str, torch.Tensor]:
+    """Each reported value over the microbatches and data-parallel ranks, on the device.
+
+    ``[sum, count]`` values under ``per_token``: total sum / total count (Megatron's per-token
+    mean).  Otherwise: mean over microbatches of ``sum / max(count, 1)`` (scalars as they
+    are), then mean over data-parallel ranks.  One all-reduce over ``groups.dp_cp`` (per token)
+    or ``groups.dp``; no host synchronization.  ``{}`` when nothing was reported (not the last
+    pipeline stage).
+    """
     if not reported:
         return {}
+    device = get_device()
     keys = sorted(reported[0])
-    local = torch.tensor([[float(r[k]) for k in keys] for r in reported], dtype=torch.float64).mean(0)
-    if parallel_state.get_data_parallel_world_size() > 1:
-        local = local.to(get_device())
-        dist.all_reduce(local, group=parallel_state.get_data_parallel_group())
-        local = local.cpu() / parallel_state.get_data_parallel_world_size()
-    return {k: float(v) for k, v in zip(keys, local)}
+    totals = []
+    for k in keys:
+        pairs = torch.stack([_as_pair(r[k], device) for r in reported])  # [microbatches, 2]
+        if not per_token:
+            ratio = pairs[:, 0] / pairs[:, 1].clamp(min=1.0)
+            pairs = torch.stack([ratio, torch.ones_like(ratio)], dim=1)
+        totals.append(pairs.sum(0))
+    totals = torch.stack(totals)  # [keys, 2]: numerator, denominator
+    group = groups.dp_cp if per_token else groups.dp
+    if group is not None and parallel_state.group_size(group) > 1:
+        dist.all_reduce(totals, group=group)
+    values = totals[:, 0] / totals[:, 1]
+    return {k: values[i] for i, k in enumerate(keys)}
 
+
+def losses_to_floats(losses: Dict[str, torch.Tensor], groups: Optional[ProcessGroups] = None) -> Dict[str, float]:
+    """Host values of reduced losses (one device-to-host copy), given to every pipeline stage
+    (two broadcasts over the pipeline group when it has several stages: every rank calls this)."""
+    from megalm.pipeline_parallel.reporting import broadcast_from_last_stage
+
+    keys = sorted(losses)
+    floats = dict(zip(keys, torch.stack([losses[k] for k in keys]).tolist())) if keys else {}
+    return broadcast_from_last_stage(floats, groups)
+
+
+# --- evaluation ------------------------------------------------------------------------------
 
 def evaluate(cfg: MegalmConfig, forward_step_func: Callable, data_iterator, model: List[torch.nn.Module],
-             eval_iters: int, num_microbatches: int) -> Dict[str, float]:
-    """Forward-only over ``eval_iters`` global batches; mean of each reported value."""
+             eval_iters: int, num_microbatches: int, groups: Optional[ProcessGroups] = None) -> Dict[str, float]:
+    """Forward-only over ``eval_iters`` global batches; mean of each reported value (per-token
+    values summed over all batches first under ``--calculate-per-token-loss``)."""
+    groups = groups if groups is not None else parallel_state.get_process_groups()
+    per_token = cfg.training.calculate_per_token_loss
     for chunk in model:
         chunk.eval()
-    forward_backward = get_forward_backward_func()
-    totals: Dict[str, float] = {}
+    forward_backward = get_forward_backward_func(groups)
+    batches: List[Dict] = []
     with torch.no_grad():
         for _ in range(eval_iters):
-            reported = forward_backward(forward_step_func=forward_step_func, data_iterator=data_iterator,
-                                        model=model, num_microbatches=num_microbatches, forward_only=True,
-                                        seq_length=cfg.model.seq_length,
-                                        micro_batch_size=cfg.training.micro_batch_size, config=cfg)
-            for k, v in average_reported(reported).items():
-                totals[k] = totals.get(k, 0.0) + v / eval_iters
+            batches.extend(forward_backward(forward_step_func=forward_step_func, data_iterator=data_iterator,
+                                            model=model, num_microbatches=num_microbatches, forward_only=True,
+                                            calculate_per_token_loss=per_token, seq_length=cfg.model.seq_length,
+                                            micro_batch_size=cfg.training.micro_batch_size, config=cfg,
+                                            groups=groups))
     for chunk in model:
         chunk.train()
-    return totals
+    return losses_to_floats(reduce_reported(batches, per_token, groups), groups)

@@ -1,16 +1,20 @@
 """The training loop: ``pretrain(...)`` as in Megatron-LM, in readable pieces.
 
 Per iteration: the training step (:func:`megalm.training.step.train_step`: schedule over the
-microbatches, gradient finalization, optimizer step), learning-rate step, logging, evaluation,
-checkpoint, exit checks.
+microbatches, gradient finalization, optimizer step, learning-rate step, counters), logging,
+evaluation, checkpoint, exit checks.  The :class:`Trainer` builds the rank's
+:class:`megalm.parallel_state.ProcessGroups` once (``self.groups``) and passes it down.
+
+Errors are raised as :class:`megalm.errors.MegalmError` subclasses (a stop on purpose, e.g.
+``--exit-interval``, as :class:`megalm.errors.TrainingStopped` with exit code 0); the entry point
+(``pretrain_gpt.py``) turns them into a message and an exit code.  Messages go through
+:mod:`megalm.log`.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -20,40 +24,40 @@ from megalm import checkpointing, parallel_state
 from megalm.async_save import AsyncCheckpointWriter, AsyncSaveError
 from megalm.config import MegalmConfig, parse_config, set_vocab_size
 from megalm.device import get_device
+from megalm.errors import MegalmError, TrainingStopped
 from megalm.fusions import BackendUnavailable, compile_stats, plan_fusions
+from megalm.log import get_logger
 from megalm.pipeline_parallel import get_forward_backward_func
 from megalm.timers import ITERATION_TIMERS, SETUP_TIMERS, Timers
 from megalm.training.initialize import initialize_megalm, world_size_from_env
 from megalm.training.microbatches import MicrobatchCalculator
 from megalm.training.profiling import ProfilerUnavailable, StepProfiler, check_profiler_available
 from megalm.training.signals import ExitSignalHandler
-from megalm.training.step import evaluate, train_step
+from megalm.training.step import StepResult, TrainState, evaluate, losses_to_floats, train_step
+
+logger = get_logger(__name__)
+
+__all__ = ["Trainer", "TrainState", "TrainingSetupError", "CheckpointSaveFailed", "pretrain"]
 
 
-@dataclass
-class TrainState:
-    iteration: int = 0
-    consumed_train_samples: int = 0
-    consumed_valid_samples: int = 0
-    skipped_iterations: int = 0
-    nan_iterations: int = 0
-    start_time: float = field(default_factory=time.time)
+class TrainingSetupError(MegalmError):
+    """The run cannot start: missing flags or data, an unusable checkpoint, backend or logger."""
 
 
-def print_rank_0(*args) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(*args, flush=True)
+class CheckpointSaveFailed(MegalmError):
+    """A background checkpoint save (--async-save) failed on some rank."""
 
 
-def print_rank_last(*args) -> None:
-    if not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1:
-        print(*args, flush=True)
+def log_rank_last(message: str) -> None:
+    """Megatron's ``print_rank_last``: INFO shown on the world's last rank."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    logger.info(message, extra={"on_rank": world - 1})
 
 
 def print_timing(block: Optional[str]) -> None:
     """A timing block from :meth:`megalm.timers.Timers.log`, on the last rank (as Megatron)."""
     if block is not None:
-        print_rank_last(block)
+        log_rank_last(block)
 
 
 def is_logging_rank() -> bool:
@@ -121,6 +125,9 @@ class Trainer:
         self.model_provider = model_provider
         self.forward_step_func = forward_step_func
         self.state = TrainState()
+        self.groups = parallel_state.get_process_groups()  # rebuilt in setup(), after initialization
+        self.interval = IntervalStats()  # values since the last log line
+        self.saved_at: Optional[int] = None  # iteration of the last checkpoint saved by the loop
 
     # -- set-up --
     def setup(self) -> None:
@@ -131,7 +138,8 @@ class Trainer:
         cfg = self.cfg
         self._check_before_start()
         initialize_megalm(cfg)
-        get_forward_backward_func()  # fail early if the layout's schedule is not available
+        self.groups = parallel_state.get_process_groups()
+        get_forward_backward_func(self.groups)  # fail early if the layout's schedule is not available
         self.timers = Timers.from_config(cfg.logging)
         self.profiler = StepProfiler(cfg.logging, dist.get_rank())
         self.async_writer = AsyncCheckpointWriter() if cfg.checkpoint.async_save else None
@@ -160,11 +168,12 @@ class Trainer:
         self.compile_reported = compile_stats()
         plan = getattr(chunks[0], "fusion_plan", None)
         if plan is not None:
-            print_rank_0(f"[megalm] fusions: {plan.describe()}")
+            logger.info(f"fusions: {plan.describe()}")
         n_params = count_parameters(chunks)
-        print_rank_0(f"[megalm] world {dist.get_world_size()} | tp {cfg.parallel.tensor_model_parallel_size} "
-                     f"pp {cfg.parallel.pipeline_model_parallel_size} dp {parallel_state.get_data_parallel_world_size()} "
-                     f"| parameters on rank 0: {n_params:,} | train iters {self.train_iters}")
+        dp = parallel_state.group_size(self.groups.dp)
+        logger.info(f"world {dist.get_world_size()} | tp {cfg.parallel.tensor_model_parallel_size} "
+                    f"pp {cfg.parallel.pipeline_model_parallel_size} dp {dp} "
+                    f"| parameters on rank 0: {n_params:,} | train iters {self.train_iters}")
         print_timing(self.timers.log(SETUP_TIMERS))  # collective
 
     def _device_peak(self):
@@ -174,43 +183,43 @@ class Trainer:
         dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
         if get_device().type == "cpu" and not cpu_has_native_half(dtype):
             flag = "--bf16" if t.bf16 else "--fp16"
-            print_rank_0(f"[megalm] warning: this CPU has no native {flag[2:]} matrix instructions (oneDNN reports "
-                         f"none): {flag} matmuls run orders of magnitude slower than fp32 here; drop {flag} to train "
-                         f"in fp32")
+            logger.info(f"warning: this CPU has no native {flag[2:]} matrix instructions (oneDNN reports "
+                        f"none): {flag} matmuls run orders of magnitude slower than fp32 here; drop {flag} to train "
+                        f"in fp32")
         peak, source = device_peak_flops(dtype, self.cfg.logging.device_peak_flops, get_device())
-        print_rank_0(f"[megalm] device peak for MFU: {peak / 1e12:.3f} TFLOP/s per rank ({source})")
+        logger.info(f"device peak for MFU: {peak / 1e12:.3f} TFLOP/s per rank ({source})")
         return peak, source
 
     def _check_before_start(self) -> None:
         cfg = self.cfg
         if cfg.training.train_iters is None and cfg.training.train_samples is None and not cfg.training.skip_train:
-            raise SystemExit("error: give --train-iters or --train-samples")
+            raise TrainingSetupError("give --train-iters or --train-samples")
         d = cfg.data
         if not (d.mock_data or d.data_path or d.train_data_path):
-            raise SystemExit("error: no training data: give --data-path PREFIX (or --train-data-path, or --mock-data)")
+            raise TrainingSetupError("no training data: give --data-path PREFIX (or --train-data-path, or --mock-data)")
         c = cfg.checkpoint
         try:
             self.resume = bool(c.load) and checkpointing.checkpoint_to_resume(c.load, c.save, c.ckpt_step,
                                                                               c.exit_on_missing_checkpoint)
         except checkpointing.CheckpointError as e:
-            raise SystemExit(f"error: {e}") from None
+            raise TrainingSetupError(str(e)) from None
         if c.load and not self.resume:
-            print_rank_0(f"[megalm] warning: no checkpoint in --load {c.load} yet: training starts from scratch "
-                         f"(--exit-on-missing-checkpoint makes this an error)")
+            logger.info(f"warning: no checkpoint in --load {c.load} yet: training starts from scratch "
+                        f"(--exit-on-missing-checkpoint makes this an error)")
         try:
             plan_fusions(cfg.model, half_precision=cfg.training.bf16 or cfg.training.fp16)
         except BackendUnavailable as e:
-            raise SystemExit(f"error: {e}") from None
+            raise TrainingSetupError(str(e)) from None
         try:
             check_profiler_available(cfg.logging)  # on every rank, not only the profiled ones
         except ProfilerUnavailable as e:
-            raise SystemExit(f"error: {e}") from None
+            raise TrainingSetupError(str(e)) from None
         from megalm.training.metrics import WandbSetupError, check_wandb_ready
 
         try:
             check_wandb_ready(cfg.logging)  # on every rank, before any work
         except WandbSetupError as e:
-            raise SystemExit(f"error: {e}") from None
+            raise TrainingSetupError(str(e)) from None
 
     def _build_tokenizer(self):
         from megalm.tokenizers import build_tokenizer
@@ -218,7 +227,8 @@ class Trainer:
         cfg = self.cfg
         if cfg.data.tokenizer_type is None:
             if cfg.model.vocab_size is None:
-                raise SystemExit("error: give --tokenizer-type (and --tokenizer-model), or --vocab-size for --mock-data")
+                raise TrainingSetupError("give --tokenizer-type (and --tokenizer-model), or --vocab-size for "
+                                         "--mock-data")
             cfg.data.tokenizer_type = "NullTokenizer"
         tokenizer = build_tokenizer(cfg.data, cfg.model)
         set_vocab_size(cfg, tokenizer.vocab_size)
@@ -246,11 +256,10 @@ class Trainer:
         cfg = self.cfg
         if cfg.training.train_iters is None:
             cfg.training.train_iters = self.train_iters
-        from megalm.data import splits_available
-
-        self.train_iter, self.valid_iter, self.test_iter = build_train_valid_test_data_iterators(
-            cfg, self.tokenizer, self.state.consumed_train_samples, self.state.consumed_valid_samples)
-        _, has_valid, has_test = splits_available()  # the same answer on every rank
+        iterators = build_train_valid_test_data_iterators(cfg, self.tokenizer, self.state.consumed_train_samples,
+                                                          self.state.consumed_valid_samples)
+        self.train_iter, self.valid_iter, self.test_iter = iterators
+        _, has_valid, has_test = iterators.splits  # the same answer on every rank
         self.do_valid = cfg.training.eval_iters > 0 and has_valid
         self.do_test = cfg.training.eval_iters > 0 and has_test
 
@@ -261,11 +270,11 @@ class Trainer:
                 c.load, self.model, self.optimizer, self.scheduler, load_optim=not c.no_load_optim,
                 load_rng=False, finetune=c.finetune, iteration=c.ckpt_step)
         except checkpointing.CheckpointError as e:
-            raise SystemExit(f"error: {e}") from None
+            raise TrainingSetupError(str(e)) from None
         self.state.iteration = common["iteration"]
         self.state.consumed_train_samples = common["consumed_train_samples"]
         self.state.consumed_valid_samples = common["consumed_valid_samples"]
-        print_rank_0(f"[megalm] loaded checkpoint from {c.load} at iteration {self.state.iteration}")
+        logger.info(f"loaded checkpoint from {c.load} at iteration {self.state.iteration}")
         return common
 
     # -- the loop --
@@ -284,59 +293,62 @@ class Trainer:
         return state
 
     def train(self) -> None:
-        cfg, state, t = self.cfg, self.state, self.cfg.training
+        """Iterations until --train-iters (or an exit condition: :class:`TrainingStopped`)."""
+        cfg, state = self.cfg, self.state
         for chunk in self.model:
             chunk.train()
-        log = IntervalStats()
-        saved_at = None
+        self.interval = IntervalStats()
+        self.saved_at = None
         note = self.profiler.note_on_resume(state.iteration)
         if note:
-            print(f"[megalm] warning (rank {dist.get_rank()}): {note}", flush=True)
+            logger.warning(f"warning: {note}")
         while state.iteration < self.train_iters:
-            self.microbatches.update(state.consumed_train_samples)
-            gbs = self.microbatches.current_global_batch_size
-            self.profiler.before_step(state.iteration)
-            start = time.perf_counter()
-            out = train_step(cfg, self.forward_step_func, self.train_iter, self.model, self.optimizer,
-                             self.scheduler, self.microbatches.num_microbatches, self.timers)
-            if out["update_successful"]:
-                self.scheduler.step(increment=gbs)
-            else:
-                state.skipped_iterations += 1
-            grad_norm = out["grad_norm"]
-            if grad_norm is not None and not math.isfinite(grad_norm):
-                state.nan_iterations += 1
-            state.iteration += 1
-            state.consumed_train_samples += gbs
-            log.add(time.perf_counter() - start, out, gbs)
-            self.profiler.after_step(state.iteration)
-            if state.iteration % cfg.logging.log_interval == 0:
-                self.log_training(log)
-                log = IntervalStats()
-            if self.do_valid and t.eval_interval and state.iteration % t.eval_interval == 0 \
-                    and state.iteration < self.train_iters:
-                self.evaluate_and_log("validation", self.valid_iter)
-            c = cfg.checkpoint
-            if c.save and c.save_interval and state.iteration % c.save_interval == 0:
-                self.save()
-                saved_at = state.iteration
-            reason = self.exit_reason()
-            if reason:
-                if c.save and saved_at != state.iteration:
-                    self.save()
-                self.complete_async_save()
-                print_rank_0(f"[megalm] exiting at iteration {state.iteration}: {reason}")
-                self.profiler.close()
-                checkpointing.finish_param_sync(self.model)  # overlapped parameter all-gathers
-                self.metrics.close()
-                if dist.is_initialized():
-                    dist.barrier()
-                sys.exit(0)
+            self.train_iteration()
         self.profiler.close()  # a window past the last iteration: keep what was recorded
         checkpointing.finish_param_sync(self.model)  # the last step's overlapped parameter all-gathers
-        if cfg.checkpoint.save and saved_at != state.iteration:
+        if cfg.checkpoint.save and self.saved_at != state.iteration:
             self.save()
         self.complete_async_save()
+
+    def train_iteration(self) -> StepResult:
+        """One iteration of the loop: the step, then its log line, evaluation, checkpoint and
+        exit checks when due (call :meth:`train` for a run; this is its body)."""
+        cfg, state, t = self.cfg, self.state, self.cfg.training
+        self.profiler.before_step(state.iteration)
+        start = time.perf_counter()
+        result = train_step(cfg, self.forward_step_func, self.train_iter, self.model, self.optimizer,
+                            self.scheduler, state, self.microbatches, self.groups, self.timers)
+        self.interval.add(time.perf_counter() - start, result)
+        self.profiler.after_step(state.iteration)
+        if state.iteration % cfg.logging.log_interval == 0:
+            self.log_training(self.interval)
+            self.interval = IntervalStats()
+        if self.do_valid and t.eval_interval and state.iteration % t.eval_interval == 0 \
+                and state.iteration < self.train_iters:
+            self.evaluate_and_log("validation", self.valid_iter)
+        c = cfg.checkpoint
+        if c.save and c.save_interval and state.iteration % c.save_interval == 0:
+            self.save()
+            self.saved_at = state.iteration
+        reason = self.exit_reason()
+        if reason:
+            self.stop(reason)
+        return result
+
+    def stop(self, reason: str) -> None:
+        """Save if not saved at this iteration, finish background work, raise :class:`TrainingStopped`."""
+        state, c = self.state, self.cfg.checkpoint
+        if c.save and self.saved_at != state.iteration:
+            self.save()
+        self.complete_async_save()
+        message = f"exiting at iteration {state.iteration}: {reason}"
+        logger.info(message)
+        self.profiler.close()
+        checkpointing.finish_param_sync(self.model)  # overlapped parameter all-gathers
+        self.metrics.close()
+        if dist.is_initialized():
+            dist.barrier()
+        raise TrainingStopped(message, exit_code=0)
 
     def exit_reason(self) -> Optional[str]:
         t, state = self.cfg.training, self.state
@@ -370,8 +382,8 @@ class Trainer:
                                       config=self.cfg.to_dict(), async_writer=self.async_writer)
         self.timers("save-checkpoint").stop(barrier=True)
         how = "started saving" if self.async_writer is not None else "saved"
-        print_rank_0(f"[megalm] {how} checkpoint at iteration {state.iteration} to {self.cfg.checkpoint.save}"
-                     + (" in the background" if self.async_writer is not None else ""))
+        logger.info(f"{how} checkpoint at iteration {state.iteration} to {self.cfg.checkpoint.save}"
+                    + (" in the background" if self.async_writer is not None else ""))
         print_timing(self.timers.log(["save-checkpoint"]))  # collective
 
     def complete_async_save(self) -> None:
@@ -388,9 +400,9 @@ class Trainer:
         if dist.is_initialized():
             dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if failed.item() > 0:
-            raise SystemExit(f"error: {message or 'a background checkpoint save failed on another rank'}")
+            raise CheckpointSaveFailed(message or "a background checkpoint save failed on another rank")
         if iteration is not None:
-            print_rank_0(f"[megalm] finished saving checkpoint at iteration {iteration} in the background")
+            logger.info(f"finished saving checkpoint at iteration {iteration} in the background")
 
     # -- logging and evaluation --
     def log_training(self, log: "IntervalStats") -> None:
@@ -402,9 +414,10 @@ class Trainer:
         tokens = log.samples / max(log.iterations, 1) * cfg.model.seq_length
         flops = num_floating_point_operations(cfg, log.samples / max(log.iterations, 1))
         world = dist.get_world_size() if dist.is_initialized() else 1
+        means = log.means(self.groups)  # one device-to-host copy per log line
         record = {
             "iteration": state.iteration, "consumed_samples": state.consumed_train_samples,
-            "lm_loss": log.mean("lm loss"), "grad_norm": log.last_grad_norm,
+            "lm_loss": means.get("lm loss"), "grad_norm": log.last_grad_norm,
             "lr": self.scheduler.get_lr(), "loss_scale": self.optimizer.get_loss_scale(),
             "tokens_per_sec": tokens / elapsed if elapsed > 0 else 0.0,
             "tflops_per_rank": flops / elapsed / world / 1e12 if elapsed > 0 else 0.0,
@@ -412,14 +425,16 @@ class Trainer:
             "elapsed_ms": elapsed * 1000.0, "global_batch_size": self.microbatches.current_global_batch_size,
             "skipped_iterations": log.skipped, "nan_iterations": log.nans,
         }
-        for key in log.keys():
+        if log.last_num_zeros is not None:  # --log-num-zeros-in-grad: "number of zeros" (Megatron)
+            record["num_zeros"] = log.last_num_zeros
+        for key, value in means.items():
             if key != "lm loss":
-                record[key.replace(" ", "_")] = log.mean(key)
+                record[key.replace(" ", "_")] = value
         if cfg.logging.log_params_norm:
             record["params_norm"] = self.params_norm()
         record.update(self._new_compilations())
         if is_logging_rank():
-            print(format_log_line(record, self.train_iters), flush=True)
+            logger.info(format_log_line(record, self.train_iters), extra={"on_rank": None})
         record.update(self._log_timers(log.iterations))
         record.update(self._writer_only_scalars())
         self.metrics.log_iteration(record)
@@ -462,8 +477,8 @@ class Trainer:
         if stats.graphs == last.graphs:
             return {}
         graphs, seconds = stats.graphs - last.graphs, stats.seconds - last.seconds
-        print_rank_0(f"[megalm] torch.compile: {graphs} fused graph(s) compiled in {seconds:.1f} s since the last "
-                     f"log line (first iteration, or a new shape / no-grad evaluation)")
+        logger.info(f"torch.compile: {graphs} fused graph(s) compiled in {seconds:.1f} s since the last "
+                    f"log line (first iteration, or a new shape / no-grad evaluation)")
         return {"compiled_graphs": graphs, "compile_seconds": seconds}
 
     def report_memory(self) -> None:
@@ -473,13 +488,14 @@ class Trainer:
         self.memory_reported = True
         peaks = gather_peak_memory()
         kind = "max allocated" if peak_memory(get_device())["kind"] == "cuda" else "peak RSS"
-        print_rank_0(f"[megalm] memory per rank ({kind}, MB): "
-                     + ", ".join(f"rank {r}: {b / 2**20:.0f}" for r, b in enumerate(peaks)))
+        logger.info(f"memory per rank ({kind}, MB): "
+                    + ", ".join(f"rank {r}: {b / 2**20:.0f}" for r, b in enumerate(peaks)))
 
     def evaluate_and_log(self, split: str, data_iterator) -> None:
         t = self.cfg.training
         n_micro = self.microbatches.num_microbatches
-        values = evaluate(self.cfg, self.forward_step_func, data_iterator, self.model, t.eval_iters, n_micro)
+        values = evaluate(self.cfg, self.forward_step_func, data_iterator, self.model, t.eval_iters, n_micro,
+                          self.groups)
         self.state.consumed_valid_samples += t.eval_iters * self.microbatches.current_global_batch_size \
             if split == "validation" else 0
         loss = values.get("lm loss")
@@ -488,46 +504,45 @@ class Trainer:
         ppl = math.exp(min(20.0, loss))
         if is_logging_rank():
             bar = "-" * 90
-            print(f"{bar}\n {split} loss at iteration {self.state.iteration} | lm loss value: {loss:.6E} | "
-                  f"lm loss PPL: {ppl:.6E} |\n{bar}", flush=True)
+            logger.info(f"{bar}\n {split} loss at iteration {self.state.iteration} | lm loss value: {loss:.6E} | "
+                        f"lm loss PPL: {ppl:.6E} |\n{bar}", extra={"on_rank": None})
         self.metrics.log_evaluation(self.state.iteration, split, loss, ppl)
 
 
 class IntervalStats:
-    """Accumulates per-iteration values between two log lines."""
+    """Accumulates per-iteration values between two log lines; losses stay on the device
+    until :meth:`means` (once per log line)."""
 
     def __init__(self):
         self.iterations = 0
         self.time = 0.0
         self.samples = 0
-        self.sums: Dict[str, float] = {}
+        self.sums: Dict[str, torch.Tensor] = {}
         self.counts: Dict[str, int] = {}
         self.skipped = 0
         self.nans = 0
-        self.last_grad_norm = None
+        self.last_grad_norm: Optional[float] = None
+        self.last_num_zeros: Optional[float] = None
 
-    def add(self, seconds: float, out: Dict, global_batch: int) -> None:
+    def add(self, seconds: float, result: StepResult) -> None:
         self.iterations += 1
         self.time += seconds
-        self.samples += global_batch
-        if not out["update_successful"]:
-            self.skipped += 1
-        gn = out["grad_norm"]
-        if gn is not None:
-            gn = float(gn)
-            if not math.isfinite(gn):
-                self.nans += 1
-            self.last_grad_norm = gn
-        if out["update_successful"]:
-            for k, v in out["reported"].items():
-                self.sums[k] = self.sums.get(k, 0.0) + v
+        self.samples += result.global_batch_size
+        self.skipped += int(result.skipped)
+        self.nans += int(result.nan)
+        if result.grad_norm is not None:
+            self.last_grad_norm = float(result.grad_norm)
+        if result.num_zeros is not None:
+            self.last_num_zeros = float(result.num_zeros)
+        if not result.skipped:
+            for k, v in result.losses.items():
+                self.sums[k] = self.sums[k] + v if k in self.sums else v
                 self.counts[k] = self.counts.get(k, 0) + 1
 
-    def keys(self):
-        return list(self.sums)
-
-    def mean(self, key: str) -> Optional[float]:
-        return self.sums[key] / self.counts[key] if self.counts.get(key) else None
+    def means(self, groups=None) -> Dict[str, float]:
+        """Mean of each loss over the interval's successful iterations, on every pipeline stage
+        (collective over the pipeline group: every rank calls it)."""
+        return losses_to_floats({k: v / self.counts[k] for k, v in self.sums.items()}, groups)
 
     def mean_time(self) -> float:
         return self.time / max(self.iterations, 1)
