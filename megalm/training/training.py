@@ -29,6 +29,7 @@ from megalm.fusions import BackendUnavailable, compile_stats, plan_fusions
 from megalm.log import get_logger
 from megalm.pipeline_parallel import get_forward_backward_func
 from megalm.timers import ITERATION_TIMERS, SETUP_TIMERS, Timers
+from megalm.topology import run_topology_report
 from megalm.training.initialize import initialize_megalm, world_size_from_env
 from megalm.training.microbatches import MicrobatchCalculator
 from megalm.training.profiling import ProfilerUnavailable, StepProfiler, check_profiler_available
@@ -153,6 +154,9 @@ class Trainer:
         self.microbatches = MicrobatchCalculator(t.global_batch_size, t.micro_batch_size,
                                                  parallel_state.get_data_parallel_world_size(), t.rampup_batch_size)
         self.train_iters = self._train_iters()
+        self._validate_data()  # before any output (metrics file, checkpoints) is created
+        # Before the RNG state is restored: the CPU peak measurement draws random matrices.
+        self.peak_flops, self.peak_source = self._device_peak()
         loaded = self._load() if self.resume else None
         self.microbatches.update(self.state.consumed_train_samples)
         self.timers("model-and-optimizer-setup").stop()
@@ -163,7 +167,6 @@ class Trainer:
             # Last: building data loaders draws from the torch RNG.
             checkpointing.load_rng_state(loaded["path"], loaded)
         self.signal_handler = ExitSignalHandler() if t.exit_signal_handler else None
-        self.peak_flops, self.peak_source = self._device_peak()
         self.memory_reported = False
         self.compile_reported = compile_stats()
         plan = getattr(chunks[0], "fusion_plan", None)
@@ -174,6 +177,7 @@ class Trainer:
         logger.info(f"world {dist.get_world_size()} | tp {cfg.parallel.tensor_model_parallel_size} "
                     f"pp {cfg.parallel.pipeline_model_parallel_size} dp {dp} "
                     f"| parameters on rank 0: {n_params:,} | train iters {self.train_iters}")
+        logger.info(run_topology_report(cfg.parallel, dist.get_world_size()))
         print_timing(self.timers.log(SETUP_TIMERS))  # collective
 
     def _device_peak(self):
@@ -249,6 +253,14 @@ class Trainer:
             consumed += calc.current_global_batch_size
             iters += 1
         return iters
+
+    def _validate_data(self) -> None:
+        """Every data prefix exists, is intact and holds only ids below the vocabulary (collective)."""
+        from megalm.data.builder import validate_data
+
+        if self.cfg.training.train_iters is None:
+            self.cfg.training.train_iters = self.train_iters
+        validate_data(self.cfg, self.tokenizer)
 
     def _build_data(self) -> None:
         from megalm.data import build_train_valid_test_data_iterators
