@@ -2,7 +2,7 @@
 #
 # A model script calls `megalm_launch PRESET "$@"`.  The preset (megalm/presets/table.py: shape,
 # default layout, schedule) gives every model and training flag through
-# `python3 -m megalm.presets PRESET --shell`, which applies the layout and schedule overrides
+# `python3 tools/presets.py PRESET --shell`, which applies the layout and schedule overrides
 # below; this file adds only what is machine-specific: data, tokenizer files, outputs, rendezvous.
 # Everything comes from the environment (defaults in brackets; "preset": the preset's value):
 #
@@ -58,13 +58,13 @@ print('bf16' if torch.cuda.is_available() or cpu_has_native_bf16() else 'fp32')"
     fi
 }
 
-# Evaluate the preset's bash (megalm/presets/__main__.py: shell_code): MODEL_NAME, the resolved
+# Evaluate the preset's bash (megalm/presets/cli.py: shell_code): MODEL_NAME, the resolved
 # layout (GPUS_PER_NODE, NNODES, TP, PP, MICRO_BATCH_SIZE, GLOBAL_BATCH_SIZE, TRAIN_ITERS, PRECISION,
 # VOCAB_SIZE), the preset's launcher defaults and the arrays RECIPE_ARGS and NULL_TOKENIZER_ARGS.
 megalm_load_preset() {
     local code
-    code=$(cd "$MEGALM_REPO_ROOT" && "${PYTHON:-python3}" -m megalm.presets "$1" --shell) \
-        || megalm_die "could not load preset '$1' through ${PYTHON:-python3} -m megalm.presets (error above)"
+    code=$(cd "$MEGALM_REPO_ROOT" && "${PYTHON:-python3}" tools/presets.py "$1" --shell) \
+        || megalm_die "could not load preset '$1' through ${PYTHON:-python3} tools/presets.py (error above)"
     eval "$code"
 }
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPT-3 13B: the `gpt3_13b` preset (megalm/presets/table.py: shape, layout, schedule, sources).
-#   python3 -m megalm.presets gpt3_13b            # the pretrain_gpt.py flags it passes
+#   python3 tools/presets.py gpt3_13b            # the pretrain_gpt.py flags it passes
 #   python3 tools/estimate.py --preset gpt3_13b   # memory per GPU and step time of its layout
 #   Tokenizer: GPT-2 BPE, VOCAB_FILE + MERGE_FILE (GPT2BPETokenizer), or a tokenizer.json as
 #   TOKENIZER_MODEL (HuggingFaceTokenizer).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPT-3 2.7B: the `gpt3_2.7b` preset (megalm/presets/table.py: shape, layout, schedule, sources).
-#   python3 -m megalm.presets gpt3_2.7b            # the pretrain_gpt.py flags it passes
+#   python3 tools/presets.py gpt3_2.7b            # the pretrain_gpt.py flags it passes
 #   python3 tools/estimate.py --preset gpt3_2.7b   # memory per GPU and step time of its layout
 #   Tokenizer: GPT-2 BPE, VOCAB_FILE + MERGE_FILE (GPT2BPETokenizer), or a tokenizer.json as
 #   TOKENIZER_MODEL (HuggingFaceTokenizer).

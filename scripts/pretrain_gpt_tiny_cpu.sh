@@ -3,7 +3,7 @@
 # x DP 2, gloo, 2 microbatches per DP rank per step (gradient accumulation); PRECISION=auto: bf16
 # (fp32 main weights) where the CPU has native bf16 instructions, else fp32.
 # The `gpt_tiny_cpu` preset (megalm/presets/table.py):
-#   python3 -m megalm.presets gpt_tiny_cpu                          # the pretrain_gpt.py flags it passes
+#   python3 tools/presets.py gpt_tiny_cpu                          # the pretrain_gpt.py flags it passes
 #   python3 tools/estimate.py --preset gpt_tiny_cpu --device cpu    # memory per process
 # Time (2 cores, 4 ranks oversubscribing them): ~1.4 s per iteration in fp32 (AVX2 CPU), ~1.5 s in bf16 on a CPU with native bf16;
 #   20 iterations by default, about a minute with start-up.

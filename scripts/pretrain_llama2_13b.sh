@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Llama-2 13B: the `llama2_13b` preset (megalm/presets/table.py: shape, layout, schedule, sources).
-#   python3 -m megalm.presets llama2_13b            # the pretrain_gpt.py flags it passes
+#   python3 tools/presets.py llama2_13b            # the pretrain_gpt.py flags it passes
 #   python3 tools/estimate.py --preset llama2_13b   # memory per GPU and step time of its layout
 #   Tokenizer: its sentencepiece tokenizer.model as TOKENIZER_MODEL (Llama2Tokenizer: BOS before each document).
 # Environment: scripts/common.sh lists every variable (DATA_PATH unset: --mock-data; DRY_RUN=1:

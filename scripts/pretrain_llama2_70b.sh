@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Llama-2 70B: the `llama2_70b` preset (megalm/presets/table.py: shape, layout, schedule, sources).
-#   python3 -m megalm.presets llama2_70b            # the pretrain_gpt.py flags it passes
+#   python3 tools/presets.py llama2_70b            # the pretrain_gpt.py flags it passes
 #   python3 tools/estimate.py --preset llama2_70b   # memory per GPU and step time of its layout
 #   Tokenizer: its sentencepiece tokenizer.model as TOKENIZER_MODEL (Llama2Tokenizer: BOS before each document).
 #   4 nodes x 8 GPUs (GPUS_PER_NODE x NNODES = 32), 1F1B pipeline; see scripts/slurm/pretrain.sbatch.

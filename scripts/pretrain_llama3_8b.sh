@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Llama-3 8B: the `llama3_8b` preset (megalm/presets/table.py: shape, layout, schedule, sources).
-#   python3 -m megalm.presets llama3_8b            # the pretrain_gpt.py flags it passes
+#   python3 tools/presets.py llama3_8b            # the pretrain_gpt.py flags it passes
 #   python3 tools/estimate.py --preset llama3_8b   # memory per GPU and step time of its layout
 #   Tokenizer: its Hugging Face tokenizer directory or tokenizer.json as TOKENIZER_MODEL (HuggingFaceTokenizer).
 # Environment: scripts/common.sh lists every variable (DATA_PATH unset: --mock-data; DRY_RUN=1:

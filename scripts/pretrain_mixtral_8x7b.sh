@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Mixtral 8x7B (8 experts, top-2): the `mixtral_8x7b` preset (megalm/presets/table.py: shape, layout, schedule, sources).
-#   python3 -m megalm.presets mixtral_8x7b            # the pretrain_gpt.py flags it passes
+#   python3 tools/presets.py mixtral_8x7b            # the pretrain_gpt.py flags it passes
 #   python3 tools/estimate.py --preset mixtral_8x7b   # memory per GPU and step time of its layout
 #   Tokenizer: its sentencepiece tokenizer.model as TOKENIZER_MODEL (Llama2Tokenizer).
 #   4 nodes x 8 GPUs (GPUS_PER_NODE x NNODES = 32), EP (expert-parallel size) 8; experts are

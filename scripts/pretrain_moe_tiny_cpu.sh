@@ -3,7 +3,7 @@
 # TP 2 (+ sequence parallel: each TP rank routes its half of the sequence) x EP 2 (4 experts per
 # rank and layer) x DP 2 for the dense layers, gloo; PRECISION=auto as in pretrain_gpt_tiny_cpu.sh.
 # The `moe_tiny_cpu` preset (megalm/presets/table.py):
-#   python3 -m megalm.presets moe_tiny_cpu                          # the pretrain_gpt.py flags it passes
+#   python3 tools/presets.py moe_tiny_cpu                          # the pretrain_gpt.py flags it passes
 #   python3 tools/estimate.py --preset moe_tiny_cpu --device cpu    # memory per process
 # Time (2 cores, 4 ranks oversubscribing them): ~1-2 s per iteration; 20 iterations by default.
 # Environment: the same as the GPU scripts (scripts/common.sh); GPUS_PER_NODE is the number of

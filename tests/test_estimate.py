@@ -235,9 +235,9 @@ def _plan_json(argv, capsys):
                                         ("llama2_7b", ["--tensor-model-parallel-size", "2"]),
                                         ("gpt3_175b", ["--world-size", "256"])])
 def test_preset_plan_equals_its_flags_by_hand(name, extra, capsys):
-    """``--preset NAME [flags]`` == the flags ``python3 -m megalm.presets NAME`` prints, ``--world-size``
+    """``--preset NAME [flags]`` == the flags ``python3 tools/presets.py NAME`` prints, ``--world-size``
     of the preset's GPUs, then the same flags."""
-    printed = subprocess.run([sys.executable, "-m", "megalm.presets", name], cwd=REPO, capture_output=True,
+    printed = subprocess.run([sys.executable, "tools/presets.py", name], cwd=REPO, capture_output=True,
                              text=True, timeout=60, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     by_hand = printed.stdout.split() + ["--world-size", str(PRESETS[name].layout.world_size)] + extra
     planned = _plan_json(["--preset", name, *extra], capsys)

@@ -12,13 +12,13 @@ import pytest
 
 from megalm.errors import MegalmError
 from megalm.presets import PRESETS, Overrides, PresetError, get_preset, preset_flags, resolve
-from megalm.presets.__main__ import markdown_table
+from megalm.presets.cli import markdown_table
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def presets_cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "megalm.presets", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "tools/presets.py", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=60, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, check=False)
 
 

@@ -12,7 +12,7 @@ microbatches the 1F1B / interleaved schedule keeps in flight, and whether the la
 fits; then FLOPs per iteration and the expected step time at the given MFU.  Formulas:
 megalm/estimate/ (planner.py, activations.py, parameters.py).
 
-``--preset NAME`` (``python3 -m megalm.presets`` lists the names) plans what
+``--preset NAME`` (``python3 tools/presets.py`` lists the names) plans what
 ``scripts/pretrain_NAME.sh`` runs by default, on its default number of GPUs:
 
     python tools/estimate.py --preset llama2_7b

@@ -1,7 +1,7 @@
 """``tools/estimate.py``: pretrain_gpt.py's flags (megalm's own parser and validate_config) plus
 the planner's (``--world-size``, ``--gpu-memory-gb``, ``--mfu``, ``--device``, ``--reserve-gb``).
 
-``--preset NAME`` puts the preset's flags (``python3 -m megalm.presets NAME``: the flags its script
+``--preset NAME`` puts the preset's flags (``python3 tools/presets.py NAME``: the flags its script
 passes on mock data) and its world size first; flags given with it come after and win."""
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def parse(argv: Optional[List[str]] = None) -> Tuple[MegalmConfig, PlannerOption
 def parse_all(argv: Optional[List[str]] = None) -> Tuple[MegalmConfig, PlannerOptions, TopologyOptions]:
     """:func:`parse`, plus the node layout flags (``--procs-per-node``)."""
     parser = build_parser("megalm memory and speed planner; --preset NAME plans a preset of megalm.presets "
-                          "(python3 -m megalm.presets lists them), overridable by the flags that follow",
+                          "(python3 tools/presets.py lists them), overridable by the flags that follow",
                           extra_sections={"planner": PlannerOptions, "topology": TopologyOptions})
     args = parser.parse_args(expand_preset(list(sys.argv[1:] if argv is None else argv)))
     values = vars(args)

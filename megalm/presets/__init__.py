@@ -3,7 +3,7 @@
 * :mod:`.spec`: the frozen dataclasses a preset is made of (shape, layout, schedule);
 * :mod:`.table`: the presets, ``PRESETS[name]``;
 * :mod:`.flags`: a preset plus the launcher's overrides -> ``pretrain_gpt.py`` flags;
-* ``python3 -m megalm.presets``: list them, print one's flags, or the bash that
+* ``python3 tools/presets.py``: list them, print one's flags, or the bash that
   ``scripts/common.sh`` evaluates.  ``tools/estimate.py --preset NAME`` plans one's memory.
 """
 

@@ -254,7 +254,7 @@ def null_tokenizer_flags(launch: Launch) -> list[str]:
 
 
 def preset_flags(name: str, overrides: Overrides = Overrides()) -> list[str]:
-    """The flags ``python3 -m megalm.presets NAME`` prints and ``tools/estimate.py --preset NAME``
+    """The flags ``python3 tools/presets.py NAME`` prints and ``tools/estimate.py --preset NAME``
     uses: the recipe with the NullTokenizer vocabulary (what a script passes on mock data)."""
     launch = resolve(get_preset(name), overrides)
     return recipe_flags(launch) + null_tokenizer_flags(launch)

@@ -1,5 +1,5 @@
 """The model presets: one table, read by ``scripts/pretrain_<name>.sh`` (through
-``python3 -m megalm.presets NAME --shell``) and by ``tools/estimate.py --preset NAME``.
+``python3 tools/presets.py NAME --shell``) and by ``tools/estimate.py --preset NAME``.
 
 GPT-3: Brown et al. 2020, Table 2.1 (shapes, batch in tokens, learning rates; 300B tokens,
 cosine to 10% over 260B, 375M warm-up tokens, Adam betas 0.9/0.95, weight decay 0.1, clip 1.0;

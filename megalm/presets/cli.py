@@ -1,12 +1,12 @@
-"""``python3 -m megalm.presets``: the presets on the command line.
+"""The presets on the command line (``tools/presets.py`` is the entry point):
 
-    python3 -m megalm.presets                 # list the presets
-    python3 -m megalm.presets NAME            # its pretrain_gpt.py flags, one per line (defaults)
-    python3 -m megalm.presets NAME --shell    # bash assignments for scripts/common.sh, with the
+    python3 tools/presets.py                  # list the presets
+    python3 tools/presets.py NAME             # its pretrain_gpt.py flags, one per line (defaults)
+    python3 tools/presets.py NAME --shell     # bash assignments for scripts/common.sh, with the
                                               # environment's overrides (TP, PP, LR, ...) applied
-    python3 -m megalm.presets --table         # the table of scripts/README.md
+    python3 tools/presets.py --table          # the table of scripts/README.md
 
-Errors (unknown name, bad override) go to stderr with exit status 2.
+:func:`main` returns the exit status (2 for an unknown name or a bad override, reported on stderr).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _run(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m megalm.presets", description=__doc__,
+    parser = argparse.ArgumentParser(prog="tools/presets.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("name", nargs="?", help=f"one of: {', '.join(PRESETS)}")
     parser.add_argument("--shell", action="store_true", help="bash assignments, with the environment's overrides")
@@ -81,7 +81,3 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("error: %s", e)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
