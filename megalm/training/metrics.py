@@ -66,7 +66,7 @@ def wandb_has_credentials() -> bool:
 
 def check_wandb_ready(logging_cfg) -> None:
     """Raise :class:`WandbSetupError` now if ``--wandb-project`` cannot work (call at start-up)."""
-    if not getattr(logging_cfg, "wandb_project", None) or wandb_mode() in ("offline", "disabled"):
+    if not logging_cfg.wandb_project or wandb_mode() in ("offline", "disabled"):
         return
     if not wandb_has_credentials():
         raise WandbSetupError(
@@ -93,13 +93,13 @@ class MetricsWriter:
     """Writes training and evaluation records to the configured sinks.
 
     Args:
-        cfg: :class:`megalm.config.MegalmConfig` (or its ``LoggingConfig``).
+        cfg: :class:`megalm.config.MegalmConfig`.
         enabled: True on the one rank that writes.
         run_config: dict stored with the W&B run (default ``cfg.to_dict()``).
     """
 
     def __init__(self, cfg, enabled: bool, run_config: Optional[dict] = None):
-        self.cfg = getattr(cfg, "logging", cfg)
+        self.cfg = cfg.logging
         self.enabled = bool(enabled)
         self._file = self._tb = self._wandb = None
         if not self.enabled:

@@ -52,7 +52,7 @@ def moe_layer_pattern(model_cfg) -> List[bool]:
     a list: one 0/1 entry per layer.  All False without ``--num-experts``.
     """
     m = model_cfg
-    if not getattr(m, "num_experts", None):
+    if not m.num_experts:
         return [False] * m.num_layers
     freq = m.moe_layer_freq
     if isinstance(freq, int):
