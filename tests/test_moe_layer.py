@@ -195,3 +195,33 @@ def test_flops_count_only_activated_experts():
     assert delta == pytest.approx(2 * per_width * (2 * 24 + 8 - 40))
     more_experts = dataclasses.replace(moe.model, num_experts=64)
     assert num_floating_point_operations(more_experts, B) == num_floating_point_operations(moe, B)
+
+
+def test_chunks_of_one_rank_share_one_moe_state():
+    """Virtual pipeline stages: the loss function runs on the last chunk and must report the MoE
+    layers of every chunk, as one model would (share_moe_state, called by build_model_chunks)."""
+    from megalm.models import GPTModel
+    from megalm.tensor_parallel.random import model_parallel_manual_seed
+    from megalm.transformer.moe import pop_moe_metrics, share_moe_state
+    from megalm.transformer.moe.moe_layer import moe_states
+
+    cfg = _cfg("--moe-aux-loss-coeff", "0.1")
+    model_parallel_manual_seed(1)
+    first = GPTModel(cfg, pre_process=True, post_process=False, layer_numbers=[0, 1])
+    last = GPTModel(cfg, pre_process=False, post_process=True, layer_numbers=[2, 3])
+    whole = GPTModel(cfg)  # the same four MoE layers in one model
+    for model in (first, last, whole):
+        initialize_weights(model, seed=3)  # by global parameter name: the chunks are the whole model's layers
+    assert len(moe_states([first, last])) == 2
+    share_moe_state([first, last])
+    assert moe_states([first, last]) == [first.moe_state] and last.moe_state is first.moe_state
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    hidden = first(tokens)
+    last.set_input_tensor(hidden)
+    last(tokens, labels=tokens)
+    metrics = pop_moe_metrics(last)  # what pretrain_gpt.loss_func reports, on the last chunk
+    whole(tokens, labels=tokens)
+    expected = pop_moe_metrics(whole)
+    assert metrics.keys() == expected.keys() == {"load_balancing_loss", "expert_load_imbalance"}
+    for key in expected:
+        assert metrics[key].item() == pytest.approx(expected[key].item(), rel=1e-5), key

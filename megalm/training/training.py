@@ -73,6 +73,7 @@ def is_logging_rank() -> bool:
 def build_model_chunks(cfg: MegalmConfig, model_provider: Callable) -> List[torch.nn.Module]:
     """One model chunk per virtual pipeline stage of this rank, cast and moved to the device."""
     from megalm.models.layer_split import layers_for_stage
+    from megalm.transformer.moe import share_moe_state
 
     vpp = cfg.parallel.virtual_pipeline_model_parallel_size or 1
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -86,6 +87,7 @@ def build_model_chunks(cfg: MegalmConfig, model_provider: Callable) -> List[torc
         chunks.append(model)
     if cfg.parallel.virtual_pipeline_model_parallel_size:
         parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+    share_moe_state(chunks)  # one MoE metrics/aux-loss state per rank, as for one model
     dtype = torch.bfloat16 if cfg.training.bf16 else torch.float16 if cfg.training.fp16 else torch.float32
     device = get_device()
     return [m.to(device=device, dtype=dtype) for m in chunks]

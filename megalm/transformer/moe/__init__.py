@@ -14,8 +14,9 @@ from megalm.transformer.moe.moe_layer import (
     is_moe_layer,
     moe_layer_pattern,
     pop_moe_metrics,
+    share_moe_state,
 )
 from megalm.transformer.moe.state import MoEState
 
 __all__ = ["MoEAuxLossAutoScaler", "MoELayer", "MoEState", "begin_training_step", "is_moe_layer",
-           "moe_layer_pattern", "pop_moe_metrics"]
+           "moe_layer_pattern", "pop_moe_metrics", "share_moe_state"]

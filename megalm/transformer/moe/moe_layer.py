@@ -111,6 +111,20 @@ def moe_states(modules) -> List[MoEState]:
     return list(found.values())
 
 
+def share_moe_state(chunks) -> None:
+    """Give every model chunk of a rank (virtual pipeline stages) one :class:`MoEState`, the first
+    chunk's: the loss function, which runs on the last chunk, then reports the metrics of the
+    MoE layers of every chunk, as one model would.  No communication."""
+    states = moe_states(chunks)
+    if len(states) < 2:
+        return
+    shared = states[0]
+    for root in chunks:
+        for module in root.modules():
+            if isinstance(getattr(module, "moe_state", None), MoEState):
+                module.moe_state = shared
+
+
 def begin_training_step(modules, loss_scale: float, num_microbatches: int) -> None:
     """Called by the trainer before each step's forward/backward passes with its model chunks:
     every MoE state's auxiliary-loss backward factor becomes ``loss_scale / num_microbatches`` and
