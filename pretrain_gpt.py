@@ -18,6 +18,7 @@ from functools import partial
 from typing import Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from megalm.config import MegalmConfig
 from megalm.data import get_batch
@@ -78,3 +79,5 @@ def main(argv: Optional[Sequence[str]] = None, forward_step_func: Callable = for
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    if dist.is_initialized():
+        dist.destroy_process_group()  # a clean end (NCCL warns at exit otherwise)
