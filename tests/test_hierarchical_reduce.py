@@ -235,3 +235,37 @@ def test_single_process_flag_is_a_no_op():
     ddp(x).sum().backward()
     ref(x).sum().backward()
     _close([p.main_grad for p in model.parameters()], [p.grad for p in ref.parameters()], "dp 1")
+
+
+# --- through the trainer: the flag, and inter_node_bytes in the metrics file -----------------------
+
+TRAIN = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--max-position-embeddings", "16", "--mock-data", "--vocab-size", "200", "--num-workers", "0",
+         "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "3e-3", "--eval-iters", "0", "--seed", "5",
+         "--micro-batch-size", "1", "--global-batch-size", "8", "--log-interval", "1", "--train-iters", "3",
+         "--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "4000"]
+
+
+def trainer_worker(tmp):
+    import os
+
+    from tests.training_runs import run_trainings
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(LOCAL)  # torchrun's view of 2 nodes x 2 ranks
+    return run_trainings([TRAIN + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl")] + extra
+                          for name, extra in (("flat", []), ("hier", ["--hierarchical-grad-reduce"]))])
+
+
+def test_trainer_logs_inter_node_bytes(tmp_path):
+    import json
+
+    assert run_distributed(trainer_worker, 4, args=(str(tmp_path),), timeout=240) == [[0, 0]] * 4
+    flat, hier = ([json.loads(line) for line in open(tmp_path / f"{name}.jsonl")] for name in ("flat", "hier"))
+    assert [r["lm_loss"] for r in hier] == pytest.approx([r["lm_loss"] for r in flat], rel=1e-5)
+    assert len(flat) == 3 and all(r["inter_node_bytes"] > 0 for r in flat + hier)
+    # Per iteration, B bytes of gradient buckets (= of parameter buckets, fp32): flat, the one rank per
+    # node whose ring successor is on the other node sends 3/4 B (reduce-scatter) + 3/4 B (all-gather);
+    # hierarchical, both ranks of a node send 1/4 B + 1/4 B across: 1.5 B vs 1.0 B per node (the norm's
+    # few bytes aside).
+    for f, h in zip(flat, hier):
+        assert h["inter_node_bytes"] / f["inter_node_bytes"] == pytest.approx(2 / 3, rel=1e-3)
