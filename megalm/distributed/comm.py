@@ -99,12 +99,6 @@ def reset_comm_stats() -> None:
         _STATS.clear()
 
 
-def total_inter_node_bytes() -> float:
-    """Bytes this rank sent over inter-node links since the last reset (every kind)."""
-    with _LOCK:
-        return sum(v.inter_node_bytes for v in _STATS.values())
-
-
 def inter_node_bytes_per_node(reset: bool = True) -> List[float]:
     """Bytes each node's ranks sent over inter-node links (index: node) since the last reset;
     ``reset`` zeroes the ``inter_node_bytes`` of every kind afterwards (the log line's interval).
