@@ -253,13 +253,18 @@ def trainer_worker(tmp):
 
     os.environ["LOCAL_WORLD_SIZE"] = str(LOCAL)  # torchrun's view of 2 nodes x 2 ranks
     return run_trainings([TRAIN + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl")] + extra
-                          for name, extra in (("flat", []), ("hier", ["--hierarchical-grad-reduce"]))])
+                          for name, extra in RUNS])
+
+
+PP2 = ["--pipeline-model-parallel-size", "2"]  # PP across nodes, DP 2 inside each node (no inter-node half)
+RUNS = (("flat", []), ("hier", ["--hierarchical-grad-reduce"]),
+        ("pp_flat", PP2), ("pp_hier", PP2 + ["--hierarchical-grad-reduce"]))
 
 
 def test_trainer_logs_inter_node_bytes(tmp_path):
     import json
 
-    assert run_distributed(trainer_worker, 4, args=(str(tmp_path),), timeout=240) == [[0, 0]] * 4
+    assert run_distributed(trainer_worker, 4, args=(str(tmp_path),), timeout=240) == [[0] * len(RUNS)] * 4
     flat, hier = ([json.loads(line) for line in open(tmp_path / f"{name}.jsonl")] for name in ("flat", "hier"))
     assert [r["lm_loss"] for r in hier] == pytest.approx([r["lm_loss"] for r in flat], rel=1e-5)
     assert len(flat) == 3 and all(r["inter_node_bytes"] > 0 for r in flat + hier)
@@ -269,3 +274,8 @@ def test_trainer_logs_inter_node_bytes(tmp_path):
     # few bytes aside).
     for f, h in zip(flat, hier):
         assert h["inter_node_bytes"] / f["inter_node_bytes"] == pytest.approx(2 / 3, rel=1e-3)
+    # PP 2 (tied embeddings over the stages, distributed optimizer) with DP inside the node: same losses
+    pp_flat, pp_hier = ([json.loads(line) for line in open(tmp_path / f"{name}.jsonl")]
+                        for name in ("pp_flat", "pp_hier"))
+    assert len(pp_flat) == 3
+    assert [r["lm_loss"] for r in pp_hier] == pytest.approx([r["lm_loss"] for r in pp_flat], rel=1e-5)
