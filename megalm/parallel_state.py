@@ -16,12 +16,15 @@ Example, world 8, tp 2, pp 2 (dp 2)::
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from types import MappingProxyType
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch.distributed as dist
+
+from megalm.errors import MegalmError
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
@@ -55,6 +58,13 @@ class ProcessGroups:
     tp_ep_pp: Optional[object] = None    # one full set of experts (expert part of the grad norm)
     embd: Optional[object] = None        # first and last pipeline stage (tied embedding grads)
     pos_embd: Optional[object] = None    # first pipeline stage (position embedding)
+    # Node-aware halves of dp_cp / expt_dp (--hierarchical-grad-reduce, see node_split): the group's
+    # ranks on this node, and its ranks with this rank's intra-node index on the other nodes.
+    # Absent from ``ranks`` when the group does not split evenly over nodes.
+    dp_cp_intra: Optional[object] = None
+    dp_cp_inter: Optional[object] = None
+    expt_dp_intra: Optional[object] = None
+    expt_dp_inter: Optional[object] = None
     ranks: Mapping[str, Tuple[int, ...]] = field(default_factory=lambda: MappingProxyType({}))
 
     @classmethod
@@ -78,6 +88,41 @@ def group_size(group) -> int:
 def group_rank(group) -> int:
     """This rank's index in ``group``; 0 for ``None`` (this rank alone)."""
     return 0 if group is None else dist.get_rank(group)
+
+
+class NodeLayoutError(MegalmError, ValueError):
+    """The ranks per node do not fit the world, or a group does not split evenly over nodes."""
+
+
+def node_split(members: Sequence[int], ranks_per_node: int) -> Tuple[List[List[int]], List[List[int]]]:
+    """Split one group (global ranks, sorted) into its intra-node and inter-node groups.
+
+    Node ``n`` holds global ranks ``n * ranks_per_node ... (n + 1) * ranks_per_node - 1`` (torchrun).
+    Returns ``(intra, inter)``: ``intra[j]`` the members on the group's ``j``-th node, ``inter[i]``
+    the ``i``-th member of every node.  With ``L`` members per node a member's group rank is
+    ``j * L + i``.  Raises :class:`NodeLayoutError` when the nodes hold different numbers of members
+    (hierarchical reduction needs equal shards on every node).
+    """
+    by_node: Dict[int, List[int]] = {}
+    for r in sorted(members):
+        by_node.setdefault(r // ranks_per_node, []).append(r)
+    intra = [by_node[n] for n in sorted(by_node)]
+    counts = {len(g) for g in intra}
+    if len(counts) != 1:
+        raise NodeLayoutError(
+            f"group {list(members)} does not split evenly over nodes of {ranks_per_node} ranks "
+            f"(members per node: {[len(g) for g in intra]}): hierarchical reduction needs the same number "
+            f"of its ranks on every node; change the layout or drop --hierarchical-grad-reduce")
+    per_node = counts.pop()
+    return intra, [[g[i] for g in intra] for i in range(per_node)]
+
+
+def _ranks_per_node(world: int, ranks_per_node: Optional[int]) -> int:
+    """Explicit value, else torchrun's ``LOCAL_WORLD_SIZE``, else one node."""
+    value = ranks_per_node if ranks_per_node is not None else int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if value < 1 or world % value != 0:
+        raise NodeLayoutError(f"ranks per node ({value}) must be >= 1 and divide the world size ({world})")
+    return value
 
 
 class _CurrentGroup:
@@ -119,6 +164,7 @@ class _State:
     groups: Dict[str, object]  # name -> ProcessGroup containing this rank
     ranks: Dict[str, List[int]]  # name -> ranks of that group (global ids)
     process_groups: ProcessGroups
+    ranks_per_node: int
     virtual_pipeline_rank: Optional[int] = None
 
 
@@ -208,8 +254,12 @@ def compute_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: i
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: Optional[int] = None,
                               context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
-                              timeout: timedelta = DEFAULT_TIMEOUT) -> None:
-    """Create every process group of the layout.  ``torch.distributed`` must be initialized."""
+                              timeout: timedelta = DEFAULT_TIMEOUT, ranks_per_node: Optional[int] = None) -> None:
+    """Create every process group of the layout.  ``torch.distributed`` must be initialized.
+
+    ``ranks_per_node``: consecutive global ranks per node (default torchrun's ``LOCAL_WORLD_SIZE``,
+    else one node); it places the intra-/inter-node halves of the data-parallel groups
+    (:func:`node_split`) and the inter-node byte count of :mod:`megalm.distributed.comm`."""
     global _STATE
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized; call megalm.initialize.initialize_distributed first")
@@ -219,27 +269,61 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     tp, pp, cp, ep = (tensor_model_parallel_size, pipeline_model_parallel_size,
                       context_parallel_size, expert_model_parallel_size)
     dp = validate_layout(world, tp, pp, cp, ep, virtual_pipeline_model_parallel_size)
+    per_node = _ranks_per_node(world, ranks_per_node)
     layout = compute_layout(world, tp, pp, cp, ep)
+    layout.update(_node_layout(layout, per_node))
     groups, ranks = {}, {}
     for name, group_list in layout.items():
         for members in group_list:
             # new_group is collective: every rank creates every group, in the same order.
-            pg = dist.new_group(members, timeout=timeout) if len(members) < world else dist.group.WORLD
+            if len(members) == 1 and name in _NODE_FIELDS:
+                pg = None  # this rank alone (the node halves are only ever read through ProcessGroups)
+            else:
+                pg = dist.new_group(members, timeout=timeout) if len(members) < world else dist.group.WORLD
             if rank in members:
                 groups[name], ranks[name] = pg, members
     vpp = virtual_pipeline_model_parallel_size
-    bundle = ProcessGroups(**{_FIELD_OF_LAYOUT[name]: pg for name, pg in groups.items()},
-                           ranks=MappingProxyType({_FIELD_OF_LAYOUT[name]: tuple(members)
+    field_of = {**_FIELD_OF_LAYOUT, **{n: n for n in _NODE_FIELDS}}
+    bundle = ProcessGroups(**{field_of[name]: pg for name, pg in groups.items()},
+                           ranks=MappingProxyType({field_of[name]: tuple(members)
                                                    for name, members in ranks.items()}))
     _STATE = _State(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, vpp=vpp, rank=rank, world=world,
-                    groups=groups, ranks=ranks, process_groups=bundle,
+                    groups=groups, ranks=ranks, process_groups=bundle, ranks_per_node=per_node,
                     virtual_pipeline_rank=0 if vpp else None)
+
+
+# ProcessGroups field -> the compute_layout kind it splits over nodes
+_NODE_SPLIT = {"dp_cp": "data_context", "expt_dp": "expert_data"}
+_NODE_FIELDS = tuple(f"{f}_{half}" for f in _NODE_SPLIT for half in ("intra", "inter"))
+
+
+def _node_layout(layout: Dict[str, List[List[int]]], ranks_per_node: int) -> Dict[str, List[List[int]]]:
+    """``{"dp_cp_intra": [...], "dp_cp_inter": [...], "expt_dp_*": ...}`` over every group that
+    splits evenly over nodes (:func:`node_split`); the groups that do not are left out (their
+    ranks get no node halves, and --hierarchical-grad-reduce refuses them)."""
+    out: Dict[str, List[List[int]]] = {}
+    for fld, kind in _NODE_SPLIT.items():
+        intra_all, inter_all = [], []
+        for members in layout[kind]:
+            try:
+                intra, inter = node_split(members, ranks_per_node)
+            except NodeLayoutError:
+                continue
+            intra_all += intra
+            inter_all += inter
+        out[f"{fld}_intra"], out[f"{fld}_inter"] = intra_all, inter_all
+    return out
 
 
 def get_process_groups() -> ProcessGroups:
     """This rank's :class:`ProcessGroups`; :meth:`ProcessGroups.single` before
     :func:`initialize_model_parallel` (a single process)."""
     return _STATE.process_groups if _STATE is not None else ProcessGroups.single()
+
+
+def get_ranks_per_node() -> Optional[int]:
+    """Consecutive global ranks per node given to :func:`initialize_model_parallel`; None before it."""
+    return _STATE.ranks_per_node if _STATE is not None else None
 
 
 def model_parallel_is_initialized() -> bool:

@@ -152,6 +152,15 @@ class ParallelConfig:
     overlap_grad_reduce: bool = _f(False, "Reduce gradient buckets during the last microbatch's backward.")
     overlap_param_gather: bool = _f(False, "All-gather updated parameters during the next forward (distributed optimizer).")
     ddp_bucket_size: Optional[int] = _f(None, "Gradient bucket size in elements; default max(40M, 1M x DP).")
+    hierarchical_grad_reduce: bool = _f(False, "Topology-aware data-parallel reduction (megalm): each gradient bucket "
+                                               "is reduce-scattered inside the node, all-reduced across nodes among "
+                                               "the ranks with the same local index (1/L of it per rank), and "
+                                               "all-gathered inside the node; with --use-distributed-optimizer "
+                                               "reduce-scattered inside then across nodes and the parameters "
+                                               "gathered back the same way.  Same results as the flat collectives "
+                                               "up to summation order; nodes are consecutive blocks of "
+                                               "LOCAL_WORLD_SIZE ranks, and the data-parallel group must have the "
+                                               "same number of ranks on every node.")
     accumulate_allreduce_grads_in_fp32: bool = _f(True, "Accumulate and reduce gradients in fp32 (always on with --bf16/--fp16).")
     variable_seq_lengths: bool = _f(False, "Exchange tensor shapes between pipeline stages each microbatch.")
     distributed_timeout_minutes: int = _f(10, "Timeout of every collective, in minutes.")

@@ -10,6 +10,15 @@ Two byte counts are kept per operation kind:
   ``K`` ranks: all-reduce ``2 (K-1)/K B``; reduce-scatter and all-gather ``(K-1)/K B`` of the
   full (unsharded) buffer; broadcast ``B`` (upper bound).
 
+* ``inter_node_bytes``: of ``wire_bytes``, those sent over a link between two nodes.  Under the
+  ring model a rank sends everything to its successor in the group (group-rank order, wrapping
+  around), so the count is ``wire_bytes`` when that successor is on another node and 0 otherwise
+  (node of a global rank: ``rank // ranks_per_node``, from
+  :func:`megalm.parallel_state.get_ranks_per_node`, else torchrun's ``LOCAL_WORLD_SIZE``).  A flat
+  all-reduce of ``B`` bytes over ``n`` nodes of ``L`` consecutive ranks thus sends ``2 (nL-1)/(nL) B``
+  per node across nodes; the hierarchical one (:mod:`megalm.distributed.hierarchical`)
+  ``2 (n-1)/n B``.  :func:`inter_node_bytes_per_node` sums them per node for the log line.
+
 Groups of size 1 are not communicated over: the wrappers return at once and count nothing.
 ``group=None`` means torch's default (world) group here, as in ``torch.distributed``; callers
 holding a :class:`megalm.parallel_state.ProcessGroups` field that is ``None`` (this rank alone)
@@ -18,13 +27,15 @@ do not call these wrappers at all.
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import asdict, dataclass
-from typing import Dict
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
 
+from megalm import parallel_state
 from megalm.tensor_parallel.utils import all_gather_flat, reduce_scatter_flat
 
 
@@ -33,6 +44,7 @@ class CollectiveStats:
     calls: int = 0
     tensor_bytes: int = 0
     wire_bytes: float = 0.0
+    inter_node_bytes: float = 0.0
 
 
 _LOCK = threading.Lock()
@@ -45,12 +57,30 @@ def _group_size(group) -> int:
     return dist.get_world_size(group)
 
 
-def _record(kind: str, nbytes: int, wire: float) -> None:
+def ranks_per_node() -> int:
+    """Consecutive global ranks per node: the layout's, else ``LOCAL_WORLD_SIZE``, else the world."""
+    value = parallel_state.get_ranks_per_node()
+    if value is not None:
+        return value
+    return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+
+
+def sends_across_nodes(group_ranks, rank: int, per_node: int) -> bool:
+    """Whether ``rank``'s ring successor in ``group_ranks`` (group-rank order) is on another node."""
+    members = list(group_ranks)
+    successor = members[(members.index(rank) + 1) % len(members)]
+    return successor // per_node != rank // per_node
+
+
+def _record(kind: str, nbytes: int, wire: float, group) -> None:
+    members = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    across = sends_across_nodes(members, dist.get_rank(), ranks_per_node())
     with _LOCK:
         s = _STATS.setdefault(kind, CollectiveStats())
         s.calls += 1
         s.tensor_bytes += int(nbytes)
         s.wire_bytes += float(wire)
+        s.inter_node_bytes += float(wire) if across else 0.0
 
 
 def get_comm_stats() -> Dict[str, dict]:
@@ -69,6 +99,28 @@ def reset_comm_stats() -> None:
         _STATS.clear()
 
 
+def inter_node_bytes_per_node(reset: bool = True) -> List[float]:
+    """Bytes each node's ranks sent over inter-node links (index: node) since the last reset;
+    ``reset`` zeroes the ``inter_node_bytes`` of every kind afterwards (the log line's interval).
+
+    Collective over the world when there are several nodes (one SUM-all-reduce of ``nodes``
+    float64 values, not counted): every rank calls it at the same point (the log line)."""
+    with _LOCK:
+        mine = sum(v.inter_node_bytes for v in _STATS.values())
+        if reset:
+            for v in _STATS.values():
+                v.inter_node_bytes = 0.0
+    if not dist.is_available() or not dist.is_initialized():
+        return [mine]
+    per_node, world = ranks_per_node(), dist.get_world_size()
+    if per_node >= world:
+        return [mine]
+    counts = torch.zeros(world // per_node, dtype=torch.float64)
+    counts[dist.get_rank() // per_node] = mine
+    dist.all_reduce(counts)
+    return counts.tolist()
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -80,7 +132,7 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op:
     if k == 1:
         return None
     b = _nbytes(tensor)
-    _record(kind, b, 2.0 * (k - 1) / k * b)
+    _record(kind, b, 2.0 * (k - 1) / k * b, group)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
@@ -92,7 +144,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=dist.Red
         output.copy_(input)
         return None
     b = _nbytes(input)
-    _record(kind, b, (k - 1) / k * b)
+    _record(kind, b, (k - 1) / k * b, group)
     return reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op)
 
 
@@ -104,7 +156,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
         output.copy_(input)
         return None
     b = _nbytes(output)
-    _record(kind, b, (k - 1) / k * b)
+    _record(kind, b, (k - 1) / k * b, group)
     return all_gather_flat(output, input, group=group, async_op=async_op)
 
 
@@ -114,5 +166,5 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
     if k == 1:
         return None
     b = _nbytes(tensor)
-    _record(kind, b, b)
+    _record(kind, b, b, group)
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)

@@ -14,6 +14,15 @@ the data-parallel group (with context parallel: data x context); expert paramete
 (``param.allreduce is False``) live in separate buffers reduced over the expert-data-parallel
 group, pre-scaled by the same 1/DP as Megatron (each expert sees tokens of all EP ranks).
 
+With ``hierarchical_grad_reduce`` (``--hierarchical-grad-reduce``) each bucket's collective is
+the intra-node / inter-node chain of :mod:`megalm.distributed.hierarchical` over ``dp_cp_intra`` /
+``dp_cp_inter`` (expert buffers: ``expt_dp_intra`` / ``expt_dp_inter``): intra-node
+reduce-scatter, inter-node all-reduce of the shard, intra-node all-gather (distributed optimizer:
+intra-node then inter-node reduce-scatter, and the inverse all-gathers of the parameters).  When
+bucket ``k`` of a queue is launched, bucket ``k-2`` then bucket ``k-1`` are advanced to their
+third and second stage, so the inter-node stage of a bucket overlaps the backward of the next
+ones; the sequence depends only on ``k``, hence is the same on every rank.
+
 Buckets sharing one process group are always launched in the same order on every rank (a
 ready bucket waits for the buckets before it), so data-dependent gradient order cannot make
 ranks issue collectives in different orders.
@@ -40,8 +49,9 @@ from typing import Dict, List, Optional
 import torch
 
 from megalm import parallel_state
+from megalm.distributed.hierarchical import NodeGroups
 from megalm.distributed.param_and_grad_buffer import Bucket, DataParallelError, ParamAndGradBuffer
-from megalm.parallel_state import ProcessGroups, group_size
+from megalm.parallel_state import NodeLayoutError, ProcessGroups, group_size
 from megalm.tensor_parallel.param_info import param_info
 
 
@@ -52,6 +62,20 @@ def default_bucket_size(data_parallel_size: int) -> int:
 
 def _is_shared_embedding(param: torch.nn.Parameter) -> bool:
     return param_info(param).tied
+
+
+def node_groups_of(pg: ProcessGroups, name: str) -> Optional[NodeGroups]:
+    """The intra-/inter-node halves of ``pg``'s ``name`` group (``dp_cp`` or ``expt_dp``); None for
+    a group of one rank.  Raises :class:`NodeLayoutError` when the layout gave it none (the group
+    does not split evenly over nodes, or ``pg`` was built by hand without them)."""
+    if group_size(getattr(pg, name)) == 1:
+        return None
+    if f"{name}_inter" not in pg.ranks:
+        raise NodeLayoutError(
+            f"--hierarchical-grad-reduce: the {name} group (ranks {list(pg.ranks.get(name, ()))}) has no "
+            f"intra-/inter-node split: it does not spread evenly over the nodes of "
+            f"{parallel_state.get_ranks_per_node()} ranks (parallel_state.node_split says how it falls)")
+    return NodeGroups(getattr(pg, f"{name}_intra"), getattr(pg, f"{name}_inter"))
 
 
 def _wait_for(buckets: List[Bucket]):
@@ -69,7 +93,7 @@ class DistributedDataParallel(torch.nn.Module):
         module: the model chunk.
         parallel_cfg: :class:`megalm.config.ParallelConfig` (``ddp_bucket_size``,
             ``overlap_grad_reduce``, ``accumulate_allreduce_grads_in_fp32``,
-            ``use_distributed_optimizer``, ``overlap_param_gather``).
+            ``use_distributed_optimizer``, ``overlap_param_gather``, ``hierarchical_grad_reduce``).
         grad_dtype: dtype of ``main_grad``; default fp32 when
             ``accumulate_allreduce_grads_in_fp32`` else each parameter's dtype.
         process_groups: a :class:`megalm.parallel_state.ProcessGroups`; dense gradients are
@@ -89,6 +113,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.overlap_grad_reduce = parallel_cfg.overlap_grad_reduce
         self.use_distributed_optimizer = parallel_cfg.use_distributed_optimizer
         self.overlap_param_gather = parallel_cfg.overlap_param_gather
+        self.hierarchical = parallel_cfg.hierarchical_grad_reduce
         fp32_grads = parallel_cfg.accumulate_allreduce_grads_in_fp32
         dp = group_size(pg.dp_cp)
         self.data_parallel_world_size = dp
@@ -109,11 +134,13 @@ class DistributedDataParallel(torch.nn.Module):
                     keyed.setdefault((p.dtype, pick_grad_dtype(p)), []).append(p)
             group = pg.expt_dp if expert else pg.dp_cp
             world = group_size(group)
+            nodes = node_groups_of(pg, "expt_dp" if expert else "dp_cp") if self.hierarchical and keyed else None
             for (_, gdtype), params in keyed.items():
                 buf = ParamAndGradBuffer(params, gdtype, self.bucket_size, group if world > 1 else None,
                                          world, 1.0 / dp, param_names=names,
                                          use_distributed_optimizer=self.use_distributed_optimizer,
-                                         isolate=_is_shared_embedding if self.use_distributed_optimizer else None)
+                                         isolate=_is_shared_embedding if self.use_distributed_optimizer else None,
+                                         node_groups=nodes)
                 (self.expert_buffers if expert else self.buffers).append(buf)
         self._param_to_buffer = {p: b for b in self.all_buffers for p in b.param_index_map}
         self._build_launch_queues()
@@ -167,8 +194,16 @@ class DistributedDataParallel(torch.nn.Module):
         """Launch the ready prefix of queue ``qi``."""
         queue = self._queues[qi]
         while self._cursors[qi] < len(queue) and queue[self._cursors[qi]].is_ready():
-            queue[self._cursors[qi]].start_grad_sync()
+            self._launch(queue, self._cursors[qi])
             self._cursors[qi] += 1
+
+    def _launch(self, queue: List[Bucket], k: int) -> None:
+        """Launch bucket ``k``; hierarchical: advance buckets ``k-2`` and ``k-1`` one stage each."""
+        queue[k].start_grad_sync()
+        if self.hierarchical:
+            for lag in (2, 1):
+                if k >= lag:
+                    queue[k - lag].advance_grad_sync(lag + 1)
 
     # --- protocol --------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -183,8 +218,8 @@ class DistributedDataParallel(torch.nn.Module):
     def start_grad_sync(self) -> None:
         """Launch every bucket not yet launched, queue by queue in order (async)."""
         for qi, queue in enumerate(self._queues):
-            for bucket in queue[self._cursors[qi]:]:
-                bucket.start_grad_sync()
+            for k in range(self._cursors[qi], len(queue)):
+                self._launch(queue, k)
             self._cursors[qi] = len(queue)
 
     def finish_grad_sync(self) -> None:

@@ -36,6 +36,11 @@ of ``K`` ranks; :meth:`Bucket.finish_grad_sync` waits:
   weights of its shard into ``param_data``, :meth:`Bucket.start_param_sync` all-gathers the
   bucket's ``param_data`` in place (``(K-1)/K`` x bucket bytes of the parameter dtype) and
   :meth:`Bucket.finish_param_sync` waits for it.
+* ``node_groups`` (``--hierarchical-grad-reduce``): each of these collectives becomes the chain
+  of intra-node and inter-node collectives of :mod:`megalm.distributed.hierarchical` (same
+  results; only ``1/L`` of the bucket crosses nodes per rank).  The handle is then a
+  :class:`~megalm.distributed.hierarchical.CollectiveChain`; :meth:`Bucket.advance_grad_sync`
+  launches its next stage (DDP calls it as later buckets launch), the finish methods run the rest.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megalm.distributed import comm
+from megalm.distributed import comm, hierarchical
 from megalm.errors import MegalmError
 from megalm.parallel_state import group_rank
 
@@ -116,12 +121,25 @@ class Bucket:
         group = self.buffer.data_parallel_group
         if group is None:  # a group of one, nothing to reduce
             return
+        nodes = self.buffer.node_groups
+        if nodes is not None:
+            if self.buffer.use_distributed_optimizer:
+                lo, hi = self.local_shard()
+                self.handle = hierarchical.reduce_scatter(self.grad_data, self.grad_data[lo:hi], nodes)
+            else:
+                self.handle = hierarchical.all_reduce(self.grad_data, nodes)
+            return
         if self.buffer.use_distributed_optimizer:
             lo, hi = self.local_shard()
             self.handle = comm.reduce_scatter_tensor(self.grad_data[lo:hi], self.grad_data, group=group,
                                                      async_op=True, kind="grad_reduce_scatter")
         else:
             self.handle = comm.all_reduce(self.grad_data, group=group, async_op=True, kind="grad_all_reduce")
+
+    def advance_grad_sync(self, stage: int) -> None:
+        """Hierarchical reduction: launch stages until ``stage`` of them have run (no-op otherwise)."""
+        if isinstance(self.handle, hierarchical.CollectiveChain):
+            self.handle.advance_to(stage)
 
     def finish_grad_sync(self) -> None:
         """Launch if needed, then wait for the bucket's all-reduce."""
@@ -140,6 +158,12 @@ class Bucket:
         if group is None:
             return
         lo, hi = self.local_shard()
+        if self.buffer.node_groups is not None:
+            self.param_handle = hierarchical.all_gather(self.param_data, self.param_data[lo:hi],
+                                                        self.buffer.node_groups)
+            if not async_op:
+                self.finish_param_sync()
+            return
         self.param_handle = comm.all_gather_into_tensor(self.param_data, self.param_data[lo:hi], group=group,
                                                         async_op=async_op, kind="param_all_gather")
         if not async_op:
@@ -159,7 +183,10 @@ class ParamAndGradBuffer:
     the buckets are reduced (and, for the distributed optimizer, gathered) over, as DDP passes it
     (``dp_cp`` or ``expt_dp`` of a :class:`megalm.parallel_state.ProcessGroups`); None for this
     rank alone (no communication).  ``use_distributed_optimizer`` reduce-scatters instead of
-    all-reducing and implies ``allocate_param_data``.  See the module docstring for the layout.
+    all-reducing and implies ``allocate_param_data``.  ``node_groups``: a
+    :class:`~megalm.distributed.hierarchical.NodeGroups` factoring ``data_parallel_group`` for the
+    hierarchical collectives (checked against it here), or None for the flat ones.  See the module
+    docstring for the layout.
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], grad_dtype: torch.dtype,
@@ -167,7 +194,8 @@ class ParamAndGradBuffer:
                  gradient_scaling_factor: float, pad_multiple: Optional[int] = None,
                  allocate_param_data: bool = False, param_names: Optional[Dict[torch.nn.Parameter, str]] = None,
                  use_distributed_optimizer: bool = False,
-                 isolate: Optional[Callable[[torch.nn.Parameter], bool]] = None):
+                 isolate: Optional[Callable[[torch.nn.Parameter], bool]] = None,
+                 node_groups: Optional[hierarchical.NodeGroups] = None):
         if not params:
             raise DataParallelError("ParamAndGradBuffer needs at least one parameter")
         dtypes = {p.dtype for p in params}
@@ -180,6 +208,9 @@ class ParamAndGradBuffer:
         self.data_parallel_group = data_parallel_group
         self.data_parallel_world_size = data_parallel_world_size
         self.data_parallel_rank = group_rank(data_parallel_group)
+        if node_groups is not None and data_parallel_group is not None:
+            node_groups.check_factors(data_parallel_group, "ParamAndGradBuffer")
+        self.node_groups = node_groups if data_parallel_group is not None else None
         self.use_distributed_optimizer = use_distributed_optimizer
         allocate_param_data = allocate_param_data or use_distributed_optimizer
         self.gradient_scaling_factor = gradient_scaling_factor

@@ -420,6 +420,7 @@ class Trainer:
 
     # -- logging and evaluation --
     def log_training(self, log: "IntervalStats") -> None:
+        from megalm.distributed.comm import inter_node_bytes_per_node
         from megalm.training.flops import num_floating_point_operations
         from megalm.training.metrics import format_log_line
 
@@ -447,6 +448,9 @@ class Trainer:
         if cfg.logging.log_params_norm:
             record["params_norm"] = self.params_norm()
         record.update(self._new_compilations())
+        nodes = inter_node_bytes_per_node()  # collective over the world with several nodes
+        if len(nodes) > 1:  # the busiest node's bytes over inter-node links per iteration
+            record["inter_node_bytes"] = max(nodes) / max(log.iterations, 1)
         if is_logging_rank():
             logger.info(format_log_line(record, self.train_iters), extra={"on_rank": None})
         record.update(self._log_timers(log.iterations))

@@ -1,0 +1,281 @@
+"""Hierarchical (intra-node / inter-node) data-parallel reduction against the flat collectives,
+and the inter-node byte count against the ring formulas, on 4 real gloo ranks grouped as
+2 nodes x 2 ranks (``ranks_per_node=2``; correctness does not need shaped links).
+
+Layout DP 4: dp_cp [0, 1, 2, 3], intra-node [0, 1] / [2, 3], inter-node [0, 2] / [1, 3].  Layout
+TP 2 x DP 2: dp_cp [0, 2] / [1, 3] cross nodes, so the intra-node half is this rank alone.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megalm import parallel_state
+from megalm.config import MegalmConfig, ParallelConfig
+from megalm.distributed import DistributedDataParallel, comm, finalize_model_grads
+from megalm.parallel_state import NodeLayoutError, ProcessGroups, node_split
+from megalm.testing import run_distributed
+
+BATCH, NUM_MICRO, STEPS, BUCKET = 16, 2, 3, 100
+LOCAL = 2  # ranks per node
+
+
+class TinyMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 32)
+        self.norm = torch.nn.LayerNorm(32)
+        self.fc2 = torch.nn.Linear(32, 32)
+        self.out = torch.nn.Linear(32, 3)  # 99 elements: padded buckets
+
+    def forward(self, x):
+        return self.out(F.gelu(self.fc2(self.norm(F.gelu(self.fc1(x))))))
+
+
+def make_model(expert_last_layer=False):
+    torch.manual_seed(0)
+    model = TinyMLP()
+    if expert_last_layer:
+        for p in model.out.parameters():
+            p.allreduce = False  # reduced over expt_dp
+    return model
+
+
+def batch(step, dp_rank, dp):
+    g = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 3, generator=g)
+    mb = BATCH // dp // NUM_MICRO
+    return x.view(dp, NUM_MICRO, mb, 8)[dp_rank], y.view(dp, NUM_MICRO, mb, 3)[dp_rank]
+
+
+def backward_step(ddp, step, dp_rank, dp):
+    """Gradient accumulation over NUM_MICRO microbatches; returns the summed loss."""
+    x, y = batch(step, dp_rank, dp)
+    total = 0.0
+    for k in range(NUM_MICRO):
+        loss = F.mse_loss(ddp(x[k]), y[k]) / NUM_MICRO
+        if k < NUM_MICRO - 1:
+            with ddp.no_sync():
+                loss.backward()
+        else:
+            loss.backward()
+        total += loss.item()
+    return total
+
+
+def padded_bucket_bytes(ddp):
+    return sum(4 * b.numel for buf in ddp.all_buffers for b in buf.buckets)
+
+
+def ddp_grads(hierarchical, overlap, expert, pg):
+    """main_grads after one step with grad accumulation, and the inter-node bytes per node."""
+    cfg = ParallelConfig(overlap_grad_reduce=overlap, ddp_bucket_size=BUCKET, hierarchical_grad_reduce=hierarchical)
+    model = make_model(expert)
+    ddp = DistributedDataParallel(model, cfg, process_groups=pg)
+    dp, dp_rank = parallel_state.group_size(pg.dp_cp), parallel_state.group_rank(pg.dp_cp)
+    comm.reset_comm_stats()
+    ddp.zero_grad_buffer()
+    backward_step(ddp, 0, dp_rank, dp)
+    finalize_model_grads([ddp], process_groups=pg)
+    per_node = comm.inter_node_bytes_per_node()
+    return {"grads": [p.main_grad.clone() for p in model.parameters()], "per_node": per_node,
+            "bucket_bytes": padded_bucket_bytes(ddp), "ranges": ddp.bucket_ranges(),
+            "kinds": sorted(comm.get_comm_stats())}
+
+
+def train_distopt(hierarchical, overlap, pg):
+    """STEPS steps of the distributed optimizer; losses, params, shard layout, bytes per node."""
+    from megalm.optimizer import build_optimizer
+
+    cfg = MegalmConfig()
+    t, p = cfg.training, cfg.parallel
+    t.lr, t.weight_decay, t.clip_grad = 1e-2, 0.1, 0.05
+    p.use_distributed_optimizer, p.overlap_grad_reduce, p.overlap_param_gather = True, overlap, overlap
+    p.ddp_bucket_size, p.hierarchical_grad_reduce = BUCKET, hierarchical
+    model = make_model()
+    ddp = DistributedDataParallel(model, p, process_groups=pg)
+    optimizer = build_optimizer(cfg, [ddp], report_memory=False, process_groups=pg)
+    dp, dp_rank = parallel_state.group_size(pg.dp_cp), parallel_state.group_rank(pg.dp_cp)
+    comm.reset_comm_stats()
+    losses, grad_shards = [], []
+    for step in range(STEPS):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses.append(backward_step(ddp, step, dp_rank, dp))
+        finalize_model_grads([ddp], process_groups=pg)
+        grad_shards.append([r.grad.clone() for r in optimizer.ranges])
+        ok, _, _ = optimizer.step()
+        assert ok
+    ddp.finish_param_sync()
+    grad_kinds = {k: v["inter_node_bytes"] for k, v in comm.get_comm_stats().items()}
+    return {"losses": losses, "params": [q.detach().clone() for q in model.parameters()],
+            "grad_shards": grad_shards, "layout": optimizer.describe(), "inter": grad_kinds,
+            "bucket_bytes": padded_bucket_bytes(ddp)}
+
+
+def dp4_worker():
+    parallel_state.initialize_model_parallel(ranks_per_node=LOCAL)
+    pg = parallel_state.get_process_groups()
+    out = {"ranks": {k: pg.ranks[k] for k in ("dp_cp", "dp_cp_intra", "dp_cp_inter", "expt_dp_inter")}}
+    for overlap, expert in ((False, False), (True, False), (True, True)):
+        out[("ddp", overlap, expert)] = {h: ddp_grads(h, overlap, expert, pg) for h in (False, True)}
+    for overlap in (False, True):
+        out[("distopt", overlap)] = {h: train_distopt(h, overlap, pg) for h in (False, True)}
+    # A bundle without the node halves (built by hand) is refused, naming the flag.
+    bare = ProcessGroups(dp_cp=pg.dp_cp, expt_dp=pg.expt_dp, ranks={"dp_cp": pg.ranks["dp_cp"]})
+    try:
+        DistributedDataParallel(make_model(), ParallelConfig(hierarchical_grad_reduce=True), process_groups=bare)
+        out["refused"] = None
+    except NodeLayoutError as e:
+        out["refused"] = str(e)
+    return out
+
+
+def tp2_worker():
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, ranks_per_node=LOCAL)
+    pg = parallel_state.get_process_groups()
+    out = {"intra": pg.dp_cp_intra, "ranks": pg.ranks["dp_cp_inter"]}
+    out["ddp"] = {h: ddp_grads(h, True, False, pg) for h in (False, True)}
+    out["distopt"] = {h: train_distopt(h, False, pg) for h in (False, True)}
+    return out
+
+
+def _close(a, b, what):
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6 * max(y.abs().max().item(), 1e-30), msg=what)
+
+
+@pytest.fixture(scope="module")
+def dp4():
+    return run_distributed(dp4_worker, 4, timeout=240)
+
+
+def test_node_groups_of_the_layout(dp4):
+    for rank, r in enumerate(dp4):
+        assert r["ranks"]["dp_cp"] == (0, 1, 2, 3)
+        assert r["ranks"]["dp_cp_intra"] == ((0, 1) if rank < 2 else (2, 3))
+        assert r["ranks"]["dp_cp_inter"] == ((0, 2) if rank % 2 == 0 else (1, 3))
+        assert r["ranks"]["expt_dp_inter"] == r["ranks"]["dp_cp_inter"]
+        assert "hierarchical-grad-reduce" in r["refused"] and "dp_cp" in r["refused"]
+
+
+def test_ddp_hierarchical_equals_flat_and_counts_inter_node_bytes(dp4):
+    for key in [k for k in dp4[0] if k[0] == "ddp"]:
+        _, overlap, expert = key
+        for r in dp4:
+            flat, hier = r[key][False], r[key][True]
+            _close(hier["grads"], flat["grads"], f"grads {key}")
+            assert hier["ranges"] == flat["ranges"]  # same buffer layout: checkpoints unchanged
+            assert any(k.endswith("_all_reduce_inter") for k in hier["kinds"])
+            assert not any(k.endswith("_inter") or k.endswith("_intra") for k in flat["kinds"])
+        # every rank holds the same (reduced) gradients
+        for r in dp4[1:]:
+            _close(r[key][True]["grads"], dp4[0][key][True]["grads"], f"replicas {key}")
+        # ring all-reduce of B bytes over 4 ranks: ranks 1 and 3 send 2*3/4*B across nodes (one per
+        # node); hierarchical: each rank all-reduces B/2 with its peer on the other node, 2*1/2*B/2.
+        b = dp4[0][key][False]["bucket_bytes"]
+        assert b >= 4 * sum(p.numel() for p in make_model().parameters()) and b % (4 * 4) == 0
+        for r in dp4:
+            assert r[key][False]["per_node"] == [pytest.approx(1.5 * b)] * 2
+            assert r[key][True]["per_node"] == [pytest.approx(1.0 * b)] * 2
+
+
+def test_distributed_optimizer_hierarchical_equals_flat(dp4):
+    for key in [k for k in dp4[0] if k[0] == "distopt"]:
+        for r in dp4:
+            flat, hier = r[key][False], r[key][True]
+            assert hier["losses"] == pytest.approx(flat["losses"], rel=1e-6)
+            for gf, gh in zip(flat["grad_shards"], hier["grad_shards"]):
+                _close(gh, gf, f"grad shards {key}")
+            _close(hier["params"], flat["params"], f"params {key}")
+            assert hier["layout"] == flat["layout"]  # each rank owns exactly its flat shard
+            assert flat["losses"][-1] < flat["losses"][0]
+            b = flat["bucket_bytes"]
+            # flat: reduce-scatter and all-gather send 3/4 B per rank, ranks 1 and 3 across nodes;
+            # hierarchical: the inter-node reduce-scatter / all-gather of the node's B/2 over 2: B/4.
+            crossing = r is dp4[1] or r is dp4[3]
+            assert flat["inter"]["grad_reduce_scatter"] == pytest.approx(0.75 * b * STEPS if crossing else 0.0)
+            assert flat["inter"]["param_all_gather"] == pytest.approx(0.75 * b * STEPS if crossing else 0.0)
+            assert hier["inter"]["grad_reduce_scatter_inter"] == pytest.approx(0.25 * b * STEPS)
+            assert hier["inter"]["param_all_gather_inter"] == pytest.approx(0.25 * b * STEPS)
+            assert hier["inter"]["grad_reduce_scatter_intra"] == 0.0
+
+
+def test_tp2_dp2_across_nodes():
+    ranks = run_distributed(tp2_worker, 4, timeout=180)
+    for rank, r in enumerate(ranks):
+        assert r["intra"] is None and r["ranks"] == ((0, 2) if rank % 2 == 0 else (1, 3))
+        _close(r["ddp"][True]["grads"], r["ddp"][False]["grads"], "tp2 ddp grads")
+        b = r["ddp"][False]["bucket_bytes"]
+        # DP 2 across nodes: flat and hierarchical alike send 2*1/2*B from each of the node's 2 ranks
+        assert r["ddp"][False]["per_node"] == [pytest.approx(2 * b)] * 2
+        assert r["ddp"][True]["per_node"] == [pytest.approx(2 * b)] * 2
+        flat, hier = r["distopt"][False], r["distopt"][True]
+        assert hier["losses"] == pytest.approx(flat["losses"], rel=1e-6)
+        _close(hier["params"], flat["params"], "tp2 params")
+
+
+def test_node_split_refuses_uneven_layouts():
+    assert node_split([0, 1, 2, 3], 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    assert node_split([0, 2, 4, 6], 4) == ([[0, 2], [4, 6]], [[0, 4], [2, 6]])
+    assert node_split([1, 3], 2) == ([[1], [3]], [[1, 3]])
+    with pytest.raises(NodeLayoutError, match=r"does not split evenly.*members per node: \[2, 1\]"):
+        node_split([0, 2, 4], 3)  # world 6, 3 ranks per node, TP 2: DP group [0, 2, 4]
+    with pytest.raises(NodeLayoutError, match="divide the world size"):
+        parallel_state._ranks_per_node(6, 4)
+
+
+def test_single_process_flag_is_a_no_op():
+    model = make_model()
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, ParallelConfig(hierarchical_grad_reduce=True))
+    x = torch.randn(4, 8)
+    ddp(x).sum().backward()
+    ref(x).sum().backward()
+    _close([p.main_grad for p in model.parameters()], [p.grad for p in ref.parameters()], "dp 1")
+
+
+# --- through the trainer: the flag, and inter_node_bytes in the metrics file -----------------------
+
+TRAIN = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--max-position-embeddings", "16", "--mock-data", "--vocab-size", "200", "--num-workers", "0",
+         "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "3e-3", "--eval-iters", "0", "--seed", "5",
+         "--micro-batch-size", "1", "--global-batch-size", "8", "--log-interval", "1", "--train-iters", "3",
+         "--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "4000"]
+
+
+def trainer_worker(tmp):
+    import os
+
+    from tests.training_runs import run_trainings
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(LOCAL)  # torchrun's view of 2 nodes x 2 ranks
+    return run_trainings([TRAIN + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl")] + extra
+                          for name, extra in RUNS])
+
+
+PP2 = ["--pipeline-model-parallel-size", "2"]  # PP across nodes, DP 2 inside each node (no inter-node half)
+RUNS = (("flat", []), ("hier", ["--hierarchical-grad-reduce"]),
+        ("pp_flat", PP2), ("pp_hier", PP2 + ["--hierarchical-grad-reduce"]))
+
+
+def test_trainer_logs_inter_node_bytes(tmp_path):
+    import json
+
+    assert run_distributed(trainer_worker, 4, args=(str(tmp_path),), timeout=240) == [[0] * len(RUNS)] * 4
+    flat, hier = ([json.loads(line) for line in open(tmp_path / f"{name}.jsonl")] for name in ("flat", "hier"))
+    assert [r["lm_loss"] for r in hier] == pytest.approx([r["lm_loss"] for r in flat], rel=1e-5)
+    assert len(flat) == 3 and all(r["inter_node_bytes"] > 0 for r in flat + hier)
+    # Per iteration, B bytes of gradient buckets (= of parameter buckets, fp32): flat, the one rank per
+    # node whose ring successor is on the other node sends 3/4 B (reduce-scatter) + 3/4 B (all-gather);
+    # hierarchical, both ranks of a node send 1/4 B + 1/4 B across: 1.5 B vs 1.0 B per node (the norm's
+    # few bytes aside).
+    for f, h in zip(flat, hier):
+        assert h["inter_node_bytes"] / f["inter_node_bytes"] == pytest.approx(2 / 3, rel=1e-3)
+    # PP 2 (tied embeddings over the stages, distributed optimizer) with DP inside the node: same losses
+    pp_flat, pp_hier = ([json.loads(line) for line in open(tmp_path / f"{name}.jsonl")]
+                        for name in ("pp_flat", "pp_hier"))
+    assert len(pp_flat) == 3
+    assert [r["lm_loss"] for r in pp_hier] == pytest.approx([r["lm_loss"] for r in pp_flat], rel=1e-5)
