@@ -29,6 +29,6 @@ run gpt125m_bf16_ddp "${COMMON[@]}" PRECISION=bf16 DIST_OPT=0 -- --seq-length 10
 run gpt125m_fp16 "${COMMON[@]}" PRECISION=fp16 DIST_OPT=1 -- --seq-length 1024 --max-position-embeddings 1024
 run gpt125m_bf16_recompute "${COMMON[@]}" PRECISION=bf16 RECOMPUTE=full -- --seq-length 1024 --max-position-embeddings 1024 --calculate-per-token-loss
 SCRIPT=scripts/pretrain_moe_tiny_cpu.sh
-run moe_tiny_bf16 TP=1 EP=1 TRAIN_ITERS=20 LOG_INTERVAL=10 PRECISION=bf16 --
+run moe_tiny_bf16 TP=1 TRAIN_ITERS=20 LOG_INTERVAL=10 PRECISION=bf16 -- --expert-model-parallel-size 1
 echo "== the CPU suite's fast single-process files on this machine (MEGALM_FORCE_CPU=1 set by tests/conftest.py)"
 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_linear_cross_entropy.py tests/test_blocked_attention.py 2>&1 | tail -4
