@@ -154,7 +154,7 @@ class NumericsChecks:
         raise LossScaleOverflowStop(
             f"fp16: the last {scaler.overflows_at_min_scale} iterations (through iteration {iteration}) overflowed "
             f"at the minimum loss scale {scaler.scale:g} and were skipped: the gradients are not finite at any "
-            f"scale; stopped without saving (--max-overflows-at-min-loss-scale {k}; 0 never stops)")
+            f"scale; iteration {iteration} not saved (--max-overflows-at-min-loss-scale {k}; 0 never stops)")
 
     def _check_spike(self, iteration: int, result) -> None:
         from megalm.training.step import losses_to_floats

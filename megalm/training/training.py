@@ -1,9 +1,11 @@
 """The training loop: ``pretrain(...)`` as in Megatron-LM, in readable pieces.
 
 Per iteration: the training step (:func:`megalm.training.step.train_step`: schedule over the
-microbatches, gradient finalization, optimizer step, learning-rate step, counters), logging,
-evaluation, checkpoint, exit checks.  The :class:`Trainer` builds the rank's
-:class:`megalm.parallel_state.ProcessGroups` once (``self.groups``) and passes it down.
+microbatches, gradient finalization, optimizer step, learning-rate step, counters), the numerics
+checks (:mod:`megalm.training.loss_checks`: a non-finite or spiky loss stops every rank before
+anything of that iteration is logged or saved), logging, evaluation, checkpoint, exit checks.
+The :class:`Trainer` builds the rank's :class:`megalm.parallel_state.ProcessGroups` once
+(``self.groups``) and passes it down.
 
 Errors are raised as :class:`megalm.errors.MegalmError` subclasses (a stop on purpose, e.g.
 ``--exit-interval``, as :class:`megalm.errors.TrainingStopped` with exit code 0); the entry point
@@ -357,6 +359,7 @@ class Trainer:
         try:
             self.numerics.check(self.state.iteration, result)
         except NumericsStop as e:
+            self.profiler.close()
             self.complete_async_save()
             last = f"; last checkpoint saved by this run: iteration {self.saved_at}" if self.saved_at else ""
             raise type(e)(f"{e}{last}") from None
