@@ -213,6 +213,22 @@ class TrainingConfig:
     min_loss_scale: float = _f(1.0, "Minimum dynamic loss scale.")
     loss_scale_window: int = _f(1000, "Iterations without overflow before the scale doubles.")
     hysteresis: int = _f(2, "Overflows tolerated before the scale halves.")
+    check_for_nan_in_loss_and_grad: bool = _f(
+        True, "Stop every rank, without saving, at the first non-finite loss (any rank) or gradient norm "
+              "(bf16/fp32; fp16 skips overflows instead, see --max-overflows-at-min-loss-scale); "
+              "--no-check-for-nan-in-loss-and-grad skips such iterations and goes on.",
+        action=argparse.BooleanOptionalAction)
+    max_overflows_at_min_loss_scale: int = _f(
+        10, "fp16: stop after this many consecutive overflow-skipped iterations at the minimum loss scale "
+            "(--min-loss-scale, or the constant --loss-scale); 0 never stops (megalm's flag: Megatron-LM has none).")
+    check_for_spiky_loss: bool = _f(False, "Check each iteration's lm loss against --spiky-loss-factor x the mean of "
+                                           "the previous --spiky-loss-window iterations (one host copy per step).")
+    spiky_loss_factor: float = _f(10.0, "A loss above this many times the running mean is spiky (Megatron's "
+                                        "SPIKY_LOSS_FACTOR).")
+    spiky_loss_window: int = _f(100, "Iterations in the running mean of --check-for-spiky-loss.")
+    spiky_loss_action: str = _f("warn", "On a spiky loss: log a warning and go on, or stop every rank without "
+                                        "saving (rollback to the last checkpoint is not built: refused).",
+                                choices=["warn", "stop", "rollback"])
     eval_interval: int = _f(1000, "Evaluate on the validation split every this many iterations.")
     eval_iters: int = _f(100, "Validation iterations per evaluation (0 disables).")
     exit_interval: Optional[int] = _f(None, "Save and exit when the iteration is a multiple of this.")

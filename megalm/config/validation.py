@@ -253,6 +253,18 @@ def _validate_precision(m: ModelConfig, p: ParallelConfig, t: TrainingConfig) ->
            f"(got {m.attention_dropout}) or use another backend")
     _check(t.loss_scale is None or t.fp16, "--loss-scale needs --fp16")
     _check(t.loss_scale_window >= 1 and t.hysteresis >= 1, "--loss-scale-window and --hysteresis must be >= 1")
+    _validate_numerics_checks(t)
+
+
+def _validate_numerics_checks(t: TrainingConfig) -> None:
+    """--max-overflows-at-min-loss-scale and --check-for-spiky-loss's options."""
+    _check(t.max_overflows_at_min_loss_scale >= 0,
+           f"--max-overflows-at-min-loss-scale must be >= 0 (0 never stops), got {t.max_overflows_at_min_loss_scale}")
+    _check(t.spiky_loss_factor > 1.0, f"--spiky-loss-factor must be > 1, got {t.spiky_loss_factor}")
+    _check(t.spiky_loss_window >= 1, f"--spiky-loss-window must be >= 1, got {t.spiky_loss_window}")
+    _check(t.spiky_loss_action != "rollback",
+           "--spiky-loss-action rollback (reload the last checkpoint and skip the batch) is not built in megalm; "
+           "use warn or stop")
 
 
 def _validate_world(p: ParallelConfig, t: TrainingConfig, world_size: int, vpp: Optional[int]) -> None:

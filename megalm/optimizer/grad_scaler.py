@@ -14,6 +14,12 @@ it and reports whether any gradient overflowed (``found_inf``) to :meth:`update`
   further overflows keep halving, one per overflow, until a growth resets the tracker.
 * no overflow: the growth tracker increments; after ``growth_interval`` clean iterations in a
   row the scale is multiplied by ``growth_factor`` and the hysteresis tracker is restored.
+
+Every scaler counts :attr:`GradScaler.overflows_at_min_scale`: consecutive overflowing steps
+whose scale was already the minimum (``min_scale``; the constant scale of
+:class:`ConstantGradScaler`), reset by a clean step.  The trainer stops after
+``--max-overflows-at-min-loss-scale`` of them (:mod:`megalm.training.loss_checks`): at the
+minimum no back-off can help.  The count is not checkpointed (a resumed run starts at 0).
 """
 
 from __future__ import annotations
@@ -26,6 +32,11 @@ class GradScaler(ABC):
         if initial_scale <= 0.0:
             raise ValueError(f"loss scale must be positive, got {initial_scale}")
         self._scale = float(initial_scale)
+        self.overflows_at_min_scale = 0
+
+    def _count_overflow(self, found_inf: bool, at_min: bool) -> None:
+        """Before :meth:`update` changes the scale: ``at_min`` says this step used the minimum scale."""
+        self.overflows_at_min_scale = self.overflows_at_min_scale + 1 if found_inf and at_min else 0
 
     @property
     def scale(self) -> float:
@@ -49,7 +60,7 @@ class ConstantGradScaler(GradScaler):
     """A fixed scale (``--loss-scale``); overflowing steps are still skipped."""
 
     def update(self, found_inf: bool) -> None:
-        pass
+        self._count_overflow(found_inf, at_min=True)
 
     def state_dict(self) -> dict:
         return {"scale": self._scale}
@@ -79,6 +90,7 @@ class DynamicGradScaler(GradScaler):
         self._hysteresis_tracker = self.hysteresis
 
     def update(self, found_inf: bool) -> None:
+        self._count_overflow(found_inf, at_min=self._scale <= self.min_scale)
         if found_inf:
             self._growth_tracker = 0
             self._hysteresis_tracker -= 1

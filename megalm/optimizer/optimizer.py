@@ -27,7 +27,9 @@ place, :meth:`~MegatronOptimizer.load_sharded_state_dict` restores the rest, tol
 whether the checkpoint held the fp32 main weights.
 
 Skipping non-finite updates without a scaler is a deliberate difference from Megatron
-(which would apply them); the trainer counts such iterations as skipped.
+(which would apply them); the trainer stops at such an iteration under
+``--check-for-nan-in-loss-and-grad`` (the default, :mod:`megalm.training.loss_checks`) and
+counts it as skipped with ``--no-check-for-nan-in-loss-and-grad``.
 
 Parameter groups: weight decay on parameters with ndim >= 2, none on biases and norm
 weights (ndim <= 1).

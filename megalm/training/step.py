@@ -12,8 +12,12 @@ Communication of the step itself, besides the model's, the schedule's and the op
 one all-reduce (SUM, float64, one element pair per reported value) over the data-parallel
 group of the last pipeline stage's reported values, once per step; under
 ``--calculate-per-token-loss`` also a broadcast of the token count from the last pipeline
-stage and its all-reduce over data x context parallel ranks.  Reported values stay on the
-device: nothing in the step synchronizes with the host per microbatch.
+stage and its all-reduce over data x context parallel ranks; under
+``--check-for-nan-in-loss-and-grad`` without a loss scaler (bf16/fp32) one all-reduce of one
+float32 per rank over the world (which ranks saw a non-finite loss,
+:mod:`megalm.training.loss_checks`), read on the host after the optimizer step has read the
+gradient norm.  Reported values stay on the device: nothing in the step synchronizes with the
+host per microbatch.
 
 Loss scaling (fp16, or ``--loss-scale``) has one owner, the optimizer's
 :class:`megalm.optimizer.grad_scaler.GradScaler`: its scale is read once per step here
@@ -29,7 +33,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,6 +44,7 @@ from megalm.device import get_device
 from megalm.parallel_state import ProcessGroups
 from megalm.pipeline_parallel import get_forward_backward_func
 from megalm.timers import NULL_TIMERS, timed_iterator
+from megalm.training.loss_checks import flagged_ranks, launch_loss_flags
 
 
 @dataclass
@@ -63,7 +68,9 @@ class StepResult:
     them with :func:`losses_to_floats` when logging.  ``grad_norm`` / ``num_zeros``: from the
     optimizer (None when skipped or not asked for).  ``loss_scale``: the scale this step's
     backward used.  ``skipped``: no update (loss-scale overflow, or a non-finite gradient
-    norm); ``nan``: the gradient norm was not finite.
+    norm); ``nan``: the gradient norm was not finite.  ``nonfinite_loss_ranks``: the ranks whose
+    own loss was not finite (checked under ``--check-for-nan-in-loss-and-grad`` without a loss
+    scaler only; else ``()``).
     """
 
     losses: Dict[str, torch.Tensor]
@@ -74,6 +81,7 @@ class StepResult:
     nan: bool
     global_batch_size: int
     num_microbatches: int
+    nonfinite_loss_ranks: Tuple[int, ...] = ()
 
     @property
     def update_successful(self) -> bool:
@@ -109,6 +117,8 @@ def train_step(cfg: MegalmConfig, forward_step_func: Callable, data_iterator, mo
                                     calculate_per_token_loss=per_token, seq_length=cfg.model.seq_length,
                                     micro_batch_size=cfg.training.micro_batch_size, config=cfg, groups=groups,
                                     timers=timers)
+    check_loss = cfg.training.check_for_nan_in_loss_and_grad and optimizer.grad_scaler is None
+    loss_flags = launch_loss_flags(reported) if check_loss else None
     finalize_model_grads(model, timers=timers)
     if per_token:
         scale_gradients_by_token_count(model, global_token_count(reported.num_tokens, groups))
@@ -117,13 +127,14 @@ def train_step(cfg: MegalmConfig, forward_step_func: Callable, data_iterator, mo
     if update_successful:
         scheduler.step(increment=gbs)
     nan = grad_norm is not None and not math.isfinite(grad_norm)
+    nonfinite_ranks = flagged_ranks(loss_flags)  # after the optimizer read the gradient norm
     state.iteration += 1
     state.consumed_train_samples += gbs
     state.skipped_iterations += 0 if update_successful else 1
     state.nan_iterations += 1 if nan else 0
     return StepResult(losses=reduce_reported(reported, per_token, groups), grad_norm=grad_norm,
                       num_zeros=num_zeros, loss_scale=loss_scale, skipped=not update_successful, nan=nan,
-                      global_batch_size=gbs, num_microbatches=m)
+                      global_batch_size=gbs, num_microbatches=m, nonfinite_loss_ranks=nonfinite_ranks)
 
 
 # --- per-token loss ------------------------------------------------------------------------

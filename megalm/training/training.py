@@ -1,9 +1,11 @@
 """The training loop: ``pretrain(...)`` as in Megatron-LM, in readable pieces.
 
 Per iteration: the training step (:func:`megalm.training.step.train_step`: schedule over the
-microbatches, gradient finalization, optimizer step, learning-rate step, counters), logging,
-evaluation, checkpoint, exit checks.  The :class:`Trainer` builds the rank's
-:class:`megalm.parallel_state.ProcessGroups` once (``self.groups``) and passes it down.
+microbatches, gradient finalization, optimizer step, learning-rate step, counters), the numerics
+checks (:mod:`megalm.training.loss_checks`: a non-finite or spiky loss stops every rank before
+anything of that iteration is logged or saved), logging, evaluation, checkpoint, exit checks.
+The :class:`Trainer` builds the rank's :class:`megalm.parallel_state.ProcessGroups` once
+(``self.groups``) and passes it down.
 
 Errors are raised as :class:`megalm.errors.MegalmError` subclasses (a stop on purpose, e.g.
 ``--exit-interval``, as :class:`megalm.errors.TrainingStopped` with exit code 0); the entry point
@@ -31,6 +33,7 @@ from megalm.pipeline_parallel import get_forward_backward_func
 from megalm.timers import ITERATION_TIMERS, SETUP_TIMERS, Timers
 from megalm.topology import run_topology_report
 from megalm.training.initialize import initialize_megalm, world_size_from_env
+from megalm.training.loss_checks import NumericsChecks, NumericsStop
 from megalm.training.microbatches import MicrobatchCalculator
 from megalm.training.profiling import ProfilerUnavailable, StepProfiler, check_profiler_available
 from megalm.training.signals import ExitSignalHandler
@@ -152,6 +155,7 @@ class Trainer:
         self.model = wrap_data_parallel(cfg, chunks)
         self.optimizer = build_optimizer(cfg, self.model)
         self.scheduler = OptimizerParamScheduler.from_config(cfg, self.optimizer)
+        self.numerics = NumericsChecks(cfg.training, self.optimizer.grad_scaler, self.groups)
         t = cfg.training
         self.microbatches = MicrobatchCalculator(t.global_batch_size, t.micro_batch_size,
                                                  parallel_state.get_data_parallel_world_size(), t.rampup_batch_size)
@@ -332,6 +336,7 @@ class Trainer:
         start = time.perf_counter()
         result = train_step(cfg, self.forward_step_func, self.train_iter, self.model, self.optimizer,
                             self.scheduler, state, self.microbatches, self.groups, self.timers)
+        self.check_numerics(result)
         self.interval.add(time.perf_counter() - start, result)
         self.profiler.after_step(state.iteration)
         if state.iteration % cfg.logging.log_interval == 0:
@@ -348,6 +353,18 @@ class Trainer:
         if reason:
             self.stop(reason)
         return result
+
+    def check_numerics(self, result: StepResult) -> None:
+        """Non-finite loss or gradient norm, fp16 overflows at the minimum scale, spiky loss
+        (:class:`megalm.training.loss_checks.NumericsChecks`): on a stop, the background save in
+        flight (an earlier, finite iteration) is finished and nothing else is saved."""
+        try:
+            self.numerics.check(self.state.iteration, result)
+        except NumericsStop as e:
+            self.profiler.close()
+            self.complete_async_save()
+            last = f"; last checkpoint saved by this run: iteration {self.saved_at}" if self.saved_at else ""
+            raise type(e)(f"{e}{last}") from None
 
     def stop(self, reason: str) -> None:
         """Save if not saved at this iteration, finish background work, raise :class:`TrainingStopped`."""
