@@ -75,14 +75,14 @@ def initialize_distributed(timeout: timedelta = DEFAULT_TIMEOUT) -> None:
 
 def restart_store(timeout: timedelta = DEFAULT_TIMEOUT) -> tuple:
     """``(store, rank, world_size)`` of torchrun's ``env://`` rendezvous (the agent's TCPStore, or
-    rank 0's), its keys prefixed by ``restart{TORCHELASTIC_RESTART_COUNT}/``: each attempt of an
+    rank 0's), its keys prefixed by ``megalm/restart{TORCHELASTIC_RESTART_COUNT}/``: each attempt of an
     elastic group (``torchrun --max-restarts N``) sees only its own keys.  The store outlives a
     restart; without the prefix the new attempt reads the dead one's addresses and gloo's
     ``connectFullMesh`` fails with "Connection refused"."""
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
     store.set_timeout(timeout)
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    return dist.PrefixStore(f"megalm/restart{attempt}/", store), rank, world
+    return dist.PrefixStore(f"megalm/restart{attempt}", store), rank, world
 
 
 def _free_port() -> int:

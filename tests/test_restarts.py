@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -32,7 +33,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--log-interval", "1", "--eval-iters", "0", "--seed", "11", "--micro-batch-size", "2",
         "--global-batch-size", "4", "--tensor-model-parallel-size", "2"]
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
-ITERS = 20
+ITERS = 30
 
 
 # --- the torchrun entry point (script mode) ----------------------------------------------
@@ -135,7 +136,7 @@ def test_restart_store_is_prefixed_by_the_attempt(monkeypatch):
     from megalm.device import restart_store
 
     port = _free_port()
-    server = dist.TCPStore("127.0.0.1", port, 1, True)
+    server = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=10))
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.setenv("RANK", "0")
@@ -144,11 +145,12 @@ def test_restart_store_is_prefixed_by_the_attempt(monkeypatch):
     stores = []
     for attempt in ("0", "1"):
         monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
-        store, rank, world = restart_store()
+        store, rank, world = restart_store(timedelta(seconds=10))
         assert (rank, world) == (0, 1)
         store.set("addr", f"attempt{attempt}")
         stores.append(store)
     assert stores[0].get("addr") == b"attempt0" and stores[1].get("addr") == b"attempt1"
+    assert server.check(["megalm/restart0/addr", "megalm/restart1/addr"]) and not server.check(["addr"])
     assert server.get("megalm/restart1/addr") == b"attempt1"
 
 
@@ -233,7 +235,8 @@ def _train_and_compare_replicated(argv):
 def test_replicated_parameters_equal_across_tp_with_hidden_dropout():
     from megalm.testing import run_distributed
 
-    argv = [*TINY, *DROPOUT, "--num-workers", "0", "--train-iters", "10"]
+    # Evaluation too: the validation loader starts (draws its workers' seed) on TP rank 0 only.
+    argv = [*TINY, *DROPOUT, "--num-workers", "0", "--train-iters", "10", "--eval-interval", "5", "--eval-iters", "1"]
     results = run_distributed(_train_and_compare_replicated, 4, args=(argv,), timeout=200)
     names = set(results[0])
     assert {"module.embedding.position_embeddings.weight", "module.decoder.final_layernorm.weight",
