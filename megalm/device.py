@@ -51,7 +51,10 @@ def configure_cpu_threads() -> int:
 def initialize_distributed(timeout: timedelta = DEFAULT_TIMEOUT) -> None:
     """Initialize torch.distributed from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR...).
 
-    A single process with no torchrun environment gets a world of one on a local port.
+    A single process with no torchrun environment gets a world of one on a local port.  Under
+    torchrun the default group's store keys are prefixed by the restart count
+    (:func:`restart_store`), so a group restarted by ``--max-restarts`` after a worker died
+    does not meet the dead attempt's keys in the rendezvous store.
     """
     if dist.is_initialized():
         return
@@ -63,7 +66,23 @@ def initialize_distributed(timeout: timedelta = DEFAULT_TIMEOUT) -> None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    dist.init_process_group(backend=get_backend(), timeout=timeout)
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        store, rank, world = restart_store(timeout)
+        dist.init_process_group(backend=get_backend(), timeout=timeout, store=store, rank=rank, world_size=world)
+    else:
+        dist.init_process_group(backend=get_backend(), timeout=timeout)
+
+
+def restart_store(timeout: timedelta = DEFAULT_TIMEOUT) -> tuple:
+    """``(store, rank, world_size)`` of torchrun's ``env://`` rendezvous (the agent's TCPStore, or
+    rank 0's), its keys prefixed by ``megalm/restart{TORCHELASTIC_RESTART_COUNT}/``: each attempt of an
+    elastic group (``torchrun --max-restarts N``) sees only its own keys.  The store outlives a
+    restart; without the prefix the new attempt reads the dead one's addresses and gloo's
+    ``connectFullMesh`` fails with "Connection refused"."""
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    return dist.PrefixStore(f"megalm/restart{attempt}", store), rank, world
 
 
 def _free_port() -> int:

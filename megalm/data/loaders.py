@@ -7,10 +7,22 @@ other rank gets ``None`` and receives its batches through :func:`megalm.data.get
 The returned :class:`DataIterators` also tells every rank which splits have data
 (``.splits``, as Megatron's ``do_train`` / ``do_valid`` / ``do_test`` flags), since only
 reading ranks can see it; :func:`splits_available` reads it.  Nothing is kept at module level.
+
+Two things keep restarts exact and ``--exit-signal-handler`` working (issue #18):
+
+* every DataLoader draws its workers' base seed from its own generator, never from torch's
+  default one: only the reading ranks iterate loaders, so drawing from the default generator
+  would move it on TP rank 0 alone and give the TP ranks different dropout masks for
+  replicated activations (on a CPU the default generator is also the dropout stream);
+* DataLoader workers ignore SIGTERM (:func:`ignore_sigterm_in_worker`): Slurm and torchrun
+  signal the whole process group, and a worker killed first takes the trainer down before it
+  can save.  Workers still exit with their main process (the DataLoader's sentinel at
+  shutdown, or its watchdog when the main process is gone).
 """
 
 from __future__ import annotations
 
+import signal
 from typing import Iterator, Optional, Tuple
 
 import torch
@@ -42,7 +54,17 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_si
     else:
         raise ValueError(f"dataloader_type must be 'single' or 'cyclic', got {dataloader_type!r}")
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                       pin_memory=get_device().type == "cuda", persistent_workers=num_workers > 0)
+                                       pin_memory=get_device().type == "cuda", persistent_workers=num_workers > 0,
+                                       worker_init_fn=ignore_sigterm_in_worker if num_workers > 0 else None,
+                                       generator=torch.Generator().manual_seed(seed))
+
+
+def ignore_sigterm_in_worker(worker_id: int) -> None:
+    """``worker_init_fn``: a DataLoader worker ignores SIGTERM, so a SIGTERM sent to the whole
+    process group (Slurm, torchrun) reaches the trainer's ``--exit-signal-handler`` while the
+    workers keep serving batches until it has saved.  The DataLoader still stops its workers
+    at shutdown (sentinel), and a worker whose main process is gone exits by its watchdog."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def cyclic_iter(iterable) -> Iterator:

@@ -11,6 +11,13 @@ Two streams, as in Megatron-LM's ``model_parallel_cuda_manual_seed``:
   dropout under sequence parallelism) runs inside ``get_rng_tracker().fork()`` so every
   rank draws independent masks.
 
+Pipeline stages are seeded apart (``seed + 100 * pp_rank``, :func:`megalm.training.initialize.set_random_seed`);
+data-parallel ranks share the seed, as in Megatron without ``--data-parallel-random-init``.  On a CPU the
+default generator is also the one every other CPU draw uses, so nothing that runs on some TP ranks only
+may draw from it: DataLoaders (iterated on TP rank 0 alone) have their own generator
+(:mod:`megalm.data.loaders`), and the device-peak measurement runs before the checkpoint's RNG state is
+restored.
+
 :func:`checkpoint` recomputes a function in backward with every stream restored to its
 forward state, so recomputation is bit-identical to the original forward pass.
 """
