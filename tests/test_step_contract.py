@@ -61,12 +61,12 @@ def _trainer(argv):
     return trainer
 
 
-def _train_one_step(metrics_file):
+def _train_one_step(metrics_file, extra=()):
     """On each rank: one trainer iteration over this rank's microbatches; the weights before and after."""
     from megalm import parallel_state
     from megalm.distributed.finalize_model_grads import unwrap_model
 
-    trainer = _trainer(ARGS + ["--metrics-file", metrics_file])
+    trainer = _trainer(ARGS + ["--metrics-file", metrics_file, *extra])
     try:
         module = unwrap_model(trainer.model[0])
         trainer.train_iter = _microbatches(parallel_state.get_data_parallel_rank(),
@@ -114,13 +114,17 @@ def runs(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("step"))
     metrics = os.path.join(tmp, "dp2.jsonl")
     dp2 = run_distributed(_train_one_step, 2, args=(metrics,), timeout=300)
+    # Pipeline parallel: the token count lives on the last stage and is broadcast to the first.
+    pp2 = run_distributed(_train_one_step, 2, args=(os.path.join(tmp, "pp2.jsonl"),
+                                                    ["--pipeline-model-parallel-size", "2"]), timeout=300)
     (ref,) = run_distributed(_reference, 1, timeout=300)
     from tests.training_runs import records
 
     tensors = lambda d: {n: torch.from_numpy(a) for n, a in d.items()}  # noqa: E731
     dp2 = [{k: tensors(v) if isinstance(v, dict) else v for k, v in r.items()} for r in dp2]
+    pp2 = [{k: tensors(v) if isinstance(v, dict) else v for k, v in r.items()} for r in pp2]
     ref = {k: tensors(v) if isinstance(v, dict) else v for k, v in ref.items()}
-    return {"dp2": dp2, "ref": ref, "records": records(tmp, "dp2")}
+    return {"dp2": dp2, "pp2": pp2, "ref": ref, "records": records(tmp, "dp2"), "pp2_records": records(tmp, "pp2")}
 
 
 def test_the_data_tells_per_token_from_mean_of_means(runs):
@@ -145,6 +149,19 @@ def test_per_token_gradients_equal_single_process(runs):
             torch.testing.assert_close(rank["before"][name], ref["before"][name], rtol=0, atol=0)
             step = rank["before"][name] - rank["after"][name]  # lr 1: minus the gradient
             torch.testing.assert_close(step, g, rtol=1e-4, atol=2e-6, msg=name)
+
+
+def test_per_token_loss_and_gradients_under_pipeline_parallelism(runs):
+    ref = runs["ref"]
+    (record,) = runs["pp2_records"]
+    assert record["lm_loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    seen = set()
+    for stage in runs["pp2"]:  # each stage holds its own layers (global names)
+        for name in stage["before"]:
+            step = stage["before"][name] - stage["after"][name]
+            torch.testing.assert_close(step, ref["grads"][name], rtol=1e-4, atol=2e-6, msg=name)
+            seen.add(name)
+    assert seen == set(ref["grads"])
 
 
 def test_num_zeros_logged_equals_zero_gradient_entries(runs):
