@@ -20,7 +20,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megalm.config import MegalmConfig
+from megalm.config import ConfigError, MegalmConfig, build_parser
 from megalm.data import get_batch
 from megalm.distributed.finalize_model_grads import unwrap_model
 from megalm.errors import MegalmError, TrainingStopped
@@ -73,6 +73,10 @@ def main(argv: Optional[Sequence[str]] = None, forward_step_func: Callable = for
     except TrainingStopped as e:
         if e.exit_code:
             raise SystemExit(e.exit_code) from None
+    except ConfigError as e:  # a bad flag: argparse's usage line and status 2, as Megatron
+        build_parser().print_usage(sys.stderr)
+        sys.stderr.write(f"{os.path.basename(sys.argv[0])}: error: {e}\n")
+        raise SystemExit(2) from None
     except MegalmError as e:
         raise SystemExit(f"error: {e}") from None
 

@@ -60,9 +60,9 @@ def test_invalid_combinations(argv, world, message):
 
 
 def test_parse_config_exits_with_message(capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError) as e:
         parse_config(BASE + ["--tensor-model-parallel-size", "3"])
-    assert "not divisible by --tensor-model-parallel-size 3" in capsys.readouterr().err
+    assert "not divisible by --tensor-model-parallel-size 3" in str(e.value)
 
 
 def test_derived_values_and_megatron_flags():
@@ -122,12 +122,12 @@ def test_use_checkpoint_args(tmp_path, capsys):
     assert m.seq_length == 8 and s.seq_length == 16  # given on the command line: kept
     assert m.hidden_dropout == 0.0 and cfg.data.tokenizer_type == "NullTokenizer" and m.vocab_size == 299
     assert parse_config(run + ["--num-layers", "4"]).model.num_layers == 4
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError) as e:
         parse_config(["--use-checkpoint-args", "--mock-data"])
-    assert "--use-checkpoint-args needs --load" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
+    assert "--use-checkpoint-args needs --load" in str(e.value)
+    with pytest.raises(ConfigError) as e:
         parse_config(["--use-checkpoint-args", "--load", str(tmp_path)])
-    assert f"--use-checkpoint-args: no checkpoint in {tmp_path}" in capsys.readouterr().err
+    assert f"--use-checkpoint-args: no checkpoint in {tmp_path}" in str(e.value)
     train = run + ["--finetune", "--train-iters", "1", "--eval-iters", "0", "--num-workers", "0", "--hidden-dropout",
                    "0", "--attention-dropout", "0", "--log-interval", "1", "--metrics-file", str(tmp_path / "m.jsonl")]
     assert run_distributed(run_trainings, 1, args=([train],), timeout=200) == [[0]]  # a fresh process

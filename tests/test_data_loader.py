@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from megalm.config import MegalmConfig
+from megalm.config import ConfigError, MegalmConfig
 from megalm.data import build_train_valid_test_data_iterators, get_batch, splits_available
 from megalm.data.builder import build_train_valid_test_datasets
 from megalm.data.indexed_dataset import IndexedDatasetBuilder
@@ -310,9 +310,9 @@ def test_dataloader_type_flag_parses(capsys):
     assert parse_config([]).data.dataloader_type == "single" and parse_config([]).data.data_sharding is True
     cfg = parse_config(["--dataloader-type", "cyclic", "--no-data-sharding"])
     assert cfg.data.dataloader_type == "cyclic" and cfg.data.data_sharding is False
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError) as e:
         parse_config(["--dataloader-type", "external"])
-    assert "invalid choice: 'external'" in capsys.readouterr().err
+    assert "invalid choice: 'external'" in str(e.value)
 
 
 def test_cyclic_iterators_shuffle_wrap_epochs_and_resume(tmp_path):

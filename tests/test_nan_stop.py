@@ -13,6 +13,7 @@ import os
 
 import pytest
 
+from megalm.config import ConfigError
 from megalm.testing import run_distributed
 from tests.training_runs import records
 
@@ -210,11 +211,11 @@ def test_bad_values_are_refused(field, value, message):
 def test_rollback_refused_on_the_command_line(capsys):
     from megalm.config import parse_config
 
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError) as e:
         parse_config(TINY + ["--train-iters", "4", "--check-for-spiky-loss", "--spiky-loss-action", "rollback"],
                      world_size=1)
     assert "--spiky-loss-action rollback (reload the last checkpoint and skip the batch) is not built" in \
-        capsys.readouterr().err
+        str(e.value)
 
 
 def test_overflow_count_at_min_scale():

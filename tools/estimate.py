@@ -27,7 +27,7 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from megalm.errors import MegalmError  # noqa: E402
+from megalm.errors import MegalmError, TrainingStopped  # noqa: E402
 from megalm.estimate.cli import main  # noqa: E402
 from megalm.log import get_logger, setup_logging  # noqa: E402
 
@@ -35,6 +35,8 @@ if __name__ == "__main__":
     setup_logging(stream=sys.stderr)
     try:
         sys.exit(main())
+    except TrainingStopped as e:  # --help
+        sys.exit(e.exit_code)
     except MegalmError as e:
         get_logger("tools.estimate").error("error: %s", e)
         sys.exit(2)

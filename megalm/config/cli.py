@@ -10,6 +10,7 @@ from typing import List, Optional, Union
 
 from megalm.config.sections import SECTIONS, ConfigError, MegalmConfig
 from megalm.config.validation import validate_config
+from megalm.errors import TrainingStopped
 
 
 def parse_moe_layer_freq(text) -> Union[int, List[int]]:
@@ -91,13 +92,16 @@ def _field_default(f: dataclasses.Field):
 
 
 class RaisingArgumentParser(argparse.ArgumentParser):
-    """An argparse parser for library callers: a bad flag (or ``--help``) raises
-    :class:`ConfigError` with argparse's message instead of printing it and exiting."""
+    """An argparse parser for library callers: a bad flag raises :class:`ConfigError` with
+    argparse's message instead of printing it and exiting; ``--help`` (printed by argparse)
+    raises :class:`megalm.errors.TrainingStopped` with exit code 0."""
 
     def error(self, message):
         raise ConfigError(message)
 
     def exit(self, status=0, message=None):
+        if status == 0 and message is None:  # --help / --version: argparse printed it
+            raise TrainingStopped("help shown", exit_code=0)
         raise ConfigError(message or f"argument parsing stopped (status {status})")
 
 
@@ -132,15 +136,16 @@ def given_flags(parser: argparse.ArgumentParser, argv: Optional[List[str]]) -> s
 
 
 def parse_config(argv: Optional[List[str]] = None, world_size: Optional[int] = None) -> MegalmConfig:
-    """Parse Megatron-style flags and validate them (before any process group exists)."""
-    parser = build_parser()
+    """Parse Megatron-style flags and validate them (before any process group exists).
+
+    A bad flag or combination raises :class:`ConfigError` (entry points print it after
+    argparse's usage line and exit 2, see ``pretrain_gpt.main``); ``--help`` prints the help and
+    raises ``TrainingStopped`` with exit code 0."""
+    parser = build_parser(exit_on_error=False)
     args = parser.parse_args(argv)
     cfg = config_from_args(args)
-    try:
-        if cfg.checkpoint.use_checkpoint_args:
-            from megalm.config.checkpoint_args import apply_checkpoint_args
+    if cfg.checkpoint.use_checkpoint_args:
+        from megalm.config.checkpoint_args import apply_checkpoint_args
 
-            apply_checkpoint_args(cfg, given_flags(parser, argv))
-        return validate_config(cfg, world_size=world_size)
-    except ConfigError as e:
-        parser.error(str(e))
+        apply_checkpoint_args(cfg, given_flags(parser, argv))
+    return validate_config(cfg, world_size=world_size)

@@ -56,7 +56,8 @@ def parse_all(argv: Optional[List[str]] = None) -> Tuple[MegalmConfig, PlannerOp
     """:func:`parse`, plus the node layout flags (``--procs-per-node``)."""
     parser = build_parser("megalm memory and speed planner; --preset NAME plans a preset of megalm.presets "
                           "(python3 tools/presets.py lists them), overridable by the flags that follow",
-                          extra_sections={"planner": PlannerOptions, "topology": TopologyOptions})
+                          extra_sections={"planner": PlannerOptions, "topology": TopologyOptions},
+                          exit_on_error=False)
     args = parser.parse_args(expand_preset(list(sys.argv[1:] if argv is None else argv)))
     values = vars(args)
     options = PlannerOptions(**{f.name: values[f"planner.{f.name}"] for f in dataclasses.fields(PlannerOptions)})
@@ -64,11 +65,8 @@ def parse_all(argv: Optional[List[str]] = None) -> Tuple[MegalmConfig, PlannerOp
     p = cfg.parallel
     world = options.world_size or (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
                                    * p.context_parallel_size * p.expert_model_parallel_size)
-    try:
-        validate_config(cfg, world_size=world)
-        set_vocab_size(cfg, _vocab_size(cfg))
-    except ConfigError as e:
-        parser.error(str(e))
+    validate_config(cfg, world_size=world)  # raises ConfigError (tools/estimate.py: exit 2)
+    set_vocab_size(cfg, _vocab_size(cfg))
     options.world_size = world
     topology = TopologyOptions(**{f.name: values[f"topology.{f.name}"] for f in dataclasses.fields(TopologyOptions)})
     return cfg, options, topology
