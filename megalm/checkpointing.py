@@ -7,6 +7,16 @@ Directory layout (Megatron-like)::
         .metadata, __*_*.distcp                # DCP: model weights and optimizer tensors
         common.json                            # iteration, consumed samples, config, scheduler, scaler
         rng/rank_00000.pt ...                  # per-rank RNG states (tensors only; weights_only load)
+        manifest/rank_00000.json ...           # per rank: size and sha256 of each file it wrote
+        manifest.json                          # rank 0, after every rank's manifest, before the tracker
+
+Every load verifies the checkpoint first (:func:`verify_checkpoint`, each rank hashing its share
+of the files, see :mod:`megalm.checkpoint_manifest`): a corrupt one fails with
+``checkpoint DIR is corrupt: FILE: reason; previous: --ckpt-step N``, or with
+``--ckpt-fallback-to-verified`` the newest older checkpoint that verifies is loaded instead.
+A checkpoint written before manifests existed loads with a logged warning.  Write failures
+(full disk included: the message says "No space left on device") raise :class:`CheckpointError`
+naming the directory.
 
 Model tensors are keyed ``model.<global parameter name>`` and stored as blocks of their
 full (unpadded-vocabulary) tensors, so any TP/PP/DP layout can load them (see
@@ -27,18 +37,22 @@ after a load fp8 scaling restarts from fresh amax statistics (``--fp8-amax-histo
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
+import re
 import shutil
 import time
-from typing import Dict, Optional, Sequence
+from contextlib import contextmanager
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
-from megalm import parallel_state
+from megalm import checkpoint_manifest, parallel_state
 from megalm.async_save import AsyncCheckpointWriter
 from megalm.dist_checkpointing import (ShardedStateDict, ShardedTensorSpec, load_sharded,
                                       save_sharded, saved_tensor_shapes)
@@ -170,7 +184,8 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer=None, sch
     specs = model_sharded_state(model_chunks)
     if optimizer is not None:
         specs.update(optimizer_sharded_state(optimizer, model_chunks))
-    torch.save(get_rng_state(), os.path.join(path, "rng", f"rank_{rank:05d}.pt"))
+    with _write_errors(path):
+        torch.save(get_rng_state(), os.path.join(path, "rng", f"rank_{rank:05d}.pt"))
     common = None
     if rank == 0:
         common = {
@@ -182,22 +197,98 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer=None, sch
             "extra": extra or {}, "saved_at": time.time(),
         }
     if async_writer is None:
-        save_sharded(specs, path)
-        _write_common(path, common)
+        _write_files(specs, path, common, rank)
         _barrier()
-        _write_tracker(root, iteration)
+        _finish_save(root, path, iteration, world)
         _barrier()
         return path
     staged = stage_to_cpu(specs)
     group = parallel_state.get_checkpoint_io_group() if dist.is_initialized() else None
 
     def write_in_background():
-        save_sharded(staged, path, process_group=group)  # returns once every rank's files are written
-        _write_common(path, common)
-        _write_tracker(root, iteration)
+        _write_files(staged, path, common, rank, group)  # every rank's DCP files are written when it returns
+        if dist.is_initialized():
+            dist.barrier(group=group)  # every rank's manifest is written
+        _finish_save(root, path, iteration, world)
 
     async_writer.submit(iteration, write_in_background)
     return path
+
+
+def _write_files(specs: ShardedStateDict, path: str, common: Optional[dict], rank: int, group=None) -> None:
+    """This rank's part of a save after the RNG file: DCP data, ``common.json`` (rank 0), its manifest."""
+    with _write_errors(path):
+        save_sharded(specs, path, process_group=group)
+        _write_common(path, common)
+        checkpoint_manifest.write_rank_manifest(path, rank)
+
+
+def _finish_save(root: str, path: str, iteration: int, world: int) -> None:
+    """Rank 0, once every rank's manifest is written: the manifest index, then the tracker."""
+    if rank_is_zero():
+        with _write_errors(path):
+            checkpoint_manifest.write_index(path, iteration, world)
+            _write_tracker(root, iteration)
+
+
+def rank_is_zero() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+@contextmanager
+def _write_errors(path: str):
+    """Turn a failed write (OSError, torch's RuntimeError, DCP's CheckpointException, which is a
+    BaseException) into a one-line :class:`CheckpointError` naming ``path``."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"cannot write checkpoint {path}: {_describe(e, path)}") from e
+
+
+def _describe(e: BaseException, path: str) -> str:
+    """One line for a write error: the innermost errors' types and messages, "No space left on
+    device" first when the disk is full (torch.save's writer reports only "file write failed")."""
+    leaves = _leaf_errors(e)
+    text = "; ".join(dict.fromkeys(f"{type(x).__name__}: {_first_line(x)}" for x in leaves))
+    full = any(isinstance(x, OSError) and x.errno == errno.ENOSPC for x in leaves) \
+        or "No space left on device" in text or _disk_nearly_full(path)
+    return f"No space left on device ({text})" if full else text
+
+
+def _leaf_errors(e: BaseException) -> List[BaseException]:
+    if isinstance(e, CheckpointException):
+        return [x for exc, _ in e.failures.values() for x in _leaf_errors(exc)]
+    inner = e.__cause__ or e.__context__
+    return _leaf_errors(inner) + [e] if inner is not None else [e]
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def _disk_nearly_full(path: str) -> bool:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < (1 << 20)
+
+
+def check_save_dir(save: str) -> None:
+    """``--save`` is (or can be created as) a writable directory: fails at start, naming the path."""
+    if os.path.exists(save) and not os.path.isdir(save):
+        raise CheckpointError(f"--save {save} is not a directory")
+    probe = os.path.join(save, f".megalm_write_test.{os.getpid()}")
+    try:
+        os.makedirs(save, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise CheckpointError(f"--save {save} is not a writable directory: {e.strerror or e}") from None
 
 
 def stage_to_cpu(specs: ShardedStateDict) -> ShardedStateDict:
@@ -329,14 +420,16 @@ def read_common(path: str) -> dict:
 
 
 def load_checkpoint(root: str, model_chunks, optimizer=None, scheduler=None, load_optim: bool = True,
-                    load_rng: bool = True, finetune: bool = False, iteration: Optional[int] = None) -> dict:
-    """Collective.  Fills the model (and optimizer/scheduler/RNG) in place; returns common.json's content.
+                    load_rng: bool = True, finetune: bool = False, iteration: Optional[int] = None,
+                    fallback: bool = False) -> dict:
+    """Collective.  Verifies the checkpoint (:func:`verified_checkpoint`), fills the model (and
+    optimizer/scheduler/RNG) in place; returns common.json's content.
 
-    ``finetune`` loads the weights only and reports iteration 0.
+    ``finetune`` loads the weights only and reports iteration 0.  ``fallback``
+    (``--ckpt-fallback-to-verified``): a corrupt checkpoint is skipped for the newest older one
+    that verifies.
     """
-    path = find_checkpoint(root, iteration)
-    if path is None:
-        raise CheckpointError(f"no checkpoint in {root} (no {TRACKER_FILENAME})")
+    path = verified_checkpoint(root, iteration, fallback)
     common = read_common(path)
     try:
         saved = saved_tensor_shapes(path)  # .metadata, read by megalm.safe_unpickle (refuses anything but DCP metadata)
@@ -347,8 +440,8 @@ def load_checkpoint(root: str, model_chunks, optimizer=None, scheduler=None, loa
     specs, main_params_missing = _load_specs(model_chunks, optimizer if with_optim else None, saved)
     try:
         load_sharded(specs, path)
-    except Exception as e:  # DCP wraps per-rank errors; name the checkpoint
-        raise CheckpointError(f"failed to load {path}: {e}") from e
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        raise CheckpointError(f"failed to load {path}: {_describe(e, path)}") from e
     if with_optim:
         # Missing fp32 main weights (e.g. an fp32 checkpoint resumed with --bf16) are rebuilt from the model's.
         optimizer.load_sharded_state_dict(common.get("optimizer_common") or {},
@@ -403,5 +496,98 @@ def load_rng_state(path: str, common: dict) -> None:
         logger.info(f"checkpoint was saved with layout {common.get('layout')}, now {_layout()}: "
                     f"RNG states are not restored")
         return
-    state = torch.load(os.path.join(path, "rng", f"rank_{rank:05d}.pt"), weights_only=True)
+    file = os.path.join(path, "rng", f"rank_{rank:05d}.pt")
+    try:
+        state = torch.load(file, weights_only=True)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise CheckpointError(f"cannot read {file}: {_first_line(e)}") from e
     set_rng_state(state)
+
+
+# --- verification ------------------------------------------------------------------------
+
+def checkpoint_iterations(root: str) -> List[int]:
+    """The iterations of the ``iter_NNNNNNN`` directories under ``root``, newest first."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted((int(m.group(1)) for n in names if (m := re.fullmatch(r"iter_(\d{7})", n))), reverse=True)
+
+
+def verify_checkpoint(path: str, iteration: int) -> Optional[str]:
+    """Collective (all ranks, or none initialized): ``"FILE: reason"`` for the first problem
+    found, or None if the checkpoint verifies.
+
+    Each rank checks the files of the saved ranks ``r`` with ``r % world == rank`` (its own
+    files when the world is unchanged), then one ``all_gather_object`` over the world shares the
+    results, so every rank returns the same answer.  Rank 0 also checks that ``common.json``
+    names this iteration.  A checkpoint without a manifest (written before megalm had them)
+    verifies with a logged warning.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    error = _verify_local(path, iteration, rank, world)
+    if dist.is_initialized():
+        errors = [None] * world
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e), None)
+    return error
+
+
+def _verify_local(path: str, iteration: int, rank: int, world: int) -> Optional[str]:
+    error = _check_common_iteration(path, iteration) if rank == 0 else None
+    if error is not None:
+        return error
+    if not checkpoint_manifest.has_manifest(path):
+        if os.path.isdir(os.path.join(path, checkpoint_manifest.RANK_DIR)):
+            return f"{checkpoint_manifest.INDEX_FILENAME}: missing (the save never completed)"
+        if rank == 0:
+            logger.info(f"warning: checkpoint {path} has no {checkpoint_manifest.INDEX_FILENAME} (written before "
+                        f"megalm verified checkpoints): loading it unverified")
+        return None
+    index, error = checkpoint_manifest.read_index(path)
+    if error is not None:
+        return error
+    mine = [r for r in checkpoint_manifest.saved_ranks(index) if r % world == rank]
+    return checkpoint_manifest.verify_ranks(path, index, mine)
+
+
+def _check_common_iteration(path: str, iteration: int) -> Optional[str]:
+    for needed in ("common.json", ".metadata"):
+        if not os.path.isfile(os.path.join(path, needed)):
+            return f"{needed}: missing"
+    try:
+        with open(os.path.join(path, "common.json")) as f:
+            saved = json.load(f).get("iteration")
+    except (OSError, ValueError, AttributeError) as e:
+        return f"common.json: unreadable ({type(e).__name__})"
+    if saved != iteration:
+        return f"common.json: says iteration {saved!r}, the directory is iteration {iteration}"
+    return None
+
+
+def verified_checkpoint(root: str, iteration: Optional[int] = None, fallback: bool = False) -> str:
+    """Collective.  The directory to load (``iteration``, else the tracker's) after verifying it.
+
+    Corrupt: :class:`CheckpointError` ``checkpoint DIR is corrupt: FILE: reason; previous:
+    --ckpt-step N`` (N the newest older iteration directory), or with ``fallback`` the newest
+    older checkpoint that verifies (a warning names each one skipped).
+    """
+    if not os.path.isdir(root):
+        raise CheckpointError(f"--load directory {root} does not exist")
+    if iteration is None:
+        iteration = read_tracker(root)
+        if iteration is None:
+            raise CheckpointError(f"no checkpoint in {root} (no {TRACKER_FILENAME})")
+    older = [i for i in checkpoint_iterations(root) if i < iteration]
+    for candidate in [iteration] + (older if fallback else []):
+        path = checkpoint_dir(root, candidate)
+        error = verify_checkpoint(path, candidate)
+        if error is None:
+            return path
+        previous = [i for i in older if i < candidate]
+        hint = f"previous: --ckpt-step {previous[0]}" if previous else "no previous checkpoint"
+        message = f"checkpoint {path} is corrupt: {error}; {hint}"
+        if not fallback:
+            raise CheckpointError(message)
+        if rank_is_zero():
+            logger.info(f"warning: {message}: skipped (--ckpt-fallback-to-verified)")
+    raise CheckpointError(f"no checkpoint in {root} verifies (newest: iteration {iteration}; see the warnings above)")
