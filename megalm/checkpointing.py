@@ -37,7 +37,6 @@ after a load fp8 scaling restarts from fresh amax statistics (``--fp8-amax-histo
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import random
@@ -56,11 +55,12 @@ from megalm import checkpoint_manifest, parallel_state
 from megalm.async_save import AsyncCheckpointWriter
 from megalm.dist_checkpointing import (ShardedStateDict, ShardedTensorSpec, load_sharded,
                                       save_sharded, saved_tensor_shapes)
+from megalm.checkpoint_io_errors import describe_io_error, first_line
 from megalm.errors import MegalmError
 from megalm.log import get_logger
 from megalm.param_layout import param_spec
 from megalm.parameter_names import canonical_name
-from megalm.safe_unpickle import CheckpointMetadataError
+from megalm.safe_unpickle import CheckpointMetadataError, CheckpointSecurityError, load_metadata
 from megalm.tensor_parallel.param_info import param_info
 
 logger = get_logger(__name__)
@@ -198,7 +198,6 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer=None, sch
         }
     if async_writer is None:
         _write_files(specs, path, common, rank)
-        _barrier()
         _finish_save(root, path, iteration, world)
         _barrier()
         return path
@@ -206,9 +205,7 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer=None, sch
     group = parallel_state.get_checkpoint_io_group() if dist.is_initialized() else None
 
     def write_in_background():
-        _write_files(staged, path, common, rank, group)  # every rank's DCP files are written when it returns
-        if dist.is_initialized():
-            dist.barrier(group=group)  # every rank's manifest is written
+        _write_files(staged, path, common, rank, group)
         _finish_save(root, path, iteration, world)
 
     async_writer.submit(iteration, write_in_background)
@@ -216,11 +213,28 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer=None, sch
 
 
 def _write_files(specs: ShardedStateDict, path: str, common: Optional[dict], rank: int, group=None) -> None:
-    """This rank's part of a save after the RNG file: DCP data, ``common.json`` (rank 0), its manifest."""
-    with _write_errors(path):
-        save_sharded(specs, path, process_group=group)
-        _write_common(path, common)
-        checkpoint_manifest.write_rank_manifest(path, rank)
+    """This rank's part of a save after the RNG file: DCP data, ``common.json`` (rank 0), its manifest.
+
+    Collective over ``group`` (default: the world): DCP's save, then one ``all_gather_object`` of
+    each rank's outcome, so that every rank raises when any rank's write failed (none waits for a
+    rank that gave up) and, when it returns, every rank's files and manifest are written."""
+    error = None
+    try:
+        with _write_errors(path):
+            save_sharded(specs, path, process_group=group)
+            _write_common(path, common)
+            checkpoint_manifest.write_rank_manifest(path, rank)
+    except CheckpointError as e:
+        error = e
+    outcomes = [str(error) if error else None]
+    if dist.is_initialized():
+        outcomes = [None] * dist.get_world_size(group)
+        dist.all_gather_object(outcomes, str(error) if error else None, group=group)
+    if error is not None:
+        raise error
+    failed = [(r, m) for r, m in enumerate(outcomes) if m]
+    if failed:
+        raise CheckpointError(f"rank {failed[0][0]} failed: {failed[0][1]}")
 
 
 def _finish_save(root: str, path: str, iteration: int, world: int) -> None:
@@ -244,37 +258,7 @@ def _write_errors(path: str):
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:
-        raise CheckpointError(f"cannot write checkpoint {path}: {_describe(e, path)}") from e
-
-
-def _describe(e: BaseException, path: str) -> str:
-    """One line for a write error: the innermost errors' types and messages, "No space left on
-    device" first when the disk is full (torch.save's writer reports only "file write failed")."""
-    leaves = _leaf_errors(e)
-    text = "; ".join(dict.fromkeys(f"{type(x).__name__}: {_first_line(x)}" for x in leaves))
-    full = any(isinstance(x, OSError) and x.errno == errno.ENOSPC for x in leaves) \
-        or "No space left on device" in text or _disk_nearly_full(path)
-    return f"No space left on device ({text})" if full else text
-
-
-def _leaf_errors(e: BaseException) -> List[BaseException]:
-    if isinstance(e, CheckpointException):
-        return [x for exc, _ in e.failures.values() for x in _leaf_errors(exc)]
-    inner = e.__cause__ or e.__context__
-    return _leaf_errors(inner) + [e] if inner is not None else [e]
-
-
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else ""
-
-
-def _disk_nearly_full(path: str) -> bool:
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return False
-    return st.f_bavail * st.f_frsize < (1 << 20)
+        raise CheckpointError(f"cannot write checkpoint {path}: {describe_io_error(e, path)}") from e
 
 
 def check_save_dir(save: str) -> None:
@@ -441,7 +425,7 @@ def load_checkpoint(root: str, model_chunks, optimizer=None, scheduler=None, loa
     try:
         load_sharded(specs, path)
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-        raise CheckpointError(f"failed to load {path}: {_describe(e, path)}") from e
+        raise CheckpointError(f"failed to load {path}: {describe_io_error(e, path, writing=False)}") from e
     if with_optim:
         # Missing fp32 main weights (e.g. an fp32 checkpoint resumed with --bf16) are rebuilt from the model's.
         optimizer.load_sharded_state_dict(common.get("optimizer_common") or {},
@@ -500,7 +484,7 @@ def load_rng_state(path: str, common: dict) -> None:
     try:
         state = torch.load(file, weights_only=True)
     except (OSError, RuntimeError, ValueError) as e:
-        raise CheckpointError(f"cannot read {file}: {_first_line(e)}") from e
+        raise CheckpointError(f"cannot read {file}: {first_line(e)}") from e
     set_rng_state(state)
 
 
@@ -564,6 +548,18 @@ def _check_common_iteration(path: str, iteration: int) -> Optional[str]:
     return None
 
 
+def _refuse_hostile_metadata(path: str, error: str) -> None:
+    """A ``.metadata`` that fails verification and asks for something megalm never writes is an
+    attack, not damage: its security refusal (naming the file) is raised, never skipped."""
+    if error.startswith(".metadata:"):
+        try:
+            load_metadata(path)  # the restricted reader: runs nothing from the file
+        except CheckpointSecurityError as e:
+            raise CheckpointError(str(e)) from e
+        except CheckpointMetadataError:
+            pass
+
+
 def verified_checkpoint(root: str, iteration: Optional[int] = None, fallback: bool = False) -> str:
     """Collective.  The directory to load (``iteration``, else the tracker's) after verifying it.
 
@@ -583,6 +579,7 @@ def verified_checkpoint(root: str, iteration: Optional[int] = None, fallback: bo
         error = verify_checkpoint(path, candidate)
         if error is None:
             return path
+        _refuse_hostile_metadata(path, error)
         previous = [i for i in older if i < candidate]
         hint = f"previous: --ckpt-step {previous[0]}" if previous else "no previous checkpoint"
         message = f"checkpoint {path} is corrupt: {error}; {hint}"

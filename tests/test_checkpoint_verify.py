@@ -282,3 +282,27 @@ def test_full_disk_says_no_space_left_and_names_the_path(tiny_disk, asynchronous
     assert f"cannot write checkpoint {path}: No space left on device" in message, message
     assert "\n" not in message, message
     assert checkpointing.read_tracker(root) is None
+
+
+def test_hostile_metadata_is_refused_by_the_reader_even_with_a_matching_manifest(tmp_path):
+    """The manifest is a checksum, not a signature: an attacker rewrites it too.  The restricted
+    reader still refuses the payload, and a payload that fails the checksum is reported as the
+    security refusal (never skipped by --ckpt-fallback-to-verified)."""
+    from megalm.models import GPTModel
+    from tests.test_checkpoint_security import payload
+
+    cfg = tiny_cfg(128)
+    save_random_model(cfg, tmp_path, iteration=3)
+    save_random_model(cfg, tmp_path, iteration=5)
+    it = tmp_path / "iter_0000005"
+    marker = tmp_path / "marker"
+    (it / ".metadata").write_bytes(payload("reduce", marker))
+    for fallback in (False, True):
+        with pytest.raises(checkpointing.CheckpointError, match=f"{it}/.metadata.*refusing to unpickle"):
+            checkpointing.load_checkpoint(str(tmp_path), [GPTModel(cfg)], finetune=True, fallback=fallback)
+    checkpoint_manifest.write_rank_manifest(str(it), 0)
+    checkpoint_manifest.write_index(str(it), 5, 1)
+    assert checkpointing.verify_checkpoint(str(it), 5) is None
+    with pytest.raises(checkpointing.CheckpointError, match=f"{it}/.metadata.*refusing to unpickle"):
+        checkpointing.load_checkpoint(str(tmp_path), [GPTModel(cfg)], finetune=True)
+    assert not marker.exists()
