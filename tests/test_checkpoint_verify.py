@@ -156,6 +156,23 @@ def test_save_that_is_not_a_writable_directory_fails_at_start(world):
     _no_training(world, "save_under_file")
 
 
+def test_inspect_verify(world, capsys):
+    import runpy
+
+    main = runpy.run_path(str(Path(__file__).resolve().parents[1] / "tools" / "checkpoint" / "inspect.py"))["main"]
+    base = world["base"]
+    assert main([base, "--verify"]) == 0
+    it = f"{base}/{ITER4}"
+    listed = checkpoint_manifest.listed_files(it, json.loads(Path(it, "manifest.json").read_text()))
+    size = sum(f["size"] for f in listed.values())
+    assert capsys.readouterr().out == f"verified: checkpoint {it}: {len(listed)} files, {size} bytes, sha256\n"
+    assert main([f"{base}/iter_0000002", "--verify"]) == 0
+    capsys.readouterr()
+    root = world["cases"]["deleted_shard"]
+    assert main([root, "--verify"]) == 1
+    assert capsys.readouterr().out == f"corrupt: checkpoint {root}/{ITER4}: __0_0.distcp: missing\n"
+
+
 def test_check_save_dir_creates_a_missing_directory(tmp_path):
     target = tmp_path / "new" / "ckpts"
     checkpointing.check_save_dir(str(target))
