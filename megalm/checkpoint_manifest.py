@@ -99,6 +99,12 @@ def write_index(path: str, iteration: int, world: int) -> None:
                         "world_size": world, "rank_manifests": ranks})
 
 
+def write_for_one_process(path: str, iteration: int) -> None:
+    """The manifest of a checkpoint one process wrote alone (e.g. a converted one): rank 0's files and the index."""
+    write_rank_manifest(path, 0)
+    write_index(path, iteration, 1)
+
+
 def has_manifest(path: str) -> bool:
     return os.path.exists(os.path.join(path, INDEX_FILENAME))
 

@@ -368,16 +368,19 @@ def find_checkpoint(root: str, iteration: Optional[int] = None) -> Optional[str]
 
 
 def checkpoint_to_resume(load: str, save: Optional[str], ckpt_step: Optional[int] = None,
-                         exit_on_missing: bool = False) -> bool:
+                         exit_on_missing: bool = False, fallback: bool = False) -> bool:
     """Whether ``--load`` has a checkpoint to load (True), or training may start from scratch
     (False: Megatron's auto-resume, ``--load`` = ``--save`` with no checkpoint written yet).
 
     Anything else without a checkpoint raises :class:`CheckpointError`: a ``--load`` other than
     ``--save`` (most likely a wrong path), ``--ckpt-step``, ``--exit-on-missing-checkpoint``, or
     iteration directories without a tracker file (a checkpoint that was being written).
+    ``fallback`` (``--ckpt-fallback-to-verified``): the checkpoint is not checked here but by
+    :func:`verified_checkpoint` when it is loaded, which skips an incomplete one.
     """
     if ckpt_step is not None or (os.path.isdir(load) and read_tracker(load) is not None):
-        find_checkpoint(load, ckpt_step)  # a missing or incomplete one fails here, before any work
+        if not fallback:  # with --ckpt-fallback-to-verified an incomplete one is skipped at load
+            find_checkpoint(load, ckpt_step)  # a missing or incomplete one fails here, before any work
         return True
     why = None
     if exit_on_missing:

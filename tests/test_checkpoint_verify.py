@@ -94,14 +94,19 @@ def world(tmp_path_factory):
     fallback = tmp / "fallback"
     shutil.copytree(base, fallback)
     _flip_tensor_bytes(fallback / ITER4)
+    incomplete = tmp / "fallback_incomplete"
+    shutil.copytree(base, incomplete)
+    (incomplete / ITER4 / ".metadata").unlink()
     not_a_dir = tmp / "a_file"
     not_a_dir.write_text("x")
     runs = [_argv(str(tmp), name, "--load", root, "--train-iters", "6") for name, root in cases.items()]
     runs += [_argv(str(tmp), "fallback", "--load", str(fallback), "--train-iters", "6", "--ckpt-fallback-to-verified"),
+             _argv(str(tmp), "fallback_incomplete", "--load", str(incomplete), "--train-iters", "6",
+                   "--ckpt-fallback-to-verified"),
              _argv(str(tmp), "save_file", "--save", str(not_a_dir), "--train-iters", "2"),
              _argv(str(tmp), "save_under_file", "--save", str(not_a_dir / "sub"), "--train-iters", "2")]
     codes = run_distributed(run_trainings, 2, args=(runs,), timeout=300)
-    names = list(cases) + ["fallback", "save_file", "save_under_file"]
+    names = list(cases) + ["fallback", "fallback_incomplete", "save_file", "save_under_file"]
     return {"tmp": str(tmp), "base": base, "cases": cases, "not_a_dir": str(not_a_dir),
             "codes": [dict(zip(names, rank_codes)) for rank_codes in codes]}
 
@@ -138,13 +143,15 @@ def test_corruption_fails_before_iteration_1(world, name):
     _no_training(world, name)
 
 
-def test_fallback_loads_the_previous_checkpoint_and_resumes_exactly(world):
-    assert [c["fallback"] for c in world["codes"]] == [0, 0]
-    rows = records(world["tmp"], "fallback")
+@pytest.mark.parametrize("name", ["fallback", "fallback_incomplete"])
+def test_fallback_loads_the_previous_checkpoint_and_resumes_exactly(world, name):
+    """Flipped tensor bytes, or no .metadata at all (which fails at start without the flag)."""
+    assert [c[name] for c in world["codes"]] == [0, 0]
+    rows = records(world["tmp"], name)
     assert [r["iteration"] for r in rows] == [3, 4, 5, 6]
     reference = losses(world["tmp"], "from2")
     assert len(reference) == 4
-    assert losses(world["tmp"], "fallback") == reference
+    assert losses(world["tmp"], name) == reference
 
 
 def test_save_that_is_not_a_writable_directory_fails_at_start(world):

@@ -205,8 +205,8 @@ class Trainer:
         if c.save:
             checkpointing.check_save_dir(c.save)  # a non-directory or unwritable --save fails before any work
         try:
-            self.resume = bool(c.load) and checkpointing.checkpoint_to_resume(c.load, c.save, c.ckpt_step,
-                                                                              c.exit_on_missing_checkpoint)
+            self.resume = bool(c.load) and checkpointing.checkpoint_to_resume(
+                c.load, c.save, c.ckpt_step, c.exit_on_missing_checkpoint, fallback=c.ckpt_fallback_to_verified)
         except checkpointing.CheckpointError as e:
             raise TrainingSetupError(str(e)) from None
         if c.load and not self.resume:
