@@ -8,7 +8,7 @@ Layout inside an iteration directory::
 A rank's own files are its DCP data files (``__<rank>_*.distcp``), its RNG file
 (``rng/rank_<rank>.pt``) and, on rank 0, ``.metadata`` and ``common.json``.  Each rank hashes
 what it wrote after the write; rank 0 writes the index once every rank's manifest exists
-(:func:`megalm.checkpointing.save_checkpoint` puts a barrier in between), and the tracker file
+(:func:`megalm.checkpointing.save_checkpoint` shares every rank's outcome first), and the tracker file
 follows the index.  A checkpoint whose index is missing but ``manifest/`` exists was never
 completed.
 

@@ -53,9 +53,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megalm import checkpoint_manifest, parallel_state
 from megalm.async_save import AsyncCheckpointWriter
+from megalm.checkpoint_io_errors import describe_io_error, first_line
 from megalm.dist_checkpointing import (ShardedStateDict, ShardedTensorSpec, load_sharded,
                                       save_sharded, saved_tensor_shapes)
-from megalm.checkpoint_io_errors import describe_io_error, first_line
 from megalm.errors import MegalmError
 from megalm.log import get_logger
 from megalm.param_layout import param_spec
@@ -166,9 +166,13 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer=None, sch
                     async_writer: Optional[AsyncCheckpointWriter] = None) -> str:
     """Collective over all ranks.  Returns the iteration directory.
 
-    With ``async_writer`` (``--async-save``) the tensors are staged to CPU now and written in
-    the background; ``common.json`` and the tracker follow when the write is complete (see
-    :mod:`megalm.async_save`)."""
+    Communication: a barrier once rank 0 has prepared the directory; DCP's save (its plan
+    gather/scatter and the final gather of write results); one ``all_gather_object`` of every
+    rank's outcome once its files and manifest are written, and one after rank 0 wrote the
+    manifest index and the tracker (a failure on any rank raises :class:`CheckpointError` on
+    every rank, the tracker left on the previous checkpoint).  With ``async_writer``
+    (``--async-save``) the tensors are staged to CPU now and all but the first barrier run in
+    the background on the checkpoint-io group (see :mod:`megalm.async_save`)."""
     if async_writer is not None:
         async_writer.wait()  # one save in flight: the previous one is complete (tracker written) first
     path = checkpoint_dir(root, iteration)
@@ -197,33 +201,36 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer=None, sch
             "extra": extra or {}, "saved_at": time.time(),
         }
     if async_writer is None:
-        _write_files(specs, path, common, rank)
-        _finish_save(root, path, iteration, world)
-        _barrier()
+        _on_every_rank(lambda: _write_files(specs, path, common, rank), path)
+        _on_every_rank(lambda: _finish_save(root, path, iteration, world), path)
         return path
     staged = stage_to_cpu(specs)
     group = parallel_state.get_checkpoint_io_group() if dist.is_initialized() else None
 
     def write_in_background():
-        _write_files(staged, path, common, rank, group)
-        _finish_save(root, path, iteration, world)
+        _on_every_rank(lambda: _write_files(staged, path, common, rank, group), path, group)
+        _on_every_rank(lambda: _finish_save(root, path, iteration, world), path, group)
 
     async_writer.submit(iteration, write_in_background)
     return path
 
 
 def _write_files(specs: ShardedStateDict, path: str, common: Optional[dict], rank: int, group=None) -> None:
-    """This rank's part of a save after the RNG file: DCP data, ``common.json`` (rank 0), its manifest.
+    """This rank's part of a save after the RNG file: DCP data (DCP's collectives over ``group``),
+    ``common.json`` (rank 0), then its manifest."""
+    save_sharded(specs, path, process_group=group)
+    _write_common(path, common)
+    checkpoint_manifest.write_rank_manifest(path, rank)
 
-    Collective over ``group`` (default: the world): DCP's save, then one ``all_gather_object`` of
-    each rank's outcome, so that every rank raises when any rank's write failed (none waits for a
-    rank that gave up) and, when it returns, every rank's files and manifest are written."""
+
+def _on_every_rank(step, path: str, group=None) -> None:
+    """Run ``step()`` here, then one ``all_gather_object`` over ``group`` (default: the world) of
+    every rank's outcome: every rank raises a :class:`CheckpointError` when any rank failed (no
+    rank is left waiting for one that gave up), and on return every rank's step is complete."""
     error = None
     try:
         with _write_errors(path):
-            save_sharded(specs, path, process_group=group)
-            _write_common(path, common)
-            checkpoint_manifest.write_rank_manifest(path, rank)
+            step()
     except CheckpointError as e:
         error = e
     outcomes = [str(error) if error else None]
@@ -240,9 +247,8 @@ def _write_files(specs: ShardedStateDict, path: str, common: Optional[dict], ran
 def _finish_save(root: str, path: str, iteration: int, world: int) -> None:
     """Rank 0, once every rank's manifest is written: the manifest index, then the tracker."""
     if rank_is_zero():
-        with _write_errors(path):
-            checkpoint_manifest.write_index(path, iteration, world)
-            _write_tracker(root, iteration)
+        checkpoint_manifest.write_index(path, iteration, world)
+        _write_tracker(root, iteration)
 
 
 def rank_is_zero() -> bool:
@@ -262,12 +268,20 @@ def _write_errors(path: str):
 
 
 def check_save_dir(save: str) -> None:
-    """``--save`` is (or can be created as) a writable directory: fails at start, naming the path."""
-    if os.path.exists(save) and not os.path.isdir(save):
-        raise CheckpointError(f"--save {save} is not a directory")
+    """``--save`` is a writable directory, or can be created as one (its nearest existing parent is a
+    writable directory; nothing is created here): fails at start, naming the path."""
+    existing = save
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(os.path.abspath(existing))
+    if not os.path.isdir(existing):
+        what = "is not a directory" if existing == save else f"cannot be created: {existing} is not a directory"
+        raise CheckpointError(f"--save {save} {what}")
+    if existing != save:
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise CheckpointError(f"--save {save} cannot be created: {existing} is not writable")
+        return
     probe = os.path.join(save, f".megalm_write_test.{os.getpid()}")
     try:
-        os.makedirs(save, exist_ok=True)
         with open(probe, "w") as f:
             f.write("ok")
         os.remove(probe)

@@ -158,7 +158,7 @@ def test_save_that_is_not_a_writable_directory_fails_at_start(world):
     path = world["not_a_dir"]
     for codes in world["codes"]:
         assert codes["save_file"] == f"error: --save {path} is not a directory"
-        assert codes["save_under_file"].startswith(f"error: --save {path}/sub is not a writable directory: ")
+        assert codes["save_under_file"] == f"error: --save {path}/sub cannot be created: {path} is not a directory"
     _no_training(world, "save_file")
     _no_training(world, "save_under_file")
 
@@ -180,10 +180,27 @@ def test_inspect_verify(world, capsys):
     assert capsys.readouterr().out == f"corrupt: checkpoint {root}/{ITER4}: __0_0.distcp: missing\n"
 
 
-def test_check_save_dir_creates_a_missing_directory(tmp_path):
+def test_check_save_dir(tmp_path):
+    """A missing --save is fine where it can be created (and is not created yet); a read-only
+    directory (a read-only bind mount: root ignores permission bits) is refused."""
     target = tmp_path / "new" / "ckpts"
     checkpointing.check_save_dir(str(target))
-    assert target.is_dir() and list(target.iterdir()) == []
+    assert not (tmp_path / "new").exists()
+    checkpointing.check_save_dir(str(tmp_path))
+    assert list(tmp_path.iterdir()) == []  # the probe file is gone
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "--bind", "-o", "ro", str(ro), str(ro)], capture_output=True).returncode != 0:
+        pytest.skip("cannot make a read-only bind mount here")
+    try:
+        with pytest.raises(checkpointing.CheckpointError,
+                           match=f"^--save {ro} is not a writable directory: Read-only file system$"):
+            checkpointing.check_save_dir(str(ro))
+        with pytest.raises(checkpointing.CheckpointError, match=f"^--save {ro}/sub cannot be created: {ro} is not "
+                                                                f"writable$"):
+            checkpointing.check_save_dir(str(ro / "sub"))
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
 
 
 # --- single-process: legacy checkpoints, async save, errors from DCP and the disk ------------
