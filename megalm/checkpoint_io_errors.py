@@ -5,14 +5,15 @@ failed rank's exception and traceback, and ``torch.save``'s zip writer reports a
 ``enforce fail at inline_container.cc ... file write failed`` with no errno.
 :func:`describe_io_error` turns either into one line: the innermost errors' types and first
 lines, prefixed with "No space left on device" when the disk is full (an ``ENOSPC`` in the
-chain, or less than 1 MiB left where the checkpoint was being written).  No communication.
+chain, or less than 1 MiB left where the checkpoint was being written).
+:func:`save_dir_problem` says what is wrong with a ``--save`` path before any work.  No communication.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-from typing import List
+from typing import List, Optional
 
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -46,3 +47,23 @@ def disk_nearly_full(path: str) -> bool:
     except OSError:
         return False
     return st.f_bavail * st.f_frsize < (1 << 20)
+
+
+def save_dir_problem(save: str) -> Optional[str]:
+    """None if ``save`` is a writable directory, or is missing and its nearest existing parent is a
+    writable directory (nothing is created); else what is wrong, to follow ``--save <save>``."""
+    existing = save
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(os.path.abspath(existing))
+    if not os.path.isdir(existing):
+        return "is not a directory" if existing == save else f"cannot be created: {existing} is not a directory"
+    if existing != save:
+        return None if os.access(existing, os.W_OK | os.X_OK) else f"cannot be created: {existing} is not writable"
+    probe = os.path.join(save, f".megalm_write_test.{os.getpid()}")
+    try:
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        return f"is not a writable directory: {e.strerror or e}"
+    return None

@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megalm import checkpoint_manifest, parallel_state
 from megalm.async_save import AsyncCheckpointWriter
-from megalm.checkpoint_io_errors import describe_io_error, first_line
+from megalm.checkpoint_io_errors import describe_io_error, first_line, save_dir_problem
 from megalm.dist_checkpointing import (ShardedStateDict, ShardedTensorSpec, load_sharded,
                                       save_sharded, saved_tensor_shapes)
 from megalm.errors import MegalmError
@@ -233,15 +233,21 @@ def _on_every_rank(step, path: str, group=None) -> None:
             step()
     except CheckpointError as e:
         error = e
-    outcomes = [str(error) if error else None]
-    if dist.is_initialized():
-        outcomes = [None] * dist.get_world_size(group)
-        dist.all_gather_object(outcomes, str(error) if error else None, group=group)
+    failed = _gather_errors(str(error) if error else None, group)
     if error is not None:
         raise error
-    failed = [(r, m) for r, m in enumerate(outcomes) if m]
     if failed:
         raise CheckpointError(f"rank {failed[0][0]} failed: {failed[0][1]}")
+
+
+def _gather_errors(error: Optional[str], group=None) -> List[tuple]:
+    """Collective (one ``all_gather_object`` over ``group``, default the world; none when not
+    initialized): ``[(rank, error), ...]`` of the ranks that report one."""
+    errors = [error]
+    if dist.is_initialized():
+        errors = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, error, group=group)
+    return [(r, e) for r, e in enumerate(errors) if e]
 
 
 def _finish_save(root: str, path: str, iteration: int, world: int) -> None:
@@ -268,25 +274,11 @@ def _write_errors(path: str):
 
 
 def check_save_dir(save: str) -> None:
-    """``--save`` is a writable directory, or can be created as one (its nearest existing parent is a
-    writable directory; nothing is created here): fails at start, naming the path."""
-    existing = save
-    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
-        existing = os.path.dirname(os.path.abspath(existing))
-    if not os.path.isdir(existing):
-        what = "is not a directory" if existing == save else f"cannot be created: {existing} is not a directory"
-        raise CheckpointError(f"--save {save} {what}")
-    if existing != save:
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise CheckpointError(f"--save {save} cannot be created: {existing} is not writable")
-        return
-    probe = os.path.join(save, f".megalm_write_test.{os.getpid()}")
-    try:
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise CheckpointError(f"--save {save} is not a writable directory: {e.strerror or e}") from None
+    """``--save`` is a writable directory or can be created as one: fails at start, naming the path
+    (:func:`megalm.checkpoint_io_errors.save_dir_problem`; nothing is created)."""
+    problem = save_dir_problem(save)
+    if problem is not None:
+        raise CheckpointError(f"--save {save} {problem}")
 
 
 def stage_to_cpu(specs: ShardedStateDict) -> ShardedStateDict:
@@ -490,7 +482,8 @@ def _load_specs(model_chunks, optimizer, saved: Dict[str, tuple]):
 
 
 def load_rng_state(path: str, common: dict) -> None:
-    """Restore this rank's RNG states (skipped, with a message, when the layout changed)."""
+    """Collective (one ``all_gather_object``).  Restore this rank's RNG states (skipped, with a
+    message, when the layout changed)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     if common.get("world_size") != world or common.get("layout") != _layout():
@@ -498,10 +491,14 @@ def load_rng_state(path: str, common: dict) -> None:
                     f"RNG states are not restored")
         return
     file = os.path.join(path, "rng", f"rank_{rank:05d}.pt")
+    state, error = None, None
     try:
         state = torch.load(file, weights_only=True)
     except (OSError, RuntimeError, ValueError) as e:
-        raise CheckpointError(f"cannot read {file}: {first_line(e)}") from e
+        error = f"cannot read {file}: {first_line(e)}"
+    failed = _gather_errors(error)  # collective: a rank that cannot read its file stops every rank
+    if failed:
+        raise CheckpointError(failed[0][1])
     set_rng_state(state)
 
 
@@ -525,12 +522,8 @@ def verify_checkpoint(path: str, iteration: int) -> Optional[str]:
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    error = _verify_local(path, iteration, rank, world)
-    if dist.is_initialized():
-        errors = [None] * world
-        dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e), None)
-    return error
+    failed = _gather_errors(_verify_local(path, iteration, rank, world))
+    return failed[0][1] if failed else None
 
 
 def _verify_local(path: str, iteration: int, rank: int, world: int) -> Optional[str]:

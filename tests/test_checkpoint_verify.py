@@ -97,6 +97,12 @@ def world(tmp_path_factory):
     incomplete = tmp / "fallback_incomplete"
     shutil.copytree(base, incomplete)
     (incomplete / ITER4 / ".metadata").unlink()
+    legacy = tmp / "legacy_truncated_rng"  # no manifest: rank 1's unreadable RNG file must stop both ranks
+    shutil.copytree(base, legacy)
+    (legacy / ITER4 / "manifest.json").unlink()
+    shutil.rmtree(legacy / ITER4 / "manifest")
+    _truncate(legacy / ITER4 / "rng" / "rank_00001.pt")
+    cases["legacy_truncated_rng"] = str(legacy)
     not_a_dir = tmp / "a_file"
     not_a_dir.write_text("x")
     runs = [_argv(str(tmp), name, "--load", root, "--train-iters", "6") for name, root in cases.items()]
@@ -129,6 +135,15 @@ def test_clean_checkpoints_have_manifests(world):
     assert checkpointing.verify_checkpoint(str(it), 4) is None
     assert checkpointing.verify_checkpoint(str(it), 2) == \
         "common.json: says iteration 4, the directory is iteration 2"
+
+
+def test_legacy_checkpoint_with_an_unreadable_rng_file_stops_every_rank(world):
+    """Without a manifest nothing is verified, but a rank that cannot read its RNG file stops
+    every rank (the error is gathered) instead of leaving the others in the first step."""
+    file = f"{world['cases']['legacy_truncated_rng']}/{ITER4}/rng/rank_00001.pt"
+    for codes in world["codes"]:
+        assert codes["legacy_truncated_rng"].startswith(f"error: cannot read {file}: "), codes
+    _no_training(world, "legacy_truncated_rng")
 
 
 @pytest.mark.parametrize("name", list(CORRUPTIONS))
