@@ -5,11 +5,12 @@ short part at once (wait for the previous save, prepare the directory, copy ever
 saves to new CPU memory: the staging that makes the checkpoint the state of *this* iteration
 whatever the next optimizer steps change, write the per-rank RNG files) and hands the rest to
 the writer's thread: the DCP write over a gloo group of its own
-(:func:`megalm.parallel_state.get_checkpoint_io_group`), then, on rank 0, ``common.json`` and the
-tracker file.  DCP's save ends with a collective in which every rank reports its finished
-writes, so when it returns on rank 0 every rank's files are on disk: the tracker is written
-last and only then, and a checkpoint that was still being written when a job died is never the
-one resumed from.
+(:func:`megalm.parallel_state.get_checkpoint_io_group`), then, on rank 0, ``common.json``; each
+rank hashes its files into its manifest (:mod:`megalm.checkpoint_manifest`) and one
+``all_gather_object`` on that group shares every rank's outcome; then rank 0 writes the
+manifest index and the tracker file.  So the tracker is written last, only once every rank's
+files and manifest are on disk, and a checkpoint that was still being written when a job died
+is never the one resumed from; a write that failed on any rank fails the save on every rank.
 
 At most one save is in flight: the next save, the end of training and an early exit wait for it
 (:meth:`AsyncCheckpointWriter.wait`), and a failure in the thread is raised there.  Staging

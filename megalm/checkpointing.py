@@ -7,6 +7,16 @@ Directory layout (Megatron-like)::
         .metadata, __*_*.distcp                # DCP: model weights and optimizer tensors
         common.json                            # iteration, consumed samples, config, scheduler, scaler
         rng/rank_00000.pt ...                  # per-rank RNG states (tensors only; weights_only load)
+        manifest/rank_00000.json ...           # per rank: size and sha256 of each file it wrote
+        manifest.json                          # rank 0, after every rank's manifest, before the tracker
+
+Every load verifies the checkpoint first (:func:`verify_checkpoint`, each rank hashing its share
+of the files, see :mod:`megalm.checkpoint_manifest`): a corrupt one fails with
+``checkpoint DIR is corrupt: FILE: reason; previous: --ckpt-step N``, or with
+``--ckpt-fallback-to-verified`` the newest older checkpoint that verifies is loaded instead.
+A checkpoint written before manifests existed loads with a logged warning.  Write failures
+(full disk included: the message says "No space left on device") raise :class:`CheckpointError`
+naming the directory.
 
 Model tensors are keyed ``model.<global parameter name>`` and stored as blocks of their
 full (unpadded-vocabulary) tensors, so any TP/PP/DP layout can load them (see
@@ -30,23 +40,27 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import time
-from typing import Dict, Optional, Sequence
+from contextlib import contextmanager
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
-from megalm import parallel_state
+from megalm import checkpoint_manifest, parallel_state
 from megalm.async_save import AsyncCheckpointWriter
+from megalm.checkpoint_io_errors import describe_io_error, first_line, save_dir_problem
 from megalm.dist_checkpointing import (ShardedStateDict, ShardedTensorSpec, load_sharded,
                                       save_sharded, saved_tensor_shapes)
 from megalm.errors import MegalmError
 from megalm.log import get_logger
 from megalm.param_layout import param_spec
 from megalm.parameter_names import canonical_name
-from megalm.safe_unpickle import CheckpointMetadataError
+from megalm.safe_unpickle import CheckpointMetadataError, CheckpointSecurityError, load_metadata
 from megalm.tensor_parallel.param_info import param_info
 
 logger = get_logger(__name__)
@@ -152,9 +166,13 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer=None, sch
                     async_writer: Optional[AsyncCheckpointWriter] = None) -> str:
     """Collective over all ranks.  Returns the iteration directory.
 
-    With ``async_writer`` (``--async-save``) the tensors are staged to CPU now and written in
-    the background; ``common.json`` and the tracker follow when the write is complete (see
-    :mod:`megalm.async_save`)."""
+    Communication: a barrier once rank 0 has prepared the directory; DCP's save (its plan
+    gather/scatter and the final gather of write results); one ``all_gather_object`` of every
+    rank's outcome once its files and manifest are written, and one after rank 0 wrote the
+    manifest index and the tracker (a failure on any rank raises :class:`CheckpointError` on
+    every rank, the tracker left on the previous checkpoint).  With ``async_writer``
+    (``--async-save``) the tensors are staged to CPU now and all but the first barrier run in
+    the background on the checkpoint-io group (see :mod:`megalm.async_save`)."""
     if async_writer is not None:
         async_writer.wait()  # one save in flight: the previous one is complete (tracker written) first
     path = checkpoint_dir(root, iteration)
@@ -170,7 +188,8 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer=None, sch
     specs = model_sharded_state(model_chunks)
     if optimizer is not None:
         specs.update(optimizer_sharded_state(optimizer, model_chunks))
-    torch.save(get_rng_state(), os.path.join(path, "rng", f"rank_{rank:05d}.pt"))
+    with _write_errors(path):
+        torch.save(get_rng_state(), os.path.join(path, "rng", f"rank_{rank:05d}.pt"))
     common = None
     if rank == 0:
         common = {
@@ -182,22 +201,84 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer=None, sch
             "extra": extra or {}, "saved_at": time.time(),
         }
     if async_writer is None:
-        save_sharded(specs, path)
-        _write_common(path, common)
-        _barrier()
-        _write_tracker(root, iteration)
-        _barrier()
+        _on_every_rank(lambda: _write_files(specs, path, common, rank), path)
+        _on_every_rank(lambda: _finish_save(root, path, iteration, world), path)
         return path
     staged = stage_to_cpu(specs)
     group = parallel_state.get_checkpoint_io_group() if dist.is_initialized() else None
 
     def write_in_background():
-        save_sharded(staged, path, process_group=group)  # returns once every rank's files are written
-        _write_common(path, common)
-        _write_tracker(root, iteration)
+        _on_every_rank(lambda: _write_files(staged, path, common, rank, group), path, group)
+        _on_every_rank(lambda: _finish_save(root, path, iteration, world), path, group)
 
     async_writer.submit(iteration, write_in_background)
     return path
+
+
+def _write_files(specs: ShardedStateDict, path: str, common: Optional[dict], rank: int, group=None) -> None:
+    """This rank's part of a save after the RNG file: DCP data (DCP's collectives over ``group``),
+    ``common.json`` (rank 0), then its manifest."""
+    save_sharded(specs, path, process_group=group)
+    _write_common(path, common)
+    checkpoint_manifest.write_rank_manifest(path, rank)
+
+
+def _on_every_rank(step, path: str, group=None) -> None:
+    """Run ``step()`` here, then one ``all_gather_object`` over ``group`` (default: the world) of
+    every rank's outcome: every rank raises a :class:`CheckpointError` when any rank failed (no
+    rank is left waiting for one that gave up), and on return every rank's step is complete."""
+    error = None
+    try:
+        with _write_errors(path):
+            step()
+    except CheckpointError as e:
+        error = e
+    failed = _gather_errors(str(error) if error else None, group)
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(f"rank {failed[0][0]} failed: {failed[0][1]}")
+
+
+def _gather_errors(error: Optional[str], group=None) -> List[tuple]:
+    """Collective (one ``all_gather_object`` over ``group``, default the world; none when not
+    initialized): ``[(rank, error), ...]`` of the ranks that report one."""
+    errors = [error]
+    if dist.is_initialized():
+        errors = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, error, group=group)
+    return [(r, e) for r, e in enumerate(errors) if e]
+
+
+def _finish_save(root: str, path: str, iteration: int, world: int) -> None:
+    """Rank 0, once every rank's manifest is written: the manifest index, then the tracker."""
+    if rank_is_zero():
+        checkpoint_manifest.write_index(path, iteration, world)
+        _write_tracker(root, iteration)
+
+
+def rank_is_zero() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+@contextmanager
+def _write_errors(path: str):
+    """Turn a failed write (OSError, torch's RuntimeError, DCP's CheckpointException, which is a
+    BaseException) into a one-line :class:`CheckpointError` naming ``path``."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"cannot write checkpoint {path}: {describe_io_error(e, path)}") from e
+
+
+def check_save_dir(save: str) -> None:
+    """``--save`` is a writable directory or can be created as one: fails at start, naming the path
+    (:func:`megalm.checkpoint_io_errors.save_dir_problem`; nothing is created)."""
+    problem = save_dir_problem(save)
+    if problem is not None:
+        raise CheckpointError(f"--save {save} {problem}")
 
 
 def stage_to_cpu(specs: ShardedStateDict) -> ShardedStateDict:
@@ -293,16 +374,19 @@ def find_checkpoint(root: str, iteration: Optional[int] = None) -> Optional[str]
 
 
 def checkpoint_to_resume(load: str, save: Optional[str], ckpt_step: Optional[int] = None,
-                         exit_on_missing: bool = False) -> bool:
+                         exit_on_missing: bool = False, fallback: bool = False) -> bool:
     """Whether ``--load`` has a checkpoint to load (True), or training may start from scratch
     (False: Megatron's auto-resume, ``--load`` = ``--save`` with no checkpoint written yet).
 
     Anything else without a checkpoint raises :class:`CheckpointError`: a ``--load`` other than
     ``--save`` (most likely a wrong path), ``--ckpt-step``, ``--exit-on-missing-checkpoint``, or
     iteration directories without a tracker file (a checkpoint that was being written).
+    ``fallback`` (``--ckpt-fallback-to-verified``): the checkpoint is not checked here but by
+    :func:`verified_checkpoint` when it is loaded, which skips an incomplete one.
     """
     if ckpt_step is not None or (os.path.isdir(load) and read_tracker(load) is not None):
-        find_checkpoint(load, ckpt_step)  # a missing or incomplete one fails here, before any work
+        if not fallback:  # with --ckpt-fallback-to-verified an incomplete one is skipped at load
+            find_checkpoint(load, ckpt_step)  # a missing or incomplete one fails here, before any work
         return True
     why = None
     if exit_on_missing:
@@ -329,14 +413,16 @@ def read_common(path: str) -> dict:
 
 
 def load_checkpoint(root: str, model_chunks, optimizer=None, scheduler=None, load_optim: bool = True,
-                    load_rng: bool = True, finetune: bool = False, iteration: Optional[int] = None) -> dict:
-    """Collective.  Fills the model (and optimizer/scheduler/RNG) in place; returns common.json's content.
+                    load_rng: bool = True, finetune: bool = False, iteration: Optional[int] = None,
+                    fallback: bool = False) -> dict:
+    """Collective.  Verifies the checkpoint (:func:`verified_checkpoint`), fills the model (and
+    optimizer/scheduler/RNG) in place; returns common.json's content.
 
-    ``finetune`` loads the weights only and reports iteration 0.
+    ``finetune`` loads the weights only and reports iteration 0.  ``fallback``
+    (``--ckpt-fallback-to-verified``): a corrupt checkpoint is skipped for the newest older one
+    that verifies.
     """
-    path = find_checkpoint(root, iteration)
-    if path is None:
-        raise CheckpointError(f"no checkpoint in {root} (no {TRACKER_FILENAME})")
+    path = verified_checkpoint(root, iteration, fallback)
     common = read_common(path)
     try:
         saved = saved_tensor_shapes(path)  # .metadata, read by megalm.safe_unpickle (refuses anything but DCP metadata)
@@ -347,8 +433,8 @@ def load_checkpoint(root: str, model_chunks, optimizer=None, scheduler=None, loa
     specs, main_params_missing = _load_specs(model_chunks, optimizer if with_optim else None, saved)
     try:
         load_sharded(specs, path)
-    except Exception as e:  # DCP wraps per-rank errors; name the checkpoint
-        raise CheckpointError(f"failed to load {path}: {e}") from e
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        raise CheckpointError(f"failed to load {path}: {describe_io_error(e, path, writing=False)}") from e
     if with_optim:
         # Missing fp32 main weights (e.g. an fp32 checkpoint resumed with --bf16) are rebuilt from the model's.
         optimizer.load_sharded_state_dict(common.get("optimizer_common") or {},
@@ -396,12 +482,119 @@ def _load_specs(model_chunks, optimizer, saved: Dict[str, tuple]):
 
 
 def load_rng_state(path: str, common: dict) -> None:
-    """Restore this rank's RNG states (skipped, with a message, when the layout changed)."""
+    """Collective (one ``all_gather_object``).  Restore this rank's RNG states (skipped, with a
+    message, when the layout changed)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     if common.get("world_size") != world or common.get("layout") != _layout():
         logger.info(f"checkpoint was saved with layout {common.get('layout')}, now {_layout()}: "
                     f"RNG states are not restored")
         return
-    state = torch.load(os.path.join(path, "rng", f"rank_{rank:05d}.pt"), weights_only=True)
+    file = os.path.join(path, "rng", f"rank_{rank:05d}.pt")
+    state, error = None, None
+    try:
+        state = torch.load(file, weights_only=True)
+    except (OSError, RuntimeError, ValueError) as e:
+        error = f"cannot read {file}: {first_line(e)}"
+    failed = _gather_errors(error)  # collective: a rank that cannot read its file stops every rank
+    if failed:
+        raise CheckpointError(failed[0][1])
     set_rng_state(state)
+
+
+# --- verification ------------------------------------------------------------------------
+
+def checkpoint_iterations(root: str) -> List[int]:
+    """The iterations of the ``iter_NNNNNNN`` directories under ``root``, newest first."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted((int(m.group(1)) for n in names if (m := re.fullmatch(r"iter_(\d{7})", n))), reverse=True)
+
+
+def verify_checkpoint(path: str, iteration: int) -> Optional[str]:
+    """Collective (all ranks, or none initialized): ``"FILE: reason"`` for the first problem
+    found, or None if the checkpoint verifies.
+
+    Each rank checks the files of the saved ranks ``r`` with ``r % world == rank`` (its own
+    files when the world is unchanged), then one ``all_gather_object`` over the world shares the
+    results, so every rank returns the same answer.  Rank 0 also checks that ``common.json``
+    names this iteration.  A checkpoint without a manifest (written before megalm had them)
+    verifies with a logged warning.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    failed = _gather_errors(_verify_local(path, iteration, rank, world))
+    return failed[0][1] if failed else None
+
+
+def _verify_local(path: str, iteration: int, rank: int, world: int) -> Optional[str]:
+    error = _check_common_iteration(path, iteration) if rank == 0 else None
+    if error is not None:
+        return error
+    if not checkpoint_manifest.has_manifest(path):
+        if os.path.isdir(os.path.join(path, checkpoint_manifest.RANK_DIR)):
+            return f"{checkpoint_manifest.INDEX_FILENAME}: missing (the save never completed)"
+        if rank == 0:
+            logger.info(f"warning: checkpoint {path} has no {checkpoint_manifest.INDEX_FILENAME} (written before "
+                        f"megalm verified checkpoints): loading it unverified")
+        return None
+    index, error = checkpoint_manifest.read_index(path)
+    if error is not None:
+        return error
+    mine = [r for r in checkpoint_manifest.saved_ranks(index) if r % world == rank]
+    return checkpoint_manifest.verify_ranks(path, index, mine)
+
+
+def _check_common_iteration(path: str, iteration: int) -> Optional[str]:
+    for needed in ("common.json", ".metadata"):
+        if not os.path.isfile(os.path.join(path, needed)):
+            return f"{needed}: missing"
+    try:
+        with open(os.path.join(path, "common.json")) as f:
+            saved = json.load(f).get("iteration")
+    except (OSError, ValueError, AttributeError) as e:
+        return f"common.json: unreadable ({type(e).__name__})"
+    if saved != iteration:
+        return f"common.json: says iteration {saved!r}, the directory is iteration {iteration}"
+    return None
+
+
+def _refuse_hostile_metadata(path: str, error: str) -> None:
+    """A ``.metadata`` that fails verification and asks for something megalm never writes is an
+    attack, not damage: its security refusal (naming the file) is raised, never skipped."""
+    if error.startswith(".metadata:"):
+        try:
+            load_metadata(path)  # the restricted reader: runs nothing from the file
+        except CheckpointSecurityError as e:
+            raise CheckpointError(str(e)) from e
+        except CheckpointMetadataError:
+            pass
+
+
+def verified_checkpoint(root: str, iteration: Optional[int] = None, fallback: bool = False) -> str:
+    """Collective.  The directory to load (``iteration``, else the tracker's) after verifying it.
+
+    Corrupt: :class:`CheckpointError` ``checkpoint DIR is corrupt: FILE: reason; previous:
+    --ckpt-step N`` (N the newest older iteration directory), or with ``fallback`` the newest
+    older checkpoint that verifies (a warning names each one skipped).
+    """
+    if not os.path.isdir(root):
+        raise CheckpointError(f"--load directory {root} does not exist")
+    if iteration is None:
+        iteration = read_tracker(root)
+        if iteration is None:
+            raise CheckpointError(f"no checkpoint in {root} (no {TRACKER_FILENAME})")
+    older = [i for i in checkpoint_iterations(root) if i < iteration]
+    for candidate in [iteration] + (older if fallback else []):
+        path = checkpoint_dir(root, candidate)
+        error = verify_checkpoint(path, candidate)
+        if error is None:
+            return path
+        _refuse_hostile_metadata(path, error)
+        previous = [i for i in older if i < candidate]
+        hint = f"previous: --ckpt-step {previous[0]}" if previous else "no previous checkpoint"
+        message = f"checkpoint {path} is corrupt: {error}; {hint}"
+        if not fallback:
+            raise CheckpointError(message)
+        if rank_is_zero():
+            logger.info(f"warning: {message}: skipped (--ckpt-fallback-to-verified)")
+    raise CheckpointError(f"no checkpoint in {root} verifies (newest: iteration {iteration}; see the warnings above)")

@@ -176,7 +176,8 @@ def test_failed_background_write_stops_every_rank_and_keeps_the_tracker(tmp_path
     ck = str(tmp_path / "ck")
     argv = BASE + ["--train-iters", "6", "--save", ck, "--save-interval", "2", "--async-save"]
     codes = run_distributed(_slowed_trainings, 2, args=([(argv, str(tmp_path / "seen"))], 0.0, 0), timeout=240)
-    assert "background save of iteration 2 failed: OSError: No space left on device" in codes[0][0]
-    assert "a background checkpoint save failed on another rank" in codes[1][0]
+    failure = f"cannot write checkpoint {ck}/iter_0000002: No space left on device (OSError: No space left on device)"
+    assert f"background save of iteration 2 failed: CheckpointError: {failure}" in codes[0][0]
+    assert f"background save of iteration 2 failed: CheckpointError: rank 0 failed: {failure}" in codes[1][0]
     assert not os.path.exists(os.path.join(ck, TRACKER_FILENAME))  # the failed save is never resumed from
     assert not os.path.exists(os.path.join(ck, "iter_0000004"))  # nothing after the failure was started

@@ -279,6 +279,9 @@ class CheckpointConfig:
     no_load_rng: bool = _f(False, "Do not load random number generator states.")
     finetune: bool = _f(False, "Load weights only and start from iteration 0.")
     ckpt_step: Optional[int] = _f(None, "Load this iteration instead of the latest.")
+    ckpt_fallback_to_verified: bool = _f(False, "When the latest checkpoint in --load fails verification (its "
+                                                "manifest's sizes and sha256 checksums), load the newest older one "
+                                                "that verifies instead of stopping (warning naming each one skipped).")
     async_save: bool = _f(False, "Write checkpoint tensors in a background thread after copying them to CPU memory; "
                                  "the tracker file follows when every rank's write is complete.")
 

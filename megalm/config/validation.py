@@ -381,6 +381,8 @@ def _validate_data(d: DataConfig, m: ModelConfig, p: ParallelConfig) -> None:
 def _validate_checkpoint(c: CheckpointConfig) -> None:
     _check(c.save_interval is None or c.save_interval > 0, "--save-interval must be positive")
     _check(not c.async_save or c.save is not None, "--async-save needs --save")
+    _check(not c.ckpt_fallback_to_verified or (c.load is not None and c.ckpt_step is None),
+           "--ckpt-fallback-to-verified needs --load and no --ckpt-step (an explicit step is loaded or refused)")
 
 
 def _validate_logging(lg: LoggingConfig, world_size: Optional[int]) -> None:

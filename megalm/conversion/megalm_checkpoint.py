@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
+from megalm import checkpoint_manifest
 from megalm.checkpointing import (FORMAT_VERSION, TRACKER_FILENAME, CheckpointError, checkpoint_dir,
                                   find_checkpoint, read_common)
 from megalm.config import MegalmConfig
@@ -135,6 +136,7 @@ def write_checkpoint(root: str, iteration: int, tensors: Dict[str, torch.Tensor]
         "extra": extra or {}, "saved_at": time.time(),
     }
     _write_atomic(os.path.join(path, "common.json"), json.dumps(common, indent=1))
+    checkpoint_manifest.write_for_one_process(path, iteration)  # verified on load like a training checkpoint
     _write_atomic(os.path.join(root, TRACKER_FILENAME), str(iteration))
     return path
 

@@ -208,9 +208,11 @@ class Trainer:
         if not (d.mock_data or d.data_path or d.train_data_path):
             raise TrainingSetupError("no training data: give --data-path PREFIX (or --train-data-path, or --mock-data)")
         c = cfg.checkpoint
+        if c.save:
+            checkpointing.check_save_dir(c.save)  # a non-directory or unwritable --save fails before any work
         try:
-            self.resume = bool(c.load) and checkpointing.checkpoint_to_resume(c.load, c.save, c.ckpt_step,
-                                                                              c.exit_on_missing_checkpoint)
+            self.resume = bool(c.load) and checkpointing.checkpoint_to_resume(
+                c.load, c.save, c.ckpt_step, c.exit_on_missing_checkpoint, fallback=c.ckpt_fallback_to_verified)
         except checkpointing.CheckpointError as e:
             raise TrainingSetupError(str(e)) from None
         if c.load and not self.resume:
@@ -286,7 +288,7 @@ class Trainer:
         try:
             common = checkpointing.load_checkpoint(
                 c.load, self.model, self.optimizer, self.scheduler, load_optim=not c.no_load_optim,
-                load_rng=False, finetune=c.finetune, iteration=c.ckpt_step)
+                load_rng=False, finetune=c.finetune, iteration=c.ckpt_step, fallback=c.ckpt_fallback_to_verified)
         except checkpointing.CheckpointError as e:
             raise TrainingSetupError(str(e)) from None
         self.state.iteration = common["iteration"]
