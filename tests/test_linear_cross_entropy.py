@@ -105,7 +105,7 @@ def test_gpt_model_fused_equals_unfused(config, dtype):
         assert model.fusion_plan.cross_entropy == ("fused linear" if fused else "unfused")
         tokens, positions, labels, weights = make_batch(3)
         mask = (weights > 0.25).float()
-        loss, _ = pretrain_gpt.loss_func(mask, model, model(tokens, positions, labels, loss_mask=mask))
+        loss, _, _ = pretrain_gpt.loss_func(mask, model, model(tokens, positions, labels, loss_mask=mask))  # sum, count
         loss.backward()
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
     (loss_on, grads_on), (loss_off, grads_off) = results
