@@ -30,8 +30,9 @@ from megalm.training import pretrain
 from megalm.transformer.moe import pop_moe_metrics
 
 
-def model_provider(cfg: MegalmConfig, pre_process: bool = True, post_process: bool = True,
-                   layer_numbers=None) -> GPTModel:
+def model_provider(
+    cfg: MegalmConfig, pre_process: bool = True, post_process: bool = True, layer_numbers=None
+) -> GPTModel:
     """The GPT model chunk for this pipeline stage (its global layer numbers)."""
     return GPTModel(cfg, pre_process=pre_process, post_process=post_process, layer_numbers=layer_numbers)
 

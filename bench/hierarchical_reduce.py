@@ -33,28 +33,71 @@ import sys
 import tempfile
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
-MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "64",
-         "--max-position-embeddings", "64", "--mock-data", "--vocab-size", "8192", "--num-workers", "0",
-         "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", "--eval-iters", "0",
-         "--log-interval", "1", "--ddp-bucket-size", "500000", "--overlap-grad-reduce"]
+MODEL = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "128",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--max-position-embeddings",
+    "64",
+    "--mock-data",
+    "--vocab-size",
+    "8192",
+    "--num-workers",
+    "0",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "1e-3",
+    "--eval-iters",
+    "0",
+    "--log-interval",
+    "1",
+    "--ddp-bucket-size",
+    "500000",
+    "--overlap-grad-reduce",
+]
 
 
 def run(name: str, extra, args, tmp: str) -> dict:
     metrics = os.path.join(tmp, f"{name}.jsonl")
-    cmd = [sys.executable, os.path.join(ROOT, "tools", "cluster", "run.py"), "--nodes", "2", "--procs-per-node", "2",
-           "--name", args.name, "--timeout", str(args.timeout)]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "tools", "cluster", "run.py"),
+        "--nodes",
+        "2",
+        "--procs-per-node",
+        "2",
+        "--name",
+        args.name,
+        "--timeout",
+        str(args.timeout),
+    ]
     if args.bandwidth != "unshaped":
         cmd += ["--inter-node-bandwidth", args.bandwidth]
-    cmd += ["--", os.path.join(ROOT, "pretrain_gpt.py")] + MODEL + ["--train-iters", str(args.iters),
-                                                                    "--metrics-file", metrics] + extra
+    cmd += (
+        ["--", os.path.join(ROOT, "pretrain_gpt.py")]
+        + MODEL
+        + ["--train-iters", str(args.iters), "--metrics-file", metrics]
+        + extra
+    )
     done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{name}: the cluster run exited {done.returncode}:\n{done.stdout[-3000:]}")
     records = [json.loads(line) for line in open(metrics) if '"lm_loss"' in line]
     later = records[1:] or records
-    return {"name": name, "step_ms": statistics.median(r["elapsed_ms"] for r in later),
-            "inter_node_MB_per_step": statistics.median(r["inter_node_bytes"] for r in later) / 1e6,
-            "final_loss": records[-1]["lm_loss"]}
+    return {
+        "name": name,
+        "step_ms": statistics.median(r["elapsed_ms"] for r in later),
+        "inter_node_MB_per_step": statistics.median(r["inter_node_bytes"] for r in later) / 1e6,
+        "final_loss": records[-1]["lm_loss"],
+    }
 
 
 def main(argv=None) -> int:

@@ -72,7 +72,7 @@ def real_dataset(prefix: str, tokens: float, mean: int) -> None:
     rng = np.random.default_rng(2)
     with IndexedDatasetBuilder(prefix, np.uint16) as b:
         for start in range(0, lengths.size, 10_000):
-            chunk = lengths[start:start + 10_000]
+            chunk = lengths[start : start + 10_000]
             b.add_documents(rng.integers(0, 32000, int(chunk.sum()), dtype=np.uint16), chunk)
         b.finalize()
 
@@ -84,8 +84,9 @@ def bench_loader(prefix: str, seq: int, mbs: int, workers: int, batches: int) ->
 
     ds_file = IndexedDataset(prefix)
     n = batches * mbs * 2
-    ds = GPTDataset(ds_file, np.arange(len(ds_file), dtype=np.int32), n, "train",
-                    GPTDatasetConfig(seq_length=seq, seed=1, eod=0))
+    ds = GPTDataset(
+        ds_file, np.arange(len(ds_file), dtype=np.int32), n, "train", GPTDatasetConfig(seq_length=seq, seed=1, eod=0)
+    )
     loader = build_pretraining_data_loader(ds, 0, mbs, 0, 1, num_workers=workers)
     it = iter(loader)
     next(it)  # worker start-up not timed

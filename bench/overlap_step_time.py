@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 sys.path.insert(0, os.path.abspath(os.path.dirname(__file__)))
 
 from comm_bytes import MODEL, one_step, setup_trainer  # noqa: E402
+
 from megalm.testing import run_distributed  # noqa: E402
 
 CONFIGS = [
@@ -39,8 +40,10 @@ CONFIGS = [
     ("plain DP + overlap grad reduce", ["--overlap-grad-reduce"]),
     ("distributed optimizer", ["--use-distributed-optimizer"]),
     ("distributed + overlap grad reduce", ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
-    ("distributed + overlap grad reduce + param gather",
-     ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]),
+    (
+        "distributed + overlap grad reduce + param gather",
+        ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
+    ),
 ]
 
 
@@ -78,9 +81,11 @@ def time_collectives(numel, repeats):
     k, r = dist.get_world_size(), dist.get_rank()
     shard = -(-numel // k)
     x = torch.randn(shard * k)
-    ops = {"all-reduce": lambda: dist.all_reduce(x),
-           "reduce-scatter": lambda: reduce_scatter_flat(x[r * shard:(r + 1) * shard], x),
-           "all-gather": lambda: all_gather_flat(x, x[r * shard:(r + 1) * shard])}
+    ops = {
+        "all-reduce": lambda: dist.all_reduce(x),
+        "reduce-scatter": lambda: reduce_scatter_flat(x[r * shard : (r + 1) * shard], x),
+        "all-gather": lambda: all_gather_flat(x, x[r * shard : (r + 1) * shard]),
+    }
     out = {}
     for name, op in ops.items():
         ts = []
@@ -103,8 +108,21 @@ def main():
     ap.add_argument("--json", default=None)
     args, extra = ap.parse_known_args()
     k = args.ranks
-    common = MODEL + ["--micro-batch-size", "2", "--global-batch-size", str(4 * k), "--ddp-bucket-size", "1000000",
-                      "--train-iters", str(10 * args.rounds * args.steps)] + (["--bf16"] if args.bf16 else []) + extra
+    common = (
+        MODEL
+        + [
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            str(4 * k),
+            "--ddp-bucket-size",
+            "1000000",
+            "--train-iters",
+            str(10 * args.rounds * args.steps),
+        ]
+        + (["--bf16"] if args.bf16 else [])
+        + extra
+    )
     times, collectives = run_distributed(measure, k, args=(common, args.rounds, args.steps), timeout=1800)[0]
     medians = [statistics.median(t) for t in times]
     print(f"{k} ranks, {'bf16' if args.bf16 else 'fp32'}, median of {args.rounds} blocks of {args.steps} steps")
@@ -114,13 +132,24 @@ def main():
         print(f"| {name} | {med:.3f} | {min(t):.3f}..{max(t):.3f} | {med / medians[0]:.3f} |")
     mb = collectives.pop("bytes") / 1e6
     rs_ag = (collectives["reduce-scatter"] + collectives["all-gather"]) / collectives["all-reduce"]
-    print(f"\nbare collectives on {mb:.1f} MB (fp32, {k} ranks): " + ", ".join(
-        f"{name} {sec * 1e3:.0f} ms" for name, sec in collectives.items()) +
-        f"; reduce-scatter + all-gather = {rs_ag:.2f} x all-reduce")
+    print(
+        f"\nbare collectives on {mb:.1f} MB (fp32, {k} ranks): "
+        + ", ".join(f"{name} {sec * 1e3:.0f} ms" for name, sec in collectives.items())
+        + f"; reduce-scatter + all-gather = {rs_ag:.2f} x all-reduce"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"ranks": k, "bf16": args.bf16, "configs": [n for n, _ in CONFIGS], "times": times,
-                       "collectives": collectives}, f, indent=1)
+            json.dump(
+                {
+                    "ranks": k,
+                    "bf16": args.bf16,
+                    "configs": [n for n, _ in CONFIGS],
+                    "times": times,
+                    "collectives": collectives,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -100,12 +100,15 @@ def _one_config(p: int, m: int, v: int, layers_per_rank: int, layer_seconds: flo
     from megalm.pipeline_parallel.p2p_communication import P2PCommunicator
     from megalm.pipeline_parallel.schedules import get_forward_backward_func
 
-    ps.initialize_model_parallel(pipeline_model_parallel_size=p, virtual_pipeline_model_parallel_size=v if v > 1 else None)
+    ps.initialize_model_parallel(
+        pipeline_model_parallel_size=p, virtual_pipeline_model_parallel_size=v if v > 1 else None
+    )
     try:
         rank = ps.get_pipeline_model_parallel_rank()
         per_chunk = layers_per_rank // v
-        chunks = [SleepChunk(per_chunk, layer_seconds, c == 0 and rank == 0, c == v - 1 and rank == p - 1)
-                  for c in range(v)]
+        chunks = [
+            SleepChunk(per_chunk, layer_seconds, c == 0 and rank == 0, c == v - 1 and rank == p - 1) for c in range(v)
+        ]
         schedule = get_forward_backward_func()
         comm = P2PCommunicator(SHAPE, torch.float32)
         steps, busy = [], []
@@ -113,8 +116,13 @@ def _one_config(p: int, m: int, v: int, layers_per_rank: int, layer_seconds: flo
             dist.barrier(group=ps.get_pipeline_model_parallel_group())
             BUSY["seconds"] = 0.0
             start = time.perf_counter()
-            schedule(forward_step_func=_forward_step, data_iterator=_data(), model=chunks, num_microbatches=m,
-                     communicator=comm)
+            schedule(
+                forward_step_func=_forward_step,
+                data_iterator=_data(),
+                model=chunks,
+                num_microbatches=m,
+                communicator=comm,
+            )
             elapsed = torch.tensor([time.perf_counter() - start])
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=ps.get_pipeline_model_parallel_group())
             if i > 0:
@@ -152,25 +160,40 @@ def main() -> None:
     rows = []
     for p in args.pipeline_sizes:
         configs = [(m, v) for m in args.microbatches for v in args.virtual_stages]
-        per_rank = run_distributed(_rank_main, p, args=(p, configs, args.layers_per_rank, args.layer_ms / 1e3,
-                                                        args.iters), timeout=600)
+        per_rank = run_distributed(
+            _rank_main, p, args=(p, configs, args.layers_per_rank, args.layer_ms / 1e3, args.iters), timeout=600
+        )
         for i, (m, v) in enumerate(configs):
             step = per_rank[0][i]["step"]
             idle = [(step - r[i]["busy"]) / step for r in per_rank]
             ideal = m * args.layers_per_rank * 3 * args.layer_ms / 1e3
             overhead = per_rank[0][i]["overhead"]
-            rows.append({"p": p, "m": m, "v": v, "step_s": step, "ideal_compute_s": ideal,
-                         "measured_bubble": statistics.mean(idle), "max_rank_bubble": max(idle),
-                         "overhead_s": overhead, "bubble_without_overhead": (step - overhead - ideal) / (step - overhead),
-                         "theory": theory(p, m, v)})
-    print("| p | m | v | step (s) | ideal compute (s) | bubble measured | theory (p-1)/(vm+p-1) | measured / theory "
-          "| overhead T0 (s) | bubble w/o T0 | w/o T0 / theory |")
+            rows.append(
+                {
+                    "p": p,
+                    "m": m,
+                    "v": v,
+                    "step_s": step,
+                    "ideal_compute_s": ideal,
+                    "measured_bubble": statistics.mean(idle),
+                    "max_rank_bubble": max(idle),
+                    "overhead_s": overhead,
+                    "bubble_without_overhead": (step - overhead - ideal) / (step - overhead),
+                    "theory": theory(p, m, v),
+                }
+            )
+    print(
+        "| p | m | v | step (s) | ideal compute (s) | bubble measured | theory (p-1)/(vm+p-1) | measured / theory "
+        "| overhead T0 (s) | bubble w/o T0 | w/o T0 / theory |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['p']} | {r['m']} | {r['v']} | {r['step_s']:.3f} | {r['ideal_compute_s']:.3f} | "
-              f"{r['measured_bubble']:.3f} | {r['theory']:.3f} | {r['measured_bubble'] / r['theory']:.2f} | "
-              f"{r['overhead_s']:.3f} | {r['bubble_without_overhead']:.3f} | "
-              f"{r['bubble_without_overhead'] / r['theory']:.2f} |")
+        print(
+            f"| {r['p']} | {r['m']} | {r['v']} | {r['step_s']:.3f} | {r['ideal_compute_s']:.3f} | "
+            f"{r['measured_bubble']:.3f} | {r['theory']:.3f} | {r['measured_bubble'] / r['theory']:.2f} | "
+            f"{r['overhead_s']:.3f} | {r['bubble_without_overhead']:.3f} | "
+            f"{r['bubble_without_overhead'] / r['theory']:.2f} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -70,9 +70,17 @@ def train_model(corpus: str, prefix: str, vocab_size: int) -> str:
                     if line.strip():
                         yield line
 
-    spm.SentencePieceTrainer.train(sentence_iterator=lines(), model_prefix=prefix, vocab_size=vocab_size,
-                                   model_type="bpe", input_sentence_size=300_000, shuffle_input_sentence=True,
-                                   byte_fallback=True, minloglevel=2, num_threads=2)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=lines(),
+        model_prefix=prefix,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        input_sentence_size=300_000,
+        shuffle_input_sentence=True,
+        byte_fallback=True,
+        minloglevel=2,
+        num_threads=2,
+    )
     return prefix + ".model"
 
 
@@ -94,12 +102,34 @@ def bare_sentencepiece(corpus: str, model: str, threads: int, out_path: str) -> 
 def megalm_preprocess(corpus: str, model: str, workers: int, prefix: str) -> tuple:
     """(seconds, tokens) of the whole tools/preprocess_data.py command."""
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, TOOL, "--input", corpus, "--output-prefix", prefix, "--tokenizer-type",
-                           "SentencePieceTokenizer", "--tokenizer-model", model, "--append-eod", "--workers",
-                           str(workers), "--no-progress"], capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            TOOL,
+            "--input",
+            corpus,
+            "--output-prefix",
+            prefix,
+            "--tokenizer-type",
+            "SentencePieceTokenizer",
+            "--tokenizer-model",
+            model,
+            "--append-eod",
+            "--workers",
+            str(workers),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     seconds = time.perf_counter() - t0
-    tokens = int(next(line for line in proc.stdout.splitlines() if "tokens:" in line)
-                 .split("tokens:")[1].split()[0].replace(",", ""))
+    tokens = int(
+        next(line for line in proc.stdout.splitlines() if "tokens:" in line)
+        .split("tokens:")[1]
+        .split()[0]
+        .replace(",", "")
+    )
     return seconds, tokens
 
 
@@ -119,7 +149,7 @@ def main() -> None:
     model = args.tokenizer_model or os.path.join(args.work_dir, f"bpe{args.vocab_size}.model")
     if not os.path.exists(model):
         t0 = time.perf_counter()
-        train_model(corpus, model[:-len(".model")], args.vocab_size)
+        train_model(corpus, model[: -len(".model")], args.vocab_size)
         print(f"trained sentencepiece BPE {args.vocab_size} in {time.perf_counter() - t0:.1f} s")
     print(f"corpus: {corpus} ({mb:.1f} MB), model: {model}, cores: {os.cpu_count()}")
 
@@ -128,15 +158,22 @@ def main() -> None:
         for threads in (1, 2):
             name = f"bare sentencepiece encode(list) + numpy write, {threads} thread(s)"
             runs.setdefault(name, []).append(
-                bare_sentencepiece(corpus, model, threads, os.path.join(args.work_dir, f"bare{threads}.bin")))
+                bare_sentencepiece(corpus, model, threads, os.path.join(args.work_dir, f"bare{threads}.bin"))
+            )
         for workers in (1, 2):
             name = f"megalm tools/preprocess_data.py --workers {workers} (whole command)"
             runs.setdefault(name, []).append(
-                megalm_preprocess(corpus, model, workers, os.path.join(args.work_dir, f"megalm_w{workers}")))
+                megalm_preprocess(corpus, model, workers, os.path.join(args.work_dir, f"megalm_w{workers}"))
+            )
     rows = [(name, min(s for s, _ in r), r[0][1]) for name, r in runs.items()]
-    same = all(filecmp.cmp(os.path.join(args.work_dir, f"megalm_w1_text_document{ext}"),
-                           os.path.join(args.work_dir, f"megalm_w2_text_document{ext}"), shallow=False)
-               for ext in (".bin", ".idx"))
+    same = all(
+        filecmp.cmp(
+            os.path.join(args.work_dir, f"megalm_w1_text_document{ext}"),
+            os.path.join(args.work_dir, f"megalm_w2_text_document{ext}"),
+            shallow=False,
+        )
+        for ext in (".bin", ".idx")
+    )
     ref = rows[1][2] / rows[1][1]
     print("\n| what | seconds | tokens | M tokens/s | MB/s | vs bare 2-thread |")
     print("|---|---|---|---|---|---|")

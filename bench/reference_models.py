@@ -40,8 +40,9 @@ def random_batches(shape: dict, count: int = 4):
     import torch
 
     g = torch.Generator().manual_seed(SEED)
-    return [torch.randint(0, shape["vocab"], (shape["micro_batch"], shape["seq"] + 1), generator=g)
-            for _ in range(count)]
+    return [
+        torch.randint(0, shape["vocab"], (shape["micro_batch"], shape["seq"] + 1), generator=g) for _ in range(count)
+    ]
 
 
 def param_groups(named_params):
@@ -124,11 +125,21 @@ def build_hf_model(shape: dict):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["ffn"],
-                      num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
-                      num_key_value_heads=shape["heads"], max_position_embeddings=shape["seq"], rms_norm_eps=1e-5,
-                      tie_word_embeddings=False, attention_bias=False, mlp_bias=False, attention_dropout=0.0,
-                      use_cache=False)
+    cfg = LlamaConfig(
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["ffn"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["heads"],
+        max_position_embeddings=shape["seq"],
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        attention_dropout=0.0,
+        use_cache=False,
+    )
     torch.manual_seed(SEED)
     model = LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa", torch_dtype=torch.float32)
     impl = getattr(model.config, "_attn_implementation", None)

@@ -18,11 +18,20 @@ def flops_per_step(shape: dict) -> float:
     from megalm.config import ModelConfig
     from megalm.training.flops import num_floating_point_operations
 
-    m = ModelConfig(num_layers=shape["layers"], hidden_size=shape["hidden"], ffn_hidden_size=shape["ffn"],
-                    num_attention_heads=shape["heads"], seq_length=shape["seq"], swiglu=True,
-                    vocab_size=shape["vocab"], padded_vocab_size=shape["vocab"],
-                    position_embedding_type="rope", normalization="RMSNorm", add_bias_linear=False,
-                    untie_embeddings_and_output_weights=True)
+    m = ModelConfig(
+        num_layers=shape["layers"],
+        hidden_size=shape["hidden"],
+        ffn_hidden_size=shape["ffn"],
+        num_attention_heads=shape["heads"],
+        seq_length=shape["seq"],
+        swiglu=True,
+        vocab_size=shape["vocab"],
+        padded_vocab_size=shape["vocab"],
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        untie_embeddings_and_output_weights=True,
+    )
     return num_floating_point_operations(m, shape["micro_batch"])
 
 
@@ -30,6 +39,7 @@ def measure_peaks(warmup_s: float = 1.0, repeats: int = 3, precisions=("fp32", "
     """megalm's device peak (CPU: a measured 1024^3 matmul) per precision in ``precisions``, at
     THREADS threads (only those measured: a CPU without native bf16 takes seconds per bf16 matmul)."""
     import torch
+
     from megalm.training import flops
     from megalm.training.flops import device_peak_flops
 
@@ -70,8 +80,10 @@ def quantile(xs: List[float], q: float) -> float:
 
 
 def markdown_table(rows: List[dict]) -> str:
-    head = ("| shape | implementation | precision | fusions | params | step ms (median) | ± IQR/2 | tokens/s | TFLOP/s "
-            "| MFU | vs HF | vs plain | CPU s/step | peak RSS MB | RSS increase MB | first step s |")
+    head = (
+        "| shape | implementation | precision | fusions | params | step ms (median) | ± IQR/2 | tokens/s | TFLOP/s "
+        "| MFU | vs HF | vs plain | CPU s/step | peak RSS MB | RSS increase MB | first step s |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         ratio = lambda v: f"{v:.2f}x" if v is not None else "-"  # noqa: E731
@@ -81,7 +93,8 @@ def markdown_table(rows: List[dict]) -> str:
             f"{r['params'] / 1e6:.2f} M | {r['median_step_s'] * 1e3:.0f} | ±{100 * r['iqr_rel'] / 2:.0f}% | "
             f"{r['tokens_per_s']:,.0f} | {r['tflops']:.3f} | {100 * r['mfu']:.1f}% | {ratio(r['vs_hf'])} | "
             f"{ratio(r['vs_plain'])} | {r['median_cpu_s']:.2f} | {r['maxrss_mb']:,.0f} | "
-            f"{r['rss_increase_mb']:,.0f} | {first} |")
+            f"{r['rss_increase_mb']:,.0f} | {first} |"
+        )
     return "\n".join(lines)
 
 
@@ -90,21 +103,27 @@ def notes(rows: List[dict]) -> List[str]:
     out = []
     for r in rows:
         if r.get("dropped_flags"):
-            out.append(f"{r['shape']} {r['name']}: this megalm does not know {' '.join(r['dropped_flags'])} "
-                       f"(left out)")
+            out.append(f"{r['shape']} {r['name']}: this megalm does not know {' '.join(r['dropped_flags'])} (left out)")
         a, b = r.get("compile_after_warmup"), r.get("compile_at_end")
         if a and b and b["graphs"] > a["graphs"]:
-            out.append(f"{r['shape']} {r['name']}: {b['graphs'] - a['graphs']} torch.compile graph(s) compiled during "
-                       f"the timed steps ({b['seconds'] - a['seconds']:.1f} s): raise --warmup")
+            out.append(
+                f"{r['shape']} {r['name']}: {b['graphs'] - a['graphs']} torch.compile graph(s) compiled during "
+                f"the timed steps ({b['seconds'] - a['seconds']:.1f} s): raise --warmup"
+            )
     noisy = [f"{r['shape']} {r['name']} (±{100 * r['iqr_rel'] / 2:.0f}%)" for r in rows if r["iqr_rel"] > 0.3]
     if noisy:
-        out.append("noisy rows (steps slowed by other jobs in some rounds; see the per-round lines on stderr, "
-                   "rerun on a quieter machine): " + ", ".join(noisy))
+        out.append(
+            "noisy rows (steps slowed by other jobs in some rounds; see the per-round lines on stderr, "
+            "rerun on a quieter machine): " + ", ".join(noisy)
+        )
     unlisted = sorted({f for r in rows for f in (r.get("unlisted_fusion_flags") or [])})
     if unlisted:
         out.append(f"megalm fusion flags in neither MEGALM_FUSION_FLAGS list: {' '.join(unlisted)}")
-    compiled = [f"{r['name']} {r['compile_at_end']['graphs']} graphs / {r['compile_at_end']['seconds']:.1f} s"
-                for r in rows if r.get("compile_at_end") and r["compile_at_end"]["graphs"]]
+    compiled = [
+        f"{r['name']} {r['compile_at_end']['graphs']} graphs / {r['compile_at_end']['seconds']:.1f} s"
+        for r in rows
+        if r.get("compile_at_end") and r["compile_at_end"]["graphs"]
+    ]
     if compiled:
         out.append("megalm torch.compile, graphs / seconds compiling: " + ", ".join(compiled))
     return out
@@ -116,17 +135,21 @@ def profile_tables(rows: List[dict]) -> str:
         p = r.get("profile")
         if not p:
             continue
-        out.append(f"\n### profile: {r['shape']} {r['name']} (per step, median of {p['steps']}: "
-                   f"{p['wall_s'] * 1e3:.0f} ms wall under the profiler, self CPU total "
-                   f"{p['self_cpu_total_us'] / 1e3:.0f} ms)\n")
+        out.append(
+            f"\n### profile: {r['shape']} {r['name']} (per step, median of {p['steps']}: "
+            f"{p['wall_s'] * 1e3:.0f} ms wall under the profiler, self CPU total "
+            f"{p['self_cpu_total_us'] / 1e3:.0f} ms)\n"
+        )
         out.append("| op | self CPU ms/step | % | calls/step |")
         out.append("|---|---|---|---|")
         for e in p["top"]:
             op = e["op"]
             if op.startswith("## Call CompiledFxGraph"):  # inductor graphs are named by a hash
                 op = f"torch.compile graph {op.split()[3][:10]}"
-            out.append(f"| {op} | {e['self_cpu_us'] / 1e3:.1f} | "
-                       f"{100 * e['self_cpu_us'] / max(p['self_cpu_total_us'], 1):.1f} | {e['calls']:g} |")
+            out.append(
+                f"| {op} | {e['self_cpu_us'] / 1e3:.1f} | "
+                f"{100 * e['self_cpu_us'] / max(p['self_cpu_total_us'], 1):.1f} | {e['calls']:g} |"
+            )
     return "\n".join(out)
 
 
@@ -145,8 +168,17 @@ def plot(rows: List[dict], path: str) -> None:
         width = 0.8 / max(len(series), 1)
         for i, (impl, fusions) in enumerate(series):
             label = IMPL_NAMES[impl] + (f", fusions {fusions}" if fusions else "")
-            values = [next((r["tokens_per_s"] for r in sub if r["impl"] == impl and r["fusions"] == fusions
-                            and r["precision"] == p), 0.0) for p in precisions]
+            values = [
+                next(
+                    (
+                        r["tokens_per_s"]
+                        for r in sub
+                        if r["impl"] == impl and r["fusions"] == fusions and r["precision"] == p
+                    ),
+                    0.0,
+                )
+                for p in precisions
+            ]
             xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(precisions))]
             bars = ax.bar(xs, values, width, label=label)
             ax.bar_label(bars, fmt="%.0f", fontsize=7)

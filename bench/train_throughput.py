@@ -84,26 +84,68 @@ for _path in (REPO, os.path.abspath(os.path.dirname(__file__))):  # megalm; the 
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from reference_models import (BETAS, CLIP_GRAD, EPS, IMPL_NAMES, LR, PRECISIONS, SEED,  # noqa: E402
-                              SHAPES, THREADS, WEIGHT_DECAY, build_hf_model, build_plain_model,
-                              random_batches, reference_step, torch_adamw)
-from throughput_report import (flops_per_step, markdown_table, measure_peaks, notes, plot,  # noqa: E402
-                               profile_tables, quantile, update_peaks)
+from reference_models import (  # noqa: E402
+    BETAS,
+    CLIP_GRAD,
+    EPS,
+    IMPL_NAMES,
+    LR,
+    PRECISIONS,
+    SEED,
+    SHAPES,
+    THREADS,
+    WEIGHT_DECAY,
+    build_hf_model,
+    build_plain_model,
+    random_batches,
+    reference_step,
+    torch_adamw,
+)
+from throughput_report import (  # noqa: E402
+    flops_per_step,
+    markdown_table,
+    measure_peaks,
+    notes,
+    plot,
+    profile_tables,
+    quantile,
+    update_peaks,
+)
 
 # --- what megalm is run with ----------------------------------------------------------------------
 # Llama-style architecture; multi-head attention (no GQA), no dropout.
-MEGALM_LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
-                      "--untie-embeddings-and-output-weights", "--disable-bias-linear",
-                      "--hidden-dropout", "0", "--attention-dropout", "0", "--norm-epsilon", "1e-5"]
+MEGALM_LLAMA_FLAGS = [
+    "--normalization",
+    "RMSNorm",
+    "--swiglu",
+    "--position-embedding-type",
+    "rope",
+    "--untie-embeddings-and-output-weights",
+    "--disable-bias-linear",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--norm-epsilon",
+    "1e-5",
+]
 # Fusions "on": megalm's defaults (every fusion enabled; the fused output layer + cross entropy
-# is a default too, its Megatron flag is named anyway); "off": every fusion disabled.  Edit here when megalm grows a new fusion switch.
+# is a default too, its Megatron flag is named anyway); "off": every fusion disabled.  Edit here
+# when megalm grows a new fusion switch.
 # A flag the megalm checkout in use does not know yet is left out (and named in the output), so the
 # benchmark runs before and after a fusion lands; megalm flags mentioning "fusion" that appear in
 # neither list are named in the output too.
 MEGALM_FUSION_FLAGS = {
     "on": ["--cross-entropy-loss-fusion"],
-    "off": ["--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-rope-fusion", "--no-masked-softmax-fusion",
-            "--no-bias-dropout-fusion", "--no-norm-fusion", "--no-cross-entropy-loss-fusion"],
+    "off": [
+        "--no-bias-gelu-fusion",
+        "--no-bias-swiglu-fusion",
+        "--no-rope-fusion",
+        "--no-masked-softmax-fusion",
+        "--no-bias-dropout-fusion",
+        "--no-norm-fusion",
+        "--no-cross-entropy-loss-fusion",
+    ],
 }
 
 # Timed steps per block when --steps is not given (medium steps cost ~8x tiny ones).
@@ -116,6 +158,7 @@ DEFAULT_ALTERNATE = {"tiny": "all", "medium": "precision", "toy": "all"}
 # =================================================================================================
 # Worker side: one configuration per process
 # =================================================================================================
+
 
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
@@ -130,17 +173,58 @@ def _maxrss_bytes() -> int:
 def megalm_argv(shape: dict, precision: str, fusions: str, train_iters: int, loop: bool = False) -> List[str]:
     """megalm's flags for one row; ``loop``: the full-trainer-loop row logs every iteration."""
     b = str(shape["micro_batch"])
-    return (["--num-layers", str(shape["layers"]), "--hidden-size", str(shape["hidden"]),
-             "--num-attention-heads", str(shape["heads"]), "--ffn-hidden-size", str(shape["ffn"]),
-             "--seq-length", str(shape["seq"]), "--max-position-embeddings", str(shape["seq"]),
-             # megalm's NullTokenizer (Megatron's) adds an end-of-document id to --vocab-size: V - 1 gives V.
-             "--vocab-size", str(shape["vocab"] - 1), "--micro-batch-size", b, "--global-batch-size", b,
-             "--train-iters", str(train_iters), "--mock-data", "--num-workers", "0", "--eval-iters", "0",
-             "--log-interval", "1" if loop else str(10 ** 9), "--no-log-memory", "--seed", str(SEED),
-             "--lr", str(LR), "--lr-decay-style", "constant", "--weight-decay", str(WEIGHT_DECAY),
-             "--adam-beta1", str(BETAS[0]), "--adam-beta2", str(BETAS[1]), "--adam-eps", str(EPS),
-             "--clip-grad", str(CLIP_GRAD)]
-            + MEGALM_LLAMA_FLAGS + MEGALM_FUSION_FLAGS[fusions] + (["--bf16"] if precision == "bf16" else []))
+    return (
+        [
+            "--num-layers",
+            str(shape["layers"]),
+            "--hidden-size",
+            str(shape["hidden"]),
+            "--num-attention-heads",
+            str(shape["heads"]),
+            "--ffn-hidden-size",
+            str(shape["ffn"]),
+            "--seq-length",
+            str(shape["seq"]),
+            "--max-position-embeddings",
+            str(shape["seq"]),
+            # megalm's NullTokenizer (Megatron's) adds an end-of-document id to --vocab-size: V - 1 gives V.
+            "--vocab-size",
+            str(shape["vocab"] - 1),
+            "--micro-batch-size",
+            b,
+            "--global-batch-size",
+            b,
+            "--train-iters",
+            str(train_iters),
+            "--mock-data",
+            "--num-workers",
+            "0",
+            "--eval-iters",
+            "0",
+            "--log-interval",
+            "1" if loop else str(10**9),
+            "--no-log-memory",
+            "--seed",
+            str(SEED),
+            "--lr",
+            str(LR),
+            "--lr-decay-style",
+            "constant",
+            "--weight-decay",
+            str(WEIGHT_DECAY),
+            "--adam-beta1",
+            str(BETAS[0]),
+            "--adam-beta2",
+            str(BETAS[1]),
+            "--adam-eps",
+            str(EPS),
+            "--clip-grad",
+            str(CLIP_GRAD),
+        ]
+        + MEGALM_LLAMA_FLAGS
+        + MEGALM_FUSION_FLAGS[fusions]
+        + (["--bf16"] if precision == "bf16" else [])
+    )
 
 
 class Runner:
@@ -177,14 +261,21 @@ class Runner:
             self.params = list(self.model.parameters())
             self.n_params = sum(p.numel() for p in self.params)
         torch.set_num_threads(THREADS)  # megalm's start-up sets threads from the core count
-        out = {"params": self.n_params, "setup_s": time.perf_counter() - t0, "rss_after_build": _rss_bytes(),
-               "threads": torch.get_num_threads()}
+        out = {
+            "params": self.n_params,
+            "setup_s": time.perf_counter() - t0,
+            "rss_after_build": _rss_bytes(),
+            "threads": torch.get_num_threads(),
+        }
         if spec["impl"] == "megalm":
             import megalm
 
-            out.update(megalm_argv=self.argv, megalm_path=os.path.dirname(megalm.__file__),
-                       dropped_flags=self.dropped_flags,
-                       unlisted_fusion_flags=self.unlisted_fusion_flags)
+            out.update(
+                megalm_argv=self.argv,
+                megalm_path=os.path.dirname(megalm.__file__),
+                dropped_flags=self.dropped_flags,
+                unlisted_fusion_flags=self.unlisted_fusion_flags,
+            )
         return out
 
     @staticmethod
@@ -208,8 +299,13 @@ class Runner:
         listed = {f for flags in MEGALM_FUSION_FLAGS.values() for f in flags}
         self.dropped_flags = [f for f in MEGALM_FUSION_FLAGS[spec["fusions"]] if f not in known]
         self.unlisted_fusion_flags = sorted(f for f in known if "fusion" in f and f not in listed)
-        argv = [a for a in megalm_argv(self.shape, spec["precision"], spec["fusions"], spec["train_iters"],
-                                       spec.get("loop", False)) if a not in self.dropped_flags]
+        argv = [
+            a
+            for a in megalm_argv(
+                self.shape, spec["precision"], spec["fusions"], spec["train_iters"], spec.get("loop", False)
+            )
+            if a not in self.dropped_flags
+        ]
         cfg = parse_config(argv, world_size=world_size_from_env())
         trainer = Trainer(cfg, pretrain_gpt.model_provider, pretrain_gpt.forward_step)
         trainer.setup()
@@ -247,12 +343,22 @@ class Runner:
                 out = t.train_iteration()
                 loss = out.losses.get("lm loss")
                 return float(loss) if loss is not None else float("nan")
-            out = train_step(t.cfg, t.forward_step_func, t.train_iter, t.model, t.optimizer, t.scheduler, t.state,
-                             t.microbatches, t.groups)
+            out = train_step(
+                t.cfg,
+                t.forward_step_func,
+                t.train_iter,
+                t.model,
+                t.optimizer,
+                t.scheduler,
+                t.state,
+                t.microbatches,
+                t.groups,
+            )
             loss = out.losses.get("lm loss")
             return float(loss) if loss is not None else float("nan")
-        return reference_step(self.spec["impl"], self.model, self.optimizer, self.params, self._next_batch(),
-                              self.autocast)
+        return reference_step(
+            self.spec["impl"], self.model, self.optimizer, self.params, self._next_batch(), self.autocast
+        )
 
     def run(self, steps: int) -> dict:
         times, cpu, losses = [], [], []
@@ -288,8 +394,12 @@ class Runner:
                 calls[e.key] = e.count
         med = {k: statistics.median(v) for k, v in per_op.items()}
         top = sorted(med, key=med.get, reverse=True)[:row_limit]
-        return {"steps": steps, "wall_s": statistics.median(walls), "self_cpu_total_us": statistics.median(totals),
-                "top": [{"op": k, "self_cpu_us": med[k], "calls": calls[k]} for k in top]}
+        return {
+            "steps": steps,
+            "wall_s": statistics.median(walls),
+            "self_cpu_total_us": statistics.median(totals),
+            "top": [{"op": k, "self_cpu_us": med[k], "calls": calls[k]} for k in top],
+        }
 
 
 def worker_main(spec_json: str) -> None:
@@ -330,6 +440,7 @@ def worker_main(spec_json: str) -> None:
 # Parent side: start workers, alternate them, report
 # =================================================================================================
 
+
 class WorkerError(RuntimeError):
     pass
 
@@ -337,16 +448,27 @@ class WorkerError(RuntimeError):
 class Worker:
     def __init__(self, name: str, spec: dict, log_dir: str):
         self.name, self.spec = name, spec
-        env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS),
-                   TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error",
-                   PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS=str(THREADS),
+            MKL_NUM_THREADS=str(THREADS),
+            TOKENIZERS_PARALLELISM="false",
+            TRANSFORMERS_VERBOSITY="error",
+            PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        )
         env.pop("RANK", None)
         env.pop("WORLD_SIZE", None)
         self.log_path = os.path.join(log_dir, name.replace("/", "_").replace(" ", "_") + ".log")
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--_worker", json.dumps(spec)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     cwd=REPO, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--_worker", json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            cwd=REPO,
+            env=env,
+        )
 
     def receive(self) -> dict:
         line = self.proc.stdout.readline()
@@ -387,7 +509,7 @@ def config_list(args) -> List[dict]:
         for impl in IMPL_NAMES:
             if precision not in args.precision or impl not in args.only:
                 continue
-            for fusions in ([f for f in MEGALM_FUSION_FLAGS if f in args.fusions] if impl == "megalm" else [None]):
+            for fusions in [f for f in MEGALM_FUSION_FLAGS if f in args.fusions] if impl == "megalm" else [None]:
                 out.append({"impl": impl, "precision": precision, "fusions": fusions})
                 if impl == "megalm" and args.trainer_loop:
                     out.append({"impl": impl, "precision": precision, "fusions": fusions, "loop": True})
@@ -403,8 +525,13 @@ def add_loop_ratios(rows: List[dict]) -> None:
     (same shape, precision and fusions; 1.0 = the loop costs nothing)."""
     for row in rows:
         if row.get("loop"):
-            raw = next(r for r in rows if r["impl"] == "megalm" and not r.get("loop") and
-                       (r["shape"], r["precision"], r["fusions"]) == (row["shape"], row["precision"], row["fusions"]))
+            raw = next(
+                r
+                for r in rows
+                if r["impl"] == "megalm"
+                and not r.get("loop")
+                and (r["shape"], r["precision"], r["fusions"]) == (row["shape"], row["precision"], row["fusions"])
+            )
             row["vs_step"] = row["tokens_per_s"] / raw["tokens_per_s"]
 
 
@@ -434,12 +561,17 @@ def run_group(shape_name: str, configs: List[dict], args, steps: int, log_dir: s
             res[w.name] = {"info": w.receive(), "times": [], "cpu_times": [], "compile_end": None}
         for w in workers:
             res[w.name]["info"].update(w.call(cmd="build"))
-            print(f"  built {w.name}: {res[w.name]['info']['params']:,} parameters, "
-                  f"{res[w.name]['info']['setup_s']:.1f} s", file=sys.stderr, flush=True)
+            print(
+                f"  built {w.name}: {res[w.name]['info']['params']:,} parameters, "
+                f"{res[w.name]['info']['setup_s']:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
         for w in workers:
             r = w.call(cmd="run", steps=args.warmup)
-            res[w.name].update(warmup=r["times"], first_loss=r["losses"][0] if r["losses"] else None,
-                               compile_warm=r.get("compile"))
+            res[w.name].update(
+                warmup=r["times"], first_loss=r["losses"][0] if r["losses"] else None, compile_warm=r.get("compile")
+            )
         for rnd in range(args.rounds):
             shift = rnd % len(workers)
             for w in workers[shift:] + workers[:shift]:
@@ -450,9 +582,14 @@ def run_group(shape_name: str, configs: List[dict], args, steps: int, log_dir: s
                 if res[w.name]["first_loss"] is None:
                     res[w.name]["first_loss"] = r["losses"][0]
             update_peaks(peaks, measure_peaks(0.2, 1, args.precision))  # between blocks: nothing else of ours computes
-            print(f"  round {rnd + 1}/{args.rounds}: " + ", ".join(
-                f"{w.name.split('-', 1)[1]} {statistics.median(res[w.name]['times']) * 1e3:.0f} ms" for w in workers),
-                file=sys.stderr, flush=True)
+            print(
+                f"  round {rnd + 1}/{args.rounds}: "
+                + ", ".join(
+                    f"{w.name.split('-', 1)[1]} {statistics.median(res[w.name]['times']) * 1e3:.0f} ms" for w in workers
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
         for w in workers:
             if args.profile:
                 res[w.name]["profile"] = w.call(cmd="profile", steps=args.profile_steps, rows=args.profile_rows)
@@ -468,9 +605,14 @@ def run_shape(shape_name: str, args, peaks: dict, log_dir: str) -> List[dict]:
     steps = args.steps or DEFAULT_STEPS[shape_name]
     configs = config_list(args)
     groups = alternation_groups(shape_name, configs, args.alternate)
-    print(f"\n## shape {shape_name}: " + ", ".join(f"{k} {v}" for k, v in shape.items())
-          + f" | {len(configs)} workers in {len(groups)} alternation group(s), warm-up {args.warmup}, "
-            f"{args.rounds} rounds x {steps} steps", file=sys.stderr, flush=True)
+    print(
+        f"\n## shape {shape_name}: "
+        + ", ".join(f"{k} {v}" for k, v in shape.items())
+        + f" | {len(configs)} workers in {len(groups)} alternation group(s), warm-up {args.warmup}, "
+        f"{args.rounds} rounds x {steps} steps",
+        file=sys.stderr,
+        flush=True,
+    )
     res: Dict[str, dict] = {}
     for group in groups:
         res.update(run_group(shape_name, group, args, steps, log_dir, peaks))
@@ -486,25 +628,43 @@ def run_shape(shape_name: str, args, peaks: dict, log_dir: str) -> List[dict]:
         r = res[names[config_name(c)]]
         info, ts = r["info"], r["times"]
         med = statistics.median(ts)
-        rows.append({
-            "shape": shape_name, "impl": c["impl"], "loop": bool(c.get("loop")),
-            "implementation": "megalm through the full trainer loop" if c.get("loop") else IMPL_NAMES[c["impl"]],
-            "precision": c["precision"], "fusions": c["fusions"], "name": config_name(c),
-            "group": next(i for i, g in enumerate(groups) if c in g),
-            "params": info["params"], "tokens_per_step": tokens, "flops_per_step": flops,
-            "step_times_s": ts, "warmup_times_s": r["warmup"], "median_step_s": med,
-            "step_cpu_s": r["cpu_times"], "median_cpu_s": statistics.median(r["cpu_times"]),
-            "iqr_rel": (quantile(ts, 0.75) - quantile(ts, 0.25)) / med,
-            "tokens_per_s": tokens / med, "tflops": flops / med / 1e12,
-            "maxrss_mb": r["stats"]["maxrss"] / 2 ** 20,
-            "rss_after_import_mb": info["rss_after_import"] / 2 ** 20,
-            "rss_increase_mb": (r["stats"]["maxrss"] - info["rss_after_import"]) / 2 ** 20,
-            "setup_s": info["setup_s"], "first_loss": r["first_loss"], "last_loss": r.get("last_loss"),
-            "threads": info["threads"], "profile": r.get("profile"),
-            "compile_after_warmup": r.get("compile_warm"), "compile_at_end": r.get("compile_end"),
-            "megalm_argv": info.get("megalm_argv"), "megalm_path": info.get("megalm_path"),
-            "dropped_flags": info.get("dropped_flags"), "unlisted_fusion_flags": info.get("unlisted_fusion_flags"),
-        })
+        rows.append(
+            {
+                "shape": shape_name,
+                "impl": c["impl"],
+                "loop": bool(c.get("loop")),
+                "implementation": "megalm through the full trainer loop" if c.get("loop") else IMPL_NAMES[c["impl"]],
+                "precision": c["precision"],
+                "fusions": c["fusions"],
+                "name": config_name(c),
+                "group": next(i for i, g in enumerate(groups) if c in g),
+                "params": info["params"],
+                "tokens_per_step": tokens,
+                "flops_per_step": flops,
+                "step_times_s": ts,
+                "warmup_times_s": r["warmup"],
+                "median_step_s": med,
+                "step_cpu_s": r["cpu_times"],
+                "median_cpu_s": statistics.median(r["cpu_times"]),
+                "iqr_rel": (quantile(ts, 0.75) - quantile(ts, 0.25)) / med,
+                "tokens_per_s": tokens / med,
+                "tflops": flops / med / 1e12,
+                "maxrss_mb": r["stats"]["maxrss"] / 2**20,
+                "rss_after_import_mb": info["rss_after_import"] / 2**20,
+                "rss_increase_mb": (r["stats"]["maxrss"] - info["rss_after_import"]) / 2**20,
+                "setup_s": info["setup_s"],
+                "first_loss": r["first_loss"],
+                "last_loss": r.get("last_loss"),
+                "threads": info["threads"],
+                "profile": r.get("profile"),
+                "compile_after_warmup": r.get("compile_warm"),
+                "compile_at_end": r.get("compile_end"),
+                "megalm_argv": info.get("megalm_argv"),
+                "megalm_path": info.get("megalm_path"),
+                "dropped_flags": info.get("dropped_flags"),
+                "unlisted_fusion_flags": info.get("unlisted_fusion_flags"),
+            }
+        )
     for row in rows:
         for ref, key in (("hf", "vs_hf"), ("plain", "vs_plain")):
             other = next((r for r in rows if r["impl"] == ref and r["precision"] == row["precision"]), None)
@@ -514,31 +674,52 @@ def run_shape(shape_name: str, args, peaks: dict, log_dir: str) -> List[dict]:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="all", choices=["tiny", "medium", "all", "toy"],
-                    help="all = tiny then medium; toy is for tests")
-    ap.add_argument("--steps", type=int, default=None,
-                    help=f"timed steps per block (default per shape: {DEFAULT_STEPS})")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--shape",
+        default="all",
+        choices=["tiny", "medium", "all", "toy"],
+        help="all = tiny then medium; toy is for tests",
+    )
+    ap.add_argument(
+        "--steps", type=int, default=None, help=f"timed steps per block (default per shape: {DEFAULT_STEPS})"
+    )
     ap.add_argument("--rounds", type=int, default=None, help="rounds of alternation (default 5; --quick 2)")
-    ap.add_argument("--warmup", type=int, default=None,
-                    help="untimed steps per worker before the rounds (default 2; --quick 1)")
+    ap.add_argument(
+        "--warmup", type=int, default=None, help="untimed steps per worker before the rounds (default 2; --quick 1)"
+    )
     ap.add_argument("--only", default="megalm,hf,plain", help="comma list of megalm, hf, plain")
     ap.add_argument("--precision", default="fp32,bf16", help="comma list of fp32, bf16")
     ap.add_argument("--fusions", default="on,off", help="megalm rows: comma list of on, off")
-    ap.add_argument("--alternate", default="auto", choices=["auto", "all", "precision"],
-                    help="alternate all rows of a shape together, or each precision's rows as a group "
-                         f"(auto: {DEFAULT_ALTERNATE})")
-    ap.add_argument("--megalm-data", default="random", choices=["random", "mock"],
-                    help="megalm's batches: the shared random tokens (default) or its --mock-data loader")
-    ap.add_argument("--trainer-loop", action="store_true",
-                    help="add a row per megalm row: megalm through the full trainer loop (its data loader, a log "
-                         "line every iteration, timers at level 0), with its speed ratio to the raw train_step row")
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke run: warm-up 1, 2 rounds of 1 step (explicit --warmup/--rounds/--steps win)")
+    ap.add_argument(
+        "--alternate",
+        default="auto",
+        choices=["auto", "all", "precision"],
+        help=f"alternate all rows of a shape together, or each precision's rows as a group (auto: {DEFAULT_ALTERNATE})",
+    )
+    ap.add_argument(
+        "--megalm-data",
+        default="random",
+        choices=["random", "mock"],
+        help="megalm's batches: the shared random tokens (default) or its --mock-data loader",
+    )
+    ap.add_argument(
+        "--trainer-loop",
+        action="store_true",
+        help="add a row per megalm row: megalm through the full trainer loop (its data loader, a log "
+        "line every iteration, timers at level 0), with its speed ratio to the raw train_step row",
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: warm-up 1, 2 rounds of 1 step (explicit --warmup/--rounds/--steps win)",
+    )
     ap.add_argument("--profile", action="store_true", help="after timing, torch.profiler top ops of every row")
-    ap.add_argument("--profile-steps", type=int, default=3,
-                    help="steps profiled per row (default 3; per op the median)")
+    ap.add_argument(
+        "--profile-steps", type=int, default=3, help="steps profiled per row (default 3; per op the median)"
+    )
     ap.add_argument("--profile-rows", type=int, default=15, help="ops listed per row (default 15)")
     ap.add_argument("--json", default=None, help="write every row (with all step times) here")
     ap.add_argument("--plot", default=None, help="write a bar chart (PNG) here; needs matplotlib")
@@ -547,8 +728,11 @@ def parse_args(argv=None):
     args.only = [x.strip() for x in args.only.split(",") if x.strip()]
     args.precision = [x.strip() for x in args.precision.split(",") if x.strip()]
     args.fusions = [x.strip() for x in args.fusions.split(",") if x.strip()]
-    for name, values, allowed in (("--only", args.only, IMPL_NAMES), ("--precision", args.precision, PRECISIONS),
-                                  ("--fusions", args.fusions, MEGALM_FUSION_FLAGS)):
+    for name, values, allowed in (
+        ("--only", args.only, IMPL_NAMES),
+        ("--precision", args.precision, PRECISIONS),
+        ("--fusions", args.fusions, MEGALM_FUSION_FLAGS),
+    ):
         bad = [v for v in values if v not in allowed]
         if bad or not values:
             ap.error(f"{name}: {bad or values} not in {list(allowed)}")
@@ -585,8 +769,11 @@ def main(argv=None) -> List[dict]:
     os.makedirs(log_dir, exist_ok=True)
     t_start = time.perf_counter()
     peaks = measure_peaks(*((0.2, 1) if args.quick else (1.0, 3)), precisions=args.precision)
-    print(f"matmul peaks ({THREADS} threads): " + ", ".join(
-        f"{k} {v['flops'] / 1e9:.0f} GFLOP/s ({v['source']})" for k, v in peaks.items()), file=sys.stderr)
+    print(
+        f"matmul peaks ({THREADS} threads): "
+        + ", ".join(f"{k} {v['flops'] / 1e9:.0f} GFLOP/s ({v['source']})" for k, v in peaks.items()),
+        file=sys.stderr,
+    )
     rows: List[dict] = []
     for shape_name in args.shapes:
         rows += run_shape(shape_name, args, peaks, log_dir)
@@ -601,27 +788,48 @@ def main(argv=None) -> List[dict]:
         tf_version = transformers.__version__
     except ImportError:
         tf_version = None
-    print(f"\nTraining-step throughput, {THREADS} threads, fwd+bwd+AdamW; median of "
-          f"{len(rows[0]['step_times_s'])} alternated steps per row" if rows else "")
+    print(
+        f"\nTraining-step throughput, {THREADS} threads, fwd+bwd+AdamW; median of "
+        f"{len(rows[0]['step_times_s'])} alternated steps per row"
+        if rows
+        else ""
+    )
     print(markdown_table(rows))
     measured = ", ".join(f"{k} {v['flops'] / 1e9:.0f} GFLOP/s" for k, v in peaks.items())
-    print(f"\nMFU against the best matmul peak measured during the run: {measured} (megalm's device_peak_flops: a "
-          f"1024^3 matmul, best of {next(iter(peaks.values()))['measurements']}); "
-          f"FLOPs per step: " + ", ".join(f"{s} {flops_per_step(SHAPES[s]) / 1e9:.1f} G" for s in args.shapes)
-          + f". torch {torch.__version__}, transformers {tf_version}. Total {elapsed:.0f} s.")
+    print(
+        f"\nMFU against the best matmul peak measured during the run: {measured} (megalm's device_peak_flops: a "
+        f"1024^3 matmul, best of {next(iter(peaks.values()))['measurements']}); "
+        f"FLOPs per step: "
+        + ", ".join(f"{s} {flops_per_step(SHAPES[s]) / 1e9:.1f} G" for s in args.shapes)
+        + f". torch {torch.__version__}, transformers {tf_version}. Total {elapsed:.0f} s."
+    )
     for note in notes(rows):
         print(f"- {note}")
     for r in rows:
         if r.get("loop"):
-            print(f"- {r['shape']} {r['precision']} fusions {r['fusions']}: full trainer loop / raw train_step "
-                  f"tokens/s = {r['vs_step']:.3f} ({100 * (1 - r['vs_step']):+.1f}% loop cost)")
+            print(
+                f"- {r['shape']} {r['precision']} fusions {r['fusions']}: full trainer loop / raw train_step "
+                f"tokens/s = {r['vs_step']:.3f} ({100 * (1 - r['vs_step']):+.1f}% loop cost)"
+            )
     if args.profile:
         print(profile_tables(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"peaks": peaks, "threads": THREADS, "torch": torch.__version__, "transformers": tf_version,
-                       "megalm_fusion_flags": MEGALM_FUSION_FLAGS, "megalm_llama_flags": MEGALM_LLAMA_FLAGS,
-                       "args": {k: v for k, v in vars(args).items()}, "elapsed_s": elapsed, "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "peaks": peaks,
+                    "threads": THREADS,
+                    "torch": torch.__version__,
+                    "transformers": tf_version,
+                    "megalm_fusion_flags": MEGALM_FUSION_FLAGS,
+                    "megalm_llama_flags": MEGALM_LLAMA_FLAGS,
+                    "args": {k: v for k, v in vars(args).items()},
+                    "elapsed_s": elapsed,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
     if args.plot:
         plot(rows, args.plot)
     return rows

@@ -29,7 +29,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", required=True, help="JSON Lines file to write")
     parser.add_argument("--max-mb", type=float, default=20.0, help="stop after this many MB of text")
-    parser.add_argument("--root", default=sysconfig.get_paths()["stdlib"], help="directory to read (default: the stdlib)")
+    parser.add_argument(
+        "--root", default=sysconfig.get_paths()["stdlib"], help="directory to read (default: the stdlib)"
+    )
     args = parser.parse_args(argv)
     limit = int(args.max_mb * 1e6)
     written = docs = 0

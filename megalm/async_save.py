@@ -69,6 +69,7 @@ class AsyncCheckpointWriter:
         iteration, error = self._iteration, self._error
         self._thread = self._iteration = self._error = None
         if error is not None:
-            raise AsyncSaveError(f"the background save of iteration {iteration} failed: "
-                                 f"{type(error).__name__}: {error}") from error
+            raise AsyncSaveError(
+                f"the background save of iteration {iteration} failed: {type(error).__name__}: {error}"
+            ) from error
         return iteration

@@ -24,8 +24,11 @@ def describe_io_error(e: BaseException, path: str, writing: bool = True) -> str:
     reports only "file write failed")."""
     leaves = leaf_errors(e)
     text = "; ".join(dict.fromkeys(f"{type(x).__name__}: {first_line(x)}" for x in leaves))
-    full = any(isinstance(x, OSError) and x.errno == errno.ENOSPC for x in leaves) \
-        or "No space left on device" in text or (writing and disk_nearly_full(path))
+    full = (
+        any(isinstance(x, OSError) and x.errno == errno.ENOSPC for x in leaves)
+        or "No space left on device" in text
+        or (writing and disk_nearly_full(path))
+    )
     return f"No space left on device ({text})" if full and writing else text
 
 

@@ -82,8 +82,7 @@ def write_rank_manifest(path: str, rank: int) -> str:
         files[name] = {"size": size, ALGORITHM: digest}
     os.makedirs(os.path.join(path, RANK_DIR), exist_ok=True)
     out = os.path.join(path, rank_manifest_name(rank))
-    _write_json_atomic(out, {"format_version": FORMAT_VERSION, "rank": rank, "algorithm": ALGORITHM,
-                             "files": files})
+    _write_json_atomic(out, {"format_version": FORMAT_VERSION, "rank": rank, "algorithm": ALGORITHM, "files": files})
     return out
 
 
@@ -94,9 +93,16 @@ def write_index(path: str, iteration: int, world: int) -> None:
         name = rank_manifest_name(rank)
         size, digest = file_digest(os.path.join(path, name))
         ranks[name] = {"size": size, ALGORITHM: digest}
-    _write_json_atomic(os.path.join(path, INDEX_FILENAME),
-                       {"format_version": FORMAT_VERSION, "algorithm": ALGORITHM, "iteration": iteration,
-                        "world_size": world, "rank_manifests": ranks})
+    _write_json_atomic(
+        os.path.join(path, INDEX_FILENAME),
+        {
+            "format_version": FORMAT_VERSION,
+            "algorithm": ALGORITHM,
+            "iteration": iteration,
+            "world_size": world,
+            "rank_manifests": ranks,
+        },
+    )
 
 
 def write_for_one_process(path: str, iteration: int) -> None:

@@ -54,8 +54,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megalm import checkpoint_manifest, parallel_state
 from megalm.async_save import AsyncCheckpointWriter
 from megalm.checkpoint_io_errors import describe_io_error, first_line, save_dir_problem
-from megalm.dist_checkpointing import (ShardedStateDict, ShardedTensorSpec, load_sharded,
-                                      save_sharded, saved_tensor_shapes)
+from megalm.dist_checkpointing import (
+    ShardedStateDict,
+    ShardedTensorSpec,
+    load_sharded,
+    save_sharded,
+    saved_tensor_shapes,
+)
 from megalm.errors import MegalmError
 from megalm.log import get_logger
 from megalm.param_layout import param_spec
@@ -78,6 +83,7 @@ def checkpoint_dir(root: str, iteration: int) -> str:
 
 
 # --- describing the model's tensors as blocks of global tensors ------------------------
+
 
 def finish_param_sync(model_chunks: Sequence[torch.nn.Module]) -> None:
     """Wait for pending parameter all-gathers (distributed optimizer with overlapped gathers)."""
@@ -129,15 +135,19 @@ def model_sharded_state(model_chunks: Sequence[torch.nn.Module]) -> ShardedState
 
 # --- RNG -------------------------------------------------------------------------------
 
+
 def get_rng_state() -> Dict[str, object]:
     from megalm.tensor_parallel.random import get_rng_tracker
 
     np_state = np.random.get_state()
     state = {
-        "python": list(random.getstate()[1]), "python_version": random.getstate()[0],
+        "python": list(random.getstate()[1]),
+        "python_version": random.getstate()[0],
         "python_gauss": random.getstate()[2],
-        "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)), "numpy_pos": int(np_state[2]),
-        "numpy_has_gauss": int(np_state[3]), "numpy_gauss": float(np_state[4]),
+        "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
+        "numpy_pos": int(np_state[2]),
+        "numpy_has_gauss": int(np_state[3]),
+        "numpy_gauss": float(np_state[4]),
         "torch": torch.get_rng_state(),
         "tracker": {k: v for k, v in get_rng_tracker().get_states().items()},
     }
@@ -150,8 +160,15 @@ def set_rng_state(state: Dict[str, object]) -> None:
     from megalm.tensor_parallel.random import get_rng_tracker
 
     random.setstate((state["python_version"], tuple(state["python"]), state["python_gauss"]))
-    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), state["numpy_pos"],
-                         state["numpy_has_gauss"], state["numpy_gauss"]))
+    np.random.set_state(
+        (
+            "MT19937",
+            state["numpy_keys"].numpy().astype(np.uint32),
+            state["numpy_pos"],
+            state["numpy_has_gauss"],
+            state["numpy_gauss"],
+        )
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -160,10 +177,19 @@ def set_rng_state(state: Dict[str, object]) -> None:
 
 # --- save --------------------------------------------------------------------------------
 
-def save_checkpoint(root: str, iteration: int, model_chunks, optimizer=None, scheduler=None,
-                    consumed_train_samples: int = 0, consumed_valid_samples: int = 0,
-                    config: Optional[dict] = None, extra: Optional[dict] = None,
-                    async_writer: Optional[AsyncCheckpointWriter] = None) -> str:
+
+def save_checkpoint(
+    root: str,
+    iteration: int,
+    model_chunks,
+    optimizer=None,
+    scheduler=None,
+    consumed_train_samples: int = 0,
+    consumed_valid_samples: int = 0,
+    config: Optional[dict] = None,
+    extra: Optional[dict] = None,
+    async_writer: Optional[AsyncCheckpointWriter] = None,
+) -> str:
     """Collective over all ranks.  Returns the iteration directory.
 
     Communication: a barrier once rank 0 has prepared the directory; DCP's save (its plan
@@ -193,12 +219,17 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer=None, sch
     common = None
     if rank == 0:
         common = {
-            "format_version": FORMAT_VERSION, "iteration": iteration,
-            "consumed_train_samples": consumed_train_samples, "consumed_valid_samples": consumed_valid_samples,
-            "world_size": world, "layout": _layout(),
-            "config": config, "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "format_version": FORMAT_VERSION,
+            "iteration": iteration,
+            "consumed_train_samples": consumed_train_samples,
+            "consumed_valid_samples": consumed_valid_samples,
+            "world_size": world,
+            "layout": _layout(),
+            "config": config,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "optimizer_common": optimizer.common_state_dict() if optimizer is not None else None,
-            "extra": extra or {}, "saved_at": time.time(),
+            "extra": extra or {},
+            "saved_at": time.time(),
         }
     if async_writer is None:
         _on_every_rank(lambda: _write_files(specs, path, common, rank), path)
@@ -283,6 +314,7 @@ def check_save_dir(save: str) -> None:
 
 def stage_to_cpu(specs: ShardedStateDict) -> ShardedStateDict:
     """A copy of every block in new CPU memory (what an asynchronous save writes)."""
+
     def copy(spec: ShardedTensorSpec) -> ShardedTensorSpec:
         local = spec.local.detach().to("cpu", copy=True)
         return ShardedTensorSpec(local, spec.global_shape, spec.offsets)
@@ -302,10 +334,12 @@ def _write_tracker(root: str, iteration: int) -> None:
 
 
 def _layout() -> dict:
-    return {"tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
-            "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
-            "data_parallel_size": parallel_state.get_data_parallel_world_size(),
-            "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size()}
+    return {
+        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+        "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+        "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size(),
+    }
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -324,6 +358,7 @@ def _barrier() -> None:
 
 # --- optimizer adapters ------------------------------------------------------------------
 
+
 def optimizer_sharded_state(optimizer, model_chunks, tied_copies: bool = False) -> ShardedStateDict:
     """Optimizer tensors (main weights, moments) keyed ``optimizer.<global parameter name>.<state>``.
 
@@ -341,11 +376,12 @@ def optimizer_sharded_state(optimizer, model_chunks, tied_copies: bool = False) 
                 renames[f"optimizer.{name}."] = f"optimizer.{source}."
     specs = optimizer.sharded_state_dict(params)
     for old, new in renames.items():
-        specs = {(new + k[len(old):] if k.startswith(old) else k): v for k, v in specs.items()}
+        specs = {(new + k[len(old) :] if k.startswith(old) else k): v for k, v in specs.items()}
     return specs
 
 
 # --- load --------------------------------------------------------------------------------
+
 
 def read_tracker(root: str) -> Optional[int]:
     tracker = os.path.join(root, TRACKER_FILENAME)
@@ -373,8 +409,13 @@ def find_checkpoint(root: str, iteration: Optional[int] = None) -> Optional[str]
     return path
 
 
-def checkpoint_to_resume(load: str, save: Optional[str], ckpt_step: Optional[int] = None,
-                         exit_on_missing: bool = False, fallback: bool = False) -> bool:
+def checkpoint_to_resume(
+    load: str,
+    save: Optional[str],
+    ckpt_step: Optional[int] = None,
+    exit_on_missing: bool = False,
+    fallback: bool = False,
+) -> bool:
     """Whether ``--load`` has a checkpoint to load (True), or training may start from scratch
     (False: Megatron's auto-resume, ``--load`` = ``--save`` with no checkpoint written yet).
 
@@ -392,8 +433,10 @@ def checkpoint_to_resume(load: str, save: Optional[str], ckpt_step: Optional[int
     if exit_on_missing:
         why = "--exit-on-missing-checkpoint"
     elif save is None or os.path.abspath(load) != os.path.abspath(save):
-        why = ("starting from scratch needs --load and --save to name the same directory (Megatron-style "
-               "auto-resume); check the path")
+        why = (
+            "starting from scratch needs --load and --save to name the same directory (Megatron-style "
+            "auto-resume); check the path"
+        )
     elif os.path.isdir(load) and any(n.startswith("iter_") for n in os.listdir(load)):
         why = "it holds iter_* directories: restore or remove them, or write the tracker file by hand"
     if why is not None:
@@ -412,9 +455,17 @@ def read_common(path: str) -> dict:
     return common
 
 
-def load_checkpoint(root: str, model_chunks, optimizer=None, scheduler=None, load_optim: bool = True,
-                    load_rng: bool = True, finetune: bool = False, iteration: Optional[int] = None,
-                    fallback: bool = False) -> dict:
+def load_checkpoint(
+    root: str,
+    model_chunks,
+    optimizer=None,
+    scheduler=None,
+    load_optim: bool = True,
+    load_rng: bool = True,
+    finetune: bool = False,
+    iteration: Optional[int] = None,
+    fallback: bool = False,
+) -> dict:
     """Collective.  Verifies the checkpoint (:func:`verified_checkpoint`), fills the model (and
     optimizer/scheduler/RNG) in place; returns common.json's content.
 
@@ -437,8 +488,9 @@ def load_checkpoint(root: str, model_chunks, optimizer=None, scheduler=None, loa
         raise CheckpointError(f"failed to load {path}: {describe_io_error(e, path, writing=False)}") from e
     if with_optim:
         # Missing fp32 main weights (e.g. an fp32 checkpoint resumed with --bf16) are rebuilt from the model's.
-        optimizer.load_sharded_state_dict(common.get("optimizer_common") or {},
-                                          main_params_loaded=not main_params_missing)
+        optimizer.load_sharded_state_dict(
+            common.get("optimizer_common") or {}, main_params_loaded=not main_params_missing
+        )
         if scheduler is not None and common.get("scheduler") is not None:
             scheduler.load_state_dict(common["scheduler"])
     elif optimizer is not None:
@@ -466,8 +518,10 @@ def _load_specs(model_chunks, optimizer, saved: Dict[str, tuple]):
     missing = sorted(k for k in opt_specs if k not in saved)
     other_missing = [k for k in missing if not k.endswith(".main_param")]
     if other_missing:
-        raise CheckpointError(f"checkpoint has no optimizer state for {other_missing[:3]} "
-                              f"({len(other_missing)} tensors); load with --no-load-optim to start a fresh optimizer")
+        raise CheckpointError(
+            f"checkpoint has no optimizer state for {other_missing[:3]} "
+            f"({len(other_missing)} tensors); load with --no-load-optim to start a fresh optimizer"
+        )
     for key in missing:
         del opt_specs[key]
     specs: ShardedStateDict = {}
@@ -487,8 +541,9 @@ def load_rng_state(path: str, common: dict) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     if common.get("world_size") != world or common.get("layout") != _layout():
-        logger.info(f"checkpoint was saved with layout {common.get('layout')}, now {_layout()}: "
-                    f"RNG states are not restored")
+        logger.info(
+            f"checkpoint was saved with layout {common.get('layout')}, now {_layout()}: RNG states are not restored"
+        )
         return
     file = os.path.join(path, "rng", f"rank_{rank:05d}.pt")
     state, error = None, None
@@ -503,6 +558,7 @@ def load_rng_state(path: str, common: dict) -> None:
 
 
 # --- verification ------------------------------------------------------------------------
+
 
 def checkpoint_iterations(root: str) -> List[int]:
     """The iterations of the ``iter_NNNNNNN`` directories under ``root``, newest first."""
@@ -534,8 +590,10 @@ def _verify_local(path: str, iteration: int, rank: int, world: int) -> Optional[
         if os.path.isdir(os.path.join(path, checkpoint_manifest.RANK_DIR)):
             return f"{checkpoint_manifest.INDEX_FILENAME}: missing (the save never completed)"
         if rank == 0:
-            logger.info(f"warning: checkpoint {path} has no {checkpoint_manifest.INDEX_FILENAME} (written before "
-                        f"megalm verified checkpoints): loading it unverified")
+            logger.info(
+                f"warning: checkpoint {path} has no {checkpoint_manifest.INDEX_FILENAME} (written before "
+                f"megalm verified checkpoints): loading it unverified"
+            )
         return None
     index, error = checkpoint_manifest.read_index(path)
     if error is not None:

@@ -47,12 +47,15 @@ class ShardedTensorSpec:
 
     def __post_init__(self):
         if len(self.global_shape) != self.local.dim() or len(self.offsets) != self.local.dim():
-            raise ValueError(f"shard of shape {tuple(self.local.shape)} does not match global shape "
-                             f"{tuple(self.global_shape)} / offsets {tuple(self.offsets)}")
+            raise ValueError(
+                f"shard of shape {tuple(self.local.shape)} does not match global shape "
+                f"{tuple(self.global_shape)} / offsets {tuple(self.offsets)}"
+            )
         for size, off, full in zip(self.local.shape, self.offsets, self.global_shape):
             if off < 0 or off + size > full:
-                raise ValueError(f"shard {tuple(self.local.shape)} at {tuple(self.offsets)} lies outside "
-                                 f"{tuple(self.global_shape)}")
+                raise ValueError(
+                    f"shard {tuple(self.local.shape)} at {tuple(self.offsets)} lies outside {tuple(self.global_shape)}"
+                )
 
     @classmethod
     def replicated(cls, tensor: torch.Tensor) -> "ShardedTensorSpec":
@@ -91,8 +94,7 @@ def flat_range_blocks(shape: Sequence[int], start: int, end: int) -> List[Tuple[
     inner = math.prod(shape[1:])
 
     def in_row(row: int, lo: int, hi: int):
-        return [(row * inner + fs, (row,) + off, (1,) + size)
-                for fs, off, size in flat_range_blocks(shape[1:], lo, hi)]
+        return [(row * inner + fs, (row,) + off, (1,) + size) for fs, off, size in flat_range_blocks(shape[1:], lo, hi)]
 
     first, last = start // inner, (end - 1) // inner
     if first == last:
@@ -102,8 +104,9 @@ def flat_range_blocks(shape: Sequence[int], start: int, end: int) -> List[Tuple[
     if start % inner:
         blocks += in_row(first, start % inner, inner)
     if full_end > full_start:
-        blocks.append((full_start * inner, (full_start,) + (0,) * (len(shape) - 1),
-                       (full_end - full_start,) + shape[1:]))
+        blocks.append(
+            (full_start * inner, (full_start,) + (0,) * (len(shape) - 1), (full_end - full_start,) + shape[1:])
+        )
     if end % inner:
         blocks += in_row(full_end, 0, end % inner)
     return blocks
@@ -121,12 +124,17 @@ class _ShardSavePlanner(DefaultSavePlanner):
             for spec in _as_list(value):
                 if spec.local.numel() == 0:
                     continue
-                items.append(WriteItem(
-                    index=MetadataIndex(fqn, torch.Size(spec.offsets)),
-                    type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(chunk=spec.chunk(),
-                                                properties=TensorProperties.create_from_tensor(spec.local),
-                                                size=torch.Size(spec.global_shape))))
+                items.append(
+                    WriteItem(
+                        index=MetadataIndex(fqn, torch.Size(spec.offsets)),
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(
+                            chunk=spec.chunk(),
+                            properties=TensorProperties.create_from_tensor(spec.local),
+                            size=torch.Size(spec.global_shape),
+                        ),
+                    )
+                )
         self.plan = SavePlan(items)
         return self.plan
 
@@ -156,8 +164,9 @@ class _ShardLoadPlanner(DefaultLoadPlanner):
                 raise ValueError(f"checkpoint entry {fqn!r} is not a tensor")
             for shape in self._shapes[fqn]:
                 if tuple(saved.size) != shape:
-                    raise ValueError(f"checkpoint tensor {fqn!r} has shape {tuple(saved.size)}, "
-                                     f"the model expects {shape}")
+                    raise ValueError(
+                        f"checkpoint tensor {fqn!r} has shape {tuple(saved.size)}, the model expects {shape}"
+                    )
             if specs:
                 requests += create_read_items_for_chunk_list(fqn, saved, [s.chunk() for s in specs])
         self.plan = LoadPlan(requests)
@@ -188,8 +197,12 @@ def load_sharded(specs: ShardedStateDict, path: str, strict: bool = True, proces
         for spec in _as_list(value):
             if not spec.local.is_contiguous():
                 raise ValueError(f"load target {fqn!r} must be contiguous")
-    dcp.load(_locals(specs), storage_reader=SafeFileSystemReader(path), planner=_ShardLoadPlanner(specs, strict),
-             process_group=process_group)
+    dcp.load(
+        _locals(specs),
+        storage_reader=SafeFileSystemReader(path),
+        planner=_ShardLoadPlanner(specs, strict),
+        process_group=process_group,
+    )
 
 
 def saved_tensor_shapes(path: str) -> Dict[str, tuple]:

@@ -44,8 +44,9 @@ class _StdHandler(logging.StreamHandler):
         return getattr(sys, self._name)
 
 
-def setup_logging(rank: int = 0, world_size: int = 1, info_rank: Optional[int] = 0,
-                  level: int = logging.INFO, stream="stdout") -> logging.Logger:
+def setup_logging(
+    rank: int = 0, world_size: int = 1, info_rank: Optional[int] = 0, level: int = logging.INFO, stream="stdout"
+) -> logging.Logger:
     """Configure the ``megalm`` logger for this process (idempotent: replaces its handler).
 
     ``stream``: ``"stdout"`` (training logs, as Megatron prints them), ``"stderr"`` (command-line

@@ -44,20 +44,20 @@ class ProcessGroups:
     ``"embd" in ranks`` tells membership.
     """
 
-    tp: Optional[object] = None          # tensor parallel
-    cp: Optional[object] = None          # context parallel
-    dp: Optional[object] = None          # data parallel (dense parameters)
-    dp_cp: Optional[object] = None       # data x context parallel (dense gradient reduction)
-    pp: Optional[object] = None          # pipeline stages of one model replica
-    mp: Optional[object] = None          # tensor x pipeline: one model replica (grad norm, found-inf)
-    tp_cp: Optional[object] = None       # tensor x context
-    tp_dp_cp: Optional[object] = None    # every rank of one pipeline stage
-    ep: Optional[object] = None          # expert parallel
-    expt_dp: Optional[object] = None     # expert data parallel (expert gradient reduction)
-    tp_ep: Optional[object] = None       # expert tensor x expert (an MoE layer's token exchange)
-    tp_ep_pp: Optional[object] = None    # one full set of experts (expert part of the grad norm)
-    embd: Optional[object] = None        # first and last pipeline stage (tied embedding grads)
-    pos_embd: Optional[object] = None    # first pipeline stage (position embedding)
+    tp: Optional[object] = None  # tensor parallel
+    cp: Optional[object] = None  # context parallel
+    dp: Optional[object] = None  # data parallel (dense parameters)
+    dp_cp: Optional[object] = None  # data x context parallel (dense gradient reduction)
+    pp: Optional[object] = None  # pipeline stages of one model replica
+    mp: Optional[object] = None  # tensor x pipeline: one model replica (grad norm, found-inf)
+    tp_cp: Optional[object] = None  # tensor x context
+    tp_dp_cp: Optional[object] = None  # every rank of one pipeline stage
+    ep: Optional[object] = None  # expert parallel
+    expt_dp: Optional[object] = None  # expert data parallel (expert gradient reduction)
+    tp_ep: Optional[object] = None  # expert tensor x expert (an MoE layer's token exchange)
+    tp_ep_pp: Optional[object] = None  # one full set of experts (expert part of the grad norm)
+    embd: Optional[object] = None  # first and last pipeline stage (tied embedding grads)
+    pos_embd: Optional[object] = None  # first pipeline stage (position embedding)
     # Node-aware halves of dp_cp / expt_dp (--hierarchical-grad-reduce, see node_split): the group's
     # ranks on this node, and its ranks with this rank's intra-node index on the other nodes.
     # Absent from ``ranks`` when the group does not split evenly over nodes.
@@ -112,7 +112,8 @@ def node_split(members: Sequence[int], ranks_per_node: int) -> Tuple[List[List[i
         raise NodeLayoutError(
             f"group {list(members)} does not split evenly over nodes of {ranks_per_node} ranks "
             f"(members per node: {[len(g) for g in intra]}): hierarchical reduction needs the same number "
-            f"of its ranks on every node; change the layout or drop --hierarchical-grad-reduce")
+            f"of its ranks on every node; change the layout or drop --hierarchical-grad-reduce"
+        )
     per_node = counts.pop()
     return intra, [[g[i] for g in intra] for i in range(per_node)]
 
@@ -144,10 +145,20 @@ def resolve_group(group, name: str):
 
 # compute_layout name -> ProcessGroups field
 _FIELD_OF_LAYOUT = {
-    "tensor": "tp", "context": "cp", "data": "dp", "data_context": "dp_cp", "pipeline": "pp",
-    "model": "mp", "tensor_context": "tp_cp", "tensor_data_context": "tp_dp_cp", "expert": "ep",
-    "expert_data": "expt_dp", "expert_tensor_expert": "tp_ep", "expert_model": "tp_ep_pp",
-    "embedding": "embd", "position_embedding": "pos_embd",
+    "tensor": "tp",
+    "context": "cp",
+    "data": "dp",
+    "data_context": "dp_cp",
+    "pipeline": "pp",
+    "model": "mp",
+    "tensor_context": "tp_cp",
+    "tensor_data_context": "tp_dp_cp",
+    "expert": "ep",
+    "expert_data": "expt_dp",
+    "expert_tensor_expert": "tp_ep",
+    "expert_model": "tp_ep_pp",
+    "embedding": "embd",
+    "position_embedding": "pos_embd",
 }
 
 
@@ -195,26 +206,41 @@ def rank_groups(sizes: Dict[str, int], order: Sequence[str], group_dims: Sequenc
     return groups
 
 
-def validate_layout(world_size: int, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                    context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
-                    virtual_pipeline_model_parallel_size: Optional[int] = None) -> int:
+def validate_layout(
+    world_size: int,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
+) -> int:
     """Check that the layout fits ``world_size``; return the data-parallel size."""
-    tp, pp, cp, ep = (tensor_model_parallel_size, pipeline_model_parallel_size,
-                      context_parallel_size, expert_model_parallel_size)
-    for name, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
-                        ("context_parallel_size", cp), ("expert_model_parallel_size", ep)):
+    tp, pp, cp, ep = (
+        tensor_model_parallel_size,
+        pipeline_model_parallel_size,
+        context_parallel_size,
+        expert_model_parallel_size,
+    )
+    for name, value in (
+        ("tensor_model_parallel_size", tp),
+        ("pipeline_model_parallel_size", pp),
+        ("context_parallel_size", cp),
+        ("expert_model_parallel_size", ep),
+    ):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     model_parallel = tp * pp * cp
     if world_size % model_parallel != 0:
         raise ValueError(
             f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) x "
-            f"context ({cp}) parallel size = {model_parallel}")
+            f"context ({cp}) parallel size = {model_parallel}"
+        )
     dp = world_size // model_parallel
     if (dp * cp) % ep != 0:
         raise ValueError(
             f"expert_model_parallel_size {ep} must divide data ({dp}) x context ({cp}) parallel size "
-            f"= {dp * cp} (world size {world_size}, tp {tp}, pp {pp})")
+            f"= {dp * cp} (world size {world_size}, tp {tp}, pp {pp})"
+        )
     if virtual_pipeline_model_parallel_size is not None:
         if virtual_pipeline_model_parallel_size < 1:
             raise ValueError("virtual_pipeline_model_parallel_size must be >= 1")
@@ -251,10 +277,15 @@ def compute_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: i
     return layout
 
 
-def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                              virtual_pipeline_model_parallel_size: Optional[int] = None,
-                              context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
-                              timeout: timedelta = DEFAULT_TIMEOUT, ranks_per_node: Optional[int] = None) -> None:
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
+    context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+    ranks_per_node: Optional[int] = None,
+) -> None:
     """Create every process group of the layout.  ``torch.distributed`` must be initialized.
 
     ``ranks_per_node``: consecutive global ranks per node (default torchrun's ``LOCAL_WORLD_SIZE``,
@@ -266,8 +297,12 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     if _STATE is not None:
         raise RuntimeError("model parallel state is already initialized; call destroy_model_parallel() first")
     world, rank = dist.get_world_size(), dist.get_rank()
-    tp, pp, cp, ep = (tensor_model_parallel_size, pipeline_model_parallel_size,
-                      context_parallel_size, expert_model_parallel_size)
+    tp, pp, cp, ep = (
+        tensor_model_parallel_size,
+        pipeline_model_parallel_size,
+        context_parallel_size,
+        expert_model_parallel_size,
+    )
     dp = validate_layout(world, tp, pp, cp, ep, virtual_pipeline_model_parallel_size)
     per_node = _ranks_per_node(world, ranks_per_node)
     layout = compute_layout(world, tp, pp, cp, ep)
@@ -284,12 +319,25 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                 groups[name], ranks[name] = pg, members
     vpp = virtual_pipeline_model_parallel_size
     field_of = {**_FIELD_OF_LAYOUT, **{n: n for n in _NODE_FIELDS}}
-    bundle = ProcessGroups(**{field_of[name]: pg for name, pg in groups.items()},
-                           ranks=MappingProxyType({field_of[name]: tuple(members)
-                                                   for name, members in ranks.items()}))
-    _STATE = _State(tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, vpp=vpp, rank=rank, world=world,
-                    groups=groups, ranks=ranks, process_groups=bundle, ranks_per_node=per_node,
-                    virtual_pipeline_rank=0 if vpp else None)
+    bundle = ProcessGroups(
+        **{field_of[name]: pg for name, pg in groups.items()},
+        ranks=MappingProxyType({field_of[name]: tuple(members) for name, members in ranks.items()}),
+    )
+    _STATE = _State(
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        ep=ep,
+        dp=dp,
+        vpp=vpp,
+        rank=rank,
+        world=world,
+        groups=groups,
+        ranks=ranks,
+        process_groups=bundle,
+        ranks_per_node=per_node,
+        virtual_pipeline_rank=0 if vpp else None,
+    )
 
 
 # ProcessGroups field -> the compute_layout kind it splits over nodes
@@ -349,6 +397,7 @@ def _group_rank(name: str) -> int:
 
 # --- tensor parallel -------------------------------------------------------------------
 
+
 def get_tensor_model_parallel_group():
     return _state().groups["tensor"]
 
@@ -371,6 +420,7 @@ def get_tensor_model_parallel_ranks() -> List[int]:
 
 
 # --- pipeline parallel -----------------------------------------------------------------
+
 
 def get_pipeline_model_parallel_group():
     return _state().groups["pipeline"]
@@ -430,6 +480,7 @@ def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
 
 # --- data / context parallel -----------------------------------------------------------
 
+
 def get_data_parallel_group(with_context_parallel: bool = False):
     return _state().groups["data_context" if with_context_parallel else "data"]
 
@@ -482,6 +533,7 @@ def get_tensor_and_data_parallel_group(with_context_parallel: bool = False):
 
 # --- expert parallel -------------------------------------------------------------------
 
+
 def get_expert_model_parallel_group():
     return _state().groups["expert"]
 
@@ -519,6 +571,7 @@ def get_expert_tensor_model_pipeline_parallel_group():
 
 # --- embedding groups ------------------------------------------------------------------
 
+
 def get_embedding_group():
     """First and last pipeline stage: tied word-embedding gradients are all-reduced here."""
     return _state().groups.get("embedding")
@@ -542,6 +595,7 @@ def get_position_embedding_group():
 
 
 # --- checkpoint I/O ------------------------------------------------------------------------
+
 
 def get_checkpoint_io_group():
     """A gloo group over the whole world for checkpoint writes in a background thread

@@ -18,12 +18,13 @@ import torch
 
 from megalm import parallel_state
 from megalm.dist_checkpointing import ShardedTensorSpec, flat_range_blocks
-from megalm.tensor_parallel.param_info import ParamLayoutError, param_info
 from megalm.parallel_state import ProcessGroups, group_rank, group_size
+from megalm.tensor_parallel.param_info import ParamLayoutError, param_info
 
 
-def param_spec(param: torch.Tensor, data: Optional[torch.Tensor] = None,
-               groups: Optional[ProcessGroups] = None) -> ShardedTensorSpec:
+def param_spec(
+    param: torch.Tensor, data: Optional[torch.Tensor] = None, groups: Optional[ProcessGroups] = None
+) -> ShardedTensorSpec:
     """Where this rank's piece of ``param`` sits in the full tensor (from its TP attributes).
 
     ``data`` (default ``param`` itself) is any tensor laid out like the parameter, e.g. an
@@ -42,8 +43,8 @@ def param_spec(param: torch.Tensor, data: Optional[torch.Tensor] = None,
     local = list(data.shape)
     if stride > 1:
         # A fused [a; b] weight split as [a_r; b_r]: view as (stride, n/stride) along ``dim``.
-        view = data.reshape(local[:dim] + [stride, local[dim] // stride] + local[dim + 1:])
-        global_shape = local[:dim] + [stride, local[dim] // stride * tp] + local[dim + 1:]
+        view = data.reshape(local[:dim] + [stride, local[dim] // stride] + local[dim + 1 :])
+        global_shape = local[:dim] + [stride, local[dim] // stride * tp] + local[dim + 1 :]
         offsets = [0] * view.dim()
         offsets[dim + 1] = rank * (local[dim] // stride)
         return ShardedTensorSpec(view, global_shape, offsets)
@@ -61,8 +62,9 @@ def param_spec(param: torch.Tensor, data: Optional[torch.Tensor] = None,
     return ShardedTensorSpec(data, global_shape, offsets)
 
 
-def param_range_specs(param: torch.Tensor, data: torch.Tensor, start: int, end: int,
-                      groups: Optional[ProcessGroups] = None) -> List[ShardedTensorSpec]:
+def param_range_specs(
+    param: torch.Tensor, data: torch.Tensor, start: int, end: int, groups: Optional[ProcessGroups] = None
+) -> List[ShardedTensorSpec]:
     """Blocks of the full tensor covered by the flat range ``[start, end)`` of this rank's ``param``.
 
     ``data`` is 1-D with ``end - start`` elements (e.g. the distributed optimizer's moments for
@@ -77,7 +79,8 @@ def param_range_specs(param: torch.Tensor, data: torch.Tensor, start: int, end: 
     end_kept = min(end, math.prod(view_shape))
     specs = []
     for flat, offsets, sizes in flat_range_blocks(view_shape, start, end_kept) if start < end_kept else []:
-        block = data[flat - start:flat - start + math.prod(sizes)].view(sizes)
-        specs.append(ShardedTensorSpec(block, tuple(where.global_shape),
-                                       tuple(o + w for o, w in zip(offsets, where.offsets))))
+        block = data[flat - start : flat - start + math.prod(sizes)].view(sizes)
+        specs.append(
+            ShardedTensorSpec(block, tuple(where.global_shape), tuple(o + w for o, w in zip(offsets, where.offsets)))
+        )
     return specs

@@ -62,26 +62,36 @@ def _dtype_globals() -> dict[tuple[str, str], torch.dtype]:
 
 
 # The only globals a megalm .metadata refers to (DCP 2.x, protocols 2-5), resolved now.
-_ALLOWED_GLOBALS = types.MappingProxyType({
-    ("torch.distributed.checkpoint.metadata", "Metadata"): dcp_metadata.Metadata,
-    ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"): dcp_metadata.TensorStorageMetadata,
-    ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"): dcp_metadata.ChunkStorageMetadata,
-    ("torch.distributed.checkpoint.metadata", "TensorProperties"): dcp_metadata.TensorProperties,
-    ("torch.distributed.checkpoint.metadata", "MetadataIndex"): dcp_metadata.MetadataIndex,
-    ("torch.distributed.checkpoint.metadata", "StorageMeta"): dcp_metadata.StorageMeta,
-    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): dcp_metadata._MEM_FORMAT_ENCODING,
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
-    ("torch", "Size"): torch.Size,
-    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # "torch.strided" -> torch.strided
-    ("pathlib", "PosixPath"): pathlib.PosixPath,  # StorageMeta.checkpoint_id
-    ("pathlib._local", "PosixPath"): pathlib.PosixPath,  # the same, pickled by Python >= 3.13
-    **_dtype_globals(),
-})
+_ALLOWED_GLOBALS = types.MappingProxyType(
+    {
+        ("torch.distributed.checkpoint.metadata", "Metadata"): dcp_metadata.Metadata,
+        ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"): dcp_metadata.TensorStorageMetadata,
+        ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"): dcp_metadata.ChunkStorageMetadata,
+        ("torch.distributed.checkpoint.metadata", "TensorProperties"): dcp_metadata.TensorProperties,
+        ("torch.distributed.checkpoint.metadata", "MetadataIndex"): dcp_metadata.MetadataIndex,
+        ("torch.distributed.checkpoint.metadata", "StorageMeta"): dcp_metadata.StorageMeta,
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): dcp_metadata._MEM_FORMAT_ENCODING,
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+        ("torch", "Size"): torch.Size,
+        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # "torch.strided" -> torch.strided
+        ("pathlib", "PosixPath"): pathlib.PosixPath,  # StorageMeta.checkpoint_id
+        ("pathlib._local", "PosixPath"): pathlib.PosixPath,  # the same, pickled by Python >= 3.13
+        **_dtype_globals(),
+    }
+)
 
 # Instances whose state BUILD may set (TensorProperties through its own __setstate__).
-_BUILDABLE = frozenset({dcp_metadata.Metadata, dcp_metadata.TensorStorageMetadata, dcp_metadata.ChunkStorageMetadata,
-                        dcp_metadata.TensorProperties, dcp_metadata.MetadataIndex, dcp_metadata.StorageMeta,
-                        _StorageInfo})
+_BUILDABLE = frozenset(
+    {
+        dcp_metadata.Metadata,
+        dcp_metadata.TensorStorageMetadata,
+        dcp_metadata.ChunkStorageMetadata,
+        dcp_metadata.TensorProperties,
+        dcp_metadata.MetadataIndex,
+        dcp_metadata.StorageMeta,
+        _StorageInfo,
+    }
+)
 
 
 class _MetadataUnpickler(pickle._Unpickler):
@@ -95,7 +105,8 @@ class _MetadataUnpickler(pickle._Unpickler):
         raise CheckpointSecurityError(
             f"{self.source}: refusing to unpickle {what}: a checkpoint's .metadata may only hold "
             f"torch.distributed.checkpoint metadata (tensor entries, sizes, dtypes, file offsets); nothing from it "
-            f"was run. The file was not written by megalm/DCP or was tampered with: do not load this checkpoint")
+            f"was run. The file was not written by megalm/DCP or was tampered with: do not load this checkpoint"
+        )
 
     def find_class(self, module: str, name: str):
         obj = _ALLOWED_GLOBALS.get((module, name))
@@ -124,24 +135,30 @@ class _MetadataUnpickler(pickle._Unpickler):
 def _check_shape(metadata, file: str) -> Metadata:
     """``metadata`` if it is what megalm writes: tensor entries stored in plain files of the directory."""
     if not isinstance(metadata, Metadata):
-        raise CheckpointMetadataError(f"{file} does not hold torch.distributed.checkpoint metadata "
-                                      f"(found {type(metadata).__qualname__})")
+        raise CheckpointMetadataError(
+            f"{file} does not hold torch.distributed.checkpoint metadata (found {type(metadata).__qualname__})"
+        )
     entries, storage = vars(metadata).get("state_dict_metadata"), vars(metadata).get("storage_data")
     if type(entries) is not dict or type(storage) is not dict:
         raise CheckpointMetadataError(f"{file}: DCP metadata without its tensor entries or storage items")
     for key, entry in entries.items():
         if not isinstance(entry, dcp_metadata.TensorStorageMetadata):
-            raise CheckpointSecurityError(f"{file}: entry {key!r} is not a tensor (megalm checkpoints hold tensors only)")
+            raise CheckpointSecurityError(
+                f"{file}: entry {key!r} is not a tensor (megalm checkpoints hold tensors only)"
+            )
     for index, info in storage.items():
         if not isinstance(info, _StorageInfo):
             raise CheckpointSecurityError(f"{file}: storage item {index} is not a file range")
         path = info.relative_path
         if not isinstance(path, str) or path in ("", ".", "..") or os.path.basename(path) != path:
-            raise CheckpointSecurityError(f"{file}: storage item {index} names {path!r}, not a file of the "
-                                          f"checkpoint directory")
+            raise CheckpointSecurityError(
+                f"{file}: storage item {index} names {path!r}, not a file of the checkpoint directory"
+            )
         if info.transform_descriptors:
-            raise CheckpointSecurityError(f"{file}: storage item {index} asks for transforms "
-                                          f"{list(info.transform_descriptors)} (megalm writes none)")
+            raise CheckpointSecurityError(
+                f"{file}: storage item {index} asks for transforms "
+                f"{list(info.transform_descriptors)} (megalm writes none)"
+            )
     return metadata
 
 
@@ -158,8 +175,9 @@ def load_metadata(path: str) -> Metadata:
     except CheckpointMetadataError:
         raise
     except Exception as e:  # noqa: BLE001 - truncated or malformed pickles raise many types
-        raise CheckpointMetadataError(f"{file} is not a readable checkpoint metadata file: "
-                                      f"{type(e).__name__}: {e}") from None
+        raise CheckpointMetadataError(
+            f"{file} is not a readable checkpoint metadata file: {type(e).__name__}: {e}"
+        ) from None
     return _check_shape(metadata, file)
 
 
@@ -177,6 +195,8 @@ class SafeFileSystemReader(FileSystemReader):
     def read_data(self, plan, planner):
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
-                raise CheckpointSecurityError(f"{self.path}: refusing to read {item.storage_index.fqn!r} as "
-                                              f"pickled bytes (megalm checkpoints hold tensors only)")
+                raise CheckpointSecurityError(
+                    f"{self.path}: refusing to read {item.storage_index.fqn!r} as "
+                    f"pickled bytes (megalm checkpoints hold tensors only)"
+                )
         return super().read_data(plan, planner)

@@ -39,16 +39,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence, kwargs: Dict,
-            results: "mp.Queue", collective_timeout_s: float, threads: int, env: Dict[str, str]) -> None:
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable,
+    args: Sequence,
+    kwargs: Dict,
+    results: "mp.Queue",
+    collective_timeout_s: float,
+    threads: int,
+    env: Dict[str, str],
+) -> None:
     os.environ.update(env)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS=str(threads),
-                      MEGALM_FORCE_CPU="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS=str(threads),
+        MEGALM_FORCE_CPU="1",
+    )
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=collective_timeout_s))
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout_s)
+        )
         out = fn(*args, **kwargs)
         # Plain pickle (bytes), not torch's fd-sharing reducers: a tensor shared by file descriptor
         # needs this process alive until the parent fetches it, and the teardown below may not allow it.
@@ -66,16 +84,39 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: Sequence,
             pass
 
 
-def run_distributed(fn: Callable, world_size: int, args: Sequence = (), kwargs: Optional[Dict] = None,
-                    timeout: float = 180.0, threads: int = 1, env: Optional[Dict[str, str]] = None) -> list:
+def run_distributed(
+    fn: Callable,
+    world_size: int,
+    args: Sequence = (),
+    kwargs: Optional[Dict] = None,
+    timeout: float = 180.0,
+    threads: int = 1,
+    env: Optional[Dict[str, str]] = None,
+) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks; return the results by rank."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     collective_timeout = max(30.0, timeout - 10)
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, tuple(args), kwargs or {}, results,
-                                                collective_timeout, threads, dict(env or {})), daemon=False)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(
+                r,
+                world_size,
+                port,
+                fn,
+                tuple(args),
+                kwargs or {},
+                results,
+                collective_timeout,
+                threads,
+                dict(env or {}),
+            ),
+            daemon=False,
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     outcome: Dict[int, tuple] = {}
@@ -89,8 +130,9 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence = (), kwargs: 
                 rank, status, payload = results.get(timeout=min(remaining, 1.0))
                 outcome[rank] = (status, pickle.loads(payload) if status == "ok" else payload)
             except queue.Empty:
-                if any(r not in outcome and not p.is_alive() and p.exitcode not in (0, None)
-                       for r, p in enumerate(procs)):
+                if any(
+                    r not in outcome and not p.is_alive() and p.exitcode not in (0, None) for r, p in enumerate(procs)
+                ):
                     time.sleep(0.5)  # let queued messages arrive
                     while True:
                         try:

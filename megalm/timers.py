@@ -51,14 +51,31 @@ from megalm.device import get_device, synchronize
 from megalm.errors import MegalmError
 
 TIMER_LEVELS: Dict[str, int] = {
-    "model-and-optimizer-setup": 0, "train/valid/test-data-iterators-setup": 0, "save-checkpoint": 0,
-    "forward-backward": 1, "all-grads-sync": 1, "layernorm-grads-all-reduce": 1,
-    "embedding-grads-all-reduce": 1, "optimizer": 1, "optimizer-copy-to-main-grad": 1,
-    "optimizer-unscale-and-check-inf": 1, "optimizer-clip-main-grad": 1, "optimizer-inner-step": 1,
-    "optimizer-copy-main-to-model-params": 1, "params-all-gather": 1,
-    "batch-generator": 2, "forward-compute": 2, "backward-compute": 2, "forward-recv": 2, "forward-send": 2,
-    "backward-recv": 2, "backward-send": 2, "forward-send-backward-recv": 2, "backward-send-forward-recv": 2,
-    "forward-send-forward-recv": 2, "backward-send-backward-recv": 2,
+    "model-and-optimizer-setup": 0,
+    "train/valid/test-data-iterators-setup": 0,
+    "save-checkpoint": 0,
+    "forward-backward": 1,
+    "all-grads-sync": 1,
+    "layernorm-grads-all-reduce": 1,
+    "embedding-grads-all-reduce": 1,
+    "optimizer": 1,
+    "optimizer-copy-to-main-grad": 1,
+    "optimizer-unscale-and-check-inf": 1,
+    "optimizer-clip-main-grad": 1,
+    "optimizer-inner-step": 1,
+    "optimizer-copy-main-to-model-params": 1,
+    "params-all-gather": 1,
+    "batch-generator": 2,
+    "forward-compute": 2,
+    "backward-compute": 2,
+    "forward-recv": 2,
+    "forward-send": 2,
+    "backward-recv": 2,
+    "backward-send": 2,
+    "forward-send-backward-recv": 2,
+    "backward-send-forward-recv": 2,
+    "forward-send-forward-recv": 2,
+    "backward-send-backward-recv": 2,
     "forward-backward-send-forward-backward-recv": 2,
 }
 SETUP_TIMERS = ["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"]
@@ -104,8 +121,13 @@ NULL_TIMERS = NullTimers()
 class Timer:
     """Accumulates the seconds between ``start()`` and ``stop()`` calls."""
 
-    def __init__(self, name: str, clock: Callable[[], float] = time.perf_counter,
-                 synchronize_device: Callable[[], None] = synchronize, barrier_on_start: bool = False):
+    def __init__(
+        self,
+        name: str,
+        clock: Callable[[], float] = time.perf_counter,
+        synchronize_device: Callable[[], None] = synchronize,
+        barrier_on_start: bool = False,
+    ):
         self.name = name
         self._clock = clock
         self._synchronize = synchronize_device
@@ -169,9 +191,14 @@ class Timers:
         clock, synchronize_device: injected in tests.
     """
 
-    def __init__(self, log_level: int = 0, log_option: str = "minmax", barrier_with_level_1: bool = True,
-                 clock: Callable[[], float] = time.perf_counter,
-                 synchronize_device: Callable[[], None] = synchronize):
+    def __init__(
+        self,
+        log_level: int = 0,
+        log_option: str = "minmax",
+        barrier_with_level_1: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
+        synchronize_device: Callable[[], None] = synchronize,
+    ):
         if log_level not in (0, 1, 2):
             raise ValueError(f"timing log level must be 0, 1 or 2, got {log_level}")
         if log_option not in LOG_OPTIONS:
@@ -185,8 +212,7 @@ class Timers:
 
     @classmethod
     def from_config(cls, logging_cfg) -> "Timers":
-        return cls(logging_cfg.timing_log_level, logging_cfg.timing_log_option,
-                   logging_cfg.barrier_with_level_1_timing)
+        return cls(logging_cfg.timing_log_level, logging_cfg.timing_log_option, logging_cfg.barrier_with_level_1_timing)
 
     def __call__(self, name: str, log_level: Optional[int] = None):
         """The timer ``name`` (created on first use); its level comes from :data:`TIMER_LEVELS`
@@ -197,8 +223,9 @@ class Timers:
         if level > self.log_level:
             return NULL_TIMER
         if name not in self._timers:
-            self._timers[name] = Timer(name, self._clock, self._synchronize,
-                                       barrier_on_start=level == 1 and self.barrier_with_level_1)
+            self._timers[name] = Timer(
+                name, self._clock, self._synchronize, barrier_on_start=level == 1 and self.barrier_with_level_1
+            )
         return self._timers[name]
 
     def names_at_level(self, names: Iterable[str]) -> List[str]:
@@ -207,8 +234,9 @@ class Timers:
     # --- across ranks --------------------------------------------------------------------------
     def gather(self, names: Sequence[str], reset: bool = True) -> torch.Tensor:
         """``[world, len(names)]`` seconds, 0 where a rank never ran a timer (collective)."""
-        local = torch.tensor([self._timers[n].elapsed(reset) if n in self._timers else 0.0 for n in names],
-                             dtype=torch.float64)
+        local = torch.tensor(
+            [self._timers[n].elapsed(reset) if n in self._timers else 0.0 for n in names], dtype=torch.float64
+        )
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return local.unsqueeze(0)
         local = local.to(get_device())
@@ -216,8 +244,9 @@ class Timers:
         dist.all_gather(every, local)
         return torch.stack(every).cpu()
 
-    def report(self, names: Sequence[str], normalizer: float = 1.0,
-               reset: bool = True) -> Tuple[Optional[str], Dict[str, float]]:
+    def report(
+        self, names: Sequence[str], normalizer: float = 1.0, reset: bool = True
+    ) -> Tuple[Optional[str], Dict[str, float]]:
         """From one gather (collective over the world): the timing block for ``names`` (None when
         nothing ran) and ``{"<name>-time": slowest rank's seconds / normalizer}`` for the timers
         that ran (what the writers get)."""
@@ -225,8 +254,9 @@ class Timers:
         if not names:
             return None, {}
         times = self.gather(names, reset)
-        slowest = {f"{n}-time": float(times[:, i].max()) / normalizer for i, n in enumerate(names)
-                   if (times[:, i] > 0).any()}
+        slowest = {
+            f"{n}-time": float(times[:, i].max()) / normalizer for i, n in enumerate(names) if (times[:, i] > 0).any()
+        }
         return format_times(names, times, normalizer, self.log_option), slowest
 
     def log(self, names: Sequence[str], normalizer: float = 1.0, reset: bool = True) -> Optional[str]:
@@ -251,8 +281,11 @@ def format_times(names: Sequence[str], times: torch.Tensor, normalizer: float, o
             lines.append(f"    {name}:" + "".join(f"\n     rank {rank:2d}: {t:.2f}" for rank, t in ran))
     if not lines:
         return None
-    header = {"minmax": "(min, max) time across ranks (ms):", "max": "max time across ranks (ms):",
-              "all": "times across ranks (ms):"}[option]
+    header = {
+        "minmax": "(min, max) time across ranks (ms):",
+        "max": "max time across ranks (ms):",
+        "all": "times across ranks (ms):",
+    }[option]
     return "\n".join([header] + lines)
 
 

@@ -24,8 +24,14 @@ from megalm.errors import MegalmError
 from megalm.parallel_state import compute_layout
 
 # (report name, compute_layout kind): the groups a user chooses a layout by.
-REPORTED_GROUPS = (("TP", "tensor"), ("CP", "context"), ("EP", "expert"), ("DP", "data"),
-                   ("expert-DP", "expert_data"), ("PP", "pipeline"))
+REPORTED_GROUPS = (
+    ("TP", "tensor"),
+    ("CP", "context"),
+    ("EP", "expert"),
+    ("DP", "data"),
+    ("expert-DP", "expert_data"),
+    ("PP", "pipeline"),
+)
 
 
 class TopologyError(MegalmError):
@@ -36,28 +42,33 @@ class TopologyError(MegalmError):
 class TopologyOptions:
     """Flags of tools/estimate.py for the node layout."""
 
-    procs_per_node: Optional[int] = field(default=None, metadata={
-        "help": "Ranks per node (torchrun --nproc-per-node, GPUS_PER_NODE): also print which process groups "
-                "stay inside one node and which span several nodes."})
+    procs_per_node: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "Ranks per node (torchrun --nproc-per-node, GPUS_PER_NODE): also print which process groups "
+            "stay inside one node and which span several nodes."
+        },
+    )
 
 
 @dataclass(frozen=True)
 class GroupSpan:
     """How the groups of one kind lie over nodes."""
 
-    name: str          # report name ("TP", "DP", ...)
-    size: int          # ranks per group
-    max_nodes: int     # the most nodes any one group of this kind touches
-    crossing: int      # how many groups of this kind touch more than one node
-    count: int         # how many groups of this kind there are
+    name: str  # report name ("TP", "DP", ...)
+    size: int  # ranks per group
+    max_nodes: int  # the most nodes any one group of this kind touches
+    crossing: int  # how many groups of this kind touch more than one node
+    count: int  # how many groups of this kind there are
 
     def describe(self) -> str:
         if self.max_nodes == 1:
             return f"{self.name} group inside one node"
         if self.crossing == self.count:
             return f"{self.name} group spans {self.max_nodes} nodes"
-        return (f"{self.name} group spans up to {self.max_nodes} nodes "
-                f"({self.crossing} of {self.count} groups cross nodes)")
+        return (
+            f"{self.name} group spans up to {self.max_nodes} nodes ({self.crossing} of {self.count} groups cross nodes)"
+        )
 
 
 def node_of(rank: int, procs_per_node: int) -> int:
@@ -77,8 +88,9 @@ def _check(world_size: int, procs_per_node: int) -> None:
         raise TopologyError(f"ranks per node ({procs_per_node}) does not divide the world size ({world_size})")
 
 
-def group_spans(world_size: int, procs_per_node: int, tp: int = 1, pp: int = 1, cp: int = 1,
-                ep: int = 1) -> Dict[str, GroupSpan]:
+def group_spans(
+    world_size: int, procs_per_node: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1
+) -> Dict[str, GroupSpan]:
     """``{report name: GroupSpan}`` for every reported kind whose groups have more than one rank.
 
     Raises :class:`TopologyError` for a node shape that does not fit, and the layout's own
@@ -95,16 +107,17 @@ def group_spans(world_size: int, procs_per_node: int, tp: int = 1, pp: int = 1, 
     return spans
 
 
-def topology_report(world_size: int, procs_per_node: int, tp: int = 1, pp: int = 1, cp: int = 1,
-                    ep: int = 1) -> str:
+def topology_report(world_size: int, procs_per_node: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> str:
     """One line: the node shape, the layout, then the groups that cross nodes followed by the
     node-local ones (each kind in the order TP, CP, EP, DP, expert-DP, PP)."""
     spans = group_spans(world_size, procs_per_node, tp, pp, cp, ep)
     nodes = world_size // procs_per_node
     dp = world_size // (tp * pp * cp)
     plural = lambda n, word: f"{n} {word}{'s' if n > 1 else ''}"  # noqa: E731
-    head = (f"topology: {plural(nodes, 'node')} x {plural(procs_per_node, 'rank')}"
-            f" (TP {tp}, CP {cp}, EP {ep}, DP {dp}, PP {pp})")
+    head = (
+        f"topology: {plural(nodes, 'node')} x {plural(procs_per_node, 'rank')}"
+        f" (TP {tp}, CP {cp}, EP {ep}, DP {dp}, PP {pp})"
+    )
     ordered = [s for s in spans.values() if s.max_nodes > 1] + [s for s in spans.values() if s.max_nodes == 1]
     if not ordered:
         return f"{head}: a single rank, no process group"
@@ -117,6 +130,11 @@ def run_topology_report(parallel, world_size: int, environ: Optional[Mapping[str
     it (a single process, ``torch.multiprocessing.spawn``) the world is one node."""
     env = os.environ if environ is None else environ
     per_node = int(env.get("LOCAL_WORLD_SIZE", world_size))
-    return topology_report(world_size, per_node, parallel.tensor_model_parallel_size,
-                           parallel.pipeline_model_parallel_size, parallel.context_parallel_size,
-                           parallel.expert_model_parallel_size)
+    return topology_report(
+        world_size,
+        per_node,
+        parallel.tensor_model_parallel_size,
+        parallel.pipeline_model_parallel_size,
+        parallel.context_parallel_size,
+        parallel.expert_model_parallel_size,
+    )

@@ -9,13 +9,23 @@ from megalm import checkpointing
 from megalm.config import MegalmConfig, set_vocab_size, validate_config
 
 # A Llama-style variant (RoPE, RMSNorm, SwiGLU, GQA, untied) with biases, so bias mappings are exercised too.
-LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=True,
-             untie_embeddings_and_output_weights=True, group_query_attention=True, num_query_groups=2,
-             num_attention_heads=4, rotary_base=500.0, norm_epsilon=1e-6)
+LLAMA = dict(
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    swiglu=True,
+    add_bias_linear=True,
+    untie_embeddings_and_output_weights=True,
+    group_query_attention=True,
+    num_query_groups=2,
+    num_attention_heads=4,
+    rotary_base=500.0,
+    norm_epsilon=1e-6,
+)
 
 
-def tiny_cfg(vocab: int, tokenizer_type: Optional[str] = None, tokenizer_model: Optional[str] = None,
-             **model) -> MegalmConfig:
+def tiny_cfg(
+    vocab: int, tokenizer_type: Optional[str] = None, tokenizer_model: Optional[str] = None, **model
+) -> MegalmConfig:
     """A validated 2-layer, hidden-32 config (init std 0.3) with vocabulary ``vocab``; ``model``
     overrides model fields."""
     cfg = MegalmConfig()

@@ -15,8 +15,8 @@ from megalm.dist_checkpointing import ShardedTensorSpec
 from megalm.testing import run_distributed
 from tests.training_runs import losses, records
 
-
 # --- the writer -----------------------------------------------------------------------------------
+
 
 def test_writer_runs_one_write_at_a_time_in_the_background():
     writer, order = AsyncCheckpointWriter(), []
@@ -26,6 +26,7 @@ def test_writer_runs_one_write_at_a_time_in_the_background():
         def write():
             gates[name].wait(timeout=10)
             order.append(name)
+
         return write
 
     writer.submit(2, slow("first"))
@@ -52,8 +53,10 @@ def test_writer_failure_is_raised_by_wait_with_the_iteration():
 
 def test_staging_copies_every_block():
     weight, a, b = torch.ones(4, 3), torch.zeros(2), torch.zeros(3)
-    specs = {"w": ShardedTensorSpec(weight, (8, 3), (4, 0)),
-             "opt": [ShardedTensorSpec(a, (5,), (0,)), ShardedTensorSpec(b, (5,), (2,))]}
+    specs = {
+        "w": ShardedTensorSpec(weight, (8, 3), (4, 0)),
+        "opt": [ShardedTensorSpec(a, (5,), (0,)), ShardedTensorSpec(b, (5,), (2,))],
+    }
     staged = stage_to_cpu(specs)
     weight.add_(1.0)  # the next optimizer step
     a.fill_(7.0)
@@ -65,11 +68,40 @@ def test_staging_copies_every_block():
 
 # --- whole trainings ------------------------------------------------------------------------------
 
-BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--max-position-embeddings", "16", "--mock-data", "--vocab-size", "200", "--num-workers", "0",
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "3e-3", "--eval-iters", "0", "--seed", "5",
-        "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "1",
-        "--use-distributed-optimizer"]
+BASE = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--max-position-embeddings",
+    "16",
+    "--mock-data",
+    "--vocab-size",
+    "200",
+    "--num-workers",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--lr",
+    "3e-3",
+    "--eval-iters",
+    "0",
+    "--seed",
+    "5",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--log-interval",
+    "1",
+    "--use-distributed-optimizer",
+]
 
 
 def _slowed_trainings(runs, delay, fail_common_on_rank=None):
@@ -87,10 +119,13 @@ def _slowed_trainings(runs, delay, fail_common_on_rank=None):
 
         def slowed_save(specs, path, process_group=None):
             if process_group is not None:  # the background thread
-                seen = {"path": os.path.basename(path),
-                        "tracker": open(os.path.join(root, TRACKER_FILENAME)).read()
-                        if os.path.exists(os.path.join(root, TRACKER_FILENAME)) else None,
-                        "common": os.path.exists(os.path.join(path, "common.json"))}
+                seen = {
+                    "path": os.path.basename(path),
+                    "tracker": open(os.path.join(root, TRACKER_FILENAME)).read()
+                    if os.path.exists(os.path.join(root, TRACKER_FILENAME))
+                    else None,
+                    "common": os.path.exists(os.path.join(path, "common.json")),
+                }
                 with open(f"{observations}.rank{dist.get_rank()}", "a") as f:
                     f.write(json.dumps(seen) + "\n")
                 time.sleep(delay)
@@ -118,14 +153,44 @@ def trained(tmp_path_factory):
 
     ck = os.path.join(tmp, "ck")
     runs = [
-        (argv("async", "--train-iters", "6", "--save", ck, "--save-interval", "2", "--async-save"),
-         os.path.join(tmp, "async.seen")),
-        (argv("resume2", "--train-iters", "6", "--save", os.path.join(tmp, "ck_resume"), "--load", ck,
-              "--ckpt-step", "2", "--async-save"), os.path.join(tmp, "resume.seen")),
-        (argv("sync", "--train-iters", "6", "--save", os.path.join(tmp, "ck_sync"), "--save-interval", "2"),
-         os.path.join(tmp, "sync.seen")),
-        (argv("exit", "--train-iters", "6", "--save", os.path.join(tmp, "ck_exit"), "--save-interval", "100",
-              "--exit-interval", "3", "--async-save"), os.path.join(tmp, "exit.seen")),
+        (
+            argv("async", "--train-iters", "6", "--save", ck, "--save-interval", "2", "--async-save"),
+            os.path.join(tmp, "async.seen"),
+        ),
+        (
+            argv(
+                "resume2",
+                "--train-iters",
+                "6",
+                "--save",
+                os.path.join(tmp, "ck_resume"),
+                "--load",
+                ck,
+                "--ckpt-step",
+                "2",
+                "--async-save",
+            ),
+            os.path.join(tmp, "resume.seen"),
+        ),
+        (
+            argv("sync", "--train-iters", "6", "--save", os.path.join(tmp, "ck_sync"), "--save-interval", "2"),
+            os.path.join(tmp, "sync.seen"),
+        ),
+        (
+            argv(
+                "exit",
+                "--train-iters",
+                "6",
+                "--save",
+                os.path.join(tmp, "ck_exit"),
+                "--save-interval",
+                "100",
+                "--exit-interval",
+                "3",
+                "--async-save",
+            ),
+            os.path.join(tmp, "exit.seen"),
+        ),
     ]
     codes = run_distributed(_slowed_trainings, 2, args=(runs, 1.0), timeout=300)
     assert codes == [[0, 0, 0, 0]] * 2, codes
@@ -140,9 +205,11 @@ def _seen(path, rank):
 def test_training_runs_ahead_of_the_background_write(trained):
     seen = _seen(os.path.join(trained, "async.seen"), 0)
     # Each write started before the previous tracker moved on and before its own common.json.
-    assert seen == [{"path": "iter_0000002", "tracker": None, "common": False},
-                    {"path": "iter_0000004", "tracker": "2", "common": False},
-                    {"path": "iter_0000006", "tracker": "4", "common": False}]
+    assert seen == [
+        {"path": "iter_0000002", "tracker": None, "common": False},
+        {"path": "iter_0000004", "tracker": "2", "common": False},
+        {"path": "iter_0000006", "tracker": "4", "common": False},
+    ]
     assert [s["path"] for s in _seen(os.path.join(trained, "async.seen"), 1)] == [s["path"] for s in seen]
     ck = os.path.join(trained, "ck")
     assert open(os.path.join(ck, TRACKER_FILENAME)).read() == "6"  # the last save completed before exit

@@ -14,14 +14,37 @@ BENCH = REPO / "bench" / "train_throughput.py"
 def test_quick_toy_rows(tmp_path):
     out = tmp_path / "rows.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--shape", "toy", "--only", "megalm,plain", "--precision", "fp32",
-         "--fusions", "on", "--steps", "1", "--json", str(out), "--log-dir", str(tmp_path / "logs")],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            str(BENCH),
+            "--quick",
+            "--shape",
+            "toy",
+            "--only",
+            "megalm,plain",
+            "--precision",
+            "fp32",
+            "--fusions",
+            "on",
+            "--steps",
+            "1",
+            "--json",
+            str(out),
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     rows = data["rows"]
-    assert [(r["impl"], r["precision"], r["fusions"]) for r in rows] == [("megalm", "fp32", "on"),
-                                                                         ("plain", "fp32", None)]
+    assert [(r["impl"], r["precision"], r["fusions"]) for r in rows] == [
+        ("megalm", "fp32", "on"),
+        ("plain", "fp32", None),
+    ]
     assert len({r["params"] for r in rows}) == 1 and rows[0]["params"] > 0
     for r in rows:
         assert len(r["step_times_s"]) == 2  # --quick: 2 rounds of 1 step
@@ -37,9 +60,31 @@ def test_trainer_loop_row_is_compared_with_the_raw_step(tmp_path):
     with their speed ratio (the loop row trains through Trainer.train_iteration: loss from its log)."""
     out = tmp_path / "rows.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--shape", "toy", "--only", "megalm", "--precision", "fp32",
-         "--fusions", "on", "--steps", "1", "--trainer-loop", "--json", str(out), "--log-dir", str(tmp_path / "logs")],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            str(BENCH),
+            "--quick",
+            "--shape",
+            "toy",
+            "--only",
+            "megalm",
+            "--precision",
+            "fp32",
+            "--fusions",
+            "on",
+            "--steps",
+            "1",
+            "--trainer-loop",
+            "--json",
+            str(out),
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     raw, loop = json.loads(out.read_text())["rows"]
     assert (raw["loop"], loop["loop"]) == (False, True)

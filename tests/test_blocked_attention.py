@@ -45,7 +45,11 @@ def test_blocked_attention_matches_sdpa(s):
         out, grad = _output_and_grad(blocked_causal_attention, s, b, n, d, dtype)
         ref_out, ref_grad = _output_and_grad(_sdpa, s, b, n, d, dtype)
         assert out.dtype == dtype and out.shape == (b, n, s, d)
-        assert relative_error(out, ref_out) < tol and relative_error(grad, ref_grad) < tol, (dtype, relative_error(out, ref_out), relative_error(grad, ref_grad))
+        assert relative_error(out, ref_out) < tol and relative_error(grad, ref_grad) < tol, (
+            dtype,
+            relative_error(out, ref_out),
+            relative_error(grad, ref_grad),
+        )
         # written in [s, b, n, d] memory: the context for linear_proj is a view, no copy
         assert out.permute(2, 0, 1, 3).is_contiguous()
     out, grad = _output_and_grad(blocked_causal_attention, s, b, n, d, torch.bfloat16)

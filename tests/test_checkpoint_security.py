@@ -31,11 +31,43 @@ from tests.training_runs import run_trainings as _run_trainings
 REPO = Path(__file__).resolve().parents[1]
 DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 PAYLOADS = ("reduce", "via_allowed_module", "dotted")
-TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
-        "--max-position-embeddings", "16", "--mock-data", "--vocab-size", "128", "--num-workers", "0",
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-3", "--log-interval", "1",
-        "--eval-iters", "0", "--seed", "5", "--micro-batch-size", "4", "--global-batch-size", "4",
-        "--split", "100,0,0", "--train-iters", "4"]
+TINY = [
+    "--num-layers",
+    "1",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "2",
+    "--seq-length",
+    "16",
+    "--max-position-embeddings",
+    "16",
+    "--mock-data",
+    "--vocab-size",
+    "128",
+    "--num-workers",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--lr",
+    "1e-3",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--seed",
+    "5",
+    "--micro-batch-size",
+    "4",
+    "--global-batch-size",
+    "4",
+    "--split",
+    "100,0,0",
+    "--train-iters",
+    "4",
+]
 
 
 def _short_str(s: str) -> bytes:
@@ -77,9 +109,11 @@ def world(tmp_path_factory):
     """The clean checkpoint (iteration 2 of 4), resume runs, and one poisoned copy per payload."""
     tmp = tmp_path_factory.mktemp("sec")
     clean = str(tmp / "clean")
-    runs = [_argv(str(tmp), "straight"),
-            _argv(str(tmp), "first_half", "--exit-interval", "2", "--save", clean, "--save-interval", "100"),
-            _argv(str(tmp), "resumed", "--load", clean)]
+    runs = [
+        _argv(str(tmp), "straight"),
+        _argv(str(tmp), "first_half", "--exit-interval", "2", "--save", clean, "--save-interval", "100"),
+        _argv(str(tmp), "resumed", "--load", clean),
+    ]
     codes = run_distributed(_run_trainings, 1, args=(runs,), timeout=240)[0]
     poisoned = {}
     for kind in PAYLOADS:
@@ -145,11 +179,36 @@ def _load_everything(runs, generate_argvs):
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_pretrain_and_parallel_generate_refuse_poisoned_metadata(world, world_size):
     """pretrain() on 1 and 2 ranks (DP 2); generation with --tensor-model-parallel-size 2 on 2 ranks."""
-    runs = [_argv(world["tmp"], f"load_{kind}_{world_size}", "--load", world["poisoned"][kind][0],
-                  "--micro-batch-size", str(4 // world_size)) for kind in PAYLOADS]
-    generate = [["--load", world["poisoned"][kind][0], "--prompt", "1 2", "--max-new-tokens", "2",
-                 "--tensor-model-parallel-size", "2", "--distributed-timeout-minutes", "2"]
-                for kind in PAYLOADS] if world_size == 2 else []
+    runs = [
+        _argv(
+            world["tmp"],
+            f"load_{kind}_{world_size}",
+            "--load",
+            world["poisoned"][kind][0],
+            "--micro-batch-size",
+            str(4 // world_size),
+        )
+        for kind in PAYLOADS
+    ]
+    generate = (
+        [
+            [
+                "--load",
+                world["poisoned"][kind][0],
+                "--prompt",
+                "1 2",
+                "--max-new-tokens",
+                "2",
+                "--tensor-model-parallel-size",
+                "2",
+                "--distributed-timeout-minutes",
+                "2",
+            ]
+            for kind in PAYLOADS
+        ]
+        if world_size == 2
+        else []
+    )
     for codes, generated in run_distributed(_load_everything, world_size, args=(runs, generate), timeout=240):
         for kind, code in zip(PAYLOADS, codes):
             _assert_refused(world, kind, code, str(code))
@@ -161,9 +220,21 @@ def test_pretrain_and_parallel_generate_refuse_poisoned_metadata(world, world_si
 def test_pretrain_gpt_script_exits_nonzero(world):
     kind = "via_allowed_module"
     env = dict(os.environ, PYTHONPATH=str(REPO), MEGALM_FORCE_CPU="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *_argv(world["tmp"], "script"),
-                           "--load", world["poisoned"][kind][0]],
-                          check=False, capture_output=True, text=True, timeout=240, env=env, cwd=str(REPO))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "pretrain_gpt.py"),
+            *_argv(world["tmp"], "script"),
+            "--load",
+            world["poisoned"][kind][0],
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=str(REPO),
+    )
     _assert_refused(world, kind, proc.returncode, proc.stderr)
 
 
@@ -176,8 +247,10 @@ def test_tools_refuse_poisoned_metadata(world, kind, tmp_path, capsys):
     root = world["poisoned"][kind][0]
     runs = {
         "inspect": (_tool("checkpoint/inspect.py"), [root]),
-        "convert": (_tool("checkpoint/convert.py"), ["--to", "hf", "--load-dir", root, "--save-dir",
-                                                    str(tmp_path / "hf")]),
+        "convert": (
+            _tool("checkpoint/convert.py"),
+            ["--to", "hf", "--load-dir", root, "--save-dir", str(tmp_path / "hf")],
+        ),
         "generate": (_tool("generate.py"), ["--load", root, "--prompt", "1 2 3", "--max-new-tokens", "2"]),
     }
     for tool, (main, argv) in runs.items():
@@ -189,12 +262,15 @@ def test_tools_refuse_poisoned_metadata(world, kind, tmp_path, capsys):
 def test_tools_still_read_the_clean_checkpoint(world, tmp_path, capsys):
     assert _tool("checkpoint/inspect.py")([world["clean"]]) == 0
     assert "model tensors" in capsys.readouterr().out
-    assert _tool("checkpoint/convert.py")(["--to", "hf", "--load-dir", world["clean"], "--save-dir",
-                                            str(tmp_path / "hf")]) == 0
+    assert (
+        _tool("checkpoint/convert.py")(["--to", "hf", "--load-dir", world["clean"], "--save-dir", str(tmp_path / "hf")])
+        == 0
+    )
     assert (tmp_path / "hf" / "config.json").is_file()
 
 
 # --- the reader itself ----------------------------------------------------------------------------
+
 
 def _plant(tmp_path, data: bytes) -> Path:
     d = tmp_path / "iter"
@@ -217,10 +293,18 @@ def test_refusal_names_file_and_global(world, tmp_path):
     assert not (tmp_path / "m").exists()
 
 
-@pytest.mark.parametrize("module,name", [
-    ("torch", "load"), ("builtins", "eval"), ("torch", "Size.__class__"), ("pathlib", "Path"),
-    ("collections", "OrderedDict"), (DCP_METADATA_MODULE, "BytesStorageMetadata"), (DCP_METADATA_MODULE, "os"),
-])
+@pytest.mark.parametrize(
+    "module,name",
+    [
+        ("torch", "load"),
+        ("builtins", "eval"),
+        ("torch", "Size.__class__"),
+        ("pathlib", "Path"),
+        ("collections", "OrderedDict"),
+        (DCP_METADATA_MODULE, "BytesStorageMetadata"),
+        (DCP_METADATA_MODULE, "os"),
+    ],
+)
 def test_only_exact_pairs_are_allowed(tmp_path, module, name):
     d = _plant(tmp_path, stack_global_payload(module, name, "x"))
     with pytest.raises(CheckpointSecurityError, match=f"{name!r} of module {module!r}"):
@@ -229,8 +313,16 @@ def test_only_exact_pairs_are_allowed(tmp_path, module, name):
 
 def test_state_is_never_set_on_a_class(tmp_path):
     """``BUILD`` on an allowed class would set class attributes process-wide: refused."""
-    data = (b"\x80\x04" + _short_str(DCP_METADATA_MODULE) + _short_str("Metadata") + b"\x93"
-            + b"N}" + _short_str("version") + _short_str("pwned") + b"s\x86b.")  # (None, {"version": "pwned"})
+    data = (
+        b"\x80\x04"
+        + _short_str(DCP_METADATA_MODULE)
+        + _short_str("Metadata")
+        + b"\x93"
+        + b"N}"
+        + _short_str("version")
+        + _short_str("pwned")
+        + b"s\x86b."
+    )  # (None, {"version": "pwned"})
     d = _plant(tmp_path, data)
     with pytest.raises(CheckpointSecurityError, match="object state for"):
         load_metadata(str(d))
@@ -259,8 +351,14 @@ def test_reader_refuses_byte_items_and_has_no_per_rank_fallback(world, tmp_path)
 
     reader = SafeFileSystemReader(str(_iteration_dir(world["clean"])))
     index = dcp_metadata.MetadataIndex("extra")
-    item = ReadItem(type=LoadItemType.BYTE_IO, dest_index=index, dest_offsets=torch.Size([0]), storage_index=index,
-                    storage_offsets=torch.Size([0]), lengths=torch.Size([0]))
+    item = ReadItem(
+        type=LoadItemType.BYTE_IO,
+        dest_index=index,
+        dest_offsets=torch.Size([0]),
+        storage_index=index,
+        storage_offsets=torch.Size([0]),
+        lengths=torch.Size([0]),
+    )
     with pytest.raises(CheckpointSecurityError, match="pickled bytes"):
         reader.read_data(LoadPlan([item]), planner=None)
     # DCP falls back to __<rank>.metadata only for readers whose read_metadata takes keywords.

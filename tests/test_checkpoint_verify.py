@@ -29,17 +29,49 @@ from tests.checkpoint_fixtures import save_random_model, tiny_cfg
 from tests.logs import megalm_logs
 from tests.training_runs import losses, records, run_trainings
 
-TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
-        "--max-position-embeddings", "16", "--mock-data", "--vocab-size", "128", "--num-workers", "0",
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-3", "--log-interval", "1",
-        "--eval-iters", "0", "--seed", "5", "--micro-batch-size", "4", "--global-batch-size", "4",
-        "--split", "100,0,0", "--tensor-model-parallel-size", "2"]
+TINY = [
+    "--num-layers",
+    "1",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "2",
+    "--seq-length",
+    "16",
+    "--max-position-embeddings",
+    "16",
+    "--mock-data",
+    "--vocab-size",
+    "128",
+    "--num-workers",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--lr",
+    "1e-3",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--seed",
+    "5",
+    "--micro-batch-size",
+    "4",
+    "--global-batch-size",
+    "4",
+    "--split",
+    "100,0,0",
+    "--tensor-model-parallel-size",
+    "2",
+]
 ITER4 = "iter_0000004"
 
 
 def _truncate(file: Path, keep: float = 0.5) -> None:
     data = file.read_bytes()
-    file.write_bytes(data[:int(len(data) * keep)])
+    file.write_bytes(data[: int(len(data) * keep)])
 
 
 def _flip_tensor_bytes(it: Path) -> None:
@@ -80,9 +112,10 @@ def _argv(tmp, name, *extra):
 def world(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("verify")
     base = str(tmp / "base")
-    first = [_argv(str(tmp), "base", "--save", base, "--save-interval", "2", "--train-iters", "6",
-                   "--exit-interval", "4"),
-             _argv(str(tmp), "from2", "--load", base, "--ckpt-step", "2", "--train-iters", "6")]
+    first = [
+        _argv(str(tmp), "base", "--save", base, "--save-interval", "2", "--train-iters", "6", "--exit-interval", "4"),
+        _argv(str(tmp), "from2", "--load", base, "--ckpt-step", "2", "--train-iters", "6"),
+    ]
     first_codes = run_distributed(run_trainings, 2, args=(first,), timeout=240)[0]
     assert first_codes == [0, 0], first_codes
     cases = {}
@@ -106,15 +139,29 @@ def world(tmp_path_factory):
     not_a_dir = tmp / "a_file"
     not_a_dir.write_text("x")
     runs = [_argv(str(tmp), name, "--load", root, "--train-iters", "6") for name, root in cases.items()]
-    runs += [_argv(str(tmp), "fallback", "--load", str(fallback), "--train-iters", "6", "--ckpt-fallback-to-verified"),
-             _argv(str(tmp), "fallback_incomplete", "--load", str(incomplete), "--train-iters", "6",
-                   "--ckpt-fallback-to-verified"),
-             _argv(str(tmp), "save_file", "--save", str(not_a_dir), "--train-iters", "2"),
-             _argv(str(tmp), "save_under_file", "--save", str(not_a_dir / "sub"), "--train-iters", "2")]
+    runs += [
+        _argv(str(tmp), "fallback", "--load", str(fallback), "--train-iters", "6", "--ckpt-fallback-to-verified"),
+        _argv(
+            str(tmp),
+            "fallback_incomplete",
+            "--load",
+            str(incomplete),
+            "--train-iters",
+            "6",
+            "--ckpt-fallback-to-verified",
+        ),
+        _argv(str(tmp), "save_file", "--save", str(not_a_dir), "--train-iters", "2"),
+        _argv(str(tmp), "save_under_file", "--save", str(not_a_dir / "sub"), "--train-iters", "2"),
+    ]
     codes = run_distributed(run_trainings, 2, args=(runs,), timeout=300)
     names = list(cases) + ["fallback", "fallback_incomplete", "save_file", "save_under_file"]
-    return {"tmp": str(tmp), "base": base, "cases": cases, "not_a_dir": str(not_a_dir),
-            "codes": [dict(zip(names, rank_codes)) for rank_codes in codes]}
+    return {
+        "tmp": str(tmp),
+        "base": base,
+        "cases": cases,
+        "not_a_dir": str(not_a_dir),
+        "codes": [dict(zip(names, rank_codes)) for rank_codes in codes],
+    }
 
 
 def _no_training(world, name):
@@ -127,14 +174,16 @@ def test_clean_checkpoints_have_manifests(world):
     index = json.loads((it / "manifest.json").read_text())
     assert index["iteration"] == 4 and index["world_size"] == 2 and index["algorithm"] == "sha256"
     listed = checkpoint_manifest.listed_files(str(it), index)
-    on_disk = {str(p.relative_to(it)) for p in it.rglob("*") if p.is_file() and "manifest" not in p.name
-               and p.parent.name != "manifest"}
+    on_disk = {
+        str(p.relative_to(it))
+        for p in it.rglob("*")
+        if p.is_file() and "manifest" not in p.name and p.parent.name != "manifest"
+    }
     assert set(listed) == on_disk, (set(listed), on_disk)
     for name, entry in listed.items():
         assert checkpoint_manifest.file_digest(str(it / name)) == (entry["size"], entry["sha256"]), name
     assert checkpointing.verify_checkpoint(str(it), 4) is None
-    assert checkpointing.verify_checkpoint(str(it), 2) == \
-        "common.json: says iteration 4, the directory is iteration 2"
+    assert checkpointing.verify_checkpoint(str(it), 2) == "common.json: says iteration 4, the directory is iteration 2"
 
 
 def test_legacy_checkpoint_with_an_unreadable_rng_file_stops_every_rank(world):
@@ -208,17 +257,20 @@ def test_check_save_dir(tmp_path):
     if subprocess.run(["mount", "--bind", "-o", "ro", str(ro), str(ro)], capture_output=True).returncode != 0:
         pytest.skip("cannot make a read-only bind mount here")
     try:
-        with pytest.raises(checkpointing.CheckpointError,
-                           match=f"^--save {ro} is not a writable directory: Read-only file system$"):
+        with pytest.raises(
+            checkpointing.CheckpointError, match=f"^--save {ro} is not a writable directory: Read-only file system$"
+        ):
             checkpointing.check_save_dir(str(ro))
-        with pytest.raises(checkpointing.CheckpointError, match=f"^--save {ro}/sub cannot be created: {ro} is not "
-                                                                f"writable$"):
+        with pytest.raises(
+            checkpointing.CheckpointError, match=f"^--save {ro}/sub cannot be created: {ro} is not writable$"
+        ):
             checkpointing.check_save_dir(str(ro / "sub"))
     finally:
         subprocess.run(["umount", str(ro)], check=True)
 
 
 # --- single-process: legacy checkpoints, async save, errors from DCP and the disk ------------
+
 
 def test_checkpoint_without_manifest_loads_with_a_warning(tmp_path, capsys):
     from megalm.models import GPTModel
@@ -237,8 +289,11 @@ def test_checkpoint_without_manifest_loads_with_a_warning(tmp_path, capsys):
     # Rank manifests without the index: the save never completed.
     saved = save_random_model(cfg, tmp_path, iteration=8)
     (tmp_path / "iter_0000008" / "manifest.json").unlink()
-    with pytest.raises(checkpointing.CheckpointError, match=r"iter_0000008 is corrupt: manifest.json: missing "
-                                                            r"\(the save never completed\); previous: --ckpt-step 7"):
+    with pytest.raises(
+        checkpointing.CheckpointError,
+        match=r"iter_0000008 is corrupt: manifest.json: missing "
+        r"\(the save never completed\); previous: --ckpt-step 7",
+    ):
         checkpointing.load_checkpoint(str(tmp_path), [model], finetune=True)
 
 
@@ -266,6 +321,7 @@ def _raise_enospc(path):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(path, "__0_0.distcp"))
         except OSError as e:
             raise CheckpointException("save", {0: (e, traceback.extract_tb(e.__traceback__))}) from None
+
     return save
 
 

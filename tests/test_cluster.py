@@ -70,7 +70,7 @@ def launch(*args, timeout=120, **kw):
 
 def node_lines(stdout, node):
     prefix = f"[node {node}] "
-    return [line[len(prefix):] for line in stdout.splitlines() if line.startswith(prefix)]
+    return [line[len(prefix) :] for line in stdout.splitlines() if line.startswith(prefix)]
 
 
 def assert_clean(pids=()):
@@ -99,9 +99,13 @@ def test_rates_and_names():
     # c10d orders nodes by their address string: node order must survive that sort.
     addrs = [net.address(i) for i in range(12)]
     assert sorted(addrs) == addrs
-    for bad in ({"name": "Bad-name", "nodes": 2}, {"name": "x", "nodes": 2, "subnet": "8.8.8.0/24"},
-                {"name": "x", "nodes": 2, "subnet": "10.0.0.0/16"}, {"name": "x", "nodes": 0},
-                {"name": "x", "nodes": 2, "bandwidth": "fast"}):
+    for bad in (
+        {"name": "Bad-name", "nodes": 2},
+        {"name": "x", "nodes": 2, "subnet": "8.8.8.0/24"},
+        {"name": "x", "nodes": 2, "subnet": "10.0.0.0/16"},
+        {"name": "x", "nodes": 0},
+        {"name": "x", "nodes": 2, "bandwidth": "fast"},
+    ):
         with pytest.raises(ClusterError):
             ClusterNet(**bad)
 
@@ -112,28 +116,68 @@ def test_node_command_is_torchrun_c10d():
     assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
     flags = argv[3:-2]
     assert dict(zip(flags[::2], flags[1::2])) == {
-        "--nnodes": "2", "--node-rank": "1", "--nproc-per-node": "2", "--rdzv-backend": "c10d",
-        "--rdzv-endpoint": "10.213.7.10:29500", "--rdzv-id": "mlc", "--rdzv-conf": "is_host=0",
-        "--local-addr": "10.213.7.11", "--max-restarts": "0"}
+        "--nnodes": "2",
+        "--node-rank": "1",
+        "--nproc-per-node": "2",
+        "--rdzv-backend": "c10d",
+        "--rdzv-endpoint": "10.213.7.10:29500",
+        "--rdzv-id": "mlc",
+        "--rdzv-conf": "is_host=0",
+        "--local-addr": "10.213.7.11",
+        "--max-restarts": "0",
+    }
     assert argv[-2:] == ["pretrain_gpt.py", "--mock-data"]
     assert exit_code(-2) == 130 and exit_code(3) == 3
 
 
 def test_without_privileges_says_so_in_one_line():
     env = dict(ENV, PATH="/nonexistent")  # no ip, no tc
-    proc = subprocess.run(launcher("--raw", "--", "true"), env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        launcher("--raw", "--", "true"), env=env, cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip() == "[megalm] cluster: the simulated cluster needs iproute2's ip and tc (not found)"
 
 
 # --- on the cluster ------------------------------------------------------------------------------
 
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--max-position-embeddings", "32", "--mock-data", "--vocab-size", "500", "--num-workers", "0",
-        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--eval-iters", "0",
-        "--lr", "1e-3", "--seed", "5", "--hidden-dropout", "0", "--attention-dropout", "0",
-        "--tensor-model-parallel-size", "2", "--log-interval", "1"]
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--max-position-embeddings",
+    "32",
+    "--mock-data",
+    "--vocab-size",
+    "500",
+    "--num-workers",
+    "0",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "3",
+    "--eval-iters",
+    "0",
+    "--lr",
+    "1e-3",
+    "--seed",
+    "5",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--tensor-model-parallel-size",
+    "2",
+    "--log-interval",
+    "1",
+]
 
 
 @pytest.mark.slow
@@ -141,13 +185,42 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 def test_two_nodes_train_like_one_host(tmp_path):
     """2 nodes x 2 ranks over a 200 Mbit/s link vs 4 ranks on one host: identical numbers.  Both
     runs go side by side (the single-host one on loopback, outside the cluster)."""
-    single = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                               "pretrain_gpt.py", *TINY, "--metrics-file", str(tmp_path / "single.jsonl")],
-                              env=ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    single = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            "pretrain_gpt.py",
+            *TINY,
+            "--metrics-file",
+            str(tmp_path / "single.jsonl"),
+        ],
+        env=ENV,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
-        code, out, err = launch("--nodes", "2", "--procs-per-node", "2", "--inter-node-bandwidth", "200mbit",
-                                "--timeout", "150", "--", "pretrain_gpt.py", *TINY,
-                                "--metrics-file", str(tmp_path / "cluster.jsonl"), timeout=200)
+        code, out, err = launch(
+            "--nodes",
+            "2",
+            "--procs-per-node",
+            "2",
+            "--inter-node-bandwidth",
+            "200mbit",
+            "--timeout",
+            "150",
+            "--",
+            "pretrain_gpt.py",
+            *TINY,
+            "--metrics-file",
+            str(tmp_path / "cluster.jsonl"),
+            timeout=200,
+        )
         single_out, _ = single.communicate(timeout=150)
     finally:
         single.kill()
@@ -166,7 +239,7 @@ def test_two_nodes_train_like_one_host(tmp_path):
     assert_clean()
 
 
-PROBE = r'''
+PROBE = r"""
 import json, os, socket
 from datetime import timedelta
 import torch, torch.distributed as dist
@@ -202,30 +275,32 @@ dist.all_gather_object(every, moved)
 if rank == 0:
     print("PROBE " + json.dumps({"addrs": addrs, "moved": every, "report": topology_report(world, 2, tp=2)}))
 dist.barrier()  # and exit as pretrain_gpt.py does (destroy_process_group here can abort a peer's gloo thread)
-'''
+"""
 
 
 @needs_cluster
 def test_layout_on_the_cluster_and_intra_node_traffic_stays_off_the_link(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
-    code, out, err = launch("--nodes", "2", "--procs-per-node", "2", "--inter-node-bandwidth", "1gbit",
-                            "--timeout", "90", "--", str(probe))
+    code, out, err = launch(
+        "--nodes", "2", "--procs-per-node", "2", "--inter-node-bandwidth", "1gbit", "--timeout", "90", "--", str(probe)
+    )
     assert code == 0, out[-3000:] + err[-2000:]
     line = next(x for x in node_lines(out, 0) if x.startswith("PROBE "))
-    probe_result = json.loads(line[len("PROBE "):])
+    probe_result = json.loads(line[len("PROBE ") :])
     assert probe_result["addrs"] == [ADDR0, ADDR0, ADDR1, ADDR1]  # ranks are node-contiguous
     for group in ([0, 1], [2, 3]):  # TP groups of compute_layout(4, tp=2)
         assert len({probe_result["addrs"][r] for r in group}) == 1
-    assert probe_result["report"] == ("topology: 2 nodes x 2 ranks (TP 2, CP 1, EP 1, DP 2, PP 1): "
-                                      "DP group spans 2 nodes, TP group inside one node")
+    assert probe_result["report"] == (
+        "topology: 2 nodes x 2 ranks (TP 2, CP 1, EP 1, DP 2, PP 1): DP group spans 2 nodes, TP group inside one node"
+    )
     for moved in probe_result["moved"]:
         assert moved["tp"] < 64 * 1024, probe_result  # intra-node all-reduce of 8 MB: over lo
         assert moved["dp"] >= 8 * 10**6, probe_result  # inter-node: 2 x 4 MB ring all-reduce leaves the node
     assert_clean()
 
 
-XFER = r'''
+XFER = r"""
 import os, socket, sys, threading, time
 N = 4 * 10**6
 node, addrs = int(os.environ["NODE_RANK"]), os.environ["CLUSTER_NODE_ADDRS"].split()
@@ -264,7 +339,7 @@ else:
     ready.wait()
     print(f"intra {send(addrs[0], 5602):.4f}")
     print(f"inter {send(addrs[1], 5601):.4f}")
-'''
+"""
 
 
 @needs_cluster
@@ -292,19 +367,38 @@ def slurm_stand_ins(bin_dir):
     """scontrol/srun stand-ins: the job's nodes are the cluster's, each task is its node's NODE_RANK."""
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text('#!/bin/bash\nprintf "%s\\n" $CLUSTER_NODE_ADDRS\n')
-    (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == -* ]]; do shift; done\n'
-                                  'SLURM_NODEID=$NODE_RANK exec "$@"\n')
+    (bin_dir / "srun").write_text(
+        '#!/bin/bash\nwhile [[ "$1" == -* ]]; do shift; done\nSLURM_NODEID=$NODE_RANK exec "$@"\n'
+    )
     for tool in ("scontrol", "srun"):
         (bin_dir / tool).chmod(0o755)
 
 
 def sbatch_on_cluster(tmp_path, env_words, *flags):
     """``scripts/slurm/pretrain.sbatch scripts/pretrain_gpt_tiny_cpu.sh`` on 2 nodes x 2 processes."""
-    wrapper = (f"export PATH={tmp_path / 'bin'}:$PATH SLURM_NNODES=$NNODES SLURM_JOB_NODELIST=sim "
-               f"SLURM_SUBMIT_DIR={REPO} RUN_DIR={tmp_path / 'run'} {env_words}; unset MASTER_ADDR; "
-               f"exec bash scripts/slurm/pretrain.sbatch scripts/pretrain_gpt_tiny_cpu.sh {' '.join(flags)}")
-    return launch("--nodes", "2", "--procs-per-node", "2", "--port", "6000", "--inter-node-bandwidth", "200mbit",
-                  "--timeout", "120", "--raw", "--", "bash", "-c", wrapper, timeout=180)
+    wrapper = (
+        f"export PATH={tmp_path / 'bin'}:$PATH SLURM_NNODES=$NNODES SLURM_JOB_NODELIST=sim "
+        f"SLURM_SUBMIT_DIR={REPO} RUN_DIR={tmp_path / 'run'} {env_words}; unset MASTER_ADDR; "
+        f"exec bash scripts/slurm/pretrain.sbatch scripts/pretrain_gpt_tiny_cpu.sh {' '.join(flags)}"
+    )
+    return launch(
+        "--nodes",
+        "2",
+        "--procs-per-node",
+        "2",
+        "--port",
+        "6000",
+        "--inter-node-bandwidth",
+        "200mbit",
+        "--timeout",
+        "120",
+        "--raw",
+        "--",
+        "bash",
+        "-c",
+        wrapper,
+        timeout=180,
+    )
 
 
 @pytest.mark.slow
@@ -321,16 +415,23 @@ def test_slurm_script_runs_on_two_nodes(tmp_path):
         words = shlex.split(command)
         assert words[1:5] == ["cd", REPO, "&&", "torchrun"], command
         opts = dict(zip(words[5:15:2], words[6:15:2]))
-        assert opts == {"--nproc_per_node": "2", "--nnodes": "2", "--node_rank": str(node),
-                        "--master_addr": ADDR0, "--master_port": "6000"}, command
+        assert opts == {
+            "--nproc_per_node": "2",
+            "--nnodes": "2",
+            "--node_rank": str(node),
+            "--master_addr": ADDR0,
+            "--master_port": "6000",
+        }, command
         assert words[-2:] == ["--log-interval", "1"]
     assert_clean()
 
     code, out, err = sbatch_on_cluster(tmp_path, "TRAIN_ITERS=2 EVAL_ITERS=0 LOG_INTERVAL=1")
     assert code == 0, out[-3000:] + err
     for node in (0, 1):
-        assert any(line.startswith(f"[megalm] gpt_tiny_cpu: node {node} of 2, 2 processes, TP 2")
-                   for line in node_lines(out, node)), out[-3000:]
+        assert any(
+            line.startswith(f"[megalm] gpt_tiny_cpu: node {node} of 2, 2 processes, TP 2")
+            for line in node_lines(out, node)
+        ), out[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["lm_loss"] for r in rows if "lm_loss" in r]
     assert [r["iteration"] for r in rows if "lm_loss" in r] == [1, 2] and losses[1] < losses[0], rows
@@ -353,8 +454,17 @@ def test_cleanup_after_success_and_failure_and_timeout():
     assert_clean(pids_of(out))
     # Node 1 fails with 3 while node 0 would sleep: node 0 is stopped after --fail-grace, exit 3.
     start = time.monotonic()
-    code, out, err = launch("--nodes", "2", "--fail-grace", "0.5", "--raw", "--", "bash", "-c",
-                            'echo "pid $$"; [[ $NODE_RANK == 1 ]] && exit 3; exec sleep 60')
+    code, out, err = launch(
+        "--nodes",
+        "2",
+        "--fail-grace",
+        "0.5",
+        "--raw",
+        "--",
+        "bash",
+        "-c",
+        'echo "pid $$"; [[ $NODE_RANK == 1 ]] && exit 3; exec sleep 60',
+    )
     assert code == 3 and time.monotonic() - start < 20, out + err
     assert "a node failed" in err
     assert_clean(pids_of(out))
@@ -365,8 +475,14 @@ def test_cleanup_after_success_and_failure_and_timeout():
 
 @needs_cluster
 def test_sigint_to_the_launcher_removes_everything():
-    proc = subprocess.Popen(launcher("--nodes", "2", "--raw", "--", "bash", "-c", SLEEPER), env=ENV, cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        launcher("--nodes", "2", "--raw", "--", "bash", "-c", SLEEPER),
+        env=ENV,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     seen = []
     try:
         while len(seen) < 2:
@@ -392,8 +508,10 @@ def test_second_run_refuses_and_stale_lock_is_taken_over(tmp_path):
     finally:
         os.unlink(LOCK)
     assert code == 2 and out == ""
-    assert err.strip() == ("[megalm] cluster: a simulated cluster is already running "
-                           f"(pid {os.getpid()}, lock {LOCK}); wait for it or stop it")
+    assert err.strip() == (
+        "[megalm] cluster: a simulated cluster is already running "
+        f"(pid {os.getpid()}, lock {LOCK}); wait for it or stop it"
+    )
     # A dead owner that left its namespaces behind (killed with SIGKILL): taken over and cleaned.
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -408,7 +526,7 @@ def test_second_run_refuses_and_stale_lock_is_taken_over(tmp_path):
 
 # --- a network failure ---------------------------------------------------------------------------
 
-CUT_LOOP = r'''
+CUT_LOOP = r"""
 import os, time
 from datetime import timedelta
 import torch, torch.distributed as dist
@@ -428,7 +546,7 @@ while True:
     time.sleep(0.05)
 print(f"rank {dist.get_rank()} steps {steps} slowest {slowest:.2f}", flush=True)
 dist.barrier()
-'''
+"""
 
 
 def cut_run(tmp_path, collective_timeout, cut_for, loop_for):
@@ -437,9 +555,31 @@ def cut_run(tmp_path, collective_timeout, cut_for, loop_for):
     script = tmp_path / "loop.py"
     script.write_text(CUT_LOOP)
     env = dict(ENV, CUT_TEST_TIMEOUT=str(collective_timeout), CUT_TEST_UNTIL=str(time.time() + loop_for))
-    proc = subprocess.run(launcher("--nodes", "2", "--procs-per-node", "2", "--cut-node", "1", "--cut-after", "12",
-                                   "--cut-for", str(cut_for), "--timeout", "90", "--fail-grace", "60", "--",
-                                   str(script)), env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        launcher(
+            "--nodes",
+            "2",
+            "--procs-per-node",
+            "2",
+            "--cut-node",
+            "1",
+            "--cut-after",
+            "12",
+            "--cut-for",
+            str(cut_for),
+            "--timeout",
+            "90",
+            "--fail-grace",
+            "60",
+            "--",
+            str(script),
+        ),
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return proc.returncode, proc.stdout, proc.stderr
 
 

@@ -14,46 +14,106 @@ def _cfg(argv, world_size=None):
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"]
 
 
-@pytest.mark.parametrize("argv, world, message", [
-    (["--tensor-model-parallel-size", "8"], 8, "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 8"),
-    (["--group-query-attention", "--num-query-groups", "1", "--tensor-model-parallel-size", "2"], 2,
-     "--num-query-groups 1 is not divisible by --tensor-model-parallel-size 2"),
-    (["--group-query-attention", "--num-query-groups", "3"], None, "not divisible by --num-query-groups 3"),
-    (["--group-query-attention"], None, "needs --num-query-groups"),
-    (["--pipeline-model-parallel-size", "3"], 3, "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"),
-    (["--max-position-embeddings", "16"], None, "--seq-length 32 is longer than --max-position-embeddings 16"),
-    (["--hidden-size", "66"], None, "--hidden-size 66 is not divisible by --num-attention-heads 4"),
-    (["--bf16", "--fp16"], None, "mutually exclusive"),
-    (["--recompute-granularity", "full"], None, "needs --recompute-method"),
-    (["--recompute-method", "uniform"], None, "needs --recompute-granularity full"),
-    (["--global-batch-size", "6", "--micro-batch-size", "2"], 2, "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 2"),
-    (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible"),
-    (["--train-iters", "5", "--train-samples", "5"], None, "only one of --train-iters and --train-samples"),
-    (["--mock-data", "--data-path", "x"], None, "--mock-data cannot be combined"),
-    (["--tokenizer-type", "SentencePieceTokenizer"], None, "needs --tokenizer-model"),
-    (["--tokenizer-type", "NullTokenizer"], None, "needs --vocab-size"),
-    (["--tokenizer-type", "GPT2BPETokenizer"], None, "needs --vocab-file and --merge-file"),
-    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json"], None, "needs --merge-file"),
-    (["--tokenizer-type", "Llama2Tokenizer"], None, "needs --tokenizer-model"),
-    (["--split", "a,b"], None, "--split"),
-    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"], 2, "not divisible by --num-layers-per-virtual-pipeline-stage 3"),
-    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "3"], 2,
-     "microbatches \\(3\\) to be divisible by --pipeline-model-parallel-size 2"),
-    (["--pipeline-model-parallel-size", "3", "--decoder-first-pipeline-num-layers", "1"], 3, "cannot be split evenly"),
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "31", "--max-position-embeddings", "64"], 2,
-     "--seq-length 31 is not divisible by --tensor-model-parallel-size 2"),
-    (["--min-lr", "1", "--lr", "0.1"], None, "--min-lr 1.0 is larger than --lr 0.1"),
-    (["--attention-backend", "blocked", "--attention-dropout", "0.1"], None,
-     "--attention-backend blocked has no attention dropout: set --attention-dropout 0"),
-    (["--use-flash-attn", "--attention-backend", "fused", "--bf16"], None,
-     "--use-flash-attn contradicts --attention-backend fused"),
-    (["--use-flash-attn"], None, "--attention-backend flash needs --bf16 or --fp16"),
-    (["--use-pytorch-profiler", "--tensorboard-dir", "tb"], None, "--use-pytorch-profiler needs --profile"),
-    (["--profile", "--use-pytorch-profiler"], None, "writes its trace to --tensorboard-dir"),
-    (["--profile", "--profile-step-start", "5", "--profile-step-end", "5"], None,
-     "--profile-step-start 5 must be >= 0 and before --profile-step-end 5"),
-    (["--profile", "--profile-ranks", "0", "4"], 4, "--profile-ranks \\[4\\] must be ranks of the world \\(size 4\\)"),
-])
+@pytest.mark.parametrize(
+    "argv, world, message",
+    [
+        (
+            ["--tensor-model-parallel-size", "8"],
+            8,
+            "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 8",
+        ),
+        (
+            ["--group-query-attention", "--num-query-groups", "1", "--tensor-model-parallel-size", "2"],
+            2,
+            "--num-query-groups 1 is not divisible by --tensor-model-parallel-size 2",
+        ),
+        (["--group-query-attention", "--num-query-groups", "3"], None, "not divisible by --num-query-groups 3"),
+        (["--group-query-attention"], None, "needs --num-query-groups"),
+        (
+            ["--pipeline-model-parallel-size", "3"],
+            3,
+            "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3",
+        ),
+        (["--max-position-embeddings", "16"], None, "--seq-length 32 is longer than --max-position-embeddings 16"),
+        (["--hidden-size", "66"], None, "--hidden-size 66 is not divisible by --num-attention-heads 4"),
+        (["--bf16", "--fp16"], None, "mutually exclusive"),
+        (["--recompute-granularity", "full"], None, "needs --recompute-method"),
+        (["--recompute-method", "uniform"], None, "needs --recompute-granularity full"),
+        (
+            ["--global-batch-size", "6", "--micro-batch-size", "2"],
+            2,
+            "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 2",
+        ),
+        (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible"),
+        (["--train-iters", "5", "--train-samples", "5"], None, "only one of --train-iters and --train-samples"),
+        (["--mock-data", "--data-path", "x"], None, "--mock-data cannot be combined"),
+        (["--tokenizer-type", "SentencePieceTokenizer"], None, "needs --tokenizer-model"),
+        (["--tokenizer-type", "NullTokenizer"], None, "needs --vocab-size"),
+        (["--tokenizer-type", "GPT2BPETokenizer"], None, "needs --vocab-file and --merge-file"),
+        (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json"], None, "needs --merge-file"),
+        (["--tokenizer-type", "Llama2Tokenizer"], None, "needs --tokenizer-model"),
+        (["--split", "a,b"], None, "--split"),
+        (
+            ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
+            2,
+            "not divisible by --num-layers-per-virtual-pipeline-stage 3",
+        ),
+        (
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "1",
+                "--global-batch-size",
+                "3",
+            ],
+            2,
+            "microbatches \\(3\\) to be divisible by --pipeline-model-parallel-size 2",
+        ),
+        (
+            ["--pipeline-model-parallel-size", "3", "--decoder-first-pipeline-num-layers", "1"],
+            3,
+            "cannot be split evenly",
+        ),
+        (
+            [
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+                "--seq-length",
+                "31",
+                "--max-position-embeddings",
+                "64",
+            ],
+            2,
+            "--seq-length 31 is not divisible by --tensor-model-parallel-size 2",
+        ),
+        (["--min-lr", "1", "--lr", "0.1"], None, "--min-lr 1.0 is larger than --lr 0.1"),
+        (
+            ["--attention-backend", "blocked", "--attention-dropout", "0.1"],
+            None,
+            "--attention-backend blocked has no attention dropout: set --attention-dropout 0",
+        ),
+        (
+            ["--use-flash-attn", "--attention-backend", "fused", "--bf16"],
+            None,
+            "--use-flash-attn contradicts --attention-backend fused",
+        ),
+        (["--use-flash-attn"], None, "--attention-backend flash needs --bf16 or --fp16"),
+        (["--use-pytorch-profiler", "--tensorboard-dir", "tb"], None, "--use-pytorch-profiler needs --profile"),
+        (["--profile", "--use-pytorch-profiler"], None, "writes its trace to --tensorboard-dir"),
+        (
+            ["--profile", "--profile-step-start", "5", "--profile-step-end", "5"],
+            None,
+            "--profile-step-start 5 must be >= 0 and before --profile-step-end 5",
+        ),
+        (
+            ["--profile", "--profile-ranks", "0", "4"],
+            4,
+            "--profile-ranks \\[4\\] must be ranks of the world \\(size 4\\)",
+        ),
+    ],
+)
 def test_invalid_combinations(argv, world, message):
     with pytest.raises(ConfigError, match=message):
         _cfg(BASE + argv, world)
@@ -66,9 +126,28 @@ def test_parse_config_exits_with_message(capsys):
 
 
 def test_derived_values_and_megatron_flags():
-    cfg = _cfg(BASE + ["--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-                       "--tensor-model-parallel-size", "2", "--vocab-size", "1000", "--micro-batch-size", "2",
-                       "--data-path", "0.3", "a", "0.7", "b", "--position-embedding-type", "rope"], world_size=8)
+    cfg = _cfg(
+        BASE
+        + [
+            "--swiglu",
+            "--disable-bias-linear",
+            "--untie-embeddings-and-output-weights",
+            "--tensor-model-parallel-size",
+            "2",
+            "--vocab-size",
+            "1000",
+            "--micro-batch-size",
+            "2",
+            "--data-path",
+            "0.3",
+            "a",
+            "0.7",
+            "b",
+            "--position-embedding-type",
+            "rope",
+        ],
+        world_size=8,
+    )
     assert cfg.model.ffn_hidden_size == 128  # int(4 * 64 * 2/3 / 64) * 64
     assert cfg.model.add_bias_linear is False
     assert cfg.model.untie_embeddings_and_output_weights is True
@@ -76,10 +155,23 @@ def test_derived_values_and_megatron_flags():
     assert cfg.parallel.data_parallel_size == 4
     assert cfg.training.global_batch_size == 8
     assert cfg.data.data_path == ["0.3", "a", "0.7", "b"]
-    cfg = _cfg(BASE + ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "gpt2-vocab.json", "--merge-file",
-                       "gpt2-merges.txt"])
+    cfg = _cfg(
+        BASE
+        + ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "gpt2-vocab.json", "--merge-file", "gpt2-merges.txt"]
+    )
     assert (cfg.data.vocab_file, cfg.data.merge_file) == ("gpt2-vocab.json", "gpt2-merges.txt")
-    cfg = _cfg(BASE + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "2"], 2)
+    cfg = _cfg(
+        BASE
+        + [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+            "--global-batch-size",
+            "2",
+        ],
+        2,
+    )
     assert cfg.parallel.virtual_pipeline_model_parallel_size == 2
 
 
@@ -93,7 +185,9 @@ def test_fusion_flags_default_on_with_megatron_spelling_accepted():
 def test_megatron_spellings_of_flash_attention_and_throughput():
     cfg = _cfg(BASE + ["--use-flash-attn", "--bf16", "--log-throughput"])
     assert cfg.model.attention_backend == "flash" and cfg.logging.log_throughput
-    assert _cfg(BASE + ["--use-flash-attn", "--attention-backend", "flash", "--fp16"]).model.attention_backend == "flash"
+    assert (
+        _cfg(BASE + ["--use-flash-attn", "--attention-backend", "flash", "--fp16"]).model.attention_backend == "flash"
+    )
     assert _cfg(BASE).model.attention_backend == "auto"
 
 
@@ -115,9 +209,21 @@ def test_use_checkpoint_args(tmp_path, capsys):
     run = ["--load", str(tmp_path / "ckpt"), "--use-checkpoint-args", "--mock-data", "--micro-batch-size", "2"]
     cfg = parse_config(run + ["--seq-length", "8", "--hidden-dropout", "0"])
     m, s = cfg.model, saved.model
-    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                 "position_embedding_type", "normalization", "swiglu", "untie_embeddings_and_output_weights",
-                 "rotary_base", "norm_epsilon", "add_bias_linear", "max_position_embeddings"):
+    for name in (
+        "num_layers",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "position_embedding_type",
+        "normalization",
+        "swiglu",
+        "untie_embeddings_and_output_weights",
+        "rotary_base",
+        "norm_epsilon",
+        "add_bias_linear",
+        "max_position_embeddings",
+    ):
         assert getattr(m, name) == getattr(s, name), name
     assert m.seq_length == 8 and s.seq_length == 16  # given on the command line: kept
     assert m.hidden_dropout == 0.0 and cfg.data.tokenizer_type == "NullTokenizer" and m.vocab_size == 299
@@ -128,8 +234,23 @@ def test_use_checkpoint_args(tmp_path, capsys):
     with pytest.raises(ConfigError) as e:
         parse_config(["--use-checkpoint-args", "--load", str(tmp_path)])
     assert f"--use-checkpoint-args: no checkpoint in {tmp_path}" in str(e.value)
-    train = run + ["--finetune", "--train-iters", "1", "--eval-iters", "0", "--num-workers", "0", "--hidden-dropout",
-                   "0", "--attention-dropout", "0", "--log-interval", "1", "--metrics-file", str(tmp_path / "m.jsonl")]
+    train = run + [
+        "--finetune",
+        "--train-iters",
+        "1",
+        "--eval-iters",
+        "0",
+        "--num-workers",
+        "0",
+        "--hidden-dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+        "--log-interval",
+        "1",
+        "--metrics-file",
+        str(tmp_path / "m.jsonl"),
+    ]
     assert run_distributed(run_trainings, 1, args=([train],), timeout=200) == [[0]]  # a fresh process
     record = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[0])
     assert record["iteration"] == 1 and 0 < record["lm_loss"] < 20

@@ -20,11 +20,15 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 # Flags whose value megalm/config/validation.py itself acts on (read nowhere else by design).
 CONSUMED_BY_VALIDATION = {
     "use_flash_attn": "becomes --attention-backend flash",
-    "lr_warmup_iters": "lr_schedule_samples", "lr_warmup_fraction": "lr_schedule_samples",
-    "lr_decay_iters": "lr_schedule_samples", "lr_decay_samples": "lr_schedule_samples",
-    "lr_warmup_samples": "lr_schedule_samples", "lr_wsd_decay_samples": "lr_schedule_samples",
+    "lr_warmup_iters": "lr_schedule_samples",
+    "lr_warmup_fraction": "lr_schedule_samples",
+    "lr_decay_iters": "lr_schedule_samples",
+    "lr_decay_samples": "lr_schedule_samples",
+    "lr_warmup_samples": "lr_schedule_samples",
+    "lr_wsd_decay_samples": "lr_schedule_samples",
     "lr_wsd_decay_iters": "lr_schedule_samples",
-    "apply_query_key_layer_scaling": "Megatron no-op: warns", "log_throughput": "Megatron no-op: warns",
+    "apply_query_key_layer_scaling": "Megatron no-op: warns",
+    "log_throughput": "Megatron no-op: warns",
     "log_validation_ppl_to_tensorboard": "Megatron no-op: warns",
 }
 
@@ -44,8 +48,13 @@ def _attributes_read(skip) -> set:
         for n in ast.walk(tree):
             if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load):
                 names.add(n.attr)
-            elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "getattr" \
-                    and len(n.args) >= 2 and isinstance(n.args[1], ast.Constant):
+            elif (
+                isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Name)
+                and n.func.id == "getattr"
+                and len(n.args) >= 2
+                and isinstance(n.args[1], ast.Constant)
+            ):
                 names.add(n.args[1].value)
     return names
 

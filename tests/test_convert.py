@@ -70,6 +70,7 @@ def test_export_logits_match_transformers(arch, tmp_path, sp_model):
 
     # The tokenizer loads with transformers and gives the ids megalm trained on.
     import sentencepiece as spm
+
     from tests.test_tokenizers import sample_texts
 
     tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
@@ -82,13 +83,29 @@ def test_export_logits_match_transformers(arch, tmp_path, sp_model):
 def _hf_model(kind, tmp_path):
     torch.manual_seed(0)
     if kind == "llama":
-        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                          rope_theta=1000.0, initializer_range=0.3, tie_word_embeddings=False)
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            rope_theta=1000.0,
+            initializer_range=0.3,
+            tie_word_embeddings=False,
+        )
         model = transformers.LlamaForCausalLM(config)
     else:
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                                         activation_function="gelu", initializer_range=0.3)
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            activation_function="gelu",
+            initializer_range=0.3,
+        )
         model = transformers.GPT2LMHeadModel(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -101,9 +118,11 @@ def _hf_model(kind, tmp_path):
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_import_logits_match_transformers_and_round_trip(kind, tmp_path):
     hf_model = _hf_model(kind, tmp_path)
-    result = import_from_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"),
-                            extra_args=["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                                        "--seq-length", "16"])
+    result = import_from_hf(
+        str(tmp_path / "hf"),
+        str(tmp_path / "ckpt"),
+        extra_args=["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--seq-length", "16"],
+    )
     common = json.loads(Path(result.path, "common.json").read_text())
     assert common["layout"]["tensor_model_parallel_size"] == 2 and common["layout"]["pipeline_model_parallel_size"] == 2
     assert common["config"]["model"]["seq_length"] == 16 and common["iteration"] == 0
@@ -117,7 +136,10 @@ def test_import_logits_match_transformers_and_round_trip(kind, tmp_path):
     export_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "back"))
     from safetensors.torch import load_file
 
-    original, back = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    original, back = (
+        load_file(tmp_path / "hf" / "model.safetensors"),
+        load_file(tmp_path / "back" / "model.safetensors"),
+    )
     assert set(back) <= set(original)
     assert all(torch.equal(back[k], original[k]) for k in back)
 
@@ -145,16 +167,23 @@ def test_import_refusals(tmp_path):
     refused(lambda c: c.update(tie_word_embeddings=True), "tie_word_embeddings")
     refused(lambda c: c.update(model_type="mixtral"), "mixture-of-experts")
     refused(lambda c: c.update(model_type="t5"), "model_type")
-    refused(lambda c: None, "pickle", weights=lambda d: (os.remove(d / "model.safetensors"),
-                                                         (d / "pytorch_model.bin").write_bytes(b"x")))
+    refused(
+        lambda c: None,
+        "pickle",
+        weights=lambda d: (os.remove(d / "model.safetensors"), (d / "pytorch_model.bin").write_bytes(b"x")),
+    )
     with pytest.raises(ConversionError, match="num-layers"):
         import_from_hf(str(hf), str(tmp_path / "out2"), extra_args=["--num-layers", "5"])
 
 
 def test_export_refusals(tmp_path):
-    for i, (model, match) in enumerate([(dict(position_embedding_type="rope"), "no Hugging Face architecture"),
-                                        (dict(LLAMA, rotary_percent=0.5), "rotary-percent"),
-                                        (dict(LLAMA, num_experts=4), "mixture-of-experts")]):
+    for i, (model, match) in enumerate(
+        [
+            (dict(position_embedding_type="rope"), "no Hugging Face architecture"),
+            (dict(LLAMA, rotary_percent=0.5), "rotary-percent"),
+            (dict(LLAMA, num_experts=4), "mixture-of-experts"),
+        ]
+    ):
         cfg = make_cfg(**model)
         root = tmp_path / f"c{i}"
         save_random_model(cfg, root)
@@ -200,7 +229,7 @@ def _tp2_train_and_logits(argv, ids):
     with torch.no_grad():
         logits = gather_from_tensor_model_parallel_region(model(ids), parallel_state.get_process_groups().tp)
     parallel_state.destroy_model_parallel()
-    return logits[..., :cfg.model.vocab_size]
+    return logits[..., : cfg.model.vocab_size]
 
 
 def test_export_from_tp2_training_equals_tp1(tmp_path):
@@ -211,11 +240,33 @@ def test_export_from_tp2_training_equals_tp1(tmp_path):
     from megalm.testing import run_distributed
     from tests.test_training import TINY
 
-    argv = TINY + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--position-embedding-type", "rope",
-                   "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
-                   "--untie-embeddings-and-output-weights", "--group-query-attention", "--num-query-groups", "2",
-                   "--micro-batch-size", "2", "--train-iters", "2", "--lr-warmup-iters", "0",
-                   "--save", str(tmp_path / "tp2"), "--save-interval", "2", "--log-interval", "1"]
+    argv = TINY + [
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--position-embedding-type",
+        "rope",
+        "--normalization",
+        "RMSNorm",
+        "--swiglu",
+        "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights",
+        "--group-query-attention",
+        "--num-query-groups",
+        "2",
+        "--micro-batch-size",
+        "2",
+        "--train-iters",
+        "2",
+        "--lr-warmup-iters",
+        "0",
+        "--save",
+        str(tmp_path / "tp2"),
+        "--save-interval",
+        "2",
+        "--log-interval",
+        "1",
+    ]
     ids = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(1))
     logits = run_distributed(_tp2_train_and_logits, world_size=2, args=(argv, ids), timeout=150)
     assert torch.equal(logits[0], logits[1])
@@ -238,14 +289,44 @@ def test_convert_cli_with_verify(tmp_path, capsys):
     cfg = make_cfg(**GPT2)
     save_random_model(cfg, tmp_path / "ckpt")
     convert = runpy.run_path(str(REPO / "tools" / "checkpoint" / "convert.py"))
-    assert convert["main"](["--to", "hf", "--load-dir", str(tmp_path / "ckpt"), "--save-dir", str(tmp_path / "hf"),
-                            "--dtype", "bfloat16", "--verify"]) == 0
-    assert convert["main"](["--to", "megalm", "--load-dir", str(tmp_path / "hf"), "--save-dir",
-                            str(tmp_path / "back"), "--tensor-model-parallel-size", "2", "--verify"]) == 0
+    assert (
+        convert["main"](
+            [
+                "--to",
+                "hf",
+                "--load-dir",
+                str(tmp_path / "ckpt"),
+                "--save-dir",
+                str(tmp_path / "hf"),
+                "--dtype",
+                "bfloat16",
+                "--verify",
+            ]
+        )
+        == 0
+    )
+    assert (
+        convert["main"](
+            [
+                "--to",
+                "megalm",
+                "--load-dir",
+                str(tmp_path / "hf"),
+                "--save-dir",
+                str(tmp_path / "back"),
+                "--tensor-model-parallel-size",
+                "2",
+                "--verify",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.count("| OK") == 2 and "GPT2LMHeadModel" in out
-    assert convert["main"](["--to", "megalm", "--load-dir", str(tmp_path / "ckpt"), "--save-dir",
-                            str(tmp_path / "x")]) == 2
+    assert (
+        convert["main"](["--to", "megalm", "--load-dir", str(tmp_path / "ckpt"), "--save-dir", str(tmp_path / "x")])
+        == 2
+    )
     assert "config.json" in capsys.readouterr().err
 
 
@@ -261,7 +342,9 @@ def test_gpt2_bpe_tokenizer_through_both_conversions(tmp_path):
     cfg.data.tokenizer_type, cfg.data.vocab_file, cfg.data.merge_file = "GPT2BPETokenizer", vocab_file, merge_file
     save_random_model(cfg, tmp_path / "ckpt")
     convert = runpy.run_path(str(REPO / "tools" / "checkpoint" / "convert.py"))
-    assert convert["main"](["--to", "hf", "--load-dir", str(tmp_path / "ckpt"), "--save-dir", str(tmp_path / "hf")]) == 0
+    assert (
+        convert["main"](["--to", "hf", "--load-dir", str(tmp_path / "ckpt"), "--save-dir", str(tmp_path / "hf")]) == 0
+    )
     for name in ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json"):
         assert (tmp_path / "hf" / name).is_file(), name
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
@@ -270,9 +353,25 @@ def test_gpt2_bpe_tokenizer_through_both_conversions(tmp_path):
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["eos_token_id"] == hf_tok.eos_token_id == tok.eod
 
-    assert convert["main"](["--to", "megalm", "--load-dir", str(tmp_path / "hf"), "--save-dir", str(tmp_path / "back"),
-                            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab_file,
-                            "--merge-file", merge_file]) == 0
+    assert (
+        convert["main"](
+            [
+                "--to",
+                "megalm",
+                "--load-dir",
+                str(tmp_path / "hf"),
+                "--save-dir",
+                str(tmp_path / "back"),
+                "--tokenizer-type",
+                "GPT2BPETokenizer",
+                "--vocab-file",
+                vocab_file,
+                "--merge-file",
+                merge_file,
+            ]
+        )
+        == 0
+    )
     data = MegalmCheckpointReader(str(tmp_path / "back")).config.data
     assert (data.tokenizer_type, data.vocab_file, data.merge_file) == ("GPT2BPETokenizer", vocab_file, merge_file)
 

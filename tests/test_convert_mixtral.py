@@ -25,18 +25,43 @@ from megalm import checkpointing
 from megalm.config import MegalmConfig, set_vocab_size, validate_config
 from megalm.conversion.errors import ConversionError
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                reason="transformers is needed to load the exported models")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="transformers is needed to load the exported models"
+)
 
 REPO = Path(__file__).resolve().parents[1]
 # Llama-style attention (GQA 4 heads / 2 groups, RoPE, RMSNorm) with 4 SwiGLU experts, top-2, no biases.
-MIXTRAL = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
-               untie_embeddings_and_output_weights=True, group_query_attention=True, num_query_groups=2,
-               num_attention_heads=4, rotary_base=500.0, norm_epsilon=1e-6, hidden_size=64,
-               num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=40, moe_aux_loss_coeff=0.01)
-HF_MIXTRAL = dict(hidden_size=64, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-                  rope_theta=1000.0, initializer_range=0.3, tie_word_embeddings=False, router_aux_loss_coef=0.02)
+MIXTRAL = dict(
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    swiglu=True,
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+    group_query_attention=True,
+    num_query_groups=2,
+    num_attention_heads=4,
+    rotary_base=500.0,
+    norm_epsilon=1e-6,
+    hidden_size=64,
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=40,
+    moe_aux_loss_coeff=0.01,
+)
+HF_MIXTRAL = dict(
+    hidden_size=64,
+    intermediate_size=40,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    max_position_embeddings=64,
+    rope_theta=1000.0,
+    initializer_range=0.3,
+    tie_word_embeddings=False,
+    router_aux_loss_coef=0.02,
+)
 
 
 def _tc():
@@ -63,7 +88,8 @@ def _safetensors(directory) -> dict:
 
 def _hf_model(directory):
     model, info = _transformers().AutoModelForCausalLM.from_pretrained(
-        str(directory), dtype=torch.float32, output_loading_info=True)
+        str(directory), dtype=torch.float32, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"], info  # every weight came from the files
     return model.eval()
 
@@ -79,6 +105,7 @@ def _perturb_norms(chunks):
 
 
 # --- single process ------------------------------------------------------------------------------
+
 
 def test_export_logits_match_transformers(tmp_path):
     from megalm.conversion.export_hf import export_to_hf
@@ -111,7 +138,7 @@ def test_export_logits_match_transformers(tmp_path):
 
     ids = tc.tokens()
     with torch.no_grad():
-        ours = model(ids)[..., :tc.VOCAB]
+        ours = model(ids)[..., : tc.VOCAB]
         theirs = _hf_model(tmp_path / "hf")(input_ids=ids).logits
     assert ours.abs().max() > 1.0  # logits large enough for the tolerance to mean something
     assert (ours - theirs).abs().max() < 1e-4
@@ -122,7 +149,7 @@ def test_export_logits_match_transformers(tmp_path):
     pre = copy.deepcopy(reader.config)
     pre.model.moe_router_pre_softmax = True
     with torch.no_grad():
-        pre_logits = megalm_model_from_tensors(pre, reader.load(reader.model_names))(ids)[..., :tc.VOCAB]
+        pre_logits = megalm_model_from_tensors(pre, reader.load(reader.model_names))(ids)[..., : tc.VOCAB]
     assert (pre_logits - theirs).abs().max() > 1e-2
 
 
@@ -149,8 +176,17 @@ def test_import_logits_match_transformers_and_round_trip(hf_mixtral, tmp_path):
 
     hf_dir, hf_model = hf_mixtral
     assert any("block_sparse_moe.experts.0.w1" in k for k in _safetensors(hf_dir))  # the format save_pretrained writes
-    layout = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
-              "--seq-length", "16", "--moe-token-dispatcher-type", "alltoall"]
+    layout = [
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--expert-model-parallel-size",
+        "2",
+        "--seq-length",
+        "16",
+        "--moe-token-dispatcher-type",
+        "alltoall",
+    ]
     result = import_from_hf(str(hf_dir), str(tmp_path / "ckpt"), extra_args=layout)
     assert result.architecture == "MixtralForCausalLM"
     common = json.loads(Path(result.path, "common.json").read_text())
@@ -166,7 +202,7 @@ def test_import_logits_match_transformers_and_round_trip(hf_mixtral, tmp_path):
     ids = _tc().tokens()
     with torch.no_grad():
         theirs = hf_model(input_ids=ids).logits
-        diff = (ours(ids)[..., :_tc().VOCAB] - theirs).abs().max()
+        diff = (ours(ids)[..., : _tc().VOCAB] - theirs).abs().max()
     assert theirs.abs().max() > 1.0 and diff < 1e-4
 
     # Back to transformers: the very tensors we started from.
@@ -195,15 +231,17 @@ def test_refusals_name_the_field(hf_mixtral, tmp_path):
 
     tc = _tc()
     # Export: what Mixtral cannot express.
-    for change, match in [(dict(moe_router_score_function="sigmoid"), "--moe-router-score-function sigmoid"),
-                          (dict(moe_router_pre_softmax=True), "--moe-router-pre-softmax"),
-                          (dict(moe_layer_freq=[1, 0]), r"--moe-layer-freq \[1, 0\] leaves layers \[1\] dense"),
-                          (dict(moe_layer_freq=2), "--moe-layer-freq 2"),
-                          (dict(moe_shared_expert_intermediate_size=32), "--moe-shared-expert-intermediate-size"),
-                          (dict(moe_expert_capacity_factor=1.0), "--moe-expert-capacity-factor"),
-                          (dict(add_bias_linear=True), "--disable-bias-linear"),
-                          (dict(swiglu=False), "needs --swiglu"),
-                          (dict(normalization="LayerNorm"), "--normalization LayerNorm")]:
+    for change, match in [
+        (dict(moe_router_score_function="sigmoid"), "--moe-router-score-function sigmoid"),
+        (dict(moe_router_pre_softmax=True), "--moe-router-pre-softmax"),
+        (dict(moe_layer_freq=[1, 0]), r"--moe-layer-freq \[1, 0\] leaves layers \[1\] dense"),
+        (dict(moe_layer_freq=2), "--moe-layer-freq 2"),
+        (dict(moe_shared_expert_intermediate_size=32), "--moe-shared-expert-intermediate-size"),
+        (dict(moe_expert_capacity_factor=1.0), "--moe-expert-capacity-factor"),
+        (dict(add_bias_linear=True), "--disable-bias-linear"),
+        (dict(swiglu=False), "needs --swiglu"),
+        (dict(normalization="LayerNorm"), "--normalization LayerNorm"),
+    ]:
         with pytest.raises(ConversionError, match="MixtralForCausalLM: .*" + match):
             for_megalm(tc.make_cfg(**dict(MIXTRAL, **change)).model)
     # With pre-softmax and k = E the k weights are the whole softmax and sum to 1: same as Mixtral.
@@ -249,10 +287,28 @@ def test_convert_cli_with_verify(tmp_path, capsys):
     tc = _tc()
     tc.save_random_model(tc.make_cfg(**MIXTRAL), tmp_path / "ckpt")
     convert = runpy.run_path(str(REPO / "tools" / "checkpoint" / "convert.py"))
-    assert convert["main"](["--to", "hf", "--load-dir", str(tmp_path / "ckpt"), "--save-dir", str(tmp_path / "hf"),
-                            "--verify"]) == 0
-    assert convert["main"](["--to", "megalm", "--load-dir", str(tmp_path / "hf"), "--save-dir",
-                            str(tmp_path / "back"), "--expert-model-parallel-size", "2", "--verify"]) == 0
+    assert (
+        convert["main"](
+            ["--to", "hf", "--load-dir", str(tmp_path / "ckpt"), "--save-dir", str(tmp_path / "hf"), "--verify"]
+        )
+        == 0
+    )
+    assert (
+        convert["main"](
+            [
+                "--to",
+                "megalm",
+                "--load-dir",
+                str(tmp_path / "hf"),
+                "--save-dir",
+                str(tmp_path / "back"),
+                "--expert-model-parallel-size",
+                "2",
+                "--verify",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "MixtralForCausalLM" in out and "EP 2 recorded" in out
     found = re.findall(r"max \|logit diff\| (\S+) \| KL mean (\S+) max (\S+) \| OK", out)
@@ -262,6 +318,7 @@ def test_convert_cli_with_verify(tmp_path, capsys):
 
 
 # --- checkpoints saved by 4 spawned ranks -------------------------------------------------------
+
 
 def _layout_cfg(model: dict, tp=1, pp=1, ep=1, **parallel) -> MegalmConfig:
     cfg = _tc().make_cfg(**model)
@@ -292,8 +349,11 @@ def _save_and_load_on_ranks(jobs, ids):
         validate_config(cfg, world_size=dist.get_world_size())
         set_vocab_size(cfg, cfg.model.vocab_size)
         p = cfg.parallel
-        parallel_state.initialize_model_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                                 expert_model_parallel_size=p.expert_model_parallel_size)
+        parallel_state.initialize_model_parallel(
+            p.tensor_model_parallel_size,
+            p.pipeline_model_parallel_size,
+            expert_model_parallel_size=p.expert_model_parallel_size,
+        )
         chunks = build_model_chunks(cfg, pretrain_gpt.model_provider)
         if action == "save":
             _perturb_norms(chunks)
@@ -303,7 +363,8 @@ def _save_and_load_on_ranks(jobs, ids):
             with torch.no_grad():
                 logits = chunks[0].eval()(ids)
                 out[name] = gather_from_tensor_model_parallel_region(logits, parallel_state.get_process_groups().tp)[
-                    ..., :cfg.model.vocab_size]
+                    ..., : cfg.model.vocab_size
+                ]
         parallel_state.destroy_model_parallel()
     return out
 
@@ -318,15 +379,33 @@ def ranks(hf_mixtral, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("ranks")
     hf_dir, hf_model = hf_mixtral
-    imported = import_from_hf(str(hf_dir), str(tmp / "imported"),
-                              extra_args=["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                          "--expert-model-parallel-size", "2", "--seq-length", "16"])
+    imported = import_from_hf(
+        str(hf_dir),
+        str(tmp / "imported"),
+        extra_args=[
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--expert-model-parallel-size",
+            "2",
+            "--seq-length",
+            "16",
+        ],
+    )
     dense = dict(_tc().LLAMA, untie_embeddings_and_output_weights=False)
-    jobs = [("dense_tp2pp2", _layout_cfg(dense, tp=2, pp=2).to_dict(), str(tmp / "dense_tp2pp2"), "save"),
-            ("moe_pp2ep2", _layout_cfg(dict(MIXTRAL, moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall"),
-                                       pp=2, ep=2).to_dict(), str(tmp / "moe_pp2ep2"), "save"),
-            ("moe_tp2ep2", _layout_cfg(MIXTRAL, tp=2, ep=2).to_dict(), str(tmp / "moe_tp2ep2"), "save"),
-            ("imported", imported.config.to_dict(), str(tmp / "imported"), "load")]  # layout recorded on import
+    jobs = [
+        ("dense_tp2pp2", _layout_cfg(dense, tp=2, pp=2).to_dict(), str(tmp / "dense_tp2pp2"), "save"),
+        (
+            "moe_pp2ep2",
+            _layout_cfg(
+                dict(MIXTRAL, moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall"), pp=2, ep=2
+            ).to_dict(),
+            str(tmp / "moe_pp2ep2"),
+            "save",
+        ),
+        ("moe_tp2ep2", _layout_cfg(MIXTRAL, tp=2, ep=2).to_dict(), str(tmp / "moe_tp2ep2"), "save"),
+        ("imported", imported.config.to_dict(), str(tmp / "imported"), "load"),
+    ]  # layout recorded on import
     ids = _tc().tokens(n=2, s=16)
     results = run_distributed(_save_and_load_on_ranks, world_size=4, args=(jobs, ids), timeout=300)
     with torch.no_grad():

@@ -9,8 +9,13 @@ import torch
 from megalm.config import MegalmConfig
 from megalm.data import helpers
 from megalm.data.blended_dataset import BlendedDataset
-from megalm.data.builder import (build_train_valid_test_datasets, get_train_valid_test_num_samples, parse_blend,
-                                 parse_split, split_document_ranges)
+from megalm.data.builder import (
+    build_train_valid_test_datasets,
+    get_train_valid_test_num_samples,
+    parse_blend,
+    parse_split,
+    split_document_ranges,
+)
 from megalm.data.indexed_dataset import IndexedDatasetBuilder
 from megalm.tokenizers import NullTokenizer
 
@@ -146,8 +151,14 @@ def test_single_prefix_per_split_paths_and_mock(tmp_path):
     assert test is None and len(train) >= 200 and len(valid) >= 48
     assert valid.documents.tolist() == [98, 99]
     train, valid, test = build_train_valid_test_datasets(
-        make_cfg(train_data_path=[a], valid_data_path=["1", b, "1", c], test_data_path=[c],
-                 data_cache_path=str(tmp_path / "cache2")), tok)
+        make_cfg(
+            train_data_path=[a],
+            valid_data_path=["1", b, "1", c],
+            test_data_path=[c],
+            data_cache_path=str(tmp_path / "cache2"),
+        ),
+        tok,
+    )
     assert train.documents.tolist() == list(range(100)) and len(train) >= 200
     assert isinstance(valid, BlendedDataset) and np.bincount(valid.dataset_index).tolist() == [24, 24]
     test_tokens = torch.cat([test[i]["tokens"] for i in range(len(test))]).numpy()

@@ -107,7 +107,7 @@ def test_samples_are_windows_of_the_shuffled_document_stream(tmp_path):
         item = ds[i]
         j = int(ds.shuffle_index[i])
         seen.add(j)
-        window = torch.from_numpy(stream[j * seq: j * seq + seq + 1].astype(np.int64))
+        window = torch.from_numpy(stream[j * seq : j * seq + seq + 1].astype(np.int64))
         assert torch.equal(item["tokens"], window[:-1]) and torch.equal(item["labels"], window[1:])
         assert item["tokens"].dtype == torch.int64 and item["loss_mask"].dtype == torch.float32
         assert torch.equal(item["position_ids"], torch.arange(seq))
@@ -149,12 +149,22 @@ def test_indices_are_cached_and_reused(tmp_path, monkeypatch):
 def test_explicit_cache_dir_and_unwritable_cache(tmp_path):
     write_dataset(tmp_path / "ds")
     ds_file = IndexedDataset(str(tmp_path / "ds"))
-    ds = GPTDataset(ds_file, np.arange(40), 20, "valid",
-                    GPTDatasetConfig(seq_length=8, seed=3, eod=EOD, cache_dir=str(tmp_path / "mycache")))
+    ds = GPTDataset(
+        ds_file,
+        np.arange(40),
+        20,
+        "valid",
+        GPTDatasetConfig(seq_length=8, seed=3, eod=EOD, cache_dir=str(tmp_path / "mycache")),
+    )
     assert len(os.listdir(tmp_path / "mycache")) == 4 and ds.built_indices
     (tmp_path / "afile").write_text("x")
-    in_memory = GPTDataset(ds_file, np.arange(40), 20, "valid",
-                           GPTDatasetConfig(seq_length=8, seed=3, eod=EOD, cache_dir=str(tmp_path / "afile" / "sub")))
+    in_memory = GPTDataset(
+        ds_file,
+        np.arange(40),
+        20,
+        "valid",
+        GPTDatasetConfig(seq_length=8, seed=3, eod=EOD, cache_dir=str(tmp_path / "afile" / "sub")),
+    )
     np.testing.assert_array_equal(in_memory.sample_index, ds.sample_index)
 
 

@@ -6,8 +6,7 @@ import struct
 import numpy as np
 import pytest
 
-from megalm.data.indexed_dataset import (IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError,
-                                         optimal_dtype)
+from megalm.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError, optimal_dtype
 
 CODES = {1: ("B", 1), 2: ("b", 1), 3: ("h", 2), 4: ("i", 4), 5: ("q", 8), 6: ("d", 8), 7: ("f", 4), 8: ("H", 2)}
 
@@ -140,7 +139,8 @@ def test_merge_tool(tmp_path, capsys):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "merge_datasets", os.path.join(os.path.dirname(__file__), "..", "tools", "merge_datasets.py"))
+        "merge_datasets", os.path.join(os.path.dirname(__file__), "..", "tools", "merge_datasets.py")
+    )
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     parts = tmp_path / "parts"

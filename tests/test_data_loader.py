@@ -22,7 +22,7 @@ def global_batches(dp_size, mbs=2, gbs=8, consumed=0, total=64):
     steps = len(per_rank[0]) // micro_per_step
     out = []
     for k in range(steps):
-        ids = [i for r in range(dp_size) for m in per_rank[r][k * micro_per_step:(k + 1) * micro_per_step] for i in m]
+        ids = [i for r in range(dp_size) for m in per_rank[r][k * micro_per_step : (k + 1) * micro_per_step] for i in m]
         out.append(sorted(ids))
     return out
 
@@ -130,12 +130,18 @@ def _ranks_read_and_broadcast(prefix):
         dp = ps.get_data_parallel_world_size()
         micro = [get_batch(train, cfg) for _ in range(2 * 8 // (2 * dp))]
         splits = splits_available(iterators)
-        out[name] = {"built": None if train_ds is None else bool(train_ds.built_indices), "reads": train is not None,
-                     "splits": splits,
-                     "valid_none": valid is None, "dp_rank": ps.get_data_parallel_rank(), "dp": dp,
-                     "tp_rank": ps.get_tensor_model_parallel_rank(), "first": ps.is_pipeline_first_stage(),
-                     "last": ps.is_pipeline_last_stage(),
-                     "micro": [{k: (None if v is None else v.tolist()) for k, v in m.items()} for m in micro]}
+        out[name] = {
+            "built": None if train_ds is None else bool(train_ds.built_indices),
+            "reads": train is not None,
+            "splits": splits,
+            "valid_none": valid is None,
+            "dp_rank": ps.get_data_parallel_rank(),
+            "dp": dp,
+            "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "first": ps.is_pipeline_first_stage(),
+            "last": ps.is_pipeline_last_stage(),
+            "micro": [{k: (None if v is None else v.tolist()) for k, v in m.items()} for m in micro],
+        }
         dist.barrier()
         ps.destroy_model_parallel()
     return out
@@ -210,6 +216,7 @@ def test_splits_available_reports_empty_splits():
 
 # --- --dataloader-type cyclic: MegatronPretrainingRandomSampler -------------------------------
 
+
 def random_sampler(total, consumed, mbs, rank, dp, sharding=True, seed=1234):
     return MegatronPretrainingRandomSampler(total, consumed, mbs, rank, dp, data_sharding=sharding, seed=seed)
 
@@ -250,7 +257,7 @@ def test_random_sampler_global_steps_without_sharding_are_dp_independent_prefixe
     one = [i for m in rank_sequences(48, 2, 1, 1, sharding=False)[0] for i in m]
     four = rank_sequences(48, 2, 4, 1, sharding=False)
     for k in range(6):
-        assert sorted(i for rank in range(4) for i in four[rank][k]) == sorted(one[8 * k:8 * (k + 1)])
+        assert sorted(i for rank in range(4) for i in four[rank][k]) == sorted(one[8 * k : 8 * (k + 1)])
 
 
 def test_random_sampler_order_depends_on_seed_and_epoch():
@@ -282,23 +289,26 @@ def test_random_sampler_resume_continues_the_same_sequence(sharding):
         k = consumed // 6
         for rank in range(dp):
             tail = full[rank][k:]
-            got = resumed[rank][:len(tail)]  # first iter(): the rest of the epoch; then whole epochs
-            assert got == tail[:len(got)] and len(got) >= min(len(tail), 7), (consumed, rank)
+            got = resumed[rank][: len(tail)]  # first iter(): the rest of the epoch; then whole epochs
+            assert got == tail[: len(got)] and len(got) >= min(len(tail), 7), (consumed, rank)
     sampler = random_sampler(total, 18, mbs, 0, dp, sharding)
     assert sampler.epoch_and_offset() == (0, 18) and len(sampler) == 4
     assert len(list(sampler)) == 4 and sampler.consumed_samples == 42 and len(sampler) == 7
     assert sampler.epoch_and_offset() == (1, 0)
 
 
-@pytest.mark.parametrize("args, message", [
-    ((10, 0, 0, 0, 1), "micro_batch_size must be >= 1, got 0"),
-    ((10, 0, 2, 0, 0), "data_parallel_size must be >= 1, got 0"),
-    ((10, 0, 2, 2, 2), "data_parallel_rank 2 is outside \\[0, 2\\)"),
-    ((7, 0, 2, 0, 4), "total_samples 7 is less than one step of micro_batch_size x data_parallel_size = 8"),
-    ((0, 0, 1, 0, 1), "total_samples 0 is less than one step"),
-    ((10, -2, 2, 0, 1), "consumed_samples must be >= 0, got -2"),
-    ((20, 6, 2, 0, 2), "consumed_samples 6 is not a multiple of micro_batch_size x data_parallel_size = 4"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((10, 0, 0, 0, 1), "micro_batch_size must be >= 1, got 0"),
+        ((10, 0, 2, 0, 0), "data_parallel_size must be >= 1, got 0"),
+        ((10, 0, 2, 2, 2), "data_parallel_rank 2 is outside \\[0, 2\\)"),
+        ((7, 0, 2, 0, 4), "total_samples 7 is less than one step of micro_batch_size x data_parallel_size = 8"),
+        ((0, 0, 1, 0, 1), "total_samples 0 is less than one step"),
+        ((10, -2, 2, 0, 1), "consumed_samples must be >= 0, got -2"),
+        ((20, 6, 2, 0, 2), "consumed_samples 6 is not a multiple of micro_batch_size x data_parallel_size = 4"),
+    ],
+)
 def test_random_sampler_rejects_bad_arguments(args, message):
     with pytest.raises(ValueError, match=message):
         MegatronPretrainingRandomSampler(*args)
@@ -337,7 +347,7 @@ def test_cyclic_iterators_shuffle_wrap_epochs_and_resume(tmp_path):
         assert torch.equal(get_batch(resumed)["tokens"], batch)
     # Valid and test are cyclic too (as Megatron's): valid from its consumed samples, into a new epoch.
     valid_sampler = random_sampler(len(valid_ds), 4, 2, 0, 1, seed=5)
-    valid_ids = [m for _ in range(2) for m in valid_sampler][:len(valid_ds) // 2 + 1]
+    valid_ids = [m for _ in range(2) for m in valid_sampler][: len(valid_ds) // 2 + 1]
     cfg.data.num_workers = 0
     valid = build_train_valid_test_data_iterators(cfg, tok, 0, 4)[1]
     for ids in valid_ids:

@@ -16,11 +16,14 @@ def _cfg(**parallel):
     return cfg
 
 
-@pytest.mark.parametrize("parallel,message", [
-    ({"overlap_param_gather": True}, "--overlap-param-gather needs --use-distributed-optimizer"),
-    ({"ddp_bucket_size": 0}, "--ddp-bucket-size must be positive, got 0"),
-    ({"ddp_bucket_size": -5, "use_distributed_optimizer": True}, "--ddp-bucket-size must be positive, got -5"),
-])
+@pytest.mark.parametrize(
+    "parallel,message",
+    [
+        ({"overlap_param_gather": True}, "--overlap-param-gather needs --use-distributed-optimizer"),
+        ({"ddp_bucket_size": 0}, "--ddp-bucket-size must be positive, got 0"),
+        ({"ddp_bucket_size": -5, "use_distributed_optimizer": True}, "--ddp-bucket-size must be positive, got -5"),
+    ],
+)
 def test_bad_data_parallel_flags_are_config_errors(parallel, message):
     with pytest.raises(ConfigError, match=message):
         validate_config(_cfg(**parallel))

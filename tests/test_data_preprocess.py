@@ -34,8 +34,14 @@ def write_jsonl(path, texts, key="text"):
 
 
 def run(sp_model, inp, out, **kw):
-    opts = PreprocessOptions(input=str(inp), output_prefix=str(out), tokenizer_type="SentencePieceTokenizer",
-                             tokenizer_model=sp_model, progress=False, **kw)
+    opts = PreprocessOptions(
+        input=str(inp),
+        output_prefix=str(out),
+        tokenizer_type="SentencePieceTokenizer",
+        tokenizer_model=sp_model,
+        progress=False,
+        **kw,
+    )
     return preprocess(opts)
 
 
@@ -71,25 +77,43 @@ def test_output_identical_for_any_worker_count(sp_model, tmp_path):
         outputs.append(files_of(str(prefix) + "_text_document"))
     assert outputs[0] == outputs[1] == outputs[2]
     # The command line gives the same bytes too.
-    subprocess.run([sys.executable, TOOL, "--input", inp, "--output-prefix", str(tmp_path / "cli"), "--tokenizer-type",
-                    "SentencePieceTokenizer", "--tokenizer-model", sp_model, "--append-eod", "--workers", "2"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            TOOL,
+            "--input",
+            inp,
+            "--output-prefix",
+            str(tmp_path / "cli"),
+            "--tokenizer-type",
+            "SentencePieceTokenizer",
+            "--tokenizer-model",
+            sp_model,
+            "--append-eod",
+            "--workers",
+            "2",
+        ],
+        check=True,
+        capture_output=True,
+    )
     assert files_of(str(tmp_path / "cli_text_document")) == outputs[0]
 
 
 def write_bad_input(path):
-    lines = [json.dumps({"text": "alpha beta"}).encode(),          # 1 ok
-             b'{"text": "gamma delta"',                             # 2 malformed JSON
-             json.dumps({"body": "no text key"}).encode(),         # 3 missing key
-             b'{"text": "caf\xe9 latin-1"}',                        # 4 non-UTF-8
-             json.dumps({"text": ""}).encode(),                    # 5 empty document
-             b"",                                                   # 6 blank line (ignored)
-             json.dumps({"text": 42}).encode(),                    # 7 not a string
-             json.dumps({"text": "   "}).encode(),                 # 8 tokenizes to nothing: empty
-             json.dumps({"text": "tensor model"}).encode(),        # 9 ok
-             json.dumps({"text": None}).encode(),                  # 10 null: missing
-             b"[1, 2, 3]",                                          # 11 not an object
-             b'{"text": "lone \\ud800 surrogate"}']                  # 12 escapes to invalid text
+    lines = [
+        json.dumps({"text": "alpha beta"}).encode(),  # 1 ok
+        b'{"text": "gamma delta"',  # 2 malformed JSON
+        json.dumps({"body": "no text key"}).encode(),  # 3 missing key
+        b'{"text": "caf\xe9 latin-1"}',  # 4 non-UTF-8
+        json.dumps({"text": ""}).encode(),  # 5 empty document
+        b"",  # 6 blank line (ignored)
+        json.dumps({"text": 42}).encode(),  # 7 not a string
+        json.dumps({"text": "   "}).encode(),  # 8 tokenizes to nothing: empty
+        json.dumps({"text": "tensor model"}).encode(),  # 9 ok
+        json.dumps({"text": None}).encode(),  # 10 null: missing
+        b"[1, 2, 3]",  # 11 not an object
+        b'{"text": "lone \\ud800 surrogate"}',
+    ]  # 12 escapes to invalid text
     path.write_bytes(b"\n".join(lines) + b"\n")
     return str(path)
 
@@ -100,8 +124,13 @@ def test_bad_records_are_skipped_counted_and_reported(sp_model, tmp_path, capsys
         summary = run(sp_model, inp, tmp_path / "out", append_eod=True)
     assert summary.documents == 2
     assert summary.blank_lines == 1
-    assert summary.skipped == {"malformed JSON": 2, "missing key 'text'": 2, "non-UTF-8 bytes": 2,
-                               "empty document": 2, "value of 'text' is not a string": 1}
+    assert summary.skipped == {
+        "malformed JSON": 2,
+        "missing key 'text'": 2,
+        "non-UTF-8 bytes": 2,
+        "empty document": 2,
+        "value of 'text' is not a string": 1,
+    }
     err = capsys.readouterr().err
     assert f"[megalm] WARNING: skipping {inp}:2: malformed JSON" in err and f"{inp}:4: non-UTF-8 bytes" in err
     text = summary.format()
@@ -116,9 +145,23 @@ def test_strict_fails_on_first_bad_record_with_file_and_line(sp_model, tmp_path)
     with pytest.raises(PreprocessError, match=r"bad\.jsonl:2: malformed JSON"):
         run(sp_model, inp, tmp_path / "out", strict=True, workers=2)
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]  # nothing written, no temporary files
-    proc = subprocess.run([sys.executable, TOOL, "--input", inp, "--output-prefix", str(tmp_path / "cli"),
-                           "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", sp_model, "--strict"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            TOOL,
+            "--input",
+            inp,
+            "--output-prefix",
+            str(tmp_path / "cli"),
+            "--tokenizer-type",
+            "SentencePieceTokenizer",
+            "--tokenizer-model",
+            sp_model,
+            "--strict",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 1 and f"{inp}:2: malformed JSON" in proc.stderr
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]
 
@@ -155,9 +198,25 @@ def test_sigint_to_a_real_run_leaves_no_idx(tmp_path):
     with open(tmp_path / "ids.jsonl", "w") as f:
         for _ in range(3000):
             f.write(json.dumps({"text": " ".join(map(str, rng.integers(0, 1000, 3000)))}) + "\n")
-    proc = subprocess.Popen([sys.executable, TOOL, "--input", str(tmp_path / "ids.jsonl"), "--output-prefix",
-                             str(tmp_path / "out"), "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
-                             "--workers", "1", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            TOOL,
+            "--input",
+            str(tmp_path / "ids.jsonl"),
+            "--output-prefix",
+            str(tmp_path / "out"),
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "1000",
+            "--workers",
+            "1",
+            "--no-progress",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.time() + 60
     while not any(".tmp-" in n for n in os.listdir(tmp_path)) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
@@ -221,8 +280,14 @@ def test_multiple_json_keys_stay_aligned(sp_model, tmp_path):
 def test_null_tokenizer_ids_dtype_and_tokenizer_errors(tmp_path):
     inp = tmp_path / "ids.jsonl"
     inp.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["1 2 3", "4 70001", "5 x", "69999"]))
-    opts = PreprocessOptions(input=str(inp), output_prefix=str(tmp_path / "out"), tokenizer_type="NullTokenizer",
-                             vocab_size=70000, append_eod=True, progress=False)
+    opts = PreprocessOptions(
+        input=str(inp),
+        output_prefix=str(tmp_path / "out"),
+        tokenizer_type="NullTokenizer",
+        vocab_size=70000,
+        append_eod=True,
+        progress=False,
+    )
     summary = preprocess(opts)
     ds = IndexedDataset(str(tmp_path / "out_text_document"))
     assert ds.dtype == np.int32  # vocabulary 70001 >= 65500
@@ -239,16 +304,41 @@ def test_errors_before_work_starts(sp_model, tmp_path):
         run(sp_model, write_jsonl(tmp_path / "in.jsonl", ["alpha"]), tmp_path / "out", workers=0)
 
 
-@pytest.mark.parametrize("tool,flags", [("preprocess_data.py", ["--input", "--json-keys", "--output-prefix",
-                                                                 "--tokenizer-type", "--append-eod", "--workers",
-                                                                 "--log-interval", "--strict"]),
-                                        ("merge_datasets.py", ["--input", "--output-prefix"]),
-                                        ("train_tokenizer.py", ["--input", "--json-keys", "--vocab-size",
-                                                                "--model-type", "--byte-fallback",
-                                                                "--user-defined-symbols", "--character-coverage"])])
+@pytest.mark.parametrize(
+    "tool,flags",
+    [
+        (
+            "preprocess_data.py",
+            [
+                "--input",
+                "--json-keys",
+                "--output-prefix",
+                "--tokenizer-type",
+                "--append-eod",
+                "--workers",
+                "--log-interval",
+                "--strict",
+            ],
+        ),
+        ("merge_datasets.py", ["--input", "--output-prefix"]),
+        (
+            "train_tokenizer.py",
+            [
+                "--input",
+                "--json-keys",
+                "--vocab-size",
+                "--model-type",
+                "--byte-fallback",
+                "--user-defined-symbols",
+                "--character-coverage",
+            ],
+        ),
+    ],
+)
 def test_tools_help(tool, flags):
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", tool), "--help"], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", tool), "--help"], capture_output=True, text=True, check=True
+    ).stdout
     for flag in flags:
         assert flag in out
 
@@ -259,9 +349,15 @@ def test_huggingface_tokenizer_preprocess(tmp_path):
 
     path = make_hf_tokenizer_json(tmp_path / "tokenizer.json")
     texts = sample_texts(30, seed=15)
-    opts = PreprocessOptions(input=write_jsonl(tmp_path / "in.jsonl", texts), output_prefix=str(tmp_path / "hf"),
-                             tokenizer_type="HuggingFaceTokenizer", tokenizer_model=path, append_eod=True,
-                             workers=2, progress=False)
+    opts = PreprocessOptions(
+        input=write_jsonl(tmp_path / "in.jsonl", texts),
+        output_prefix=str(tmp_path / "hf"),
+        tokenizer_type="HuggingFaceTokenizer",
+        tokenizer_model=path,
+        append_eod=True,
+        workers=2,
+        progress=False,
+    )
     preprocess(opts)
     tok = HuggingFaceTokenizer(path)
     ds = IndexedDataset(str(tmp_path / "hf_text_document"))
@@ -277,17 +373,48 @@ def test_gpt2_bpe_preprocess_command_line(tmp_path):
     vocab_file, merge_file = make_gpt2_files(tmp_path)
     texts = sample_texts(40, seed=16) + [t for t in TRICKY_TEXTS if t.strip()]
     inp = write_jsonl(tmp_path / "in.jsonl", texts)
-    proc = subprocess.run([sys.executable, TOOL, "--input", inp, "--output-prefix", str(tmp_path / "gpt2"),
-                           "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab_file, "--merge-file",
-                           merge_file, "--append-eod", "--workers", "2", "--no-progress"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            TOOL,
+            "--input",
+            inp,
+            "--output-prefix",
+            str(tmp_path / "gpt2"),
+            "--tokenizer-type",
+            "GPT2BPETokenizer",
+            "--vocab-file",
+            vocab_file,
+            "--merge-file",
+            merge_file,
+            "--append-eod",
+            "--workers",
+            "2",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     tok = GPT2BPETokenizer(vocab_file, merge_file)
     ds = IndexedDataset(str(tmp_path / "gpt2_text_document"))
     assert ds.dtype == np.uint16
     assert [ds[i].tolist() for i in range(len(ds))] == [tok.tokenize(t) + [tok.eod] for t in texts]
-    missing = subprocess.run([sys.executable, TOOL, "--input", inp, "--output-prefix", str(tmp_path / "none"),
-                              "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab_file],
-                             capture_output=True, text=True)
+    missing = subprocess.run(
+        [
+            sys.executable,
+            TOOL,
+            "--input",
+            inp,
+            "--output-prefix",
+            str(tmp_path / "none"),
+            "--tokenizer-type",
+            "GPT2BPETokenizer",
+            "--vocab-file",
+            vocab_file,
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert missing.returncode == 1 and "needs --merge-file" in missing.stderr
     assert not os.path.exists(str(tmp_path / "none_text_document.idx"))

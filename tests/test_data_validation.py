@@ -54,18 +54,23 @@ def make_cfg(tmp_path, seq=8, iters=20, **data):
 
 # --- token ids against the vocabulary --------------------------------------------------
 
+
 @pytest.mark.parametrize("layout", ["single", "blend", "valid_split"])
 def test_token_id_beyond_vocabulary_names_prefix_id_and_vocab(tmp_path, layout):
     good = write_corpus(tmp_path / "good")
     bad = write_corpus(tmp_path / "bad", bad_id=70000)
-    data = {"single": {"data_path": [bad]},
-            "blend": {"data_path": ["0.5", good, "0.5", bad]},
-            "valid_split": {"train_data_path": [good], "valid_data_path": [bad]}}[layout]
+    data = {
+        "single": {"data_path": [bad]},
+        "blend": {"data_path": ["0.5", good, "0.5", bad]},
+        "valid_split": {"train_data_path": [good], "valid_data_path": [bad]},
+    }[layout]
     cfg = make_cfg(tmp_path, **data)
     with pytest.raises(TokenIdError) as e:
         build_train_valid_test_datasets(cfg, NullTokenizer(VOCAB))
-    assert str(e.value) == (f"data prefix {bad}: largest token id 70000 >= vocabulary size 501 "
-                            f"(tokenizer NullTokenizer); was it preprocessed with another tokenizer?")
+    assert str(e.value) == (
+        f"data prefix {bad}: largest token id 70000 >= vocabulary size 501 "
+        f"(tokenizer NullTokenizer); was it preprocessed with another tokenizer?"
+    )
     assert isinstance(e.value, MegalmError) and isinstance(e.value, DataError)
     with pytest.raises(TokenIdError, match="largest token id 70000"):
         validate_data(cfg, NullTokenizer(VOCAB))  # the up-front check alone, from the cached scan
@@ -98,6 +103,7 @@ def test_scan_is_exact_across_chunks(tmp_path):
 
 
 # --- the cached scan ---------------------------------------------------------------------
+
 
 def _cache_files(cache_dir):
     return sorted(glob.glob(os.path.join(cache_dir, "*-TokenIdRange-*")))
@@ -154,6 +160,7 @@ def test_good_corpus_builds_the_same_sample_indices(tmp_path):
 
 # --- missing, truncated and garbled files ----------------------------------------------
 
+
 def test_missing_files_name_the_file(tmp_path):
     cfg = make_cfg(tmp_path, data_path=[str(tmp_path / "nope")])
     with pytest.raises(IndexedDatasetError) as e:
@@ -175,8 +182,10 @@ def test_truncated_bin_names_expected_and_actual_bytes(tmp_path):
         f.truncate(1000)
     with pytest.raises(IndexedDatasetError) as e:
         validate_data(make_cfg(tmp_path, data_path=[prefix]), NullTokenizer(VOCAB))
-    assert str(e.value) == (f"{prefix}.bin: 1000 bytes, but its index {prefix}.idx describes 2520 bytes "
-                            f"(truncated or mismatched .bin/.idx: truncated .bin)")
+    assert str(e.value) == (
+        f"{prefix}.bin: 1000 bytes, but its index {prefix}.idx describes 2520 bytes "
+        f"(truncated or mismatched .bin/.idx: truncated .bin)"
+    )
 
 
 def _rewrite_idx(prefix, edit):
@@ -193,9 +202,11 @@ def test_truncated_idx_names_expected_and_actual_bytes(tmp_path):
     _rewrite_idx(prefix, lambda raw: raw[:-100])
     with pytest.raises(IndexedDatasetError) as e:
         IndexedDataset(prefix)
-    assert str(e.value) == (f"{prefix}.idx: {expected - 100} bytes on disk does not match its header, which "
-                            f"describes 60 sequences and 61 document indices in {expected} bytes "
-                            f"(truncated or garbled index)")
+    assert str(e.value) == (
+        f"{prefix}.idx: {expected - 100} bytes on disk does not match its header, which "
+        f"describes 60 sequences and 61 document indices in {expected} bytes "
+        f"(truncated or garbled index)"
+    )
     _rewrite_idx(prefix, lambda raw: raw[:20])
     with pytest.raises(IndexedDatasetError, match=r"c\.idx: 20 bytes, shorter than the 34-byte header"):
         IndexedDataset(prefix)
@@ -204,20 +215,32 @@ def test_truncated_idx_names_expected_and_actual_bytes(tmp_path):
         IndexedDataset(prefix)
 
 
-@pytest.mark.parametrize("where, value, message", [
-    (18, struct.pack("<Q", 1 << 40), (f"1099511627776 sequences and 61 document indices in {34 + 12 * 2**40 + 8 * 61} "
-                                      f"bytes (truncated or garbled index)")),
-    (17, bytes([99]), "unknown dtype code 99 (garbled index)"),
-    (34 + 60 * 4 + 8 * 30, struct.pack("<q", 10 ** 9), ("sequence 30 spans bytes [1000000000, 1000000042), "
-                                                        "outside the 2520 bytes of its .bin (garbled index)")),
-    (34 + 10 * 4, struct.pack("<i", -5), "sequence 10 has negative length -5 (garbled index)"),
-    (34 + 60 * 12 + 8 * 20, struct.pack("<q", 5), "document indices are not non-decreasing (garbled index)"),
-])
+@pytest.mark.parametrize(
+    "where, value, message",
+    [
+        (
+            18,
+            struct.pack("<Q", 1 << 40),
+            (
+                f"1099511627776 sequences and 61 document indices in {34 + 12 * 2**40 + 8 * 61} "
+                f"bytes (truncated or garbled index)"
+            ),
+        ),
+        (17, bytes([99]), "unknown dtype code 99 (garbled index)"),
+        (
+            34 + 60 * 4 + 8 * 30,
+            struct.pack("<q", 10**9),
+            ("sequence 30 spans bytes [1000000000, 1000000042), outside the 2520 bytes of its .bin (garbled index)"),
+        ),
+        (34 + 10 * 4, struct.pack("<i", -5), "sequence 10 has negative length -5 (garbled index)"),
+        (34 + 60 * 12 + 8 * 20, struct.pack("<q", 5), "document indices are not non-decreasing (garbled index)"),
+    ],
+)
 def test_garbled_idx_is_named(tmp_path, where, value, message):
     prefix = write_corpus(tmp_path / "c")
 
     def edit(raw):
-        raw[where:where + len(value)] = value
+        raw[where : where + len(value)] = value
         return raw
 
     _rewrite_idx(prefix, edit)
@@ -229,11 +252,14 @@ def test_garbled_idx_is_named(tmp_path, where, value, message):
 
 # --- tokenizer files -------------------------------------------------------------------
 
+
 def test_missing_tokenizer_files(tmp_path):
     model = str(tmp_path / "nope.model")
     with pytest.raises(TokenizerFileError) as e:
         create_tokenizer("SentencePieceTokenizer", tokenizer_model=model)
-    assert str(e.value) == f"--tokenizer-model {model} does not exist (needed by --tokenizer-type SentencePieceTokenizer)"
+    assert (
+        str(e.value) == f"--tokenizer-model {model} does not exist (needed by --tokenizer-type SentencePieceTokenizer)"
+    )
     assert isinstance(e.value, MegalmError) and isinstance(e.value, FileNotFoundError)
     with pytest.raises(TokenizerFileError, match=f"--tokenizer-model {tmp_path} is a directory, not a file"):
         create_tokenizer("Llama2Tokenizer", tokenizer_model=str(tmp_path))
@@ -256,9 +282,32 @@ def test_unreadable_tokenizer_model_is_one_line(tmp_path):
 
 # --- end to end: pretrain_gpt.py ---------------------------------------------------------
 
-TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
-        "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters",
-        "2", "--eval-iters", "0", "--lr", "1e-3", "--split", "100,0,0", "--num-workers", "0"]
+TINY = [
+    "--num-layers",
+    "1",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "2",
+    "--seq-length",
+    "16",
+    "--max-position-embeddings",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "2",
+    "--train-iters",
+    "2",
+    "--eval-iters",
+    "0",
+    "--lr",
+    "1e-3",
+    "--split",
+    "100,0,0",
+    "--num-workers",
+    "0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -269,17 +318,42 @@ def launches(tmp_path_factory):
     bad = write_corpus(tmp / "bad", bad_id=700)
     env = dict(os.environ, PYTHONPATH=ROOT, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
     runs = {
-        "bad_ids": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                    "pretrain_gpt.py", *TINY, "--tensor-model-parallel-size", "2", "--tokenizer-type",
-                    "NullTokenizer", "--vocab-size", str(VOCAB), "--data-path", bad],
-        "no_tokenizer": [sys.executable, "pretrain_gpt.py", *TINY, "--tokenizer-type", "SentencePieceTokenizer",
-                         "--tokenizer-model", str(tmp / "missing.model"), "--data-path", bad],
+        "bad_ids": [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "pretrain_gpt.py",
+            *TINY,
+            "--tensor-model-parallel-size",
+            "2",
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            str(VOCAB),
+            "--data-path",
+            bad,
+        ],
+        "no_tokenizer": [
+            sys.executable,
+            "pretrain_gpt.py",
+            *TINY,
+            "--tokenizer-type",
+            "SentencePieceTokenizer",
+            "--tokenizer-model",
+            str(tmp / "missing.model"),
+            "--data-path",
+            bad,
+        ],
     }
     procs = {}
     for name, argv in runs.items():
         argv = argv + ["--metrics-file", str(tmp / f"{name}.jsonl")]
-        procs[name] = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       text=True)
+        procs[name] = subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
     out = {}
     for name, p in procs.items():
         try:

@@ -53,12 +53,17 @@ def make_cfg():
 
 # --- single-process reference ----------------------------------------------------------------
 
+
 def reference_run():
     model = make_model()
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=LR, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=LR,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     grads, norms = None, []
     for step in range(STEPS):
         x, y = batch(step)
@@ -72,6 +77,7 @@ def reference_run():
 
 
 # --- distributed run --------------------------------------------------------------------------
+
 
 class CallCounter:
     """Counts torch.distributed collectives independently of megalm's own counter."""
@@ -91,6 +97,7 @@ class CallCounter:
         def counted(*a, **k):
             self.calls += 1
             return fn(*a, **k)
+
         return counted
 
     def __exit__(self, *exc):
@@ -107,7 +114,7 @@ def _check_layout(ddp, dp):
             assert bucket.numel - bucket.numel_unpadded < dp
             for p in bucket.params:
                 s, e = bucket.param_ranges[p]
-                assert e - s == p.numel() and p.main_grad.data_ptr() == buf.grad_data[bucket.offset + s:].data_ptr()
+                assert e - s == p.numel() and p.main_grad.data_ptr() == buf.grad_data[bucket.offset + s :].data_ptr()
         order = [buf.param_index_map[p][0] for p in buf.params]
         assert order == sorted(order)  # buffer order is reversed module order
     return sum(len(b.buckets) for b in ddp.all_buffers)
@@ -122,8 +129,14 @@ def _train(dp, overlap, bucket_size, expert_last_layer):
     n_buckets = _check_layout(ddp, dp)
     optimizer = build_optimizer(make_cfg(), [ddp])
     rank, mb = parallel_state.get_data_parallel_rank(), GLOBAL_BATCH // dp // NUM_MICRO
-    out = {"n_buckets": n_buckets, "nosync_calls": 0, "nosync_megalm_calls": 0, "launched_in_backward": [],
-           "norms": [], "grad_freed": True}
+    out = {
+        "n_buckets": n_buckets,
+        "nosync_calls": 0,
+        "nosync_megalm_calls": 0,
+        "launched_in_backward": [],
+        "norms": [],
+        "grad_freed": True,
+    }
     for step in range(STEPS):
         x, y = batch(step)
         x, y = x.view(dp, NUM_MICRO, mb, 8)[rank], y.view(dp, NUM_MICRO, mb, 3)[rank]
@@ -147,7 +160,7 @@ def _train(dp, overlap, bucket_size, expert_last_layer):
         assert ok
         out["norms"].append(norm)
     out["params"] = [p.detach().numpy().copy() for p in model.parameters()]  # tensors cannot cross
-    return out                                                                 # processes after exit
+    return out  # processes after exit
 
 
 def _finalize_checks():
@@ -185,8 +198,7 @@ def _finalize_checks():
 def ddp_worker(dp, with_finalize):
     parallel_state.initialize_model_parallel(1, 1)
     results = {}
-    for overlap, bucket, expert in ((False, None, False), (False, 100, False), (True, 100, False),
-                                    (True, 100, True)):
+    for overlap, bucket, expert in ((False, None, False), (False, 100, False), (True, 100, False), (True, 100, True)):
         comm.reset_comm_stats()
         results[(overlap, bucket, expert)] = _train(dp, overlap, bucket, expert)
         results[(overlap, bucket, expert)]["stats"] = comm.get_comm_stats()
@@ -226,7 +238,8 @@ def test_ddp_matches_single_process(dp):
         padded_bytes = sum(4 * p.numel() for p in ref_params) + 4 * ((-99) % dp)
         assert res["stats"]["grad_all_reduce"]["tensor_bytes"] >= padded_bytes * STEPS
         assert res["stats"]["grad_all_reduce"]["wire_bytes"] == pytest.approx(
-            2 * (dp - 1) / dp * res["stats"]["grad_all_reduce"]["tensor_bytes"])
+            2 * (dp - 1) / dp * res["stats"]["grad_all_reduce"]["tensor_bytes"]
+        )
     if dp == 2:
         fin = [r["finalize"] for r in ranks]
         assert fin[0]["sp"] == [3.0, 3.0, 1.0, 1.0] and fin[1]["sp"] == [3.0, 3.0, 2.0, 2.0]
@@ -238,10 +251,12 @@ def test_ddp_matches_single_process(dp):
 def test_buffer_layout_single_process():
     model = make_model()
     ddp = DistributedDataParallel(model, ParallelConfig(ddp_bucket_size=99))
-    names = [[n for n, p in model.named_parameters() if any(p is q for q in b.params)]
-             for b in ddp.buffers[0].buckets]
-    assert names == [["out.weight", "out.bias"], ["fc2.weight", "fc2.bias"],
-                     ["fc1.weight", "fc1.bias", "norm.weight", "norm.bias"]]
+    names = [[n for n, p in model.named_parameters() if any(p is q for q in b.params)] for b in ddp.buffers[0].buckets]
+    assert names == [
+        ["out.weight", "out.bias"],
+        ["fc2.weight", "fc2.bias"],
+        ["fc1.weight", "fc1.bias", "norm.weight", "norm.bias"],
+    ]
     ranges = ddp.bucket_ranges()
     assert ranges["out.bias"] == (0, 0, 3, 0) and ranges["out.weight"] == (0, 3, 99, 0)
     x = torch.randn(5, 8)

@@ -29,12 +29,15 @@ from megalm.testing import run_distributed
 from tests.test_ddp import GLOBAL_BATCH, NUM_MICRO, STEPS, batch, make_cfg, make_model, reference_run
 
 PRECISIONS = {  # name: (param dtype, accumulate_allreduce_grads_in_fp32)
-    "fp32": (torch.float32, True), "bf16": (torch.bfloat16, True),
-    "fp16": (torch.float16, True), "fp16_fp16_grads": (torch.float16, False),
+    "fp32": (torch.float32, True),
+    "bf16": (torch.bfloat16, True),
+    "fp16": (torch.float16, True),
+    "fp16_fp16_grads": (torch.float16, False),
 }
 
 
 # --- pure functions ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (4, 1, 3), (2, 2, 2, 3)])
 def test_flat_range_blocks_cover_each_range_exactly(shape):
@@ -61,8 +64,9 @@ def _mlp(dtype):
 def _memory(precision, distributed):
     dtype, fp32_grads = PRECISIONS[precision]
     model = _mlp(dtype)
-    ddp = DistributedDataParallel(model, ParallelConfig(use_distributed_optimizer=distributed,
-                                                        accumulate_allreduce_grads_in_fp32=fp32_grads))
+    ddp = DistributedDataParallel(
+        model, ParallelConfig(use_distributed_optimizer=distributed, accumulate_allreduce_grads_in_fp32=fp32_grads)
+    )
     cfg = make_cfg()
     cfg.parallel.use_distributed_optimizer = distributed
     mem = optimizer_memory(build_optimizer(cfg, [ddp], report_memory=False), [ddp])
@@ -82,22 +86,32 @@ def test_memory_formula_single_rank_and_plain_optimizer():
 
 # --- distributed runs ------------------------------------------------------------------------------
 
+
 def _train(dp, overlap, bucket_size, expert_last_layer):
     model = make_model()
     if expert_last_layer:
         for p in model.out.parameters():
             p.allreduce = False
     cfg = make_cfg()
-    cfg.parallel = ParallelConfig(overlap_grad_reduce=overlap, overlap_param_gather=overlap,
-                                  ddp_bucket_size=bucket_size, use_distributed_optimizer=True)
+    cfg.parallel = ParallelConfig(
+        overlap_grad_reduce=overlap,
+        overlap_param_gather=overlap,
+        ddp_bucket_size=bucket_size,
+        use_distributed_optimizer=True,
+    )
     ddp = DistributedDataParallel(model, cfg.parallel)
     optimizer = build_optimizer(cfg, [ddp], report_memory=False)
     assert isinstance(optimizer, DistributedOptimizer)
     buckets = [b for buf in ddp.all_buffers for b in buf.buckets]
     rank, mb = parallel_state.get_data_parallel_rank(), GLOBAL_BATCH // dp // NUM_MICRO
-    out = {"n_buckets": len(buckets), "norms": [], "pending_after_step": [], "pending_after_forward": [],
-           "padded_numel": sum(b.numel for b in buckets),
-           "owned": sum(r.numel for r in optimizer.ranges)}
+    out = {
+        "n_buckets": len(buckets),
+        "norms": [],
+        "pending_after_step": [],
+        "pending_after_forward": [],
+        "padded_numel": sum(b.numel for b in buckets),
+        "owned": sum(r.numel for r in optimizer.ranges),
+    }
     comm.reset_comm_stats()
     for step in range(STEPS):
         x, y = batch(step)
@@ -139,8 +153,7 @@ def _found_inf_on_one_rank():
     cfg = make_cfg()
     cfg.parallel.use_distributed_optimizer = True
     optimizer = build_optimizer(cfg, [ddp], report_memory=False)
-    optimizer.grad_scaler = DynamicGradScaler(initial_scale=1024.0, min_scale=1.0, growth_interval=1000,
-                                              hysteresis=1)
+    optimizer.grad_scaler = DynamicGradScaler(initial_scale=1024.0, min_scale=1.0, growth_interval=1000, hysteresis=1)
     before = [p.detach().clone() for p in model.parameters()]
     results = []
     for inject in (True, False):

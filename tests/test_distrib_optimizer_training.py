@@ -27,12 +27,49 @@ from tests.training_runs import losses
 from tests.training_runs import records as _records
 from tests.training_runs import run_trainings as _run_trainings
 
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--max-position-embeddings", "32", "--mock-data", "--vocab-size", "500", "--num-workers", "0",
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "2e-3", "--min-lr", "1e-4",
-        "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-iters", "0",
-        "--seed", "7", "--clip-grad", "1.0", "--weight-decay", "0.1", "--split", "90,5,5", "--no-log-memory",
-        "--log-params-norm"]
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--max-position-embeddings",
+    "32",
+    "--mock-data",
+    "--vocab-size",
+    "500",
+    "--num-workers",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--lr",
+    "2e-3",
+    "--min-lr",
+    "1e-4",
+    "--lr-decay-style",
+    "cosine",
+    "--lr-warmup-iters",
+    "2",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--seed",
+    "7",
+    "--clip-grad",
+    "1.0",
+    "--weight-decay",
+    "0.1",
+    "--split",
+    "90,5,5",
+    "--no-log-memory",
+    "--log-params-norm",
+]
 DIST = ["--use-distributed-optimizer"]
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "5000"]
 BATCH = ["--micro-batch-size", "2", "--global-batch-size", "8"]
@@ -41,8 +78,21 @@ TEN = ["--train-iters", "10", *BATCH]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 BF16 = ["--bf16"]
-FP16 = ["--fp16", "--initial-loss-scale", "1024", "--hysteresis", "1", "--loss-scale-window", "3",
-        "--train-iters", "6", "--micro-batch-size", "4", "--global-batch-size", "8"]
+FP16 = [
+    "--fp16",
+    "--initial-loss-scale",
+    "1024",
+    "--hysteresis",
+    "1",
+    "--loss-scale-window",
+    "3",
+    "--train-iters",
+    "6",
+    "--micro-batch-size",
+    "4",
+    "--global-batch-size",
+    "8",
+]
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +105,14 @@ def runs(tmp_path_factory):
     ck = {k: os.path.join(tmp, f"ckpt_{k}") for k in ("d2", "p2", "bf", "tp", "pp")}
     save_half = ["--exit-interval", "5", "--save-interval", "100"]
     two = [
-        run("p2", *SIX), run("d2", *SIX, *DIST), run("d2_ov", *SIX, *DIST, *OVERLAP),
-        run("bf_p2", *SIX, *BF16), run("bf_d2_ov", *SIX, *BF16, *DIST, *OVERLAP),
+        run("p2", *SIX),
+        run("d2", *SIX, *DIST),
+        run("d2_ov", *SIX, *DIST, *OVERLAP),
+        run("bf_p2", *SIX, *BF16),
+        run("bf_d2_ov", *SIX, *BF16, *DIST, *OVERLAP),
         # One microbatch per iteration per rank: call 3 is iteration 3; the inf is on rank 1 only.
-        run("fp16_p2", *FP16, inf_at_call=3, inf_rank=1), run("fp16_d2", *FP16, *DIST, inf_at_call=3, inf_rank=1),
+        run("fp16_p2", *FP16, inf_at_call=3, inf_rank=1),
+        run("fp16_d2", *FP16, *DIST, inf_at_call=3, inf_rank=1),
         run("save_d2", *TEN, *DIST, *save_half, "--save", ck["d2"]),
         run("save_p2", *TEN, *save_half, "--save", ck["p2"]),
         run("save_bf", *TEN, *BF16, *DIST, *OVERLAP, *save_half, "--save", ck["bf"]),
@@ -66,9 +120,15 @@ def runs(tmp_path_factory):
     ]
     codes2 = run_distributed(_run_trainings, 2, args=(two,), timeout=300)
     four = [
-        run("p4", *SIX), run("d4", *SIX, *DIST), run("d4_ov", *SIX, *DIST, *OVERLAP),
-        run("tp_p", *SIX, *TP2), run("tp_d", *SIX, *TP2, *DIST), run("tp_d_ov", *SIX, *TP2, *DIST, *OVERLAP),
-        run("pp_p", *SIX, *PP2), run("pp_d", *SIX, *PP2, *DIST), run("pp_d_ov", *SIX, *PP2, *DIST, *OVERLAP),
+        run("p4", *SIX),
+        run("d4", *SIX, *DIST),
+        run("d4_ov", *SIX, *DIST, *OVERLAP),
+        run("tp_p", *SIX, *TP2),
+        run("tp_d", *SIX, *TP2, *DIST),
+        run("tp_d_ov", *SIX, *TP2, *DIST, *OVERLAP),
+        run("pp_p", *SIX, *PP2),
+        run("pp_d", *SIX, *PP2, *DIST),
+        run("pp_d_ov", *SIX, *PP2, *DIST, *OVERLAP),
         run("straight", *TEN, *DIST),
         run("resume_d2_at_d4", *TEN, *DIST, "--load", ck["d2"]),
         run("resume_p2_at_d4", *TEN, *DIST, *OVERLAP, "--load", ck["p2"]),
@@ -101,9 +161,19 @@ def test_all_runs_exit_cleanly(runs):
     assert codes1 == [[0] * 5], codes1
 
 
-@pytest.mark.parametrize("plain, distributed", [
-    ("p2", "d2"), ("p2", "d2_ov"), ("p4", "d4"), ("p4", "d4_ov"),
-    ("tp_p", "tp_d"), ("tp_p", "tp_d_ov"), ("pp_p", "pp_d"), ("pp_p", "pp_d_ov")])
+@pytest.mark.parametrize(
+    "plain, distributed",
+    [
+        ("p2", "d2"),
+        ("p2", "d2_ov"),
+        ("p4", "d4"),
+        ("p4", "d4_ov"),
+        ("tp_p", "tp_d"),
+        ("tp_p", "tp_d_ov"),
+        ("pp_p", "pp_d"),
+        ("pp_p", "pp_d_ov"),
+    ],
+)
 def test_fp32_losses_and_grad_norms_equal_plain_optimizer(runs, plain, distributed):
     ref, got = _records(runs["tmp"], plain), _records(runs["tmp"], distributed)
     _assert_close([r["lm_loss"] for r in got], [r["lm_loss"] for r in ref], rel=1e-6)
@@ -135,9 +205,18 @@ def test_fp16_inf_on_one_rank_skips_like_plain_optimizer(runs):
     _assert_close([dist[i]["lm_loss"] for i in kept], [plain[i]["lm_loss"] for i in kept], rel=1e-4)
 
 
-@pytest.mark.parametrize("resumed", ["resume_d2_at_d4", "resume_p2_at_d4", "resume_d2_at_d1",
-                                     "resume_d2_at_d1_plain", "resume_tp_at_d1", "resume_pp_at_pp2",
-                                     "resume_pp_at_d1"])
+@pytest.mark.parametrize(
+    "resumed",
+    [
+        "resume_d2_at_d4",
+        "resume_p2_at_d4",
+        "resume_d2_at_d1",
+        "resume_d2_at_d1_plain",
+        "resume_tp_at_d1",
+        "resume_pp_at_pp2",
+        "resume_pp_at_d1",
+    ],
+)
 def test_resharded_resume_continues_uninterrupted_dp4_run(runs, resumed):
     straight = _losses(runs, "straight")
     assert len(straight) == 10

@@ -21,13 +21,24 @@ from megalm.training.metrics import WandbSetupError
 from megalm.training.profiling import ProfilerUnavailable
 
 
-@pytest.mark.parametrize("cls, older", [
-    (ConfigError, ValueError), (ConversionError, ValueError), (CheckpointError, RuntimeError),
-    (IndexedDatasetError, ValueError), (PreprocessError, RuntimeError), (InputError, ValueError),
-    (AsyncSaveError, RuntimeError), (WandbSetupError, RuntimeError), (ProfilerUnavailable, RuntimeError),
-    (BackendUnavailable, RuntimeError), (TimerError, RuntimeError), (DistributedTestError, RuntimeError),
-    (TrainingStopped, Exception),
-])
+@pytest.mark.parametrize(
+    "cls, older",
+    [
+        (ConfigError, ValueError),
+        (ConversionError, ValueError),
+        (CheckpointError, RuntimeError),
+        (IndexedDatasetError, ValueError),
+        (PreprocessError, RuntimeError),
+        (InputError, ValueError),
+        (AsyncSaveError, RuntimeError),
+        (WandbSetupError, RuntimeError),
+        (ProfilerUnavailable, RuntimeError),
+        (BackendUnavailable, RuntimeError),
+        (TimerError, RuntimeError),
+        (DistributedTestError, RuntimeError),
+        (TrainingStopped, Exception),
+    ],
+)
 def test_every_error_is_a_megalm_error_and_keeps_its_older_base(cls, older):
     with pytest.raises(MegalmError) as caught:
         raise cls("boom")
@@ -48,8 +59,11 @@ def test_library_parser_raises_config_error_instead_of_exiting():
 def test_import_hf_flags_that_do_not_parse_are_a_conversion_error():
     from megalm.conversion.import_hf import build_config
 
-    with pytest.raises(ConversionError, match=r"cannot parse the megalm flags \['--no-such-flag'\]: "
-                                              r"unrecognized arguments: --no-such-flag"):
+    with pytest.raises(
+        ConversionError,
+        match=r"cannot parse the megalm flags \['--no-such-flag'\]: "
+        r"unrecognized arguments: --no-such-flag",
+    ):
         build_config({}, ["--no-such-flag"])
 
 

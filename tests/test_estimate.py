@@ -22,14 +22,22 @@ import torch
 
 from megalm.config import MegalmConfig, set_vocab_size, validate_config
 from megalm.estimate.activations import Shape, chunk_bytes, in_flight
-from megalm.estimate.cli import main as estimate_main, parse
+from megalm.estimate.cli import main as estimate_main
+from megalm.estimate.cli import parse
 from megalm.estimate.parameters import stage_parameters, total_parameters
 from megalm.estimate.planner import PlannerOptions, plan
 from megalm.presets import PRESETS, PresetError
 from megalm.testing import run_distributed
 
-LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
-             untie_embeddings_and_output_weights=True, group_query_attention=True, num_query_groups=2)
+LLAMA = dict(
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    swiglu=True,
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+    group_query_attention=True,
+    num_query_groups=2,
+)
 
 
 def make_cfg(tp=1, sp=False, bf16=False, micro=2, **model) -> MegalmConfig:
@@ -58,15 +66,21 @@ def measured_state_bytes(cfg):
     optimizer = build_optimizer(cfg, [model])
     optimizer.init_state()
     params = {id(p): p for p in model.parameters()}.values()
-    grads = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
-             for g in (p.main_grad for p in params)}
+    grads = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in (p.main_grad for p in params)}
     model_ids = {id(p) for p in params}
     optim = sum(m.numel() * m.element_size() for m in optimizer.main_params if id(m) not in model_ids)
-    optim += sum(t.numel() * t.element_size() for s in optimizer.optimizer.state.values()
-                 for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
-    return {"parameters": sum(p.numel() for p in params),
-            "weights": sum(p.numel() * p.element_size() for p in params),
-            "grads": sum(grads.values()), "optimizer": optim}
+    optim += sum(
+        t.numel() * t.element_size()
+        for s in optimizer.optimizer.state.values()
+        for t in s.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
+    return {
+        "parameters": sum(p.numel() for p in params),
+        "weights": sum(p.numel() * p.element_size() for p in params),
+        "grads": sum(grads.values()),
+        "optimizer": optim,
+    }
 
 
 @pytest.mark.parametrize("bf16,arch", [(True, LLAMA), (False, {})], ids=["llama-gqa-bf16", "gpt-tied-fp32"])
@@ -83,8 +97,14 @@ def test_parameter_and_state_bytes_equal_measured(bf16, arch):
 def test_moe_parameters_equal_built_model():
     from megalm.models import GPTModel
 
-    cfg = make_cfg(num_experts=4, moe_ffn_hidden_size=48, moe_layer_freq=2, moe_router_topk=2,
-                   moe_shared_expert_intermediate_size=32, **LLAMA)
+    cfg = make_cfg(
+        num_experts=4,
+        moe_ffn_hidden_size=48,
+        moe_layer_freq=2,
+        moe_router_topk=2,
+        moe_shared_expert_intermediate_size=32,
+        **LLAMA,
+    )
     model = GPTModel(cfg)
     expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     st = stage_parameters(cfg, 0)
@@ -114,8 +134,14 @@ def saved_activation_bytes(model, cfg, dtype) -> int:
 
 def predicted_activation_bytes(cfg) -> int:
     m, p = cfg.model, cfg.parallel
-    sh = Shape(m.seq_length, cfg.training.micro_batch_size, p.tensor_model_parallel_size, p.sequence_parallel,
-               2 if cfg.training.bf16 else 4, device="cpu")
+    sh = Shape(
+        m.seq_length,
+        cfg.training.micro_batch_size,
+        p.tensor_model_parallel_size,
+        p.sequence_parallel,
+        2 if cfg.training.bf16 else 4,
+        device="cpu",
+    )
     return chunk_bytes(m, sh, list(range(m.num_layers)), True, True)["kept"]
 
 
@@ -130,8 +156,7 @@ ACTIVATION_CASES = {
     "llama-gqa-fp32-blocked-attention": dict(attention_backend="blocked", seq_length=128, **LLAMA),
     "llama-selective": dict(recompute_granularity="selective", **LLAMA),
     "gpt-full-uniform-2": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
-    "llama-full-block-1": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1,
-                               **LLAMA),
+    "llama-full-block-1": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1, **LLAMA),
 }
 
 
@@ -185,10 +210,35 @@ def test_in_flight_microbatches_follow_the_schedules():
 def test_flops_and_step_time():
     from megalm.training.flops import num_floating_point_operations
 
-    cfg, options = parse(["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8",
-                          "--seq-length", "1024", "--vocab-size", "32767", "--tokenizer-type", "NullTokenizer",
-                          "--micro-batch-size", "2", "--global-batch-size", "64", "--bf16",
-                          "--tensor-model-parallel-size", "2", "--world-size", "8", "--mfu", "0.5", "--device", "a100"])
+    cfg, options = parse(
+        [
+            "--num-layers",
+            "4",
+            "--hidden-size",
+            "512",
+            "--num-attention-heads",
+            "8",
+            "--seq-length",
+            "1024",
+            "--vocab-size",
+            "32767",
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "64",
+            "--bf16",
+            "--tensor-model-parallel-size",
+            "2",
+            "--world-size",
+            "8",
+            "--mfu",
+            "0.5",
+            "--device",
+            "a100",
+        ]
+    )
     r = plan(cfg, options)
     B, s, L, h, V = 64, 1024, 4, 512, 32768
     assert r["flops_per_iteration"] == pytest.approx(72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h)))
@@ -198,9 +248,26 @@ def test_flops_and_step_time():
 
 
 def test_distributed_optimizer_bytes_follow_the_formula():
-    cfg, options = parse(["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4",
-                          "--seq-length", "128", "--vocab-size", "1023", "--tokenizer-type", "NullTokenizer",
-                          "--bf16", "--world-size", "4", "--use-distributed-optimizer"])
+    cfg, options = parse(
+        [
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "256",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "128",
+            "--vocab-size",
+            "1023",
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--bf16",
+            "--world-size",
+            "4",
+            "--use-distributed-optimizer",
+        ]
+    )
     st = plan(cfg, options)["stages"][0]
     n = st["parameters"]
     assert st["weights"] + st["grads"] + st["optimizer_distributed"] == pytest.approx((6 + 12 / 4) * n)
@@ -221,8 +288,25 @@ def test_every_preset_fits_its_gpus(capsys):
         if "cpu" in name:
             assert r["largest_rank_bytes"] < 2e9, name
         print(f"{name}: {r['largest_rank_bytes'] / 1e9:.1f} GB on pp rank {r['largest_pp_rank']}")
-    assert estimate_main(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-                          "--vocab-size", "100", "--world-size", "2", "--tensor-model-parallel-size", "2"]) == 0
+    assert (
+        estimate_main(
+            [
+                "--num-layers",
+                "2",
+                "--hidden-size",
+                "64",
+                "--num-attention-heads",
+                "4",
+                "--vocab-size",
+                "100",
+                "--world-size",
+                "2",
+                "--tensor-model-parallel-size",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert "fits" in capsys.readouterr().out
 
 
@@ -231,14 +315,27 @@ def _plan_json(argv, capsys):
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("name,extra", [("llama2_70b", []), ("mixtral_8x7b", []),
-                                        ("llama2_7b", ["--tensor-model-parallel-size", "2"]),
-                                        ("gpt3_175b", ["--world-size", "256"])])
+@pytest.mark.parametrize(
+    "name,extra",
+    [
+        ("llama2_70b", []),
+        ("mixtral_8x7b", []),
+        ("llama2_7b", ["--tensor-model-parallel-size", "2"]),
+        ("gpt3_175b", ["--world-size", "256"]),
+    ],
+)
 def test_preset_plan_equals_its_flags_by_hand(name, extra, capsys):
     """``--preset NAME [flags]`` == the flags ``python3 tools/presets.py NAME`` prints, ``--world-size``
     of the preset's GPUs, then the same flags."""
-    printed = subprocess.run([sys.executable, "tools/presets.py", name], cwd=REPO, capture_output=True,
-                             text=True, timeout=60, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    printed = subprocess.run(
+        [sys.executable, "tools/presets.py", name],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     by_hand = printed.stdout.split() + ["--world-size", str(PRESETS[name].layout.world_size)] + extra
     planned = _plan_json(["--preset", name, *extra], capsys)
     assert planned == _plan_json(by_hand, capsys)
@@ -253,7 +350,12 @@ def test_unknown_preset_is_an_error_listing_the_names():
     with pytest.raises(PresetError) as e:
         estimate_main(["--preset", "llama9_1t"])
     assert "unknown preset 'llama9_1t'" in str(e.value) and all(name in str(e.value) for name in PRESETS)
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "estimate.py"), "--preset=llama9_1t"],
-                          capture_output=True, text=True, timeout=60, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "estimate.py"), "--preset=llama9_1t"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
     assert "unknown preset 'llama9_1t'" in proc.stderr and all(name in proc.stderr for name in PRESETS)

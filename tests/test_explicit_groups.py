@@ -50,8 +50,9 @@ def worker():
 
     assert not parallel_state.model_parallel_is_initialized()
     rank, world = dist.get_rank(), dist.group.WORLD
-    dp_groups = ProcessGroups(dp=world, dp_cp=world, expt_dp=world,
-                              ranks={"dp": (0, 1), "dp_cp": (0, 1), "expt_dp": (0, 1)})
+    dp_groups = ProcessGroups(
+        dp=world, dp_cp=world, expt_dp=world, ranks={"dp": (0, 1), "dp_cp": (0, 1), "expt_dp": (0, 1)}
+    )
     x, y = _batch(rank)
     out = {}
     for name, groups in (("explicit", dp_groups), ("default", None)):
@@ -60,8 +61,10 @@ def worker():
         comm.reset_comm_stats()
         F.mse_loss(ddp(x), y).backward()
         ddp.finish_grad_sync()
-        out[name] = ([p.main_grad.numpy().copy() for p in model.parameters()],
-                     comm.get_comm_stats().get("grad_all_reduce", {}).get("calls", 0))
+        out[name] = (
+            [p.main_grad.numpy().copy() for p in model.parameters()],
+            comm.get_comm_stats().get("grad_all_reduce", {}).get("calls", 0),
+        )
 
     model = _mlp()
     cfg = _cfg(True)
@@ -78,12 +81,12 @@ def worker():
     W.tensor_model_parallel, W.partition_dim, W.partition_stride = True, 0, 1
     n = torch.nn.Parameter(torch.zeros(3))
     full_W = torch.arange(12.0).view(4, 3)
-    W.grad, n.grad = full_W[2 * rank:2 * rank + 2].clone(), torch.tensor([1.0, 2.0, 3.0])
+    W.grad, n.grad = full_W[2 * rank : 2 * rank + 2].clone(), torch.tensor([1.0, 2.0, 3.0])
     groups = [{"name": "all", "params": [W, n], "names": ["W", "n"], "weight_decay": 0.0}]
     norms = []
     for g in (tp_groups, None):
         opt = FP32Optimizer(groups, lambda gs: torch.optim.SGD(gs, lr=1.0), clip_grad=0.0, process_groups=g)
-        W.grad, n.grad = full_W[2 * rank:2 * rank + 2].clone(), torch.tensor([1.0, 2.0, 3.0])
+        W.grad, n.grad = full_W[2 * rank : 2 * rank + 2].clone(), torch.tensor([1.0, 2.0, 3.0])
         norms.append(opt.step()[1])
     out["tp_norms"] = norms
     return out
@@ -113,7 +116,10 @@ def test_components_use_the_groups_they_are_given():
         for p, e in zip(params, expected):
             torch.testing.assert_close(torch.from_numpy(p), e, rtol=1e-5, atol=1e-6)
         full = torch.cat([torch.arange(12.0), torch.tensor([1.0, 2.0, 3.0])]).norm().item()
-        local = torch.cat([torch.arange(12.0).view(4, 3)[2 * rank:2 * rank + 2].flatten(),
-                           torch.tensor([1.0, 2.0, 3.0])]).norm().item()
+        local = (
+            torch.cat([torch.arange(12.0).view(4, 3)[2 * rank : 2 * rank + 2].flatten(), torch.tensor([1.0, 2.0, 3.0])])
+            .norm()
+            .item()
+        )
         assert r["tp_norms"][0] == pytest.approx(full, rel=1e-6)
         assert r["tp_norms"][1] == pytest.approx(local, rel=1e-6)  # default: this rank alone

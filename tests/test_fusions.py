@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from megalm.config import MegalmConfig
-from megalm.fusions import EAGER, BackendUnavailable, compile_stats, plan_fusions
-from megalm.fusions import backends
+from megalm.fusions import EAGER, BackendUnavailable, backends, compile_stats, plan_fusions
 from megalm.fusions.activations import bias_gelu, bias_swiglu
 from megalm.fusions.dropout_add import bias_dropout_add
 from megalm.fusions.norms import layer_norm, rms_norm
@@ -53,8 +52,9 @@ def _check(fusion, args, dtype, tol=None, float_args=None):
     tol = tol or TOL[dtype]
     results = []
     for fn in (fusion, fusion.eager):
-        inputs = [a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) and a.requires_grad else a
-                  for a in args]
+        inputs = [
+            a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args
+        ]
         out = fn(*inputs)
         outs = out if isinstance(out, tuple) else (out,)
         g = torch.Generator().manual_seed(7)
@@ -92,9 +92,9 @@ def test_elementwise_fusions_match_eager(dtype):
         cos, sin = RotaryEmbedding(8, rotary_percent=percent).tables(None, s, "cpu")
         _check(rotary_qk, (q, k, cos, sin), dtype)
 
-    scores, = _leaves((b, 4, s, s), dtype=dtype, seed=4)
+    (scores,) = _leaves((b, 4, s, s), dtype=dtype, seed=4)
     _check(scaled_causal_softmax, (scores, 0.125), dtype)
-    tail, = _leaves((b, 4, 3, s), dtype=dtype, seed=5)  # 3 queries at the last positions
+    (tail,) = _leaves((b, 4, 3, s), dtype=dtype, seed=5)  # 3 queries at the last positions
     _check(scaled_causal_softmax, (tail, 0.125), dtype)
     assert compile_stats().graphs > 0
 
@@ -107,9 +107,25 @@ def test_moe_expert_activations_compile_once_for_changing_token_counts(grouped):
     from megalm.tensor_parallel.initialization import initialize_weights
     from megalm.transformer.moe.experts import LocalExperts
 
-    m = validate_config(config_from_args(build_parser().parse_args(
-        ["--hidden-size", "16", "--num-attention-heads", "4", "--vocab-size", "64", "--num-experts", "3",
-         "--moe-ffn-hidden-size", "24", "--swiglu"]))).model
+    m = validate_config(
+        config_from_args(
+            build_parser().parse_args(
+                [
+                    "--hidden-size",
+                    "16",
+                    "--num-attention-heads",
+                    "4",
+                    "--vocab-size",
+                    "64",
+                    "--num-experts",
+                    "3",
+                    "--moe-ffn-hidden-size",
+                    "24",
+                    "--swiglu",
+                ]
+            )
+        )
+    ).model
     experts = {}
     for name, plan in (("compiled", plan_fusions(m)), ("eager", EAGER)):
         experts[name] = LocalExperts(m, first=0, count=3, grouped=grouped, plan=plan)
@@ -124,7 +140,9 @@ def test_moe_expert_activations_compile_once_for_changing_token_counts(grouped):
             out = experts[name](xi, counts)
             out.pow(2).sum().backward()
             results.append((out, xi.grad))
-        assert relative_error(results[0][0], results[1][0]) < 1e-5 and relative_error(results[0][1], results[1][1]) < 1e-5
+        assert (
+            relative_error(results[0][0], results[1][0]) < 1e-5 and relative_error(results[0][1], results[1][1]) < 1e-5
+        )
         graphs.append(compile_stats().graphs)
     assert graphs[-1] == graphs[2], graphs  # steps 3 and 4 bring no new (0/1/many) pattern: no recompile
 
@@ -134,11 +152,11 @@ def test_fusion_references_are_the_textbook_formulas():
     x, bias = torch.randn(5, 12, generator=g), torch.randn(12, generator=g)
     gate, up = (x + bias).chunk(2, -1)
     assert torch.allclose(bias_swiglu.eager(x, bias), gate * torch.sigmoid(gate) * up, atol=1e-6)
-    assert torch.allclose(bias_gelu.eager(x, bias), 0.5 * (x + bias) * (1 + torch.erf((x + bias) / 2 ** 0.5)),
-                          atol=1e-6)
+    assert torch.allclose(bias_gelu.eager(x, bias), 0.5 * (x + bias) * (1 + torch.erf((x + bias) / 2**0.5)), atol=1e-6)
     w = torch.randn(12, generator=g)
-    assert torch.allclose(rms_norm.eager(x, w, 1e-5), x / (x.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt() * w,
-                          atol=1e-5)
+    assert torch.allclose(
+        rms_norm.eager(x, w, 1e-5), x / (x.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt() * w, atol=1e-5
+    )
     scores = torch.randn(1, 1, 4, 4, generator=g)
     probs = scaled_causal_softmax.eager(scores, 0.5)
     expected = (scores * 0.5).masked_fill(torch.ones(4, 4, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
@@ -173,12 +191,33 @@ def _model_cfg(**overrides):
 def test_plan_follows_flags_and_environment(monkeypatch):
     plan = plan_fusions(_model_cfg())
     assert (plan.attention, plan.norm, plan.bias_activation, plan.rope, plan.bias_dropout_add, plan.cross_entropy) == (
-        "sdpa", "compiled", "compiled", "compiled", "compiled", "fused linear")
-    off = plan_fusions(_model_cfg(bias_swiglu_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False,
-                                  norm_fusion=False, masked_softmax_fusion=False, cross_entropy_loss_fusion=False,
-                                  attention_backend="unfused"))
-    assert (off.attention, off.masked_softmax, off.norm, off.bias_activation, off.rope, off.bias_dropout_add,
-            off.cross_entropy) == ("unfused", "eager", "eager", "eager", "eager", "eager", "unfused")
+        "sdpa",
+        "compiled",
+        "compiled",
+        "compiled",
+        "compiled",
+        "fused linear",
+    )
+    off = plan_fusions(
+        _model_cfg(
+            bias_swiglu_fusion=False,
+            apply_rope_fusion=False,
+            bias_dropout_fusion=False,
+            norm_fusion=False,
+            masked_softmax_fusion=False,
+            cross_entropy_loss_fusion=False,
+            attention_backend="unfused",
+        )
+    )
+    assert (
+        off.attention,
+        off.masked_softmax,
+        off.norm,
+        off.bias_activation,
+        off.rope,
+        off.bias_dropout_add,
+        off.cross_entropy,
+    ) == ("unfused", "eager", "eager", "eager", "eager", "eager", "unfused")
     assert plan_fusions(_model_cfg(swiglu=False, bias_gelu_fusion=False)).bias_activation == "eager"
     assert plan_fusions(_model_cfg(position_embedding_type="learned_absolute")).rope == "none"
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
@@ -231,7 +270,9 @@ def test_optional_packages_are_used_when_importable(monkeypatch):
         assert plan_fusions(_model_cfg(), half_precision=False).attention == "sdpa"
         monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
         monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", types.ModuleType("transformer_engine.pytorch"))
-        te_plan = plan_fusions(_model_cfg(transformer_impl="transformer_engine"))  # TE layers: test_transformer_engine.py
+        te_plan = plan_fusions(
+            _model_cfg(transformer_impl="transformer_engine")
+        )  # TE layers: test_transformer_engine.py
         assert te_plan.uses_te() and te_plan.attention == "te" and "transformer: te" in te_plan.describe()
         from megalm.transformer.norm import RMSNorm
 

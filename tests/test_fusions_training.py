@@ -9,16 +9,65 @@ import pytest
 from megalm.testing import run_distributed
 from tests.training_runs import assert_close, losses, records, run_trainings
 
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--max-position-embeddings", "32", "--mock-data", "--vocab-size", "500", "--num-workers", "0",
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "2e-3", "--log-interval", "1",
-        "--eval-iters", "0", "--seed", "5", "--train-iters", "5", "--micro-batch-size", "4",
-        "--global-batch-size", "8", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
-LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
-         "--untie-embeddings-and-output-weights", "--group-query-attention", "--num-query-groups", "2"]
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--max-position-embeddings",
+    "32",
+    "--mock-data",
+    "--vocab-size",
+    "500",
+    "--num-workers",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--lr",
+    "2e-3",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--seed",
+    "5",
+    "--train-iters",
+    "5",
+    "--micro-batch-size",
+    "4",
+    "--global-batch-size",
+    "8",
+    "--tensor-model-parallel-size",
+    "2",
+    "--sequence-parallel",
+]
+LLAMA = [
+    "--normalization",
+    "RMSNorm",
+    "--swiglu",
+    "--position-embedding-type",
+    "rope",
+    "--untie-embeddings-and-output-weights",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+]
 GPT = ["--attention-backend", "unfused"]  # LayerNorm, GeLU with biases, learned positions, tied
-ALL_OFF = ["--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-rope-fusion", "--no-masked-softmax-fusion",
-           "--no-bias-dropout-fusion", "--no-norm-fusion", "--no-cross-entropy-loss-fusion"]
+ALL_OFF = [
+    "--no-bias-gelu-fusion",
+    "--no-bias-swiglu-fusion",
+    "--no-rope-fusion",
+    "--no-masked-softmax-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-norm-fusion",
+    "--no-cross-entropy-loss-fusion",
+]
 ALL_ON = ["--cross-entropy-loss-fusion"]  # the default; Megatron's flag is still accepted
 
 
@@ -36,9 +85,13 @@ def runs(tmp_path_factory):
     def argv(name, *extra):
         return TINY + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl")] + list(extra)
 
-    plan = [argv("llama_off", *LLAMA, *ALL_OFF), argv("llama_on", *LLAMA, *ALL_ON),
-            argv("gpt_off", *GPT, *ALL_OFF), argv("gpt_on", *GPT, *ALL_ON),
-            argv("gpt_on_dropout", *GPT, *ALL_ON, "--hidden-dropout", "0.1", "--attention-dropout", "0.1")]
+    plan = [
+        argv("llama_off", *LLAMA, *ALL_OFF),
+        argv("llama_on", *LLAMA, *ALL_ON),
+        argv("gpt_off", *GPT, *ALL_OFF),
+        argv("gpt_on", *GPT, *ALL_ON),
+        argv("gpt_on_dropout", *GPT, *ALL_ON, "--hidden-dropout", "0.1", "--attention-dropout", "0.1"),
+    ]
     codes = run_distributed(_compiled_trainings, 2, args=(plan,), timeout=420, env={"TORCHDYNAMO_DISABLE": "0"})
     return tmp, codes
 

@@ -22,8 +22,14 @@ from tests.checkpoint_fixtures import LLAMA, save_random_model, tiny_cfg
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 120  # NullTokenizer ids 0..118, EOD 119
-GPT2 = dict(position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False,
-            max_position_embeddings=64, hidden_size=64, init_method_std=0.5)  # tied embeddings
+GPT2 = dict(
+    position_embedding_type="learned_absolute",
+    normalization="LayerNorm",
+    swiglu=False,
+    max_position_embeddings=64,
+    hidden_size=64,
+    init_method_std=0.5,
+)  # tied embeddings
 ARCHS = {"llama": LLAMA, "gpt2": GPT2}
 PROMPT = [5, 17, 42, 99, 3, 64, 7]
 PROMPTS = [PROMPT, [1, 2], [9], list(range(30, 42)), [77, 5, 60]]  # lengths 7, 2, 1, 12, 3
@@ -102,8 +108,14 @@ def test_greedy_matches_transformers(arch, checkpoints, models, tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
     ours = generate(models[arch], PROMPT, 16).generated_ids
     with torch.no_grad():
-        theirs = hf.generate(torch.tensor([PROMPT]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
+        theirs = hf.generate(
+            torch.tensor([PROMPT]),
+            max_new_tokens=16,
+            min_new_tokens=16,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(PROMPT) :].tolist()
     assert ours == theirs and len(set(ours)) > 3
 
 
@@ -132,7 +144,7 @@ def test_stop_at_eod(models):
     eod = greedy[3]
     first = greedy.index(eod)
     out = generate(model, PROMPT, 10, eod=eod)
-    assert out.stopped_at_eod and out.generated_ids == greedy[:first + 1]
+    assert out.stopped_at_eod and out.generated_ids == greedy[: first + 1]
 
 
 def test_learned_positions_limit(models):
@@ -142,20 +154,24 @@ def test_learned_positions_limit(models):
 
 def one_at_a_time(model, eod):
     """Single-process outputs of each prompt alone: greedy, seeded sampling, greedy stopping at ``eod``."""
-    return {"greedy": [generate(model, p, NEW).generated_ids for p in PROMPTS],
-            "sampled": [generate(model, p, NEW, SAMPLE, generator=g).generated_ids
-                        for p, g in zip(PROMPTS, seeded(SEEDS))],
-            "eod": [generate(model, p, NEW, eod=eod).generated_ids for p in PROMPTS]}
+    return {
+        "greedy": [generate(model, p, NEW).generated_ids for p in PROMPTS],
+        "sampled": [generate(model, p, NEW, SAMPLE, generator=g).generated_ids for p, g in zip(PROMPTS, seeded(SEEDS))],
+        "eod": [generate(model, p, NEW, eod=eod).generated_ids for p in PROMPTS],
+    }
 
 
 def batched(model, eod, prompts=PROMPTS, seeds=SEEDS):
     """The same three runs with all prompts in one batch (works on one process or on model-parallel ranks)."""
+
     def ids(outs):
         return [o.generated_ids for o in outs]
 
-    return {"greedy": ids(generate_batch(model, prompts, NEW)),
-            "sampled": ids(generate_batch(model, prompts, NEW, SAMPLE, generators=seeded(seeds))),
-            "eod": ids(generate_batch(model, prompts, NEW, eod=eod))}
+    return {
+        "greedy": ids(generate_batch(model, prompts, NEW)),
+        "sampled": ids(generate_batch(model, prompts, NEW, SAMPLE, generators=seeded(seeds))),
+        "eod": ids(generate_batch(model, prompts, NEW, eod=eod)),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +196,9 @@ def test_batch_matches_one_at_a_time(arch, models, references):
     for kind, outs in batched(model, eod).items():
         assert outs == ref[kind], kind
     stopped = [eod in ids for ids in ref["eod"]]
-    assert ref["eod"][0][-1] == eod and len(ref["eod"][0]) < NEW and not all(stopped)  # rows stop at EOD at different steps; others run to NEW
+    assert (
+        ref["eod"][0][-1] == eod and len(ref["eod"][0]) < NEW and not all(stopped)
+    )  # rows stop at EOD at different steps; others run to NEW
     assert ref["sampled"] != ref["greedy"]
     # Order and company do not matter: reversed batch, a batch of two, no KV cache.
     rev = batched(model, eod, PROMPTS[::-1], SEEDS[::-1])
@@ -231,10 +249,26 @@ def test_model_parallel_generation_matches_one_process(checkpoints, models, refe
     tool = runpy.run_path(str(REPO / "tools" / "generate.py"))
     prompt_file = tmp_path / "prompts.txt"
     prompt_file.write_text("".join(" ".join(map(str, p)) + "\n" for p in PROMPTS[1:]))
-    common = ["--load", str(checkpoints["gpt2"]), "--prompt", " ".join(map(str, PROMPT)), "--prompt-file",
-              str(prompt_file), "--max-new-tokens", str(NEW), "--temperature", "1.2", "--top-k", "30", "--seed", "5"]
-    layouts = [["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--batch-size", "2"],
-               ["--pipeline-model-parallel-size", "2", "--batch-size", "3"]]  # 2 data-parallel replicas
+    common = [
+        "--load",
+        str(checkpoints["gpt2"]),
+        "--prompt",
+        " ".join(map(str, PROMPT)),
+        "--prompt-file",
+        str(prompt_file),
+        "--max-new-tokens",
+        str(NEW),
+        "--temperature",
+        "1.2",
+        "--top-k",
+        "30",
+        "--seed",
+        "5",
+    ]
+    layouts = [
+        ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--batch-size", "2"],
+        ["--pipeline-model-parallel-size", "2", "--batch-size", "3"],
+    ]  # 2 data-parallel replicas
     cli_runs = [common + layout + ["--output-json", str(tmp_path / f"cli{i}.json")] for i, layout in enumerate(layouts)]
     paths = {arch: str(path) for arch, path in checkpoints.items()}
     eods = {arch: ref["eod_token"] for arch, ref in references.items()}
@@ -253,8 +287,9 @@ def test_model_parallel_generation_matches_one_process(checkpoints, models, refe
     # fp64 logits of every generated position agree with one process to rounding (not just the argmax).
     sampling_ranks = [r for r, out in enumerate(ranks) if out["logits"] is not None]
     assert sampling_ranks == [2]  # last pipeline stage (ranks 2, 3), TP rank 0
-    single = [generate(copy.deepcopy(models["llama"]).double(), p, NEW, return_logits=True).step_logits
-              for p in PROMPTS]
+    single = [
+        generate(copy.deepcopy(models["llama"]).double(), p, NEW, return_logits=True).step_logits for p in PROMPTS
+    ]
     for got_row, ref_row in zip(ranks[2]["logits"], single):
         assert len(got_row) == len(ref_row) == NEW
         assert max((a - b).abs().max().item() for a, b in zip(got_row, ref_row)) < 1e-9
@@ -271,8 +306,23 @@ def test_cli_output_json(checkpoints, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("1 2 3\n\n4 5 6 7\n")
     out = tmp_path / "out.json"
-    assert tool["main"](["--load", str(checkpoints["llama"]), "--prompt", " ".join(map(str, PROMPT)),
-                         "--prompt-file", str(prompts), "--max-new-tokens", "6", "--output-json", str(out)]) == 0
+    assert (
+        tool["main"](
+            [
+                "--load",
+                str(checkpoints["llama"]),
+                "--prompt",
+                " ".join(map(str, PROMPT)),
+                "--prompt-file",
+                str(prompts),
+                "--max-new-tokens",
+                "6",
+                "--output-json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     results = json.loads(out.read_text())
     assert [r["prompt"] for r in results] == [" ".join(map(str, PROMPT)), "1 2 3", "4 5 6 7"]
     model = load_model(str(checkpoints["llama"]))[0]
@@ -283,26 +333,77 @@ def test_cli_output_json(checkpoints, tmp_path, capsys):
     text_ids = expected[:-1] if expected[-1] == VOCAB - 1 else expected
     assert first["text"] == " ".join(map(str, text_ids))
 
-    sampled = [tool["main"](["--load", str(checkpoints["llama"]), "--prompt", "1 2 3", "--max-new-tokens", "8",
-                             "--temperature", "1.0", "--top-p", "0.95", "--seed", "7",
-                             "--output-json", str(tmp_path / f"s{i}.json")]) for i in range(2)]
+    sampled = [
+        tool["main"](
+            [
+                "--load",
+                str(checkpoints["llama"]),
+                "--prompt",
+                "1 2 3",
+                "--max-new-tokens",
+                "8",
+                "--temperature",
+                "1.0",
+                "--top-p",
+                "0.95",
+                "--seed",
+                "7",
+                "--output-json",
+                str(tmp_path / f"s{i}.json"),
+            ]
+        )
+        for i in range(2)
+    ]
     assert sampled == [0, 0]
     assert json.loads((tmp_path / "s0.json").read_text()) == json.loads((tmp_path / "s1.json").read_text())
     # Several prompts: prompt i samples with --seed + i, so the batch size does not matter.
-    sampling = ["--load", str(checkpoints["llama"]), "--prompt", " ".join(map(str, PROMPT)), "--prompt-file",
-                str(prompts), "--max-new-tokens", "8", "--temperature", "1.0", "--top-k", "40", "--seed", "7"]
+    sampling = [
+        "--load",
+        str(checkpoints["llama"]),
+        "--prompt",
+        " ".join(map(str, PROMPT)),
+        "--prompt-file",
+        str(prompts),
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "1.0",
+        "--top-k",
+        "40",
+        "--seed",
+        "7",
+    ]
     for size in ("1", "8"):
         assert tool["main"](sampling + ["--batch-size", size, "--output-json", str(tmp_path / f"b{size}.json")]) == 0
     batch_of_one, batch_of_all = (json.loads((tmp_path / f"b{size}.json").read_text()) for size in ("1", "8"))
     assert batch_of_one == batch_of_all
     for i, r in enumerate(batch_of_all):
-        alone = generate(model, r["prompt_ids"], 8, SamplingParams(temperature=1.0, top_k=40), eod=VOCAB - 1,
-                         generator=torch.Generator().manual_seed(7 + i))
+        alone = generate(
+            model,
+            r["prompt_ids"],
+            8,
+            SamplingParams(temperature=1.0, top_k=40),
+            eod=VOCAB - 1,
+            generator=torch.Generator().manual_seed(7 + i),
+        )
         assert r["generated_ids"] == alone.generated_ids
     assert tool["main"](["--load", str(tmp_path / "missing"), "--prompt", "1", "--max-new-tokens", "2"]) == 2
     # One process cannot hold a TP 2 layout: a clear error, before any work.
-    assert tool["main"](["--load", str(checkpoints["llama"]), "--prompt", "1", "--max-new-tokens", "2",
-                         "--tensor-model-parallel-size", "2"]) == 2
+    assert (
+        tool["main"](
+            [
+                "--load",
+                str(checkpoints["llama"]),
+                "--prompt",
+                "1",
+                "--max-new-tokens",
+                "2",
+                "--tensor-model-parallel-size",
+                "2",
+            ]
+        )
+        == 2
+    )
     assert "needs 2 processes (or a multiple: data-parallel replicas), this run has 1" in capsys.readouterr().err
 
 
@@ -325,11 +426,20 @@ def test_gpt2_bpe_text_prompts_and_tokenizer_overrides(tmp_path):
     for f in (vocab_file, merge_file):
         shutil.move(f, moved)
     tool = runpy.run_path(str(REPO / "tools" / "generate.py"))
-    args = ["--load", str(tmp_path / "ckpt"), "--prompt", "alpha beta gamma", "--max-new-tokens", "4",
-            "--output-json", str(tmp_path / "out.json")]
+    args = [
+        "--load",
+        str(tmp_path / "ckpt"),
+        "--prompt",
+        "alpha beta gamma",
+        "--max-new-tokens",
+        "4",
+        "--output-json",
+        str(tmp_path / "out.json"),
+    ]
     assert tool["main"](args) == 2  # the files the config names are gone
-    assert tool["main"](args + ["--vocab-file", str(moved / "vocab.json"), "--merge-file",
-                                str(moved / "merges.txt")]) == 0
+    assert (
+        tool["main"](args + ["--vocab-file", str(moved / "vocab.json"), "--merge-file", str(moved / "merges.txt")]) == 0
+    )
     result = json.loads((tmp_path / "out.json").read_text())[0]
     moved_tok = GPT2BPETokenizer(str(moved / "vocab.json"), str(moved / "merges.txt"))
     assert result["prompt_ids"] == moved_tok.tokenize("alpha beta gamma")

@@ -27,19 +27,38 @@ VOCAB, SEQ, BATCH = 50, 8, 2
 CONFIGS = {
     "learned-LayerNorm-GELU-bias-tied-MHA": dict(position_embedding_type="learned_absolute"),
     "rope-RMSNorm-SwiGLU-nobias-untied-GQA": dict(
-        position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
-        untie_embeddings_and_output_weights=True, num_attention_heads=8, group_query_attention=True,
-        num_query_groups=4),
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        swiglu=True,
+        add_bias_linear=False,
+        untie_embeddings_and_output_weights=True,
+        num_attention_heads=8,
+        group_query_attention=True,
+        num_query_groups=4,
+    ),
     "rope-RMSNorm-SwiGLU-nobias-untied-GQA-blocked-attention": dict(
-        position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
-        untie_embeddings_and_output_weights=True, num_attention_heads=8, group_query_attention=True,
-        num_query_groups=4, attention_backend="blocked"),
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        swiglu=True,
+        add_bias_linear=False,
+        untie_embeddings_and_output_weights=True,
+        num_attention_heads=8,
+        group_query_attention=True,
+        num_query_groups=4,
+        attention_backend="blocked",
+    ),
     "rope50%-LayerNorm-SwiGLU-bias-tied-MHA": dict(position_embedding_type="rope", rotary_percent=0.5, swiglu=True),
     "learned-RMSNorm-GELU-nobias-untied-GQA": dict(
-        normalization="RMSNorm", add_bias_linear=False, untie_embeddings_and_output_weights=True,
-        num_attention_heads=8, group_query_attention=True, num_query_groups=4),
-    "none-LayerNorm-GELU-bias-untied-MHA": dict(position_embedding_type="none",
-                                                untie_embeddings_and_output_weights=True),
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        untie_embeddings_and_output_weights=True,
+        num_attention_heads=8,
+        group_query_attention=True,
+        num_query_groups=4,
+    ),
+    "none-LayerNorm-GELU-bias-untied-MHA": dict(
+        position_embedding_type="none", untie_embeddings_and_output_weights=True
+    ),
 }
 
 
@@ -108,8 +127,11 @@ def _attribute_problems(model, sp: bool) -> list:
         is_norm_or_bias = "layernorm" in name or name.endswith(".bias")
         if (p.ndim == 1) != is_norm_or_bias:
             problems.append(f"{name}: ndim {p.ndim}")
-        wants_sp = sp and ("layernorm" in name or (name.endswith(".bias") and "linear_proj" in name)
-                           or (name.endswith(".bias") and "linear_fc2" in name))
+        wants_sp = sp and (
+            "layernorm" in name
+            or (name.endswith(".bias") and "linear_proj" in name)
+            or (name.endswith(".bias") and "linear_fc2" in name)
+        )
         if bool(getattr(p, "sequence_parallel", False)) != wants_sp:
             problems.append(f"{name}: sequence_parallel={getattr(p, 'sequence_parallel', None)}")
         if ("word_embeddings" in name or name == "output_layer.weight") and getattr(p, "vocab_unpadded", None) != VOCAB:
@@ -119,16 +141,20 @@ def _attribute_problems(model, sp: bool) -> list:
 
 # --- parity over TP / SP layouts ------------------------------------------------------------
 
+
 def _parity_errors(name, overrides, tp, sp, reference, batch) -> dict:
     model = GPTModel(make_cfg(tp, sp, **overrides))
     got = _snapshot(model, batch)
     tag = f"{name} tp={tp} sp={sp}"
-    errors = {f"{tag} weights differ": float(any(not torch.equal(got["weights"][n], w)
-                                                 for n, w in reference["weights"].items())),
-              f"{tag} names differ": float(set(got["weights"]) != set(reference["weights"])),
-              f"{tag} loss": _rel(got["loss"], reference["loss"]),
-              f"{tag} logits": _rel(got["logits"], reference["logits"]),
-              f"{tag} attribute problems": float(len(_attribute_problems(model, sp and tp > 1)))}
+    errors = {
+        f"{tag} weights differ": float(
+            any(not torch.equal(got["weights"][n], w) for n, w in reference["weights"].items())
+        ),
+        f"{tag} names differ": float(set(got["weights"]) != set(reference["weights"])),
+        f"{tag} loss": _rel(got["loss"], reference["loss"]),
+        f"{tag} logits": _rel(got["logits"], reference["logits"]),
+        f"{tag} attribute problems": float(len(_attribute_problems(model, sp and tp > 1))),
+    }
     for n, g in reference["grads"].items():
         errors[f"{tag} grad {n}"] = _rel(got["grads"][n], g)
     return errors
@@ -143,7 +169,7 @@ def _check_parity() -> dict:
         parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
         for name, overrides in CONFIGS.items():
-            for sp in ((False, True) if tp > 1 else (False,)):
+            for sp in (False, True) if tp > 1 else (False,):
                 errors.update(_parity_errors(name, overrides, tp, sp, references[name], batches[name]))
     return errors
 
@@ -159,8 +185,13 @@ RECOMPUTE_MODES = {
 
 
 def _dropout_step(tp, sp, recompute: dict, seed=99):
-    overrides = dict(CONFIGS["rope-RMSNorm-SwiGLU-nobias-untied-GQA"], hidden_dropout=0.2, attention_dropout=0.3,
-                     num_layers=3, **recompute)
+    overrides = dict(
+        CONFIGS["rope-RMSNorm-SwiGLU-nobias-untied-GQA"],
+        hidden_dropout=0.2,
+        attention_dropout=0.3,
+        num_layers=3,
+        **recompute,
+    )
     model = GPTModel(make_cfg(tp, sp, **overrides))
     model.train()
     model_parallel_manual_seed(seed)
@@ -170,16 +201,21 @@ def _dropout_step(tp, sp, recompute: dict, seed=99):
 
 def _recompute_mismatches(tp: int, sp: bool) -> dict:
     base_loss, base_grads = _dropout_step(tp, sp, {})
-    errors = {f"tp={tp} sp={sp} dropout changes the loss": float(torch.equal(base_loss, _dropout_step(tp, sp, {}, 5)[0]))}
+    errors = {
+        f"tp={tp} sp={sp} dropout changes the loss": float(torch.equal(base_loss, _dropout_step(tp, sp, {}, 5)[0]))
+    }
     for mode, settings in RECOMPUTE_MODES.items():
         loss, grads = _dropout_step(tp, sp, settings)
         tag = f"recompute {mode} tp={tp} sp={sp}"
         errors[f"{tag} loss not bit-identical"] = float(not torch.equal(loss, base_loss))
-        errors[f"{tag} grads not bit-identical"] = float(any(not torch.equal(grads[n], g) for n, g in base_grads.items()))
+        errors[f"{tag} grads not bit-identical"] = float(
+            any(not torch.equal(grads[n], g) for n, g in base_grads.items())
+        )
     return errors
 
 
 # --- pipeline-style chunks --------------------------------------------------------------------
+
 
 def _pipeline_chunks(cfg, pp: int, vpp: int):
     split_cfg = copy.deepcopy(cfg)
@@ -187,8 +223,12 @@ def _pipeline_chunks(cfg, pp: int, vpp: int):
     split_cfg.parallel.num_virtual_stages_per_pipeline_rank = vpp
     split_cfg = validate_config(split_cfg)
     order = [(v, r) for v in range(vpp) for r in range(pp)]  # model chunk k = v * pp + r
-    return [GPTModel(cfg, pre_process=k == 0, post_process=k == len(order) - 1,
-                     layer_numbers=layers_for_stage(split_cfg, r, v)) for k, (v, r) in enumerate(order)]
+    return [
+        GPTModel(
+            cfg, pre_process=k == 0, post_process=k == len(order) - 1, layer_numbers=layers_for_stage(split_cfg, r, v)
+        )
+        for k, (v, r) in enumerate(order)
+    ]
 
 
 def _pipeline_errors(name, overrides, tp, sp) -> dict:
@@ -248,17 +288,21 @@ def _bf16_errors() -> dict:
     autocast_model = GPTModel(cfg)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         autocast_loss = _run_step(autocast_model, batch)
-    autocast_ok = all(p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all()
-                      for p in autocast_model.parameters())
-    return {"autocast loss close to fp32 (>2e-2 rel)": float(_rel(autocast_loss, fp32_loss) > 2e-2),
-            "autocast grads fp32 and finite": float(not autocast_ok),
-            "bf16 loss dtype": float(loss.dtype != torch.float32),
-            "bf16 loss close to fp32 (>2e-2 rel)": float(_rel(loss, fp32_loss) > 2e-2),
-            "bf16 grads finite": float(not finite),
-            "bf16 grads bf16": float(any(p.grad.dtype != torch.bfloat16 for p in model.parameters()))}
+    autocast_ok = all(
+        p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all() for p in autocast_model.parameters()
+    )
+    return {
+        "autocast loss close to fp32 (>2e-2 rel)": float(_rel(autocast_loss, fp32_loss) > 2e-2),
+        "autocast grads fp32 and finite": float(not autocast_ok),
+        "bf16 loss dtype": float(loss.dtype != torch.float32),
+        "bf16 loss close to fp32 (>2e-2 rel)": float(_rel(loss, fp32_loss) > 2e-2),
+        "bf16 grads finite": float(not finite),
+        "bf16 grads bf16": float(any(p.grad.dtype != torch.bfloat16 for p in model.parameters())),
+    }
 
 
 # --- tests ------------------------------------------------------------------------------------
+
 
 def _assert_small(results, tolerance=1e-5, minimum_checks=10):
     for rank, errors in enumerate(results):
@@ -308,17 +352,30 @@ def test_model_structure_and_tied_weights_single_rank():
     assert last.output_layer.weight.shared_embedding and torch.equal(last.output_layer.weight, weight)
 
 
-@pytest.mark.parametrize("layout, expected", [
-    (dict(num_layers=8, pp=4), {(0, 0): [0, 1], (1, 0): [2, 3], (2, 0): [4, 5], (3, 0): [6, 7]}),
-    (dict(num_layers=10, pp=4, first=1, last=3), {(0, 0): [0], (1, 0): [1, 2, 3], (2, 0): [4, 5, 6], (3, 0): [7, 8, 9]}),
-    (dict(num_layers=7, pp=3, first=1), {(0, 0): [0], (1, 0): [1, 2, 3], (2, 0): [4, 5, 6]}),
-    (dict(num_layers=5, pp=3, last=1), {(0, 0): [0, 1], (1, 0): [2, 3], (2, 0): [4]}),
-    (dict(num_layers=8, pp=2, layers_per_virtual=2), {(0, 0): [0, 1], (1, 0): [2, 3], (0, 1): [4, 5], (1, 1): [6, 7]}),
-    (dict(num_layers=8, pp=2, virtual=4), {(0, 0): [0], (1, 0): [1], (0, 1): [2], (1, 1): [3],
-                                           (0, 2): [4], (1, 2): [5], (0, 3): [6], (1, 3): [7]}),
-    (dict(num_layers=12, pp=3, virtual=2), {(0, 0): [0, 1], (1, 0): [2, 3], (2, 0): [4, 5],
-                                            (0, 1): [6, 7], (1, 1): [8, 9], (2, 1): [10, 11]}),
-])
+@pytest.mark.parametrize(
+    "layout, expected",
+    [
+        (dict(num_layers=8, pp=4), {(0, 0): [0, 1], (1, 0): [2, 3], (2, 0): [4, 5], (3, 0): [6, 7]}),
+        (
+            dict(num_layers=10, pp=4, first=1, last=3),
+            {(0, 0): [0], (1, 0): [1, 2, 3], (2, 0): [4, 5, 6], (3, 0): [7, 8, 9]},
+        ),
+        (dict(num_layers=7, pp=3, first=1), {(0, 0): [0], (1, 0): [1, 2, 3], (2, 0): [4, 5, 6]}),
+        (dict(num_layers=5, pp=3, last=1), {(0, 0): [0, 1], (1, 0): [2, 3], (2, 0): [4]}),
+        (
+            dict(num_layers=8, pp=2, layers_per_virtual=2),
+            {(0, 0): [0, 1], (1, 0): [2, 3], (0, 1): [4, 5], (1, 1): [6, 7]},
+        ),
+        (
+            dict(num_layers=8, pp=2, virtual=4),
+            {(0, 0): [0], (1, 0): [1], (0, 1): [2], (1, 1): [3], (0, 2): [4], (1, 2): [5], (0, 3): [6], (1, 3): [7]},
+        ),
+        (
+            dict(num_layers=12, pp=3, virtual=2),
+            {(0, 0): [0, 1], (1, 0): [2, 3], (2, 0): [4, 5], (0, 1): [6, 7], (1, 1): [8, 9], (2, 1): [10, 11]},
+        ),
+    ],
+)
 def test_layers_for_stage(layout, expected):
     cfg = make_cfg(num_layers=layout["num_layers"])
     cfg.parallel.pipeline_model_parallel_size = layout["pp"]
@@ -348,9 +405,9 @@ def test_attention_rope_and_swiglu_match_naive_formulas():
     # Grouped QKV layout: per group [q heads of the group; k; v].
     mixed = (x @ attention.linear_qkv.weight.t() + attention.linear_qkv.bias).view(s, b, groups, -1)
     q_per_group = heads // groups
-    q = mixed[..., :q_per_group * d].reshape(s, b, groups, q_per_group, d)
-    k, v = mixed[..., q_per_group * d:(q_per_group + 1) * d], mixed[..., (q_per_group + 1) * d:]
-    scores = torch.einsum("sbgjd,tbgd->bgjst", q, k) / d ** 0.5
+    q = mixed[..., : q_per_group * d].reshape(s, b, groups, q_per_group, d)
+    k, v = mixed[..., q_per_group * d : (q_per_group + 1) * d], mixed[..., (q_per_group + 1) * d :]
+    scores = torch.einsum("sbgjd,tbgd->bgjst", q, k) / d**0.5
     scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
     context = torch.einsum("bgjst,tbgd->sbgjd", scores.softmax(-1), v).reshape(s, b, heads * d)
     expected = context @ attention.linear_proj.weight.t() + attention.linear_proj.bias
@@ -396,12 +453,20 @@ def test_param_info_records_and_tied_weights():
     untied = GPTModel(make_cfg(1, False, **CONFIGS["rope-RMSNorm-SwiGLU-nobias-untied-GQA"]))
     assert untied.tied_weights() == [] and not any(param_info(p).tied for p in untied.parameters())
     assert param_info(untied.decoder.layers["1"].mlp.linear_fc1.weight).partition_stride == 2  # [gate; up]
-    last = GPTModel(make_cfg(1, False, **CONFIGS["learned-LayerNorm-GELU-bias-tied-MHA"]), pre_process=False,
-                    post_process=True, layer_numbers=[1])
+    last = GPTModel(
+        make_cfg(1, False, **CONFIGS["learned-LayerNorm-GELU-bias-tied-MHA"]),
+        pre_process=False,
+        post_process=True,
+        layer_numbers=[1],
+    )
     assert last.tied_weights() == [last.output_layer.weight]
-    assert param_info(last.output_layer.weight) == ParamInfo(tensor_parallel=True, partition_dim=0, tied=True,
-                                                             vocab_unpadded=VOCAB,
-                                                             copy_of="embedding.word_embeddings.weight")
+    assert param_info(last.output_layer.weight) == ParamInfo(
+        tensor_parallel=True,
+        partition_dim=0,
+        tied=True,
+        vocab_unpadded=VOCAB,
+        copy_of="embedding.word_embeddings.weight",
+    )
     assert param_info(word).copy_of is None  # the source is what a checkpoint stores
 
     plain = torch.nn.Linear(2, 2)

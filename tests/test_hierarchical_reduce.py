@@ -80,9 +80,13 @@ def ddp_grads(hierarchical, overlap, expert, pg):
     backward_step(ddp, 0, dp_rank, dp)
     finalize_model_grads([ddp], process_groups=pg)
     per_node = comm.inter_node_bytes_per_node()
-    return {"grads": [p.main_grad.clone() for p in model.parameters()], "per_node": per_node,
-            "bucket_bytes": padded_bucket_bytes(ddp), "ranges": ddp.bucket_ranges(),
-            "kinds": sorted(comm.get_comm_stats())}
+    return {
+        "grads": [p.main_grad.clone() for p in model.parameters()],
+        "per_node": per_node,
+        "bucket_bytes": padded_bucket_bytes(ddp),
+        "ranges": ddp.bucket_ranges(),
+        "kinds": sorted(comm.get_comm_stats()),
+    }
 
 
 def train_distopt(hierarchical, overlap, pg):
@@ -110,9 +114,14 @@ def train_distopt(hierarchical, overlap, pg):
         assert ok
     ddp.finish_param_sync()
     grad_kinds = {k: v["inter_node_bytes"] for k, v in comm.get_comm_stats().items()}
-    return {"losses": losses, "params": [q.detach().clone() for q in model.parameters()],
-            "grad_shards": grad_shards, "layout": optimizer.describe(), "inter": grad_kinds,
-            "bucket_bytes": padded_bucket_bytes(ddp)}
+    return {
+        "losses": losses,
+        "params": [q.detach().clone() for q in model.parameters()],
+        "grad_shards": grad_shards,
+        "layout": optimizer.describe(),
+        "inter": grad_kinds,
+        "bucket_bytes": padded_bucket_bytes(ddp),
+    }
 
 
 def dp4_worker():
@@ -239,11 +248,45 @@ def test_single_process_flag_is_a_no_op():
 
 # --- through the trainer: the flag, and inter_node_bytes in the metrics file -----------------------
 
-TRAIN = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-         "--max-position-embeddings", "16", "--mock-data", "--vocab-size", "200", "--num-workers", "0",
-         "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "3e-3", "--eval-iters", "0", "--seed", "5",
-         "--micro-batch-size", "1", "--global-batch-size", "8", "--log-interval", "1", "--train-iters", "3",
-         "--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "4000"]
+TRAIN = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--max-position-embeddings",
+    "16",
+    "--mock-data",
+    "--vocab-size",
+    "200",
+    "--num-workers",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--lr",
+    "3e-3",
+    "--eval-iters",
+    "0",
+    "--seed",
+    "5",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "8",
+    "--log-interval",
+    "1",
+    "--train-iters",
+    "3",
+    "--use-distributed-optimizer",
+    "--overlap-grad-reduce",
+    "--ddp-bucket-size",
+    "4000",
+]
 
 
 def trainer_worker(tmp):
@@ -252,13 +295,18 @@ def trainer_worker(tmp):
     from tests.training_runs import run_trainings
 
     os.environ["LOCAL_WORLD_SIZE"] = str(LOCAL)  # torchrun's view of 2 nodes x 2 ranks
-    return run_trainings([TRAIN + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl")] + extra
-                          for name, extra in RUNS])
+    return run_trainings(
+        [TRAIN + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl")] + extra for name, extra in RUNS]
+    )
 
 
 PP2 = ["--pipeline-model-parallel-size", "2"]  # PP across nodes, DP 2 inside each node (no inter-node half)
-RUNS = (("flat", []), ("hier", ["--hierarchical-grad-reduce"]),
-        ("pp_flat", PP2), ("pp_hier", PP2 + ["--hierarchical-grad-reduce"]))
+RUNS = (
+    ("flat", []),
+    ("hier", ["--hierarchical-grad-reduce"]),
+    ("pp_flat", PP2),
+    ("pp_hier", PP2 + ["--hierarchical-grad-reduce"]),
+)
 
 
 def test_trainer_logs_inter_node_bytes(tmp_path):
@@ -275,7 +323,8 @@ def test_trainer_logs_inter_node_bytes(tmp_path):
     for f, h in zip(flat, hier):
         assert h["inter_node_bytes"] / f["inter_node_bytes"] == pytest.approx(2 / 3, rel=1e-3)
     # PP 2 (tied embeddings over the stages, distributed optimizer) with DP inside the node: same losses
-    pp_flat, pp_hier = ([json.loads(line) for line in open(tmp_path / f"{name}.jsonl")]
-                        for name in ("pp_flat", "pp_hier"))
+    pp_flat, pp_hier = (
+        [json.loads(line) for line in open(tmp_path / f"{name}.jsonl")] for name in ("pp_flat", "pp_hier")
+    )
     assert len(pp_flat) == 3
     assert [r["lm_loss"] for r in pp_hier] == pytest.approx([r["lm_loss"] for r in pp_flat], rel=1e-5)

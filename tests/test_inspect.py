@@ -33,8 +33,9 @@ def checkpoint(tmp_path_factory):
     optimizer = build_optimizer(cfg, [model])
     root = tmp_path_factory.mktemp("ckpt")
     for iteration in (5, 10):
-        checkpointing.save_checkpoint(str(root), iteration, [model], optimizer, consumed_train_samples=4 * iteration,
-                                      config=cfg.to_dict())
+        checkpointing.save_checkpoint(
+            str(root), iteration, [model], optimizer, consumed_train_samples=4 * iteration, config=cfg.to_dict()
+        )
     n = sum(p.numel() for p in model.parameters()) - (128 - 100) * 32  # padded vocabulary rows are not saved
     return root, n
 
@@ -55,8 +56,12 @@ def test_describe_reads_metadata_only(checkpoint):
 
 def test_cli_runs_as_a_script_without_shadowing_stdlib_inspect(checkpoint, capsys):
     root, n = checkpoint
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "checkpoint" / "inspect.py"), str(root), "--json",
-                           "--iteration", "5"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "checkpoint" / "inspect.py"), str(root), "--json", "--iteration", "5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
     assert info["iteration"] == 5 and info["total_parameters"] == n

@@ -17,9 +17,18 @@ class FakeOptimizer:
 
 
 def sched(style, warmup=W, decay=D, wsd=None, wsd_style="exponential", init=INIT, **kw):
-    return OptimizerParamScheduler(FakeOptimizer(), init_lr=init, max_lr=MAX, min_lr=MIN, lr_warmup_steps=warmup,
-                                   lr_decay_steps=decay, lr_decay_style=style, wsd_decay_steps=wsd,
-                                   lr_wsd_decay_style=wsd_style, **kw)
+    return OptimizerParamScheduler(
+        FakeOptimizer(),
+        init_lr=init,
+        max_lr=MAX,
+        min_lr=MIN,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=decay,
+        lr_decay_style=style,
+        wsd_decay_steps=wsd,
+        lr_wsd_decay_style=wsd_style,
+        **kw,
+    )
 
 
 def lr_at(s, n):
@@ -71,8 +80,9 @@ def test_wsd_matches_closed_form(wsd_style):
             expected = MAX  # the stable phase
         else:
             q = (n - (D - S)) / S
-            coeff = {"exponential": 2 * 0.5 ** q - 1, "linear": 1 - q,
-                     "cosine": 0.5 * (1 + math.cos(math.pi * q))}[wsd_style]
+            coeff = {"exponential": 2 * 0.5**q - 1, "linear": 1 - q, "cosine": 0.5 * (1 + math.cos(math.pi * q))}[
+                wsd_style
+            ]
             expected = MIN + coeff * (MAX - MIN)
         assert lr_at(s, n) == pytest.approx(expected, rel=1e-12), (wsd_style, n)
     assert sched("WSD", wsd=S, wsd_style="exponential").get_lr() == INIT
@@ -84,24 +94,35 @@ def test_no_warmup():
     assert sched("inverse-square-root", warmup=0).get_lr() == MAX  # max(W, 1) / max(n, 1)
 
 
-@pytest.mark.parametrize("training, message", [
-    # Checked in samples (x --global-batch-size 8) once the global batch size is known.
-    (dict(train_samples=8000, lr_warmup_samples=8000), r"lr warm-up \(8000 samples\) must be shorter than the decay "
-                                                       r"\(8000 samples\)"),
-    (dict(train_samples=8000, lr_warmup_iters=1000), r"lr warm-up \(8000 samples\) must be shorter"),
-    (dict(train_iters=100, lr_warmup_iters=100), "--lr-warmup-iters 100 must be shorter than the decay"),
-    (dict(train_iters=100, lr_decay_style="WSD"), r"WSD needs --lr-wsd-decay-iters \(or --lr-wsd-decay-samples"),
-    (dict(train_iters=100, lr_decay_style="WSD", lr_wsd_decay_iters=101), "got 808 of 800 samples"),
-    (dict(train_iters=100, lr_decay_style="WSD", lr_wsd_decay_style="step"), "--lr-wsd-decay-style 'step' is not one"),
-    (dict(train_iters=100, lr_decay_style="exp"), "--lr-decay-style 'exp' is not one of"),
-    (dict(train_iters=100, min_lr=1e-3), "--min-lr 0.001 is larger than --lr 0.0003"),
-    (dict(train_iters=100, min_lr=-1e-5), "--min-lr must be >= 0, got -1e-05"),
-    (dict(train_iters=100, lr_warmup_init=1e-3), "--lr-warmup-init 0.001 is larger than --lr 0.0003"),
-    (dict(train_iters=100, lr_warmup_fraction=1.0), r"--lr-warmup-fraction 1.0 must be in \[0, 1\)"),
-    (dict(train_iters=0, lr_decay_style="constant"), "the learning-rate decay must be positive, got 0 samples"),
-    (dict(train_iters=100, override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=True),
-     "give only one of --override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler"),
-])
+@pytest.mark.parametrize(
+    "training, message",
+    [
+        # Checked in samples (x --global-batch-size 8) once the global batch size is known.
+        (
+            dict(train_samples=8000, lr_warmup_samples=8000),
+            r"lr warm-up \(8000 samples\) must be shorter than the decay "
+            r"\(8000 samples\)",
+        ),
+        (dict(train_samples=8000, lr_warmup_iters=1000), r"lr warm-up \(8000 samples\) must be shorter"),
+        (dict(train_iters=100, lr_warmup_iters=100), "--lr-warmup-iters 100 must be shorter than the decay"),
+        (dict(train_iters=100, lr_decay_style="WSD"), r"WSD needs --lr-wsd-decay-iters \(or --lr-wsd-decay-samples"),
+        (dict(train_iters=100, lr_decay_style="WSD", lr_wsd_decay_iters=101), "got 808 of 800 samples"),
+        (
+            dict(train_iters=100, lr_decay_style="WSD", lr_wsd_decay_style="step"),
+            "--lr-wsd-decay-style 'step' is not one",
+        ),
+        (dict(train_iters=100, lr_decay_style="exp"), "--lr-decay-style 'exp' is not one of"),
+        (dict(train_iters=100, min_lr=1e-3), "--min-lr 0.001 is larger than --lr 0.0003"),
+        (dict(train_iters=100, min_lr=-1e-5), "--min-lr must be >= 0, got -1e-05"),
+        (dict(train_iters=100, lr_warmup_init=1e-3), "--lr-warmup-init 0.001 is larger than --lr 0.0003"),
+        (dict(train_iters=100, lr_warmup_fraction=1.0), r"--lr-warmup-fraction 1.0 must be in \[0, 1\)"),
+        (dict(train_iters=0, lr_decay_style="constant"), "the learning-rate decay must be positive, got 0 samples"),
+        (
+            dict(train_iters=100, override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=True),
+            "give only one of --override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler",
+        ),
+    ],
+)
 def test_schedule_is_validated_with_the_config(training, message):
     """The scheduler's checks live in megalm.config.validation (one place), in samples as it runs."""
     cfg = _cfg(**training)
@@ -123,17 +144,20 @@ def _cfg(**training):
 def test_from_config_counts_samples_like_megatron():
     s = OptimizerParamScheduler.from_config(_cfg(train_iters=100, lr_warmup_iters=10), FakeOptimizer())
     assert (s.lr_warmup_steps, s.lr_decay_steps) == (80, 800)
-    s = OptimizerParamScheduler.from_config(_cfg(train_iters=100, lr_decay_iters=50, lr_warmup_fraction=0.1),
-                                            FakeOptimizer())
+    s = OptimizerParamScheduler.from_config(
+        _cfg(train_iters=100, lr_decay_iters=50, lr_warmup_fraction=0.1), FakeOptimizer()
+    )
     assert (s.lr_warmup_steps, s.lr_decay_steps) == (pytest.approx(40.0), 400)
-    s = OptimizerParamScheduler.from_config(_cfg(train_iters=100, lr_decay_style="WSD", lr_wsd_decay_iters=20),
-                                            FakeOptimizer())
+    s = OptimizerParamScheduler.from_config(
+        _cfg(train_iters=100, lr_decay_style="WSD", lr_wsd_decay_iters=20), FakeOptimizer()
+    )
     assert s.wsd_decay_steps == 160
     s = OptimizerParamScheduler.from_config(_cfg(train_samples=4000, lr_warmup_iters=5), FakeOptimizer())
     assert (s.lr_warmup_steps, s.lr_decay_steps) == (40, 4000)
     # one iteration of 8 samples is 8 steps of the schedule
-    s = OptimizerParamScheduler.from_config(_cfg(train_iters=100, lr_warmup_iters=10, lr_warmup_init=0.0),
-                                            FakeOptimizer())
+    s = OptimizerParamScheduler.from_config(
+        _cfg(train_iters=100, lr_warmup_iters=10, lr_warmup_init=0.0), FakeOptimizer()
+    )
     s.step(increment=8)
     assert s.get_lr() == pytest.approx(MAX / 10)
 
@@ -148,11 +172,13 @@ def test_state_dict_round_trip_and_mismatch():
     other = OptimizerParamScheduler(FakeOptimizer(), INIT, MAX, MIN, W, 2 * D, "cosine")
     with pytest.raises(ValueError, match="lr_decay_steps.*--override-opt-param-scheduler"):
         other.load_state_dict(saved)
-    override = OptimizerParamScheduler(FakeOptimizer(), INIT, MAX, MIN, W, 2 * D, "cosine",
-                                       override_opt_param_scheduler=True)
+    override = OptimizerParamScheduler(
+        FakeOptimizer(), INIT, MAX, MIN, W, 2 * D, "cosine", override_opt_param_scheduler=True
+    )
     override.load_state_dict(saved)
     assert override.lr_decay_steps == 2 * D and override.num_steps == 321
-    from_ckpt = OptimizerParamScheduler(FakeOptimizer(), INIT, MAX, MIN, W, 2 * D, "cosine",
-                                        use_checkpoint_opt_param_scheduler=True)
+    from_ckpt = OptimizerParamScheduler(
+        FakeOptimizer(), INIT, MAX, MIN, W, 2 * D, "cosine", use_checkpoint_opt_param_scheduler=True
+    )
     from_ckpt.load_state_dict(saved)
     assert from_ckpt.lr_decay_steps == D and from_ckpt.get_lr() == s.get_lr()

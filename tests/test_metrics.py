@@ -15,10 +15,21 @@ from megalm.training.metrics import MetricsWriter, WandbSetupError, check_wandb_
 
 
 def _record(iteration, loss):
-    return {"iteration": iteration, "consumed_samples": 32 * iteration, "lm_loss": loss, "grad_norm": 1.0 / 7,
-            "lr": 3e-4 * iteration / 10, "loss_scale": 1.0, "tokens_per_sec": 12345.678901234,
-            "tflops_per_rank": 0.123456789, "elapsed_ms": 250.5, "global_batch_size": 32,
-            "skipped_iterations": 0, "nan_iterations": 0, "load_balancing_loss": torch.tensor(0.25)}
+    return {
+        "iteration": iteration,
+        "consumed_samples": 32 * iteration,
+        "lm_loss": loss,
+        "grad_norm": 1.0 / 7,
+        "lr": 3e-4 * iteration / 10,
+        "loss_scale": 1.0,
+        "tokens_per_sec": 12345.678901234,
+        "tflops_per_rank": 0.123456789,
+        "elapsed_ms": 250.5,
+        "global_batch_size": 32,
+        "skipped_iterations": 0,
+        "nan_iterations": 0,
+        "load_balancing_loss": torch.tensor(0.25),
+    }
 
 
 def test_metrics_file_and_tensorboard(tmp_path):
@@ -44,11 +55,23 @@ def test_metrics_file_and_tensorboard(tmp_path):
     acc = EventAccumulator(events[0])
     acc.Reload()
     tags = acc.Tags()["scalars"]
-    for tag in ("lm loss", "learning-rate", "grad-norm", "loss-scale", "tokens-per-sec", "tflops-per-rank",
-                "lm loss vs samples", "lm loss validation", "lm loss validation ppl", "load_balancing_loss"):
+    for tag in (
+        "lm loss",
+        "learning-rate",
+        "grad-norm",
+        "loss-scale",
+        "tokens-per-sec",
+        "tflops-per-rank",
+        "lm loss vs samples",
+        "lm loss validation",
+        "lm loss validation ppl",
+        "load_balancing_loss",
+    ):
         assert tag in tags
-    assert [(e.step, e.value) for e in acc.Scalars("lm loss")] == [(10, pytest.approx(1 / 3)),
-                                                                  (20, pytest.approx(2 / 3))]
+    assert [(e.step, e.value) for e in acc.Scalars("lm loss")] == [
+        (10, pytest.approx(1 / 3)),
+        (20, pytest.approx(2 / 3)),
+    ]
     assert [e.step for e in acc.Scalars("lm loss vs samples")] == [320, 640]
 
     silent = tmp_path / "silent.jsonl"
@@ -62,11 +85,21 @@ def test_metrics_file_and_tensorboard(tmp_path):
 
 def test_format_log_line():
     line = format_log_line(_record(10, 2.0), train_iters=1000)
-    expected = [" iteration       10/    1000", "consumed samples:          320",
-                "elapsed time per iteration (ms): 250.5", "learning rate: 3.000000E-04", "global batch size:    32",
-                "lm loss: 2.000000E+00", "load balancing loss: 2.500000E-01", "loss scale: 1.0",
-                "grad norm: 0.143", "number of skipped iterations:   0", "number of nan iterations:   0",
-                "tokens per second: 12345.7", "TFLOP/s per rank: 0.123"]
+    expected = [
+        " iteration       10/    1000",
+        "consumed samples:          320",
+        "elapsed time per iteration (ms): 250.5",
+        "learning rate: 3.000000E-04",
+        "global batch size:    32",
+        "lm loss: 2.000000E+00",
+        "load balancing loss: 2.500000E-01",
+        "loss scale: 1.0",
+        "grad norm: 0.143",
+        "number of skipped iterations:   0",
+        "number of nan iterations:   0",
+        "tokens per second: 12345.7",
+        "TFLOP/s per rank: 0.123",
+    ]
     assert line == " | ".join(expected) + " |"
     assert "grad norm" not in format_log_line({**_record(1, 1.0), "grad_norm": None}, 10)
     with_params = format_log_line({**_record(10, 2.0), "params_norm": 123.4567}, train_iters=1000)
@@ -74,6 +107,7 @@ def test_format_log_line():
 
 
 # --- W&B -------------------------------------------------------------------------------------------
+
 
 def _wandb_cfg(tmp_path):
     cfg = MegalmConfig()
@@ -116,19 +150,22 @@ def test_wandb_offline_writes_run_dir(tmp_path, monkeypatch):
 
 # --- FLOPs, peaks, memory ------------------------------------------------------------------------------
 
+
 def test_flops_dense_gqa_swiglu_and_moe():
     B, s, L, h, V, heads = 4, 128, 2, 64, 1024, 4
     dense = flops.transformer_flops(B, s, L, h, heads, 4 * h, V)
-    assert dense == pytest.approx(72 * B * s * L * h ** 2 * (1 + s / (6 * h) + V / (12 * L * h)), rel=1e-12)
+    assert dense == pytest.approx(72 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h)), rel=1e-12)
     assert dense == pytest.approx(603_979_776, rel=1e-12)  # by hand: 72*4*128*2*64^2 * (1 + 1/3 + 2/3)
 
     # GQA (2 groups of 4 heads, head dim 16) + SwiGLU (ffn 176): count each GEMM by hand.
     groups, d, f = 2, 16, 176
-    fwd_per_token_layer = (2 * h * heads * d          # Q
-                           + 2 * 2 * h * groups * d   # K and V
-                           + 2 * heads * d * h        # output projection
-                           + 2 * 2 * s * heads * d    # QK^T and AV
-                           + 3 * 2 * h * f)           # SwiGLU: gate, up, down
+    fwd_per_token_layer = (
+        2 * h * heads * d  # Q
+        + 2 * 2 * h * groups * d  # K and V
+        + 2 * heads * d * h  # output projection
+        + 2 * 2 * s * heads * d  # QK^T and AV
+        + 3 * 2 * h * f
+    )  # SwiGLU: gate, up, down
     expected = 3 * B * s * (L * fwd_per_token_layer + 2 * h * V)  # x3: forward + two backward GEMMs
     got = flops.transformer_flops(B, s, L, h, heads, f, V, num_query_groups=groups, swiglu=True)
     assert got == pytest.approx(expected, rel=1e-12)
@@ -143,8 +180,9 @@ def test_flops_dense_gqa_swiglu_and_moe():
     assert flops.num_floating_point_operations(cfg, B) == pytest.approx(expected, rel=1e-12)
 
     # MoE hook: every layer MoE with top-2 routing doubles the MLP GEMMs
-    moe = flops.transformer_flops(B, s, L, h, heads, f, V, num_query_groups=groups, swiglu=True,
-                                  moe_router_topk=2, num_moe_layers=L)
+    moe = flops.transformer_flops(
+        B, s, L, h, heads, f, V, num_query_groups=groups, swiglu=True, moe_router_topk=2, num_moe_layers=L
+    )
     assert moe - got == pytest.approx(3 * B * s * L * 3 * 2 * h * f, rel=1e-12)
 
 
@@ -159,8 +197,9 @@ def test_device_peak_mfu_and_memory():
     for half, key in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
         if not flops.cpu_has_native_half(half):  # this machine: the fp32 matmul, in milliseconds
             assert flops.device_peak_flops(half, device=torch.device("cpu")) == (
-                flops.measure_matmul_flops(torch.float32), f"measured: 1024^3 fp32 matmul (this CPU has no native "
-                                                           f"{key} instructions)")
+                flops.measure_matmul_flops(torch.float32),
+                f"measured: 1024^3 fp32 matmul (this CPU has no native {key} instructions)",
+            )
     assert flops.tflops_per_rank(8e12, 2.0, 2) == pytest.approx(2.0)
     assert flops.mfu(8e12, 2.0, 2, peak_flops=4e12) == pytest.approx(0.5)
     before = memory.peak_memory_bytes()

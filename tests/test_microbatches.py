@@ -22,8 +22,9 @@ def test_rampup_follows_megatron_formula():
         assert calc.num_microbatches == gbs // 4
 
 
-@pytest.mark.parametrize("rampup, message", [([16, 15, 100], "not a multiple of the increment"),
-                                             ([128, 16, 100], "start <= global batch")])
+@pytest.mark.parametrize(
+    "rampup, message", [([16, 15, 100], "not a multiple of the increment"), ([128, 16, 100], "start <= global batch")]
+)
 def test_rampup_errors(rampup, message):
     with pytest.raises(ValueError, match=message):
         MicrobatchCalculator(64, 2, 2, rampup_batch_size=rampup)

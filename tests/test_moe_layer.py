@@ -12,9 +12,26 @@ from megalm.tensor_parallel.initialization import initialize_weights
 from megalm.transformer.moe import MoELayer, is_moe_layer, moe_layer_pattern
 from megalm.transformer.moe.experts import LocalExperts
 
-BASE = ["--num-layers", "4", "--hidden-size", "16", "--num-attention-heads", "4", "--seq-length", "8",
-        "--vocab-size", "64", "--num-experts", "4", "--moe-ffn-hidden-size", "24", "--hidden-dropout", "0",
-        "--attention-dropout", "0"]
+BASE = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "16",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "8",
+    "--vocab-size",
+    "64",
+    "--num-experts",
+    "4",
+    "--moe-ffn-hidden-size",
+    "24",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+]
 
 
 def _cfg(*extra, world_size=None):
@@ -103,7 +120,8 @@ def test_parameter_names_attributes_and_shared_experts():
     params = dict(layer.named_parameters())
     assert sorted(params) == sorted(
         ["router.weight", "shared_experts.linear_fc1.weight", "shared_experts.linear_fc2.weight"]
-        + [f"experts.local_experts.{e}.linear_fc{i}.weight" for e in range(4) for i in (1, 2)])
+        + [f"experts.local_experts.{e}.linear_fc{i}.weight" for e in range(4) for i in (1, 2)]
+    )
     assert params["experts.local_experts.3.linear_fc1.weight"].shape == (48, 16)  # [gate; up]
     assert params["shared_experts.linear_fc1.weight"].shape == (16, 16)
     for name, p in params.items():
@@ -116,8 +134,10 @@ def test_full_recompute_gives_same_gradients_and_logs_once():
     from megalm.tensor_parallel.random import model_parallel_manual_seed
 
     grads, logged = [], []
-    for recompute in ([], ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                           "--recompute-num-layers", "2"]):
+    for recompute in (
+        [],
+        ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
+    ):
         cfg = _cfg("--moe-aux-loss-coeff", "0.1", "--moe-z-loss-coeff", "0.01", "--moe-layer-freq", "2", *recompute)
         model_parallel_manual_seed(1)
         model = GPTModel(cfg)
@@ -144,19 +164,33 @@ def test_layer_pattern():
     assert not any(is_moe_layer(dense, i) for i in range(4))
 
 
-@pytest.mark.parametrize("argv, world, message", [
-    (["--expert-model-parallel-size", "2", "--num-experts", "3"], 2, "--num-experts 3 is not divisible by --expert-model-parallel-size 2"),
-    (["--moe-router-topk", "5"], None, "--moe-router-topk 5 must be in"),
-    (["--tensor-model-parallel-size", "2"], 2, "needs --sequence-parallel"),
-    (["--moe-layer-freq", "[1,0]"], None, "one 0/1 entry per layer"),
-    (["--moe-layer-freq", "[1,2,1,1]"], None, "one 0/1 entry per layer"),
-    (["--moe-pad-expert-input-to-capacity"], None, "needs --moe-expert-capacity-factor"),
-    (["--moe-expert-capacity-factor", "0"], None, "must be positive"),
-    (["--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax"], None, "needs --moe-router-score-function softmax"),
-    (["--moe-shared-expert-intermediate-size", "5", "--tensor-model-parallel-size", "2", "--sequence-parallel"], 2,
-     "divisible by --tensor-model-parallel-size 2"),
-    (["--expert-model-parallel-size", "4"], 2, "must divide data"),
-])
+@pytest.mark.parametrize(
+    "argv, world, message",
+    [
+        (
+            ["--expert-model-parallel-size", "2", "--num-experts", "3"],
+            2,
+            "--num-experts 3 is not divisible by --expert-model-parallel-size 2",
+        ),
+        (["--moe-router-topk", "5"], None, "--moe-router-topk 5 must be in"),
+        (["--tensor-model-parallel-size", "2"], 2, "needs --sequence-parallel"),
+        (["--moe-layer-freq", "[1,0]"], None, "one 0/1 entry per layer"),
+        (["--moe-layer-freq", "[1,2,1,1]"], None, "one 0/1 entry per layer"),
+        (["--moe-pad-expert-input-to-capacity"], None, "needs --moe-expert-capacity-factor"),
+        (["--moe-expert-capacity-factor", "0"], None, "must be positive"),
+        (
+            ["--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax"],
+            None,
+            "needs --moe-router-score-function softmax",
+        ),
+        (
+            ["--moe-shared-expert-intermediate-size", "5", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+            2,
+            "divisible by --tensor-model-parallel-size 2",
+        ),
+        (["--expert-model-parallel-size", "4"], 2, "must divide data"),
+    ],
+)
 def test_invalid_moe_flags(argv, world, message):
     with pytest.raises(ConfigError, match=message):
         _cfg(*argv, world_size=world)
@@ -172,19 +206,34 @@ def test_expert_parallel_needs_experts_and_bad_freq_is_rejected(capsys):
 
 def test_defaults_follow_megatron():
     m = _cfg("--ffn-hidden-size", "40").model
-    assert (m.moe_router_topk, m.moe_token_dispatcher_type, m.moe_router_load_balancing_type) == (2, "allgather", "aux_loss")
+    assert (m.moe_router_topk, m.moe_token_dispatcher_type, m.moe_router_load_balancing_type) == (
+        2,
+        "allgather",
+        "aux_loss",
+    )
     assert (m.moe_aux_loss_coeff, m.moe_z_loss_coeff, m.moe_expert_capacity_factor) == (0.0, None, None)
     assert m.moe_ffn_hidden_size == 24
-    m = validate_config(config_from_args(build_parser().parse_args(
-        ["--num-experts", "2", "--ffn-hidden-size", "40", "--hidden-size", "16"]))).model
+    m = validate_config(
+        config_from_args(
+            build_parser().parse_args(["--num-experts", "2", "--ffn-hidden-size", "40", "--hidden-size", "16"])
+        )
+    ).model
     assert m.moe_ffn_hidden_size == 40  # default: --ffn-hidden-size
 
 
 def test_flops_count_only_activated_experts():
     from megalm.training.flops import num_floating_point_operations
 
-    base = ["--moe-layer-freq", "[1,0,1,0]", "--moe-router-topk", "2", "--moe-shared-expert-intermediate-size", "8",
-            "--ffn-hidden-size", "40"]
+    base = [
+        "--moe-layer-freq",
+        "[1,0,1,0]",
+        "--moe-router-topk",
+        "2",
+        "--moe-shared-expert-intermediate-size",
+        "8",
+        "--ffn-hidden-size",
+        "40",
+    ]
     moe = _cfg(*base)
     dense = dataclasses.replace(moe.model, num_experts=None)
     h, s, B = 16, 8, 3

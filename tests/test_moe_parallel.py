@@ -17,15 +17,67 @@ from tests.training_runs import assert_close as _assert_close
 from tests.training_runs import records as _records
 from tests.training_runs import run_trainings as _run_trainings
 
-MOE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-       "--max-position-embeddings", "16", "--mock-data", "--vocab-size", "128", "--num-workers", "0",
-       "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "3e-3", "--min-lr", "1e-4",
-       "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0",
-       "--seed", "11", "--clip-grad", "1.0", "--weight-decay", "0.1", "--micro-batch-size", "2",
-       "--global-batch-size", "8", "--train-iters", "5",
-       "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48",
-       "--moe-shared-expert-intermediate-size", "32", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3",
-       "--moe-router-dtype", "fp32", "--moe-per-layer-logging", "--log-params-norm"]
+MOE = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--max-position-embeddings",
+    "16",
+    "--mock-data",
+    "--vocab-size",
+    "128",
+    "--num-workers",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--lr",
+    "3e-3",
+    "--min-lr",
+    "1e-4",
+    "--lr-decay-style",
+    "cosine",
+    "--lr-warmup-iters",
+    "1",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--seed",
+    "11",
+    "--clip-grad",
+    "1.0",
+    "--weight-decay",
+    "0.1",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "5",
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-ffn-hidden-size",
+    "48",
+    "--moe-shared-expert-intermediate-size",
+    "32",
+    "--moe-aux-loss-coeff",
+    "1e-2",
+    "--moe-z-loss-coeff",
+    "1e-3",
+    "--moe-router-dtype",
+    "fp32",
+    "--moe-per-layer-logging",
+    "--log-params-norm",
+]
 ITERS = 5
 
 
@@ -49,8 +101,15 @@ def runs(tmp_path_factory):
         _argv(tmp, "ep4_allgather", *_ep(4), "--moe-grouped-gemm"),
         _argv(tmp, "ep4_alltoall", *_ep(4, "alltoall")),
         _argv(tmp, "tp2ep2_alltoall", *_ep(2, "alltoall"), "--tensor-model-parallel-size", "2", "--sequence-parallel"),
-        _argv(tmp, "tp2ep2_allgather", *_ep(2), "--tensor-model-parallel-size", "2", "--sequence-parallel",
-              "--moe-grouped-gemm"),
+        _argv(
+            tmp,
+            "tp2ep2_allgather",
+            *_ep(2),
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--moe-grouped-gemm",
+        ),
         _argv(tmp, "ep1_capacity", *_ep(1), *cap),
         _argv(tmp, "ep2_capacity", *_ep(2, "alltoall"), *cap),
         # EP 2 saves at iteration 3 and stops; EP 1 and EP 4 load it and train iterations 4 and 5.
@@ -60,8 +119,14 @@ def runs(tmp_path_factory):
         # Pipeline 2 x EP 2: the load-balancing gradient of layer 0 enters the first stage's backward.
         _argv(tmp, "pp2ep2", *_ep(2, "alltoall"), "--pipeline-model-parallel-size", "2"),
         # Distributed optimizer: expert shards live on the expert-data-parallel group.
-        _argv(tmp, "ep2_distopt", *_ep(2, "alltoall"), "--use-distributed-optimizer", "--overlap-grad-reduce",
-              "--overlap-param-gather"),
+        _argv(
+            tmp,
+            "ep2_distopt",
+            *_ep(2, "alltoall"),
+            "--use-distributed-optimizer",
+            "--overlap-grad-reduce",
+            "--overlap-param-gather",
+        ),
     ]
     codes4 = run_distributed(_run_trainings, 4, args=(quad,), timeout=400)
     codes1 = run_distributed(_run_trainings, 1, args=([_argv(tmp, "single")],), timeout=200)
@@ -87,15 +152,31 @@ def test_pipeline_and_expert_parallel_equal_expert_parallel_1(runs):
         _assert_close([r[key] for r in got], [r[key] for r in ref], rel=1e-4)
 
 
-@pytest.mark.parametrize("name", ["ep2_allgather", "ep2_alltoall", "ep4_allgather", "ep4_alltoall",
-                                  "tp2ep2_alltoall", "tp2ep2_allgather", "single", "ep2_distopt"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "ep2_allgather",
+        "ep2_alltoall",
+        "ep4_allgather",
+        "ep4_alltoall",
+        "tp2ep2_alltoall",
+        "tp2ep2_allgather",
+        "single",
+        "ep2_distopt",
+    ],
+)
 def test_layouts_equal_expert_parallel_1(runs, name):
     ref, got = _records(runs["tmp"], "ep1"), _records(runs["tmp"], name)
     assert len(ref) == ITERS
     _assert_close([r["lm_loss"] for r in got], [r["lm_loss"] for r in ref])
     # Auxiliary losses and load statistics are logged and layout independent too.
-    for key in ("load_balancing_loss", "z_loss", "expert_load_imbalance", "load_balancing_loss_layer_1",
-                "tokens_per_expert_layer_0_expert_3"):
+    for key in (
+        "load_balancing_loss",
+        "z_loss",
+        "expert_load_imbalance",
+        "load_balancing_loss_layer_1",
+        "tokens_per_expert_layer_0_expert_3",
+    ):
         _assert_close([r[key] for r in got], [r[key] for r in ref], rel=1e-4)
     _assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref], rel=1e-4)
     # Expert parameters count once over the expert-model-parallel group, dense ones over TP x PP.

@@ -17,8 +17,17 @@ E, H = 6, 8
 
 
 def _model_cfg(**kw):
-    m = ModelConfig(num_layers=2, hidden_size=H, num_attention_heads=2, num_experts=E, moe_router_topk=2,
-                    moe_ffn_hidden_size=16, ffn_hidden_size=32, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
+    m = ModelConfig(
+        num_layers=2,
+        hidden_size=H,
+        num_attention_heads=2,
+        num_experts=E,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=16,
+        ffn_hidden_size=32,
+        moe_aux_loss_coeff=0.1,
+        moe_z_loss_coeff=0.01,
+    )
     for k, v in kw.items():
         setattr(m, k, v)
     return m
@@ -51,8 +60,17 @@ def _reference_topk(logits, k, score, pre_softmax):
     return probs
 
 
-@pytest.mark.parametrize("score, pre, k", [("softmax", False, 2), ("softmax", True, 2), ("sigmoid", False, 2),
-                                           ("softmax", True, 1), ("sigmoid", False, 1), ("softmax", False, 3)])
+@pytest.mark.parametrize(
+    "score, pre, k",
+    [
+        ("softmax", False, 2),
+        ("softmax", True, 2),
+        ("sigmoid", False, 2),
+        ("softmax", True, 1),
+        ("sigmoid", False, 1),
+        ("softmax", False, 3),
+    ],
+)
 def test_topk_selection_and_probabilities(score, pre, k):
     logits = torch.randn(40, E, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     probs, routing_map = topk_routing(logits, k, score, pre)
@@ -101,7 +119,9 @@ def test_aux_and_z_loss_values_and_tokens_per_expert(kind):
     logged = router.moe_state.pop_metrics()
     logits = hidden.detach().reshape(-1, H) @ router.weight.detach().t()
     switch, seq, z, counts = _reference_losses(logits, 2, 5, 3)
-    assert logged["load_balancing_loss"].item() == pytest.approx((switch if kind == "aux_loss" else seq).item(), rel=1e-5)
+    assert logged["load_balancing_loss"].item() == pytest.approx(
+        (switch if kind == "aux_loss" else seq).item(), rel=1e-5
+    )
     assert logged["load_balancing_loss_layer_4"].item() == pytest.approx(logged["load_balancing_loss"].item())
     assert logged["z_loss"].item() == pytest.approx(z.item(), rel=1e-5)
     assert [logged[f"tokens_per_expert_layer_4_expert_{i}"].item() for i in range(E)] == counts.tolist()
@@ -143,6 +163,7 @@ def test_no_aux_losses_in_evaluation():
 
 # --- capacity -------------------------------------------------------------------------------------
 
+
 def _reference_keep(probs, routing_map, capacity, policy, pad):
     """Per expert, the token set kept (and the fillers with padding), by sorting in Python."""
     T = probs.shape[0]
@@ -153,7 +174,7 @@ def _reference_keep(probs, routing_map, capacity, policy, pad):
             routed.sort(key=lambda t: (-probs[t, e].item(), t))
         kept = routed[:capacity]
         if pad:
-            kept += [t for t in range(T) if not routing_map[t, e]][:max(0, capacity - len(kept))]
+            kept += [t for t in range(T) if not routing_map[t, e]][: max(0, capacity - len(kept))]
         keep[kept, e] = True
     return keep
 

@@ -17,11 +17,47 @@ from megalm.config import ConfigError
 from megalm.testing import run_distributed
 from tests.training_runs import records
 
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--max-position-embeddings", "32", "--mock-data", "--vocab-size", "500", "--num-workers", "0",
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
-        "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-iters", "0", "--seed", "7", "--clip-grad", "1.0",
-        "--split", "100,0,0", "--micro-batch-size", "4", "--global-batch-size", "8"]
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--max-position-embeddings",
+    "32",
+    "--mock-data",
+    "--vocab-size",
+    "500",
+    "--num-workers",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--min-lr",
+    "1e-4",
+    "--lr-decay-style",
+    "cosine",
+    "--lr-warmup-iters",
+    "2",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--seed",
+    "7",
+    "--clip-grad",
+    "1.0",
+    "--split",
+    "100,0,0",
+    "--micro-batch-size",
+    "4",
+    "--global-batch-size",
+    "8",
+]
 
 
 def scaled_at(forward_step, calls, factor, rank=None):
@@ -83,12 +119,43 @@ def runs(tmp_path_factory):
         "lr": (argv("lr", "--train-iters", "6", "--save", ck("lr"), "--save-interval", "1", lr="1e10"), None),
         "rank1": (argv("rank1", "--train-iters", "6", "--save", ck("rank1"), "--save-interval", "2"), ({3}, inf, 1)),
         "nocheck": (argv("nocheck", "--train-iters", "5", "--no-check-for-nan-in-loss-and-grad", lr="1e10"), None),
-        "fp16": (argv("fp16", "--train-iters", "10", "--fp16", "--initial-loss-scale", "1", "--min-loss-scale", "1",
-                      "--hysteresis", "1", "--max-overflows-at-min-loss-scale", "3", "--save", ck("fp16"),
-                      "--save-interval", "1"), (every, inf, None)),
+        "fp16": (
+            argv(
+                "fp16",
+                "--train-iters",
+                "10",
+                "--fp16",
+                "--initial-loss-scale",
+                "1",
+                "--min-loss-scale",
+                "1",
+                "--hysteresis",
+                "1",
+                "--max-overflows-at-min-loss-scale",
+                "3",
+                "--save",
+                ck("fp16"),
+                "--save-interval",
+                "1",
+            ),
+            (every, inf, None),
+        ),
         "spike": (argv("spike", "--train-iters", "6", "--check-for-spiky-loss"), ({4}, 1000.0, 0)),
-        "spike_stop": (argv("spike_stop", "--train-iters", "6", "--check-for-spiky-loss", "--spiky-loss-action",
-                            "stop", "--save", ck("spike_stop"), "--save-interval", "1"), ({4}, 1000.0, 0)),
+        "spike_stop": (
+            argv(
+                "spike_stop",
+                "--train-iters",
+                "6",
+                "--check-for-spiky-loss",
+                "--spiky-loss-action",
+                "stop",
+                "--save",
+                ck("spike_stop"),
+                "--save-interval",
+                "1",
+            ),
+            ({4}, 1000.0, 0),
+        ),
         "normal": (argv("normal", "--train-iters", "6", "--check-for-spiky-loss"), None),
     }
     names = list(todo)
@@ -106,7 +173,7 @@ def _tracker(root):
 
 
 def _iteration_dirs(root):
-    return sorted(int(d[len("iter_"):]) for d in os.listdir(root) if d.startswith("iter_"))
+    return sorted(int(d[len("iter_") :]) for d in os.listdir(root) if d.startswith("iter_"))
 
 
 def test_huge_lr_stops_every_rank_at_the_first_nonfinite_iteration(runs):
@@ -146,7 +213,8 @@ def test_fp16_stops_after_k_overflows_at_the_minimum_scale(runs):
     codes = _codes(runs, "fp16")
     for c in codes:
         assert isinstance(c, str) and c.startswith(
-            "error: fp16: the last 3 iterations (through iteration 5) overflowed at the minimum loss scale 1"), c
+            "error: fp16: the last 3 iterations (through iteration 5) overflowed at the minimum loss scale 1"
+        ), c
         assert "--max-overflows-at-min-loss-scale 3" in c
     recs = records(runs["tmp"], "fp16")
     assert [r["skipped_iterations"] for r in recs] == [0, 0, 1, 1]  # iteration 5 stopped before its log line
@@ -180,6 +248,7 @@ def test_normal_run_has_no_spike_warning(runs):
 
 # --- single process ------------------------------------------------------------------------------
 
+
 def test_flags_and_defaults():
     from megalm.config import parse_config
 
@@ -191,12 +260,15 @@ def test_flags_and_defaults():
     assert off.training.check_for_nan_in_loss_and_grad is False
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("spiky_loss_action", "rollback", "--spiky-loss-action rollback .* is not built"),
-    ("spiky_loss_factor", 1.0, "--spiky-loss-factor must be > 1"),
-    ("spiky_loss_window", 0, "--spiky-loss-window must be >= 1"),
-    ("max_overflows_at_min_loss_scale", -1, "--max-overflows-at-min-loss-scale must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("spiky_loss_action", "rollback", "--spiky-loss-action rollback .* is not built"),
+        ("spiky_loss_factor", 1.0, "--spiky-loss-factor must be > 1"),
+        ("spiky_loss_window", 0, "--spiky-loss-window must be >= 1"),
+        ("max_overflows_at_min_loss_scale", -1, "--max-overflows-at-min-loss-scale must be >= 0"),
+    ],
+)
 def test_bad_values_are_refused(field, value, message):
     from megalm.config import parse_config
     from megalm.config.sections import ConfigError
@@ -212,10 +284,10 @@ def test_rollback_refused_on_the_command_line(capsys):
     from megalm.config import parse_config
 
     with pytest.raises(ConfigError) as e:
-        parse_config(TINY + ["--train-iters", "4", "--check-for-spiky-loss", "--spiky-loss-action", "rollback"],
-                     world_size=1)
-    assert "--spiky-loss-action rollback (reload the last checkpoint and skip the batch) is not built" in \
-        str(e.value)
+        parse_config(
+            TINY + ["--train-iters", "4", "--check-for-spiky-loss", "--spiky-loss-action", "rollback"], world_size=1
+        )
+    assert "--spiky-loss-action rollback (reload the last checkpoint and skip the batch) is not built" in str(e.value)
 
 
 def test_overflow_count_at_min_scale():
@@ -241,6 +313,8 @@ def test_spiky_loss_detector():
     d = SpikyLossDetector(factor=10.0, window=2)
     assert d.spike(1, 5.0) is None and d.spike(2, 3.0) is None
     assert d.spike(3, 39.0) is None  # 39 < 10 x 4
-    assert d.spike(4, 300.0).startswith("spiky loss at iteration 4: lm loss 3.000000E+02 > 10 x the running mean "
-                                        "2.100000E+01 of the previous 2 iteration(s)")
+    assert d.spike(4, 300.0).startswith(
+        "spiky loss at iteration 4: lm loss 3.000000E+02 > 10 x the running mean "
+        "2.100000E+01 of the previous 2 iteration(s)"
+    )
     assert list(d.history) == [3.0, 39.0]  # the spike stays out of the mean

@@ -9,8 +9,14 @@ import torch.nn.functional as F
 from megalm import parallel_state
 from megalm.config import MegalmConfig, ParallelConfig
 from megalm.distributed import DistributedDataParallel
-from megalm.optimizer import (ConstantGradScaler, DynamicGradScaler, FP32Optimizer, MixedPrecisionOptimizer,
-                              build_optimizer, get_param_groups)
+from megalm.optimizer import (
+    ConstantGradScaler,
+    DynamicGradScaler,
+    FP32Optimizer,
+    MixedPrecisionOptimizer,
+    build_optimizer,
+    get_param_groups,
+)
 from megalm.testing import run_distributed
 
 
@@ -29,6 +35,7 @@ def mlp(dtype=torch.float32, seed=0):
 
 
 # --- loss scalers ---------------------------------------------------------------------------------
+
 
 def test_dynamic_scaler_hysteresis_backoff_growth_and_floor():
     s = DynamicGradScaler(initial_scale=1024.0, min_scale=64.0, growth_interval=3, hysteresis=2)
@@ -60,8 +67,12 @@ def test_dynamic_scaler_hysteresis_backoff_growth_and_floor():
 def test_fp16_injected_inf_skips_step_and_updates_scale():
     model = mlp(torch.float16)
     ddp = DistributedDataParallel(model, ParallelConfig())
-    opt = build_optimizer(make_cfg("sgd", lr=0.1, clip=0.0, wd=0.0, fp16=True, initial_loss_scale=256.0,
-                                   loss_scale_window=2, hysteresis=2), [ddp])
+    opt = build_optimizer(
+        make_cfg(
+            "sgd", lr=0.1, clip=0.0, wd=0.0, fp16=True, initial_loss_scale=256.0, loss_scale_window=2, hysteresis=2
+        ),
+        [ddp],
+    )
     assert isinstance(opt, MixedPrecisionOptimizer) and opt.get_loss_scale() == 256.0
     x, y = torch.randn(4, 6).half(), torch.randn(4, 3).half()
 
@@ -113,10 +124,13 @@ def test_clipping_matches_torch_and_weight_decay_groups():
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
     groups = get_param_groups(list(model.named_parameters()), 0.1)
     assert [(g["name"], g["weight_decay"], g["names"]) for g in groups] == [
-        ("decay", 0.1, ["0.weight", "2.weight"]), ("no_decay", 0.0, ["0.bias", "1.weight", "1.bias", "2.bias"])]
+        ("decay", 0.1, ["0.weight", "2.weight"]),
+        ("no_decay", 0.0, ["0.bias", "1.weight", "1.bias", "2.bias"]),
+    ]
 
 
 # --- state dict ----------------------------------------------------------------------------------
+
 
 def _train(model, ddp, opt, steps, seed):
     g = torch.Generator().manual_seed(seed)
@@ -137,8 +151,14 @@ def test_state_dict_round_trip_continues_identically(dtype, fp16):
         if state is not None:
             model.load_state_dict(state)
         ddp = DistributedDataParallel(model, ParallelConfig())
-        return model, ddp, build_optimizer(make_cfg(bf16=dtype == torch.bfloat16, fp16=fp16,
-                                                    initial_loss_scale=2.0 ** 12, loss_scale_window=2), [ddp])
+        return (
+            model,
+            ddp,
+            build_optimizer(
+                make_cfg(bf16=dtype == torch.bfloat16, fp16=fp16, initial_loss_scale=2.0**12, loss_scale_window=2),
+                [ddp],
+            ),
+        )
 
     model, ddp, opt = build()
     _train(model, ddp, opt, 3, seed=1)
@@ -170,15 +190,19 @@ def test_state_dict_round_trip_continues_identically(dtype, fp16):
 
 # --- model-parallel clipping (real ranks) ------------------------------------------------------------
 
+
 def reference_grads():
     g = torch.Generator().manual_seed(7)
-    return {k: torch.randn(*shape, generator=g) for k, shape in
-            {"W": (8, 4), "n": (4,), "E": (10, 4), "A": (4, 4), "B": (4, 4)}.items()}
+    return {
+        k: torch.randn(*shape, generator=g)
+        for k, shape in {"W": (8, 4), "n": (4,), "E": (10, 4), "A": (4, 4), "B": (4, 4)}.items()
+    }
 
 
 def _sgd_opt(params_by_name, scaler=None, clip=0.5):
-    groups = [{"name": "all", "params": list(params_by_name.values()), "names": list(params_by_name),
-               "weight_decay": 0.0}]
+    groups = [
+        {"name": "all", "params": list(params_by_name.values()), "names": list(params_by_name), "weight_decay": 0.0}
+    ]
     return FP32Optimizer(groups, lambda gs: torch.optim.SGD(gs, lr=1.0), clip_grad=clip, grad_scaler=scaler)
 
 
@@ -193,7 +217,7 @@ def clip_worker():
     n = torch.nn.Parameter(torch.zeros(4))
     n.tensor_model_parallel = False
     opt = _sgd_opt({"W": W, "n": n})
-    W.grad, n.grad = G["W"][4 * rank:4 * rank + 4].clone(), G["n"].clone()
+    W.grad, n.grad = G["W"][4 * rank : 4 * rank + 4].clone(), G["n"].clone()
     ok, norm, _ = opt.step()
     out["tp"] = (ok, norm, (-W.detach()).numpy().copy(), (-n.detach()).numpy().copy())
     # an overflow on one TP rank makes both skip (MAX over the model-parallel group)
@@ -230,7 +254,7 @@ def test_clipping_counts_tp_replicas_and_tied_embedding_once():
     for rank, r in enumerate(ranks):
         ok, norm, w_update, n_update = r["tp"]
         assert ok and norm == pytest.approx(ref_norm, rel=1e-6)
-        torch.testing.assert_close(torch.from_numpy(w_update), W.grad[4 * rank:4 * rank + 4], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(torch.from_numpy(w_update), W.grad[4 * rank : 4 * rank + 4], rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(torch.from_numpy(n_update), n.grad, rtol=1e-6, atol=1e-7)
         assert r["tp_inf"] == ((False, None, None), 2.0) and r["tp_nan"] is False
         pp_ref = torch.cat([G["E"].flatten(), G["A"].flatten(), G["B"].flatten()]).norm().item()

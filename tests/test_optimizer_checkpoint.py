@@ -30,8 +30,9 @@ def _mlp(dtype):
 
 def _build(dtype, distributed, bucket_size=50):
     model = _mlp(dtype)
-    ddp = DistributedDataParallel(model, ParallelConfig(use_distributed_optimizer=distributed,
-                                                        ddp_bucket_size=bucket_size))
+    ddp = DistributedDataParallel(
+        model, ParallelConfig(use_distributed_optimizer=distributed, ddp_bucket_size=bucket_size)
+    )
     cfg = MegalmConfig()
     cfg.training.optimizer, cfg.training.lr, cfg.training.clip_grad = "adam", 1e-2, 1.0
     cfg.training.bf16 = dtype == torch.bfloat16
@@ -98,8 +99,9 @@ def test_params_left_out_have_no_state_entries(distributed):
     specs = opt.sharded_state_dict(params)
     assert not [k for k in specs if k.startswith("optimizer.2.weight.")]
     assert "optimizer.2.bias.exp_avg" in specs
-    assert set(checkpointing.optimizer_sharded_state(opt, [ddp])) == set(opt.sharded_state_dict(
-        dict(model.named_parameters())))
+    assert set(checkpointing.optimizer_sharded_state(opt, [ddp])) == set(
+        opt.sharded_state_dict(dict(model.named_parameters()))
+    )
 
 
 @pytest.mark.parametrize("distributed", [False, True])
@@ -120,7 +122,7 @@ def test_load_sharded_state_dict_main_params_loaded_is_explicit(distributed):
     model_values = _assemble(checkpointing.model_sharded_state([ddp]))
     main_values = _assemble({k: v for k, v in specs.items() if k.endswith(".main_param")})
     for key, value in main_values.items():  # rebuilt from the model weights
-        name = key[len("optimizer."):-len(".main_param")]
+        name = key[len("optimizer.") : -len(".main_param")]
         assert torch.equal(value, model_values[f"model.{name}"]), key
 
 

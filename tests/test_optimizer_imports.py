@@ -41,7 +41,7 @@ def find_cycle(edges):
         stack.append(m)
         for n in edges[m]:
             if state.get(n) == "open":
-                return stack[stack.index(n):] + [n]
+                return stack[stack.index(n) :] + [n]
             if n not in state:
                 found = visit(n)
                 if found:
@@ -68,8 +68,7 @@ def test_optimizer_modules_import_graph_is_acyclic():
     assert "megalm.optimizer.factory" in edges and "megalm.optimizer.distrib_optimizer" in edges
     assert find_cycle(edges) is None, edges
     # the base class knows neither its subclass nor the factory; no optimizer module reads checkpointing
-    assert set(edges["megalm.optimizer.optimizer"]) <= {
-        "megalm.optimizer.clip_grads", "megalm.optimizer.grad_scaler"}
+    assert set(edges["megalm.optimizer.optimizer"]) <= {"megalm.optimizer.clip_grads", "megalm.optimizer.grad_scaler"}
     assert "megalm.optimizer.factory" not in edges["megalm.optimizer.distrib_optimizer"]
     assert not [m for m in MODULES if "megalm.checkpointing" in edges[m]]
 
@@ -77,6 +76,7 @@ def test_optimizer_modules_import_graph_is_acyclic():
 @pytest.mark.parametrize("module", MODULES)
 def test_each_module_imports_first_in_a_fresh_interpreter(module):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-c", f"import {module}"], env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import {module}"], env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr

@@ -24,9 +24,28 @@ from megalm.transformer.moe import MoELayer
 
 S, B, H, OUT = 4, 2, 8, 6
 TIMEOUT = timedelta(seconds=60)
-MOE = ["--num-layers", "2", "--hidden-size", str(H), "--num-attention-heads", "2", "--seq-length", str(S),
-       "--vocab-size", "64", "--num-experts", "4", "--moe-ffn-hidden-size", "12", "--hidden-dropout", "0",
-       "--attention-dropout", "0", "--moe-router-load-balancing-type", "none"]
+MOE = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    str(H),
+    "--num-attention-heads",
+    "2",
+    "--seq-length",
+    str(S),
+    "--vocab-size",
+    "64",
+    "--num-experts",
+    "4",
+    "--moe-ffn-hidden-size",
+    "12",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--moe-router-load-balancing-type",
+    "none",
+]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -74,9 +93,12 @@ def _check_column(tp, sp: bool) -> dict:
     (ref * up_full).sum().backward()
     name = f"column sp={sp}"
     dx = _gather(x.grad, tp, 0) if sp else x.grad
-    return {f"{name} out": _rel(out, ref.chunk(2, -1)[r]), f"{name} dx": _rel(dx, ref_x.grad),
-            f"{name} dW": _rel(layer.weight.grad, ref_w.grad.chunk(2, 0)[r]),
-            f"{name} db": _rel(layer.bias.grad, ref_b.grad.chunk(2, 0)[r])}
+    return {
+        f"{name} out": _rel(out, ref.chunk(2, -1)[r]),
+        f"{name} dx": _rel(dx, ref_x.grad),
+        f"{name} dW": _rel(layer.weight.grad, ref_w.grad.chunk(2, 0)[r]),
+        f"{name} db": _rel(layer.bias.grad, ref_b.grad.chunk(2, 0)[r]),
+    }
 
 
 def _check_row(tp, sp: bool) -> dict:
@@ -97,16 +119,20 @@ def _check_row(tp, sp: bool) -> dict:
     db = layer.bias.grad.clone()
     if sp:  # partial per rank (the bias carries sequence_parallel): summed over TP after backward
         dist.all_reduce(db, group=tp)
-    return {f"{name} out": _rel(_gather(out, tp, 0) if sp else out, ref), f"{name} dx": _rel(
-        x.grad, ref_x.grad.chunk(2, -1)[r]), f"{name} dW": _rel(layer.weight.grad, ref_w.grad.chunk(2, 1)[r]),
-        f"{name} db": _rel(db, ref_b.grad)}
+    return {
+        f"{name} out": _rel(_gather(out, tp, 0) if sp else out, ref),
+        f"{name} dx": _rel(x.grad, ref_x.grad.chunk(2, -1)[r]),
+        f"{name} dW": _rel(layer.weight.grad, ref_w.grad.chunk(2, 1)[r]),
+        f"{name} db": _rel(db, ref_b.grad),
+    }
 
 
 def _check_moe(tp, ep, dispatcher: str) -> dict:
     """EP 2 over explicit groups (experts 0-1 on EP rank 0, 2-3 on EP rank 1; TP ranks hold
     different tokens) against the whole layer in this process on both EP ranks' tokens."""
-    m = validate_config(config_from_args(build_parser().parse_args(MOE + ["--moe-token-dispatcher-type",
-                                                                          dispatcher]))).model
+    m = validate_config(
+        config_from_args(build_parser().parse_args(MOE + ["--moe-token-dispatcher-type", dispatcher]))
+    ).model
     layer = MoELayer(m, layer_number=0, tp_group=None, ep_group=ep)
     full = MoELayer(m, layer_number=0, tp_group=None, ep_group=None)
     initialize_weights(layer, seed=3, tp_group=None)
@@ -122,9 +148,11 @@ def _check_moe(tp, ep, dispatcher: str) -> dict:
     refs = [full(t) for t in ref_xs]
     sum((ref * up).sum() for ref, up in zip(refs, ups)).backward()
     name = f"moe {dispatcher}"
-    errors = {f"{name} experts held": float(sorted(layer.experts.local_experts) != [str(2 * ep_rank),
-                                                                                      str(2 * ep_rank + 1)]),
-              f"{name} out": _rel(out, refs[ep_rank]), f"{name} dx": _rel(x.grad, ref_xs[ep_rank].grad)}
+    errors = {
+        f"{name} experts held": float(sorted(layer.experts.local_experts) != [str(2 * ep_rank), str(2 * ep_rank + 1)]),
+        f"{name} out": _rel(out, refs[ep_rank]),
+        f"{name} dx": _rel(x.grad, ref_xs[ep_rank].grad),
+    }
     for key, p in layer.experts.local_experts.named_parameters():
         errors[f"{name} d{key}"] = _rel(p.grad, full.experts.local_experts.get_parameter(key).grad)
     router_grad = layer.router.weight.grad.clone()
@@ -146,6 +174,7 @@ class _Recorder:
         def record(tensor, *args, **kwargs):
             self.pointers.append(tensor.data_ptr())
             return self._original(tensor, *args, **kwargs)
+
         dist.all_reduce = record
         return self
 
@@ -206,6 +235,7 @@ def _check_in_place(tp) -> dict:
         out = matmul(*args, **kwargs)
         products.append(out.data_ptr())
         return out
+
     torch.matmul = recording_matmul
     try:
         with _Recorder() as rec:

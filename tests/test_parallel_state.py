@@ -57,20 +57,24 @@ def test_every_rank_in_exactly_one_group_of_each_kind():
                 assert flat == list(range(world)), (name, groups)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(world_size=6, tensor_model_parallel_size=4), "world size 6 is not divisible by tensor \\(4\\)"),
-    (dict(world_size=8, tensor_model_parallel_size=2, pipeline_model_parallel_size=3), "pipeline \\(3\\)"),
-    (dict(world_size=4, expert_model_parallel_size=3), "expert_model_parallel_size 3 must divide"),
-    (dict(world_size=4, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=2), "need"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(world_size=6, tensor_model_parallel_size=4), "world size 6 is not divisible by tensor \\(4\\)"),
+        (dict(world_size=8, tensor_model_parallel_size=2, pipeline_model_parallel_size=3), "pipeline \\(3\\)"),
+        (dict(world_size=4, expert_model_parallel_size=3), "expert_model_parallel_size 3 must divide"),
+        (dict(world_size=4, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=2), "need"),
+    ],
+)
 def test_layout_errors_name_the_numbers(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ps.validate_layout(**kwargs)
 
 
 def _check_real_groups(tp, pp, ep):
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+    )
     rank = dist.get_rank()
     out = {
         "tp": (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()),
@@ -78,16 +82,19 @@ def _check_real_groups(tp, pp, ep):
         "dp": (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()),
         "ep": (ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()),
         "edp": ps.get_expert_data_parallel_world_size(),
-        "first": ps.is_pipeline_first_stage(), "last": ps.is_pipeline_last_stage(),
+        "first": ps.is_pipeline_first_stage(),
+        "last": ps.is_pipeline_last_stage(),
         "embedding": ps.is_rank_in_embedding_group(),
     }
     # A collective in each group sums the global ranks of its members.
-    for key, group in [("tp_sum", ps.get_tensor_model_parallel_group()),
-                       ("dp_sum", ps.get_data_parallel_group()),
-                       ("pp_sum", ps.get_pipeline_model_parallel_group()),
-                       ("ep_sum", ps.get_expert_model_parallel_group()),
-                       ("edp_sum", ps.get_expert_data_parallel_group()),
-                       ("mp_sum", ps.get_model_parallel_group())]:
+    for key, group in [
+        ("tp_sum", ps.get_tensor_model_parallel_group()),
+        ("dp_sum", ps.get_data_parallel_group()),
+        ("pp_sum", ps.get_pipeline_model_parallel_group()),
+        ("ep_sum", ps.get_expert_model_parallel_group()),
+        ("edp_sum", ps.get_expert_data_parallel_group()),
+        ("mp_sum", ps.get_model_parallel_group()),
+    ]:
         t = torch.tensor([float(rank)])
         dist.all_reduce(t, group=group)
         out[key] = t.item()

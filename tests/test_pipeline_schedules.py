@@ -14,7 +14,7 @@ from torch import nn
 
 from megalm.testing import run_distributed
 
-H, S, B = 6, 4, 2          # hidden, sequence, micro batch
+H, S, B = 6, 4, 2  # hidden, sequence, micro batch
 NUM_LAYERS = 8
 MICROBATCHES_SEED = 3
 
@@ -33,7 +33,7 @@ def _layer(index):
     g = torch.Generator().manual_seed(100 + index)
     layer = nn.Linear(H, H)
     with torch.no_grad():
-        layer.weight.copy_(torch.randn(H, H, generator=g) / H ** 0.5)
+        layer.weight.copy_(torch.randn(H, H, generator=g) / H**0.5)
         layer.bias.copy_(torch.randn(H, generator=g) * 0.1)
     return layer
 
@@ -118,12 +118,26 @@ def _run_case(pp, vpp, m, forward_only=False, variable=False):
         schedule = get_forward_backward_func()
         ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
         with ctx:
-            reported = schedule(forward_step_func=_forward_step, data_iterator=iter(_data(m, variable)), model=chunks,
-                                num_microbatches=m, forward_only=forward_only, communicator=comm, trace=trace)
+            reported = schedule(
+                forward_step_func=_forward_step,
+                data_iterator=iter(_data(m, variable)),
+                model=chunks,
+                num_microbatches=m,
+                forward_only=forward_only,
+                communicator=comm,
+                trace=trace,
+            )
         grads = {n: p.grad.clone() for c in chunks for n, p in c.named_parameters() if p.grad is not None}
-        return {"events": trace.events, "peak_live": trace.peak_live, "live_end": trace.live,
-                "peak_held": trace.peak_held_output_numel, "losses": [float(r["loss"]) for r in reported],
-                "grads": grads, "sync": [c.sync_log for c in chunks], "schedule": schedule.__name__}
+        return {
+            "events": trace.events,
+            "peak_live": trace.peak_live,
+            "live_end": trace.live,
+            "peak_held": trace.peak_held_output_numel,
+            "losses": [float(r["loss"]) for r in reported],
+            "grads": grads,
+            "sync": [c.sync_log for c in chunks],
+            "schedule": schedule.__name__,
+        }
     finally:
         ps.destroy_model_parallel()
 
@@ -132,8 +146,15 @@ def _run_cases(cases):
     return [_run_case(*case) for case in cases]
 
 
-CASES_2 = [(2, None, 4), (2, 2, 4), (2, 2, 2), (2, None, 4, True), (2, 2, 4, True), (2, None, 3, False, True),
-           (2, 2, 6)]
+CASES_2 = [
+    (2, None, 4),
+    (2, 2, 4),
+    (2, 2, 2),
+    (2, None, 4, True),
+    (2, 2, 4, True),
+    (2, None, 3, False, True),
+    (2, 2, 6),
+]
 CASES_4 = [(4, None, 8), (4, 2, 8), (4, None, 2)]
 
 
@@ -171,14 +192,43 @@ def test_interleaved_order_pp2_v2_m4(results):
     r0, r1 = results[(2, 2, 4)]
     assert r0["schedule"] == "forward_backward_pipelining_with_interleaving"
     # Rank 0: warm-up (p - r - 1) * 2 + (v - 1) * p = 4 forwards.
-    assert r0["events"] == [F(0, 0), F(1, 0), F(0, 1), F(1, 1),
-                            F(2, 0), Bw(0, 1), F(3, 0), Bw(1, 1), F(2, 1), Bw(0, 0), F(3, 1), Bw(1, 0),
-                            Bw(2, 1), Bw(3, 1), Bw(2, 0), Bw(3, 0)]
+    assert r0["events"] == [
+        F(0, 0),
+        F(1, 0),
+        F(0, 1),
+        F(1, 1),
+        F(2, 0),
+        Bw(0, 1),
+        F(3, 0),
+        Bw(1, 1),
+        F(2, 1),
+        Bw(0, 0),
+        F(3, 1),
+        Bw(1, 0),
+        Bw(2, 1),
+        Bw(3, 1),
+        Bw(2, 0),
+        Bw(3, 0),
+    ]
     # Rank 1: warm-up (v - 1) * p = 2 forwards.
-    assert r1["events"] == [F(0, 0), F(1, 0),
-                            F(0, 1), Bw(0, 1), F(1, 1), Bw(1, 1), F(2, 0), Bw(0, 0), F(3, 0), Bw(1, 0),
-                            F(2, 1), Bw(2, 1), F(3, 1), Bw(3, 1),
-                            Bw(2, 0), Bw(3, 0)]
+    assert r1["events"] == [
+        F(0, 0),
+        F(1, 0),
+        F(0, 1),
+        Bw(0, 1),
+        F(1, 1),
+        Bw(1, 1),
+        F(2, 0),
+        Bw(0, 0),
+        F(3, 0),
+        Bw(1, 0),
+        F(2, 1),
+        Bw(2, 1),
+        F(3, 1),
+        Bw(3, 1),
+        Bw(2, 0),
+        Bw(3, 0),
+    ]
     assert [r0["peak_live"], r1["peak_live"]] == [5, 3]
 
 
@@ -220,8 +270,10 @@ def test_grad_sync_only_in_each_chunks_last_backward(results):
                 assert log == [False] * (m - 1) + [True], (case, r["sync"])
 
 
-@pytest.mark.parametrize("case", [(2, None, 4), (2, 2, 4), (2, 2, 2), (2, None, 3, False, True), (2, 2, 6),
-                                  (4, None, 8), (4, 2, 8), (4, None, 2)])
+@pytest.mark.parametrize(
+    "case",
+    [(2, None, 4), (2, 2, 4), (2, 2, 2), (2, None, 3, False, True), (2, 2, 6), (4, None, 8), (4, 2, 8), (4, None, 2)],
+)
 def test_losses_and_gradients_equal_single_process(results, case):
     m = case[2]
     ref_losses, ref_grads = _single_process(m, variable=len(case) > 4 and case[4])

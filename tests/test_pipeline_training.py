@@ -21,12 +21,54 @@ from tests.training_runs import inf_at
 from tests.training_runs import losses as _losses
 from tests.training_runs import records as _records
 
-PIPE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--max-position-embeddings", "32", "--mock-data", "--vocab-size", "500", "--num-workers", "0",
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "2e-3", "--min-lr", "1e-4",
-        "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-iters", "0",
-        "--seed", "7", "--clip-grad", "0.5", "--weight-decay", "0.1", "--split", "90,5,5",
-        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "6", "--log-params-norm"]
+PIPE = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--max-position-embeddings",
+    "32",
+    "--mock-data",
+    "--vocab-size",
+    "500",
+    "--num-workers",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--lr",
+    "2e-3",
+    "--min-lr",
+    "1e-4",
+    "--lr-decay-style",
+    "cosine",
+    "--lr-warmup-iters",
+    "2",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--seed",
+    "7",
+    "--clip-grad",
+    "0.5",
+    "--weight-decay",
+    "0.1",
+    "--split",
+    "90,5,5",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "6",
+    "--log-params-norm",
+]
 EVALS = ["--eval-interval", "3", "--eval-iters", "2"]
 UNTIED = ["--untie-embeddings-and-output-weights"]
 FP16 = ["--fp16", "--initial-loss-scale", "1024", "--hysteresis", "1", "--loss-scale-window", "3"]
@@ -95,8 +137,21 @@ def runs(tmp_path_factory):
         (_argv(tmp, "pp2_vpp2", *pp2, "--num-layers-per-virtual-pipeline-stage", "1", *EVALS), {"tied": True}),
         (_argv(tmp, "pp2_first1", *pp2, "--decoder-first-pipeline-num-layers", "1"), {}),
         (_argv(tmp, "pp2_last1", *pp2, "--decoder-last-pipeline-num-layers", "1", *UNTIED), {}),
-        (_argv(tmp, "pp2_recompute", *pp2, "--recompute-granularity", "full", "--recompute-method", "uniform",
-               "--recompute-num-layers", "1", "--variable-seq-lengths"), {}),
+        (
+            _argv(
+                tmp,
+                "pp2_recompute",
+                *pp2,
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "uniform",
+                "--recompute-num-layers",
+                "1",
+                "--variable-seq-lengths",
+            ),
+            {},
+        ),
         (_argv(tmp, "pp2_fp16", *pp2, *FP16), {"inf_at_call": 6}),
         (_argv(tmp, "load_pp2", *pp2, *load), {"tied": True}),
     ]
@@ -111,8 +166,19 @@ def runs(tmp_path_factory):
     four = [
         (_argv(tmp, "pp4", *pp4), {"tied": True}),
         (_argv(tmp, "pp2_tp2", *pp2, *tp2, *EVALS), {"tied": True}),
-        (_argv(tmp, "pp2_vpp2_dp2", *pp2, "--num-virtual-stages-per-pipeline-rank", "2",
-               "--overlap-grad-reduce", "--ddp-bucket-size", "3000"), {}),
+        (
+            _argv(
+                tmp,
+                "pp2_vpp2_dp2",
+                *pp2,
+                "--num-virtual-stages-per-pipeline-rank",
+                "2",
+                "--overlap-grad-reduce",
+                "--ddp-bucket-size",
+                "3000",
+            ),
+            {},
+        ),
         (_argv(tmp, "load_pp4", *pp4, *load), {}),
         (_argv(tmp, "load_pp4_untied", *pp4, *UNTIED, "--load", ck_untied, "--ckpt-step", "3"), {}),
     ]
@@ -128,8 +194,9 @@ def test_all_runs_exit_cleanly(runs):
             assert [r["code"] for r in rank_results] == [0] * len(rank_results), (world, rank_results)
 
 
-@pytest.mark.parametrize("name", ["pp2", "pp2_vpp2", "pp2_first1", "pp2_recompute", "pp4", "pp2_tp2",
-                                  "pp2_vpp2_dp2", "pp2_tp2_dp2"])
+@pytest.mark.parametrize(
+    "name", ["pp2", "pp2_vpp2", "pp2_first1", "pp2_recompute", "pp4", "pp2_tp2", "pp2_vpp2_dp2", "pp2_tp2_dp2"]
+)
 def test_tied_embedding_runs_equal_single_process(runs, name):
     _assert_close(_losses(runs["tmp"], name), _losses(runs["tmp"], "ref"))
 
@@ -149,9 +216,19 @@ def test_clipping_is_active_and_grad_norm_is_global(runs):
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), name
 
 
-@pytest.mark.parametrize("name, ref", [("pp2", "ref"), ("pp4", "ref"), ("pp2_vpp2", "ref"), ("pp2_tp2", "ref"),
-                                       ("pp2_tp2_dp2", "ref"), ("pp2_vpp2_dp2", "ref"), ("pp2_untied", "ref_untied"),
-                                       ("pp2_last1", "ref_untied")])
+@pytest.mark.parametrize(
+    "name, ref",
+    [
+        ("pp2", "ref"),
+        ("pp4", "ref"),
+        ("pp2_vpp2", "ref"),
+        ("pp2_tp2", "ref"),
+        ("pp2_tp2_dp2", "ref"),
+        ("pp2_vpp2_dp2", "ref"),
+        ("pp2_untied", "ref_untied"),
+        ("pp2_last1", "ref_untied"),
+    ],
+)
 def test_params_norm_counts_each_parameter_once(runs, name, ref):
     """--log-params-norm: the tied embedding's last-stage copy and TP-replicated parameters once."""
     tmp = runs["tmp"]
@@ -184,12 +261,16 @@ def test_fp16_loss_scaling_skip_matches_single_process(runs):
     assert [r["loss_scale"] for r in pp] == [r["loss_scale"] for r in ref]
     assert [r["skipped_iterations"] for r in pp] == [r["skipped_iterations"] for r in ref]
     assert sum(r["skipped_iterations"] for r in pp) == 1
-    _assert_close([r["lm_loss"] for r in pp if r["lm_loss"] is not None],
-                  [r["lm_loss"] for r in ref if r["lm_loss"] is not None], rel=1e-3)
+    _assert_close(
+        [r["lm_loss"] for r in pp if r["lm_loss"] is not None],
+        [r["lm_loss"] for r in ref if r["lm_loss"] is not None],
+        rel=1e-3,
+    )
 
 
-@pytest.mark.parametrize("name,ref", [("load_pp1", "ref"), ("load_pp2", "ref"), ("load_pp4", "ref"),
-                                      ("load_pp4_untied", "ref_untied")])
+@pytest.mark.parametrize(
+    "name,ref", [("load_pp1", "ref"), ("load_pp2", "ref"), ("load_pp4", "ref"), ("load_pp4_untied", "ref_untied")]
+)
 def test_pp2_checkpoint_continues_under_other_pipeline_sizes(runs, name, ref):
     tmp = runs["tmp"]
     assert open(os.path.join(runs["ckpt"], "latest_checkpointed_iteration.txt")).read().strip() == "6"

@@ -18,8 +18,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def presets_cli(*args, env=None):
-    return subprocess.run([sys.executable, "tools/presets.py", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, check=False)
+    return subprocess.run(
+        [sys.executable, "tools/presets.py", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+        check=False,
+    )
 
 
 def test_presets_are_frozen_data():
@@ -32,16 +39,19 @@ def test_presets_are_frozen_data():
     assert (p.shape.num_query_groups, p.layout.tp, p.layout.pp, p.layout.world_size) == (8, 8, 4, 32)
 
 
-@pytest.mark.parametrize("name,train,decay,warmup", [
-    # GPT-3: 300B tokens / (batch x 2048), decay over 260/300 of them, 375M warm-up tokens.
-    ("gpt3_125m", 572204, 495910, 715),
-    ("gpt3_175b", 95367, 82651, 119),
-    # Llama 2: 2T tokens / (1024 x 4096), decay over all, 2000 warm-up iterations.
-    ("llama2_7b", 476837, 476837, 2000),
-    ("llama3_8b", 3576278, 3576278, 2000),  # 15T / (512 x 8192)
-    ("mixtral_8x7b", 500000, 320000, 500),  # given in iterations
-    ("gpt_tiny_cpu", 20, 20, 2),
-])
+@pytest.mark.parametrize(
+    "name,train,decay,warmup",
+    [
+        # GPT-3: 300B tokens / (batch x 2048), decay over 260/300 of them, 375M warm-up tokens.
+        ("gpt3_125m", 572204, 495910, 715),
+        ("gpt3_175b", 95367, 82651, 119),
+        # Llama 2: 2T tokens / (1024 x 4096), decay over all, 2000 warm-up iterations.
+        ("llama2_7b", 476837, 476837, 2000),
+        ("llama3_8b", 3576278, 3576278, 2000),  # 15T / (512 x 8192)
+        ("mixtral_8x7b", 500000, 320000, 500),  # given in iterations
+        ("gpt_tiny_cpu", 20, 20, 2),
+    ],
+)
 def test_schedule_defaults(name, train, decay, warmup):
     launch = resolve(get_preset(name), Overrides(precision="fp32"))
     assert (launch.train_iters, launch.lr_decay_iters, launch.lr_warmup_iters) == (train, decay, warmup)
@@ -61,19 +71,31 @@ def test_overrides_reshape_the_schedule():
 
 
 def test_overrides_from_the_environment():
-    o = Overrides.from_env({"TP": "2", "LR": "1e-3", "DIST_OPT": "0", "SEQUENCE_PARALLEL": "1", "PP": "",
-                            "RECOMPUTE": "full", "UNRELATED": "x"})
+    o = Overrides.from_env(
+        {
+            "TP": "2",
+            "LR": "1e-3",
+            "DIST_OPT": "0",
+            "SEQUENCE_PARALLEL": "1",
+            "PP": "",
+            "RECOMPUTE": "full",
+            "UNRELATED": "x",
+        }
+    )
     assert o == Overrides(tp=2, lr=1e-3, dist_opt=False, sequence_parallel=True, recompute="full")
     assert Overrides.from_env({}) == Overrides()
 
 
-@pytest.mark.parametrize("env,message", [
-    ({"TP": "two"}, "TP must be an integer, got 'two'"),
-    ({"LR": "fast"}, "LR must be a number, got 'fast'"),
-    ({"TRAIN_ITERS": "0"}, "TRAIN_ITERS must be >= 1, got 0"),
-    ({"RECOMPUTE": "some"}, "RECOMPUTE must be none, selective or full, got 'some'"),
-    ({"PRECISION": "fp8"}, "PRECISION must be bf16, fp16, fp32 or auto, got 'fp8'"),
-])
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        ({"TP": "two"}, "TP must be an integer, got 'two'"),
+        ({"LR": "fast"}, "LR must be a number, got 'fast'"),
+        ({"TRAIN_ITERS": "0"}, "TRAIN_ITERS must be >= 1, got 0"),
+        ({"RECOMPUTE": "some"}, "RECOMPUTE must be none, selective or full, got 'some'"),
+        ({"PRECISION": "fp8"}, "PRECISION must be bf16, fp16, fp32 or auto, got 'fp8'"),
+    ],
+)
 def test_bad_overrides_are_preset_errors(env, message):
     with pytest.raises(PresetError) as e:
         resolve(get_preset("gpt3_125m"), Overrides.from_env(env))
@@ -105,8 +127,14 @@ def test_shell_code_evaluates_to_the_recipe():
     code = presets_cli("gpt_tiny_cpu", "--shell", env=env)
     assert code.returncode == 0, code.stderr
     script = code.stdout + 'printf "%s\\n" "$MODEL_NAME" "$TP" "$SAVE_INTERVAL" "$LOG_INTERVAL" "${RECIPE_ARGS[@]}"'
-    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30, check=True,
-                         env={"PATH": os.environ["PATH"], "LOG_INTERVAL": "1"}).stdout.splitlines()
+    out = subprocess.run(
+        ["bash", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+        env={"PATH": os.environ["PATH"], "LOG_INTERVAL": "1"},
+    ).stdout.splitlines()
     assert out[:4] == ["gpt_tiny_cpu", "4", "30", "1"]  # SAVE_INTERVAL: the run's end; LOG_INTERVAL: env wins
     assert out[4:] == preset_flags("gpt_tiny_cpu", Overrides.from_env(env))[:-4]  # less the tokenizer flags
 
@@ -114,6 +142,8 @@ def test_shell_code_evaluates_to_the_recipe():
 def test_readme_table_is_current():
     readme = (REPO / "scripts" / "README.md").read_text()
     start, end = readme.index("<!-- presets table -->\n"), readme.index("<!-- end presets table -->")
-    assert readme[start + len("<!-- presets table -->\n"):end] == markdown_table()
-    assert "| `pretrain_mixtral_8x7b.sh` | Mixtral 8x7B (8 experts, top-2) | 1 | 4 | 8 | 8 | 1 / 256 | 32 (4) |" \
+    assert readme[start + len("<!-- presets table -->\n") : end] == markdown_table()
+    assert (
+        "| `pretrain_mixtral_8x7b.sh` | Mixtral 8x7B (8 experts, top-2) | 1 | 4 | 8 | 8 | 1 / 256 | 32 (4) |"
         in markdown_table()
+    )

@@ -14,8 +14,14 @@ from megalm.training.profiling import ProfilerUnavailable, StepProfiler
 
 
 def _cfg(trace_dir, start, end, ranks=(0,), torch_profiler=True, profile=True):
-    return SimpleNamespace(profile=profile, use_pytorch_profiler=torch_profiler, profile_step_start=start,
-                           profile_step_end=end, profile_ranks=list(ranks), tensorboard_dir=str(trace_dir))
+    return SimpleNamespace(
+        profile=profile,
+        use_pytorch_profiler=torch_profiler,
+        profile_step_start=start,
+        profile_step_end=end,
+        profile_ranks=list(ranks),
+        tensorboard_dir=str(trace_dir),
+    )
 
 
 def _trace(trace_dir, rank=0):
@@ -24,8 +30,10 @@ def _trace(trace_dir, rank=0):
     with open(files[0]) as f:
         events = json.load(f)["traceEvents"]
     names = {e.get("name", "") for e in events}
-    return (sorted(n for n in names if n.startswith("iteration ")),
-            sorted(n for n in names if n.startswith("ProfilerStep#")))
+    return (
+        sorted(n for n in names if n.startswith("iteration ")),
+        sorted(n for n in names if n.startswith("ProfilerStep#")),
+    )
 
 
 def _train(profiler, iterations, stop_early_at=None):
@@ -86,18 +94,58 @@ def _pretrain(argv):
 
 def test_training_traces_the_window_on_the_listed_rank(tmp_path):
     tb = tmp_path / "tb"
-    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-            "--max-position-embeddings", "16", "--mock-data", "--vocab-size", "200", "--num-workers", "0",
-            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "5", "--log-interval", "5",
-            "--eval-iters", "0", "--profile", "--use-pytorch-profiler", "--profile-step-start", "2",
-            "--profile-step-end", "4", "--profile-ranks", "1", "--tensorboard-dir", str(tb),
-            "--timing-log-level", "2"]
+    argv = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "16",
+        "--max-position-embeddings",
+        "16",
+        "--mock-data",
+        "--vocab-size",
+        "200",
+        "--num-workers",
+        "0",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--train-iters",
+        "5",
+        "--log-interval",
+        "5",
+        "--eval-iters",
+        "0",
+        "--profile",
+        "--use-pytorch-profiler",
+        "--profile-step-start",
+        "2",
+        "--profile-step-end",
+        "4",
+        "--profile-ranks",
+        "1",
+        "--tensorboard-dir",
+        str(tb),
+        "--timing-log-level",
+        "2",
+    ]
     assert run_distributed(_pretrain, 2, args=(argv,), timeout=240) == [[0], [0]]
     assert glob.glob(str(tb / "rank0.*")) == []
     assert _trace(tb, rank=1)[1] == ["ProfilerStep#1", "ProfilerStep#2"]
     phases = _event_names(tb, rank=1)  # the timers' ranges name the phases in the trace
-    assert {"forward-backward", "forward-compute", "backward-compute", "optimizer", "optimizer-inner-step",
-            "all-grads-sync", "batch-generator"} <= phases
+    assert {
+        "forward-backward",
+        "forward-compute",
+        "backward-compute",
+        "optimizer",
+        "optimizer-inner-step",
+        "all-grads-sync",
+        "batch-generator",
+    } <= phases
 
 
 def _event_names(trace_dir, rank):

@@ -28,15 +28,41 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=REPO, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--max-position-embeddings", "16", "--mock-data", "--vocab-size", "128", "--lr", "1e-3",
-        "--log-interval", "1", "--eval-iters", "0", "--seed", "11", "--micro-batch-size", "2",
-        "--global-batch-size", "4", "--tensor-model-parallel-size", "2"]
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--max-position-embeddings",
+    "16",
+    "--mock-data",
+    "--vocab-size",
+    "128",
+    "--lr",
+    "1e-3",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--seed",
+    "11",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--tensor-model-parallel-size",
+    "2",
+]
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 ITERS = 30
 
 
 # --- the torchrun entry point (script mode) ----------------------------------------------
+
 
 def _sigkill_hook(forward_step):
     """``MEGALM_TEST_SIGKILL=RANK:CALL`` (test hook): SIGKILL this process at its CALL-th forward
@@ -66,9 +92,22 @@ def _main(argv):
 
 # --- helpers -----------------------------------------------------------------------------
 
+
 def _torchrun(*args, max_restarts=0):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-            "--max-restarts", str(max_restarts), "--monitor-interval", "0.2", os.path.abspath(__file__), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "--max-restarts",
+        str(max_restarts),
+        "--monitor-interval",
+        "0.2",
+        os.path.abspath(__file__),
+        *args,
+    ]
 
 
 def _rows(path):
@@ -88,6 +127,7 @@ def _tracker(ckpt):
 
 # --- (a) SIGKILL under torchrun --max-restarts 1 -----------------------------------------
 
+
 @pytest.fixture(scope="module")
 def killed_and_straight(tmp_path_factory):
     """The same training twice, side by side: straight, and with rank 3 SIGKILLed during
@@ -95,20 +135,45 @@ def killed_and_straight(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("restart")
     ckpt = str(tmp / "ckpt")
     common = [*TINY, *DROPOUT, "--num-workers", "0", "--train-iters", str(ITERS)]
-    straight = subprocess.Popen(_torchrun(*common, "--metrics-file", str(tmp / "straight.jsonl")), env=ENV,
-                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    killed = subprocess.Popen(_torchrun(*common, "--metrics-file", str(tmp / "killed.jsonl"), "--save", ckpt,
-                                        "--load", ckpt, "--save-interval", "5", max_restarts=1),
-                              env=dict(ENV, MEGALM_TEST_SIGKILL="3:9"), cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+    straight = subprocess.Popen(
+        _torchrun(*common, "--metrics-file", str(tmp / "straight.jsonl")),
+        env=ENV,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    killed = subprocess.Popen(
+        _torchrun(
+            *common,
+            "--metrics-file",
+            str(tmp / "killed.jsonl"),
+            "--save",
+            ckpt,
+            "--load",
+            ckpt,
+            "--save-interval",
+            "5",
+            max_restarts=1,
+        ),
+        env=dict(ENV, MEGALM_TEST_SIGKILL="3:9"),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         out_straight, _ = straight.communicate(timeout=240)
         out_killed, _ = killed.communicate(timeout=240)
     finally:
         straight.kill()
         killed.kill()
-    return {"tmp": tmp, "ckpt": ckpt, "straight": (straight.returncode, out_straight),
-            "killed": (killed.returncode, out_killed)}
+    return {
+        "tmp": tmp,
+        "ckpt": ckpt,
+        "straight": (straight.returncode, out_straight),
+        "killed": (killed.returncode, out_killed),
+    }
 
 
 def test_sigkilled_worker_restarts_and_resumes_bit_for_bit(killed_and_straight):
@@ -164,11 +229,30 @@ def _free_port():
 
 # --- (b) SIGTERM to torchrun with DataLoader workers -------------------------------------
 
+
 def test_sigterm_to_torchrun_saves_with_dataloader_workers(tmp_path):
     ckpt, metrics = str(tmp_path / "ckpt"), tmp_path / "m.jsonl"
-    proc = subprocess.Popen(_torchrun(*TINY, "--num-workers", "2", "--train-iters", "10000", "--exit-signal-handler",
-                                      "--save", ckpt, "--save-interval", "100000", "--metrics-file", str(metrics)),
-                            env=ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        _torchrun(
+            *TINY,
+            "--num-workers",
+            "2",
+            "--train-iters",
+            "10000",
+            "--exit-signal-handler",
+            "--save",
+            ckpt,
+            "--save-interval",
+            "100000",
+            "--metrics-file",
+            str(metrics),
+        ),
+        env=ENV,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 150
         while time.monotonic() < deadline and not (metrics.exists() and len(_numbers(metrics)) >= 3):
@@ -207,6 +291,7 @@ def test_dataloader_workers_ignore_sigterm_and_leave_the_default_rng_alone():
 
 # --- (c) replicated parameters stay equal across TP ranks --------------------------------
 
+
 def _train_and_compare_replicated(argv):
     """Train on this rank; return ``{name: max |p - p on TP rank 0|}`` of the replicated
     parameters (a broadcast over the TP group per parameter)."""
@@ -218,8 +303,9 @@ def _train_and_compare_replicated(argv):
     from megalm.tensor_parallel.param_info import param_info
     from megalm.training.training import Trainer
 
-    trainer = Trainer(parse_config(argv, world_size=dist.get_world_size()), pretrain_gpt.model_provider,
-                      pretrain_gpt.forward_step)
+    trainer = Trainer(
+        parse_config(argv, world_size=dist.get_world_size()), pretrain_gpt.model_provider, pretrain_gpt.forward_step
+    )
     trainer.run()
     groups = ps.get_process_groups()
     diffs = {}
@@ -239,8 +325,11 @@ def test_replicated_parameters_equal_across_tp_with_hidden_dropout():
     argv = [*TINY, *DROPOUT, "--num-workers", "0", "--train-iters", "10", "--eval-interval", "5", "--eval-iters", "1"]
     results = run_distributed(_train_and_compare_replicated, 4, args=(argv,), timeout=200)
     names = set(results[0])
-    assert {"module.embedding.position_embeddings.weight", "module.decoder.final_layernorm.weight",
-            "module.decoder.layers.0.mlp.linear_fc2.bias"} <= names, names
+    assert {
+        "module.embedding.position_embeddings.weight",
+        "module.decoder.final_layernorm.weight",
+        "module.decoder.layers.0.mlp.linear_fc2.bias",
+    } <= names, names
     for rank, diffs in enumerate(results):
         assert diffs.keys() == names
         assert all(d == 0.0 for d in diffs.values()), (rank, diffs)

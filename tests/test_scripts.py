@@ -28,14 +28,60 @@ MARKER = "---- pretrain_gpt.py flags ----"
 COMMAND_PREFIX = "[megalm] cd "
 
 # Variables a developer's shell may have set that would change the scripts' defaults.
-SCRIPT_ENV = ("GPUS_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHRUN", "TP", "PP",
-              "MICRO_BATCH_SIZE", "GLOBAL_BATCH_SIZE", "TRAIN_ITERS", "TRAIN_TOKENS", "LR", "MIN_LR",
-              "LR_DECAY_ITERS", "LR_WARMUP_ITERS", "DATA_PATH", "DATA_CACHE_PATH", "SPLIT", "NUM_WORKERS",
-              "TOKENIZER_MODEL", "TOKENIZER_TYPE", "VOCAB_SIZE", "VOCAB_FILE", "MERGE_FILE", "RUN_DIR", "CHECKPOINT_DIR", "LOAD_DIR",
-              "TENSORBOARD_DIR", "METRICS_FILE", "WANDB_PROJECT", "WANDB_EXP_NAME", "SAVE_INTERVAL",
-              "LOG_INTERVAL", "EVAL_INTERVAL", "EVAL_ITERS", "TIMING_LOG_LEVEL", "ASYNC_SAVE", "PRECISION", "SEQUENCE_PARALLEL", "RECOMPUTE",
-              "RECOMPUTE_NUM_LAYERS", "VP_LAYERS", "DIST_OPT", "EP", "DRY_RUN", "PYTHON", "SLURM_JOB_NODELIST", "SLURM_NNODES",
-              "SLURM_NODEID", "SLURM_SUBMIT_DIR", "SLURM_GPUS_ON_NODE")
+SCRIPT_ENV = (
+    "GPUS_PER_NODE",
+    "NNODES",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHRUN",
+    "TP",
+    "PP",
+    "MICRO_BATCH_SIZE",
+    "GLOBAL_BATCH_SIZE",
+    "TRAIN_ITERS",
+    "TRAIN_TOKENS",
+    "LR",
+    "MIN_LR",
+    "LR_DECAY_ITERS",
+    "LR_WARMUP_ITERS",
+    "DATA_PATH",
+    "DATA_CACHE_PATH",
+    "SPLIT",
+    "NUM_WORKERS",
+    "TOKENIZER_MODEL",
+    "TOKENIZER_TYPE",
+    "VOCAB_SIZE",
+    "VOCAB_FILE",
+    "MERGE_FILE",
+    "RUN_DIR",
+    "CHECKPOINT_DIR",
+    "LOAD_DIR",
+    "TENSORBOARD_DIR",
+    "METRICS_FILE",
+    "WANDB_PROJECT",
+    "WANDB_EXP_NAME",
+    "SAVE_INTERVAL",
+    "LOG_INTERVAL",
+    "EVAL_INTERVAL",
+    "EVAL_ITERS",
+    "TIMING_LOG_LEVEL",
+    "ASYNC_SAVE",
+    "PRECISION",
+    "SEQUENCE_PARALLEL",
+    "RECOMPUTE",
+    "RECOMPUTE_NUM_LAYERS",
+    "VP_LAYERS",
+    "DIST_OPT",
+    "EP",
+    "DRY_RUN",
+    "PYTHON",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NNODES",
+    "SLURM_NODEID",
+    "SLURM_SUBMIT_DIR",
+    "SLURM_GPUS_ON_NODE",
+)
 
 
 def run_script(script, *extra, env=None, cwd=None):
@@ -45,19 +91,20 @@ def run_script(script, *extra, env=None, cwd=None):
     full_env["RUN_DIR"] = os.path.join(tempfile.gettempdir(), f"megalm-test-scripts-{os.getpid()}", "no-run")
     full_env.update(env or {})
     full_env["DRY_RUN"] = "1"
-    proc = subprocess.run(["bash", str(script), *extra], env=full_env, cwd=cwd or "/", capture_output=True,
-                          text=True, timeout=30)
+    proc = subprocess.run(
+        ["bash", str(script), *extra], env=full_env, cwd=cwd or "/", capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode == 0, f"{script.name} failed ({proc.returncode}):\n{proc.stderr}"
     lines = proc.stdout.splitlines()
     assert MARKER in lines, f"{script.name}: no '{MARKER}' line in:\n{proc.stdout}"
     command = [line for line in lines if line.startswith(COMMAND_PREFIX)]
     assert len(command) == 1, proc.stdout
-    words = shlex.split(command[0][len("[megalm] "):])
+    words = shlex.split(command[0][len("[megalm] ") :])
     assert words[:3] == ["cd", str(REPO), "&&"], words[:3]
-    flags = lines[lines.index(MARKER) + 1:]
+    flags = lines[lines.index(MARKER) + 1 :]
     launcher = words[3:]
-    assert launcher[-len(flags) - 1:] == ["pretrain_gpt.py", *flags], "printed command and flags disagree"
-    return launcher[:-len(flags) - 1], flags
+    assert launcher[-len(flags) - 1 :] == ["pretrain_gpt.py", *flags], "printed command and flags disagree"
+    return launcher[: -len(flags) - 1], flags
 
 
 def launcher_options(launcher):
@@ -120,8 +167,7 @@ def test_scripts_exist():
     names = {s.name for s in SCRIPTS}
     for size in ("125m", "350m", "1.3b", "2.7b", "6.7b", "13b", "175b"):
         assert f"pretrain_gpt3_{size}.sh" in names
-    for name in ("llama2_7b", "llama3_8b", "llama2_13b", "llama2_70b", "gpt_tiny_cpu", "mixtral_8x7b",
-                 "moe_tiny_cpu"):
+    for name in ("llama2_7b", "llama3_8b", "llama2_13b", "llama2_70b", "gpt_tiny_cpu", "mixtral_8x7b", "moe_tiny_cpu"):
         assert f"pretrain_{name}.sh" in names
     for script in SCRIPTS + [SCRIPTS_DIR / "slurm" / "pretrain.sbatch"]:
         assert os.access(script, os.X_OK), f"{script} is not executable"
@@ -178,7 +224,12 @@ def test_known_shapes():
     assert abs(n["llama3_8b"][0] - 8_030_261_248) / 8_030_261_248 < 0.005
     assert abs(n["llama2_70b"][0] - 68_976_648_192) / 68_976_648_192 < 0.005
     llama3 = n["llama3_8b"][1].model
-    assert (llama3.num_query_groups, llama3.rotary_base, llama3.ffn_hidden_size, llama3.seq_length) == (8, 500000, 14336, 8192)
+    assert (llama3.num_query_groups, llama3.rotary_base, llama3.ffn_hidden_size, llama3.seq_length) == (
+        8,
+        500000,
+        14336,
+        8192,
+    )
     assert n["llama2_70b"][1].model.num_query_groups == 8
     assert n["llama2_7b"][1].model.num_query_groups is None
 
@@ -204,16 +255,38 @@ def test_mixtral_shape_and_expert_layout():
 def test_environment_overrides_and_extra_flags(tmp_path):
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("100")
-    env = {"TP": "2", "PP": "1", "MICRO_BATCH_SIZE": "1", "GLOBAL_BATCH_SIZE": "8", "TRAIN_ITERS": "50",
-           "GPUS_PER_NODE": "4", "NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "node-a", "MASTER_PORT": "29500",
-           "DATA_PATH": "0.7 /data/a_text_document 0.3 /data/b_text_document",
-           "TOKENIZER_MODEL": "/models/llama-2/tokenizer.model", "CHECKPOINT_DIR": str(tmp_path / "ckpt"),
-           "TENSORBOARD_DIR": str(tmp_path / "tb"), "WANDB_PROJECT": "proj", "DIST_OPT": "1", "RECOMPUTE": "full",
-           "TIMING_LOG_LEVEL": "2", "ASYNC_SAVE": "1"}
-    launcher, flags = run_script(SCRIPTS_DIR / "pretrain_llama2_70b.sh", "--lr", "1e-5", "--min-lr", "1e-6", "--log-interval", "1", env=env)
+    env = {
+        "TP": "2",
+        "PP": "1",
+        "MICRO_BATCH_SIZE": "1",
+        "GLOBAL_BATCH_SIZE": "8",
+        "TRAIN_ITERS": "50",
+        "GPUS_PER_NODE": "4",
+        "NNODES": "2",
+        "NODE_RANK": "1",
+        "MASTER_ADDR": "node-a",
+        "MASTER_PORT": "29500",
+        "DATA_PATH": "0.7 /data/a_text_document 0.3 /data/b_text_document",
+        "TOKENIZER_MODEL": "/models/llama-2/tokenizer.model",
+        "CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+        "TENSORBOARD_DIR": str(tmp_path / "tb"),
+        "WANDB_PROJECT": "proj",
+        "DIST_OPT": "1",
+        "RECOMPUTE": "full",
+        "TIMING_LOG_LEVEL": "2",
+        "ASYNC_SAVE": "1",
+    }
+    launcher, flags = run_script(
+        SCRIPTS_DIR / "pretrain_llama2_70b.sh", "--lr", "1e-5", "--min-lr", "1e-6", "--log-interval", "1", env=env
+    )
     opts = launcher_options(launcher)
-    assert opts == {"--nproc_per_node": "4", "--nnodes": "2", "--node_rank": "1", "--master_addr": "node-a",
-                    "--master_port": "29500"}
+    assert opts == {
+        "--nproc_per_node": "4",
+        "--nnodes": "2",
+        "--node_rank": "1",
+        "--master_addr": "node-a",
+        "--master_port": "29500",
+    }
     assert flags[-6:] == ["--lr", "1e-5", "--min-lr", "1e-6", "--log-interval", "1"]
     cfg = parse(flags, 8)
     p, t, d = cfg.parallel, cfg.training, cfg.data
@@ -243,18 +316,31 @@ def test_tiny_cpu_with_real_data_and_tokenizer():
 
 
 def test_gpt2_bpe_files_from_the_environment():
-    env = {"DATA_PATH": "/data/pile_text_document", "VOCAB_FILE": "/data/gpt2-vocab.json",
-           "MERGE_FILE": "/data/gpt2-merges.txt"}
+    env = {
+        "DATA_PATH": "/data/pile_text_document",
+        "VOCAB_FILE": "/data/gpt2-vocab.json",
+        "MERGE_FILE": "/data/gpt2-merges.txt",
+    }
     cfg = parse(run_script(SCRIPTS_DIR / "pretrain_gpt3_125m.sh", env=env)[1], 8)
     d = cfg.data
-    assert (d.tokenizer_type, d.vocab_file, d.merge_file) == ("GPT2BPETokenizer", "/data/gpt2-vocab.json",
-                                                              "/data/gpt2-merges.txt")
+    assert (d.tokenizer_type, d.vocab_file, d.merge_file) == (
+        "GPT2BPETokenizer",
+        "/data/gpt2-vocab.json",
+        "/data/gpt2-merges.txt",
+    )
     assert d.tokenizer_model is None and cfg.model.vocab_size is None  # the vocab file sets it at start
-    for bad, message in (({"VOCAB_FILE": "/v.json"}, "needs both VOCAB_FILE and MERGE_FILE"),
-                         ({**env, "TOKENIZER_MODEL": "/models/gpt2"}, "not both")):
+    for bad, message in (
+        ({"VOCAB_FILE": "/v.json"}, "needs both VOCAB_FILE and MERGE_FILE"),
+        ({**env, "TOKENIZER_MODEL": "/models/gpt2"}, "not both"),
+    ):
         full_env = {k: v for k, v in os.environ.items() if k not in SCRIPT_ENV}
-        proc = subprocess.run(["bash", str(SCRIPTS_DIR / "pretrain_gpt3_125m.sh")],
-                              env={**full_env, **bad, "DRY_RUN": "1"}, capture_output=True, text=True, timeout=30)
+        proc = subprocess.run(
+            ["bash", str(SCRIPTS_DIR / "pretrain_gpt3_125m.sh")],
+            env={**full_env, **bad, "DRY_RUN": "1"},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert proc.returncode == 2 and message in proc.stderr
 
 
@@ -262,56 +348,119 @@ def test_slurm_wrapper_sets_rendezvous(tmp_path):
     """Run the sbatch file with stand-ins for scontrol and srun (srun runs the task as node 3)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text('#!/bin/bash\n[[ "$1 $2" == "show hostnames" ]] || exit 1\n'
-                                      'printf "gpu-node-07\\ngpu-node-08\\n"\n')
-    (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == -* ]]; do shift; done\n'
-                                  'SLURM_NODEID=3 exec "$@"\n')
+    (bin_dir / "scontrol").write_text(
+        '#!/bin/bash\n[[ "$1 $2" == "show hostnames" ]] || exit 1\nprintf "gpu-node-07\\ngpu-node-08\\n"\n'
+    )
+    (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == -* ]]; do shift; done\nSLURM_NODEID=3 exec "$@"\n')
     for tool in ("scontrol", "srun"):
         (bin_dir / tool).chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in SCRIPT_ENV}
-    env.update({"PATH": f"{bin_dir}:{env['PATH']}", "DRY_RUN": "1", "SLURM_JOB_NODELIST": "gpu-node-[07-08]",
-                "SLURM_NNODES": "16", "SLURM_NODEID": "0", "SLURM_SUBMIT_DIR": str(REPO)})
-    proc = subprocess.run(["bash", str(SCRIPTS_DIR / "slurm" / "pretrain.sbatch"), "scripts/pretrain_gpt3_175b.sh",
-                           "--log-interval", "1"], env=env, cwd=str(tmp_path), capture_output=True, text=True,
-                          timeout=30)
+    env.update(
+        {
+            "PATH": f"{bin_dir}:{env['PATH']}",
+            "DRY_RUN": "1",
+            "SLURM_JOB_NODELIST": "gpu-node-[07-08]",
+            "SLURM_NNODES": "16",
+            "SLURM_NODEID": "0",
+            "SLURM_SUBMIT_DIR": str(REPO),
+        }
+    )
+    proc = subprocess.run(
+        [
+            "bash",
+            str(SCRIPTS_DIR / "slurm" / "pretrain.sbatch"),
+            "scripts/pretrain_gpt3_175b.sh",
+            "--log-interval",
+            "1",
+        ],
+        env=env,
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 0, proc.stderr
     command = next(line for line in proc.stdout.splitlines() if line.startswith(COMMAND_PREFIX))
-    words = shlex.split(command[len("[megalm] "):])
-    opts = launcher_options(words[3:words.index("pretrain_gpt.py")])
-    assert opts == {"--nproc_per_node": "8", "--nnodes": "16", "--node_rank": "3", "--master_addr": "gpu-node-07",
-                    "--master_port": "6000"}
+    words = shlex.split(command[len("[megalm] ") :])
+    opts = launcher_options(words[3 : words.index("pretrain_gpt.py")])
+    assert opts == {
+        "--nproc_per_node": "8",
+        "--nnodes": "16",
+        "--node_rank": "3",
+        "--master_addr": "gpu-node-07",
+        "--master_port": "6000",
+    }
     assert words[-2:] == ["--log-interval", "1"]
 
-    missing = subprocess.run(["bash", str(SCRIPTS_DIR / "slurm" / "pretrain.sbatch")], env=env,
-                             capture_output=True, text=True, timeout=30)
+    missing = subprocess.run(
+        ["bash", str(SCRIPTS_DIR / "slurm" / "pretrain.sbatch")], env=env, capture_output=True, text=True, timeout=30
+    )
     assert missing.returncode == 2 and "usage" in missing.stderr
 
 
 def preset_of(script):
     """``pretrain_gpt3_1.3b.sh`` -> ``gpt3_1.3b``."""
-    return script.name[len("pretrain_"):-len(".sh")]
+    return script.name[len("pretrain_") : -len(".sh")]
 
 
 def test_every_preset_has_a_script_that_only_launches_it():
     assert sorted(preset_of(s) for s in SCRIPTS) == sorted(PRESETS)
     for script in SCRIPTS:
         code = [line for line in script.read_text().splitlines() if line.strip() and not line.startswith("#")]
-        assert code == ["set -euo pipefail", 'source "$(dirname "${BASH_SOURCE[0]}")/common.sh"',
-                        f'megalm_launch {preset_of(script)} "$@"'], script.name
+        assert code == [
+            "set -euo pipefail",
+            'source "$(dirname "${BASH_SOURCE[0]}")/common.sh"',
+            f'megalm_launch {preset_of(script)} "$@"',
+        ], script.name
 
 
 # Overrides every script honours; each changes the recipe flags (EP only for the MoE presets).
-OVERRIDES = {"TP": "2", "PP": "2", "EP": "1", "MICRO_BATCH_SIZE": "2", "GLOBAL_BATCH_SIZE": "64",
-             "TRAIN_TOKENS": "1000000000", "LR": "1e-3", "MIN_LR": "1e-4", "DIST_OPT": "0", "RECOMPUTE": "selective",
-             "VP_LAYERS": "1", "PRECISION": "fp16", "VOCAB_SIZE": "1000", "GPUS_PER_NODE": "2", "NNODES": "3"}
+OVERRIDES = {
+    "TP": "2",
+    "PP": "2",
+    "EP": "1",
+    "MICRO_BATCH_SIZE": "2",
+    "GLOBAL_BATCH_SIZE": "64",
+    "TRAIN_TOKENS": "1000000000",
+    "LR": "1e-3",
+    "MIN_LR": "1e-4",
+    "DIST_OPT": "0",
+    "RECOMPUTE": "selective",
+    "VP_LAYERS": "1",
+    "PRECISION": "fp16",
+    "VOCAB_SIZE": "1000",
+    "GPUS_PER_NODE": "2",
+    "NNODES": "3",
+}
 
 
 # The only flags scripts/common.sh adds to a preset's: data, tokenizer files, outputs, logging.
-LAUNCHER_FLAGS = {"--mock-data", "--data-path", "--split", "--data-cache-path", "--num-workers", "--tokenizer-type",
-                  "--vocab-size", "--vocab-file", "--merge-file", "--tokenizer-model", "--save", "--save-interval",
-                  "--load", "--async-save", "--log-interval", "--eval-interval", "--eval-iters", "--tensorboard-dir",
-                  "--metrics-file", "--timing-log-level", "--log-timers-to-tensorboard", "--wandb-project",
-                  "--wandb-exp-name", "--wandb-save-dir"}
+LAUNCHER_FLAGS = {
+    "--mock-data",
+    "--data-path",
+    "--split",
+    "--data-cache-path",
+    "--num-workers",
+    "--tokenizer-type",
+    "--vocab-size",
+    "--vocab-file",
+    "--merge-file",
+    "--tokenizer-model",
+    "--save",
+    "--save-interval",
+    "--load",
+    "--async-save",
+    "--log-interval",
+    "--eval-interval",
+    "--eval-iters",
+    "--tensorboard-dir",
+    "--metrics-file",
+    "--timing-log-level",
+    "--log-timers-to-tensorboard",
+    "--wandb-project",
+    "--wandb-exp-name",
+    "--wandb-save-dir",
+}
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s.name)
@@ -323,13 +472,15 @@ def test_script_passes_its_presets_flags(script):
         launch = resolve(preset, Overrides.from_env(env))
         launcher, flags = run_script(script, env=env)
         recipe = recipe_flags(launch)
-        assert flags[:len(recipe)] == recipe, (script.name, env)
-        assert {f for f in flags[len(recipe):] if f.startswith("--")} <= LAUNCHER_FLAGS
+        assert flags[: len(recipe)] == recipe, (script.name, env)
+        assert {f for f in flags[len(recipe) :] if f.startswith("--")} <= LAUNCHER_FLAGS
         i = flags.index("--tokenizer-type")
-        assert flags[i:i + 4] == null_tokenizer_flags(launch)
+        assert flags[i : i + 4] == null_tokenizer_flags(launch)
         opts = launcher_options(launcher)
-        assert (int(opts["--nproc_per_node"]), int(opts["--nnodes"])) == (launch.layout.gpus_per_node,
-                                                                          launch.layout.nnodes)
+        assert (int(opts["--nproc_per_node"]), int(opts["--nnodes"])) == (
+            launch.layout.gpus_per_node,
+            launch.layout.nnodes,
+        )
     # The overrides reached the flags.
     cfg = config_from_args(build_parser().parse_args(flags))
     p, t = cfg.parallel, cfg.training
@@ -345,26 +496,26 @@ def test_script_passes_its_presets_flags(script):
 # numbers as they spelled them: the presets must keep these values.
 OLD_SCRIPT_FLAGS = {
     "gpt3_125m": "--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 2048 "
-                 "--max-position-embeddings 2048 --position-embedding-type learned_absolute --normalization LayerNorm "
-                 "--hidden-dropout 0.1 --attention-dropout 0.1 --init-method-std 0.02 --tensor-model-parallel-size 1 "
-                 "--pipeline-model-parallel-size 1 --use-distributed-optimizer --overlap-grad-reduce "
-                 "--overlap-param-gather --micro-batch-size 8 --global-batch-size 256 --train-iters 572204 --bf16 "
-                 "--optimizer adam --lr 6.0e-4 --min-lr 6.0e-5 --lr-decay-style cosine --lr-warmup-iters 715 "
-                 "--lr-decay-iters 495910 --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --weight-decay 0.1 "
-                 "--clip-grad 1.0 --exit-signal-handler",
+    "--max-position-embeddings 2048 --position-embedding-type learned_absolute --normalization LayerNorm "
+    "--hidden-dropout 0.1 --attention-dropout 0.1 --init-method-std 0.02 --tensor-model-parallel-size 1 "
+    "--pipeline-model-parallel-size 1 --use-distributed-optimizer --overlap-grad-reduce "
+    "--overlap-param-gather --micro-batch-size 8 --global-batch-size 256 --train-iters 572204 --bf16 "
+    "--optimizer adam --lr 6.0e-4 --min-lr 6.0e-5 --lr-decay-style cosine --lr-warmup-iters 715 "
+    "--lr-decay-iters 495910 --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --weight-decay 0.1 "
+    "--clip-grad 1.0 --exit-signal-handler",
     "mixtral_8x7b": "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 "
-                    "--group-query-attention --num-query-groups 8 --seq-length 4096 --max-position-embeddings 32768 "
-                    "--position-embedding-type rope --rotary-base 1000000 --normalization RMSNorm --norm-epsilon 1e-5 "
-                    "--swiglu --disable-bias-linear --untie-embeddings-and-output-weights --hidden-dropout 0.0 "
-                    "--attention-dropout 0.0 --init-method-std 0.01 --num-experts 8 --moe-ffn-hidden-size 14336 "
-                    "--moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 "
-                    "--moe-router-dtype fp32 --moe-token-dispatcher-type alltoall --moe-grouped-gemm "
-                    "--expert-model-parallel-size 8 --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 "
-                    "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --recompute-granularity "
-                    "full --recompute-method uniform --recompute-num-layers 1 --micro-batch-size 1 "
-                    "--global-batch-size 256 --train-iters 500000 --bf16 --optimizer adam --lr 1.0e-4 --min-lr 1.0e-5 "
-                    "--lr-decay-style cosine --lr-warmup-iters 500 --lr-decay-iters 320000 --adam-beta1 0.9 "
-                    "--adam-beta2 0.95 --weight-decay 0.1 --clip-grad 1.0 --exit-signal-handler",
+    "--group-query-attention --num-query-groups 8 --seq-length 4096 --max-position-embeddings 32768 "
+    "--position-embedding-type rope --rotary-base 1000000 --normalization RMSNorm --norm-epsilon 1e-5 "
+    "--swiglu --disable-bias-linear --untie-embeddings-and-output-weights --hidden-dropout 0.0 "
+    "--attention-dropout 0.0 --init-method-std 0.01 --num-experts 8 --moe-ffn-hidden-size 14336 "
+    "--moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 "
+    "--moe-router-dtype fp32 --moe-token-dispatcher-type alltoall --moe-grouped-gemm "
+    "--expert-model-parallel-size 8 --tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 "
+    "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --recompute-granularity "
+    "full --recompute-method uniform --recompute-num-layers 1 --micro-batch-size 1 "
+    "--global-batch-size 256 --train-iters 500000 --bf16 --optimizer adam --lr 1.0e-4 --min-lr 1.0e-5 "
+    "--lr-decay-style cosine --lr-warmup-iters 500 --lr-decay-iters 320000 --adam-beta1 0.9 "
+    "--adam-beta2 0.95 --weight-decay 0.1 --clip-grad 1.0 --exit-signal-handler",
 }
 
 
@@ -390,11 +541,24 @@ def outside_references(text):
 
 
 def test_outside_reference_scanner():
-    for bad in ("DATA_PATH=/data/pile_text_document", 'TOKENIZER_MODEL="/models/tok.model"', "source ../../x.sh",
-                "CHECKPOINT_DIR=~/ckpt", 'cd "$HOME/megalm"', "see `/lustre/ckpt`", "  blend 0.7 /data/a"):
+    for bad in (
+        "DATA_PATH=/data/pile_text_document",
+        'TOKENIZER_MODEL="/models/tok.model"',
+        "source ../../x.sh",
+        "CHECKPOINT_DIR=~/ckpt",
+        'cd "$HOME/megalm"',
+        "see `/lustre/ckpt`",
+        "  blend 0.7 /data/a",
+    ):
         assert outside_references(bad), bad
-    for good in ("#!/usr/bin/env bash", "6 + 12/8 B; s*b*V/TP; 260/300; 8 / 256", "data/pile_text_document",
-                 'cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd', "$RUN_DIR/checkpoints", "https://example.org/x"):
+    for good in (
+        "#!/usr/bin/env bash",
+        "6 + 12/8 B; s*b*V/TP; 260/300; 8 / 256",
+        "data/pile_text_document",
+        'cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd',
+        "$RUN_DIR/checkpoints",
+        "https://example.org/x",
+    ):
         assert not outside_references(good), good
 
 

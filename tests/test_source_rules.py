@@ -45,8 +45,12 @@ def exit_calls(tree: ast.AST) -> List[int]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and node.id == "SystemExit":
             lines.append(node.lineno)
-        elif isinstance(node, ast.Attribute) and node.attr == "exit" and isinstance(node.value, ast.Name) \
-                and node.value.id == "sys":
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr == "exit"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "sys"
+        ):
             lines.append(node.lineno)
         elif isinstance(node, ast.ImportFrom) and node.module == "sys" and any(a.name == "exit" for a in node.names):
             lines.append(node.lineno)
@@ -57,8 +61,9 @@ def exit_calls(tree: ast.AST) -> List[int]:
 
 def _is_type_checking(node: ast.If) -> bool:
     test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _module_level_imports(body: List[ast.stmt]):
@@ -89,7 +94,7 @@ def imported_modules(module: str, path: str, known: Set[str]) -> Set[str]:
         base = node.module or ""
         if node.level:
             parts = module.split(".") if is_package else module.split(".")[:-1]
-            parts = parts[:len(parts) - (node.level - 1)]
+            parts = parts[: len(parts) - (node.level - 1)]
             base = ".".join(parts + ([node.module] if node.module else []))
         for alias in node.names:
             sub = f"{base}.{alias.name}"
@@ -100,8 +105,11 @@ def imported_modules(module: str, path: str, known: Set[str]) -> Set[str]:
     # Importing a.b.c first runs the packages a and a.b (other than the importer's own packages).
     for name in list(out):
         parts = name.split(".")
-        out.update(p for p in (".".join(parts[:i]) for i in range(1, len(parts)))
-                   if p in known and not module.startswith(p + "."))
+        out.update(
+            p
+            for p in (".".join(parts[:i]) for i in range(1, len(parts)))
+            if p in known and not module.startswith(p + ".")
+        )
     out.discard(module)
     return out
 
@@ -158,8 +166,11 @@ def _cycle_in(graph: Dict[str, Set[str]], scc: Set[str]) -> List[str]:
 
 
 def test_no_system_exit_in_library_code():
-    offenders = {f"{os.path.relpath(path, os.path.dirname(ROOT))}:{line}"
-                 for name, path in MODULES.items() for line in exit_calls(_tree(path))}
+    offenders = {
+        f"{os.path.relpath(path, os.path.dirname(ROOT))}:{line}"
+        for name, path in MODULES.items()
+        for line in exit_calls(_tree(path))
+    }
     assert not offenders, "megalm/ must raise a MegalmError, not exit: " + ", ".join(sorted(offenders))
 
 
@@ -171,14 +182,17 @@ def test_no_import_cycle():
     assert not cycles, "module-level import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
-@pytest.mark.parametrize("source, lines", [
-    ("import sys\nsys.exit(1)\n", [2]),
-    ("def f():\n    raise SystemExit(2)\n", [2]),
-    ("try:\n    pass\nexcept SystemExit:\n    pass\n", [3]),
-    ("from sys import exit\n", [1]),
-    ("exit()\n", [1]),
-    ("import sys\nprint(sys.argv)\n", []),
-])
+@pytest.mark.parametrize(
+    "source, lines",
+    [
+        ("import sys\nsys.exit(1)\n", [2]),
+        ("def f():\n    raise SystemExit(2)\n", [2]),
+        ("try:\n    pass\nexcept SystemExit:\n    pass\n", [3]),
+        ("from sys import exit\n", [1]),
+        ("exit()\n", [1]),
+        ("import sys\nprint(sys.argv)\n", []),
+    ],
+)
 def test_exit_scan_finds_exits(source, lines):
     assert exit_calls(ast.parse(source)) == lines
 
@@ -190,8 +204,9 @@ def test_cycle_finder_reports_the_cycle_and_ignores_lazy_imports(tmp_path):
     pkg = tmp_path / "pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("from . import x\n")
-    (pkg / "x.py").write_text("from pkg.y import f\nfrom typing import TYPE_CHECKING\n"
-                              "if TYPE_CHECKING:\n    import pkg.z\n")
+    (pkg / "x.py").write_text(
+        "from pkg.y import f\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.z\n"
+    )
     (pkg / "y.py").write_text("def f():\n    from pkg import x\n")
     (pkg / "z.py").write_text("import pkg.x\n")
     (tmp_path / "other.py").write_text("import pkg.y\n")  # runs the package pkg, then pkg.y

@@ -16,14 +16,58 @@ from megalm.testing import run_distributed
 
 SEQ, MBS, GBS, VOCAB, USED_TOKENS = 16, 2, 8, 128, 40
 MASK_LENGTHS = [16, 1, 3, 16, 2, 9, 16, 5]  # per sample: the first k tokens count
-ARGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", str(SEQ),
-        "--max-position-embeddings", str(SEQ), "--mock-data", "--vocab-size", str(VOCAB), "--num-workers", "0",
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "5", "--optimizer", "sgd",
-        "--sgd-momentum", "0", "--weight-decay", "0", "--clip-grad", "0", "--lr", "1.0",
-        "--lr-decay-style", "constant", "--train-iters", "1", "--log-interval", "1", "--eval-iters", "0",
-        "--micro-batch-size", str(MBS), "--global-batch-size", str(GBS), "--untie-embeddings-and-output-weights",
-        "--log-num-zeros-in-grad", "--calculate-per-token-loss", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
-        "--no-masked-softmax-fusion", "--no-norm-fusion"]
+ARGS = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    str(SEQ),
+    "--max-position-embeddings",
+    str(SEQ),
+    "--mock-data",
+    "--vocab-size",
+    str(VOCAB),
+    "--num-workers",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--seed",
+    "5",
+    "--optimizer",
+    "sgd",
+    "--sgd-momentum",
+    "0",
+    "--weight-decay",
+    "0",
+    "--clip-grad",
+    "0",
+    "--lr",
+    "1.0",
+    "--lr-decay-style",
+    "constant",
+    "--train-iters",
+    "1",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--micro-batch-size",
+    str(MBS),
+    "--global-batch-size",
+    str(GBS),
+    "--untie-embeddings-and-output-weights",
+    "--log-num-zeros-in-grad",
+    "--calculate-per-token-loss",
+    "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-masked-softmax-fusion",
+    "--no-norm-fusion",
+]
 
 
 def _samples():
@@ -41,7 +85,7 @@ def _microbatches(dp_rank, dp_size):
     """This data-parallel rank's microbatches: its contiguous share of the global batch, in order."""
     data, per_rank = _samples(), GBS // dp_size
     for start in range(dp_rank * per_rank, (dp_rank + 1) * per_rank, MBS):
-        yield {k: v[start:start + MBS] for k, v in data.items()}
+        yield {k: v[start : start + MBS] for k, v in data.items()}
 
 
 def _arrays(tensors):
@@ -55,8 +99,9 @@ def _trainer(argv):
     from megalm.training.initialize import world_size_from_env
     from megalm.training.training import Trainer
 
-    trainer = Trainer(parse_config(argv, world_size=world_size_from_env()), pretrain_gpt.model_provider,
-                      pretrain_gpt.forward_step)
+    trainer = Trainer(
+        parse_config(argv, world_size=world_size_from_env()), pretrain_gpt.model_provider, pretrain_gpt.forward_step
+    )
     trainer.setup()
     return trainer
 
@@ -69,14 +114,19 @@ def _train_one_step(metrics_file, extra=()):
     trainer = _trainer(ARGS + ["--metrics-file", metrics_file, *extra])
     try:
         module = unwrap_model(trainer.model[0])
-        trainer.train_iter = _microbatches(parallel_state.get_data_parallel_rank(),
-                                           parallel_state.get_data_parallel_world_size())
+        trainer.train_iter = _microbatches(
+            parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+        )
         before = _arrays(module.named_parameters())
         trainer.train()
         trainer.metrics.close()
         after = _arrays(module.named_parameters())
-        return {"before": before, "after": after, "iteration": trainer.state.iteration,
-                "consumed": trainer.state.consumed_train_samples}
+        return {
+            "before": before,
+            "after": after,
+            "iteration": trainer.state.iteration,
+            "consumed": trainer.state.consumed_train_samples,
+        }
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -99,12 +149,16 @@ def _reference():
         per_token = (token_losses() * mask).sum() / mask.sum()
         grads = torch.autograd.grad(per_token, params)
         losses = token_losses()
-        micro = [(losses[i:i + MBS] * mask[i:i + MBS]).sum() / mask[i:i + MBS].sum() for i in range(0, GBS, MBS)]
+        micro = [(losses[i : i + MBS] * mask[i : i + MBS]).sum() / mask[i : i + MBS].sum() for i in range(0, GBS, MBS)]
         mean_of_means = torch.stack(micro).mean()
         grads_mm = torch.autograd.grad(mean_of_means, params)
-        return {"loss": per_token.item(), "loss_mm": mean_of_means.item(),
-                "before": _arrays(zip(names, params)), "grads": _arrays(zip(names, grads)),
-                "grads_mm": _arrays(zip(names, grads_mm))}
+        return {
+            "loss": per_token.item(),
+            "loss_mm": mean_of_means.item(),
+            "before": _arrays(zip(names, params)),
+            "grads": _arrays(zip(names, grads)),
+            "grads_mm": _arrays(zip(names, grads_mm)),
+        }
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -115,8 +169,9 @@ def runs(tmp_path_factory):
     metrics = os.path.join(tmp, "dp2.jsonl")
     dp2 = run_distributed(_train_one_step, 2, args=(metrics,), timeout=300)
     # Pipeline parallel: the token count lives on the last stage and is broadcast to the first.
-    pp2 = run_distributed(_train_one_step, 2, args=(os.path.join(tmp, "pp2.jsonl"),
-                                                    ["--pipeline-model-parallel-size", "2"]), timeout=300)
+    pp2 = run_distributed(
+        _train_one_step, 2, args=(os.path.join(tmp, "pp2.jsonl"), ["--pipeline-model-parallel-size", "2"]), timeout=300
+    )
     (ref,) = run_distributed(_reference, 1, timeout=300)
     from tests.training_runs import records
 

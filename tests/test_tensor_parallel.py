@@ -70,6 +70,7 @@ def _all_tp(fn, *shape, seed=0):
 
 # --- mappings -----------------------------------------------------------------------------
 
+
 def _check_mappings(tp: int) -> dict:
     r = parallel_state.get_tensor_model_parallel_rank()
     g = parallel_state.get_process_groups().tp
@@ -125,9 +126,12 @@ def _check_mappings(tp: int) -> dict:
 
 # --- layers -------------------------------------------------------------------------------
 
+
 def _grad_errors(prefix, layer, reference_grads) -> dict:
-    return {f"{prefix} grad {name}": _rel(gather_tensor_parallel_grad(p), reference_grads[name])
-            for name, p in layer.named_parameters()}
+    return {
+        f"{prefix} grad {name}": _rel(gather_tensor_parallel_grad(p), reference_grads[name])
+        for name, p in layer.named_parameters()
+    }
 
 
 def _reference(layer, fn, x, upstream):
@@ -142,8 +146,9 @@ def _reference(layer, fn, x, upstream):
 def _check_column_linear(tp: int, sp: bool, gather_output: bool, stride: int) -> dict:
     r = parallel_state.get_tensor_model_parallel_rank()
     out_features = 16
-    layer = ColumnParallelLinear(H, out_features, bias=True, gather_output=gather_output, stride=stride,
-                                 sequence_parallel=sp, init_std=0.3)
+    layer = ColumnParallelLinear(
+        H, out_features, bias=True, gather_output=gather_output, stride=stride, sequence_parallel=sp, init_std=0.3
+    )
     initialize_weights(layer, seed=9)  # parameters start as torch.empty: never compare uninitialized memory
     with torch.no_grad():
         layer.bias.normal_(generator=torch.Generator().manual_seed(r))
@@ -154,11 +159,11 @@ def _check_column_linear(tp: int, sp: bool, gather_output: bool, stride: int) ->
     local_cols = shard_of_full(upstream_full, -1, r, tp, stride)
     upstream = upstream_full if gather_output else local_cols
     (out * upstream).sum().backward()
-    ref_out, ref_dx, ref_grads = _reference(layer, lambda t, p: F.linear(t, p["weight"], p["bias"]), x_full,
-                                            upstream_full)
+    ref_out, ref_dx, ref_grads = _reference(
+        layer, lambda t, p: F.linear(t, p["weight"], p["bias"]), x_full, upstream_full
+    )
     name = f"column sp={sp} gather={gather_output} stride={stride}"
-    full_out = out if gather_output else assemble_full(
-        [_gather_list(out)[k] for k in range(tp)], -1, stride)
+    full_out = out if gather_output else assemble_full([_gather_list(out)[k] for k in range(tp)], -1, stride)
     dx = x.grad if not sp else torch.cat(_gather_list(x.grad), 0)
     errors = {f"{name} out": _rel(full_out, ref_out), f"{name} dx": _rel(dx, ref_dx)}
     errors.update(_grad_errors(name, layer, ref_grads))
@@ -174,8 +179,9 @@ def _gather_list(t: torch.Tensor):
 def _check_row_linear(tp: int, sp: bool, input_is_parallel: bool) -> dict:
     r = parallel_state.get_tensor_model_parallel_rank()
     in_features = 16
-    layer = RowParallelLinear(in_features, H, bias=True, input_is_parallel=input_is_parallel, sequence_parallel=sp,
-                              init_std=0.3)
+    layer = RowParallelLinear(
+        in_features, H, bias=True, input_is_parallel=input_is_parallel, sequence_parallel=sp, init_std=0.3
+    )
     initialize_weights(layer, seed=10)
     with torch.no_grad():
         layer.bias.normal_(generator=torch.Generator().manual_seed(7))
@@ -185,8 +191,9 @@ def _check_row_linear(tp: int, sp: bool, input_is_parallel: bool) -> dict:
     upstream_full = _same_input(S, B, H, seed=5)
     (out * (upstream_full.chunk(tp, 0)[r] if sp else upstream_full)).sum().backward()
     allreduce_sequence_parallel_grads(layer)
-    ref_out, ref_dx, ref_grads = _reference(layer, lambda t, p: F.linear(t, p["weight"], p["bias"]), x_full,
-                                            upstream_full)
+    ref_out, ref_dx, ref_grads = _reference(
+        layer, lambda t, p: F.linear(t, p["weight"], p["bias"]), x_full, upstream_full
+    )
     name = f"row sp={sp} parallel_input={input_is_parallel}"
     full_out = torch.cat(_gather_list(out), 0) if sp else out
     dx = torch.cat(_gather_list(x.grad), -1) if input_is_parallel else x.grad
@@ -198,8 +205,9 @@ def _check_row_linear(tp: int, sp: bool, input_is_parallel: bool) -> dict:
 def _check_embedding(tp: int, reduce_scatter: bool) -> dict:
     r = parallel_state.get_tensor_model_parallel_rank()
     vocab, unpadded = 32, 27
-    layer = VocabParallelEmbedding(vocab, H, init_std=0.5, vocab_unpadded=unpadded,
-                                   reduce_scatter_to_sequence=reduce_scatter)
+    layer = VocabParallelEmbedding(
+        vocab, H, init_std=0.5, vocab_unpadded=unpadded, reduce_scatter_to_sequence=reduce_scatter
+    )
     initialize_weights(layer, seed=11)
     tokens = torch.randint(0, unpadded, (B, S), generator=torch.Generator().manual_seed(6))
     out = layer(tokens)
@@ -210,13 +218,16 @@ def _check_embedding(tp: int, reduce_scatter: bool) -> dict:
     full_out = torch.cat(_gather_list(out), 0).transpose(0, 1) if reduce_scatter else out
     full_weight = gather_tensor_parallel_param(layer.weight)
     name = f"embedding reduce_scatter={reduce_scatter}"
-    errors = {f"{name} out": _rel(full_out, ref_out),
-              f"{name} padded rows nonzero": full_weight[unpadded:].abs().sum().item()}
+    errors = {
+        f"{name} out": _rel(full_out, ref_out),
+        f"{name} padded rows nonzero": full_weight[unpadded:].abs().sum().item(),
+    }
     errors.update(_grad_errors(name, layer, ref_grads))
     return errors
 
 
 # --- cross entropy ------------------------------------------------------------------------
+
 
 def _check_cross_entropy(tp: int, dtype: torch.dtype) -> dict:
     r = parallel_state.get_tensor_model_parallel_rank()
@@ -234,10 +245,12 @@ def _check_cross_entropy(tp: int, dtype: torch.dtype) -> dict:
     grad_error = _rel(shard.grad.float(), ref_logits.grad.chunk(tp, -1)[r])
     if dtype == torch.bfloat16:  # the logits gradient is returned in bf16 (8 mantissa bits)
         grad_error = float(grad_error > 8e-3)
-    return {f"{name} loss": _rel(loss, ref_loss),
-            f"{name} grad": grad_error,
-            f"{name} loss dtype is fp32": float(loss.dtype != torch.float32),
-            f"{name} grad dtype": float(shard.grad.dtype != dtype)}
+    return {
+        f"{name} loss": _rel(loss, ref_loss),
+        f"{name} grad": grad_error,
+        f"{name} loss dtype is fp32": float(loss.dtype != torch.float32),
+        f"{name} grad dtype": float(shard.grad.dtype != dtype),
+    }
 
 
 def _check_linear_cross_entropy(tp: int, sp: bool) -> dict:
@@ -274,6 +287,7 @@ def _check_linear_cross_entropy(tp: int, sp: bool) -> dict:
 
 # --- sequence-parallel norm grads ---------------------------------------------------------
 
+
 def _check_sequence_parallel_norm(tp: int) -> dict:
     r = parallel_state.get_tensor_model_parallel_rank()
     norm = LayerNorm(H, sequence_parallel=True)
@@ -285,11 +299,14 @@ def _check_sequence_parallel_norm(tp: int) -> dict:
     ref = LayerNorm(H)
     initialize_weights(ref, seed=3)
     (ref(x_full) * upstream).sum().backward()
-    return {"sp norm weight grad": _rel(norm.weight.grad, ref.weight.grad),
-            "sp norm bias grad": _rel(norm.bias.grad, ref.bias.grad)}
+    return {
+        "sp norm weight grad": _rel(norm.weight.grad, ref.weight.grad),
+        "sp norm bias grad": _rel(norm.bias.grad, ref.bias.grad),
+    }
 
 
 # --- RNG streams and recompute ------------------------------------------------------------
+
 
 def _check_rng(tp: int) -> dict:
     r = parallel_state.get_tensor_model_parallel_rank()
@@ -355,6 +372,7 @@ def _check_checkpoint() -> dict:
 
 
 # --- the spawned check ----------------------------------------------------------------------
+
 
 def _all_checks() -> dict:
     errors = {}

@@ -12,8 +12,16 @@ import torch
 
 from megalm.config import ConfigError, parse_config
 from megalm.testing import run_distributed
-from megalm.timers import (ITERATION_TIMERS, NULL_TIMER, TIMER_LEVELS, Timer, TimerError, Timers, format_times,
-                           timed_iterator)
+from megalm.timers import (
+    ITERATION_TIMERS,
+    NULL_TIMER,
+    TIMER_LEVELS,
+    Timer,
+    TimerError,
+    Timers,
+    format_times,
+    timed_iterator,
+)
 from tests.training_runs import losses, records
 
 
@@ -31,6 +39,7 @@ def _timers(level, clock=None, syncs=None, **kw):
 
 
 # --- one timer ------------------------------------------------------------------------------------
+
 
 def test_timer_accumulates_between_start_and_stop():
     clock, syncs = FakeClock(), []
@@ -80,6 +89,7 @@ def test_context_manager_stops_on_exception():
 
 # --- levels ---------------------------------------------------------------------------------------
 
+
 def test_timers_above_the_level_are_null_and_cost_nothing():
     syncs = []
     t0 = _timers(0, syncs=syncs)
@@ -120,37 +130,41 @@ def test_single_process_log_and_max_seconds():
             clock.now += 0.030
     block, slowest = timers.report(ITERATION_TIMERS, 4)
     assert slowest == {"forward-backward-time": pytest.approx(0.030)}
-    assert block == ("(min, max) time across ranks (ms):\n"
-                     "    forward-backward ...............................: (30.00, 30.00)")
+    assert block == (
+        "(min, max) time across ranks (ms):\n    forward-backward ...............................: (30.00, 30.00)"
+    )
     assert timers.log(ITERATION_TIMERS, 4) is None  # reset by the previous log
 
 
 # --- the block's text -----------------------------------------------------------------------------
 
-TIMES = torch.tensor([[0.010, 0.0, 0.002],
-                      [0.030, 0.0, 0.0]], dtype=torch.float64)  # [rank, name] seconds; 0: did not run
+TIMES = torch.tensor(
+    [[0.010, 0.0, 0.002], [0.030, 0.0, 0.0]], dtype=torch.float64
+)  # [rank, name] seconds; 0: did not run
 
 
 def test_minmax_block_skips_ranks_and_timers_that_did_not_run():
     assert format_times(["a", "b", "c"], TIMES, 2.0, "minmax") == (
         "(min, max) time across ranks (ms):\n"
         "    a ..............................................: (5.00, 15.00)\n"
-        "    c ..............................................: (1.00, 1.00)")
+        "    c ..............................................: (1.00, 1.00)"
+    )
 
 
 def test_max_and_all_blocks():
     assert format_times(["a", "b", "c"], TIMES, 1.0, "max") == (
         "max time across ranks (ms):\n"
         "    a ..............................................: 30.00\n"
-        "    c ..............................................: 2.00")
+        "    c ..............................................: 2.00"
+    )
     assert format_times(["a", "b", "c"], TIMES, 1.0, "all") == (
-        "times across ranks (ms):\n"
-        "    a:\n     rank  0: 10.00\n     rank  1: 30.00\n"
-        "    c:\n     rank  0: 2.00")
+        "times across ranks (ms):\n    a:\n     rank  0: 10.00\n     rank  1: 30.00\n    c:\n     rank  0: 2.00"
+    )
     assert format_times(["b"], TIMES[:, 1:2], 1.0, "minmax") is None
 
 
 # --- data iterator --------------------------------------------------------------------------------
+
 
 def test_timed_iterator_times_next_and_passes_items_through():
     clock = FakeClock()
@@ -173,15 +187,34 @@ def test_timed_iterator_times_next_and_passes_items_through():
 
 # --- flags ----------------------------------------------------------------------------------------
 
+
 def test_timing_flags_parse_and_bad_values_fail():
-    cfg = parse_config(["--mock-data", "--vocab-size", "64", "--timing-log-level", "2", "--timing-log-option",
-                        "max", "--log-timers-to-tensorboard", "--no-barrier-with-level-1-timing"])
+    cfg = parse_config(
+        [
+            "--mock-data",
+            "--vocab-size",
+            "64",
+            "--timing-log-level",
+            "2",
+            "--timing-log-option",
+            "max",
+            "--log-timers-to-tensorboard",
+            "--no-barrier-with-level-1-timing",
+        ]
+    )
     lg = cfg.logging
-    assert (lg.timing_log_level, lg.timing_log_option, lg.log_timers_to_tensorboard,
-            lg.barrier_with_level_1_timing) == (2, "max", True, False)
+    assert (
+        lg.timing_log_level,
+        lg.timing_log_option,
+        lg.log_timers_to_tensorboard,
+        lg.barrier_with_level_1_timing,
+    ) == (2, "max", True, False)
     defaults = parse_config(["--mock-data", "--vocab-size", "64"]).logging
-    assert (defaults.timing_log_level, defaults.timing_log_option, defaults.barrier_with_level_1_timing) == \
-        (0, "minmax", True)
+    assert (defaults.timing_log_level, defaults.timing_log_option, defaults.barrier_with_level_1_timing) == (
+        0,
+        "minmax",
+        True,
+    )
     for bad in (["--timing-log-level", "3"], ["--timing-log-option", "median"]):
         with pytest.raises((SystemExit, ConfigError)):
             parse_config(["--mock-data", "--vocab-size", "64", *bad])
@@ -189,10 +222,41 @@ def test_timing_flags_parse_and_bad_values_fail():
 
 # --- whole trainings ------------------------------------------------------------------------------
 
-BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-        "--max-position-embeddings", "16", "--mock-data", "--vocab-size", "200", "--num-workers", "0",
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-3", "--eval-iters", "0", "--seed", "3",
-        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4", "--log-interval", "2"]
+BASE = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--max-position-embeddings",
+    "16",
+    "--mock-data",
+    "--vocab-size",
+    "200",
+    "--num-workers",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--lr",
+    "1e-3",
+    "--eval-iters",
+    "0",
+    "--seed",
+    "3",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "4",
+    "--log-interval",
+    "2",
+]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 
 
@@ -218,16 +282,51 @@ def trained(tmp_path_factory):
         return BASE + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl"), *extra]
 
     runs = [
-        ("pp2_level2", argv("pp2_level2", *PP2, "--timing-log-level", "2", "--log-timers-to-tensorboard",
-                            "--log-memory-to-tensorboard", "--log-world-size-to-tensorboard",
-                            "--log-validation-ppl-to-tensorboard",
-                            "--tensorboard-dir", os.path.join(tmp, "tb"), "--save", os.path.join(tmp, "ck"),
-                            "--save-interval", "4")),
+        (
+            "pp2_level2",
+            argv(
+                "pp2_level2",
+                *PP2,
+                "--timing-log-level",
+                "2",
+                "--log-timers-to-tensorboard",
+                "--log-memory-to-tensorboard",
+                "--log-world-size-to-tensorboard",
+                "--log-validation-ppl-to-tensorboard",
+                "--tensorboard-dir",
+                os.path.join(tmp, "tb"),
+                "--save",
+                os.path.join(tmp, "ck"),
+                "--save-interval",
+                "4",
+            ),
+        ),
         ("pp2_level0", argv("pp2_level0", *PP2)),
-        ("dp2_distopt_max", argv("dp2_distopt_max", "--use-distributed-optimizer", "--overlap-param-gather",
-                                 "--overlap-grad-reduce", "--timing-log-level", "1", "--timing-log-option", "max")),
-        ("pp2_all", argv("pp2_all", *PP2, "--timing-log-level", "1", "--timing-log-option", "all",
-                         "--no-barrier-with-level-1-timing")),
+        (
+            "dp2_distopt_max",
+            argv(
+                "dp2_distopt_max",
+                "--use-distributed-optimizer",
+                "--overlap-param-gather",
+                "--overlap-grad-reduce",
+                "--timing-log-level",
+                "1",
+                "--timing-log-option",
+                "max",
+            ),
+        ),
+        (
+            "pp2_all",
+            argv(
+                "pp2_all",
+                *PP2,
+                "--timing-log-level",
+                "1",
+                "--timing-log-option",
+                "all",
+                "--no-barrier-with-level-1-timing",
+            ),
+        ),
     ]
     codes = run_distributed(_capturing_trainings, 2, args=(runs, tmp), timeout=300)
     assert codes == [[0] * len(runs)] * 2, codes
@@ -261,10 +360,24 @@ def test_level_2_pipeline_blocks(trained):
     assert set(save) == {"save-checkpoint"}
     assert len(blocks) == 4
     for block in per_interval:
-        expected = {"forward-backward", "all-grads-sync", "embedding-grads-all-reduce", "optimizer",
-                    "optimizer-copy-to-main-grad", "optimizer-clip-main-grad", "optimizer-inner-step",
-                    "batch-generator", "forward-compute", "backward-compute", "forward-recv", "forward-send",
-                    "backward-recv", "backward-send", "forward-send-backward-recv", "backward-send-forward-recv"}
+        expected = {
+            "forward-backward",
+            "all-grads-sync",
+            "embedding-grads-all-reduce",
+            "optimizer",
+            "optimizer-copy-to-main-grad",
+            "optimizer-clip-main-grad",
+            "optimizer-inner-step",
+            "batch-generator",
+            "forward-compute",
+            "backward-compute",
+            "forward-recv",
+            "forward-send",
+            "backward-recv",
+            "backward-send",
+            "forward-send-backward-recv",
+            "backward-send-forward-recv",
+        }
         assert expected <= set(block), expected - set(block)
         assert "params-all-gather" not in block  # no distributed optimizer
         assert all(lo <= hi for lo, hi in block.values())
@@ -285,7 +398,7 @@ def test_level_2_writers_get_the_slowest_rank_per_iteration(trained):
     rows = records(trained, "pp2_level2")
     assert [r["iteration"] for r in rows] == [2, 4]
     for row, block in zip(rows, blocks):
-        timed = {k[:-len("-time")]: v for k, v in row.items() if k.endswith("-time")}
+        timed = {k[: -len("-time")]: v for k, v in row.items() if k.endswith("-time")}
         assert set(timed) == set(block)
         for name, seconds in timed.items():
             assert abs(seconds * 1000.0 - block[name][1]) <= 0.006, name  # printed to 0.01 ms
@@ -326,8 +439,9 @@ def test_level_1_max_with_distributed_optimizer(trained):
     blocks = _blocks(text, header="max time across ranks (ms):")
     assert len(blocks) == 3  # set-up and two intervals
     for block in blocks[1:]:
-        assert {"forward-backward", "all-grads-sync", "optimizer", "params-all-gather",
-                "optimizer-inner-step"} <= set(block)
+        assert {"forward-backward", "all-grads-sync", "optimizer", "params-all-gather", "optimizer-inner-step"} <= set(
+            block
+        )
         assert not {"forward-compute", "batch-generator", "forward-recv"} & set(block)  # level 2
         assert all(isinstance(v, float) and v >= 0 for v in block.values())
 

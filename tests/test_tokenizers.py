@@ -8,11 +8,42 @@ import random
 import pytest
 
 from megalm.config import DataConfig, ModelConfig
-from megalm.tokenizers import (GPT2BPETokenizer, HuggingFaceTokenizer, Llama2Tokenizer, NullTokenizer,
-                               SentencePieceTokenizer, build_tokenizer, create_tokenizer)
+from megalm.tokenizers import (
+    GPT2BPETokenizer,
+    HuggingFaceTokenizer,
+    Llama2Tokenizer,
+    NullTokenizer,
+    SentencePieceTokenizer,
+    build_tokenizer,
+    create_tokenizer,
+)
 
-WORDS = ["alpha", "beta", "gamma", "delta", "data", "model", "token", "train", "layer", "norm", "loss", "grad",
-         "the", "of", "and", "a", "to", "in", "is", "mega", "tensor", "pipe", "line", "batch"]
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "data",
+    "model",
+    "token",
+    "train",
+    "layer",
+    "norm",
+    "loss",
+    "grad",
+    "the",
+    "of",
+    "and",
+    "a",
+    "to",
+    "in",
+    "is",
+    "mega",
+    "tensor",
+    "pipe",
+    "line",
+    "batch",
+]
 
 
 def sample_texts(n: int, seed: int = 0, min_words: int = 3, max_words: int = 40) -> list:
@@ -26,9 +57,15 @@ def make_sp_model(directory, vocab_size: int = 120, model_type: str = "bpe") -> 
     import sentencepiece as spm
 
     prefix = str(directory / f"tiny_{model_type}_{vocab_size}")
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(sample_texts(2000, seed=1)), model_prefix=prefix,
-                                   vocab_size=vocab_size, model_type=model_type, character_coverage=1.0,
-                                   minloglevel=2, num_threads=1)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sample_texts(2000, seed=1)),
+        model_prefix=prefix,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        character_coverage=1.0,
+        minloglevel=2,
+        num_threads=1,
+    )
     return prefix + ".model"
 
 
@@ -40,8 +77,9 @@ def make_hf_tokenizer_json(path, eos: str = "<|endoftext|>") -> str:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = [eos, "<pad>"] if eos else ["<pad>"]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(sample_texts(500, seed=2), trainer=trainer)
     tok.save(str(path))
     return str(path)
@@ -94,8 +132,9 @@ def test_huggingface_tokenizer_from_file_and_directory(tmp_path):
     assert tok.detokenize(ids) == text
     assert tok.tokenize_batch([text, "delta"]) == [ids, tok.tokenize("delta")]
     # A directory whose tokenizer_config.json names the special tokens.
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<pad>"},
-                                                                "pad_token": "<pad>"}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": {"content": "<pad>"}, "pad_token": "<pad>"})
+    )
     by_dir = HuggingFaceTokenizer(str(tmp_path))
     assert by_dir.eod == by_dir.pad == raw.token_to_id("<pad>") == 1
     assert pickle.loads(pickle.dumps(by_dir)).tokenize(text) == ids
@@ -133,8 +172,9 @@ def test_build_tokenizer_from_config(sp_model):
         create_tokenizer("GPT2BPETokenizer")
     with pytest.raises(ValueError, match="is not one of"):
         create_tokenizer("BertWordPieceLowerCase")
-    gpt_sp = build_tokenizer(DataConfig(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=sp_model),
-                             ModelConfig())
+    gpt_sp = build_tokenizer(
+        DataConfig(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=sp_model), ModelConfig()
+    )
     assert type(gpt_sp) is SentencePieceTokenizer
     llama = build_tokenizer(DataConfig(tokenizer_type="Llama2Tokenizer", tokenizer_model=sp_model), ModelConfig())
     assert isinstance(llama, Llama2Tokenizer) and llama.vocab_size == 120
@@ -153,14 +193,34 @@ def test_train_tokenizer_tool(tmp_path, capsys):
     jsonl.write_text("".join(json.dumps({"content": t}) + "\n" for t in texts[:300]) + "{broken\n")
     pq.write_table(pa.table({"content": texts[300:]}), tmp_path / "b.parquet")
     spec = importlib.util.spec_from_file_location(
-        "train_tokenizer", os.path.join(os.path.dirname(__file__), "..", "tools", "train_tokenizer.py"))
+        "train_tokenizer", os.path.join(os.path.dirname(__file__), "..", "tools", "train_tokenizer.py")
+    )
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     prefix = tmp_path / "out" / "tok"
-    rc = tool.main(["--input", str(jsonl), str(tmp_path / "b.parquet"), "--json-keys", "content",
-                    "--model-prefix", str(prefix), "--vocab-size", "300", "--model-type", "bpe", "--byte-fallback",
-                    "--user-defined-symbols", "<|im_start|>", "<|im_end|>", "--character-coverage", "1.0",
-                    "--num-threads", "1"])
+    rc = tool.main(
+        [
+            "--input",
+            str(jsonl),
+            str(tmp_path / "b.parquet"),
+            "--json-keys",
+            "content",
+            "--model-prefix",
+            str(prefix),
+            "--vocab-size",
+            "300",
+            "--model-type",
+            "bpe",
+            "--byte-fallback",
+            "--user-defined-symbols",
+            "<|im_start|>",
+            "<|im_end|>",
+            "--character-coverage",
+            "1.0",
+            "--num-threads",
+            "1",
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     assert "600 documents" in out and "malformed JSON: 1" in out and "eos id 2" in out
@@ -174,8 +234,17 @@ def test_train_tokenizer_tool(tmp_path, capsys):
 # --- GPT-2 BPE -------------------------------------------------------------------------------
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-TRICKY_TEXTS = ["It's 2024: naïve café, 12,345 tokens!!", "  leading spaces\n\n\ttab   runs  ", "don't we'll I'd",
-                "emoji 🙂 and 中文 and Ωmega", "literal <|endoftext|> stays text", "x" * 300, "", " ", "\n"]
+TRICKY_TEXTS = [
+    "It's 2024: naïve café, 12,345 tokens!!",
+    "  leading spaces\n\n\ttab   runs  ",
+    "don't we'll I'd",
+    "emoji 🙂 and 中文 and Ωmega",
+    "literal <|endoftext|> stays text",
+    "x" * 300,
+    "",
+    " ",
+    "\n",
+]
 
 
 def make_gpt2_files(directory) -> tuple:
@@ -184,8 +253,12 @@ def make_gpt2_files(directory) -> tuple:
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(sample_texts(500, seed=2) + ["don't we'll it's 12,345 café"] * 20, trainer=trainer)
     vocab, merges = tok.model.save(str(directory))
     return vocab, merges
@@ -256,8 +329,9 @@ def test_gpt2_bpe_hand_made_files(tmp_path):
     vocab.update({"he": 256, "ll": 257, "hell": 258, "Ġw": 259, "<|endoftext|>": 260})
     (tmp_path / "vocab.json").write_text(json.dumps(vocab))
     (tmp_path / "merges.txt").write_text("#version: 0.2\nh e\nl l\nhe ll\nĠ w\n")
-    tok = create_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"),
-                           merge_file=str(tmp_path / "merges.txt"))
+    tok = create_tokenizer(
+        "GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"), merge_file=str(tmp_path / "merges.txt")
+    )
     assert tok.vocab_size == 261 and tok.eod == 260
     # hello -> h e l l o -> he l l o -> he ll o -> hell o;  " world" -> Ġw o r l d
     assert tok.tokenize("hello world") == [258, ord("o"), 259, ord("o"), ord("r"), ord("l"), ord("d")]
@@ -298,8 +372,14 @@ def test_llama2_tokenizer_adds_bos(sp_model, tmp_path):
     import sentencepiece as spm
 
     prefix = str(tmp_path / "nobos")
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(sample_texts(300, seed=1)), model_prefix=prefix,
-                                   vocab_size=40, bos_id=-1, minloglevel=2, num_threads=1)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sample_texts(300, seed=1)),
+        model_prefix=prefix,
+        vocab_size=40,
+        bos_id=-1,
+        minloglevel=2,
+        num_threads=1,
+    )
     with pytest.raises(ValueError, match="no beginning-of-sentence piece"):
         Llama2Tokenizer(prefix + ".model")
     assert SentencePieceTokenizer(prefix + ".model").vocab_size == 40

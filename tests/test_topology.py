@@ -16,23 +16,42 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 REPORTS = [
     # (world, ranks per node, tp, pp, cp, ep) -> the exact line
-    ((4, 2, 2, 1, 1, 1), "topology: 2 nodes x 2 ranks (TP 2, CP 1, EP 1, DP 2, PP 1): "
-                         "DP group spans 2 nodes, TP group inside one node"),
+    (
+        (4, 2, 2, 1, 1, 1),
+        "topology: 2 nodes x 2 ranks (TP 2, CP 1, EP 1, DP 2, PP 1): DP group spans 2 nodes, TP group inside one node",
+    ),
     ((4, 2, 1, 1, 1, 1), "topology: 2 nodes x 2 ranks (TP 1, CP 1, EP 1, DP 4, PP 1): DP group spans 2 nodes"),
     ((4, 4, 1, 1, 1, 1), "topology: 1 node x 4 ranks (TP 1, CP 1, EP 1, DP 4, PP 1): DP group inside one node"),
-    ((4, 2, 2, 2, 1, 1), "topology: 2 nodes x 2 ranks (TP 2, CP 1, EP 1, DP 1, PP 2): "
-                         "PP group spans 2 nodes, TP group inside one node"),
-    ((8, 4, 2, 2, 1, 1), "topology: 2 nodes x 4 ranks (TP 2, CP 1, EP 1, DP 2, PP 2): "
-                         "PP group spans 2 nodes, TP group inside one node, DP group inside one node"),
-    ((8, 2, 2, 2, 1, 1), "topology: 4 nodes x 2 ranks (TP 2, CP 1, EP 1, DP 2, PP 2): "
-                         "DP group spans 2 nodes, PP group spans 2 nodes, TP group inside one node"),
-    ((8, 2, 2, 2, 2, 1), "topology: 4 nodes x 2 ranks (TP 2, CP 2, EP 1, DP 1, PP 2): "
-                         "CP group spans 2 nodes, PP group spans 2 nodes, TP group inside one node"),
+    (
+        (4, 2, 2, 2, 1, 1),
+        "topology: 2 nodes x 2 ranks (TP 2, CP 1, EP 1, DP 1, PP 2): PP group spans 2 nodes, TP group inside one node",
+    ),
+    (
+        (8, 4, 2, 2, 1, 1),
+        "topology: 2 nodes x 4 ranks (TP 2, CP 1, EP 1, DP 2, PP 2): "
+        "PP group spans 2 nodes, TP group inside one node, DP group inside one node",
+    ),
+    (
+        (8, 2, 2, 2, 1, 1),
+        "topology: 4 nodes x 2 ranks (TP 2, CP 1, EP 1, DP 2, PP 2): "
+        "DP group spans 2 nodes, PP group spans 2 nodes, TP group inside one node",
+    ),
+    (
+        (8, 2, 2, 2, 2, 1),
+        "topology: 4 nodes x 2 ranks (TP 2, CP 2, EP 1, DP 1, PP 2): "
+        "CP group spans 2 nodes, PP group spans 2 nodes, TP group inside one node",
+    ),
     # TP does not fit a 3-rank node: one TP group of three crosses (a layout to avoid).
-    ((6, 3, 2, 1, 1, 1), "topology: 2 nodes x 3 ranks (TP 2, CP 1, EP 1, DP 3, PP 1): "
-                         "TP group spans up to 2 nodes (1 of 3 groups cross nodes), DP group spans 2 nodes"),
-    ((8, 4, 1, 1, 1, 4), "topology: 2 nodes x 4 ranks (TP 1, CP 1, EP 4, DP 8, PP 1): "
-                         "DP group spans 2 nodes, expert-DP group spans 2 nodes, EP group inside one node"),
+    (
+        (6, 3, 2, 1, 1, 1),
+        "topology: 2 nodes x 3 ranks (TP 2, CP 1, EP 1, DP 3, PP 1): "
+        "TP group spans up to 2 nodes (1 of 3 groups cross nodes), DP group spans 2 nodes",
+    ),
+    (
+        (8, 4, 1, 1, 1, 4),
+        "topology: 2 nodes x 4 ranks (TP 1, CP 1, EP 4, DP 8, PP 1): "
+        "DP group spans 2 nodes, expert-DP group spans 2 nodes, EP group inside one node",
+    ),
     ((16, 2, 1, 1, 1, 1), "topology: 8 nodes x 2 ranks (TP 1, CP 1, EP 1, DP 16, PP 1): DP group spans 8 nodes"),
     ((1, 1, 1, 1, 1, 1), "topology: 1 node x 1 rank (TP 1, CP 1, EP 1, DP 1, PP 1): a single rank, no process group"),
 ]
@@ -67,30 +86,65 @@ def test_run_report_reads_torchrun_local_world_size():
     parallel = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     assert run_topology_report(parallel, 8, {"LOCAL_WORLD_SIZE": "4"}) == (
         "topology: 2 nodes x 4 ranks (TP 2, CP 1, EP 1, DP 2, PP 2): "
-        "PP group spans 2 nodes, TP group inside one node, DP group inside one node")
+        "PP group spans 2 nodes, TP group inside one node, DP group inside one node"
+    )
     assert run_topology_report(parallel, 8, {}) == (
         "topology: 1 node x 8 ranks (TP 2, CP 1, EP 1, DP 2, PP 2): "
-        "TP group inside one node, DP group inside one node, PP group inside one node")
+        "TP group inside one node, DP group inside one node, PP group inside one node"
+    )
     with pytest.raises(TopologyError):
         run_topology_report(parallel, 8, {"LOCAL_WORLD_SIZE": "3"})
 
 
 def test_estimate_prints_topology(capsys):
-    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-             "--max-position-embeddings", "32", "--micro-batch-size", "1", "--vocab-size", "128",
-             "--tensor-model-parallel-size", "2", "--world-size", "8", "--device", "cpu"]
+    flags = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--max-position-embeddings",
+        "32",
+        "--micro-batch-size",
+        "1",
+        "--vocab-size",
+        "128",
+        "--tensor-model-parallel-size",
+        "2",
+        "--world-size",
+        "8",
+        "--device",
+        "cpu",
+    ]
     assert estimate_main(flags + ["--procs-per-node", "4"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-1] == ("topology: 2 nodes x 4 ranks (TP 2, CP 1, EP 1, DP 4, PP 1): "
-                         "DP group spans 2 nodes, TP group inside one node")
+    assert lines[-1] == (
+        "topology: 2 nodes x 4 ranks (TP 2, CP 1, EP 1, DP 4, PP 1): DP group spans 2 nodes, TP group inside one node"
+    )
     assert estimate_main(flags) == 0
     assert not any(line.startswith("topology:") for line in capsys.readouterr().out.splitlines())
 
 
 def test_estimate_tool_refuses_bad_node_shape():
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "estimate.py"), "--preset", "gpt_tiny_cpu",
-                           "--device", "cpu", "--procs-per-node", "3"], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": REPO})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "tools", "estimate.py"),
+            "--preset",
+            "gpt_tiny_cpu",
+            "--device",
+            "cpu",
+            "--procs-per-node",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
     assert last == "[megalm] error: ranks per node (3) does not divide the world size (4)"

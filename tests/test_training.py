@@ -15,11 +15,48 @@ from tests.training_runs import losses as _losses
 from tests.training_runs import records as _records
 from tests.training_runs import run_trainings as _run_trainings
 
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--max-position-embeddings", "32", "--mock-data", "--vocab-size", "500", "--num-workers", "0",
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "2e-3", "--min-lr", "1e-4",
-        "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-iters", "0",
-        "--seed", "7", "--clip-grad", "1.0", "--weight-decay", "0.1", "--split", "90,5,5", "--log-params-norm"]
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--max-position-embeddings",
+    "32",
+    "--mock-data",
+    "--vocab-size",
+    "500",
+    "--num-workers",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--lr",
+    "2e-3",
+    "--min-lr",
+    "1e-4",
+    "--lr-decay-style",
+    "cosine",
+    "--lr-warmup-iters",
+    "2",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--seed",
+    "7",
+    "--clip-grad",
+    "1.0",
+    "--weight-decay",
+    "0.1",
+    "--split",
+    "90,5,5",
+    "--log-params-norm",
+]
 
 
 def _argv(tmp, name, *extra):
@@ -36,50 +73,155 @@ def runs(tmp_path_factory):
         (_argv(tmp, "ref", *it, *evals, "--micro-batch-size", "8", "--global-batch-size", "8"), {}),
         (_argv(tmp, "accum", *it, "--micro-batch-size", "2", "--global-batch-size", "8"), {}),
         (_argv(tmp, "bf16", "--train-iters", "12", "--micro-batch-size", "8", "--bf16"), {}),
-        (_argv(tmp, "fp16", "--train-iters", "6", "--micro-batch-size", "8", "--fp16", "--initial-loss-scale", "1024",
-               "--hysteresis", "1", "--loss-scale-window", "3"), {"inf_at_call": 3}),
+        (
+            _argv(
+                tmp,
+                "fp16",
+                "--train-iters",
+                "6",
+                "--micro-batch-size",
+                "8",
+                "--fp16",
+                "--initial-loss-scale",
+                "1024",
+                "--hysteresis",
+                "1",
+                "--loss-scale-window",
+                "3",
+            ),
+            {"inf_at_call": 3},
+        ),
     ]
     ck_prec, bad = os.path.join(tmp, "ckpt_prec"), os.path.join(tmp, "bad_ckpt")
     os.makedirs(bad)
     with open(os.path.join(bad, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("7")  # names an iteration that was never written
     single += [
-        (_argv(tmp, "prec_fp32", "--train-iters", "8", "--exit-interval", "4", "--micro-batch-size", "8",
-               "--save", ck_prec), {}),
+        (
+            _argv(
+                tmp,
+                "prec_fp32",
+                "--train-iters",
+                "8",
+                "--exit-interval",
+                "4",
+                "--micro-batch-size",
+                "8",
+                "--save",
+                ck_prec,
+            ),
+            {},
+        ),
         (_argv(tmp, "prec_bf16", "--train-iters", "8", "--micro-batch-size", "8", "--load", ck_prec, "--bf16"), {}),
         (_argv(tmp, "bad", "--train-iters", "4", "--micro-batch-size", "8", "--load", bad), {}),
-        (_argv(tmp, "duration", "--train-iters", "4", "--micro-batch-size", "8", "--exit-duration-in-mins", "0",
-               "--save", os.path.join(tmp, "ckpt_duration")), {}),
+        (
+            _argv(
+                tmp,
+                "duration",
+                "--train-iters",
+                "4",
+                "--micro-batch-size",
+                "8",
+                "--exit-duration-in-mins",
+                "0",
+                "--save",
+                os.path.join(tmp, "ckpt_duration"),
+            ),
+            {},
+        ),
     ]
     # Megatron's auto-resume: the same --load/--save on every launch; the first finds nothing.
-    auto = ["--train-iters", "4", "--micro-batch-size", "8", "--save", os.path.join(tmp, "ckpt_auto"), "--load",
-            os.path.join(tmp, "ckpt_auto"), "--save-interval", "100"]
+    auto = [
+        "--train-iters",
+        "4",
+        "--micro-batch-size",
+        "8",
+        "--save",
+        os.path.join(tmp, "ckpt_auto"),
+        "--load",
+        os.path.join(tmp, "ckpt_auto"),
+        "--save-interval",
+        "100",
+    ]
     single += [(_argv(tmp, "auto_first", *auto, "--exit-interval", "2"), {}), (_argv(tmp, "auto_second", *auto), {})]
     codes1 = run_distributed(_run_trainings, 1, args=(single,), timeout=300)
     double = [
         (_argv(tmp, "dp2", *it, "--micro-batch-size", "4", "--global-batch-size", "8"), {}),
-        (_argv(tmp, "dp2_overlap", *it, "--micro-batch-size", "2", "--global-batch-size", "8",
-               "--overlap-grad-reduce", "--ddp-bucket-size", "5000"), {}),
+        (
+            _argv(
+                tmp,
+                "dp2_overlap",
+                *it,
+                "--micro-batch-size",
+                "2",
+                "--global-batch-size",
+                "8",
+                "--overlap-grad-reduce",
+                "--ddp-bucket-size",
+                "5000",
+            ),
+            {},
+        ),
     ]
     codes2 = run_distributed(_run_trainings, 2, args=(double,), timeout=240)
     ck = os.path.join(tmp, "ckpt")
     ck_sig = os.path.join(tmp, "ckpt_sig")
-    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--micro-batch-size", "2",
-           "--global-batch-size", "8"]
+    tp2 = [
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+    ]
     drop = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     quad = [
         (_argv(tmp, "tp2dp2", *it, *evals, *tp2), {}),
         # Exact resume with dropout on: 10 straight vs 5 + resume + 5.
         (_argv(tmp, "straight", "--train-iters", "10", *tp2, *drop), {}),
-        (_argv(tmp, "first_half", "--train-iters", "10", "--exit-interval", "5", "--save", ck,
-               "--save-interval", "100", *tp2, *drop), {}),
+        (
+            _argv(
+                tmp,
+                "first_half",
+                "--train-iters",
+                "10",
+                "--exit-interval",
+                "5",
+                "--save",
+                ck,
+                "--save-interval",
+                "100",
+                *tp2,
+                *drop,
+            ),
+            {},
+        ),
         (_argv(tmp, "second_half", "--train-iters", "10", "--load", ck, "--save", ck, *tp2, *drop), {}),
         # Layout change: the TP2 x DP2 checkpoint at iteration 5 continued as TP1 x DP4.
-        (_argv(tmp, "relayout", "--train-iters", "10", "--load", ck, "--ckpt-step", "5",
-               "--micro-batch-size", "2", "--global-batch-size", "8", *drop), {}),
+        (
+            _argv(
+                tmp,
+                "relayout",
+                "--train-iters",
+                "10",
+                "--load",
+                ck,
+                "--ckpt-step",
+                "5",
+                "--micro-batch-size",
+                "2",
+                "--global-batch-size",
+                "8",
+                *drop,
+            ),
+            {},
+        ),
         # SIGTERM during iteration 3 (microbatch call 5 of 2 per iteration): finish, save, exit 0.
-        (_argv(tmp, "sigterm", "--train-iters", "10", "--exit-signal-handler", "--save", ck_sig, *tp2),
-         {"sigterm_at_call": 5}),
+        (
+            _argv(tmp, "sigterm", "--train-iters", "10", "--exit-signal-handler", "--save", ck_sig, *tp2),
+            {"sigterm_at_call": 5},
+        ),
     ]
     codes4 = run_distributed(_run_trainings, 4, args=(quad,), timeout=300)
     return {"tmp": tmp, "codes": (codes1, codes2, codes4), "ckpt": ck, "ckpt_sig": ck_sig}
@@ -124,7 +266,7 @@ def test_params_norm_is_the_saved_weights_norm(runs):
     assert reader.iteration == 4
     total = sum(t.double().pow(2).sum().item() for t in reader.load(reader.model_names).values())
     logged = [r["params_norm"] for r in _records(runs["tmp"], "prec_fp32") if r["iteration"] == 4]
-    assert logged == [pytest.approx(total ** 0.5, rel=1e-6)]
+    assert logged == [pytest.approx(total**0.5, rel=1e-6)]
 
 
 def test_exact_resume(runs):
@@ -197,8 +339,25 @@ def test_half_written_checkpoint_is_not_overwritten(tmp_path, capsys):
     import pretrain_gpt
 
     (tmp_path / "iter_0000002").mkdir()
-    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-            "--vocab-size", "500", "--train-iters", "4", "--mock-data", "--load", str(tmp_path), "--save", str(tmp_path)]
+    argv = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--vocab-size",
+        "500",
+        "--train-iters",
+        "4",
+        "--mock-data",
+        "--load",
+        str(tmp_path),
+        "--save",
+        str(tmp_path),
+    ]
     with pytest.raises(SystemExit) as e:
         pretrain_gpt.main(argv)
     assert "it holds iter_* directories" in str(e.value.code)
@@ -234,29 +393,77 @@ def test_bf16_trains(runs):
     assert losses[-1] < losses[0] - 0.3
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--micro-batch-size", "3", "--global-batch-size", "8", "--train-iters", "4"], "not divisible by --micro-batch-size 3"),
-    (["--train-iters", "4"], "no training data"),
-    (["--train-iters", "4", "--mock-data", "--lr-warmup-iters", "4"], "--lr-warmup-iters 4 must be shorter"),
-    (["--train-iters", "4", "--mock-data", "--load", "/nonexistent/ckpt"],
-     "--load /nonexistent/ckpt: no checkpoint (latest_checkpointed_iteration.txt is missing); starting from scratch "
-     "needs --load and --save to name the same directory"),
-    (["--train-iters", "4", "--mock-data", "--load", "/nonexistent/ckpt", "--save", "/nonexistent/ckpt",
-      "--exit-on-missing-checkpoint"], "is missing); --exit-on-missing-checkpoint"),
-    (["--train-iters", "4", "--mock-data", "--load", "/nonexistent/ckpt", "--save", "/nonexistent/ckpt",
-      "--ckpt-step", "3"], "--load directory /nonexistent/ckpt does not exist"),
-    (["--train-iters", "4", "--mock-data", "--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer"),
-    (["--train-iters", "4", "--mock-data", "--profile"],
-     "--profile without --use-pytorch-profiler drives nsys through CUDA and this machine has no GPU"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--micro-batch-size", "3", "--global-batch-size", "8", "--train-iters", "4"],
+            "not divisible by --micro-batch-size 3",
+        ),
+        (["--train-iters", "4"], "no training data"),
+        (["--train-iters", "4", "--mock-data", "--lr-warmup-iters", "4"], "--lr-warmup-iters 4 must be shorter"),
+        (
+            ["--train-iters", "4", "--mock-data", "--load", "/nonexistent/ckpt"],
+            "--load /nonexistent/ckpt: no checkpoint (latest_checkpointed_iteration.txt is missing); "
+            "starting from scratch "
+            "needs --load and --save to name the same directory",
+        ),
+        (
+            [
+                "--train-iters",
+                "4",
+                "--mock-data",
+                "--load",
+                "/nonexistent/ckpt",
+                "--save",
+                "/nonexistent/ckpt",
+                "--exit-on-missing-checkpoint",
+            ],
+            "is missing); --exit-on-missing-checkpoint",
+        ),
+        (
+            [
+                "--train-iters",
+                "4",
+                "--mock-data",
+                "--load",
+                "/nonexistent/ckpt",
+                "--save",
+                "/nonexistent/ckpt",
+                "--ckpt-step",
+                "3",
+            ],
+            "--load directory /nonexistent/ckpt does not exist",
+        ),
+        (
+            ["--train-iters", "4", "--mock-data", "--overlap-param-gather"],
+            "--overlap-param-gather needs --use-distributed-optimizer",
+        ),
+        (
+            ["--train-iters", "4", "--mock-data", "--profile"],
+            "--profile without --use-pytorch-profiler drives nsys through CUDA and this machine has no GPU",
+        ),
+    ],
+)
 def test_bad_flags_fail_before_start(argv, message, capsys):
     import pretrain_gpt
 
-    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-            "--vocab-size", "500"]
+    base = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--vocab-size",
+        "500",
+    ]
     with pytest.raises(SystemExit) as e:
         pretrain_gpt.main(base + argv)
     text = str(e.value.code) + capsys.readouterr().err
     assert message in text
     import torch.distributed as dist
+
     assert not dist.is_initialized()

@@ -22,21 +22,27 @@ from megalm.fusions import BackendUnavailable, plan_fusions
 from megalm.models import GPTModel
 from megalm.optimizer import build_optimizer
 from megalm.parameter_names import canonical_name
-from megalm.tensor_parallel import gather_tensor_parallel_grad
-from megalm.tensor_parallel import gather_tensor_parallel_param
+from megalm.tensor_parallel import gather_tensor_parallel_grad, gather_tensor_parallel_param
 from megalm.testing import run_distributed
 from megalm.transformer.fp8 import fp8_recipe
-from tests.numerics import relative_error
 from tests import te_standin
+from tests.numerics import relative_error
 from tests.test_gpt_model import _run_step as _step
 
 VOCAB, SEQ, BATCH = 50, 8, 2
 TE = "transformer_engine"
 CONFIGS = {
     "gpt2": dict(position_embedding_type="learned_absolute"),  # LayerNorm, GELU, biases, tied, MHA
-    "llama": dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
-                  untie_embeddings_and_output_weights=True, num_attention_heads=8, group_query_attention=True,
-                  num_query_groups=4),
+    "llama": dict(
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        swiglu=True,
+        add_bias_linear=False,
+        untie_embeddings_and_output_weights=True,
+        num_attention_heads=8,
+        group_query_attention=True,
+        num_query_groups=4,
+    ),
     "swiglu-bias": dict(position_embedding_type="rope", swiglu=True),  # fc1 [gate; up] with a bias (stride 2)
 }
 ONE_PROCESS_ONLY = {  # megalm's attention core under TE, selective recompute; MoE layers (local experts)
@@ -71,8 +77,11 @@ def _snapshot(model, batch) -> dict:
     """Loss and full (gathered) weights and gradients by canonical name."""
     loss = _step(model, batch)
     named = [(canonical_name(n), p) for n, p in model.named_parameters()]
-    return {"loss": loss, "weights": {n: gather_tensor_parallel_param(p) for n, p in named},
-            "grads": {n: gather_tensor_parallel_grad(p) for n, p in named}}
+    return {
+        "loss": loss,
+        "weights": {n: gather_tensor_parallel_param(p) for n, p in named},
+        "grads": {n: gather_tensor_parallel_grad(p) for n, p in named},
+    }
 
 
 def _contract_problems(model, sp: bool) -> list:
@@ -91,8 +100,10 @@ def _contract_problems(model, sp: bool) -> list:
 
 
 def _compare(tag: str, got: dict, reference: dict) -> dict:
-    errors = {f"{tag} names": float(set(got["weights"]) != set(reference["weights"])),
-              f"{tag} loss": relative_error(got["loss"], reference["loss"])}
+    errors = {
+        f"{tag} names": float(set(got["weights"]) != set(reference["weights"])),
+        f"{tag} loss": relative_error(got["loss"], reference["loss"]),
+    }
     for n, w in reference["weights"].items():
         errors[f"{tag} weight {n}"] = float(not torch.equal(got["weights"][n], w))  # same init: bit-identical
         errors[f"{tag} grad {n}"] = relative_error(got["grads"][n], reference["grads"][n])
@@ -113,6 +124,7 @@ def te(monkeypatch):
 
 
 # --- one process ------------------------------------------------------------------------------
+
 
 def test_te_layers_match_local_layers_in_one_process(te):
     errors = {}
@@ -145,6 +157,7 @@ def test_te_layers_match_local_layers_in_one_process(te):
 
 # --- tensor parallel (one spawned 2-rank group) -------------------------------------------------
 
+
 def _te_modules(model):
     return [m for m in model.modules() if type(m).__name__ in ("Linear", "LayerNormLinear")]
 
@@ -174,8 +187,9 @@ def _tensor_parallel_rank(ckpt_root: str):
     recipe, group = te_fp8.ENTERED[0]
     errors["fp8 regions entered != 1"] = float(len(te_fp8.ENTERED) != 1)
     errors["fp8 group is not TP x DP"] = float(dist.get_process_group_ranks(group) != [0, 1])
-    errors["fp8 modules outside the region"] = float(any(m.fp8_forwards != 1 or m.fp8_meta["recipe"] is not recipe
-                                                         for m in _te_modules(model)))
+    errors["fp8 modules outside the region"] = float(
+        any(m.fp8_forwards != 1 or m.fp8_meta["recipe"] is not recipe for m in _te_modules(model))
+    )
     errors["fp8 loss"] = relative_error(loss, references["llama"]["loss"])
     return errors, saved
 
@@ -193,6 +207,7 @@ def test_te_layers_on_tensor_parallel_ranks_match_local_and_checkpoint_across_la
 
 
 # --- checkpoints ----------------------------------------------------------------------------------
+
 
 def _perturbed(cfg, seed: int):
     model = GPTModel(cfg)
@@ -222,7 +237,7 @@ def test_checkpoints_are_interchangeable_between_te_and_local_models(te, tmp_pat
         path = checkpointing.save_checkpoint(root, 1, [source], optimizer=optimizer, config=source_cfg.to_dict())
         keys = checkpointing.saved_tensor_shapes(path)
         local_names = {n for n, _ in GPTModel(make_cfg(**CONFIGS["gpt2"])).named_parameters()}
-        assert {k[len("model."):] for k in keys if k.startswith("model.")} == local_names
+        assert {k[len("model.") :] for k in keys if k.startswith("model.")} == local_names
         assert not any("extra_state" in k or "layer_norm_weight" in k for k in keys)
 
         target = _perturbed(target_cfg, seed=2)
@@ -239,31 +254,58 @@ def test_checkpoints_are_interchangeable_between_te_and_local_models(te, tmp_pat
 
 # --- fp8 --------------------------------------------------------------------------------------------
 
+
 def test_fp8_recipe_follows_flags_and_autocast_wraps_every_chunk(te):
     from transformer_engine.common.recipe import DelayedScaling, Format
     from transformer_engine.pytorch import fp8 as te_fp8
 
-    flags = ["--transformer-impl", TE, "--fp8-format", "e4m3", "--fp8-margin", "2", "--fp8-amax-history-len", "16",
-             "--fp8-amax-compute-algo", "max", "--hidden-size", "32", "--num-attention-heads", "4",
-             "--ffn-hidden-size", "64", "--seq-length", "8"]
+    flags = [
+        "--transformer-impl",
+        TE,
+        "--fp8-format",
+        "e4m3",
+        "--fp8-margin",
+        "2",
+        "--fp8-amax-history-len",
+        "16",
+        "--fp8-amax-compute-algo",
+        "max",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--ffn-hidden-size",
+        "64",
+        "--seq-length",
+        "8",
+    ]
     m = parse_config(flags).model
-    assert fp8_recipe(m) == DelayedScaling(margin=2, fp8_format=Format.E4M3, amax_history_len=16,
-                                           amax_compute_algo="max")
+    assert fp8_recipe(m) == DelayedScaling(
+        margin=2, fp8_format=Format.E4M3, amax_history_len=16, amax_compute_algo="max"
+    )
     hybrid = parse_config(flags[:2] + ["--fp8-format", "hybrid"] + flags[10:]).model  # Megatron's defaults
     assert (hybrid.fp8_margin, hybrid.fp8_amax_history_len, hybrid.fp8_amax_compute_algo) == (0, 1, "most_recent")
-    assert fp8_recipe(hybrid) == DelayedScaling(margin=0, fp8_format=Format.HYBRID, amax_history_len=1,
-                                                amax_compute_algo="most_recent")
+    assert fp8_recipe(hybrid) == DelayedScaling(
+        margin=0, fp8_format=Format.HYBRID, amax_history_len=1, amax_compute_algo="most_recent"
+    )
 
-    cfg = make_cfg(impl=TE, fp8_format="e4m3", fp8_margin=2, fp8_amax_history_len=16, fp8_amax_compute_algo="max",
-                   **CONFIGS["llama"])
+    cfg = make_cfg(
+        impl=TE,
+        fp8_format="e4m3",
+        fp8_margin=2,
+        fp8_amax_history_len=16,
+        fp8_amax_compute_algo="max",
+        **CONFIGS["llama"],
+    )
     model = GPTModel(cfg)
     assert "fp8: e4m3, delayed scaling (margin 2, amax history 16, max)" in model.fusion_plan.describe()
     te_fp8.ENTERED.clear()
     batch = make_batch(4)
     loss = _step(model, batch)
     assert [(r, g) for r, g in te_fp8.ENTERED] == [(fp8_recipe(cfg.model), None)]  # no parallel state: TE's default
-    assert _te_modules(model) and all(m.fp8_forwards == 1 and m.fp8_meta["recipe"] == fp8_recipe(cfg.model)
-                                      for m in _te_modules(model))
+    assert _te_modules(model) and all(
+        m.fp8_forwards == 1 and m.fp8_meta["recipe"] == fp8_recipe(cfg.model) for m in _te_modules(model)
+    )
     assert not te_fp8.is_fp8_enabled()  # left after the layers
     reference = GPTModel(make_cfg(impl=TE, **CONFIGS["llama"]))(*batch[:3])
     assert relative_error(loss, reference) < 1e-6  # the stand-in does not quantize
@@ -276,6 +318,7 @@ def test_fp8_recipe_follows_flags_and_autocast_wraps_every_chunk(te):
 
 
 # --- refusals ---------------------------------------------------------------------------------------
+
 
 def test_refusals_name_the_problem(monkeypatch):
     with pytest.raises(BackendUnavailable) as missing:  # CPU, no TE
@@ -291,8 +334,13 @@ def test_refusals_name_the_problem(monkeypatch):
     with pytest.raises(BackendUnavailable, match="--fp8-format hybrid needs --transformer-impl transformer_engine"):
         plan_fusions(unvalidated)
     with pytest.raises(ConfigError, match="recompute-granularity full is not supported"):
-        make_cfg(impl=TE, fp8_format="hybrid", recompute_granularity="full", recompute_method="uniform",
-                 recompute_num_layers=1)
+        make_cfg(
+            impl=TE,
+            fp8_format="hybrid",
+            recompute_granularity="full",
+            recompute_method="uniform",
+            recompute_num_layers=1,
+        )
     with pytest.raises(ConfigError, match=r"widths divisible by 16, got \{'ffn/tp': 24\}"):
         make_cfg(impl=TE, fp8_format="hybrid", ffn_hidden_size=24)
     with pytest.raises(ConfigError, match="tokens per rank"):
@@ -302,8 +350,11 @@ def test_refusals_name_the_problem(monkeypatch):
 
     te = te_standin.install(monkeypatch)  # TE present, but a GPU without fp8
     try:
-        monkeypatch.setattr(te.fp8, "check_fp8_support",
-                            lambda: (False, "Device compute capability 8.9 or higher required for FP8 execution."))
+        monkeypatch.setattr(
+            te.fp8,
+            "check_fp8_support",
+            lambda: (False, "Device compute capability 8.9 or higher required for FP8 execution."),
+        )
         with pytest.raises(BackendUnavailable, match="cannot run fp8 here: Device compute capability 8.9"):
             plan_fusions(make_cfg(impl=TE, fp8_format="hybrid").model)
         assert plan_fusions(make_cfg(impl=TE).model).transformer == "te"  # bf16 TE layers still fine

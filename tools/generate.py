@@ -40,8 +40,9 @@ from typing import List  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                allow_abbrev=False)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--load", required=True, help="megalm checkpoint root (saved under any layout).")
     p.add_argument("--iteration", type=int, default=None, help="Iteration to load (default: latest).")
     p.add_argument("--prompt", action="append", default=[], help="A prompt (repeatable).")
@@ -50,13 +51,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample.")
     p.add_argument("--top-k", type=int, default=0, help="Sample among the k most likely tokens (0: all).")
     p.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass (1.0: off).")
-    p.add_argument("--seed", type=int, default=1234, help="Sampling seed: prompt i draws from a generator seeded "
-                                                          "with seed + i (0-based, --prompt flags first).")
-    p.add_argument("--batch-size", type=int, default=8, help="Prompts generated together, one forward per step (default 8).")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1,
-                   help="Tensor-parallel ranks (launch TP x PP processes with torchrun).")
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                   help="Pipeline stages (launch TP x PP processes with torchrun).")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=1234,
+        help="Sampling seed: prompt i draws from a generator seeded with seed + i (0-based, --prompt flags first).",
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=8, help="Prompts generated together, one forward per step (default 8)."
+    )
+    p.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        help="Tensor-parallel ranks (launch TP x PP processes with torchrun).",
+    )
+    p.add_argument(
+        "--pipeline-model-parallel-size",
+        type=int,
+        default=1,
+        help="Pipeline stages (launch TP x PP processes with torchrun).",
+    )
     p.add_argument("--distributed-timeout-minutes", type=int, default=10, help="Timeout of every collective.")
     p.add_argument("--no-stop-at-eod", action="store_true", help="Do not stop at the EOD token.")
     p.add_argument("--no-kv-cache", action="store_true", help="Re-run the whole sequence each step (slow; debugging).")
@@ -65,8 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer only: ids 0..V-1.")
     p.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: override the checkpoint's vocab.json.")
     p.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: override the checkpoint's merges file.")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                   help="Dtype the model runs in (default float32).")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="Dtype the model runs in (default float32).",
+    )
     p.add_argument("--output-json", default=None, help="Write the prompts and generations as JSON here.")
     return p
 
@@ -88,30 +107,35 @@ def _world_size() -> int:
 def setup_layout(args):
     """Check the layout against the world; initialize torch.distributed and megalm.parallel_state for
     TP x PP > 1.  Returns whether this call created (parallel state, process group), to tear down after."""
-    import torch.distributed as dist
-
     from datetime import timedelta
+
+    import torch.distributed as dist
 
     from megalm import parallel_state
     from megalm.device import initialize_distributed
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
-        raise ValueError(f"--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1, "
-                         f"got {tp} and {pp}")
+        raise ValueError(
+            f"--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1, got {tp} and {pp}"
+        )
     world = _world_size()
     if world % (tp * pp):
-        raise ValueError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} needs {tp * pp} "
-                         f"processes (or a multiple: data-parallel replicas), this run has {world} "
-                         f"(launch with torchrun --nproc-per-node {tp * pp})")
+        raise ValueError(
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} needs {tp * pp} "
+            f"processes (or a multiple: data-parallel replicas), this run has {world} "
+            f"(launch with torchrun --nproc-per-node {tp * pp})"
+        )
     if world == 1:
         return False, False
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
     created_group = not dist.is_initialized()
     initialize_distributed(timeout=timeout)
     if parallel_state.model_parallel_is_initialized():
-        if (parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_pipeline_model_parallel_world_size()) != (tp, pp):
+        if (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        ) != (tp, pp):
             raise ValueError("megalm.parallel_state is already initialized with another layout")
         return False, created_group
     parallel_state.initialize_model_parallel(tp, pp, timeout=timeout)
@@ -149,8 +173,9 @@ def run(args) -> List[dict]:
         else:
             model, cfg, reader = load_model(args.load, args.iteration, dtype=dtype)
             model = model.to(device)
-        tokenizer = tokenizer_for(cfg, args.tokenizer_type, args.tokenizer_model, args.vocab_size, args.vocab_file,
-                                  args.merge_file)
+        tokenizer = tokenizer_for(
+            cfg, args.tokenizer_type, args.tokenizer_model, args.vocab_size, args.vocab_file, args.merge_file
+        )
         eod = None if args.no_stop_at_eod else tokenizer.eod
         ids = [tokenizer.tokenize(prompt) for prompt in prompts]
         for prompt, prompt_ids in zip(prompts, ids):
@@ -164,15 +189,26 @@ def run(args) -> List[dict]:
         mine = sorted(range(replica, len(prompts), dp), key=lambda i: len(ids[i]))
         by_index = {}
         for start in range(0, len(mine), args.batch_size):
-            rows = mine[start:start + args.batch_size]
+            rows = mine[start : start + args.batch_size]
             generators = [torch.Generator(device=device).manual_seed(args.seed + i) for i in rows]
-            outs = generate_batch(model, [ids[i] for i in rows], args.max_new_tokens, params, eod=eod,
-                                  generators=generators, use_cache=not args.no_kv_cache)
+            outs = generate_batch(
+                model,
+                [ids[i] for i in rows],
+                args.max_new_tokens,
+                params,
+                eod=eod,
+                generators=generators,
+                use_cache=not args.no_kv_cache,
+            )
             for i, out in zip(rows, outs):
                 text_ids = out.generated_ids[:-1] if out.stopped_at_eod else out.generated_ids
-                by_index[i] = {"prompt": prompts[i], "prompt_ids": out.prompt_ids, "generated_ids": out.generated_ids,
-                               "text": tokenizer.detokenize(text_ids) if text_ids else "",
-                               "stopped_at_eod": out.stopped_at_eod}
+                by_index[i] = {
+                    "prompt": prompts[i],
+                    "prompt_ids": out.prompt_ids,
+                    "generated_ids": out.generated_ids,
+                    "text": tokenizer.detokenize(text_ids) if text_ids else "",
+                    "stopped_at_eod": out.stopped_at_eod,
+                }
         if dp > 1:
             import torch.distributed as dist
 
@@ -205,8 +241,10 @@ def main(argv=None) -> int:
     if not is_output_rank():
         return 0
     for r in results:
-        print(f"--- prompt: {r['prompt']!r}\n--- generated ({len(r['generated_ids'])} tokens"
-              f"{', stopped at EOD' if r['stopped_at_eod'] else ''}):\n{r['text']}")
+        print(
+            f"--- prompt: {r['prompt']!r}\n--- generated ({len(r['generated_ids'])} tokens"
+            f"{', stopped at EOD' if r['stopped_at_eod'] else ''}):\n{r['text']}"
+        )
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=2, ensure_ascii=False)

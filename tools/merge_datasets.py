@@ -14,8 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from megalm.data.indexed_dataset import (IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError,  # noqa: E402
-                                         dataset_exists)
+from megalm.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError, dataset_exists  # noqa: E402
 from megalm.log import get_logger, setup_logging  # noqa: E402
 
 logger = get_logger("tools.merge_datasets")
@@ -24,11 +23,15 @@ logger = get_logger("tools.merge_datasets")
 def get_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     group = parser.add_argument_group(title="input data")
-    group.add_argument("--input", type=str, nargs="+", required=True,
-                       help="Path to directory containing all document files to merge, or dataset prefixes.")
+    group.add_argument(
+        "--input",
+        type=str,
+        nargs="+",
+        required=True,
+        help="Path to directory containing all document files to merge, or dataset prefixes.",
+    )
     group = parser.add_argument_group(title="output data")
-    group.add_argument("--output-prefix", type=str, required=True,
-                       help="Path to binary output file without suffix.")
+    group.add_argument("--output-prefix", type=str, required=True, help="Path to binary output file without suffix.")
     return parser.parse_args(argv)
 
 
@@ -79,8 +82,10 @@ def main(argv=None) -> int:
         logger.error("error: %s", e)
         return 1
     docs = len(merged.document_indices) - 1
-    print(f"merged {len(prefixes)} datasets: {docs:,} documents, {len(merged):,} sequences, "
-          f"{merged.num_tokens:,} tokens ({merged.dtype}) -> {args.output_prefix}.bin / .idx")
+    print(
+        f"merged {len(prefixes)} datasets: {docs:,} documents, {len(merged):,} sequences, "
+        f"{merged.num_tokens:,} tokens ({merged.dtype}) -> {args.output_prefix}.bin / .idx"
+    )
     return 0
 
 

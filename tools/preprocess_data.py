@@ -26,38 +26,54 @@ import sys
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
 from megalm.data.preprocess import PreprocessError, PreprocessOptions, preprocess  # noqa: E402
-from megalm.tokenizers.build import TOKENIZER_TYPES  # noqa: E402
 from megalm.log import get_logger, setup_logging  # noqa: E402
+from megalm.tokenizers.build import TOKENIZER_TYPES  # noqa: E402
 
 logger = get_logger("tools.preprocess_data")
 
 
 def get_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     group = parser.add_argument_group(title="input data")
-    group.add_argument("--input", type=str, required=True,
-                       help="Input file (jsonl, .jsonl.gz, parquet), directory of them, or glob pattern.")
-    group.add_argument("--json-keys", nargs="+", default=["text"],
-                       help="Keys (columns) to extract; one output dataset per key.")
+    group.add_argument(
+        "--input",
+        type=str,
+        required=True,
+        help="Input file (jsonl, .jsonl.gz, parquet), directory of them, or glob pattern.",
+    )
+    group.add_argument(
+        "--json-keys", nargs="+", default=["text"], help="Keys (columns) to extract; one output dataset per key."
+    )
     group = parser.add_argument_group(title="tokenizer")
-    group.add_argument("--tokenizer-type", type=str, required=True, choices=TOKENIZER_TYPES,
-                       help="What type of tokenizer to use.")
-    group.add_argument("--tokenizer-model", type=str, default=None,
-                       help="Sentencepiece .model file, or Hugging Face tokenizer.json / directory.")
+    group.add_argument(
+        "--tokenizer-type", type=str, required=True, choices=TOKENIZER_TYPES, help="What type of tokenizer to use."
+    )
+    group.add_argument(
+        "--tokenizer-model",
+        type=str,
+        default=None,
+        help="Sentencepiece .model file, or Hugging Face tokenizer.json / directory.",
+    )
     group.add_argument("--vocab-size", type=int, default=None, help="Size of vocab for use with NullTokenizer.")
     group.add_argument("--vocab-file", type=str, default=None, help="GPT2BPETokenizer: the vocab.json file.")
     group.add_argument("--merge-file", type=str, default=None, help="GPT2BPETokenizer: the BPE merges file.")
     group.add_argument("--append-eod", action="store_true", help="Append an <eod> token to the end of a document.")
     group = parser.add_argument_group(title="output data")
-    group.add_argument("--output-prefix", type=str, required=True,
-                       help="Path prefix of the binary output files (without suffix).")
+    group.add_argument(
+        "--output-prefix", type=str, required=True, help="Path prefix of the binary output files (without suffix)."
+    )
     group = parser.add_argument_group(title="runtime")
     group.add_argument("--workers", type=int, default=1, help="Number of worker processes to launch.")
-    group.add_argument("--log-interval", type=int, default=1000,
-                       help="Interval between progress updates, in documents.")
-    group.add_argument("--strict", action="store_true",
-                       help="Fail on the first bad record (reported as file:line) instead of skipping it.")
+    group.add_argument(
+        "--log-interval", type=int, default=1000, help="Interval between progress updates, in documents."
+    )
+    group.add_argument(
+        "--strict",
+        action="store_true",
+        help="Fail on the first bad record (reported as file:line) instead of skipping it.",
+    )
     group.add_argument("--no-progress", action="store_true", help="Do not show the progress bar.")
     return parser.parse_args(argv)
 
@@ -65,11 +81,21 @@ def get_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = get_args(argv)
     setup_logging(stream="stderr")  # warnings and errors; stdout carries the result
-    opts = PreprocessOptions(input=args.input, output_prefix=args.output_prefix, json_keys=args.json_keys,
-                             tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-                             vocab_size=args.vocab_size, vocab_file=args.vocab_file, merge_file=args.merge_file,
-                             append_eod=args.append_eod, workers=args.workers,
-                             log_interval=args.log_interval, strict=args.strict, progress=not args.no_progress)
+    opts = PreprocessOptions(
+        input=args.input,
+        output_prefix=args.output_prefix,
+        json_keys=args.json_keys,
+        tokenizer_type=args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model,
+        vocab_size=args.vocab_size,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        append_eod=args.append_eod,
+        workers=args.workers,
+        log_interval=args.log_interval,
+        strict=args.strict,
+        progress=not args.no_progress,
+    )
     try:
         summary = preprocess(opts)
     except (PreprocessError, FileNotFoundError, ValueError) as e:

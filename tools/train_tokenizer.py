@@ -32,23 +32,44 @@ logger = get_logger("tools.train_tokenizer")
 def get_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     group = parser.add_argument_group(title="input data")
-    group.add_argument("--input", type=str, nargs="+", required=True,
-                       help="Input files (jsonl, .jsonl.gz, parquet, .txt), directories or glob patterns.")
+    group.add_argument(
+        "--input",
+        type=str,
+        nargs="+",
+        required=True,
+        help="Input files (jsonl, .jsonl.gz, parquet, .txt), directories or glob patterns.",
+    )
     group.add_argument("--json-keys", nargs="+", default=["text"], help="Keys (columns) holding the text.")
-    group.add_argument("--input-sentence-size", type=int, default=2_000_000,
-                       help="Sample at most this many sentences for training (0: all).")
-    group.add_argument("--max-sentence-length", type=int, default=16384,
-                       help="Longest sentence in bytes; longer lines are cut into pieces of this size.")
+    group.add_argument(
+        "--input-sentence-size",
+        type=int,
+        default=2_000_000,
+        help="Sample at most this many sentences for training (0: all).",
+    )
+    group.add_argument(
+        "--max-sentence-length",
+        type=int,
+        default=16384,
+        help="Longest sentence in bytes; longer lines are cut into pieces of this size.",
+    )
     group = parser.add_argument_group(title="model")
     group.add_argument("--model-prefix", type=str, required=True, help="Output prefix: writes <prefix>.model/.vocab.")
     group.add_argument("--vocab-size", type=int, default=32000, help="Vocabulary size, special pieces included.")
     group.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe", help="Sentencepiece algorithm.")
-    group.add_argument("--character-coverage", type=float, default=0.9995,
-                       help="Fraction of characters covered by the vocabulary (1.0 for small alphabets).")
-    group.add_argument("--byte-fallback", action="store_true",
-                       help="Encode characters outside the vocabulary as UTF-8 byte pieces (no <unk>).")
-    group.add_argument("--user-defined-symbols", nargs="*", default=[],
-                       help="Special tokens always kept whole (e.g. '<|im_start|>').")
+    group.add_argument(
+        "--character-coverage",
+        type=float,
+        default=0.9995,
+        help="Fraction of characters covered by the vocabulary (1.0 for small alphabets).",
+    )
+    group.add_argument(
+        "--byte-fallback",
+        action="store_true",
+        help="Encode characters outside the vocabulary as UTF-8 byte pieces (no <unk>).",
+    )
+    group.add_argument(
+        "--user-defined-symbols", nargs="*", default=[], help="Special tokens always kept whole (e.g. '<|im_start|>')."
+    )
     group.add_argument("--split-digits", action="store_true", help="Split numbers into single digits.")
     group.add_argument("--unk-id", type=int, default=0)
     group.add_argument("--bos-id", type=int, default=1)
@@ -66,8 +87,12 @@ def resolve(specs: List[str]) -> List[str]:
         if os.path.isfile(spec):
             files.append(spec)
         elif os.path.isdir(spec):
-            found = sorted(os.path.join(d, f) for d, _, names in os.walk(spec) for f in names
-                           if f.endswith(ts.SUPPORTED_SUFFIXES + (".txt",)))
+            found = sorted(
+                os.path.join(d, f)
+                for d, _, names in os.walk(spec)
+                for f in names
+                if f.endswith(ts.SUPPORTED_SUFFIXES + (".txt",))
+            )
             if not found:
                 raise ts.InputError(f"--input {spec}: directory holds no jsonl, parquet or .txt files")
             files += found
@@ -81,6 +106,7 @@ def resolve(specs: List[str]) -> List[str]:
 
 def iter_sentences(files: List[str], keys: List[str], max_bytes: int, stats: dict) -> Iterator[str]:
     """Non-empty lines of every document (plain-text files: every line), cut to ``max_bytes``."""
+
     def lines_of(text: str):
         for line in text.splitlines():
             line = line.strip()
@@ -93,7 +119,7 @@ def iter_sentences(files: List[str], keys: List[str], max_bytes: int, stats: dic
             else:  # keep long lines instead of letting sentencepiece drop them
                 step = max(1, max_bytes // 4)  # a character is at most 4 bytes
                 for i in range(0, len(line), step):
-                    yield line[i:i + step]
+                    yield line[i : i + step]
 
     for path in files:
         if path.endswith(".txt"):
@@ -119,12 +145,23 @@ def train(args) -> dict:
     spm.set_random_generator_seed(args.seed)  # sentence sampling is reproducible
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter_sentences(files, args.json_keys, args.max_sentence_length, stats),
-        model_prefix=args.model_prefix, vocab_size=args.vocab_size, model_type=args.model_type,
-        character_coverage=args.character_coverage, byte_fallback=args.byte_fallback,
-        user_defined_symbols=args.user_defined_symbols, split_digits=args.split_digits,
-        unk_id=args.unk_id, bos_id=args.bos_id, eos_id=args.eos_id, pad_id=args.pad_id,
-        input_sentence_size=args.input_sentence_size, shuffle_input_sentence=True,
-        max_sentence_length=args.max_sentence_length, num_threads=args.num_threads, minloglevel=2)
+        model_prefix=args.model_prefix,
+        vocab_size=args.vocab_size,
+        model_type=args.model_type,
+        character_coverage=args.character_coverage,
+        byte_fallback=args.byte_fallback,
+        user_defined_symbols=args.user_defined_symbols,
+        split_digits=args.split_digits,
+        unk_id=args.unk_id,
+        bos_id=args.bos_id,
+        eos_id=args.eos_id,
+        pad_id=args.pad_id,
+        input_sentence_size=args.input_sentence_size,
+        shuffle_input_sentence=True,
+        max_sentence_length=args.max_sentence_length,
+        num_threads=args.num_threads,
+        minloglevel=2,
+    )
     stats["seconds"] = time.perf_counter() - t0
     stats["files"] = len(files)
     return stats
@@ -135,12 +172,14 @@ def summarize(args, stats: dict) -> str:
 
     sp = spm.SentencePieceProcessor(model_file=args.model_prefix + ".model")
     special = {name: getattr(sp, f"{name}_id")() for name in ("unk", "bos", "eos", "pad")}
-    lines = [f"trained {args.model_type} model {args.model_prefix}.model in {stats['seconds']:.1f} s",
-             f"  input: {stats['files']} files, {stats['documents']:,} documents, {stats['sentences']:,} lines, "
-             f"{stats['chars']:,} characters",
-             f"  vocabulary: {sp.get_piece_size():,} pieces; special ids "
-             + ", ".join(f"{k}={v}" + (f" ({sp.id_to_piece(v)})" if v >= 0 else "") for k, v in special.items()),
-             f"  byte fallback: {'on' if args.byte_fallback else 'off'}; character coverage: {args.character_coverage}"]
+    lines = [
+        f"trained {args.model_type} model {args.model_prefix}.model in {stats['seconds']:.1f} s",
+        f"  input: {stats['files']} files, {stats['documents']:,} documents, {stats['sentences']:,} lines, "
+        f"{stats['chars']:,} characters",
+        f"  vocabulary: {sp.get_piece_size():,} pieces; special ids "
+        + ", ".join(f"{k}={v}" + (f" ({sp.id_to_piece(v)})" if v >= 0 else "") for k, v in special.items()),
+        f"  byte fallback: {'on' if args.byte_fallback else 'off'}; character coverage: {args.character_coverage}",
+    ]
     if args.user_defined_symbols:
         ids = {s: sp.piece_to_id(s) for s in args.user_defined_symbols}
         lines.append("  user-defined symbols: " + ", ".join(f"{s}={i}" for s, i in ids.items()))

@@ -15,11 +15,30 @@ from typing import Collection, List
 from megalm.config.sections import ConfigError, MegalmConfig
 
 MODEL_FIELDS = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels", "group_query_attention",
-    "num_query_groups", "seq_length", "max_position_embeddings", "position_embedding_type", "rotary_base",
-    "rotary_percent", "normalization", "norm_epsilon", "swiglu", "add_bias_linear",
-    "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by", "num_experts", "moe_ffn_hidden_size",
-    "moe_layer_freq", "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "kv_channels",
+    "group_query_attention",
+    "num_query_groups",
+    "seq_length",
+    "max_position_embeddings",
+    "position_embedding_type",
+    "rotary_base",
+    "rotary_percent",
+    "normalization",
+    "norm_epsilon",
+    "swiglu",
+    "add_bias_linear",
+    "untie_embeddings_and_output_weights",
+    "make_vocab_size_divisible_by",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_layer_freq",
+    "moe_router_topk",
+    "moe_router_score_function",
+    "moe_router_pre_softmax",
     "moe_shared_expert_intermediate_size",
 )
 DATA_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
@@ -42,8 +61,10 @@ def apply_checkpoint_args(cfg: MegalmConfig, given: Collection[str]) -> List[str
     except CheckpointError as e:
         raise ConfigError(f"--use-checkpoint-args: {e}") from None
     copied = []
-    for section, target, source, names in (("model", cfg.model, saved.model, MODEL_FIELDS),
-                                           ("data", cfg.data, saved.data, DATA_FIELDS)):
+    for section, target, source, names in (
+        ("model", cfg.model, saved.model, MODEL_FIELDS),
+        ("data", cfg.data, saved.data, DATA_FIELDS),
+    ):
         values = dataclasses.asdict(source)  # a name missing here is a typo in MODEL_FIELDS / DATA_FIELDS
         for name in names:
             if f"{section}.{name}" not in given:
@@ -51,8 +72,12 @@ def apply_checkpoint_args(cfg: MegalmConfig, given: Collection[str]) -> List[str
                 copied.append(f"{section}.{name}")
     # The saved vocab_size is the tokenizer's; only NullTokenizer is built from --vocab-size
     # (its ids, to which it adds the end-of-document id).
-    if "model.vocab_size" not in given and saved.data.tokenizer_type == "NullTokenizer" \
-            and saved.model.vocab_size is not None and cfg.data.tokenizer_type == "NullTokenizer":
+    if (
+        "model.vocab_size" not in given
+        and saved.data.tokenizer_type == "NullTokenizer"
+        and saved.model.vocab_size is not None
+        and cfg.data.tokenizer_type == "NullTokenizer"
+    ):
         cfg.model.vocab_size = NullTokenizer.ids_for(saved.model.vocab_size)
         copied.append("model.vocab_size")
     return copied

@@ -20,6 +20,7 @@ def parse_moe_layer_freq(text) -> Union[int, List[int]]:
 
     if isinstance(text, (int, list)):
         return text
+
     def value(node):
         if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
             return node.value
@@ -29,11 +30,13 @@ def parse_moe_layer_freq(text) -> Union[int, List[int]]:
             left, right = value(node.left), value(node.right)
             return left + right if isinstance(node.op, ast.Add) else left * right
         raise ValueError(text)
+
     try:
         out = value(ast.parse(str(text).strip(), mode="eval").body)
     except (SyntaxError, ValueError, TypeError):
-        raise argparse.ArgumentTypeError(f"--moe-layer-freq {text!r} is neither an int nor a list such as "
-                                         f"\"[0,1,1,1]\" or \"([0]+[1]*3)*2\"") from None
+        raise argparse.ArgumentTypeError(
+            f'--moe-layer-freq {text!r} is neither an int nor a list such as "[0,1,1,1]" or "([0]+[1]*3)*2"'
+        ) from None
     if isinstance(out, list) and not all(isinstance(v, int) for v in out):
         raise argparse.ArgumentTypeError(f"--moe-layer-freq {text!r} must be a flat list of 0/1 entries")
     return out
@@ -57,8 +60,9 @@ def _base_type(tp):
     return tp
 
 
-def add_config_arguments(parser: argparse.ArgumentParser,
-                         extra_sections: Optional[dict] = None) -> argparse.ArgumentParser:
+def add_config_arguments(
+    parser: argparse.ArgumentParser, extra_sections: Optional[dict] = None
+) -> argparse.ArgumentParser:
     """Add one flag per config field, grouped by section."""
     sections = dict(SECTIONS, **(extra_sections or {}))
     for section, cls in sections.items():
@@ -105,8 +109,9 @@ class RaisingArgumentParser(argparse.ArgumentParser):
         raise ConfigError(message or f"argument parsing stopped (status {status})")
 
 
-def build_parser(description: str = "megalm", extra_sections: Optional[dict] = None,
-                 exit_on_error: bool = True) -> argparse.ArgumentParser:
+def build_parser(
+    description: str = "megalm", extra_sections: Optional[dict] = None, exit_on_error: bool = True
+) -> argparse.ArgumentParser:
     """The parser of every config flag.  ``exit_on_error`` True: argparse's command-line behaviour
     (usage message, exit status 2), for entry points; False: a :class:`ConfigError` is raised."""
     cls = argparse.ArgumentParser if exit_on_error else RaisingArgumentParser
@@ -118,8 +123,13 @@ def config_from_args(args: argparse.Namespace) -> MegalmConfig:
     values = vars(args)
     kwargs = {}
     for section, cls in SECTIONS.items():
-        kwargs[section] = cls(**{f.name: values[f"{section}.{f.name}"] for f in dataclasses.fields(cls)
-                                 if f"{section}.{f.name}" in values})
+        kwargs[section] = cls(
+            **{
+                f.name: values[f"{section}.{f.name}"]
+                for f in dataclasses.fields(cls)
+                if f"{section}.{f.name}" in values
+            }
+        )
     return MegalmConfig(**kwargs)
 
 

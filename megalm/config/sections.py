@@ -36,90 +36,159 @@ class ModelConfig:
 
     num_layers: int = _f(2, "Number of transformer layers.")
     hidden_size: int = _f(128, "Transformer hidden size.")
-    ffn_hidden_size: Optional[int] = _f(None, "MLP hidden size; default 4 x hidden (SwiGLU: 8/3 x hidden rounded to 64).")
+    ffn_hidden_size: Optional[int] = _f(
+        None, "MLP hidden size; default 4 x hidden (SwiGLU: 8/3 x hidden rounded to 64)."
+    )
     num_attention_heads: int = _f(4, "Number of attention heads.")
     kv_channels: Optional[int] = _f(None, "Per-head projection size; default hidden / heads.")
     group_query_attention: bool = _f(False, "Use grouped-query attention (see --num-query-groups).")
     num_query_groups: Optional[int] = _f(None, "Number of key/value head groups with --group-query-attention.")
     seq_length: int = _f(128, "Sequence length of training samples.")
     max_position_embeddings: Optional[int] = _f(None, "Size of the learned position table; default --seq-length.")
-    position_embedding_type: str = _f("learned_absolute", "Position embedding.", choices=["learned_absolute", "rope", "none"])
+    position_embedding_type: str = _f(
+        "learned_absolute", "Position embedding.", choices=["learned_absolute", "rope", "none"]
+    )
     rotary_base: int = _f(10000, "Base of the rotary embedding frequencies.")
     rotary_percent: float = _f(1.0, "Fraction of each head's dimensions that is rotated.")
     normalization: str = _f("LayerNorm", "Normalization layer.", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = _f(1e-5, "Epsilon of the normalization layers.")
     swiglu: bool = _f(False, "Use SwiGLU in the MLP instead of GELU.")
-    add_bias_linear: bool = _f(True, "Disable biases in all linear layers.", flag="--disable-bias-linear", action="store_false")
+    add_bias_linear: bool = _f(
+        True, "Disable biases in all linear layers.", flag="--disable-bias-linear", action="store_false"
+    )
     untie_embeddings_and_output_weights: bool = _f(False, "Use a separate output layer instead of the word embedding.")
     hidden_dropout: float = _f(0.1, "Dropout probability after attention and MLP outputs.")
     attention_dropout: float = _f(0.1, "Dropout probability on attention weights.")
     init_method_std: float = _f(0.02, "Standard deviation of the normal weight initialization.")
-    use_scaled_init_method: bool = _f(True, "Disable the std/sqrt(2 x layers) init of output projections.",
-                                      flag="--no-scaled-init-method", action="store_false")
-    make_vocab_size_divisible_by: int = _f(128, "Pad the vocabulary to a multiple of this value x tensor parallel size.")
-    vocab_size: Optional[int] = _f(None, "Vocabulary size (set from the tokenizer; required with --tokenizer-type NullTokenizer).")
-    recompute_granularity: Optional[str] = _f(None, "Activation recomputation granularity.", choices=["full", "selective"])
-    recompute_method: Optional[str] = _f(None, "With full recompute: 'uniform' (chunks of N layers) or 'block' (first N layers of each stage).",
-                                         choices=["uniform", "block"])
-    recompute_num_layers: Optional[int] = _f(None, "Layers per recompute chunk (uniform) or recomputed layers per stage (block).")
-    apply_query_key_layer_scaling: bool = _f(False, "Megatron-LM's fp16 guard; a no-op here (warns): attention scales by 1/sqrt(head dim).")
-    bias_gelu_fusion: bool = _f(True, "Disable the fused bias + GeLU.", flag="--no-bias-gelu-fusion", action="store_false")
-    bias_swiglu_fusion: bool = _f(True, "Disable the fused bias + SwiGLU.", flag="--no-bias-swiglu-fusion", action="store_false")
-    bias_dropout_fusion: bool = _f(True, "Disable the fused bias + dropout + add.", flag="--no-bias-dropout-fusion", action="store_false")
-    apply_rope_fusion: bool = _f(True, "Disable the fused rotary embedding.", flag="--no-rope-fusion", action="store_false")
-    masked_softmax_fusion: bool = _f(True, "Disable the fused masked softmax.", flag="--no-masked-softmax-fusion", action="store_false")
-    norm_fusion: bool = _f(True, "Disable the compiled LayerNorm/RMSNorm (megalm; apex's fused norms are used "
-                                 "instead whenever NVIDIA apex is installed on a GPU).",
-                           flag="--no-norm-fusion", action="store_false")
-    cross_entropy_loss_fusion: bool = _f(True, "Output layer and vocab-parallel cross entropy as one chunked function "
-                                               "that never materializes the logits (on by default in megalm; "
-                                               "--no-cross-entropy-loss-fusion: logits, then the loss).",
-                                         action=argparse.BooleanOptionalAction)
-    attention_backend: str = _f("auto", "Attention core: auto (flash-attn when installed with bf16/fp16 on a GPU; "
-                                        "blocked on a CPU in fp32 without attention dropout for sequences of "
-                                        "128-1024; else PyTorch SDPA), flash (flash-attn), fused (PyTorch SDPA), "
-                                        "blocked (causal attention in query blocks, no dropout), unfused or local "
-                                        "(QK^T, masked softmax, @V).",
-                                choices=["auto", "flash", "fused", "blocked", "unfused", "local"])
+    use_scaled_init_method: bool = _f(
+        True,
+        "Disable the std/sqrt(2 x layers) init of output projections.",
+        flag="--no-scaled-init-method",
+        action="store_false",
+    )
+    make_vocab_size_divisible_by: int = _f(
+        128, "Pad the vocabulary to a multiple of this value x tensor parallel size."
+    )
+    vocab_size: Optional[int] = _f(
+        None, "Vocabulary size (set from the tokenizer; required with --tokenizer-type NullTokenizer)."
+    )
+    recompute_granularity: Optional[str] = _f(
+        None, "Activation recomputation granularity.", choices=["full", "selective"]
+    )
+    recompute_method: Optional[str] = _f(
+        None,
+        "With full recompute: 'uniform' (chunks of N layers) or 'block' (first N layers of each stage).",
+        choices=["uniform", "block"],
+    )
+    recompute_num_layers: Optional[int] = _f(
+        None, "Layers per recompute chunk (uniform) or recomputed layers per stage (block)."
+    )
+    apply_query_key_layer_scaling: bool = _f(
+        False, "Megatron-LM's fp16 guard; a no-op here (warns): attention scales by 1/sqrt(head dim)."
+    )
+    bias_gelu_fusion: bool = _f(
+        True, "Disable the fused bias + GeLU.", flag="--no-bias-gelu-fusion", action="store_false"
+    )
+    bias_swiglu_fusion: bool = _f(
+        True, "Disable the fused bias + SwiGLU.", flag="--no-bias-swiglu-fusion", action="store_false"
+    )
+    bias_dropout_fusion: bool = _f(
+        True, "Disable the fused bias + dropout + add.", flag="--no-bias-dropout-fusion", action="store_false"
+    )
+    apply_rope_fusion: bool = _f(
+        True, "Disable the fused rotary embedding.", flag="--no-rope-fusion", action="store_false"
+    )
+    masked_softmax_fusion: bool = _f(
+        True, "Disable the fused masked softmax.", flag="--no-masked-softmax-fusion", action="store_false"
+    )
+    norm_fusion: bool = _f(
+        True,
+        "Disable the compiled LayerNorm/RMSNorm (megalm; apex's fused norms are used "
+        "instead whenever NVIDIA apex is installed on a GPU).",
+        flag="--no-norm-fusion",
+        action="store_false",
+    )
+    cross_entropy_loss_fusion: bool = _f(
+        True,
+        "Output layer and vocab-parallel cross entropy as one chunked function "
+        "that never materializes the logits (on by default in megalm; "
+        "--no-cross-entropy-loss-fusion: logits, then the loss).",
+        action=argparse.BooleanOptionalAction,
+    )
+    attention_backend: str = _f(
+        "auto",
+        "Attention core: auto (flash-attn when installed with bf16/fp16 on a GPU; "
+        "blocked on a CPU in fp32 without attention dropout for sequences of "
+        "128-1024; else PyTorch SDPA), flash (flash-attn), fused (PyTorch SDPA), "
+        "blocked (causal attention in query blocks, no dropout), unfused or local "
+        "(QK^T, masked softmax, @V).",
+        choices=["auto", "flash", "fused", "blocked", "unfused", "local"],
+    )
     use_flash_attn: bool = _f(False, "Megatron-LM's spelling of --attention-backend flash.")
-    transformer_impl: str = _f("local", "Transformer layer implementation: megalm's (local) or NVIDIA Transformer "
-                                        "Engine's fused modules (transformer_engine, GPU).",
-                               choices=["local", "transformer_engine"])
-    fp8_format: Optional[str] = _f(None, "FP8 training through Transformer Engine (needs --transformer-impl "
-                                         "transformer_engine on a GPU): e4m3 everywhere, or hybrid (e4m3 forward, "
-                                         "e5m2 gradients).", choices=["e4m3", "hybrid"])
+    transformer_impl: str = _f(
+        "local",
+        "Transformer layer implementation: megalm's (local) or NVIDIA Transformer "
+        "Engine's fused modules (transformer_engine, GPU).",
+        choices=["local", "transformer_engine"],
+    )
+    fp8_format: Optional[str] = _f(
+        None,
+        "FP8 training through Transformer Engine (needs --transformer-impl "
+        "transformer_engine on a GPU): e4m3 everywhere, or hybrid (e4m3 forward, "
+        "e5m2 gradients).",
+        choices=["e4m3", "hybrid"],
+    )
     fp8_margin: int = _f(0, "FP8 delayed scaling: scale = fp8 max / amax / 2^margin.")
     fp8_amax_history_len: int = _f(1, "FP8 delayed scaling: number of steps of amax history kept per tensor.")
-    fp8_amax_compute_algo: str = _f("most_recent", "FP8 delayed scaling: the amax used from the history.",
-                                    choices=["most_recent", "max"])
+    fp8_amax_compute_algo: str = _f(
+        "most_recent", "FP8 delayed scaling: the amax used from the history.", choices=["most_recent", "max"]
+    )
 
     # Mixture of experts (Megatron-LM's --num-experts / --moe-* flags); see megalm/transformer/moe.
     num_experts: Optional[int] = _f(None, "Number of experts in each MoE layer (unset: dense model).")
     moe_ffn_hidden_size: Optional[int] = _f(None, "Hidden size of each expert's MLP; default --ffn-hidden-size.")
     moe_layer_freq: Union[int, List[int]] = _f(
-        1, "Which layers are MoE layers: every k-th layer (an int k: layers 0, k, 2k, ...), or one 0/1 entry "
-           "per layer as a Python list, e.g. \"[0,1,1,1]\" or \"([0]+[1]*3)*2\".", type="moe_layer_freq")
+        1,
+        "Which layers are MoE layers: every k-th layer (an int k: layers 0, k, 2k, ...), or one 0/1 entry "
+        'per layer as a Python list, e.g. "[0,1,1,1]" or "([0]+[1]*3)*2".',
+        type="moe_layer_freq",
+    )
     moe_router_topk: int = _f(2, "Number of experts each token is routed to.")
     moe_router_score_function: str = _f("softmax", "Router score function.", choices=["softmax", "sigmoid"])
-    moe_router_pre_softmax: bool = _f(False, "Softmax over all experts before the top-k (default: top-k of the "
-                                             "logits, then softmax over the k chosen).")
-    moe_router_load_balancing_type: str = _f("aux_loss", "Load-balancing loss: per micro-batch (aux_loss), per "
-                                                         "sequence (seq_aux_loss) or none.",
-                                             choices=["aux_loss", "seq_aux_loss", "none"])
+    moe_router_pre_softmax: bool = _f(
+        False,
+        "Softmax over all experts before the top-k (default: top-k of the logits, then softmax over the k chosen).",
+    )
+    moe_router_load_balancing_type: str = _f(
+        "aux_loss",
+        "Load-balancing loss: per micro-batch (aux_loss), per sequence (seq_aux_loss) or none.",
+        choices=["aux_loss", "seq_aux_loss", "none"],
+    )
     moe_aux_loss_coeff: float = _f(0.0, "Coefficient of the load-balancing loss (1e-2 is typical).")
     moe_z_loss_coeff: Optional[float] = _f(None, "Coefficient of the router z-loss (1e-3 is typical; unset: off).")
-    moe_router_dtype: Optional[str] = _f(None, "Compute router logits and probabilities in this precision "
-                                               "(default: the model's).", choices=["fp32", "fp64"])
-    moe_shared_expert_intermediate_size: Optional[int] = _f(None, "Hidden size of a shared expert every token "
-                                                                  "goes through (unset: none).")
-    moe_token_dispatcher_type: str = _f("allgather", "How tokens reach the experts over the expert-parallel group.",
-                                        choices=["allgather", "alltoall"])
-    moe_expert_capacity_factor: Optional[float] = _f(None, "Expert capacity = ceil(tokens x topk / experts x "
-                                                           "factor); tokens beyond it are dropped (unset: dropless).")
-    moe_token_drop_policy: str = _f("probs", "Which tokens an over-full expert keeps: highest probabilities or "
-                                             "earliest positions.", choices=["probs", "position"])
-    moe_pad_expert_input_to_capacity: bool = _f(False, "Pad every expert's input to its capacity (needs "
-                                                       "--moe-expert-capacity-factor).")
+    moe_router_dtype: Optional[str] = _f(
+        None,
+        "Compute router logits and probabilities in this precision (default: the model's).",
+        choices=["fp32", "fp64"],
+    )
+    moe_shared_expert_intermediate_size: Optional[int] = _f(
+        None, "Hidden size of a shared expert every token goes through (unset: none)."
+    )
+    moe_token_dispatcher_type: str = _f(
+        "allgather", "How tokens reach the experts over the expert-parallel group.", choices=["allgather", "alltoall"]
+    )
+    moe_expert_capacity_factor: Optional[float] = _f(
+        None,
+        "Expert capacity = ceil(tokens x topk / experts x factor); tokens beyond it are dropped (unset: dropless).",
+    )
+    moe_token_drop_policy: str = _f(
+        "probs",
+        "Which tokens an over-full expert keeps: highest probabilities or earliest positions.",
+        choices=["probs", "position"],
+    )
+    moe_pad_expert_input_to_capacity: bool = _f(
+        False, "Pad every expert's input to its capacity (needs --moe-expert-capacity-factor)."
+    )
     moe_grouped_gemm: bool = _f(False, "Compute the local experts with one batched matmul instead of a loop.")
     moe_per_layer_logging: bool = _f(False, "Also log each MoE layer's losses and tokens per expert.")
 
@@ -141,27 +210,40 @@ class ParallelConfig:
 
     tensor_model_parallel_size: int = _f(1, "Tensor model parallel size.")
     pipeline_model_parallel_size: int = _f(1, "Pipeline model parallel size.")
-    num_layers_per_virtual_pipeline_stage: Optional[int] = _f(None, "Layers per virtual pipeline stage (interleaved 1F1B).")
-    num_virtual_stages_per_pipeline_rank: Optional[int] = _f(None, "Virtual pipeline stages per pipeline rank (interleaved 1F1B).")
+    num_layers_per_virtual_pipeline_stage: Optional[int] = _f(
+        None, "Layers per virtual pipeline stage (interleaved 1F1B)."
+    )
+    num_virtual_stages_per_pipeline_rank: Optional[int] = _f(
+        None, "Virtual pipeline stages per pipeline rank (interleaved 1F1B)."
+    )
     decoder_first_pipeline_num_layers: Optional[int] = _f(None, "Layers on the first pipeline stage (uneven split).")
     decoder_last_pipeline_num_layers: Optional[int] = _f(None, "Layers on the last pipeline stage (uneven split).")
     context_parallel_size: int = _f(1, "Context parallel size.")
     expert_model_parallel_size: int = _f(1, "Expert model parallel size.")
     sequence_parallel: bool = _f(False, "Shard norms and dropout along the sequence over tensor-parallel ranks.")
-    use_distributed_optimizer: bool = _f(False, "Shard optimizer state and main weights over data-parallel ranks (ZeRO-1).")
+    use_distributed_optimizer: bool = _f(
+        False, "Shard optimizer state and main weights over data-parallel ranks (ZeRO-1)."
+    )
     overlap_grad_reduce: bool = _f(False, "Reduce gradient buckets during the last microbatch's backward.")
-    overlap_param_gather: bool = _f(False, "All-gather updated parameters during the next forward (distributed optimizer).")
+    overlap_param_gather: bool = _f(
+        False, "All-gather updated parameters during the next forward (distributed optimizer)."
+    )
     ddp_bucket_size: Optional[int] = _f(None, "Gradient bucket size in elements; default max(40M, 1M x DP).")
-    hierarchical_grad_reduce: bool = _f(False, "Topology-aware data-parallel reduction (megalm): each gradient bucket "
-                                               "is reduce-scattered inside the node, all-reduced across nodes among "
-                                               "the ranks with the same local index (1/L of it per rank), and "
-                                               "all-gathered inside the node; with --use-distributed-optimizer "
-                                               "reduce-scattered inside then across nodes and the parameters "
-                                               "gathered back the same way.  Same results as the flat collectives "
-                                               "up to summation order; nodes are consecutive blocks of "
-                                               "LOCAL_WORLD_SIZE ranks, and the data-parallel group must have the "
-                                               "same number of ranks on every node.")
-    accumulate_allreduce_grads_in_fp32: bool = _f(True, "Accumulate and reduce gradients in fp32 (always on with --bf16/--fp16).")
+    hierarchical_grad_reduce: bool = _f(
+        False,
+        "Topology-aware data-parallel reduction (megalm): each gradient bucket "
+        "is reduce-scattered inside the node, all-reduced across nodes among "
+        "the ranks with the same local index (1/L of it per rank), and "
+        "all-gathered inside the node; with --use-distributed-optimizer "
+        "reduce-scattered inside then across nodes and the parameters "
+        "gathered back the same way.  Same results as the flat collectives "
+        "up to summation order; nodes are consecutive blocks of "
+        "LOCAL_WORLD_SIZE ranks, and the data-parallel group must have the "
+        "same number of ranks on every node.",
+    )
+    accumulate_allreduce_grads_in_fp32: bool = _f(
+        True, "Accumulate and reduce gradients in fp32 (always on with --bf16/--fp16)."
+    )
     variable_seq_lengths: bool = _f(False, "Exchange tensor shapes between pipeline stages each microbatch.")
     distributed_timeout_minutes: int = _f(10, "Timeout of every collective, in minutes.")
 
@@ -177,14 +259,18 @@ class TrainingConfig:
 
     micro_batch_size: int = _f(1, "Samples per microbatch per data-parallel rank.")
     global_batch_size: Optional[int] = _f(None, "Samples per iteration over all ranks; default micro x DP.")
-    rampup_batch_size: Optional[List[int]] = _f(None, "Batch size ramp-up: <start> <increment> <ramp-up samples>.", nargs=3)
+    rampup_batch_size: Optional[List[int]] = _f(
+        None, "Batch size ramp-up: <start> <increment> <ramp-up samples>.", nargs=3
+    )
     train_iters: Optional[int] = _f(None, "Iterations to train (or --train-samples).")
     train_samples: Optional[int] = _f(None, "Samples to train (or --train-iters).")
     seed: int = _f(1234, "Random seed (weights, dropout, data order).")
     optimizer: str = _f("adam", "Optimizer (adam is AdamW: decoupled weight decay).", choices=["adam", "sgd"])
     lr: float = _f(1e-4, "Peak learning rate.")
     min_lr: float = _f(0.0, "Minimum learning rate after decay.")
-    lr_decay_style: str = _f("linear", "Learning-rate decay.", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
+    lr_decay_style: str = _f(
+        "linear", "Learning-rate decay.", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"]
+    )
     lr_warmup_iters: int = _f(0, "Linear warm-up iterations.")
     lr_warmup_fraction: Optional[float] = _f(None, "Warm-up as a fraction of --lr-decay-iters.")
     lr_warmup_init: float = _f(0.0, "Learning rate at the start of warm-up.")
@@ -193,8 +279,12 @@ class TrainingConfig:
     lr_warmup_samples: Optional[int] = _f(None, "Warm-up samples (with --train-samples).")
     lr_wsd_decay_samples: Optional[int] = _f(None, "Samples of WSD's final decay phase (with --train-samples).")
     override_opt_param_scheduler: bool = _f(False, "On load, use the learning-rate schedule of the command line.")
-    use_checkpoint_opt_param_scheduler: bool = _f(False, "On load, use the learning-rate schedule saved in the checkpoint.")
-    lr_wsd_decay_style: str = _f("exponential", "Annealing shape of WSD's decay phase.", choices=["exponential", "linear", "cosine"])
+    use_checkpoint_opt_param_scheduler: bool = _f(
+        False, "On load, use the learning-rate schedule saved in the checkpoint."
+    )
+    lr_wsd_decay_style: str = _f(
+        "exponential", "Annealing shape of WSD's decay phase.", choices=["exponential", "linear", "cosine"]
+    )
     lr_wsd_decay_iters: Optional[int] = _f(None, "Length of WSD's final decay phase.")
     weight_decay: float = _f(0.01, "Decoupled weight decay (not applied to biases and norms).")
     adam_beta1: float = _f(0.9, "Adam beta1.")
@@ -203,32 +293,46 @@ class TrainingConfig:
     sgd_momentum: float = _f(0.9, "SGD momentum.")
     clip_grad: float = _f(1.0, "Clip gradients to this global L2 norm (0 disables).")
     log_num_zeros_in_grad: bool = _f(False, "Count zero gradient entries and log them.")
-    calculate_per_token_loss: bool = _f(False, "Loss = sum over all tokens / number of loss-mask tokens across "
-                                               "microbatches and data-parallel ranks (instead of the mean of "
-                                               "per-microbatch means).")
+    calculate_per_token_loss: bool = _f(
+        False,
+        "Loss = sum over all tokens / number of loss-mask tokens across "
+        "microbatches and data-parallel ranks (instead of the mean of "
+        "per-microbatch means).",
+    )
     bf16: bool = _f(False, "bf16 weights and compute, fp32 main weights and gradients.")
     fp16: bool = _f(False, "fp16 weights and compute, fp32 main weights, dynamic loss scaling.")
     loss_scale: Optional[float] = _f(None, "Static loss scale (fp16); dynamic when unset.")
-    initial_loss_scale: float = _f(2.0 ** 32, "Initial dynamic loss scale.")
+    initial_loss_scale: float = _f(2.0**32, "Initial dynamic loss scale.")
     min_loss_scale: float = _f(1.0, "Minimum dynamic loss scale.")
     loss_scale_window: int = _f(1000, "Iterations without overflow before the scale doubles.")
     hysteresis: int = _f(2, "Overflows tolerated before the scale halves.")
     check_for_nan_in_loss_and_grad: bool = _f(
-        True, "Stop every rank, without saving, at the first non-finite loss (any rank) or gradient norm "
-              "(bf16/fp32; fp16 skips overflows instead, see --max-overflows-at-min-loss-scale); "
-              "--no-check-for-nan-in-loss-and-grad skips such iterations and goes on.",
-        action=argparse.BooleanOptionalAction)
+        True,
+        "Stop every rank, without saving, at the first non-finite loss (any rank) or gradient norm "
+        "(bf16/fp32; fp16 skips overflows instead, see --max-overflows-at-min-loss-scale); "
+        "--no-check-for-nan-in-loss-and-grad skips such iterations and goes on.",
+        action=argparse.BooleanOptionalAction,
+    )
     max_overflows_at_min_loss_scale: int = _f(
-        10, "fp16: stop after this many consecutive overflow-skipped iterations at the minimum loss scale "
-            "(--min-loss-scale, or the constant --loss-scale); 0 never stops (megalm's flag: Megatron-LM has none).")
-    check_for_spiky_loss: bool = _f(False, "Check each iteration's lm loss against --spiky-loss-factor x the mean of "
-                                           "the previous --spiky-loss-window iterations (one host copy per step).")
-    spiky_loss_factor: float = _f(10.0, "A loss above this many times the running mean is spiky (Megatron's "
-                                        "SPIKY_LOSS_FACTOR).")
+        10,
+        "fp16: stop after this many consecutive overflow-skipped iterations at the minimum loss scale "
+        "(--min-loss-scale, or the constant --loss-scale); 0 never stops (megalm's flag: Megatron-LM has none).",
+    )
+    check_for_spiky_loss: bool = _f(
+        False,
+        "Check each iteration's lm loss against --spiky-loss-factor x the mean of "
+        "the previous --spiky-loss-window iterations (one host copy per step).",
+    )
+    spiky_loss_factor: float = _f(
+        10.0, "A loss above this many times the running mean is spiky (Megatron's SPIKY_LOSS_FACTOR)."
+    )
     spiky_loss_window: int = _f(100, "Iterations in the running mean of --check-for-spiky-loss.")
-    spiky_loss_action: str = _f("warn", "On a spiky loss: log a warning and go on, or stop every rank without "
-                                        "saving (rollback to the last checkpoint is not built: refused).",
-                                choices=["warn", "stop", "rollback"])
+    spiky_loss_action: str = _f(
+        "warn",
+        "On a spiky loss: log a warning and go on, or stop every rank without "
+        "saving (rollback to the last checkpoint is not built: refused).",
+        choices=["warn", "stop", "rollback"],
+    )
     eval_interval: int = _f(1000, "Evaluate on the validation split every this many iterations.")
     eval_iters: int = _f(100, "Validation iterations per evaluation (0 disables).")
     exit_interval: Optional[int] = _f(None, "Save and exit when the iteration is a multiple of this.")
@@ -253,13 +357,20 @@ class DataConfig:
     vocab_file: Optional[str] = _f(None, "GPT2BPETokenizer: the vocab.json (e.g. gpt2-vocab.json).")
     merge_file: Optional[str] = _f(None, "GPT2BPETokenizer: the BPE merges (e.g. gpt2-merges.txt).")
     num_workers: int = _f(2, "DataLoader worker processes.")
-    dataloader_type: str = _f("single", "Sample order: single (in order, from the consumed samples on) or cyclic "
-                                        "(epochs of shuffled samples seeded by --seed and the epoch, re-iterated "
-                                        "endlessly; for train, valid and test as in Megatron).",
-                              choices=["single", "cyclic"])
-    data_sharding: bool = _f(True, "With --dataloader-type cyclic: shuffle over all samples instead of each "
-                                   "data-parallel rank within its own contiguous bucket.",
-                             flag="--no-data-sharding", action="store_false")
+    dataloader_type: str = _f(
+        "single",
+        "Sample order: single (in order, from the consumed samples on) or cyclic "
+        "(epochs of shuffled samples seeded by --seed and the epoch, re-iterated "
+        "endlessly; for train, valid and test as in Megatron).",
+        choices=["single", "cyclic"],
+    )
+    data_sharding: bool = _f(
+        True,
+        "With --dataloader-type cyclic: shuffle over all samples instead of each "
+        "data-parallel rank within its own contiguous bucket.",
+        flag="--no-data-sharding",
+        action="store_false",
+    )
     eod_mask_loss: bool = _f(False, "Mask the loss on end-of-document tokens.")
 
 
@@ -269,21 +380,31 @@ class CheckpointConfig:
 
     save: Optional[str] = _f(None, "Directory to save checkpoints to.")
     save_interval: Optional[int] = _f(None, "Save every this many iterations.")
-    load: Optional[str] = _f(None, "Directory to load the latest checkpoint from.  With the same directory as "
-                                   "--save and no checkpoint in it yet, training starts from scratch (Megatron's "
-                                   "auto-resume); otherwise a missing checkpoint is an error.")
+    load: Optional[str] = _f(
+        None,
+        "Directory to load the latest checkpoint from.  With the same directory as "
+        "--save and no checkpoint in it yet, training starts from scratch (Megatron's "
+        "auto-resume); otherwise a missing checkpoint is an error.",
+    )
     exit_on_missing_checkpoint: bool = _f(False, "Fail when --load holds no checkpoint, also when it is --save.")
-    use_checkpoint_args: bool = _f(False, "Take the architecture and tokenizer flags not given on the command line "
-                                          "from the checkpoint in --load.")
+    use_checkpoint_args: bool = _f(
+        False, "Take the architecture and tokenizer flags not given on the command line from the checkpoint in --load."
+    )
     no_load_optim: bool = _f(False, "Do not load optimizer and scheduler state.")
     no_load_rng: bool = _f(False, "Do not load random number generator states.")
     finetune: bool = _f(False, "Load weights only and start from iteration 0.")
     ckpt_step: Optional[int] = _f(None, "Load this iteration instead of the latest.")
-    ckpt_fallback_to_verified: bool = _f(False, "When the latest checkpoint in --load fails verification (its "
-                                                "manifest's sizes and sha256 checksums), load the newest older one "
-                                                "that verifies instead of stopping (warning naming each one skipped).")
-    async_save: bool = _f(False, "Write checkpoint tensors in a background thread after copying them to CPU memory; "
-                                 "the tracker file follows when every rank's write is complete.")
+    ckpt_fallback_to_verified: bool = _f(
+        False,
+        "When the latest checkpoint in --load fails verification (its "
+        "manifest's sizes and sha256 checksums), load the newest older one "
+        "that verifies instead of stopping (warning naming each one skipped).",
+    )
+    async_save: bool = _f(
+        False,
+        "Write checkpoint tensors in a background thread after copying them to CPU memory; "
+        "the tracker file follows when every rank's write is complete.",
+    )
 
 
 @dataclass
@@ -292,33 +413,58 @@ class LoggingConfig:
 
     log_interval: int = _f(100, "Print a log line every this many iterations.")
     log_params_norm: bool = _f(False, "Log the L2 norm of the parameters (each distinct parameter counted once).")
-    metrics_file: Optional[str] = _f(None, "Append JSON Lines metrics here (one record per logged iteration and evaluation).")
+    metrics_file: Optional[str] = _f(
+        None, "Append JSON Lines metrics here (one record per logged iteration and evaluation)."
+    )
     tensorboard_dir: Optional[str] = _f(None, "Write TensorBoard scalars here.")
     wandb_project: Optional[str] = _f(None, "Weights & Biases project (enables W&B logging).")
     wandb_exp_name: Optional[str] = _f(None, "Weights & Biases run name.")
     wandb_save_dir: Optional[str] = _f(None, "Weights & Biases local directory.")
-    device_peak_flops: Optional[float] = _f(None, "Peak FLOP/s per device for MFU (default: table, or measured on CPU).")
+    device_peak_flops: Optional[float] = _f(
+        None, "Peak FLOP/s per device for MFU (default: table, or measured on CPU)."
+    )
     log_memory: bool = _f(True, "Disable the peak-memory report.", flag="--no-log-memory", action="store_false")
-    log_throughput: bool = _f(False, "Accepted for Megatron-LM scripts (warns): megalm always logs tokens per second, "
-                                     "TFLOP/s per rank and MFU.")
-    timing_log_level: int = _f(0, "Per-phase timers in the log: 0 set-up and checkpoint saving, 1 adds forward-backward, "
-                                  "gradient sync and optimizer steps, 2 adds compute, data and pipeline exchanges "
-                                  "(see megalm/timers.py).", choices=[0, 1, 2])
-    timing_log_option: str = _f("minmax", "Timer values shown across ranks: max, minmax or all.",
-                                choices=["max", "minmax", "all"])
-    log_memory_to_tensorboard: bool = _f(False, "Also write this rank's memory (CUDA: mem-reserved-bytes, "
-                                                "mem-allocated-bytes, mem-max-allocated-bytes, mem-allocated-count; "
-                                                "CPU: mem-max-rss-bytes) to TensorBoard, W&B and the metrics file.")
+    log_throughput: bool = _f(
+        False,
+        "Accepted for Megatron-LM scripts (warns): megalm always logs tokens per second, TFLOP/s per rank and MFU.",
+    )
+    timing_log_level: int = _f(
+        0,
+        "Per-phase timers in the log: 0 set-up and checkpoint saving, 1 adds forward-backward, "
+        "gradient sync and optimizer steps, 2 adds compute, data and pipeline exchanges "
+        "(see megalm/timers.py).",
+        choices=[0, 1, 2],
+    )
+    timing_log_option: str = _f(
+        "minmax", "Timer values shown across ranks: max, minmax or all.", choices=["max", "minmax", "all"]
+    )
+    log_memory_to_tensorboard: bool = _f(
+        False,
+        "Also write this rank's memory (CUDA: mem-reserved-bytes, "
+        "mem-allocated-bytes, mem-max-allocated-bytes, mem-allocated-count; "
+        "CPU: mem-max-rss-bytes) to TensorBoard, W&B and the metrics file.",
+    )
     log_world_size_to_tensorboard: bool = _f(False, "Also write world-size to TensorBoard, W&B and the metrics file.")
-    log_validation_ppl_to_tensorboard: bool = _f(False, "Accepted for Megatron-LM scripts (warns): validation perplexity is "
-                                                        "always logged (lm loss <split> ppl).")
-    log_timers_to_tensorboard: bool = _f(False, "Also write the timers (slowest rank, seconds per iteration) to "
-                                                "TensorBoard, W&B and the metrics file as <name>-time.")
-    barrier_with_level_1_timing: bool = _f(True, "Do not start level-1 timers with a barrier over all ranks.",
-                                           flag="--no-barrier-with-level-1-timing", action="store_false")
-    profile: bool = _f(False, "Profile iterations --profile-step-start to --profile-step-end on --profile-ranks: "
-                              "with --use-pytorch-profiler a torch.profiler trace in --tensorboard-dir, else "
-                              "cudaProfilerStart/Stop and NVTX ranges for nsys (CUDA).")
+    log_validation_ppl_to_tensorboard: bool = _f(
+        False, "Accepted for Megatron-LM scripts (warns): validation perplexity is always logged (lm loss <split> ppl)."
+    )
+    log_timers_to_tensorboard: bool = _f(
+        False,
+        "Also write the timers (slowest rank, seconds per iteration) to "
+        "TensorBoard, W&B and the metrics file as <name>-time.",
+    )
+    barrier_with_level_1_timing: bool = _f(
+        True,
+        "Do not start level-1 timers with a barrier over all ranks.",
+        flag="--no-barrier-with-level-1-timing",
+        action="store_false",
+    )
+    profile: bool = _f(
+        False,
+        "Profile iterations --profile-step-start to --profile-step-end on --profile-ranks: "
+        "with --use-pytorch-profiler a torch.profiler trace in --tensorboard-dir, else "
+        "cudaProfilerStart/Stop and NVTX ranges for nsys (CUDA).",
+    )
     use_pytorch_profiler: bool = _f(False, "With --profile: use torch.profiler (CPU and CUDA activities).")
     profile_step_start: int = _f(10, "First profiled iteration (the step that starts after this many iterations).")
     profile_step_end: int = _f(12, "Profiling stops after this many iterations.")

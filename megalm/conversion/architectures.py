@@ -18,8 +18,23 @@ from megalm.conversion.llama import Llama
 from megalm.conversion.mixtral import Mixtral
 
 ARCHITECTURES: List[Architecture] = [Llama(), GPT2(), Mixtral()]
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe", "dbrx",
-                   "granitemoe", "jamba", "phimoe", "minimax", "llama4", "gpt_oss", "ernie4_5_moe", "glm4_moe")
+MOE_MODEL_TYPES = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "olmoe",
+    "dbrx",
+    "granitemoe",
+    "jamba",
+    "phimoe",
+    "minimax",
+    "llama4",
+    "gpt_oss",
+    "ernie4_5_moe",
+    "glm4_moe",
+)
 
 
 def _moe_experts(m) -> int:
@@ -49,7 +64,9 @@ def for_hf(hf: dict) -> Architecture:
             return arch
     moe = [a.hf_model_types[0] for a in ARCHITECTURES if a.moe]
     if model_type in MOE_MODEL_TYPES or hf.get("num_local_experts") or hf.get("num_experts"):
-        raise ConversionError(f"config.json model_type = {model_type!r} is a mixture-of-experts model that megalm "
-                              f"cannot import (supported mixture-of-experts model types: {', '.join(moe)})")
+        raise ConversionError(
+            f"config.json model_type = {model_type!r} is a mixture-of-experts model that megalm "
+            f"cannot import (supported mixture-of-experts model types: {', '.join(moe)})"
+        )
     known = ", ".join(t for a in ARCHITECTURES for t in a.hf_model_types)
     raise ConversionError(f"config.json model_type = {model_type!r} is not supported (supported: {known})")

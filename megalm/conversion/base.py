@@ -65,8 +65,10 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, num_groups: int, head_dim: int)
     per_group = num_heads // num_groups
     expected = (num_heads + 2 * num_groups) * head_dim
     if qkv.shape[0] != expected:
-        raise ConversionError(f"fused QKV tensor has {qkv.shape[0]} rows, expected (heads {num_heads} + 2 x groups "
-                              f"{num_groups}) x head dim {head_dim} = {expected}")
+        raise ConversionError(
+            f"fused QKV tensor has {qkv.shape[0]} rows, expected (heads {num_heads} + 2 x groups "
+            f"{num_groups}) x head dim {head_dim} = {expected}"
+        )
     rest = tuple(qkv.shape[1:])
     grouped = qkv.reshape(num_groups, per_group + 2, head_dim, *rest)
     q = grouped[:, :per_group].reshape(num_heads * head_dim, *rest)
@@ -75,19 +77,30 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, num_groups: int, head_dim: int)
     return q.contiguous(), k.contiguous(), v.contiguous()
 
 
-def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_groups: int,
-              head_dim: int) -> torch.Tensor:
+def merge_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_groups: int, head_dim: int
+) -> torch.Tensor:
     """Inverse of :func:`split_qkv`."""
     per_group = num_heads // num_groups
     rest = tuple(q.shape[1:])
-    for name, t, rows in (("q", q, num_heads * head_dim), ("k", k, num_groups * head_dim),
-                          ("v", v, num_groups * head_dim)):
+    for name, t, rows in (
+        ("q", q, num_heads * head_dim),
+        ("k", k, num_groups * head_dim),
+        ("v", v, num_groups * head_dim),
+    ):
         if tuple(t.shape) != (rows, *rest):
-            raise ConversionError(f"{name} projection has shape {tuple(t.shape)}, expected {(rows, *rest)} "
-                                  f"({num_heads} heads, {num_groups} key/value heads, head dim {head_dim})")
-    grouped = torch.cat([q.reshape(num_groups, per_group, head_dim, *rest),
-                         k.reshape(num_groups, 1, head_dim, *rest),
-                         v.reshape(num_groups, 1, head_dim, *rest)], dim=1)
+            raise ConversionError(
+                f"{name} projection has shape {tuple(t.shape)}, expected {(rows, *rest)} "
+                f"({num_heads} heads, {num_groups} key/value heads, head dim {head_dim})"
+            )
+    grouped = torch.cat(
+        [
+            q.reshape(num_groups, per_group, head_dim, *rest),
+            k.reshape(num_groups, 1, head_dim, *rest),
+            v.reshape(num_groups, 1, head_dim, *rest),
+        ],
+        dim=1,
+    )
     return grouped.reshape((num_heads + 2 * num_groups) * head_dim, *rest).contiguous()
 
 
@@ -95,9 +108,9 @@ class Architecture:
     """One megalm <-> Hugging Face mapping.  Subclasses fill in every method."""
 
     name: str = ""
-    hf_class: str = ""           # e.g. "LlamaForCausalLM"
+    hf_class: str = ""  # e.g. "LlamaForCausalLM"
     hf_model_types: Tuple[str, ...] = ()
-    moe: bool = False            # maps mixture-of-experts models (megalm --num-experts)
+    moe: bool = False  # maps mixture-of-experts models (megalm --num-experts)
     # megalm_fields() entries that an explicit flag may override on import (training-only settings).
     overridable_fields: Tuple[str, ...] = ()
 
@@ -134,8 +147,10 @@ def check_all_used(directory: str, keys: Iterable[str], used: Iterable[str], ign
     """Refuse HF weights the mapping did not consume (they would be silently dropped)."""
     left = sorted(k for k in set(keys) - set(used) if not ignorable(k))
     if left:
-        raise ConversionError(f"{directory}: {len(left)} tensors have no megalm counterpart, e.g. {left[:5]}; "
-                              f"the model has parts this mapping does not know")
+        raise ConversionError(
+            f"{directory}: {len(left)} tensors have no megalm counterpart, e.g. {left[:5]}; "
+            f"the model has parts this mapping does not know"
+        )
 
 
 def get_field(hf: dict, name: str, default=None):

@@ -31,9 +31,16 @@ def _dtype_name(dtype) -> str:
 def describe(root: str, iteration: Optional[int] = None) -> dict:
     reader = MegalmCheckpointReader(root, iteration)
     common = reader.common
-    tensors = [{"name": k, "shape": list(shape), "dtype": _dtype_name(dtype), "numel": _numel(shape),
-                "bytes": _numel(shape) * dtype.itemsize}
-               for k, (shape, dtype) in sorted(reader.entries.items(), key=lambda kv: _natural(kv[0]))]
+    tensors = [
+        {
+            "name": k,
+            "shape": list(shape),
+            "dtype": _dtype_name(dtype),
+            "numel": _numel(shape),
+            "bytes": _numel(shape) * dtype.itemsize,
+        }
+        for k, (shape, dtype) in sorted(reader.entries.items(), key=lambda kv: _natural(kv[0]))
+    ]
     model = [t for t in tensors if t["name"].startswith(MODEL_PREFIX)]
     other = [t for t in tensors if not t["name"].startswith(MODEL_PREFIX)]
     try:
@@ -43,15 +50,21 @@ def describe(root: str, iteration: Optional[int] = None) -> dict:
     except ConversionError as e:
         architecture = f"none ({e})"
     return {
-        "path": reader.path, "iteration": common.get("iteration"),
+        "path": reader.path,
+        "iteration": common.get("iteration"),
         "consumed_train_samples": common.get("consumed_train_samples"),
         "consumed_valid_samples": common.get("consumed_valid_samples"),
-        "world_size": common.get("world_size"), "layout": common.get("layout"),
-        "config": common.get("config"), "extra": common.get("extra") or {},
-        "has_optimizer_state": bool(other), "hf_architecture": architecture,
-        "model_tensors": model, "other_tensors": other,
+        "world_size": common.get("world_size"),
+        "layout": common.get("layout"),
+        "config": common.get("config"),
+        "extra": common.get("extra") or {},
+        "has_optimizer_state": bool(other),
+        "hf_architecture": architecture,
+        "model_tensors": model,
+        "other_tensors": other,
         "total_parameters": sum(t["numel"] for t in model),
-        "model_bytes": sum(t["bytes"] for t in model), "other_bytes": sum(t["bytes"] for t in other),
+        "model_bytes": sum(t["bytes"] for t in model),
+        "other_bytes": sum(t["bytes"] for t in other),
     }
 
 
@@ -65,14 +78,15 @@ def _config_lines(config: dict, sections: List[str]) -> List[str]:
 
 
 def format_description(info: dict, all_tensors: bool = False, full_config: bool = False) -> str:
-    gib = 2 ** 30
+    gib = 2**30
     layout = info["layout"] or {}
     lines = [
         f"checkpoint: {info['path']}",
         f"iteration: {info['iteration']} | consumed samples: train {info['consumed_train_samples']}, "
         f"valid {info['consumed_valid_samples']}",
-        "saved with: " + ", ".join(f"{k.replace('_model_parallel_size', '').replace('_size', '')} {v}"
-                                   for k, v in layout.items()) + f" (world size {info['world_size']})",
+        "saved with: "
+        + ", ".join(f"{k.replace('_model_parallel_size', '').replace('_size', '')} {v}" for k, v in layout.items())
+        + f" (world size {info['world_size']})",
         f"Hugging Face architecture: {info['hf_architecture']}",
     ]
     if info["extra"]:
@@ -80,14 +94,18 @@ def format_description(info: dict, all_tensors: bool = False, full_config: bool 
     lines.append("config:")
     sections = list(info["config"] or {}) if full_config else ["model", "parallel"]
     lines += _config_lines(info["config"] or {}, sections)
-    lines.append(f"model tensors ({len(info['model_tensors'])}, {info['total_parameters']:,} parameters, "
-                 f"{info['model_bytes'] / gib:.3f} GiB):")
+    lines.append(
+        f"model tensors ({len(info['model_tensors'])}, {info['total_parameters']:,} parameters, "
+        f"{info['model_bytes'] / gib:.3f} GiB):"
+    )
     width = max([len(t["name"]) for t in info["model_tensors"]] + [10])
     for t in info["model_tensors"]:
         lines.append(f"  {t['name']:<{width}}  {str(tuple(t['shape'])):<20} {t['dtype']}")
     n_other = len(info["other_tensors"])
-    lines.append(f"optimizer tensors: {n_other} ({info['other_bytes'] / gib:.3f} GiB)"
-                 + ("" if n_other else " (weights only: load with --finetune or --no-load-optim)"))
+    lines.append(
+        f"optimizer tensors: {n_other} ({info['other_bytes'] / gib:.3f} GiB)"
+        + ("" if n_other else " (weights only: load with --finetune or --no-load-optim)")
+    )
     if all_tensors:
         for t in info["other_tensors"]:
             lines.append(f"  {t['name']:<{width}}  {str(tuple(t['shape'])):<20} {t['dtype']}")

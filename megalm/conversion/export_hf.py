@@ -17,8 +17,7 @@ from typing import List, Optional
 from megalm.conversion.architectures import for_megalm
 from megalm.conversion.base import WORD_EMBEDDINGS, checkpoint_shapes
 from megalm.conversion.errors import ConversionError
-from megalm.conversion.hf_files import (DEFAULT_MAX_SHARD_BYTES, DTYPE_NAMES, DTYPES, SafetensorsWriter,
-                                        write_json)
+from megalm.conversion.hf_files import DEFAULT_MAX_SHARD_BYTES, DTYPE_NAMES, DTYPES, SafetensorsWriter, write_json
 from megalm.conversion.megalm_checkpoint import MegalmCheckpointReader
 from megalm.conversion.tokenizer_files import export_tokenizer
 
@@ -41,13 +40,22 @@ def _check_shapes(reader: MegalmCheckpointReader, m) -> None:
     wrong = [f"{k}: {reader.shape(k)} != {v}" for k, v in expected.items() if reader.has(k) and reader.shape(k) != v]
     extra = [k for k in reader.model_names if k not in expected]
     if missing or wrong or extra:
-        raise ConversionError(f"checkpoint {reader.path} does not match its own config: missing {missing[:3]}, "
-                              f"wrong shapes {wrong[:3]}, unexpected {extra[:3]}")
+        raise ConversionError(
+            f"checkpoint {reader.path} does not match its own config: missing {missing[:3]}, "
+            f"wrong shapes {wrong[:3]}, unexpected {extra[:3]}"
+        )
 
 
-def export_to_hf(load_dir: str, save_dir: str, iteration: Optional[int] = None, dtype: Optional[str] = None,
-                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer_model: Optional[str] = None,
-                 vocab_file: Optional[str] = None, merge_file: Optional[str] = None) -> ExportResult:
+def export_to_hf(
+    load_dir: str,
+    save_dir: str,
+    iteration: Optional[int] = None,
+    dtype: Optional[str] = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    tokenizer_model: Optional[str] = None,
+    vocab_file: Optional[str] = None,
+    merge_file: Optional[str] = None,
+) -> ExportResult:
     """Write the HF directory ``save_dir`` (created; must be empty) from the megalm checkpoint in ``load_dir``.
     ``tokenizer_model`` / ``vocab_file`` / ``merge_file`` replace the tokenizer paths in its config."""
     reader = MegalmCheckpointReader(load_dir, iteration)
@@ -66,9 +74,14 @@ def export_to_hf(load_dir: str, save_dir: str, iteration: Optional[int] = None, 
     os.makedirs(save_dir, exist_ok=True)
 
     d = reader.config.data
-    special, tokenizer_note = export_tokenizer(d.tokenizer_type, save_dir, m.max_position_embeddings,
-                                               tokenizer_model or d.tokenizer_model, vocab_file or d.vocab_file,
-                                               merge_file or d.merge_file)
+    special, tokenizer_note = export_tokenizer(
+        d.tokenizer_type,
+        save_dir,
+        m.max_position_embeddings,
+        tokenizer_model or d.tokenizer_model,
+        vocab_file or d.vocab_file,
+        merge_file or d.merge_file,
+    )
     writer = SafetensorsWriter(save_dir, max_shard_bytes)
     for name, tensor in arch.to_hf(m, reader.load):
         writer.add(name, tensor.to(target))
@@ -77,5 +90,13 @@ def export_to_hf(load_dir: str, save_dir: str, iteration: Optional[int] = None, 
     write_json(os.path.join(save_dir, "config.json"), config)
     gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
     write_json(os.path.join(save_dir, "generation_config.json"), gen)
-    return ExportResult(save_dir, arch.hf_class, reader.iteration, dtype_name, writer.num_tensors, writer.total_bytes,
-                        files, [tokenizer_note] + arch.export_notes(m))
+    return ExportResult(
+        save_dir,
+        arch.hf_class,
+        reader.iteration,
+        dtype_name,
+        writer.num_tensors,
+        writer.total_bytes,
+        files,
+        [tokenizer_note] + arch.export_notes(m),
+    )

@@ -25,8 +25,19 @@ from typing import Callable, List
 
 import torch
 
-from megalm.conversion.base import (FINAL_NORM, OUTPUT_LAYER, POSITION_EMBEDDINGS, WORD_EMBEDDINGS, Architecture,
-                                    NamedTensors, check_all_used, get_field, layer, merge_qkv, split_qkv)
+from megalm.conversion.base import (
+    FINAL_NORM,
+    OUTPUT_LAYER,
+    POSITION_EMBEDDINGS,
+    WORD_EMBEDDINGS,
+    Architecture,
+    NamedTensors,
+    check_all_used,
+    get_field,
+    layer,
+    merge_qkv,
+    split_qkv,
+)
 from megalm.conversion.errors import ConversionError
 
 _LAYER_PARTS = {  # megalm suffix -> (GPT-2 suffix, transposed)
@@ -61,24 +72,40 @@ class GPT2(Architecture):
 
     def hf_config(self, m, dtype_name: str, special_ids: dict) -> dict:
         return {
-            "architectures": [self.hf_class], "model_type": "gpt2", "vocab_size": m.vocab_size,
-            "n_embd": m.hidden_size, "n_layer": m.num_layers, "n_head": m.num_attention_heads,
-            "n_inner": m.ffn_hidden_size, "n_positions": m.max_position_embeddings,
-            "activation_function": "gelu", "layer_norm_epsilon": m.norm_epsilon,
-            "resid_pdrop": m.hidden_dropout, "embd_pdrop": m.hidden_dropout, "attn_pdrop": m.attention_dropout,
-            "initializer_range": m.init_method_std, "scale_attn_weights": True,
-            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-            "tie_word_embeddings": not m.untie_embeddings_and_output_weights, "use_cache": True,
-            "dtype": dtype_name, "torch_dtype": dtype_name,
-            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+            "architectures": [self.hf_class],
+            "model_type": "gpt2",
+            "vocab_size": m.vocab_size,
+            "n_embd": m.hidden_size,
+            "n_layer": m.num_layers,
+            "n_head": m.num_attention_heads,
+            "n_inner": m.ffn_hidden_size,
+            "n_positions": m.max_position_embeddings,
+            "activation_function": "gelu",
+            "layer_norm_epsilon": m.norm_epsilon,
+            "resid_pdrop": m.hidden_dropout,
+            "embd_pdrop": m.hidden_dropout,
+            "attn_pdrop": m.attention_dropout,
+            "initializer_range": m.init_method_std,
+            "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False,
+            "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
+            "use_cache": True,
+            "dtype": dtype_name,
+            "torch_dtype": dtype_name,
+            "bos_token_id": None,
+            "eos_token_id": None,
+            "pad_token_id": None,
             **special_ids,
         }
 
     def megalm_fields(self, hf: dict) -> dict:
         act = hf.get("activation_function", "gelu_new")
         if act != "gelu":
-            raise ConversionError(f"config.json activation_function = {act!r}: megalm's GELU is the exact (erf) "
-                                  f"form, only 'gelu' maps without changing the model")
+            raise ConversionError(
+                f"config.json activation_function = {act!r}: megalm's GELU is the exact (erf) "
+                f"form, only 'gelu' maps without changing the model"
+            )
         if not hf.get("scale_attn_weights", True):
             raise ConversionError("config.json scale_attn_weights = false: megalm always scales attention by 1/sqrt(d)")
         if hf.get("scale_attn_by_inverse_layer_idx", False):
@@ -90,16 +117,24 @@ class GPT2(Architecture):
         if hidden % heads:
             raise ConversionError(f"config.json n_embd {hidden} is not divisible by n_head {heads}")
         return {
-            "num_layers": int(hf["n_layer"]), "hidden_size": hidden,
-            "ffn_hidden_size": int(get_field(hf, "n_inner", 4 * hidden)), "num_attention_heads": heads,
-            "kv_channels": None, "group_query_attention": False, "num_query_groups": None,
+            "num_layers": int(hf["n_layer"]),
+            "hidden_size": hidden,
+            "ffn_hidden_size": int(get_field(hf, "n_inner", 4 * hidden)),
+            "num_attention_heads": heads,
+            "kv_channels": None,
+            "group_query_attention": False,
+            "num_query_groups": None,
             "max_position_embeddings": int(get_field(hf, "n_positions", get_field(hf, "n_ctx", 1024))),
-            "position_embedding_type": "learned_absolute", "normalization": "LayerNorm",
-            "norm_epsilon": float(get_field(hf, "layer_norm_epsilon", 1e-5)), "swiglu": False, "add_bias_linear": True,
+            "position_embedding_type": "learned_absolute",
+            "normalization": "LayerNorm",
+            "norm_epsilon": float(get_field(hf, "layer_norm_epsilon", 1e-5)),
+            "swiglu": False,
+            "add_bias_linear": True,
             "untie_embeddings_and_output_weights": not bool(get_field(hf, "tie_word_embeddings", True)),
             "hidden_dropout": float(get_field(hf, "resid_pdrop", 0.1)),
             "attention_dropout": float(get_field(hf, "attn_pdrop", 0.1)),
-            "init_method_std": float(get_field(hf, "initializer_range", 0.02)), "vocab_size": int(hf["vocab_size"]),
+            "init_method_std": float(get_field(hf, "initializer_range", 0.02)),
+            "vocab_size": int(hf["vocab_size"]),
             "num_experts": None,  # dense: --num-experts on import is refused as disagreeing
         }
 
@@ -109,8 +144,11 @@ class GPT2(Architecture):
         yield "transformer.wte.weight", first[WORD_EMBEDDINGS]
         yield "transformer.wpe.weight", first[POSITION_EMBEDDINGS]
         for i in range(m.num_layers):
-            names = [layer(i, f"{part}.{kind}") for part in list(_LAYER_PARTS) + ["self_attention.linear_qkv"]
-                     for kind in ("weight", "bias")]
+            names = [
+                layer(i, f"{part}.{kind}")
+                for part in list(_LAYER_PARTS) + ["self_attention.linear_qkv"]
+                for kind in ("weight", "bias")
+            ]
             t = load(names)
             hf = f"transformer.h.{i}."
             for part, (gpt2_part, transposed) in _LAYER_PARTS.items():
@@ -151,8 +189,8 @@ class GPT2(Architecture):
                 yield layer(i, f"{part}.bias"), get(hf + f"{gpt2_part}.bias")
             w = get(hf + "attn.c_attn.weight").t()
             b = get(hf + "attn.c_attn.bias")
-            yield layer(i, "self_attention.linear_qkv.weight"), merge_qkv(w[:h], w[h:2 * h], w[2 * h:], n, n, d)
-            yield layer(i, "self_attention.linear_qkv.bias"), merge_qkv(b[:h], b[h:2 * h], b[2 * h:], n, n, d)
+            yield layer(i, "self_attention.linear_qkv.weight"), merge_qkv(w[:h], w[h : 2 * h], w[2 * h :], n, n, d)
+            yield layer(i, "self_attention.linear_qkv.bias"), merge_qkv(b[:h], b[h : 2 * h], b[2 * h :], n, n, d)
         yield FINAL_NORM + ".weight", get("ln_f.weight")
         yield FINAL_NORM + ".bias", get("ln_f.bias")
         tied = not m.untie_embeddings_and_output_weights
@@ -160,11 +198,17 @@ class GPT2(Architecture):
             used.add("lm_head.weight")
             head = hf_get("lm_head.weight")
             if tied and not torch.equal(head, embed):
-                raise ConversionError("config.json tie_word_embeddings = true but lm_head.weight differs from wte.weight")
+                raise ConversionError(
+                    "config.json tie_word_embeddings = true but lm_head.weight differs from wte.weight"
+                )
             if not tied:
                 yield OUTPUT_LAYER, head
         elif not tied:
             raise ConversionError("config.json tie_word_embeddings = false but the weights have no lm_head.weight")
         # attn.bias / attn.masked_bias: the causal-mask buffers older files carry.
-        check_all_used("the Hugging Face directory", hf_keys, used,
-                       ignorable=lambda k: k.endswith((".attn.bias", ".attn.masked_bias")))
+        check_all_used(
+            "the Hugging Face directory",
+            hf_keys,
+            used,
+            ignorable=lambda k: k.endswith((".attn.bias", ".attn.masked_bias")),
+        )

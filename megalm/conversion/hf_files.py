@@ -23,7 +23,7 @@ from megalm.conversion.errors import ConversionError
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.bin", "consolidated.00.pth")
-DEFAULT_MAX_SHARD_BYTES = 5 * 1024 ** 3
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -65,7 +65,8 @@ class HFWeights:
                 raise ConversionError(
                     f"{directory} holds {pickled[0]}, a pickle: megalm never unpickles checkpoints. Convert it to "
                     f"safetensors first (e.g. in a trusted environment: transformers' "
-                    f"model.save_pretrained(dir, safe_serialization=True))")
+                    f"model.save_pretrained(dir, safe_serialization=True))"
+                )
             raise ConversionError(f"{directory} has no {SINGLE_FILE} or {INDEX_FILE}")
         self._handles = {name: safe_open(os.path.join(directory, name), framework="pt") for name in files}
         if weight_map is None:
@@ -88,7 +89,8 @@ class HFWeights:
 
     def dtype_name(self, name: str) -> str:
         return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(
-            self._handle(name).get_slice(name).get_dtype(), self._handle(name).get_slice(name).get_dtype())
+            self._handle(name).get_slice(name).get_dtype(), self._handle(name).get_slice(name).get_dtype()
+        )
 
     def get(self, name: str) -> torch.Tensor:
         return self._handle(name).get_tensor(name)
@@ -137,8 +139,10 @@ class SafetensorsWriter:
             os.replace(os.path.join(self.directory, f"shard-{i:05d}.tmp"), os.path.join(self.directory, name))
         if count > 1:
             weight_map = {k: names[i] for i, shard in enumerate(self._shards) for k in shard}
-            write_json(os.path.join(self.directory, INDEX_FILE),
-                       {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map})
+            write_json(
+                os.path.join(self.directory, INDEX_FILE),
+                {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map},
+            )
         return names
 
 
@@ -146,15 +150,17 @@ def parse_size(text: Optional[str]) -> int:
     """``"5GB"``, ``"500MB"``, ``"1024"`` (bytes) -> bytes."""
     if text is None:
         return DEFAULT_MAX_SHARD_BYTES
-    units = {"KB": 1024, "MB": 1024 ** 2, "GB": 1024 ** 3, "TB": 1024 ** 4, "B": 1}
+    units = {"KB": 1024, "MB": 1024**2, "GB": 1024**3, "TB": 1024**4, "B": 1}
     t = str(text).strip().upper()
     for unit, factor in units.items():
         if t.endswith(unit):
             try:
-                return int(float(t[:-len(unit)]) * factor)
+                return int(float(t[: -len(unit)]) * factor)
             except ValueError:
                 break
     try:
         return int(t)
     except ValueError:
-        raise ConversionError(f"--max-shard-size {text!r}: expected a size such as 5GB, 500MB or a byte count") from None
+        raise ConversionError(
+            f"--max-shard-size {text!r}: expected a size such as 5GB, 500MB or a byte count"
+        ) from None

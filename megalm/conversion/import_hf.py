@@ -68,15 +68,18 @@ def build_config(fields: dict, extra_args: Sequence[str], overridable: Sequence[
         if dest in explicit and name in overridable:
             continue
         if dest in explicit and name != "vocab_size" and given[name] != value:
-            raise ConversionError(f"{explicit[dest]} {given[name]} disagrees with config.json, which gives "
-                                  f"{name} = {value}; leave architecture flags out when importing")
+            raise ConversionError(
+                f"{explicit[dest]} {given[name]} disagrees with config.json, which gives "
+                f"{name} = {value}; leave architecture flags out when importing"
+            )
         setattr(cfg.model, name, value)
     if "model.seq_length" not in explicit:
         cfg.model.seq_length = fields["max_position_embeddings"]
     if vocab_size is not None:
         if vocab_size > fields["vocab_size"]:
-            raise ConversionError(f"--vocab-size {vocab_size} is larger than config.json vocab_size "
-                                  f"{fields['vocab_size']}")
+            raise ConversionError(
+                f"--vocab-size {vocab_size} is larger than config.json vocab_size {fields['vocab_size']}"
+            )
         cfg.model.vocab_size = vocab_size
     try:
         validate_config(cfg)
@@ -86,8 +89,9 @@ def build_config(fields: dict, extra_args: Sequence[str], overridable: Sequence[
     return cfg
 
 
-def import_from_hf(hf_dir: str, save_dir: str, extra_args: Sequence[str] = (), iteration: int = 0,
-                   dtype: Optional[str] = None) -> ImportResult:
+def import_from_hf(
+    hf_dir: str, save_dir: str, extra_args: Sequence[str] = (), iteration: int = 0, dtype: Optional[str] = None
+) -> ImportResult:
     """Write ``save_dir/iter_<iteration>/`` from the HF model in ``hf_dir``; ``dtype`` casts the
     weights (default: as stored).  ``extra_args``: megalm flags (see :func:`build_config`)."""
     hf = read_config(hf_dir)
@@ -107,12 +111,14 @@ def import_from_hf(hf_dir: str, save_dir: str, extra_args: Sequence[str] = (), i
     tensors: Dict[str, torch.Tensor] = {}
     for name, tensor in arch.to_megalm(m, weights.get, weights.keys()):
         if name in VOCAB_ROWS and tensor.shape[0] > m.vocab_size:
-            tensor = tensor[:m.vocab_size]
+            tensor = tensor[: m.vocab_size]
         if name not in expected:
             raise ConversionError(f"internal: the {arch.name} mapping produced an unknown tensor {name}")
         if tuple(tensor.shape) != expected[name]:
-            raise ConversionError(f"{name}: the Hugging Face weights give shape {tuple(tensor.shape)}, config.json "
-                                  f"implies {expected[name]}")
+            raise ConversionError(
+                f"{name}: the Hugging Face weights give shape {tuple(tensor.shape)}, config.json "
+                f"implies {expected[name]}"
+            )
         tensors[name] = tensor.to(DTYPES[dtype]) if dtype else tensor
     missing = sorted(set(expected) - set(tensors))
     if missing:

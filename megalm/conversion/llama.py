@@ -28,8 +28,18 @@ from typing import Callable, Dict, List
 
 import torch
 
-from megalm.conversion.base import (FINAL_NORM, OUTPUT_LAYER, WORD_EMBEDDINGS, Architecture, NamedTensors,
-                                    check_all_used, get_field, layer, merge_qkv, split_qkv)
+from megalm.conversion.base import (
+    FINAL_NORM,
+    OUTPUT_LAYER,
+    WORD_EMBEDDINGS,
+    Architecture,
+    NamedTensors,
+    check_all_used,
+    get_field,
+    layer,
+    merge_qkv,
+    split_qkv,
+)
 from megalm.conversion.errors import ConversionError
 
 
@@ -39,8 +49,9 @@ def _rope_theta(hf: dict) -> float:
     if scaling:
         kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else scaling
         if kind not in (None, "default"):
-            raise ConversionError(f"config.json rope_scaling = {scaling!r}: megalm implements plain RoPE only "
-                                  f"(no {kind} scaling)")
+            raise ConversionError(
+                f"config.json rope_scaling = {scaling!r}: megalm implements plain RoPE only (no {kind} scaling)"
+            )
     params = hf.get("rope_parameters") or {}
     kind = params.get("rope_type", "default")
     if kind != "default":
@@ -48,8 +59,9 @@ def _rope_theta(hf: dict) -> float:
     for source in (params, hf):
         factor = source.get("partial_rotary_factor")
         if factor not in (None, 1, 1.0):
-            raise ConversionError(f"config.json partial_rotary_factor = {factor}: LlamaForCausalLM mapping needs "
-                                  f"RoPE over the whole head")
+            raise ConversionError(
+                f"config.json partial_rotary_factor = {factor}: LlamaForCausalLM mapping needs RoPE over the whole head"
+            )
     return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
@@ -75,18 +87,33 @@ class Llama(Architecture):
     def hf_config(self, m, dtype_name: str, special_ids: dict) -> dict:
         groups = m.num_query_groups if m.group_query_attention else m.num_attention_heads
         return {
-            "architectures": [self.hf_class], "model_type": "llama",
-            "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "intermediate_size": m.ffn_hidden_size,
-            "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
-            "num_key_value_heads": groups, "head_dim": m.head_dim, "hidden_act": "silu",
-            "max_position_embeddings": m.max_position_embeddings, "rms_norm_eps": m.norm_epsilon,
-            "rope_theta": float(m.rotary_base), "rope_scaling": None,
+            "architectures": [self.hf_class],
+            "model_type": "llama",
+            "vocab_size": m.vocab_size,
+            "hidden_size": m.hidden_size,
+            "intermediate_size": m.ffn_hidden_size,
+            "num_hidden_layers": m.num_layers,
+            "num_attention_heads": m.num_attention_heads,
+            "num_key_value_heads": groups,
+            "head_dim": m.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": m.max_position_embeddings,
+            "rms_norm_eps": m.norm_epsilon,
+            "rope_theta": float(m.rotary_base),
+            "rope_scaling": None,
             "rope_parameters": {"rope_type": "default", "rope_theta": float(m.rotary_base)},
-            "attention_bias": bool(m.add_bias_linear), "mlp_bias": bool(m.add_bias_linear),
-            "attention_dropout": m.attention_dropout, "initializer_range": m.init_method_std,
-            "tie_word_embeddings": not m.untie_embeddings_and_output_weights, "pretraining_tp": 1,
-            "use_cache": True, "dtype": dtype_name, "torch_dtype": dtype_name,
-            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+            "attention_bias": bool(m.add_bias_linear),
+            "mlp_bias": bool(m.add_bias_linear),
+            "attention_dropout": m.attention_dropout,
+            "initializer_range": m.init_method_std,
+            "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
+            "pretraining_tp": 1,
+            "use_cache": True,
+            "dtype": dtype_name,
+            "torch_dtype": dtype_name,
+            "bos_token_id": None,
+            "eos_token_id": None,
+            "pad_token_id": None,
             **special_ids,
         }
 
@@ -96,26 +123,37 @@ class Llama(Architecture):
             raise ConversionError(f"config.json hidden_act = {act!r}: megalm's SwiGLU uses silu")
         attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
         if attention_bias != mlp_bias:
-            raise ConversionError(f"config.json attention_bias = {attention_bias} but mlp_bias = {mlp_bias}: megalm "
-                                  f"has biases on all linear layers or on none (--disable-bias-linear)")
+            raise ConversionError(
+                f"config.json attention_bias = {attention_bias} but mlp_bias = {mlp_bias}: megalm "
+                f"has biases on all linear layers or on none (--disable-bias-linear)"
+            )
         heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         kv_heads = int(get_field(hf, "num_key_value_heads", heads))
         head_dim = int(get_field(hf, "head_dim", hidden // heads))
         if heads % kv_heads:
-            raise ConversionError(f"config.json num_attention_heads {heads} is not a multiple of "
-                                  f"num_key_value_heads {kv_heads}")
+            raise ConversionError(
+                f"config.json num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+            )
         return {
-            "num_layers": int(hf["num_hidden_layers"]), "hidden_size": hidden,
-            "ffn_hidden_size": int(hf["intermediate_size"]), "num_attention_heads": heads,
+            "num_layers": int(hf["num_hidden_layers"]),
+            "hidden_size": hidden,
+            "ffn_hidden_size": int(hf["intermediate_size"]),
+            "num_attention_heads": heads,
             "kv_channels": None if head_dim * heads == hidden else head_dim,
-            "group_query_attention": kv_heads != heads, "num_query_groups": kv_heads if kv_heads != heads else None,
+            "group_query_attention": kv_heads != heads,
+            "num_query_groups": kv_heads if kv_heads != heads else None,
             "max_position_embeddings": int(hf["max_position_embeddings"]),
-            "position_embedding_type": "rope", "rotary_base": _rope_theta(hf), "rotary_percent": 1.0,
-            "normalization": "RMSNorm", "norm_epsilon": float(get_field(hf, "rms_norm_eps", 1e-6)),
-            "swiglu": True, "add_bias_linear": attention_bias,
+            "position_embedding_type": "rope",
+            "rotary_base": _rope_theta(hf),
+            "rotary_percent": 1.0,
+            "normalization": "RMSNorm",
+            "norm_epsilon": float(get_field(hf, "rms_norm_eps", 1e-6)),
+            "swiglu": True,
+            "add_bias_linear": attention_bias,
             "untie_embeddings_and_output_weights": not bool(get_field(hf, "tie_word_embeddings", False)),
-            "hidden_dropout": 0.0, "attention_dropout": float(get_field(hf, "attention_dropout", 0.0)),
+            "hidden_dropout": 0.0,
+            "attention_dropout": float(get_field(hf, "attention_dropout", 0.0)),
             "init_method_std": float(get_field(hf, "initializer_range", 0.02)),
             "vocab_size": int(hf["vocab_size"]),
             "num_experts": None,  # dense: --num-experts on import is refused as disagreeing
@@ -134,16 +172,18 @@ class Llama(Architecture):
     def attention_names(self, m, i: int) -> List[str]:
         """megalm names of layer ``i``'s norms and attention."""
         names = [layer(i, "input_layernorm.weight"), layer(i, "pre_mlp_layernorm.weight")]
-        return names + [layer(i, f"self_attention.{p}.{kind}") for p in ("linear_qkv", "linear_proj")
-                        for kind in self._kinds(m)]
+        return names + [
+            layer(i, f"self_attention.{p}.{kind}") for p in ("linear_qkv", "linear_proj") for kind in self._kinds(m)
+        ]
 
     def attention_to_hf(self, m, i: int, t: Dict[str, torch.Tensor]) -> NamedTensors:
         """HF norms and attention of layer ``i`` from the megalm tensors ``t`` (keyed by megalm name)."""
         hf = f"model.layers.{i}."
         yield hf + "input_layernorm.weight", t[layer(i, "input_layernorm.weight")]
         for kind in self._kinds(m):
-            q, k, v = split_qkv(t[layer(i, f"self_attention.linear_qkv.{kind}")], m.num_attention_heads,
-                                self._groups(m), m.head_dim)
+            q, k, v = split_qkv(
+                t[layer(i, f"self_attention.linear_qkv.{kind}")], m.num_attention_heads, self._groups(m), m.head_dim
+            )
             yield hf + f"self_attn.q_proj.{kind}", q
             yield hf + f"self_attn.k_proj.{kind}", k
             yield hf + f"self_attn.v_proj.{kind}", v
@@ -156,8 +196,10 @@ class Llama(Architecture):
         yield layer(i, "input_layernorm.weight"), get(hf + "input_layernorm.weight")
         for kind in self._kinds(m):
             q, k, v = (get(hf + f"self_attn.{p}_proj.{kind}") for p in "qkv")
-            yield layer(i, f"self_attention.linear_qkv.{kind}"), merge_qkv(
-                q, k, v, m.num_attention_heads, self._groups(m), m.head_dim)
+            yield (
+                layer(i, f"self_attention.linear_qkv.{kind}"),
+                merge_qkv(q, k, v, m.num_attention_heads, self._groups(m), m.head_dim),
+            )
             yield layer(i, f"self_attention.linear_proj.{kind}"), get(hf + f"self_attn.o_proj.{kind}")
         yield layer(i, "pre_mlp_layernorm.weight"), get(hf + "post_attention_layernorm.weight")
 
@@ -169,8 +211,10 @@ class Llama(Architecture):
         for kind in self._kinds(m):
             fc1 = t[layer(i, f"mlp.linear_fc1.{kind}")]
             if fc1.shape[0] != 2:
-                raise ConversionError(f"{layer(i, 'mlp.linear_fc1.' + kind)}: SwiGLU fc1 should be saved as "
-                                      f"[2, ffn, ...], got {tuple(fc1.shape)}")
+                raise ConversionError(
+                    f"{layer(i, 'mlp.linear_fc1.' + kind)}: SwiGLU fc1 should be saved as "
+                    f"[2, ffn, ...], got {tuple(fc1.shape)}"
+                )
             yield hf + f"mlp.gate_proj.{kind}", fc1[0].contiguous()
             yield hf + f"mlp.up_proj.{kind}", fc1[1].contiguous()
             yield hf + f"mlp.down_proj.{kind}", t[layer(i, f"mlp.linear_fc2.{kind}")]
@@ -214,11 +258,13 @@ class Llama(Architecture):
         has_head = "lm_head.weight" in hf_keys
         if tied and has_head:
             if not torch.equal(get("lm_head.weight"), embed):
-                raise ConversionError("config.json tie_word_embeddings = true but lm_head.weight differs from "
-                                      "model.embed_tokens.weight")
+                raise ConversionError(
+                    "config.json tie_word_embeddings = true but lm_head.weight differs from model.embed_tokens.weight"
+                )
         elif not tied:
             if not has_head:
                 raise ConversionError("config.json tie_word_embeddings = false but the weights have no lm_head.weight")
             yield OUTPUT_LAYER, get("lm_head.weight")
-        check_all_used("the Hugging Face directory", hf_keys, used,
-                       ignorable=lambda k: k.endswith("rotary_emb.inv_freq"))
+        check_all_used(
+            "the Hugging Face directory", hf_keys, used, ignorable=lambda k: k.endswith("rotary_emb.inv_freq")
+        )

@@ -30,14 +30,21 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
 from megalm import checkpoint_manifest
-from megalm.checkpointing import (FORMAT_VERSION, TRACKER_FILENAME, CheckpointError, checkpoint_dir,
-                                  find_checkpoint, read_common)
+from megalm.checkpointing import (
+    FORMAT_VERSION,
+    TRACKER_FILENAME,
+    CheckpointError,
+    checkpoint_dir,
+    find_checkpoint,
+    read_common,
+)
 from megalm.config import MegalmConfig
 from megalm.conversion.errors import ConversionError
 from megalm.safe_unpickle import SafeFileSystemReader, load_metadata
 
 MODEL_PREFIX = "model."
 MAIN_PARAM_SUFFIX = ".main_param"
+
 
 def tensor_entries(metadata: Metadata) -> Dict[str, tuple]:
     """``{key: (global shape, dtype)}`` of every tensor in the checkpoint."""
@@ -66,7 +73,7 @@ class MegalmCheckpointReader:
             raise CheckpointError(f"{path}/common.json has no config: cannot tell the model's architecture")
         self.config = MegalmConfig.from_dict(self.common["config"])
         self.entries = tensor_entries(load_metadata(path))
-        self.model_names = sorted(k[len(MODEL_PREFIX):] for k in self.entries if k.startswith(MODEL_PREFIX))
+        self.model_names = sorted(k[len(MODEL_PREFIX) :] for k in self.entries if k.startswith(MODEL_PREFIX))
 
     @property
     def iteration(self) -> int:
@@ -85,8 +92,10 @@ class MegalmCheckpointReader:
     def _entry(self, name: str) -> tuple:
         key = MODEL_PREFIX + name
         if key not in self.entries:
-            raise ConversionError(f"checkpoint {self.path} has no tensor {key!r} (it has {len(self.model_names)} "
-                                  f"model tensors, e.g. {self.model_names[:3]})")
+            raise ConversionError(
+                f"checkpoint {self.path} has no tensor {key!r} (it has {len(self.model_names)} "
+                f"model tensors, e.g. {self.model_names[:3]})"
+            )
         return self.entries[key]
 
     def load(self, names: Iterable[str], prefer_main_param: bool = True) -> Dict[str, torch.Tensor]:
@@ -96,18 +105,24 @@ class MegalmCheckpointReader:
         for name in names:
             shape, dtype = self._entry(name)
             main = "optimizer." + name + MAIN_PARAM_SUFFIX
-            key = main if prefer_main_param and main in self.entries and self.entries[main][0] == shape \
+            key = (
+                main
+                if prefer_main_param and main in self.entries and self.entries[main][0] == shape
                 else MODEL_PREFIX + name
+            )
             request[key] = torch.empty(self.entries[key][0], dtype=self.entries[key][1])
             source[name] = key
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed.*")
-            dcp.load(request, storage_reader=SafeFileSystemReader(self.path), planner=DefaultLoadPlanner(), no_dist=True)
+            dcp.load(
+                request, storage_reader=SafeFileSystemReader(self.path), planner=DefaultLoadPlanner(), no_dist=True
+            )
         return {name: request[key] for name, key in source.items()}
 
 
-def write_checkpoint(root: str, iteration: int, tensors: Dict[str, torch.Tensor], config: MegalmConfig,
-                     extra: Optional[dict] = None) -> str:
+def write_checkpoint(
+    root: str, iteration: int, tensors: Dict[str, torch.Tensor], config: MegalmConfig, extra: Optional[dict] = None
+) -> str:
     """Write ``tensors`` (full, keyed by global parameter name) as a megalm checkpoint.
 
     ``common.json`` records the config (its parallel section gives the intended layout),
@@ -126,14 +141,22 @@ def write_checkpoint(root: str, iteration: int, tensors: Dict[str, torch.Tensor]
         save_sharded(specs, path)
     p = config.parallel
     common = {
-        "format_version": FORMAT_VERSION, "iteration": iteration,
-        "consumed_train_samples": 0, "consumed_valid_samples": 0,
+        "format_version": FORMAT_VERSION,
+        "iteration": iteration,
+        "consumed_train_samples": 0,
+        "consumed_valid_samples": 0,
         "world_size": None,
-        "layout": {"tensor_model_parallel_size": p.tensor_model_parallel_size,
-                   "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
-                   "data_parallel_size": None, "expert_model_parallel_size": p.expert_model_parallel_size},
-        "config": config.to_dict(), "scheduler": None, "optimizer_common": None,
-        "extra": extra or {}, "saved_at": time.time(),
+        "layout": {
+            "tensor_model_parallel_size": p.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+            "data_parallel_size": None,
+            "expert_model_parallel_size": p.expert_model_parallel_size,
+        },
+        "config": config.to_dict(),
+        "scheduler": None,
+        "optimizer_common": None,
+        "extra": extra or {},
+        "saved_at": time.time(),
     }
     _write_atomic(os.path.join(path, "common.json"), json.dumps(common, indent=1))
     checkpoint_manifest.write_for_one_process(path, iteration)  # verified on load like a training checkpoint

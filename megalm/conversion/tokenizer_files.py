@@ -33,9 +33,14 @@ from megalm.tokenizers.build import SENTENCEPIECE_TYPES
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def export_tokenizer(tokenizer_type: Optional[str], save_dir: str, max_length: int,
-                     tokenizer_model: Optional[str] = None, vocab_file: Optional[str] = None,
-                     merge_file: Optional[str] = None) -> Tuple[dict, str]:
+def export_tokenizer(
+    tokenizer_type: Optional[str],
+    save_dir: str,
+    max_length: int,
+    tokenizer_model: Optional[str] = None,
+    vocab_file: Optional[str] = None,
+    merge_file: Optional[str] = None,
+) -> Tuple[dict, str]:
     """Write the tokenizer files; returns (special token ids for config.json, a one-line report)."""
     if tokenizer_type in (None, "NullTokenizer"):
         return {}, f"tokenizer: {tokenizer_type or 'none'} in the checkpoint's config: no tokenizer files written"
@@ -45,8 +50,10 @@ def export_tokenizer(tokenizer_type: Optional[str], save_dir: str, max_length: i
         files = (("--tokenizer-model", tokenizer_model),)
     for flag, path in files:
         if not path or not os.path.exists(path):
-            return {}, (f"tokenizer: {path!r} (from the checkpoint's config) not found: no tokenizer files "
-                        f"written; pass {flag} PATH")
+            return {}, (
+                f"tokenizer: {path!r} (from the checkpoint's config) not found: no tokenizer files "
+                f"written; pass {flag} PATH"
+            )
     if tokenizer_type == "GPT2BPETokenizer":
         return _export_gpt2_bpe(vocab_file, merge_file, save_dir, max_length)
     if tokenizer_type in SENTENCEPIECE_TYPES:
@@ -63,15 +70,26 @@ def _export_sentencepiece(model_file: str, save_dir: str, max_length: int, add_b
     shutil.copyfile(model_file, os.path.join(save_dir, "tokenizer.model"))
     ids = {"bos_token_id": sp.bos_id(), "eos_token_id": sp.eos_id(), "pad_token_id": sp.pad_id()}
     ids = {k: (v if v >= 0 else None) for k, v in ids.items()}
-    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": add_bos, "add_eos_token": False,
-              "model_max_length": max_length, "clean_up_tokenization_spaces": False}
-    for key, token_id in (("bos_token", ids["bos_token_id"]), ("eos_token", ids["eos_token_id"]),
-                          ("pad_token", ids["pad_token_id"]), ("unk_token", sp.unk_id() if sp.unk_id() >= 0 else None)):
+    config = {
+        "tokenizer_class": "LlamaTokenizer",
+        "add_bos_token": add_bos,
+        "add_eos_token": False,
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,
+    }
+    for key, token_id in (
+        ("bos_token", ids["bos_token_id"]),
+        ("eos_token", ids["eos_token_id"]),
+        ("pad_token", ids["pad_token_id"]),
+        ("unk_token", sp.unk_id() if sp.unk_id() >= 0 else None),
+    ):
         if token_id is not None:
             config[key] = sp.id_to_piece(token_id)
     write_json(os.path.join(save_dir, "tokenizer_config.json"), config)
-    return ids, (f"tokenizer: copied sentencepiece {model_file} as tokenizer.model (LlamaTokenizer, "
-                 f"{'BOS added' if add_bos else 'no BOS added'})")
+    return ids, (
+        f"tokenizer: copied sentencepiece {model_file} as tokenizer.model (LlamaTokenizer, "
+        f"{'BOS added' if add_bos else 'no BOS added'})"
+    )
 
 
 def _export_gpt2_bpe(vocab_file: str, merge_file: str, save_dir: str, max_length: int) -> Tuple[dict, str]:
@@ -82,10 +100,19 @@ def _export_gpt2_bpe(vocab_file: str, merge_file: str, save_dir: str, max_length
     shutil.copyfile(vocab_file, os.path.join(save_dir, "vocab.json"))
     shutil.copyfile(merge_file, os.path.join(save_dir, "merges.txt"))
     tok.save_tokenizer_json(os.path.join(save_dir, "tokenizer.json"))
-    write_json(os.path.join(save_dir, "tokenizer_config.json"),
-               {"tokenizer_class": "GPT2Tokenizer", "bos_token": EOD_TOKEN, "eos_token": EOD_TOKEN,
-                "unk_token": EOD_TOKEN, "add_prefix_space": False, "add_bos_token": False,
-                "model_max_length": max_length, "clean_up_tokenization_spaces": False})
+    write_json(
+        os.path.join(save_dir, "tokenizer_config.json"),
+        {
+            "tokenizer_class": "GPT2Tokenizer",
+            "bos_token": EOD_TOKEN,
+            "eos_token": EOD_TOKEN,
+            "unk_token": EOD_TOKEN,
+            "add_prefix_space": False,
+            "add_bos_token": False,
+            "model_max_length": max_length,
+            "clean_up_tokenization_spaces": False,
+        },
+    )
     ids = {"bos_token_id": tok.eod, "eos_token_id": tok.eod, "pad_token_id": None}
     return ids, f"tokenizer: GPT-2 BPE {vocab_file} + {merge_file} written as vocab.json, merges.txt, tokenizer.json"
 
@@ -108,8 +135,10 @@ def _export_hf_tokenizer(path: str, save_dir: str) -> Tuple[dict, str]:
         from tokenizers import Tokenizer
 
         eos = Tokenizer.from_file(json_file).id_to_token(tok.eod)
-        write_json(os.path.join(save_dir, "tokenizer_config.json"),
-                   {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos})
+        write_json(
+            os.path.join(save_dir, "tokenizer_config.json"),
+            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos},
+        )
         copied.append("tokenizer_config.json (written)")
     ids = {"eos_token_id": tok.eod, "pad_token_id": tok.pad if tok.pad >= 0 else None}
     return ids, f"tokenizer: copied {', '.join(copied)} from {directory}"
@@ -131,4 +160,3 @@ def import_tokenizer(hf_dir: str, save_root: str) -> Tuple[Optional[str], Option
         path = os.path.abspath(target)
         return "HuggingFaceTokenizer", path, f"tokenizer: tokenizer.json copied to {path}"
     return None, None, f"tokenizer: none in {hf_dir} (give --tokenizer-type/--tokenizer-model when training)"
-

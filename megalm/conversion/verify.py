@@ -21,8 +21,7 @@ from megalm.conversion.errors import ConversionError
 from megalm.conversion.megalm_checkpoint import MegalmCheckpointReader
 
 
-def megalm_model_from_tensors(cfg: MegalmConfig, tensors: Dict[str, torch.Tensor],
-                              dtype: torch.dtype = torch.float32):
+def megalm_model_from_tensors(cfg: MegalmConfig, tensors: Dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
     """A single-process (TP 1, EP 1) GPTModel holding ``tensors`` (full, as a checkpoint stores them), in eval mode."""
     from megalm.fusions import EAGER
     from megalm.models import GPTModel
@@ -42,7 +41,7 @@ def megalm_model_from_tensors(cfg: MegalmConfig, tensors: Dict[str, torch.Tensor
             value = tensors[name]
             if name in VOCAB_ROWS:
                 param.zero_()
-                param[:value.shape[0]].copy_(value)
+                param[: value.shape[0]].copy_(value)
             else:
                 param.copy_(value.reshape(param.shape))
     return model.to(dtype).eval()
@@ -61,8 +60,15 @@ def _load_hf(hf_dir: str):
 
 
 @torch.no_grad()
-def compare_logits(megalm_dir: str, hf_dir: str, iteration: Optional[int] = None, num_sequences: int = 3,
-                   seq_length: Optional[int] = None, seed: int = 0, round_to: Optional[torch.dtype] = None) -> dict:
+def compare_logits(
+    megalm_dir: str,
+    hf_dir: str,
+    iteration: Optional[int] = None,
+    num_sequences: int = 3,
+    seq_length: Optional[int] = None,
+    seed: int = 0,
+    round_to: Optional[torch.dtype] = None,
+) -> dict:
     """``{"max_abs_diff", "mean_kl", "max_kl", "tokens"}`` between the two models' logits."""
     reader = MegalmCheckpointReader(megalm_dir, iteration)
     tensors = reader.load(reader.model_names)
@@ -74,11 +80,15 @@ def compare_logits(megalm_dir: str, hf_dir: str, iteration: Optional[int] = None
     hf_model = _load_hf(hf_dir)
     s = min(seq_length or 32, m.max_position_embeddings, m.seq_length)
     tokens = torch.randint(0, m.vocab_size, (num_sequences, s), generator=torch.Generator().manual_seed(seed))
-    ours = megalm_model(tokens)[..., :m.vocab_size].double()
+    ours = megalm_model(tokens)[..., : m.vocab_size].double()
     theirs = hf_model(input_ids=tokens).logits.double()
     if theirs.shape != ours.shape:
         raise ConversionError(f"logits shapes differ: megalm {tuple(ours.shape)}, transformers {tuple(theirs.shape)}")
     log_p, log_q = torch.log_softmax(ours, -1), torch.log_softmax(theirs, -1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1)
-    return {"max_abs_diff": float((ours - theirs).abs().max()), "mean_kl": float(kl.mean()),
-            "max_kl": float(kl.max()), "tokens": int(tokens.numel())}
+    return {
+        "max_abs_diff": float((ours - theirs).abs().max()),
+        "mean_kl": float(kl.mean()),
+        "max_kl": float(kl.max()),
+        "tokens": int(tokens.numel()),
+    }

@@ -30,8 +30,9 @@ class BatchError(MegalmError, ValueError):
 
 def _shape(cfg) -> Tuple[int, int]:
     if cfg is None:
-        raise BatchError("get_batch needs cfg (the micro-batch shape) under model parallelism: "
-                         "get_batch(data_iterator, cfg)")
+        raise BatchError(
+            "get_batch needs cfg (the micro-batch shape) under model parallelism: get_batch(data_iterator, cfg)"
+        )
     return cfg.training.micro_batch_size, cfg.model.seq_length
 
 

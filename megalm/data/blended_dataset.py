@@ -29,8 +29,13 @@ def normalize_weights(weights: Sequence[float]) -> np.ndarray:
 class BlendedDataset(torch.utils.data.Dataset):
     """``size`` samples drawn from ``datasets`` in proportion to ``weights``."""
 
-    def __init__(self, datasets: List[torch.utils.data.Dataset], weights: Sequence[float], size: int,
-                 cache_dir: Optional[str] = None):
+    def __init__(
+        self,
+        datasets: List[torch.utils.data.Dataset],
+        weights: Sequence[float],
+        size: int,
+        cache_dir: Optional[str] = None,
+    ):
         if len(datasets) != len(weights):
             raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
         self.datasets = datasets
@@ -46,8 +51,9 @@ class BlendedDataset(torch.utils.data.Dataset):
             prefix = getattr(datasets[0], "path_prefix", None)
             if prefix is not None:
                 cache_dir = default_cache_dir(prefix, "BlendedDataset_indices")
-        arrays, self.built_indices = load_or_build(cache_dir, "BlendedDataset", self.description,
-                                                   ("dataset_index", "dataset_sample_index"), self._build)
+        arrays, self.built_indices = load_or_build(
+            cache_dir, "BlendedDataset", self.description, ("dataset_index", "dataset_sample_index"), self._build
+        )
         self.dataset_index = arrays["dataset_index"]
         self.dataset_sample_index = arrays["dataset_sample_index"]
 

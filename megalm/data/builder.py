@@ -39,6 +39,7 @@ BLEND_MARGIN = 1.005  # Megatron's over-sampling of each blended dataset
 
 # --- parsing ---------------------------------------------------------------------------
 
+
 def parse_blend(paths: Optional[Sequence[str]]) -> Tuple[List[str], Optional[List[float]]]:
     """``(prefixes, weights)`` from ``["0.3", "A", "0.7", "B"]`` or ``["A"]`` (weights None).
 
@@ -56,8 +57,9 @@ def parse_blend(paths: Optional[Sequence[str]]) -> Tuple[List[str], Optional[Lis
         try:
             weights.append(float(w))
         except ValueError:
-            raise DataError(f"data path {' '.join(items)!r}: {w!r} is not a weight; expected 'weight prefix' "
-                            f"pairs") from None
+            raise DataError(
+                f"data path {' '.join(items)!r}: {w!r} is not a weight; expected 'weight prefix' pairs"
+            ) from None
         prefixes.append(p)
     if any(w <= 0 for w in weights):
         raise DataError(f"data path {' '.join(items)!r}: weights must be positive (drop zero-weight prefixes)")
@@ -107,9 +109,15 @@ def get_train_valid_test_num_samples(cfg) -> Tuple[int, int, int]:
 
 # --- building --------------------------------------------------------------------------
 
+
 def _gpt_config(cfg, eod: int) -> GPTDatasetConfig:
-    return GPTDatasetConfig(seq_length=cfg.model.seq_length, seed=cfg.training.seed, eod=eod,
-                            eod_mask_loss=cfg.data.eod_mask_loss, cache_dir=cfg.data.data_cache_path)
+    return GPTDatasetConfig(
+        seq_length=cfg.model.seq_length,
+        seed=cfg.training.seed,
+        eod=eod,
+        eod_mask_loss=cfg.data.eod_mask_loss,
+        cache_dir=cfg.data.data_cache_path,
+    )
 
 
 def _split_datasets(low_level, split: Sequence[float], num_samples: Sequence[int], config) -> list:
@@ -168,8 +176,10 @@ def _tokenizer_label(cfg, tokenizer) -> str:
 def _check_data(cfg, tokenizer, num_samples: Sequence[int]) -> None:
     """Open every used prefix (its files exist and agree) and check its token ids (cached scan)."""
     if tokenizer is None:
-        raise DataError("the data pipeline needs a tokenizer for its end-of-document id "
-                        "(for --mock-data e.g. --tokenizer-type NullTokenizer --vocab-size N)")
+        raise DataError(
+            "the data pipeline needs a tokenizer for its end-of-document id "
+            "(for --mock-data e.g. --tokenizer-type NullTokenizer --vocab-size N)"
+        )
     label = _tokenizer_label(cfg, tokenizer)
     for prefix in dict.fromkeys(_used_prefixes(cfg, num_samples)):
         check_token_ids(IndexedDataset(prefix), tokenizer.vocab_size, label, cfg.data.data_cache_path)
@@ -192,8 +202,9 @@ def _build_datasets(cfg, tokenizer, num_samples: Sequence[int]) -> list:
     d = cfg.data
     config = _gpt_config(cfg, tokenizer.eod)
     if d.mock_data:
-        mock = MockIndexedDataset(tokenizer.vocab_size, tokenizer.eod, max_length=2 * cfg.model.seq_length,
-                                  seed=cfg.training.seed)
+        mock = MockIndexedDataset(
+            tokenizer.vocab_size, tokenizer.eod, max_length=2 * cfg.model.seq_length, seed=cfg.training.seed
+        )
         return _split_datasets(mock, parse_split(d.split), num_samples, config)
     if d.data_path:
         prefixes, weights = parse_blend(d.data_path)
@@ -238,8 +249,9 @@ def run_rank_zero_first(build: Callable[[], object]) -> object:
     return result
 
 
-def build_train_valid_test_datasets(cfg, tokenizer, is_built_on_rank: bool = True,
-                                    num_samples: Optional[Sequence[int]] = None):
+def build_train_valid_test_datasets(
+    cfg, tokenizer, is_built_on_rank: bool = True, num_samples: Optional[Sequence[int]] = None
+):
     """``(train, valid, test)`` datasets (None where a split is empty or unneeded).
 
     Collective when a process group exists: every rank must call it and checks the data

@@ -64,8 +64,9 @@ def plan_epochs(tokens_per_epoch: int, num_samples: int, seq_length: int):
     return num_epochs, separate, before_final
 
 
-def build_gpt_indices(sequence_lengths: np.ndarray, documents: np.ndarray, num_samples: int, seq_length: int,
-                      seed: int) -> Dict[str, np.ndarray]:
+def build_gpt_indices(
+    sequence_lengths: np.ndarray, documents: np.ndarray, num_samples: int, seq_length: int, seed: int
+) -> Dict[str, np.ndarray]:
     """Document, sample and shuffle indices for ``num_samples`` samples (see module docstring)."""
     tokens_per_epoch = int(np.asarray(sequence_lengths)[documents].sum(dtype=np.int64))
     if tokens_per_epoch < 1:
@@ -88,8 +89,7 @@ class GPTDataset(torch.utils.data.Dataset):
     input token is end-of-document with ``eod_mask_loss``) and ``position_ids``.
     """
 
-    def __init__(self, indexed_dataset, documents: np.ndarray, num_samples: int, split: str,
-                 config: GPTDatasetConfig):
+    def __init__(self, indexed_dataset, documents: np.ndarray, num_samples: int, split: str, config: GPTDatasetConfig):
         if num_samples < 1:
             raise ValueError(f"GPTDataset ({split}) needs num_samples >= 1, got {num_samples}")
         if config.seq_length < 1:
@@ -107,14 +107,24 @@ class GPTDataset(torch.utils.data.Dataset):
             cache_dir = config.cache_dir or default_cache_dir(self.path_prefix)
         t0 = time.perf_counter()
         arrays, self.built_indices = load_or_build(
-            cache_dir, f"GPTDataset-{split}", self.description, INDEX_NAMES,
-            lambda: build_gpt_indices(self.dataset.sequence_lengths, self.documents, num_samples,
-                                      config.seq_length, config.seed))
+            cache_dir,
+            f"GPTDataset-{split}",
+            self.description,
+            INDEX_NAMES,
+            lambda: build_gpt_indices(
+                self.dataset.sequence_lengths, self.documents, num_samples, config.seq_length, config.seed
+            ),
+        )
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
         self.shuffle_index = arrays["shuffle_index"]
-        logger.info("GPTDataset %s: %d samples, indices %s in %.2f s", split, len(self),
-                    "built" if self.built_indices else "loaded", time.perf_counter() - t0)
+        logger.info(
+            "GPTDataset %s: %d samples, indices %s in %.2f s",
+            split,
+            len(self),
+            "built" if self.built_indices else "loaded",
+            time.perf_counter() - t0,
+        )
 
     @property
     def path_prefix(self) -> Optional[str]:
@@ -146,8 +156,9 @@ class GPTDataset(torch.utils.data.Dataset):
         doc_beg, off_beg = (int(x) for x in self.sample_index[i])
         doc_end, off_end = (int(x) for x in self.sample_index[i + 1])
         if doc_beg == doc_end:
-            return np.asarray(self.dataset.get(int(self.document_index[doc_beg]), off_beg, off_end - off_beg + 1),
-                              dtype=np.int64)
+            return np.asarray(
+                self.dataset.get(int(self.document_index[doc_beg]), off_beg, off_end - off_beg + 1), dtype=np.int64
+            )
         parts = [self.dataset.get(int(self.document_index[doc_beg]), off_beg)]
         parts += [self.dataset.get(int(self.document_index[j])) for j in range(doc_beg + 1, doc_end)]
         parts.append(self.dataset.get(int(self.document_index[doc_end]), 0, off_end + 1))

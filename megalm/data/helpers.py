@@ -26,8 +26,10 @@ logger = get_logger(__name__)
 
 # --- GPT dataset indices ---------------------------------------------------------------
 
-def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
-                         separate_final_epoch: bool) -> np.ndarray:
+
+def build_document_index(
+    documents: np.ndarray, num_epochs: int, rng: np.random.RandomState, separate_final_epoch: bool
+) -> np.ndarray:
     """Document ids repeated ``num_epochs`` times and shuffled (Megatron's document index).
 
     Without ``separate_final_epoch`` all epochs are shuffled together; with it, the first
@@ -145,8 +147,12 @@ def _compile_helper() -> Optional[ctypes.CDLL]:
             with open(src, "w") as f:
                 f.write(_BLEND_SOURCE)
             tmp_lib = os.path.join(tmp_dir, "blend.so")
-            subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", tmp_lib, src], check=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            subprocess.run(
+                [compiler, "-O2", "-shared", "-fPIC", "-o", tmp_lib, src],
+                check=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
             shutil.move(tmp_lib, lib_path + f".{os.getpid()}")
             os.replace(lib_path + f".{os.getpid()}", lib_path)  # atomic: concurrent ranks are safe
         except (OSError, subprocess.CalledProcessError) as e:
@@ -156,8 +162,13 @@ def _compile_helper() -> Optional[ctypes.CDLL]:
             shutil.rmtree(tmp_dir, ignore_errors=True)
     lib = ctypes.CDLL(lib_path)
     lib.build_blending_indices.restype = ctypes.c_int
-    lib.build_blending_indices.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
-                                           ctypes.c_int64]
+    lib.build_blending_indices.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int32,
+        ctypes.c_int64,
+    ]
     return lib
 
 
@@ -198,8 +209,9 @@ def build_blending_indices(weights, size: int):
         return _blending_indices_python(w, size)
     dataset_index = np.empty(size, dtype=np.int16)
     dataset_sample_index = np.empty(size, dtype=np.int64)
-    rc = lib.build_blending_indices(dataset_index.ctypes.data, dataset_sample_index.ctypes.data, w.ctypes.data,
-                                    len(w), size)
+    rc = lib.build_blending_indices(
+        dataset_index.ctypes.data, dataset_sample_index.ctypes.data, w.ctypes.data, len(w), size
+    )
     if rc != 0:
         raise MemoryError("blending helper could not allocate its counters")
     return dataset_index, dataset_sample_index

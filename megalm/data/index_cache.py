@@ -56,8 +56,9 @@ def _load(desc_path: str, array_paths: Dict[str, str], description: dict) -> Opt
     return {n: np.load(p, mmap_mode="r", allow_pickle=False) for n, p in array_paths.items()}
 
 
-def _save(cache_dir: str, desc_path: str, array_paths: Dict[str, str], arrays: Dict[str, np.ndarray],
-          description: dict) -> bool:
+def _save(
+    cache_dir: str, desc_path: str, array_paths: Dict[str, str], arrays: Dict[str, np.ndarray], description: dict
+) -> bool:
     try:
         os.makedirs(cache_dir, exist_ok=True)
         for name, path in array_paths.items():
@@ -70,8 +71,13 @@ def _save(cache_dir: str, desc_path: str, array_paths: Dict[str, str], arrays: D
         return False
 
 
-def load_or_build(cache_dir: Optional[str], stem: str, description: dict, names: Sequence[str],
-                  build: Callable[[], Dict[str, np.ndarray]]) -> Tuple[Dict[str, np.ndarray], bool]:
+def load_or_build(
+    cache_dir: Optional[str],
+    stem: str,
+    description: dict,
+    names: Sequence[str],
+    build: Callable[[], Dict[str, np.ndarray]],
+) -> Tuple[Dict[str, np.ndarray], bool]:
     """Cached arrays for ``description`` if complete, else ``build()`` (saved when possible).
 
     Returns ``(arrays, built)``; ``built`` is False when the arrays came from the cache.

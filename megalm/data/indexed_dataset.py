@@ -30,8 +30,16 @@ MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_BYTES = len(MAGIC) + 8 + 1 + 8 + 8  # 34
 
-DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
-               8: np.uint16}
+DTYPE_CODES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 
 
@@ -80,9 +88,11 @@ class _Index:
         if size == expected + n:
             raise IndexedDatasetError(f"{path} is a multimodal index (sequence modes present); not supported")
         if size != expected:
-            raise IndexedDatasetError(f"{path}: {size} bytes on disk does not match its header, which describes "
-                                      f"{n} sequences and {d} document indices in {expected} bytes "
-                                      f"(truncated or garbled index)")
+            raise IndexedDatasetError(
+                f"{path}: {size} bytes on disk does not match its header, which describes "
+                f"{n} sequences and {d} document indices in {expected} bytes "
+                f"(truncated or garbled index)"
+            )
         self.path = path
         self._mmap = np.memmap(path, mode="r", dtype=np.uint8)
         buf = self._mmap
@@ -90,19 +100,22 @@ class _Index:
         self.sequence_pointers = np.frombuffer(buf, dtype=np.int64, count=n, offset=HEADER_BYTES + 4 * n)
         self.document_indices = np.frombuffer(buf, dtype=np.int64, count=d, offset=HEADER_BYTES + 12 * n)
         if d < 1 or self.document_indices[0] != 0 or self.document_indices[-1] != n:
-            raise IndexedDatasetError(f"{path}: document indices must start at 0 and end at the number of "
-                                      f"sequences {n} (garbled index)")
+            raise IndexedDatasetError(
+                f"{path}: document indices must start at 0 and end at the number of sequences {n} (garbled index)"
+            )
 
     def _read_header(self, path: str, size: int):
         """``(N, D)`` from the header; sets ``dtype``.  Raises on a short or foreign header."""
         with open(path, "rb") as f:
             header = f.read(HEADER_BYTES)
-        if header[:len(MAGIC)] != MAGIC[:len(header)]:
-            raise IndexedDatasetError(f"{path} is not a Megatron IndexedDataset index "
-                                      f"(magic {header[:9]!r}, expected {MAGIC!r})")
+        if header[: len(MAGIC)] != MAGIC[: len(header)]:
+            raise IndexedDatasetError(
+                f"{path} is not a Megatron IndexedDataset index (magic {header[:9]!r}, expected {MAGIC!r})"
+            )
         if len(header) < HEADER_BYTES:
-            raise IndexedDatasetError(f"{path}: {size} bytes, shorter than the {HEADER_BYTES}-byte header "
-                                      f"(truncated index)")
+            raise IndexedDatasetError(
+                f"{path}: {size} bytes, shorter than the {HEADER_BYTES}-byte header (truncated index)"
+            )
         version, code, n, d = struct.unpack("<QBQQ", header[9:])
         if version != VERSION:
             raise IndexedDatasetError(f"{path}: index version {version} is not supported (expected {VERSION})")
@@ -131,14 +144,17 @@ class IndexedDataset:
         self._index = _Index(index_file_path(path_prefix))
         bin_path = data_file_path(path_prefix)
         if not os.path.isfile(bin_path):
-            raise IndexedDatasetError(f"data file {bin_path} does not exist (its index {index_file_path(path_prefix)} "
-                                      f"does)")
+            raise IndexedDatasetError(
+                f"data file {bin_path} does not exist (its index {index_file_path(path_prefix)} does)"
+            )
         expected = self._index.data_bytes()
         actual = os.path.getsize(bin_path)
         if actual != expected:
             what = "truncated .bin" if actual < expected else "mismatched .bin/.idx"
-            raise IndexedDatasetError(f"{bin_path}: {actual} bytes, but its index {index_file_path(path_prefix)} "
-                                      f"describes {expected} bytes (truncated or mismatched .bin/.idx: {what})")
+            raise IndexedDatasetError(
+                f"{bin_path}: {actual} bytes, but its index {index_file_path(path_prefix)} "
+                f"describes {expected} bytes (truncated or mismatched .bin/.idx: {what})"
+            )
         self._bin: Optional[np.ndarray] = None
 
     # -- metadata -------------------------------------------------------------------------
@@ -171,14 +187,17 @@ class IndexedDataset:
         lengths, pointers = self.sequence_lengths, self.sequence_pointers
         itemsize, path = self.dtype.itemsize, index_file_path(self.path_prefix)
         if lengths.size and int(lengths.min()) < 0:
-            raise IndexedDatasetError(f"{path}: sequence {int(np.argmin(lengths))} has negative length "
-                                      f"{int(lengths.min())} (garbled index)")
+            raise IndexedDatasetError(
+                f"{path}: sequence {int(np.argmin(lengths))} has negative length {int(lengths.min())} (garbled index)"
+            )
         ends = pointers + lengths.astype(np.int64) * itemsize
         bad = np.flatnonzero((pointers < 0) | (pointers % itemsize != 0) | (ends > self._index.data_bytes()))
         if bad.size:
             i = int(bad[0])
-            raise IndexedDatasetError(f"{path}: sequence {i} spans bytes [{int(pointers[i])}, {int(ends[i])}), "
-                                      f"outside the {self._index.data_bytes()} bytes of its .bin (garbled index)")
+            raise IndexedDatasetError(
+                f"{path}: sequence {i} spans bytes [{int(pointers[i])}, {int(ends[i])}), "
+                f"outside the {self._index.data_bytes()} bytes of its .bin (garbled index)"
+            )
         if np.any(np.diff(self.document_indices) < 0):
             raise IndexedDatasetError(f"{path}: document indices are not non-decreasing (garbled index)")
 
@@ -192,7 +211,7 @@ class IndexedDataset:
             return None
         lo, hi = None, None
         for start in range(0, data.size, chunk_tokens):
-            chunk = data[start:start + chunk_tokens]
+            chunk = data[start : start + chunk_tokens]
             c_lo, c_hi = chunk.min(), chunk.max()
             lo = c_lo if lo is None else min(lo, c_lo)
             hi = c_hi if hi is None else max(hi, c_hi)
@@ -205,8 +224,7 @@ class IndexedDataset:
             if n_tokens == 0:
                 self._bin = np.empty(0, dtype=self.dtype)
             else:
-                self._bin = np.memmap(data_file_path(self.path_prefix), mode="r", dtype=self.dtype,
-                                      shape=(n_tokens,))
+                self._bin = np.memmap(data_file_path(self.path_prefix), mode="r", dtype=self.dtype, shape=(n_tokens,))
         return self._bin
 
     def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
@@ -215,10 +233,11 @@ class IndexedDataset:
         if length is None:
             length = size - offset
         if offset < 0 or length < 0 or offset + length > size:
-            raise IndexError(f"{self.path_prefix}: slice [{offset}, {offset + length}) is outside sequence {idx} "
-                             f"of length {size}")
+            raise IndexError(
+                f"{self.path_prefix}: slice [{offset}, {offset + length}) is outside sequence {idx} of length {size}"
+            )
         start = int(self.sequence_pointers[idx]) // self.dtype.itemsize + offset
-        return self._data()[start:start + length]
+        return self._data()[start : start + length]
 
     def __getitem__(self, idx: Union[int, np.integer, slice]) -> Union[np.ndarray, List[np.ndarray]]:
         if isinstance(idx, slice):
@@ -280,8 +299,9 @@ class IndexedDatasetBuilder:
         """Append one document made of sequences of the given lengths (Megatron's signature)."""
         self.add_documents(np.asarray(tokens), np.asarray(lengths, dtype=np.int64), np.array([len(lengths)]))
 
-    def add_documents(self, tokens: np.ndarray, sequence_lengths: np.ndarray,
-                      sequences_per_document: Optional[np.ndarray] = None) -> None:
+    def add_documents(
+        self, tokens: np.ndarray, sequence_lengths: np.ndarray, sequences_per_document: Optional[np.ndarray] = None
+    ) -> None:
         """Append many sequences at once; by default each sequence is one document."""
         self._flush_pending()
         tokens = np.ascontiguousarray(tokens, dtype=self.dtype)

@@ -34,9 +34,17 @@ from megalm.data.samplers import MegatronPretrainingRandomSampler, MegatronPretr
 from megalm.device import get_device
 
 
-def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
-                                  data_parallel_size: int, num_workers: int = 0, dataloader_type: str = "single",
-                                  seed: int = 0, data_sharding: bool = True) -> Optional[torch.utils.data.DataLoader]:
+def build_pretraining_data_loader(
+    dataset,
+    consumed_samples: int,
+    micro_batch_size: int,
+    data_parallel_rank: int,
+    data_parallel_size: int,
+    num_workers: int = 0,
+    dataloader_type: str = "single",
+    seed: int = 0,
+    data_sharding: bool = True,
+) -> Optional[torch.utils.data.DataLoader]:
     """DataLoader over this rank's micro-batches of ``dataset`` starting at ``consumed_samples``.
 
     ``dataloader_type`` "single": in order (:class:`MegatronPretrainingSampler`); "cyclic": the
@@ -46,17 +54,30 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_si
     if dataset is None:
         return None
     if dataloader_type == "single":
-        sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size, data_parallel_rank,
-                                             data_parallel_size)
+        sampler = MegatronPretrainingSampler(
+            len(dataset), consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size
+        )
     elif dataloader_type == "cyclic":
-        sampler = MegatronPretrainingRandomSampler(len(dataset), consumed_samples, micro_batch_size,
-                                                   data_parallel_rank, data_parallel_size, data_sharding, seed)
+        sampler = MegatronPretrainingRandomSampler(
+            len(dataset),
+            consumed_samples,
+            micro_batch_size,
+            data_parallel_rank,
+            data_parallel_size,
+            data_sharding,
+            seed,
+        )
     else:
         raise ValueError(f"dataloader_type must be 'single' or 'cyclic', got {dataloader_type!r}")
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                       pin_memory=get_device().type == "cuda", persistent_workers=num_workers > 0,
-                                       worker_init_fn=ignore_sigterm_in_worker if num_workers > 0 else None,
-                                       generator=torch.Generator().manual_seed(seed))
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=get_device().type == "cuda",
+        persistent_workers=num_workers > 0,
+        worker_init_fn=ignore_sigterm_in_worker if num_workers > 0 else None,
+        generator=torch.Generator().manual_seed(seed),
+    )
 
 
 def ignore_sigterm_in_worker(worker_id: int) -> None:
@@ -83,7 +104,8 @@ def rank_reads_data() -> bool:
     if not ps.model_parallel_is_initialized():
         return True
     return ps.get_tensor_model_parallel_rank() == 0 and (
-        ps.is_pipeline_first_stage(ignore_virtual=True) or ps.is_pipeline_last_stage(ignore_virtual=True))
+        ps.is_pipeline_first_stage(ignore_virtual=True) or ps.is_pipeline_last_stage(ignore_virtual=True)
+    )
 
 
 def data_parallel_rank_and_size() -> Tuple[int, int]:
@@ -120,8 +142,9 @@ def splits_available(iterators: DataIterators) -> Tuple[bool, bool, bool]:
     return iterators.splits
 
 
-def build_train_valid_test_data_iterators(cfg, tokenizer, consumed_train_samples: int = 0,
-                                          consumed_valid_samples: int = 0) -> DataIterators:
+def build_train_valid_test_data_iterators(
+    cfg, tokenizer, consumed_train_samples: int = 0, consumed_valid_samples: int = 0
+) -> DataIterators:
     """``(train_iter, valid_iter, test_iter)`` of micro-batch dicts; None on ranks that do not read.
 
     Collective: every rank calls it.  ``--dataloader-type single``: the valid iterator is
@@ -139,8 +162,9 @@ def build_train_valid_test_data_iterators(cfg, tokenizer, consumed_train_samples
     mbs, workers, kind = cfg.training.micro_batch_size, cfg.data.num_workers, cfg.data.dataloader_type
 
     def loader(ds, consumed):
-        return build_pretraining_data_loader(ds, consumed, mbs, dp_rank, dp_size, workers, kind,
-                                             cfg.training.seed, cfg.data.data_sharding)
+        return build_pretraining_data_loader(
+            ds, consumed, mbs, dp_rank, dp_size, workers, kind, cfg.training.seed, cfg.data.data_sharding
+        )
 
     def iterate(dl, cyclic):
         return None if dl is None else iter(cyclic_iter(dl)) if cyclic else iter(dl)

@@ -48,5 +48,7 @@ class MockIndexedDataset:
         return self.get(idx)
 
     def __repr__(self) -> str:
-        return (f"MockIndexedDataset(vocab_size={self.vocab_size}, eod={self.eod}, num_documents={self.num_documents}, "
-                f"max_length={self.max_length}, seed={self.seed})")
+        return (
+            f"MockIndexedDataset(vocab_size={self.vocab_size}, eod={self.eod}, num_documents={self.num_documents}, "
+            f"max_length={self.max_length}, seed={self.seed})"
+        )

@@ -55,8 +55,9 @@ class PreprocessOptions:
     def make_tokenizer(self):
         from megalm.tokenizers import create_tokenizer
 
-        return create_tokenizer(self.tokenizer_type, self.tokenizer_model, self.vocab_size, self.vocab_file,
-                                self.merge_file)
+        return create_tokenizer(
+            self.tokenizer_type, self.tokenizer_model, self.vocab_size, self.vocab_file, self.merge_file
+        )
 
 
 @dataclass
@@ -76,10 +77,12 @@ class PreprocessSummary:
 
     def format(self) -> str:
         s = max(self.seconds, 1e-9)
-        lines = [f"documents: {self.documents:,}   tokens: {self.tokens:,}   input: {self.bytes_read / 1e6:,.1f} MB   "
-                 f"time: {self.seconds:.1f} s",
-                 f"throughput: {self.documents / s:,.0f} docs/s   {self.tokens / s / 1e6:.2f} M tokens/s   "
-                 f"{self.bytes_read / s / 1e6:.1f} MB/s"]
+        lines = [
+            f"documents: {self.documents:,}   tokens: {self.tokens:,}   input: {self.bytes_read / 1e6:,.1f} MB   "
+            f"time: {self.seconds:.1f} s",
+            f"throughput: {self.documents / s:,.0f} docs/s   {self.tokens / s / 1e6:.2f} M tokens/s   "
+            f"{self.bytes_read / s / 1e6:.1f} MB/s",
+        ]
         if self.skipped:
             detail = ", ".join(f"{reason}: {n:,}" for reason, n in sorted(self.skipped.items()))
             lines.append(f"skipped records: {self.skipped_total:,} ({detail})")
@@ -180,6 +183,7 @@ def _record_problem(ids_per_key: list) -> Optional[tuple]:
 
 # --- main side -------------------------------------------------------------------------
 
+
 def _ordered_map(pool, fn, items: Iterable, max_in_flight: int) -> Iterator:
     """``map`` through a pool keeping input order and at most ``max_in_flight`` pending tasks."""
     pending: deque = deque()
@@ -227,8 +231,16 @@ class _Progress:
         from tqdm import tqdm
 
         total = None if any(f.endswith(".gz") or ts.is_parquet(f) for f in files) else sum(map(os.path.getsize, files))
-        self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc="tokenizing",
-                        file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+        self.bar = tqdm(
+            total=total,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1000,
+            desc="tokenizing",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            mininterval=0.5,
+        )
         self.start = self._last = time.perf_counter()
 
     def update(self, summary: PreprocessSummary, nbytes: int, docs: int) -> None:
@@ -240,9 +252,11 @@ class _Progress:
         if self._docs_since >= self.log_interval or now - self._last > 2.0:
             self._last = now
             elapsed = max(now - self.start, 1e-9)
-            self.bar.set_postfix_str(f"{summary.documents / elapsed:,.0f} docs/s, "
-                                     f"{summary.tokens / elapsed / 1e6:.2f} M tok/s, skipped {summary.skipped_total}",
-                                     refresh=False)
+            self.bar.set_postfix_str(
+                f"{summary.documents / elapsed:,.0f} docs/s, "
+                f"{summary.tokens / elapsed / 1e6:.2f} M tok/s, skipped {summary.skipped_total}",
+                refresh=False,
+            )
             self.bar.update(self._bytes_since)
             self._docs_since, self._bytes_since = 0, 0
 
@@ -260,8 +274,9 @@ class _Progress:
             self.bar.close()
 
 
-def _handle_issues(result: ChunkResult, files: Sequence[str], opts: PreprocessOptions,
-                   summary: PreprocessSummary, progress: _Progress) -> None:
+def _handle_issues(
+    result: ChunkResult, files: Sequence[str], opts: PreprocessOptions, summary: PreprocessSummary, progress: _Progress
+) -> None:
     for number, reason, detail in result.issues:
         where = ts.location(files[result.source], number, result.kind)
         what = f"{reason} ({detail})" if detail else reason
@@ -318,8 +333,10 @@ def preprocess(opts: PreprocessOptions) -> PreprocessSummary:
                 summary.blank_lines += result.blank
                 progress.update(summary, result.nbytes, len(result.lengths[0]))
             if summary.documents == 0:
-                raise PreprocessError(f"--input {opts.input}: no valid documents "
-                                      f"({summary.skipped_total} records skipped); nothing written")
+                raise PreprocessError(
+                    f"--input {opts.input}: no valid documents "
+                    f"({summary.skipped_total} records skipped); nothing written"
+                )
             for builder in builders:
                 builder.finalize()
     finally:

@@ -21,8 +21,15 @@ import torch
 class MegatronPretrainingSampler:
     """Batch sampler yielding this rank's micro-batches (lists of sample indices)."""
 
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int, drop_last: bool = True):
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+        drop_last: bool = True,
+    ):
         if total_samples <= 0:
             raise ValueError(f"no samples to consume: total_samples = {total_samples}")
         if not 0 <= consumed_samples <= total_samples:
@@ -86,10 +93,19 @@ class MegatronPretrainingRandomSampler:
     assumes; here every rank stops at ``E``.
     """
 
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int, data_sharding: bool = True, seed: int = 0):
-        _check_random_sampler_args(total_samples, consumed_samples, micro_batch_size, data_parallel_rank,
-                                   data_parallel_size)
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+        data_sharding: bool = True,
+        seed: int = 0,
+    ):
+        _check_random_sampler_args(
+            total_samples, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size
+        )
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
@@ -116,7 +132,7 @@ class MegatronPretrainingRandomSampler:
             bucket = self.epoch_samples // dp
             return rank * bucket + torch.randperm(bucket, generator=generator)
         permuted = (self.total_samples // self.micro_batch_size) * self.micro_batch_size
-        return torch.randperm(permuted, generator=generator)[:self.epoch_samples][rank::dp]
+        return torch.randperm(permuted, generator=generator)[: self.epoch_samples][rank::dp]
 
     def __iter__(self) -> Iterator[List[int]]:
         epoch, offset = self.epoch_and_offset()
@@ -124,7 +140,7 @@ class MegatronPretrainingRandomSampler:
         mbs = self.micro_batch_size
         for start in range(offset // self.data_parallel_size, len(order), mbs):
             self.consumed_samples += self.step
-            yield order[start:start + mbs].tolist()
+            yield order[start : start + mbs].tolist()
 
 
 def epoch_generator_seed(seed: int, epoch: int) -> int:
@@ -136,19 +152,23 @@ def epoch_generator_seed(seed: int, epoch: int) -> int:
     return (epoch + seed * 0x9E3779B9) % 2**32
 
 
-def _check_random_sampler_args(total_samples: int, consumed_samples: int, micro_batch_size: int,
-                               data_parallel_rank: int, data_parallel_size: int) -> None:
+def _check_random_sampler_args(
+    total_samples: int, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int, data_parallel_size: int
+) -> None:
     """ValueError naming the first bad argument of :class:`MegatronPretrainingRandomSampler`."""
     _check_micro_batch_layout(micro_batch_size, data_parallel_rank, data_parallel_size)
     step = micro_batch_size * data_parallel_size
     if total_samples < step:
-        raise ValueError(f"total_samples {total_samples} is less than one step of micro_batch_size x "
-                         f"data_parallel_size = {step}: an epoch would be empty")
+        raise ValueError(
+            f"total_samples {total_samples} is less than one step of micro_batch_size x "
+            f"data_parallel_size = {step}: an epoch would be empty"
+        )
     if consumed_samples < 0:
         raise ValueError(f"consumed_samples must be >= 0, got {consumed_samples}")
     if consumed_samples % step:
-        raise ValueError(f"consumed_samples {consumed_samples} is not a multiple of micro_batch_size x "
-                         f"data_parallel_size = {step}")
+        raise ValueError(
+            f"consumed_samples {consumed_samples} is not a multiple of micro_batch_size x data_parallel_size = {step}"
+        )
 
 
 def _check_micro_batch_layout(micro_batch_size: int, data_parallel_rank: int, data_parallel_size: int) -> None:

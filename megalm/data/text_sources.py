@@ -69,6 +69,7 @@ def is_parquet(path: str) -> bool:
 
 # --- chunks of raw records -------------------------------------------------------------
 
+
 @dataclass
 class Chunk:
     """Consecutive records of one file.
@@ -85,8 +86,9 @@ class Chunk:
     nbytes: int
 
 
-def iter_chunks(files: Sequence[str], keys: Sequence[str], chunk_bytes: int = 1 << 20,
-                parquet_rows: int = 1024) -> Iterator[Chunk]:
+def iter_chunks(
+    files: Sequence[str], keys: Sequence[str], chunk_bytes: int = 1 << 20, parquet_rows: int = 1024
+) -> Iterator[Chunk]:
     """Cut every input file into chunks of about ``chunk_bytes`` bytes (or ``parquet_rows`` rows)."""
     for source, path in enumerate(files):
         if is_parquet(path):
@@ -135,6 +137,7 @@ def _parquet_chunks(source: int, path: str, keys: Sequence[str], rows: int) -> I
 
 
 # --- record validation -----------------------------------------------------------------
+
 
 def parse_json_line(raw: bytes, keys: Sequence[str], first_in_file: bool = False):
     """``(texts, None)`` for a good line, ``(None, reason)`` for a bad one, ``(None, None)`` if blank."""

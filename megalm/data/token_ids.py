@@ -36,8 +36,13 @@ def _file_signature(path: str) -> dict:
 def describe(dataset: IndexedDataset) -> dict:
     """What the scan's result depends on: the prefix and both files' size and mtime."""
     prefix = dataset.path_prefix
-    return {"class": CACHE_STEM, "algorithm": SCAN_ALGORITHM, "dataset": os.path.abspath(prefix),
-            "bin": _file_signature(data_file_path(prefix)), "idx": _file_signature(index_file_path(prefix))}
+    return {
+        "class": CACHE_STEM,
+        "algorithm": SCAN_ALGORITHM,
+        "dataset": os.path.abspath(prefix),
+        "bin": _file_signature(data_file_path(prefix)),
+        "idx": _file_signature(index_file_path(prefix)),
+    }
 
 
 def _scan(dataset: IndexedDataset) -> dict:
@@ -53,8 +58,9 @@ def token_id_range(dataset: IndexedDataset, cache_dir: str | None = None) -> tup
     the answer came from the cache.  Raises :class:`IndexedDatasetError` on a garbled .idx.
     """
     cache_dir = cache_dir or default_cache_dir(dataset.path_prefix)
-    arrays, scanned = load_or_build(cache_dir, CACHE_STEM, describe(dataset), ("token_id_range",),
-                                    lambda: _scan(dataset))
+    arrays, scanned = load_or_build(
+        cache_dir, CACHE_STEM, describe(dataset), ("token_id_range",), lambda: _scan(dataset)
+    )
     values = [int(x) for x in np.asarray(arrays["token_id_range"])]
     return (tuple(values) if values else None), scanned
 
@@ -71,7 +77,9 @@ def check_token_ids(dataset: IndexedDataset, vocab_size: int, tokenizer: str = "
     smallest, largest = found
     about = f" (tokenizer {tokenizer})" if tokenizer else ""
     if largest >= vocab_size:
-        raise TokenIdError(f"data prefix {dataset.path_prefix}: largest token id {largest} >= vocabulary size "
-                           f"{vocab_size}{about}; was it preprocessed with another tokenizer?")
+        raise TokenIdError(
+            f"data prefix {dataset.path_prefix}: largest token id {largest} >= vocabulary size "
+            f"{vocab_size}{about}; was it preprocessed with another tokenizer?"
+        )
     if smallest < 0:
         raise TokenIdError(f"data prefix {dataset.path_prefix}: smallest token id {smallest} < 0{about}")

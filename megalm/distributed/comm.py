@@ -125,8 +125,9 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False,
-               kind: str = "all_reduce"):
+def all_reduce(
+    tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False, kind: str = "all_reduce"
+):
     """In-place all-reduce over ``group``; returns a work handle when ``async_op`` (else None)."""
     k = _group_size(group)
     if k == 1:
@@ -136,8 +137,14 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op:
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
-def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM, group=None,
-                          async_op: bool = False, kind: str = "reduce_scatter"):
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op=dist.ReduceOp.SUM,
+    group=None,
+    async_op: bool = False,
+    kind: str = "reduce_scatter",
+):
     """``output`` (1/K of ``input``) receives this rank's shard of the reduced ``input``."""
     k = _group_size(group)
     if k == 1:
@@ -148,8 +155,9 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=dist.Red
     return reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op)
 
 
-def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False,
-                           kind: str = "all_gather"):
+def all_gather_into_tensor(
+    output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False, kind: str = "all_gather"
+):
     """``output`` (K x ``input``) receives every rank's ``input`` in rank order."""
     k = _group_size(group)
     if k == 1:

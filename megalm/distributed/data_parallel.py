@@ -74,7 +74,8 @@ def node_groups_of(pg: ProcessGroups, name: str) -> Optional[NodeGroups]:
         raise NodeLayoutError(
             f"--hierarchical-grad-reduce: the {name} group (ranks {list(pg.ranks.get(name, ()))}) has no "
             f"intra-/inter-node split: it does not spread evenly over the nodes of "
-            f"{parallel_state.get_ranks_per_node()} ranks (parallel_state.node_split says how it falls)")
+            f"{parallel_state.get_ranks_per_node()} ranks (parallel_state.node_split says how it falls)"
+        )
     return NodeGroups(getattr(pg, f"{name}_intra"), getattr(pg, f"{name}_inter"))
 
 
@@ -83,6 +84,7 @@ def _wait_for(buckets: List[Bucket]):
         for bucket in buckets:
             if bucket.param_handle is not None:
                 bucket.finish_param_sync()
+
     return hook
 
 
@@ -105,8 +107,13 @@ class DistributedDataParallel(torch.nn.Module):
     ``overlap_grad_reduce`` and a single bucket per buffer without it (as Megatron).
     """
 
-    def __init__(self, module: torch.nn.Module, parallel_cfg, grad_dtype: Optional[torch.dtype] = None,
-                 process_groups: Optional[ProcessGroups] = None):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        parallel_cfg,
+        grad_dtype: Optional[torch.dtype] = None,
+        process_groups: Optional[ProcessGroups] = None,
+    ):
         super().__init__()
         pg = parallel_state.get_process_groups() if process_groups is None else process_groups
         self.module = module
@@ -136,17 +143,23 @@ class DistributedDataParallel(torch.nn.Module):
             world = group_size(group)
             nodes = node_groups_of(pg, "expt_dp" if expert else "dp_cp") if self.hierarchical and keyed else None
             for (_, gdtype), params in keyed.items():
-                buf = ParamAndGradBuffer(params, gdtype, self.bucket_size, group if world > 1 else None,
-                                         world, 1.0 / dp, param_names=names,
-                                         use_distributed_optimizer=self.use_distributed_optimizer,
-                                         isolate=_is_shared_embedding if self.use_distributed_optimizer else None,
-                                         node_groups=nodes)
+                buf = ParamAndGradBuffer(
+                    params,
+                    gdtype,
+                    self.bucket_size,
+                    group if world > 1 else None,
+                    world,
+                    1.0 / dp,
+                    param_names=names,
+                    use_distributed_optimizer=self.use_distributed_optimizer,
+                    isolate=_is_shared_embedding if self.use_distributed_optimizer else None,
+                    node_groups=nodes,
+                )
                 (self.expert_buffers if expert else self.buffers).append(buf)
         self._param_to_buffer = {p: b for b in self.all_buffers for p in b.param_index_map}
         self._build_launch_queues()
         self._grad_sync_enabled = True
-        self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook())
-                              for p in self._param_to_buffer]
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook()) for p in self._param_to_buffer]
         if self.overlap_param_gather:
             self._hook_handles += self._register_param_gather_hooks()
 
@@ -188,6 +201,7 @@ class DistributedDataParallel(torch.nn.Module):
                 bucket.mark_ready(param)
                 if bucket.is_ready():
                     self._advance(self._queue_of[id(bucket)])
+
         return hook
 
     def _advance(self, qi: int) -> None:

@@ -45,8 +45,9 @@ def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
     """Strip data-parallel / precision wrappers (anything exposing ``.module`` that says so)."""
     from megalm.distributed.data_parallel import DistributedDataParallel
 
-    while isinstance(module, (DistributedDataParallel, torch.nn.parallel.DistributedDataParallel)) or \
-            getattr(module, "is_megalm_wrapper", False):
+    while isinstance(module, (DistributedDataParallel, torch.nn.parallel.DistributedDataParallel)) or getattr(
+        module, "is_megalm_wrapper", False
+    ):
         module = module.module
     return module
 
@@ -61,8 +62,7 @@ def allreduce_sequence_parallel_grads(model_chunks: Sequence[torch.nn.Module], t
     """Sum gradients of ``sequence_parallel`` params over ``tp_group`` (one coalesced all-reduce)."""
     if group_size(tp_group) == 1:
         return
-    params = [p for c in model_chunks for p in c.parameters()
-              if p.requires_grad and param_info(p).sequence_parallel]
+    params = [p for c in model_chunks for p in c.parameters() if p.requires_grad and param_info(p).sequence_parallel]
     if not params:
         return
     grads = [grad_of(p) if grad_of(p) is not None else torch.zeros_like(p, dtype=torch.float32) for p in params]
@@ -103,7 +103,8 @@ def _tied(model_chunks: Sequence[torch.nn.Module], stage: str, weight, embd_grou
     if cached is not None:
         return cached
     knows = (stage == "last" and weight is not None) or any(
-        getattr(unwrap_model(c), "share_embeddings_and_output_weights", False) for c in model_chunks)
+        getattr(unwrap_model(c), "share_embeddings_and_output_weights", False) for c in model_chunks
+    )
     flag = torch.tensor([1.0 if knows else 0.0], device=get_device())
     comm.all_reduce(flag, op=dist.ReduceOp.MAX, group=embd_group, kind="tie_flag")
     tied = bool(flag.item() > 0)
@@ -119,12 +120,15 @@ def _check_own_bucket(chunk: torch.nn.Module, weight: torch.nn.Parameter) -> Non
         return
     for buf in chunk.all_buffers:
         if weight in buf.param_index_map and len(buf.bucket_of(weight).params) != 1:
-            raise RuntimeError("with the distributed optimizer the tied embedding weight needs a gradient bucket of "
-                               "its own: mark it with `set_param_info(param, tied=True)` on both pipeline stages")
+            raise RuntimeError(
+                "with the distributed optimizer the tied embedding weight needs a gradient bucket of "
+                "its own: mark it with `set_param_info(param, tied=True)` on both pipeline stages"
+            )
 
 
-def allreduce_embedding_grads(model_chunks: Sequence[torch.nn.Module], tied: Optional[bool] = None,
-                              process_groups: Optional[ProcessGroups] = None) -> None:
+def allreduce_embedding_grads(
+    model_chunks: Sequence[torch.nn.Module], tied: Optional[bool] = None, process_groups: Optional[ProcessGroups] = None
+) -> None:
     """Sum the tied word-embedding gradient over the embedding group (first + last stage)."""
     pg = parallel_state.get_process_groups() if process_groups is None else process_groups
     stage = _embedding_stage(pg)
@@ -139,7 +143,8 @@ def allreduce_embedding_grads(model_chunks: Sequence[torch.nn.Module], tied: Opt
     if weight is None:
         raise RuntimeError(
             f"embeddings are tied but the {stage} pipeline stage has no tied embedding weight: mark it with "
-            f"`megalm.tensor_parallel.param_info.set_param_info(param, tied=True)`")
+            f"`megalm.tensor_parallel.param_info.set_param_info(param, tied=True)`"
+        )
     _check_own_bucket(chunk, weight)
     grad = grad_of(weight)
     if grad is None:
@@ -147,8 +152,12 @@ def allreduce_embedding_grads(model_chunks: Sequence[torch.nn.Module], tied: Opt
     comm.all_reduce(grad, group=pg.embd, kind="embedding_grad_all_reduce")
 
 
-def finalize_model_grads(model_chunks: List[torch.nn.Module], tied_embeddings: Optional[bool] = None,
-                         timers=NULL_TIMERS, process_groups: Optional[ProcessGroups] = None) -> None:
+def finalize_model_grads(
+    model_chunks: List[torch.nn.Module],
+    tied_embeddings: Optional[bool] = None,
+    timers=NULL_TIMERS,
+    process_groups: Optional[ProcessGroups] = None,
+) -> None:
     """DP sync, then sequence-parallel norm grads over TP, then tied embedding grads over the
     embedding group.  Call once per iteration, after the last backward, before ``optimizer.step()``.
     ``timers``: Megatron's level-1 ``all-grads-sync``, ``layernorm-grads-all-reduce`` and

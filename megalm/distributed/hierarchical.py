@@ -50,19 +50,19 @@ class NodeGroups:
     inter: Optional[object]
 
     @property
-    def local_size(self) -> int:      # L
+    def local_size(self) -> int:  # L
         return group_size(self.intra)
 
     @property
-    def num_nodes(self) -> int:       # n
+    def num_nodes(self) -> int:  # n
         return group_size(self.inter)
 
     @property
-    def local_rank(self) -> int:      # i
+    def local_rank(self) -> int:  # i
         return group_rank(self.intra)
 
     @property
-    def node_rank(self) -> int:       # j
+    def node_rank(self) -> int:  # j
         return group_rank(self.inter)
 
     def check_factors(self, group, what: str) -> "NodeGroups":
@@ -72,7 +72,8 @@ class NodeGroups:
             raise HierarchicalReduceError(
                 f"{what}: intra-node group of {self.local_size} x inter-node group of {self.num_nodes} ranks "
                 f"(local index {self.local_rank}, node index {self.node_rank}) do not factor the data-parallel "
-                f"group of {size} ranks (rank {rank}); build them with parallel_state.initialize_model_parallel")
+                f"group of {size} ranks (rank {rank}); build them with parallel_state.initialize_model_parallel"
+            )
         return self
 
 
@@ -121,14 +122,25 @@ def all_reduce(buf: torch.Tensor, nodes: NodeGroups, kind: str = "grad") -> Coll
     """SUM-all-reduce ``buf`` (numel divisible by L) in place; the first stage is launched."""
     L, i = nodes.local_size, nodes.local_rank
     c = buf.numel() // L
-    chunk = buf[i * c:(i + 1) * c]
+    chunk = buf[i * c : (i + 1) * c]
     stages = [
-        (lambda: comm.reduce_scatter_tensor(chunk, buf, group=nodes.intra, async_op=True,
-                                            kind=f"{kind}_reduce_scatter_intra")) if nodes.intra is not None else _skip,
-        (lambda: comm.all_reduce(chunk, group=nodes.inter, async_op=True,
-                                 kind=f"{kind}_all_reduce_inter")) if nodes.inter is not None else _skip,
-        (lambda: comm.all_gather_into_tensor(buf, chunk, group=nodes.intra, async_op=True,
-                                             kind=f"{kind}_all_gather_intra")) if nodes.intra is not None else _skip,
+        (
+            lambda: comm.reduce_scatter_tensor(
+                chunk, buf, group=nodes.intra, async_op=True, kind=f"{kind}_reduce_scatter_intra"
+            )
+        )
+        if nodes.intra is not None
+        else _skip,
+        (lambda: comm.all_reduce(chunk, group=nodes.inter, async_op=True, kind=f"{kind}_all_reduce_inter"))
+        if nodes.inter is not None
+        else _skip,
+        (
+            lambda: comm.all_gather_into_tensor(
+                buf, chunk, group=nodes.intra, async_op=True, kind=f"{kind}_all_gather_intra"
+            )
+        )
+        if nodes.intra is not None
+        else _skip,
     ]
     chain = CollectiveChain(stages)
     chain.advance()
@@ -146,12 +158,18 @@ def reduce_scatter(buf: torch.Tensor, shard: torch.Tensor, nodes: NodeGroups, ki
         if nodes.inter is None:
             shard.copy_(mine)
             return None
-        return comm.reduce_scatter_tensor(shard, mine, group=nodes.inter, async_op=True,
-                                          kind=f"{kind}_reduce_scatter_inter")
+        return comm.reduce_scatter_tensor(
+            shard, mine, group=nodes.inter, async_op=True, kind=f"{kind}_reduce_scatter_inter"
+        )
 
     stages = [
-        (lambda: comm.reduce_scatter_tensor(mine, scratch.view(-1), group=nodes.intra, async_op=True,
-                                            kind=f"{kind}_reduce_scatter_intra")) if nodes.intra is not None else _skip,
+        (
+            lambda: comm.reduce_scatter_tensor(
+                mine, scratch.view(-1), group=nodes.intra, async_op=True, kind=f"{kind}_reduce_scatter_intra"
+            )
+        )
+        if nodes.intra is not None
+        else _skip,
         inter,
     ]
     chain = CollectiveChain(stages)
@@ -170,10 +188,20 @@ def all_gather(buf: torch.Tensor, shard: torch.Tensor, nodes: NodeGroups, kind: 
         buf.view(n, L, s).copy_(local.view(L, n, s).transpose(0, 1))
 
     stages = [
-        (lambda: comm.all_gather_into_tensor(across, shard, group=nodes.inter, async_op=True,
-                                             kind=f"{kind}_all_gather_inter")) if nodes.inter is not None else _skip,
-        (lambda: comm.all_gather_into_tensor(local, across, group=nodes.intra, async_op=True,
-                                             kind=f"{kind}_all_gather_intra")) if nodes.intra is not None else _skip,
+        (
+            lambda: comm.all_gather_into_tensor(
+                across, shard, group=nodes.inter, async_op=True, kind=f"{kind}_all_gather_inter"
+            )
+        )
+        if nodes.inter is not None
+        else _skip,
+        (
+            lambda: comm.all_gather_into_tensor(
+                local, across, group=nodes.intra, async_op=True, kind=f"{kind}_all_gather_intra"
+            )
+        )
+        if nodes.intra is not None
+        else _skip,
         copy_back,
     ]
     chain = CollectiveChain(stages)

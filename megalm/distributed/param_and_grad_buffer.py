@@ -62,17 +62,25 @@ class DataParallelError(MegalmError, RuntimeError):
 class Bucket:
     """A contiguous slice of a :class:`ParamAndGradBuffer` reduced by one collective."""
 
-    def __init__(self, index: int, params: List[torch.nn.Parameter], grad_data: torch.Tensor,
-                 param_data: Optional[torch.Tensor], offset: int, numel_unpadded: int,
-                 param_ranges: Dict[torch.nn.Parameter, Tuple[int, int]], buffer: "ParamAndGradBuffer"):
+    def __init__(
+        self,
+        index: int,
+        params: List[torch.nn.Parameter],
+        grad_data: torch.Tensor,
+        param_data: Optional[torch.Tensor],
+        offset: int,
+        numel_unpadded: int,
+        param_ranges: Dict[torch.nn.Parameter, Tuple[int, int]],
+        buffer: "ParamAndGradBuffer",
+    ):
         self.index = index
-        self.param_handle = None                  # pending all-gather of param_data
-        self.params = params                      # in buffer order
-        self.grad_data = grad_data                # view into buffer.grad_data (padded length)
-        self.param_data = param_data              # view into buffer.param_data or None
-        self.offset = offset                      # start of the bucket in the buffer
+        self.param_handle = None  # pending all-gather of param_data
+        self.params = params  # in buffer order
+        self.grad_data = grad_data  # view into buffer.grad_data (padded length)
+        self.param_data = param_data  # view into buffer.param_data or None
+        self.offset = offset  # start of the bucket in the buffer
         self.numel_unpadded = numel_unpadded
-        self.param_ranges = param_ranges          # param -> (start, end) relative to the bucket
+        self.param_ranges = param_ranges  # param -> (start, end) relative to the bucket
         self.buffer = buffer
         self._params_set = set(params)
         self.reset()
@@ -95,7 +103,8 @@ class Bucket:
             raise DataParallelError(
                 f"gradient of a parameter of shape {tuple(param.shape)} arrived after its bucket "
                 f"{self.index} was already reduced: run the backward of every microbatch but the last "
-                f"inside DistributedDataParallel.no_sync(), and call zero_grad_buffer() each iteration")
+                f"inside DistributedDataParallel.no_sync(), and call zero_grad_buffer() each iteration"
+            )
         self.params_ready.add(param)
 
     def shard_range(self, dp_rank: int, dp_size: Optional[int] = None) -> Tuple[int, int]:
@@ -131,8 +140,9 @@ class Bucket:
             return
         if self.buffer.use_distributed_optimizer:
             lo, hi = self.local_shard()
-            self.handle = comm.reduce_scatter_tensor(self.grad_data[lo:hi], self.grad_data, group=group,
-                                                     async_op=True, kind="grad_reduce_scatter")
+            self.handle = comm.reduce_scatter_tensor(
+                self.grad_data[lo:hi], self.grad_data, group=group, async_op=True, kind="grad_reduce_scatter"
+            )
         else:
             self.handle = comm.all_reduce(self.grad_data, group=group, async_op=True, kind="grad_all_reduce")
 
@@ -159,13 +169,15 @@ class Bucket:
             return
         lo, hi = self.local_shard()
         if self.buffer.node_groups is not None:
-            self.param_handle = hierarchical.all_gather(self.param_data, self.param_data[lo:hi],
-                                                        self.buffer.node_groups)
+            self.param_handle = hierarchical.all_gather(
+                self.param_data, self.param_data[lo:hi], self.buffer.node_groups
+            )
             if not async_op:
                 self.finish_param_sync()
             return
-        self.param_handle = comm.all_gather_into_tensor(self.param_data, self.param_data[lo:hi], group=group,
-                                                        async_op=async_op, kind="param_all_gather")
+        self.param_handle = comm.all_gather_into_tensor(
+            self.param_data, self.param_data[lo:hi], group=group, async_op=async_op, kind="param_all_gather"
+        )
         if not async_op:
             self.param_handle = None
 
@@ -189,13 +201,21 @@ class ParamAndGradBuffer:
     docstring for the layout.
     """
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], grad_dtype: torch.dtype,
-                 bucket_size: Optional[int], data_parallel_group, data_parallel_world_size: int,
-                 gradient_scaling_factor: float, pad_multiple: Optional[int] = None,
-                 allocate_param_data: bool = False, param_names: Optional[Dict[torch.nn.Parameter, str]] = None,
-                 use_distributed_optimizer: bool = False,
-                 isolate: Optional[Callable[[torch.nn.Parameter], bool]] = None,
-                 node_groups: Optional[hierarchical.NodeGroups] = None):
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        grad_dtype: torch.dtype,
+        bucket_size: Optional[int],
+        data_parallel_group,
+        data_parallel_world_size: int,
+        gradient_scaling_factor: float,
+        pad_multiple: Optional[int] = None,
+        allocate_param_data: bool = False,
+        param_names: Optional[Dict[torch.nn.Parameter, str]] = None,
+        use_distributed_optimizer: bool = False,
+        isolate: Optional[Callable[[torch.nn.Parameter], bool]] = None,
+        node_groups: Optional[hierarchical.NodeGroups] = None,
+    ):
         if not params:
             raise DataParallelError("ParamAndGradBuffer needs at least one parameter")
         dtypes = {p.dtype for p in params}
@@ -227,8 +247,10 @@ class ParamAndGradBuffer:
         if allocate_param_data:
             self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
         self._attach_views()
-        self.buckets = [self._make_bucket(i, start, end, members, unpadded)
-                        for i, (start, end, members, unpadded) in enumerate(bucket_spans)]
+        self.buckets = [
+            self._make_bucket(i, start, end, members, unpadded)
+            for i, (start, end, members, unpadded) in enumerate(bucket_spans)
+        ]
 
     # --- layout ------------------------------------------------------------------------
     def _pad(self, n: int) -> int:
@@ -268,12 +290,12 @@ class ParamAndGradBuffer:
                 view.copy_(p.data)
                 p.data = view
 
-    def _make_bucket(self, index: int, start: int, end: int, members: List[torch.nn.Parameter],
-                     unpadded_end: int) -> Bucket:
+    def _make_bucket(
+        self, index: int, start: int, end: int, members: List[torch.nn.Parameter], unpadded_end: int
+    ) -> Bucket:
         ranges = {p: (self.param_index_map[p][0] - start, self.param_index_map[p][1] - start) for p in members}
         param_view = self.param_data[start:end] if self.param_data is not None else None
-        return Bucket(index, members, self.grad_data[start:end], param_view, start, unpadded_end - start,
-                      ranges, self)
+        return Bucket(index, members, self.grad_data[start:end], param_view, start, unpadded_end - start, ranges, self)
 
     # --- state -------------------------------------------------------------------------
     def bucket_of(self, param: torch.nn.Parameter) -> Bucket:
@@ -291,6 +313,8 @@ class ParamAndGradBuffer:
         lines = []
         for b in self.buckets:
             names = [self.param_names.get(p, f"<{tuple(p.shape)}>") for p in b.params]
-            lines.append(f"bucket {b.index}: [{b.offset}, {b.offset + b.numel}) numel {b.numel} "
-                         f"(unpadded {b.numel_unpadded}) params {names}")
+            lines.append(
+                f"bucket {b.index}: [{b.offset}, {b.offset + b.numel}) numel {b.numel} "
+                f"(unpadded {b.numel_unpadded}) params {names}"
+            )
         return "\n".join(lines)

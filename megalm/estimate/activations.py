@@ -62,7 +62,7 @@ class Shape:
     tp: int
     sequence_parallel: bool
     dtype_bytes: int
-    device: str = "cuda"   # "cuda" or "cpu": which kernels' saved tensors to count
+    device: str = "cuda"  # "cuda" or "cpu": which kernels' saved tensors to count
 
     @property
     def tokens(self) -> int:
@@ -87,9 +87,11 @@ def layer_bytes(m, sh: Shape, is_moe: bool = False) -> Dict[str, int]:
     B, S, tp, h = sh.dtype_bytes, sh.tokens, sh.tp, m.hidden_size
     n, d = m.num_attention_heads, m.head_dim
     g = m.num_query_groups if m.group_query_attention else n
-    out = {"norms": 2 * norm_bytes(m, sh),
-           "linear_inputs": B * sh.local_tokens * h * (1 if is_moe else 2),
-           "qkv": B * S * (n + 2 * g) * d // tp}
+    out = {
+        "norms": 2 * norm_bytes(m, sh),
+        "linear_inputs": B * sh.local_tokens * h * (1 if is_moe else 2),
+        "qkv": B * S * (n + 2 * g) * d // tp,
+    }
     if m.position_embedding_type == "rope":
         rot = int(d * m.rotary_percent)
         out["rope"] = B * S * (n + g) * d // tp + (4 * sh.seq * rot * B if B < 4 else 0)
@@ -177,7 +179,7 @@ def chunk_bytes(m, sh: Shape, layers, pre_process: bool, post_process: bool) -> 
     if m.recompute_granularity == "full" and layers:
         n = m.recompute_num_layers
         if m.recompute_method == "uniform":
-            groups = [full[i:i + n] for i in range(0, len(full), n)]
+            groups = [full[i : i + n] for i in range(0, len(full), n)]
             kept = hidden_in * len(groups)
             peak = max(sum(gr) for gr in groups)
         else:  # block: the first n layers of the chunk are recomputed one by one
@@ -206,11 +208,11 @@ def stage_activation_bytes(cfg, pp_rank: int, sh: Shape, num_microbatches: int) 
     vpp = virtual_stages(p, m.num_layers) or 1
     per_micro, recompute_peak = 0, 0
     for v in range(vpp):
-        c = chunk_bytes(m, sh, layers_for_stage(cfg, pp_rank, v), pp_rank == 0 and v == 0,
-                        pp_rank == pp - 1 and v == vpp - 1)
+        c = chunk_bytes(
+            m, sh, layers_for_stage(cfg, pp_rank, v), pp_rank == 0 and v == 0, pp_rank == pp - 1 and v == vpp - 1
+        )
         per_micro += c["kept"]
         recompute_peak = max(recompute_peak, c["recompute_peak"])
     flight = in_flight(pp, pp_rank, num_microbatches, vpp)
     transient = recompute_peak + (logits_transient_bytes(m, sh) if pp_rank == pp - 1 else 0)
-    return {"per_microbatch": per_micro, "in_flight": flight, "activations": per_micro * flight,
-            "transient": transient}
+    return {"per_microbatch": per_micro, "in_flight": flight, "activations": per_micro * flight, "transient": transient}

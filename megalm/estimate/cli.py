@@ -54,17 +54,23 @@ def parse(argv: Optional[List[str]] = None) -> Tuple[MegalmConfig, PlannerOption
 
 def parse_all(argv: Optional[List[str]] = None) -> Tuple[MegalmConfig, PlannerOptions, TopologyOptions]:
     """:func:`parse`, plus the node layout flags (``--procs-per-node``)."""
-    parser = build_parser("megalm memory and speed planner; --preset NAME plans a preset of megalm.presets "
-                          "(python3 tools/presets.py lists them), overridable by the flags that follow",
-                          extra_sections={"planner": PlannerOptions, "topology": TopologyOptions},
-                          exit_on_error=False)
+    parser = build_parser(
+        "megalm memory and speed planner; --preset NAME plans a preset of megalm.presets "
+        "(python3 tools/presets.py lists them), overridable by the flags that follow",
+        extra_sections={"planner": PlannerOptions, "topology": TopologyOptions},
+        exit_on_error=False,
+    )
     args = parser.parse_args(expand_preset(list(sys.argv[1:] if argv is None else argv)))
     values = vars(args)
     options = PlannerOptions(**{f.name: values[f"planner.{f.name}"] for f in dataclasses.fields(PlannerOptions)})
     cfg = config_from_args(args)
     p = cfg.parallel
-    world = options.world_size or (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-                                   * p.context_parallel_size * p.expert_model_parallel_size)
+    world = options.world_size or (
+        p.tensor_model_parallel_size
+        * p.pipeline_model_parallel_size
+        * p.context_parallel_size
+        * p.expert_model_parallel_size
+    )
     validate_config(cfg, world_size=world)  # raises ConfigError (tools/estimate.py: exit 2)
     set_vocab_size(cfg, _vocab_size(cfg))
     options.world_size = world
@@ -82,6 +88,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(json.dumps(result, indent=1) if as_json else format_plan(cfg, result))
     if topology.procs_per_node and not as_json:
         p = cfg.parallel
-        print(topology_report(options.world_size, topology.procs_per_node, p.tensor_model_parallel_size,
-                              p.pipeline_model_parallel_size, p.context_parallel_size, p.expert_model_parallel_size))
+        print(
+            topology_report(
+                options.world_size,
+                topology.procs_per_node,
+                p.tensor_model_parallel_size,
+                p.pipeline_model_parallel_size,
+                p.context_parallel_size,
+                p.expert_model_parallel_size,
+            )
+        )
     return 0

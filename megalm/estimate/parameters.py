@@ -24,9 +24,9 @@ from megalm.models.layer_split import layers_for_stage, virtual_stages
 class StageParameters:
     pp_rank: int
     layers: List[int]
-    dense: int           # replicated over data parallel (sharded over DP by the distributed optimizer)
-    expert: int          # sharded over the expert-data-parallel group instead
-    embedding: int       # part of ``dense`` in embeddings / output layer (for reporting)
+    dense: int  # replicated over data parallel (sharded over DP by the distributed optimizer)
+    expert: int  # sharded over the expert-data-parallel group instead
+    embedding: int  # part of ``dense`` in embeddings / output layer (for reporting)
 
     @property
     def total(self) -> int:

@@ -33,23 +33,35 @@ from megalm.estimate.parameters import all_stages, total_parameters
 GB = 1e9
 
 # Peak dense FLOP/s per device by name (megalm.training.flops' table), and aliases for the flag.
-DEVICE_ALIASES = {"h100": "H100 SXM", "h100-sxm": "H100 SXM", "h100-pcie": "H100 PCIe", "h200": "H200",
-                  "a100": "A100", "cpu": "cpu"}
+DEVICE_ALIASES = {
+    "h100": "H100 SXM",
+    "h100-sxm": "H100 SXM",
+    "h100-pcie": "H100 PCIe",
+    "h200": "H200",
+    "a100": "A100",
+    "cpu": "cpu",
+}
 
 
 @dataclass
 class PlannerOptions:
     """Flags of tools/estimate.py beyond the training flags."""
 
-    world_size: Optional[int] = field(default=None, metadata={
-        "help": "Number of GPUs (default: TP x PP x CP x EP... i.e. data-parallel size 1)."})
+    world_size: Optional[int] = field(
+        default=None, metadata={"help": "Number of GPUs (default: TP x PP x CP x EP... i.e. data-parallel size 1)."}
+    )
     gpu_memory_gb: float = field(default=80.0, metadata={"help": "Memory of one GPU in GB (1e9 bytes)."})
     mfu: float = field(default=0.4, metadata={"help": "Assumed model FLOPs utilization for the time estimate."})
-    device: str = field(default="h100", metadata={
-        "help": "Device for the peak FLOP/s (and kernels): h100 (SXM), h100-pcie, h200, a100, cpu.",
-        "choices": sorted(DEVICE_ALIASES)})
-    reserve_gb: float = field(default=4.0, metadata={
-        "help": "GB per GPU kept for the CUDA context, communication buffers and fragmentation."})
+    device: str = field(
+        default="h100",
+        metadata={
+            "help": "Device for the peak FLOP/s (and kernels): h100 (SXM), h100-pcie, h200, a100, cpu.",
+            "choices": sorted(DEVICE_ALIASES),
+        },
+    )
+    reserve_gb: float = field(
+        default=4.0, metadata={"help": "GB per GPU kept for the CUDA context, communication buffers and fragmentation."}
+    )
 
 
 def state_bytes_per_param(precision: str, optimizer: str, sgd_momentum: float, fp32_grads: bool) -> Dict[str, float]:
@@ -68,8 +80,9 @@ def _precision(t) -> str:
 
 def data_parallel_sizes(cfg, world_size: int) -> tuple:
     p = cfg.parallel
-    dp = p.data_parallel_size or world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-                                                * p.context_parallel_size)
+    dp = p.data_parallel_size or world_size // (
+        p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    )
     # Experts are whole on every TP rank: their gradients are reduced over DP x TP / EP ranks.
     edp = max(1, dp * p.tensor_model_parallel_size * p.context_parallel_size // p.expert_model_parallel_size)
     return dp, edp
@@ -97,12 +110,19 @@ def plan(cfg, options: PlannerOptions) -> dict:
     world = p.world_size or options.world_size
     dp, edp = data_parallel_sizes(cfg, world)
     precision = _precision(t)
-    per_param = state_bytes_per_param(precision, t.optimizer, t.sgd_momentum,
-                                      p.accumulate_allreduce_grads_in_fp32 or precision == "fp32")
+    per_param = state_bytes_per_param(
+        precision, t.optimizer, t.sgd_momentum, p.accumulate_allreduce_grads_in_fp32 or precision == "fp32"
+    )
     gbs = t.global_batch_size or t.micro_batch_size * dp
     num_micro = gbs // (t.micro_batch_size * dp)
-    shape = Shape(m.seq_length, t.micro_batch_size, p.tensor_model_parallel_size, p.sequence_parallel,
-                  4 if precision == "fp32" else 2, "cpu" if options.device == "cpu" else "cuda")
+    shape = Shape(
+        m.seq_length,
+        t.micro_batch_size,
+        p.tensor_model_parallel_size,
+        p.sequence_parallel,
+        4 if precision == "fp32" else 2,
+        "cpu" if options.device == "cpu" else "cuda",
+    )
     stages = []
     for st in all_stages(cfg):
         weights = st.total * per_param["weights"]
@@ -111,11 +131,21 @@ def plan(cfg, options: PlannerOptions) -> dict:
         optim_dist = st.dense * per_param["optimizer"] / dp + st.expert * per_param["optimizer"] / edp
         act = stage_activation_bytes(cfg, st.pp_rank, shape, num_micro)
         rest = act["activations"] + act["transient"] + options.reserve_gb * GB
-        stages.append({"pp_rank": st.pp_rank, "layers": len(st.layers), "parameters": st.total,
-                       "expert_parameters": st.expert, "weights": weights, "grads": grads,
-                       "optimizer": optim_plain, "optimizer_distributed": optim_dist, **act,
-                       "total": weights + grads + optim_plain + rest,
-                       "total_distributed": weights + grads + optim_dist + rest})
+        stages.append(
+            {
+                "pp_rank": st.pp_rank,
+                "layers": len(st.layers),
+                "parameters": st.total,
+                "expert_parameters": st.expert,
+                "weights": weights,
+                "grads": grads,
+                "optimizer": optim_plain,
+                "optimizer_distributed": optim_dist,
+                **act,
+                "total": weights + grads + optim_plain + rest,
+                "total_distributed": weights + grads + optim_dist + rest,
+            }
+        )
     from megalm.training.flops import num_floating_point_operations
 
     flops = num_floating_point_operations(cfg, gbs)
@@ -123,23 +153,40 @@ def plan(cfg, options: PlannerOptions) -> dict:
     step = flops / (world * peak * options.mfu)
     key = "total_distributed" if p.use_distributed_optimizer else "total"
     worst = max(stages, key=lambda s: s[key])
-    return {"world_size": world, "data_parallel_size": dp, "expert_data_parallel_size": edp,
-            "precision": precision, "bytes_per_param": per_param, "total_parameters": total_parameters(cfg),
-            "global_batch_size": gbs, "num_microbatches": num_micro, "stages": stages,
-            "flops_per_iteration": flops, "peak_flops": peak, "peak_source": peak_source, "mfu": options.mfu,
-            "step_time_s": step, "tokens_per_s": gbs * m.seq_length / step,
-            "distributed_optimizer": p.use_distributed_optimizer, "largest_rank_bytes": worst[key],
-            "largest_pp_rank": worst["pp_rank"], "gpu_memory_bytes": options.gpu_memory_gb * GB,
-            "reserve_bytes": options.reserve_gb * GB,
-            "fits": worst[key] <= options.gpu_memory_gb * GB}
+    return {
+        "world_size": world,
+        "data_parallel_size": dp,
+        "expert_data_parallel_size": edp,
+        "precision": precision,
+        "bytes_per_param": per_param,
+        "total_parameters": total_parameters(cfg),
+        "global_batch_size": gbs,
+        "num_microbatches": num_micro,
+        "stages": stages,
+        "flops_per_iteration": flops,
+        "peak_flops": peak,
+        "peak_source": peak_source,
+        "mfu": options.mfu,
+        "step_time_s": step,
+        "tokens_per_s": gbs * m.seq_length / step,
+        "distributed_optimizer": p.use_distributed_optimizer,
+        "largest_rank_bytes": worst[key],
+        "largest_pp_rank": worst["pp_rank"],
+        "gpu_memory_bytes": options.gpu_memory_gb * GB,
+        "reserve_bytes": options.reserve_gb * GB,
+        "fits": worst[key] <= options.gpu_memory_gb * GB,
+    }
 
 
 def format_plan(cfg, r: dict) -> str:
     m, p = cfg.model, cfg.parallel
     g = lambda x: f"{x / GB:8.2f}"  # noqa: E731
     virtual = f" (virtual {p.virtual_pipeline_model_parallel_size})" if p.virtual_pipeline_model_parallel_size else ""
-    experts = (f" | EP {p.expert_model_parallel_size}, expert DP {r['expert_data_parallel_size']}"
-               if p.expert_model_parallel_size > 1 else "")
+    experts = (
+        f" | EP {p.expert_model_parallel_size}, expert DP {r['expert_data_parallel_size']}"
+        if p.expert_model_parallel_size > 1
+        else ""
+    )
     lines = [
         f"model: {r['total_parameters'] / 1e9:.3f}B parameters (padded vocabulary {m.padded_vocab_size}), "
         f"{m.num_layers} layers, hidden {m.hidden_size}, seq {m.seq_length}",
@@ -156,11 +203,13 @@ def format_plan(cfg, r: dict) -> str:
         "activations transient   total(plain) total(dist)",
     ]
     for s in r["stages"]:
-        lines.append(f"  pp rank {s['pp_rank']:<3} {s['layers']:3d} layers {s['parameters'] / 1e6:9.1f} "
-                     f"{g(s['weights'])} "
-                     f"{g(s['grads'])} {g(s['optimizer'])}  {g(s['optimizer_distributed'])}   {g(s['per_microbatch'])}"
-                     f"  {s['in_flight']:6.2f}  {g(s['activations'])} {g(s['transient'])}   {g(s['total'])}"
-                     f"    {g(s['total_distributed'])}")
+        lines.append(
+            f"  pp rank {s['pp_rank']:<3} {s['layers']:3d} layers {s['parameters'] / 1e6:9.1f} "
+            f"{g(s['weights'])} "
+            f"{g(s['grads'])} {g(s['optimizer'])}  {g(s['optimizer_distributed'])}   {g(s['per_microbatch'])}"
+            f"  {s['in_flight']:6.2f}  {g(s['activations'])} {g(s['transient'])}   {g(s['total'])}"
+            f"    {g(s['total_distributed'])}"
+        )
     which = "with" if r["distributed_optimizer"] else "without"
     lines += [
         f"(totals include {r['reserve_bytes'] / GB:.1f} GB reserved for the CUDA context, communication buffers "
@@ -173,4 +222,3 @@ def format_plan(cfg, r: dict) -> str:
         f"{r['tokens_per_s']:,.0f} tokens/s, {r['tokens_per_s'] / r['world_size']:,.0f} tokens/s per GPU",
     ]
     return "\n".join(lines)
-

@@ -40,15 +40,21 @@ from typing import Optional
 from megalm.device import use_cuda
 from megalm.errors import MegalmError
 
-TE_INSTALL = ("NVIDIA Transformer Engine is needed: on a machine with CUDA, "
-              "`pip install --no-build-isolation 'transformer_engine[pytorch]'` "
-              "(https://github.com/NVIDIA/TransformerEngine)")
-APEX_INSTALL = ("NVIDIA apex is built from source on a machine with CUDA: `git clone https://github.com/NVIDIA/apex "
-                "&& cd apex && pip install -v --no-build-isolation --config-settings '--build-option=--cpp_ext' "
-                "--config-settings '--build-option=--cuda_ext' ./` (the PyPI package named 'apex' is an unrelated "
-                "project: do not install it)")
-FLASH_ATTN_INSTALL = ("flash-attn is needed: on a machine with CUDA, `pip install flash-attn --no-build-isolation` "
-                      "(https://github.com/Dao-AILab/flash-attention)")
+TE_INSTALL = (
+    "NVIDIA Transformer Engine is needed: on a machine with CUDA, "
+    "`pip install --no-build-isolation 'transformer_engine[pytorch]'` "
+    "(https://github.com/NVIDIA/TransformerEngine)"
+)
+APEX_INSTALL = (
+    "NVIDIA apex is built from source on a machine with CUDA: `git clone https://github.com/NVIDIA/apex "
+    "&& cd apex && pip install -v --no-build-isolation --config-settings '--build-option=--cpp_ext' "
+    "--config-settings '--build-option=--cuda_ext' ./` (the PyPI package named 'apex' is an unrelated "
+    "project: do not install it)"
+)
+FLASH_ATTN_INSTALL = (
+    "flash-attn is needed: on a machine with CUDA, `pip install flash-attn --no-build-isolation` "
+    "(https://github.com/Dao-AILab/flash-attention)"
+)
 
 
 class BackendUnavailable(MegalmError, RuntimeError):
@@ -96,15 +102,16 @@ def compile_available() -> bool:
 @dataclass(frozen=True)
 class FusionPlan:
     """What runs where; every field is a short name used in the start-up log."""
-    attention: str         # "flash-attn" | "sdpa" | "blocked" | "unfused" | "te" (TE's DotProductAttention)
-    masked_softmax: str    # "compiled" | "eager" (only used by unfused attention)
-    norm: str              # "apex" | "compiled" | "eager"
-    bias_activation: str   # "compiled" | "eager"
-    rope: str              # "compiled" | "eager" | "none"
+
+    attention: str  # "flash-attn" | "sdpa" | "blocked" | "unfused" | "te" (TE's DotProductAttention)
+    masked_softmax: str  # "compiled" | "eager" (only used by unfused attention)
+    norm: str  # "apex" | "compiled" | "eager"
+    bias_activation: str  # "compiled" | "eager"
+    rope: str  # "compiled" | "eager" | "none"
     bias_dropout_add: str  # "compiled" | "eager"
-    cross_entropy: str     # "fused linear" (output layer + loss in chunks) | "unfused"
+    cross_entropy: str  # "fused linear" (output layer + loss in chunks) | "unfused"
     transformer: str = "local"  # "local" | "te" | "te, MoE experts local" (--transformer-impl)
-    fp8: Optional[str] = None   # fp8 recipe with TE, e.g. "hybrid, delayed scaling (margin 0, ...)"
+    fp8: Optional[str] = None  # fp8 recipe with TE, e.g. "hybrid, delayed scaling (margin 0, ...)"
 
     def compiled(self, piece: str) -> bool:
         value = getattr(self, piece)
@@ -115,17 +122,20 @@ class FusionPlan:
         return self.transformer.startswith("te")
 
     def describe(self) -> str:
-        return " | ".join(f"{name.replace('_', ' ')}: {value}" for name, value in vars(self).items()
-                          if value is not None)
+        return " | ".join(
+            f"{name.replace('_', ' ')}: {value}" for name, value in vars(self).items() if value is not None
+        )
 
 
 def _attention(m, half_precision: bool) -> str:
     backend = m.attention_backend
     if backend == "flash" or (backend == "auto" and flash_attn_function() is not None and half_precision):
         if flash_attn_function() is None:
-            raise BackendUnavailable(f"--attention-backend flash uses flash-attn, which is not available "
-                                     f"{'here' if use_cuda() else 'without a GPU'}: {FLASH_ATTN_INSTALL}; "
-                                     f"or use --attention-backend auto")
+            raise BackendUnavailable(
+                f"--attention-backend flash uses flash-attn, which is not available "
+                f"{'here' if use_cuda() else 'without a GPU'}: {FLASH_ATTN_INSTALL}; "
+                f"or use --attention-backend auto"
+            )
         if not half_precision:
             raise BackendUnavailable("--attention-backend flash needs --bf16 or --fp16 (flash-attn has no fp32 kernel)")
         return "flash-attn"
@@ -147,14 +157,22 @@ def uses_blocked_attention(m, half_precision: bool, cuda: bool) -> bool:
     if m.attention_backend == "blocked":
         return True
     low, high = BLOCKED_ATTENTION_SEQ_RANGE
-    return (m.attention_backend == "auto" and m.transformer_impl == "local" and not cuda and not half_precision
-            and m.attention_dropout == 0 and low <= m.seq_length <= high)
+    return (
+        m.attention_backend == "auto"
+        and m.transformer_impl == "local"
+        and not cuda
+        and not half_precision
+        and m.attention_dropout == 0
+        and low <= m.seq_length <= high
+    )
 
 
 def _fp8_unsupported_reason() -> Optional[str]:
     """Why this GPU cannot run TE's fp8 (TE's own check, when this TE version has it), else None."""
-    check = (_import("transformer_engine.pytorch.fp8", "check_fp8_support")  # TE 1.x
-             or _import("transformer_engine.pytorch.quantization", "check_fp8_support"))  # TE 2.x
+    check = (
+        _import("transformer_engine.pytorch.fp8", "check_fp8_support")  # TE 1.x
+        or _import("transformer_engine.pytorch.quantization", "check_fp8_support")
+    )  # TE 2.x
     if check is None:
         return None  # unknown here: TE's fp8_autocast raises at the first forward if it cannot
     available, reason = check()
@@ -163,26 +181,34 @@ def _fp8_unsupported_reason() -> Optional[str]:
 
 def describe_fp8(m) -> str:
     """The fp8 recipe of ``--fp8-*`` in words (start-up log)."""
-    return (f"{m.fp8_format}, delayed scaling (margin {m.fp8_margin}, amax history {m.fp8_amax_history_len}, "
-            f"{m.fp8_amax_compute_algo})")
+    return (
+        f"{m.fp8_format}, delayed scaling (margin {m.fp8_margin}, amax history {m.fp8_amax_history_len}, "
+        f"{m.fp8_amax_compute_algo})"
+    )
 
 
 def _transformer_engine(m) -> str:
     """Check ``--transformer-impl transformer_engine`` / ``--fp8-format``; the plan's ``transformer`` field."""
     if m.transformer_impl != "transformer_engine":
         if m.fp8_format is not None:
-            raise BackendUnavailable(f"--fp8-format {m.fp8_format} needs --transformer-impl transformer_engine "
-                                     f"(fp8 runs inside Transformer Engine's layers, on a GPU)")
+            raise BackendUnavailable(
+                f"--fp8-format {m.fp8_format} needs --transformer-impl transformer_engine "
+                f"(fp8 runs inside Transformer Engine's layers, on a GPU)"
+            )
         return "local"
     if transformer_engine_module() is None:
-        raise BackendUnavailable(f"--transformer-impl transformer_engine: Transformer Engine is not available "
-                                 f"{'here' if use_cuda() else 'without a GPU'}. {TE_INSTALL}; "
-                                 f"or use --transformer-impl local")
+        raise BackendUnavailable(
+            f"--transformer-impl transformer_engine: Transformer Engine is not available "
+            f"{'here' if use_cuda() else 'without a GPU'}. {TE_INSTALL}; "
+            f"or use --transformer-impl local"
+        )
     if m.fp8_format is not None:
         reason = _fp8_unsupported_reason()
         if reason is not None:
-            raise BackendUnavailable(f"--fp8-format {m.fp8_format}: Transformer Engine cannot run fp8 here: {reason}; "
-                                     f"drop --fp8-format to train the TE layers in bf16")
+            raise BackendUnavailable(
+                f"--fp8-format {m.fp8_format}: Transformer Engine cannot run fp8 here: {reason}; "
+                f"drop --fp8-format to train the TE layers in bf16"
+            )
     return "te, MoE experts local" if m.num_experts else "te"
 
 
@@ -212,5 +238,12 @@ def plan_fusions(m, half_precision: bool = False) -> FusionPlan:
 
 # Every piece in plain eager PyTorch (SDPA attention): the reference the fusions are tested
 # against, and the default of modules built on their own.
-EAGER = FusionPlan(attention="sdpa", masked_softmax="eager", norm="eager", bias_activation="eager", rope="eager",
-                   bias_dropout_add="eager", cross_entropy="unfused")
+EAGER = FusionPlan(
+    attention="sdpa",
+    masked_softmax="eager",
+    norm="eager",
+    bias_activation="eager",
+    rope="eager",
+    bias_dropout_add="eager",
+    cross_entropy="unfused",
+)

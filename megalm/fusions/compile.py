@@ -29,7 +29,7 @@ import torch
 
 @dataclass
 class CompileStats:
-    graphs: int = 0       # first calls of a fusion on a new input signature
+    graphs: int = 0  # first calls of a fusion on a new input signature
     seconds: float = 0.0  # wall time of those calls (compilation + one run)
 
 
@@ -45,11 +45,13 @@ def compile_stats() -> CompileStats:
 def _signature(args, dynamic: bool) -> Tuple:
     """What selects a compiled graph: shapes (with ``dynamic``, only which sizes are 0, 1 or more),
     dtypes, whether autograd records, devices, and the non-tensor arguments."""
+
     def shape(t: torch.Tensor) -> Tuple[int, ...]:
         return tuple(min(d, 2) for d in t.shape) if dynamic else tuple(t.shape)
 
-    return tuple((shape(a), a.dtype, a.requires_grad, a.device.type) if isinstance(a, torch.Tensor) else a
-                 for a in args)
+    return tuple(
+        (shape(a), a.dtype, a.requires_grad, a.device.type) if isinstance(a, torch.Tensor) else a for a in args
+    )
 
 
 class Fusion:
@@ -85,8 +87,11 @@ class Fusion:
             out = self._compiled_fn()(*args)
         except Exception as err:  # noqa: BLE001 - any compiler failure falls back to eager
             self._failed = True
-            warnings.warn(f"megalm fusion {self.name!r}: torch.compile failed ({type(err).__name__}: {err}); "
-                          f"running it eagerly", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"megalm fusion {self.name!r}: torch.compile failed ({type(err).__name__}: {err}); running it eagerly",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return self.eager(*args)
         with _LOCK:
             self._seen[key] = True

@@ -18,8 +18,9 @@ from megalm.fusions.compile import fusion
 
 
 @fusion("bias_dropout_add")
-def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, p: float,
-                     training: bool) -> torch.Tensor:
+def bias_dropout_add(
+    x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, p: float, training: bool
+) -> torch.Tensor:
     out = x if bias is None else x + bias
     if training and p > 0.0:
         out = F.dropout(out, p, True)

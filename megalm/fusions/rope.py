@@ -32,6 +32,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 @fusion("rope")
-def rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def rotary_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(apply_rotary(q), apply_rotary(k))`` with tables ``[s, b or 1, 1, rot]``."""
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -74,8 +74,10 @@ class _StageRunner:
         if not self.distributed:
             return
         if not (dist.is_initialized() and parallel_state.model_parallel_is_initialized()):
-            raise RuntimeError("a tensor/pipeline-parallel model needs torch.distributed and megalm.parallel_state "
-                               "initialized (see megalm.inference.load_model_parallel)")
+            raise RuntimeError(
+                "a tensor/pipeline-parallel model needs torch.distributed and megalm.parallel_state "
+                "initialized (see megalm.inference.load_model_parallel)"
+            )
         if parallel_state.get_context_parallel_world_size() > 1:
             raise ValueError("generation does not support context parallelism")
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -121,7 +123,7 @@ class _StageRunner:
             logits = self._gather_vocab(logits)
             if logits is None:
                 return None
-        logits = logits[:, :model.vocab_size]  # drop vocabulary padding
+        logits = logits[:, : model.vocab_size]  # drop vocabulary padding
         return logits if logits.dtype == torch.float64 else logits.float()
 
     def share(self, chosen: Optional[torch.Tensor], batch: int) -> torch.Tensor:
@@ -143,10 +145,16 @@ def _row_generators(generators: Generators, batch: int):
 
 
 @torch.no_grad()
-def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                   params: Optional[SamplingParams] = None, eod: Optional[int] = None,
-                   generators: Generators = None, use_cache: bool = True,
-                   return_logits: bool = False) -> List[GenerationOutput]:
+def generate_batch(
+    model,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    params: Optional[SamplingParams] = None,
+    eod: Optional[int] = None,
+    generators: Generators = None,
+    use_cache: bool = True,
+    return_logits: bool = False,
+) -> List[GenerationOutput]:
     """Generate up to ``max_new_tokens`` tokens after each of ``prompts`` (model in eval mode).
 
     ``generators``: one per prompt (row ``i`` samples from ``generators[i]`` only, so its tokens
@@ -159,15 +167,18 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
         raise ValueError("no prompts")
     for i, p in enumerate(prompts):
         if not p:
-            raise ValueError("the prompt is empty (no tokens)" if len(prompts) == 1 else
-                             f"prompt {i} is empty (no tokens)")
+            raise ValueError(
+                "the prompt is empty (no tokens)" if len(prompts) == 1 else f"prompt {i} is empty (no tokens)"
+            )
     if model.training:
         raise ValueError("generate() needs the model in eval mode (dropout off): call model.eval()")
     limit = max_sequence_length(model)
     for p in prompts:
         if limit is not None and len(p) + max_new_tokens > limit:
-            raise ValueError(f"prompt ({len(p)} tokens) + --max-new-tokens {max_new_tokens} = "
-                             f"{len(p) + max_new_tokens} exceeds the model's {limit} learned positions")
+            raise ValueError(
+                f"prompt ({len(p)} tokens) + --max-new-tokens {max_new_tokens} = "
+                f"{len(p) + max_new_tokens} exceeds the model's {limit} learned positions"
+            )
     outs = [GenerationOutput(p, []) for p in prompts]
     if max_new_tokens <= 0:
         return outs
@@ -179,7 +190,7 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     # Right-padded token buffer; the padding is never fed: see the module docstring.
     tokens = torch.zeros((batch, total), dtype=torch.long, device=runner.device)
     for i, p in enumerate(prompts):
-        tokens[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+        tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
     cache = KVCache(total) if use_cache else None
     pos = min(lengths)  # the position whose token is chosen next
     logits = runner.last_logits(tokens[:, :pos], cache, 0)
@@ -191,8 +202,11 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
             chosen = tokens[:, pos].clone()  # prompt tokens where a prompt goes on
             if active:
                 rows = torch.tensor(active, dtype=torch.long, device=chosen.device)
-                row_generators = (generators if generators is None or isinstance(generators, torch.Generator)
-                                  else [generators[i] for i in active])
+                row_generators = (
+                    generators
+                    if generators is None or isinstance(generators, torch.Generator)
+                    else [generators[i] for i in active]
+                )
                 chosen[rows] = sample_next(logits[rows], params, row_generators).to(chosen.device)
                 if return_logits:
                     for i in active:
@@ -209,21 +223,35 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
             break
         tokens[:, pos] = chosen
         if use_cache:
-            logits = runner.last_logits(tokens[:, pos:pos + 1], cache, pos)
+            logits = runner.last_logits(tokens[:, pos : pos + 1], cache, pos)
         else:
-            logits = runner.last_logits(tokens[:, :pos + 1], None, 0)
+            logits = runner.last_logits(tokens[:, : pos + 1], None, 0)
         pos += 1
     return outs
 
 
-def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, params: Optional[SamplingParams] = None,
-             eod: Optional[int] = None, generator: Optional[torch.Generator] = None, use_cache: bool = True,
-             return_logits: bool = False) -> GenerationOutput:
+def generate(
+    model,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    params: Optional[SamplingParams] = None,
+    eod: Optional[int] = None,
+    generator: Optional[torch.Generator] = None,
+    use_cache: bool = True,
+    return_logits: bool = False,
+) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids`` (model must be in eval mode);
     under model parallelism every rank of the model-parallel group calls it (see :func:`generate_batch`)."""
-    return generate_batch(model, [prompt_ids], max_new_tokens, params, eod=eod,
-                          generators=None if generator is None else [generator], use_cache=use_cache,
-                          return_logits=return_logits)[0]
+    return generate_batch(
+        model,
+        [prompt_ids],
+        max_new_tokens,
+        params,
+        eod=eod,
+        generators=None if generator is None else [generator],
+        use_cache=use_cache,
+        return_logits=return_logits,
+    )[0]
 
 
 def load_model(load_dir: str, iteration: Optional[int] = None, dtype: torch.dtype = torch.float32):
@@ -240,8 +268,13 @@ def load_model(load_dir: str, iteration: Optional[int] = None, dtype: torch.dtyp
     return model.eval(), model.cfg, reader
 
 
-def generation_config(cfg, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                      data_parallel_size: int = 1, dtype: torch.dtype = torch.float32):
+def generation_config(
+    cfg,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    dtype: torch.dtype = torch.float32,
+):
     """A copy of a checkpoint's config set up for generation under TP x PP (x DP replicas): no
     sequence or context parallelism, no expert parallelism (experts replicated), no virtual
     stages, layers split evenly over the stages, vocabulary padded for the new TP size, and the
@@ -255,8 +288,10 @@ def generation_config(cfg, tensor_model_parallel_size: int = 1, pipeline_model_p
         raise ValueError(f"tensor/pipeline model parallel sizes must be >= 1, got {tp} and {pp}")
     groups = m.num_query_groups if m.group_query_attention else m.num_attention_heads
     if m.num_attention_heads % tp or groups % tp:
-        raise ValueError(f"--tensor-model-parallel-size {tp} does not divide the model's {m.num_attention_heads} "
-                         f"attention heads / {groups} query groups")
+        raise ValueError(
+            f"--tensor-model-parallel-size {tp} does not divide the model's {m.num_attention_heads} "
+            f"attention heads / {groups} query groups"
+        )
     if m.num_layers % pp:
         raise ValueError(f"--pipeline-model-parallel-size {pp} does not divide the model's {m.num_layers} layers")
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp
@@ -295,21 +330,32 @@ def load_model_parallel(load_dir: str, iteration: Optional[int] = None, dtype: t
     reader = MegalmCheckpointReader(load_dir, iteration)
     root = os.path.dirname(os.path.normpath(reader.path))
     if os.path.normpath(checkpoint_dir(root, reader.iteration)) != os.path.normpath(reader.path):
-        raise CheckpointError(f"{reader.path}: give the checkpoint root (the directory holding iter_* "
-                              f"directories) to load it under a parallel layout")
+        raise CheckpointError(
+            f"{reader.path}: give the checkpoint root (the directory holding iter_* "
+            f"directories) to load it under a parallel layout"
+        )
     cfg = generation_config(reader.config, tp, pp, parallel_state.get_data_parallel_world_size(), dtype)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     # Eager kernels: prompt lengths and cache sizes change every call, compiled fusions would recompile.
-    model = GPTModel(cfg, pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage(),
-                     layer_numbers=layers_for_stage(cfg, pp_rank), fusion_plan=EAGER).to(get_device())
+    model = GPTModel(
+        cfg,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        layer_numbers=layers_for_stage(cfg, pp_rank),
+        fusion_plan=EAGER,
+    ).to(get_device())
     load_checkpoint(root, [model], optimizer=None, load_rng=False, finetune=True, iteration=reader.iteration)
     return model.to(dtype).eval(), cfg, reader
 
 
-def tokenizer_for(cfg, tokenizer_type: Optional[str] = None, tokenizer_model: Optional[str] = None,
-                  vocab_size: Optional[int] = None, vocab_file: Optional[str] = None,
-                  merge_file: Optional[str] = None):
+def tokenizer_for(
+    cfg,
+    tokenizer_type: Optional[str] = None,
+    tokenizer_model: Optional[str] = None,
+    vocab_size: Optional[int] = None,
+    vocab_file: Optional[str] = None,
+    merge_file: Optional[str] = None,
+):
     """The tokenizer named by the flags, else the one in the checkpoint's config.  A file flag
     not given is taken from the config when the type is the config's."""
     from megalm.tokenizers.build import create_tokenizer
@@ -326,6 +372,7 @@ def tokenizer_for(cfg, tokenizer_type: Optional[str] = None, tokenizer_model: Op
         vocab_size = NullTokenizer.ids_for(cfg.model.vocab_size)  # the saved vocab_size is the tokenizer's
     tokenizer = create_tokenizer(kind, tokenizer_model, vocab_size, vocab_file, merge_file)
     if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"tokenizer vocabulary {tokenizer.vocab_size} is larger than the model's "
-                         f"{cfg.model.vocab_size}")
+        raise ValueError(
+            f"tokenizer vocabulary {tokenizer.vocab_size} is larger than the model's {cfg.model.vocab_size}"
+        )
     return tokenizer

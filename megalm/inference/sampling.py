@@ -11,8 +11,8 @@ import torch
 @dataclass
 class SamplingParams:
     temperature: float = 0.0  # 0: greedy (argmax)
-    top_k: int = 0            # 0: no top-k filter
-    top_p: float = 1.0        # 1.0: no nucleus filter
+    top_k: int = 0  # 0: no top-k filter
+    top_p: float = 1.0  # 1.0: no nucleus filter
 
     def validate(self) -> "SamplingParams":
         if self.temperature < 0:
@@ -48,8 +48,11 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
     return logits
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams,
-                generator: Union[None, torch.Generator, Sequence[Optional[torch.Generator]]] = None) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: Union[None, torch.Generator, Sequence[Optional[torch.Generator]]] = None,
+) -> torch.Tensor:
     """Next token ids ``[b]`` from fp32 logits ``[b, V]``.
 
     ``generator``: one generator for the whole batch (one ``multinomial`` draw over all rows), or a
@@ -67,4 +70,4 @@ def sample_next(logits: torch.Tensor, params: SamplingParams,
     generators = list(generator)
     if len(generators) != probs.shape[0]:
         raise ValueError(f"{len(generators)} generators for {probs.shape[0]} rows of logits")
-    return torch.cat([torch.multinomial(probs[i:i + 1], 1, generator=g).view(1) for i, g in enumerate(generators)])
+    return torch.cat([torch.multinomial(probs[i : i + 1], 1, generator=g).view(1) for i, g in enumerate(generators)])

@@ -50,13 +50,13 @@ class ClusterOptions:
     name: str = "mlc"
     subnet: str = "10.213.7.0/24"
     port: int = 29500
-    timeout: Optional[float] = None             # seconds for the whole run
-    fail_grace: float = 30.0                    # seconds the others may run after one node fails
-    kill_grace: float = 10.0                    # seconds between SIGTERM and SIGKILL
-    raw: bool = False                           # run the command itself instead of torchrun <command>
-    cut_node: Optional[int] = None              # node whose link is cut (a network failure) ...
-    cut_after: float = 0.0                      # ... this many seconds after the start ...
-    cut_for: float = 0.0                        # ... for this many seconds
+    timeout: Optional[float] = None  # seconds for the whole run
+    fail_grace: float = 30.0  # seconds the others may run after one node fails
+    kill_grace: float = 10.0  # seconds between SIGTERM and SIGKILL
+    raw: bool = False  # run the command itself instead of torchrun <command>
+    cut_node: Optional[int] = None  # node whose link is cut (a network failure) ...
+    cut_after: float = 0.0  # ... this many seconds after the start ...
+    cut_for: float = 0.0  # ... for this many seconds
     command: List[str] = field(default_factory=list)
 
     def net(self) -> ClusterNet:
@@ -69,10 +69,18 @@ class ClusterOptions:
 def node_env(opts: ClusterOptions, net: ClusterNet, node: int) -> Dict[str, str]:
     """Environment of node ``node``'s launcher process (the launcher's own, plus the rendezvous)."""
     env = dict(os.environ)
-    env.update({"GLOO_SOCKET_IFNAME": NODE_IFNAME, "TP_SOCKET_IFNAME": NODE_IFNAME,
-                "NNODES": str(opts.nodes), "NODE_RANK": str(node), "GPUS_PER_NODE": str(opts.procs_per_node),
-                "MASTER_ADDR": net.address(0), "MASTER_PORT": str(opts.port),
-                "CLUSTER_NODE_ADDRS": " ".join(net.address(i) for i in range(opts.nodes))})
+    env.update(
+        {
+            "GLOO_SOCKET_IFNAME": NODE_IFNAME,
+            "TP_SOCKET_IFNAME": NODE_IFNAME,
+            "NNODES": str(opts.nodes),
+            "NODE_RANK": str(node),
+            "GPUS_PER_NODE": str(opts.procs_per_node),
+            "MASTER_ADDR": net.address(0),
+            "MASTER_PORT": str(opts.port),
+            "CLUSTER_NODE_ADDRS": " ".join(net.address(i) for i in range(opts.nodes)),
+        }
+    )
     return env
 
 
@@ -82,11 +90,30 @@ def node_command(opts: ClusterOptions, net: ClusterNet, node: int) -> List[str]:
         raise ClusterError("no command to run (give it after --)")
     if opts.raw:
         return list(opts.command)
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(opts.nodes), "--node-rank", str(node),
-            "--nproc-per-node", str(opts.procs_per_node), "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"{net.address(0)}:{opts.port}", "--rdzv-id", opts.name,
-            "--rdzv-conf", f"is_host={1 if node == 0 else 0}", "--local-addr", net.address(node),
-            "--max-restarts", "0", *opts.command]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(opts.nodes),
+        "--node-rank",
+        str(node),
+        "--nproc-per-node",
+        str(opts.procs_per_node),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{net.address(0)}:{opts.port}",
+        "--rdzv-id",
+        opts.name,
+        "--rdzv-conf",
+        f"is_host={1 if node == 0 else 0}",
+        "--local-addr",
+        net.address(node),
+        "--max-restarts",
+        "0",
+        *opts.command,
+    ]
 
 
 def exit_code(returncode: int) -> int:
@@ -109,8 +136,14 @@ class _Nodes:
     def start(self) -> None:
         for node in range(self.opts.nodes):
             argv = ["ip", "netns", "exec", self.net.namespace(node), *node_command(self.opts, self.net, node)]
-            proc = subprocess.Popen(argv, env=node_env(self.opts, self.net, node), stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                argv,
+                env=node_env(self.opts, self.net, node),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
             self.procs.append(proc)
             thread = threading.Thread(target=self._copy, args=(node, proc.stdout), daemon=True)
             thread.start()
@@ -238,9 +271,14 @@ def run_cluster(opts: ClusterOptions, out=None) -> int:
         nodes = None
         try:
             net.create()
-            logger.info("cluster '%s': %d nodes x %d processes, %s, link %s", opts.name, opts.nodes,
-                        opts.procs_per_node, ", ".join(net.address(i) for i in range(opts.nodes)),
-                        opts.inter_node_bandwidth or "unshaped")
+            logger.info(
+                "cluster '%s': %d nodes x %d processes, %s, link %s",
+                opts.name,
+                opts.nodes,
+                opts.procs_per_node,
+                ", ".join(net.address(i) for i in range(opts.nodes)),
+                opts.inter_node_bandwidth or "unshaped",
+            )
             nodes = _Nodes(opts, net, out or sys.stdout)
             nodes.start()
             return nodes.wait()

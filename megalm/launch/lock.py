@@ -53,8 +53,10 @@ class ClusterLock:
                     raise ClusterError(f"cannot create the lock file {self.path}: {e}") from None
                 owner = _read_pid(self.path)
                 if owner > 0 and pid_alive(owner):
-                    raise ClusterBusyError(f"a simulated cluster is already running (pid {owner}, lock {self.path}); "
-                                           f"wait for it or stop it") from None
+                    raise ClusterBusyError(
+                        f"a simulated cluster is already running (pid {owner}, lock {self.path}); "
+                        f"wait for it or stop it"
+                    ) from None
                 os.unlink(self.path)  # stale: its launcher is gone
                 took_over = True
                 continue

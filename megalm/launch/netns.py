@@ -68,8 +68,9 @@ def check_privileges() -> None:
     if missing:
         raise ClusterPrivilegeError(f"the simulated cluster needs iproute2's {' and '.join(missing)} (not found)")
     if not _has_cap_net_admin():
-        raise ClusterPrivilegeError("the simulated cluster needs CAP_NET_ADMIN (run as root) to make network "
-                                    "namespaces")
+        raise ClusterPrivilegeError(
+            "the simulated cluster needs CAP_NET_ADMIN (run as root) to make network namespaces"
+        )
 
 
 def _has_cap_net_admin() -> bool:
@@ -95,12 +96,13 @@ class ClusterNet:
     name: str
     nodes: int
     subnet: str = "10.213.7.0/24"
-    bandwidth: Optional[str] = None   # tc rate of every node's link (each direction); None = unshaped
+    bandwidth: Optional[str] = None  # tc rate of every node's link (each direction); None = unshaped
 
     def __post_init__(self):
         if not re.fullmatch(r"[a-z][a-z0-9]{0,7}", self.name):
-            raise ClusterError(f"cluster name '{self.name}' must be 1-8 lowercase letters/digits, "
-                               f"starting with a letter")
+            raise ClusterError(
+                f"cluster name '{self.name}' must be 1-8 lowercase letters/digits, starting with a letter"
+            )
         try:
             net = ipaddress.ip_network(self.subnet)
         except ValueError as e:
@@ -152,9 +154,30 @@ class ClusterNet:
 
     def _shape(self, ns: str, dev: str) -> None:
         bits = rate_bits(self.bandwidth)
-        proc = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                               "rate", f"{bits}bit", "burst", str(tbf_burst_bytes(bits)), "latency", "100ms"],
-                              capture_output=True, text=True, timeout=30)
+        proc = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                f"{bits}bit",
+                "burst",
+                str(tbf_burst_bytes(bits)),
+                "latency",
+                "100ms",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         if proc.returncode != 0:
             raise ClusterError(f"could not shape {dev} in {ns} with tc tbf: {proc.stderr.strip()}")
 

@@ -37,8 +37,13 @@ class LanguageModelEmbedding(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.embedding_dropout = m.hidden_dropout
         self.word_embeddings = VocabParallelEmbedding(
-            padded_vocab_size, m.hidden_size, init_std=init_std(m), vocab_unpadded=m.vocab_size,
-            reduce_scatter_to_sequence=sequence_parallel and not self.learned_positions, tp_group=self.tp_group)
+            padded_vocab_size,
+            m.hidden_size,
+            init_std=init_std(m),
+            vocab_unpadded=m.vocab_size,
+            reduce_scatter_to_sequence=sequence_parallel and not self.learned_positions,
+            tp_group=self.tp_group,
+        )
         if self.learned_positions:
             table = torch.empty(m.max_position_embeddings, m.hidden_size, dtype=torch.float32, device=get_device())
             # _weight skips nn.Embedding's own (RNG-consuming) init; initialize_weights fills it.

@@ -70,9 +70,15 @@ def _padded_vocab_size(cfg: MegalmConfig, tp_size: int) -> int:
 
 
 class GPTModel(nn.Module):
-    def __init__(self, cfg: MegalmConfig, pre_process: bool = True, post_process: bool = True,
-                 layer_numbers: Optional[Sequence[int]] = None, fusion_plan: Optional[FusionPlan] = None,
-                 process_groups: Optional[ProcessGroups] = None):
+    def __init__(
+        self,
+        cfg: MegalmConfig,
+        pre_process: bool = True,
+        post_process: bool = True,
+        layer_numbers: Optional[Sequence[int]] = None,
+        fusion_plan: Optional[FusionPlan] = None,
+        process_groups: Optional[ProcessGroups] = None,
+    ):
         super().__init__()
         m = cfg.model
         self.cfg = cfg
@@ -89,12 +95,23 @@ class GPTModel(nn.Module):
         self.layer_numbers: List[int] = list(range(m.num_layers) if layer_numbers is None else layer_numbers)
 
         if pre_process:
-            self.embedding = LanguageModelEmbedding(m, self.padded_vocab_size, self.sequence_parallel,
-                                                    tp_group=self.tp_group)
-        self.rotary = (RotaryEmbedding(m.head_dim, m.rotary_percent, m.rotary_base)
-                       if m.position_embedding_type == "rope" else None)
-        self.decoder = TransformerBlock(m, self.layer_numbers, self.process_groups, post_process,
-                                        self.sequence_parallel, self.fusion_plan, moe_state=self.moe_state)
+            self.embedding = LanguageModelEmbedding(
+                m, self.padded_vocab_size, self.sequence_parallel, tp_group=self.tp_group
+            )
+        self.rotary = (
+            RotaryEmbedding(m.head_dim, m.rotary_percent, m.rotary_base)
+            if m.position_embedding_type == "rope"
+            else None
+        )
+        self.decoder = TransformerBlock(
+            m,
+            self.layer_numbers,
+            self.process_groups,
+            post_process,
+            self.sequence_parallel,
+            self.fusion_plan,
+            moe_state=self.moe_state,
+        )
         if post_process:
             self.output_layer = self._build_output_layer(m)
         self._mark_shared_embedding()
@@ -102,10 +119,17 @@ class GPTModel(nn.Module):
 
     def _build_output_layer(self, m) -> ColumnParallelLinear:
         reuse_embedding = self.share_embeddings_and_output_weights and self.pre_process
-        layer = ColumnParallelLinear(m.hidden_size, self.padded_vocab_size, bias=False, gather_output=False,
-                                     init_std=init_std(m), sequence_parallel=self.sequence_parallel,
-                                     skip_weight_param_allocation=reuse_embedding, vocab_unpadded=m.vocab_size,
-                                     tp_group=self.tp_group)
+        layer = ColumnParallelLinear(
+            m.hidden_size,
+            self.padded_vocab_size,
+            bias=False,
+            gather_output=False,
+            init_std=init_std(m),
+            sequence_parallel=self.sequence_parallel,
+            skip_weight_param_allocation=reuse_embedding,
+            vocab_unpadded=m.vocab_size,
+            tp_group=self.tp_group,
+        )
         if self.share_embeddings_and_output_weights and not self.pre_process:
             layer.weight.init_name = WORD_EMBEDDING_NAME  # same values as the first stage's embedding
             set_param_info(layer.weight, copy_of=WORD_EMBEDDING_NAME)  # saved and loaded as the embedding
@@ -170,9 +194,14 @@ class GPTModel(nn.Module):
             logits[..., valid:] = float("-inf")
         return logits
 
-    def forward(self, tokens: Optional[torch.Tensor], position_ids: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None, inference_cache=None,
-                loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: Optional[torch.Tensor],
+        position_ids: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        inference_cache=None,
+        loss_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """Per-token fp32 loss ``[b, s]`` (last stage, labels given), vocab-parallel logits
         ``[b, s, V/tp]`` (last stage, no labels), else hidden states ``[s(/tp), b, h]``.
 
@@ -186,8 +215,9 @@ class GPTModel(nn.Module):
         """
         if inference_cache is not None and position_ids is None:
             s = tokens.shape[1] if tokens is not None else self.decoder.input_tensor.shape[0]
-            position_ids = torch.arange(inference_cache.offset, inference_cache.offset + s,
-                                        device=tokens.device if tokens is not None else None).unsqueeze(0)
+            position_ids = torch.arange(
+                inference_cache.offset, inference_cache.offset + s, device=tokens.device if tokens is not None else None
+            ).unsqueeze(0)
         if self.pre_process:
             hidden = self.embedding(tokens, position_ids)
         else:
@@ -204,10 +234,15 @@ class GPTModel(nn.Module):
             return hidden
         weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
         if labels is not None and self.fusion_plan.cross_entropy != "unfused":
-            losses = linear_cross_entropy(hidden, self.output_layer.weight if weight is None else weight,
-                                          labels.transpose(0, 1), self.vocab_size,
-                                          token_weight=None if loss_mask is None else loss_mask.transpose(0, 1),
-                                          sequence_parallel=self.sequence_parallel, tp_group=self.tp_group)
+            losses = linear_cross_entropy(
+                hidden,
+                self.output_layer.weight if weight is None else weight,
+                labels.transpose(0, 1),
+                self.vocab_size,
+                token_weight=None if loss_mask is None else loss_mask.transpose(0, 1),
+                sequence_parallel=self.sequence_parallel,
+                tp_group=self.tp_group,
+            )
             return losses.transpose(0, 1).contiguous()
         logits = self._mask_padded_vocab(self.output_layer(hidden, weight=weight))  # [s, b, V/tp]
         if labels is None:

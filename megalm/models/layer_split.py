@@ -39,8 +39,9 @@ def layers_per_rank(cfg) -> List[int]:
     middle_stages = pp - (first is not None) - (last is not None)
     middle_layers = num_layers - (first or 0) - (last or 0)
     if middle_layers < 0 or (middle_stages == 0 and middle_layers) or (middle_stages and middle_layers % middle_stages):
-        raise ValueError(f"{num_layers} layers do not split into first={first}, last={last} and "
-                         f"{middle_stages} even middle stages")
+        raise ValueError(
+            f"{num_layers} layers do not split into first={first}, last={last} and {middle_stages} even middle stages"
+        )
     counts = [middle_layers // middle_stages if middle_stages else 0] * pp
     if first is not None:
         counts[0] = first
@@ -56,8 +57,10 @@ def layers_for_stage(cfg, pp_rank: int, vpp_rank: int = 0) -> List[int]:
         raise ValueError(f"pipeline rank {pp_rank} out of range for pipeline size {pp}")
     vpp = virtual_stages(cfg.parallel, num_layers)
     if vpp is not None and vpp > 1:
-        if cfg.parallel.decoder_first_pipeline_num_layers is not None or \
-                cfg.parallel.decoder_last_pipeline_num_layers is not None:
+        if (
+            cfg.parallel.decoder_first_pipeline_num_layers is not None
+            or cfg.parallel.decoder_last_pipeline_num_layers is not None
+        ):
             raise ValueError("uneven first/last pipeline stages are not supported with virtual stages")
         if not 0 <= vpp_rank < vpp:
             raise ValueError(f"virtual stage {vpp_rank} out of range for {vpp} virtual stages")

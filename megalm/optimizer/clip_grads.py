@@ -90,9 +90,12 @@ def _sum_squares_and_zeros(grads: Sequence[torch.Tensor], count_zeros: bool) -> 
     return out
 
 
-def grad_norm_and_zeros(grads_with_params: Sequence[Tuple[torch.Tensor, torch.Tensor]],
-                        count_zeros: bool = False, sharded: bool = False,
-                        groups: Optional[ProcessGroups] = None) -> Tuple[float, Optional[float]]:
+def grad_norm_and_zeros(
+    grads_with_params: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+    count_zeros: bool = False,
+    sharded: bool = False,
+    groups: Optional[ProcessGroups] = None,
+) -> Tuple[float, Optional[float]]:
     """Global L2 norm of the gradients (and number of zero entries) over model-parallel ranks.
 
     ``grads_with_params``: ``(grad, model_param)`` pairs; the model parameter's attributes
@@ -137,8 +140,9 @@ def clip_grads_by_total_norm(grads: List[torch.Tensor], max_norm: float, total_n
     return min(coeff, 1.0)
 
 
-def unscale_and_check_for_inf(grads: List[torch.Tensor], inv_scale: float, sharded: bool = False,
-                              groups: Optional[ProcessGroups] = None) -> bool:
+def unscale_and_check_for_inf(
+    grads: List[torch.Tensor], inv_scale: float, sharded: bool = False, groups: Optional[ProcessGroups] = None
+) -> bool:
     """Multiply ``grads`` by ``inv_scale`` in place; True when any rank saw inf/nan.
 
     Communication: one MAX all-reduce of a flag over the model-parallel group ``mp`` (the world
@@ -151,7 +155,8 @@ def unscale_and_check_for_inf(grads: List[torch.Tensor], inv_scale: float, shard
     found_inf = torch.zeros(1, dtype=torch.float32, device=device)
     if grads:
         torch._amp_foreach_non_finite_check_and_unscale_(
-            grads, found_inf, torch.full((1,), inv_scale, dtype=torch.float32, device=device))
+            grads, found_inf, torch.full((1,), inv_scale, dtype=torch.float32, device=device)
+        )
     if sharded or group_size(groups.ep) > 1:
         group = world_group(groups)
     else:

@@ -57,14 +57,14 @@ from megalm.parallel_state import ProcessGroups
 class ShardRange:
     """The part ``[start, end)`` (flat, of the TP-local tensor) of one parameter this rank owns."""
 
-    name: str                              # global parameter name
-    param: torch.nn.Parameter              # the model parameter
+    name: str  # global parameter name
+    param: torch.nn.Parameter  # the model parameter
     start: int
     end: int
-    model: torch.Tensor                    # 1-D view of the parameter buffer over the range
-    grad: torch.Tensor                     # 1-D view of the gradient buffer over the range
-    main: torch.nn.Parameter               # fp32 main weights (``model`` itself for fp32 params)
-    main_grad: Optional[torch.Tensor]      # persistent fp32 copy of ``grad`` when grads are not fp32
+    model: torch.Tensor  # 1-D view of the parameter buffer over the range
+    grad: torch.Tensor  # 1-D view of the gradient buffer over the range
+    main: torch.nn.Parameter  # fp32 main weights (``model`` itself for fp32 params)
+    main_grad: Optional[torch.Tensor]  # persistent fp32 copy of ``grad`` when grads are not fp32
     bucket: Bucket
 
     @property
@@ -80,9 +80,11 @@ def _data_parallel_chunks(model_chunks: Sequence[torch.nn.Module]) -> list:
     chunks = list(model_chunks)
     for chunk in chunks:
         if not isinstance(chunk, DistributedDataParallel) or not chunk.use_distributed_optimizer:
-            raise OptimizerError("the distributed optimizer needs model chunks wrapped in "
-                             "megalm.distributed.DistributedDataParallel with use_distributed_optimizer=True "
-                             "(--use-distributed-optimizer)")
+            raise OptimizerError(
+                "the distributed optimizer needs model chunks wrapped in "
+                "megalm.distributed.DistributedDataParallel with use_distributed_optimizer=True "
+                "(--use-distributed-optimizer)"
+            )
     return chunks
 
 
@@ -101,15 +103,28 @@ class DistributedOptimizer(MegatronOptimizer):
 
     grads_sharded = True
 
-    def __init__(self, groups: List[dict], make_optimizer: Callable[[List[dict]], torch.optim.Optimizer],
-                 model_chunks: Sequence[torch.nn.Module], clip_grad: float = 0.0,
-                 grad_scaler: Optional[GradScaler] = None, log_num_zeros_in_grad: bool = False,
-                 process_groups: Optional[ProcessGroups] = None):
+    def __init__(
+        self,
+        groups: List[dict],
+        make_optimizer: Callable[[List[dict]], torch.optim.Optimizer],
+        model_chunks: Sequence[torch.nn.Module],
+        clip_grad: float = 0.0,
+        grad_scaler: Optional[GradScaler] = None,
+        log_num_zeros_in_grad: bool = False,
+        process_groups: Optional[ProcessGroups] = None,
+    ):
         self.model_chunks = _data_parallel_chunks(model_chunks)  # read by _make_main_params
-        super().__init__(groups, make_optimizer, clip_grad=clip_grad, grad_scaler=grad_scaler,
-                         log_num_zeros_in_grad=log_num_zeros_in_grad, process_groups=process_groups)
-        self.data_parallel_size = max((b.data_parallel_world_size for c in self.model_chunks for b in c.buffers),
-                                      default=1)
+        super().__init__(
+            groups,
+            make_optimizer,
+            clip_grad=clip_grad,
+            grad_scaler=grad_scaler,
+            log_num_zeros_in_grad=log_num_zeros_in_grad,
+            process_groups=process_groups,
+        )
+        self.data_parallel_size = max(
+            (b.data_parallel_world_size for c in self.model_chunks for b in c.buffers), default=1
+        )
 
     def _make_main_params(self, groups: List[dict]) -> List[List[torch.nn.Parameter]]:
         """Main params are this rank's shard ranges (:attr:`ranges`), grouped like their parameters."""
@@ -138,8 +153,11 @@ class DistributedOptimizer(MegatronOptimizer):
         if missing:
             raise OptimizerError(f"parameters outside the data-parallel buffers cannot be sharded: {missing[:5]}")
         half_grads = [pc for pc in pieces if pc[3].grad_dtype != torch.float32]
-        grad_copy = torch.zeros(sum(pc[2] - pc[1] for pc in half_grads), dtype=torch.float32,
-                                device=pieces[0][0].device) if half_grads else None
+        grad_copy = (
+            torch.zeros(sum(pc[2] - pc[1] for pc in half_grads), dtype=torch.float32, device=pieces[0][0].device)
+            if half_grads
+            else None
+        )
         ranges, cursor = [], 0
         for p, start, end, buf, s, e, bucket in pieces:
             model = buf.param_data[s:e]
@@ -149,10 +167,9 @@ class DistributedOptimizer(MegatronOptimizer):
                 main = torch.nn.Parameter(model.detach().clone().float(), requires_grad=p.requires_grad)
             main_grad = None
             if buf.grad_dtype != torch.float32:
-                main_grad = grad_copy[cursor:cursor + (e - s)]
+                main_grad = grad_copy[cursor : cursor + (e - s)]
                 cursor += e - s
-            ranges.append(ShardRange(name_of[id(p)], p, start, end, model, buf.grad_data[s:e], main, main_grad,
-                                     bucket))
+            ranges.append(ShardRange(name_of[id(p)], p, start, end, model, buf.grad_data[s:e], main, main_grad, bucket))
         return ranges
 
     def describe(self) -> str:
@@ -203,8 +220,10 @@ class DistributedOptimizer(MegatronOptimizer):
         return out
 
     def _whole_params_only(self, *_args, **_kwargs):
-        raise OptimizerError("the distributed optimizer holds ranges of parameters, not whole ones: checkpoint it with "
-                        "megalm.checkpointing (sharded_state_dict), which any layout can load")
+        raise OptimizerError(
+            "the distributed optimizer holds ranges of parameters, not whole ones: checkpoint it with "
+            "megalm.checkpointing (sharded_state_dict), which any layout can load"
+        )
 
     # The plain optimizer's whole-parameter state protocols do not apply to ranges.
     sharded_param_state = state_dict = load_state_dict = _whole_params_only
@@ -221,10 +240,16 @@ class DistributedOptimizer(MegatronOptimizer):
         """Bytes this rank holds beyond the model's weights and gradient buffers, measured on the
         live tensors (the optimizer state is created first if no step was taken yet)."""
         self.init_state()
-        state = sum(t.numel() * t.element_size() for r in self.ranges
-                    for t in self.optimizer.state[r.main].values() if t.dim() > 0)
-        return {"main_params": sum(r.main.numel() * r.main.element_size() for r in self.ranges
-                                   if not r.main_is_model),
-                "main_grads": sum(r.main_grad.numel() * r.main_grad.element_size() for r in self.ranges
-                                  if r.main_grad is not None),
-                "optimizer_state": state}
+        state = sum(
+            t.numel() * t.element_size()
+            for r in self.ranges
+            for t in self.optimizer.state[r.main].values()
+            if t.dim() > 0
+        )
+        return {
+            "main_params": sum(r.main.numel() * r.main.element_size() for r in self.ranges if not r.main_is_model),
+            "main_grads": sum(
+                r.main_grad.numel() * r.main_grad.element_size() for r in self.ranges if r.main_grad is not None
+            ),
+            "optimizer_state": state,
+        }

@@ -38,8 +38,15 @@ def get_param_groups(named_params: Sequence[Tuple[str, torch.nn.Parameter]], wei
     groups = []
     for tag, members, wd in (("decay", decay, weight_decay), ("no_decay", no_decay, 0.0)):
         if members:
-            groups.append({"name": tag, "params": [p for _, p in members], "names": [n for n, _ in members],
-                           "weight_decay": wd, "lr_mult": 1.0})
+            groups.append(
+                {
+                    "name": tag,
+                    "params": [p for _, p in members],
+                    "names": [n for n, _ in members],
+                    "weight_decay": wd,
+                    "lr_mult": 1.0,
+                }
+            )
     return groups
 
 
@@ -64,10 +71,13 @@ def named_parameters_for_optimizer(model_chunks: Sequence[torch.nn.Module]) -> L
 
 def make_torch_optimizer(t) -> Callable[[List[dict]], torch.optim.Optimizer]:
     """``groups -> torch optimizer`` for ``--optimizer`` (AdamW or SGD), fused kernels when available."""
+
     def make(groups: List[dict]) -> torch.optim.Optimizer:
         if t.optimizer == "adam":
-            cls, kw = torch.optim.AdamW, dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                                              weight_decay=t.weight_decay)
+            cls, kw = (
+                torch.optim.AdamW,
+                dict(lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay),
+            )
         elif t.optimizer == "sgd":
             cls, kw = torch.optim.SGD, dict(lr=t.lr, momentum=t.sgd_momentum, weight_decay=t.weight_decay)
         else:
@@ -76,11 +86,17 @@ def make_torch_optimizer(t) -> Callable[[List[dict]], torch.optim.Optimizer]:
             return cls(groups, fused=True, **kw)
         except (RuntimeError, TypeError, ValueError):
             return cls(groups, **kw)
+
     return make
 
 
-def build_optimizer(cfg, model_chunks: Sequence[torch.nn.Module], log_num_zeros_in_grad: Optional[bool] = None,
-                    report_memory: bool = True, process_groups: Optional[ProcessGroups] = None) -> MegatronOptimizer:
+def build_optimizer(
+    cfg,
+    model_chunks: Sequence[torch.nn.Module],
+    log_num_zeros_in_grad: Optional[bool] = None,
+    report_memory: bool = True,
+    process_groups: Optional[ProcessGroups] = None,
+) -> MegatronOptimizer:
     """Optimizer over every trainable parameter of ``model_chunks`` (DDP-wrapped or not).
 
     Mixed precision (fp32 main params) when any parameter is bf16/fp16; fp16 gets a dynamic
@@ -101,8 +117,12 @@ def build_optimizer(cfg, model_chunks: Sequence[torch.nn.Module], log_num_zeros_
     if not named:
         raise OptimizerError("build_optimizer: the model has no trainable parameters")
     groups = get_param_groups(named, t.weight_decay)
-    common = dict(clip_grad=t.clip_grad, grad_scaler=build_grad_scaler(t), log_num_zeros_in_grad=log_num_zeros_in_grad,
-                  process_groups=process_groups)
+    common = dict(
+        clip_grad=t.clip_grad,
+        grad_scaler=build_grad_scaler(t),
+        log_num_zeros_in_grad=log_num_zeros_in_grad,
+        process_groups=process_groups,
+    )
     if cfg.parallel.use_distributed_optimizer:
         optimizer = DistributedOptimizer(groups, make_torch_optimizer(t), model_chunks, **common)
     else:

@@ -72,13 +72,22 @@ class ConstantGradScaler(GradScaler):
 class DynamicGradScaler(GradScaler):
     """Grow after ``growth_interval`` clean steps, back off after ``hysteresis`` overflows."""
 
-    def __init__(self, initial_scale: float, min_scale: float, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2):
+    def __init__(
+        self,
+        initial_scale: float,
+        min_scale: float,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+    ):
         super().__init__(initial_scale)
         if not 0.0 < min_scale <= initial_scale:
             raise ValueError(f"min_scale must be in (0, initial_scale={initial_scale}], got {min_scale}")
         if growth_factor <= 1.0 or not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"need growth_factor > 1 and 0 < backoff_factor < 1, got {growth_factor}, {backoff_factor}")
+            raise ValueError(
+                f"need growth_factor > 1 and 0 < backoff_factor < 1, got {growth_factor}, {backoff_factor}"
+            )
         if growth_interval < 1 or hysteresis < 1:
             raise ValueError(f"growth_interval and hysteresis must be >= 1, got {growth_interval}, {hysteresis}")
         self.min_scale = float(min_scale)
@@ -104,8 +113,11 @@ class DynamicGradScaler(GradScaler):
                 self._scale = self._scale * self.growth_factor
 
     def state_dict(self) -> dict:
-        return {"scale": self._scale, "growth_tracker": self._growth_tracker,
-                "hysteresis_tracker": self._hysteresis_tracker}
+        return {
+            "scale": self._scale,
+            "growth_tracker": self._growth_tracker,
+            "hysteresis_tracker": self._hysteresis_tracker,
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._scale = float(state_dict["scale"])
@@ -120,7 +132,12 @@ def build_grad_scaler(training_cfg):
     if t.loss_scale is not None:
         return ConstantGradScaler(t.loss_scale)
     if t.fp16:
-        return DynamicGradScaler(initial_scale=t.initial_loss_scale, min_scale=t.min_loss_scale,
-                                 growth_factor=2.0, backoff_factor=0.5,
-                                 growth_interval=t.loss_scale_window, hysteresis=t.hysteresis)
+        return DynamicGradScaler(
+            initial_scale=t.initial_loss_scale,
+            min_scale=t.min_loss_scale,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=t.loss_scale_window,
+            hysteresis=t.hysteresis,
+        )
     return None

@@ -52,10 +52,14 @@ def optimizer_memory(optimizer, model_chunks: Sequence[torch.nn.Module]) -> Dict
     params = list({id(p): p for p in params}.values())
     n = sum(p.numel() for p in params)
     grads = [getattr(p, "main_grad", None) for p in params]
-    out = {"params": n,
-           "weights": sum(p.numel() * p.element_size() for p in params),
-           "grads": sum((g.numel() * g.element_size()) if g is not None else p.numel() * p.element_size()
-                        for p, g in zip(params, grads))}
+    out = {
+        "params": n,
+        "weights": sum(p.numel() * p.element_size() for p in params),
+        "grads": sum(
+            (g.numel() * g.element_size()) if g is not None else p.numel() * p.element_size()
+            for p, g in zip(params, grads)
+        ),
+    }
     out.update(optimizer.memory_breakdown())
     kinds = ("weights", "grads", "main_params", "main_grads", "optimizer_state")
     out["total"] = sum(out[k] for k in kinds)
@@ -73,8 +77,10 @@ def format_memory_report(mem: Dict[str, object]) -> str:
     """One log line: measured bytes per parameter by kind against the formula."""
     pp = mem["per_param"]
     which = f"distributed optimizer, d={mem['d']}" if mem["distributed"] else "optimizer not sharded, d=1"
-    return (f"[megalm] optimizer memory on this rank ({which}): weights {pp['weights']:.2f} + grads "
-            f"{pp['grads']:.2f} + main weights {pp['main_params']:.2f} + main grads {pp['main_grads']:.2f} + "
-            f"optimizer state {pp['optimizer_state']:.2f} = {pp['total']:.2f} B/param over "
-            f"{mem['params']:,} params ({mem['total'] / 2**20:.1f} MiB); formula {mem['formula_text']} = "
-            f"{mem['formula']:.2f} B/param")
+    return (
+        f"[megalm] optimizer memory on this rank ({which}): weights {pp['weights']:.2f} + grads "
+        f"{pp['grads']:.2f} + main weights {pp['main_params']:.2f} + main grads {pp['main_grads']:.2f} + "
+        f"optimizer state {pp['optimizer_state']:.2f} = {pp['total']:.2f} B/param over "
+        f"{mem['params']:,} params ({mem['total'] / 2**20:.1f} MiB); formula {mem['formula_text']} = "
+        f"{mem['formula']:.2f} B/param"
+    )

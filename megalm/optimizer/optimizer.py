@@ -58,12 +58,12 @@ import torch
 
 from megalm import parallel_state
 from megalm.dist_checkpointing import ShardedStateDict, ShardedTensorSpec
-from megalm.errors import MegalmError
 from megalm.distributed.finalize_model_grads import grad_of
+from megalm.errors import MegalmError
 from megalm.optimizer.clip_grads import clip_grads_by_total_norm, grad_norm_and_zeros, unscale_and_check_for_inf
 from megalm.optimizer.grad_scaler import GradScaler
-from megalm.param_layout import param_range_specs, param_spec
 from megalm.parallel_state import ProcessGroups, group_size
+from megalm.param_layout import param_range_specs, param_spec
 from megalm.tensor_parallel.param_info import param_info
 from megalm.timers import NULL_TIMERS
 
@@ -83,8 +83,13 @@ def _param_meta(p: torch.nn.Parameter, tp_size: int) -> dict:
     global_shape = list(p.shape)
     if dim is not None:
         global_shape[dim] *= tp_size
-    return {"shape": tuple(p.shape), "global_shape": tuple(global_shape), "tensor_model_parallel": info.tensor_parallel,
-            "partition_dim": dim, "partition_stride": info.partition_stride}
+    return {
+        "shape": tuple(p.shape),
+        "global_shape": tuple(global_shape),
+        "tensor_model_parallel": info.tensor_parallel,
+        "partition_dim": dim,
+        "partition_stride": info.partition_stride,
+    }
 
 
 class OptimizerError(MegalmError, ValueError):
@@ -102,8 +107,8 @@ class ParamState:
     (:mod:`megalm.param_layout`).
     """
 
-    name: str                                   # global parameter name
-    param: torch.nn.Parameter                   # the model parameter
+    name: str  # global parameter name
+    param: torch.nn.Parameter  # the model parameter
     tensors: Dict[str, torch.Tensor]
     flat_range: Optional[Tuple[int, int]] = None
 
@@ -123,9 +128,15 @@ class MegatronOptimizer:
             :func:`megalm.parallel_state.get_process_groups` (resolved here, once).
     """
 
-    def __init__(self, groups: List[dict], make_optimizer: Callable[[List[dict]], torch.optim.Optimizer],
-                 clip_grad: float = 0.0, grad_scaler: Optional[GradScaler] = None,
-                 log_num_zeros_in_grad: bool = False, process_groups: Optional[ProcessGroups] = None):
+    def __init__(
+        self,
+        groups: List[dict],
+        make_optimizer: Callable[[List[dict]], torch.optim.Optimizer],
+        clip_grad: float = 0.0,
+        grad_scaler: Optional[GradScaler] = None,
+        log_num_zeros_in_grad: bool = False,
+        process_groups: Optional[ProcessGroups] = None,
+    ):
         self.process_groups = parallel_state.get_process_groups() if process_groups is None else process_groups
         self.model_params: List[torch.nn.Parameter] = [p for g in groups for p in g["params"]]
         self.names: List[str] = [n for g in groups for n in g["names"]]
@@ -134,8 +145,10 @@ class MegatronOptimizer:
             raise OptimizerError(f"parameter names must be unique across model chunks, duplicated: {dup[:5]}")
         main_groups = self._make_main_params(groups)
         self.main_params: List[torch.nn.Parameter] = [m for mains in main_groups for m in mains]
-        torch_groups = [{k: v for k, v in g.items() if k not in ("params", "names")} | {"params": mains}
-                        for g, mains in zip(groups, main_groups)]
+        torch_groups = [
+            {k: v for k, v in g.items() if k not in ("params", "names")} | {"params": mains}
+            for g, mains in zip(groups, main_groups)
+        ]
         self.optimizer = make_optimizer(torch_groups)
         self.clip_grad = float(clip_grad)
         self.grad_scaler = grad_scaler
@@ -145,8 +158,8 @@ class MegatronOptimizer:
     # Called by __init__ and the template step() (in this order): _make_main_params;
     # _prepare_grads, [unscale, norm, clip, inner step], _copy_main_to_model, _after_update;
     # _release_grads (always, last).
-    grads_sharded = False     # True: each data-parallel rank holds a disjoint shard of every gradient
-    data_parallel_size = 1    # how many ranks the main weights and the optimizer state are sharded over
+    grads_sharded = False  # True: each data-parallel rank holds a disjoint shard of every gradient
+    data_parallel_size = 1  # how many ranks the main weights and the optimizer state are sharded over
 
     def _make_main_params(self, groups: List[dict]) -> List[List[torch.nn.Parameter]]:
         """The parameters the torch optimizer updates, one list per entry of ``groups``."""
@@ -202,14 +215,16 @@ class MegatronOptimizer:
             grads = [g for g, _ in pairs if g is not None]
             if self.grad_scaler is not None:
                 with timers("optimizer-unscale-and-check-inf"):
-                    found_inf = unscale_and_check_for_inf(grads, self.grad_scaler.inv_scale,
-                                                          sharded=self.grads_sharded, groups=self.process_groups)
+                    found_inf = unscale_and_check_for_inf(
+                        grads, self.grad_scaler.inv_scale, sharded=self.grads_sharded, groups=self.process_groups
+                    )
                 self.grad_scaler.update(found_inf)
                 if found_inf:
                     return False, None, None
             with timers("optimizer-clip-main-grad"):
-                norm, zeros = grad_norm_and_zeros(pairs, self.log_num_zeros_in_grad, sharded=self.grads_sharded,
-                                                  groups=self.process_groups)
+                norm, zeros = grad_norm_and_zeros(
+                    pairs, self.log_num_zeros_in_grad, sharded=self.grads_sharded, groups=self.process_groups
+                )
                 if math.isfinite(norm) and self.clip_grad > 0.0:
                     clip_grads_by_total_norm(grads, self.clip_grad, norm)
             if not math.isfinite(norm):
@@ -228,13 +243,19 @@ class MegatronOptimizer:
         """Optimizer state keyed by global parameter name (see the module docstring)."""
         inner = self.optimizer.state_dict()
         state = {self.names[i]: s for i, s in inner["state"].items()}
-        groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [self.names[i] for i in g["params"]]}
-                  for g in inner["param_groups"]]
-        return {"format": FORMAT, "optimizer": {"state": state, "param_groups": groups},
-                "main_params": self._main_params_state(),
-                "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
-                "param_meta": {n: _param_meta(p, group_size(self.process_groups.tp))
-                               for n, p in zip(self.names, self.model_params)}}
+        groups = [
+            {k: v for k, v in g.items() if k != "params"} | {"params": [self.names[i] for i in g["params"]]}
+            for g in inner["param_groups"]
+        ]
+        return {
+            "format": FORMAT,
+            "optimizer": {"state": state, "param_groups": groups},
+            "main_params": self._main_params_state(),
+            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
+            "param_meta": {
+                n: _param_meta(p, group_size(self.process_groups.tp)) for n, p in zip(self.names, self.model_params)
+            },
+        }
 
     def _main_params_state(self) -> Dict[str, torch.Tensor]:
         return {}
@@ -242,14 +263,17 @@ class MegatronOptimizer:
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore from :meth:`state_dict` output, matching parameters by name."""
         if state_dict.get("format") != FORMAT:
-            raise OptimizerError(f"not a megalm optimizer state dict (format {state_dict.get('format')!r}, "
-                             f"expected {FORMAT!r})")
+            raise OptimizerError(
+                f"not a megalm optimizer state dict (format {state_dict.get('format')!r}, expected {FORMAT!r})"
+            )
         saved_groups = state_dict["optimizer"]["param_groups"]
         saved_names = [n for g in saved_groups for n in g["params"]]
         missing, unexpected = set(self.names) - set(saved_names), set(saved_names) - set(self.names)
         if missing or unexpected:
-            raise OptimizerError(f"optimizer checkpoint does not match the model: missing {sorted(missing)[:5]}, "
-                             f"unexpected {sorted(unexpected)[:5]}")
+            raise OptimizerError(
+                f"optimizer checkpoint does not match the model: missing {sorted(missing)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}"
+            )
         index = {n: i for i, n in enumerate(self.names)}
         group_of = {n: g for g in saved_groups for n in g["params"]}
         cur_groups = self.optimizer.state_dict()["param_groups"]
@@ -332,10 +356,15 @@ class MegatronOptimizer:
 
     def common_state_dict(self) -> dict:
         """JSON-serializable rest: loss scaler and (for the record) the hyper-parameters."""
-        groups = [{k: v for k, v in g.items() if isinstance(v, (int, float, str, bool)) and k != "params"}
-                  for g in self.optimizer.param_groups]
-        return {"format": FORMAT, "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,
-                "param_groups": groups}
+        groups = [
+            {k: v for k, v in g.items() if isinstance(v, (int, float, str, bool)) and k != "params"}
+            for g in self.optimizer.param_groups
+        ]
+        return {
+            "format": FORMAT,
+            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,
+            "param_groups": groups,
+        }
 
     def load_sharded_state_dict(self, common: dict, main_params_loaded: bool) -> None:
         """Finish a load into the tensors of :meth:`sharded_state_dict`: restore the loss scaler from
@@ -361,10 +390,16 @@ class MegatronOptimizer:
         self.init_state()
         copies = [(p, m) for p, m in zip(self.model_params, self.main_params) if m is not p]
         half_grads = [p for p, _ in copies if (grad_of_dtype(p) or p.dtype) != torch.float32]
-        return {"main_params": sum(m.numel() * m.element_size() for _, m in copies),
-                "main_grads": sum(p.numel() * 4 for p in half_grads),
-                "optimizer_state": sum(t.numel() * t.element_size() for m in self.main_params
-                                       for t in self.optimizer.state[m].values() if t.dim() > 0)}
+        return {
+            "main_params": sum(m.numel() * m.element_size() for _, m in copies),
+            "main_grads": sum(p.numel() * 4 for p in half_grads),
+            "optimizer_state": sum(
+                t.numel() * t.element_size()
+                for m in self.main_params
+                for t in self.optimizer.state[m].values()
+                if t.dim() > 0
+            ),
+        }
 
 
 class FP32Optimizer(MegatronOptimizer):
@@ -378,8 +413,10 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
     """bf16/fp16 model: the optimizer updates fp32 copies, then rounds them into the model."""
 
     def _make_main_params(self, groups):
-        return [[torch.nn.Parameter(p.detach().clone().float(), requires_grad=p.requires_grad) for p in g["params"]]
-                for g in groups]
+        return [
+            [torch.nn.Parameter(p.detach().clone().float(), requires_grad=p.requires_grad) for p in g["params"]]
+            for g in groups
+        ]
 
     @torch.no_grad()
     def _copy_main_to_model(self) -> None:
@@ -396,6 +433,7 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
             return
         for n, m in zip(self.names, self.main_params):
             if tuple(main_params[n].shape) != tuple(m.shape):
-                raise OptimizerError(f"main param {n}: checkpoint shape {tuple(main_params[n].shape)} "
-                                 f"!= local shape {tuple(m.shape)}")
+                raise OptimizerError(
+                    f"main param {n}: checkpoint shape {tuple(main_params[n].shape)} != local shape {tuple(m.shape)}"
+                )
             m.copy_(main_params[n])

@@ -44,8 +44,12 @@ def pipeline_dtype(cfg) -> torch.dtype:
     return torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
 
 
-def pipeline_tensor_shape(cfg, seq_length: Optional[int] = None, micro_batch_size: Optional[int] = None,
-                          groups: Optional[ProcessGroups] = None) -> Tuple[int, int, int]:
+def pipeline_tensor_shape(
+    cfg,
+    seq_length: Optional[int] = None,
+    micro_batch_size: Optional[int] = None,
+    groups: Optional[ProcessGroups] = None,
+) -> Tuple[int, int, int]:
     """``(s / cp [/ tp under SP], b, h)``: the hidden-state shape one stage hands the next."""
     groups = groups if groups is not None else parallel_state.get_process_groups()
     seq = cfg.model.seq_length if seq_length is None else seq_length
@@ -55,8 +59,9 @@ def pipeline_tensor_shape(cfg, seq_length: Optional[int] = None, micro_batch_siz
     seq //= cp
     if cfg.parallel.sequence_parallel and tp > 1:
         if seq % tp:
-            raise ValueError(f"sequence length {seq} is not divisible by tensor-parallel size {tp} "
-                             f"(sequence parallelism)")
+            raise ValueError(
+                f"sequence length {seq} is not divisible by tensor-parallel size {tp} (sequence parallelism)"
+            )
         seq //= tp
     return seq, mbs, cfg.model.hidden_size
 
@@ -88,8 +93,14 @@ class P2PCommunicator:
             ``groups.pp`` and its ranks ``groups.ranks["pp"]`` (default: ``get_process_groups()``).
     """
 
-    def __init__(self, tensor_shape: Sequence[int], dtype: torch.dtype, variable_seq_lengths: bool = False,
-                 timers=NULL_TIMERS, groups: Optional[ProcessGroups] = None):
+    def __init__(
+        self,
+        tensor_shape: Sequence[int],
+        dtype: torch.dtype,
+        variable_seq_lengths: bool = False,
+        timers=NULL_TIMERS,
+        groups: Optional[ProcessGroups] = None,
+    ):
         groups = groups if groups is not None else parallel_state.get_process_groups()
         self.timers = timers
         self.tensor_shape = tuple(int(s) for s in tensor_shape)
@@ -100,13 +111,25 @@ class P2PCommunicator:
         self.device = get_device()
 
     @classmethod
-    def from_config(cls, cfg, seq_length: Optional[int] = None, micro_batch_size: Optional[int] = None,
-                    timers=NULL_TIMERS, groups: Optional[ProcessGroups] = None) -> "P2PCommunicator":
+    def from_config(
+        cls,
+        cfg,
+        seq_length: Optional[int] = None,
+        micro_batch_size: Optional[int] = None,
+        timers=NULL_TIMERS,
+        groups: Optional[ProcessGroups] = None,
+    ) -> "P2PCommunicator":
         if cfg is None:
-            raise ValueError("a pipelined schedule needs config= (a MegalmConfig: exchanged shape and dtype) "
-                             "or communicator=")
-        return cls(pipeline_tensor_shape(cfg, seq_length, micro_batch_size, groups), pipeline_dtype(cfg),
-                   bool(cfg.parallel.variable_seq_lengths), timers, groups)
+            raise ValueError(
+                "a pipelined schedule needs config= (a MegalmConfig: exchanged shape and dtype) or communicator="
+            )
+        return cls(
+            pipeline_tensor_shape(cfg, seq_length, micro_batch_size, groups),
+            pipeline_dtype(cfg),
+            bool(cfg.parallel.variable_seq_lengths),
+            timers,
+            groups,
+        )
 
     # --- the one primitive -----------------------------------------------------------------
     def _run(self, ops: List[dist.P2POp]) -> None:
@@ -135,9 +158,14 @@ class P2PCommunicator:
     def _buffer(self, shape, requires_grad: bool) -> torch.Tensor:
         return torch.empty(shape, dtype=self.dtype, device=self.device, requires_grad=requires_grad)
 
-    def communicate(self, send_next: Optional[torch.Tensor] = None, send_prev: Optional[torch.Tensor] = None,
-                    recv_prev: bool = False, recv_next: bool = False, requires_grad: bool = True
-                    ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def communicate(
+        self,
+        send_next: Optional[torch.Tensor] = None,
+        send_prev: Optional[torch.Tensor] = None,
+        recv_prev: bool = False,
+        recv_next: bool = False,
+        requires_grad: bool = True,
+    ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """Send ``send_next`` to the next stage and ``send_prev`` to the previous stage, receive
         an activation from the previous stage (``recv_prev``) and a gradient from the next stage
         (``recv_next``), all in one ``batch_isend_irecv``; returns (from prev, from next).
@@ -151,10 +179,12 @@ class P2PCommunicator:
         ops: List[dist.P2POp] = []
         from_prev = self._buffer(shape_prev, requires_grad) if recv_prev else None
         from_next = self._buffer(shape_next, False) if recv_next else None
-        for tensor, peer, tag, op in ((send_prev, self.prev_rank, TAG_GRADIENT, dist.isend),
-                                      (from_prev, self.prev_rank, TAG_ACTIVATION, dist.irecv),
-                                      (send_next, self.next_rank, TAG_ACTIVATION, dist.isend),
-                                      (from_next, self.next_rank, TAG_GRADIENT, dist.irecv)):
+        for tensor, peer, tag, op in (
+            (send_prev, self.prev_rank, TAG_GRADIENT, dist.isend),
+            (from_prev, self.prev_rank, TAG_ACTIVATION, dist.irecv),
+            (send_next, self.next_rank, TAG_ACTIVATION, dist.isend),
+            (from_next, self.next_rank, TAG_GRADIENT, dist.irecv),
+        ):
             if tensor is not None:
                 if op is dist.isend:
                     tensor = self._checked(tensor)
@@ -166,8 +196,10 @@ class P2PCommunicator:
         if tensor.dtype != self.dtype:
             raise TypeError(f"pipeline tensor has dtype {tensor.dtype}, the pipeline exchanges {self.dtype}")
         if not self.variable_seq_lengths and tuple(tensor.shape) != self.tensor_shape:
-            raise ValueError(f"pipeline tensor has shape {tuple(tensor.shape)}, expected {self.tensor_shape} "
-                             f"(give --variable-seq-lengths for changing shapes)")
+            raise ValueError(
+                f"pipeline tensor has shape {tuple(tensor.shape)}, expected {self.tensor_shape} "
+                f"(give --variable-seq-lengths for changing shapes)"
+            )
         return tensor.detach().contiguous()
 
     # --- Megatron's named exchanges ---------------------------------------------------------
@@ -191,35 +223,49 @@ class P2PCommunicator:
         with self.timers("backward-send"):
             self.communicate(send_prev=input_grad)
 
-    def send_forward_recv_backward(self, output: Optional[torch.Tensor], recv_next: bool = True
-                                   ) -> Optional[torch.Tensor]:
+    def send_forward_recv_backward(
+        self, output: Optional[torch.Tensor], recv_next: bool = True
+    ) -> Optional[torch.Tensor]:
         """Send an activation to the next stage and receive its gradient from it, batched."""
         with self.timers("forward-send-backward-recv"):
             return self.communicate(send_next=output, recv_next=recv_next)[1]
 
-    def send_backward_recv_forward(self, input_grad: Optional[torch.Tensor], recv_prev: bool = True,
-                                   requires_grad: bool = True) -> Optional[torch.Tensor]:
+    def send_backward_recv_forward(
+        self, input_grad: Optional[torch.Tensor], recv_prev: bool = True, requires_grad: bool = True
+    ) -> Optional[torch.Tensor]:
         """Send an input gradient to the previous stage and receive the next activation from it."""
         with self.timers("backward-send-forward-recv"):
             return self.communicate(send_prev=input_grad, recv_prev=recv_prev, requires_grad=requires_grad)[0]
 
-    def send_forward_recv_forward(self, output: Optional[torch.Tensor], recv_prev: bool,
-                                  requires_grad: bool = True) -> Optional[torch.Tensor]:
+    def send_forward_recv_forward(
+        self, output: Optional[torch.Tensor], recv_prev: bool, requires_grad: bool = True
+    ) -> Optional[torch.Tensor]:
         """Send an activation to the next stage, receive one from the previous stage."""
         with self.timers("forward-send-forward-recv"):
             return self.communicate(send_next=output, recv_prev=recv_prev, requires_grad=requires_grad)[0]
 
-    def send_backward_recv_backward(self, input_grad: Optional[torch.Tensor], recv_next: bool
-                                    ) -> Optional[torch.Tensor]:
+    def send_backward_recv_backward(
+        self, input_grad: Optional[torch.Tensor], recv_next: bool
+    ) -> Optional[torch.Tensor]:
         """Send a gradient to the previous stage, receive one from the next stage."""
         with self.timers("backward-send-backward-recv"):
             return self.communicate(send_prev=input_grad, recv_next=recv_next)[1]
 
-    def send_forward_backward_recv_forward_backward(self, output: Optional[torch.Tensor],
-                                                    input_grad: Optional[torch.Tensor], recv_prev: bool,
-                                                    recv_next: bool, requires_grad: bool = True):
+    def send_forward_backward_recv_forward_backward(
+        self,
+        output: Optional[torch.Tensor],
+        input_grad: Optional[torch.Tensor],
+        recv_prev: bool,
+        recv_next: bool,
+        requires_grad: bool = True,
+    ):
         """All four at once: activation to next, gradient to prev, activation from prev,
         gradient from next; returns (activation, gradient) received."""
         with self.timers("forward-backward-send-forward-backward-recv"):
-            return self.communicate(send_next=output, send_prev=input_grad, recv_prev=recv_prev,
-                                    recv_next=recv_next, requires_grad=requires_grad)
+            return self.communicate(
+                send_next=output,
+                send_prev=input_grad,
+                recv_prev=recv_prev,
+                recv_next=recv_next,
+                requires_grad=requires_grad,
+            )

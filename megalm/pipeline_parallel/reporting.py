@@ -31,8 +31,11 @@ def broadcast_from_last_stage(values: Dict[str, float], groups: Optional[Process
     payload = json.dumps({k: float(v) for k, v in values.items()}).encode() if is_src else b""
     size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
     dist.broadcast(size, src, group=group)
-    data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device) if is_src
-            else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
+    data = (
+        torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+        if is_src
+        else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    )
     if int(size.item()) > 0:
         dist.broadcast(data, src, group=group)
     return {k: float(v) for k, v in json.loads(bytes(data.cpu().tolist()).decode() or "{}").items()}

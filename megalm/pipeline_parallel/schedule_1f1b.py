@@ -24,8 +24,15 @@ import torch
 from megalm import parallel_state
 from megalm.parallel_state import ProcessGroups
 from megalm.pipeline_parallel.p2p_communication import P2PCommunicator
-from megalm.pipeline_parallel.steps import (GradSyncControl, MicrobatchReports, ScheduleTrace, backward_step,
-                                            chunk_data_iterators, deallocate_output_tensor, forward_step)
+from megalm.pipeline_parallel.steps import (
+    GradSyncControl,
+    MicrobatchReports,
+    ScheduleTrace,
+    backward_step,
+    chunk_data_iterators,
+    deallocate_output_tensor,
+    forward_step,
+)
 from megalm.timers import NULL_TIMERS
 
 
@@ -37,9 +44,20 @@ def num_warmup_microbatches(pipeline_size: int, pipeline_rank: int, num_microbat
 class _OneFOneB:
     """State of one run of the schedule on this rank (one method per phase)."""
 
-    def __init__(self, forward_step_func, data_iterator, model, num_microbatches, forward_only, loss_scale,
-                 per_token, comm: P2PCommunicator, groups: ProcessGroups, trace: Optional[ScheduleTrace],
-                 timers=NULL_TIMERS):
+    def __init__(
+        self,
+        forward_step_func,
+        data_iterator,
+        model,
+        num_microbatches,
+        forward_only,
+        loss_scale,
+        per_token,
+        comm: P2PCommunicator,
+        groups: ProcessGroups,
+        trace: Optional[ScheduleTrace],
+        timers=NULL_TIMERS,
+    ):
         self.forward_step_func = forward_step_func
         self.data_iterator = data_iterator
         self.model = model
@@ -89,8 +107,16 @@ class _OneFOneB:
         self.next_forward += 1
         ctx = torch.no_grad() if self.forward_only else torch.enable_grad()
         with ctx, self.timers("forward-compute"):
-            output = forward_step(self.forward_step_func, self.data_iterator, self.model, self.m, input_tensor,
-                                  self.collect, self.last, self.per_token)
+            output = forward_step(
+                self.forward_step_func,
+                self.data_iterator,
+                self.model,
+                self.m,
+                input_tensor,
+                self.collect,
+                self.last,
+                self.per_token,
+            )
         if self.trace is not None:
             self.trace.forward(mb, 0, keeps_activations=not self.forward_only)
         return output
@@ -166,12 +192,22 @@ class _OneFOneB:
 
 
 def forward_backward_pipelining_without_interleaving(
-        *, forward_step_func: Callable, data_iterator, model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
-        num_microbatches: int, forward_only: bool = False, loss_scale: float = 1.0,
-        calculate_per_token_loss: bool = False, seq_length: Optional[int] = None,
-        micro_batch_size: Optional[int] = None, config=None, groups: Optional[ProcessGroups] = None,
-        trace: Optional[ScheduleTrace] = None, communicator: Optional[P2PCommunicator] = None,
-        timers=NULL_TIMERS) -> MicrobatchReports:
+    *,
+    forward_step_func: Callable,
+    data_iterator,
+    model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
+    num_microbatches: int,
+    forward_only: bool = False,
+    loss_scale: float = 1.0,
+    calculate_per_token_loss: bool = False,
+    seq_length: Optional[int] = None,
+    micro_batch_size: Optional[int] = None,
+    config=None,
+    groups: Optional[ProcessGroups] = None,
+    trace: Optional[ScheduleTrace] = None,
+    communicator: Optional[P2PCommunicator] = None,
+    timers=NULL_TIMERS,
+) -> MicrobatchReports:
     """Run 1F1B over ``num_microbatches`` on this stage; returns the last stage's reported values
     (empty on other stages).  ``config`` (a :class:`megalm.config.MegalmConfig`) gives the
     exchanged shape and dtype unless ``communicator`` is passed; the other keywords are those of
@@ -185,5 +221,16 @@ def forward_backward_pipelining_without_interleaving(
     groups = groups if groups is not None else parallel_state.get_process_groups()
     iterators, _ = chunk_data_iterators(data_iterator, 1)
     comm = communicator or P2PCommunicator.from_config(config, seq_length, micro_batch_size, timers, groups)
-    return _OneFOneB(forward_step_func, iterators[0], model, num_microbatches, forward_only, loss_scale,
-                     calculate_per_token_loss, comm, groups, trace, timers).run()
+    return _OneFOneB(
+        forward_step_func,
+        iterators[0],
+        model,
+        num_microbatches,
+        forward_only,
+        loss_scale,
+        calculate_per_token_loss,
+        comm,
+        groups,
+        trace,
+        timers,
+    ).run()

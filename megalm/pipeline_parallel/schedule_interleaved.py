@@ -29,9 +29,16 @@ import torch
 from megalm import parallel_state
 from megalm.parallel_state import ProcessGroups
 from megalm.pipeline_parallel.p2p_communication import P2PCommunicator
-from megalm.pipeline_parallel.steps import (GradSyncControl, MicrobatchReports, ScheduleTrace, SharedMicrobatches,
-                                            backward_step, chunk_data_iterators, deallocate_output_tensor,
-                                            forward_step)
+from megalm.pipeline_parallel.steps import (
+    GradSyncControl,
+    MicrobatchReports,
+    ScheduleTrace,
+    SharedMicrobatches,
+    backward_step,
+    chunk_data_iterators,
+    deallocate_output_tensor,
+    forward_step,
+)
 from megalm.timers import NULL_TIMERS
 
 
@@ -45,11 +52,13 @@ def check_interleaving(num_microbatches: int, pipeline_size: int, num_chunks: in
         raise ValueError(
             f"the interleaved pipeline schedule needs the number of microbatches ({num_microbatches}) to be a "
             f"positive multiple of --pipeline-model-parallel-size ({pipeline_size}); the number of microbatches "
-            f"is global batch / (micro batch x data-parallel size)")
+            f"is global batch / (micro batch x data-parallel size)"
+        )
 
 
-def interleaved_warmup(pipeline_size: int, pipeline_rank: int, num_microbatches: int, num_chunks: int,
-                       forward_only: bool) -> int:
+def interleaved_warmup(
+    pipeline_size: int, pipeline_rank: int, num_microbatches: int, num_chunks: int, forward_only: bool
+) -> int:
     """Forward steps before the first backward on ``pipeline_rank`` (Megatron's rule)."""
     total = num_microbatches * num_chunks
     if forward_only or num_microbatches == pipeline_size:
@@ -60,9 +69,21 @@ def interleaved_warmup(pipeline_size: int, pipeline_rank: int, num_microbatches:
 class _Interleaved:
     """State of one run on this rank; ``k`` below is a virtual microbatch (step) index."""
 
-    def __init__(self, forward_step_func, data_iterators, shared: Optional[SharedMicrobatches], model,
-                 num_microbatches, forward_only, loss_scale, per_token, comm: P2PCommunicator,
-                 groups: ProcessGroups, trace, timers=NULL_TIMERS):
+    def __init__(
+        self,
+        forward_step_func,
+        data_iterators,
+        shared: Optional[SharedMicrobatches],
+        model,
+        num_microbatches,
+        forward_only,
+        loss_scale,
+        per_token,
+        comm: P2PCommunicator,
+        groups: ProcessGroups,
+        trace,
+        timers=NULL_TIMERS,
+    ):
         self.forward_step_func = forward_step_func
         self.data_iterators = data_iterators
         self.shared = shared
@@ -114,8 +135,16 @@ class _Interleaved:
             self.shared.current = mb
         ctx = torch.no_grad() if self.forward_only else torch.enable_grad()
         with ctx, self.timers("forward-compute"):
-            output = forward_step(self.forward_step_func, self.data_iterators[c], self.model[c], self.m,
-                                  input_tensor, self.collect, self.last_stage(c), self.per_token)
+            output = forward_step(
+                self.forward_step_func,
+                self.data_iterators[c],
+                self.model[c],
+                self.m,
+                input_tensor,
+                self.collect,
+                self.last_stage(c),
+                self.per_token,
+            )
         if self.forward_only:
             self.inputs[c].pop()
         else:
@@ -174,12 +203,14 @@ class _Interleaved:
             if k == warmup - 1 and not self.forward_only and not all_warmup:
                 recv_next = not self.last_rank
                 input_tensor, grad = self.comm.send_forward_backward_recv_forward_backward(
-                    output, None, recv_prev=recv_prev, recv_next=recv_next)
+                    output, None, recv_prev=recv_prev, recv_next=recv_next
+                )
                 if recv_next:
                     self.grads[self.v - 1].append(grad)
             else:
-                input_tensor = self.comm.send_forward_recv_forward(output, recv_prev=recv_prev,
-                                                                   requires_grad=not self.forward_only)
+                input_tensor = self.comm.send_forward_recv_forward(
+                    output, recv_prev=recv_prev, requires_grad=not self.forward_only
+                )
             if recv_prev:
                 self.inputs[next_chunk].append(input_tensor)
             self.sent(output)
@@ -199,7 +230,8 @@ class _Interleaved:
             if k == remaining - 1:
                 recv_prev = False
             input_tensor, grad = self.comm.send_forward_backward_recv_forward_backward(
-                output, input_grad, recv_prev=recv_prev, recv_next=recv_next)
+                output, input_grad, recv_prev=recv_prev, recv_next=recv_next
+            )
             self.sent(output)
             if recv_prev:
                 self.inputs[next_forward_chunk].append(input_tensor)
@@ -238,11 +270,22 @@ class _Interleaved:
 
 
 def forward_backward_pipelining_with_interleaving(
-        *, forward_step_func: Callable, data_iterator, model: Sequence[torch.nn.Module], num_microbatches: int,
-        forward_only: bool = False, loss_scale: float = 1.0, calculate_per_token_loss: bool = False,
-        seq_length: Optional[int] = None, micro_batch_size: Optional[int] = None, config=None,
-        groups: Optional[ProcessGroups] = None, trace: Optional[ScheduleTrace] = None,
-        communicator: Optional[P2PCommunicator] = None, timers=NULL_TIMERS) -> MicrobatchReports:
+    *,
+    forward_step_func: Callable,
+    data_iterator,
+    model: Sequence[torch.nn.Module],
+    num_microbatches: int,
+    forward_only: bool = False,
+    loss_scale: float = 1.0,
+    calculate_per_token_loss: bool = False,
+    seq_length: Optional[int] = None,
+    micro_batch_size: Optional[int] = None,
+    config=None,
+    groups: Optional[ProcessGroups] = None,
+    trace: Optional[ScheduleTrace] = None,
+    communicator: Optional[P2PCommunicator] = None,
+    timers=NULL_TIMERS,
+) -> MicrobatchReports:
     """Run the interleaved schedule over ``model`` (this rank's chunks, virtual stage order);
     returns the last stage's reported values (empty elsewhere).  Keywords as
     :func:`megalm.pipeline_parallel.schedules.forward_backward_no_pipelining`.
@@ -255,5 +298,17 @@ def forward_backward_pipelining_with_interleaving(
     check_interleaving(num_microbatches, parallel_state.group_size(groups.pp), len(model))
     iterators, shared = chunk_data_iterators(data_iterator, len(model))
     comm = communicator or P2PCommunicator.from_config(config, seq_length, micro_batch_size, timers, groups)
-    return _Interleaved(forward_step_func, iterators, shared, model, num_microbatches, forward_only, loss_scale,
-                        calculate_per_token_loss, comm, groups, trace, timers).run()
+    return _Interleaved(
+        forward_step_func,
+        iterators,
+        shared,
+        model,
+        num_microbatches,
+        forward_only,
+        loss_scale,
+        calculate_per_token_loss,
+        comm,
+        groups,
+        trace,
+        timers,
+    ).run()

@@ -38,13 +38,23 @@ def _no_sync(model):
     return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
 
 
-def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator,
-                                   model: Union[torch.nn.Module, Sequence[torch.nn.Module]], num_microbatches: int,
-                                   forward_only: bool = False, loss_scale: float = 1.0,
-                                   calculate_per_token_loss: bool = False, seq_length: Optional[int] = None,
-                                   micro_batch_size: Optional[int] = None, config=None,
-                                   groups: Optional[ProcessGroups] = None, trace: Optional[ScheduleTrace] = None,
-                                   communicator=None, timers=NULL_TIMERS) -> MicrobatchReports:
+def forward_backward_no_pipelining(
+    *,
+    forward_step_func: Callable,
+    data_iterator,
+    model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
+    num_microbatches: int,
+    forward_only: bool = False,
+    loss_scale: float = 1.0,
+    calculate_per_token_loss: bool = False,
+    seq_length: Optional[int] = None,
+    micro_batch_size: Optional[int] = None,
+    config=None,
+    groups: Optional[ProcessGroups] = None,
+    trace: Optional[ScheduleTrace] = None,
+    communicator=None,
+    timers=NULL_TIMERS,
+) -> MicrobatchReports:
     """Gradient accumulation on one stage: no communication except in the last microbatch's backward.
 
     Backward of microbatches 0..m-2 runs under ``model.no_sync()``; the last one lets the
@@ -67,10 +77,18 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
     for i in range(num_microbatches):
         last = i == num_microbatches - 1
         ctx = contextlib.nullcontext() if (last or forward_only) else _no_sync(model)
-        with ctx, (torch.no_grad() if forward_only else contextlib.nullcontext()):
+        with ctx, torch.no_grad() if forward_only else contextlib.nullcontext():
             with timers("forward-compute"):
-                loss = forward_step(forward_step_func, data_iterator, model, num_microbatches, None, collect, True,
-                                    calculate_per_token_loss)
+                loss = forward_step(
+                    forward_step_func,
+                    data_iterator,
+                    model,
+                    num_microbatches,
+                    None,
+                    collect,
+                    True,
+                    calculate_per_token_loss,
+                )
             if trace is not None:
                 trace.forward(i, 0, keeps_activations=not forward_only)
             if not forward_only:

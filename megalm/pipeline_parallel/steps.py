@@ -60,9 +60,16 @@ class MicrobatchReports(list):
             self.num_tokens = n if self.num_tokens is None else self.num_tokens + n
 
 
-def forward_step(forward_step_func: Callable, data_iterator, model: torch.nn.Module, num_microbatches: int,
-                 input_tensor: Optional[torch.Tensor], collect: MicrobatchReports, is_last_stage: bool,
-                 calculate_per_token_loss: bool = False) -> torch.Tensor:
+def forward_step(
+    forward_step_func: Callable,
+    data_iterator,
+    model: torch.nn.Module,
+    num_microbatches: int,
+    input_tensor: Optional[torch.Tensor],
+    collect: MicrobatchReports,
+    is_last_stage: bool,
+    calculate_per_token_loss: bool = False,
+) -> torch.Tensor:
     """Run one microbatch through one model chunk (the one forward step of every schedule).
 
     ``loss_func(output)`` returns ``(loss, {name: value})`` or, as Megatron's, ``(loss_sum,
@@ -89,8 +96,9 @@ def forward_step(forward_step_func: Callable, data_iterator, model: torch.nn.Mod
     collect.add(reported, num_tokens)
     if calculate_per_token_loss:
         if num_tokens is None:
-            raise LossFunctionError("--calculate-per-token-loss needs loss_func to return (loss_sum, num_tokens, "
-                                    "reported) as Megatron-LM's")
+            raise LossFunctionError(
+                "--calculate-per-token-loss needs loss_func to return (loss_sum, num_tokens, reported) as Megatron-LM's"
+            )
         return loss
     if num_tokens is not None:
         loss = loss / torch.clamp(torch.as_tensor(num_tokens, dtype=loss.dtype, device=loss.device), min=1.0)
@@ -126,8 +134,12 @@ def custom_backward(output: torch.Tensor, grad_output: Optional[torch.Tensor]) -
     torch.autograd.backward(edge, grad_tensors=grad_output)
 
 
-def backward_step(input_tensor: Optional[torch.Tensor], output: torch.Tensor, grad_output: Optional[torch.Tensor],
-                  loss_scale: float = 1.0) -> Optional[torch.Tensor]:
+def backward_step(
+    input_tensor: Optional[torch.Tensor],
+    output: torch.Tensor,
+    grad_output: Optional[torch.Tensor],
+    loss_scale: float = 1.0,
+) -> Optional[torch.Tensor]:
     """Backward of one microbatch on one chunk; returns the gradient of its input (None on the first stage).
 
     On the last stage (``grad_output`` None) the loss is first multiplied by ``loss_scale``:

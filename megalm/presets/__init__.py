@@ -11,5 +11,19 @@ from megalm.presets.flags import Launch, Overrides, get_preset, preset_flags, re
 from megalm.presets.spec import Layout, MoE, Preset, PresetError, RunDefaults, Schedule, Shape
 from megalm.presets.table import PRESETS
 
-__all__ = ["PRESETS", "Launch", "Layout", "MoE", "Overrides", "Preset", "PresetError", "RunDefaults", "Schedule",
-           "Shape", "get_preset", "preset_flags", "recipe_flags", "resolve"]
+__all__ = [
+    "PRESETS",
+    "Launch",
+    "Layout",
+    "MoE",
+    "Overrides",
+    "Preset",
+    "PresetError",
+    "RunDefaults",
+    "Schedule",
+    "Shape",
+    "get_preset",
+    "preset_flags",
+    "recipe_flags",
+    "resolve",
+]

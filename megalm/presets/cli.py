@@ -29,13 +29,29 @@ def shell_code(launch: Launch) -> str:
     environment wins) and the arrays ``RECIPE_ARGS`` and ``NULL_TOKENIZER_ARGS``."""
     p, lay, run = launch.preset, launch.layout, launch.preset.run
     q = shlex.quote
-    lines = [f"{k}={q(str(v))}" for k, v in (
-        ("MODEL_NAME", p.name), ("GPUS_PER_NODE", lay.gpus_per_node), ("NNODES", lay.nnodes), ("TP", lay.tp),
-        ("PP", lay.pp), ("MICRO_BATCH_SIZE", lay.micro_batch_size), ("GLOBAL_BATCH_SIZE", lay.global_batch_size),
-        ("TRAIN_ITERS", launch.train_iters), ("PRECISION", lay.precision), ("VOCAB_SIZE", launch.vocab_size))]
-    defaults = {"TOKENIZER_TYPE": p.tokenizer_type, "NUM_WORKERS": run.num_workers,
-                "SAVE_INTERVAL": launch.train_iters if run.save_interval_is_train_iters else None,
-                "LOG_INTERVAL": run.log_interval, "EVAL_INTERVAL": run.eval_interval, "EVAL_ITERS": run.eval_iters}
+    lines = [
+        f"{k}={q(str(v))}"
+        for k, v in (
+            ("MODEL_NAME", p.name),
+            ("GPUS_PER_NODE", lay.gpus_per_node),
+            ("NNODES", lay.nnodes),
+            ("TP", lay.tp),
+            ("PP", lay.pp),
+            ("MICRO_BATCH_SIZE", lay.micro_batch_size),
+            ("GLOBAL_BATCH_SIZE", lay.global_batch_size),
+            ("TRAIN_ITERS", launch.train_iters),
+            ("PRECISION", lay.precision),
+            ("VOCAB_SIZE", launch.vocab_size),
+        )
+    ]
+    defaults = {
+        "TOKENIZER_TYPE": p.tokenizer_type,
+        "NUM_WORKERS": run.num_workers,
+        "SAVE_INTERVAL": launch.train_iters if run.save_interval_is_train_iters else None,
+        "LOG_INTERVAL": run.log_interval,
+        "EVAL_INTERVAL": run.eval_interval,
+        "EVAL_ITERS": run.eval_iters,
+    }
     lines += [f': "${{{k}:={q(str(v))}}}"' for k, v in defaults.items() if v is not None]
     lines.append("RECIPE_ARGS=(" + " ".join(map(q, recipe_flags(launch))) + ")")
     lines.append("NULL_TOKENIZER_ARGS=(" + " ".join(map(q, null_tokenizer_flags(launch))) + ")")
@@ -44,14 +60,18 @@ def shell_code(launch: Launch) -> str:
 
 def markdown_table() -> str:
     """One row per preset: its script, layout and batch (memory: tools/estimate.py --preset)."""
-    rows = ["| script | model | TP | PP | DP | EP | micro / global batch | processes (nodes) | precision |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| script | model | TP | PP | DP | EP | micro / global batch | processes (nodes) | precision |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for p in PRESETS.values():
         lay = p.layout
         dp = lay.world_size // (lay.tp * lay.pp)
-        rows.append(f"| `pretrain_{p.name}.sh` | {p.title} | {lay.tp} | {lay.pp} | {dp} | {lay.ep or '-'} "
-                    f"| {lay.micro_batch_size} / {lay.global_batch_size} | {lay.world_size} ({lay.nnodes}) "
-                    f"| {lay.precision}{', recompute ' + lay.recompute if lay.recompute != 'none' else ''} |")
+        rows.append(
+            f"| `pretrain_{p.name}.sh` | {p.title} | {lay.tp} | {lay.pp} | {dp} | {lay.ep or '-'} "
+            f"| {lay.micro_batch_size} / {lay.global_batch_size} | {lay.world_size} ({lay.nnodes}) "
+            f"| {lay.precision}{', recompute ' + lay.recompute if lay.recompute != 'none' else ''} |"
+        )
     return "\n".join(rows) + "\n"
 
 
@@ -68,8 +88,9 @@ def _run(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tools/presets.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="tools/presets.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("name", nargs="?", help=f"one of: {', '.join(PRESETS)}")
     parser.add_argument("--shell", action="store_true", help="bash assignments, with the environment's overrides")
     parser.add_argument("--table", action="store_true", help="the markdown table of scripts/README.md")

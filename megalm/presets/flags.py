@@ -119,13 +119,22 @@ def _layout(preset: Preset, o: Overrides) -> Layout:
     recompute = o.recompute or lay.recompute
     if recompute not in RECOMPUTE_CHOICES:
         raise PresetError(f"RECOMPUTE must be none, selective or full, got '{recompute}'")
-    pick = lambda mine, default: default if mine is None else mine
+
+    def pick(mine, default):
+        return default if mine is None else mine
+
     return dataclasses.replace(
-        lay, gpus_per_node=pick(o.gpus_per_node, lay.gpus_per_node), nnodes=pick(o.nnodes, lay.nnodes),
-        tp=pick(o.tp, lay.tp), pp=pick(o.pp, lay.pp), ep=None if lay.ep is None else pick(o.ep, lay.ep),
+        lay,
+        gpus_per_node=pick(o.gpus_per_node, lay.gpus_per_node),
+        nnodes=pick(o.nnodes, lay.nnodes),
+        tp=pick(o.tp, lay.tp),
+        pp=pick(o.pp, lay.pp),
+        ep=None if lay.ep is None else pick(o.ep, lay.ep),
         micro_batch_size=pick(o.micro_batch_size, lay.micro_batch_size),
-        global_batch_size=pick(o.global_batch_size, lay.global_batch_size), recompute=recompute,
-        precision=resolve_precision(o.precision or lay.precision))
+        global_batch_size=pick(o.global_batch_size, lay.global_batch_size),
+        recompute=recompute,
+        precision=resolve_precision(o.precision or lay.precision),
+    )
 
 
 def _schedule_iters(preset: Preset, o: Overrides, global_batch_size: int) -> tuple:
@@ -158,10 +167,20 @@ def resolve(preset: Preset, overrides: Overrides = Overrides()) -> Launch:
     layout = _layout(preset, overrides)
     train, decay, warmup = _schedule_iters(preset, overrides, layout.global_batch_size)
     s, o = preset.schedule, overrides
-    return Launch(preset=preset, layout=layout, train_iters=train, lr_decay_iters=decay, lr_warmup_iters=warmup,
-                  lr=s.lr if o.lr is None else o.lr, min_lr=s.min_lr if o.min_lr is None else o.min_lr,
-                  vocab_size=preset.vocab_size if o.vocab_size is None else o.vocab_size, recompute_num_layers=o.recompute_num_layers,
-                  vp_layers=o.vp_layers, sequence_parallel=o.sequence_parallel, dist_opt=o.dist_opt)
+    return Launch(
+        preset=preset,
+        layout=layout,
+        train_iters=train,
+        lr_decay_iters=decay,
+        lr_warmup_iters=warmup,
+        lr=s.lr if o.lr is None else o.lr,
+        min_lr=s.min_lr if o.min_lr is None else o.min_lr,
+        vocab_size=preset.vocab_size if o.vocab_size is None else o.vocab_size,
+        recompute_num_layers=o.recompute_num_layers,
+        vp_layers=o.vp_layers,
+        sequence_parallel=o.sequence_parallel,
+        dist_opt=o.dist_opt,
+    )
 
 
 def _num(x) -> str:
@@ -175,9 +194,14 @@ def _shape_flags(m: Shape) -> list[str]:
     flags += ["--num-attention-heads", _num(m.num_attention_heads)]
     if m.num_query_groups is not None:
         flags += ["--group-query-attention", "--num-query-groups", _num(m.num_query_groups)]
-    flags += ["--seq-length", _num(m.seq_length),
-              "--max-position-embeddings", _num(m.max_position_embeddings or m.seq_length),
-              "--position-embedding-type", m.position_embedding_type]
+    flags += [
+        "--seq-length",
+        _num(m.seq_length),
+        "--max-position-embeddings",
+        _num(m.max_position_embeddings or m.seq_length),
+        "--position-embedding-type",
+        m.position_embedding_type,
+    ]
     if m.rotary_base is not None:
         flags += ["--rotary-base", _num(m.rotary_base)]
     flags += ["--normalization", m.normalization]
@@ -185,8 +209,14 @@ def _shape_flags(m: Shape) -> list[str]:
         flags += ["--norm-epsilon", _num(m.norm_epsilon)]
     flags += ["--swiglu"] * m.swiglu + ["--disable-bias-linear"] * (not m.add_bias_linear)
     flags += ["--untie-embeddings-and-output-weights"] * m.untie_embeddings_and_output_weights
-    return flags + ["--hidden-dropout", _num(m.dropout), "--attention-dropout", _num(m.dropout),
-                    "--init-method-std", _num(m.init_method_std)]
+    return flags + [
+        "--hidden-dropout",
+        _num(m.dropout),
+        "--attention-dropout",
+        _num(m.dropout),
+        "--init-method-std",
+        _num(m.init_method_std),
+    ]
 
 
 def model_flags(launch: Launch) -> list[str]:
@@ -194,8 +224,14 @@ def model_flags(launch: Launch) -> list[str]:
     flags, moe = _shape_flags(launch.preset.shape), launch.preset.moe
     if moe is None:
         return flags
-    flags += ["--num-experts", _num(moe.num_experts), "--moe-ffn-hidden-size", _num(moe.moe_ffn_hidden_size),
-              "--moe-router-topk", _num(moe.moe_router_topk)]
+    flags += [
+        "--num-experts",
+        _num(moe.num_experts),
+        "--moe-ffn-hidden-size",
+        _num(moe.moe_ffn_hidden_size),
+        "--moe-router-topk",
+        _num(moe.moe_router_topk),
+    ]
     if moe.moe_router_load_balancing_type is not None:
         flags += ["--moe-router-load-balancing-type", moe.moe_router_load_balancing_type]
     flags += ["--moe-aux-loss-coeff", _num(moe.moe_aux_loss_coeff)]
@@ -218,17 +254,37 @@ def parallel_flags(launch: Launch) -> list[str]:
     if lay.recompute == "selective":
         flags += ["--recompute-granularity", "selective"]
     elif lay.recompute == "full":
-        flags += ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                  "--recompute-num-layers", _num(launch.recompute_num_layers)]
+        flags += [
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            _num(launch.recompute_num_layers),
+        ]
     return flags
 
 
 def optimizer_flags(launch: Launch) -> list[str]:
     s = launch.preset.schedule
-    flags = ["--optimizer", "adam", "--lr", _num(launch.lr), "--min-lr", _num(launch.min_lr),
-             "--lr-decay-style", "cosine", "--lr-warmup-iters", _num(launch.lr_warmup_iters),
-             "--lr-decay-iters", _num(launch.lr_decay_iters),
-             "--adam-beta1", _num(s.adam_beta1), "--adam-beta2", _num(s.adam_beta2)]
+    flags = [
+        "--optimizer",
+        "adam",
+        "--lr",
+        _num(launch.lr),
+        "--min-lr",
+        _num(launch.min_lr),
+        "--lr-decay-style",
+        "cosine",
+        "--lr-warmup-iters",
+        _num(launch.lr_warmup_iters),
+        "--lr-decay-iters",
+        _num(launch.lr_decay_iters),
+        "--adam-beta1",
+        _num(s.adam_beta1),
+        "--adam-beta2",
+        _num(s.adam_beta2),
+    ]
     if s.adam_eps is not None:
         flags += ["--adam-eps", _num(s.adam_eps)]
     flags += ["--weight-decay", _num(s.weight_decay), "--clip-grad", _num(s.clip_grad)]
@@ -241,8 +297,14 @@ def optimizer_flags(launch: Launch) -> list[str]:
 def recipe_flags(launch: Launch) -> list[str]:
     """Everything a preset decides, in the scripts' order (data, checkpoints and logging are the launcher's)."""
     lay = launch.layout
-    batch = ["--micro-batch-size", _num(lay.micro_batch_size), "--global-batch-size", _num(lay.global_batch_size),
-             "--train-iters", _num(launch.train_iters)]
+    batch = [
+        "--micro-batch-size",
+        _num(lay.micro_batch_size),
+        "--global-batch-size",
+        _num(lay.global_batch_size),
+        "--train-iters",
+        _num(launch.train_iters),
+    ]
     precision = {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": []}[lay.precision]
     return model_flags(launch) + parallel_flags(launch) + batch + precision + optimizer_flags(launch)
 

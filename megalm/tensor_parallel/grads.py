@@ -48,7 +48,7 @@ def _all_reduce_coalesced(grads: List[torch.Tensor], group) -> None:
         dist.all_reduce(flat, group=group)
         offset = 0
         for g in same_dtype:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
 

@@ -101,14 +101,28 @@ class ColumnParallelLinear(nn.Module):
     :meth:`forward` (tied output layer).
     """
 
-    def __init__(self, input_size: int, output_size: int, *, bias: bool = True, gather_output: bool = False,
-                 init_std: float = 0.02, stride: int = 1, sequence_parallel: bool = False,
-                 skip_weight_param_allocation: bool = False, vocab_unpadded: Optional[int] = None,
-                 skip_bias_add: bool = False, dtype: torch.dtype = torch.float32, tp_group=CURRENT):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = True,
+        gather_output: bool = False,
+        init_std: float = 0.02,
+        stride: int = 1,
+        sequence_parallel: bool = False,
+        skip_weight_param_allocation: bool = False,
+        vocab_unpadded: Optional[int] = None,
+        skip_bias_add: bool = False,
+        dtype: torch.dtype = torch.float32,
+        tp_group=CURRENT,
+    ):
         super().__init__()
         if skip_bias_add and gather_output:
-            raise ValueError("ColumnParallelLinear: skip_bias_add returns this rank's bias slice; it cannot be "
-                             "combined with gather_output")
+            raise ValueError(
+                "ColumnParallelLinear: skip_bias_add returns this rank's bias slice; it cannot be "
+                "combined with gather_output"
+            )
         self.tp_group = resolve_group(tp_group, "tp")
         self.tp_size = group_size(self.tp_group)
         self.input_size, self.output_size = input_size, output_size
@@ -146,8 +160,10 @@ class ColumnParallelLinear(nn.Module):
         return gather_from_tensor_model_parallel_region(out, self.tp_group) if self.gather_output else out
 
     def extra_repr(self) -> str:
-        return (f"in={self.input_size}, out={self.output_size}, out_per_rank={self.output_size_per_partition}, "
-                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
+        return (
+            f"in={self.input_size}, out={self.output_size}, out_per_rank={self.output_size_per_partition}, "
+            f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}"
+        )
 
 
 class RowParallelLinear(nn.Module):
@@ -161,9 +177,19 @@ class RowParallelLinear(nn.Module):
     Under SP the bias gradient is partial per rank: the bias carries ``sequence_parallel``.
     """
 
-    def __init__(self, input_size: int, output_size: int, *, bias: bool = True, input_is_parallel: bool = True,
-                 init_std: float = 0.02, sequence_parallel: bool = False, skip_bias_add: bool = False,
-                 dtype: torch.dtype = torch.float32, tp_group=CURRENT):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        init_std: float = 0.02,
+        sequence_parallel: bool = False,
+        skip_bias_add: bool = False,
+        dtype: torch.dtype = torch.float32,
+        tp_group=CURRENT,
+    ):
         super().__init__()
         self.tp_group = resolve_group(tp_group, "tp")
         self.tp_size = group_size(self.tp_group)
@@ -202,8 +228,10 @@ class RowParallelLinear(nn.Module):
         return (out, self.bias) if self.skip_bias_add else out
 
     def extra_repr(self) -> str:
-        return (f"in={self.input_size}, in_per_rank={self.input_size_per_partition}, out={self.output_size}, "
-                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
+        return (
+            f"in={self.input_size}, in_per_rank={self.input_size_per_partition}, out={self.output_size}, "
+            f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}"
+        )
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -217,9 +245,17 @@ class VocabParallelEmbedding(nn.Module):
     all-gather along the sequence for the reduce-scatter form.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, init_std: float = 0.02,
-                 vocab_unpadded: Optional[int] = None, reduce_scatter_to_sequence: bool = False,
-                 dtype: torch.dtype = torch.float32, tp_group=CURRENT):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        init_std: float = 0.02,
+        vocab_unpadded: Optional[int] = None,
+        reduce_scatter_to_sequence: bool = False,
+        dtype: torch.dtype = torch.float32,
+        tp_group=CURRENT,
+    ):
         super().__init__()
         self.tp_group = resolve_group(tp_group, "tp")
         self.tp_size = group_size(self.tp_group)

@@ -65,8 +65,9 @@ class _Chunks:
     their operands as stored and ran ~5% faster than the ``[C, V/tp]`` layout on CPU; the
     reductions over the vocabulary run down the columns."""
 
-    def __init__(self, x: torch.Tensor, shape: torch.Size, weight: torch.Tensor, target: torch.Tensor,
-                 vocab_size: int, group):
+    def __init__(
+        self, x: torch.Tensor, shape: torch.Size, weight: torch.Tensor, target: torch.Tensor, vocab_size: int, group
+    ):
         self.x, self.shape, self.weight, self.group = x, shape, weight, group
         self.vocab_local = weight.shape[0]
         start = group_rank(group) * self.vocab_local
@@ -96,7 +97,7 @@ class _Chunks:
         if gemm is not z:
             z.copy_(gemm)
         if self.valid < self.vocab_local:
-            z[self.valid:] = float("-inf")
+            z[self.valid :] = float("-inf")
         token_max = all_reduce_over_vocab(z.amax(dim=0), dist.ReduceOp.MAX, self.group)
         outside = self.outside[start:end]
         target_logit = z.gather(0, self.local_target[None, start:end]).squeeze(0).masked_fill(outside, 0.0)
@@ -114,8 +115,9 @@ class _Chunks:
             gemm.copy_(e)
         return gemm
 
-    def accumulate(self, grad_logits: torch.Tensor, dx: torch.Tensor, dw: torch.Tensor, start: int, end: int,
-                   first: bool):
+    def accumulate(
+        self, grad_logits: torch.Tensor, dx: torch.Tensor, dw: torch.Tensor, start: int, end: int, first: bool
+    ):
         """``dx[start:end] = g^T W`` and ``dW += g x[start:end]`` for ``g`` ``[V/tp, n]`` (fp32 ``dW``)."""
         torch.mm(grad_logits.t(), self.weight, out=dx[start:end])
         x = self.x[start:end]
@@ -164,8 +166,9 @@ def _common_scale(grad: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Te
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, token_weight, vocab_size: int, sequence_parallel: bool,
-                with_grads: bool, group):
+    def forward(
+        ctx, hidden, weight, target, token_weight, vocab_size: int, sequence_parallel: bool, with_grads: bool, group
+    ):
         chunks = _chunks_for(hidden, weight, target, vocab_size, sequence_parallel, group)
         token_weight = token_weight.reshape(-1).float()
         losses, dx, dw = _losses_and_grads(chunks, token_weight, with_grads)
@@ -197,9 +200,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return dx, dw.to(weight.dtype), None, None, None, None, None, None
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, vocab_size: int,
-                         token_weight: Optional[torch.Tensor] = None, sequence_parallel: bool = False,
-                         tp_group=CURRENT) -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    vocab_size: int,
+    token_weight: Optional[torch.Tensor] = None,
+    sequence_parallel: bool = False,
+    tp_group=CURRENT,
+) -> torch.Tensor:
     """Per-token fp32 losses ``[s, b]`` of ``hidden`` ``[s, b, h]`` (``[s/tp, b, h]`` under sequence
     parallelism) through this rank's output-weight slice ``weight`` ``[V/tp, h]``.
 
@@ -219,5 +228,6 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     elif token_weight.shape != target.shape:
         raise ValueError(f"token_weight {tuple(token_weight.shape)} does not match target {tuple(target.shape)}")
     with_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _LinearCrossEntropy.apply(hidden, weight, target, token_weight, vocab_size, sequence_parallel,
-                                     with_grads, group)
+    return _LinearCrossEntropy.apply(
+        hidden, weight, target, token_weight, vocab_size, sequence_parallel, with_grads, group
+    )

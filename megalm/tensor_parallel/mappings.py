@@ -228,8 +228,9 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     return _ScatterToSequence.apply(x, group)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group, tensor_parallel_output_grad: bool = True
-                                         ) -> torch.Tensor:
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, group, tensor_parallel_output_grad: bool = True
+) -> torch.Tensor:
     """Reassemble the full dim 0 (sequence, or the tokens of an expert-parallel group) from
     every rank's slice.
 

@@ -43,8 +43,15 @@ import torch
 from megalm.errors import MegalmError
 
 _RECORD = "megalm_param_info"
-_LEGACY = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel", "allreduce",
-           "shared_embedding", "vocab_unpadded")
+_LEGACY = (
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_stride",
+    "sequence_parallel",
+    "allreduce",
+    "shared_embedding",
+    "vocab_unpadded",
+)
 
 
 class ParamLayoutError(MegalmError, ValueError):
@@ -71,8 +78,10 @@ class ParamInfo:
         if self.tensor_parallel and self.partition_stride < 1:
             raise ParamLayoutError(f"partition_stride must be >= 1, got {self.partition_stride}")
         if not self.tensor_parallel and (self.partition_dim != -1 or self.partition_stride != 1):
-            raise ParamLayoutError(f"a replicated parameter has partition_dim -1 and partition_stride 1, got "
-                                   f"{self.partition_dim} and {self.partition_stride}")
+            raise ParamLayoutError(
+                f"a replicated parameter has partition_dim -1 and partition_stride 1, got "
+                f"{self.partition_dim} and {self.partition_stride}"
+            )
 
 
 REPLICATED = ParamInfo()
@@ -89,12 +98,15 @@ def _from_legacy_attributes(attributes: dict) -> ParamInfo:
     if not any(name in attributes for name in _LEGACY):
         return REPLICATED
     split = bool(attributes.get("tensor_model_parallel", False))
-    return ParamInfo(tensor_parallel=split, partition_dim=int(attributes.get("partition_dim", -1)) if split else -1,
-                     partition_stride=int(attributes.get("partition_stride", 1)) if split else 1,
-                     sequence_parallel=bool(attributes.get("sequence_parallel", False)),
-                     expert=attributes.get("allreduce", True) is False,
-                     tied=bool(attributes.get("shared_embedding", False)),
-                     vocab_unpadded=attributes.get("vocab_unpadded"))
+    return ParamInfo(
+        tensor_parallel=split,
+        partition_dim=int(attributes.get("partition_dim", -1)) if split else -1,
+        partition_stride=int(attributes.get("partition_stride", 1)) if split else 1,
+        sequence_parallel=bool(attributes.get("sequence_parallel", False)),
+        expert=attributes.get("allreduce", True) is False,
+        tied=bool(attributes.get("shared_embedding", False)),
+        vocab_unpadded=attributes.get("vocab_unpadded"),
+    )
 
 
 def set_param_info(param: torch.Tensor, **changes) -> ParamInfo:

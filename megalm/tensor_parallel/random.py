@@ -40,6 +40,7 @@ EXPERT_PARALLEL_SEED_OFFSET = 1024
 
 # --- the device's default generator ------------------------------------------------------
 
+
 def get_device_rng_state() -> torch.Tensor:
     """State of the compute device's default generator (CUDA when used, else CPU)."""
     return torch.cuda.get_rng_state() if use_cuda() else torch.get_rng_state()
@@ -64,6 +65,7 @@ def _state_for_seed(seed: int) -> torch.Tensor:
 
 
 # --- tracker -----------------------------------------------------------------------------
+
 
 class RNGStatesTracker:
     """Named generator states that can be swapped in for the device's default generator.
@@ -119,8 +121,10 @@ class RNGStatesTracker:
             yield
             return
         if name not in self._states:
-            raise RuntimeError(f"RNG stream {name!r} is not initialized; call "
-                               "megalm.tensor_parallel.model_parallel_manual_seed(seed) first")
+            raise RuntimeError(
+                f"RNG stream {name!r} is not initialized; call "
+                "megalm.tensor_parallel.model_parallel_manual_seed(seed) first"
+            )
         outer_state, outer_active = get_device_rng_state(), self._active
         set_device_rng_state(self._states[name])
         self._active = name
@@ -189,6 +193,7 @@ def dropout(x: torch.Tensor, p: float, training: bool, model_parallel_rng: bool 
 
 # --- activation recomputation ------------------------------------------------------------
 
+
 def _autocast_state() -> tuple:
     device_type = "cuda" if use_cuda() else "cpu"
     return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
@@ -218,14 +223,18 @@ class _CheckpointFunction(torch.autograd.Function):
         set_all_rng_states(ctx.rng_states)
         device_type, autocast_on, autocast_dtype = ctx.autocast
         try:
-            with torch.enable_grad(), torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on), \
-                    _TRACKER.resume(ctx.active_stream):
+            with (
+                torch.enable_grad(),
+                torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on),
+                _TRACKER.resume(ctx.active_stream),
+            ):
                 outputs = ctx.run_function(*args)
         finally:
             set_all_rng_states(states_before_recompute)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        pairs = [(o, g) for o, g in zip(outputs, grad_outputs)
-                 if torch.is_tensor(o) and o.requires_grad and g is not None]
+        pairs = [
+            (o, g) for o, g in zip(outputs, grad_outputs) if torch.is_tensor(o) and o.requires_grad and g is not None
+        ]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         grads = tuple(a.grad if torch.is_tensor(a) else None for a in args)

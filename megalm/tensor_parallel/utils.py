@@ -29,8 +29,12 @@ def divide(numerator: int, denominator: int) -> int:
 
 def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool, dim: int, stride: int = 1) -> None:
     """Mark ``param`` as split along ``dim`` (or replicated when ``is_parallel`` is False) in its record."""
-    set_param_info(param, tensor_parallel=bool(is_parallel), partition_dim=int(dim) if is_parallel else -1,
-                   partition_stride=int(stride) if is_parallel else 1)
+    set_param_info(
+        param,
+        tensor_parallel=bool(is_parallel),
+        partition_dim=int(dim) if is_parallel else -1,
+        partition_stride=int(stride) if is_parallel else 1,
+    )
 
 
 def full_shape(param: torch.Tensor, tp_size: int) -> List[int]:

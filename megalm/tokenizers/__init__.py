@@ -7,5 +7,15 @@ from megalm.tokenizers.huggingface_tokenizer import HuggingFaceTokenizer
 from megalm.tokenizers.null_tokenizer import NullTokenizer
 from megalm.tokenizers.sentencepiece_tokenizer import Llama2Tokenizer, SentencePieceTokenizer
 
-__all__ = ["Tokenizer", "TOKENIZER_TYPES", "build_tokenizer", "create_tokenizer", "missing_tokenizer_flags",
-           "GPT2BPETokenizer", "HuggingFaceTokenizer", "Llama2Tokenizer", "NullTokenizer", "SentencePieceTokenizer"]
+__all__ = [
+    "Tokenizer",
+    "TOKENIZER_TYPES",
+    "build_tokenizer",
+    "create_tokenizer",
+    "missing_tokenizer_flags",
+    "GPT2BPETokenizer",
+    "HuggingFaceTokenizer",
+    "Llama2Tokenizer",
+    "NullTokenizer",
+    "SentencePieceTokenizer",
+]

@@ -60,14 +60,22 @@ def missing_tokenizer_flags(tokenizer_type: str, **given) -> List[str]:
     return [flag for arg, flag in _NEEDS.get(tokenizer_type, ()) if given.get(arg) is None]
 
 
-def create_tokenizer(tokenizer_type: Optional[str], tokenizer_model: Optional[str] = None,
-                     vocab_size: Optional[int] = None, vocab_file: Optional[str] = None,
-                     merge_file: Optional[str] = None) -> Tokenizer:
+def create_tokenizer(
+    tokenizer_type: Optional[str],
+    tokenizer_model: Optional[str] = None,
+    vocab_size: Optional[int] = None,
+    vocab_file: Optional[str] = None,
+    merge_file: Optional[str] = None,
+) -> Tokenizer:
     """Tokenizer from plain values (used by the tools, which have no full config)."""
     if tokenizer_type not in _NEEDS:
         raise TokenizerError(f"--tokenizer-type {tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
-    given = {"tokenizer_model": tokenizer_model, "vocab_size": vocab_size, "vocab_file": vocab_file,
-             "merge_file": merge_file}
+    given = {
+        "tokenizer_model": tokenizer_model,
+        "vocab_size": vocab_size,
+        "vocab_file": vocab_file,
+        "merge_file": merge_file,
+    }
     missing = missing_tokenizer_flags(tokenizer_type, **given)
     if missing:
         raise TokenizerError(f"--tokenizer-type {tokenizer_type} needs {' and '.join(missing)}")
@@ -105,5 +113,10 @@ def build_tokenizer(data_cfg, model_cfg) -> Tokenizer:
     The model's ``--vocab-size`` is read only by ``NullTokenizer``; record the returned
     tokenizer's ``vocab_size`` with :func:`megalm.config.set_vocab_size`.
     """
-    return create_tokenizer(data_cfg.tokenizer_type, data_cfg.tokenizer_model, model_cfg.vocab_size,
-                            data_cfg.vocab_file, data_cfg.merge_file)
+    return create_tokenizer(
+        data_cfg.tokenizer_type,
+        data_cfg.tokenizer_model,
+        model_cfg.vocab_size,
+        data_cfg.vocab_file,
+        data_cfg.merge_file,
+    )

@@ -46,12 +46,15 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
         self.vocab_file, self.merge_file = vocab_file, merge_file
         vocab = _read_vocab(vocab_file)
         if EOD_TOKEN not in vocab:
-            raise ValueError(f"--vocab-file {vocab_file}: no {EOD_TOKEN} entry (GPT2BPETokenizer's end-of-document "
-                             f"token)")
+            raise ValueError(
+                f"--vocab-file {vocab_file}: no {EOD_TOKEN} entry (GPT2BPETokenizer's end-of-document token)"
+            )
         missing = [c for c in pre_tokenizers.ByteLevel.alphabet() if c not in vocab]
         if missing:
-            raise ValueError(f"--vocab-file {vocab_file}: {len(missing)} of the 256 byte symbols are missing "
-                             f"(e.g. {missing[0]!r}); text using those bytes could not be encoded")
+            raise ValueError(
+                f"--vocab-file {vocab_file}: {len(missing)} of the 256 byte symbols are missing "
+                f"(e.g. {missing[0]!r}); text using those bytes could not be encoded"
+            )
         try:
             model = models.BPE.from_file(vocab_file, merge_file)
         except Exception as e:  # the Rust reader names the bad line

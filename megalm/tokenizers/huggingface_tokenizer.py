@@ -45,8 +45,10 @@ def _special_tokens_from_files(directory: str) -> dict:
 class HuggingFaceTokenizer(Tokenizer):
     def __init__(self, path: str):
         if not path or not os.path.exists(path):
-            raise FileNotFoundError(f"--tokenizer-model {path!r}: no tokenizer.json file or directory there "
-                                    f"(megalm loads Hugging Face tokenizers from local files only)")
+            raise FileNotFoundError(
+                f"--tokenizer-model {path!r}: no tokenizer.json file or directory there "
+                f"(megalm loads Hugging Face tokenizers from local files only)"
+            )
         self.path = path
         directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
         json_file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
@@ -68,9 +70,11 @@ class HuggingFaceTokenizer(Tokenizer):
         if eos is None:
             eos = next((c for c in _EOS_CANDIDATES if c in vocab), None)
         if eos is None or eos not in vocab:
-            raise ValueError(f"Hugging Face tokenizer {json_file}: no end-of-sequence token found (looked for "
-                             f"eos_token in tokenizer_config.json/special_tokens_map.json and {_EOS_CANDIDATES}); "
-                             f"add \"eos_token\" to tokenizer_config.json")
+            raise ValueError(
+                f"Hugging Face tokenizer {json_file}: no end-of-sequence token found (looked for "
+                f"eos_token in tokenizer_config.json/special_tokens_map.json and {_EOS_CANDIDATES}); "
+                f'add "eos_token" to tokenizer_config.json'
+            )
         self._eod = vocab[eos]
         pad = special.get("pad_token")
         if pad in vocab:
@@ -84,8 +88,10 @@ class HuggingFaceTokenizer(Tokenizer):
         try:
             from transformers import AutoTokenizer
         except ImportError:
-            raise FileNotFoundError(f"--tokenizer-model {directory!r} has no tokenizer.json and transformers is not "
-                                    f"installed to load its other files") from None
+            raise FileNotFoundError(
+                f"--tokenizer-model {directory!r} has no tokenizer.json and transformers is not "
+                f"installed to load its other files"
+            ) from None
         self._hf = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         self._tok = None
         if self._hf.eos_token_id is None:

@@ -40,11 +40,22 @@ DEVICE_PEAK_FLOPS = {
 _DTYPE_KEY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def transformer_flops(batch_size: float, seq_length: int, num_layers: int, hidden_size: int,
-                      num_attention_heads: int, ffn_hidden_size: int, vocab_size: int,
-                      num_query_groups: Optional[int] = None, kv_channels: Optional[int] = None,
-                      swiglu: bool = False, moe_router_topk: int = 1, moe_ffn_hidden_size: Optional[int] = None,
-                      num_moe_layers: int = 0, shared_expert_ffn_hidden_size: int = 0) -> float:
+def transformer_flops(
+    batch_size: float,
+    seq_length: int,
+    num_layers: int,
+    hidden_size: int,
+    num_attention_heads: int,
+    ffn_hidden_size: int,
+    vocab_size: int,
+    num_query_groups: Optional[int] = None,
+    kv_channels: Optional[int] = None,
+    swiglu: bool = False,
+    moe_router_topk: int = 1,
+    moe_ffn_hidden_size: Optional[int] = None,
+    num_moe_layers: int = 0,
+    shared_expert_ffn_hidden_size: int = 0,
+) -> float:
     """Model FLOPs of one iteration over ``batch_size`` sequences (see the module docstring)."""
     h, L, s = float(hidden_size), num_layers, float(seq_length)
     heads = num_attention_heads
@@ -54,8 +65,11 @@ def transformer_flops(batch_size: float, seq_length: int, num_layers: int, hidde
     attention = (1.0 + groups / heads + s / h) * (heads * head_dim / h)
     dense_layers = L - num_moe_layers
     moe_ffn = moe_ffn_hidden_size or ffn_hidden_size
-    mlp_total = (dense_layers * ffn_hidden_size + num_moe_layers * (moe_router_topk * moe_ffn
-                                                                   + shared_expert_ffn_hidden_size)) * gated / h
+    mlp_total = (
+        (dense_layers * ffn_hidden_size + num_moe_layers * (moe_router_topk * moe_ffn + shared_expert_ffn_hidden_size))
+        * gated
+        / h
+    )
     mlp = mlp_total / L  # mean per layer
     logits = vocab_size / (2.0 * L * h)
     return 12.0 * batch_size * s * L * h * h * (attention + mlp + logits)
@@ -71,19 +85,32 @@ def num_floating_point_operations(cfg, batch_size: float) -> float:
     num_moe_layers, topk, moe_ffn, shared = 0, 1, None, 0
     if m.num_experts:
         freq = m.moe_layer_freq or 1
-        num_moe_layers = len([i for i in range(m.num_layers) if i % int(freq) == 0]) if isinstance(freq, int) \
-            else int(sum(freq))
+        num_moe_layers = (
+            len([i for i in range(m.num_layers) if i % int(freq) == 0]) if isinstance(freq, int) else int(sum(freq))
+        )
         topk = m.moe_router_topk or 1
         moe_ffn = m.moe_ffn_hidden_size
         shared = m.moe_shared_expert_intermediate_size or 0
-    return transformer_flops(batch_size, m.seq_length, m.num_layers, m.hidden_size, m.num_attention_heads, ffn,
-                             vocab, num_query_groups=m.num_query_groups if m.group_query_attention else None,
-                             kv_channels=m.kv_channels, swiglu=m.swiglu, moe_router_topk=topk,
-                             moe_ffn_hidden_size=moe_ffn, num_moe_layers=num_moe_layers,
-                             shared_expert_ffn_hidden_size=shared)
+    return transformer_flops(
+        batch_size,
+        m.seq_length,
+        m.num_layers,
+        m.hidden_size,
+        m.num_attention_heads,
+        ffn,
+        vocab,
+        num_query_groups=m.num_query_groups if m.group_query_attention else None,
+        kv_channels=m.kv_channels,
+        swiglu=m.swiglu,
+        moe_router_topk=topk,
+        moe_ffn_hidden_size=moe_ffn,
+        num_moe_layers=num_moe_layers,
+        shared_expert_ffn_hidden_size=shared,
+    )
 
 
 # --- device peaks ---------------------------------------------------------------------------------
+
 
 def _table_entry(device_name: str) -> Optional[dict]:
     name = device_name.upper()
@@ -129,8 +156,9 @@ def _mkldnn_supports(check_name: str) -> bool:
         return True
 
 
-def measure_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 10,
-                         device: Optional[torch.device] = None) -> float:
+def measure_matmul_flops(
+    dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 10, device: Optional[torch.device] = None
+) -> float:
     """Best FLOP/s of ``repeats`` timed ``n x n @ n x n`` matmuls (after warming up: one matmul, and
     0.5 s of them on CPU, where a cold thread pool read ~1.6x low); cached."""
     device = device or torch.device("cpu")
@@ -151,18 +179,20 @@ def measure_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 1024, repe
             if device.type == "cuda":
                 torch.cuda.synchronize()
             best = min(best, time.perf_counter() - t0)
-        _MEASURED[key] = 2.0 * n ** 3 / best
+        _MEASURED[key] = 2.0 * n**3 / best
     return _MEASURED[key]
 
 
-def device_peak_flops(dtype: torch.dtype = torch.bfloat16, override: Optional[float] = None,
-                      device: Optional[torch.device] = None) -> Tuple[float, str]:
+def device_peak_flops(
+    dtype: torch.dtype = torch.bfloat16, override: Optional[float] = None, device: Optional[torch.device] = None
+) -> Tuple[float, str]:
     """``(peak FLOP/s per device, source)``; source is ``"override"``, ``"table: <name> <dtype>"``
     or ``"measured: <n>^3 matmul"`` (CPU, or a GPU not in the table)."""
     if override:
         return float(override), "override"
-    device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                        else torch.device("cpu"))
+    device = device or (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    )
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         entry = _table_entry(name)
@@ -173,8 +203,10 @@ def device_peak_flops(dtype: torch.dtype = torch.bfloat16, override: Optional[fl
     if device.type == "cpu" and not cpu_has_native_half(dtype):
         # Half-precision matmuls without native instructions run ~100x below fp32 (seconds per
         # measurement): the machine's peak is its fp32 one, and MFU says how much of it is used.
-        return (measure_matmul_flops(torch.float32, n=n, device=device),
-                f"measured: {n}^3 fp32 matmul (this CPU has no native {_DTYPE_KEY.get(dtype, dtype)} instructions)")
+        return (
+            measure_matmul_flops(torch.float32, n=n, device=device),
+            f"measured: {n}^3 fp32 matmul (this CPU has no native {_DTYPE_KEY.get(dtype, dtype)} instructions)",
+        )
     return measure_matmul_flops(dtype, n=n, device=device), f"measured: {n}^3 {_DTYPE_KEY.get(dtype, dtype)} matmul"
 
 

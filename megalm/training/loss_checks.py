@@ -58,6 +58,7 @@ class SpikyLossStop(NumericsStop):
 
 # --- per-rank loss flags ---------------------------------------------------------------------
 
+
 def launch_loss_flags(reported: List[Dict]) -> torch.Tensor:
     """One float32 per world rank, 1 where that rank's own reported values (its microbatches on
     the last pipeline stage, before any reduction) hold a non-finite number; all-reduced (SUM)
@@ -66,8 +67,9 @@ def launch_loss_flags(reported: List[Dict]) -> torch.Tensor:
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = get_device()
     flags = torch.zeros(world, dtype=torch.float32, device=device)
-    values = [torch.as_tensor(v).to(device=device, dtype=torch.float64).reshape(-1) for r in reported
-              for v in r.values()]
+    values = [
+        torch.as_tensor(v).to(device=device, dtype=torch.float64).reshape(-1) for r in reported for v in r.values()
+    ]
     if values:
         flags[rank] = (~torch.isfinite(torch.cat(values))).any().to(torch.float32)
     if world > 1:
@@ -84,6 +86,7 @@ def flagged_ranks(flags: Optional[torch.Tensor]) -> Tuple[int, ...]:
 
 # --- the checks after a step -------------------------------------------------------------------
 
+
 def _ranks(ranks: Tuple[int, ...]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
 
@@ -98,10 +101,14 @@ def nonfinite_message(iteration: int, loss_ranks: Tuple[int, ...], grad_norm: Op
         if norm_bad:
             what += f" (gradient norm {grad_norm})"
     else:
-        what = (f"non-finite gradient norm ({grad_norm}) at iteration {iteration}; the loss was finite on every "
-                f"rank (gradients are reduced across ranks before the norm: the rank of origin is not known)")
-    return what + ("; stopped without saving this iteration (--check-for-nan-in-loss-and-grad; "
-                   "--no-check-for-nan-in-loss-and-grad skips such iterations instead)")
+        what = (
+            f"non-finite gradient norm ({grad_norm}) at iteration {iteration}; the loss was finite on every "
+            f"rank (gradients are reduced across ranks before the norm: the rank of origin is not known)"
+        )
+    return what + (
+        "; stopped without saving this iteration (--check-for-nan-in-loss-and-grad; "
+        "--no-check-for-nan-in-loss-and-grad skips such iterations instead)"
+    )
 
 
 class SpikyLossDetector:
@@ -117,8 +124,10 @@ class SpikyLossDetector:
         if self.history:
             mean = sum(self.history) / len(self.history)
             if loss > self.factor * mean:
-                return (f"spiky loss at iteration {iteration}: lm loss {loss:.6E} > {self.factor:g} x the running "
-                        f"mean {mean:.6E} of the previous {len(self.history)} iteration(s) (--check-for-spiky-loss)")
+                return (
+                    f"spiky loss at iteration {iteration}: lm loss {loss:.6E} > {self.factor:g} x the running "
+                    f"mean {mean:.6E} of the previous {len(self.history)} iteration(s) (--check-for-spiky-loss)"
+                )
         if math.isfinite(loss):
             self.history.append(loss)
         return None
@@ -132,8 +141,11 @@ class NumericsChecks:
         self.t = training_cfg
         self.grad_scaler = grad_scaler
         self.groups = groups
-        self.spiky = (SpikyLossDetector(training_cfg.spiky_loss_factor, training_cfg.spiky_loss_window)
-                      if training_cfg.check_for_spiky_loss else None)
+        self.spiky = (
+            SpikyLossDetector(training_cfg.spiky_loss_factor, training_cfg.spiky_loss_window)
+            if training_cfg.check_for_spiky_loss
+            else None
+        )
 
     def check(self, iteration: int, result) -> None:
         """Raise a :class:`NumericsStop` (the same on every rank) or log a spike warning;
@@ -154,7 +166,8 @@ class NumericsChecks:
         raise LossScaleOverflowStop(
             f"fp16: the last {scaler.overflows_at_min_scale} iterations (through iteration {iteration}) overflowed "
             f"at the minimum loss scale {scaler.scale:g} and were skipped: the gradients are not finite at any "
-            f"scale; iteration {iteration} not saved (--max-overflows-at-min-loss-scale {k}; 0 never stops)")
+            f"scale; iteration {iteration} not saved (--max-overflows-at-min-loss-scale {k}; 0 never stops)"
+        )
 
     def _check_spike(self, iteration: int, result) -> None:
         from megalm.training.step import losses_to_floats

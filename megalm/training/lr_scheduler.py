@@ -32,10 +32,20 @@ class OptimizerParamScheduler:
     once, with the rest of the configuration, by :func:`megalm.config.validate_config`
     (``_validate_lr_schedule``); build it with :meth:`from_config` from a validated config."""
 
-    def __init__(self, optimizer, init_lr: float, max_lr: float, min_lr: float, lr_warmup_steps: float,
-                 lr_decay_steps: float, lr_decay_style: str, wsd_decay_steps: Optional[float] = None,
-                 lr_wsd_decay_style: str = "exponential", override_opt_param_scheduler: bool = False,
-                 use_checkpoint_opt_param_scheduler: bool = False):
+    def __init__(
+        self,
+        optimizer,
+        init_lr: float,
+        max_lr: float,
+        min_lr: float,
+        lr_warmup_steps: float,
+        lr_decay_steps: float,
+        lr_decay_style: str,
+        wsd_decay_steps: Optional[float] = None,
+        lr_wsd_decay_style: str = "exponential",
+        override_opt_param_scheduler: bool = False,
+        use_checkpoint_opt_param_scheduler: bool = False,
+    ):
         self.optimizer = optimizer
         self.init_lr, self.max_lr, self.min_lr = float(init_lr), float(max_lr), float(min_lr)
         self.lr_warmup_steps = lr_warmup_steps
@@ -59,14 +69,29 @@ class OptimizerParamScheduler:
             if not t.skip_train:
                 raise ConfigError("the learning-rate schedule needs --train-iters or --train-samples")
             # evaluation only: the schedule is never stepped
-            return cls(optimizer, init_lr=t.lr, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=0, lr_decay_steps=1,
-                       lr_decay_style="constant")
+            return cls(
+                optimizer,
+                init_lr=t.lr,
+                max_lr=t.lr,
+                min_lr=t.min_lr,
+                lr_warmup_steps=0,
+                lr_decay_steps=1,
+                lr_decay_style="constant",
+            )
         warmup, decay, wsd = lr_schedule_samples(t)
-        return cls(optimizer, init_lr=t.lr_warmup_init, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=warmup,
-                   lr_decay_steps=decay, lr_decay_style=t.lr_decay_style, wsd_decay_steps=wsd,
-                   lr_wsd_decay_style=t.lr_wsd_decay_style,
-                   override_opt_param_scheduler=t.override_opt_param_scheduler,
-                   use_checkpoint_opt_param_scheduler=t.use_checkpoint_opt_param_scheduler)
+        return cls(
+            optimizer,
+            init_lr=t.lr_warmup_init,
+            max_lr=t.lr,
+            min_lr=t.min_lr,
+            lr_warmup_steps=warmup,
+            lr_decay_steps=decay,
+            lr_decay_style=t.lr_decay_style,
+            wsd_decay_steps=wsd,
+            lr_wsd_decay_style=t.lr_wsd_decay_style,
+            override_opt_param_scheduler=t.override_opt_param_scheduler,
+            use_checkpoint_opt_param_scheduler=t.use_checkpoint_opt_param_scheduler,
+        )
 
     # --- the schedule ----------------------------------------------------------------------
     def get_lr(self, param_group: Optional[dict] = None) -> float:
@@ -110,8 +135,16 @@ class OptimizerParamScheduler:
         return self.get_lr()
 
     # --- checkpointing -------------------------------------------------------------------
-    _CHECKED = ("max_lr", "min_lr", "init_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style",
-                "wsd_decay_steps", "lr_wsd_decay_style")
+    _CHECKED = (
+        "max_lr",
+        "min_lr",
+        "init_lr",
+        "lr_warmup_steps",
+        "lr_decay_steps",
+        "lr_decay_style",
+        "wsd_decay_steps",
+        "lr_wsd_decay_style",
+    )
 
     def state_dict(self) -> dict:
         """JSON-serializable: the schedule's settings and ``num_steps``."""
@@ -124,7 +157,8 @@ class OptimizerParamScheduler:
             raise ConfigError(
                 f"OptimizerParamScheduler: {name} is {cls_value} on the command line but {sd_value} in the "
                 f"checkpoint; pass --override-opt-param-scheduler to use the command line or "
-                f"--use-checkpoint-opt-param-scheduler to use the checkpoint")
+                f"--use-checkpoint-opt-param-scheduler to use the checkpoint"
+            )
         return sd_value
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -27,12 +27,16 @@ def _cpu_peak_rss_bytes() -> int:
 def peak_memory(device: Optional[torch.device] = None) -> Dict[str, object]:
     """``{"kind", "peak_bytes", ...}`` for this rank: ``cuda`` (allocated and reserved peaks) or
     ``cpu_rss`` (peak resident set size of the process)."""
-    device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                        else torch.device("cpu"))
+    device = device or (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    )
     if device.type == "cuda":
-        return {"kind": "cuda", "peak_bytes": int(torch.cuda.max_memory_allocated(device)),
-                "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
-                "current_bytes": int(torch.cuda.memory_allocated(device))}
+        return {
+            "kind": "cuda",
+            "peak_bytes": int(torch.cuda.max_memory_allocated(device)),
+            "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+            "current_bytes": int(torch.cuda.memory_allocated(device)),
+        }
     return {"kind": "cpu_rss", "peak_bytes": _cpu_peak_rss_bytes()}
 
 
@@ -47,10 +51,12 @@ def memory_scalars(device: Optional[torch.device] = None) -> Dict[str, int]:
     if m["kind"] != "cuda":
         return {"mem-max-rss-bytes": int(m["peak_bytes"])}
     stats = torch.cuda.memory_stats(device)
-    return {"mem-reserved-bytes": int(stats.get("reserved_bytes.all.current", 0)),
-            "mem-allocated-bytes": int(stats.get("allocated_bytes.all.current", 0)),
-            "mem-max-allocated-bytes": int(m["peak_bytes"]),
-            "mem-allocated-count": int(stats.get("allocation.all.current", 0))}
+    return {
+        "mem-reserved-bytes": int(stats.get("reserved_bytes.all.current", 0)),
+        "mem-allocated-bytes": int(stats.get("allocated_bytes.all.current", 0)),
+        "mem-max-allocated-bytes": int(m["peak_bytes"]),
+        "mem-allocated-count": int(stats.get("allocation.all.current", 0)),
+    }
 
 
 def reset_peak_memory(device: Optional[torch.device] = None) -> None:
@@ -64,8 +70,10 @@ def memory_report(rank: Optional[int] = None, device: Optional[torch.device] = N
     rank = dist.get_rank() if rank is None and dist.is_initialized() else (rank or 0)
     m = peak_memory(device)
     if m["kind"] == "cuda":
-        return (f"[rank {rank}] memory (MB) | allocated: {m['current_bytes'] / MB:.1f} | max allocated: "
-                f"{m['peak_bytes'] / MB:.1f} | max reserved: {m['peak_reserved_bytes'] / MB:.1f}")
+        return (
+            f"[rank {rank}] memory (MB) | allocated: {m['current_bytes'] / MB:.1f} | max allocated: "
+            f"{m['peak_bytes'] / MB:.1f} | max reserved: {m['peak_reserved_bytes'] / MB:.1f}"
+        )
     return f"[rank {rank}] memory (MB) | peak RSS (process): {m['peak_bytes'] / MB:.1f}"
 
 

@@ -34,9 +34,18 @@ from urllib.parse import urlparse
 
 from megalm.errors import MegalmError
 
-TB_TAGS = {"lm_loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm", "params_norm": "params-norm",
-           "loss_scale": "loss-scale", "global_batch_size": "batch-size", "elapsed_ms": "iteration-time-ms",
-           "tokens_per_sec": "tokens-per-sec", "tflops_per_rank": "tflops-per-rank", "num_zeros": "num-zeros"}
+TB_TAGS = {
+    "lm_loss": "lm loss",
+    "lr": "learning-rate",
+    "grad_norm": "grad-norm",
+    "params_norm": "params-norm",
+    "loss_scale": "loss-scale",
+    "global_batch_size": "batch-size",
+    "elapsed_ms": "iteration-time-ms",
+    "tokens_per_sec": "tokens-per-sec",
+    "tflops_per_rank": "tflops-per-rank",
+    "num_zeros": "num-zeros",
+}
 
 
 class WandbSetupError(MegalmError, RuntimeError):
@@ -44,6 +53,7 @@ class WandbSetupError(MegalmError, RuntimeError):
 
 
 # --- W&B credentials -------------------------------------------------------------------------
+
 
 def wandb_mode() -> str:
     if os.environ.get("WANDB_DISABLED", "").lower() in ("1", "true", "yes"):
@@ -71,10 +81,12 @@ def check_wandb_ready(logging_cfg) -> None:
     if not wandb_has_credentials():
         raise WandbSetupError(
             "--wandb-project is set but no Weights & Biases credentials were found: set WANDB_API_KEY "
-            "(or run `wandb login`), or set WANDB_MODE=offline to log locally and `wandb sync` later")
+            "(or run `wandb login`), or set WANDB_MODE=offline to log locally and `wandb sync` later"
+        )
 
 
 # --- values ------------------------------------------------------------------------------------
+
 
 def _plain(value: Any) -> Any:
     """Tensors / numpy scalars -> Python numbers (full precision); other values unchanged."""
@@ -88,6 +100,7 @@ def _numeric(value: Any) -> bool:
 
 
 # --- the writer ----------------------------------------------------------------------------------
+
 
 class MetricsWriter:
     """Writes training and evaluation records to the configured sinks.
@@ -129,8 +142,9 @@ class MetricsWriter:
         try:
             return wandb.init(**kwargs)
         except Exception as e:  # noqa: BLE001 - name the fix, keep the cause
-            raise WandbSetupError(f"could not start the W&B run ({type(e).__name__}: {e}); check WANDB_API_KEY "
-                                  f"or set WANDB_MODE=offline") from e
+            raise WandbSetupError(
+                f"could not start the W&B run ({type(e).__name__}: {e}); check WANDB_API_KEY or set WANDB_MODE=offline"
+            ) from e
 
     # --- records -------------------------------------------------------------------------------
     def _write_json(self, record: Dict[str, Any]) -> None:
@@ -157,15 +171,21 @@ class MetricsWriter:
 
     log_train = log_iteration
 
-    def log_evaluation(self, iteration: int, split: str, loss: float, ppl: Optional[float] = None,
-                       **extra: Any) -> None:
+    def log_evaluation(
+        self, iteration: int, split: str, loss: float, ppl: Optional[float] = None, **extra: Any
+    ) -> None:
         """One evaluation record; ``ppl`` defaults to ``exp(min(20, loss))`` (Megatron)."""
         if not self.enabled:
             return
         loss = float(_plain(loss))
         ppl = math.exp(min(20.0, loss)) if ppl is None else float(_plain(ppl))
-        record = {"iteration": int(iteration), "split": split, "loss": loss, "ppl": ppl,
-                  **{k: _plain(v) for k, v in extra.items()}}
+        record = {
+            "iteration": int(iteration),
+            "split": split,
+            "loss": loss,
+            "ppl": ppl,
+            **{k: _plain(v) for k, v in extra.items()},
+        }
         self._write_json(record)
         if self._tb is not None:
             self._tb.add_scalar(f"lm loss {split}", loss, int(iteration))
@@ -188,9 +208,25 @@ class MetricsWriter:
 
 # --- console line -------------------------------------------------------------------------------
 
-_LINE_KEYS = {"iteration", "consumed_samples", "elapsed_ms", "lr", "global_batch_size", "lm_loss", "loss_scale",
-              "grad_norm", "params_norm", "num_zeros", "skipped_iterations", "nan_iterations", "tokens_per_sec",
-              "tflops_per_rank", "mfu", "compiled_graphs", "compile_seconds"}  # compilation has its own log line
+_LINE_KEYS = {
+    "iteration",
+    "consumed_samples",
+    "elapsed_ms",
+    "lr",
+    "global_batch_size",
+    "lm_loss",
+    "loss_scale",
+    "grad_norm",
+    "params_norm",
+    "num_zeros",
+    "skipped_iterations",
+    "nan_iterations",
+    "tokens_per_sec",
+    "tflops_per_rank",
+    "mfu",
+    "compiled_graphs",
+    "compile_seconds",
+}  # compilation has its own log line
 
 
 def format_log_line(record: Dict[str, Any], train_iters: int, extra_losses: Optional[Iterable[str]] = None) -> str:
@@ -200,11 +236,13 @@ def format_log_line(record: Dict[str, Any], train_iters: int, extra_losses: Opti
     not otherwise printed), as ``<key with spaces>: <value %.6E>``.
     """
     r = {k: _plain(v) for k, v in record.items()}
-    parts = [f" iteration {int(r['iteration']):8d}/{int(train_iters):8d}",
-             f"consumed samples: {int(r.get('consumed_samples', 0)):12d}",
-             f"elapsed time per iteration (ms): {float(r.get('elapsed_ms', 0.0)):.1f}",
-             f"learning rate: {float(r.get('lr', 0.0)):.6E}",
-             f"global batch size: {int(r.get('global_batch_size', 0)):5d}"]
+    parts = [
+        f" iteration {int(r['iteration']):8d}/{int(train_iters):8d}",
+        f"consumed samples: {int(r.get('consumed_samples', 0)):12d}",
+        f"elapsed time per iteration (ms): {float(r.get('elapsed_ms', 0.0)):.1f}",
+        f"learning rate: {float(r.get('lr', 0.0)):.6E}",
+        f"global batch size: {int(r.get('global_batch_size', 0)):5d}",
+    ]
     if r.get("lm_loss") is not None:
         parts.append(f"lm loss: {float(r['lm_loss']):.6E}")
     extras = extra_losses if extra_losses is not None else [k for k in r if k not in _LINE_KEYS and _numeric(r[k])]
@@ -216,8 +254,10 @@ def format_log_line(record: Dict[str, Any], train_iters: int, extra_losses: Opti
         parts.append(f"num zeros: {float(r['num_zeros']):.1f}")
     if r.get("params_norm") is not None:
         parts.append(f"params norm: {float(r['params_norm']):.3f}")
-    parts += [f"number of skipped iterations: {int(r.get('skipped_iterations', 0)):3d}",
-              f"number of nan iterations: {int(r.get('nan_iterations', 0)):3d}"]
+    parts += [
+        f"number of skipped iterations: {int(r.get('skipped_iterations', 0)):3d}",
+        f"number of nan iterations: {int(r.get('nan_iterations', 0)):3d}",
+    ]
     if r.get("tokens_per_sec") is not None:
         parts.append(f"tokens per second: {float(r['tokens_per_sec']):.1f}")
     if r.get("tflops_per_rank") is not None:

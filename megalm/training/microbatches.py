@@ -13,8 +13,13 @@ class MicrobatchCalculator:
     ``--global-batch-size``.  Microbatches per iteration = global / (micro x DP).
     """
 
-    def __init__(self, global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
-                 rampup_batch_size: Optional[Sequence[int]] = None):
+    def __init__(
+        self,
+        global_batch_size: int,
+        micro_batch_size: int,
+        data_parallel_size: int,
+        rampup_batch_size: Optional[Sequence[int]] = None,
+    ):
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.data_parallel_size = data_parallel_size
@@ -23,10 +28,14 @@ class MicrobatchCalculator:
         if rampup_batch_size is not None:
             start, increment, ramp_samples = (int(x) for x in rampup_batch_size)
             if increment <= 0 or start <= 0 or start > global_batch_size:
-                raise ValueError(f"--rampup-batch-size {rampup_batch_size}: need 0 < start <= global batch and increment > 0")
+                raise ValueError(
+                    f"--rampup-batch-size {rampup_batch_size}: need 0 < start <= global batch and increment > 0"
+                )
             if (global_batch_size - start) % increment != 0:
-                raise ValueError(f"--rampup-batch-size: global batch {global_batch_size} minus start {start} "
-                                 f"is not a multiple of the increment {increment}")
+                raise ValueError(
+                    f"--rampup-batch-size: global batch {global_batch_size} minus start {start} "
+                    f"is not a multiple of the increment {increment}"
+                )
             steps = (global_batch_size - start) // increment
             self.rampup = (start, increment, ramp_samples / max(steps, 1))
         self.current_global_batch_size = global_batch_size

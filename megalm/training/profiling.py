@@ -36,8 +36,10 @@ def check_profiler_available(logging_cfg) -> None:
     ``--use-pytorch-profiler``) on a machine without CUDA."""
     lg = logging_cfg
     if lg.profile and not lg.use_pytorch_profiler and not use_cuda():
-        raise ProfilerUnavailable("--profile without --use-pytorch-profiler drives nsys through CUDA and this "
-                                  "machine has no GPU: add --use-pytorch-profiler (and --tensorboard-dir)")
+        raise ProfilerUnavailable(
+            "--profile without --use-pytorch-profiler drives nsys through CUDA and this "
+            "machine has no GPU: add --use-pytorch-profiler (and --tensorboard-dir)"
+        )
 
 
 class StepProfiler:
@@ -63,8 +65,10 @@ class StepProfiler:
     def note_on_resume(self, iteration: int) -> Optional[str]:
         """A warning when training starts (at ``iteration``) past the profiled window's start."""
         if self.enabled and iteration > max(self.start_step - 1, 0):
-            return (f"--profile-step-start {self.start_step} is before the resumed iteration {iteration}: "
-                    f"nothing is profiled")
+            return (
+                f"--profile-step-start {self.start_step} is before the resumed iteration {iteration}: "
+                f"nothing is profiled"
+            )
         return None
 
     # --- hooks ------------------------------------------------------------------------------------
@@ -103,7 +107,9 @@ class StepProfiler:
         from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_cuda() else [])
-        return profile(activities=activities,
-                       schedule=schedule(wait=0, warmup=warmup, active=self.end_step - self.start_step, repeat=1),
-                       on_trace_ready=tensorboard_trace_handler(self.trace_dir, worker_name=f"rank{self.rank}"),
-                       record_shapes=True)
+        return profile(
+            activities=activities,
+            schedule=schedule(wait=0, warmup=warmup, active=self.end_step - self.start_step, repeat=1),
+            on_trace_ready=tensorboard_trace_handler(self.trace_dir, worker_name=f"rank{self.rank}"),
+            record_shapes=True,
+        )

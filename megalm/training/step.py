@@ -90,9 +90,19 @@ class StepResult:
 
 # --- one iteration -----------------------------------------------------------------------
 
-def train_step(cfg: MegalmConfig, forward_step_func: Callable, data_iterator, model: List[torch.nn.Module],
-               optimizer, scheduler, state: TrainState, microbatches, groups: Optional[ProcessGroups] = None,
-               timers=NULL_TIMERS) -> StepResult:
+
+def train_step(
+    cfg: MegalmConfig,
+    forward_step_func: Callable,
+    data_iterator,
+    model: List[torch.nn.Module],
+    optimizer,
+    scheduler,
+    state: TrainState,
+    microbatches,
+    groups: Optional[ProcessGroups] = None,
+    timers=NULL_TIMERS,
+) -> StepResult:
     """One iteration on this rank (collective over every rank); advances ``state`` and the
     learning-rate ``scheduler``.  ``microbatches``: the run's
     :class:`megalm.training.microbatches.MicrobatchCalculator`; ``groups``: the rank's process
@@ -111,12 +121,20 @@ def train_step(cfg: MegalmConfig, forward_step_func: Callable, data_iterator, mo
     begin_moe_step(model, loss_scale, 1 if per_token else m)  # aux-loss backward factor (MoE)
     forward_backward = get_forward_backward_func(groups)
     with timers("forward-backward"):
-        reported = forward_backward(forward_step_func=forward_step_func,
-                                    data_iterator=timed_iterator(data_iterator, timers("batch-generator")),
-                                    model=model, num_microbatches=m, forward_only=False, loss_scale=loss_scale,
-                                    calculate_per_token_loss=per_token, seq_length=cfg.model.seq_length,
-                                    micro_batch_size=cfg.training.micro_batch_size, config=cfg, groups=groups,
-                                    timers=timers)
+        reported = forward_backward(
+            forward_step_func=forward_step_func,
+            data_iterator=timed_iterator(data_iterator, timers("batch-generator")),
+            model=model,
+            num_microbatches=m,
+            forward_only=False,
+            loss_scale=loss_scale,
+            calculate_per_token_loss=per_token,
+            seq_length=cfg.model.seq_length,
+            micro_batch_size=cfg.training.micro_batch_size,
+            config=cfg,
+            groups=groups,
+            timers=timers,
+        )
     check_loss = cfg.training.check_for_nan_in_loss_and_grad and optimizer.grad_scaler is None
     loss_flags = launch_loss_flags(reported) if check_loss else None
     finalize_model_grads(model, timers=timers)
@@ -132,12 +150,21 @@ def train_step(cfg: MegalmConfig, forward_step_func: Callable, data_iterator, mo
     state.consumed_train_samples += gbs
     state.skipped_iterations += 0 if update_successful else 1
     state.nan_iterations += 1 if nan else 0
-    return StepResult(losses=reduce_reported(reported, per_token, groups), grad_norm=grad_norm,
-                      num_zeros=num_zeros, loss_scale=loss_scale, skipped=not update_successful, nan=nan,
-                      global_batch_size=gbs, num_microbatches=m, nonfinite_loss_ranks=nonfinite_ranks)
+    return StepResult(
+        losses=reduce_reported(reported, per_token, groups),
+        grad_norm=grad_norm,
+        num_zeros=num_zeros,
+        loss_scale=loss_scale,
+        skipped=not update_successful,
+        nan=nan,
+        global_batch_size=gbs,
+        num_microbatches=m,
+        nonfinite_loss_ranks=nonfinite_ranks,
+    )
 
 
 # --- per-token loss ------------------------------------------------------------------------
+
 
 def global_token_count(local: Optional[torch.Tensor], groups: ProcessGroups) -> torch.Tensor:
     """Tokens of the step over all microbatches and data x context parallel ranks, on every rank:
@@ -171,6 +198,7 @@ def scale_gradients_by_token_count(model: Sequence[torch.nn.Module], num_tokens:
 
 
 # --- reported values -------------------------------------------------------------------------
+
 
 def _as_pair(value, device) -> torch.Tensor:
     """``(numerator, denominator)`` of one reported value: a 2-element tensor is Megatron's
@@ -223,8 +251,16 @@ def losses_to_floats(losses: Dict[str, torch.Tensor], groups: Optional[ProcessGr
 
 # --- evaluation ------------------------------------------------------------------------------
 
-def evaluate(cfg: MegalmConfig, forward_step_func: Callable, data_iterator, model: List[torch.nn.Module],
-             eval_iters: int, num_microbatches: int, groups: Optional[ProcessGroups] = None) -> Dict[str, float]:
+
+def evaluate(
+    cfg: MegalmConfig,
+    forward_step_func: Callable,
+    data_iterator,
+    model: List[torch.nn.Module],
+    eval_iters: int,
+    num_microbatches: int,
+    groups: Optional[ProcessGroups] = None,
+) -> Dict[str, float]:
     """Forward-only over ``eval_iters`` global batches; mean of each reported value (per-token
     values summed over all batches first under ``--calculate-per-token-loss``)."""
     groups = groups if groups is not None else parallel_state.get_process_groups()
@@ -235,11 +271,20 @@ def evaluate(cfg: MegalmConfig, forward_step_func: Callable, data_iterator, mode
     batches: List[Dict] = []
     with torch.no_grad():
         for _ in range(eval_iters):
-            batches.extend(forward_backward(forward_step_func=forward_step_func, data_iterator=data_iterator,
-                                            model=model, num_microbatches=num_microbatches, forward_only=True,
-                                            calculate_per_token_loss=per_token, seq_length=cfg.model.seq_length,
-                                            micro_batch_size=cfg.training.micro_batch_size, config=cfg,
-                                            groups=groups))
+            batches.extend(
+                forward_backward(
+                    forward_step_func=forward_step_func,
+                    data_iterator=data_iterator,
+                    model=model,
+                    num_microbatches=num_microbatches,
+                    forward_only=True,
+                    calculate_per_token_loss=per_token,
+                    seq_length=cfg.model.seq_length,
+                    micro_batch_size=cfg.training.micro_batch_size,
+                    config=cfg,
+                    groups=groups,
+                )
+            )
     for chunk in model:
         chunk.train()
     return losses_to_floats(reduce_reported(batches, per_token, groups), groups)

@@ -66,12 +66,15 @@ def print_timing(block: Optional[str]) -> None:
 
 def is_logging_rank() -> bool:
     """The rank that reports losses: last pipeline stage, TP rank 0, DP rank 0 (the world's last rank ... or first)."""
-    return (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-            and parallel_state.get_tensor_model_parallel_rank() == 0
-            and parallel_state.get_data_parallel_rank() == 0)
+    return (
+        parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank() == 0
+    )
 
 
 # --- building ----------------------------------------------------------------------------
+
 
 def build_model_chunks(cfg: MegalmConfig, model_provider: Callable) -> List[torch.nn.Module]:
     """One model chunk per virtual pipeline stage of this rank, cast and moved to the device."""
@@ -84,9 +87,12 @@ def build_model_chunks(cfg: MegalmConfig, model_provider: Callable) -> List[torc
     for v in range(vpp):
         if cfg.parallel.virtual_pipeline_model_parallel_size:
             parallel_state.set_virtual_pipeline_model_parallel_rank(v)
-        model = model_provider(cfg, pre_process=parallel_state.is_pipeline_first_stage(),
-                               post_process=parallel_state.is_pipeline_last_stage(),
-                               layer_numbers=layers_for_stage(cfg, pp_rank, v))
+        model = model_provider(
+            cfg,
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+            layer_numbers=layers_for_stage(cfg, pp_rank, v),
+        )
         chunks.append(model)
     if cfg.parallel.virtual_pipeline_model_parallel_size:
         parallel_state.set_virtual_pipeline_model_parallel_rank(0)
@@ -108,8 +114,14 @@ def count_parameters(chunks: Sequence[torch.nn.Module]) -> int:
 
 # --- the loop ----------------------------------------------------------------------------
 
-def pretrain(model_provider: Callable, forward_step_func: Callable, argv: Optional[Sequence[str]] = None,
-             cfg: Optional[MegalmConfig] = None, extra_validation: Optional[Callable] = None) -> TrainState:
+
+def pretrain(
+    model_provider: Callable,
+    forward_step_func: Callable,
+    argv: Optional[Sequence[str]] = None,
+    cfg: Optional[MegalmConfig] = None,
+    extra_validation: Optional[Callable] = None,
+) -> TrainState:
     """Megatron-LM's ``pretrain``: parse flags, build everything, train, evaluate, save.
 
     ``model_provider(cfg, pre_process, post_process, layer_numbers) -> nn.Module`` and
@@ -157,8 +169,9 @@ class Trainer:
         self.scheduler = OptimizerParamScheduler.from_config(cfg, self.optimizer)
         self.numerics = NumericsChecks(cfg.training, self.optimizer.grad_scaler, self.groups)
         t = cfg.training
-        self.microbatches = MicrobatchCalculator(t.global_batch_size, t.micro_batch_size,
-                                                 parallel_state.get_data_parallel_world_size(), t.rampup_batch_size)
+        self.microbatches = MicrobatchCalculator(
+            t.global_batch_size, t.micro_batch_size, parallel_state.get_data_parallel_world_size(), t.rampup_batch_size
+        )
         self.train_iters = self._train_iters()
         self._validate_data()  # before any output (metrics file, checkpoints) is created
         # Before the RNG state is restored: the CPU peak measurement draws random matrices.
@@ -180,9 +193,11 @@ class Trainer:
             logger.info(f"fusions: {plan.describe()}")
         n_params = count_parameters(chunks)
         dp = parallel_state.group_size(self.groups.dp)
-        logger.info(f"world {dist.get_world_size()} | tp {cfg.parallel.tensor_model_parallel_size} "
-                    f"pp {cfg.parallel.pipeline_model_parallel_size} dp {dp} "
-                    f"| parameters on rank 0: {n_params:,} | train iters {self.train_iters}")
+        logger.info(
+            f"world {dist.get_world_size()} | tp {cfg.parallel.tensor_model_parallel_size} "
+            f"pp {cfg.parallel.pipeline_model_parallel_size} dp {dp} "
+            f"| parameters on rank 0: {n_params:,} | train iters {self.train_iters}"
+        )
         logger.info(run_topology_report(cfg.parallel, dist.get_world_size()))
         print_timing(self.timers.log(SETUP_TIMERS))  # collective
 
@@ -193,9 +208,11 @@ class Trainer:
         dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
         if get_device().type == "cpu" and not cpu_has_native_half(dtype):
             flag = "--bf16" if t.bf16 else "--fp16"
-            logger.info(f"warning: this CPU has no native {flag[2:]} matrix instructions (oneDNN reports "
-                        f"none): {flag} matmuls run orders of magnitude slower than fp32 here; drop {flag} to train "
-                        f"in fp32")
+            logger.info(
+                f"warning: this CPU has no native {flag[2:]} matrix instructions (oneDNN reports "
+                f"none): {flag} matmuls run orders of magnitude slower than fp32 here; drop {flag} to train "
+                f"in fp32"
+            )
         peak, source = device_peak_flops(dtype, self.cfg.logging.device_peak_flops, get_device())
         logger.info(f"device peak for MFU: {peak / 1e12:.3f} TFLOP/s per rank ({source})")
         return peak, source
@@ -212,12 +229,15 @@ class Trainer:
             checkpointing.check_save_dir(c.save)  # a non-directory or unwritable --save fails before any work
         try:
             self.resume = bool(c.load) and checkpointing.checkpoint_to_resume(
-                c.load, c.save, c.ckpt_step, c.exit_on_missing_checkpoint, fallback=c.ckpt_fallback_to_verified)
+                c.load, c.save, c.ckpt_step, c.exit_on_missing_checkpoint, fallback=c.ckpt_fallback_to_verified
+            )
         except checkpointing.CheckpointError as e:
             raise TrainingSetupError(str(e)) from None
         if c.load and not self.resume:
-            logger.info(f"warning: no checkpoint in --load {c.load} yet: training starts from scratch "
-                        f"(--exit-on-missing-checkpoint makes this an error)")
+            logger.info(
+                f"warning: no checkpoint in --load {c.load} yet: training starts from scratch "
+                f"(--exit-on-missing-checkpoint makes this an error)"
+            )
         try:
             plan_fusions(cfg.model, half_precision=cfg.training.bf16 or cfg.training.fp16)
         except BackendUnavailable as e:
@@ -239,8 +259,9 @@ class Trainer:
         cfg = self.cfg
         if cfg.data.tokenizer_type is None:
             if cfg.model.vocab_size is None:
-                raise TrainingSetupError("give --tokenizer-type (and --tokenizer-model), or --vocab-size for "
-                                         "--mock-data")
+                raise TrainingSetupError(
+                    "give --tokenizer-type (and --tokenizer-model), or --vocab-size for --mock-data"
+                )
             cfg.data.tokenizer_type = "NullTokenizer"
         tokenizer = build_tokenizer(cfg.data, cfg.model)
         set_vocab_size(cfg, tokenizer.vocab_size)
@@ -253,8 +274,9 @@ class Trainer:
         if t.train_samples is None:
             return 0
         # Walk the ramp-up to count iterations.
-        calc = MicrobatchCalculator(t.global_batch_size, t.micro_batch_size,
-                                    parallel_state.get_data_parallel_world_size(), t.rampup_batch_size)
+        calc = MicrobatchCalculator(
+            t.global_batch_size, t.micro_batch_size, parallel_state.get_data_parallel_world_size(), t.rampup_batch_size
+        )
         iters, consumed = 0, 0
         while consumed < t.train_samples:
             calc.update(consumed)
@@ -276,8 +298,9 @@ class Trainer:
         cfg = self.cfg
         if cfg.training.train_iters is None:
             cfg.training.train_iters = self.train_iters
-        iterators = build_train_valid_test_data_iterators(cfg, self.tokenizer, self.state.consumed_train_samples,
-                                                          self.state.consumed_valid_samples)
+        iterators = build_train_valid_test_data_iterators(
+            cfg, self.tokenizer, self.state.consumed_train_samples, self.state.consumed_valid_samples
+        )
         self.train_iter, self.valid_iter, self.test_iter = iterators
         _, has_valid, has_test = iterators.splits  # the same answer on every rank
         self.do_valid = cfg.training.eval_iters > 0 and has_valid
@@ -287,8 +310,16 @@ class Trainer:
         c = self.cfg.checkpoint
         try:
             common = checkpointing.load_checkpoint(
-                c.load, self.model, self.optimizer, self.scheduler, load_optim=not c.no_load_optim,
-                load_rng=False, finetune=c.finetune, iteration=c.ckpt_step, fallback=c.ckpt_fallback_to_verified)
+                c.load,
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                load_optim=not c.no_load_optim,
+                load_rng=False,
+                finetune=c.finetune,
+                iteration=c.ckpt_step,
+                fallback=c.ckpt_fallback_to_verified,
+            )
         except checkpointing.CheckpointError as e:
             raise TrainingSetupError(str(e)) from None
         self.state.iteration = common["iteration"]
@@ -336,16 +367,30 @@ class Trainer:
         cfg, state, t = self.cfg, self.state, self.cfg.training
         self.profiler.before_step(state.iteration)
         start = time.perf_counter()
-        result = train_step(cfg, self.forward_step_func, self.train_iter, self.model, self.optimizer,
-                            self.scheduler, state, self.microbatches, self.groups, self.timers)
+        result = train_step(
+            cfg,
+            self.forward_step_func,
+            self.train_iter,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            state,
+            self.microbatches,
+            self.groups,
+            self.timers,
+        )
         self.check_numerics(result)
         self.interval.add(time.perf_counter() - start, result)
         self.profiler.after_step(state.iteration)
         if state.iteration % cfg.logging.log_interval == 0:
             self.log_training(self.interval)
             self.interval = IntervalStats()
-        if self.do_valid and t.eval_interval and state.iteration % t.eval_interval == 0 \
-                and state.iteration < self.train_iters:
+        if (
+            self.do_valid
+            and t.eval_interval
+            and state.iteration % t.eval_interval == 0
+            and state.iteration < self.train_iters
+        ):
             self.evaluate_and_log("validation", self.valid_iter)
         c = cfg.checkpoint
         if c.save and c.save_interval and state.iteration % c.save_interval == 0:
@@ -410,13 +455,23 @@ class Trainer:
         state = self.state
         self.timers("save-checkpoint").start(barrier=True)
         self.complete_async_save()
-        checkpointing.save_checkpoint(self.cfg.checkpoint.save, state.iteration, self.model, self.optimizer,
-                                      self.scheduler, state.consumed_train_samples, state.consumed_valid_samples,
-                                      config=self.cfg.to_dict(), async_writer=self.async_writer)
+        checkpointing.save_checkpoint(
+            self.cfg.checkpoint.save,
+            state.iteration,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            state.consumed_train_samples,
+            state.consumed_valid_samples,
+            config=self.cfg.to_dict(),
+            async_writer=self.async_writer,
+        )
         self.timers("save-checkpoint").stop(barrier=True)
         how = "started saving" if self.async_writer is not None else "saved"
-        logger.info(f"{how} checkpoint at iteration {state.iteration} to {self.cfg.checkpoint.save}"
-                    + (" in the background" if self.async_writer is not None else ""))
+        logger.info(
+            f"{how} checkpoint at iteration {state.iteration} to {self.cfg.checkpoint.save}"
+            + (" in the background" if self.async_writer is not None else "")
+        )
         print_timing(self.timers.log(["save-checkpoint"]))  # collective
 
     def complete_async_save(self) -> None:
@@ -450,14 +505,19 @@ class Trainer:
         world = dist.get_world_size() if dist.is_initialized() else 1
         means = log.means(self.groups)  # one device-to-host copy per log line
         record = {
-            "iteration": state.iteration, "consumed_samples": state.consumed_train_samples,
-            "lm_loss": means.get("lm loss"), "grad_norm": log.last_grad_norm,
-            "lr": self.scheduler.get_lr(), "loss_scale": self.optimizer.get_loss_scale(),
+            "iteration": state.iteration,
+            "consumed_samples": state.consumed_train_samples,
+            "lm_loss": means.get("lm loss"),
+            "grad_norm": log.last_grad_norm,
+            "lr": self.scheduler.get_lr(),
+            "loss_scale": self.optimizer.get_loss_scale(),
             "tokens_per_sec": tokens / elapsed if elapsed > 0 else 0.0,
             "tflops_per_rank": flops / elapsed / world / 1e12 if elapsed > 0 else 0.0,
             "mfu": flops / elapsed / world / self.peak_flops if elapsed > 0 and self.peak_flops else None,
-            "elapsed_ms": elapsed * 1000.0, "global_batch_size": self.microbatches.current_global_batch_size,
-            "skipped_iterations": log.skipped, "nan_iterations": log.nans,
+            "elapsed_ms": elapsed * 1000.0,
+            "global_batch_size": self.microbatches.current_global_batch_size,
+            "skipped_iterations": log.skipped,
+            "nan_iterations": log.nans,
         }
         if log.last_num_zeros is not None:  # --log-num-zeros-in-grad: "number of zeros" (Megatron)
             record["num_zeros"] = log.last_num_zeros
@@ -514,8 +574,10 @@ class Trainer:
         if stats.graphs == last.graphs:
             return {}
         graphs, seconds = stats.graphs - last.graphs, stats.seconds - last.seconds
-        logger.info(f"torch.compile: {graphs} fused graph(s) compiled in {seconds:.1f} s since the last "
-                    f"log line (first iteration, or a new shape / no-grad evaluation)")
+        logger.info(
+            f"torch.compile: {graphs} fused graph(s) compiled in {seconds:.1f} s since the last "
+            f"log line (first iteration, or a new shape / no-grad evaluation)"
+        )
         return {"compiled_graphs": graphs, "compile_seconds": seconds}
 
     def report_memory(self) -> None:
@@ -525,24 +587,30 @@ class Trainer:
         self.memory_reported = True
         peaks = gather_peak_memory()
         kind = "max allocated" if peak_memory(get_device())["kind"] == "cuda" else "peak RSS"
-        logger.info(f"memory per rank ({kind}, MB): "
-                    + ", ".join(f"rank {r}: {b / 2**20:.0f}" for r, b in enumerate(peaks)))
+        logger.info(
+            f"memory per rank ({kind}, MB): " + ", ".join(f"rank {r}: {b / 2**20:.0f}" for r, b in enumerate(peaks))
+        )
 
     def evaluate_and_log(self, split: str, data_iterator) -> None:
         t = self.cfg.training
         n_micro = self.microbatches.num_microbatches
-        values = evaluate(self.cfg, self.forward_step_func, data_iterator, self.model, t.eval_iters, n_micro,
-                          self.groups)
-        self.state.consumed_valid_samples += t.eval_iters * self.microbatches.current_global_batch_size \
-            if split == "validation" else 0
+        values = evaluate(
+            self.cfg, self.forward_step_func, data_iterator, self.model, t.eval_iters, n_micro, self.groups
+        )
+        self.state.consumed_valid_samples += (
+            t.eval_iters * self.microbatches.current_global_batch_size if split == "validation" else 0
+        )
         loss = values.get("lm loss")
         if loss is None:
             return
         ppl = math.exp(min(20.0, loss))
         if is_logging_rank():
             bar = "-" * 90
-            logger.info(f"{bar}\n {split} loss at iteration {self.state.iteration} | lm loss value: {loss:.6E} | "
-                        f"lm loss PPL: {ppl:.6E} |\n{bar}", extra={"on_rank": None})
+            logger.info(
+                f"{bar}\n {split} loss at iteration {self.state.iteration} | lm loss value: {loss:.6E} | "
+                f"lm loss PPL: {ppl:.6E} |\n{bar}",
+                extra={"on_rank": None},
+            )
         self.metrics.log_evaluation(self.state.iteration, split, loss, ppl)
 
 

@@ -9,5 +9,16 @@ from megalm.transformer.te_layers import TEMLP, TESelfAttention
 from megalm.transformer.transformer_block import TransformerBlock
 from megalm.transformer.transformer_layer import TransformerLayer
 
-__all__ = ["SelfAttention", "MLP", "LayerNorm", "RMSNorm", "build_norm", "RotaryEmbedding", "apply_rotary",
-           "TEMLP", "TESelfAttention", "TransformerBlock", "TransformerLayer"]
+__all__ = [
+    "SelfAttention",
+    "MLP",
+    "LayerNorm",
+    "RMSNorm",
+    "build_norm",
+    "RotaryEmbedding",
+    "apply_rotary",
+    "TEMLP",
+    "TESelfAttention",
+    "TransformerBlock",
+    "TransformerLayer",
+]

@@ -12,8 +12,9 @@ sequence under SP), backward all-reduce (reduce-scatter under SP) of the input g
 nothing (all-gather under SP).  The attention core is local to each rank's heads.
 
 The core runs on the plan's backend (:mod:`megalm.fusions.backends`): PyTorch SDPA,
-flash-attn, the blocked causal attention (:mod:`megalm.transformer.blocked_attention`), or the unfused ``softmax(QK^T / sqrt(d) + causal) V`` with its scaled masked
-softmax compiled or eager.  RoPE on q and k is one fused call when the plan compiles it.
+flash-attn, the blocked causal attention (:mod:`megalm.transformer.blocked_attention`), or the
+unfused ``softmax(QK^T / sqrt(d) + causal) V`` with its scaled masked softmax compiled or eager.
+RoPE on q and k is one fused call when the plan compiles it.
 """
 
 from __future__ import annotations
@@ -47,8 +48,15 @@ class SelfAttention(nn.Module):
     ``tp_group``: the tensor-parallel group both projections communicate over.
     """
 
-    def __init__(self, model_cfg, sequence_parallel: bool = False, recompute_core: bool = False,
-                 plan: FusionPlan = EAGER, skip_output_bias: bool = False, tp_group=CURRENT):
+    def __init__(
+        self,
+        model_cfg,
+        sequence_parallel: bool = False,
+        recompute_core: bool = False,
+        plan: FusionPlan = EAGER,
+        skip_output_bias: bool = False,
+        tp_group=CURRENT,
+    ):
         super().__init__()
         self.tp_group = resolve_group(tp_group, "tp")
         tp = group_size(self.tp_group)
@@ -62,8 +70,10 @@ class SelfAttention(nn.Module):
         self.recompute_core = recompute_core
         self.backend = plan.attention
         if self.backend == "blocked" and m.attention_dropout > 0:  # as validate_config, for unvalidated configs
-            raise ValueError(f"the blocked attention has no attention dropout: set --attention-dropout 0 "
-                             f"(got {m.attention_dropout}) or use another --attention-backend")
+            raise ValueError(
+                f"the blocked attention has no attention dropout: set --attention-dropout 0 "
+                f"(got {m.attention_dropout}) or use another --attention-backend"
+            )
         self.rotary_qk = select(rotary_qk, plan.compiled("rope"))
         self.masked_softmax = select(scaled_causal_softmax, plan.compiled("masked_softmax"))
         qkv_size = (m.num_attention_heads + 2 * num_groups) * self.head_dim
@@ -72,11 +82,23 @@ class SelfAttention(nn.Module):
     def build_projections(self, m, qkv_size: int, sequence_parallel: bool, skip_output_bias: bool):
         """``(linear_qkv, linear_proj)``: column- and row-parallel linears (TE's in
         :class:`megalm.transformer.te_layers.TESelfAttention`)."""
-        linear_qkv = ColumnParallelLinear(m.hidden_size, qkv_size, bias=m.add_bias_linear, init_std=init_std(m),
-                                          sequence_parallel=sequence_parallel, tp_group=self.tp_group)
-        linear_proj = RowParallelLinear(m.num_attention_heads * self.head_dim, m.hidden_size, bias=m.add_bias_linear,
-                                        init_std=output_init_std(m), sequence_parallel=sequence_parallel,
-                                        skip_bias_add=skip_output_bias, tp_group=self.tp_group)
+        linear_qkv = ColumnParallelLinear(
+            m.hidden_size,
+            qkv_size,
+            bias=m.add_bias_linear,
+            init_std=init_std(m),
+            sequence_parallel=sequence_parallel,
+            tp_group=self.tp_group,
+        )
+        linear_proj = RowParallelLinear(
+            m.num_attention_heads * self.head_dim,
+            m.hidden_size,
+            bias=m.add_bias_linear,
+            init_std=output_init_std(m),
+            sequence_parallel=sequence_parallel,
+            skip_bias_add=skip_output_bias,
+            tp_group=self.tp_group,
+        )
         return linear_qkv, linear_proj
 
     def split_qkv(self, mixed: torch.Tensor):
@@ -94,8 +116,9 @@ class SelfAttention(nn.Module):
         p = self.attention_dropout if self.training else 0.0
         with dropout_rng(p, model_parallel_rng=True):
             if self.backend == "flash-attn":  # [b, s, n, d] in and out; GQA natively
-                out = backends.flash_attn_function()(*(t.transpose(0, 1) for t in (q, k, v)), dropout_p=p,
-                                                     causal=True).transpose(0, 1)
+                out = backends.flash_attn_function()(
+                    *(t.transpose(0, 1) for t in (q, k, v)), dropout_p=p, causal=True
+                ).transpose(0, 1)
             else:
                 out = self._core_on_heads(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), p).permute(2, 0, 1, 3)
         return out.reshape(s, b, self.heads_per_rank * self.head_dim)
@@ -109,7 +132,7 @@ class SelfAttention(nn.Module):
             k, v = (t.repeat_interleave(self.queries_per_group, dim=1) for t in (k, v))
         if self.backend == "blocked":
             return blocked_causal_attention(q, k, v)
-        probs = self.masked_softmax(torch.matmul(q, k.transpose(-2, -1)), self.head_dim ** -0.5)
+        probs = self.masked_softmax(torch.matmul(q, k.transpose(-2, -1)), self.head_dim**-0.5)
         return torch.matmul(F.dropout(probs, p) if p > 0.0 else probs, v)
 
     def cached_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
@@ -125,8 +148,13 @@ class SelfAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return out.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
 
-    def forward(self, hidden: torch.Tensor, rotary_cos: Optional[torch.Tensor] = None,
-                rotary_sin: Optional[torch.Tensor] = None, kv_cache=None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rotary_cos: Optional[torch.Tensor] = None,
+        rotary_sin: Optional[torch.Tensor] = None,
+        kv_cache=None,
+    ) -> torch.Tensor:
         """``kv_cache`` (inference only): a per-layer cache (:class:`megalm.inference.kv_cache.LayerKVCache`)
         that stores this call's keys/values (after RoPE) and returns all cached ones."""
         q, k, v = self.split_qkv(self.linear_qkv(hidden))

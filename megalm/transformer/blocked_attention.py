@@ -52,7 +52,7 @@ class _BlockedCausalAttention(torch.autograd.Function):
         softmax_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
         for start, end in block_ranges(seq):
             scores = torch.bmm(q[:, start:end], k[:, :end].transpose(1, 2)).mul_(scale)
-            scores[:, :, start:end] += mask[:end - start, :end - start]
+            scores[:, :, start:end] += mask[: end - start, : end - start]
             p = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(q.dtype)
             out[:, start:end] = torch.bmm(p, v[:, :end])
             probs.append(p)
@@ -82,5 +82,5 @@ def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     if not (q.shape == k.shape == v.shape):
         raise ValueError(f"q, k, v must have one shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     b, n, s, d = q.shape
-    out = _BlockedCausalAttention.apply(_heads_first(q), _heads_first(k), _heads_first(v), d ** -0.5)
+    out = _BlockedCausalAttention.apply(_heads_first(q), _heads_first(k), _heads_first(v), d**-0.5)
     return out.view(b, n, s, d)

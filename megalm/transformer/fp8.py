@@ -29,8 +29,12 @@ def fp8_recipe(model_cfg):
     formats = {"e4m3": recipe.Format.E4M3, "hybrid": recipe.Format.HYBRID}
     if m.fp8_format not in formats:
         raise ValueError(f"unknown --fp8-format {m.fp8_format!r}; expected one of {sorted(formats)}")
-    return recipe.DelayedScaling(margin=m.fp8_margin, fp8_format=formats[m.fp8_format],
-                                 amax_history_len=m.fp8_amax_history_len, amax_compute_algo=m.fp8_amax_compute_algo)
+    return recipe.DelayedScaling(
+        margin=m.fp8_margin,
+        fp8_format=formats[m.fp8_format],
+        amax_history_len=m.fp8_amax_history_len,
+        amax_compute_algo=m.fp8_amax_compute_algo,
+    )
 
 
 def fp8_autocast(model_cfg, amax_group) -> Optional[Callable[[], ContextManager]]:

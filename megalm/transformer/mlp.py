@@ -38,8 +38,14 @@ class MLP(nn.Module):
     """Input/output ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism); ``tp_group`` is the
     tensor-parallel group both linears communicate over."""
 
-    def __init__(self, model_cfg, sequence_parallel: bool = False, plan: FusionPlan = EAGER,
-                 skip_output_bias: bool = False, tp_group=CURRENT):
+    def __init__(
+        self,
+        model_cfg,
+        sequence_parallel: bool = False,
+        plan: FusionPlan = EAGER,
+        skip_output_bias: bool = False,
+        tp_group=CURRENT,
+    ):
         super().__init__()
         m = model_cfg
         self.tp_group = resolve_group(tp_group, "tp")
@@ -50,12 +56,25 @@ class MLP(nn.Module):
         """``(linear_fc1, linear_fc2)``; fc1 returns ``(output, bias)`` for the fused bias + activation
         (TE's in :class:`megalm.transformer.te_layers.TEMLP`)."""
         fc1_size, stride = fc1_layout(m)
-        linear_fc1 = ColumnParallelLinear(m.hidden_size, fc1_size, bias=m.add_bias_linear, init_std=init_std(m),
-                                          stride=stride, sequence_parallel=sequence_parallel, skip_bias_add=True,
-                                          tp_group=self.tp_group)
-        linear_fc2 = RowParallelLinear(m.ffn_hidden_size, m.hidden_size, bias=m.add_bias_linear,
-                                       init_std=output_init_std(m), sequence_parallel=sequence_parallel,
-                                       skip_bias_add=skip_output_bias, tp_group=self.tp_group)
+        linear_fc1 = ColumnParallelLinear(
+            m.hidden_size,
+            fc1_size,
+            bias=m.add_bias_linear,
+            init_std=init_std(m),
+            stride=stride,
+            sequence_parallel=sequence_parallel,
+            skip_bias_add=True,
+            tp_group=self.tp_group,
+        )
+        linear_fc2 = RowParallelLinear(
+            m.ffn_hidden_size,
+            m.hidden_size,
+            bias=m.add_bias_linear,
+            init_std=output_init_std(m),
+            sequence_parallel=sequence_parallel,
+            skip_bias_add=skip_output_bias,
+            tp_group=self.tp_group,
+        )
         return linear_fc1, linear_fc2
 
     def forward(self, hidden: torch.Tensor):

@@ -35,8 +35,9 @@ def mark_norm_parameter(param: torch.Tensor, kind: str, sequence_parallel: bool)
 
 
 def _norm_parameter(size: int, kind: str, sequence_parallel: bool) -> nn.Parameter:
-    return mark_norm_parameter(nn.Parameter(torch.empty(size, dtype=torch.float32, device=get_device())), kind,
-                               sequence_parallel)
+    return mark_norm_parameter(
+        nn.Parameter(torch.empty(size, dtype=torch.float32, device=get_device())), kind, sequence_parallel
+    )
 
 
 class LayerNorm(nn.Module):
@@ -76,8 +77,9 @@ class RMSNorm(nn.Module):
         return f"{self.hidden_size}, eps={self.eps}, impl={self.impl}"
 
 
-def build_norm(normalization: str, hidden_size: int, eps: float, sequence_parallel: bool = False,
-               impl: str = "eager") -> nn.Module:
+def build_norm(
+    normalization: str, hidden_size: int, eps: float, sequence_parallel: bool = False, impl: str = "eager"
+) -> nn.Module:
     """The norm named by ``--normalization`` (``LayerNorm`` or ``RMSNorm``) with kernel ``impl``."""
     if normalization == "LayerNorm":
         return LayerNorm(hidden_size, eps, sequence_parallel, impl)

@@ -30,9 +30,11 @@ class RotaryEmbedding:
 
     def inv_freq(self, device) -> torch.Tensor:
         exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device=device) / self.rotary_dim
-        return 1.0 / (self.base ** exponent)
+        return 1.0 / (self.base**exponent)
 
-    def tables(self, position_ids: Optional[torch.Tensor], seq_length: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    def tables(
+        self, position_ids: Optional[torch.Tensor], seq_length: int, device
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` of shape ``[s, b or 1, 1, rot]`` in fp32.
 
         ``position_ids``: ``[b, s]`` or None for ``0..s-1``.

@@ -57,8 +57,9 @@ def _skip_init(weight: torch.Tensor) -> None:
 def _te():
     te = backends.transformer_engine_module()
     if te is None:
-        raise backends.BackendUnavailable(f"Transformer Engine layers need Transformer Engine on a GPU: "
-                                          f"{backends.TE_INSTALL}")
+        raise backends.BackendUnavailable(
+            f"Transformer Engine layers need Transformer Engine on a GPU: {backends.TE_INSTALL}"
+        )
     return te
 
 
@@ -68,8 +69,14 @@ def _tensor_parallel_kwargs(sequence_parallel: bool, tp_group) -> dict:
     return dict(sequence_parallel=bool(sequence_parallel) and tp > 1, tp_group=tp_group, tp_size=tp)
 
 
-def adopt_te_parameters(module: torch.nn.Module, parallel_mode: str, std: float, stride: int = 1,
-                        sequence_parallel: bool = False, tp_size: int = 1) -> torch.nn.Module:
+def adopt_te_parameters(
+    module: torch.nn.Module,
+    parallel_mode: str,
+    std: float,
+    stride: int = 1,
+    sequence_parallel: bool = False,
+    tp_size: int = 1,
+) -> torch.nn.Module:
     """Give a TE ``Linear`` / ``LayerNormLinear``'s parameters megalm's attributes and init rules.
 
     ``weight``: split along dim 0 (column, with ``stride``) or 1 (row), normal(0, ``std``);
@@ -94,24 +101,51 @@ def adopt_te_parameters(module: torch.nn.Module, parallel_mode: str, std: float,
     return module
 
 
-def norm_column_linear(m, input_size: int, output_size: int, *, std: float, return_bias: bool,
-                       sequence_parallel: bool, tp_group, stride: int = 1) -> torch.nn.Module:
+def norm_column_linear(
+    m,
+    input_size: int,
+    output_size: int,
+    *,
+    std: float,
+    return_bias: bool,
+    sequence_parallel: bool,
+    tp_group,
+    stride: int = 1,
+) -> torch.nn.Module:
     """``te.LayerNormLinear``: ``--normalization`` (eps ``--norm-epsilon``) fused with a column-parallel linear."""
     bias = m.add_bias_linear
-    module = _te().LayerNormLinear(input_size, output_size, eps=m.norm_epsilon, bias=bias,
-                                   normalization=m.normalization, return_bias=return_bias and bias,
-                                   parallel_mode="column", init_method=_skip_init, params_dtype=torch.float32,
-                                   device=get_device(), **_tensor_parallel_kwargs(sequence_parallel, tp_group))
+    module = _te().LayerNormLinear(
+        input_size,
+        output_size,
+        eps=m.norm_epsilon,
+        bias=bias,
+        normalization=m.normalization,
+        return_bias=return_bias and bias,
+        parallel_mode="column",
+        init_method=_skip_init,
+        params_dtype=torch.float32,
+        device=get_device(),
+        **_tensor_parallel_kwargs(sequence_parallel, tp_group),
+    )
     return adopt_te_parameters(module, "column", std, stride, sequence_parallel, group_size(tp_group))
 
 
-def row_linear(m, input_size: int, output_size: int, *, std: float, return_bias: bool,
-               sequence_parallel: bool, tp_group) -> torch.nn.Module:
+def row_linear(
+    m, input_size: int, output_size: int, *, std: float, return_bias: bool, sequence_parallel: bool, tp_group
+) -> torch.nn.Module:
     """``te.Linear`` in row-parallel mode (input split along its last dimension)."""
     bias = m.add_bias_linear
-    module = _te().Linear(input_size, output_size, bias=bias, return_bias=return_bias and bias,
-                          parallel_mode="row", init_method=_skip_init, params_dtype=torch.float32,
-                          device=get_device(), **_tensor_parallel_kwargs(sequence_parallel, tp_group))
+    module = _te().Linear(
+        input_size,
+        output_size,
+        bias=bias,
+        return_bias=return_bias and bias,
+        parallel_mode="row",
+        init_method=_skip_init,
+        params_dtype=torch.float32,
+        device=get_device(),
+        **_tensor_parallel_kwargs(sequence_parallel, tp_group),
+    )
     return adopt_te_parameters(module, "row", std, 1, sequence_parallel, group_size(tp_group))
 
 
@@ -128,24 +162,56 @@ class TESelfAttention(SelfAttention):
     auto``), else megalm's.  Generation with a KV cache uses megalm's cached attention.
     """
 
-    def __init__(self, model_cfg, sequence_parallel: bool = False, recompute_core: bool = False,
-                 plan: FusionPlan = EAGER, skip_output_bias: bool = False, tp_group=CURRENT):
-        super().__init__(model_cfg, sequence_parallel, recompute_core=recompute_core, plan=plan,
-                         skip_output_bias=skip_output_bias, tp_group=tp_group)
+    def __init__(
+        self,
+        model_cfg,
+        sequence_parallel: bool = False,
+        recompute_core: bool = False,
+        plan: FusionPlan = EAGER,
+        skip_output_bias: bool = False,
+        tp_group=CURRENT,
+    ):
+        super().__init__(
+            model_cfg,
+            sequence_parallel,
+            recompute_core=recompute_core,
+            plan=plan,
+            skip_output_bias=skip_output_bias,
+            tp_group=tp_group,
+        )
         m = model_cfg
         self.te_core_attention = None
         if plan.attention == "te":
             self.te_core_attention = _te().DotProductAttention(
-                m.num_attention_heads, m.head_dim, num_gqa_groups=m.num_kv_heads, attention_dropout=m.attention_dropout,
-                qkv_format="sbhd", attn_mask_type="causal", get_rng_state_tracker=get_rng_tracker,
-                **_tensor_parallel_kwargs(sequence_parallel, self.tp_group))
+                m.num_attention_heads,
+                m.head_dim,
+                num_gqa_groups=m.num_kv_heads,
+                attention_dropout=m.attention_dropout,
+                qkv_format="sbhd",
+                attn_mask_type="causal",
+                get_rng_state_tracker=get_rng_tracker,
+                **_tensor_parallel_kwargs(sequence_parallel, self.tp_group),
+            )
 
     def build_projections(self, m, qkv_size: int, sequence_parallel: bool, skip_output_bias: bool):
-        linear_qkv = norm_column_linear(m, m.hidden_size, qkv_size, std=init_std(m), return_bias=False,
-                                        sequence_parallel=sequence_parallel, tp_group=self.tp_group)
-        linear_proj = row_linear(m, m.num_attention_heads * self.head_dim, m.hidden_size, std=output_init_std(m),
-                                 return_bias=skip_output_bias, sequence_parallel=sequence_parallel,
-                                 tp_group=self.tp_group)
+        linear_qkv = norm_column_linear(
+            m,
+            m.hidden_size,
+            qkv_size,
+            std=init_std(m),
+            return_bias=False,
+            sequence_parallel=sequence_parallel,
+            tp_group=self.tp_group,
+        )
+        linear_proj = row_linear(
+            m,
+            m.num_attention_heads * self.head_dim,
+            m.hidden_size,
+            std=output_init_std(m),
+            return_bias=skip_output_bias,
+            sequence_parallel=sequence_parallel,
+            tp_group=self.tp_group,
+        )
         return linear_qkv, linear_proj
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -164,11 +230,25 @@ class TEMLP(MLP):
 
     def build_linears(self, m, sequence_parallel: bool, skip_output_bias: bool):
         fc1_size, stride = fc1_layout(m)
-        linear_fc1 = norm_column_linear(m, m.hidden_size, fc1_size, std=init_std(m), return_bias=True,
-                                        sequence_parallel=sequence_parallel, tp_group=self.tp_group, stride=stride)
-        linear_fc2 = row_linear(m, m.ffn_hidden_size, m.hidden_size, std=output_init_std(m),
-                                return_bias=skip_output_bias, sequence_parallel=sequence_parallel,
-                                tp_group=self.tp_group)
+        linear_fc1 = norm_column_linear(
+            m,
+            m.hidden_size,
+            fc1_size,
+            std=init_std(m),
+            return_bias=True,
+            sequence_parallel=sequence_parallel,
+            tp_group=self.tp_group,
+            stride=stride,
+        )
+        linear_fc2 = row_linear(
+            m,
+            m.ffn_hidden_size,
+            m.hidden_size,
+            std=output_init_std(m),
+            return_bias=skip_output_bias,
+            sequence_parallel=sequence_parallel,
+            tp_group=self.tp_group,
+        )
         return linear_fc1, linear_fc2
 
     def forward(self, hidden: torch.Tensor):

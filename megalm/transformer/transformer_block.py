@@ -38,22 +38,41 @@ from megalm.transformer.transformer_layer import TransformerLayer
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, model_cfg, layer_numbers: Sequence[int], process_groups: ProcessGroups,
-                 post_process: bool = True, sequence_parallel: bool = False, plan: FusionPlan = EAGER,
-                 moe_state: Optional[MoEState] = None):
+    def __init__(
+        self,
+        model_cfg,
+        layer_numbers: Sequence[int],
+        process_groups: ProcessGroups,
+        post_process: bool = True,
+        sequence_parallel: bool = False,
+        plan: FusionPlan = EAGER,
+        moe_state: Optional[MoEState] = None,
+    ):
         super().__init__()
         m = model_cfg
         self.recompute_granularity = m.recompute_granularity
         self.recompute_method = m.recompute_method
         self.recompute_num_layers = m.recompute_num_layers
         selective = m.recompute_granularity == "selective"
-        self.layers = nn.ModuleDict({
-            str(i): TransformerLayer(m, i, process_groups, sequence_parallel, recompute_core_attention=selective,
-                                     plan=plan, moe_state=moe_state)
-            for i in layer_numbers
-        })
-        self.final_layernorm = (build_norm(m.normalization, m.hidden_size, m.norm_epsilon, sequence_parallel,
-                                           plan.norm) if post_process else None)
+        self.layers = nn.ModuleDict(
+            {
+                str(i): TransformerLayer(
+                    m,
+                    i,
+                    process_groups,
+                    sequence_parallel,
+                    recompute_core_attention=selective,
+                    plan=plan,
+                    moe_state=moe_state,
+                )
+                for i in layer_numbers
+            }
+        )
+        self.final_layernorm = (
+            build_norm(m.normalization, m.hidden_size, m.norm_epsilon, sequence_parallel, plan.norm)
+            if post_process
+            else None
+        )
         self.input_tensor: Optional[torch.Tensor] = None
         # A factory of fp8 regions; TE reduces amax over the stage's tensor x data x context ranks.
         self.fp8_autocast = fp8_autocast(m, process_groups.tp_dp_cp) if plan.fp8 is not None else None
@@ -71,13 +90,14 @@ class TransformerBlock(nn.Module):
             for layer in layers:
                 hidden = layer(hidden, rotary_cos, rotary_sin)
             return hidden
+
         return run
 
     def _forward_full_recompute(self, hidden, rotary_cos, rotary_sin):
         layers, n = self._layer_list(), self.recompute_num_layers
         if self.recompute_method == "uniform":
             for start in range(0, len(layers), n):
-                hidden = checkpoint(self._run_layers(layers[start:start + n]), hidden, rotary_cos, rotary_sin)
+                hidden = checkpoint(self._run_layers(layers[start : start + n]), hidden, rotary_cos, rotary_sin)
             return hidden
         if self.recompute_method == "block":
             for index, layer in enumerate(layers):
@@ -88,8 +108,13 @@ class TransformerBlock(nn.Module):
             return hidden
         raise ValueError(f"unknown --recompute-method {self.recompute_method!r}")
 
-    def forward(self, hidden: torch.Tensor, rotary_cos: Optional[torch.Tensor] = None,
-                rotary_sin: Optional[torch.Tensor] = None, inference_cache=None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rotary_cos: Optional[torch.Tensor] = None,
+        rotary_sin: Optional[torch.Tensor] = None,
+        inference_cache=None,
+    ) -> torch.Tensor:
         """``[s(/tp), b, h]`` in and out; the final norm is applied on the last stage.
 
         ``inference_cache`` (generation only, see :class:`megalm.inference.kv_cache.KVCache`):

@@ -43,9 +43,16 @@ from megalm.transformer.te_layers import TEMLP, TESelfAttention
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, model_cfg, layer_number: int, process_groups: ProcessGroups, sequence_parallel: bool = False,
-                 recompute_core_attention: bool = False, plan: FusionPlan = EAGER,
-                 moe_state: Optional[MoEState] = None):
+    def __init__(
+        self,
+        model_cfg,
+        layer_number: int,
+        process_groups: ProcessGroups,
+        sequence_parallel: bool = False,
+        recompute_core_attention: bool = False,
+        plan: FusionPlan = EAGER,
+        moe_state: Optional[MoEState] = None,
+    ):
         super().__init__()
         m = model_cfg
         self.layer_number = layer_number  # global, 0-based
@@ -54,24 +61,34 @@ class TransformerLayer(nn.Module):
         te = plan.uses_te()  # TE's attention / MLP fuse the norm before them: the layer's norm is an identity
 
         def norm(fused_away: bool) -> nn.Module:
-            return nn.Identity() if fused_away else build_norm(m.normalization, m.hidden_size, m.norm_epsilon,
-                                                                sequence_parallel, plan.norm)
+            return (
+                nn.Identity()
+                if fused_away
+                else build_norm(m.normalization, m.hidden_size, m.norm_epsilon, sequence_parallel, plan.norm)
+            )
 
         self.input_layernorm = norm(te)
         pg = process_groups
         self.self_attention = (TESelfAttention if te else SelfAttention)(
-            m, sequence_parallel, recompute_core=recompute_core_attention, plan=plan, skip_output_bias=True,
-            tp_group=pg.tp)
+            m,
+            sequence_parallel,
+            recompute_core=recompute_core_attention,
+            plan=plan,
+            skip_output_bias=True,
+            tp_group=pg.tp,
+        )
         self.is_moe = is_moe_layer(m, layer_number)
         self.pre_mlp_layernorm = norm(te and not self.is_moe)
-        self.mlp = (MoELayer(m, layer_number, sequence_parallel, plan=plan, tp_group=pg.tp, ep_group=pg.ep,
-                             moe_state=moe_state) if self.is_moe
-                    else (TEMLP if te else MLP)(m, sequence_parallel, plan=plan, skip_output_bias=True,
-                                                tp_group=pg.tp))
+        self.mlp = (
+            MoELayer(m, layer_number, sequence_parallel, plan=plan, tp_group=pg.tp, ep_group=pg.ep, moe_state=moe_state)
+            if self.is_moe
+            else (TEMLP if te else MLP)(m, sequence_parallel, plan=plan, skip_output_bias=True, tp_group=pg.tp)
+        )
         self.bias_dropout_add = select(bias_dropout_add, plan.compiled("bias_dropout_add"))
 
-    def _residual_add(self, out: Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]],
-                      residual: torch.Tensor) -> torch.Tensor:
+    def _residual_add(
+        self, out: Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]], residual: torch.Tensor
+    ) -> torch.Tensor:
         """``residual + dropout(out + bias)``; under sequence parallelism the mask comes from the
         tracker's model-parallel stream (each rank holds a different slice of the sequence)."""
         out, bias = out if isinstance(out, tuple) else (out, None)  # the MoE layer has no output bias
@@ -79,8 +96,13 @@ class TransformerLayer(nn.Module):
         with dropout_rng(p, model_parallel_rng=self.sequence_parallel):
             return self.bias_dropout_add(out, bias, residual, p, self.training)
 
-    def forward(self, hidden: torch.Tensor, rotary_cos: Optional[torch.Tensor] = None,
-                rotary_sin: Optional[torch.Tensor] = None, kv_cache=None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rotary_cos: Optional[torch.Tensor] = None,
+        rotary_sin: Optional[torch.Tensor] = None,
+        kv_cache=None,
+    ) -> torch.Tensor:
         """``kv_cache``: this layer's inference cache (see :class:`~megalm.transformer.attention.SelfAttention`)."""
         if kv_cache is None:
             attention_out = self.self_attention(self.input_layernorm(hidden), rotary_cos, rotary_sin)

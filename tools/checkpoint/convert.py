@@ -31,27 +31,44 @@ import argparse  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--to", required=True, choices=["hf", "megalm"], help="Direction of the conversion.")
-    parser.add_argument("--load-dir", required=True, help="megalm checkpoint root (--to hf) or HF directory (--to megalm).")
-    parser.add_argument("--save-dir", required=True, help="HF directory (--to hf) or megalm checkpoint root (--to megalm).")
-    parser.add_argument("--iteration", type=int, default=None,
-                        help="--to hf: the iteration to read (default: latest); --to megalm: the iteration to write "
-                             "(default 0).")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                        help="Weight dtype written (default: --to hf the training dtype, --to megalm as stored).")
+    parser.add_argument(
+        "--load-dir", required=True, help="megalm checkpoint root (--to hf) or HF directory (--to megalm)."
+    )
+    parser.add_argument(
+        "--save-dir", required=True, help="HF directory (--to hf) or megalm checkpoint root (--to megalm)."
+    )
+    parser.add_argument(
+        "--iteration",
+        type=int,
+        default=None,
+        help="--to hf: the iteration to read (default: latest); --to megalm: the iteration to write (default 0).",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="Weight dtype written (default: --to hf the training dtype, --to megalm as stored).",
+    )
     parser.add_argument("--max-shard-size", default="5GB", help="--to hf: largest safetensors shard (default 5GB).")
-    parser.add_argument("--tokenizer-model", default=None,
-                        help="--to hf: tokenizer file/directory to copy when the path in the checkpoint's config moved; "
-                             "--to megalm: recorded in the config (with --tokenizer-type).")
-    parser.add_argument("--vocab-file", default=None,
-                        help="GPT2BPETokenizer's vocab.json, as --tokenizer-model.")
-    parser.add_argument("--merge-file", default=None,
-                        help="GPT2BPETokenizer's merges file, as --tokenizer-model.")
+    parser.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="--to hf: tokenizer file/directory to copy when the path in the checkpoint's config moved; "
+        "--to megalm: recorded in the config (with --tokenizer-type).",
+    )
+    parser.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json, as --tokenizer-model.")
+    parser.add_argument("--merge-file", default=None, help="GPT2BPETokenizer's merges file, as --tokenizer-model.")
     parser.add_argument("--verify", action="store_true", help="Compare both models' logits (needs transformers).")
-    parser.add_argument("--verify-tolerance", type=float, default=1e-3,
-                        help="Largest acceptable absolute logit difference for --verify (default 1e-3).")
+    parser.add_argument(
+        "--verify-tolerance",
+        type=float,
+        default=1e-3,
+        help="Largest acceptable absolute logit difference for --verify (default 1e-3).",
+    )
     return parser
 
 
@@ -60,8 +77,10 @@ def _verify(megalm_dir, hf_dir, iteration, round_to, tolerance) -> int:
 
     r = compare_logits(megalm_dir, hf_dir, iteration=iteration, round_to=round_to)
     ok = r["max_abs_diff"] <= tolerance
-    print(f"[convert] verify: {r['tokens']} tokens | max |logit diff| {r['max_abs_diff']:.3e} | KL mean "
-          f"{r['mean_kl']:.3e} max {r['max_kl']:.3e} | {'OK' if ok else f'FAILED (tolerance {tolerance:g})'}")
+    print(
+        f"[convert] verify: {r['tokens']} tokens | max |logit diff| {r['max_abs_diff']:.3e} | KL mean "
+        f"{r['mean_kl']:.3e} max {r['max_kl']:.3e} | {'OK' if ok else f'FAILED (tolerance {tolerance:g})'}"
+    )
     return 0 if ok else 1
 
 
@@ -79,11 +98,20 @@ def main(argv=None) -> int:
                 parser.error(f"unrecognized arguments for --to hf: {' '.join(rest)}")
             from megalm.conversion.export_hf import export_to_hf
 
-            r = export_to_hf(args.load_dir, args.save_dir, iteration=args.iteration, dtype=args.dtype,
-                             max_shard_bytes=parse_size(args.max_shard_size), tokenizer_model=args.tokenizer_model,
-                             vocab_file=args.vocab_file, merge_file=args.merge_file)
-            print(f"[convert] iteration {r.iteration} -> {r.architecture} in {r.save_dir}: {r.num_tensors} tensors, "
-                  f"{r.total_bytes / 2**20:.1f} MiB {r.dtype} in {', '.join(r.files)}")
+            r = export_to_hf(
+                args.load_dir,
+                args.save_dir,
+                iteration=args.iteration,
+                dtype=args.dtype,
+                max_shard_bytes=parse_size(args.max_shard_size),
+                tokenizer_model=args.tokenizer_model,
+                vocab_file=args.vocab_file,
+                merge_file=args.merge_file,
+            )
+            print(
+                f"[convert] iteration {r.iteration} -> {r.architecture} in {r.save_dir}: {r.num_tensors} tensors, "
+                f"{r.total_bytes / 2**20:.1f} MiB {r.dtype} in {', '.join(r.files)}"
+            )
             for note in r.notes:
                 print(f"[convert] {note}")
             if args.verify:
@@ -92,17 +120,23 @@ def main(argv=None) -> int:
         from megalm.conversion.import_hf import import_from_hf
 
         # The tokenizer file flags are also pretrain_gpt.py flags: pass them on to the config.
-        for flag, value in (("--tokenizer-model", args.tokenizer_model), ("--vocab-file", args.vocab_file),
-                            ("--merge-file", args.merge_file)):
+        for flag, value in (
+            ("--tokenizer-model", args.tokenizer_model),
+            ("--vocab-file", args.vocab_file),
+            ("--merge-file", args.merge_file),
+        ):
             if value is not None:
                 rest += [flag, value]
-        r = import_from_hf(args.load_dir, args.save_dir, extra_args=rest, iteration=args.iteration or 0,
-                           dtype=args.dtype)
+        r = import_from_hf(
+            args.load_dir, args.save_dir, extra_args=rest, iteration=args.iteration or 0, dtype=args.dtype
+        )
         p = r.config.parallel
         ep = f" EP {p.expert_model_parallel_size}" if r.config.model.num_experts else ""
-        print(f"[convert] {r.architecture} -> {r.path}: {r.num_tensors} tensors, {r.num_parameters:,} parameters; "
-              f"layout TP {p.tensor_model_parallel_size} PP {p.pipeline_model_parallel_size}{ep} recorded; "
-              f"train with --load {args.save_dir} --finetune")
+        print(
+            f"[convert] {r.architecture} -> {r.path}: {r.num_tensors} tensors, {r.num_parameters:,} parameters; "
+            f"layout TP {p.tensor_model_parallel_size} PP {p.pipeline_model_parallel_size}{ep} recorded; "
+            f"train with --load {args.save_dir} --finetune"
+        )
         for note in r.notes:
             print(f"[convert] {note}")
         if args.verify:

@@ -32,7 +32,9 @@ def main(argv=None) -> int:
     parser.add_argument("checkpoint", help="Checkpoint root (--save directory) or an iter_XXXXXXX directory.")
     parser.add_argument("--iteration", type=int, default=None, help="Iteration to describe (default: latest).")
     parser.add_argument("--all", action="store_true", help="Also list optimizer tensors.")
-    parser.add_argument("--full-config", action="store_true", help="Print every config section, not only model/parallel.")
+    parser.add_argument(
+        "--full-config", action="store_true", help="Print every config section, not only model/parallel."
+    )
     parser.add_argument("--json", action="store_true", help="Print the description as JSON.")
     parser.add_argument("--verify", action="store_true", help="Check every file against the manifest (sha256).")
     args = parser.parse_args(argv)

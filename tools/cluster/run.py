@@ -45,23 +45,42 @@ def _raise_interrupted(signum, frame):
 
 def parse(argv):
     d = ClusterOptions()
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1], allow_abbrev=False,
-                                usage="%(prog)s [options] -- COMMAND [ARGS...]")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[1], allow_abbrev=False, usage="%(prog)s [options] -- COMMAND [ARGS...]"
+    )
     p.add_argument("--nodes", type=int, default=d.nodes, help="simulated nodes (default %(default)s)")
-    p.add_argument("--procs-per-node", type=int, default=d.procs_per_node,
-                   help="torchrun --nproc-per-node on every node (default %(default)s)")
-    p.add_argument("--inter-node-bandwidth", default=d.inter_node_bandwidth,
-                   help="rate of every node's link, each direction, in tc units (e.g. 200mbit, 1gbit); "
-                        "default: unshaped")
-    p.add_argument("--name", default=d.name, help="cluster name: namespaces <name>-n<i>, <name>-sw and the lock "
-                                                  "/tmp/megalm-cluster-<name>.lock (default %(default)s)")
+    p.add_argument(
+        "--procs-per-node",
+        type=int,
+        default=d.procs_per_node,
+        help="torchrun --nproc-per-node on every node (default %(default)s)",
+    )
+    p.add_argument(
+        "--inter-node-bandwidth",
+        default=d.inter_node_bandwidth,
+        help="rate of every node's link, each direction, in tc units (e.g. 200mbit, 1gbit); default: unshaped",
+    )
+    p.add_argument(
+        "--name",
+        default=d.name,
+        help="cluster name: namespaces <name>-n<i>, <name>-sw and the lock "
+        "/tmp/megalm-cluster-<name>.lock (default %(default)s)",
+    )
     p.add_argument("--subnet", default=d.subnet, help="private /24 used inside the namespaces (default %(default)s)")
     p.add_argument("--port", type=int, default=d.port, help="rendezvous port on node 0 (default %(default)s)")
     p.add_argument("--timeout", type=float, default=d.timeout, help="seconds before every node is stopped (exit 124)")
-    p.add_argument("--fail-grace", type=float, default=d.fail_grace,
-                   help="seconds the other nodes may run after one fails (default %(default)s)")
-    p.add_argument("--cut-node", type=int, default=d.cut_node,
-                   help="simulate a network failure: node whose link is cut (frames dropped silently)")
+    p.add_argument(
+        "--fail-grace",
+        type=float,
+        default=d.fail_grace,
+        help="seconds the other nodes may run after one fails (default %(default)s)",
+    )
+    p.add_argument(
+        "--cut-node",
+        type=int,
+        default=d.cut_node,
+        help="simulate a network failure: node whose link is cut (frames dropped silently)",
+    )
     p.add_argument("--cut-after", type=float, default=d.cut_after, help="seconds after the start of the cut")
     p.add_argument("--cut-for", type=float, default=d.cut_for, help="seconds the cut lasts")
     p.add_argument("--raw", action="store_true", help="run COMMAND itself on every node, not torchrun COMMAND")

@@ -18,5 +18,13 @@ from megalm.transformer.moe.moe_layer import (
 )
 from megalm.transformer.moe.state import MoEState
 
-__all__ = ["MoEAuxLossAutoScaler", "MoELayer", "MoEState", "begin_training_step", "is_moe_layer",
-           "moe_layer_pattern", "pop_moe_metrics", "share_moe_state"]
+__all__ = [
+    "MoEAuxLossAutoScaler",
+    "MoELayer",
+    "MoEState",
+    "begin_training_step",
+    "is_moe_layer",
+    "moe_layer_pattern",
+    "pop_moe_metrics",
+    "share_moe_state",
+]

@@ -61,8 +61,10 @@ def attach_aux_loss(activation: torch.Tensor, aux_loss: torch.Tensor, state) -> 
 
 # --- formulas -----------------------------------------------------------------------------------
 
-def switch_load_balancing_loss(probs_sum: torch.Tensor, tokens_per_expert: torch.Tensor, num_tokens: int,
-                               topk: int) -> torch.Tensor:
+
+def switch_load_balancing_loss(
+    probs_sum: torch.Tensor, tokens_per_expert: torch.Tensor, num_tokens: int, topk: int
+) -> torch.Tensor:
     """``E * sum_i (count_i / (T k)) * (probs_sum_i / T)`` without the coefficient.
 
     ``probs_sum`` ``[E]``: sum over tokens of the router scores (a partial sum under sequence
@@ -73,8 +75,9 @@ def switch_load_balancing_loss(probs_sum: torch.Tensor, tokens_per_expert: torch
     return num_experts * torch.sum(f * probs_sum / num_tokens)
 
 
-def sequence_load_balancing_loss(probs_sum: torch.Tensor, tokens_per_expert: torch.Tensor, seq_length: int,
-                                 topk: int) -> torch.Tensor:
+def sequence_load_balancing_loss(
+    probs_sum: torch.Tensor, tokens_per_expert: torch.Tensor, seq_length: int, topk: int
+) -> torch.Tensor:
     """Switch loss per sequence, averaged over sequences, without the coefficient.
 
     ``probs_sum``, ``tokens_per_expert``: ``[b, E]`` sums over each sequence's ``seq_length``

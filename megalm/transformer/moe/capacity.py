@@ -53,8 +53,9 @@ def keep_order_ranks(probs: torch.Tensor, routing_map: torch.Tensor, policy: str
     return torch.empty_like(order).scatter_(0, order, positions)
 
 
-def apply_capacity(probs: torch.Tensor, routing_map: torch.Tensor, capacity: int, policy: str = "probs",
-                   pad_to_capacity: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+def apply_capacity(
+    probs: torch.Tensor, routing_map: torch.Tensor, capacity: int, policy: str = "probs", pad_to_capacity: bool = False
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Drop (token, expert) pairs beyond ``capacity`` per expert; returns ``(probs, routing_map)``.
 
     ``probs`` ``[T, E]`` holds the routing probabilities (0 where not routed), ``routing_map``

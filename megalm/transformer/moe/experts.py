@@ -63,8 +63,7 @@ class _Linear(nn.Module):
     def __init__(self, in_size: int, out_size: int, bias: bool, std: float, sequence_parallel: bool):
         super().__init__()
         self.weight = _expert_parameter(out_size, in_size, kind="normal", std=std, sequence_parallel=sequence_parallel)
-        self.bias = (_expert_parameter(out_size, kind="zeros", sequence_parallel=sequence_parallel)
-                     if bias else None)
+        self.bias = _expert_parameter(out_size, kind="zeros", sequence_parallel=sequence_parallel) if bias else None
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias if add_bias else None)
@@ -77,8 +76,9 @@ class ExpertMLP(nn.Module):
         super().__init__()
         m = model_cfg
         f = m.moe_ffn_hidden_size
-        self.linear_fc1 = _Linear(m.hidden_size, 2 * f if m.swiglu else f, m.add_bias_linear, init_std(m),
-                                  sequence_parallel)
+        self.linear_fc1 = _Linear(
+            m.hidden_size, 2 * f if m.swiglu else f, m.add_bias_linear, init_std(m), sequence_parallel
+        )
         self.linear_fc2 = _Linear(f, m.hidden_size, m.add_bias_linear, output_init_std(m), sequence_parallel)
         self.bias_activation = bias_activation(m.swiglu, plan)
 
@@ -89,14 +89,22 @@ class ExpertMLP(nn.Module):
 class LocalExperts(nn.Module):
     """Experts ``first, ..., first + count - 1`` (global indices) of this EP rank."""
 
-    def __init__(self, model_cfg, first: int, count: int, sequence_parallel: bool = False, grouped: bool = False,
-                 plan: FusionPlan = EAGER):
+    def __init__(
+        self,
+        model_cfg,
+        first: int,
+        count: int,
+        sequence_parallel: bool = False,
+        grouped: bool = False,
+        plan: FusionPlan = EAGER,
+    ):
         super().__init__()
         self.first, self.count = first, count
         self.grouped = grouped
         self.bias_activation = bias_activation(model_cfg.swiglu, plan)
-        self.local_experts = nn.ModuleDict({str(first + j): ExpertMLP(model_cfg, sequence_parallel, plan)
-                                            for j in range(count)})
+        self.local_experts = nn.ModuleDict(
+            {str(first + j): ExpertMLP(model_cfg, sequence_parallel, plan) for j in range(count)}
+        )
 
     def experts(self) -> List[ExpertMLP]:
         return list(self.local_experts.values())
@@ -116,8 +124,9 @@ class LocalExperts(nn.Module):
         experts = self.experts()
         width = max(counts) if counts else 0
         h = tokens.shape[-1]
-        expert_of = torch.repeat_interleave(torch.arange(self.count, device=tokens.device),
-                                            torch.tensor(counts, device=tokens.device))
+        expert_of = torch.repeat_interleave(
+            torch.arange(self.count, device=tokens.device), torch.tensor(counts, device=tokens.device)
+        )
         starts = torch.tensor([0] + counts[:-1], device=tokens.device).cumsum(0)
         slot = expert_of * width + (torch.arange(tokens.shape[0], device=tokens.device) - starts[expert_of])
         padded = tokens.new_zeros(self.count * width, h).index_copy(0, slot, tokens).view(self.count, width, h)

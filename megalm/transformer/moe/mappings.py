@@ -26,8 +26,9 @@ def all_to_all_ep(x: torch.Tensor, output_splits: List[int], input_splits: List[
         return x
     x = x.contiguous()
     out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x, output_split_sizes=list(output_splits), input_split_sizes=list(input_splits),
-                           group=group)
+    dist.all_to_all_single(
+        out, x, output_split_sizes=list(output_splits), input_split_sizes=list(input_splits), group=group
+    )
     return out
 
 
@@ -42,8 +43,9 @@ class _AllToAll(torch.autograd.Function):
         return all_to_all_ep(grad, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
 
 
-def all_to_all_expert_parallel(x: torch.Tensor, output_splits: Optional[List[int]],
-                               input_splits: Optional[List[int]], group) -> torch.Tensor:
+def all_to_all_expert_parallel(
+    x: torch.Tensor, output_splits: Optional[List[int]], input_splits: Optional[List[int]], group
+) -> torch.Tensor:
     """Forward: ``all_to_all_single`` over ``group`` (the EP group) with the given (uneven) splits.
     Backward: the reverse all-to-all of the gradient (splits swapped)."""
     if group_size(group) == 1:

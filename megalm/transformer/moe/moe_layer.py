@@ -72,8 +72,16 @@ class MoELayer(nn.Module):
     exchange (which experts this rank holds follows from its rank in it).  ``moe_state``: the
     model's shared :class:`MoEState` (a new one when not given; :attr:`moe_state`)."""
 
-    def __init__(self, model_cfg, layer_number: int, sequence_parallel: bool = False, plan: FusionPlan = EAGER,
-                 tp_group=CURRENT, ep_group=CURRENT, moe_state: Optional[MoEState] = None):
+    def __init__(
+        self,
+        model_cfg,
+        layer_number: int,
+        sequence_parallel: bool = False,
+        plan: FusionPlan = EAGER,
+        tp_group=CURRENT,
+        ep_group=CURRENT,
+        moe_state: Optional[MoEState] = None,
+    ):
         super().__init__()
         m = model_cfg
         tp_group, ep_group = resolve_group(tp_group, "tp"), resolve_group(ep_group, "ep")
@@ -84,12 +92,16 @@ class MoELayer(nn.Module):
         self.layer_number = layer_number
         self.moe_state = MoEState() if moe_state is None else moe_state
         self.router = TopKRouter(m, layer_number, sequence_parallel, tp_group=tp_group, moe_state=self.moe_state)
-        self.experts = LocalExperts(m, group_rank(ep_group) * local, local, sequence_parallel,
-                                    grouped=m.moe_grouped_gemm, plan=plan)
+        self.experts = LocalExperts(
+            m, group_rank(ep_group) * local, local, sequence_parallel, grouped=m.moe_grouped_gemm, plan=plan
+        )
         self.token_dispatcher = build_token_dispatcher(m.moe_token_dispatcher_type, ep_group)
         shared = m.moe_shared_expert_intermediate_size
-        self.shared_experts = (MLP(dataclasses.replace(m, ffn_hidden_size=shared), sequence_parallel, plan=plan,
-                                   tp_group=tp_group) if shared else None)
+        self.shared_experts = (
+            MLP(dataclasses.replace(m, ffn_hidden_size=shared), sequence_parallel, plan=plan, tp_group=tp_group)
+            if shared
+            else None
+        )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         s, b, h = hidden.shape

@@ -49,8 +49,9 @@ def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def topk_routing(logits: torch.Tensor, topk: int, score_function: str = "softmax",
-                 pre_softmax: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+def topk_routing(
+    logits: torch.Tensor, topk: int, score_function: str = "softmax", pre_softmax: bool = False
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(probs, routing_map)``, both ``[T, E]``: the top-k weights (0 elsewhere) and where they are."""
     wide = _at_least_fp32(logits.dtype)
     if score_function == "softmax":
@@ -93,8 +94,14 @@ class TopKRouter(nn.Module):
     ``moe_state``: the model's shared :class:`MoEState` (a new one when not given).
     """
 
-    def __init__(self, model_cfg, layer_number: int, sequence_parallel: bool = False, tp_group=CURRENT,
-                 moe_state: Optional[MoEState] = None):
+    def __init__(
+        self,
+        model_cfg,
+        layer_number: int,
+        sequence_parallel: bool = False,
+        tp_group=CURRENT,
+        moe_state: Optional[MoEState] = None,
+    ):
         super().__init__()
         m = model_cfg
         self.moe_state = MoEState() if moe_state is None else moe_state
@@ -148,8 +155,9 @@ class TopKRouter(nn.Module):
         probs = self._load_balancing(logits, probs, routing_map, lse_sq, s, b, graph, record)
         return self._capacity(probs, routing_map)
 
-    def _load_balancing(self, logits, probs, routing_map, lse_sq: Optional[torch.Tensor], s: int, b: int,
-                        graph: bool, record: bool) -> torch.Tensor:
+    def _load_balancing(
+        self, logits, probs, routing_map, lse_sq: Optional[torch.Tensor], s: int, b: int, graph: bool, record: bool
+    ) -> torch.Tensor:
         """Statistics over the whole sequence (TP-summed), the load-balancing loss attached to
         ``probs``, and the tracker records."""
         e = self.num_experts
@@ -184,5 +192,7 @@ class TopKRouter(nn.Module):
         return apply_capacity(probs, routing_map, capacity, self.drop_policy, self.pad_to_capacity)
 
     def extra_repr(self) -> str:
-        return (f"experts={self.num_experts}, topk={self.topk}, score={self.score_function}, "
-                f"load_balancing={self.load_balancing_type}, capacity_factor={self.capacity_factor}")
+        return (
+            f"experts={self.num_experts}, topk={self.topk}, score={self.score_function}, "
+            f"load_balancing={self.load_balancing_type}, capacity_factor={self.capacity_factor}"
+        )

@@ -54,8 +54,9 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor) -> Tuple[torch.Tens
     return tokens.index_select(0, token_index), token_index, expert_index
 
 
-def unpermute(expert_out: torch.Tensor, weights: torch.Tensor, token_index: torch.Tensor,
-              num_tokens: int) -> torch.Tensor:
+def unpermute(
+    expert_out: torch.Tensor, weights: torch.Tensor, token_index: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
     """``out[t] = sum of weights[n] * expert_out[n] over pairs n of token t`` (fp32) ``[num_tokens, h]``."""
     weighted = expert_out.float() * weights.float().unsqueeze(-1)
     return weighted.new_zeros(num_tokens, expert_out.shape[-1]).index_add(0, token_index, weighted)
@@ -67,8 +68,9 @@ class AllGatherTokenDispatcher:
     def __init__(self, ep_group) -> None:
         self.ep_group = ep_group
 
-    def __call__(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
-                 experts: LocalExperts) -> torch.Tensor:
+    def __call__(
+        self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, experts: LocalExperts
+    ) -> torch.Tensor:
         num_experts = routing_map.shape[1]
         local = slice(experts.first, experts.first + experts.count)
         all_tokens = gather_from_sequence_parallel_region(tokens, self.ep_group)
@@ -94,8 +96,9 @@ class AlltoAllTokenDispatcher:
     def __init__(self, ep_group) -> None:
         self.ep_group = ep_group
 
-    def __call__(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
-                 experts: LocalExperts) -> torch.Tensor:
+    def __call__(
+        self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, experts: LocalExperts
+    ) -> torch.Tensor:
         ep, local_count = group_size(self.ep_group), experts.count
         permuted, token_index, expert_index = permute(tokens, routing_map)
         counts = routing_map.sum(0)  # [E] pairs of this rank per global expert
@@ -104,8 +107,8 @@ class AlltoAllTokenDispatcher:
         else:
             all_counts = all_gather_first_dim(counts.to(torch.int64), self.ep_group)[0].view(ep, -1).tolist()  # [EP][E]
             me = group_rank(self.ep_group)
-            input_splits = [sum(all_counts[me][r * local_count:(r + 1) * local_count]) for r in range(ep)]
-            received_counts = [row[me * local_count:(me + 1) * local_count] for row in all_counts]  # [EP][L]
+            input_splits = [sum(all_counts[me][r * local_count : (r + 1) * local_count]) for r in range(ep)]
+            received_counts = [row[me * local_count : (me + 1) * local_count] for row in all_counts]  # [EP][L]
             output_splits = [sum(row) for row in received_counts]
             received = all_to_all_expert_parallel(permuted, output_splits, input_splits, self.ep_group)
             order, per_expert = _group_by_local_expert(received_counts, received.device)
@@ -127,8 +130,11 @@ def _group_by_local_expert(received_counts: List[List[int]], device) -> Tuple[to
             row.append(position)
             position += received_counts[r][j]
         starts.append(row)
-    pieces = [torch.arange(starts[r][j], starts[r][j] + received_counts[r][j], device=device)
-              for j in range(local) for r in range(ranks)]
+    pieces = [
+        torch.arange(starts[r][j], starts[r][j] + received_counts[r][j], device=device)
+        for j in range(local)
+        for r in range(ranks)
+    ]
     order = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=device)
     return order, [sum(received_counts[r][j] for r in range(ranks)) for j in range(local)]
 

@@ -13,6 +13,7 @@ class _FormatHelper(NamedTuple):
 
 class Format(Enum):
     """E4M3 everywhere, E5M2 everywhere, or HYBRID (E4M3 forward, E5M2 backward)."""
+
     E4M3 = _FormatHelper(max_fwd=448, max_bwd=448)
     E5M2 = _FormatHelper(max_fwd=57344, max_bwd=57344)
     HYBRID = _FormatHelper(max_fwd=448, max_bwd=57344)
@@ -26,6 +27,7 @@ class Recipe:
 class DelayedScaling(Recipe):
     """Scaling factors from the amax history of previous steps:
     ``scale = fp8_max / amax / 2 ** margin``, amax = max or most recent of ``amax_history_len`` steps."""
+
     margin: int = 0
     fp8_format: Format = Format.HYBRID
     amax_history_len: int = 1024
@@ -39,5 +41,6 @@ class DelayedScaling(Recipe):
         assert self.fp8_format != Format.E5M2, "Pure E5M2 training is not supported."
         assert isinstance(self.margin, int) and self.margin >= 0, self.margin
         assert isinstance(self.amax_history_len, int) and self.amax_history_len >= 1, self.amax_history_len
-        assert callable(self.amax_compute_algo) or self.amax_compute_algo in ("max", "most_recent"), \
+        assert callable(self.amax_compute_algo) or self.amax_compute_algo in ("max", "most_recent"), (
             self.amax_compute_algo
+        )

@@ -28,8 +28,9 @@ def get_fp8_group():
 
 
 @contextlib.contextmanager
-def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=None, fp8_group=None,
-                 _graph: bool = False):
+def fp8_autocast(
+    enabled: bool = True, calibrating: bool = False, fp8_recipe=None, fp8_group=None, _graph: bool = False
+):
     """TE modules inside run their GEMMs in fp8 (here: recorded only); ``fp8_recipe`` defaults to
     ``DelayedScaling()``; amaxes are reduced over ``fp8_group`` (here: recorded only)."""
     saved = dict(_STATE)

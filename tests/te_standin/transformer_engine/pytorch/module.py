@@ -22,8 +22,12 @@ import torch
 import torch.nn.functional as F
 
 from . import fp8 as _fp8
-from .distributed import (column_parallel_input, get_distributed_world_size, row_parallel_output,
-                          set_tensor_model_parallel_attributes)
+from .distributed import (
+    column_parallel_input,
+    get_distributed_world_size,
+    row_parallel_output,
+    set_tensor_model_parallel_attributes,
+)
 
 _DEFAULT_INIT_STD = 0.023  # TE's default init_method: normal(0, 0.023)
 
@@ -94,8 +98,9 @@ class TransformerEngineBaseModule(torch.nn.Module):
         if self.parallel_mode == "column":
             x = column_parallel_input(x, self.tp_group, self.tp_size, self.sequence_parallel)
         apply_bias = self.use_bias and not self.return_bias
-        out = F.linear(x, self.weight.to(dtype), self.bias.to(dtype) if apply_bias and self.parallel_mode != "row"
-                       else None)
+        out = F.linear(
+            x, self.weight.to(dtype), self.bias.to(dtype) if apply_bias and self.parallel_mode != "row" else None
+        )
         if self.parallel_mode == "row":
             out = row_parallel_output(out, self.tp_group, self.tp_size, self.sequence_parallel)
             if apply_bias:
@@ -108,20 +113,41 @@ class TransformerEngineBaseModule(torch.nn.Module):
 class Linear(TransformerEngineBaseModule):
     """``y = x W^T + b`` (TE's ``transformer_engine.pytorch.Linear``)."""
 
-    def __init__(self, in_features: int, out_features: int, sequence_parallel: bool = False,
-                 fuse_wgrad_accumulation: bool = False, tp_group=None, tp_size: int = 1, get_rng_state_tracker=None,
-                 rng_tracker_name=None, init_method=None, bias: bool = True, return_bias: bool = False,
-                 params_dtype=None, parallel_mode=None, skip_weight_param_allocation: bool = False,
-                 parameters_split=None, device="cuda", ub_overlap_rs: bool = False, ub_overlap_ag: bool = False,
-                 ub_name=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        sequence_parallel: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        tp_group=None,
+        tp_size: int = 1,
+        get_rng_state_tracker=None,
+        rng_tracker_name=None,
+        init_method=None,
+        bias: bool = True,
+        return_bias: bool = False,
+        params_dtype=None,
+        parallel_mode=None,
+        skip_weight_param_allocation: bool = False,
+        parameters_split=None,
+        device="cuda",
+        ub_overlap_rs: bool = False,
+        ub_overlap_ag: bool = False,
+        ub_name=None,
+    ):
         super().__init__()
-        _check_unsupported(fuse_wgrad_accumulation=fuse_wgrad_accumulation, parameters_split=parameters_split,
-                           skip_weight_param_allocation=skip_weight_param_allocation, ub_overlap_rs=ub_overlap_rs,
-                           ub_overlap_ag=ub_overlap_ag)
+        _check_unsupported(
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            parameters_split=parameters_split,
+            skip_weight_param_allocation=skip_weight_param_allocation,
+            ub_overlap_rs=ub_overlap_rs,
+            ub_overlap_ag=ub_overlap_ag,
+        )
         self._init_parallel(tp_group, tp_size, sequence_parallel, parallel_mode)
         self.return_bias = return_bias
-        self._make_linear_parameters(in_features, out_features, bias, init_method,
-                                     params_dtype or torch.get_default_dtype(), device)
+        self._make_linear_parameters(
+            in_features, out_features, bias, init_method, params_dtype or torch.get_default_dtype(), device
+        )
 
     def forward(self, inp: torch.Tensor, is_first_microbatch=None, fp8_output: bool = False):
         self._prepare_forward(inp)
@@ -131,24 +157,47 @@ class Linear(TransformerEngineBaseModule):
 class LayerNormLinear(TransformerEngineBaseModule):
     """LayerNorm or RMSNorm of the input, then a linear (TE's ``transformer_engine.pytorch.LayerNormLinear``)."""
 
-    def __init__(self, in_features: int, out_features: int, eps: float = 1e-5, sequence_parallel: bool = False,
-                 fuse_wgrad_accumulation: bool = False, tp_group=None, tp_size: int = 1, get_rng_state_tracker=None,
-                 rng_tracker_name=None, init_method=None, bias: bool = True, normalization: str = "LayerNorm",
-                 return_bias: bool = False, params_dtype=None, parallel_mode=None,
-                 return_layernorm_output: bool = False, return_layernorm_output_gathered: bool = False,
-                 parameters_split=None, zero_centered_gamma: bool = False, device="cuda", ub_overlap_ag: bool = False,
-                 ub_name=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        eps: float = 1e-5,
+        sequence_parallel: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        tp_group=None,
+        tp_size: int = 1,
+        get_rng_state_tracker=None,
+        rng_tracker_name=None,
+        init_method=None,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        return_bias: bool = False,
+        params_dtype=None,
+        parallel_mode=None,
+        return_layernorm_output: bool = False,
+        return_layernorm_output_gathered: bool = False,
+        parameters_split=None,
+        zero_centered_gamma: bool = False,
+        device="cuda",
+        ub_overlap_ag: bool = False,
+        ub_name=None,
+    ):
         super().__init__()
-        _check_unsupported(fuse_wgrad_accumulation=fuse_wgrad_accumulation, parameters_split=parameters_split,
-                           return_layernorm_output=return_layernorm_output, ub_overlap_ag=ub_overlap_ag,
-                           return_layernorm_output_gathered=return_layernorm_output_gathered)
+        _check_unsupported(
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            parameters_split=parameters_split,
+            return_layernorm_output=return_layernorm_output,
+            ub_overlap_ag=ub_overlap_ag,
+            return_layernorm_output_gathered=return_layernorm_output_gathered,
+        )
         assert normalization in ("LayerNorm", "RMSNorm"), "Unsupported normalization type!"
         self._init_parallel(tp_group, tp_size, sequence_parallel, parallel_mode)
         self.normalization, self.eps, self.zero_centered_gamma = normalization, eps, zero_centered_gamma
         self.return_bias = return_bias
         params_dtype = params_dtype or torch.get_default_dtype()
         self.layer_norm_weight = torch.nn.Parameter(
-            torch.full((in_features,), 0.0 if zero_centered_gamma else 1.0, dtype=params_dtype, device=device))
+            torch.full((in_features,), 0.0 if zero_centered_gamma else 1.0, dtype=params_dtype, device=device)
+        )
         self.layer_norm_weight.sequence_parallel = self.sequence_parallel
         if normalization == "LayerNorm":
             self.layer_norm_bias = torch.nn.Parameter(torch.zeros(in_features, dtype=params_dtype, device=device))
