@@ -66,11 +66,16 @@ def initialize_distributed(timeout: timedelta = DEFAULT_TIMEOUT) -> None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    # On CUDA name this rank's GPU: NCCL then binds its communicators to it instead of guessing
+    # from the global rank (which can hang on heterogeneous rank-to-GPU maps).
+    device = {"device_id": get_device()} if use_cuda() else {}
     if "TORCHELASTIC_RESTART_COUNT" in os.environ:
         store, rank, world = restart_store(timeout)
-        dist.init_process_group(backend=get_backend(), timeout=timeout, store=store, rank=rank, world_size=world)
+        dist.init_process_group(
+            backend=get_backend(), timeout=timeout, store=store, rank=rank, world_size=world, **device
+        )
     else:
-        dist.init_process_group(backend=get_backend(), timeout=timeout)
+        dist.init_process_group(backend=get_backend(), timeout=timeout, **device)
 
 
 def restart_store(timeout: timedelta = DEFAULT_TIMEOUT) -> tuple:
