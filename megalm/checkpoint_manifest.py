@@ -17,7 +17,7 @@ sha256 (hashlib, OpenSSL's SHA-NI code): 1.1-1.3 GB/s on one core here, against 
 third of that but detects no deliberate edit, and xxhash would be a new dependency.
 
 Verification (:func:`verify_ranks`) needs no communication: the caller
-(:func:`megalm.checkpointing.verify_checkpoint`) gives each current rank the saved ranks
+(:func:`megalm.checkpoint_resume.verify_checkpoint`) gives each current rank the saved ranks
 ``r`` with ``r % world == rank`` (each rank its own files when the world is unchanged) and
 gathers the results.  Reasons are one line: ``FILE: reason`` with FILE relative to the
 iteration directory.

@@ -10,8 +10,8 @@ Directory layout (Megatron-like)::
         manifest/rank_00000.json ...           # per rank: size and sha256 of each file it wrote
         manifest.json                          # rank 0, after every rank's manifest, before the tracker
 
-Every load verifies the checkpoint first (:func:`verify_checkpoint`, each rank hashing its share
-of the files, see :mod:`megalm.checkpoint_manifest`): a corrupt one fails with
+Every load verifies the checkpoint first (:func:`megalm.checkpoint_resume.verify_checkpoint`, each
+rank hashing its share of the files, see :mod:`megalm.checkpoint_manifest`): a corrupt one fails with
 ``checkpoint DIR is corrupt: FILE: reason; previous: --ckpt-step N``, or with
 ``--ckpt-fallback-to-verified`` the newest older checkpoint that verifies is loaded instead.
 A checkpoint written before manifests existed loads with a logged warning.  Write failures
@@ -40,11 +40,10 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import time
 from contextlib import contextmanager
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import numpy as np
 import torch
@@ -54,6 +53,19 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megalm import checkpoint_manifest, parallel_state
 from megalm.async_save import AsyncCheckpointWriter
 from megalm.checkpoint_io_errors import describe_io_error, first_line, save_dir_problem
+from megalm.checkpoint_resume import (  # noqa: F401  (re-exported: checkpointing.verify_checkpoint etc.)
+    TRACKER_FILENAME,
+    CheckpointError,
+    checkpoint_dir,
+    checkpoint_iterations,
+    checkpoint_to_resume,
+    find_checkpoint,
+    gather_errors,
+    rank_is_zero,
+    read_tracker,
+    verified_checkpoint,
+    verify_checkpoint,
+)
 from megalm.dist_checkpointing import (
     ShardedStateDict,
     ShardedTensorSpec,
@@ -61,25 +73,15 @@ from megalm.dist_checkpointing import (
     save_sharded,
     saved_tensor_shapes,
 )
-from megalm.errors import MegalmError
 from megalm.log import get_logger
 from megalm.param_layout import param_spec
 from megalm.parameter_names import canonical_name
-from megalm.safe_unpickle import CheckpointMetadataError, CheckpointSecurityError, load_metadata
+from megalm.safe_unpickle import CheckpointMetadataError
 from megalm.tensor_parallel.param_info import param_info
 
 logger = get_logger(__name__)
 
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
-
-
-class CheckpointError(MegalmError, RuntimeError):
-    pass
-
-
-def checkpoint_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
 
 
 # --- describing the model's tensors as blocks of global tensors ------------------------
@@ -264,21 +266,11 @@ def _on_every_rank(step, path: str, group=None) -> None:
             step()
     except CheckpointError as e:
         error = e
-    failed = _gather_errors(str(error) if error else None, group)
+    failed = gather_errors(str(error) if error else None, group)
     if error is not None:
         raise error
     if failed:
         raise CheckpointError(f"rank {failed[0][0]} failed: {failed[0][1]}")
-
-
-def _gather_errors(error: Optional[str], group=None) -> List[tuple]:
-    """Collective (one ``all_gather_object`` over ``group``, default the world; none when not
-    initialized): ``[(rank, error), ...]`` of the ranks that report one."""
-    errors = [error]
-    if dist.is_initialized():
-        errors = [None] * dist.get_world_size(group)
-        dist.all_gather_object(errors, error, group=group)
-    return [(r, e) for r, e in enumerate(errors) if e]
 
 
 def _finish_save(root: str, path: str, iteration: int, world: int) -> None:
@@ -286,10 +278,6 @@ def _finish_save(root: str, path: str, iteration: int, world: int) -> None:
     if rank_is_zero():
         checkpoint_manifest.write_index(path, iteration, world)
         _write_tracker(root, iteration)
-
-
-def rank_is_zero() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 @contextmanager
@@ -381,67 +369,6 @@ def optimizer_sharded_state(optimizer, model_chunks, tied_copies: bool = False) 
 
 
 # --- load --------------------------------------------------------------------------------
-
-
-def read_tracker(root: str) -> Optional[int]:
-    tracker = os.path.join(root, TRACKER_FILENAME)
-    if not os.path.isfile(tracker):
-        return None
-    text = open(tracker).read().strip()
-    try:
-        return int(text)
-    except ValueError:
-        raise CheckpointError(f"{tracker} should hold an iteration number, found {text!r}") from None
-
-
-def find_checkpoint(root: str, iteration: Optional[int] = None) -> Optional[str]:
-    """The directory to load: ``iteration`` if given, else the tracker's; None if no checkpoint."""
-    if not os.path.isdir(root):
-        raise CheckpointError(f"--load directory {root} does not exist")
-    if iteration is None:
-        iteration = read_tracker(root)
-        if iteration is None:
-            return None
-    path = checkpoint_dir(root, iteration)
-    for needed in ("common.json", ".metadata"):
-        if not os.path.isfile(os.path.join(path, needed)):
-            raise CheckpointError(f"checkpoint {path} is incomplete or unreadable: {needed} is missing")
-    return path
-
-
-def checkpoint_to_resume(
-    load: str,
-    save: Optional[str],
-    ckpt_step: Optional[int] = None,
-    exit_on_missing: bool = False,
-    fallback: bool = False,
-) -> bool:
-    """Whether ``--load`` has a checkpoint to load (True), or training may start from scratch
-    (False: Megatron's auto-resume, ``--load`` = ``--save`` with no checkpoint written yet).
-
-    Anything else without a checkpoint raises :class:`CheckpointError`: a ``--load`` other than
-    ``--save`` (most likely a wrong path), ``--ckpt-step``, ``--exit-on-missing-checkpoint``, or
-    iteration directories without a tracker file (a checkpoint that was being written).
-    ``fallback`` (``--ckpt-fallback-to-verified``): the checkpoint is not checked here but by
-    :func:`verified_checkpoint` when it is loaded, which skips an incomplete one.
-    """
-    if ckpt_step is not None or (os.path.isdir(load) and read_tracker(load) is not None):
-        if not fallback:  # with --ckpt-fallback-to-verified an incomplete one is skipped at load
-            find_checkpoint(load, ckpt_step)  # a missing or incomplete one fails here, before any work
-        return True
-    why = None
-    if exit_on_missing:
-        why = "--exit-on-missing-checkpoint"
-    elif save is None or os.path.abspath(load) != os.path.abspath(save):
-        why = (
-            "starting from scratch needs --load and --save to name the same directory (Megatron-style "
-            "auto-resume); check the path"
-        )
-    elif os.path.isdir(load) and any(n.startswith("iter_") for n in os.listdir(load)):
-        why = "it holds iter_* directories: restore or remove them, or write the tracker file by hand"
-    if why is not None:
-        raise CheckpointError(f"--load {load}: no checkpoint ({TRACKER_FILENAME} is missing); {why}")
-    return False
 
 
 def read_common(path: str) -> dict:
@@ -551,108 +478,7 @@ def load_rng_state(path: str, common: dict) -> None:
         state = torch.load(file, weights_only=True)
     except (OSError, RuntimeError, ValueError) as e:
         error = f"cannot read {file}: {first_line(e)}"
-    failed = _gather_errors(error)  # collective: a rank that cannot read its file stops every rank
+    failed = gather_errors(error)  # collective: a rank that cannot read its file stops every rank
     if failed:
         raise CheckpointError(failed[0][1])
     set_rng_state(state)
-
-
-# --- verification ------------------------------------------------------------------------
-
-
-def checkpoint_iterations(root: str) -> List[int]:
-    """The iterations of the ``iter_NNNNNNN`` directories under ``root``, newest first."""
-    names = os.listdir(root) if os.path.isdir(root) else []
-    return sorted((int(m.group(1)) for n in names if (m := re.fullmatch(r"iter_(\d{7})", n))), reverse=True)
-
-
-def verify_checkpoint(path: str, iteration: int) -> Optional[str]:
-    """Collective (all ranks, or none initialized): ``"FILE: reason"`` for the first problem
-    found, or None if the checkpoint verifies.
-
-    Each rank checks the files of the saved ranks ``r`` with ``r % world == rank`` (its own
-    files when the world is unchanged), then one ``all_gather_object`` over the world shares the
-    results, so every rank returns the same answer.  Rank 0 also checks that ``common.json``
-    names this iteration.  A checkpoint without a manifest (written before megalm had them)
-    verifies with a logged warning.
-    """
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    failed = _gather_errors(_verify_local(path, iteration, rank, world))
-    return failed[0][1] if failed else None
-
-
-def _verify_local(path: str, iteration: int, rank: int, world: int) -> Optional[str]:
-    error = _check_common_iteration(path, iteration) if rank == 0 else None
-    if error is not None:
-        return error
-    if not checkpoint_manifest.has_manifest(path):
-        if os.path.isdir(os.path.join(path, checkpoint_manifest.RANK_DIR)):
-            return f"{checkpoint_manifest.INDEX_FILENAME}: missing (the save never completed)"
-        if rank == 0:
-            logger.info(
-                f"warning: checkpoint {path} has no {checkpoint_manifest.INDEX_FILENAME} (written before "
-                f"megalm verified checkpoints): loading it unverified"
-            )
-        return None
-    index, error = checkpoint_manifest.read_index(path)
-    if error is not None:
-        return error
-    mine = [r for r in checkpoint_manifest.saved_ranks(index) if r % world == rank]
-    return checkpoint_manifest.verify_ranks(path, index, mine)
-
-
-def _check_common_iteration(path: str, iteration: int) -> Optional[str]:
-    for needed in ("common.json", ".metadata"):
-        if not os.path.isfile(os.path.join(path, needed)):
-            return f"{needed}: missing"
-    try:
-        with open(os.path.join(path, "common.json")) as f:
-            saved = json.load(f).get("iteration")
-    except (OSError, ValueError, AttributeError) as e:
-        return f"common.json: unreadable ({type(e).__name__})"
-    if saved != iteration:
-        return f"common.json: says iteration {saved!r}, the directory is iteration {iteration}"
-    return None
-
-
-def _refuse_hostile_metadata(path: str, error: str) -> None:
-    """A ``.metadata`` that fails verification and asks for something megalm never writes is an
-    attack, not damage: its security refusal (naming the file) is raised, never skipped."""
-    if error.startswith(".metadata:"):
-        try:
-            load_metadata(path)  # the restricted reader: runs nothing from the file
-        except CheckpointSecurityError as e:
-            raise CheckpointError(str(e)) from e
-        except CheckpointMetadataError:
-            pass
-
-
-def verified_checkpoint(root: str, iteration: Optional[int] = None, fallback: bool = False) -> str:
-    """Collective.  The directory to load (``iteration``, else the tracker's) after verifying it.
-
-    Corrupt: :class:`CheckpointError` ``checkpoint DIR is corrupt: FILE: reason; previous:
-    --ckpt-step N`` (N the newest older iteration directory), or with ``fallback`` the newest
-    older checkpoint that verifies (a warning names each one skipped).
-    """
-    if not os.path.isdir(root):
-        raise CheckpointError(f"--load directory {root} does not exist")
-    if iteration is None:
-        iteration = read_tracker(root)
-        if iteration is None:
-            raise CheckpointError(f"no checkpoint in {root} (no {TRACKER_FILENAME})")
-    older = [i for i in checkpoint_iterations(root) if i < iteration]
-    for candidate in [iteration] + (older if fallback else []):
-        path = checkpoint_dir(root, candidate)
-        error = verify_checkpoint(path, candidate)
-        if error is None:
-            return path
-        _refuse_hostile_metadata(path, error)
-        previous = [i for i in older if i < candidate]
-        hint = f"previous: --ckpt-step {previous[0]}" if previous else "no previous checkpoint"
-        message = f"checkpoint {path} is corrupt: {error}; {hint}"
-        if not fallback:
-            raise CheckpointError(message)
-        if rank_is_zero():
-            logger.info(f"warning: {message}: skipped (--ckpt-fallback-to-verified)")
-    raise CheckpointError(f"no checkpoint in {root} verifies (newest: iteration {iteration}; see the warnings above)")

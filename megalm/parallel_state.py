@@ -1,30 +1,29 @@
 """Process-group state: the only module that holds parallel layout globals.
 
-Rank layout follows Megatron-LM's default order ``tp-cp-ep-dp-pp``: tensor-parallel
-ranks are adjacent (fastest varying), pipeline stages are outermost.  Dense layers use
-the ``tp-cp-dp-pp`` decomposition of the world; expert (MoE) layers re-split the ranks
-of one pipeline stage as ``tp-ep-edp`` (expert tensor parallel = tensor parallel), so an
-expert-data-parallel group holds the ranks that own the same experts.
-
-Example, world 8, tp 2, pp 2 (dp 2)::
-
-    tensor groups:   [0,1] [2,3] [4,5] [6,7]
-    data groups:     [0,2] [1,3] [4,6] [5,7]
-    pipeline groups: [0,4] [1,5] [2,6] [3,7]
+Which ranks form each group is computed by :mod:`megalm.parallel_layout` (pure functions,
+re-exported here); this module creates the groups (``dist.new_group``, collective over the
+world, once) and answers the Megatron-named getters from them.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from types import MappingProxyType
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch.distributed as dist
 
-from megalm.errors import MegalmError
+from megalm.parallel_layout import (  # noqa: F401  (re-exported: parallel_state.compute_layout etc.)
+    NODE_FIELDS,
+    NodeLayoutError,
+    compute_layout,
+    node_layout,
+    node_split,
+    rank_groups,
+    validate_layout,
+)
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
@@ -58,7 +57,7 @@ class ProcessGroups:
     tp_ep_pp: Optional[object] = None  # one full set of experts (expert part of the grad norm)
     embd: Optional[object] = None  # first and last pipeline stage (tied embedding grads)
     pos_embd: Optional[object] = None  # first pipeline stage (position embedding)
-    # Node-aware halves of dp_cp / expt_dp (--hierarchical-grad-reduce, see node_split): the group's
+    # Node-aware halves of dp_cp / expt_dp (--hierarchical-grad-reduce, see parallel_layout.node_split): the group's
     # ranks on this node, and its ranks with this rank's intra-node index on the other nodes.
     # Absent from ``ranks`` when the group does not split evenly over nodes.
     dp_cp_intra: Optional[object] = None
@@ -88,34 +87,6 @@ def group_size(group) -> int:
 def group_rank(group) -> int:
     """This rank's index in ``group``; 0 for ``None`` (this rank alone)."""
     return 0 if group is None else dist.get_rank(group)
-
-
-class NodeLayoutError(MegalmError, ValueError):
-    """The ranks per node do not fit the world, or a group does not split evenly over nodes."""
-
-
-def node_split(members: Sequence[int], ranks_per_node: int) -> Tuple[List[List[int]], List[List[int]]]:
-    """Split one group (global ranks, sorted) into its intra-node and inter-node groups.
-
-    Node ``n`` holds global ranks ``n * ranks_per_node ... (n + 1) * ranks_per_node - 1`` (torchrun).
-    Returns ``(intra, inter)``: ``intra[j]`` the members on the group's ``j``-th node, ``inter[i]``
-    the ``i``-th member of every node.  With ``L`` members per node a member's group rank is
-    ``j * L + i``.  Raises :class:`NodeLayoutError` when the nodes hold different numbers of members
-    (hierarchical reduction needs equal shards on every node).
-    """
-    by_node: Dict[int, List[int]] = {}
-    for r in sorted(members):
-        by_node.setdefault(r // ranks_per_node, []).append(r)
-    intra = [by_node[n] for n in sorted(by_node)]
-    counts = {len(g) for g in intra}
-    if len(counts) != 1:
-        raise NodeLayoutError(
-            f"group {list(members)} does not split evenly over nodes of {ranks_per_node} ranks "
-            f"(members per node: {[len(g) for g in intra]}): hierarchical reduction needs the same number "
-            f"of its ranks on every node; change the layout or drop --hierarchical-grad-reduce"
-        )
-    per_node = counts.pop()
-    return intra, [[g[i] for g in intra] for i in range(per_node)]
 
 
 def _ranks_per_node(world: int, ranks_per_node: Optional[int]) -> int:
@@ -182,101 +153,6 @@ class _State:
 _STATE: Optional[_State] = None
 
 
-def rank_groups(sizes: Dict[str, int], order: Sequence[str], group_dims: Sequence[str]) -> List[List[int]]:
-    """All groups of ranks that vary only along ``group_dims``.
-
-    ``order`` lists dimensions from fastest to slowest varying; a rank's coordinate along
-    dimension ``order[i]`` is ``(rank // prod(sizes[order[:i]])) % sizes[order[i]]``.
-    Within a group, ranks are listed with the first dimension of ``group_dims`` (by
-    ``order``) varying fastest, as Megatron does.
-    """
-    strides, stride = {}, 1
-    for name in order:
-        strides[name] = stride
-        stride *= sizes[name]
-    inner = [d for d in order if d in group_dims]
-    outer = [d for d in order if d not in group_dims]
-    groups = []
-    for outer_idx in itertools.product(*[range(sizes[d]) for d in reversed(outer)]):
-        base = sum(i * strides[d] for i, d in zip(outer_idx, reversed(outer)))
-        members = []
-        for inner_idx in itertools.product(*[range(sizes[d]) for d in reversed(inner)]):
-            members.append(base + sum(i * strides[d] for i, d in zip(inner_idx, reversed(inner))))
-        groups.append(sorted(members))
-    return groups
-
-
-def validate_layout(
-    world_size: int,
-    tensor_model_parallel_size: int = 1,
-    pipeline_model_parallel_size: int = 1,
-    context_parallel_size: int = 1,
-    expert_model_parallel_size: int = 1,
-    virtual_pipeline_model_parallel_size: Optional[int] = None,
-) -> int:
-    """Check that the layout fits ``world_size``; return the data-parallel size."""
-    tp, pp, cp, ep = (
-        tensor_model_parallel_size,
-        pipeline_model_parallel_size,
-        context_parallel_size,
-        expert_model_parallel_size,
-    )
-    for name, value in (
-        ("tensor_model_parallel_size", tp),
-        ("pipeline_model_parallel_size", pp),
-        ("context_parallel_size", cp),
-        ("expert_model_parallel_size", ep),
-    ):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    model_parallel = tp * pp * cp
-    if world_size % model_parallel != 0:
-        raise ValueError(
-            f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) x "
-            f"context ({cp}) parallel size = {model_parallel}"
-        )
-    dp = world_size // model_parallel
-    if (dp * cp) % ep != 0:
-        raise ValueError(
-            f"expert_model_parallel_size {ep} must divide data ({dp}) x context ({cp}) parallel size "
-            f"= {dp * cp} (world size {world_size}, tp {tp}, pp {pp})"
-        )
-    if virtual_pipeline_model_parallel_size is not None:
-        if virtual_pipeline_model_parallel_size < 1:
-            raise ValueError("virtual_pipeline_model_parallel_size must be >= 1")
-        if pp < 2 and virtual_pipeline_model_parallel_size > 1:
-            raise ValueError("virtual pipeline stages need pipeline_model_parallel_size >= 2")
-    return dp
-
-
-def compute_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> Dict[str, List[List[int]]]:
-    """Every group of every kind, as lists of global ranks (pure function, no process group)."""
-    dp = validate_layout(world_size, tp, pp, cp, ep)
-    dense = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
-    order = ["tp", "cp", "dp", "pp"]
-    layout = {
-        "tensor": rank_groups(dense, order, ["tp"]),
-        "context": rank_groups(dense, order, ["cp"]),
-        "data": rank_groups(dense, order, ["dp"]),
-        "data_context": rank_groups(dense, order, ["cp", "dp"]),
-        "pipeline": rank_groups(dense, order, ["pp"]),
-        "model": rank_groups(dense, order, ["tp", "pp"]),
-        "tensor_context": rank_groups(dense, order, ["tp", "cp"]),
-        "tensor_data_context": rank_groups(dense, order, ["tp", "cp", "dp"]),
-    }
-    edp = (dp * cp) // ep
-    expert = {"tp": tp, "ep": ep, "edp": edp, "pp": pp}
-    e_order = ["tp", "ep", "edp", "pp"]
-    layout["expert"] = rank_groups(expert, e_order, ["ep"])
-    layout["expert_data"] = rank_groups(expert, e_order, ["edp"])
-    layout["expert_tensor_expert"] = rank_groups(expert, e_order, ["tp", "ep"])
-    layout["expert_model"] = rank_groups(expert, e_order, ["tp", "ep", "pp"])
-    # Embedding group: first and last stage of each pipeline (shares tied embeddings).
-    layout["embedding"] = [sorted({g[0], g[-1]}) for g in layout["pipeline"]]
-    layout["position_embedding"] = [[g[0]] for g in layout["pipeline"]]
-    return layout
-
-
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
@@ -306,19 +182,19 @@ def initialize_model_parallel(
     dp = validate_layout(world, tp, pp, cp, ep, virtual_pipeline_model_parallel_size)
     per_node = _ranks_per_node(world, ranks_per_node)
     layout = compute_layout(world, tp, pp, cp, ep)
-    layout.update(_node_layout(layout, per_node))
+    layout.update(node_layout(layout, per_node))
     groups, ranks = {}, {}
     for name, group_list in layout.items():
         for members in group_list:
             # new_group is collective: every rank creates every group, in the same order.
-            if len(members) == 1 and name in _NODE_FIELDS:
+            if len(members) == 1 and name in NODE_FIELDS:
                 pg = None  # this rank alone (the node halves are only ever read through ProcessGroups)
             else:
                 pg = dist.new_group(members, timeout=timeout) if len(members) < world else dist.group.WORLD
             if rank in members:
                 groups[name], ranks[name] = pg, members
     vpp = virtual_pipeline_model_parallel_size
-    field_of = {**_FIELD_OF_LAYOUT, **{n: n for n in _NODE_FIELDS}}
+    field_of = {**_FIELD_OF_LAYOUT, **{n: n for n in NODE_FIELDS}}
     bundle = ProcessGroups(
         **{field_of[name]: pg for name, pg in groups.items()},
         ranks=MappingProxyType({field_of[name]: tuple(members) for name, members in ranks.items()}),
@@ -338,29 +214,6 @@ def initialize_model_parallel(
         ranks_per_node=per_node,
         virtual_pipeline_rank=0 if vpp else None,
     )
-
-
-# ProcessGroups field -> the compute_layout kind it splits over nodes
-_NODE_SPLIT = {"dp_cp": "data_context", "expt_dp": "expert_data"}
-_NODE_FIELDS = tuple(f"{f}_{half}" for f in _NODE_SPLIT for half in ("intra", "inter"))
-
-
-def _node_layout(layout: Dict[str, List[List[int]]], ranks_per_node: int) -> Dict[str, List[List[int]]]:
-    """``{"dp_cp_intra": [...], "dp_cp_inter": [...], "expt_dp_*": ...}`` over every group that
-    splits evenly over nodes (:func:`node_split`); the groups that do not are left out (their
-    ranks get no node halves, and --hierarchical-grad-reduce refuses them)."""
-    out: Dict[str, List[List[int]]] = {}
-    for fld, kind in _NODE_SPLIT.items():
-        intra_all, inter_all = [], []
-        for members in layout[kind]:
-            try:
-                intra, inter = node_split(members, ranks_per_node)
-            except NodeLayoutError:
-                continue
-            intra_all += intra
-            inter_all += inter
-        out[f"{fld}_intra"], out[f"{fld}_inter"] = intra_all, inter_all
-    return out
 
 
 def get_process_groups() -> ProcessGroups:

@@ -2,7 +2,7 @@
 
 torchrun gives every node ``procs_per_node`` consecutive global ranks (node ``n`` holds ranks
 ``n * procs_per_node ... (n + 1) * procs_per_node - 1``), and Megatron's layout order
-``tp-cp-ep-dp-pp`` (:func:`megalm.parallel_state.compute_layout`) makes TP the fastest varying
+``tp-cp-ep-dp-pp`` (:func:`megalm.parallel_layout.compute_layout`) makes TP the fastest varying
 dimension, so TP (then CP, EP) groups fall inside a node when they fit.  A group that crosses
 nodes sends its collectives over the slow inter-node links::
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from megalm.errors import MegalmError
-from megalm.parallel_state import compute_layout
+from megalm.parallel_layout import compute_layout
 
 # (report name, compute_layout kind): the groups a user chooses a layout by.
 REPORTED_GROUPS = (

@@ -353,7 +353,7 @@ def _validate_numerics_checks(t: TrainingConfig) -> None:
 
 def _validate_world(p: ParallelConfig, t: TrainingConfig, world_size: int, vpp: Optional[int]) -> None:
     """The layout against the world size; sets the data-parallel size and the global batch size."""
-    from megalm.parallel_state import validate_layout
+    from megalm.parallel_layout import validate_layout
 
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     try:

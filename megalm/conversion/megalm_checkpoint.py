@@ -30,14 +30,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
 from megalm import checkpoint_manifest
-from megalm.checkpointing import (
-    FORMAT_VERSION,
-    TRACKER_FILENAME,
-    CheckpointError,
-    checkpoint_dir,
-    find_checkpoint,
-    read_common,
-)
+from megalm.checkpoint_resume import TRACKER_FILENAME, CheckpointError, checkpoint_dir, find_checkpoint
+from megalm.checkpointing import FORMAT_VERSION, read_common
 from megalm.config import MegalmConfig
 from megalm.conversion.errors import ConversionError
 from megalm.safe_unpickle import SafeFileSystemReader, load_metadata

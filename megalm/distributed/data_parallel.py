@@ -51,7 +51,8 @@ import torch
 from megalm import parallel_state
 from megalm.distributed.hierarchical import NodeGroups
 from megalm.distributed.param_and_grad_buffer import Bucket, DataParallelError, ParamAndGradBuffer
-from megalm.parallel_state import NodeLayoutError, ProcessGroups, group_size
+from megalm.parallel_layout import NodeLayoutError
+from megalm.parallel_state import ProcessGroups, group_size
 from megalm.tensor_parallel.param_info import param_info
 
 
@@ -74,7 +75,7 @@ def node_groups_of(pg: ProcessGroups, name: str) -> Optional[NodeGroups]:
         raise NodeLayoutError(
             f"--hierarchical-grad-reduce: the {name} group (ranks {list(pg.ranks.get(name, ()))}) has no "
             f"intra-/inter-node split: it does not spread evenly over the nodes of "
-            f"{parallel_state.get_ranks_per_node()} ranks (parallel_state.node_split says how it falls)"
+            f"{parallel_state.get_ranks_per_node()} ranks (parallel_layout.node_split says how it falls)"
         )
     return NodeGroups(getattr(pg, f"{name}_intra"), getattr(pg, f"{name}_inter"))
 

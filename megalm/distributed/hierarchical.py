@@ -1,7 +1,7 @@
 """Hierarchical (topology-aware) data-parallel collectives: ``--hierarchical-grad-reduce``.
 
 A data-parallel group of ``K = n x L`` ranks on ``n`` nodes with ``L`` of its ranks each
-(:func:`megalm.parallel_state.node_split`) has an intra-node group (its ``L`` ranks on this node)
+(:func:`megalm.parallel_layout.node_split`) has an intra-node group (its ``L`` ranks on this node)
 and an inter-node group (its ``n`` ranks with this rank's intra-node index ``i``, one per node);
 a rank on the group's ``j``-th node has group rank ``r = j L + i``.  Each collective below is a
 :class:`CollectiveChain` of asynchronous stages through the counted wrappers of

@@ -10,14 +10,15 @@ The :class:`Trainer` builds the rank's :class:`megalm.parallel_state.ProcessGrou
 Errors are raised as :class:`megalm.errors.MegalmError` subclasses (a stop on purpose, e.g.
 ``--exit-interval``, as :class:`megalm.errors.TrainingStopped` with exit code 0); the entry point
 (``pretrain_gpt.py``) turns them into a message and an exit code.  Messages go through
-:mod:`megalm.log`.
+:mod:`megalm.log`.  Building the model chunks lives in :mod:`megalm.training.build`, the
+log-line bookkeeping (:class:`IntervalStats`, the reporting rank) in :mod:`megalm.training.log_interval`.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,12 +33,14 @@ from megalm.log import get_logger
 from megalm.pipeline_parallel import get_forward_backward_func
 from megalm.timers import ITERATION_TIMERS, SETUP_TIMERS, Timers
 from megalm.topology import run_topology_report
+from megalm.training.build import build_model_chunks, count_parameters, wrap_data_parallel
 from megalm.training.initialize import initialize_megalm, world_size_from_env
+from megalm.training.log_interval import IntervalStats, is_logging_rank, print_timing
 from megalm.training.loss_checks import NumericsChecks, NumericsStop
 from megalm.training.microbatches import MicrobatchCalculator
 from megalm.training.profiling import ProfilerUnavailable, StepProfiler, check_profiler_available
 from megalm.training.signals import ExitSignalHandler
-from megalm.training.step import StepResult, TrainState, evaluate, losses_to_floats, train_step
+from megalm.training.step import StepResult, TrainState, evaluate, train_step
 
 logger = get_logger(__name__)
 
@@ -50,66 +53,6 @@ class TrainingSetupError(MegalmError):
 
 class CheckpointSaveFailed(MegalmError):
     """A background checkpoint save (--async-save) failed on some rank."""
-
-
-def log_rank_last(message: str) -> None:
-    """Megatron's ``print_rank_last``: INFO shown on the world's last rank."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    logger.info(message, extra={"on_rank": world - 1})
-
-
-def print_timing(block: Optional[str]) -> None:
-    """A timing block from :meth:`megalm.timers.Timers.log`, on the last rank (as Megatron)."""
-    if block is not None:
-        log_rank_last(block)
-
-
-def is_logging_rank() -> bool:
-    """The rank that reports losses: last pipeline stage, TP rank 0, DP rank 0 (the world's last rank ... or first)."""
-    return (
-        parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-        and parallel_state.get_tensor_model_parallel_rank() == 0
-        and parallel_state.get_data_parallel_rank() == 0
-    )
-
-
-# --- building ----------------------------------------------------------------------------
-
-
-def build_model_chunks(cfg: MegalmConfig, model_provider: Callable) -> List[torch.nn.Module]:
-    """One model chunk per virtual pipeline stage of this rank, cast and moved to the device."""
-    from megalm.models.layer_split import layers_for_stage
-    from megalm.transformer.moe import share_moe_state
-
-    vpp = cfg.parallel.virtual_pipeline_model_parallel_size or 1
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    chunks = []
-    for v in range(vpp):
-        if cfg.parallel.virtual_pipeline_model_parallel_size:
-            parallel_state.set_virtual_pipeline_model_parallel_rank(v)
-        model = model_provider(
-            cfg,
-            pre_process=parallel_state.is_pipeline_first_stage(),
-            post_process=parallel_state.is_pipeline_last_stage(),
-            layer_numbers=layers_for_stage(cfg, pp_rank, v),
-        )
-        chunks.append(model)
-    if cfg.parallel.virtual_pipeline_model_parallel_size:
-        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
-    share_moe_state(chunks)  # one MoE metrics/aux-loss state per rank, as for one model
-    dtype = torch.bfloat16 if cfg.training.bf16 else torch.float16 if cfg.training.fp16 else torch.float32
-    device = get_device()
-    return [m.to(device=device, dtype=dtype) for m in chunks]
-
-
-def wrap_data_parallel(cfg: MegalmConfig, chunks: Sequence[torch.nn.Module]) -> List[torch.nn.Module]:
-    from megalm.distributed.data_parallel import DistributedDataParallel
-
-    return [DistributedDataParallel(chunk, cfg.parallel) for chunk in chunks]
-
-
-def count_parameters(chunks: Sequence[torch.nn.Module]) -> int:
-    return sum(p.numel() for c in chunks for p in c.parameters())
 
 
 # --- the loop ----------------------------------------------------------------------------
@@ -495,14 +438,9 @@ class Trainer:
     # -- logging and evaluation --
     def log_training(self, log: "IntervalStats") -> None:
         from megalm.distributed.comm import inter_node_bytes_per_node
-        from megalm.training.flops import num_floating_point_operations
         from megalm.training.metrics import format_log_line
 
         cfg, state = self.cfg, self.state
-        elapsed = log.mean_time()
-        tokens = log.samples / max(log.iterations, 1) * cfg.model.seq_length
-        flops = num_floating_point_operations(cfg, log.samples / max(log.iterations, 1))
-        world = dist.get_world_size() if dist.is_initialized() else 1
         means = log.means(self.groups)  # one device-to-host copy per log line
         record = {
             "iteration": state.iteration,
@@ -511,10 +449,7 @@ class Trainer:
             "grad_norm": log.last_grad_norm,
             "lr": self.scheduler.get_lr(),
             "loss_scale": self.optimizer.get_loss_scale(),
-            "tokens_per_sec": tokens / elapsed if elapsed > 0 else 0.0,
-            "tflops_per_rank": flops / elapsed / world / 1e12 if elapsed > 0 else 0.0,
-            "mfu": flops / elapsed / world / self.peak_flops if elapsed > 0 and self.peak_flops else None,
-            "elapsed_ms": elapsed * 1000.0,
+            **log.throughput(cfg, self.peak_flops),
             "global_batch_size": self.microbatches.current_global_batch_size,
             "skipped_iterations": log.skipped,
             "nan_iterations": log.nans,
@@ -612,42 +547,3 @@ class Trainer:
                 extra={"on_rank": None},
             )
         self.metrics.log_evaluation(self.state.iteration, split, loss, ppl)
-
-
-class IntervalStats:
-    """Accumulates per-iteration values between two log lines; losses stay on the device
-    until :meth:`means` (once per log line)."""
-
-    def __init__(self):
-        self.iterations = 0
-        self.time = 0.0
-        self.samples = 0
-        self.sums: Dict[str, torch.Tensor] = {}
-        self.counts: Dict[str, int] = {}
-        self.skipped = 0
-        self.nans = 0
-        self.last_grad_norm: Optional[float] = None
-        self.last_num_zeros: Optional[float] = None
-
-    def add(self, seconds: float, result: StepResult) -> None:
-        self.iterations += 1
-        self.time += seconds
-        self.samples += result.global_batch_size
-        self.skipped += int(result.skipped)
-        self.nans += int(result.nan)
-        if result.grad_norm is not None:
-            self.last_grad_norm = float(result.grad_norm)
-        if result.num_zeros is not None:
-            self.last_num_zeros = float(result.num_zeros)
-        if not result.skipped:
-            for k, v in result.losses.items():
-                self.sums[k] = self.sums[k] + v if k in self.sums else v
-                self.counts[k] = self.counts.get(k, 0) + 1
-
-    def means(self, groups=None) -> Dict[str, float]:
-        """Mean of each loss over the interval's successful iterations, on every pipeline stage
-        (collective over the pipeline group: every rank calls it)."""
-        return losses_to_floats({k: v / self.counts[k] for k, v in self.sums.items()}, groups)
-
-    def mean_time(self) -> float:
-        return self.time / max(self.iterations, 1)
