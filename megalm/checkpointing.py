@@ -71,12 +71,13 @@ from megalm.dist_checkpointing import (
     ShardedTensorSpec,
     load_sharded,
     save_sharded,
-    saved_tensor_shapes,
+    saved_tensor_shapes,  # noqa: F401 (read from here by tests and tools)
+    tensor_shapes,
 )
 from megalm.log import get_logger
 from megalm.param_layout import param_spec
 from megalm.parameter_names import canonical_name
-from megalm.safe_unpickle import CheckpointMetadataError
+from megalm.safe_unpickle import CheckpointMetadataError, load_metadata
 from megalm.tensor_parallel.param_info import param_info
 
 logger = get_logger(__name__)
@@ -403,14 +404,15 @@ def load_checkpoint(
     path = verified_checkpoint(root, iteration, fallback)
     common = read_common(path)
     try:
-        saved = saved_tensor_shapes(path)  # .metadata, read by megalm.safe_unpickle (refuses anything but DCP metadata)
+        metadata = load_metadata(path)  # read once, by megalm.safe_unpickle (refuses anything but DCP metadata)
     except CheckpointMetadataError as e:
         raise CheckpointError(str(e)) from e
+    saved = tensor_shapes(metadata)
     finish_param_sync(model_chunks)
     with_optim = optimizer is not None and load_optim and not finetune
     specs, main_params_missing = _load_specs(model_chunks, optimizer if with_optim else None, saved)
     try:
-        load_sharded(specs, path)
+        load_sharded(specs, path, metadata=metadata)
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         raise CheckpointError(f"failed to load {path}: {describe_io_error(e, path, writing=False)}") from e
     if with_optim:

@@ -191,15 +191,16 @@ def save_sharded(specs: ShardedStateDict, path: str, process_group=None) -> None
     dcp.save(_locals(specs), checkpoint_id=path, planner=_ShardSavePlanner(specs), process_group=process_group)
 
 
-def load_sharded(specs: ShardedStateDict, path: str, strict: bool = True, process_group=None) -> None:
-    """Collective: fill every ``spec.local`` in place from the checkpoint at ``path``."""
+def load_sharded(specs: ShardedStateDict, path: str, strict: bool = True, process_group=None, metadata=None) -> None:
+    """Collective: fill every ``spec.local`` in place from the checkpoint at ``path`` (``metadata``:
+    its ``.metadata`` if the caller already read it with :func:`megalm.safe_unpickle.load_metadata`)."""
     for fqn, value in specs.items():
         for spec in _as_list(value):
             if not spec.local.is_contiguous():
                 raise ValueError(f"load target {fqn!r} must be contiguous")
     dcp.load(
         _locals(specs),
-        storage_reader=SafeFileSystemReader(path),
+        storage_reader=SafeFileSystemReader(path, metadata),
         planner=_ShardLoadPlanner(specs, strict),
         process_group=process_group,
     )
@@ -207,8 +208,12 @@ def load_sharded(specs: ShardedStateDict, path: str, strict: bool = True, proces
 
 def saved_tensor_shapes(path: str) -> Dict[str, tuple]:
     """Names and global shapes of the tensors in a checkpoint, reading only its metadata (safely)."""
-    md = load_metadata(path).state_dict_metadata
-    return {k: tuple(v.size) for k, v in md.items()}
+    return tensor_shapes(load_metadata(path))
+
+
+def tensor_shapes(metadata) -> Dict[str, tuple]:
+    """Names and global shapes of the tensors a checkpoint's ``.metadata`` describes."""
+    return {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()}
 
 
 def saved_tensor_dtypes(path: str) -> Dict[str, torch.dtype]:

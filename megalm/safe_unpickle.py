@@ -31,6 +31,7 @@ import os
 import pathlib
 import pickle
 import types
+from typing import Optional
 
 import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
@@ -185,8 +186,14 @@ class SafeFileSystemReader(FileSystemReader):
     """DCP's file-system reader reading ``.metadata`` with :func:`load_metadata` (no per-rank fall-back)
     and refusing byte items; tensors are read by DCP with ``torch.load(weights_only=True)``."""
 
+    def __init__(self, path, metadata: Optional[Metadata] = None):
+        """``metadata``: this checkpoint's ``.metadata`` already read by :func:`load_metadata`
+        (the loader reads it once for the saved shapes; DCP then does not read it again)."""
+        super().__init__(path)
+        self._metadata = metadata
+
     def read_metadata(self) -> Metadata:  # no ``rank`` keyword: DCP then never falls back to __<rank>.metadata
-        metadata = load_metadata(str(self.path))
+        metadata = self._metadata if self._metadata is not None else load_metadata(str(self.path))
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
