@@ -116,6 +116,8 @@ class Trainer:
             t.global_batch_size, t.micro_batch_size, parallel_state.get_data_parallel_world_size(), t.rampup_batch_size
         )
         self.train_iters = self._train_iters()
+        if cfg.training.train_iters is None:  # --train-samples: the data builders size the splits from it
+            cfg.training.train_iters = self.train_iters
         self._validate_data()  # before any output (metrics file, checkpoints) is created
         # Before the RNG state is restored: the CPU peak measurement draws random matrices.
         self.peak_flops, self.peak_source = self._device_peak()
@@ -231,16 +233,12 @@ class Trainer:
         """Every data prefix exists, is intact and holds only ids below the vocabulary (collective)."""
         from megalm.data.builder import validate_data
 
-        if self.cfg.training.train_iters is None:
-            self.cfg.training.train_iters = self.train_iters
         validate_data(self.cfg, self.tokenizer)
 
     def _build_data(self) -> None:
         from megalm.data import build_train_valid_test_data_iterators
 
         cfg = self.cfg
-        if cfg.training.train_iters is None:
-            cfg.training.train_iters = self.train_iters
         iterators = build_train_valid_test_data_iterators(
             cfg, self.tokenizer, self.state.consumed_train_samples, self.state.consumed_valid_samples
         )
