@@ -229,13 +229,11 @@ def run(args) -> List[dict]:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from megalm.checkpointing import CheckpointError
-    from megalm.conversion.errors import ConversionError
-    from megalm.errors import MegalmError
+    from megalm.errors import MegalmError  # CheckpointError, ConversionError, ... derive from it
 
     try:
         results = run(args)
-    except (ValueError, OSError, MegalmError, CheckpointError, ConversionError) as e:
+    except (ValueError, OSError, MegalmError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not is_output_rank():

@@ -87,10 +87,8 @@ def _verify(megalm_dir, hf_dir, iteration, round_to, tolerance) -> int:
 def main(argv=None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    from megalm.checkpointing import CheckpointError
-    from megalm.conversion.errors import ConversionError
     from megalm.conversion.hf_files import DTYPES, parse_size
-    from megalm.errors import MegalmError
+    from megalm.errors import MegalmError  # CheckpointError, ConversionError, ... derive from it
 
     try:
         if args.to == "hf":
@@ -142,7 +140,7 @@ def main(argv=None) -> int:
         if args.verify:
             return _verify(args.save_dir, args.load_dir, args.iteration or 0, None, args.verify_tolerance)
         return 0
-    except (MegalmError, ConversionError, CheckpointError) as e:
+    except MegalmError as e:
         print(f"[convert] error: {e}", file=sys.stderr)
         return 2
 

@@ -40,14 +40,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.verify:
         return verify(args.checkpoint, args.iteration)
-    from megalm.checkpointing import CheckpointError
     from megalm.conversion.checkpoint_info import describe, format_description
-    from megalm.conversion.errors import ConversionError
-    from megalm.errors import MegalmError
+    from megalm.errors import MegalmError  # CheckpointError, ConversionError, ... derive from it
 
     try:
         info = describe(args.checkpoint, args.iteration)
-    except (MegalmError, CheckpointError, ConversionError) as e:
+    except MegalmError as e:
         print(f"[inspect] error: {e}", file=sys.stderr)
         return 2
     if args.json:
