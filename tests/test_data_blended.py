@@ -1,5 +1,6 @@
 """Blending (exact proportions), blend / split parsing, split boundaries, sample counts, dataset building."""
 
+import math
 import os
 
 import numpy as np
@@ -10,6 +11,7 @@ from megalm.config import MegalmConfig
 from megalm.data import helpers
 from megalm.data.blended_dataset import BlendedDataset
 from megalm.data.builder import (
+    blend_sample_counts,
     build_train_valid_test_datasets,
     get_train_valid_test_num_samples,
     parse_blend,
@@ -180,3 +182,41 @@ def test_errors_name_the_problem(tmp_path):
 
     with pytest.raises(IndexedDatasetError, match="does not exist"):
         build_train_valid_test_datasets(make_cfg(data_path=[str(tmp_path / "nope")]), tok)
+
+
+def megatron_counts(weights, n, surplus=0.005):
+    """megatron-core's builder, restated: target ceil(n * w) per dataset, request
+    ceil(target * (1 + surplus)), blend length sum(target)."""
+    total = sum(weights)
+    targets = [math.ceil(n * (w / total)) for w in weights]
+    return [math.ceil(t * (1 + surplus)) for t in targets], sum(targets)
+
+
+def test_blend_sample_counts_are_megatrons():
+    # The issue's case: the old ceil(n * w * 1.005) asked one sample fewer of dataset 1, and the blend was n long.
+    assert blend_sample_counts([0.3, 0.7], 10383, 0.005) == ([3131, 7306], 10384)
+    assert math.ceil(10383 * 0.7 * 1.005) == 7305
+    for weights in ([0.3, 0.7], [1, 2, 3], [0.05, 0.95], [5.0]):
+        for n in (0, 1, 7, 224, 587, 10383, 123457):
+            assert blend_sample_counts(weights, n, 0.005) == megatron_counts(weights, n), (weights, n)
+    assert blend_sample_counts([0.3, 0.7], 587, 0.0) == ([177, 411], 588)
+
+
+def test_blend_built_with_megatrons_sizes(tmp_path):
+    """Two synthetic datasets, weights 0.3/0.7, [10383, 587, 224] samples: every GPTDataset is
+    asked for Megatron's count and each blend is Megatron's length, its dataset shares greedy."""
+    a = write_tagged(tmp_path / "a", 1, 300)
+    b = write_tagged(tmp_path / "b", 2, 300)
+    cfg = make_cfg(data_path=["0.3", a, "0.7", b], split="90,6,4")
+    sizes = [10383, 587, 224]
+    datasets = build_train_valid_test_datasets(cfg, NullTokenizer(1000), num_samples=sizes)
+    for blend, n in zip(datasets, sizes):
+        requests, length = megatron_counts([0.3, 0.7], n)
+        assert [part.num_samples for part in blend.datasets] == requests
+        assert len(blend) == length
+        expected = np.bincount(greedy_blend([0.3, 0.7], length)[0], minlength=2)
+        assert np.bincount(blend.dataset_index, minlength=2).tolist() == expected.tolist()
+    # A smaller surplus is used when given (and asks for fewer samples).
+    cfg.data.mid_level_dataset_surplus = 0.0
+    train = build_train_valid_test_datasets(cfg, NullTokenizer(1000), num_samples=sizes)[0]
+    assert [part.num_samples for part in train.datasets] == [3115, 7269]

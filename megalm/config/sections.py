@@ -351,6 +351,9 @@ class DataConfig:
     valid_data_path: Optional[List[str]] = _f(None, "Separate validation blend.", nargs="*")
     test_data_path: Optional[List[str]] = _f(None, "Separate test blend.", nargs="*")
     data_cache_path: Optional[str] = _f(None, "Where built sample indices are cached (default: beside the data).")
+    mid_level_dataset_surplus: float = _f(
+        0.005, "Extra fraction of samples each blended dataset builds beyond its share, as in Megatron."
+    )
     mock_data: bool = _f(False, "Use deterministic synthetic data.")
     tokenizer_type: Optional[str] = _f(None, "Tokenizer.", choices=list(TOKENIZER_TYPES))
     tokenizer_model: Optional[str] = _f(None, "Sentencepiece model file or Hugging Face tokenizer.json / directory.")

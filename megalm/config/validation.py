@@ -488,6 +488,7 @@ def _validate_data(d: DataConfig, m: ModelConfig, p: ParallelConfig) -> None:
             len(vals) <= 3 and all(v >= 0 for v in vals) and sum(vals) > 0,
             f"--split {d.split!r} needs up to three non-negative proportions with a positive sum",
         )
+    _check(d.mid_level_dataset_surplus >= 0, "--mid-level-dataset-surplus must be >= 0")
     if d.tokenizer_type is not None:
         missing = missing_tokenizer_flags(
             d.tokenizer_type,

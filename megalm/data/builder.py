@@ -11,9 +11,11 @@ and agree, and its token ids are below the tokenizer's vocabulary size (scanned 
 prefix and cached, see :mod:`megalm.data.token_ids`).  Bad data raises a
 :class:`~megalm.data.indexed_dataset.DataError` naming the file or prefix.
 
-Sample counts per split follow Megatron (:func:`get_train_valid_test_num_samples`); a
-blended prefix is asked for ``ceil(weight * n * 1.005)`` samples so the blend never runs
-short.  When ``torch.distributed`` is initialized, global rank 0 checks and builds (and
+Sample counts per split follow Megatron (:func:`get_train_valid_test_num_samples`); a blend
+of ``n`` samples asks each prefix for ``ceil(ceil(n * weight) * (1 + surplus))`` samples
+(``--mid-level-dataset-surplus``, 0.005) and is ``sum(ceil(n * weight))`` long, exactly as
+megatron-core's builder (:func:`blend_sample_counts`), so a blend's sample order is Megatron's.
+When ``torch.distributed`` is initialized, global rank 0 checks and builds (and
 caches) every index first, then after a barrier the other ranks load them: one barrier on
 the default group, no other communication.
 """
@@ -34,7 +36,6 @@ from megalm.data.mock_dataset import MockIndexedDataset
 from megalm.data.token_ids import check_token_ids
 
 SPLITS = ("train", "valid", "test")
-BLEND_MARGIN = 1.005  # Megatron's over-sampling of each blended dataset
 
 
 # --- parsing ---------------------------------------------------------------------------
@@ -131,13 +132,25 @@ def _split_datasets(low_level, split: Sequence[float], num_samples: Sequence[int
     return out
 
 
-def _blend(prefixes, weights, split, num_samples, config, cache_dir) -> list:
+def blend_sample_counts(weights: Sequence[float], n: int, surplus: float) -> Tuple[List[int], int]:
+    """``(samples asked of each dataset, length of the blend)`` for a blend of ``n`` samples.
+
+    As megatron-core's ``_get_size_per_split_per_dataset`` and BlendedDataset size: with the
+    normalized weights ``w``, the target of dataset ``d`` is ``t_d = ceil(n * w_d)``; it is asked
+    for ``ceil(t_d * (1 + surplus))`` samples and the blend is ``sum(t_d)`` long (>= n).
+    """
+    targets = [int(math.ceil(n * w)) for w in normalize_weights(weights).tolist()]
+    return [int(math.ceil(t * (1 + surplus))) for t in targets], sum(targets)
+
+
+def _blend(prefixes, weights, split, num_samples, config, cache_dir, surplus) -> list:
     """Per split: the single dataset, or a BlendedDataset of every prefix's split."""
     if weights is None:
         return _split_datasets(IndexedDataset(prefixes[0]), split, num_samples, config)
+    counts = [blend_sample_counts(weights, n, surplus) for n in num_samples]
     per_prefix = []
-    for prefix, w in zip(prefixes, weights):
-        sizes = [int(math.ceil(n * w * BLEND_MARGIN)) for n in num_samples]
+    for d, prefix in enumerate(prefixes):
+        sizes = [requests[d] for requests, _ in counts]
         per_prefix.append(_split_datasets(IndexedDataset(prefix), split, sizes, config))
     out = []
     for s, n in enumerate(num_samples):
@@ -148,7 +161,7 @@ def _blend(prefixes, weights, split, num_samples, config, cache_dir) -> list:
         if any(p is None for p in parts):
             empty = [prefixes[i] for i, p in enumerate(parts) if p is None]
             raise DataError(f"{SPLITS[s]} split of {empty} is empty; cannot blend it (check --split)")
-        out.append(BlendedDataset(parts, weights, n, cache_dir))
+        out.append(BlendedDataset(parts, weights, counts[s][1], cache_dir))
     return out
 
 
@@ -208,7 +221,9 @@ def _build_datasets(cfg, tokenizer, num_samples: Sequence[int]) -> list:
         return _split_datasets(mock, parse_split(d.split), num_samples, config)
     if d.data_path:
         prefixes, weights = parse_blend(d.data_path)
-        return _blend(prefixes, weights, parse_split(d.split), num_samples, config, d.data_cache_path)
+        return _blend(
+            prefixes, weights, parse_split(d.split), num_samples, config, d.data_cache_path, d.mid_level_dataset_surplus
+        )
     out = []
     for s, paths in enumerate((d.train_data_path, d.valid_data_path, d.test_data_path)):
         if not paths or num_samples[s] <= 0:
@@ -217,7 +232,7 @@ def _build_datasets(cfg, tokenizer, num_samples: Sequence[int]) -> list:
         prefixes, weights = parse_blend(paths)
         only = [num_samples[s] if i == s else 0 for i in range(3)]
         whole = [1.0 if i == s else 0.0 for i in range(3)]
-        out.append(_blend(prefixes, weights, whole, only, config, d.data_cache_path)[s])
+        out.append(_blend(prefixes, weights, whole, only, config, d.data_cache_path, d.mid_level_dataset_surplus)[s])
     return out
 
 
