@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from megalm.config import build_parser, config_from_args, validate_config
+from megalm.config import ConfigError, build_parser, config_from_args, validate_config
 from megalm.config.sections import SECTIONS
 from megalm.config.validation import MEGATRON_NO_OPS
 from tests.logs import megalm_logs
@@ -76,16 +76,68 @@ def _all_py() -> set:
     return out
 
 
+# How each no-op flag appears in a Megatron-LM launch script.
+NO_OP_ARGV = {
+    "--manual-gc-interval": ["--manual-gc-interval", "10"],
+    "--empty-unused-memory-level": ["--empty-unused-memory-level", "1"],
+    "--dist-ckpt-strictness": ["--dist-ckpt-strictness", "log_all"],
+    "--distributed-backend": ["--distributed-backend", "gloo"],
+    "--ckpt-format": ["--ckpt-format", "torch_dist"],
+}
+
+
 @pytest.mark.parametrize("flag", sorted(MEGATRON_NO_OPS))
 def test_megatron_no_op_flags_warn_naming_the_flag(flag, capsys):
     with megalm_logs("stderr"):
-        validate_config(config_from_args(build_parser().parse_args(BASE + [flag])))
+        validate_config(config_from_args(build_parser().parse_args(BASE + NO_OP_ARGV.get(flag, [flag]))))
     err = capsys.readouterr().err
-    assert f"[megalm] {flag} has no effect in megalm: {MEGATRON_NO_OPS[flag]}" in err
-    assert err.count("has no effect") == 1
+    assert f"[megalm] Megatron-LM flags with no effect in megalm: {flag} ({MEGATRON_NO_OPS[flag]})" in err
+    assert err.count("no effect") == 1
+
+
+def test_every_no_op_flag_given_makes_one_warning_line(capsys):
+    argv = [a for flag in sorted(MEGATRON_NO_OPS) for a in NO_OP_ARGV.get(flag, [flag])]
+    with megalm_logs("stderr"):
+        validate_config(config_from_args(build_parser().parse_args(BASE + argv)))
+    lines = [line for line in capsys.readouterr().err.splitlines() if "no effect" in line]
+    assert len(lines) == 1 and all(f"{flag} (" in lines[0] for flag in MEGATRON_NO_OPS), lines
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--ckpt-format", "torch"], "--ckpt-format torch is not supported: megalm reads and writes torch_dist"),
+        (["--ckpt-format", "zarr"], "--ckpt-format zarr is not supported"),
+        (["--distributed-backend", "nccl"], "--distributed-backend nccl does not match the backend megalm uses"),
+    ],
+)
+def test_megatron_flags_megalm_cannot_honour_are_refused(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_config(config_from_args(build_parser().parse_args(BASE + argv)))
+
+
+def test_megatron_script_forms_parse_as_megatron():
+    """--split with the literal quotes Megatron's example scripts pass; --moe-router-pre-softmax with
+    sigmoid scores is ignored (Megatron ignores it), not refused; W&B's directory defaults to <save>/wandb."""
+    cfg = validate_config(config_from_args(build_parser().parse_args(BASE + ["--split", "'99,1,0'"])))
+    assert [float(x) for x in cfg.data.split.strip("'").split(",")] == [99, 1, 0]
+    from megalm.data.builder import parse_split
+
+    assert parse_split(cfg.data.split) == [0.99, 0.01, 0.0]
+    moe = ["--num-experts", "4", "--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax"]
+    cfg = validate_config(config_from_args(build_parser().parse_args(BASE + moe)))
+    assert cfg.model.moe_router_pre_softmax is False
+    wandb = ["--wandb-project", "p", "--save", "/tmp/run"]
+    assert validate_config(config_from_args(build_parser().parse_args(BASE + wandb))).logging.wandb_save_dir == (
+        "/tmp/run/wandb"
+    )
+    both = wandb + ["--wandb-save-dir", "/tmp/elsewhere"]
+    assert validate_config(config_from_args(build_parser().parse_args(BASE + both))).logging.wandb_save_dir == (
+        "/tmp/elsewhere"
+    )
 
 
 def test_no_warning_without_the_no_op_flags(capsys):
     with megalm_logs("stderr"):
         validate_config(config_from_args(build_parser().parse_args(BASE)))
-    assert "has no effect" not in capsys.readouterr().err
+    assert "no effect" not in capsys.readouterr().err

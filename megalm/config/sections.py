@@ -13,16 +13,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
+from megalm.config.fields import flag_field
+from megalm.config.megatron_compat import MegatronCompatConfig
 from megalm.errors import MegalmError
 from megalm.tokenizers.build import TOKENIZER_TYPES
 
-
-def _f(default, help: str, **meta):
-    """A dataclass field carrying its flag documentation."""
-    meta["help"] = help
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
+_f = flag_field
 
 
 class ConfigError(MegalmError, ValueError):
@@ -265,6 +261,11 @@ class TrainingConfig:
     train_iters: Optional[int] = _f(None, "Iterations to train (or --train-samples).")
     train_samples: Optional[int] = _f(None, "Samples to train (or --train-iters).")
     seed: int = _f(1234, "Random seed (weights, dropout, data order).")
+    deterministic_mode: bool = _f(
+        False,
+        "torch.use_deterministic_algorithms(True) (and CUBLAS_WORKSPACE_CONFIG on CUDA): an op without a "
+        "deterministic kernel raises instead of running.",
+    )
     optimizer: str = _f("adam", "Optimizer (adam is AdamW: decoupled weight decay).", choices=["adam", "sgd"])
     lr: float = _f(1e-4, "Peak learning rate.")
     min_lr: float = _f(0.0, "Minimum learning rate after decay.")
@@ -415,6 +416,9 @@ class LoggingConfig:
     """Console, metrics file, TensorBoard and Weights & Biases."""
 
     log_interval: int = _f(100, "Print a log line every this many iterations.")
+    logging_level: Optional[int] = _f(
+        None, "Level of megalm's log (Python logging: 10 debug, 20 info, 30 warning); default info."
+    )
     log_params_norm: bool = _f(False, "Log the L2 norm of the parameters (each distinct parameter counted once).")
     metrics_file: Optional[str] = _f(
         None, "Append JSON Lines metrics here (one record per logged iteration and evaluation)."
@@ -482,6 +486,7 @@ class MegalmConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    megatron_compat: MegatronCompatConfig = field(default_factory=MegatronCompatConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -5,8 +5,11 @@ before any process group or model exists.  Errors are :class:`ConfigError` namin
 from __future__ import annotations
 
 import math
+import os
+import re
 from typing import Optional, Tuple
 
+from megalm.config.megatron_compat import NO_EFFECT, given_no_effect_flags, refusal
 from megalm.config.sections import (
     CheckpointConfig,
     ConfigError,
@@ -17,6 +20,7 @@ from megalm.config.sections import (
     ParallelConfig,
     TrainingConfig,
 )
+from megalm.device import get_backend
 from megalm.log import get_logger
 from megalm.tokenizers.build import missing_tokenizer_flags
 
@@ -29,6 +33,7 @@ MEGATRON_NO_OPS = {
     "attention scales q k^T by 1/sqrt(head dim) only",
     "--log-throughput": "megalm always logs tokens per second, TFLOP/s per rank and MFU",
     "--log-validation-ppl-to-tensorboard": "megalm always logs validation perplexity (lm loss <split> ppl)",
+    **NO_EFFECT,
 }
 
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
@@ -71,10 +76,14 @@ def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
             isinstance(freq, list) and len(freq) == m.num_layers and all(v in (0, 1) for v in freq),
             f"--moe-layer-freq {freq} must have one 0/1 entry per layer (--num-layers {m.num_layers})",
         )
-    _check(
-        m.moe_router_score_function == "softmax" or not m.moe_router_pre_softmax,
-        "--moe-router-pre-softmax needs --moe-router-score-function softmax",
-    )
+    if m.moe_router_score_function != "softmax" and m.moe_router_pre_softmax:
+        logger.warning(
+            "--moe-router-pre-softmax is ignored with --moe-router-score-function %s (as in Megatron-LM): "
+            "scores are the %s of the logits, top-k taken after",
+            m.moe_router_score_function,
+            m.moe_router_score_function,
+        )
+        m.moe_router_pre_softmax = False
     _check(m.moe_aux_loss_coeff >= 0.0, f"--moe-aux-loss-coeff must be >= 0, got {m.moe_aux_loss_coeff}")
     _check(
         m.moe_z_loss_coeff is None or m.moe_z_loss_coeff >= 0.0,
@@ -160,19 +169,32 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
     _validate_data(cfg.data, m, p)
     _validate_checkpoint(cfg.checkpoint)
     _validate_logging(cfg.logging, world_size)
+    if cfg.logging.wandb_project and not cfg.logging.wandb_save_dir and cfg.checkpoint.save:
+        cfg.logging.wandb_save_dir = os.path.join(cfg.checkpoint.save, "wandb")  # Megatron's default
+    _check_megatron_compat(cfg.megatron_compat)
     _warn_megatron_no_ops(cfg)
     return cfg
 
 
+def _check_megatron_compat(c) -> None:
+    why = refusal(c, get_backend())
+    _check(why is None, why or "")
+
+
 def _warn_megatron_no_ops(cfg: MegalmConfig) -> None:
-    given = {
-        "--apply-query-key-layer-scaling": cfg.model.apply_query_key_layer_scaling,
-        "--log-throughput": cfg.logging.log_throughput,
-        "--log-validation-ppl-to-tensorboard": cfg.logging.log_validation_ppl_to_tensorboard,
-    }
-    for flag, value in given.items():
-        if value:
-            logger.warning("%s has no effect in megalm: %s", flag, MEGATRON_NO_OPS[flag])
+    """One warning line naming every Megatron-LM flag given that has no effect here, and why."""
+    given = [
+        flag
+        for flag, value in (
+            ("--apply-query-key-layer-scaling", cfg.model.apply_query_key_layer_scaling),
+            ("--log-throughput", cfg.logging.log_throughput),
+            ("--log-validation-ppl-to-tensorboard", cfg.logging.log_validation_ppl_to_tensorboard),
+        )
+        if value
+    ] + given_no_effect_flags(cfg.megatron_compat)
+    if given:
+        reasons = "; ".join(f"{flag} ({MEGATRON_NO_OPS[flag]})" for flag in given)
+        logger.warning("Megatron-LM flags with no effect in megalm: %s", reasons)
 
 
 def _validate_model(m: ModelConfig, p: ParallelConfig) -> None:
@@ -479,9 +501,10 @@ def _validate_data(d: DataConfig, m: ModelConfig, p: ParallelConfig) -> None:
     _check(not (d.mock_data and any(sources)), "--mock-data cannot be combined with data paths")
     _check(not (d.data_path and any(sources[1:])), "give either --data-path or --train/valid/test-data-path, not both")
     if d.split:
-        parts = [s for s in d.split.replace("/", ",").split(",") if s.strip()]
+        # As Megatron's parser: the numbers in the string, so "'99,1,0'" (quotes kept by a shell script) works.
+        parts = [x for x in re.split(r"[,/]", d.split.strip("'\" ")) if x.strip()]
         try:
-            vals = [float(s) for s in parts]
+            vals = [float(x) for x in parts]
         except ValueError:
             raise ConfigError(f"--split {d.split!r} must be comma-separated numbers, e.g. 969,30,1") from None
         _check(

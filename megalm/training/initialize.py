@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import random
 from datetime import timedelta
 
@@ -16,6 +18,10 @@ from megalm.device import initialize_distributed
 
 def initialize_megalm(cfg: MegalmConfig) -> None:
     """Initialize torch.distributed (from torchrun's env) and the parallel layout, then seed."""
+    if cfg.logging.logging_level is not None:
+        logging.getLogger("megalm").setLevel(cfg.logging.logging_level)
+    if cfg.training.deterministic_mode:
+        use_deterministic_algorithms()
     timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     initialize_distributed(timeout=timeout)
     p = cfg.parallel
@@ -29,6 +35,13 @@ def initialize_megalm(cfg: MegalmConfig) -> None:
             timeout=timeout,
         )
     set_random_seed(cfg.training.seed)
+
+
+def use_deterministic_algorithms() -> None:
+    """``--deterministic-mode``: every op must use a deterministic kernel (an op without one raises);
+    cuBLAS needs a fixed workspace for that (set before the first CUDA matmul)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
 
 
 def set_random_seed(seed: int) -> None:

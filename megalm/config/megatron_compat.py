@@ -1,0 +1,92 @@
+"""Megatron-LM flags that megalm accepts so Megatron's launch scripts run as written.
+
+Each flag here changes nothing in megalm, for the reason given in :data:`NO_EFFECT`; when any
+is given, one warning line lists them.  Flags whose value megalm cannot honour are refused by
+:func:`check_megatron_compat` (e.g. ``--ckpt-format torch``).  Flags that change the model or
+the training are never accepted here: they are implemented in their own section or refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megalm.config.fields import flag_field as _f
+
+# Flag -> why it has no effect in megalm (the text of the warning).
+NO_EFFECT = {
+    "--use-mcore-models": "megalm's GPT is built like megatron-core's (same parameter names); there is no legacy model",
+    "--no-gradient-accumulation-fusion": "weight gradients accumulate through autograd into DDP's grad buffers; "
+    "there is no fused wgrad kernel to turn off",
+    "--attention-softmax-in-fp32": "megalm's attention softmax always computes in fp32",
+    "--no-create-attention-mask-in-dataloader": "the data loader never builds an attention mask; "
+    "attention is causal by construction",
+    "--no-mmap-bin-files": "megalm always memory-maps .bin files",
+    "--manual-gc": "Python's automatic garbage collection stays on",
+    "--manual-gc-interval": "Python's automatic garbage collection stays on",
+    "--empty-unused-memory-level": "megalm never empties the CUDA caching allocator between steps",
+    "--dist-ckpt-strictness": "megalm loads checkpoints strictly: a missing or unexpected key is an error",
+    "--use-persistent-ckpt-worker": "--async-save writes from a background thread of each training process",
+    "--distributed-backend": "megalm picks the backend itself (nccl with CUDA, gloo without) and checked it matches",
+    "--ckpt-format": "megalm writes torch.distributed.checkpoint, which is Megatron's torch_dist",
+}
+
+
+@dataclass
+class MegatronCompatConfig:
+    """Megatron-LM flags accepted for its launch scripts; they change nothing in megalm (one warning lists them)."""
+
+    use_mcore_models: bool = _f(False, "No effect: " + NO_EFFECT["--use-mcore-models"] + ".")
+    no_gradient_accumulation_fusion: bool = _f(False, "No effect: " + NO_EFFECT["--no-gradient-accumulation-fusion"])
+    attention_softmax_in_fp32: bool = _f(False, "No effect: " + NO_EFFECT["--attention-softmax-in-fp32"] + ".")
+    no_create_attention_mask_in_dataloader: bool = _f(
+        False, "No effect: " + NO_EFFECT["--no-create-attention-mask-in-dataloader"] + "."
+    )
+    no_mmap_bin_files: bool = _f(False, "No effect: " + NO_EFFECT["--no-mmap-bin-files"] + ".")
+    manual_gc: bool = _f(False, "No effect: " + NO_EFFECT["--manual-gc"] + ".")
+    manual_gc_interval: Optional[int] = _f(None, "No effect: " + NO_EFFECT["--manual-gc-interval"] + ".")
+    empty_unused_memory_level: Optional[int] = _f(
+        None, "No effect: " + NO_EFFECT["--empty-unused-memory-level"] + ".", choices=[0, 1, 2]
+    )
+    dist_ckpt_strictness: Optional[str] = _f(None, "No effect: " + NO_EFFECT["--dist-ckpt-strictness"] + ".")
+    use_persistent_ckpt_worker: bool = _f(False, "No effect: " + NO_EFFECT["--use-persistent-ckpt-worker"] + ".")
+    distributed_backend: Optional[str] = _f(
+        None, "Checked against the backend megalm picks (nccl with CUDA, gloo without).", choices=["nccl", "gloo"]
+    )
+    ckpt_format: Optional[str] = _f(
+        None, "Only torch_dist (megalm's torch.distributed.checkpoint format) is accepted; others are refused."
+    )
+
+
+def given_no_effect_flags(c: MegatronCompatConfig) -> list:
+    """The flags of :data:`NO_EFFECT` that were given (set away from their defaults)."""
+    values = {
+        "--use-mcore-models": c.use_mcore_models,
+        "--no-gradient-accumulation-fusion": c.no_gradient_accumulation_fusion,
+        "--attention-softmax-in-fp32": c.attention_softmax_in_fp32,
+        "--no-create-attention-mask-in-dataloader": c.no_create_attention_mask_in_dataloader,
+        "--no-mmap-bin-files": c.no_mmap_bin_files,
+        "--manual-gc": c.manual_gc,
+        "--manual-gc-interval": c.manual_gc_interval is not None,
+        "--empty-unused-memory-level": c.empty_unused_memory_level is not None,
+        "--dist-ckpt-strictness": c.dist_ckpt_strictness is not None,
+        "--use-persistent-ckpt-worker": c.use_persistent_ckpt_worker,
+        "--distributed-backend": c.distributed_backend is not None,
+        "--ckpt-format": c.ckpt_format is not None,
+    }
+    return [flag for flag, given in values.items() if given]
+
+
+def refusal(c: MegatronCompatConfig, backend: str) -> Optional[str]:
+    """Why these flags cannot be honoured (None when they can); ``backend``: the one megalm picks."""
+    if c.ckpt_format is not None and c.ckpt_format != "torch_dist":
+        return (
+            f"--ckpt-format {c.ckpt_format} is not supported: megalm reads and writes torch_dist "
+            "(torch.distributed.checkpoint) only; convert other checkpoints with tools/checkpoint/convert.py"
+        )
+    if c.distributed_backend is not None and c.distributed_backend != backend:
+        return (
+            f"--distributed-backend {c.distributed_backend} does not match the backend megalm uses on this machine "
+            f"({backend}: nccl when CUDA is visible, gloo otherwise); drop the flag"
+        )
+    return None
