@@ -132,8 +132,22 @@ def tied_embedding_copies(model_chunks: Sequence[torch.nn.Module]) -> Dict[str, 
     return out
 
 
+def model_buffers(model_chunks: Sequence[torch.nn.Module]) -> Dict[str, torch.Tensor]:
+    """Global names -> persistent buffers (training state that is not a parameter, e.g. a router's
+    ``expert_bias``); each is replicated over TP and DP."""
+    out = {}
+    for chunk in model_chunks:
+        for prefix, module in getattr(chunk, "module", chunk).named_modules():
+            for name, b in module._buffers.items():
+                if b is not None and name not in module._non_persistent_buffers_set:
+                    out[canonical_name(f"{prefix}.{name}" if prefix else name)] = b
+    return out
+
+
 def model_sharded_state(model_chunks: Sequence[torch.nn.Module]) -> ShardedStateDict:
-    return {f"model.{name}": param_spec(p) for name, p in model_parameters(model_chunks).items()}
+    specs = {f"model.{name}": param_spec(p) for name, p in model_parameters(model_chunks).items()}
+    specs.update({f"model.{name}": ShardedTensorSpec.replicated(b) for name, b in model_buffers(model_chunks).items()})
+    return specs
 
 
 # --- RNG -------------------------------------------------------------------------------
@@ -460,6 +474,10 @@ def _load_specs(model_chunks, optimizer, saved: Dict[str, tuple]):
             specs[main_key] = param_spec(p)
         else:
             specs[f"model.{name}"] = param_spec(p)
+    for name, b in model_buffers(model_chunks).items():
+        if f"model.{name}" not in saved:
+            raise CheckpointError(f"checkpoint has no {name}: it was saved by a model without it (check the MoE flags)")
+        specs[f"model.{name}"] = ShardedTensorSpec.replicated(b)
     specs.update(opt_specs)
     return specs, bool(missing)
 

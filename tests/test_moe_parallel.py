@@ -11,6 +11,7 @@ under EP 1 and EP 4, and pipeline 2 x EP 2 (skipped while pipeline parallelism i
 import os
 
 import pytest
+import torch
 
 from megalm.testing import run_distributed
 from tests.training_runs import assert_close as _assert_close
@@ -79,6 +80,19 @@ MOE = [
     "--log-params-norm",
 ]
 ITERS = 5
+RECIPE = [
+    "--moe-router-score-function",
+    "sigmoid",
+    "--moe-router-num-groups",
+    "2",
+    "--moe-router-group-topk",
+    "1",
+    "--moe-router-topk-scaling-factor",
+    "2.0",
+    "--moe-router-enable-expert-bias",
+    "--moe-router-bias-update-rate",
+    "0.05",
+]
 
 
 def _argv(tmp, name, *extra):
@@ -128,14 +142,24 @@ def runs(tmp_path_factory):
             "--overlap-param-gather",
         ),
     ]
+    # Megatron's routing recipes: sigmoid scores, group-limited top-k, scaled weights, expert bias.
+    recipe = lambda name, *extra: _argv(tmp, name, *RECIPE, *extra)  # noqa: E731
+    rck = os.path.join(tmp, "ckpt_recipe")
+    quad += [
+        recipe("recipe_ep1", *_ep(1)),
+        recipe("recipe_tp2ep2", *_ep(2, "alltoall"), "--tensor-model-parallel-size", "2", "--sequence-parallel"),
+        recipe("recipe_save", *_ep(2, "alltoall"), "--save", rck, "--save-interval", "3", "--exit-interval", "3"),
+        recipe("recipe_load", *_ep(1), "--load", rck),
+    ]
     codes4 = run_distributed(_run_trainings, 4, args=(quad,), timeout=400)
-    codes1 = run_distributed(_run_trainings, 1, args=([_argv(tmp, "single")],), timeout=200)
+    singles = [_argv(tmp, "single"), recipe("recipe_single")]
+    codes1 = run_distributed(_run_trainings, 1, args=(singles,), timeout=200)
     return {"tmp": tmp, "codes": codes4 + codes1}
 
 
 def test_all_runs_exit_cleanly(runs):
-    assert all(c[:12] == [0] * 12 and c[13] == 0 for c in runs["codes"][:4]), runs["codes"]
-    assert runs["codes"][4] == [0], runs["codes"]
+    assert all(c[:12] == [0] * 12 and c[13:] == [0] * 5 for c in runs["codes"][:4]), runs["codes"]
+    assert runs["codes"][4] == [0, 0], runs["codes"]
 
 
 def test_pipeline_and_expert_parallel_equal_expert_parallel_1(runs):
@@ -209,3 +233,24 @@ def test_checkpoint_saved_under_ep2_loads_under_ep1_and_ep4(runs):
         loaded = _records(runs["tmp"], name)
         assert [r["iteration"] for r in loaded] == [4, 5]
         _assert_close([r["lm_loss"] for r in loaded], [r["lm_loss"] for r in straight[3:]])
+
+
+def test_routing_recipes_are_layout_independent_and_resume_with_the_expert_bias(runs):
+    """Group-limited sigmoid routing with scaled weights and aux-loss-free expert bias: DP 4, TP 2 x EP 2
+    and one process train alike (the bias moves by the token counts summed over every rank), and a
+    checkpoint holds the bias: EP 2 saved at 3, EP 1 resumed, equals the straight run."""
+    ref = _records(runs["tmp"], "recipe_ep1")
+    assert len(ref) == ITERS
+    for name in ("recipe_tp2ep2", "recipe_single"):
+        _assert_close([r["lm_loss"] for r in _records(runs["tmp"], name)], [r["lm_loss"] for r in ref])
+    loaded = _records(runs["tmp"], "recipe_load")
+    assert [r["iteration"] for r in loaded] == [4, 5]
+    _assert_close([r["lm_loss"] for r in loaded], [r["lm_loss"] for r in ref[3:]])
+    from megalm.conversion.megalm_checkpoint import MegalmCheckpointReader
+
+    reader = MegalmCheckpointReader(os.path.join(runs["tmp"], "ckpt_recipe"))
+    biases = reader.load([f"decoder.layers.{i}.mlp.router.expert_bias" for i in (0, 1)]).values()
+    for bias in biases:  # 3 updates of +-0.05 (or 0 for an expert exactly at the mean)
+        steps = bias / 0.05
+        assert torch.allclose(steps, steps.round(), atol=1e-5) and steps.abs().max() <= 3 and bias.abs().sum() > 0
+    assert _records(runs["tmp"], "recipe_ep1")[0]["lm_loss"] != _records(runs["tmp"], "ep1")[0]["lm_loss"]

@@ -209,3 +209,99 @@ def test_router_applies_capacity():
     capacity = math.ceil(15 * 2 / E * 0.5)
     assert routing_map.sum(0).le(capacity).all() and routing_map.sum() < 30
     assert torch.equal(probs != 0, routing_map)
+
+
+# --- Megatron's routing recipes: group-limited top-k, scaling factor, aux-loss-free expert bias ---
+
+
+def _reference_recipe(logits, k, score, groups=None, group_topk=None, scale=None, bias=None):
+    """Per token, in plain Python: sigmoid/softmax scores; a group's score is the sum of its
+    k // group_topk best (biased) scores; the k best (biased) experts of the best groups; weights
+    are the unbiased scores (sigmoid: normalized; softmax: softmax over the chosen logits) x scale."""
+    probs = torch.zeros_like(logits)
+    per_group = E // groups if groups else E
+    for t in range(logits.shape[0]):
+        row = logits[t].tolist()
+        scores = [1 / (1 + math.exp(-v)) for v in row] if score == "sigmoid" else row
+        choice = [s + (bias[i] if bias is not None else 0.0) for i, s in enumerate(scores)]
+        allowed = list(range(E))
+        if groups:
+            group_score = [
+                sum(sorted(choice[g * per_group : (g + 1) * per_group], reverse=True)[: k // group_topk])
+                for g in range(groups)
+            ]
+            best = sorted(range(groups), key=lambda g: -group_score[g])[:group_topk]
+            allowed = [i for i in range(E) if i // per_group in best]
+        chosen = sorted(allowed, key=lambda i: -choice[i])[:k]
+        if score == "sigmoid":
+            total = sum(scores[i] for i in chosen) if k > 1 else 1.0
+            weights = {i: scores[i] / total for i in chosen}
+        else:
+            m = max(row[i] for i in chosen)
+            z = sum(math.exp(row[i] - m) for i in chosen)
+            weights = {i: math.exp(row[i] - m) / z for i in chosen}
+        for i, w in weights.items():
+            probs[t, i] = w * (scale or 1.0)
+    return probs
+
+
+@pytest.mark.parametrize(
+    "score, groups, group_topk, k, scale, biased",
+    [
+        ("sigmoid", 3, 1, 2, None, False),
+        ("sigmoid", 3, 2, 2, 2.5, True),
+        ("softmax", 2, 1, 2, None, False),
+        ("softmax", None, None, 3, 1.5, False),
+        ("sigmoid", None, None, 2, None, True),
+    ],
+)
+def test_routing_recipes_equal_a_per_token_reference(score, groups, group_topk, k, scale, biased):
+    torch.manual_seed(7)
+    logits = torch.randn(40, E, dtype=torch.float64)
+    bias = torch.tensor([0.3, -0.2, 0.0, 0.5, -0.4, 0.1], dtype=torch.float64) if biased else None
+    probs, routing_map = topk_routing(
+        logits, k, score, num_groups=groups, group_topk=group_topk, scaling_factor=scale, expert_bias=bias
+    )
+    expected = _reference_recipe(logits, k, score, groups, group_topk, scale, bias.tolist() if biased else None)
+    torch.testing.assert_close(probs, expected, rtol=1e-12, atol=1e-12)
+    assert torch.equal(routing_map, expected != 0)
+    if biased:  # the bias changed which experts are chosen, not only their weights
+        assert not torch.equal(routing_map, topk_routing(logits, k, score, num_groups=groups, group_topk=group_topk)[1])
+
+
+def test_expert_bias_moves_towards_even_load_and_counts_restart():
+    m = _model_cfg(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+    m.moe_router_bias_update_rate = 0.01
+    router = TopKRouter(m, layer_number=1)
+    torch.nn.init.normal_(router.weight, std=0.5)
+    x = torch.randn(10, 3, H)
+    router(x)
+    router(x)  # two microbatches accumulate
+    counts = router.local_tokens_per_expert.clone()
+    assert counts.sum().item() == 2 * 30 * 2  # tokens x topk, twice
+    router.update_expert_bias(counts)
+    mean = counts.mean()
+    expected = torch.where(counts < mean, 0.01, torch.where(counts > mean, -0.01, 0.0))
+    torch.testing.assert_close(router.expert_bias, expected)
+    assert router.local_tokens_per_expert.sum().item() == 0
+    assert "expert_bias" in router.state_dict() and "local_tokens_per_expert" not in router.state_dict()
+    router.eval()
+    with torch.no_grad():
+        router(x)  # evaluation does not count
+    assert router.local_tokens_per_expert.sum().item() == 0
+
+
+def test_routing_recipe_flags_are_checked():
+    from megalm.config import ConfigError
+    from megalm.config.validation import _validate_moe_routing_recipes
+
+    cases = [
+        (dict(moe_router_num_groups=3), "go together"),
+        (dict(moe_router_num_groups=4, moe_router_group_topk=1), "not divisible by --moe-router-num-groups 4"),
+        (dict(moe_router_num_groups=3, moe_router_group_topk=4), r"must be in \[1, 3\]"),
+        (dict(moe_router_num_groups=6, moe_router_group_topk=1), "must be between --moe-router-group-topk 1"),
+        (dict(moe_router_enable_expert_bias=True), "needs --moe-router-score-function sigmoid"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            _validate_moe_routing_recipes(_model_cfg(**overrides))

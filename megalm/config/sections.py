@@ -155,6 +155,25 @@ class ModelConfig:
         False,
         "Softmax over all experts before the top-k (default: top-k of the logits, then softmax over the k chosen).",
     )
+    moe_router_num_groups: Optional[int] = _f(
+        None,
+        "Group-limited routing (DeepSeek-V3): the experts form this many groups (e.g. one per device) and each "
+        "token is routed within its --moe-router-group-topk best groups.",
+    )
+    moe_router_group_topk: Optional[int] = _f(
+        None, "Group-limited routing: groups each token may use, ranked by the sum of their top-k/group-topk scores."
+    )
+    moe_router_topk_scaling_factor: Optional[float] = _f(
+        None, "Multiply the routing weights of the chosen experts by this factor (DeepSeek-V3's 2.5)."
+    )
+    moe_router_enable_expert_bias: bool = _f(
+        False,
+        "Aux-loss-free load balancing (sigmoid scores): a per-expert bias added to the scores when choosing the "
+        "experts (not to their weights), moved by --moe-router-bias-update-rate after each step towards even load.",
+    )
+    moe_router_bias_update_rate: float = _f(
+        1e-3, "Step of the expert bias: bias += rate * sign(mean tokens per expert - tokens of the expert)."
+    )
     moe_router_load_balancing_type: str = _f(
         "aux_loss",
         "Load-balancing loss: per micro-batch (aux_loss), per sequence (seq_aux_loss) or none.",

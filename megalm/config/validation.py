@@ -50,6 +50,31 @@ def _check(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _validate_moe_routing_recipes(m: ModelConfig) -> None:
+    """Group-limited routing, the weight scaling factor and the aux-loss-free expert bias."""
+    e, k, groups, group_topk = m.num_experts, m.moe_router_topk, m.moe_router_num_groups, m.moe_router_group_topk
+    _check((groups is None) == (group_topk is None), "--moe-router-num-groups and --moe-router-group-topk go together")
+    if groups is not None:
+        _check(
+            groups >= 1 and e % groups == 0,
+            f"--num-experts {e} is not divisible by --moe-router-num-groups {groups}",
+        )
+        _check(1 <= group_topk <= groups, f"--moe-router-group-topk {group_topk} must be in [1, {groups}]")
+        _check(
+            group_topk <= k <= group_topk * (e // groups),
+            f"--moe-router-topk {k} must be between --moe-router-group-topk {group_topk} and the experts of the "
+            f"chosen groups ({group_topk} x {e // groups})",
+        )
+    if m.moe_router_topk_scaling_factor is not None:
+        _check(m.moe_router_topk_scaling_factor > 0, "--moe-router-topk-scaling-factor must be positive")
+    if m.moe_router_enable_expert_bias:
+        _check(
+            m.moe_router_score_function == "sigmoid",
+            "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (as in Megatron-LM)",
+        )
+        _check(m.moe_router_bias_update_rate >= 0, "--moe-router-bias-update-rate must be >= 0")
+
+
 def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
     """Mixture-of-experts flags (needs ``ffn_hidden_size`` and ``sequence_parallel`` settled)."""
     ep, tp = p.expert_model_parallel_size, p.tensor_model_parallel_size
@@ -76,6 +101,7 @@ def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
             isinstance(freq, list) and len(freq) == m.num_layers and all(v in (0, 1) for v in freq),
             f"--moe-layer-freq {freq} must have one 0/1 entry per layer (--num-layers {m.num_layers})",
         )
+    _validate_moe_routing_recipes(m)
     if m.moe_router_score_function != "softmax" and m.moe_router_pre_softmax:
         logger.warning(
             "--moe-router-pre-softmax is ignored with --moe-router-score-function %s (as in Megatron-LM): "

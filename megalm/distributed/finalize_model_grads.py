@@ -172,3 +172,18 @@ def finalize_model_grads(
         allreduce_sequence_parallel_grads(model_chunks, pg.tp)
     with timers("embedding-grads-all-reduce"):
         allreduce_embedding_grads(model_chunks, tied_embeddings, pg)
+    update_router_expert_biases(model_chunks, pg.tp_dp_cp)
+
+
+def update_router_expert_biases(model_chunks: Sequence[torch.nn.Module], group) -> None:
+    """``--moe-router-enable-expert-bias``: sum every router's token counts of this step over ``group``
+    (TP x DP x CP: every rank that routes tokens of this stage; one all-reduce of layers x experts
+    floats) and move each router's expert bias (``TopKRouter.update_expert_bias``)."""
+    routers = [m for c in model_chunks for m in c.modules() if getattr(m, "expert_bias", None) is not None]
+    if not routers:
+        return
+    counts = torch.stack([r.local_tokens_per_expert for r in routers])
+    if group_size(group) > 1:
+        comm.all_reduce(counts, group=group, kind="expert_bias_counts")
+    for router, n in zip(routers, counts):
+        router.update_expert_bias(n)

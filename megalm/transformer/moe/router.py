@@ -49,25 +49,64 @@ def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_topk: int):
+    """Top-k restricted to ``group_topk`` of ``num_groups`` expert groups (DeepSeek-V3's device-limited
+    routing, Megatron's ``--moe-router-num-groups`` / ``--moe-router-group-topk``): a group's score is the
+    sum of its ``topk // group_topk`` best scores; experts outside the chosen groups are masked to -inf.
+    Returns ``(values, indices)`` as ``torch.topk``."""
+    tokens, experts = scores.shape
+    grouped = scores.view(tokens, num_groups, experts // num_groups)
+    group_scores = grouped.topk(topk // group_topk, dim=-1).values.sum(dim=-1)  # [T, G]
+    chosen = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False).indices
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, chosen, True)
+    expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(tokens, experts)
+    return torch.topk(scores.masked_fill(~expert_mask, float("-inf")), k=topk, dim=-1)
+
+
 def topk_routing(
-    logits: torch.Tensor, topk: int, score_function: str = "softmax", pre_softmax: bool = False
+    logits: torch.Tensor,
+    topk: int,
+    score_function: str = "softmax",
+    pre_softmax: bool = False,
+    num_groups: Optional[int] = None,
+    group_topk: Optional[int] = None,
+    scaling_factor: Optional[float] = None,
+    expert_bias: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(probs, routing_map)``, both ``[T, E]``: the top-k weights (0 elsewhere) and where they are."""
+    """``(probs, routing_map)``, both ``[T, E]``: the top-k weights (0 elsewhere) and where they are.
+
+    ``num_groups`` / ``group_topk``: choose among the experts of the best groups only (see
+    :func:`group_limited_topk`).  ``expert_bias`` ``[E]`` (sigmoid only): added to the scores to choose
+    the experts, not to their weights (aux-loss-free balancing).  ``scaling_factor``: multiplies the
+    final weights.
+    """
+
+    def choose(scores):
+        if group_topk:
+            return group_limited_topk(scores, topk, num_groups, group_topk)
+        return torch.topk(scores, k=topk, dim=-1)
+
     wide = _at_least_fp32(logits.dtype)
     if score_function == "softmax":
         if pre_softmax:
             scores = torch.softmax(logits, dim=-1, dtype=wide).type_as(logits)
-            probs, indices = torch.topk(scores, k=topk, dim=-1)
+            probs, indices = choose(scores)
         else:
-            top_logits, indices = torch.topk(logits, k=topk, dim=-1)
+            top_logits, indices = choose(logits)
             probs = torch.softmax(top_logits, dim=-1, dtype=wide).type_as(logits)
     elif score_function == "sigmoid":
         scores = torch.sigmoid(logits.to(wide)).type_as(logits)
-        probs, indices = torch.topk(scores, k=topk, dim=-1)
+        if expert_bias is not None:
+            indices = choose(scores + expert_bias.to(scores.dtype))[1]
+            probs = torch.gather(scores, 1, indices)
+        else:
+            probs, indices = choose(scores)
         if topk > 1:
             probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
     else:
         raise ValueError(f"unknown --moe-router-score-function {score_function!r}")
+    if scaling_factor:
+        probs = probs * scaling_factor
     routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)
     return torch.zeros_like(logits).scatter(1, indices, probs), routing_map
 
@@ -121,6 +160,19 @@ class TopKRouter(nn.Module):
         set_tensor_model_parallel_attributes(self.weight, False, -1)
         mark_init(self.weight, "normal", init_std(m))
         set_param_info(self.weight, sequence_parallel=self.sequence_parallel)
+        self.num_groups, self.group_topk = m.moe_router_num_groups, m.moe_router_group_topk
+        self.scaling_factor = m.moe_router_topk_scaling_factor
+        self.bias_update_rate = m.moe_router_bias_update_rate
+        if m.moe_router_enable_expert_bias:
+            # Saved in checkpoints (replicated); the token counts since the last update are not.
+            self.register_buffer("expert_bias", torch.zeros(m.num_experts, dtype=torch.float32, device=get_device()))
+            self.register_buffer(
+                "local_tokens_per_expert",
+                torch.zeros(m.num_experts, dtype=torch.float32, device=get_device()),
+                persistent=False,
+            )
+        else:
+            self.expert_bias = None
 
     def gating(self, x: torch.Tensor) -> torch.Tensor:
         """Router logits ``[T, E]``, computed in ``--moe-router-dtype`` when given."""
@@ -140,8 +192,7 @@ class TopKRouter(nn.Module):
         s, b, h = hidden.shape
         logits = self.gating(hidden.reshape(s * b, h))
         if not self.training:
-            probs, routing_map = topk_routing(logits, self.topk, self.score_function, self.pre_softmax)
-            return self._capacity(probs, routing_map)
+            return self._capacity(*self._route(logits))
         graph = torch.is_grad_enabled()
         record = not _in_backward()
         lse_sq = None
@@ -151,9 +202,32 @@ class TopKRouter(nn.Module):
                 # Each TP rank's mean over its slice / tp: the TP ranks' partial losses add up
                 # to the z-loss of the whole sequence.
                 logits = attach_aux_loss(logits, lse_sq.mean() * (self.z_loss_coeff / self.tp_size), self.moe_state)
-        probs, routing_map = topk_routing(logits, self.topk, self.score_function, self.pre_softmax)
+        probs, routing_map = self._route(logits)
         probs = self._load_balancing(logits, probs, routing_map, lse_sq, s, b, graph, record)
-        return self._capacity(probs, routing_map)
+        probs, routing_map = self._capacity(probs, routing_map)
+        if self.expert_bias is not None and record:
+            self.local_tokens_per_expert += routing_map.sum(0).float()
+        return probs, routing_map
+
+    def _route(self, logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return topk_routing(
+            logits,
+            self.topk,
+            self.score_function,
+            self.pre_softmax,
+            num_groups=self.num_groups,
+            group_topk=self.group_topk,
+            scaling_factor=self.scaling_factor,
+            expert_bias=self.expert_bias,
+        )
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:
+        """Aux-loss-free balancing (arXiv 2408.15664): ``bias += rate * sign(mean(n) - n)`` for the token
+        counts ``n`` of the step summed over every rank that routes (TP x DP x CP); counts restart."""
+        offset = tokens_per_expert.mean() - tokens_per_expert
+        self.expert_bias += torch.sign(offset) * self.bias_update_rate
+        self.local_tokens_per_expert.zero_()
 
     def _load_balancing(
         self, logits, probs, routing_map, lse_sq: Optional[torch.Tensor], s: int, b: int, graph: bool, record: bool
