@@ -20,6 +20,8 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 # Flags whose value megalm/config/validation.py itself acts on (read nowhere else by design).
 CONSUMED_BY_VALIDATION = {
     "use_flash_attn": "becomes --attention-backend flash",
+    "add_position_embedding": "--no-position-embedding becomes --position-embedding-type none",
+    "recompute_activations": "becomes --recompute-granularity selective",
     "lr_warmup_iters": "lr_schedule_samples",
     "lr_warmup_fraction": "lr_schedule_samples",
     "lr_decay_iters": "lr_schedule_samples",
@@ -141,3 +143,15 @@ def test_no_warning_without_the_no_op_flags(capsys):
     with megalm_logs("stderr"):
         validate_config(config_from_args(build_parser().parse_args(BASE)))
     assert "no effect" not in capsys.readouterr().err
+
+
+def test_megatron_spellings_of_model_flags():
+    def cfg(*argv):
+        return validate_config(config_from_args(build_parser().parse_args(BASE + list(argv))))
+
+    assert cfg("--no-position-embedding").model.position_embedding_type == "none"
+    assert cfg("--no-position-embedding", "--position-embedding-type", "rope").model.position_embedding_type == "rope"
+    assert cfg("--position-embedding-type", "learned_absolute").model.position_embedding_type == "learned_absolute"
+    assert cfg("--recompute-activations").model.recompute_granularity == "selective"
+    with pytest.raises(ConfigError, match="--recompute-activations means --recompute-granularity selective, not full"):
+        cfg("--recompute-activations", "--recompute-granularity", "full", "--recompute-method", "uniform")

@@ -44,6 +44,13 @@ class ModelConfig:
     position_embedding_type: str = _f(
         "learned_absolute", "Position embedding.", choices=["learned_absolute", "rope", "none"]
     )
+    add_position_embedding: bool = _f(
+        True,
+        "Megatron's switch: with learned absolute positions, use none (= --position-embedding-type none); "
+        "with rope, no effect.",
+        flag="--no-position-embedding",
+        action="store_false",
+    )
     rotary_base: int = _f(10000, "Base of the rotary embedding frequencies.")
     rotary_percent: float = _f(1.0, "Fraction of each head's dimensions that is rotated.")
     normalization: str = _f("LayerNorm", "Normalization layer.", choices=["LayerNorm", "RMSNorm"])
@@ -71,6 +78,7 @@ class ModelConfig:
     recompute_granularity: Optional[str] = _f(
         None, "Activation recomputation granularity.", choices=["full", "selective"]
     )
+    recompute_activations: bool = _f(False, "Megatron's spelling of --recompute-granularity selective.")
     recompute_method: Optional[str] = _f(
         None,
         "With full recompute: 'uniform' (chunks of N layers) or 'block' (first N layers of each stage).",

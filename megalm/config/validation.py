@@ -235,6 +235,14 @@ def _validate_model(m: ModelConfig, p: ParallelConfig) -> None:
         _check(value > 0, f"--{name.replace('_', '-')} must be positive, got {value}")
     _check(tp >= 1 and pp >= 1, f"parallel sizes must be >= 1 (tensor {tp}, pipeline {pp})")
     _validate_heads(m, tp)
+    if not m.add_position_embedding and m.position_embedding_type == "learned_absolute":
+        m.position_embedding_type = "none"  # Megatron's --no-position-embedding
+    if m.recompute_activations:
+        _check(
+            m.recompute_granularity in (None, "selective"),
+            f"--recompute-activations means --recompute-granularity selective, not {m.recompute_granularity}",
+        )
+        m.recompute_granularity = "selective"
     if m.ffn_hidden_size is None:
         m.ffn_hidden_size = int((4 * m.hidden_size * 2 / 3) / 64) * 64 if m.swiglu else 4 * m.hidden_size
         m.ffn_hidden_size = max(m.ffn_hidden_size, 64 if m.swiglu else m.ffn_hidden_size)
