@@ -479,3 +479,34 @@ def test_param_info_records_and_tied_weights():
     assert "vocab_unpadded" not in plain.bias.__dict__
     with pytest.raises(ParamLayoutError, match="partition_dim -1"):
         set_param_info(plain.weight, partition_dim=1)
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_layernorm_1p_scales_by_one_plus_a_zero_initialised_weight(normalization):
+    """--apply-layernorm-1p: norm weights start at 0; the norm is x_hat * (1 + w) (+ b); a model with it
+    equals the plain model whose norm weights are 1 + w."""
+    from megalm.transformer.norm import build_norm
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 16)
+    norm = build_norm(normalization, 16, 1e-5, zero_centered_gamma=True)  # initialised by the model (below)
+    with torch.no_grad():
+        norm.weight.normal_()
+        getattr(norm, "bias", norm.weight).normal_()
+    if normalization == "RMSNorm":
+        expected = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * (1 + norm.weight)
+    else:
+        centered = x - x.mean(-1, keepdim=True)
+        expected = centered / torch.sqrt(centered.pow(2).mean(-1, keepdim=True) + 1e-5) * (1 + norm.weight) + norm.bias
+    torch.testing.assert_close(norm(x), expected, rtol=1e-5, atol=1e-5)
+
+    overrides = dict(CONFIGS["rope-RMSNorm-SwiGLU-nobias-untied-GQA"], normalization=normalization)
+    one_p, plain = GPTModel(make_cfg(apply_layernorm_1p=True, **overrides)), GPTModel(make_cfg(**overrides))
+    norm_names = [n for n, _ in one_p.named_parameters() if "layernorm.weight" in n]
+    assert len(norm_names) == 5 and all(torch.count_nonzero(one_p.get_parameter(n)) == 0 for n in norm_names)
+    with torch.no_grad():
+        for name, p in one_p.named_parameters():
+            p.normal_(0, 0.05) if "layernorm.weight" in name else None
+            plain.get_parameter(name).copy_(p + 1 if "layernorm.weight" in name else p)
+    tokens, positions, _, _ = make_batch(0)
+    torch.testing.assert_close(one_p(tokens, positions), plain(tokens, positions), rtol=1e-5, atol=1e-5)

@@ -48,6 +48,7 @@ CONFIGS = {
 ONE_PROCESS_ONLY = {  # megalm's attention core under TE, selective recompute; MoE layers (local experts)
     "llama-unfused-selective": dict(CONFIGS["llama"], attention_backend="unfused", recompute_granularity="selective"),
     "moe": dict(CONFIGS["llama"], num_experts=2, moe_router_topk=1, moe_layer_freq=[0, 1]),
+    "llama-layernorm-1p": dict(CONFIGS["llama"], apply_layernorm_1p=True),  # TE's zero_centered_gamma
 }
 
 

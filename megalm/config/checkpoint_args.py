@@ -29,6 +29,7 @@ MODEL_FIELDS = (
     "rotary_percent",
     "normalization",
     "norm_epsilon",
+    "apply_layernorm_1p",
     "swiglu",
     "add_bias_linear",
     "untie_embeddings_and_output_weights",
@@ -39,6 +40,10 @@ MODEL_FIELDS = (
     "moe_router_topk",
     "moe_router_score_function",
     "moe_router_pre_softmax",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_router_topk_scaling_factor",
+    "moe_router_enable_expert_bias",
     "moe_shared_expert_intermediate_size",
 )
 DATA_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")

@@ -55,6 +55,11 @@ class ModelConfig:
     rotary_percent: float = _f(1.0, "Fraction of each head's dimensions that is rotated.")
     normalization: str = _f("LayerNorm", "Normalization layer.", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = _f(1e-5, "Epsilon of the normalization layers.")
+    apply_layernorm_1p: bool = _f(
+        False,
+        "Zero-centered norm weights (LayerNorm and RMSNorm): initialised to 0 and applied as (1 + weight), "
+        "for numerical stability (Megatron's LayerNorm1P / TE's zero_centered_gamma).",
+    )
     swiglu: bool = _f(False, "Use SwiGLU in the MLP instead of GELU.")
     add_bias_linear: bool = _f(
         True, "Disable biases in all linear layers.", flag="--disable-bias-linear", action="store_false"

@@ -60,6 +60,8 @@ class GPT2(Architecture):
             wrong.append(f"--position-embedding-type {m.position_embedding_type} (needs learned_absolute)")
         if m.normalization != "LayerNorm":
             wrong.append(f"--normalization {m.normalization} (needs LayerNorm)")
+        if m.apply_layernorm_1p:
+            wrong.append("--apply-layernorm-1p (Hugging Face's norms scale by weight, not 1 + weight)")
         if m.swiglu:
             wrong.append("--swiglu (needs GELU)")
         if not m.add_bias_linear:

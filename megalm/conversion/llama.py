@@ -80,6 +80,8 @@ class Llama(Architecture):
             wrong.append(f"--rotary-percent {m.rotary_percent} (needs 1.0)")
         if m.normalization != "RMSNorm":
             wrong.append(f"--normalization {m.normalization} (needs RMSNorm)")
+        if m.apply_layernorm_1p:
+            wrong.append("--apply-layernorm-1p (Hugging Face's norms scale by weight, not 1 + weight)")
         if not m.swiglu:
             wrong.append("GELU MLP (needs --swiglu)")
         return wrong

@@ -76,12 +76,14 @@ def adopt_te_parameters(
     stride: int = 1,
     sequence_parallel: bool = False,
     tp_size: int = 1,
+    zero_centered_gamma: bool = False,
 ) -> torch.nn.Module:
     """Give a TE ``Linear`` / ``LayerNormLinear``'s parameters megalm's attributes and init rules.
 
     ``weight``: split along dim 0 (column, with ``stride``) or 1 (row), normal(0, ``std``);
     ``bias``: split like the output (column) or replicated with ``sequence_parallel`` (row), zeros;
-    ``layer_norm_weight`` / ``layer_norm_bias``: replicated with ``sequence_parallel``, ones / zeros.
+    ``layer_norm_weight`` / ``layer_norm_bias``: replicated with ``sequence_parallel``, ones / zeros
+    (``zero_centered_gamma``: the weight starts at zeros, TE scaling by ``1 + weight``).
     """
     column = parallel_mode == "column"
     sp = bool(sequence_parallel) and tp_size > 1
@@ -95,7 +97,8 @@ def adopt_te_parameters(
         elif name == "bias":
             mark_norm_parameter(param, "zeros", sp)  # added after the row reduction: partial grads under SP
         elif name in ("layer_norm_weight", "layer_norm_bias"):
-            mark_norm_parameter(param, "ones" if name == "layer_norm_weight" else "zeros", sp)
+            ones = name == "layer_norm_weight" and not zero_centered_gamma
+            mark_norm_parameter(param, "ones" if ones else "zeros", sp)
         else:
             raise ValueError(f"unexpected Transformer Engine parameter {name!r} in {type(module).__name__}")
     return module
@@ -120,6 +123,7 @@ def norm_column_linear(
         eps=m.norm_epsilon,
         bias=bias,
         normalization=m.normalization,
+        zero_centered_gamma=m.apply_layernorm_1p,
         return_bias=return_bias and bias,
         parallel_mode="column",
         init_method=_skip_init,
@@ -127,7 +131,9 @@ def norm_column_linear(
         device=get_device(),
         **_tensor_parallel_kwargs(sequence_parallel, tp_group),
     )
-    return adopt_te_parameters(module, "column", std, stride, sequence_parallel, group_size(tp_group))
+    return adopt_te_parameters(
+        module, "column", std, stride, sequence_parallel, group_size(tp_group), zero_centered_gamma=m.apply_layernorm_1p
+    )
 
 
 def row_linear(

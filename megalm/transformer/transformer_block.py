@@ -69,7 +69,9 @@ class TransformerBlock(nn.Module):
             }
         )
         self.final_layernorm = (
-            build_norm(m.normalization, m.hidden_size, m.norm_epsilon, sequence_parallel, plan.norm)
+            build_norm(
+                m.normalization, m.hidden_size, m.norm_epsilon, sequence_parallel, plan.norm, m.apply_layernorm_1p
+            )
             if post_process
             else None
         )

@@ -64,7 +64,9 @@ class TransformerLayer(nn.Module):
             return (
                 nn.Identity()
                 if fused_away
-                else build_norm(m.normalization, m.hidden_size, m.norm_epsilon, sequence_parallel, plan.norm)
+                else build_norm(
+                    m.normalization, m.hidden_size, m.norm_epsilon, sequence_parallel, plan.norm, m.apply_layernorm_1p
+                )
             )
 
         self.input_layernorm = norm(te)
