@@ -182,3 +182,78 @@ def test_state_dict_round_trip_and_mismatch():
     )
     from_ckpt.load_state_dict(saved)
     assert from_ckpt.lr_decay_steps == D and from_ckpt.get_lr() == s.get_lr()
+
+
+class WeightDecayGroups:
+    def __init__(self):
+        self.param_groups = [{"lr": -1.0, "weight_decay": -1.0, "wd_mult": 1.0}, {"lr": -1.0, "weight_decay": 0.0}]
+
+
+@pytest.mark.parametrize("style", ["linear", "cosine", "constant"])
+def test_weight_decay_schedule_follows_megatrons_formula(style):
+    start, end, total = (0.01, 0.1, 400) if style != "constant" else (0.05, 0.05, 400)
+    s = OptimizerParamScheduler(
+        WeightDecayGroups(),
+        INIT,
+        MAX,
+        MIN,
+        W,
+        D,
+        "cosine",
+        start_wd=start,
+        end_wd=end,
+        wd_incr_steps=total,
+        wd_incr_style=style,
+    )
+    for n in (0, 1, 100, 200, 399, 400, 401, 1000):
+        s.step(n - s.num_steps)
+        r = n / total
+        coeff = {"linear": r, "cosine": 0.5 * (math.cos(math.pi * (1 - r)) + 1), "constant": 1.0}[style]
+        expected = end if n > total else start + coeff * (end - start)
+        assert s.get_wd() == pytest.approx(expected, rel=1e-12), n
+        assert s.optimizer.param_groups[0]["weight_decay"] == s.get_wd()
+        assert s.optimizer.param_groups[1]["weight_decay"] == 0.0  # no wd_mult: left alone
+    state = json.loads(json.dumps(s.state_dict()))
+    again = OptimizerParamScheduler(
+        WeightDecayGroups(),
+        INIT,
+        MAX,
+        MIN,
+        W,
+        D,
+        "cosine",
+        start_wd=start,
+        end_wd=end,
+        wd_incr_steps=total,
+        wd_incr_style=style,
+    )
+    again.load_state_dict(state)
+    assert again.get_wd() == s.get_wd() and again.optimizer.param_groups[0]["weight_decay"] == s.get_wd()
+
+
+def test_weight_decay_schedule_from_flags():
+    cfg = MegalmConfig()
+    t = cfg.training
+    t.train_iters, t.global_batch_size, t.micro_batch_size = 50, 8, 8
+    t.weight_decay_incr_style, t.start_weight_decay, t.end_weight_decay = "cosine", 0.0, 0.1
+    validate_config(cfg, world_size=1)
+    s = OptimizerParamScheduler.from_config(cfg, WeightDecayGroups())
+    assert (s.start_wd, s.end_wd, s.wd_incr_steps, s.wd_incr_style) == (0.0, 0.1, 400, "cosine")
+    assert cfg.training.weight_decay == 0.0  # the starting value
+    import torch
+
+    from megalm.optimizer.factory import get_param_groups
+
+    groups = get_param_groups(
+        [("w", torch.nn.Parameter(torch.ones(2, 2))), ("b", torch.nn.Parameter(torch.ones(2)))], 0.0
+    )
+    assert [(g["name"], g["wd_mult"]) for g in groups] == [("decay", 1.0), ("no_decay", 0.0)]
+    for bad, message in (
+        (dict(start_weight_decay=0.1), "need --weight-decay-incr-style linear or cosine"),
+        (dict(weight_decay_incr_style="linear", start_weight_decay=0.1), "needs --start-weight-decay and --end"),
+    ):
+        cfg = MegalmConfig()
+        for k, v in bad.items():
+            setattr(cfg.training, k, v)
+        with pytest.raises(ConfigError, match=message):
+            validate_config(cfg)

@@ -320,6 +320,18 @@ class TrainingConfig:
     )
     lr_wsd_decay_iters: Optional[int] = _f(None, "Length of WSD's final decay phase.")
     weight_decay: float = _f(0.01, "Decoupled weight decay (not applied to biases and norms).")
+    start_weight_decay: Optional[float] = _f(
+        None, "Weight decay at the start of training with --weight-decay-incr-style linear or cosine."
+    )
+    end_weight_decay: Optional[float] = _f(
+        None, "Weight decay at the end of training with --weight-decay-incr-style linear or cosine."
+    )
+    weight_decay_incr_style: str = _f(
+        "constant",
+        "How weight decay goes from --start-weight-decay to --end-weight-decay over training "
+        "(constant: --weight-decay throughout).",
+        choices=["constant", "linear", "cosine"],
+    )
     adam_beta1: float = _f(0.9, "Adam beta1.")
     adam_beta2: float = _f(0.999, "Adam beta2.")
     adam_eps: float = _f(1e-8, "Adam epsilon.")

@@ -452,9 +452,27 @@ def _validate_training_length(t: TrainingConfig) -> None:
     _check(t.rampup_batch_size is None or t.train_samples is not None, "--rampup-batch-size needs --train-samples")
 
 
+def _validate_weight_decay_schedule(t: TrainingConfig) -> None:
+    """As Megatron: constant takes --weight-decay and neither start nor end; linear/cosine need both
+    (and then set the starting --weight-decay)."""
+    if t.weight_decay_incr_style == "constant":
+        _check(
+            t.start_weight_decay is None and t.end_weight_decay is None,
+            "--start-weight-decay / --end-weight-decay need --weight-decay-incr-style linear or cosine",
+        )
+        return
+    _check(
+        t.start_weight_decay is not None and t.end_weight_decay is not None,
+        f"--weight-decay-incr-style {t.weight_decay_incr_style} needs --start-weight-decay and --end-weight-decay",
+    )
+    _check(t.start_weight_decay >= 0 and t.end_weight_decay >= 0, "weight decay must be >= 0")
+    t.weight_decay = t.start_weight_decay
+
+
 def _validate_lr_schedule(t: TrainingConfig) -> None:
     """The learning-rate schedule's flags; with the global batch size known, also its lengths in
     samples (:func:`lr_schedule_samples`, what the scheduler is built from)."""
+    _validate_weight_decay_schedule(t)
     _check(t.lr_decay_style in DECAY_STYLES, f"--lr-decay-style {t.lr_decay_style!r} is not one of {DECAY_STYLES}")
     _check(t.min_lr <= t.lr, f"--min-lr {t.min_lr} is larger than --lr {t.lr}")
     _check(t.min_lr >= 0.0, f"--min-lr must be >= 0, got {t.min_lr}")

@@ -32,7 +32,8 @@ logger = get_logger(__name__)
 
 
 def get_param_groups(named_params: Sequence[Tuple[str, torch.nn.Parameter]], weight_decay: float) -> List[dict]:
-    """Two groups: ``decay`` (ndim >= 2, ``weight_decay``) and ``no_decay`` (ndim <= 1, 0.0)."""
+    """Two groups: ``decay`` (ndim >= 2, ``weight_decay``, ``wd_mult`` 1) and ``no_decay`` (ndim <= 1, 0.0,
+    ``wd_mult`` 0); the scheduler sets each group's weight decay to its ``wd_mult`` x the scheduled value."""
     decay = [(n, p) for n, p in named_params if p.ndim >= 2]
     no_decay = [(n, p) for n, p in named_params if p.ndim < 2]
     groups = []
@@ -44,6 +45,7 @@ def get_param_groups(named_params: Sequence[Tuple[str, torch.nn.Parameter]], wei
                     "params": [p for _, p in members],
                     "names": [n for n, _ in members],
                     "weight_decay": wd,
+                    "wd_mult": 1.0 if tag == "decay" else 0.0,
                     "lr_mult": 1.0,
                 }
             )

@@ -283,7 +283,8 @@ class MegatronOptimizer:
             src = group_of[names[0]]
             if set(src["params"]) != set(names):
                 raise OptimizerError(f"parameter group '{g.get('name')}' differs from the checkpoint's")
-            new_groups.append({k: v for k, v in src.items() if k != "params"} | {"params": list(g["params"])})
+            # Saved settings win; keys the checkpoint predates (e.g. wd_mult) keep their current value.
+            new_groups.append(g | {k: v for k, v in src.items() if k != "params"} | {"params": list(g["params"])})
         state = {index[n]: s for n, s in state_dict["optimizer"]["state"].items()}
         self.optimizer.load_state_dict({"state": state, "param_groups": new_groups})
         self._load_main_params(state_dict.get("main_params") or {})

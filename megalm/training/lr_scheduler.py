@@ -16,6 +16,11 @@ With ``n`` = samples consumed so far (``num_steps``), ``W`` warm-up steps, ``D``
 ``--lr-warmup-fraction`` is a fraction of the decay steps.  The trainer calls
 ``step(increment=global_batch_size)`` after every *successful* optimizer step.  Each param
 group's lr is the schedule's value times its ``lr_mult`` (default 1).
+
+Weight decay (Megatron's ``--weight-decay-incr-style``) runs over ``I`` = the whole training in
+samples, from ``s`` = ``--start-weight-decay`` to ``e`` = ``--end-weight-decay``: with ``r = n / I``,
+``linear`` ``s + r (e - s)``, ``cosine`` ``s + (1 + cos(pi (1 - r))) / 2 (e - s)``, ``e`` once ``n > I``;
+``constant`` ``--weight-decay``.  A group with ``wd_mult`` gets ``wd_mult`` x that value.
 """
 
 from __future__ import annotations
@@ -45,6 +50,10 @@ class OptimizerParamScheduler:
         lr_wsd_decay_style: str = "exponential",
         override_opt_param_scheduler: bool = False,
         use_checkpoint_opt_param_scheduler: bool = False,
+        start_wd: Optional[float] = None,
+        end_wd: Optional[float] = None,
+        wd_incr_steps: float = 0,
+        wd_incr_style: str = "constant",
     ):
         self.optimizer = optimizer
         self.init_lr, self.max_lr, self.min_lr = float(init_lr), float(max_lr), float(min_lr)
@@ -55,6 +64,8 @@ class OptimizerParamScheduler:
         self.lr_wsd_decay_style = lr_wsd_decay_style
         self.override_opt_param_scheduler = override_opt_param_scheduler
         self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
+        self.start_wd, self.end_wd = start_wd, end_wd
+        self.wd_incr_steps, self.wd_incr_style = wd_incr_steps, wd_incr_style
         self.num_steps = 0
         self.step(0)
 
@@ -91,6 +102,10 @@ class OptimizerParamScheduler:
             lr_wsd_decay_style=t.lr_wsd_decay_style,
             override_opt_param_scheduler=t.override_opt_param_scheduler,
             use_checkpoint_opt_param_scheduler=t.use_checkpoint_opt_param_scheduler,
+            start_wd=t.start_weight_decay if t.start_weight_decay is not None else t.weight_decay,
+            end_wd=t.end_weight_decay if t.end_weight_decay is not None else t.weight_decay,
+            wd_incr_steps=t.train_iters * t.global_batch_size if t.train_iters is not None else t.train_samples,
+            wd_incr_style=t.weight_decay_incr_style,
         )
 
     # --- the schedule ----------------------------------------------------------------------
@@ -116,6 +131,19 @@ class OptimizerParamScheduler:
             coeff = self._wsd_coeff(n)
         return min_lr + coeff * (max_lr - min_lr)
 
+    def get_wd(self) -> Optional[float]:
+        """Weight decay at ``num_steps`` (None: no schedule was given; groups keep theirs)."""
+        if self.start_wd is None or self.end_wd is None:
+            return None
+        if self.wd_incr_style == "constant" or self.num_steps > self.wd_incr_steps:
+            return self.end_wd
+        ratio = float(self.num_steps) / float(self.wd_incr_steps)
+        if self.wd_incr_style == "linear":
+            coeff = ratio
+        else:
+            coeff = 0.5 * (math.cos(math.pi * (1 - ratio)) + 1.0)
+        return self.start_wd + coeff * (self.end_wd - self.start_wd)
+
     def _wsd_coeff(self, n: float) -> float:
         anneal_start = self.lr_decay_steps - self.wsd_decay_steps
         if n <= anneal_start:
@@ -130,8 +158,11 @@ class OptimizerParamScheduler:
     def step(self, increment: int) -> float:
         """Advance by ``increment`` samples and set every param group's lr; returns the base lr."""
         self.num_steps += increment
+        wd = self.get_wd()
         for group in self.optimizer.param_groups:
             group["lr"] = self.get_lr(group) * group.get("lr_mult", 1.0)
+            if wd is not None and "wd_mult" in group:
+                group["weight_decay"] = wd * group["wd_mult"]
         return self.get_lr()
 
     # --- checkpointing -------------------------------------------------------------------
@@ -144,6 +175,10 @@ class OptimizerParamScheduler:
         "lr_decay_style",
         "wsd_decay_steps",
         "lr_wsd_decay_style",
+        "start_wd",
+        "end_wd",
+        "wd_incr_steps",
+        "wd_incr_style",
     )
 
     def state_dict(self) -> dict:
