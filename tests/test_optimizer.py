@@ -259,3 +259,37 @@ def test_clipping_counts_tp_replicas_and_tied_embedding_once():
         assert r["tp_inf"] == ((False, None, None), 2.0) and r["tp_nan"] is False
         pp_ref = torch.cat([G["E"].flatten(), G["A"].flatten(), G["B"].flatten()]).norm().item()
         assert r["pp"][0] and r["pp"][1] == pytest.approx(pp_ref, rel=1e-6)
+
+
+def test_decoupled_lr_moves_embedding_and_output_layer_by_their_own_schedule():
+    """--decoupled-lr: the word embedding and the (untied) output layer step with the decoupled
+    schedule (peak --decoupled-lr, end --decoupled-min-lr), everything else with --lr."""
+    from megalm.models import GPTModel
+    from megalm.training.lr_scheduler import OptimizerParamScheduler
+    from tests.test_gpt_model import make_batch
+    from tests.test_gpt_model import make_cfg as model_cfg
+
+    cfg = model_cfg(position_embedding_type="rope", untie_embeddings_and_output_weights=True)
+    t = cfg.training
+    t.optimizer, t.lr, t.min_lr, t.weight_decay, t.clip_grad, t.sgd_momentum = "sgd", 0.1, 0.01, 0.0, 0.0, 0.0
+    t.decoupled_lr, t.decoupled_min_lr = 0.5, 0.05
+    t.train_iters, t.global_batch_size, t.lr_decay_style = 10, 1, "linear"
+    model = GPTModel(cfg)
+    opt = build_optimizer(cfg, [model], report_memory=False)
+    sched = OptimizerParamScheduler.from_config(cfg, opt)
+    decoupled = {"embedding.word_embeddings.weight", "output_layer.weight"}
+    assert [(g["name"], g["max_lr"], g["min_lr"]) for g in opt.param_groups if "max_lr" in g] == [
+        ("decoupled_lr", 0.5, 0.05)
+    ]
+    tokens, positions, labels, _ = make_batch(0)
+    for step in range(2):
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        model(tokens, positions, labels=labels).float().mean().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        lrs = (0.5 - (0.5 - 0.05) * step / 10, 0.1 - (0.1 - 0.01) * step / 10)  # linear decay, no warm-up
+        assert opt.step()[0]
+        for n, p in model.named_parameters():
+            lr = lrs[0] if n in decoupled else lrs[1]
+            torch.testing.assert_close(p.detach(), before[n] - lr * grads[n], rtol=1e-6, atol=1e-7)
+        sched.step(1)

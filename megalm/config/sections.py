@@ -320,6 +320,12 @@ class TrainingConfig:
     )
     lr_wsd_decay_iters: Optional[int] = _f(None, "Length of WSD's final decay phase.")
     weight_decay: float = _f(0.01, "Decoupled weight decay (not applied to biases and norms).")
+    decoupled_lr: Optional[float] = _f(
+        None, "Peak learning rate of the word embedding and output layer (their own schedule; default --lr)."
+    )
+    decoupled_min_lr: Optional[float] = _f(
+        None, "Final learning rate of the word embedding and output layer with --decoupled-lr (default --min-lr)."
+    )
     start_weight_decay: Optional[float] = _f(
         None, "Weight decay at the start of training with --weight-decay-incr-style linear or cosine."
     )

@@ -473,6 +473,15 @@ def _validate_lr_schedule(t: TrainingConfig) -> None:
     """The learning-rate schedule's flags; with the global batch size known, also its lengths in
     samples (:func:`lr_schedule_samples`, what the scheduler is built from)."""
     _validate_weight_decay_schedule(t)
+    if t.decoupled_lr is not None:
+        _check(t.decoupled_lr > 0, "--decoupled-lr must be positive")
+        _check(
+            t.decoupled_min_lr is None or 0 <= t.decoupled_min_lr <= t.decoupled_lr,
+            "--decoupled-min-lr must be in [0, --decoupled-lr]",
+        )
+        _check(t.min_lr <= t.decoupled_lr, "--min-lr is larger than --decoupled-lr: give --decoupled-min-lr")
+    else:
+        _check(t.decoupled_min_lr is None, "--decoupled-min-lr needs --decoupled-lr")
     _check(t.lr_decay_style in DECAY_STYLES, f"--lr-decay-style {t.lr_decay_style!r} is not one of {DECAY_STYLES}")
     _check(t.min_lr <= t.lr, f"--min-lr {t.min_lr} is larger than --lr {t.lr}")
     _check(t.min_lr >= 0.0, f"--min-lr must be >= 0, got {t.min_lr}")

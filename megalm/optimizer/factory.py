@@ -27,28 +27,47 @@ from megalm.optimizer.memory_accounting import format_memory_report, optimizer_m
 from megalm.optimizer.optimizer import FP32Optimizer, MegatronOptimizer, MixedPrecisionOptimizer, OptimizerError
 from megalm.parallel_state import ProcessGroups
 from megalm.parameter_names import canonical_name
+from megalm.tensor_parallel.param_info import param_info
 
 logger = get_logger(__name__)
 
 
-def get_param_groups(named_params: Sequence[Tuple[str, torch.nn.Parameter]], weight_decay: float) -> List[dict]:
-    """Two groups: ``decay`` (ndim >= 2, ``weight_decay``, ``wd_mult`` 1) and ``no_decay`` (ndim <= 1, 0.0,
-    ``wd_mult`` 0); the scheduler sets each group's weight decay to its ``wd_mult`` x the scheduled value."""
-    decay = [(n, p) for n, p in named_params if p.ndim >= 2]
-    no_decay = [(n, p) for n, p in named_params if p.ndim < 2]
+def get_param_groups(
+    named_params: Sequence[Tuple[str, torch.nn.Parameter]],
+    weight_decay: float,
+    decoupled_lr: Optional[float] = None,
+    decoupled_min_lr: Optional[float] = None,
+) -> List[dict]:
+    """``decay`` (ndim >= 2, ``weight_decay``, ``wd_mult`` 1) and ``no_decay`` (ndim <= 1, 0.0, ``wd_mult``
+    0); the scheduler sets each group's weight decay to its ``wd_mult`` x the scheduled value.
+
+    ``decoupled_lr`` (Megatron's ``--decoupled-lr``): the word embedding and the output layer (the
+    vocabulary-sized weights) form a group of their own whose schedule peaks at ``decoupled_lr`` and
+    ends at ``decoupled_min_lr`` (the group's ``max_lr`` / ``min_lr``; Megatron's default: ``--min-lr``).
+    """
+
+    def decoupled(p) -> bool:
+        return decoupled_lr is not None and param_info(p).vocab_unpadded is not None
+
     groups = []
-    for tag, members, wd in (("decay", decay, weight_decay), ("no_decay", no_decay, 0.0)):
+    for tag, keep, wd in (
+        ("decay", lambda p: p.ndim >= 2 and not decoupled(p), weight_decay),
+        ("no_decay", lambda p: p.ndim < 2 and not decoupled(p), 0.0),
+        ("decoupled_lr", decoupled, weight_decay),
+    ):
+        members = [(n, p) for n, p in named_params if keep(p)]
         if members:
-            groups.append(
-                {
-                    "name": tag,
-                    "params": [p for _, p in members],
-                    "names": [n for n, _ in members],
-                    "weight_decay": wd,
-                    "wd_mult": 1.0 if tag == "decay" else 0.0,
-                    "lr_mult": 1.0,
-                }
-            )
+            group = {
+                "name": tag,
+                "params": [p for _, p in members],
+                "names": [n for n, _ in members],
+                "weight_decay": wd,
+                "wd_mult": 0.0 if tag == "no_decay" else 1.0,
+                "lr_mult": 1.0,
+            }
+            if tag == "decoupled_lr":
+                group.update(max_lr=decoupled_lr, min_lr=decoupled_min_lr)
+            groups.append(group)
     return groups
 
 
@@ -118,7 +137,8 @@ def build_optimizer(
     named = named_parameters_for_optimizer(model_chunks)
     if not named:
         raise OptimizerError("build_optimizer: the model has no trainable parameters")
-    groups = get_param_groups(named, t.weight_decay)
+    decoupled_min_lr = t.decoupled_min_lr if t.decoupled_min_lr is not None else t.min_lr
+    groups = get_param_groups(named, t.weight_decay, t.decoupled_lr, decoupled_min_lr)
     common = dict(
         clip_grad=t.clip_grad,
         grad_scaler=build_grad_scaler(t),
