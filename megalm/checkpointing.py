@@ -206,6 +206,7 @@ def save_checkpoint(
     config: Optional[dict] = None,
     extra: Optional[dict] = None,
     async_writer: Optional[AsyncCheckpointWriter] = None,
+    save_rng: bool = True,
 ) -> str:
     """Collective over all ranks.  Returns the iteration directory.
 
@@ -215,7 +216,9 @@ def save_checkpoint(
     manifest index and the tracker (a failure on any rank raises :class:`CheckpointError` on
     every rank, the tracker left on the previous checkpoint).  With ``async_writer``
     (``--async-save``) the tensors are staged to CPU now and all but the first barrier run in
-    the background on the checkpoint-io group (see :mod:`megalm.async_save`)."""
+    the background on the checkpoint-io group (see :mod:`megalm.async_save`).  ``optimizer`` /
+    ``scheduler`` None (``--no-save-optim``) or ``save_rng`` False (``--no-save-rng``) leave their
+    state out; ``common.json`` says so, and loading it then needs ``--no-load-optim`` / ``--no-load-rng``."""
     if async_writer is not None:
         async_writer.wait()  # one save in flight: the previous one is complete (tracker written) first
     path = checkpoint_dir(root, iteration)
@@ -225,14 +228,15 @@ def save_checkpoint(
         os.makedirs(root, exist_ok=True)
         if os.path.isdir(path):
             shutil.rmtree(path)  # a stale, never-completed save of this iteration
-        os.makedirs(os.path.join(path, "rng"))
+        os.makedirs(os.path.join(path, "rng"), exist_ok=True)
     _barrier()
     finish_param_sync(model_chunks)
     specs = model_sharded_state(model_chunks)
     if optimizer is not None:
         specs.update(optimizer_sharded_state(optimizer, model_chunks))
-    with _write_errors(path):
-        torch.save(get_rng_state(), os.path.join(path, "rng", f"rank_{rank:05d}.pt"))
+    if save_rng:
+        with _write_errors(path):
+            torch.save(get_rng_state(), os.path.join(path, "rng", f"rank_{rank:05d}.pt"))
     common = None
     if rank == 0:
         common = {
@@ -246,6 +250,7 @@ def save_checkpoint(
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "optimizer_common": optimizer.common_state_dict() if optimizer is not None else None,
             "extra": extra or {},
+            "rng_saved": save_rng,
             "saved_at": time.time(),
         }
     if async_writer is None:
@@ -487,6 +492,8 @@ def load_rng_state(path: str, common: dict) -> None:
     message, when the layout changed)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
+    if not common.get("rng_saved", True):
+        raise CheckpointError(f"{path} was saved with --no-save-rng: load it with --no-load-rng")
     if common.get("world_size") != world or common.get("layout") != _layout():
         logger.info(
             f"checkpoint was saved with layout {common.get('layout')}, now {_layout()}: RNG states are not restored"

@@ -144,6 +144,27 @@ def runs(tmp_path_factory):
         "100",
     ]
     single += [(_argv(tmp, "auto_first", *auto, "--exit-interval", "2"), {}), (_argv(tmp, "auto_second", *auto), {})]
+    # --no-save-optim --no-save-rng: weights only; a resume must say which --no-load-* it needs.
+    lean = ["--train-iters", "4", "--micro-batch-size", "8", "--load", os.path.join(tmp, "ckpt_lean")]
+    single += [
+        (
+            _argv(
+                tmp,
+                "lean_save",
+                *lean[:4],
+                "--save",
+                lean[-1],
+                "--exit-interval",
+                "2",
+                "--no-save-optim",
+                "--no-save-rng",
+            ),
+            {},
+        ),
+        (_argv(tmp, "lean_load_plain", *lean), {}),
+        (_argv(tmp, "lean_load_no_optim", *lean, "--no-load-optim"), {}),
+        (_argv(tmp, "lean_load", *lean, "--no-load-optim", "--no-load-rng"), {}),
+    ]
     codes1 = run_distributed(_run_trainings, 1, args=(single,), timeout=300)
     double = [
         (_argv(tmp, "dp2", *it, "--micro-batch-size", "4", "--global-batch-size", "8"), {}),
@@ -467,3 +488,19 @@ def test_bad_flags_fail_before_start(argv, message, capsys):
     import torch.distributed as dist
 
     assert not dist.is_initialized()
+
+
+def test_weights_only_checkpoint_needs_the_no_load_flags(runs):
+    tmp = runs["tmp"]
+    codes = runs["codes"][0][0][-4:]
+    d = os.path.join(tmp, "ckpt_lean", "iter_0000002")
+    common = json.load(open(os.path.join(d, "common.json")))
+    assert common["scheduler"] is None and common["optimizer_common"] is None and common["rng_saved"] is False
+    assert os.listdir(os.path.join(d, "rng")) == []
+    from megalm.safe_unpickle import load_metadata
+
+    keys = load_metadata(d).state_dict_metadata
+    assert keys and not [k for k in keys if not k.startswith("model.")]
+    assert codes[0] == 0 and codes[3] == 0
+    assert "--no-load-optim" in str(codes[1]) and "--no-load-rng" in str(codes[2]), codes
+    assert [r["iteration"] for r in _records(tmp, "lean_load")] == [3, 4]

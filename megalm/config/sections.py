@@ -445,6 +445,10 @@ class CheckpointConfig:
         False, "Take the architecture and tokenizer flags not given on the command line from the checkpoint in --load."
     )
     no_load_optim: bool = _f(False, "Do not load optimizer and scheduler state.")
+    no_save_optim: bool = _f(
+        False, "Do not save optimizer and scheduler state (weights only: resuming needs --no-load-optim)."
+    )
+    no_save_rng: bool = _f(False, "Do not save random number generator states (resuming needs --no-load-rng).")
     no_load_rng: bool = _f(False, "Do not load random number generator states.")
     finetune: bool = _f(False, "Load weights only and start from iteration 0.")
     ckpt_step: Optional[int] = _f(None, "Load this iteration instead of the latest.")

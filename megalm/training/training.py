@@ -393,19 +393,20 @@ class Trainer:
     def save(self) -> None:
         """Save (collective); with --async-save the time shown is what training waited for: the
         previous background save, staging and the RNG files."""
-        state = self.state
+        state, c = self.state, self.cfg.checkpoint
         self.timers("save-checkpoint").start(barrier=True)
         self.complete_async_save()
         checkpointing.save_checkpoint(
             self.cfg.checkpoint.save,
             state.iteration,
             self.model,
-            self.optimizer,
-            self.scheduler,
+            None if c.no_save_optim else self.optimizer,
+            None if c.no_save_optim else self.scheduler,
             state.consumed_train_samples,
             state.consumed_valid_samples,
             config=self.cfg.to_dict(),
             async_writer=self.async_writer,
+            save_rng=not c.no_save_rng,
         )
         self.timers("save-checkpoint").stop(barrier=True)
         how = "started saving" if self.async_writer is not None else "saved"
