@@ -11,6 +11,7 @@ checkpoint and the auto-resume decision only read files.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -64,6 +65,27 @@ def read_tracker(root: str) -> Optional[int]:
         raise CheckpointError(f"{tracker} should hold an iteration number, found {text!r}") from None
 
 
+def megatron_lm_format(path: str) -> Optional[str]:
+    """How an iteration directory written by Megatron-LM says so (None when it does not look like one):
+    ``metadata.json`` naming its sharded backend (``torch_dist``, ``zarr``), or legacy ``mp_rank_XX``
+    directories of ``model_optim_rng.pt`` files."""
+    if os.path.isfile(os.path.join(path, "common.json")):
+        return None
+    meta = os.path.join(path, "metadata.json")
+    if os.path.isfile(meta):
+        try:
+            with open(meta) as f:
+                backend = json.load(f).get("sharded_backend")
+        except (OSError, ValueError, AttributeError):
+            backend = None
+        if backend:
+            return f"metadata.json: sharded_backend {backend}"
+    legacy = sorted(glob.glob(os.path.join(path, "mp_rank_*", "model_optim_rng.pt")))
+    if legacy:
+        return f"legacy format: {os.path.relpath(legacy[0], path)}"
+    return None
+
+
 def find_checkpoint(root: str, iteration: Optional[int] = None) -> Optional[str]:
     """The directory to load: ``iteration`` if given, else the tracker's; None if no checkpoint."""
     if not os.path.isdir(root):
@@ -73,6 +95,12 @@ def find_checkpoint(root: str, iteration: Optional[int] = None) -> Optional[str]
         if iteration is None:
             return None
     path = checkpoint_dir(root, iteration)
+    foreign = megatron_lm_format(path)
+    if foreign is not None:
+        raise CheckpointError(
+            f"{path} is a Megatron-LM checkpoint ({foreign}), not a megalm one: megalm cannot load "
+            "Megatron-LM checkpoints yet (importing them is issue #24's open item)"
+        )
     for needed in ("common.json", ".metadata"):
         if not os.path.isfile(os.path.join(path, needed)):
             raise CheckpointError(f"checkpoint {path} is incomplete or unreadable: {needed} is missing")

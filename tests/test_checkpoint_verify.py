@@ -418,3 +418,22 @@ def test_hostile_metadata_is_refused_by_the_reader_even_with_a_matching_manifest
     with pytest.raises(checkpointing.CheckpointError, match=f"{it}/.metadata.*refusing to unpickle"):
         checkpointing.load_checkpoint(str(tmp_path), [GPTModel(cfg)], finetune=True)
     assert not marker.exists()
+
+
+def test_megatron_lm_checkpoints_are_named_as_such(tmp_path):
+    """A Megatron-LM --save directory (same tracker file name) fails on --load with a message naming
+    Megatron-LM and its format, not "common.json is missing"."""
+    import json as _json
+
+    from megalm.checkpoint_resume import CheckpointError, checkpoint_to_resume
+
+    for name, make in (
+        ("torch_dist", lambda d: (d / "metadata.json").write_text(_json.dumps({"sharded_backend": "torch_dist"}))),
+        ("legacy", lambda d: ((d / "mp_rank_00").mkdir(), (d / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"x"))),
+    ):
+        root = tmp_path / name
+        (root / "iter_0000010").mkdir(parents=True)
+        (root / "latest_checkpointed_iteration.txt").write_text("10")
+        make(root / "iter_0000010")
+        with pytest.raises(CheckpointError, match="is a Megatron-LM checkpoint .*megalm cannot load"):
+            checkpoint_to_resume(str(root), None)
