@@ -18,7 +18,7 @@ from megalm.data.builder import (
     parse_split,
     split_document_ranges,
 )
-from megalm.data.indexed_dataset import IndexedDatasetBuilder
+from megalm.data.indexed_dataset import DataError, IndexedDatasetBuilder
 from megalm.tokenizers import NullTokenizer
 
 
@@ -70,8 +70,10 @@ def test_parse_blend_and_split():
     assert parse_blend(["0.3 a 0.7 b"]) == (["a", "b"], [0.3, 0.7])
     with pytest.raises(ValueError, match="'weight prefix' pairs"):
         parse_blend(["0.3", "a", "b"])
+    assert parse_blend(["a", "b"]) == (["a", "b"], None)  # Megatron's unweighted blend
+    assert parse_blend(["a b c"]) == (["a", "b", "c"], None)
     with pytest.raises(ValueError, match="is not a weight"):
-        parse_blend(["a", "b"])
+        parse_blend(["0.5", "a", "b", "c"])
     with pytest.raises(ValueError, match="weights must be positive"):
         parse_blend(["0", "a", "1", "b"])
     assert parse_split("969,30,1") == pytest.approx([0.969, 0.03, 0.001])
@@ -220,3 +222,22 @@ def test_blend_built_with_megatrons_sizes(tmp_path):
     cfg.data.mid_level_dataset_surplus = 0.0
     train = build_train_valid_test_datasets(cfg, NullTokenizer(1000), num_samples=sizes)[0]
     assert [part.num_samples for part in train.datasets] == [3115, 7269]
+
+
+def test_unweighted_data_paths_blend_one_epoch_of_each_by_size(tmp_path):
+    """--data-path A B (no weights), as Megatron: one epoch of each prefix's split, blended in
+    proportion to their sizes; a split needing more than that is refused."""
+    a = write_tagged(tmp_path / "a", 1, 100)
+    b = write_tagged(tmp_path / "b", 2, 300)
+    cfg = make_cfg(data_path=[a, b], split="90,10,0")
+    train, valid, _ = build_train_valid_test_datasets(cfg, NullTokenizer(1000), num_samples=[200, 20, 0])
+    parts = train.datasets
+    assert [p.num_samples for p in parts] == [None, None] and len(train) == 200
+    sizes = [len(p) for p in parts]
+    assert sizes[1] > 2.5 * sizes[0] and sum(sizes) >= 200  # one epoch each: 90 and 270 documents of 7 tokens
+    counts = np.bincount(train.dataset_index, minlength=2)
+    expected = np.bincount(greedy_blend([x / sum(sizes) for x in sizes], 200)[0], minlength=2)
+    assert counts.tolist() == expected.tolist()
+    assert len(valid) == 20
+    with pytest.raises(DataError, match="train split needs 100000 samples but one epoch of 2 unweighted data paths"):
+        build_train_valid_test_datasets(cfg, NullTokenizer(1000), num_samples=[100000, 20, 0])

@@ -41,30 +41,35 @@ SPLITS = ("train", "valid", "test")
 # --- parsing ---------------------------------------------------------------------------
 
 
+def _number(text: str) -> Optional[float]:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
 def parse_blend(paths: Optional[Sequence[str]]) -> Tuple[List[str], Optional[List[float]]]:
-    """``(prefixes, weights)`` from ``["0.3", "A", "0.7", "B"]`` or ``["A"]`` (weights None).
+    """``(prefixes, weights)`` from ``["0.3", "A", "0.7", "B"]``, or ``["A", "B", ...]`` (weights None:
+    an unweighted blend, Megatron's rule: an odd count, or pairs whose first items are not numbers).
 
     Elements may themselves hold several whitespace-separated items (a quoted blend).
     """
     items = [tok for p in (paths or []) for tok in str(p).split()]
     if not items:
         raise DataError("empty data path")
-    if len(items) == 1:
-        return items, None
     if len(items) % 2:
-        raise DataError(f"data path {' '.join(items)!r}: expected 'weight prefix' pairs (or a single prefix)")
-    weights, prefixes = [], []
-    for w, p in zip(items[0::2], items[1::2]):
-        try:
-            weights.append(float(w))
-        except ValueError:
-            raise DataError(
-                f"data path {' '.join(items)!r}: {w!r} is not a weight; expected 'weight prefix' pairs"
-            ) from None
-        prefixes.append(p)
+        if _number(items[0]) is not None:
+            raise DataError(f"data path {' '.join(items)!r}: expected 'weight prefix' pairs (or prefixes only)")
+        return items, None
+    weights = [_number(w) for w in items[0::2]]
+    if all(w is None for w in weights):
+        return items, None
+    if any(w is None for w in weights):
+        bad = next(w for w, x in zip(items[0::2], weights) if x is None)
+        raise DataError(f"data path {' '.join(items)!r}: {bad!r} is not a weight; expected 'weight prefix' pairs")
     if any(w <= 0 for w in weights):
         raise DataError(f"data path {' '.join(items)!r}: weights must be positive (drop zero-weight prefixes)")
-    return prefixes, [float(x) for x in normalize_weights(weights)]
+    return list(items[1::2]), [float(x) for x in normalize_weights(weights)]
 
 
 def parse_split(split: str) -> List[float]:
@@ -122,10 +127,11 @@ def _gpt_config(cfg, eod: int) -> GPTDatasetConfig:
 
 
 def _split_datasets(low_level, split: Sequence[float], num_samples: Sequence[int], config) -> list:
-    """One GPTDataset per split of one low-level dataset (None where empty or not needed)."""
+    """One GPTDataset per split of one low-level dataset (None where empty or not needed; a count of
+    None: one epoch)."""
     out = []
     for name, (beg, end), n in zip(SPLITS, split_document_ranges(len(low_level), split), num_samples):
-        if n <= 0 or end <= beg:
+        if (n is not None and n <= 0) or end <= beg:
             out.append(None)
         else:
             out.append(GPTDataset(low_level, np.arange(beg, end, dtype=np.int32), n, name, config))
@@ -143,8 +149,34 @@ def blend_sample_counts(weights: Sequence[float], n: int, surplus: float) -> Tup
     return [int(math.ceil(t * (1 + surplus))) for t in targets], sum(targets)
 
 
+def _unweighted_blend(prefixes, split, num_samples, config, cache_dir) -> list:
+    """Megatron's blend without weights: one epoch of every prefix's split, blended in proportion
+    to their sizes, ``min(n, total)`` samples; a split that needs more than one epoch of all of
+    them is refused (give weights to repeat data)."""
+    per_prefix = [
+        _split_datasets(IndexedDataset(p), split, [None if n > 0 else 0 for n in num_samples], config) for p in prefixes
+    ]
+    out = []
+    for s, n in enumerate(num_samples):
+        parts = [p[s] for p in per_prefix]
+        if n <= 0 or all(p is None for p in parts):
+            out.append(None)
+            continue
+        parts = [p for p in parts if p is not None]
+        total = sum(len(p) for p in parts)
+        if total < n:
+            raise DataError(
+                f"{SPLITS[s]} split needs {n} samples but one epoch of {len(prefixes)} unweighted data paths holds "
+                f"{total}; give weights (--data-path 'w1 A w2 B') to repeat data"
+            )
+        out.append(BlendedDataset(parts, [len(p) for p in parts], n, cache_dir))
+    return out
+
+
 def _blend(prefixes, weights, split, num_samples, config, cache_dir, surplus) -> list:
     """Per split: the single dataset, or a BlendedDataset of every prefix's split."""
+    if weights is None and len(prefixes) > 1:
+        return _unweighted_blend(prefixes, split, num_samples, config, cache_dir)
     if weights is None:
         return _split_datasets(IndexedDataset(prefixes[0]), split, num_samples, config)
     counts = [blend_sample_counts(weights, n, surplus) for n in num_samples]

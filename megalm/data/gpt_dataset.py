@@ -51,8 +51,10 @@ def _md5(array: np.ndarray) -> str:
     return hashlib.md5(np.ascontiguousarray(array).tobytes()).hexdigest()
 
 
-def plan_epochs(tokens_per_epoch: int, num_samples: int, seq_length: int):
+def plan_epochs(tokens_per_epoch: int, num_samples: Optional[int], seq_length: int):
     """``(num_epochs, separate_final_epoch, samples_before_final_epoch)`` as Megatron computes them."""
+    if num_samples is None:  # one epoch, as Megatron's GPTDataset without a sample count
+        return 1, False, None
     needed = num_samples * seq_length + 1
     num_epochs = max(1, math.ceil(needed / tokens_per_epoch))
     if num_epochs == 1:
@@ -65,7 +67,7 @@ def plan_epochs(tokens_per_epoch: int, num_samples: int, seq_length: int):
 
 
 def build_gpt_indices(
-    sequence_lengths: np.ndarray, documents: np.ndarray, num_samples: int, seq_length: int, seed: int
+    sequence_lengths: np.ndarray, documents: np.ndarray, num_samples: Optional[int], seq_length: int, seed: int
 ) -> Dict[str, np.ndarray]:
     """Document, sample and shuffle indices for ``num_samples`` samples (see module docstring)."""
     tokens_per_epoch = int(np.asarray(sequence_lengths)[documents].sum(dtype=np.int64))
@@ -89,9 +91,11 @@ class GPTDataset(torch.utils.data.Dataset):
     input token is end-of-document with ``eod_mask_loss``) and ``position_ids``.
     """
 
-    def __init__(self, indexed_dataset, documents: np.ndarray, num_samples: int, split: str, config: GPTDatasetConfig):
-        if num_samples < 1:
-            raise ValueError(f"GPTDataset ({split}) needs num_samples >= 1, got {num_samples}")
+    def __init__(
+        self, indexed_dataset, documents: np.ndarray, num_samples: Optional[int], split: str, config: GPTDatasetConfig
+    ):
+        if num_samples is not None and num_samples < 1:
+            raise ValueError(f"GPTDataset ({split}) needs num_samples >= 1 (or None: one epoch), got {num_samples}")
         if config.seq_length < 1:
             raise ValueError(f"seq_length must be >= 1, got {config.seq_length}")
         self.dataset = indexed_dataset
@@ -138,7 +142,7 @@ class GPTDataset(torch.utils.data.Dataset):
             "index_algorithm": 1,
             "dataset": os.path.abspath(self.path_prefix) if self.path_prefix else repr(self.dataset),
             "split": self.split,
-            "num_samples": int(self.num_samples),
+            "num_samples": None if self.num_samples is None else int(self.num_samples),
             "seq_length": int(self.config.seq_length),
             "seed": int(self.config.seed),
             "add_extra_token": 1,
