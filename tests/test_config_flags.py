@@ -85,6 +85,7 @@ NO_OP_ARGV = {
     "--dist-ckpt-strictness": ["--dist-ckpt-strictness", "log_all"],
     "--distributed-backend": ["--distributed-backend", "gloo"],
     "--ckpt-format": ["--ckpt-format", "torch_dist"],
+    "--tiktoken-pattern": ["--tiktoken-pattern", "v2"],
 }
 
 
@@ -111,6 +112,10 @@ def test_every_no_op_flag_given_makes_one_warning_line(capsys):
         (["--ckpt-format", "torch"], "--ckpt-format torch is not supported: megalm reads and writes torch_dist"),
         (["--ckpt-format", "zarr"], "--ckpt-format zarr is not supported"),
         (["--distributed-backend", "nccl"], "--distributed-backend nccl does not match the backend megalm uses"),
+        (["--fp8-param-gather"], "--fp8-param-gather is not supported by megalm: fp8 parameter all-gather"),
+        (["--multi-latent-attention"], "--multi-latent-attention is not supported by megalm"),
+        (["--mtp-num-layers", "1"], "--mtp-num-layers is not supported by megalm: multi-token prediction"),
+        (["--window-size", "4096,0"], "--window-size is not supported by megalm: sliding-window"),
     ],
 )
 def test_megatron_flags_megalm_cannot_honour_are_refused(argv, message):

@@ -29,6 +29,19 @@ NO_EFFECT = {
     "--use-persistent-ckpt-worker": "--async-save writes from a background thread of each training process",
     "--distributed-backend": "megalm picks the backend itself (nccl with CUDA, gloo without) and checked it matches",
     "--ckpt-format": "megalm writes torch.distributed.checkpoint, which is Megatron's torch_dist",
+    "--tiktoken-pattern": "only Megatron's TikTokenizer reads it, and megalm has no TikTokenizer",
+}
+
+# Megatron-LM flags (and combinations) megalm refuses, with why: the documented unsupported list.
+UNSUPPORTED = {
+    "--fp8-format": "fp8 needs Transformer Engine's layers (--transformer-impl transformer_engine on a GPU)",
+    "--fp8-param-gather": "fp8 parameter all-gather is not built (fp8 runs inside Transformer Engine's layers only)",
+    "--grad-reduce-in-bf16": "gradients are reduced in fp32 (not built yet)",
+    "--multi-latent-attention": "multi-latent attention (DeepSeek) is not built",
+    "--mtp-num-layers": "multi-token prediction is not built",
+    "--window-size": "sliding-window attention is not built",
+    "--rampup-batch-size": "with --train-iters: refused as in Megatron-LM (a ramp needs --train-samples)",
+    "--profile": "without --use-pytorch-profiler on a machine without CUDA (nsys profiles CUDA only)",
 }
 
 
@@ -56,6 +69,12 @@ class MegatronCompatConfig:
     ckpt_format: Optional[str] = _f(
         None, "Only torch_dist (megalm's torch.distributed.checkpoint format) is accepted; others are refused."
     )
+    tiktoken_pattern: Optional[str] = _f(None, "No effect: " + NO_EFFECT["--tiktoken-pattern"] + ".")
+    fp8_param_gather: bool = _f(False, "Refused: " + UNSUPPORTED["--fp8-param-gather"] + ".")
+    grad_reduce_in_bf16: bool = _f(False, "Refused: " + UNSUPPORTED["--grad-reduce-in-bf16"] + ".")
+    multi_latent_attention: bool = _f(False, "Refused: " + UNSUPPORTED["--multi-latent-attention"] + ".")
+    mtp_num_layers: Optional[int] = _f(None, "Refused: " + UNSUPPORTED["--mtp-num-layers"] + ".")
+    window_size: Optional[str] = _f(None, "Refused: " + UNSUPPORTED["--window-size"] + ".")
 
 
 def given_no_effect_flags(c: MegatronCompatConfig) -> list:
@@ -73,12 +92,22 @@ def given_no_effect_flags(c: MegatronCompatConfig) -> list:
         "--use-persistent-ckpt-worker": c.use_persistent_ckpt_worker,
         "--distributed-backend": c.distributed_backend is not None,
         "--ckpt-format": c.ckpt_format is not None,
+        "--tiktoken-pattern": c.tiktoken_pattern is not None,
     }
     return [flag for flag, given in values.items() if given]
 
 
 def refusal(c: MegatronCompatConfig, backend: str) -> Optional[str]:
     """Why these flags cannot be honoured (None when they can); ``backend``: the one megalm picks."""
+    for flag, given in (
+        ("--fp8-param-gather", c.fp8_param_gather),
+        ("--grad-reduce-in-bf16", c.grad_reduce_in_bf16),
+        ("--multi-latent-attention", c.multi_latent_attention),
+        ("--mtp-num-layers", c.mtp_num_layers is not None),
+        ("--window-size", c.window_size is not None),
+    ):
+        if given:
+            return f"{flag} is not supported by megalm: {UNSUPPORTED[flag]}"
     if c.ckpt_format is not None and c.ckpt_format != "torch_dist":
         return (
             f"--ckpt-format {c.ckpt_format} is not supported: megalm reads and writes torch_dist "

@@ -20,7 +20,7 @@ from megalm.config.sections import (
     ParallelConfig,
     TrainingConfig,
 )
-from megalm.device import get_backend
+from megalm.device import get_backend, use_cuda
 from megalm.log import get_logger
 from megalm.tokenizers.build import missing_tokenizer_flags
 
@@ -606,6 +606,11 @@ def _validate_profiling(lg, world_size: Optional[int]) -> None:
         _check(lg.tensorboard_dir is not None, "--use-pytorch-profiler writes its trace to --tensorboard-dir: give one")
     if not lg.profile:
         return
+    _check(
+        lg.use_pytorch_profiler or use_cuda(),
+        "--profile without --use-pytorch-profiler drives nsys through CUDA and this machine has no GPU: "
+        "add --use-pytorch-profiler (and --tensorboard-dir)",
+    )
     _check(
         0 <= lg.profile_step_start < lg.profile_step_end,
         f"--profile-step-start {lg.profile_step_start} must be >= 0 and before --profile-step-end "
