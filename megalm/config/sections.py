@@ -459,6 +459,21 @@ class LoggingConfig:
         flag="--no-barrier-with-level-1-timing",
         action="store_false",
     )
+    log_straggler: bool = _f(
+        False,
+        "Each log interval, name the slowest and fastest ranks by step time and by compute time "
+        "(forward and backward steps), with host and node, on the log line and in the metrics file "
+        "(megalm/training/stragglers.py).",
+    )
+    straggler_minmax_count: int = _f(1, "With --log-straggler: how many slowest and fastest ranks to name.")
+    disable_straggler_on_startup: bool = _f(
+        False,
+        "With --log-straggler: start with the report off; each connection to --straggler-ctrlr-port "
+        "on rank 0 toggles it.",
+    )
+    straggler_ctrlr_port: int = _f(
+        65535, "With --log-straggler: rank 0's TCP port whose connections toggle the report (0: any free port)."
+    )
     profile: bool = _f(
         False,
         "Profile iterations --profile-step-start to --profile-step-end on --profile-ranks: "

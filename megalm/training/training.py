@@ -89,6 +89,7 @@ class Trainer:
         self.groups = parallel_state.get_process_groups()  # rebuilt in setup(), after initialization
         self.interval = IntervalStats()  # values since the last log line
         self.saved_at: Optional[int] = None  # iteration of the last checkpoint saved by the loop
+        self.stragglers = None  # --log-straggler: built in setup()
 
     # -- set-up --
     def setup(self) -> None:
@@ -102,6 +103,7 @@ class Trainer:
         self.groups = parallel_state.get_process_groups()
         get_forward_backward_func(self.groups)  # fail early if the layout's schedule is not available
         self.timers = Timers.from_config(cfg.logging)
+        self.stragglers = self._straggler_report()  # collective with --log-straggler
         self.profiler = StepProfiler(cfg.logging, dist.get_rank())
         self.async_writer = AsyncCheckpointWriter() if cfg.checkpoint.async_save else None
         self.tokenizer = self._build_tokenizer()
@@ -145,6 +147,15 @@ class Trainer:
         )
         logger.info(run_topology_report(cfg.parallel, dist.get_world_size()))
         print_timing(self.timers.log(SETUP_TIMERS))  # collective
+
+    def _straggler_report(self):
+        """--log-straggler's :class:`megalm.training.stragglers.StragglerReport` (collective), else None."""
+        if not self.cfg.logging.log_straggler:
+            return None
+        from megalm.distributed.comm import ranks_per_node
+        from megalm.training.stragglers import StragglerReport
+
+        return StragglerReport(self.cfg.logging, ranks_per_node())
 
     def _device_peak(self):
         from megalm.training.flops import cpu_has_native_half, device_peak_flops
@@ -282,6 +293,8 @@ class Trainer:
                 self.evaluate_and_log("test", self.test_iter)
         finally:
             self.metrics.close()
+            if self.stragglers is not None:
+                self.stragglers.close()
         return state
 
     def train(self) -> None:
@@ -437,6 +450,7 @@ class Trainer:
     def log_training(self, log: "IntervalStats") -> None:
         from megalm.distributed.comm import inter_node_bytes_per_node
         from megalm.training.metrics import format_log_line
+        from megalm.training.stragglers import format_stragglers, stragglers_record
 
         cfg, state = self.cfg, self.state
         means = log.means(self.groups)  # one device-to-host copy per log line
@@ -463,8 +477,14 @@ class Trainer:
         nodes = inter_node_bytes_per_node()  # collective over the world with several nodes
         if len(nodes) > 1:  # the busiest node's bytes over inter-node links per iteration
             record["inter_node_bytes"] = max(nodes) / max(log.iterations, 1)
+        line = format_log_line(record, self.train_iters)
+        if self.stragglers is not None:  # collective over the world
+            stragglers = self.stragglers.gather(log.time, log.iterations, self.timers)
+            if stragglers is not None:
+                line += format_stragglers(stragglers)
+                record.update(stragglers_record(stragglers))
         if is_logging_rank():
-            logger.info(format_log_line(record, self.train_iters), extra={"on_rank": None})
+            logger.info(line, extra={"on_rank": None})
         record.update(self._log_timers(log.iterations))
         record.update(self._writer_only_scalars())
         self.metrics.log_iteration(record)
