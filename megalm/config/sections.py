@@ -245,7 +245,9 @@ class ParallelConfig:
         True, "Accumulate and reduce gradients in fp32 (always on with --bf16/--fp16)."
     )
     variable_seq_lengths: bool = _f(False, "Exchange tensor shapes between pipeline stages each microbatch.")
-    distributed_timeout_minutes: int = _f(10, "Timeout of every collective, in minutes.")
+    distributed_timeout_minutes: float = _f(
+        10, "Timeout of every collective, in minutes (fractions allowed); a timeout names its group."
+    )
 
     # Derived.
     world_size: Optional[int] = field(default=None, metadata={"derived": True})
@@ -339,6 +341,14 @@ class TrainingConfig:
     exit_duration_in_mins: Optional[float] = _f(None, "Save and exit after this many minutes.")
     exit_signal_handler: bool = _f(False, "On SIGTERM finish the step, save and exit 0.")
     skip_train: bool = _f(False, "Only evaluate.")
+    hang_watchdog_seconds: float = _f(
+        0.0,
+        "Dump every rank's Python stacks (stderr and --hang-watchdog-dir) when training makes no progress "
+        "for this many seconds; must be below --distributed-timeout-minutes (0: off).",
+    )
+    hang_watchdog_dir: Optional[str] = _f(
+        None, "Where the hang watchdog appends rank_<rank>.txt (default: <--save>/hang_stacks; none: stderr only)."
+    )
 
 
 @dataclass

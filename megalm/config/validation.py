@@ -160,6 +160,7 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
     _validate_data(cfg.data, m, p)
     _validate_checkpoint(cfg.checkpoint)
     _validate_logging(cfg.logging, world_size)
+    _validate_hang_watchdog(t, p)
     _warn_megatron_no_ops(cfg)
     return cfg
 
@@ -507,6 +508,17 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
     _check(
         not c.ckpt_fallback_to_verified or (c.load is not None and c.ckpt_step is None),
         "--ckpt-fallback-to-verified needs --load and no --ckpt-step (an explicit step is loaded or refused)",
+    )
+
+
+def _validate_hang_watchdog(t: TrainingConfig, p: ParallelConfig) -> None:
+    _check(p.distributed_timeout_minutes > 0, "--distributed-timeout-minutes must be positive")
+    seconds, timeout = t.hang_watchdog_seconds, p.distributed_timeout_minutes * 60
+    _check(seconds >= 0, f"--hang-watchdog-seconds must be >= 0 (0: off), got {seconds:g}")
+    _check(
+        seconds < timeout,
+        f"--hang-watchdog-seconds {seconds:g} must be below --distributed-timeout-minutes "
+        f"{p.distributed_timeout_minutes:g} ({timeout:g} s): the collective timeout would end the job first",
     )
 
 

@@ -17,6 +17,7 @@ log-line bookkeeping (:class:`IntervalStats`, the reporting rank) in :mod:`megal
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Callable, Optional, Sequence
 
@@ -27,6 +28,7 @@ from megalm import checkpointing, parallel_state
 from megalm.async_save import AsyncCheckpointWriter, AsyncSaveError
 from megalm.config import MegalmConfig, parse_config, set_vocab_size
 from megalm.device import get_device
+from megalm.distributed.collective_errors import named_collective_failures
 from megalm.errors import MegalmError, TrainingStopped
 from megalm.fusions import BackendUnavailable, compile_stats, plan_fusions
 from megalm.log import get_logger
@@ -75,7 +77,9 @@ def pretrain(
     if extra_validation is not None:
         extra_validation(cfg)
     run = Trainer(cfg, model_provider, forward_step_func)
-    return run.run()
+    # A collective's timeout or lost peer, anywhere in the run, becomes an error naming its group.
+    with named_collective_failures(lambda: run.groups, cfg.parallel.distributed_timeout_minutes * 60):
+        return run.run()
 
 
 class Trainer:
@@ -90,6 +94,7 @@ class Trainer:
         self.interval = IntervalStats()  # values since the last log line
         self.saved_at: Optional[int] = None  # iteration of the last checkpoint saved by the loop
         self.stragglers = None  # --log-straggler: built in setup()
+        self.watchdog = None  # --hang-watchdog-seconds: running during train()
 
     # -- set-up --
     def setup(self) -> None:
@@ -307,18 +312,39 @@ class Trainer:
         note = self.profiler.note_on_resume(state.iteration)
         if note:
             logger.warning(f"warning: {note}")
-        while state.iteration < self.train_iters:
-            self.train_iteration()
+        self.watchdog = self._hang_watchdog()
+        try:
+            while state.iteration < self.train_iters:
+                self.train_iteration()
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.close()
+                self.watchdog = None
         self.profiler.close()  # a window past the last iteration: keep what was recorded
         checkpointing.finish_param_sync(self.model)  # the last step's overlapped parameter all-gathers
         if cfg.checkpoint.save and self.saved_at != state.iteration:
             self.save()
         self.complete_async_save()
 
+    def _hang_watchdog(self):
+        """--hang-watchdog-seconds' :class:`megalm.training.hang_watchdog.HangWatchdog`, else None."""
+        t, c = self.cfg.training, self.cfg.checkpoint
+        if not t.hang_watchdog_seconds:
+            return None
+        from megalm.training.hang_watchdog import HangWatchdog
+
+        directory = t.hang_watchdog_dir or (os.path.join(c.save, "hang_stacks") if c.save else None)
+        return HangWatchdog(t.hang_watchdog_seconds, dist.get_rank() if dist.is_initialized() else 0, directory)
+
+    def _progress(self, where: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.progress(f"iteration {self.state.iteration + 1} {where}")
+
     def train_iteration(self) -> StepResult:
         """One iteration of the loop: the step, then its log line, evaluation, checkpoint and
         exit checks when due (call :meth:`train` for a run; this is its body)."""
         cfg, state, t = self.cfg, self.state, self.cfg.training
+        self._progress("started")
         self.profiler.before_step(state.iteration)
         start = time.perf_counter()
         result = train_step(
@@ -335,6 +361,7 @@ class Trainer:
         )
         self.check_numerics(result)
         self.interval.add(time.perf_counter() - start, result)
+        self._progress("step done")
         self.profiler.after_step(state.iteration)
         if state.iteration % cfg.logging.log_interval == 0:
             self.log_training(self.interval)
@@ -346,10 +373,12 @@ class Trainer:
             and state.iteration < self.train_iters
         ):
             self.evaluate_and_log("validation", self.valid_iter)
+            self._progress("evaluated")
         c = cfg.checkpoint
         if c.save and c.save_interval and state.iteration % c.save_interval == 0:
             self.save()
             self.saved_at = state.iteration
+            self._progress("saved")
         reason = self.exit_reason()
         if reason:
             self.stop(reason)
