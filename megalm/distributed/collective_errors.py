@@ -70,7 +70,10 @@ GROUP_LABELS = {
 }
 _GROUP_ARGS = ("group", "pg", "process_group")
 _STORE_PREFIX = "megalm/collective-failed"
-_WRAPPERS = (os.path.join("megalm", "distributed", "comm.py"), os.path.join("megalm", "tensor_parallel", "utils.py"))
+_WRAPPERS = tuple(  # megalm frames that are not the call site
+    os.path.join("megalm", *p)
+    for p in (("distributed", "comm.py"), ("tensor_parallel", "utils.py"), ("distributed", "collective_errors.py"))
+)
 
 
 class CollectiveFailure(MegalmError, RuntimeError):
