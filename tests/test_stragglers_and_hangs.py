@@ -223,3 +223,17 @@ def test_bad_straggler_flags_are_refused_naming_the_flag():
             assert message in str(e)
         else:
             raise AssertionError(f"{extra} accepted")
+
+
+def test_errors_that_are_not_a_collectives_pass_unchanged():
+    from megalm.distributed.collective_errors import CollectiveFailure, describe_failure, named_collective_failures
+
+    def data_loader_wait(group=None):  # a timeout with no process group anywhere in its frames
+        raise RuntimeError("DataLoader worker (pid 123) timed out after 5 seconds")
+
+    for error, kind in [(RuntimeError("shape mismatch"), None), (ValueError("Timed out waiting 5ms"), None)]:
+        assert describe_failure(error, None, 60.0) is kind
+    with pytest.raises(RuntimeError, match="DataLoader worker") as caught:
+        with named_collective_failures(lambda: None, 60.0):
+            data_loader_wait()
+    assert not isinstance(caught.value, CollectiveFailure)

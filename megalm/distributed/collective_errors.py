@@ -187,7 +187,8 @@ def missing_ranks(members: List[int], grace_s: float) -> Optional[List[int]]:
 
 
 def describe_failure(exc: BaseException, groups, timeout_s: float, check_store: bool = True) -> Optional[str]:
-    """The message for a collective failure ``exc`` (None when it is not one)."""
+    """The message for a collective failure ``exc``: None when it is not one (its text is not a
+    timeout or lost peer, or no process group is found in its frames)."""
     kind = failure_kind(exc)
     if kind is None:
         return None
@@ -196,8 +197,8 @@ def describe_failure(exc: BaseException, groups, timeout_s: float, check_store: 
     head = f"collective {kind}" + (
         f" after {timeout_s:g} s (--distributed-timeout-minutes {minutes})" if kind == "timed out" else ""
     )
-    if group is None:
-        return f"{head} ({where}; its group is unknown); gloo: {exc}"
+    if group is None:  # no process group in its frames: not a collective's error (e.g. a DataLoader timeout)
+        return None
     name, ranks = describe_group(group, groups)
     text = f"{head} in {name}, ranks {ranks}" + (f" ({where})" if where else "")
     if peer is not None:
