@@ -337,14 +337,15 @@ class Trainer:
         return HangWatchdog(t.hang_watchdog_seconds, dist.get_rank() if dist.is_initialized() else 0, directory)
 
     def _progress(self, where: str) -> None:
+        """Mark progress for the hang watchdog (a clock read; nothing without one)."""
         if self.watchdog is not None:
-            self.watchdog.progress(f"iteration {self.state.iteration + 1} {where}")
+            self.watchdog.progress(where)
 
     def train_iteration(self) -> StepResult:
         """One iteration of the loop: the step, then its log line, evaluation, checkpoint and
         exit checks when due (call :meth:`train` for a run; this is its body)."""
         cfg, state, t = self.cfg, self.state, self.cfg.training
-        self._progress("started")
+        self._progress(f"iteration {state.iteration + 1} started")
         self.profiler.before_step(state.iteration)
         start = time.perf_counter()
         result = train_step(
@@ -361,7 +362,7 @@ class Trainer:
         )
         self.check_numerics(result)
         self.interval.add(time.perf_counter() - start, result)
-        self._progress("step done")
+        self._progress(f"iteration {state.iteration} step done")
         self.profiler.after_step(state.iteration)
         if state.iteration % cfg.logging.log_interval == 0:
             self.log_training(self.interval)
@@ -373,12 +374,12 @@ class Trainer:
             and state.iteration < self.train_iters
         ):
             self.evaluate_and_log("validation", self.valid_iter)
-            self._progress("evaluated")
+            self._progress(f"iteration {state.iteration} evaluated")
         c = cfg.checkpoint
         if c.save and c.save_interval and state.iteration % c.save_interval == 0:
             self.save()
             self.saved_at = state.iteration
-            self._progress("saved")
+            self._progress(f"iteration {state.iteration} saved")
         reason = self.exit_reason()
         if reason:
             self.stop(reason)
