@@ -73,7 +73,9 @@ def _runs(straggler_argv, hang_argv, watchdog_dir):
 
     rank = dist.get_rank()
     step = pretrain_gpt.forward_step
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # the straggler run sees 2 nodes of 1 rank: the report names nodes
     pretrain_gpt.main(straggler_argv, slow_forward(step, SLEEP) if rank == 1 else step)
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
     parallel_state.destroy_model_parallel()
     named = _named_failure_of_a_subgroup()
     _fresh_world()
@@ -111,7 +113,7 @@ def _named_failure_of_a_subgroup():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stragglers")
-    base = TINY + NO_COMPILE + ["--lr", "1e-3"]
+    base = TINY + NO_COMPILE + ["--lr", "1e-3", "--device-peak-flops", "1e12"]  # no start-up matmul measurement
     straggler = base + ["--train-iters", "6", "--log-interval", "3", "--metrics-file", str(tmp / "s.jsonl")]
     straggler += ["--log-straggler", "--straggler-minmax-count", "2", "--straggler-ctrlr-port", "0"]
     hang = base + ["--train-iters", "6", "--distributed-timeout-minutes", str(TIMEOUT_MIN)]
@@ -128,7 +130,7 @@ def test_a_rank_slowed_by_a_sleep_is_named_slowest_by_compute_time(runs):
     for r in rows:
         slowest, fastest = r["straggler_compute_slowest"], r["straggler_compute_fastest"]
         assert [t["rank"] for t in slowest] == [1, 0] and [t["rank"] for t in fastest] == [0, 1], r
-        assert {t["host"] for t in slowest} == {host} and "node" not in slowest[0]  # one node: no node index
+        assert {t["host"] for t in slowest} == {host} and [t["node"] for t in slowest] == [1, 0]  # 1 rank per node
         # 4 samples of micro batch 4 per rank and iteration: one forward step, one sleep, per iteration.
         assert slowest[0]["ms"] - fastest[0]["ms"] >= SLEEP * 1000 * 0.9, r
         step = r["straggler_step_slowest"]
