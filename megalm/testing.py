@@ -70,9 +70,14 @@ def _worker(
         out = fn(*args, **kwargs)
         # Plain pickle (bytes), not torch's fd-sharing reducers: a tensor shared by file descriptor
         # needs this process alive until the parent fetches it, and the teardown below may not allow it.
-        results.put((rank, "ok", pickle.dumps(out)))
+        message = (rank, "ok", pickle.dumps(out))
     except BaseException:  # noqa: BLE001 - report everything to the parent
-        results.put((rank, "error", traceback.format_exc()))
+        message = (rank, "error", traceback.format_exc())
+    try:
+        results.put(message)
+        # Flushed before the teardown: destroying a group whose collective timed out can abort the process.
+        results.close()
+        results.join_thread()
     finally:
         try:
             from megalm import parallel_state

@@ -80,6 +80,9 @@ TIMER_LEVELS: Dict[str, int] = {
 }
 SETUP_TIMERS = ["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"]
 ITERATION_TIMERS = [name for name, level in TIMER_LEVELS.items() if level > 0]  # Megatron's order
+# Timed at every level under --log-straggler (its compute time, megalm/training/stragglers.py);
+# printed only at level 2.
+COMPUTE_TIMERS = ("forward-compute", "backward-compute")
 LOG_OPTIONS = ("max", "minmax", "all")
 
 
@@ -188,6 +191,8 @@ class Timers:
         log_level: ``--timing-log-level``; timers above it are :data:`NULL_TIMER`.
         log_option: ``--timing-log-option``: ``max``, ``minmax`` or ``all``.
         barrier_with_level_1: level-1 timers start with a world barrier.
+        always_on: timers kept running at every level (``--log-straggler``'s
+            :data:`COMPUTE_TIMERS`); they appear in the timing block only at their level.
         clock, synchronize_device: injected in tests.
     """
 
@@ -198,6 +203,7 @@ class Timers:
         barrier_with_level_1: bool = True,
         clock: Callable[[], float] = time.perf_counter,
         synchronize_device: Callable[[], None] = synchronize,
+        always_on: Sequence[str] = (),
     ):
         if log_level not in (0, 1, 2):
             raise ValueError(f"timing log level must be 0, 1 or 2, got {log_level}")
@@ -208,11 +214,17 @@ class Timers:
         self.barrier_with_level_1 = barrier_with_level_1
         self._clock = clock
         self._synchronize = synchronize_device
+        self.always_on = frozenset(always_on)
         self._timers: Dict[str, Timer] = {}
 
     @classmethod
     def from_config(cls, logging_cfg) -> "Timers":
-        return cls(logging_cfg.timing_log_level, logging_cfg.timing_log_option, logging_cfg.barrier_with_level_1_timing)
+        return cls(
+            logging_cfg.timing_log_level,
+            logging_cfg.timing_log_option,
+            logging_cfg.barrier_with_level_1_timing,
+            always_on=COMPUTE_TIMERS if logging_cfg.log_straggler else (),
+        )
 
     def __call__(self, name: str, log_level: Optional[int] = None):
         """The timer ``name`` (created on first use); its level comes from :data:`TIMER_LEVELS`
@@ -220,7 +232,7 @@ class Timers:
         level = TIMER_LEVELS.get(name) if log_level is None else log_level
         if level is None:
             raise ValueError(f"timer {name!r} has no level in TIMER_LEVELS: pass log_level=")
-        if level > self.log_level:
+        if level > self.log_level and name not in self.always_on:
             return NULL_TIMER
         if name not in self._timers:
             self._timers[name] = Timer(

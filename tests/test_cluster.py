@@ -532,19 +532,27 @@ import os, time
 from datetime import timedelta
 import torch, torch.distributed as dist
 
-dist.init_process_group("gloo", timeout=timedelta(seconds=float(os.environ["CUT_TEST_TIMEOUT"])))
+from megalm.distributed.collective_errors import CollectiveFailure, named_collective_failures
+
+timeout = float(os.environ["CUT_TEST_TIMEOUT"])
+dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
 until = float(os.environ["CUT_TEST_UNTIL"])
 t, flag = torch.ones(1 << 16), torch.zeros(1)
 slowest, steps = 0.0, 0
-while True:
-    start = time.monotonic()
-    dist.all_reduce(t)
-    slowest, steps = max(slowest, time.monotonic() - start), steps + 1
-    flag.fill_(float(time.time() > until))
-    dist.broadcast(flag, 0)  # rank 0's clock decides for everyone
-    if flag.item():
-        break
-    time.sleep(0.05)
+try:
+    with named_collective_failures(lambda: None, timeout):  # as pretrain does: the error names the group
+        while True:
+            start = time.monotonic()
+            dist.all_reduce(t)
+            slowest, steps = max(slowest, time.monotonic() - start), steps + 1
+            flag.fill_(float(time.time() > until))
+            dist.broadcast(flag, 0)  # rank 0's clock decides for everyone
+            if flag.item():
+                break
+            time.sleep(0.05)
+except CollectiveFailure as e:
+    os.write(1, f"[rank{dist.get_rank()}] {e}\n".encode())
+    raise SystemExit(1)
 # one write(2): two ranks share the node's stdout, and print() writes text and newline apart
 os.write(1, f"rank {dist.get_rank()} steps {steps} slowest {slowest:.2f}\n".encode())
 dist.barrier()
@@ -602,11 +610,15 @@ def test_short_cut_is_survived(tmp_path):
 @needs_cluster
 def test_cut_longer_than_the_timeout_ends_every_rank_with_the_timeout(tmp_path):
     """A 12 s cut with a 4 s collective timeout: no hang; every rank's collective fails with gloo's
-    timeout error, and both nodes' torchrun exit 1 on their own (once the link is back, node 1's
-    agent can close the rendezvous on node 0)."""
+    timeout error, named by megalm's wrapper (the world group and its ranks), and both nodes'
+    torchrun exit 1 on their own (once the link is back, node 1's agent can close the rendezvous
+    on node 0)."""
     code, out, err = cut_run(tmp_path, collective_timeout=4, cut_for=12, loop_for=60)
     assert code == 1, out[-3000:] + err
+    named = "timed out after 4 s (--distributed-timeout-minutes 0.0666667) in the world group, ranks [0, 1, 2, 3]"
     for node in (0, 1):
-        failed = {line.split("]")[0] for line in node_lines(out, node) if "Timed out waiting 4000ms" in line}
+        lines = [line for line in node_lines(out, node) if "Timed out waiting 4000ms" in line]
+        failed = {line.split("]")[0] for line in lines}
         assert failed == ({"[rank0", "[rank1"} if node == 0 else {"[rank2", "[rank3"}), out[-5000:]
+        assert all(named in line for line in lines), out[-5000:]  # the error names the group
     assert_clean()

@@ -273,7 +273,9 @@ class ParallelConfig:
         True, "Accumulate and reduce gradients in fp32 (always on with --bf16/--fp16)."
     )
     variable_seq_lengths: bool = _f(False, "Exchange tensor shapes between pipeline stages each microbatch.")
-    distributed_timeout_minutes: int = _f(10, "Timeout of every collective, in minutes.")
+    distributed_timeout_minutes: float = _f(
+        10, "Timeout of every collective, in minutes (fractions allowed); a timeout names its group."
+    )
 
     # Derived.
     world_size: Optional[int] = field(default=None, metadata={"derived": True})
@@ -390,6 +392,14 @@ class TrainingConfig:
     exit_duration_in_mins: Optional[float] = _f(None, "Save and exit after this many minutes.")
     exit_signal_handler: bool = _f(False, "On SIGTERM finish the step, save and exit 0.")
     skip_train: bool = _f(False, "Only evaluate.")
+    hang_watchdog_seconds: float = _f(
+        0.0,
+        "Dump every rank's Python stacks (stderr and --hang-watchdog-dir) when training makes no progress "
+        "for this many seconds; must be below --distributed-timeout-minutes (0: off).",
+    )
+    hang_watchdog_dir: Optional[str] = _f(
+        None, "Where the hang watchdog appends rank_<rank>.txt (default: <--save>/hang_stacks; none: stderr only)."
+    )
 
 
 @dataclass
@@ -519,6 +529,21 @@ class LoggingConfig:
         "Do not start level-1 timers with a barrier over all ranks.",
         flag="--no-barrier-with-level-1-timing",
         action="store_false",
+    )
+    log_straggler: bool = _f(
+        False,
+        "Each log interval, name the slowest and fastest ranks by step time and by compute time "
+        "(forward and backward steps), with host and node, on the log line and in the metrics file "
+        "(megalm/training/stragglers.py).",
+    )
+    straggler_minmax_count: int = _f(1, "With --log-straggler: how many slowest and fastest ranks to name.")
+    disable_straggler_on_startup: bool = _f(
+        False,
+        "With --log-straggler: start with the report off; each connection to --straggler-ctrlr-port "
+        "on rank 0 toggles it.",
+    )
+    straggler_ctrlr_port: int = _f(
+        65535, "With --log-straggler: rank 0's TCP port whose connections toggle the report (0: any free port)."
     )
     profile: bool = _f(
         False,

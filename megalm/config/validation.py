@@ -198,6 +198,7 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
     if cfg.logging.wandb_project and not cfg.logging.wandb_save_dir and cfg.checkpoint.save:
         cfg.logging.wandb_save_dir = os.path.join(cfg.checkpoint.save, "wandb")  # Megatron's default
     _check_megatron_compat(cfg.megatron_compat)
+    _validate_hang_watchdog(t, p)
     _warn_megatron_no_ops(cfg)
     return cfg
 
@@ -595,8 +596,22 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
     )
 
 
+def _validate_hang_watchdog(t: TrainingConfig, p: ParallelConfig) -> None:
+    _check(p.distributed_timeout_minutes > 0, "--distributed-timeout-minutes must be positive")
+    seconds, timeout = t.hang_watchdog_seconds, p.distributed_timeout_minutes * 60
+    _check(seconds >= 0, f"--hang-watchdog-seconds must be >= 0 (0: off), got {seconds:g}")
+    _check(
+        seconds < timeout,
+        f"--hang-watchdog-seconds {seconds:g} must be below --distributed-timeout-minutes "
+        f"{p.distributed_timeout_minutes:g} ({timeout:g} s): the collective timeout would end the job first",
+    )
+
+
 def _validate_logging(lg: LoggingConfig, world_size: Optional[int]) -> None:
     _check(lg.log_interval > 0, "--log-interval must be positive")
+    _check(lg.straggler_minmax_count > 0, f"--straggler-minmax-count must be positive, got {lg.straggler_minmax_count}")
+    port = lg.straggler_ctrlr_port
+    _check(0 <= port <= 65535, f"--straggler-ctrlr-port must be a TCP port (0-65535), got {port}")
     _validate_profiling(lg, world_size)
 
 

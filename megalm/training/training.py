@@ -17,6 +17,7 @@ log-line bookkeeping (:class:`IntervalStats`, the reporting rank) in :mod:`megal
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Callable, Optional, Sequence
 
@@ -27,6 +28,7 @@ from megalm import checkpointing, parallel_state
 from megalm.async_save import AsyncCheckpointWriter, AsyncSaveError
 from megalm.config import MegalmConfig, parse_config, set_vocab_size
 from megalm.device import get_device
+from megalm.distributed.collective_errors import named_collective_failures
 from megalm.errors import MegalmError, TrainingStopped
 from megalm.fusions import BackendUnavailable, compile_stats, plan_fusions
 from megalm.log import get_logger
@@ -75,7 +77,9 @@ def pretrain(
     if extra_validation is not None:
         extra_validation(cfg)
     run = Trainer(cfg, model_provider, forward_step_func)
-    return run.run()
+    # A collective's timeout or lost peer, anywhere in the run, becomes an error naming its group.
+    with named_collective_failures(lambda: run.groups, cfg.parallel.distributed_timeout_minutes * 60):
+        return run.run()
 
 
 class Trainer:
@@ -89,6 +93,8 @@ class Trainer:
         self.groups = parallel_state.get_process_groups()  # rebuilt in setup(), after initialization
         self.interval = IntervalStats()  # values since the last log line
         self.saved_at: Optional[int] = None  # iteration of the last checkpoint saved by the loop
+        self.stragglers = None  # --log-straggler: built in setup()
+        self.watchdog = None  # --hang-watchdog-seconds: running during train()
 
     # -- set-up --
     def setup(self) -> None:
@@ -102,6 +108,7 @@ class Trainer:
         self.groups = parallel_state.get_process_groups()
         get_forward_backward_func(self.groups)  # fail early if the layout's schedule is not available
         self.timers = Timers.from_config(cfg.logging)
+        self.stragglers = self._straggler_report()  # collective with --log-straggler
         self.profiler = StepProfiler(cfg.logging, dist.get_rank())
         self.async_writer = AsyncCheckpointWriter() if cfg.checkpoint.async_save else None
         self.tokenizer = self._build_tokenizer()
@@ -145,6 +152,15 @@ class Trainer:
         )
         logger.info(run_topology_report(cfg.parallel, dist.get_world_size()))
         print_timing(self.timers.log(SETUP_TIMERS))  # collective
+
+    def _straggler_report(self):
+        """--log-straggler's :class:`megalm.training.stragglers.StragglerReport` (collective), else None."""
+        if not self.cfg.logging.log_straggler:
+            return None
+        from megalm.distributed.comm import ranks_per_node
+        from megalm.training.stragglers import StragglerReport
+
+        return StragglerReport(self.cfg.logging, ranks_per_node())
 
     def _device_peak(self):
         from megalm.training.flops import cpu_has_native_half, device_peak_flops
@@ -282,6 +298,8 @@ class Trainer:
                 self.evaluate_and_log("test", self.test_iter)
         finally:
             self.metrics.close()
+            if self.stragglers is not None:
+                self.stragglers.close()
         return state
 
     def train(self) -> None:
@@ -294,18 +312,40 @@ class Trainer:
         note = self.profiler.note_on_resume(state.iteration)
         if note:
             logger.warning(f"warning: {note}")
-        while state.iteration < self.train_iters:
-            self.train_iteration()
+        self.watchdog = self._hang_watchdog()
+        try:
+            while state.iteration < self.train_iters:
+                self.train_iteration()
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.close()
+                self.watchdog = None
         self.profiler.close()  # a window past the last iteration: keep what was recorded
         checkpointing.finish_param_sync(self.model)  # the last step's overlapped parameter all-gathers
         if cfg.checkpoint.save and self.saved_at != state.iteration:
             self.save()
         self.complete_async_save()
 
+    def _hang_watchdog(self):
+        """--hang-watchdog-seconds' :class:`megalm.training.hang_watchdog.HangWatchdog`, else None."""
+        t, c = self.cfg.training, self.cfg.checkpoint
+        if not t.hang_watchdog_seconds:
+            return None
+        from megalm.training.hang_watchdog import HangWatchdog
+
+        directory = t.hang_watchdog_dir or (os.path.join(c.save, "hang_stacks") if c.save else None)
+        return HangWatchdog(t.hang_watchdog_seconds, dist.get_rank() if dist.is_initialized() else 0, directory)
+
+    def _progress(self, where: str) -> None:
+        """Mark progress for the hang watchdog (a clock read; nothing without one)."""
+        if self.watchdog is not None:
+            self.watchdog.progress(where)
+
     def train_iteration(self) -> StepResult:
         """One iteration of the loop: the step, then its log line, evaluation, checkpoint and
         exit checks when due (call :meth:`train` for a run; this is its body)."""
         cfg, state, t = self.cfg, self.state, self.cfg.training
+        self._progress(f"iteration {state.iteration + 1} started")
         self.profiler.before_step(state.iteration)
         start = time.perf_counter()
         result = train_step(
@@ -322,6 +362,7 @@ class Trainer:
         )
         self.check_numerics(result)
         self.interval.add(time.perf_counter() - start, result)
+        self._progress(f"iteration {state.iteration} step done")
         self.profiler.after_step(state.iteration)
         if state.iteration % cfg.logging.log_interval == 0:
             self.log_training(self.interval)
@@ -333,10 +374,12 @@ class Trainer:
             and state.iteration < self.train_iters
         ):
             self.evaluate_and_log("validation", self.valid_iter)
+            self._progress(f"iteration {state.iteration} evaluated")
         c = cfg.checkpoint
         if c.save and c.save_interval and state.iteration % c.save_interval == 0:
             self.save()
             self.saved_at = state.iteration
+            self._progress(f"iteration {state.iteration} saved")
         reason = self.exit_reason()
         if reason:
             self.stop(reason)
@@ -438,6 +481,7 @@ class Trainer:
     def log_training(self, log: "IntervalStats") -> None:
         from megalm.distributed.comm import inter_node_bytes_per_node
         from megalm.training.metrics import format_log_line
+        from megalm.training.stragglers import format_stragglers, stragglers_record
 
         cfg, state = self.cfg, self.state
         means = log.means(self.groups)  # one device-to-host copy per log line
@@ -464,8 +508,14 @@ class Trainer:
         nodes = inter_node_bytes_per_node()  # collective over the world with several nodes
         if len(nodes) > 1:  # the busiest node's bytes over inter-node links per iteration
             record["inter_node_bytes"] = max(nodes) / max(log.iterations, 1)
+        line = format_log_line(record, self.train_iters)
+        if self.stragglers is not None:  # collective over the world
+            stragglers = self.stragglers.gather(log.time, log.iterations, self.timers)
+            if stragglers is not None:
+                line += format_stragglers(stragglers)
+                record.update(stragglers_record(stragglers))
         if is_logging_rank():
-            logger.info(format_log_line(record, self.train_iters), extra={"on_rank": None})
+            logger.info(line, extra={"on_rank": None})
         record.update(self._log_timers(log.iterations))
         record.update(self._writer_only_scalars())
         self.metrics.log_iteration(record)
