@@ -7,7 +7,8 @@ relative, on 4 ranks, at
 * CP 2 x DP 2, p2p, with the distributed optimizer (it shards over dp x cp);
 * CP 2 x DP 2, p2p, --calculate-per-token-loss with --eod-mask-loss (token counts differ per rank);
 * CP 2 x TP 2 with sequence parallelism, allgather;
-* CP 2 x PP 2, a2a.
+* CP 2 x PP 2, a2a;
+* CP 2 x EP 2 MoE (4 experts, top-2, alltoall dispatcher, aux and z losses; their logged values too).
 
 The first saves at iteration 5; resumed at CP 1 it continues the uninterrupted CP 1 run.
 Configurations not built under CP are refused with the flag named.
@@ -36,6 +37,10 @@ FIVE, TEN = ["--train-iters", "5"], ["--train-iters", "10"]
 CP2 = ["--context-parallel-size", "2"]
 PER_TOKEN = ["--calculate-per-token-loss", "--eod-mask-loss"]
 DIST = ["--use-distributed-optimizer"]
+MOE = [
+    *("--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"),
+    *("--moe-token-dispatcher-type", "alltoall"),
+]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 
 
@@ -52,9 +57,11 @@ def runs(tmp_path_factory):
         run("cp2_dp2_per_token", *FIVE, *CP2, *PER_TOKEN),
         run("cp2_tp2_allgather", *FIVE, *CP2, "--cp-comm-type", "allgather", *TP2),
         run("cp2_pp2_a2a", *FIVE, *CP2, "--cp-comm-type", "a2a", "--pipeline-model-parallel-size", "2"),
+        run("cp2_ep2_moe", *FIVE, *CP2, *MOE, "--expert-model-parallel-size", "2"),
     ]
     one = [
         run("cp1", *TEN),
+        run("cp1_moe", *FIVE, *MOE),
         run("cp1_per_token", *FIVE, *PER_TOKEN),
         run("resume_at_cp1", *TEN, "--load", ckpt),
     ]
@@ -66,7 +73,7 @@ def runs(tmp_path_factory):
 
 
 def test_all_runs_exit_cleanly(runs):
-    assert runs["codes"] == ([[0] * 4] * 4, [[0] * 3]), runs["codes"]
+    assert runs["codes"] == ([[0] * 5] * 4, [[0] * 4]), runs["codes"]
 
 
 @pytest.mark.parametrize("name", ["cp2_dp2_dist_save", "cp2_tp2_allgather", "cp2_pp2_a2a"])
@@ -77,6 +84,12 @@ def test_losses_equal_one_process(runs, name):
     assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref], rel=1e-5)
     assert min(r["grad_norm"] for r in ref) > 1.0  # clipping is active: the norm must be right
     assert ref[-1]["lm_loss"] < ref[0]["lm_loss"] - 0.05  # it trains
+
+
+def test_moe_with_expert_parallelism_equals_one_process(runs):
+    ref, got = records(runs["tmp"], "cp1_moe"), records(runs["tmp"], "cp2_ep2_moe")
+    for key in ("lm_loss", "load_balancing_loss", "z_loss", "grad_norm"):
+        assert_close([r[key] for r in got], [r[key] for r in ref], rel=1e-5)
 
 
 def test_per_token_loss_with_uneven_masks(runs):
@@ -97,7 +110,7 @@ def test_save_at_cp2_dp2_resume_at_cp1(runs):
         (["--attention-dropout", "0.1"], r"--attention-dropout 0.1 is not supported with --context-parallel-size"),
         (["--attention-backend", "flash", "--bf16"], r"--attention-backend flash / --use-flash-attn"),
         (["--transformer-impl", "transformer_engine"], r"--transformer-impl transformer_engine is not supported"),
-        (["--num-experts", "2"], r"--num-experts \(MoE\) is not supported with --context-parallel-size"),
+        (["--num-experts", "2", "--moe-expert-capacity-factor", "1"], r"--moe-expert-capacity-factor is not"),
         (["--cp-comm-type", "a2a", "--num-query-groups", "1"], r"a2a needs .* KV groups \(1\)"),
     ],
 )

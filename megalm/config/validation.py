@@ -340,8 +340,9 @@ def _validate_context_parallel(m: ModelConfig, p: ParallelConfig) -> None:
         "(the CP cores compute their own blocks; a2a runs SDPA, blocked or unfused)",
     )
     _check(
-        m.num_experts is None,
-        "--num-experts (MoE) is not supported with --context-parallel-size > 1 yet",
+        m.moe_expert_capacity_factor is None,
+        "--moe-expert-capacity-factor is not supported with --context-parallel-size > 1 (each rank's capacity "
+        "would follow its chunks, so dropping would depend on the split)",
     )
     if p.cp_comm_type == "a2a":
         tp = p.tensor_model_parallel_size

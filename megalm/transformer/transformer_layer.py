@@ -84,7 +84,17 @@ class TransformerLayer(nn.Module):
         self.is_moe = is_moe_layer(m, layer_number)
         self.pre_mlp_layernorm = norm(te and not self.is_moe)
         self.mlp = (
-            MoELayer(m, layer_number, sequence_parallel, plan=plan, tp_group=pg.tp, ep_group=pg.ep, moe_state=moe_state)
+            MoELayer(
+                m,
+                layer_number,
+                sequence_parallel,
+                plan=plan,
+                tp_group=pg.tp,
+                ep_group=pg.ep,
+                moe_state=moe_state,
+                cp_group=pg.cp,
+                tp_cp_group=pg.tp_cp,
+            )
             if self.is_moe
             else (TEMLP if te else MLP)(m, sequence_parallel, plan=plan, skip_output_bias=True, tp_group=pg.tp)
         )
