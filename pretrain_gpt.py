@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megalm.config import ConfigError, MegalmConfig, build_parser
+from megalm.context_parallel.loss import context_parallel_loss
 from megalm.data import get_batch
 from megalm.distributed.finalize_model_grads import unwrap_model
 from megalm.errors import MegalmError, TrainingStopped
@@ -42,12 +43,15 @@ def loss_func(loss_mask: torch.Tensor, model: torch.nn.Module, output_tensor: to
     microbatch, their number, and the reported ``{"lm loss": [sum, count]}`` (the schedule
     divides by the count per microbatch, or, with --calculate-per-token-loss, the trainer by the
     global count).  MoE models also report their routers' auxiliary losses and load statistics
-    (their gradients are already attached to the backward pass by the routers)."""
+    (their gradients are already attached to the backward pass by the routers).  Under context
+    parallelism the count and reported values are the whole sequence's and the loss is scaled
+    for the gradient average over data x context ranks (:mod:`megalm.context_parallel.loss`)."""
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.reshape(-1).float()
-    loss = torch.sum(losses * mask)
-    num_tokens = mask.sum().detach()
-    return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens]), **pop_moe_metrics(model)}
+    cp_group = getattr(unwrap_model(model), "process_groups", None)
+    cp_group = None if cp_group is None else cp_group.cp
+    loss, num_tokens, reported = context_parallel_loss(torch.sum(losses * mask), mask.sum().detach(), cp_group)
+    return loss, num_tokens, {"lm loss": reported, **pop_moe_metrics(model)}
 
 
 def forward_step(data_iterator, model):

@@ -246,7 +246,20 @@ class ParallelConfig:
     )
     decoder_first_pipeline_num_layers: Optional[int] = _f(None, "Layers on the first pipeline stage (uneven split).")
     decoder_last_pipeline_num_layers: Optional[int] = _f(None, "Layers on the last pipeline stage (uneven split).")
-    context_parallel_size: int = _f(1, "Context parallel size.")
+    context_parallel_size: int = _f(
+        1,
+        "Context parallel size: each sequence is cut into 2 x CP chunks and CP rank i "
+        "holds chunks i and 2CP-1-i (equal causal work); gradients are reduced over "
+        "data x context parallel ranks.",
+    )
+    cp_comm_type: str = _f(
+        "p2p",
+        "Communication of the attention core under context parallelism: p2p (ring "
+        "attention, K/V sent around the ring overlapped with compute), a2a (Ulysses "
+        "all-to-all, heads and KV groups per TP rank divisible by CP) or allgather "
+        "(K/V all-gathered over CP).",
+        choices=["p2p", "a2a", "allgather"],
+    )
     expert_model_parallel_size: int = _f(1, "Expert model parallel size.")
     sequence_parallel: bool = _f(False, "Shard norms and dropout along the sequence over tensor-parallel ranks.")
     use_distributed_optimizer: bool = _f(

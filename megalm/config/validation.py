@@ -357,15 +357,57 @@ def _validate_pipeline(m: ModelConfig, p: ParallelConfig) -> Optional[int]:
 
 def _validate_parallel(m: ModelConfig, p: ParallelConfig) -> None:
     """Context parallelism, the data-parallel wrapper's flags and sequence parallelism."""
-    tp = p.tensor_model_parallel_size
-    _check(p.context_parallel_size == 1, "--context-parallel-size > 1 is not supported yet")
+    tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
+    _validate_context_parallel(m, p)
     _validate_data_parallel(p)
     if p.sequence_parallel and tp == 1:
         p.sequence_parallel = False  # as Megatron: a no-op without tensor parallelism
     if p.sequence_parallel:
+        per_cp = f" / --context-parallel-size {cp}" if cp > 1 else ""
         _check(
-            m.seq_length % tp == 0,
-            f"--seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size {tp} (sequence parallel)",
+            m.seq_length // cp % tp == 0,
+            f"--seq-length {m.seq_length}{per_cp} is not divisible by --tensor-model-parallel-size {tp} "
+            f"(sequence parallel)",
+        )
+
+
+def _validate_context_parallel(m: ModelConfig, p: ParallelConfig) -> None:
+    """--context-parallel-size and --cp-comm-type, and what megalm does not build under CP > 1."""
+    cp = p.context_parallel_size
+    _check(cp >= 1, f"--context-parallel-size must be >= 1, got {cp}")
+    if cp == 1:
+        return
+    _check(
+        m.seq_length % (2 * cp) == 0,
+        f"--seq-length {m.seq_length} must be divisible by 2 x --context-parallel-size ({2 * cp}): "
+        f"each CP rank holds two of 2 x CP equal chunks",
+    )
+    _check(
+        m.attention_dropout == 0,
+        f"--attention-dropout {m.attention_dropout} is not supported with --context-parallel-size {cp} "
+        f"(its random mask would depend on the split): set --attention-dropout 0",
+    )
+    _check(
+        m.transformer_impl == "local",
+        "--transformer-impl transformer_engine is not supported with --context-parallel-size > 1 (use local)",
+    )
+    _check(
+        m.attention_backend != "flash" and not m.use_flash_attn,
+        "--attention-backend flash / --use-flash-attn are not supported with --context-parallel-size > 1 "
+        "(the CP cores compute their own blocks; a2a runs SDPA, blocked or unfused)",
+    )
+    _check(
+        m.moe_expert_capacity_factor is None,
+        "--moe-expert-capacity-factor is not supported with --context-parallel-size > 1 (each rank's capacity "
+        "would follow its chunks, so dropping would depend on the split)",
+    )
+    if p.cp_comm_type == "a2a":
+        tp = p.tensor_model_parallel_size
+        heads, groups = m.num_attention_heads // tp, m.num_kv_heads // tp
+        _check(
+            heads % cp == 0 and groups % cp == 0,
+            f"--cp-comm-type a2a needs the attention heads ({heads}) and KV groups ({groups}) per "
+            f"tensor-parallel rank divisible by --context-parallel-size {cp}",
         )
 
 

@@ -8,6 +8,12 @@ stages, which read nothing).  The returned dict always has the four keys.  Shape
 ``[micro_batch_size, seq_length]``, known to every rank from the config passed in (a forward
 step takes it from its model: ``unwrap_model(model).cfg``), so nothing but the data itself is
 communicated.
+
+Under context parallelism every rank of a CP group reads the same micro-batch (the samplers
+follow the data-parallel rank) and keeps its two sequence chunks of each key
+(:func:`megalm.context_parallel.split_sequence`: chunks ``i`` and ``2CP-1-i`` of ``2CP`` for CP
+rank ``i``), so its shapes are ``[micro_batch_size, seq_length / CP]``; the position ids are the
+chunks' global positions.  No communication for the split.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megalm import parallel_state as ps
+from megalm.context_parallel import split_sequence
 from megalm.device import get_device
 from megalm.errors import MegalmError
 
@@ -76,4 +83,13 @@ def get_batch(data_iterator, cfg=None) -> Dict[str, Optional[torch.Tensor]]:
     for i, k in enumerate(int_keys):
         out[k] = ints[i]
     out["loss_mask"] = mask
-    return out
+    return _context_parallel_chunks(out)
+
+
+def _context_parallel_chunks(batch: Dict[str, Optional[torch.Tensor]]) -> Dict[str, Optional[torch.Tensor]]:
+    """This CP rank's two chunks of each ``[b, s]`` tensor (the batch itself at CP 1)."""
+    cp = ps.get_context_parallel_world_size()
+    if cp == 1:
+        return batch
+    rank = ps.get_context_parallel_rank()
+    return {k: None if t is None else split_sequence(t, 1, rank, cp) for k, t in batch.items()}

@@ -44,6 +44,7 @@ from torch import nn
 
 from megalm import parallel_state
 from megalm.config import MegalmConfig, pad_vocab_size
+from megalm.context_parallel import local_positions
 from megalm.fusions.backends import FusionPlan, plan_fusions
 from megalm.models.embedding import LanguageModelEmbedding
 from megalm.parallel_state import ProcessGroups, group_rank, group_size
@@ -111,6 +112,7 @@ class GPTModel(nn.Module):
             self.sequence_parallel,
             self.fusion_plan,
             moe_state=self.moe_state,
+            cp_comm_type=cfg.parallel.cp_comm_type,
         )
         if post_process:
             self.output_layer = self._build_output_layer(m)
@@ -178,6 +180,10 @@ class GPTModel(nn.Module):
         if self.rotary is None:
             return None, None
         seq_length = hidden.shape[0] * (self.tp_size if self.sequence_parallel else 1)
+        cp = group_size(self.process_groups.cp)
+        if position_ids is None and cp > 1:  # stages without data: this CP rank's global positions
+            positions = local_positions(seq_length * cp, group_rank(self.process_groups.cp), cp, hidden.device)
+            position_ids = positions.unsqueeze(0)
         return self.rotary.tables(position_ids, seq_length, hidden.device)
 
     def _mask_padded_vocab(self, logits: torch.Tensor) -> torch.Tensor:

@@ -34,10 +34,12 @@ def print_timing(block: Optional[str]) -> None:
 
 
 def is_logging_rank() -> bool:
-    """The rank that reports losses: last pipeline stage, TP rank 0, DP rank 0 (the world's last rank ... or first)."""
+    """The rank that reports losses: last pipeline stage, TP rank 0, CP rank 0, DP rank 0 (the world's last
+    rank ... or first)."""
     return (
         parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         and parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_context_parallel_rank() == 0
         and parallel_state.get_data_parallel_rank() == 0
     )
 

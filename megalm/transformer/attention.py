@@ -15,6 +15,12 @@ The core runs on the plan's backend (:mod:`megalm.fusions.backends`): PyTorch SD
 flash-attn, the blocked causal attention (:mod:`megalm.transformer.blocked_attention`), or the
 unfused ``softmax(QK^T / sqrt(d) + causal) V`` with its scaled masked softmax compiled or eager.
 RoPE on q and k is one fused call when the plan compiles it.
+
+Under context parallelism (``cp_group`` of more than one rank) each rank holds two chunks of the
+sequence and the core is :func:`megalm.context_parallel.context_parallel_attention` over
+``cp_group`` (``cp_comm_type`` p2p / a2a / allgather; its communication is described there); a2a
+runs the SDPA, blocked or unfused core on the full sequence of its heads.  No attention dropout,
+flash-attn or TE core under CP (refused by the configuration checks).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalm.context_parallel import context_parallel_attention
+from megalm.context_parallel.chunks import ContextParallelError
 from megalm.fusions import backends
 from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.fusions.compile import select
@@ -45,7 +53,9 @@ class SelfAttention(nn.Module):
     dropout runs in the tracker's model-parallel stream (each rank holds different heads).
     With ``recompute_core`` (selective recompute) the core is recomputed in backward.  With
     ``skip_output_bias`` :meth:`forward` returns ``(output, linear_proj bias or None)``.
-    ``tp_group``: the tensor-parallel group both projections communicate over.
+    ``tp_group``: the tensor-parallel group both projections communicate over; ``cp_group``:
+    the context-parallel group the core communicates over (``cp_comm_type``) when it has more
+    than one rank.
     """
 
     def __init__(
@@ -56,9 +66,14 @@ class SelfAttention(nn.Module):
         plan: FusionPlan = EAGER,
         skip_output_bias: bool = False,
         tp_group=CURRENT,
+        cp_group=CURRENT,
+        cp_comm_type: str = "p2p",
     ):
         super().__init__()
         self.tp_group = resolve_group(tp_group, "tp")
+        self.cp_group = resolve_group(cp_group, "cp")
+        self.cp_size = group_size(self.cp_group)
+        self.cp_comm_type = cp_comm_type
         tp = group_size(self.tp_group)
         m = model_cfg
         self.head_dim = m.head_dim
@@ -113,6 +128,9 @@ class SelfAttention(nn.Module):
         """Causal attention on ``[s, b, n, d]`` tensors; returns ``[s, b, heads_r * d]``.  Dropout on
         the attention weights draws from the tracker's model-parallel stream (heads differ per rank)."""
         s, b = q.shape[:2]
+        if self.cp_size > 1:
+            out = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, self._causal_core)
+            return out.reshape(s, b, self.heads_per_rank * self.head_dim)
         p = self.attention_dropout if self.training else 0.0
         with dropout_rng(p, model_parallel_rng=True):
             if self.backend == "flash-attn":  # [b, s, n, d] in and out; GQA natively
@@ -122,6 +140,14 @@ class SelfAttention(nn.Module):
             else:
                 out = self._core_on_heads(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), p).permute(2, 0, 1, 3)
         return out.reshape(s, b, self.heads_per_rank * self.head_dim)
+
+    def _causal_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The local core without dropout on heads-first tensors (a2a's core under context parallelism;
+        flash-attn / TE plans fall back to SDPA)."""
+        if self.backend in ("sdpa", "blocked", "unfused"):
+            return self._core_on_heads(q, k, v, 0.0)
+        gqa = self.groups_per_rank != self.heads_per_rank
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
     def _core_on_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
         """SDPA, blocked or unfused core: ``[b, n, s, d]`` -> ``[b, heads_r, s, d]``."""
@@ -161,6 +187,8 @@ class SelfAttention(nn.Module):
         if rotary_cos is not None:
             q, k = self.rotary_qk(q, k, rotary_cos, rotary_sin)
         if kv_cache is not None:
+            if self.cp_size > 1:
+                raise ContextParallelError("generation with a KV cache is not supported under context parallelism")
             offset = kv_cache.offset
             k, v = kv_cache.update(k, v)
             context = self.cached_attention(q, k, v, offset)

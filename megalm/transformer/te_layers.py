@@ -176,6 +176,8 @@ class TESelfAttention(SelfAttention):
         plan: FusionPlan = EAGER,
         skip_output_bias: bool = False,
         tp_group=CURRENT,
+        cp_group=None,
+        cp_comm_type: str = "p2p",
     ):
         super().__init__(
             model_cfg,
@@ -184,6 +186,8 @@ class TESelfAttention(SelfAttention):
             plan=plan,
             skip_output_bias=skip_output_bias,
             tp_group=tp_group,
+            cp_group=cp_group,
+            cp_comm_type=cp_comm_type,
         )
         m = model_cfg
         self.te_core_attention = None

@@ -47,6 +47,7 @@ class TransformerBlock(nn.Module):
         sequence_parallel: bool = False,
         plan: FusionPlan = EAGER,
         moe_state: Optional[MoEState] = None,
+        cp_comm_type: str = "p2p",
     ):
         super().__init__()
         m = model_cfg
@@ -64,6 +65,7 @@ class TransformerBlock(nn.Module):
                     recompute_core_attention=selective,
                     plan=plan,
                     moe_state=moe_state,
+                    cp_comm_type=cp_comm_type,
                 )
                 for i in layer_numbers
             }

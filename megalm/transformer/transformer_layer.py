@@ -19,7 +19,8 @@ attention and dense MLP are TE's and normalize their own input, so ``input_layer
 dense layer's ``pre_mlp_layernorm`` are identities; MoE layers keep megalm's norm and experts.
 
 Process groups: ``process_groups`` (a :class:`~megalm.parallel_state.ProcessGroups`) gives
-attention and MLP their ``tp`` group and an MoE block its ``tp`` and ``ep`` groups.
+attention and MLP their ``tp`` group (attention also its ``cp`` group, with ``cp_comm_type``)
+and an MoE block its ``tp`` and ``ep`` groups.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class TransformerLayer(nn.Module):
         recompute_core_attention: bool = False,
         plan: FusionPlan = EAGER,
         moe_state: Optional[MoEState] = None,
+        cp_comm_type: str = "p2p",
     ):
         super().__init__()
         m = model_cfg
@@ -78,11 +80,23 @@ class TransformerLayer(nn.Module):
             plan=plan,
             skip_output_bias=True,
             tp_group=pg.tp,
+            cp_group=pg.cp,
+            cp_comm_type=cp_comm_type,
         )
         self.is_moe = is_moe_layer(m, layer_number)
         self.pre_mlp_layernorm = norm(te and not self.is_moe)
         self.mlp = (
-            MoELayer(m, layer_number, sequence_parallel, plan=plan, tp_group=pg.tp, ep_group=pg.ep, moe_state=moe_state)
+            MoELayer(
+                m,
+                layer_number,
+                sequence_parallel,
+                plan=plan,
+                tp_group=pg.tp,
+                ep_group=pg.ep,
+                moe_state=moe_state,
+                cp_group=pg.cp,
+                tp_cp_group=pg.tp_cp,
+            )
             if self.is_moe
             else (TEMLP if te else MLP)(m, sequence_parallel, plan=plan, skip_output_bias=True, tp_group=pg.tp)
         )

@@ -69,7 +69,8 @@ def is_moe_layer(model_cfg, layer_number: int) -> bool:
 
 class MoELayer(nn.Module):
     """``tp_group``: the router's statistics and the shared experts; ``ep_group``: the token
-    exchange (which experts this rank holds follows from its rank in it).  ``moe_state``: the
+    exchange (which experts this rank holds follows from its rank in it); ``cp_group`` /
+    ``tp_cp_group``: the router's statistics under context parallelism.  ``moe_state``: the
     model's shared :class:`MoEState` (a new one when not given; :attr:`moe_state`)."""
 
     def __init__(
@@ -81,6 +82,8 @@ class MoELayer(nn.Module):
         tp_group=CURRENT,
         ep_group=CURRENT,
         moe_state: Optional[MoEState] = None,
+        cp_group=None,
+        tp_cp_group=None,
     ):
         super().__init__()
         m = model_cfg
@@ -91,7 +94,15 @@ class MoELayer(nn.Module):
         local = m.num_experts // ep
         self.layer_number = layer_number
         self.moe_state = MoEState() if moe_state is None else moe_state
-        self.router = TopKRouter(m, layer_number, sequence_parallel, tp_group=tp_group, moe_state=self.moe_state)
+        self.router = TopKRouter(
+            m,
+            layer_number,
+            sequence_parallel,
+            tp_group=tp_group,
+            moe_state=self.moe_state,
+            cp_group=cp_group,
+            tp_cp_group=tp_cp_group,
+        )
         self.experts = LocalExperts(
             m, group_rank(ep_group) * local, local, sequence_parallel, grouped=m.moe_grouped_gemm, plan=plan
         )

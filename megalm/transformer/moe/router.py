@@ -21,6 +21,11 @@ with sequence parallelism) one all-reduce over ``tp_group`` of ``2 b E + 1`` flo
 in training (per-sequence top-k counts, score sums and the z-loss sum of each rank's slice of
 the sequence) — nothing in evaluation.  Backward: none here; the router weight carries
 ``sequence_parallel`` so its partial gradients are summed over TP with the norms'.
+
+Under context parallelism (``cp_group`` of ``CP > 1`` ranks) the sequence is split over TP x CP:
+the statistics are summed over ``tp_cp_group`` instead (the same one all-reduce), and the
+attached partial losses are multiplied by ``CP``, as the language-model loss is
+(:mod:`megalm.context_parallel.loss`), since gradients are averaged over the dp x cp ranks.
 """
 
 from __future__ import annotations
@@ -140,11 +145,14 @@ class TopKRouter(nn.Module):
         sequence_parallel: bool = False,
         tp_group=CURRENT,
         moe_state: Optional[MoEState] = None,
+        cp_group=None,
+        tp_cp_group=None,
     ):
         super().__init__()
         m = model_cfg
         self.moe_state = MoEState() if moe_state is None else moe_state
         self.layer_number = layer_number
+        self.cp_size = group_size(cp_group)
         self.num_experts, self.topk = m.num_experts, m.moe_router_topk
         self.score_function, self.pre_softmax = m.moe_router_score_function, m.moe_router_pre_softmax
         self.load_balancing_type = m.moe_router_load_balancing_type
@@ -156,6 +164,9 @@ class TopKRouter(nn.Module):
         self.tp_group = resolve_group(tp_group, "tp")
         self.tp_size = group_size(self.tp_group)
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        # The group the tokens of a sequence are split over, and its size.
+        self.split_group = tp_cp_group if self.cp_size > 1 else self.tp_group
+        self.split_size = self.tp_size * self.cp_size
         self.weight = nn.Parameter(torch.empty(m.num_experts, m.hidden_size, dtype=torch.float32, device=get_device()))
         set_tensor_model_parallel_attributes(self.weight, False, -1)
         mark_init(self.weight, "normal", init_std(m))
@@ -180,12 +191,12 @@ class TopKRouter(nn.Module):
             return F.linear(x.to(self.router_dtype), self.weight.to(self.router_dtype))
         return F.linear(x, self.weight)
 
-    def _tp_sum(self, *tensors: torch.Tensor):
-        """Sum detached statistics over the TP group (one all-reduce); the identity at TP 1."""
-        if self.tp_size == 1:
+    def _split_sum(self, *tensors: torch.Tensor):
+        """Sum detached statistics over the TP (x CP) group (one all-reduce); the identity at TP x CP 1."""
+        if self.split_size == 1:
             return tensors
         flat = torch.cat([t.detach().float().reshape(-1) for t in tensors])
-        dist.all_reduce(flat, group=self.tp_group)
+        dist.all_reduce(flat, group=self.split_group)
         return tuple(chunk.view_as(t) for chunk, t in zip(torch.split(flat, [t.numel() for t in tensors]), tensors))
 
     def forward(self, hidden: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -201,7 +212,8 @@ class TopKRouter(nn.Module):
             if graph and self.z_loss_coeff > 0:
                 # Each TP rank's mean over its slice / tp: the TP ranks' partial losses add up
                 # to the z-loss of the whole sequence.
-                logits = attach_aux_loss(logits, lse_sq.mean() * (self.z_loss_coeff / self.tp_size), self.moe_state)
+                z_partial = lse_sq.mean() * (self.z_loss_coeff * self.cp_size / self.split_size)
+                logits = attach_aux_loss(logits, z_partial, self.moe_state)
         probs, routing_map = self._route(logits)
         probs = self._load_balancing(logits, probs, routing_map, lse_sq, s, b, graph, record)
         probs, routing_map = self._capacity(probs, routing_map)
@@ -239,8 +251,8 @@ class TopKRouter(nn.Module):
         counts_local = routing_map.view(s, b, e).sum(0).float()  # [b, E]
         probs_sum_local = scores.view(s, b, e).sum(0)  # [b, E], part of the graph
         z_local = lse_sq.sum().reshape(1) if lse_sq is not None else torch.zeros(1, device=logits.device)
-        counts, probs_sum, z_sum = (t.detach() for t in self._tp_sum(counts_local, probs_sum_local, z_local))
-        seq_full = s * self.tp_size
+        counts, probs_sum, z_sum = (t.detach() for t in self._split_sum(counts_local, probs_sum_local, z_local))
+        seq_full = s * self.split_size
         lb_partial = lb_full = None
         if self.load_balancing_type == "aux_loss":
             lb_partial = switch_load_balancing_loss(probs_sum_local.sum(0), counts.sum(0), seq_full * b, self.topk)
@@ -249,7 +261,7 @@ class TopKRouter(nn.Module):
             lb_partial = sequence_load_balancing_loss(probs_sum_local, counts, seq_full, self.topk)
             lb_full = sequence_load_balancing_loss(probs_sum, counts, seq_full, self.topk)
         if lb_partial is not None and graph and self.aux_loss_coeff > 0:
-            probs = attach_aux_loss(probs, lb_partial * self.aux_loss_coeff, self.moe_state)
+            probs = attach_aux_loss(probs, lb_partial * (self.aux_loss_coeff * self.cp_size), self.moe_state)
         if record:
             tracker, layer, per_layer = self.moe_state.metrics, self.layer_number, self.per_layer_logging
             tracker.record(layer, "tokens_per_expert", counts.sum(0), per_layer)

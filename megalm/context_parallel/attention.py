@@ -1,0 +1,38 @@
+"""One entry point for the context-parallel attention core, by ``--cp-comm-type``.
+
+Tensors are sequence-first as in the attention layer: ``q`` ``[2c, b, n, d]``, ``k``/``v``
+``[2c, b, g, d]`` (this rank's two chunks, :mod:`.chunks`; ``n`` query heads, ``g`` KV groups);
+the result is ``[2c, b, n, d]``: causal ``softmax(q k^T / sqrt(d)) v`` over the whole sequence of
+the ``cp`` group.  The communication of each type is in its module.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from megalm.context_parallel.allgather import allgather_attention
+from megalm.context_parallel.chunks import ContextParallelError
+from megalm.context_parallel.ring import ring_attention
+from megalm.context_parallel.ulysses import ulysses_attention
+
+COMM_TYPES = ("p2p", "a2a", "allgather")
+
+
+def context_parallel_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, comm_type: str, causal_core: Callable
+) -> torch.Tensor:
+    """Causal attention of this rank's chunks over ``group``'s sequence.
+
+    ``causal_core`` (heads-first ``[b, n, s, d]`` q, ``[b, g, s, d]`` k/v -> ``[b, n, s, d]``) is the
+    layer's local backend, used by ``a2a`` on the full sequence of its heads; ``p2p`` and
+    ``allgather`` compute their masked blocks themselves."""
+    if comm_type == "p2p":
+        heads_first = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        return ring_attention(*heads_first, group).permute(2, 0, 1, 3)
+    if comm_type == "a2a":
+        return ulysses_attention(q, k, v, group, causal_core)
+    if comm_type == "allgather":
+        return allgather_attention(q, k, v, group)
+    raise ContextParallelError(f"--cp-comm-type must be one of {', '.join(COMM_TYPES)}, got {comm_type!r}")

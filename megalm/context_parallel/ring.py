@@ -1,0 +1,178 @@
+"""Ring attention (``--cp-comm-type p2p``): K/V blocks travel the context-parallel ring.
+
+Rank ``r`` of ``CP`` holds queries, keys and values of chunks ``(r, 2CP-1-r)`` (:mod:`.chunks`),
+``[b, n, 2c, d]`` heads-first.  In step ``t = 0..CP-1`` it holds the K/V of rank ``src = r - t``
+(mod ``CP``) and attends to it with the part of the causal mask that is not empty:
+
+- ``t = 0``: its own K/V, causal (the local order is the global order);
+- ``src < r``: every query against the first K/V chunk ``src``, unmasked;
+- ``src > r``: the second query chunk ``2CP-1-r`` against both K/V chunks, unmasked;
+
+so each step after the first is half a block, the same on every rank.  Each block gives
+``O_t = softmax(S_t) V_t`` and ``L_t = logsumexp(S_t)`` row-wise (``S = q k^T / sqrt(d)``); they
+merge as ``L = log(e^L + e^L_t)``, ``O = e^(L_old - L) O + e^(L_t - L) O_t``.
+
+Communication, forward: ``CP - 1`` shifts of the stacked ``[2, b, g, 2c, d]`` K/V (only the
+``g`` KV heads under GQA) to the next rank (isend/irecv), each posted before the block in hand
+is computed so the two overlap.  Backward (recomputing ``P = exp(S - L)`` per block with
+``D = rowsum(dO * O)``: ``dV = P^T dO``, ``dS = P (dO V^T - D)``, ``dQ = dS K / sqrt(d)``,
+``dK = dS^T Q / sqrt(d)``): the same ``CP - 1`` K/V shifts, plus ``CP`` shifts of the dK/dV
+accumulator, which follows its K/V around the ring, gathering each rank's part, and arrives home
+after the last step.  Bytes sent per rank per layer: ``(CP-1) 2 b g 2c d`` forward and
+``(2CP-1) 2 b g 2c d`` backward, in the element size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megalm.parallel_state import group_rank, group_size
+
+_TAG_KV, _TAG_DKV = 1, 2
+
+
+class _Shift:
+    """A send to the next rank and a receive from the previous one in flight."""
+
+    def __init__(self, ring: "_Ring", tensor: torch.Tensor, tag: int):
+        self.sent, self.received = tensor, torch.empty_like(tensor)
+        self.works = [
+            dist.isend(tensor, ring.next, group=ring.group, tag=tag),
+            dist.irecv(self.received, ring.prev, group=ring.group, tag=tag),
+        ]
+
+    def wait(self) -> torch.Tensor:
+        for w in self.works:
+            w.wait()
+        return self.received
+
+
+class _Ring:
+    def __init__(self, group):
+        self.group, self.size, self.rank = group, group_size(group), group_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+
+def _expand(kv: torch.Tensor, queries_per_group: int) -> torch.Tensor:
+    """``[b, g, s, d]`` -> ``[b, g * q, s, d]`` (query head ``h`` uses group ``h // q``)."""
+    if queries_per_group == 1:
+        return kv
+    b, g, s, d = kv.shape
+    return kv.unsqueeze(2).expand(b, g, queries_per_group, s, d).reshape(b, g * queries_per_group, s, d)
+
+
+def _fold(grad: torch.Tensor, queries_per_group: int) -> torch.Tensor:
+    """Sum of an expanded K/V gradient over each group's query heads (inverse of :func:`_expand`)."""
+    if queries_per_group == 1:
+        return grad
+    b, n, s, d = grad.shape
+    return grad.view(b, n // queries_per_group, queries_per_group, s, d).sum(2)
+
+
+def _scores(q, k, scale: float, causal: bool) -> torch.Tensor:
+    scores = torch.matmul(q, k.transpose(-2, -1)).mul_(scale)
+    if causal:
+        sq, sk = scores.shape[-2:]
+        scores.masked_fill_(torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
+    return scores
+
+
+def _block_forward(q, k, v, scale: float, causal: bool):
+    """``(softmax(S) V, logsumexp(S))`` of one block, ``S = scale q k^T`` (+ the causal mask)."""
+    scores = _scores(q, k, scale, causal)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v), lse
+
+
+def _block_backward(q, k, v, grad_out, lse, delta, scale: float, causal: bool):
+    """``(dQ, dK, dV)`` of one block given the merged ``lse`` and ``delta = rowsum(dO * O)``."""
+    probs = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))
+    grad_v = torch.matmul(probs.transpose(-2, -1), grad_out)
+    grad_scores = probs * (torch.matmul(grad_out, v.transpose(-2, -1)) - delta.unsqueeze(-1))
+    grad_q = torch.matmul(grad_scores, k).mul_(scale)
+    grad_k = torch.matmul(grad_scores.transpose(-2, -1), q).mul_(scale)
+    return grad_q, grad_k, grad_v
+
+
+def _merge(out, lse, block_out, block_lse, rows: slice) -> None:
+    """Fold a block's ``(O_t, L_t)`` into rows ``rows`` of the running ``(O, L)`` (in place)."""
+    old = lse[..., rows]
+    new = torch.logaddexp(old, block_lse)
+    out[..., rows, :] = out[..., rows, :] * torch.exp(old - new).unsqueeze(-1) + block_out * torch.exp(
+        block_lse - new
+    ).unsqueeze(-1)
+    lse[..., rows] = new
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, scale: float):
+        ring = _Ring(group)
+        qpg, half = q.shape[1] // k.shape[1], q.shape[2] // 2
+        kv = torch.stack([k, v])
+        out = lse = None
+        for step in range(ring.size):
+            shift = _Shift(ring, kv, _TAG_KV) if step + 1 < ring.size else None
+            src = (ring.rank - step) % ring.size
+            kk, vv = (_expand(t, qpg) for t in kv)
+            if step == 0:
+                out, lse = _block_forward(q, kk, vv, scale, causal=True)
+            elif src < ring.rank:
+                _merge(out, lse, *_block_forward(q, kk[:, :, :half], vv[:, :, :half], scale, False), slice(None))
+            else:
+                _merge(out, lse, *_block_forward(q[:, :, half:], kk, vv, scale, False), slice(half, None))
+            if shift is not None:
+                kv = shift.wait()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.scale = group, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, scale = _Ring(ctx.group), ctx.scale
+        qpg, half = q.shape[1] // k.shape[1], q.shape[2] // 2
+        grad_out = grad_out.contiguous()
+        delta = (grad_out * out).sum(-1)
+        grad_q = torch.zeros_like(q)
+        kv = torch.stack([k, v])
+        grad_shift = None
+        for step in range(ring.size):
+            shift = _Shift(ring, kv, _TAG_KV) if step + 1 < ring.size else None
+            src = (ring.rank - step) % ring.size
+            kk, vv = (_expand(t, qpg) for t in kv)
+            if step == 0:
+                dq, dk, dv = _block_backward(q, kk, vv, grad_out, lse, delta, scale, causal=True)
+                grad_q += dq
+                grad_kv = torch.stack([_fold(dk, qpg), _fold(dv, qpg)])
+            elif src < ring.rank:
+                dq, dk, dv = _block_backward(
+                    q, kk[:, :, :half], vv[:, :, :half], grad_out, lse, delta, scale, causal=False
+                )
+                grad_q += dq
+                grad_kv = torch.zeros_like(kv)
+                grad_kv[0, :, :, :half], grad_kv[1, :, :, :half] = _fold(dk, qpg), _fold(dv, qpg)
+            else:
+                rows = slice(half, None)
+                dq, dk, dv = _block_backward(
+                    q[:, :, rows], kk, vv, grad_out[:, :, rows], lse[..., rows], delta[..., rows], scale, False
+                )
+                grad_q[:, :, rows] += dq
+                grad_kv = torch.stack([_fold(dk, qpg), _fold(dv, qpg)])
+            if grad_shift is not None:  # the accumulator of this K/V, from the ranks it visited before
+                grad_kv += grad_shift.wait()
+            grad_shift = _Shift(ring, grad_kv, _TAG_DKV)
+            if shift is not None:
+                kv = shift.wait()
+        grad_kv = grad_shift.wait()  # this rank's own K/V, back from its trip round the ring
+        return grad_q, grad_kv[0], grad_kv[1], None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
+    """Causal attention of this rank's two chunks over the whole sequence of ``group``.
+
+    ``q`` ``[b, n, 2c, d]``, ``k``/``v`` ``[b, g, 2c, d]`` (``n`` a multiple of ``g``), heads-first;
+    returns ``[b, n, 2c, d]``."""
+    return _RingAttention.apply(q, k.contiguous(), v.contiguous(), group, q.shape[-1] ** -0.5)
