@@ -105,6 +105,21 @@ def _validate_data_parallel(p: ParallelConfig) -> None:
         p.ddp_bucket_size is None or p.ddp_bucket_size > 0,
         f"--ddp-bucket-size must be positive, got {p.ddp_bucket_size}",
     )
+    _validate_grad_compression(p)
+
+
+def _validate_grad_compression(p: ParallelConfig) -> None:
+    """``--grad-compression`` and its method's settings."""
+    if p.grad_compression == "none":
+        return
+    _check(
+        not p.use_distributed_optimizer,
+        f"--grad-compression {p.grad_compression} is not supported with --use-distributed-optimizer "
+        f"(a compressed reduce-scatter is not built); drop one of the two",
+    )
+    _check(p.powersgd_rank >= 1, f"--powersgd-rank must be >= 1, got {p.powersgd_rank}")
+    _check(0 < p.topk_ratio <= 1, f"--topk-ratio must be in (0, 1], got {p.topk_ratio}")
+    _check(p.int8_chunk_size >= 1, f"--int8-chunk-size must be >= 1, got {p.int8_chunk_size}")
 
 
 def _validate_fp8(m: ModelConfig, p: ParallelConfig, t: TrainingConfig) -> None:

@@ -23,6 +23,13 @@ bucket ``k`` of a queue is launched, bucket ``k-2`` then bucket ``k-1`` are adva
 third and second stage, so the inter-node stage of a bucket overlaps the backward of the next
 ones; the sequence depends only on ``k``, hence is the same on every rank.
 
+With ``grad_compression`` (``--grad-compression powersgd|topk|int8``) each bucket of every buffer
+(dense and expert: both are data-parallel) is reduced by :class:`~megalm.distributed.compression.GradCompressor`
+with error feedback instead of the exact all-reduce; hierarchically, only the inter-node all-reduce
+of the chunk is replaced (the intra-node reduce-scatter and all-gather stay exact).  It runs once
+per step: inside ``no_sync()`` nothing is reduced, so the accumulated gradient is compressed
+once.  The residuals live in :attr:`compressor` (``None`` without compression).
+
 Buckets sharing one process group are always launched in the same order on every rank (a
 ready bucket waits for the buckets before it), so data-dependent gradient order cannot make
 ranks issue collectives in different orders.
@@ -49,6 +56,7 @@ from typing import Dict, List, Optional
 import torch
 
 from megalm import parallel_state
+from megalm.distributed.compression import build_compressor
 from megalm.distributed.hierarchical import NodeGroups
 from megalm.distributed.param_and_grad_buffer import Bucket, DataParallelError, ParamAndGradBuffer
 from megalm.parallel_layout import NodeLayoutError
@@ -78,6 +86,10 @@ def node_groups_of(pg: ProcessGroups, name: str) -> Optional[NodeGroups]:
             f"{parallel_state.get_ranks_per_node()} ranks (parallel_layout.node_split says how it falls)"
         )
     return NodeGroups(getattr(pg, f"{name}_intra"), getattr(pg, f"{name}_inter"))
+
+
+def _global_rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def _wait_for(buckets: List[Bucket]):
@@ -129,6 +141,7 @@ class DistributedDataParallel(torch.nn.Module):
         if self.bucket_size is None and self.overlap_grad_reduce:
             self.bucket_size = default_bucket_size(dp)
         names = {p: n for n, p in module.named_parameters()}
+        self.compressor = build_compressor(parallel_cfg, next(module.parameters()).device, _global_rank())
 
         def pick_grad_dtype(p):
             return grad_dtype or (torch.float32 if fp32_grads else p.dtype)
@@ -143,7 +156,7 @@ class DistributedDataParallel(torch.nn.Module):
             group = pg.expt_dp if expert else pg.dp_cp
             world = group_size(group)
             nodes = node_groups_of(pg, "expt_dp" if expert else "dp_cp") if self.hierarchical and keyed else None
-            for (_, gdtype), params in keyed.items():
+            for bi, ((_, gdtype), params) in enumerate(keyed.items()):
                 buf = ParamAndGradBuffer(
                     params,
                     gdtype,
@@ -155,6 +168,8 @@ class DistributedDataParallel(torch.nn.Module):
                     use_distributed_optimizer=self.use_distributed_optimizer,
                     isolate=_is_shared_embedding if self.use_distributed_optimizer else None,
                     node_groups=nodes,
+                    compressor=self.compressor,
+                    compress_key=f"{'expert' if expert else 'dense'}{bi}",
                 )
                 (self.expert_buffers if expert else self.buffers).append(buf)
         self._param_to_buffer = {p: b for b in self.all_buffers for p in b.param_index_map}
