@@ -7,6 +7,7 @@ Directory layout (Megatron-like)::
         .metadata, __*_*.distcp                # DCP: model weights and optimizer tensors
         common.json                            # iteration, consumed samples, config, scheduler, scaler
         rng/rank_00000.pt ...                  # per-rank RNG states (tensors only; weights_only load)
+        grad_compression/rank_00000.pt ...     # --grad-compression: per-rank residuals (idem)
         manifest/rank_00000.json ...           # per rank: size and sha256 of each file it wrote
         manifest.json                          # rank 0, after every rank's manifest, before the tracker
 
@@ -74,6 +75,7 @@ from megalm.dist_checkpointing import (
     saved_tensor_shapes,  # noqa: F401 (read from here by tests and tools)
     tensor_shapes,
 )
+from megalm.distributed.compression.state import compression_state, restore_compression_state
 from megalm.log import get_logger
 from megalm.param_layout import param_spec
 from megalm.parameter_names import canonical_name
@@ -219,6 +221,7 @@ def save_checkpoint(
         specs.update(optimizer_sharded_state(optimizer, model_chunks))
     with _write_errors(path):
         torch.save(get_rng_state(), os.path.join(path, "rng", f"rank_{rank:05d}.pt"))
+        _save_compression_state(model_chunks, path, rank)
     common = None
     if rank == 0:
         common = {
@@ -424,6 +427,8 @@ def load_checkpoint(
             scheduler.load_state_dict(common["scheduler"])
     elif optimizer is not None:
         optimizer.reload_model_params()
+    if not finetune:
+        load_compression_state(path, common, model_chunks)
     if load_rng and not finetune:
         load_rng_state(path, common)
     common = dict(common, path=path)
@@ -462,6 +467,39 @@ def _load_specs(model_chunks, optimizer, saved: Dict[str, tuple]):
             specs[f"model.{name}"] = param_spec(p)
     specs.update(opt_specs)
     return specs, bool(missing)
+
+
+def _compression_file(path: str, rank: int) -> str:
+    return os.path.join(path, "grad_compression", f"rank_{rank:05d}.pt")
+
+
+def _save_compression_state(model_chunks, path: str, rank: int) -> None:
+    """This rank's ``--grad-compression`` state (residuals, PowerSGD's Q, the rounding generator)."""
+    state = compression_state(model_chunks, _layout())
+    if state is not None:
+        os.makedirs(os.path.join(path, "grad_compression"), exist_ok=True)
+        torch.save(state, _compression_file(path, rank))
+
+
+def load_compression_state(path: str, common: dict, model_chunks) -> None:
+    """Restore this rank's ``--grad-compression`` state, or warn that it restarts from zero (another
+    layout or data-parallel size, other settings, or none saved).  No communication."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    file = _compression_file(path, rank)
+    saved = None
+    if common.get("layout") == _layout() and os.path.isfile(file):
+        try:
+            saved = torch.load(file, weights_only=True)
+        except (OSError, RuntimeError, ValueError) as e:
+            raise CheckpointError(f"cannot read {file}: {first_line(e)}") from None
+    elif common.get("layout") != _layout():
+        saved = {"signature": f"layout {common.get('layout')}"}
+    why = restore_compression_state(model_chunks, _layout(), saved)
+    if why is not None:
+        logger.warning(
+            f"gradient-compression state (error-feedback residuals) not restored from {path}: {why}; "
+            f"it restarts from zero"
+        )
 
 
 def load_rng_state(path: str, common: dict) -> None:

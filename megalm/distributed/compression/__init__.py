@@ -27,13 +27,14 @@ def build_compressor(parallel_cfg, device=None, rank: int = 0) -> Optional[GradC
     if name == "none":
         return None
     if name == "powersgd":
-        method = PowerSGD(parallel_cfg.powersgd_rank)
+        method, settings = PowerSGD(parallel_cfg.powersgd_rank), f"rank {parallel_cfg.powersgd_rank}"
     elif name == "topk":
-        method = TopK(parallel_cfg.topk_ratio)
+        method, settings = TopK(parallel_cfg.topk_ratio), f"ratio {parallel_cfg.topk_ratio}"
     else:
         stochastic = parallel_cfg.int8_rounding == "stochastic"
         method = Int8(parallel_cfg.int8_chunk_size, stochastic, seed=1_000_003 + rank, device=device)
-    return GradCompressor(method)
+        settings = f"chunk {parallel_cfg.int8_chunk_size}, {parallel_cfg.int8_rounding} rounding"
+    return GradCompressor(method, f"{name} ({settings})")
 
 
 __all__ = [

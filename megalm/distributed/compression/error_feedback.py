@@ -54,8 +54,9 @@ class GradCompressor:
     ``method``: a :class:`~.powersgd.PowerSGD`, :class:`~.topk.TopK` or :class:`~.int8.Int8`.
     """
 
-    def __init__(self, method):
+    def __init__(self, method, signature: str = ""):
         self.method = method
+        self.signature = signature or method.name  # what its state depends on (checkpoints compare it)
         self.residuals: Dict[str, torch.Tensor] = {}
 
     @property
