@@ -7,7 +7,8 @@ Layout inside an iteration directory::
 
 A rank's own files are its DCP data files (``__<rank>_*.distcp``), its RNG file
 (``rng/rank_<rank>.pt``), its gradient-compression state (``grad_compression/rank_<rank>.pt``, with
-``--grad-compression``) and, on rank 0, ``.metadata`` and ``common.json``.  Each rank hashes
+``--grad-compression``), its replica under local SGD (``local_sgd/rank_<rank>.pt``) and, on rank 0,
+``.metadata`` and ``common.json``.  Each rank hashes
 what it wrote after the write; rank 0 writes the index once every rank's manifest exists
 (:func:`megalm.checkpointing.save_checkpoint` shares every rank's outcome first), and the tracker file
 follows the index.  A checkpoint whose index is missing but ``manifest/`` exists was never
@@ -62,6 +63,7 @@ def rank_files(path: str, rank: int) -> List[str]:
     names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, f"__{rank}_*.distcp")))
     names.append(f"rng/rank_{rank:05d}.pt")
     names.append(f"grad_compression/rank_{rank:05d}.pt")  # only with --grad-compression
+    names.append(f"local_sgd/rank_{rank:05d}.pt")  # only with --local-sgd-interval
     if rank == 0:
         names += [".metadata", "common.json"]
     return [n for n in names if os.path.isfile(os.path.join(path, n))]

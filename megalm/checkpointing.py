@@ -8,6 +8,7 @@ Directory layout (Megatron-like)::
         common.json                            # iteration, consumed samples, config, scheduler, scaler
         rng/rank_00000.pt ...                  # per-rank RNG states (tensors only; weights_only load)
         grad_compression/rank_00000.pt ...     # --grad-compression: per-rank residuals (idem)
+        local_sgd/rank_00000.pt ...            # --local-sgd-interval: each replica's weights, optimizer (idem)
         manifest/rank_00000.json ...           # per rank: size and sha256 of each file it wrote
         manifest.json                          # rank 0, after every rank's manifest, before the tracker
 
@@ -194,6 +195,7 @@ def save_checkpoint(
     config: Optional[dict] = None,
     extra: Optional[dict] = None,
     async_writer: Optional[AsyncCheckpointWriter] = None,
+    outer_sync=None,
 ) -> str:
     """Collective over all ranks.  Returns the iteration directory.
 
@@ -203,7 +205,9 @@ def save_checkpoint(
     manifest index and the tracker (a failure on any rank raises :class:`CheckpointError` on
     every rank, the tracker left on the previous checkpoint).  With ``async_writer``
     (``--async-save``) the tensors are staged to CPU now and all but the first barrier run in
-    the background on the checkpoint-io group (see :mod:`megalm.async_save`)."""
+    the background on the checkpoint-io group (see :mod:`megalm.async_save`).  ``outer_sync``
+    (``--local-sgd-interval``, :class:`megalm.distributed.local_sgd.OuterSync`): this rank's replica
+    and the outer state are also written to ``local_sgd/rank_<rank>.pt``."""
     if async_writer is not None:
         async_writer.wait()  # one save in flight: the previous one is complete (tracker written) first
     path = checkpoint_dir(root, iteration)
@@ -222,6 +226,9 @@ def save_checkpoint(
     with _write_errors(path):
         torch.save(get_rng_state(), os.path.join(path, "rng", f"rank_{rank:05d}.pt"))
         _save_compression_state(model_chunks, path, rank)
+        if outer_sync is not None:
+            os.makedirs(os.path.join(path, "local_sgd"), exist_ok=True)
+            torch.save(outer_sync.state_dict(), _local_sgd_file(path, rank))
     common = None
     if rank == 0:
         common = {
@@ -500,6 +507,32 @@ def load_compression_state(path: str, common: dict, model_chunks) -> None:
             f"gradient-compression state (error-feedback residuals) not restored from {path}: {why}; "
             f"it restarts from zero"
         )
+
+
+def _local_sgd_file(path: str, rank: int) -> str:
+    return os.path.join(path, "local_sgd", f"rank_{rank:05d}.pt")
+
+
+def load_local_sgd_state(path: str, common: dict, outer_sync) -> None:
+    """``--local-sgd-interval``: after :func:`load_checkpoint`, put back this rank's replica (weights,
+    inner optimizer state) and the outer state; under another layout, or from a checkpoint without
+    them, every replica keeps the loaded weights and the outer state restarts from them (a warning).
+    No communication."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    file = _local_sgd_file(path, rank)
+    if common.get("layout") == _layout() and os.path.isfile(file):
+        try:
+            state = torch.load(file, weights_only=True)
+        except (OSError, RuntimeError, ValueError) as e:
+            raise CheckpointError(f"cannot read {file}: {first_line(e)}") from None
+        outer_sync.load_state_dict(state)
+        return
+    why = "it has none" if common.get("layout") == _layout() else f"it was saved with layout {common.get('layout')}"
+    outer_sync.reset()
+    logger.warning(
+        f"local SGD: the replicas' own weights and optimizer states are not restored from {path} ({why}, now "
+        f"{_layout()}): every replica starts from the checkpoint's weights, the outer state from them"
+    )
 
 
 def load_rng_state(path: str, common: dict) -> None:

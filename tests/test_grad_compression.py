@@ -17,6 +17,7 @@ from megalm.config import ConfigError, MegalmConfig, ParallelConfig, validate_co
 from megalm.distributed import DistributedDataParallel, comm
 from megalm.distributed.compression import GradCompressor, Int8, PowerSGD, Segment, TopK, int8, powersgd, topk
 from megalm.distributed.compression.segments import matrix_segments
+from megalm.distributed.local_sgd import OuterSync
 from megalm.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from megalm.testing import run_distributed
 
@@ -158,6 +159,50 @@ def ddp_run(name, hierarchical, pg):
     return {"losses": losses, "grads": grads, "stats": stats}
 
 
+class FakeOptimizer:
+    """What :class:`OuterSync` reads of an optimizer (fp32: main params are the model's)."""
+
+    def __init__(self, params):
+        self.names = [f"p{i}" for i in range(len(params))]
+        self.main_params = self.model_params = params
+
+    def _copy_main_to_model(self):
+        pass
+
+
+def outer_values(me, rnd):
+    """Rank ``me``'s parameters before sync ``rnd``: the synced value minus a rank-dependent step."""
+    g = torch.Generator().manual_seed(50 + rnd)
+    return torch.randn(6, generator=g, dtype=torch.float64).float() * (me + 1)
+
+
+def diloco_run(pg, hierarchical):
+    """Two DiLoCo syncs (H = 2) of one parameter; the values after each."""
+    p = torch.nn.Parameter(torch.arange(6, dtype=torch.float32))
+    outer = OuterSync(FakeOptimizer([p]), 2, 0.7, 0.9, pg, hierarchical)
+    me = dist.get_rank()
+    out = []
+    for rnd in range(2):
+        with torch.no_grad():
+            p -= outer_values(me, rnd)
+        assert not outer.step(2 * rnd + 1)
+        assert outer.step(2 * rnd + 2)
+        out.append(p.detach().clone())
+    return out
+
+
+def local_grads(pg, hierarchical):
+    """DDP under --local-sgd-interval: the gradient each rank holds after one accumulated step."""
+    cfg = ParallelConfig(overlap_grad_reduce=True, ddp_bucket_size=BUCKET, hierarchical_grad_reduce=hierarchical,
+                         local_sgd_interval=2)  # fmt: skip
+    ddp = DistributedDataParallel(make_model(), cfg, process_groups=pg)
+    comm.reset_comm_stats()
+    ddp.zero_grad_buffer()
+    accumulate(ddp, 0, parallel_state.group_rank(pg.dp_cp), ddp.no_sync)
+    ddp.finish_grad_sync()
+    return torch.cat([p.main_grad.reshape(-1) for p in ddp.module.parameters()]), sorted(comm.get_comm_stats())
+
+
 def worker():
     parallel_state.initialize_model_parallel(ranks_per_node=LOCAL)
     pg = parallel_state.get_process_groups()
@@ -165,6 +210,8 @@ def worker():
     out = {"exact": exact_checks(pg.dp_cp, me)}
     out["conserve"] = {n: conservation(pg.dp_cp, me, n, 0.25) for n in ("topk", "int8", "powersgd")}
     out["nonfinite"] = {n: non_finite(pg.dp_cp, me, n) for n in ("topk", "int8", "powersgd")}
+    out["diloco"] = {h: diloco_run(pg, h) for h in (False, True)}
+    out["local"] = {h: local_grads(pg, h) for h in (False, True)}
     out["ddp"] = {(n, h): ddp_run(n, h, pg) for n in ("topk", "int8", "powersgd") for h in (False, True)}
     return out
 
@@ -364,3 +411,42 @@ def test_config_refuses_the_distributed_optimizer_and_bad_settings():
         check(grad_compression="topk", topk_ratio=0.0)
     with pytest.raises(ConfigError, match="--powersgd-rank must be >= 1"):
         check(grad_compression="powersgd", powersgd_rank=0)
+
+
+# --- local SGD / DiLoCo ---------------------------------------------------------------------------
+
+
+def test_diloco_outer_step_equals_the_hand_computed_one(ranks):
+    """x1 = x0 - eta (D + mu m) with m = D, D = x0 - mean; then m = mu m + D2 (Nesterov), over the 4
+    data-parallel ranks (flat) or each rank's inter-node group of 2 (hierarchical: ranks i, i + 2)."""
+    eta, mu = 0.7, 0.9
+    for hierarchical in (False, True):
+        for me, r in enumerate(ranks):
+            members = [me % LOCAL, me % LOCAL + LOCAL] if hierarchical else list(range(K))
+            x = torch.arange(6, dtype=torch.float64)
+            m = torch.zeros(6, dtype=torch.float64)
+            for rnd in range(2):
+                mean = sum(x - outer_values(k, rnd).double() for k in members) / len(members)
+                d = x - mean
+                m = mu * m + d
+                x = x - eta * (d + mu * m)
+                torch.testing.assert_close(r["diloco"][hierarchical][rnd].double(), x, rtol=1e-6, atol=1e-6)
+
+
+def test_local_sgd_reduces_inside_the_node_only(ranks):
+    """Flat: each rank keeps its own mean gradient (no collective); hierarchical: the mean over its
+    node (the intra-node all-reduce only)."""
+    model = make_model()
+    own = []
+    for me in range(K):
+        model.zero_grad()
+        accumulate(model, 0, me, contextlib.nullcontext)
+        own.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    for me, r in enumerate(ranks):
+        grads, kinds = r["local"][False]
+        assert kinds == []
+        torch.testing.assert_close(grads, own[me], rtol=1e-6, atol=1e-8)
+        grads, kinds = r["local"][True]
+        assert kinds == ["grad_all_reduce"]  # over the 2 ranks of the node
+        node = me // LOCAL * LOCAL
+        torch.testing.assert_close(grads, (own[node] + own[node + 1]) / 2, rtol=1e-6, atol=1e-7)

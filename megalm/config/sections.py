@@ -261,6 +261,23 @@ class ParallelConfig:
         "stream per rank, saved in checkpoints).",
         choices=["nearest", "stochastic"],
     )
+    local_sgd_interval: int = _f(
+        0,
+        "Local SGD / DiLoCo (megalm): data-parallel replicas step independently with their own "
+        "optimizer (gradients reduced over no rank, or with --hierarchical-grad-reduce inside the "
+        "node only) and their parameters are averaged every this many iterations over the "
+        "data-parallel group (hierarchical: across nodes); 0 = synchronous data parallelism.  "
+        "Checkpoints keep every replica's weights and optimizer state per rank.",
+    )
+    outer_lr: float = _f(
+        1.0,
+        "DiLoCo outer learning rate: every --local-sgd-interval steps x <- x0 - outer_lr (D + "
+        "outer_momentum m) with D = x0 - average (x0: the parameters at the last sync); 1 with "
+        "--outer-momentum 0 is plain parameter averaging.",
+    )
+    outer_momentum: float = _f(
+        0.0, "DiLoCo outer Nesterov momentum: m <- outer_momentum m + D (see --outer-lr); DiLoCo uses 0.9."
+    )
     accumulate_allreduce_grads_in_fp32: bool = _f(
         True, "Accumulate and reduce gradients in fp32 (always on with --bf16/--fp16)."
     )

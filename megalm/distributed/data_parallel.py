@@ -30,6 +30,11 @@ of the chunk is replaced (the intra-node reduce-scatter and all-gather stay exac
 per step: inside ``no_sync()`` nothing is reduced, so the accumulated gradient is compressed
 once.  The residuals live in :attr:`compressor` (``None`` without compression).
 
+With ``local_sgd_interval`` (``--local-sgd-interval``, :mod:`megalm.distributed.local_sgd`) each
+replica keeps its own gradient: buckets are reduced over no rank (scale 1), or with
+``hierarchical_grad_reduce`` all-reduced inside the node only (scale ``1/L``); the parameters are
+averaged across replicas every H steps by :class:`megalm.distributed.local_sgd.OuterSync`.
+
 Buckets sharing one process group are always launched in the same order on every rank (a
 ready bucket waits for the buckets before it), so data-dependent gradient order cannot make
 ranks issue collectives in different orders.
@@ -134,6 +139,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.use_distributed_optimizer = parallel_cfg.use_distributed_optimizer
         self.overlap_param_gather = parallel_cfg.overlap_param_gather
         self.hierarchical = parallel_cfg.hierarchical_grad_reduce
+        self.local_sgd = bool(parallel_cfg.local_sgd_interval)
         fp32_grads = parallel_cfg.accumulate_allreduce_grads_in_fp32
         dp = group_size(pg.dp_cp)
         self.data_parallel_world_size = dp
@@ -154,8 +160,12 @@ class DistributedDataParallel(torch.nn.Module):
                 if p.requires_grad and param_info(p).expert == expert:
                     keyed.setdefault((p.dtype, pick_grad_dtype(p)), []).append(p)
             group = pg.expt_dp if expert else pg.dp_cp
-            world = group_size(group)
             nodes = node_groups_of(pg, "expt_dp" if expert else "dp_cp") if self.hierarchical and keyed else None
+            scale = 1.0 / dp
+            if self.local_sgd:  # each replica's own mean: nothing reduced, or inside the node only
+                group, nodes = nodes.intra if nodes is not None else None, None
+                scale = 1.0 / group_size(group)
+            world = group_size(group)
             for bi, ((_, gdtype), params) in enumerate(keyed.items()):
                 buf = ParamAndGradBuffer(
                     params,
@@ -163,7 +173,7 @@ class DistributedDataParallel(torch.nn.Module):
                     self.bucket_size,
                     group if world > 1 else None,
                     world,
-                    1.0 / dp,
+                    scale,
                     param_names=names,
                     use_distributed_optimizer=self.use_distributed_optimizer,
                     isolate=_is_shared_embedding if self.use_distributed_optimizer else None,

@@ -1,7 +1,12 @@
-"""Gradient-compression state in checkpoints: a run resumed from a checkpoint reproduces the
-uninterrupted compressed run bit for bit (residuals, PowerSGD's Q and the stochastic-rounding
-generator restored), and a checkpoint loaded under another data-parallel size resets the state
-with a logged warning.  Whole trainings through ``pretrain_gpt.main`` on 2 gloo ranks (DP 2)."""
+"""Whole trainings through ``pretrain_gpt.main`` on 2 gloo ranks (DP 2) with gradient compression
+and local SGD / DiLoCo.
+
+* Compression state in checkpoints: a run resumed from a checkpoint reproduces the uninterrupted
+  compressed run bit for bit (residuals, PowerSGD's Q and the stochastic-rounding generator
+  restored); loaded under another data-parallel size it resets with a logged warning.
+* Local SGD with H = 1 and plain averaging equals synchronous data parallelism with SGD; H = 4 does
+  not; DiLoCo resumed from a checkpoint taken between two syncs equals the uninterrupted run bit for
+  bit (every replica's weights and optimizer state, and the outer state, restored)."""
 
 import os
 
@@ -20,6 +25,9 @@ METHODS = {
     "powersgd": ["--grad-compression", "powersgd", "--powersgd-rank", "2"],
     "int8": ["--grad-compression", "int8", "--int8-rounding", "stochastic", "--int8-chunk-size", "64"],
 }
+
+LOCAL_SGD = {"sync": [], "h1": ["--local-sgd-interval", "1"], "h4": ["--local-sgd-interval", "4"]}
+DILOCO = ["--local-sgd-interval", "2", "--outer-lr", "0.7", "--outer-momentum", "0.9"]
 
 
 def worker(tmp):
@@ -42,6 +50,13 @@ def worker(tmp):
     runs.append(argv("tp2", *METHODS["powersgd"], "--load", os.path.join(tmp, "ckpt_powersgd"), "--train-iters", "6",
                      "--exit-interval", "4", "--tensor-model-parallel-size", "2"))  # fmt: skip
     runs.append(argv("plain", "--train-iters", "6"))
+    sgd = ["--optimizer", "sgd", "--clip-grad", "0", "--train-iters", "4"]  # clipping: per replica under local SGD
+    runs += [argv(f"sgd_{name}", *sgd, *extra) for name, extra in LOCAL_SGD.items()]
+    ckpt = os.path.join(tmp, "ckpt_diloco")
+    runs += [
+        argv("diloco_base", *DILOCO, "--save", ckpt, "--save-interval", "3", "--train-iters", "6"),
+        argv("diloco_resumed", *DILOCO, "--load", ckpt, "--ckpt-step", "3", "--train-iters", "6"),
+    ]
     saved, sys.stdout = sys.stdout, io.StringIO()
     try:
         codes = run_trainings(runs)
@@ -60,7 +75,7 @@ def world(tmp_path_factory):
 def test_resume_is_exact_and_a_new_layout_resets_with_a_warning(world):
     tmp, ranks = world
     for codes, _ in ranks:
-        assert codes == [0] * 6, codes
+        assert codes == [0] * 11, codes
     plain = losses(tmp, "plain")
     for method in METHODS:
         base, resumed = losses(tmp, f"{method}_base"), losses(tmp, f"{method}_resumed")
@@ -73,3 +88,15 @@ def test_resume_is_exact_and_a_new_layout_resets_with_a_warning(world):
         assert len(warnings) == 1, warnings  # the TP 2 run only
         assert "not restored" in warnings[0] and "'data_parallel_size': 2" in warnings[0]
         assert "restarts from zero" in warnings[0]
+
+
+def test_local_sgd_h1_is_synchronous_sgd_and_diloco_resumes_exactly(world):
+    tmp, _ = world
+    sync, h1, h4 = (losses(tmp, f"sgd_{name}") for name in LOCAL_SGD)
+    assert len(sync) == 4
+    assert h1 == pytest.approx(sync, rel=1e-5, abs=0)  # averaging after every SGD step: the DP mean
+    assert h4[0] == pytest.approx(sync[0], rel=1e-6) and h4[-1] != pytest.approx(sync[-1], rel=1e-5)
+    base, resumed = losses(tmp, "diloco_base"), losses(tmp, "diloco_resumed")
+    assert len(base) == 6 and resumed == base[3:]  # saved at 3, between the syncs at 2 and 4
+    path = os.path.join(tmp, "ckpt_diloco", "iter_0000003", "local_sgd")
+    assert sorted(os.listdir(path)) == ["rank_00000.pt", "rank_00001.pt"]
