@@ -50,6 +50,9 @@ def worker(tmp):
     runs.append(argv("tp2", *METHODS["powersgd"], "--load", os.path.join(tmp, "ckpt_powersgd"), "--train-iters", "6",
                      "--exit-interval", "4", "--tensor-model-parallel-size", "2"))  # fmt: skip
     runs.append(argv("plain", "--train-iters", "6"))
+    fp16 = ["--fp16", "--initial-loss-scale", "1024", "--grad-compression", "topk", "--topk-ratio", "0.1"]
+    fp16 = argv("fp16_topk", *fp16, "--train-iters", "4")
+    runs.append((fp16, {"inf_at_call": 3, "inf_rank": 1}))  # iteration 2, rank 1 only
     sgd = ["--optimizer", "sgd", "--clip-grad", "0", "--train-iters", "4"]  # clipping: per replica under local SGD
     runs += [argv(f"sgd_{name}", *sgd, *extra) for name, extra in LOCAL_SGD.items()]
     ckpt = os.path.join(tmp, "ckpt_diloco")
@@ -75,7 +78,7 @@ def world(tmp_path_factory):
 def test_resume_is_exact_and_a_new_layout_resets_with_a_warning(world):
     tmp, ranks = world
     for codes, _ in ranks:
-        assert codes == [0] * 11, codes
+        assert codes == [0] * 12, codes
     plain = losses(tmp, "plain")
     for method in METHODS:
         base, resumed = losses(tmp, f"{method}_base"), losses(tmp, f"{method}_resumed")
@@ -100,3 +103,16 @@ def test_local_sgd_h1_is_synchronous_sgd_and_diloco_resumes_exactly(world):
     assert len(base) == 6 and resumed == base[3:]  # saved at 3, between the syncs at 2 and 4
     path = os.path.join(tmp, "ckpt_diloco", "iter_0000003", "local_sgd")
     assert sorted(os.listdir(path)) == ["rank_00000.pt", "rank_00001.pt"]
+
+
+def test_fp16_overflow_on_one_rank_skips_the_compressed_step_everywhere(world):
+    """The inf check runs on the reduced gradient: rank 1's overflow reaches rank 0 (which logs)
+    through the compressed payload, the step is skipped (no gradient norm), and the residual
+    left unchanged lets training continue with finite losses."""
+    from tests.training_runs import records
+
+    tmp, _ = world
+    rows = records(tmp, "fp16_topk")
+    assert [r["skipped_iterations"] for r in rows] == [0, 1, 0, 0]
+    assert [r["grad_norm"] is None for r in rows] == [False, True, False, False]
+    assert all(r["lm_loss"] is not None and abs(r["lm_loss"]) < 100 for r in rows[2:])
