@@ -7,6 +7,8 @@ Directory layout (Megatron-like)::
         .metadata, __*_*.distcp                # DCP: model weights and optimizer tensors
         common.json                            # iteration, consumed samples, config, scheduler, scaler
         rng/rank_00000.pt ...                  # per-rank RNG states (tensors only; weights_only load)
+        grad_compression/rank_00000.pt ...     # --grad-compression: per-rank residuals (idem)
+        local_sgd/rank_00000.pt ...            # --local-sgd-interval: each replica's weights, optimizer (idem)
         manifest/rank_00000.json ...           # per rank: size and sha256 of each file it wrote
         manifest.json                          # rank 0, after every rank's manifest, before the tracker
 
@@ -74,6 +76,7 @@ from megalm.dist_checkpointing import (
     saved_tensor_shapes,  # noqa: F401 (read from here by tests and tools)
     tensor_shapes,
 )
+from megalm.distributed.compression.state import compression_state, restore_compression_state
 from megalm.log import get_logger
 from megalm.param_layout import param_spec
 from megalm.parameter_names import canonical_name
@@ -207,6 +210,7 @@ def save_checkpoint(
     extra: Optional[dict] = None,
     async_writer: Optional[AsyncCheckpointWriter] = None,
     save_rng: bool = True,
+    outer_sync=None,
 ) -> str:
     """Collective over all ranks.  Returns the iteration directory.
 
@@ -218,7 +222,9 @@ def save_checkpoint(
     (``--async-save``) the tensors are staged to CPU now and all but the first barrier run in
     the background on the checkpoint-io group (see :mod:`megalm.async_save`).  ``optimizer`` /
     ``scheduler`` None (``--no-save-optim``) or ``save_rng`` False (``--no-save-rng``) leave their
-    state out; ``common.json`` says so, and loading it then needs ``--no-load-optim`` / ``--no-load-rng``."""
+    state out; ``common.json`` says so, and loading it then needs ``--no-load-optim`` / ``--no-load-rng``.
+    ``outer_sync`` (``--local-sgd-interval``, :class:`megalm.distributed.local_sgd.OuterSync`): this rank's
+    replica and the outer state are also written to ``local_sgd/rank_<rank>.pt``."""
     if async_writer is not None:
         async_writer.wait()  # one save in flight: the previous one is complete (tracker written) first
     path = checkpoint_dir(root, iteration)
@@ -234,9 +240,13 @@ def save_checkpoint(
     specs = model_sharded_state(model_chunks)
     if optimizer is not None:
         specs.update(optimizer_sharded_state(optimizer, model_chunks))
-    if save_rng:
-        with _write_errors(path):
+    with _write_errors(path):
+        if save_rng:
             torch.save(get_rng_state(), os.path.join(path, "rng", f"rank_{rank:05d}.pt"))
+        _save_compression_state(model_chunks, path, rank)
+        if outer_sync is not None:
+            os.makedirs(os.path.join(path, "local_sgd"), exist_ok=True)
+            torch.save(outer_sync.state_dict(), _local_sgd_file(path, rank))
     common = None
     if rank == 0:
         common = {
@@ -443,6 +453,8 @@ def load_checkpoint(
             scheduler.load_state_dict(common["scheduler"])
     elif optimizer is not None:
         optimizer.reload_model_params()
+    if not finetune:
+        load_compression_state(path, common, model_chunks)
     if load_rng and not finetune:
         load_rng_state(path, common)
     common = dict(common, path=path)
@@ -485,6 +497,65 @@ def _load_specs(model_chunks, optimizer, saved: Dict[str, tuple]):
         specs[f"model.{name}"] = ShardedTensorSpec.replicated(b)
     specs.update(opt_specs)
     return specs, bool(missing)
+
+
+def _compression_file(path: str, rank: int) -> str:
+    return os.path.join(path, "grad_compression", f"rank_{rank:05d}.pt")
+
+
+def _save_compression_state(model_chunks, path: str, rank: int) -> None:
+    """This rank's ``--grad-compression`` state (residuals, PowerSGD's Q, the rounding generator)."""
+    state = compression_state(model_chunks, _layout())
+    if state is not None:
+        os.makedirs(os.path.join(path, "grad_compression"), exist_ok=True)
+        torch.save(state, _compression_file(path, rank))
+
+
+def load_compression_state(path: str, common: dict, model_chunks) -> None:
+    """Restore this rank's ``--grad-compression`` state, or warn that it restarts from zero (another
+    layout or data-parallel size, other settings, or none saved).  No communication."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    file = _compression_file(path, rank)
+    saved = None
+    if common.get("layout") == _layout() and os.path.isfile(file):
+        try:
+            saved = torch.load(file, weights_only=True)
+        except (OSError, RuntimeError, ValueError) as e:
+            raise CheckpointError(f"cannot read {file}: {first_line(e)}") from None
+    elif common.get("layout") != _layout():
+        saved = {"signature": f"layout {common.get('layout')}"}
+    why = restore_compression_state(model_chunks, _layout(), saved)
+    if why is not None:
+        logger.warning(
+            f"gradient-compression state (error-feedback residuals) not restored from {path}: {why}; "
+            f"it restarts from zero"
+        )
+
+
+def _local_sgd_file(path: str, rank: int) -> str:
+    return os.path.join(path, "local_sgd", f"rank_{rank:05d}.pt")
+
+
+def load_local_sgd_state(path: str, common: dict, outer_sync) -> None:
+    """``--local-sgd-interval``: after :func:`load_checkpoint`, put back this rank's replica (weights,
+    inner optimizer state) and the outer state; under another layout, or from a checkpoint without
+    them, every replica keeps the loaded weights and the outer state restarts from them (a warning).
+    No communication."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    file = _local_sgd_file(path, rank)
+    if common.get("layout") == _layout() and os.path.isfile(file):
+        try:
+            state = torch.load(file, weights_only=True)
+        except (OSError, RuntimeError, ValueError) as e:
+            raise CheckpointError(f"cannot read {file}: {first_line(e)}") from None
+        outer_sync.load_state_dict(state)
+        return
+    why = "it has none" if common.get("layout") == _layout() else f"it was saved with layout {common.get('layout')}"
+    outer_sync.reset()
+    logger.warning(
+        f"local SGD: the replicas' own weights and optimizer states are not restored from {path} ({why}, now "
+        f"{_layout()}): every replica starts from the checkpoint's weights, the outer state from them"
+    )
 
 
 def load_rng_state(path: str, common: dict) -> None:

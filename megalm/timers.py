@@ -14,7 +14,8 @@ nothing: no device synchronization, no barrier):
       stage), ``optimizer`` and its parts ``optimizer-copy-to-main-grad``,
       ``optimizer-unscale-and-check-inf``, ``optimizer-clip-main-grad`` (norm and clipping),
       ``optimizer-inner-step``, ``optimizer-copy-main-to-model-params``, ``params-all-gather``
-      (distributed optimizer: its launch when ``--overlap-param-gather``)
+      (distributed optimizer: its launch when ``--overlap-param-gather``), ``local-sgd-sync``
+      (``--local-sgd-interval``: the replicas' parameter averaging and outer step)
 2     ``batch-generator`` (``next()`` on the data iterator: reading and collating a microbatch;
       the tensor-parallel broadcast of the batch falls in ``forward-compute``),
       ``forward-compute``, ``backward-compute``, and the pipeline exchanges ``forward-recv``,
@@ -65,6 +66,7 @@ TIMER_LEVELS: Dict[str, int] = {
     "optimizer-inner-step": 1,
     "optimizer-copy-main-to-model-params": 1,
     "params-all-gather": 1,
+    "local-sgd-sync": 1,
     "batch-generator": 2,
     "forward-compute": 2,
     "backward-compute": 2,

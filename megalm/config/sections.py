@@ -282,6 +282,43 @@ class ParallelConfig:
         "LOCAL_WORLD_SIZE ranks, and the data-parallel group must have the "
         "same number of ranks on every node.",
     )
+    grad_compression: str = _f(
+        "none",
+        "Compress the data-parallel gradient reduction (megalm), with error feedback (what a rank did "
+        "not send is added to its next step's gradient): powersgd (rank --powersgd-rank approximation "
+        "of every matrix, two all-reduces; vectors and small matrices exact), topk (all-gather of the "
+        "--topk-ratio largest-magnitude entries and their indices), int8 (all-gather of 8-bit values "
+        "with one fp32 scale per --int8-chunk-size elements).  Once per step (after gradient "
+        "accumulation); with --hierarchical-grad-reduce only the inter-node leg.  Not with "
+        "--use-distributed-optimizer.",
+        choices=["none", "powersgd", "topk", "int8"],
+    )
+    powersgd_rank: int = _f(4, "Rank of PowerSGD's low-rank gradient approximation (--grad-compression powersgd).")
+    topk_ratio: float = _f(0.01, "Fraction of each bucket's entries sent by --grad-compression topk, in (0, 1].")
+    int8_chunk_size: int = _f(1024, "Elements sharing one fp32 scale under --grad-compression int8.")
+    int8_rounding: str = _f(
+        "nearest",
+        "Rounding of --grad-compression int8: nearest, or stochastic (unbiased; a different random "
+        "stream per rank, saved in checkpoints).",
+        choices=["nearest", "stochastic"],
+    )
+    local_sgd_interval: int = _f(
+        0,
+        "Local SGD / DiLoCo (megalm): data-parallel replicas step independently with their own "
+        "optimizer (gradients reduced over no rank, or with --hierarchical-grad-reduce inside the "
+        "node only) and their parameters are averaged every this many iterations over the "
+        "data-parallel group (hierarchical: across nodes); 0 = synchronous data parallelism.  "
+        "Checkpoints keep every replica's weights and optimizer state per rank.",
+    )
+    outer_lr: float = _f(
+        1.0,
+        "DiLoCo outer learning rate: every --local-sgd-interval steps x <- x0 - outer_lr (D + "
+        "outer_momentum m) with D = x0 - average (x0: the parameters at the last sync); 1 with "
+        "--outer-momentum 0 is plain parameter averaging.",
+    )
+    outer_momentum: float = _f(
+        0.0, "DiLoCo outer Nesterov momentum: m <- outer_momentum m + D (see --outer-lr); DiLoCo uses 0.9."
+    )
     accumulate_allreduce_grads_in_fp32: bool = _f(
         True, "Accumulate and reduce gradients in fp32 (always on with --bf16/--fp16)."
     )

@@ -140,6 +140,44 @@ def _validate_data_parallel(p: ParallelConfig) -> None:
         p.ddp_bucket_size is None or p.ddp_bucket_size > 0,
         f"--ddp-bucket-size must be positive, got {p.ddp_bucket_size}",
     )
+    _validate_grad_compression(p)
+    _validate_local_sgd(p)
+
+
+def _validate_local_sgd(p: ParallelConfig) -> None:
+    """``--local-sgd-interval`` and the outer optimizer; what local SGD is not built for."""
+    _check(p.local_sgd_interval >= 0, f"--local-sgd-interval must be >= 0, got {p.local_sgd_interval}")
+    if not p.local_sgd_interval:
+        return
+    _check(p.outer_lr > 0, f"--outer-lr must be positive, got {p.outer_lr}")
+    _check(0 <= p.outer_momentum < 1, f"--outer-momentum must be in [0, 1), got {p.outer_momentum}")
+    for refused, why in (
+        (p.use_distributed_optimizer, "--use-distributed-optimizer (the replicas' optimizer states differ)"),
+        (
+            p.grad_compression != "none",
+            f"--grad-compression {p.grad_compression} (no data-parallel gradient reduction)",
+        ),
+        (
+            p.context_parallel_size > 1,
+            "--context-parallel-size > 1 (context-parallel ranks of a replica must stay in step)",
+        ),
+        (p.expert_model_parallel_size > 1, "--expert-model-parallel-size > 1"),
+    ):
+        _check(not refused, f"--local-sgd-interval {p.local_sgd_interval} is not supported with {why}")
+
+
+def _validate_grad_compression(p: ParallelConfig) -> None:
+    """``--grad-compression`` and its method's settings."""
+    if p.grad_compression == "none":
+        return
+    _check(
+        not p.use_distributed_optimizer,
+        f"--grad-compression {p.grad_compression} is not supported with --use-distributed-optimizer "
+        f"(a compressed reduce-scatter is not built); drop one of the two",
+    )
+    _check(p.powersgd_rank >= 1, f"--powersgd-rank must be >= 1, got {p.powersgd_rank}")
+    _check(0 < p.topk_ratio <= 1, f"--topk-ratio must be in (0, 1], got {p.topk_ratio}")
+    _check(p.int8_chunk_size >= 1, f"--int8-chunk-size must be >= 1, got {p.int8_chunk_size}")
 
 
 def _validate_fp8(m: ModelConfig, p: ParallelConfig, t: TrainingConfig) -> None:
@@ -431,6 +469,11 @@ def _validate_precision(m: ModelConfig, p: ParallelConfig, t: TrainingConfig) ->
         f"(got {m.attention_dropout}) or use another backend",
     )
     _check(t.loss_scale is None or t.fp16, "--loss-scale needs --fp16")
+    _check(
+        not (p.local_sgd_interval and (t.fp16 or t.calculate_per_token_loss)),
+        "--local-sgd-interval is not supported with --fp16 (each replica's loss scaler would skip steps on its "
+        "own) or --calculate-per-token-loss (it divides by the tokens of all data-parallel ranks)",
+    )
     _check(t.loss_scale_window >= 1 and t.hysteresis >= 1, "--loss-scale-window and --hysteresis must be >= 1")
     _validate_numerics_checks(t)
 

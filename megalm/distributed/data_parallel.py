@@ -23,6 +23,18 @@ bucket ``k`` of a queue is launched, bucket ``k-2`` then bucket ``k-1`` are adva
 third and second stage, so the inter-node stage of a bucket overlaps the backward of the next
 ones; the sequence depends only on ``k``, hence is the same on every rank.
 
+With ``grad_compression`` (``--grad-compression powersgd|topk|int8``) each bucket of every buffer
+(dense and expert: both are data-parallel) is reduced by :class:`~megalm.distributed.compression.GradCompressor`
+with error feedback instead of the exact all-reduce; hierarchically, only the inter-node all-reduce
+of the chunk is replaced (the intra-node reduce-scatter and all-gather stay exact).  It runs once
+per step: inside ``no_sync()`` nothing is reduced, so the accumulated gradient is compressed
+once.  The residuals live in :attr:`compressor` (``None`` without compression).
+
+With ``local_sgd_interval`` (``--local-sgd-interval``, :mod:`megalm.distributed.local_sgd`) each
+replica keeps its own gradient: buckets are reduced over no rank (scale 1), or with
+``hierarchical_grad_reduce`` all-reduced inside the node only (scale ``1/L``); the parameters are
+averaged across replicas every H steps by :class:`megalm.distributed.local_sgd.OuterSync`.
+
 Buckets sharing one process group are always launched in the same order on every rank (a
 ready bucket waits for the buckets before it), so data-dependent gradient order cannot make
 ranks issue collectives in different orders.
@@ -49,6 +61,7 @@ from typing import Dict, List, Optional
 import torch
 
 from megalm import parallel_state
+from megalm.distributed.compression import build_compressor
 from megalm.distributed.hierarchical import NodeGroups
 from megalm.distributed.param_and_grad_buffer import Bucket, DataParallelError, ParamAndGradBuffer
 from megalm.parallel_layout import NodeLayoutError
@@ -78,6 +91,10 @@ def node_groups_of(pg: ProcessGroups, name: str) -> Optional[NodeGroups]:
             f"{parallel_state.get_ranks_per_node()} ranks (parallel_layout.node_split says how it falls)"
         )
     return NodeGroups(getattr(pg, f"{name}_intra"), getattr(pg, f"{name}_inter"))
+
+
+def _global_rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def _wait_for(buckets: List[Bucket]):
@@ -122,6 +139,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.use_distributed_optimizer = parallel_cfg.use_distributed_optimizer
         self.overlap_param_gather = parallel_cfg.overlap_param_gather
         self.hierarchical = parallel_cfg.hierarchical_grad_reduce
+        self.local_sgd = bool(parallel_cfg.local_sgd_interval)
         fp32_grads = parallel_cfg.accumulate_allreduce_grads_in_fp32
         dp = group_size(pg.dp_cp)
         self.data_parallel_world_size = dp
@@ -129,6 +147,7 @@ class DistributedDataParallel(torch.nn.Module):
         if self.bucket_size is None and self.overlap_grad_reduce:
             self.bucket_size = default_bucket_size(dp)
         names = {p: n for n, p in module.named_parameters()}
+        self.compressor = build_compressor(parallel_cfg, next(module.parameters()).device, _global_rank())
 
         def pick_grad_dtype(p):
             return grad_dtype or (torch.float32 if fp32_grads else p.dtype)
@@ -141,20 +160,26 @@ class DistributedDataParallel(torch.nn.Module):
                 if p.requires_grad and param_info(p).expert == expert:
                     keyed.setdefault((p.dtype, pick_grad_dtype(p)), []).append(p)
             group = pg.expt_dp if expert else pg.dp_cp
-            world = group_size(group)
             nodes = node_groups_of(pg, "expt_dp" if expert else "dp_cp") if self.hierarchical and keyed else None
-            for (_, gdtype), params in keyed.items():
+            scale = 1.0 / dp
+            if self.local_sgd:  # each replica's own mean: nothing reduced, or inside the node only
+                group, nodes = nodes.intra if nodes is not None else None, None
+                scale = 1.0 / group_size(group)
+            world = group_size(group)
+            for bi, ((_, gdtype), params) in enumerate(keyed.items()):
                 buf = ParamAndGradBuffer(
                     params,
                     gdtype,
                     self.bucket_size,
                     group if world > 1 else None,
                     world,
-                    1.0 / dp,
+                    scale,
                     param_names=names,
                     use_distributed_optimizer=self.use_distributed_optimizer,
                     isolate=_is_shared_embedding if self.use_distributed_optimizer else None,
                     node_groups=nodes,
+                    compressor=self.compressor,
+                    compress_key=f"{'expert' if expert else 'dense'}{bi}",
                 )
                 (self.expert_buffers if expert else self.buffers).append(buf)
         self._param_to_buffer = {p: b for b in self.all_buffers for p in b.param_index_map}

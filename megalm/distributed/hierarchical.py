@@ -118,11 +118,27 @@ def _skip():
     return None
 
 
-def all_reduce(buf: torch.Tensor, nodes: NodeGroups, kind: str = "grad") -> CollectiveChain:
-    """SUM-all-reduce ``buf`` (numel divisible by L) in place; the first stage is launched."""
+def all_reduce(
+    buf: torch.Tensor,
+    nodes: NodeGroups,
+    kind: str = "grad",
+    inter: Optional[Callable[[torch.Tensor, int, int], List[Callable[[], object]]]] = None,
+) -> CollectiveChain:
+    """SUM-all-reduce ``buf`` (numel divisible by L) in place; the first stage is launched.
+
+    ``inter(chunk, lo, hi)`` (gradient compression): the stages that SUM-all-reduce ``chunk`` (``buf[lo:hi]``)
+    over ``nodes.inter`` in place of the exact inter-node all-reduce (the intra-node legs stay exact)."""
     L, i = nodes.local_size, nodes.local_rank
     c = buf.numel() // L
     chunk = buf[i * c : (i + 1) * c]
+    if inter is not None and nodes.inter is not None:
+        across = inter(chunk, i * c, (i + 1) * c)
+    else:
+        across = [
+            (lambda: comm.all_reduce(chunk, group=nodes.inter, async_op=True, kind=f"{kind}_all_reduce_inter"))
+            if nodes.inter is not None
+            else _skip
+        ]
     stages = [
         (
             lambda: comm.reduce_scatter_tensor(
@@ -131,9 +147,7 @@ def all_reduce(buf: torch.Tensor, nodes: NodeGroups, kind: str = "grad") -> Coll
         )
         if nodes.intra is not None
         else _skip,
-        (lambda: comm.all_reduce(chunk, group=nodes.inter, async_op=True, kind=f"{kind}_all_reduce_inter"))
-        if nodes.inter is not None
-        else _skip,
+        *across,
         (
             lambda: comm.all_gather_into_tensor(
                 buf, chunk, group=nodes.intra, async_op=True, kind=f"{kind}_all_gather_intra"

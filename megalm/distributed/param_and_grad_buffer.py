@@ -50,7 +50,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megalm.distributed import comm, hierarchical
+from megalm.distributed import comm, compression, hierarchical
 from megalm.errors import MegalmError
 from megalm.parallel_state import group_rank
 
@@ -131,6 +131,9 @@ class Bucket:
         if group is None:  # a group of one, nothing to reduce
             return
         nodes = self.buffer.node_groups
+        if self.buffer.compressor is not None:
+            self._start_compressed(group, nodes)
+            return
         if nodes is not None:
             if self.buffer.use_distributed_optimizer:
                 lo, hi = self.local_shard()
@@ -145,6 +148,25 @@ class Bucket:
             )
         else:
             self.handle = comm.all_reduce(self.grad_data, group=group, async_op=True, kind="grad_all_reduce")
+
+    def matrices(self, lo: int, hi: int):
+        """The matrices of ``grad_data[lo:hi]`` (:func:`~megalm.distributed.compression.matrix_segments`)."""
+        ranges = [(s, e, tuple(p.shape)) for p, (s, e) in self.param_ranges.items()]
+        return compression.matrix_segments(ranges, lo, hi)
+
+    def _start_compressed(self, group, nodes) -> None:
+        """Compressed all-reduce (:mod:`megalm.distributed.compression`) over ``group``, or with
+        ``nodes`` over the inter-node leg only, keyed by buffer and bucket for the residuals."""
+        comp, key = self.buffer.compressor, f"{self.buffer.compress_key}.{self.index}"
+        if nodes is None:
+            self.handle = comp.all_reduce(key, self.grad_data, self.matrices(0, self.numel), group)
+            return
+
+        def inter(chunk, lo, hi):
+            job = compression.CompressionJob(key, chunk, self.matrices(lo, hi), nodes.inter, "grad_inter")
+            return comp.stages(job)
+
+        self.handle = hierarchical.all_reduce(self.grad_data, nodes, inter=inter)
 
     def advance_grad_sync(self, stage: int) -> None:
         """Hierarchical reduction: launch stages until ``stage`` of them have run (no-op otherwise)."""
@@ -215,6 +237,8 @@ class ParamAndGradBuffer:
         use_distributed_optimizer: bool = False,
         isolate: Optional[Callable[[torch.nn.Parameter], bool]] = None,
         node_groups: Optional[hierarchical.NodeGroups] = None,
+        compressor: Optional[compression.GradCompressor] = None,
+        compress_key: str = "",
     ):
         if not params:
             raise DataParallelError("ParamAndGradBuffer needs at least one parameter")
@@ -232,6 +256,10 @@ class ParamAndGradBuffer:
             node_groups.check_factors(data_parallel_group, "ParamAndGradBuffer")
         self.node_groups = node_groups if data_parallel_group is not None else None
         self.use_distributed_optimizer = use_distributed_optimizer
+        if compressor is not None and use_distributed_optimizer:
+            raise DataParallelError("gradient compression is not built for the distributed optimizer")
+        self.compressor = compressor if data_parallel_group is not None else None
+        self.compress_key = compress_key
         allocate_param_data = allocate_param_data or use_distributed_optimizer
         self.gradient_scaling_factor = gradient_scaling_factor
         self.pad_multiple = pad_multiple or data_parallel_world_size

@@ -102,11 +102,14 @@ def train_step(
     microbatches,
     groups: Optional[ProcessGroups] = None,
     timers=NULL_TIMERS,
+    outer_sync=None,
 ) -> StepResult:
     """One iteration on this rank (collective over every rank); advances ``state`` and the
     learning-rate ``scheduler``.  ``microbatches``: the run's
     :class:`megalm.training.microbatches.MicrobatchCalculator`; ``groups``: the rank's process
-    groups (default ``parallel_state.get_process_groups()``)."""
+    groups (default ``parallel_state.get_process_groups()``); ``outer_sync``: the
+    :class:`megalm.distributed.local_sgd.OuterSync` of ``--local-sgd-interval`` (averages the
+    replicas' parameters after the optimizer step of every H-th iteration), or None."""
     from megalm.distributed.finalize_model_grads import finalize_model_grads
     from megalm.transformer.moe import begin_training_step as begin_moe_step
 
@@ -147,6 +150,9 @@ def train_step(
     nan = grad_norm is not None and not math.isfinite(grad_norm)
     nonfinite_ranks = flagged_ranks(loss_flags)  # after the optimizer read the gradient norm
     state.iteration += 1
+    if outer_sync is not None:
+        with timers("local-sgd-sync"):
+            outer_sync.step(state.iteration)
     state.consumed_train_samples += gbs
     state.skipped_iterations += 0 if update_successful else 1
     state.nan_iterations += 1 if nan else 0

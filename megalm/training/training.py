@@ -29,6 +29,7 @@ from megalm.async_save import AsyncCheckpointWriter, AsyncSaveError
 from megalm.config import MegalmConfig, parse_config, set_vocab_size
 from megalm.device import get_device
 from megalm.distributed.collective_errors import named_collective_failures
+from megalm.distributed.local_sgd import build_outer_sync
 from megalm.errors import MegalmError, TrainingStopped
 from megalm.fusions import BackendUnavailable, compile_stats, plan_fusions
 from megalm.log import get_logger
@@ -117,6 +118,7 @@ class Trainer:
         self.model = wrap_data_parallel(cfg, chunks)
         self.optimizer = build_optimizer(cfg, self.model)
         self.scheduler = OptimizerParamScheduler.from_config(cfg, self.optimizer)
+        self.outer_sync = build_outer_sync(cfg, self.optimizer, self.groups)
         self.numerics = NumericsChecks(cfg.training, self.optimizer.grad_scaler, self.groups)
         t = cfg.training
         self.microbatches = MicrobatchCalculator(
@@ -279,6 +281,10 @@ class Trainer:
             )
         except checkpointing.CheckpointError as e:
             raise TrainingSetupError(str(e)) from None
+        if self.outer_sync is not None and not (c.finetune or c.no_load_optim):
+            checkpointing.load_local_sgd_state(common["path"], common, self.outer_sync)
+        elif self.outer_sync is not None:
+            self.outer_sync.reset()
         self.state.iteration = common["iteration"]
         self.state.consumed_train_samples = common["consumed_train_samples"]
         self.state.consumed_valid_samples = common["consumed_valid_samples"]
@@ -359,6 +365,7 @@ class Trainer:
             self.microbatches,
             self.groups,
             self.timers,
+            self.outer_sync,
         )
         self.check_numerics(result)
         self.interval.add(time.perf_counter() - start, result)
@@ -450,6 +457,7 @@ class Trainer:
             config=self.cfg.to_dict(),
             async_writer=self.async_writer,
             save_rng=not c.no_save_rng,
+            outer_sync=self.outer_sync,
         )
         self.timers("save-checkpoint").stop(barrier=True)
         how = "started saving" if self.async_writer is not None else "saved"

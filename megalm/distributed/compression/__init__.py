@@ -1,0 +1,50 @@
+"""Gradient compression with error feedback for the data-parallel reduction (``--grad-compression``).
+
+:func:`build_compressor` turns the flags into a :class:`~.error_feedback.GradCompressor` that
+:class:`megalm.distributed.DistributedDataParallel` hands to its gradient buffers; each bucket
+then reduces through :meth:`GradCompressor.all_reduce` instead of the exact all-reduce (with
+``--hierarchical-grad-reduce`` only the inter-node leg).  Methods: :mod:`.powersgd`,
+:mod:`.topk`, :mod:`.int8`; error feedback and the stage chain: :mod:`.error_feedback`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megalm.distributed.compression.error_feedback import CompressionJob, GradCompressor
+from megalm.distributed.compression.int8 import Int8
+from megalm.distributed.compression.powersgd import PowerSGD
+from megalm.distributed.compression.segments import Segment, matrix_segments
+from megalm.distributed.compression.topk import TopK
+
+METHODS = ("none", "powersgd", "topk", "int8")
+
+
+def build_compressor(parallel_cfg, device=None, rank: int = 0) -> Optional[GradCompressor]:
+    """The compressor the flags ask for, or None (``--grad-compression none``).  ``rank``: this
+    process's global rank, seeding stochastic rounding (a different stream per rank)."""
+    name = parallel_cfg.grad_compression
+    if name == "none":
+        return None
+    if name == "powersgd":
+        method, settings = PowerSGD(parallel_cfg.powersgd_rank), f"rank {parallel_cfg.powersgd_rank}"
+    elif name == "topk":
+        method, settings = TopK(parallel_cfg.topk_ratio), f"ratio {parallel_cfg.topk_ratio}"
+    else:
+        stochastic = parallel_cfg.int8_rounding == "stochastic"
+        method = Int8(parallel_cfg.int8_chunk_size, stochastic, seed=1_000_003 + rank, device=device)
+        settings = f"chunk {parallel_cfg.int8_chunk_size}, {parallel_cfg.int8_rounding} rounding"
+    return GradCompressor(method, f"{name} ({settings})")
+
+
+__all__ = [
+    "CompressionJob",
+    "GradCompressor",
+    "Int8",
+    "METHODS",
+    "PowerSGD",
+    "Segment",
+    "TopK",
+    "build_compressor",
+    "matrix_segments",
+]

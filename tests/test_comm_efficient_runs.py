@@ -1,0 +1,118 @@
+"""Whole trainings through ``pretrain_gpt.main`` on 2 gloo ranks (DP 2) with gradient compression
+and local SGD / DiLoCo.
+
+* Compression state in checkpoints: a run resumed from a checkpoint reproduces the uninterrupted
+  compressed run bit for bit (residuals, PowerSGD's Q and the stochastic-rounding generator
+  restored); loaded under another data-parallel size it resets with a logged warning.
+* Local SGD with H = 1 and plain averaging equals synchronous data parallelism with SGD; H = 4 does
+  not; DiLoCo resumed from a checkpoint taken between two syncs equals the uninterrupted run bit for
+  bit (every replica's weights and optimizer state, and the outer state, restored)."""
+
+import os
+
+import pytest
+
+from megalm.testing import run_distributed
+from tests.training_runs import losses
+
+TINY = [
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+    "--max-position-embeddings", "16", "--mock-data", "--vocab-size", "200", "--num-workers", "0",
+    "--lr", "3e-3", "--eval-iters", "0", "--seed", "5", "--micro-batch-size", "1",
+    "--global-batch-size", "4", "--log-interval", "1", "--overlap-grad-reduce", "--ddp-bucket-size", "3000",
+]  # fmt: skip
+METHODS = {
+    "powersgd": ["--grad-compression", "powersgd", "--powersgd-rank", "2"],
+    "int8": ["--grad-compression", "int8", "--int8-rounding", "stochastic", "--int8-chunk-size", "64"],
+}
+
+LOCAL_SGD = {"sync": [], "h1": ["--local-sgd-interval", "1"], "h4": ["--local-sgd-interval", "4"]}
+DILOCO = ["--local-sgd-interval", "2", "--outer-lr", "0.7", "--outer-momentum", "0.9"]
+
+
+def worker(tmp):
+    import io
+    import sys
+
+    from tests.training_runs import run_trainings
+
+    def argv(name, *extra):
+        return TINY + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl")] + list(extra)
+
+    runs = []
+    for method, flags in METHODS.items():
+        ckpt = os.path.join(tmp, f"ckpt_{method}")
+        runs += [
+            argv(f"{method}_base", *flags, "--save", ckpt, "--save-interval", "3", "--train-iters", "6"),
+            argv(f"{method}_resumed", *flags, "--load", ckpt, "--ckpt-step", "3", "--train-iters", "6"),
+        ]
+    # TP 2 on the 2 ranks: data-parallel size 1, another layout
+    runs.append(argv("tp2", *METHODS["powersgd"], "--load", os.path.join(tmp, "ckpt_powersgd"), "--train-iters", "6",
+                     "--exit-interval", "4", "--tensor-model-parallel-size", "2"))  # fmt: skip
+    runs.append(argv("plain", "--train-iters", "6"))
+    fp16 = ["--fp16", "--initial-loss-scale", "1024", "--grad-compression", "topk", "--topk-ratio", "0.1"]
+    fp16 = argv("fp16_topk", *fp16, "--train-iters", "4")
+    runs.append((fp16, {"inf_at_call": 3, "inf_rank": 1}))  # iteration 2, rank 1 only
+    sgd = ["--optimizer", "sgd", "--clip-grad", "0", "--train-iters", "4"]  # clipping: per replica under local SGD
+    runs += [argv(f"sgd_{name}", *sgd, *extra) for name, extra in LOCAL_SGD.items()]
+    ckpt = os.path.join(tmp, "ckpt_diloco")
+    runs += [
+        argv("diloco_base", *DILOCO, "--save", ckpt, "--save-interval", "3", "--train-iters", "6"),
+        argv("diloco_resumed", *DILOCO, "--load", ckpt, "--ckpt-step", "3", "--train-iters", "6"),
+    ]
+    saved, sys.stdout = sys.stdout, io.StringIO()
+    try:
+        codes = run_trainings(runs)
+        text = sys.stdout.getvalue()
+    finally:
+        sys.stdout = saved
+    return codes, text
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("compress_resume"))
+    return tmp, run_distributed(worker, 2, args=(tmp,), timeout=400)
+
+
+def test_resume_is_exact_and_a_new_layout_resets_with_a_warning(world):
+    tmp, ranks = world
+    for codes, _ in ranks:
+        assert codes == [0] * 12, codes
+    plain = losses(tmp, "plain")
+    for method in METHODS:
+        base, resumed = losses(tmp, f"{method}_base"), losses(tmp, f"{method}_resumed")
+        assert len(base) == 6 and resumed == base[3:], method  # bit for bit
+        assert base != plain  # the compression changed the training
+        path = os.path.join(tmp, f"ckpt_{method}", "iter_0000003", "grad_compression")
+        assert sorted(os.listdir(path)) == ["rank_00000.pt", "rank_00001.pt"]
+    for _, text in ranks:
+        warnings = [line for line in text.splitlines() if "gradient-compression state" in line]
+        assert len(warnings) == 1, warnings  # the TP 2 run only
+        assert "not restored" in warnings[0] and "'data_parallel_size': 2" in warnings[0]
+        assert "restarts from zero" in warnings[0]
+
+
+def test_local_sgd_h1_is_synchronous_sgd_and_diloco_resumes_exactly(world):
+    tmp, _ = world
+    sync, h1, h4 = (losses(tmp, f"sgd_{name}") for name in LOCAL_SGD)
+    assert len(sync) == 4
+    assert h1 == pytest.approx(sync, rel=1e-5, abs=0)  # averaging after every SGD step: the DP mean
+    assert h4[0] == pytest.approx(sync[0], rel=1e-6) and h4[-1] != pytest.approx(sync[-1], rel=1e-5)
+    base, resumed = losses(tmp, "diloco_base"), losses(tmp, "diloco_resumed")
+    assert len(base) == 6 and resumed == base[3:]  # saved at 3, between the syncs at 2 and 4
+    path = os.path.join(tmp, "ckpt_diloco", "iter_0000003", "local_sgd")
+    assert sorted(os.listdir(path)) == ["rank_00000.pt", "rank_00001.pt"]
+
+
+def test_fp16_overflow_on_one_rank_skips_the_compressed_step_everywhere(world):
+    """The inf check runs on the reduced gradient: rank 1's overflow reaches rank 0 (which logs)
+    through the compressed payload, the step is skipped (no gradient norm), and the residual
+    left unchanged lets training continue with finite losses."""
+    from tests.training_runs import records
+
+    tmp, _ = world
+    rows = records(tmp, "fp16_topk")
+    assert [r["skipped_iterations"] for r in rows] == [0, 1, 0, 0]
+    assert [r["grad_norm"] is None for r in rows] == [False, True, False, False]
+    assert all(r["lm_loss"] is not None and abs(r["lm_loss"]) < 100 for r in rows[2:])

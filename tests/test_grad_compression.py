@@ -1,0 +1,452 @@
+"""Gradient compression with error feedback (``--grad-compression``) on 4 real gloo ranks grouped
+as 2 nodes x 2 ranks, against exact all-reduces, analytic byte counts and a single-process
+simulation of the same compression.
+
+Layout DP 4: dp_cp [0, 1, 2, 3], intra-node [0, 1] / [2, 3], inter-node [0, 2] / [1, 3].
+"""
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megalm import parallel_state
+from megalm.config import ConfigError, MegalmConfig, ParallelConfig, validate_config
+from megalm.distributed import DistributedDataParallel, comm
+from megalm.distributed.compression import GradCompressor, Int8, PowerSGD, Segment, TopK, int8, powersgd, topk
+from megalm.distributed.compression.segments import matrix_segments
+from megalm.distributed.local_sgd import OuterSync
+from megalm.distributed.param_and_grad_buffer import ParamAndGradBuffer
+from megalm.testing import run_distributed
+
+K, LOCAL = 4, 2
+BATCH, NUM_MICRO, STEPS, BUCKET, LR = 16, 2, 3, 700, 0.1
+SETTINGS = dict(powersgd_rank=2, topk_ratio=0.3, int8_chunk_size=16)
+ZERO = torch.tensor(0.0)
+
+
+class TinyMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 32)
+        self.norm = torch.nn.LayerNorm(32)
+        self.fc2 = torch.nn.Linear(32, 32)
+        self.out = torch.nn.Linear(32, 3)
+
+    def forward(self, x):
+        return self.out(F.gelu(self.fc2(self.norm(F.gelu(self.fc1(x))))))
+
+
+def make_model():
+    torch.manual_seed(0)
+    return TinyMLP()
+
+
+def batch(step, dp_rank):
+    g = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 3, generator=g)
+    mb = BATCH // K // NUM_MICRO
+    return x.view(K, NUM_MICRO, mb, 8)[dp_rank], y.view(K, NUM_MICRO, mb, 3)[dp_rank]
+
+
+def accumulate(model, step, dp_rank, no_sync):
+    """Backward of NUM_MICRO microbatches (all but the last inside ``no_sync``); the summed loss."""
+    x, y = batch(step, dp_rank)
+    total = 0.0
+    for k in range(NUM_MICRO):
+        loss = F.mse_loss(model(x[k]), y[k]) / NUM_MICRO
+        if k < NUM_MICRO - 1:
+            with no_sync():
+                loss.backward()
+        else:
+            loss.backward()
+        total += loss.item()
+    return total
+
+
+# --- pieces each rank runs ------------------------------------------------------------------------
+
+
+def method_of(name, chunk=16, ratio=1.0, rank=2):
+    return {"topk": lambda: TopK(ratio), "int8": lambda: Int8(chunk, False), "powersgd": lambda: PowerSGD(rank)}[name]()
+
+
+def reduce_once(comp, key, flat, matrices, group):
+    comm.reset_comm_stats()
+    comp.all_reduce(key, flat, matrices, group).wait()
+    return {k: v["wire_bytes"] for k, v in comm.get_comm_stats().items()}
+
+
+def low_rank_input(rank_of_sum, me):
+    """A 12x10 matrix whose sum over the 4 ranks has rank ``rank_of_sum``, then a 5-vector."""
+    shared = torch.randn(12, rank_of_sum, generator=torch.Generator().manual_seed(7))
+    mine = torch.randn(rank_of_sum, 10, generator=torch.Generator().manual_seed(20 + me))
+    return torch.cat([(shared @ mine).view(-1), torch.randn(5, generator=torch.Generator().manual_seed(30 + me))])
+
+
+def exact_checks(group, me):
+    """Compressed vs exact all-reduce where the compression is lossless, with the bytes sent."""
+    out = {}
+    ints = torch.randint(-50, 50, (37,), generator=torch.Generator().manual_seed(me)).float()
+    dyadic = torch.randint(-127, 128, (40,), generator=torch.Generator().manual_seed(me)).float()
+    dyadic[::16] = 127.0 * (1 - 2 * (me % 2))  # one |k| = 127 per chunk of 16: scale 2^-3 exactly
+    dyadic = dyadic / 8
+    cases = {"topk": (ints, []), "int8": (dyadic, [])}
+    for r in (2, 3):
+        cases[f"powersgd{r}"] = (low_rank_input(2, me), [Segment(0, 120, (12, 10))])
+    for name, (g, mats) in cases.items():
+        exact = g.clone()
+        dist.all_reduce(exact, group=group)
+        flat = g.clone()
+        comp = GradCompressor(method_of(name.rstrip("23"), rank=int(name[-1]) if name[-1].isdigit() else 2))
+        out[name] = {"exact": exact, "got": flat, "bytes": reduce_once(comp, "x", flat, mats, group)}
+    return out
+
+
+def conservation(group, me, name, ratio):
+    """Four steps; returns (sum of results, sum of this rank's grads, final residual)."""
+    comp = GradCompressor(method_of(name, ratio=ratio))
+    mats = [Segment(0, 120, (12, 10))] if name == "powersgd" else []
+    sum_out, sum_g = torch.zeros(125), torch.zeros(125)
+    for t in range(4):
+        g = torch.randint(-20, 20, (125,), generator=torch.Generator().manual_seed(10 * t + me)).float()
+        flat = g.clone()
+        comp.all_reduce("x", flat, mats, group).wait()
+        sum_out += flat
+        sum_g += g
+    return sum_out, sum_g, comp.residuals["x"].clone()
+
+
+def non_finite(group, me, name):
+    """Step 1 finite, step 2 with an inf on rank 1 only: every rank's result is non-finite and its
+    residual is what it was after step 1."""
+    comp = GradCompressor(method_of(name, ratio=0.5))
+    mats = [Segment(0, 120, (12, 10))] if name == "powersgd" else []
+    g = torch.randn(125, generator=torch.Generator().manual_seed(me))
+    comp.all_reduce("x", g.clone(), mats, group).wait()
+    before = comp.residuals["x"].clone()
+    bad = g.clone()
+    if me == 1:
+        bad[3] = float("inf")
+    comp.all_reduce("x", bad, mats, group).wait()
+    return {"finite": bool(torch.isfinite(bad).all()), "kept": torch.equal(before, comp.residuals["x"])}
+
+
+def ddp_run(name, hierarchical, pg):
+    """STEPS steps of SGD through DDP (overlap, accumulation) with ``name`` compression."""
+    cfg = ParallelConfig(
+        overlap_grad_reduce=True,
+        ddp_bucket_size=BUCKET,
+        hierarchical_grad_reduce=hierarchical,
+        grad_compression=name,
+        **SETTINGS,
+    )
+    ddp = DistributedDataParallel(make_model(), cfg, process_groups=pg)
+    me = parallel_state.group_rank(pg.dp_cp)
+    losses, grads = [], []
+    comm.reset_comm_stats()
+    for step in range(STEPS):
+        ddp.zero_grad_buffer()
+        losses.append(accumulate(ddp, step, me, ddp.no_sync))
+        ddp.finish_grad_sync()
+        grads.append(torch.cat([b.grad_data.clone() for b in ddp.all_buffers]))
+        with torch.no_grad():
+            for p in ddp.module.parameters():
+                p -= LR * p.main_grad
+    stats = {k: (v["calls"], v["wire_bytes"]) for k, v in comm.get_comm_stats().items()}
+    return {"losses": losses, "grads": grads, "stats": stats}
+
+
+class FakeOptimizer:
+    """What :class:`OuterSync` reads of an optimizer (fp32: main params are the model's)."""
+
+    def __init__(self, params):
+        self.names = [f"p{i}" for i in range(len(params))]
+        self.main_params = self.model_params = params
+
+    def _copy_main_to_model(self):
+        pass
+
+
+def outer_values(me, rnd):
+    """Rank ``me``'s parameters before sync ``rnd``: the synced value minus a rank-dependent step."""
+    g = torch.Generator().manual_seed(50 + rnd)
+    return torch.randn(6, generator=g, dtype=torch.float64).float() * (me + 1)
+
+
+def diloco_run(pg, hierarchical):
+    """Two DiLoCo syncs (H = 2) of one parameter; the values after each."""
+    p = torch.nn.Parameter(torch.arange(6, dtype=torch.float32))
+    outer = OuterSync(FakeOptimizer([p]), 2, 0.7, 0.9, pg, hierarchical)
+    me = dist.get_rank()
+    out = []
+    for rnd in range(2):
+        with torch.no_grad():
+            p -= outer_values(me, rnd)
+        assert not outer.step(2 * rnd + 1)
+        assert outer.step(2 * rnd + 2)
+        out.append(p.detach().clone())
+    return out
+
+
+def local_grads(pg, hierarchical):
+    """DDP under --local-sgd-interval: the gradient each rank holds after one accumulated step."""
+    cfg = ParallelConfig(overlap_grad_reduce=True, ddp_bucket_size=BUCKET, hierarchical_grad_reduce=hierarchical,
+                         local_sgd_interval=2)  # fmt: skip
+    ddp = DistributedDataParallel(make_model(), cfg, process_groups=pg)
+    comm.reset_comm_stats()
+    ddp.zero_grad_buffer()
+    accumulate(ddp, 0, parallel_state.group_rank(pg.dp_cp), ddp.no_sync)
+    ddp.finish_grad_sync()
+    return torch.cat([p.main_grad.reshape(-1) for p in ddp.module.parameters()]), sorted(comm.get_comm_stats())
+
+
+def worker():
+    parallel_state.initialize_model_parallel(ranks_per_node=LOCAL)
+    pg = parallel_state.get_process_groups()
+    me = dist.get_rank()
+    out = {"exact": exact_checks(pg.dp_cp, me)}
+    out["conserve"] = {n: conservation(pg.dp_cp, me, n, 0.25) for n in ("topk", "int8", "powersgd")}
+    out["nonfinite"] = {n: non_finite(pg.dp_cp, me, n) for n in ("topk", "int8", "powersgd")}
+    out["diloco"] = {h: diloco_run(pg, h) for h in (False, True)}
+    out["local"] = {h: local_grads(pg, h) for h in (False, True)}
+    out["ddp"] = {(n, h): ddp_run(n, h, pg) for n in ("topk", "int8", "powersgd") for h in (False, True)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_distributed(worker, K, timeout=300)
+
+
+# --- checks ---------------------------------------------------------------------------------------
+
+
+def test_lossless_cases_equal_the_exact_all_reduce_and_bytes_are_the_ring_count(ranks):
+    for r in ranks:
+        e = r["exact"]
+        assert torch.equal(e["topk"]["got"], e["topk"]["exact"])  # ratio 1: every entry sent
+        assert torch.equal(e["int8"]["got"], e["int8"]["exact"])  # k 2^-3, |k| <= 127: exact in int8
+        for name in ("powersgd2", "powersgd3"):  # rank-2 sum, rank >= 2: the exact sum up to rounding
+            torch.testing.assert_close(e[name]["got"], e[name]["exact"], rtol=1e-5, atol=1e-5)
+        # ring all-gather of a P-byte payload over K ranks: (K-1) P sent; all-reduce of B: 2 (K-1)/K B
+        assert e["topk"]["bytes"] == {"grad_topk_all_gather": (K - 1) * 37 * 8}
+        assert e["int8"]["bytes"] == {"grad_int8_all_gather": (K - 1) * (40 + 4 * 3)}
+        for rank in (2, 3):
+            assert e[f"powersgd{rank}"]["bytes"] == {
+                "grad_powersgd_p_all_reduce": 2 * (K - 1) / K * 4 * (5 + 12 * rank),
+                "grad_powersgd_q_all_reduce": 2 * (K - 1) / K * 4 * (10 * rank),
+            }
+
+
+def test_error_feedback_conserves_the_gradient(ranks):
+    for name in ("topk", "int8", "powersgd"):
+        sum_out = ranks[0]["conserve"][name][0]
+        for r in ranks[1:]:
+            assert torch.equal(r["conserve"][name][0], sum_out)  # every rank holds the same result
+        total_g = sum(r["conserve"][name][1] for r in ranks)
+        total = sum_out + sum(r["conserve"][name][2] for r in ranks)
+        if name == "topk":  # integers: every sum is exact, and so is the residual (a, sent entries zeroed)
+            assert torch.equal(total, total_g)
+            assert sum(r["conserve"][name][2].abs().sum() for r in ranks) > 0  # something was held back
+        else:
+            torch.testing.assert_close(total, total_g, rtol=0, atol=1e-4)
+
+
+def test_non_finite_gradients_reach_every_rank_and_leave_the_residual(ranks):
+    for r in ranks:
+        for name, v in r["nonfinite"].items():
+            assert v == {"finite": False, "kept": True}, name
+
+
+# --- single-process simulation of the DDP runs ------------------------------------------------
+
+
+def simulate_method(name, a_list, matrices, key, qs):
+    """(sum over ranks, what each rank sent) for the compensated gradients ``a_list`` of one group;
+    ``qs``: that group's PowerSGD warm starts (seeded by ``key`` as on the ranks)."""
+    if name == "none":
+        return sum(a_list), a_list
+    if name == "topk":
+        enc = [topk.encode(a, SETTINGS["topk_ratio"], ZERO) for a in a_list]
+        return topk.decode(torch.stack([p for p, _ in enc]), a_list[0].numel()), [s for _, s in enc]
+    if name == "int8":
+        enc = [int8.encode(a, SETTINGS["int8_chunk_size"], ZERO) for a in a_list]
+        gathered = torch.stack([p for p, _ in enc])
+        return int8.decode(gathered, a_list[0].numel(), SETTINGS["int8_chunk_size"]), [s for _, s in enc]
+    out, sents = sum(a_list), [a.clone() for a in a_list]
+    for i, s in enumerate(matrices):
+        r = powersgd.compressed_rank(s, SETTINGS["powersgd_rank"])
+        if r == 0:
+            continue
+        q = qs.setdefault(i, powersgd.initial_q(key, i, s.shape[1], r, "cpu"))
+        mats = [a[s.start : s.end].view(s.shape) for a in a_list]
+        p_hat = powersgd.orthogonalize(sum(m @ q for m in mats))
+        q_each = [m.t() @ p_hat for m in mats]
+        q_sum = sum(q_each)
+        out[s.start : s.end] = (p_hat @ q_sum.t()).view(-1)
+        for sent, qk in zip(sents, q_each):
+            sent[s.start : s.end] = (p_hat @ qk.t()).view(-1)
+        qs[i] = q_sum
+    return out, sents
+
+
+def reducing_groups(bucket, hierarchical):
+    """``[(lo, hi, [[global ranks whose sum one member contributes], ...]), ...]`` in bucket
+    coordinates: flat, the whole bucket over the 4 ranks; hierarchical, chunk ``i`` of the bucket
+    over the ranks with local index ``i``, each contributing its node's sum."""
+    if not hierarchical:
+        return [(0, bucket.numel, [[r] for r in range(K)])]
+    c, nodes = bucket.numel // LOCAL, K // LOCAL
+    return [(i * c, (i + 1) * c, [list(range(j * LOCAL, (j + 1) * LOCAL)) for j in range(nodes)]) for i in range(LOCAL)]
+
+
+def simulate(name, hierarchical):
+    """The gradients every rank holds after each step, computed in one process: each rank's scaled
+    gradient, then the compression with error feedback (of the node sums when hierarchical)."""
+    model = make_model()
+    buf = ParamAndGradBuffer(list(model.parameters()), torch.float32, BUCKET, None, K, 1.0 / K)
+    residual, qs, out = {}, {}, []
+    for step in range(STEPS):
+        flats = []
+        for me in range(K):
+            model.zero_grad()
+            accumulate(model, step, me, contextlib.nullcontext)
+            for p in model.parameters():
+                p.main_grad.copy_(p.grad)
+            flats.append(buf.grad_data * (1.0 / K))
+        result = torch.empty_like(flats[0])
+        for b in buf.buckets:
+            key = f"dense0.{b.index}"
+            for lo, hi, members in reducing_groups(b, hierarchical):
+                owners = [(rs[0], lo) for rs in members]  # one residual per member and chunk
+                a_list = [
+                    sum(flats[r][b.offset + lo : b.offset + hi] for r in rs) + residual.get(o, {}).get(key, 0)
+                    for rs, o in zip(members, owners)
+                ]
+                total, sents = simulate_method(name, a_list, b.matrices(lo, hi), key, qs.setdefault((key, lo), {}))
+                for o, a, sent in zip(owners, a_list, sents):
+                    residual.setdefault(o, {})[key] = a - sent
+                result[b.offset + lo : b.offset + hi] = total
+        out.append(result)
+        with torch.no_grad():
+            for p in model.parameters():
+                s, e, _ = buf.param_index_map[p]
+                p -= LR * result[s:e].view(p.shape)
+    return out
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+@pytest.mark.parametrize("name", ["topk", "int8", "powersgd"])
+def test_ddp_run_equals_single_process_simulation(ranks, name, hierarchical):
+    expected = simulate(name, hierarchical)
+    exact = simulate("none", False)
+    for r in ranks:
+        run = r["ddp"][(name, hierarchical)]
+        for step, (got, want) in enumerate(zip(run["grads"], expected)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"{name} step {step}")
+        assert not torch.allclose(run["grads"][-1], exact[-1], atol=1e-4)  # it did compress
+    first = ranks[0]["ddp"][(name, hierarchical)]["grads"]
+    for r in ranks[1:]:  # every replica holds the same bits, so the replicas stay equal
+        assert all(torch.equal(a, b) for a, b in zip(r["ddp"][(name, hierarchical)]["grads"], first))
+
+
+def test_ddp_bytes_are_the_analytic_count(ranks):
+    """Per step and bucket of N elements: flat top-k all-gathers 2k int32 (k = round(0.3 N)) over 4
+    ranks; hierarchical, only the inter-node leg is compressed (2 ranks, chunks of N/2) while the
+    intra-node reduce-scatter and all-gather stay exact fp32."""
+    buf = ParamAndGradBuffer(list(make_model().parameters()), torch.float32, BUCKET, None, K, 1.0 / K)
+    sizes = [b.numel for b in buf.buckets]
+    for r in ranks:
+        flat = r["ddp"][("topk", False)]["stats"]
+        k = [topk.topk_count(n, SETTINGS["topk_ratio"]) for n in sizes]
+        assert flat == {"grad_topk_all_gather": (STEPS * len(sizes), STEPS * sum((K - 1) * 8 * x for x in k))}
+        hier = r["ddp"][("int8", True)]["stats"]
+        per_step = sum(int8.payload_bytes(n // LOCAL, SETTINGS["int8_chunk_size"]) for n in sizes)
+        assert hier["grad_inter_int8_all_gather"] == (STEPS * len(sizes), STEPS * per_step)
+        exact_leg = STEPS * sum((LOCAL - 1) / LOCAL * 4 * n for n in sizes)
+        assert hier["grad_reduce_scatter_intra"][1] == exact_leg
+        assert hier["grad_all_gather_intra"][1] == exact_leg
+        assert set(hier) == {"grad_inter_int8_all_gather", "grad_reduce_scatter_intra", "grad_all_gather_intra"}
+
+
+# --- single process -------------------------------------------------------------------------------
+
+
+def test_matrix_segments_keep_whole_rows():
+    params = [(0, 30, (3, 10)), (30, 35, (5,)), (35, 59, (4, 6))]
+    assert matrix_segments(params, 0, 59) == [Segment(0, 30, (3, 10)), Segment(35, 59, (4, 6))]
+    # [5, 47): row 0 of the first matrix is cut (rows 1-2 kept); the second keeps rows 0-1 ([35, 47))
+    assert matrix_segments(params, 5, 47) == [Segment(5, 25, (2, 10)), Segment(30, 42, (2, 6))]
+    assert matrix_segments(params, 12, 19) == []  # less than a row
+
+
+def test_int8_stochastic_rounding_is_unbiased_and_nearest_is_bounded():
+    a = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    mean = torch.zeros(64)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2000):
+        mean += int8.encode(a, 16, ZERO, gen)[1] / 2000
+    scale = a.view(4, 16).abs().amax(dim=1).repeat_interleave(16) / 127
+    assert ((mean - a).abs() <= 0.1 * scale).all()  # the mean of 2000 roundings is far inside one step
+    nearest = int8.encode(a, 16, ZERO)[1]
+    assert ((nearest - a).abs() <= scale / 2 + 1e-7).all()
+    assert not torch.equal(nearest, a)
+
+
+def test_config_refuses_the_distributed_optimizer_and_bad_settings():
+    def check(**kw):
+        cfg = MegalmConfig()
+        cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads = 2, 64, 4
+        for k, v in kw.items():
+            setattr(cfg.parallel, k, v)
+        validate_config(cfg)
+
+    check(grad_compression="powersgd")
+    with pytest.raises(ConfigError, match="--grad-compression topk is not supported with --use-distributed-optimizer"):
+        check(grad_compression="topk", use_distributed_optimizer=True)
+    with pytest.raises(ConfigError, match="--topk-ratio must be in"):
+        check(grad_compression="topk", topk_ratio=0.0)
+    with pytest.raises(ConfigError, match="--powersgd-rank must be >= 1"):
+        check(grad_compression="powersgd", powersgd_rank=0)
+
+
+# --- local SGD / DiLoCo ---------------------------------------------------------------------------
+
+
+def test_diloco_outer_step_equals_the_hand_computed_one(ranks):
+    """x1 = x0 - eta (D + mu m) with m = D, D = x0 - mean; then m = mu m + D2 (Nesterov), over the 4
+    data-parallel ranks (flat) or each rank's inter-node group of 2 (hierarchical: ranks i, i + 2)."""
+    eta, mu = 0.7, 0.9
+    for hierarchical in (False, True):
+        for me, r in enumerate(ranks):
+            members = [me % LOCAL, me % LOCAL + LOCAL] if hierarchical else list(range(K))
+            x = torch.arange(6, dtype=torch.float64)
+            m = torch.zeros(6, dtype=torch.float64)
+            for rnd in range(2):
+                mean = sum(x - outer_values(k, rnd).double() for k in members) / len(members)
+                d = x - mean
+                m = mu * m + d
+                x = x - eta * (d + mu * m)
+                torch.testing.assert_close(r["diloco"][hierarchical][rnd].double(), x, rtol=1e-6, atol=1e-6)
+
+
+def test_local_sgd_reduces_inside_the_node_only(ranks):
+    """Flat: each rank keeps its own mean gradient (no collective); hierarchical: the mean over its
+    node (the intra-node all-reduce only)."""
+    model = make_model()
+    own = []
+    for me in range(K):
+        model.zero_grad()
+        accumulate(model, 0, me, contextlib.nullcontext)
+        own.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    for me, r in enumerate(ranks):
+        grads, kinds = r["local"][False]
+        assert kinds == []
+        torch.testing.assert_close(grads, own[me], rtol=1e-6, atol=1e-8)
+        grads, kinds = r["local"][True]
+        assert kinds == ["grad_all_reduce"]  # over the 2 ranks of the node
+        node = me // LOCAL * LOCAL
+        torch.testing.assert_close(grads, (own[node] + own[node + 1]) / 2, rtol=1e-6, atol=1e-7)
