@@ -224,6 +224,14 @@ class ParallelConfig:
     use_distributed_optimizer: bool = _f(
         False, "Shard optimizer state and main weights over data-parallel ranks (ZeRO-1)."
     )
+    data_parallel_sharding_strategy: str = _f(
+        "no_shard",
+        "What data-parallel ranks shard (megalm's implementation of Megatron's names; no "
+        "--use-megatron-fsdp needed): no_shard (plain DP), optim (= --use-distributed-optimizer, "
+        "ZeRO-1), optim_grads (ZeRO-2: also the reduced gradients; each bucket's full gradient "
+        "storage is freed once reduce-scattered), optim_grads_params (ZeRO-3: not built, refused).",
+        choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+    )
     overlap_grad_reduce: bool = _f(False, "Reduce gradient buckets during the last microbatch's backward.")
     overlap_param_gather: bool = _f(
         False, "All-gather updated parameters during the next forward (distributed optimizer)."

@@ -169,7 +169,8 @@ class DistributedOptimizer(MegatronOptimizer):
             if buf.grad_dtype != torch.float32:
                 main_grad = grad_copy[cursor : cursor + (e - s)]
                 cursor += e - s
-            ranges.append(ShardRange(name_of[id(p)], p, start, end, model, buf.grad_data[s:e], main, main_grad, bucket))
+            grad = buf.reduced_grad(bucket, s, e)  # ZeRO-2: a view of the shard-sized buffer
+            ranges.append(ShardRange(name_of[id(p)], p, start, end, model, grad, main, main_grad, bucket))
         return ranges
 
     def describe(self) -> str:
