@@ -3,8 +3,10 @@
 * fp32 loss sequences (and grad norms) over 6 iterations equal plain data parallelism's
   (``no_shard``) within 1e-5 relative at DP 2, DP 4 (overlapped reduction, several buckets) and
   TP 2 x DP 2 (sequence parallel: the norm gradients' shards are summed over TP);
-* resume within the strategy is exact: saved at iteration 5 of 10 and resumed, iterations 6-10
-  equal the uninterrupted run's bit for bit;
+* resume within the strategy is exact: saved at iteration 5 of 10 and resumed (also with
+  --optimizer-cpu-offload at fraction 0.5), iterations 6-10 equal the uninterrupted run's bit for bit;
+* --optimizer-cpu-offload (plain DP, fraction 1; ZeRO-2, fraction 0.5) gives the same losses and
+  parameter norms bit for bit;
 * checkpoints load across strategies and DP sizes: the optim_grads checkpoint (DP 2) loaded at DP 4
   by no_shard and by optim, and a no_shard checkpoint (DP 2) loaded at DP 4 by optim_grads, each
   continue the uninterrupted run within 1e-5.
@@ -21,6 +23,8 @@ from tests.test_distrib_optimizer_training import OVERLAP, SIX, TEN, TINY, TP2
 from tests.training_runs import assert_close, losses, records, run_trainings
 
 ZERO2 = ["--data-parallel-sharding-strategy", "optim_grads"]
+OFFLOAD = ["--optimizer-cpu-offload"]
+OFFLOAD_HALF = [*OFFLOAD, "--optimizer-offload-fraction", "0.5"]
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +42,9 @@ def runs(tmp_path_factory):
         run("straight_z2", *TEN, *ZERO2, *OVERLAP),
         run("save_z2", *TEN, *ZERO2, *OVERLAP, *save_half, "--save", ck["z2"]),
         run("resume_z2", *TEN, *ZERO2, *OVERLAP, "--load", ck["z2"]),
+        run("resume_z2_off", *TEN, *ZERO2, *OVERLAP, *OFFLOAD_HALF, "--load", ck["z2"]),
+        run("p2_off", *SIX, *OFFLOAD),
+        run("z2_off", *SIX, *ZERO2, *OFFLOAD_HALF),
         run("save_p2", *TEN, *save_half, "--save", ck["p2"]),
     ]
     codes2 = run_distributed(run_trainings, 2, args=(two,), timeout=300)
@@ -56,7 +63,7 @@ def runs(tmp_path_factory):
 
 def test_all_runs_exit_cleanly(runs):
     codes2, codes4 = runs["codes"]
-    assert codes2 == [[0] * 6] * 2, codes2
+    assert codes2 == [[0] * 9] * 2, codes2
     assert codes4 == [[0] * 7] * 4, codes4
 
 
@@ -70,10 +77,18 @@ def test_losses_and_grad_norms_equal_plain_dp(runs, plain, sharded):
     assert ref[-1]["lm_loss"] < ref[0]["lm_loss"] - 0.1  # it trains
 
 
-def test_resume_within_strategy_is_exact(runs):
+@pytest.mark.parametrize("resumed", ["resume_z2", "resume_z2_off"])
+def test_resume_within_strategy_is_exact(runs, resumed):
     straight = losses(runs["tmp"], "straight_z2")
-    assert [r["iteration"] for r in records(runs["tmp"], "resume_z2")] == list(range(6, 11))
-    assert losses(runs["tmp"], "resume_z2") == straight[5:]
+    assert [r["iteration"] for r in records(runs["tmp"], resumed)] == list(range(6, 11))
+    assert losses(runs["tmp"], resumed) == straight[5:]
+
+
+@pytest.mark.parametrize("reference, offloaded", [("p2", "p2_off"), ("z2", "z2_off")])
+def test_optimizer_cpu_offload_changes_nothing(runs, reference, offloaded):
+    ref, got = records(runs["tmp"], reference), records(runs["tmp"], offloaded)
+    assert [r["lm_loss"] for r in got] == [r["lm_loss"] for r in ref]
+    assert [r["params_norm"] for r in got] == [r["params_norm"] for r in ref]
 
 
 @pytest.mark.parametrize("resumed", ["z2_at_d4_no_shard", "z2_at_d4_optim", "p2_at_d4_optim_grads"])

@@ -299,6 +299,15 @@ class TrainingConfig:
     adam_beta2: float = _f(0.999, "Adam beta2.")
     adam_eps: float = _f(1e-8, "Adam epsilon.")
     sgd_momentum: float = _f(0.9, "SGD momentum.")
+    optimizer_cpu_offload: bool = _f(
+        False,
+        "Run the optimizer update of --optimizer-offload-fraction of the main parameters on the CPU: "
+        "their Adam state lives in host memory, gradients are copied to the host and updated weights back.",
+    )
+    optimizer_offload_fraction: float = _f(
+        1.0,
+        "Fraction of the main parameters (by elements, whole tensors) updated on the CPU with --optimizer-cpu-offload.",
+    )
     clip_grad: float = _f(1.0, "Clip gradients to this global L2 norm (0 disables).")
     log_num_zeros_in_grad: bool = _f(False, "Count zero gradient entries and log them.")
     calculate_per_token_loss: bool = _f(

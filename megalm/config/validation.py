@@ -417,6 +417,8 @@ def _validate_world(p: ParallelConfig, t: TrainingConfig, world_size: int, vpp: 
 
 
 def _validate_training_length(t: TrainingConfig) -> None:
+    f = t.optimizer_offload_fraction
+    _check(0.0 < f <= 1.0, f"--optimizer-offload-fraction must be in (0, 1], got {f}")
     _check(
         not (t.train_iters is not None and t.train_samples is not None),
         "give only one of --train-iters and --train-samples",

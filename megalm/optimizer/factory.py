@@ -122,6 +122,7 @@ def build_optimizer(
         grad_scaler=build_grad_scaler(t),
         log_num_zeros_in_grad=log_num_zeros_in_grad,
         process_groups=process_groups,
+        offload_fraction=t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0,
     )
     sharded = cfg.parallel.data_parallel_sharding_strategy in ("optim", "optim_grads")
     if cfg.parallel.use_distributed_optimizer or sharded:

@@ -100,4 +100,5 @@ def format_memory_report(mem: Dict[str, object]) -> str:
         f"optimizer state {pp['optimizer_state']:.2f} = {pp['total']:.2f} B/param over "
         f"{mem['params']:,} params ({mem['total'] / 2**20:.1f} MiB); formula {mem['formula_text']} = "
         f"{mem['formula']:.2f} B/param"
+        + (f"; offloaded to the host: {mem['host'] / 2**20:.1f} MiB" if mem.get("host") else "")
     )
