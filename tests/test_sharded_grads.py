@@ -7,7 +7,8 @@
 * communication: one reduce-scatter per bucket per step (ZeRO-1's bytes), no gradient all-reduce;
 * memory: after the reduction no bucket's full storage is alive and the gradient bytes on a rank
   are ``grad size x padded numel / d``; bytes per parameter equal the formula (``4 + 12/d`` fp32,
-  ``2 + 16/d`` bf16/fp16 with fp32 grads, ``2 + 18/d`` fp16 grads) for d in {1, 4};
+  ``2 + 16/d`` bf16/fp16 with fp32 grads, ``2 + 18/d`` fp16 grads) for d in {1, 4}, and so do
+  the planner's (tools/estimate.py) per strategy, optim and optim_grads;
 * a gradient arriving after its bucket was reduce-scattered is refused;
 * the flag: ``optim`` / ``optim_grads`` turn the distributed optimizer on, the distributed optimizer
   alone means ``optim``; what is not built is a ConfigError naming the flags.
@@ -22,6 +23,7 @@ from megalm.config import ParallelConfig, validate_config
 from megalm.config.sections import ConfigError
 from megalm.distributed import DistributedDataParallel, comm, finalize_model_grads
 from megalm.distributed.param_and_grad_buffer import DataParallelError
+from megalm.estimate.planner import state_bytes_per_param, strategy_bytes_per_param
 from megalm.optimizer import build_optimizer
 from megalm.optimizer.memory_accounting import formula_bytes_per_param, optimizer_memory
 from megalm.testing import run_distributed
@@ -147,6 +149,7 @@ def worker(dp):
     for key in ((False, None, False), (True, 100, True)):
         results[key] = {s: _train(dp, s, *key) for s in ("optim", ZERO2)}
     results["memory"] = {p: _memory(p) for p in PRECISIONS}
+    results["memory_optim"] = {p: _memory(p, "optim") for p in PRECISIONS}
     return results
 
 
@@ -178,3 +181,10 @@ def test_sharded_grads_match_zero1_and_single_process():
             assert (d, sharded) == (dp, True)
             assert total == formula_total, precision  # e.g. bf16: (2 + 16/d) x 244 bytes exactly
             assert grads == (4 if PRECISIONS[precision][1] else 2) * 244 // dp
+        # tools/estimate.py's bytes per parameter per strategy equal the measured ones
+        for strategy, memory in (("optim_grads", r["memory"]), ("optim", r["memory_optim"])):
+            for precision, (total, *_) in memory.items():
+                dtype, fp32_grads = PRECISIONS[precision]
+                name = "fp32" if dtype == torch.float32 else "bf16"
+                per_param = state_bytes_per_param(name, "adam", 0.0, fp32_grads)
+                assert total == 244 * sum(strategy_bytes_per_param(per_param, dp, strategy).values()), precision
