@@ -1,8 +1,10 @@
 """--data-parallel-sharding-strategy optim_grads (ZeRO-2) end to end through pretrain_gpt.py on real ranks.
 
 * fp32 loss sequences (and grad norms) over 6 iterations equal plain data parallelism's
-  (``no_shard``) within 1e-5 relative at DP 2, DP 4 (overlapped reduction, several buckets) and
-  TP 2 x DP 2 (sequence parallel: the norm gradients' shards are summed over TP);
+  (``no_shard``) within 1e-5 relative at DP 2, DP 4 (overlapped reduction, several buckets),
+  TP 2 x DP 2 (sequence parallel: the norm gradients' shards are summed over TP) and DP 2 with
+  --calculate-per-token-loss (the shards are scaled by the token count); bf16 follows plain DP's
+  trajectory within 5e-4;
 * resume within the strategy is exact: saved at iteration 5 of 10 and resumed (also with
   --optimizer-cpu-offload at fraction 0.5), iterations 6-10 equal the uninterrupted run's bit for bit;
 * --optimizer-cpu-offload (plain DP, fraction 1; ZeRO-2, fraction 0.5) gives the same losses and
@@ -19,7 +21,7 @@ import os
 import pytest
 
 from megalm.testing import run_distributed
-from tests.test_distrib_optimizer_training import OVERLAP, SIX, TEN, TINY, TP2
+from tests.test_distrib_optimizer_training import BF16, OVERLAP, SIX, TEN, TINY, TP2
 from tests.training_runs import assert_close, losses, records, run_trainings
 
 ZERO2 = ["--data-parallel-sharding-strategy", "optim_grads"]
@@ -45,6 +47,10 @@ def runs(tmp_path_factory):
         run("resume_z2_off", *TEN, *ZERO2, *OVERLAP, *OFFLOAD_HALF, "--load", ck["z2"]),
         run("p2_off", *SIX, *OFFLOAD),
         run("z2_off", *SIX, *ZERO2, *OFFLOAD_HALF),
+        run("bf_p2", *SIX, *BF16),
+        run("bf_z2", *SIX, *BF16, *ZERO2, *OVERLAP),
+        run("pt_p2", *SIX, "--calculate-per-token-loss"),
+        run("pt_z2", *SIX, "--calculate-per-token-loss", *ZERO2),
         run("save_p2", *TEN, *save_half, "--save", ck["p2"]),
     ]
     codes2 = run_distributed(run_trainings, 2, args=(two,), timeout=300)
@@ -63,11 +69,11 @@ def runs(tmp_path_factory):
 
 def test_all_runs_exit_cleanly(runs):
     codes2, codes4 = runs["codes"]
-    assert codes2 == [[0] * 9] * 2, codes2
+    assert codes2 == [[0] * 13] * 2, codes2
     assert codes4 == [[0] * 7] * 4, codes4
 
 
-@pytest.mark.parametrize("plain, sharded", [("p2", "z2"), ("p4", "z4_ov"), ("tp_p", "tp_z")])
+@pytest.mark.parametrize("plain, sharded", [("p2", "z2"), ("p4", "z4_ov"), ("tp_p", "tp_z"), ("pt_p2", "pt_z2")])
 def test_losses_and_grad_norms_equal_plain_dp(runs, plain, sharded):
     ref, got = records(runs["tmp"], plain), records(runs["tmp"], sharded)
     assert len(got) == 6
@@ -75,6 +81,12 @@ def test_losses_and_grad_norms_equal_plain_dp(runs, plain, sharded):
     assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref], rel=1e-5)
     assert_close([r["params_norm"] for r in got], [r["params_norm"] for r in ref], rel=1e-5)
     assert ref[-1]["lm_loss"] < ref[0]["lm_loss"] - 0.1  # it trains
+
+
+def test_bf16_same_trajectory(runs):
+    plain, sharded = losses(runs["tmp"], "bf_p2"), losses(runs["tmp"], "bf_z2")
+    assert_close(sharded, plain, rel=5e-4)  # bf16 rounding of the weights, as the distributed optimizer
+    assert sharded[-1] < sharded[0] - 0.1
 
 
 @pytest.mark.parametrize("resumed", ["resume_z2", "resume_z2_off"])
