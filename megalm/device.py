@@ -101,3 +101,10 @@ def _free_port() -> int:
 def synchronize() -> None:
     if use_cuda():
         torch.cuda.synchronize()
+
+
+def host_tensor_like(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialized host (CPU) tensor of ``t``'s shape and dtype, pinned when the device is CUDA
+    (so copies to and from it can be asynchronous).  On a CPU-only machine it is a separate CPU
+    tensor: copies into and out of it are real copies, as on a GPU."""
+    return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=use_cuda())

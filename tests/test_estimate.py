@@ -25,7 +25,7 @@ from megalm.estimate.activations import Shape, chunk_bytes, in_flight
 from megalm.estimate.cli import main as estimate_main
 from megalm.estimate.cli import parse
 from megalm.estimate.parameters import stage_parameters, total_parameters
-from megalm.estimate.planner import PlannerOptions, plan
+from megalm.estimate.planner import PlannerOptions, format_plan, plan
 from megalm.presets import PRESETS, PresetError
 from megalm.testing import run_distributed
 
@@ -272,6 +272,28 @@ def test_distributed_optimizer_bytes_follow_the_formula():
     n = st["parameters"]
     assert st["weights"] + st["grads"] + st["optimizer_distributed"] == pytest.approx((6 + 12 / 4) * n)
     assert st["weights"] + st["grads"] + st["optimizer"] == 18 * n
+
+
+@pytest.mark.parametrize(
+    "gpu_gb, expected",
+    [(0.039, "no_shard"), (0.022, "optim"), (0.0161, "optim_grads"), (0.014, "optim_grads_params"), (0.013, None)],
+)
+def test_sharding_strategies_bytes_and_recommendation(gpu_gb, expected, capsys):
+    base = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128"]
+    base += ["--vocab-size", "1023", "--tokenizer-type", "NullTokenizer", "--bf16", "--world-size", "4"]
+    cfg, options = parse(base + ["--data-parallel-sharding-strategy", "optim_grads", "--reserve-gb", "0"])
+    options.gpu_memory_gb = gpu_gb
+    r = plan(cfg, options)
+    st = r["stages"][0]
+    n = st["parameters"]
+    assert r["bytes_per_param_by_strategy"] == {"no_shard": 18, "optim": 9, "optim_grads": 6, "optim_grads_params": 4.5}
+    rest = st["total"] - 18 * n
+    for strategy, per_param in r["bytes_per_param_by_strategy"].items():
+        assert st[f"total_{strategy}"] == pytest.approx(per_param * n + rest)
+    assert r["largest_rank_bytes"] == st["total_optim_grads"]  # as configured
+    assert r["recommended_strategy"] == expected
+    text = format_plan(cfg, r)
+    assert (f"recommended --data-parallel-sharding-strategy {expected}:" if expected else "no --data-parallel") in text
 
 
 REPO = Path(__file__).resolve().parents[1]

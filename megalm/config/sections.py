@@ -265,6 +265,14 @@ class ParallelConfig:
     use_distributed_optimizer: bool = _f(
         False, "Shard optimizer state and main weights over data-parallel ranks (ZeRO-1)."
     )
+    data_parallel_sharding_strategy: str = _f(
+        "no_shard",
+        "What data-parallel ranks shard (megalm's implementation of Megatron's names; no "
+        "--use-megatron-fsdp needed): no_shard (plain DP), optim (= --use-distributed-optimizer, "
+        "ZeRO-1), optim_grads (ZeRO-2: also the reduced gradients; each bucket's full gradient "
+        "storage is freed once reduce-scattered), optim_grads_params (ZeRO-3: not built, refused).",
+        choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+    )
     overlap_grad_reduce: bool = _f(False, "Reduce gradient buckets during the last microbatch's backward.")
     overlap_param_gather: bool = _f(
         False, "All-gather updated parameters during the next forward (distributed optimizer)."
@@ -394,6 +402,15 @@ class TrainingConfig:
     adam_beta2: float = _f(0.999, "Adam beta2.")
     adam_eps: float = _f(1e-8, "Adam epsilon.")
     sgd_momentum: float = _f(0.9, "SGD momentum.")
+    optimizer_cpu_offload: bool = _f(
+        False,
+        "Run the optimizer update of --optimizer-offload-fraction of the main parameters on the CPU: "
+        "their Adam state lives in host memory, gradients are copied to the host and updated weights back.",
+    )
+    optimizer_offload_fraction: float = _f(
+        1.0,
+        "Fraction of the main parameters (by elements, whole tensors) updated on the CPU with --optimizer-cpu-offload.",
+    )
     clip_grad: float = _f(1.0, "Clip gradients to this global L2 norm (0 disables).")
     log_num_zeros_in_grad: bool = _f(False, "Count zero gradient entries and log them.")
     calculate_per_token_loss: bool = _f(

@@ -130,6 +130,33 @@ def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
     )
 
 
+def _validate_sharding_strategy(p: ParallelConfig) -> None:
+    """``--data-parallel-sharding-strategy`` and ``--use-distributed-optimizer`` made consistent:
+    ``optim`` and ``optim_grads`` turn the distributed optimizer on, and the distributed optimizer
+    alone means ``optim``.  ``optim_grads`` is refused where it is not built."""
+    s = p.data_parallel_sharding_strategy
+    _check(
+        s != "optim_grads_params",
+        "--data-parallel-sharding-strategy optim_grads_params (ZeRO-3, sharded parameters) is not built yet; "
+        "use optim_grads (ZeRO-2) or optim (ZeRO-1)",
+    )
+    if s == "no_shard" and p.use_distributed_optimizer:
+        p.data_parallel_sharding_strategy = s = "optim"
+    if s in ("optim", "optim_grads"):
+        p.use_distributed_optimizer = True
+    if s != "optim_grads":
+        return
+    for flag, size in (
+        ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
+        ("--expert-model-parallel-size", p.expert_model_parallel_size),
+    ):
+        _check(size == 1, f"--data-parallel-sharding-strategy optim_grads with {flag} {size} is not built yet")
+    _check(
+        not p.hierarchical_grad_reduce,
+        "--data-parallel-sharding-strategy optim_grads with --hierarchical-grad-reduce is not built yet",
+    )
+
+
 def _validate_data_parallel(p: ParallelConfig) -> None:
     """The data-parallel wrapper's flags (megalm.distributed.data_parallel reads them unchecked)."""
     _check(
@@ -397,6 +424,12 @@ def _validate_parallel(m: ModelConfig, p: ParallelConfig) -> None:
     """Context parallelism, the data-parallel wrapper's flags and sequence parallelism."""
     tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
     _validate_context_parallel(m, p)
+    _validate_sharding_strategy(p)
+    _check(
+        cp == 1 or p.data_parallel_sharding_strategy in ("no_shard", "optim"),
+        f"--data-parallel-sharding-strategy {p.data_parallel_sharding_strategy} with --context-parallel-size {cp} "
+        "is not tested yet",
+    )
     _validate_data_parallel(p)
     if p.sequence_parallel and tp == 1:
         p.sequence_parallel = False  # as Megatron: a no-op without tensor parallelism
@@ -531,6 +564,8 @@ def _validate_world(p: ParallelConfig, t: TrainingConfig, world_size: int, vpp: 
 
 
 def _validate_training_length(t: TrainingConfig) -> None:
+    f = t.optimizer_offload_fraction
+    _check(0.0 < f <= 1.0, f"--optimizer-offload-fraction must be in (0, 1], got {f}")
     _check(
         not (t.train_iters is not None and t.train_samples is not None),
         "give only one of --train-iters and --train-samples",

@@ -51,6 +51,12 @@ With ``use_distributed_optimizer`` (ZeRO-1, see :mod:`megalm.optimizer.distrib_o
   every module that owns parameters waits for the buckets holding them, so the next forward
   overlaps the rest.  :meth:`finish_param_sync` waits for everything (before a checkpoint is
   saved or loaded, and before the next optimizer step writes its shard).
+
+``data_parallel_sharding_strategy`` ``optim`` is the above; ``optim_grads`` (ZeRO-2) builds
+:class:`~megalm.distributed.sharded_grad_buffer.ShardedGradBuffer` instead: the same buckets and
+collectives, but a rank keeps only its shard of the reduced gradients and each bucket's full
+storage lives from its first gradient to its reduce-scatter (:meth:`sharded_grad_views` gives the
+shards of chosen parameters, for the sequence-parallel sum over TP).
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ from megalm import parallel_state
 from megalm.distributed.compression import build_compressor
 from megalm.distributed.hierarchical import NodeGroups
 from megalm.distributed.param_and_grad_buffer import Bucket, DataParallelError, ParamAndGradBuffer
+from megalm.distributed.sharded_grad_buffer import ShardedGradBuffer
 from megalm.parallel_layout import NodeLayoutError
 from megalm.parallel_state import ProcessGroups, group_size
 from megalm.tensor_parallel.param_info import param_info
@@ -136,7 +143,9 @@ class DistributedDataParallel(torch.nn.Module):
         pg = parallel_state.get_process_groups() if process_groups is None else process_groups
         self.module = module
         self.overlap_grad_reduce = parallel_cfg.overlap_grad_reduce
-        self.use_distributed_optimizer = parallel_cfg.use_distributed_optimizer
+        strategy = parallel_cfg.data_parallel_sharding_strategy
+        self.shard_grads = strategy == "optim_grads"  # ZeRO-2: megalm.distributed.sharded_grad_buffer
+        self.use_distributed_optimizer = parallel_cfg.use_distributed_optimizer or strategy in ("optim", "optim_grads")
         self.overlap_param_gather = parallel_cfg.overlap_param_gather
         self.hierarchical = parallel_cfg.hierarchical_grad_reduce
         self.local_sgd = bool(parallel_cfg.local_sgd_interval)
@@ -166,8 +175,9 @@ class DistributedDataParallel(torch.nn.Module):
                 group, nodes = nodes.intra if nodes is not None else None, None
                 scale = 1.0 / group_size(group)
             world = group_size(group)
+            buffer_class = ShardedGradBuffer if self.shard_grads else ParamAndGradBuffer
             for bi, ((_, gdtype), params) in enumerate(keyed.items()):
-                buf = ParamAndGradBuffer(
+                buf = buffer_class(
                     params,
                     gdtype,
                     self.bucket_size,
@@ -220,7 +230,7 @@ class DistributedDataParallel(torch.nn.Module):
         def hook(param: torch.nn.Parameter) -> None:
             if param.grad is None:
                 return
-            param.main_grad.add_(param.grad)
+            self._param_to_buffer[param].accumulate_grad(param, param.grad)
             param.grad = None
             if self.overlap_grad_reduce and self._grad_sync_enabled:
                 bucket = self._param_to_buffer[param].bucket_of(param)
@@ -280,6 +290,19 @@ class DistributedDataParallel(torch.nn.Module):
             buf.reset(zero=True)
         self._cursors = [0] * len(self._queues)
         self._grad_sync_enabled = True
+
+    def sharded_grad_views(self, params) -> List[torch.Tensor]:
+        """Sharded gradients (``shard_grads``): for each of ``params``, the 1-D view of the reduced
+        gradient of this rank's shard of it (empty where it owns none of it)."""
+        views = []
+        for p in params:
+            buf = self._param_to_buffer[p]
+            start, end, _ = buf.param_index_map[p]
+            bucket = buf.bucket_of(p)
+            lo, hi = bucket.shard_range(buf.data_parallel_rank)
+            s, e = max(start, lo), min(end, hi)
+            views.append(buf.reduced_grad(bucket, s, max(s, e)))
+        return views
 
     # --- parameter all-gather (distributed optimizer) --------------------------------------------
     def start_param_sync(self, force_sync: bool = False) -> None:

@@ -6,7 +6,8 @@
    (all-reduce per bucket over DP; expert buffers over expert-DP).
 2. Sequence-parallel norm parameters (``param_info(p).sequence_parallel``): each TP rank saw only its
    slice of the sequence, so their gradients are summed over the tensor-parallel group (one
-   coalesced all-reduce).
+   coalesced all-reduce).  With sharded gradients (ZeRO-2) only this rank's shard of them exists:
+   the shards are summed instead (the TP ranks of one DP rank lay out their buffers alike).
 3. Tied word embeddings with pipeline parallelism: the first stage's word embedding and the
    last stage's output-layer copy (``param_info(p).tied``) must receive the same update,
    so their gradients are summed over the embedding group (first + last stage) — one
@@ -58,14 +59,23 @@ def grad_of(param: torch.Tensor) -> Optional[torch.Tensor]:
     return g if g is not None else param.grad
 
 
+def _zeros(p: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(p, dtype=torch.float32)
+
+
 def allreduce_sequence_parallel_grads(model_chunks: Sequence[torch.nn.Module], tp_group) -> None:
     """Sum gradients of ``sequence_parallel`` params over ``tp_group`` (one coalesced all-reduce)."""
     if group_size(tp_group) == 1:
         return
-    params = [p for c in model_chunks for p in c.parameters() if p.requires_grad and param_info(p).sequence_parallel]
-    if not params:
+    grads = []
+    for chunk in model_chunks:
+        params = [p for p in chunk.parameters() if p.requires_grad and param_info(p).sequence_parallel]
+        if getattr(chunk, "shard_grads", False):  # ZeRO-2: this rank's shard; TP ranks shard alike
+            grads += [g for g in chunk.sharded_grad_views(params) if g.numel()]
+        else:
+            grads += [grad_of(p) if grad_of(p) is not None else _zeros(p) for p in params]
+    if not grads:
         return
-    grads = [grad_of(p) if grad_of(p) is not None else torch.zeros_like(p, dtype=torch.float32) for p in params]
     by_dtype = {}
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)

@@ -266,11 +266,11 @@ class ParamAndGradBuffer:
         self.params = list(reversed(list(params)))  # buffer order
         self.param_names = param_names or {}
         self.param_index_map: Dict[torch.nn.Parameter, Tuple[int, int, int]] = {}
-        device = params[0].device
+        device = self.device = params[0].device
 
         bucket_spans = self._layout(bucket_size, isolate or (lambda p: False))
         self.numel = bucket_spans[-1][1] if bucket_spans else 0
-        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        self.grad_data = self._allocate_grad_data()
         self.param_data = None
         if allocate_param_data:
             self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
@@ -310,9 +310,14 @@ class ParamAndGradBuffer:
             spans.append((bucket_start, self._pad(cursor), members, cursor))
         return spans
 
+    def _allocate_grad_data(self) -> Optional[torch.Tensor]:
+        """The persistent full-size gradient buffer (None in the sharded-gradient subclass)."""
+        return torch.zeros(self.numel, dtype=self.grad_dtype, device=self.device)
+
     def _attach_views(self) -> None:
         for p, (start, end, _) in self.param_index_map.items():
-            p.main_grad = self.grad_data[start:end].view(p.shape)
+            if self.grad_data is not None:
+                p.main_grad = self.grad_data[start:end].view(p.shape)
             if self.param_data is not None:
                 view = self.param_data[start:end].view(p.shape)
                 view.copy_(p.data)
@@ -323,11 +328,31 @@ class ParamAndGradBuffer:
     ) -> Bucket:
         ranges = {p: (self.param_index_map[p][0] - start, self.param_index_map[p][1] - start) for p in members}
         param_view = self.param_data[start:end] if self.param_data is not None else None
-        return Bucket(index, members, self.grad_data[start:end], param_view, start, unpadded_end - start, ranges, self)
+        grad_view = self.grad_data[start:end] if self.grad_data is not None else None
+        return self.bucket_class(index, members, grad_view, param_view, start, unpadded_end - start, ranges, self)
 
     # --- state -------------------------------------------------------------------------
+    bucket_class = Bucket
+
     def bucket_of(self, param: torch.nn.Parameter) -> Bucket:
         return self.buckets[self.param_index_map[param][2]]
+
+    def accumulate_grad(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """``main_grad += grad`` (DDP's post-accumulate-grad hook)."""
+        param.main_grad.add_(grad)
+
+    @property
+    def reduced_grad_data(self) -> torch.Tensor:
+        """The tensor holding the reduced gradients after ``finish_grad_sync`` (the whole buffer)."""
+        return self.grad_data
+
+    def reduced_grad(self, bucket: Bucket, start: int, end: int) -> torch.Tensor:
+        """The reduced gradient over buffer coordinates ``[start, end)`` (inside ``bucket``)."""
+        return self.grad_data[start:end]
+
+    def grad_bytes(self) -> int:
+        """Bytes of gradient storage this buffer holds now."""
+        return self.grad_data.numel() * self.grad_data.element_size()
 
     def reset(self, zero: bool = True) -> None:
         """Zero the gradients (padding included) and forget communication state."""

@@ -13,7 +13,13 @@ bf16/fp16, half grads                  2            2                          4
 
 so 16 / 18 / 20 bytes; the distributed optimizer divides the optimizer column by ``d``
 (``d_e`` for experts): ``8 + 8/d``, ``6 + 12/d``, ``4 + 16/d``.  SGD keeps 4 bytes of momentum
-instead of Adam's 8 (0 without momentum).
+instead of Adam's 8 (0 without momentum).  Per ``--data-parallel-sharding-strategy``
+(:func:`strategy_bytes_per_param`): ``no_shard`` divides nothing, ``optim`` the optimizer column,
+``optim_grads`` (ZeRO-2) also the gradients (bf16: ``2 + 16/d``), ``optim_grads_params`` (ZeRO-3, not
+built in megalm; planned for comparison) all three (``18/d``).  The data-parallel gradient traffic
+per step is the same for the first three (all-reduce = reduce-scatter + all-gather, ``2 (d-1)/d`` x
+the gradient bytes) and 1.5x that for ZeRO-3 (parameters gathered for forward and again for
+backward), so the recommendation is the first strategy of that order whose largest rank fits.
 
 Per rank: parameters of its pipeline stage (:mod:`.parameters`), activations of the
 microbatches in flight (:mod:`.activations`), transient buffers (logits next to the loss, the
@@ -74,6 +80,21 @@ def state_bytes_per_param(precision: str, optimizer: str, sgd_momentum: float, f
     return {"weights": 2, "grads": 2, "optimizer": 8 + moments}
 
 
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+_SHARDED = {
+    "no_shard": (),
+    "optim": ("optimizer",),
+    "optim_grads": ("optimizer", "grads"),
+    "optim_grads_params": ("optimizer", "grads", "weights"),
+}
+
+
+def strategy_bytes_per_param(per_param: Dict[str, float], d: int, strategy: str) -> Dict[str, float]:
+    """``{"weights", "grads", "optimizer"}`` bytes per parameter on a rank when ``strategy`` shards
+    its columns over ``d`` data-parallel ranks (``per_param`` from :func:`state_bytes_per_param`)."""
+    return {k: v / d if k in _SHARDED[strategy] else v for k, v in per_param.items()}
+
+
 def _precision(t) -> str:
     return "bf16" if t.bf16 else "fp16" if t.fp16 else "fp32"
 
@@ -131,6 +152,14 @@ def plan(cfg, options: PlannerOptions) -> dict:
         optim_dist = st.dense * per_param["optimizer"] / dp + st.expert * per_param["optimizer"] / edp
         act = stage_activation_bytes(cfg, st.pp_rank, shape, num_micro)
         rest = act["activations"] + act["transient"] + options.reserve_gb * GB
+        by_strategy = {
+            f"total_{s}": sum(
+                st.dense * v + st.expert * strategy_bytes_per_param(per_param, edp, s)[k]
+                for k, v in strategy_bytes_per_param(per_param, dp, s).items()
+            )
+            + rest
+            for s in STRATEGIES
+        }
         stages.append(
             {
                 "pp_rank": st.pp_rank,
@@ -144,6 +173,7 @@ def plan(cfg, options: PlannerOptions) -> dict:
                 **act,
                 "total": weights + grads + optim_plain + rest,
                 "total_distributed": weights + grads + optim_dist + rest,
+                **by_strategy,
             }
         )
     from megalm.training.flops import num_floating_point_operations
@@ -151,8 +181,10 @@ def plan(cfg, options: PlannerOptions) -> dict:
     flops = num_floating_point_operations(cfg, gbs)
     peak, peak_source = device_peak(options, precision, cfg.logging.device_peak_flops)
     step = flops / (world * peak * options.mfu)
-    key = "total_distributed" if p.use_distributed_optimizer else "total"
+    key = f"total_{p.data_parallel_sharding_strategy}"
     worst = max(stages, key=lambda s: s[key])
+    budget = options.gpu_memory_gb * GB
+    fitting = [s for s in STRATEGIES if max(st[f"total_{s}"] for st in stages) <= budget]
     return {
         "world_size": world,
         "data_parallel_size": dp,
@@ -174,8 +206,30 @@ def plan(cfg, options: PlannerOptions) -> dict:
         "largest_pp_rank": worst["pp_rank"],
         "gpu_memory_bytes": options.gpu_memory_gb * GB,
         "reserve_bytes": options.reserve_gb * GB,
-        "fits": worst[key] <= options.gpu_memory_gb * GB,
+        "fits": worst[key] <= budget,
+        "sharding_strategy": p.data_parallel_sharding_strategy,
+        "bytes_per_param_by_strategy": {
+            s: sum(strategy_bytes_per_param(per_param, dp, s).values()) for s in STRATEGIES
+        },
+        "largest_rank_bytes_by_strategy": {s: max(st[f"total_{s}"] for st in stages) for s in STRATEGIES},
+        "recommended_strategy": fitting[0] if fitting else None,
     }
+
+
+def _recommendation(r: dict) -> str:
+    """Why the first strategy (in order of data-parallel traffic) whose largest rank fits."""
+    sizes = r["largest_rank_bytes_by_strategy"]
+    told = ", ".join(f"{s} {sizes[s] / GB:.1f}" for s in STRATEGIES)
+    best = r["recommended_strategy"]
+    if best is None:
+        return f"no --data-parallel-sharding-strategy fits (largest rank, GB: {told}): add TP/PP or GPUs"
+    why = {
+        "no_shard": "it fits without sharding",
+        "optim": "the least sharding that fits, at no_shard's data-parallel traffic",
+        "optim_grads": "the least sharding that fits, at no_shard's data-parallel traffic",
+        "optim_grads_params": "only ZeRO-3 fits, at 1.5x the data-parallel traffic (not built in megalm yet)",
+    }[best]
+    return f"recommended --data-parallel-sharding-strategy {best}: {why} (largest rank, GB: {told})"
 
 
 def format_plan(cfg, r: dict) -> str:
@@ -217,6 +271,9 @@ def format_plan(cfg, r: dict) -> str:
         f"largest rank ({which} the distributed optimizer, as configured): pp rank {r['largest_pp_rank']}, "
         f"{r['largest_rank_bytes'] / GB:.1f} GB of {r['gpu_memory_bytes'] / GB:.0f} GB -> "
         f"{'fits' if r['fits'] else 'DOES NOT FIT'}",
+        "bytes per parameter by --data-parallel-sharding-strategy (d = DP): "
+        + " | ".join(f"{s} {v:g}" for s, v in r["bytes_per_param_by_strategy"].items()),
+        _recommendation(r),
         f"FLOPs per iteration: {r['flops_per_iteration']:.4e} | peak {r['peak_flops'] / 1e12:.1f} TFLOP/s "
         f"({r['peak_source']}) | at MFU {r['mfu']:.0%}: {r['step_time_s']:.3f} s per iteration, "
         f"{r['tokens_per_s']:,.0f} tokens/s, {r['tokens_per_s'] / r['world_size']:,.0f} tokens/s per GPU",

@@ -95,7 +95,8 @@ class DistributedOptimizer(MegatronOptimizer):
         groups: from :func:`megalm.optimizer.get_param_groups` (model parameters, global names).
         make_optimizer: builds the torch optimizer from param-group dicts over main params.
         model_chunks: the DDP-wrapped chunks whose buffers define the shards.
-        clip_grad, grad_scaler, log_num_zeros_in_grad: as :class:`MegatronOptimizer`.
+        clip_grad, grad_scaler, log_num_zeros_in_grad, offload_fraction: as :class:`MegatronOptimizer`
+            (offloading picks among this rank's shard ranges).
         process_groups: as :class:`MegatronOptimizer`; the norm and the overflow flag are reduced
             over all its ranks (data x model parallel).  The shards follow the DDP buffers'
             groups (``dp_cp``, expert buffers ``expt_dp``), given to DDP at its construction.
@@ -112,6 +113,7 @@ class DistributedOptimizer(MegatronOptimizer):
         grad_scaler: Optional[GradScaler] = None,
         log_num_zeros_in_grad: bool = False,
         process_groups: Optional[ProcessGroups] = None,
+        offload_fraction: float = 0.0,
     ):
         self.model_chunks = _data_parallel_chunks(model_chunks)  # read by _make_main_params
         super().__init__(
@@ -121,6 +123,7 @@ class DistributedOptimizer(MegatronOptimizer):
             grad_scaler=grad_scaler,
             log_num_zeros_in_grad=log_num_zeros_in_grad,
             process_groups=process_groups,
+            offload_fraction=offload_fraction,
         )
         self.data_parallel_size = max(
             (b.data_parallel_world_size for c in self.model_chunks for b in c.buffers), default=1
@@ -169,7 +172,8 @@ class DistributedOptimizer(MegatronOptimizer):
             if buf.grad_dtype != torch.float32:
                 main_grad = grad_copy[cursor : cursor + (e - s)]
                 cursor += e - s
-            ranges.append(ShardRange(name_of[id(p)], p, start, end, model, buf.grad_data[s:e], main, main_grad, bucket))
+            grad = buf.reduced_grad(bucket, s, e)  # ZeRO-2: a view of the shard-sized buffer
+            ranges.append(ShardRange(name_of[id(p)], p, start, end, model, grad, main, main_grad, bucket))
         return ranges
 
     def describe(self) -> str:
@@ -213,7 +217,7 @@ class DistributedOptimizer(MegatronOptimizer):
         """One :class:`ParamState` per owned range: 1-D tensors over ``[start, end)`` of the parameter."""
         out = []
         for r in self.ranges:
-            tensors = dict(self.optimizer.state[r.main])
+            tensors = dict(self._state_of(r.main))
             if not r.main_is_model:
                 tensors["main_param"] = r.main.data
             out.append(ParamState(r.name, r.param, tensors, (r.start, r.end)))
@@ -234,15 +238,18 @@ class DistributedOptimizer(MegatronOptimizer):
         for r in self.ranges:
             if not r.main_is_model:
                 r.main.copy_(r.model.float())
+        self._refresh_offload()
 
     # --- accounting ---------------------------------------------------------------------------------
     def memory_breakdown(self) -> Dict[str, int]:
         """Bytes this rank holds beyond the model's weights and gradient buffers, measured on the
-        live tensors (the optimizer state is created first if no step was taken yet)."""
+        live tensors (the optimizer state is created first if no step was taken yet); ``host``: the
+        bytes offloaded to the host (:mod:`megalm.optimizer.cpu_offload`)."""
         self.init_state()
         state = sum(
             t.numel() * t.element_size()
             for r in self.ranges
+            if self._torch_param(r.main) is r.main  # offloaded state is on the host
             for t in self.optimizer.state[r.main].values()
             if t.dim() > 0
         )
@@ -252,4 +259,5 @@ class DistributedOptimizer(MegatronOptimizer):
                 r.main_grad.numel() * r.main_grad.element_size() for r in self.ranges if r.main_grad is not None
             ),
             "optimizer_state": state,
+            "host": self.offload.host_bytes(self.optimizer.state) if self.offload is not None else 0,
         }

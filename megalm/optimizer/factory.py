@@ -2,8 +2,8 @@
 
 :func:`build_optimizer` picks the wrapper (no communication of its own at construction):
 
-* ``--use-distributed-optimizer``: :class:`megalm.optimizer.distrib_optimizer.DistributedOptimizer`
-  over the chunks' DDP buffers;
+* ``--use-distributed-optimizer`` or ``--data-parallel-sharding-strategy optim`` / ``optim_grads``:
+  :class:`megalm.optimizer.distrib_optimizer.DistributedOptimizer` over the chunks' DDP buffers;
 * any bf16/fp16 parameter: :class:`megalm.optimizer.optimizer.MixedPrecisionOptimizer`;
 * otherwise :class:`megalm.optimizer.optimizer.FP32Optimizer`.
 
@@ -144,8 +144,10 @@ def build_optimizer(
         grad_scaler=build_grad_scaler(t),
         log_num_zeros_in_grad=log_num_zeros_in_grad,
         process_groups=process_groups,
+        offload_fraction=t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0,
     )
-    if cfg.parallel.use_distributed_optimizer:
+    sharded = cfg.parallel.data_parallel_sharding_strategy in ("optim", "optim_grads")
+    if cfg.parallel.use_distributed_optimizer or sharded:
         optimizer = DistributedOptimizer(groups, make_torch_optimizer(t), model_chunks, **common)
     else:
         half = any(p.dtype in (torch.float16, torch.bfloat16) for _, p in named)

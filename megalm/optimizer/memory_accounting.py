@@ -13,7 +13,11 @@ bf16 or fp16 / same half dtype    2 + 2 + (4 + 4 + 8) / d     20
 ================================  ==========================  ==================
 
 (main weights 4 B and, for half-precision gradients, an fp32 main-gradient copy 4 B; AdamW
-``exp_avg`` + ``exp_avg_sq`` 8 B.)  megalm accumulates gradients in fp32 by default
+``exp_avg`` + ``exp_avg_sq`` 8 B.)  With sharded gradients (ZeRO-2,
+``--data-parallel-sharding-strategy optim_grads``) the gradient buffer moves under the ``/ d`` too:
+``4 + 12/d`` (fp32), ``2 + 16/d`` (half params, fp32 grads), ``2 + 18/d`` (half grads); the gradient
+bytes are then measured on the buffers (this rank's shard plus any bucket whose full storage is live,
+none between iterations).  megalm accumulates gradients in fp32 by default
 (``--accumulate-allreduce-grads-in-fp32``), so fp16 models are on the ``6 + 12/d`` line unless
 that is turned off.  Bucket padding (< d elements per bucket) makes measured values differ
 slightly from the formula; the formula ignores the few bytes of ``step`` counters.
@@ -30,14 +34,20 @@ from megalm.distributed.finalize_model_grads import unwrap_model
 HALF = (torch.float16, torch.bfloat16)
 
 
-def formula_bytes_per_param(param_dtype: torch.dtype, grad_dtype: torch.dtype, d: int) -> tuple:
-    """``(bytes per parameter, text of the formula)`` for these dtypes and sharding ``d``."""
-    if param_dtype not in HALF:
-        return 8 + 8 / d, "8 + 8/d (fp32 params and grads)"
-    name = "bf16" if param_dtype == torch.bfloat16 else "fp16"
-    if grad_dtype == torch.float32:
-        return 6 + 12 / d, f"6 + 12/d ({name} params, fp32 grads)"
-    return 4 + 16 / d, f"4 + 16/d ({name} params and grads)"
+def formula_bytes_per_param(
+    param_dtype: torch.dtype, grad_dtype: torch.dtype, d: int, grads_sharded: bool = False
+) -> tuple:
+    """``(bytes per parameter, text of the formula)`` for these dtypes and sharding ``d``;
+    ``grads_sharded``: the gradients are sharded over the same ``d`` ranks (ZeRO-2)."""
+    weights = 2 if param_dtype in HALF else 4
+    grads = 4 if grad_dtype == torch.float32 else 2
+    # fp32 main weights (a copy for half params), an fp32 gradient copy for half grads, Adam moments
+    sharded = (4 if weights == 2 else 0) + (4 if grads == 2 else 0) + 8
+    name = "fp32" if weights == 4 else ("bf16" if param_dtype == torch.bfloat16 else "fp16")
+    what = f"{name} params and grads" if weights == grads else f"{name} params, fp32 grads"
+    if grads_sharded:
+        return weights + (grads + sharded) / d, f"{weights} + {grads + sharded}/d ({what}, grads sharded)"
+    return weights + grads + sharded / d, f"{weights + grads} + {sharded}/d ({what})"
 
 
 def optimizer_memory(optimizer, model_chunks: Sequence[torch.nn.Module]) -> Dict[str, object]:
@@ -52,10 +62,13 @@ def optimizer_memory(optimizer, model_chunks: Sequence[torch.nn.Module]) -> Dict
     params = list({id(p): p for p in params}.values())
     n = sum(p.numel() for p in params)
     grads = [getattr(p, "main_grad", None) for p in params]
+    buffers = [b for c in model_chunks if getattr(c, "shard_grads", False) for b in c.all_buffers]
     out = {
         "params": n,
         "weights": sum(p.numel() * p.element_size() for p in params),
-        "grads": sum(
+        "grads": sum(b.grad_bytes() for b in buffers)
+        if buffers
+        else sum(
             (g.numel() * g.element_size()) if g is not None else p.numel() * p.element_size()
             for p, g in zip(params, grads)
         ),
@@ -68,8 +81,10 @@ def optimizer_memory(optimizer, model_chunks: Sequence[torch.nn.Module]) -> Dict
     d = optimizer.data_parallel_size
     param_dtype = params[0].dtype if params else torch.float32
     grad_dtype = grads[0].dtype if params and grads[0] is not None else param_dtype
-    formula, text = formula_bytes_per_param(param_dtype, grad_dtype, d)
-    out.update(d=d, distributed=distributed, formula=formula, formula_text=text)
+    if buffers:
+        grad_dtype = buffers[0].grad_dtype
+    formula, text = formula_bytes_per_param(param_dtype, grad_dtype, d, grads_sharded=bool(buffers))
+    out.update(d=d, distributed=distributed, grads_sharded=bool(buffers), formula=formula, formula_text=text)
     return out
 
 
@@ -77,10 +92,13 @@ def format_memory_report(mem: Dict[str, object]) -> str:
     """One log line: measured bytes per parameter by kind against the formula."""
     pp = mem["per_param"]
     which = f"distributed optimizer, d={mem['d']}" if mem["distributed"] else "optimizer not sharded, d=1"
+    if mem.get("grads_sharded"):
+        which = f"distributed optimizer and gradients (ZeRO-2), d={mem['d']}"
     return (
         f"[megalm] optimizer memory on this rank ({which}): weights {pp['weights']:.2f} + grads "
         f"{pp['grads']:.2f} + main weights {pp['main_params']:.2f} + main grads {pp['main_grads']:.2f} + "
         f"optimizer state {pp['optimizer_state']:.2f} = {pp['total']:.2f} B/param over "
         f"{mem['params']:,} params ({mem['total'] / 2**20:.1f} MiB); formula {mem['formula_text']} = "
         f"{mem['formula']:.2f} B/param"
+        + (f"; offloaded to the host: {mem['host'] / 2**20:.1f} MiB" if mem.get("host") else "")
     )

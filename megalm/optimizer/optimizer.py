@@ -61,6 +61,7 @@ from megalm.dist_checkpointing import ShardedStateDict, ShardedTensorSpec
 from megalm.distributed.finalize_model_grads import grad_of
 from megalm.errors import MegalmError
 from megalm.optimizer.clip_grads import clip_grads_by_total_norm, grad_norm_and_zeros, unscale_and_check_for_inf
+from megalm.optimizer.cpu_offload import CpuOffload
 from megalm.optimizer.grad_scaler import GradScaler
 from megalm.parallel_state import ProcessGroups, group_size
 from megalm.param_layout import param_range_specs, param_spec
@@ -126,6 +127,8 @@ class MegatronOptimizer:
             parameters with EP > 1) and of the overflow flag, and the ``tp`` / ``pp`` ranks that
             decide which gradients count once; default
             :func:`megalm.parallel_state.get_process_groups` (resolved here, once).
+        offload_fraction: > 0: the update of that fraction of the main parameters runs on the host
+            (:mod:`megalm.optimizer.cpu_offload`, ``--optimizer-cpu-offload``).
     """
 
     def __init__(
@@ -136,6 +139,7 @@ class MegatronOptimizer:
         grad_scaler: Optional[GradScaler] = None,
         log_num_zeros_in_grad: bool = False,
         process_groups: Optional[ProcessGroups] = None,
+        offload_fraction: float = 0.0,
     ):
         self.process_groups = parallel_state.get_process_groups() if process_groups is None else process_groups
         self.model_params: List[torch.nn.Parameter] = [p for g in groups for p in g["params"]]
@@ -145,8 +149,10 @@ class MegatronOptimizer:
             raise OptimizerError(f"parameter names must be unique across model chunks, duplicated: {dup[:5]}")
         main_groups = self._make_main_params(groups)
         self.main_params: List[torch.nn.Parameter] = [m for mains in main_groups for m in mains]
+        self.offload = CpuOffload(self.main_params, offload_fraction) if offload_fraction > 0 else None
         torch_groups = [
-            {k: v for k, v in g.items() if k not in ("params", "names")} | {"params": mains}
+            {k: v for k, v in g.items() if k not in ("params", "names")}
+            | {"params": [self._torch_param(m) for m in mains]}
             for g, mains in zip(groups, main_groups)
         ]
         self.optimizer = make_optimizer(torch_groups)
@@ -187,6 +193,18 @@ class MegatronOptimizer:
             main.grad = None
             if getattr(model, "main_grad", None) is not None:
                 model.grad = None
+
+    def _torch_param(self, main: torch.nn.Parameter) -> torch.nn.Parameter:
+        """The tensor the torch optimizer updates for ``main`` (its host copy when offloaded)."""
+        return main if self.offload is None else self.offload.torch_param(main)
+
+    def _state_of(self, main: torch.nn.Parameter) -> dict:
+        """The torch optimizer's state of ``main`` (on the host when offloaded)."""
+        return self.optimizer.state[self._torch_param(main)]
+
+    def _refresh_offload(self) -> None:
+        if self.offload is not None:
+            self.offload.refresh()
 
     # --- public API --------------------------------------------------------------------------
     @property
@@ -230,7 +248,11 @@ class MegatronOptimizer:
             if not math.isfinite(norm):
                 return False, norm, zeros
             with timers("optimizer-inner-step"):
+                if self.offload is not None:
+                    self.offload.gradients_to_host()
                 self.optimizer.step()
+                if self.offload is not None:
+                    self.offload.weights_to_device()
             with timers("optimizer-copy-main-to-model-params"):
                 self._copy_main_to_model()
             self._after_update(timers)
@@ -288,6 +310,7 @@ class MegatronOptimizer:
         state = {index[n]: s for n, s in state_dict["optimizer"]["state"].items()}
         self.optimizer.load_state_dict({"state": state, "param_groups": new_groups})
         self._load_main_params(state_dict.get("main_params") or {})
+        self._refresh_offload()
         if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
@@ -301,6 +324,7 @@ class MegatronOptimizer:
         for model, main in zip(self.model_params, self.main_params):
             if main is not model:
                 main.copy_(model.float())
+        self._refresh_offload()
 
     # --- checkpoint protocol (megalm.checkpointing), the same for every optimizer -----------------
     def init_state(self) -> None:
@@ -323,7 +347,7 @@ class MegatronOptimizer:
         """This rank's state tensors, one :class:`ParamState` per parameter (whole local tensors)."""
         out = []
         for name, model, main in zip(self.names, self.model_params, self.main_params):
-            tensors = dict(self.optimizer.state[main])
+            tensors = dict(self._state_of(main))
             if main is not model:
                 tensors["main_param"] = main.data
             out.append(ParamState(name, model, tensors))
@@ -376,6 +400,7 @@ class MegatronOptimizer:
             self.grad_scaler.load_state_dict(common["grad_scaler"])
         if not main_params_loaded:
             self.reload_model_params()
+        self._refresh_offload()
 
     def sharded_param_state(self) -> Dict[str, Dict[str, torch.Tensor]]:
         """``{global name: {state key: live tensor}}`` (whole local tensors): moments, ``step``
@@ -386,7 +411,8 @@ class MegatronOptimizer:
     def memory_breakdown(self) -> Dict[str, int]:
         """Bytes beyond the model's weights and gradient buffers: fp32 main weights (copies only),
         fp32 main gradients (copies made during the step when gradients are not fp32) and the
-        optimizer state (moments; the 0-dim step counters are left out).  The state is created
+        optimizer state (moments; the 0-dim step counters are left out) on the device, and ``host``:
+        the bytes offloaded to the host (:mod:`megalm.optimizer.cpu_offload`).  The state is created
         first if no step was taken yet."""
         self.init_state()
         copies = [(p, m) for p, m in zip(self.model_params, self.main_params) if m is not p]
@@ -397,9 +423,11 @@ class MegatronOptimizer:
             "optimizer_state": sum(
                 t.numel() * t.element_size()
                 for m in self.main_params
+                if self._torch_param(m) is m
                 for t in self.optimizer.state[m].values()
                 if t.dim() > 0
             ),
+            "host": self.offload.host_bytes(self.optimizer.state) if self.offload is not None else 0,
         }
 
 

@@ -200,7 +200,8 @@ def scale_gradients_by_token_count(model: Sequence[torch.nn.Module], num_tokens:
                     p.grad.mul_(inv.to(p.grad.dtype))
             continue
         for buf in buffers:
-            buf.grad_data.mul_((inv / buf.gradient_scaling_factor).to(buf.grad_data.dtype))
+            grads = buf.reduced_grad_data  # the whole buffer, or this rank's shard (ZeRO-2)
+            grads.mul_((inv / buf.gradient_scaling_factor).to(grads.dtype))
 
 
 # --- reported values -------------------------------------------------------------------------

@@ -1,0 +1,191 @@
+"""Sharded gradients (ZeRO-2, ``--data-parallel-sharding-strategy optim_grads``) on a tiny MLP, real gloo ranks.
+
+* DP 4 (DP 2, TP 2 and the non-overlapped reduction run end to end in
+  tests/test_sharding_strategy_training.py), three buckets (padding) reduced during the backward
+  (--overlap-grad-reduce), expert (``allreduce=False``) parameters, 3 microbatches:
+  parameters after 3 clipped AdamW steps are bit-identical to the distributed optimizer's (ZeRO-1)
+  and equal single-process AdamW within 1e-6;
+* communication: one reduce-scatter per bucket per step (ZeRO-1's bytes), no gradient all-reduce;
+* memory: after the reduction no bucket's full storage is alive and the gradient bytes on a rank
+  are ``grad size x padded numel / d``; bytes per parameter equal the formula (``4 + 12/d`` fp32,
+  ``2 + 16/d`` bf16/fp16 with fp32 grads, ``2 + 18/d`` fp16 grads) for d in {1, 4}, and so do
+  the planner's (tools/estimate.py) per strategy, optim and optim_grads;
+* a gradient arriving after its bucket was reduce-scattered is refused;
+* the flag: ``optim`` / ``optim_grads`` turn the distributed optimizer on, the distributed optimizer
+  alone means ``optim``; what is not built is a ConfigError naming the flags.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megalm import parallel_state
+from megalm.config import ParallelConfig, validate_config
+from megalm.config.sections import ConfigError
+from megalm.distributed import DistributedDataParallel, comm, finalize_model_grads
+from megalm.distributed.param_and_grad_buffer import DataParallelError
+from megalm.estimate.planner import state_bytes_per_param, strategy_bytes_per_param
+from megalm.optimizer import build_optimizer
+from megalm.optimizer.memory_accounting import formula_bytes_per_param, optimizer_memory
+from megalm.testing import run_distributed
+from tests.test_data_parallel_config import _cfg
+from tests.test_ddp import GLOBAL_BATCH, NUM_MICRO, STEPS, batch, make_cfg, make_model, reference_run
+from tests.test_distrib_optimizer import PRECISIONS, _mlp
+
+ZERO2 = "optim_grads"
+
+
+def _ddp(model, strategy, **kw):
+    return DistributedDataParallel(model, ParallelConfig(data_parallel_sharding_strategy=strategy, **kw))
+
+
+def _memory(precision, strategy=ZERO2):
+    dtype, fp32_grads = PRECISIONS[precision]
+    ddp = _ddp(_mlp(dtype), strategy, accumulate_allreduce_grads_in_fp32=fp32_grads)
+    cfg = make_cfg()
+    cfg.parallel.data_parallel_sharding_strategy = strategy
+    mem = optimizer_memory(build_optimizer(cfg, [ddp], report_memory=False), [ddp])
+    return mem["total"], mem["formula"] * mem["params"], mem["grads"], mem["d"], mem["grads_sharded"]
+
+
+@pytest.mark.parametrize(
+    "parallel,strategy",
+    [
+        ({}, "no_shard"),
+        ({"use_distributed_optimizer": True}, "optim"),
+        ({"data_parallel_sharding_strategy": "optim"}, "optim"),
+        ({"data_parallel_sharding_strategy": "optim_grads", "overlap_param_gather": True}, "optim_grads"),
+    ],
+)
+def test_strategy_flag(parallel, strategy):
+    p = validate_config(_cfg(**parallel)).parallel
+    assert p.data_parallel_sharding_strategy == strategy
+    assert p.use_distributed_optimizer == (strategy != "no_shard")
+
+
+@pytest.mark.parametrize(
+    "parallel,message",
+    [
+        ({"data_parallel_sharding_strategy": "optim_grads_params"}, "optim_grads_params .* is not built yet"),
+        (
+            {"data_parallel_sharding_strategy": "optim_grads", "pipeline_model_parallel_size": 2},
+            "optim_grads with --pipeline-model-parallel-size 2 is not built yet",
+        ),
+        (
+            {"data_parallel_sharding_strategy": "optim_grads", "hierarchical_grad_reduce": True},
+            "optim_grads with --hierarchical-grad-reduce is not built yet",
+        ),
+    ],
+)
+def test_strategy_refusals(parallel, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_config(_cfg(**parallel))
+
+
+def test_formula_bytes_per_param():
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    assert formula_bytes_per_param(f32, f32, 4, grads_sharded=True) == (
+        4 + 12 / 4,
+        "4 + 12/d (fp32 params and grads, grads sharded)",
+    )
+    assert formula_bytes_per_param(bf16, f32, 4, grads_sharded=True)[0] == 2 + 16 / 4
+    assert formula_bytes_per_param(f16, f16, 4, grads_sharded=True)[0] == 2 + 18 / 4
+    assert formula_bytes_per_param(bf16, f32, 4) == (6 + 12 / 4, "6 + 12/d (bf16 params, fp32 grads)")
+
+
+def test_memory_single_rank():
+    for precision in PRECISIONS:
+        total, formula_total, _, d, sharded = _memory(precision)
+        assert (d, sharded) == (1, True)
+        assert total == formula_total, precision
+
+
+def _train(dp, strategy, overlap, bucket_size, expert_last_layer):
+    model = make_model()
+    if expert_last_layer:
+        for p in model.out.parameters():
+            p.allreduce = False
+    kw = dict(overlap_grad_reduce=overlap, overlap_param_gather=overlap, ddp_bucket_size=bucket_size)
+    ddp = _ddp(model, strategy, **kw)
+    cfg = make_cfg()
+    cfg.parallel.data_parallel_sharding_strategy = strategy
+    optimizer = build_optimizer(cfg, [ddp], report_memory=False)
+    buckets = [b for buf in ddp.all_buffers for b in buf.buckets]
+    rank, mb = parallel_state.get_data_parallel_rank(), GLOBAL_BATCH // dp // NUM_MICRO
+    out = {"n_buckets": len(buckets), "padded_numel": sum(b.numel for b in buckets), "live": [], "grad_bytes": []}
+    comm.reset_comm_stats()
+    for step in range(STEPS):
+        x, y = batch(step)
+        x, y = x.view(dp, NUM_MICRO, mb, 8)[rank], y.view(dp, NUM_MICRO, mb, 3)[rank]
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        for k in range(NUM_MICRO):
+            loss = F.mse_loss(ddp(x[k]), y[k]) / NUM_MICRO
+            if k < NUM_MICRO - 1:
+                with ddp.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        finalize_model_grads([ddp])
+        out["live"].append(sum(b.grad_data is not None for b in buckets))
+        out["grad_bytes"].append(sum(buf.grad_bytes() for buf in ddp.all_buffers))
+        ok, norm, _ = optimizer.step()
+        assert ok
+    ddp.finish_param_sync()
+    out["stats"] = comm.get_comm_stats()
+    out["params"] = [p.detach().clone() for p in model.parameters()]
+    if strategy == ZERO2:  # a late gradient (a backward outside no_sync after the reduction) is refused
+        ddp.start_grad_sync()
+        try:
+            F.mse_loss(ddp(x[0]), y[0]).backward()
+            out["late"] = None
+        except DataParallelError as e:
+            out["late"] = str(e)
+    return out
+
+
+def worker(dp):
+    parallel_state.initialize_model_parallel(1, 1)
+    results = {}
+    for key in ((True, 100, True),):
+        results[key] = {s: _train(dp, s, *key) for s in ("optim", ZERO2)}
+    results["memory"] = {p: _memory(p) for p in PRECISIONS}
+    results["memory_optim"] = {p: _memory(p, "optim") for p in PRECISIONS}
+    return results
+
+
+def test_sharded_grads_match_zero1_and_single_process():
+    dp = 4
+    _, ref_params, _ = reference_run()
+    ranks = run_distributed(worker, dp, args=(dp,), timeout=150)
+    for r in ranks:
+        for key, res in r.items():
+            if not isinstance(key, tuple):
+                continue
+            zero1, zero2 = res["optim"], res[ZERO2]
+            for a, b in zip(zero2["params"], zero1["params"]):
+                assert torch.equal(a, b), key  # same reduction, same shards: bit-identical
+            for a, e in zip(zero2["params"], ref_params):
+                torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6 * e.abs().max().item())
+            n, padded = zero2["n_buckets"], zero2["padded_numel"]
+            assert n == 3
+            stats = zero2["stats"]
+            assert "grad_all_reduce" not in stats
+            assert stats["grad_reduce_scatter"] == zero1["stats"]["grad_reduce_scatter"]
+            assert stats["grad_reduce_scatter"]["calls"] == n * STEPS
+            # after the reduction only the shard is left: 4 bytes x padded numel / d (ZeRO-1: all of it)
+            assert zero2["live"] == [0] * STEPS
+            assert zero2["grad_bytes"] == [4 * padded // dp] * STEPS
+            assert zero1["grad_bytes"] == [4 * padded] * STEPS
+            assert "arrived after its bucket" in zero2["late"]
+        for precision, (total, formula_total, grads, d, sharded) in r["memory"].items():
+            assert (d, sharded) == (dp, True)
+            assert total == formula_total, precision  # e.g. bf16: (2 + 16/d) x 244 bytes exactly
+            assert grads == (4 if PRECISIONS[precision][1] else 2) * 244 // dp
+        # tools/estimate.py's bytes per parameter per strategy equal the measured ones
+        for strategy, memory in (("optim_grads", r["memory"]), ("optim", r["memory_optim"])):
+            for precision, (total, *_) in memory.items():
+                dtype, fp32_grads = PRECISIONS[precision]
+                name = "fp32" if dtype == torch.float32 else "bf16"
+                per_param = state_bytes_per_param(name, "adam", 0.0, fp32_grads)
+                assert total == 244 * sum(strategy_bytes_per_param(per_param, dp, strategy).values()), precision
