@@ -265,7 +265,15 @@ class TrainingConfig:
     train_iters: Optional[int] = _f(None, "Iterations to train (or --train-samples).")
     train_samples: Optional[int] = _f(None, "Samples to train (or --train-iters).")
     seed: int = _f(1234, "Random seed (weights, dropout, data order).")
-    optimizer: str = _f("adam", "Optimizer (adam is AdamW: decoupled weight decay).", choices=["adam", "sgd"])
+    optimizer: str = _f(
+        "adam",
+        "Optimizer: adam is AdamW (decoupled weight decay); sgd (momentum, L2 decay); lamb (Adam direction "
+        "times a per-tensor trust ratio ||w||/||update||, clamped at 10); lars (SGD momentum with the "
+        "per-tensor local learning rate of --lars-trust-coefficient); lion (sign of interpolated momentum). "
+        "LAMB and LARS leave biases and norm weights out of the trust ratio; their norms are of the full "
+        "tensor under every parallel layout.",
+        choices=["adam", "sgd", "lamb", "lars", "lion"],
+    )
     lr: float = _f(1e-4, "Peak learning rate.")
     min_lr: float = _f(0.0, "Minimum learning rate after decay.")
     lr_decay_style: str = _f(
@@ -290,7 +298,12 @@ class TrainingConfig:
     adam_beta1: float = _f(0.9, "Adam beta1.")
     adam_beta2: float = _f(0.999, "Adam beta2.")
     adam_eps: float = _f(1e-8, "Adam epsilon.")
-    sgd_momentum: float = _f(0.9, "SGD momentum.")
+    sgd_momentum: float = _f(0.9, "SGD momentum (also LARS').")
+    lars_trust_coefficient: float = _f(
+        0.001, "LARS trust coefficient eta: local lr = eta ||w|| / (||g|| + weight decay ||w||)."
+    )
+    lion_beta1: float = _f(0.9, "Lion beta1: interpolation of momentum and gradient for the sign (megalm's flag).")
+    lion_beta2: float = _f(0.99, "Lion beta2: momentum decay (megalm's flag).")
     clip_grad: float = _f(1.0, "Clip gradients to this global L2 norm (0 disables).")
     log_num_zeros_in_grad: bool = _f(False, "Count zero gradient entries and log them.")
     calculate_per_token_loss: bool = _f(

@@ -153,6 +153,7 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
     _validate_parallel(m, p)
     _validate_moe(m, p)
     _validate_precision(m, p, t)
+    _validate_optimizer(p, t)
     if world_size is not None:
         _validate_world(p, t, world_size, vpp)
     _validate_training_length(t)
@@ -310,6 +311,21 @@ def _validate_parallel(m: ModelConfig, p: ParallelConfig) -> None:
             m.seq_length % tp == 0,
             f"--seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size {tp} (sequence parallel)",
         )
+
+
+def _validate_optimizer(p: ParallelConfig, t: TrainingConfig) -> None:
+    """--optimizer and its hyper-parameters; what the layer-wise optimizers do not support."""
+    if t.optimizer in ("lamb", "lars"):
+        _check(
+            p.expert_model_parallel_size == 1,
+            f"--optimizer {t.optimizer} with --expert-model-parallel-size > 1 is not supported yet (the trust "
+            "ratios' norms are reduced over the tensor x data-parallel ranks, which hold different experts)",
+        )
+    if t.optimizer == "lars":
+        _check(t.lars_trust_coefficient > 0, f"--lars-trust-coefficient must be > 0, got {t.lars_trust_coefficient}")
+    if t.optimizer == "lion":
+        for flag, beta in (("--lion-beta1", t.lion_beta1), ("--lion-beta2", t.lion_beta2)):
+            _check(0.0 <= beta < 1.0, f"{flag} must be in [0, 1), got {beta}")
 
 
 def _validate_precision(m: ModelConfig, p: ParallelConfig, t: TrainingConfig) -> None:

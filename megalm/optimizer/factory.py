@@ -23,6 +23,9 @@ from megalm.distributed.finalize_model_grads import unwrap_model
 from megalm.log import get_logger
 from megalm.optimizer.distrib_optimizer import DistributedOptimizer
 from megalm.optimizer.grad_scaler import build_grad_scaler
+from megalm.optimizer.lamb import Lamb
+from megalm.optimizer.lars import Lars
+from megalm.optimizer.lion import Lion
 from megalm.optimizer.memory_accounting import format_memory_report, optimizer_memory
 from megalm.optimizer.optimizer import FP32Optimizer, MegatronOptimizer, MixedPrecisionOptimizer, OptimizerError
 from megalm.parallel_state import ProcessGroups
@@ -70,9 +73,26 @@ def named_parameters_for_optimizer(model_chunks: Sequence[torch.nn.Module]) -> L
 
 
 def make_torch_optimizer(t) -> Callable[[List[dict]], torch.optim.Optimizer]:
-    """``groups -> torch optimizer`` for ``--optimizer`` (AdamW or SGD), fused kernels when available."""
+    """``groups -> torch optimizer`` for ``--optimizer``: AdamW or SGD (fused kernels when available),
+    megalm's LAMB, LARS or Lion (:mod:`megalm.optimizer.lamb`, ``lars``, ``lion``).  LAMB and LARS
+    leave the ``no_decay`` group (biases, norm weights) out of the trust ratio, as their papers."""
 
     def make(groups: List[dict]) -> torch.optim.Optimizer:
+        if t.optimizer in ("lamb", "lars"):
+            groups = [g | {"trust_ratio": g.get("name") != "no_decay"} for g in groups]
+        if t.optimizer == "lamb":
+            betas = (t.adam_beta1, t.adam_beta2)
+            return Lamb(groups, lr=t.lr, betas=betas, eps=t.adam_eps, weight_decay=t.weight_decay)
+        if t.optimizer == "lars":
+            return Lars(
+                groups,
+                lr=t.lr,
+                momentum=t.sgd_momentum,
+                weight_decay=t.weight_decay,
+                trust_coefficient=t.lars_trust_coefficient,
+            )
+        if t.optimizer == "lion":
+            return Lion(groups, lr=t.lr, betas=(t.lion_beta1, t.lion_beta2), weight_decay=t.weight_decay)
         if t.optimizer == "adam":
             cls, kw = (
                 torch.optim.AdamW,
@@ -81,7 +101,7 @@ def make_torch_optimizer(t) -> Callable[[List[dict]], torch.optim.Optimizer]:
         elif t.optimizer == "sgd":
             cls, kw = torch.optim.SGD, dict(lr=t.lr, momentum=t.sgd_momentum, weight_decay=t.weight_decay)
         else:
-            raise OptimizerError(f"unknown --optimizer {t.optimizer!r} (choose adam or sgd)")
+            raise OptimizerError(f"unknown --optimizer {t.optimizer!r} (choose adam, sgd, lamb, lars or lion)")
         try:  # the fused kernels are ~5x faster on CPU and on GPU
             return cls(groups, fused=True, **kw)
         except (RuntimeError, TypeError, ValueError):
