@@ -269,10 +269,11 @@ class TrainingConfig:
         "adam",
         "Optimizer: adam is AdamW (decoupled weight decay); sgd (momentum, L2 decay); lamb (Adam direction "
         "times a per-tensor trust ratio ||w||/||update||, clamped at 10); lars (SGD momentum with the "
-        "per-tensor local learning rate of --lars-trust-coefficient); lion (sign of interpolated momentum). "
+        "per-tensor local learning rate of --lars-trust-coefficient); lion (sign of interpolated momentum); muon "
+        "(Newton-Schulz-orthogonalized momentum for the linear layers' weights, --muon-scalar-optimizer for the rest). "
         "LAMB and LARS leave biases and norm weights out of the trust ratio; their norms are of the full "
         "tensor under every parallel layout.",
-        choices=["adam", "sgd", "lamb", "lars", "lion"],
+        choices=["adam", "sgd", "lamb", "lars", "lion", "muon"],
     )
     lr: float = _f(1e-4, "Peak learning rate.")
     min_lr: float = _f(0.0, "Minimum learning rate after decay.")
@@ -304,6 +305,26 @@ class TrainingConfig:
     )
     lion_beta1: float = _f(0.9, "Lion beta1: interpolation of momentum and gradient for the sign (megalm's flag).")
     lion_beta2: float = _f(0.99, "Lion beta2: momentum decay (megalm's flag).")
+    muon_momentum: float = _f(0.95, "Muon momentum (the matrices' momentum buffer decay).")
+    muon_use_nesterov: bool = _f(False, "Muon: orthogonalize the Nesterov direction (1 - mu) g + mu m.")
+    muon_num_ns_steps: int = _f(5, "Muon: quintic Newton-Schulz iterations per step.")
+    muon_scale_mode: str = _f(
+        "spectral",
+        "Muon update scale for an out x in matrix: spectral sqrt(max(out, in)), unit_rms_norm sqrt(out/in), "
+        "shape_scaling sqrt(max(1, out/in)).",
+        choices=["spectral", "unit_rms_norm", "shape_scaling"],
+    )
+    muon_extra_scale_factor: float = _f(1.0, "Muon: extra factor on the update (e.g. 0.2 to match AdamW's RMS).")
+    muon_scalar_optimizer: str = _f(
+        "adam", "Muon: optimizer of the non-matrix parameters, embeddings and output layer.", choices=["adam"]
+    )
+    muon_tp_mode: str = _f(
+        "blockwise",
+        "Muon under tensor parallelism: duplicated all-gathers each split matrix and orthogonalizes it whole "
+        "(equals one process); blockwise orthogonalizes each rank's shard (no communication, a different "
+        "update); distributed is not built (refused).",
+        choices=["blockwise", "duplicated", "distributed"],
+    )
     clip_grad: float = _f(1.0, "Clip gradients to this global L2 norm (0 disables).")
     log_num_zeros_in_grad: bool = _f(False, "Count zero gradient entries and log them.")
     calculate_per_token_loss: bool = _f(

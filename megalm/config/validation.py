@@ -315,7 +315,7 @@ def _validate_parallel(m: ModelConfig, p: ParallelConfig) -> None:
 
 def _validate_optimizer(p: ParallelConfig, t: TrainingConfig) -> None:
     """--optimizer and its hyper-parameters; what the layer-wise optimizers do not support."""
-    if t.optimizer in ("lamb", "lars"):
+    if t.optimizer in ("lamb", "lars", "muon"):
         _check(
             p.expert_model_parallel_size == 1,
             f"--optimizer {t.optimizer} with --expert-model-parallel-size > 1 is not supported yet (the trust "
@@ -323,9 +323,26 @@ def _validate_optimizer(p: ParallelConfig, t: TrainingConfig) -> None:
         )
     if t.optimizer == "lars":
         _check(t.lars_trust_coefficient > 0, f"--lars-trust-coefficient must be > 0, got {t.lars_trust_coefficient}")
+    if t.optimizer == "muon":
+        _validate_muon(p, t)
     if t.optimizer == "lion":
         for flag, beta in (("--lion-beta1", t.lion_beta1), ("--lion-beta2", t.lion_beta2)):
             _check(0.0 <= beta < 1.0, f"{flag} must be in [0, 1), got {beta}")
+
+
+def _validate_muon(p: ParallelConfig, t: TrainingConfig) -> None:
+    _check(
+        not p.use_distributed_optimizer,
+        "--optimizer muon with --use-distributed-optimizer is not supported yet (its flat shards cut the "
+        "matrices that Newton-Schulz orthogonalizes whole)",
+    )
+    _check(
+        t.muon_tp_mode != "distributed",
+        "--muon-tp-mode distributed is not built; use duplicated (gathers each matrix: equals one process) "
+        "or blockwise (orthogonalizes each TP shard)",
+    )
+    _check(t.muon_num_ns_steps >= 1, f"--muon-num-ns-steps must be >= 1, got {t.muon_num_ns_steps}")
+    _check(0.0 <= t.muon_momentum < 1.0, f"--muon-momentum must be in [0, 1), got {t.muon_momentum}")
 
 
 def _validate_precision(m: ModelConfig, p: ParallelConfig, t: TrainingConfig) -> None:
