@@ -262,6 +262,13 @@ class TrainingConfig:
     rampup_batch_size: Optional[List[int]] = _f(
         None, "Batch size ramp-up: <start> <increment> <ramp-up samples>.", nargs=3
     )
+    step_batch_size_schedule: Optional[str] = _f(
+        None,
+        "Global batch size by consumed tokens: '<tokens>:<batch> ...', e.g. '0:16 2.4B:320' (suffixes K M B T; "
+        "the first threshold 0; tokens become samples by floor division by --seq-length). Sets the global "
+        "batch size itself (not with --global-batch-size or --rampup-batch-size); needs --train-samples. The "
+        "learning rate is not rescaled when the batch changes (a warning gives the linear and sqrt rules).",
+    )
     train_iters: Optional[int] = _f(None, "Iterations to train (or --train-samples).")
     train_samples: Optional[int] = _f(None, "Samples to train (or --train-iters).")
     seed: int = _f(1234, "Random seed (weights, dropout, data order).")
