@@ -29,6 +29,7 @@ CONSUMED_BY_VALIDATION = {
     "lr_warmup_samples": "lr_schedule_samples",
     "lr_wsd_decay_samples": "lr_schedule_samples",
     "lr_wsd_decay_iters": "lr_schedule_samples",
+    "step_batch_size_schedule": "step_schedule (the trainer's microbatch calculator calls it)",
     "apply_query_key_layer_scaling": "Megatron no-op: warns",
     "log_throughput": "Megatron no-op: warns",
     "log_validation_ppl_to_tensorboard": "Megatron no-op: warns",

@@ -68,9 +68,15 @@ def test_optimizer_modules_import_graph_is_acyclic():
     assert "megalm.optimizer.factory" in edges and "megalm.optimizer.distrib_optimizer" in edges
     assert find_cycle(edges) is None, edges
     # the base class knows neither its subclass nor the factory; no optimizer module reads checkpointing
-    leaves = {"megalm.optimizer.clip_grads", "megalm.optimizer.grad_scaler", "megalm.optimizer.cpu_offload"}
+    leaves = {
+        "megalm.optimizer.clip_grads",
+        "megalm.optimizer.grad_scaler",
+        "megalm.optimizer.cpu_offload",
+        "megalm.optimizer.tensor_norms",
+    }
     assert set(edges["megalm.optimizer.optimizer"]) <= leaves
     assert edges["megalm.optimizer.cpu_offload"] == []
+    assert not edges["megalm.optimizer.tensor_norms"]  # a leaf: imports no optimizer module
     assert "megalm.optimizer.factory" not in edges["megalm.optimizer.distrib_optimizer"]
     assert not [m for m in MODULES if "megalm.checkpointing" in edges[m]]
 

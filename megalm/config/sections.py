@@ -350,6 +350,13 @@ class TrainingConfig:
     rampup_batch_size: Optional[List[int]] = _f(
         None, "Batch size ramp-up: <start> <increment> <ramp-up samples>.", nargs=3
     )
+    step_batch_size_schedule: Optional[str] = _f(
+        None,
+        "Global batch size by consumed tokens: '<tokens>:<batch> ...', e.g. '0:16 2.4B:320' (suffixes K M B T; "
+        "the first threshold 0; tokens become samples by floor division by --seq-length). Sets the global "
+        "batch size itself (not with --global-batch-size or --rampup-batch-size); needs --train-samples. The "
+        "learning rate is not rescaled when the batch changes (a warning gives the linear and sqrt rules).",
+    )
     train_iters: Optional[int] = _f(None, "Iterations to train (or --train-samples).")
     train_samples: Optional[int] = _f(None, "Samples to train (or --train-iters).")
     seed: int = _f(1234, "Random seed (weights, dropout, data order).")
@@ -358,7 +365,16 @@ class TrainingConfig:
         "torch.use_deterministic_algorithms(True) (and CUBLAS_WORKSPACE_CONFIG on CUDA): an op without a "
         "deterministic kernel raises instead of running.",
     )
-    optimizer: str = _f("adam", "Optimizer (adam is AdamW: decoupled weight decay).", choices=["adam", "sgd"])
+    optimizer: str = _f(
+        "adam",
+        "Optimizer: adam is AdamW (decoupled weight decay); sgd (momentum, L2 decay); lamb (Adam direction "
+        "times a per-tensor trust ratio ||w||/||update||, clamped at 10); lars (SGD momentum with the "
+        "per-tensor local learning rate of --lars-trust-coefficient); lion (sign of interpolated momentum); muon "
+        "(Newton-Schulz-orthogonalized momentum for the linear layers' weights, --muon-scalar-optimizer for the rest). "
+        "LAMB and LARS leave biases and norm weights out of the trust ratio; their norms are of the full "
+        "tensor under every parallel layout.",
+        choices=["adam", "sgd", "lamb", "lars", "lion", "muon"],
+    )
     lr: float = _f(1e-4, "Peak learning rate.")
     min_lr: float = _f(0.0, "Minimum learning rate after decay.")
     lr_decay_style: str = _f(
@@ -401,7 +417,32 @@ class TrainingConfig:
     adam_beta1: float = _f(0.9, "Adam beta1.")
     adam_beta2: float = _f(0.999, "Adam beta2.")
     adam_eps: float = _f(1e-8, "Adam epsilon.")
-    sgd_momentum: float = _f(0.9, "SGD momentum.")
+    sgd_momentum: float = _f(0.9, "SGD momentum (also LARS').")
+    lars_trust_coefficient: float = _f(
+        0.001, "LARS trust coefficient eta: local lr = eta ||w|| / (||g|| + weight decay ||w||)."
+    )
+    lion_beta1: float = _f(0.9, "Lion beta1: interpolation of momentum and gradient for the sign (megalm's flag).")
+    lion_beta2: float = _f(0.99, "Lion beta2: momentum decay (megalm's flag).")
+    muon_momentum: float = _f(0.95, "Muon momentum (the matrices' momentum buffer decay).")
+    muon_use_nesterov: bool = _f(False, "Muon: orthogonalize the Nesterov direction (1 - mu) g + mu m.")
+    muon_num_ns_steps: int = _f(5, "Muon: quintic Newton-Schulz iterations per step.")
+    muon_scale_mode: str = _f(
+        "spectral",
+        "Muon update scale for an out x in matrix: spectral sqrt(max(out, in)), unit_rms_norm sqrt(out/in), "
+        "shape_scaling sqrt(max(1, out/in)).",
+        choices=["spectral", "unit_rms_norm", "shape_scaling"],
+    )
+    muon_extra_scale_factor: float = _f(1.0, "Muon: extra factor on the update (e.g. 0.2 to match AdamW's RMS).")
+    muon_scalar_optimizer: str = _f(
+        "adam", "Muon: optimizer of the non-matrix parameters, embeddings and output layer.", choices=["adam"]
+    )
+    muon_tp_mode: str = _f(
+        "blockwise",
+        "Muon under tensor parallelism: duplicated all-gathers each split matrix and orthogonalizes it whole "
+        "(equals one process); blockwise orthogonalizes each rank's shard (no communication, a different "
+        "update); distributed is not built (refused).",
+        choices=["blockwise", "duplicated", "distributed"],
+    )
     optimizer_cpu_offload: bool = _f(
         False,
         "Run the optimizer update of --optimizer-offload-fraction of the main parameters on the CPU: "

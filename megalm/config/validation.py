@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from megalm.config.megatron_compat import NO_EFFECT, given_no_effect_flags, refusal
 from megalm.config.sections import (
@@ -23,6 +23,7 @@ from megalm.config.sections import (
 from megalm.device import get_backend, use_cuda
 from megalm.log import get_logger
 from megalm.tokenizers.build import missing_tokenizer_flags
+from megalm.training.microbatches import ScheduleError, parse_step_batch_size_schedule
 
 logger = get_logger(__name__)
 
@@ -253,8 +254,10 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
     _validate_parallel(m, p)
     _validate_moe(m, p)
     _validate_precision(m, p, t)
+    _validate_optimizer(p, t)
+    _validate_step_schedule(m, t)
     if world_size is not None:
-        _validate_world(p, t, world_size, vpp)
+        _validate_world(p, t, world_size, vpp, m.seq_length)
     _validate_training_length(t)
     _validate_lr_schedule(t)
     _validate_data(cfg.data, m, p)
@@ -482,6 +485,38 @@ def _validate_context_parallel(m: ModelConfig, p: ParallelConfig) -> None:
         )
 
 
+def _validate_optimizer(p: ParallelConfig, t: TrainingConfig) -> None:
+    """--optimizer and its hyper-parameters; what the layer-wise optimizers do not support."""
+    if t.optimizer in ("lamb", "lars", "muon"):
+        _check(
+            p.expert_model_parallel_size == 1,
+            f"--optimizer {t.optimizer} with --expert-model-parallel-size > 1 is not supported yet (the trust "
+            "ratios' norms are reduced over the tensor x data-parallel ranks, which hold different experts)",
+        )
+    if t.optimizer == "lars":
+        _check(t.lars_trust_coefficient > 0, f"--lars-trust-coefficient must be > 0, got {t.lars_trust_coefficient}")
+    if t.optimizer == "muon":
+        _validate_muon(p, t)
+    if t.optimizer == "lion":
+        for flag, beta in (("--lion-beta1", t.lion_beta1), ("--lion-beta2", t.lion_beta2)):
+            _check(0.0 <= beta < 1.0, f"{flag} must be in [0, 1), got {beta}")
+
+
+def _validate_muon(p: ParallelConfig, t: TrainingConfig) -> None:
+    _check(
+        not p.use_distributed_optimizer,
+        "--optimizer muon with --use-distributed-optimizer is not supported yet (its flat shards cut the "
+        "matrices that Newton-Schulz orthogonalizes whole)",
+    )
+    _check(
+        t.muon_tp_mode != "distributed",
+        "--muon-tp-mode distributed is not built; use duplicated (gathers each matrix: equals one process) "
+        "or blockwise (orthogonalizes each TP shard)",
+    )
+    _check(t.muon_num_ns_steps >= 1, f"--muon-num-ns-steps must be >= 1, got {t.muon_num_ns_steps}")
+    _check(0.0 <= t.muon_momentum < 1.0, f"--muon-momentum must be in [0, 1), got {t.muon_momentum}")
+
+
 def _validate_precision(m: ModelConfig, p: ParallelConfig, t: TrainingConfig) -> None:
     """bf16 / fp16 / fp8, and the attention cores each precision allows."""
     _check(not (t.bf16 and t.fp16), "--bf16 and --fp16 are mutually exclusive")
@@ -526,7 +561,44 @@ def _validate_numerics_checks(t: TrainingConfig) -> None:
     )
 
 
-def _validate_world(p: ParallelConfig, t: TrainingConfig, world_size: int, vpp: Optional[int]) -> None:
+def step_schedule(t: TrainingConfig, seq_length: int) -> Optional[List[Tuple[int, int]]]:
+    """``--step-batch-size-schedule`` as (threshold in samples, global batch) pairs, or None."""
+    if t.step_batch_size_schedule is None:
+        return None
+    try:
+        return parse_step_batch_size_schedule(t.step_batch_size_schedule, seq_length)
+    except ScheduleError as e:
+        raise ConfigError(f"--step-batch-size-schedule: {e}") from None
+
+
+def _validate_step_schedule(m: ModelConfig, t: TrainingConfig) -> None:
+    """The schedule parses, excludes --rampup-batch-size and --global-batch-size, and sets the global
+    batch size to its largest batch (what the data and learning-rate schedule are sized from)."""
+    schedule = step_schedule(t, m.seq_length)
+    if schedule is None:
+        return
+    largest = max(b for _, b in schedule)
+    _check(t.rampup_batch_size is None, "give only one of --step-batch-size-schedule and --rampup-batch-size")
+    _check(
+        t.global_batch_size in (None, largest),
+        f"--step-batch-size-schedule sets the global batch size (its largest batch, {largest}); "
+        f"do not give --global-batch-size {t.global_batch_size}",
+    )
+    _check(t.train_samples is not None, "--step-batch-size-schedule needs --train-samples (not --train-iters)")
+    t.global_batch_size = largest
+    batches = [b for _, b in schedule]
+    if len(set(batches)) > 1:
+        logger.warning(
+            "--step-batch-size-schedule changes the global batch (%s) but not the learning rate --lr %g; "
+            "the linear scaling rule would multiply it by batch / %d, the square-root rule by sqrt(batch / %d)",
+            " -> ".join(str(b) for b in batches),
+            t.lr,
+            batches[0],
+            batches[0],
+        )
+
+
+def _validate_world(p: ParallelConfig, t: TrainingConfig, world_size: int, vpp: Optional[int], seq_length: int) -> None:
     """The layout against the world size; sets the data-parallel size and the global batch size."""
     from megalm.parallel_layout import validate_layout
 
@@ -542,6 +614,17 @@ def _validate_world(p: ParallelConfig, t: TrainingConfig, world_size: int, vpp: 
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * dp
     _check(t.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {t.micro_batch_size}")
+    for _, batch in step_schedule(t, seq_length) or []:
+        _check(
+            batch % (t.micro_batch_size * dp) == 0,
+            f"--step-batch-size-schedule batch {batch} is not divisible by --micro-batch-size "
+            f"{t.micro_batch_size} x data-parallel size {dp}",
+        )
+        _check(
+            vpp is None or vpp == 1 or batch // (t.micro_batch_size * dp) % pp == 0,
+            f"interleaved pipeline schedule needs the microbatches of --step-batch-size-schedule batch {batch} "
+            f"to be divisible by --pipeline-model-parallel-size {pp}",
+        )
     _check(
         t.global_batch_size % (t.micro_batch_size * dp) == 0,
         f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "

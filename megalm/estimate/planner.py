@@ -72,7 +72,9 @@ class PlannerOptions:
 
 def state_bytes_per_param(precision: str, optimizer: str, sgd_momentum: float, fp32_grads: bool) -> Dict[str, float]:
     """``{"weights", "grads", "optimizer"}`` bytes per parameter without the distributed optimizer."""
-    moments = 8 if optimizer == "adam" else (4 if sgd_momentum else 0)
+    # adam, lamb: two moments; lars: the momentum buffer (as sgd); lion, muon: one moment (muon's
+    # Adam for non-matrix parameters, a small share of a model, is counted as one moment too).
+    moments = {"adam": 8, "lamb": 8, "lion": 4, "muon": 4}.get(optimizer, 4 if sgd_momentum else 0)
     if precision == "fp32":
         return {"weights": 4, "grads": 4, "optimizer": moments}
     if fp32_grads:

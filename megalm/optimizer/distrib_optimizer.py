@@ -89,7 +89,7 @@ def _data_parallel_chunks(model_chunks: Sequence[torch.nn.Module]) -> list:
 
 
 class DistributedOptimizer(MegatronOptimizer):
-    """AdamW/SGD over this rank's shard ranges; see the module docstring.
+    """The torch optimizer (AdamW, SGD, LAMB, LARS, Lion) over this rank's shard ranges; see the module docstring.
 
     Args:
         groups: from :func:`megalm.optimizer.get_param_groups` (model parameters, global names).
@@ -179,6 +179,15 @@ class DistributedOptimizer(MegatronOptimizer):
     def describe(self) -> str:
         """One line per owned range: name, flat range, numel."""
         return "\n".join(f"{r.name}[{r.start}:{r.end}] ({r.numel})" for r in self.ranges)
+
+    def _main_param_owners(self) -> list:
+        """Each owned range with the index of its parameter in ``self.model_params``."""
+        index = {id(p): i for i, p in enumerate(self.model_params)}
+        return [(r.main, index[id(r.param)], r.param) for r in self.ranges]
+
+    def _tensor_norm_group(self):
+        """A tensor is cut over TP and, into flat ranges, over data (x context) parallel ranks."""
+        return self.process_groups.tp_dp_cp
 
     # --- step hooks (the template is MegatronOptimizer.step) ------------------------------------
     def _prepare_grads(self) -> List[tuple]:

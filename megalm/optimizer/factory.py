@@ -23,7 +23,11 @@ from megalm.distributed.finalize_model_grads import unwrap_model
 from megalm.log import get_logger
 from megalm.optimizer.distrib_optimizer import DistributedOptimizer
 from megalm.optimizer.grad_scaler import build_grad_scaler
+from megalm.optimizer.lamb import Lamb
+from megalm.optimizer.lars import Lars
+from megalm.optimizer.lion import Lion
 from megalm.optimizer.memory_accounting import format_memory_report, optimizer_memory
+from megalm.optimizer.muon import Muon
 from megalm.optimizer.optimizer import FP32Optimizer, MegatronOptimizer, MixedPrecisionOptimizer, OptimizerError
 from megalm.parallel_state import ProcessGroups
 from megalm.parameter_names import canonical_name
@@ -71,6 +75,25 @@ def get_param_groups(
     return groups
 
 
+def is_muon_matrix(name: str, param: torch.nn.Parameter) -> bool:
+    """A 2-D weight of a linear layer: Muon's; the embeddings and the output layer are not (Megatron's rule)."""
+    return param.ndim == 2 and not name.startswith("embedding.") and not name.startswith("output_layer.")
+
+
+def muon_param_groups(groups: List[dict]) -> List[dict]:
+    """:func:`get_param_groups`' groups with each entry marked ``muon`` and the linear layers' matrices
+    (:func:`is_muon_matrix`) moved from ``decay`` into their own ``muon`` group (first)."""
+    out = []
+    for g in groups:
+        pairs = list(zip(g["names"], g["params"]))
+        for tag, muon in (("muon", True), (g["name"], False)):
+            members = [(n, p) for n, p in pairs if is_muon_matrix(n, p) == muon]
+            if members:
+                names, params = [n for n, _ in members], [p for _, p in members]
+                out.append(g | {"name": tag, "names": names, "params": params, "muon": muon})
+    return sorted(out, key=lambda g: not g["muon"])
+
+
 def named_parameters_for_optimizer(model_chunks: Sequence[torch.nn.Module]) -> List[Tuple[str, torch.nn.Parameter]]:
     """``(global name, param)`` over all chunks.
 
@@ -91,9 +114,42 @@ def named_parameters_for_optimizer(model_chunks: Sequence[torch.nn.Module]) -> L
 
 
 def make_torch_optimizer(t) -> Callable[[List[dict]], torch.optim.Optimizer]:
-    """``groups -> torch optimizer`` for ``--optimizer`` (AdamW or SGD), fused kernels when available."""
+    """``groups -> torch optimizer`` for ``--optimizer``: AdamW or SGD (fused kernels when available),
+    megalm's LAMB, LARS, Lion or Muon (:mod:`megalm.optimizer.lamb`, ``lars``, ``lion``, ``muon``).  LAMB and LARS
+    leave the ``no_decay`` group (biases, norm weights) out of the trust ratio, as their papers."""
 
     def make(groups: List[dict]) -> torch.optim.Optimizer:
+        if t.optimizer in ("lamb", "lars"):
+            groups = [g | {"trust_ratio": g.get("name") != "no_decay"} for g in groups]
+        if t.optimizer == "lamb":
+            betas = (t.adam_beta1, t.adam_beta2)
+            return Lamb(groups, lr=t.lr, betas=betas, eps=t.adam_eps, weight_decay=t.weight_decay)
+        if t.optimizer == "lars":
+            return Lars(
+                groups,
+                lr=t.lr,
+                momentum=t.sgd_momentum,
+                weight_decay=t.weight_decay,
+                trust_coefficient=t.lars_trust_coefficient,
+            )
+        if t.optimizer == "muon":
+            if t.muon_scalar_optimizer != "adam":
+                raise OptimizerError(f"--muon-scalar-optimizer {t.muon_scalar_optimizer!r}: only adam is built")
+            return Muon(
+                groups,
+                lr=t.lr,
+                momentum=t.muon_momentum,
+                nesterov=t.muon_use_nesterov,
+                num_ns_steps=t.muon_num_ns_steps,
+                scale_mode=t.muon_scale_mode,
+                extra_scale_factor=t.muon_extra_scale_factor,
+                tp_mode=t.muon_tp_mode,
+                betas=(t.adam_beta1, t.adam_beta2),
+                eps=t.adam_eps,
+                weight_decay=t.weight_decay,
+            )
+        if t.optimizer == "lion":
+            return Lion(groups, lr=t.lr, betas=(t.lion_beta1, t.lion_beta2), weight_decay=t.weight_decay)
         if t.optimizer == "adam":
             cls, kw = (
                 torch.optim.AdamW,
@@ -102,7 +158,7 @@ def make_torch_optimizer(t) -> Callable[[List[dict]], torch.optim.Optimizer]:
         elif t.optimizer == "sgd":
             cls, kw = torch.optim.SGD, dict(lr=t.lr, momentum=t.sgd_momentum, weight_decay=t.weight_decay)
         else:
-            raise OptimizerError(f"unknown --optimizer {t.optimizer!r} (choose adam or sgd)")
+            raise OptimizerError(f"unknown --optimizer {t.optimizer!r} (choose adam, sgd, lamb, lars, lion or muon)")
         try:  # the fused kernels are ~5x faster on CPU and on GPU
             return cls(groups, fused=True, **kw)
         except (RuntimeError, TypeError, ValueError):
@@ -139,6 +195,8 @@ def build_optimizer(
         raise OptimizerError("build_optimizer: the model has no trainable parameters")
     decoupled_min_lr = t.decoupled_min_lr if t.decoupled_min_lr is not None else t.min_lr
     groups = get_param_groups(named, t.weight_decay, t.decoupled_lr, decoupled_min_lr)
+    if t.optimizer == "muon":
+        groups = muon_param_groups(groups)
     common = dict(
         clip_grad=t.clip_grad,
         grad_scaler=build_grad_scaler(t),

@@ -8,7 +8,8 @@
     norm = global L2 norm (each distinct gradient once over TP x PP, see clip_grads)
     norm not finite (no scaler: bf16/fp32) -> skip (return False, norm, zeros)
     clip_grad > 0 -> main.grad *= clip / (norm + 1e-6) when < 1
-    torch optimizer step (AdamW: decoupled weight decay; SGD: momentum, L2 decay)
+    torch optimizer step (AdamW: decoupled weight decay; SGD: momentum, L2 decay; LAMB, LARS, Lion,
+                          Muon: megalm's, see their modules)
     [_copy_main_to_model]  model param <- main param (rounded to bf16/fp16 for mixed precision)
     [_after_update]  (the distributed optimizer: all-gather the updated parameters)
     return (True, norm, num_zeros or None)      [_release_grads] in every case
@@ -63,6 +64,7 @@ from megalm.errors import MegalmError
 from megalm.optimizer.clip_grads import clip_grads_by_total_norm, grad_norm_and_zeros, unscale_and_check_for_inf
 from megalm.optimizer.cpu_offload import CpuOffload
 from megalm.optimizer.grad_scaler import GradScaler
+from megalm.optimizer.tensor_norms import build_tensor_norms
 from megalm.parallel_state import ProcessGroups, group_size
 from megalm.param_layout import param_range_specs, param_spec
 from megalm.tensor_parallel.param_info import param_info
@@ -156,6 +158,7 @@ class MegatronOptimizer:
             for g, mains in zip(groups, main_groups)
         ]
         self.optimizer = make_optimizer(torch_groups)
+        self._attach_layout()
         self.clip_grad = float(clip_grad)
         self.grad_scaler = grad_scaler
         self.log_num_zeros_in_grad = log_num_zeros_in_grad
@@ -170,6 +173,25 @@ class MegatronOptimizer:
     def _make_main_params(self, groups: List[dict]) -> List[List[torch.nn.Parameter]]:
         """The parameters the torch optimizer updates, one list per entry of ``groups``."""
         raise NotImplementedError
+
+    def _main_param_owners(self) -> List[Tuple[torch.nn.Parameter, int, torch.nn.Parameter]]:
+        """``(main param, index of its model param in self.model_params, model param)`` per main param."""
+        return [(main, i, model) for i, (model, main) in enumerate(zip(self.model_params, self.main_params))]
+
+    def _tensor_norm_group(self):
+        """The ranks whose main params are pieces of one tensor: TP (whole local TP tensors here)."""
+        return self.process_groups.tp
+
+    def _attach_layout(self) -> None:
+        """Tell a layer-wise optimizer (one with ``tensor_norms``: LAMB, LARS) how to compute norms
+        of full tensors, and a matrix optimizer (one with ``tp_group``: Muon) its TP group."""
+        if hasattr(self.optimizer, "tensor_norms"):
+            self.optimizer.tensor_norms = build_tensor_norms(
+                self._main_param_owners(), len(self.model_params), self._tensor_norm_group(), self.process_groups.tp
+            )
+        if hasattr(self.optimizer, "tp_group"):
+            self.optimizer.tp_group = self.process_groups.tp
+            self.optimizer.param_infos = {id(main): param_info(model) for main, _, model in self._main_param_owners()}
 
     def _prepare_grads(self) -> List[Tuple[Optional[torch.Tensor], torch.nn.Parameter]]:
         """Point each main param's ``.grad`` at its model gradient (fp32: alias, no copy);
@@ -342,6 +364,8 @@ class MegatronOptimizer:
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 elif isinstance(self.optimizer, torch.optim.SGD) and group.get("momentum", 0) != 0:
                     state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                elif hasattr(self.optimizer, "init_param_state"):  # megalm's LAMB, LARS, Lion, Muon
+                    self.optimizer.init_param_state(p, group)
 
     def _param_states(self) -> List[ParamState]:
         """This rank's state tensors, one :class:`ParamState` per parameter (whole local tensors)."""

@@ -75,6 +75,12 @@ def gather_tensor_parallel_param(param: torch.Tensor, group=CURRENT) -> torch.Te
     return _gather_shards(param.detach(), param_info(param), resolve_group(group, "tp"))
 
 
+def gather_shards(source: torch.Tensor, info: ParamInfo, group) -> torch.Tensor:
+    """Full tensor of which ``source`` is this rank's piece, laid out as a parameter with record
+    ``info`` (any tensor shaped like it: a gradient, an optimizer state); one all-gather over ``group``."""
+    return _gather_shards(source, info, group)
+
+
 def _gather_shards(source: torch.Tensor, info: ParamInfo, group) -> torch.Tensor:
     size = group_size(group)
     if info.replicated or size == 1:

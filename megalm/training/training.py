@@ -27,6 +27,7 @@ import torch.distributed as dist
 from megalm import checkpointing, parallel_state
 from megalm.async_save import AsyncCheckpointWriter, AsyncSaveError
 from megalm.config import MegalmConfig, parse_config, set_vocab_size
+from megalm.config.validation import step_schedule
 from megalm.device import get_device
 from megalm.distributed.collective_errors import named_collective_failures
 from megalm.distributed.local_sgd import build_outer_sync
@@ -121,9 +122,7 @@ class Trainer:
         self.outer_sync = build_outer_sync(cfg, self.optimizer, self.groups)
         self.numerics = NumericsChecks(cfg.training, self.optimizer.grad_scaler, self.groups)
         t = cfg.training
-        self.microbatches = MicrobatchCalculator(
-            t.global_batch_size, t.micro_batch_size, parallel_state.get_data_parallel_world_size(), t.rampup_batch_size
-        )
+        self.microbatches = self._microbatch_calculator()
         self.train_iters = self._train_iters()
         if cfg.training.train_iters is None:  # --train-samples: the data builders size the splits from it
             cfg.training.train_iters = self.train_iters
@@ -230,16 +229,25 @@ class Trainer:
         set_vocab_size(cfg, tokenizer.vocab_size)
         return tokenizer
 
+    def _microbatch_calculator(self) -> MicrobatchCalculator:
+        """The global batch of each iteration: constant, ``--rampup-batch-size`` or ``--step-batch-size-schedule``."""
+        t = self.cfg.training
+        return MicrobatchCalculator(
+            t.global_batch_size,
+            t.micro_batch_size,
+            parallel_state.get_data_parallel_world_size(),
+            t.rampup_batch_size,
+            step_schedule(t, self.cfg.model.seq_length),
+        )
+
     def _train_iters(self) -> int:
         t = self.cfg.training
         if t.train_iters is not None:
             return t.train_iters
         if t.train_samples is None:
             return 0
-        # Walk the ramp-up to count iterations.
-        calc = MicrobatchCalculator(
-            t.global_batch_size, t.micro_batch_size, parallel_state.get_data_parallel_world_size(), t.rampup_batch_size
-        )
+        # Walk the ramp-up (or step schedule) to count iterations.
+        calc = self._microbatch_calculator()
         iters, consumed = 0, 0
         while consumed < t.train_samples:
             calc.update(consumed)

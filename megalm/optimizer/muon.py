@@ -1,0 +1,148 @@
+"""Muon (Jordan et al. 2024; Megatron-LM's ``--optimizer muon``): orthogonalized momentum for 2-D weights.
+
+For each matrix parameter ``W`` (``out x in``; groups with ``muon`` True: the linear layers'
+weights, not the embeddings nor the output layer) with gradient ``G``::
+
+    M = mu M + (1 - mu) G                                   (--muon-momentum mu)
+    D = (1 - mu) G + mu M  with --muon-use-nesterov, else M
+    O = NS_k(D) * scale(out, in) * extra                    (--muon-num-ns-steps k,
+                                                             --muon-scale-mode, --muon-extra-scale-factor)
+    W = W (1 - lr wd) - lr O                                (decoupled weight decay)
+
+``NS_k`` (:func:`newton_schulz`) is the quintic Newton-Schulz iteration that maps ``D = U S V^T``
+to about ``U V^T``: ``X = D / ||D||_F`` (transposed when out > in), then ``k`` times
+``A = X X^T;  X = a X + (b A + c A A) X`` with ``(a, b, c) = (3.4445, -4.7750, 2.0315)``; in fp32
+(Megatron's default runs the matmuls in bf16).  ``scale``: ``spectral`` ``sqrt(max(out, in))``,
+``unit_rms_norm`` ``sqrt(out / in)``, ``shape_scaling`` ``sqrt(max(1, out / in))`` (Megatron's).
+
+Every other parameter (groups with ``muon`` False: biases, norms, embeddings, output layer; Megatron's
+``--muon-scalar-optimizer adam``) takes an AdamW step (``--adam-beta1/2``, ``--adam-eps``).
+
+Tensor parallelism (``--muon-tp-mode``, Megatron's choices):
+
+* ``duplicated``: the TP-split ``D`` is all-gathered over ``tp_group`` (one all-gather of the
+  matrix per parameter per step), orthogonalized whole on every TP rank, and each rank keeps its
+  shard: the update equals the single-process one; ``scale`` uses the full shape.
+* ``blockwise``: each TP rank orthogonalizes its own shard (no communication): the update of a
+  split matrix differs from the single-process one (the blocks are orthogonal, the whole is not),
+  ``scale`` uses the shard's shape.
+* ``distributed`` (Newton-Schulz with the Gram matrix all-reduced each iteration): not built,
+  refused by the config check.
+
+State per parameter: ``momentum_buffer`` (matrices) or ``step``, ``exp_avg``, ``exp_avg_sq`` (AdamW).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megalm.optimizer.lamb import adam_direction, init_adam_state
+from megalm.parallel_state import group_rank, group_size
+from megalm.tensor_parallel.param_info import REPLICATED
+from megalm.tensor_parallel.utils import gather_shards, shard_of_full
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
+TP_MODES = ("blockwise", "duplicated")
+
+
+def newton_schulz(d: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.Tensor:
+    """About ``U V^T`` of ``d = U S V^T`` (2-D), by ``steps`` quintic Newton-Schulz iterations in fp32."""
+    a, b, c = NS_COEFFICIENTS
+    x = d.float()
+    transpose = x.shape[0] > x.shape[1]
+    if transpose:
+        x = x.t()
+    x = x / (x.norm() + eps)
+    for _ in range(steps):
+        gram = x @ x.t()
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.t() if transpose else x
+
+
+def scale_factor(size_out: int, size_in: int, mode: str) -> float:
+    """Megatron's ``get_muon_scale_factor``."""
+    if mode == "spectral":
+        return math.sqrt(max(size_out, size_in))
+    if mode == "unit_rms_norm":
+        return math.sqrt(size_out / size_in)
+    if mode == "shape_scaling":
+        return math.sqrt(max(1.0, size_out / size_in))
+    raise ValueError(f"unknown Muon scale mode {mode!r} (choose {', '.join(SCALE_MODES)})")
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for groups with ``muon`` True, AdamW for the others; see the module docstring.
+
+    ``tp_group`` and ``param_infos`` (``id(main param) -> ParamInfo`` of its model parameter) are
+    set by the megalm wrapper; unset, every matrix is whole (one process).
+    """
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        momentum=0.95,
+        nesterov=False,
+        num_ns_steps=5,
+        scale_mode="spectral",
+        extra_scale_factor=1.0,
+        tp_mode="blockwise",
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+    ):
+        defaults = dict(lr=lr, momentum=momentum, betas=tuple(betas), eps=eps, weight_decay=weight_decay, muon=True)
+        super().__init__(params, defaults)
+        if tp_mode not in TP_MODES:
+            raise ValueError(f"unsupported --muon-tp-mode {tp_mode!r} (choose {', '.join(TP_MODES)})")
+        scale_factor(1, 1, scale_mode)  # checks the mode
+        self.nesterov, self.num_ns_steps, self.tp_mode = bool(nesterov), int(num_ns_steps), tp_mode
+        self.scale_mode, self.extra_scale_factor = scale_mode, float(extra_scale_factor)
+        self.tp_group = None
+        self.param_infos = {}
+
+    def init_param_state(self, p: torch.Tensor, group: dict) -> None:
+        if group["muon"]:
+            self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        else:
+            init_adam_state(self.state[p], p)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if not self.state[p]:
+                    self.init_param_state(p, group)
+                if group["muon"]:
+                    update = self._orthogonalized(p, group["momentum"])
+                else:
+                    update = adam_direction(self.state[p], p.grad, *group["betas"], group["eps"])
+                if wd != 0:
+                    p.mul_(1 - lr * wd)
+                p.add_(update, alpha=-lr)
+        return None
+
+    def _orthogonalized(self, p: torch.Tensor, mu: float) -> torch.Tensor:
+        """Advance the momentum; return this rank's part of the scaled, orthogonalized direction."""
+        buf = self.state[p]["momentum_buffer"]
+        buf.lerp_(p.grad, 1 - mu)
+        d = p.grad.lerp(buf, mu) if self.nesterov else buf
+        if d.dim() != 2:
+            raise ValueError(f"Muon updates 2-D matrices, got a parameter of shape {tuple(d.shape)}")
+        info = self.param_infos.get(id(p), REPLICATED)
+        size = group_size(self.tp_group)
+        if self.tp_mode == "blockwise" or not info.tensor_parallel or size == 1:
+            return newton_schulz(d, self.num_ns_steps) * self._scale(d)
+        full = gather_shards(d, info, self.tp_group)
+        o = newton_schulz(full, self.num_ns_steps) * self._scale(full)
+        rank, dim, stride = group_rank(self.tp_group), info.partition_dim, info.partition_stride
+        return shard_of_full(o, dim, rank, size, stride).to(p.dtype)
+
+    def _scale(self, m: torch.Tensor) -> float:
+        return scale_factor(m.shape[0], m.shape[1], self.scale_mode) * self.extra_scale_factor

@@ -1,0 +1,98 @@
+"""Squared L2 norms of FULL parameter tensors from the pieces a rank holds (layer-wise optimizers).
+
+LAMB's and LARS' trust ratios need ``||w||`` and ``||update||`` of each whole parameter.  A rank
+may hold only a piece of it:
+
+* tensor parallelism: a TP-split parameter (``ParamInfo.tensor_parallel``) is cut over the TP
+  ranks, so its squared norm is the SUM of the TP ranks' pieces; a replicated parameter is whole
+  on every TP rank and counts on TP rank 0 only;
+* the distributed optimizer: each data-parallel rank updates one flat range of the TP-local
+  tensor (or none), so the squared norm is also summed over the data-parallel (x context) ranks;
+* pipeline parallelism: a parameter lives on one stage; nothing to do.
+
+:class:`FullTensorNorms` keeps, for each main parameter the torch optimizer updates, the index
+of its model parameter in the wrapper's (stage-wide, rank-independent) list.  One call: the
+local ``sum x^2`` of a parameter's two pieces (weight, update) go into row ``index`` of a
+``[num model params, 2]`` fp32 table (TP
+duplicates zeroed off TP rank 0), the table is SUM-all-reduced ONCE over the group that cuts
+the tensors (``tp``; ``tp_dp_cp`` for the distributed optimizer), and each main parameter reads
+its row back.  8 bytes per model parameter per step; every rank of the group calls it once
+per step, even holding no piece.  :class:`LocalTensorNorms` is the single-process default (no
+communication).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megalm.distributed import comm
+from megalm.parallel_state import group_rank, group_size
+from megalm.tensor_parallel.param_info import param_info
+
+
+def _sum_squares(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], device) -> torch.Tensor:
+    """``[len(a), 2]`` fp32: ``sum x^2`` of ``a[i]`` and of ``b[i]``."""
+    flat = [t.float() if t.dtype != torch.float32 else t for t in list(a) + list(b)]
+    if not flat:
+        return torch.zeros((0, 2), dtype=torch.float32, device=device)
+    return torch.stack(torch._foreach_norm(flat)).pow(2).reshape(2, len(a)).t()
+
+
+class LocalTensorNorms:
+    """Every main parameter is a whole tensor (one process): the local norms."""
+
+    def __call__(
+        self, params: Sequence[torch.Tensor], a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Squared L2 norms of ``a[i]`` and ``b[i]`` (two tensors of parameter ``i``), each ``[len(params)]``."""
+        sq = _sum_squares(a, b, params[0].device if params else None)
+        return sq[:, 0], sq[:, 1]
+
+
+class FullTensorNorms:
+    """Squared norms of the full tensors (see the module docstring).
+
+    Args:
+        owners: ``[(main param, index of its model param, model param)]`` for every main
+            parameter of this rank; indices in ``range(num_params)``, the same on every rank of
+            ``group`` for the same model parameter.
+        num_params: number of model parameters (rows of the table).
+        group: the ranks whose pieces make up the tensors (size > 1).
+        tp_group: decides the duplicates (replicated params count on TP rank 0 only).
+    """
+
+    def __init__(self, owners: List[Tuple[torch.Tensor, int, torch.Tensor]], num_params: int, group, tp_group):
+        self.num_params = num_params
+        self.group = group
+        keep_duplicates = group_rank(tp_group) == 0
+        self.row: Dict[int, int] = {}
+        self.counts: Dict[int, bool] = {}
+        for main, index, model in owners:
+            self.row[id(main)] = index
+            self.counts[id(main)] = param_info(model).tensor_parallel or keep_duplicates
+
+    def __call__(
+        self, params: Sequence[torch.Tensor], a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Squared L2 norms of the full tensors of which ``a[i]``, ``b[i]`` are this rank's pieces;
+        one SUM all-reduce of a ``[num_params, 2]`` fp32 table over the group."""
+        device = params[0].device if params else None
+        local = _sum_squares(a, b, device)
+        table = torch.zeros((self.num_params, 2), dtype=torch.float32, device=local.device)
+        rows = torch.tensor([self.row[id(p)] for p in params], dtype=torch.long, device=local.device)
+        if params:
+            weight = torch.tensor([float(self.counts[id(p)]) for p in params], device=local.device)
+            table.index_add_(0, rows, local * weight[:, None])
+        comm.all_reduce(table, op=dist.ReduceOp.SUM, group=self.group, kind="tensor_norms_all_reduce")
+        full = table[rows]
+        return full[:, 0], full[:, 1]
+
+
+def build_tensor_norms(owners, num_params: int, group, tp_group):
+    """:class:`FullTensorNorms` when ``group`` holds more than this rank, else :class:`LocalTensorNorms`."""
+    if group_size(group) <= 1:
+        return LocalTensorNorms()
+    return FullTensorNorms(owners, num_params, group, tp_group)

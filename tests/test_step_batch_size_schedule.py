@@ -1,0 +1,191 @@
+"""--step-batch-size-schedule: parsing, the config's checks, and whole trainings on spawned ranks.
+
+Trainings (micro batch 2, --seq-length 32, schedule '0:4 256:8 512:16': thresholds 0, 8, 16 samples,
+--train-samples 40): the global batches are 4, 4, 8, 16, 16; the forward steps counted on each rank
+equal sum(batch / (micro x DP)) at DP 1 and DP 2 and the losses agree; a DP 2 run saved at
+iteration 2 (just before the first change) resumes to the uninterrupted run's batches, consumed
+samples and losses.
+"""
+
+import os
+import re
+
+import pytest
+
+from megalm.config import ConfigError, MegalmConfig, validate_config
+from megalm.testing import run_distributed
+from megalm.training.microbatches import MicrobatchCalculator, ScheduleError, parse_step_batch_size_schedule
+from tests.training_runs import assert_close, records
+
+SCHEDULE = "0:4 256:8 512:16"
+BATCHES = [4, 4, 8, 16, 16]
+
+
+def test_parse_tokens_with_suffixes_into_sample_thresholds():
+    assert parse_step_batch_size_schedule("0:16 2.4B:320 1T:640", 2048) == [
+        (0, 16),
+        (2_400_000_000 // 2048, 320),
+        (10**12 // 2048, 640),
+    ]
+    assert parse_step_batch_size_schedule(SCHEDULE, 32) == [(0, 4), (8, 8), (16, 16)]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("16:4 512:8", "the first threshold must be 0"),
+        ("0:4 512:8 256:16", "must increase"),
+        ("0:4 10:8", "must increase"),  # 10 tokens are 0 samples of 32 tokens
+        ("0:4 1X:8", "is not a number"),
+        ("0:4 512", "is not <tokens>:<global batch size>"),
+        ("0:0", "batch size > 0"),
+    ],
+)
+def test_bad_schedules_are_refused(text, message):
+    with pytest.raises(ScheduleError, match=re.escape(message)):
+        parse_step_batch_size_schedule(text, 32)
+
+
+def test_calculator_follows_the_schedule_at_dp_1_and_2():
+    schedule = parse_step_batch_size_schedule(SCHEDULE, 32)
+    for dp in (1, 2):
+        calc, consumed, seen = MicrobatchCalculator(16, 2, dp, step_schedule=schedule), 0, []
+        while consumed < 40:
+            calc.update(consumed)
+            seen.append((calc.current_global_batch_size, calc.num_microbatches))
+            consumed += calc.current_global_batch_size
+        assert seen == [(b, b // (2 * dp)) for b in BATCHES]
+
+
+def _cfg(**training):
+    cfg = MegalmConfig()
+    cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads, cfg.model.seq_length = 2, 64, 4, 32
+    cfg.training.step_batch_size_schedule, cfg.training.train_samples, cfg.training.micro_batch_size = SCHEDULE, 40, 2
+    for k, v in training.items():
+        setattr(cfg.training, k, v)
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "training, world, message",
+    [
+        ({"global_batch_size": 8}, 1, "do not give --global-batch-size 8"),
+        ({"rampup_batch_size": [4, 4, 16]}, 1, "give only one of --step-batch-size-schedule and --rampup-batch-size"),
+        ({"train_samples": None, "train_iters": 5}, 1, "needs --train-samples"),
+        ({"step_batch_size_schedule": "4:4"}, 1, "the first threshold must be 0"),
+        ({"step_batch_size_schedule": "0:4 256:6"}, 2, "batch 6 is not divisible by --micro-batch-size 2 x"),
+    ],
+)
+def test_config_checks(training, world, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate_config(_cfg(**training), world_size=world)
+
+
+def test_the_global_batch_size_is_the_schedules_largest():
+    cfg = validate_config(_cfg(), world_size=2)
+    assert cfg.training.global_batch_size == 16
+    assert validate_config(cfg, world_size=2).training.global_batch_size == 16  # validating again is fine
+
+
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--max-position-embeddings",
+    "32",
+    "--mock-data",
+    "--vocab-size",
+    "500",
+    "--num-workers",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--lr",
+    "2e-3",
+    "--lr-decay-style",
+    "constant",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--seed",
+    "7",
+    "--split",
+    "90,5,5",
+    "--no-log-memory",
+    "--micro-batch-size",
+    "2",
+    "--train-samples",
+    "40",
+    "--step-batch-size-schedule",
+    SCHEDULE,
+]
+
+
+def count_forward_steps(runs):
+    """Run each argv through ``pretrain_gpt.main`` counting this rank's forward steps; [(exit code, count)]."""
+    import pretrain_gpt
+    from megalm import parallel_state
+
+    out = []
+    for argv in runs:
+        calls = {"n": 0}
+
+        def forward_step(data_iterator, model):
+            calls["n"] += 1
+            return pretrain_gpt.forward_step(data_iterator, model)
+
+        try:
+            pretrain_gpt.main(argv, forward_step)
+            code = 0
+        except SystemExit as e:
+            code = e.code
+        parallel_state.destroy_model_parallel()
+        out.append((code, calls["n"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("batch_schedule"))
+    ck = os.path.join(tmp, "ckpt")
+
+    def run(name, *extra):
+        return TINY + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl")] + list(extra)
+
+    two = [
+        run("d2"),
+        run("save", "--exit-interval", "2", "--save-interval", "100", "--save", ck),
+        run("resume", "--load", ck),
+    ]
+    out2 = run_distributed(count_forward_steps, 2, args=(two,), timeout=300)
+    out1 = run_distributed(count_forward_steps, 1, args=([run("d1")],), timeout=200)
+    return {"tmp": tmp, "out2": out2, "out1": out1}
+
+
+def test_microbatches_per_step_follow_the_schedule_at_dp_1_and_2(runs):
+    assert runs["out1"] == [[(0, sum(b // 2 for b in BATCHES))]]
+    for rank_out in runs["out2"]:
+        assert [code for code, _ in rank_out] == [0, 0, 0]
+        assert rank_out[0][1] == sum(b // 4 for b in BATCHES)  # 12 forward steps per rank at DP 2
+    for name in ("d1", "d2"):
+        recs = records(runs["tmp"], name)
+        assert [r["global_batch_size"] for r in recs] == BATCHES
+        assert [r["consumed_samples"] for r in recs] == [4, 8, 16, 32, 48]
+    assert_close([r["lm_loss"] for r in records(runs["tmp"], "d2")], [r["lm_loss"] for r in records(runs["tmp"], "d1")])
+
+
+def test_resume_before_a_change_continues_the_schedule_exactly(runs):
+    straight, resumed = records(runs["tmp"], "d2"), records(runs["tmp"], "resume")
+    assert [r["iteration"] for r in resumed] == [3, 4, 5]
+    assert [r["global_batch_size"] for r in resumed] == BATCHES[2:]
+    assert [r["consumed_samples"] for r in resumed] == [16, 32, 48]
+    assert_close([r["lm_loss"] for r in resumed], [r["lm_loss"] for r in straight[2:]], rel=1e-6)
+    assert runs["out2"][0][2][1] == sum(b // 4 for b in BATCHES[2:])  # the resumed run's forward steps
