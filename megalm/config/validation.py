@@ -829,11 +829,6 @@ def _validate_profiling(lg, world_size: Optional[int]) -> None:
     if not lg.profile:
         return
     _check(
-        lg.use_pytorch_profiler or use_cuda(),
-        "--profile without --use-pytorch-profiler drives nsys through CUDA and this machine has no GPU: "
-        "add --use-pytorch-profiler (and --tensorboard-dir)",
-    )
-    _check(
         0 <= lg.profile_step_start < lg.profile_step_end,
         f"--profile-step-start {lg.profile_step_start} must be >= 0 and before --profile-step-end "
         f"{lg.profile_step_end}",
@@ -842,6 +837,11 @@ def _validate_profiling(lg, world_size: Optional[int]) -> None:
     _check(
         not bad and lg.profile_ranks,
         f"--profile-ranks {bad or lg.profile_ranks} must be ranks of the world (size {world_size})",
+    )
+    _check(
+        lg.use_pytorch_profiler or use_cuda(),
+        "--profile without --use-pytorch-profiler drives nsys through CUDA and this machine has no GPU: "
+        "add --use-pytorch-profiler (and --tensorboard-dir)",
     )
 
 
