@@ -59,6 +59,18 @@ CONFIGS = {
     "none-LayerNorm-GELU-bias-untied-MHA": dict(
         position_embedding_type="none", untie_embeddings_and_output_weights=True
     ),
+    # Megatron recipe flags: per-head q/k norms (partial TP gradients), a QKV-only bias, 1 + w norms.
+    "rope-qk-layernorm-qkv-bias-1p-GQA": dict(
+        position_embedding_type="rope",
+        swiglu=True,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        qk_layernorm=True,
+        apply_layernorm_1p=True,
+        num_attention_heads=8,
+        group_query_attention=True,
+        num_query_groups=4,
+    ),
 }
 
 
@@ -119,7 +131,7 @@ def _vocab_split(logits):
     return logits
 
 
-def _attribute_problems(model, sp: bool) -> list:
+def _attribute_problems(model, sp: bool, tp: int = 1) -> list:
     problems = []
     for name, p in model.named_parameters():
         if not all(hasattr(p, a) for a in ("tensor_model_parallel", "partition_dim", "partition_stride")):
@@ -132,6 +144,8 @@ def _attribute_problems(model, sp: bool) -> list:
             or (name.endswith(".bias") and "linear_proj" in name)
             or (name.endswith(".bias") and "linear_fc2" in name)
         )
+        # q/k norms act on each rank's heads: partial gradients under any TP, summed like SP norms'
+        wants_sp = wants_sp or (tp > 1 and ("q_layernorm" in name or "k_layernorm" in name))
         if bool(getattr(p, "sequence_parallel", False)) != wants_sp:
             problems.append(f"{name}: sequence_parallel={getattr(p, 'sequence_parallel', None)}")
         if ("word_embeddings" in name or name == "output_layer.weight") and getattr(p, "vocab_unpadded", None) != VOCAB:
@@ -153,7 +167,7 @@ def _parity_errors(name, overrides, tp, sp, reference, batch) -> dict:
         f"{tag} names differ": float(set(got["weights"]) != set(reference["weights"])),
         f"{tag} loss": _rel(got["loss"], reference["loss"]),
         f"{tag} logits": _rel(got["logits"], reference["logits"]),
-        f"{tag} attribute problems": float(len(_attribute_problems(model, sp and tp > 1))),
+        f"{tag} attribute problems": float(len(_attribute_problems(model, sp and tp > 1, tp))),
     }
     for n, g in reference["grads"].items():
         errors[f"{tag} grad {n}"] = _rel(got["grads"][n], g)
@@ -510,3 +524,41 @@ def test_layernorm_1p_scales_by_one_plus_a_zero_initialised_weight(normalization
             plain.get_parameter(name).copy_(p + 1 if "layernorm.weight" in name else p)
     tokens, positions, _, _ = make_batch(0)
     torch.testing.assert_close(one_p(tokens, positions), plain(tokens, positions), rtol=1e-5, atol=1e-5)
+
+
+def test_qk_layernorm_and_qkv_bias_match_naive_formulas():
+    """--qk-layernorm: RMSNorm of every query and key head over head_dim (own weights) before attention;
+    --add-qkv-bias: linear_qkv has a bias under --disable-bias-linear, linear_proj none."""
+    from megalm.transformer import SelfAttention
+
+    overrides = dict(CONFIGS["rope-RMSNorm-SwiGLU-nobias-untied-GQA"], qk_layernorm=True, add_qkv_bias=True)
+    m = make_cfg(**overrides).model
+    heads, groups, d, s, b = m.num_attention_heads, m.num_query_groups, m.head_dim, SEQ, BATCH
+    g = torch.Generator().manual_seed(1)
+    attention = SelfAttention(m)
+    assert attention.linear_qkv.bias is not None and attention.linear_proj.bias is None
+    names = sorted(n for n, _ in attention.named_parameters())
+    assert names == [
+        "k_layernorm.weight",
+        "linear_proj.weight",
+        "linear_qkv.bias",
+        "linear_qkv.weight",
+        "q_layernorm.weight",
+    ]
+    with torch.no_grad():
+        for p in attention.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    x = torch.randn(s, b, m.hidden_size, generator=g)
+
+    def rms(t, w):
+        return t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + m.norm_epsilon) * w
+
+    mixed = (x @ attention.linear_qkv.weight.t() + attention.linear_qkv.bias).view(s, b, groups, -1)
+    q_per_group = heads // groups
+    q = rms(mixed[..., : q_per_group * d].reshape(s, b, groups, q_per_group, d), attention.q_layernorm.weight)
+    k = rms(mixed[..., q_per_group * d : (q_per_group + 1) * d], attention.k_layernorm.weight)
+    v = mixed[..., (q_per_group + 1) * d :]
+    scores = torch.einsum("sbgjd,tbgd->bgjst", q, k) / d**0.5
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    context = torch.einsum("bgjst,tbgd->sbgjd", scores.softmax(-1), v).reshape(s, b, heads * d)
+    assert _rel(attention(x), context @ attention.linear_proj.weight.t()) < 1e-6

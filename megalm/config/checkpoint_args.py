@@ -32,6 +32,8 @@ MODEL_FIELDS = (
     "apply_layernorm_1p",
     "swiglu",
     "add_bias_linear",
+    "add_qkv_bias",
+    "qk_layernorm",
     "untie_embeddings_and_output_weights",
     "make_vocab_size_divisible_by",
     "num_experts",

@@ -65,6 +65,10 @@ class ModelConfig:
         True, "Disable biases in all linear layers.", flag="--disable-bias-linear", action="store_false"
     )
     untie_embeddings_and_output_weights: bool = _f(False, "Use a separate output layer instead of the word embedding.")
+    qk_layernorm: bool = _f(
+        False, "Normalize each query and key head (--normalization over the head dimension) before RoPE."
+    )
+    add_qkv_bias: bool = _f(False, "Give the QKV projection a bias even with --disable-bias-linear (Qwen-style).")
     hidden_dropout: float = _f(0.1, "Dropout probability after attention and MLP outputs.")
     attention_dropout: float = _f(0.1, "Dropout probability on attention weights.")
     init_method_std: float = _f(0.02, "Standard deviation of the normal weight initialization.")

@@ -62,6 +62,10 @@ class GPT2(Architecture):
             wrong.append(f"--normalization {m.normalization} (needs LayerNorm)")
         if m.apply_layernorm_1p:
             wrong.append("--apply-layernorm-1p (Hugging Face's norms scale by weight, not 1 + weight)")
+        if m.qk_layernorm:
+            wrong.append("--qk-layernorm (GPT-2 has no query/key norms)")
+        if m.add_qkv_bias and not m.add_bias_linear:
+            wrong.append("--add-qkv-bias (GPT-2 has no bias on the QKV projection alone)")
         if m.swiglu:
             wrong.append("--swiglu (needs GELU)")
         if not m.add_bias_linear:

@@ -82,6 +82,10 @@ class Llama(Architecture):
             wrong.append(f"--normalization {m.normalization} (needs RMSNorm)")
         if m.apply_layernorm_1p:
             wrong.append("--apply-layernorm-1p (Hugging Face's norms scale by weight, not 1 + weight)")
+        if m.qk_layernorm:
+            wrong.append("--qk-layernorm (Llama has no query/key norms)")
+        if m.add_qkv_bias and not m.add_bias_linear:
+            wrong.append("--add-qkv-bias (Llama has no bias on the QKV projection alone)")
         if not m.swiglu:
             wrong.append("GELU MLP (needs --swiglu)")
         return wrong

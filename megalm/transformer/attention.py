@@ -14,7 +14,11 @@ nothing (all-gather under SP).  The attention core is local to each rank's heads
 The core runs on the plan's backend (:mod:`megalm.fusions.backends`): PyTorch SDPA,
 flash-attn, the blocked causal attention (:mod:`megalm.transformer.blocked_attention`), or the
 unfused ``softmax(QK^T / sqrt(d) + causal) V`` with its scaled masked softmax compiled or eager.
-RoPE on q and k is one fused call when the plan compiles it.
+RoPE on q and k is one fused call when the plan compiles it.  ``--qk-layernorm`` normalizes each
+query and key head over its ``head_dim`` before RoPE (``q_layernorm`` / ``k_layernorm``, replicated
+over TP: each rank's heads give a partial weight gradient, summed over the TP group with the
+sequence-parallel norms').  ``--add-qkv-bias`` gives ``linear_qkv`` a bias under
+``--disable-bias-linear``.
 
 Under context parallelism (``cp_group`` of more than one rank) each rank holds two chunks of the
 sequence and the core is :func:`megalm.context_parallel.context_parallel_attention` over
@@ -43,6 +47,7 @@ from megalm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinea
 from megalm.tensor_parallel.random import checkpoint, dropout_rng
 from megalm.tensor_parallel.utils import divide
 from megalm.transformer.blocked_attention import blocked_causal_attention
+from megalm.transformer.norm import build_norm
 from megalm.transformer.utils import init_std, output_init_std
 
 
@@ -93,6 +98,12 @@ class SelfAttention(nn.Module):
         self.masked_softmax = select(scaled_causal_softmax, plan.compiled("masked_softmax"))
         qkv_size = (m.num_attention_heads + 2 * num_groups) * self.head_dim
         self.linear_qkv, self.linear_proj = self.build_projections(m, qkv_size, sequence_parallel, skip_output_bias)
+        self.q_layernorm = self.k_layernorm = None
+        if m.qk_layernorm:  # per head over head_dim; each TP rank's heads give partial weight gradients
+            self.q_layernorm, self.k_layernorm = (
+                build_norm(m.normalization, self.head_dim, m.norm_epsilon, tp > 1, plan.norm, m.apply_layernorm_1p)
+                for _ in range(2)
+            )
 
     def build_projections(self, m, qkv_size: int, sequence_parallel: bool, skip_output_bias: bool):
         """``(linear_qkv, linear_proj)``: column- and row-parallel linears (TE's in
@@ -100,7 +111,7 @@ class SelfAttention(nn.Module):
         linear_qkv = ColumnParallelLinear(
             m.hidden_size,
             qkv_size,
-            bias=m.add_bias_linear,
+            bias=m.add_bias_linear or m.add_qkv_bias,
             init_std=init_std(m),
             sequence_parallel=sequence_parallel,
             tp_group=self.tp_group,
@@ -184,6 +195,8 @@ class SelfAttention(nn.Module):
         """``kv_cache`` (inference only): a per-layer cache (:class:`megalm.inference.kv_cache.LayerKVCache`)
         that stores this call's keys/values (after RoPE) and returns all cached ones."""
         q, k, v = self.split_qkv(self.linear_qkv(hidden))
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary_cos is not None:
             q, k = self.rotary_qk(q, k, rotary_cos, rotary_sin)
         if kv_cache is not None:

@@ -114,9 +114,11 @@ def norm_column_linear(
     sequence_parallel: bool,
     tp_group,
     stride: int = 1,
+    qkv: bool = False,
 ) -> torch.nn.Module:
-    """``te.LayerNormLinear``: ``--normalization`` (eps ``--norm-epsilon``) fused with a column-parallel linear."""
-    bias = m.add_bias_linear
+    """``te.LayerNormLinear``: ``--normalization`` (eps ``--norm-epsilon``) fused with a column-parallel linear
+    (``qkv``: the attention's, which ``--add-qkv-bias`` gives a bias)."""
+    bias = m.add_bias_linear or (qkv and m.add_qkv_bias)
     module = _te().LayerNormLinear(
         input_size,
         output_size,
@@ -212,6 +214,7 @@ class TESelfAttention(SelfAttention):
             return_bias=False,
             sequence_parallel=sequence_parallel,
             tp_group=self.tp_group,
+            qkv=True,
         )
         linear_proj = row_linear(
             m,
