@@ -208,3 +208,25 @@ def test_dataset_messages_reach_megalm_log_on_rank_zero_only(tmp_path, capsys):
         GPTDataset(ds_file, np.arange(40), 20, "valid", cfg)
     out = capsys.readouterr().out
     assert "GPTDataset valid" not in out and "[megalm rank 1] could not cache indices" in out
+
+
+def test_reset_position_ids_restart_after_each_eod():
+    """--reset-position-ids against Megatron's loop in get_ltor_masks_and_position_ids."""
+    from megalm.data.gpt_dataset import positions_restarting_after
+
+    def megatron_loop(tokens, eod):
+        position_ids = torch.arange(tokens.numel())
+        prev = 0
+        for i in (position_ids[tokens == eod]).tolist():
+            position_ids[i + 1 :] -= i + 1 - prev
+            prev = i + 1
+        return position_ids
+
+    g = torch.Generator().manual_seed(0)
+    for eod_rate in (0.0, 0.1, 0.5):
+        tokens = torch.randint(1, 50, (64,), generator=g)
+        tokens[torch.rand(64, generator=g) < eod_rate] = 0
+        tokens[0] = 0 if eod_rate == 0.5 else tokens[0]  # an eod first, and one last below
+        tokens[-1] = 0
+        assert torch.equal(positions_restarting_after(tokens, 0), megatron_loop(tokens, 0))
+    assert positions_restarting_after(torch.tensor([5, 0, 7, 8, 0, 0, 9]), 0).tolist() == [0, 1, 0, 1, 2, 0, 0]

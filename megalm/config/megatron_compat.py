@@ -40,6 +40,7 @@ UNSUPPORTED = {
     "--multi-latent-attention": "multi-latent attention (DeepSeek) is not built",
     "--mtp-num-layers": "multi-token prediction is not built",
     "--window-size": "sliding-window attention is not built",
+    "--reset-attention-mask": "document-masked attention is not built (--reset-position-ids is)",
     "--rampup-batch-size": "with --train-iters: refused as in Megatron-LM (a ramp needs --train-samples)",
     "--profile": "without --use-pytorch-profiler on a machine without CUDA (nsys profiles CUDA only)",
 }
@@ -75,6 +76,7 @@ class MegatronCompatConfig:
     multi_latent_attention: bool = _f(False, "Refused: " + UNSUPPORTED["--multi-latent-attention"] + ".")
     mtp_num_layers: Optional[int] = _f(None, "Refused: " + UNSUPPORTED["--mtp-num-layers"] + ".")
     window_size: Optional[str] = _f(None, "Refused: " + UNSUPPORTED["--window-size"] + ".")
+    reset_attention_mask: bool = _f(False, "Refused: " + UNSUPPORTED["--reset-attention-mask"] + ".")
 
 
 def given_no_effect_flags(c: MegatronCompatConfig) -> list:
@@ -105,6 +107,7 @@ def refusal(c: MegatronCompatConfig, backend: str) -> Optional[str]:
         ("--multi-latent-attention", c.multi_latent_attention),
         ("--mtp-num-layers", c.mtp_num_layers is not None),
         ("--window-size", c.window_size is not None),
+        ("--reset-attention-mask", c.reset_attention_mask),
     ):
         if given:
             return f"{flag} is not supported by megalm: {UNSUPPORTED[flag]}"

@@ -548,6 +548,7 @@ class DataConfig:
         action="store_false",
     )
     eod_mask_loss: bool = _f(False, "Mask the loss on end-of-document tokens.")
+    reset_position_ids: bool = _f(False, "Restart the position ids at 0 after each end-of-document token.")
 
 
 @dataclass

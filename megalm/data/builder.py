@@ -122,6 +122,7 @@ def _gpt_config(cfg, eod: int) -> GPTDatasetConfig:
         seed=cfg.training.seed,
         eod=eod,
         eod_mask_loss=cfg.data.eod_mask_loss,
+        reset_position_ids=cfg.data.reset_position_ids,
         cache_dir=cfg.data.data_cache_path,
     )
 

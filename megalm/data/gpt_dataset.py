@@ -44,6 +44,7 @@ class GPTDatasetConfig:
     seed: int
     eod: int
     eod_mask_loss: bool = False
+    reset_position_ids: bool = False
     cache_dir: Optional[str] = None  # None: "cache/GPTDataset_indices" beside the data
 
 
@@ -80,6 +81,15 @@ def build_gpt_indices(
     total = sample_index.shape[0] - 1
     shuffle_index = helpers.build_shuffle_index(before_final if separate else total, total, rng)
     return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
+
+
+def positions_restarting_after(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """Position ids that restart at 0 after every end-of-document token (``--reset-position-ids``, as
+    Megatron's ``get_ltor_masks_and_position_ids``): ``j - (index of the last eod before j) - 1``."""
+    index = torch.arange(tokens.numel(), dtype=torch.int64)
+    starts = torch.zeros_like(index)
+    starts[1:] = torch.where(tokens[:-1] == eod, index[1:], 0)
+    return index - torch.cummax(starts, dim=0).values
 
 
 class GPTDataset(torch.utils.data.Dataset):
@@ -178,4 +188,6 @@ class GPTDataset(torch.utils.data.Dataset):
         if self.config.eod_mask_loss:
             loss_mask[tokens == self.config.eod] = 0.0
         position_ids = torch.arange(self.config.seq_length, dtype=torch.int64)
+        if self.config.reset_position_ids:
+            position_ids = positions_restarting_after(tokens, self.config.eod)
         return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
