@@ -22,6 +22,7 @@ CONSUMED_BY_VALIDATION = {
     "use_flash_attn": "becomes --attention-backend flash",
     "add_position_embedding": "--no-position-embedding becomes --position-embedding-type none",
     "recompute_activations": "becomes --recompute-granularity selective",
+    "grad_reduce_in_bf16": "turns --accumulate-allreduce-grads-in-fp32 off (bf16 gradient buffers)",
     "lr_warmup_iters": "lr_schedule_samples",
     "lr_warmup_fraction": "lr_schedule_samples",
     "lr_decay_iters": "lr_schedule_samples",
@@ -159,5 +160,9 @@ def test_megatron_spellings_of_model_flags():
     assert cfg("--no-position-embedding", "--position-embedding-type", "rope").model.position_embedding_type == "rope"
     assert cfg("--position-embedding-type", "learned_absolute").model.position_embedding_type == "learned_absolute"
     assert cfg("--recompute-activations").model.recompute_granularity == "selective"
+    assert cfg("--bf16", "--grad-reduce-in-bf16").parallel.accumulate_allreduce_grads_in_fp32 is False
+    assert cfg("--bf16").parallel.accumulate_allreduce_grads_in_fp32 is True
+    with pytest.raises(ConfigError, match="--grad-reduce-in-bf16 needs --bf16"):
+        cfg("--grad-reduce-in-bf16")
     with pytest.raises(ConfigError, match="--recompute-activations means --recompute-granularity selective, not full"):
         cfg("--recompute-activations", "--recompute-granularity", "full", "--recompute-method", "uniform")

@@ -332,7 +332,12 @@ class ParallelConfig:
         0.0, "DiLoCo outer Nesterov momentum: m <- outer_momentum m + D (see --outer-lr); DiLoCo uses 0.9."
     )
     accumulate_allreduce_grads_in_fp32: bool = _f(
-        True, "Accumulate and reduce gradients in fp32 (always on with --bf16/--fp16)."
+        True, "Accumulate and reduce gradients in fp32 (on unless --grad-reduce-in-bf16)."
+    )
+    grad_reduce_in_bf16: bool = _f(
+        False,
+        "With --bf16: accumulate and reduce gradients in bf16 (half the data-parallel bytes; the optimizer "
+        "still steps fp32 main weights on an fp32 copy of the gradients).",
     )
     variable_seq_lengths: bool = _f(False, "Exchange tensor shapes between pipeline stages each microbatch.")
     distributed_timeout_minutes: float = _f(

@@ -160,6 +160,8 @@ def _validate_sharding_strategy(p: ParallelConfig) -> None:
 
 def _validate_data_parallel(p: ParallelConfig) -> None:
     """The data-parallel wrapper's flags (megalm.distributed.data_parallel reads them unchecked)."""
+    if p.grad_reduce_in_bf16:
+        p.accumulate_allreduce_grads_in_fp32 = False  # DDP's buffers take the parameters' dtype: bf16
     _check(
         not p.overlap_param_gather or p.use_distributed_optimizer,
         "--overlap-param-gather needs --use-distributed-optimizer (it overlaps the optimizer's parameter all-gather)",
@@ -537,6 +539,7 @@ def _validate_precision(m: ModelConfig, p: ParallelConfig, t: TrainingConfig) ->
         f"(got {m.attention_dropout}) or use another backend",
     )
     _check(t.loss_scale is None or t.fp16, "--loss-scale needs --fp16")
+    _check(not p.grad_reduce_in_bf16 or t.bf16, "--grad-reduce-in-bf16 needs --bf16")
     _check(
         not (p.local_sgd_interval and (t.fp16 or t.calculate_per_token_loss)),
         "--local-sgd-interval is not supported with --fp16 (each replica's loss scaler would skip steps on its "
