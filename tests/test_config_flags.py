@@ -22,6 +22,7 @@ CONSUMED_BY_VALIDATION = {
     "use_flash_attn": "becomes --attention-backend flash",
     "add_position_embedding": "--no-position-embedding becomes --position-embedding-type none",
     "recompute_activations": "becomes --recompute-granularity selective",
+    "expert_tensor_parallel_size": "only 1 (megalm's layout) is accepted",
     "grad_reduce_in_bf16": "turns --accumulate-allreduce-grads-in-fp32 off (bf16 gradient buffers)",
     "lr_warmup_iters": "lr_schedule_samples",
     "lr_warmup_fraction": "lr_schedule_samples",
@@ -164,5 +165,9 @@ def test_megatron_spellings_of_model_flags():
     assert cfg("--bf16").parallel.accumulate_allreduce_grads_in_fp32 is True
     with pytest.raises(ConfigError, match="--grad-reduce-in-bf16 needs --bf16"):
         cfg("--grad-reduce-in-bf16")
+    moe = ["--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    assert cfg(*moe, "--expert-tensor-parallel-size", "1").parallel.expert_tensor_parallel_size == 1
+    with pytest.raises(ConfigError, match="--expert-tensor-parallel-size 2 is not supported"):
+        cfg(*moe, "--expert-tensor-parallel-size", "2")
     with pytest.raises(ConfigError, match="--recompute-activations means --recompute-granularity selective, not full"):
         cfg("--recompute-activations", "--recompute-granularity", "full", "--recompute-method", "uniform")

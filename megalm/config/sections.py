@@ -265,6 +265,11 @@ class ParallelConfig:
         choices=["p2p", "a2a", "allgather"],
     )
     expert_model_parallel_size: int = _f(1, "Expert model parallel size.")
+    expert_tensor_parallel_size: Optional[int] = _f(
+        None,
+        "Tensor-parallel size of the experts: megalm never splits experts over TP ranks (each TP rank runs whole "
+        "experts on its sequence slice), Megatron's --expert-tensor-parallel-size 1; other values are refused.",
+    )
     sequence_parallel: bool = _f(False, "Shard norms and dropout along the sequence over tensor-parallel ranks.")
     use_distributed_optimizer: bool = _f(
         False, "Shard optimizer state and main weights over data-parallel ranks (ZeRO-1)."

@@ -103,6 +103,11 @@ def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
             f"--moe-layer-freq {freq} must have one 0/1 entry per layer (--num-layers {m.num_layers})",
         )
     _validate_moe_routing_recipes(m)
+    _check(
+        p.expert_tensor_parallel_size in (None, 1),
+        f"--expert-tensor-parallel-size {p.expert_tensor_parallel_size} is not supported: megalm's experts are not "
+        "split over tensor-parallel ranks (that is --expert-tensor-parallel-size 1)",
+    )
     if m.moe_router_score_function != "softmax" and m.moe_router_pre_softmax:
         logger.warning(
             "--moe-router-pre-softmax is ignored with --moe-router-score-function %s (as in Megatron-LM): "
