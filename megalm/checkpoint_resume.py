@@ -107,6 +107,26 @@ def find_checkpoint(root: str, iteration: Optional[int] = None) -> Optional[str]
     return path
 
 
+def non_persistent_dir(checkpoint_cfg, root: Optional[str]) -> Optional[str]:
+    """Where non-persistent checkpoints live: ``--non-persistent-global-ckpt-dir``, else ``<root>/non_persistent``
+    (``root``: ``--save`` when saving, ``--load`` when loading)."""
+    c = checkpoint_cfg
+    if c.non_persistent_global_ckpt_dir:
+        return c.non_persistent_global_ckpt_dir
+    return os.path.join(root, "non_persistent") if root else None
+
+
+def newest_load_root(load: str, non_persistent: Optional[str]) -> str:
+    """``load``, or the non-persistent directory when its checkpoint is newer (Megatron's rule)."""
+    if not non_persistent or not os.path.isdir(non_persistent):
+        return load
+    other = read_tracker(non_persistent)
+    if other is None:
+        return load
+    mine = read_tracker(load) if os.path.isdir(load) else None
+    return non_persistent if mine is None or other > mine else load
+
+
 def checkpoint_to_resume(
     load: str,
     save: Optional[str],

@@ -322,6 +322,17 @@ def _write_errors(path: str):
         raise CheckpointError(f"cannot write checkpoint {path}: {describe_io_error(e, path)}") from e
 
 
+def remove_older_checkpoints(root: str) -> None:
+    """Delete the iteration directories of ``root`` older than its tracker's (the newest complete one);
+    one still being written in the background is newer and stays.  Rank 0 only."""
+    newest = read_tracker(root)
+    if newest is None:
+        return
+    for it in checkpoint_iterations(root):
+        if it < newest:
+            shutil.rmtree(checkpoint_dir(root, it), ignore_errors=True)
+
+
 def check_save_dir(save: str) -> None:
     """``--save`` is a writable directory or can be created as one: fails at start, naming the path
     (:func:`megalm.checkpoint_io_errors.save_dir_problem`; nothing is created)."""

@@ -165,6 +165,16 @@ def runs(tmp_path_factory):
         (_argv(tmp, "lean_load_no_optim", *lean, "--no-load-optim"), {}),
         (_argv(tmp, "lean_load", *lean, "--no-load-optim", "--no-load-rng"), {}),
     ]
+    # Non-persistent checkpoints: a NaN stop at iteration 3 leaves the non-persistent one of iteration 2 (and no
+    # persistent one); the relaunch resumes from it and trains as the uninterrupted run.
+    npc = ["--train-iters", "5", "--micro-batch-size", "8"]
+    np_save = ["--save", os.path.join(tmp, "ckpt_np"), "--load", os.path.join(tmp, "ckpt_np")]
+    np_save += ["--save-interval", "100", "--non-persistent-save-interval", "1"]
+    single += [
+        (_argv(tmp, "np_straight", *npc), {}),
+        (_argv(tmp, "np_crash", *npc, *np_save), {"inf_at_call": 3}),
+        (_argv(tmp, "np_resume", *npc, *np_save), {}),
+    ]
     codes1 = run_distributed(_run_trainings, 1, args=(single,), timeout=300)
     double = [
         (_argv(tmp, "dp2", *it, "--micro-batch-size", "4", "--global-batch-size", "8"), {}),
@@ -515,7 +525,7 @@ def test_bad_flags_fail_before_start(argv, message, capsys):
 
 def test_weights_only_checkpoint_needs_the_no_load_flags(runs):
     tmp = runs["tmp"]
-    codes = runs["codes"][0][0][-4:]
+    codes = runs["codes"][0][0][-7:-3]  # the four lean_* runs, before the three np_* runs
     d = os.path.join(tmp, "ckpt_lean", "iter_0000002")
     common = json.load(open(os.path.join(d, "common.json")))
     assert common["scheduler"] is None and common["optimizer_common"] is None and common["rng_saved"] is False
@@ -527,3 +537,14 @@ def test_weights_only_checkpoint_needs_the_no_load_flags(runs):
     assert codes[0] == 0 and codes[3] == 0
     assert "--no-load-optim" in str(codes[1]) and "--no-load-rng" in str(codes[2]), codes
     assert [r["iteration"] for r in _records(tmp, "lean_load")] == [3, 4]
+
+
+def test_non_persistent_checkpoint_resumes_after_a_crash(runs):
+    tmp = runs["tmp"]
+    codes = runs["codes"][0][0][-3:]
+    assert codes[0] == 0 and codes[1] != 0 and codes[2] == 0, codes
+    assert [r["iteration"] for r in _records(tmp, "np_crash")] == [1, 2]
+    assert [r["iteration"] for r in _records(tmp, "np_resume")] == [3, 4, 5]
+    assert _losses(tmp, "np_resume") == _losses(tmp, "np_straight")[2:]  # bit-identical
+    np_dir = os.path.join(tmp, "ckpt_np", "non_persistent")
+    assert sorted(os.listdir(np_dir)) == ["iter_0000005", "latest_checkpointed_iteration.txt"]  # only the newest

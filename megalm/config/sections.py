@@ -567,6 +567,17 @@ class CheckpointConfig:
 
     save: Optional[str] = _f(None, "Directory to save checkpoints to.")
     save_interval: Optional[int] = _f(None, "Save every this many iterations.")
+    non_persistent_save_interval: Optional[int] = _f(
+        None,
+        "Also save every this many iterations to --non-persistent-global-ckpt-dir, keeping only the newest "
+        "(cheap frequent restart points); a resume loads it when it is newer than the newest --load checkpoint.",
+    )
+    non_persistent_ckpt_type: Optional[str] = _f(
+        None, "Where non-persistent checkpoints go: global (a directory on shared storage).", choices=["global"]
+    )
+    non_persistent_global_ckpt_dir: Optional[str] = _f(
+        None, "Directory of the non-persistent checkpoints (default <save>/non_persistent; read as <load>/...)."
+    )
     load: Optional[str] = _f(
         None,
         "Directory to load the latest checkpoint from.  With the same directory as "

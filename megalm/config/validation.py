@@ -805,6 +805,12 @@ def _validate_data(d: DataConfig, m: ModelConfig, p: ParallelConfig) -> None:
 def _validate_checkpoint(c: CheckpointConfig) -> None:
     _check(c.save_interval is None or c.save_interval > 0, "--save-interval must be positive")
     _check(not c.async_save or c.save is not None, "--async-save needs --save")
+    if c.non_persistent_save_interval is not None:
+        _check(c.non_persistent_save_interval > 0, "--non-persistent-save-interval must be positive")
+        _check(
+            c.save is not None or c.non_persistent_global_ckpt_dir is not None,
+            "--non-persistent-save-interval needs --save or --non-persistent-global-ckpt-dir",
+        )
     _check(
         not c.ckpt_fallback_to_verified or (c.load is not None and c.ckpt_step is None),
         "--ckpt-fallback-to-verified needs --load and no --ckpt-step (an explicit step is loaded or refused)",

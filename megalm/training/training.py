@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from megalm import checkpointing, parallel_state
 from megalm.async_save import AsyncCheckpointWriter, AsyncSaveError
+from megalm.checkpoint_resume import newest_load_root, non_persistent_dir
 from megalm.config import MegalmConfig, parse_config, set_vocab_size
 from megalm.config.validation import step_schedule
 from megalm.device import get_device
@@ -189,9 +190,16 @@ class Trainer:
         c = cfg.checkpoint
         if c.save:
             checkpointing.check_save_dir(c.save)  # a non-directory or unwritable --save fails before any work
+        self.load_root = c.load
+        if c.load and c.ckpt_step is None:  # a newer non-persistent checkpoint wins
+            self.load_root = newest_load_root(c.load, non_persistent_dir(c, c.load))
         try:
             self.resume = bool(c.load) and checkpointing.checkpoint_to_resume(
-                c.load, c.save, c.ckpt_step, c.exit_on_missing_checkpoint, fallback=c.ckpt_fallback_to_verified
+                self.load_root,
+                c.save if self.load_root == c.load else self.load_root,
+                c.ckpt_step,
+                c.exit_on_missing_checkpoint,
+                fallback=c.ckpt_fallback_to_verified,
             )
         except checkpointing.CheckpointError as e:
             raise TrainingSetupError(str(e)) from None
@@ -277,7 +285,7 @@ class Trainer:
         c = self.cfg.checkpoint
         try:
             common = checkpointing.load_checkpoint(
-                c.load,
+                self.load_root,
                 self.model,
                 self.optimizer,
                 self.scheduler,
@@ -296,7 +304,7 @@ class Trainer:
         self.state.iteration = common["iteration"]
         self.state.consumed_train_samples = common["consumed_train_samples"]
         self.state.consumed_valid_samples = common["consumed_valid_samples"]
-        logger.info(f"loaded checkpoint from {c.load} at iteration {self.state.iteration}")
+        logger.info(f"loaded checkpoint from {self.load_root} at iteration {self.state.iteration}")
         return common
 
     # -- the loop --
@@ -395,6 +403,9 @@ class Trainer:
             self.save()
             self.saved_at = state.iteration
             self._progress(f"iteration {state.iteration} saved")
+        elif c.non_persistent_save_interval and state.iteration % c.non_persistent_save_interval == 0:
+            self.save(non_persistent_dir(c, c.save))
+            self._progress(f"iteration {state.iteration} saved (non-persistent)")
         reason = self.exit_reason()
         if reason:
             self.stop(reason)
@@ -448,14 +459,16 @@ class Trainer:
             return "received SIGTERM (--exit-signal-handler)"
         return None
 
-    def save(self) -> None:
-        """Save (collective); with --async-save the time shown is what training waited for: the
-        previous background save, staging and the RNG files."""
+    def save(self, root: Optional[str] = None) -> None:
+        """Save (collective) to ``root`` (default ``--save``); with --async-save the time shown is what
+        training waited for: the previous background save, staging and the RNG files.  A non-persistent
+        root keeps only its newest complete checkpoint."""
         state, c = self.state, self.cfg.checkpoint
+        root = root or c.save
         self.timers("save-checkpoint").start(barrier=True)
         self.complete_async_save()
         checkpointing.save_checkpoint(
-            self.cfg.checkpoint.save,
+            root,
             state.iteration,
             self.model,
             None if c.no_save_optim else self.optimizer,
@@ -467,10 +480,12 @@ class Trainer:
             save_rng=not c.no_save_rng,
             outer_sync=self.outer_sync,
         )
+        if root != c.save and (not dist.is_initialized() or dist.get_rank() == 0):
+            checkpointing.remove_older_checkpoints(root)
         self.timers("save-checkpoint").stop(barrier=True)
         how = "started saving" if self.async_writer is not None else "saved"
         logger.info(
-            f"{how} checkpoint at iteration {state.iteration} to {self.cfg.checkpoint.save}"
+            f"{how} checkpoint at iteration {state.iteration} to {root}"
             + (" in the background" if self.async_writer is not None else "")
         )
         print_timing(self.timers.log(["save-checkpoint"]))  # collective
