@@ -90,8 +90,10 @@ def _runs(straggler_argv, hang_argv, watchdog_dir):
 
 
 def _named_failure_of_a_subgroup():
-    """A gloo timeout raised by a collective over the group ``[1]``, held as the ``dp`` field of a
-    ProcessGroups: its message, without the store check (collective: every rank creates the group)."""
+    """Errors raised by a collective over the group ``[1]`` (held as the ``dp``, ``dp_cp`` and ``pp``
+    fields of a ProcessGroups) and by an exchange with rank 1 in it: their messages, without the
+    store check (collective: every rank creates the group)."""
+    import torch
     import torch.distributed as dist
 
     from megalm.distributed.collective_errors import describe_failure
@@ -104,10 +106,17 @@ def _named_failure_of_a_subgroup():
     def all_reduce(tensor, group=None):
         raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 90000ms for recv")
 
-    try:
-        all_reduce(None, group=group)
-    except RuntimeError as e:
-        return describe_failure(e, ProcessGroups(dp=group, dp_cp=group), 90.0, check_store=False)
+    def exchange(ops):  # a pipeline exchange's wait: the group and peer come from its P2POps
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242")
+
+    groups = ProcessGroups(dp=group, dp_cp=group, pp=group)
+    messages = []
+    for fn, arg in [(lambda: all_reduce(None, group=group), None), (exchange, torch.zeros(1))]:
+        try:
+            fn() if arg is None else fn([dist.P2POp(dist.isend, arg, 1, group)])
+        except RuntimeError as e:
+            messages.append(describe_failure(e, groups, 90.0, check_store=False))
+    return messages
 
 
 @pytest.fixture(scope="module")
@@ -149,11 +158,16 @@ def test_a_collective_timeout_names_the_group_and_the_rank_that_did_not_arrive(r
     assert code0.endswith("Timed out waiting 6000ms for recv operation to complete"), code0
     # The blocked rank, once awake, finds rank 0 gone (or times out itself): its error names the group too.
     assert code1.startswith("error: collective ") and "data-parallel" in code1 and "ranks [0, 1]" in code1, code1
-    assert named == (
+    timed_out, lost_peer = named
+    assert timed_out == (
         "collective timed out after 90 s (--distributed-timeout-minutes 1.5) in the data-parallel group (also the "
-        "data+context-parallel group), ranks [1]; gloo: [gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
-        "waiting 90000ms for recv"
+        "data+context-parallel, pipeline-parallel group), ranks [1]; gloo: [gloo/transport/tcp/unbound_buffer.cc:78] "
+        "Timed out waiting 90000ms for recv"
     )
+    assert lost_peer.startswith(
+        "collective lost a peer in the data-parallel group (also the data+context-parallel, pipeline-parallel "
+        "group), ranks [1], exchanging with rank 1; gloo: [gloo/transport/tcp/pair.cc:553] Connection closed by peer"
+    ), lost_peer
 
 
 def _dump_of(text, where):
