@@ -26,7 +26,7 @@ equal the reference bit for bit.
 
     python3 bench/fault_injection.py [--iters 200] [--faults 5] [--seed 1] [--nproc 2]
 
-Measured on a 2-core AMD EPYC host shared with other jobs (load average ~20), defaults, about 3 minutes::
+Measured on a 2-core AMD EPYC host shared with other jobs (load average 15-30 that day), defaults, about 3 minutes::
 
     corrupt  at iteration 43, last checkpoint 40 (flipped 64 bytes of iter_0000040/__0_0.distcp)
     SIGKILL  at iteration 76, last checkpoint 70
