@@ -26,7 +26,16 @@ equal the reference bit for bit.
 
     python3 bench/fault_injection.py [--iters 200] [--faults 5] [--seed 1] [--nproc 2]
 
-Measured here (see README, "Checkpoints"; ``lscpu | grep 'Model name'`` names the CPU).
+Measured on a 2-core AMD EPYC host shared with other jobs (load average 15-30 that day), defaults, about 3 minutes::
+
+    corrupt  at iteration 43, last checkpoint 40 (flipped 64 bytes of iter_0000040/__0_0.distcp)
+    SIGKILL  at iteration 76, last checkpoint 70
+    SIGTERM  at iteration 114, last checkpoint 110
+    SIGKILL  at iteration 146, last checkpoint 140
+    SIGTERM  at iteration 169, last checkpoint 160
+    resumed from iterations: [30, 70, 115, 140, 170]; torchrun launches: 3
+    faults injected 5, survived 5, iterations lost (recomputed) 26, every loss and grad norm bit for bit: yes,
+    final loss 3.3489823937416077 (both), wall time 156 s faulty / 27 s fault-free
 """
 
 from __future__ import annotations

@@ -90,8 +90,10 @@ def _runs(straggler_argv, hang_argv, watchdog_dir):
 
 
 def _named_failure_of_a_subgroup():
-    """A gloo timeout raised by a collective over the group ``[1]``, held as the ``dp`` field of a
-    ProcessGroups: its message, without the store check (collective: every rank creates the group)."""
+    """Errors raised by a collective over the group ``[1]`` (held as the ``dp``, ``dp_cp`` and ``pp``
+    fields of a ProcessGroups) and by an exchange with rank 1 in it: their messages, without the
+    store check (collective: every rank creates the group)."""
+    import torch
     import torch.distributed as dist
 
     from megalm.distributed.collective_errors import describe_failure
@@ -104,10 +106,17 @@ def _named_failure_of_a_subgroup():
     def all_reduce(tensor, group=None):
         raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 90000ms for recv")
 
-    try:
-        all_reduce(None, group=group)
-    except RuntimeError as e:
-        return describe_failure(e, ProcessGroups(dp=group, dp_cp=group), 90.0, check_store=False)
+    def exchange(ops):  # a pipeline exchange's wait: the group and peer come from its P2POps
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242")
+
+    groups = ProcessGroups(dp=group, dp_cp=group, pp=group)
+    messages = []
+    for fn, arg in [(lambda: all_reduce(None, group=group), None), (exchange, torch.zeros(1))]:
+        try:
+            fn() if arg is None else fn([dist.P2POp(dist.isend, arg, 1, group)])
+        except RuntimeError as e:
+            messages.append(describe_failure(e, groups, 90.0, check_store=False))
+    return messages
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +127,7 @@ def runs(tmp_path_factory):
     straggler += ["--log-straggler", "--straggler-minmax-count", "2", "--straggler-ctrlr-port", "0"]
     hang = base + ["--train-iters", "6", "--distributed-timeout-minutes", str(TIMEOUT_MIN)]
     hang += ["--hang-watchdog-seconds", str(WATCHDOG_S), "--save", str(tmp / "ckpt")]
+    hang += ["--no-check-for-nan-in-loss-and-grad"]  # the first collective after the backward: the gradient all-reduce
     out = run_distributed(_runs, 2, args=(straggler, hang, str(tmp / "ckpt" / "hang_stacks")), timeout=240)
     return tmp, out
 
@@ -140,20 +150,26 @@ def test_a_rank_slowed_by_a_sleep_is_named_slowest_by_compute_time(runs):
 
 def test_a_collective_timeout_names_the_group_and_the_rank_that_did_not_arrive(runs):
     _, ((code0, _, _), (code1, _, named)) = runs
-    # Rank 0 waits in the first collective after its backward (a world-wide one: with 2 ranks the
-    # data-parallel group is the world); rank 1 sleeps 10 s in its forward step.
+    # Rank 0 waits for its gradient bucket's all-reduce (the group is found on the bucket: with 2
+    # ranks the data-parallel group is the world); rank 1 sleeps 10 s in its forward step.
     head = "error: collective timed out after 6 s (--distributed-timeout-minutes 0.1) in the world group (also the "
     assert code0.startswith(head + "data-parallel, "), code0
-    assert re.search(r"group\), ranks \[0, 1\] \(all_reduce, from megalm/[\w/]+\.py:\d+ in \w+\); ", code0), code0
+    site = r"group\), ranks \[0, 1\] \(from megalm/distributed/param_and_grad_buffer\.py:\d+ in finish_grad_sync\); "
+    assert re.search(site, code0), code0
     assert "; rank(s) [1] did not reach a collective of this group within 1.5 s after that; gloo: [" in code0
     assert code0.endswith("Timed out waiting 6000ms for recv operation to complete"), code0
     # The blocked rank, once awake, finds rank 0 gone (or times out itself): its error names the group too.
     assert code1.startswith("error: collective ") and "data-parallel" in code1 and "ranks [0, 1]" in code1, code1
-    assert named == (
+    timed_out, lost_peer = named
+    assert timed_out == (
         "collective timed out after 90 s (--distributed-timeout-minutes 1.5) in the data-parallel group (also the "
-        "data+context-parallel group), ranks [1]; gloo: [gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
-        "waiting 90000ms for recv"
+        "data+context-parallel, pipeline-parallel group), ranks [1]; gloo: [gloo/transport/tcp/unbound_buffer.cc:78] "
+        "Timed out waiting 90000ms for recv"
     )
+    assert lost_peer.startswith(
+        "collective lost a peer in the data-parallel group (also the data+context-parallel, pipeline-parallel "
+        "group), ranks [1], exchanging with rank 1; gloo: [gloo/transport/tcp/pair.cc:553] Connection closed by peer"
+    ), lost_peer
 
 
 def _dump_of(text, where):
@@ -169,7 +185,7 @@ def test_the_hang_watchdog_dumps_every_ranks_stack_before_the_timeout(runs):
     assert f"--hang-watchdog-seconds {WATCHDOG_S:g}" in blocked
     assert "in stuck_in_forward_step" in blocked and "in sleeping_forward_step" not in blocked
     waiting = _dump_of(stacks0, "iteration 4 started")
-    assert "in all_reduce" in waiting and "in train_step" in waiting and "stuck_in_forward_step" not in waiting
+    assert "in finish_grad_sync" in waiting and "stuck_in_forward_step" not in waiting
 
 
 def _toggle(port):

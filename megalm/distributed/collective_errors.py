@@ -15,8 +15,10 @@ Nothing is added to the step: the error is caught once, around the whole run
 (:func:`megalm.training.training.pretrain`), and the group found afterwards in the frames of the
 error's traceback, innermost first: a ``group`` (``pg``, ``process_group``) argument or any
 process group held in a local (``torch.distributed``'s own frames; ``group=None`` there is the
-world), a ``torch.distributed.P2POp`` (its group and peer), or a group held by the object whose
-work handle was waited on (``self`` and its attributes, e.g. a gradient bucket's buffer).  The
+world), a ``torch.distributed.P2POp`` (its group and peer), or, in megalm's communicating
+modules (distributed, pipeline_parallel, optimizer, tensor_parallel, transformer), a group held by
+the object whose work handle was waited on (``self`` and its attributes, e.g. a gradient bucket's
+buffer).  An error whose frames hold no group passes unchanged.  The
 group is named from the rank's :class:`megalm.parallel_state.ProcessGroups` (fields holding the
 same group object; a group spanning the world is the world group itself, named first, with the
 fields it serves after it).
@@ -76,6 +78,13 @@ _WRAPPERS = tuple(  # megalm frames that are not the call site
 )
 
 
+# megalm's modules whose objects hold the groups they communicate over (a bucket, a chain, a communicator)
+_COMMUNICATING = tuple(
+    os.path.join(os.sep + "megalm", d) + os.sep
+    for d in ("distributed", "pipeline_parallel", "optimizer", "tensor_parallel", "transformer")
+)
+
+
 class CollectiveFailure(MegalmError, RuntimeError):
     """A collective timed out or lost a peer; the message names the group and, where known,
     the ranks that did not arrive."""
@@ -97,9 +106,10 @@ def _is_group(value) -> bool:
     return isinstance(value, dist.ProcessGroup)
 
 
-def _group_in(frame_locals: dict, in_torch: bool):
+def _group_in(frame_locals: dict, in_torch: bool, search_self: bool):
     """The process group a frame's locals point at (see the module docstring), else None;
-    ``(group, peer)`` where a P2POp gives the peer."""
+    ``(group, peer)`` where a P2POp gives the peer.  ``search_self``: also the groups held by
+    ``self`` and its attributes (frames of megalm's communicating modules only)."""
     for name in _GROUP_ARGS:
         if name in frame_locals:
             value = frame_locals[name]
@@ -112,7 +122,7 @@ def _group_in(frame_locals: dict, in_torch: bool):
             return value, None
         if isinstance(value, (list, tuple)) and value and isinstance(value[0], dist.P2POp):
             return value[0].group or dist.group.WORLD, value[0].peer
-    holder = frame_locals.get("self")
+    holder = frame_locals.get("self") if search_self else None
     if holder is not None and hasattr(holder, "__dict__"):
         from megalm.parallel_state import ProcessGroups
 
@@ -143,7 +153,7 @@ def failed_group(tb) -> Tuple[Optional[object], Optional[int], str]:
             rel = path[path.rindex(f"{os.sep}megalm{os.sep}") + 1 :]
             origin = f"{rel}:{lineno} in {frame.f_code.co_name}"
         if found is None:
-            found = _group_in(frame.f_locals, in_torch)
+            found = _group_in(frame.f_locals, in_torch, any(d in path for d in _COMMUNICATING))
     group, peer = found if found is not None else (None, None)
     where = ", ".join(p for p in ((op or ""), f"from {origin}" if origin else "") if p)
     return group, peer, where
