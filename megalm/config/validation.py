@@ -333,11 +333,7 @@ def _validate_optimizer(p: ParallelConfig, t: TrainingConfig) -> None:
 
 
 def _validate_muon(p: ParallelConfig, t: TrainingConfig) -> None:
-    _check(
-        not p.use_distributed_optimizer,
-        "--optimizer muon with --use-distributed-optimizer is not supported yet (its flat shards cut the "
-        "matrices that Newton-Schulz orthogonalizes whole)",
-    )
+    """Muon's flags (with the distributed optimizer the matrices are assembled: supported)."""
     _check(
         t.muon_tp_mode != "distributed",
         "--muon-tp-mode distributed is not built; use duplicated (gathers each matrix: equals one process) "
