@@ -184,6 +184,12 @@ class MegatronOptimizer:
         """Tell a layer-wise optimizer (one with ``tensor_norms``: LAMB, LARS) how to compute norms
         of full tensors, and a matrix optimizer (one with ``tp_group``: Muon) its TP group and how
         to assemble whole matrices (``muon``: per model param, whether it is one of Muon's matrices)."""
+        needs_layout = hasattr(self.optimizer, "tensor_norms") or hasattr(self.optimizer, "tp_group")
+        if needs_layout and self.grads_sharded and type(self)._matrix_shards is MegatronOptimizer._matrix_shards:
+            raise OptimizerError(
+                f"{type(self).__name__} shards parameters but does not say how (_main_param_owners, "
+                "_tensor_norm_group, _matrix_shards): LAMB, LARS and Muon would use partial norms and matrices"
+            )
         if hasattr(self.optimizer, "tensor_norms"):
             self.optimizer.tensor_norms = build_tensor_norms(
                 self._main_param_owners(), len(self.model_params), self._tensor_norm_group(), self.process_groups.tp
