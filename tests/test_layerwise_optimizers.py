@@ -161,3 +161,17 @@ def test_bf16_keeps_fp32_main_weights_and_fp16_overflow_skips(name):
     after = [t for m in opt.main_params for t in opt.optimizer.state[m].values()]
     assert all(torch.equal(a, b) for a, b in zip(after, before)) and len(after) > 0
     assert all(torch.equal(p.detach(), w) for p, w in zip(model.parameters(), weights))
+
+
+def test_a_sharding_wrapper_must_describe_its_shards():
+    from megalm.optimizer import FP32Optimizer, OptimizerError
+    from megalm.optimizer.factory import get_param_groups, make_torch_optimizer
+
+    class Sharded(FP32Optimizer):  # a future wrapper (e.g. FSDP) that forgot the layout hooks
+        grads_sharded = True
+
+    model = mlp()
+    groups = get_param_groups(list(model.named_parameters()), WD)
+    with pytest.raises(OptimizerError, match="does not say how"):
+        Sharded(groups, make_torch_optimizer(make_cfg("lamb").training))
+    Sharded(groups, make_torch_optimizer(make_cfg("adam").training))  # AdamW needs no layout

@@ -2,9 +2,9 @@
 end through pretrain_gpt.py's pieces on real spawned ranks.
 
 * fp32 losses, grad norms and params norms over 5 iterations at TP 2 x DP 2 and PP 2 x DP 2 (both
-  with --use-distributed-optimizer, whose flat shards cut tensors; Muon without it, refused there)
-  equal one process's within 1e-5 relative: the trust ratios use the full tensors' norms, Muon
-  (--muon-tp-mode duplicated) orthogonalizes the gathered matrices; blockwise differs;
+  with --use-distributed-optimizer, whose flat shards cut tensors; Muon also at TP 2 x DP 2 without
+  it) equal one process's within 1e-5 relative: the trust ratios use the full tensors' norms, Muon
+  (--muon-tp-mode duplicated) orthogonalizes the assembled, gathered matrices; blockwise differs;
 * resume: LAMB, LARS and Muon saved at iteration 3 at TP 2 x DP 2 continue at PP 2 x DP 2
   (optimizer state resharded) exactly as the uninterrupted run.
 
@@ -78,9 +78,8 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
 
 
 def layouts(opt):
-    """TP 2 x DP 2 and PP 2 x DP 2 flags: with the distributed optimizer except for Muon (refused there)."""
-    extra = [] if opt == "muon" else DIST
-    return TP2 + extra, PP2 + extra
+    """TP 2 x DP 2 and PP 2 x DP 2 flags, both with the distributed optimizer."""
+    return TP2 + DIST, PP2 + DIST
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +100,8 @@ def runs(tmp_path_factory):
             run(f"{opt}_save", opt, *tp, "--exit-interval", "3", "--save-interval", "100", "--save", ck),
             run(f"{opt}_resume", opt, *pp, "--load", ck),
         ]
+    # Muon with the plain optimizer (whole TP-local matrices, gathered over TP) too.
+    four.append(run("muon_tp_plain", "muon", *TP2))
     # Blockwise orthogonalizes each TP shard: a different update (the README states it).
     four.append(run("muon_blockwise_tp", "muon", *TP2, "--muon-tp-mode", "blockwise"))
     codes4 = run_distributed(run_trainings, 4, args=(four,), timeout=400)
@@ -115,8 +116,9 @@ def test_all_runs_exit_cleanly(runs):
     assert codes1 == [[0] * runs["n1"]], codes1
 
 
-@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("layout", ["tp", "pp"])
+@pytest.mark.parametrize(
+    "opt, layout", [(opt, layout) for opt in sorted(OPTIMIZERS) for layout in ("tp", "pp")] + [("muon", "tp_plain")]
+)
 def test_parallel_runs_equal_one_process(runs, opt, layout):
     ref, got = records(runs["tmp"], f"{opt}_ref"), records(runs["tmp"], f"{opt}_{layout}")
     assert len(ref) == 5

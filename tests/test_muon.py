@@ -125,7 +125,6 @@ def test_embeddings_output_layer_biases_and_norms_go_to_adam():
 @pytest.mark.parametrize(
     "flags, message",
     [
-        ({"use_distributed_optimizer": True}, "--optimizer muon with --use-distributed-optimizer is not supported"),
         ({"muon_tp_mode": "distributed"}, "--muon-tp-mode distributed is not built"),
         ({"muon_num_ns_steps": 0}, "--muon-num-ns-steps must be >= 1"),
     ],
@@ -135,6 +134,6 @@ def test_bad_flags_are_refused(flags, message):
     cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads = 2, 64, 4
     cfg.training.optimizer = "muon"
     for k, v in flags.items():
-        setattr(cfg.parallel if k == "use_distributed_optimizer" else cfg.training, k, v)
+        setattr(cfg.training, k, v)
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate_config(cfg)

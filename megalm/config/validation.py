@@ -497,8 +497,8 @@ def _validate_optimizer(p: ParallelConfig, t: TrainingConfig) -> None:
     if t.optimizer in ("lamb", "lars", "muon"):
         _check(
             p.expert_model_parallel_size == 1,
-            f"--optimizer {t.optimizer} with --expert-model-parallel-size > 1 is not supported yet (the trust "
-            "ratios' norms are reduced over the tensor x data-parallel ranks, which hold different experts)",
+            f"--optimizer {t.optimizer} with --expert-model-parallel-size > 1 is not supported yet (its "
+            "per-tensor norms and gathered matrices assume every tensor x data-parallel rank holds the same experts)",
         )
     if t.optimizer == "lars":
         _check(t.lars_trust_coefficient > 0, f"--lars-trust-coefficient must be > 0, got {t.lars_trust_coefficient}")
@@ -510,11 +510,7 @@ def _validate_optimizer(p: ParallelConfig, t: TrainingConfig) -> None:
 
 
 def _validate_muon(p: ParallelConfig, t: TrainingConfig) -> None:
-    _check(
-        not p.use_distributed_optimizer,
-        "--optimizer muon with --use-distributed-optimizer is not supported yet (its flat shards cut the "
-        "matrices that Newton-Schulz orthogonalizes whole)",
-    )
+    """Muon's flags (with the distributed optimizer the matrices are assembled: supported)."""
     _check(
         t.muon_tp_mode != "distributed",
         "--muon-tp-mode distributed is not built; use duplicated (gathers each matrix: equals one process) "

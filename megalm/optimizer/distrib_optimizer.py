@@ -49,6 +49,7 @@ import torch
 from megalm.distributed.data_parallel import DistributedDataParallel
 from megalm.distributed.param_and_grad_buffer import Bucket
 from megalm.optimizer.grad_scaler import GradScaler
+from megalm.optimizer.matrix_shards import MatrixShards
 from megalm.optimizer.optimizer import MegatronOptimizer, OptimizerError, ParamState
 from megalm.parallel_state import ProcessGroups
 
@@ -89,7 +90,7 @@ def _data_parallel_chunks(model_chunks: Sequence[torch.nn.Module]) -> list:
 
 
 class DistributedOptimizer(MegatronOptimizer):
-    """The torch optimizer (AdamW, SGD, LAMB, LARS, Lion) over this rank's shard ranges; see the module docstring.
+    """The torch optimizer (AdamW, SGD, LAMB, LARS, Lion, Muon) over this rank's shard ranges; see the module docstring.
 
     Args:
         groups: from :func:`megalm.optimizer.get_param_groups` (model parameters, global names).
@@ -188,6 +189,13 @@ class DistributedOptimizer(MegatronOptimizer):
     def _tensor_norm_group(self):
         """A tensor is cut over TP and, into flat ranges, over data (x context) parallel ranks."""
         return self.process_groups.tp_dp_cp
+
+    def _matrix_shards(self, muon: List[bool]) -> MatrixShards:
+        """Muon's matrices are assembled from the ranges over the data-parallel (x context) group."""
+        index = {id(p): i for i, p in enumerate(self.model_params)}
+        matrices = [(i, p) for i, p in enumerate(self.model_params) if muon[i]]
+        owned = {id(r.main): (index[id(r.param)], r.start, r.end) for r in self.ranges if muon[index[id(r.param)]]}
+        return MatrixShards(matrices, owned, self.process_groups.dp_cp)
 
     # --- step hooks (the template is MegatronOptimizer.step) ------------------------------------
     def _prepare_grads(self) -> List[tuple]:

@@ -54,7 +54,7 @@ class Lars(torch.optim.Optimizer):
         ratios = self._ratios(w_sq, g_sq, groups).tolist()
         for p, g, group, r in zip(params, grads, groups, ratios):
             wd = group["weight_decay"]
-            d = g.add(p, alpha=wd) if wd != 0 else g.clone()
+            d = g.add(p, alpha=wd) if wd != 0 else g
             buf = self.state[p]["momentum_buffer"]
             buf.mul_(group["momentum"]).add_(d, alpha=r)
             p.add_(buf, alpha=-group["lr"])

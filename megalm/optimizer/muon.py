@@ -29,6 +29,12 @@ Tensor parallelism (``--muon-tp-mode``, Megatron's choices):
 * ``distributed`` (Newton-Schulz with the Gram matrix all-reduced each iteration): not built,
   refused by the config check.
 
+The distributed optimizer (main params are flat ranges of the TP-local matrices): the momentum is
+kept per range; the ranges' directions are assembled into whole TP-local matrices with one
+all-reduce over data parallelism (:mod:`megalm.optimizer.matrix_shards`), every rank then
+orthogonalizes every matrix of its stage (as above) and keeps its range: the update equals the
+plain optimizer's, at the cost of that all-reduce and of Newton-Schulz on every data-parallel rank.
+
 State per parameter: ``momentum_buffer`` (matrices) or ``step``, ``exp_avg``, ``exp_avg_sq`` (AdamW).
 """
 
@@ -40,7 +46,7 @@ import torch
 
 from megalm.optimizer.lamb import adam_direction, init_adam_state
 from megalm.parallel_state import group_rank, group_size
-from megalm.tensor_parallel.param_info import REPLICATED
+from megalm.tensor_parallel.param_info import REPLICATED, param_info
 from megalm.tensor_parallel.utils import gather_shards, shard_of_full
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -76,7 +82,8 @@ def scale_factor(size_out: int, size_in: int, mode: str) -> float:
 class Muon(torch.optim.Optimizer):
     """Muon for groups with ``muon`` True, AdamW for the others; see the module docstring.
 
-    ``tp_group`` and ``param_infos`` (``id(main param) -> ParamInfo`` of its model parameter) are
+    ``tp_group``, ``param_infos`` (``id(main param) -> ParamInfo`` of its model parameter) and, under
+    the distributed optimizer, ``shards`` (:class:`megalm.optimizer.matrix_shards.MatrixShards`) are
     set by the megalm wrapper; unset, every matrix is whole (one process).
     """
 
@@ -103,6 +110,7 @@ class Muon(torch.optim.Optimizer):
         self.scale_mode, self.extra_scale_factor = scale_mode, float(extra_scale_factor)
         self.tp_group = None
         self.param_infos = {}
+        self.shards = None  # MatrixShards under the distributed optimizer (main params are flat ranges)
 
     def init_param_state(self, p: torch.Tensor, group: dict) -> None:
         if group["muon"]:
@@ -112,37 +120,60 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """AdamW for the other groups; momentum, then one orthogonalization pass for the matrices."""
+        matrices = []
         for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if not self.state[p]:
                     self.init_param_state(p, group)
                 if group["muon"]:
-                    update = self._orthogonalized(p, group["momentum"])
-                else:
-                    update = adam_direction(self.state[p], p.grad, *group["betas"], group["eps"])
-                if wd != 0:
-                    p.mul_(1 - lr * wd)
-                p.add_(update, alpha=-lr)
+                    matrices.append((p, group, self._direction(p, group["momentum"])))
+                    continue
+                update = adam_direction(self.state[p], p.grad, *group["betas"], group["eps"])
+                self._apply(p, group, update)
+        updates = self._orthogonalize_all(matrices)
+        for p, group, _ in matrices:
+            self._apply(p, group, updates[id(p)])
         return None
 
-    def _orthogonalized(self, p: torch.Tensor, mu: float) -> torch.Tensor:
-        """Advance the momentum; return this rank's part of the scaled, orthogonalized direction."""
+    @staticmethod
+    def _apply(p: torch.Tensor, group: dict, update: torch.Tensor) -> None:
+        """``p = p (1 - lr wd) - lr update`` (decoupled weight decay)."""
+        lr, wd = group["lr"], group["weight_decay"]
+        if wd != 0:
+            p.mul_(1 - lr * wd)
+        p.add_(update, alpha=-lr)
+
+    def _direction(self, p: torch.Tensor, mu: float) -> torch.Tensor:
+        """Advance the momentum; the direction to orthogonalize (Nesterov's or the momentum)."""
         buf = self.state[p]["momentum_buffer"]
         buf.lerp_(p.grad, 1 - mu)
-        d = p.grad.lerp(buf, mu) if self.nesterov else buf
+        return p.grad.lerp(buf, mu) if self.nesterov else buf
+
+    def _orthogonalize_all(self, matrices) -> dict:
+        """``{id(p): update shaped like p}``.  Whole local matrices: each on its own.  Flat ranges
+        (``shards``): the matrices are assembled over data parallelism first (one all-reduce), every
+        Muon matrix of the stage is orthogonalized on every rank (the TP all-gathers in the same
+        order everywhere), and each range is cut back out."""
+        if self.shards is None:
+            return {id(p): self._orthogonalized(d, self.param_infos.get(id(p), REPLICATED)) for p, _, d in matrices}
+        whole = self.shards.assemble({id(p): d for p, _, d in matrices})
+        done = {index: self._orthogonalized(whole[index], param_info(model)) for index, model in self.shards.matrices}
+        return {id(p): self.shards.range_of(id(p), done[self.shards.owned[id(p)][0]]) for p, _, _ in matrices}
+
+    def _orthogonalized(self, d: torch.Tensor, info) -> torch.Tensor:
+        """This rank's part of the scaled, orthogonalized ``d`` (a whole TP-local matrix)."""
         if d.dim() != 2:
             raise ValueError(f"Muon updates 2-D matrices, got a parameter of shape {tuple(d.shape)}")
-        info = self.param_infos.get(id(p), REPLICATED)
         size = group_size(self.tp_group)
         if self.tp_mode == "blockwise" or not info.tensor_parallel or size == 1:
-            return newton_schulz(d, self.num_ns_steps) * self._scale(d)
+            return newton_schulz(d, self.num_ns_steps).to(d.dtype) * self._scale(d)
         full = gather_shards(d, info, self.tp_group)
         o = newton_schulz(full, self.num_ns_steps) * self._scale(full)
         rank, dim, stride = group_rank(self.tp_group), info.partition_dim, info.partition_stride
-        return shard_of_full(o, dim, rank, size, stride).to(p.dtype)
+        return shard_of_full(o, dim, rank, size, stride).to(d.dtype)
 
     def _scale(self, m: torch.Tensor) -> float:
         return scale_factor(m.shape[0], m.shape[1], self.scale_mode) * self.extra_scale_factor

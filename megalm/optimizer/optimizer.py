@@ -158,7 +158,7 @@ class MegatronOptimizer:
             for g, mains in zip(groups, main_groups)
         ]
         self.optimizer = make_optimizer(torch_groups)
-        self._attach_layout()
+        self._attach_layout([bool(g.get("muon")) for g in groups for _ in g["params"]])
         self.clip_grad = float(clip_grad)
         self.grad_scaler = grad_scaler
         self.log_num_zeros_in_grad = log_num_zeros_in_grad
@@ -182,9 +182,20 @@ class MegatronOptimizer:
         """The ranks whose main params are pieces of one tensor: TP (whole local TP tensors here)."""
         return self.process_groups.tp
 
-    def _attach_layout(self) -> None:
+    def _matrix_shards(self, muon: List[bool]):
+        """How a matrix optimizer assembles whole matrices from its main params: None, they are whole."""
+        return None
+
+    def _attach_layout(self, muon: List[bool]) -> None:
         """Tell a layer-wise optimizer (one with ``tensor_norms``: LAMB, LARS) how to compute norms
-        of full tensors, and a matrix optimizer (one with ``tp_group``: Muon) its TP group."""
+        of full tensors, and a matrix optimizer (one with ``tp_group``: Muon) its TP group and how
+        to assemble whole matrices (``muon``: per model param, whether it is one of Muon's matrices)."""
+        needs_layout = hasattr(self.optimizer, "tensor_norms") or hasattr(self.optimizer, "tp_group")
+        if needs_layout and self.grads_sharded and type(self)._matrix_shards is MegatronOptimizer._matrix_shards:
+            raise OptimizerError(
+                f"{type(self).__name__} shards parameters but does not say how (_main_param_owners, "
+                "_tensor_norm_group, _matrix_shards): LAMB, LARS and Muon would use partial norms and matrices"
+            )
         if hasattr(self.optimizer, "tensor_norms"):
             self.optimizer.tensor_norms = build_tensor_norms(
                 self._main_param_owners(), len(self.model_params), self._tensor_norm_group(), self.process_groups.tp
@@ -192,6 +203,7 @@ class MegatronOptimizer:
         if hasattr(self.optimizer, "tp_group"):
             self.optimizer.tp_group = self.process_groups.tp
             self.optimizer.param_infos = {id(main): param_info(model) for main, _, model in self._main_param_owners()}
+            self.optimizer.shards = self._matrix_shards(muon)
 
     def _prepare_grads(self) -> List[Tuple[Optional[torch.Tensor], torch.nn.Parameter]]:
         """Point each main param's ``.grad`` at its model gradient (fp32: alias, no copy);

@@ -28,6 +28,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megalm.device import get_device
 from megalm.distributed import comm
 from megalm.parallel_state import group_rank, group_size
 from megalm.tensor_parallel.param_info import param_info
@@ -79,7 +80,7 @@ class FullTensorNorms:
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Squared L2 norms of the full tensors of which ``a[i]``, ``b[i]`` are this rank's pieces;
         one SUM all-reduce of a ``[num_params, 2]`` fp32 table over the group."""
-        device = params[0].device if params else None
+        device = params[0].device if params else get_device()  # a rank holding no piece still takes part
         local = _sum_squares(a, b, device)
         table = torch.zeros((self.num_params, 2), dtype=torch.float32, device=local.device)
         rows = torch.tensor([self.row[id(p)] for p in params], dtype=torch.long, device=local.device)
