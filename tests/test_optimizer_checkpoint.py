@@ -135,3 +135,13 @@ def test_misuse_raises_megalm_errors():
     groups = get_param_groups(list(model.named_parameters()), 0.0)
     with pytest.raises(OptimizerError, match="use_distributed_optimizer=True"):
         DistributedOptimizer(groups, make_torch_optimizer(cfg.training), [model])
+
+
+def test_checkpoint_of_another_optimizer_is_refused():
+    """AdamW's and Lamb's states share names: the optimizer's class is recorded and checked on load."""
+    model, ddp, opt = _build(torch.float32, distributed=False)
+    common = opt.common_state_dict()
+    assert common["optimizer"] == "AdamW"
+    opt.load_sharded_state_dict(common, main_params_loaded=True)  # the same optimizer loads
+    with pytest.raises(OptimizerError, match="is Lamb.s but this run uses AdamW: load it with --no-load-optim"):
+        opt.load_sharded_state_dict(dict(common, optimizer="Lamb"), main_params_loaded=True)

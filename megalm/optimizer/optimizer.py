@@ -423,6 +423,7 @@ class MegatronOptimizer:
         ]
         return {
             "format": FORMAT,
+            "optimizer": type(self.optimizer).__name__,
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,
             "param_groups": groups,
         }
@@ -431,7 +432,15 @@ class MegatronOptimizer:
         """Finish a load into the tensors of :meth:`sharded_state_dict`: restore the loss scaler from
         ``common`` (:meth:`common_state_dict`'s output).  ``main_params_loaded`` False (the checkpoint
         had no fp32 main weights, e.g. an fp32 run resumed with ``--bf16``): the main weights are
-        rebuilt from the (loaded) model weights; True keeps the checkpoint's, more precise, values."""
+        rebuilt from the (loaded) model weights; True keeps the checkpoint's, more precise, values.
+        A checkpoint of another optimizer (whose state may share names, e.g. AdamW's and LAMB's moments)
+        is refused."""
+        saved, mine = common.get("optimizer"), type(self.optimizer).__name__
+        if saved is not None and saved != mine:
+            raise OptimizerError(
+                f"the checkpoint's optimizer state is {saved}'s but this run uses {mine}: load it with "
+                "--no-load-optim to start a fresh optimizer from its weights"
+            )
         if self.grad_scaler is not None and common.get("grad_scaler"):
             self.grad_scaler.load_state_dict(common["grad_scaler"])
         if not main_params_loaded:
