@@ -76,6 +76,23 @@ def scaled_at(forward_step, calls, factor, rank=None):
     return step
 
 
+def nan_grads_at(forward_step, calls, rank):
+    """Wrap ``forward_step``: on ``rank``, the backward of the given microbatch calls turns NaN
+    (its loss stays finite), as a bad kernel on one rank would."""
+    import torch.distributed as dist
+
+    count = {"n": 0}
+
+    def step(data_iterator, model):
+        count["n"] += 1
+        out, loss_func = forward_step(data_iterator, model)
+        if dist.get_rank() == rank and count["n"] in calls:
+            out.register_hook(lambda g: g * float("nan"))
+        return out, loss_func
+
+    return step
+
+
 def _run_all(runs):
     """Each ``(argv, hook)`` through ``pretrain_gpt.main`` on this rank; ``hook``: None or
     ``(calls, factor, rank)`` for :func:`scaled_at`.  Returns ``(exit code or message, warnings
@@ -93,7 +110,12 @@ def _run_all(runs):
     out = []
     for argv, hook in runs:
         del seen[:]
-        step = pretrain_gpt.forward_step if hook is None else scaled_at(pretrain_gpt.forward_step, *hook)
+        if hook is None:
+            step = pretrain_gpt.forward_step
+        elif hook[0] == "nan_grads":
+            step = nan_grads_at(pretrain_gpt.forward_step, *hook[1:])
+        else:
+            step = scaled_at(pretrain_gpt.forward_step, *hook)
         try:
             pretrain_gpt.main(argv, step)
             code = 0
@@ -118,6 +140,7 @@ def runs(tmp_path_factory):
     todo = {
         "lr": (argv("lr", "--train-iters", "6", "--save", ck("lr"), "--save-interval", "1", lr="1e10"), None),
         "rank1": (argv("rank1", "--train-iters", "6", "--save", ck("rank1"), "--save-interval", "2"), ({3}, inf, 1)),
+        "grads1": (argv("grads1", "--train-iters", "5"), ("nan_grads", {3}, 1)),
         "nocheck": (argv("nocheck", "--train-iters", "5", "--no-check-for-nan-in-loss-and-grad", lr="1e10"), None),
         "fp16": (
             argv(
@@ -199,6 +222,14 @@ def test_nonfinite_loss_on_one_rank_names_that_rank(runs):
     root = runs["ck"]("rank1")
     assert _tracker(root) == 2
     assert _iteration_dirs(root) == [2]
+
+
+def test_nonfinite_gradients_on_one_rank_name_that_rank(runs):
+    """A finite loss whose backward is NaN on rank 1 only: the stop names rank 1 as the origin (each rank
+    checks its own gradients before the data-parallel reduction)."""
+    for c in _codes(runs, "grads1"):
+        assert isinstance(c, str) and c.startswith("error: non-finite gradient norm (nan) at iteration 3"), c
+        assert "the gradients were not finite on rank 1 before the data-parallel reduction" in c, c
 
 
 def test_no_check_flag_restores_skipping(runs):

@@ -138,6 +138,7 @@ class DistributedDataParallel(torch.nn.Module):
         parallel_cfg,
         grad_dtype: Optional[torch.dtype] = None,
         process_groups: Optional[ProcessGroups] = None,
+        check_for_nan_in_grad: bool = False,
     ):
         super().__init__()
         pg = parallel_state.get_process_groups() if process_groups is None else process_groups
@@ -192,6 +193,12 @@ class DistributedDataParallel(torch.nn.Module):
                     compress_key=f"{'expert' if expert else 'dense'}{bi}",
                 )
                 (self.expert_buffers if expert else self.buffers).append(buf)
+        # --check-for-nan-in-loss-and-grad: which rank's own gradients were not finite (before reduction)
+        self.local_nonfinite_grads: Optional[torch.Tensor] = None
+        if check_for_nan_in_grad:
+            self.local_nonfinite_grads = torch.zeros((), dtype=torch.bool, device=next(module.parameters()).device)
+            for buf in self.all_buffers:
+                buf.nonfinite = self.local_nonfinite_grads
         self._param_to_buffer = {p: b for b in self.all_buffers for p in b.param_index_map}
         self._build_launch_queues()
         self._grad_sync_enabled = True
@@ -288,6 +295,8 @@ class DistributedDataParallel(torch.nn.Module):
             p.grad = None
         for buf in self.all_buffers:
             buf.reset(zero=True)
+        if self.local_nonfinite_grads is not None:
+            self.local_nonfinite_grads.zero_()
         self._cursors = [0] * len(self._queues)
         self._grad_sync_enabled = True
 

@@ -124,6 +124,8 @@ class Bucket:
         if self.launched:
             return
         self.launched = True
+        if self.buffer.nonfinite is not None:  # this rank's own gradients, before any reduction
+            self.buffer.nonfinite.logical_or_(~torch.isfinite(self.grad_data).all())
         factor = self.buffer.gradient_scaling_factor
         if factor != 1.0:
             self.grad_data.mul_(factor)
@@ -213,6 +215,9 @@ class Bucket:
 class ParamAndGradBuffer:
     """One contiguous gradient (and optionally parameter) buffer over ``params``.
 
+    ``nonfinite``: None, or a 0-dim bool tensor (owned by DDP, shared by its buffers) each bucket ORs
+    with "my local gradients hold a NaN/inf" before it is reduced (``--check-for-nan-in-loss-and-grad``).
+
     ``params``: in module order (they are laid out reversed).  ``data_parallel_group``: the group
     the buckets are reduced (and, for the distributed optimizer, gathered) over, as DDP passes it
     (``dp_cp`` or ``expt_dp`` of a :class:`megalm.parallel_state.ProcessGroups`); None for this
@@ -242,6 +247,7 @@ class ParamAndGradBuffer:
     ):
         if not params:
             raise DataParallelError("ParamAndGradBuffer needs at least one parameter")
+        self.nonfinite: Optional[torch.Tensor] = None
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise DataParallelError(f"one buffer holds one parameter dtype, got {sorted(map(str, dtypes))}")

@@ -45,7 +45,8 @@ def build_model_chunks(cfg: MegalmConfig, model_provider: Callable) -> List[torc
 def wrap_data_parallel(cfg: MegalmConfig, chunks: Sequence[torch.nn.Module]) -> List[torch.nn.Module]:
     from megalm.distributed.data_parallel import DistributedDataParallel
 
-    return [DistributedDataParallel(chunk, cfg.parallel) for chunk in chunks]
+    check = cfg.training.check_for_nan_in_loss_and_grad
+    return [DistributedDataParallel(chunk, cfg.parallel, check_for_nan_in_grad=check) for chunk in chunks]
 
 
 def count_parameters(chunks: Sequence[torch.nn.Module]) -> int:

@@ -59,29 +59,34 @@ class SpikyLossStop(NumericsStop):
 # --- per-rank loss flags ---------------------------------------------------------------------
 
 
-def launch_loss_flags(reported: List[Dict]) -> torch.Tensor:
-    """One float32 per world rank, 1 where that rank's own reported values (its microbatches on
-    the last pipeline stage, before any reduction) hold a non-finite number; all-reduced (SUM)
+def launch_loss_flags(reported: List[Dict], local_grads_nonfinite: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[2, world]`` float32: row 0 is 1 where that rank's own reported values (its microbatches on the
+    last pipeline stage, before any reduction) hold a non-finite number, row 1 where its own gradients
+    did before the data-parallel reduction (``local_grads_nonfinite``, from DDP); all-reduced (SUM)
     over the world here, left on the device."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = get_device()
-    flags = torch.zeros(world, dtype=torch.float32, device=device)
+    flags = torch.zeros(2, world, dtype=torch.float32, device=device)
     values = [
         torch.as_tensor(v).to(device=device, dtype=torch.float64).reshape(-1) for r in reported for v in r.values()
     ]
     if values:
-        flags[rank] = (~torch.isfinite(torch.cat(values))).any().to(torch.float32)
+        flags[0, rank] = (~torch.isfinite(torch.cat(values))).any().to(torch.float32)
+    if local_grads_nonfinite is not None:
+        flags[1, rank] = local_grads_nonfinite.to(device=device, dtype=torch.float32)
     if world > 1:
         comm.all_reduce(flags, group=dist.group.WORLD, kind="nan_check")
     return flags
 
 
-def flagged_ranks(flags: Optional[torch.Tensor]) -> Tuple[int, ...]:
-    """Host read of :func:`launch_loss_flags`'s result: the flagged ranks."""
+def flagged_ranks(flags: Optional[torch.Tensor]) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """Host read of :func:`launch_loss_flags`'s result: (ranks with a non-finite loss, ranks whose own
+    gradients were non-finite)."""
     if flags is None:
-        return ()
-    return tuple(r for r, f in enumerate(flags.tolist()) if f > 0)
+        return (), ()
+    rows = flags.tolist()
+    return tuple(r for r, f in enumerate(rows[0]) if f > 0), tuple(r for r, f in enumerate(rows[1]) if f > 0)
 
 
 # --- the checks after a step -------------------------------------------------------------------
@@ -91,7 +96,9 @@ def _ranks(ranks: Tuple[int, ...]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
 
 
-def nonfinite_message(iteration: int, loss_ranks: Tuple[int, ...], grad_norm: Optional[float]) -> Optional[str]:
+def nonfinite_message(
+    iteration: int, loss_ranks: Tuple[int, ...], grad_norm: Optional[float], grad_ranks: Tuple[int, ...] = ()
+) -> Optional[str]:
     """The stop message of a step, or None when its loss and gradient norm are finite."""
     norm_bad = grad_norm is not None and not math.isfinite(grad_norm)
     if not loss_ranks and not norm_bad:
@@ -100,10 +107,15 @@ def nonfinite_message(iteration: int, loss_ranks: Tuple[int, ...], grad_norm: Op
         what = f"non-finite loss at iteration {iteration} on {_ranks(loss_ranks)}"
         if norm_bad:
             what += f" (gradient norm {grad_norm})"
+    elif grad_ranks:
+        what = (
+            f"non-finite gradient norm ({grad_norm}) at iteration {iteration}; the loss was finite on every rank, "
+            f"the gradients were not finite on {_ranks(grad_ranks)} before the data-parallel reduction"
+        )
     else:
         what = (
             f"non-finite gradient norm ({grad_norm}) at iteration {iteration}; the loss was finite on every "
-            f"rank (gradients are reduced across ranks before the norm: the rank of origin is not known)"
+            f"rank and every rank's gradients before the data-parallel reduction (it appeared after them)"
         )
     return what + (
         "; stopped without saving this iteration (--check-for-nan-in-loss-and-grad; "
@@ -152,7 +164,9 @@ class NumericsChecks:
         ``result``: the step's :class:`megalm.training.step.StepResult`.  Collective under
         ``--check-for-spiky-loss`` (every rank calls it)."""
         if self.grad_scaler is None and self.t.check_for_nan_in_loss_and_grad:
-            message = nonfinite_message(iteration, result.nonfinite_loss_ranks, result.grad_norm)
+            message = nonfinite_message(
+                iteration, result.nonfinite_loss_ranks, result.grad_norm, result.nonfinite_grad_ranks
+            )
             if message:
                 raise NonFiniteLossOrGrad(message)
         self._check_overflows(iteration)

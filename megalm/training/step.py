@@ -69,7 +69,8 @@ class StepResult:
     optimizer (None when skipped or not asked for).  ``loss_scale``: the scale this step's
     backward used.  ``skipped``: no update (loss-scale overflow, or a non-finite gradient
     norm); ``nan``: the gradient norm was not finite.  ``nonfinite_loss_ranks``: the ranks whose
-    own loss was not finite (checked under ``--check-for-nan-in-loss-and-grad`` without a loss
+    own loss was not finite, ``nonfinite_grad_ranks`` those whose own gradients were (before the
+    data-parallel reduction; checked under ``--check-for-nan-in-loss-and-grad`` without a loss
     scaler only; else ``()``).
     """
 
@@ -82,6 +83,7 @@ class StepResult:
     global_batch_size: int
     num_microbatches: int
     nonfinite_loss_ranks: Tuple[int, ...] = ()
+    nonfinite_grad_ranks: Tuple[int, ...] = ()
 
     @property
     def update_successful(self) -> bool:
@@ -139,8 +141,8 @@ def train_step(
             timers=timers,
         )
     check_loss = cfg.training.check_for_nan_in_loss_and_grad and optimizer.grad_scaler is None
-    loss_flags = launch_loss_flags(reported) if check_loss else None
-    finalize_model_grads(model, timers=timers)
+    finalize_model_grads(model, timers=timers)  # every bucket checked its own gradients before reducing them
+    loss_flags = launch_loss_flags(reported, _local_nonfinite_grads(model)) if check_loss else None
     if per_token:
         scale_gradients_by_token_count(model, global_token_count(reported.num_tokens, groups))
     with timers("optimizer"):
@@ -148,7 +150,7 @@ def train_step(
     if update_successful:
         scheduler.step(increment=gbs)
     nan = grad_norm is not None and not math.isfinite(grad_norm)
-    nonfinite_ranks = flagged_ranks(loss_flags)  # after the optimizer read the gradient norm
+    nonfinite_ranks, nonfinite_grad_ranks = flagged_ranks(loss_flags)  # after the optimizer read the norm
     state.iteration += 1
     if outer_sync is not None:
         with timers("local-sgd-sync"):
@@ -166,7 +168,16 @@ def train_step(
         global_batch_size=gbs,
         num_microbatches=m,
         nonfinite_loss_ranks=nonfinite_ranks,
+        nonfinite_grad_ranks=nonfinite_grad_ranks,
     )
+
+
+def _local_nonfinite_grads(model) -> Optional[torch.Tensor]:
+    """OR over the chunks' DDP flags: this rank's own gradients held a NaN/inf (None without DDP)."""
+    flags = [f for c in model if (f := getattr(c, "local_nonfinite_grads", None)) is not None]
+    if not flags:
+        return None
+    return torch.stack(flags).any()
 
 
 # --- per-token loss ------------------------------------------------------------------------
