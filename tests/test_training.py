@@ -174,6 +174,21 @@ def runs(tmp_path_factory):
         (_argv(tmp, "np_straight", *npc), {}),
         (_argv(tmp, "np_crash", *npc, *np_save), {"inf_at_call": 3}),
         (_argv(tmp, "np_resume", *npc, *np_save), {}),
+        # --tensorboard-log-interval 1 with log lines every 5: TensorBoard gets every iteration's loss.
+        (
+            _argv(
+                tmp,
+                "tb",
+                *npc,
+                "--tensorboard-dir",
+                os.path.join(tmp, "tb"),
+                "--log-interval",
+                "5",
+                "--tensorboard-log-interval",
+                "1",
+            ),
+            {},
+        ),
     ]
     codes1 = run_distributed(_run_trainings, 1, args=(single,), timeout=300)
     double = [
@@ -525,7 +540,7 @@ def test_bad_flags_fail_before_start(argv, message, capsys):
 
 def test_weights_only_checkpoint_needs_the_no_load_flags(runs):
     tmp = runs["tmp"]
-    codes = runs["codes"][0][0][-7:-3]  # the four lean_* runs, before the three np_* runs
+    codes = runs["codes"][0][0][-8:-4]  # the four lean_* runs, before the np_* and tb runs
     d = os.path.join(tmp, "ckpt_lean", "iter_0000002")
     common = json.load(open(os.path.join(d, "common.json")))
     assert common["scheduler"] is None and common["optimizer_common"] is None and common["rng_saved"] is False
@@ -541,10 +556,28 @@ def test_weights_only_checkpoint_needs_the_no_load_flags(runs):
 
 def test_non_persistent_checkpoint_resumes_after_a_crash(runs):
     tmp = runs["tmp"]
-    codes = runs["codes"][0][0][-3:]
+    codes = runs["codes"][0][0][-4:-1]
     assert codes[0] == 0 and codes[1] != 0 and codes[2] == 0, codes
     assert [r["iteration"] for r in _records(tmp, "np_crash")] == [1, 2]
     assert [r["iteration"] for r in _records(tmp, "np_resume")] == [3, 4, 5]
     assert _losses(tmp, "np_resume") == _losses(tmp, "np_straight")[2:]  # bit-identical
     np_dir = os.path.join(tmp, "ckpt_np", "non_persistent")
     assert sorted(os.listdir(np_dir)) == ["iter_0000005", "latest_checkpointed_iteration.txt"]  # only the newest
+
+
+def test_tensorboard_log_interval_writes_every_iteration(runs):
+    import glob
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert runs["codes"][0][0][-1] == 0
+    (events,) = glob.glob(os.path.join(runs["tmp"], "tb", "events.out.tfevents.*"))
+    acc = EventAccumulator(events)
+    acc.Reload()
+    logged = [(e.step, e.value) for e in acc.Scalars("lm loss")]
+    assert [step for step, _ in logged] == [1, 2, 3, 4, 5]
+    straight = _losses(runs["tmp"], "np_straight")  # the same run, logged every iteration
+    assert [v for _, v in logged[:4]] == pytest.approx(straight[:4], rel=1e-6)  # this iteration's loss
+    assert logged[4][1] == pytest.approx(sum(straight) / 5, rel=1e-6)  # the log line's mean of 5
+    assert [e.step for e in acc.Scalars("learning-rate")] == [1, 2, 3, 4, 5]
+    assert len(_records(runs["tmp"], "tb")) == 1  # the metrics file keeps one record per log line

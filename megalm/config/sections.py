@@ -622,6 +622,11 @@ class LoggingConfig:
         None, "Append JSON Lines metrics here (one record per logged iteration and evaluation)."
     )
     tensorboard_dir: Optional[str] = _f(None, "Write TensorBoard scalars here.")
+    tensorboard_log_interval: Optional[int] = _f(
+        None,
+        "Also write this iteration's loss, learning rate, loss scale, grad norm and batch size to TensorBoard "
+        "and W&B every this many iterations (as Megatron; default: with each log line only).",
+    )
     wandb_project: Optional[str] = _f(None, "Weights & Biases project (enables W&B logging).")
     wandb_exp_name: Optional[str] = _f(None, "Weights & Biases run name.")
     wandb_save_dir: Optional[str] = _f(None, "Weights & Biases local directory.")

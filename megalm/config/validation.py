@@ -826,6 +826,10 @@ def _validate_hang_watchdog(t: TrainingConfig, p: ParallelConfig) -> None:
 
 def _validate_logging(lg: LoggingConfig, world_size: Optional[int]) -> None:
     _check(lg.log_interval > 0, "--log-interval must be positive")
+    _check(
+        lg.tensorboard_log_interval is None or lg.tensorboard_log_interval > 0,
+        "--tensorboard-log-interval must be positive",
+    )
     _check(lg.straggler_minmax_count > 0, f"--straggler-minmax-count must be positive, got {lg.straggler_minmax_count}")
     port = lg.straggler_ctrlr_port
     _check(0 <= port <= 65535, f"--straggler-ctrlr-port must be a TCP port (0-65535), got {port}")

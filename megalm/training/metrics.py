@@ -171,6 +171,19 @@ class MetricsWriter:
 
     log_train = log_iteration
 
+    def log_scalars(self, step: int, values: Dict[str, Any]) -> None:
+        """Scalars of one iteration to TensorBoard and W&B only (``--tensorboard-log-interval``: between
+        log lines; the metrics file keeps one record per log line)."""
+        if not self.enabled:
+            return
+        values = {k: _plain(v) for k, v in values.items() if _numeric(_plain(v))}
+        if self._tb is not None:
+            for key, value in values.items():
+                self._tb.add_scalar(TB_TAGS.get(key, key), value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
+
     def log_evaluation(
         self, iteration: int, split: str, loss: float, ppl: Optional[float] = None, **extra: Any
     ) -> None:

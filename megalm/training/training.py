@@ -45,7 +45,7 @@ from megalm.training.loss_checks import NumericsChecks, NumericsStop
 from megalm.training.microbatches import MicrobatchCalculator
 from megalm.training.profiling import ProfilerUnavailable, StepProfiler, check_profiler_available
 from megalm.training.signals import ExitSignalHandler
-from megalm.training.step import StepResult, TrainState, evaluate, train_step
+from megalm.training.step import StepResult, TrainState, evaluate, losses_to_floats, train_step
 
 logger = get_logger(__name__)
 
@@ -390,6 +390,8 @@ class Trainer:
         if state.iteration % cfg.logging.log_interval == 0:
             self.log_training(self.interval)
             self.interval = IntervalStats()
+        elif self._writes_iteration_scalars(state.iteration):
+            self.log_iteration_scalars(result)
         if (
             self.do_valid
             and t.eval_interval
@@ -552,6 +554,26 @@ class Trainer:
         self.metrics.log_iteration(record)
         if cfg.logging.log_memory and not self.memory_reported:
             self.report_memory()
+
+    def _writes_iteration_scalars(self, iteration: int) -> bool:
+        """``--tensorboard-log-interval``: the same answer on every rank (the losses' exchange is collective)."""
+        lg = self.cfg.logging
+        every = lg.tensorboard_log_interval
+        return bool(every and iteration % every == 0 and (lg.tensorboard_dir or lg.wandb_project))
+
+    def log_iteration_scalars(self, result: StepResult) -> None:
+        """This iteration's values to TensorBoard / W&B (Megatron's per-iteration TensorBoard scalars)."""
+        losses = losses_to_floats(result.losses, self.groups)  # collective over the pipeline group
+        self.metrics.log_scalars(
+            self.state.iteration,
+            {
+                "lm_loss": losses.get("lm loss"),
+                "lr": self.scheduler.get_lr(),
+                "loss_scale": self.optimizer.get_loss_scale(),
+                "grad_norm": result.grad_norm,
+                "global_batch_size": result.global_batch_size,
+            },
+        )
 
     def _writer_only_scalars(self) -> dict:
         """--log-memory-to-tensorboard / --log-world-size-to-tensorboard (not in the console line)."""
