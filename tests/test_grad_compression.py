@@ -6,6 +6,7 @@ Layout DP 4: dp_cp [0, 1, 2, 3], intra-node [0, 1] / [2, 3], inter-node [0, 2] /
 """
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -177,18 +178,20 @@ def outer_values(me, rnd):
 
 
 def diloco_run(pg, hierarchical):
-    """Two DiLoCo syncs (H = 2) of one parameter; the values after each."""
+    """Two DiLoCo syncs (H = 2) of one parameter; the values after each, and the bytes sent.
+    Hierarchical: the ranks of a node hold the same replica (as after exact intra-node steps)."""
     p = torch.nn.Parameter(torch.arange(6, dtype=torch.float32))
     outer = OuterSync(FakeOptimizer([p]), 2, 0.7, 0.9, pg, hierarchical)
-    me = dist.get_rank()
+    replica = dist.get_rank() // LOCAL if hierarchical else dist.get_rank()
     out = []
+    comm.reset_comm_stats()
     for rnd in range(2):
         with torch.no_grad():
-            p -= outer_values(me, rnd)
+            p -= outer_values(replica, rnd)
         assert not outer.step(2 * rnd + 1)
         assert outer.step(2 * rnd + 2)
         out.append(p.detach().clone())
-    return out
+    return out, {k: v["wire_bytes"] for k, v in comm.get_comm_stats().items()}
 
 
 def local_grads(pg, hierarchical):
@@ -214,6 +217,15 @@ def worker():
     out["local"] = {h: local_grads(pg, h) for h in (False, True)}
     out["ddp"] = {(n, h): ddp_run(n, h, pg) for n in ("topk", "int8", "powersgd") for h in (False, True)}
     return out
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The single-process simulations are tiny: one thread (two threads on a busy 2-core host are 100x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -303,6 +315,7 @@ def reducing_groups(bucket, hierarchical):
     return [(i * c, (i + 1) * c, [list(range(j * LOCAL, (j + 1) * LOCAL)) for j in range(nodes)]) for i in range(LOCAL)]
 
 
+@functools.lru_cache(maxsize=None)
 def simulate(name, hierarchical):
     """The gradients every rank holds after each step, computed in one process: each rank's scaled
     gradient, then the compression with error feedback (of the node sums when hierarchical)."""
@@ -418,19 +431,26 @@ def test_config_refuses_the_distributed_optimizer_and_bad_settings():
 
 def test_diloco_outer_step_equals_the_hand_computed_one(ranks):
     """x1 = x0 - eta (D + mu m) with m = D, D = x0 - mean; then m = mu m + D2 (Nesterov), over the 4
-    data-parallel ranks (flat) or each rank's inter-node group of 2 (hierarchical: ranks i, i + 2)."""
+    data-parallel ranks (flat) or the 2 nodes' replicas (hierarchical: each rank averages half of the
+    values across nodes, the node all-gathers them)."""
     eta, mu = 0.7, 0.9
     for hierarchical in (False, True):
-        for me, r in enumerate(ranks):
-            members = [me % LOCAL, me % LOCAL + LOCAL] if hierarchical else list(range(K))
-            x = torch.arange(6, dtype=torch.float64)
-            m = torch.zeros(6, dtype=torch.float64)
-            for rnd in range(2):
-                mean = sum(x - outer_values(k, rnd).double() for k in members) / len(members)
-                d = x - mean
-                m = mu * m + d
-                x = x - eta * (d + mu * m)
-                torch.testing.assert_close(r["diloco"][hierarchical][rnd].double(), x, rtol=1e-6, atol=1e-6)
+        replicas = list(range(K // LOCAL)) if hierarchical else list(range(K))
+        x = torch.arange(6, dtype=torch.float64)
+        m = torch.zeros(6, dtype=torch.float64)
+        for rnd in range(2):
+            mean = sum(x - outer_values(k, rnd).double() for k in replicas) / len(replicas)
+            d = x - mean
+            m = mu * m + d
+            x = x - eta * (d + mu * m)
+            for r in ranks:
+                torch.testing.assert_close(r["diloco"][hierarchical][0][rnd].double(), x, rtol=1e-6, atol=1e-6)
+    for r in ranks:  # per sync, 6 fp32 values: flat all-reduce over 4; hierarchical 3 of them across 2 nodes
+        assert r["diloco"][False][1] == {"local_sgd_param_all_reduce": 2 * 2 * 3 / 4 * 24}
+        assert r["diloco"][True][1] == {
+            "local_sgd_param_all_reduce_inter": 2 * 2 * 1 / 2 * 12,
+            "local_sgd_param_all_gather_intra": 2 * 1 / 2 * 24,
+        }
 
 
 def test_local_sgd_reduces_inside_the_node_only(ranks):

@@ -8,7 +8,9 @@ parameters are synchronised over the outer group (the data-parallel group, or wi
 
 * average ``x_bar = (1/n) sum_k x_k``: one SUM all-reduce of every fp32 main parameter over the
   outer group of ``n`` replicas (``2 (n-1)/n x 4 P`` bytes per rank for ``P`` local parameters,
-  once per ``H`` steps; kind ``local_sgd_param_all_reduce``);
+  once per ``H`` steps; kind ``local_sgd_param_all_reduce``); hierarchical, the ``L`` ranks of a
+  node hold the same replica, so rank ``i`` averages chunk ``i`` of ``L`` across nodes
+  (``2 (n-1)/n x 4 P / L``) and the node all-gathers the chunks;
 * plain averaging (``--outer-lr 1 --outer-momentum 0``, the default): ``x <- x_bar`` (Local SGD);
 * DiLoCo (Douillard et al. 2023): with ``x_0`` the parameters at the last sync, the
   pseudo-gradient ``D = x_0 - x_bar``, the outer SGD with Nesterov momentum ``mu``, learning
@@ -29,7 +31,7 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megalm.distributed import comm
-from megalm.parallel_state import ProcessGroups, group_size
+from megalm.parallel_state import ProcessGroups, group_rank, group_size
 from megalm.tensor_parallel.param_info import param_info
 
 
@@ -68,13 +70,14 @@ class OuterSync:
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
         self.plain = self.outer_lr == 1.0 and self.outer_momentum == 0.0
         pg = process_groups
-        self.groups: List[tuple] = []  # (outer group, [main params]) in a fixed order
+        self.groups: List[tuple] = []  # (outer group, intra-node group, [main params]) in a fixed order
         for expert in (False, True):
             params = [
                 m for m, p in zip(optimizer.main_params, optimizer.model_params) if param_info(p).expert == expert
             ]
             if params:
-                self.groups.append((outer_group(pg, hierarchical, expert), params))
+                groups = (outer_group(pg, hierarchical, expert), inner_group(pg, hierarchical, expert))
+                self.groups.append((*groups, params))
         self.anchor: Dict[str, torch.Tensor] = {}
         self.momentum: Dict[str, torch.Tensor] = {}
         self.reset()
@@ -105,12 +108,9 @@ class OuterSync:
     @torch.no_grad()
     def sync(self) -> None:
         """Average the main parameters over the outer groups, then the outer update (see the module)."""
-        for group, params in self.groups:
-            n = group_size(group)
-            if n > 1:
-                flat = _flatten_dense_tensors([p.data for p in params])
-                comm.all_reduce(flat, group=group, kind="local_sgd_param_all_reduce")
-                flat.div_(n)
+        for outer, intra, params in self.groups:
+            if group_size(outer) > 1:
+                flat = _average(_flatten_dense_tensors([p.data for p in params]), outer, intra)
                 for p, avg in zip(params, _unflatten_dense_tensors(flat, [p.data for p in params])):
                     p.data.copy_(avg)
         if not self.plain:
@@ -148,6 +148,25 @@ class OuterSync:
             for k in mine:
                 if k in saved:
                     mine[k] = saved[k].to(device)
+
+
+def _average(flat: torch.Tensor, outer, intra) -> torch.Tensor:
+    """Mean of ``flat`` over ``outer``.  With an ``intra`` group of ``L > 1`` ranks (hierarchical: the
+    node's ranks, which hold the same replica), rank ``i`` of the node averages only chunk ``i`` of
+    ``L`` across nodes and the node all-gathers the chunks: ``1/L`` of the bytes cross nodes per rank."""
+    n, L = group_size(outer), group_size(intra)
+    if L == 1:
+        comm.all_reduce(flat, group=outer, kind="local_sgd_param_all_reduce")
+        return flat.div_(n)
+    c = -(-flat.numel() // L)
+    padded = torch.zeros(c * L, dtype=flat.dtype, device=flat.device)
+    padded[: flat.numel()] = flat
+    i = group_rank(intra)
+    chunk = padded[i * c : (i + 1) * c].clone()
+    comm.all_reduce(chunk, group=outer, kind="local_sgd_param_all_reduce_inter")
+    chunk.div_(n)
+    comm.all_gather_into_tensor(padded, chunk, group=intra, kind="local_sgd_param_all_gather_intra")
+    return padded[: flat.numel()]
 
 
 def _to_cpu(obj):
