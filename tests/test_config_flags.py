@@ -23,6 +23,7 @@ CONSUMED_BY_VALIDATION = {
     "add_position_embedding": "--no-position-embedding becomes --position-embedding-type none",
     "recompute_activations": "becomes --recompute-granularity selective",
     "expert_tensor_parallel_size": "only 1 (megalm's layout) is accepted",
+    "non_persistent_ckpt_type": "only global (the default) is built",
     "grad_reduce_in_bf16": "turns --accumulate-allreduce-grads-in-fp32 off (bf16 gradient buffers)",
     "lr_warmup_iters": "lr_schedule_samples",
     "lr_warmup_fraction": "lr_schedule_samples",

@@ -804,6 +804,10 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
     if c.non_persistent_save_interval is not None:
         _check(c.non_persistent_save_interval > 0, "--non-persistent-save-interval must be positive")
         _check(
+            c.non_persistent_ckpt_type in (None, "global"),
+            f"--non-persistent-ckpt-type {c.non_persistent_ckpt_type} is not built (global is)",
+        )
+        _check(
             c.save is not None or c.non_persistent_global_ckpt_dir is not None,
             "--non-persistent-save-interval needs --save or --non-persistent-global-ckpt-dir",
         )
