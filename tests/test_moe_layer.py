@@ -178,10 +178,10 @@ def test_layer_pattern():
         (["--moe-layer-freq", "[1,2,1,1]"], None, "one 0/1 entry per layer"),
         (["--moe-pad-expert-input-to-capacity"], None, "needs --moe-expert-capacity-factor"),
         (["--moe-expert-capacity-factor", "0"], None, "must be positive"),
-        (
-            ["--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax"],
+        (  # --moe-router-pre-softmax is ignored with sigmoid scores (as Megatron); expert bias needs sigmoid
+            ["--moe-router-enable-expert-bias"],
             None,
-            "needs --moe-router-score-function softmax",
+            "needs --moe-router-score-function sigmoid",
         ),
         (
             ["--moe-shared-expert-intermediate-size", "5", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
