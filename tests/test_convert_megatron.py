@@ -268,6 +268,22 @@ def test_refusals_name_the_file_and_run_nothing(tmp_path):
     with pytest.raises(MegatronPickleError, match=f"{common}: refusing to unpickle the global .*system"):
         import_from_megatron(str(src), str(tmp_path / "out1"))
 
+    # --ignore-saved-args: common.pt is never opened; the architecture is the flags, checked by shapes.
+    flags = (
+        "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --ffn-hidden-size 48 --group-query-attention "
+        "--num-query-groups 2 --position-embedding-type rope --rotary-base 500 --normalization RMSNorm "
+        "--norm-epsilon 1e-6 --swiglu --disable-bias-linear --untie-embeddings-and-output-weights --qk-layernorm "
+        "--seq-length 16 --vocab-size 100"
+    ).split()
+    r = import_from_megatron(str(src), str(tmp_path / "flags"), extra_args=flags, use_saved_args=False)
+    assert any("common.pt not read" in n for n in r.notes)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (imported_logits(tmp_path / "flags", ids)[0] - model(ids)[..., :VOCAB]).abs().max() <= 1e-6
+    wrong = [f if f != "48" else "40" for f in flags]
+    with pytest.raises(ConversionError, match="linear_fc1.weight has shape .*the megalm flags imply"):
+        import_from_megatron(str(src), str(tmp_path / "flags2"), extra_args=wrong, use_saved_args=False)
+
     legacy = tmp_path / "legacy"
     legacy.mkdir()
     save_legacy(cfg, model, legacy)
@@ -292,7 +308,7 @@ def test_refusals_name_the_file_and_run_nothing(tmp_path):
     torch.save({"args": args, "iteration": 20}, common)
     with pytest.raises(ConversionError, match="linear_fc1.weight has shape .*the saved args imply"):
         import_from_megatron(str(src), str(tmp_path / "out5"))
-    assert not (tmp_path / "out1").exists() and not (tmp_path / "out2").exists()
+    assert not (tmp_path / "out1").exists() and not (tmp_path / "out2").exists() and not marker.exists()
 
 
 def test_convert_cli_from_megatron(tmp_path, capsys):

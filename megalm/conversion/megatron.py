@@ -22,7 +22,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from megalm.checkpoint_resume import TRACKER_FILENAME, checkpoint_dir
-from megalm.config import ConfigError, build_parser, config_from_args
+from megalm.config import (
+    ConfigError,
+    MegalmConfig,
+    build_parser,
+    config_from_args,
+    set_vocab_size,
+    validate_config,
+)
 from megalm.conversion.base import OUTPUT_LAYER, VOCAB_ROWS, WORD_EMBEDDINGS, checkpoint_shapes
 from megalm.conversion.errors import ConversionError
 from megalm.conversion.hf_files import DTYPES
@@ -107,8 +114,11 @@ def _tokenizer(args: dict, extra_args: List[str]) -> Tuple[Optional[int], List[s
     return tok.vocab_size, flags, []
 
 
-def to_megalm_names(tensors: Dict[str, torch.Tensor], m, source: str) -> Dict[str, torch.Tensor]:
-    """Megatron names/shapes -> megalm's, checked against the config ``m`` (every tensor used)."""
+def to_megalm_names(
+    tensors: Dict[str, torch.Tensor], m, source: str, config_from: str = "the saved args"
+) -> Dict[str, torch.Tensor]:
+    """Megatron names/shapes -> megalm's, checked against the config ``m`` (every tensor used;
+    ``config_from`` names where ``m`` came from in the messages)."""
     expected = checkpoint_shapes(m)
     out: Dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
@@ -128,11 +138,11 @@ def to_megalm_names(tensors: Dict[str, torch.Tensor], m, source: str) -> Dict[st
             t = t.reshape(2, m.ffn_hidden_size, *t.shape[1:])
         if name not in expected:
             raise ConversionError(
-                f"{source}: tensor {name} has no megalm counterpart for this model (the saved args describe "
+                f"{source}: tensor {name} has no megalm counterpart for this model ({config_from} describe "
                 f"no such part)"
             )
         if tuple(t.shape) != expected[name]:
-            raise ConversionError(f"{source}: {name} has shape {tuple(t.shape)}, the saved args imply {expected[name]}")
+            raise ConversionError(f"{source}: {name} has shape {tuple(t.shape)}, {config_from} imply {expected[name]}")
         out[name] = t
     if OUTPUT_LAYER in tensors and not m.untie_embeddings_and_output_weights:
         if not torch.equal(tensors[OUTPUT_LAYER][: m.vocab_size], out.get(WORD_EMBEDDINGS)):
@@ -143,37 +153,8 @@ def to_megalm_names(tensors: Dict[str, torch.Tensor], m, source: str) -> Dict[st
     return out
 
 
-def import_from_megatron(
-    load_dir: str,
-    save_dir: str,
-    extra_args: Sequence[str] = (),
-    iteration: Optional[int] = None,
-    out_iteration: int = 0,
-    dtype: Optional[str] = None,
-) -> ImportResult:
-    """Write ``save_dir/iter_<out_iteration>/`` from the Megatron-LM checkpoint in ``load_dir``.
-
-    ``extra_args``: megalm flags recorded in the config (the target TP/PP layout, ``--vocab-size``
-    when neither the saved args nor a readable tokenizer give the true vocabulary, ...);
-    architecture flags must agree with the saved args.
-    """
-    if dtype is not None and dtype not in DTYPES:
-        raise ConversionError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    path = find_iteration_dir(load_dir, iteration)
-    backend = backend_of(path)
-    extra_args = list(extra_args)
-    if backend == "torch_dist":
-        ckpt = TorchDistCheckpoint(path)
-        args, source, tensors = ckpt.args, os.path.join(path, "common.pt"), None
-        notes = ["the optimizer state was not imported (weights only)"] if ckpt.optimizer_keys else []
-    elif backend == "legacy":
-        args, tensors, notes = merge_legacy(path)
-        source = path
-    else:
-        raise ConversionError(
-            f"{path}: Megatron-LM sharded backend {backend!r} is not read (save with --ckpt-format torch_dist "
-            f"or the legacy format)"
-        )
+def config_from_saved_args(args: dict, source: str, extra_args: List[str]) -> Tuple[MegalmConfig, List[str]]:
+    """``(config, notes)`` from Megatron's saved ``args`` and the megalm flags (which must agree)."""
     parser = build_parser("megalm import", exit_on_error=False)
     explicit = _explicit_dests(parser, extra_args)
     try:
@@ -185,12 +166,92 @@ def import_from_megatron(
     vocab, vocab_source = true_vocab_size(args, given_vocab, tok_vocab)
     fields, arg_notes = megalm_fields(args, source, vocab)
     if "model.seq_length" not in explicit:
-        extra_args += ["--seq-length", str(int(args["seq_length"]))]
-    cfg = build_config(fields, extra_args + tok_flags)
+        extra_args = extra_args + ["--seq-length", str(int(args["seq_length"]))]
+    vocab_note = f"vocabulary {vocab} from {vocab_source} (the saved padded size was {args.get('padded_vocab_size')})"
+    return build_config(fields, extra_args + tok_flags), [vocab_note] + tok_notes + arg_notes
+
+
+def config_from_flags(extra_args: List[str], path: str) -> MegalmConfig:
+    """The config from the megalm flags alone (``--ignore-saved-args``); the vocabulary from
+    ``--vocab-size`` or the tokenizer flags."""
+    from megalm.tokenizers.build import create_tokenizer
+
+    parser = build_parser("megalm import", exit_on_error=False)
+    try:
+        cfg = config_from_args(parser.parse_args(extra_args))
+        vocab = cfg.model.vocab_size
+        if "model.vocab_size" not in _explicit_dests(parser, extra_args):
+            d = cfg.data
+            if not d.tokenizer_type:
+                raise ConversionError(
+                    f"{path}: with --ignore-saved-args give the model's megalm flags, and --vocab-size or the "
+                    f"tokenizer flags"
+                )
+            vocab = create_tokenizer(d.tokenizer_type, d.tokenizer_model, None, d.vocab_file, d.merge_file).vocab_size
+        validate_config(cfg)
+    except ConfigError as e:
+        raise ConversionError(f"the megalm flags {extra_args}: {e}") from None
+    set_vocab_size(cfg, vocab)
+    return cfg
+
+
+def config_notes_from_flags() -> List[str]:
+    return [
+        "architecture from the megalm flags given (common.pt not read): only tensor shapes were checked against "
+        "them; RoPE base, norm epsilon and the GELU form (--openai-gelu for Megatron's default fused bias-GELU) "
+        "are as given"
+    ]
+
+
+def import_from_megatron(
+    load_dir: str,
+    save_dir: str,
+    extra_args: Sequence[str] = (),
+    iteration: Optional[int] = None,
+    out_iteration: int = 0,
+    dtype: Optional[str] = None,
+    use_saved_args: bool = True,
+) -> ImportResult:
+    """Write ``save_dir/iter_<out_iteration>/`` from the Megatron-LM checkpoint in ``load_dir``.
+
+    ``extra_args``: megalm flags recorded in the config (the target TP/PP layout, ``--vocab-size``
+    when neither the saved args nor a readable tokenizer give the true vocabulary, ...);
+    architecture flags must agree with the saved args.  ``use_saved_args`` False (``torch_dist`` only,
+    ``--ignore-saved-args``): ``common.pt`` is not opened and the architecture is ``extra_args`` alone,
+    checked against the tensor shapes only.
+    """
+    if dtype is not None and dtype not in DTYPES:
+        raise ConversionError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    path = find_iteration_dir(load_dir, iteration)
+    backend = backend_of(path)
+    extra_args = list(extra_args)
+    if backend == "torch_dist":
+        ckpt = TorchDistCheckpoint(path, read_args=use_saved_args)
+        args, tensors = ckpt.args, None
+        source = os.path.join(path, "common.pt") if use_saved_args else path
+        notes = ["the optimizer state was not imported (weights only)"] if ckpt.optimizer_keys else []
+    elif backend == "legacy":
+        if not use_saved_args:
+            raise ConversionError(
+                f"{path}: --ignore-saved-args applies to torch_dist checkpoints only (the legacy files hold the "
+                f"weights in the same pickle as the args)"
+            )
+        args, tensors, notes = merge_legacy(path)
+        source = path
+    else:
+        raise ConversionError(
+            f"{path}: Megatron-LM sharded backend {backend!r} is not read (save with --ckpt-format torch_dist "
+            f"or the legacy format)"
+        )
+    if args is None:
+        cfg, notes = config_from_flags(extra_args, path), config_notes_from_flags() + notes
+    else:
+        cfg, config_notes = config_from_saved_args(args, source, extra_args)
+        notes = config_notes + notes
     m = cfg.model
     if tensors is None:
         tensors = ckpt.layer_tensors(m.num_layers)
-    out = to_megalm_names(tensors, m, source)
+    out = to_megalm_names(tensors, m, source, "the saved args" if args is not None else "the megalm flags")
     if dtype:
         out = {k: v.to(DTYPES[dtype]) for k, v in out.items()}
     megatron_iteration = os.path.basename(path)
@@ -200,8 +261,6 @@ def import_from_megatron(
         "megatron_checkpoint": megatron_iteration,
     }
     written = write_checkpoint(save_dir, out_iteration, out, cfg, extra)
-    vocab_note = f"vocabulary {vocab} from {vocab_source} (the saved padded size was {args.get('padded_vocab_size')})"
-    notes = [vocab_note] + tok_notes + arg_notes + notes
     return ImportResult(
         written,
         f"Megatron-LM {backend} {megatron_iteration}",

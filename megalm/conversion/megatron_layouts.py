@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megalm.conversion.errors import ConversionError
-from megalm.conversion.megatron_pickles import checkpoint_args, load_megatron_pickle
+from megalm.conversion.megatron_pickles import MegatronPickleError, checkpoint_args, load_megatron_pickle
 from megalm.safe_unpickle import SafeFileSystemReader, load_metadata
 
 STACKED_PREFIX = "decoder.layers."
@@ -55,10 +55,20 @@ def is_extra_state(name: str) -> bool:
 class TorchDistCheckpoint:
     """One ``iter_XXXXXXX`` directory of a ``torch_dist`` Megatron-LM checkpoint."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, read_args: bool = True):
+        """``read_args`` False: ``common.pt`` is not opened (``args`` is None)."""
         self.path = path
-        self.state = load_megatron_pickle(os.path.join(path, "common.pt"))
-        self.args = checkpoint_args(self.state, os.path.join(path, "common.pt"))
+        self.args = None
+        if read_args:
+            common = os.path.join(path, "common.pt")
+            try:
+                state = load_megatron_pickle(common)
+            except MegatronPickleError as e:
+                raise MegatronPickleError(
+                    f"{e}. To import the weights without reading {common}, give the architecture as megalm flags "
+                    f"with --ignore-saved-args"
+                ) from None
+            self.args = checkpoint_args(state, common)
         self.metadata = load_metadata(path, allow_byte_entries=True)
         tensors = {
             k: md for k, md in self.metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)
@@ -89,7 +99,7 @@ class TorchDistCheckpoint:
             if key.startswith(STACKED_PREFIX) and not _NUMBERED.match(key):
                 if t.shape[0] != num_layers:
                     raise ConversionError(
-                        f"{self.path}: stacked {key} has {t.shape[0]} layers, the saved args give --num-layers "
+                        f"{self.path}: stacked {key} has {t.shape[0]} layers, the model config has --num-layers "
                         f"{num_layers}"
                     )
                 rest = key[len(STACKED_PREFIX) :]

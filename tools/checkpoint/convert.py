@@ -16,7 +16,9 @@
 ``model_optim_rng.pt``, unpickled with ``torch.load(weights_only=True)`` and an exact allow-list of
 inert classes: argparse.Namespace, Megatron's enums as stand-ins, numpy's RNG arrays; anything else
 is refused naming the file and nothing from it runs) and checks every tensor's shape against it;
-megalm flags given must agree with it.  The true vocabulary comes from ``--vocab-size``, the saved
+megalm flags given must agree with it.  When a newer Megatron stores a class outside that list in
+``common.pt`` (torch_dist), ``--ignore-saved-args`` skips the file: the architecture is then the
+megalm flags given, checked against the tensor shapes only.  The true vocabulary comes from ``--vocab-size``, the saved
 ``vocab_size`` or the saved tokenizer's files (the padded rows are dropped).  Megatron's default
 fused bias-GELU is the tanh approximation: such models are recorded with ``--openai-gelu``.  Weights
 only: the optimizer state is not imported (a note says so).  Mixture-of-experts, multi-latent
@@ -84,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json, as --tokenizer-model.")
     parser.add_argument("--merge-file", default=None, help="GPT2BPETokenizer's merges file, as --tokenizer-model.")
+    parser.add_argument(
+        "--ignore-saved-args",
+        action="store_true",
+        help="--from megatron, torch_dist only: do not open common.pt; the architecture is the megalm flags "
+        "given (--num-layers, --hidden-size, ..., --vocab-size), checked against the tensor shapes only.",
+    )
     parser.add_argument("--verify", action="store_true", help="Compare both models' logits (needs transformers).")
     parser.add_argument(
         "--verify-tolerance",
@@ -119,7 +127,14 @@ def _from_megatron(args, rest) -> int:
     ):
         if value is not None:
             rest += [flag, value]
-    r = import_from_megatron(args.load_dir, args.save_dir, extra_args=rest, iteration=args.iteration, dtype=args.dtype)
+    r = import_from_megatron(
+        args.load_dir,
+        args.save_dir,
+        extra_args=rest,
+        iteration=args.iteration,
+        dtype=args.dtype,
+        use_saved_args=not args.ignore_saved_args,
+    )
     p = r.config.parallel
     print(
         f"[convert] {r.architecture} -> {r.path}: {r.num_tensors} tensors, {r.num_parameters:,} parameters; "
@@ -143,6 +158,8 @@ def main(argv=None) -> int:
         args.to = "megalm"
     elif args.to is None:
         parser.error("give --to hf, --to megalm or --from megatron")
+    elif args.ignore_saved_args:
+        parser.error("--ignore-saved-args applies to --from megatron")
     try:
         if args.source == "megatron":
             return _from_megatron(args, rest)
