@@ -136,10 +136,11 @@ def padded_params(model):
     return out
 
 
-def save_torch_dist(cfg, model, root, iteration=20):
+def save_torch_dist(cfg, model, root, iteration=20, dtype=torch.float32):
     path = checkpoint_dir(str(root), iteration)
     state, layers = {}, {}
     for name, t in padded_params(model).items():
+        t = t.to(dtype)
         if name.startswith("decoder.layers."):
             i, rest = name[len("decoder.layers.") :].split(".", 1)
             layers.setdefault(TE_NORMS.get(rest, rest), {})[int(i)] = t
@@ -310,6 +311,16 @@ def test_refusals_name_the_file_and_run_nothing(tmp_path):
         import_from_megatron(str(src), str(tmp_path / "out5"))
     assert not (tmp_path / "out1").exists() and not (tmp_path / "out2").exists() and not marker.exists()
 
+    # Expert-parallel legacy files and pre-mcore model names are refused by name.
+    iter_dir = checkpoint_dir(str(legacy), 30)
+    os.rename(f"{iter_dir}/mp_rank_01_001", f"{iter_dir}/mp_rank_01_001_001")
+    with pytest.raises(ConversionError, match="mp_rank_01_001_001 is an expert-parallel legacy file"):
+        import_from_megatron(str(legacy), str(tmp_path / "out6"))
+    from megalm.conversion.megatron import to_megalm_names
+
+    with pytest.raises(ConversionError, match="language_model.embedding.* legacy \\(pre-mcore\\) model"):
+        to_megalm_names({"language_model.embedding.word_embeddings.weight": torch.zeros(1)}, cfg.model, "f")
+
 
 def test_convert_cli_from_megatron(tmp_path, capsys):
     import runpy
@@ -317,13 +328,15 @@ def test_convert_cli_from_megatron(tmp_path, capsys):
     cfg, model = random_model("gpt")
     src = tmp_path / "megatron"
     src.mkdir()
-    save_torch_dist(cfg, model, src)
+    save_torch_dist(cfg, model, src, dtype=torch.bfloat16)  # a --bf16 run's model weights
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools/checkpoint/convert.py")
     main = runpy.run_path(script)["main"]
     assert main(["--from", "megatron", "--load-dir", str(src), "--save-dir", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
     assert "Megatron-LM torch_dist iter_0000020 ->" in out and "--openai-gelu" in out
     assert "vocabulary 100 from the saved args' vocab_size (the saved padded size was 128)" in out
+    assert "weights imported as Megatron saved the model (bfloat16)" in out
+    assert MegalmCheckpointReader(str(tmp_path / "out")).dtype("decoder.final_layernorm.weight") == torch.bfloat16
 
 
 def test_openai_gelu_is_megatrons_fused_bias_gelu():

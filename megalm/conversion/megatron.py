@@ -120,6 +120,12 @@ def to_megalm_names(
     """Megatron names/shapes -> megalm's, checked against the config ``m`` (every tensor used;
     ``config_from`` names where ``m`` came from in the messages)."""
     expected = checkpoint_shapes(m)
+    legacy_model = sorted(k for k in tensors if k.startswith("language_model."))
+    if legacy_model:
+        raise ConversionError(
+            f"{source}: tensors such as {legacy_model[0]} are Megatron's legacy (pre-mcore) model: megalm imports "
+            f"Megatron-core models only"
+        )
     out: Dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if is_extra_state(name):
@@ -252,6 +258,12 @@ def import_from_megatron(
     if tensors is None:
         tensors = ckpt.layer_tensors(m.num_layers)
     out = to_megalm_names(tensors, m, source, "the saved args" if args is not None else "the megalm flags")
+    stored = sorted({str(t.dtype).replace("torch.", "") for t in out.values()})
+    if stored != ["float32"]:
+        notes.append(
+            f"weights imported as Megatron saved the model ({', '.join(stored)}); the fp32 main copies in its "
+            f"optimizer state are not read"
+        )
     if dtype:
         out = {k: v.to(DTYPES[dtype]) for k, v in out.items()}
     megatron_iteration = os.path.basename(path)

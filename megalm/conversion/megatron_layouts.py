@@ -137,6 +137,12 @@ def legacy_files(path: str) -> Dict[Tuple[int, int], str]:
         found = _RANK_DIR.match(entry)
         if found and os.path.isfile(os.path.join(path, entry, "model_optim_rng.pt")):
             files[(int(found.group(1)), int(found.group(2) or 0))] = os.path.join(path, entry, "model_optim_rng.pt")
+    others = sorted(e for e in os.listdir(path) if e.startswith("mp_rank_") and not _RANK_DIR.match(e))
+    if others:
+        raise ConversionError(
+            f"{path}: {others[0]} is an expert-parallel legacy file (mp_rank_XX_YYY_ZZZ): mixture-of-experts "
+            f"checkpoints are not imported"
+        )
     if not files:
         raise ConversionError(f"{path}: no mp_rank_XX[_YYY]/model_optim_rng.pt files")
     tp = 1 + max(t for t, _ in files)
