@@ -115,7 +115,7 @@ def megatron_args(cfg, tp=1, pp=1) -> argparse.Namespace:
         make_vocab_size_divisible_by=PADDED // tp,
         padded_vocab_size=PADDED,
         tokenizer_type="NullTokenizer",
-        vocab_size=VOCAB,
+        vocab_size=VOCAB - 1,  # Megatron's NullTokenizer adds the end-of-document id
         num_experts=None,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
@@ -334,7 +334,7 @@ def test_convert_cli_from_megatron(tmp_path, capsys):
     assert main(["--from", "megatron", "--load-dir", str(src), "--save-dir", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
     assert "Megatron-LM torch_dist iter_0000020 ->" in out and "--openai-gelu" in out
-    assert "vocabulary 100 from the saved args' vocab_size (the saved padded size was 128)" in out
+    assert "vocabulary 100 from the tokenizer named in the saved args (the saved padded size was 128)" in out
     assert "weights imported as Megatron saved the model (bfloat16)" in out
     assert MegalmCheckpointReader(str(tmp_path / "out")).dtype("decoder.final_layernorm.weight") == torch.bfloat16
 
@@ -353,3 +353,17 @@ def test_openai_gelu_is_megatrons_fused_bias_gelu():
     cfg = tiny_cfg(VOCAB, **GPT)
     hf = GPT2().hf_config(cfg.model, "float32", {})
     assert hf["activation_function"] == "gelu_new" and GPT2().megalm_fields(hf)["openai_gelu"] is True
+
+
+def test_true_vocabulary_size():
+    from megalm.conversion.megatron_args import true_vocab_size
+
+    null = {"tokenizer_type": "NullTokenizer", "vocab_size": 99, "padded_vocab_size": 128}
+    assert true_vocab_size(null, None, None)[0] == 100  # + the end-of-document id
+    assert true_vocab_size(null, 120, 100) == (120, "--vocab-size")
+    hf = {"tokenizer_type": "HuggingFaceTokenizer", "vocab_size": None, "padded_vocab_size": 128}
+    assert true_vocab_size(hf, None, 110) == (110, "the tokenizer named in the saved args")
+    with pytest.raises(ConversionError, match="give --vocab-size N"):
+        true_vocab_size(hf, None, None)
+    with pytest.raises(ConversionError, match="--vocab-size 200 is larger than the saved padded vocabulary 128"):
+        true_vocab_size(hf, 200, None)

@@ -116,13 +116,20 @@ def megalm_fields(args: dict, source: str, vocab_size: int) -> Tuple[dict, List[
 
 
 def true_vocab_size(args: dict, given: Optional[int], tokenizer_vocab: Optional[int]) -> Tuple[int, str]:
-    """``(vocabulary size, where it came from)``: ``--vocab-size``, then Megatron's saved
-    ``vocab_size`` (NullTokenizer), then the tokenizer's; the padded embedding rows are trimmed to it."""
+    """``(vocabulary size, where it came from)``: ``--vocab-size``, then the tokenizer the saved args
+    name (when readable here), then Megatron's saved ``vocab_size`` (its ``NullTokenizer`` adds the
+    end-of-document id: ``vocab_size + 1`` rows); the padded embedding rows are trimmed to it."""
     padded = args.get("padded_vocab_size")
+    saved = args.get("vocab_size")
+    null = args.get("tokenizer_type") == "NullTokenizer"
+    if saved and null:
+        saved, saved_where = int(saved) + 1, "the saved args' vocab_size + 1 (NullTokenizer's end-of-document id)"
+    else:
+        saved_where = "the saved args' vocab_size"
     for value, where in (
         (given, "--vocab-size"),
-        (args.get("vocab_size"), "the saved args' vocab_size"),
         (tokenizer_vocab, "the tokenizer named in the saved args"),
+        (saved, saved_where),
     ):
         if value:
             if padded and int(value) > int(padded):
