@@ -14,6 +14,7 @@ import io
 import json
 import os
 import random
+import shutil
 import sys
 import types
 
@@ -316,6 +317,10 @@ def test_refusals_name_the_file_and_run_nothing(tmp_path):
     os.rename(f"{iter_dir}/mp_rank_01_001", f"{iter_dir}/mp_rank_01_001_001")
     with pytest.raises(ConversionError, match="mp_rank_01_001_001 is an expert-parallel legacy file"):
         import_from_megatron(str(legacy), str(tmp_path / "out6"))
+    for name in ("mp_rank_00_001", "mp_rank_01_001_001"):  # a stage missing: the files do not match the args
+        shutil.rmtree(f"{iter_dir}/{name}")
+    with pytest.raises(ConversionError, match="the saved args give TP 2 x PP 2, the directory holds TP 2 x PP 1"):
+        import_from_megatron(str(legacy), str(tmp_path / "out7"))
     from megalm.conversion.megatron import to_megalm_names
 
     with pytest.raises(ConversionError, match="language_model.embedding.* legacy \\(pre-mcore\\) model"):

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megalm.conversion.errors import ConversionError
+from megalm.conversion.megatron_args import refusals
 from megalm.conversion.megatron_pickles import MegatronPickleError, checkpoint_args, load_megatron_pickle
 from megalm.safe_unpickle import SafeFileSystemReader, load_metadata
 
@@ -170,6 +171,18 @@ def _merge_tp(name: str, shards: List[torch.Tensor], swiglu: bool) -> torch.Tens
     return shards[0]
 
 
+def _check_grid(args: dict, tp: int, pp: int, file: str) -> None:
+    """The saved args must describe the directory's TP x PP files (and no model this import refuses)."""
+    wrong = refusals(args)
+    if wrong:
+        raise ConversionError(f"{file}: megalm cannot represent this Megatron-LM model: {'; '.join(wrong)}")
+    saved = (int(args.get("tensor_model_parallel_size") or 1), int(args.get("pipeline_model_parallel_size") or 1))
+    if saved != (tp, pp):
+        raise ConversionError(
+            f"{file}: the saved args give TP {saved[0]} x PP {saved[1]}, the directory holds TP {tp} x PP {pp} files"
+        )
+
+
 def merge_legacy(path: str) -> Tuple[dict, Dict[str, torch.Tensor], List[str]]:
     """``(args, full tensors by global name, notes)`` of the legacy checkpoint directory ``path``."""
     files = legacy_files(path)
@@ -184,6 +197,7 @@ def merge_legacy(path: str) -> Tuple[dict, Dict[str, torch.Tensor], List[str]]:
             if args is None:
                 args = checkpoint_args(state, file)
                 swiglu = bool(args.get("swiglu"))
+                _check_grid(args, tp, pp, file)
             if "model" not in state:
                 found = sorted(k for k in state if k.startswith("model"))
                 raise ConversionError(
