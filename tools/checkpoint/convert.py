@@ -18,10 +18,11 @@ inert classes: argparse.Namespace, Megatron's enums as stand-ins, numpy's RNG ar
 is refused naming the file and nothing from it runs) and checks every tensor's shape against it;
 megalm flags given must agree with it.  When a newer Megatron stores a class outside that list in
 ``common.pt`` (torch_dist), ``--ignore-saved-args`` skips the file: the architecture is then the
-megalm flags given, checked against the tensor shapes only.  The true vocabulary comes from ``--vocab-size``, the saved
-tokenizer's files or the saved ``vocab_size`` (+ 1 for NullTokenizer); the padded rows are dropped.  Megatron's default
-fused bias-GELU is the tanh approximation: such models are recorded with ``--openai-gelu``.  Weights
-only: the optimizer state is not imported (a note says so).  Mixture-of-experts, multi-latent
+megalm flags given, checked against the tensor shapes only.  The true vocabulary comes from
+``--vocab-size``, the saved tokenizer's files or the saved ``vocab_size`` (+ 1 for NullTokenizer);
+the padded rows are dropped.  Megatron's default fused bias-GELU is the tanh approximation: such
+models are recorded with ``--openai-gelu``.  Weights only, as saved (bf16 for a ``--bf16`` run):
+the optimizer state is not imported (a note says so).  Mixture-of-experts, multi-latent
 attention, interleaved or scaled RoPE, ``zarr`` and virtual-pipeline legacy checkpoints are refused.
 
 Llama-style models map to ``LlamaForCausalLM``, GPT-2-style ones to ``GPT2LMHeadModel``,
