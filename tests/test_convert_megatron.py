@@ -372,3 +372,25 @@ def test_true_vocabulary_size():
         true_vocab_size(hf, None, None)
     with pytest.raises(ConversionError, match="--vocab-size 200 is larger than the saved padded vocabulary 128"):
         true_vocab_size(hf, 200, None)
+
+
+def test_vocabulary_from_the_saved_tokenizer(tmp_path):
+    """The tokenizer the saved args name gives the vocabulary and is recorded; a moved file is named in
+    a note and ``--tokenizer-model`` points to its new place."""
+    pytest.importorskip("sentencepiece")
+    from tests.test_tokenizers import make_sp_model
+
+    sp = make_sp_model(tmp_path, vocab_size=VOCAB)
+    cfg, model = random_model("llama")
+    src = tmp_path / "megatron"
+    src.mkdir()
+    save_torch_dist(cfg, model, src)
+    common = checkpoint_dir(str(src), 20) + "/common.pt"
+    args = megatron_args(cfg)
+    args.tokenizer_type, args.tokenizer_model, args.vocab_size = "SentencePieceTokenizer", "/moved/tok.model", None
+    torch.save({"args": args, "iteration": 20}, common)
+    with pytest.raises(ConversionError, match="give --vocab-size N.*saved tokenizer could not be opened.*moved/tok"):
+        import_from_megatron(str(src), str(tmp_path / "out1"))
+    r = import_from_megatron(str(src), str(tmp_path / "out2"), extra_args=["--tokenizer-model", sp])
+    assert r.config.data.tokenizer_type == "SentencePieceTokenizer" and r.config.data.tokenizer_model == sp
+    assert r.config.model.vocab_size == VOCAB and "from the tokenizer named in the saved args" in r.notes[0]

@@ -59,7 +59,8 @@ def find_iteration_dir(root: str, iteration: Optional[int] = None) -> str:
         tracker = os.path.join(root, TRACKER_FILENAME)
         if not os.path.isfile(tracker):
             raise ConversionError(f"{root} has no {TRACKER_FILENAME}: give --iteration N")
-        text = open(tracker).read().strip()
+        with open(tracker) as f:
+            text = f.read().strip()
         if text == "release":
             return os.path.join(root, "release")
         try:
@@ -94,12 +95,14 @@ def backend_of(path: str) -> Optional[str]:
 
 def _tokenizer(args: dict, extra_args: List[str]) -> Tuple[Optional[int], List[str], List[str]]:
     """``(vocabulary size, flags to record, notes)`` from the tokenizer the saved args name, when
-    megalm has that tokenizer and its files are here (the user's ``--tokenizer-type`` wins)."""
+    megalm has that tokenizer and its files are here (the user's ``--tokenizer-type`` wins; the user's
+    ``--tokenizer-model`` / ``--vocab-file`` / ``--merge-file`` replace moved files)."""
     from megalm.tokenizers.build import create_tokenizer
 
-    if any(a.split("=", 1)[0] == "--tokenizer-type" for a in extra_args) or not args.get("tokenizer_type"):
+    user = _flag_values(extra_args)
+    if "--tokenizer-type" in user or not args.get("tokenizer_type"):
         return None, [], []
-    given = {name: args.get(name) for name, _ in _TOKENIZER_ARGS}
+    given = {name: user.get(flag, args.get(name)) for name, flag in _TOKENIZER_ARGS}
     try:
         tok = create_tokenizer(
             given["tokenizer_type"],
@@ -110,8 +113,23 @@ def _tokenizer(args: dict, extra_args: List[str]) -> Tuple[Optional[int], List[s
         )
     except MegalmError as e:
         return None, [], [f"the saved tokenizer could not be opened here ({e}); pass --tokenizer-type and its files"]
-    flags = [x for name, flag in _TOKENIZER_ARGS if given[name] is not None for x in (flag, str(given[name]))]
-    return tok.vocab_size, flags, []
+    record = [
+        x
+        for name, flag in _TOKENIZER_ARGS
+        if given[name] is not None and flag not in user
+        for x in (flag, str(given[name]))
+    ]
+    return tok.vocab_size, record, []
+
+
+def _flag_values(argv: Sequence[str]) -> Dict[str, str]:
+    """``{flag: value}`` of the ``--flag value`` / ``--flag=value`` pairs in ``argv``."""
+    out = {}
+    for i, a in enumerate(argv):
+        if a.startswith("--"):
+            flag, eq, value = a.partition("=")
+            out[flag] = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+    return out
 
 
 def to_megalm_names(
@@ -169,7 +187,10 @@ def config_from_saved_args(args: dict, source: str, extra_args: List[str]) -> Tu
         raise ConversionError(f"cannot parse the megalm flags {extra_args}: {e}") from None
     given_vocab = given_vocab if "model.vocab_size" in explicit else None
     tok_vocab, tok_flags, tok_notes = _tokenizer(args, extra_args) if given_vocab is None else (None, [], [])
-    vocab, vocab_source = true_vocab_size(args, given_vocab, tok_vocab)
+    try:
+        vocab, vocab_source = true_vocab_size(args, given_vocab, tok_vocab)
+    except ConversionError as e:
+        raise ConversionError(f"{source}: {e}{''.join('; ' + n for n in tok_notes)}") from None
     fields, arg_notes = megalm_fields(args, source, vocab)
     if "model.seq_length" not in explicit:
         extra_args = extra_args + ["--seq-length", str(int(args["seq_length"]))]
