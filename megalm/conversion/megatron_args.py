@@ -29,8 +29,9 @@ _MUST_BE_OFF = (
     ("window_size", "megalm has no sliding-window attention"),
     ("heterogeneous_layers_config_path", "megalm's layers are all alike"),
     ("qk_l2_norm", "megalm's --qk-layernorm uses --normalization"),
+    ("no_rope_freq", "megalm applies RoPE in every layer"),
+    ("attention_output_gate", "megalm's attention has no output gate"),
     ("use_legacy_models", "megalm reads Megatron-core (mcore) models only"),
-    ("num_layers_per_virtual_pipeline_stage", None),  # legacy files only, checked there
 )
 
 
@@ -53,7 +54,7 @@ def refusals(args: dict) -> List[str]:
     wrong = []
     for name, why in _MUST_BE_OFF:
         value = args.get(name)
-        if why and value not in (None, False, 0, "", []):
+        if value not in (None, False, 0, "", []):
             wrong.append(f"--{name.replace('_', '-')} {value} ({why})")
     pos = _get(args, "position_embedding_type", "learned_absolute")
     if pos not in ("learned_absolute", "rope", "none"):
