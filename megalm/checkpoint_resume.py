@@ -98,8 +98,9 @@ def find_checkpoint(root: str, iteration: Optional[int] = None) -> Optional[str]
     foreign = megatron_lm_format(path)
     if foreign is not None:
         raise CheckpointError(
-            f"{path} is a Megatron-LM checkpoint ({foreign}), not a megalm one: megalm cannot load "
-            "Megatron-LM checkpoints yet (importing them is issue #24's open item)"
+            f"{path} is a Megatron-LM checkpoint ({foreign}), not a megalm one: megalm cannot load it directly; "
+            f"convert it first: python tools/checkpoint/convert.py --from megatron --load-dir {os.path.dirname(path)} "
+            "--save-dir NEW_DIR, then train with --load NEW_DIR --finetune"
         )
     for needed in ("common.json", ".metadata"):
         if not os.path.isfile(os.path.join(path, needed)):

@@ -13,7 +13,9 @@ a crafted ``.metadata`` runs whatever it names.  Every megalm read of a checkpoi
   object's state) applies only to instances of DCP's metadata classes, never to a class or
   function.  Persistent ids and out-of-band buffers are refused.  The result must then have
   the shape megalm writes: a ``Metadata`` of tensor entries whose storage items name plain
-  files of the checkpoint directory, with no storage transforms.
+  files of the checkpoint directory, with no storage transforms.  Only the Megatron-LM import
+  (``load_metadata(..., allow_byte_entries=True)``) also accepts DCP's ``BytesStorageMetadata``
+  entries (pickled objects such as Megatron's RNG state), which it lists but never reads.
 * :class:`SafeFileSystemReader` is DCP's file reader with that metadata reader, without DCP's
   fall-back to per-rank ``__<rank>.metadata`` files (megalm never writes them), and refusing
   byte (non-tensor) items, which DCP's planners would ``torch.load(weights_only=False)``.
@@ -81,11 +83,19 @@ _ALLOWED_GLOBALS = types.MappingProxyType(
     }
 )
 
+# Megatron-LM's torch_dist checkpoints list pickled objects (RNG state...) as byte entries: their
+# empty marker class is accepted only by load_metadata(allow_byte_entries=True); the entries are never read.
+_BYTE_ENTRY_GLOBAL = (
+    ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+    dcp_metadata.BytesStorageMetadata,
+)
+
 # Instances whose state BUILD may set (TensorProperties through its own __setstate__).
 _BUILDABLE = frozenset(
     {
         dcp_metadata.Metadata,
         dcp_metadata.TensorStorageMetadata,
+        dcp_metadata.BytesStorageMetadata,
         dcp_metadata.ChunkStorageMetadata,
         dcp_metadata.TensorProperties,
         dcp_metadata.MetadataIndex,
@@ -98,9 +108,10 @@ _BUILDABLE = frozenset(
 class _MetadataUnpickler(pickle._Unpickler):
     """Python's unpickler with an exact global allow-list and ``BUILD`` limited to :data:`_BUILDABLE`."""
 
-    def __init__(self, file, source: str):
+    def __init__(self, file, source: str, allow_byte_entries: bool = False):
         super().__init__(file)
         self.source = source
+        self.allow_byte_entries = allow_byte_entries
 
     def refuse(self, what: str):
         raise CheckpointSecurityError(
@@ -111,6 +122,8 @@ class _MetadataUnpickler(pickle._Unpickler):
 
     def find_class(self, module: str, name: str):
         obj = _ALLOWED_GLOBALS.get((module, name))
+        if obj is None and self.allow_byte_entries and (module, name) == _BYTE_ENTRY_GLOBAL[0]:
+            obj = _BYTE_ENTRY_GLOBAL[1]
         if obj is None:
             self.refuse(f"global {name!r} of module {module!r}")
         return obj
@@ -133,8 +146,9 @@ class _MetadataUnpickler(pickle._Unpickler):
     dispatch = types.MappingProxyType({**pickle._Unpickler.dispatch, pickle.BUILD[0]: load_build})
 
 
-def _check_shape(metadata, file: str) -> Metadata:
-    """``metadata`` if it is what megalm writes: tensor entries stored in plain files of the directory."""
+def _check_shape(metadata, file: str, allow_byte_entries: bool = False) -> Metadata:
+    """``metadata`` if it is what megalm writes: tensor entries stored in plain files of the directory
+    (``allow_byte_entries``: also byte entries, listed by Megatron-LM's checkpoints, never read)."""
     if not isinstance(metadata, Metadata):
         raise CheckpointMetadataError(
             f"{file} does not hold torch.distributed.checkpoint metadata (found {type(metadata).__qualname__})"
@@ -143,6 +157,8 @@ def _check_shape(metadata, file: str) -> Metadata:
     if type(entries) is not dict or type(storage) is not dict:
         raise CheckpointMetadataError(f"{file}: DCP metadata without its tensor entries or storage items")
     for key, entry in entries.items():
+        if allow_byte_entries and type(entry) is dcp_metadata.BytesStorageMetadata:
+            continue
         if not isinstance(entry, dcp_metadata.TensorStorageMetadata):
             raise CheckpointSecurityError(
                 f"{file}: entry {key!r} is not a tensor (megalm checkpoints hold tensors only)"
@@ -163,8 +179,9 @@ def _check_shape(metadata, file: str) -> Metadata:
     return metadata
 
 
-def load_metadata(path: str) -> Metadata:
-    """DCP metadata of the checkpoint directory ``path`` (or of a ``.metadata`` file), read safely."""
+def load_metadata(path: str, allow_byte_entries: bool = False) -> Metadata:
+    """DCP metadata of the checkpoint directory ``path`` (or of a ``.metadata`` file), read safely;
+    ``allow_byte_entries``: accept (not read) the pickled-object entries of Megatron-LM's checkpoints."""
     file = path if os.path.basename(path) == METADATA_FILENAME else os.path.join(path, METADATA_FILENAME)
     try:
         with open(file, "rb") as f:
@@ -172,14 +189,14 @@ def load_metadata(path: str) -> Metadata:
     except OSError as e:
         raise CheckpointMetadataError(f"cannot read {file}: {e}") from None
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(data), file).load()
+        metadata = _MetadataUnpickler(io.BytesIO(data), file, allow_byte_entries).load()
     except CheckpointMetadataError:
         raise
     except Exception as e:  # noqa: BLE001 - truncated or malformed pickles raise many types
         raise CheckpointMetadataError(
             f"{file} is not a readable checkpoint metadata file: {type(e).__name__}: {e}"
         ) from None
-    return _check_shape(metadata, file)
+    return _check_shape(metadata, file, allow_byte_entries)
 
 
 class SafeFileSystemReader(FileSystemReader):

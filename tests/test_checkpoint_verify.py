@@ -435,5 +435,6 @@ def test_megatron_lm_checkpoints_are_named_as_such(tmp_path):
         (root / "iter_0000010").mkdir(parents=True)
         (root / "latest_checkpointed_iteration.txt").write_text("10")
         make(root / "iter_0000010")
-        with pytest.raises(CheckpointError, match="is a Megatron-LM checkpoint .*megalm cannot load"):
+        with pytest.raises(CheckpointError, match="is a Megatron-LM checkpoint .*megalm cannot load") as e:
             checkpoint_to_resume(str(root), None)
+        assert f"tools/checkpoint/convert.py --from megatron --load-dir {root} --save-dir" in str(e.value)

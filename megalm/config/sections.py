@@ -61,6 +61,12 @@ class ModelConfig:
         "for numerical stability (Megatron's LayerNorm1P / TE's zero_centered_gamma).",
     )
     swiglu: bool = _f(False, "Use SwiGLU in the MLP instead of GELU.")
+    openai_gelu: bool = _f(
+        False,
+        "GELU as its tanh approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) instead of the exact erf "
+        "form (Megatron-LM's --openai-gelu; Megatron's default fused bias-GELU computes this form too, so "
+        "tools/checkpoint/convert.py --from megatron sets it for such checkpoints).",
+    )
     add_bias_linear: bool = _f(
         True, "Disable biases in all linear layers.", flag="--disable-bias-linear", action="store_false"
     )

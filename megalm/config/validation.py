@@ -323,6 +323,10 @@ def _validate_model(m: ModelConfig, p: ParallelConfig) -> None:
         m.ffn_hidden_size = int((4 * m.hidden_size * 2 / 3) / 64) * 64 if m.swiglu else 4 * m.hidden_size
         m.ffn_hidden_size = max(m.ffn_hidden_size, 64 if m.swiglu else m.ffn_hidden_size)
     _check(
+        not (m.openai_gelu and m.swiglu),
+        "--openai-gelu selects the GELU of a GELU MLP; with --swiglu the MLP has no GELU: drop one of them",
+    )
+    _check(
         m.ffn_hidden_size % tp == 0,
         f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}",
     )

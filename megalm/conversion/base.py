@@ -7,6 +7,7 @@ megalm's global parameter names (the checkpoint keys)::
     decoder.layers.{i}.input_layernorm.{weight,bias}
     decoder.layers.{i}.self_attention.linear_qkv.{weight,bias}   [(n + 2g) d, h]
     decoder.layers.{i}.self_attention.linear_proj.{weight,bias}  [h, n d]
+    decoder.layers.{i}.self_attention.{q,k}_layernorm.{weight,bias}  [d]  (--qk-layernorm only)
     decoder.layers.{i}.pre_mlp_layernorm.{weight,bias}
     decoder.layers.{i}.mlp.linear_fc1.{weight,bias}   [f, h], SwiGLU [2, f, h] = [gate; up]
     decoder.layers.{i}.mlp.linear_fc2.{weight,bias}   [h, f]
@@ -186,8 +187,12 @@ def checkpoint_shapes(m) -> Dict[str, tuple]:
             shapes[layer(i, ROUTER)] = (m.num_experts, h)
         for name, shape in {**attention, **(moe if is_moe else dense)}.items():
             shapes[layer(i, name + ".weight")] = shape
-            if m.add_bias_linear:
+            if m.add_bias_linear or (m.add_qkv_bias and name == "self_attention.linear_qkv"):
                 shapes[layer(i, name + ".bias")] = shape[:-1]
+        if m.qk_layernorm:
+            for norm in ("q_layernorm", "k_layernorm"):
+                for part in norm_parts:
+                    shapes[layer(i, f"self_attention.{norm}.{part}")] = (d,)
     for part in norm_parts:
         shapes[f"{FINAL_NORM}.{part}"] = (h,)
     if m.untie_embeddings_and_output_weights:

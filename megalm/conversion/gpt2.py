@@ -15,8 +15,8 @@ whereas megalm's fused QKV interleaves them per head (``[q_h ; k_h ; v_h]``)::
     transformer.ln_f                      <-> decoder.final_layernorm
     lm_head.weight                        <-> output_layer.weight (untied only)
 
-``activation_function`` must be ``"gelu"`` (exact); ``gelu_new`` (the tanh approximation of the
-original GPT-2 weights) is refused because megalm's GELU is exact.
+``activation_function``: ``"gelu"`` (exact) <-> megalm's default GELU; ``"gelu_new"`` (the tanh
+approximation of the original GPT-2 weights) <-> ``--openai-gelu``.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class GPT2(Architecture):
             "n_head": m.num_attention_heads,
             "n_inner": m.ffn_hidden_size,
             "n_positions": m.max_position_embeddings,
-            "activation_function": "gelu",
+            "activation_function": "gelu_new" if m.openai_gelu else "gelu",
             "layer_norm_epsilon": m.norm_epsilon,
             "resid_pdrop": m.hidden_dropout,
             "embd_pdrop": m.hidden_dropout,
@@ -107,10 +107,10 @@ class GPT2(Architecture):
 
     def megalm_fields(self, hf: dict) -> dict:
         act = hf.get("activation_function", "gelu_new")
-        if act != "gelu":
+        if act not in ("gelu", "gelu_new"):
             raise ConversionError(
-                f"config.json activation_function = {act!r}: megalm's GELU is the exact (erf) "
-                f"form, only 'gelu' maps without changing the model"
+                f"config.json activation_function = {act!r}: megalm has the exact (erf) GELU ('gelu') and its "
+                f"tanh approximation ('gelu_new', --openai-gelu) only"
             )
         if not hf.get("scale_attn_weights", True):
             raise ConversionError("config.json scale_attn_weights = false: megalm always scales attention by 1/sqrt(d)")
@@ -132,6 +132,7 @@ class GPT2(Architecture):
             "num_query_groups": None,
             "max_position_embeddings": int(get_field(hf, "n_positions", get_field(hf, "n_ctx", 1024))),
             "position_embedding_type": "learned_absolute",
+            "openai_gelu": act == "gelu_new",
             "normalization": "LayerNorm",
             "norm_epsilon": float(get_field(hf, "layer_norm_epsilon", 1e-5)),
             "swiglu": False,

@@ -5,8 +5,8 @@ row parallel.  With SwiGLU ``linear_fc1`` is a fused ``[gate; up]`` weight of
 ``2 * ffn`` rows; TP rank ``r`` holds ``[gate_r; up_r]`` (``partition_stride = 2``), so the
 activation ``silu(gate_r) * up_r`` is local.
 
-The bias of ``linear_fc1`` is added inside the activation (``bias_gelu`` / ``bias_swiglu`` of
-:mod:`megalm.fusions.activations`, compiled when the plan says so).  With
+The bias of ``linear_fc1`` is added inside the activation (``bias_gelu``, ``bias_gelu_tanh`` with
+``--openai-gelu``, ``bias_swiglu`` of :mod:`megalm.fusions.activations`, compiled when the plan says so).  With
 ``skip_output_bias`` :meth:`MLP.forward` returns ``(output, fc2 bias)`` so the layer can fuse
 the bias into its bias + dropout + residual add.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megalm.fusions.activations import bias_gelu, bias_swiglu
+from megalm.fusions.activations import bias_swiglu, gelu_fusion
 from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.fusions.compile import select
 from megalm.parallel_state import CURRENT, resolve_group
@@ -50,7 +50,8 @@ class MLP(nn.Module):
         m = model_cfg
         self.tp_group = resolve_group(tp_group, "tp")
         self.linear_fc1, self.linear_fc2 = self.build_linears(m, sequence_parallel, skip_output_bias)
-        self.bias_activation = select(bias_swiglu if m.swiglu else bias_gelu, plan.compiled("bias_activation"))
+        activation = bias_swiglu if m.swiglu else gelu_fusion(m.openai_gelu)
+        self.bias_activation = select(activation, plan.compiled("bias_activation"))
 
     def build_linears(self, m, sequence_parallel: bool, skip_output_bias: bool):
         """``(linear_fc1, linear_fc2)``; fc1 returns ``(output, bias)`` for the fused bias + activation

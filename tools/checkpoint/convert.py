@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Convert checkpoints between megalm and Hugging Face transformers (safetensors only).
+"""Convert checkpoints between megalm and Hugging Face transformers (safetensors only); import Megatron-LM ones.
 
     # megalm -> HF (latest iteration unless --iteration; any TP/PP/EP layout it was saved with)
     python tools/checkpoint/convert.py --to hf --load-dir CKPT --save-dir HF_DIR [--dtype bfloat16] [--verify]
@@ -7,6 +7,23 @@
     # HF -> megalm, for a target layout (other pretrain_gpt.py flags are recorded in the config)
     python tools/checkpoint/convert.py --to megalm --load-dir HF_DIR --save-dir CKPT \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 [--expert-model-parallel-size 2] [--verify]
+
+    # Megatron-LM --save directory (torch_dist or legacy mp_rank_XX) -> megalm, for a target layout
+    python tools/checkpoint/convert.py --from megatron --load-dir MEGATRON_SAVE --save-dir CKPT \\
+        [--iteration N] [--vocab-size V] [--tensor-model-parallel-size 2 ...]
+
+``--from megatron`` reads the architecture from the checkpoint's own saved args (``common.pt`` or
+``model_optim_rng.pt``, unpickled with ``torch.load(weights_only=True)`` and an exact allow-list of
+inert classes: argparse.Namespace, Megatron's enums as stand-ins, numpy's RNG arrays; anything else
+is refused naming the file and nothing from it runs) and checks every tensor's shape against it;
+megalm flags given must agree with it.  When a newer Megatron stores a class outside that list in
+``common.pt`` (torch_dist), ``--ignore-saved-args`` skips the file: the architecture is then the
+megalm flags given, checked against the tensor shapes only.  The true vocabulary comes from
+``--vocab-size``, the saved tokenizer's files or the saved ``vocab_size`` (+ 1 for NullTokenizer);
+the padded rows are dropped.  Megatron's default fused bias-GELU is the tanh approximation: such
+models are recorded with ``--openai-gelu``.  Weights only, as saved (bf16 for a ``--bf16`` run):
+the optimizer state is not imported (a note says so).  Mixture-of-experts, multi-latent
+attention, interleaved or scaled RoPE, ``zarr`` and virtual-pipeline legacy checkpoints are refused.
 
 Llama-style models map to ``LlamaForCausalLM``, GPT-2-style ones to ``GPT2LMHeadModel``,
 Mixtral-style mixture-of-experts models (experts in every layer, softmax top-k router, SwiGLU
@@ -34,7 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
-    parser.add_argument("--to", required=True, choices=["hf", "megalm"], help="Direction of the conversion.")
+    parser.add_argument("--to", choices=["hf", "megalm"], help="Direction of the conversion (megalm with --from).")
+    parser.add_argument(
+        "--from",
+        dest="source",
+        choices=["megatron"],
+        default=None,
+        help="Import a Megatron-LM checkpoint (torch_dist or legacy) into megalm.",
+    )
     parser.add_argument(
         "--load-dir", required=True, help="megalm checkpoint root (--to hf) or HF directory (--to megalm)."
     )
@@ -45,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--iteration",
         type=int,
         default=None,
-        help="--to hf: the iteration to read (default: latest); --to megalm: the iteration to write (default 0).",
+        help="--to hf and --from megatron: the iteration to read (default: latest); "
+        "--to megalm: the iteration to write (default 0).",
     )
     parser.add_argument(
         "--dtype",
@@ -62,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json, as --tokenizer-model.")
     parser.add_argument("--merge-file", default=None, help="GPT2BPETokenizer's merges file, as --tokenizer-model.")
+    parser.add_argument(
+        "--ignore-saved-args",
+        action="store_true",
+        help="--from megatron, torch_dist only: do not open common.pt; the architecture is the megalm flags "
+        "given (--num-layers, --hidden-size, ..., --vocab-size), checked against the tensor shapes only.",
+    )
     parser.add_argument("--verify", action="store_true", help="Compare both models' logits (needs transformers).")
     parser.add_argument(
         "--verify-tolerance",
@@ -84,13 +115,55 @@ def _verify(megalm_dir, hf_dir, iteration, round_to, tolerance) -> int:
     return 0 if ok else 1
 
 
+def _from_megatron(args, rest) -> int:
+    from megalm.conversion.megatron import import_from_megatron
+
+    if args.verify:
+        print("[convert] error: --verify compares with transformers, not with --from megatron", file=sys.stderr)
+        return 2
+    for flag, value in (
+        ("--tokenizer-model", args.tokenizer_model),
+        ("--vocab-file", args.vocab_file),
+        ("--merge-file", args.merge_file),
+    ):
+        if value is not None:
+            rest += [flag, value]
+    r = import_from_megatron(
+        args.load_dir,
+        args.save_dir,
+        extra_args=rest,
+        iteration=args.iteration,
+        dtype=args.dtype,
+        use_saved_args=not args.ignore_saved_args,
+    )
+    p = r.config.parallel
+    print(
+        f"[convert] {r.architecture} -> {r.path}: {r.num_tensors} tensors, {r.num_parameters:,} parameters; "
+        f"layout TP {p.tensor_model_parallel_size} PP {p.pipeline_model_parallel_size} recorded; "
+        f"train with --load {args.save_dir} --finetune"
+    )
+    for note in r.notes:
+        print(f"[convert] {note}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     from megalm.conversion.hf_files import DTYPES, parse_size
     from megalm.errors import MegalmError  # CheckpointError, ConversionError, ... derive from it
 
+    if args.source == "megatron":
+        if args.to == "hf":
+            parser.error("--from megatron writes a megalm checkpoint (--to megalm or no --to)")
+        args.to = "megalm"
+    elif args.to is None:
+        parser.error("give --to hf, --to megalm or --from megatron")
+    elif args.ignore_saved_args:
+        parser.error("--ignore-saved-args applies to --from megatron")
     try:
+        if args.source == "megatron":
+            return _from_megatron(args, rest)
         if args.to == "hf":
             if rest:
                 parser.error(f"unrecognized arguments for --to hf: {' '.join(rest)}")

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalm.device import get_device
-from megalm.fusions.activations import expert_bias_gelu, expert_bias_swiglu
+from megalm.fusions.activations import expert_bias_gelu, expert_bias_gelu_tanh, expert_bias_swiglu
 from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.fusions.compile import select
 from megalm.tensor_parallel.initialization import mark_init
@@ -52,9 +52,11 @@ def _expert_parameter(*shape: int, kind: str, std=None, sequence_parallel: bool 
     return param
 
 
-def bias_activation(swiglu: bool, plan: FusionPlan):
-    """``act(x + bias)`` (GELU, or SwiGLU of a ``[gate, up]`` last dimension), compiled per the plan."""
-    return select(expert_bias_swiglu if swiglu else expert_bias_gelu, plan.compiled("bias_activation"))
+def bias_activation(m, plan: FusionPlan):
+    """``act(x + bias)`` (GELU, tanh GELU with ``--openai-gelu``, or SwiGLU of a ``[gate, up]`` last
+    dimension) for model config ``m``, compiled per the plan."""
+    gelu = expert_bias_gelu_tanh if m.openai_gelu else expert_bias_gelu
+    return select(expert_bias_swiglu if m.swiglu else gelu, plan.compiled("bias_activation"))
 
 
 class _Linear(nn.Module):
@@ -80,7 +82,7 @@ class ExpertMLP(nn.Module):
             m.hidden_size, 2 * f if m.swiglu else f, m.add_bias_linear, init_std(m), sequence_parallel
         )
         self.linear_fc2 = _Linear(f, m.hidden_size, m.add_bias_linear, output_init_std(m), sequence_parallel)
-        self.bias_activation = bias_activation(m.swiglu, plan)
+        self.bias_activation = bias_activation(m, plan)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(self.bias_activation(self.linear_fc1(x, add_bias=False), self.linear_fc1.bias))
@@ -101,7 +103,7 @@ class LocalExperts(nn.Module):
         super().__init__()
         self.first, self.count = first, count
         self.grouped = grouped
-        self.bias_activation = bias_activation(model_cfg.swiglu, plan)
+        self.bias_activation = bias_activation(model_cfg, plan)
         self.local_experts = nn.ModuleDict(
             {str(first + j): ExpertMLP(model_cfg, sequence_parallel, plan) for j in range(count)}
         )

@@ -1,0 +1,142 @@
+"""Megatron-LM's saved ``args`` -> megalm model config fields, refusing what megalm cannot represent.
+
+Read from the checkpoint's own ``args`` (``common.pt`` / ``model_optim_rng.pt``, see
+:mod:`megalm.conversion.megatron_pickles`): the architecture (layers, sizes, heads, query groups,
+``kv_channels``, norm, SwiGLU, biases, tied or untied output, positions and RoPE base/percent,
+qk-layernorm, ``apply_layernorm_1p``), the dropouts, the init std, ``seq_length`` and the padded
+vocabulary.  Megatron's default fused bias-GELU (``bias_gelu_fusion`` with biases) and
+``--openai-gelu`` compute the tanh approximation of GELU: such models get megalm's
+``--openai-gelu``; ``--no-bias-gelu-fusion`` runs (or no biases) keep the exact erf GELU.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+from megalm.conversion.errors import ConversionError
+
+# args that must be off (False / None / 0 / the default) for megalm to hold the same model: (name, why).
+_MUST_BE_OFF = (
+    ("num_experts", "mixture-of-experts checkpoints are not imported yet"),
+    ("multi_latent_attention", "megalm has no multi-latent attention"),
+    ("mtp_num_layers", "megalm has no multi-token prediction layers"),
+    ("rotary_interleaved", "megalm's RoPE rotates halves, not interleaved pairs"),
+    ("use_rope_scaling", "megalm implements plain RoPE only"),
+    ("rotary_seq_len_interpolation_factor", "megalm implements plain RoPE only"),
+    ("apply_residual_connection_post_layernorm", "megalm's residual adds the layer input"),
+    ("squared_relu", "megalm's MLP is GELU or SwiGLU"),
+    ("quick_geglu", "megalm's MLP is GELU or SwiGLU"),
+    ("window_size", "megalm has no sliding-window attention"),
+    ("heterogeneous_layers_config_path", "megalm's layers are all alike"),
+    ("qk_l2_norm", "megalm's --qk-layernorm uses --normalization"),
+    ("no_rope_freq", "megalm applies RoPE in every layer"),
+    ("attention_output_gate", "megalm's attention has no output gate"),
+    ("use_legacy_models", "megalm reads Megatron-core (mcore) models only"),
+)
+
+
+def _get(args: dict, name: str, default=None):
+    value = args.get(name, default)
+    return default if value is None else value
+
+
+def tanh_gelu(args: dict) -> bool:
+    """Whether Megatron's GELU MLP computed the tanh approximation (``--openai-gelu``, or the default
+    fused bias-GELU ``bias_gelu_impl``, which Megatron turns off without biases)."""
+    if args.get("swiglu"):
+        return False
+    fused = bool(_get(args, "bias_gelu_fusion", True)) and bool(_get(args, "add_bias_linear", True))
+    return bool(args.get("openai_gelu")) or fused
+
+
+def refusals(args: dict) -> List[str]:
+    """``--flag value (why)`` for each saved arg megalm cannot represent."""
+    wrong = []
+    for name, why in _MUST_BE_OFF:
+        value = args.get(name)
+        if value not in (None, False, 0, "", []):
+            wrong.append(f"--{name.replace('_', '-')} {value} ({why})")
+    pos = _get(args, "position_embedding_type", "learned_absolute")
+    if pos not in ("learned_absolute", "rope", "none"):
+        wrong.append(f"--position-embedding-type {pos} (megalm has learned_absolute, rope and none)")
+    norm = _get(args, "normalization", "LayerNorm")
+    if norm not in ("LayerNorm", "RMSNorm"):
+        wrong.append(f"--normalization {norm} (megalm has LayerNorm and RMSNorm)")
+    softmax = _get(args, "softmax_type", "vanilla")
+    if softmax != "vanilla":
+        wrong.append(f"--softmax-type {softmax} (megalm's attention softmax is plain)")
+    if args.get("group_query_attention") and not args.get("num_query_groups"):
+        wrong.append("--group-query-attention without --num-query-groups")
+    return wrong
+
+
+def megalm_fields(args: dict, source: str, vocab_size: int) -> Tuple[dict, List[str]]:
+    """``(megalm ModelConfig fields, notes)`` from Megatron's ``args`` (read from ``source``)."""
+    wrong = refusals(args)
+    if wrong:
+        raise ConversionError(f"{source}: megalm cannot represent this Megatron-LM model: {'; '.join(wrong)}")
+    heads, hidden = int(args["num_attention_heads"]), int(args["hidden_size"])
+    kv = args.get("kv_channels")
+    gqa = bool(args.get("group_query_attention"))
+    pos = _get(args, "position_embedding_type", "learned_absolute")
+    if pos == "learned_absolute" and args.get("add_position_embedding") is False:
+        pos = "none"
+    seq = int(args["seq_length"])
+    fields = {
+        "num_layers": int(args["num_layers"]),
+        "hidden_size": hidden,
+        "ffn_hidden_size": int(_get(args, "ffn_hidden_size", 4 * hidden)),
+        "num_attention_heads": heads,
+        "kv_channels": None if kv in (None, hidden // heads) else int(kv),
+        "group_query_attention": gqa,
+        "num_query_groups": int(args["num_query_groups"]) if gqa else None,
+        "max_position_embeddings": int(_get(args, "max_position_embeddings", seq)),
+        "position_embedding_type": pos,
+        "rotary_base": int(_get(args, "rotary_base", 10000)),
+        "rotary_percent": float(_get(args, "rotary_percent", 1.0)),
+        "normalization": _get(args, "normalization", "LayerNorm"),
+        "norm_epsilon": float(_get(args, "norm_epsilon", 1e-5)),
+        "apply_layernorm_1p": bool(args.get("apply_layernorm_1p")),
+        "swiglu": bool(args.get("swiglu")),
+        "openai_gelu": tanh_gelu(args),
+        "add_bias_linear": bool(_get(args, "add_bias_linear", True)),
+        "add_qkv_bias": bool(args.get("add_qkv_bias")),
+        "qk_layernorm": bool(args.get("qk_layernorm")),
+        "untie_embeddings_and_output_weights": bool(args.get("untie_embeddings_and_output_weights")),
+        "hidden_dropout": float(_get(args, "hidden_dropout", 0.1)),
+        "attention_dropout": float(_get(args, "attention_dropout", 0.1)),
+        "init_method_std": float(_get(args, "init_method_std", 0.02)),
+        "make_vocab_size_divisible_by": int(_get(args, "make_vocab_size_divisible_by", 128)),
+        "vocab_size": vocab_size,
+    }
+    notes = []
+    if fields["openai_gelu"]:
+        why = "--openai-gelu" if args.get("openai_gelu") else "its default fused bias-GELU"
+        notes.append(f"Megatron's GELU here is the tanh approximation ({why}): recorded as megalm's --openai-gelu")
+    return fields, notes
+
+
+def true_vocab_size(args: dict, given: Optional[int], tokenizer_vocab: Optional[int]) -> Tuple[int, str]:
+    """``(vocabulary size, where it came from)``: ``--vocab-size``, then the tokenizer the saved args
+    name (when readable here), then Megatron's saved ``vocab_size`` (its ``NullTokenizer`` adds the
+    end-of-document id: ``vocab_size + 1`` rows); the padded embedding rows are trimmed to it."""
+    padded = args.get("padded_vocab_size")
+    saved = args.get("vocab_size")
+    null = args.get("tokenizer_type") == "NullTokenizer"
+    if saved and null:
+        saved, saved_where = int(saved) + 1, "the saved args' vocab_size + 1 (NullTokenizer's end-of-document id)"
+    else:
+        saved_where = "the saved args' vocab_size"
+    for value, where in (
+        (given, "--vocab-size"),
+        (tokenizer_vocab, "the tokenizer named in the saved args"),
+        (saved, saved_where),
+    ):
+        if value:
+            if padded and int(value) > int(padded):
+                raise ConversionError(f"{where} {value} is larger than the saved padded vocabulary {padded}")
+            return int(value), where
+    raise ConversionError(
+        f"cannot tell the true vocabulary size (the checkpoint holds the padded {padded} rows and its "
+        f"tokenizer files are not readable here): give --vocab-size N, or --tokenizer-type with its files"
+    )
