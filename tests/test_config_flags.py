@@ -24,6 +24,7 @@ CONSUMED_BY_VALIDATION = {
     "recompute_activations": "becomes --recompute-granularity selective",
     "expert_tensor_parallel_size": "only 1 (megalm's layout) is accepted",
     "non_persistent_ckpt_type": "only global (the default) is built",
+    "recompute_modules": "core_attn is megalm's selective recompute; the rest refused",
     "grad_reduce_in_bf16": "turns --accumulate-allreduce-grads-in-fp32 off (bf16 gradient buffers)",
     "lr_warmup_iters": "lr_schedule_samples",
     "lr_warmup_fraction": "lr_schedule_samples",
@@ -162,6 +163,9 @@ def test_megatron_spellings_of_model_flags():
     assert cfg("--no-position-embedding", "--position-embedding-type", "rope").model.position_embedding_type == "rope"
     assert cfg("--position-embedding-type", "learned_absolute").model.position_embedding_type == "learned_absolute"
     assert cfg("--recompute-activations").model.recompute_granularity == "selective"
+    assert cfg("--recompute-activations", "--recompute-modules", "core_attn").model.recompute_modules == ["core_attn"]
+    with pytest.raises(ConfigError, match="--recompute-modules mlp moe is not supported"):
+        cfg("--recompute-activations", "--recompute-modules", "core_attn", "mlp", "moe")
     assert cfg("--bf16", "--grad-reduce-in-bf16").parallel.accumulate_allreduce_grads_in_fp32 is False
     assert cfg("--bf16").parallel.accumulate_allreduce_grads_in_fp32 is True
     with pytest.raises(ConfigError, match="--grad-reduce-in-bf16 needs --bf16"):

@@ -94,6 +94,13 @@ class ModelConfig:
         None, "Activation recomputation granularity.", choices=["full", "selective"]
     )
     recompute_activations: bool = _f(False, "Megatron's spelling of --recompute-granularity selective.")
+    recompute_modules: Optional[List[str]] = _f(
+        None,
+        "Modules recomputed with --recompute-granularity selective (Megatron's list); megalm recomputes the "
+        "attention core: core_attn is accepted, the others (mlp, moe, moe_act, layernorm, shared_experts, "
+        "mla_up_proj) are refused.",
+        nargs="+",
+    )
     recompute_method: Optional[str] = _f(
         None,
         "With full recompute: 'uniform' (chunks of N layers) or 'block' (first N layers of each stage).",

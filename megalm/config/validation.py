@@ -378,6 +378,17 @@ def _validate_heads(m: ModelConfig, tp: int) -> None:
 
 
 def _validate_recompute(m: ModelConfig) -> None:
+    if m.recompute_modules is not None:
+        other = [x for x in m.recompute_modules if x != "core_attn"]
+        _check(
+            not other,
+            f"--recompute-modules {' '.join(other)} is not supported: megalm's selective recomputation covers "
+            "core_attn only",
+        )
+        _check(
+            m.recompute_granularity == "selective",
+            "--recompute-modules needs --recompute-granularity selective (or --recompute-activations)",
+        )
     if m.recompute_granularity == "full":
         _check(m.recompute_method is not None, "--recompute-granularity full needs --recompute-method {uniform,block}")
         _check(
