@@ -58,6 +58,7 @@ from megalm import parallel_state
 from megalm.distributed.hierarchical import NodeGroups
 from megalm.distributed.param_and_grad_buffer import Bucket, DataParallelError, ParamAndGradBuffer
 from megalm.distributed.sharded_grad_buffer import ShardedGradBuffer
+from megalm.distributed.sharded_param_buffer import ShardedParamBuffer, Unsharder
 from megalm.parallel_layout import NodeLayoutError
 from megalm.parallel_state import ProcessGroups, group_size
 from megalm.tensor_parallel.param_info import param_info
@@ -127,8 +128,9 @@ class DistributedDataParallel(torch.nn.Module):
         self.module = module
         self.overlap_grad_reduce = parallel_cfg.overlap_grad_reduce
         strategy = parallel_cfg.data_parallel_sharding_strategy
-        self.shard_grads = strategy == "optim_grads"  # ZeRO-2: megalm.distributed.sharded_grad_buffer
-        self.use_distributed_optimizer = parallel_cfg.use_distributed_optimizer or strategy in ("optim", "optim_grads")
+        self.shard_params = strategy == "optim_grads_params"  # ZeRO-3: megalm.distributed.sharded_param_buffer
+        self.shard_grads = strategy in ("optim_grads", "optim_grads_params")  # ZeRO-2: sharded_grad_buffer
+        self.use_distributed_optimizer = parallel_cfg.use_distributed_optimizer or strategy != "no_shard"
         self.overlap_param_gather = parallel_cfg.overlap_param_gather
         self.hierarchical = parallel_cfg.hierarchical_grad_reduce
         fp32_grads = parallel_cfg.accumulate_allreduce_grads_in_fp32
@@ -153,6 +155,7 @@ class DistributedDataParallel(torch.nn.Module):
             world = group_size(group)
             nodes = node_groups_of(pg, "expt_dp" if expert else "dp_cp") if self.hierarchical and keyed else None
             buffer_class = ShardedGradBuffer if self.shard_grads else ParamAndGradBuffer
+            buffer_class = ShardedParamBuffer if self.shard_params else buffer_class
             for (_, gdtype), params in keyed.items():
                 buf = buffer_class(
                     params,
@@ -173,6 +176,9 @@ class DistributedDataParallel(torch.nn.Module):
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook()) for p in self._param_to_buffer]
         if self.overlap_param_gather:
             self._hook_handles += self._register_param_gather_hooks()
+        self._unsharder = Unsharder(module, self.all_buffers) if self.shard_params else None
+        if self._unsharder is not None:
+            self._hook_handles += self._unsharder.handles
 
     # --- structure -----------------------------------------------------------------------
     @property
@@ -198,6 +204,9 @@ class DistributedDataParallel(torch.nn.Module):
         return out
 
     def forward(self, *args, **kwargs):
+        if self._unsharder is not None:  # ZeRO-3: gather per module, again for backward
+            with self._unsharder.forward():
+                return self.module(*args, **kwargs)
         return self.module(*args, **kwargs)
 
     # --- hooks ---------------------------------------------------------------------------
@@ -293,6 +302,19 @@ class DistributedDataParallel(torch.nn.Module):
         for queue in self._queues:
             for bucket in reversed(queue):
                 bucket.start_param_sync(async_op=not wait)
+
+    def gather_params(self) -> None:
+        """ZeRO-3: make every parameter whole (for readers of the weights: checkpoints, norms)."""
+        if self.shard_params:
+            for buf in self.all_buffers:
+                for bucket in buf.buckets:
+                    bucket.gather()
+
+    def refresh_param_shards(self) -> None:
+        """ZeRO-3: the stored shards <- the (gathered, just loaded) parameters."""
+        if self.shard_params:
+            for buf in self.all_buffers:
+                buf.refresh_shards()
 
     def finish_param_sync(self) -> None:
         """Wait for every pending parameter all-gather (no-op when none is pending)."""
