@@ -44,7 +44,11 @@ With ``use_distributed_optimizer`` (ZeRO-1, see :mod:`megalm.optimizer.distrib_o
 :class:`~megalm.distributed.sharded_grad_buffer.ShardedGradBuffer` instead: the same buckets and
 collectives, but a rank keeps only its shard of the reduced gradients and each bucket's full
 storage lives from its first gradient to its reduce-scatter (:meth:`sharded_grad_views` gives the
-shards of chosen parameters, for the sequence-parallel sum over TP).
+shards of chosen parameters, for the sequence-parallel sum over TP).  ``optim_grads_params`` (ZeRO-3)
+builds :class:`~megalm.distributed.sharded_param_buffer.ShardedParamBuffer`: the weights are stored as
+shards too, gathered per bucket by the hooks of :class:`~megalm.distributed.sharded_param_buffer.Unsharder`
+around :meth:`forward` (forward pre-hooks; saved-tensor hooks for backward); :meth:`gather_params`
+makes them whole for readers, :meth:`refresh_param_shards` stores loaded weights back into the shards.
 """
 
 from __future__ import annotations
