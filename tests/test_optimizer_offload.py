@@ -9,7 +9,7 @@ parameters runs on host copies (CPU -> CPU copies here, the code path of a GPU).
   (copy, gradient buffer, two moments); the host copies are separate storage;
 * a checkpoint round trip (sharded state dict) into a fresh offloaded optimizer refreshes its host
   copies, so the next step equals the uninterrupted one.
-Training runs with offload (DP 2, ZeRO-2 and plain; resume) are in tests/test_sharding_strategy_training.py.
+Training runs with offload (DP 2, ZeRO-2: parity and resume) are in tests/test_sharding_strategy_training.py.
 """
 
 import pytest
