@@ -4,8 +4,10 @@ through pretrain_gpt.py on real ranks.
 * fp32 loss sequences (and grad norms, parameter norms) over 6 iterations equal plain data
   parallelism's (``no_shard``) within 1e-5 relative, for both strategies at DP 2, DP 4 (several
   buckets reduced during the backward) and TP 2 x DP 2 (sequence parallel: the norm gradients'
-  shards are summed over TP), and for ZeRO-2 with --calculate-per-token-loss (the shards are scaled
-  by the token count); ZeRO-2 in bf16 follows plain DP's trajectory within 5e-4;
+  shards are summed over TP), for ZeRO-3 with an untied output layer (its weight is read by the
+  fused linear cross entropy in the model's forward) and for ZeRO-2 with
+  --calculate-per-token-loss (the shards are scaled by the token count); ZeRO-2 in bf16 follows
+  plain DP's trajectory within 5e-4;
 * resume within the strategy is exact: saved at iteration 5 of 10 and resumed (ZeRO-2 with
   --optimizer-cpu-offload at fraction 0.5, which the save did not use; ZeRO-3), iterations 6-10
   equal the uninterrupted ZeRO-2 run's bit for bit;
@@ -29,6 +31,7 @@ from tests.training_runs import assert_close, losses, records, run_trainings
 ZERO2 = ["--data-parallel-sharding-strategy", "optim_grads"]
 ZERO3 = ["--data-parallel-sharding-strategy", "optim_grads_params"]
 BUCKETS = ["--overlap-grad-reduce", "--ddp-bucket-size", "5000"]  # ZeRO-3 has no --overlap-param-gather
+UNTIE = "--untie-embeddings-and-output-weights"
 OFFLOAD = ["--optimizer-cpu-offload"]
 OFFLOAD_HALF = [*OFFLOAD, "--optimizer-offload-fraction", "0.5"]
 
@@ -57,6 +60,9 @@ def runs(tmp_path_factory):
         run("z3", *SIX, *ZERO3),
         run("save_z3", *TEN, *ZERO3, *BUCKETS, *save_half, "--save", ck["z3"]),
         run("resume_z3", *TEN, *ZERO3, *BUCKETS, "--load", ck["z3"]),
+        # untied: the fused linear cross entropy reads the output weight outside the output layer's forward
+        run("p2_untied", *SIX, UNTIE),
+        run("z3_untied", *SIX, *ZERO3, *BUCKETS, UNTIE),
     ]
     codes2 = run_distributed(run_trainings, 2, args=(two,), timeout=300)
     four = [
@@ -76,7 +82,7 @@ def runs(tmp_path_factory):
 
 def test_all_runs_exit_cleanly(runs):
     codes2, codes4 = runs["codes"]
-    assert codes2 == [[0] * 14] * 2, codes2
+    assert codes2 == [[0] * 16] * 2, codes2
     assert codes4 == [[0] * 9] * 4, codes4
 
 
@@ -90,6 +96,7 @@ def test_all_runs_exit_cleanly(runs):
         ("p2", "z3"),
         ("p4", "z4_3"),
         ("tp_p", "tp_z3"),
+        ("p2_untied", "z3_untied"),
     ],
 )
 def test_losses_and_grad_norms_equal_plain_dp(runs, plain, sharded):

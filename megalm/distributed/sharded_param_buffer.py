@@ -24,7 +24,9 @@ When a bucket is gathered (the unit is the gradient bucket, ``--ddp-bucket-size`
   loaded weights (:meth:`ShardedParamBuffer.refresh_shards`).
 
 A bucket holding a tied embedding weight (used outside its module, by the output layer) is never
-freed.  Parameters used outside the module that owns them are otherwise not supported, nor is
+freed; an untied output layer's weight (read by the fused linear cross entropy in the model's own
+forward) is gathered for the whole forward.  Other parameters used outside the module that owns
+them are not supported, nor is
 recompute (its forward replay would free buckets the replayed layer still needs); validation
 refuses both configurations it knows of.  Per microbatch each bucket is gathered once for the
 forward and once for the backward: ``2 (K-1)/K`` x parameter bytes, plus the gradient
@@ -146,8 +148,11 @@ class Unsharder:
 
     Forward: a pre-hook on every module owning parameters gathers their buckets and frees every
     gathered bucket no module still inside its forward needs (a post-hook pops it again), so
-    nested modules keep their parents' weights.  Backward: :meth:`forward` installs saved-tensor
-    hooks that gather a saved view's bucket again when backward unpacks it.
+    nested modules keep their parents' weights.  The wrapped module's own pre-hook also gathers its
+    ``output_layer``'s parameters (a GPT's fused linear cross entropy uses the output weight in the
+    model's forward, outside the output layer's), kept for the whole forward.  Backward:
+    :meth:`forward` installs saved-tensor hooks that gather a saved view's bucket again when backward
+    unpacks it.
     """
 
     def __init__(self, module: torch.nn.Module, buffers: List[ShardedParamBuffer]):
@@ -157,9 +162,13 @@ class Unsharder:
         self.active: List[list] = []
         bucket_of = {p: buf.bucket_of(p) for buf in buffers for p in buf.param_index_map}
         self.handles = []
+        output_layer = getattr(module, "output_layer", None)
         for m in module.modules():
             mine = []
-            for p in m.parameters(recurse=False):
+            used = list(m.parameters(recurse=False))
+            if m is module and isinstance(output_layer, torch.nn.Module):
+                used += list(output_layer.parameters())  # the fused linear cross entropy reads them here
+            for p in used:
                 if p in bucket_of and bucket_of[p] not in mine:
                     mine.append(bucket_of[p])
             if mine:
