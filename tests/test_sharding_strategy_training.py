@@ -8,6 +8,7 @@ through pretrain_gpt.py on real ranks.
   fused linear cross entropy in the model's forward) and for ZeRO-2 with
   --calculate-per-token-loss (the shards are scaled by the token count); ZeRO-2 in bf16 follows
   plain DP's trajectory within 5e-4;
+* ZeRO-3 evaluation (forward under no_grad, gathered by the same hooks) equals plain DP's within 1e-5;
 * resume within the strategy is exact: saved at iteration 5 of 10 and resumed (ZeRO-2 with
   --optimizer-cpu-offload at fraction 0.5, which the save did not use; ZeRO-3), iterations 6-10
   equal the uninterrupted ZeRO-2 run's bit for bit;
@@ -32,6 +33,7 @@ ZERO2 = ["--data-parallel-sharding-strategy", "optim_grads"]
 ZERO3 = ["--data-parallel-sharding-strategy", "optim_grads_params"]
 BUCKETS = ["--overlap-grad-reduce", "--ddp-bucket-size", "5000"]  # ZeRO-3 has no --overlap-param-gather
 UNTIE = "--untie-embeddings-and-output-weights"
+EVAL = ["--eval-iters", "2", "--eval-interval", "3"]  # later flags win over TINY's --eval-iters 0
 OFFLOAD = ["--optimizer-cpu-offload"]
 OFFLOAD_HALF = [*OFFLOAD, "--optimizer-offload-fraction", "0.5"]
 
@@ -46,7 +48,7 @@ def runs(tmp_path_factory):
     ck = {k: os.path.join(tmp, f"ckpt_{k}") for k in ("z2", "p2", "z3")}
     save_half = ["--exit-interval", "5", "--save-interval", "100"]
     two = [
-        run("p2", *SIX),
+        run("p2", *SIX, *EVAL),
         run("z2", *SIX, *ZERO2),
         run("straight_z2", *TEN, *ZERO2, *OVERLAP),
         run("save_z2", *TEN, *ZERO2, *OVERLAP, *save_half, "--save", ck["z2"]),
@@ -57,7 +59,7 @@ def runs(tmp_path_factory):
         run("pt_p2", *SIX, "--calculate-per-token-loss"),
         run("pt_z2", *SIX, "--calculate-per-token-loss", *ZERO2),
         run("save_p2", *TEN, *save_half, "--save", ck["p2"]),
-        run("z3", *SIX, *ZERO3),
+        run("z3", *SIX, *ZERO3, *EVAL),
         run("save_z3", *TEN, *ZERO3, *BUCKETS, *save_half, "--save", ck["z3"]),
         run("resume_z3", *TEN, *ZERO3, *BUCKETS, "--load", ck["z3"]),
         # untied: the fused linear cross entropy reads the output weight outside the output layer's forward
@@ -106,6 +108,12 @@ def test_losses_and_grad_norms_equal_plain_dp(runs, plain, sharded):
     assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref], rel=1e-5)
     assert_close([r["params_norm"] for r in got], [r["params_norm"] for r in ref], rel=1e-5)
     assert ref[-1]["lm_loss"] < ref[0]["lm_loss"] - 0.1  # it trains
+
+
+def test_zero3_evaluation_equals_plain_dp(runs):
+    ref, got = records(runs["tmp"], "p2", "validation"), records(runs["tmp"], "z3", "validation")
+    assert [r["iteration"] for r in got] == [3, 6] and len(ref) == 2
+    assert_close([r["loss"] for r in got], [r["loss"] for r in ref], rel=1e-5)
 
 
 def test_bf16_same_trajectory(runs):
