@@ -92,11 +92,15 @@ FORMAT_VERSION = 1
 
 
 def finish_param_sync(model_chunks: Sequence[torch.nn.Module]) -> None:
-    """Wait for pending parameter all-gathers (distributed optimizer with overlapped gathers)."""
+    """Wait for pending parameter all-gathers (distributed optimizer with overlapped gathers);
+    with sharded parameters (ZeRO-3) gather them whole."""
     for chunk in model_chunks:
         finish = getattr(chunk, "finish_param_sync", None)
         if finish is not None:
             finish()
+        gather = getattr(chunk, "gather_params", None)
+        if gather is not None:
+            gather()
 
 
 def _is_tied_copy(name: str, p: torch.Tensor) -> bool:

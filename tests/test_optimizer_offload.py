@@ -1,14 +1,15 @@
 """--optimizer-cpu-offload / --optimizer-offload-fraction: the update of a fraction of the main
 parameters runs on host copies (CPU -> CPU copies here, the code path of a GPU).
 
-* fp32 and bf16, plain and distributed optimizer (optim and optim_grads, one rank), fraction 0.5 and
-  1: weights after 3 clipped AdamW steps are bit-identical to the non-offloaded optimizer's;
+* fp32 and bf16, plain and distributed optimizer (optim, optim_grads, optim_grads_params, one rank),
+  fractions 0.5 and 1 (six combinations): weights after 3 clipped AdamW steps are bit-identical to
+  the non-offloaded optimizer's;
 * which tensors go to the host (whole tensors while fewer than fraction x total elements went) and
   the measured bytes: device optimizer state 8 B per element kept, host 16 B per element offloaded
   (copy, gradient buffer, two moments); the host copies are separate storage;
 * a checkpoint round trip (sharded state dict) into a fresh offloaded optimizer refreshes its host
   copies, so the next step equals the uninterrupted one.
-Training runs with offload (DP 2, ZeRO-2 and plain; resume) are in tests/test_sharding_strategy_training.py.
+Training runs with offload (DP 2, ZeRO-2: parity and resume) are in tests/test_sharding_strategy_training.py.
 """
 
 import pytest
@@ -47,12 +48,22 @@ def _steps(model, chunk, optimizer, steps, seed=0):
             finalize_model_grads([chunk])
         ok, _, _ = optimizer.step()
         assert ok
+    if chunk is not model:
+        chunk.gather_params()  # ZeRO-3: whole weights to read
     return [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("strategy", [None, "optim", "optim_grads"])
-@pytest.mark.parametrize("fraction", [0.5, 1.0])
+@pytest.mark.parametrize(
+    "dtype, strategy, fraction",
+    [
+        (torch.float32, None, 1.0),
+        (torch.bfloat16, None, 0.5),
+        (torch.float32, "optim", 0.5),
+        (torch.bfloat16, "optim_grads", 0.5),
+        (torch.float32, "optim_grads_params", 1.0),
+        (torch.bfloat16, "optim_grads_params", 0.5),
+    ],
+)
 def test_offloaded_update_is_bit_identical(dtype, strategy, fraction):
     ref = _steps(*_build(dtype, strategy, None), 3)
     model, chunk, optimizer = _build(dtype, strategy, fraction)

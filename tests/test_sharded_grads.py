@@ -28,11 +28,11 @@ from megalm.estimate.planner import state_bytes_per_param, strategy_bytes_per_pa
 from megalm.optimizer import build_optimizer
 from megalm.optimizer.memory_accounting import formula_bytes_per_param, optimizer_memory
 from megalm.testing import run_distributed
-from tests.test_data_parallel_config import _cfg
+from tests.test_data_parallel_config import _cfg as _parallel_cfg
 from tests.test_ddp import GLOBAL_BATCH, NUM_MICRO, STEPS, batch, make_cfg, make_model, reference_run
 from tests.test_distrib_optimizer import PRECISIONS, _mlp
 
-ZERO2 = "optim_grads"
+ZERO2, ZERO3 = "optim_grads", "optim_grads_params"
 
 
 def _ddp(model, strategy, **kw):
@@ -46,6 +46,14 @@ def _memory(precision, strategy=ZERO2):
     cfg.parallel.data_parallel_sharding_strategy = strategy
     mem = optimizer_memory(build_optimizer(cfg, [ddp], report_memory=False), [ddp])
     return mem["total"], mem["formula"] * mem["params"], mem["grads"], mem["d"], mem["grads_sharded"]
+
+
+def _cfg(**flags):
+    cfg = _parallel_cfg(**{k: v for k, v in flags.items() if hasattr(cfg_fields := ParallelConfig(), k)})
+    for k, v in flags.items():
+        if not hasattr(cfg_fields, k):
+            setattr(cfg.model, k, v)
+    return cfg
 
 
 @pytest.mark.parametrize(
@@ -66,7 +74,22 @@ def test_strategy_flag(parallel, strategy):
 @pytest.mark.parametrize(
     "parallel,message",
     [
-        ({"data_parallel_sharding_strategy": "optim_grads_params"}, "optim_grads_params .* is not built yet"),
+        (
+            {"data_parallel_sharding_strategy": "optim_grads_params", "recompute_granularity": "selective"},
+            "optim_grads_params with --recompute-granularity selective is not built yet",
+        ),
+        (
+            {"data_parallel_sharding_strategy": "optim_grads_params", "overlap_param_gather": True},
+            "no prefetch.*--overlap-param-gather is not built",
+        ),
+        (
+            {"data_parallel_sharding_strategy": "optim_grads_params", "num_experts": 2},
+            "optim_grads_params with --num-experts is not built yet",
+        ),
+        (
+            {"data_parallel_sharding_strategy": "optim_grads_params", "expert_model_parallel_size": 2},
+            "optim_grads_params with --expert-model-parallel-size 2 is not built yet",
+        ),
         (
             {"data_parallel_sharding_strategy": "optim_grads", "pipeline_model_parallel_size": 2},
             "optim_grads with --pipeline-model-parallel-size 2 is not built yet",
@@ -105,7 +128,8 @@ def _train(dp, strategy, overlap, bucket_size, expert_last_layer):
     if expert_last_layer:
         for p in model.out.parameters():
             p.allreduce = False
-    kw = dict(overlap_grad_reduce=overlap, overlap_param_gather=overlap, ddp_bucket_size=bucket_size)
+    gather = overlap and strategy != ZERO3  # ZeRO-3 gathers before use, no prefetch
+    kw = dict(overlap_grad_reduce=overlap, overlap_param_gather=gather, ddp_bucket_size=bucket_size)
     ddp = _ddp(model, strategy, **kw)
     cfg = make_cfg()
     cfg.parallel.data_parallel_sharding_strategy = strategy
@@ -113,6 +137,7 @@ def _train(dp, strategy, overlap, bucket_size, expert_last_layer):
     buckets = [b for buf in ddp.all_buffers for b in buf.buckets]
     rank, mb = parallel_state.get_data_parallel_rank(), GLOBAL_BATCH // dp // NUM_MICRO
     out = {"n_buckets": len(buckets), "padded_numel": sum(b.numel for b in buckets), "live": [], "grad_bytes": []}
+    out["gathered_after_step"], out["param_bytes_after_step"] = [], []
     comm.reset_comm_stats()
     for step in range(STEPS):
         x, y = batch(step)
@@ -131,7 +156,11 @@ def _train(dp, strategy, overlap, bucket_size, expert_last_layer):
         out["grad_bytes"].append(sum(buf.grad_bytes() for buf in ddp.all_buffers))
         ok, norm, _ = optimizer.step()
         assert ok
+        if strategy == ZERO3:  # between iterations only the shards of the weights are left
+            out["gathered_after_step"].append(sum(b.gathered for b in buckets))
+            out["param_bytes_after_step"].append(sum(buf.param_bytes() for buf in ddp.all_buffers))
     ddp.finish_param_sync()
+    ddp.gather_params()
     out["stats"] = comm.get_comm_stats()
     out["params"] = [p.detach().clone() for p in model.parameters()]
     if strategy == ZERO2:  # a late gradient (a backward outside no_sync after the reduction) is refused
@@ -148,13 +177,14 @@ def worker(dp):
     parallel_state.initialize_model_parallel(1, 1)
     results = {}
     for key in ((True, 100, True),):
-        results[key] = {s: _train(dp, s, *key) for s in ("optim", ZERO2)}
+        results[key] = {s: _train(dp, s, *key) for s in ("optim", ZERO2, ZERO3)}
     results["memory"] = {p: _memory(p) for p in PRECISIONS}
+    results["memory3"] = {p: _memory(p, ZERO3) for p in PRECISIONS}
     results["memory_optim"] = {p: _memory(p, "optim") for p in PRECISIONS}
     return results
 
 
-def test_sharded_grads_match_zero1_and_single_process():
+def test_sharded_strategies_match_zero1_and_single_process():
     dp = 4
     _, ref_params, _ = reference_run()
     ranks = run_distributed(worker, dp, args=(dp,), timeout=150)
@@ -178,12 +208,23 @@ def test_sharded_grads_match_zero1_and_single_process():
             assert zero2["grad_bytes"] == [4 * padded // dp] * STEPS
             assert zero1["grad_bytes"] == [4 * padded] * STEPS
             assert "arrived after its bucket" in zero2["late"]
+            zero3 = res[ZERO3]
+            for a, b in zip(zero3["params"], zero1["params"]):
+                assert torch.equal(a, b), key  # ZeRO-3: the same values, gathered before use
+            assert zero3["stats"]["grad_reduce_scatter"] == zero1["stats"]["grad_reduce_scatter"]
+            assert zero3["live"] == [0] * STEPS and zero3["grad_bytes"] == zero2["grad_bytes"]
+            assert zero3["gathered_after_step"] == [0] * STEPS
+            assert zero3["param_bytes_after_step"] == [4 * padded // dp] * STEPS
+            # each bucket is gathered at least once per microbatch's forward (and again for backward)
+            assert zero3["stats"]["param_all_gather"]["calls"] >= n * NUM_MICRO * STEPS
         for precision, (total, formula_total, grads, d, sharded) in r["memory"].items():
             assert (d, sharded) == (dp, True)
             assert total == formula_total, precision  # e.g. bf16: (2 + 16/d) x 244 bytes exactly
             assert grads == (4 if PRECISIONS[precision][1] else 2) * 244 // dp
         # tools/estimate.py's bytes per parameter per strategy equal the measured ones
-        for strategy, memory in (("optim_grads", r["memory"]), ("optim", r["memory_optim"])):
+        for precision, (total, formula_total, _, d, _) in r["memory3"].items():
+            assert total == formula_total and d == dp, precision  # e.g. bf16: 18/d x 244 bytes exactly
+        for strategy, memory in (("optim_grads", r["memory"]), ("optim", r["memory_optim"]), (ZERO3, r["memory3"])):
             for precision, (total, *_) in memory.items():
                 dtype, fp32_grads = PRECISIONS[precision]
                 name = "fp32" if dtype == torch.float32 else "bf16"

@@ -1,17 +1,21 @@
-"""--data-parallel-sharding-strategy optim_grads (ZeRO-2) end to end through pretrain_gpt.py on real ranks.
+"""--data-parallel-sharding-strategy optim_grads (ZeRO-2) and optim_grads_params (ZeRO-3) end to end
+through pretrain_gpt.py on real ranks.
 
-* fp32 loss sequences (and grad norms) over 6 iterations equal plain data parallelism's
-  (``no_shard``) within 1e-5 relative at DP 2, DP 4 (overlapped reduction, several buckets),
-  TP 2 x DP 2 (sequence parallel: the norm gradients' shards are summed over TP) and DP 2 with
-  --calculate-per-token-loss (the shards are scaled by the token count); bf16 follows plain DP's
-  trajectory within 5e-4;
-* resume within the strategy is exact: saved at iteration 5 of 10 and resumed (with
-  --optimizer-cpu-offload at fraction 0.5, which the save did not use), iterations 6-10 equal the
-  uninterrupted run's bit for bit;
+* fp32 loss sequences (and grad norms, parameter norms) over 6 iterations equal plain data
+  parallelism's (``no_shard``) within 1e-5 relative, for both strategies at DP 2, DP 4 (several
+  buckets reduced during the backward) and TP 2 x DP 2 (sequence parallel: the norm gradients'
+  shards are summed over TP), for ZeRO-3 with an untied output layer (its weight is read by the
+  fused linear cross entropy in the model's forward) and for ZeRO-2 with
+  --calculate-per-token-loss (the shards are scaled by the token count); ZeRO-2 in bf16 follows
+  plain DP's trajectory within 5e-4;
+* ZeRO-3 evaluation (forward under no_grad, gathered by the same hooks) equals plain DP's within 1e-5;
+* resume within the strategy is exact: saved at iteration 5 of 10 and resumed (ZeRO-2 with
+  --optimizer-cpu-offload at fraction 0.5, which the save did not use; ZeRO-3), iterations 6-10
+  equal the uninterrupted ZeRO-2 run's bit for bit;
 * --optimizer-cpu-offload (ZeRO-2, fraction 0.5) gives the same losses and parameter norms bit for
   bit (every strategy and precision: tests/test_optimizer_offload.py);
-* checkpoints load across strategies and DP sizes: the optim_grads checkpoint (DP 2) loaded at DP 4
-  by no_shard, and a no_shard checkpoint (DP 2) loaded at DP 4 by optim_grads, each continue the
+* checkpoints load across strategies and DP sizes (saved at DP 2, loaded at DP 4): no_shard ->
+  optim_grads, optim_grads -> optim_grads_params, optim_grads_params -> no_shard, each continuing the
   uninterrupted run within 1e-5 (optim's checkpoints are optim_grads': the same optimizer).
 
 Groups are spawned in the order 2, 4 ranks (the DP 4 runs read the DP 2 checkpoints).
@@ -26,6 +30,10 @@ from tests.test_distrib_optimizer_training import BF16, OVERLAP, SIX, TEN, TINY,
 from tests.training_runs import assert_close, losses, records, run_trainings
 
 ZERO2 = ["--data-parallel-sharding-strategy", "optim_grads"]
+ZERO3 = ["--data-parallel-sharding-strategy", "optim_grads_params"]
+BUCKETS = ["--overlap-grad-reduce", "--ddp-bucket-size", "5000"]  # ZeRO-3 has no --overlap-param-gather
+UNTIE = "--untie-embeddings-and-output-weights"
+EVAL = ["--eval-iters", "2", "--eval-interval", "3"]  # later flags win over TINY's --eval-iters 0
 OFFLOAD = ["--optimizer-cpu-offload"]
 OFFLOAD_HALF = [*OFFLOAD, "--optimizer-offload-fraction", "0.5"]
 
@@ -37,10 +45,10 @@ def runs(tmp_path_factory):
     def run(name, *extra):
         return TINY + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl")] + list(extra)
 
-    ck = {k: os.path.join(tmp, f"ckpt_{k}") for k in ("z2", "p2")}
+    ck = {k: os.path.join(tmp, f"ckpt_{k}") for k in ("z2", "p2", "z3")}
     save_half = ["--exit-interval", "5", "--save-interval", "100"]
     two = [
-        run("p2", *SIX),
+        run("p2", *SIX, *EVAL),
         run("z2", *SIX, *ZERO2),
         run("straight_z2", *TEN, *ZERO2, *OVERLAP),
         run("save_z2", *TEN, *ZERO2, *OVERLAP, *save_half, "--save", ck["z2"]),
@@ -51,6 +59,12 @@ def runs(tmp_path_factory):
         run("pt_p2", *SIX, "--calculate-per-token-loss"),
         run("pt_z2", *SIX, "--calculate-per-token-loss", *ZERO2),
         run("save_p2", *TEN, *save_half, "--save", ck["p2"]),
+        run("z3", *SIX, *ZERO3, *EVAL),
+        run("save_z3", *TEN, *ZERO3, *BUCKETS, *save_half, "--save", ck["z3"]),
+        run("resume_z3", *TEN, *ZERO3, *BUCKETS, "--load", ck["z3"]),
+        # untied: the fused linear cross entropy reads the output weight outside the output layer's forward
+        run("p2_untied", *SIX, UNTIE),
+        run("z3_untied", *SIX, *ZERO3, *BUCKETS, UNTIE),
     ]
     codes2 = run_distributed(run_trainings, 2, args=(two,), timeout=300)
     four = [
@@ -58,8 +72,11 @@ def runs(tmp_path_factory):
         run("z4_ov", *SIX, *ZERO2, *OVERLAP),
         run("tp_p", *SIX, *TP2),
         run("tp_z", *SIX, *TP2, *ZERO2, *OVERLAP),
-        run("z2_at_d4_no_shard", *TEN, "--load", ck["z2"]),
         run("p2_at_d4_optim_grads", *TEN, *ZERO2, "--load", ck["p2"]),
+        run("z4_3", *SIX, *ZERO3, *BUCKETS),
+        run("tp_z3", *SIX, *TP2, *ZERO3, *BUCKETS),
+        run("z2_at_d4_optim_grads_params", *TEN, *ZERO3, "--load", ck["z2"]),
+        run("z3_at_d4_no_shard", *TEN, "--load", ck["z3"]),
     ]
     codes4 = run_distributed(run_trainings, 4, args=(four,), timeout=400)
     return {"tmp": tmp, "codes": (codes2, codes4)}
@@ -67,11 +84,23 @@ def runs(tmp_path_factory):
 
 def test_all_runs_exit_cleanly(runs):
     codes2, codes4 = runs["codes"]
-    assert codes2 == [[0] * 11] * 2, codes2
-    assert codes4 == [[0] * 6] * 4, codes4
+    assert codes2 == [[0] * 16] * 2, codes2
+    assert codes4 == [[0] * 9] * 4, codes4
 
 
-@pytest.mark.parametrize("plain, sharded", [("p2", "z2"), ("p4", "z4_ov"), ("tp_p", "tp_z"), ("pt_p2", "pt_z2")])
+@pytest.mark.parametrize(
+    "plain, sharded",
+    [
+        ("p2", "z2"),
+        ("p4", "z4_ov"),
+        ("tp_p", "tp_z"),
+        ("pt_p2", "pt_z2"),
+        ("p2", "z3"),
+        ("p4", "z4_3"),
+        ("tp_p", "tp_z3"),
+        ("p2_untied", "z3_untied"),
+    ],
+)
 def test_losses_and_grad_norms_equal_plain_dp(runs, plain, sharded):
     ref, got = records(runs["tmp"], plain), records(runs["tmp"], sharded)
     assert len(got) == 6
@@ -81,16 +110,24 @@ def test_losses_and_grad_norms_equal_plain_dp(runs, plain, sharded):
     assert ref[-1]["lm_loss"] < ref[0]["lm_loss"] - 0.1  # it trains
 
 
+def test_zero3_evaluation_equals_plain_dp(runs):
+    ref, got = records(runs["tmp"], "p2", "validation"), records(runs["tmp"], "z3", "validation")
+    assert [r["iteration"] for r in got] == [3, 6] and len(ref) == 2
+    assert_close([r["loss"] for r in got], [r["loss"] for r in ref], rel=1e-5)
+
+
 def test_bf16_same_trajectory(runs):
     plain, sharded = losses(runs["tmp"], "bf_p2"), losses(runs["tmp"], "bf_z2")
     assert_close(sharded, plain, rel=5e-4)  # bf16 rounding of the weights, as the distributed optimizer
     assert sharded[-1] < sharded[0] - 0.1
 
 
-def test_resume_within_strategy_is_exact(runs):
+@pytest.mark.parametrize("resumed", ["resume_z2_off", "resume_z3"])
+def test_resume_within_strategy_is_exact(runs, resumed):
+    # ZeRO-3 computes ZeRO-2's numbers bit for bit (the same gathered weights, the same reduction)
     straight = losses(runs["tmp"], "straight_z2")
-    assert [r["iteration"] for r in records(runs["tmp"], "resume_z2_off")] == list(range(6, 11))
-    assert losses(runs["tmp"], "resume_z2_off") == straight[5:]
+    assert [r["iteration"] for r in records(runs["tmp"], resumed)] == list(range(6, 11))
+    assert losses(runs["tmp"], resumed) == straight[5:]
 
 
 def test_optimizer_cpu_offload_changes_nothing(runs):
@@ -99,7 +136,7 @@ def test_optimizer_cpu_offload_changes_nothing(runs):
     assert [r["params_norm"] for r in got] == [r["params_norm"] for r in ref]
 
 
-@pytest.mark.parametrize("resumed", ["z2_at_d4_no_shard", "p2_at_d4_optim_grads"])
+@pytest.mark.parametrize("resumed", ["p2_at_d4_optim_grads", "z2_at_d4_optim_grads_params", "z3_at_d4_no_shard"])
 def test_checkpoints_load_across_strategies(runs, resumed):
     straight = losses(runs["tmp"], "straight_z2")
     assert [r["iteration"] for r in records(runs["tmp"], resumed)] == list(range(6, 11))

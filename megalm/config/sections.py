@@ -292,7 +292,8 @@ class ParallelConfig:
         "What data-parallel ranks shard (megalm's implementation of Megatron's names; no "
         "--use-megatron-fsdp needed): no_shard (plain DP), optim (= --use-distributed-optimizer, "
         "ZeRO-1), optim_grads (ZeRO-2: also the reduced gradients; each bucket's full gradient "
-        "storage is freed once reduce-scattered), optim_grads_params (ZeRO-3: not built, refused).",
+        "storage is freed once reduce-scattered), optim_grads_params (ZeRO-3: also the parameters, "
+        "all-gathered per bucket before each module's forward and again for backward, no prefetch).",
         choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
     )
     overlap_grad_reduce: bool = _f(False, "Reduce gradient buckets during the last microbatch's backward.")

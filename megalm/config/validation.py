@@ -136,30 +136,42 @@ def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
     )
 
 
-def _validate_sharding_strategy(p: ParallelConfig) -> None:
+def _validate_sharding_strategy(m: ModelConfig, p: ParallelConfig) -> None:
     """``--data-parallel-sharding-strategy`` and ``--use-distributed-optimizer`` made consistent:
-    ``optim`` and ``optim_grads`` turn the distributed optimizer on, and the distributed optimizer
-    alone means ``optim``.  ``optim_grads`` is refused where it is not built."""
+    every strategy but ``no_shard`` turns the distributed optimizer on, and the distributed optimizer
+    alone means ``optim``.  ``optim_grads`` and ``optim_grads_params`` are refused where they are not built."""
     s = p.data_parallel_sharding_strategy
-    _check(
-        s != "optim_grads_params",
-        "--data-parallel-sharding-strategy optim_grads_params (ZeRO-3, sharded parameters) is not built yet; "
-        "use optim_grads (ZeRO-2) or optim (ZeRO-1)",
-    )
     if s == "no_shard" and p.use_distributed_optimizer:
         p.data_parallel_sharding_strategy = s = "optim"
-    if s in ("optim", "optim_grads"):
+    if s != "no_shard":
         p.use_distributed_optimizer = True
-    if s != "optim_grads":
+    if s in ("no_shard", "optim"):
         return
     for flag, size in (
         ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
         ("--expert-model-parallel-size", p.expert_model_parallel_size),
     ):
-        _check(size == 1, f"--data-parallel-sharding-strategy optim_grads with {flag} {size} is not built yet")
+        _check(size == 1, f"--data-parallel-sharding-strategy {s} with {flag} {size} is not built yet")
     _check(
         not p.hierarchical_grad_reduce,
-        "--data-parallel-sharding-strategy optim_grads with --hierarchical-grad-reduce is not built yet",
+        f"--data-parallel-sharding-strategy {s} with --hierarchical-grad-reduce is not built yet",
+    )
+    if s != "optim_grads_params":
+        return
+    _check(
+        m.recompute_granularity is None,
+        f"--data-parallel-sharding-strategy optim_grads_params with --recompute-granularity "
+        f"{m.recompute_granularity} is not built yet (the recomputed forward would free weights its backward needs)",
+    )
+    _check(
+        m.num_experts is None,
+        "--data-parallel-sharding-strategy optim_grads_params with --num-experts is not built yet (ranks whose "
+        "experts get different tokens could gather in different orders)",
+    )
+    _check(
+        not p.overlap_param_gather,
+        "--data-parallel-sharding-strategy optim_grads_params gathers each bucket's parameters just before "
+        "use (no prefetch); --overlap-param-gather is not built for it",
     )
 
 
@@ -449,7 +461,7 @@ def _validate_parallel(m: ModelConfig, p: ParallelConfig) -> None:
     """Context parallelism, the data-parallel wrapper's flags and sequence parallelism."""
     tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
     _validate_context_parallel(m, p)
-    _validate_sharding_strategy(p)
+    _validate_sharding_strategy(m, p)
     _check(
         cp == 1 or p.data_parallel_sharding_strategy in ("no_shard", "optim"),
         f"--data-parallel-sharding-strategy {p.data_parallel_sharding_strategy} with --context-parallel-size {cp} "

@@ -56,7 +56,11 @@ With ``use_distributed_optimizer`` (ZeRO-1, see :mod:`megalm.optimizer.distrib_o
 :class:`~megalm.distributed.sharded_grad_buffer.ShardedGradBuffer` instead: the same buckets and
 collectives, but a rank keeps only its shard of the reduced gradients and each bucket's full
 storage lives from its first gradient to its reduce-scatter (:meth:`sharded_grad_views` gives the
-shards of chosen parameters, for the sequence-parallel sum over TP).
+shards of chosen parameters, for the sequence-parallel sum over TP).  ``optim_grads_params`` (ZeRO-3)
+builds :class:`~megalm.distributed.sharded_param_buffer.ShardedParamBuffer`: the weights are stored as
+shards too, gathered per bucket by the hooks of :class:`~megalm.distributed.sharded_param_buffer.Unsharder`
+around :meth:`forward` (forward pre-hooks; saved-tensor hooks for backward); :meth:`gather_params`
+makes them whole for readers, :meth:`refresh_param_shards` stores loaded weights back into the shards.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ from megalm.distributed.compression import build_compressor
 from megalm.distributed.hierarchical import NodeGroups
 from megalm.distributed.param_and_grad_buffer import Bucket, DataParallelError, ParamAndGradBuffer
 from megalm.distributed.sharded_grad_buffer import ShardedGradBuffer
+from megalm.distributed.sharded_param_buffer import ShardedParamBuffer, Unsharder
 from megalm.parallel_layout import NodeLayoutError
 from megalm.parallel_state import ProcessGroups, group_size
 from megalm.tensor_parallel.param_info import param_info
@@ -145,8 +150,9 @@ class DistributedDataParallel(torch.nn.Module):
         self.module = module
         self.overlap_grad_reduce = parallel_cfg.overlap_grad_reduce
         strategy = parallel_cfg.data_parallel_sharding_strategy
-        self.shard_grads = strategy == "optim_grads"  # ZeRO-2: megalm.distributed.sharded_grad_buffer
-        self.use_distributed_optimizer = parallel_cfg.use_distributed_optimizer or strategy in ("optim", "optim_grads")
+        self.shard_params = strategy == "optim_grads_params"  # ZeRO-3: megalm.distributed.sharded_param_buffer
+        self.shard_grads = strategy in ("optim_grads", "optim_grads_params")  # ZeRO-2: sharded_grad_buffer
+        self.use_distributed_optimizer = parallel_cfg.use_distributed_optimizer or strategy != "no_shard"
         self.overlap_param_gather = parallel_cfg.overlap_param_gather
         self.hierarchical = parallel_cfg.hierarchical_grad_reduce
         self.local_sgd = bool(parallel_cfg.local_sgd_interval)
@@ -177,6 +183,7 @@ class DistributedDataParallel(torch.nn.Module):
                 scale = 1.0 / group_size(group)
             world = group_size(group)
             buffer_class = ShardedGradBuffer if self.shard_grads else ParamAndGradBuffer
+            buffer_class = ShardedParamBuffer if self.shard_params else buffer_class
             for bi, ((_, gdtype), params) in enumerate(keyed.items()):
                 buf = buffer_class(
                     params,
@@ -205,6 +212,9 @@ class DistributedDataParallel(torch.nn.Module):
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook()) for p in self._param_to_buffer]
         if self.overlap_param_gather:
             self._hook_handles += self._register_param_gather_hooks()
+        self._unsharder = Unsharder(module, self.all_buffers) if self.shard_params else None
+        if self._unsharder is not None:
+            self._hook_handles += self._unsharder.handles
 
     # --- structure -----------------------------------------------------------------------
     @property
@@ -230,6 +240,9 @@ class DistributedDataParallel(torch.nn.Module):
         return out
 
     def forward(self, *args, **kwargs):
+        if self._unsharder is not None:  # ZeRO-3: gather per module, again for backward
+            with self._unsharder.forward():
+                return self.module(*args, **kwargs)
         return self.module(*args, **kwargs)
 
     # --- hooks ---------------------------------------------------------------------------
@@ -327,6 +340,19 @@ class DistributedDataParallel(torch.nn.Module):
         for queue in self._queues:
             for bucket in reversed(queue):
                 bucket.start_param_sync(async_op=not wait)
+
+    def gather_params(self) -> None:
+        """ZeRO-3: make every parameter whole (for readers of the weights: checkpoints, norms)."""
+        if self.shard_params:
+            for buf in self.all_buffers:
+                for bucket in buf.buckets:
+                    bucket.gather()
+
+    def refresh_param_shards(self) -> None:
+        """ZeRO-3: the stored shards <- the (gathered, just loaded) parameters."""
+        if self.shard_params:
+            for buf in self.all_buffers:
+                buf.refresh_shards()
 
     def finish_param_sync(self) -> None:
         """Wait for every pending parameter all-gather (no-op when none is pending)."""

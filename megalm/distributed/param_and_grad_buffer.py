@@ -356,6 +356,10 @@ class ParamAndGradBuffer:
         """The reduced gradient over buffer coordinates ``[start, end)`` (inside ``bucket``)."""
         return self.grad_data[start:end]
 
+    def param_view(self, bucket: Bucket, start: int, end: int) -> torch.Tensor:
+        """The stored parameters over buffer coordinates ``[start, end)`` (inside ``bucket``)."""
+        return self.param_data[start:end]
+
     def grad_bytes(self) -> int:
         """Bytes of gradient storage this buffer holds now."""
         return self.grad_data.numel() * self.grad_data.element_size()

@@ -13,7 +13,9 @@ of every bucket), but no persistent full-size ``grad_data``:
   the first gradient of one of its parameters arrives (``param.main_grad`` becomes a view of it),
   accumulates every microbatch, and is freed as soon as the bucket's reduce-scatter has completed:
   in :meth:`ShardedGradBucket.finish_grad_sync`, or earlier when a later bucket of the buffer
-  launches and finds it done (under ``--overlap-grad-reduce`` that is during the backward).
+  launches: bucket ``k``'s launch waits for bucket ``k-2``'s reduction and frees it (and bucket
+  ``k-1``'s if done), so under ``--overlap-grad-reduce`` at most two reductions are in flight and
+  the full storage of the buckets already reduced is freed during the backward.
 
 Communication per bucket and iteration (unchanged from ZeRO-1): it is scaled by
 ``gradient_scaling_factor`` and reduce-scattered (SUM) over the buffer's group of ``K`` ranks,
@@ -75,12 +77,17 @@ class ShardedGradBucket(Bucket):
 
     def start_grad_sync(self) -> None:
         """Scale and launch the async reduce-scatter (SUM) of the full bucket into :attr:`shard`;
-        first free the storage of earlier buckets of the buffer whose reduction has completed."""
+        first free the storage of the earlier buckets of the buffer: those whose reduction has
+        completed, and, waiting for it, all but the one launched just before (at most two buckets'
+        reductions are in flight, so their full storage is bounded during the backward)."""
         if self.launched:
             return
         self.launched = True
         for earlier in self.buffer.buckets[: self.index]:
-            earlier.release_if_done()
+            if earlier.index < self.index - 1:
+                earlier.finish_grad_sync()  # launched already (buckets launch in order): wait, free
+            else:
+                earlier.release_if_done()
         full = self.allocate()  # zeros when none of its parameters got a gradient
         factor = self.buffer.gradient_scaling_factor
         if factor != 1.0:

@@ -15,11 +15,12 @@ so 16 / 18 / 20 bytes; the distributed optimizer divides the optimizer column by
 (``d_e`` for experts): ``8 + 8/d``, ``6 + 12/d``, ``4 + 16/d``.  SGD keeps 4 bytes of momentum
 instead of Adam's 8 (0 without momentum).  Per ``--data-parallel-sharding-strategy``
 (:func:`strategy_bytes_per_param`): ``no_shard`` divides nothing, ``optim`` the optimizer column,
-``optim_grads`` (ZeRO-2) also the gradients (bf16: ``2 + 16/d``), ``optim_grads_params`` (ZeRO-3, not
-built in megalm; planned for comparison) all three (``18/d``).  The data-parallel gradient traffic
+``optim_grads`` (ZeRO-2) also the gradients (bf16: ``2 + 16/d``), ``optim_grads_params`` (ZeRO-3) all
+three (``18/d``; megalm keeps a tied embedding weight whole, which this ignores).  The data-parallel gradient traffic
 per step is the same for the first three (all-reduce = reduce-scatter + all-gather, ``2 (d-1)/d`` x
-the gradient bytes) and 1.5x that for ZeRO-3 (parameters gathered for forward and again for
-backward), so the recommendation is the first strategy of that order whose largest rank fits.
+the gradient bytes) and more for ZeRO-3 (parameters gathered for forward and again for backward,
+each microbatch: 1.5x with one microbatch and one dtype), so the recommendation is the first
+strategy of that order whose largest rank fits.
 
 Per rank: parameters of its pipeline stage (:mod:`.parameters`), activations of the
 microbatches in flight (:mod:`.activations`), transient buffers (logits next to the loss, the
@@ -229,7 +230,7 @@ def _recommendation(r: dict) -> str:
         "no_shard": "it fits without sharding",
         "optim": "the least sharding that fits, at no_shard's data-parallel traffic",
         "optim_grads": "the least sharding that fits, at no_shard's data-parallel traffic",
-        "optim_grads_params": "only ZeRO-3 fits, at 1.5x the data-parallel traffic (not built in megalm yet)",
+        "optim_grads_params": "only ZeRO-3 fits, at more data-parallel traffic (weights gathered twice per microbatch)",
     }[best]
     return f"recommended --data-parallel-sharding-strategy {best}: {why} (largest rank, GB: {told})"
 

@@ -164,7 +164,7 @@ class DistributedOptimizer(MegatronOptimizer):
         )
         ranges, cursor = [], 0
         for p, start, end, buf, s, e, bucket in pieces:
-            model = buf.param_data[s:e]
+            model = buf.param_view(bucket, s, e)  # ZeRO-3: a view of the parameter shard
             if p.dtype == torch.float32:
                 main = torch.nn.Parameter(model, requires_grad=p.requires_grad)  # shares the buffer's storage
             else:
@@ -249,9 +249,19 @@ class DistributedOptimizer(MegatronOptimizer):
     # The plain optimizer's whole-parameter state protocols do not apply to ranges.
     sharded_param_state = state_dict = load_state_dict = _whole_params_only
 
+    def _refresh_param_shards(self) -> None:
+        for chunk in self.model_chunks:
+            chunk.refresh_param_shards()
+
+    def load_sharded_state_dict(self, common: dict, main_params_loaded: bool) -> None:
+        """As the base class, after the ZeRO-3 shards took the loaded weights."""
+        self._refresh_param_shards()
+        super().load_sharded_state_dict(common, main_params_loaded)
+
     @torch.no_grad()
     def reload_model_params(self) -> None:
         """Main ranges <- model weights (fp32 copies only)."""
+        self._refresh_param_shards()
         for r in self.ranges:
             if not r.main_is_model:
                 r.main.copy_(r.model.float())

@@ -204,7 +204,7 @@ def build_optimizer(
         process_groups=process_groups,
         offload_fraction=t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0,
     )
-    sharded = cfg.parallel.data_parallel_sharding_strategy in ("optim", "optim_grads")
+    sharded = cfg.parallel.data_parallel_sharding_strategy != "no_shard"
     if cfg.parallel.use_distributed_optimizer or sharded:
         optimizer = DistributedOptimizer(groups, make_torch_optimizer(t), model_chunks, **common)
     else:

@@ -17,7 +17,10 @@ bf16 or fp16 / same half dtype    2 + 2 + (4 + 4 + 8) / d     20
 ``--data-parallel-sharding-strategy optim_grads``) the gradient buffer moves under the ``/ d`` too:
 ``4 + 12/d`` (fp32), ``2 + 16/d`` (half params, fp32 grads), ``2 + 18/d`` (half grads); the gradient
 bytes are then measured on the buffers (this rank's shard plus any bucket whose full storage is live,
-none between iterations).  megalm accumulates gradients in fp32 by default
+none between iterations).  With sharded parameters too (ZeRO-3, ``optim_grads_params``) everything is
+divided: ``16/d`` (fp32), ``18/d`` (half params, fp32 grads), ``20/d`` (half grads), the weights measured
+as this rank's shard plus the buckets gathered now (a tied embedding's bucket always is).
+megalm accumulates gradients in fp32 by default
 (``--accumulate-allreduce-grads-in-fp32``), so fp16 models are on the ``6 + 12/d`` line unless
 that is turned off.  Bucket padding (< d elements per bucket) makes measured values differ
 slightly from the formula; the formula ignores the few bytes of ``step`` counters.
@@ -35,16 +38,19 @@ HALF = (torch.float16, torch.bfloat16)
 
 
 def formula_bytes_per_param(
-    param_dtype: torch.dtype, grad_dtype: torch.dtype, d: int, grads_sharded: bool = False
+    param_dtype: torch.dtype, grad_dtype: torch.dtype, d: int, grads_sharded: bool = False, params_sharded: bool = False
 ) -> tuple:
     """``(bytes per parameter, text of the formula)`` for these dtypes and sharding ``d``;
-    ``grads_sharded``: the gradients are sharded over the same ``d`` ranks (ZeRO-2)."""
+    ``grads_sharded``: the gradients are sharded over the same ``d`` ranks (ZeRO-2);
+    ``params_sharded``: the weights too (ZeRO-3)."""
     weights = 2 if param_dtype in HALF else 4
     grads = 4 if grad_dtype == torch.float32 else 2
     # fp32 main weights (a copy for half params), an fp32 gradient copy for half grads, Adam moments
     sharded = (4 if weights == 2 else 0) + (4 if grads == 2 else 0) + 8
     name = "fp32" if weights == 4 else ("bf16" if param_dtype == torch.bfloat16 else "fp16")
     what = f"{name} params and grads" if weights == grads else f"{name} params, fp32 grads"
+    if params_sharded:
+        return (weights + grads + sharded) / d, f"{weights + grads + sharded}/d ({what}, all sharded)"
     if grads_sharded:
         return weights + (grads + sharded) / d, f"{weights} + {grads + sharded}/d ({what}, grads sharded)"
     return weights + grads + sharded / d, f"{weights + grads} + {sharded}/d ({what})"
@@ -63,9 +69,12 @@ def optimizer_memory(optimizer, model_chunks: Sequence[torch.nn.Module]) -> Dict
     n = sum(p.numel() for p in params)
     grads = [getattr(p, "main_grad", None) for p in params]
     buffers = [b for c in model_chunks if getattr(c, "shard_grads", False) for b in c.all_buffers]
+    params_sharded = any(getattr(c, "shard_params", False) for c in model_chunks)
     out = {
         "params": n,
-        "weights": sum(p.numel() * p.element_size() for p in params),
+        "weights": sum(b.param_bytes() for b in buffers)
+        if params_sharded
+        else sum(p.numel() * p.element_size() for p in params),
         "grads": sum(b.grad_bytes() for b in buffers)
         if buffers
         else sum(
@@ -83,8 +92,11 @@ def optimizer_memory(optimizer, model_chunks: Sequence[torch.nn.Module]) -> Dict
     grad_dtype = grads[0].dtype if params and grads[0] is not None else param_dtype
     if buffers:
         grad_dtype = buffers[0].grad_dtype
-    formula, text = formula_bytes_per_param(param_dtype, grad_dtype, d, grads_sharded=bool(buffers))
-    out.update(d=d, distributed=distributed, grads_sharded=bool(buffers), formula=formula, formula_text=text)
+    formula, text = formula_bytes_per_param(
+        param_dtype, grad_dtype, d, grads_sharded=bool(buffers), params_sharded=params_sharded
+    )
+    out.update(d=d, distributed=distributed, grads_sharded=bool(buffers), params_sharded=params_sharded)
+    out.update(formula=formula, formula_text=text)
     return out
 
 
@@ -94,6 +106,8 @@ def format_memory_report(mem: Dict[str, object]) -> str:
     which = f"distributed optimizer, d={mem['d']}" if mem["distributed"] else "optimizer not sharded, d=1"
     if mem.get("grads_sharded"):
         which = f"distributed optimizer and gradients (ZeRO-2), d={mem['d']}"
+    if mem.get("params_sharded"):
+        which = f"optimizer, gradients and parameters sharded (ZeRO-3), d={mem['d']}"
     return (
         f"[megalm] optimizer memory on this rank ({which}): weights {pp['weights']:.2f} + grads "
         f"{pp['grads']:.2f} + main weights {pp['main_params']:.2f} + main grads {pp['main_grads']:.2f} + "
