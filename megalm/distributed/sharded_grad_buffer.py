@@ -89,6 +89,8 @@ class ShardedGradBucket(Bucket):
             else:
                 earlier.release_if_done()
         full = self.allocate()  # zeros when none of its parameters got a gradient
+        if self.buffer.nonfinite is not None:  # this rank's own gradients, before the reduction
+            self.buffer.nonfinite.logical_or_(~torch.isfinite(full).all())
         factor = self.buffer.gradient_scaling_factor
         if factor != 1.0:
             full.mul_(factor)
