@@ -118,3 +118,13 @@ def test_refused_combinations(extra, message):
     argv = TINY + ["--train-iters", "1", *CP2] + extra
     with pytest.raises(ConfigError, match=message):
         parse_config(argv, world_size=2)
+
+
+def test_generation_refuses_context_parallelism(tmp_path, capsys):
+    import runpy
+    from pathlib import Path
+
+    tool = runpy.run_path(str(Path(__file__).resolve().parents[1] / "tools" / "generate.py"))
+    argv = ["--load", str(tmp_path), "--prompt", "1 2", "--max-new-tokens", "2", "--context-parallel-size", "2"]
+    assert tool["main"](argv) == 2
+    assert "--context-parallel-size 2: generation does not support context parallelism" in capsys.readouterr().err
