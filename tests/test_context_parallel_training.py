@@ -6,8 +6,8 @@ relative, on 4 ranks, at
 
 * CP 2 x DP 2, p2p, with the distributed optimizer (it shards over dp x cp);
 * CP 2 x DP 2, p2p, --calculate-per-token-loss with --eod-mask-loss (token counts differ per rank);
-* CP 2 x TP 2 with sequence parallelism, allgather;
-* CP 2 x PP 2, a2a;
+* CP 2 x TP 2 with sequence parallelism, allgather, selective recompute (the CP core recomputed);
+* CP 2 x PP 2, a2a, full recompute;
 * CP 2 x EP 2 MoE (4 experts, top-2, alltoall dispatcher, aux and z losses; their logged values too).
 
 The first saves at iteration 5; resumed at CP 1 it continues the uninterrupted CP 1 run.
@@ -37,6 +37,8 @@ FIVE, TEN = ["--train-iters", "5"], ["--train-iters", "10"]
 CP2 = ["--context-parallel-size", "2"]
 PER_TOKEN = ["--calculate-per-token-loss", "--eod-mask-loss"]
 DIST = ["--use-distributed-optimizer"]
+SELECTIVE = ["--recompute-granularity", "selective"]
+FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 MOE = [
     *("--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"),
     *("--moe-token-dispatcher-type", "alltoall"),
@@ -55,8 +57,8 @@ def runs(tmp_path_factory):
     four = [
         run("cp2_dp2_dist_save", *TEN, *CP2, *DIST, "--exit-interval", "5", "--save-interval", "100", "--save", ckpt),
         run("cp2_dp2_per_token", *FIVE, *CP2, *PER_TOKEN),
-        run("cp2_tp2_allgather", *FIVE, *CP2, "--cp-comm-type", "allgather", *TP2),
-        run("cp2_pp2_a2a", *FIVE, *CP2, "--cp-comm-type", "a2a", "--pipeline-model-parallel-size", "2"),
+        run("cp2_tp2_allgather", *FIVE, *CP2, "--cp-comm-type", "allgather", *TP2, *SELECTIVE),
+        run("cp2_pp2_a2a", *FIVE, *CP2, "--cp-comm-type", "a2a", "--pipeline-model-parallel-size", "2", *FULL),
         run("cp2_ep2_moe", *FIVE, *CP2, *MOE, "--expert-model-parallel-size", "2"),
     ]
     one = [
