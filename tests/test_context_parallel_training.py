@@ -10,7 +10,8 @@ relative, on 4 ranks, at
 * CP 2 x PP 2, a2a, full recompute;
 * CP 2 x EP 2 MoE (4 experts, top-2, alltoall dispatcher, aux and z losses; their logged values too).
 
-The first saves at iteration 5; resumed at CP 1 it continues the uninterrupted CP 1 run.
+The first saves at iteration 5; resumed at CP 1 and at CP 4 (chunks of 4 positions) it continues the
+uninterrupted CP 1 run.
 Configurations not built under CP are refused with the flag named.
 """
 
@@ -57,6 +58,7 @@ def runs(tmp_path_factory):
     four = [
         run("cp2_dp2_dist_save", *TEN, *CP2, *DIST, "--exit-interval", "5", "--save-interval", "100", "--save", ckpt),
         run("cp2_dp2_per_token", *FIVE, *CP2, *PER_TOKEN),
+        run("resume_at_cp4", *TEN, "--context-parallel-size", "4", "--load", ckpt),
         run("cp2_tp2_allgather", *FIVE, *CP2, "--cp-comm-type", "allgather", *TP2, *SELECTIVE),
         run("cp2_pp2_a2a", *FIVE, *CP2, "--cp-comm-type", "a2a", "--pipeline-model-parallel-size", "2", *FULL),
         run("cp2_ep2_moe", *FIVE, *CP2, *MOE, "--expert-model-parallel-size", "2"),
@@ -75,7 +77,7 @@ def runs(tmp_path_factory):
 
 
 def test_all_runs_exit_cleanly(runs):
-    assert runs["codes"] == ([[0] * 5] * 4, [[0] * 4]), runs["codes"]
+    assert runs["codes"] == ([[0] * 6] * 4, [[0] * 4]), runs["codes"]
 
 
 @pytest.mark.parametrize("name", ["cp2_dp2_dist_save", "cp2_tp2_allgather", "cp2_pp2_a2a"])
@@ -99,10 +101,11 @@ def test_per_token_loss_with_uneven_masks(runs):
     assert_close(losses(runs["tmp"], "cp2_dp2_per_token"), [r["lm_loss"] for r in ref], rel=1e-5)
 
 
-def test_save_at_cp2_dp2_resume_at_cp1(runs):
+def test_save_at_cp2_dp2_resume_at_cp1_and_cp4(runs):
     straight = losses(runs["tmp"], "cp1")
-    assert [r["iteration"] for r in records(runs["tmp"], "resume_at_cp1")] == list(range(6, 11))
-    assert_close(losses(runs["tmp"], "resume_at_cp1"), straight[5:], rel=1e-5)
+    for name in ("resume_at_cp1", "resume_at_cp4"):
+        assert [r["iteration"] for r in records(runs["tmp"], name)] == list(range(6, 11))
+        assert_close(losses(runs["tmp"], name), straight[5:], rel=1e-5)
 
 
 @pytest.mark.parametrize(
