@@ -10,7 +10,9 @@ Rank ``r`` of ``CP`` holds queries, keys and values of chunks ``(r, 2CP-1-r)`` (
 
 so each step after the first is half a block, the same on every rank.  Each block gives
 ``O_t = softmax(S_t) V_t`` and ``L_t = logsumexp(S_t)`` row-wise (``S = q k^T / sqrt(d)``); they
-merge as ``L = log(e^L + e^L_t)``, ``O = e^(L_old - L) O + e^(L_t - L) O_t``.
+merge as ``L = log(e^L + e^L_t)``, ``O = e^(L_old - L) O + e^(L_t - L) O_t``.  With bf16/fp16
+inputs the GEMMs and the blocks sent run in the input dtype; scores, ``L``, the merge and the dQ
+accumulator are fp32.
 
 Communication, forward: ``CP - 1`` shifts of the stacked ``[2, b, g, 2c, d]`` K/V (only the
 ``g`` KV heads under GQA) to the next rank (isend/irecv), each posted before the block in hand
@@ -72,25 +74,33 @@ def _fold(grad: torch.Tensor, queries_per_group: int) -> torch.Tensor:
 
 
 def _scores(q, k, scale: float, causal: bool) -> torch.Tensor:
-    scores = torch.matmul(q, k.transpose(-2, -1)).mul_(scale)
+    """``scale q k^T`` (+ the causal mask) in fp32 at least (bf16/fp16 inputs: the GEMM in their
+    dtype, the softmax statistics in fp32)."""
+    scores = torch.matmul(q, k.transpose(-2, -1)).to(_stat_dtype(q.dtype)).mul_(scale)
     if causal:
         sq, sk = scores.shape[-2:]
         scores.masked_fill_(torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
     return scores
 
 
+def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def _block_forward(q, k, v, scale: float, causal: bool):
-    """``(softmax(S) V, logsumexp(S))`` of one block, ``S = scale q k^T`` (+ the causal mask)."""
+    """``(softmax(S) V, logsumexp(S))`` of one block, ``S = scale q k^T`` (+ the causal mask); both
+    in fp32 at least."""
     scores = _scores(q, k, scale, causal)
     lse = torch.logsumexp(scores, dim=-1)
-    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v), lse
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype), v).to(lse.dtype), lse
 
 
 def _block_backward(q, k, v, grad_out, lse, delta, scale: float, causal: bool):
     """``(dQ, dK, dV)`` of one block given the merged ``lse`` and ``delta = rowsum(dO * O)``."""
     probs = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))
-    grad_v = torch.matmul(probs.transpose(-2, -1), grad_out)
-    grad_scores = probs * (torch.matmul(grad_out, v.transpose(-2, -1)) - delta.unsqueeze(-1))
+    grad_v = torch.matmul(probs.to(q.dtype).transpose(-2, -1), grad_out)
+    grad_scores = probs * (torch.matmul(grad_out, v.transpose(-2, -1)).to(probs.dtype) - delta.unsqueeze(-1))
+    grad_scores = grad_scores.to(q.dtype)
     grad_q = torch.matmul(grad_scores, k).mul_(scale)
     grad_k = torch.matmul(grad_scores.transpose(-2, -1), q).mul_(scale)
     return grad_q, grad_k, grad_v
@@ -125,6 +135,7 @@ class _RingAttention(torch.autograd.Function):
                 _merge(out, lse, *_block_forward(q[:, :, half:], kk, vv, scale, False), slice(half, None))
             if shift is not None:
                 kv = shift.wait()
+        out = out.to(q.dtype)  # merged in fp32 at least
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale = group, scale
         return out
@@ -135,8 +146,8 @@ class _RingAttention(torch.autograd.Function):
         ring, scale = _Ring(ctx.group), ctx.scale
         qpg, half = q.shape[1] // k.shape[1], q.shape[2] // 2
         grad_out = grad_out.contiguous()
-        delta = (grad_out * out).sum(-1)
-        grad_q = torch.zeros_like(q)
+        delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+        grad_q = torch.zeros_like(q, dtype=lse.dtype)  # accumulated in fp32 at least
         kv = torch.stack([k, v])
         grad_shift = None
         for step in range(ring.size):
@@ -167,7 +178,7 @@ class _RingAttention(torch.autograd.Function):
             if shift is not None:
                 kv = shift.wait()
         grad_kv = grad_shift.wait()  # this rank's own K/V, back from its trip round the ring
-        return grad_q, grad_kv[0], grad_kv[1], None, None
+        return grad_q.to(q.dtype), grad_kv[0], grad_kv[1], None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
