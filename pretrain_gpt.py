@@ -48,8 +48,8 @@ def loss_func(loss_mask: torch.Tensor, model: torch.nn.Module, output_tensor: to
     for the gradient average over data x context ranks (:mod:`megalm.context_parallel.loss`)."""
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.reshape(-1).float()
-    cp_group = getattr(unwrap_model(model), "process_groups", None)
-    cp_group = None if cp_group is None else cp_group.cp
+    groups = getattr(unwrap_model(model), "process_groups", None)  # None: a model of one process
+    cp_group = None if groups is None else groups.cp
     loss, num_tokens, reported = context_parallel_loss(torch.sum(losses * mask), mask.sum().detach(), cp_group)
     return loss, num_tokens, {"lm loss": reported, **pop_moe_metrics(model)}
 

@@ -6,11 +6,12 @@ relative, on 4 ranks, at
 
 * CP 2 x DP 2, p2p, with the distributed optimizer (it shards over dp x cp);
 * CP 2 x DP 2, p2p, --calculate-per-token-loss with --eod-mask-loss (token counts differ per rank);
-* CP 2 x TP 2 with sequence parallelism, allgather;
-* CP 2 x PP 2, a2a;
+* CP 2 x TP 2 with sequence parallelism, allgather, selective recompute (the CP core recomputed);
+* CP 2 x PP 2, a2a, full recompute;
 * CP 2 x EP 2 MoE (4 experts, top-2, alltoall dispatcher, aux and z losses; their logged values too).
 
-The first saves at iteration 5; resumed at CP 1 it continues the uninterrupted CP 1 run.
+The first saves at iteration 5; resumed at CP 1 and at CP 4 (chunks of 4 positions) it continues the
+uninterrupted CP 1 run.
 Configurations not built under CP are refused with the flag named.
 """
 
@@ -37,6 +38,8 @@ FIVE, TEN = ["--train-iters", "5"], ["--train-iters", "10"]
 CP2 = ["--context-parallel-size", "2"]
 PER_TOKEN = ["--calculate-per-token-loss", "--eod-mask-loss"]
 DIST = ["--use-distributed-optimizer"]
+SELECTIVE = ["--recompute-granularity", "selective"]
+FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 MOE = [
     *("--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"),
     *("--moe-token-dispatcher-type", "alltoall"),
@@ -55,8 +58,9 @@ def runs(tmp_path_factory):
     four = [
         run("cp2_dp2_dist_save", *TEN, *CP2, *DIST, "--exit-interval", "5", "--save-interval", "100", "--save", ckpt),
         run("cp2_dp2_per_token", *FIVE, *CP2, *PER_TOKEN),
-        run("cp2_tp2_allgather", *FIVE, *CP2, "--cp-comm-type", "allgather", *TP2),
-        run("cp2_pp2_a2a", *FIVE, *CP2, "--cp-comm-type", "a2a", "--pipeline-model-parallel-size", "2"),
+        run("resume_at_cp4", *TEN, "--context-parallel-size", "4", "--load", ckpt),
+        run("cp2_tp2_allgather", *FIVE, *CP2, "--cp-comm-type", "allgather", *TP2, *SELECTIVE),
+        run("cp2_pp2_a2a", *FIVE, *CP2, "--cp-comm-type", "a2a", "--pipeline-model-parallel-size", "2", *FULL),
         run("cp2_ep2_moe", *FIVE, *CP2, *MOE, "--expert-model-parallel-size", "2"),
     ]
     one = [
@@ -73,7 +77,7 @@ def runs(tmp_path_factory):
 
 
 def test_all_runs_exit_cleanly(runs):
-    assert runs["codes"] == ([[0] * 5] * 4, [[0] * 4]), runs["codes"]
+    assert runs["codes"] == ([[0] * 6] * 4, [[0] * 4]), runs["codes"]
 
 
 @pytest.mark.parametrize("name", ["cp2_dp2_dist_save", "cp2_tp2_allgather", "cp2_pp2_a2a"])
@@ -97,10 +101,11 @@ def test_per_token_loss_with_uneven_masks(runs):
     assert_close(losses(runs["tmp"], "cp2_dp2_per_token"), [r["lm_loss"] for r in ref], rel=1e-5)
 
 
-def test_save_at_cp2_dp2_resume_at_cp1(runs):
+def test_save_at_cp2_dp2_resume_at_cp1_and_cp4(runs):
     straight = losses(runs["tmp"], "cp1")
-    assert [r["iteration"] for r in records(runs["tmp"], "resume_at_cp1")] == list(range(6, 11))
-    assert_close(losses(runs["tmp"], "resume_at_cp1"), straight[5:], rel=1e-5)
+    for name in ("resume_at_cp1", "resume_at_cp4"):
+        assert [r["iteration"] for r in records(runs["tmp"], name)] == list(range(6, 11))
+        assert_close(losses(runs["tmp"], name), straight[5:], rel=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -118,3 +123,13 @@ def test_refused_combinations(extra, message):
     argv = TINY + ["--train-iters", "1", *CP2] + extra
     with pytest.raises(ConfigError, match=message):
         parse_config(argv, world_size=2)
+
+
+def test_generation_refuses_context_parallelism(tmp_path, capsys):
+    import runpy
+    from pathlib import Path
+
+    tool = runpy.run_path(str(Path(__file__).resolve().parents[1] / "tools" / "generate.py"))
+    argv = ["--load", str(tmp_path), "--prompt", "1 2", "--max-new-tokens", "2", "--context-parallel-size", "2"]
+    assert tool["main"](argv) == 2
+    assert "--context-parallel-size 2: generation does not support context parallelism" in capsys.readouterr().err

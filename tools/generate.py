@@ -72,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="Pipeline stages (launch TP x PP processes with torchrun).",
     )
+    p.add_argument(
+        "--context-parallel-size",
+        type=int,
+        default=1,
+        help="Only 1: generation does not split sequences over ranks (a checkpoint trained at any "
+        "--context-parallel-size loads; checkpoints do not depend on it).",
+    )
     p.add_argument("--distributed-timeout-minutes", type=int, default=10, help="Timeout of every collective.")
     p.add_argument("--no-stop-at-eod", action="store_true", help="Do not stop at the EOD token.")
     p.add_argument("--no-kv-cache", action="store_true", help="Re-run the whole sequence each step (slow; debugging).")
@@ -115,6 +122,11 @@ def setup_layout(args):
     from megalm.device import initialize_distributed
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if args.context_parallel_size != 1:
+        raise ValueError(
+            f"--context-parallel-size {args.context_parallel_size}: generation does not support context "
+            f"parallelism; use 1 (the checkpoint loads whatever CP size trained it)"
+        )
     if tp < 1 or pp < 1:
         raise ValueError(
             f"--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1, got {tp} and {pp}"

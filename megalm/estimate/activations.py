@@ -34,6 +34,13 @@ keeps only each recomputed chunk's input ``B S_r h`` and rebuilds one chunk duri
 MoE layers are estimated (not measured): router scores and the top-k copies of the tokens
 through the experts.
 
+Context parallelism (``CP > 1``): every count above is per rank, with ``S = s b / CP`` and
+``s / CP`` positions; the attention core keeps, by ``--cp-comm-type`` (:func:`context_parallel_attention_bytes`):
+p2p the ring's q, contiguous k/v copies ``2 B S g d / TP``, output, log-sum-exps ``B b n s / CP / TP``
+and the context copy; a2a SDPA's all-to-all'd q/k/v (the QKV output's size), output, fp32
+log-sum-exps and the context copy; allgather the gathered k/v ``2 B s b g d / TP``, output,
+log-sum-exps, masks and the context copy.  Measured on 2 ranks within 2% (tests/test_estimate.py).
+
 In flight (Megatron's schedules): no pipelining 1 microbatch; 1F1B stage ``r`` of ``p`` holds
 ``min(p - r, m)``; interleaved with ``v`` chunks ``min(2 (p - r - 1) + (v - 1) p + 1, m v)``
 chunk-microbatches, i.e. ``L/p (1 + (p-1)/(p v))`` layers' worth on the first stage.
@@ -63,10 +70,17 @@ class Shape:
     sequence_parallel: bool
     dtype_bytes: int
     device: str = "cuda"  # "cuda" or "cpu": which kernels' saved tensors to count
+    cp: int = 1  # context-parallel size: each rank holds seq / cp positions
+    cp_comm_type: str = "p2p"
+
+    @property
+    def local_seq(self) -> int:
+        """Positions of the sequence this rank holds (all of them without context parallelism)."""
+        return self.seq // self.cp
 
     @property
     def tokens(self) -> int:
-        return self.seq * self.micro_batch
+        return self.local_seq * self.micro_batch
 
     @property
     def local_tokens(self) -> int:
@@ -94,10 +108,12 @@ def layer_bytes(m, sh: Shape, is_moe: bool = False) -> Dict[str, int]:
     }
     if m.position_embedding_type == "rope":
         rot = int(d * m.rotary_percent)
-        out["rope"] = B * S * (n + g) * d // tp + (4 * sh.seq * rot * B if B < 4 else 0)
+        out["rope"] = B * S * (n + g) * d // tp + (4 * sh.local_seq * rot * B if B < 4 else 0)
     context = B * S * n * d // tp
     if m.recompute_granularity == "selective":
         out["attention"] = context
+    elif sh.cp > 1:
+        out.update(context_parallel_attention_bytes(m, sh, out))
     elif uses_blocked_attention(m, sh.dtype_bytes < 4, sh.device == "cuda"):
         out["attention"] = context + blocked_probability_bytes(m, sh)
         if g != n:  # k and v are kept expanded to n heads instead of the projections' own
@@ -114,6 +130,36 @@ def layer_bytes(m, sh: Shape, is_moe: bool = False) -> Dict[str, int]:
         out["mlp"] = B * S * m.ffn_hidden_size // tp * (4 if m.swiglu else 2)
     if m.hidden_dropout > 0:
         out["dropout_masks"] = 2 * sh.local_tokens * h * mask_bytes(sh)
+    return out
+
+
+def context_parallel_attention_bytes(m, sh: Shape, parts: Dict[str, int]) -> Dict[str, int]:
+    """The attention core's saved bytes under context parallelism (``S`` this rank's ``s b / CP``
+    tokens; ``parts`` the layer's other parts so far, whose "qkv" / "rope" entries it may replace)."""
+    B, S, tp, b = sh.dtype_bytes, sh.tokens, sh.tp, sh.micro_batch
+    n, d = m.num_attention_heads // tp, m.head_dim
+    g = (m.num_query_groups if m.group_query_attention else m.num_attention_heads) // tp
+    context = B * S * n * d
+    out = {}
+    if sh.cp_comm_type in ("p2p", "allgather") and "rope" in parts:
+        # q is the rotated copy, k and v are copied or gathered: neither the QKV output nor the rotated k is kept.
+        out["qkv"], out["rope"] = 0, parts["rope"] - B * S * g * d
+    if sh.cp_comm_type == "p2p":
+        # The ring keeps q, contiguous k and v copies, its output and log-sum-exps; then the [s, b, n d]
+        # context copy.
+        out["attention"] = 2 * context + 2 * B * S * g * d + B * b * n * sh.local_seq
+    elif sh.cp_comm_type == "a2a":
+        # SDPA keeps the all-to-all'd q, k, v (the QKV output's size), its output and fp32
+        # log-sum-exps; the rotated q and k are not kept.
+        out["attention"] = 2 * context + 4 * b * n * sh.local_seq
+        if "rope" in parts:
+            out["rope"] = parts["rope"] - B * S * (m.num_attention_heads + g * tp) * d // tp
+    else:
+        # Gathered k and v of the whole sequence, each query chunk's output, log-sum-exps and causal
+        # mask (bool, ``c x (j + 1) c`` for chunk j: ``c^2 (2 CP + 1)`` for the rank's pair).
+        c = sh.local_seq // 2
+        mask = c * c * (2 * sh.cp + 1)
+        out["attention"] = 2 * context + 2 * B * S * sh.cp * g * d + 4 * b * n * sh.local_seq + mask
     return out
 
 
@@ -143,9 +189,9 @@ def embedding_bytes(m, sh: Shape) -> int:
     """First stage: token ids (and masks of the vocabulary-parallel lookup), embedding dropout mask."""
     ids = 8 * sh.tokens + (sh.tokens if sh.tp > 1 else 0)
     if m.position_embedding_type == "learned_absolute":
-        ids += 8 * sh.seq
+        ids += 8 * sh.local_seq
     elif m.position_embedding_type == "rope" and sh.dtype_bytes == 4:
-        ids += 2 * 4 * sh.seq * int(m.head_dim * m.rotary_percent)  # fp32 cos/sin tables, shared by layers
+        ids += 2 * 4 * sh.local_seq * int(m.head_dim * m.rotary_percent)  # fp32 cos/sin tables, shared by layers
     return ids + (sh.local_tokens * m.hidden_size * mask_bytes(sh) if m.hidden_dropout > 0 else 0)
 
 

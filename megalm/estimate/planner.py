@@ -146,13 +146,17 @@ def plan(cfg, options: PlannerOptions) -> dict:
         p.sequence_parallel,
         4 if precision == "fp32" else 2,
         "cpu" if options.device == "cpu" else "cuda",
+        cp=p.context_parallel_size,
+        cp_comm_type=p.cp_comm_type,
     )
     stages = []
     for st in all_stages(cfg):
         weights = st.total * per_param["weights"]
         grads = st.total * per_param["grads"]
         optim_plain = st.total * per_param["optimizer"]
-        optim_dist = st.dense * per_param["optimizer"] / dp + st.expert * per_param["optimizer"] / edp
+        # The distributed optimizer shards dense state over data x context parallel ranks.
+        dense_shards = dp * p.context_parallel_size
+        optim_dist = st.dense * per_param["optimizer"] / dense_shards + st.expert * per_param["optimizer"] / edp
         act = stage_activation_bytes(cfg, st.pp_rank, shape, num_micro)
         rest = act["activations"] + act["transient"] + options.reserve_gb * GB
         by_strategy = {
