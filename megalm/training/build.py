@@ -45,7 +45,8 @@ def build_model_chunks(cfg: MegalmConfig, model_provider: Callable) -> List[torc
 def wrap_data_parallel(cfg: MegalmConfig, chunks: Sequence[torch.nn.Module]) -> List[torch.nn.Module]:
     from megalm.distributed.data_parallel import DistributedDataParallel
 
-    check = cfg.training.check_for_nan_in_loss_and_grad
+    # fp16 finds non-finite gradients through its loss scaler; the per-bucket check serves the NaN stop
+    check = cfg.training.check_for_nan_in_loss_and_grad and not cfg.training.fp16
     return [DistributedDataParallel(chunk, cfg.parallel, check_for_nan_in_grad=check) for chunk in chunks]
 
 
