@@ -2,13 +2,15 @@
 """Flat vs hierarchical data-parallel reduction on the simulated cluster (DP 4 = 2 nodes x 2 ranks).
 
 Each configuration is one real training run through ``tools/cluster/run.py`` (network namespaces,
-inter-node links shaped with ``tc``; needs root or CAP_NET_ADMIN): ``pretrain_gpt.py`` on mock data,
-a ~1.8M-parameter GPT (hidden 128, 4 layers, vocab 8192), ``--log-interval 1`` into a metrics file.
+inter-node links shaped with ``tc``; needs root or CAP_NET_ADMIN), run by :mod:`cluster_training`:
+``pretrain_gpt.py`` on mock data, a ~1.9M-parameter GPT (hidden 128, 4 layers, vocab 8192), global batch 8,
+``--log-interval 1`` into a metrics file.
 Reported per configuration: the median step time over the iterations after the first, and the
 inter-node bytes per step of the busiest node (``inter_node_bytes`` of the metrics file, the ring
 model of :mod:`megalm.distributed.comm`), with the analytic expectation for B bytes of fp32
 gradients: flat all-reduce 2 (K-1)/K B = 1.5 B per node, hierarchical 2 (n-1)/n B = 1.0 B; with the
-distributed optimizer (reduce-scatter + parameter all-gather) 1.5 B vs 1.0 B as well.
+distributed optimizer (reduce-scatter + parameter all-gather) 1.5 B vs 1.0 B as well (counted; gloo's
+reduce-scatter sends twice the ring's bytes, so its wire bytes are 1.5x that: ``bench/collective_wire_bytes.py``).
 
     python3 bench/hierarchical_reduce.py [--bandwidth 100mbit] [--iters 6] [--distributed-optimizer]
 
@@ -27,77 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
-MODEL = [
-    "--num-layers",
-    "4",
-    "--hidden-size",
-    "128",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "64",
-    "--max-position-embeddings",
-    "64",
-    "--mock-data",
-    "--vocab-size",
-    "8192",
-    "--num-workers",
-    "0",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "8",
-    "--lr",
-    "1e-3",
-    "--eval-iters",
-    "0",
-    "--log-interval",
-    "1",
-    "--ddp-bucket-size",
-    "500000",
-    "--overlap-grad-reduce",
-]
-
-
-def run(name: str, extra, args, tmp: str) -> dict:
-    metrics = os.path.join(tmp, f"{name}.jsonl")
-    cmd = [
-        sys.executable,
-        os.path.join(ROOT, "tools", "cluster", "run.py"),
-        "--nodes",
-        "2",
-        "--procs-per-node",
-        "2",
-        "--name",
-        args.name,
-        "--timeout",
-        str(args.timeout),
-    ]
-    if args.bandwidth != "unshaped":
-        cmd += ["--inter-node-bandwidth", args.bandwidth]
-    cmd += (
-        ["--", os.path.join(ROOT, "pretrain_gpt.py")]
-        + MODEL
-        + ["--train-iters", str(args.iters), "--metrics-file", metrics]
-        + extra
-    )
-    done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{name}: the cluster run exited {done.returncode}:\n{done.stdout[-3000:]}")
-    records = [json.loads(line) for line in open(metrics) if '"lm_loss"' in line]
-    later = records[1:] or records
-    return {
-        "name": name,
-        "step_ms": statistics.median(r["elapsed_ms"] for r in later),
-        "inter_node_MB_per_step": statistics.median(r["inter_node_bytes"] for r in later) / 1e6,
-        "final_loss": records[-1]["lm_loss"],
-    }
+sys.path.insert(0, os.path.abspath(os.path.dirname(__file__)))
+from cluster_training import cluster_training  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -114,7 +50,19 @@ def main(argv=None) -> int:
         configs += [(f"{n} + distributed optimizer", e + ["--use-distributed-optimizer"]) for n, e in configs]
     with tempfile.TemporaryDirectory(prefix="megalm-hier-bench-") as tmp:
         os.chmod(tmp, 0o777)
-        results = [run(name.replace(" ", "_"), extra, args, tmp) | {"name": name} for name, extra in configs]
+        results = [
+            cluster_training(
+                name.replace(" ", "_"),
+                extra,
+                tmp,
+                bandwidth=args.bandwidth,
+                iters=args.iters,
+                cluster_name=args.name,
+                timeout=args.timeout,
+            )
+            | {"name": name}
+            for name, extra in configs
+        ]
     print(f"2 nodes x 2 ranks, DP 4, inter-node link {args.bandwidth}")
     print(f"{'configuration':40s} {'step (ms)':>10s} {'inter-node MB/step/node':>24s} {'final loss':>11s}")
     for r in results:
