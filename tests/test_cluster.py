@@ -534,7 +534,7 @@ import torch, torch.distributed as dist
 
 timeout = float(os.environ["CUT_TEST_TIMEOUT"])
 dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
-until = float(os.environ["CUT_TEST_UNTIL"])
+loop_for = float(os.environ["CUT_TEST_LOOP_FOR"])
 t, flag = torch.ones(1 << 16), torch.zeros(1)
 slowest, steps = 0.0, 0
 try:
@@ -542,6 +542,10 @@ try:
         start = time.monotonic()
         dist.all_reduce(t)
         slowest, steps = max(slowest, time.monotonic() - start), steps + 1
+        if steps == 1:  # every rank is up: the loop's and the launcher's cut clocks start
+            until = time.time() + loop_for
+            if dist.get_rank() == 0:
+                open(os.environ["CUT_TEST_READY"], "w").close()
         flag.fill_(float(time.time() > until))
         dist.broadcast(flag, 0)  # rank 0's clock decides for everyone
         if flag.item():
@@ -566,11 +570,12 @@ os._exit(0)
 
 
 def cut_run(tmp_path, collective_timeout, cut_for, loop_for):
-    """2 nodes x 2 ranks all-reducing in a loop for ``loop_for`` s; node 1's link cut 12 s after
-    the start (after start-up) for ``cut_for`` s; collectives time out after ``collective_timeout`` s."""
-    script = tmp_path / "loop.py"
+    """2 nodes x 2 ranks all-reducing in a loop for ``loop_for`` s after their first all-reduce; node 1's
+    link cut 3 s after that first all-reduce for ``cut_for`` s; collectives time out after
+    ``collective_timeout`` s."""
+    script, ready = tmp_path / "loop.py", tmp_path / "ready"
     script.write_text(CUT_LOOP)
-    env = dict(ENV, CUT_TEST_TIMEOUT=str(collective_timeout), CUT_TEST_UNTIL=str(time.time() + loop_for))
+    env = dict(ENV, CUT_TEST_TIMEOUT=str(collective_timeout), CUT_TEST_LOOP_FOR=str(loop_for), CUT_TEST_READY=str(ready))
     proc = subprocess.run(
         launcher(
             "--nodes",
@@ -580,7 +585,9 @@ def cut_run(tmp_path, collective_timeout, cut_for, loop_for):
             "--cut-node",
             "1",
             "--cut-after",
-            "12",
+            "3",
+            "--cut-after-file",
+            str(ready),
             "--cut-for",
             str(cut_for),
             "--timeout",
@@ -604,7 +611,7 @@ def cut_run(tmp_path, collective_timeout, cut_for, loop_for):
 def test_short_cut_is_survived(tmp_path):
     """A 3 s cut with a 20 s collective timeout: TCP retransmits, the collective in flight stalls
     (at least the cut) and the run goes on."""
-    code, out, err = cut_run(tmp_path, collective_timeout=20, cut_for=3, loop_for=22)
+    code, out, err = cut_run(tmp_path, collective_timeout=20, cut_for=3, loop_for=14)
     assert code == 0, out[-3000:] + err
     assert "cut node 1's link for 3.0 s" in err and "restored node 1's link" in err
     slowest = [float(x) for x in re.findall(r"rank \d+ steps \d+ slowest ([\d.]+)", out)]

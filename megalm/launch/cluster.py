@@ -55,8 +55,9 @@ class ClusterOptions:
     kill_grace: float = 10.0  # seconds between SIGTERM and SIGKILL
     raw: bool = False  # run the command itself instead of torchrun <command>
     cut_node: Optional[int] = None  # node whose link is cut (a network failure) ...
-    cut_after: float = 0.0  # ... this many seconds after the start ...
+    cut_after: float = 0.0  # ... this many seconds after the start (or after cut_after_file appears) ...
     cut_for: float = 0.0  # ... for this many seconds
+    cut_after_file: Optional[str] = None  # the cut's clock starts when the workload creates this file
     command: List[str] = field(default_factory=list)
 
     def net(self) -> ClusterNet:
@@ -131,6 +132,7 @@ class _Nodes:
         self.stopped = set()  # nodes the launcher stopped (their exit codes do not count)
         self.stop_time: Optional[float] = None
         self.cut_state = "before"  # "cut", "restored"
+        self.cut_origin: Optional[float] = None  # elapsed seconds from which cut_after counts
         self._write_lock = threading.Lock()
 
     def start(self) -> None:
@@ -194,15 +196,22 @@ class _Nodes:
         return worst if worst or not timed_out else TIMEOUT_EXIT_CODE
 
     def _cut_or_restore(self, elapsed: float) -> None:
-        """Apply ``cut_node`` / ``cut_after`` / ``cut_for`` at their time."""
+        """Apply ``cut_node`` / ``cut_after`` / ``cut_for`` at their time, counted from the start or from
+        the moment ``cut_after_file`` exists (a workload that writes it once it runs is cut at a known point
+        of its work, however long its start-up took)."""
         o = self.opts
         if o.cut_node is None:
             return
-        if self.cut_state == "before" and elapsed >= o.cut_after:
+        if self.cut_origin is None:
+            if o.cut_after_file is not None and not os.path.exists(o.cut_after_file):
+                return
+            self.cut_origin = elapsed
+        since = elapsed - self.cut_origin
+        if self.cut_state == "before" and since >= o.cut_after:
             self.net.cut(o.cut_node)
             self.cut_state = "cut"
             logger.warning("cut node %d's link for %.1f s", o.cut_node, o.cut_for)
-        elif self.cut_state == "cut" and elapsed >= o.cut_after + o.cut_for:
+        elif self.cut_state == "cut" and since >= o.cut_after + o.cut_for:
             self.net.restore(o.cut_node)
             self.cut_state = "restored"
             logger.warning("restored node %d's link", o.cut_node)

@@ -82,6 +82,11 @@ def parse(argv):
         help="simulate a network failure: node whose link is cut (frames dropped silently)",
     )
     p.add_argument("--cut-after", type=float, default=d.cut_after, help="seconds after the start of the cut")
+    p.add_argument(
+        "--cut-after-file",
+        default=d.cut_after_file,
+        help="count --cut-after from the moment this file exists (the workload creates it once running)",
+    )
     p.add_argument("--cut-for", type=float, default=d.cut_for, help="seconds the cut lasts")
     p.add_argument("--raw", action="store_true", help="run COMMAND itself on every node, not torchrun COMMAND")
     p.add_argument("command", nargs=argparse.REMAINDER, help="after --: the script and its flags")
