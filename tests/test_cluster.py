@@ -575,7 +575,9 @@ def cut_run(tmp_path, collective_timeout, cut_for, loop_for):
     ``collective_timeout`` s."""
     script, ready = tmp_path / "loop.py", tmp_path / "ready"
     script.write_text(CUT_LOOP)
-    env = dict(ENV, CUT_TEST_TIMEOUT=str(collective_timeout), CUT_TEST_LOOP_FOR=str(loop_for), CUT_TEST_READY=str(ready))
+    env = dict(
+        ENV, CUT_TEST_TIMEOUT=str(collective_timeout), CUT_TEST_LOOP_FOR=str(loop_for), CUT_TEST_READY=str(ready)
+    )
     proc = subprocess.run(
         launcher(
             "--nodes",
