@@ -30,7 +30,7 @@ import time
 
 import pytest
 
-from megalm.launch.cluster import ClusterOptions, exit_code, node_command
+from megalm.launch.cluster import ClusterOptions, exit_code, node_command, node_env
 from megalm.launch.netns import (
     ClusterError,
     ClusterNet,
@@ -129,6 +129,16 @@ def test_node_command_is_torchrun_c10d():
     }
     assert argv[-2:] == ["pretrain_gpt.py", "--mock-data"]
     assert exit_code(-2) == 130 and exit_code(3) == 3
+
+
+def test_node_env_shares_the_cores_among_every_simulated_rank(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    opts = ClusterOptions(nodes=4, procs_per_node=1, name="mlc")
+    env = node_env(opts, opts.net(), 3)
+    assert env["OMP_NUM_THREADS"] == "4" and env["NODE_RANK"] == "3" and env["MASTER_ADDR"] == "10.213.7.10"
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice stands
+    assert node_env(opts, opts.net(), 0)["OMP_NUM_THREADS"] == "2"
 
 
 def test_without_privileges_says_so_in_one_line():

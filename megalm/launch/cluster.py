@@ -82,6 +82,10 @@ def node_env(opts: ClusterOptions, net: ClusterNet, node: int) -> Dict[str, str]
             "CLUSTER_NODE_ADDRS": " ".join(net.address(i) for i in range(opts.nodes)),
         }
     )
+    # Every simulated node shares this machine's cores: torchrun leaves OMP_NUM_THREADS unset with one
+    # process per node, and each rank would then take all of them (measured: bench/cluster_scaling.py).
+    ranks = opts.nodes * opts.procs_per_node
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
     return env
 
 
