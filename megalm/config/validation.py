@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from typing import List, Optional, Tuple
 
 from megalm.config.megatron_compat import NO_EFFECT, given_no_effect_flags, refusal
@@ -20,6 +19,8 @@ from megalm.config.sections import (
     ParallelConfig,
     TrainingConfig,
 )
+from megalm.data.indexed_dataset import DataError
+from megalm.data.split import parse_split
 from megalm.device import get_backend, use_cuda
 from megalm.log import get_logger
 from megalm.tokenizers.build import missing_tokenizer_flags
@@ -801,16 +802,10 @@ def _validate_data(d: DataConfig, m: ModelConfig, p: ParallelConfig) -> None:
     _check(not (d.mock_data and any(sources)), "--mock-data cannot be combined with data paths")
     _check(not (d.data_path and any(sources[1:])), "give either --data-path or --train/valid/test-data-path, not both")
     if d.split:
-        # As Megatron's parser: the numbers in the string, so "'99,1,0'" (quotes kept by a shell script) works.
-        parts = [x for x in re.split(r"[,/]", d.split.strip("'\" ")) if x.strip()]
         try:
-            vals = [float(x) for x in parts]
-        except ValueError:
-            raise ConfigError(f"--split {d.split!r} must be comma-separated numbers, e.g. 969,30,1") from None
-        _check(
-            len(vals) <= 3 and all(v >= 0 for v in vals) and sum(vals) > 0,
-            f"--split {d.split!r} needs up to three non-negative proportions with a positive sum",
-        )
+            parse_split(d.split)
+        except DataError as e:
+            raise ConfigError(str(e)) from None
     _check(d.mid_level_dataset_surplus >= 0, "--mid-level-dataset-surplus must be >= 0")
     if d.tokenizer_type is not None:
         missing = missing_tokenizer_flags(

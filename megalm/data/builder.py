@@ -23,7 +23,6 @@ the default group, no other communication.
 from __future__ import annotations
 
 import math
-import re
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -33,6 +32,7 @@ from megalm.data.blended_dataset import BlendedDataset, normalize_weights
 from megalm.data.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megalm.data.indexed_dataset import DataError, IndexedDataset
 from megalm.data.mock_dataset import MockIndexedDataset
+from megalm.data.split import parse_split, split_document_ranges  # noqa: F401 (parse_split: re-exported)
 from megalm.data.token_ids import check_token_ids
 
 SPLITS = ("train", "valid", "test")
@@ -70,24 +70,6 @@ def parse_blend(paths: Optional[Sequence[str]]) -> Tuple[List[str], Optional[Lis
     if any(w <= 0 for w in weights):
         raise DataError(f"data path {' '.join(items)!r}: weights must be positive (drop zero-weight prefixes)")
     return list(items[1::2]), [float(x) for x in normalize_weights(weights)]
-
-
-def parse_split(split: str) -> List[float]:
-    """``"969,30,1"`` -> normalized ``[train, valid, test]`` fractions (missing ones are 0)."""
-    values = [float(x) for x in re.findall(r"[.0-9]+", split or "")]
-    if not values or len(values) > 3 or any(v < 0 for v in values) or sum(values) <= 0:
-        raise DataError(f"--split {split!r} needs up to three non-negative proportions with a positive sum")
-    values += [0.0] * (3 - len(values))
-    total = sum(values)
-    return [v / total for v in values]
-
-
-def split_document_ranges(num_documents: int, split: Sequence[float]) -> List[Tuple[int, int]]:
-    """Document ``[begin, end)`` of each split: ``round(cumulative fraction x documents)``."""
-    bounds = np.concatenate(([0.0], np.cumsum(split)))
-    edges = [int(round(b * num_documents)) for b in bounds]
-    edges[-1] = num_documents
-    return [(edges[i], edges[i + 1]) for i in range(3)]
 
 
 def get_train_valid_test_num_samples(cfg) -> Tuple[int, int, int]:
