@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import random
 import socket
 import time
 import traceback
@@ -33,10 +34,23 @@ class DistributedTestError(MegalmError, RuntimeError):
     pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port() -> int:
+    """A port for a test's rendezvous: random in 20000-32767, below Linux's ephemeral range, so that the
+    kernel does not hand it to another process's outgoing connection in the moment between this check and
+    rank 0 binding it, and two test runs side by side rarely pick the same one."""
+    rng = random.Random()  # seeded by the OS: independent of torch/numpy seeds the tests set
+    for _ in range(100):
+        port = rng.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise DistributedTestError("no free port in 20000-32767 for the test rendezvous")
+
+
+_free_port = free_port  # the name older tests import
 
 
 def _worker(
@@ -101,7 +115,7 @@ def run_distributed(
     """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks; return the results by rank."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     collective_timeout = max(30.0, timeout - 10)
     procs = [
         ctx.Process(

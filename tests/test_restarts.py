@@ -199,8 +199,9 @@ def test_restart_store_is_prefixed_by_the_attempt(monkeypatch):
     import torch.distributed as dist
 
     from megalm.device import restart_store
+    from megalm.testing import free_port
 
-    port = _free_port()
+    port = free_port()
     server = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=10))
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
@@ -217,14 +218,6 @@ def test_restart_store_is_prefixed_by_the_attempt(monkeypatch):
     assert stores[0].get("addr") == b"attempt0" and stores[1].get("addr") == b"attempt1"
     assert server.check(["megalm/restart0/addr", "megalm/restart1/addr"]) and not server.check(["addr"])
     assert server.get("megalm/restart1/addr") == b"attempt1"
-
-
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- (b) SIGTERM to torchrun with DataLoader workers -------------------------------------

@@ -55,9 +55,9 @@ def _fresh_world():
     import torch
     import torch.distributed as dist
 
-    from megalm.testing import _free_port
+    from megalm.testing import free_port
 
-    port = torch.tensor([_free_port() if dist.get_rank() == 0 else 0])
+    port = torch.tensor([free_port() if dist.get_rank() == 0 else 0])
     dist.broadcast(port, 0)
     dist.destroy_process_group()
     os.environ["MASTER_PORT"] = str(int(port))
