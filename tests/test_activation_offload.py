@@ -2,8 +2,9 @@
 host memory after their forward and come back, prefetched one layer ahead, before their backward
 (CPU -> CPU copies here, the code path of a GPU; megalm/transformer/activation_offload.py).
 
-* a 3-layer GPT (GPT: LayerNorm, GELU, dropout; Llama: RMSNorm, SwiGLU, RoPE, GQA), fp32 and bf16,
-  2 layers offloaded: loss and every gradient bit-identical to no offloading;
+* a 3-layer GPT (GPT: LayerNorm, GELU, dropout, fp32; Llama: RMSNorm, SwiGLU, RoPE, GQA, bf16; Llama
+  with 4 experts top-2 in every layer, fp32, EP 1), 2 layers offloaded: loss and every gradient
+  bit-identical to no offloading;
 * bytes moved each way = the distinct storages those layers save, measured on the plain model
   layer by layer (parameters excluded), and (GPT fp32) exactly the planner's per-layer formula
   (megalm/estimate/activations.py);
@@ -27,7 +28,8 @@ from megalm.tensor_parallel import model_parallel_manual_seed
 from tests.test_estimate import LLAMA, make_cfg
 
 GPT = dict(hidden_dropout=0.1, attention_dropout=0.1)
-CASES = {"gpt-fp32": (GPT, torch.float32), "llama-bf16": (LLAMA, torch.bfloat16)}
+MOE = dict(num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2, **LLAMA)
+CASES = {"gpt-fp32": (GPT, torch.float32), "llama-bf16": (LLAMA, torch.bfloat16), "moe-fp32": (MOE, torch.float32)}
 
 
 def _model(model_kw, dtype, offload_layers=0):
@@ -141,6 +143,7 @@ def test_microbatches_in_flight_keep_their_own_copies_and_eval_moves_nothing():
         ),
         (dict(pipeline_model_parallel_size=3), "--cpu-offloading with --pipeline-model-parallel-size > 1"),
         (dict(context_parallel_size=2), "--cpu-offloading with --context-parallel-size > 1"),
+        (dict(num_experts=4, expert_model_parallel_size=2), "--cpu-offloading with --expert-model-parallel-size > 1"),
         (
             dict(data_parallel_sharding_strategy="optim_grads_params"),
             "--cpu-offloading with --data-parallel-sharding-strategy optim_grads_params",

@@ -198,7 +198,11 @@ def _validate_offloading(m: ModelConfig, p: ParallelConfig, t: TrainingConfig) -
         ("--recompute-granularity", m.recompute_granularity is not None, "recomputed layers keep no activations"),
         ("--pipeline-model-parallel-size > 1", p.pipeline_model_parallel_size > 1, "not tested with pipelining"),
         ("--context-parallel-size > 1", p.context_parallel_size > 1, "not tested with context parallelism"),
-        ("--num-experts", m.num_experts is not None, "not tested with MoE layers"),
+        (
+            "--expert-model-parallel-size > 1",
+            p.expert_model_parallel_size > 1,
+            "not tested with expert parallelism (MoE layers at EP 1 are)",
+        ),
         (
             "--transformer-impl transformer_engine",
             m.transformer_impl == "transformer_engine",
