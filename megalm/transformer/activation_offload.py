@@ -52,6 +52,8 @@ class OffloadGroup:
         """Saved-tensor hook: a handle for a tensor to offload, the tensor itself otherwise."""
         if type(t) is not torch.Tensor or t.layout != torch.strided or t.device != self.device:
             return t
+        if t.is_conj() or t.is_neg() or t.is_quantized:  # bits a rebuilt view would not carry
+            return t
         storage = t.untyped_storage()
         key = storage.data_ptr()
         if key in self.param_storages or storage.nbytes() == 0:
