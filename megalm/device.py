@@ -103,8 +103,7 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def host_tensor_like(t: torch.Tensor) -> torch.Tensor:
-    """An uninitialized host (CPU) tensor of ``t``'s shape and dtype, pinned when the device is CUDA
-    (so copies to and from it can be asynchronous).  On a CPU-only machine it is a separate CPU
-    tensor: copies into and out of it are real copies, as on a GPU."""
-    return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=use_cuda())
+def side_stream():
+    """A new CUDA stream on the current device (for copies that overlap compute), or None on a
+    CPU-only machine, where copies are synchronous (:class:`megalm.host_transfer.HostTransfer`)."""
+    return torch.cuda.Stream() if use_cuda() else None

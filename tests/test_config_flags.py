@@ -25,6 +25,7 @@ CONSUMED_BY_VALIDATION = {
     "expert_tensor_parallel_size": "only 1 (megalm's layout) is accepted",
     "non_persistent_ckpt_type": "only global (the default) is built",
     "recompute_modules": "core_attn is megalm's selective recompute; the rest refused",
+    "cpu_offloading_weights": "refused: weight offloading is not built (--cpu-offloading moves activations)",
     "grad_reduce_in_bf16": "turns --accumulate-allreduce-grads-in-fp32 off (bf16 gradient buffers)",
     "lr_warmup_iters": "lr_schedule_samples",
     "lr_warmup_fraction": "lr_schedule_samples",

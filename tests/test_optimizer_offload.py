@@ -7,6 +7,9 @@ parameters runs on host copies (CPU -> CPU copies here, the code path of a GPU).
 * which tensors go to the host (whole tensors while fewer than fraction x total elements went) and
   the measured bytes: device optimizer state 8 B per element kept, host 16 B per element offloaded
   (copy, gradient buffer, two moments); the host copies are separate storage;
+* --overlap-cpu-optimizer-d2h-h2d (several buckets, pipelined): bit-identical to the same; its copies
+  are issued in pipeline order (bucket k+1's gradients before bucket k's weights) and both paths move
+  4 B per offloaded element each way per step (counted on the copies);
 * a checkpoint round trip (sharded state dict) into a fresh offloaded optimizer refreshes its host
   copies, so the next step equals the uninterrupted one.
 Training runs with offload (DP 2, ZeRO-2: parity and resume) are in tests/test_sharding_strategy_training.py.
@@ -24,11 +27,12 @@ from tests.test_ddp import make_cfg
 from tests.test_distrib_optimizer import _mlp
 
 
-def _build(dtype, strategy, fraction):
+def _build(dtype, strategy, fraction, overlap=False):
     model = _mlp(dtype)
     cfg = make_cfg()
     cfg.training.optimizer_cpu_offload = fraction is not None
     cfg.training.optimizer_offload_fraction = fraction or 1.0
+    cfg.training.overlap_cpu_optimizer_d2h_h2d = overlap
     chunk = model
     if strategy is not None:
         cfg.parallel.data_parallel_sharding_strategy = strategy
@@ -54,23 +58,35 @@ def _steps(model, chunk, optimizer, steps, seed=0):
 
 
 @pytest.mark.parametrize(
-    "dtype, strategy, fraction",
+    "dtype, strategy, fraction, overlap",
     [
-        (torch.float32, None, 1.0),
-        (torch.bfloat16, None, 0.5),
-        (torch.float32, "optim", 0.5),
-        (torch.bfloat16, "optim_grads", 0.5),
-        (torch.float32, "optim_grads_params", 1.0),
-        (torch.bfloat16, "optim_grads_params", 0.5),
+        (torch.float32, None, 1.0, False),
+        (torch.bfloat16, None, 0.5, False),
+        (torch.float32, "optim", 0.5, False),
+        (torch.bfloat16, "optim_grads", 0.5, False),
+        (torch.float32, "optim_grads_params", 1.0, False),
+        (torch.bfloat16, "optim_grads_params", 0.5, False),
+        (torch.float32, None, 1.0, True),
+        (torch.bfloat16, "optim_grads", 0.5, True),
+        (torch.bfloat16, "optim_grads_params", 1.0, True),
     ],
 )
-def test_offloaded_update_is_bit_identical(dtype, strategy, fraction):
+def test_offloaded_update_is_bit_identical(dtype, strategy, fraction, overlap):
     ref = _steps(*_build(dtype, strategy, None), 3)
-    model, chunk, optimizer = _build(dtype, strategy, fraction)
+    model, chunk, optimizer = _build(dtype, strategy, fraction, overlap)
+    optimizer.offload.transfer.trace = []
     got = _steps(model, chunk, optimizer, 3)
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
     off = optimizer.offload
+    assert off.transfer.bytes_d2h == off.transfer.bytes_h2d == 3 * 4 * off.numel
+    if overlap:
+        assert len(off.buckets) >= 2
+        step = [(d, k) for d, k, _ in off.transfer.trace[: len(off.transfer.trace) // 3]]
+        expected = [("d2h", 0)]
+        for k in range(len(off.buckets)):
+            expected += [("d2h", k + 1)] * (k + 1 < len(off.buckets)) + [("h2d", k)]
+        assert [e for i, e in enumerate(step) if i == 0 or e != step[i - 1]] == expected
     for main, host in off.pairs:
         assert host.data_ptr() != main.data_ptr() and torch.equal(host.data, main.data)
         assert optimizer.optimizer.state[host]["exp_avg"].data_ptr() != 0

@@ -13,7 +13,11 @@ through pretrain_gpt.py on real ranks.
   --optimizer-cpu-offload at fraction 0.5, which the save did not use; ZeRO-3), iterations 6-10
   equal the uninterrupted ZeRO-2 run's bit for bit;
 * --optimizer-cpu-offload (ZeRO-2, fraction 0.5) gives the same losses and parameter norms bit for
-  bit (every strategy and precision: tests/test_optimizer_offload.py);
+  bit (every strategy and precision: tests/test_optimizer_offload.py), with and without
+  --overlap-cpu-optimizer-d2h-h2d;
+* --cpu-offloading (activations of the first layer to the host and back) gives the same losses, grad
+  norms, parameter norms and validation losses bit for bit at DP 2 and at TP 2 x DP 2 (sequence
+  parallel, ZeRO-2, overlapped reduction) (the layer-level checks: tests/test_activation_offload.py);
 * checkpoints load across strategies and DP sizes (saved at DP 2, loaded at DP 4): no_shard ->
   optim_grads, optim_grads -> optim_grads_params, optim_grads_params -> no_shard, each continuing the
   uninterrupted run within 1e-5 (optim's checkpoints are optim_grads': the same optimizer).
@@ -36,6 +40,8 @@ UNTIE = "--untie-embeddings-and-output-weights"
 EVAL = ["--eval-iters", "2", "--eval-interval", "3"]  # later flags win over TINY's --eval-iters 0
 OFFLOAD = ["--optimizer-cpu-offload"]
 OFFLOAD_HALF = [*OFFLOAD, "--optimizer-offload-fraction", "0.5"]
+OFFLOAD_OVERLAP = [*OFFLOAD_HALF, "--overlap-cpu-optimizer-d2h-h2d"]
+ACT_OFFLOAD = ["--cpu-offloading", "--cpu-offloading-num-layers", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +60,8 @@ def runs(tmp_path_factory):
         run("save_z2", *TEN, *ZERO2, *OVERLAP, *save_half, "--save", ck["z2"]),
         run("resume_z2_off", *TEN, *ZERO2, *OVERLAP, *OFFLOAD_HALF, "--load", ck["z2"]),
         run("z2_off", *SIX, *ZERO2, *OFFLOAD_HALF),
+        run("z2_off_overlap", *SIX, *ZERO2, *OFFLOAD_OVERLAP),
+        run("p2_act_off", *SIX, *EVAL, *ACT_OFFLOAD),
         run("bf_p2", *SIX, *BF16),
         run("bf_z2", *SIX, *BF16, *ZERO2, *OVERLAP),
         run("pt_p2", *SIX, "--calculate-per-token-loss"),
@@ -71,6 +79,7 @@ def runs(tmp_path_factory):
         run("p4", *SIX),
         run("z4_ov", *SIX, *ZERO2, *OVERLAP),
         run("tp_p", *SIX, *TP2),
+        run("tp_z_act_off", *SIX, *TP2, *ZERO2, *OVERLAP, *ACT_OFFLOAD),
         run("tp_z", *SIX, *TP2, *ZERO2, *OVERLAP),
         run("p2_at_d4_optim_grads", *TEN, *ZERO2, "--load", ck["p2"]),
         run("z4_3", *SIX, *ZERO3, *BUCKETS),
@@ -84,8 +93,8 @@ def runs(tmp_path_factory):
 
 def test_all_runs_exit_cleanly(runs):
     codes2, codes4 = runs["codes"]
-    assert codes2 == [[0] * 16] * 2, codes2
-    assert codes4 == [[0] * 9] * 4, codes4
+    assert codes2 == [[0] * 18] * 2, codes2
+    assert codes4 == [[0] * 10] * 4, codes4
 
 
 @pytest.mark.parametrize(
@@ -130,10 +139,22 @@ def test_resume_within_strategy_is_exact(runs, resumed):
     assert losses(runs["tmp"], resumed) == straight[5:]
 
 
-def test_optimizer_cpu_offload_changes_nothing(runs):
-    ref, got = records(runs["tmp"], "z2"), records(runs["tmp"], "z2_off")
+@pytest.mark.parametrize("offloaded", ["z2_off", "z2_off_overlap"])
+def test_optimizer_cpu_offload_changes_nothing(runs, offloaded):
+    ref, got = records(runs["tmp"], "z2"), records(runs["tmp"], offloaded)
     assert [r["lm_loss"] for r in got] == [r["lm_loss"] for r in ref]
     assert [r["params_norm"] for r in got] == [r["params_norm"] for r in ref]
+
+
+@pytest.mark.parametrize("plain, offloaded", [("p2", "p2_act_off"), ("tp_z", "tp_z_act_off")])
+def test_activation_offloading_changes_nothing(runs, plain, offloaded):
+    ref, got = records(runs["tmp"], plain), records(runs["tmp"], offloaded)
+    assert len(got) == 6
+    for key in ("lm_loss", "grad_norm", "params_norm"):
+        assert [r[key] for r in got] == [r[key] for r in ref], key
+    if plain == "p2":
+        validation = [r["loss"] for r in records(runs["tmp"], offloaded, "validation")]
+        assert validation == [r["loss"] for r in records(runs["tmp"], plain, "validation")] and len(validation) == 2
 
 
 @pytest.mark.parametrize("resumed", ["p2_at_d4_optim_grads", "z2_at_d4_optim_grads_params", "z3_at_d4_no_shard"])

@@ -109,6 +109,18 @@ class ModelConfig:
     recompute_num_layers: Optional[int] = _f(
         None, "Layers per recompute chunk (uniform) or recomputed layers per stage (block)."
     )
+    cpu_offloading: bool = _f(
+        False,
+        "Offload activations: the tensors the first --cpu-offloading-num-layers transformer layers save for "
+        "backward move to host memory after their forward and come back, prefetched one layer ahead, before "
+        "their backward (results unchanged).",
+    )
+    cpu_offloading_num_layers: int = _f(
+        0, "With --cpu-offloading: how many transformer layers, from the first, offload their activations."
+    )
+    cpu_offloading_weights: bool = _f(
+        False, "Megatron's weight offloading with --cpu-offloading: not built (refused); activations are offloaded."
+    )
     apply_query_key_layer_scaling: bool = _f(
         False, "Megatron-LM's fp16 guard; a no-op here (warns): attention scales by 1/sqrt(head dim)."
     )
@@ -479,6 +491,11 @@ class TrainingConfig:
     optimizer_offload_fraction: float = _f(
         1.0,
         "Fraction of the main parameters (by elements, whole tensors) updated on the CPU with --optimizer-cpu-offload.",
+    )
+    overlap_cpu_optimizer_d2h_h2d: bool = _f(
+        False,
+        "With --optimizer-cpu-offload: copy gradients to the host bucket by bucket, each bucket's copy overlapping "
+        "the CPU update of the previous one, and updated weights back as each bucket's update ends.",
     )
     clip_grad: float = _f(1.0, "Clip gradients to this global L2 norm (0 disables).")
     log_num_zeros_in_grad: bool = _f(False, "Count zero gradient entries and log them.")

@@ -176,6 +176,49 @@ def _validate_sharding_strategy(m: ModelConfig, p: ParallelConfig) -> None:
     )
 
 
+def _validate_offloading(m: ModelConfig, p: ParallelConfig, t: TrainingConfig) -> None:
+    """--cpu-offloading (activations) and --overlap-cpu-optimizer-d2h-h2d: what is built and tested."""
+    _check(
+        not t.overlap_cpu_optimizer_d2h_h2d or t.optimizer_cpu_offload,
+        "--overlap-cpu-optimizer-d2h-h2d needs --optimizer-cpu-offload",
+    )
+    _check(
+        not m.cpu_offloading_weights,
+        "--cpu-offloading-weights is not built: --cpu-offloading moves activations only (weights stay on the device)",
+    )
+    if not m.cpu_offloading:
+        _check(m.cpu_offloading_num_layers == 0, "--cpu-offloading-num-layers needs --cpu-offloading")
+        return
+    n = m.cpu_offloading_num_layers
+    _check(
+        1 <= n < m.num_layers,
+        f"--cpu-offloading-num-layers must be in [1, --num-layers - 1] = [1, {m.num_layers - 1}], got {n} "
+        "(as Megatron-LM: the last layer's backward comes first, its activations would come straight back)",
+    )
+    refused = (
+        ("--recompute-granularity", m.recompute_granularity is not None, "recomputed layers keep no activations"),
+        ("--pipeline-model-parallel-size > 1", p.pipeline_model_parallel_size > 1, "not tested with pipelining"),
+        ("--context-parallel-size > 1", p.context_parallel_size > 1, "not tested with context parallelism"),
+        (
+            "--expert-model-parallel-size > 1",
+            p.expert_model_parallel_size > 1,
+            "not tested with expert parallelism (MoE layers at EP 1 are)",
+        ),
+        (
+            "--transformer-impl transformer_engine",
+            m.transformer_impl == "transformer_engine",
+            "TE's layers keep fp8 and fused state megalm's hooks do not offload",
+        ),
+        (
+            "--data-parallel-sharding-strategy optim_grads_params",
+            p.data_parallel_sharding_strategy == "optim_grads_params",
+            "ZeRO-3 installs its own saved-tensor hooks around the forward",
+        ),
+    )
+    for flag, given, why in refused:
+        _check(not given, f"--cpu-offloading with {flag} is not supported: {why}")
+
+
 def _validate_data_parallel(p: ParallelConfig) -> None:
     """The data-parallel wrapper's flags (megalm.distributed.data_parallel reads them unchecked)."""
     if p.grad_reduce_in_bf16:
@@ -273,6 +316,7 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
     vpp = _validate_pipeline(m, p)
     _validate_parallel(m, p)
     _validate_moe(m, p)
+    _validate_offloading(m, p, t)
     _validate_precision(m, p, t)
     _validate_optimizer(p, t)
     _validate_step_schedule(m, t)

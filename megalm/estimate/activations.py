@@ -31,6 +31,9 @@ default) the gradients it computes in forward, ``B S h`` for the input and an fp
 for the weight (plus fp32 token weights and int64 targets); unfused, the cross entropy's fp32
 softmax ``4 S V_pad / TP``.  Full recompute
 keeps only each recomputed chunk's input ``B S_r h`` and rebuilds one chunk during backward.
+Activation offloading (``--cpu-offloading``) keeps the saved tensors of the chunk's first
+``--cpu-offloading-num-layers`` layers on the host: the device keeps the rest (backward holds at
+most two offloaded layers at once, fewer than the layers above them it has freed by then).
 MoE layers are estimated (not measured): router scores and the top-k copies of the tokens
 through the experts.
 
@@ -231,6 +234,8 @@ def chunk_bytes(m, sh: Shape, layers, pre_process: bool, post_process: bool) -> 
         else:  # block: the first n layers of the chunk are recomputed one by one
             kept = hidden_in * min(n, len(full)) + sum(full[n:])
             peak = max(full[:n]) if full[:n] else 0
+    if m.cpu_offloading:
+        kept -= sum(full[: m.cpu_offloading_num_layers])
     if pre_process:
         kept += embedding_bytes(m, sh)
     if post_process:

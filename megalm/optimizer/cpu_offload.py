@@ -1,13 +1,12 @@
-"""Optimizer CPU offload (``--optimizer-cpu-offload``, ``--optimizer-offload-fraction``): the update of
-a fraction of the main parameters runs on the host.
+"""Optimizer CPU offload (``--optimizer-cpu-offload``, ``--optimizer-offload-fraction``,
+``--overlap-cpu-optimizer-d2h-h2d``): the update of a fraction of the main parameters runs on the host.
 
 Which: the main parameters (fp32 main weights, or the distributed optimizer's shard ranges) are
 walked in order and each goes to the host while the elements offloaded before it are fewer than
 ``fraction x total`` (whole tensors, as Megatron's HybridDeviceOptimizer; ``fraction`` 1 offloads
-all).  For each, a host copy (:func:`megalm.device.host_tensor_like`: pinned on CUDA, a separate CPU
-tensor on a CPU-only machine) stands in for it in the torch optimizer, so its Adam moments are
-created and kept on the host; the device keeps the main weight itself (and, for fp32 models, it is
-the model weight).
+all).  For each, a host copy (pinned on CUDA, a separate CPU tensor on a CPU-only machine) stands in
+for it in the torch optimizer, so its Adam moments are created and kept on the host; the device
+keeps the main weight itself (and, for fp32 models, it is the model weight).
 
 Per step, after unscaling, the norm and clipping ran on the device gradients (so they are unchanged)::
 
@@ -15,25 +14,40 @@ Per step, after unscaling, the norm and clipping ran on the device gradients (so
     torch optimizer step                  (host tensors on the CPU, the rest on the device)
     H2D  main <- host                     (4 bytes per offloaded element), then main -> model as usual
 
-Copies are blocking (``--overlap-cpu-optimizer-d2h-h2d`` is not built).  The arithmetic is the same
-AdamW/SGD on the same fp32 values, so results equal the non-offloaded run exactly (tested on CPU,
-where both "devices" are the CPU).  Loading a checkpoint or reloading main weights refreshes the
-host copies (:meth:`CpuOffload.refresh`).  No communication.
+Copies go through :class:`~megalm.host_transfer.HostTransfer` (a stream per direction on CUDA,
+synchronous on a CPU-only machine; bytes counted).  Without overlap, all gradients come to the host,
+one torch step updates everything, all weights go back.  With ``--overlap-cpu-optimizer-d2h-h2d``
+the offloaded tensors are cut into up to :data:`OVERLAP_BUCKETS` buckets (whole tensors, in order,
+about equal elements) and the step is pipelined::
+
+    issue D2H bucket 0
+    torch step of the device parameters (no host gradient attached yet; queued on the device)
+    for k: wait for D2H k; issue D2H k+1; torch step of bucket k alone (CPU); issue H2D k
+    the current stream waits for every H2D
+
+so the gradient copy of bucket k+1 and the weight copy of bucket k-1 overlap the CPU update of bucket
+k.  A torch step updates exactly the tensors whose ``.grad`` is set, element by element as one step
+would: the results equal the non-overlapped offload (and no offload) exactly.  Loading a checkpoint or
+reloading main weights refreshes the host copies (:meth:`CpuOffload.refresh`).  No communication.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
-from megalm.device import host_tensor_like
+from megalm.host_transfer import HostTransfer
+
+OVERLAP_BUCKETS = 8  # at most this many pipelined buckets with --overlap-cpu-optimizer-d2h-h2d
 
 
 class CpuOffload:
     """The host stand-ins of the offloaded main parameters (see the module docstring)."""
 
-    def __init__(self, main_params: List[torch.nn.Parameter], fraction: float):
+    def __init__(self, main_params: List[torch.nn.Parameter], fraction: float, overlap: bool = False):
+        self.transfer = HostTransfer()
+        self.overlap = overlap
         total = sum(m.numel() for m in main_params)
         threshold, done = fraction * total, 0
         self.host: Dict[int, torch.nn.Parameter] = {}  # id(main) -> host copy
@@ -41,13 +55,17 @@ class CpuOffload:
         for m in main_params:
             if done >= threshold:
                 break
-            host = torch.nn.Parameter(host_tensor_like(m.data), requires_grad=m.requires_grad)
+            host = torch.nn.Parameter(self._host_like(m.data), requires_grad=m.requires_grad)
             host.grad = None
             self.host[id(m)] = host
             self.pairs.append((m, host))
             done += m.numel()
         self.refresh()
-        self.host_grads = {id(h): host_tensor_like(h.data) for _, h in self.pairs}  # persistent D2H targets
+        self.host_grads = {id(h): self._host_like(h.data) for _, h in self.pairs}  # persistent D2H targets
+        self.buckets = _buckets(self.pairs, OVERLAP_BUCKETS)
+
+    def _host_like(self, t: torch.Tensor) -> torch.Tensor:
+        return self.transfer.host_empty(t.numel(), t.dtype).view(t.shape)
 
     @property
     def numel(self) -> int:
@@ -65,22 +83,49 @@ class CpuOffload:
             host.data.copy_(main.data)
 
     @torch.no_grad()
-    def gradients_to_host(self) -> None:
-        """D2H: each host copy's ``.grad`` <- its main parameter's (final, clipped) gradient."""
-        for main, host in self.pairs:
-            if main.grad is None:
-                host.grad = None
-                continue
-            g = self.host_grads[id(host)]
-            g.copy_(main.grad)
-            host.grad = g
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """One update of every parameter of ``optimizer``, the offloaded ones on the host."""
+        if not self.overlap:
+            self.transfer.wait_on_host_all(self._gradients_to_host(self.pairs))
+            self._attach_grads(self.pairs)
+            optimizer.step()
+            self.transfer.wait_on_device_all(self._weights_to_device(self.pairs))
+            return
+        pending, h2d = self._gradients_to_host(self.buckets[0], 0), []
+        optimizer.step()  # the device parameters alone: no host gradient is attached yet
+        device_grads = [(p, p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        for p, _ in device_grads:
+            p.grad = None
+        for k, bucket in enumerate(self.buckets):
+            self.transfer.wait_on_host_all(pending)
+            pending = self._gradients_to_host(self.buckets[k + 1], k + 1) if k + 1 < len(self.buckets) else []
+            self._attach_grads(bucket)
+            optimizer.step()  # bucket k alone: only its host gradients are attached
+            h2d += self._weights_to_device(bucket, k)
+        self.transfer.wait_on_device_all(h2d)
+        for p, g in device_grads:
+            p.grad = g
 
-    @torch.no_grad()
-    def weights_to_device(self) -> None:
-        """H2D: main weights <- updated host copies; the host gradients are released."""
-        for main, host in self.pairs:
-            main.data.copy_(host.data)
+    def _gradients_to_host(self, pairs: List[Tuple[torch.nn.Parameter, torch.nn.Parameter]], tag=None) -> list:
+        """D2H: the host gradient buffers <- the main parameters' (final, clipped) gradients; the copies' events."""
+        return [
+            self.transfer.to_host(self.host_grads[id(host)], main.grad, tag)
+            for main, host in pairs
+            if main.grad is not None
+        ]
+
+    def _attach_grads(self, pairs: List[Tuple[torch.nn.Parameter, torch.nn.Parameter]]) -> None:
+        """The host copies' ``.grad``: their (landed) host gradient buffers, None where the main has none."""
+        for main, host in pairs:
+            host.grad = self.host_grads[id(host)] if main.grad is not None else None
+
+    def _weights_to_device(self, pairs: List[Tuple[torch.nn.Parameter, torch.nn.Parameter]], tag=None) -> list:
+        """H2D: main weights <- updated host copies (the copies' events); the host gradients are released."""
+        events = []
+        for main, host in pairs:
+            events.append(self.transfer.to_device(main.data, host.data, tag))
             host.grad = None
+        return events
 
     def host_bytes(self, state: Dict[torch.Tensor, dict]) -> int:
         """Host bytes: copies, gradient buffers and optimizer state of the offloaded parameters."""
@@ -89,3 +134,17 @@ class CpuOffload:
             out += 2 * host.numel() * host.element_size()
             out += sum(t.numel() * t.element_size() for t in state[host].values() if t.dim() > 0)
         return out
+
+
+def _buckets(pairs: list, count: int) -> List[list]:
+    """``pairs`` in order, cut into at most ``count`` runs of whole tensors of about equal elements."""
+    total = sum(m.numel() for m, _ in pairs)
+    size, out = max(1, -(-total // count)), [[]]
+    filled = 0
+    for pair in pairs:
+        if filled >= size:
+            out.append([])
+            filled = 0
+        out[-1].append(pair)
+        filled += pair[0].numel()
+    return [b for b in out if b]

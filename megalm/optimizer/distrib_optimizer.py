@@ -96,7 +96,7 @@ class DistributedOptimizer(MegatronOptimizer):
         groups: from :func:`megalm.optimizer.get_param_groups` (model parameters, global names).
         make_optimizer: builds the torch optimizer from param-group dicts over main params.
         model_chunks: the DDP-wrapped chunks whose buffers define the shards.
-        clip_grad, grad_scaler, log_num_zeros_in_grad, offload_fraction: as :class:`MegatronOptimizer`
+        clip_grad, grad_scaler, log_num_zeros_in_grad, offload_fraction, offload_overlap: as :class:`MegatronOptimizer`
             (offloading picks among this rank's shard ranges).
         process_groups: as :class:`MegatronOptimizer`; the norm and the overflow flag are reduced
             over all its ranks (data x model parallel).  The shards follow the DDP buffers'
@@ -115,6 +115,7 @@ class DistributedOptimizer(MegatronOptimizer):
         log_num_zeros_in_grad: bool = False,
         process_groups: Optional[ProcessGroups] = None,
         offload_fraction: float = 0.0,
+        offload_overlap: bool = False,
     ):
         self.model_chunks = _data_parallel_chunks(model_chunks)  # read by _make_main_params
         super().__init__(
@@ -125,6 +126,7 @@ class DistributedOptimizer(MegatronOptimizer):
             log_num_zeros_in_grad=log_num_zeros_in_grad,
             process_groups=process_groups,
             offload_fraction=offload_fraction,
+            offload_overlap=offload_overlap,
         )
         self.data_parallel_size = max(
             (b.data_parallel_world_size for c in self.model_chunks for b in c.buffers), default=1

@@ -203,6 +203,7 @@ def build_optimizer(
         log_num_zeros_in_grad=log_num_zeros_in_grad,
         process_groups=process_groups,
         offload_fraction=t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0,
+        offload_overlap=t.overlap_cpu_optimizer_d2h_h2d,
     )
     sharded = cfg.parallel.data_parallel_sharding_strategy != "no_shard"
     if cfg.parallel.use_distributed_optimizer or sharded:

@@ -131,6 +131,8 @@ class MegatronOptimizer:
             :func:`megalm.parallel_state.get_process_groups` (resolved here, once).
         offload_fraction: > 0: the update of that fraction of the main parameters runs on the host
             (:mod:`megalm.optimizer.cpu_offload`, ``--optimizer-cpu-offload``).
+        offload_overlap: pipeline the offloaded update's copies bucket by bucket
+            (``--overlap-cpu-optimizer-d2h-h2d``).
     """
 
     def __init__(
@@ -142,6 +144,7 @@ class MegatronOptimizer:
         log_num_zeros_in_grad: bool = False,
         process_groups: Optional[ProcessGroups] = None,
         offload_fraction: float = 0.0,
+        offload_overlap: bool = False,
     ):
         self.process_groups = parallel_state.get_process_groups() if process_groups is None else process_groups
         self.model_params: List[torch.nn.Parameter] = [p for g in groups for p in g["params"]]
@@ -151,7 +154,7 @@ class MegatronOptimizer:
             raise OptimizerError(f"parameter names must be unique across model chunks, duplicated: {dup[:5]}")
         main_groups = self._make_main_params(groups)
         self.main_params: List[torch.nn.Parameter] = [m for mains in main_groups for m in mains]
-        self.offload = CpuOffload(self.main_params, offload_fraction) if offload_fraction > 0 else None
+        self.offload = CpuOffload(self.main_params, offload_fraction, offload_overlap) if offload_fraction > 0 else None
         torch_groups = [
             {k: v for k, v in g.items() if k not in ("params", "names")}
             | {"params": [self._torch_param(m) for m in mains]}
@@ -283,10 +286,9 @@ class MegatronOptimizer:
                 return False, norm, zeros
             with timers("optimizer-inner-step"):
                 if self.offload is not None:
-                    self.offload.gradients_to_host()
-                self.optimizer.step()
-                if self.offload is not None:
-                    self.offload.weights_to_device()
+                    self.offload.step(self.optimizer)
+                else:
+                    self.optimizer.step()
             with timers("optimizer-copy-main-to-model-params"):
                 self._copy_main_to_model()
             self._after_update(timers)

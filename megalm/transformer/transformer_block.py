@@ -12,6 +12,10 @@ Recomputation (``--recompute-granularity``), numerically identical to none:
   recomputed; the others keep their activations.
 * ``selective``: only the attention core (the ``s x s`` part) is recomputed.
 
+Activation offloading (``--cpu-offloading``, :mod:`megalm.transformer.activation_offload`): the
+saved tensors of the chunk's first ``--cpu-offloading-num-layers`` layers wait in host memory
+between their forward and backward (training forwards with grad only; not with recompute).
+
 With ``--fp8-format`` (Transformer Engine layers) the layers of every forward run inside TE's
 ``fp8_autocast`` (:mod:`megalm.transformer.fp8`): one region per model chunk, so every pipeline
 stage is covered; the final norm and KV-cache generation stay outside.
@@ -31,6 +35,7 @@ from torch import nn
 from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.parallel_state import ProcessGroups
 from megalm.tensor_parallel.random import checkpoint
+from megalm.transformer.activation_offload import ActivationOffload
 from megalm.transformer.fp8 import fp8_autocast
 from megalm.transformer.moe.state import MoEState
 from megalm.transformer.norm import build_norm
@@ -78,6 +83,7 @@ class TransformerBlock(nn.Module):
             else None
         )
         self.input_tensor: Optional[torch.Tensor] = None
+        self.activation_offload = ActivationOffload(m.cpu_offloading_num_layers) if m.cpu_offloading else None
         # A factory of fp8 regions; TE reduces amax over the stage's tensor x data x context ranks.
         self.fp8_autocast = fp8_autocast(m, process_groups.tp_dp_cp) if plan.fp8 is not None else None
 
@@ -131,6 +137,8 @@ class TransformerBlock(nn.Module):
             with self.fp8_autocast() if self.fp8_autocast is not None else contextlib.nullcontext():
                 if self.recompute_granularity == "full" and self.training:
                     hidden = self._forward_full_recompute(hidden, rotary_cos, rotary_sin)
+                elif self.activation_offload is not None and self.training and torch.is_grad_enabled():
+                    hidden = self.activation_offload.run(self._layer_list(), hidden, rotary_cos, rotary_sin)
                 else:
                     hidden = self._run_layers(self._layer_list())(hidden, rotary_cos, rotary_sin)
         if self.final_layernorm is not None:
