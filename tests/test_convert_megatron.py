@@ -298,9 +298,9 @@ def test_refusals_name_the_file_and_run_nothing(tmp_path):
     # What megalm cannot represent is refused by flag; architecture flags must agree with the saved args.
     torch.save({"args": megatron_args(cfg), "iteration": 20}, common)  # a clean common.pt again
     args = megatron_args(cfg)
-    args.num_experts, args.rotary_interleaved = 8, True
+    args.multi_latent_attention, args.rotary_interleaved = True, True
     torch.save({"args": args, "iteration": 20}, common)
-    with pytest.raises(ConversionError, match="--num-experts 8 .*--rotary-interleaved True"):
+    with pytest.raises(ConversionError, match="--multi-latent-attention True .*--rotary-interleaved True"):
         import_from_megatron(str(src), str(tmp_path / "out3"))
     torch.save({"args": megatron_args(cfg), "iteration": 20}, common)
     with pytest.raises(ConversionError, match="--hidden-size 64 disagrees"):
@@ -312,14 +312,14 @@ def test_refusals_name_the_file_and_run_nothing(tmp_path):
         import_from_megatron(str(src), str(tmp_path / "out5"))
     assert not (tmp_path / "out1").exists() and not (tmp_path / "out2").exists() and not marker.exists()
 
-    # Expert-parallel legacy files and pre-mcore model names are refused by name.
+    # Mixed directory forms, a missing stage and pre-mcore model names are refused by name.
     iter_dir = checkpoint_dir(str(legacy), 30)
     os.rename(f"{iter_dir}/mp_rank_01_001", f"{iter_dir}/mp_rank_01_001_001")
-    with pytest.raises(ConversionError, match="mp_rank_01_001_001 is an expert-parallel legacy file"):
+    with pytest.raises(ConversionError, match="mp_rank_ directories of mixed forms"):
         import_from_megatron(str(legacy), str(tmp_path / "out6"))
     for name in ("mp_rank_00_001", "mp_rank_01_001_001"):  # a stage missing: the files do not match the args
         shutil.rmtree(f"{iter_dir}/{name}")
-    with pytest.raises(ConversionError, match="the saved args give TP 2 x PP 2, the directory holds TP 2 x PP 1"):
+    with pytest.raises(ConversionError, match="the saved args give PP 2 x EP 1, the directory holds TP 2 x PP 1"):
         import_from_megatron(str(legacy), str(tmp_path / "out7"))
     from megalm.conversion.megatron import to_megalm_names
 

@@ -1,5 +1,8 @@
 """Megatron-LM ``--save`` directory -> megalm checkpoint (``tools/checkpoint/convert.py --from megatron``).
 
+Mixture-of-experts models (megatron-core's router, experts and shared expert) import too; a
+router's ``expert_bias`` buffer (aux-loss-free balancing) is written beside the weights.
+
 Reads one iteration (the tracker's, ``release``, or ``--iteration``) in either layout of
 :mod:`megalm.conversion.megatron_layouts` (``torch_dist``, legacy ``mp_rank_XX[_YYY]``).  The
 architecture comes from the checkpoint's own saved ``args`` (:mod:`megalm.conversion.megatron_args`,
@@ -30,12 +33,19 @@ from megalm.config import (
     set_vocab_size,
     validate_config,
 )
-from megalm.conversion.base import OUTPUT_LAYER, VOCAB_ROWS, WORD_EMBEDDINGS, checkpoint_shapes
+from megalm.conversion.base import (
+    OUTPUT_LAYER,
+    VOCAB_ROWS,
+    WORD_EMBEDDINGS,
+    checkpoint_shapes,
+    layer,
+    moe_layers,
+)
 from megalm.conversion.errors import ConversionError
 from megalm.conversion.hf_files import DTYPES
 from megalm.conversion.import_hf import ImportResult, _explicit_dests, build_config
 from megalm.conversion.megalm_checkpoint import write_checkpoint
-from megalm.conversion.megatron_args import megalm_fields, true_vocab_size
+from megalm.conversion.megatron_args import MOE_TRAINING_FIELDS, megalm_fields, true_vocab_size
 from megalm.conversion.megatron_layouts import TorchDistCheckpoint, is_extra_state, merge_legacy
 from megalm.errors import MegalmError
 from megalm.parameter_names import canonical_name
@@ -137,7 +147,7 @@ def to_megalm_names(
 ) -> Dict[str, torch.Tensor]:
     """Megatron names/shapes -> megalm's, checked against the config ``m`` (every tensor used;
     ``config_from`` names where ``m`` came from in the messages)."""
-    expected = checkpoint_shapes(m)
+    expected = {**checkpoint_shapes(m), **router_buffer_shapes(m)}
     legacy_model = sorted(k for k in tensors if k.startswith("language_model."))
     if legacy_model:
         raise ConversionError(
@@ -160,6 +170,10 @@ def to_megalm_names(
         fc1 = name.endswith((".mlp.linear_fc1.weight", ".mlp.linear_fc1.bias"))
         if fc1 and m.swiglu and t.shape[0] == 2 * m.ffn_hidden_size:
             t = t.reshape(2, m.ffn_hidden_size, *t.shape[1:])
+        shared_fc1 = name.endswith((".mlp.shared_experts.linear_fc1.weight", ".mlp.shared_experts.linear_fc1.bias"))
+        shared = m.moe_shared_expert_intermediate_size
+        if shared_fc1 and m.swiglu and t.shape[0] == 2 * shared:
+            t = t.reshape(2, shared, *t.shape[1:])
         if name not in expected:
             raise ConversionError(
                 f"{source}: tensor {name} has no megalm counterpart for this model ({config_from} describe "
@@ -175,6 +189,14 @@ def to_megalm_names(
     if missing:
         raise ConversionError(f"{source}: no tensor for {len(missing)} megalm parameters, e.g. {missing[:4]}")
     return out
+
+
+def router_buffer_shapes(m) -> Dict[str, tuple]:
+    """The routers' ``expert_bias`` buffers (``--moe-router-enable-expert-bias``), which checkpoints hold
+    beside the parameters (megatron-core saves them under the same names)."""
+    if not m.moe_router_enable_expert_bias:
+        return {}
+    return {layer(i, "mlp.router.expert_bias"): (m.num_experts,) for i, is_moe in enumerate(moe_layers(m)) if is_moe}
 
 
 def config_from_saved_args(args: dict, source: str, extra_args: List[str]) -> Tuple[MegalmConfig, List[str]]:
@@ -195,7 +217,8 @@ def config_from_saved_args(args: dict, source: str, extra_args: List[str]) -> Tu
     if "model.seq_length" not in explicit:
         extra_args = extra_args + ["--seq-length", str(int(args["seq_length"]))]
     vocab_note = f"vocabulary {vocab} from {vocab_source} (the saved padded size was {args.get('padded_vocab_size')})"
-    return build_config(fields, extra_args + tok_flags), [vocab_note] + tok_notes + arg_notes
+    config = build_config(fields, extra_args + tok_flags, overridable=MOE_TRAINING_FIELDS)
+    return config, [vocab_note] + tok_notes + arg_notes
 
 
 def config_from_flags(extra_args: List[str], path: str) -> MegalmConfig:
