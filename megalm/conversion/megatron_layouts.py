@@ -56,6 +56,7 @@ _DIM0 = (".linear_qkv.weight", ".linear_qkv.bias", ".linear_fc1.weight", ".linea
 _DIM0_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _DIM1 = (".linear_proj.weight", ".linear_fc2.weight")
 STACKED_EXPERTS = "mlp.experts.experts."  # torch_dist: [num_layers, num_experts, ...]
+OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq", "fp32_param")  # Adam's moments and the fp32 main weights
 
 
 def is_extra_state(name: str) -> bool:
@@ -71,7 +72,7 @@ class TorchDistCheckpoint:
     def __init__(self, path: str, read_args: bool = True):
         """``read_args`` False: ``common.pt`` is not opened (``args`` is None)."""
         self.path = path
-        self.args = None
+        self.args, self.common = None, {}
         if read_args:
             common = os.path.join(path, "common.pt")
             try:
@@ -81,7 +82,7 @@ class TorchDistCheckpoint:
                     f"{e}. To import the weights without reading {common}, give the architecture as megalm flags "
                     f"with --ignore-saved-args"
                 ) from None
-            self.args = checkpoint_args(state, common)
+            self.args, self.common = checkpoint_args(state, common), state
         self.metadata = load_metadata(path, allow_byte_entries=True)
         tensors = {
             k: md for k, md in self.metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)
@@ -113,18 +114,34 @@ class TorchDistCheckpoint:
 
     def layer_tensors(self, num_layers: int) -> Dict[str, torch.Tensor]:
         """Every model tensor, the stacked layer tensors unstacked into ``decoder.layers.{i}.*``."""
+        return self._unstacked(self.load(self.model_keys), "", num_layers)
+
+    def optimizer_states(self, num_layers: int) -> Dict[str, Dict[str, torch.Tensor]]:
+        """``{state: {model tensor name: tensor}}`` of the model-space optimizer state (the keys
+        ``optimizer.state.<exp_avg | exp_avg_sq | fp32_param>.<model key>`` that megatron-core's plain
+        optimizers and the distributed optimizer's ``fully_sharded_model_space`` format save, with the
+        model keys' shapes), unstacked like the model; ``{}`` for states saved otherwise."""
+        out = {}
+        for state in OPTIMIZER_STATES:
+            prefix = f"optimizer.state.{state}."
+            keys = [k for k in self.optimizer_keys if k.startswith(prefix)]
+            if keys:
+                out[state] = self._unstacked(self.load(keys), prefix, num_layers)
+        return out
+
+    def _unstacked(self, loaded: Dict[str, torch.Tensor], prefix: str, num_layers: int) -> Dict[str, torch.Tensor]:
+        """``loaded`` (full keys) without ``prefix``, stacked layer (and expert) axes split into names."""
         out: Dict[str, torch.Tensor] = {}
-        loaded = self.load(self.model_keys)
-        for key in self.model_keys:
-            t = loaded[key]
+        for full_key, t in loaded.items():
+            key = full_key[len(prefix) :]
             if key.startswith(STACKED_PREFIX) and not _NUMBERED.match(key):
                 if t.shape[0] != num_layers:
                     raise ConversionError(
-                        f"{self.path}: stacked {key} has {t.shape[0]} layers, the model config has --num-layers "
+                        f"{self.path}: stacked {full_key} has {t.shape[0]} layers, the model config has --num-layers "
                         f"{num_layers}"
                     )
                 rest = key[len(STACKED_PREFIX) :]
-                for i in self.saved_layers(key):
+                for i in self.saved_layers(full_key):
                     if rest.startswith(STACKED_EXPERTS):  # [layer, expert, ...]
                         expert_rest = rest[len(STACKED_EXPERTS) :]
                         for j in range(t.shape[1]):
