@@ -57,7 +57,13 @@ def loss_func(loss_mask: torch.Tensor, model: torch.nn.Module, output_tensor: to
 def forward_step(data_iterator, model):
     """One microbatch: tokens in, per-token losses out (on the last stage)."""
     batch = get_batch(data_iterator, unwrap_model(model).cfg)
-    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], loss_mask=batch["loss_mask"])
+    output = model(
+        batch["tokens"],
+        batch["position_ids"],
+        labels=batch["labels"],
+        loss_mask=batch["loss_mask"],
+        attention_mask=batch["attention_mask"],
+    )
     return output, partial(loss_func, batch["loss_mask"], model)
 
 

@@ -137,11 +137,17 @@ def padded_params(model):
     return out
 
 
-def save_torch_dist(cfg, model, root, iteration=20, dtype=torch.float32):
+def adam_state(name, weight):
+    """The test's stand-in Adam state of a weight: ``exp_avg = w / 2``, ``exp_avg_sq = w^2``, ``fp32_param = w``."""
+    return {"exp_avg": weight / 2, "exp_avg_sq": weight**2, "fp32_param": weight}[name]
+
+
+def save_torch_dist(cfg, model, root, iteration=20, dtype=torch.float32, adam_step=None):
+    """``adam_step``: also save Adam's state in model space (:func:`adam_state` of every weight) and the
+    step in common.pt's optimizer param_groups; else one stray optimizer tensor."""
     path = checkpoint_dir(str(root), iteration)
     state, layers = {}, {}
     for name, t in padded_params(model).items():
-        t = t.to(dtype)
         if name.startswith("decoder.layers."):
             i, rest = name[len("decoder.layers.") :].split(".", 1)
             layers.setdefault(TE_NORMS.get(rest, rest), {})[int(i)] = t
@@ -151,11 +157,21 @@ def save_torch_dist(cfg, model, root, iteration=20, dtype=torch.float32):
         state["decoder.layers." + rest] = torch.stack([per_layer[i] for i in range(cfg.model.num_layers)])
     state["decoder.layers.self_attention.linear_qkv._extra_state/shard_0_1"] = io.BytesIO(b"te fp8 state")
     state["rng_state/shard_0.0_1.1"] = io.BytesIO(b"rng")
-    state["optimizer.state.exp_avg.output_layer.weight"] = torch.zeros(3)
+    if adam_step is None:
+        state["optimizer.state.exp_avg.output_layer.weight"] = torch.zeros(3)
+    else:
+        weights = [(k, v) for k, v in state.items() if isinstance(v, torch.Tensor)]
+        for s_name in ("exp_avg", "exp_avg_sq", "fp32_param"):
+            state.update({f"optimizer.state.{s_name}.{k}": adam_state(s_name, v) for k, v in weights})
+    model_keys = [k for k, v in state.items() if isinstance(v, torch.Tensor) and not k.startswith("optimizer.")]
+    state.update({k: state[k].to(dtype) for k in model_keys})
     dcp.save(state, checkpoint_id=path, no_dist=True)
     with open(os.path.join(path, "metadata.json"), "w") as f:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch"}, f)
-    torch.save({"args": megatron_args(cfg), "checkpoint_version": 3.0, "iteration": iteration}, f"{path}/common.pt")
+    common = {"args": megatron_args(cfg), "checkpoint_version": 3.0, "iteration": iteration}
+    if adam_step is not None:  # the distributed optimizer's common part: param_groups without params
+        common["optimizer"] = {"optimizer": {"param_groups": [{"lr": 1e-4, "step": adam_step}]}}
+    torch.save(common, f"{path}/common.pt")
     (root / TRACKER_FILENAME).write_text(str(iteration))
 
 
@@ -298,9 +314,9 @@ def test_refusals_name_the_file_and_run_nothing(tmp_path):
     # What megalm cannot represent is refused by flag; architecture flags must agree with the saved args.
     torch.save({"args": megatron_args(cfg), "iteration": 20}, common)  # a clean common.pt again
     args = megatron_args(cfg)
-    args.num_experts, args.rotary_interleaved = 8, True
+    args.multi_latent_attention, args.rotary_interleaved = True, True
     torch.save({"args": args, "iteration": 20}, common)
-    with pytest.raises(ConversionError, match="--num-experts 8 .*--rotary-interleaved True"):
+    with pytest.raises(ConversionError, match="--multi-latent-attention True .*--rotary-interleaved True"):
         import_from_megatron(str(src), str(tmp_path / "out3"))
     torch.save({"args": megatron_args(cfg), "iteration": 20}, common)
     with pytest.raises(ConversionError, match="--hidden-size 64 disagrees"):
@@ -312,14 +328,14 @@ def test_refusals_name_the_file_and_run_nothing(tmp_path):
         import_from_megatron(str(src), str(tmp_path / "out5"))
     assert not (tmp_path / "out1").exists() and not (tmp_path / "out2").exists() and not marker.exists()
 
-    # Expert-parallel legacy files and pre-mcore model names are refused by name.
+    # Mixed directory forms, a missing stage and pre-mcore model names are refused by name.
     iter_dir = checkpoint_dir(str(legacy), 30)
     os.rename(f"{iter_dir}/mp_rank_01_001", f"{iter_dir}/mp_rank_01_001_001")
-    with pytest.raises(ConversionError, match="mp_rank_01_001_001 is an expert-parallel legacy file"):
+    with pytest.raises(ConversionError, match="mp_rank_ directories of mixed forms"):
         import_from_megatron(str(legacy), str(tmp_path / "out6"))
     for name in ("mp_rank_00_001", "mp_rank_01_001_001"):  # a stage missing: the files do not match the args
         shutil.rmtree(f"{iter_dir}/{name}")
-    with pytest.raises(ConversionError, match="the saved args give TP 2 x PP 2, the directory holds TP 2 x PP 1"):
+    with pytest.raises(ConversionError, match="the saved args give PP 2 x EP 1, the directory holds TP 2 x PP 1"):
         import_from_megatron(str(legacy), str(tmp_path / "out7"))
     from megalm.conversion.megatron import to_megalm_names
 
@@ -340,7 +356,7 @@ def test_convert_cli_from_megatron(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "Megatron-LM torch_dist iter_0000020 ->" in out and "--openai-gelu" in out
     assert "vocabulary 100 from the tokenizer named in the saved args (the saved padded size was 128)" in out
-    assert "weights imported as Megatron saved the model (bfloat16)" in out
+    assert "weights imported in bfloat16; the fp32 main copies in Megatron's optimizer state are not read" in out
     assert MegalmCheckpointReader(str(tmp_path / "out")).dtype("decoder.final_layernorm.weight") == torch.bfloat16
 
 
@@ -394,3 +410,35 @@ def test_vocabulary_from_the_saved_tokenizer(tmp_path):
     r = import_from_megatron(str(src), str(tmp_path / "out2"), extra_args=["--tokenizer-model", sp])
     assert r.config.data.tokenizer_type == "SentencePieceTokenizer" and r.config.data.tokenizer_model == sp
     assert r.config.model.vocab_size == VOCAB and "from the tokenizer named in the saved args" in r.notes[0]
+
+
+def test_adam_state_imports_and_loads_into_megalms_optimizer(tmp_path):
+    """Model-space Adam state (moments, fp32 main weights) maps like the weights and loads with --load."""
+    from megalm import checkpointing
+    from megalm.config import set_vocab_size
+    from megalm.distributed import DistributedDataParallel
+    from megalm.optimizer import build_optimizer
+
+    cfg, model = random_model("llama")
+    src, dst = tmp_path / "megatron", tmp_path / "megalm"
+    src.mkdir()
+    save_torch_dist(cfg, model, src, dtype=torch.bfloat16, adam_step=7)
+    r = import_from_megatron(str(src), str(dst))
+    assert any("Adam's optimizer state imported (moments and fp32 main weights, step 7)" in n for n in r.notes)
+    assert any("fp32 main copies in Megatron's optimizer state are imported" in n for n in r.notes)
+
+    loaded_cfg = MegalmCheckpointReader(str(dst)).config
+    loaded_cfg.training.bf16, loaded_cfg.training.optimizer = True, "adam"
+    set_vocab_size(loaded_cfg, VOCAB)
+    target = GPTModel(loaded_cfg, fusion_plan=EAGER).to(torch.bfloat16)
+    ddp = DistributedDataParallel(target, loaded_cfg.parallel)
+    optimizer = build_optimizer(loaded_cfg, [ddp], report_memory=False)
+    checkpointing.load_checkpoint(str(dst), [ddp], optimizer, load_rng=False)
+    state = optimizer.sharded_param_state()
+    originals = dict(model.named_parameters())
+    for name, p in target.named_parameters():
+        full = originals[name].detach()
+        for key in ("exp_avg", "exp_avg_sq", "main_param"):
+            expected = adam_state({"main_param": "fp32_param"}.get(key, key), full).reshape(state[name][key].shape)
+            assert torch.equal(state[name][key], expected), (name, key)  # fp32 masters: exact, not bf16
+        assert int(state[name]["step"]) == 7

@@ -11,6 +11,7 @@ from megalm.data.indexed_dataset import IndexedDatasetBuilder
 from megalm.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler, epoch_generator_seed
 from megalm.testing import run_distributed
 from megalm.tokenizers import NullTokenizer
+from tests.test_reset_attention_mask import megatron_mask
 
 VOCAB = 1000
 
@@ -79,7 +80,8 @@ def test_iterators_single_process_resume_workers_and_cyclic_valid(tmp_path):
     cfg = make_cfg(prefix)
     train, valid, test = build_train_valid_test_data_iterators(cfg, tok, 0, 0)
     batches = [get_batch(train) for _ in range(12)]
-    assert set(batches[0]) == {"tokens", "labels", "loss_mask", "position_ids"}
+    assert set(batches[0]) == {"tokens", "labels", "loss_mask", "position_ids", "attention_mask"}
+    assert batches[0]["attention_mask"] is None  # causal unless --reset-attention-mask
     assert batches[0]["tokens"].shape == (2, 16) and batches[0]["tokens"].dtype == torch.int64
     assert torch.equal(batches[0]["tokens"][:, 1:], batches[0]["labels"][:, :-1])
     train_ds = build_train_valid_test_datasets(cfg, tok)[0]
@@ -88,7 +90,7 @@ def test_iterators_single_process_resume_workers_and_cyclic_valid(tmp_path):
     resumed, _, _ = build_train_valid_test_data_iterators(make_cfg(prefix, workers=2), tok, 12, 0)
     for expected in batches[6:]:
         got = get_batch(resumed)
-        assert all(torch.equal(got[k], expected[k]) for k in expected)
+        assert all(torch.equal(got[k], expected[k]) for k in expected if k != "attention_mask")
     # Valid: cyclic; wraps to its start.
     valid_ds = build_train_valid_test_datasets(cfg, tok)[1]
     n_valid = len(valid_ds) // 2
@@ -109,7 +111,7 @@ def test_mock_data_iterators():
 
 # --- real ranks ------------------------------------------------------------------------
 
-LAYOUTS = (("dp4", 1, 1), ("tp2", 2, 1), ("tp4", 4, 1), ("tp2pp2", 2, 2))
+LAYOUTS = (("dp4", 1, 1), ("tp2", 2, 1), ("tp4", 4, 1), ("tp2pp2", 2, 2), ("pp4docs", 1, 4))
 
 
 def _ranks_read_and_broadcast(prefix):
@@ -124,7 +126,8 @@ def _ranks_read_and_broadcast(prefix):
     for name, tp, pp in LAYOUTS:
         ps.initialize_model_parallel(tp, pp)
         cfg = make_cfg(prefix)
-        train_ds = build_train_valid_test_datasets(cfg, tok, rank_reads_data())[0]
+        cfg.data.reset_attention_mask = name.endswith("docs")  # every stage needs the documents
+        train_ds = build_train_valid_test_datasets(cfg, tok, rank_reads_data(cfg.data.reset_attention_mask))[0]
         iterators = build_train_valid_test_data_iterators(cfg, tok, consumed_train_samples=8)
         train, valid, test = iterators
         dp = ps.get_data_parallel_world_size()
@@ -163,11 +166,16 @@ def test_real_ranks_dp_independent_batches_and_tp_broadcast(tmp_path):
             assert info["reads"] == (info["tp_rank"] == 0) and info["dp"] == dp
             assert info["splits"] == (True, True, True)
             for m, batch in enumerate(info["micro"]):
-                if not info["first"] and not info["last"]:
-                    assert batch == dict.fromkeys(batch) and len(batch) == 4
-                    continue
                 # Micro-step m covers samples 8 + m*2*dp ..; this rank's slice starts at dp_rank*2.
                 ids = [8 + m * 2 * dp + info["dp_rank"] * 2 + j for j in range(2)]
+                if name.endswith("docs"):  # every stage: the document mask of its samples
+                    tokens = torch.stack([expected(i)["tokens"] for i in ids])
+                    assert batch["attention_mask"] == megatron_mask(tokens, VOCAB).tolist(), (rank, m)
+                else:
+                    assert batch["attention_mask"] is None
+                if not info["first"] and not info["last"]:
+                    assert {k for k, v in batch.items() if v is not None} <= {"attention_mask"} and len(batch) == 5
+                    continue
                 if info["first"]:
                     assert batch["tokens"] == [expected(i)["tokens"].tolist() for i in ids], (name, rank, m)
                     assert batch["position_ids"] == [list(range(16))] * 2

@@ -19,8 +19,8 @@ NO_EFFECT = {
     "--no-gradient-accumulation-fusion": "weight gradients accumulate through autograd into DDP's grad buffers; "
     "there is no fused wgrad kernel to turn off",
     "--attention-softmax-in-fp32": "megalm's attention softmax always computes in fp32",
-    "--no-create-attention-mask-in-dataloader": "the data loader never builds an attention mask; "
-    "attention is causal by construction",
+    "--no-create-attention-mask-in-dataloader": "the data loader never builds an attention mask (causal attention "
+    "needs none; --reset-attention-mask's document mask is built in get_batch)",
     "--no-mmap-bin-files": "megalm always memory-maps .bin files",
     "--manual-gc": "Python's automatic garbage collection stays on",
     "--manual-gc-interval": "Python's automatic garbage collection stays on",
@@ -39,7 +39,6 @@ UNSUPPORTED = {
     "--multi-latent-attention": "multi-latent attention (DeepSeek) is not built",
     "--mtp-num-layers": "multi-token prediction is not built",
     "--window-size": "sliding-window attention is not built",
-    "--reset-attention-mask": "document-masked attention is not built (--reset-position-ids is)",
     "--rampup-batch-size": "with --train-iters: refused as in Megatron-LM (a ramp needs --train-samples)",
     "--profile": "without --use-pytorch-profiler on a machine without CUDA (nsys profiles CUDA only)",
 }
@@ -74,7 +73,6 @@ class MegatronCompatConfig:
     multi_latent_attention: bool = _f(False, "Refused: " + UNSUPPORTED["--multi-latent-attention"] + ".")
     mtp_num_layers: Optional[int] = _f(None, "Refused: " + UNSUPPORTED["--mtp-num-layers"] + ".")
     window_size: Optional[str] = _f(None, "Refused: " + UNSUPPORTED["--window-size"] + ".")
-    reset_attention_mask: bool = _f(False, "Refused: " + UNSUPPORTED["--reset-attention-mask"] + ".")
 
 
 def given_no_effect_flags(c: MegatronCompatConfig) -> list:
@@ -104,7 +102,6 @@ def refusal(c: MegatronCompatConfig, backend: str) -> Optional[str]:
         ("--multi-latent-attention", c.multi_latent_attention),
         ("--mtp-num-layers", c.mtp_num_layers is not None),
         ("--window-size", c.window_size is not None),
-        ("--reset-attention-mask", c.reset_attention_mask),
     ):
         if given:
             return f"{flag} is not supported by megalm: {UNSUPPORTED[flag]}"

@@ -590,6 +590,11 @@ class DataConfig:
     )
     eod_mask_loss: bool = _f(False, "Mask the loss on end-of-document tokens.")
     reset_position_ids: bool = _f(False, "Restart the position ids at 0 after each end-of-document token.")
+    reset_attention_mask: bool = _f(
+        False,
+        "Document-masked causal attention: a token attends only to earlier tokens of its own document "
+        "(documents end at the tokenizer's end-of-document token), as Megatron's get_ltor_masks_and_position_ids.",
+    )
 
 
 @dataclass

@@ -851,6 +851,8 @@ def _validate_data(d: DataConfig, m: ModelConfig, p: ParallelConfig) -> None:
         except DataError as e:
             raise ConfigError(str(e)) from None
     _check(d.mid_level_dataset_surplus >= 0, "--mid-level-dataset-surplus must be >= 0")
+    if d.reset_attention_mask:
+        _validate_reset_attention_mask(m, p)
     if d.tokenizer_type is not None:
         missing = missing_tokenizer_flags(
             d.tokenizer_type,
@@ -862,6 +864,16 @@ def _validate_data(d: DataConfig, m: ModelConfig, p: ParallelConfig) -> None:
         _check(not missing, f"--tokenizer-type {d.tokenizer_type} needs {' and '.join(missing)}")
     if m.vocab_size is not None:
         m.padded_vocab_size = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, p.tensor_model_parallel_size)
+
+
+def _validate_reset_attention_mask(m: ModelConfig, p: ParallelConfig) -> None:
+    """--reset-attention-mask runs megalm's SDPA, blocked or unfused cores with the document mask."""
+    for refused, what in (
+        (p.context_parallel_size > 1, "--context-parallel-size > 1 (the CP cores are causal only)"),
+        (m.transformer_impl != "local", "--transformer-impl transformer_engine (TE's core is given no mask here)"),
+        (m.attention_backend == "flash" or m.use_flash_attn, "--attention-backend flash (flash-attn takes no mask)"),
+    ):
+        _check(not refused, f"--reset-attention-mask is not supported with {what}")
 
 
 def _validate_checkpoint(c: CheckpointConfig) -> None:

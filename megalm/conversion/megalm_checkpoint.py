@@ -115,9 +115,15 @@ class MegalmCheckpointReader:
 
 
 def write_checkpoint(
-    root: str, iteration: int, tensors: Dict[str, torch.Tensor], config: MegalmConfig, extra: Optional[dict] = None
+    root: str,
+    iteration: int,
+    tensors: Dict[str, torch.Tensor],
+    config: MegalmConfig,
+    extra: Optional[dict] = None,
+    optimizer: Optional[tuple] = None,
 ) -> str:
-    """Write ``tensors`` (full, keyed by global parameter name) as a megalm checkpoint.
+    """Write ``tensors`` (full, keyed by global parameter name) as a megalm checkpoint; ``optimizer``:
+    ``(entries keyed optimizer.<name>.<state>, optimizer_common)`` to write beside them, or None.
 
     ``common.json`` records the config (its parallel section gives the intended layout),
     ``world_size`` None (so no RNG state is looked for) and ``extra``.  Returns the iteration
@@ -130,6 +136,8 @@ def write_checkpoint(
         raise ConversionError(f"{path} already exists: choose another --save-dir or --iteration")
     os.makedirs(path)
     specs = {MODEL_PREFIX + name: ShardedTensorSpec.replicated(t.contiguous()) for name, t in tensors.items()}
+    if optimizer is not None:
+        specs.update({key: ShardedTensorSpec.replicated(t.contiguous()) for key, t in optimizer[0].items()})
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed.*")
         save_sharded(specs, path)
@@ -148,7 +156,7 @@ def write_checkpoint(
         },
         "config": config.to_dict(),
         "scheduler": None,
-        "optimizer_common": None,
+        "optimizer_common": None if optimizer is None else optimizer[1],
         "extra": extra or {},
         "saved_at": time.time(),
     }

@@ -1,5 +1,8 @@
 """Megatron-LM ``--save`` directory -> megalm checkpoint (``tools/checkpoint/convert.py --from megatron``).
 
+Mixture-of-experts models (megatron-core's router, experts and shared expert) import too; a
+router's ``expert_bias`` buffer (aux-loss-free balancing) is written beside the weights.
+
 Reads one iteration (the tracker's, ``release``, or ``--iteration``) in either layout of
 :mod:`megalm.conversion.megatron_layouts` (``torch_dist``, legacy ``mp_rank_XX[_YYY]``).  The
 architecture comes from the checkpoint's own saved ``args`` (:mod:`megalm.conversion.megatron_args`,
@@ -9,7 +12,9 @@ map to megalm's: TE's fused norm names to ``input_layernorm`` / ``pre_mlp_layern
 (:func:`megalm.parameter_names.canonical_name`), ``_extra_state`` dropped, the padded vocabulary
 trimmed to the true one, a SwiGLU ``linear_fc1`` ``[gate ; up]`` reshaped to ``[2, ffn, h]``.
 Written with :func:`megalm.conversion.megalm_checkpoint.write_checkpoint` (full tensors, any
-TP/PP layout loads it; weights only: the optimizer state is not imported, and a note says so).
+TP/PP layout loads it).  A ``torch_dist`` checkpoint's Adam state in model space is imported too
+(:mod:`megalm.conversion.megatron_optimizer`), so ``--load`` resumes the optimizer; otherwise weights
+only, and a note says so.
 No communication.
 """
 
@@ -30,13 +35,21 @@ from megalm.config import (
     set_vocab_size,
     validate_config,
 )
-from megalm.conversion.base import OUTPUT_LAYER, VOCAB_ROWS, WORD_EMBEDDINGS, checkpoint_shapes
+from megalm.conversion.base import (
+    OUTPUT_LAYER,
+    VOCAB_ROWS,
+    WORD_EMBEDDINGS,
+    checkpoint_shapes,
+    layer,
+    moe_layers,
+)
 from megalm.conversion.errors import ConversionError
 from megalm.conversion.hf_files import DTYPES
 from megalm.conversion.import_hf import ImportResult, _explicit_dests, build_config
 from megalm.conversion.megalm_checkpoint import write_checkpoint
-from megalm.conversion.megatron_args import megalm_fields, true_vocab_size
+from megalm.conversion.megatron_args import MOE_TRAINING_FIELDS, megalm_fields, true_vocab_size
 from megalm.conversion.megatron_layouts import TorchDistCheckpoint, is_extra_state, merge_legacy
+from megalm.conversion.megatron_optimizer import iteration_of, optimizer_entries, saved_step
 from megalm.errors import MegalmError
 from megalm.parameter_names import canonical_name
 
@@ -133,11 +146,12 @@ def _flag_values(argv: Sequence[str]) -> Dict[str, str]:
 
 
 def to_megalm_names(
-    tensors: Dict[str, torch.Tensor], m, source: str, config_from: str = "the saved args"
+    tensors: Dict[str, torch.Tensor], m, source: str, config_from: str = "the saved args", buffers: bool = True
 ) -> Dict[str, torch.Tensor]:
     """Megatron names/shapes -> megalm's, checked against the config ``m`` (every tensor used;
-    ``config_from`` names where ``m`` came from in the messages)."""
-    expected = checkpoint_shapes(m)
+    ``config_from`` names where ``m`` came from in the messages; ``buffers`` False: parameters only,
+    as in optimizer state)."""
+    expected = {**checkpoint_shapes(m), **(router_buffer_shapes(m) if buffers else {})}
     legacy_model = sorted(k for k in tensors if k.startswith("language_model."))
     if legacy_model:
         raise ConversionError(
@@ -160,6 +174,10 @@ def to_megalm_names(
         fc1 = name.endswith((".mlp.linear_fc1.weight", ".mlp.linear_fc1.bias"))
         if fc1 and m.swiglu and t.shape[0] == 2 * m.ffn_hidden_size:
             t = t.reshape(2, m.ffn_hidden_size, *t.shape[1:])
+        shared_fc1 = name.endswith((".mlp.shared_experts.linear_fc1.weight", ".mlp.shared_experts.linear_fc1.bias"))
+        shared = m.moe_shared_expert_intermediate_size
+        if shared_fc1 and m.swiglu and t.shape[0] == 2 * shared:
+            t = t.reshape(2, shared, *t.shape[1:])
         if name not in expected:
             raise ConversionError(
                 f"{source}: tensor {name} has no megalm counterpart for this model ({config_from} describe "
@@ -175,6 +193,30 @@ def to_megalm_names(
     if missing:
         raise ConversionError(f"{source}: no tensor for {len(missing)} megalm parameters, e.g. {missing[:4]}")
     return out
+
+
+def router_buffer_shapes(m) -> Dict[str, tuple]:
+    """The routers' ``expert_bias`` buffers (``--moe-router-enable-expert-bias``), which checkpoints hold
+    beside the parameters (megatron-core saves them under the same names)."""
+    if not m.moe_router_enable_expert_bias:
+        return {}
+    return {layer(i, "mlp.router.expert_bias"): (m.num_experts,) for i, is_moe in enumerate(moe_layers(m)) if is_moe}
+
+
+def _optimizer_state(ckpt: TorchDistCheckpoint, m, source: str, directory: str):
+    """``((entries, optimizer_common) or None, note)``: Megatron's model-space Adam state in megalm's
+    names (:mod:`megalm.conversion.megatron_optimizer`)."""
+    params = sorted(checkpoint_shapes(m))
+    if not m.untie_embeddings_and_output_weights:
+        params = [p for p in params if p != OUTPUT_LAYER]
+    step = saved_step(ckpt.common)
+    step = iteration_of(directory) if step is None else step
+
+    def to_megalm(tensors):
+        return to_megalm_names(tensors, m, source, buffers=False)
+
+    entries, common, note = optimizer_entries(ckpt.optimizer_states(m.num_layers), to_megalm, params, step)
+    return (None if entries is None else (entries, common)), note
 
 
 def config_from_saved_args(args: dict, source: str, extra_args: List[str]) -> Tuple[MegalmConfig, List[str]]:
@@ -195,7 +237,8 @@ def config_from_saved_args(args: dict, source: str, extra_args: List[str]) -> Tu
     if "model.seq_length" not in explicit:
         extra_args = extra_args + ["--seq-length", str(int(args["seq_length"]))]
     vocab_note = f"vocabulary {vocab} from {vocab_source} (the saved padded size was {args.get('padded_vocab_size')})"
-    return build_config(fields, extra_args + tok_flags), [vocab_note] + tok_notes + arg_notes
+    config = build_config(fields, extra_args + tok_flags, overridable=MOE_TRAINING_FIELDS)
+    return config, [vocab_note] + tok_notes + arg_notes
 
 
 def config_from_flags(extra_args: List[str], path: str) -> MegalmConfig:
@@ -279,21 +322,26 @@ def import_from_megatron(
     if tensors is None:
         tensors = ckpt.layer_tensors(m.num_layers)
     out = to_megalm_names(tensors, m, source, "the saved args" if args is not None else "the megalm flags")
-    stored = sorted({str(t.dtype).replace("torch.", "") for t in out.values()})
-    if stored != ["float32"]:
-        notes.append(
-            f"weights imported as Megatron saved the model ({', '.join(stored)}); the fp32 main copies in its "
-            f"optimizer state are not read"
-        )
     if dtype:
         out = {k: v.to(DTYPES[dtype]) for k, v in out.items()}
+    optimizer = None
+    if backend == "torch_dist" and ckpt.optimizer_keys:
+        optimizer, note = _optimizer_state(ckpt, m, source, os.path.basename(path))
+        notes = [n for n in notes if "optimizer state was not imported" not in n] + [note]
+    stored = sorted({str(t.dtype).replace("torch.", "") for t in out.values()})
+    main_weights = optimizer is not None and any(k.endswith(".main_param") for k in optimizer[0])
+    if stored != ["float32"]:
+        notes.append(
+            f"weights imported in {', '.join(stored)}; the fp32 main copies in Megatron's optimizer state are "
+            + ("imported as the optimizer's main weights" if main_weights else "not read")
+        )
     megatron_iteration = os.path.basename(path)
     extra = {
         "converted_from": os.path.abspath(path),
         "megatron_format": backend,
         "megatron_checkpoint": megatron_iteration,
     }
-    written = write_checkpoint(save_dir, out_iteration, out, cfg, extra)
+    written = write_checkpoint(save_dir, out_iteration, out, cfg, extra, optimizer)
     return ImportResult(
         written,
         f"Megatron-LM {backend} {megatron_iteration}",

@@ -4,7 +4,10 @@ Read from the checkpoint's own ``args`` (``common.pt`` / ``model_optim_rng.pt``,
 :mod:`megalm.conversion.megatron_pickles`): the architecture (layers, sizes, heads, query groups,
 ``kv_channels``, norm, SwiGLU, biases, tied or untied output, positions and RoPE base/percent,
 qk-layernorm, ``apply_layernorm_1p``), the dropouts, the init std, ``seq_length`` and the padded
-vocabulary.  Megatron's default fused bias-GELU (``bias_gelu_fusion`` with biases) and
+vocabulary; for mixture-of-experts models the expert count, sizes, layer pattern, router (top-k, score
+function, group-limited routing, scaling, expert bias, dtype), shared expert and the training-only
+settings (losses, dispatcher, capacity), which megalm flags may override (:data:`MOE_TRAINING_FIELDS`).
+Megatron's default fused bias-GELU (``bias_gelu_fusion`` with biases) and
 ``--openai-gelu`` compute the tanh approximation of GELU: such models get megalm's
 ``--openai-gelu``; ``--no-bias-gelu-fusion`` runs (or no biases) keep the exact erf GELU.
 """
@@ -17,7 +20,11 @@ from megalm.conversion.errors import ConversionError
 
 # args that must be off (False / None / 0 / the default) for megalm to hold the same model: (name, why).
 _MUST_BE_OFF = (
-    ("num_experts", "mixture-of-experts checkpoints are not imported yet"),
+    ("moe_shared_expert_gate", "megalm's shared expert has no gate"),
+    ("moe_input_jitter_eps", "megalm's router adds no input jitter"),
+    ("moe_router_topk_limited_devices", "use --moe-router-num-groups / --moe-router-group-topk"),
+    ("moe_apply_probs_on_input", "megalm weights the experts' outputs, not their inputs"),
+    ("moe_extended_tp", "megalm never splits experts over tensor-parallel ranks"),
     ("multi_latent_attention", "megalm has no multi-latent attention"),
     ("mtp_num_layers", "megalm has no multi-token prediction layers"),
     ("rotary_interleaved", "megalm's RoPE rotates halves, not interleaved pairs"),
@@ -65,9 +72,73 @@ def refusals(args: dict) -> List[str]:
     softmax = _get(args, "softmax_type", "vanilla")
     if softmax != "vanilla":
         wrong.append(f"--softmax-type {softmax} (megalm's attention softmax is plain)")
+    if args.get("num_experts"):
+        wrong += _moe_refusals(args)
     if args.get("group_query_attention") and not args.get("num_query_groups"):
         wrong.append("--group-query-attention without --num-query-groups")
     return wrong
+
+
+def _moe_refusals(args: dict) -> List[str]:
+    wrong = []
+    balancing = _get(args, "moe_router_load_balancing_type", "aux_loss")
+    if isinstance(balancing, (list, tuple)):
+        balancing = balancing[0] if len(balancing) == 1 else balancing
+    if balancing not in ("aux_loss", "seq_aux_loss", "none"):
+        wrong.append(f"--moe-router-load-balancing-type {balancing} (megalm has aux_loss, seq_aux_loss and none)")
+    score = _get(args, "moe_router_score_function", "softmax")
+    if score not in ("softmax", "sigmoid"):
+        wrong.append(f"--moe-router-score-function {score} (megalm has softmax and sigmoid)")
+    freq = _get(args, "moe_layer_freq", 1)
+    if not isinstance(freq, (int, list, tuple)):
+        wrong.append(f"--moe-layer-freq {freq!r} (an int or a list of 0/1 per layer)")
+    return wrong
+
+
+# MoE settings that only change training (losses, dispatch, capacity): megalm flags may override them.
+MOE_TRAINING_FIELDS = (
+    "moe_router_load_balancing_type",
+    "moe_aux_loss_coeff",
+    "moe_z_loss_coeff",
+    "moe_router_bias_update_rate",
+    "moe_token_dispatcher_type",
+    "moe_expert_capacity_factor",
+    "moe_token_drop_policy",
+    "moe_pad_expert_input_to_capacity",
+    "moe_grouped_gemm",
+)
+
+
+def moe_fields(args: dict) -> dict:
+    """megalm's MoE model fields from Megatron's saved ``args`` (``num_experts`` set)."""
+    balancing = _get(args, "moe_router_load_balancing_type", "aux_loss")
+    coeff = _get(args, "moe_aux_loss_coeff", 0.0)
+    dispatcher = _get(args, "moe_token_dispatcher_type", "allgather")
+    freq = _get(args, "moe_layer_freq", 1)
+    return {
+        "num_experts": int(args["num_experts"]),
+        "moe_ffn_hidden_size": _get(args, "moe_ffn_hidden_size"),
+        "moe_layer_freq": freq if isinstance(freq, int) else [int(v) for v in freq],
+        "moe_router_topk": int(_get(args, "moe_router_topk", 2)),
+        "moe_router_score_function": _get(args, "moe_router_score_function", "softmax"),
+        "moe_router_pre_softmax": bool(args.get("moe_router_pre_softmax")),
+        "moe_router_num_groups": _get(args, "moe_router_num_groups"),
+        "moe_router_group_topk": _get(args, "moe_router_group_topk"),
+        "moe_router_topk_scaling_factor": _get(args, "moe_router_topk_scaling_factor"),
+        "moe_router_enable_expert_bias": bool(args.get("moe_router_enable_expert_bias")),
+        "moe_router_bias_update_rate": float(_get(args, "moe_router_bias_update_rate", 1e-3)),
+        "moe_router_dtype": _get(args, "moe_router_dtype"),
+        "moe_shared_expert_intermediate_size": _get(args, "moe_shared_expert_intermediate_size"),
+        "moe_router_load_balancing_type": balancing[0] if isinstance(balancing, (list, tuple)) else balancing,
+        "moe_aux_loss_coeff": float(coeff[0] if isinstance(coeff, (list, tuple)) else coeff),
+        "moe_z_loss_coeff": _get(args, "moe_z_loss_coeff"),
+        # flex (DeepEP / HybridEP) moves the same tokens as alltoall
+        "moe_token_dispatcher_type": "alltoall" if dispatcher == "flex" else dispatcher,
+        "moe_expert_capacity_factor": _get(args, "moe_expert_capacity_factor"),
+        "moe_token_drop_policy": _get(args, "moe_token_drop_policy", "probs"),
+        "moe_pad_expert_input_to_capacity": bool(args.get("moe_pad_expert_input_to_capacity")),
+        "moe_grouped_gemm": bool(args.get("moe_grouped_gemm")),
+    }
 
 
 def megalm_fields(args: dict, source: str, vocab_size: int) -> Tuple[dict, List[str]]:
@@ -110,6 +181,12 @@ def megalm_fields(args: dict, source: str, vocab_size: int) -> Tuple[dict, List[
         "vocab_size": vocab_size,
     }
     notes = []
+    if args.get("num_experts"):
+        fields.update(moe_fields(args))
+        notes.append(
+            f"mixture of experts: {fields['num_experts']} experts, top-{fields['moe_router_topk']} "
+            f"{fields['moe_router_score_function']} routing (training-only MoE settings may be overridden by flags)"
+        )
     if fields["openai_gelu"]:
         why = "--openai-gelu" if args.get("openai_gelu") else "its default fused bias-GELU"
         notes.append(f"Megatron's GELU here is the tanh approximation ({why}): recorded as megalm's --openai-gelu")

@@ -7,13 +7,24 @@
 halves as ``linear_fc1.weight_w`` / ``_v``).  ``.metadata`` is read by
 :func:`megalm.safe_unpickle.load_metadata` (its pickled-object entries, such as the RNG state and
 ``_extra_state``, are listed but never read); tensors by DCP with ``torch.load(weights_only=True)``.
+Mixture-of-experts layers (megatron-core's ``SequentialMLP`` and ``TEGroupedMLP`` save the same keys)
+stack the experts on a second axis: ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` is
+``[num_layers, num_experts, out, in]``; a stacked key is read for the layers its saved chunks cover
+(a model whose ``--moe-layer-freq`` mixes dense and MoE layers saves each kind for its own layers).
 
 legacy (``mp_rank_XX[_YYY]/model_optim_rng.pt``, TP rank XX, PP rank YYY): each file holds its
 rank's shards under stage-local layer numbers; :func:`merge_legacy` concatenates column-parallel
 tensors on dim 0 (``linear_qkv``: each rank holds whole query groups, so the concatenation is
 already megalm's grouped order; SwiGLU ``linear_fc1``: each rank holds ``[gate_r ; up_r]``, split
 and regrouped), row-parallel ones on dim 1, the vocabulary on dim 0, and offsets the layer
-numbers of each stage by the layers of the stages before it.
+numbers of each stage by the layers of the stages before it.  Expert-parallel files
+(``mp_rank_XX[_YYY]_ZZZ``, EP rank ZZZ; with one suffix the saved args tell PP from EP) hold their
+rank's ``num_experts / EP`` experts in one of three forms, all renamed to the global
+``mlp.experts.local_experts.{j}.linear_fc{1,2}.weight`` before the TP merge: ``SequentialMLP``'s
+``local_experts.{local j}.``, ``TEGroupedMLP``'s ``linear_fc1.weight{local j}`` and the legacy
+``GroupedMLP``'s ``weight1`` / ``weight2`` (``[h, E_local * out]`` / ``[E_local * in, h]``, viewed as
+``[E_local, h, out]`` / ``[E_local, in, h]`` and transposed per expert).  Experts are split over TP
+ranks like the dense MLP (expert-tensor-parallel size = TP size; other sizes are refused here).
 
 Both yield ``{name: tensor}`` with explicit layer numbers and Megatron's names (TE's fused norm
 names included, ``_extra_state`` dropped); :mod:`megalm.conversion.megatron` maps them to megalm's.
@@ -44,6 +55,8 @@ NON_MODEL_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine_state", "t
 _DIM0 = (".linear_qkv.weight", ".linear_qkv.bias", ".linear_fc1.weight", ".linear_fc1.bias")
 _DIM0_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _DIM1 = (".linear_proj.weight", ".linear_fc2.weight")
+STACKED_EXPERTS = "mlp.experts.experts."  # torch_dist: [num_layers, num_experts, ...]
+OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq", "fp32_param")  # Adam's moments and the fp32 main weights
 
 
 def is_extra_state(name: str) -> bool:
@@ -59,7 +72,7 @@ class TorchDistCheckpoint:
     def __init__(self, path: str, read_args: bool = True):
         """``read_args`` False: ``common.pt`` is not opened (``args`` is None)."""
         self.path = path
-        self.args = None
+        self.args, self.common = None, {}
         if read_args:
             common = os.path.join(path, "common.pt")
             try:
@@ -69,7 +82,7 @@ class TorchDistCheckpoint:
                     f"{e}. To import the weights without reading {common}, give the architecture as megalm flags "
                     f"with --ignore-saved-args"
                 ) from None
-            self.args = checkpoint_args(state, common)
+            self.args, self.common = checkpoint_args(state, common), state
         self.metadata = load_metadata(path, allow_byte_entries=True)
         tensors = {
             k: md for k, md in self.metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)
@@ -78,9 +91,17 @@ class TorchDistCheckpoint:
         self.optimizer_keys = sorted(k for k in tensors if k.startswith("optimizer."))
         self.shapes = {k: tuple(md.size) for k, md in tensors.items()}
         self.dtypes = {k: md.properties.dtype for k, md in tensors.items()}
+        self.chunks = {k: md.chunks for k, md in tensors.items()}
+
+    def saved_layers(self, key: str) -> List[int]:
+        """The layers (indices on dim 0) of stacked ``key`` that its saved chunks cover."""
+        covered = set()
+        for chunk in self.chunks[key]:
+            covered.update(range(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]))
+        return sorted(covered)
 
     def load(self, keys: List[str]) -> Dict[str, torch.Tensor]:
-        request = {k: torch.empty(self.shapes[k], dtype=self.dtypes[k]) for k in keys}
+        request = {k: torch.zeros(self.shapes[k], dtype=self.dtypes[k]) for k in keys}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed.*")
             dcp.load(
@@ -93,19 +114,40 @@ class TorchDistCheckpoint:
 
     def layer_tensors(self, num_layers: int) -> Dict[str, torch.Tensor]:
         """Every model tensor, the stacked layer tensors unstacked into ``decoder.layers.{i}.*``."""
+        return self._unstacked(self.load(self.model_keys), "", num_layers)
+
+    def optimizer_states(self, num_layers: int) -> Dict[str, Dict[str, torch.Tensor]]:
+        """``{state: {model tensor name: tensor}}`` of the model-space optimizer state (the keys
+        ``optimizer.state.<exp_avg | exp_avg_sq | fp32_param>.<model key>`` that megatron-core's plain
+        optimizers and the distributed optimizer's ``fully_sharded_model_space`` format save, with the
+        model keys' shapes), unstacked like the model; ``{}`` for states saved otherwise."""
+        out = {}
+        for state in OPTIMIZER_STATES:
+            prefix = f"optimizer.state.{state}."
+            keys = [k for k in self.optimizer_keys if k.startswith(prefix)]
+            if keys:
+                out[state] = self._unstacked(self.load(keys), prefix, num_layers)
+        return out
+
+    def _unstacked(self, loaded: Dict[str, torch.Tensor], prefix: str, num_layers: int) -> Dict[str, torch.Tensor]:
+        """``loaded`` (full keys) without ``prefix``, stacked layer (and expert) axes split into names."""
         out: Dict[str, torch.Tensor] = {}
-        loaded = self.load(self.model_keys)
-        for key in self.model_keys:
-            t = loaded[key]
+        for full_key, t in loaded.items():
+            key = full_key[len(prefix) :]
             if key.startswith(STACKED_PREFIX) and not _NUMBERED.match(key):
                 if t.shape[0] != num_layers:
                     raise ConversionError(
-                        f"{self.path}: stacked {key} has {t.shape[0]} layers, the model config has --num-layers "
+                        f"{self.path}: stacked {full_key} has {t.shape[0]} layers, the model config has --num-layers "
                         f"{num_layers}"
                     )
                 rest = key[len(STACKED_PREFIX) :]
-                for i in range(num_layers):
-                    out[f"{STACKED_PREFIX}{i}.{rest}"] = t[i]
+                for i in self.saved_layers(full_key):
+                    if rest.startswith(STACKED_EXPERTS):  # [layer, expert, ...]
+                        expert_rest = rest[len(STACKED_EXPERTS) :]
+                        for j in range(t.shape[1]):
+                            out[f"{STACKED_PREFIX}{i}.mlp.experts.local_experts.{j}.{expert_rest}"] = t[i, j]
+                    else:
+                        out[f"{STACKED_PREFIX}{i}.{rest}"] = t[i]
             else:
                 out[key] = t
         return _join_swiglu_halves(out)
@@ -128,30 +170,72 @@ def _join_swiglu_halves(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Ten
 
 # --- legacy ----------------------------------------------------------------------------------
 
-_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
 
-def legacy_files(path: str) -> Dict[Tuple[int, int], str]:
-    """``{(tp rank, pp rank): model_optim_rng.pt path}``, checked to be a complete TP x PP grid."""
+def legacy_files(path: str) -> Dict[Tuple[int, ...], str]:
+    """``{(tp rank, *suffix numbers): model_optim_rng.pt path}`` of ``mp_rank_XX[_YYY][_ZZZ]``."""
     files = {}
     for entry in sorted(os.listdir(path)):
         found = _RANK_DIR.match(entry)
         if found and os.path.isfile(os.path.join(path, entry, "model_optim_rng.pt")):
-            files[(int(found.group(1)), int(found.group(2) or 0))] = os.path.join(path, entry, "model_optim_rng.pt")
-    others = sorted(e for e in os.listdir(path) if e.startswith("mp_rank_") and not _RANK_DIR.match(e))
-    if others:
-        raise ConversionError(
-            f"{path}: {others[0]} is an expert-parallel legacy file (mp_rank_XX_YYY_ZZZ): mixture-of-experts "
-            f"checkpoints are not imported"
-        )
+            key = tuple(int(g) for g in found.groups() if g is not None)
+            files[key] = os.path.join(path, entry, "model_optim_rng.pt")
     if not files:
         raise ConversionError(f"{path}: no mp_rank_XX[_YYY]/model_optim_rng.pt files")
-    tp = 1 + max(t for t, _ in files)
-    pp = 1 + max(p for _, p in files)
-    missing = [f"mp_rank_{t:02d}_{p:03d}" for t in range(tp) for p in range(pp) if (t, p) not in files]
-    if missing:
-        raise ConversionError(f"{path}: the legacy checkpoint is incomplete, missing {missing[:4]}")
+    if len({len(k) for k in files}) > 1:
+        raise ConversionError(f"{path}: mp_rank_ directories of mixed forms ({sorted(files)[:4]})")
     return files
+
+
+def _grid(path: str, files: Dict[Tuple[int, ...], str], pp: int, ep: int) -> Dict[Tuple[int, int, int], str]:
+    """``{(tp, pp, ep rank): file}`` from the directory names (one suffix: PP when ``pp`` > 1, else EP),
+    checked to be the complete TP x PP x EP grid the saved args describe."""
+    grid = {}
+    for key, file in files.items():
+        if len(key) == 1:
+            grid[(key[0], 0, 0)] = file
+        elif len(key) == 3:
+            grid[key] = file
+        else:
+            grid[(key[0], key[1], 0) if pp > 1 else (key[0], 0, key[1])] = file
+    tp = 1 + max(k[0] for k in grid)
+    found = (tp, 1 + max(k[1] for k in grid), 1 + max(k[2] for k in grid))
+    if found[1:] != (pp, ep):
+        raise ConversionError(
+            f"{path}: the saved args give PP {pp} x EP {ep}, the directory holds TP {found[0]} x PP {found[1]} x "
+            f"EP {found[2]} files"
+        )
+    missing = [(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep) if (t, p, e) not in grid]
+    if missing:
+        raise ConversionError(f"{path}: the legacy checkpoint is incomplete, missing (tp, pp, ep) ranks {missing[:4]}")
+    return grid
+
+
+_LOCAL_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d+)\.(.*)$")
+_TE_GROUPED = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)$")
+_GROUPED = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)weight([12])$")
+
+
+def _global_experts(sd: Dict[str, torch.Tensor], offset: int, local: int, hidden: int) -> Dict[str, torch.Tensor]:
+    """One file's experts under global names ``...mlp.experts.local_experts.{offset + j}.linear_fc{1,2}.*``
+    (from SequentialMLP's, TEGroupedMLP's or GroupedMLP's local names); other tensors unchanged."""
+    out = {}
+    for name, t in sd.items():
+        seq, te, grouped = _LOCAL_EXPERT.match(name), _TE_GROUPED.match(name), _GROUPED.match(name)
+        if seq:
+            out[f"{seq.group(1)}local_experts.{offset + int(seq.group(2))}.{seq.group(3)}"] = t
+        elif te:
+            prefix, linear, kind, j = te.groups()
+            out[f"{prefix}local_experts.{offset + int(j)}.{linear}.{kind}"] = t
+        elif grouped:  # weight1 [h, E_l * out] is [E_l, h, out] in memory; weight2 [E_l * in, h] is [E_l, in, h]
+            prefix, which = grouped.groups()
+            per_expert = t.reshape(local, hidden, -1) if which == "1" else t.reshape(local, -1, hidden)
+            for j in range(local):
+                out[f"{prefix}local_experts.{offset + j}.linear_fc{which}.weight"] = per_expert[j].t().contiguous()
+        else:
+            out[name] = t
+    return out
 
 
 def _merge_tp(name: str, shards: List[torch.Tensor], swiglu: bool) -> torch.Tensor:
@@ -171,48 +255,78 @@ def _merge_tp(name: str, shards: List[torch.Tensor], swiglu: bool) -> torch.Tens
     return shards[0]
 
 
-def _check_grid(args: dict, tp: int, pp: int, file: str) -> None:
-    """The saved args must describe the directory's TP x PP files (and no model this import refuses)."""
+def _check_args(args: dict, tp: int, file: str) -> Tuple[int, int]:
+    """``(PP, EP)`` of the saved args, which must describe the directory's TP size (and no model this
+    import refuses)."""
     wrong = refusals(args)
     if wrong:
         raise ConversionError(f"{file}: megalm cannot represent this Megatron-LM model: {'; '.join(wrong)}")
-    saved = (int(args.get("tensor_model_parallel_size") or 1), int(args.get("pipeline_model_parallel_size") or 1))
-    if saved != (tp, pp):
+    saved_tp = int(args.get("tensor_model_parallel_size") or 1)
+    pp, ep = (int(args.get(k) or 1) for k in ("pipeline_model_parallel_size", "expert_model_parallel_size"))
+    if saved_tp != tp:
+        raise ConversionError(f"{file}: the saved args give TP {saved_tp} x PP {pp}, the directory holds TP {tp} files")
+    etp = args.get("expert_tensor_parallel_size")
+    if args.get("num_experts") and etp is not None and int(etp) != tp:
         raise ConversionError(
-            f"{file}: the saved args give TP {saved[0]} x PP {saved[1]}, the directory holds TP {tp} x PP {pp} files"
+            f"{file}: --expert-tensor-parallel-size {etp} differs from TP {tp}: legacy files split that way are not "
+            f"imported (save with --ckpt-format torch_dist)"
         )
+    return pp, ep
+
+
+def _load_model_state(file: str, state: dict) -> Dict[str, torch.Tensor]:
+    if "model" not in state:
+        found = sorted(k for k in state if k.startswith("model"))
+        raise ConversionError(
+            f"{file}: no 'model' entry (found {found}): virtual-pipeline legacy checkpoints are not imported"
+        )
+    sd = {k: v for k, v in state["model"].items() if not is_extra_state(k)}
+    bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise ConversionError(f"{file}: model entry {bad[0]} is not a tensor")
+    return sd
+
+
+def _merge_ep(grid: dict, tp_rank: int, stage: int, ep: int, args: dict) -> Tuple[Dict[str, torch.Tensor], bool]:
+    """TP rank ``tp_rank``'s tensors of pipeline stage ``stage``, its EP ranks' experts under global
+    numbers (the other tensors must be the same in every EP rank's file); and whether any file held
+    optimizer state."""
+    merged, has_optimizer = {}, False
+    local = int(args["num_experts"]) // ep if args.get("num_experts") else 0
+    for e in range(ep):
+        file = grid[(tp_rank, stage, e)]
+        state = load_megatron_pickle(file)
+        has_optimizer = has_optimizer or bool(state.get("optimizer"))
+        sd = _global_experts(_load_model_state(file, state), e * local, local, int(args["hidden_size"]))
+        for name, t in sd.items():
+            if name in merged and not torch.equal(merged[name], t):
+                raise ConversionError(f"{file}: {name} differs from EP rank 0's copy (expected replicated)")
+            merged[name] = t
+    return merged, has_optimizer
 
 
 def merge_legacy(path: str) -> Tuple[dict, Dict[str, torch.Tensor], List[str]]:
     """``(args, full tensors by global name, notes)`` of the legacy checkpoint directory ``path``."""
     files = legacy_files(path)
-    tp = 1 + max(t for t, _ in files)
-    pp = 1 + max(p for _, p in files)
-    args, merged, offset, has_optimizer, swiglu = None, {}, 0, False, False
+    first = files[min(files)]
+    args = checkpoint_args(load_megatron_pickle(first), first)
+    tp = 1 + max(k[0] for k in files)
+    pp, ep = _check_args(args, tp, first)
+    grid = _grid(path, files, pp, ep)
+    swiglu = bool(args.get("swiglu"))
+    merged, offset, has_optimizer = {}, 0, False
     for stage in range(pp):
         per_rank = []
         for rank in range(tp):
-            file = files[(rank, stage)]
-            state = load_megatron_pickle(file)
-            if args is None:
-                args = checkpoint_args(state, file)
-                swiglu = bool(args.get("swiglu"))
-                _check_grid(args, tp, pp, file)
-            if "model" not in state:
-                found = sorted(k for k in state if k.startswith("model"))
-                raise ConversionError(
-                    f"{file}: no 'model' entry (found {found}): virtual-pipeline legacy checkpoints are not imported"
-                )
-            has_optimizer = has_optimizer or bool(state.get("optimizer"))
-            per_rank.append({k: v for k, v in state["model"].items() if not is_extra_state(k)})
+            sd, optimizer = _merge_ep(grid, rank, stage, ep, args)
+            per_rank.append(sd)
+            has_optimizer = has_optimizer or optimizer
         names = list(per_rank[0])
         for r, sd in enumerate(per_rank[1:], 1):
             if sorted(sd) != sorted(names):
-                raise ConversionError(f"{files[(r, stage)]}: holds other tensor names than TP rank 0 of its stage")
+                raise ConversionError(f"{grid[(r, stage, 0)]}: holds other tensor names than TP rank 0 of its stage")
         layers = set()
         for name in names:
-            if not isinstance(per_rank[0][name], torch.Tensor):
-                raise ConversionError(f"{files[(0, stage)]}: model entry {name} is not a tensor")
             full = _merge_tp(name, [sd[name] for sd in per_rank], swiglu)
             numbered = _NUMBERED.match(name)
             if numbered:
@@ -222,9 +336,9 @@ def merge_legacy(path: str) -> Tuple[dict, Dict[str, torch.Tensor], List[str]]:
                 raise ConversionError(f"{name} appears in two pipeline stages")
             merged[name] = full
         if layers and sorted(layers) != list(range(len(layers))):
-            raise ConversionError(f"{files[(0, stage)]}: layer numbers {sorted(layers)} are not 0..n-1 of its stage")
+            raise ConversionError(f"{grid[(0, stage, 0)]}: layer numbers {sorted(layers)} are not 0..n-1 of its stage")
         offset += len(layers)
-    notes = [f"legacy checkpoint: TP {tp} x PP {pp} files merged ({offset} layers)"]
+    notes = [f"legacy checkpoint: TP {tp} x PP {pp}{f' x EP {ep}' if ep > 1 else ''} files merged ({offset} layers)"]
     if has_optimizer:
         notes.append("the optimizer state in model_optim_rng.pt was not imported (weights only)")
     return args, merged, notes

@@ -44,6 +44,9 @@ def megalm_model_from_tensors(cfg: MegalmConfig, tensors: Dict[str, torch.Tensor
                 param[: value.shape[0]].copy_(value)
             else:
                 param.copy_(value.reshape(param.shape))
+        for name, buffer in model.named_buffers():  # e.g. a router's expert_bias, when the tensors hold it
+            if name in tensors:
+                buffer.copy_(tensors[name])
     return model.to(dtype).eval()
 
 

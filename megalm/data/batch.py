@@ -4,7 +4,7 @@ Only TP rank 0 reads data; :func:`get_batch` broadcasts its micro-batch to the o
 ranks (``src = get_tensor_model_parallel_src_rank()`` within the TP group).  As in
 Megatron, the first pipeline stage needs ``tokens`` and ``position_ids``, the last stage
 ``labels`` and ``loss_mask``; keys a stage does not need are None (every key on middle
-stages, which read nothing).  The returned dict always has the four keys.  Shapes are
+stages, which read nothing).  The returned dict always has the four keys and ``attention_mask``.  Shapes are
 ``[micro_batch_size, seq_length]``, known to every rank from the config passed in (a forward
 step takes it from its model: ``unwrap_model(model).cfg``), so nothing but the data itself is
 communicated.
@@ -14,6 +14,13 @@ follow the data-parallel rank) and keeps its two sequence chunks of each key
 (:func:`megalm.context_parallel.split_sequence`: chunks ``i`` and ``2CP-1-i`` of ``2CP`` for CP
 rank ``i``), so its shapes are ``[micro_batch_size, seq_length / CP]``; the position ids are the
 chunks' global positions.  No communication for the split.
+
+With ``--reset-attention-mask`` every pipeline stage needs the documents (its attention is masked
+by them): the reading rank's ``document_ids`` travel in the same broadcast as the other integer
+keys, middle stages read data too (:func:`megalm.data.loaders.rank_reads_data`), and each rank
+builds ``attention_mask`` (boolean ``[b, 1, s, s]``, True where attention is allowed:
+:func:`megalm.transformer.attention_mask.document_causal_mask`) locally.  Without it
+``attention_mask`` is None (causal attention).  Context parallelism is refused with it.
 """
 
 from __future__ import annotations
@@ -27,8 +34,10 @@ from megalm import parallel_state as ps
 from megalm.context_parallel import split_sequence
 from megalm.device import get_device
 from megalm.errors import MegalmError
+from megalm.transformer.attention_mask import document_causal_mask
 
 KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+DOCUMENT_IDS = "document_ids"  # in a dataset item with --reset-attention-mask
 
 
 class BatchError(MegalmError, ValueError):
@@ -43,25 +52,34 @@ def _shape(cfg) -> Tuple[int, int]:
     return cfg.training.micro_batch_size, cfg.model.seq_length
 
 
-def _stage_keys() -> Tuple[Tuple[str, ...], bool]:
-    """Integer keys this pipeline stage needs, and whether it needs the loss mask."""
+def _stage_keys(documents: bool) -> Tuple[Tuple[str, ...], bool]:
+    """Integer keys this pipeline stage needs, and whether it needs the loss mask; ``documents``:
+    every stage needs the document ids (``--reset-attention-mask``)."""
     first, last = ps.is_pipeline_first_stage(ignore_virtual=True), ps.is_pipeline_last_stage(ignore_virtual=True)
     int_keys = (("tokens", "position_ids") if first else ()) + (("labels",) if last else ())
-    return int_keys, last
+    return int_keys + ((DOCUMENT_IDS,) if documents else ()), last
+
+
+def _with_attention_mask(batch: Dict[str, Optional[torch.Tensor]], document_ids: Optional[torch.Tensor]):
+    """The batch's ``attention_mask``: document-masked causal from ``document_ids`` ``[b, s]``, else None."""
+    batch["attention_mask"] = None if document_ids is None else document_causal_mask(document_ids)
+    return batch
 
 
 def get_batch(data_iterator, cfg=None) -> Dict[str, Optional[torch.Tensor]]:
-    """Next micro-batch on this rank's device, broadcast within the tensor-parallel group.
+    """Next micro-batch on this rank's device, broadcast within the tensor-parallel group (with
+    ``attention_mask``: None, or the document mask under ``--reset-attention-mask``).
 
     ``cfg`` (a :class:`megalm.config.MegalmConfig`) is needed once model parallelism is
     initialized: ranks that do not read size their receive buffers from it."""
     device = get_device()
     if not ps.model_parallel_is_initialized():
         data = next(data_iterator)
-        return {k: data[k].to(device, non_blocking=True) for k in KEYS}
-    int_keys, need_mask = _stage_keys()
+        documents = data[DOCUMENT_IDS].to(device) if DOCUMENT_IDS in data else None
+        return _with_attention_mask({k: data[k].to(device, non_blocking=True) for k in KEYS}, documents)
+    int_keys, need_mask = _stage_keys(cfg is not None and cfg.data.reset_attention_mask)
     if not int_keys and not need_mask:
-        return dict.fromkeys(KEYS)  # middle pipeline stage: activations come from the previous stage
+        return dict.fromkeys(KEYS + ("attention_mask",))  # middle pipeline stage: activations come from before
     mbs, seq = _shape(cfg)
     src, tp = ps.get_tensor_model_parallel_src_rank(), ps.get_tensor_model_parallel_world_size()
     if ps.get_tensor_model_parallel_rank() == 0:
@@ -83,7 +101,8 @@ def get_batch(data_iterator, cfg=None) -> Dict[str, Optional[torch.Tensor]]:
     for i, k in enumerate(int_keys):
         out[k] = ints[i]
     out["loss_mask"] = mask
-    return _context_parallel_chunks(out)
+    documents = out.pop(DOCUMENT_IDS, None)
+    return _with_attention_mask(_context_parallel_chunks(out), documents)
 
 
 def _context_parallel_chunks(batch: Dict[str, Optional[torch.Tensor]]) -> Dict[str, Optional[torch.Tensor]]:

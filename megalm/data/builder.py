@@ -105,6 +105,7 @@ def _gpt_config(cfg, eod: int) -> GPTDatasetConfig:
         eod=eod,
         eod_mask_loss=cfg.data.eod_mask_loss,
         reset_position_ids=cfg.data.reset_position_ids,
+        reset_attention_mask=cfg.data.reset_attention_mask,
         cache_dir=cfg.data.data_cache_path,
     )
 

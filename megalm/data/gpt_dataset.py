@@ -45,6 +45,7 @@ class GPTDatasetConfig:
     eod: int
     eod_mask_loss: bool = False
     reset_position_ids: bool = False
+    reset_attention_mask: bool = False  # items carry "document_ids"
     cache_dir: Optional[str] = None  # None: "cache/GPTDataset_indices" beside the data
 
 
@@ -92,13 +93,23 @@ def positions_restarting_after(tokens: torch.Tensor, eod: int) -> torch.Tensor:
     return index - torch.cummax(starts, dim=0).values
 
 
+def document_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """Which document each position belongs to (``--reset-attention-mask``): the number of
+    end-of-document tokens strictly before it, so an eod closes its own document (as Megatron's
+    ``get_ltor_masks_and_position_ids``: after an eod at ``i``, positions ``> i`` stop seeing ``<= i``)."""
+    ids = torch.zeros(tokens.numel(), dtype=torch.int64)
+    ids[1:] = torch.cumsum(tokens[:-1] == eod, dim=0)
+    return ids
+
+
 class GPTDataset(torch.utils.data.Dataset):
     """Samples of ``seq_length`` tokens from ``documents`` of a low-level dataset.
 
     ``indexed_dataset`` is an :class:`IndexedDataset` (or the mock); ``documents`` the
     sequence ids of this split; ``len(self) >= num_samples``.  Item ``i`` is a dict of
     ``tokens``, ``labels`` (tokens shifted by one), ``loss_mask`` (float32, 0 where the
-    input token is end-of-document with ``eod_mask_loss``) and ``position_ids``.
+    input token is end-of-document with ``eod_mask_loss``) and ``position_ids``; with
+    ``reset_attention_mask`` also ``document_ids`` (:func:`document_ids`).
     """
 
     def __init__(
@@ -190,4 +201,7 @@ class GPTDataset(torch.utils.data.Dataset):
         position_ids = torch.arange(self.config.seq_length, dtype=torch.int64)
         if self.config.reset_position_ids:
             position_ids = positions_restarting_after(tokens, self.config.eod)
-        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+        item = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+        if self.config.reset_attention_mask:
+            item["document_ids"] = document_ids(tokens, self.config.eod)
+        return item

@@ -2,7 +2,8 @@
 
 :func:`build_train_valid_test_data_iterators` builds the datasets collectively (rank 0
 first, cached, then the others), and returns iterators of micro-batch dicts on the ranks
-that read data: tensor-parallel rank 0 of the first and last pipeline stages.  Every
+that read data: tensor-parallel rank 0 of the first and last pipeline stages (of every stage with
+``--reset-attention-mask``).  Every
 other rank gets ``None`` and receives its batches through :func:`megalm.data.get_batch`.
 The returned :class:`DataIterators` also tells every rank which splits have data
 (``.splits``, as Megatron's ``do_train`` / ``do_valid`` / ``do_test`` flags), since only
@@ -99,12 +100,14 @@ def cyclic_iter(iterable) -> Iterator:
             return
 
 
-def rank_reads_data() -> bool:
-    """TP rank 0 of the first or last pipeline stage (every rank without model parallelism)."""
+def rank_reads_data(every_stage: bool = False) -> bool:
+    """TP rank 0 of the first or last pipeline stage, or of every stage with ``every_stage``
+    (``--reset-attention-mask``: each stage's attention needs the documents); every rank without
+    model parallelism."""
     if not ps.model_parallel_is_initialized():
         return True
     return ps.get_tensor_model_parallel_rank() == 0 and (
-        ps.is_pipeline_first_stage(ignore_virtual=True) or ps.is_pipeline_last_stage(ignore_virtual=True)
+        every_stage or ps.is_pipeline_first_stage(ignore_virtual=True) or ps.is_pipeline_last_stage(ignore_virtual=True)
     )
 
 
@@ -152,7 +155,7 @@ def build_train_valid_test_data_iterators(
     test ones are not.  ``cyclic`` (as Megatron): all three shuffle and re-iterate endlessly,
     the valid one from ``consumed_valid_samples`` (the sampler derives the epoch from it).
     """
-    reads = rank_reads_data()
+    reads = rank_reads_data(every_stage=cfg.data.reset_attention_mask)
     num_samples = get_train_valid_test_num_samples(cfg)
     train_ds, valid_ds, test_ds = build_train_valid_test_datasets(cfg, tokenizer, reads, num_samples)
     splits = _share_split_flags([ds is not None for ds in (train_ds, valid_ds, test_ds)])

@@ -207,6 +207,7 @@ class GPTModel(nn.Module):
         labels: Optional[torch.Tensor] = None,
         inference_cache=None,
         loss_mask: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Per-token fp32 loss ``[b, s]`` (last stage, labels given), vocab-parallel logits
         ``[b, s, V/tp]`` (last stage, no labels), else hidden states ``[s(/tp), b, h]``.
@@ -218,6 +219,10 @@ class GPTModel(nn.Module):
         ``inference_cache`` (generation, :class:`megalm.inference.kv_cache.KVCache`): ``tokens``
         continue the cached sequence; positions default to ``cache.offset ..`` and the cache
         advances by ``s`` after the forward.
+
+        ``attention_mask`` (``--reset-attention-mask``, from :func:`megalm.data.get_batch`): boolean
+        ``[b, 1, s, s]``, True where a token may attend (causal within its document); every stage of
+        the pipeline takes it.  None: causal attention.
         """
         if inference_cache is not None and position_ids is None:
             s = tokens.shape[1] if tokens is not None else self.decoder.input_tensor.shape[0]
@@ -232,7 +237,7 @@ class GPTModel(nn.Module):
                 raise RuntimeError("GPTModel without pre_process needs set_input_tensor() before forward")
         rotary_cos, rotary_sin = self._rotary_tables(hidden, position_ids)
         if inference_cache is None:
-            hidden = self.decoder(hidden, rotary_cos, rotary_sin)
+            hidden = self.decoder(hidden, rotary_cos, rotary_sin, attention_mask=attention_mask)
         else:
             hidden = self.decoder(hidden, rotary_cos, rotary_sin, inference_cache=inference_cache)
             inference_cache.advance(hidden.shape[0])

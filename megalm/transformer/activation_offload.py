@@ -134,7 +134,7 @@ class ActivationOffload:
         self.transfer = transfer if transfer is not None else HostTransfer()
         self.device = get_device()
 
-    def run(self, layers: Sequence[torch.nn.Module], hidden, rotary_cos, rotary_sin):
+    def run(self, layers: Sequence[torch.nn.Module], hidden, rotary_cos, rotary_sin, attention_mask=None):
         """The layers' forward, offloading the first ``num_layers`` (training with grad only)."""
         below = None
         for index, layer in enumerate(layers):
@@ -142,12 +142,12 @@ class ActivationOffload:
                 params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
                 group = OffloadGroup(layer.layer_number, self.transfer, self.device, params)
                 with torch.autograd.graph.saved_tensors_hooks(group.pack, OffloadGroup.unpack):
-                    hidden = layer(hidden, rotary_cos, rotary_sin)
+                    hidden = layer(hidden, rotary_cos, rotary_sin, attention_mask=attention_mask)
                 group.offload()
                 hidden = _LayerBoundary.apply(hidden, group, below)
                 below = group
             else:
-                hidden = layer(hidden, rotary_cos, rotary_sin)
+                hidden = layer(hidden, rotary_cos, rotary_sin, attention_mask=attention_mask)
                 if below is not None:
                     hidden = _LayerBoundary.apply(hidden, None, below)
                     below = None

@@ -25,6 +25,11 @@ sequence and the core is :func:`megalm.context_parallel.context_parallel_attenti
 ``cp_group`` (``cp_comm_type`` p2p / a2a / allgather; its communication is described there); a2a
 runs the SDPA, blocked or unfused core on the full sequence of its heads.  No attention dropout,
 flash-attn or TE core under CP (refused by the configuration checks).
+
+``attention_mask`` (``--reset-attention-mask``; boolean ``[b, 1, s, s]``, True where attention is
+allowed, already causal: :mod:`megalm.transformer.attention_mask`) replaces the causal mask in the
+SDPA, blocked and unfused cores; flash-attn takes no mask, so a flash-attn plan runs SDPA with it
+(an explicit ``--attention-backend flash``, TE layers and context parallelism are refused with it).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from megalm.fusions import backends
 from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.fusions.compile import select
 from megalm.fusions.rope import rotary_qk
-from megalm.fusions.softmax import scaled_causal_softmax
+from megalm.fusions.softmax import masked_scaled_softmax, scaled_causal_softmax
 from megalm.parallel_state import CURRENT, group_size, resolve_group
 from megalm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalm.tensor_parallel.random import checkpoint, dropout_rng
@@ -135,21 +140,27 @@ class SelfAttention(nn.Module):
         q, k, v = torch.split(grouped, [self.queries_per_group * d, d, d], dim=-1)
         return q.reshape(s, b, self.heads_per_rank, d), k, v
 
-    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention on ``[s, b, n, d]`` tensors; returns ``[s, b, heads_r * d]``.  Dropout on
-        the attention weights draws from the tracker's model-parallel stream (heads differ per rank)."""
+    def core_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """Causal attention on ``[s, b, n, d]`` tensors (or masked by ``attention_mask``); returns
+        ``[s, b, heads_r * d]``.  Dropout on the attention weights draws from the tracker's
+        model-parallel stream (heads differ per rank)."""
         s, b = q.shape[:2]
         if self.cp_size > 1:
+            if attention_mask is not None:
+                raise ContextParallelError("--reset-attention-mask is not supported under context parallelism")
             out = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, self._causal_core)
             return out.reshape(s, b, self.heads_per_rank * self.head_dim)
         p = self.attention_dropout if self.training else 0.0
         with dropout_rng(p, model_parallel_rng=True):
-            if self.backend == "flash-attn":  # [b, s, n, d] in and out; GQA natively
+            if self.backend == "flash-attn" and attention_mask is None:  # [b, s, n, d] in and out; GQA natively
                 out = backends.flash_attn_function()(
                     *(t.transpose(0, 1) for t in (q, k, v)), dropout_p=p, causal=True
                 ).transpose(0, 1)
             else:
-                out = self._core_on_heads(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), p).permute(2, 0, 1, 3)
+                heads_first = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+                out = self._core_on_heads(*heads_first, p, attention_mask).permute(2, 0, 1, 3)
         return out.reshape(s, b, self.heads_per_rank * self.head_dim)
 
     def _causal_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -160,16 +171,24 @@ class SelfAttention(nn.Module):
         gqa = self.groups_per_rank != self.heads_per_rank
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
-    def _core_on_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
-        """SDPA, blocked or unfused core: ``[b, n, s, d]`` -> ``[b, heads_r, s, d]``."""
+    def _core_on_heads(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """SDPA, blocked or unfused core: ``[b, n, s, d]`` -> ``[b, heads_r, s, d]``; causal, or ``mask``
+        (boolean ``[b, 1, s, s]``, True where allowed) instead.  A flash-attn plan given a mask runs SDPA."""
         gqa = self.groups_per_rank != self.heads_per_rank
-        if self.backend == "sdpa":
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
+        if self.backend in ("sdpa", "flash-attn"):
+            causal = mask is None
+            return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=p, is_causal=causal, enable_gqa=gqa)
         if gqa:
             k, v = (t.repeat_interleave(self.queries_per_group, dim=1) for t in (k, v))
         if self.backend == "blocked":
-            return blocked_causal_attention(q, k, v)
-        probs = self.masked_softmax(torch.matmul(q, k.transpose(-2, -1)), self.head_dim**-0.5)
+            return blocked_causal_attention(q, k, v, mask)
+        scores = torch.matmul(q, k.transpose(-2, -1))
+        if mask is None:
+            probs = self.masked_softmax(scores, self.head_dim**-0.5)
+        else:
+            probs = masked_scaled_softmax(scores, mask, self.head_dim**-0.5)
         return torch.matmul(F.dropout(probs, p) if p > 0.0 else probs, v)
 
     def cached_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
@@ -191,9 +210,11 @@ class SelfAttention(nn.Module):
         rotary_cos: Optional[torch.Tensor] = None,
         rotary_sin: Optional[torch.Tensor] = None,
         kv_cache=None,
+        attention_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``kv_cache`` (inference only): a per-layer cache (:class:`megalm.inference.kv_cache.LayerKVCache`)
-        that stores this call's keys/values (after RoPE) and returns all cached ones."""
+        that stores this call's keys/values (after RoPE) and returns all cached ones.  ``attention_mask``:
+        see the module docstring (training and evaluation only)."""
         q, k, v = self.split_qkv(self.linear_qkv(hidden))
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
@@ -206,7 +227,7 @@ class SelfAttention(nn.Module):
             k, v = kv_cache.update(k, v)
             context = self.cached_attention(q, k, v, offset)
         elif self.recompute_core:
-            context = checkpoint(self.core_attention, q, k, v)
+            context = checkpoint(self.core_attention, q, k, v, attention_mask)
         else:
-            context = self.core_attention(q, k, v)
+            context = self.core_attention(q, k, v, attention_mask)
         return self.linear_proj(context)

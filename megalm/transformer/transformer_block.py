@@ -96,25 +96,25 @@ class TransformerBlock(nn.Module):
 
     @staticmethod
     def _run_layers(layers: Sequence[TransformerLayer]):
-        def run(hidden, rotary_cos, rotary_sin):
+        def run(hidden, rotary_cos, rotary_sin, attention_mask=None):
             for layer in layers:
-                hidden = layer(hidden, rotary_cos, rotary_sin)
+                hidden = layer(hidden, rotary_cos, rotary_sin, attention_mask=attention_mask)
             return hidden
 
         return run
 
-    def _forward_full_recompute(self, hidden, rotary_cos, rotary_sin):
+    def _forward_full_recompute(self, hidden, rotary_cos, rotary_sin, mask):
         layers, n = self._layer_list(), self.recompute_num_layers
         if self.recompute_method == "uniform":
             for start in range(0, len(layers), n):
-                hidden = checkpoint(self._run_layers(layers[start : start + n]), hidden, rotary_cos, rotary_sin)
+                hidden = checkpoint(self._run_layers(layers[start : start + n]), hidden, rotary_cos, rotary_sin, mask)
             return hidden
         if self.recompute_method == "block":
             for index, layer in enumerate(layers):
                 if index < n:
-                    hidden = checkpoint(layer, hidden, rotary_cos, rotary_sin)
+                    hidden = checkpoint(self._run_layers([layer]), hidden, rotary_cos, rotary_sin, mask)
                 else:
-                    hidden = layer(hidden, rotary_cos, rotary_sin)
+                    hidden = layer(hidden, rotary_cos, rotary_sin, attention_mask=mask)
             return hidden
         raise ValueError(f"unknown --recompute-method {self.recompute_method!r}")
 
@@ -124,8 +124,10 @@ class TransformerBlock(nn.Module):
         rotary_cos: Optional[torch.Tensor] = None,
         rotary_sin: Optional[torch.Tensor] = None,
         inference_cache=None,
+        attention_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """``[s(/tp), b, h]`` in and out; the final norm is applied on the last stage.
+        """``[s(/tp), b, h]`` in and out; the final norm is applied on the last stage.  ``attention_mask``:
+        the document mask of ``--reset-attention-mask`` (boolean ``[b, 1, s, s]``), else causal.
 
         ``inference_cache`` (generation only, see :class:`megalm.inference.kv_cache.KVCache`):
         each layer appends its keys/values to ``inference_cache.layer(layer_number)``; no recompute.
@@ -136,11 +138,13 @@ class TransformerBlock(nn.Module):
         else:
             with self.fp8_autocast() if self.fp8_autocast is not None else contextlib.nullcontext():
                 if self.recompute_granularity == "full" and self.training:
-                    hidden = self._forward_full_recompute(hidden, rotary_cos, rotary_sin)
+                    hidden = self._forward_full_recompute(hidden, rotary_cos, rotary_sin, attention_mask)
                 elif self.activation_offload is not None and self.training and torch.is_grad_enabled():
-                    hidden = self.activation_offload.run(self._layer_list(), hidden, rotary_cos, rotary_sin)
+                    hidden = self.activation_offload.run(
+                        self._layer_list(), hidden, rotary_cos, rotary_sin, attention_mask
+                    )
                 else:
-                    hidden = self._run_layers(self._layer_list())(hidden, rotary_cos, rotary_sin)
+                    hidden = self._run_layers(self._layer_list())(hidden, rotary_cos, rotary_sin, attention_mask)
         if self.final_layernorm is not None:
             hidden = self.final_layernorm(hidden)
         return hidden

@@ -118,9 +118,15 @@ class TransformerLayer(nn.Module):
         rotary_cos: Optional[torch.Tensor] = None,
         rotary_sin: Optional[torch.Tensor] = None,
         kv_cache=None,
+        attention_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """``kv_cache``: this layer's inference cache (see :class:`~megalm.transformer.attention.SelfAttention`)."""
-        if kv_cache is None:
+        """``kv_cache``: this layer's inference cache; ``attention_mask``: the document mask of
+        ``--reset-attention-mask`` (see :class:`~megalm.transformer.attention.SelfAttention`)."""
+        if kv_cache is None and attention_mask is not None:
+            attention_out = self.self_attention(
+                self.input_layernorm(hidden), rotary_cos, rotary_sin, attention_mask=attention_mask
+            )
+        elif kv_cache is None:
             attention_out = self.self_attention(self.input_layernorm(hidden), rotary_cos, rotary_sin)
         else:
             attention_out = self.self_attention(self.input_layernorm(hidden), rotary_cos, rotary_sin, kv_cache=kv_cache)

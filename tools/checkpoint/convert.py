@@ -21,8 +21,10 @@ megalm flags given must agree with it.  When a newer Megatron stores a class out
 megalm flags given, checked against the tensor shapes only.  The true vocabulary comes from
 ``--vocab-size``, the saved tokenizer's files or the saved ``vocab_size`` (+ 1 for NullTokenizer);
 the padded rows are dropped.  Megatron's default fused bias-GELU is the tanh approximation: such
-models are recorded with ``--openai-gelu``.  Weights only, as saved (bf16 for a ``--bf16`` run):
-the optimizer state is not imported (a note says so).  Mixture-of-experts, multi-latent
+models are recorded with ``--openai-gelu``.  Weights as saved (bf16 for a ``--bf16`` run); a
+``torch_dist`` checkpoint's Adam state in model space (moments, fp32 main weights) is imported too, so
+``--load`` resumes it; other optimizer layouts are not (a note says so).  Mixture-of-experts models
+(router and expert bias, experts, shared expert; legacy files merged over EP) import.  Multi-latent
 attention, interleaved or scaled RoPE, ``zarr`` and virtual-pipeline legacy checkpoints are refused.
 
 Llama-style models map to ``LlamaForCausalLM``, GPT-2-style ones to ``GPT2LMHeadModel``,
