@@ -18,9 +18,13 @@
    activations and transient buffers (tested against measured saved tensors in tests/test_estimate.py),
    against the budget.
 
+3. ``--plot PATH``: the planner's largest model per strategy against the budget (``--plot-budgets``, no
+   training), as an SVG line chart.
+
 Timings depend on the machine and its load; bytes do not.  ``--out`` writes the numbers as JSON.
 
     python bench/sharding_ladder.py [--ranks 4] [--steps 4] [--budget-mb 160] [--skip-time] [--skip-budget]
+        [--plot bench/results/sharding_ladder.svg] [--out bench/results/sharding_ladder.json]
 """
 
 from __future__ import annotations
@@ -198,6 +202,24 @@ def budget_table(k: int, budget_mb: float) -> dict:
     return best
 
 
+def plot(k: int, budgets: list, path: str) -> dict:
+    """The planner's largest model (M parameters) per strategy at each budget, drawn to ``path``."""
+    from svg_plot import write_line_chart
+
+    series = {}
+    for budget in budgets:
+        for s, b in boundaries(k, budget).items():
+            series.setdefault(s, []).append((budget, b["params"] / 1e6))
+    write_line_chart(
+        path,
+        series,
+        title=f"Largest model per rank budget, {k} ranks (planner)",
+        xlabel="budget per rank (MB: model state + activations)",
+        ylabel="parameters (M)",
+    )
+    return series
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, default=4)
@@ -205,6 +227,8 @@ def main():
     ap.add_argument("--budget-mb", type=float, default=160.0, help="per-rank memory budget (1e6 bytes)")
     ap.add_argument("--skip-time", action="store_true")
     ap.add_argument("--skip-budget", action="store_true")
+    ap.add_argument("--plot", default=None, help="draw the planner's largest model against the budget here (SVG)")
+    ap.add_argument("--plot-budgets", type=float, nargs="+", default=[80, 120, 160, 200, 240, 320, 400])
     ap.add_argument("--out", default=None, help="write the numbers as JSON here")
     args = ap.parse_args()
     result = {}
@@ -212,6 +236,8 @@ def main():
         result["time"] = time_table(args.ranks, args.steps)
     if not args.skip_budget:
         result["budget"] = budget_table(args.ranks, args.budget_mb)
+    if args.plot:
+        result["plot"] = plot(args.ranks, args.plot_budgets, args.plot)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
