@@ -61,7 +61,8 @@ class Unsharder:
         self.prefetches = 0
         self.forward_order: List[ShardedParamBucket] = []  # the previous forward's
         self.backward_order: List[ShardedParamBucket] = []  # this forward's, for its backward
-        self._asked: List[ShardedParamBucket] = []  # this forward's requests, first time each
+        self._position: Dict[int, Dict[int, int]] = {}  # id(order) -> {id(bucket): index}
+        self._asked: Dict[int, ShardedParamBucket] = {}  # this forward's requests, first time each, in order
         self._last_saved: Dict[int, tuple] = {}  # id(bucket) -> (save count, bucket)
         self._saves = 0
         self.handles = []
@@ -83,13 +84,11 @@ class Unsharder:
     def _pre(self, mine: list):
         def hook(module, args):
             if not self.in_forward:  # a recomputed region replayed in backward: keep what it gathers
-                for b in mine:
-                    b.gather()
+                self._use(mine)
                 return
             self.active.append(mine)
             for b in mine:
-                if all(b is not a for a in self._asked):
-                    self._asked.append(b)
+                self._asked.setdefault(id(b), b)
             needed = {id(b) for group in self.active for b in group}
             if self.prefetched is not None:
                 needed.add(id(self.prefetched))
@@ -116,7 +115,8 @@ class Unsharder:
         """Prefetch the first bucket after the last of ``buckets`` in ``order`` that is not gathered."""
         if not self.prefetch or self.prefetched is not None:
             return
-        positions = [i for i, b in enumerate(order) if any(b is a for a in buckets)]
+        where = self._position.get(id(order), {})
+        positions = [where[id(b)] for b in buckets if id(b) in where]
         if not positions:
             return
         for b in order[max(positions) + 1 :]:
@@ -146,7 +146,7 @@ class Unsharder:
     def forward(self):
         """Around the wrapped module's forward: a fresh stack, the saved-tensor hooks; on exit the
         request order becomes the next forward's prefetch order and the save order this backward's."""
-        self.active, self._asked, self._last_saved, self._saves = [], [], {}, 0
+        self.active, self._asked, self._last_saved, self._saves = [], {}, {}, 0
         self.prefetched = None  # one the last backward launched and never used: free to go
         self.in_forward = True
         try:
@@ -154,6 +154,7 @@ class Unsharder:
                 yield
         finally:
             self.in_forward = False
-        self.forward_order = self._asked
+        self.forward_order = list(self._asked.values())
         if self._last_saved:
             self.backward_order = [b for _, b in sorted(self._last_saved.values(), key=lambda x: -x[0])]
+        self._position = {id(o): {id(b): i for i, b in enumerate(o)} for o in (self.forward_order, self.backward_order)}
