@@ -326,14 +326,18 @@ def test_distributed_optimizer_bytes_follow_the_formula():
     assert st["weights"] + st["grads"] + st["optimizer"] == 18 * n
 
 
+UNTIE = "--untie-embeddings-and-output-weights"
+
+
 @pytest.mark.parametrize(
     "gpu_gb, expected",
-    [(0.039, "no_shard"), (0.022, "optim"), (0.0161, "optim_grads"), (0.014, "optim_grads_params"), (0.013, None)],
+    [(0.039, "no_shard"), (0.022, "optim"), (0.0216, "optim_grads"), (0.021, "optim_grads_params"), (0.0195, None)],
 )
 def test_sharding_strategies_bytes_and_recommendation(gpu_gb, expected, capsys):
     base = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128"]
     base += ["--vocab-size", "1023", "--tokenizer-type", "NullTokenizer", "--bf16", "--world-size", "4"]
-    cfg, options = parse(base + ["--data-parallel-sharding-strategy", "optim_grads", "--reserve-gb", "0"])
+    base += ["--data-parallel-sharding-strategy", "optim_grads", "--reserve-gb", "0"]
+    cfg, options = parse(base + ["--overlap-grad-reduce", "--ddp-bucket-size", "100000"])
     options.gpu_memory_gb = gpu_gb
     r = plan(cfg, options)
     st = r["stages"][0]
@@ -341,7 +345,23 @@ def test_sharding_strategies_bytes_and_recommendation(gpu_gb, expected, capsys):
     assert r["bytes_per_param_by_strategy"] == {"no_shard": 18, "optim": 9, "optim_grads": 6, "optim_grads_params": 4.5}
     rest = st["total"] - 18 * n
     for strategy, per_param in r["bytes_per_param_by_strategy"].items():
-        assert st[f"total_{strategy}"] == pytest.approx(per_param * n + rest)
+        assert st[f"total_{strategy}"] == pytest.approx(per_param * n + rest + st[f"transient_{strategy}"])
+    # sharding_peaks: U = bucket + the largest layer parameter (fc1: 1024 x 256), E = E_1 = the tied embedding
+    # and position table; one microbatch with overlap: 3 U + E_1 of fp32 gradients; ZeRO-3 also one gathered
+    # bf16 bucket + E
+    unit, whole = 100000 + 1024 * 256, 1024 * 256 + 128 * 256
+    assert (st["transient_no_shard"], st["transient_optim"]) == (0, 0)
+    assert st["transient_optim_grads"] == 4 * (3 * unit + whole)
+    assert st["transient_optim_grads_params"] == 4 * (3 * unit + whole) + 2 * (unit + whole)
+    # untied: E adds the output weight; gradients count one of the two (E_1), the gathered weights both
+    untied = plan(*parse(base + ["--overlap-grad-reduce", "--ddp-bucket-size", "100000", UNTIE]))["stages"][0]
+    assert untied["transient_optim_grads"] == 4 * (3 * unit + whole)
+    assert untied["transient_optim_grads_params"] == 4 * (3 * unit + whole) + 2 * (unit + whole + 1024 * 256)
+    # without --overlap-grad-reduce one bucket holds the stage: every gradient (and, ZeRO-3, weight) is whole
+    # during the backward, so at the peak neither saves anything over optim
+    whole = plan(*parse(base))["stages"][0]
+    assert whole["transient_optim_grads"] == 4 * n and whole["transient_optim_grads_params"] == 6 * n
+    assert whole["total_optim_grads"] > whole["total_optim"]
     assert r["largest_rank_bytes"] == st["total_optim_grads"]  # as configured
     assert r["recommended_strategy"] == expected
     text = format_plan(cfg, r)

@@ -63,6 +63,9 @@ def _cfg(**flags):
         ({"use_distributed_optimizer": True}, "optim"),
         ({"data_parallel_sharding_strategy": "optim"}, "optim"),
         ({"data_parallel_sharding_strategy": "optim_grads", "overlap_param_gather": True}, "optim_grads"),
+        # ZeRO-3 prefetch and recompute (tests/test_sharding_strategy_training.py trains them)
+        ({"data_parallel_sharding_strategy": ZERO3, "overlap_param_gather": True}, ZERO3),
+        ({"data_parallel_sharding_strategy": ZERO3, "recompute_granularity": "selective"}, ZERO3),
     ],
 )
 def test_strategy_flag(parallel, strategy):
@@ -74,14 +77,6 @@ def test_strategy_flag(parallel, strategy):
 @pytest.mark.parametrize(
     "parallel,message",
     [
-        (
-            {"data_parallel_sharding_strategy": "optim_grads_params", "recompute_granularity": "selective"},
-            "optim_grads_params with --recompute-granularity selective is not built yet",
-        ),
-        (
-            {"data_parallel_sharding_strategy": "optim_grads_params", "overlap_param_gather": True},
-            "no prefetch.*--overlap-param-gather is not built",
-        ),
         (
             {"data_parallel_sharding_strategy": "optim_grads_params", "num_experts": 2},
             "optim_grads_params with --num-experts is not built yet",
@@ -123,12 +118,29 @@ def test_memory_single_rank():
         assert total == formula_total, precision
 
 
-def _train(dp, strategy, overlap, bucket_size, expert_last_layer):
+def _gathered_sampler(ddp, buckets):
+    """Hooks (run after DDP's) recording, at every module forward and gradient accumulation, the
+    bytes of gathered parameters and how many unpinned buckets are gathered (a prefetch counts)."""
+    samples = {"forward": [], "backward": []}
+
+    def sample(phase):
+        samples[phase].append(
+            (sum(buf.param_bytes() for buf in ddp.all_buffers), sum(b.gathered and not b.pinned for b in buckets))
+        )
+
+    for m in ddp.module.modules():
+        m.register_forward_pre_hook(lambda *_: sample("forward"))
+    for p in ddp.module.parameters():
+        p.register_post_accumulate_grad_hook(lambda *_: sample("backward"))
+    return samples
+
+
+def _train(dp, strategy, overlap, bucket_size, expert_last_layer, prefetch=False):
     model = make_model()
     if expert_last_layer:
         for p in model.out.parameters():
             p.allreduce = False
-    gather = overlap and strategy != ZERO3  # ZeRO-3 gathers before use, no prefetch
+    gather = overlap and (strategy != ZERO3 or prefetch)  # ZeRO-3: --overlap-param-gather = prefetch
     kw = dict(overlap_grad_reduce=overlap, overlap_param_gather=gather, ddp_bucket_size=bucket_size)
     ddp = _ddp(model, strategy, **kw)
     cfg = make_cfg()
@@ -138,6 +150,8 @@ def _train(dp, strategy, overlap, bucket_size, expert_last_layer):
     rank, mb = parallel_state.get_data_parallel_rank(), GLOBAL_BATCH // dp // NUM_MICRO
     out = {"n_buckets": len(buckets), "padded_numel": sum(b.numel for b in buckets), "live": [], "grad_bytes": []}
     out["gathered_after_step"], out["param_bytes_after_step"] = [], []
+    out["bucket_bytes"] = sorted(b.numel * b.param_data.element_size() for b in buckets)
+    samples = _gathered_sampler(ddp, buckets) if strategy == ZERO3 else None
     comm.reset_comm_stats()
     for step in range(STEPS):
         x, y = batch(step)
@@ -163,6 +177,8 @@ def _train(dp, strategy, overlap, bucket_size, expert_last_layer):
     ddp.gather_params()
     out["stats"] = comm.get_comm_stats()
     out["params"] = [p.detach().clone() for p in model.parameters()]
+    if samples is not None:
+        out["samples"], out["prefetches"] = samples, ddp._unsharder.prefetches
     if strategy == ZERO2:  # a late gradient (a backward outside no_sync after the reduction) is refused
         ddp.start_grad_sync()
         try:
@@ -178,10 +194,28 @@ def worker(dp):
     results = {}
     for key in ((True, 100, True),):
         results[key] = {s: _train(dp, s, *key) for s in ("optim", ZERO2, ZERO3)}
+        results[key]["prefetch"] = _train(dp, ZERO3, *key, prefetch=True)
     results["memory"] = {p: _memory(p) for p in PRECISIONS}
     results["memory3"] = {p: _memory(p, ZERO3) for p in PRECISIONS}
     results["memory_optim"] = {p: _memory(p, "optim") for p in PRECISIONS}
     return results
+
+
+def _check_prefetch(plain, prefetch, zero1, n):
+    """ZeRO-3 with --overlap-param-gather: bit-identical, the same all-gathers, one bucket more at most."""
+    for a, b in zip(prefetch["params"], zero1["params"]):
+        assert torch.equal(a, b)
+    assert prefetch["stats"]["param_all_gather"] == plain["stats"]["param_all_gather"]  # none wasted
+    # per microbatch (buckets fc1+norm, fc2, out): forward fc1's pre-hook launches fc2's bucket, fc2's out's;
+    # backward out's unpack launches fc2's, fc2's fc1's; the very first forward has no order yet
+    assert n == 3 and prefetch["prefetches"] == 4 * NUM_MICRO * STEPS - 2
+    largest = prefetch["bucket_bytes"][-1]
+    for phase in ("forward", "backward"):
+        without = max(c for _, c in plain["samples"][phase])
+        assert max(c for _, c in prefetch["samples"][phase]) <= without + 1, phase
+        assert max(b for b, _ in prefetch["samples"][phase]) <= max(b for b, _ in plain["samples"][phase]) + largest
+    assert max(c for _, c in plain["samples"]["forward"]) == 1  # one module's bucket at a time
+    assert max(c for _, c in prefetch["samples"]["forward"]) == 2  # ... and the next one in flight
 
 
 def test_sharded_strategies_match_zero1_and_single_process():
@@ -215,8 +249,10 @@ def test_sharded_strategies_match_zero1_and_single_process():
             assert zero3["live"] == [0] * STEPS and zero3["grad_bytes"] == zero2["grad_bytes"]
             assert zero3["gathered_after_step"] == [0] * STEPS
             assert zero3["param_bytes_after_step"] == [4 * padded // dp] * STEPS
-            # each bucket is gathered at least once per microbatch's forward (and again for backward)
-            assert zero3["stats"]["param_all_gather"]["calls"] >= n * NUM_MICRO * STEPS
+            # per microbatch each bucket is gathered for the forward and again for the backward, but the
+            # last one of the forward (still gathered when backward starts); + n for the final gather_params
+            assert zero3["stats"]["param_all_gather"]["calls"] == (2 * n - 1) * NUM_MICRO * STEPS + n
+            _check_prefetch(zero3, res["prefetch"], zero1, n)
         for precision, (total, formula_total, grads, d, sharded) in r["memory"].items():
             assert (d, sharded) == (dp, True)
             assert total == formula_total, precision  # e.g. bf16: (2 + 16/d) x 244 bytes exactly

@@ -8,6 +8,13 @@ through pretrain_gpt.py on real ranks.
   fused linear cross entropy in the model's forward) and for ZeRO-2 with
   --calculate-per-token-loss (the shards are scaled by the token count); ZeRO-2 in bf16 follows
   plain DP's trajectory within 5e-4;
+* ZeRO-3 prefetch (--overlap-param-gather) is bit-identical to ZeRO-3 without it (DP 2, several
+  buckets, untied output layer) and within 1e-5 of plain DP (there and at DP 4, and after loading a
+  ZeRO-2 checkpoint at DP 4); ZeRO-3 with full recompute
+  (--recompute-granularity full, replayed forwards gather in backward) and prefetch equals plain DP
+  within 1e-5; ZeRO-3 in bf16 with selective recompute (--recompute-activations) and prefetch is
+  bit-identical to ZeRO-2 in bf16 (same gathered bf16 weights, same reduction), two microbatches
+  per step in every run;
 * ZeRO-3 evaluation (forward under no_grad, gathered by the same hooks) equals plain DP's within 1e-5;
 * resume within the strategy is exact: saved at iteration 5 of 10 and resumed (ZeRO-2 with
   --optimizer-cpu-offload at fraction 0.5, which the save did not use; ZeRO-3), iterations 6-10
@@ -35,7 +42,9 @@ from tests.training_runs import assert_close, losses, records, run_trainings
 
 ZERO2 = ["--data-parallel-sharding-strategy", "optim_grads"]
 ZERO3 = ["--data-parallel-sharding-strategy", "optim_grads_params"]
-BUCKETS = ["--overlap-grad-reduce", "--ddp-bucket-size", "5000"]  # ZeRO-3 has no --overlap-param-gather
+BUCKETS = ["--overlap-grad-reduce", "--ddp-bucket-size", "5000"]
+PREFETCH = ["--overlap-param-gather"]  # ZeRO-3: the next bucket's all-gather in flight
+FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 UNTIE = "--untie-embeddings-and-output-weights"
 EVAL = ["--eval-iters", "2", "--eval-interval", "3"]  # later flags win over TINY's --eval-iters 0
 OFFLOAD = ["--optimizer-cpu-offload"]
@@ -73,6 +82,9 @@ def runs(tmp_path_factory):
         # untied: the fused linear cross entropy reads the output weight outside the output layer's forward
         run("p2_untied", *SIX, UNTIE),
         run("z3_untied", *SIX, *ZERO3, *BUCKETS, UNTIE),
+        run("z3_prefetch_untied", *SIX, *ZERO3, *BUCKETS, *PREFETCH, UNTIE),
+        run("z3_recompute", *SIX, *ZERO3, *BUCKETS, *PREFETCH, *FULL_RECOMPUTE),
+        run("bf_z3_selective", *SIX, *BF16, *ZERO3, *BUCKETS, *PREFETCH, "--recompute-activations"),
     ]
     codes2 = run_distributed(run_trainings, 2, args=(two,), timeout=300)
     four = [
@@ -82,9 +94,9 @@ def runs(tmp_path_factory):
         run("tp_z_act_off", *SIX, *TP2, *ZERO2, *OVERLAP, *ACT_OFFLOAD),
         run("tp_z", *SIX, *TP2, *ZERO2, *OVERLAP),
         run("p2_at_d4_optim_grads", *TEN, *ZERO2, "--load", ck["p2"]),
-        run("z4_3", *SIX, *ZERO3, *BUCKETS),
+        run("z4_3", *SIX, *ZERO3, *BUCKETS, *PREFETCH),
         run("tp_z3", *SIX, *TP2, *ZERO3, *BUCKETS),
-        run("z2_at_d4_optim_grads_params", *TEN, *ZERO3, "--load", ck["z2"]),
+        run("z2_at_d4_optim_grads_params", *TEN, *ZERO3, *BUCKETS, *PREFETCH, "--load", ck["z2"]),
         run("z3_at_d4_no_shard", *TEN, "--load", ck["z3"]),
     ]
     codes4 = run_distributed(run_trainings, 4, args=(four,), timeout=400)
@@ -93,7 +105,7 @@ def runs(tmp_path_factory):
 
 def test_all_runs_exit_cleanly(runs):
     codes2, codes4 = runs["codes"]
-    assert codes2 == [[0] * 18] * 2, codes2
+    assert codes2 == [[0] * 21] * 2, codes2
     assert codes4 == [[0] * 10] * 4, codes4
 
 
@@ -108,6 +120,8 @@ def test_all_runs_exit_cleanly(runs):
         ("p4", "z4_3"),
         ("tp_p", "tp_z3"),
         ("p2_untied", "z3_untied"),
+        ("p2_untied", "z3_prefetch_untied"),
+        ("p2", "z3_recompute"),
     ],
 )
 def test_losses_and_grad_norms_equal_plain_dp(runs, plain, sharded):
@@ -129,6 +143,13 @@ def test_bf16_same_trajectory(runs):
     plain, sharded = losses(runs["tmp"], "bf_p2"), losses(runs["tmp"], "bf_z2")
     assert_close(sharded, plain, rel=5e-4)  # bf16 rounding of the weights, as the distributed optimizer
     assert sharded[-1] < sharded[0] - 0.1
+
+
+@pytest.mark.parametrize("plain, other", [("z3_untied", "z3_prefetch_untied"), ("bf_z2", "bf_z3_selective")])
+def test_zero3_prefetch_and_bf16_bit_identical(runs, plain, other):
+    ref, got = records(runs["tmp"], plain), records(runs["tmp"], other)
+    for key in ("lm_loss", "grad_norm", "params_norm"):
+        assert [r[key] for r in got] == [r[key] for r in ref], key
 
 
 @pytest.mark.parametrize("resumed", ["resume_z2_off", "resume_z3"])

@@ -305,12 +305,16 @@ class ParallelConfig:
         "--use-megatron-fsdp needed): no_shard (plain DP), optim (= --use-distributed-optimizer, "
         "ZeRO-1), optim_grads (ZeRO-2: also the reduced gradients; each bucket's full gradient "
         "storage is freed once reduce-scattered), optim_grads_params (ZeRO-3: also the parameters, "
-        "all-gathered per bucket before each module's forward and again for backward, no prefetch).",
+        "all-gathered per bucket before each module's forward and again for backward; "
+        "--overlap-param-gather prefetches the next bucket).",
         choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
     )
     overlap_grad_reduce: bool = _f(False, "Reduce gradient buckets during the last microbatch's backward.")
     overlap_param_gather: bool = _f(
-        False, "All-gather updated parameters during the next forward (distributed optimizer)."
+        False,
+        "All-gather updated parameters during the next forward (distributed optimizer); with "
+        "--data-parallel-sharding-strategy optim_grads_params (as Megatron-FSDP): prefetch, the next "
+        "bucket's all-gather in flight while the current one is used, in forward and in backward.",
     )
     ddp_bucket_size: Optional[int] = _f(None, "Gradient bucket size in elements; default max(40M, 1M x DP).")
     hierarchical_grad_reduce: bool = _f(

@@ -160,19 +160,9 @@ def _validate_sharding_strategy(m: ModelConfig, p: ParallelConfig) -> None:
     if s != "optim_grads_params":
         return
     _check(
-        m.recompute_granularity is None,
-        f"--data-parallel-sharding-strategy optim_grads_params with --recompute-granularity "
-        f"{m.recompute_granularity} is not built yet (the recomputed forward would free weights its backward needs)",
-    )
-    _check(
         m.num_experts is None,
         "--data-parallel-sharding-strategy optim_grads_params with --num-experts is not built yet (ranks whose "
         "experts get different tokens could gather in different orders)",
-    )
-    _check(
-        not p.overlap_param_gather,
-        "--data-parallel-sharding-strategy optim_grads_params gathers each bucket's parameters just before "
-        "use (no prefetch); --overlap-param-gather is not built for it",
     )
 
 

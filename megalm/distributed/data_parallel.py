@@ -58,8 +58,9 @@ collectives, but a rank keeps only its shard of the reduced gradients and each b
 storage lives from its first gradient to its reduce-scatter (:meth:`sharded_grad_views` gives the
 shards of chosen parameters, for the sequence-parallel sum over TP).  ``optim_grads_params`` (ZeRO-3)
 builds :class:`~megalm.distributed.sharded_param_buffer.ShardedParamBuffer`: the weights are stored as
-shards too, gathered per bucket by the hooks of :class:`~megalm.distributed.sharded_param_buffer.Unsharder`
-around :meth:`forward` (forward pre-hooks; saved-tensor hooks for backward); :meth:`gather_params`
+shards too, gathered per bucket by the hooks of :class:`~megalm.distributed.unsharder.Unsharder`
+around :meth:`forward` (forward pre-hooks; saved-tensor hooks for backward; with ``overlap_param_gather``
+the next bucket's all-gather is prefetched instead of the after-step all-gather); :meth:`gather_params`
 makes them whole for readers, :meth:`refresh_param_shards` stores loaded weights back into the shards.
 """
 
@@ -75,7 +76,8 @@ from megalm.distributed.compression import build_compressor
 from megalm.distributed.hierarchical import NodeGroups
 from megalm.distributed.param_and_grad_buffer import Bucket, DataParallelError, ParamAndGradBuffer
 from megalm.distributed.sharded_grad_buffer import ShardedGradBuffer
-from megalm.distributed.sharded_param_buffer import ShardedParamBuffer, Unsharder
+from megalm.distributed.sharded_param_buffer import ShardedParamBuffer
+from megalm.distributed.unsharder import Unsharder
 from megalm.parallel_layout import NodeLayoutError
 from megalm.parallel_state import ProcessGroups, group_size
 from megalm.tensor_parallel.param_info import param_info
@@ -210,9 +212,11 @@ class DistributedDataParallel(torch.nn.Module):
         self._build_launch_queues()
         self._grad_sync_enabled = True
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook()) for p in self._param_to_buffer]
-        if self.overlap_param_gather:
+        if self.overlap_param_gather and not self.shard_params:
             self._hook_handles += self._register_param_gather_hooks()
-        self._unsharder = Unsharder(module, self.all_buffers) if self.shard_params else None
+        self._unsharder = None  # ZeRO-3: --overlap-param-gather prefetches the next bucket
+        if self.shard_params:
+            self._unsharder = Unsharder(module, self.all_buffers, prefetch=self.overlap_param_gather)
         if self._unsharder is not None:
             self._hook_handles += self._unsharder.handles
 

@@ -8,36 +8,31 @@ On top of :class:`~megalm.distributed.sharded_grad_buffer.ShardedGradBuffer` (gr
   reads and writes its ranges there (:meth:`ShardedParamBuffer.param_view`).
 * Every bucket owns a full-size parameter tensor (``bucket.param_data``) whose views are the
   parameters; its storage is resized to 0 when the bucket is freed and back when it is gathered
-  (all-gather of the shards, ``(K-1)/K`` x bucket bytes per rank, synchronous: no prefetch).  The
+  (all-gather of the shards over the buffer's group, ``(K-1)/K`` x bucket bytes per rank).  The
   parameters keep their identity and their views, so autograd's saved references stay valid.
+* :meth:`ShardedParamBucket.gather` makes the full parameters valid before it returns;
+  :meth:`ShardedParamBucket.prefetch` only launches the all-gather (``async_op=True``; the handle is
+  the bucket's ``param_handle``) and the next :meth:`~ShardedParamBucket.gather`, ``finish_param_sync``
+  or :meth:`~ShardedParamBucket.free` waits for it.  A bucket counts as gathered (its bytes are held)
+  from the launch on.
 
-When a bucket is gathered (the unit is the gradient bucket, ``--ddp-bucket-size``):
+When buckets are gathered and freed around the forward and backward is decided by
+:class:`megalm.distributed.unsharder.Unsharder`; here:
 
-* forward: a pre-hook on every module owning parameters gathers the buckets holding them and frees
-  every other gathered bucket (at most one module's buckets stay gathered);
-* backward: a saved-tensor hook, installed around the wrapped module's forward, notes the bucket of
-  every saved tensor that is a view of a bucket and gathers it again when backward unpacks it; a
-  bucket is freed once each of its parameters' gradients has been accumulated;
+* a bucket is freed once each of its parameters' gradients has been accumulated in this backward
+  (:meth:`ShardedParamBucket.note_grad`);
 * after the optimizer step the shards are new: every bucket is freed (:meth:`ShardedParamBucket.start_param_sync`);
 * readers of whole weights (checkpoint save and load, the parameter norm) call
   ``DistributedDataParallel.gather_params`` first; after a load the shards are refreshed from the
   loaded weights (:meth:`ShardedParamBuffer.refresh_shards`).
 
-A bucket holding a tied embedding weight (used outside its module, by the output layer) is never
-freed; an untied output layer's weight (read by the fused linear cross entropy in the model's own
-forward) is gathered for the whole forward.  Other parameters used outside the module that owns
-them are not supported, nor is
-recompute (its forward replay would free buckets the replayed layer still needs); validation
-refuses both configurations it knows of.  Per microbatch each bucket is gathered once for the
-forward and once for the backward: ``2 (K-1)/K`` x parameter bytes, plus the gradient
-reduce-scatter ``(K-1)/K`` x gradient bytes once per iteration (1.5x plain DP's traffic with one
-microbatch).
+A bucket holding a tied embedding weight (used outside its module, by the output layer) is
+pinned: gathered after every step and never freed.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Dict, List
+from typing import Dict
 
 import torch
 
@@ -63,23 +58,39 @@ class ShardedParamBucket(ShardedGradBucket):
 
     @torch.no_grad()
     def gather(self) -> None:
-        """Make the full parameters valid: re-allocate the storage and all-gather the shards into it."""
+        """Make the full parameters valid: wait for a prefetch in flight, else all-gather the shards now."""
+        if self.param_handle is not None:
+            self.finish_param_sync()
+        elif not self.gathered:
+            self._launch(async_op=False)
+
+    def prefetch(self) -> bool:
+        """Launch the all-gather without waiting (the next :meth:`gather` waits); False if gathered already."""
         if self.gathered:
-            return
+            return False
+        self._launch(async_op=True)
+        return True
+
+    @torch.no_grad()
+    def _launch(self, async_op: bool) -> None:
         self.param_data.untyped_storage().resize_(self._nbytes())
         group = self.buffer.data_parallel_group
         if group is None:
             self.param_data.copy_(self.param_shard)
         else:
-            comm.all_gather_into_tensor(self.param_data, self.param_shard, group=group, kind="param_all_gather")
+            handle = comm.all_gather_into_tensor(
+                self.param_data, self.param_shard, group=group, async_op=async_op, kind="param_all_gather"
+            )
+            self.param_handle = handle if async_op else None
         self.gathered = True
-        self.grads_seen = set()
 
     def free(self, force: bool = False) -> None:
-        """Release the full storage (not for a pinned bucket unless ``force``)."""
+        """Release the full storage (not for a pinned bucket unless ``force``), after any gather in flight."""
         if self.gathered and (force or not self.pinned):
+            self.finish_param_sync()
             self.param_data.untyped_storage().resize_(0)
             self.gathered = False
+            self.grads_seen = set()
 
     def start_param_sync(self, async_op: bool = True) -> None:
         """The shards were updated: drop the stale full copy (pinned buckets gather at once)."""
@@ -88,7 +99,9 @@ class ShardedParamBucket(ShardedGradBucket):
             self.gather()
 
     def note_grad(self, param: torch.nn.Parameter) -> None:
-        """Backward accumulated ``param``'s gradient; free the bucket once all of them are in."""
+        """Backward accumulated ``param``'s gradient; free the bucket once all of them are in (every
+        use of its weights in this backward is then done: autograd accumulates a leaf's gradient after
+        all the nodes that use it)."""
         self.grads_seen.add(param)
         if len(self.grads_seen) == len(self.params):
             self.grads_seen = set()
@@ -141,71 +154,3 @@ class ShardedParamBuffer(ShardedGradBuffer):
             if b.gathered:
                 lo, hi = b.local_shard()
                 b.param_shard.copy_(b.param_data[lo:hi])
-
-
-class Unsharder:
-    """When buckets of ``buffers`` are gathered and freed around the forward and backward of ``module``.
-
-    Forward: a pre-hook on every module owning parameters gathers their buckets and frees every
-    gathered bucket no module still inside its forward needs (a post-hook pops it again), so
-    nested modules keep their parents' weights.  The wrapped module's own pre-hook also gathers its
-    ``output_layer``'s parameters (a GPT's fused linear cross entropy uses the output weight in the
-    model's forward, outside the output layer's), kept for the whole forward.  Backward:
-    :meth:`forward` installs saved-tensor hooks that gather a saved view's bucket again when backward
-    unpacks it.
-    """
-
-    def __init__(self, module: torch.nn.Module, buffers: List[ShardedParamBuffer]):
-        self.buffers = buffers
-        self.buckets = [b for buf in buffers for b in buf.buckets]
-        self.by_storage = {k: b for buf in buffers for k, b in buf.storage_to_bucket.items()}
-        self.active: List[list] = []
-        bucket_of = {p: buf.bucket_of(p) for buf in buffers for p in buf.param_index_map}
-        self.handles = []
-        output_layer = getattr(module, "output_layer", None)
-        for m in module.modules():
-            mine = []
-            used = list(m.parameters(recurse=False))
-            if m is module and isinstance(output_layer, torch.nn.Module):
-                used += list(output_layer.parameters())  # the fused linear cross entropy reads them here
-            for p in used:
-                if p in bucket_of and bucket_of[p] not in mine:
-                    mine.append(bucket_of[p])
-            if mine:
-                self.handles.append(m.register_forward_pre_hook(self._pre(mine)))
-                self.handles.append(m.register_forward_hook(self._post))
-
-    def _pre(self, mine: list):
-        def hook(module, args):
-            self.active.append(mine)
-            needed = {id(b) for group in self.active for b in group}
-            for b in self.buckets:
-                if id(b) not in needed:
-                    b.free()
-            for b in mine:
-                b.gather()
-
-        return hook
-
-    def _post(self, module, args, output):
-        if self.active:
-            self.active.pop()
-
-    def _pack(self, t: torch.Tensor):
-        bucket = self.by_storage.get(t.untyped_storage()._cdata)
-        return (bucket, t) if bucket is not None else t
-
-    @staticmethod
-    def _unpack(packed):
-        if isinstance(packed, tuple):
-            bucket, t = packed
-            bucket.gather()
-            return t
-        return packed
-
-    @contextlib.contextmanager
-    def forward(self):
-        """Around the wrapped module's forward: a fresh stack and the saved-tensor hooks."""
-        self.active = []
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            yield

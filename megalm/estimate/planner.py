@@ -16,7 +16,9 @@ so 16 / 18 / 20 bytes; the distributed optimizer divides the optimizer column by
 instead of Adam's 8 (0 without momentum).  Per ``--data-parallel-sharding-strategy``
 (:func:`strategy_bytes_per_param`): ``no_shard`` divides nothing, ``optim`` the optimizer column,
 ``optim_grads`` (ZeRO-2) also the gradients (bf16: ``2 + 16/d``), ``optim_grads_params`` (ZeRO-3) all
-three (``18/d``; megalm keeps a tied embedding weight whole, which this ignores).  The data-parallel gradient traffic
+three (``18/d``), steady between steps; the largest rank per strategy adds what ZeRO-2/3 hold above that
+during a step (full gradient buckets, gathered weight buckets and the vocabulary weight kept whole:
+:mod:`.sharding_peaks`, upper bounds).  The data-parallel gradient traffic
 per step is the same for the first three (all-reduce = reduce-scatter + all-gather, ``2 (d-1)/d`` x
 the gradient bytes) and more for ZeRO-3 (parameters gathered for forward and again for backward,
 each microbatch: 1.5x with one microbatch and one dtype), so the recommendation is the first
@@ -36,6 +38,7 @@ from typing import Dict, Optional
 
 from megalm.estimate.activations import Shape, stage_activation_bytes
 from megalm.estimate.parameters import all_stages, total_parameters
+from megalm.estimate.sharding_peaks import transient_bytes
 
 GB = 1e9
 
@@ -159,14 +162,17 @@ def plan(cfg, options: PlannerOptions) -> dict:
         optim_dist = st.dense * per_param["optimizer"] / dense_shards + st.expert * per_param["optimizer"] / edp
         act = stage_activation_bytes(cfg, st.pp_rank, shape, num_micro)
         rest = act["activations"] + act["transient"] + options.reserve_gb * GB
+        peaks = transient_bytes(cfg, st, per_param, dp, num_micro)  # ZeRO-2/3: buckets alive in a step
         by_strategy = {
             f"total_{s}": sum(
                 st.dense * v + st.expert * strategy_bytes_per_param(per_param, edp, s)[k]
                 for k, v in strategy_bytes_per_param(per_param, dp, s).items()
             )
+            + peaks[s]
             + rest
             for s in STRATEGIES
         }
+        by_strategy.update({f"transient_{s}": peaks[s] for s in STRATEGIES})
         stages.append(
             {
                 "pp_rank": st.pp_rank,

@@ -1,0 +1,64 @@
+"""Model-state bytes the sharded strategies hold above their steady share during a step (upper bounds).
+
+The per-parameter formulas (``2 + 16/d`` for ZeRO-2, ``18/d`` for ZeRO-3 in bf16) are what a rank holds
+between steps.  During the backward more is alive (megalm's buckets, :mod:`megalm.distributed.sharded_grad_buffer`
+and :mod:`megalm.distributed.unsharder`).  With ``U`` a layer bucket's bound, ``--ddp-bucket-size`` (with
+``--overlap-grad-reduce`` and no size, Megatron's default ``max(40M, 1M x DP)``) plus the largest layer
+parameter it can close on, ``E`` the stage's embedding and output weights (``V h / TP`` each, the
+position table; a bucket holding one of them is at most ``U`` plus it) and ``E_1`` the larger of the two,
+in elements:
+
+* ``optim_grads`` and ``optim_grads_params``, gradients: each bucket's full storage lives from its first
+  gradient to its reduce-scatter.  With several microbatches, or without ``--overlap-grad-reduce``
+  (reduced after the backward: one bucket holds the stage when no size is given), every bucket's: the
+  whole stage's gradient bytes; with one microbatch and overlap, the bucket being filled and the two whose
+  reductions may be in flight (gradients arriving in bucket order): ``3 U + E_1``, the embedding's and the
+  output layer's buckets being the two ends of the order (with at most three buckets, ``stage <= 3 U + E``,
+  all of them);
+* ``optim_grads_params``, weights: the gathered buckets: one (two with ``--overlap-param-gather``'s
+  prefetch), at least a recomputed region's (``--recompute-granularity full``: its layers plus the two
+  buckets at its ends), plus ``E`` (a tied embedding's bucket is pinned, an untied output layer's is
+  gathered for the whole forward, the embedding's while it runs).
+
+Each is capped by the stage's own bytes.  ``no_shard`` and ``optim`` hold everything all the time: 0.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+from megalm.estimate.parameters import layer_parameters
+
+
+def _layer_bucket(cfg, stage, dp: int) -> int:
+    """``U``: elements of a layer bucket (bucket size plus the largest layer parameter), capped by the stage."""
+    m, p = cfg.model, cfg.parallel
+    tp = p.tensor_model_parallel_size
+    size = p.ddp_bucket_size
+    if size is None and p.overlap_grad_reduce:
+        size = max(40_000_000, 1_000_000 * dp)
+    if size is None:
+        return stage.total
+    h, n, d = m.hidden_size, m.num_attention_heads, m.head_dim
+    groups = m.num_query_groups if m.group_query_attention else n
+    fc1 = (2 if m.swiglu else 1) * (m.ffn_hidden_size or 4 * h) // tp
+    return min(stage.total, size + max((n + 2 * groups) * d // tp * h, fc1 * h))
+
+
+def transient_bytes(cfg, stage, per_param: Dict[str, float], dp: int, num_micro: int) -> Dict[str, float]:
+    """``{strategy: bytes}`` above the steady formula at the peak of a step on ``stage`` (see the module docstring)."""
+    m, p = cfg.model, cfg.parallel
+    unit, whole = _layer_bucket(cfg, stage, dp), stage.embedding
+    one = 0  # E_1: the word embedding with the position table, or the output layer's weight
+    if whole:
+        one = m.padded_vocab_size // p.tensor_model_parallel_size * m.hidden_size
+        if stage.pp_rank == 0 and m.position_embedding_type == "learned_absolute":
+            one += m.max_position_embeddings * m.hidden_size
+    full = num_micro > 1 or not p.overlap_grad_reduce or stage.total <= 3 * unit + whole
+    grads = per_param["grads"] * (stage.total if full else 3 * unit + one)
+    gathered = (2 if p.overlap_param_gather else 1) * unit
+    if m.recompute_granularity == "full":
+        region = (m.recompute_num_layers or 1) * layer_parameters(m, p.tensor_model_parallel_size, 1, False)[0]
+        gathered = max(gathered, region + 2 * unit)
+    weights = per_param["weights"] * min(stage.total, gathered + whole)
+    return {"no_shard": 0.0, "optim": 0.0, "optim_grads": grads, "optim_grads_params": grads + weights}
