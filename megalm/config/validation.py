@@ -491,11 +491,6 @@ def _validate_context_parallel(m: ModelConfig, p: ParallelConfig) -> None:
         f"each CP rank holds two of 2 x CP equal chunks",
     )
     _check(
-        m.attention_dropout == 0,
-        f"--attention-dropout {m.attention_dropout} is not supported with --context-parallel-size {cp} "
-        f"(its random mask would depend on the split): set --attention-dropout 0",
-    )
-    _check(
         m.transformer_impl == "local",
         "--transformer-impl transformer_engine is not supported with --context-parallel-size > 1 (use local)",
     )
@@ -561,10 +556,17 @@ def _validate_precision(m: ModelConfig, p: ParallelConfig, t: TrainingConfig) ->
         m.attention_backend != "flash" or t.bf16 or t.fp16,
         "--attention-backend flash needs --bf16 or --fp16 (flash-attn has no fp32 kernels)",
     )
+    keyed = m.position_keyed_attention_dropout or p.context_parallel_size > 1
     _check(
-        m.attention_backend != "blocked" or m.attention_dropout == 0,
+        m.attention_backend != "blocked" or m.attention_dropout == 0 or keyed,
         f"--attention-backend blocked has no attention dropout: set --attention-dropout 0 "
-        f"(got {m.attention_dropout}) or use another backend",
+        f"(got {m.attention_dropout}), --position-keyed-attention-dropout or use another backend",
+    )
+    _check(
+        not m.position_keyed_attention_dropout
+        or (m.attention_backend != "flash" and not m.use_flash_attn and m.transformer_impl == "local"),
+        "--position-keyed-attention-dropout needs megalm's attention core: not with --attention-backend flash / "
+        "--use-flash-attn or --transformer-impl transformer_engine",
     )
     _check(t.loss_scale is None or t.fp16, "--loss-scale needs --fp16")
     _check(not p.grad_reduce_in_bf16 or t.bf16, "--grad-reduce-in-bf16 needs --bf16")
