@@ -13,7 +13,9 @@ relative, on 4 ranks, at
   run with --position-keyed-attention-dropout (losses and grad norms within 1e-5; dropout changes them);
 * CP 2 x PP 2 with interleaved virtual stages (4 layers, one per virtual stage), p2p, against 4 layers in
   one process;
-* CP 2 x DP 2 in bf16 against one process in bf16 (tolerance in the test).
+* CP 2 x DP 2 in bf16 against one process in bf16 (tolerance in the test);
+* CP 2 x EP 2 MoE with --moe-expert-capacity-factor 0.5 (half the routed pairs dropped, decided over the
+  whole sequence), against one process with the same capacity.
 
 The first saves at iteration 5; resumed at CP 1 and at CP 4 (chunks of 4 positions) it continues the
 uninterrupted CP 1 run.
@@ -51,6 +53,8 @@ MOE = [
 ]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 DROPOUT = ["--attention-dropout", "0.1"]
+FLASH = ["--attention-backend", "flash", "--bf16"]
+CAPACITY = ["--moe-expert-capacity-factor", "0.5"]
 FOUR_LAYERS = ["--num-layers", "4"]
 INTERLEAVED = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
 
@@ -73,6 +77,7 @@ def runs(tmp_path_factory):
         run("cp4_dropout", *FIVE, "--context-parallel-size", "4", *DROPOUT, *SELECTIVE),
         run("cp2_pp2_interleaved", *FIVE, *CP2, *FOUR_LAYERS, *INTERLEAVED),
         run("cp2_dp2_bf16", *FIVE, *CP2, "--bf16"),
+        run("cp2_ep2_moe_capacity", *FIVE, *CP2, *MOE, *CAPACITY, "--expert-model-parallel-size", "2"),
     ]
     one = [
         run("cp1", *TEN),
@@ -82,6 +87,7 @@ def runs(tmp_path_factory):
         run("cp1_dropout", *FIVE, *DROPOUT, "--position-keyed-attention-dropout"),
         run("cp1_four_layers", *FIVE, *FOUR_LAYERS),
         run("cp1_bf16", *FIVE, "--bf16"),
+        run("cp1_moe_capacity", *FIVE, *MOE, *CAPACITY),
     ]
     codes = (
         run_distributed(run_trainings, 4, args=(four,), timeout=300),
@@ -91,7 +97,7 @@ def runs(tmp_path_factory):
 
 
 def test_all_runs_exit_cleanly(runs):
-    assert runs["codes"] == ([[0] * 9] * 4, [[0] * 7]), runs["codes"]
+    assert runs["codes"] == ([[0] * 10] * 4, [[0] * 8]), runs["codes"]
 
 
 @pytest.mark.parametrize("name", ["cp2_dp2_dist_save", "cp2_tp2_allgather", "cp2_pp2_a2a"])
@@ -138,6 +144,14 @@ def test_moe_with_expert_parallelism_equals_one_process(runs):
         assert_close([r[key] for r in got], [r[key] for r in ref], rel=1e-5)
 
 
+def test_moe_capacity_equals_one_process(runs):
+    ref, got = records(runs["tmp"], "cp1_moe_capacity"), records(runs["tmp"], "cp2_ep2_moe_capacity")
+    for key in ("lm_loss", "load_balancing_loss", "z_loss", "grad_norm"):
+        assert_close([r[key] for r in got], [r[key] for r in ref], rel=1e-5)
+    dropless = losses(runs["tmp"], "cp1_moe")
+    assert max(abs(r["lm_loss"] - x) / x for r, x in zip(ref, dropless)) > 1e-4  # tokens were dropped
+
+
 def test_per_token_loss_with_uneven_masks(runs):
     ref = records(runs["tmp"], "cp1_per_token")
     assert_close(losses(runs["tmp"], "cp2_dp2_per_token"), [r["lm_loss"] for r in ref], rel=1e-5)
@@ -155,12 +169,15 @@ def test_save_at_cp2_dp2_resume_at_cp1_and_cp4(runs):
     [
         (["--seq-length", "30"], r"--seq-length 30 must be divisible by 2 x --context-parallel-size \(4\)"),
         (
-            ["--context-parallel-size", "1", "--position-keyed-attention-dropout", "--attention-backend", "flash"],
+            ["--context-parallel-size", "1", "--position-keyed-attention-dropout", *FLASH],
             r"--position-keyed-attention-dropout needs megalm's attention core",
         ),
         (["--attention-backend", "flash", "--bf16"], r"--attention-backend flash / --use-flash-attn"),
         (["--transformer-impl", "transformer_engine"], r"--transformer-impl transformer_engine is not supported"),
-        (["--num-experts", "2", "--moe-expert-capacity-factor", "1"], r"--moe-expert-capacity-factor is not"),
+        (
+            ["--num-experts", "2", "--moe-expert-capacity-factor", "1", "--moe-pad-expert-input-to-capacity"],
+            r"--moe-expert-capacity-factor with --context-parallel-size > 1 is not supported with --sequence-paral",
+        ),
         (["--cp-comm-type", "a2a", "--num-query-groups", "1"], r"a2a needs .* KV groups \(1\)"),
     ],
 )

@@ -500,9 +500,10 @@ def _validate_context_parallel(m: ModelConfig, p: ParallelConfig) -> None:
         "(the CP cores compute their own blocks; a2a runs SDPA, blocked or unfused)",
     )
     _check(
-        m.moe_expert_capacity_factor is None,
-        "--moe-expert-capacity-factor is not supported with --context-parallel-size > 1 (each rank's capacity "
-        "would follow its chunks, so dropping would depend on the split)",
+        m.moe_expert_capacity_factor is None
+        or not ((p.sequence_parallel and p.tensor_model_parallel_size > 1) or m.moe_pad_expert_input_to_capacity),
+        "--moe-expert-capacity-factor with --context-parallel-size > 1 is not supported with --sequence-parallel "
+        "or --moe-pad-expert-input-to-capacity (capacity is counted over the whole sequence of the CP group)",
     )
     if p.cp_comm_type == "a2a":
         tp = p.tensor_model_parallel_size
