@@ -165,6 +165,7 @@ def budget_rows(cps, comm: str, budget_mb: float, step: int, max_runs: int = 4) 
         while seq > 0 and seq not in measured and len(measured) < max_runs:
             per_rank = run_distributed(measure, cp, args=(model_argv(seq, cp, kind), 1), timeout=900)
             measured[seq] = max(r["step_peak_mb"] for r in per_rank)
+            _progress({"budget cp": cp, "seq": seq, "step_peak_mb": measured[seq]})
             seq = seq + step if measured[seq] <= budget_mb else seq - step
         fitting = [s for s, mb in measured.items() if mb <= budget_mb]
         for seq in sorted(measured):
@@ -179,6 +180,11 @@ def budget_rows(cps, comm: str, budget_mb: float, step: int, max_runs: int = 4) 
                 }
             )
     return rows
+
+
+def _progress(row: dict) -> None:
+    """Each measurement as it lands (stderr), so an interrupted run keeps what it measured."""
+    print("progress " + json.dumps(row), file=sys.stderr, flush=True)
 
 
 def analytic_bytes(comm: str, seq: int, cp: int) -> float:
@@ -236,6 +242,7 @@ def table_rows(seqs, cps, steps) -> list:
                         "analytic_bytes": analytic_bytes(comm, seq, cp),
                     }
                 )
+                _progress(rows[-1])
     return rows
 
 
