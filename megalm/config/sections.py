@@ -77,6 +77,13 @@ class ModelConfig:
     add_qkv_bias: bool = _f(False, "Give the QKV projection a bias even with --disable-bias-linear (Qwen-style).")
     hidden_dropout: float = _f(0.1, "Dropout probability after attention and MLP outputs.")
     attention_dropout: float = _f(0.1, "Dropout probability on attention weights.")
+    position_keyed_attention_dropout: bool = _f(
+        False,
+        "Draw the attention-dropout mask as a hash of (a per-call key from the model-parallel RNG stream, layer, "
+        "batch, head, global query and key positions), so it does not depend on how the sequence is split. Always "
+        "on under --context-parallel-size > 1; without CP it replaces the attention backend's dropout by megalm's "
+        "tiled PyTorch core (whose results equal every CP size's).",
+    )
     init_method_std: float = _f(0.02, "Standard deviation of the normal weight initialization.")
     use_scaled_init_method: bool = _f(
         True,

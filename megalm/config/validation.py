@@ -526,11 +526,6 @@ def _validate_context_parallel(m: ModelConfig, p: ParallelConfig) -> None:
         f"each CP rank holds two of 2 x CP equal chunks",
     )
     _check(
-        m.attention_dropout == 0,
-        f"--attention-dropout {m.attention_dropout} is not supported with --context-parallel-size {cp} "
-        f"(its random mask would depend on the split): set --attention-dropout 0",
-    )
-    _check(
         m.transformer_impl == "local",
         "--transformer-impl transformer_engine is not supported with --context-parallel-size > 1 (use local)",
     )
@@ -540,9 +535,10 @@ def _validate_context_parallel(m: ModelConfig, p: ParallelConfig) -> None:
         "(the CP cores compute their own blocks; a2a runs SDPA, blocked or unfused)",
     )
     _check(
-        m.moe_expert_capacity_factor is None,
-        "--moe-expert-capacity-factor is not supported with --context-parallel-size > 1 (each rank's capacity "
-        "would follow its chunks, so dropping would depend on the split)",
+        m.moe_expert_capacity_factor is None
+        or not ((p.sequence_parallel and p.tensor_model_parallel_size > 1) or m.moe_pad_expert_input_to_capacity),
+        "--moe-expert-capacity-factor with --context-parallel-size > 1 is not supported with --sequence-parallel "
+        "or --moe-pad-expert-input-to-capacity (capacity is counted over the whole sequence of the CP group)",
     )
     if p.cp_comm_type == "a2a":
         tp = p.tensor_model_parallel_size
@@ -596,10 +592,17 @@ def _validate_precision(m: ModelConfig, p: ParallelConfig, t: TrainingConfig) ->
         m.attention_backend != "flash" or t.bf16 or t.fp16,
         "--attention-backend flash needs --bf16 or --fp16 (flash-attn has no fp32 kernels)",
     )
+    keyed = m.position_keyed_attention_dropout or p.context_parallel_size > 1
     _check(
-        m.attention_backend != "blocked" or m.attention_dropout == 0,
+        m.attention_backend != "blocked" or m.attention_dropout == 0 or keyed,
         f"--attention-backend blocked has no attention dropout: set --attention-dropout 0 "
-        f"(got {m.attention_dropout}) or use another backend",
+        f"(got {m.attention_dropout}), --position-keyed-attention-dropout or use another backend",
+    )
+    _check(
+        not m.position_keyed_attention_dropout
+        or (m.attention_backend != "flash" and not m.use_flash_attn and m.transformer_impl == "local"),
+        "--position-keyed-attention-dropout needs megalm's attention core: not with --attention-backend flash / "
+        "--use-flash-attn or --transformer-impl transformer_engine",
     )
     _check(t.loss_scale is None or t.fp16, "--loss-scale needs --fp16")
     _check(not p.grad_reduce_in_bf16 or t.bf16, "--grad-reduce-in-bf16 needs --bf16")
@@ -862,6 +865,7 @@ def _validate_reset_attention_mask(m: ModelConfig, p: ParallelConfig) -> None:
         (p.context_parallel_size > 1, "--context-parallel-size > 1 (the CP cores are causal only)"),
         (m.transformer_impl != "local", "--transformer-impl transformer_engine (TE's core is given no mask here)"),
         (m.attention_backend == "flash" or m.use_flash_attn, "--attention-backend flash (flash-attn takes no mask)"),
+        (m.position_keyed_attention_dropout, "--position-keyed-attention-dropout (its core is causal only)"),
     ):
         _check(not refused, f"--reset-attention-mask is not supported with {what}")
 

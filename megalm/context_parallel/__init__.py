@@ -8,6 +8,10 @@ the core comes in Megatron's three ``--cp-comm-type`` s (:mod:`.attention`):
 - ``p2p``: ring attention (:mod:`.ring`), K/V blocks travel the ring;
 - ``a2a``: Ulysses (:mod:`.ulysses`), all-to-all from sequence- to head-sharded and back;
 - ``allgather``: K/V gathered over ``cp`` (:mod:`.allgather`).
+
+:mod:`.blocks` holds the tiled block math (log-sum-exp merges, recomputing backward) the ring runs
+and the other types use with attention dropout, whose mask is position-keyed (:mod:`.keyed_dropout`)
+so the result does not depend on the split.
 """
 
 from megalm.context_parallel.attention import COMM_TYPES, context_parallel_attention

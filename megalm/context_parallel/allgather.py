@@ -13,30 +13,43 @@ to every key).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
+from megalm.context_parallel.blocks import BlockDropout, local_attention
 from megalm.context_parallel.chunks import chunk_ids, gathered_to_global
+from megalm.context_parallel.keyed_dropout import KeyedDropout
 from megalm.parallel_state import group_rank, group_size
 from megalm.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 
-def _chunk_attention(q, k, v, chunk: int, gqa: bool) -> torch.Tensor:
+def _chunk_attention(q, k, v, chunk: int, gqa: bool, dropout: Optional[KeyedDropout]) -> torch.Tensor:
     """Query chunk ``chunk`` (``[b, n, c, d]``) against full-sequence ``k``/``v`` ``[b, g, s, d]``."""
     c = q.shape[2]
     end = (chunk + 1) * c
+    if dropout is not None:
+        keys = torch.arange(end, device=q.device)
+        block = BlockDropout(dropout, keys[chunk * c :], keys)
+        return local_attention(q, k[:, :, :end], v[:, :, :end], diagonal=chunk * c, dropout=block)
     mask = torch.ones(c, end, dtype=torch.bool, device=q.device).tril_(end - c)  # key j <= chunk*c + i
     return F.scaled_dot_product_attention(q, k[:, :, :end], v[:, :, :end], attn_mask=mask, enable_gqa=gqa)
 
 
-def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
+def allgather_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, dropout: Optional[KeyedDropout] = None
+) -> torch.Tensor:
     """Causal attention of ``[2c, b, n, d]`` q and ``[2c, b, g, d]`` k/v over ``group``'s sequence;
-    returns ``[2c, b, n, d]``."""
+    returns ``[2c, b, n, d]``.  ``dropout``: the call's position-keyed attention dropout, or None."""
     cp, rank = group_size(group), group_rank(group)
     k, v = (gathered_to_global(gather_from_sequence_parallel_region(t, group), cp) for t in (k, v))
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # heads-first
     gqa = q.shape[1] != k.shape[1]
     half = q.shape[2] // 2
     first, second = chunk_ids(rank, cp)
-    outs = [_chunk_attention(q[:, :, :half], k, v, first, gqa), _chunk_attention(q[:, :, half:], k, v, second, gqa)]
+    outs = [
+        _chunk_attention(q[:, :, :half], k, v, first, gqa, dropout),
+        _chunk_attention(q[:, :, half:], k, v, second, gqa, dropout),
+    ]
     return torch.cat(outs, dim=2).permute(2, 0, 1, 3)

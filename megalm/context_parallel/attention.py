@@ -8,12 +8,13 @@ the ``cp`` group.  The communication of each type is in its module.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 from megalm.context_parallel.allgather import allgather_attention
 from megalm.context_parallel.chunks import ContextParallelError
+from megalm.context_parallel.keyed_dropout import KeyedDropout
 from megalm.context_parallel.ring import ring_attention
 from megalm.context_parallel.ulysses import ulysses_attention
 
@@ -21,18 +22,26 @@ COMM_TYPES = ("p2p", "a2a", "allgather")
 
 
 def context_parallel_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, comm_type: str, causal_core: Callable
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group,
+    comm_type: str,
+    causal_core: Callable,
+    dropout: Optional[KeyedDropout] = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's chunks over ``group``'s sequence.
 
     ``causal_core`` (heads-first ``[b, n, s, d]`` q, ``[b, g, s, d]`` k/v -> ``[b, n, s, d]``) is the
     layer's local backend, used by ``a2a`` on the full sequence of its heads; ``p2p`` and
-    ``allgather`` compute their masked blocks themselves."""
+    ``allgather`` compute their masked blocks themselves.  ``dropout``: the call's position-keyed
+    attention dropout (:mod:`.keyed_dropout`): every type applies the entries of the global
+    positions it computes, so the result does not depend on ``CP`` or the type."""
     if comm_type == "p2p":
         heads_first = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        return ring_attention(*heads_first, group).permute(2, 0, 1, 3)
+        return ring_attention(*heads_first, group, dropout=dropout).permute(2, 0, 1, 3)
     if comm_type == "a2a":
-        return ulysses_attention(q, k, v, group, causal_core)
+        return ulysses_attention(q, k, v, group, causal_core, dropout)
     if comm_type == "allgather":
-        return allgather_attention(q, k, v, group)
+        return allgather_attention(q, k, v, group, dropout)
     raise ContextParallelError(f"--cp-comm-type must be one of {', '.join(COMM_TYPES)}, got {comm_type!r}")

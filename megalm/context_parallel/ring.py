@@ -9,12 +9,13 @@ Rank ``r`` of ``CP`` holds queries, keys and values of chunks ``(r, 2CP-1-r)`` (
 - ``src > r``: the second query chunk ``2CP-1-r`` against both K/V chunks, unmasked;
 
 so each step after the first is half a block, the same on every rank.  A block is computed
-:data:`TILE_ROWS` query rows at a time (its fp32 scores and probabilities are ``[b, n, TILE_ROWS,
-keys]``; causal tiles stop at their last row's key).  Each block gives
-``O_t = softmax(S_t) V_t`` and ``L_t = logsumexp(S_t)`` row-wise (``S = q k^T / sqrt(d)``); they
-merge as ``L = log(e^L + e^L_t)``, ``O = e^(L_old - L) O + e^(L_t - L) O_t``.  With bf16/fp16
-inputs the GEMMs and the blocks sent run in the input dtype; scores, ``L``, the merge and the dQ
-accumulator are fp32.
+tile by tile by :mod:`.blocks` (:data:`.blocks.TILE_ROWS` query rows at a time; causal tiles stop
+at their last row's key).  Each block gives ``O_t = softmax(S_t) V_t`` and ``L_t = logsumexp(S_t)``
+row-wise (``S = q k^T / sqrt(d)``); they merge as ``L = log(e^L + e^L_t)``, ``O = e^(L_old - L) O +
+e^(L_t - L) O_t``.  With attention dropout (:mod:`.keyed_dropout`) each block multiplies its
+probabilities by the mask entries of its rows' and keys' global positions, in forward and again
+in backward, so the result equals one process's.  With bf16/fp16 inputs the GEMMs and the blocks
+sent run in the input dtype; scores, ``L``, the merge and the dQ accumulator are fp32.
 
 Communication, forward: ``CP - 1`` shifts of the stacked ``[2, b, g, 2c, d]`` K/V (only the
 ``g`` KV heads under GQA) to the next rank (isend/irecv), each posted before the block in hand
@@ -28,16 +29,17 @@ after the last step.  Bytes sent per rank per layer: ``(CP-1) 2 b g 2c d`` forwa
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from megalm.context_parallel.blocks import TILE_ROWS, BlockDropout, block_backward, block_forward, expand, fold, merge
+from megalm.context_parallel.chunks import local_positions
+from megalm.context_parallel.keyed_dropout import KeyedDropout
 from megalm.parallel_state import group_rank, group_size
 
 _TAG_KV, _TAG_DKV = 1, 2
-# Query rows per tile of a block: its fp32 scores and probabilities are [b, n, TILE_ROWS, keys].
-TILE_ROWS = 256
 
 
 class _Shift:
@@ -62,111 +64,46 @@ class _Ring:
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
+    def block(self, step: int, half: int) -> Tuple[slice, slice, Optional[int]]:
+        """``(query rows, keys of the K/V in hand, causal diagonal or None)`` of step ``step``'s block."""
+        src = (self.rank - step) % self.size
+        if step == 0:
+            return slice(None), slice(None), 0
+        if src < self.rank:
+            return slice(None), slice(0, half), None
+        return slice(half, None), slice(None), None
 
-def _expand(kv: torch.Tensor, queries_per_group: int) -> torch.Tensor:
-    """``[b, g, s, d]`` -> ``[b, g * q, s, d]`` (query head ``h`` uses group ``h // q``)."""
-    if queries_per_group == 1:
-        return kv
-    b, g, s, d = kv.shape
-    return kv.unsqueeze(2).expand(b, g, queries_per_group, s, d).reshape(b, g * queries_per_group, s, d)
-
-
-def _fold(grad: torch.Tensor, queries_per_group: int) -> torch.Tensor:
-    """Sum of an expanded K/V gradient over each group's query heads (inverse of :func:`_expand`)."""
-    if queries_per_group == 1:
-        return grad
-    b, n, s, d = grad.shape
-    return grad.view(b, n // queries_per_group, queries_per_group, s, d).sum(2)
-
-
-def _scores(q, k, scale: float, causal_offset: Optional[int]) -> torch.Tensor:
-    """``scale q k^T`` in fp32 at least (bf16/fp16 inputs: the GEMM in their dtype, the softmax
-    statistics in fp32); with ``causal_offset`` query row ``i`` sees keys ``0..causal_offset + i``."""
-    scores = torch.matmul(q, k.transpose(-2, -1)).to(_stat_dtype(q.dtype)).mul_(scale)
-    if causal_offset is not None:
-        sq, sk = scores.shape[-2:]
-        mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu_(causal_offset + 1)
-        scores.masked_fill_(mask, float("-inf"))
-    return scores
-
-
-def _row_tiles(rows: int, keys: int, tile_rows: int, causal: bool):
-    """``(row slice, keys it needs, causal offset or None)`` per query tile of a block: bounds the
-    fp32 scores and probabilities of a block to ``tile_rows x keys`` per head."""
-    for start in range(0, rows, tile_rows):
-        end = min(start + tile_rows, rows)
-        yield slice(start, end), (end if causal else keys), (start if causal else None)
-
-
-def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def _block_forward(q, k, v, scale: float, causal: bool, tile_rows: int):
-    """``(softmax(S) V, logsumexp(S))`` of one block, ``S = scale q k^T`` (+ the causal mask); both
-    in fp32 at least, computed ``tile_rows`` query rows at a time."""
-    stat = _stat_dtype(q.dtype)
-    out = torch.empty(q.shape, dtype=stat, device=q.device)
-    lse = torch.empty(q.shape[:3], dtype=stat, device=q.device)
-    for rows, keys, offset in _row_tiles(q.shape[2], k.shape[2], tile_rows, causal):
-        scores = _scores(q[:, :, rows], k[:, :, :keys], scale, offset)
-        lse[:, :, rows] = torch.logsumexp(scores, dim=-1)
-        probs = torch.exp(scores - lse[:, :, rows].unsqueeze(-1)).to(v.dtype)
-        out[:, :, rows] = torch.matmul(probs, v[:, :, :keys])
-    return out, lse
-
-
-def _block_backward(q, k, v, grad_out, lse, delta, scale: float, causal: bool, tile_rows: int):
-    """``(dQ, dK, dV)`` of one block given the merged ``lse`` and ``delta = rowsum(dO * O)``, computed
-    ``tile_rows`` query rows at a time."""
-    grad_q = torch.empty_like(q, memory_format=torch.contiguous_format)
-    grad_k = torch.zeros_like(k, memory_format=torch.contiguous_format)
-    grad_v = torch.zeros_like(v, memory_format=torch.contiguous_format)
-    for rows, keys, offset in _row_tiles(q.shape[2], k.shape[2], tile_rows, causal):
-        qt, kt, vt, dout = q[:, :, rows], k[:, :, :keys], v[:, :, :keys], grad_out[:, :, rows]
-        probs = torch.exp(_scores(qt, kt, scale, offset) - lse[:, :, rows].unsqueeze(-1))
-        grad_v[:, :, :keys] += torch.matmul(probs.to(q.dtype).transpose(-2, -1), dout)
-        grad_scores = probs * (torch.matmul(dout, vt.transpose(-2, -1)).to(probs.dtype) - delta[:, :, rows, None])
-        grad_scores = grad_scores.to(q.dtype)
-        grad_q[:, :, rows] = torch.matmul(grad_scores, kt).mul_(scale)
-        grad_k[:, :, :keys] += torch.matmul(grad_scores.transpose(-2, -1), qt).mul_(scale)
-    return grad_q, grad_k, grad_v
-
-
-def _merge(out, lse, block_out, block_lse, rows: slice) -> None:
-    """Fold a block's ``(O_t, L_t)`` into rows ``rows`` of the running ``(O, L)`` (in place)."""
-    old = lse[..., rows]
-    new = torch.logaddexp(old, block_lse)
-    out[..., rows, :] = out[..., rows, :] * torch.exp(old - new).unsqueeze(-1) + block_out * torch.exp(
-        block_lse - new
-    ).unsqueeze(-1)
-    lse[..., rows] = new
+    def block_dropout(self, dropout: Optional[KeyedDropout], step: int, q, rows: slice, keys: slice):
+        """The :class:`.blocks.BlockDropout` of step ``step``'s block: its rows' and keys' global positions."""
+        if dropout is None:
+            return None
+        seq, src = q.shape[2] * self.size, (self.rank - step) % self.size
+        own, held = (local_positions(seq, r, self.size, q.device) for r in (self.rank, src))
+        return BlockDropout(dropout, own[rows], held[keys])
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale: float, tile_rows: int):
+    def forward(ctx, q, k, v, group, scale: float, tile_rows: int, dropout: Optional[KeyedDropout]):
         ring = _Ring(group)
         qpg, half = q.shape[1] // k.shape[1], q.shape[2] // 2
         kv = torch.stack([k, v])
         out = lse = None
         for step in range(ring.size):
             shift = _Shift(ring, kv, _TAG_KV) if step + 1 < ring.size else None
-            src = (ring.rank - step) % ring.size
-            kk, vv = (_expand(t, qpg) for t in kv)
+            rows, keys, diagonal = ring.block(step, half)
+            kk, vv = (expand(t[:, :, keys], qpg) for t in kv)
+            block_drop = ring.block_dropout(dropout, step, q, rows, keys)
+            block = block_forward(q[:, :, rows], kk, vv, scale, diagonal, tile_rows, block_drop)
             if step == 0:
-                out, lse = _block_forward(q, kk, vv, scale, True, tile_rows)
-            elif src < ring.rank:
-                block = _block_forward(q, kk[:, :, :half], vv[:, :, :half], scale, False, tile_rows)
-                _merge(out, lse, *block, slice(None))
+                out, lse = block
             else:
-                block = _block_forward(q[:, :, half:], kk, vv, scale, False, tile_rows)
-                _merge(out, lse, *block, slice(half, None))
+                merge(out, lse, *block, rows)
             if shift is not None:
                 kv = shift.wait()
         out = out.to(q.dtype)  # merged in fp32 at least
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.tile_rows = group, scale, tile_rows
+        ctx.group, ctx.scale, ctx.tile_rows, ctx.dropout = group, scale, tile_rows, dropout
         return out
 
     @staticmethod
@@ -181,40 +118,45 @@ class _RingAttention(torch.autograd.Function):
         grad_shift = None
         for step in range(ring.size):
             shift = _Shift(ring, kv, _TAG_KV) if step + 1 < ring.size else None
-            src = (ring.rank - step) % ring.size
-            kk, vv = (_expand(t, qpg) for t in kv)
-            if step == 0:
-                dq, dk, dv = _block_backward(q, kk, vv, grad_out, lse, delta, scale, True, tile)
-                grad_q += dq
-                grad_kv = torch.stack([_fold(dk, qpg), _fold(dv, qpg)])
-            elif src < ring.rank:
-                dq, dk, dv = _block_backward(
-                    q, kk[:, :, :half], vv[:, :, :half], grad_out, lse, delta, scale, False, tile
-                )
-                grad_q += dq
-                grad_kv = torch.zeros_like(kv)
-                grad_kv[0, :, :, :half], grad_kv[1, :, :, :half] = _fold(dk, qpg), _fold(dv, qpg)
-            else:
-                rows = slice(half, None)
-                dq, dk, dv = _block_backward(
-                    q[:, :, rows], kk, vv, grad_out[:, :, rows], lse[..., rows], delta[..., rows], scale, False, tile
-                )
-                grad_q[:, :, rows] += dq
-                grad_kv = torch.stack([_fold(dk, qpg), _fold(dv, qpg)])
+            rows, keys, diagonal = ring.block(step, half)
+            kk, vv = (expand(t[:, :, keys], qpg) for t in kv)
+            block_drop = ring.block_dropout(ctx.dropout, step, q, rows, keys)
+            grads = block_backward(
+                q[:, :, rows],
+                kk,
+                vv,
+                grad_out[:, :, rows],
+                lse[..., rows],
+                delta[..., rows],
+                scale,
+                diagonal,
+                tile,
+                block_drop,
+            )
+            dq, dk, dv = grads
+            grad_q[:, :, rows] += dq
+            grad_kv = torch.zeros_like(kv)
+            grad_kv[0, :, :, keys], grad_kv[1, :, :, keys] = fold(dk, qpg), fold(dv, qpg)
             if grad_shift is not None:  # the accumulator of this K/V, from the ranks it visited before
                 grad_kv += grad_shift.wait()
             grad_shift = _Shift(ring, grad_kv, _TAG_DKV)
             if shift is not None:
                 kv = shift.wait()
         grad_kv = grad_shift.wait()  # this rank's own K/V, back from its trip round the ring
-        return grad_q.to(q.dtype), grad_kv[0], grad_kv[1], None, None, None
+        return grad_q.to(q.dtype), grad_kv[0], grad_kv[1], None, None, None, None
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, tile_rows: int = TILE_ROWS
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group,
+    tile_rows: int = TILE_ROWS,
+    dropout: Optional[KeyedDropout] = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's two chunks over the whole sequence of ``group``.
 
     ``q`` ``[b, n, 2c, d]``, ``k``/``v`` ``[b, g, 2c, d]`` (``n`` a multiple of ``g``), heads-first;
-    returns ``[b, n, 2c, d]``.  ``tile_rows``: query rows per tile of each block's computation."""
-    return _RingAttention.apply(q, k.contiguous(), v.contiguous(), group, q.shape[-1] ** -0.5, tile_rows)
+    returns ``[b, n, 2c, d]``.  ``tile_rows``: query rows per tile of each block's computation;
+    ``dropout``: the call's position-keyed attention dropout (each block draws its positions' entries)."""
+    return _RingAttention.apply(q, k.contiguous(), v.contiguous(), group, q.shape[-1] ** -0.5, tile_rows, dropout)

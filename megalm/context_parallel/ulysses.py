@@ -6,7 +6,8 @@ token of ``n / CP`` heads, in rank order (:func:`.chunks.gathered_to_global` put
 sequence order), runs the ordinary causal core on them and sends the result back by the
 inverse all-to-all.  Query head ``h`` uses KV group ``h // (n / g)``, so slicing ``n`` query
 heads and ``g`` KV heads into ``CP`` equal parts keeps each rank's queries with their groups:
-both must be divisible by ``CP``.
+both must be divisible by ``CP``.  With attention dropout (:mod:`.keyed_dropout`) the core is
+:func:`.blocks.local_attention` with the mask of this rank's heads (head offset ``rank n / CP``).
 
 Communication, forward: three all-to-alls in (q, k, v: ``(CP-1)/CP`` of ``2c b (n + 2g) d``
 elements sent per rank) and one out (``(CP-1)/CP`` of ``2c b n d``); backward the same volumes
@@ -15,13 +16,15 @@ in the opposite directions.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from megalm.context_parallel.blocks import BlockDropout, local_attention
 from megalm.context_parallel.chunks import ContextParallelError, gathered_to_global, global_to_gathered
-from megalm.parallel_state import group_size
+from megalm.context_parallel.keyed_dropout import KeyedDropout
+from megalm.parallel_state import group_rank, group_size
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
@@ -81,13 +84,33 @@ def check_heads(num_heads: int, num_groups: int, cp: int) -> None:
         )
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, causal_core: Callable) -> torch.Tensor:
+def _keyed_core(dropout: KeyedDropout, head_offset: int) -> Callable:
+    """Causal :func:`.blocks.local_attention` with ``dropout``'s mask from head ``head_offset`` on."""
+
+    def core(q, k, v):
+        positions = torch.arange(q.shape[2], device=q.device)
+        return local_attention(q, k, v, dropout=BlockDropout(dropout.heads_from(head_offset), positions, positions))
+
+    return core
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group,
+    causal_core: Callable,
+    dropout: Optional[KeyedDropout] = None,
+) -> torch.Tensor:
     """Causal attention of ``[2c, b, n, d]`` q and ``[2c, b, g, d]`` k/v over ``group``'s sequence.
 
     ``causal_core``: heads-first ``[b, n', s, d]`` q and ``[b, g', s, d]`` k/v -> ``[b, n', s, d]``
-    (the layer's local backend).  Returns ``[2c, b, n, d]``."""
+    (the layer's local backend), replaced by the keyed-dropout core when ``dropout`` is given.
+    Returns ``[2c, b, n, d]``."""
     cp = group_size(group)
     check_heads(q.shape[2], k.shape[2], cp)
+    if dropout is not None:
+        causal_core = _keyed_core(dropout, group_rank(group) * (q.shape[2] // cp))
     q, k, v = (gathered_to_global(_SeqToHeads.apply(t, group), cp) for t in (q, k, v))
     out = causal_core(*(t.permute(1, 2, 0, 3) for t in (q, k, v))).permute(2, 0, 1, 3)
     return _HeadsToSeq.apply(global_to_gathered(out, cp), group)

@@ -23,13 +23,21 @@ sequence-parallel norms').  ``--add-qkv-bias`` gives ``linear_qkv`` a bias under
 Under context parallelism (``cp_group`` of more than one rank) each rank holds two chunks of the
 sequence and the core is :func:`megalm.context_parallel.context_parallel_attention` over
 ``cp_group`` (``cp_comm_type`` p2p / a2a / allgather; its communication is described there); a2a
-runs the SDPA, blocked or unfused core on the full sequence of its heads.  No attention dropout,
-flash-attn or TE core under CP (refused by the configuration checks).
+runs the SDPA, blocked or unfused core on the full sequence of its heads.  No flash-attn or TE core
+under CP (refused by the configuration checks).
+
+Attention dropout under CP is position-keyed (:mod:`megalm.context_parallel.keyed_dropout`): each
+forward call draws a 64-bit key from the tracker's model-parallel stream, and every attention weight's
+keep decision is a hash of (key, layer, batch, head, global query and key positions), applied by the
+CP cores to the blocks they compute and regenerated in backward.  Without CP the backend's own
+dropout runs, unless ``--position-keyed-attention-dropout`` asks for the keyed one (then the core is
+:func:`megalm.context_parallel.blocks.local_attention`, whose result equals any CP size's).
 
 ``attention_mask`` (``--reset-attention-mask``; boolean ``[b, 1, s, s]``, True where attention is
 allowed, already causal: :mod:`megalm.transformer.attention_mask`) replaces the causal mask in the
 SDPA, blocked and unfused cores; flash-attn takes no mask, so a flash-attn plan runs SDPA with it
-(an explicit ``--attention-backend flash``, TE layers and context parallelism are refused with it).
+(an explicit ``--attention-backend flash``, TE layers, context parallelism and position-keyed dropout
+are refused with it).
 """
 
 from __future__ import annotations
@@ -41,7 +49,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalm.context_parallel import context_parallel_attention
+from megalm.context_parallel.blocks import BlockDropout, local_attention
 from megalm.context_parallel.chunks import ContextParallelError
+from megalm.context_parallel.keyed_dropout import KeyedDropout
 from megalm.fusions import backends
 from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.fusions.compile import select
@@ -65,7 +75,7 @@ class SelfAttention(nn.Module):
     ``skip_output_bias`` :meth:`forward` returns ``(output, linear_proj bias or None)``.
     ``tp_group``: the tensor-parallel group both projections communicate over; ``cp_group``:
     the context-parallel group the core communicates over (``cp_comm_type``) when it has more
-    than one rank.
+    than one rank.  ``layer_number``: the global layer number (it keys position-keyed dropout).
     """
 
     def __init__(
@@ -78,6 +88,7 @@ class SelfAttention(nn.Module):
         tp_group=CURRENT,
         cp_group=CURRENT,
         cp_comm_type: str = "p2p",
+        layer_number: int = 0,
     ):
         super().__init__()
         self.tp_group = resolve_group(tp_group, "tp")
@@ -92,9 +103,12 @@ class SelfAttention(nn.Module):
         self.groups_per_rank = divide(num_groups, tp)
         self.heads_per_rank = divide(m.num_attention_heads, tp)
         self.attention_dropout = m.attention_dropout
+        self.layer_number = layer_number
+        # Position-keyed dropout (always under CP: a mask that does not depend on the split).
+        self.keyed_dropout = m.position_keyed_attention_dropout or self.cp_size > 1
         self.recompute_core = recompute_core
         self.backend = plan.attention
-        if self.backend == "blocked" and m.attention_dropout > 0:  # as validate_config, for unvalidated configs
+        if self.backend == "blocked" and m.attention_dropout > 0 and not self.keyed_dropout:  # as validate_config
             raise ValueError(
                 f"the blocked attention has no attention dropout: set --attention-dropout 0 "
                 f"(got {m.attention_dropout}) or use another --attention-backend"
@@ -145,14 +159,17 @@ class SelfAttention(nn.Module):
     ) -> torch.Tensor:
         """Causal attention on ``[s, b, n, d]`` tensors (or masked by ``attention_mask``); returns
         ``[s, b, heads_r * d]``.  Dropout on the attention weights draws from the tracker's
-        model-parallel stream (heads differ per rank)."""
+        model-parallel stream (heads differ per rank): the whole mask, or under position-keyed dropout
+        the call's key (:meth:`_keyed_core`)."""
         s, b = q.shape[:2]
+        p = self.attention_dropout if self.training else 0.0
+        if self.keyed_dropout and p > 0.0:
+            return self._keyed_core(q, k, v, p).reshape(s, b, self.heads_per_rank * self.head_dim)
         if self.cp_size > 1:
             if attention_mask is not None:
                 raise ContextParallelError("--reset-attention-mask is not supported under context parallelism")
             out = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, self._causal_core)
             return out.reshape(s, b, self.heads_per_rank * self.head_dim)
-        p = self.attention_dropout if self.training else 0.0
         with dropout_rng(p, model_parallel_rng=True):
             if self.backend == "flash-attn" and attention_mask is None:  # [b, s, n, d] in and out; GQA natively
                 out = backends.flash_attn_function()(
@@ -162,6 +179,19 @@ class SelfAttention(nn.Module):
                 heads_first = (t.permute(1, 2, 0, 3) for t in (q, k, v))
                 out = self._core_on_heads(*heads_first, p, attention_mask).permute(2, 0, 1, 3)
         return out.reshape(s, b, self.heads_per_rank * self.head_dim)
+
+    def _keyed_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
+        """Attention with position-keyed dropout on ``[s, b, n, d]`` tensors -> ``[s, b, n, d]``: the CP
+        core of ``cp_comm_type``, or without CP :func:`local_attention` over the whole sequence.  One
+        draw of the key from the model-parallel stream (the same on every CP rank; recomputation
+        restores the stream, so it draws the same key)."""
+        with dropout_rng(p, model_parallel_rng=True):
+            dropout = KeyedDropout.draw(p, self.layer_number, q.device)
+        if self.cp_size > 1:
+            return context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, self._causal_core, dropout)
+        positions = torch.arange(q.shape[0], device=q.device)
+        heads_first = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        return local_attention(*heads_first, dropout=BlockDropout(dropout, positions, positions)).permute(2, 0, 1, 3)
 
     def _causal_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The local core without dropout on heads-first tensors (a2a's core under context parallelism;

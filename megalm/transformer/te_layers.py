@@ -180,6 +180,7 @@ class TESelfAttention(SelfAttention):
         tp_group=CURRENT,
         cp_group=None,
         cp_comm_type: str = "p2p",
+        layer_number: int = 0,
     ):
         super().__init__(
             model_cfg,
@@ -190,6 +191,7 @@ class TESelfAttention(SelfAttention):
             tp_group=tp_group,
             cp_group=cp_group,
             cp_comm_type=cp_comm_type,
+            layer_number=layer_number,
         )
         m = model_cfg
         self.te_core_attention = None

@@ -82,6 +82,7 @@ class TransformerLayer(nn.Module):
             tp_group=pg.tp,
             cp_group=pg.cp,
             cp_comm_type=cp_comm_type,
+            layer_number=layer_number,
         )
         self.is_moe = is_moe_layer(m, layer_number)
         self.pre_mlp_layernorm = norm(te and not self.is_moe)

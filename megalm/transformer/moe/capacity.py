@@ -4,7 +4,9 @@ Dropless by default.  With ``--moe-expert-capacity-factor f`` each expert accept
 
     capacity = ceil(T * topk / E * f)            (T tokens of this rank, E experts; Megatron's get_capacity)
 
-of this rank's tokens, counted before the tokens leave the rank (so per source rank and expert).
+of this rank's tokens, counted before the tokens leave the rank (so per source rank and expert;
+under context parallelism the router applies it to the whole sequence of the CP group instead,
+:mod:`~megalm.transformer.moe.router`).
 The kept tokens of expert ``e`` are the first ``capacity`` in an order that depends on
 ``--moe-token-drop-policy``:
 

@@ -25,7 +25,11 @@ the sequence) — nothing in evaluation.  Backward: none here; the router weight
 Under context parallelism (``cp_group`` of ``CP > 1`` ranks) the sequence is split over TP x CP:
 the statistics are summed over ``tp_cp_group`` instead (the same one all-reduce), and the
 attached partial losses are multiplied by ``CP``, as the language-model loss is
-(:mod:`megalm.context_parallel.loss`), since gradients are averaged over the dp x cp ranks.
+(:mod:`megalm.context_parallel.loss`), since gradients are averaged over the dp x cp ranks.  With
+``--moe-expert-capacity-factor`` under CP the keep decisions are those of the whole sequence (CP 1's):
+the detached ``[T, E]`` probabilities and routing map are all-gathered over ``cp_group`` (forward only,
+``2 E`` floats per token), put in sequence order, dropped as one process would (capacity of ``CP T``
+tokens) and this rank's rows kept (no sequence parallelism or padding to capacity: refused).
 """
 
 from __future__ import annotations
@@ -37,9 +41,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megalm.context_parallel.chunks import gathered_to_global, split_sequence
 from megalm.device import get_device
-from megalm.parallel_state import CURRENT, group_size, resolve_group
+from megalm.parallel_state import CURRENT, group_rank, group_size, resolve_group
 from megalm.tensor_parallel.initialization import mark_init
+from megalm.tensor_parallel.mappings import all_gather_first_dim
 from megalm.tensor_parallel.param_info import set_param_info
 from megalm.tensor_parallel.utils import set_tensor_model_parallel_attributes
 from megalm.transformer.moe.aux_losses import attach_aux_loss, sequence_load_balancing_loss, switch_load_balancing_loss
@@ -152,7 +158,7 @@ class TopKRouter(nn.Module):
         m = model_cfg
         self.moe_state = MoEState() if moe_state is None else moe_state
         self.layer_number = layer_number
-        self.cp_size = group_size(cp_group)
+        self.cp_group, self.cp_size = cp_group, group_size(cp_group)
         self.num_experts, self.topk = m.num_experts, m.moe_router_topk
         self.score_function, self.pre_softmax = m.moe_router_score_function, m.moe_router_pre_softmax
         self.load_balancing_type = m.moe_router_load_balancing_type
@@ -203,7 +209,7 @@ class TopKRouter(nn.Module):
         s, b, h = hidden.shape
         logits = self.gating(hidden.reshape(s * b, h))
         if not self.training:
-            return self._capacity(*self._route(logits))
+            return self._capacity(*self._route(logits), b)
         graph = torch.is_grad_enabled()
         record = not _in_backward()
         lse_sq = None
@@ -216,7 +222,7 @@ class TopKRouter(nn.Module):
                 logits = attach_aux_loss(logits, z_partial, self.moe_state)
         probs, routing_map = self._route(logits)
         probs = self._load_balancing(logits, probs, routing_map, lse_sq, s, b, graph, record)
-        probs, routing_map = self._capacity(probs, routing_map)
+        probs, routing_map = self._capacity(probs, routing_map, b)
         if self.expert_bias is not None and record:
             self.local_tokens_per_expert += routing_map.sum(0).float()
         return probs, routing_map
@@ -271,11 +277,30 @@ class TopKRouter(nn.Module):
                 tracker.record(layer, "z_loss", z_sum[0] / (seq_full * b), per_layer)
         return probs
 
-    def _capacity(self, probs: torch.Tensor, routing_map: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _capacity(self, probs: torch.Tensor, routing_map: torch.Tensor, b: int) -> Tuple[torch.Tensor, torch.Tensor]:
         if self.capacity_factor is None:
             return probs, routing_map
+        if self.cp_size > 1:
+            return self._capacity_over_cp(probs, routing_map, b)
         capacity = expert_capacity(routing_map.shape[0], self.num_experts, self.topk, self.capacity_factor)
         return apply_capacity(probs, routing_map, capacity, self.drop_policy, self.pad_to_capacity)
+
+    @torch.no_grad()
+    def _keep_over_cp(self, probs: torch.Tensor, routing_map: torch.Tensor, b: int) -> torch.Tensor:
+        """This rank's rows of the whole sequence's kept ``(token, expert)`` map (one all-gather over cp)."""
+        e, cp = self.num_experts, self.cp_size
+        local = torch.cat([probs.float(), routing_map.float()], dim=-1).view(-1, b, 2 * e)  # [s/cp, b, 2E]
+        full = gathered_to_global(all_gather_first_dim(local, self.cp_group)[0], cp).view(-1, 2 * e)
+        capacity = expert_capacity(full.shape[0], e, self.topk, self.capacity_factor)
+        _, kept = apply_capacity(full[:, :e], full[:, e:] > 0, capacity, self.drop_policy)
+        return split_sequence(kept.view(-1, b, e), 0, group_rank(self.cp_group), cp).reshape(-1, e)
+
+    def _capacity_over_cp(
+        self, probs: torch.Tensor, routing_map: torch.Tensor, b: int
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Capacity dropping of the whole sequence of the cp group, as one process drops it."""
+        kept = self._keep_over_cp(probs.detach(), routing_map, b) & routing_map
+        return probs * kept.to(probs.dtype), kept
 
     def extra_repr(self) -> str:
         return (
