@@ -1,9 +1,11 @@
 """Whole trainings through ``pretrain_gpt.main`` on 2 gloo ranks (DP 2) with gradient compression
 and local SGD / DiLoCo.
 
+* With the distributed optimizer (ZeRO-1) compressed runs equal the DDP compressed runs.
 * Compression state in checkpoints: a run resumed from a checkpoint reproduces the uninterrupted
   compressed run bit for bit (residuals, PowerSGD's Q and the stochastic-rounding generator
-  restored); loaded under another data-parallel size it resets with a logged warning.
+  restored); loaded under another data-parallel size (DP 2 -> DP 1 x TP 2) it resets with one logged
+  warning per rank and training goes on, exactly as without compression (nothing to compress at DP 1).
 * Local SGD with H = 1 and plain averaging equals synchronous data parallelism with SGD; H = 4 does
   not; DiLoCo resumed from a checkpoint taken between two syncs equals the uninterrupted run bit for
   bit (every replica's weights and optimizer state, and the outer state, restored)."""
@@ -13,13 +15,14 @@ import os
 import pytest
 
 from megalm.testing import run_distributed
-from tests.training_runs import losses
+from tests.training_runs import losses, records
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
     "--max-position-embeddings", "16", "--mock-data", "--vocab-size", "200", "--num-workers", "0",
     "--lr", "3e-3", "--eval-iters", "0", "--seed", "5", "--micro-batch-size", "1",
     "--global-batch-size", "4", "--log-interval", "1", "--overlap-grad-reduce", "--ddp-bucket-size", "3000",
+    "--untie-embeddings-and-output-weights",  # the distributed optimizer's buckets then match DDP's
 ]  # fmt: skip
 METHODS = {
     "powersgd": ["--grad-compression", "powersgd", "--powersgd-rank", "2"],
@@ -39,17 +42,22 @@ def worker(tmp):
     def argv(name, *extra):
         return TINY + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl")] + list(extra)
 
-    runs = []
+    # first: the first training in a process starts from other numbers than the later ones (they all agree)
+    runs = [argv("plain", "--train-iters", "6")]
     for method, flags in METHODS.items():
         ckpt = os.path.join(tmp, f"ckpt_{method}")
         runs += [
             argv(f"{method}_base", *flags, "--save", ckpt, "--save-interval", "3", "--train-iters", "6"),
             argv(f"{method}_resumed", *flags, "--load", ckpt, "--ckpt-step", "3", "--train-iters", "6"),
         ]
-    # TP 2 on the 2 ranks: data-parallel size 1, another layout
-    runs.append(argv("tp2", *METHODS["powersgd"], "--load", os.path.join(tmp, "ckpt_powersgd"), "--train-iters", "6",
-                     "--exit-interval", "4", "--tensor-model-parallel-size", "2"))  # fmt: skip
-    runs.append(argv("plain", "--train-iters", "6"))
+    # the distributed optimizer: int8's all-to-all reduce-scatter, PowerSGD's all-reduce then the shard
+    for method, flags in METHODS.items():
+        runs.append(argv(f"{method}_distopt", *flags, "--use-distributed-optimizer", "--train-iters", "6"))
+    # TP 2 on the 2 ranks: the DP 2 checkpoint loaded at data-parallel size 1 (another layout), with
+    # compression (nothing to compress at DP 1) and without
+    tp2 = ["--load", os.path.join(tmp, "ckpt_powersgd"), "--ckpt-step", "3", "--train-iters", "6",
+           "--exit-interval", "5", "--tensor-model-parallel-size", "2"]  # fmt: skip
+    runs += [argv("tp2", *METHODS["powersgd"], *tp2), argv("tp2_plain", *tp2)]
     fp16 = ["--fp16", "--initial-loss-scale", "1024", "--grad-compression", "topk", "--topk-ratio", "0.1"]
     fp16 = argv("fp16_topk", *fp16, "--train-iters", "4")
     runs.append((fp16, {"inf_at_call": 3, "inf_rank": 1}))  # iteration 2, rank 1 only
@@ -78,7 +86,7 @@ def world(tmp_path_factory):
 def test_resume_is_exact_and_a_new_layout_resets_with_a_warning(world):
     tmp, ranks = world
     for codes, _ in ranks:
-        assert codes == [0] * 12, codes
+        assert codes == [0] * 15, codes
     plain = losses(tmp, "plain")
     for method in METHODS:
         base, resumed = losses(tmp, f"{method}_base"), losses(tmp, f"{method}_resumed")
@@ -88,9 +96,24 @@ def test_resume_is_exact_and_a_new_layout_resets_with_a_warning(world):
         assert sorted(os.listdir(path)) == ["rank_00000.pt", "rank_00001.pt"]
     for _, text in ranks:
         warnings = [line for line in text.splitlines() if "gradient-compression state" in line]
-        assert len(warnings) == 1, warnings  # the TP 2 run only
+        assert len(warnings) == 1, warnings  # the compressed TP 2 run only
         assert "not restored" in warnings[0] and "'data_parallel_size': 2" in warnings[0]
-        assert "restarts from zero" in warnings[0]
+        assert "'data_parallel_size': 1" in warnings[0] and "restarts from zero" in warnings[0]
+    # loaded at DP 1 the residuals reset and training goes on from iteration 3; with nothing to
+    # compress at DP 1 x TP 2 it is exactly the uncompressed TP 2 run
+    tp2 = records(tmp, "tp2")
+    assert [r["iteration"] for r in tp2] == [4, 5] and all(abs(r["lm_loss"]) < 100 for r in tp2)
+    assert losses(tmp, "tp2") == losses(tmp, "tp2_plain")
+
+
+def test_distributed_optimizer_with_compression_equals_the_ddp_compressed_run(world):
+    """The same compressed gradients (int8 stochastic: bit for bit on the shard, through the
+    all-to-all reduce-scatter; PowerSGD: its all-reduce, then the shard), the same AdamW; only the
+    gradient norm for clipping is summed in another order."""
+    tmp, _ = world
+    for method in METHODS:
+        base, distopt = losses(tmp, f"{method}_base"), losses(tmp, f"{method}_distopt")
+        assert len(distopt) == 6 and distopt == pytest.approx(base, rel=1e-6, abs=0), method
 
 
 def test_local_sgd_h1_is_synchronous_sgd_and_diloco_resumes_exactly(world):
@@ -109,8 +132,6 @@ def test_fp16_overflow_on_one_rank_skips_the_compressed_step_everywhere(world):
     """The inf check runs on the reduced gradient: rank 1's overflow reaches rank 0 (which logs)
     through the compressed payload, the step is skipped (no gradient norm), and the residual
     left unchanged lets training continue with finite losses."""
-    from tests.training_runs import records
-
     tmp, _ = world
     rows = records(tmp, "fp16_topk")
     assert [r["skipped_iterations"] for r in rows] == [0, 1, 0, 0]

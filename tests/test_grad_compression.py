@@ -26,6 +26,7 @@ K, LOCAL = 4, 2
 BATCH, NUM_MICRO, STEPS, BUCKET, LR = 16, 2, 3, 700, 0.1
 SETTINGS = dict(powersgd_rank=2, topk_ratio=0.3, int8_chunk_size=16)
 ZERO = torch.tensor(0.0)
+DISTOPT_CASES = [("int8", False), ("int8", True), ("powersgd", False)]  # (method, hierarchical)
 
 
 class TinyMLP(torch.nn.Module):
@@ -103,6 +104,13 @@ def exact_checks(group, me):
         flat = g.clone()
         comp = GradCompressor(method_of(name.rstrip("23"), rank=int(name[-1]) if name[-1].isdigit() else 2))
         out[name] = {"exact": exact, "got": flat, "bytes": reduce_once(comp, "x", flat, mats, group)}
+    # int8's compressed reduce-scatter (distributed optimizer): shard me of 10 of the exact sum
+    flat, shard = dyadic.clone(), (10 * me, 10 * me + 10)
+    comm.reset_comm_stats()
+    GradCompressor(method_of("int8")).reduce_scatter("x", flat, shard, [], group).wait()
+    stats = comm.get_comm_stats()["grad_int8_all_to_all"]
+    out["int8_rs"] = {"exact": out["int8"]["exact"][10 * me : 10 * me + 10], "got": flat[10 * me : 10 * me + 10]}
+    out["int8_rs"]["bytes"] = (stats["wire_bytes"], stats["inter_node_bytes"])
     return out
 
 
@@ -135,13 +143,15 @@ def non_finite(group, me, name):
     return {"finite": bool(torch.isfinite(bad).all()), "kept": torch.equal(before, comp.residuals["x"])}
 
 
-def ddp_run(name, hierarchical, pg):
-    """STEPS steps of SGD through DDP (overlap, accumulation) with ``name`` compression."""
+def ddp_run(name, hierarchical, pg, distopt=False):
+    """STEPS steps of SGD through DDP (overlap, accumulation) with ``name`` compression; ``distopt``:
+    buffers of the distributed optimizer, whose reduced shards are then all-gathered (uncounted)."""
     cfg = ParallelConfig(
         overlap_grad_reduce=True,
         ddp_bucket_size=BUCKET,
         hierarchical_grad_reduce=hierarchical,
         grad_compression=name,
+        use_distributed_optimizer=distopt,
         **SETTINGS,
     )
     ddp = DistributedDataParallel(make_model(), cfg, process_groups=pg)
@@ -152,6 +162,9 @@ def ddp_run(name, hierarchical, pg):
         ddp.zero_grad_buffer()
         losses.append(accumulate(ddp, step, me, ddp.no_sync))
         ddp.finish_grad_sync()
+        for bucket in (b for buf in ddp.all_buffers for b in buf.buckets) if distopt else ():
+            lo, hi = bucket.local_shard()
+            dist.all_gather_into_tensor(bucket.grad_data, bucket.grad_data[lo:hi].clone(), group=pg.dp_cp)
         grads.append(torch.cat([b.grad_data.clone() for b in ddp.all_buffers]))
         with torch.no_grad():
             for p in ddp.module.parameters():
@@ -216,6 +229,7 @@ def worker():
     out["diloco"] = {h: diloco_run(pg, h) for h in (False, True)}
     out["local"] = {h: local_grads(pg, h) for h in (False, True)}
     out["ddp"] = {(n, h): ddp_run(n, h, pg) for n in ("topk", "int8", "powersgd") for h in (False, True)}
+    out["distopt"] = {(n, h): ddp_run(n, h, pg, distopt=True) for n, h in DISTOPT_CASES}
     return out
 
 
@@ -246,6 +260,10 @@ def test_lossless_cases_equal_the_exact_all_reduce_and_bytes_are_the_ring_count(
         # ring all-gather of a P-byte payload over K ranks: (K-1) P sent; all-reduce of B: 2 (K-1)/K B
         assert e["topk"]["bytes"] == {"grad_topk_all_gather": (K - 1) * 37 * 8}
         assert e["int8"]["bytes"] == {"grad_int8_all_gather": (K - 1) * (40 + 4 * 3)}
+        # reduce-scatter: the same sum on the shard; all-to-all of blocks of S = 10 values + M = 2 scales
+        # (shards [10, 20) and [30, 40) overlap two chunks of 16): (K-1) (S + 4 M) sent, half to the other node
+        assert torch.equal(e["int8_rs"]["got"], e["int8_rs"]["exact"])
+        assert e["int8_rs"]["bytes"] == ((K - 1) * (10 + 4 * 2), 2 * (10 + 4 * 2))
         for rank in (2, 3):
             assert e[f"powersgd{rank}"]["bytes"] == {
                 "grad_powersgd_p_all_reduce": 2 * (K - 1) / K * 4 * (5 + 12 * rank),
@@ -366,6 +384,25 @@ def test_ddp_run_equals_single_process_simulation(ranks, name, hierarchical):
         assert all(torch.equal(a, b) for a, b in zip(r["ddp"][(name, hierarchical)]["grads"], first))
 
 
+@pytest.mark.parametrize("name,hierarchical", DISTOPT_CASES)
+def test_distributed_optimizer_shards_equal_the_compressed_all_reduce(ranks, name, hierarchical):
+    """With the distributed optimizer's buffers each rank's shard holds what the compressed
+    all-reduce gives there (flat int8: the all-to-all reduce-scatter; hierarchical int8 and
+    PowerSGD: the all-reduce, then the shard), bit for bit against the DDP run."""
+    for r in ranks:
+        got, want = r["distopt"][(name, hierarchical)]["grads"], r["ddp"][(name, hierarchical)]["grads"]
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), name
+    if (name, hierarchical) == ("int8", False):
+        buf = ParamAndGradBuffer(list(make_model().parameters()), torch.float32, BUCKET, None, K, 1.0 / K)
+        per_step = 0
+        for b in buf.buckets:  # (K-1) (S + 4 M) per bucket, M from where each shard cuts the chunks
+            shard = b.numel // K
+            per_step += (K - 1) * (shard + 4 * int8.shard_chunks(shard, SETTINGS["int8_chunk_size"], K)[1])
+        for r in ranks:
+            stats = r["distopt"][(name, hierarchical)]["stats"]
+            assert stats == {"grad_int8_all_to_all": (STEPS * len(buf.buckets), STEPS * per_step)}
+
+
 def test_ddp_bytes_are_the_analytic_count(ranks):
     """Per step and bucket of N elements: flat top-k all-gathers 2k int32 (k = round(0.3 N)) over 4
     ranks; hierarchical, only the inter-node leg is compressed (2 ranks, chunks of N/2) while the
@@ -409,7 +446,7 @@ def test_int8_stochastic_rounding_is_unbiased_and_nearest_is_bounded():
     assert not torch.equal(nearest, a)
 
 
-def test_config_refuses_the_distributed_optimizer_and_bad_settings():
+def test_config_refuses_sharded_gradients_and_bad_settings():
     def check(**kw):
         cfg = MegalmConfig()
         cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads = 2, 64, 4
@@ -418,8 +455,11 @@ def test_config_refuses_the_distributed_optimizer_and_bad_settings():
         validate_config(cfg)
 
     check(grad_compression="powersgd")
-    with pytest.raises(ConfigError, match="--grad-compression topk is not supported with --use-distributed-optimizer"):
-        check(grad_compression="topk", use_distributed_optimizer=True)
+    check(grad_compression="int8", use_distributed_optimizer=True)  # ZeRO-1: built
+    for strategy in ("optim_grads", "optim_grads_params"):
+        refusal = f"--grad-compression topk is not supported with --data-parallel-sharding-strategy {strategy}"
+        with pytest.raises(ConfigError, match=refusal):
+            check(grad_compression="topk", data_parallel_sharding_strategy=strategy)
     with pytest.raises(ConfigError, match="--topk-ratio must be in"):
         check(grad_compression="topk", topk_ratio=0.0)
     with pytest.raises(ConfigError, match="--powersgd-rank must be >= 1"):

@@ -343,8 +343,9 @@ class ParallelConfig:
         "of every matrix, two all-reduces; vectors and small matrices exact), topk (all-gather of the "
         "--topk-ratio largest-magnitude entries and their indices), int8 (all-gather of 8-bit values "
         "with one fp32 scale per --int8-chunk-size elements).  Once per step (after gradient "
-        "accumulation); with --hierarchical-grad-reduce only the inter-node leg.  Not with "
-        "--use-distributed-optimizer.",
+        "accumulation); with --hierarchical-grad-reduce only the inter-node leg.  With "
+        "--use-distributed-optimizer each rank keeps its shard of the same result (int8: an "
+        "all-to-all instead of the all-gather); not with the optim_grads / optim_grads_params strategies.",
         choices=["none", "powersgd", "topk", "int8"],
     )
     powersgd_rank: int = _f(4, "Rank of PowerSGD's low-rank gradient approximation (--grad-compression powersgd).")

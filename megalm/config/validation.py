@@ -252,9 +252,10 @@ def _validate_grad_compression(p: ParallelConfig) -> None:
     if p.grad_compression == "none":
         return
     _check(
-        not p.use_distributed_optimizer,
-        f"--grad-compression {p.grad_compression} is not supported with --use-distributed-optimizer "
-        f"(a compressed reduce-scatter is not built); drop one of the two",
+        p.data_parallel_sharding_strategy in ("no_shard", "optim"),
+        f"--grad-compression {p.grad_compression} is not supported with --data-parallel-sharding-strategy "
+        f"{p.data_parallel_sharding_strategy} (sharded gradients free the whole bucket the error feedback needs); "
+        f"use optim (--use-distributed-optimizer) or drop one of the two",
     )
     _check(p.powersgd_rank >= 1, f"--powersgd-rank must be >= 1, got {p.powersgd_rank}")
     _check(0 < p.topk_ratio <= 1, f"--topk-ratio must be in (0, 1], got {p.topk_ratio}")

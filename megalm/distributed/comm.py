@@ -18,6 +18,9 @@ Two byte counts are kept per operation kind:
   all-reduce of ``B`` bytes over ``n`` nodes of ``L`` consecutive ranks thus sends ``2 (nL-1)/(nL) B``
   per node across nodes; the hierarchical one (:mod:`megalm.distributed.hierarchical`)
   ``2 (n-1)/n B``.  :func:`inter_node_bytes_per_node` sums them per node for the log line.
+  All-to-all is not a ring: a rank sends block ``j`` of its input straight to group rank ``j``, so
+  ``wire_bytes`` is ``(K-1)/K`` of its input and ``inter_node_bytes`` the blocks whose destination
+  is on another node.
 
 Groups of size 1 are not communicated over: the wrappers return at once and count nothing.
 ``group=None`` means torch's default (world) group here, as in ``torch.distributed``; callers
@@ -30,7 +33,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import asdict, dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -72,15 +75,20 @@ def sends_across_nodes(group_ranks, rank: int, per_node: int) -> bool:
     return successor // per_node != rank // per_node
 
 
-def _record(kind: str, nbytes: int, wire: float, group) -> None:
-    members = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    across = sends_across_nodes(members, dist.get_rank(), ranks_per_node())
+def _members(group) -> list:
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+
+def _record(kind: str, nbytes: int, wire: float, group, inter: Optional[float] = None) -> None:
+    """Count one call; ``inter``: its inter-node bytes when not the ring model's."""
+    if inter is None:
+        inter = float(wire) if sends_across_nodes(_members(group), dist.get_rank(), ranks_per_node()) else 0.0
     with _LOCK:
         s = _STATS.setdefault(kind, CollectiveStats())
         s.calls += 1
         s.tensor_bytes += int(nbytes)
         s.wire_bytes += float(wire)
-        s.inter_node_bytes += float(wire) if across else 0.0
+        s.inter_node_bytes += float(inter)
 
 
 def get_comm_stats() -> Dict[str, dict]:
@@ -176,3 +184,18 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
     b = _nbytes(tensor)
     _record(kind, b, b, group)
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+def all_to_all_single(
+    output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False, kind: str = "all_to_all"
+):
+    """``output`` block ``j`` (of ``K`` equal blocks) receives block ``r`` of group rank ``j``'s ``input``
+    (``r``: this rank).  Sends ``(K-1)/K`` of ``input``; across nodes the blocks for other nodes' ranks."""
+    k = _group_size(group)
+    if k == 1:
+        output.copy_(input)
+        return None
+    b, per_node, me = _nbytes(input), ranks_per_node(), dist.get_rank()
+    away = sum(1 for r in _members(group) if r // per_node != me // per_node)
+    _record(kind, b, (k - 1) / k * b, group, inter=away / k * b)
+    return dist.all_to_all_single(output, input, group=group, async_op=async_op)

@@ -28,7 +28,10 @@ With ``grad_compression`` (``--grad-compression powersgd|topk|int8``) each bucke
 with error feedback instead of the exact all-reduce; hierarchically, only the inter-node all-reduce
 of the chunk is replaced (the intra-node reduce-scatter and all-gather stay exact).  It runs once
 per step: inside ``no_sync()`` nothing is reduced, so the accumulated gradient is compressed
-once.  The residuals live in :attr:`compressor` (``None`` without compression).
+once.  The residuals live in :attr:`compressor` (``None`` without compression).  With
+``use_distributed_optimizer`` (ZeRO-1 only) the flat reduce-scatter becomes the compressor's
+(int8: an all-to-all of each shard's quantized values; PowerSGD and top-k: their all-reduce, of
+which the rank keeps its shard); hierarchically the compressed all-reduce chain runs as without it.
 
 With ``local_sgd_interval`` (``--local-sgd-interval``, :mod:`megalm.distributed.local_sgd`) each
 replica keeps its own gradient: buckets are reduced over no rank (scale 1), or with

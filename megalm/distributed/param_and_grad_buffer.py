@@ -36,6 +36,9 @@ of ``K`` ranks; :meth:`Bucket.finish_grad_sync` waits:
   weights of its shard into ``param_data``, :meth:`Bucket.start_param_sync` all-gathers the
   bucket's ``param_data`` in place (``(K-1)/K`` x bucket bytes of the parameter dtype) and
   :meth:`Bucket.finish_param_sync` waits for it.
+* ``compressor`` (``--grad-compression``): the bucket's all-reduce, or with the distributed optimizer
+  its reduce-scatter, is the compressed one of :mod:`megalm.distributed.compression` (error feedback
+  over the whole bucket; see :meth:`Bucket._start_compressed`).
 * ``node_groups`` (``--hierarchical-grad-reduce``): each of these collectives becomes the chain
   of intra-node and inter-node collectives of :mod:`megalm.distributed.hierarchical` (same
   results; only ``1/L`` of the bucket crosses nodes per rank).  The handle is then a
@@ -158,10 +161,18 @@ class Bucket:
 
     def _start_compressed(self, group, nodes) -> None:
         """Compressed all-reduce (:mod:`megalm.distributed.compression`) over ``group``, or with
-        ``nodes`` over the inter-node leg only, keyed by buffer and bucket for the residuals."""
+        ``nodes`` over the inter-node leg only, keyed by buffer and bucket for the residuals.
+        Distributed optimizer: flat, the compressor's reduce-scatter into this rank's shard (int8:
+        an all-to-all; the other methods: their all-reduce); hierarchical, the same chain as without
+        it (intra-node exact, inter-node compressed, intra-node all-gather), of which the optimizer
+        reads its shard (a node's chunk after the inter-node leg is not one rank's flat shard)."""
         comp, key = self.buffer.compressor, f"{self.buffer.compress_key}.{self.index}"
         if nodes is None:
-            self.handle = comp.all_reduce(key, self.grad_data, self.matrices(0, self.numel), group)
+            matrices = self.matrices(0, self.numel)
+            if self.buffer.use_distributed_optimizer:
+                self.handle = comp.reduce_scatter(key, self.grad_data, self.local_shard(), matrices, group)
+            else:
+                self.handle = comp.all_reduce(key, self.grad_data, matrices, group)
             return
 
         def inter(chunk, lo, hi):
@@ -262,8 +273,6 @@ class ParamAndGradBuffer:
             node_groups.check_factors(data_parallel_group, "ParamAndGradBuffer")
         self.node_groups = node_groups if data_parallel_group is not None else None
         self.use_distributed_optimizer = use_distributed_optimizer
-        if compressor is not None and use_distributed_optimizer:
-            raise DataParallelError("gradient compression is not built for the distributed optimizer")
         self.compressor = compressor if data_parallel_group is not None else None
         self.compress_key = compress_key
         allocate_param_data = allocate_param_data or use_distributed_optimizer

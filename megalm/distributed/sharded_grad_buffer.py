@@ -127,6 +127,8 @@ class ShardedGradBuffer(ParamAndGradBuffer):
         kw["use_distributed_optimizer"] = True
         if kw.get("node_groups") is not None:
             raise DataParallelError("sharded gradients with hierarchical reduction are not built")
+        if kw.get("compressor") is not None:  # its residuals would need the whole bucket kept
+            raise DataParallelError("sharded gradients with gradient compression are not built")
         super().__init__(params, grad_dtype, bucket_size, data_parallel_group, data_parallel_world_size, *args, **kw)
         self.shard_data = torch.zeros(self.numel // self.data_parallel_world_size, dtype=grad_dtype, device=self.device)
         for p in self.params:

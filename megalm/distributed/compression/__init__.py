@@ -3,8 +3,10 @@
 :func:`build_compressor` turns the flags into a :class:`~.error_feedback.GradCompressor` that
 :class:`megalm.distributed.DistributedDataParallel` hands to its gradient buffers; each bucket
 then reduces through :meth:`GradCompressor.all_reduce` instead of the exact all-reduce (with
-``--hierarchical-grad-reduce`` only the inter-node leg).  Methods: :mod:`.powersgd`,
-:mod:`.topk`, :mod:`.int8`; error feedback and the stage chain: :mod:`.error_feedback`.
+``--hierarchical-grad-reduce`` only the inter-node leg), or with the distributed optimizer through
+:meth:`GradCompressor.reduce_scatter` (int8: an all-to-all; the others: the all-reduce, then the
+shard).  Methods: :mod:`.powersgd`, :mod:`.topk`, :mod:`.int8`; error feedback and the stage chain:
+:mod:`.error_feedback`.
 """
 
 from __future__ import annotations

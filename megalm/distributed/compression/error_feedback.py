@@ -9,6 +9,12 @@ Per bucket (key ``"<buffer>.<bucket>"``) a rank keeps the residual ``e`` of what
    result is ``sum_k sent_k`` (every method here decodes linearly);
 3. ``e <- a - sent``, ``g <- sum_k sent_k``.
 
+Reduce-scatter (the distributed optimizer: :meth:`GradCompressor.reduce_scatter`): the same
+compensation and residual over the whole bucket, but the result is only this rank's shard
+``[lo, hi)`` of ``sum_k sent_k`` (the rest of ``g`` keeps its local values, never read, as after
+the exact reduce-scatter).  Methods with a compressed reduce-scatter (:mod:`.int8`) send less for
+it; the others run their all-reduce and the rank keeps its shard: the same math either way.
+
 So over steps ``sum_t sent_t + e_T = sum_t g_t`` on every rank: nothing is lost, only delayed
 (exact for top-k, whose residual is ``a`` with the sent entries zeroed; up to one rounding per
 step otherwise).
@@ -26,7 +32,7 @@ Communication happens only in the method's stages; see :mod:`.powersgd`, :mod:`.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -38,14 +44,23 @@ from megalm.parallel_state import group_size
 class CompressionJob:
     """One bucket's compressed all-reduce in flight (the fields the method's stages share)."""
 
-    def __init__(self, key: str, flat: torch.Tensor, matrices: List[Segment], group, kind: str):
+    def __init__(
+        self,
+        key: str,
+        flat: torch.Tensor,
+        matrices: List[Segment],
+        group,
+        kind: str,
+        shard: Optional[Tuple[int, int]] = None,
+    ):
         self.key, self.flat, self.matrices, self.group, self.kind = key, flat, matrices, group, kind
+        self.shard = shard  # (lo, hi): a reduce-scatter whose result is flat[lo:hi]; None: all-reduce
         self.group_size = group_size(group)
         self.numel, self.device = flat.numel(), flat.device
         self.a: Optional[torch.Tensor] = None  # compensated gradient (fp32)
         self.poison: Optional[torch.Tensor] = None
         self.sent: Optional[torch.Tensor] = None  # what this rank's encoding decodes to
-        self.out: Optional[torch.Tensor] = None  # the sum over ranks
+        self.out: Optional[torch.Tensor] = None  # the sum over ranks (of the shard when ``shard``)
 
 
 class GradCompressor:
@@ -66,9 +81,17 @@ class GradCompressor:
     def all_reduce(self, key: str, flat: torch.Tensor, matrices: List[Segment], group, kind: str = "grad"):
         """SUM-all-reduce ``flat`` in place, compressed, over ``group`` (size > 1): a
         :class:`CollectiveChain` with its first stage launched (``wait()`` runs the rest)."""
-        job = CompressionJob(key, flat, matrices, group, kind)
-        inner = self.stages(job)
-        chain = CollectiveChain(inner)
+        return self._launch(CompressionJob(key, flat, matrices, group, kind))
+
+    def reduce_scatter(self, key: str, flat: torch.Tensor, shard, matrices: List[Segment], group, kind: str = "grad"):
+        """``flat[lo:hi]`` (``shard``, this rank's) <- that shard of the compressed SUM over ``group``:
+        the method's compressed reduce-scatter when it has one (``reduces_scatter``), else its
+        all-reduce of the whole bucket.  A :class:`CollectiveChain` with its first stage launched."""
+        scatter = getattr(self.method, "reduces_scatter", False)
+        return self._launch(CompressionJob(key, flat, matrices, group, kind, shard if scatter else None))
+
+    def _launch(self, job: CompressionJob):
+        chain = CollectiveChain(self.stages(job))
         chain.advance()
         return chain
 
@@ -88,7 +111,7 @@ class GradCompressor:
             if residual is None:
                 residual = torch.zeros_like(job.a)
             self.residuals[job.key] = torch.where(torch.isfinite(job.out).all(), job.a - job.sent, residual)
-            flat.copy_(job.out)
+            (flat if job.shard is None else flat[job.shard[0] : job.shard[1]]).copy_(job.out)
 
         return [compensate_and_send, *inner[1:], commit]
 

@@ -4,9 +4,9 @@ warm-start ``Q``s, the stochastic-rounding generator.
 It is per rank (every data-parallel rank has its own residuals) and only meaningful for the
 layout and settings it was made with (the residuals are laid out like the gradient buckets).
 :func:`compression_state` collects it from the DDP-wrapped model chunks with a signature
-(method, its settings, bucket size, parallel layout); :func:`restore_compression_state` puts it
-back when the signature matches and otherwise says why not (the caller logs it and the state
-restarts from zero: a reset loses at most the residual of one step per rank).
+(method, its settings, bucket size, distributed optimizer or not, parallel layout);
+:func:`restore_compression_state` puts it back when the signature matches and otherwise says
+why not (the caller logs it and the state restarts from zero: a reset loses at most the residual of one step per rank).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ def signature(model_chunks: Sequence, layout: dict) -> Optional[str]:
     if not chunks:
         return None
     c = chunks[0][1]
-    return f"{c.compressor.signature}; bucket size {c.bucket_size}; chunks {len(model_chunks)}; layout {layout}"
+    buckets = f"bucket size {c.bucket_size}" + (" (distributed optimizer)" if c.use_distributed_optimizer else "")
+    return f"{c.compressor.signature}; {buckets}; chunks {len(model_chunks)}; layout {layout}"
 
 
 def compression_state(model_chunks: Sequence, layout: dict) -> Optional[dict]:
