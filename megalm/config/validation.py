@@ -521,12 +521,6 @@ def _validate_context_parallel(m: ModelConfig, p: ParallelConfig) -> None:
 
 def _validate_optimizer(p: ParallelConfig, t: TrainingConfig) -> None:
     """--optimizer and its hyper-parameters; what the layer-wise optimizers do not support."""
-    if t.optimizer in ("lamb", "lars", "muon"):
-        _check(
-            p.expert_model_parallel_size == 1,
-            f"--optimizer {t.optimizer} with --expert-model-parallel-size > 1 is not supported yet (its "
-            "per-tensor norms and gathered matrices assume every tensor x data-parallel rank holds the same experts)",
-        )
     if t.optimizer == "lars":
         _check(t.lars_trust_coefficient > 0, f"--lars-trust-coefficient must be > 0, got {t.lars_trust_coefficient}")
     if t.optimizer == "muon":
