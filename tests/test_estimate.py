@@ -94,7 +94,20 @@ def test_parameter_and_state_bytes_equal_measured(bf16, arch):
     assert sum(predicted[k] for k in ("weights", "grads", "optimizer")) == (18 if bf16 else 16) * measured["parameters"]
 
 
-def test_moe_parameters_equal_built_model():
+@pytest.mark.parametrize("optimizer", ["lamb", "lars", "lion", "muon"])
+@pytest.mark.parametrize("bf16,arch", [(True, LLAMA), (False, {})], ids=["llama-gqa-bf16", "gpt-tied-fp32"])
+def test_layerwise_optimizer_state_bytes_equal_measured(optimizer, bf16, arch):
+    """LAMB: two moments; LARS: a momentum buffer; Lion: one moment; Muon: a momentum buffer for the linear
+    layers' matrices, AdamW's two moments for the rest (embeddings, output layer, norms, biases)."""
+    cfg = make_cfg(bf16=bf16, **arch)
+    cfg.training.optimizer = optimizer
+    predicted = plan(cfg, PlannerOptions(world_size=1))["stages"][0]
+    assert predicted["optimizer"] == measured_state_bytes(cfg)["optimizer"]
+
+
+@pytest.mark.parametrize("arch", [LLAMA, {}], ids=["llama", "gpt-biases"])
+def test_moe_parameters_equal_built_model(arch):
+    """Totals, expert parameters, and the 1-D ones (dense, expert) that Muon's AdamW takes."""
     from megalm.models import GPTModel
 
     cfg = make_cfg(
@@ -103,12 +116,16 @@ def test_moe_parameters_equal_built_model():
         moe_layer_freq=2,
         moe_router_topk=2,
         moe_shared_expert_intermediate_size=32,
-        **LLAMA,
+        **arch,
     )
     model = GPTModel(cfg)
-    expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    named = list(model.named_parameters())
+    expert = sum(p.numel() for n, p in named if ".experts." in n)
+    vectors = [sum(p.numel() for n, p in named if p.ndim == 1 and (".experts." in n) == e) for e in (False, True)]
     st = stage_parameters(cfg, 0)
     assert (st.total, st.expert) == (sum(p.numel() for p in model.parameters()), expert)
+    assert [st.vectors, st.expert_vectors] == vectors
+    assert arch or vectors[1] > 0  # the GPT architecture's experts have biases
 
 
 def saved_activation_bytes(model, cfg, dtype) -> int:

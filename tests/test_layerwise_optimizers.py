@@ -122,7 +122,6 @@ def test_lamb_trust_ratio_is_clamped_and_one_for_zero_weights():
 @pytest.mark.parametrize(
     "flags, message",
     [
-        ({"optimizer": "lamb", "expert_model_parallel_size": 2}, "--optimizer lamb with --expert-model-parallel-size"),
         ({"optimizer": "lars", "lars_trust_coefficient": 0.0}, "--lars-trust-coefficient must be > 0"),
         ({"optimizer": "lion", "lion_beta2": 1.0}, "--lion-beta2 must be in [0, 1)"),
     ],
@@ -131,9 +130,7 @@ def test_bad_flags_are_refused(flags, message):
     cfg = MegalmConfig()
     cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads = 2, 64, 4
     for k, v in flags.items():
-        setattr(cfg.parallel if k == "expert_model_parallel_size" else cfg.training, k, v)
-    if "expert_model_parallel_size" in flags:
-        cfg.model.num_experts = 2
+        setattr(cfg.training, k, v)
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate_config(cfg)
 

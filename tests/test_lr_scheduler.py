@@ -257,3 +257,44 @@ def test_weight_decay_schedule_from_flags():
             setattr(cfg.training, k, v)
         with pytest.raises(ConfigError, match=message):
             validate_config(cfg)
+
+
+@pytest.mark.parametrize("rule, factor", [("linear", lambda r: r), ("sqrt", math.sqrt), ("none", lambda r: 1.0)])
+@pytest.mark.parametrize("kind", ["step_schedule", "rampup"])
+def test_lr_batch_scaling_follows_the_rule_at_every_step(rule, factor, kind):
+    """The lr each update uses (both groups, lr_mult 1 and 0.5) = the closed-form schedule at the samples
+    consumed before it x the rule's factor of that iteration's batch / the global batch (16)."""
+    from megalm.training.microbatches import MicrobatchCalculator
+
+    if kind == "step_schedule":
+        calc = MicrobatchCalculator(16, 2, 1, step_schedule=[(0, 4), (24, 8), (64, 16)])
+    else:
+        calc = MicrobatchCalculator(16, 2, 1, rampup_batch_size=[4, 4, 96])
+    s = sched("cosine", lr_batch_scaling=rule, reference_batch_size=16)
+    consumed, batches = 0, []
+    while consumed < 1200:
+        calc.update(consumed)
+        b = calc.current_global_batch_size
+        s.set_global_batch_size(b)
+        if consumed <= W:
+            expected = INIT + (MAX - INIT) * consumed / W
+        else:
+            expected = decay_expected("cosine", consumed) if consumed <= D else MIN
+        expected *= factor(b / 16)
+        assert s.optimizer.param_groups[0]["lr"] == pytest.approx(expected, rel=1e-12)
+        assert s.optimizer.param_groups[1]["lr"] == pytest.approx(0.5 * expected, rel=1e-12)
+        s.step(b)
+        consumed += b
+        batches.append(b)
+    assert {4, 8, 16} <= set(batches)  # the batch changed, so the rule was exercised
+
+
+def test_lr_batch_scaling_needs_a_changing_batch():
+    cfg = MegalmConfig()
+    cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads = 2, 64, 4
+    cfg.training.train_iters, cfg.training.lr_batch_scaling = 10, "sqrt"
+    with pytest.raises(ConfigError, match="--lr-batch-scaling sqrt needs --rampup-batch-size or --step-batch-size"):
+        validate_config(cfg, world_size=1)
+    cfg.training.rampup_batch_size, cfg.training.global_batch_size = [1, 1, 8], 4
+    cfg.training.train_iters, cfg.training.train_samples = None, 100
+    validate_config(cfg, world_size=1)

@@ -4,7 +4,8 @@ Trainings (micro batch 2, --seq-length 32, schedule '0:4 256:8 512:16': threshol
 --train-samples 40): the global batches are 4, 4, 8, 16, 16; the forward steps counted on each rank
 equal sum(batch / (micro x DP)) at DP 1 and DP 2 and the losses agree; a DP 2 run saved at
 iteration 2 (just before the first change) resumes to the uninterrupted run's batches, consumed
-samples and losses.
+samples and losses.  With --lr-batch-scaling sqrt the logged learning rate of each iteration is
+--lr x sqrt(batch / 16) (the schedule's constant 2e-3 at the largest batch).
 """
 
 import os
@@ -166,12 +167,13 @@ def runs(tmp_path_factory):
         run("resume", "--load", ck),
     ]
     out2 = run_distributed(count_forward_steps, 2, args=(two,), timeout=300)
-    out1 = run_distributed(count_forward_steps, 1, args=([run("d1")],), timeout=200)
+    one = [run("d1"), run("d1_sqrt", "--lr-batch-scaling", "sqrt")]
+    out1 = run_distributed(count_forward_steps, 1, args=(one,), timeout=200)
     return {"tmp": tmp, "out2": out2, "out1": out1}
 
 
 def test_microbatches_per_step_follow_the_schedule_at_dp_1_and_2(runs):
-    assert runs["out1"] == [[(0, sum(b // 2 for b in BATCHES))]]
+    assert runs["out1"] == [[(0, sum(b // 2 for b in BATCHES))] * 2]
     for rank_out in runs["out2"]:
         assert [code for code, _ in rank_out] == [0, 0, 0]
         assert rank_out[0][1] == sum(b // 4 for b in BATCHES)  # 12 forward steps per rank at DP 2
@@ -189,3 +191,12 @@ def test_resume_before_a_change_continues_the_schedule_exactly(runs):
     assert [r["consumed_samples"] for r in resumed] == [16, 32, 48]
     assert_close([r["lm_loss"] for r in resumed], [r["lm_loss"] for r in straight[2:]], rel=1e-6)
     assert runs["out2"][0][2][1] == sum(b // 4 for b in BATCHES[2:])  # the resumed run's forward steps
+
+
+def test_lr_batch_scaling_sqrt_scales_each_iterations_lr(runs):
+    scaled, plain = records(runs["tmp"], "d1_sqrt"), records(runs["tmp"], "d1")
+    assert [r["global_batch_size"] for r in scaled] == BATCHES
+    assert_close([r["lr"] for r in scaled], [2e-3 * (b / 16) ** 0.5 for b in BATCHES], rel=1e-12)
+    assert [r["lr"] for r in plain] == [2e-3] * len(BATCHES)
+    assert scaled[0]["lm_loss"] == plain[0]["lm_loss"]  # same start; the smaller lr shows from the first update on
+    assert abs(scaled[1]["lm_loss"] - plain[1]["lm_loss"]) > 1e-6

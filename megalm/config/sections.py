@@ -407,7 +407,15 @@ class TrainingConfig:
         "Global batch size by consumed tokens: '<tokens>:<batch> ...', e.g. '0:16 2.4B:320' (suffixes K M B T; "
         "the first threshold 0; tokens become samples by floor division by --seq-length). Sets the global "
         "batch size itself (not with --global-batch-size or --rampup-batch-size); needs --train-samples. The "
-        "learning rate is not rescaled when the batch changes (a warning gives the linear and sqrt rules).",
+        "learning rate follows the batch only with --lr-batch-scaling.",
+    )
+    lr_batch_scaling: str = _f(
+        "none",
+        "megalm's (Megatron has none): scale the learning rate with the batch of each iteration under "
+        "--rampup-batch-size or --step-batch-size-schedule. --lr (and --min-lr, the whole schedule) is the value at "
+        "the global batch size (the largest batch); an iteration of batch b uses it x b / global batch (linear) "
+        "or x sqrt(b / global batch) (sqrt); none: unscaled (a warning at start gives both rules).",
+        choices=["none", "linear", "sqrt"],
     )
     train_iters: Optional[int] = _f(None, "Iterations to train (or --train-samples).")
     train_samples: Optional[int] = _f(None, "Samples to train (or --train-iters).")

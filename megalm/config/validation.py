@@ -311,6 +311,7 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
     _validate_precision(m, p, t)
     _validate_optimizer(p, t)
     _validate_step_schedule(m, t)
+    _validate_lr_batch_scaling(t)
     if world_size is not None:
         _validate_world(p, t, world_size, vpp, m.seq_length)
     _validate_training_length(t)
@@ -553,12 +554,6 @@ def _validate_context_parallel(m: ModelConfig, p: ParallelConfig) -> None:
 
 def _validate_optimizer(p: ParallelConfig, t: TrainingConfig) -> None:
     """--optimizer and its hyper-parameters; what the layer-wise optimizers do not support."""
-    if t.optimizer in ("lamb", "lars", "muon"):
-        _check(
-            p.expert_model_parallel_size == 1,
-            f"--optimizer {t.optimizer} with --expert-model-parallel-size > 1 is not supported yet (its "
-            "per-tensor norms and gathered matrices assume every tensor x data-parallel rank holds the same experts)",
-        )
     if t.optimizer == "lars":
         _check(t.lars_trust_coefficient > 0, f"--lars-trust-coefficient must be > 0, got {t.lars_trust_coefficient}")
     if t.optimizer == "muon":
@@ -657,15 +652,24 @@ def _validate_step_schedule(m: ModelConfig, t: TrainingConfig) -> None:
     _check(t.train_samples is not None, "--step-batch-size-schedule needs --train-samples (not --train-iters)")
     t.global_batch_size = largest
     batches = [b for _, b in schedule]
-    if len(set(batches)) > 1:
+    if len(set(batches)) > 1 and t.lr_batch_scaling == "none":
         logger.warning(
             "--step-batch-size-schedule changes the global batch (%s) but not the learning rate --lr %g; "
-            "the linear scaling rule would multiply it by batch / %d, the square-root rule by sqrt(batch / %d)",
+            "--lr-batch-scaling linear would multiply it by batch / %d, sqrt by sqrt(batch / %d)",
             " -> ".join(str(b) for b in batches),
             t.lr,
-            batches[0],
-            batches[0],
+            largest,
+            largest,
         )
+
+
+def _validate_lr_batch_scaling(t: TrainingConfig) -> None:
+    """--lr-batch-scaling needs a batch that changes."""
+    _check(
+        t.lr_batch_scaling == "none" or t.rampup_batch_size is not None or t.step_batch_size_schedule is not None,
+        f"--lr-batch-scaling {t.lr_batch_scaling} needs --rampup-batch-size or --step-batch-size-schedule "
+        "(with a constant batch there is nothing to scale: set --lr itself)",
+    )
 
 
 def _validate_world(p: ParallelConfig, t: TrainingConfig, world_size: int, vpp: Optional[int], seq_length: int) -> None:

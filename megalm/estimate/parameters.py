@@ -9,7 +9,9 @@ Counts follow the modules exactly (tests compare with the built model):
   has no embedding (PP > 1);
 * MoE layers (``--num-experts``): a replicated router ``[E, h]`` and ``E / EP`` whole experts
   per rank (experts are not split over TP), counted separately as *expert* parameters because
-  the distributed optimizer shards them over the expert-data-parallel group instead.
+  the distributed optimizer shards them over the expert-data-parallel group instead;
+* vectors (norm weights, biases: 1-D), counted apart for ``--optimizer muon``, whose AdamW takes
+  them (with the embeddings and the output layer) while its momentum takes the other matrices.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class StageParameters:
     dense: int  # replicated over data parallel (sharded over DP by the distributed optimizer)
     expert: int  # sharded over the expert-data-parallel group instead
     embedding: int  # part of ``dense`` in embeddings / output layer (for reporting)
+    vectors: int = 0  # part of ``dense`` in 1-D parameters (norms, biases)
+    expert_vectors: int = 0  # part of ``expert`` in 1-D parameters (the experts' biases)
 
     @property
     def total(self) -> int:
@@ -71,6 +75,23 @@ def layer_parameters(m, tp: int, ep: int, is_moe: bool) -> tuple:
     return dense, expert
 
 
+def layer_vectors(m, tp: int, ep: int, is_moe: bool) -> tuple:
+    """``(dense, expert)`` 1-D parameters (norm weights, biases) of one transformer layer on one rank."""
+    h, n, d = m.hidden_size, m.num_attention_heads, m.head_dim
+    groups = m.num_query_groups if m.group_query_attention else n
+    bias = int(m.add_bias_linear)
+
+    def mlp_biases(ffn: int, tp: int) -> int:
+        return bias * ((2 * ffn if m.swiglu else ffn) // tp + h)
+
+    dense = 2 * _norm(m) + bias * ((n + 2 * groups) * d // tp + h)
+    if not is_moe:
+        return dense + mlp_biases(m.ffn_hidden_size, tp), 0
+    shared = m.moe_shared_expert_intermediate_size
+    dense += mlp_biases(shared, tp) if shared else 0
+    return dense, m.num_experts // ep * mlp_biases(m.moe_ffn_hidden_size or m.ffn_hidden_size, 1)
+
+
 def stage_parameters(cfg, pp_rank: int) -> StageParameters:
     """Parameters of pipeline rank ``pp_rank`` (all its virtual stages) on one TP/EP rank."""
     m, p = cfg.model, cfg.parallel
@@ -78,10 +99,12 @@ def stage_parameters(cfg, pp_rank: int) -> StageParameters:
     vpp = virtual_stages(p, m.num_layers) or 1
     layers = [i for v in range(vpp) for i in layers_for_stage(cfg, pp_rank, v)]
     pattern = moe_layers(m)
-    dense = expert = 0
+    dense = expert = vectors = expert_vectors = 0
     for i in layers:
         a, b = layer_parameters(m, tp, ep, pattern[i])
         dense, expert = dense + a, expert + b
+        a, b = layer_vectors(m, tp, ep, pattern[i])
+        vectors, expert_vectors = vectors + a, expert_vectors + b
     vocab_rows = m.padded_vocab_size // tp
     embedding = 0
     if pp_rank == 0:
@@ -90,9 +113,10 @@ def stage_parameters(cfg, pp_rank: int) -> StageParameters:
             embedding += m.max_position_embeddings * m.hidden_size
     if pp_rank == pp - 1:
         dense += _norm(m)
+        vectors += _norm(m)
         if m.untie_embeddings_and_output_weights or pp > 1:
             embedding += vocab_rows * m.hidden_size
-    return StageParameters(pp_rank, layers, dense + embedding, expert, embedding)
+    return StageParameters(pp_rank, layers, dense + embedding, expert, embedding, vectors, expert_vectors)
 
 
 def all_stages(cfg) -> List[StageParameters]:

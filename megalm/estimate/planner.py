@@ -76,8 +76,8 @@ class PlannerOptions:
 
 def state_bytes_per_param(precision: str, optimizer: str, sgd_momentum: float, fp32_grads: bool) -> Dict[str, float]:
     """``{"weights", "grads", "optimizer"}`` bytes per parameter without the distributed optimizer."""
-    # adam, lamb: two moments; lars: the momentum buffer (as sgd); lion, muon: one moment (muon's
-    # Adam for non-matrix parameters, a small share of a model, is counted as one moment too).
+    # adam, lamb: two moments; lars: the momentum buffer (as sgd); lion: one moment; muon: one moment
+    # (the matrices' momentum; its AdamW's second moment for the other parameters: muon_adam_extra_bytes).
     moments = {"adam": 8, "lamb": 8, "lion": 4, "muon": 4}.get(optimizer, 4 if sgd_momentum else 0)
     if precision == "fp32":
         return {"weights": 4, "grads": 4, "optimizer": moments}
@@ -93,6 +93,12 @@ _SHARDED = {
     "optim_grads": ("optimizer", "grads"),
     "optim_grads_params": ("optimizer", "grads", "weights"),
 }
+
+
+def muon_adam_parameters(st) -> tuple:
+    """``(dense, expert)`` parameters of a stage that ``--optimizer muon`` gives to its AdamW (embeddings,
+    output layer, norms, biases), each with 4 bytes more state (a second moment) than its matrices."""
+    return st.embedding + st.vectors, st.expert_vectors
 
 
 def strategy_bytes_per_param(per_param: Dict[str, float], d: int, strategy: str) -> Dict[str, float]:
@@ -160,6 +166,10 @@ def plan(cfg, options: PlannerOptions) -> dict:
         # The distributed optimizer shards dense state over data x context parallel ranks.
         dense_shards = dp * p.context_parallel_size
         optim_dist = st.dense * per_param["optimizer"] / dense_shards + st.expert * per_param["optimizer"] / edp
+        adam_dense, adam_expert = muon_adam_parameters(st) if t.optimizer == "muon" else (0, 0)
+        optim_plain += 4 * (adam_dense + adam_expert)
+        optim_dist += 4 * (adam_dense / dense_shards + adam_expert / edp)
+        extra = {"weights": 0, "grads": 0, "optimizer": 4}
         act = stage_activation_bytes(cfg, st.pp_rank, shape, num_micro)
         rest = act["activations"] + act["transient"] + options.reserve_gb * GB
         peaks = transient_bytes(cfg, st, per_param, dp, num_micro)  # ZeRO-2/3: buckets alive in a step
@@ -169,6 +179,8 @@ def plan(cfg, options: PlannerOptions) -> dict:
                 for k, v in strategy_bytes_per_param(per_param, dp, s).items()
             )
             + peaks[s]
+            + adam_dense * strategy_bytes_per_param(extra, dp, s)["optimizer"]
+            + adam_expert * strategy_bytes_per_param(extra, edp, s)["optimizer"]
             + rest
             for s in STRATEGIES
         }

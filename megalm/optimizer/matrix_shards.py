@@ -2,12 +2,15 @@
 
 Under ``--use-distributed-optimizer`` each data-parallel rank owns one flat range ``[start, end)``
 of a parameter's TP-local tensor (or none).  Newton-Schulz needs the whole matrix, so
-:meth:`MatrixShards.assemble` writes this rank's ranges of every Muon matrix into one zeroed
-flat buffer (the matrices of this stage one after the other, the same order on every rank) and
-SUM-all-reduces it ONCE over the data-parallel (x context) group: each element is owned by
+:meth:`MatrixShards.assemble` writes this rank's ranges of every Muon matrix into a zeroed flat
+buffer (the matrices of this stage one after the other, the same order on every rank) and
+SUM-all-reduces it ONCE over the group the ranges are spread over: each element is owned by
 exactly one rank, so the sum is the assembled matrices, on every rank (``2 (K-1)/K`` of the
-matrices' fp32 bytes per rank per step).  :meth:`MatrixShards.range_of` cuts a rank's range back
-out of a whole update.
+matrices' fp32 bytes per rank per step).  Dense matrices are spread over the data-parallel (x
+context) group; MoE expert matrices (whole on their expert-parallel rank, sharded by the expert
+buffers) over the expert-data-parallel group, the ranks holding the same experts: a second flat
+buffer and a second all-reduce, over that group.  :meth:`MatrixShards.range_of` cuts a rank's
+range back out of a whole update.
 """
 
 from __future__ import annotations
@@ -19,38 +22,51 @@ import torch.distributed as dist
 
 from megalm.device import get_device
 from megalm.distributed import comm
+from megalm.tensor_parallel.param_info import param_info
 
 
 class MatrixShards:
     """Args:
     matrices: ``[(index, model param)]`` of every Muon matrix of this stage (same order on every rank).
     owned: ``{id(main range): (index, start, end)}`` for this rank's ranges.
-    group: the data-parallel (x context) group the ranges are spread over.
+    group: the data-parallel (x context) group the dense ranges are spread over.
+    expert_group: the expert-data-parallel group the expert ranges are spread over.
     """
 
-    def __init__(self, matrices: List[Tuple[int, torch.nn.Parameter]], owned: Dict[int, Tuple[int, int, int]], group):
+    def __init__(
+        self,
+        matrices: List[Tuple[int, torch.nn.Parameter]],
+        owned: Dict[int, Tuple[int, int, int]],
+        group,
+        expert_group=None,
+    ):
         self.matrices = matrices
         self.owned = owned
-        self.group = group
+        self.groups = (group, expert_group)
+        self.part: Dict[int, int] = {}  # index -> 0 (dense) or 1 (expert)
         self.offset: Dict[int, int] = {}
-        total = 0
+        self.totals = [0, 0]
         for index, param in matrices:
-            self.offset[index] = total
-            total += param.numel()
-        self.total = total
+            part = int(param_info(param).expert)
+            self.part[index], self.offset[index] = part, self.totals[part]
+            self.totals[part] += param.numel()
 
     def assemble(self, pieces: Dict[int, torch.Tensor]) -> Dict[int, torch.Tensor]:
         """``{id(main range): 1-D piece}`` of this rank -> ``{index: whole TP-local matrix}`` (fp32) of
-        every Muon matrix; one SUM all-reduce over the group (every rank calls it, holding pieces or not)."""
+        every Muon matrix; one SUM all-reduce per part (dense over the data-parallel group, experts over
+        the expert-data-parallel group) that has matrices; every rank of a group calls it, holding
+        pieces or not."""
         device = next(iter(pieces.values())).device if pieces else get_device()
-        flat = torch.zeros(self.total, dtype=torch.float32, device=device)
+        flats = [torch.zeros(total, dtype=torch.float32, device=device) for total in self.totals]
         for key, piece in pieces.items():
             index, start, end = self.owned[key]
             at = self.offset[index]
-            flat[at + start : at + end] = piece
-        comm.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, kind="muon_matrix_all_reduce")
+            flats[self.part[index]][at + start : at + end] = piece
+        for flat, group, kind in zip(flats, self.groups, ("muon_matrix_all_reduce", "muon_expert_matrix_all_reduce")):
+            if flat.numel():
+                comm.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, kind=kind)
         return {
-            index: flat[self.offset[index] : self.offset[index] + param.numel()].view(param.shape)
+            index: flats[self.part[index]][self.offset[index] : self.offset[index] + param.numel()].view(param.shape)
             for index, param in self.matrices
         }
 

@@ -201,7 +201,11 @@ class MegatronOptimizer:
             )
         if hasattr(self.optimizer, "tensor_norms"):
             self.optimizer.tensor_norms = build_tensor_norms(
-                self._main_param_owners(), len(self.model_params), self._tensor_norm_group(), self.process_groups.tp
+                self._main_param_owners(),
+                len(self.model_params),
+                self._tensor_norm_group(),
+                self.process_groups.tp,
+                self.process_groups.ep,
             )
         if hasattr(self.optimizer, "tp_group"):
             self.optimizer.tp_group = self.process_groups.tp

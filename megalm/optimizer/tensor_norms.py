@@ -8,15 +8,21 @@ may hold only a piece of it:
   on every TP rank and counts on TP rank 0 only;
 * the distributed optimizer: each data-parallel rank updates one flat range of the TP-local
   tensor (or none), so the squared norm is also summed over the data-parallel (x context) ranks;
-* pipeline parallelism: a parameter lives on one stage; nothing to do.
+* pipeline parallelism: a parameter lives on one stage; nothing to do;
+* expert parallelism: an expert parameter is whole on its EP rank (never TP-split, the same on
+  every TP rank) and, under the distributed optimizer, cut into flat ranges over the
+  expert-data-parallel ranks, which hold the same experts; ranks of another EP rank hold other
+  experts at the same local index.  Its row is therefore offset by its EP rank (rows
+  ``num_params (1 + ep_rank) + index``), so the one SUM over the stage adds only the pieces of the
+  same expert tensor (the table grows to ``(1 + EP) num_params`` rows; still one all-reduce).
 
 :class:`FullTensorNorms` keeps, for each main parameter the torch optimizer updates, the index
 of its model parameter in the wrapper's (stage-wide, rank-independent) list.  One call: the
 local ``sum x^2`` of a parameter's two pieces (weight, update) go into row ``index`` of a
-``[num model params, 2]`` fp32 table (TP
-duplicates zeroed off TP rank 0), the table is SUM-all-reduced ONCE over the group that cuts
-the tensors (``tp``; ``tp_dp_cp`` for the distributed optimizer), and each main parameter reads
-its row back.  8 bytes per model parameter per step; every rank of the group calls it once
+``[num model params, 2]`` fp32 table (TP duplicates zeroed off TP rank 0; expert rows offset as
+above), the table is SUM-all-reduced ONCE over the group that cuts the tensors (``tp``;
+``tp_dp_cp`` for the distributed optimizer), and each main parameter reads its row back.  8 bytes
+per model parameter (``8 (1 + EP)`` with experts) per step; every rank of the group calls it once
 per step, even holding no piece.  :class:`LocalTensorNorms` is the single-process default (no
 communication).
 """
@@ -63,26 +69,31 @@ class FullTensorNorms:
         num_params: number of model parameters (rows of the table).
         group: the ranks whose pieces make up the tensors (size > 1).
         tp_group: decides the duplicates (replicated params count on TP rank 0 only).
+        ep_group: the expert-parallel group (expert rows are offset by its rank).
     """
 
-    def __init__(self, owners: List[Tuple[torch.Tensor, int, torch.Tensor]], num_params: int, group, tp_group):
-        self.num_params = num_params
+    def __init__(
+        self, owners: List[Tuple[torch.Tensor, int, torch.Tensor]], num_params: int, group, tp_group, ep_group=None
+    ):
+        self.rows = num_params * (1 + group_size(ep_group))  # dense rows, then one block per EP rank
         self.group = group
         keep_duplicates = group_rank(tp_group) == 0
+        expert_offset = num_params * (1 + group_rank(ep_group))
         self.row: Dict[int, int] = {}
         self.counts: Dict[int, bool] = {}
         for main, index, model in owners:
-            self.row[id(main)] = index
-            self.counts[id(main)] = param_info(model).tensor_parallel or keep_duplicates
+            info = param_info(model)
+            self.row[id(main)] = index + (expert_offset if info.expert else 0)
+            self.counts[id(main)] = info.tensor_parallel or keep_duplicates
 
     def __call__(
         self, params: Sequence[torch.Tensor], a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Squared L2 norms of the full tensors of which ``a[i]``, ``b[i]`` are this rank's pieces;
-        one SUM all-reduce of a ``[num_params, 2]`` fp32 table over the group."""
+        one SUM all-reduce of a ``[rows, 2]`` fp32 table over the group."""
         device = params[0].device if params else get_device()  # a rank holding no piece still takes part
         local = _sum_squares(a, b, device)
-        table = torch.zeros((self.num_params, 2), dtype=torch.float32, device=local.device)
+        table = torch.zeros((self.rows, 2), dtype=torch.float32, device=local.device)
         rows = torch.tensor([self.row[id(p)] for p in params], dtype=torch.long, device=local.device)
         if params:
             weight = torch.tensor([float(self.counts[id(p)]) for p in params], device=local.device)
@@ -92,8 +103,8 @@ class FullTensorNorms:
         return full[:, 0], full[:, 1]
 
 
-def build_tensor_norms(owners, num_params: int, group, tp_group):
+def build_tensor_norms(owners, num_params: int, group, tp_group, ep_group=None):
     """:class:`FullTensorNorms` when ``group`` holds more than this rank, else :class:`LocalTensorNorms`."""
     if group_size(group) <= 1:
         return LocalTensorNorms()
-    return FullTensorNorms(owners, num_params, group, tp_group)
+    return FullTensorNorms(owners, num_params, group, tp_group, ep_group)

@@ -12,6 +12,12 @@ With ``n`` = samples consumed so far (``num_steps``), ``W`` warm-up steps, ``D``
   WSD decay steps), then with ``q = (n - (D - S)) / S``: ``exponential`` ``2 * 0.5**q - 1``,
   ``linear`` ``1 - q``, ``cosine`` ``(1 + cos(pi q)) / 2``.
 
+``--lr-batch-scaling`` (megalm's; the batch changes under ``--rampup-batch-size`` or
+``--step-batch-size-schedule``): the schedule above is for the global batch size ``G`` (the largest
+batch); the trainer calls ``set_global_batch_size(b)`` before each iteration's update, and every value
+is multiplied by ``b / G`` (``linear``) or ``sqrt(b / G)`` (``sqrt``) until the next call (``none``: 1).
+:meth:`get_lr` includes the factor, so the logged lr is the scaled one.
+
 ``from_config`` converts iterations to samples as Megatron does (x global batch size);
 ``--lr-warmup-fraction`` is a fraction of the decay steps.  The trainer calls
 ``step(increment=global_batch_size)`` after every *successful* optimizer step.  Each param
@@ -30,6 +36,19 @@ from typing import Optional
 
 from megalm.config.sections import ConfigError
 from megalm.config.validation import lr_schedule_samples
+
+BATCH_SCALINGS = ("none", "linear", "sqrt")
+
+
+def batch_lr_factor(batch: int, reference: int, rule: str) -> float:
+    """``--lr-batch-scaling``: ``batch / reference`` (linear), its square root (sqrt), or 1 (none)."""
+    if rule == "linear":
+        return batch / reference
+    if rule == "sqrt":
+        return math.sqrt(batch / reference)
+    if rule == "none":
+        return 1.0
+    raise ConfigError(f"unknown --lr-batch-scaling {rule!r} (choose {', '.join(BATCH_SCALINGS)})")
 
 
 class OptimizerParamScheduler:
@@ -54,6 +73,8 @@ class OptimizerParamScheduler:
         end_wd: Optional[float] = None,
         wd_incr_steps: float = 0,
         wd_incr_style: str = "constant",
+        lr_batch_scaling: str = "none",
+        reference_batch_size: Optional[int] = None,
     ):
         self.optimizer = optimizer
         self.init_lr, self.max_lr, self.min_lr = float(init_lr), float(max_lr), float(min_lr)
@@ -66,6 +87,9 @@ class OptimizerParamScheduler:
         self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
         self.start_wd, self.end_wd = start_wd, end_wd
         self.wd_incr_steps, self.wd_incr_style = wd_incr_steps, wd_incr_style
+        self.lr_batch_scaling, self.reference_batch_size = lr_batch_scaling, reference_batch_size
+        batch_lr_factor(1, 1, lr_batch_scaling)  # checks the rule
+        self.batch_factor = 1.0
         self.num_steps = 0
         self.step(0)
 
@@ -106,11 +130,17 @@ class OptimizerParamScheduler:
             end_wd=t.end_weight_decay if t.end_weight_decay is not None else t.weight_decay,
             wd_incr_steps=t.train_iters * t.global_batch_size if t.train_iters is not None else t.train_samples,
             wd_incr_style=t.weight_decay_incr_style,
+            lr_batch_scaling=t.lr_batch_scaling,
+            reference_batch_size=t.global_batch_size,
         )
 
     # --- the schedule ----------------------------------------------------------------------
     def get_lr(self, param_group: Optional[dict] = None) -> float:
-        """Learning rate at ``num_steps`` (before the group's ``lr_mult``)."""
+        """Learning rate at ``num_steps`` for the last batch set (before the group's ``lr_mult``)."""
+        return self._scheduled_lr(param_group) * self.batch_factor
+
+    def _scheduled_lr(self, param_group: Optional[dict] = None) -> float:
+        """The schedule's value at ``num_steps`` (for the global batch size)."""
         max_lr = (param_group or {}).get("max_lr", self.max_lr)
         min_lr = (param_group or {}).get("min_lr", self.min_lr)
         n, warmup, decay = self.num_steps, self.lr_warmup_steps, self.lr_decay_steps
@@ -154,6 +184,13 @@ class OptimizerParamScheduler:
         if self.lr_wsd_decay_style == "cosine":
             return 0.5 * (math.cos(math.pi * q) + 1.0)
         return 2.0 * math.pow(0.5, q) - 1.0
+
+    def set_global_batch_size(self, batch: int) -> None:
+        """The batch of the coming update: ``--lr-batch-scaling``'s factor, applied to every param group."""
+        if self.lr_batch_scaling == "none":
+            return
+        self.batch_factor = batch_lr_factor(batch, self.reference_batch_size, self.lr_batch_scaling)
+        self.step(0)
 
     def step(self, increment: int) -> float:
         """Advance by ``increment`` samples and set every param group's lr; returns the base lr."""

@@ -118,6 +118,7 @@ def train_step(
     groups = groups if groups is not None else parallel_state.get_process_groups()
     microbatches.update(state.consumed_train_samples)
     gbs, m = microbatches.current_global_batch_size, microbatches.num_microbatches
+    scheduler.set_global_batch_size(gbs)  # --lr-batch-scaling: this iteration's lr follows its batch
     per_token = cfg.training.calculate_per_token_loss
     for chunk in model:
         chunk.zero_grad_buffer()
