@@ -3,13 +3,14 @@
 The Megatron-LM layouts are built here with plain torch from a random megalm MoE model (SwiGLU
 experts, a shared expert, sigmoid routing with an expert bias): ``torch_dist`` with the experts
 stacked as ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` ``[layers, experts, out, in]``
-(the key megatron-core's SequentialMLP and TEGroupedMLP both save), and legacy TP 2 x PP 2 x EP 2
-files ``mp_rank_TT_PPP_EEE`` holding each EP rank's experts in SequentialMLP's
-(``local_experts.{j}.``), TEGroupedMLP's (``linear_fc1.weight{j}``) or GroupedMLP's (``weight1`` /
-``weight2``) local form, with dense and MoE layers mixed.  The imported model must give the
-original logits.
+(the key megatron-core's SequentialMLP and TEGroupedMLP both save), each key in one chunk per layer
+that has it (:class:`LayerChunks`), and legacy TP 2 x PP 2 x EP 2 files ``mp_rank_TT_PPP_EEE``
+holding each EP rank's experts in SequentialMLP's (``local_experts.{j}.``), TEGroupedMLP's
+(``linear_fc1.weight{j}``) or GroupedMLP's (``weight1`` / ``weight2``) local form; dense and MoE
+layers mixed in both.  The imported model must give the original logits.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -17,10 +18,14 @@ import shutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from megalm.checkpoint_resume import TRACKER_FILENAME, checkpoint_dir
 from megalm.conversion.errors import ConversionError
 from megalm.conversion.megatron import import_from_megatron
+from megalm.conversion.megatron_layouts import TorchDistCheckpoint
 from megalm.fusions import EAGER
 from megalm.models import GPTModel
 from tests.checkpoint_fixtures import tiny_cfg
@@ -81,8 +86,41 @@ def full_state(model):
     return out
 
 
+class LayerChunks(DefaultSavePlanner):
+    """Saves each stacked key as one chunk per layer it has, as Megatron's layers each save their own
+    offset: a key of the dense layers (or of the MoE ones) covers only those layers."""
+
+    def __init__(self, layers_of):
+        super().__init__()
+        self.layers_of = layers_of  # {key: [layer indices]}
+
+    def create_local_plan(self):
+        items, plan = [], super().create_local_plan()
+        for item in plan.items:
+            key = item.index.fqn
+            if key not in self.layers_of:
+                items.append(item)
+                continue
+            shape = self.state_dict[key].shape
+            for i in self.layers_of[key]:
+                offsets, sizes = torch.Size([i] + [0] * (len(shape) - 1)), torch.Size([1, *shape[1:]])
+                chunk = TensorWriteData(ChunkStorageMetadata(offsets, sizes), item.tensor_data.properties, shape)
+                items.append(WriteItem(MetadataIndex(key, offsets), WriteItemType.SHARD, tensor_data=chunk))
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
+
+    def resolve_data(self, write_item):
+        key = write_item.index.fqn
+        if key in self.layers_of:
+            i = write_item.index.offset[0]
+            return self.state_dict[key][i : i + 1]
+        return super().resolve_data(write_item)
+
+
 def save_torch_dist(cfg, model, root, iteration=20):
-    """Megatron's torch_dist layout: layers stacked on dim 0, experts on dim 1 under ``experts.experts``."""
+    """Megatron's torch_dist layout: layers stacked on dim 0, experts on dim 1 under ``experts.experts``;
+    Transformer Engine's fused norm names (a dense layer's pre-MLP norm in ``linear_fc1``, an MoE
+    layer's apart); each key saved for the layers that have it."""
     path = checkpoint_dir(str(root), iteration)
     state, layers = {}, {}
     for name, t in full_state(model).items():
@@ -94,14 +132,19 @@ def save_torch_dist(cfg, model, root, iteration=20):
             j, linear = rest[len("mlp.experts.local_experts.") :].split(".", 1)
             layers.setdefault("mlp.experts.experts." + linear, {}).setdefault(int(i), {})[int(j)] = t
         else:
-            rest = rest.replace("input_layernorm.", "self_attention.linear_qkv.layer_norm_")  # TE's fused name
+            rest = rest.replace("input_layernorm.", "self_attention.linear_qkv.layer_norm_")
+            if not model.decoder.layers[i].is_moe:
+                rest = rest.replace("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_")
             layers.setdefault(rest, {})[int(i)] = t
+    layers_of = {}
     for rest, per_layer in layers.items():
-        rows = [per_layer[i] for i in range(cfg.model.num_layers)]
         if rest.startswith("mlp.experts.experts."):
-            rows = [torch.stack([row[j] for j in range(EXPERTS)]) for row in rows]
+            per_layer = {i: torch.stack([row[j] for j in range(EXPERTS)]) for i, row in per_layer.items()}
+        some = next(iter(per_layer.values()))
+        rows = [per_layer.get(i, torch.zeros_like(some)) for i in range(cfg.model.num_layers)]
         state["decoder.layers." + rest] = torch.stack(rows)
-    dcp.save(state, checkpoint_id=path, no_dist=True)
+        layers_of["decoder.layers." + rest] = sorted(per_layer)
+    dcp.save(state, checkpoint_id=path, no_dist=True, planner=LayerChunks(layers_of))
     with open(os.path.join(path, "metadata.json"), "w") as f:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch"}, f)
     torch.save({"args": moe_args(cfg), "checkpoint_version": 3.0, "iteration": iteration}, f"{path}/common.pt")
@@ -162,7 +205,8 @@ def save_legacy(cfg, model, root, form, tp=2, pp=2, ep=2, iteration=30):
 
 def test_import_moe_torch_dist_and_legacy_forms_give_the_same_logits(tmp_path):
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
-    cases = [(1, "torch_dist", None)] + [([1, 0, 1, 1], "legacy", f) for f in ("sequential", "te_grouped", "grouped")]
+    mixed = [1, 0, 1, 1]  # layer 1 dense
+    cases = [(mixed, "torch_dist", None)] + [(mixed, "legacy", f) for f in ("sequential", "te_grouped", "grouped")]
     for freq, layout, form in cases:
         cfg, model = moe_model(freq)
         with torch.no_grad():
@@ -175,6 +219,9 @@ def test_import_moe_torch_dist_and_legacy_forms_give_the_same_logits(tmp_path):
         src.mkdir()
         if layout == "torch_dist":
             save_torch_dist(cfg, model, src)
+            saved = TorchDistCheckpoint(checkpoint_dir(str(src), 20))
+            assert saved.saved_layers("decoder.layers.mlp.router.weight") == [0, 2, 3]
+            assert saved.saved_layers("decoder.layers.mlp.linear_fc1.weight") == [1]
         else:
             save_legacy(cfg, model, src, form)
         r = import_from_megatron(str(src), str(dst), extra_args=["--expert-model-parallel-size", "2"])

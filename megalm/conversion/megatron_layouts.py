@@ -287,15 +287,17 @@ def _load_model_state(file: str, state: dict) -> Dict[str, torch.Tensor]:
     return sd
 
 
-def _merge_ep(grid: dict, tp_rank: int, stage: int, ep: int, args: dict) -> Tuple[Dict[str, torch.Tensor], bool]:
+def _merge_ep(
+    grid: dict, tp_rank: int, stage: int, ep: int, args: dict, read: Dict[str, dict]
+) -> Tuple[Dict[str, torch.Tensor], bool]:
     """TP rank ``tp_rank``'s tensors of pipeline stage ``stage``, its EP ranks' experts under global
     numbers (the other tensors must be the same in every EP rank's file); and whether any file held
-    optimizer state."""
+    optimizer state.  ``read``: files already unpickled (used once, then dropped)."""
     merged, has_optimizer = {}, False
     local = int(args["num_experts"]) // ep if args.get("num_experts") else 0
     for e in range(ep):
         file = grid[(tp_rank, stage, e)]
-        state = load_megatron_pickle(file)
+        state = read.pop(file) if file in read else load_megatron_pickle(file)
         has_optimizer = has_optimizer or bool(state.get("optimizer"))
         sd = _global_experts(_load_model_state(file, state), e * local, local, int(args["hidden_size"]))
         for name, t in sd.items():
@@ -309,7 +311,8 @@ def merge_legacy(path: str) -> Tuple[dict, Dict[str, torch.Tensor], List[str]]:
     """``(args, full tensors by global name, notes)`` of the legacy checkpoint directory ``path``."""
     files = legacy_files(path)
     first = files[min(files)]
-    args = checkpoint_args(load_megatron_pickle(first), first)
+    read = {first: load_megatron_pickle(first)}
+    args = checkpoint_args(read[first], first)
     tp = 1 + max(k[0] for k in files)
     pp, ep = _check_args(args, tp, first)
     grid = _grid(path, files, pp, ep)
@@ -318,7 +321,7 @@ def merge_legacy(path: str) -> Tuple[dict, Dict[str, torch.Tensor], List[str]]:
     for stage in range(pp):
         per_rank = []
         for rank in range(tp):
-            sd, optimizer = _merge_ep(grid, rank, stage, ep, args)
+            sd, optimizer = _merge_ep(grid, rank, stage, ep, args, read)
             per_rank.append(sd)
             has_optimizer = has_optimizer or optimizer
         names = list(per_rank[0])
