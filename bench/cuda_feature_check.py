@@ -41,6 +41,7 @@ RUNS = {
     "zero1_bf16": BF16 + ["--data-parallel-sharding-strategy", "optim"],
     "zero2_bf16": BF16 + ["--data-parallel-sharding-strategy", "optim_grads"],
     "zero3_bf16": BF16 + ["--data-parallel-sharding-strategy", "optim_grads_params"],
+    "zero3_bf16_prefetch": BF16 + ["--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-param-gather"],
     "lamb_bf16": BF16 + ["--optimizer", "lamb"],
     "muon_bf16": BF16 + ["--optimizer", "muon"],
     "lion_bf16": BF16 + ["--optimizer", "lion", "--lr", "1e-4", "--min-lr", "1e-5"],
@@ -50,6 +51,8 @@ RUNS = {
     "moe_expert_bias_bf16": BF16
     + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-router-score-function", "sigmoid",
        "--moe-router-enable-expert-bias", "--moe-aux-loss-coeff", "0"],
+    "keyed_attention_dropout_bf16": BF16 + ["--attention-dropout", "0.1", "--position-keyed-attention-dropout"],
+    "reset_attention_mask_bf16": BF16 + ["--reset-attention-mask", "--reset-position-ids"],
     "fp16": ["--fp16"],
 }  # fmt: skip
 # (run, reference, allowed relative gap): None allows the gap between the two identical plain runs
@@ -60,6 +63,7 @@ SAME = [
     ("zero1_bf16", "adam_bf16", None),
     ("zero2_bf16", "adam_bf16", None),
     ("zero3_bf16", "adam_bf16", None),
+    ("zero3_bf16_prefetch", "zero3_bf16", None),
 ]
 
 
