@@ -151,11 +151,11 @@ def report(results, args) -> None:
 
 
 def plot(results, args) -> None:
-    by_tokens = {LABELS[r["name"]]: [(tok, loss) for tok, _, loss in r["valid"]] for r in results}
+    by_tokens = {LABELS[r["name"]]: [(tok / 1000, loss) for tok, _, loss in r["valid"]] for r in results}
     by_time = {LABELS[r["name"]]: [(s, loss) for _, s, loss in r["valid"]] for r in results}
     where = f"DP 4 = 2 nodes x 2, {args.bandwidth} between nodes"
     write_line_chart(f"{args.svg}_tokens.svg", by_tokens, title="Validation loss at equal tokens (any link)",
-                     xlabel="training tokens", ylabel="validation loss")  # fmt: skip
+                     xlabel="training tokens (thousands)", ylabel="validation loss")  # fmt: skip
     write_line_chart(f"{args.svg}_time.svg", by_time, title=f"Validation loss over training time ({where})",
                      xlabel="training seconds (evaluations excluded)", ylabel="validation loss")  # fmt: skip
 
