@@ -164,8 +164,11 @@ def measure_matmul_flops(
     device = device or torch.device("cpu")
     key = (dtype, n, str(device), torch.get_num_threads())
     if key not in _MEASURED:
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
+        # A generator of its own: drawing from the global one would shift the training's random streams
+        # (dropout) in the first run of a process only, the measurement being cached.
+        gen = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(n, n, device=device, generator=gen).to(dtype)
+        b = torch.randn(n, n, device=device, generator=gen).to(dtype)
         warm_until = time.perf_counter() + (0.5 if device.type == "cpu" else 0.0)
         torch.matmul(a, b)
         while time.perf_counter() < warm_until:  # CPU: thread pool and clocks come up to speed
