@@ -11,7 +11,10 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench" / "train_throughput.py"
 
 
-def test_quick_toy_rows(tmp_path):
+def test_quick_toy_rows_with_the_trainer_loop_row(tmp_path):
+    """--quick on the toy shape: megalm's raw train_step row, its "through the full trainer loop" row
+    (--trainer-loop: trains through Trainer.train_iteration, loss from its log) with their speed ratio,
+    and the plain-PyTorch row; one invocation (each worker process compiles)."""
     out = tmp_path / "rows.json"
     proc = subprocess.run(
         [
@@ -22,52 +25,6 @@ def test_quick_toy_rows(tmp_path):
             "toy",
             "--only",
             "megalm,plain",
-            "--precision",
-            "fp32",
-            "--fusions",
-            "on",
-            "--steps",
-            "1",
-            "--json",
-            str(out),
-            "--log-dir",
-            str(tmp_path / "logs"),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads(out.read_text())
-    rows = data["rows"]
-    assert [(r["impl"], r["precision"], r["fusions"]) for r in rows] == [
-        ("megalm", "fp32", "on"),
-        ("plain", "fp32", None),
-    ]
-    assert len({r["params"] for r in rows}) == 1 and rows[0]["params"] > 0
-    for r in rows:
-        assert len(r["step_times_s"]) == 2  # --quick: 2 rounds of 1 step
-        assert r["tokens_per_s"] > 0 and r["tflops"] > 0 and r["mfu"] > 0
-        assert r["maxrss_mb"] > 0 and r["threads"] == 2
-        assert 0 < r["first_loss"] < 10  # ~ln(256) = 5.5 at random init: both train the same task
-    assert rows[0]["vs_plain"] > 0 and rows[1]["vs_plain"] == 1.0
-    assert "| toy | megalm | fp32 | on |" in proc.stdout
-
-
-def test_trainer_loop_row_is_compared_with_the_raw_step(tmp_path):
-    """--trainer-loop: a "megalm through the full trainer loop" row next to the raw train_step row,
-    with their speed ratio (the loop row trains through Trainer.train_iteration: loss from its log)."""
-    out = tmp_path / "rows.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(BENCH),
-            "--quick",
-            "--shape",
-            "toy",
-            "--only",
-            "megalm",
             "--precision",
             "fp32",
             "--fusions",
@@ -86,10 +43,23 @@ def test_trainer_loop_row_is_compared_with_the_raw_step(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    raw, loop = json.loads(out.read_text())["rows"]
-    assert (raw["loop"], loop["loop"]) == (False, True)
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert [(r["impl"], r["precision"], r["fusions"], r["loop"]) for r in rows] == [
+        ("megalm", "fp32", "on", False),
+        ("megalm", "fp32", "on", True),
+        ("plain", "fp32", None, False),
+    ]
+    raw, loop, plain = rows
+    assert len({r["params"] for r in rows}) == 1 and raw["params"] > 0
+    for r in rows:
+        assert len(r["step_times_s"]) == 2  # --quick: 2 rounds of 1 step
+        assert r["tokens_per_s"] > 0 and r["tflops"] > 0 and r["mfu"] > 0
+        assert r["maxrss_mb"] > 0 and r["threads"] == 2
+        assert 0 < r["first_loss"] < 10  # ~ln(256) = 5.5 at random init: all train the same task
+    assert raw["vs_plain"] > 0 and plain["vs_plain"] == 1.0
+    assert "| toy | megalm | fp32 | on |" in proc.stdout
     assert loop["implementation"] == "megalm through the full trainer loop"
-    assert len(loop["step_times_s"]) == 2 and 0 < loop["first_loss"] < 10
     assert loop["vs_step"] == pytest.approx(raw["median_step_s"] / loop["median_step_s"], rel=1e-9)
     assert "full trainer loop / raw train_step tokens/s" in proc.stdout
     log = (tmp_path / "logs" / "toy-megalm-on+loop_fp32.log").read_text()

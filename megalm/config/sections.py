@@ -414,7 +414,7 @@ class TrainingConfig:
         "megalm's (Megatron has none): scale the learning rate with the batch of each iteration under "
         "--rampup-batch-size or --step-batch-size-schedule. --lr (and --min-lr, the whole schedule) is the value at "
         "the global batch size (the largest batch); an iteration of batch b uses it x b / global batch (linear) "
-        "or x sqrt(b / global batch) (sqrt); none: unscaled (a warning at start gives both rules).",
+        "or x sqrt(b / global batch) (sqrt); none: unscaled (--step-batch-size-schedule then warns with both rules).",
         choices=["none", "linear", "sqrt"],
     )
     train_iters: Optional[int] = _f(None, "Iterations to train (or --train-samples).")

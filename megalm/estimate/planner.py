@@ -77,7 +77,7 @@ class PlannerOptions:
 def state_bytes_per_param(precision: str, optimizer: str, sgd_momentum: float, fp32_grads: bool) -> Dict[str, float]:
     """``{"weights", "grads", "optimizer"}`` bytes per parameter without the distributed optimizer."""
     # adam, lamb: two moments; lars: the momentum buffer (as sgd); lion: one moment; muon: one moment
-    # (the matrices' momentum; its AdamW's second moment for the other parameters: muon_adam_extra_bytes).
+    # (the matrices' momentum; its AdamW's second moment for the others: plan() adds muon_adam_parameters x 4).
     moments = {"adam": 8, "lamb": 8, "lion": 4, "muon": 4}.get(optimizer, 4 if sgd_momentum else 0)
     if precision == "fp32":
         return {"weights": 4, "grads": 4, "optimizer": moments}
