@@ -5,8 +5,8 @@ this process through ``pretrain_gpt.main`` (NCCL, world of one), four times: pla
 far two identical runs differ on this GPU), ``--cpu-offloading --cpu-offloading-num-layers 3``
 (activations through pinned host buffers on two side streams), and ``--optimizer-cpu-offload
 --overlap-cpu-optimizer-d2h-h2d`` (Adam on the CPU, pipelined copies).  Asserts that each offloaded
-run's losses equal the plain run's (bit for bit where the two plain runs agree bit for bit, else within
-their own difference) and prints each run's peak allocated GPU memory.
+run's losses equal the plain run's within fp32 rounding (1e-6 relative, or the two plain runs' own
+difference if larger) and prints each run's peak allocated GPU memory.
 
     python3 bench/offload_cuda_check.py
 """
@@ -54,6 +54,13 @@ def train(name: str, extra: list, tmp: str):
     return losses, torch.cuda.max_memory_allocated() / 2**20
 
 
+# Measured on an H200 (2026-11-26): two plain runs agree bit for bit, activation offload differs by
+# 3.2e-8 and the CPU Adam step by 6.8e-8 (relative): fp32 rounding, not a wrong result (a buffer that
+# comes back from the host may be aligned differently, and kernels choose by alignment; the CPU's fp32
+# Adam rounds differently).  On the CPU both are bit-identical (tests/test_activation_offload.py).
+FP32_ROUNDING = 1e-6
+
+
 def main() -> int:
     if not torch.cuda.is_available() or os.environ.get("MEGALM_FORCE_CPU") == "1":
         print("skip: CUDA is not available (bench/offload_cuda_check.py checks the offloads on a GPU)")
@@ -67,7 +74,7 @@ def main() -> int:
     ok = True
     for name, (losses, peak) in results.items():
         diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
-        good = len(losses) == 3 and diff <= noise
+        good = len(losses) == 3 and diff <= max(noise, FP32_ROUNDING)
         ok &= good
         print(f"{name:28s} peak {peak:8.1f} MiB  losses {losses}  max rel diff {diff:.2e}  {'ok' if good else 'FAIL'}")
     print(f"two plain runs differ by {noise:.2e} (0 = deterministic)")
