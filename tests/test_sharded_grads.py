@@ -10,6 +10,10 @@
   are ``grad size x padded numel / d``; bytes per parameter equal the formula (``4 + 12/d`` fp32,
   ``2 + 16/d`` bf16/fp16 with fp32 grads, ``2 + 18/d`` fp16 grads) for d in {1, 4}, and so do
   the planner's (tools/estimate.py) per strategy, optim and optim_grads;
+* ZeRO-3 (``optim_grads_params``) on the same MLP: bit-identical to ZeRO-1; ``2n - 1`` all-gathers per
+  microbatch for ``n`` buckets; with prefetch (``--overlap-param-gather``) bit-identical again, the same
+  all-gathers (none wasted), the counted prefetches, and on the live tensors at every module forward and
+  gradient accumulation at most one bucket more gathered than without (forward: 1 bucket without, 2 with);
 * a gradient arriving after its bucket was reduce-scattered is refused;
 * the flag: ``optim`` / ``optim_grads`` turn the distributed optimizer on, the distributed optimizer
   alone means ``optim``; what is not built is a ConfigError naming the flags.
