@@ -343,6 +343,16 @@ def test_distributed_optimizer_bytes_follow_the_formula():
     assert st["weights"] + st["grads"] + st["optimizer"] == 18 * n
 
 
+def test_mock_data_without_a_tokenizer_type_counts_the_trainers_vocabulary():
+    """The trainer builds NullTokenizer when --tokenizer-type is not given (--vocab-size + 1 rows before
+    padding): the planner counts the same vocabulary with or without the flag."""
+    flags = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"]
+    flags += ["--mock-data", "--vocab-size", "1024", "--world-size", "1"]
+    implicit, _ = parse(flags)
+    explicit, _ = parse(flags + ["--tokenizer-type", "NullTokenizer"])
+    assert implicit.model.padded_vocab_size == explicit.model.padded_vocab_size == 1152  # 1025 padded to 128
+
+
 UNTIE = "--untie-embeddings-and-output-weights"
 
 

@@ -19,12 +19,13 @@ from megalm.topology import TopologyOptions, topology_report
 
 
 def _vocab_size(cfg: MegalmConfig) -> int:
-    """The tokenizer's vocabulary, as the trainer would set it (NullTokenizer: --vocab-size + 1)."""
+    """The tokenizer's vocabulary, as the trainer would set it: without --tokenizer-type the trainer
+    builds NullTokenizer, whose vocabulary is --vocab-size + 1 (the end-of-document id)."""
     d, m = cfg.data, cfg.model
     if d.tokenizer_type in (None, "NullTokenizer"):
         if m.vocab_size is None:
             raise ConfigError("give --vocab-size (or --tokenizer-type/--tokenizer-model) for the vocabulary")
-        return m.vocab_size + 1 if d.tokenizer_type == "NullTokenizer" else m.vocab_size
+        return m.vocab_size + 1
     from megalm.tokenizers import build_tokenizer
 
     try:
