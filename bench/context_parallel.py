@@ -206,6 +206,7 @@ def main():
     ap.add_argument("--budget-comm", default="a2a", choices=["p2p", "a2a", "allgather"])
     ap.add_argument("--budget-step", type=int, default=1024)
     ap.add_argument("--no-table", action="store_true", help="only the memory-budget rows")
+    ap.add_argument("--svg", default=None, help="write measured step peak MB against sequence length (SVG)")
     args = ap.parse_args()
     rows = [] if args.no_table else table_rows(args.seq, args.cp, args.steps)
     budget = budget_rows(args.cp, args.budget_comm, args.budget_mb, args.budget_step) if args.budget_mb else []
@@ -222,6 +223,27 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"table": rows, "budget_mb": args.budget_mb, "budget": budget}, f, indent=1)
+    if args.svg:
+        write_memory_chart(args.svg, rows + [dict(r, step_peak_mb=r["measured_mb"]) for r in budget])
+
+
+def write_memory_chart(path: str, rows: list) -> None:
+    """Measured step peak MB per rank against sequence length, one line per (CP, comm)."""
+    from bench.svg_plot import write_line_chart
+
+    series = {}
+    for row in sorted(rows, key=lambda r: r["seq"]):
+        label = f"CP {row['cp']}" + (f" {row['comm']}" if row["cp"] > 1 else "")
+        points = series.setdefault(label, [])
+        if all(x != row["seq"] for x, _ in points):
+            points.append((row["seq"], row["step_peak_mb"]))
+    write_line_chart(
+        path,
+        series,
+        title="Context parallelism: measured step peak per rank (tiny GPT, fp32)",
+        xlabel="sequence length",
+        ylabel="step peak MB per rank",
+    )
 
 
 def table_rows(seqs, cps, steps) -> list:
