@@ -30,6 +30,8 @@ NO_EFFECT = {
     "--distributed-backend": "megalm picks the backend itself (nccl with CUDA, gloo without) and checked it matches",
     "--ckpt-format": "megalm writes torch.distributed.checkpoint, which is Megatron's torch_dist",
     "--tiktoken-pattern": "only Megatron's TikTokenizer reads it, and megalm has no TikTokenizer",
+    "--use-megatron-fsdp": "megalm's own sharded data parallelism is chosen by --data-parallel-sharding-strategy "
+    "alone (no_shard by default, as in Megatron-LM)",
 }
 
 # Megatron-LM flags (and combinations) megalm refuses, with why: the documented unsupported list.
@@ -69,6 +71,7 @@ class MegatronCompatConfig:
         None, "Only torch_dist (megalm's torch.distributed.checkpoint format) is accepted; others are refused."
     )
     tiktoken_pattern: Optional[str] = _f(None, "No effect: " + NO_EFFECT["--tiktoken-pattern"] + ".")
+    use_megatron_fsdp: bool = _f(False, "No effect: " + NO_EFFECT["--use-megatron-fsdp"] + ".")
     fp8_param_gather: bool = _f(False, "Refused: " + UNSUPPORTED["--fp8-param-gather"] + ".")
     multi_latent_attention: bool = _f(False, "Refused: " + UNSUPPORTED["--multi-latent-attention"] + ".")
     mtp_num_layers: Optional[int] = _f(None, "Refused: " + UNSUPPORTED["--mtp-num-layers"] + ".")
@@ -91,6 +94,7 @@ def given_no_effect_flags(c: MegatronCompatConfig) -> list:
         "--distributed-backend": c.distributed_backend is not None,
         "--ckpt-format": c.ckpt_format is not None,
         "--tiktoken-pattern": c.tiktoken_pattern is not None,
+        "--use-megatron-fsdp": c.use_megatron_fsdp,
     }
     return [flag for flag, given in values.items() if given]
 

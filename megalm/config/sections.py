@@ -308,9 +308,10 @@ class ParallelConfig:
     )
     data_parallel_sharding_strategy: str = _f(
         "no_shard",
-        "What data-parallel ranks shard (megalm's implementation of Megatron's names; no "
-        "--use-megatron-fsdp needed): no_shard (plain DP), optim (= --use-distributed-optimizer, "
-        "ZeRO-1), optim_grads (ZeRO-2: also the reduced gradients; each bucket's full gradient "
+        "What data-parallel ranks shard (megalm's implementation of Megatron's names; "
+        "--use-megatron-fsdp is not needed and changes nothing): no_shard (plain DP), "
+        "optim (= --use-distributed-optimizer, ZeRO-1), optim_grads (ZeRO-2: also the reduced gradients; "
+        "each bucket's full gradient "
         "storage is freed once reduce-scattered), optim_grads_params (ZeRO-3: also the parameters, "
         "all-gathered per bucket before each module's forward and again for backward; "
         "--overlap-param-gather prefetches the next bucket).",
