@@ -219,9 +219,13 @@ def test_sigint_to_a_real_run_leaves_no_idx(tmp_path):
     )
     deadline = time.time() + 60
     while not any(".tmp-" in n for n in os.listdir(tmp_path)) and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    time.sleep(0.3)
+        time.sleep(0.01)
+    # Frozen the moment its output exists, so that the interrupt lands mid-run however fast this machine
+    # tokenizes (a fixed sleep before SIGINT let a quick run finish first); SIGINT is handled on SIGCONT.
+    proc.send_signal(signal.SIGSTOP)
+    assert proc.poll() is None, "the run ended before it could be interrupted: give it more input"
     proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGCONT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert b"no output written" in err
