@@ -216,6 +216,9 @@ def test_sigint_to_a_real_run_leaves_no_idx(tmp_path):
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        # SIGINT as a terminal would deliver it, even when this suite runs as a background job of a
+        # non-interactive shell (which starts it with SIGINT ignored, and exec keeps that).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.time() + 60
     while not any(".tmp-" in n for n in os.listdir(tmp_path)) and time.time() < deadline and proc.poll() is None:
