@@ -50,9 +50,6 @@ def free_port() -> int:
     raise DistributedTestError("no free port in 20000-32767 for the test rendezvous")
 
 
-_free_port = free_port  # the name older tests import
-
-
 def _worker(
     rank: int,
     world_size: int,
