@@ -141,6 +141,8 @@ class _Nodes:
 
     def start(self) -> None:
         for node in range(self.opts.nodes):
+            if node == 1 and not self.opts.raw:
+                self._wait_for_rendezvous_store()
             argv = ["ip", "netns", "exec", self.net.namespace(node), *node_command(self.opts, self.net, node)]
             proc = subprocess.Popen(
                 argv,
@@ -154,6 +156,18 @@ class _Nodes:
             thread = threading.Thread(target=self._copy, args=(node, proc.stdout), daemon=True)
             thread.start()
             self.threads.append(thread)
+
+    def _wait_for_rendezvous_store(self, timeout: float = 60.0) -> None:
+        """Start the other nodes once node 0's torchrun listens on the rendezvous port (or has ended, or
+        ``timeout`` passed): an agent that reaches for the store before it exists can fail its rendezvous
+        with "The connection to the C10d store has failed" (seen on this machine)."""
+        deadline = time.monotonic() + timeout
+        probe = ["ip", "netns", "exec", self.net.namespace(0), "ss", "-ltnH"]
+        while time.monotonic() < deadline and self.procs[0].poll() is None:
+            listening = subprocess.run(probe, capture_output=True, text=True, timeout=10).stdout
+            if any(f":{self.opts.port} " in line + " " for line in listening.splitlines()):
+                return
+            time.sleep(0.1)
 
     def _copy(self, node: int, stream) -> None:
         for raw in iter(stream.readline, b""):
