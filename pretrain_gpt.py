@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megalm.config import ConfigError, MegalmConfig, build_parser
 from megalm.context_parallel.loss import context_parallel_loss
 from megalm.data import get_batch
+from megalm.device import shutdown_distributed
 from megalm.distributed.finalize_model_grads import unwrap_model
 from megalm.errors import MegalmError, TrainingStopped
 from megalm.log import setup_logging
@@ -68,8 +69,6 @@ def forward_step(data_iterator, model):
 
 
 def _rank_and_world():
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -94,5 +93,4 @@ def main(argv: Optional[Sequence[str]] = None, forward_step_func: Callable = for
 
 if __name__ == "__main__":
     main(sys.argv[1:])
-    if dist.is_initialized():
-        dist.destroy_process_group()  # a clean end (NCCL warns at exit otherwise)
+    shutdown_distributed()  # barrier + destroy (NCCL warns at exit otherwise; gloo may abort in teardown)

@@ -6,7 +6,9 @@ CUDA + NCCL when a GPU is visible, CPU + gloo otherwise.  Nothing else in megalm
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -96,6 +98,25 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def shutdown_distributed() -> None:
+    """End a script's distributed run cleanly: a barrier (every rank has finished all of its
+    communication), then ``destroy_process_group``.  On gloo the process then leaves with
+    ``os._exit(0)`` after flushing its output: gloo's C++ teardown at interpreter exit can abort
+    ("terminate called without an active exception", exit -6) in one rank of a run whose work
+    was all done, which torchrun reports as a failed job.  Call it only after the work succeeded
+    and was written (metrics, checkpoints, loggers closed)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    gloo = dist.get_backend() == "gloo"
+    dist.barrier()
+    dist.destroy_process_group()
+    if gloo:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def synchronize() -> None:
