@@ -56,6 +56,16 @@ def p2p_bytes_per_node(tp: int, pp: int) -> float:
     return float(micro_batches * tp * SEQ_LENGTH * MICRO_BATCH * HIDDEN * 4)
 
 
+def layout_runs():
+    """``(tag, flags, row)`` per layout, without and with the distributed optimizer: the runs' tag, the
+    extra training flags, and the row's fixed cells (layout, distributed optimizer, p2p MB per step)."""
+    for name, flags, tp, pp in LAYOUTS:
+        for dist_opt in (False, True):
+            extra = flags + (["--use-distributed-optimizer"] if dist_opt else [])
+            row = {"layout": name, "distributed_optimizer": dist_opt, "p2p_MB": p2p_bytes_per_node(tp, pp) / 1e6}
+            yield f"{name}_{int(dist_opt)}".replace(" ", "_"), extra, row
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--bandwidths", default="unshaped,1gbit,100mbit", help="comma-separated; first: the reference")
@@ -71,21 +81,18 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="megalm-layouts-bench-") as tmp:
         os.chmod(tmp, 0o777)
-        for name, flags, tp, pp in LAYOUTS:
-            for dist_opt in (False, True):
-                extra = flags + (["--use-distributed-optimizer"] if dist_opt else [])
-                row = {"layout": name, "distributed_optimizer": dist_opt, "p2p_MB": p2p_bytes_per_node(tp, pp) / 1e6}
-                for rate in rates:
-                    tag = f"{name}_{int(dist_opt)}_{rate}".replace(" ", "_")
-                    kw = dict(bandwidth=rate, iters=args.iters, cluster_name=args.name, timeout=args.timeout)
-                    for attempt in (1, 2):  # retry once, then report the failure in the table
-                        try:
-                            row[rate] = cluster_training(tag, extra, tmp, **kw)
-                            break
-                        except RuntimeError as err:
-                            print(f"{tag}: attempt {attempt} failed: {str(err)[-500:]}", file=sys.stderr)
-                    print(f"{tag}: {row.get(rate)}", file=sys.stderr, flush=True)
-                rows.append(row)
+        for layout_tag, extra, row in layout_runs():
+            for rate in rates:
+                tag = f"{layout_tag}_{rate}"
+                kw = dict(bandwidth=rate, iters=args.iters, cluster_name=args.name, timeout=args.timeout)
+                for attempt in (1, 2):  # retry once, then report the failure in the table
+                    try:
+                        row[rate] = cluster_training(tag, extra, tmp, **kw)
+                        break
+                    except RuntimeError as err:
+                        print(f"{tag}: attempt {attempt} failed: {str(err)[-500:]}", file=sys.stderr)
+                print(f"{tag}: {row.get(rate)}", file=sys.stderr, flush=True)
+            rows.append(row)
     print_table(rows, rates)
     if args.json:
         with open(args.json, "w") as f:
@@ -98,17 +105,13 @@ def wire_table(args) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="megalm-layouts-wire-") as tmp:
         os.chmod(tmp, 0o777)
-        for name, flags, tp, pp in LAYOUTS:
-            for dist_opt in (False, True):
-                extra = flags + (["--use-distributed-optimizer"] if dist_opt else [])
-                tag = f"{name}_{int(dist_opt)}".replace(" ", "_")
-                kw = dict(cluster_name=args.name, wire=True, timeout=args.timeout)
-                short = cluster_training(tag + "_s", extra, tmp, iters=args.iters, **kw)
-                long = cluster_training(tag + "_l", extra, tmp, iters=2 * args.iters, **kw)
-                row = {"layout": name, "distributed_optimizer": dist_opt, "p2p_MB": p2p_bytes_per_node(tp, pp) / 1e6}
-                row |= {"counted_MB": long["inter_node_MB_per_step"], "wire_MB": wire_bytes_per_step(short, long) / 1e6}
-                print(row, file=sys.stderr, flush=True)
-                rows.append(row)
+        for tag, extra, row in layout_runs():
+            kw = dict(cluster_name=args.name, wire=True, timeout=args.timeout)
+            short = cluster_training(tag + "_s", extra, tmp, iters=args.iters, **kw)
+            long = cluster_training(tag + "_l", extra, tmp, iters=2 * args.iters, **kw)
+            row |= {"counted_MB": long["inter_node_MB_per_step"], "wire_MB": wire_bytes_per_step(short, long) / 1e6}
+            print(row, file=sys.stderr, flush=True)
+            rows.append(row)
     print("| layout | dist. opt. | counted MB/step | +p2p | node 0 sent MB/step (measured) |")
     print("|---|---|---|---|---|")
     for r in rows:

@@ -4,9 +4,10 @@
 Each run is one real training through :mod:`cluster_training` (``tools/cluster/run.py``; needs root or
 CAP_NET_ADMIN): the ~1.9M-parameter GPT of ``bench/hierarchical_reduce.py``, data parallel over the N nodes,
 the same per-rank batch (micro batch 2, global batch 2 N), ``--overlap-grad-reduce``, inter-node links at
-``--bandwidth``; each N > 1 is also run with unshaped links.  Every rank runs ``--threads`` (1) compute threads:
-torchrun leaves OMP_NUM_THREADS unset with one process per node, and megalm then gives the rank all of the
-host's cores, which the simulated nodes share (4 single-process nodes on 2 cores: 8 threads, steps ~10x slower).
+``--bandwidth``; each N > 1 is also run with unshaped links.  Every rank runs ``--threads`` (1) compute threads,
+the same for every N (the launcher's default, the host's cores over all ranks, would give N = 1 more): torchrun
+leaves OMP_NUM_THREADS unset with one process per node, and megalm then gives the rank all of the host's cores,
+which the simulated nodes share (4 single-process nodes on 2 cores: 8 threads, steps ~10x slower).
 
 Reported per N: tokens/s (the metrics file's, median of the iterations after the first), the weak-scaling
 efficiency ``E = tokens/s(N) / (N tokens/s(1))`` (= ``t(1) / t(N)``, the step times), and the model's

@@ -4,7 +4,7 @@
 ``tc``; needs root or CAP_NET_ADMIN) with ``pretrain_gpt.py`` on mock data, :data:`MODEL` (a ~1.9M-parameter
 GPT: hidden 128, 4 layers, vocab 8192, sequence 64, micro batch 2) plus the caller's flags, ``--log-interval 1``
 into a metrics file, and returns the median step time and the median ``inter_node_bytes`` (busiest node, per
-iteration; the ring model of :mod:`megalm.distributed.comm`) over the iterations after the first, the median
+iteration; as :mod:`megalm.distributed.comm` counts them) over the iterations after the first, the median
 ``tokens_per_sec`` and the final loss.  With ``wire=True`` it also polls node 0's link counters
 (``ip -n <name>-n0 -s link show uplink``, every 0.2 s) and returns the bytes node 0 sent over its link in the
 whole run (TCP/IP headers and the start-up rendezvous included; the last 0.2 s before the namespace is removed
@@ -71,8 +71,7 @@ def cluster_training(
     """Train ``iters`` iterations of :data:`MODEL` + ``extra`` on ``nodes`` x ``procs_per_node`` simulated ranks,
     inter-node links at ``bandwidth`` (tc units; None or ``"unshaped"``: not shaped); raise RuntimeError when the
     cluster run fails (with the tail of its output).  ``threads`` sets ``OMP_NUM_THREADS`` for every rank (else
-    torchrun's: 1 with several processes per node; with one, megalm gives the rank all the host's cores, and
-    the simulated nodes share that host's cores)."""
+    the launcher's: the host's cores divided by all simulated ranks, :func:`megalm.launch.cluster.node_env`)."""
     metrics = os.path.join(tmp, f"{name}.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)

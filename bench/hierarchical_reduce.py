@@ -9,8 +9,9 @@ Reported per configuration: the median step time over the iterations after the f
 inter-node bytes per step of the busiest node (``inter_node_bytes`` of the metrics file, the ring
 model of :mod:`megalm.distributed.comm`), with the analytic expectation for B bytes of fp32
 gradients: flat all-reduce 2 (K-1)/K B = 1.5 B per node, hierarchical 2 (n-1)/n B = 1.0 B; with the
-distributed optimizer (reduce-scatter + parameter all-gather) 1.5 B vs 1.0 B as well (counted; gloo's
-reduce-scatter sends twice the ring's bytes, so its wire bytes are 1.5x that: ``bench/collective_wire_bytes.py``).
+distributed optimizer (reduce-scatter + parameter all-gather) 1.5 B vs 1.0 B under the ring model, and on
+gloo, whose reduce-scatter is an all-reduce (``bench/collective_wire_bytes.py``), 2.25 B vs 1.5 B, as
+:mod:`megalm.distributed.comm` now counts it (the table below was counted with the ring's bytes).
 
     python3 bench/hierarchical_reduce.py [--bandwidth 100mbit] [--iters 6] [--distributed-optimizer]
 

@@ -33,41 +33,31 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from svg_plot import write_line_chart  # noqa: E402
 
-from megalm.config import MegalmConfig, set_vocab_size, validate_config  # noqa: E402
+from megalm.config import MegalmConfig, parse_config  # noqa: E402
 from megalm.estimate.activations import Shape, layer_bytes  # noqa: E402
 from megalm.models import GPTModel  # noqa: E402
 from megalm.optimizer import build_optimizer  # noqa: E402
 
-LLAMA = dict(
-    position_embedding_type="rope",
-    normalization="RMSNorm",
-    swiglu=True,
-    add_bias_linear=False,
-    group_query_attention=True,
-    num_query_groups=2,
-)
-MODELS = {"gpt-fp32": ({}, False), "gpt-bf16": ({}, True), "llama-bf16": (LLAMA, True)}
 SEQ, MICRO = 256, 2
+MODEL = f"""--num-layers 4 --hidden-size 256 --num-attention-heads 8 --ffn-hidden-size 1024 --seq-length {SEQ}
+    --vocab-size 8192 --make-vocab-size-divisible-by 128 --hidden-dropout 0 --attention-dropout 0
+    --micro-batch-size {MICRO}""".split()
+LLAMA = "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear".split()
+LLAMA += "--group-query-attention --num-query-groups 2".split()
+MODELS = {"gpt-fp32": ([], False), "gpt-bf16": ([], True), "llama-bf16": (LLAMA, True)}
 
 
-def make_cfg(model_kw: dict, bf16: bool, offload_layers: int = 0) -> MegalmConfig:
-    cfg = MegalmConfig()
-    m = cfg.model
-    m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size = 4, 256, 8, 1024
-    m.seq_length, m.vocab_size, m.make_vocab_size_divisible_by = SEQ, 8192, 128
-    m.hidden_dropout = m.attention_dropout = 0.0
-    for k, v in model_kw.items():
-        setattr(m, k, v)
-    m.cpu_offloading, m.cpu_offloading_num_layers = offload_layers > 0, offload_layers
-    cfg.training.bf16, cfg.training.micro_batch_size = bf16, MICRO
-    validate_config(cfg, world_size=1)
-    set_vocab_size(cfg, m.vocab_size)
-    return cfg
+def make_cfg(model_flags: list, bf16: bool, offload_layers: int = 0, extra: tuple = ()) -> MegalmConfig:
+    """The validated configuration of these flags (one process), as the trainer parses them."""
+    flags = MODEL + model_flags + (["--bf16"] if bf16 else []) + list(extra)
+    if offload_layers:
+        flags += ["--cpu-offloading", "--cpu-offloading-num-layers", str(offload_layers)]
+    return parse_config(flags, world_size=1)
 
 
 def activation_bytes(name: str, n: int) -> dict:
-    model_kw, bf16 = MODELS[name]
-    cfg = make_cfg(model_kw, bf16, n)
+    model_flags, bf16 = MODELS[name]
+    cfg = make_cfg(model_flags, bf16, n)
     model = GPTModel(cfg).to(torch.bfloat16 if bf16 else torch.float32).train()
     g = torch.Generator().manual_seed(0)
     tokens, labels = (torch.randint(0, 8192, (MICRO, SEQ), generator=g) for _ in range(2))
@@ -79,9 +69,8 @@ def activation_bytes(name: str, n: int) -> dict:
 
 
 def optimizer_bytes(fraction: float, overlap: bool) -> dict:
-    cfg = make_cfg({}, True)
-    cfg.training.optimizer_cpu_offload, cfg.training.optimizer_offload_fraction = True, fraction
-    cfg.training.overlap_cpu_optimizer_d2h_h2d = overlap
+    extra = ["--optimizer-cpu-offload", "--optimizer-offload-fraction", str(fraction)]
+    cfg = make_cfg([], True, extra=extra + (["--overlap-cpu-optimizer-d2h-h2d"] if overlap else []))
     model = GPTModel(cfg).to(torch.bfloat16)
     optimizer = build_optimizer(cfg, [model], report_memory=False)
     g = torch.Generator().manual_seed(0)

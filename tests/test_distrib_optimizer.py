@@ -203,6 +203,9 @@ def test_distributed_optimizer_matches_single_process(dp):
             assert stats[kind]["calls"] == n * STEPS
             assert stats[kind]["tensor_bytes"] == 4 * res["padded_numel"] * STEPS
             assert stats[kind]["wire_bytes"] == pytest.approx((dp - 1) / dp * stats[kind]["tensor_bytes"])
+        # what gloo sends: its reduce-scatter is an all-reduce of the bucket (bench/collective_wire_bytes.py)
+        rs, ag = stats["grad_reduce_scatter"], stats["param_all_gather"]
+        assert rs["sent_bytes"] == pytest.approx(2 * rs["wire_bytes"]) and ag["sent_bytes"] == ag["wire_bytes"]
         # overlapped gathers are left running by the step and waited for by the forward
         assert res["pending_after_step"] == [n if overlap else 0] * STEPS
         assert res["pending_after_forward"] == [0] * (STEPS - 1)

@@ -105,7 +105,10 @@ def test_layerwise_optimizer_state_bytes_equal_measured(optimizer, bf16, arch):
     assert predicted["optimizer"] == measured_state_bytes(cfg)["optimizer"]
 
 
-@pytest.mark.parametrize("arch", [LLAMA, {}], ids=["llama", "gpt-biases"])
+QWEN_QK = dict(LLAMA, add_qkv_bias=True, qk_layernorm=True)  # a QKV bias without other biases, q/k norms
+
+
+@pytest.mark.parametrize("arch", [LLAMA, {}, QWEN_QK], ids=["llama", "gpt-biases", "qkv-bias-qk-norms"])
 def test_moe_parameters_equal_built_model(arch):
     """Totals, expert parameters, and the 1-D ones (dense, expert) that Muon's AdamW takes."""
     from megalm.models import GPTModel
@@ -247,18 +250,22 @@ def _cp2_measurements(cases):
 
 
 def cp2_cfg(comm, **model):
-    cfg = make_cfg(seq_length=64, max_position_embeddings=64, **model)
+    cfg = make_cfg(**{"seq_length": 64, "max_position_embeddings": 64, **model})
     cfg.parallel.context_parallel_size, cfg.parallel.cp_comm_type = 2, comm
     validate_config(cfg, world_size=2)
     return cfg
 
 
 CP2_CASES = [(comm, kw) for comm in ("p2p", "a2a", "allgather") for kw in (dict(), LLAMA)]
+# a2a at a length where the ``auto`` core is the blocked one (fp32 CPU, 128 <= s <= 1024): its probabilities
+CP2_CASES += [("a2a", dict(seq_length=256, max_position_embeddings=256, **kw)) for kw in (dict(), LLAMA)]
 
 
 def test_cp2_activations_per_rank():
-    """Each --cp-comm-type's saved tensors at CP 2 (sequence 64: 32 positions per rank) against the
-    prediction (observed: p2p and a2a exact to 0.1%, allgather 1.3% under)."""
+    """Each --cp-comm-type's saved tensors at CP 2 (sequence 64: 32 positions per rank; a2a also with the
+    blocked core at 256) against the prediction (observed: p2p and a2a exact to 0.1%, allgather 1.3%
+    under; a2a + blocked at 256 predicted 2.65 MB (GQA 3.51) against 4.41 (4.71) measured before the
+    estimate counted the blocked core)."""
     results = run_distributed(_cp2_measurements, world_size=2, args=(CP2_CASES,), timeout=120)
     for (comm, model_kw), per_rank in zip(CP2_CASES, zip(*results)):
         predicted = predicted_activation_bytes(cp2_cfg(comm, **model_kw))
@@ -406,6 +413,10 @@ def test_context_parallel_plan_per_rank():
     st = r["stages"][0]
     assert r["data_parallel_size"] == 2
     assert st["optimizer_distributed"] == pytest.approx(12 / 4 * st["parameters"])
+    # the per-strategy total the report and the recommendation read shards over dp x cp as well
+    assert r["largest_rank_bytes"] == st["total_optim"] == pytest.approx(st["total_distributed"])
+    text = format_plan(cfg, r)
+    assert "TP 1 x PP 1 x CP 2 x DP 2" in text and "distributed optimizer: optimizer / 4" in text
     sh = Shape(4096, 1, 1, False, 2, "cuda", cp=2, cp_comm_type="p2p")
     assert st["per_microbatch"] == chunk_bytes(cfg.model, sh, [0, 1], True, True)["kept"]
     cfg1, options1 = parse(base + ["--world-size", "2"])

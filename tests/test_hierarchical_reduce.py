@@ -202,12 +202,13 @@ def test_distributed_optimizer_hierarchical_equals_flat(dp4):
             assert hier["layout"] == flat["layout"]  # each rank owns exactly its flat shard
             assert flat["losses"][-1] < flat["losses"][0]
             b = flat["bucket_bytes"]
-            # flat: reduce-scatter and all-gather send 3/4 B per rank, ranks 1 and 3 across nodes;
-            # hierarchical: the inter-node reduce-scatter / all-gather of the node's B/2 over 2: B/4.
+            # flat: the all-gather sends 3/4 B per rank and gloo's reduce-scatter (an all-reduce) 6/4 B, ranks 1
+            # and 3 across nodes; hierarchical: the inter-node all-gather of the node's B/2 over 2 sends B/4 and
+            # the inter-node reduce-scatter B/2.
             crossing = r is dp4[1] or r is dp4[3]
-            assert flat["inter"]["grad_reduce_scatter"] == pytest.approx(0.75 * b * STEPS if crossing else 0.0)
+            assert flat["inter"]["grad_reduce_scatter"] == pytest.approx(1.5 * b * STEPS if crossing else 0.0)
             assert flat["inter"]["param_all_gather"] == pytest.approx(0.75 * b * STEPS if crossing else 0.0)
-            assert hier["inter"]["grad_reduce_scatter_inter"] == pytest.approx(0.25 * b * STEPS)
+            assert hier["inter"]["grad_reduce_scatter_inter"] == pytest.approx(0.5 * b * STEPS)
             assert hier["inter"]["param_all_gather_inter"] == pytest.approx(0.25 * b * STEPS)
             assert hier["inter"]["grad_reduce_scatter_intra"] == 0.0
 
@@ -342,9 +343,9 @@ def test_trainer_logs_inter_node_bytes(tmp_path):
     assert [r["lm_loss"] for r in hier] == pytest.approx([r["lm_loss"] for r in flat], rel=1e-5)
     assert len(flat) == 3 and all(r["inter_node_bytes"] > 0 for r in flat + hier)
     # Per iteration, B bytes of gradient buckets (= of parameter buckets, fp32): flat, the one rank per
-    # node whose ring successor is on the other node sends 3/4 B (reduce-scatter) + 3/4 B (all-gather);
-    # hierarchical, both ranks of a node send 1/4 B + 1/4 B across: 1.5 B vs 1.0 B per node (the norm's
-    # few bytes aside).
+    # node whose ring successor is on the other node sends 6/4 B (gloo's reduce-scatter, an all-reduce) +
+    # 3/4 B (all-gather); hierarchical, both ranks of a node send 2/4 B + 1/4 B across: 2.25 B vs 1.5 B per
+    # node (the norm's few bytes aside).
     for f, h in zip(flat, hier):
         assert h["inter_node_bytes"] / f["inter_node_bytes"] == pytest.approx(2 / 3, rel=1e-3)
     # PP 2 (tied embeddings over the stages, distributed optimizer) with DP inside the node: same losses

@@ -140,6 +140,7 @@ def test_gpt_dataset_items_carry_documents_and_get_batch_builds_the_mask(tmp_pat
         ({"context_parallel_size": 2}, "--reset-attention-mask is not supported with --context-parallel-size > 1"),
         ({"transformer_impl": "transformer_engine"}, "not supported with --transformer-impl transformer_engine"),
         ({"attention_backend": "flash"}, "--reset-attention-mask is not supported with --attention-backend flash"),
+        ({"position_keyed_attention_dropout": True}, "not supported with --position-keyed-attention-dropout"),
     ],
 )
 def test_refused_with_context_parallelism_te_and_flash_attn(setting, message):
@@ -152,3 +153,18 @@ def test_refused_with_context_parallelism_te_and_flash_attn(setting, message):
         setattr(cfg.parallel if key == "context_parallel_size" else m, key, value)
     with pytest.raises(ConfigError, match=message):
         validate_config(cfg)
+
+
+def test_keyed_dropout_core_refuses_a_mask_it_cannot_apply():
+    """A model built without validation (keyed dropout and a document mask) raises rather than running
+    the causal-only keyed core without the mask."""
+    from megalm.tensor_parallel import model_parallel_manual_seed
+
+    cfg = make_cfg()
+    cfg.model.position_keyed_attention_dropout, cfg.model.attention_dropout = True, 0.1
+    model_parallel_manual_seed(11)
+    model = GPTModel(cfg).train()
+    tokens = docs_tokens(7, 2, 32, 0.1)
+    mask = document_causal_mask(torch.stack([document_ids(t, EOD) for t in tokens]))
+    with pytest.raises(ConfigError, match="--reset-attention-mask is not supported with --position-keyed"):
+        model(tokens, None, torch.roll(tokens, -1, 1), attention_mask=mask)

@@ -3,23 +3,27 @@
 Each wrapper records the call in a process-wide counter (readable by benchmarks and tests)
 and then calls ``torch.distributed`` (looked up at call time, so tests may patch it).
 
-Two byte counts are kept per operation kind:
+Byte counts kept per operation kind:
 
 * ``tensor_bytes``: size of the tensor handed to the collective (for all-gather the output).
 * ``wire_bytes``: bytes each rank sends under the ring model, for a buffer of ``B`` bytes over
   ``K`` ranks: all-reduce ``2 (K-1)/K B``; reduce-scatter and all-gather ``(K-1)/K B`` of the
   full (unsharded) buffer; broadcast ``B`` (upper bound).
+* ``sent_bytes``: what the backend really sends: ``wire_bytes``, except for gloo's reduce-scatter,
+  which is an all-reduce of the whole input of which each rank keeps its shard (torch's
+  ``ProcessGroupGloo::reduce_scatter_tensor_coalesced``; measured: ``bench/collective_wire_bytes.py``),
+  so ``2 (K-1)/K B`` (NCCL's reduce-scatter follows the ring).
 
-* ``inter_node_bytes``: of ``wire_bytes``, those sent over a link between two nodes.  Under the
+* ``inter_node_bytes``: of ``sent_bytes``, those sent over a link between two nodes.  Under the
   ring model a rank sends everything to its successor in the group (group-rank order, wrapping
-  around), so the count is ``wire_bytes`` when that successor is on another node and 0 otherwise
+  around), so the count is ``sent_bytes`` when that successor is on another node and 0 otherwise
   (node of a global rank: ``rank // ranks_per_node``, from
   :func:`megalm.parallel_state.get_ranks_per_node`, else torchrun's ``LOCAL_WORLD_SIZE``).  A flat
   all-reduce of ``B`` bytes over ``n`` nodes of ``L`` consecutive ranks thus sends ``2 (nL-1)/(nL) B``
   per node across nodes; the hierarchical one (:mod:`megalm.distributed.hierarchical`)
   ``2 (n-1)/n B``.  :func:`inter_node_bytes_per_node` sums them per node for the log line.
   All-to-all is not a ring: a rank sends block ``j`` of its input straight to group rank ``j``, so
-  ``wire_bytes`` is ``(K-1)/K`` of its input and ``inter_node_bytes`` the blocks whose destination
+  ``wire_bytes`` (= ``sent_bytes``) is ``(K-1)/K`` of its input and ``inter_node_bytes`` the blocks whose destination
   is on another node.
 
 Groups of size 1 are not communicated over: the wrappers return at once and count nothing.
@@ -47,6 +51,7 @@ class CollectiveStats:
     calls: int = 0
     tensor_bytes: int = 0
     wire_bytes: float = 0.0
+    sent_bytes: float = 0.0
     inter_node_bytes: float = 0.0
 
 
@@ -79,20 +84,26 @@ def _members(group) -> list:
     return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
 
 
-def _record(kind: str, nbytes: int, wire: float, group, inter: Optional[float] = None) -> None:
-    """Count one call; ``inter``: its inter-node bytes when not the ring model's."""
+def _record(
+    kind: str, nbytes: int, wire: float, group, inter: Optional[float] = None, sent: Optional[float] = None
+) -> None:
+    """Count one call; ``sent``: the bytes sent when not ``wire``; ``inter``: its inter-node bytes when not
+    the ring model's."""
+    sent = wire if sent is None else sent
     if inter is None:
-        inter = float(wire) if sends_across_nodes(_members(group), dist.get_rank(), ranks_per_node()) else 0.0
+        inter = float(sent) if sends_across_nodes(_members(group), dist.get_rank(), ranks_per_node()) else 0.0
     with _LOCK:
         s = _STATS.setdefault(kind, CollectiveStats())
         s.calls += 1
         s.tensor_bytes += int(nbytes)
         s.wire_bytes += float(wire)
+        s.sent_bytes += float(sent)
         s.inter_node_bytes += float(inter)
 
 
 def get_comm_stats() -> Dict[str, dict]:
-    """``{kind: {"calls", "tensor_bytes", "wire_bytes"}}`` since the last reset (a copy)."""
+    """``{kind: {"calls", "tensor_bytes", "wire_bytes", "sent_bytes", "inter_node_bytes"}}`` since the last
+    reset (a copy)."""
     with _LOCK:
         return {k: asdict(v) for k, v in _STATS.items()}
 
@@ -159,8 +170,15 @@ def reduce_scatter_tensor(
         output.copy_(input)
         return None
     b = _nbytes(input)
-    _record(kind, b, (k - 1) / k * b, group)
+    ring = (k - 1) / k * b
+    _record(kind, b, ring, group, sent=reduce_scatter_sends(group) * ring)
     return reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op)
+
+
+def reduce_scatter_sends(group) -> int:
+    """What a reduce-scatter over ``group`` sends, in units of the ring's ``(K-1)/K B``: 2 on gloo (an
+    all-reduce of the whole input, see the module docstring), else 1."""
+    return 2 if dist.get_backend(group) == "gloo" else 1
 
 
 def all_gather_into_tensor(

@@ -17,7 +17,8 @@ All-reduce of a bucket of ``N`` elements (plain DDP), :func:`all_reduce`:
 Reduce-scatter to the flat shard (distributed optimizer), ``s = N/K``, :func:`reduce_scatter`:
 the bucket viewed ``[n, L, s]`` is copied to a ``[L, n, s]`` scratch, so that chunk ``i`` holds
 shard ``(j, i)`` of every node ``j``; (1) intra reduce-scatter of the scratch, (2) inter
-reduce-scatter of chunk ``i`` (``(n-1)/n x N/L`` per rank across nodes): rank ``(j, i)`` receives
+reduce-scatter of chunk ``i`` (``(n-1)/n x N/L`` per rank across nodes; twice that on gloo, whose
+reduce-scatter is an all-reduce: :mod:`megalm.distributed.comm`): rank ``(j, i)`` receives
 exactly flat shard ``r`` of the bucket, as with the flat reduce-scatter.
 
 All-gather from the flat shard (parameters), :func:`all_gather`: the inverse, (1) inter all-gather

@@ -40,8 +40,9 @@ through the experts.
 Context parallelism (``CP > 1``): every count above is per rank, with ``S = s b / CP`` and
 ``s / CP`` positions; the attention core keeps, by ``--cp-comm-type`` (:func:`context_parallel_attention_bytes`):
 p2p the ring's q, contiguous k/v copies ``2 B S g d / TP``, output, log-sum-exps ``B b n s / CP / TP``
-and the context copy; a2a SDPA's all-to-all'd q/k/v (the QKV output's size), output, fp32
-log-sum-exps and the context copy; allgather the gathered k/v ``2 B s b g d / TP``, output,
+and the context copy; a2a the all-to-all'd q/k/v (the QKV output's size) and, by the layer's core on the
+whole sequence of ``n / CP`` heads, SDPA's output, fp32 log-sum-exps and the context copy, or the blocked
+core's probabilities (``1/CP`` of the table's) and context; allgather the gathered k/v ``2 B s b g d / TP``, output,
 log-sum-exps, masks and the context copy.  Measured on 2 ranks within 2% (tests/test_estimate.py).
 
 In flight (Megatron's schedules): no pipelining 1 microbatch; 1F1B stage ``r`` of ``p`` holds
@@ -152,9 +153,18 @@ def context_parallel_attention_bytes(m, sh: Shape, parts: Dict[str, int]) -> Dic
         # context copy.
         out["attention"] = 2 * context + 2 * B * S * g * d + B * b * n * sh.local_seq
     elif sh.cp_comm_type == "a2a":
-        # SDPA keeps the all-to-all'd q, k, v (the QKV output's size), its output and fp32
-        # log-sum-exps; the rotated q and k are not kept.
-        out["attention"] = 2 * context + 4 * b * n * sh.local_seq
+        # The layer's core on the whole sequence of n / CP heads keeps the all-to-all'd q, k, v (the QKV
+        # output's size); the rotated q and k are not kept.  SDPA: its output and fp32 log-sum-exps, then the
+        # context copy; blocked (``auto`` picks it at these lengths on a CPU): each query block's
+        # probabilities, the context, and under GQA k and v expanded to n / CP heads instead of their own.  With
+        # attention dropout the core is the keyed one (blocks.local_attention), whose saved tensors are SDPA's.
+        if m.attention_dropout == 0 and uses_blocked_attention(m, B < 4, sh.device == "cuda"):
+            out["attention"] = context + blocked_probability_bytes(m, sh) // sh.cp
+            if g != n:
+                out["attention"] += 2 * context
+                out["qkv"] = parts["qkv"] - 2 * B * S * g * d
+        else:
+            out["attention"] = 2 * context + 4 * b * n * sh.local_seq
         if "rope" in parts:
             out["rope"] = parts["rope"] - B * S * (m.num_attention_heads + g * tp) * d // tp
     else:

@@ -3,7 +3,8 @@
 Counts follow the modules exactly (tests compare with the built model):
 
 * column-parallel weights and biases (QKV, fc1, vocabulary rows) are divided by TP; row-parallel
-  weights (proj, fc2) by TP; their biases and the norms are replicated;
+  weights (proj, fc2) by TP; their biases and the norms are replicated; the QKV bias also with
+  ``--add-qkv-bias`` alone, the per-head query and key norms (``--qk-layernorm``) over ``head_dim``;
 * the word embedding has the padded vocabulary ``V_pad / TP`` rows on the first stage; the
   output layer has them on the last stage when untied, or, tied, as a copy when the last stage
   has no embedding (PP > 1);
@@ -55,13 +56,18 @@ def moe_layers(m) -> List[bool]:
     return list(moe_layer_pattern(m))
 
 
+def _qk_norms(m) -> int:
+    """``--qk-layernorm``: a query and a key norm over the head dimension (replicated over TP)."""
+    return 2 * (2 * m.head_dim if m.normalization == "LayerNorm" else m.head_dim) if m.qk_layernorm else 0
+
+
 def layer_parameters(m, tp: int, ep: int, is_moe: bool) -> tuple:
     """``(dense, expert)`` parameters of one transformer layer on one rank."""
     h, n, d = m.hidden_size, m.num_attention_heads, m.head_dim
     groups = m.num_query_groups if m.group_query_attention else n
-    bias = int(m.add_bias_linear)
+    bias, qkv_bias = int(m.add_bias_linear), int(m.add_bias_linear or m.add_qkv_bias)
     qkv = (n + 2 * groups) * d // tp
-    attention = qkv * h + bias * qkv + h * (n * d // tp) + bias * h
+    attention = qkv * h + qkv_bias * qkv + h * (n * d // tp) + bias * h + _qk_norms(m)
     dense = 2 * _norm(m) + attention
     if not is_moe:
         return dense + _mlp(m, m.ffn_hidden_size, tp), 0
@@ -79,12 +85,12 @@ def layer_vectors(m, tp: int, ep: int, is_moe: bool) -> tuple:
     """``(dense, expert)`` 1-D parameters (norm weights, biases) of one transformer layer on one rank."""
     h, n, d = m.hidden_size, m.num_attention_heads, m.head_dim
     groups = m.num_query_groups if m.group_query_attention else n
-    bias = int(m.add_bias_linear)
+    bias, qkv_bias = int(m.add_bias_linear), int(m.add_bias_linear or m.add_qkv_bias)
 
     def mlp_biases(ffn: int, tp: int) -> int:
         return bias * ((2 * ffn if m.swiglu else ffn) // tp + h)
 
-    dense = 2 * _norm(m) + bias * ((n + 2 * groups) * d // tp + h)
+    dense = 2 * _norm(m) + qkv_bias * (n + 2 * groups) * d // tp + bias * h + _qk_norms(m)
     if not is_moe:
         return dense + mlp_biases(m.ffn_hidden_size, tp), 0
     shared = m.moe_shared_expert_intermediate_size

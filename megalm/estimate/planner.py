@@ -1,6 +1,6 @@
 """Memory and speed plan of a training layout: per-rank bytes, FLOPs, expected step time.
 
-Bytes of model state per parameter on a rank (``d`` = data-parallel size, ``d_e`` the
+Bytes of model state per parameter on a rank (``d`` = data x context parallel size, ``d_e`` the
 expert-data-parallel size for expert parameters; shared/README's formulas, megalm's dtypes):
 
 =====================================  ===========  =========================  ===============
@@ -172,14 +172,15 @@ def plan(cfg, options: PlannerOptions) -> dict:
         extra = {"weights": 0, "grads": 0, "optimizer": 4}
         act = stage_activation_bytes(cfg, st.pp_rank, shape, num_micro)
         rest = act["activations"] + act["transient"] + options.reserve_gb * GB
-        peaks = transient_bytes(cfg, st, per_param, dp, num_micro)  # ZeRO-2/3: buckets alive in a step
+        # ZeRO-2/3: buckets alive in a step.  Every strategy shards dense state over the dp x cp ranks.
+        peaks = transient_bytes(cfg, st, per_param, dense_shards, num_micro)
         by_strategy = {
             f"total_{s}": sum(
                 st.dense * v + st.expert * strategy_bytes_per_param(per_param, edp, s)[k]
-                for k, v in strategy_bytes_per_param(per_param, dp, s).items()
+                for k, v in strategy_bytes_per_param(per_param, dense_shards, s).items()
             )
             + peaks[s]
-            + adam_dense * strategy_bytes_per_param(extra, dp, s)["optimizer"]
+            + adam_dense * strategy_bytes_per_param(extra, dense_shards, s)["optimizer"]
             + adam_expert * strategy_bytes_per_param(extra, edp, s)["optimizer"]
             + rest
             for s in STRATEGIES
@@ -234,7 +235,7 @@ def plan(cfg, options: PlannerOptions) -> dict:
         "fits": worst[key] <= budget,
         "sharding_strategy": p.data_parallel_sharding_strategy,
         "bytes_per_param_by_strategy": {
-            s: sum(strategy_bytes_per_param(per_param, dp, s).values()) for s in STRATEGIES
+            s: sum(strategy_bytes_per_param(per_param, dp * p.context_parallel_size, s).values()) for s in STRATEGIES
         },
         "largest_rank_bytes_by_strategy": {s: max(st[f"total_{s}"] for st in stages) for s in STRATEGIES},
         "recommended_strategy": fitting[0] if fitting else None,
@@ -261,6 +262,8 @@ def format_plan(cfg, r: dict) -> str:
     m, p = cfg.model, cfg.parallel
     g = lambda x: f"{x / GB:8.2f}"  # noqa: E731
     virtual = f" (virtual {p.virtual_pipeline_model_parallel_size})" if p.virtual_pipeline_model_parallel_size else ""
+    cp = f" x CP {p.context_parallel_size}" if p.context_parallel_size > 1 else ""
+    shards = r["data_parallel_size"] * p.context_parallel_size  # what the distributed optimizer shards over
     experts = (
         f" | EP {p.expert_model_parallel_size}, expert DP {r['expert_data_parallel_size']}"
         if p.expert_model_parallel_size > 1
@@ -270,13 +273,13 @@ def format_plan(cfg, r: dict) -> str:
         f"model: {r['total_parameters'] / 1e9:.3f}B parameters (padded vocabulary {m.padded_vocab_size}), "
         f"{m.num_layers} layers, hidden {m.hidden_size}, seq {m.seq_length}",
         f"layout: world {r['world_size']} = TP {p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size}"
-        f"{virtual} x DP {r['data_parallel_size']}{experts}"
+        f"{virtual}{cp} x DP {r['data_parallel_size']}{experts}"
         f" | SP {'on' if p.sequence_parallel else 'off'} | recompute {m.recompute_granularity or 'none'}"
         f" | {r['precision']} | micro {cfg.training.micro_batch_size} x {r['num_microbatches']} microbatches"
         f" = global {r['global_batch_size']}",
         "bytes per parameter (weights + grads + optimizer): "
         + " + ".join(f"{v:g}" for v in r["bytes_per_param"].values())
-        + f" = {sum(r['bytes_per_param'].values()):g}; distributed optimizer: optimizer / {r['data_parallel_size']}",
+        + f" = {sum(r['bytes_per_param'].values()):g}; distributed optimizer: optimizer / {shards}",
         "",
         "GB per rank (1e9 B)  params(M)  weights    grads optim(plain) optim(dist)  act/micro  in-flight "
         "activations transient   total(plain) total(dist)",
@@ -296,7 +299,7 @@ def format_plan(cfg, r: dict) -> str:
         f"largest rank ({which} the distributed optimizer, as configured): pp rank {r['largest_pp_rank']}, "
         f"{r['largest_rank_bytes'] / GB:.1f} GB of {r['gpu_memory_bytes'] / GB:.0f} GB -> "
         f"{'fits' if r['fits'] else 'DOES NOT FIT'}",
-        "bytes per parameter by --data-parallel-sharding-strategy (d = DP): "
+        f"bytes per parameter by --data-parallel-sharding-strategy (d = {'DP x CP' if cp else 'DP'} = {shards}): "
         + " | ".join(f"{s} {v:g}" for s, v in r["bytes_per_param_by_strategy"].items()),
         _recommendation(r),
         f"FLOPs per iteration: {r['flops_per_iteration']:.4e} | peak {r['peak_flops'] / 1e12:.1f} TFLOP/s "

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Dict
 
+from megalm.distributed.data_parallel import default_bucket_size
 from megalm.estimate.parameters import layer_parameters
 
 
@@ -36,7 +37,7 @@ def _layer_bucket(cfg, stage, dp: int) -> int:
     tp = p.tensor_model_parallel_size
     size = p.ddp_bucket_size
     if size is None and p.overlap_grad_reduce:
-        size = max(40_000_000, 1_000_000 * dp)
+        size = default_bucket_size(dp)
     if size is None:
         return stage.total
     h, n, d = m.hidden_size, m.num_attention_heads, m.head_dim

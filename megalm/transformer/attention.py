@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalm.config.sections import ConfigError
 from megalm.context_parallel import context_parallel_attention
 from megalm.context_parallel.blocks import BlockDropout, local_attention
 from megalm.context_parallel.chunks import ContextParallelError
@@ -164,6 +165,8 @@ class SelfAttention(nn.Module):
         s, b = q.shape[:2]
         p = self.attention_dropout if self.training else 0.0
         if self.keyed_dropout and p > 0.0:
+            if attention_mask is not None:  # the keyed core is causal only (validate_config refuses the pair)
+                raise ConfigError("--reset-attention-mask is not supported with --position-keyed-attention-dropout")
             return self._keyed_core(q, k, v, p).reshape(s, b, self.heads_per_rank * self.head_dim)
         if self.cp_size > 1:
             if attention_mask is not None:
