@@ -9,9 +9,67 @@ model with all fusions on against one with all off.
 The suite is the CPU/gloo suite (what CI runs): on a machine with a GPU it still runs on the CPU
 (``MEGALM_FORCE_CPU=1``, read by :mod:`megalm.device`; the tests build CPU inputs and spawn several
 gloo ranks on one machine).  GPU paths are checked by ``bench/cuda_check.sh`` on a GPU machine.
+
+Hangs fail instead of stalling CI:
+
+* a test (setup, call and teardown) that runs longer than ``HANG_S`` seconds (``MEGALM_TEST_HANG_S``,
+  default 1200) dumps every thread's stack to stderr and ends pytest
+  (:func:`faulthandler.dump_traceback_later`);
+* at the end of the session, DataLoader workers still alive are killed.  A test that fails keeps
+  its frames, and with them its iterators and their workers; those ignore SIGTERM
+  (:func:`megalm.data.loaders.ignore_sigterm_in_worker`), so multiprocessing's exit handler, which
+  terminates daemonic children and then joins them, waited forever (seen: pytest printed
+  "1 failed" and never exited).
 """
 
+import faulthandler
 import os
+
+import pytest
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("MEGALM_FORCE_CPU", "1")
+
+HANG_FD = pytest.StashKey[int]()
+# The slowest test takes ~60 s on a quiet 2-core machine; a module's spawned groups may each use their
+# whole timeout (up to 4 x 300 s) before they fail on their own.
+HANG_S = float(os.environ.get("MEGALM_TEST_HANG_S", "1200"))
+
+
+def pytest_configure(config):
+    """Keep a descriptor of the real stderr (pytest's capture redirects fd 2 during tests) for the dump."""
+    capman = config.pluginmanager.getplugin("capturemanager")
+    if capman is not None:
+        capman.suspend_global_capture(in_=False)
+    try:
+        config.stash[HANG_FD] = os.dup(2)
+    finally:
+        if capman is not None:
+            capman.resume_global_capture()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    faulthandler.dump_traceback_later(HANG_S, exit=True, file=item.config.stash[HANG_FD])
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def kill_daemonic_children() -> None:
+    """End of session: kill the daemonic children left (DataLoader workers of a failed test's
+    iterators), as multiprocessing's exit handler would, but with SIGKILL, which they do not ignore.
+    Torch's SIGCHLD check of its workers is switched off first: the session is over."""
+    import multiprocessing
+    import signal
+
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for p in multiprocessing.active_children():
+        if p.daemon:
+            p.kill()
+            p.join()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    kill_daemonic_children()

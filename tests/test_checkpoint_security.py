@@ -27,47 +27,24 @@ from megalm.safe_unpickle import CheckpointMetadataError, CheckpointSecurityErro
 from megalm.testing import run_distributed
 from tests.training_runs import losses as _losses
 from tests.training_runs import run_trainings as _run_trainings
+from tests.training_runs import tiny_flags
 
 REPO = Path(__file__).resolve().parents[1]
 DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 PAYLOADS = ("reduce", "via_allowed_module", "dotted")
-TINY = [
-    "--num-layers",
-    "1",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "2",
-    "--seq-length",
-    "16",
-    "--max-position-embeddings",
-    "16",
-    "--mock-data",
-    "--vocab-size",
-    "128",
-    "--num-workers",
-    "0",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--lr",
-    "1e-3",
-    "--log-interval",
-    "1",
-    "--eval-iters",
-    "0",
-    "--seed",
-    "5",
-    "--micro-batch-size",
-    "4",
-    "--global-batch-size",
-    "4",
-    "--split",
-    "100,0,0",
-    "--train-iters",
-    "4",
-]
+TINY = tiny_flags(
+    num_layers="1",
+    hidden_size="32",
+    num_attention_heads="2",
+    seq_length="16",
+    vocab_size="128",
+    lr="1e-3",
+    seed="5",
+    micro_batch_size="4",
+    global_batch_size="4",
+    split="100,0,0",
+    train_iters="4",
+)
 
 
 def _short_str(s: str) -> bytes:

@@ -27,45 +27,21 @@ from megalm.safe_unpickle import load_metadata
 from megalm.testing import run_distributed
 from tests.checkpoint_fixtures import save_random_model, tiny_cfg
 from tests.logs import megalm_logs
-from tests.training_runs import losses, records, run_trainings
+from tests.training_runs import losses, records, run_trainings, tiny_flags
 
-TINY = [
-    "--num-layers",
-    "1",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "2",
-    "--seq-length",
-    "16",
-    "--max-position-embeddings",
-    "16",
-    "--mock-data",
-    "--vocab-size",
-    "128",
-    "--num-workers",
-    "0",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--lr",
-    "1e-3",
-    "--log-interval",
-    "1",
-    "--eval-iters",
-    "0",
-    "--seed",
-    "5",
-    "--micro-batch-size",
-    "4",
-    "--global-batch-size",
-    "4",
-    "--split",
-    "100,0,0",
-    "--tensor-model-parallel-size",
-    "2",
-]
+TINY = tiny_flags(
+    num_layers="1",
+    hidden_size="32",
+    num_attention_heads="2",
+    seq_length="16",
+    vocab_size="128",
+    lr="1e-3",
+    seed="5",
+    micro_batch_size="4",
+    global_batch_size="4",
+    split="100,0,0",
+    tensor_model_parallel_size="2",
+)
 ITER4 = "iter_0000004"
 
 

@@ -39,6 +39,7 @@ from megalm.launch.netns import (
     rate_bits,
     tbf_burst_bytes,
 )
+from tests.training_runs import tiny_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = os.path.join(REPO, "tools", "cluster", "run.py")
@@ -152,43 +153,14 @@ def test_without_privileges_says_so_in_one_line():
 
 # --- on the cluster ------------------------------------------------------------------------------
 
-TINY = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--max-position-embeddings",
-    "32",
-    "--mock-data",
-    "--vocab-size",
-    "500",
-    "--num-workers",
-    "0",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "8",
-    "--train-iters",
-    "3",
-    "--eval-iters",
-    "0",
-    "--lr",
-    "1e-3",
-    "--seed",
-    "5",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--tensor-model-parallel-size",
-    "2",
-    "--log-interval",
-    "1",
-]
+TINY = tiny_flags(
+    lr="1e-3",
+    seed="5",
+    micro_batch_size="2",
+    global_batch_size="8",
+    train_iters="3",
+    tensor_model_parallel_size="2",
+)
 
 
 @pytest.mark.slow

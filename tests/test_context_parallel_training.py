@@ -28,19 +28,24 @@ import pytest
 
 from megalm.config import ConfigError, parse_config
 from megalm.testing import run_distributed
-from tests.training_runs import assert_close, losses, records, run_trainings
+from tests.training_runs import assert_close, losses, records, run_trainings, tiny_flags
 
-TINY = [
-    *("--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"),
-    *("--group-query-attention", "--num-query-groups", "2", "--position-embedding-type", "rope"),
-    *("--seq-length", "32", "--max-position-embeddings", "32", "--mock-data", "--vocab-size", "200"),
-    *("--num-workers", "0", "--hidden-dropout", "0", "--attention-dropout", "0"),
-    *("--lr", "2e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2"),
-    "--lr-decay-iters",
-    "10",
-    *("--log-interval", "1", "--eval-iters", "0", "--seed", "7", "--clip-grad", "1.0"),
-    *("--split", "90,5,5", "--no-log-memory", "--micro-batch-size", "2", "--global-batch-size", "4"),
-]
+TINY = tiny_flags(
+    hidden_size="32",
+    group_query_attention=True,
+    num_query_groups="2",
+    position_embedding_type="rope",
+    vocab_size="200",
+    min_lr="1e-4",
+    lr_decay_style="cosine",
+    lr_warmup_iters="2",
+    lr_decay_iters="10",
+    clip_grad="1.0",
+    split="90,5,5",
+    no_log_memory=True,
+    micro_batch_size="2",
+    global_batch_size="4",
+)
 FIVE, TEN = ["--train-iters", "5"], ["--train-iters", "10"]
 CP2 = ["--context-parallel-size", "2"]
 PER_TOKEN = ["--calculate-per-token-loss", "--eod-mask-loss"]

@@ -20,6 +20,7 @@ from megalm.data.token_ids import TokenIdError, check_token_ids, token_id_range
 from megalm.errors import MegalmError
 from megalm.tokenizers import NullTokenizer, create_tokenizer
 from megalm.tokenizers.build import TokenizerError, TokenizerFileError
+from tests.training_runs import tiny_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 500  # NullTokenizer(500): ids 0..499 and eod 500, vocab_size 501
@@ -282,32 +283,24 @@ def test_unreadable_tokenizer_model_is_one_line(tmp_path):
 
 # --- end to end: pretrain_gpt.py ---------------------------------------------------------
 
-TINY = [
-    "--num-layers",
-    "1",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "2",
-    "--seq-length",
-    "16",
-    "--max-position-embeddings",
-    "16",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "2",
-    "--train-iters",
-    "2",
-    "--eval-iters",
-    "0",
-    "--lr",
-    "1e-3",
-    "--split",
-    "100,0,0",
-    "--num-workers",
-    "0",
-]
+# Real data (no --mock-data), default dropout, seed and log interval.
+TINY = tiny_flags(
+    num_layers="1",
+    hidden_size="32",
+    num_attention_heads="2",
+    seq_length="16",
+    mock_data=None,
+    vocab_size=None,
+    hidden_dropout=None,
+    attention_dropout=None,
+    lr="1e-3",
+    log_interval=None,
+    seed=None,
+    micro_batch_size="2",
+    global_batch_size="2",
+    train_iters="2",
+    split="100,0,0",
+)
 
 
 @pytest.fixture(scope="module")

@@ -23,53 +23,20 @@ import pytest
 from megalm.dist_checkpointing import saved_tensor_shapes
 from megalm.testing import run_distributed
 from tests.training_runs import assert_close as _assert_close
-from tests.training_runs import losses
+from tests.training_runs import losses, tiny_flags
 from tests.training_runs import records as _records
 from tests.training_runs import run_trainings as _run_trainings
 
-TINY = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--max-position-embeddings",
-    "32",
-    "--mock-data",
-    "--vocab-size",
-    "500",
-    "--num-workers",
-    "0",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--lr",
-    "2e-3",
-    "--min-lr",
-    "1e-4",
-    "--lr-decay-style",
-    "cosine",
-    "--lr-warmup-iters",
-    "2",
-    "--log-interval",
-    "1",
-    "--eval-iters",
-    "0",
-    "--seed",
-    "7",
-    "--clip-grad",
-    "1.0",
-    "--weight-decay",
-    "0.1",
-    "--split",
-    "90,5,5",
-    "--no-log-memory",
-    "--log-params-norm",
-]
+TINY = tiny_flags(
+    min_lr="1e-4",
+    lr_decay_style="cosine",
+    lr_warmup_iters="2",
+    clip_grad="1.0",
+    weight_decay="0.1",
+    split="90,5,5",
+    no_log_memory=True,
+    log_params_norm=True,
+)
 DIST = ["--use-distributed-optimizer"]
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "5000"]
 BATCH = ["--micro-batch-size", "2", "--global-batch-size", "8"]

@@ -7,46 +7,16 @@ import os
 import pytest
 
 from megalm.testing import run_distributed
-from tests.training_runs import assert_close, losses, records, run_trainings
+from tests.training_runs import assert_close, losses, records, run_trainings, tiny_flags
 
-TINY = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--max-position-embeddings",
-    "32",
-    "--mock-data",
-    "--vocab-size",
-    "500",
-    "--num-workers",
-    "0",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--lr",
-    "2e-3",
-    "--log-interval",
-    "1",
-    "--eval-iters",
-    "0",
-    "--seed",
-    "5",
-    "--train-iters",
-    "5",
-    "--micro-batch-size",
-    "4",
-    "--global-batch-size",
-    "8",
-    "--tensor-model-parallel-size",
-    "2",
-    "--sequence-parallel",
-]
+TINY = tiny_flags(
+    seed="5",
+    train_iters="5",
+    micro_batch_size="4",
+    global_batch_size="8",
+    tensor_model_parallel_size="2",
+    sequence_parallel=True,
+)
 LLAMA = [
     "--normalization",
     "RMSNorm",

@@ -15,49 +15,18 @@ import pytest
 
 from megalm.config import ConfigError
 from megalm.testing import run_distributed
-from tests.training_runs import records
+from tests.training_runs import records, tiny_flags
 
-TINY = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--max-position-embeddings",
-    "32",
-    "--mock-data",
-    "--vocab-size",
-    "500",
-    "--num-workers",
-    "0",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--min-lr",
-    "1e-4",
-    "--lr-decay-style",
-    "cosine",
-    "--lr-warmup-iters",
-    "2",
-    "--log-interval",
-    "1",
-    "--eval-iters",
-    "0",
-    "--seed",
-    "7",
-    "--clip-grad",
-    "1.0",
-    "--split",
-    "100,0,0",
-    "--micro-batch-size",
-    "4",
-    "--global-batch-size",
-    "8",
-]
+TINY = tiny_flags(
+    lr=None,
+    min_lr="1e-4",
+    lr_decay_style="cosine",
+    lr_warmup_iters="2",
+    clip_grad="1.0",
+    split="100,0,0",
+    micro_batch_size="4",
+    global_batch_size="8",
+)
 
 
 def scaled_at(forward_step, calls, factor, rank=None):

@@ -26,37 +26,24 @@ from datetime import timedelta
 import pytest
 import torch
 
+from tests.training_runs import tiny_flags
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=REPO, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
-TINY = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "16",
-    "--max-position-embeddings",
-    "16",
-    "--mock-data",
-    "--vocab-size",
-    "128",
-    "--lr",
-    "1e-3",
-    "--log-interval",
-    "1",
-    "--eval-iters",
-    "0",
-    "--seed",
-    "11",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "4",
-    "--tensor-model-parallel-size",
-    "2",
-]
+# Dropout and DataLoader workers at their defaults: the restarts must be exact with both.
+TINY = tiny_flags(
+    hidden_size="32",
+    seq_length="16",
+    vocab_size="128",
+    num_workers=None,
+    hidden_dropout=None,
+    attention_dropout=None,
+    lr="1e-3",
+    seed="11",
+    micro_batch_size="2",
+    global_batch_size="4",
+    tensor_model_parallel_size="2",
+)
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 ITERS = 30
 

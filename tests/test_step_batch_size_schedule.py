@@ -16,7 +16,7 @@ import pytest
 from megalm.config import ConfigError, MegalmConfig, validate_config
 from megalm.testing import run_distributed
 from megalm.training.microbatches import MicrobatchCalculator, ScheduleError, parse_step_batch_size_schedule
-from tests.training_runs import assert_close, records
+from tests.training_runs import assert_close, records, tiny_flags
 
 SCHEDULE = "0:4 256:8 512:16"
 BATCHES = [4, 4, 8, 16, 16]
@@ -88,46 +88,14 @@ def test_the_global_batch_size_is_the_schedules_largest():
     assert validate_config(cfg, world_size=2).training.global_batch_size == 16  # validating again is fine
 
 
-TINY = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--max-position-embeddings",
-    "32",
-    "--mock-data",
-    "--vocab-size",
-    "500",
-    "--num-workers",
-    "0",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--lr",
-    "2e-3",
-    "--lr-decay-style",
-    "constant",
-    "--log-interval",
-    "1",
-    "--eval-iters",
-    "0",
-    "--seed",
-    "7",
-    "--split",
-    "90,5,5",
-    "--no-log-memory",
-    "--micro-batch-size",
-    "2",
-    "--train-samples",
-    "40",
-    "--step-batch-size-schedule",
-    SCHEDULE,
-]
+TINY = tiny_flags(
+    lr_decay_style="constant",
+    split="90,5,5",
+    no_log_memory=True,
+    micro_batch_size="2",
+    train_samples="40",
+    step_batch_size_schedule=SCHEDULE,
+)
 
 
 def count_forward_steps(runs):

@@ -14,49 +14,17 @@ from tests.training_runs import assert_close as _assert_close
 from tests.training_runs import losses as _losses
 from tests.training_runs import records as _records
 from tests.training_runs import run_trainings as _run_trainings
+from tests.training_runs import tiny_flags
 
-TINY = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--max-position-embeddings",
-    "32",
-    "--mock-data",
-    "--vocab-size",
-    "500",
-    "--num-workers",
-    "0",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--lr",
-    "2e-3",
-    "--min-lr",
-    "1e-4",
-    "--lr-decay-style",
-    "cosine",
-    "--lr-warmup-iters",
-    "2",
-    "--log-interval",
-    "1",
-    "--eval-iters",
-    "0",
-    "--seed",
-    "7",
-    "--clip-grad",
-    "1.0",
-    "--weight-decay",
-    "0.1",
-    "--split",
-    "90,5,5",
-    "--log-params-norm",
-]
+TINY = tiny_flags(
+    min_lr="1e-4",
+    lr_decay_style="cosine",
+    lr_warmup_iters="2",
+    clip_grad="1.0",
+    weight_decay="0.1",
+    split="90,5,5",
+    log_params_norm=True,
+)
 
 
 def _argv(tmp, name, *extra):

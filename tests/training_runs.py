@@ -1,8 +1,44 @@
-"""Shared helpers for tests that run whole trainings on spawned ranks and read back --metrics-file."""
+"""Shared helpers for tests that run whole trainings on spawned ranks and read back --metrics-file:
+the tiny GPT's flags (:func:`tiny_flags`), running trainings through ``pretrain_gpt.main`` on a rank,
+and reading the metrics back."""
 
 import json
 import os
 import signal
+
+# The tiny GPT most training tests run (fp32, no dropout, mock data, in-process data loading, a log line
+# and a metrics record every iteration, no evaluation).  Values are the flags' text.
+TINY = dict(
+    num_layers="2",
+    hidden_size="64",
+    num_attention_heads="4",
+    seq_length="32",
+    mock_data=True,
+    vocab_size="500",
+    num_workers="0",
+    hidden_dropout="0",
+    attention_dropout="0",
+    lr="2e-3",
+    log_interval="1",
+    eval_iters="0",
+    seed="7",
+)
+
+
+def tiny_flags(**overrides) -> list:
+    """``pretrain_gpt`` argv of :data:`TINY` with ``overrides`` (flag names with ``_`` for ``-``):
+    a value is the flag's text (``str()`` of it), ``True`` a bare switch, ``None`` leaves the flag
+    out (its default applies).  ``--max-position-embeddings`` is ``--seq-length`` unless given."""
+    flags = {**TINY, **overrides}
+    flags.setdefault("max_position_embeddings", flags.get("seq_length"))
+    argv = []
+    for name, value in flags.items():
+        if value is None:
+            continue
+        argv.append("--" + name.replace("_", "-"))
+        if value is not True:
+            argv.append(str(value))
+    return argv
 
 
 def run_trainings(runs):
