@@ -74,12 +74,17 @@ def _rank_and_world():
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def main(argv: Optional[Sequence[str]] = None, forward_step_func: Callable = forward_step) -> None:
+def main(
+    argv: Optional[Sequence[str]] = None,
+    forward_step_func: Callable = forward_step,
+    model_provider_func: Callable = model_provider,
+) -> None:
     """Train; a :class:`megalm.errors.MegalmError` becomes ``SystemExit("error: <message>")``
-    (exit code 1, the message on stderr), a stop on purpose (``TrainingStopped``) its exit code."""
+    (exit code 1, the message on stderr), a stop on purpose (``TrainingStopped``) its exit code.
+    ``model_provider_func`` (default :func:`model_provider`) lets tests build a modified model."""
     setup_logging(*_rank_and_world())
     try:
-        pretrain(model_provider, forward_step_func, argv=argv)
+        pretrain(model_provider_func, forward_step_func, argv=argv)
     except TrainingStopped as e:
         if e.exit_code:
             raise SystemExit(e.exit_code) from None

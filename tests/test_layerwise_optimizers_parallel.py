@@ -5,21 +5,27 @@ end through pretrain_gpt.py's pieces on real spawned ranks.
   with --use-distributed-optimizer, whose flat shards cut tensors; Muon also at TP 2 x DP 2 without
   it) equal one process's within 1e-5 relative: the trust ratios use the full tensors' norms, Muon
   (--muon-tp-mode duplicated) orthogonalizes the assembled, gathered matrices; blockwise differs;
-* resume: LAMB, LARS and Muon saved at iteration 3 at TP 2 x DP 2 continue at PP 2 x DP 2
+* ZeRO-3 (``--data-parallel-sharding-strategy optim_grads_params``, parameters sharded too): LAMB and Muon
+  at TP 2 x DP 2 equal one process within 1e-5 as well;
+* resume: LAMB, LARS, Lion and Muon saved at iteration 3 at TP 2 x DP 2 continue at PP 2 x DP 2
   (optimizer state resharded) exactly as the uninterrupted run;
 * MoE expert parallelism: LAMB, LARS and Muon at EP 2 x DP 4 (expert data parallel 2) with the
   distributed optimizer equal EP 1 x DP 4 within 1e-5 (losses, grad norms, params norms): an expert's
-  norms and Muon matrix gather only the ranks holding that expert.  (With the norm table's rows shared
-  across EP ranks LARS' params norm is 2e-3 off and Muon's losses 1e-3; LAMB, which reads the same
-  table as LARS, would still pass: its trust ratios are nearly equal across experts this early.)
+  norms and Muon matrix gather only the ranks holding that expert.  The experts start at different
+  scales (``EXPERT_SCALES``: EP rank 1's experts x 4), so their trust ratios differ by ~4x: norms
+  summed over the experts of the same local index on different EP ranks (a wrong row offset) give
+  both one ratio, which moves LAMB's and LARS' updates measurably (README: how far).
 
 One group of 4 ranks and one of 1 rank (the 4-rank runs go first: the 1-rank group reads nothing).
 """
 
 import os
+import re
 
 import pytest
+import torch
 
+import pretrain_gpt
 from megalm.testing import run_distributed
 from tests.training_runs import assert_close, records, run_trainings
 
@@ -76,13 +82,28 @@ OPTIMIZERS = {
     "lion": ["--optimizer", "lion", "--lr", "1e-3"],
     "muon": ["--optimizer", "muon", "--lr", "2e-3", "--muon-tp-mode", "duplicated", "--muon-use-nesterov"],
 }
-RESUMED = ("lamb", "lars", "muon")
+RESUMED = ("lamb", "lars", "lion", "muon")
+ZERO3 = ["--data-parallel-sharding-strategy", "optim_grads_params", "--ddp-bucket-size", "5000"]
 EXPERT_PARALLEL = ("lamb", "lars", "muon")
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48"]
 MOE += ["--moe-token-dispatcher-type", "alltoall"]
+# Global expert index -> factor on its weights at initialization: EP rank 1 (experts 2, 3 at EP 2) x 4.
+EXPERT_SCALES = (1.0, 1.0, 4.0, 4.0)
 DIST = ["--use-distributed-optimizer"]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
+
+
+def scaled_experts_provider(cfg, pre_process=True, post_process=True, layer_numbers=None):
+    """pretrain_gpt's model with expert ``e``'s weight matrices multiplied by ``EXPERT_SCALES[e]`` (names
+    carry the global expert index, so EP 1 and EP 2 build the same model)."""
+    model = pretrain_gpt.model_provider(cfg, pre_process, post_process, layer_numbers)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            m = re.search(r"local_experts\.(\d+)\.linear_fc\d\.weight$", name)
+            if m:
+                p.mul_(EXPERT_SCALES[int(m.group(1))])
+    return model
 
 
 def layouts(opt):
@@ -108,13 +129,18 @@ def runs(tmp_path_factory):
             run(f"{opt}_save", opt, *tp, "--exit-interval", "3", "--save-interval", "100", "--save", ck),
             run(f"{opt}_resume", opt, *pp, "--load", ck),
         ]
+    # ZeRO-3 (parameters sharded too, several buckets): trust ratios and Muon matrices still of whole tensors.
+    four += [run(f"{opt}_tp_zero3", opt, *TP2, *ZERO3) for opt in ("lamb", "muon")]
     # Muon with the plain optimizer (whole TP-local matrices, gathered over TP) too.
     four.append(run("muon_tp_plain", "muon", *TP2))
     # Blockwise orthogonalizes each TP shard: a different update (the README states it).
     four.append(run("muon_blockwise_tp", "muon", *TP2, "--muon-tp-mode", "blockwise"))
-    # MoE: EP 2 (expert data parallel 2) against EP 1, both DP 4 with the distributed optimizer.
+    # MoE: EP 2 (expert data parallel 2) against EP 1, both DP 4 with the distributed optimizer; experts
+    # at different scales.
+    scaled = {"model_provider": scaled_experts_provider}
     for opt in EXPERT_PARALLEL:
-        four += [run(f"{opt}_moe_ep{ep}", opt, *MOE, *DIST, "--expert-model-parallel-size", str(ep)) for ep in (1, 2)]
+        for ep in (1, 2):
+            four.append((run(f"{opt}_moe_ep{ep}", opt, *MOE, *DIST, "--expert-model-parallel-size", str(ep)), scaled))
     codes4 = run_distributed(run_trainings, 4, args=(four,), timeout=500)
     one = [run(f"{opt}_ref", opt) for opt in OPTIMIZERS]
     codes1 = run_distributed(run_trainings, 1, args=(one,), timeout=200)
@@ -128,7 +154,9 @@ def test_all_runs_exit_cleanly(runs):
 
 
 @pytest.mark.parametrize(
-    "opt, layout", [(opt, layout) for opt in sorted(OPTIMIZERS) for layout in ("tp", "pp")] + [("muon", "tp_plain")]
+    "opt, layout",
+    [(opt, layout) for opt in sorted(OPTIMIZERS) for layout in ("tp", "pp")]
+    + [("muon", "tp_plain"), ("lamb", "tp_zero3"), ("muon", "tp_zero3")],
 )
 def test_parallel_runs_equal_one_process(runs, opt, layout):
     ref, got = records(runs["tmp"], f"{opt}_ref"), records(runs["tmp"], f"{opt}_{layout}")

@@ -47,7 +47,8 @@ def run_trainings(runs):
 
     Returns the exit codes (0, or SystemExit's code / message).  Options: ``inf_at_call`` (the
     n-th microbatch's output becomes inf, on ``inf_rank`` only if given), ``sigterm_at_call``
-    (this process gets SIGTERM during the n-th microbatch).
+    (this process gets SIGTERM during the n-th microbatch), ``model_provider`` (a module-level
+    function used in place of ``pretrain_gpt.model_provider``).
     """
     import torch.distributed as dist
 
@@ -63,7 +64,7 @@ def run_trainings(runs):
         if options.get("inf_at_call") and dist.get_rank() == options.get("inf_rank", dist.get_rank()):
             forward_step = inf_at(forward_step, options["inf_at_call"])
         try:
-            pretrain_gpt.main(argv, forward_step)
+            pretrain_gpt.main(argv, forward_step, options.get("model_provider", pretrain_gpt.model_provider))
             codes.append(0)
         except SystemExit as e:
             codes.append(e.code if isinstance(e.code, int) else str(e.code))
