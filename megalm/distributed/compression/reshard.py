@@ -15,8 +15,8 @@ saved like a gradient, one tensor per parameter, and any layout can load it.
   into the parameters' shapes.
 * :func:`load_pending` (no communication): every rank whose residual covers a part gets ``P / K'``
   there (``K'`` ranks share that part: the data-parallel size, or the number of nodes
-  hierarchically), so the new residuals sum to ``P`` again: exactly when ``K'`` is a power of two
-  (the division and the sum of ``K'`` equal shares round nothing), else to one rounding.  A bucket
+  hierarchically), so the new residuals add up to ``P`` again (each share is exact when ``K'`` is a
+  power of two, else rounded once; the reduction then rounds its sum as it does any gradient's).  A bucket
   that compresses nothing (data-parallel size 1, or one node under hierarchical reduction) adds its
   residual to the next gradient before the exact reduction and keeps none
   (:meth:`~.error_feedback.GradCompressor.flush`).
