@@ -60,6 +60,7 @@ CONFIGS = {
     "int8": ["--grad-compression", "int8"],
     "local_sgd_h8": ["--local-sgd-interval", "8"],
     "diloco_h32": ["--local-sgd-interval", "32", "--outer-lr", "0.7", "--outer-momentum", "0.9"],
+    "fp8": ["--grad-compression", "fp8"],
 }
 LABELS = {
     "none": "uncompressed DP",
@@ -68,6 +69,7 @@ LABELS = {
     "int8": "int8 (nearest)",
     "local_sgd_h8": "local SGD H=8",
     "diloco_h32": "DiLoCo H=32",
+    "fp8": "fp8 e4m3 (nearest)",
 }
 
 

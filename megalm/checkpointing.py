@@ -27,9 +27,12 @@ full (unpadded-vocabulary) tensors, so any TP/PP/DP layout can load them (see
 optimizer saves, for each parameter range of its data-parallel shard, the blocks of the full
 tensor that range covers (:func:`megalm.param_layout.param_range_specs`), with no gather: the same keys and the
 same global tensors as the plain optimizer, so either loads the other's checkpoints under any
-TP/PP/DP layout.  Nothing from a checkpoint can run code on load: DCP's ``.metadata`` is read by
-:mod:`megalm.safe_unpickle` (an exact allow-list), tensors and RNG states by
-``torch.load(weights_only=True)``, ``common.json`` as JSON.
+TP/PP/DP layout.  With ``--grad-compression`` the pending update of error feedback (the sum of the
+data-parallel ranks' residuals) is saved as ``grad_compression.<name>.pending`` with the parameter's
+layout, and PowerSGD's warm starts as ``grad_compression.<name>.powersgd_q...``: a run under another
+layout reshards them (:mod:`megalm.distributed.compression.reshard`).  Nothing from a checkpoint
+can run code on load: DCP's ``.metadata`` is read by :mod:`megalm.safe_unpickle` (an exact
+allow-list), tensors and RNG states by ``torch.load(weights_only=True)``, ``common.json`` as JSON.
 
 Only parameters are saved.  Transformer Engine modules also carry ``_extra_state`` (fp8 scaling
 metadata: amax history and scales, a pickled object): it is not saved, so a TE checkpoint is
@@ -76,7 +79,13 @@ from megalm.dist_checkpointing import (
     saved_tensor_shapes,  # noqa: F401 (read from here by tests and tools)
     tensor_shapes,
 )
-from megalm.distributed.compression.state import compression_state, restore_compression_state
+from megalm.distributed.compression.state import (
+    LayoutFreeState,
+    compression_state,
+    layout_free_specs,
+    restore_compression_state,
+    signature,
+)
 from megalm.log import get_logger
 from megalm.param_layout import param_spec
 from megalm.parameter_names import canonical_name
@@ -244,6 +253,7 @@ def save_checkpoint(
     specs = model_sharded_state(model_chunks)
     if optimizer is not None:
         specs.update(optimizer_sharded_state(optimizer, model_chunks))
+    specs.update(_compression_specs(model_chunks))  # collective: the pending update, summed over DP
     with _write_errors(path):
         if save_rng:
             torch.save(get_rng_state(), os.path.join(path, "rng", f"rank_{rank:05d}.pt"))
@@ -455,6 +465,9 @@ def load_checkpoint(
     finish_param_sync(model_chunks)
     with_optim = optimizer is not None and load_optim and not finetune
     specs, main_params_missing = _load_specs(model_chunks, optimizer if with_optim else None, saved)
+    layout_free = None if finetune else _compression_targets(model_chunks, saved)
+    if layout_free is not None:
+        specs.update(layout_free.specs)
     try:
         load_sharded(specs, path, metadata=metadata)
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
@@ -469,7 +482,7 @@ def load_checkpoint(
     elif optimizer is not None:
         optimizer.reload_model_params()
     if not finetune:
-        load_compression_state(path, common, model_chunks)
+        load_compression_state(path, common, model_chunks, layout_free)
     if load_rng and not finetune:
         load_rng_state(path, common)
     common = dict(common, path=path)
@@ -526,9 +539,33 @@ def _save_compression_state(model_chunks, path: str, rank: int) -> None:
         torch.save(state, _compression_file(path, rank))
 
 
-def load_compression_state(path: str, common: dict, model_chunks) -> None:
-    """Restore this rank's ``--grad-compression`` state, or warn that it restarts from zero (another
-    layout or data-parallel size, other settings, or none saved).  No communication."""
+def _tp() -> tuple:
+    groups = parallel_state.get_process_groups()
+    return parallel_state.group_rank(groups.tp), parallel_state.group_size(groups.tp)
+
+
+def _compression_specs(model_chunks) -> dict:
+    """Save: the layout-independent ``--grad-compression`` state (:func:`layout_free_specs`); collective."""
+    if signature(model_chunks, {}) is None:
+        return {}
+    return layout_free_specs(model_chunks, model_parameters(model_chunks), tied_embedding_copies(model_chunks), _tp())
+
+
+def _compression_targets(model_chunks, saved: Dict[str, tuple]) -> Optional[LayoutFreeState]:
+    """Load: what of the layout-independent ``--grad-compression`` state to read, or None without compression."""
+    if signature(model_chunks, {}) is None:
+        return None
+    params, copies = model_parameters(model_chunks), tied_embedding_copies(model_chunks)
+    pp1 = parallel_state.get_pipeline_model_parallel_world_size() == 1
+    return LayoutFreeState(model_chunks, params, copies, _tp(), saved, absorb_copies=pp1)
+
+
+def load_compression_state(path: str, common: dict, model_chunks, layout_free=None) -> None:
+    """Restore this rank's ``--grad-compression`` state exactly (same layout and settings); else
+    reshard it from the checkpoint's pending updates (``layout_free``, read by the DCP load:
+    :mod:`megalm.distributed.compression.reshard`; one INFO line), or, when the checkpoint has none
+    (saved without compression or before they were saved), warn that it restarts from zero.
+    No communication."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     file = _compression_file(path, rank)
     saved = None
@@ -540,7 +577,10 @@ def load_compression_state(path: str, common: dict, model_chunks) -> None:
     elif common.get("layout") != _layout():
         saved = {"signature": f"layout {common.get('layout')}"}
     why = restore_compression_state(model_chunks, _layout(), saved)
-    if why is not None:
+    if why is not None and layout_free is not None and layout_free.found:
+        done = layout_free.apply(model_chunks)
+        logger.info(f"gradient-compression state resharded from {path} ({why}): {done}")
+    elif why is not None:
         logger.warning(
             f"gradient-compression state (error-feedback residuals) not restored from {path}: {why}; "
             f"it restarts from zero"

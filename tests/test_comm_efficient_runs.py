@@ -1,11 +1,12 @@
 """Whole trainings through ``pretrain_gpt.main`` on 2 gloo ranks (DP 2) with gradient compression
 and local SGD / DiLoCo.
 
-* With the distributed optimizer (ZeRO-1) compressed runs equal the DDP compressed runs.
+* With the distributed optimizer (ZeRO-1, and int8 with ZeRO-3) compressed runs equal the DDP compressed runs.
 * Compression state in checkpoints: a run resumed from a checkpoint reproduces the uninterrupted
   compressed run bit for bit (residuals, PowerSGD's Q and the stochastic-rounding generator
-  restored); loaded under another data-parallel size (DP 2 -> DP 1 x TP 2) it resets with one logged
-  warning per rank and training goes on, exactly as without compression (nothing to compress at DP 1).
+  restored); loaded under another layout (DP 2 -> DP 1 x TP 2) the pending update (the sum of the two
+  ranks' residuals, saved per parameter and read into the TP 2 shards) is resharded (one INFO line, no
+  warning): the one DP rank adds it to its first gradient, so the run leaves the uncompressed one there.
 * Local SGD with H = 1 and plain averaging equals synchronous data parallelism with SGD; H = 4 does
   not; DiLoCo resumed from a checkpoint taken between two syncs equals the uninterrupted run bit for
   bit (every replica's weights and optimizer state, and the outer state, restored)."""
@@ -53,6 +54,8 @@ def worker(tmp):
     # the distributed optimizer: int8's all-to-all reduce-scatter, PowerSGD's all-reduce then the shard
     for method, flags in METHODS.items():
         runs.append(argv(f"{method}_distopt", *flags, "--use-distributed-optimizer", "--train-iters", "6"))
+    zero3 = ["--data-parallel-sharding-strategy", "optim_grads_params", "--train-iters", "6"]
+    runs.append(argv("int8_zero3", *METHODS["int8"], *zero3))  # ZeRO-3: the all-to-all into the sharded gradient
     # TP 2 on the 2 ranks: the DP 2 checkpoint loaded at data-parallel size 1 (another layout), with
     # compression (nothing to compress at DP 1) and without
     tp2 = ["--load", os.path.join(tmp, "ckpt_powersgd"), "--ckpt-step", "3", "--train-iters", "6",
@@ -83,10 +86,10 @@ def world(tmp_path_factory):
     return tmp, run_distributed(worker, 2, args=(tmp,), timeout=400)
 
 
-def test_resume_is_exact_and_a_new_layout_resets_with_a_warning(world):
+def test_resume_is_exact_and_a_new_layout_reshards_the_residuals(world):
     tmp, ranks = world
     for codes, _ in ranks:
-        assert codes == [0] * 15, codes
+        assert codes == [0] * 16, codes
     plain = losses(tmp, "plain")
     for method in METHODS:
         base, resumed = losses(tmp, f"{method}_base"), losses(tmp, f"{method}_resumed")
@@ -94,26 +97,30 @@ def test_resume_is_exact_and_a_new_layout_resets_with_a_warning(world):
         assert base != plain  # the compression changed the training
         path = os.path.join(tmp, f"ckpt_{method}", "iter_0000003", "grad_compression")
         assert sorted(os.listdir(path)) == ["rank_00000.pt", "rank_00001.pt"]
-    for _, text in ranks:
-        warnings = [line for line in text.splitlines() if "gradient-compression state" in line]
-        assert len(warnings) == 1, warnings  # the compressed TP 2 run only
-        assert "not restored" in warnings[0] and "'data_parallel_size': 2" in warnings[0]
-        assert "'data_parallel_size': 1" in warnings[0] and "restarts from zero" in warnings[0]
-    # loaded at DP 1 the residuals reset and training goes on from iteration 3; with nothing to
-    # compress at DP 1 x TP 2 it is exactly the uncompressed TP 2 run
-    tp2 = records(tmp, "tp2")
-    assert [r["iteration"] for r in tp2] == [4, 5] and all(abs(r["lm_loss"]) < 100 for r in tp2)
-    assert losses(tmp, "tp2") == losses(tmp, "tp2_plain")
+    for rank, (_, text) in enumerate(ranks):
+        lines = [line for line in text.splitlines() if "gradient-compression state" in line]
+        assert len(lines) == (1 if rank == 0 else 0), lines  # the compressed TP 2 run only, INFO on rank 0
+        for line in lines:
+            assert "resharded" in line and "'data_parallel_size': 2" in line and "'data_parallel_size': 1" in line
+            assert "restarts from zero" not in line and "pending update of" in line
+    # loaded at DP 1 (nothing compressed there) the pending update is added to iteration 4's gradient:
+    # iteration 4's loss (the loaded weights) is the uncompressed TP 2 run's, iteration 5's is not
+    tp2, plain = losses(tmp, "tp2"), losses(tmp, "tp2_plain")
+    assert [r["iteration"] for r in records(tmp, "tp2")] == [4, 5] and all(abs(x) < 100 for x in tp2)
+    assert tp2[0] == plain[0] and tp2[1] != plain[1]
 
 
 def test_distributed_optimizer_with_compression_equals_the_ddp_compressed_run(world):
     """The same compressed gradients (int8 stochastic: bit for bit on the shard, through the
     all-to-all reduce-scatter; PowerSGD: its all-reduce, then the shard), the same AdamW; only the
-    gradient norm for clipping is summed in another order."""
+    gradient norm for clipping is summed in another order.  ZeRO-3 (sharded gradients and weights)
+    with int8 too."""
     tmp, _ = world
     for method in METHODS:
         base, distopt = losses(tmp, f"{method}_base"), losses(tmp, f"{method}_distopt")
         assert len(distopt) == 6 and distopt == pytest.approx(base, rel=1e-6, abs=0), method
+    zero3 = losses(tmp, "int8_zero3")
+    assert len(zero3) == 6 and zero3 == pytest.approx(losses(tmp, "int8_base"), rel=1e-6, abs=0)
 
 
 def test_local_sgd_h1_is_synchronous_sgd_and_diloco_resumes_exactly(world):

@@ -16,17 +16,33 @@ import torch.nn.functional as F
 from megalm import parallel_state
 from megalm.config import ConfigError, MegalmConfig, ParallelConfig, validate_config
 from megalm.distributed import DistributedDataParallel, comm
-from megalm.distributed.compression import GradCompressor, Int8, PowerSGD, Segment, TopK, int8, powersgd, topk
+from megalm.distributed.compression import (
+    FP8,
+    GradCompressor,
+    Int8,
+    PowerSGD,
+    Segment,
+    TopK,
+    fp8,
+    int8,
+    powersgd,
+    reshard,
+    topk,
+)
 from megalm.distributed.compression.segments import matrix_segments
 from megalm.distributed.local_sgd import OuterSync
 from megalm.distributed.param_and_grad_buffer import ParamAndGradBuffer
+from megalm.parallel_state import ProcessGroups
 from megalm.testing import run_distributed
 
 K, LOCAL = 4, 2
 BATCH, NUM_MICRO, STEPS, BUCKET, LR = 16, 2, 3, 700, 0.1
-SETTINGS = dict(powersgd_rank=2, topk_ratio=0.3, int8_chunk_size=16)
+SETTINGS = dict(powersgd_rank=2, topk_ratio=0.3, int8_chunk_size=16, grad_fp8_chunk_size=16)
 ZERO = torch.tensor(0.0)
-DISTOPT_CASES = [("int8", False), ("int8", True), ("powersgd", False)]  # (method, hierarchical)
+METHODS = ("topk", "int8", "fp8", "powersgd")
+DISTOPT_CASES = [("int8", False), ("int8", True), ("fp8", False), ("powersgd", False)]  # (method, hierarchical)
+ZERO2_CASES = ("fp8", "powersgd")  # ZeRO-2's sharded gradients: the all-to-all, and an all-reduce then the shard
+E4M3 = fp8.FP8Codec("e4m3")
 
 
 class TinyMLP(torch.nn.Module):
@@ -72,7 +88,8 @@ def accumulate(model, step, dp_rank, no_sync):
 
 
 def method_of(name, chunk=16, ratio=1.0, rank=2):
-    return {"topk": lambda: TopK(ratio), "int8": lambda: Int8(chunk, False), "powersgd": lambda: PowerSGD(rank)}[name]()
+    methods = {"topk": lambda: TopK(ratio), "int8": lambda: Int8(chunk, False), "fp8": lambda: FP8(chunk, False)}
+    return methods.get(name, lambda: PowerSGD(rank))()
 
 
 def reduce_once(comp, key, flat, matrices, group):
@@ -95,7 +112,11 @@ def exact_checks(group, me):
     dyadic = torch.randint(-127, 128, (40,), generator=torch.Generator().manual_seed(me)).float()
     dyadic[::16] = 127.0 * (1 - 2 * (me % 2))  # one |k| = 127 per chunk of 16: scale 2^-3 exactly
     dyadic = dyadic / 8
-    cases = {"topk": (ints, []), "int8": (dyadic, [])}
+    # fp8 e4m3 values (3 mantissa bits), one |v| = 448 per chunk of 16 (scale 2^-3 exactly), times 2^-3
+    e4m3 = (torch.rand(40, generator=torch.Generator().manual_seed(me)) * 800 - 400).to(torch.float8_e4m3fn).float()
+    e4m3[5::16] = 448.0 * (1 - 2 * (me % 2))
+    e4m3 = e4m3 / 8
+    cases = {"topk": (ints, []), "int8": (dyadic, []), "fp8": (e4m3, [])}
     for r in (2, 3):
         cases[f"powersgd{r}"] = (low_rank_input(2, me), [Segment(0, 120, (12, 10))])
     for name, (g, mats) in cases.items():
@@ -104,13 +125,15 @@ def exact_checks(group, me):
         flat = g.clone()
         comp = GradCompressor(method_of(name.rstrip("23"), rank=int(name[-1]) if name[-1].isdigit() else 2))
         out[name] = {"exact": exact, "got": flat, "bytes": reduce_once(comp, "x", flat, mats, group)}
-    # int8's compressed reduce-scatter (distributed optimizer): shard me of 10 of the exact sum
-    flat, shard = dyadic.clone(), (10 * me, 10 * me + 10)
-    comm.reset_comm_stats()
-    GradCompressor(method_of("int8")).reduce_scatter("x", flat, shard, [], group).wait()
-    stats = comm.get_comm_stats()["grad_int8_all_to_all"]
-    out["int8_rs"] = {"exact": out["int8"]["exact"][10 * me : 10 * me + 10], "got": flat[10 * me : 10 * me + 10]}
-    out["int8_rs"]["bytes"] = (stats["wire_bytes"], stats["inter_node_bytes"])
+    # int8's / fp8's compressed reduce-scatter (distributed optimizer): shard me of 10 of the exact sum
+    for name, g in (("int8", dyadic), ("fp8", e4m3)):
+        flat, shard = g.clone(), (10 * me, 10 * me + 10)
+        comm.reset_comm_stats()
+        GradCompressor(method_of(name)).reduce_scatter("x", flat, shard, [], group).wait()
+        stats = comm.get_comm_stats()[f"grad_{name}_all_to_all"]
+        exact = out[name]["exact"][10 * me : 10 * me + 10]
+        out[f"{name}_rs"] = {"exact": exact, "got": flat[10 * me : 10 * me + 10]}
+        out[f"{name}_rs"]["bytes"] = (stats["wire_bytes"], stats["inter_node_bytes"])
     return out
 
 
@@ -143,18 +166,37 @@ def non_finite(group, me, name):
     return {"finite": bool(torch.isfinite(bad).all()), "kept": torch.equal(before, comp.residuals["x"])}
 
 
-def ddp_run(name, hierarchical, pg, distopt=False):
+def config(name, hierarchical=False, distopt=False, **override):
+    settings = {**SETTINGS, "ddp_bucket_size": BUCKET, **override}
+    return ParallelConfig(overlap_grad_reduce=True, hierarchical_grad_reduce=hierarchical, grad_compression=name,
+                          use_distributed_optimizer=distopt, **settings)  # fmt: skip
+
+
+def whole_grads(ddp, group, distopt):
+    """Each buffer's reduced gradient, whole: as DDP holds it, or all-gathered (uncounted) from the
+    distributed optimizer's shards (ZeRO-1: in the bucket; ZeRO-2: in the sharded gradient)."""
+    out = []
+    for buf in ddp.all_buffers:
+        if not distopt:
+            out.append(buf.grad_data.clone())
+            continue
+        whole = torch.zeros(buf.numel)
+        for bucket in buf.buckets:
+            mine = buf.reduced_grad(bucket, *bucket.shard_range(buf.data_parallel_rank)).clone()
+            dist.all_gather_into_tensor(whole[bucket.offset : bucket.offset + bucket.numel], mine, group=group)
+        out.append(whole)
+    return out
+
+
+def ddp_run(name, hierarchical, pg, distopt=False, keep=None, strategy="no_shard"):
     """STEPS steps of SGD through DDP (overlap, accumulation) with ``name`` compression; ``distopt``:
-    buffers of the distributed optimizer, whose reduced shards are then all-gathered (uncounted)."""
-    cfg = ParallelConfig(
-        overlap_grad_reduce=True,
-        ddp_bucket_size=BUCKET,
-        hierarchical_grad_reduce=hierarchical,
-        grad_compression=name,
-        use_distributed_optimizer=distopt,
-        **SETTINGS,
-    )
+    buffers of the distributed optimizer (``strategy`` optim_grads: ZeRO-2's sharded gradients),
+    whose reduced shards are then all-gathered (uncounted).  ``keep``: a dict that gets the DDP
+    wrapper (by method and hierarchical)."""
+    cfg = config(name, hierarchical, distopt, data_parallel_sharding_strategy=strategy)
     ddp = DistributedDataParallel(make_model(), cfg, process_groups=pg)
+    if keep is not None:
+        keep[(name, hierarchical)] = ddp
     me = parallel_state.group_rank(pg.dp_cp)
     losses, grads = [], []
     comm.reset_comm_stats()
@@ -162,13 +204,12 @@ def ddp_run(name, hierarchical, pg, distopt=False):
         ddp.zero_grad_buffer()
         losses.append(accumulate(ddp, step, me, ddp.no_sync))
         ddp.finish_grad_sync()
-        for bucket in (b for buf in ddp.all_buffers for b in buf.buckets) if distopt else ():
-            lo, hi = bucket.local_shard()
-            dist.all_gather_into_tensor(bucket.grad_data, bucket.grad_data[lo:hi].clone(), group=pg.dp_cp)
-        grads.append(torch.cat([b.grad_data.clone() for b in ddp.all_buffers]))
+        whole = whole_grads(ddp, pg.dp_cp, distopt)
+        grads.append(torch.cat(whole))
         with torch.no_grad():
-            for p in ddp.module.parameters():
-                p -= LR * p.main_grad
+            for buf, g in zip(ddp.all_buffers, whole):
+                for p, (s, e, _) in buf.param_index_map.items():
+                    p -= LR * g[s:e].view(p.shape)
     stats = {k: (v["calls"], v["wire_bytes"]) for k, v in comm.get_comm_stats().items()}
     return {"losses": losses, "grads": grads, "stats": stats}
 
@@ -219,17 +260,54 @@ def local_grads(pg, hierarchical):
     return torch.cat([p.main_grad.reshape(-1) for p in ddp.module.parameters()]), sorted(comm.get_comm_stats())
 
 
+def by_name(tensors, src, dst):
+    """``{parameter of src: x}`` -> ``{parameter of dst with the same name: x}`` (what a checkpoint does by names)."""
+    names, params = {p: n for n, p in src.module.named_parameters()}, dict(dst.module.named_parameters())
+    return {(params[names[k[0]]], *k[1:]) if isinstance(k, tuple) else params[names[k]]: v for k, v in tensors.items()}
+
+
+def reshard_checks(pg, trained):
+    """The pending update ``P`` of the int8 runs (flat and hierarchical), loaded into fresh lossless
+    runs (top-k ratio 1, flat / hierarchical): their first step's result is the exact mean gradient
+    plus ``P``.  PowerSGD's ``Q``s copied into a run with one bucket (other keys and matrix indices)."""
+    out = {}
+    me = parallel_state.group_rank(pg.dp_cp)
+    for h in (False, True):
+        ddp = trained[("int8", h)]
+        pending = reshard.pending_updates([ddp])
+        lossless = DistributedDataParallel(make_model(), config("topk", h, topk_ratio=1.0), process_groups=pg)
+        reshard.load_pending([lossless], by_name(pending, ddp, lossless))
+        lossless.zero_grad_buffer()
+        accumulate(lossless, 0, me, lossless.no_sync)
+        lossless.finish_grad_sync()
+        out[h] = {
+            "residuals": {k: v.clone() for k, v in ddp.compressor.residuals.items()},
+            "pending": torch.cat([pending[p].reshape(-1) for p in ddp.module.parameters()]),
+            "next": torch.cat([p.main_grad.reshape(-1) for p in lossless.module.parameters()]),
+        }
+    src = trained[("powersgd", False)]
+    one = DistributedDataParallel(make_model(), config("powersgd", ddp_bucket_size=None), process_groups=pg)
+    copied = reshard.load_powersgd_qs([one], by_name(reshard.powersgd_qs([src]), src, one))
+    before, after = reshard.powersgd_qs([src]), by_name(reshard.powersgd_qs([one]), one, src)
+    same = set(after) == set(before) and all(torch.equal(q, after[k]) for k, q in before.items())
+    out["q"] = (copied, len(reshard.powersgd_q_shapes([one])), len(one.compressor.method.qs), same)
+    return out
+
+
 def worker():
     parallel_state.initialize_model_parallel(ranks_per_node=LOCAL)
     pg = parallel_state.get_process_groups()
     me = dist.get_rank()
     out = {"exact": exact_checks(pg.dp_cp, me)}
-    out["conserve"] = {n: conservation(pg.dp_cp, me, n, 0.25) for n in ("topk", "int8", "powersgd")}
-    out["nonfinite"] = {n: non_finite(pg.dp_cp, me, n) for n in ("topk", "int8", "powersgd")}
+    out["conserve"] = {n: conservation(pg.dp_cp, me, n, 0.25) for n in METHODS}
+    out["nonfinite"] = {n: non_finite(pg.dp_cp, me, n) for n in METHODS}
     out["diloco"] = {h: diloco_run(pg, h) for h in (False, True)}
     out["local"] = {h: local_grads(pg, h) for h in (False, True)}
-    out["ddp"] = {(n, h): ddp_run(n, h, pg) for n in ("topk", "int8", "powersgd") for h in (False, True)}
+    trained = {}
+    out["ddp"] = {(n, h): ddp_run(n, h, pg, keep=trained) for n in METHODS for h in (False, True)}
     out["distopt"] = {(n, h): ddp_run(n, h, pg, distopt=True) for n, h in DISTOPT_CASES}
+    out["zero2"] = {n: ddp_run(n, False, pg, distopt=True, strategy="optim_grads") for n in ZERO2_CASES}
+    out["reshard"] = reshard_checks(pg, trained)
     return out
 
 
@@ -255,15 +333,18 @@ def test_lossless_cases_equal_the_exact_all_reduce_and_bytes_are_the_ring_count(
         e = r["exact"]
         assert torch.equal(e["topk"]["got"], e["topk"]["exact"])  # ratio 1: every entry sent
         assert torch.equal(e["int8"]["got"], e["int8"]["exact"])  # k 2^-3, |k| <= 127: exact in int8
+        assert torch.equal(e["fp8"]["got"], e["fp8"]["exact"])  # e4m3 values x 2^-3, one 448 per chunk
         for name in ("powersgd2", "powersgd3"):  # rank-2 sum, rank >= 2: the exact sum up to rounding
             torch.testing.assert_close(e[name]["got"], e[name]["exact"], rtol=1e-5, atol=1e-5)
         # ring all-gather of a P-byte payload over K ranks: (K-1) P sent; all-reduce of B: 2 (K-1)/K B
         assert e["topk"]["bytes"] == {"grad_topk_all_gather": (K - 1) * 37 * 8}
         assert e["int8"]["bytes"] == {"grad_int8_all_gather": (K - 1) * (40 + 4 * 3)}
+        assert e["fp8"]["bytes"] == {"grad_fp8_all_gather": (K - 1) * (40 + 4 * 3)}  # 1 byte per value + scales
         # reduce-scatter: the same sum on the shard; all-to-all of blocks of S = 10 values + M = 2 scales
         # (shards [10, 20) and [30, 40) overlap two chunks of 16): (K-1) (S + 4 M) sent, half to the other node
-        assert torch.equal(e["int8_rs"]["got"], e["int8_rs"]["exact"])
-        assert e["int8_rs"]["bytes"] == ((K - 1) * (10 + 4 * 2), 2 * (10 + 4 * 2))
+        for name in ("int8_rs", "fp8_rs"):
+            assert torch.equal(e[name]["got"], e[name]["exact"])
+            assert e[name]["bytes"] == ((K - 1) * (10 + 4 * 2), 2 * (10 + 4 * 2))
         for rank in (2, 3):
             assert e[f"powersgd{rank}"]["bytes"] == {
                 "grad_powersgd_p_all_reduce": 2 * (K - 1) / K * 4 * (5 + 12 * rank),
@@ -272,7 +353,7 @@ def test_lossless_cases_equal_the_exact_all_reduce_and_bytes_are_the_ring_count(
 
 
 def test_error_feedback_conserves_the_gradient(ranks):
-    for name in ("topk", "int8", "powersgd"):
+    for name in METHODS:
         sum_out = ranks[0]["conserve"][name][0]
         for r in ranks[1:]:
             assert torch.equal(r["conserve"][name][0], sum_out)  # every rank holds the same result
@@ -302,10 +383,10 @@ def simulate_method(name, a_list, matrices, key, qs):
     if name == "topk":
         enc = [topk.encode(a, SETTINGS["topk_ratio"], ZERO) for a in a_list]
         return topk.decode(torch.stack([p for p, _ in enc]), a_list[0].numel()), [s for _, s in enc]
-    if name == "int8":
-        enc = [int8.encode(a, SETTINGS["int8_chunk_size"], ZERO) for a in a_list]
-        gathered = torch.stack([p for p, _ in enc])
-        return int8.decode(gathered, a_list[0].numel(), SETTINGS["int8_chunk_size"]), [s for _, s in enc]
+    if name in ("int8", "fp8"):
+        codec = int8.INT8 if name == "int8" else E4M3
+        enc = [int8.encode(a, 16, ZERO, None, codec) for a in a_list]
+        return int8.decode(torch.stack([p for p, _ in enc]), a_list[0].numel(), 16, codec), [s for _, s in enc]
     out, sents = sum(a_list), [a.clone() for a in a_list]
     for i, s in enumerate(matrices):
         r = powersgd.compressed_rank(s, SETTINGS["powersgd_rank"])
@@ -370,7 +451,7 @@ def simulate(name, hierarchical):
 
 
 @pytest.mark.parametrize("hierarchical", [False, True])
-@pytest.mark.parametrize("name", ["topk", "int8", "powersgd"])
+@pytest.mark.parametrize("name", METHODS)
 def test_ddp_run_equals_single_process_simulation(ranks, name, hierarchical):
     expected = simulate(name, hierarchical)
     exact = simulate("none", False)
@@ -392,7 +473,12 @@ def test_distributed_optimizer_shards_equal_the_compressed_all_reduce(ranks, nam
     for r in ranks:
         got, want = r["distopt"][(name, hierarchical)]["grads"], r["ddp"][(name, hierarchical)]["grads"]
         assert all(torch.equal(a, b) for a, b in zip(got, want)), name
-    if (name, hierarchical) == ("int8", False):
+    if not hierarchical and name in ZERO2_CASES:  # ZeRO-2: the same sums land in the sharded gradient
+        for r in ranks:
+            got, want = r["zero2"][name]["grads"], r["ddp"][(name, False)]["grads"]
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), name
+            assert r["zero2"][name]["stats"] == r["distopt"][(name, False)]["stats"]
+    if (name, hierarchical) in (("int8", False), ("fp8", False)):
         buf = ParamAndGradBuffer(list(make_model().parameters()), torch.float32, BUCKET, None, K, 1.0 / K)
         per_step = 0
         for b in buf.buckets:  # (K-1) (S + 4 M) per bucket, M from where each shard cuts the chunks
@@ -400,7 +486,7 @@ def test_distributed_optimizer_shards_equal_the_compressed_all_reduce(ranks, nam
             per_step += (K - 1) * (shard + 4 * int8.shard_chunks(shard, SETTINGS["int8_chunk_size"], K)[1])
         for r in ranks:
             stats = r["distopt"][(name, hierarchical)]["stats"]
-            assert stats == {"grad_int8_all_to_all": (STEPS * len(buf.buckets), STEPS * per_step)}
+            assert stats == {f"grad_{name}_all_to_all": (STEPS * len(buf.buckets), STEPS * per_step)}
 
 
 def test_ddp_bytes_are_the_analytic_count(ranks):
@@ -422,7 +508,73 @@ def test_ddp_bytes_are_the_analytic_count(ranks):
         assert set(hier) == {"grad_inter_int8_all_gather", "grad_reduce_scatter_intra", "grad_all_gather_intra"}
 
 
+def module_order(buf, flat):
+    """A buffer-laid-out tensor in module parameter order (how the ranks return theirs)."""
+    return torch.cat([flat[s:e] for s, e, _ in (buf.param_index_map[p] for p in reversed(buf.params))])
+
+
+def test_pending_update_is_the_sum_of_residuals_and_loads_into_the_next_step(ranks):
+    """``P`` = sum over the ranks of their residuals, placed where each covers the bucket (flat: the
+    whole bucket; hierarchical: chunk i of the node-local index); loaded into DP 4 (each rank P/4;
+    hierarchical: each node's chunk P/2), the next lossless step sends exactly mean g + P."""
+    buf = ParamAndGradBuffer(list(make_model().parameters()), torch.float32, BUCKET, None, K, 1.0 / K)
+    mean_g = module_order(buf, simulate("none", False)[0])  # step 0 from the initial weights
+    for h in (False, True):
+        placed = torch.zeros(buf.numel)
+        for rank, r in enumerate(ranks):
+            for b in buf.buckets:
+                c = b.numel // LOCAL if h else b.numel
+                lo = b.offset + (rank % LOCAL) * c if h else b.offset
+                placed[lo : lo + c] += r["reshard"][h]["residuals"][f"dense0.{b.index}"]
+        pending = module_order(buf, placed)
+        assert pending.abs().sum() > 0
+        for r in ranks:
+            torch.testing.assert_close(r["reshard"][h]["pending"], pending, rtol=1e-6, atol=1e-8)
+            torch.testing.assert_close(r["reshard"][h]["next"], mean_g + pending, rtol=1e-5, atol=1e-7)
+        assert not torch.allclose(ranks[0]["reshard"][h]["next"], mean_g, rtol=1e-3, atol=1e-5)
+
+
+def test_powersgd_q_is_copied_by_parameter_and_rows(ranks):
+    """Three matrices (fc1, fc2, out) in three buckets, loaded into one bucket: all three copied."""
+    for r in ranks:
+        assert r["reshard"]["q"] == (3, 3, 3, True)
+
+
 # --- single process -------------------------------------------------------------------------------
+
+
+def test_residuals_resharded_to_one_rank_are_added_to_its_next_gradient():
+    """DP 1 compresses nothing: the pending update loaded (the sum of a DP K run's residuals) is added
+    to the first gradient, bit for bit, and none is kept for the second."""
+    pg = ProcessGroups.single()
+    ddp = DistributedDataParallel(make_model(), config("int8"), process_groups=pg)
+    plain = DistributedDataParallel(make_model(), config("none"), process_groups=pg)
+    gen = torch.Generator().manual_seed(3)
+    pending = {p: torch.randn(p.shape, generator=gen) for p in ddp.module.parameters()}
+    reshard.load_pending([ddp], pending)
+    for step in range(2):
+        for model in (ddp, plain):
+            model.zero_grad_buffer()
+            accumulate(model, step, 0, model.no_sync)
+            model.finish_grad_sync()
+        for p, q in zip(ddp.module.parameters(), plain.module.parameters()):
+            assert torch.equal(p.main_grad, q.main_grad + pending[p] if step == 0 else q.main_grad)
+    assert ddp.compressor.residuals == {}
+
+
+def test_fp8_rounding_nearest_is_the_cast_and_stochastic_is_unbiased():
+    a = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    for fmt, top in (("e4m3", 448.0), ("e5m2", 57344.0)):
+        codec = fp8.FP8Codec(fmt)
+        scale = a.view(4, 16).abs().amax(dim=1).repeat_interleave(16) / top
+        nearest = int8.encode(a, 16, ZERO, None, codec)[1]
+        assert torch.equal(nearest, (a / scale).to(codec.dtype).float() * scale)
+        mean = torch.zeros(64)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(1000):
+            mean += int8.encode(a, 16, ZERO, gen, codec)[1] / 1000
+        # the mean of 1000 roundings is far closer than the nearest value (error ~ 1/60 of a step, not 1/4)
+        assert (mean - a).abs().mean() < 0.3 * (nearest - a).abs().mean(), fmt
 
 
 def test_matrix_segments_keep_whole_rows():
@@ -446,7 +598,7 @@ def test_int8_stochastic_rounding_is_unbiased_and_nearest_is_bounded():
     assert not torch.equal(nearest, a)
 
 
-def test_config_refuses_sharded_gradients_and_bad_settings():
+def test_config_accepts_sharded_gradients_and_refuses_bad_settings():
     def check(**kw):
         cfg = MegalmConfig()
         cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads = 2, 64, 4
@@ -456,12 +608,13 @@ def test_config_refuses_sharded_gradients_and_bad_settings():
 
     check(grad_compression="powersgd")
     check(grad_compression="int8", use_distributed_optimizer=True)  # ZeRO-1: built
-    for strategy in ("optim_grads", "optim_grads_params"):
-        refusal = f"--grad-compression topk is not supported with --data-parallel-sharding-strategy {strategy}"
-        with pytest.raises(ConfigError, match=refusal):
-            check(grad_compression="topk", data_parallel_sharding_strategy=strategy)
+    check(grad_compression="fp8", grad_fp8_format="e5m2", grad_fp8_rounding="stochastic")
+    for strategy in ("optim_grads", "optim_grads_params"):  # ZeRO-2/3: built
+        check(grad_compression="topk", data_parallel_sharding_strategy=strategy)
     with pytest.raises(ConfigError, match="--topk-ratio must be in"):
         check(grad_compression="topk", topk_ratio=0.0)
+    with pytest.raises(ConfigError, match="--grad-fp8-chunk-size must be >= 1"):
+        check(grad_compression="fp8", grad_fp8_chunk_size=0)
     with pytest.raises(ConfigError, match="--powersgd-rank must be >= 1"):
         check(grad_compression="powersgd", powersgd_rank=0)
 

@@ -343,11 +343,13 @@ class ParallelConfig:
         "not send is added to its next step's gradient): powersgd (rank --powersgd-rank approximation "
         "of every matrix, two all-reduces; vectors and small matrices exact), topk (all-gather of the "
         "--topk-ratio largest-magnitude entries and their indices), int8 (all-gather of 8-bit values "
-        "with one fp32 scale per --int8-chunk-size elements).  Once per step (after gradient "
-        "accumulation); with --hierarchical-grad-reduce only the inter-node leg.  With "
-        "--use-distributed-optimizer each rank keeps its shard of the same result (int8: an "
-        "all-to-all instead of the all-gather); not with the optim_grads / optim_grads_params strategies.",
-        choices=["none", "powersgd", "topk", "int8"],
+        "with one fp32 scale per --int8-chunk-size elements), fp8 (the same with fp8 values, "
+        "--grad-fp8-format).  Once per step (after gradient accumulation); with --hierarchical-grad-reduce "
+        "only the inter-node leg.  With --use-distributed-optimizer each rank keeps its shard of the same "
+        "result (int8/fp8: an all-to-all instead of the all-gather); not with the optim_grads / "
+        "optim_grads_params strategies.  Checkpoints keep the state; loaded under another layout the "
+        "residuals are resharded (each rank gets its share of the pending update).",
+        choices=["none", "powersgd", "topk", "int8", "fp8"],
     )
     powersgd_rank: int = _f(4, "Rank of PowerSGD's low-rank gradient approximation (--grad-compression powersgd).")
     topk_ratio: float = _f(0.01, "Fraction of each bucket's entries sent by --grad-compression topk, in (0, 1].")
@@ -356,6 +358,19 @@ class ParallelConfig:
         "nearest",
         "Rounding of --grad-compression int8: nearest, or stochastic (unbiased; a different random "
         "stream per rank, saved in checkpoints).",
+        choices=["nearest", "stochastic"],
+    )
+    grad_fp8_format: str = _f(
+        "e4m3",
+        "fp8 format of --grad-compression fp8: e4m3 (3 mantissa bits, largest 448) or e5m2 (2 mantissa "
+        "bits, largest 57344); each chunk is scaled so that its largest magnitude is the format's largest.",
+        choices=["e4m3", "e5m2"],
+    )
+    grad_fp8_chunk_size: int = _f(1024, "Elements sharing one fp32 scale under --grad-compression fp8.")
+    grad_fp8_rounding: str = _f(
+        "nearest",
+        "Rounding of --grad-compression fp8: nearest (ties to even), or stochastic (to one of the two "
+        "neighbouring fp8 values, unbiased; a different random stream per rank, saved in checkpoints).",
         choices=["nearest", "stochastic"],
     )
     local_sgd_interval: int = _f(

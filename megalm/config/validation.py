@@ -251,15 +251,10 @@ def _validate_grad_compression(p: ParallelConfig) -> None:
     """``--grad-compression`` and its method's settings."""
     if p.grad_compression == "none":
         return
-    _check(
-        p.data_parallel_sharding_strategy in ("no_shard", "optim"),
-        f"--grad-compression {p.grad_compression} is not supported with --data-parallel-sharding-strategy "
-        f"{p.data_parallel_sharding_strategy} (sharded gradients free the whole bucket the error feedback needs); "
-        f"use optim (--use-distributed-optimizer) or drop one of the two",
-    )
     _check(p.powersgd_rank >= 1, f"--powersgd-rank must be >= 1, got {p.powersgd_rank}")
     _check(0 < p.topk_ratio <= 1, f"--topk-ratio must be in (0, 1], got {p.topk_ratio}")
     _check(p.int8_chunk_size >= 1, f"--int8-chunk-size must be >= 1, got {p.int8_chunk_size}")
+    _check(p.grad_fp8_chunk_size >= 1, f"--grad-fp8-chunk-size must be >= 1, got {p.grad_fp8_chunk_size}")
 
 
 def _validate_fp8(m: ModelConfig, p: ParallelConfig, t: TrainingConfig) -> None:

@@ -23,15 +23,18 @@ bucket ``k`` of a queue is launched, bucket ``k-2`` then bucket ``k-1`` are adva
 third and second stage, so the inter-node stage of a bucket overlaps the backward of the next
 ones; the sequence depends only on ``k``, hence is the same on every rank.
 
-With ``grad_compression`` (``--grad-compression powersgd|topk|int8``) each bucket of every buffer
+With ``grad_compression`` (``--grad-compression powersgd|topk|int8|fp8``) each bucket of every buffer
 (dense and expert: both are data-parallel) is reduced by :class:`~megalm.distributed.compression.GradCompressor`
 with error feedback instead of the exact all-reduce; hierarchically, only the inter-node all-reduce
 of the chunk is replaced (the intra-node reduce-scatter and all-gather stay exact).  It runs once
 per step: inside ``no_sync()`` nothing is reduced, so the accumulated gradient is compressed
 once.  The residuals live in :attr:`compressor` (``None`` without compression).  With
-``use_distributed_optimizer`` (ZeRO-1 only) the flat reduce-scatter becomes the compressor's
-(int8: an all-to-all of each shard's quantized values; PowerSGD and top-k: their all-reduce, of
-which the rank keeps its shard); hierarchically the compressed all-reduce chain runs as without it.
+``use_distributed_optimizer`` (ZeRO-1, and ZeRO-2/3's sharded gradients) the flat reduce-scatter
+becomes the compressor's (int8/fp8: an all-to-all of each shard's quantized values; PowerSGD and
+top-k: their all-reduce, of which the rank keeps its shard); hierarchically the compressed
+all-reduce chain runs as without it.  A buffer that compresses nothing (data-parallel size 1, one
+node under hierarchical reduction) adds a residual resharded from a larger layout to its next
+gradient (:mod:`megalm.distributed.compression.reshard`).
 
 With ``local_sgd_interval`` (``--local-sgd-interval``, :mod:`megalm.distributed.local_sgd`) each
 replica keeps its own gradient: buckets are reduced over no rank (scale 1), or with

@@ -38,7 +38,9 @@ of ``K`` ranks; :meth:`Bucket.finish_grad_sync` waits:
   :meth:`Bucket.finish_param_sync` waits for it.
 * ``compressor`` (``--grad-compression``): the bucket's all-reduce, or with the distributed optimizer
   its reduce-scatter, is the compressed one of :mod:`megalm.distributed.compression` (error feedback
-  over the whole bucket; see :meth:`Bucket._start_compressed`).
+  over the whole bucket; see :meth:`Bucket._start_compressed`).  A bucket whose reduction compresses
+  nothing (:meth:`Bucket.compresses`: a group of one, or one node) only adds a residual loaded from
+  a checkpoint of another layout to its gradient, once, before the exact reduction.
 * ``node_groups`` (``--hierarchical-grad-reduce``): each of these collectives becomes the chain
   of intra-node and inter-node collectives of :mod:`megalm.distributed.hierarchical` (same
   results; only ``1/L`` of the bucket crosses nodes per rank).  The handle is then a
@@ -133,11 +135,14 @@ class Bucket:
         if factor != 1.0:
             self.grad_data.mul_(factor)
         group = self.buffer.data_parallel_group
-        if group is None:  # a group of one, nothing to reduce
-            return
         nodes = self.buffer.node_groups
         if self.buffer.compressor is not None:
-            self._start_compressed(group, nodes)
+            if self.compresses():
+                self._start_compressed(group, nodes)
+                return
+            key = f"{self.buffer.compress_key}.{self.index}"  # e.g. residuals resharded from a larger DP size
+            self.buffer.compressor.flush(key, self.grad_data)
+        if group is None:  # a group of one, nothing to reduce
             return
         if nodes is not None:
             if self.buffer.use_distributed_optimizer:
@@ -153,6 +158,24 @@ class Bucket:
             )
         else:
             self.handle = comm.all_reduce(self.grad_data, group=group, async_op=True, kind="grad_all_reduce")
+
+    def compresses(self) -> bool:
+        """Whether this bucket's reduction is compressed: a data-parallel group of more than one rank
+        and, under hierarchical reduction, more than one node."""
+        nodes = self.buffer.node_groups
+        return self.buffer.data_parallel_group is not None and (nodes is None or nodes.inter is not None)
+
+    def residual_range(self) -> Tuple[int, int, int]:
+        """``(lo, hi, ranks)``: the part of the bucket this rank's error-feedback residual covers and
+        the number of ranks holding a residual of that part (their sum is what error feedback still
+        owes there, :mod:`megalm.distributed.compression.reshard`): the whole bucket over the
+        data-parallel group, or with hierarchical reduction chunk ``i`` (the node-local index) over
+        the nodes; a bucket that compresses nothing: the whole bucket over the group (see ``flush``)."""
+        nodes = self.buffer.node_groups
+        if self.compresses() and nodes is not None:
+            c = self.numel // nodes.local_size
+            return nodes.local_rank * c, (nodes.local_rank + 1) * c, nodes.num_nodes
+        return 0, self.numel, self.buffer.data_parallel_world_size
 
     def matrices(self, lo: int, hi: int):
         """The matrices of ``grad_data[lo:hi]`` (:func:`~megalm.distributed.compression.matrix_segments`)."""
@@ -273,7 +296,7 @@ class ParamAndGradBuffer:
             node_groups.check_factors(data_parallel_group, "ParamAndGradBuffer")
         self.node_groups = node_groups if data_parallel_group is not None else None
         self.use_distributed_optimizer = use_distributed_optimizer
-        self.compressor = compressor if data_parallel_group is not None else None
+        self.compressor = compressor  # a group of one compresses nothing but applies loaded residuals
         self.compress_key = compress_key
         allocate_param_data = allocate_param_data or use_distributed_optimizer
         self.gradient_scaling_factor = gradient_scaling_factor

@@ -22,6 +22,14 @@ Communication per bucket and iteration (unchanged from ZeRO-1): it is scaled by
 with the bucket as input and its slice of ``shard_data`` as output: ``(K-1)/K`` x bucket bytes per
 rank, launched by DDP exactly as the ZeRO-1 reduce-scatter (same order, same overlap).
 
+With ``compressor`` (``--grad-compression``) the reduce-scatter is the compressor's
+(:meth:`~megalm.distributed.compression.GradCompressor.reduce_scatter` with ``into`` = the bucket's
+slice of ``shard_data``: int8/fp8 one all-to-all of ``(K-1) (S + 4 M)`` bytes, PowerSGD and top-k
+their all-reduce, then the shard), bit for bit what ZeRO-1 holds.  Error feedback needs the whole
+bucket: its residual (fp32, ``numel`` elements, per bucket) persists between steps, so compression
+gives back the 4 bytes per parameter of fp32 gradients that ZeRO-2 saves (the bucket's gradient
+storage is still freed after the reduction).
+
 Gradient accumulation policy: microbatches accumulate into the full bucket, which is
 reduce-scattered once, after the last microbatch's backward (as plain DP and ZeRO-1 do).  The
 gradient traffic stays one reduce-scatter per bucket per iteration and the reduced values are
@@ -40,6 +48,7 @@ from typing import List, Optional
 import torch
 
 from megalm.distributed import comm
+from megalm.distributed.hierarchical import CollectiveChain
 from megalm.distributed.param_and_grad_buffer import Bucket, DataParallelError, ParamAndGradBuffer
 
 
@@ -94,18 +103,28 @@ class ShardedGradBucket(Bucket):
         factor = self.buffer.gradient_scaling_factor
         if factor != 1.0:
             full.mul_(factor)
-        group = self.buffer.data_parallel_group
+        group, compressor = self.buffer.data_parallel_group, self.buffer.compressor
+        if compressor is not None and group is None:  # a residual resharded from a larger DP size
+            compressor.flush(f"{self.buffer.compress_key}.{self.index}", full)
         if group is None:  # this rank alone: its shard is the whole bucket
             self.shard.copy_(full)
             self.release()
+            return
+        if compressor is not None:  # error feedback over the whole bucket; the shard lands in shard_data
+            key, matrices = f"{self.buffer.compress_key}.{self.index}", self.matrices(0, self.numel)
+            self.handle = compressor.reduce_scatter(key, full, self.local_shard(), matrices, group, into=self.shard)
             return
         self.handle = comm.reduce_scatter_tensor(
             self.shard, full, group=group, async_op=True, kind="grad_reduce_scatter"
         )
 
     def release_if_done(self) -> None:
-        """Free the storage if the reduce-scatter has completed (never blocks)."""
-        if self.launched and (self.handle is None or self.handle.is_completed()):
+        """Free the storage if the reduce-scatter has completed (never blocks; a compressed one is a
+        chain of stages that completes only when waited for)."""
+        done = self.handle is None or (
+            self.handle.done if isinstance(self.handle, CollectiveChain) else self.handle.is_completed()
+        )
+        if self.launched and done:
             if self.handle is not None:
                 self.handle.wait()
                 self.handle = None
@@ -127,8 +146,6 @@ class ShardedGradBuffer(ParamAndGradBuffer):
         kw["use_distributed_optimizer"] = True
         if kw.get("node_groups") is not None:
             raise DataParallelError("sharded gradients with hierarchical reduction are not built")
-        if kw.get("compressor") is not None:  # its residuals would need the whole bucket kept
-            raise DataParallelError("sharded gradients with gradient compression are not built")
         super().__init__(params, grad_dtype, bucket_size, data_parallel_group, data_parallel_world_size, *args, **kw)
         self.shard_data = torch.zeros(self.numel // self.data_parallel_world_size, dtype=grad_dtype, device=self.device)
         for p in self.params:

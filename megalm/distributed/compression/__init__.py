@@ -5,8 +5,8 @@
 then reduces through :meth:`GradCompressor.all_reduce` instead of the exact all-reduce (with
 ``--hierarchical-grad-reduce`` only the inter-node leg), or with the distributed optimizer through
 :meth:`GradCompressor.reduce_scatter` (int8: an all-to-all; the others: the all-reduce, then the
-shard).  Methods: :mod:`.powersgd`, :mod:`.topk`, :mod:`.int8`; error feedback and the stage chain:
-:mod:`.error_feedback`.
+shard).  Methods: :mod:`.powersgd`, :mod:`.topk`, :mod:`.int8`, :mod:`.fp8`; error feedback and the
+stage chain: :mod:`.error_feedback`; carrying it across a change of layout: :mod:`.reshard`.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from __future__ import annotations
 from typing import Optional
 
 from megalm.distributed.compression.error_feedback import CompressionJob, GradCompressor
+from megalm.distributed.compression.fp8 import FP8
 from megalm.distributed.compression.int8 import Int8
 from megalm.distributed.compression.powersgd import PowerSGD
 from megalm.distributed.compression.segments import Segment, matrix_segments
 from megalm.distributed.compression.topk import TopK
 
-METHODS = ("none", "powersgd", "topk", "int8")
+METHODS = ("none", "powersgd", "topk", "int8", "fp8")
 
 
 def build_compressor(parallel_cfg, device=None, rank: int = 0) -> Optional[GradCompressor]:
@@ -32,15 +33,21 @@ def build_compressor(parallel_cfg, device=None, rank: int = 0) -> Optional[GradC
         method, settings = PowerSGD(parallel_cfg.powersgd_rank), f"rank {parallel_cfg.powersgd_rank}"
     elif name == "topk":
         method, settings = TopK(parallel_cfg.topk_ratio), f"ratio {parallel_cfg.topk_ratio}"
-    else:
+    elif name == "int8":
         stochastic = parallel_cfg.int8_rounding == "stochastic"
         method = Int8(parallel_cfg.int8_chunk_size, stochastic, seed=1_000_003 + rank, device=device)
         settings = f"chunk {parallel_cfg.int8_chunk_size}, {parallel_cfg.int8_rounding} rounding"
+    else:
+        chunk, rounding, fmt = (parallel_cfg.grad_fp8_chunk_size, parallel_cfg.grad_fp8_rounding,
+                                parallel_cfg.grad_fp8_format)  # fmt: skip
+        method = FP8(chunk, rounding == "stochastic", fmt, seed=1_000_003 + rank, device=device)
+        settings = f"{fmt}, chunk {chunk}, {rounding} rounding"
     return GradCompressor(method, f"{name} ({settings})")
 
 
 __all__ = [
     "CompressionJob",
+    "FP8",
     "GradCompressor",
     "Int8",
     "METHODS",

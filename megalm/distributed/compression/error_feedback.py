@@ -52,9 +52,11 @@ class CompressionJob:
         group,
         kind: str,
         shard: Optional[Tuple[int, int]] = None,
+        into: Optional[Tuple[torch.Tensor, int, int]] = None,
     ):
         self.key, self.flat, self.matrices, self.group, self.kind = key, flat, matrices, group, kind
         self.shard = shard  # (lo, hi): a reduce-scatter whose result is flat[lo:hi]; None: all-reduce
+        self.into = into  # (tensor, lo, hi): the result's [lo, hi) goes there instead of into flat
         self.group_size = group_size(group)
         self.numel, self.device = flat.numel(), flat.device
         self.a: Optional[torch.Tensor] = None  # compensated gradient (fp32)
@@ -83,12 +85,17 @@ class GradCompressor:
         :class:`CollectiveChain` with its first stage launched (``wait()`` runs the rest)."""
         return self._launch(CompressionJob(key, flat, matrices, group, kind))
 
-    def reduce_scatter(self, key: str, flat: torch.Tensor, shard, matrices: List[Segment], group, kind: str = "grad"):
+    def reduce_scatter(
+        self, key: str, flat: torch.Tensor, shard, matrices: List[Segment], group, kind: str = "grad", into=None
+    ):
         """``flat[lo:hi]`` (``shard``, this rank's) <- that shard of the compressed SUM over ``group``:
         the method's compressed reduce-scatter when it has one (``reduces_scatter``), else its
-        all-reduce of the whole bucket.  A :class:`CollectiveChain` with its first stage launched."""
+        all-reduce of the whole bucket.  ``into`` (a tensor of ``hi - lo`` elements, e.g. the sharded
+        gradient of ZeRO-2/3): the shard goes there and ``flat`` is left as it was.  A
+        :class:`CollectiveChain` with its first stage launched."""
         scatter = getattr(self.method, "reduces_scatter", False)
-        return self._launch(CompressionJob(key, flat, matrices, group, kind, shard if scatter else None))
+        target = None if into is None else (into, *shard)
+        return self._launch(CompressionJob(key, flat, matrices, group, kind, shard if scatter else None, target))
 
     def _launch(self, job: CompressionJob):
         chain = CollectiveChain(self.stages(job))
@@ -111,9 +118,22 @@ class GradCompressor:
             if residual is None:
                 residual = torch.zeros_like(job.a)
             self.residuals[job.key] = torch.where(torch.isfinite(job.out).all(), job.a - job.sent, residual)
-            (flat if job.shard is None else flat[job.shard[0] : job.shard[1]]).copy_(job.out)
+            if job.into is not None:
+                into, lo, hi = job.into
+                into.copy_(job.out if job.shard is not None else job.out[lo:hi])
+            else:
+                (flat if job.shard is None else flat[job.shard[0] : job.shard[1]]).copy_(job.out)
 
         return [compensate_and_send, *inner[1:], commit]
+
+    def flush(self, key: str, flat: torch.Tensor) -> None:
+        """A bucket that compresses nothing (a group of one, or one node under hierarchical
+        reduction) but holds a residual (resharded from a checkpoint of a larger group,
+        :mod:`.reshard`): ``flat <- flat + e`` before its exact reduction, and no residual is kept
+        (a step skipped for an fp16 overflow right then loses it).  No communication."""
+        residual = self.residuals.pop(key, None)
+        if residual is not None:
+            flat.copy_(flat.float() + residual)
 
     def residual_sum(self) -> float:
         """Sum of every residual (tests)."""

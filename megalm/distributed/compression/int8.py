@@ -18,6 +18,9 @@ bytes sent per rank, about half of the all-gather's, against ``(K-1)/K x 4N`` fo
 reduce-scatter.  Decode: ``sum_r q_r s_r`` over the shard in rank order, the same products added
 in the same order as the all-gather's decode, so the shard is bit for bit what the all-reduce
 gives there.
+
+The rounding to 8 bits is a codec (:class:`Int8Codec` here; :mod:`.fp8` plugs in fp8 values with
+the same chunks, scales, payload layout, collectives and byte counts).
 """
 
 from __future__ import annotations
@@ -33,34 +36,60 @@ def payload_bytes(numel: int, chunk: int) -> int:
     return numel + 4 * (-(-numel // chunk))
 
 
+class Int8Codec:
+    """Integers in ``[-127, 127]`` as int8 bytes: nearest (``round``) or stochastic (``floor(x + u)``)."""
+
+    name = "int8"
+    max = 127.0
+
+    def round(self, x: torch.Tensor, generator: Optional[torch.Generator]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(codes uint8, their values fp32)`` of ``x`` (fp32, ``|x| <= max``)."""
+        if generator is None:
+            q = torch.round(x)
+        else:
+            u = torch.rand(x.shape, generator=generator, dtype=x.dtype, device=x.device)
+            q = torch.floor(x + u)
+        q = q.clamp_(-127, 127)
+        return q.to(torch.int8).view(torch.uint8), q
+
+    def values(self, codes: torch.Tensor) -> torch.Tensor:
+        return codes.view(torch.int8).float()
+
+
+INT8 = Int8Codec()
+
+
 def encode(
-    a: torch.Tensor, chunk: int, poison: torch.Tensor, generator: Optional[torch.Generator] = None
+    a: torch.Tensor,
+    chunk: int,
+    poison: torch.Tensor,
+    generator: Optional[torch.Generator] = None,
+    codec=INT8,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(payload uint8, sent fp32 [N])``; ``generator`` given: stochastic rounding."""
-    q, scale, sent = quantize(a, chunk, poison, generator)
-    return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)]), sent
+    q, scale, sent = quantize(a, chunk, poison, generator, codec)
+    return torch.cat([q, scale.view(torch.uint8)]), sent
 
 
 def quantize(
-    a: torch.Tensor, chunk: int, poison: torch.Tensor, generator: Optional[torch.Generator] = None
+    a: torch.Tensor,
+    chunk: int,
+    poison: torch.Tensor,
+    generator: Optional[torch.Generator] = None,
+    codec=INT8,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(q int8 [N], scale + poison fp32 [ceil(N/C)], sent fp32 [N])`` of the 1-D fp32 ``a``."""
+    """``(codes uint8 [N], scale + poison fp32 [ceil(N/C)], sent fp32 [N])`` of the 1-D fp32 ``a``:
+    per chunk ``s_c = max|a_c| / codec.max`` and the codec's rounding of ``a / s_c``."""
     n = a.numel()
     chunks = -(-n // chunk)
     padded = torch.zeros(chunks * chunk, dtype=torch.float32, device=a.device)
     padded[:n] = a
     blocks = padded.view(chunks, chunk)
-    scale = blocks.abs().amax(dim=1) / 127.0
+    scale = blocks.abs().amax(dim=1) / codec.max
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    x = blocks / safe[:, None]
-    if generator is None:
-        q = torch.round(x)
-    else:
-        u = torch.rand(x.shape, generator=generator, dtype=x.dtype, device=x.device)
-        q = torch.floor(x + u)
-    q = q.clamp_(-127, 127)
+    codes, q = codec.round((blocks / safe[:, None]).clamp_(-codec.max, codec.max), generator)
     sent = (q * scale[:, None]).view(-1)[:n]
-    return q.view(-1)[:n].to(torch.int8), scale + poison, sent
+    return codes.reshape(-1)[:n], scale + poison, sent
 
 
 def shard_chunks(shard: int, chunk: int, k: int) -> Tuple[List[int], int]:
@@ -76,40 +105,41 @@ def scatter_payload(q: torch.Tensor, scale: torch.Tensor, chunk: int, k: int) ->
     first, most = shard_chunks(shard, chunk, k)
     padded = torch.cat([scale, scale.new_zeros(most)])
     scales = torch.stack([padded[f : f + most] for f in first])  # [k, M]
-    return torch.cat([q.view(torch.uint8).view(k, shard), scales.view(torch.uint8)], dim=1)
+    return torch.cat([q.view(k, shard), scales.view(torch.uint8)], dim=1)
 
 
-def decode_shard(received: torch.Tensor, j: int, shard: int, chunk: int, k: int) -> torch.Tensor:
+def decode_shard(received: torch.Tensor, j: int, shard: int, chunk: int, k: int, codec=INT8) -> torch.Tensor:
     """Shard ``j`` of the sum over ranks, fp32 ``[S]``, from the all-to-all output ``[k, S + 4 M]``."""
     first, _ = shard_chunks(shard, chunk, k)
     which = torch.arange(j * shard, (j + 1) * shard, device=received.device) // chunk - first[j]
     out = torch.zeros(shard, dtype=torch.float32, device=received.device)
     for row in received:
         scale = row[shard:].clone().view(torch.float32)
-        out += row[:shard].view(torch.int8).float() * scale[which]
+        out += codec.values(row[:shard]) * scale[which]
     return out
 
 
-def decode(gathered: torch.Tensor, numel: int, chunk: int) -> torch.Tensor:
+def decode(gathered: torch.Tensor, numel: int, chunk: int, codec=INT8) -> torch.Tensor:
     """The sum over ranks of the payloads ``gathered`` (``[K, bytes]`` uint8), as fp32 ``[numel]``."""
     chunks = -(-numel // chunk)
     out = torch.zeros(chunks * chunk, dtype=torch.float32, device=gathered.device)
     for row in gathered:
         q = torch.zeros(chunks * chunk, dtype=torch.float32, device=gathered.device)
-        q[:numel] = row[:numel].view(torch.int8).float()
+        q[:numel] = codec.values(row[:numel])
         scale = row[numel:].clone().view(torch.float32)  # a copy: views need 4-byte alignment
         out += (q.view(chunks, chunk) * scale[:, None]).view(-1)
     return out[:numel]
 
 
 class Int8:
-    """``--grad-compression int8`` (``--int8-chunk-size``, ``--int8-rounding``)."""
+    """``--grad-compression int8`` (``--int8-chunk-size``, ``--int8-rounding``); with another ``codec``
+    the same per-chunk scaled 8-bit scheme (:class:`~.fp8.FP8`)."""
 
     name = "int8"
     reduces_scatter = True  # has a compressed reduce-scatter (all-to-all), see the module docstring
 
-    def __init__(self, chunk: int, stochastic: bool, seed: int = 0, device=None):
-        self.chunk = chunk
+    def __init__(self, chunk: int, stochastic: bool, seed: int = 0, device=None, codec=INT8):
+        self.chunk, self.codec = chunk, codec
         self.generator = torch.Generator(device=device or "cpu").manual_seed(seed) if stochastic else None
 
     def stages(self, job) -> List:
@@ -119,13 +149,13 @@ class Int8:
         gathered = torch.empty(job.group_size, payload_bytes(n, self.chunk), dtype=torch.uint8, device=job.device)
 
         def send():
-            payload, job.sent = encode(job.a, self.chunk, job.poison, self.generator)
+            payload, job.sent = encode(job.a, self.chunk, job.poison, self.generator, self.codec)
             return comm.all_gather_into_tensor(
-                gathered.view(-1), payload, group=job.group, async_op=True, kind=f"{job.kind}_int8_all_gather"
+                gathered.view(-1), payload, group=job.group, async_op=True, kind=f"{job.kind}_{self.name}_all_gather"
             )
 
         def receive():
-            job.out = decode(gathered, n, self.chunk)
+            job.out = decode(gathered, n, self.chunk, self.codec)
 
         return [send, receive]
 
@@ -136,14 +166,15 @@ class Int8:
         received = torch.empty(k, width, dtype=torch.uint8, device=job.device)
 
         def send():
-            q, scale, job.sent = quantize(job.a, self.chunk, job.poison, self.generator)
+            q, scale, job.sent = quantize(job.a, self.chunk, job.poison, self.generator, self.codec)
             payload = scatter_payload(q, scale, self.chunk, k)
+            kind = f"{job.kind}_{self.name}_all_to_all"
             return comm.all_to_all_single(
-                received.view(-1), payload.view(-1), group=job.group, async_op=True, kind=f"{job.kind}_int8_all_to_all"
+                received.view(-1), payload.view(-1), group=job.group, async_op=True, kind=kind
             )
 
         def receive():
-            job.out = decode_shard(received, lo // shard, shard, self.chunk, k)
+            job.out = decode_shard(received, lo // shard, shard, self.chunk, k, self.codec)
 
         return [send, receive]
 
