@@ -9,8 +9,10 @@ import torch.nn.functional as F
 
 from megalm.config import ConfigError, build_parser, config_from_args, parse_config, validate_config
 from megalm.tensor_parallel.initialization import initialize_weights
+from megalm.tensor_parallel.param_info import param_info
+from megalm.tensor_parallel.utils import shard_of_full
 from megalm.transformer.moe import MoELayer, is_moe_layer, moe_layer_pattern
-from megalm.transformer.moe.experts import LocalExperts
+from megalm.transformer.moe.experts import ExpertMLP, LocalExperts
 
 BASE = [
     "--num-layers",
@@ -63,6 +65,38 @@ def test_grouped_and_looped_experts_are_equal(swiglu):
     for name in outs[0][2]:
         torch.testing.assert_close(outs[0][2][name], outs[1][2][name], rtol=1e-6, atol=1e-7)
     assert outs[0][2]["local_experts.1.linear_fc1.weight"].abs().max() == 0  # no tokens, zero grad
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_expert_tensor_parallel_shards_sum_to_the_whole_expert(swiglu):
+    """ETP 2: fc1 column- ([gate_r; up_r] with SwiGLU) and fc2 row-parallel shards cut from the whole
+    expert; the two partial outputs sum to its output, the input gradients too, and each shard's
+    weight gradient is the matching cut of the whole expert's."""
+    m = _cfg("--disable-bias-linear", *(["--swiglu"] if swiglu else [])).model
+    whole = ExpertMLP(m)
+    initialize_weights(whole, seed=5)
+    shards = [ExpertMLP(m, etp=2) for _ in range(2)]
+    for rank, shard in enumerate(shards):
+        for (name, p), full in zip(shard.named_parameters(), whole.parameters()):
+            info = param_info(p)
+            assert info.expert and info.tensor_parallel and not info.sequence_parallel, name
+            assert (info.partition_dim, info.partition_stride) == ((0, 2 if swiglu else 1) if "fc1" in name else (1, 1))
+            with torch.no_grad():
+                p.copy_(shard_of_full(full, info.partition_dim, rank, 2, info.partition_stride))
+    x = torch.randn(7, 16, generator=torch.Generator().manual_seed(3))
+    grad = torch.randn(7, 16, generator=torch.Generator().manual_seed(4))
+    xs = [x.clone().requires_grad_() for _ in range(3)]
+    for xi, expert in zip(xs, [whole, *shards]):
+        expert(xi).backward(grad)
+    torch.testing.assert_close(shards[0](x) + shards[1](x), whole(x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(xs[1].grad + xs[2].grad, xs[0].grad, rtol=1e-5, atol=1e-6)
+    for rank, shard in enumerate(shards):
+        for p, full in zip(shard.parameters(), whole.parameters()):
+            info = param_info(p)
+            cut = shard_of_full(full.grad, info.partition_dim, rank, 2, info.partition_stride)
+            torch.testing.assert_close(p.grad, cut, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="--disable-bias-linear"):
+        ExpertMLP(_cfg().model, etp=2)
 
 
 def test_experts_without_any_token():
@@ -189,6 +223,29 @@ def test_layer_pattern():
             "divisible by --tensor-model-parallel-size 2",
         ),
         (["--expert-model-parallel-size", "4"], 2, "must divide data"),
+        (["--expert-tensor-parallel-size", "2"], None, "not supported with expert biases .*--disable-bias-linear"),
+        (["--expert-tensor-parallel-size", "5", "--disable-bias-linear"], None, "must divide the experts' hidden size"),
+        (
+            ["--expert-tensor-parallel-size", "2", "--disable-bias-linear", "--optimizer", "lamb"],
+            None,
+            "not supported with --optimizer lamb",
+        ),
+        (
+            ["--expert-tensor-parallel-size", "2", "--disable-bias-linear", "--expert-model-parallel-size", "2"],
+            2,
+            "expert_tensor_parallel_size 2 x expert_model_parallel_size 2 = 4 must divide",
+        ),
+        (
+            ["--expert-tensor-parallel-size", "2", "--disable-bias-linear", "--local-sgd-interval", "2"],
+            None,
+            "not supported with --local-sgd-interval",
+        ),
+        (
+            ["--expert-tensor-parallel-size", "2", "--disable-bias-linear"]
+            + ["--use-distributed-optimizer", "--data-parallel-sharding-strategy", "optim_grads"],
+            2,
+            "optim_grads with --expert-tensor-parallel-size 2 is not built yet",
+        ),
     ],
 )
 def test_invalid_moe_flags(argv, world, message):
