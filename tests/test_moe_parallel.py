@@ -7,7 +7,7 @@ rank: exercises the auxiliary-loss scale 1 / micro-batches), a single rank accum
 micro-batches, capacity dropping with padding, a checkpoint saved under EP 2 and loaded
 under EP 1 and EP 4, and pipeline 2 x EP 2 (skipped while pipeline parallelism is refused).
 Expert tensor parallelism (``--expert-tensor-parallel-size``, SwiGLU experts without biases): TP 2 x
-ETP 2, ETP 2 x EP 2, CP 2 x ETP 2 and ETP 4 with the distributed optimizer equal ETP 1, and
+ETP 2, ETP 2 x EP 2, CP 2 x ETP 2, PP 2 x ETP 2 and ETP 4 with the distributed optimizer equal ETP 1, and
 checkpoints move between ETP 2 and ETP 1 both ways.
 """
 
@@ -172,6 +172,7 @@ def runs(tmp_path_factory):
         _argv(tmp, "tp2etp2", *_etp(2, "--moe-grouped-gemm"), *_ep(1, "alltoall"), *TP2, "--save", ck_etp2, *SAVE3),
         _argv(tmp, "etp2ep2", *_etp(2), *_ep(2)),
         _argv(tmp, "cp2etp2", *_etp(2), *_ep(1, "alltoall"), "--context-parallel-size", "2"),
+        _argv(tmp, "pp2etp2", *_etp(2), *_ep(1, "alltoall"), "--pipeline-model-parallel-size", "2"),
         _argv(tmp, "etp4_distopt", *_etp(4), *_ep(1, "alltoall"), *DISTOPT, "--save", ck_etp4, *SAVE3),
         _argv(tmp, "etp2_loads_etp1", *_etp(2), *_ep(2), "--load", ck_etp1, "--ckpt-step", "3"),
         _argv(tmp, "etp1_loads_etp2", *_etp(1), *_ep(2, "alltoall"), "--load", ck_etp2, "--ckpt-step", "3"),
@@ -233,15 +234,15 @@ def test_layouts_equal_expert_parallel_1(runs, name):
     _assert_close([r["params_norm"] for r in got], [r["params_norm"] for r in ref], rel=1e-5)
 
 
-@pytest.mark.parametrize("name", ["tp2etp2", "etp2ep2", "cp2etp2", "etp4_distopt"])
+@pytest.mark.parametrize("name", ["tp2etp2", "etp2ep2", "cp2etp2", "pp2etp2", "etp4_distopt"])
 def test_expert_tensor_parallel_equals_whole_experts(runs, name):
-    """Experts split over 2 or 4 ranks (with TP 2, EP 2, CP 2, the distributed optimizer) train as
+    """Experts split over 2 or 4 ranks (with TP 2, EP 2, CP 2, PP 2, the distributed optimizer) train as
     whole experts at DP 4: losses, auxiliary losses, gradient norm (each shard counted once) and
-    parameter norm."""
+    parameter norm (PP 2: the last stage reports layer 1's MoE metrics)."""
     ref, got = _records(runs["tmp"], "etp1"), _records(runs["tmp"], name)
     assert len(ref) == ITERS
     _assert_close([r["lm_loss"] for r in got], [r["lm_loss"] for r in ref])
-    for key in ("load_balancing_loss", "z_loss", "tokens_per_expert_layer_0_expert_3"):
+    for key in ("load_balancing_loss_layer_1", "z_loss_layer_1", "tokens_per_expert_layer_1_expert_3"):
         _assert_close([r[key] for r in got], [r[key] for r in ref], rel=1e-4)
     _assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref], rel=1e-4)
     _assert_close([r["params_norm"] for r in got], [r["params_norm"] for r in ref], rel=1e-5)
