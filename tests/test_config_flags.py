@@ -172,9 +172,8 @@ def test_megatron_spellings_of_model_flags():
         cfg("--grad-reduce-in-bf16")
     moe = ["--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
     assert cfg(*moe, "--expert-tensor-parallel-size", "1").parallel.expert_tensor_parallel_size == 1
-    etp2 = cfg(*moe, "--expert-tensor-parallel-size", "2", "--disable-bias-linear")
-    assert etp2.parallel.expert_tensor_parallel_size == 2
-    with pytest.raises(ConfigError, match="--expert-tensor-parallel-size 2 is not supported with expert biases"):
-        cfg(*moe, "--expert-tensor-parallel-size", "2")
+    assert cfg(*moe, "--expert-tensor-parallel-size", "2").parallel.expert_tensor_parallel_size == 2
+    with pytest.raises(ConfigError, match="--expert-tensor-parallel-size 2 is not supported with --optimizer muon"):
+        cfg(*moe, "--expert-tensor-parallel-size", "2", "--optimizer", "muon")
     with pytest.raises(ConfigError, match="--recompute-activations means --recompute-granularity selective, not full"):
         cfg("--recompute-activations", "--recompute-granularity", "full", "--recompute-method", "uniform")

@@ -67,22 +67,32 @@ def test_grouped_and_looped_experts_are_equal(swiglu):
     assert outs[0][2]["local_experts.1.linear_fc1.weight"].abs().max() == 0  # no tokens, zero grad
 
 
-@pytest.mark.parametrize("swiglu", [False, True])
-def test_expert_tensor_parallel_shards_sum_to_the_whole_expert(swiglu):
-    """ETP 2: fc1 column- ([gate_r; up_r] with SwiGLU) and fc2 row-parallel shards cut from the whole
-    expert; the two partial outputs sum to its output, the input gradients too, and each shard's
-    weight gradient is the matching cut of the whole expert's."""
-    m = _cfg("--disable-bias-linear", *(["--swiglu"] if swiglu else [])).model
+@pytest.mark.parametrize("swiglu, bias", [(False, True), (True, False), (True, True)])
+def test_expert_tensor_parallel_shards_sum_to_the_whole_expert(swiglu, bias):
+    """ETP 2: fc1 column- ([gate_r; up_r] with SwiGLU, its bias split alike) and fc2 row-parallel shards cut
+    from the whole expert, fc2's bias whole on both; the two partial outputs sum to the whole expert's output,
+    the input gradients too, each shard's gradient is the matching cut of the whole expert's, and fc2's bias
+    gets the whole gradient on both ranks."""
+    m = _cfg(*(["--swiglu"] if swiglu else []), *([] if bias else ["--disable-bias-linear"])).model
     whole = ExpertMLP(m)
     initialize_weights(whole, seed=5)
+    with torch.no_grad():  # biases start at 0: make them count
+        for p in whole.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     shards = [ExpertMLP(m, etp=2) for _ in range(2)]
     for rank, shard in enumerate(shards):
         for (name, p), full in zip(shard.named_parameters(), whole.parameters()):
             info = param_info(p)
-            assert info.expert and info.tensor_parallel and not info.sequence_parallel, name
-            assert (info.partition_dim, info.partition_stride) == ((0, 2 if swiglu else 1) if "fc1" in name else (1, 1))
+            assert info.expert and not info.sequence_parallel, name
+            if name == "linear_fc2.bias":
+                assert not info.tensor_parallel
+                cut = full
+            else:
+                assert info.tensor_parallel and info.partition_stride == (2 if swiglu and "fc1" in name else 1)
+                assert info.partition_dim == (0 if "fc1" in name else 1)
+                cut = shard_of_full(full, info.partition_dim, rank, 2, info.partition_stride)
             with torch.no_grad():
-                p.copy_(shard_of_full(full, info.partition_dim, rank, 2, info.partition_stride))
+                p.copy_(cut)
     x = torch.randn(7, 16, generator=torch.Generator().manual_seed(3))
     grad = torch.randn(7, 16, generator=torch.Generator().manual_seed(4))
     xs = [x.clone().requires_grad_() for _ in range(3)]
@@ -91,12 +101,14 @@ def test_expert_tensor_parallel_shards_sum_to_the_whole_expert(swiglu):
     torch.testing.assert_close(shards[0](x) + shards[1](x), whole(x), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(xs[1].grad + xs[2].grad, xs[0].grad, rtol=1e-5, atol=1e-6)
     for rank, shard in enumerate(shards):
-        for p, full in zip(shard.parameters(), whole.parameters()):
+        for (name, p), full in zip(shard.named_parameters(), whole.parameters()):
             info = param_info(p)
-            cut = shard_of_full(full.grad, info.partition_dim, rank, 2, info.partition_stride)
+            cut = (
+                full.grad
+                if name == "linear_fc2.bias"
+                else shard_of_full(full.grad, info.partition_dim, rank, 2, info.partition_stride)
+            )
             torch.testing.assert_close(p.grad, cut, rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="--disable-bias-linear"):
-        ExpertMLP(_cfg().model, etp=2)
 
 
 def test_experts_without_any_token():
@@ -223,8 +235,7 @@ def test_layer_pattern():
             "divisible by --tensor-model-parallel-size 2",
         ),
         (["--expert-model-parallel-size", "4"], 2, "must divide data"),
-        (["--expert-tensor-parallel-size", "2"], None, "not supported with expert biases .*--disable-bias-linear"),
-        (["--expert-tensor-parallel-size", "5", "--disable-bias-linear"], None, "must divide the experts' hidden size"),
+        (["--expert-tensor-parallel-size", "5"], None, "must divide the experts' hidden size"),
         (
             ["--expert-tensor-parallel-size", "2", "--disable-bias-linear", "--optimizer", "lamb"],
             None,

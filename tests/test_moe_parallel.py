@@ -8,7 +8,7 @@ micro-batches, capacity dropping with padding, a checkpoint saved under EP 2 and
 under EP 1 and EP 4, and pipeline 2 x EP 2 (skipped while pipeline parallelism is refused).
 Expert tensor parallelism (``--expert-tensor-parallel-size``, SwiGLU experts without biases): TP 2 x
 ETP 2, ETP 2 x EP 2, CP 2 x ETP 2, PP 2 x ETP 2 and ETP 4 with the distributed optimizer equal ETP 1, and
-checkpoints move between ETP 2 and ETP 1 both ways.
+checkpoints move between ETP 2 and ETP 1 both ways; GELU experts with biases at TP 2 x ETP 2 x EP 2 equal EP 1.
 """
 
 import os
@@ -107,7 +107,7 @@ def _ep(n, dispatcher="allgather"):
 
 
 def _etp(n, *extra):
-    """SwiGLU experts without biases (a row-parallel bias is refused), split over ``n`` ranks."""
+    """SwiGLU experts without biases, split over ``n`` ranks."""
     return ["--swiglu", "--disable-bias-linear", "--expert-tensor-parallel-size", str(n), *extra]
 
 
@@ -173,6 +173,8 @@ def runs(tmp_path_factory):
         _argv(tmp, "etp2ep2", *_etp(2), *_ep(2)),
         _argv(tmp, "cp2etp2", *_etp(2), *_ep(1, "alltoall"), "--context-parallel-size", "2"),
         _argv(tmp, "pp2etp2", *_etp(2), *_ep(1, "alltoall"), "--pipeline-model-parallel-size", "2"),
+        # GELU experts with biases (fc2's whole on each ETP rank) against "ep1": TP 2 x ETP 2 x EP 2.
+        _argv(tmp, "tp2etp2ep2_bias", *_ep(2, "alltoall"), *TP2, "--expert-tensor-parallel-size", "2"),
         _argv(tmp, "etp4_distopt", *_etp(4), *_ep(1, "alltoall"), *DISTOPT, "--save", ck_etp4, *SAVE3),
         _argv(tmp, "etp2_loads_etp1", *_etp(2), *_ep(2), "--load", ck_etp1, "--ckpt-step", "3"),
         _argv(tmp, "etp1_loads_etp2", *_etp(1), *_ep(2, "alltoall"), "--load", ck_etp2, "--ckpt-step", "3"),
@@ -214,6 +216,7 @@ def test_pipeline_and_expert_parallel_equal_expert_parallel_1(runs):
         "tp2ep2_allgather",
         "single",
         "ep2_distopt",
+        "tp2etp2ep2_bias",
     ],
 )
 def test_layouts_equal_expert_parallel_1(runs, name):

@@ -301,7 +301,7 @@ class ParallelConfig:
         None,
         "Tensor-parallel size of the experts (ETP), independent of --tensor-model-parallel-size: > 1 splits every "
         "expert over ETP adjacent ranks (fc1 column-, fc2 row-parallel; expert layout etp-ep-edp, expert DP = "
-        "world / (PP x ETP x EP); the ETP group's tokens are all-gathered; needs --disable-bias-linear). Absent or "
+        "world / (PP x ETP x EP); the ETP group's tokens are all-gathered). Absent or "
         "1: experts whole on every rank, each TP rank running them on its own sequence slice (Megatron's default "
         "when absent is ETP = TP: same model, other memory and communication).",
     )

@@ -147,7 +147,6 @@ def _validate_expert_tensor_parallel(m: ModelConfig, p: ParallelConfig, t: Train
         f"{flag} must divide the experts' hidden size (--moe-ffn-hidden-size {m.moe_ffn_hidden_size})",
     )
     refused = (
-        (m.add_bias_linear, "expert biases (a row-parallel expert bias is not built): add --disable-bias-linear"),
         (
             t.optimizer in ("lamb", "lars", "muon"),
             f"--optimizer {t.optimizer} (its full-tensor norms and matrices do not assemble expert shards)",

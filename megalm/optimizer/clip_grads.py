@@ -3,7 +3,7 @@
 Which gradients count in the norm (each distinct gradient exactly once over the model replica):
 
 * tensor-parallel duplicates: a parameter with ``tensor_model_parallel`` False is replicated on
-  every TP rank, so it counts only on TP rank 0;
+  every TP rank, so it counts only on TP rank 0 (an expert's, with ETP > 1: on ETP rank 0);
 * the tied embedding copy on the last pipeline stage (``param.shared``, or
   ``param.shared_embedding`` on a stage other than the first) is not counted: its gradient equals
   the first stage's after the embedding all-reduce.
@@ -53,7 +53,13 @@ def param_is_not_shared(param: torch.Tensor, groups: ProcessGroups) -> bool:
 
 
 def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, groups: ProcessGroups) -> bool:
-    return param_info(param).tensor_parallel or group_rank(groups.tp) == 0
+    """A replicated parameter counts on rank 0 of the group it is replicated over: TP, or for an expert
+    parameter with experts split (ETP > 1) the expert-tensor-parallel group."""
+    info = param_info(param)
+    if info.tensor_parallel:
+        return True
+    group = groups.etp if info.expert and group_size(groups.etp) > 1 else groups.tp
+    return group_rank(group) == 0
 
 
 def param_counts_in_norm(param: torch.Tensor, groups: ProcessGroups) -> bool:

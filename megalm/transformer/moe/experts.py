@@ -18,7 +18,10 @@ Expert tensor parallelism (``--expert-tensor-parallel-size`` ETP, the ``etp`` gr
   partial sum of the expert's output: the caller gives every rank of the ETP group the same tokens
   and sums the partial outputs over the group (:class:`~megalm.transformer.moe.moe_layer.MoELayer`).
   Every rank then computes the whole gradient of its shard: no ``sequence_parallel``.  ``linear_fc2``'s
-  bias would be added once per ETP rank: refused by the configuration (``--disable-bias-linear``).
+  bias is whole on every rank of the group and enters each partial output as ``b / ETP`` (so the
+  sum adds it once) with the gradient of ``b`` itself: every rank of the group computes the whole
+  bias gradient (it sees all the group's tokens and the whole output gradient), so the copies stay
+  equal and count once in the gradient norm (on ETP rank 0).
   The records say ``tensor_parallel`` with the split dim and stride; for an expert parameter that
   split is over the ETP group (initialization cuts the full tensor drawn from the global name's
   seed, checkpoints store the full tensor: both are ETP-independent).
@@ -81,7 +84,7 @@ class _Linear(nn.Module):
     """``x W^T + b`` with expert parameters (so names read ``linear_fc1.weight``).
 
     ``split``: ``None`` (whole), ``"column"`` (out rows split over ``etp`` ranks, ``stride`` 2 for
-    ``[gate; up]``) or ``"row"`` (in columns split; a row-parallel bias is refused by the configuration).
+    ``[gate; up]``) or ``"row"`` (in columns split; the bias whole, see :meth:`output_bias`).
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class _Linear(nn.Module):
             in_size, w_dim, b_dim = divide(in_size, etp), 1, None
         else:
             w_dim = b_dim = None
+        self.bias_share = etp if split == "row" else 1
         sp = sequence_parallel
         self.weight = _expert_parameter(
             out_size, in_size, kind="normal", std=std, sequence_parallel=sp, split_dim=w_dim, stride=stride
@@ -112,8 +116,16 @@ class _Linear(nn.Module):
             else None
         )
 
+    def output_bias(self):
+        """The bias this rank adds: a row-parallel layer's whole bias ``b`` as ``b / ETP`` in value (the
+        partial outputs of the group sum to one ``b``) with the gradient of ``b`` (each rank's is the whole)."""
+        b = self.bias
+        if b is None or self.bias_share == 1:
+            return b
+        return b.detach() / self.bias_share + (b - b.detach())
+
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias if add_bias else None)
+        return F.linear(x, self.weight, self.output_bias() if add_bias else None)
 
 
 class ExpertMLP(nn.Module):
@@ -125,8 +137,6 @@ class ExpertMLP(nn.Module):
         m = model_cfg
         f = m.moe_ffn_hidden_size
         split = etp > 1
-        if split and m.add_bias_linear:
-            raise ValueError("experts split over expert-tensor-parallel ranks have no biases (--disable-bias-linear)")
         self.linear_fc1 = _Linear(
             m.hidden_size,
             2 * f if m.swiglu else f,
@@ -202,7 +212,7 @@ class LocalExperts(nn.Module):
     @staticmethod
     def _stacked_bias(layers: Sequence[_Linear]):
         """``[L, 1, out]`` biases of ``layers`` (broadcast over each expert's tokens), or None."""
-        return None if layers[0].bias is None else torch.stack([layer.bias for layer in layers]).unsqueeze(1)
+        return None if layers[0].bias is None else torch.stack([layer.output_bias() for layer in layers]).unsqueeze(1)
 
     @classmethod
     def _grouped_linear(cls, x: torch.Tensor, layers: Sequence[_Linear], add_bias: bool = True) -> torch.Tensor:
