@@ -377,12 +377,16 @@ def _write_tracker(root: str, iteration: int) -> None:
 
 
 def _layout() -> dict:
-    return {
+    """The layout a checkpoint records (per-rank state such as compression residuals is kept only under an
+    equal one); the expert-tensor-parallel size only when > 1, so earlier checkpoints keep comparing equal."""
+    layout = {
         "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
         "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
         "data_parallel_size": parallel_state.get_data_parallel_world_size(),
         "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size(),
     }
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
+    return layout if etp == 1 else {**layout, "expert_tensor_parallel_size": etp}
 
 
 def _write_atomic(path: str, text: str) -> None:

@@ -3,8 +3,17 @@
 Rank layout follows Megatron-LM's default order ``tp-cp-ep-dp-pp``: tensor-parallel
 ranks are adjacent (fastest varying), pipeline stages are outermost.  Dense layers use
 the ``tp-cp-dp-pp`` decomposition of the world; expert (MoE) layers re-split the ranks
-of one pipeline stage as ``tp-ep-edp`` (expert tensor parallel = tensor parallel), so an
-expert-data-parallel group holds the ranks that own the same experts.
+of one pipeline stage (``tp * cp * dp`` of them) as ``etp-ep-edp`` (Megatron's expert order), so an
+expert-data-parallel group holds the ranks that own the same expert shards:
+
+* ``--expert-tensor-parallel-size`` ETP > 1: Megatron's expert layout with an expert-tensor group of
+  ETP adjacent ranks, over which every expert's weights are split (``expert_tensor`` groups);
+  ``edp = tp * cp * dp / (ETP * EP)``.
+* ETP 1 (megalm's default): experts are whole on every rank, and the stage's ranks are split as
+  ``tp-ep-edp``: the expert-parallel group joins ranks with the same tensor-parallel rank (the
+  groups of Megatron's ETP = TP) and each TP rank runs whole experts on its own sequence slice
+  (expert gradients are summed over TP, then over expert-DP, ``edp = cp * dp / EP``);
+  ``expert_tensor`` groups are single ranks.
 
 Example, world 8, tp 2, pp 2 (dp 2)::
 
@@ -83,19 +92,22 @@ def validate_layout(
     context_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: Optional[int] = None,
+    expert_tensor_parallel_size: int = 1,
 ) -> int:
     """Check that the layout fits ``world_size``; return the data-parallel size."""
-    tp, pp, cp, ep = (
+    tp, pp, cp, ep, etp = (
         tensor_model_parallel_size,
         pipeline_model_parallel_size,
         context_parallel_size,
         expert_model_parallel_size,
+        expert_tensor_parallel_size,
     )
     for name, value in (
         ("tensor_model_parallel_size", tp),
         ("pipeline_model_parallel_size", pp),
         ("context_parallel_size", cp),
         ("expert_model_parallel_size", ep),
+        ("expert_tensor_parallel_size", etp),
     ):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
@@ -106,10 +118,16 @@ def validate_layout(
             f"context ({cp}) parallel size = {model_parallel}"
         )
     dp = world_size // model_parallel
-    if (dp * cp) % ep != 0:
+    if etp == 1 and (dp * cp) % ep != 0:
         raise ValueError(
             f"expert_model_parallel_size {ep} must divide data ({dp}) x context ({cp}) parallel size "
             f"= {dp * cp} (world size {world_size}, tp {tp}, pp {pp})"
+        )
+    if etp > 1 and (tp * cp * dp) % (etp * ep) != 0:
+        raise ValueError(
+            f"expert_tensor_parallel_size {etp} x expert_model_parallel_size {ep} = {etp * ep} must divide the "
+            f"ranks of a pipeline stage: tensor ({tp}) x context ({cp}) x data ({dp}) = {tp * cp * dp} "
+            f"(world size {world_size}, pp {pp})"
         )
     if virtual_pipeline_model_parallel_size is not None:
         if virtual_pipeline_model_parallel_size < 1:
@@ -119,9 +137,19 @@ def validate_layout(
     return dp
 
 
-def compute_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> Dict[str, List[List[int]]]:
+def expert_sizes(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int = 1) -> Dict[str, int]:
+    """Sizes of the ``etp-ep-edp-pp`` decomposition of the expert layers (see the module docstring):
+    ``etp`` is ETP when > 1, else TP (megalm's whole experts keep the TP ranks innermost)."""
+    dp = validate_layout(world_size, tp, pp, cp, ep, expert_tensor_parallel_size=etp)
+    inner = etp if etp > 1 else tp
+    return {"etp": inner, "ep": ep, "edp": tp * cp * dp // (inner * ep), "pp": pp}
+
+
+def compute_layout(
+    world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int = 1
+) -> Dict[str, List[List[int]]]:
     """Every group of every kind, as lists of global ranks (pure function, no process group)."""
-    dp = validate_layout(world_size, tp, pp, cp, ep)
+    dp = validate_layout(world_size, tp, pp, cp, ep, expert_tensor_parallel_size=etp)
     dense = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
     order = ["tp", "cp", "dp", "pp"]
     layout = {
@@ -134,13 +162,14 @@ def compute_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: i
         "tensor_context": rank_groups(dense, order, ["tp", "cp"]),
         "tensor_data_context": rank_groups(dense, order, ["tp", "cp", "dp"]),
     }
-    edp = (dp * cp) // ep
-    expert = {"tp": tp, "ep": ep, "edp": edp, "pp": pp}
-    e_order = ["tp", "ep", "edp", "pp"]
+    expert = expert_sizes(world_size, tp, pp, cp, ep, etp)
+    e_order = ["etp", "ep", "edp", "pp"]
+    # The ranks an expert's weights are split over: single ranks when experts are whole (ETP 1).
+    layout["expert_tensor"] = rank_groups(expert, e_order, ["etp"]) if etp > 1 else [[r] for r in range(world_size)]
     layout["expert"] = rank_groups(expert, e_order, ["ep"])
     layout["expert_data"] = rank_groups(expert, e_order, ["edp"])
-    layout["expert_tensor_expert"] = rank_groups(expert, e_order, ["tp", "ep"])
-    layout["expert_model"] = rank_groups(expert, e_order, ["tp", "ep", "pp"])
+    layout["expert_tensor_expert"] = rank_groups(expert, e_order, ["etp", "ep"])
+    layout["expert_model"] = rank_groups(expert, e_order, ["etp", "ep", "pp"])
     # Embedding group: first and last stage of each pipeline (shares tied embeddings).
     layout["embedding"] = [sorted({g[0], g[-1]}) for g in layout["pipeline"]]
     layout["position_embedding"] = [[g[0]] for g in layout["pipeline"]]

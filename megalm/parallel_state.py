@@ -52,9 +52,10 @@ class ProcessGroups:
     tp_cp: Optional[object] = None  # tensor x context
     tp_dp_cp: Optional[object] = None  # every rank of one pipeline stage
     ep: Optional[object] = None  # expert parallel
+    etp: Optional[object] = None  # expert tensor parallel: the ranks an expert's weights are split over (ETP > 1)
     expt_dp: Optional[object] = None  # expert data parallel (expert gradient reduction)
-    tp_ep: Optional[object] = None  # expert tensor x expert (an MoE layer's token exchange)
-    tp_ep_pp: Optional[object] = None  # one full set of experts (expert part of the grad norm)
+    tp_ep: Optional[object] = None  # expert-tensor (or, experts whole, tensor) x expert: an MoE layer's ranks
+    tp_ep_pp: Optional[object] = None  # tp_ep x pipeline: one full set of experts (expert part of the grad norm)
     embd: Optional[object] = None  # first and last pipeline stage (tied embedding grads)
     pos_embd: Optional[object] = None  # first pipeline stage (position embedding)
     # Node-aware halves of dp_cp / expt_dp (--hierarchical-grad-reduce, see parallel_layout.node_split): the group's
@@ -125,12 +126,17 @@ _FIELD_OF_LAYOUT = {
     "tensor_context": "tp_cp",
     "tensor_data_context": "tp_dp_cp",
     "expert": "ep",
+    "expert_tensor": "etp",
     "expert_data": "expt_dp",
     "expert_tensor_expert": "tp_ep",
     "expert_model": "tp_ep_pp",
     "embedding": "embd",
     "position_embedding": "pos_embd",
 }
+
+
+# Kinds whose single-rank groups are None (this rank alone) rather than a process group of one.
+_SINGLE_AS_NONE = frozenset(NODE_FIELDS) | {"expert_tensor"}
 
 
 @dataclass
@@ -140,6 +146,7 @@ class _State:
     cp: int
     ep: int
     dp: int
+    etp: int
     vpp: Optional[int]
     rank: int
     world: int
@@ -161,8 +168,12 @@ def initialize_model_parallel(
     expert_model_parallel_size: int = 1,
     timeout: timedelta = DEFAULT_TIMEOUT,
     ranks_per_node: Optional[int] = None,
+    expert_tensor_parallel_size: int = 1,
 ) -> None:
     """Create every process group of the layout.  ``torch.distributed`` must be initialized.
+
+    ``expert_tensor_parallel_size`` (ETP): > 1 splits every expert over ETP adjacent ranks (Megatron's
+    ``etp-ep-edp`` expert layout, :mod:`megalm.parallel_layout`); 1 keeps experts whole.
 
     ``ranks_per_node``: consecutive global ranks per node (default torchrun's ``LOCAL_WORLD_SIZE``,
     else one node); it places the intra-/inter-node halves of the data-parallel groups
@@ -179,16 +190,17 @@ def initialize_model_parallel(
         context_parallel_size,
         expert_model_parallel_size,
     )
-    dp = validate_layout(world, tp, pp, cp, ep, virtual_pipeline_model_parallel_size)
+    etp = expert_tensor_parallel_size
+    dp = validate_layout(world, tp, pp, cp, ep, virtual_pipeline_model_parallel_size, etp)
     per_node = _ranks_per_node(world, ranks_per_node)
-    layout = compute_layout(world, tp, pp, cp, ep)
+    layout = compute_layout(world, tp, pp, cp, ep, etp)
     layout.update(node_layout(layout, per_node))
     groups, ranks = {}, {}
     for name, group_list in layout.items():
         for members in group_list:
             # new_group is collective: every rank creates every group, in the same order.
-            if len(members) == 1 and name in NODE_FIELDS:
-                pg = None  # this rank alone (the node halves are only ever read through ProcessGroups)
+            if len(members) == 1 and name in _SINGLE_AS_NONE:
+                pg = None  # this rank alone (only ever read through ProcessGroups)
             else:
                 pg = dist.new_group(members, timeout=timeout) if len(members) < world else dist.group.WORLD
             if rank in members:
@@ -205,6 +217,7 @@ def initialize_model_parallel(
         cp=cp,
         ep=ep,
         dp=dp,
+        etp=etp,
         vpp=vpp,
         rank=rank,
         world=world,
@@ -397,6 +410,20 @@ def get_expert_model_parallel_world_size() -> int:
 
 def get_expert_model_parallel_rank() -> int:
     return _group_rank("expert") if _STATE is not None else 0
+
+
+def get_expert_tensor_parallel_group():
+    """Ranks an expert's weights are split over (``--expert-tensor-parallel-size`` > 1); None when experts are
+    whole (this rank alone)."""
+    return _state().groups["expert_tensor"]
+
+
+def get_expert_tensor_parallel_world_size() -> int:
+    return _state().etp if _STATE is not None else 1
+
+
+def get_expert_tensor_parallel_rank() -> int:
+    return _group_rank("expert_tensor") if _STATE is not None else 0
 
 
 def get_expert_data_parallel_group():

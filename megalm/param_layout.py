@@ -12,7 +12,7 @@ communication; it imports neither the checkpointer nor the optimizers (both use 
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import List, Optional, Union
 
 import torch
 
@@ -24,20 +24,49 @@ from megalm.tensor_parallel.param_info import ParamLayoutError, param_info
 
 def param_spec(
     param: torch.Tensor, data: Optional[torch.Tensor] = None, groups: Optional[ProcessGroups] = None
-) -> ShardedTensorSpec:
+) -> Union[ShardedTensorSpec, List[ShardedTensorSpec]]:
     """Where this rank's piece of ``param`` sits in the full tensor (from its TP attributes).
 
     ``data`` (default ``param`` itself) is any tensor laid out like the parameter, e.g. an
     Adam moment or an fp32 main copy.  ``groups`` (default
-    :func:`megalm.parallel_state.get_process_groups`): its ``tp`` gives the TP size and rank.
+    :func:`megalm.parallel_state.get_process_groups`): its ``tp`` gives the TP size and rank, its
+    ``etp`` those of a split expert parameter (``--expert-tensor-parallel-size``).
+
+    A fused ``[gate; up]`` weight is checkpointed in its ``(2, n)`` view along the split dim, except an
+    expert's, which is stored as the whole ``[2n, ...]`` tensor whatever the ETP (as when experts are
+    whole): its ETP shard ``[gate_r; up_r]`` is then a list of two blocks.
     """
+    spec = _view_spec(param, data, groups)
+    info = param_info(param)
+    if info.expert and info.tensor_parallel and info.partition_stride > 1:
+        return _merge_stride_axis(spec, info.partition_dim % param.dim())
+    return spec
+
+
+def _merge_stride_axis(spec: ShardedTensorSpec, dim: int) -> List[ShardedTensorSpec]:
+    """Blocks of the fused tensor (``stride * m`` along ``dim``) from a block of its ``(stride, m)`` view
+    (dims ``dim`` and ``dim + 1``): one block per stride index the block covers."""
+    g = list(spec.global_shape)
+    width = g[dim + 1]
+    global_shape = g[:dim] + [g[dim] * width] + g[dim + 2 :]
+    blocks = []
+    for i in range(spec.local.shape[dim]):
+        row = (spec.offsets[dim] + i) * width + spec.offsets[dim + 1]
+        offsets = list(spec.offsets[:dim]) + [row] + list(spec.offsets[dim + 2 :])
+        blocks.append(ShardedTensorSpec(spec.local.select(dim, i), global_shape, offsets))
+    return blocks
+
+
+def _view_spec(param: torch.Tensor, data: Optional[torch.Tensor], groups: Optional[ProcessGroups]) -> ShardedTensorSpec:
+    """:func:`param_spec` with fused weights always in their ``(stride, n)`` view."""
     data = param.detach() if data is None else data
     info = param_info(param)
     if info.replicated:
         return ShardedTensorSpec.replicated(data)
     if groups is None:
         groups = parallel_state.get_process_groups()
-    tp, rank = group_size(groups.tp), group_rank(groups.tp)
+    split_group = groups.etp if info.expert else groups.tp
+    tp, rank = group_size(split_group), group_rank(split_group)
     dim = info.partition_dim % data.dim()
     stride = info.partition_stride
     local = list(data.shape)
@@ -74,13 +103,14 @@ def param_range_specs(
     """
     if data.dim() != 1 or data.numel() != end - start:
         raise ParamLayoutError(f"range data must be 1-D with {end - start} elements, got {tuple(data.shape)}")
-    where = param_spec(param, torch.empty(param.shape, device="meta"), groups)
+    where = _view_spec(param, torch.empty(param.shape, device="meta"), groups)
     view_shape = tuple(where.local.shape)  # the flat order of the local tensor, possibly cut to fewer rows
     end_kept = min(end, math.prod(view_shape))
+    info = param_info(param)
+    merge = info.expert and info.tensor_parallel and info.partition_stride > 1  # see param_spec
     specs = []
     for flat, offsets, sizes in flat_range_blocks(view_shape, start, end_kept) if start < end_kept else []:
         block = data[flat - start : flat - start + math.prod(sizes)].view(sizes)
-        specs.append(
-            ShardedTensorSpec(block, tuple(where.global_shape), tuple(o + w for o, w in zip(offsets, where.offsets)))
-        )
+        spec = ShardedTensorSpec(block, tuple(where.global_shape), tuple(o + w for o, w in zip(offsets, where.offsets)))
+        specs += _merge_stride_axis(spec, info.partition_dim % param.dim()) if merge else [spec]
     return specs

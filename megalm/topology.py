@@ -27,6 +27,7 @@ from megalm.parallel_layout import compute_layout
 REPORTED_GROUPS = (
     ("TP", "tensor"),
     ("CP", "context"),
+    ("expert-TP", "expert_tensor"),
     ("EP", "expert"),
     ("DP", "data"),
     ("expert-DP", "expert_data"),
@@ -89,34 +90,36 @@ def _check(world_size: int, procs_per_node: int) -> None:
 
 
 def group_spans(
-    world_size: int, procs_per_node: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1
+    world_size: int, procs_per_node: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int = 1
 ) -> Dict[str, GroupSpan]:
     """``{report name: GroupSpan}`` for every reported kind whose groups have more than one rank.
 
     Raises :class:`TopologyError` for a node shape that does not fit, and the layout's own
     ``ValueError`` (from :func:`compute_layout`) for a layout that does not fit the world."""
     _check(world_size, procs_per_node)
-    layout = compute_layout(world_size, tp=tp, pp=pp, cp=cp, ep=ep)
+    layout = compute_layout(world_size, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp)
     spans = {}
     for name, kind in REPORTED_GROUPS:
         groups = layout[kind]
-        if len(groups[0]) < 2 or (kind == "expert_data" and ep == 1):  # without EP it is the DP x CP group
+        if len(groups[0]) < 2 or (kind == "expert_data" and ep == etp == 1):  # then it is the DP x CP group
             continue
         touched = [len(nodes_of(g, procs_per_node)) for g in groups]
         spans[name] = GroupSpan(name, len(groups[0]), max(touched), sum(n > 1 for n in touched), len(groups))
     return spans
 
 
-def topology_report(world_size: int, procs_per_node: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> str:
+def topology_report(
+    world_size: int, procs_per_node: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int = 1
+) -> str:
     """One line: the node shape, the layout, then the groups that cross nodes followed by the
-    node-local ones (each kind in the order TP, CP, EP, DP, expert-DP, PP)."""
-    spans = group_spans(world_size, procs_per_node, tp, pp, cp, ep)
+    node-local ones (each kind in the order TP, CP, expert-TP, EP, DP, expert-DP, PP)."""
+    spans = group_spans(world_size, procs_per_node, tp, pp, cp, ep, etp)
     nodes = world_size // procs_per_node
     dp = world_size // (tp * pp * cp)
     plural = lambda n, word: f"{n} {word}{'s' if n > 1 else ''}"  # noqa: E731
     head = (
         f"topology: {plural(nodes, 'node')} x {plural(procs_per_node, 'rank')}"
-        f" (TP {tp}, CP {cp}, EP {ep}, DP {dp}, PP {pp})"
+        f" (TP {tp}, CP {cp}, EP {ep}{f', ETP {etp}' if etp > 1 else ''}, DP {dp}, PP {pp})"
     )
     ordered = [s for s in spans.values() if s.max_nodes > 1] + [s for s in spans.values() if s.max_nodes == 1]
     if not ordered:
@@ -137,4 +140,5 @@ def run_topology_report(parallel, world_size: int, environ: Optional[Mapping[str
         parallel.pipeline_model_parallel_size,
         parallel.context_parallel_size,
         parallel.expert_model_parallel_size,
+        parallel.expert_tensor_parallel_size or 1,
     )

@@ -22,7 +22,6 @@ CONSUMED_BY_VALIDATION = {
     "use_flash_attn": "becomes --attention-backend flash",
     "add_position_embedding": "--no-position-embedding becomes --position-embedding-type none",
     "recompute_activations": "becomes --recompute-granularity selective",
-    "expert_tensor_parallel_size": "only 1 (megalm's layout) is accepted",
     "non_persistent_ckpt_type": "only global (the default) is built",
     "recompute_modules": "core_attn is megalm's selective recompute; the rest refused",
     "cpu_offloading_weights": "refused: weight offloading is not built (--cpu-offloading moves activations)",
@@ -173,7 +172,8 @@ def test_megatron_spellings_of_model_flags():
         cfg("--grad-reduce-in-bf16")
     moe = ["--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
     assert cfg(*moe, "--expert-tensor-parallel-size", "1").parallel.expert_tensor_parallel_size == 1
-    with pytest.raises(ConfigError, match="--expert-tensor-parallel-size 2 is not supported"):
-        cfg(*moe, "--expert-tensor-parallel-size", "2")
+    assert cfg(*moe, "--expert-tensor-parallel-size", "2").parallel.expert_tensor_parallel_size == 2
+    with pytest.raises(ConfigError, match="--expert-tensor-parallel-size 2 is not supported with --optimizer muon"):
+        cfg(*moe, "--expert-tensor-parallel-size", "2", "--optimizer", "muon")
     with pytest.raises(ConfigError, match="--recompute-activations means --recompute-granularity selective, not full"):
         cfg("--recompute-activations", "--recompute-granularity", "full", "--recompute-method", "uniform")

@@ -182,6 +182,20 @@ ACTIVATION_CASES = {
 }
 
 
+def test_expert_tensor_parallel_parameters_equal_the_split_experts():
+    """ETP 2: a rank holds half of every expert (fc1 rows, fc2 columns): the planner's expert parameters per rank
+    equal the shards built, half the whole experts'; expert DP = DP x TP x CP / (ETP x EP)."""
+    from megalm.estimate.planner import data_parallel_sizes
+    from megalm.transformer.moe.experts import ExpertMLP
+
+    cfg = make_cfg(num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2, **LLAMA)
+    whole = stage_parameters(cfg, 0).expert
+    cfg.parallel.expert_tensor_parallel_size, cfg.parallel.data_parallel_size = 2, 4
+    shard = sum(p.numel() for p in ExpertMLP(cfg.model, etp=2).parameters())
+    assert stage_parameters(cfg, 0).expert == 3 * 4 * shard == whole // 2
+    assert data_parallel_sizes(cfg, 4) == (4, 2)
+
+
 @pytest.mark.parametrize("case", list(ACTIVATION_CASES))
 def test_activation_estimate_matches_saved_tensors(case):
     from megalm.models import GPTModel

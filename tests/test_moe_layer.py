@@ -9,8 +9,10 @@ import torch.nn.functional as F
 
 from megalm.config import ConfigError, build_parser, config_from_args, parse_config, validate_config
 from megalm.tensor_parallel.initialization import initialize_weights
+from megalm.tensor_parallel.param_info import param_info
+from megalm.tensor_parallel.utils import shard_of_full
 from megalm.transformer.moe import MoELayer, is_moe_layer, moe_layer_pattern
-from megalm.transformer.moe.experts import LocalExperts
+from megalm.transformer.moe.experts import ExpertMLP, LocalExperts
 
 BASE = [
     "--num-layers",
@@ -63,6 +65,50 @@ def test_grouped_and_looped_experts_are_equal(swiglu):
     for name in outs[0][2]:
         torch.testing.assert_close(outs[0][2][name], outs[1][2][name], rtol=1e-6, atol=1e-7)
     assert outs[0][2]["local_experts.1.linear_fc1.weight"].abs().max() == 0  # no tokens, zero grad
+
+
+@pytest.mark.parametrize("swiglu, bias", [(False, True), (True, False), (True, True)])
+def test_expert_tensor_parallel_shards_sum_to_the_whole_expert(swiglu, bias):
+    """ETP 2: fc1 column- ([gate_r; up_r] with SwiGLU, its bias split alike) and fc2 row-parallel shards cut
+    from the whole expert, fc2's bias whole on both; the two partial outputs sum to the whole expert's output,
+    the input gradients too, each shard's gradient is the matching cut of the whole expert's, and fc2's bias
+    gets the whole gradient on both ranks."""
+    m = _cfg(*(["--swiglu"] if swiglu else []), *([] if bias else ["--disable-bias-linear"])).model
+    whole = ExpertMLP(m)
+    initialize_weights(whole, seed=5)
+    with torch.no_grad():  # biases start at 0: make them count
+        for p in whole.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    shards = [ExpertMLP(m, etp=2) for _ in range(2)]
+    for rank, shard in enumerate(shards):
+        for (name, p), full in zip(shard.named_parameters(), whole.parameters()):
+            info = param_info(p)
+            assert info.expert and not info.sequence_parallel, name
+            if name == "linear_fc2.bias":
+                assert not info.tensor_parallel
+                cut = full
+            else:
+                assert info.tensor_parallel and info.partition_stride == (2 if swiglu and "fc1" in name else 1)
+                assert info.partition_dim == (0 if "fc1" in name else 1)
+                cut = shard_of_full(full, info.partition_dim, rank, 2, info.partition_stride)
+            with torch.no_grad():
+                p.copy_(cut)
+    x = torch.randn(7, 16, generator=torch.Generator().manual_seed(3))
+    grad = torch.randn(7, 16, generator=torch.Generator().manual_seed(4))
+    xs = [x.clone().requires_grad_() for _ in range(3)]
+    for xi, expert in zip(xs, [whole, *shards]):
+        expert(xi).backward(grad)
+    torch.testing.assert_close(shards[0](x) + shards[1](x), whole(x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(xs[1].grad + xs[2].grad, xs[0].grad, rtol=1e-5, atol=1e-6)
+    for rank, shard in enumerate(shards):
+        for (name, p), full in zip(shard.named_parameters(), whole.parameters()):
+            info = param_info(p)
+            cut = (
+                full.grad
+                if name == "linear_fc2.bias"
+                else shard_of_full(full.grad, info.partition_dim, rank, 2, info.partition_stride)
+            )
+            torch.testing.assert_close(p.grad, cut, rtol=1e-5, atol=1e-6)
 
 
 def test_experts_without_any_token():
@@ -189,6 +235,28 @@ def test_layer_pattern():
             "divisible by --tensor-model-parallel-size 2",
         ),
         (["--expert-model-parallel-size", "4"], 2, "must divide data"),
+        (["--expert-tensor-parallel-size", "5"], None, "must divide the experts' hidden size"),
+        (
+            ["--expert-tensor-parallel-size", "2", "--disable-bias-linear", "--optimizer", "lamb"],
+            None,
+            "not supported with --optimizer lamb",
+        ),
+        (
+            ["--expert-tensor-parallel-size", "2", "--disable-bias-linear", "--expert-model-parallel-size", "2"],
+            2,
+            "expert_tensor_parallel_size 2 x expert_model_parallel_size 2 = 4 must divide",
+        ),
+        (
+            ["--expert-tensor-parallel-size", "2", "--disable-bias-linear", "--local-sgd-interval", "2"],
+            None,
+            "not supported with --local-sgd-interval",
+        ),
+        (
+            ["--expert-tensor-parallel-size", "2", "--disable-bias-linear"]
+            + ["--use-distributed-optimizer", "--data-parallel-sharding-strategy", "optim_grads"],
+            2,
+            "optim_grads with --expert-tensor-parallel-size 2 is not built yet",
+        ),
     ],
 )
 def test_invalid_moe_flags(argv, world, message):

@@ -6,6 +6,9 @@ dispatchers, EP 2 x TP 2 with sequence parallelism (data-parallel 2, two micro-b
 rank: exercises the auxiliary-loss scale 1 / micro-batches), a single rank accumulating four
 micro-batches, capacity dropping with padding, a checkpoint saved under EP 2 and loaded
 under EP 1 and EP 4, and pipeline 2 x EP 2 (skipped while pipeline parallelism is refused).
+Expert tensor parallelism (``--expert-tensor-parallel-size``, SwiGLU experts without biases): TP 2 x
+ETP 2, ETP 2 x EP 2, CP 2 x ETP 2, PP 2 x ETP 2 and ETP 4 with the distributed optimizer equal ETP 1, and
+checkpoints move between ETP 2 and ETP 1 both ways; GELU experts with biases at TP 2 x ETP 2 x EP 2 equal EP 1.
 """
 
 import os
@@ -103,6 +106,16 @@ def _ep(n, dispatcher="allgather"):
     return ["--expert-model-parallel-size", str(n), "--moe-token-dispatcher-type", dispatcher]
 
 
+def _etp(n, *extra):
+    """SwiGLU experts without biases, split over ``n`` ranks."""
+    return ["--swiglu", "--disable-bias-linear", "--expert-tensor-parallel-size", str(n), *extra]
+
+
+TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+SAVE3 = ["--save-interval", "3"]
+DISTOPT = ["--use-distributed-optimizer", "--overlap-grad-reduce"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("moe"))
@@ -151,6 +164,22 @@ def runs(tmp_path_factory):
         recipe("recipe_save", *_ep(2, "alltoall"), "--save", rck, "--save-interval", "3", "--exit-interval", "3"),
         recipe("recipe_load", *_ep(1), "--load", rck),
     ]
+    # Expert tensor parallelism against ETP 1 (DP 4); the ETP 1 and TP 2 x ETP 2 runs save at 3, and each
+    # checkpoint is resumed under the other ETP.
+    ck_etp1, ck_etp2, ck_etp4 = (os.path.join(tmp, f"ckpt_etp{n}") for n in (1, 2, 4))
+    quad += [
+        _argv(tmp, "etp1", *_etp(1), *_ep(1), "--save", ck_etp1, *SAVE3),
+        _argv(tmp, "tp2etp2", *_etp(2, "--moe-grouped-gemm"), *_ep(1, "alltoall"), *TP2, "--save", ck_etp2, *SAVE3),
+        _argv(tmp, "etp2ep2", *_etp(2), *_ep(2)),
+        _argv(tmp, "cp2etp2", *_etp(2), *_ep(1, "alltoall"), "--context-parallel-size", "2"),
+        _argv(tmp, "pp2etp2", *_etp(2), *_ep(1, "alltoall"), "--pipeline-model-parallel-size", "2"),
+        # GELU experts with biases (fc2's whole on each ETP rank) against "ep1": TP 2 x ETP 2 x EP 2.
+        _argv(tmp, "tp2etp2ep2_bias", *_ep(2, "alltoall"), *TP2, "--expert-tensor-parallel-size", "2"),
+        _argv(tmp, "etp4_distopt", *_etp(4), *_ep(1, "alltoall"), *DISTOPT, "--save", ck_etp4, *SAVE3),
+        _argv(tmp, "etp2_loads_etp1", *_etp(2), *_ep(2), "--load", ck_etp1, "--ckpt-step", "3"),
+        _argv(tmp, "etp1_loads_etp2", *_etp(1), *_ep(2, "alltoall"), "--load", ck_etp2, "--ckpt-step", "3"),
+        _argv(tmp, "etp1_loads_etp4", *_etp(1), *_ep(2), *DISTOPT, "--load", ck_etp4, "--ckpt-step", "3"),
+    ]
     codes4 = run_distributed(_run_trainings, 4, args=(quad,), timeout=400)
     singles = [_argv(tmp, "single"), recipe("recipe_single")]
     codes1 = run_distributed(_run_trainings, 1, args=(singles,), timeout=200)
@@ -158,7 +187,7 @@ def runs(tmp_path_factory):
 
 
 def test_all_runs_exit_cleanly(runs):
-    assert all(c[:12] == [0] * 12 and c[13:] == [0] * 5 for c in runs["codes"][:4]), runs["codes"]
+    assert all(c[:12] == [0] * 12 and c[13:] == [0] * (len(c) - 13) for c in runs["codes"][:4]), runs["codes"]
     assert runs["codes"][4] == [0, 0], runs["codes"]
 
 
@@ -187,6 +216,7 @@ def test_pipeline_and_expert_parallel_equal_expert_parallel_1(runs):
         "tp2ep2_allgather",
         "single",
         "ep2_distopt",
+        "tp2etp2ep2_bias",
     ],
 )
 def test_layouts_equal_expert_parallel_1(runs, name):
@@ -205,6 +235,34 @@ def test_layouts_equal_expert_parallel_1(runs, name):
     _assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref], rel=1e-4)
     # Expert parameters count once over the expert-model-parallel group, dense ones over TP x PP.
     _assert_close([r["params_norm"] for r in got], [r["params_norm"] for r in ref], rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["tp2etp2", "etp2ep2", "cp2etp2", "pp2etp2", "etp4_distopt"])
+def test_expert_tensor_parallel_equals_whole_experts(runs, name):
+    """Experts split over 2 or 4 ranks (with TP 2, EP 2, CP 2, PP 2, the distributed optimizer) train as
+    whole experts at DP 4: losses, auxiliary losses, gradient norm (each shard counted once) and
+    parameter norm (PP 2: the last stage reports layer 1's MoE metrics)."""
+    ref, got = _records(runs["tmp"], "etp1"), _records(runs["tmp"], name)
+    assert len(ref) == ITERS
+    _assert_close([r["lm_loss"] for r in got], [r["lm_loss"] for r in ref])
+    for key in ("load_balancing_loss_layer_1", "z_loss_layer_1", "tokens_per_expert_layer_1_expert_3"):
+        _assert_close([r[key] for r in got], [r[key] for r in ref], rel=1e-4)
+    _assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref], rel=1e-4)
+    _assert_close([r["params_norm"] for r in got], [r["params_norm"] for r in ref], rel=1e-5)
+
+
+def test_checkpoints_move_between_expert_tensor_parallel_sizes(runs):
+    """ETP 1 saved at 3, resumed under ETP 2 x EP 2; TP 2 x ETP 2 saved at 3, resumed under ETP 1 x EP 2;
+    ETP 4 with the distributed optimizer (fused [gate; up] shards in flat ranges) resumed under ETP 1 x EP 2
+    with it: iterations 4 and 5 equal the straight runs."""
+    for saved, loaded in (
+        ("etp1", "etp2_loads_etp1"),
+        ("tp2etp2", "etp1_loads_etp2"),
+        ("etp4_distopt", "etp1_loads_etp4"),
+    ):
+        straight, resumed = _records(runs["tmp"], saved), _records(runs["tmp"], loaded)
+        assert [r["iteration"] for r in resumed] == [4, 5]
+        _assert_close([r["lm_loss"] for r in resumed], [r["lm_loss"] for r in straight[3:]])
 
 
 def test_moe_metrics_are_logged(runs):

@@ -36,6 +36,44 @@ def test_layout_world8_ep4_and_pp2_ep2():
     assert layout["expert_data"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
 
 
+def test_expert_tensor_parallel_layout_is_megatrons_etp_ep_edp():
+    """ETP > 1: the stage's ranks split as etp-ep-edp (ETP fastest), independent of TP."""
+    layout = ps.compute_layout(8, tp=1, ep=2, etp=2)
+    assert layout["expert_tensor"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout["expert"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout["expert_data"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert layout["expert_tensor_expert"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    layout = ps.compute_layout(8, tp=2, pp=2, etp=2)  # ETP = TP: the TP groups
+    assert layout["expert_tensor"] == layout["tensor"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout["expert_data"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout["expert_model"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    layout = ps.compute_layout(8, tp=2, etp=4)  # ETP > TP: two TP groups
+    assert layout["expert_tensor"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert layout["expert_data"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    layout = ps.compute_layout(8, tp=4, ep=2, etp=2)  # ETP < TP, EP inside one TP group
+    assert layout["expert_tensor"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout["expert"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout["expert_data"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # ETP 1 (experts whole): single ranks, and the groups of before (tp-ep-edp).
+    layout = ps.compute_layout(8, tp=2, ep=2, etp=1)
+    assert layout["expert_tensor"] == [[r] for r in range(8)]
+    assert layout["expert"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
+@pytest.mark.parametrize("world, tp, pp, cp, ep, etp", [(8, 2, 1, 1, 2, 2), (8, 1, 2, 2, 2, 2), (16, 2, 2, 1, 1, 4)])
+def test_expert_layout_sizes_follow_megatrons_formula(world, tp, pp, cp, ep, etp):
+    """Expert DP = world / (PP x ETP x EP); every rank in exactly one group of each expert kind; the
+    expert-model group (ETP x EP x PP) meets each expert-DP group in one rank."""
+    layout = ps.compute_layout(world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp)
+    sizes = {"expert_tensor": etp, "expert": ep, "expert_data": world // (pp * etp * ep), "expert_model": etp * ep * pp}
+    for kind, size in sizes.items():
+        assert {len(g) for g in layout[kind]} == {size}, kind
+        assert sorted(r for g in layout[kind] for r in g) == list(range(world)), kind
+    for model in layout["expert_model"]:
+        assert all(len(set(model) & set(data)) == 1 for data in layout["expert_data"])
+    assert layout["pipeline"] == ps.compute_layout(world, tp=tp, pp=pp, cp=cp)["pipeline"]
+
+
 def test_layout_world4():
     layout = ps.compute_layout(4, tp=2)
     assert layout["tensor"] == [[0, 1], [2, 3]]
@@ -63,6 +101,13 @@ def test_every_rank_in_exactly_one_group_of_each_kind():
         (dict(world_size=6, tensor_model_parallel_size=4), "world size 6 is not divisible by tensor \\(4\\)"),
         (dict(world_size=8, tensor_model_parallel_size=2, pipeline_model_parallel_size=3), "pipeline \\(3\\)"),
         (dict(world_size=4, expert_model_parallel_size=3), "expert_model_parallel_size 3 must divide"),
+        (
+            dict(world_size=8, pipeline_model_parallel_size=2, expert_model_parallel_size=2)
+            | dict(expert_tensor_parallel_size=4),
+            "expert_tensor_parallel_size 4 x expert_model_parallel_size 2 = 8 must divide the ranks of a pipeline "
+            "stage: tensor \\(1\\) x context \\(1\\) x data \\(4\\) = 4",
+        ),
+        (dict(world_size=4, expert_tensor_parallel_size=0), "expert_tensor_parallel_size must be >= 1, got 0"),
         (dict(world_size=4, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=2), "need"),
     ],
 )

@@ -72,6 +72,16 @@ def test_spans_counts():
     assert nodes_of([1, 2, 5], 2) == [0, 1, 2]
 
 
+def test_expert_tensor_parallel_groups_are_reported():
+    """ETP 2 inside a node, expert DP (world / ETP) across nodes; ETP 4 x EP 2 at TP 2: expert-TP crosses."""
+    assert topology_report(8, 4, etp=2) == (
+        "topology: 2 nodes x 4 ranks (TP 1, CP 1, EP 1, ETP 2, DP 8, PP 1): "
+        "DP group spans 2 nodes, expert-DP group spans 2 nodes, expert-TP group inside one node"
+    )
+    spans = group_spans(8, 2, tp=2, ep=2, etp=4)
+    assert spans["expert-TP"] == GroupSpan("expert-TP", 4, 2, 2, 2) and "expert-DP" not in spans
+
+
 def test_bad_shapes_raise():
     with pytest.raises(TopologyError, match=r"ranks per node \(3\) does not divide the world size \(8\)"):
         topology_report(8, 3)

@@ -299,8 +299,11 @@ class ParallelConfig:
     expert_model_parallel_size: int = _f(1, "Expert model parallel size.")
     expert_tensor_parallel_size: Optional[int] = _f(
         None,
-        "Tensor-parallel size of the experts: megalm never splits experts over TP ranks (each TP rank runs whole "
-        "experts on its sequence slice), Megatron's --expert-tensor-parallel-size 1; other values are refused.",
+        "Tensor-parallel size of the experts (ETP), independent of --tensor-model-parallel-size: > 1 splits every "
+        "expert over ETP adjacent ranks (fc1 column-, fc2 row-parallel; expert layout etp-ep-edp, expert DP = "
+        "world / (PP x ETP x EP); the ETP group's tokens are all-gathered). Absent or "
+        "1: experts whole on every rank, each TP rank running them on its own sequence slice (Megatron's default "
+        "when absent is ETP = TP: same model, other memory and communication).",
     )
     sequence_parallel: bool = _f(False, "Shard norms and dropout along the sequence over tensor-parallel ranks.")
     use_distributed_optimizer: bool = _f(

@@ -104,11 +104,6 @@ def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
             f"--moe-layer-freq {freq} must have one 0/1 entry per layer (--num-layers {m.num_layers})",
         )
     _validate_moe_routing_recipes(m)
-    _check(
-        p.expert_tensor_parallel_size in (None, 1),
-        f"--expert-tensor-parallel-size {p.expert_tensor_parallel_size} is not supported: megalm's experts are not "
-        "split over tensor-parallel ranks (that is --expert-tensor-parallel-size 1)",
-    )
     if m.moe_router_score_function != "softmax" and m.moe_router_pre_softmax:
         logger.warning(
             "--moe-router-pre-softmax is ignored with --moe-router-score-function %s (as in Megatron-LM): "
@@ -137,6 +132,33 @@ def _validate_moe(m: ModelConfig, p: ParallelConfig) -> None:
     )
 
 
+def _validate_expert_tensor_parallel(m: ModelConfig, p: ParallelConfig, t: TrainingConfig) -> None:
+    """``--expert-tensor-parallel-size``: absent means 1 (experts whole; Megatron's default is TP); > 1 splits
+    every expert over that many ranks, with what that split is built for (the layout itself is checked
+    against the world size by ``validate_layout``)."""
+    etp = p.expert_tensor_parallel_size
+    if etp is None or etp == 1:
+        return
+    flag = f"--expert-tensor-parallel-size {etp}"
+    _check(etp >= 1, f"--expert-tensor-parallel-size must be >= 1, got {etp}")
+    _check(m.num_experts is not None, f"{flag} needs --num-experts")
+    _check(
+        m.moe_ffn_hidden_size % etp == 0,
+        f"{flag} must divide the experts' hidden size (--moe-ffn-hidden-size {m.moe_ffn_hidden_size})",
+    )
+    refused = (
+        (
+            t.optimizer in ("lamb", "lars", "muon"),
+            f"--optimizer {t.optimizer} (its full-tensor norms and matrices do not assemble expert shards)",
+        ),
+        (p.local_sgd_interval > 0, "--local-sgd-interval (expert-tensor groups can span replicas)"),
+        (m.cpu_offloading, "--cpu-offloading (not tested with split experts)"),
+        (m.transformer_impl == "transformer_engine", "--transformer-impl transformer_engine (not tested)"),
+    )
+    for given, what in refused:
+        _check(not given, f"{flag} is not supported with {what}")
+
+
 def _validate_sharding_strategy(m: ModelConfig, p: ParallelConfig) -> None:
     """``--data-parallel-sharding-strategy`` and ``--use-distributed-optimizer`` made consistent:
     every strategy but ``no_shard`` turns the distributed optimizer on, and the distributed optimizer
@@ -151,6 +173,7 @@ def _validate_sharding_strategy(m: ModelConfig, p: ParallelConfig) -> None:
     for flag, size in (
         ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
         ("--expert-model-parallel-size", p.expert_model_parallel_size),
+        ("--expert-tensor-parallel-size", p.expert_tensor_parallel_size or 1),
     ):
         _check(size == 1, f"--data-parallel-sharding-strategy {s} with {flag} {size} is not built yet")
     _check(
@@ -302,6 +325,7 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
     vpp = _validate_pipeline(m, p)
     _validate_parallel(m, p)
     _validate_moe(m, p)
+    _validate_expert_tensor_parallel(m, p, t)
     _validate_offloading(m, p, t)
     _validate_precision(m, p, t)
     _validate_optimizer(p, t)
@@ -674,7 +698,13 @@ def _validate_world(p: ParallelConfig, t: TrainingConfig, world_size: int, vpp: 
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     try:
         p.data_parallel_size = validate_layout(
-            world_size, tp, pp, p.context_parallel_size, p.expert_model_parallel_size, vpp
+            world_size,
+            tp,
+            pp,
+            p.context_parallel_size,
+            p.expert_model_parallel_size,
+            vpp,
+            p.expert_tensor_parallel_size or 1,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None

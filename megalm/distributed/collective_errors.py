@@ -60,6 +60,7 @@ GROUP_LABELS = {
     "tp_cp": "tensor+context-parallel",
     "tp_dp_cp": "pipeline-stage (tensor x data x context)",
     "ep": "expert-parallel",
+    "etp": "expert-tensor-parallel",
     "expt_dp": "expert-data-parallel",
     "tp_ep": "expert tensor x expert-parallel",
     "tp_ep_pp": "expert-model-parallel",

@@ -97,6 +97,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 p.pipeline_model_parallel_size,
                 p.context_parallel_size,
                 p.expert_model_parallel_size,
+                p.expert_tensor_parallel_size or 1,
             )
         )
     return 0

@@ -8,9 +8,10 @@ Counts follow the modules exactly (tests compare with the built model):
 * the word embedding has the padded vocabulary ``V_pad / TP`` rows on the first stage; the
   output layer has them on the last stage when untied, or, tied, as a copy when the last stage
   has no embedding (PP > 1);
-* MoE layers (``--num-experts``): a replicated router ``[E, h]`` and ``E / EP`` whole experts
-  per rank (experts are not split over TP), counted separately as *expert* parameters because
-  the distributed optimizer shards them over the expert-data-parallel group instead;
+* MoE layers (``--num-experts``): a replicated router ``[E, h]`` and ``E / EP`` experts per rank,
+  whole (not split over TP), or split over ``--expert-tensor-parallel-size`` ETP > 1 ranks, counted
+  separately as *expert* parameters because the distributed optimizer shards them over the
+  expert-data-parallel group instead;
 * vectors (norm weights, biases: 1-D), counted apart for ``--optimizer muon``, whose AdamW takes
   them (with the embeddings and the output layer) while its momentum takes the other matrices.
 """
@@ -61,8 +62,8 @@ def _qk_norms(m) -> int:
     return 2 * (2 * m.head_dim if m.normalization == "LayerNorm" else m.head_dim) if m.qk_layernorm else 0
 
 
-def layer_parameters(m, tp: int, ep: int, is_moe: bool) -> tuple:
-    """``(dense, expert)`` parameters of one transformer layer on one rank."""
+def layer_parameters(m, tp: int, ep: int, is_moe: bool, etp: int = 1) -> tuple:
+    """``(dense, expert)`` parameters of one transformer layer on one rank (experts split over ``etp``)."""
     h, n, d = m.hidden_size, m.num_attention_heads, m.head_dim
     groups = m.num_query_groups if m.group_query_attention else n
     bias, qkv_bias = int(m.add_bias_linear), int(m.add_bias_linear or m.add_qkv_bias)
@@ -73,7 +74,7 @@ def layer_parameters(m, tp: int, ep: int, is_moe: bool) -> tuple:
         return dense + _mlp(m, m.ffn_hidden_size, tp), 0
     experts = m.num_experts // ep
     f = m.moe_ffn_hidden_size or m.ffn_hidden_size
-    expert = experts * _mlp(m, f, 1)
+    expert = experts * _mlp(m, f, etp)
     dense += m.num_experts * h
     shared = m.moe_shared_expert_intermediate_size
     if shared:
@@ -81,7 +82,7 @@ def layer_parameters(m, tp: int, ep: int, is_moe: bool) -> tuple:
     return dense, expert
 
 
-def layer_vectors(m, tp: int, ep: int, is_moe: bool) -> tuple:
+def layer_vectors(m, tp: int, ep: int, is_moe: bool, etp: int = 1) -> tuple:
     """``(dense, expert)`` 1-D parameters (norm weights, biases) of one transformer layer on one rank."""
     h, n, d = m.hidden_size, m.num_attention_heads, m.head_dim
     groups = m.num_query_groups if m.group_query_attention else n
@@ -95,21 +96,22 @@ def layer_vectors(m, tp: int, ep: int, is_moe: bool) -> tuple:
         return dense + mlp_biases(m.ffn_hidden_size, tp), 0
     shared = m.moe_shared_expert_intermediate_size
     dense += mlp_biases(shared, tp) if shared else 0
-    return dense, m.num_experts // ep * mlp_biases(m.moe_ffn_hidden_size or m.ffn_hidden_size, 1)
+    return dense, m.num_experts // ep * mlp_biases(m.moe_ffn_hidden_size or m.ffn_hidden_size, etp)
 
 
 def stage_parameters(cfg, pp_rank: int) -> StageParameters:
     """Parameters of pipeline rank ``pp_rank`` (all its virtual stages) on one TP/EP rank."""
     m, p = cfg.model, cfg.parallel
     tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
+    etp = p.expert_tensor_parallel_size or 1
     vpp = virtual_stages(p, m.num_layers) or 1
     layers = [i for v in range(vpp) for i in layers_for_stage(cfg, pp_rank, v)]
     pattern = moe_layers(m)
     dense = expert = vectors = expert_vectors = 0
     for i in layers:
-        a, b = layer_parameters(m, tp, ep, pattern[i])
+        a, b = layer_parameters(m, tp, ep, pattern[i], etp)
         dense, expert = dense + a, expert + b
-        a, b = layer_vectors(m, tp, ep, pattern[i])
+        a, b = layer_vectors(m, tp, ep, pattern[i], etp)
         vectors, expert_vectors = vectors + a, expert_vectors + b
     vocab_rows = m.padded_vocab_size // tp
     embedding = 0

@@ -116,8 +116,10 @@ def data_parallel_sizes(cfg, world_size: int) -> tuple:
     dp = p.data_parallel_size or world_size // (
         p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
     )
-    # Experts are whole on every TP rank: their gradients are reduced over DP x TP / EP ranks.
-    edp = max(1, dp * p.tensor_model_parallel_size * p.context_parallel_size // p.expert_model_parallel_size)
+    # Experts whole on every TP rank: their gradients are reduced over DP x TP / EP ranks; split over ETP > 1
+    # ranks: over the stage's ranks / (ETP x EP).
+    etp = p.expert_tensor_parallel_size or 1
+    edp = max(1, dp * p.tensor_model_parallel_size * p.context_parallel_size // (p.expert_model_parallel_size * etp))
     return dp, edp
 
 

@@ -117,7 +117,7 @@ class GPTModel(nn.Module):
         if post_process:
             self.output_layer = self._build_output_layer(m)
         self._mark_shared_embedding()
-        initialize_weights(self, cfg.training.seed, tp_group=self.tp_group)
+        initialize_weights(self, cfg.training.seed, tp_group=self.tp_group, etp_group=self.process_groups.etp)
 
     def _build_output_layer(self, m) -> ColumnParallelLinear:
         reuse_embedding = self.share_embeddings_and_output_weights and self.pre_process

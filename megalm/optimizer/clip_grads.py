@@ -3,7 +3,7 @@
 Which gradients count in the norm (each distinct gradient exactly once over the model replica):
 
 * tensor-parallel duplicates: a parameter with ``tensor_model_parallel`` False is replicated on
-  every TP rank, so it counts only on TP rank 0;
+  every TP rank, so it counts only on TP rank 0 (an expert's, with ETP > 1: on ETP rank 0);
 * the tied embedding copy on the last pipeline stage (``param.shared``, or
   ``param.shared_embedding`` on a stage other than the first) is not counted: its gradient equals
   the first stage's after the embedding all-reduce.
@@ -11,9 +11,11 @@ Which gradients count in the norm (each distinct gradient exactly once over the 
 Communication (the groups come from a :class:`megalm.parallel_state.ProcessGroups` passed in,
 by default :func:`megalm.parallel_state.get_process_groups`): ``||g||^2`` (and the zero count)
 are summed with one all-reduce over the model-parallel group ``mp`` (TP x PP); with expert
-parallelism (EP > 1) the expert parameters' (``allreduce`` False) part is summed over
-``tp_ep_pp`` (TP x EP x PP) by a second all-reduce.  Overflow flags are MAX-reduced over ``mp``
-(the world with EP > 1, so that ranks sharing dense parameters always take the same decision).
+parallelism (EP > 1) or split experts (ETP > 1) the expert parameters' (``allreduce`` False) part
+is summed over ``tp_ep_pp`` (TP x EP x PP; ETP x EP x PP) by a second all-reduce: each ETP shard of
+an expert is a different gradient there (``tensor_parallel``, counted on every rank).  Overflow
+flags are MAX-reduced over ``mp`` (the world with EP or ETP > 1, so that ranks sharing dense
+parameters always take the same decision).
 
 Sharded gradients (the distributed optimizer: each data-parallel rank holds a disjoint shard
 of every gradient, ``sharded=True``): the local sums of squares are summed with ONE all-reduce
@@ -51,7 +53,13 @@ def param_is_not_shared(param: torch.Tensor, groups: ProcessGroups) -> bool:
 
 
 def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, groups: ProcessGroups) -> bool:
-    return param_info(param).tensor_parallel or group_rank(groups.tp) == 0
+    """A replicated parameter counts on rank 0 of the group it is replicated over: TP, or for an expert
+    parameter with experts split (ETP > 1) the expert-tensor-parallel group."""
+    info = param_info(param)
+    if info.tensor_parallel:
+        return True
+    group = groups.etp if info.expert and group_size(groups.etp) > 1 else groups.tp
+    return group_rank(group) == 0
 
 
 def param_counts_in_norm(param: torch.Tensor, groups: ProcessGroups) -> bool:
@@ -60,6 +68,11 @@ def param_counts_in_norm(param: torch.Tensor, groups: ProcessGroups) -> bool:
 
 def is_expert_param(param: torch.Tensor) -> bool:
     return param_info(param).expert
+
+
+def experts_apart(groups: ProcessGroups) -> bool:
+    """Whether expert parameters live on other ranks than the model-parallel group's (EP or ETP > 1)."""
+    return group_size(groups.ep) > 1 or group_size(groups.etp) > 1
 
 
 def _communicating(group) -> Optional[object]:
@@ -112,7 +125,7 @@ def grad_norm_and_zeros(
         _all_reduce(stats, dist.ReduceOp.SUM, world_group(groups), "grad_norm_all_reduce")
         norm = math.sqrt(stats[0].item()) if stats[0].item() >= 0 else float("nan")
         return norm, (stats[1].item() if count_zeros else None)
-    split_expert = group_size(groups.ep) > 1
+    split_expert = experts_apart(groups)
     dense = [g for g, p in counted if not (split_expert and is_expert_param(p))]
     stats = _sum_squares_and_zeros(dense, count_zeros)
     _all_reduce(stats, dist.ReduceOp.SUM, _communicating(groups.mp), "grad_norm_all_reduce")
@@ -157,7 +170,7 @@ def unscale_and_check_for_inf(
         torch._amp_foreach_non_finite_check_and_unscale_(
             grads, found_inf, torch.full((1,), inv_scale, dtype=torch.float32, device=device)
         )
-    if sharded or group_size(groups.ep) > 1:
+    if sharded or experts_apart(groups):
         group = world_group(groups)
     else:
         group = _communicating(groups.mp)

@@ -80,12 +80,12 @@ def grad_of_dtype(param: torch.Tensor) -> Optional[torch.dtype]:
     return g.dtype if g is not None else None
 
 
-def _param_meta(p: torch.nn.Parameter, tp_size: int) -> dict:
+def _param_meta(p: torch.nn.Parameter, groups: ProcessGroups) -> dict:
     info = param_info(p)
     dim = info.partition_dim if info.tensor_parallel else None
     global_shape = list(p.shape)
-    if dim is not None:
-        global_shape[dim] *= tp_size
+    if dim is not None:  # split over TP, or over ETP for an expert parameter
+        global_shape[dim] *= group_size(groups.etp if info.expert else groups.tp)
     return {
         "shape": tuple(p.shape),
         "global_shape": tuple(global_shape),
@@ -314,9 +314,7 @@ class MegatronOptimizer:
             "optimizer": {"state": state, "param_groups": groups},
             "main_params": self._main_params_state(),
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
-            "param_meta": {
-                n: _param_meta(p, group_size(self.process_groups.tp)) for n, p in zip(self.names, self.model_params)
-            },
+            "param_meta": {n: _param_meta(p, self.process_groups) for n, p in zip(self.names, self.model_params)},
         }
 
     def _main_params_state(self) -> Dict[str, torch.Tensor]:

@@ -9,7 +9,8 @@ Modules record *how* each parameter is initialized (``mark_init``) when they are
   and canonical: a Transformer Engine model's fused norm weights use the local names, see
   :mod:`megalm.parameter_names`, so both implementations start from the same weights);
 * this rank's shard is cut from it by the parameter's split (its
-  :class:`~megalm.tensor_parallel.param_info.ParamInfo`) and copied in;
+  :class:`~megalm.tensor_parallel.param_info.ParamInfo`; an expert parameter's split is over the
+  expert-tensor-parallel group, any other over the tensor-parallel group) and copied in;
 * vocabulary rows at or beyond ``vocab_unpadded`` are zero.
 
 Only one full parameter exists at a time.  A parameter may carry ``init_name`` to be drawn
@@ -78,17 +79,21 @@ def _named_unique_parameters(model: Union[nn.Module, Iterable[nn.Module]]):
 
 
 @torch.no_grad()
-def initialize_weights(model: Union[nn.Module, Iterable[nn.Module]], seed: int, tp_group=CURRENT) -> None:
+def initialize_weights(
+    model: Union[nn.Module, Iterable[nn.Module]], seed: int, tp_group=CURRENT, etp_group=CURRENT
+) -> None:
     """Fill every parameter of ``model`` (or of each model chunk) by the layout-independent rule;
-    split parameters get this rank's shard for ``tp_group`` (default: this rank's TP group).
+    split parameters get this rank's shard for ``tp_group`` (default: this rank's TP group), split
+    expert parameters for ``etp_group`` (default: this rank's expert-tensor-parallel group).
     No communication."""
-    tp_group = resolve_group(tp_group, "tp")
-    tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
+    tp_group, etp_group = resolve_group(tp_group, "tp"), resolve_group(etp_group, "etp")
     for name, param in _named_unique_parameters(model):
-        full = full_initial_value(param, canonical_name(name), seed, tp_size)
         info = param_info(param)
-        if info.tensor_parallel and tp_size > 1:
-            full = shard_of_full(full, info.partition_dim, tp_rank, tp_size, info.partition_stride)
+        group = etp_group if info.expert else tp_group
+        size, rank = group_size(group), group_rank(group)
+        full = full_initial_value(param, canonical_name(name), seed, size)
+        if info.tensor_parallel and size > 1:
+            full = shard_of_full(full, info.partition_dim, rank, size, info.partition_stride)
         if tuple(full.shape) != tuple(param.shape):
             raise RuntimeError(f"{name}: shard shape {tuple(full.shape)} != parameter shape {tuple(param.shape)}")
         param.copy_(full)

@@ -11,7 +11,8 @@ Fields:
   ``partition_stride`` (1, or 2 for a fused ``[gate; up]`` SwiGLU weight whose TP rank ``r``
   holds ``[gate_r; up_r]``: the full tensor is cut into ``stride * tp`` chunks along the dim and
   rank ``r`` holds chunks ``r, r + tp, ...``, Megatron's convention).  ``partition_dim`` is ``-1``
-  and ``partition_stride`` 1 when replicated.
+  and ``partition_stride`` 1 when replicated.  For an ``expert`` parameter the split is over the
+  expert-tensor-parallel group (``ProcessGroups.etp``, ``--expert-tensor-parallel-size``) instead.
 * ``sequence_parallel`` (bool): each TP rank computed a partial gradient (norms, row-parallel
   biases, routers and experts under sequence parallelism): summed over TP after backward.
 * ``expert`` (bool): an MoE expert parameter, reduced over the expert-data-parallel group

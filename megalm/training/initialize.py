@@ -32,6 +32,7 @@ def initialize_megalm(cfg: MegalmConfig) -> None:
             virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
             context_parallel_size=p.context_parallel_size,
             expert_model_parallel_size=p.expert_model_parallel_size,
+            expert_tensor_parallel_size=p.expert_tensor_parallel_size or 1,
             timeout=timeout,
         )
     set_random_seed(cfg.training.seed)

@@ -94,6 +94,7 @@ class TransformerLayer(nn.Module):
                 plan=plan,
                 tp_group=pg.tp,
                 ep_group=pg.ep,
+                etp_group=pg.etp,
                 moe_state=moe_state,
                 cp_group=pg.cp,
                 tp_cp_group=pg.tp_cp,

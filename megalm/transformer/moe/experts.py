@@ -6,12 +6,29 @@ linear_fc1.weight`` ``[f or 2f (SwiGLU: [gate; up]), h]`` and ``linear_fc2.weigh
 (seeded by the global name) and checkpoints (one full tensor per expert) do not depend on the
 expert-parallel size: EP rank ``r`` simply holds experts ``[r E/EP, (r+1) E/EP)``.
 
-Experts are not split over tensor-parallel ranks: each TP rank holds the whole local experts
-and computes the tokens of its own sequence slice (see :mod:`~megalm.transformer.moe.moe_layer`).
+Expert tensor parallelism (``--expert-tensor-parallel-size`` ETP, the ``etp`` group given to
+:class:`LocalExperts`):
+
+* ETP 1 (default): experts are whole on every rank; each TP rank computes the tokens of its own
+  sequence slice (see :mod:`~megalm.transformer.moe.moe_layer`), so its gradients are partial:
+  the records say ``sequence_parallel`` when TP > 1 (summed over TP, as for norms).
+* ETP > 1: Megatron's split.  ``linear_fc1`` is column-parallel (ETP rank ``r`` holds rows
+  ``r f/ETP ...`` of ``[f, h]``; with SwiGLU ``[gate_r; up_r]``, stride 2) and ``linear_fc2``
+  row-parallel (columns ``r f/ETP ...`` of ``[h, f]``), so ``fc2(act(fc1(x)))`` on one rank is its
+  partial sum of the expert's output: the caller gives every rank of the ETP group the same tokens
+  and sums the partial outputs over the group (:class:`~megalm.transformer.moe.moe_layer.MoELayer`).
+  Every rank then computes the whole gradient of its shard: no ``sequence_parallel``.  ``linear_fc2``'s
+  bias is whole on every rank of the group and enters each partial output as ``b / ETP`` (so the
+  sum adds it once) with the gradient of ``b`` itself: every rank of the group computes the whole
+  bias gradient (it sees all the group's tokens and the whole output gradient), so the copies stay
+  equal and count once in the gradient norm (on ETP rank 0).
+  The records say ``tensor_parallel`` with the split dim and stride; for an expert parameter that
+  split is over the ETP group (initialization cuts the full tensor drawn from the global name's
+  seed, checkpoints store the full tensor: both are ETP-independent).
+
 Every expert parameter's record (:func:`~megalm.tensor_parallel.param_info.param_info`) says
 ``expert`` (gradients reduced over the expert-data-parallel group by DDP; Megatron's
-``allreduce = False``) and ``sequence_parallel`` when TP > 1 (partial gradients summed over TP,
-as for norms).
+``allreduce = False``).
 
 :meth:`LocalExperts.forward` takes the tokens sorted by local expert with their counts and
 computes ``fc2(act(fc1(x)))`` per expert, either
@@ -38,15 +55,19 @@ from megalm.device import get_device
 from megalm.fusions.activations import expert_bias_gelu, expert_bias_gelu_tanh, expert_bias_swiglu
 from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.fusions.compile import select
+from megalm.parallel_state import group_size
 from megalm.tensor_parallel.initialization import mark_init
 from megalm.tensor_parallel.param_info import set_param_info
-from megalm.tensor_parallel.utils import set_tensor_model_parallel_attributes
+from megalm.tensor_parallel.utils import divide, set_tensor_model_parallel_attributes
 from megalm.transformer.utils import init_std, output_init_std
 
 
-def _expert_parameter(*shape: int, kind: str, std=None, sequence_parallel: bool = False) -> nn.Parameter:
+def _expert_parameter(
+    *shape: int, kind: str, std=None, sequence_parallel: bool = False, split_dim=None, stride: int = 1
+) -> nn.Parameter:
+    """An expert parameter of local ``shape``; ``split_dim``: the dim split over the ETP group (None: whole)."""
     param = nn.Parameter(torch.empty(*shape, dtype=torch.float32, device=get_device()))
-    set_tensor_model_parallel_attributes(param, False, -1)
+    set_tensor_model_parallel_attributes(param, split_dim is not None, -1 if split_dim is None else split_dim, stride)
     mark_init(param, kind, std)
     set_param_info(param, expert=True, sequence_parallel=bool(sequence_parallel))
     return param
@@ -60,28 +81,75 @@ def bias_activation(m, plan: FusionPlan):
 
 
 class _Linear(nn.Module):
-    """``x W^T + b`` with expert parameters (so names read ``linear_fc1.weight``)."""
+    """``x W^T + b`` with expert parameters (so names read ``linear_fc1.weight``).
 
-    def __init__(self, in_size: int, out_size: int, bias: bool, std: float, sequence_parallel: bool):
+    ``split``: ``None`` (whole), ``"column"`` (out rows split over ``etp`` ranks, ``stride`` 2 for
+    ``[gate; up]``) or ``"row"`` (in columns split; the bias whole, see :meth:`output_bias`).
+    """
+
+    def __init__(
+        self,
+        in_size: int,
+        out_size: int,
+        bias: bool,
+        std: float,
+        sequence_parallel: bool,
+        split=None,
+        etp: int = 1,
+        stride: int = 1,
+    ):
         super().__init__()
-        self.weight = _expert_parameter(out_size, in_size, kind="normal", std=std, sequence_parallel=sequence_parallel)
-        self.bias = _expert_parameter(out_size, kind="zeros", sequence_parallel=sequence_parallel) if bias else None
+        if split == "column":
+            out_size, w_dim, b_dim = divide(out_size, etp), 0, 0
+        elif split == "row":
+            in_size, w_dim, b_dim = divide(in_size, etp), 1, None
+        else:
+            w_dim = b_dim = None
+        self.bias_share = etp if split == "row" else 1
+        sp = sequence_parallel
+        self.weight = _expert_parameter(
+            out_size, in_size, kind="normal", std=std, sequence_parallel=sp, split_dim=w_dim, stride=stride
+        )
+        self.bias = (
+            _expert_parameter(out_size, kind="zeros", sequence_parallel=sp, split_dim=b_dim, stride=stride)
+            if bias
+            else None
+        )
+
+    def output_bias(self):
+        """The bias this rank adds: a row-parallel layer's whole bias ``b`` as ``b / ETP`` in value (the
+        partial outputs of the group sum to one ``b``) with the gradient of ``b`` (each rank's is the whole)."""
+        b = self.bias
+        if b is None or self.bias_share == 1:
+            return b
+        return b.detach() / self.bias_share + (b - b.detach())
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias if add_bias else None)
+        return F.linear(x, self.weight, self.output_bias() if add_bias else None)
 
 
 class ExpertMLP(nn.Module):
-    """One expert: ``linear_fc2(act(linear_fc1(x)))``, fc1's bias added inside the activation."""
+    """One expert: ``linear_fc2(act(linear_fc1(x)))``, fc1's bias added inside the activation.
+    ``etp``: the size of the group its weights are split over (1: whole; see the module docstring)."""
 
-    def __init__(self, model_cfg, sequence_parallel: bool = False, plan: FusionPlan = EAGER):
+    def __init__(self, model_cfg, sequence_parallel: bool = False, plan: FusionPlan = EAGER, etp: int = 1):
         super().__init__()
         m = model_cfg
         f = m.moe_ffn_hidden_size
+        split = etp > 1
         self.linear_fc1 = _Linear(
-            m.hidden_size, 2 * f if m.swiglu else f, m.add_bias_linear, init_std(m), sequence_parallel
+            m.hidden_size,
+            2 * f if m.swiglu else f,
+            m.add_bias_linear,
+            init_std(m),
+            sequence_parallel,
+            split="column" if split else None,
+            etp=etp,
+            stride=2 if m.swiglu else 1,
         )
-        self.linear_fc2 = _Linear(f, m.hidden_size, m.add_bias_linear, output_init_std(m), sequence_parallel)
+        self.linear_fc2 = _Linear(
+            f, m.hidden_size, m.add_bias_linear, output_init_std(m), sequence_parallel, "row" if split else None, etp
+        )
         self.bias_activation = bias_activation(m, plan)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,7 +157,8 @@ class ExpertMLP(nn.Module):
 
 
 class LocalExperts(nn.Module):
-    """Experts ``first, ..., first + count - 1`` (global indices) of this EP rank."""
+    """Experts ``first, ..., first + count - 1`` (global indices) of this EP rank; with an ``etp_group``
+    of size > 1, this rank's shards of them (see the module docstring: the output is then partial)."""
 
     def __init__(
         self,
@@ -99,13 +168,16 @@ class LocalExperts(nn.Module):
         sequence_parallel: bool = False,
         grouped: bool = False,
         plan: FusionPlan = EAGER,
+        etp_group=None,
     ):
         super().__init__()
         self.first, self.count = first, count
         self.grouped = grouped
+        self.etp_group = etp_group
+        etp = group_size(etp_group)
         self.bias_activation = bias_activation(model_cfg, plan)
         self.local_experts = nn.ModuleDict(
-            {str(first + j): ExpertMLP(model_cfg, sequence_parallel, plan) for j in range(count)}
+            {str(first + j): ExpertMLP(model_cfg, sequence_parallel and etp == 1, plan, etp) for j in range(count)}
         )
 
     def experts(self) -> List[ExpertMLP]:
@@ -140,7 +212,7 @@ class LocalExperts(nn.Module):
     @staticmethod
     def _stacked_bias(layers: Sequence[_Linear]):
         """``[L, 1, out]`` biases of ``layers`` (broadcast over each expert's tokens), or None."""
-        return None if layers[0].bias is None else torch.stack([layer.bias for layer in layers]).unsqueeze(1)
+        return None if layers[0].bias is None else torch.stack([layer.output_bias() for layer in layers]).unsqueeze(1)
 
     @classmethod
     def _grouped_linear(cls, x: torch.Tensor, layers: Sequence[_Linear], add_bias: bool = True) -> torch.Tensor:

@@ -11,16 +11,26 @@ when TP > 1).  Parameter names (Megatron's): ``mlp.router.weight``,
 
 Parallelism and communication, per MoE layer and micro-batch:
 
-* Tensor parallel (design choice): experts are *not* split over TP.  Each TP rank routes and
-  dispatches only the tokens of its own sequence slice, so the expert MLPs do no TP
-  communication at all (Megatron's default instead gathers the sequence over TP and splits
-  every expert over TP: an all-gather and a reduce-scatter of ``[s, b, h]`` per layer).  The
-  cost is memory: each TP rank holds its ``E / EP`` experts whole.  Router and expert
-  gradients are partial per TP rank and are summed over TP after the backward pass
-  (``sequence_parallel`` attribute, one coalesced all-reduce with the norms); the router's
-  statistics for the auxiliary losses take one small all-reduce over TP (see the router).
-* Expert parallel: tokens travel over the EP group (ranks with the same TP rank), by all-gather
-  + reduce-scatter or by two all-to-alls (see the token dispatcher).
+* Tensor parallel, experts whole (``--expert-tensor-parallel-size 1``, megalm's default): experts
+  are *not* split over TP.  Each TP rank routes and dispatches only the tokens of its own
+  sequence slice, so the expert MLPs do no TP communication at all.  The cost is memory: each
+  TP rank holds its ``E / EP`` experts whole.  Router and expert gradients are partial per TP
+  rank and are summed over TP after the backward pass (``sequence_parallel`` attribute, one
+  coalesced all-reduce with the norms); the router's statistics for the auxiliary losses take
+  one small all-reduce over TP (see the router).
+* Expert tensor parallel (``--expert-tensor-parallel-size`` ETP > 1, Megatron's split, any TP):
+  every expert is split over the ``etp_group`` (fc1 column-, fc2 row-parallel, see
+  :mod:`~megalm.transformer.moe.experts`).  Each rank routes its own tokens ``[T, h]`` as above;
+  then, forward, one all-gather over ETP of the tokens ``[ETP*T, h]`` and one of the
+  probabilities + routing map ``[ETP*T, 2E]`` (fp32) gives every rank of the group the same
+  tokens, the dispatcher runs on them (over the EP group of ranks with the same ETP rank) and
+  returns partial outputs, and a reduce-scatter over ETP sums them and keeps this rank's ``[T, h]``.
+  Backward: the adjoints (all-gather of the output gradient; reduce-scatter of the token and
+  probability gradients).  When ETP = TP under sequence parallelism the group's tokens are the
+  replica's whole sequence (Megatron's all-gather of the sequence over TP).  The router and its
+  statistics are those of ETP 1 (they run before the gather).
+* Expert parallel: tokens travel over the EP group (ranks with the same TP rank, or ETP rank),
+  by all-gather + reduce-scatter or by two all-to-alls (see the token dispatcher).
 * Data parallel: expert parameters carry ``allreduce = False``; DDP reduces their gradients
   over the expert-data-parallel group (the ranks holding the same experts), dense ones
   (router, shared experts) over the whole data-parallel group.
@@ -38,6 +48,10 @@ from torch import nn
 
 from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.parallel_state import CURRENT, group_rank, group_size, resolve_group
+from megalm.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 from megalm.transformer.mlp import MLP
 from megalm.transformer.moe.experts import LocalExperts
 from megalm.transformer.moe.router import TopKRouter
@@ -69,9 +83,10 @@ def is_moe_layer(model_cfg, layer_number: int) -> bool:
 
 class MoELayer(nn.Module):
     """``tp_group``: the router's statistics and the shared experts; ``ep_group``: the token
-    exchange (which experts this rank holds follows from its rank in it); ``cp_group`` /
-    ``tp_cp_group``: the router's statistics under context parallelism.  ``moe_state``: the
-    model's shared :class:`MoEState` (a new one when not given; :attr:`moe_state`)."""
+    exchange (which experts this rank holds follows from its rank in it); ``etp_group``: the
+    ranks every expert is split over (None: experts whole); ``cp_group`` / ``tp_cp_group``: the
+    router's statistics under context parallelism.  ``moe_state``: the model's shared
+    :class:`MoEState` (a new one when not given; :attr:`moe_state`)."""
 
     def __init__(
         self,
@@ -84,10 +99,12 @@ class MoELayer(nn.Module):
         moe_state: Optional[MoEState] = None,
         cp_group=None,
         tp_cp_group=None,
+        etp_group=CURRENT,
     ):
         super().__init__()
         m = model_cfg
         tp_group, ep_group = resolve_group(tp_group, "tp"), resolve_group(ep_group, "ep")
+        self.etp_group = resolve_group(etp_group, "etp")
         ep = group_size(ep_group)
         if m.num_experts % ep != 0:
             raise ValueError(f"--num-experts {m.num_experts} is not divisible by the expert-parallel size {ep}")
@@ -104,7 +121,13 @@ class MoELayer(nn.Module):
             tp_cp_group=tp_cp_group,
         )
         self.experts = LocalExperts(
-            m, group_rank(ep_group) * local, local, sequence_parallel, grouped=m.moe_grouped_gemm, plan=plan
+            m,
+            group_rank(ep_group) * local,
+            local,
+            sequence_parallel,
+            grouped=m.moe_grouped_gemm,
+            plan=plan,
+            etp_group=self.etp_group,
         )
         self.token_dispatcher = build_token_dispatcher(m.moe_token_dispatcher_type, ep_group)
         shared = m.moe_shared_expert_intermediate_size
@@ -117,10 +140,24 @@ class MoELayer(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         s, b, h = hidden.shape
         probs, routing_map = self.router(hidden)
-        out = self.token_dispatcher(hidden.reshape(s * b, h), probs, routing_map, self.experts).view(s, b, h)
+        out = self._routed_experts(hidden.reshape(s * b, h), probs, routing_map).view(s, b, h)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden)
         return out
+
+    def _routed_experts(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
+        """The dispatcher's output for this rank's tokens; with ETP > 1 run on the ETP group's
+        gathered tokens and the partial outputs summed over it (see the module docstring)."""
+        group = self.etp_group
+        if group_size(group) == 1:
+            return self.token_dispatcher(tokens, probs, routing_map, self.experts)
+        num_experts = routing_map.shape[1]
+        routing = torch.cat([probs.float(), routing_map.float()], dim=1)
+        routing = gather_from_sequence_parallel_region(routing, group)
+        all_probs, all_map = routing[:, :num_experts].to(probs.dtype), routing[:, num_experts:].detach() > 0.5
+        all_tokens = gather_from_sequence_parallel_region(tokens, group)
+        partial = self.token_dispatcher(all_tokens, all_probs, all_map, self.experts)
+        return reduce_scatter_to_sequence_parallel_region(partial, group)
 
 
 def moe_states(modules) -> List[MoEState]:
