@@ -175,6 +175,7 @@ def runs(tmp_path_factory):
         _argv(tmp, "pp2etp2", *_etp(2), *_ep(1, "alltoall"), "--pipeline-model-parallel-size", "2"),
         # GELU experts with biases (fc2's whole on each ETP rank) against "ep1": TP 2 x ETP 2 x EP 2.
         _argv(tmp, "tp2etp2ep2_bias", *_ep(2, "alltoall"), *TP2, "--expert-tensor-parallel-size", "2"),
+        _argv(tmp, "etp2ep2_capacity", *_ep(2, "alltoall"), "--expert-tensor-parallel-size", "2", *cap),
         _argv(tmp, "etp4_distopt", *_etp(4), *_ep(1, "alltoall"), *DISTOPT, "--save", ck_etp4, *SAVE3),
         _argv(tmp, "etp2_loads_etp1", *_etp(2), *_ep(2), "--load", ck_etp1, "--ckpt-step", "3"),
         _argv(tmp, "etp1_loads_etp2", *_etp(1), *_ep(2, "alltoall"), "--load", ck_etp2, "--ckpt-step", "3"),
@@ -279,7 +280,8 @@ def test_moe_metrics_are_logged(runs):
 
 def test_capacity_dropping_is_expert_parallel_independent(runs):
     ref = [r["lm_loss"] for r in _records(runs["tmp"], "ep1_capacity")]
-    _assert_close([r["lm_loss"] for r in _records(runs["tmp"], "ep2_capacity")], ref)
+    for name in ("ep2_capacity", "etp2ep2_capacity"):  # each source rank drops before the tokens travel
+        _assert_close([r["lm_loss"] for r in _records(runs["tmp"], name)], ref)
     dropless = [r["lm_loss"] for r in _records(runs["tmp"], "ep1")]
     assert ref[0] == pytest.approx(dropless[0], rel=0.05) and ref != dropless  # tokens were dropped
 

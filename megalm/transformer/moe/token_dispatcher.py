@@ -8,7 +8,10 @@ Both dispatchers compute, for the ``T`` tokens ``x`` ``[T, h]`` of this rank,
 with the sum in fp32, cast back to ``x``'s dtype.  Experts are split evenly over the
 expert-parallel (EP) group: EP rank ``r`` holds experts ``[r L, (r+1) L)``, ``L = E / EP``.
 The EP group joins ranks with the same tensor-parallel rank, and under sequence parallelism
-every TP rank dispatches only its own slice of the sequence: no TP communication here.
+every TP rank dispatches only its own slice of the sequence: no TP communication here.  With
+``--expert-tensor-parallel-size`` > 1 the EP group joins ranks with the same expert-tensor rank, the
+tokens are those of the whole ETP group (gathered by the MoE layer) and the experts' outputs are
+partial sums that the MoE layer reduces over ETP.
 
 ``allgather`` (Megatron's MoEAllGatherTokenDispatcher)
     Forward: all-gather over EP of the tokens ``[EP*T, h]`` and of probabilities + routing
