@@ -196,6 +196,20 @@ def test_expert_tensor_parallel_parameters_equal_the_split_experts():
     assert data_parallel_sizes(cfg, 4) == (4, 2)
 
 
+@pytest.mark.parametrize("tp,cp,ep,etp,world", [(2, 1, 2, 1, 8), (2, 1, 1, 1, 4), (2, 2, 2, 1, 16), (2, 1, 2, 2, 8)])
+def test_planner_expert_data_parallel_size_equals_the_layout(tp, cp, ep, etp, world):
+    """The planner shards expert optimizer state over the expert-DP group that parallel_layout builds (whole
+    experts at ETP 1 are replicated over TP: their DP is DP x CP / EP, not DP x TP x CP / EP)."""
+    from megalm.estimate.planner import data_parallel_sizes
+    from megalm.parallel_layout import expert_sizes
+
+    cfg = make_cfg(num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2, **LLAMA)
+    p = cfg.parallel
+    p.tensor_model_parallel_size, p.context_parallel_size, p.expert_model_parallel_size = tp, cp, ep
+    p.expert_tensor_parallel_size, p.data_parallel_size = etp, world // (tp * cp)
+    assert data_parallel_sizes(cfg, world)[1] == expert_sizes(world, tp=tp, cp=cp, ep=ep, etp=etp)["edp"]
+
+
 @pytest.mark.parametrize("case", list(ACTIVATION_CASES))
 def test_activation_estimate_matches_saved_tensors(case):
     from megalm.models import GPTModel

@@ -116,10 +116,11 @@ def data_parallel_sizes(cfg, world_size: int) -> tuple:
     dp = p.data_parallel_size or world_size // (
         p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
     )
-    # Experts whole on every TP rank: their gradients are reduced over DP x TP / EP ranks; split over ETP > 1
-    # ranks: over the stage's ranks / (ETP x EP).
+    # The expert-data-parallel size of parallel_layout.expert_sizes: the stage's ranks / (ETP x EP), where
+    # whole experts (ETP 1) keep the TP ranks innermost (the same experts on every TP rank, state replicated).
     etp = p.expert_tensor_parallel_size or 1
-    edp = max(1, dp * p.tensor_model_parallel_size * p.context_parallel_size // (p.expert_model_parallel_size * etp))
+    inner = etp if etp > 1 else p.tensor_model_parallel_size
+    edp = max(1, dp * p.tensor_model_parallel_size * p.context_parallel_size // (p.expert_model_parallel_size * inner))
     return dp, edp
 
 
