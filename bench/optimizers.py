@@ -11,7 +11,7 @@ model and data order for every run), 98% / 2% train / validation split.  Each ru
 ``pretrain_gpt.main`` call in this process (as ``bench/cuda_feature_check.py``), no launcher.
 
 1. Learning-rate search: each optimizer at batch B for ``--grid-iters`` iterations at each learning rate of
-   its grid (``OPTIMIZERS``; four values a factor 2 apart), 10% linear warm-up, cosine decay to 10% of the
+   its grid (``OPTIMIZERS``; six values a factor 2 apart), 10% linear warm-up, cosine decay to 10% of the
    peak; the one with the lowest validation loss at the end (``EVAL_SAMPLES`` samples, the same for every
    run) is that optimizer's learning rate at B.
 2. Full runs at batch B and 8 B over the same training tokens (8x fewer iterations at 8 B), warm-up over
@@ -66,18 +66,18 @@ COMMON = [
 ]  # fmt: skip
 # name -> (flags, learning rates searched at batch B)
 OPTIMIZERS = {
-    "adam": (["--optimizer", "adam", "--adam-beta2", "0.95"], [1e-3, 2e-3, 4e-3, 8e-3]),
-    "lamb": (["--optimizer", "lamb", "--adam-beta2", "0.95"], [2.5e-3, 5e-3, 1e-2, 2e-2]),
+    "adam": (["--optimizer", "adam", "--adam-beta2", "0.95"], [2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3]),
+    "lamb": (["--optimizer", "lamb", "--adam-beta2", "0.95"], [2.5e-3, 5e-3, 1e-2, 2e-2, 4e-2, 8e-2]),
     # each matrix moves by about lr x 0.01 x ||w|| / (1 - momentum) per step; biases and norms: SGD at lr
     "lars": (
         ["--optimizer", "lars", "--lars-trust-coefficient", "0.01", "--sgd-momentum", "0.9"],
-        [0.05, 0.1, 0.2, 0.4],
+        [0.1, 0.2, 0.4, 0.8, 1.6, 3.2],
     ),
     "muon": (
         ["--optimizer", "muon", "--muon-extra-scale-factor", "0.2", "--muon-use-nesterov", "--adam-beta2", "0.95"],
-        [1e-3, 2e-3, 4e-3, 8e-3],
+        [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2],
     ),
-    "lion": (["--optimizer", "lion"], [2e-4, 4e-4, 8e-4, 1.6e-3]),
+    "lion": (["--optimizer", "lion"], [5e-5, 1e-4, 2e-4, 4e-4, 8e-4, 1.6e-3]),
 }  # fmt: skip
 RULES = {"adam": "sqrt", "lamb": "sqrt", "lars": "linear", "muon": "sqrt", "lion": "sqrt"}
 NAMES = {"adam": "AdamW", "lamb": "LAMB", "lars": "LARS", "muon": "Muon", "lion": "Lion"}
@@ -425,7 +425,7 @@ def parse_args(argv=None):
     p.add_argument("--micro-batch", type=int, default=128, help="largest micro batch (more: gradient accumulation)")
     p.add_argument("--tokens", type=int, default=4 * 2**20, help="training tokens per full run (at most)")
     p.add_argument("--grid-iters", type=int, default=64, help="iterations at batch B per search run")
-    p.add_argument("--grid-points", type=int, default=4, help="search only the first N learning rates of each grid")
+    p.add_argument("--grid-points", type=int, default=6, help="search only the first N learning rates of each grid")
     p.add_argument("--budget-s", type=float, default=270.0, help="fewer tokens if the runs would end after this")
     p.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
     p.add_argument(
