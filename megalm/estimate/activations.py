@@ -38,8 +38,11 @@ for the weight (plus fp32 token weights and int64 targets); unfused, the cross e
 softmax ``4 S V_pad / TP``.  Full recompute
 keeps only each recomputed chunk's input ``B S_r h`` and rebuilds one chunk during backward.
 Activation offloading (``--cpu-offloading``) keeps the saved tensors of the chunk's first
-``--cpu-offloading-num-layers`` layers on the host: the device keeps the rest (backward holds at
-most two offloaded layers at once, fewer than the layers above them it has freed by then).
+``--cpu-offloading-num-layers`` layers on the host: the device keeps the rest.  Backward brings them back
+one layer ahead (while layer ``i``'s backward runs, layer ``i - 1`` is reloaded), which the kept count does
+not add: with ``N`` offloaded layers of ``L`` the layers above have been freed by then, except with
+``N = L - 1``, where the last layer's backward holds itself and the reloaded layer below (the loss's
+tensors, freed by then, usually outweigh that layer).
 MoE layers are estimated (not measured): router scores and the top-k copies of the tokens
 through the experts.
 
