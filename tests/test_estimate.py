@@ -186,6 +186,8 @@ ACTIVATION_CASES = {
     "llama-bf16-attention-dropout": dict(bf16=True, attention_dropout=0.1, **LLAMA),
     "gpt-fp32-keyed-dropout": dict(attention_dropout=0.1, position_keyed_attention_dropout=True),
     "llama-bf16-keyed-dropout": dict(bf16=True, attention_dropout=0.1, position_keyed_attention_dropout=True, **LLAMA),
+    "gpt-fp32-unfused-attention-dropout": dict(attention_backend="unfused", attention_dropout=0.1),
+    "llama-bf16-unfused-attention": dict(bf16=True, attention_backend="unfused", **LLAMA),
 }
 
 

@@ -24,6 +24,9 @@ attention core (SDPA with       ``--attention-dropout > 0`` on a CPU: SDPA's mat
 attention dropout, CPU)         and k^T copies, the probabilities, dropout mask and dropped probabilities
                                 (``4 b n s^2 / TP`` each), v (an fp32 copy; fp32 MHA: the QKV output's view)
                                 and the context copy (:func:`sdpa_math_bytes`)
+attention core (unfused)        fp32 softmax output ``4 b n s^2 / TP`` + bool causal mask, the model-dtype
+                                probabilities (dropout: mask and dropped ones) and the context copy
+                                (:func:`unfused_core_bytes`)
 attention core (position-       the tiled core (:func:`tiled_core_bytes`, the ring's at CP 1): q, k/v copies
 keyed dropout)                  ``2 B S g d / TP``, output, fp32 log-sum-exps and the context copy
 MLP                             GELU ``2 B S f / TP`` (fc1 output, GELU output); SwiGLU ``4 B S f / TP``
@@ -131,6 +134,8 @@ def layer_bytes(m, sh: Shape, is_moe: bool = False) -> Dict[str, int]:
         out.update(context_parallel_attention_bytes(m, sh, out))
     elif m.attention_dropout > 0 and m.position_keyed_attention_dropout:
         out.update(tiled_core_bytes(m, sh, out))  # the position-keyed core (blocks.local_attention)
+    elif m.attention_backend == "unfused":
+        out.update(unfused_core_bytes(m, sh, out))
     elif m.attention_dropout > 0 and sh.device == "cpu":
         out.update(sdpa_math_bytes(m, sh, out))
     elif uses_blocked_attention(m, sh.dtype_bytes < 4, sh.device == "cuda"):
@@ -163,6 +168,24 @@ def tiled_core_bytes(m, sh: Shape, parts: Dict[str, int]) -> Dict[str, int]:
     out = {"attention": 2 * B * S * n * d + 2 * B * S * g * d + 4 * b * n * sh.local_seq}
     if "rope" in parts:
         out["qkv"], out["rope"] = 0, parts["rope"] - B * S * g * d
+    return out
+
+
+def unfused_core_bytes(m, sh: Shape, parts: Dict[str, int]) -> Dict[str, int]:
+    """``--attention-backend unfused`` (eager): the fp32 softmax output ``4 b n s^2 / TP`` and its bool causal
+    mask ``s^2``; the probabilities the last matmul reads in the model dtype (a copy in half precision), or with
+    attention dropout its mask and the dropped probabilities (``B b n s^2 / TP`` each); the context copy; under
+    GQA k and v expanded to ``n`` heads (with RoPE the QKV output and the rotated k are then not kept)."""
+    B, S, tp, b, s = sh.dtype_bytes, sh.tokens, sh.tp, sh.micro_batch, sh.seq
+    n, d = m.num_attention_heads // tp, m.head_dim
+    g = (m.num_query_groups if m.group_query_attention else m.num_attention_heads) // tp
+    probs = b * n * s * s
+    read = 2 * B * probs if m.attention_dropout > 0 else (B * probs if B < 4 else 0)
+    out = {"attention": 4 * probs + s * s + read + B * S * n * d}
+    if g != n:
+        out["attention"] += 2 * B * S * n * d
+        if "rope" in parts:
+            out["qkv"], out["rope"] = 0, parts["rope"] - B * S * g * d
     return out
 
 
