@@ -27,6 +27,7 @@ from megalm.estimate.cli import parse
 from megalm.estimate.parameters import stage_parameters, total_parameters
 from megalm.estimate.planner import PlannerOptions, format_plan, plan
 from megalm.presets import PRESETS, PresetError
+from megalm.tensor_parallel import model_parallel_manual_seed
 from megalm.testing import run_distributed
 
 LLAMA = dict(
@@ -147,6 +148,7 @@ def saved_activation_bytes(model, cfg, dtype) -> int:
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length), generator=g)
     labels = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length), generator=g)
+    model_parallel_manual_seed(0)  # the position-keyed dropout draws its key from the tracker
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
         model(tokens, None, labels)
     return sum(seen.values())
@@ -179,6 +181,13 @@ ACTIVATION_CASES = {
     "llama-selective": dict(recompute_granularity="selective", **LLAMA),
     "gpt-full-uniform-2": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
     "llama-full-block-1": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1, **LLAMA),
+    # attention dropout: SDPA's math path on a CPU; with --position-keyed-attention-dropout the tiled core
+    "gpt-fp32-attention-dropout": dict(attention_dropout=0.1),
+    "llama-bf16-attention-dropout": dict(bf16=True, attention_dropout=0.1, **LLAMA),
+    "gpt-fp32-keyed-dropout": dict(attention_dropout=0.1, position_keyed_attention_dropout=True),
+    "llama-bf16-keyed-dropout": dict(bf16=True, attention_dropout=0.1, position_keyed_attention_dropout=True, **LLAMA),
+    "gpt-fp32-unfused-attention-dropout": dict(attention_backend="unfused", attention_dropout=0.1),
+    "llama-bf16-unfused-attention": dict(bf16=True, attention_backend="unfused", **LLAMA),
 }
 
 
@@ -254,6 +263,7 @@ def _cp2_measurements(cases):
     from megalm.models import GPTModel
 
     parallel_state.initialize_model_parallel(context_parallel_size=2)
+    model_parallel_manual_seed(0)  # attention dropout under CP is position-keyed: its key comes from the tracker
     rank = parallel_state.get_context_parallel_rank()
     out = []
     for comm, model_kw in cases:
@@ -287,6 +297,8 @@ def cp2_cfg(comm, **model):
 CP2_CASES = [(comm, kw) for comm in ("p2p", "a2a", "allgather") for kw in (dict(), LLAMA)]
 # a2a at a length where the ``auto`` core is the blocked one (fp32 CPU, 128 <= s <= 1024): its probabilities
 CP2_CASES += [("a2a", dict(seq_length=256, max_position_embeddings=256, **kw)) for kw in (dict(), LLAMA)]
+# attention dropout (Megatron's default 0.1): position-keyed under CP, each type's core with the keyed mask
+CP2_CASES += [(c, dict(attention_dropout=0.1, **kw)) for c, kw in (("p2p", {}), ("a2a", LLAMA), ("allgather", {}))]
 
 
 def test_cp2_activations_per_rank():

@@ -20,6 +20,15 @@ attention core (blocked)        the context ``B S n d / TP`` + each query block'
                                 ``B b n s (s + 64) / 2 / TP``; with GQA k and v expanded to ``n`` heads
                                 ``2 B S n d / TP`` (with RoPE the QKV output and the rotated k are then
                                 not kept)
+attention core (SDPA with       ``--attention-dropout > 0`` on a CPU: SDPA's math path, in fp32: scaled q
+attention dropout, CPU)         and k^T copies, the probabilities, dropout mask and dropped probabilities
+                                (``4 b n s^2 / TP`` each), v (an fp32 copy; fp32 MHA: the QKV output's view)
+                                and the context copy (:func:`sdpa_math_bytes`)
+attention core (unfused)        fp32 softmax output ``4 b n s^2 / TP`` + bool causal mask, the model-dtype
+                                probabilities (dropout: mask and dropped ones) and the context copy
+                                (:func:`unfused_core_bytes`)
+attention core (position-       the tiled core (:func:`tiled_core_bytes`, the ring's at CP 1): q, k/v copies
+keyed dropout)                  ``2 B S g d / TP``, output, fp32 log-sum-exps and the context copy
 MLP                             GELU ``2 B S f / TP`` (fc1 output, GELU output); SwiGLU ``4 B S f / TP``
 dropout masks                   ``S_r h`` elements each after attention and MLP when ``--hidden-dropout > 0``
                                 (bool on CUDA; the activation dtype on CPU)
@@ -32,8 +41,11 @@ for the weight (plus fp32 token weights and int64 targets); unfused, the cross e
 softmax ``4 S V_pad / TP``.  Full recompute
 keeps only each recomputed chunk's input ``B S_r h`` and rebuilds one chunk during backward.
 Activation offloading (``--cpu-offloading``) keeps the saved tensors of the chunk's first
-``--cpu-offloading-num-layers`` layers on the host: the device keeps the rest (backward holds at
-most two offloaded layers at once, fewer than the layers above them it has freed by then).
+``--cpu-offloading-num-layers`` layers on the host: the device keeps the rest.  Backward brings them back
+one layer ahead (while layer ``i``'s backward runs, layer ``i - 1`` is reloaded), which the kept count does
+not add: with ``N`` offloaded layers of ``L`` the layers above have been freed by then, except with
+``N = L - 1``, where the last layer's backward holds itself and the reloaded layer below (the loss's
+tensors, freed by then, usually outweigh that layer).
 MoE layers are estimated (not measured): router scores and the top-k copies of the tokens
 through the experts.
 
@@ -43,7 +55,9 @@ p2p the ring's q, contiguous k/v copies ``2 B S g d / TP``, output, log-sum-exps
 and the context copy; a2a the all-to-all'd q/k/v (the QKV output's size) and, by the layer's core on the
 whole sequence of ``n / CP`` heads, SDPA's output, fp32 log-sum-exps and the context copy, or the blocked
 core's probabilities (``1/CP`` of the table's) and context; allgather the gathered k/v ``2 B s b g d / TP``, output,
-log-sum-exps, masks and the context copy.  Measured on 2 ranks within 2% (tests/test_estimate.py).
+log-sum-exps, masks and the context copy (with attention dropout, position-keyed under CP: per chunk
+contiguous copies of the keys and values it sees, no mask).  Measured on 2 ranks within 2%, with and without
+attention dropout (tests/test_estimate.py).
 
 In flight (Megatron's schedules): no pipelining 1 microbatch; 1F1B stage ``r`` of ``p`` holds
 ``min(p - r, m)``; interleaved with ``v`` chunks ``min(2 (p - r - 1) + (v - 1) p + 1, m v)``
@@ -118,6 +132,12 @@ def layer_bytes(m, sh: Shape, is_moe: bool = False) -> Dict[str, int]:
         out["attention"] = context
     elif sh.cp > 1:
         out.update(context_parallel_attention_bytes(m, sh, out))
+    elif m.attention_dropout > 0 and m.position_keyed_attention_dropout:
+        out.update(tiled_core_bytes(m, sh, out))  # the position-keyed core (blocks.local_attention)
+    elif m.attention_backend == "unfused":
+        out.update(unfused_core_bytes(m, sh, out))
+    elif m.attention_dropout > 0 and sh.device == "cpu":
+        out.update(sdpa_math_bytes(m, sh, out))
     elif uses_blocked_attention(m, sh.dtype_bytes < 4, sh.device == "cuda"):
         out["attention"] = context + blocked_probability_bytes(m, sh)
         if g != n:  # k and v are kept expanded to n heads instead of the projections' own
@@ -137,6 +157,56 @@ def layer_bytes(m, sh: Shape, is_moe: bool = False) -> Dict[str, int]:
     return out
 
 
+def tiled_core_bytes(m, sh: Shape, parts: Dict[str, int]) -> Dict[str, int]:
+    """The tiled cores of :mod:`megalm.context_parallel.blocks` (the ring of ``--cp-comm-type p2p``; without
+    CP the position-keyed dropout core) on this rank's ``S`` tokens: q, contiguous k and v copies, the output
+    and fp32 log-sum-exps, then the ``[s, b, n d]`` context copy; with RoPE q is the rotated copy and neither
+    the QKV output nor the rotated k is kept (``parts``: the layer's other parts, "qkv" / "rope" replaced)."""
+    B, S, tp, b = sh.dtype_bytes, sh.tokens, sh.tp, sh.micro_batch
+    n, d = m.num_attention_heads // tp, m.head_dim
+    g = (m.num_query_groups if m.group_query_attention else m.num_attention_heads) // tp
+    out = {"attention": 2 * B * S * n * d + 2 * B * S * g * d + 4 * b * n * sh.local_seq}
+    if "rope" in parts:
+        out["qkv"], out["rope"] = 0, parts["rope"] - B * S * g * d
+    return out
+
+
+def unfused_core_bytes(m, sh: Shape, parts: Dict[str, int]) -> Dict[str, int]:
+    """``--attention-backend unfused`` (eager): the fp32 softmax output ``4 b n s^2 / TP`` and its bool causal
+    mask ``s^2``; the probabilities the last matmul reads in the model dtype (a copy in half precision), or with
+    attention dropout its mask and the dropped probabilities (``B b n s^2 / TP`` each); the context copy; under
+    GQA k and v expanded to ``n`` heads (with RoPE the QKV output and the rotated k are then not kept)."""
+    B, S, tp, b, s = sh.dtype_bytes, sh.tokens, sh.tp, sh.micro_batch, sh.seq
+    n, d = m.num_attention_heads // tp, m.head_dim
+    g = (m.num_query_groups if m.group_query_attention else m.num_attention_heads) // tp
+    probs = b * n * s * s
+    read = 2 * B * probs if m.attention_dropout > 0 else (B * probs if B < 4 else 0)
+    out = {"attention": 4 * probs + s * s + read + B * S * n * d}
+    if g != n:
+        out["attention"] += 2 * B * S * n * d
+        if "rope" in parts:
+            out["qkv"], out["rope"] = 0, parts["rope"] - B * S * g * d
+    return out
+
+
+def sdpa_math_bytes(m, sh: Shape, parts: Dict[str, int]) -> Dict[str, int]:
+    """SDPA with attention dropout on a CPU (its math path, no fused kernel, computing in fp32 whatever the
+    model dtype): scaled copies of q and k^T, the probabilities, the dropout mask and the dropped
+    probabilities (``4 b n s s / TP`` each), v (fp32: a copy, expanded to ``n`` heads under GQA, and the QKV
+    output let go; fp32 MHA: a view that keeps the QKV output), then the context copy in the model dtype;
+    with RoPE the rotated q and k are not kept (``parts``: the layer's other parts, "qkv" / "rope" replaced)."""
+    B, S, tp, b, s = sh.dtype_bytes, sh.tokens, sh.tp, sh.micro_batch, sh.seq
+    n, d = m.num_attention_heads // tp, m.head_dim
+    g = (m.num_query_groups if m.group_query_attention else m.num_attention_heads) // tp
+    out = {"attention": 3 * 4 * b * n * s * s + 2 * 4 * S * n * d + B * S * n * d}
+    if g != n or B < 4:
+        out["attention"] += 4 * S * n * d
+        out["qkv"] = 0
+    if "rope" in parts:
+        out["rope"] = parts["rope"] - B * S * (n + g) * d
+    return out
+
+
 def context_parallel_attention_bytes(m, sh: Shape, parts: Dict[str, int]) -> Dict[str, int]:
     """The attention core's saved bytes under context parallelism (``S`` this rank's ``s b / CP``
     tokens; ``parts`` the layer's other parts so far, whose "qkv" / "rope" entries it may replace)."""
@@ -144,15 +214,13 @@ def context_parallel_attention_bytes(m, sh: Shape, parts: Dict[str, int]) -> Dic
     n, d = m.num_attention_heads // tp, m.head_dim
     g = (m.num_query_groups if m.group_query_attention else m.num_attention_heads) // tp
     context = B * S * n * d
-    out = {}
-    if sh.cp_comm_type in ("p2p", "allgather") and "rope" in parts:
-        # q is the rotated copy, k and v are copied or gathered: neither the QKV output nor the rotated k is kept.
-        out["qkv"], out["rope"] = 0, parts["rope"] - B * S * g * d
     if sh.cp_comm_type == "p2p":
-        # The ring keeps q, contiguous k and v copies, its output and log-sum-exps; then the [s, b, n d]
-        # context copy.
-        out["attention"] = 2 * context + 2 * B * S * g * d + B * b * n * sh.local_seq
-    elif sh.cp_comm_type == "a2a":
+        return tiled_core_bytes(m, sh, parts)
+    out = {}
+    if sh.cp_comm_type == "allgather" and "rope" in parts:
+        # q is the rotated copy, k and v are gathered: neither the QKV output nor the rotated k is kept.
+        out["qkv"], out["rope"] = 0, parts["rope"] - B * S * g * d
+    if sh.cp_comm_type == "a2a":
         # The layer's core on the whole sequence of n / CP heads keeps the all-to-all'd q, k, v (the QKV
         # output's size); the rotated q and k are not kept.  SDPA: its output and fp32 log-sum-exps, then the
         # context copy; blocked (``auto`` picks it at these lengths on a CPU): each query block's
@@ -167,6 +235,11 @@ def context_parallel_attention_bytes(m, sh: Shape, parts: Dict[str, int]) -> Dic
             out["attention"] = 2 * context + 4 * b * n * sh.local_seq
         if "rope" in parts:
             out["rope"] = parts["rope"] - B * S * (m.num_attention_heads + g * tp) * d // tp
+    elif m.attention_dropout > 0:
+        # The keyed core (blocks.local_attention) per query chunk j: contiguous copies of the ``(j + 1) c``
+        # keys and values it sees (``(2 CP + 1) c`` for the rank's pair), its output and log-sum-exps; no mask.
+        c = sh.local_seq // 2
+        out["attention"] = 2 * context + 2 * B * b * (2 * sh.cp + 1) * c * g * d + 4 * b * n * sh.local_seq
     else:
         # Gathered k and v of the whole sequence, each query chunk's output, log-sum-exps and causal
         # mask (bool, ``c x (j + 1) c`` for chunk j: ``c^2 (2 CP + 1)`` for the rank's pair).
