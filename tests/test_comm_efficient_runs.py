@@ -54,8 +54,6 @@ def worker(tmp):
     # the distributed optimizer: int8's all-to-all reduce-scatter, PowerSGD's all-reduce then the shard
     for method, flags in METHODS.items():
         runs.append(argv(f"{method}_distopt", *flags, "--use-distributed-optimizer", "--train-iters", "6"))
-    zero3 = ["--data-parallel-sharding-strategy", "optim_grads_params", "--train-iters", "6"]
-    runs.append(argv("int8_zero3", *METHODS["int8"], *zero3))  # ZeRO-3: the all-to-all into the sharded gradient
     # TP 2 on the 2 ranks: the DP 2 checkpoint loaded at data-parallel size 1 (another layout), with
     # compression (nothing to compress at DP 1) and without
     tp2 = ["--load", os.path.join(tmp, "ckpt_powersgd"), "--ckpt-step", "3", "--train-iters", "6",
@@ -71,6 +69,8 @@ def worker(tmp):
         argv("diloco_base", *DILOCO, "--save", ckpt, "--save-interval", "3", "--train-iters", "6"),
         argv("diloco_resumed", *DILOCO, "--load", ckpt, "--ckpt-step", "3", "--train-iters", "6"),
     ]
+    zero3 = ["--data-parallel-sharding-strategy", "optim_grads_params", "--train-iters", "6"]
+    runs.append(argv("int8_zero3", *METHODS["int8"], *zero3))  # ZeRO-3: the all-to-all into the sharded gradient
     saved, sys.stdout = sys.stdout, io.StringIO()
     try:
         codes = run_trainings(runs)

@@ -562,6 +562,35 @@ def test_residuals_resharded_to_one_rank_are_added_to_its_next_gradient():
     assert ddp.compressor.residuals == {}
 
 
+def test_checkpoint_reshards_into_other_buckets_and_resets_without_pending(tmp_path, capsys):
+    """Through save_checkpoint / load_checkpoint in one process: residuals saved with buckets of 700
+    elements load into one bucket (another signature: resharded, one INFO line) with the same values
+    per parameter; a checkpoint saved without compression leaves them at zero, with the warning."""
+    from megalm import checkpointing
+    from tests.logs import megalm_logs
+
+    pg = ProcessGroups.single()
+    src = DistributedDataParallel(make_model(), config("int8"), process_groups=pg)
+    gen = torch.Generator().manual_seed(4)
+    for b in src.buffers[0].buckets:  # as if resharded from a larger DP size
+        src.compressor.residuals[f"dense0.{b.index}"] = torch.randn(b.numel, generator=gen)
+    want = reshard.pending_updates([src])
+    checkpointing.save_checkpoint(str(tmp_path / "int8"), 1, [src])
+    plain = DistributedDataParallel(make_model(), config("none"), process_groups=pg)
+    checkpointing.save_checkpoint(str(tmp_path / "plain"), 1, [plain])
+    for name in ("int8", "plain"):
+        dst = DistributedDataParallel(make_model(), config("int8", ddp_bucket_size=None), process_groups=pg)
+        with megalm_logs("stderr"):
+            checkpointing.load_checkpoint(str(tmp_path / name), [dst], load_rng=False)
+        err = capsys.readouterr().err
+        if name == "int8":
+            got = reshard.pending_updates([dst])
+            assert all(torch.equal(got[q], want[p]) for p, q in zip(src.module.parameters(), dst.module.parameters()))
+            assert "gradient-compression state resharded" in err and "pending update of 8 parameters" in err
+        else:
+            assert dst.compressor.residuals == {} and "restarts from zero" in err
+
+
 def test_fp8_rounding_nearest_is_the_cast_and_stochastic_is_unbiased():
     a = torch.randn(64, generator=torch.Generator().manual_seed(0))
     for fmt, top in (("e4m3", 448.0), ("e5m2", 57344.0)):
@@ -571,9 +600,9 @@ def test_fp8_rounding_nearest_is_the_cast_and_stochastic_is_unbiased():
         assert torch.equal(nearest, (a / scale).to(codec.dtype).float() * scale)
         mean = torch.zeros(64)
         gen = torch.Generator().manual_seed(1)
-        for _ in range(1000):
-            mean += int8.encode(a, 16, ZERO, gen, codec)[1] / 1000
-        # the mean of 1000 roundings is far closer than the nearest value (error ~ 1/60 of a step, not 1/4)
+        for _ in range(500):
+            mean += int8.encode(a, 16, ZERO, gen, codec)[1] / 500
+        # the mean of 500 roundings is far closer than the nearest value (error ~ 1/45 of a step, not 1/4)
         assert (mean - a).abs().mean() < 0.3 * (nearest - a).abs().mean(), fmt
 
 
