@@ -298,7 +298,7 @@ def import_from_megatron(
     if backend == "torch_dist":
         ckpt = TorchDistCheckpoint(path, read_args=use_saved_args)
         args, tensors = ckpt.args, None
-        source = os.path.join(path, "common.pt") if use_saved_args else path
+        source = ckpt.common_source
         notes = ["the optimizer state was not imported (weights only)"] if ckpt.optimizer_keys else []
     elif backend == "legacy":
         if not use_saved_args:

@@ -65,25 +65,41 @@ def is_extra_state(name: str) -> bool:
 
 # --- torch_dist ------------------------------------------------------------------------------
 
+COMMON_STATE_KEY = "common_state/shard_0_1"  # megatron-core >= 0.17: the common state inside DCP
+
+
+def read_common_state(path: str, metadata) -> Tuple[dict, str]:
+    """``(common state dict, where it was read)``: ``common.pt`` when the directory has one, else the
+    ``common_state`` byte entry of the DCP checkpoint (its bytes read from the file and offset that
+    ``.metadata`` names, unpickled like ``common.pt``)."""
+    common = os.path.join(path, "common.pt")
+    info = next((v for k, v in metadata.storage_data.items() if k.fqn == COMMON_STATE_KEY), None)
+    source = common if os.path.isfile(common) or info is None else f"{path}/{info.relative_path} ({COMMON_STATE_KEY})"
+    try:
+        if source == common:
+            return load_megatron_pickle(common), common
+        with open(os.path.join(path, info.relative_path), "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        return load_megatron_pickle(source, data), source
+    except MegatronPickleError as e:
+        raise MegatronPickleError(
+            f"{e}. To import the weights without reading {source}, give the architecture as megalm flags with "
+            f"--ignore-saved-args"
+        ) from None
+
 
 class TorchDistCheckpoint:
     """One ``iter_XXXXXXX`` directory of a ``torch_dist`` Megatron-LM checkpoint."""
 
     def __init__(self, path: str, read_args: bool = True):
-        """``read_args`` False: ``common.pt`` is not opened (``args`` is None)."""
+        """``read_args`` False: the common state is not read (``args`` is None)."""
         self.path = path
-        self.args, self.common = None, {}
-        if read_args:
-            common = os.path.join(path, "common.pt")
-            try:
-                state = load_megatron_pickle(common)
-            except MegatronPickleError as e:
-                raise MegatronPickleError(
-                    f"{e}. To import the weights without reading {common}, give the architecture as megalm flags "
-                    f"with --ignore-saved-args"
-                ) from None
-            self.args, self.common = checkpoint_args(state, common), state
+        self.args, self.common, self.common_source = None, {}, path
         self.metadata = load_metadata(path, allow_byte_entries=True)
+        if read_args:
+            state, self.common_source = read_common_state(path, self.metadata)
+            self.args, self.common = checkpoint_args(state, self.common_source), state
         tensors = {
             k: md for k, md in self.metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)
         }
