@@ -27,6 +27,9 @@ CASES = [
     ("gpt", "legacy"),
     ("llama_tp2", "torch_dist"),  # saved by 2 tensor-parallel ranks (DCP chunks)
     ("llama_tp2", "legacy"),  # mp_rank_00 / mp_rank_01 merged
+    ("moe", "torch_dist"),  # layer 0 dense, layer 1 4 SwiGLU experts top-2: numbered layers, [experts, ...] keys
+    ("moe", "legacy"),
+    ("singleton", "torch_dist"),  # the same MoE saved with singleton_local_shards: a key per expert, fc1 _w / _v
 ]
 
 

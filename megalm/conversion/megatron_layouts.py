@@ -8,9 +8,13 @@ halves as ``linear_fc1.weight_w`` / ``_v``).  ``.metadata`` is read by
 :func:`megalm.safe_unpickle.load_metadata` (its pickled-object entries, such as the RNG state and
 ``_extra_state``, are listed but never read); tensors by DCP with ``torch.load(weights_only=True)``.
 Mixture-of-experts layers (megatron-core's ``SequentialMLP`` and ``TEGroupedMLP`` save the same keys)
-stack the experts on a second axis: ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` is
-``[num_layers, num_experts, out, in]``; a stacked key is read for the layers its saved chunks cover
-(a model whose ``--moe-layer-freq`` mixes dense and MoE layers saves each kind for its own layers).
+stack the experts on an axis of their own: ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` is
+``[num_layers, num_experts, out, in]``; a stacked key is read for the layers its saved chunks cover.
+megatron-core 0.19 saves a model whose ``--moe-layer-freq`` mixes dense and MoE layers with numbered
+layers (``decoder.layers.1.mlp.experts.experts.linear_fc1.weight`` ``[num_experts, out, in]``), and with
+``singleton_local_shards`` in its sharded-state-dict metadata (set by other frameworks, never by
+Megatron-LM's ``save_checkpoint``) numbered layers, one key per expert
+(``decoder.layers.1.mlp.experts.experts.3.linear_fc1.weight``) and SwiGLU halves apart (``_w`` / ``_v``).
 
 legacy (``mp_rank_XX[_YYY]/model_optim_rng.pt``, TP rank XX, PP rank YYY): each file holds its
 rank's shards under stage-local layer numbers; :func:`merge_legacy` concatenates column-parallel
@@ -55,7 +59,6 @@ NON_MODEL_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine_state", "t
 _DIM0 = (".linear_qkv.weight", ".linear_qkv.bias", ".linear_fc1.weight", ".linear_fc1.bias")
 _DIM0_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _DIM1 = (".linear_proj.weight", ".linear_fc2.weight")
-STACKED_EXPERTS = "mlp.experts.experts."  # torch_dist: [num_layers, num_experts, ...]
 OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq", "fp32_param")  # Adam's moments and the fp32 main weights
 
 
@@ -158,15 +161,30 @@ class TorchDistCheckpoint:
                     )
                 rest = key[len(STACKED_PREFIX) :]
                 for i in self.saved_layers(full_key):
-                    if rest.startswith(STACKED_EXPERTS):  # [layer, expert, ...]
-                        expert_rest = rest[len(STACKED_EXPERTS) :]
-                        for j in range(t.shape[1]):
-                            out[f"{STACKED_PREFIX}{i}.mlp.experts.local_experts.{j}.{expert_rest}"] = t[i, j]
-                    else:
-                        out[f"{STACKED_PREFIX}{i}.{rest}"] = t[i]
+                    out[f"{STACKED_PREFIX}{i}.{rest}"] = t[i]
             else:
                 out[key] = t
-        return _join_swiglu_halves(out)
+        return _join_swiglu_halves(_split_experts(out))
+
+
+_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)experts\.(?:(\d+)\.)?(.*)$")
+
+
+def _split_experts(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """A layer's ``mlp.experts.experts.<rest>`` ``[experts, ...]`` (or, saved with
+    ``singleton_local_shards``, ``mlp.experts.experts.<j>.<rest>`` per expert) as
+    ``mlp.experts.local_experts.<j>.<rest>``."""
+    out = {}
+    for name, t in tensors.items():
+        found = _EXPERTS.match(name)
+        if found is None:
+            out[name] = t
+        elif found.group(2) is not None:
+            out[f"{found.group(1)}local_experts.{found.group(2)}.{found.group(3)}"] = t
+        else:
+            for j in range(t.shape[0]):
+                out[f"{found.group(1)}local_experts.{j}.{found.group(3)}"] = t[j]
+    return out
 
 
 def _join_swiglu_halves(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
