@@ -40,7 +40,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megalm.conversion.errors import ConversionError
 from megalm.conversion.megatron_args import refusals
+from megalm.conversion.megatron_flat_optimizer import flat_buckets
 from megalm.conversion.megatron_pickles import MegatronPickleError, checkpoint_args, load_megatron_pickle
 from megalm.safe_unpickle import SafeFileSystemReader, load_metadata
 
@@ -59,7 +60,8 @@ NON_MODEL_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine_state", "t
 _DIM0 = (".linear_qkv.weight", ".linear_qkv.bias", ".linear_fc1.weight", ".linear_fc1.bias")
 _DIM0_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _DIM1 = (".linear_proj.weight", ".linear_fc2.weight")
-OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq", "fp32_param")  # Adam's moments and the fp32 main weights
+# Adam's moments and the fp32 main weights (``param`` in the fully_reshardable format): our name for each.
+OPTIMIZER_STATES = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "fp32_param": "fp32_param", "param": "fp32_param"}
 
 
 def is_extra_state(name: str) -> bool:
@@ -69,26 +71,34 @@ def is_extra_state(name: str) -> bool:
 # --- torch_dist ------------------------------------------------------------------------------
 
 COMMON_STATE_KEY = "common_state/shard_0_1"  # megatron-core >= 0.17: the common state inside DCP
+# The distributed optimizer's param groups (with Adam's step) in its dp_reshardable format.
+FLAT_OPTIMIZER_GROUPS_KEY = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
+
+
+def read_byte_entry(path: str, metadata, key: str) -> Optional[Tuple[object, str]]:
+    """``(object, where it was read)`` of the DCP byte entry ``key`` (megatron-core's ``ShardedObject``:
+    a ``torch.save`` of ``[object]``), unpickled like ``common.pt``; None when there is no such entry."""
+    info = next((v for k, v in metadata.storage_data.items() if k.fqn == key), None)
+    if info is None:
+        return None
+    source = f"{path}/{info.relative_path} ({key})"
+    with open(os.path.join(path, info.relative_path), "rb") as f:
+        f.seek(info.offset)
+        data = f.read(info.length)
+    return load_megatron_pickle(source, data), source
 
 
 def read_common_state(path: str, metadata) -> Tuple[dict, str]:
     """``(common state dict, where it was read)``: ``common.pt`` when the directory has one, else the
-    ``common_state`` byte entry of the DCP checkpoint (its bytes read from the file and offset that
-    ``.metadata`` names, unpickled like ``common.pt``)."""
+    ``common_state`` byte entry of the DCP checkpoint."""
     common = os.path.join(path, "common.pt")
-    info = next((v for k, v in metadata.storage_data.items() if k.fqn == COMMON_STATE_KEY), None)
-    source = common if os.path.isfile(common) or info is None else f"{path}/{info.relative_path} ({COMMON_STATE_KEY})"
     try:
-        if source == common:
-            return load_megatron_pickle(common), common
-        with open(os.path.join(path, info.relative_path), "rb") as f:
-            f.seek(info.offset)
-            data = f.read(info.length)
-        return load_megatron_pickle(source, data), source
+        found = None if os.path.isfile(common) else read_byte_entry(path, metadata, COMMON_STATE_KEY)
+        return found if found is not None else (load_megatron_pickle(common), common)
     except MegatronPickleError as e:
         raise MegatronPickleError(
-            f"{e}. To import the weights without reading {source}, give the architecture as megalm flags with "
-            f"--ignore-saved-args"
+            f"{e}. To import the weights without reading the common state, give the architecture as megalm "
+            f"flags with --ignore-saved-args"
         ) from None
 
 
@@ -138,14 +148,32 @@ class TorchDistCheckpoint:
     def optimizer_states(self, num_layers: int) -> Dict[str, Dict[str, torch.Tensor]]:
         """``{state: {model tensor name: tensor}}`` of the model-space optimizer state (the keys
         ``optimizer.state.<exp_avg | exp_avg_sq | fp32_param>.<model key>`` that megatron-core's plain
-        optimizers and the distributed optimizer's ``fully_sharded_model_space`` format save, with the
-        model keys' shapes), unstacked like the model; ``{}`` for states saved otherwise."""
+        optimizers and the distributed optimizer's ``fully_sharded_model_space`` format save, and
+        ``optimizer.state.<exp_avg | exp_avg_sq | param>.<model key>`` of its ``fully_reshardable`` format,
+        with the model keys' shapes), unstacked like the model; ``{}`` for states saved otherwise."""
         out = {}
-        for state in OPTIMIZER_STATES:
+        for state, ours in OPTIMIZER_STATES.items():
             prefix = f"optimizer.state.{state}."
             keys = [k for k in self.optimizer_keys if k.startswith(prefix)]
             if keys:
-                out[state] = self._unstacked(self.load(keys), prefix, num_layers)
+                out[ours] = self._unstacked(self.load(keys), prefix, num_layers)
+        return out
+
+    def flat_optimizer_buckets(self) -> List[Dict[str, torch.Tensor]]:
+        """The distributed optimizer's ``dp_reshardable`` buckets (``{param | exp_avg | exp_avg_sq: flat
+        tensor}``, in buffer and bucket order; :mod:`megalm.conversion.megatron_flat_optimizer`), ``[]``
+        when it saved none; refused for more than one model-parallel rank's buffers."""
+        buckets = flat_buckets(self.optimizer_keys)
+        groups = sorted({key[0] for key in buckets})
+        if len(groups) > 1:
+            raise ConversionError(
+                f"{self.path}: the distributed optimizer's flat buffers of {len(groups)} model-parallel ranks "
+                f"(dp_group_idx {groups}): only a TP 1 x PP 1 run's are read"
+            )
+        out = []
+        for key in sorted(buckets):
+            loaded = self.load(list(buckets[key].values()))
+            out.append({state: loaded[k] for state, k in buckets[key].items()})
         return out
 
     def _unstacked(self, loaded: Dict[str, torch.Tensor], prefix: str, num_layers: int) -> Dict[str, torch.Tensor]:
