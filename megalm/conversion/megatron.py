@@ -12,7 +12,8 @@ map to megalm's: TE's fused norm names to ``input_layernorm`` / ``pre_mlp_layern
 (:func:`megalm.parameter_names.canonical_name`), ``_extra_state`` dropped, the padded vocabulary
 trimmed to the true one, a SwiGLU ``linear_fc1`` ``[gate ; up]`` reshaped to ``[2, ffn, h]``.
 Written with :func:`megalm.conversion.megalm_checkpoint.write_checkpoint` (full tensors, any
-TP/PP layout loads it).  A ``torch_dist`` checkpoint's Adam state in model space is imported too
+TP/PP layout loads it).  A ``torch_dist`` checkpoint's Adam state (model space, or the distributed
+optimizer's ``dp_reshardable`` flat buffers of a TP 1 x PP 1 run) is imported too
 (:mod:`megalm.conversion.megatron_optimizer`), so ``--load`` resumes the optimizer; otherwise weights
 only, and a note says so.
 No communication.
