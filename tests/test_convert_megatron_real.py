@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+from megalm.checkpoint_resume import CheckpointError, find_checkpoint
 from megalm.conversion.megalm_checkpoint import MegalmCheckpointReader
 from megalm.conversion.megatron import import_from_megatron
 from megalm.conversion.verify import megalm_model_from_tensors
@@ -55,6 +56,8 @@ def test_megatron_core_checkpoint_gives_megatron_cores_logits(model, layout, tmp
     assert logits.shape == reference.shape
     assert (logits - reference).abs().max() <= 1e-5, (model, layout)
     assert reader.config.model.vocab_size == 100 and any("vocabulary 100" in n for n in result.notes)
+    with pytest.raises(CheckpointError, match="is a Megatron-LM checkpoint .*convert.py --from megatron"):
+        find_checkpoint(os.path.join(FIXTURES, model, layout))  # --load on it names the converter
 
 
 @pytest.mark.parametrize("layout", ["dp_reshardable", "fully_reshardable"])
