@@ -122,3 +122,13 @@ def test_flat_buffers_that_do_not_hold_the_saved_weights_are_refused():
     changed[name] = weights[name] + 1e-3
     with pytest.raises(ConversionError, match="no saved weight matches the fp32 main weights at element"):
         place_parameters(buckets, changed, "x")
+
+    # Another model-parallel rank's buffers (a TP 2 run): the weights import, the optimizer state does not.
+    from megalm.conversion import megatron
+
+    ckpt.optimizer_keys = ckpt.optimizer_keys + [
+        k.replace("dp_group_idx_0", "dp_group_idx_1") for k in ckpt.optimizer_keys
+    ]
+    cfg = megatron.config_from_saved_args(ckpt.args, "x", [])[0]
+    optimizer, note = megatron._optimizer_state(ckpt, cfg.model, "x", "iter_0000010", weights)
+    assert optimizer is None and "not imported (weights only)" in note and "dp_group_idx [0, 1]" in note

@@ -220,17 +220,17 @@ def _optimizer_state(ckpt: TorchDistCheckpoint, m, source: str, directory: str, 
     if not m.untie_embeddings_and_output_weights:
         params = [p for p in params if p != OUTPUT_LAYER]
     states, common = ckpt.optimizer_states(m.num_layers), ckpt.common
-    buckets = [] if states else ckpt.flat_optimizer_buckets()
+    trainable = {
+        k: t
+        for k, t in weights.items()
+        if not k.endswith(".expert_bias") and (k != OUTPUT_LAYER or m.untie_embeddings_and_output_weights)
+    }
+    try:
+        buckets = [] if states else ckpt.flat_optimizer_buckets()
+        states = place_parameters(buckets, trainable, ckpt.path) if buckets else states
+    except ConversionError as e:
+        return None, f"the optimizer state was not imported (weights only): {e}"
     if buckets:
-        trainable = {
-            k: t
-            for k, t in weights.items()
-            if not k.endswith(".expert_bias") and (k != OUTPUT_LAYER or m.untie_embeddings_and_output_weights)
-        }
-        try:
-            states = place_parameters(buckets, trainable, ckpt.path)
-        except ConversionError as e:
-            return None, f"the optimizer state was not imported (weights only): {e}"
         groups = read_byte_entry(ckpt.path, ckpt.metadata, FLAT_OPTIMIZER_GROUPS_KEY)
         common = {"optimizer": groups[0]} if groups is not None else {}
     step = saved_step(common)
