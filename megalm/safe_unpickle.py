@@ -15,7 +15,10 @@ a crafted ``.metadata`` runs whatever it names.  Every megalm read of a checkpoi
   the shape megalm writes: a ``Metadata`` of tensor entries whose storage items name plain
   files of the checkpoint directory, with no storage transforms.  Only the Megatron-LM import
   (``load_metadata(..., allow_byte_entries=True)``) also accepts DCP's ``BytesStorageMetadata``
-  entries (pickled objects such as Megatron's RNG state), which it lists but never reads.
+  entries (pickled objects such as Megatron's RNG state, which it lists but never reads; the
+  ``common_state`` entry is read by :mod:`megalm.conversion.megatron_layouts` with
+  ``torch.load(weights_only=True)``) and megatron-core's cached save plans (DCP's ``SavePlan`` /
+  ``WriteItem`` dataclasses in ``Metadata.all_local_plans``, dropped once read).
 * :class:`SafeFileSystemReader` is DCP's file reader with that metadata reader, without DCP's
   fall-back to per-rank ``__<rank>.metadata`` files (megalm never writes them), and refusing
   byte (non-tensor) items, which DCP's planners would ``torch.load(weights_only=False)``.
@@ -37,6 +40,7 @@ from typing import Optional
 
 import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint import planner as dcp_planner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType
@@ -83,11 +87,21 @@ _ALLOWED_GLOBALS = types.MappingProxyType(
     }
 )
 
-# Megatron-LM's torch_dist checkpoints list pickled objects (RNG state...) as byte entries: their
-# empty marker class is accepted only by load_metadata(allow_byte_entries=True); the entries are never read.
-_BYTE_ENTRY_GLOBAL = (
-    ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
-    dcp_metadata.BytesStorageMetadata,
+# Megatron-LM's torch_dist checkpoints list pickled objects (RNG state...) as byte entries, and
+# megatron-core (0.15+) keeps its ranks' save plans in ``Metadata.all_local_plans`` (DCP's plain planner
+# dataclasses, dropped after loading): accepted only by load_metadata(allow_byte_entries=True).
+_MEGATRON_GLOBALS = types.MappingProxyType(
+    {
+        ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"): dcp_metadata.BytesStorageMetadata,
+        ("torch.distributed.checkpoint.planner", "SavePlan"): dcp_planner.SavePlan,
+        ("torch.distributed.checkpoint.planner", "WriteItem"): dcp_planner.WriteItem,
+        ("torch.distributed.checkpoint.planner", "WriteItemType"): dcp_planner.WriteItemType,
+        ("torch.distributed.checkpoint.planner", "TensorWriteData"): dcp_planner.TensorWriteData,
+        ("torch.distributed.checkpoint.planner", "BytesIOWriteData"): dcp_planner.BytesIOWriteData,
+    }
+)
+_MEGATRON_BUILDABLE = frozenset(
+    {dcp_planner.SavePlan, dcp_planner.WriteItem, dcp_planner.TensorWriteData, dcp_planner.BytesIOWriteData}
 )
 
 # Instances whose state BUILD may set (TensorProperties through its own __setstate__).
@@ -122,8 +136,8 @@ class _MetadataUnpickler(pickle._Unpickler):
 
     def find_class(self, module: str, name: str):
         obj = _ALLOWED_GLOBALS.get((module, name))
-        if obj is None and self.allow_byte_entries and (module, name) == _BYTE_ENTRY_GLOBAL[0]:
-            obj = _BYTE_ENTRY_GLOBAL[1]
+        if obj is None and self.allow_byte_entries:
+            obj = _MEGATRON_GLOBALS.get((module, name))
         if obj is None:
             self.refuse(f"global {name!r} of module {module!r}")
         return obj
@@ -134,7 +148,7 @@ class _MetadataUnpickler(pickle._Unpickler):
     def load_build(self):
         state = self.stack.pop()
         inst = self.stack[-1]
-        if type(inst) not in _BUILDABLE:
+        if type(inst) not in _BUILDABLE and not (self.allow_byte_entries and type(inst) in _MEGATRON_BUILDABLE):
             self.refuse(f"object state for {type(inst).__qualname__} {inst!r:.80}")
         if "__setstate__" in vars(type(inst)):
             inst.__setstate__(state)
@@ -196,6 +210,8 @@ def load_metadata(path: str, allow_byte_entries: bool = False) -> Metadata:
         raise CheckpointMetadataError(
             f"{file} is not a readable checkpoint metadata file: {type(e).__name__}: {e}"
         ) from None
+    if allow_byte_entries and isinstance(metadata, Metadata) and "all_local_plans" in vars(metadata):
+        metadata.all_local_plans = None  # megatron-core's cached save plans: not needed to read
     return _check_shape(metadata, file, allow_byte_entries)
 
 

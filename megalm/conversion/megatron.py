@@ -12,7 +12,8 @@ map to megalm's: TE's fused norm names to ``input_layernorm`` / ``pre_mlp_layern
 (:func:`megalm.parameter_names.canonical_name`), ``_extra_state`` dropped, the padded vocabulary
 trimmed to the true one, a SwiGLU ``linear_fc1`` ``[gate ; up]`` reshaped to ``[2, ffn, h]``.
 Written with :func:`megalm.conversion.megalm_checkpoint.write_checkpoint` (full tensors, any
-TP/PP layout loads it).  A ``torch_dist`` checkpoint's Adam state in model space is imported too
+TP/PP layout loads it).  A ``torch_dist`` checkpoint's Adam state (model space, or the distributed
+optimizer's ``dp_reshardable`` flat buffers of a TP 1 x PP 1 run) is imported too
 (:mod:`megalm.conversion.megatron_optimizer`), so ``--load`` resumes the optimizer; otherwise weights
 only, and a note says so.
 No communication.
@@ -48,7 +49,14 @@ from megalm.conversion.hf_files import DTYPES
 from megalm.conversion.import_hf import ImportResult, _explicit_dests, build_config
 from megalm.conversion.megalm_checkpoint import write_checkpoint
 from megalm.conversion.megatron_args import MOE_TRAINING_FIELDS, megalm_fields, true_vocab_size
-from megalm.conversion.megatron_layouts import TorchDistCheckpoint, is_extra_state, merge_legacy
+from megalm.conversion.megatron_flat_optimizer import place_parameters
+from megalm.conversion.megatron_layouts import (
+    FLAT_OPTIMIZER_GROUPS_KEY,
+    TorchDistCheckpoint,
+    is_extra_state,
+    merge_legacy,
+    read_byte_entry,
+)
 from megalm.conversion.megatron_optimizer import iteration_of, optimizer_entries, saved_step
 from megalm.errors import MegalmError
 from megalm.parameter_names import canonical_name
@@ -203,20 +211,38 @@ def router_buffer_shapes(m) -> Dict[str, tuple]:
     return {layer(i, "mlp.router.expert_bias"): (m.num_experts,) for i, is_moe in enumerate(moe_layers(m)) if is_moe}
 
 
-def _optimizer_state(ckpt: TorchDistCheckpoint, m, source: str, directory: str):
-    """``((entries, optimizer_common) or None, note)``: Megatron's model-space Adam state in megalm's
-    names (:mod:`megalm.conversion.megatron_optimizer`)."""
+def _optimizer_state(ckpt: TorchDistCheckpoint, m, source: str, directory: str, weights: Dict[str, torch.Tensor]):
+    """``((entries, optimizer_common) or None, note)``: Megatron's Adam state in megalm's names
+    (:mod:`megalm.conversion.megatron_optimizer`), from model-space keys or, failing those, from the
+    distributed optimizer's ``dp_reshardable`` buffers placed by the saved ``weights`` (Megatron's names,
+    :mod:`megalm.conversion.megatron_flat_optimizer`)."""
     params = sorted(checkpoint_shapes(m))
     if not m.untie_embeddings_and_output_weights:
         params = [p for p in params if p != OUTPUT_LAYER]
-    step = saved_step(ckpt.common)
+    states, common = ckpt.optimizer_states(m.num_layers), ckpt.common
+    trainable = {
+        k: t
+        for k, t in weights.items()
+        if not k.endswith(".expert_bias") and (k != OUTPUT_LAYER or m.untie_embeddings_and_output_weights)
+    }
+    try:
+        buckets = [] if states else ckpt.flat_optimizer_buckets()
+        states = place_parameters(buckets, trainable, ckpt.path) if buckets else states
+    except ConversionError as e:
+        return None, f"the optimizer state was not imported (weights only): {e}"
+    if buckets:
+        groups = read_byte_entry(ckpt.path, ckpt.metadata, FLAT_OPTIMIZER_GROUPS_KEY)
+        common = {"optimizer": groups[0]} if groups is not None else {}
+    step = saved_step(common)
     step = iteration_of(directory) if step is None else step
 
     def to_megalm(tensors):
         return to_megalm_names(tensors, m, source, buffers=False)
 
-    entries, common, note = optimizer_entries(ckpt.optimizer_states(m.num_layers), to_megalm, params, step)
-    return (None if entries is None else (entries, common)), note
+    entries, optimizer_common, note = optimizer_entries(states, to_megalm, params, step)
+    if entries is not None and buckets:
+        note += " (read from the distributed optimizer's dp_reshardable buffers)"
+    return (None if entries is None else (entries, optimizer_common)), note
 
 
 def config_from_saved_args(args: dict, source: str, extra_args: List[str]) -> Tuple[MegalmConfig, List[str]]:
@@ -298,7 +324,7 @@ def import_from_megatron(
     if backend == "torch_dist":
         ckpt = TorchDistCheckpoint(path, read_args=use_saved_args)
         args, tensors = ckpt.args, None
-        source = os.path.join(path, "common.pt") if use_saved_args else path
+        source = ckpt.common_source
         notes = ["the optimizer state was not imported (weights only)"] if ckpt.optimizer_keys else []
     elif backend == "legacy":
         if not use_saved_args:
@@ -326,7 +352,7 @@ def import_from_megatron(
         out = {k: v.to(DTYPES[dtype]) for k, v in out.items()}
     optimizer = None
     if backend == "torch_dist" and ckpt.optimizer_keys:
-        optimizer, note = _optimizer_state(ckpt, m, source, os.path.basename(path))
+        optimizer, note = _optimizer_state(ckpt, m, source, os.path.basename(path), tensors)
         notes = [n for n in notes if "optimizer state was not imported" not in n] + [note]
     stored = sorted({str(t.dtype).replace("torch.", "") for t in out.values()})
     main_weights = optimizer is not None and any(k.endswith(".main_param") for k in optimizer[0])

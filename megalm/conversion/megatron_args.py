@@ -7,6 +7,8 @@ qk-layernorm, ``apply_layernorm_1p``), the dropouts, the init std, ``seq_length`
 vocabulary; for mixture-of-experts models the expert count, sizes, layer pattern, router (top-k, score
 function, group-limited routing, scaling, expert bias, dtype), shared expert and the training-only
 settings (losses, dispatcher, capacity), which megalm flags may override (:data:`MOE_TRAINING_FIELDS`).
+megatron-core 0.19's parser stores ``--norm-epsilon`` as ``layernorm_epsilon`` and
+``--apply-layernorm-1p`` as ``layernorm_zero_centered_gamma``: either name is read.
 Megatron's default fused bias-GELU (``bias_gelu_fusion`` with biases) and
 ``--openai-gelu`` compute the tanh approximation of GELU: such models get megalm's
 ``--openai-gelu``; ``--no-bias-gelu-fusion`` runs (or no biases) keep the exact erf GELU.
@@ -166,8 +168,8 @@ def megalm_fields(args: dict, source: str, vocab_size: int) -> Tuple[dict, List[
         "rotary_base": int(_get(args, "rotary_base", 10000)),
         "rotary_percent": float(_get(args, "rotary_percent", 1.0)),
         "normalization": _get(args, "normalization", "LayerNorm"),
-        "norm_epsilon": float(_get(args, "norm_epsilon", 1e-5)),
-        "apply_layernorm_1p": bool(args.get("apply_layernorm_1p")),
+        "norm_epsilon": float(_get(args, "norm_epsilon", _get(args, "layernorm_epsilon", 1e-5))),
+        "apply_layernorm_1p": bool(args.get("apply_layernorm_1p") or args.get("layernorm_zero_centered_gamma")),
         "swiglu": bool(args.get("swiglu")),
         "openai_gelu": tanh_gelu(args),
         "add_bias_linear": bool(_get(args, "add_bias_linear", True)),

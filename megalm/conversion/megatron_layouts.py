@@ -8,9 +8,13 @@ halves as ``linear_fc1.weight_w`` / ``_v``).  ``.metadata`` is read by
 :func:`megalm.safe_unpickle.load_metadata` (its pickled-object entries, such as the RNG state and
 ``_extra_state``, are listed but never read); tensors by DCP with ``torch.load(weights_only=True)``.
 Mixture-of-experts layers (megatron-core's ``SequentialMLP`` and ``TEGroupedMLP`` save the same keys)
-stack the experts on a second axis: ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` is
-``[num_layers, num_experts, out, in]``; a stacked key is read for the layers its saved chunks cover
-(a model whose ``--moe-layer-freq`` mixes dense and MoE layers saves each kind for its own layers).
+stack the experts on an axis of their own: ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` is
+``[num_layers, num_experts, out, in]``; a stacked key is read for the layers its saved chunks cover.
+megatron-core 0.19 saves a model whose ``--moe-layer-freq`` mixes dense and MoE layers with numbered
+layers (``decoder.layers.1.mlp.experts.experts.linear_fc1.weight`` ``[num_experts, out, in]``), and with
+``singleton_local_shards`` in its sharded-state-dict metadata (set by other frameworks, never by
+Megatron-LM's ``save_checkpoint``) numbered layers, one key per expert
+(``decoder.layers.1.mlp.experts.experts.3.linear_fc1.weight``) and SwiGLU halves apart (``_w`` / ``_v``).
 
 legacy (``mp_rank_XX[_YYY]/model_optim_rng.pt``, TP rank XX, PP rank YYY): each file holds its
 rank's shards under stage-local layer numbers; :func:`merge_legacy` concatenates column-parallel
@@ -36,7 +40,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -45,6 +49,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megalm.conversion.errors import ConversionError
 from megalm.conversion.megatron_args import refusals
+from megalm.conversion.megatron_flat_optimizer import flat_buckets
 from megalm.conversion.megatron_pickles import MegatronPickleError, checkpoint_args, load_megatron_pickle
 from megalm.safe_unpickle import SafeFileSystemReader, load_metadata
 
@@ -55,8 +60,8 @@ NON_MODEL_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine_state", "t
 _DIM0 = (".linear_qkv.weight", ".linear_qkv.bias", ".linear_fc1.weight", ".linear_fc1.bias")
 _DIM0_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _DIM1 = (".linear_proj.weight", ".linear_fc2.weight")
-STACKED_EXPERTS = "mlp.experts.experts."  # torch_dist: [num_layers, num_experts, ...]
-OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq", "fp32_param")  # Adam's moments and the fp32 main weights
+# Adam's moments and the fp32 main weights (``param`` in the fully_reshardable format): our name for each.
+OPTIMIZER_STATES = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "fp32_param": "fp32_param", "param": "fp32_param"}
 
 
 def is_extra_state(name: str) -> bool:
@@ -65,25 +70,49 @@ def is_extra_state(name: str) -> bool:
 
 # --- torch_dist ------------------------------------------------------------------------------
 
+COMMON_STATE_KEY = "common_state/shard_0_1"  # megatron-core >= 0.17: the common state inside DCP
+# The distributed optimizer's param groups (with Adam's step) in its dp_reshardable format.
+FLAT_OPTIMIZER_GROUPS_KEY = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
+
+
+def read_byte_entry(path: str, metadata, key: str) -> Optional[Tuple[object, str]]:
+    """``(object, where it was read)`` of the DCP byte entry ``key`` (megatron-core's ``ShardedObject``:
+    a ``torch.save`` of ``[object]``), unpickled like ``common.pt``; None when there is no such entry."""
+    info = next((v for k, v in metadata.storage_data.items() if k.fqn == key), None)
+    if info is None:
+        return None
+    source = f"{path}/{info.relative_path} ({key})"
+    with open(os.path.join(path, info.relative_path), "rb") as f:
+        f.seek(info.offset)
+        data = f.read(info.length)
+    return load_megatron_pickle(source, data), source
+
+
+def read_common_state(path: str, metadata) -> Tuple[dict, str]:
+    """``(common state dict, where it was read)``: ``common.pt`` when the directory has one, else the
+    ``common_state`` byte entry of the DCP checkpoint."""
+    common = os.path.join(path, "common.pt")
+    try:
+        found = None if os.path.isfile(common) else read_byte_entry(path, metadata, COMMON_STATE_KEY)
+        return found if found is not None else (load_megatron_pickle(common), common)
+    except MegatronPickleError as e:
+        raise MegatronPickleError(
+            f"{e}. To import the weights without reading the common state, give the architecture as megalm "
+            f"flags with --ignore-saved-args"
+        ) from None
+
 
 class TorchDistCheckpoint:
     """One ``iter_XXXXXXX`` directory of a ``torch_dist`` Megatron-LM checkpoint."""
 
     def __init__(self, path: str, read_args: bool = True):
-        """``read_args`` False: ``common.pt`` is not opened (``args`` is None)."""
+        """``read_args`` False: the common state is not read (``args`` is None)."""
         self.path = path
-        self.args, self.common = None, {}
-        if read_args:
-            common = os.path.join(path, "common.pt")
-            try:
-                state = load_megatron_pickle(common)
-            except MegatronPickleError as e:
-                raise MegatronPickleError(
-                    f"{e}. To import the weights without reading {common}, give the architecture as megalm flags "
-                    f"with --ignore-saved-args"
-                ) from None
-            self.args, self.common = checkpoint_args(state, common), state
+        self.args, self.common, self.common_source = None, {}, path
         self.metadata = load_metadata(path, allow_byte_entries=True)
+        if read_args:
+            state, self.common_source = read_common_state(path, self.metadata)
+            self.args, self.common = checkpoint_args(state, self.common_source), state
         tensors = {
             k: md for k, md in self.metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)
         }
@@ -119,14 +148,32 @@ class TorchDistCheckpoint:
     def optimizer_states(self, num_layers: int) -> Dict[str, Dict[str, torch.Tensor]]:
         """``{state: {model tensor name: tensor}}`` of the model-space optimizer state (the keys
         ``optimizer.state.<exp_avg | exp_avg_sq | fp32_param>.<model key>`` that megatron-core's plain
-        optimizers and the distributed optimizer's ``fully_sharded_model_space`` format save, with the
-        model keys' shapes), unstacked like the model; ``{}`` for states saved otherwise."""
+        optimizers and the distributed optimizer's ``fully_sharded_model_space`` format save, and
+        ``optimizer.state.<exp_avg | exp_avg_sq | param>.<model key>`` of its ``fully_reshardable`` format,
+        with the model keys' shapes), unstacked like the model; ``{}`` for states saved otherwise."""
         out = {}
-        for state in OPTIMIZER_STATES:
+        for state, ours in OPTIMIZER_STATES.items():
             prefix = f"optimizer.state.{state}."
             keys = [k for k in self.optimizer_keys if k.startswith(prefix)]
             if keys:
-                out[state] = self._unstacked(self.load(keys), prefix, num_layers)
+                out[ours] = self._unstacked(self.load(keys), prefix, num_layers)
+        return out
+
+    def flat_optimizer_buckets(self) -> List[Dict[str, torch.Tensor]]:
+        """The distributed optimizer's ``dp_reshardable`` buckets (``{param | exp_avg | exp_avg_sq: flat
+        tensor}``, in buffer and bucket order; :mod:`megalm.conversion.megatron_flat_optimizer`), ``[]``
+        when it saved none; refused for more than one model-parallel rank's buffers."""
+        buckets = flat_buckets(self.optimizer_keys)
+        groups = sorted({key[0] for key in buckets})
+        if len(groups) > 1:
+            raise ConversionError(
+                f"{self.path}: the distributed optimizer's flat buffers of {len(groups)} model-parallel ranks "
+                f"(dp_group_idx {groups}): only a TP 1 x PP 1 run's are read"
+            )
+        out = []
+        for key in sorted(buckets):
+            loaded = self.load(list(buckets[key].values()))
+            out.append({state: loaded[k] for state, k in buckets[key].items()})
         return out
 
     def _unstacked(self, loaded: Dict[str, torch.Tensor], prefix: str, num_layers: int) -> Dict[str, torch.Tensor]:
@@ -142,15 +189,30 @@ class TorchDistCheckpoint:
                     )
                 rest = key[len(STACKED_PREFIX) :]
                 for i in self.saved_layers(full_key):
-                    if rest.startswith(STACKED_EXPERTS):  # [layer, expert, ...]
-                        expert_rest = rest[len(STACKED_EXPERTS) :]
-                        for j in range(t.shape[1]):
-                            out[f"{STACKED_PREFIX}{i}.mlp.experts.local_experts.{j}.{expert_rest}"] = t[i, j]
-                    else:
-                        out[f"{STACKED_PREFIX}{i}.{rest}"] = t[i]
+                    out[f"{STACKED_PREFIX}{i}.{rest}"] = t[i]
             else:
                 out[key] = t
-        return _join_swiglu_halves(out)
+        return _join_swiglu_halves(_split_experts(out))
+
+
+_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)experts\.(?:(\d+)\.)?(.*)$")
+
+
+def _split_experts(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """A layer's ``mlp.experts.experts.<rest>`` ``[experts, ...]`` (or, saved with
+    ``singleton_local_shards``, ``mlp.experts.experts.<j>.<rest>`` per expert) as
+    ``mlp.experts.local_experts.<j>.<rest>``."""
+    out = {}
+    for name, t in tensors.items():
+        found = _EXPERTS.match(name)
+        if found is None:
+            out[name] = t
+        elif found.group(2) is not None:
+            out[f"{found.group(1)}local_experts.{found.group(2)}.{found.group(3)}"] = t
+        else:
+            for j in range(t.shape[0]):
+                out[f"{found.group(1)}local_experts.{j}.{found.group(3)}"] = t[j]
+    return out
 
 
 def _join_swiglu_halves(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

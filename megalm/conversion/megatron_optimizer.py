@@ -8,11 +8,13 @@ the weights (:func:`megalm.conversion.megatron.to_megalm_names`).  megalm's chec
 ``optimizer.<name>.exp_avg`` / ``exp_avg_sq`` / ``main_param`` and a one-element ``step``, and
 ``optimizer_common`` names the optimizer (``AdamW``: Megatron's Adam decays weights decoupled).
 
-Adam's step count (bias correction) comes from the optimizer's saved ``param_groups`` in ``common.pt``
-when they hold one, else from the iteration number (exact without fp16 loss-scale skips).  Other
-layouts of the distributed optimizer (``dp_reshardable``, ``fully_sharded_bucket_space``,
-``dp_zero_gather_scatter``: flat buffer ranges that need the bucket layout) are not read: only the
-weights are imported then, and a note says so.  No communication.
+The distributed optimizer's ``fully_reshardable`` format saves the same model-space keys with
+``param`` for ``fp32_param``; its ``dp_reshardable`` flat buffers (Megatron-LM's default) are turned
+into model-space tensors first (:mod:`megalm.conversion.megatron_flat_optimizer`).  Adam's step count
+(bias correction) comes from the optimizer's saved ``param_groups`` (the common state, or the
+``dp_reshardable`` format's own entry) when they hold one, else from the iteration number (exact
+without fp16 loss-scale skips).  ``fully_sharded_bucket_space`` and ``dp_zero_gather_scatter`` are not
+read: only the weights are imported then, and a note says so.  No communication.
 """
 
 from __future__ import annotations

@@ -1,16 +1,18 @@
 """Megatron-LM's pickled files, read without running code from them.
 
-Megatron-LM writes two kinds of pickles next to the weights: ``common.pt`` of a ``torch_dist``
-checkpoint (``args``, the iteration, the scheduler) and the legacy ``model_optim_rng.pt`` (all of
-that plus the model, optimizer and RNG states).  Both are read with
+Megatron-LM writes two kinds of pickles next to the weights: the common state of a ``torch_dist``
+checkpoint (``args``, the iteration, the scheduler: ``common.pt`` before megatron-core 0.17, since then
+the ``common_state`` entry of the DCP checkpoint itself, a ``torch.save`` of ``[state]``) and the legacy
+``model_optim_rng.pt`` (all of that plus the model, optimizer and RNG states).  Both are read with
 ``torch.load(weights_only=True)`` (PyTorch's restricted unpickler: tensors, containers, numbers,
 strings, dtypes) inside ``torch.serialization.safe_globals`` for an exact list of further
 ``(module, name)`` pairs, each inert:
 
 * ``argparse.Namespace`` (``args``), built by setting its ``__dict__``;
-* Megatron-core's enums that ``args`` holds (``AttnBackend``, ``AttnMaskType``,
-  ``CudaGraphScope``, ``ModelType``, ``Fp8Recipe``): Megatron is not imported; each name is
-  bound to a stand-in class that only records the pickled value (:class:`MegatronEnum`);
+* the enums that ``args`` holds, Megatron-core's (``AttnBackend``, ``AttnMaskType``,
+  ``CudaGraphScope``, ``InferenceCudaGraphScope``, ``ModelType``, ``Fp8Recipe``) and ``signal.Signals``
+  (``--exit-signal``): Megatron is not imported; each name is bound to a stand-in class that only
+  records the pickled value (:class:`MegatronEnum`);
 * ``io.BytesIO`` (Transformer Engine's ``_extra_state`` in legacy files, never read);
 * numpy's array reconstruction (``_reconstruct``, ``ndarray``, ``dtype``, ``UInt32DType``: the
   numpy RNG state of legacy files).
@@ -26,6 +28,7 @@ import argparse
 import io
 import pickle
 import re
+from typing import Optional
 
 import numpy as np
 import torch
@@ -57,8 +60,10 @@ _MEGATRON_ENUMS = (
     "megatron.core.transformer.enums.AttnBackend",
     "megatron.core.transformer.enums.AttnMaskType",
     "megatron.core.transformer.enums.CudaGraphScope",
+    "megatron.core.transformer.enums.InferenceCudaGraphScope",
     "megatron.core.enums.ModelType",
     "megatron.core.enums.Fp8Recipe",
+    "signal.Signals",  # --exit-signal
 )
 
 
@@ -85,12 +90,15 @@ SAFE_GLOBALS = tuple(
 )
 
 
-def load_megatron_pickle(path: str) -> dict:
-    """The dict pickled in ``path`` (``common.pt`` or ``model_optim_rng.pt``), read on the CPU with
+def load_megatron_pickle(path: str, data: Optional[bytes] = None) -> dict:
+    """The dict pickled in ``path`` (``common.pt`` or ``model_optim_rng.pt``; or ``data``, the bytes of a
+    ``common_state`` entry read from ``path``, a ``[dict]``), read on the CPU with
     ``torch.load(weights_only=True)`` and :data:`SAFE_GLOBALS` only."""
     try:
         with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
-            obj = torch.load(path, map_location="cpu", weights_only=True)
+            obj = torch.load(path if data is None else io.BytesIO(data), map_location="cpu", weights_only=True)
+        if data is not None and isinstance(obj, list) and len(obj) == 1:
+            obj = obj[0]
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
         what = f"the global {found.group(1)}" if found else str(e).splitlines()[0]
