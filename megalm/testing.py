@@ -280,6 +280,14 @@ class _ProcessState:
 def _pool_worker(rank: int, conn) -> None:
     """A reused rank: runs calls received on ``conn`` until told to stop, the parent is gone, a
     call fails, or a call left the process in a state it cannot restore."""
+    parent = os.getppid()
+
+    def leave_with_the_parent():  # a killed parent (pytest stopped mid-call) takes its ranks with it
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=leave_with_the_parent, name="rank-pool-parent-watch", daemon=True).start()
     state = _ProcessState()
     while True:
         try:
