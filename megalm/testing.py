@@ -9,18 +9,49 @@ runs with ``torch.distributed`` initialized (every collective gets a timeout) an
 thread unless ``threads`` says otherwise.  If any rank raises, :class:`DistributedTestError`
 carries the traceback of every failing rank; if the ranks do not finish in ``timeout``
 seconds they are killed and the error says which ranks were still running.
+
+Reused ranks (the test suite: ``MEGALM_TEST_RANK_POOL=1``, set by ``tests/conftest.py``).  A
+spawned rank spends about a second importing torch and megalm (four ranks on two cores: ~5 s a
+call), so with the variable set the ranks of a call stay alive for the next call of the same
+world size (:class:`RankPool`; world sizes up to :data:`MAX_POOLED_WORLD`, at most
+:data:`MAX_POOLED_RANKS` processes kept, the least recently used pool stopped first).  Each call gets a
+fresh process group on a new port; afterwards the ranks meet at a barrier, destroy it, and
+restore what a call may change and a fresh process would not have: ``os.environ``, the working directory, signal
+handlers, ``sys.stdout/stderr``, warning filters (and their once-only registries), the root and
+``megalm`` loggers, torch's default dtype, grad mode, anomaly mode and deterministic mode, and it
+reseeds torch's default generator from the OS, as a fresh process starts.  It retires
+(the next call starts fresh processes) when the call left something it cannot restore: a
+thread or child process still running, a changed ``sys.path``, a rebound function or class
+attribute of ``megalm``, ``pretrain_gpt``, ``torch.distributed`` or a ``tests`` module, or a
+megalm attribute bound to a function defined in ``tests`` (a monkeypatch not undone).  A rank
+that raises leaves after reporting (as a fresh one does); any failure or timeout kills the
+pool's processes.  ``MEGALM_TEST_RANK_POOL_LOG=<file>`` appends each retirement's reason to the
+file.  Calls with ``env`` always get fresh processes (some variables are read at import), and
+so does everything when the variable is unset (benchmarks: their memory numbers are per fresh
+process).
 """
 
 from __future__ import annotations
 
+import atexit
+import collections
+import gc
+import logging
+import multiprocessing.util  # noqa: F401 - its atexit handler must be registered before ours (see _pool)
 import os
 import pickle
 import queue
 import random
+import signal
 import socket
+import sys
+import threading
 import time
 import traceback
+import types
+import warnings
 from datetime import timedelta
+from multiprocessing.connection import wait
 from typing import Callable, Dict, Optional, Sequence
 
 import torch
@@ -28,6 +59,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megalm.errors import MegalmError
+
+POOL_ENV = "MEGALM_TEST_RANK_POOL"
+MAX_POOLED_WORLD = 4  # larger calls are rare in the suite: fresh processes
+MAX_POOLED_RANKS = 7  # processes kept alive over all world sizes (1 + 2 + 4; each holds torch + megalm)
+_READY_TIMEOUT_S = 30.0
 
 
 class DistributedTestError(MegalmError, RuntimeError):
@@ -50,18 +86,19 @@ def free_port() -> int:
     raise DistributedTestError("no free port in 20000-32767 for the test rendezvous")
 
 
-def _worker(
+def _run_rank(
     rank: int,
     world_size: int,
     port: int,
     fn: Callable,
     args: Sequence,
     kwargs: Dict,
-    results: "mp.Queue",
     collective_timeout_s: float,
     threads: int,
     env: Dict[str, str],
-) -> None:
+) -> tuple:
+    """Initialize the process group, run ``fn``; ``(rank, "ok", pickled result)`` or
+    ``(rank, "error", traceback)``."""
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -81,54 +118,356 @@ def _worker(
         out = fn(*args, **kwargs)
         # Plain pickle (bytes), not torch's fd-sharing reducers: a tensor shared by file descriptor
         # needs this process alive until the parent fetches it, and the teardown below may not allow it.
-        message = (rank, "ok", pickle.dumps(out))
+        return (rank, "ok", pickle.dumps(out))
     except BaseException:  # noqa: BLE001 - report everything to the parent
-        message = (rank, "error", traceback.format_exc())
+        return (rank, "error", traceback.format_exc())
+
+
+def _destroy_groups() -> None:
+    try:
+        from megalm import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable,
+    args: Sequence,
+    kwargs: Dict,
+    results: "mp.Queue",
+    collective_timeout_s: float,
+    threads: int,
+    env: Dict[str, str],
+) -> None:
+    """A fresh rank: one call, then exit."""
+    message = _run_rank(rank, world_size, port, fn, args, kwargs, collective_timeout_s, threads, env)
     try:
         results.put(message)
         # Flushed before the teardown: destroying a group whose collective timed out can abort the process.
         results.close()
         results.join_thread()
     finally:
+        _destroy_groups()
+
+
+# --- reused ranks ------------------------------------------------------------------------------
+
+_SIGNALS = tuple(
+    getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGALRM") if hasattr(signal, n)
+)
+_LOGGERS = ("", "megalm")
+
+
+def _watched_modules() -> Dict[str, types.ModuleType]:
+    return {
+        name: m
+        for name, m in list(sys.modules.items())
+        if m is not None
+        and (name in ("pretrain_gpt", "torch.distributed") or name.split(".")[0] in ("megalm", "tests"))
+    }
+
+
+def _code_attrs(module: types.ModuleType) -> Dict[str, object]:
+    """The functions and classes a module's namespace binds (what a monkeypatch rebinds)."""
+    with warnings.catch_warnings():  # deprecated objects (torch.distributed.reduce_op) warn on isinstance
+        warnings.simplefilter("ignore")
+        return {
+            k: v
+            for k, v in list(vars(module).items())
+            if isinstance(v, (types.FunctionType, type)) and not k.startswith("__")
+        }
+
+
+class _ProcessState:
+    """What a reused rank looks like between calls: captured once after start-up, restored after
+    every call; :meth:`restore` returns why the rank must retire instead (None: reusable)."""
+
+    def __init__(self):
+        self.environ = dict(os.environ)
+        self.cwd = os.getcwd()
+        self.signals = {s: signal.getsignal(s) for s in _SIGNALS}
+        self.streams = (sys.stdout, sys.stderr)
+        self.sys_path = list(sys.path)
+        self.warning_filters = list(warnings.filters)
+        self.loggers = {}
+        for name in _LOGGERS:
+            lg = logging.getLogger(name)
+            self.loggers[name] = (list(lg.handlers), lg.level, lg.propagate, lg.disabled)
+        self.dtype = torch.get_default_dtype()
+        self.deterministic = torch.are_deterministic_algorithms_enabled()
+        self.threads = set(threading.enumerate())
+        self.attrs = {}
+        self.snapshot_modules()
+
+    def snapshot_modules(self) -> None:
+        for name, m in _watched_modules().items():
+            if name not in self.attrs:
+                self.attrs[name] = _code_attrs(m)
+
+    def leftovers(self) -> Optional[str]:
+        """Why this process is not as a fresh one would be, in ways that cannot be undone here."""
+        gc.collect()  # objects of the call in reference cycles (DataLoader iterators and their workers)
+        deadline = time.monotonic() + 2.0  # let finishing background threads (checkpoint writers) end
+        while True:
+            threads = [t for t in threading.enumerate() if t not in self.threads and t.is_alive()]
+            if not threads or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if threads:
+            return f"threads still running: {[t.name for t in threads]}"
+        children = multiprocessing.active_children()
+        if children:
+            for p in children:
+                p.kill()
+            return f"child processes still running: {[p.name for p in children]}"
+        if sys.path != self.sys_path:
+            return "sys.path changed"
+        for name, attrs in self.attrs.items():
+            module = sys.modules.get(name)
+            if module is None:
+                return f"module {name} removed"
+            for k, v in attrs.items():
+                if vars(module).get(k) is not v:
+                    return f"{name}.{k} rebound"
+        for name, module in _watched_modules().items():
+            if name.split(".")[0] != "megalm":
+                continue
+            for k, v in _code_attrs(module).items():
+                if isinstance(v, types.FunctionType) and (v.__module__ or "").split(".")[0] == "tests":
+                    return f"{name}.{k} bound to {v.__module__}.{v.__qualname__}"
+        return None
+
+    def restore(self) -> Optional[str]:
+        reason = self.leftovers()
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        for s, handler in self.signals.items():
+            if handler is not None and signal.getsignal(s) is not handler:
+                signal.signal(s, handler)
+        sys.stdout, sys.stderr = self.streams
+        warnings.filters[:] = self.warning_filters
+        mutated = getattr(warnings, "_filters_mutated", None)  # empties every module's once-only registry
+        if mutated is not None:
+            mutated()
+        for name, (handlers, level, propagate, disabled) in self.loggers.items():
+            lg = logging.getLogger(name)
+            for h in list(lg.handlers):
+                if h not in handlers:
+                    lg.removeHandler(h)
+                    h.close()
+            for h in handlers:
+                if h not in lg.handlers:
+                    lg.addHandler(h)
+            lg.setLevel(level)
+            lg.propagate, lg.disabled = propagate, disabled
+        torch.set_default_dtype(self.dtype)
+        torch.use_deterministic_algorithms(self.deterministic)
+        torch.set_grad_enabled(True)
+        torch.autograd.set_detect_anomaly(False)
+        torch.seed()  # a fresh process's default generator starts from a random seed too
+        self.snapshot_modules()  # modules this call imported: watched from now on
+        return reason
+
+
+def _pool_worker(rank: int, conn) -> None:
+    """A reused rank: runs calls received on ``conn`` until told to stop, the parent is gone, a
+    call fails, or a call left the process in a state it cannot restore."""
+    parent = os.getppid()
+
+    def leave_with_the_parent():  # a killed parent (pytest stopped mid-call) takes its ranks with it
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=leave_with_the_parent, name="rank-pool-parent-watch", daemon=True).start()
+    state = _ProcessState()
+    while True:
         try:
-            from megalm import parallel_state
-
-            parallel_state.destroy_model_parallel()
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
+            task = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
+            return
+        if task is None:
+            return
+        world_size, port, fn, args, kwargs, collective_timeout_s, threads = task
+        message = _run_rank(rank, world_size, port, fn, args, kwargs, collective_timeout_s, threads, {})
+        conn.send(message)  # synchronous: written before the teardown, which can abort after a timed-out collective
+        if message[1] == "error":
+            _destroy_groups()
+            return  # as a fresh rank: the peers see it leave
+        try:  # every rank done with the group (a peer may still be connecting) before it goes
+            dist.barrier()
+        except Exception:  # noqa: BLE001 - a peer failed: the parent sees its error
             pass
+        _destroy_groups()
+        reason = state.restore()
+        conn.send((rank, "ready", reason))
+        if reason is not None:
+            return
 
 
-def run_distributed(
-    fn: Callable,
-    world_size: int,
-    args: Sequence = (),
-    kwargs: Optional[Dict] = None,
-    timeout: float = 180.0,
-    threads: int = 1,
-    env: Optional[Dict[str, str]] = None,
-) -> list:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks; return the results by rank."""
+class RankPool:
+    """``world_size`` spawned ranks reused by :func:`run_distributed` (see the module docstring)."""
+
+    def __init__(self, world_size: int):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        pipes = [ctx.Pipe() for _ in range(world_size)]
+        self.conns = [parent for parent, _ in pipes]
+        self.procs = [
+            ctx.Process(target=_pool_worker, args=(r, child), daemon=False) for r, (_, child) in enumerate(pipes)
+        ]
+        for p in self.procs:
+            p.start()
+        for _, child in pipes:
+            child.close()
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, task: tuple, timeout: float) -> Dict[int, tuple]:
+        """Send ``task`` to every rank and collect ``{rank: (status, payload)}`` within ``timeout``
+        (a rank that dies without a message counts as an error); raises :class:`BrokenPipeError`
+        if a rank left before the call."""
+        for conn in self.conns:
+            conn.send(task)
+        outcome: Dict[int, tuple] = {}
+        pending = dict(enumerate(self.conns))
+        deadline = time.monotonic() + timeout
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            if self._receive(pending, outcome, min(remaining, 1.0)):  # a rank died: as a fresh run, stop
+                self._receive(pending, outcome, 0.5)  # after the messages already sent
+                break
+        return outcome
+
+    def _receive(self, pending: Dict, outcome: Dict, timeout: float) -> bool:
+        """Read the results that arrive within ``timeout``; True if a rank died without one."""
+        died = False
+        for conn in wait(list(pending.values()), timeout=timeout):
+            rank = self.conns.index(conn)
+            del pending[rank]
+            try:
+                _, status, payload = conn.recv()
+            except (EOFError, OSError):
+                self.procs[rank].join(timeout=1.0)
+                outcome[rank] = ("error", f"rank {rank} died with exit code {self.procs[rank].exitcode}")
+                died = True
+                continue
+            outcome[rank] = (status, pickle.loads(payload) if status == "ok" else payload)
+        return died
+
+    def wait_ready(self) -> bool:
+        """After a successful call: every rank restored its state and stays (False: retire the pool)."""
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        pending = dict(enumerate(self.conns))
+        while pending and time.monotonic() < deadline:
+            for conn in wait(list(pending.values()), timeout=1.0):
+                rank = self.conns.index(conn)
+                try:
+                    _, status, reason = conn.recv()
+                except (EOFError, OSError):
+                    return False
+                del pending[rank]
+                if status != "ready" or reason is not None:
+                    log = os.environ.get(POOL_ENV + "_LOG")  # a file to append the reasons to
+                    if log:
+                        with open(log, "a") as f:
+                            f.write(f"world size {self.world_size}, rank {rank} retires: {reason}\n")
+                    return False
+        return not pending
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except (OSError, ValueError):
+                pass
+        for p in self.procs:
+            p.join(timeout=2.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for conn in self.conns:
+            conn.close()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join()
+        for conn in self.conns:
+            conn.close()
+
+
+# The suite's pools by world size, least recently used first (processes, not library state).
+_POOLS: "collections.OrderedDict[int, RankPool]" = collections.OrderedDict()
+
+
+def close_rank_pools() -> None:
+    """Stop every reused rank (registered with ``atexit``; the test suite also calls it at its end)."""
+    while _POOLS:
+        _, pool = _POOLS.popitem(last=False)
+        pool.close()
+
+
+# Registered after multiprocessing's own exit handler (imported above), so it runs first: that handler
+# joins non-daemonic children, and idle reused ranks only leave when told to.
+atexit.register(close_rank_pools)
+
+
+def _pool(world_size: int) -> RankPool:
+    pool = _POOLS.pop(world_size, None)
+    if pool is not None and not pool.alive():
+        pool.kill()
+        pool = None
+    if pool is None:
+        while _POOLS and sum(p.world_size for p in _POOLS.values()) + world_size > MAX_POOLED_RANKS:
+            _POOLS.popitem(last=False)[1].close()
+        pool = RankPool(world_size)
+    _POOLS[world_size] = pool
+    return pool
+
+
+def _run_pooled(fn, world_size, args, kwargs, timeout, threads, collective_timeout) -> Dict[int, tuple]:
+    task = (world_size, free_port(), fn, tuple(args), kwargs, collective_timeout, threads)
+    pool = _pool(world_size)
+    kept = False
+    try:
+        try:
+            outcome = pool.run(task, timeout)
+        except (BrokenPipeError, ConnectionResetError):  # a rank left since the last call: start afresh
+            _POOLS.pop(world_size, None)
+            pool.kill()
+            pool = _pool(world_size)
+            outcome = pool.run(task, timeout)
+        ok = len(outcome) == world_size and all(s == "ok" for s, _ in outcome.values())
+        kept = ok and pool.wait_ready()
+    finally:
+        if not kept:
+            _POOLS.pop(world_size, None)
+            pool.kill()
+    return outcome
+
+
+def _run_fresh(fn, world_size, args, kwargs, timeout, threads, env, collective_timeout) -> Dict[int, tuple]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    collective_timeout = max(30.0, timeout - 10)
     procs = [
         ctx.Process(
             target=_worker,
-            args=(
-                r,
-                world_size,
-                port,
-                fn,
-                tuple(args),
-                kwargs or {},
-                results,
-                collective_timeout,
-                threads,
-                dict(env or {}),
-            ),
+            args=(r, world_size, port, fn, tuple(args), kwargs, results, collective_timeout, threads, dict(env)),
             daemon=False,
         )
         for r in range(world_size)
@@ -167,6 +506,24 @@ def run_distributed(
             if p.is_alive():
                 p.kill()
                 p.join()
+    return outcome
+
+
+def run_distributed(
+    fn: Callable,
+    world_size: int,
+    args: Sequence = (),
+    kwargs: Optional[Dict] = None,
+    timeout: float = 180.0,
+    threads: int = 1,
+    env: Optional[Dict[str, str]] = None,
+) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks; return the results by rank."""
+    collective_timeout = max(30.0, timeout - 10)
+    if env or os.environ.get(POOL_ENV, "0") != "1" or world_size > MAX_POOLED_WORLD:
+        outcome = _run_fresh(fn, world_size, args, kwargs or {}, timeout, threads, env or {}, collective_timeout)
+    else:
+        outcome = _run_pooled(fn, world_size, args, kwargs or {}, timeout, threads, collective_timeout)
     errors = {r: payload for r, (status, payload) in sorted(outcome.items()) if status == "error"}
     missing = [r for r in range(world_size) if r not in outcome]
     if errors or missing:

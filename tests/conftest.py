@@ -10,6 +10,9 @@ The suite is the CPU/gloo suite (what CI runs): on a machine with a GPU it still
 (``MEGALM_FORCE_CPU=1``, read by :mod:`megalm.device`; the tests build CPU inputs and spawn several
 gloo ranks on one machine).  GPU paths are checked by ``bench/cuda_check.sh`` on a GPU machine.
 
+Spawned ranks are reused between tests of the same world size (``MEGALM_TEST_RANK_POOL=1``, read by
+:func:`megalm.testing.run_distributed`; ``MEGALM_TEST_RANK_POOL=0`` gives every call fresh processes).
+
 Hangs fail instead of stalling CI:
 
 * a test (setup, call and teardown) that runs longer than ``HANG_S`` seconds (``MEGALM_TEST_HANG_S``,
@@ -29,6 +32,7 @@ import pytest
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("MEGALM_FORCE_CPU", "1")
+os.environ.setdefault("MEGALM_TEST_RANK_POOL", "1")
 
 HANG_FD = pytest.StashKey[int]()
 # The slowest test takes ~60 s on a quiet 2-core machine; a module's spawned groups may each use their
@@ -72,4 +76,7 @@ def kill_daemonic_children() -> None:
 
 
 def pytest_sessionfinish(session, exitstatus):
+    from megalm.testing import close_rank_pools
+
+    close_rank_pools()
     kill_daemonic_children()

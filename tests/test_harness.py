@@ -17,7 +17,54 @@ def _fail_on_rank_one():
     return dist.get_rank()
 
 
-def test_harness_runs_real_ranks_and_reports_errors():
+def test_harness_runs_real_ranks_and_reports_errors(monkeypatch):
+    from megalm import testing
+
+    monkeypatch.setenv(testing.POOL_ENV, "1")
     assert run_distributed(_sum_ranks, 3, timeout=60) == [3.0, 3.0, 3.0]
     with pytest.raises(DistributedTestError, match="boom on rank 1"):
         run_distributed(_fail_on_rank_one, 2, timeout=60)
+    assert 2 not in testing._POOLS  # a failed call kills its ranks
+
+
+# --- reused ranks (MEGALM_TEST_RANK_POOL=1) ------------------------------------------------------
+
+
+def _dirty_the_process():
+    """Changes what a reused rank must restore; returns this process's id."""
+    import os
+
+    os.environ["MEGALM_HARNESS_LEFTOVER"] = "1"
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(dist.get_rank() + 100)
+    torch.rand(5)
+    return os.getpid()
+
+
+def _fresh_view():
+    """What a fresh process sees: (pid, leftover variable, default dtype, seed of the default generator)."""
+    import os
+
+    return os.getpid(), os.environ.get("MEGALM_HARNESS_LEFTOVER"), torch.get_default_dtype(), torch.initial_seed()
+
+
+def _monkeypatch_megalm():
+    import os
+
+    from megalm import device
+
+    device.use_cuda = _fresh_view  # rebinds a megalm function to one of this module's, never undone
+    return os.getpid()
+
+
+def test_reused_ranks_are_restored_and_retire_after_leftovers(monkeypatch):
+    from megalm import testing
+
+    monkeypatch.setenv(testing.POOL_ENV, "1")
+    pids = run_distributed(_dirty_the_process, 2, timeout=60)
+    views = run_distributed(_fresh_view, 2, timeout=60)
+    for rank, (pid, (view_pid, leftover, dtype, seed)) in enumerate(zip(pids, views)):
+        assert view_pid == pid and leftover is None and dtype == torch.float32
+        assert seed != rank + 100  # reseeded from the OS, as a fresh process starts
+    assert run_distributed(_monkeypatch_megalm, 2, timeout=60) == pids  # the same processes ran it
+    assert 2 not in testing._POOLS  # and retired after it: the next call of 2 ranks starts fresh ones
