@@ -120,3 +120,19 @@ def test_checkpoint_round_trip_refreshes_host_copies():
     got = _steps(model2, chunk2, fresh, 1, seed=1)
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
+
+
+def test_overlapped_offload_of_nothing_is_a_plain_step():
+    """A rank that offloads no tensor (fraction 0 here; a distributed-optimizer rank with an empty shard)
+    takes one plain step with --overlap-cpu-optimizer-d2h-h2d (it indexed an empty bucket list before)."""
+    from megalm.optimizer.cpu_offload import CpuOffload
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    ref = torch.nn.Parameter(w.detach().clone())
+    w.grad, ref.grad = torch.ones(4, 3), torch.ones(4, 3)
+    offload = CpuOffload([w], 0.0, overlap=True)
+    assert offload.pairs == [] and offload.buckets == []
+    offload.step(torch.optim.Adam([w], lr=0.1))
+    torch.optim.Adam([ref], lr=0.1).step()
+    assert torch.equal(w.detach(), ref.detach())

@@ -85,7 +85,7 @@ class CpuOffload:
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """One update of every parameter of ``optimizer``, the offloaded ones on the host."""
-        if not self.overlap:
+        if not self.overlap or not self.buckets:  # nothing offloaded on this rank: one plain step
             self.transfer.wait_on_host_all(self._gradients_to_host(self.pairs))
             self._attach_grads(self.pairs)
             optimizer.step()
