@@ -10,7 +10,8 @@ thread unless ``threads`` says otherwise.  If any rank raises, :class:`Distribut
 carries the traceback of every failing rank; if the ranks do not finish in ``timeout``
 seconds they are killed and the error says which ranks were still running.
 
-Reused ranks (the test suite: ``MEGALM_TEST_RANK_POOL=1``, set by ``tests/conftest.py``).  A
+Reused ranks (``MEGALM_TEST_RANK_POOL=1``; off in the test suite, see ``tests/conftest.py``: a reused rank
+keeps the gloo threads of every process group it destroyed).  A
 spawned rank spends about a second importing torch and megalm (four ranks on two cores: ~5 s a
 call), so with the variable set the ranks of a call stay alive for the next call of the same
 world size (:class:`RankPool`; world sizes up to :data:`MAX_POOLED_WORLD`, at most

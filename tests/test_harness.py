@@ -17,6 +17,15 @@ def _fail_on_rank_one():
     return dist.get_rank()
 
 
+@pytest.fixture(autouse=True)
+def _no_reused_ranks_left():
+    """The reused ranks these tests start stop with them (idle ones keep gloo threads busy)."""
+    from megalm import testing
+
+    yield
+    testing.close_rank_pools()
+
+
 def test_harness_runs_real_ranks_and_reports_errors(monkeypatch):
     from megalm import testing
 
