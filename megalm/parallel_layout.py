@@ -141,8 +141,13 @@ def expert_sizes(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int
     """Sizes of the ``etp-ep-edp-pp`` decomposition of the expert layers (see the module docstring):
     ``etp`` is ETP when > 1, else TP (megalm's whole experts keep the TP ranks innermost)."""
     dp = validate_layout(world_size, tp, pp, cp, ep, expert_tensor_parallel_size=etp)
-    inner = etp if etp > 1 else tp
-    return {"etp": inner, "ep": ep, "edp": tp * cp * dp // (inner * ep), "pp": pp}
+    return {"etp": etp if etp > 1 else tp, "ep": ep, "edp": expert_data_parallel_size(tp, cp, dp, ep, etp), "pp": pp}
+
+
+def expert_data_parallel_size(tp: int, cp: int, dp: int, ep: int, etp: int = 1) -> int:
+    """The stage's ranks (TP x CP x DP) / (ETP x EP); whole experts (ETP 1) keep the TP ranks innermost, so
+    their expert-DP size is CP x DP / EP (the same experts, state replicated, on every TP rank)."""
+    return tp * cp * dp // ((etp if etp > 1 else tp) * ep)
 
 
 def compute_layout(

@@ -39,6 +39,7 @@ from typing import Dict, Optional
 from megalm.estimate.activations import Shape, stage_activation_bytes
 from megalm.estimate.parameters import all_stages, total_parameters
 from megalm.estimate.sharding_peaks import transient_bytes
+from megalm.parallel_layout import expert_data_parallel_size
 
 GB = 1e9
 
@@ -116,12 +117,13 @@ def data_parallel_sizes(cfg, world_size: int) -> tuple:
     dp = p.data_parallel_size or world_size // (
         p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
     )
-    # The expert-data-parallel size of parallel_layout.expert_sizes: the stage's ranks / (ETP x EP), where
-    # whole experts (ETP 1) keep the TP ranks innermost (the same experts on every TP rank, state replicated).
-    etp = p.expert_tensor_parallel_size or 1
-    inner = etp if etp > 1 else p.tensor_model_parallel_size
-    edp = max(1, dp * p.tensor_model_parallel_size * p.context_parallel_size // (p.expert_model_parallel_size * inner))
-    return dp, edp
+    tp, cp, ep, etp = (
+        p.tensor_model_parallel_size,
+        p.context_parallel_size,
+        p.expert_model_parallel_size,
+        p.expert_tensor_parallel_size or 1,
+    )
+    return dp, max(1, expert_data_parallel_size(tp, cp, dp, ep, etp))
 
 
 def device_peak(options: PlannerOptions, precision: str, override: Optional[float]) -> tuple:
