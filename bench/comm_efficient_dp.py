@@ -61,6 +61,8 @@ CONFIGS = {
     "local_sgd_h8": ["--local-sgd-interval", "8"],
     "diloco_h32": ["--local-sgd-interval", "32", "--outer-lr", "0.7", "--outer-momentum", "0.9"],
     "fp8": ["--grad-compression", "fp8"],
+    "local_sgd_h8_overlap": ["--local-sgd-interval", "8", "--local-sgd-overlap-steps", "4"],
+    "local_sgd_h4_overlap": ["--local-sgd-interval", "4", "--local-sgd-overlap-steps", "4"],
 }
 LABELS = {
     "none": "uncompressed DP",
@@ -70,6 +72,8 @@ LABELS = {
     "local_sgd_h8": "local SGD H=8",
     "diloco_h32": "DiLoCo H=32",
     "fp8": "fp8 e4m3 (nearest)",
+    "local_sgd_h8_overlap": "local SGD H=8, overlapped 4 steps",
+    "local_sgd_h4_overlap": "local SGD H=4, overlapped 4 steps",
 }
 
 

@@ -69,6 +69,11 @@ def worker(tmp):
         argv("diloco_base", *DILOCO, "--save", ckpt, "--save-interval", "3", "--train-iters", "6"),
         argv("diloco_resumed", *DILOCO, "--load", ckpt, "--ckpt-step", "3", "--train-iters", "6"),
     ]
+    ckpt, overlap = os.path.join(tmp, "ckpt_overlap"), [*DILOCO, "--local-sgd-overlap-steps", "2"]
+    runs += [  # the sync of 2 is applied at 4: saved at 3 with the correction pending
+        argv("overlap_base", *overlap, "--save", ckpt, "--save-interval", "3", "--train-iters", "6"),
+        argv("overlap_resumed", *overlap, "--load", ckpt, "--ckpt-step", "3", "--train-iters", "6"),
+    ]
     zero3 = ["--data-parallel-sharding-strategy", "optim_grads_params", "--train-iters", "6"]
     runs.append(argv("int8_zero3", *METHODS["int8"], *zero3))  # ZeRO-3: the all-to-all into the sharded gradient
     saved, sys.stdout = sys.stdout, io.StringIO()
@@ -89,7 +94,7 @@ def world(tmp_path_factory):
 def test_resume_is_exact_and_a_new_layout_reshards_the_residuals(world):
     tmp, ranks = world
     for codes, _ in ranks:
-        assert codes == [0] * 16, codes
+        assert codes == [0] * 18, codes
     plain = losses(tmp, "plain")
     for method in METHODS:
         base, resumed = losses(tmp, f"{method}_base"), losses(tmp, f"{method}_resumed")
@@ -123,7 +128,7 @@ def test_distributed_optimizer_with_compression_equals_the_ddp_compressed_run(wo
     assert len(zero3) == 6 and zero3 == pytest.approx(losses(tmp, "int8_base"), rel=1e-6, abs=0)
 
 
-def test_local_sgd_h1_is_synchronous_sgd_and_diloco_resumes_exactly(world):
+def test_local_sgd_h1_is_synchronous_sgd_and_diloco_resumes_exactly_also_overlapped(world):
     tmp, _ = world
     sync, h1, h4 = (losses(tmp, f"sgd_{name}") for name in LOCAL_SGD)
     assert len(sync) == 4
@@ -133,6 +138,11 @@ def test_local_sgd_h1_is_synchronous_sgd_and_diloco_resumes_exactly(world):
     assert len(base) == 6 and resumed == base[3:]  # saved at 3, between the syncs at 2 and 4
     path = os.path.join(tmp, "ckpt_diloco", "iter_0000003", "local_sgd")
     assert sorted(os.listdir(path)) == ["rank_00000.pt", "rank_00001.pt"]
+    # --local-sgd-overlap-steps 2: the same until the first correction is applied (iteration 4's loss
+    # is of the weights after step 3), then another run; resumed bit for bit from the pending state
+    overlap, resumed = losses(tmp, "overlap_base"), losses(tmp, "overlap_resumed")
+    assert len(overlap) == 6 and resumed == overlap[3:]
+    assert overlap[:2] == base[:2] and overlap[4] != base[4]
 
 
 def test_fp16_overflow_on_one_rank_skips_the_compressed_step_everywhere(world):

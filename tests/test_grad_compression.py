@@ -224,6 +224,12 @@ class FakeOptimizer:
     def _copy_main_to_model(self):
         pass
 
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
 
 def outer_values(me, rnd):
     """Rank ``me``'s parameters before sync ``rnd``: the synced value minus a rank-dependent step."""
@@ -246,6 +252,50 @@ def diloco_run(pg, hierarchical):
         assert outer.step(2 * rnd + 2)
         out.append(p.detach().clone())
     return out, {k: v["wire_bytes"] for k, v in comm.get_comm_stats().items()}
+
+
+OVERLAP_CASES = {"plain_d2": (1.0, 0.0, 2), "diloco_d1": (0.7, 0.9, 1)}  # (eta, mu, D), H = 2
+OVERLAP_ITERS = 8  # syncs start at 2, 4, 6; 8, the last iteration, applies the pending one and syncs blocking
+
+
+def local_step(replica, iteration):
+    """Rank-independent within a replica: what one local optimizer step subtracts."""
+    g = torch.Generator().manual_seed(90 + iteration)
+    return torch.randn(6, generator=g, dtype=torch.float64).float() * (replica + 1)
+
+
+def overlap_run(pg, hierarchical, eta, mu, overlap):
+    """--local-sgd-overlap-steps: the parameter after each iteration of local steps and syncs (H = 2),
+    and, from the first iteration >= 3 that ends with a correction pending, the values of a copy
+    restarted from ``state_dict`` taken then and run to the end: ``(value, restarted value)``."""
+    replica = dist.get_rank() // LOCAL if hierarchical else dist.get_rank()
+
+    def make():
+        p = torch.nn.Parameter(torch.arange(6, dtype=torch.float32))
+        return p, OuterSync(FakeOptimizer([p]), 2, eta, mu, pg, hierarchical, overlap, OVERLAP_ITERS)
+
+    p, outer = make()
+    values, restarted = [], None
+    comm.reset_comm_stats()
+    for it in range(1, OVERLAP_ITERS + 1):
+        with torch.no_grad():
+            p -= local_step(replica, it)
+        outer.step(it)
+        values.append(p.detach().clone())
+        if restarted is not None:
+            with torch.no_grad():
+                restarted[0].sub_(local_step(replica, it))
+            restarted[1].step(it)
+            values[-1] = (values[-1], restarted[0].detach().clone())
+        if restarted is None and it >= 3 and outer.pending is not None:  # 3 (D = 2) or 4 (D = 1)
+            state = outer.state_dict()  # waits for the pending reduction
+            sent = {k: v["wire_bytes"] for k, v in comm.get_comm_stats().items()}
+            restarted = make()
+            with torch.no_grad():
+                restarted[0].copy_(p)
+            restarted[1].load_state_dict(state)
+    assert outer.pending is None
+    return values, sent
 
 
 def local_grads(pg, hierarchical):
@@ -302,6 +352,7 @@ def worker():
     out["conserve"] = {n: conservation(pg.dp_cp, me, n, 0.25) for n in METHODS}
     out["nonfinite"] = {n: non_finite(pg.dp_cp, me, n) for n in METHODS}
     out["diloco"] = {h: diloco_run(pg, h) for h in (False, True)}
+    out["overlap"] = {(c, h): overlap_run(pg, h, *OVERLAP_CASES[c]) for c in OVERLAP_CASES for h in (False, True)}
     out["local"] = {h: local_grads(pg, h) for h in (False, True)}
     trained = {}
     out["ddp"] = {(n, h): ddp_run(n, h, pg, keep=trained) for n in METHODS for h in (False, True)}
@@ -673,6 +724,64 @@ def test_diloco_outer_step_equals_the_hand_computed_one(ranks):
             "local_sgd_param_all_reduce_inter": 2 * 2 * 1 / 2 * 12,
             "local_sgd_param_all_gather_intra": 2 * 1 / 2 * 24,
         }
+
+
+def overlap_reference(replicas, eta, mu, overlap):
+    """Hand-computed --local-sgd-overlap-steps (H = 2) in float64: each replica's values per iteration."""
+    x = {k: torch.arange(6, dtype=torch.float64) for k in replicas}
+    x0, m, pending, out = torch.arange(6, dtype=torch.float64), torch.zeros(6, dtype=torch.float64), None, []
+
+    def outer(avg):
+        nonlocal m
+        d = x0 - avg
+        m = mu * m + d
+        return x0 - eta * (d + mu * m)
+
+    for it in range(1, OVERLAP_ITERS + 1):
+        for k in replicas:
+            x[k] = x[k] - local_step(k, it).double()
+        last = it == OVERLAP_ITERS
+        if pending is not None and (it >= pending[0] or last):
+            snap = pending[1]
+            x0 = outer(sum(snap.values()) / len(replicas))
+            x = {k: x[k] + (x0 - snap[k]) for k in replicas}  # the correction keeps the progress since the snapshot
+            pending = None
+        if it % 2 == 0:
+            if last:
+                x0 = outer(sum(x.values()) / len(replicas))
+                x = {k: x0.clone() for k in replicas}
+            else:
+                pending = (it + overlap, {k: v.clone() for k, v in x.items()})
+        out.append({k: v.clone() for k, v in x.items()})
+    return out
+
+
+def test_overlapped_local_sgd_applies_the_delayed_average_and_resumes_exactly(ranks):
+    """--local-sgd-overlap-steps D: the snapshot's average is applied D iterations later as
+    x <- x + (outer(avg(s)) - s) (plain averaging D = 2 = H; DiLoCo D = 1), flat over 4 replicas and
+    hierarchical over 2 nodes; the last iteration ends averaged; an OuterSync restarted from the
+    state_dict taken with a correction pending continues bit for bit; the bytes are the blocking ones."""
+    for case, (eta, mu, overlap) in OVERLAP_CASES.items():
+        for hierarchical in (False, True):
+            replicas = list(range(K // LOCAL)) if hierarchical else list(range(K))
+            want = overlap_reference(replicas, eta, mu, overlap)
+            for rank, r in enumerate(ranks):
+                replica = rank // LOCAL if hierarchical else rank
+                got, sent = r["overlap"][case, hierarchical]
+                syncs = 1 if overlap == 2 else 2  # started before the state was taken (at 3 or 4)
+                if hierarchical:  # as test_diloco_outer_step_equals_the_hand_computed_one's, per sync
+                    assert sent == {"local_sgd_param_all_reduce_inter": syncs * 2 * 1 / 2 * 12,
+                                    "local_sgd_param_all_gather_intra": syncs * 1 / 2 * 24}  # fmt: skip
+                else:
+                    assert sent == {"local_sgd_param_all_reduce": syncs * 2 * 3 / 4 * 24}
+                assert sum(isinstance(v, tuple) for v in got) == (5 if overlap == 2 else 4)
+                for it, (value, expected) in enumerate(zip(got, want), start=1):
+                    if isinstance(value, tuple):
+                        value, restarted = value
+                        assert torch.equal(restarted, value), (case, hierarchical, it)
+                    torch.testing.assert_close(value.double(), expected[replica], rtol=1e-6, atol=1e-6)
+            ends = [r["overlap"][case, hierarchical][0][-1][0] for r in ranks]
+            assert all(torch.equal(e, ends[0]) for e in ends)  # averaged at the end: one model
 
 
 def test_local_sgd_reduces_inside_the_node_only(ranks):

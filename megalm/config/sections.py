@@ -384,6 +384,14 @@ class ParallelConfig:
         "data-parallel group (hierarchical: across nodes); 0 = synchronous data parallelism.  "
         "Checkpoints keep every replica's weights and optimizer state per rank.",
     )
+    local_sgd_overlap_steps: int = _f(
+        0,
+        "Local SGD / DiLoCo (megalm): overlap the parameter average with this many following training "
+        "iterations (0 = blocking, the default).  The average of the parameters snapshotted at a sync "
+        "is all-reduced in the background and applied this many iterations later as a correction that "
+        "keeps each replica's progress since the snapshot: x <- x + (outer(average) - snapshot).  At most "
+        "--local-sgd-interval; a sync due at the run's last iteration (--train-iters) is blocking.",
+    )
     outer_lr: float = _f(
         1.0,
         "DiLoCo outer learning rate: every --local-sgd-interval steps x <- x0 - outer_lr (D + "

@@ -251,8 +251,17 @@ def _validate_data_parallel(p: ParallelConfig) -> None:
 def _validate_local_sgd(p: ParallelConfig) -> None:
     """``--local-sgd-interval`` and the outer optimizer; what local SGD is not built for."""
     _check(p.local_sgd_interval >= 0, f"--local-sgd-interval must be >= 0, got {p.local_sgd_interval}")
+    _check(
+        p.local_sgd_overlap_steps == 0 or p.local_sgd_interval > 0,
+        "--local-sgd-overlap-steps needs --local-sgd-interval",
+    )
     if not p.local_sgd_interval:
         return
+    _check(
+        0 <= p.local_sgd_overlap_steps <= p.local_sgd_interval,
+        f"--local-sgd-overlap-steps must be in [0, --local-sgd-interval] = [0, {p.local_sgd_interval}], "
+        f"got {p.local_sgd_overlap_steps}",
+    )
     _check(p.outer_lr > 0, f"--outer-lr must be positive, got {p.outer_lr}")
     _check(0 <= p.outer_momentum < 1, f"--outer-momentum must be in [0, 1), got {p.outer_momentum}")
     for refused, why in (

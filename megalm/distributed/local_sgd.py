@@ -16,6 +16,21 @@ parameters are synchronised over the outer group (the data-parallel group, or wi
   pseudo-gradient ``D = x_0 - x_bar``, the outer SGD with Nesterov momentum ``mu``, learning
   rate ``eta``: ``m <- mu m + D``, ``x <- x_0 - eta (D + mu m)``; then ``x_0 <- x``.
 
+Overlap (``--local-sgd-overlap-steps D`` > 0): at a sync the main parameters are snapshotted
+(``s``, one flat fp32 copy per group) and their average is all-reduced in the background
+(``async_op``; the hierarchical intra-node all-gather runs when it is applied) while training goes
+on; ``D`` iterations later (after that iteration's optimizer step; waiting if the reduction is not
+done) the outer update is computed from the snapshot's average, ``x_new = outer(avg(s))`` (plain:
+``avg(s)``; DiLoCo: the update above with ``x_0``), and applied as a correction that keeps the
+replica's own progress since the snapshot: ``x <- x + (x_new - s)``, ``x_0 <- x_new``.  Replicas
+then differ by their last ``D`` steps, as they will anyway until the next sync.  ``D = H`` applies
+the correction just before the next snapshot; a sync due at the run's last iteration (and any
+correction still pending there) is completed then, blocking, so a finished run ends averaged.
+Same bytes as the blocking sync, hidden behind ``D`` steps of compute when the link allows; memory:
+the snapshot and the reduction buffer (2 x 4 bytes per local parameter).  A checkpoint taken while a
+correction is pending waits for its reduction and stores the snapshot, the average and the
+iteration it applies at: resume is exact.
+
 The inner optimizer's state (moments) stays local.  The outer state (``x_0``, ``m``) is the same on
 every replica; between syncs each replica's parameters and optimizer state differ, so a checkpoint
 keeps them per rank (``local_sgd/rank_*.pt``, see :func:`megalm.checkpointing.save_checkpoint`):
@@ -25,11 +40,13 @@ checkpoint's (data-parallel rank 0's) parameters and the outer state from them, 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from megalm.checkpoint_resume import CheckpointError
 from megalm.distributed import comm
 from megalm.parallel_state import ProcessGroups, group_rank, group_size
 from megalm.tensor_parallel.param_info import param_info
@@ -53,7 +70,8 @@ class OuterSync:
     ``optimizer``: a plain :class:`megalm.optimizer.optimizer.MegatronOptimizer` (its
     ``main_params``, ``names`` and ``model_params``); ``interval``: H; ``outer_lr``,
     ``outer_momentum``: eta, mu; ``process_groups``, ``hierarchical``: which groups (see
-    :func:`outer_group`).
+    :func:`outer_group`); ``overlap_steps``: D (see the module); ``last_iteration``: the run's last
+    iteration (its sync is blocking), or None.
     """
 
     def __init__(
@@ -64,6 +82,8 @@ class OuterSync:
         outer_momentum: float = 0.0,
         process_groups: Optional[ProcessGroups] = None,
         hierarchical: bool = False,
+        overlap_steps: int = 0,
+        last_iteration: Optional[int] = None,
     ):
         self.optimizer = optimizer
         self.interval = interval
@@ -80,6 +100,10 @@ class OuterSync:
                 self.groups.append((*groups, params))
         self.anchor: Dict[str, torch.Tensor] = {}
         self.momentum: Dict[str, torch.Tensor] = {}
+        self.overlap_steps = int(overlap_steps)
+        self.last_iteration = last_iteration
+        self.pending: Optional[_PendingSync] = None
+        self._name_of = {id(m): n for n, m in zip(optimizer.names, optimizer.main_params)}
         self.reset()
 
     @property
@@ -88,7 +112,8 @@ class OuterSync:
 
     @torch.no_grad()
     def reset(self) -> None:
-        """Outer state from the current parameters: ``x_0 <- x``, ``m <- 0``."""
+        """Outer state from the current parameters: ``x_0 <- x``, ``m <- 0``; no pending correction."""
+        self.pending = None
         if self.plain:
             return
         self.anchor = {n: m.detach().clone() for n, m in self._named}
@@ -99,10 +124,17 @@ class OuterSync:
         return iteration % self.interval == 0
 
     def step(self, iteration: int) -> bool:
-        """After the optimizer step of ``iteration`` (1-based): synchronise when it is a multiple of H."""
+        """After the optimizer step of ``iteration`` (1-based): apply a pending correction that is due,
+        then synchronise when ``iteration`` is a multiple of H (in the background with overlap)."""
+        last = iteration == self.last_iteration
+        if self.pending is not None and (iteration >= self.pending.apply_at or last):
+            self.apply_pending()
         if not self.due(iteration):
             return False
-        self.sync()
+        if self.overlap_steps and not last:
+            self.pending = self._start(iteration + self.overlap_steps)
+        else:
+            self.sync()
         return True
 
     @torch.no_grad()
@@ -110,7 +142,7 @@ class OuterSync:
         """Average the main parameters over the outer groups, then the outer update (see the module)."""
         for outer, intra, params in self.groups:
             if group_size(outer) > 1:
-                flat = _average(_flatten_dense_tensors([p.data for p in params]), outer, intra)
+                flat = _AverageInFlight(_flatten_dense_tensors([p.data for p in params]), outer, intra).result()
                 for p, avg in zip(params, _unflatten_dense_tensors(flat, [p.data for p in params])):
                     p.data.copy_(avg)
         if not self.plain:
@@ -125,10 +157,64 @@ class OuterSync:
                 x0.copy_(p.data)
         self.optimizer._copy_main_to_model()
 
+    # --- overlapped sync (--local-sgd-overlap-steps) --------------------------------------------
+    @torch.no_grad()
+    def _start(self, apply_at: int) -> "_PendingSync":
+        """Snapshot every group's main parameters and start averaging the snapshot in the background."""
+        groups = []
+        for outer, intra, params in self.groups:
+            snapshot = torch.cat([p.data.reshape(-1) for p in params])  # a copy (flattening one tensor is a view)
+            groups.append(_AverageInFlight(snapshot, outer, intra))
+        return _PendingSync(apply_at, groups)
+
+    @torch.no_grad()
+    def apply_pending(self) -> None:
+        """Wait for the pending average and apply ``x <- x + (outer(avg(s)) - s)`` (see the module)."""
+        pending, self.pending = self.pending, None
+        mu, eta = self.outer_momentum, self.outer_lr
+        for (_, _, params), flight in zip(self.groups, pending.groups):
+            shapes = [p.data for p in params]
+            snaps = _unflatten_dense_tensors(flight.snapshot, shapes)
+            for p, s, avg in zip(params, snaps, _unflatten_dense_tensors(flight.result(), shapes)):
+                if self.plain:
+                    p.data.add_(avg - s)
+                    continue
+                x0 = self.anchor[self._name_of[id(p)]]
+                delta = x0 - avg
+                if mu:
+                    m = self.momentum[self._name_of[id(p)]].mul_(mu).add_(delta)
+                    delta = delta.add(m, alpha=mu)
+                new = x0 - eta * delta
+                p.data.add_(new - s)
+                x0.copy_(new)
+        self.optimizer._copy_main_to_model()
+
+    def _pending_state(self) -> dict:
+        if self.pending is None:
+            return {}
+        return {
+            "apply_at": self.pending.apply_at,
+            "snapshot": [f.snapshot.to("cpu", copy=True) for f in self.pending.groups],
+            "average": [f.result().to("cpu", copy=True) for f in self.pending.groups],
+        }
+
+    def _load_pending(self, saved: dict) -> None:
+        if not saved:
+            return
+        device = self.optimizer.main_params[0].device
+        flights = []
+        for (outer, intra, params), snap, avg in zip(self.groups, saved["snapshot"], saved["average"]):
+            if snap.numel() != sum(p.numel() for p in params) or avg.numel() != snap.numel():
+                raise CheckpointError("the checkpoint's pending local-SGD correction does not fit the parameters")
+            flights.append(_AverageInFlight.done(snap.to(device), avg.to(device)))
+        self.pending = _PendingSync(int(saved["apply_at"]), flights)
+
     # --- per-rank checkpoint state --------------------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's replica (model weights, inner optimizer state) and the outer state."""
+        """This rank's replica (model weights, inner optimizer state), the outer state and a pending
+        correction (waited for: collective over the node's ranks when hierarchical)."""
         return {
+            "pending": self._pending_state(),
             "model": {
                 n: p.detach().to("cpu", copy=True) for n, p in zip(self.optimizer.names, self.optimizer.model_params)
             },
@@ -148,25 +234,65 @@ class OuterSync:
             for k in mine:
                 if k in saved:
                     mine[k] = saved[k].to(device)
+        self._load_pending(state.get("pending", {}))
 
 
-def _average(flat: torch.Tensor, outer, intra) -> torch.Tensor:
-    """Mean of ``flat`` over ``outer``.  With an ``intra`` group of ``L > 1`` ranks (hierarchical: the
-    node's ranks, which hold the same replica), rank ``i`` of the node averages only chunk ``i`` of
-    ``L`` across nodes and the node all-gathers the chunks: ``1/L`` of the bytes cross nodes per rank."""
-    n, L = group_size(outer), group_size(intra)
-    if L == 1:
-        comm.all_reduce(flat, group=outer, kind="local_sgd_param_all_reduce")
-        return flat.div_(n)
-    c = -(-flat.numel() // L)
-    padded = torch.zeros(c * L, dtype=flat.dtype, device=flat.device)
-    padded[: flat.numel()] = flat
-    i = group_rank(intra)
-    chunk = padded[i * c : (i + 1) * c].clone()
-    comm.all_reduce(chunk, group=outer, kind="local_sgd_param_all_reduce_inter")
-    chunk.div_(n)
-    comm.all_gather_into_tensor(padded, chunk, group=intra, kind="local_sgd_param_all_gather_intra")
-    return padded[: flat.numel()]
+@dataclass
+class _PendingSync:
+    """A sync started in the background: applied after the optimizer step of ``apply_at``."""
+
+    apply_at: int
+    groups: list  # one _AverageInFlight per OuterSync.groups entry
+
+
+class _AverageInFlight:
+    """The mean of ``snapshot`` over ``outer``, started at construction (async), read by :meth:`result`.
+
+    With an ``intra`` group of ``L > 1`` ranks (hierarchical: the node's ranks, which hold the same
+    replica), rank ``i`` of the node averages only chunk ``i`` of ``L`` across nodes (the async part)
+    and :meth:`result` all-gathers the chunks over the node: ``1/L`` of the bytes cross nodes per rank.
+    ``snapshot`` is not modified."""
+
+    def __init__(self, snapshot: torch.Tensor, outer, intra):
+        self.snapshot, self.outer, self.intra = snapshot, outer, intra
+        self._average: Optional[torch.Tensor] = None
+        self.n, self.L = group_size(outer), group_size(intra)
+        if self.n == 1:
+            self._average = snapshot
+            return
+        if self.L == 1:
+            self.buffer = snapshot.clone()
+            kind = "local_sgd_param_all_reduce"
+        else:
+            self.chunk = -(-snapshot.numel() // self.L)
+            i = group_rank(intra)
+            self.buffer = torch.zeros(self.chunk, dtype=snapshot.dtype, device=snapshot.device)
+            mine = snapshot[i * self.chunk : (i + 1) * self.chunk]
+            self.buffer[: mine.numel()] = mine
+            kind = "local_sgd_param_all_reduce_inter"
+        self.work = comm.all_reduce(self.buffer, group=outer, async_op=True, kind=kind)
+
+    @classmethod
+    def done(cls, snapshot: torch.Tensor, average: torch.Tensor) -> "_AverageInFlight":
+        """A finished one (from a checkpoint)."""
+        flight = cls.__new__(cls)
+        flight.snapshot, flight._average = snapshot, average
+        return flight
+
+    def result(self) -> torch.Tensor:
+        """The mean (waits for the reduction the first time)."""
+        if self._average is None:
+            self.work.wait()
+            self.buffer.div_(self.n)
+            if self.L == 1:
+                self._average = self.buffer
+            else:
+                padded = torch.empty(self.chunk * self.L, dtype=self.buffer.dtype, device=self.buffer.device)
+                comm.all_gather_into_tensor(
+                    padded, self.buffer, group=self.intra, kind="local_sgd_param_all_gather_intra"
+                )
+                self._average = padded[: self.snapshot.numel()]
+        return self._average
 
 
 def _to_cpu(obj):
@@ -185,5 +311,12 @@ def build_outer_sync(cfg, optimizer, process_groups: ProcessGroups) -> Optional[
     if not p.local_sgd_interval:
         return None
     return OuterSync(
-        optimizer, p.local_sgd_interval, p.outer_lr, p.outer_momentum, process_groups, p.hierarchical_grad_reduce
+        optimizer,
+        p.local_sgd_interval,
+        p.outer_lr,
+        p.outer_momentum,
+        process_groups,
+        p.hierarchical_grad_reduce,
+        overlap_steps=p.local_sgd_overlap_steps,
+        last_iteration=cfg.training.train_iters,
     )

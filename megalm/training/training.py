@@ -120,13 +120,13 @@ class Trainer:
         self.model = wrap_data_parallel(cfg, chunks)
         self.optimizer = build_optimizer(cfg, self.model)
         self.scheduler = OptimizerParamScheduler.from_config(cfg, self.optimizer)
-        self.outer_sync = build_outer_sync(cfg, self.optimizer, self.groups)
         self.numerics = NumericsChecks(cfg.training, self.optimizer.grad_scaler, self.groups)
         t = cfg.training
         self.microbatches = self._microbatch_calculator()
         self.train_iters = self._train_iters()
         if cfg.training.train_iters is None:  # --train-samples: the data builders size the splits from it
             cfg.training.train_iters = self.train_iters
+        self.outer_sync = build_outer_sync(cfg, self.optimizer, self.groups)  # after train_iters is known
         self._validate_data()  # before any output (metrics file, checkpoints) is created
         # Before the RNG state is restored: the CPU peak measurement draws random matrices.
         self.peak_flops, self.peak_source = self._device_peak()
