@@ -46,8 +46,19 @@ def _sum_squares(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], device) -
     flat = [t.float() if t.dtype != torch.float32 else t for t in list(a) + list(b)]
     if not flat:
         return torch.zeros((0, 2), dtype=torch.float32, device=device)
-    norms = [n.to(device) for n in torch._foreach_norm(flat)]
-    return torch.stack(norms).pow(2).reshape(2, len(a)).t()
+    return torch.stack(_norms(flat, device)).pow(2).reshape(2, len(a)).t()
+
+
+def _norms(tensors: List[torch.Tensor], device) -> List[torch.Tensor]:
+    """L2 norm of each tensor, on ``device``: one ``_foreach_norm`` per device the tensors are on."""
+    out: List[torch.Tensor] = [torch.empty(0)] * len(tensors)
+    by_device: Dict[torch.device, List[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    for indices in by_device.values():
+        for i, n in zip(indices, torch._foreach_norm([tensors[i] for i in indices])):
+            out[i] = n.to(device)
+    return out
 
 
 class LocalTensorNorms:
