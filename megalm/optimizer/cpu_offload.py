@@ -5,8 +5,8 @@ Which: the main parameters (fp32 main weights, or the distributed optimizer's sh
 walked in order and each goes to the host while the elements offloaded before it are fewer than
 ``fraction x total`` (whole tensors, as Megatron's HybridDeviceOptimizer; ``fraction`` 1 offloads
 all).  For each, a host copy (pinned on CUDA, a separate CPU tensor on a CPU-only machine) stands in
-for it in the torch optimizer, so its Adam moments are created and kept on the host; the device
-keeps the main weight itself (and, for fp32 models, it is the model weight).
+for it in the torch optimizer, so its optimizer state (Adam moments, momentum buffers) is created and
+kept on the host; the device keeps the main weight itself (and, for fp32 models, it is the model weight).
 
 Per step, after unscaling, the norm and clipping ran on the device gradients (so they are unchanged)::
 
