@@ -7,6 +7,8 @@ end through pretrain_gpt.py's pieces on real spawned ranks.
   (--muon-tp-mode duplicated) orthogonalizes the assembled, gathered matrices; blockwise differs;
 * ZeRO-3 (``--data-parallel-sharding-strategy optim_grads_params``, parameters sharded too): LAMB and Muon
   at TP 2 x DP 2 equal one process within 1e-5 as well;
+* --optimizer-cpu-offload (fraction 0.5, overlapped): LAMB and Muon at TP 2 x DP 2 with the distributed
+  optimizer give the non-offloaded run's losses, grad norms and params norms bit for bit;
 * resume: LAMB, LARS, Lion and Muon saved at iteration 3 at TP 2 x DP 2 continue at PP 2 x DP 2
   (optimizer state resharded) exactly as the uninterrupted run;
 * MoE expert parallelism: LAMB, LARS and Muon at EP 2 x DP 4 (expert data parallel 2) with the
@@ -90,6 +92,8 @@ MOE += ["--moe-token-dispatcher-type", "alltoall"]
 # Global expert index -> factor on its weights at initialization: EP rank 1 (experts 2, 3 at EP 2) x 4.
 EXPERT_SCALES = (1.0, 1.0, 4.0, 4.0)
 DIST = ["--use-distributed-optimizer"]
+OFFLOADED = ("lamb", "muon")
+OFFLOAD = ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5", "--overlap-cpu-optimizer-d2h-h2d"]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 
@@ -131,6 +135,8 @@ def runs(tmp_path_factory):
         ]
     # ZeRO-3 (parameters sharded too, several buckets): trust ratios and Muon matrices still of whole tensors.
     four += [run(f"{opt}_tp_zero3", opt, *TP2, *ZERO3) for opt in ("lamb", "muon")]
+    # --optimizer-cpu-offload (half of each rank's ranges, overlapped): the numbers of {opt}_tp bit for bit.
+    four += [run(f"{opt}_tp_offload", opt, *TP2, *DIST, *OFFLOAD) for opt in OFFLOADED]
     # Muon with the plain optimizer (whole TP-local matrices, gathered over TP) too.
     four.append(run("muon_tp_plain", "muon", *TP2))
     # Blockwise orthogonalizes each TP shard: a different update (the README states it).
@@ -164,6 +170,14 @@ def test_parallel_runs_equal_one_process(runs, opt, layout):
     for key in ("lm_loss", "grad_norm", "params_norm"):
         assert_close([r[key] for r in got], [r[key] for r in ref], rel=1e-5)
     assert min(r["lm_loss"] for r in ref) < ref[0]["lm_loss"] - 0.03  # it trains (mock data: noisy)
+
+
+@pytest.mark.parametrize("opt", OFFLOADED)
+def test_cpu_offload_changes_nothing(runs, opt):
+    plain, offloaded = records(runs["tmp"], f"{opt}_tp"), records(runs["tmp"], f"{opt}_tp_offload")
+    assert len(plain) == 5
+    for key in ("lm_loss", "grad_norm", "params_norm"):
+        assert [r[key] for r in offloaded] == [r[key] for r in plain]
 
 
 @pytest.mark.parametrize("opt", RESUMED)

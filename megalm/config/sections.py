@@ -533,7 +533,8 @@ class TrainingConfig:
     optimizer_cpu_offload: bool = _f(
         False,
         "Run the optimizer update of --optimizer-offload-fraction of the main parameters on the CPU: "
-        "their Adam state lives in host memory, gradients are copied to the host and updated weights back.",
+        "their optimizer state (any --optimizer) lives in host memory, gradients are copied to the host and "
+        "updated weights back; LAMB/LARS norms and Muon's matrices still cover the full tensors.",
     )
     optimizer_offload_fraction: float = _f(
         1.0,
@@ -542,7 +543,8 @@ class TrainingConfig:
     overlap_cpu_optimizer_d2h_h2d: bool = _f(
         False,
         "With --optimizer-cpu-offload: copy gradients to the host bucket by bucket, each bucket's copy overlapping "
-        "the CPU update of the previous one, and updated weights back as each bucket's update ends.",
+        "the CPU update of the previous one, and updated weights back as each bucket's update ends (LAMB, LARS, "
+        "Muon: every bucket's gradients first, for their full-tensor norms and matrices; then bucket by bucket).",
     )
     clip_grad: float = _f(1.0, "Clip gradients to this global L2 norm (0 disables).")
     log_num_zeros_in_grad: bool = _f(False, "Count zero gradient entries and log them.")

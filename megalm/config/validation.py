@@ -758,10 +758,6 @@ def _validate_training_length(t: TrainingConfig) -> None:
     f = t.optimizer_offload_fraction
     _check(0.0 < f <= 1.0, f"--optimizer-offload-fraction must be in (0, 1], got {f}")
     _check(
-        not t.optimizer_cpu_offload or t.optimizer in ("adam", "sgd"),
-        f"--optimizer-cpu-offload with --optimizer {t.optimizer} is not tested yet (adam and sgd are)",
-    )
-    _check(
         not (t.train_iters is not None and t.train_samples is not None),
         "give only one of --train-iters and --train-samples",
     )

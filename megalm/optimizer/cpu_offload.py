@@ -5,8 +5,8 @@ Which: the main parameters (fp32 main weights, or the distributed optimizer's sh
 walked in order and each goes to the host while the elements offloaded before it are fewer than
 ``fraction x total`` (whole tensors, as Megatron's HybridDeviceOptimizer; ``fraction`` 1 offloads
 all).  For each, a host copy (pinned on CUDA, a separate CPU tensor on a CPU-only machine) stands in
-for it in the torch optimizer, so its Adam moments are created and kept on the host; the device
-keeps the main weight itself (and, for fp32 models, it is the model weight).
+for it in the torch optimizer, so its optimizer state (Adam moments, momentum buffers) is created and
+kept on the host; the device keeps the main weight itself (and, for fp32 models, it is the model weight).
 
 Per step, after unscaling, the norm and clipping ran on the device gradients (so they are unchanged)::
 
@@ -27,8 +27,28 @@ about equal elements) and the step is pipelined::
 
 so the gradient copy of bucket k+1 and the weight copy of bucket k-1 overlap the CPU update of bucket
 k.  A torch step updates exactly the tensors whose ``.grad`` is set, element by element as one step
-would: the results equal the non-overlapped offload (and no offload) exactly.  Loading a checkpoint or
-reloading main weights refreshes the host copies (:meth:`CpuOffload.refresh`).  No communication.
+would: the results equal the non-overlapped offload (and no offload) exactly.
+
+Layer-wise optimizers (LAMB, LARS, Muon: one tensor's update depends on a norm or a matrix assembled
+from pieces on other ranks, one collective per step over all tensors) cannot take a step per bucket:
+the ranks would disagree on the number of collectives, and a bucket's norms would miss the other
+buckets' pieces.  They split their step in two (``prepare_step``: the state, the norms / orthogonalized
+matrices, all the communication; ``apply_step``: the weight update of the tensors given), and the
+overlapped step becomes::
+
+    issue D2H of every bucket; wait for them
+    prepare_step over every parameter (device and host: the one collective, as without offload)
+    apply_step of the device parameters
+    for k: apply_step of bucket k (CPU); issue H2D k
+    the current stream waits for every H2D
+
+so only the weight copies overlap (bucket k's with the update of bucket k+1); the gradient copies do not
+overlap compute.  The results equal no offload exactly: the same arithmetic on the same tensors.
+Lion is element-wise and takes the per-bucket steps.  Norms and matrices are keyed by the host copies
+(:meth:`megalm.optimizer.optimizer.MegatronOptimizer._attach_layout`).
+
+Loading a checkpoint or reloading main weights refreshes the host copies (:meth:`CpuOffload.refresh`).
+No communication of its own.
 """
 
 from __future__ import annotations
@@ -91,6 +111,9 @@ class CpuOffload:
             optimizer.step()
             self.transfer.wait_on_device_all(self._weights_to_device(self.pairs))
             return
+        if hasattr(optimizer, "prepare_step"):
+            self._layerwise_step(optimizer)
+            return
         pending, h2d = self._gradients_to_host(self.buckets[0], 0), []
         optimizer.step()  # the device parameters alone: no host gradient is attached yet
         device_grads = [(p, p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
@@ -105,6 +128,23 @@ class CpuOffload:
         self.transfer.wait_on_device_all(h2d)
         for p, g in device_grads:
             p.grad = g
+
+    def _layerwise_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The overlapped step of a layer-wise optimizer: every gradient to the host, one ``prepare_step``
+        (its collective), then the updates applied bucket by bucket, each bucket's weights sent back
+        as soon as it is done (see the module docstring)."""
+        pending = [e for k, bucket in enumerate(self.buckets) for e in self._gradients_to_host(bucket, k)]
+        self.transfer.wait_on_host_all(pending)
+        self._attach_grads(self.pairs)
+        entries = optimizer.prepare_step()
+        by_param = {id(e[0]): e for e in entries}
+        hosts = {id(host) for _, host in self.pairs}
+        optimizer.apply_step([e for e in entries if id(e[0]) not in hosts])
+        h2d = []
+        for k, bucket in enumerate(self.buckets):
+            optimizer.apply_step([by_param[id(host)] for _, host in bucket if id(host) in by_param])
+            h2d += self._weights_to_device(bucket, k)
+        self.transfer.wait_on_device_all(h2d)
 
     def _gradients_to_host(self, pairs: List[Tuple[torch.nn.Parameter, torch.nn.Parameter]], tag=None) -> list:
         """D2H: the host gradient buffers <- the main parameters' (final, clipped) gradients; the copies' events."""

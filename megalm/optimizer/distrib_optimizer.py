@@ -193,11 +193,16 @@ class DistributedOptimizer(MegatronOptimizer):
         return self.process_groups.tp_dp_cp
 
     def _matrix_shards(self, muon: List[bool]) -> MatrixShards:
-        """Muon's matrices are assembled from the ranges over the data-parallel (x context) group, the
-        experts' over the expert-data-parallel group."""
+        """Muon's matrices are assembled from the ranges (keyed by the tensors the torch optimizer
+        updates: host copies when offloaded) over the data-parallel (x context) group, the experts'
+        over the expert-data-parallel group."""
         index = {id(p): i for i, p in enumerate(self.model_params)}
         matrices = [(i, p) for i, p in enumerate(self.model_params) if muon[i]]
-        owned = {id(r.main): (index[id(r.param)], r.start, r.end) for r in self.ranges if muon[index[id(r.param)]]}
+        owned = {
+            id(self._torch_param(r.main)): (index[id(r.param)], r.start, r.end)
+            for r in self.ranges
+            if muon[index[id(r.param)]]
+        }
         return MatrixShards(matrices, owned, self.process_groups.dp_cp, self.process_groups.expt_dp)
 
     # --- step hooks (the template is MegatronOptimizer.step) ------------------------------------

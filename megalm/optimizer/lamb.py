@@ -67,6 +67,15 @@ class Lamb(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One LAMB step over every group (one norm reduction for all of them)."""
+        self.apply_step(self.prepare_step())
+        return None
+
+    @torch.no_grad()
+    def prepare_step(self) -> list:
+        """Everything but the weight update, for every parameter with a gradient: advance the moments,
+        the direction ``u``, the full-tensor norms (the one reduction) and the trust ratios; returns
+        ``[(p, u, -lr r)]`` for :meth:`apply_step` (the two halves let the CPU offload apply the update
+        bucket by bucket after one norm reduction over all of them)."""
         params, updates, adapt, lrs = [], [], [], []
         for group in self.param_groups:
             b1, b2 = group["betas"]
@@ -84,6 +93,10 @@ class Lamb(torch.optim.Optimizer):
                 lrs.append(group["lr"])
         w_sq, u_sq = self.tensor_norms(params, params, updates)
         ratios = trust_ratios(w_sq, u_sq, max_ratio=self.max_trust_ratio).tolist()
-        for p, u, a, lr, r in zip(params, updates, adapt, lrs, ratios):
-            p.add_(u, alpha=-lr * (r if a else 1.0))
-        return None
+        return [(p, u, -lr * (r if a else 1.0)) for p, u, a, lr, r in zip(params, updates, adapt, lrs, ratios)]
+
+    @torch.no_grad()
+    def apply_step(self, entries: list) -> None:
+        """``w = w - lr r u`` for the entries of :meth:`prepare_step` given (no communication)."""
+        for p, u, alpha in entries:
+            p.add_(u, alpha=alpha)

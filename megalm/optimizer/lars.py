@@ -40,6 +40,14 @@ class Lars(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One LARS step over every group (one norm reduction for all of them)."""
+        self.apply_step(self.prepare_step())
+        return None
+
+    @torch.no_grad()
+    def prepare_step(self) -> list:
+        """The full-tensor norms (the one reduction) and trust ratios of every parameter with a
+        gradient; returns ``[(p, g, group, r)]`` for :meth:`apply_step` (the two halves let the CPU
+        offload apply the update bucket by bucket after one norm reduction over all of them)."""
         params, grads, groups = [], [], []
         for group in self.param_groups:
             for p in group["params"]:
@@ -52,13 +60,17 @@ class Lars(torch.optim.Optimizer):
                 groups.append(group)
         w_sq, g_sq = self.tensor_norms(params, params, grads)
         ratios = self._ratios(w_sq, g_sq, groups).tolist()
-        for p, g, group, r in zip(params, grads, groups, ratios):
+        return list(zip(params, grads, groups, ratios))
+
+    @torch.no_grad()
+    def apply_step(self, entries: list) -> None:
+        """``buf = mu buf + r (g + wd w); w = w - lr buf`` for the entries given (no communication)."""
+        for p, g, group, r in entries:
             wd = group["weight_decay"]
             d = g.add(p, alpha=wd) if wd != 0 else g
             buf = self.state[p]["momentum_buffer"]
             buf.mul_(group["momentum"]).add_(d, alpha=r)
             p.add_(buf, alpha=-group["lr"])
-        return None
 
     def _ratios(self, w_sq: torch.Tensor, g_sq: torch.Tensor, groups) -> torch.Tensor:
         """``eta ||w|| / (||g|| + wd ||w||)`` per parameter; 1 where a norm is 0 or the group is excluded."""

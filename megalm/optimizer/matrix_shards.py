@@ -28,7 +28,8 @@ from megalm.tensor_parallel.param_info import param_info
 class MatrixShards:
     """Args:
     matrices: ``[(index, model param)]`` of every Muon matrix of this stage (same order on every rank).
-    owned: ``{id(main range): (index, start, end)}`` for this rank's ranges.
+    owned: ``{id(main range): (index, start, end)}`` for this rank's ranges (the id of the tensor the
+        torch optimizer updates: the range's host copy under ``--optimizer-cpu-offload``).
     group: the data-parallel (x context) group the dense ranges are spread over.
     expert_group: the expert-data-parallel group the expert ranges are spread over.
     """
@@ -56,8 +57,7 @@ class MatrixShards:
         every Muon matrix; one SUM all-reduce per part (dense over the data-parallel group, experts over
         the expert-data-parallel group) that has matrices; every rank of a group calls it, holding
         pieces or not."""
-        device = next(iter(pieces.values())).device if pieces else get_device()
-        flats = [torch.zeros(total, dtype=torch.float32, device=device) for total in self.totals]
+        flats = [torch.zeros(total, dtype=torch.float32, device=get_device()) for total in self.totals]
         for key, piece in pieces.items():
             index, start, end = self.owned[key]
             at = self.offset[index]

@@ -44,6 +44,7 @@ import math
 
 import torch
 
+from megalm.device import get_device
 from megalm.optimizer.lamb import adam_direction, init_adam_state
 from megalm.parallel_state import group_rank, group_size
 from megalm.tensor_parallel.param_info import REPLICATED, param_info
@@ -121,7 +122,19 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """AdamW for the other groups; momentum, then one orthogonalization pass for the matrices."""
-        matrices = []
+        self.apply_step(self.prepare_step())
+        return None
+
+    @torch.no_grad()
+    def prepare_step(self) -> list:
+        """Everything but the weight update, for every parameter with a gradient: AdamW directions,
+        momentum and the orthogonalized matrices (all of Muon's communication); returns
+        ``[(p, group, update)]`` for :meth:`apply_step` (the two halves let the CPU offload apply the
+        update bucket by bucket after one orthogonalization pass over all of them).  A direction on
+        the host (an offloaded copy's momentum) is moved to :func:`~megalm.device.get_device` first:
+        matrices are assembled, gathered and orthogonalized on the device, where the communication
+        runs; :meth:`apply_step` brings each update back to its parameter's device."""
+        updates, matrices = [], []
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -129,14 +142,17 @@ class Muon(torch.optim.Optimizer):
                 if not self.state[p]:
                     self.init_param_state(p, group)
                 if group["muon"]:
-                    matrices.append((p, group, self._direction(p, group["momentum"])))
+                    matrices.append((p, group, self._direction(p, group["momentum"]).to(get_device())))
                     continue
-                update = adam_direction(self.state[p], p.grad, *group["betas"], group["eps"])
-                self._apply(p, group, update)
-        updates = self._orthogonalize_all(matrices)
-        for p, group, _ in matrices:
-            self._apply(p, group, updates[id(p)])
-        return None
+                updates.append((p, group, adam_direction(self.state[p], p.grad, *group["betas"], group["eps"])))
+        done = self._orthogonalize_all(matrices)
+        return updates + [(p, group, done[id(p)]) for p, group, _ in matrices]
+
+    @torch.no_grad()
+    def apply_step(self, entries: list) -> None:
+        """``p = p (1 - lr wd) - lr update`` for the entries given (no communication)."""
+        for p, group, update in entries:
+            self._apply(p, group, update.to(p.device))
 
     @staticmethod
     def _apply(p: torch.Tensor, group: dict, update: torch.Tensor) -> None:

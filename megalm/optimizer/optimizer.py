@@ -186,22 +186,26 @@ class MegatronOptimizer:
         return self.process_groups.tp
 
     def _matrix_shards(self, muon: List[bool]):
-        """How a matrix optimizer assembles whole matrices from its main params: None, they are whole."""
+        """How a matrix optimizer assembles whole matrices from its main params (keyed by
+        :meth:`_torch_param`): None, they are whole."""
         return None
 
     def _attach_layout(self, muon: List[bool]) -> None:
         """Tell a layer-wise optimizer (one with ``tensor_norms``: LAMB, LARS) how to compute norms
         of full tensors, and a matrix optimizer (one with ``tp_group``: Muon) its TP group and how
-        to assemble whole matrices (``muon``: per model param, whether it is one of Muon's matrices)."""
+        to assemble whole matrices (``muon``: per model param, whether it is one of Muon's matrices).
+        Both are keyed by the tensor the torch optimizer updates (:meth:`_torch_param`: an offloaded
+        main param's host copy), so an offloaded piece finds its row and its matrix."""
         needs_layout = hasattr(self.optimizer, "tensor_norms") or hasattr(self.optimizer, "tp_group")
         if needs_layout and self.grads_sharded and type(self)._matrix_shards is MegatronOptimizer._matrix_shards:
             raise OptimizerError(
                 f"{type(self).__name__} shards parameters but does not say how (_main_param_owners, "
                 "_tensor_norm_group, _matrix_shards): LAMB, LARS and Muon would use partial norms and matrices"
             )
+        owners = [(self._torch_param(main), index, model) for main, index, model in self._main_param_owners()]
         if hasattr(self.optimizer, "tensor_norms"):
             self.optimizer.tensor_norms = build_tensor_norms(
-                self._main_param_owners(),
+                owners,
                 len(self.model_params),
                 self._tensor_norm_group(),
                 self.process_groups.tp,
@@ -209,7 +213,7 @@ class MegatronOptimizer:
             )
         if hasattr(self.optimizer, "tp_group"):
             self.optimizer.tp_group = self.process_groups.tp
-            self.optimizer.param_infos = {id(main): param_info(model) for main, _, model in self._main_param_owners()}
+            self.optimizer.param_infos = {id(torch_param): param_info(model) for torch_param, _, model in owners}
             self.optimizer.shards = self._matrix_shards(muon)
 
     def _prepare_grads(self) -> List[Tuple[Optional[torch.Tensor], torch.nn.Parameter]]:

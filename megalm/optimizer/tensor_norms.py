@@ -41,11 +41,24 @@ from megalm.tensor_parallel.param_info import param_info
 
 
 def _sum_squares(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], device) -> torch.Tensor:
-    """``[len(a), 2]`` fp32: ``sum x^2`` of ``a[i]`` and of ``b[i]``."""
+    """``[len(a), 2]`` fp32 on ``device``: ``sum x^2`` of ``a[i]`` and of ``b[i]`` (each norm taken where
+    its tensor is: offloaded host copies on the host, 4 bytes each to ``device``)."""
     flat = [t.float() if t.dtype != torch.float32 else t for t in list(a) + list(b)]
     if not flat:
         return torch.zeros((0, 2), dtype=torch.float32, device=device)
-    return torch.stack(torch._foreach_norm(flat)).pow(2).reshape(2, len(a)).t()
+    return torch.stack(_norms(flat, device)).pow(2).reshape(2, len(a)).t()
+
+
+def _norms(tensors: List[torch.Tensor], device) -> List[torch.Tensor]:
+    """L2 norm of each tensor, on ``device``: one ``_foreach_norm`` per device the tensors are on."""
+    out: List[torch.Tensor] = [torch.empty(0)] * len(tensors)
+    by_device: Dict[torch.device, List[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    for indices in by_device.values():
+        for i, n in zip(indices, torch._foreach_norm([tensors[i] for i in indices])):
+            out[i] = n.to(device)
+    return out
 
 
 class LocalTensorNorms:
@@ -91,8 +104,7 @@ class FullTensorNorms:
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Squared L2 norms of the full tensors of which ``a[i]``, ``b[i]`` are this rank's pieces;
         one SUM all-reduce of a ``[rows, 2]`` fp32 table over the group."""
-        device = params[0].device if params else get_device()  # a rank holding no piece still takes part
-        local = _sum_squares(a, b, device)
+        local = _sum_squares(a, b, get_device())  # where the all-reduce runs; a rank holding no piece takes part
         table = torch.zeros((self.rows, 2), dtype=torch.float32, device=local.device)
         rows = torch.tensor([self.row[id(p)] for p in params], dtype=torch.long, device=local.device)
         if params:
