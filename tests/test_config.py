@@ -112,6 +112,16 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
             4,
             "--profile-ranks \\[4\\] must be ranks of the world \\(size 4\\)",
         ),
+        (
+            ["--rampup-batch-size", "16", "4", "100", "--global-batch-size", "8", "--train-samples", "1000"],
+            1,
+            "--rampup-batch-size start 16 and increment 4 must step from 0 < start <= --global-batch-size 8",
+        ),
+        (
+            ["--rampup-batch-size", "2", "4", "100", "--global-batch-size", "8", "--train-samples", "1000"],
+            1,
+            "in whole increments",
+        ),
     ],
 )
 def test_invalid_combinations(argv, world, message):

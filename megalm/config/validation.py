@@ -738,6 +738,12 @@ def _validate_world(p: ParallelConfig, t: TrainingConfig, world_size: int, vpp: 
         )
     if t.rampup_batch_size is not None:
         start, incr, _ = t.rampup_batch_size
+        gb = t.global_batch_size
+        _check(
+            0 < start <= gb and incr > 0 and (gb - start) % incr == 0,
+            f"--rampup-batch-size start {start} and increment {incr} must step from 0 < start <= "
+            f"--global-batch-size {gb} to it in whole increments",
+        )
         _check(
             start % (t.micro_batch_size * dp) == 0 and incr % (t.micro_batch_size * dp) == 0,
             f"--rampup-batch-size start {start} and increment {incr} must be multiples of "
