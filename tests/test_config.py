@@ -122,6 +122,12 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
             1,
             "in whole increments",
         ),
+        (["--optimizer-offload-fraction", "0"], None, "--optimizer-offload-fraction must be in \\(0, 1\\], got 0.0"),
+        (
+            ["--optimizer-cpu-offload", "--optimizer", "lamb"],
+            None,
+            "--optimizer-cpu-offload with --optimizer lamb is not tested yet",
+        ),
     ],
 )
 def test_invalid_combinations(argv, world, message):

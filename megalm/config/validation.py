@@ -189,12 +189,8 @@ def _validate_sharding_strategy(m: ModelConfig, p: ParallelConfig) -> None:
     )
 
 
-def _validate_offloading(m: ModelConfig, p: ParallelConfig, t: TrainingConfig) -> None:
-    """--cpu-offloading (activations) and --overlap-cpu-optimizer-d2h-h2d: what is built and tested."""
-    _check(
-        not t.overlap_cpu_optimizer_d2h_h2d or t.optimizer_cpu_offload,
-        "--overlap-cpu-optimizer-d2h-h2d needs --optimizer-cpu-offload",
-    )
+def _validate_activation_offloading(m: ModelConfig, p: ParallelConfig) -> None:
+    """--cpu-offloading (activations): what is built and tested."""
     _check(
         not m.cpu_offloading_weights,
         "--cpu-offloading-weights is not built: --cpu-offloading moves activations only (weights stay on the device)",
@@ -326,7 +322,8 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
     _validate_parallel(m, p)
     _validate_moe(m, p)
     _validate_expert_tensor_parallel(m, p, t)
-    _validate_offloading(m, p, t)
+    _validate_activation_offloading(m, p)
+    _validate_optimizer_cpu_offload(t)
     _validate_precision(m, p, t)
     _validate_optimizer(p, t)
     _validate_step_schedule(m, t)
@@ -751,13 +748,22 @@ def _validate_world(p: ParallelConfig, t: TrainingConfig, world_size: int, vpp: 
         )
 
 
-def _validate_training_length(t: TrainingConfig) -> None:
+def _validate_optimizer_cpu_offload(t: TrainingConfig) -> None:
+    """--optimizer-cpu-offload, --optimizer-offload-fraction and --overlap-cpu-optimizer-d2h-h2d."""
+    _check(
+        not t.overlap_cpu_optimizer_d2h_h2d or t.optimizer_cpu_offload,
+        "--overlap-cpu-optimizer-d2h-h2d needs --optimizer-cpu-offload",
+    )
     f = t.optimizer_offload_fraction
     _check(0.0 < f <= 1.0, f"--optimizer-offload-fraction must be in (0, 1], got {f}")
     _check(
         not t.optimizer_cpu_offload or t.optimizer in ("adam", "sgd"),
         f"--optimizer-cpu-offload with --optimizer {t.optimizer} is not tested yet (adam and sgd are)",
     )
+
+
+def _validate_training_length(t: TrainingConfig) -> None:
+    """--train-iters or --train-samples (one of them), and the samples a --rampup-batch-size needs."""
     _check(
         not (t.train_iters is not None and t.train_samples is not None),
         "give only one of --train-iters and --train-samples",
