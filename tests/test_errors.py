@@ -109,4 +109,9 @@ def test_bad_flags_met_outside_validation_raise_megalm_errors():
 
     with pytest.raises(GenerationError, match="--pipeline-model-parallel-size 2 does not divide the model's 3 layers"):
         generation_config(config_from_args(gen), pipeline_model_parallel_size=2)
+    from megalm.data.indexed_dataset import DataError
+    from megalm.data.samplers import MegatronPretrainingSampler
+
+    with pytest.raises(DataError, match="consumed_samples 20 is outside \\[0, total_samples 10\\]"):
+        MegatronPretrainingSampler(10, 20, 1, 0, 1)  # a checkpoint resumed on a smaller dataset
     assert issubclass(ScheduleError, MegalmError) and issubclass(GenerationError, (MegalmError, ValueError))
