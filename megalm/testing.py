@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megalm.device import free_port  # noqa: F401 - the one port picker; tests import it from here
+from megalm.device import free_port  # the one port picker (tests import it from here too)
 from megalm.errors import MegalmError
 
 POOL_ENV = "MEGALM_TEST_RANK_POOL"
