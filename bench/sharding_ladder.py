@@ -37,11 +37,12 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.abspath(os.path.join(HERE, os.path.pardir)))
-sys.path.insert(0, HERE)
+for _path in (os.path.abspath(os.path.join(HERE, os.path.pardir)), HERE):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 from comm_bytes import MODEL, one_step, setup_trainer  # noqa: E402
-from sharding_memory import EXTRA, _live_bytes  # noqa: E402
+from sharding_memory import EXTRA, sampled_steps  # noqa: E402
 
 from megalm.testing import run_distributed  # noqa: E402
 
@@ -69,25 +70,6 @@ def _batch(k: int, micro: int, steps: int) -> list:
     return ["--micro-batch-size", "1", "--global-batch-size", str(k * micro), "--train-iters", str(steps + 2)]
 
 
-def _peak_step(trainer) -> dict:
-    """One step with sampling hooks: the peak of weights + gradient storage, and the steady bytes after it."""
-    chunks, peak = trainer.model, [0]
-
-    def sample(*_args):
-        peak[0] = max(peak[0], _live_bytes(chunks))
-
-    handles = [m.register_forward_pre_hook(sample) for c in chunks for m in c.module.modules()]
-    handles += [p.register_post_accumulate_grad_hook(sample) for c in chunks for p in c.parameters()]
-    one_step(trainer)
-    for c in chunks:
-        c.finish_param_sync()
-    for h in handles:
-        h.remove()
-    opt = trainer.optimizer.memory_breakdown()
-    opt_bytes = opt["main_params"] + opt["main_grads"] + opt["optimizer_state"]
-    return {"steady": _live_bytes(chunks) + opt_bytes, "peak": peak[0] + opt_bytes}
-
-
 def measure(configs, steps):
     """On every rank: per config, this rank's step times, then (rank 0's numbers count) steady and peak bytes."""
     import torch.distributed as dist
@@ -105,7 +87,7 @@ def measure(configs, steps):
             times.append(time.perf_counter() - start)
         params = sum(p.numel() for c in trainer.model for p in c.parameters())
         row = {"name": name, "times": times[1:], "params": params}
-        row.update(_peak_step(trainer))
+        row.update(sampled_steps(trainer))
         out.append(row)
         parallel_state.destroy_model_parallel()
     return out
@@ -171,7 +153,7 @@ def measure_boundaries(rows):
     for name, argv in rows:
         trainer = setup_trainer(argv)
         one_step(trainer)
-        out.append({"name": name, **_peak_step(trainer)})
+        out.append({"name": name, **sampled_steps(trainer)})
         parallel_state.destroy_model_parallel()
     return out
 

@@ -28,8 +28,9 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.abspath(os.path.join(HERE, os.path.pardir)))
-sys.path.insert(0, HERE)
+for _path in (os.path.abspath(os.path.join(HERE, os.path.pardir)), HERE):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 from comm_bytes import MODEL, one_step, setup_trainer  # noqa: E402
 
@@ -54,6 +55,31 @@ def _live_bytes(chunks) -> int:
     return total
 
 
+def sampled_steps(trainer, steps: int = 1, before_step=None) -> dict:
+    """Run ``steps`` steps (``before_step()`` before each) with sampling hooks on every module forward and
+    gradient accumulation.  ``peak``: the largest weights + gradient storage seen in the last step;
+    ``steady``: what is held after it; both plus the optimizer's (constant) bytes."""
+    chunks, peak = trainer.model, [0]
+
+    def sample(*_args):
+        peak[0] = max(peak[0], _live_bytes(chunks))
+
+    handles = [m.register_forward_pre_hook(sample) for c in chunks for m in c.module.modules()]
+    handles += [p.register_post_accumulate_grad_hook(sample) for c in chunks for p in c.parameters()]
+    for _ in range(steps):
+        peak[0] = 0
+        if before_step is not None:
+            before_step()
+        one_step(trainer)
+        for c in chunks:
+            c.finish_param_sync()
+    for h in handles:
+        h.remove()
+    opt = trainer.optimizer.memory_breakdown()
+    opt_bytes = opt["main_params"] + opt["main_grads"] + opt["optimizer_state"]
+    return {"steady": _live_bytes(chunks) + opt_bytes, "peak": peak[0] + opt_bytes}
+
+
 def measure(configs, steps):
     from megalm import parallel_state
     from megalm.distributed import comm
@@ -62,38 +88,21 @@ def measure(configs, steps):
     for name, argv in configs:
         trainer = setup_trainer(argv)
         chunks = trainer.model
-        peak = [0]
-
-        def sample(*_args):
-            peak[0] = max(peak[0], _live_bytes(chunks))
-
-        handles = [m.register_forward_pre_hook(sample) for c in chunks for m in c.module.modules()]
-        handles += [p.register_post_accumulate_grad_hook(sample) for c in chunks for p in c.parameters()]
-        for _ in range(steps):
-            peak[0] = 0
-            comm.reset_comm_stats()
-            one_step(trainer)
-            for c in chunks:
-                c.finish_param_sync()
+        mem = sampled_steps(trainer, steps, before_step=comm.reset_comm_stats)  # comm stats of the last step
         stats = comm.get_comm_stats()
-        opt = trainer.optimizer.memory_breakdown()
-        opt_bytes = opt["main_params"] + opt["main_grads"] + opt["optimizer_state"]
         bufs = [b for c in chunks for b in c.all_buffers]
         numel = sum(b.numel for b in bufs)
         out.append(
             {
                 "name": name,
                 "params": sum(p.numel() for c in chunks for p in c.parameters()),
-                "steady": _live_bytes(chunks) + opt_bytes,
-                "peak": peak[0] + opt_bytes,
+                **mem,
                 "grad_wire": sum(stats.get(k, {}).get("wire_bytes", 0.0) for k in GRAD_KINDS),
                 "param_wire": sum(stats.get(k, {}).get("wire_bytes", 0.0) for k in PARAM_KINDS),
                 "G": 4 * numel,
                 "P": 2 * numel,
             }
         )
-        for h in handles:
-            h.remove()
         parallel_state.destroy_model_parallel()
     return out
 

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import logging
 import os
+import random
+import socket
 import sys
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from megalm.errors import MegalmError
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
@@ -66,7 +70,7 @@ def initialize_distributed(timeout: timedelta = DEFAULT_TIMEOUT) -> None:
         configure_cpu_threads()
     if "RANK" not in os.environ:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     # On CUDA name this rank's GPU: NCCL then binds its communicators to it instead of guessing
     # from the global rank (which can hang on heterogeneous rank-to-GPU maps).
@@ -92,12 +96,28 @@ def restart_store(timeout: timedelta = DEFAULT_TIMEOUT) -> tuple:
     return dist.PrefixStore(f"megalm/restart{attempt}", store), rank, world
 
 
-def _free_port() -> int:
-    import socket
+class NoFreePort(MegalmError, OSError):
+    """No port in :data:`PORT_RANGE` could be bound for a rendezvous."""
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+PORT_RANGE = (20000, 32768)  # below Linux's ephemeral range (32768-60999)
+
+
+def free_port() -> int:
+    """A port for a rendezvous on this host (a single-process run's, a test's): random in 20000-32767,
+    below Linux's ephemeral range, so that the kernel does not hand it to another process's outgoing
+    connection in the moment between this check and rank 0 binding it, and two runs side by side
+    rarely pick the same one.  The one port picker of megalm and its tests."""
+    rng = random.Random()  # seeded by the OS: independent of torch/numpy seeds the caller set
+    for _ in range(100):
+        port = rng.randrange(*PORT_RANGE)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise NoFreePort(f"no free port in {PORT_RANGE[0]}-{PORT_RANGE[1] - 1} for the rendezvous (100 tried)")
 
 
 def shutdown_distributed() -> None:

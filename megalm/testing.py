@@ -42,9 +42,7 @@ import multiprocessing.util  # noqa: F401 - its atexit handler must be registere
 import os
 import pickle
 import queue
-import random
 import signal
-import socket
 import sys
 import threading
 import time
@@ -59,6 +57,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megalm.device import free_port  # the one port picker (tests import it from here too)
 from megalm.errors import MegalmError
 
 POOL_ENV = "MEGALM_TEST_RANK_POOL"
@@ -69,22 +68,6 @@ _READY_TIMEOUT_S = 30.0
 
 class DistributedTestError(MegalmError, RuntimeError):
     pass
-
-
-def free_port() -> int:
-    """A port for a test's rendezvous: random in 20000-32767, below Linux's ephemeral range, so that the
-    kernel does not hand it to another process's outgoing connection in the moment between this check and
-    rank 0 binding it, and two test runs side by side rarely pick the same one."""
-    rng = random.Random()  # seeded by the OS: independent of torch/numpy seeds the tests set
-    for _ in range(100):
-        port = rng.randrange(20000, 32768)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise DistributedTestError("no free port in 20000-32767 for the test rendezvous")
 
 
 def _run_rank(

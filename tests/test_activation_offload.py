@@ -6,8 +6,9 @@ host memory after their forward and come back, prefetched one layer ahead, befor
   with 4 experts top-2 in every layer, fp32, EP 1), 2 layers offloaded: loss and every gradient
   bit-identical to no offloading;
 * bytes moved each way = the distinct storages those layers save, measured on the plain model
-  layer by layer (parameters excluded), and (GPT fp32) exactly the planner's per-layer formula
-  (megalm/estimate/activations.py);
+  layer by layer (parameters and storages every layer saves excluded: RoPE tables, the document mask),
+  and (GPT fp32; Llama fp32 with a document mask) exactly the planner's per-layer formula
+  (megalm/estimate/activations.py): the shared tables and mask are not copied per layer;
 * the planner's kept activations with 1 and 2 layers offloaded equal the saved bytes left on the
   device (measured by an outer hook, which the offloaded layers' own hooks shadow);
 * order: both layers' D2H copies in forward; in backward layer 1 comes back before layer 2's
@@ -45,20 +46,29 @@ def _batch(seed=0):
     return [torch.randint(0, 200, (2, 32), generator=g) for _ in range(2)]
 
 
-def _losses_and_grads(model, seeds, order):
+def _document_mask():
+    """A ``[2, 1, 32, 32]`` document-causal mask (documents of 10 and 22 tokens, then 32)."""
+    from megalm.transformer.attention_mask import document_causal_mask
+
+    return document_causal_mask(torch.tensor([[0] * 10 + [1] * 22, [0] * 32]))
+
+
+def _losses_and_grads(model, seeds, order, attention_mask=None):
     """Forward every microbatch of ``seeds``, then backward them in ``order`` (indices)."""
     losses = []
     for seed in seeds:
         model_parallel_manual_seed(7 + seed)
         tokens, labels = _batch(seed)
-        losses.append(model(tokens, None, labels).sum())
+        losses.append(model(tokens, None, labels, attention_mask=attention_mask).sum())
     for i in order:
         losses[i].backward()
     return [x.detach() for x in losses], {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _saved_bytes_per_layer(model, seed=0):
-    """Distinct storages each layer saves for backward in one forward (parameters excluded)."""
+def _saved_bytes_per_layer(model, seed=0, attention_mask=None):
+    """Distinct storages each layer saves for backward in one forward (parameters excluded, and storages
+    that several layers save: every saved storage stays alive until backward, so one address seen in two
+    layers is one tensor, an input every layer gets)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen, current = {}, [None]
     hooks = []
@@ -75,10 +85,11 @@ def _saved_bytes_per_layer(model, seed=0):
     model_parallel_manual_seed(7 + seed)
     tokens, labels = _batch(seed)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        model(tokens, None, labels)
+        model(tokens, None, labels, attention_mask=attention_mask)
     for h in hooks:
         h.remove()
-    return {k: sum(v.values()) for k, v in seen.items()}
+    shared = {key for layer in seen.values() for key in layer if sum(key in other for other in seen.values()) > 1}
+    return {k: sum(n for key, n in v.items() if key not in shared) for k, v in seen.items()}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -104,13 +115,25 @@ def test_offloaded_layers_change_nothing_and_move_their_saved_bytes(case):
     assert order == [("d2h", 0), ("d2h", 1), ("h2d", 1), ("h2d", 0), ("unpack", 1), ("unpack", 0)]
 
 
-def test_offloaded_bytes_match_the_activation_formula():
-    cfg, model = _model({}, torch.float32, offload_layers=2)
+@pytest.mark.parametrize("model_kw, mask", [({}, False), (LLAMA, False), (LLAMA, True)], ids=["gpt", "llama", "mask"])
+def test_offloaded_bytes_match_the_activation_formula(model_kw, mask):
+    """fp32 RoPE tables and the document mask, saved by every layer, stay on the device (a copy per layer
+    moved them N times): the bytes moved are the per-layer formula's, which counts the tables once per
+    model; results unchanged.  With the mask SDPA also saves a float copy of it per layer, which the
+    formula leaves out: there the bytes are the layers' own saved storages, measured."""
+    attention_mask = _document_mask() if mask else None
+    _, plain = _model(model_kw, torch.float32)
+    ref_loss, ref_grads = _losses_and_grads(plain, [0], [0], attention_mask)
+    cfg, model = _model(model_kw, torch.float32, offload_layers=2)
     transfer = model.decoder.activation_offload.transfer
-    _losses_and_grads(model, [0], [0])
+    loss, grads = _losses_and_grads(model, [0], [0], attention_mask)
+    assert torch.equal(loss[0], ref_loss[0]) and all(torch.equal(grads[n], g) for n, g in ref_grads.items())
     sh = Shape(cfg.model.seq_length, cfg.training.micro_batch_size, 1, False, 4, device="cpu")
-    predicted = 2 * sum(layer_bytes(cfg.model, sh).values())
-    assert transfer.bytes_d2h == transfer.bytes_h2d == predicted
+    formula = 2 * sum(layer_bytes(cfg.model, sh).values())
+    measured = _saved_bytes_per_layer(plain, attention_mask=attention_mask)
+    assert transfer.bytes_d2h == transfer.bytes_h2d == (measured[0] + measured[1] if mask else formula)
+    if mask:  # SDPA's fp32 [2, 1, 32, 32] additive mask, made from the boolean one in each layer
+        assert transfer.bytes_d2h == formula + 2 * 4 * 2 * 32 * 32
 
 
 def test_microbatches_in_flight_keep_their_own_copies_and_eval_moves_nothing():

@@ -112,6 +112,22 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
             4,
             "--profile-ranks \\[4\\] must be ranks of the world \\(size 4\\)",
         ),
+        (
+            ["--rampup-batch-size", "16", "4", "100", "--global-batch-size", "8", "--train-samples", "1000"],
+            1,
+            "--rampup-batch-size start 16 and increment 4 must step from 0 < start <= --global-batch-size 8",
+        ),
+        (
+            ["--rampup-batch-size", "2", "4", "100", "--global-batch-size", "8", "--train-samples", "1000"],
+            1,
+            "in whole increments",
+        ),
+        (["--optimizer-offload-fraction", "0"], None, "--optimizer-offload-fraction must be in \\(0, 1\\], got 0.0"),
+        (
+            ["--overlap-cpu-optimizer-d2h-h2d", "--optimizer", "lamb"],
+            None,
+            "--overlap-cpu-optimizer-d2h-h2d needs --optimizer-cpu-offload",
+        ),
     ],
 )
 def test_invalid_combinations(argv, world, message):

@@ -72,3 +72,46 @@ def test_import_hf_refuses_fields_that_are_not_megalm_model_fields():
 
     with pytest.raises(ConversionError, match=r"sets \['num_layerz'\], which are not megalm model fields"):
         build_config({"num_layerz": 2, "max_position_embeddings": 16}, [])
+
+
+def test_bad_flags_met_outside_validation_raise_megalm_errors():
+    """Library code reached with a flag value validation would refuse (a config built in code) names
+    the flag in a MegalmError, not a bare ValueError."""
+    import types
+
+    import torch
+
+    from megalm.inference.generation import GenerationError, generation_config
+    from megalm.inference.sampling import SamplingParams
+    from megalm.models.layer_split import layers_per_rank
+    from megalm.training.microbatches import MicrobatchCalculator, ScheduleError
+    from megalm.transformer.moe.moe_layer import moe_layer_pattern
+    from megalm.transformer.te_layers import TESelfAttention
+
+    q = torch.zeros(2, 1, 1, 4)
+    with pytest.raises(ConfigError, match="--reset-attention-mask is not supported with --transformer-impl"):
+        TESelfAttention.core_attention(None, q, q, q, attention_mask=torch.ones(1, 1, 2, 2, dtype=torch.bool))
+    with pytest.raises(ConfigError, match="--top-p must be in"):
+        SamplingParams(top_p=0.0).validate()
+    cfg = types.SimpleNamespace(
+        model=types.SimpleNamespace(num_layers=5, num_experts=4, moe_layer_freq=[1, 0]),
+        parallel=types.SimpleNamespace(pipeline_model_parallel_size=2),
+    )
+    cfg.parallel.decoder_first_pipeline_num_layers = cfg.parallel.decoder_last_pipeline_num_layers = None
+    with pytest.raises(ConfigError, match="--num-layers 5 is not divisible by pipeline size 2"):
+        layers_per_rank(cfg)
+    with pytest.raises(ConfigError, match="--moe-layer-freq has 2 entries for 5 layers"):
+        moe_layer_pattern(cfg.model)
+    with pytest.raises(ScheduleError, match="--rampup-batch-size"):
+        MicrobatchCalculator(8, 1, 1, rampup_batch_size=[16, 4, 100])
+    gen = build_parser(exit_on_error=False).parse_args(["--num-layers", "3", "--num-attention-heads", "4"])
+    from megalm.config import config_from_args
+
+    with pytest.raises(GenerationError, match="--pipeline-model-parallel-size 2 does not divide the model's 3 layers"):
+        generation_config(config_from_args(gen), pipeline_model_parallel_size=2)
+    from megalm.data.indexed_dataset import DataError
+    from megalm.data.samplers import MegatronPretrainingSampler
+
+    with pytest.raises(DataError, match="consumed_samples 20 is outside \\[0, total_samples 10\\]"):
+        MegatronPretrainingSampler(10, 20, 1, 0, 1)  # a checkpoint resumed on a smaller dataset
+    assert issubclass(ScheduleError, MegalmError) and issubclass(GenerationError, (MegalmError, ValueError))

@@ -8,11 +8,14 @@
     tracker names N.
 (c) TP2 x DP2, hidden dropout, no sequence parallelism: after 10 iterations every replicated
     parameter is bitwise equal across the TP group.
+(d) A rank whose forward step raises, with DataLoader workers (which ignore SIGTERM): the process
+    exits non-zero at once instead of hanging at interpreter exit on its workers.
 
 Run as a script (``torchrun tests/test_restarts.py ARGS``) this file is the training entry
 point of (a) and (b): ``pretrain_gpt.main`` with a test hook, ``MEGALM_TEST_SIGKILL=RANK:CALL``,
 that SIGKILLs global rank RANK at its CALL-th forward step of the first attempt
-(``TORCHELASTIC_RESTART_COUNT=0``).
+(``TORCHELASTIC_RESTART_COUNT=0``), and ``MEGALM_TEST_RAISE=CALL``, that raises RuntimeError at
+the CALL-th forward step.
 """
 
 import json
@@ -71,10 +74,24 @@ def _sigkill_hook(forward_step):
     return step
 
 
+def _raise_hook(forward_step):
+    """``MEGALM_TEST_RAISE=CALL`` (test hook): raise RuntimeError at the CALL-th forward step."""
+    call = int(os.environ.get("MEGALM_TEST_RAISE", "0"))
+    calls = {"n": 0}
+
+    def step(data_iterator, model):
+        calls["n"] += 1
+        if calls["n"] == call:
+            raise RuntimeError(f"injected failure at forward step {call}")
+        return forward_step(data_iterator, model)
+
+    return step if call else forward_step
+
+
 def _main(argv):
     import pretrain_gpt
 
-    pretrain_gpt.main(argv, _sigkill_hook(pretrain_gpt.forward_step))
+    pretrain_gpt.main(argv, _raise_hook(_sigkill_hook(pretrain_gpt.forward_step)))
 
 
 # --- helpers -----------------------------------------------------------------------------
@@ -250,6 +267,29 @@ def test_sigterm_to_torchrun_saves_with_dataloader_workers(tmp_path):
     assert _tracker(ckpt) == str(n)
     assert max(_numbers(metrics)) == n
     assert os.path.isdir(os.path.join(ckpt, f"iter_{n:07d}"))
+
+
+# --- (d) an exception with DataLoader workers ---------------------------------------------
+
+
+def test_a_failing_rank_with_dataloader_workers_exits_instead_of_hanging():
+    """Before the trainer stopped its loaders' workers in a ``finally``, this process printed the
+    traceback and then hung (multiprocessing's exit handler SIGTERMs the workers, which ignore it,
+    and joins them; the traceback keeps the DataLoader iterator alive)."""
+    argv = tiny_flags(num_workers="2", train_iters="20", micro_batch_size="2", hidden_size="32", seq_length="16")
+    try:
+        proc = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), *argv],
+            env=dict(ENV, MEGALM_TEST_RAISE="3"),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,  # ~10 s on a quiet machine; hung for good before the fix
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the failing run hung at exit: {(e.stderr or b'')[-2000:]!r}")
+    assert proc.returncode != 0
+    assert "RuntimeError: injected failure at forward step 3" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_dataloader_workers_ignore_sigterm_and_leave_the_default_rng_alone():

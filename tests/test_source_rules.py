@@ -3,7 +3,9 @@
 * no ``SystemExit`` and no ``sys.exit`` inside ``megalm/``: library code raises a
   :class:`megalm.errors.MegalmError`; only entry points turn errors into exit codes;
 * no import cycle between megalm modules through module-level imports (an import inside a
-  function runs lazily and is allowed; so is one under ``if TYPE_CHECKING:``).
+  function runs lazily and is allowed; so is one under ``if TYPE_CHECKING:``);
+* ``tools/`` scripts add the repo root to ``sys.path`` only when absent (the tests run them again
+  and again in one process with ``runpy``).
 """
 
 from __future__ import annotations
@@ -216,3 +218,45 @@ def test_cycle_finder_reports_the_cycle_and_ignores_lazy_imports(tmp_path):
     assert imported_modules("pkg.x", str(pkg / "x.py"), known) == {"pkg.y"}
     assert imported_modules("pkg.y", str(pkg / "y.py"), known) == set()
     assert imported_modules("pkg.z", str(pkg / "z.py"), known) == {"pkg.x"}
+
+
+TOOLS = os.path.join(os.path.dirname(ROOT), "tools")
+
+
+def _bare_path_inserts(tree: ast.Module) -> List[int]:
+    """Lines of module-level ``sys.path.insert(...)`` statements not under an ``if`` (run again by runpy,
+    each adds another copy of the path)."""
+    return [
+        node.lineno
+        for node in tree.body
+        if isinstance(node, ast.Expr)
+        and isinstance(node.value, ast.Call)
+        and ast.unparse(node.value.func) in ("sys.path.insert", "sys.path.append")
+    ]
+
+
+def test_tools_add_the_repo_root_to_sys_path_once(monkeypatch):
+    bare = {}
+    for folder, _, files in os.walk(TOOLS):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                lines = _bare_path_inserts(_tree(path))
+                if lines:
+                    bare[os.path.relpath(path, TOOLS)] = lines
+    assert bare == {}
+    import runpy
+    import sys
+
+    root = os.path.dirname(ROOT)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    start = sys.path.count(root)
+    for _ in range(3):
+        for tool in ("generate.py", os.path.join("checkpoint", "inspect.py")):
+            runpy.run_path(os.path.join(TOOLS, tool))
+    assert sys.path.count(root) == max(start, 1)
+
+
+def test_bare_path_insert_scan_finds_inserts():
+    tree = ast.parse("import sys\nsys.path.insert(0, 'x')\nif 'x' not in sys.path:\n    sys.path.insert(0, 'x')\n")
+    assert _bare_path_inserts(tree) == [2]

@@ -25,7 +25,9 @@ Errors (an unknown preset, flags that do not validate) exit with status 2.
 import os
 import sys
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
+if _ROOT not in sys.path:  # once, however often the tool is run in one process (runpy)
+    sys.path.insert(0, _ROOT)
 
 from megalm.errors import MegalmError, TrainingStopped  # noqa: E402
 from megalm.estimate.cli import main  # noqa: E402

@@ -12,7 +12,9 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
+if _ROOT not in sys.path:  # once, however often the tool is run in one process (runpy)
+    sys.path.insert(0, _ROOT)
 
 from megalm.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError, dataset_exists  # noqa: E402
 from megalm.log import get_logger, setup_logging  # noqa: E402

@@ -11,7 +11,9 @@
 import os
 import sys
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
+_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
+if _ROOT not in sys.path:  # once, however often the tool is run in one process (runpy)
+    sys.path.insert(0, _ROOT)
 
 from megalm.presets.cli import main  # noqa: E402
 

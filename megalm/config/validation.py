@@ -189,12 +189,8 @@ def _validate_sharding_strategy(m: ModelConfig, p: ParallelConfig) -> None:
     )
 
 
-def _validate_offloading(m: ModelConfig, p: ParallelConfig, t: TrainingConfig) -> None:
-    """--cpu-offloading (activations) and --overlap-cpu-optimizer-d2h-h2d: what is built and tested."""
-    _check(
-        not t.overlap_cpu_optimizer_d2h_h2d or t.optimizer_cpu_offload,
-        "--overlap-cpu-optimizer-d2h-h2d needs --optimizer-cpu-offload",
-    )
+def _validate_activation_offloading(m: ModelConfig, p: ParallelConfig) -> None:
+    """--cpu-offloading (activations): what is built and tested."""
     _check(
         not m.cpu_offloading_weights,
         "--cpu-offloading-weights is not built: --cpu-offloading moves activations only (weights stay on the device)",
@@ -335,7 +331,8 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
     _validate_parallel(m, p)
     _validate_moe(m, p)
     _validate_expert_tensor_parallel(m, p, t)
-    _validate_offloading(m, p, t)
+    _validate_activation_offloading(m, p)
+    _validate_optimizer_cpu_offload(t)
     _validate_precision(m, p, t)
     _validate_optimizer(p, t)
     _validate_step_schedule(m, t)
@@ -747,6 +744,12 @@ def _validate_world(p: ParallelConfig, t: TrainingConfig, world_size: int, vpp: 
         )
     if t.rampup_batch_size is not None:
         start, incr, _ = t.rampup_batch_size
+        gb = t.global_batch_size
+        _check(
+            0 < start <= gb and incr > 0 and (gb - start) % incr == 0,
+            f"--rampup-batch-size start {start} and increment {incr} must step from 0 < start <= "
+            f"--global-batch-size {gb} to it in whole increments",
+        )
         _check(
             start % (t.micro_batch_size * dp) == 0 and incr % (t.micro_batch_size * dp) == 0,
             f"--rampup-batch-size start {start} and increment {incr} must be multiples of "
@@ -754,9 +757,18 @@ def _validate_world(p: ParallelConfig, t: TrainingConfig, world_size: int, vpp: 
         )
 
 
-def _validate_training_length(t: TrainingConfig) -> None:
+def _validate_optimizer_cpu_offload(t: TrainingConfig) -> None:
+    """--optimizer-cpu-offload, --optimizer-offload-fraction and --overlap-cpu-optimizer-d2h-h2d."""
+    _check(
+        not t.overlap_cpu_optimizer_d2h_h2d or t.optimizer_cpu_offload,
+        "--overlap-cpu-optimizer-d2h-h2d needs --optimizer-cpu-offload",
+    )
     f = t.optimizer_offload_fraction
     _check(0.0 < f <= 1.0, f"--optimizer-offload-fraction must be in (0, 1], got {f}")
+
+
+def _validate_training_length(t: TrainingConfig) -> None:
+    """--train-iters or --train-samples (one of them), and the samples a --rampup-batch-size needs."""
     _check(
         not (t.train_iters is not None and t.train_samples is not None),
         "give only one of --train-iters and --train-samples",

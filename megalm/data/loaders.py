@@ -24,7 +24,7 @@ Two things keep restarts exact and ``--exit-signal-handler`` working (issue #18)
 from __future__ import annotations
 
 import signal
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -130,12 +130,31 @@ def _share_split_flags(local: list) -> Tuple[bool, bool, bool]:
 
 class DataIterators(tuple):
     """``(train_iter, valid_iter, test_iter)`` (unpacks as a tuple) and ``splits``: whether
-    each split has data, ``(train, valid, test)``, the same on every rank."""
+    each split has data, ``(train, valid, test)``, the same on every rank; ``loaders``: the
+    DataLoaders behind the iterators, for :meth:`close`."""
 
-    def __new__(cls, train, valid, test, splits: Tuple[bool, bool, bool]):
+    def __new__(cls, train, valid, test, splits: Tuple[bool, bool, bool], loaders: Sequence = ()):
         obj = super().__new__(cls, (train, valid, test))
         obj.splits = splits
+        obj.loaders = tuple(dl for dl in loaders if dl is not None)
         return obj
+
+    def close(self) -> None:
+        """Stop the loaders' worker processes now (:func:`shutdown_loader_workers`)."""
+        for dl in self.loaders:
+            shutdown_loader_workers(dl)
+
+
+def shutdown_loader_workers(loader: torch.utils.data.DataLoader) -> None:
+    """Stop the persistent worker processes of ``loader`` (sentinel, then join), as the DataLoader
+    does when its iterator is garbage collected.  A run that ends with an exception must call it:
+    the traceback keeps the iterator alive past interpreter shutdown, where multiprocessing's exit
+    handler SIGTERMs the workers, which ignore it (:func:`ignore_sigterm_in_worker`), and then
+    joins them forever (a hung rank instead of a failed one).  The workers' iterator
+    (``loader._iterator``, torch's) raises if used again; a loader without workers has none."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
 
 
 def splits_available(iterators: DataIterators) -> Tuple[bool, bool, bool]:
@@ -178,4 +197,5 @@ def build_train_valid_test_data_iterators(
     wrapped_valid = consumed_valid_samples if cyclic or valid_ds is None else consumed_valid_samples % len(valid_ds)
     valid = loader(valid_ds, wrapped_valid)
     test = loader(test_ds, 0)
-    return DataIterators(iterate(train, cyclic), iterate(valid, True), iterate(test, cyclic), splits)
+    iterators = (iterate(train, cyclic), iterate(valid, True), iterate(test, cyclic))
+    return DataIterators(*iterators, splits, loaders=(train, valid, test))

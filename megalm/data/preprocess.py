@@ -143,7 +143,7 @@ def _flatten(ids: List[List[int]], dtype: np.dtype, eod: Optional[int]):
         flat = np.insert(flat, np.cumsum(lengths), eod)
         lengths = lengths + 1
     if flat.size and (flat.min() < 0 or flat.max() > np.iinfo(dtype).max):
-        raise ValueError(f"token id {int(flat.max())} does not fit the output dtype {dtype}")
+        raise PreprocessError(f"token id {int(flat.max())} does not fit the output dtype {dtype}")
     return flat.astype(dtype), lengths
 
 

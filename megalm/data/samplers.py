@@ -17,6 +17,8 @@ from typing import Iterator, List
 
 import torch
 
+from megalm.data.indexed_dataset import DataError
+
 
 class MegatronPretrainingSampler:
     """Batch sampler yielding this rank's micro-batches (lists of sample indices)."""
@@ -31,9 +33,9 @@ class MegatronPretrainingSampler:
         drop_last: bool = True,
     ):
         if total_samples <= 0:
-            raise ValueError(f"no samples to consume: total_samples = {total_samples}")
+            raise DataError(f"no samples to consume: total_samples = {total_samples}")
         if not 0 <= consumed_samples <= total_samples:
-            raise ValueError(f"consumed_samples {consumed_samples} is outside [0, total_samples {total_samples}]")
+            raise DataError(f"consumed_samples {consumed_samples} is outside [0, total_samples {total_samples}]")
         _check_micro_batch_layout(micro_batch_size, data_parallel_rank, data_parallel_size)
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
@@ -159,7 +161,7 @@ def _check_random_sampler_args(
     _check_micro_batch_layout(micro_batch_size, data_parallel_rank, data_parallel_size)
     step = micro_batch_size * data_parallel_size
     if total_samples < step:
-        raise ValueError(
+        raise DataError(
             f"total_samples {total_samples} is less than one step of micro_batch_size x "
             f"data_parallel_size = {step}: an epoch would be empty"
         )

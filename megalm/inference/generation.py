@@ -33,11 +33,16 @@ import torch
 import torch.distributed as dist
 
 from megalm import parallel_state
+from megalm.errors import MegalmError
 from megalm.fusions import EAGER
 from megalm.inference.kv_cache import KVCache
 from megalm.inference.sampling import SamplingParams, sample_next
 
 Generators = Union[None, torch.Generator, Sequence[Optional[torch.Generator]]]
+
+
+class GenerationError(MegalmError, ValueError):
+    """A generation request that cannot run: a prompt, a flag or a checkpoint that does not fit."""
 
 
 @dataclass
@@ -79,7 +84,7 @@ class _StageRunner:
                 "initialized (see megalm.inference.load_model_parallel)"
             )
         if parallel_state.get_context_parallel_world_size() > 1:
-            raise ValueError("generation does not support context parallelism")
+            raise GenerationError("generation does not support context parallelism")
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.is_sampler = self.last and self.tp_rank == 0
         self.group = parallel_state.get_model_parallel_group()
@@ -164,10 +169,10 @@ def generate_batch(
     params = (params or SamplingParams()).validate()
     prompts = [[int(t) for t in p] for p in prompts]
     if not prompts:
-        raise ValueError("no prompts")
+        raise GenerationError("no prompts")
     for i, p in enumerate(prompts):
         if not p:
-            raise ValueError(
+            raise GenerationError(
                 "the prompt is empty (no tokens)" if len(prompts) == 1 else f"prompt {i} is empty (no tokens)"
             )
     if model.training:
@@ -175,7 +180,7 @@ def generate_batch(
     limit = max_sequence_length(model)
     for p in prompts:
         if limit is not None and len(p) + max_new_tokens > limit:
-            raise ValueError(
+            raise GenerationError(
                 f"prompt ({len(p)} tokens) + --max-new-tokens {max_new_tokens} = "
                 f"{len(p) + max_new_tokens} exceeds the model's {limit} learned positions"
             )
@@ -263,7 +268,7 @@ def load_model(load_dir: str, iteration: Optional[int] = None, dtype: torch.dtyp
     reader = MegalmCheckpointReader(load_dir, iteration)
     cfg = copy.deepcopy(reader.config)
     if cfg.model.vocab_size is None:
-        raise ValueError(f"{reader.path}/common.json: the config has no vocab_size")
+        raise GenerationError(f"{reader.path}/common.json: the config has no vocab_size")
     model = megalm_model_from_tensors(cfg, reader.load(reader.model_names), dtype=dtype)
     return model.eval(), model.cfg, reader
 
@@ -285,15 +290,15 @@ def generation_config(
     m, p = cfg.model, cfg.parallel
     tp, pp = int(tensor_model_parallel_size), int(pipeline_model_parallel_size)
     if tp < 1 or pp < 1:
-        raise ValueError(f"tensor/pipeline model parallel sizes must be >= 1, got {tp} and {pp}")
+        raise GenerationError(f"tensor/pipeline model parallel sizes must be >= 1, got {tp} and {pp}")
     groups = m.num_query_groups if m.group_query_attention else m.num_attention_heads
     if m.num_attention_heads % tp or groups % tp:
-        raise ValueError(
+        raise GenerationError(
             f"--tensor-model-parallel-size {tp} does not divide the model's {m.num_attention_heads} "
             f"attention heads / {groups} query groups"
         )
     if m.num_layers % pp:
-        raise ValueError(f"--pipeline-model-parallel-size {pp} does not divide the model's {m.num_layers} layers")
+        raise GenerationError(f"--pipeline-model-parallel-size {pp} does not divide the model's {m.num_layers} layers")
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp
     p.sequence_parallel = False
     p.context_parallel_size = p.expert_model_parallel_size = 1
@@ -303,7 +308,7 @@ def generation_config(
     p.world_size, p.data_parallel_size = tp * pp * data_parallel_size, data_parallel_size
     cfg.training.bf16, cfg.training.fp16 = dtype == torch.bfloat16, dtype == torch.float16
     if m.vocab_size is None:
-        raise ValueError("the checkpoint's config has no vocab_size")
+        raise GenerationError("the checkpoint's config has no vocab_size")
     set_vocab_size(cfg, m.vocab_size)
     return cfg
 
@@ -327,7 +332,7 @@ def load_model_parallel(load_dir: str, iteration: Optional[int] = None, dtype: t
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     if parallel_state.get_context_parallel_world_size() > 1:
-        raise ValueError("generation does not support context parallelism")
+        raise GenerationError("generation does not support context parallelism")
     reader = MegalmCheckpointReader(load_dir, iteration)
     root = os.path.dirname(os.path.normpath(reader.path))
     if os.path.normpath(checkpoint_dir(root, reader.iteration)) != os.path.normpath(reader.path):
@@ -364,7 +369,9 @@ def tokenizer_for(
 
     kind = tokenizer_type or cfg.data.tokenizer_type
     if kind is None:
-        raise ValueError("the checkpoint's config names no tokenizer: pass --tokenizer-type (and --tokenizer-model)")
+        raise GenerationError(
+            "the checkpoint's config names no tokenizer: pass --tokenizer-type (and --tokenizer-model)"
+        )
     if tokenizer_type in (None, cfg.data.tokenizer_type):
         tokenizer_model = tokenizer_model or cfg.data.tokenizer_model
         vocab_file = vocab_file or cfg.data.vocab_file
@@ -373,7 +380,7 @@ def tokenizer_for(
         vocab_size = NullTokenizer.ids_for(cfg.model.vocab_size)  # the saved vocab_size is the tokenizer's
     tokenizer = create_tokenizer(kind, tokenizer_model, vocab_size, vocab_file, merge_file)
     if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ValueError(
+        raise GenerationError(
             f"tokenizer vocabulary {tokenizer.vocab_size} is larger than the model's {cfg.model.vocab_size}"
         )
     return tokenizer

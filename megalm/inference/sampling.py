@@ -7,6 +7,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from megalm.config.sections import ConfigError
+
 
 @dataclass
 class SamplingParams:
@@ -16,11 +18,11 @@ class SamplingParams:
 
     def validate(self) -> "SamplingParams":
         if self.temperature < 0:
-            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+            raise ConfigError(f"--temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"--top-k must be >= 0, got {self.top_k}")
+            raise ConfigError(f"--top-k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+            raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
         return self
 
     @property

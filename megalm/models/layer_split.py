@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+from megalm.config.sections import ConfigError
+
 
 def virtual_stages(parallel_cfg, num_layers: int) -> Optional[int]:
     """Virtual stages per pipeline rank (None without interleaving)."""
@@ -34,13 +36,14 @@ def layers_per_rank(cfg) -> List[int]:
         return [num_layers]
     if first is None and last is None:
         if num_layers % pp:
-            raise ValueError(f"--num-layers {num_layers} is not divisible by pipeline size {pp}")
+            raise ConfigError(f"--num-layers {num_layers} is not divisible by pipeline size {pp}")
         return [num_layers // pp] * pp
     middle_stages = pp - (first is not None) - (last is not None)
     middle_layers = num_layers - (first or 0) - (last or 0)
     if middle_layers < 0 or (middle_stages == 0 and middle_layers) or (middle_stages and middle_layers % middle_stages):
-        raise ValueError(
-            f"{num_layers} layers do not split into first={first}, last={last} and {middle_stages} even middle stages"
+        raise ConfigError(
+            f"--num-layers {num_layers} does not split into --decoder-first-pipeline-num-layers {first}, "
+            f"--decoder-last-pipeline-num-layers {last} and {middle_stages} even middle stages"
         )
     counts = [middle_layers // middle_stages if middle_stages else 0] * pp
     if first is not None:
@@ -61,11 +64,13 @@ def layers_for_stage(cfg, pp_rank: int, vpp_rank: int = 0) -> List[int]:
             cfg.parallel.decoder_first_pipeline_num_layers is not None
             or cfg.parallel.decoder_last_pipeline_num_layers is not None
         ):
-            raise ValueError("uneven first/last pipeline stages are not supported with virtual stages")
+            raise ConfigError(
+                "--decoder-first/last-pipeline-num-layers (uneven stages) are not supported with virtual stages"
+            )
         if not 0 <= vpp_rank < vpp:
             raise ValueError(f"virtual stage {vpp_rank} out of range for {vpp} virtual stages")
         if num_layers % (pp * vpp):
-            raise ValueError(f"--num-layers {num_layers} is not divisible by pipeline x virtual stages {pp * vpp}")
+            raise ConfigError(f"--num-layers {num_layers} is not divisible by pipeline x virtual stages {pp * vpp}")
         per_chunk = num_layers // (pp * vpp)
         start = (vpp_rank * pp + pp_rank) * per_chunk
         return list(range(start, start + per_chunk))

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
+from megalm.errors import MegalmError
+
 SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
 
 
-class ScheduleError(ValueError):
-    """A ``--step-batch-size-schedule`` string that does not parse or is not increasing from 0."""
+class ScheduleError(MegalmError, ValueError):
+    """A ``--step-batch-size-schedule`` string that does not parse or is not increasing from 0, or a
+    ``--rampup-batch-size`` that does not reach the global batch size."""
 
 
 def _tokens(text: str) -> int:
@@ -72,11 +75,11 @@ class MicrobatchCalculator:
         if rampup_batch_size is not None:
             start, increment, ramp_samples = (int(x) for x in rampup_batch_size)
             if increment <= 0 or start <= 0 or start > global_batch_size:
-                raise ValueError(
+                raise ScheduleError(
                     f"--rampup-batch-size {rampup_batch_size}: need 0 < start <= global batch and increment > 0"
                 )
             if (global_batch_size - start) % increment != 0:
-                raise ValueError(
+                raise ScheduleError(
                     f"--rampup-batch-size: global batch {global_batch_size} minus start {start} "
                     f"is not a multiple of the increment {increment}"
                 )

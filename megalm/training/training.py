@@ -98,6 +98,7 @@ class Trainer:
         self.saved_at: Optional[int] = None  # iteration of the last checkpoint saved by the loop
         self.stragglers = None  # --log-straggler: built in setup()
         self.watchdog = None  # --hang-watchdog-seconds: running during train()
+        self.data_iterators = None  # DataIterators, built in setup(); closed when run() ends
 
     # -- set-up --
     def setup(self) -> None:
@@ -276,6 +277,7 @@ class Trainer:
         iterators = build_train_valid_test_data_iterators(
             cfg, self.tokenizer, self.state.consumed_train_samples, self.state.consumed_valid_samples
         )
+        self.data_iterators = iterators
         self.train_iter, self.valid_iter, self.test_iter = iterators
         _, has_valid, has_test = iterators.splits  # the same answer on every rank
         self.do_valid = cfg.training.eval_iters > 0 and has_valid
@@ -309,7 +311,16 @@ class Trainer:
 
     # -- the loop --
     def run(self) -> TrainState:
-        self.setup()
+        """Set up, train, evaluate; however it ends, the DataLoader workers are stopped (an exception's
+        traceback would keep them, which ignore SIGTERM, alive: the process would hang at exit)."""
+        try:
+            self.setup()
+            return self._train_and_evaluate()
+        finally:
+            if self.data_iterators is not None:
+                self.data_iterators.close()
+
+    def _train_and_evaluate(self) -> TrainState:
         cfg, state = self.cfg, self.state
         try:
             if not cfg.training.skip_train and state.iteration < self.train_iters:

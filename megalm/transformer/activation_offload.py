@@ -3,9 +3,12 @@ the tensors autograd saves in the forward of the first ``N`` transformer layers 
 wait in host memory until their backward.
 
 Forward, per offloaded layer ``i`` and microbatch, an :class:`OffloadGroup` collects what the layer
-saves (``torch.autograd.graph.saved_tensors_hooks``): each saved tensor on the compute device, except
-views of the layer's own parameters (weights are not offloaded), becomes a handle (its storage, dtype,
-offset, sizes, strides).  When the layer returns, every distinct storage is copied to host memory once
+saves (``torch.autograd.graph.saved_tensors_hooks``): each saved tensor on the compute device becomes a
+handle (its storage, dtype, offset, sizes, strides), except views of the layer's own parameters (weights
+are not offloaded) and of the inputs every layer gets (RoPE ``cos``/``sin``, the attention mask: one
+storage saved by every layer; the caller holds it through the forward and the layers that are not
+offloaded, at least the last, save it on the device, so a host copy per layer would free nothing and
+move the same bytes ``N`` times).  When the layer returns, every distinct storage is copied to host memory once
 (D2H, :class:`~megalm.host_transfer.HostTransfer`) and the device references are dropped, so the
 device keeps one layer's saved tensors at a time (plus copies in flight).
 
@@ -17,9 +20,10 @@ Unpacking a handle waits for its group's reload and rebuilds the tensor on the r
 its original offset and strides, so the backward computes on the same bytes in the same layout:
 results equal no offloading exactly.  Views of one storage stay views of one storage.
 
-Bytes per offloaded layer and microbatch: the distinct storages the layer saves (the activation
-formula of :func:`megalm.estimate.activations.layer_bytes`), once D2H in forward and once H2D in
-backward.  On CUDA the copies run on a stream per direction into pinned buffers; on a CPU-only
+Bytes per offloaded layer and microbatch: the distinct storages the layer saves, less those of the
+shared inputs (the activation formula of :func:`megalm.estimate.activations.layer_bytes`, which counts
+fp32 RoPE tables once per model, not per layer), once D2H in forward and once H2D in backward.
+On CUDA the copies run on a stream per direction into pinned buffers; on a CPU-only
 machine both sides are CPU tensors and the copies are synchronous (the same code, real copies).
 Each forward builds its own groups, so microbatches in flight do not mix.  No communication.
 """
@@ -37,11 +41,11 @@ from megalm.host_transfer import HostTransfer
 class OffloadGroup:
     """The saved tensors of one layer's forward for one microbatch (see the module docstring)."""
 
-    def __init__(self, layer_number: int, transfer: HostTransfer, device: torch.device, param_storages: set):
+    def __init__(self, layer_number: int, transfer: HostTransfer, device: torch.device, kept_storages: set):
         self.layer_number = layer_number
         self.transfer = transfer
         self.device = device
-        self.param_storages = param_storages
+        self.kept_storages = kept_storages  # data_ptr of the layer's parameters and of the shared inputs
         self.storages: Dict[int, torch.Tensor] = {}  # storage key -> uint8 device view (forward, then reloaded)
         self.host: Dict[int, torch.Tensor] = {}  # storage key -> uint8 host copy
         self.d2h_events: List = []
@@ -56,7 +60,7 @@ class OffloadGroup:
             return t
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        if key in self.param_storages or storage.nbytes() == 0:
+        if key in self.kept_storages or storage.nbytes() == 0:
             return t
         if key not in self.storages:
             with torch.no_grad():
@@ -135,12 +139,15 @@ class ActivationOffload:
         self.device = get_device()
 
     def run(self, layers: Sequence[torch.nn.Module], hidden, rotary_cos, rotary_sin, attention_mask=None):
-        """The layers' forward, offloading the first ``num_layers`` (training with grad only)."""
+        """The layers' forward, offloading the first ``num_layers`` (training with grad only); the tables and
+        the mask every layer gets stay on the device (alive here for the whole forward: their addresses
+        cannot be reused by another tensor meanwhile)."""
+        shared = {t.untyped_storage().data_ptr() for t in (rotary_cos, rotary_sin, attention_mask) if t is not None}
         below = None
         for index, layer in enumerate(layers):
             if index < self.num_layers:
-                params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-                group = OffloadGroup(layer.layer_number, self.transfer, self.device, params)
+                kept = shared | {p.untyped_storage().data_ptr() for p in layer.parameters()}
+                group = OffloadGroup(layer.layer_number, self.transfer, self.device, kept)
                 with torch.autograd.graph.saved_tensors_hooks(group.pack, OffloadGroup.unpack):
                     hidden = layer(hidden, rotary_cos, rotary_sin, attention_mask=attention_mask)
                 group.offload()

@@ -110,7 +110,7 @@ class SelfAttention(nn.Module):
         self.recompute_core = recompute_core
         self.backend = plan.attention
         if self.backend == "blocked" and m.attention_dropout > 0 and not self.keyed_dropout:  # as validate_config
-            raise ValueError(
+            raise ConfigError(
                 f"the blocked attention has no attention dropout: set --attention-dropout 0 "
                 f"(got {m.attention_dropout}) or use another --attention-backend"
             )

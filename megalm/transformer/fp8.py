@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable, ContextManager, Optional
 
+from megalm.config.sections import ConfigError
 from megalm.fusions import backends
 
 
@@ -28,7 +29,7 @@ def fp8_recipe(model_cfg):
     recipe = importlib.import_module("transformer_engine.common.recipe")
     formats = {"e4m3": recipe.Format.E4M3, "hybrid": recipe.Format.HYBRID}
     if m.fp8_format not in formats:
-        raise ValueError(f"unknown --fp8-format {m.fp8_format!r}; expected one of {sorted(formats)}")
+        raise ConfigError(f"unknown --fp8-format {m.fp8_format!r}; expected one of {sorted(formats)}")
     return recipe.DelayedScaling(
         margin=m.fp8_margin,
         fp8_format=formats[m.fp8_format],

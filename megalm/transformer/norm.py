@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megalm.config.sections import ConfigError
 from megalm.device import get_device
 from megalm.fusions import backends
 from megalm.fusions.norms import layer_norm, rms_norm
@@ -112,4 +113,4 @@ def build_norm(
         return LayerNorm(hidden_size, eps, sequence_parallel, impl, zero_centered_gamma)
     if normalization == "RMSNorm":
         return RMSNorm(hidden_size, eps, sequence_parallel, impl, zero_centered_gamma)
-    raise ValueError(f"unknown --normalization {normalization!r}; expected LayerNorm or RMSNorm")
+    raise ConfigError(f"unknown --normalization {normalization!r}; expected LayerNorm or RMSNorm")

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from megalm.config.sections import ConfigError
 from megalm.device import get_device
 from megalm.fusions import backends
 from megalm.fusions.backends import EAGER, FusionPlan
@@ -232,7 +233,7 @@ class TESelfAttention(SelfAttention):
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask=None) -> torch.Tensor:
         """``[s, b, n, d]`` q/k/v -> ``[s, b, heads_r * d]`` (no ``attention_mask``: refused by validation)."""
         if attention_mask is not None:
-            raise ValueError("--reset-attention-mask is not supported with --transformer-impl transformer_engine")
+            raise ConfigError("--reset-attention-mask is not supported with --transformer-impl transformer_engine")
         if self.te_core_attention is None:
             return super().core_attention(q, k, v)
         p = self.attention_dropout if self.training else 0.0

@@ -32,6 +32,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import nn
 
+from megalm.config.sections import ConfigError
 from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.parallel_state import ProcessGroups
 from megalm.tensor_parallel.random import checkpoint
@@ -116,7 +117,7 @@ class TransformerBlock(nn.Module):
                 else:
                     hidden = layer(hidden, rotary_cos, rotary_sin, attention_mask=mask)
             return hidden
-        raise ValueError(f"unknown --recompute-method {self.recompute_method!r}")
+        raise ConfigError(f"unknown --recompute-method {self.recompute_method!r}")
 
     def forward(
         self,

@@ -44,7 +44,9 @@ import sys
 # This directory holds inspect.py, which must not shadow the standard library's inspect module.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-sys.path.insert(0, os.path.abspath(os.path.join(_HERE, os.pardir, os.pardir)))
+_ROOT = os.path.abspath(os.path.join(_HERE, os.pardir, os.pardir))
+if _ROOT not in sys.path:  # once, however often the tool is run in one process (runpy)
+    sys.path.insert(0, _ROOT)
 
 import argparse  # noqa: E402
 

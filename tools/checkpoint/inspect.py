@@ -21,7 +21,9 @@ import sys
 # inspect module (imported by torch) is not shadowed by this script.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-sys.path.insert(0, os.path.abspath(os.path.join(_HERE, os.pardir, os.pardir)))
+_ROOT = os.path.abspath(os.path.join(_HERE, os.pardir, os.pardir))
+if _ROOT not in sys.path:  # once, however often the tool is run in one process (runpy)
+    sys.path.insert(0, _ROOT)
 
 import argparse  # noqa: E402
 import json  # noqa: E402

@@ -19,7 +19,9 @@ import os
 import signal
 import sys
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir, os.path.pardir)))
+_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir, os.path.pardir))
+if _ROOT not in sys.path:  # once, however often the tool is run in one process (runpy)
+    sys.path.insert(0, _ROOT)
 
 from megalm.errors import MegalmError  # noqa: E402
 from megalm.launch.cluster import ClusterOptions, run_cluster  # noqa: E402

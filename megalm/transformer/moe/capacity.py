@@ -32,6 +32,8 @@ from typing import Tuple
 
 import torch
 
+from megalm.config.sections import ConfigError
+
 
 def expert_capacity(num_tokens: int, num_experts: int, topk: int, capacity_factor: float) -> int:
     """``ceil(num_tokens * topk / num_experts * capacity_factor)`` (Megatron's ``get_capacity``)."""
@@ -49,7 +51,7 @@ def keep_order_ranks(probs: torch.Tensor, routing_map: torch.Tensor, policy: str
     elif policy == "position":
         key = routing_map.float()
     else:
-        raise ValueError(f"unknown --moe-token-drop-policy {policy!r}; expected probs or position")
+        raise ConfigError(f"unknown --moe-token-drop-policy {policy!r}; expected probs or position")
     order = torch.sort(key, dim=0, descending=True, stable=True).indices  # [T, E]
     positions = torch.arange(key.shape[0], device=key.device).unsqueeze(1).expand_as(order)
     return torch.empty_like(order).scatter_(0, order, positions)

@@ -46,6 +46,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
+from megalm.config.sections import ConfigError
 from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.parallel_state import CURRENT, group_rank, group_size, resolve_group
 from megalm.tensor_parallel.mappings import (
@@ -72,7 +73,7 @@ def moe_layer_pattern(model_cfg) -> List[bool]:
     if isinstance(freq, int):
         return [i % freq == 0 for i in range(m.num_layers)]
     if len(freq) != m.num_layers:
-        raise ValueError(f"--moe-layer-freq has {len(freq)} entries for {m.num_layers} layers")
+        raise ConfigError(f"--moe-layer-freq has {len(freq)} entries for {m.num_layers} layers")
     return [bool(v) for v in freq]
 
 
@@ -107,7 +108,7 @@ class MoELayer(nn.Module):
         self.etp_group = resolve_group(etp_group, "etp")
         ep = group_size(ep_group)
         if m.num_experts % ep != 0:
-            raise ValueError(f"--num-experts {m.num_experts} is not divisible by the expert-parallel size {ep}")
+            raise ConfigError(f"--num-experts {m.num_experts} is not divisible by the expert-parallel size {ep}")
         local = m.num_experts // ep
         self.layer_number = layer_number
         self.moe_state = MoEState() if moe_state is None else moe_state

@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megalm.config.sections import ConfigError
 from megalm.context_parallel.chunks import gathered_to_global, split_sequence
 from megalm.device import get_device
 from megalm.parallel_state import CURRENT, group_rank, group_size, resolve_group
@@ -115,7 +116,7 @@ def topk_routing(
         if topk > 1:
             probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
     else:
-        raise ValueError(f"unknown --moe-router-score-function {score_function!r}")
+        raise ConfigError(f"unknown --moe-router-score-function {score_function!r}")
     if scaling_factor:
         probs = probs * scaling_factor
     routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, indices, True)

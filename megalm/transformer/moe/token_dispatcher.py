@@ -38,6 +38,7 @@ from typing import List, Tuple
 
 import torch
 
+from megalm.config.sections import ConfigError
 from megalm.parallel_state import group_rank, group_size
 from megalm.tensor_parallel.mappings import (
     all_gather_first_dim,
@@ -148,4 +149,4 @@ def build_token_dispatcher(kind: str, ep_group):
         return AllGatherTokenDispatcher(ep_group)
     if kind == "alltoall":
         return AlltoAllTokenDispatcher(ep_group)
-    raise ValueError(f"unknown --moe-token-dispatcher-type {kind!r}; expected allgather or alltoall")
+    raise ConfigError(f"unknown --moe-token-dispatcher-type {kind!r}; expected allgather or alltoall")
