@@ -7,6 +7,9 @@ end through pretrain_gpt.py's pieces on real spawned ranks.
   (--muon-tp-mode duplicated) orthogonalizes the assembled, gathered matrices; blockwise differs;
 * ZeRO-3 (``--data-parallel-sharding-strategy optim_grads_params``, parameters sharded too): LAMB and Muon
   at TP 2 x DP 2 equal one process within 1e-5 as well;
+* Muon runs with grouped-query attention (2 query groups of 2 heads: one group per TP rank) and splits
+  the fused QKV weight into Q, K and V (Megatron-LM's default) in every run here: each part gathered
+  over TP, the whole TP-local matrix assembled over DP first with the distributed optimizer;
 * resume: LAMB, LARS, Lion and Muon saved at iteration 3 at TP 2 x DP 2 continue at PP 2 x DP 2
   (optimizer state resharded) exactly as the uninterrupted run;
 * MoE expert parallelism: LAMB, LARS and Muon at EP 2 x DP 4 (expert data parallel 2) with the
@@ -80,7 +83,8 @@ OPTIMIZERS = {
     "lamb": ["--optimizer", "lamb", "--lr", "5e-3"],
     "lars": ["--optimizer", "lars", "--lr", "2.0", "--lars-trust-coefficient", "0.01"],
     "lion": ["--optimizer", "lion", "--lr", "1e-3"],
-    "muon": ["--optimizer", "muon", "--lr", "2e-3", "--muon-tp-mode", "duplicated", "--muon-use-nesterov"],
+    "muon": ["--optimizer", "muon", "--lr", "2e-3", "--muon-tp-mode", "duplicated", "--muon-use-nesterov"]
+    + ["--group-query-attention", "--num-query-groups", "2"],  # the QKV split of grouped-query attention
 }
 RESUMED = ("lamb", "lars", "lion", "muon")
 ZERO3 = ["--data-parallel-sharding-strategy", "optim_grads_params", "--ddp-bucket-size", "5000"]

@@ -503,7 +503,19 @@ class TrainingConfig:
     lion_beta1: float = _f(0.9, "Lion beta1: interpolation of momentum and gradient for the sign (megalm's flag).")
     lion_beta2: float = _f(0.99, "Lion beta2: momentum decay (megalm's flag).")
     muon_momentum: float = _f(0.95, "Muon momentum (the matrices' momentum buffer decay).")
-    muon_use_nesterov: bool = _f(False, "Muon: orthogonalize the Nesterov direction (1 - mu) g + mu m.")
+    muon_split_qkv: bool = _f(
+        True,
+        "Muon: orthogonalize the fused QKV weight as a whole matrix (Megatron-LM's --muon-no-split-qkv). "
+        "Default (as Megatron-LM): split it into its query, key and value parts (every query group's rows of "
+        "each, in group order), each orthogonalized and scaled by its own shape.",
+        flag="--muon-no-split-qkv",
+        action="store_false",
+    )
+    muon_use_nesterov: bool = _f(
+        False,
+        "Muon: orthogonalize the Nesterov direction (1 - mu) g + mu m (--muon-nesterov: Megatron-LM's newer spelling).",
+        aliases=["--muon-nesterov"],
+    )
     muon_num_ns_steps: int = _f(5, "Muon: quintic Newton-Schulz iterations per step.")
     muon_scale_mode: str = _f(
         "spectral",
@@ -514,6 +526,14 @@ class TrainingConfig:
     muon_extra_scale_factor: float = _f(1.0, "Muon: extra factor on the update (e.g. 0.2 to match AdamW's RMS).")
     muon_scalar_optimizer: str = _f(
         "adam", "Muon: optimizer of the non-matrix parameters, embeddings and output layer.", choices=["adam"]
+    )
+    muon_fp32_matmul_prec: str = _f(
+        "medium",
+        "Muon: torch.set_float32_matmul_precision for the Newton-Schulz matmuls (Megatron-LM's flag and "
+        "default, medium: TF32 on NVIDIA GPUs, oneDNN bf16 on CPUs that have it; high: TF32; highest, "
+        "megalm's addition: IEEE fp32, megalm's behaviour before this flag). low is refused: torch has no such "
+        "precision (Megatron-LM passes it on and torch ignores it).",
+        choices=["low", "medium", "high", "highest"],
     )
     muon_tp_mode: str = _f(
         "blockwise",

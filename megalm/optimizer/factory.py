@@ -144,6 +144,8 @@ def make_torch_optimizer(t) -> Callable[[List[dict]], torch.optim.Optimizer]:
                 scale_mode=t.muon_scale_mode,
                 extra_scale_factor=t.muon_extra_scale_factor,
                 tp_mode=t.muon_tp_mode,
+                split_qkv=t.muon_split_qkv,
+                fp32_matmul_prec=t.muon_fp32_matmul_prec,
                 betas=(t.adam_beta1, t.adam_beta2),
                 eps=t.adam_eps,
                 weight_decay=t.weight_decay,
