@@ -9,7 +9,9 @@ end through pretrain_gpt.py's pieces on real spawned ranks.
   at TP 2 x DP 2 equal one process within 1e-5 as well;
 * Muon runs with grouped-query attention (2 query groups of 2 heads: one group per TP rank) and splits
   the fused QKV weight into Q, K and V (Megatron-LM's default) in every run here: each part gathered
-  over TP, the whole TP-local matrix assembled over DP first with the distributed optimizer; one
+  over TP, the whole TP-local matrix assembled over DP first with the distributed optimizer (Newton-Schulz
+  in fp32: ``--muon-fp32-matmul-prec highest``; under Megatron's default bf16 iterations the layouts
+  agree only to bf16 rounding, README); one
   process with ``--muon-no-split-qkv`` (the fused matrix whole) parts from it, so the comparisons above
   see the split;
 * resume: LAMB, LARS, Lion and Muon saved at iteration 3 at TP 2 x DP 2 continue at PP 2 x DP 2
@@ -86,7 +88,8 @@ OPTIMIZERS = {
     "lars": ["--optimizer", "lars", "--lr", "2.0", "--lars-trust-coefficient", "0.01"],
     "lion": ["--optimizer", "lion", "--lr", "1e-3"],
     "muon": ["--optimizer", "muon", "--lr", "2e-3", "--muon-tp-mode", "duplicated", "--muon-use-nesterov"]
-    + ["--group-query-attention", "--num-query-groups", "2"],  # the QKV split of grouped-query attention
+    + ["--group-query-attention", "--num-query-groups", "2"]  # the QKV split of grouped-query attention
+    + ["--muon-fp32-matmul-prec", "highest"],  # fp32 iterations: Megatron's default bf16 ones part by ~1e-4
 }
 RESUMED = ("lamb", "lars", "lion", "muon")
 ZERO3 = ["--data-parallel-sharding-strategy", "optim_grads_params", "--ddp-bucket-size", "5000"]

@@ -1,8 +1,9 @@
 """Muon on one process: the Newton-Schulz iteration and the step against references written here
 (Jordan et al.'s quintic iteration, Megatron's scale modes), the fused QKV weight split into its
 query, key and value parts as Megatron-LM's default (MHA and GQA, a real megalm attention layer),
-``--muon-no-split-qkv`` (the fused matrix whole, as before the split), the Newton-Schulz matmul
-precision, its parameter split (linear layers' matrices vs embeddings, output layer, biases and norms
+``--muon-no-split-qkv`` (the fused matrix whole, as before the split), Megatron's coefficient sets
+(``--muon-coefficient-type``) and matmul precision (``--muon-fp32-matmul-prec``: bf16 iterations under
+``medium``), its parameter split (linear layers' matrices vs embeddings, output layer, biases and norms
 on AdamW) and its flags' checks."""
 
 import math
@@ -21,25 +22,37 @@ from megalm.transformer.attention import SelfAttention
 B1, B2, EPS, WD, LR, MU = 0.9, 0.999, 1e-8, 0.1, 1e-2, 0.9
 
 
-def ns_reference(g, steps):
-    a, b, c = 3.4445, -4.7750, 2.0315
+# Megatron-LM's --muon-coefficient-type sets (emerging_optimizers' muon_utils), one per iteration.
+COEFFICIENTS = {
+    "simple": [(3.4445, -4.7750, 2.0315)] * 5,
+    "quintic": [
+        (4.0848, -6.8946, 2.9270),
+        (3.9505, -6.3029, 2.6377),
+        (3.7418, -5.5913, 2.3037),
+        (2.8769, -3.1427, 1.2046),
+        (2.8366, -3.0525, 1.2012),
+    ],
+}
+
+
+def ns_reference(g, steps, kind="simple"):
     x = g.double()
     tall = x.shape[0] > x.shape[1]
     if tall:
         x = x.T
     x = x / (torch.linalg.matrix_norm(x) + 1e-7)
-    for _ in range(steps):
+    for a, b, c in COEFFICIENTS[kind][:steps]:
         xxt = x @ x.T
         x = a * x + b * (xxt @ x) + c * (xxt @ xxt @ x)
     return x.T if tall else x
 
 
-@pytest.mark.parametrize("shape", [(16, 6), (6, 16), (12, 12)])
-def test_newton_schulz_equals_the_reference_and_orthogonalizes(shape):
+@pytest.mark.parametrize("shape, kind", [((16, 6), "simple"), ((6, 16), "quintic"), ((12, 12), "simple")])
+def test_newton_schulz_equals_the_reference_and_orthogonalizes(shape, kind):
     torch.manual_seed(0)
     g = torch.randn(*shape, dtype=torch.float64)
-    got = newton_schulz(g, 5)
-    torch.testing.assert_close(got.double(), ns_reference(g, 5), rtol=1e-5, atol=1e-6)
+    got = newton_schulz(g, 5, coefficient_type=kind)
+    torch.testing.assert_close(got.double(), ns_reference(g, 5, kind), rtol=1e-5, atol=1e-6)
     s = torch.linalg.svdvals(got.double())
     assert len(s) == min(shape) and s.min() > 0.6 and s.max() < 1.25  # U V^T up to the quintic's band
     # An odd matrix polynomial of g: g's singular vectors, so U^T NS(g) V is diagonal.
@@ -53,6 +66,7 @@ def make_cfg(**training):
     t = cfg.training
     t.optimizer, t.lr, t.clip_grad, t.weight_decay = "muon", LR, 0.0, WD
     t.adam_beta1, t.adam_beta2, t.adam_eps, t.muon_momentum = B1, B2, EPS, MU
+    t.muon_fp32_matmul_prec = "highest"  # fp32 iterations, for the fp64 references (bf16: its own test)
     for k, v in training.items():
         setattr(t, k, v)
     return cfg
@@ -70,13 +84,13 @@ SCALES = {
 }
 
 
-def muon_reference(params, grads, state, t, nesterov, mode, extra):
+def muon_reference(params, grads, state, t, nesterov, mode, extra, kind):
     for i, (w, g) in enumerate(zip(params, grads)):
         if w.ndim == 2:  # Muon
             m = MU * state.get(i, torch.zeros_like(w)) + (1 - MU) * g
             state[i] = m
             d = (1 - MU) * g + MU * m if nesterov else m
-            u = ns_reference(d, 5) * SCALES[mode](*w.shape) * extra
+            u = ns_reference(d, 5, kind) * SCALES[mode](*w.shape) * extra
             w.mul_(1 - LR * WD)
         else:  # AdamW, no decay on biases and norms
             m, v = state.get(i, (torch.zeros_like(w), torch.zeros_like(w)))
@@ -86,11 +100,15 @@ def muon_reference(params, grads, state, t, nesterov, mode, extra):
         w.sub_(LR * u)
 
 
-@pytest.mark.parametrize("nesterov, mode, extra", [(False, "spectral", 1.0), (True, "unit_rms_norm", 0.2)])
-def test_one_process_step_equals_the_reference(nesterov, mode, extra):
+@pytest.mark.parametrize(
+    "nesterov, mode, extra, kind", [(False, "spectral", 1.0, "quintic"), (True, "unit_rms_norm", 0.2, "simple")]
+)
+def test_one_process_step_equals_the_reference(nesterov, mode, extra, kind):
     model = mlp()
     ref = [p.detach().clone() for p in model.parameters()]
-    cfg = make_cfg(muon_use_nesterov=nesterov, muon_scale_mode=mode, muon_extra_scale_factor=extra)
+    cfg = make_cfg(
+        muon_use_nesterov=nesterov, muon_scale_mode=mode, muon_extra_scale_factor=extra, muon_coefficient_type=kind
+    )
     opt = build_optimizer(cfg, [model], report_memory=False)
     state = {}
     torch.manual_seed(1)
@@ -99,7 +117,7 @@ def test_one_process_step_equals_the_reference(nesterov, mode, extra):
         model(torch.randn(8, 6, dtype=torch.float64)).pow(2).sum().backward()
         grads = [p.grad.detach().clone() for p in model.parameters()]
         assert opt.step()[0]
-        muon_reference(ref, grads, state, t, nesterov, mode, extra)
+        muon_reference(ref, grads, state, t, nesterov, mode, extra, kind)
         for p, r in zip(model.parameters(), ref):
             torch.testing.assert_close(p.detach(), r, rtol=1e-6, atol=1e-7)
 
@@ -172,7 +190,7 @@ def split_qkv_reference(d, groups, mode):
     out = torch.empty_like(d)
     for lo, hi in spans:
         part = torch.cat([d[g * rows + lo : g * rows + hi] for g in range(groups)])
-        o = ns_reference(part, 5) * SCALES[mode](*part.shape)
+        o = ns_reference(part, 5, "quintic") * SCALES[mode](*part.shape)
         for g in range(groups):
             out[g * rows + lo : g * rows + hi] = o[g * (hi - lo) : (g + 1) * (hi - lo)]
     return out
@@ -201,10 +219,10 @@ def test_split_qkv_step_equals_the_reference(groups, mode):
     assert param_info(qkv).qkv_split_shapes == (HEADS // groups * HEAD_DIM, HEAD_DIM, HEAD_DIM)
     w = qkv.detach().clone()
     m = torch.zeros_like(w)
-    cfg = make_cfg(muon_scale_mode=mode, muon_fp32_matmul_prec="highest")
+    cfg = make_cfg(muon_scale_mode=mode)
     for grads, after in attention_steps(layer, cfg):
         m = MU * m + (1 - MU) * grads["linear_qkv.weight"]
-        whole = w * (1 - LR * WD) - LR * ns_reference(m, 5) * SCALES[mode](*m.shape)
+        whole = w * (1 - LR * WD) - LR * ns_reference(m, 5, "quintic") * SCALES[mode](*m.shape)
         w = w * (1 - LR * WD) - LR * split_qkv_reference(m, groups, mode)
         torch.testing.assert_close(after["linear_qkv.weight"], w, rtol=1e-6, atol=1e-7)
         assert (after["linear_qkv.weight"] - whole).abs().max() > 1e-4  # the split changes the update
@@ -215,7 +233,7 @@ def test_no_split_flag_orthogonalizes_the_fused_matrix_whole_as_before():
     code before the split: ``NS(D).to(dtype) * scale``), and equals the reference within 1e-6."""
     layer = attention(2)
     w = layer.linear_qkv.weight.detach().clone()
-    cfg = make_cfg(muon_split_qkv=False, muon_fp32_matmul_prec="highest")
+    cfg = make_cfg(muon_split_qkv=False, muon_coefficient_type="simple")  # megalm's settings before the flags
     [(grads, after)] = attention_steps(layer, cfg, steps=1)
     d = torch.zeros_like(w).lerp_(grads["linear_qkv.weight"], 1 - MU)
     old = w.clone().mul_(1 - LR * WD).add_(newton_schulz(d, 5).to(d.dtype) * math.sqrt(max(d.shape)), alpha=-LR)
@@ -226,17 +244,31 @@ def test_no_split_flag_orthogonalizes_the_fused_matrix_whole_as_before():
 
 @pytest.mark.parametrize("precision", ["medium", "high", "highest"])
 def test_newton_schulz_runs_at_the_flag_precision_and_restores_it(precision, monkeypatch):
+    """Megatron's semantics: torch's float32 matmul precision set for the pass (restored after it), and
+    under medium the iterations in bf16."""
     seen = []
 
-    def recording(d, steps):
-        seen.append(torch.get_float32_matmul_precision())
-        return newton_schulz(d, steps)
+    def recording(d, steps, **kw):
+        seen.append((torch.get_float32_matmul_precision(), kw["dtype"], kw["coefficient_type"]))
+        return newton_schulz(d, steps, **kw)
 
     monkeypatch.setattr(muon, "newton_schulz", recording)
     before = torch.get_float32_matmul_precision()
     attention_steps(attention(2), make_cfg(muon_fp32_matmul_prec=precision), steps=1)
-    assert seen == [precision] * 4  # Q, K, V of linear_qkv, then linear_proj
+    dtype = torch.bfloat16 if precision == "medium" else torch.float32
+    assert seen == [(precision, dtype, "quintic")] * 4  # Q, K, V of linear_qkv, then linear_proj
     assert torch.get_float32_matmul_precision() == before
+
+
+def test_bf16_iterations_stay_within_bf16_of_the_reference():
+    torch.manual_seed(0)
+    g = torch.randn(24, 40)
+    fp32 = newton_schulz(g, 5, coefficient_type="quintic")
+    bf16 = newton_schulz(g, 5, coefficient_type="quintic", dtype=torch.bfloat16)
+    assert bf16.dtype == torch.float32
+    ref = ns_reference(g, 5, "quintic")
+    assert (fp32.double() - ref).abs().max() < 1e-5
+    assert 1e-4 < (bf16.double() - ref).abs().max() < 0.05  # bf16's rounding (8 bits), and no more
 
 
 def test_megatron_spellings_of_the_muon_flags():
@@ -245,11 +277,17 @@ def test_megatron_spellings_of_the_muon_flags():
         return validate_config(config_from_args(build_parser().parse_args(base + list(argv)))).training
 
     t = training()
-    assert (t.muon_split_qkv, t.muon_fp32_matmul_prec, t.muon_use_nesterov) == (True, "medium", False)
+    assert (t.muon_split_qkv, t.muon_fp32_matmul_prec, t.muon_coefficient_type) == (True, "medium", "quintic")
+    assert t.muon_use_nesterov is False
     assert training("--muon-no-split-qkv").muon_split_qkv is False
     assert training("--muon-nesterov").muon_use_nesterov is True  # Megatron-LM 0.19's spelling
     assert training("--muon-use-nesterov").muon_use_nesterov is True  # the older one
     assert training("--muon-fp32-matmul-prec", "high").muon_fp32_matmul_prec == "high"
+    assert training("--muon-coefficient-type", "simple", "--muon-num-ns-steps", "3").muon_num_ns_steps == 3
+    with pytest.raises(ConfigError, match="--muon-coefficient-type quintic needs --muon-num-ns-steps a multiple of 5"):
+        training("--muon-num-ns-steps", "3")
+    with pytest.raises(ConfigError, match="--muon-coefficient-type polar_express needs --muon-num-ns-steps >= 8"):
+        training("--muon-coefficient-type", "polar_express")
 
 
 def test_split_rows_refuses_a_matrix_of_partial_groups():

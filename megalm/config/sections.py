@@ -529,11 +529,18 @@ class TrainingConfig:
     )
     muon_fp32_matmul_prec: str = _f(
         "medium",
-        "Muon: torch.set_float32_matmul_precision for the Newton-Schulz matmuls (Megatron-LM's flag and "
-        "default, medium: TF32 on NVIDIA GPUs, oneDNN bf16 on CPUs that have it; high: TF32; highest, "
-        "megalm's addition: IEEE fp32, megalm's behaviour before this flag). low is refused: torch has no such "
-        "precision (Megatron-LM passes it on and torch ignores it).",
+        "Muon: precision of the Newton-Schulz iterations, as Megatron-LM (its flag and default): medium "
+        "iterates in bf16; high in fp32 with torch.set_float32_matmul_precision('high') (TF32 where the "
+        "device has it); highest (megalm's addition) in IEEE fp32, megalm's behaviour before this flag. low "
+        "is refused: torch has no such precision (Megatron-LM passes it on and torch ignores it).",
         choices=["low", "medium", "high", "highest"],
+    )
+    muon_coefficient_type: str = _f(
+        "quintic",
+        "Muon: Newton-Schulz (a, b, c) sets (Megatron-LM's flag, default and values): quintic, five sets in "
+        "turn (--muon-num-ns-steps a multiple of 5); simple, (3.4445, -4.7750, 2.0315) every step (megalm's "
+        "before this flag); polar_express, eight sets (8 steps or more); aol, four sets (a multiple of 4).",
+        choices=["simple", "quintic", "polar_express", "aol"],
     )
     muon_tp_mode: str = _f(
         "blockwise",

@@ -146,6 +146,7 @@ def make_torch_optimizer(t) -> Callable[[List[dict]], torch.optim.Optimizer]:
                 tp_mode=t.muon_tp_mode,
                 split_qkv=t.muon_split_qkv,
                 fp32_matmul_prec=t.muon_fp32_matmul_prec,
+                coefficient_type=t.muon_coefficient_type,
                 betas=(t.adam_beta1, t.adam_beta2),
                 eps=t.adam_eps,
                 weight_decay=t.weight_decay,

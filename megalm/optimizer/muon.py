@@ -10,13 +10,16 @@ weights, not the embeddings nor the output layer) with gradient ``G``::
     W = W (1 - lr wd) - lr O                                (decoupled weight decay)
 
 ``NS_k`` (:func:`newton_schulz`) is the quintic Newton-Schulz iteration that maps ``D = U S V^T``
-to about ``U V^T``: ``X = D / ||D||_F`` (transposed when out > in), then ``k`` times
-``A = X X^T;  X = a X + (b A + c A A) X`` with ``(a, b, c) = (3.4445, -4.7750, 2.0315)``; on fp32
-tensors, its matmuls at ``torch.set_float32_matmul_precision(--muon-fp32-matmul-prec)`` (Megatron's
-default ``medium``: TF32 on NVIDIA GPUs, oneDNN bf16 on CPUs that have it; ``highest``: IEEE fp32),
-set for the orthogonalization pass and restored after it.  ``scale``: ``spectral``
-``sqrt(max(out, in))``, ``unit_rms_norm`` ``sqrt(out / in)``, ``shape_scaling`` ``sqrt(max(1, out / in))``
-(Megatron's).
+to about ``U V^T``: ``X = D / ||D||_F`` (fp32, transposed when out > in), then for each of the ``k``
+iterations ``A = X X^T;  X = a X + (b A + c A A) X`` with that iteration's ``(a, b, c)`` from
+``--muon-coefficient-type`` (Megatron's sets, :data:`NS_COEFFICIENT_SETS`: ``quintic``, its default,
+five sets in turn; ``simple`` Jordan et al.'s ``(3.4445, -4.7750, 2.0315)`` every time).
+``--muon-fp32-matmul-prec`` (Megatron's semantics): ``torch.set_float32_matmul_precision(value)`` for
+the orthogonalization pass, restored after it; under ``medium`` (Megatron's default) ``X`` is cast to
+bf16 for the iterations and back to fp32 after them (as emerging_optimizers' ``newton_schulz``);
+``high``: fp32 tensors, TF32 matmuls where the device has them; ``highest``: IEEE fp32.  ``scale``:
+``spectral`` ``sqrt(max(out, in))``, ``unit_rms_norm`` ``sqrt(out / in)``, ``shape_scaling``
+``sqrt(max(1, out / in))`` (Megatron's).
 
 Fused QKV (Megatron's default ``muon_split_qkv``; ``--muon-no-split-qkv`` turns it off): the
 ``linear_qkv`` weight (rows grouped per query group ``g``: ``[q heads of g; k_g; v_g]``, its
@@ -64,7 +67,33 @@ from megalm.parallel_state import group_rank, group_size
 from megalm.tensor_parallel.param_info import REPLICATED, param_info
 from megalm.tensor_parallel.utils import gather_shards, shard_of_full
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+# --muon-coefficient-type: Megatron-LM's (emerging_optimizers') (a, b, c) sets, applied in order.
+NS_COEFFICIENT_SETS = {
+    "simple": ((3.4445, -4.7750, 2.0315),),  # Jordan et al.'s
+    "quintic": (  # modded-nanogpt's, per iteration
+        (4.0848, -6.8946, 2.9270),
+        (3.9505, -6.3029, 2.6377),
+        (3.7418, -5.5913, 2.3037),
+        (2.8769, -3.1427, 1.2046),
+        (2.8366, -3.0525, 1.2012),
+    ),
+    "polar_express": (  # Amsel et al. 2025
+        (8.2051, -22.9019, 16.4607),
+        (4.0664, -2.8612, 0.5184),
+        (3.9096, -2.8234, 0.5250),
+        (3.2856, -2.4153, 0.4853),
+        (2.2779, -1.6198, 0.3985),
+        (1.8726, -1.2307, 0.3585),
+        (1.8564, -1.2132, 0.3568),
+        (1.8750, -1.2500, 0.3750),
+    ),
+    "aol": (  # flash-newton-schulz's
+        (4.0098, -7.0585, 2.4635),
+        (3.4585, -5.5479, 2.5959),
+        (2.7573, -3.2939, 1.4254),
+        (2.7215, -3.0494, 1.3169),
+    ),
+}
 SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
 TP_MODES = ("blockwise", "duplicated")
 MATMUL_PRECISIONS = ("highest", "high", "medium")  # torch.set_float32_matmul_precision's values
@@ -74,17 +103,41 @@ class MuonError(MegalmError, ValueError):
     """A Muon setting or matrix it cannot take."""
 
 
-def newton_schulz(d: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.Tensor:
-    """About ``U V^T`` of ``d = U S V^T`` (2-D), by ``steps`` quintic Newton-Schulz iterations in fp32."""
-    a, b, c = NS_COEFFICIENTS
+def ns_coefficients(kind: str, steps: int) -> list:
+    """The ``(a, b, c)`` of each of ``steps`` iterations for ``--muon-coefficient-type kind`` (Megatron's
+    rule: simple repeats its set; polar_express needs 8 steps or more and repeats its last set; the others
+    need a multiple of their sets' count and repeat them)."""
+    if kind not in NS_COEFFICIENT_SETS:
+        raise MuonError(f"unknown --muon-coefficient-type {kind!r} (choose {', '.join(NS_COEFFICIENT_SETS)})")
+    sets = list(NS_COEFFICIENT_SETS[kind])
+    if kind == "simple":
+        return sets * steps
+    if kind == "polar_express":
+        if steps < len(sets):
+            raise MuonError(f"--muon-coefficient-type polar_express needs --muon-num-ns-steps >= 8, got {steps}")
+        return sets + sets[-1:] * (steps - len(sets))
+    if steps % len(sets):
+        raise MuonError(
+            f"--muon-coefficient-type {kind} needs --muon-num-ns-steps a multiple of {len(sets)}, got {steps}"
+        )
+    return sets * (steps // len(sets))
+
+
+def newton_schulz(
+    d: torch.Tensor, steps: int, eps: float = 1e-7, coefficient_type: str = "simple", dtype=torch.float32
+) -> torch.Tensor:
+    """About ``U V^T`` of ``d = U S V^T`` (2-D) by ``steps`` quintic Newton-Schulz iterations with the
+    ``coefficient_type`` sets; normalized in fp32, iterated in ``dtype`` (bf16 under Megatron's ``medium``
+    precision), returned in fp32."""
     x = d.float()
     transpose = x.shape[0] > x.shape[1]
     if transpose:
         x = x.t()
-    x = x / (x.norm() + eps)
-    for _ in range(steps):
+    x = (x / (x.norm() + eps)).to(dtype)
+    for a, b, c in ns_coefficients(coefficient_type, steps):
         gram = x @ x.t()
         x = a * x + (b * gram + c * gram @ gram) @ x
+    x = x.float()
     return x.t() if transpose else x
 
 
@@ -151,6 +204,7 @@ class Muon(torch.optim.Optimizer):
         tp_mode="blockwise",
         split_qkv=True,
         fp32_matmul_prec="medium",
+        coefficient_type="quintic",
         betas=(0.9, 0.999),
         eps=1e-8,
         weight_decay=0.0,
@@ -164,6 +218,8 @@ class Muon(torch.optim.Optimizer):
                 f"unsupported --muon-fp32-matmul-prec {fp32_matmul_prec!r} (choose {', '.join(MATMUL_PRECISIONS)})"
             )
         scale_factor(1, 1, scale_mode)  # checks the mode
+        ns_coefficients(coefficient_type, int(num_ns_steps))  # checks the type and the steps
+        self.coefficient_type = coefficient_type
         self.nesterov, self.num_ns_steps, self.tp_mode = bool(nesterov), int(num_ns_steps), tp_mode
         self.split_qkv, self.fp32_matmul_prec = bool(split_qkv), fp32_matmul_prec
         self.scale_mode, self.extra_scale_factor = scale_mode, float(extra_scale_factor)
@@ -239,11 +295,17 @@ class Muon(torch.optim.Optimizer):
         under ``duplicated``)."""
         size = group_size(self.tp_group)
         if self.tp_mode == "blockwise" or not info.tensor_parallel or size == 1:
-            return newton_schulz(d, self.num_ns_steps).to(d.dtype) * self._scale(d)
+            return self._newton_schulz(d).to(d.dtype) * self._scale(d)
         full = gather_shards(d, info, self.tp_group)
-        o = newton_schulz(full, self.num_ns_steps) * self._scale(full)
+        o = self._newton_schulz(full) * self._scale(full)
         rank, dim, stride = group_rank(self.tp_group), info.partition_dim, info.partition_stride
         return shard_of_full(o, dim, rank, size, stride).to(d.dtype)
+
+    def _newton_schulz(self, m: torch.Tensor) -> torch.Tensor:
+        """:func:`newton_schulz` with this optimizer's steps and coefficients, iterated in bf16 under
+        ``medium`` (Megatron's: torch has no fp32-in bf16-compute matmul, so X is cast), else in fp32."""
+        dtype = torch.bfloat16 if self.fp32_matmul_prec == "medium" else torch.float32
+        return newton_schulz(m, self.num_ns_steps, coefficient_type=self.coefficient_type, dtype=dtype)
 
     def _scale(self, m: torch.Tensor) -> float:
         return scale_factor(m.shape[0], m.shape[1], self.scale_mode) * self.extra_scale_factor
