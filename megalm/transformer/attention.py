@@ -119,7 +119,7 @@ class SelfAttention(nn.Module):
         self.masked_softmax = select(scaled_causal_softmax, plan.compiled("masked_softmax"))
         qkv_size = (m.num_attention_heads + 2 * num_groups) * self.head_dim
         self.linear_qkv, self.linear_proj = self.build_projections(m, qkv_size, sequence_parallel, skip_output_bias)
-        # The grouped row layout, for Muon's --muon-split-qkv (query, key, value rows per query group).
+        # The grouped row layout, for Muon's QKV split (query, key, value rows per query group).
         qkv_split = (self.queries_per_group * self.head_dim, self.head_dim, self.head_dim)
         set_param_info(self.linear_qkv.weight, qkv_split_shapes=qkv_split)
         self.q_layernorm = self.k_layernorm = None
