@@ -63,7 +63,7 @@ def _base_type(tp):
 def add_config_arguments(
     parser: argparse.ArgumentParser, extra_sections: Optional[dict] = None
 ) -> argparse.ArgumentParser:
-    """Add one flag per config field, grouped by section."""
+    """Add one flag per config field (and its ``aliases``, other spellings), grouped by section."""
     sections = dict(SECTIONS, **(extra_sections or {}))
     for section, cls in sections.items():
         group = parser.add_argument_group(section)
@@ -85,7 +85,7 @@ def add_config_arguments(
                         kw[key] = f.metadata[key]
                 if "choices" not in f.metadata:
                     kw["metavar"] = f.name.upper()
-            group.add_argument(_flag(f), **kw)
+            group.add_argument(_flag(f), *f.metadata.get("aliases", ()), **kw)
     return parser
 
 

@@ -7,7 +7,7 @@ from dataclasses import field
 
 def flag_field(default, help: str, **meta):
     """A dataclass field carrying its flag documentation (``help``) and argparse options
-    (``flag``, ``action``, ``choices``, ``nargs``, ``derived``)."""
+    (``flag``, ``aliases``: other spellings of the flag, ``action``, ``choices``, ``nargs``, ``derived``)."""
     meta["help"] = help
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)

@@ -511,7 +511,19 @@ class TrainingConfig:
     lion_beta1: float = _f(0.9, "Lion beta1: interpolation of momentum and gradient for the sign (megalm's flag).")
     lion_beta2: float = _f(0.99, "Lion beta2: momentum decay (megalm's flag).")
     muon_momentum: float = _f(0.95, "Muon momentum (the matrices' momentum buffer decay).")
-    muon_use_nesterov: bool = _f(False, "Muon: orthogonalize the Nesterov direction (1 - mu) g + mu m.")
+    muon_split_qkv: bool = _f(
+        True,
+        "Muon: orthogonalize the fused QKV weight as a whole matrix (Megatron-LM's --muon-no-split-qkv). "
+        "Default (as Megatron-LM): split it into its query, key and value parts (every query group's rows of "
+        "each, in group order), each orthogonalized and scaled by its own shape.",
+        flag="--muon-no-split-qkv",
+        action="store_false",
+    )
+    muon_use_nesterov: bool = _f(
+        False,
+        "Muon: orthogonalize the Nesterov direction (1 - mu) g + mu m (--muon-nesterov: Megatron-LM's newer spelling).",
+        aliases=["--muon-nesterov"],
+    )
     muon_num_ns_steps: int = _f(5, "Muon: quintic Newton-Schulz iterations per step.")
     muon_scale_mode: str = _f(
         "spectral",
@@ -522,6 +534,22 @@ class TrainingConfig:
     muon_extra_scale_factor: float = _f(1.0, "Muon: extra factor on the update (e.g. 0.2 to match AdamW's RMS).")
     muon_scalar_optimizer: str = _f(
         "adam", "Muon: optimizer of the non-matrix parameters, embeddings and output layer.", choices=["adam"]
+    )
+    muon_fp32_matmul_prec: str = _f(
+        "highest",
+        "Muon: precision of the Newton-Schulz iterations (Megatron-LM's flag): medium iterates in bf16 "
+        "(Megatron-LM's default; parallel layouts then agree only to bf16 rounding); high in fp32 with "
+        "torch.set_float32_matmul_precision('high') (TF32 where the device has it); highest (megalm's "
+        "addition and default) in IEEE fp32, so every layout trains to one process's numbers. low is "
+        "refused: torch has no such precision (Megatron-LM passes it on and torch ignores it).",
+        choices=["low", "medium", "high", "highest"],
+    )
+    muon_coefficient_type: str = _f(
+        "quintic",
+        "Muon: Newton-Schulz (a, b, c) sets (Megatron-LM's flag, default and values): quintic, five sets in "
+        "turn (--muon-num-ns-steps a multiple of 5); simple, (3.4445, -4.7750, 2.0315) every step (megalm's "
+        "before this flag); polar_express, eight sets (8 steps or more); aol, four sets (a multiple of 4).",
+        choices=["simple", "quintic", "polar_express", "aol"],
     )
     muon_tp_mode: str = _f(
         "blockwise",

@@ -595,7 +595,19 @@ def _validate_muon(p: ParallelConfig, t: TrainingConfig) -> None:
         "--muon-tp-mode distributed is not built; use duplicated (gathers each matrix: equals one process) "
         "or blockwise (orthogonalizes each TP shard)",
     )
+    _check(
+        t.muon_fp32_matmul_prec != "low",
+        "--muon-fp32-matmul-prec low is not supported: torch has no 'low' float32 matmul precision (Megatron-LM "
+        "passes it to torch.set_float32_matmul_precision, which ignores it with a warning); use medium "
+        "(Megatron-LM's default), high or highest (IEEE fp32)",
+    )
     _check(t.muon_num_ns_steps >= 1, f"--muon-num-ns-steps must be >= 1, got {t.muon_num_ns_steps}")
+    from megalm.optimizer.muon import MuonError, ns_coefficients  # lazy: the config needs no optimizer imports
+
+    try:
+        ns_coefficients(t.muon_coefficient_type, t.muon_num_ns_steps)
+    except MuonError as e:
+        raise ConfigError(str(e)) from None
     _check(0.0 <= t.muon_momentum < 1.0, f"--muon-momentum must be in [0, 1), got {t.muon_momentum}")
 
 

@@ -10,10 +10,24 @@ weights, not the embeddings nor the output layer) with gradient ``G``::
     W = W (1 - lr wd) - lr O                                (decoupled weight decay)
 
 ``NS_k`` (:func:`newton_schulz`) is the quintic Newton-Schulz iteration that maps ``D = U S V^T``
-to about ``U V^T``: ``X = D / ||D||_F`` (transposed when out > in), then ``k`` times
-``A = X X^T;  X = a X + (b A + c A A) X`` with ``(a, b, c) = (3.4445, -4.7750, 2.0315)``; in fp32
-(Megatron's default runs the matmuls in bf16).  ``scale``: ``spectral`` ``sqrt(max(out, in))``,
-``unit_rms_norm`` ``sqrt(out / in)``, ``shape_scaling`` ``sqrt(max(1, out / in))`` (Megatron's).
+to about ``U V^T``: ``X = D / ||D||_F`` (fp32, transposed when out > in), then for each of the ``k``
+iterations ``A = X X^T;  X = a X + (b A + c A A) X`` with that iteration's ``(a, b, c)`` from
+``--muon-coefficient-type`` (Megatron's sets, :data:`NS_COEFFICIENT_SETS`: ``quintic``, its default,
+five sets in turn; ``simple`` Jordan et al.'s ``(3.4445, -4.7750, 2.0315)`` every time).
+``--muon-fp32-matmul-prec`` (Megatron's semantics): ``torch.set_float32_matmul_precision(value)`` for
+the orthogonalization pass, restored after it; under ``medium`` (Megatron's default) ``X`` is cast to
+bf16 for the iterations and back to fp32 after them (as emerging_optimizers' ``newton_schulz``);
+``high``: fp32 tensors, TF32 matmuls where the device has them; ``highest``: IEEE fp32.  ``scale``:
+``spectral`` ``sqrt(max(out, in))``, ``unit_rms_norm`` ``sqrt(out / in)``, ``shape_scaling``
+``sqrt(max(1, out / in))`` (Megatron's).
+
+Fused QKV (Megatron's default ``muon_split_qkv``; ``--muon-no-split-qkv`` turns it off): the
+``linear_qkv`` weight (rows grouped per query group ``g``: ``[q heads of g; k_g; v_g]``, its
+:class:`~megalm.tensor_parallel.param_info.ParamInfo` ``qkv_split_shapes``) is orthogonalized as
+three matrices, as Megatron-LM's ``TensorParallelMuon``: ``Q`` (every group's query rows, in group
+order: ``heads * head_dim`` rows), ``K`` and ``V`` (``groups * head_dim`` rows each), each with
+``NS_k`` and its own ``scale(rows, in)``, and the results put back in the grouped rows.  Without
+the split the fused ``D`` is one matrix.
 
 Every other parameter (groups with ``muon`` False: biases, norms, embeddings, output layer; Megatron's
 ``--muon-scalar-optimizer adam``) takes an AdamW step (``--adam-beta1/2``, ``--adam-eps``).
@@ -21,11 +35,13 @@ Every other parameter (groups with ``muon`` False: biases, norms, embeddings, ou
 Tensor parallelism (``--muon-tp-mode``, Megatron's choices):
 
 * ``duplicated``: the TP-split ``D`` is all-gathered over ``tp_group`` (one all-gather of the
-  matrix per parameter per step), orthogonalized whole on every TP rank, and each rank keeps its
-  shard: the update equals the single-process one; ``scale`` uses the full shape.
-* ``blockwise``: each TP rank orthogonalizes its own shard (no communication): the update of a
-  split matrix differs from the single-process one (the blocks are orthogonal, the whole is not),
-  ``scale`` uses the shard's shape.
+  matrix per parameter per step; a split QKV weight: one per part, Q, K, V), orthogonalized whole on
+  every TP rank, and each rank keeps its shard: the update equals the single-process one; ``scale``
+  uses the full shape.  A TP rank holds whole query groups, so the gathered ``Q``/``K``/``V`` of
+  its rank's parts are the single process's.
+* ``blockwise``: each TP rank orthogonalizes its own shard (its own groups' Q, K, V under the
+  split; no communication): the update of a split matrix differs from the single-process one (the
+  blocks are orthogonal, the whole is not), ``scale`` uses the shard's shape.
 * ``distributed`` (Newton-Schulz with the Gram matrix all-reduced each iteration): not built,
   refused by the config check.
 
@@ -41,31 +57,88 @@ State per parameter: ``momentum_buffer`` (matrices) or ``step``, ``exp_avg``, ``
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 
 from megalm.device import get_device
+from megalm.errors import MegalmError
 from megalm.optimizer.lamb import adam_direction, init_adam_state
 from megalm.parallel_state import group_rank, group_size
 from megalm.tensor_parallel.param_info import REPLICATED, param_info
 from megalm.tensor_parallel.utils import gather_shards, shard_of_full
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+# --muon-coefficient-type: Megatron-LM's (emerging_optimizers') (a, b, c) sets, applied in order.
+NS_COEFFICIENT_SETS = {
+    "simple": ((3.4445, -4.7750, 2.0315),),  # Jordan et al.'s
+    "quintic": (  # modded-nanogpt's, per iteration
+        (4.0848, -6.8946, 2.9270),
+        (3.9505, -6.3029, 2.6377),
+        (3.7418, -5.5913, 2.3037),
+        (2.8769, -3.1427, 1.2046),
+        (2.8366, -3.0525, 1.2012),
+    ),
+    "polar_express": (  # Amsel et al. 2025
+        (8.2051, -22.9019, 16.4607),
+        (4.0664, -2.8612, 0.5184),
+        (3.9096, -2.8234, 0.5250),
+        (3.2856, -2.4153, 0.4853),
+        (2.2779, -1.6198, 0.3985),
+        (1.8726, -1.2307, 0.3585),
+        (1.8564, -1.2132, 0.3568),
+        (1.8750, -1.2500, 0.3750),
+    ),
+    "aol": (  # flash-newton-schulz's
+        (4.0098, -7.0585, 2.4635),
+        (3.4585, -5.5479, 2.5959),
+        (2.7573, -3.2939, 1.4254),
+        (2.7215, -3.0494, 1.3169),
+    ),
+}
 SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
 TP_MODES = ("blockwise", "duplicated")
+MATMUL_PRECISIONS = ("highest", "high", "medium")  # torch.set_float32_matmul_precision's values
 
 
-def newton_schulz(d: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.Tensor:
-    """About ``U V^T`` of ``d = U S V^T`` (2-D), by ``steps`` quintic Newton-Schulz iterations in fp32."""
-    a, b, c = NS_COEFFICIENTS
+class MuonError(MegalmError, ValueError):
+    """A Muon setting or matrix it cannot take."""
+
+
+def ns_coefficients(kind: str, steps: int) -> list:
+    """The ``(a, b, c)`` of each of ``steps`` iterations for ``--muon-coefficient-type kind`` (Megatron's
+    rule: simple repeats its set; polar_express needs 8 steps or more and repeats its last set; the others
+    need a multiple of their sets' count and repeat them)."""
+    if kind not in NS_COEFFICIENT_SETS:
+        raise MuonError(f"unknown --muon-coefficient-type {kind!r} (choose {', '.join(NS_COEFFICIENT_SETS)})")
+    sets = list(NS_COEFFICIENT_SETS[kind])
+    if kind == "simple":
+        return sets * steps
+    if kind == "polar_express":
+        if steps < len(sets):
+            raise MuonError(f"--muon-coefficient-type polar_express needs --muon-num-ns-steps >= 8, got {steps}")
+        return sets + sets[-1:] * (steps - len(sets))
+    if steps % len(sets):
+        raise MuonError(
+            f"--muon-coefficient-type {kind} needs --muon-num-ns-steps a multiple of {len(sets)}, got {steps}"
+        )
+    return sets * (steps // len(sets))
+
+
+def newton_schulz(
+    d: torch.Tensor, steps: int, eps: float = 1e-7, coefficient_type: str = "simple", dtype=torch.float32
+) -> torch.Tensor:
+    """About ``U V^T`` of ``d = U S V^T`` (2-D) by ``steps`` quintic Newton-Schulz iterations with the
+    ``coefficient_type`` sets; normalized in fp32, iterated in ``dtype`` (bf16 under Megatron's ``medium``
+    precision), returned in fp32."""
     x = d.float()
     transpose = x.shape[0] > x.shape[1]
     if transpose:
         x = x.t()
-    x = x / (x.norm() + eps)
-    for _ in range(steps):
+    x = (x / (x.norm() + eps)).to(dtype)
+    for a, b, c in ns_coefficients(coefficient_type, steps):
         gram = x @ x.t()
         x = a * x + (b * gram + c * gram @ gram) @ x
+    x = x.float()
     return x.t() if transpose else x
 
 
@@ -77,7 +150,37 @@ def scale_factor(size_out: int, size_in: int, mode: str) -> float:
         return math.sqrt(size_out / size_in)
     if mode == "shape_scaling":
         return math.sqrt(max(1.0, size_out / size_in))
-    raise ValueError(f"unknown Muon scale mode {mode!r} (choose {', '.join(SCALE_MODES)})")
+    raise MuonError(f"unknown Muon scale mode {mode!r} (choose {', '.join(SCALE_MODES)})")
+
+
+@contextmanager
+def fp32_matmul_precision(precision: str):
+    """``torch.set_float32_matmul_precision(precision)`` inside, the previous value restored after."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def split_qkv_rows(d: torch.Tensor, shapes) -> list:
+    """A fused QKV matrix (rows grouped per query group: ``shapes`` = query, key, value rows per group)
+    -> ``[Q, K, V]``, each the parts of every group stacked in group order (Megatron's split)."""
+    per_group = sum(shapes)
+    if d.shape[0] % per_group:
+        raise MuonError(
+            f"a fused QKV matrix of {d.shape[0]} rows is not whole groups of {per_group} rows "
+            f"(query, key, value rows per group {tuple(shapes)})"
+        )
+    grouped = d.reshape(d.shape[0] // per_group, per_group, d.shape[1])
+    return [part.reshape(-1, d.shape[1]) for part in torch.split(grouped, list(shapes), dim=1)]
+
+
+def merge_qkv_rows(parts: list, shapes) -> torch.Tensor:
+    """Inverse of :func:`split_qkv_rows`."""
+    groups, cols = parts[0].shape[0] // shapes[0], parts[0].shape[1]
+    return torch.cat([p.reshape(groups, rows, cols) for p, rows in zip(parts, shapes)], dim=1).view(-1, cols)
 
 
 class Muon(torch.optim.Optimizer):
@@ -85,7 +188,9 @@ class Muon(torch.optim.Optimizer):
 
     ``tp_group``, ``param_infos`` (``id(main param) -> ParamInfo`` of its model parameter) and, under
     the distributed optimizer, ``shards`` (:class:`megalm.optimizer.matrix_shards.MatrixShards`) are
-    set by the megalm wrapper; unset, every matrix is whole (one process).
+    set by the megalm wrapper; unset, every matrix is whole (one process).  ``split_qkv``: a parameter
+    whose record has ``qkv_split_shapes`` is orthogonalized as its Q, K and V parts; ``fp32_matmul_prec``:
+    the float32 matmul precision of the orthogonalization pass.
     """
 
     def __init__(
@@ -98,6 +203,9 @@ class Muon(torch.optim.Optimizer):
         scale_mode="spectral",
         extra_scale_factor=1.0,
         tp_mode="blockwise",
+        split_qkv=True,
+        fp32_matmul_prec="medium",
+        coefficient_type="quintic",
         betas=(0.9, 0.999),
         eps=1e-8,
         weight_decay=0.0,
@@ -105,9 +213,16 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(lr=lr, momentum=momentum, betas=tuple(betas), eps=eps, weight_decay=weight_decay, muon=True)
         super().__init__(params, defaults)
         if tp_mode not in TP_MODES:
-            raise ValueError(f"unsupported --muon-tp-mode {tp_mode!r} (choose {', '.join(TP_MODES)})")
+            raise MuonError(f"unsupported --muon-tp-mode {tp_mode!r} (choose {', '.join(TP_MODES)})")
+        if fp32_matmul_prec not in MATMUL_PRECISIONS:
+            raise MuonError(
+                f"unsupported --muon-fp32-matmul-prec {fp32_matmul_prec!r} (choose {', '.join(MATMUL_PRECISIONS)})"
+            )
         scale_factor(1, 1, scale_mode)  # checks the mode
+        ns_coefficients(coefficient_type, int(num_ns_steps))  # checks the type and the steps
+        self.coefficient_type = coefficient_type
         self.nesterov, self.num_ns_steps, self.tp_mode = bool(nesterov), int(num_ns_steps), tp_mode
+        self.split_qkv, self.fp32_matmul_prec = bool(split_qkv), fp32_matmul_prec
         self.scale_mode, self.extra_scale_factor = scale_mode, float(extra_scale_factor)
         self.tp_group = None
         self.param_infos = {}
@@ -174,22 +289,39 @@ class Muon(torch.optim.Optimizer):
         Muon matrix of the stage is orthogonalized on every rank (the TP all-gathers in the same
         order everywhere), and each range is cut back out."""
         if self.shards is None:
-            return {id(p): self._orthogonalized(d, self.param_infos.get(id(p), REPLICATED)) for p, _, d in matrices}
+            with fp32_matmul_precision(self.fp32_matmul_prec):
+                return {id(p): self._orthogonalized(d, self.param_infos.get(id(p), REPLICATED)) for p, _, d in matrices}
         whole = self.shards.assemble({id(p): d for p, _, d in matrices})
-        done = {index: self._orthogonalized(whole[index], param_info(model)) for index, model in self.shards.matrices}
+        with fp32_matmul_precision(self.fp32_matmul_prec):
+            done = {i: self._orthogonalized(whole[i], param_info(model)) for i, model in self.shards.matrices}
         return {id(p): self.shards.range_of(id(p), done[self.shards.owned[id(p)][0]]) for p, _, _ in matrices}
 
     def _orthogonalized(self, d: torch.Tensor, info) -> torch.Tensor:
-        """This rank's part of the scaled, orthogonalized ``d`` (a whole TP-local matrix)."""
+        """This rank's part of the scaled, orthogonalized ``d`` (a whole TP-local matrix); a fused QKV
+        weight under ``split_qkv``: its Q, K and V parts each on their own (:func:`split_qkv_rows`)."""
         if d.dim() != 2:
-            raise ValueError(f"Muon updates 2-D matrices, got a parameter of shape {tuple(d.shape)}")
+            raise MuonError(f"Muon updates 2-D matrices, got a parameter of shape {tuple(d.shape)}")
+        shapes = info.qkv_split_shapes
+        if not self.split_qkv or shapes is None:
+            return self._orthogonalized_matrix(d, info)
+        return merge_qkv_rows([self._orthogonalized_matrix(part, info) for part in split_qkv_rows(d, shapes)], shapes)
+
+    def _orthogonalized_matrix(self, d: torch.Tensor, info) -> torch.Tensor:
+        """This rank's part of the scaled, orthogonalized matrix ``d`` (TP-local; gathered over TP first
+        under ``duplicated``)."""
         size = group_size(self.tp_group)
         if self.tp_mode == "blockwise" or not info.tensor_parallel or size == 1:
-            return newton_schulz(d, self.num_ns_steps).to(d.dtype) * self._scale(d)
+            return self._newton_schulz(d).to(d.dtype) * self._scale(d)
         full = gather_shards(d, info, self.tp_group)
-        o = newton_schulz(full, self.num_ns_steps) * self._scale(full)
+        o = self._newton_schulz(full) * self._scale(full)
         rank, dim, stride = group_rank(self.tp_group), info.partition_dim, info.partition_stride
         return shard_of_full(o, dim, rank, size, stride).to(d.dtype)
+
+    def _newton_schulz(self, m: torch.Tensor) -> torch.Tensor:
+        """:func:`newton_schulz` with this optimizer's steps and coefficients, iterated in bf16 under
+        ``medium`` (Megatron's: torch has no fp32-in bf16-compute matmul, so X is cast), else in fp32."""
+        dtype = torch.bfloat16 if self.fp32_matmul_prec == "medium" else torch.float32
+        return newton_schulz(m, self.num_ns_steps, coefficient_type=self.coefficient_type, dtype=dtype)
 
     def _scale(self, m: torch.Tensor) -> float:
         return scale_factor(m.shape[0], m.shape[1], self.scale_mode) * self.extra_scale_factor

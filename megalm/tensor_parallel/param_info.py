@@ -24,6 +24,10 @@ Fields:
 * ``copy_of`` (str or None): the canonical name of the parameter this one is a copy of (the last
   pipeline stage's tied output weight: the word embedding); a checkpoint stores the source only
   and loads the copy from it.
+* ``qkv_split_shapes`` (tuple or None): a fused QKV weight's rows per query group, ``(query rows,
+  key rows, value rows)``, in Megatron's grouped layout (each group's ``[q heads; k; v]`` rows one
+  after the other, so a TP shard holds whole groups); set by the attention layer, read by Muon's
+  ``--muon-split-qkv`` (Megatron's ``qkv_split_shapes``).
 
 Compatibility with Megatron's loose attributes (``tensor_model_parallel``, ``partition_dim``,
 ``partition_stride``, ``sequence_parallel``, ``allreduce``, ``shared_embedding``,
@@ -37,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -69,6 +73,7 @@ class ParamInfo:
     tied: bool = False
     vocab_unpadded: Optional[int] = None
     copy_of: Optional[str] = None
+    qkv_split_shapes: Optional[Tuple[int, int, int]] = None
 
     @property
     def replicated(self) -> bool:

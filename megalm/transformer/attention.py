@@ -60,6 +60,7 @@ from megalm.fusions.rope import rotary_qk
 from megalm.fusions.softmax import masked_scaled_softmax, scaled_causal_softmax
 from megalm.parallel_state import CURRENT, group_size, resolve_group
 from megalm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megalm.tensor_parallel.param_info import set_param_info
 from megalm.tensor_parallel.random import checkpoint, dropout_rng
 from megalm.tensor_parallel.utils import divide
 from megalm.transformer.blocked_attention import blocked_causal_attention
@@ -118,6 +119,9 @@ class SelfAttention(nn.Module):
         self.masked_softmax = select(scaled_causal_softmax, plan.compiled("masked_softmax"))
         qkv_size = (m.num_attention_heads + 2 * num_groups) * self.head_dim
         self.linear_qkv, self.linear_proj = self.build_projections(m, qkv_size, sequence_parallel, skip_output_bias)
+        # The grouped row layout, for Muon's QKV split (query, key, value rows per query group).
+        qkv_split = (self.queries_per_group * self.head_dim, self.head_dim, self.head_dim)
+        set_param_info(self.linear_qkv.weight, qkv_split_shapes=qkv_split)
         self.q_layernorm = self.k_layernorm = None
         if m.qk_layernorm:  # per head over head_dim; each TP rank's heads give partial weight gradients
             self.q_layernorm, self.k_layernorm = (
