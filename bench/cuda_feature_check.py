@@ -44,6 +44,12 @@ RUNS = {
     "zero3_bf16_prefetch": BF16 + ["--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-param-gather"],
     "lamb_bf16": BF16 + ["--optimizer", "lamb"],
     "muon_bf16": BF16 + ["--optimizer", "muon"],
+    "muon_bf16_medium": BF16 + ["--optimizer", "muon", "--muon-fp32-matmul-prec", "medium"],  # Megatron's bf16 NS
+    "lamb_bf16_offload_half_overlap": BF16
+    + ["--optimizer", "lamb", "--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5",
+       "--overlap-cpu-optimizer-d2h-h2d"],
+    "muon_bf16_offload": BF16
+    + ["--optimizer", "muon", "--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.0"],
     "lion_bf16": BF16 + ["--optimizer", "lion", "--lr", "1e-4", "--min-lr", "1e-5"],
     "recipe_bf16": BF16
     + ["--qk-layernorm", "--apply-layernorm-1p", "--grad-reduce-in-bf16", "--normalization", "RMSNorm",
@@ -64,6 +70,9 @@ SAME = [
     ("zero2_bf16", "adam_bf16", None),
     ("zero3_bf16", "adam_bf16", None),
     ("zero3_bf16_prefetch", "zero3_bf16", None),
+    ("lamb_bf16_offload_half_overlap", "lamb_bf16", 1e-2),  # host norms and step, device rest
+    ("muon_bf16_offload", "muon_bf16", 1e-2),  # Newton-Schulz on the device, the update applied on the host
+    ("muon_bf16_medium", "muon_bf16", 1e-2),  # bf16 iterations: within bf16 rounding of fp32 ones
 ]
 
 
