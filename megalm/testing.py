@@ -10,26 +10,33 @@ thread unless ``threads`` says otherwise.  If any rank raises, :class:`Distribut
 carries the traceback of every failing rank; if the ranks do not finish in ``timeout``
 seconds they are killed and the error says which ranks were still running.
 
-Reused ranks (``MEGALM_TEST_RANK_POOL=1``; off in the test suite, see ``tests/conftest.py``: a reused rank
-keeps the gloo threads of every process group it destroyed).  A
-spawned rank spends about a second importing torch and megalm (four ranks on two cores: ~5 s a
-call), so with the variable set the ranks of a call stay alive for the next call of the same
-world size (:class:`RankPool`; world sizes up to :data:`MAX_POOLED_WORLD`, at most
-:data:`MAX_POOLED_RANKS` processes kept, the least recently used pool stopped first).  Each call gets a
-fresh process group on a new port; afterwards the ranks meet at a barrier, destroy it, and
-restore what a call may change and a fresh process would not have: ``os.environ``, the working directory, signal
-handlers, ``sys.stdout/stderr``, warning filters (and their once-only registries), the root and
-``megalm`` loggers, torch's default dtype, grad mode, anomaly mode and deterministic mode, and it
-reseeds torch's default generator from the OS, as a fresh process starts.  It retires
-(the next call starts fresh processes) when the call left something it cannot restore: a
-thread or child process still running, a changed ``sys.path``, a rebound function or class
-attribute of ``megalm``, ``pretrain_gpt``, ``torch.distributed`` or a ``tests`` module, or a
-megalm attribute bound to a function defined in ``tests`` (a monkeypatch not undone).  A rank
-that raises leaves after reporting (as a fresh one does); any failure or timeout kills the
-pool's processes.  ``MEGALM_TEST_RANK_POOL_LOG=<file>`` appends each retirement's reason to the
-file.  Calls with ``env`` always get fresh processes (some variables are read at import), and
-so does everything when the variable is unset (benchmarks: their memory numbers are per fresh
-process).
+Reused ranks (``MEGALM_TEST_RANK_POOL=1``; see ``tests/conftest.py``).  A spawned rank spends about a second
+importing torch and megalm (four ranks on two cores: ~5 s a call), so with the variable set the ranks of a
+call stay alive for the next call of the same world size (:class:`RankPool`; world sizes up to
+:data:`MAX_POOLED_WORLD`, at most :data:`MAX_POOLED_RANKS` processes kept, the least recently used pool
+stopped first).  Each call gets a fresh process group on a new port; afterwards the ranks meet at a
+barrier, destroy it, and restore what a call may change and a fresh process would not have:
+``os.environ``, the working directory, signal handlers, ``sys.stdout/stderr``, warning filters (and their
+once-only registries), the root and ``megalm`` loggers, torch's default dtype, grad mode, anomaly mode and
+deterministic mode, and it reseeds torch's default generator from the OS, as a fresh process starts.  It
+retires (the next call starts fresh processes) when the call left something it cannot restore: a thread
+or child process still running, a process group still alive (its gloo threads, counted by name in
+``/proc/self/task``, still running after a garbage collection: something kept a reference to it), a
+changed ``sys.path``, a rebound function or class attribute of ``megalm``, ``pretrain_gpt``,
+``torch.distributed`` or a ``tests`` module, or a megalm attribute bound to a function defined in
+``tests`` (a monkeypatch not undone).  A rank that raises leaves after reporting (as a fresh one does);
+any failure or timeout kills the pool's processes.  ``MEGALM_TEST_RANK_POOL_LOG=<file>`` appends to the
+file each pool's start, each call, each retirement's reason and, when a pool closes, its ranks' thread
+counts.  Calls with ``env`` always get fresh processes (some variables are read at import), and so does
+everything when the variable is unset (benchmarks: their memory numbers are per fresh process).
+
+Why a destroyed group can keep threads: ``dist.destroy_process_group()`` only forgets the groups; a gloo
+group's threads (two ``pt_gloo_runloop`` workers and a ``gloo_tcp_loop`` per group, the ``pt_tcpstore_uv``
+server on rank 0) stop when its last reference goes.  Two references outlived every call: a
+``DistributedDataParallel``'s gradient hooks (a cycle through the parameters' C++ hook lists that the
+garbage collector cannot see; the hooks now hold the wrapper weakly), and the default argument
+``group=WORLD`` of ``torch.distributed.nn.functional``, evaluated when that module is first imported
+(by ``torch.distributed.checkpoint``) while a call's group exists: a reused rank imports it at start-up.
 """
 
 from __future__ import annotations
@@ -64,6 +71,8 @@ POOL_ENV = "MEGALM_TEST_RANK_POOL"
 MAX_POOLED_WORLD = 4  # larger calls are rare in the suite: fresh processes
 MAX_POOLED_RANKS = 7  # processes kept alive over all world sizes (1 + 2 + 4; each holds torch + megalm)
 _READY_TIMEOUT_S = 30.0
+# Thread names of a live process group's gloo context and of a TCPStore server (torch 2.x on Linux).
+_GROUP_THREAD_PREFIXES = ("pt_gloo", "gloo", "pt_tcpstore")
 
 
 class DistributedTestError(MegalmError, RuntimeError):
@@ -143,6 +152,25 @@ def _worker(
 
 # --- reused ranks ------------------------------------------------------------------------------
 
+
+def group_thread_count(pid: Optional[int] = None) -> int:
+    """Threads of process ``pid`` (default this one) that belong to live process groups and stores
+    (names in :data:`_GROUP_THREAD_PREFIXES`; ``threading`` does not see these C++ threads); 0 without ``/proc``."""
+    return sum(name.startswith(_GROUP_THREAD_PREFIXES) for name in _thread_names(pid))
+
+
+def _thread_names(pid: Optional[int] = None) -> list:
+    tasks = f"/proc/{pid or 'self'}/task"
+    names = []
+    try:
+        for tid in os.listdir(tasks):
+            with open(f"{tasks}/{tid}/comm") as f:
+                names.append(f.read().strip())
+    except OSError:  # no /proc, or a thread (process) ended while being read
+        pass
+    return names
+
+
 _SIGNALS = tuple(
     getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGALRM") if hasattr(signal, n)
 )
@@ -187,6 +215,7 @@ class _ProcessState:
         self.dtype = torch.get_default_dtype()
         self.deterministic = torch.are_deterministic_algorithms_enabled()
         self.threads = set(threading.enumerate())
+        self.group_threads = group_thread_count()
         self.attrs = {}
         self.snapshot_modules()
 
@@ -201,11 +230,14 @@ class _ProcessState:
         deadline = time.monotonic() + 2.0  # let finishing background threads (checkpoint writers) end
         while True:
             threads = [t for t in threading.enumerate() if t not in self.threads and t.is_alive()]
-            if not threads or time.monotonic() > deadline:
+            group_threads = group_thread_count() - self.group_threads
+            if (not threads and group_threads <= 0) or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
         if threads:
             return f"threads still running: {[t.name for t in threads]}"
+        if group_threads > 0:
+            return f"{group_threads} threads of destroyed process groups still running (a group is still referenced)"
         children = multiprocessing.active_children()
         if children:
             for p in children:
@@ -272,6 +304,8 @@ def _pool_worker(rank: int, conn) -> None:
         os._exit(1)
 
     threading.Thread(target=leave_with_the_parent, name="rank-pool-parent-watch", daemon=True).start()
+    import torch.distributed.nn.functional  # noqa: F401 - before any group: its defaults bind group.WORLD (docstring)
+
     state = _ProcessState()
     while True:
         try:
@@ -312,6 +346,7 @@ class RankPool:
             p.start()
         for _, child in pipes:
             child.close()
+        _pool_log(f"world size {world_size}: ranks started, pids {[p.pid for p in self.procs]}")
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -363,14 +398,14 @@ class RankPool:
                     return False
                 del pending[rank]
                 if status != "ready" or reason is not None:
-                    log = os.environ.get(POOL_ENV + "_LOG")  # a file to append the reasons to
-                    if log:
-                        with open(log, "a") as f:
-                            f.write(f"world size {self.world_size}, rank {rank} retires: {reason}\n")
+                    _pool_log(f"world size {self.world_size}, rank {rank} retires: {reason}")
                     return False
         return not pending
 
     def close(self) -> None:
+        counts = [len(_thread_names(p.pid)) for p in self.procs]
+        groups = [group_thread_count(p.pid) for p in self.procs]
+        _pool_log(f"world size {self.world_size}: closed; threads per rank {counts}, of process groups {groups}")
         for conn in self.conns:
             try:
                 conn.send(None)
@@ -392,6 +427,14 @@ class RankPool:
             p.join()
         for conn in self.conns:
             conn.close()
+
+
+def _pool_log(line: str) -> None:
+    """Append ``line`` to the file named by ``MEGALM_TEST_RANK_POOL_LOG``, if set."""
+    log = os.environ.get(POOL_ENV + "_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(line + "\n")
 
 
 # The suite's pools by world size, least recently used first (processes, not library state).
@@ -437,6 +480,8 @@ def _run_pooled(fn, world_size, args, kwargs, timeout, threads, collective_timeo
             outcome = pool.run(task, timeout)
         ok = len(outcome) == world_size and all(s == "ok" for s, _ in outcome.values())
         kept = ok and pool.wait_ready()
+        name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
+        _pool_log(f"world size {world_size}: call {name} ok={ok} kept={kept}")
     finally:
         if not kept:
             _POOLS.pop(world_size, None)

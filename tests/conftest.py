@@ -10,10 +10,10 @@ The suite is the CPU/gloo suite (what CI runs): on a machine with a GPU it still
 (``MEGALM_FORCE_CPU=1``, read by :mod:`megalm.device`; the tests build CPU inputs and spawn several
 gloo ranks on one machine).  GPU paths are checked by ``bench/cuda_check.sh`` on a GPU machine.
 
-Spawned ranks can be reused between tests of the same world size (``MEGALM_TEST_RANK_POOL=1``, read by
-:func:`megalm.testing.run_distributed`); OFF by default (``0``: every call gets fresh processes): a
-reused rank keeps the gloo threads of every destroyed process group (measured: ~1100 threads in one
-rank after a suite's calls, their tcp loops burning CPU), which slowed the whole suite.
+Spawned ranks are reused between tests of the same world size (``MEGALM_TEST_RANK_POOL=1``, read by
+:func:`megalm.testing.run_distributed`; ``0``: every call gets fresh processes).  A reused rank holds no
+process group between calls (a rank that would retires: see :mod:`megalm.testing`), so idle ranks have no
+gloo threads.
 
 Hangs fail instead of stalling CI:
 
@@ -34,7 +34,7 @@ import pytest
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("MEGALM_FORCE_CPU", "1")
-os.environ.setdefault("MEGALM_TEST_RANK_POOL", "0")  # see the module docstring
+os.environ.setdefault("MEGALM_TEST_RANK_POOL", "1")  # see the module docstring
 
 HANG_FD = pytest.StashKey[int]()
 # The slowest test takes ~60 s on a quiet 2-core machine; a module's spawned groups may each use their

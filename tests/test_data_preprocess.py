@@ -220,16 +220,21 @@ def test_sigint_to_a_real_run_leaves_no_idx(tmp_path):
         # non-interactive shell (which starts it with SIGINT ignored, and exec keeps that).
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    deadline = time.time() + 60
-    while not any(".tmp-" in n for n in os.listdir(tmp_path)) and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.01)
-    # Frozen the moment its output exists, so that the interrupt lands mid-run however fast this machine
-    # tokenizes (a fixed sleep before SIGINT let a quick run finish first); SIGINT is handled on SIGCONT.
-    proc.send_signal(signal.SIGSTOP)
-    assert proc.poll() is None, "the run ended before it could be interrupted: give it more input"
-    proc.send_signal(signal.SIGINT)
-    proc.send_signal(signal.SIGCONT)
-    _, err = proc.communicate(timeout=60)
+    try:
+        deadline = time.time() + 60
+        while not any(".tmp-" in n for n in os.listdir(tmp_path)) and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.01)
+        # Frozen the moment its output exists, so that the interrupt lands mid-run however fast this machine
+        # tokenizes (a fixed sleep before SIGINT let a quick run finish first); SIGINT is handled on SIGCONT.
+        proc.send_signal(signal.SIGSTOP)
+        assert proc.poll() is None, "the run ended before it could be interrupted: give it more input"
+        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGCONT)
+        _, err = proc.communicate(timeout=60)
+    finally:  # a failed check leaves no run behind (seen on a loaded host: alive, with its workers, 35 min later)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
     assert proc.returncode == 130, err
     assert b"no output written" in err
     assert sorted(os.listdir(tmp_path)) == ["ids.jsonl"]

@@ -143,7 +143,7 @@ def saved_activation_bytes(model, cfg, dtype) -> int:
         storage = x.untyped_storage()
         if storage.data_ptr() not in params:
             seen[storage.data_ptr()] = storage.nbytes()
-        return x
+        return x.detach()  # x itself would tie a saved output to its own graph node: a cycle gc never frees
 
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length), generator=g)
@@ -275,7 +275,7 @@ def _cp2_measurements(cases):
         def pack(x):
             if x.untyped_storage().data_ptr() not in params:
                 seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
-            return x
+            return x.detach()  # as in saved_activation_bytes
 
         g = torch.Generator().manual_seed(0)
         tokens, labels = (torch.randint(0, 200, (t.micro_batch_size, seq), generator=g) for _ in range(2))

@@ -77,3 +77,49 @@ def test_reused_ranks_are_restored_and_retire_after_leftovers(monkeypatch):
         assert seed != rank + 100  # reseeded from the OS, as a fresh process starts
     assert run_distributed(_monkeypatch_megalm, 2, timeout=60) == pids  # the same processes ran it
     assert 2 not in testing._POOLS  # and retired after it: the next call of 2 ranks starts fresh ones
+
+
+def _ddp_step():
+    """A gradient step of a ``DistributedDataParallel`` over the layout's groups, left as a test leaves it
+    (nothing destroyed or closed by hand); returns (pid, group threads after the step)."""
+    import os
+
+    import torch.distributed.checkpoint  # noqa: F401 - first import binds torch.distributed.nn.functional's defaults
+
+    from megalm import parallel_state, testing
+    from megalm.config import ParallelConfig
+    from megalm.distributed import DistributedDataParallel
+
+    parallel_state.initialize_model_parallel()
+    model = DistributedDataParallel(torch.nn.Linear(4, 3), ParallelConfig())
+    model(torch.ones(2, 4)).sum().backward()
+    model.finish_grad_sync()
+    return os.getpid(), testing.group_thread_count()
+
+
+_KEPT_GROUPS = []
+
+
+def _keep_a_group():
+    _KEPT_GROUPS.append(dist.new_group([0, 1]))  # a reference the call leaves behind
+    return dist.get_rank()
+
+
+def test_reused_ranks_free_process_groups(monkeypatch, tmp_path):
+    """A DDP step leaves no process group alive (its gradient hooks hold it weakly): the idle ranks have no
+    group threads and serve the next call; a call that keeps a group retires them."""
+    from megalm import testing
+
+    log = tmp_path / "pool.log"
+    monkeypatch.setenv(testing.POOL_ENV, "1")
+    monkeypatch.setenv(testing.POOL_ENV + "_LOG", str(log))
+    pids = None
+    for _ in range(2):
+        got, during = zip(*run_distributed(_ddp_step, 2, timeout=60))
+        assert pids is None or got == pids  # the same ranks served the second call
+        pids = got
+        assert min(during) >= 3  # each group: two gloo workers and a tcp loop
+        assert [testing.group_thread_count(p) for p in pids] == [0, 0]  # idle: every group's threads ended
+    assert run_distributed(_keep_a_group, 2, timeout=60) == [0, 1]
+    assert 2 not in testing._POOLS
+    assert "threads of destroyed process groups still running" in log.read_text()

@@ -73,6 +73,7 @@ makes them whole for readers, :meth:`refresh_param_shards` stores loaded weights
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -257,16 +258,22 @@ class DistributedDataParallel(torch.nn.Module):
 
     # --- hooks ---------------------------------------------------------------------------
     def _make_hook(self):
+        # The hook lives in each parameter's C++ hook list, which Python's garbage collector does not
+        # traverse: a strong reference to ``self`` would make a cycle it never frees (this wrapper, its
+        # buffers and process groups alive as long as the parameters, with every gloo group's threads).
+        ddp = weakref.ref(self)
+
         def hook(param: torch.nn.Parameter) -> None:
-            if param.grad is None:
+            wrapper = ddp()
+            if wrapper is None or param.grad is None:
                 return
-            self._param_to_buffer[param].accumulate_grad(param, param.grad)
+            wrapper._param_to_buffer[param].accumulate_grad(param, param.grad)
             param.grad = None
-            if self.overlap_grad_reduce and self._grad_sync_enabled:
-                bucket = self._param_to_buffer[param].bucket_of(param)
+            if wrapper.overlap_grad_reduce and wrapper._grad_sync_enabled:
+                bucket = wrapper._param_to_buffer[param].bucket_of(param)
                 bucket.mark_ready(param)
                 if bucket.is_ready():
-                    self._advance(self._queue_of[id(bucket)])
+                    wrapper._advance(wrapper._queue_of[id(bucket)])
 
         return hook
 
