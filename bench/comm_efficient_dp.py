@@ -63,6 +63,10 @@ CONFIGS = {
     "fp8": ["--grad-compression", "fp8"],
     "local_sgd_h8_overlap": ["--local-sgd-interval", "8", "--local-sgd-overlap-steps", "4"],
     "local_sgd_h4_overlap": ["--local-sgd-interval", "4", "--local-sgd-overlap-steps", "4"],
+    "local_sgd_h8_overlap1": ["--local-sgd-interval", "8", "--local-sgd-overlap-steps", "1"],
+    "local_sgd_h8_overlap2": ["--local-sgd-interval", "8", "--local-sgd-overlap-steps", "2"],
+    "diloco_h8_overlap1": ["--local-sgd-interval", "8", "--local-sgd-overlap-steps", "1", "--outer-lr", "0.7",
+                           "--outer-momentum", "0.9"],  # fmt: skip
 }
 LABELS = {
     "none": "uncompressed DP",
@@ -74,6 +78,9 @@ LABELS = {
     "fp8": "fp8 e4m3 (nearest)",
     "local_sgd_h8_overlap": "local SGD H=8, overlapped 4 steps",
     "local_sgd_h4_overlap": "local SGD H=4, overlapped 4 steps",
+    "local_sgd_h8_overlap1": "local SGD H=8, overlapped 1 step",
+    "local_sgd_h8_overlap2": "local SGD H=8, overlapped 2 steps",
+    "diloco_h8_overlap1": "DiLoCo H=8, overlapped 1 step",
 }
 
 
