@@ -127,14 +127,12 @@ class Unsharder:
 
     # --- backward ----------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
-        # detached (the same storage and version counter): a saved output held as itself would keep its
-        # own grad_fn alive through a cycle the garbage collector cannot see (C++ saved variables)
         bucket = self.by_storage.get(t.untyped_storage()._cdata)
         if bucket is None:
-            return t.detach()
+            return t
         self._saves += 1
         self._last_saved[id(bucket)] = (self._saves, bucket)
-        return bucket, t.detach()
+        return bucket, t
 
     def _unpack(self, packed):
         if not isinstance(packed, tuple):
