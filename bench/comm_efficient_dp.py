@@ -65,16 +65,8 @@ CONFIGS = {
     "local_sgd_h4_overlap": ["--local-sgd-interval", "4", "--local-sgd-overlap-steps", "4"],
     "local_sgd_h8_overlap1": ["--local-sgd-interval", "8", "--local-sgd-overlap-steps", "1"],
     "local_sgd_h8_overlap2": ["--local-sgd-interval", "8", "--local-sgd-overlap-steps", "2"],
-    "diloco_h8_overlap1": [
-        "--local-sgd-interval",
-        "8",
-        "--local-sgd-overlap-steps",
-        "1",
-        "--outer-lr",
-        "0.7",
-        "--outer-momentum",
-        "0.9",
-    ],  # fmt: skip
+    "diloco_h8_overlap1": ["--local-sgd-interval", "8", "--local-sgd-overlap-steps", "1"]
+    + ["--outer-lr", "0.7", "--outer-momentum", "0.9"],
 }
 LABELS = {
     "none": "uncompressed DP",
