@@ -17,14 +17,15 @@ CPU copies here, the code path of a GPU; the same arithmetic on the same values)
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from megalm.config import MegalmConfig, ParallelConfig, validate_config
-from megalm.distributed import DistributedDataParallel, finalize_model_grads
+from megalm.distributed import DistributedDataParallel
 from megalm.optimizer import build_optimizer
 from megalm.parallel_state import ProcessGroups
 from megalm.tensor_parallel.param_info import set_param_info
 from megalm.testing import run_distributed
+from tests.test_distrib_optimizer import _mlp
+from tests.test_optimizer_offload import _steps as train_steps
 
 OPTIMIZERS = {
     "lamb": dict(optimizer="lamb", lr=5e-3),
@@ -50,13 +51,8 @@ def make_cfg(opt, fraction=None, overlap=False, distributed=False):
     return cfg
 
 
-def mlp(dtype=torch.float32):
-    torch.manual_seed(0)  # 8*16+16 + 2*16 + 16*4+4 = 244 elements
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)).to(dtype)
-
-
 def build(opt, fraction=None, overlap=False, distributed=False, dtype=torch.float32, groups=None):
-    model = mlp(dtype)
+    model = _mlp(dtype)
     cfg = make_cfg(opt, fraction, overlap, distributed)
     chunk = model
     if distributed:
@@ -66,20 +62,6 @@ def build(opt, fraction=None, overlap=False, distributed=False, dtype=torch.floa
     return model, chunk, build_optimizer(cfg, [chunk], report_memory=False, process_groups=groups)
 
 
-def train(model, chunk, optimizer, steps, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
-        if chunk is not model:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        F.mse_loss(chunk(x.to(model[0].weight.dtype)).float(), y).backward()
-        if chunk is not model:
-            finalize_model_grads([chunk])
-        assert optimizer.step()[0]
-    return [p.detach().clone() for p in model.parameters()]
-
-
 def blocks(spec):
     return spec if isinstance(spec, list) else [spec]
 
@@ -87,18 +69,18 @@ def blocks(spec):
 def round_trip(opt, fraction, overlap, distributed, groups=None, seed=0):
     """Weights after 2 + 1 steps straight, and after 2 steps, a save, a load into a fresh optimizer, 1 step."""
     model, chunk, optimizer = build(opt, fraction, overlap, distributed, groups=groups)
-    train(model, chunk, optimizer, 2, seed)
+    train_steps(model, chunk, optimizer, 2, seed)
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     params = dict(zip(optimizer.names, optimizer.model_params))
     state = {k: [b.local.clone() for b in blocks(v)] for k, v in optimizer.sharded_state_dict(params).items()}
-    straight = train(model, chunk, optimizer, 1, seed + 1)
+    straight = train_steps(model, chunk, optimizer, 1, seed + 1)
     model2, chunk2, fresh = build(opt, fraction, overlap, distributed, groups=groups)
     model2.load_state_dict(saved)
     for k, v in fresh.sharded_state_dict(dict(zip(fresh.names, fresh.model_params))).items():
         for block, t in zip(blocks(v), state[k]):
             block.local.copy_(t)
     fresh.load_sharded_state_dict(fresh.common_state_dict(), main_params_loaded=True)
-    return straight, train(model2, chunk2, fresh, 1, seed + 1)
+    return straight, train_steps(model2, chunk2, fresh, 1, seed + 1)
 
 
 # --- one process ------------------------------------------------------------------------------------
@@ -110,11 +92,11 @@ def round_trip(opt, fraction, overlap, distributed, groups=None, seed=0):
     [(torch.float32, False, 0.5, False), (torch.bfloat16, False, 1.0, True), (torch.bfloat16, True, 0.5, True)],
 )
 def test_offloaded_update_is_bit_identical(opt, dtype, distributed, fraction, overlap):
-    ref = train(*build(opt, distributed=distributed, dtype=dtype), 3)
+    ref = train_steps(*build(opt, distributed=distributed, dtype=dtype), 3)
     model, chunk, optimizer = build(opt, fraction, overlap, distributed, dtype)
     off = optimizer.offload
     off.transfer.trace = []
-    got = train(model, chunk, optimizer, 3)
+    got = train_steps(model, chunk, optimizer, 3)
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
     assert off.numel == (244 if fraction == 1.0 else 128 if not distributed else 192)
@@ -219,7 +201,7 @@ def worker():
         runs = []
         for f, o in ((None, False),) + OFFLOADS:
             model, chunk, optimizer = build(opt, f, o, True, groups=dp)
-            runs.append(train(model, chunk, optimizer, 3, seed=rank))
+            runs.append(train_steps(model, chunk, optimizer, 3, seed=rank))
             if f == 0.5:
                 out["offloaded"][opt] = optimizer.offload.numel
         out["dp"][opt] = runs
