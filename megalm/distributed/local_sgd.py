@@ -146,16 +146,19 @@ class OuterSync:
                 for p, avg in zip(params, _unflatten_dense_tensors(flat, [p.data for p in params])):
                     p.data.copy_(avg)
         if not self.plain:
-            mu, eta = self.outer_momentum, self.outer_lr
             for name, p in self._named:
-                x0 = self.anchor[name]
-                delta = x0 - p.data
-                if mu:
-                    m = self.momentum[name].mul_(mu).add_(delta)
-                    delta = delta.add(m, alpha=mu)
-                p.data.copy_(x0 - eta * delta)
-                x0.copy_(p.data)
+                p.data.copy_(self._outer_step(name, p.data))
         self.optimizer._copy_main_to_model()
+
+    def _outer_step(self, name: str, average: torch.Tensor) -> torch.Tensor:
+        """DiLoCo's outer step of parameter ``name`` from the replicas' ``average``: ``D = x_0 - average``,
+        ``m <- mu m + D``, ``x_0 <- x_0 - eta (D + mu m)``; returns the new ``x_0``."""
+        x0, mu = self.anchor[name], self.outer_momentum
+        delta = x0 - average
+        if mu:
+            m = self.momentum[name].mul_(mu).add_(delta)
+            delta = delta.add(m, alpha=mu)
+        return x0.copy_(x0 - self.outer_lr * delta)
 
     # --- overlapped sync (--local-sgd-overlap-steps) --------------------------------------------
     @torch.no_grad()
@@ -171,22 +174,12 @@ class OuterSync:
     def apply_pending(self) -> None:
         """Wait for the pending average and apply ``x <- x + (outer(avg(s)) - s)`` (see the module)."""
         pending, self.pending = self.pending, None
-        mu, eta = self.outer_momentum, self.outer_lr
         for (_, _, params), flight in zip(self.groups, pending.groups):
             shapes = [p.data for p in params]
             snaps = _unflatten_dense_tensors(flight.snapshot, shapes)
             for p, s, avg in zip(params, snaps, _unflatten_dense_tensors(flight.result(), shapes)):
-                if self.plain:
-                    p.data.add_(avg - s)
-                    continue
-                x0 = self.anchor[self._name_of[id(p)]]
-                delta = x0 - avg
-                if mu:
-                    m = self.momentum[self._name_of[id(p)]].mul_(mu).add_(delta)
-                    delta = delta.add(m, alpha=mu)
-                new = x0 - eta * delta
+                new = avg if self.plain else self._outer_step(self._name_of[id(p)], avg)
                 p.data.add_(new - s)
-                x0.copy_(new)
         self.optimizer._copy_main_to_model()
 
     def _pending_state(self) -> dict:
