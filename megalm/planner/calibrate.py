@@ -169,13 +169,24 @@ def collective_rates(per_node: int) -> Dict[str, float]:
     return out
 
 
-def baseline_rss_bytes() -> int:
-    """This process's resident bytes now, after importing what a training process imports (CPU: the part of
-    a rank's peak RSS that is not tensors: interpreter, torch, gloo; the planner's ``reserve_gb``)."""
+def baseline_rss_bytes(train: bool = False) -> int:
+    """This process's resident bytes now (CPU: the part of a rank's peak RSS that is not the model's tensors:
+    interpreter, torch, megalm, process groups; the planner's ``reserve_gb``).  With ``train``, after two
+    iterations of a ~30k-parameter GPT through ``pretrain_gpt.py`` on every rank (its process groups, data
+    pipeline and buffers, whose own tensors are ~1 MB): a training process's baseline, not an idle one's."""
     import gc
 
     import megalm.training.training  # noqa: F401 - what pretrain_gpt.py loads
 
+    if train:
+        import pretrain_gpt
+        from megalm import parallel_state
+
+        tiny = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16"
+        tiny += " --vocab-size 64 --mock-data --num-workers 0 --micro-batch-size 1 --lr 1e-3 --train-iters 2"
+        tiny += " --eval-iters 0 --log-interval 1"
+        pretrain_gpt.main(tiny.split(), pretrain_gpt.forward_step, pretrain_gpt.model_provider)
+        parallel_state.destroy_model_parallel()
     gc.collect()
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -202,7 +213,7 @@ def main(argv=None) -> int:
     world = dist.get_world_size() if distributed else 1
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     links = collective_rates(per_node) if distributed and world > 1 else {}
-    rates["reserve_gb"] = baseline_rss_bytes() / 1e9
+    rates["reserve_gb"] = baseline_rss_bytes(train=distributed and not cuda) / 1e9
     if distributed:
         every = [None] * world
         dist.all_gather_object(every, rates)
