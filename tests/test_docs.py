@@ -16,45 +16,19 @@ from megalm.config.flag_reference import COMMAND, PAGE, render
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md"] + sorted((REPO / "docs").rglob("*.md"))
+FROM_MEGATRON = REPO / "docs" / "from-megatron.md"
 
 # Flags of programs megalm does not own, named in the pages' commands.
-EXTERNAL_FLAGS = {
+EXTERNAL_FLAGS = set(
     # torchrun
-    "--nproc_per_node",
-    "--nproc-per-node",
-    "--nnodes",
-    "--node_rank",
-    "--node-rank",
-    "--master_addr",
-    "--master_port",
-    "--rdzv-backend",
-    "--rdzv_backend",
-    "--rdzv-endpoint",
-    "--rdzv_endpoint",
-    "--rdzv-id",
-    "--rdzv_id",
-    "--rdzv-conf",
-    "--max-restarts",
-    "--max_restarts",
-    "--standalone",
-    "--local-addr",
+    "--nproc_per_node --nproc-per-node --nnodes --node_rank --node-rank --master_addr --master_port --rdzv-backend"
+    " --rdzv_backend --rdzv-endpoint --rdzv_endpoint --rdzv-id --rdzv_id --rdzv-conf --max-restarts --max_restarts"
+    " --standalone --local-addr"
     # sbatch / srun
-    "--nodes",
-    "--signal",
-    "--time",
-    "--partition",
-    "--ntasks-per-node",
-    "--gpus-per-node",
-    "--cpu-bind",
-    "--kill-on-bad-exit",
-    "--export",
-    # tensorboard, mkdocs, pip, pytest, nsys
-    "--logdir",
-    "--strict",
-    "--site-dir",
-    "--durations",
-    "--capture-range",
-}
+    " --nodes --signal --time --partition --ntasks-per-node --gpus-per-node --cpu-bind --kill-on-bad-exit --export"
+    # tensorboard, mkdocs, pytest, nsys
+    " --logdir --strict --site-dir --durations --capture-range".split()
+)
 # Megatron-LM flags megalm does not have, named only to describe Megatron-LM's files or behaviour: the block naming
 # one must say "Megatron".
 MEGATRON_ONLY = {
@@ -65,25 +39,25 @@ MEGATRON_ONLY = {
 }
 # Words that say a flag is ignored or refused, looked for in the block (paragraph, list item, table row) naming it.
 MARKERS = ("no effect", "refused", "refuse", "not built", "not supported", "ignored", "changes nothing", "no-op")
-CODE_FILE = re.compile(r"\.(py|sh|sbatch|md|json|yml|yaml|toml|svg|png)$")
-REPO_DIRS = ("megalm/", "tools/", "scripts/", "examples/", "bench/", "tests/", "docs/", ".ci/")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_]*(?:-[a-z0-9_]+)*(?![-*\w])")  # not a glob such as --no-*-fusion
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
+COMMANDS = re.compile(r"^```(?:bash|sh|shell|console)\n(.*?)^```", re.M | re.S)  # code blocks of commands
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+REPO_DIRS = ("megalm/", "tools/", "scripts/", "examples/", "bench/", "tests/", "docs/", ".ci/")
+PROGRAM = re.compile(r"\.(py|sh|sbatch)$")  # a bare name with these endings is a repository file run by the command
 
 
 def _text(page: Path) -> str:
     return page.read_text(encoding="utf-8")
 
 
-def _rel(page: Path) -> str:
-    return str(page.relative_to(REPO))
+def _rel(page: Path, repo: Path) -> str:
+    return str(page.relative_to(repo))
 
 
 def _prose(text: str) -> str:
     """The text without fenced code blocks and inline code (where links are not links)."""
-    text = FENCE.sub("", text)
-    return re.sub(r"`[^`\n]*`", "", text)
+    return re.sub(r"`[^`\n]*`", "", FENCE.sub("", text))
 
 
 def slug(heading: str) -> str:
@@ -100,34 +74,32 @@ def anchors(page: Path) -> set:
     seen, out = {}, set()
     for line in FENCE.sub("", _text(page)).splitlines():
         m = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
-        if not m:
-            continue
-        base = slug(m.group(1))
-        s = base if base not in seen else f"{base}_{seen[base]}"
-        seen[base] = seen.get(base, 0) + 1
-        out.add(s)
+        if m:
+            base = slug(m.group(1))
+            out.add(base if base not in seen else f"{base}_{seen[base]}")
+            seen[base] = seen.get(base, 0) + 1
     return out
 
 
 def _parser_flags() -> dict:
     """Flag -> help text, every option string of pretrain_gpt.py's parser."""
-    out = {}
-    for action in build_parser()._actions:
-        for s in action.option_strings:
-            out[s] = action.help or ""
-    return out
+    return {s: a.help or "" for a in build_parser()._actions for s in a.option_strings}
 
 
-def _repo_flags() -> set:
+def _repo_flags(repo: Path) -> set:
     """Flags the repository's own tools define or pass (quoted in Python sources, written in shell scripts)."""
     out = set()
-    for path in list(REPO.glob("tools/**/*.py")) + list(REPO.glob("bench/*.py")) + list(REPO.glob("examples/*")):
+    for path in [*repo.glob("tools/**/*.py"), *repo.glob("bench/*.py"), *repo.glob("examples/*")]:
         out.update(re.findall(r"""["'](--[a-z][a-z0-9_-]*)["']""", path.read_text(encoding="utf-8")))
-    for path in (
-        list(REPO.glob("scripts/**/*.sh")) + list(REPO.glob("scripts/**/*.sbatch")) + list(REPO.glob("bench/*.sh"))
-    ):
+    for path in [*repo.glob("scripts/**/*.sh"), *repo.glob("scripts/**/*.sbatch"), *repo.glob("bench/*.sh")]:
         out.update(FLAG.findall(path.read_text(encoding="utf-8")))
     return out
+
+
+def _marked_flags(parser_flags: dict) -> set:
+    """Megatron-LM flags megalm accepts but ignores or refuses (megatron_compat's lists, as the parser says)."""
+    listed = set(megatron_compat.NO_EFFECT) | set(megatron_compat.UNSUPPORTED)
+    return {f for f in listed if parser_flags.get(f, "").lower().startswith(("no effect", "refused"))}
 
 
 def _blocks(text: str):
@@ -140,64 +112,83 @@ def _blocks(text: str):
             yield para
 
 
-def test_every_flag_is_accepted_or_marked():
+def flag_problems(pages, repo: Path) -> list:
     parser_flags = _parser_flags()
-    repo_flags = _repo_flags()
-    # Megatron-LM flags megalm accepts but ignores or refuses (megatron_compat's lists, as the parser documents them).
-    marked = {
-        f
-        for f in set(megatron_compat.NO_EFFECT) | set(megatron_compat.UNSUPPORTED)
-        if parser_flags.get(f, "").lower().startswith(("no effect", "refused"))
-    }
-    unknown, unmarked = [], []
-    for page in PAGES:
+    known = set(parser_flags) | _repo_flags(repo) | EXTERNAL_FLAGS | MEGATRON_ONLY
+    marked = _marked_flags(parser_flags)
+    out = []
+    for page in pages:
         if page.parts[-2:] == ("reference", "flags.md"):
             continue  # generated from the parser itself
         text = _text(page)
-        for flag in sorted(set(FLAG.findall(text))):
-            if flag not in set(parser_flags) | repo_flags | EXTERNAL_FLAGS | MEGATRON_ONLY:
-                unknown.append(f"{_rel(page)}: {flag}")
+        out += [f"{_rel(page, repo)}: {f} is accepted by no parser" for f in sorted(set(FLAG.findall(text)) - known)]
         for block in _blocks(text):
-            for flag in set(FLAG.findall(block)) & MEGATRON_ONLY:
-                if "megatron" not in block.lower():
-                    unmarked.append(f"{_rel(page)}: {flag} in {block[:80]!r}")
-            for flag in set(FLAG.findall(block)) & marked:
-                if not any(m in block.lower() for m in MARKERS):
-                    unmarked.append(f"{_rel(page)}: {flag} in {block[:80]!r}")
-    assert not unknown, "flags no parser accepts (fix the page or the flag): " + "; ".join(unknown)
-    assert not unmarked, "ignored/refused Megatron-LM flags named without saying so: " + "; ".join(unmarked)
+            low = block.lower()
+            for flag in sorted(set(FLAG.findall(block)) & MEGATRON_ONLY):
+                if "megatron" not in low:
+                    out.append(f"{_rel(page, repo)}: {flag} is Megatron-LM's, not megalm's: say so in {block[:60]!r}")
+            for flag in sorted(set(FLAG.findall(block)) & marked):
+                if not any(m in low for m in MARKERS):
+                    out.append(f"{_rel(page, repo)}: {flag} is ignored or refused: say so in {block[:60]!r}")
+    return out
 
 
-def test_commands_name_files_that_exist():
-    missing = []
-    for page in PAGES:
-        for block in FENCE.findall(_text(page)):
-            for token in re.findall(r"[\w./{}*-]+", block):
+def file_problems(pages, repo: Path) -> list:
+    out = []
+    for page in pages:
+        for block in COMMANDS.findall(_text(page)):
+            for token in re.findall(r"[\w./{}*<>-]+", block):
                 token = token.rstrip(".")
-                if any(c in token for c in "{}*") or token.startswith(("/", "http")):
-                    continue
-                if not (token.startswith(REPO_DIRS) or ("/" not in token and CODE_FILE.search(token))):
-                    continue
-                if "/" not in token and not (REPO / token).exists():
-                    continue  # a bare file name: an output or an input of the user's (corpus.jsonl, tok.model)
-                if not (REPO / token).exists():
-                    missing.append(f"{_rel(page)}: {token}")
-    assert not missing, "commands name repository files that do not exist: " + "; ".join(missing)
+                if any(c in token for c in "{}*<>") or token.startswith(("/", "http", "..")):
+                    continue  # a pattern, a placeholder, an absolute or outside path
+                if token.startswith(REPO_DIRS) or ("/" not in token and PROGRAM.search(token)):
+                    if not (repo / token).exists():
+                        out.append(f"{_rel(page, repo)}: {token} does not exist")
+    return out
 
 
-def test_links_and_anchors_resolve():
-    broken = []
-    for page in PAGES:
+def link_problems(pages, repo: Path) -> list:
+    out = []
+    for page in pages:
         for target in LINK.findall(_prose(_text(page))):
             if re.match(r"[a-z]+:", target):
-                continue
+                continue  # https:, mailto:
             path, _, anchor = target.partition("#")
             dest = (page.parent / path).resolve() if path else page
             if not dest.exists():
-                broken.append(f"{_rel(page)}: {target} (no such file)")
+                out.append(f"{_rel(page, repo)}: {target} (no such file)")
             elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
-                broken.append(f"{_rel(page)}: {target} (no heading with that anchor)")
-    assert not broken, "; ".join(broken)
+                out.append(f"{_rel(page, repo)}: {target} (no heading with that anchor)")
+    return out
+
+
+def test_every_flag_is_accepted_or_marked():
+    problems = flag_problems(PAGES, REPO)
+    assert not problems, "\n".join(problems)
+
+
+def test_commands_name_files_that_exist():
+    problems = file_problems(PAGES, REPO)
+    assert not problems, "\n".join(problems)
+
+
+def test_links_and_anchors_resolve():
+    problems = link_problems(PAGES, REPO)
+    assert not problems, "\n".join(problems)
+
+
+def test_megatron_flags_table_follows_megatron_compat():
+    """from-megatron.md's table names every flag megatron_compat ignores or refuses, and calls refused only
+    flags that still are (a flag implemented since must leave the table's refused rows)."""
+    text = _text(FROM_MEGATRON)
+    rows = [ln for ln in text.splitlines() if ln.startswith("| `--")]
+    listed = set(megatron_compat.NO_EFFECT) | set(megatron_compat.UNSUPPORTED)
+    in_table = {f for row in rows for f in FLAG.findall(row.split("|")[1])}
+    assert listed <= in_table, f"add to docs/from-megatron.md's flags table: {sorted(listed - in_table)}"
+    for row in rows:
+        if row.split("|")[2].strip().startswith("refused"):
+            for flag in FLAG.findall(row.split("|")[1])[:1]:  # the refused flag; others name the condition
+                assert flag in megatron_compat.UNSUPPORTED, f"{flag} is no longer refused: update its row"
 
 
 def test_slug_matches_mkdocs():
@@ -208,11 +199,11 @@ def test_slug_matches_mkdocs():
 
 
 def test_readme_is_short_and_keeps_its_commands():
-    readme = _text(REPO / "README.md")
-    assert len(readme.splitlines()) < 200, "README.md must stay under 200 lines: move detail to docs/"
+    lines = _text(REPO / "README.md").splitlines()
+    assert len(lines) < 200, f"README.md has {len(lines)} lines; it must stay under 200: move detail to docs/"
     test_command = "bash tools/install.sh && python3 -m pytest -q tests"
-    assert readme.splitlines()[3].startswith("bash examples/quickstart.sh ")
-    assert readme.splitlines()[4].startswith(test_command + " ")
+    assert lines[3].startswith("bash examples/quickstart.sh ")
+    assert lines[4].startswith(test_command + " ")
     assert test_command in _text(REPO / ".ci" / "run").splitlines(), "CI must run the README's test command"
 
 
@@ -220,7 +211,7 @@ def test_pages_open_with_a_command():
     for page in sorted((REPO / "docs").rglob("*.md")):
         lines = [ln for ln in _text(page).splitlines() if ln.strip()]
         opening = [ln.startswith("```") for ln in lines[1:6]]
-        assert lines[0].startswith("# ") and any(opening), f"{_rel(page)} must open with a command (a code block)"
+        assert lines[0].startswith("# ") and any(opening), f"{page.name} must open with a command (a code block)"
 
 
 def test_flag_reference_is_current():
@@ -228,14 +219,52 @@ def test_flag_reference_is_current():
     assert current == render(), f"{PAGE} is out of date: run `{COMMAND}` and commit it"
 
 
-@pytest.mark.parametrize("bad", ["[x](no_such_page.md)", "[x](index.md#no-such-heading)"])
-def test_link_check_catches(tmp_path, monkeypatch, bad):
+# --- the checks catch what they are for ---------------------------------------------------------
+
+
+def _site(tmp_path: Path, body: str) -> list:
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "real.py").write_text("")
     docs = tmp_path / "docs"
     docs.mkdir()
-    (docs / "index.md").write_text("# Home\n\n```bash\nls\n```\n\n## Real heading\n")
+    (docs / "index.md").write_text("# Home\n\n## Real heading\n")
     page = docs / "page.md"
-    page.write_text(f"# Page\n\n```bash\nls\n```\n\n{bad} and [ok](index.md#real-heading)\n")
-    monkeypatch.setitem(globals(), "REPO", tmp_path)
-    monkeypatch.setitem(globals(), "PAGES", [page])
-    with pytest.raises(AssertionError, match=re.escape(bad[4:-1])):
-        test_links_and_anchors_resolve()
+    page.write_text(f"# Page\n\n{body}\n")
+    return [page]
+
+
+@pytest.mark.parametrize(
+    "body, found",
+    [
+        ("[x](no_such_page.md)", "no_such_page.md (no such file)"),
+        ("[x](index.md#no-such-heading)", "index.md#no-such-heading (no heading"),
+        ("[x](#nowhere)", "#nowhere (no heading"),
+    ],
+)
+def test_link_check_catches(tmp_path, body, found):
+    pages = _site(tmp_path, body + " and [ok](index.md#real-heading), `[code](not_a_link.md)`")
+    assert [p for p in link_problems(pages, tmp_path) if found in p] and len(link_problems(pages, tmp_path)) == 1
+
+
+@pytest.mark.parametrize(
+    "body, found",
+    [
+        ("```bash\npython3 tools/missing.py --x 1\n```", "tools/missing.py does not exist"),
+        ("```bash\nbash run_me.sh\n```", "run_me.sh does not exist"),
+    ],
+)
+def test_file_check_catches(tmp_path, body, found):
+    pages = _site(tmp_path, body + "\n\n```bash\npython3 tools/real.py --out corpus.jsonl /tmp/x\n```")
+    assert file_problems(pages, tmp_path) == [f"docs/page.md: {found}"]
+
+
+def test_flag_check_catches(tmp_path):
+    pages = _site(
+        tmp_path,
+        "Use `--tensor-model-parallel-size 2` and `--no-such-flag`.\n\n"
+        "`--use-mcore-models` is accepted.\n\n`--use-mcore-models` is accepted and has no effect.",
+    )
+    assert flag_problems(pages, tmp_path) == [
+        "docs/page.md: --no-such-flag is accepted by no parser",
+        "docs/page.md: --use-mcore-models is ignored or refused: say so in '`--use-mcore-models` is accepted.'",
+    ]
