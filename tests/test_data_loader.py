@@ -9,8 +9,8 @@ from megalm.data import build_train_valid_test_data_iterators, get_batch, splits
 from megalm.data.builder import build_train_valid_test_datasets
 from megalm.data.indexed_dataset import IndexedDatasetBuilder
 from megalm.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler, epoch_generator_seed
-from megalm.testing import run_distributed
 from megalm.tokenizers import NullTokenizer
+from tests.distributed_harness import run_distributed
 from tests.test_reset_attention_mask import megatron_mask
 
 VOCAB = 1000
