@@ -324,7 +324,7 @@ def test_in_flight_microbatches_follow_the_schedules():
 
 
 def test_flops_and_step_time():
-    from megalm.training.flops import num_floating_point_operations
+    from megalm.flops import num_floating_point_operations
 
     cfg, options = parse(
         [
