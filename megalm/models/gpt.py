@@ -54,7 +54,7 @@ from megalm.tensor_parallel.layers import ColumnParallelLinear
 from megalm.tensor_parallel.linear_cross_entropy import linear_cross_entropy
 from megalm.tensor_parallel.param_info import set_param_info
 from megalm.transformer.moe.state import MoEState
-from megalm.transformer.rope import RotaryEmbedding
+from megalm.transformer.rope import rotary_embedding
 from megalm.transformer.transformer_block import TransformerBlock
 from megalm.transformer.utils import init_std, sequence_parallel_enabled
 
@@ -99,11 +99,7 @@ class GPTModel(nn.Module):
             self.embedding = LanguageModelEmbedding(
                 m, self.padded_vocab_size, self.sequence_parallel, tp_group=self.tp_group
             )
-        self.rotary = (
-            RotaryEmbedding(m.head_dim, m.rotary_percent, m.rotary_base)
-            if m.position_embedding_type == "rope"
-            else None
-        )
+        self.rotary = rotary_embedding(m)
         self.decoder = TransformerBlock(
             m,
             self.layer_numbers,
