@@ -2,9 +2,11 @@
 pretrain_gpt.py on real spawned ranks equals the single-process run (fp32, losses and grad norms
 within 1e-5 relative over 3 steps), on one group of 4 ranks:
 
-* TP 2 with sequence parallelism x DP 2 (replicated down projections, gathered latents and RoPE key);
+* TP 2 with sequence parallelism x DP 2 (replicated down projections, gathered latents and RoPE key),
+  with one multi-token prediction depth (its logged ``mtp_1 loss`` too);
 * TP 2 (SP) x CP 2 (p2p ring: v zero-padded to the q/k head dim);
-* PP 2 x EP 2 (alltoall dispatcher) x DP 2 (one MLA layer per stage);
+* PP 2 x EP 2 (alltoall dispatcher) x DP 2 (one MLA layer per stage), with MTP on the last stage (its
+  copy of the untied word embedding summed with the first stage's);
 * DP 4 with the blocked CPU attention core and selective recompute.
 """
 
@@ -49,11 +51,12 @@ MLA = tiny_flags(
     moe_token_dispatcher_type="alltoall",
 )
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-LAYOUTS = {
-    "tp2_sp": TP2,
-    "tp2_cp2": [*TP2, "--context-parallel-size", "2"],
-    "pp2_ep2": ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
-    "dp4_blocked": ["--attention-backend", "blocked", "--recompute-granularity", "selective"],
+MTP = ["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.5"]
+LAYOUTS = {  # name: (flags, single-process reference)
+    "tp2_sp_mtp": ([*TP2, *MTP], "one_mtp"),
+    "tp2_cp2": ([*TP2, "--context-parallel-size", "2"], "one"),
+    "pp2_ep2_mtp": (["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", *MTP], "one_mtp"),
+    "dp4_blocked": (["--attention-backend", "blocked", "--recompute-granularity", "selective"], "one"),
 }
 
 
@@ -65,20 +68,27 @@ def runs(tmp_path_factory):
         return MLA + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl")] + list(extra)
 
     codes = (
-        run_distributed(run_trainings, 4, args=([run(n, *a) for n, a in LAYOUTS.items()],), timeout=400),
-        run_distributed(run_trainings, 1, args=([run("one")],), timeout=200),
+        run_distributed(run_trainings, 4, args=([run(n, *a) for n, (a, _) in LAYOUTS.items()],), timeout=400),
+        run_distributed(run_trainings, 1, args=([run("one"), run("one_mtp", *MTP)],), timeout=200),
     )
     return {"tmp": tmp, "codes": codes}
 
 
 def test_all_runs_exit_cleanly(runs):
-    assert runs["codes"] == ([[0] * len(LAYOUTS)] * 4, [[0]]), runs["codes"]
+    assert runs["codes"] == ([[0] * len(LAYOUTS)] * 4, [[0, 0]]), runs["codes"]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_losses_equal_one_process(runs, name):
-    ref, got = records(runs["tmp"], "one"), records(runs["tmp"], name)
+    ref, got = records(runs["tmp"], LAYOUTS[name][1]), records(runs["tmp"], name)
     assert len(got) == len(ref) == 3
-    for key in ("lm_loss", "grad_norm"):
+    keys = ("lm_loss", "grad_norm") + (("mtp_1_loss",) if name.endswith("mtp") else ())
+    for key in keys:
         assert_close([r[key] for r in got], [r[key] for r in ref], rel=1e-5)
     assert ref[-1]["lm_loss"] < ref[0]["lm_loss"]  # it trains
+
+
+def test_mtp_changes_the_training(runs):
+    plain, mtp = records(runs["tmp"], "one"), records(runs["tmp"], "one_mtp")
+    assert plain[0]["lm_loss"] == mtp[0]["lm_loss"] and "mtp_1_loss" not in plain[0]
+    assert abs(plain[0]["grad_norm"] - mtp[0]["grad_norm"]) > 1e-4 * plain[0]["grad_norm"]

@@ -88,6 +88,14 @@ class ModelConfig:
     qk_head_dim: int = _f(128, "MLA: per-head query/key dimension without position embedding.")
     qk_pos_emb_head_dim: int = _f(64, "MLA: per-head query/key dimension carrying RoPE (the key part is shared).")
     v_head_dim: int = _f(128, "MLA: per-head value dimension.")
+    mtp_num_layers: Optional[int] = _f(
+        None,
+        "Multi-token prediction depths (DeepSeek-V3): depth k predicts the token k+1 ahead from the previous "
+        "depth's hidden state and the embedding of the token k ahead (shared embedding and output layer).",
+    )
+    mtp_loss_scaling_factor: float = _f(
+        0.1, "Weight of the multi-token prediction losses: factor / --mtp-num-layers times their sum is trained."
+    )
     rope_type: Optional[str] = _f(
         None,
         "RoPE variant: rope (plain) or yarn (YaRN frequency scaling, see --rotary-scaling-factor); "

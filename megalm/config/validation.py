@@ -386,6 +386,7 @@ def _validate_model(m: ModelConfig, p: ParallelConfig) -> None:
     _check(tp >= 1 and pp >= 1, f"parallel sizes must be >= 1 (tensor {tp}, pipeline {pp})")
     _validate_heads(m, tp)
     _validate_mla(m)
+    _validate_mtp(m, p)
     if not m.add_position_embedding and m.position_embedding_type == "learned_absolute":
         m.position_embedding_type = "none"  # Megatron's --no-position-embedding
     if m.recompute_activations:
@@ -451,6 +452,24 @@ def _validate_mla(m: ModelConfig) -> None:
         not m.group_query_attention,
         "--group-query-attention does not apply to --multi-latent-attention (keys and values come from one "
         "latent per position, expanded to every head): drop it",
+    )
+
+
+def _validate_mtp(m: ModelConfig, p: ParallelConfig) -> None:
+    """--mtp-num-layers: positive; not under context parallelism (its roll of the tokens would cross the
+    CP chunks); pipelined only with RoPE (the last stage's embedding copy has no position table)."""
+    if m.mtp_num_layers is None:
+        return
+    _check(m.mtp_num_layers >= 1, f"--mtp-num-layers must be >= 1, got {m.mtp_num_layers}")
+    _check(
+        p.context_parallel_size == 1,
+        f"--mtp-num-layers is not supported with --context-parallel-size {p.context_parallel_size} (the shift "
+        f"of the tokens by one position would cross the context-parallel chunks)",
+    )
+    _check(
+        p.pipeline_model_parallel_size == 1 or m.position_embedding_type != "learned_absolute",
+        "--mtp-num-layers with --pipeline-model-parallel-size > 1 needs --position-embedding-type rope or none "
+        "(the last stage embeds its tokens with a copy of the word embedding only)",
     )
 
 

@@ -52,11 +52,12 @@ def _shape(cfg) -> Tuple[int, int]:
     return cfg.training.micro_batch_size, cfg.model.seq_length
 
 
-def _stage_keys(documents: bool) -> Tuple[Tuple[str, ...], bool]:
+def _stage_keys(documents: bool, mtp: bool = False) -> Tuple[Tuple[str, ...], bool]:
     """Integer keys this pipeline stage needs, and whether it needs the loss mask; ``documents``:
-    every stage needs the document ids (``--reset-attention-mask``)."""
+    every stage needs the document ids (``--reset-attention-mask``); ``mtp``: the last stage embeds
+    the tokens too (``--mtp-num-layers``)."""
     first, last = ps.is_pipeline_first_stage(ignore_virtual=True), ps.is_pipeline_last_stage(ignore_virtual=True)
-    int_keys = (("tokens", "position_ids") if first else ()) + (("labels",) if last else ())
+    int_keys = (("tokens", "position_ids") if first or (last and mtp) else ()) + (("labels",) if last else ())
     return int_keys + ((DOCUMENT_IDS,) if documents else ()), last
 
 
@@ -77,7 +78,9 @@ def get_batch(data_iterator, cfg=None) -> Dict[str, Optional[torch.Tensor]]:
         data = next(data_iterator)
         documents = data[DOCUMENT_IDS].to(device) if DOCUMENT_IDS in data else None
         return _with_attention_mask({k: data[k].to(device, non_blocking=True) for k in KEYS}, documents)
-    int_keys, need_mask = _stage_keys(cfg is not None and cfg.data.reset_attention_mask)
+    int_keys, need_mask = _stage_keys(
+        cfg is not None and cfg.data.reset_attention_mask, cfg is not None and bool(cfg.model.mtp_num_layers)
+    )
     if not int_keys and not need_mask:
         return dict.fromkeys(KEYS + ("attention_mask",))  # middle pipeline stage: activations come from before
     mbs, seq = _shape(cfg)
