@@ -143,7 +143,7 @@ def load_rank_states(info: LoadInfo, states: Optional[CheckpointStates], require
         error = None
         try:
             _restore(state, file, info, required)
-        except (OSError, RuntimeError, ValueError, KeyError) as e:  # MegalmErrors are ValueErrors/RuntimeErrors
+        except Exception as e:  # noqa: BLE001 - torch.load's UnpicklingError (a refused pickle), OSError, a bad dict...
             error = f"cannot read {file}: {first_line(e)}"
         failed = gather_errors(error)  # a rank that cannot read its file stops every rank
         if failed:
