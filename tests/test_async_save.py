@@ -13,7 +13,7 @@ from megalm.checkpoint.async_writer import AsyncCheckpointWriter, AsyncSaveError
 from megalm.checkpoint.resume import TRACKER_FILENAME
 from megalm.checkpoint.save import stage_to_cpu
 from megalm.param_layout import ShardedTensorSpec
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 from tests.training_runs import losses, records
 
 # --- the writer -----------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from megalm.checkpoint import manifest
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 from tests.training_runs import losses
 
 REPO = Path(__file__).resolve().parents[1]

@@ -29,7 +29,7 @@ from megalm.checkpoint.safe_metadata import (
     SafeFileSystemReader,
     load_metadata,
 )
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 from tests.training_runs import losses as _losses
 from tests.training_runs import run_trainings as _run_trainings
 from tests.training_runs import tiny_flags

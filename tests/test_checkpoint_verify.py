@@ -29,8 +29,8 @@ from megalm.checkpoint.load import load_checkpoint
 from megalm.checkpoint.resume import TRACKER_FILENAME, read_tracker, verify_checkpoint
 from megalm.checkpoint.safe_metadata import load_metadata
 from megalm.checkpoint.save import check_save_dir, save_checkpoint
-from megalm.testing import run_distributed
 from tests.checkpoint_fixtures import save_random_model, tiny_cfg
+from tests.distributed_harness import run_distributed
 from tests.logs import megalm_logs
 from tests.training_runs import losses, records, run_trainings, tiny_flags
 

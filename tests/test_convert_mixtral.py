@@ -272,7 +272,7 @@ def test_refusals_name_the_field(hf_mixtral, tmp_path):
     refused(lambda c: c.update(num_experts_per_tok=5), "num_experts_per_tok = 5")
     refused(lambda c: c.update(hidden_act="gelu"), "hidden_act")
     refused(lambda c: c.update(model_type="qwen2_moe"), "'qwen2_moe' is a mixture-of-experts model .*mixtral")
-    refused(lambda c: c.update(model_type="deepseek_v3"), "'deepseek_v3' is a mixture-of-experts model")
+    refused(lambda c: c.update(model_type="deepseek_v2"), "'deepseek_v2' is a mixture-of-experts model")
     refused(lambda c: None, "--num-experts 8 disagrees with config.json", ["--num-experts", "8"])
     refused(lambda c: None, "--expert-model-parallel-size 3", ["--expert-model-parallel-size", "3"])
     # A dense model cannot become a mixture of experts on import.
@@ -376,7 +376,7 @@ def ranks(hf_mixtral, tmp_path_factory):
     stage's copy is not saved), the Mixtral model under PP 2 x EP 2 (alltoall, grouped GEMM) and
     under TP 2 (SP) x EP 2, and loads a transformers Mixtral imported for TP 2 x EP 2."""
     from megalm.conversion.import_hf import import_from_hf
-    from megalm.testing import run_distributed
+    from tests.distributed_harness import run_distributed
 
     tmp = tmp_path_factory.mktemp("ranks")
     hf_dir, hf_model = hf_mixtral

@@ -27,9 +27,9 @@ from megalm.optimizer import build_optimizer
 from megalm.param_layout import param_spec
 from megalm.parameter_names import canonical_name, model_parameters
 from megalm.tensor_parallel import gather_tensor_parallel_grad, gather_tensor_parallel_param
-from megalm.testing import run_distributed
 from megalm.transformer.fp8 import fp8_recipe
 from tests import te_standin
+from tests.distributed_harness import run_distributed
 from tests.numerics import relative_error
 from tests.test_gpt_model import _run_step as _step
 
