@@ -17,8 +17,14 @@ from typing import Sequence
 
 import torch
 
-from megalm.param_layout import ShardedStateDict, ShardedTensorSpec, param_spec
-from megalm.parameter_names import model_buffers, model_parameters, tied_embedding_copies
+from megalm.param_layout import (
+    ShardedStateDict,
+    ShardedTensorSpec,
+    model_buffers,
+    model_parameters,
+    param_spec,
+    tied_embedding_copies,
+)
 
 
 def finish_param_sync(model_chunks: Sequence[torch.nn.Module]) -> None:

@@ -21,7 +21,7 @@ from megalm.distributed.compression.state import (
 )
 from megalm.log import get_logger
 from megalm.parallel_state import ProcessGroups, group_rank, group_size
-from megalm.parameter_names import model_parameters, tied_embedding_copies
+from megalm.param_layout import model_parameters, tied_embedding_copies
 
 logger = get_logger(__name__)
 

@@ -93,7 +93,7 @@ def layout_free_specs(model_chunks: Sequence, params: Dict[str, torch.nn.Paramet
     """Save: ``grad_compression.<name>.pending`` (the pending update ``P`` of every parameter, laid out
     like it) and ``grad_compression.<name>.powersgd_q.rows<a>-<b>.tp<r>of<T>`` (PowerSGD's ``Q`` of
     rows ``[a, b)`` on TP rank ``r`` of ``T``, replicated over the data-parallel group).  ``params``
-    and ``copies``: :func:`megalm.parameter_names.model_parameters` / ``tied_embedding_copies``; ``tp``:
+    and ``copies``: :func:`megalm.param_layout.model_parameters` / ``tied_embedding_copies``; ``tp``:
     ``(TP rank, TP size)``.  Collective (:func:`~.reshard.pending_updates`); empty without compression."""
     names = _names(params, copies)
     specs = {}
