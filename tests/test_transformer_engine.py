@@ -24,8 +24,8 @@ from megalm.config import ConfigError, MegalmConfig, parse_config, validate_conf
 from megalm.fusions import BackendUnavailable, plan_fusions
 from megalm.models import GPTModel
 from megalm.optimizer import build_optimizer
-from megalm.param_layout import param_spec
-from megalm.parameter_names import canonical_name, model_parameters
+from megalm.param_layout import model_parameters, param_spec
+from megalm.parameter_names import canonical_name
 from megalm.tensor_parallel import gather_tensor_parallel_grad, gather_tensor_parallel_param
 from megalm.transformer.fp8 import fp8_recipe
 from tests import te_standin
