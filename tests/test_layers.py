@@ -55,8 +55,6 @@ ALLOWED_BREAKS: Dict[Tuple[str, str], str] = {
     # config validates itself per section (branch `config`): no reach into the data and training code
     ("megalm.config.validation", "data"): "config",
     ("megalm.config.validation", "training"): "config",
-    # checkpoint errors and state registered by whoever builds local SGD (branch `ckpt-pkg`)
-    ("megalm.distributed.local_sgd", "checkpoint"): "ckpt-pkg",
 }
 
 # Top-level names of this repository that are not the library.
