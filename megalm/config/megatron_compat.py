@@ -30,6 +30,8 @@ NO_EFFECT = {
     "--distributed-backend": "megalm picks the backend itself (nccl with CUDA, gloo without) and checked it matches",
     "--ckpt-format": "megalm writes torch.distributed.checkpoint, which is Megatron's torch_dist",
     "--tiktoken-pattern": "only Megatron's TikTokenizer reads it, and megalm has no TikTokenizer",
+    "--moe-permute-fusion": "megalm permutes tokens to experts with PyTorch index ops (the same order and results); "
+    "Transformer Engine's fused permute kernels are CUDA-only",
     "--use-megatron-fsdp": "megalm's own sharded data parallelism is chosen by --data-parallel-sharding-strategy "
     "alone (no_shard by default, as in Megatron-LM)",
 }
@@ -70,6 +72,7 @@ class MegatronCompatConfig:
     )
     tiktoken_pattern: Optional[str] = _f(None, "No effect: " + NO_EFFECT["--tiktoken-pattern"] + ".")
     use_megatron_fsdp: bool = _f(False, "No effect: " + NO_EFFECT["--use-megatron-fsdp"] + ".")
+    moe_permute_fusion: bool = _f(False, "No effect: " + NO_EFFECT["--moe-permute-fusion"] + ".")
     fp8_param_gather: bool = _f(False, "Refused: " + UNSUPPORTED["--fp8-param-gather"] + ".")
     window_size: Optional[str] = _f(None, "Refused: " + UNSUPPORTED["--window-size"] + ".")
 
@@ -91,6 +94,7 @@ def given_no_effect_flags(c: MegatronCompatConfig) -> list:
         "--ckpt-format": c.ckpt_format is not None,
         "--tiktoken-pattern": c.tiktoken_pattern is not None,
         "--use-megatron-fsdp": c.use_megatron_fsdp,
+        "--moe-permute-fusion": c.moe_permute_fusion,
     }
     return [flag for flag, given in values.items() if given]
 
