@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megalm.checkpoint_resume import TRACKER_FILENAME, checkpoint_dir
+from megalm.checkpoint.resume import TRACKER_FILENAME, checkpoint_dir
 from megalm.config import (
     ConfigError,
     MegalmConfig,
