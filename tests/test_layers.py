@@ -43,6 +43,7 @@ LAYERS: List[Tuple[str, List[str]]] = [
     ("tools", ["presets", "conversion"]),
     ("applications", ["estimate", "inference"]),
     ("entry points", ["training", "launch"]),
+    ("layout search", ["planner"]),
 ]
 
 # unit -> the module prefixes it holds (default: the unit's own name).
