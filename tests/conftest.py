@@ -11,8 +11,8 @@ The suite is the CPU/gloo suite (what CI runs): on a machine with a GPU it still
 gloo ranks on one machine).  GPU paths are checked by ``bench/cuda_check.sh`` on a GPU machine.
 
 Spawned ranks are reused between tests of the same world size (``MEGALM_TEST_RANK_POOL=1``, read by
-:func:`megalm.testing.run_distributed`; ``0``: every call gets fresh processes).  A reused rank holds no
-process group between calls (a rank that would retires: see :mod:`megalm.testing`), so idle ranks have no
+:func:`tests.distributed_harness.run_distributed`; ``0``: every call gets fresh processes).  A reused rank holds no
+process group between calls (a rank that would retires: see :mod:`tests.distributed_harness`), so idle ranks have no
 gloo threads.
 
 Hangs fail instead of stalling CI:
@@ -43,15 +43,17 @@ HANG_S = float(os.environ.get("MEGALM_TEST_HANG_S", "1200"))
 
 
 def pytest_configure(config):
-    """Keep a descriptor of the real stderr (pytest's capture redirects fd 2 during tests) for the dump."""
+    """Keep a descriptor of the real stderr (pytest's capture redirects fd 2 during tests) for the dump.
+
+    ``global_and_fixture_disabled`` is the capture manager's own way to reach the real descriptors;
+    suspending and resuming its global capture by hand here broke pytest's output after a collection
+    error ("I/O operation on closed file" instead of the import error)."""
     capman = config.pluginmanager.getplugin("capturemanager")
-    if capman is not None:
-        capman.suspend_global_capture(in_=False)
-    try:
+    if capman is None:
         config.stash[HANG_FD] = os.dup(2)
-    finally:
-        if capman is not None:
-            capman.resume_global_capture()
+        return
+    with capman.global_and_fixture_disabled():
+        config.stash[HANG_FD] = os.dup(2)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -78,7 +80,7 @@ def kill_daemonic_children() -> None:
 
 
 def pytest_sessionfinish(session, exitstatus):
-    from megalm.testing import close_rank_pools
+    from tests.distributed_harness import close_rank_pools
 
     close_rank_pools()
     kill_daemonic_children()
