@@ -161,7 +161,8 @@ def model_buffers(model_chunks: Sequence[torch.nn.Module]) -> Dict[str, torch.Te
 
 
 def model_sharded_state(model_chunks: Sequence[torch.nn.Module]) -> ShardedStateDict:
-    specs = {f"model.{name}": param_spec(p) for name, p in model_parameters(model_chunks).items()}
+    groups = _groups()
+    specs = {f"model.{name}": param_spec(p, groups=groups) for name, p in model_parameters(model_chunks).items()}
     specs.update({f"model.{name}": ShardedTensorSpec.replicated(b) for name, b in model_buffers(model_chunks).items()})
     return specs
 
@@ -520,9 +521,9 @@ def _load_specs(model_chunks, optimizer, saved: Dict[str, tuple]):
     for name, p in params.items():
         main_key = f"optimizer.{name}.main_param"
         if main_key in saved and main_key not in opt_specs:
-            specs[main_key] = param_spec(p)
+            specs[main_key] = param_spec(p, groups=_groups())
         else:
-            specs[f"model.{name}"] = param_spec(p)
+            specs[f"model.{name}"] = param_spec(p, groups=_groups())
     for name, b in model_buffers(model_chunks).items():
         if f"model.{name}" not in saved:
             raise CheckpointError(f"checkpoint has no {name}: it was saved by a model without it (check the MoE flags)")
@@ -543,8 +544,14 @@ def _save_compression_state(model_chunks, path: str, rank: int) -> None:
         torch.save(state, _compression_file(path, rank))
 
 
+def _groups():
+    """This rank's process groups.  The checkpointer still reads them from parallel_state (it is
+    being rebuilt as the megalm/checkpoint/ package, which takes them from whoever builds it)."""
+    return parallel_state.get_process_groups()
+
+
 def _tp() -> tuple:
-    groups = parallel_state.get_process_groups()
+    groups = _groups()
     return parallel_state.group_rank(groups.tp), parallel_state.group_size(groups.tp)
 
 
@@ -552,7 +559,8 @@ def _compression_specs(model_chunks) -> dict:
     """Save: the layout-independent ``--grad-compression`` state (:func:`layout_free_specs`); collective."""
     if signature(model_chunks, {}) is None:
         return {}
-    return layout_free_specs(model_chunks, model_parameters(model_chunks), tied_embedding_copies(model_chunks), _tp())
+    params, copies = model_parameters(model_chunks), tied_embedding_copies(model_chunks)
+    return layout_free_specs(model_chunks, params, copies, _tp(), groups=_groups())
 
 
 def _compression_targets(model_chunks, saved: Dict[str, tuple]) -> Optional[LayoutFreeState]:
@@ -561,7 +569,7 @@ def _compression_targets(model_chunks, saved: Dict[str, tuple]) -> Optional[Layo
         return None
     params, copies = model_parameters(model_chunks), tied_embedding_copies(model_chunks)
     pp1 = parallel_state.get_pipeline_model_parallel_world_size() == 1
-    return LayoutFreeState(model_chunks, params, copies, _tp(), saved, absorb_copies=pp1)
+    return LayoutFreeState(model_chunks, params, copies, _tp(), saved, absorb_copies=pp1, groups=_groups())
 
 
 def load_compression_state(path: str, common: dict, model_chunks, layout_free=None) -> None:
