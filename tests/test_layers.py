@@ -48,8 +48,12 @@ LAYERS: List[Tuple[str, List[str]]] = [
     ("entry points", ["training", "launch"]),
 ]
 
-# unit -> the module prefixes it holds (default: the unit's own name).  The checkpoint modules are one
-# unit today as top-level modules and, once moved, as the package megalm/checkpoint/.
+# unit -> the module prefixes it holds (default: the unit's own name); a module belongs to the unit of its
+# longest matching prefix.  The checkpoint modules are one unit today as top-level modules and, once
+# moved, as the package megalm/checkpoint/.  The sharded-tensor format (dist_checkpointing) and the safe
+# unpickler sit lower (the optimizer, param_layout and gradient compression describe their tensors with
+# it): if they move into the package, list them here under their units, e.g.
+# "dist_checkpointing": ["megalm.checkpoint.sharded"], so the longest prefix keeps them low.
 UNITS: Dict[str, List[str]] = {
     "checkpoint": [
         "megalm.checkpoint",
