@@ -31,8 +31,8 @@ ROOT = os.path.join(REPO, "megalm")
 # or several modules that form one idea).  The picture with the reasons: docs/layering.md.
 LAYERS: List[Tuple[str, List[str]]] = [
     ("base", ["errors", "log"]),
-    ("leaves", ["device", "parallel_layout", "parameter_names", "safe_unpickle", "tokenizers"]),
-    ("runtime", ["timers", "host_transfer", "topology", "parallel_state", "fusions", "dist_checkpointing"]),
+    ("leaves", ["device", "parallel_layout", "parameter_names", "tokenizers"]),
+    ("runtime", ["timers", "host_transfer", "topology", "parallel_state", "fusions"]),
     ("parallel primitives", ["tensor_parallel", "pipeline_parallel"]),
     ("parameter layout", ["param_layout"]),
     ("gradient reduction", ["distributed"]),
@@ -46,24 +46,11 @@ LAYERS: List[Tuple[str, List[str]]] = [
     ("tools", ["presets", "conversion"]),
     ("applications", ["estimate", "inference"]),
     ("entry points", ["training", "launch"]),
+    ("layout search", ["planner"]),
 ]
 
-# unit -> the module prefixes it holds (default: the unit's own name); a module belongs to the unit of its
-# longest matching prefix.  The checkpoint modules are one unit today as top-level modules and, once
-# moved, as the package megalm/checkpoint/.  The sharded-tensor format (dist_checkpointing) and the safe
-# unpickler sit lower (the optimizer, param_layout and gradient compression describe their tensors with
-# it): if they move into the package, list them here under their units, e.g.
-# "dist_checkpointing": ["megalm.checkpoint.sharded"], so the longest prefix keeps them low.
-UNITS: Dict[str, List[str]] = {
-    "checkpoint": [
-        "megalm.checkpoint",
-        "megalm.checkpointing",
-        "megalm.checkpoint_resume",
-        "megalm.checkpoint_manifest",
-        "megalm.checkpoint_io_errors",
-        "megalm.async_save",
-    ],
-}
+# unit -> the module prefixes it holds (default: the unit's own name).
+UNITS: Dict[str, List[str]] = {}
 
 # TEMPORARY: imports that break the map and are being removed on other branches of issue #30.  The
 # coordinator deletes each entry when the branch named lands; nothing else belongs here.
@@ -72,24 +59,24 @@ ALLOWED_BREAKS: Dict[Tuple[str, str], str] = {
     # config validates itself per section (branch `config`): no reach into the data and training code
     ("megalm.config.validation", "data"): "config",
     ("megalm.config.validation", "training"): "config",
-    # checkpoint errors and state registered by whoever builds local SGD (branch `ckpt-pkg`)
-    ("megalm.distributed.local_sgd", "checkpoint"): "ckpt-pkg",
 }
 
 # What a module below the entry points may take from megalm.parallel_state: the bundle's type and the two
 # functions that read a group passed to them (pure layout arithmetic, re-exported there, too).
 PARALLEL_STATE_PURE = {"ProcessGroups", "group_size", "group_rank", "compute_layout", "rank_groups", "node_split"}
 # Modules that may read the process-group state: the entry points that build the bundle, and the
-# launcher's teardown.  TEMPORARY (with the branch that removes it): the checkpointer, which takes its
-# groups from whoever builds it once it is the megalm/checkpoint/ package (branch `ckpt-pkg`).  Not
-# temporary: the collective byte counter reads the layout's ranks per node (a fact of the layout, not
-# a group) to count inter-node bytes, and DDP names it in one error message.
+# launcher's teardown.  Still to move (the checkpointer should take its groups from whoever builds it):
+# the checkpoint package's layout record, its I/O group and a plain module's groups.  Not to move: the
+# collective byte counter reads the layout's ranks per node (a fact of the layout, not a group) to count
+# inter-node bytes, and DDP names it in one error message.
 READS_PARALLEL_STATE = {
     "megalm.parallel_state",
     "megalm.training.training",  # Trainer.setup builds the bundle
     "megalm.training.initialize",  # initializes the layout from the config
     "megalm.launch.spawn",  # destroys a rank's layout after a call
-    "megalm.checkpointing",  # TEMPORARY: branch ckpt-pkg
+    "megalm.checkpoint.common_json",  # the layout record (sizes of every group); still to move
+    "megalm.checkpoint.save",  # get_checkpoint_io_group; still to move
+    "megalm.checkpoint.model_state",  # a plain module's groups (a model holds its own); still to move
     "megalm.distributed.comm",  # get_ranks_per_node
     "megalm.distributed.data_parallel",  # get_ranks_per_node, in an error message
 }

@@ -1,4 +1,5 @@
-"""One-line descriptions of checkpoint I/O errors.
+"""Checkpoint errors: :class:`CheckpointError`, sharing every rank's error (:func:`gather_errors`),
+and one-line descriptions of I/O errors.
 
 DCP reports a failed write or read as ``CheckpointException`` (a ``BaseException``) holding each
 failed rank's exception and traceback, and ``torch.save``'s zip writer reports a full disk as
@@ -6,16 +7,35 @@ failed rank's exception and traceback, and ``torch.save``'s zip writer reports a
 :func:`describe_io_error` turns either into one line: the innermost errors' types and first
 lines, prefixed with "No space left on device" when the disk is full (an ``ENOSPC`` in the
 chain, or less than 1 MiB left where the checkpoint was being written).
-:func:`save_dir_problem` says what is wrong with a ``--save`` path before any work.  No communication.
+:func:`save_dir_problem` says what is wrong with a ``--save`` path before any work.  Only
+:func:`gather_errors` communicates.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import pickle
 from typing import List, Optional
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+
+from megalm.errors import MegalmError
+
+
+class CheckpointError(MegalmError, RuntimeError):
+    """A checkpoint cannot be written, found, verified or read; the message names the file or directory."""
+
+
+def gather_errors(error: Optional[str], group=None) -> List[tuple]:
+    """Collective (one ``all_gather_object`` over ``group``, default the world; none when not
+    initialized): ``[(rank, error), ...]`` of the ranks that report one."""
+    errors = [error]
+    if dist.is_initialized():
+        errors = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, error, group=group)
+    return [(r, e) for r, e in enumerate(errors) if e]
 
 
 def describe_io_error(e: BaseException, path: str, writing: bool = True) -> str:
@@ -35,12 +55,16 @@ def describe_io_error(e: BaseException, path: str, writing: bool = True) -> str:
 def leaf_errors(e: BaseException) -> List[BaseException]:
     if isinstance(e, CheckpointException):
         return [x for exc, _ in e.failures.values() for x in leaf_errors(exc)]
-    inner = e.__cause__ or e.__context__
+    inner = e.__cause__ or (None if e.__suppress_context__ else e.__context__)  # `raise ... from None` hides it
     return leaf_errors(inner) + [e] if inner is not None else [e]
 
 
 def first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
+    """The first line of ``e``'s message; for a pickle ``torch.load(weights_only=True)`` refused, the
+    line naming what it refused (its first line would advise loading the file with ``weights_only=False``)."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if isinstance(e, pickle.UnpicklingError) and lines and lines[0].startswith("Weights only load failed"):
+        return "refusing to unpickle: " + (lines[1] if len(lines) > 1 else lines[0])
     return lines[0] if lines else ""
 
 
