@@ -117,17 +117,18 @@ class Trainer:
         cfg = self.cfg
         self._check_before_start()
         initialize_megalm(cfg)
-        self.groups = parallel_state.get_process_groups()
-        get_forward_backward_func(self.groups)  # fail early if the layout's schedule is not available
+        self.groups = parallel_state.get_process_groups()  # the entry point: built once here, passed down
+        # fail early if the layout's schedule is not available
+        get_forward_backward_func(self.groups, cfg.parallel.virtual_pipeline_model_parallel_size)
         self.timers = Timers.from_config(cfg.logging)
         self.stragglers = self._straggler_report()  # collective with --log-straggler
         self.profiler = StepProfiler(cfg.logging, dist.get_rank())
         self.async_writer = AsyncCheckpointWriter() if cfg.checkpoint.async_save else None
         self.tokenizer = self._build_tokenizer()
         self.timers("model-and-optimizer-setup").start()
-        chunks = build_model_chunks(cfg, self.model_provider)
-        self.model = wrap_data_parallel(cfg, chunks)
-        self.optimizer = build_optimizer(cfg, self.model)
+        chunks = build_model_chunks(cfg, self.model_provider, self.groups)
+        self.model = wrap_data_parallel(cfg, chunks, self.groups)
+        self.optimizer = build_optimizer(cfg, self.model, process_groups=self.groups)
         self.scheduler = OptimizerParamScheduler.from_config(cfg, self.optimizer)
         self.numerics = NumericsChecks(cfg.training, self.optimizer.grad_scaler, self.groups)
         t = cfg.training
@@ -143,7 +144,7 @@ class Trainer:
         loaded = self._load() if self.resume else None
         self.microbatches.update(self.state.consumed_train_samples)
         self.timers("model-and-optimizer-setup").stop()
-        self.metrics = MetricsWriter(cfg, enabled=is_logging_rank())
+        self.metrics = MetricsWriter(cfg, enabled=is_logging_rank(self.groups))
         with self.timers("train/valid/test-data-iterators-setup"):
             self._build_data()
         if loaded is not None and not (cfg.checkpoint.no_load_rng or cfg.checkpoint.finetune):
@@ -253,7 +254,7 @@ class Trainer:
         return MicrobatchCalculator(
             t.global_batch_size,
             t.micro_batch_size,
-            parallel_state.get_data_parallel_world_size(),
+            parallel_state.group_size(self.groups.dp),
             t.rampup_batch_size,
             step_schedule(t, self.cfg.model.seq_length),
         )
@@ -586,7 +587,7 @@ class Trainer:
             if stragglers is not None:
                 line += format_stragglers(stragglers)
                 record.update(stragglers_record(stragglers))
-        if is_logging_rank():
+        if is_logging_rank(self.groups):
             logger.info(line, extra={"on_rank": None})
         record.update(self._log_timers(log.iterations))
         record.update(self._writer_only_scalars())
@@ -640,7 +641,7 @@ class Trainer:
         from megalm.optimizer.clip_grads import params_norm
 
         finish_param_sync(self.model)
-        return params_norm([p for chunk in self.model for p in chunk.parameters()])
+        return params_norm([p for chunk in self.model for p in chunk.parameters()], self.groups)
 
     def _new_compilations(self) -> dict:
         """Fused graphs compiled since the last log line (all in the first interval when shapes
@@ -680,7 +681,7 @@ class Trainer:
         if loss is None:
             return
         ppl = math.exp(min(20.0, loss))
-        if is_logging_rank():
+        if is_logging_rank(self.groups):
             bar = "-" * 90
             logger.info(
                 f"{bar}\n {split} loss at iteration {self.state.iteration} | lm loss value: {loss:.6E} | "
