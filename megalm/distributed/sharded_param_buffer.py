@@ -27,7 +27,10 @@ When buckets are gathered and freed around the forward and backward is decided b
   loaded weights (:meth:`ShardedParamBuffer.refresh_shards`).
 
 A bucket holding a tied embedding weight (used outside its module, by the output layer) is
-pinned: gathered after every step and never freed.
+pinned: gathered after every step and never freed.  So are MoE expert buckets (expert parallelism):
+the ranks of an expert-data-parallel group route different tokens, so per-expert gathers could
+happen in different orders (or not at all) on them, and the grouped GEMM reads the experts' weights
+without running their modules.  Their gradients and optimizer state stay sharded over that group.
 """
 
 from __future__ import annotations
@@ -124,7 +127,7 @@ class ShardedParamBuffer(ShardedGradBuffer):
             b.param_data = full
             lo, hi = b.local_shard()
             b.param_shard.copy_(full[lo:hi])
-            b.pinned = any(param_info(p).tied for p in b.params)
+            b.pinned = any(param_info(p).tied or param_info(p).expert for p in b.params)
             b.grads_seen = set()
         self.param_data = None
         self.storage_to_bucket: Dict[int, ShardedParamBucket] = {
