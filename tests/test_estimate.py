@@ -135,20 +135,6 @@ def test_moe_parameters_equal_built_model(arch):
     assert arch or vectors[1] > 0  # the GPT architecture's experts have biases
 
 
-MLA = dict(
-    LLAMA,
-    group_query_attention=False,
-    num_query_groups=None,
-    multi_latent_attention=True,
-    qk_layernorm=True,
-    q_lora_rank=16,
-    kv_lora_rank=12,
-    qk_head_dim=8,
-    qk_pos_emb_head_dim=4,
-    v_head_dim=6,
-)
-
-
 @pytest.mark.parametrize("extra", [{}, dict(q_lora_rank=None, add_bias_linear=True)], ids=["dsv3", "no-q-lora-bias"])
 def test_mla_and_mtp_parameters_equal_built_model(extra):
     """MLA attention, gated shared experts and two MTP depths: totals, experts, vectors, and the whole-model count."""
@@ -212,6 +198,20 @@ def predicted_activation_bytes(cfg) -> int:
     return chunk_bytes(m, sh, list(range(m.num_layers)), True, True)["kept"]
 
 
+MLA = dict(
+    LLAMA,
+    group_query_attention=False,
+    num_query_groups=None,
+    multi_latent_attention=True,
+    qk_layernorm=True,
+    q_lora_rank=16,
+    kv_lora_rank=12,
+    qk_head_dim=8,
+    qk_pos_emb_head_dim=4,
+    v_head_dim=6,
+)
+
+
 ACTIVATION_CASES = {
     "gpt-fp32": dict(),
     "gpt-fp32-unfused-loss": dict(cross_entropy_loss_fusion=False),
@@ -231,6 +231,11 @@ ACTIVATION_CASES = {
     "llama-bf16-keyed-dropout": dict(bf16=True, attention_dropout=0.1, position_keyed_attention_dropout=True, **LLAMA),
     "gpt-fp32-unfused-attention-dropout": dict(attention_backend="unfused", attention_dropout=0.1),
     "llama-bf16-unfused-attention": dict(bf16=True, attention_backend="unfused", **LLAMA),
+    "mla-fp32": dict(**MLA),
+    "mla-no-q-lora-fp32": dict(**{**MLA, "q_lora_rank": None}),
+    "mla-bf16": dict(bf16=True, **MLA),
+    "mla-selective": dict(recompute_granularity="selective", **MLA),
+    "mla-mtp2": dict(mtp_num_layers=2, **MLA),
 }
 
 

@@ -85,12 +85,8 @@ def test_strategy_flag(parallel, strategy):
     "parallel,message",
     [
         (
-            {"data_parallel_sharding_strategy": "optim_grads_params", "num_experts": 2},
-            "optim_grads_params with --num-experts is not built yet",
-        ),
-        (
-            {"data_parallel_sharding_strategy": "optim_grads_params", "expert_model_parallel_size": 2},
-            "optim_grads_params with --expert-model-parallel-size 2 is not built yet",
+            {"data_parallel_sharding_strategy": "optim_grads_params", "expert_tensor_parallel_size": 2},
+            "optim_grads_params with --expert-tensor-parallel-size 2 is not built yet",
         ),
         (
             {"data_parallel_sharding_strategy": "optim_grads", "pipeline_model_parallel_size": 2},

@@ -162,7 +162,8 @@ def _validate_expert_tensor_parallel(m: ModelConfig, p: ParallelConfig, t: Train
 def _validate_sharding_strategy(m: ModelConfig, p: ParallelConfig) -> None:
     """``--data-parallel-sharding-strategy`` and ``--use-distributed-optimizer`` made consistent:
     every strategy but ``no_shard`` turns the distributed optimizer on, and the distributed optimizer
-    alone means ``optim``.  ``optim_grads`` and ``optim_grads_params`` are refused where they are not built."""
+    alone means ``optim``.  ``optim_grads`` and ``optim_grads_params`` are refused where they are not built;
+    with MoE, ZeRO-3 keeps the expert weights gathered (:mod:`megalm.distributed.sharded_param_buffer`)."""
     s = p.data_parallel_sharding_strategy
     if s == "no_shard" and p.use_distributed_optimizer:
         p.data_parallel_sharding_strategy = s = "optim"
@@ -172,20 +173,12 @@ def _validate_sharding_strategy(m: ModelConfig, p: ParallelConfig) -> None:
         return
     for flag, size in (
         ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
-        ("--expert-model-parallel-size", p.expert_model_parallel_size),
         ("--expert-tensor-parallel-size", p.expert_tensor_parallel_size or 1),
     ):
         _check(size == 1, f"--data-parallel-sharding-strategy {s} with {flag} {size} is not built yet")
     _check(
         not p.hierarchical_grad_reduce,
         f"--data-parallel-sharding-strategy {s} with --hierarchical-grad-reduce is not built yet",
-    )
-    if s != "optim_grads_params":
-        return
-    _check(
-        m.num_experts is None,
-        "--data-parallel-sharding-strategy optim_grads_params with --num-experts is not built yet (ranks whose "
-        "experts get different tokens could gather in different orders)",
     )
 
 
