@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Collection, List
 
+from megalm.config.data import null_tokenizer_ids
 from megalm.config.sections import ConfigError, MegalmConfig
 
 MODEL_FIELDS = (
@@ -56,7 +57,6 @@ def apply_checkpoint_args(cfg: MegalmConfig, given: Collection[str]) -> List[str
     the command line); returns the ``section.field`` names copied."""
     from megalm.checkpoint_resume import CheckpointError, find_checkpoint
     from megalm.checkpointing import read_common
-    from megalm.tokenizers.null_tokenizer import NullTokenizer
 
     c = cfg.checkpoint
     if not c.load:
@@ -86,6 +86,6 @@ def apply_checkpoint_args(cfg: MegalmConfig, given: Collection[str]) -> List[str
         and saved.model.vocab_size is not None
         and cfg.data.tokenizer_type == "NullTokenizer"
     ):
-        cfg.model.vocab_size = NullTokenizer.ids_for(saved.model.vocab_size)
+        cfg.model.vocab_size = null_tokenizer_ids(saved.model.vocab_size)
         copied.append("model.vocab_size")
     return copied

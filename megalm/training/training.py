@@ -16,6 +16,7 @@ log-line bookkeeping (:class:`IntervalStats`, the reporting rank) in :mod:`megal
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from megalm import checkpointing, parallel_state
 from megalm.async_save import AsyncCheckpointWriter, AsyncSaveError
 from megalm.checkpoint_resume import newest_load_root, non_persistent_dir
-from megalm.config import MegalmConfig, parse_config, set_vocab_size
+from megalm.config import MegalmConfig, parse_config, with_vocab_size
 from megalm.config.validation import step_schedule
 from megalm.device import get_device
 from megalm.distributed.collective_errors import named_collective_failures
@@ -116,6 +117,7 @@ class Trainer:
         self.profiler = StepProfiler(cfg.logging, dist.get_rank())
         self.async_writer = AsyncCheckpointWriter() if cfg.checkpoint.async_save else None
         self.tokenizer = self._build_tokenizer()
+        cfg = self.cfg  # with the tokenizer's vocabulary size
         self.timers("model-and-optimizer-setup").start()
         chunks = build_model_chunks(cfg, self.model_provider)
         self.model = wrap_data_parallel(cfg, chunks)
@@ -125,9 +127,8 @@ class Trainer:
         t = cfg.training
         self.microbatches = self._microbatch_calculator()
         self.train_iters = self._train_iters()
-        if cfg.training.train_iters is None:  # --train-samples: the data builders size the splits from it
-            cfg.training.train_iters = self.train_iters
-        self.outer_sync = build_outer_sync(cfg, self.optimizer, self.groups)  # after train_iters is known
+        # After train_iters is known (counted here under --train-samples; the config is not changed).
+        self.outer_sync = build_outer_sync(cfg, self.optimizer, self.groups, last_iteration=self.train_iters)
         self._validate_data()  # before any output (metrics file, checkpoints) is created
         # Before the RNG state is restored: the CPU peak measurement draws random matrices.
         self.peak_flops, self.peak_source = self._device_peak()
@@ -227,15 +228,16 @@ class Trainer:
     def _build_tokenizer(self):
         from megalm.tokenizers import build_tokenizer
 
-        cfg = self.cfg
+        cfg, data_fields = self.cfg, {}
         if cfg.data.tokenizer_type is None:
             if cfg.model.vocab_size is None:
                 raise TrainingSetupError(
                     "give --tokenizer-type (and --tokenizer-model), or --vocab-size for --mock-data"
                 )
-            cfg.data.tokenizer_type = "NullTokenizer"
-        tokenizer = build_tokenizer(cfg.data, cfg.model)
-        set_vocab_size(cfg, tokenizer.vocab_size)
+            data_fields["tokenizer_type"] = "NullTokenizer"
+        tokenizer = build_tokenizer(dataclasses.replace(cfg.data, **data_fields), cfg.model)
+        # The validated config is frozen: the run goes on with a copy holding the tokenizer's vocabulary.
+        self.cfg = with_vocab_size(cfg, tokenizer.vocab_size, **data_fields)
         return tokenizer
 
     def _microbatch_calculator(self) -> MicrobatchCalculator:
@@ -266,16 +268,20 @@ class Trainer:
 
     def _validate_data(self) -> None:
         """Every data prefix exists, is intact and holds only ids below the vocabulary (collective)."""
-        from megalm.data.builder import validate_data
+        from megalm.data.builder import get_train_valid_test_num_samples, validate_data
 
-        validate_data(self.cfg, self.tokenizer)
+        validate_data(self.cfg, self.tokenizer, get_train_valid_test_num_samples(self.cfg, self.train_iters))
 
     def _build_data(self) -> None:
         from megalm.data import build_train_valid_test_data_iterators
 
         cfg = self.cfg
         iterators = build_train_valid_test_data_iterators(
-            cfg, self.tokenizer, self.state.consumed_train_samples, self.state.consumed_valid_samples
+            cfg,
+            self.tokenizer,
+            self.state.consumed_train_samples,
+            self.state.consumed_valid_samples,
+            train_iters=self.train_iters,
         )
         self.data_iterators = iterators
         self.train_iter, self.valid_iter, self.test_iter = iterators
