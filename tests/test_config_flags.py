@@ -118,7 +118,7 @@ def test_megatron_no_op_flags_warn_naming_the_flag(flag, capsys):
     with megalm_logs("stderr"):
         validate_config(config_from_args(build_parser().parse_args(BASE + NO_OP_ARGV.get(flag, [flag]))))
     err = capsys.readouterr().err
-    assert f"[megalm] Megatron-LM flags with no effect in megalm: {flag} ({MEGATRON_NO_OPS[flag]})" in err
+    assert f"[megalm] WARNING: Megatron-LM flags with no effect in megalm: {flag} ({MEGATRON_NO_OPS[flag]})" in err
     assert err.count("no effect") == 1
 
 

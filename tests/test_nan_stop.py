@@ -73,7 +73,7 @@ def _run_all(runs):
 
     class Capture(logging.Handler):
         def emit(self, record):
-            seen.append(record.getMessage())
+            seen.append(f"{record.levelname}: {record.getMessage()}")
 
     logging.getLogger("megalm.training.loss_checks").addHandler(Capture())
     out = []
@@ -227,7 +227,7 @@ def test_spiky_loss_warns_on_the_spike_only(runs):
     assert _codes(runs, "spike") == [0, 0]
     rank0, rank1 = (w for _, w in runs["out"]["spike"])
     assert rank0 == []  # warned once, on the last rank
-    assert len(rank1) == 1 and rank1[0].startswith("warning: spiky loss at iteration 4: lm loss "), rank1
+    assert len(rank1) == 1 and rank1[0].startswith("WARNING: spiky loss at iteration 4: lm loss "), rank1
     assert "> 10 x the running mean" in rank1[0] and "previous 3 iteration(s)" in rank1[0]
     loss = {r["iteration"]: r["lm_loss"] for r in records(runs["tmp"], "spike")}
     assert loss[4] > 10 * (loss[1] + loss[2] + loss[3]) / 3

@@ -173,8 +173,8 @@ class Trainer:
         dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
         if get_device().type == "cpu" and not cpu_has_native_half(dtype):
             flag = "--bf16" if t.bf16 else "--fp16"
-            logger.info(
-                f"warning: this CPU has no native {flag[2:]} matrix instructions (oneDNN reports "
+            logger.warning(
+                f"this CPU has no native {flag[2:]} matrix instructions (oneDNN reports "
                 f"none): {flag} matmuls run orders of magnitude slower than fp32 here; drop {flag} to train "
                 f"in fp32"
             )
@@ -206,8 +206,8 @@ class Trainer:
         except checkpointing.CheckpointError as e:
             raise TrainingSetupError(str(e)) from None
         if c.load and not self.resume:
-            logger.info(
-                f"warning: no checkpoint in --load {c.load} yet: training starts from scratch "
+            logger.warning(
+                f"no checkpoint in --load {c.load} yet: training starts from scratch "
                 f"(--exit-on-missing-checkpoint makes this an error)"
             )
         try:
@@ -350,7 +350,7 @@ class Trainer:
         self.saved_at = None
         note = self.profiler.note_on_resume(state.iteration)
         if note:
-            logger.warning(f"warning: {note}")
+            logger.warning(note)
         self.watchdog = self._hang_watchdog()
         try:
             while state.iteration < self.train_iters:
