@@ -29,6 +29,7 @@ def validate_cross(cfg, world_size: Optional[int]) -> None:
     """Every check that reads two sections; sets the derived values that need them."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
     _validate_model_split(m, p)
+    _validate_mtp(m, p)
     vpp = _validate_pipeline(m, p)
     _validate_context_parallel(m, p)
     _check_sharding_with_experts(m, p)
@@ -63,6 +64,23 @@ def _validate_model_split(m, p) -> None:
     check(
         m.ffn_hidden_size % tp == 0,
         f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}",
+    )
+
+
+def _validate_mtp(m, p) -> None:
+    """--mtp-num-layers: not under context parallelism (its roll of the tokens would cross the CP chunks);
+    pipelined only with RoPE (the last stage's embedding copy has no position table)."""
+    if m.mtp_num_layers is None:
+        return
+    check(
+        p.context_parallel_size == 1,
+        f"--mtp-num-layers is not supported with --context-parallel-size {p.context_parallel_size} (the shift "
+        f"of the tokens by one position would cross the context-parallel chunks)",
+    )
+    check(
+        p.pipeline_model_parallel_size == 1 or m.position_embedding_type != "learned_absolute",
+        "--mtp-num-layers with --pipeline-model-parallel-size > 1 needs --position-embedding-type rope or none "
+        "(the last stage embeds its tokens with a copy of the word embedding only)",
     )
 
 

@@ -61,6 +61,43 @@ class ModelConfig(Section):
         False, "Normalize each query and key head (--normalization over the head dimension) before RoPE."
     )
     add_qkv_bias: bool = _f(False, "Give the QKV projection a bias even with --disable-bias-linear (Qwen-style).")
+    multi_latent_attention: bool = _f(
+        False,
+        "Multi-latent attention (DeepSeek-V2/V3): queries and keys/values through low-rank latents "
+        "(--q-lora-rank, --kv-lora-rank), per-head dims --qk-head-dim + --qk-pos-emb-head-dim (RoPE part) "
+        "and --v-head-dim; --qk-layernorm normalizes the latents.",
+    )
+    q_lora_rank: Optional[int] = _f(
+        None, "MLA: rank of the query latent (unset: queries projected directly from the hidden state)."
+    )
+    kv_lora_rank: int = _f(32, "MLA: rank of the key/value latent (what the KV cache stores).")
+    qk_head_dim: int = _f(128, "MLA: per-head query/key dimension without position embedding.")
+    qk_pos_emb_head_dim: int = _f(64, "MLA: per-head query/key dimension carrying RoPE (the key part is shared).")
+    v_head_dim: int = _f(128, "MLA: per-head value dimension.")
+    mtp_num_layers: Optional[int] = _f(
+        None,
+        "Multi-token prediction depths (DeepSeek-V3): depth k predicts the token k+1 ahead from the previous "
+        "depth's hidden state and the embedding of the token k ahead (shared embedding and output layer).",
+    )
+    mtp_loss_scaling_factor: float = _f(
+        0.1, "Weight of the multi-token prediction losses: factor / --mtp-num-layers times their sum is trained."
+    )
+    rope_type: Optional[str] = _f(
+        None,
+        "RoPE variant: rope (plain) or yarn (YaRN frequency scaling, see --rotary-scaling-factor); "
+        "default rope, yarn with --multi-latent-attention (Megatron's MLA default).",
+        choices=["rope", "yarn"],
+    )
+    rotary_scaling_factor: float = _f(1.0, "YaRN: context extension factor (1: no scaling).")
+    original_max_position_embeddings: Optional[int] = _f(
+        None, "YaRN: the context length the model was trained with before extension (default 4096)."
+    )
+    beta_fast: float = _f(32.0, "YaRN: fast rotation count bounding the extrapolated frequencies.")
+    beta_slow: float = _f(1.0, "YaRN: slow rotation count bounding the interpolated frequencies.")
+    mscale: float = _f(1.0, "YaRN: attention temperature multiplier of the rotary tables (cos/sin).")
+    mscale_all_dim: float = _f(
+        0.0, "YaRN: temperature of all dims: divides the tables' mscale and squares into the softmax scale (0: off)."
+    )
     hidden_dropout: float = _f(0.1, "Dropout probability after attention and MLP outputs.")
     attention_dropout: float = _f(0.1, "Dropout probability on attention weights.")
     position_keyed_attention_dropout: bool = _f(
@@ -264,6 +301,9 @@ class ModelConfig(Section):
         ):
             check(value > 0, f"--{name.replace('_', '-')} must be positive, got {value}")
         self._validate_heads()
+        self._validate_mla()
+        if self.mtp_num_layers is not None:
+            check(self.mtp_num_layers >= 1, f"--mtp-num-layers must be >= 1, got {self.mtp_num_layers}")
         if not self.add_position_embedding and self.position_embedding_type == "learned_absolute":
             self.position_embedding_type = "none"  # Megatron's --no-position-embedding
         if self.recompute_activations:
@@ -279,7 +319,7 @@ class ModelConfig(Section):
             not (self.openai_gelu and self.swiglu),
             "--openai-gelu selects the GELU of a GELU MLP; with --swiglu the MLP has no GELU: drop one of them",
         )
-        if self.position_embedding_type == "rope":
+        if self.position_embedding_type == "rope" and not self.multi_latent_attention:
             rot = int(self.head_dim * self.rotary_percent)
             check(
                 rot % 2 == 0 and rot > 0,
@@ -306,7 +346,7 @@ class ModelConfig(Section):
 
     def _validate_heads(self) -> None:
         """Attention heads and query groups (their split over tensor-parallel ranks: cross-section)."""
-        if self.kv_channels is None:
+        if self.kv_channels is None and not self.multi_latent_attention:
             check(
                 self.hidden_size % self.num_attention_heads == 0,
                 f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
@@ -323,6 +363,37 @@ class ModelConfig(Section):
             self.num_attention_heads % self.num_query_groups == 0,
             f"--num-attention-heads {self.num_attention_heads} is not divisible by --num-query-groups "
             f"{self.num_query_groups}",
+        )
+
+    def _validate_mla(self) -> None:
+        """--multi-latent-attention's sizes, and --rope-type's default (yarn under MLA, as Megatron's MLA config)."""
+        if self.rope_type is None:
+            self.rope_type = "yarn" if self.multi_latent_attention else "rope"
+        check(
+            self.rotary_scaling_factor >= 1.0,
+            f"--rotary-scaling-factor must be >= 1, got {self.rotary_scaling_factor}",
+        )
+        if not self.multi_latent_attention:
+            return
+        check(
+            self.position_embedding_type == "rope",
+            f"--multi-latent-attention needs --position-embedding-type rope (got {self.position_embedding_type})",
+        )
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            check(value > 0, f"--{name.replace('_', '-')} must be positive with --multi-latent-attention, got {value}")
+        check(
+            self.q_lora_rank is None or self.q_lora_rank > 0,
+            f"--q-lora-rank must be positive (or unset) with --multi-latent-attention, got {self.q_lora_rank}",
+        )
+        check(
+            self.qk_pos_emb_head_dim % 2 == 0,
+            f"--qk-pos-emb-head-dim {self.qk_pos_emb_head_dim} must be even (it carries RoPE)",
+        )
+        check(
+            not self.group_query_attention,
+            "--group-query-attention does not apply to --multi-latent-attention (keys and values come from one "
+            "latent per position, expanded to every head): drop it",
         )
 
     def _validate_recompute(self) -> None:
