@@ -43,6 +43,7 @@ LAYERS: List[Tuple[str, List[str]]] = [
     ("tools", ["presets", "conversion"]),
     ("applications", ["estimate", "inference"]),
     ("entry points", ["training", "launch"]),
+    ("commands", ["cli"]),
 ]
 
 # unit -> the module prefixes it holds (default: the unit's own name).  The checkpoint modules are one
@@ -62,9 +63,6 @@ UNITS: Dict[str, List[str]] = {
 # coordinator deletes each entry when the branch named lands; nothing else belongs here.
 # (importing module, imported unit) -> branch removing it
 ALLOWED_BREAKS: Dict[Tuple[str, str], str] = {
-    # config validates itself per section (branch `config`): no reach into the data and training code
-    ("megalm.config.validation", "data"): "config",
-    ("megalm.config.validation", "training"): "config",
     # checkpoint errors and state registered by whoever builds local SGD (branch `ckpt-pkg`)
     ("megalm.distributed.local_sgd", "checkpoint"): "ckpt-pkg",
 }

@@ -21,7 +21,7 @@ from megalm.errors import MegalmError
 from megalm.launch.cluster import ClusterOptions, run_cluster
 from megalm.log import get_logger, setup_logging
 
-logger = get_logger("tools.cluster")
+logger = get_logger(__name__)
 
 
 class Interrupted(KeyboardInterrupt):

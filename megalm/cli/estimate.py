@@ -18,5 +18,5 @@ def main(argv=None) -> int:
     except TrainingStopped as e:  # --help
         return e.exit_code
     except MegalmError as e:
-        get_logger("tools.estimate").error("error: %s", e)
+        get_logger(__name__).error("error: %s", e)
         return 2

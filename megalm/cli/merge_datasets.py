@@ -13,7 +13,7 @@ import os
 from megalm.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError, dataset_exists
 from megalm.log import get_logger, setup_logging
 
-logger = get_logger("tools.merge_datasets")
+logger = get_logger(__name__)
 
 
 def get_args(argv=None) -> argparse.Namespace:

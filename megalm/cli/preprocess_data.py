@@ -24,7 +24,7 @@ from megalm.data.preprocess import PreprocessError, PreprocessOptions, preproces
 from megalm.log import get_logger, setup_logging
 from megalm.tokenizers.build import TOKENIZER_TYPES
 
-logger = get_logger("tools.preprocess_data")
+logger = get_logger(__name__)
 
 
 def get_args(argv=None) -> argparse.Namespace:

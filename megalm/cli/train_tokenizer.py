@@ -22,7 +22,7 @@ from typing import Iterator, List
 from megalm.data import text_sources as ts
 from megalm.log import get_logger, setup_logging
 
-logger = get_logger("tools.train_tokenizer")
+logger = get_logger(__name__)
 
 
 def get_args(argv=None) -> argparse.Namespace:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Collection, List
 
-from megalm.config.data import null_tokenizer_ids
 from megalm.config.sections import ConfigError, MegalmConfig
 
 MODEL_FIELDS = (
@@ -58,6 +57,7 @@ def apply_checkpoint_args(cfg: MegalmConfig, given: Collection[str]) -> List[str
     from megalm.checkpoint.common_json import read_common
     from megalm.checkpoint.errors import CheckpointError
     from megalm.checkpoint.resume import find_checkpoint
+    from megalm.tokenizers.null_tokenizer import NullTokenizer
 
     c = cfg.checkpoint
     if not c.load:
@@ -87,6 +87,6 @@ def apply_checkpoint_args(cfg: MegalmConfig, given: Collection[str]) -> List[str
         and saved.model.vocab_size is not None
         and cfg.data.tokenizer_type == "NullTokenizer"
     ):
-        cfg.model.vocab_size = null_tokenizer_ids(saved.model.vocab_size)
+        cfg.model.vocab_size = NullTokenizer.ids_for(saved.model.vocab_size)
         copied.append("model.vocab_size")
     return copied

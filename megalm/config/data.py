@@ -1,37 +1,16 @@
-"""``DataConfig``: where samples come from, how they are split and tokenized; the table of the
-flags each ``--tokenizer-type`` needs and the ``--split`` parser (both used by the data and
-tokenizer packages, which check files; this section checks flags)."""
+"""``DataConfig``: where samples come from, how they are split and tokenized, and the ``--split``
+parser (the data package's too: it checks the files, this section the flag).  The flags each
+``--tokenizer-type`` needs are the tokenizers' table (a lower layer)."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional
 
 from megalm.config.fields import ConfigError, Section, check
 from megalm.config.fields import flag_field as _f
-
-# --tokenizer-type -> the (argument, flag) pairs it needs.
-TOKENIZER_FLAGS: Dict[str, Tuple[Tuple[str, str], ...]] = {
-    "GPT2BPETokenizer": (("vocab_file", "--vocab-file"), ("merge_file", "--merge-file")),
-    "SentencePieceTokenizer": (("tokenizer_model", "--tokenizer-model"),),
-    "GPTSentencePieceTokenizer": (("tokenizer_model", "--tokenizer-model"),),
-    "Llama2Tokenizer": (("tokenizer_model", "--tokenizer-model"),),
-    "HuggingFaceTokenizer": (("tokenizer_model", "--tokenizer-model"),),
-    "NullTokenizer": (("vocab_size", "--vocab-size"),),
-}
-TOKENIZER_TYPES = tuple(TOKENIZER_FLAGS)
-
-
-def missing_tokenizer_flags(tokenizer_type: str, **given) -> List[str]:
-    """The flags ``tokenizer_type`` needs that are None in ``given`` (keyword = argument name)."""
-    return [flag for arg, flag in TOKENIZER_FLAGS.get(tokenizer_type, ()) if given.get(arg) is None]
-
-
-def null_tokenizer_ids(tokenizer_vocab_size: int) -> int:
-    """The ``--vocab-size`` whose NullTokenizer reports ``tokenizer_vocab_size`` (what a checkpoint's
-    config records): NullTokenizer adds the end-of-document id after the ``--vocab-size`` ids."""
-    return int(tokenizer_vocab_size) - 1
+from megalm.tokenizers.build import TOKENIZER_TYPES, missing_tokenizer_flags  # noqa: F401 (cross.py)
 
 
 def split_fractions(split: str, error=ConfigError) -> List[float]:

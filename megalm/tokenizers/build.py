@@ -7,13 +7,21 @@ Missing flags, missing files and files that do not load raise :class:`TokenizerE
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Dict, List, Optional, Tuple
 
-from megalm.config.data import TOKENIZER_FLAGS as _NEEDS  # the flags each type needs: the config's table
-from megalm.config.data import TOKENIZER_TYPES, missing_tokenizer_flags  # noqa: F401 (re-exported)
 from megalm.errors import MegalmError
 from megalm.tokenizers.base import Tokenizer
 
+# --tokenizer-type -> the (argument, flag) pairs it needs.
+_NEEDS: Dict[str, Tuple[Tuple[str, str], ...]] = {
+    "GPT2BPETokenizer": (("vocab_file", "--vocab-file"), ("merge_file", "--merge-file")),
+    "SentencePieceTokenizer": (("tokenizer_model", "--tokenizer-model"),),
+    "GPTSentencePieceTokenizer": (("tokenizer_model", "--tokenizer-model"),),
+    "Llama2Tokenizer": (("tokenizer_model", "--tokenizer-model"),),
+    "HuggingFaceTokenizer": (("tokenizer_model", "--tokenizer-model"),),
+    "NullTokenizer": (("vocab_size", "--vocab-size"),),
+}
+TOKENIZER_TYPES = tuple(_NEEDS)
 # Types whose --tokenizer-model is a sentencepiece .model file.
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 
@@ -45,6 +53,11 @@ def _check_files(tokenizer_type: str, **given) -> None:
 def _one_line(error: Exception) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return lines[0] if lines else type(error).__name__
+
+
+def missing_tokenizer_flags(tokenizer_type: str, **given) -> List[str]:
+    """The flags ``tokenizer_type`` needs that are None in ``given`` (keyword = argument name)."""
+    return [flag for arg, flag in _NEEDS.get(tokenizer_type, ()) if given.get(arg) is None]
 
 
 def create_tokenizer(

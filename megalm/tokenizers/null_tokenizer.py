@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import List, Sequence
 
-from megalm.config.data import null_tokenizer_ids
 from megalm.tokenizers.base import Tokenizer
 
 
@@ -22,7 +21,7 @@ class NullTokenizer(Tokenizer):
     def ids_for(tokenizer_vocab_size: int) -> int:
         """The ``--vocab-size`` whose tokenizer has ``vocab_size == tokenizer_vocab_size`` (the
         value a checkpoint's config records)."""
-        return null_tokenizer_ids(tokenizer_vocab_size)
+        return int(tokenizer_vocab_size) - 1
 
     @property
     def vocab_size(self) -> int:
