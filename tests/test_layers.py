@@ -28,8 +28,8 @@ ROOT = os.path.join(REPO, "megalm")
 # or several modules that form one idea).  The picture with the reasons: docs/layering.md.
 LAYERS: List[Tuple[str, List[str]]] = [
     ("base", ["errors", "log"]),
-    ("leaves", ["device", "parallel_layout", "parameter_names", "safe_unpickle", "tokenizers"]),
-    ("runtime", ["timers", "host_transfer", "topology", "parallel_state", "fusions", "dist_checkpointing"]),
+    ("leaves", ["device", "parallel_layout", "parameter_names", "tokenizers"]),
+    ("runtime", ["timers", "host_transfer", "topology", "parallel_state", "fusions"]),
     ("parallel primitives", ["tensor_parallel", "pipeline_parallel"]),
     ("parameter layout", ["param_layout"]),
     ("gradient reduction", ["distributed"]),
@@ -46,18 +46,8 @@ LAYERS: List[Tuple[str, List[str]]] = [
     ("commands", ["cli"]),
 ]
 
-# unit -> the module prefixes it holds (default: the unit's own name).  The checkpoint modules are one
-# unit today as top-level modules and, once moved, as the package megalm/checkpoint/.
-UNITS: Dict[str, List[str]] = {
-    "checkpoint": [
-        "megalm.checkpoint",
-        "megalm.checkpointing",
-        "megalm.checkpoint_resume",
-        "megalm.checkpoint_manifest",
-        "megalm.checkpoint_io_errors",
-        "megalm.async_save",
-    ],
-}
+# unit -> the module prefixes it holds (default: the unit's own name).
+UNITS: Dict[str, List[str]] = {}
 
 # TEMPORARY: imports that break the map and are being removed on other branches of issue #30.  The
 # coordinator deletes each entry when the branch named lands; nothing else belongs here.

@@ -31,6 +31,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Tuple
 import torch
 
 from megalm.conversion.errors import ConversionError
+from megalm.conversion.mla_shapes import mla_attention_shapes, mla_norm_shapes
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
@@ -170,8 +171,6 @@ def checkpoint_shapes(m) -> Dict[str, tuple]:
     attention = {"self_attention.linear_qkv": ((n + 2 * groups) * d, h), "self_attention.linear_proj": (h, n * d)}
     mla_norms = {}
     if m.multi_latent_attention:
-        from megalm.conversion.deepseek_v3 import mla_attention_shapes, mla_norm_shapes
-
         attention, mla_norms = mla_attention_shapes(m), mla_norm_shapes(m)
     dense = {"mlp.linear_fc1": (2, f, h) if m.swiglu else (f, h), "mlp.linear_fc2": (h, f)}
     moe = {}
