@@ -23,6 +23,7 @@ SHIMS = {
     "megalm-generate": "tools/generate.py",
     "megalm-estimate": "tools/estimate.py",
     "megalm-cluster": "tools/cluster/run.py",
+    "megalm-plan": "tools/plan.py",
     "megalm-presets": "tools/presets.py",
 }
 

@@ -13,6 +13,7 @@ console script              module                                 script
 ``megalm-generate``         :mod:`megalm.cli.generate`             tools/generate.py
 ``megalm-estimate``         :mod:`megalm.cli.estimate`             tools/estimate.py
 ``megalm-cluster``          :mod:`megalm.cli.cluster`              tools/cluster/run.py
+``megalm-plan``             :mod:`megalm.cli.plan`                 tools/plan.py
 ``megalm-presets``          :mod:`megalm.presets.cli`              tools/presets.py
 ==========================  =====================================  ===========================
 """
@@ -27,5 +28,6 @@ COMMANDS = {
     "megalm-generate": "megalm.cli.generate:main",
     "megalm-estimate": "megalm.cli.estimate:main",
     "megalm-cluster": "megalm.cli.cluster:main",
+    "megalm-plan": "megalm.cli.plan:main",
     "megalm-presets": "megalm.presets.cli:main",
 }
