@@ -34,6 +34,8 @@ import os
 import sys
 from typing import List
 
+from megalm.inference.generation import GenerationError
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -119,17 +121,17 @@ def setup_layout(args):
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if args.context_parallel_size != 1:
-        raise ValueError(
+        raise GenerationError(
             f"--context-parallel-size {args.context_parallel_size}: generation does not support context "
             f"parallelism; use 1 (the checkpoint loads whatever CP size trained it)"
         )
     if tp < 1 or pp < 1:
-        raise ValueError(
+        raise GenerationError(
             f"--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1, got {tp} and {pp}"
         )
     world = _world_size()
     if world % (tp * pp):
-        raise ValueError(
+        raise GenerationError(
             f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} needs {tp * pp} "
             f"processes (or a multiple: data-parallel replicas), this run has {world} "
             f"(launch with torchrun --nproc-per-node {tp * pp})"
@@ -144,7 +146,7 @@ def setup_layout(args):
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_pipeline_model_parallel_world_size(),
         ) != (tp, pp):
-            raise ValueError("megalm.parallel_state is already initialized with another layout")
+            raise GenerationError("megalm.parallel_state is already initialized with another layout")
         return False, created_group
     parallel_state.initialize_model_parallel(tp, pp, timeout=timeout)
     return True, created_group
@@ -166,11 +168,11 @@ def run(args) -> List[dict]:
 
     prompts = read_prompts(args)
     if not prompts:
-        raise ValueError("no prompts: pass --prompt TEXT and/or --prompt-file FILE")
+        raise GenerationError("no prompts: pass --prompt TEXT and/or --prompt-file FILE")
     if args.max_new_tokens < 0:
-        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+        raise GenerationError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+        raise GenerationError(f"--batch-size must be >= 1, got {args.batch_size}")
     params = SamplingParams(args.temperature, args.top_k, args.top_p).validate()
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     created, created_group = setup_layout(args)
@@ -188,7 +190,7 @@ def run(args) -> List[dict]:
         ids = [tokenizer.tokenize(prompt) for prompt in prompts]
         for prompt, prompt_ids in zip(prompts, ids):
             if not prompt_ids:
-                raise ValueError(f"the prompt {prompt!r} is empty (no tokens)")
+                raise GenerationError(f"the prompt {prompt!r} is empty (no tokens)")
         # Data-parallel replicas (world > TP x PP) take every dp-th prompt; seeds follow the prompt's index.
         dp, replica = 1, 0
         if parallel_state.model_parallel_is_initialized():
