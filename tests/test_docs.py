@@ -89,7 +89,8 @@ def _parser_flags() -> dict:
 def _repo_flags(repo: Path) -> set:
     """Flags the repository's own tools define or pass (quoted in Python sources, written in shell scripts)."""
     out = set()
-    for path in [*repo.glob("tools/**/*.py"), *repo.glob("bench/*.py"), *repo.glob("examples/*")]:
+    tools = [*repo.glob("tools/**/*.py"), *repo.glob("megalm/cli/*.py")]  # the tools' code: megalm/cli/
+    for path in [*tools, *repo.glob("bench/*.py"), *repo.glob("examples/*")]:
         out.update(re.findall(r"""["'](--[a-z][a-z0-9_-]*)["']""", path.read_text(encoding="utf-8")))
     for path in [*repo.glob("scripts/**/*.sh"), *repo.glob("scripts/**/*.sbatch"), *repo.glob("bench/*.sh")]:
         out.update(FLAG.findall(path.read_text(encoding="utf-8")))
