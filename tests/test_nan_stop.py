@@ -7,6 +7,7 @@ and goes on; fp16 stops after --max-overflows-at-min-loss-scale overflows at the
 --check-for-spiky-loss warns (or stops) on an injected spike and stays quiet otherwise.
 """
 
+import copy
 import logging
 import math
 import os
@@ -275,6 +276,7 @@ def test_bad_values_are_refused(field, value, message):
     from megalm.config.validation import validate_config
 
     cfg = parse_config(TINY + ["--lr", "1e-3", "--train-iters", "4", "--check-for-spiky-loss"], world_size=1)
+    cfg = copy.deepcopy(cfg)  # an editable copy: the validated config is frozen
     setattr(cfg.training, field, value)
     with pytest.raises(ConfigError, match=message):
         validate_config(cfg, world_size=1)
