@@ -12,6 +12,7 @@ from typing import Optional
 from megalm.config.cross import pad_vocab_size, step_schedule, validate_cross
 from megalm.config.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES, lr_schedule_samples
 from megalm.config.megatron_compat import NO_EFFECT, given_no_effect_flags
+from megalm.config.model import RECOMPUTE_MODULES
 from megalm.config.moe import validate_moe_routing_recipes as _validate_moe_routing_recipes
 from megalm.config.sections import MegalmConfig
 from megalm.log import get_logger
@@ -19,6 +20,7 @@ from megalm.log import get_logger
 __all__ = [
     "DECAY_STYLES",
     "MEGATRON_NO_OPS",
+    "RECOMPUTE_MODULES",
     "WSD_DECAY_STYLES",
     "lr_schedule_samples",
     "pad_vocab_size",
