@@ -21,6 +21,7 @@ BARE = ("ValueError", "RuntimeError", "KeyError")
 
 # file -> (number of bare raises, why no user input reaches them)
 ALLOWED: Dict[str, Tuple[int, str]] = {
+    "megalm/checkpoint/stateful.py": (2, "state names are registered by the code that builds each component"),
     "megalm/checkpoint/dcp_io.py": (1, "load targets are the model's own tensors (contiguous by construction)"),
     "megalm/config/cli.py": (1, "an argparse type function: argparse turns its ValueError into a usage error"),
     "megalm/conversion/hf_files.py": (2, "writer API: shard size is a constant, names come from the mapping"),

@@ -110,6 +110,7 @@ NO_OP_ARGV = {
     "--distributed-backend": ["--distributed-backend", "gloo"],
     "--ckpt-format": ["--ckpt-format", "torch_dist"],
     "--tiktoken-pattern": ["--tiktoken-pattern", "v2"],
+    "--moe-flex-dispatcher-backend": ["--moe-flex-dispatcher-backend", "deepep"],
 }
 
 
