@@ -19,6 +19,8 @@ host memory after their forward and come back, prefetched one layer ahead, befor
 Training runs (DP 2, TP 2 x DP 2) are in tests/test_sharding_strategy_training.py.
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -35,7 +37,7 @@ CASES = {"gpt-fp32": (GPT, torch.float32), "llama-bf16": (LLAMA, torch.bfloat16)
 
 
 def _model(model_kw, dtype, offload_layers=0):
-    cfg = make_cfg(num_layers=3, **model_kw)
+    cfg = copy.deepcopy(make_cfg(num_layers=3, **model_kw))  # editable: the validated config is frozen
     cfg.model.cpu_offloading, cfg.model.cpu_offloading_num_layers = offload_layers > 0, offload_layers
     validate_config(cfg, world_size=1)
     torch.manual_seed(0)
@@ -177,7 +179,7 @@ def test_microbatches_in_flight_keep_their_own_copies_and_eval_moves_nothing():
     ],
 )
 def test_unsupported_combinations_are_refused(settings, message):
-    cfg = make_cfg(num_layers=3)
+    cfg = copy.deepcopy(make_cfg(num_layers=3))  # editable: the validated config is frozen
     cfg.model.cpu_offloading, cfg.model.cpu_offloading_num_layers = True, 1
     for key, value in settings.items():
         section = next(s for s in (cfg.model, cfg.parallel, cfg.training) if hasattr(s, key))

@@ -261,7 +261,7 @@ def test_checkpoint_without_manifest_loads_with_a_warning(tmp_path, capsys):
     model = GPTModel(cfg, process_groups=get_process_groups())
     with megalm_logs("stderr"):
         load_checkpoint(str(tmp_path), [model], finetune=True)
-    assert f"warning: checkpoint {it} has no manifest.json" in capsys.readouterr().err
+    assert f"WARNING: checkpoint {it} has no manifest.json" in capsys.readouterr().err
     for (name, a), b in zip(saved.named_parameters(), model.parameters()):
         assert torch.equal(a, b), name
     # Rank manifests without the index: the save never completed.

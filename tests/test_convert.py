@@ -5,6 +5,7 @@ the logits by far more than the tolerance): megalm models saved with megalm.chec
 transformers models built from a config in this process (no downloads).
 """
 
+import copy
 import json
 import os
 import runpy
@@ -199,7 +200,7 @@ def test_mixed_precision_export_reads_fp32_main_params(tmp_path):
     from megalm.models import GPTModel
     from megalm.optimizer import build_optimizer
 
-    cfg = make_cfg(**LLAMA)
+    cfg = copy.deepcopy(make_cfg(**LLAMA))  # an editable copy: the validated config is frozen
     cfg.training.bf16 = True
     model = GPTModel(cfg, process_groups=get_process_groups()).to(torch.bfloat16)
     optimizer = build_optimizer(cfg, [model], process_groups=get_process_groups())
@@ -342,7 +343,7 @@ def test_gpt2_bpe_tokenizer_through_both_conversions(tmp_path):
 
     vocab_file, merge_file = make_gpt2_files(tmp_path)
     tok = GPT2BPETokenizer(vocab_file, merge_file)
-    cfg = tiny_cfg(tok.vocab_size, **GPT2)
+    cfg = copy.deepcopy(tiny_cfg(tok.vocab_size, **GPT2))  # an editable copy: the validated config is frozen
     cfg.data.tokenizer_type, cfg.data.vocab_file, cfg.data.merge_file = "GPT2BPETokenizer", vocab_file, merge_file
     save_random_model(cfg, tmp_path / "ckpt")
     convert = runpy.run_path(str(REPO / "tools" / "checkpoint" / "convert.py"))

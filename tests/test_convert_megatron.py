@@ -9,6 +9,7 @@ stage, numpy RNG state).  The imported checkpoint's model must give the original
 """
 
 import argparse
+import copy
 import enum
 import io
 import json
@@ -72,7 +73,7 @@ def megatron_enum_module(monkeypatch):
 
 
 def random_model(arch: str):
-    cfg = tiny_cfg(VOCAB, **(GPT if arch == "gpt" else LLAMA))
+    cfg = copy.deepcopy(tiny_cfg(VOCAB, **(GPT if arch == "gpt" else LLAMA)))  # editable copy (frozen once validated)
     cfg.model.num_layers = 4
     cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.0
     torch.manual_seed(0)

@@ -10,6 +10,7 @@ holding each EP rank's experts in SequentialMLP's (``local_experts.{j}.``), TEGr
 layers mixed in both.  The imported model must give the original logits.
 """
 
+import copy
 import dataclasses
 import json
 import os
@@ -51,7 +52,9 @@ MOE = dict(
 
 
 def moe_model(layer_freq):
-    cfg = tiny_cfg(VOCAB, **dict(MOE, moe_layer_freq=layer_freq))
+    cfg = copy.deepcopy(
+        tiny_cfg(VOCAB, **dict(MOE, moe_layer_freq=layer_freq))
+    )  # editable copy (frozen once validated)
     cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.0
     torch.manual_seed(0)
     model = GPTModel(cfg, fusion_plan=EAGER, process_groups=get_process_groups())

@@ -10,6 +10,7 @@
   passing the preset's flags by hand plans, and an unknown name is an error listing the names.
 """
 
+import copy
 import dataclasses
 import json
 import os
@@ -103,7 +104,7 @@ def test_parameter_and_state_bytes_equal_measured(bf16, arch):
 def test_layerwise_optimizer_state_bytes_equal_measured(optimizer, bf16, arch):
     """LAMB: two moments; LARS: a momentum buffer; Lion: one moment; Muon: a momentum buffer for the linear
     layers' matrices, AdamW's two moments for the rest (embeddings, output layer, norms, biases)."""
-    cfg = make_cfg(bf16=bf16, **arch)
+    cfg = copy.deepcopy(make_cfg(bf16=bf16, **arch))  # a copy: the validated config is frozen
     cfg.training.optimizer = optimizer
     predicted = plan(cfg, PlannerOptions(world_size=1))["stages"][0]
     assert predicted["optimizer"] == measured_state_bytes(cfg)["optimizer"]
@@ -247,6 +248,7 @@ def test_expert_tensor_parallel_parameters_equal_the_split_experts():
 
     cfg = make_cfg(num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2, **LLAMA)
     whole = stage_parameters(cfg, 0).expert
+    cfg = copy.deepcopy(cfg)  # a copy: the validated config is frozen
     cfg.parallel.expert_tensor_parallel_size, cfg.parallel.data_parallel_size = 2, 4
     shard = sum(p.numel() for p in ExpertMLP(cfg.model, etp=2).parameters())
     assert stage_parameters(cfg, 0).expert == 3 * 4 * shard == whole // 2
@@ -260,7 +262,7 @@ def test_planner_expert_data_parallel_size_equals_the_layout(tp, cp, ep, etp, wo
     from megalm.estimate.planner import data_parallel_sizes
     from megalm.parallel_layout import expert_sizes
 
-    cfg = make_cfg(num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2, **LLAMA)
+    cfg = copy.deepcopy(make_cfg(num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2, **LLAMA))
     p = cfg.parallel
     p.tensor_model_parallel_size, p.context_parallel_size, p.expert_model_parallel_size = tp, cp, ep
     p.expert_tensor_parallel_size, p.data_parallel_size = etp, world // (tp * cp)
@@ -338,10 +340,9 @@ def _cp2_measurements(cases):
 
 
 def cp2_cfg(comm, **model):
-    cfg = make_cfg(**{"seq_length": 64, "max_position_embeddings": 64, **model})
+    cfg = copy.deepcopy(make_cfg(**{"seq_length": 64, "max_position_embeddings": 64, **model}))
     cfg.parallel.context_parallel_size, cfg.parallel.cp_comm_type = 2, comm
-    validate_config(cfg, world_size=2)
-    return cfg
+    return validate_config(cfg, world_size=2)
 
 
 CP2_CASES = [(comm, kw) for comm in ("p2p", "a2a", "allgather") for kw in (dict(), LLAMA)]

@@ -419,7 +419,7 @@ def test_gpt2_bpe_text_prompts_and_tokenizer_overrides(tmp_path):
 
     vocab_file, merge_file = make_gpt2_files(tmp_path)
     tok = GPT2BPETokenizer(vocab_file, merge_file)
-    cfg = tiny_cfg(tok.vocab_size, **LLAMA)
+    cfg = copy.deepcopy(tiny_cfg(tok.vocab_size, **LLAMA))  # editable: the validated config is frozen
     cfg.data.tokenizer_type, cfg.data.vocab_file, cfg.data.merge_file = "GPT2BPETokenizer", vocab_file, merge_file
     save_random_model(cfg, tmp_path / "ckpt")
     moved = tmp_path / "moved"

@@ -401,7 +401,7 @@ def test_model_structure_and_tied_weights_single_rank():
     ],
 )
 def test_layers_for_stage(layout, expected):
-    cfg = make_cfg(num_layers=layout["num_layers"])
+    cfg = copy.deepcopy(make_cfg(num_layers=layout["num_layers"]))  # editable: the validated config is frozen
     cfg.parallel.pipeline_model_parallel_size = layout["pp"]
     cfg.parallel.decoder_first_pipeline_num_layers = layout.get("first")
     cfg.parallel.decoder_last_pipeline_num_layers = layout.get("last")

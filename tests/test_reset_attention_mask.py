@@ -4,6 +4,8 @@ each document on its own, the blocked core's backward, the data path and the ref
 TP2 against TP1 on real ranks: tests/test_training.py (``docmask_*`` runs); every pipeline stage
 receiving the documents: tests/test_data_loader.py (layout ``pp4docs``)."""
 
+import copy
+
 import pytest
 import torch
 
@@ -165,7 +167,7 @@ def test_keyed_dropout_core_refuses_a_mask_it_cannot_apply():
     the causal-only keyed core without the mask."""
     from megalm.tensor_parallel import model_parallel_manual_seed
 
-    cfg = make_cfg()
+    cfg = copy.deepcopy(make_cfg())  # an unvalidated copy (the validated config is frozen)
     cfg.model.position_keyed_attention_dropout, cfg.model.attention_dropout = True, 0.1
     model_parallel_manual_seed(11, get_process_groups())
     model = GPTModel(cfg, process_groups=get_process_groups()).train()

@@ -22,7 +22,7 @@ from megalm.data.indexed_dataset import DataError
 def normalize_weights(weights: Sequence[float]) -> np.ndarray:
     w = np.asarray(weights, dtype=np.float64)
     if w.ndim != 1 or len(w) == 0 or (w < 0).any() or w.sum() <= 0:
-        raise ValueError(f"blend weights must be non-negative with a positive sum, got {list(weights)}")
+        raise DataError(f"blend weights (--data-path) must be non-negative with a positive sum, got {list(weights)}")
     return w / w.sum()
 
 

@@ -159,7 +159,13 @@ def splits_available(iterators: DataIterators) -> Tuple[bool, bool, bool]:
 
 
 def build_train_valid_test_data_iterators(
-    cfg, tokenizer, consumed_train_samples: int = 0, consumed_valid_samples: int = 0, *, groups: ProcessGroups
+    cfg,
+    tokenizer,
+    consumed_train_samples: int = 0,
+    consumed_valid_samples: int = 0,
+    *,
+    groups: ProcessGroups,
+    train_iters: Optional[int] = None,
 ) -> DataIterators:
     """``(train_iter, valid_iter, test_iter)`` of micro-batch dicts; None on ranks that do not read.
 
@@ -168,9 +174,10 @@ def build_train_valid_test_data_iterators(
     test ones are not.  ``cyclic`` (as Megatron): all three shuffle and re-iterate endlessly,
     the valid one from ``consumed_valid_samples`` (the sampler derives the epoch from it).
     ``groups``: this rank's process groups (``tp`` and ``pp`` say whether it reads, ``dp`` its shard).
+    ``train_iters``: see :func:`megalm.data.builder.get_train_valid_test_num_samples`.
     """
     reads = rank_reads_data(groups, every_stage=cfg.data.reset_attention_mask)
-    num_samples = get_train_valid_test_num_samples(cfg)
+    num_samples = get_train_valid_test_num_samples(cfg, train_iters)
     train_ds, valid_ds, test_ds = build_train_valid_test_datasets(cfg, tokenizer, reads, num_samples)
     splits = _share_split_flags([ds is not None for ds in (train_ds, valid_ds, test_ds)])
     if not reads:

@@ -287,9 +287,9 @@ def _handle_issues(
             raise PreprocessError(f"{where}: {what} (--strict stops at the first bad record)")
         summary.skipped[reason] = summary.skipped.get(reason, 0) + 1
         if summary.skipped_total <= MAX_WARNINGS:
-            progress.warn(f"WARNING: skipping {where}: {what}")
+            progress.warn(f"skipping {where}: {what}")
             if summary.skipped_total == MAX_WARNINGS:
-                progress.warn("WARNING: further skipped records are only counted (see the summary)")
+                progress.warn("further skipped records are only counted (see the summary)")
 
 
 def _worker_pool(opts: PreprocessOptions, dtype: np.dtype):

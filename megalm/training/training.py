@@ -16,6 +16,7 @@ log-line bookkeeping (:class:`IntervalStats`, the reporting rank) in :mod:`megal
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -33,7 +34,7 @@ from megalm.checkpoint.model_state import finish_param_sync
 from megalm.checkpoint.resume import checkpoint_to_resume, newest_load_root, non_persistent_dir
 from megalm.checkpoint.save import check_save_dir, remove_older_checkpoints, save_checkpoint
 from megalm.checkpoint.stateful import CheckpointStates
-from megalm.config import MegalmConfig, parse_config, set_vocab_size
+from megalm.config import MegalmConfig, parse_config, with_vocab_size
 from megalm.config.validation import step_schedule
 from megalm.device import get_device
 from megalm.distributed.collective_errors import named_collective_failures
@@ -125,6 +126,7 @@ class Trainer:
         self.profiler = StepProfiler(cfg.logging, dist.get_rank())
         self.async_writer = AsyncCheckpointWriter() if cfg.checkpoint.async_save else None
         self.tokenizer = self._build_tokenizer()
+        cfg = self.cfg  # with the tokenizer's vocabulary size
         self.timers("model-and-optimizer-setup").start()
         chunks = build_model_chunks(cfg, self.model_provider, self.groups)
         self.model = wrap_data_parallel(cfg, chunks, self.groups)
@@ -134,9 +136,8 @@ class Trainer:
         t = cfg.training
         self.microbatches = self._microbatch_calculator()
         self.train_iters = self._train_iters()
-        if cfg.training.train_iters is None:  # --train-samples: the data builders size the splits from it
-            cfg.training.train_iters = self.train_iters
-        self.outer_sync = build_outer_sync(cfg, self.optimizer, self.groups)  # after train_iters is known
+        # After train_iters is known (counted here under --train-samples; the config is not changed).
+        self.outer_sync = build_outer_sync(cfg, self.optimizer, self.groups, last_iteration=self.train_iters)
         self.checkpoint_states = self._checkpoint_states()
         self._validate_data()  # before any output (metrics file, checkpoints) is created
         # Before the RNG state is restored: the CPU peak measurement draws random matrices.
@@ -182,8 +183,8 @@ class Trainer:
         dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
         if get_device().type == "cpu" and not cpu_has_native_half(dtype):
             flag = "--bf16" if t.bf16 else "--fp16"
-            logger.info(
-                f"warning: this CPU has no native {flag[2:]} matrix instructions (oneDNN reports "
+            logger.warning(
+                f"this CPU has no native {flag[2:]} matrix instructions (oneDNN reports "
                 f"none): {flag} matmuls run orders of magnitude slower than fp32 here; drop {flag} to train "
                 f"in fp32"
             )
@@ -215,8 +216,8 @@ class Trainer:
         except CheckpointError as e:
             raise TrainingSetupError(str(e)) from None
         if c.load and not self.resume:
-            logger.info(
-                f"warning: no checkpoint in --load {c.load} yet: training starts from scratch "
+            logger.warning(
+                f"no checkpoint in --load {c.load} yet: training starts from scratch "
                 f"(--exit-on-missing-checkpoint makes this an error)"
             )
         try:
@@ -237,15 +238,16 @@ class Trainer:
     def _build_tokenizer(self):
         from megalm.tokenizers import build_tokenizer
 
-        cfg = self.cfg
+        cfg, data_fields = self.cfg, {}
         if cfg.data.tokenizer_type is None:
             if cfg.model.vocab_size is None:
                 raise TrainingSetupError(
                     "give --tokenizer-type (and --tokenizer-model), or --vocab-size for --mock-data"
                 )
-            cfg.data.tokenizer_type = "NullTokenizer"
-        tokenizer = build_tokenizer(cfg.data, cfg.model)
-        set_vocab_size(cfg, tokenizer.vocab_size)
+            data_fields["tokenizer_type"] = "NullTokenizer"
+        tokenizer = build_tokenizer(dataclasses.replace(cfg.data, **data_fields), cfg.model)
+        # The validated config is frozen: the run goes on with a copy holding the tokenizer's vocabulary.
+        self.cfg = with_vocab_size(cfg, tokenizer.vocab_size, **data_fields)
         return tokenizer
 
     def _microbatch_calculator(self) -> MicrobatchCalculator:
@@ -276,9 +278,9 @@ class Trainer:
 
     def _validate_data(self) -> None:
         """Every data prefix exists, is intact and holds only ids below the vocabulary (collective)."""
-        from megalm.data.builder import validate_data
+        from megalm.data.builder import get_train_valid_test_num_samples, validate_data
 
-        validate_data(self.cfg, self.tokenizer)
+        validate_data(self.cfg, self.tokenizer, get_train_valid_test_num_samples(self.cfg, self.train_iters))
 
     def _build_data(self) -> None:
         from megalm.data import build_train_valid_test_data_iterators
@@ -290,6 +292,7 @@ class Trainer:
             self.state.consumed_train_samples,
             self.state.consumed_valid_samples,
             groups=self.groups,
+            train_iters=self.train_iters,
         )
         self.data_iterators = iterators
         self.train_iter, self.valid_iter, self.test_iter = iterators
@@ -373,7 +376,7 @@ class Trainer:
         self.saved_at = None
         note = self.profiler.note_on_resume(state.iteration)
         if note:
-            logger.warning(f"warning: {note}")
+            logger.warning(note)
         self.watchdog = self._hang_watchdog()
         try:
             while state.iteration < self.train_iters:
