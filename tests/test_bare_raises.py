@@ -32,7 +32,7 @@ ALLOWED: Dict[str, Tuple[int, str]] = {
     "megalm/data/samplers.py": (5, "sampler arguments come from the validated config and the trainer's state"),
     "megalm/distributed/finalize_model_grads.py": (3, "tied-parameter bookkeeping of the model builder"),
     "megalm/flops.py": (1, "called after the tokenizer set the vocabulary"),
-    "megalm/inference/generation.py": (4, "API: one generator per prompt, eval mode, parallel state set up"),
+    "megalm/inference/generation.py": (3, "API: one generator per prompt, eval mode, parallel state set up"),
     "megalm/inference/kv_cache.py": (1, "the cache is sized by generate() for prompt + new tokens"),
     "megalm/inference/sampling.py": (1, "API: one generator per row"),
     "megalm/models/gpt.py": (3, "model API: vocabulary set by the trainer, pipeline input set by the schedule"),

@@ -71,6 +71,8 @@ READS_PARALLEL_STATE = {
     "megalm.training.training",  # Trainer.setup builds the bundle
     "megalm.training.initialize",  # initializes the layout from the config
     "megalm.launch.spawn",  # destroys a rank's layout after a call
+    "megalm.cli.generate",  # a tool: builds the TP x PP layout it was asked for and passes its groups
+    "megalm.planner.calibrate",  # a worker entry point under torchrun: builds and destroys its layout
     "megalm.checkpoint.common_json",  # the layout record (sizes of every group); still to move
     "megalm.checkpoint.save",  # get_checkpoint_io_group; still to move
     "megalm.checkpoint.model_state",  # a plain module's groups (a model holds its own); still to move
