@@ -630,6 +630,12 @@ class TrainingConfig:
     hang_watchdog_dir: Optional[str] = _f(
         None, "Where the hang watchdog appends rank_<rank>.txt (default: <--save>/hang_stacks; none: stderr only)."
     )
+    first_step_timeout_seconds: float = _f(
+        300.0,
+        "Fail fast, naming the rank(s) and host(s), when a rank has not finished its first training step this "
+        "many seconds after set-up ended (exit code 75, which torchrun --max-restarts restarts); raise it for "
+        "first steps that compile for minutes (0: off; megalm's flag).",
+    )
 
 
 @dataclass

@@ -952,6 +952,8 @@ def _validate_hang_watchdog(t: TrainingConfig, p: ParallelConfig) -> None:
     _check(p.distributed_timeout_minutes > 0, "--distributed-timeout-minutes must be positive")
     seconds, timeout = t.hang_watchdog_seconds, p.distributed_timeout_minutes * 60
     _check(seconds >= 0, f"--hang-watchdog-seconds must be >= 0 (0: off), got {seconds:g}")
+    first = t.first_step_timeout_seconds
+    _check(first >= 0, f"--first-step-timeout-seconds must be >= 0 (0: off), got {first:g}")
     _check(
         seconds < timeout,
         f"--hang-watchdog-seconds {seconds:g} must be below --distributed-timeout-minutes "

@@ -9,6 +9,16 @@ The returned :class:`DataIterators` also tells every rank which splits have data
 (``.splits``, as Megatron's ``do_train`` / ``do_valid`` / ``do_test`` flags), since only
 reading ranks can see it; :func:`splits_available` reads it.  Nothing is kept at module level.
 
+DataLoader workers are started by a ``forkserver`` (:func:`worker_context`), never forked from the
+trainer: by the time the loaders start, the trainer runs threads (gloo, the watchdogs, the
+profiler), and a child forked while another thread held a lock (logging's, the allocator's) inherits
+it locked and can hang in Python's after-fork code (issue #32: about one launch in 90 hung so with
+``--num-workers 2``).  The forkserver is a fresh single-threaded interpreter that has imported torch;
+each worker receives the dataset pickled (memory-mapped indices as file references:
+:class:`megalm.data.index_cache.PicklesMappedArrays`) and stays alive for the run
+(``persistent_workers``).  Which sample each worker reads is decided by the sampler in the trainer,
+so the batches are the same as with fork or without workers.
+
 Two things keep restarts exact and ``--exit-signal-handler`` working (issue #18):
 
 * every DataLoader draws its workers' base seed from its own generator, never from torch's
@@ -23,6 +33,7 @@ Two things keep restarts exact and ``--exit-signal-handler`` working (issue #18)
 
 from __future__ import annotations
 
+import multiprocessing
 import signal
 from typing import Iterator, Optional, Sequence, Tuple
 
@@ -76,9 +87,25 @@ def build_pretraining_data_loader(
         num_workers=num_workers,
         pin_memory=get_device().type == "cuda",
         persistent_workers=num_workers > 0,
+        multiprocessing_context=worker_context() if num_workers > 0 else None,
         worker_init_fn=ignore_sigterm_in_worker if num_workers > 0 else None,
         generator=torch.Generator().manual_seed(seed),
     )
+
+
+WORKER_PRELOAD = ["torch", "megalm.data.loaders"]
+
+
+def worker_context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context of DataLoader workers: ``forkserver`` (``spawn`` where there is
+    none).  The server process starts once per trainer, from a fresh interpreter that imports
+    :data:`WORKER_PRELOAD` (torch and this module), so each worker is a cheap fork of a
+    single-threaded process rather than of the multi-threaded trainer."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(WORKER_PRELOAD)  # read when the server starts (the first loader)
+    return context
 
 
 def ignore_sigterm_in_worker(worker_id: int) -> None:

@@ -346,10 +346,15 @@ class Trainer:
         if note:
             logger.warning(f"warning: {note}")
         self.watchdog = self._hang_watchdog()
+        deadline = self._first_step_deadline()
         try:
+            if deadline is not None and state.iteration < self.train_iters:
+                self._first_step_watched(deadline)
             while state.iteration < self.train_iters:
                 self.train_iteration()
         finally:
+            if deadline is not None:
+                deadline.close()
             if self.watchdog is not None:
                 self.watchdog.close()
                 self.watchdog = None
@@ -368,6 +373,40 @@ class Trainer:
 
         directory = t.hang_watchdog_dir or (os.path.join(c.save, "hang_stacks") if c.save else None)
         return HangWatchdog(t.hang_watchdog_seconds, dist.get_rank() if dist.is_initialized() else 0, directory)
+
+    def _first_step_deadline(self):
+        """--first-step-timeout-seconds' :class:`megalm.training.first_step.FirstStepDeadline` (with
+        more than one rank), else None."""
+        seconds = self.cfg.training.first_step_timeout_seconds
+        if not seconds or not dist.is_initialized() or dist.get_world_size() == 1:
+            return None
+        from megalm.training.first_step import FirstStepDeadline, job_store
+
+        return FirstStepDeadline(seconds, job_store(), dist.get_rank(), dist.get_world_size())
+
+    def _first_step_watched(self, deadline) -> None:
+        """The first iteration, telling ``deadline`` when this rank has read its first batch (at
+        once on ranks that read none) and when the step is done."""
+        from megalm.training.first_step import STAGES
+
+        train_iter = self.train_iter
+        if train_iter is None:
+            deadline.reached(STAGES[1])
+        else:
+
+            def first_batch_marked():
+                for batch in train_iter:
+                    deadline.reached(STAGES[1])
+                    yield batch
+                    break
+                yield from train_iter
+
+            self.train_iter = first_batch_marked()
+        try:
+            self.train_iteration()
+        finally:
+            self.train_iter = train_iter
+        deadline.step_done()
 
     def _progress(self, where: str) -> None:
         """Mark progress for the hang watchdog (a clock read; nothing without one)."""
