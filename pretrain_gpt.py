@@ -22,13 +22,12 @@ import torch.distributed as dist
 
 from megalm.config import ConfigError, MegalmConfig, build_parser
 from megalm.context_parallel.loss import context_parallel_loss
-from megalm.data import get_batch
 from megalm.device import shutdown_distributed
 from megalm.distributed.finalize_model_grads import unwrap_model
 from megalm.errors import MegalmError, TrainingStopped
 from megalm.log import setup_logging
 from megalm.models import GPTModel
-from megalm.training import pretrain
+from megalm.training import get_batch, pretrain
 from megalm.transformer.moe import pop_moe_metrics
 
 
@@ -52,12 +51,14 @@ def loss_func(loss_mask: torch.Tensor, model: torch.nn.Module, output_tensor: to
     groups = getattr(unwrap_model(model), "process_groups", None)  # None: a model of one process
     cp_group = None if groups is None else groups.cp
     loss, num_tokens, reported = context_parallel_loss(torch.sum(losses * mask), mask.sum().detach(), cp_group)
-    return loss, num_tokens, {"lm loss": reported, **pop_moe_metrics(model)}
+    mtp = getattr(unwrap_model(model), "mtp_metrics", dict)()  # mtp_<k> loss (--mtp-num-layers)
+    return loss, num_tokens, {"lm loss": reported, **pop_moe_metrics(model), **mtp}
 
 
 def forward_step(data_iterator, model):
     """One microbatch: tokens in, per-token losses out (on the last stage)."""
-    batch = get_batch(data_iterator, unwrap_model(model).cfg)
+    gpt = unwrap_model(model)  # its config sizes the batch; its process groups carry it
+    batch = get_batch(data_iterator, gpt.cfg, gpt.process_groups)
     output = model(
         batch["tokens"],
         batch["position_ids"],

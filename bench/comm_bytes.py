@@ -24,7 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from megalm.testing import run_distributed  # noqa: E402
+from megalm.launch.spawn import run_distributed  # noqa: E402
 
 MODEL = [
     "--num-layers",
@@ -89,7 +89,7 @@ def one_step(trainer):
 def measure(configs, steps):
     """On every rank: per config, the collective counters of the last of ``steps`` steps."""
     from megalm import parallel_state
-    from megalm.checkpointing import finish_param_sync
+    from megalm.checkpoint.model_state import finish_param_sync
     from megalm.distributed import comm
 
     out = []

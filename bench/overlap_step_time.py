@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.abspath(os.path.dirname(__file__)))
 
 from comm_bytes import MODEL, one_step, setup_trainer  # noqa: E402
 
-from megalm.testing import run_distributed  # noqa: E402
+from megalm.launch.spawn import run_distributed  # noqa: E402
 
 CONFIGS = [
     ("plain DP", []),
@@ -50,7 +50,7 @@ CONFIGS = [
 def measure(common, rounds, steps):
     import torch.distributed as dist
 
-    from megalm.checkpointing import finish_param_sync
+    from megalm.checkpoint.model_state import finish_param_sync
 
     trainers = [setup_trainer(common + extra) for _, extra in CONFIGS]
     for trainer in trainers:  # warm-up step each

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from megalm.async_save import AsyncSaveError
-from megalm.checkpointing import CheckpointError
+from megalm.checkpoint.async_writer import AsyncSaveError
+from megalm.checkpoint.errors import CheckpointError
 from megalm.config import ConfigError, build_parser
 from megalm.conversion.errors import ConversionError
 from megalm.data.indexed_dataset import IndexedDatasetError
@@ -15,10 +15,10 @@ from megalm.data.preprocess import PreprocessError
 from megalm.data.text_sources import InputError
 from megalm.errors import MegalmError, TrainingStopped
 from megalm.fusions.backends import BackendUnavailable
-from megalm.testing import DistributedTestError
 from megalm.timers import TimerError
 from megalm.training.metrics import WandbSetupError
 from megalm.training.profiling import ProfilerUnavailable
+from tests.distributed_harness import DistributedTestError
 
 
 @pytest.mark.parametrize(

@@ -38,8 +38,6 @@ NO_EFFECT = {
 UNSUPPORTED = {
     "--fp8-format": "fp8 needs Transformer Engine's layers (--transformer-impl transformer_engine on a GPU)",
     "--fp8-param-gather": "fp8 parameter all-gather is not built (fp8 runs inside Transformer Engine's layers only)",
-    "--multi-latent-attention": "multi-latent attention (DeepSeek) is not built",
-    "--mtp-num-layers": "multi-token prediction is not built",
     "--window-size": "sliding-window attention is not built",
     "--rampup-batch-size": "with --train-iters: refused as in Megatron-LM (a ramp needs --train-samples)",
     "--profile": "without --use-pytorch-profiler on a machine without CUDA (nsys profiles CUDA only)",
@@ -73,8 +71,6 @@ class MegatronCompatConfig:
     tiktoken_pattern: Optional[str] = _f(None, "No effect: " + NO_EFFECT["--tiktoken-pattern"] + ".")
     use_megatron_fsdp: bool = _f(False, "No effect: " + NO_EFFECT["--use-megatron-fsdp"] + ".")
     fp8_param_gather: bool = _f(False, "Refused: " + UNSUPPORTED["--fp8-param-gather"] + ".")
-    multi_latent_attention: bool = _f(False, "Refused: " + UNSUPPORTED["--multi-latent-attention"] + ".")
-    mtp_num_layers: Optional[int] = _f(None, "Refused: " + UNSUPPORTED["--mtp-num-layers"] + ".")
     window_size: Optional[str] = _f(None, "Refused: " + UNSUPPORTED["--window-size"] + ".")
 
 
@@ -103,8 +99,6 @@ def refusal(c: MegatronCompatConfig, backend: str) -> Optional[str]:
     """Why these flags cannot be honoured (None when they can); ``backend``: the one megalm picks."""
     for flag, given in (
         ("--fp8-param-gather", c.fp8_param_gather),
-        ("--multi-latent-attention", c.multi_latent_attention),
-        ("--mtp-num-layers", c.mtp_num_layers is not None),
         ("--window-size", c.window_size is not None),
     ):
         if given:

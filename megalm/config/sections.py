@@ -75,6 +75,43 @@ class ModelConfig:
         False, "Normalize each query and key head (--normalization over the head dimension) before RoPE."
     )
     add_qkv_bias: bool = _f(False, "Give the QKV projection a bias even with --disable-bias-linear (Qwen-style).")
+    multi_latent_attention: bool = _f(
+        False,
+        "Multi-latent attention (DeepSeek-V2/V3): queries and keys/values through low-rank latents "
+        "(--q-lora-rank, --kv-lora-rank), per-head dims --qk-head-dim + --qk-pos-emb-head-dim (RoPE part) "
+        "and --v-head-dim; --qk-layernorm normalizes the latents.",
+    )
+    q_lora_rank: Optional[int] = _f(
+        None, "MLA: rank of the query latent (unset: queries projected directly from the hidden state)."
+    )
+    kv_lora_rank: int = _f(32, "MLA: rank of the key/value latent (what the KV cache stores).")
+    qk_head_dim: int = _f(128, "MLA: per-head query/key dimension without position embedding.")
+    qk_pos_emb_head_dim: int = _f(64, "MLA: per-head query/key dimension carrying RoPE (the key part is shared).")
+    v_head_dim: int = _f(128, "MLA: per-head value dimension.")
+    mtp_num_layers: Optional[int] = _f(
+        None,
+        "Multi-token prediction depths (DeepSeek-V3): depth k predicts the token k+1 ahead from the previous "
+        "depth's hidden state and the embedding of the token k ahead (shared embedding and output layer).",
+    )
+    mtp_loss_scaling_factor: float = _f(
+        0.1, "Weight of the multi-token prediction losses: factor / --mtp-num-layers times their sum is trained."
+    )
+    rope_type: Optional[str] = _f(
+        None,
+        "RoPE variant: rope (plain) or yarn (YaRN frequency scaling, see --rotary-scaling-factor); "
+        "default rope, yarn with --multi-latent-attention (Megatron's MLA default).",
+        choices=["rope", "yarn"],
+    )
+    rotary_scaling_factor: float = _f(1.0, "YaRN: context extension factor (1: no scaling).")
+    original_max_position_embeddings: Optional[int] = _f(
+        None, "YaRN: the context length the model was trained with before extension (default 4096)."
+    )
+    beta_fast: float = _f(32.0, "YaRN: fast rotation count bounding the extrapolated frequencies.")
+    beta_slow: float = _f(1.0, "YaRN: slow rotation count bounding the interpolated frequencies.")
+    mscale: float = _f(1.0, "YaRN: attention temperature multiplier of the rotary tables (cos/sin).")
+    mscale_all_dim: float = _f(
+        0.0, "YaRN: temperature of all dims: divides the tables' mscale and squares into the softmax scale (0: off)."
+    )
     hidden_dropout: float = _f(0.1, "Dropout probability after attention and MLP outputs.")
     attention_dropout: float = _f(0.1, "Dropout probability on attention weights.")
     position_keyed_attention_dropout: bool = _f(

@@ -31,6 +31,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Tuple
 import torch
 
 from megalm.conversion.errors import ConversionError
+from megalm.conversion.mla_shapes import mla_attention_shapes, mla_norm_shapes
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
@@ -168,6 +169,9 @@ def checkpoint_shapes(m) -> Dict[str, tuple]:
         shapes[POSITION_EMBEDDINGS] = (m.max_position_embeddings, h)
     norm_parts = ("weight", "bias") if m.normalization == "LayerNorm" else ("weight",)
     attention = {"self_attention.linear_qkv": ((n + 2 * groups) * d, h), "self_attention.linear_proj": (h, n * d)}
+    mla_norms = {}
+    if m.multi_latent_attention:
+        attention, mla_norms = mla_attention_shapes(m), mla_norm_shapes(m)
     dense = {"mlp.linear_fc1": (2, f, h) if m.swiglu else (f, h), "mlp.linear_fc2": (h, f)}
     moe = {}
     if m.num_experts:
@@ -189,7 +193,10 @@ def checkpoint_shapes(m) -> Dict[str, tuple]:
             shapes[layer(i, name + ".weight")] = shape
             if m.add_bias_linear or (m.add_qkv_bias and name == "self_attention.linear_qkv"):
                 shapes[layer(i, name + ".bias")] = shape[:-1]
-        if m.qk_layernorm:
+        for name, shape in mla_norms.items():
+            for part in norm_parts:
+                shapes[layer(i, f"{name}.{part}")] = shape
+        if m.qk_layernorm and not m.multi_latent_attention:
             for norm in ("q_layernorm", "k_layernorm"):
                 for part in norm_parts:
                     shapes[layer(i, f"self_attention.{norm}.{part}")] = (d,)
@@ -198,3 +205,11 @@ def checkpoint_shapes(m) -> Dict[str, tuple]:
     if m.untie_embeddings_and_output_weights:
         shapes[OUTPUT_LAYER] = (m.vocab_size, h)
     return shapes
+
+
+def router_buffer_shapes(m) -> Dict[str, tuple]:
+    """The routers' ``expert_bias`` buffers (``--moe-router-enable-expert-bias``), which checkpoints hold
+    beside the parameters (megatron-core saves them under the same names)."""
+    if not m.moe_router_enable_expert_bias:
+        return {}
+    return {layer(i, "mlp.router.expert_bias"): (m.num_experts,) for i, is_moe in enumerate(moe_layers(m)) if is_moe}
