@@ -30,7 +30,7 @@ import time
 
 import pytest
 
-from megalm.testing import free_port
+from megalm.device import free_port
 from tests.training_runs import tiny_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

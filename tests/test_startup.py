@@ -122,7 +122,7 @@ def test_forkserver_workers_read_the_same_batches_and_resume(tmp_path):
 
 
 def test_first_step_deadline_names_the_missing_rank():
-    from megalm.testing import free_port
+    from megalm.device import free_port
     from megalm.training.first_step import EXIT_CODE, FirstStepDeadline
 
     store = torch.distributed.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=10))
