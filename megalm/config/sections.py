@@ -667,6 +667,12 @@ class TrainingConfig:
     hang_watchdog_dir: Optional[str] = _f(
         None, "Where the hang watchdog appends rank_<rank>.txt (default: <--save>/hang_stacks; none: stderr only)."
     )
+    straggler_rebalance_interval: int = _f(
+        0,
+        "Every this many iterations, re-split each global batch's micro-batches between data-parallel replicas "
+        "in proportion to their measured speed, so a slow replica does fewer (needs --calculate-per-token-loss "
+        "and --dataloader-type single; the loss is the balanced run's up to summation order; 0: off; megalm's flag).",
+    )
     first_step_timeout_seconds: float = _f(
         300.0,
         "Fail fast, naming the rank(s) and host(s), when a rank has not finished its first training step this "

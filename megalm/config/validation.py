@@ -348,6 +348,10 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
         cfg.logging.wandb_save_dir = os.path.join(cfg.checkpoint.save, "wandb")  # Megatron's default
     _check_megatron_compat(cfg.megatron_compat)
     _validate_hang_watchdog(t, p)
+    _check(
+        not t.straggler_rebalance_interval or cfg.data.dataloader_type == "single",
+        "--straggler-rebalance-interval needs --dataloader-type single (shares are slots of each global batch)",
+    )
     _warn_megatron_no_ops(cfg)
     return cfg
 
@@ -1002,6 +1006,7 @@ def _validate_hang_watchdog(t: TrainingConfig, p: ParallelConfig) -> None:
     seconds, timeout = t.hang_watchdog_seconds, p.distributed_timeout_minutes * 60
     _check(seconds >= 0, f"--hang-watchdog-seconds must be >= 0 (0: off), got {seconds:g}")
     first = t.first_step_timeout_seconds
+    _check_rebalance(t, p)
     _check(first >= 0, f"--first-step-timeout-seconds must be >= 0 (0: off), got {first:g}")
     _check(
         seconds < timeout,
@@ -1050,4 +1055,26 @@ def set_vocab_size(cfg: MegalmConfig, vocab_size: int) -> None:
     cfg.model.vocab_size = vocab_size
     cfg.model.padded_vocab_size = pad_vocab_size(
         vocab_size, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size
+    )
+
+
+def _check_rebalance(t: TrainingConfig, p: ParallelConfig) -> None:
+    n = t.straggler_rebalance_interval
+    _check(n >= 0, f"--straggler-rebalance-interval must be >= 0 (0: off), got {n}")
+    if not n:
+        return
+    _check(
+        t.calculate_per_token_loss,
+        "--straggler-rebalance-interval needs --calculate-per-token-loss: replicas with different micro-batch "
+        "counts are weighted by tokens only then (the mean of per-micro-batch means would weight them unevenly)",
+    )
+    _check(
+        not t.rampup_batch_size and not getattr(t, "step_batch_size_schedule", None),
+        "--straggler-rebalance-interval needs a constant global batch (no --rampup-batch-size or "
+        "--step-batch-size-schedule)",
+    )
+    _check(
+        not p.num_layers_per_virtual_pipeline_stage,
+        "--straggler-rebalance-interval does not work with the interleaved pipeline schedule (its micro-batch "
+        "count must be a multiple of the pipeline size on every replica)",
     )

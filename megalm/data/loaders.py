@@ -56,6 +56,7 @@ def build_pretraining_data_loader(
     dataloader_type: str = "single",
     seed: int = 0,
     data_sharding: bool = True,
+    shares: Optional[Sequence[int]] = None,
 ) -> Optional[torch.utils.data.DataLoader]:
     """DataLoader over this rank's micro-batches of ``dataset`` starting at ``consumed_samples``.
 
@@ -65,7 +66,13 @@ def build_pretraining_data_loader(
     """
     if dataset is None:
         return None
-    if dataloader_type == "single":
+    if shares is not None:  # --straggler-rebalance-interval: uneven micro-batch counts per replica
+        from megalm.training.rebalance import ShareSampler
+
+        if dataloader_type != "single":
+            raise ValueError("micro-batch shares need dataloader_type 'single'")
+        sampler = ShareSampler(len(dataset), consumed_samples, micro_batch_size, data_parallel_rank, shares)
+    elif dataloader_type == "single":
         sampler = MegatronPretrainingSampler(
             len(dataset), consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size
         )
@@ -158,6 +165,7 @@ class DataIterators(tuple):
         obj = super().__new__(cls, (train, valid, test))
         obj.splits = splits
         obj.loaders = tuple(dl for dl in loaders if dl is not None)
+        obj.train_loader = loaders[0] if loaders else None
         return obj
 
     def close(self) -> None:
@@ -186,7 +194,13 @@ def splits_available(iterators: DataIterators) -> Tuple[bool, bool, bool]:
 
 
 def build_train_valid_test_data_iterators(
-    cfg, tokenizer, consumed_train_samples: int = 0, consumed_valid_samples: int = 0, *, groups: ProcessGroups
+    cfg,
+    tokenizer,
+    consumed_train_samples: int = 0,
+    consumed_valid_samples: int = 0,
+    *,
+    groups: ProcessGroups,
+    train_shares: Optional[Sequence[int]] = None,
 ) -> DataIterators:
     """``(train_iter, valid_iter, test_iter)`` of micro-batch dicts; None on ranks that do not read.
 
@@ -195,6 +209,8 @@ def build_train_valid_test_data_iterators(
     test ones are not.  ``cyclic`` (as Megatron): all three shuffle and re-iterate endlessly,
     the valid one from ``consumed_valid_samples`` (the sampler derives the epoch from it).
     ``groups``: this rank's process groups (``tp`` and ``pp`` say whether it reads, ``dp`` its shard).
+    ``train_shares``: micro-batches per data-parallel rank of each global batch
+    (``--straggler-rebalance-interval``; see :mod:`megalm.training.rebalance`).
     """
     reads = rank_reads_data(groups, every_stage=cfg.data.reset_attention_mask)
     num_samples = get_train_valid_test_num_samples(cfg)
@@ -205,16 +221,16 @@ def build_train_valid_test_data_iterators(
     dp_rank, dp_size = data_parallel_rank_and_size(groups)
     mbs, workers, kind = cfg.training.micro_batch_size, cfg.data.num_workers, cfg.data.dataloader_type
 
-    def loader(ds, consumed):
+    def loader(ds, consumed, shares=None):
         return build_pretraining_data_loader(
-            ds, consumed, mbs, dp_rank, dp_size, workers, kind, cfg.training.seed, cfg.data.data_sharding
+            ds, consumed, mbs, dp_rank, dp_size, workers, kind, cfg.training.seed, cfg.data.data_sharding, shares
         )
 
     def iterate(dl, cyclic):
         return None if dl is None else iter(cyclic_iter(dl)) if cyclic else iter(dl)
 
     cyclic = kind == "cyclic"
-    train = loader(train_ds, consumed_train_samples)
+    train = loader(train_ds, consumed_train_samples, train_shares)
     # single: the valid set is cycled, so a count beyond its size wraps around.
     wrapped_valid = consumed_valid_samples if cyclic or valid_ds is None else consumed_valid_samples % len(valid_ds)
     valid = loader(valid_ds, wrapped_valid)

@@ -104,6 +104,7 @@ class Trainer:
         self.stragglers = None  # --log-straggler: built in setup()
         self.watchdog = None  # --hang-watchdog-seconds: running during train()
         self.data_iterators = None  # DataIterators, built in setup(); closed when run() ends
+        self.rebalancer = None  # --straggler-rebalance-interval: built in setup()
 
     # -- set-up --
     def setup(self) -> None:
@@ -138,6 +139,7 @@ class Trainer:
         self.peak_flops, self.peak_source = self._device_peak()
         loaded = self._load() if self.resume else None
         self.microbatches.update(self.state.consumed_train_samples)
+        self.rebalancer = self._straggler_rebalancer()
         self.timers("model-and-optimizer-setup").stop()
         self.metrics = MetricsWriter(cfg, enabled=is_logging_rank())
         with self.timers("train/valid/test-data-iterators-setup"):
@@ -285,6 +287,7 @@ class Trainer:
             self.state.consumed_train_samples,
             self.state.consumed_valid_samples,
             groups=self.groups,
+            train_shares=self.rebalancer.shares if self.rebalancer is not None else None,
         )
         self.data_iterators = iterators
         self.train_iter, self.valid_iter, self.test_iter = iterators
@@ -383,6 +386,28 @@ class Trainer:
         directory = t.hang_watchdog_dir or (os.path.join(c.save, "hang_stacks") if c.save else None)
         return HangWatchdog(t.hang_watchdog_seconds, dist.get_rank() if dist.is_initialized() else 0, directory)
 
+    def _straggler_rebalancer(self):
+        """--straggler-rebalance-interval's :class:`megalm.training.rebalance.StragglerRebalancer`, else None."""
+        n = self.cfg.training.straggler_rebalance_interval
+        if not n:
+            return None
+        from megalm.training.rebalance import StragglerRebalancer
+
+        dp = self.groups.dp
+        rank, size = (dist.get_rank(dp), dist.get_world_size(dp)) if dp is not None else (0, 1)
+        return StragglerRebalancer(n, self.microbatches.num_microbatches, rank, size)
+
+    def _rebalance(self) -> None:
+        """Re-plan the replicas' micro-batch shares (collective); on a change, the reading ranks'
+        train iterator restarts at the consumed samples with the new split."""
+        shares = self.rebalancer.replan()
+        loader = self.data_iterators.train_loader if self.data_iterators is not None else None
+        if shares is None or loader is None:
+            return
+        loader.batch_sampler.shares = list(shares)
+        loader.batch_sampler.consumed_samples = self.state.consumed_train_samples
+        self.train_iter = iter(loader)
+
     def _first_step_deadline(self):
         """--first-step-timeout-seconds' :class:`megalm.training.first_step.FirstStepDeadline` (with
         more than one rank), else None."""
@@ -441,8 +466,11 @@ class Trainer:
             self.groups,
             self.timers,
             self.outer_sync,
+            self.rebalancer,
         )
         self.check_numerics(result)
+        if self.rebalancer is not None and state.iteration % self.rebalancer.interval == 0:
+            self._rebalance()
         self.interval.add(time.perf_counter() - start, result)
         self._progress(f"iteration {state.iteration} step done")
         self.profiler.after_step(state.iteration)
