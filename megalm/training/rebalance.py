@@ -18,8 +18,9 @@ weight a replica's micro-batches by ``1 / n_r`` instead.
 *Measuring.*  Each rank times its forward-backward (after a device synchronization) and counts
 its micro-batches.  Every ``N`` iterations one all-reduce (MAX, over the world) of a vector with
 one slot per data-parallel rank gives every rank the same seconds per micro-batch of each replica
-(its slowest rank), and :func:`plan_shares` splits the ``M`` slots in proportion to speed (at
-least one each, largest remainders).  The new shares apply from the next iteration; the reading
+(its slowest rank), averaged with the previous windows (weights 1/2, 1/4, ...), and
+:func:`plan_shares` splits the ``M`` slots in proportion to speed (at least one each, largest
+remainders).  The new shares apply from the next iteration; the reading
 ranks re-start their train iterator at the current ``consumed_samples`` (prefetched batches of
 the old split are dropped).  A new split is taken only when it predicts a forward-backward at
 least 5% shorter (``max_r n_r t_r``), so timing noise does not make the split flap.
@@ -99,6 +100,7 @@ class StragglerRebalancer:
         self.total = num_microbatches * dp_size
         self.shares = [num_microbatches] * dp_size
         self._seconds, self._microbatches = 0.0, 0
+        self.seconds: Optional[List[float]] = None  # per replica, averaged over windows
 
     @property
     def local_microbatches(self) -> int:
@@ -122,7 +124,14 @@ class StragglerRebalancer:
         if dist.is_initialized():
             dist.all_reduce(per, op=dist.ReduceOp.MAX)
         self._seconds, self._microbatches = 0.0, 0
-        seconds = per.tolist()
+        window = per.tolist()
+        if self.seconds is None:
+            self.seconds = window
+        else:  # half the weight to the new window: one noisy window does not move the split back and forth
+            self.seconds = [
+                w if old <= 0 else (old if w <= 0 else 0.5 * (old + w)) for old, w in zip(self.seconds, window)
+            ]
+        seconds = self.seconds
         shares = plan_shares(seconds, self.total)
         if max(n * t for n, t in zip(shares, seconds)) > 0.95 * max(n * t for n, t in zip(self.shares, seconds)):
             return None  # under 5% predicted gain: keep the split (timing noise would make it flap)
