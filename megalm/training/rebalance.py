@@ -16,14 +16,14 @@ balanced split up to floating-point summation order).  The mean of per-micro-bat
 weight a replica's micro-batches by ``1 / n_r`` instead.
 
 *Measuring.*  Each rank times its forward-backward (after a device synchronization) and counts
-its micro-batches.  Every ``N`` iterations one all-reduce (MAX, over the world) of a vector with
-one slot per data-parallel rank gives every rank the same seconds per micro-batch of each replica
-(its slowest rank), averaged with the previous windows (weights 1/2, 1/4, ...), and
-:func:`plan_shares` splits the ``M`` slots in proportion to speed (at least one each, largest
-remainders).  The new shares apply from the next iteration; the reading
-ranks re-start their train iterator at the current ``consumed_samples`` (prefetched batches of
-the old split are dropped).  A new split is taken only when it predicts a forward-backward at
-least 5% shorter (``max_r n_r t_r``), so timing noise does not make the split flap.
+its micro-batches (not in the run's first step: one-time costs).  Every ``N`` iterations one
+all-reduce (MAX, over the world) of a vector with one slot per data-parallel rank gives every
+rank the same seconds per micro-batch of each replica (its slowest rank), averaged with the
+previous windows (weights 1/2, 1/4, ...), and :func:`plan_shares` splits the ``M`` slots in
+proportion to speed (at least one each, largest remainders).  The new shares apply from the next
+iteration; the reading ranks re-start their train iterator at the current ``consumed_samples``
+(prefetched batches of the old split are dropped).  A new split is taken only when it predicts a
+forward-backward at least 5% shorter (``max_r n_r t_r``), so timing noise does not make the split flap.
 """
 
 from __future__ import annotations
@@ -101,6 +101,7 @@ class StragglerRebalancer:
         self.shares = [num_microbatches] * dp_size
         self._seconds, self._microbatches = 0.0, 0
         self.seconds: Optional[List[float]] = None  # per replica, averaged over windows
+        self._warm = False  # the first step (allocations, first-call costs) is not timed
 
     @property
     def local_microbatches(self) -> int:
@@ -111,6 +112,9 @@ class StragglerRebalancer:
         start = time.perf_counter()
         out = run()
         synchronize()
+        if not self._warm:
+            self._warm = True
+            return out
         self._seconds += time.perf_counter() - start
         self._microbatches += self.local_microbatches
         return out
