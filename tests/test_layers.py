@@ -43,6 +43,7 @@ LAYERS: List[Tuple[str, List[str]]] = [
     ("tools", ["presets", "conversion"]),
     ("applications", ["estimate", "inference"]),
     ("entry points", ["training", "launch"]),
+    ("layout search", ["planner"]),
 ]
 
 # unit -> the module prefixes it holds (default: the unit's own name).
@@ -55,8 +56,6 @@ ALLOWED_BREAKS: Dict[Tuple[str, str], str] = {
     # config validates itself per section (branch `config`): no reach into the data and training code
     ("megalm.config.validation", "data"): "config",
     ("megalm.config.validation", "training"): "config",
-    # checkpoint errors and state registered by whoever builds local SGD (branch `ckpt-pkg`)
-    ("megalm.distributed.local_sgd", "checkpoint"): "ckpt-pkg",
 }
 
 # Top-level names of this repository that are not the library.

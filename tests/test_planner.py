@@ -13,7 +13,7 @@ from megalm.planner.cluster import Cluster, ClusterFileError, dump_cluster, load
 from megalm.planner.cost import _Step, step_cost
 from megalm.planner.links import layout_links, ring_time
 from megalm.planner.search import Layout, SearchOptions, apply_layout, divisors, layouts, search
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 from tests.training_runs import records, run_trainings, tiny_flags
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))

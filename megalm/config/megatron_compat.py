@@ -30,6 +30,13 @@ NO_EFFECT = {
     "--distributed-backend": "megalm picks the backend itself (nccl with CUDA, gloo without) and checked it matches",
     "--ckpt-format": "megalm writes torch.distributed.checkpoint, which is Megatron's torch_dist",
     "--tiktoken-pattern": "only Megatron's TikTokenizer reads it, and megalm has no TikTokenizer",
+    "--moe-permute-fusion": "megalm permutes tokens to experts with PyTorch index ops (the same order and results); "
+    "Transformer Engine's fused permute kernels are CUDA-only",
+    "--moe-flex-dispatcher-backend": "--moe-token-dispatcher-type flex runs megalm's alltoall dispatcher; the "
+    "DeepEP / HybridEP backends are CUDA kernels",
+    "--auto-detect-ckpt-format": "megalm reads its torch_dist checkpoints only (Megatron's other formats convert with "
+    "tools/checkpoint/convert.py)",
+    "--enable-experimental": "megalm has no experimental-feature gate",
     "--use-megatron-fsdp": "megalm's own sharded data parallelism is chosen by --data-parallel-sharding-strategy "
     "alone (no_shard by default, as in Megatron-LM)",
 }
@@ -70,6 +77,12 @@ class MegatronCompatConfig:
     )
     tiktoken_pattern: Optional[str] = _f(None, "No effect: " + NO_EFFECT["--tiktoken-pattern"] + ".")
     use_megatron_fsdp: bool = _f(False, "No effect: " + NO_EFFECT["--use-megatron-fsdp"] + ".")
+    moe_permute_fusion: bool = _f(False, "No effect: " + NO_EFFECT["--moe-permute-fusion"] + ".")
+    moe_flex_dispatcher_backend: Optional[str] = _f(
+        None, "No effect: " + NO_EFFECT["--moe-flex-dispatcher-backend"] + ".", choices=["deepep", "hybridep"]
+    )
+    auto_detect_ckpt_format: bool = _f(False, "No effect: " + NO_EFFECT["--auto-detect-ckpt-format"] + ".")
+    enable_experimental: bool = _f(False, "No effect: " + NO_EFFECT["--enable-experimental"] + ".")
     fp8_param_gather: bool = _f(False, "Refused: " + UNSUPPORTED["--fp8-param-gather"] + ".")
     window_size: Optional[str] = _f(None, "Refused: " + UNSUPPORTED["--window-size"] + ".")
 
@@ -91,6 +104,10 @@ def given_no_effect_flags(c: MegatronCompatConfig) -> list:
         "--ckpt-format": c.ckpt_format is not None,
         "--tiktoken-pattern": c.tiktoken_pattern is not None,
         "--use-megatron-fsdp": c.use_megatron_fsdp,
+        "--moe-permute-fusion": c.moe_permute_fusion,
+        "--moe-flex-dispatcher-backend": c.moe_flex_dispatcher_backend is not None,
+        "--auto-detect-ckpt-format": c.auto_detect_ckpt_format,
+        "--enable-experimental": c.enable_experimental,
     }
     return [flag for flag, given in values.items() if given]
 

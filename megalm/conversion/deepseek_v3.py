@@ -91,6 +91,8 @@ class DeepseekV3(Llama):
             wrong.append("no --moe-shared-expert-intermediate-size (DeepSeek-V3 has a shared expert)")
         elif m.moe_shared_expert_intermediate_size % (m.moe_ffn_hidden_size or m.ffn_hidden_size):
             wrong.append("--moe-shared-expert-intermediate-size not a multiple of --moe-ffn-hidden-size")
+        if m.moe_shared_expert_gate:
+            wrong.append("--moe-shared-expert-gate (DeepSeek-V3's shared expert has no gate)")
         if m.moe_router_group_topk and m.moe_router_topk // m.moe_router_group_topk != 2:
             wrong.append("--moe-router-topk / --moe-router-group-topk != 2 (HF's group score sums 2 experts)")
         pattern = moe_layers(m)

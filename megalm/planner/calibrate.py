@@ -5,7 +5,9 @@ Run on every rank of the cluster at once (torchrun; on the simulated cluster thr
 
     python3 -m megalm.planner.calibrate --out cluster.toml [--dtype bf16]
 
-Every rank measures at the same time (as in training, every rank computes at once):
+Every rank measures at the same time (as in training, every rank computes at once), and compute rates are
+sustained rates over windows of 1.5 s, not the best call: where ranks share cores (the simulated cluster: every
+rank on this host's cores, under its CPU quota) training runs at the shared rate, which a lucky call would hide:
 
 * GEMM throughput by size (``n x n @ n x n`` for n = 64 ... 2048; on CUDA up to 8192): ``[gemm_tflops]``;
 * the attention core (causal SDPA, forward + backward, counted as Megatron-LM counts it) against the
@@ -38,24 +40,38 @@ def _best(
     repeats: int = 5,
     warm: float = 0.2,
     sync: Callable[[], None] = lambda: None,
-    budget: float = 0.5,
-    reduce=min,
+    budget: float = 1.5,
+    reduce=None,
 ) -> float:
-    """``reduce`` (min: the machine's rate without interference) of at least ``repeats`` timed calls, repeated
-    until ``budget`` seconds are spent, after ``warm`` seconds of warm-up."""
+    """Seconds per call: by default the mean over a continuous window of at least ``budget`` seconds (and
+    ``repeats`` calls) after ``warm`` seconds of warm-up, every rank starting together (:data:`_BARRIER`): a
+    sustained rate, which sees the cores other ranks share and a CPU quota's throttling (a 2-CPU cgroup on a
+    larger host runs a short call at full speed and then waits; the best or median call time hides that).
+    ``reduce`` (e.g. ``statistics.median``) times calls one by one instead (collectives)."""
     until = time.perf_counter() + warm
     fn()
     while time.perf_counter() < until:
         fn()
+    if reduce is None:
+        _BARRIER[0]()
+        sync()
+        t0, count = time.perf_counter(), 0
+        while count < repeats or time.perf_counter() - t0 < budget:
+            fn()
+            count += 1
+        sync()
+        return (time.perf_counter() - t0) / count
     times = []
-    stop = time.perf_counter() + budget
-    while len(times) < repeats or (time.perf_counter() < stop and len(times) < 200):
+    for _ in range(repeats):
         sync()
         t0 = time.perf_counter()
         fn()
         sync()
         times.append(time.perf_counter() - t0)
     return reduce(times)
+
+
+_BARRIER = [lambda: None]  # dist.barrier once the process group exists (main() sets it)
 
 
 def compute_rates(device: torch.device, dtype: torch.dtype) -> Dict[str, object]:
@@ -153,6 +169,18 @@ def collective_rates(per_node: int) -> Dict[str, float]:
     return out
 
 
+def baseline_rss_bytes() -> int:
+    """This process's resident bytes now, after importing what a training process imports (CPU: the part of
+    a rank's peak RSS that is not tensors: interpreter, torch, gloo; the planner's ``reserve_gb``)."""
+    import gc
+
+    import megalm.training.training  # noqa: F401 - what pretrain_gpt.py loads
+
+    gc.collect()
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Measure this cluster's rates for megalm-plan (run under torchrun)")
     p.add_argument("--out", required=True, help="cluster TOML to write (its other keys are kept)")
@@ -169,15 +197,17 @@ def main(argv=None) -> int:
     distributed = "WORLD_SIZE" in os.environ
     if distributed:
         dist.init_process_group("nccl" if cuda else "gloo")
+        _BARRIER[0] = dist.barrier
     rates = compute_rates(device, dtype)
     world = dist.get_world_size() if distributed else 1
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    links = collective_rates(per_node) if distributed and world > 1 else {}
+    rates["reserve_gb"] = baseline_rss_bytes() / 1e9
     if distributed:
         every = [None] * world
         dist.all_gather_object(every, rates)
-        links = collective_rates(per_node) if world > 1 else {}
     else:
-        every, links = [rates], {}
+        every = [rates]
     if not distributed or dist.get_rank() == 0:
         merged = {k: statistics.median(r[k] for r in every) for k in rates if k != "gemm_tflops"}
         slowest = min(every, key=lambda r: r["peak_tflops"])

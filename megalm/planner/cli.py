@@ -233,11 +233,18 @@ def calibrate(options: PlanOptions, cluster) -> int:
         return 0
     if cluster.nodes == 1:
         return subprocess.call(worker, cwd=ROOT)
-    cmd = [sys.executable, os.path.join(ROOT, "tools", "cluster", "run.py"), "--nodes", str(cluster.nodes)]
-    cmd += ["--procs-per-node", str(cluster.devices_per_node), "--name", "mlccal", "--timeout", "600"]
-    cmd += ["--inter-node-bandwidth", options.inter_node_rate] if options.inter_node_rate else []
-    cmd += ["--raw", "--", "bash", "-c", _torchrun_line(base)]
-    return subprocess.call(cmd, cwd=ROOT)
+    from megalm.launch.cluster import ClusterOptions, run_cluster
+
+    options_ = ClusterOptions(
+        nodes=cluster.nodes,
+        procs_per_node=cluster.devices_per_node,
+        inter_node_bandwidth=options.inter_node_rate or None,
+        name="mlccal",
+        timeout=600,
+        raw=True,
+        command=["bash", "-c", _torchrun_line(base)],
+    )
+    return run_cluster(options_)
 
 
 def _torchrun_line(base: List[str]) -> str:
