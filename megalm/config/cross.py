@@ -46,6 +46,21 @@ def validate_cross(cfg, world_size: Optional[int]) -> None:
     if lg.wandb_project and not lg.wandb_save_dir and cfg.checkpoint.save:
         lg.wandb_save_dir = os.path.join(cfg.checkpoint.save, "wandb")  # Megatron's default
     _validate_hang_watchdog(t, p)
+    _validate_rebalance(cfg.data, p, t)
+
+
+def _validate_rebalance(d, p, t) -> None:
+    if not t.straggler_rebalance_interval:
+        return
+    check(
+        d.dataloader_type == "single",
+        "--straggler-rebalance-interval needs --dataloader-type single (shares are slots of each global batch)",
+    )
+    check(
+        not p.num_layers_per_virtual_pipeline_stage,
+        "--straggler-rebalance-interval does not work with the interleaved pipeline schedule (its micro-batch "
+        "count must be a multiple of the pipeline size on every replica)",
+    )
 
 
 def _validate_model_split(m, p) -> None:

@@ -222,6 +222,18 @@ class TrainingConfig(Section):
     hang_watchdog_dir: Optional[str] = _f(
         None, "Where the hang watchdog appends rank_<rank>.txt (default: <--save>/hang_stacks; none: stderr only)."
     )
+    straggler_rebalance_interval: int = _f(
+        0,
+        "Every this many iterations, re-split each global batch's micro-batches between data-parallel replicas "
+        "in proportion to their measured speed, so a slow replica does fewer (needs --calculate-per-token-loss "
+        "and --dataloader-type single; the loss is the balanced run's up to summation order; 0: off; megalm's flag).",
+    )
+    first_step_timeout_seconds: float = _f(
+        300.0,
+        "Fail fast, naming the rank(s) and host(s), when a rank has not finished its first training step this "
+        "many seconds after set-up ended (exit code 75, which torchrun --max-restarts restarts); raise it for "
+        "first steps that compile for minutes (0: off; megalm's flag).",
+    )
 
     def validate(self) -> None:
         """Optimizer offload, precision, numerics checks, optimizer hyper-parameters, batch scaling, the
@@ -252,9 +264,28 @@ class TrainingConfig(Section):
             self.rampup_batch_size is None or self.train_samples is not None,
             "--rampup-batch-size needs --train-samples",
         )
+        first = self.first_step_timeout_seconds
+        check(first >= 0, f"--first-step-timeout-seconds must be >= 0 (0: off), got {first:g}")
+        self._validate_rebalance()
         from megalm.config.lr_schedule import validate_lr_schedule_flags
 
         validate_lr_schedule_flags(self)
+
+    def _validate_rebalance(self) -> None:
+        n = self.straggler_rebalance_interval
+        check(n >= 0, f"--straggler-rebalance-interval must be >= 0 (0: off), got {n}")
+        if not n:
+            return
+        check(
+            self.calculate_per_token_loss,
+            "--straggler-rebalance-interval needs --calculate-per-token-loss: replicas with different micro-batch "
+            "counts are weighted by tokens only then (the mean of per-micro-batch means would weight them unevenly)",
+        )
+        check(
+            not self.rampup_batch_size and not self.step_batch_size_schedule,
+            "--straggler-rebalance-interval needs a constant global batch (no --rampup-batch-size or "
+            "--step-batch-size-schedule)",
+        )
 
     def _validate_numerics_checks(self) -> None:
         """--max-overflows-at-min-loss-scale and --check-for-spiky-loss's options."""

@@ -105,18 +105,24 @@ def train_step(
     groups: ProcessGroups,
     timers=NULL_TIMERS,
     outer_sync=None,
+    rebalancer=None,
 ) -> StepResult:
     """One iteration on this rank (collective over every rank); advances ``state`` and the
     learning-rate ``scheduler``.  ``microbatches``: the run's
     :class:`megalm.training.microbatches.MicrobatchCalculator`; ``groups``: the rank's process
     groups; ``outer_sync``: the
     :class:`megalm.distributed.local_sgd.OuterSync` of ``--local-sgd-interval`` (averages the
-    replicas' parameters after the optimizer step of every H-th iteration), or None."""
+    replicas' parameters after the optimizer step of every H-th iteration), or None;
+    ``rebalancer``: the :class:`megalm.training.rebalance.StragglerRebalancer` of
+    ``--straggler-rebalance-interval`` (this rank runs its replica's share of the micro-batches,
+    timed), or None."""
     from megalm.distributed.finalize_model_grads import finalize_model_grads
     from megalm.transformer.moe import begin_training_step as begin_moe_step
 
     microbatches.update(state.consumed_train_samples)
     gbs, m = microbatches.current_global_batch_size, microbatches.num_microbatches
+    if rebalancer is not None:  # this replica's share (per-token loss: the gradient is the same)
+        m = rebalancer.local_microbatches
     scheduler.set_global_batch_size(gbs)  # --lr-batch-scaling: this iteration's lr follows its batch
     per_token = cfg.training.calculate_per_token_loss
     for chunk in model:
@@ -125,8 +131,9 @@ def train_step(
     loss_scale = optimizer.get_loss_scale()
     begin_moe_step(model, loss_scale, 1 if per_token else m)  # aux-loss backward factor (MoE)
     forward_backward = get_forward_backward_func(groups, cfg.parallel.virtual_pipeline_model_parallel_size)
-    with timers("forward-backward"):
-        reported = forward_backward(
+
+    def run_schedule():
+        return forward_backward(
             forward_step_func=forward_step_func,
             data_iterator=timed_iterator(data_iterator, timers("batch-generator")),
             model=model,
@@ -140,6 +147,9 @@ def train_step(
             groups=groups,
             timers=timers,
         )
+
+    with timers("forward-backward"):
+        reported = run_schedule() if rebalancer is None else rebalancer.timed(run_schedule)
     check_loss = cfg.training.check_for_nan_in_loss_and_grad and optimizer.grad_scaler is None
     finalize_model_grads(
         model, timers=timers, process_groups=groups
