@@ -4,7 +4,8 @@
 A Llama-style fp32 model (RMSNorm, SwiGLU, RoPE, untied output layer, no biases) trained for two steps
 on ``--ranks`` spawned gloo ranks (pure data parallel, one microbatch, ``--overlap-grad-reduce``,
 ``--ddp-bucket-size`` ``--bucket-size``: ZeRO-3 gathers one bucket at a time, so with Megatron's default of
-40M elements a model under ~80M parameters is gathered whole), one fresh group of processes per strategy.  On every rank, glibc is told to return freed blocks
+40M elements a model under ~80M parameters is gathered whole), one fresh group of processes per strategy.
+On every rank, glibc is told to return freed blocks
 (``mallopt``: mmap threshold 64 KiB, trim threshold 0) and three numbers are taken:
 
 * ``tracked``: the CPU allocator's own count (:class:`megalm.training.memory.TrackedAllocations`: every
@@ -77,8 +78,9 @@ def worker(argv: list) -> dict:
     from megalm.training.memory import TrackedAllocations
 
     _return_freed_memory()
-    import pretrain_gpt  # noqa: F401  (imports before the baseline)
     import torch  # noqa: F401
+
+    import pretrain_gpt  # noqa: F401  (imports before the baseline)
 
     base = _rss()
     with TrackedAllocations() as tracked:
@@ -89,8 +91,13 @@ def worker(argv: list) -> dict:
             one_step(trainer)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     params = sum(p.numel() for c in trainer.model for p in c.module.parameters())
-    return {"tracked": tracked.peak, "build": tracked.phases["build"], "step": tracked.phases["step"],
-            "rss": peak_rss - base, "params": params}
+    return {
+        "tracked": tracked.peak,
+        "build": tracked.phases["build"],
+        "step": tracked.phases["step"],
+        "rss": peak_rss - base,
+        "params": params,
+    }
 
 
 def formula(argv: list, k: int) -> dict:
@@ -111,9 +118,7 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument(
-        "--bucket-size", type=int, default=2_000_000, help="--ddp-bucket-size (0: Megatron's default, 40M)"
-    )
+    ap.add_argument("--bucket-size", type=int, default=2_000_000, help="--ddp-bucket-size (0: Megatron's default, 40M)")
     ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     ap.add_argument("--out")
     a = ap.parse_args()
