@@ -30,6 +30,8 @@ NO_EFFECT = {
     "--distributed-backend": "megalm picks the backend itself (nccl with CUDA, gloo without) and checked it matches",
     "--ckpt-format": "megalm writes torch.distributed.checkpoint, which is Megatron's torch_dist",
     "--tiktoken-pattern": "only Megatron's TikTokenizer reads it, and megalm has no TikTokenizer",
+    "--export-force-local-attention": "a ModelOpt export switch (local attention instead of Transformer Engine's); "
+    "megalm's attention cores are its own, and windows and sinks run in each of them",
     "--use-megatron-fsdp": "megalm's own sharded data parallelism is chosen by --data-parallel-sharding-strategy "
     "alone (no_shard by default, as in Megatron-LM)",
 }
@@ -40,7 +42,6 @@ UNSUPPORTED = {
     "--fp8-param-gather": "fp8 parameter all-gather is not built (fp8 runs inside Transformer Engine's layers only)",
     "--multi-latent-attention": "multi-latent attention (DeepSeek) is not built",
     "--mtp-num-layers": "multi-token prediction is not built",
-    "--window-size": "sliding-window attention is not built",
     "--rampup-batch-size": "with --train-iters: refused as in Megatron-LM (a ramp needs --train-samples)",
     "--profile": "without --use-pytorch-profiler on a machine without CUDA (nsys profiles CUDA only)",
 }
@@ -72,10 +73,10 @@ class MegatronCompatConfig:
     )
     tiktoken_pattern: Optional[str] = _f(None, "No effect: " + NO_EFFECT["--tiktoken-pattern"] + ".")
     use_megatron_fsdp: bool = _f(False, "No effect: " + NO_EFFECT["--use-megatron-fsdp"] + ".")
+    export_force_local_attention: bool = _f(False, "No effect: " + NO_EFFECT["--export-force-local-attention"] + ".")
     fp8_param_gather: bool = _f(False, "Refused: " + UNSUPPORTED["--fp8-param-gather"] + ".")
     multi_latent_attention: bool = _f(False, "Refused: " + UNSUPPORTED["--multi-latent-attention"] + ".")
     mtp_num_layers: Optional[int] = _f(None, "Refused: " + UNSUPPORTED["--mtp-num-layers"] + ".")
-    window_size: Optional[str] = _f(None, "Refused: " + UNSUPPORTED["--window-size"] + ".")
 
 
 def given_no_effect_flags(c: MegatronCompatConfig) -> list:
@@ -95,6 +96,7 @@ def given_no_effect_flags(c: MegatronCompatConfig) -> list:
         "--ckpt-format": c.ckpt_format is not None,
         "--tiktoken-pattern": c.tiktoken_pattern is not None,
         "--use-megatron-fsdp": c.use_megatron_fsdp,
+        "--export-force-local-attention": c.export_force_local_attention,
     }
     return [flag for flag, given in values.items() if given]
 
@@ -105,7 +107,6 @@ def refusal(c: MegatronCompatConfig, backend: str) -> Optional[str]:
         ("--fp8-param-gather", c.fp8_param_gather),
         ("--multi-latent-attention", c.multi_latent_attention),
         ("--mtp-num-layers", c.mtp_num_layers is not None),
-        ("--window-size", c.window_size is not None),
     ):
         if given:
             return f"{flag} is not supported by megalm: {UNSUPPORTED[flag]}"

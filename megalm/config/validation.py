@@ -8,6 +8,7 @@ import math
 import os
 from typing import List, Optional, Tuple
 
+from megalm.config.gptoss import validate_gptoss
 from megalm.config.megatron_compat import NO_EFFECT, given_no_effect_flags, refusal
 from megalm.config.sections import (
     CheckpointConfig,
@@ -326,6 +327,7 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
     """Check every combination and fill derived values, one config section after the other
     (later sections read values earlier ones derive).  Raises :class:`ConfigError`."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
+    validate_gptoss(m, p)
     _validate_model(m, p)
     vpp = _validate_pipeline(m, p)
     _validate_parallel(m, p)
@@ -394,17 +396,18 @@ def _validate_model(m: ModelConfig, p: ParallelConfig) -> None:
         )
         m.recompute_granularity = "selective"
     if m.ffn_hidden_size is None:
-        m.ffn_hidden_size = int((4 * m.hidden_size * 2 / 3) / 64) * 64 if m.swiglu else 4 * m.hidden_size
-        m.ffn_hidden_size = max(m.ffn_hidden_size, 64 if m.swiglu else m.ffn_hidden_size)
+        glu = m.swiglu or m.quick_geglu
+        m.ffn_hidden_size = int((4 * m.hidden_size * 2 / 3) / 64) * 64 if glu else 4 * m.hidden_size
+        m.ffn_hidden_size = max(m.ffn_hidden_size, 64 if glu else m.ffn_hidden_size)
     _check(
-        not (m.openai_gelu and m.swiglu),
+        not (m.openai_gelu and (m.swiglu or m.quick_geglu)),
         "--openai-gelu selects the GELU of a GELU MLP; with --swiglu the MLP has no GELU: drop one of them",
     )
     _check(
         m.ffn_hidden_size % tp == 0,
         f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}",
     )
-    if m.position_embedding_type == "rope":
+    if m.position_embedding_type in ("rope", "yarn"):
         rot = int(m.head_dim * m.rotary_percent)
         _check(
             rot % 2 == 0 and rot > 0,

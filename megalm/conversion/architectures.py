@@ -14,10 +14,11 @@ from typing import List
 from megalm.conversion.base import Architecture
 from megalm.conversion.errors import ConversionError
 from megalm.conversion.gpt2 import GPT2
+from megalm.conversion.gptoss import GptOss
 from megalm.conversion.llama import Llama
 from megalm.conversion.mixtral import Mixtral
 
-ARCHITECTURES: List[Architecture] = [Llama(), GPT2(), Mixtral()]
+ARCHITECTURES: List[Architecture] = [Llama(), GPT2(), GptOss(), Mixtral()]
 MOE_MODEL_TYPES = (
     "mixtral",
     "qwen2_moe",

@@ -168,16 +168,16 @@ def checkpoint_shapes(m) -> Dict[str, tuple]:
         shapes[POSITION_EMBEDDINGS] = (m.max_position_embeddings, h)
     norm_parts = ("weight", "bias") if m.normalization == "LayerNorm" else ("weight",)
     attention = {"self_attention.linear_qkv": ((n + 2 * groups) * d, h), "self_attention.linear_proj": (h, n * d)}
-    dense = {"mlp.linear_fc1": (2, f, h) if m.swiglu else (f, h), "mlp.linear_fc2": (h, f)}
+    dense = {"mlp.linear_fc1": (2, f, h) if m.gated_linear_unit else (f, h), "mlp.linear_fc2": (h, f)}
     moe = {}
     if m.num_experts:
         big_f = m.moe_ffn_hidden_size or f
         for j in range(m.num_experts):
-            moe[expert(j, "linear_fc1")] = (2 * big_f if m.swiglu else big_f, h)
+            moe[expert(j, "linear_fc1")] = (2 * big_f if m.gated_linear_unit else big_f, h)
             moe[expert(j, "linear_fc2")] = (h, big_f)
         shared = m.moe_shared_expert_intermediate_size
         if shared:
-            moe["mlp.shared_experts.linear_fc1"] = (2, shared, h) if m.swiglu else (shared, h)
+            moe["mlp.shared_experts.linear_fc1"] = (2, shared, h) if m.gated_linear_unit else (shared, h)
             moe["mlp.shared_experts.linear_fc2"] = (h, shared)
     for i, is_moe in enumerate(moe_layers(m)):
         for norm in ("input_layernorm", "pre_mlp_layernorm"):
@@ -185,10 +185,14 @@ def checkpoint_shapes(m) -> Dict[str, tuple]:
                 shapes[layer(i, f"{norm}.{part}")] = (h,)
         if is_moe:
             shapes[layer(i, ROUTER)] = (m.num_experts, h)
+            if m.add_bias_linear:
+                shapes[layer(i, "mlp.router.bias")] = (m.num_experts,)
         for name, shape in {**attention, **(moe if is_moe else dense)}.items():
             shapes[layer(i, name + ".weight")] = shape
             if m.add_bias_linear or (m.add_qkv_bias and name == "self_attention.linear_qkv"):
                 shapes[layer(i, name + ".bias")] = shape[:-1]
+        if m.softmax_type == "learnable":
+            shapes[layer(i, "self_attention.core_attention.softmax_offset")] = (n,)
         if m.qk_layernorm:
             for norm in ("q_layernorm", "k_layernorm"):
                 for part in norm_parts:

@@ -54,7 +54,7 @@ from megalm.tensor_parallel.layers import ColumnParallelLinear
 from megalm.tensor_parallel.linear_cross_entropy import linear_cross_entropy
 from megalm.tensor_parallel.param_info import set_param_info
 from megalm.transformer.moe.state import MoEState
-from megalm.transformer.rope import RotaryEmbedding
+from megalm.transformer.rope import RotaryEmbedding, Yarn
 from megalm.transformer.transformer_block import TransformerBlock
 from megalm.transformer.utils import init_std, sequence_parallel_enabled
 
@@ -100,8 +100,13 @@ class GPTModel(nn.Module):
                 m, self.padded_vocab_size, self.sequence_parallel, tp_group=self.tp_group
             )
         self.rotary = (
-            RotaryEmbedding(m.head_dim, m.rotary_percent, m.rotary_base)
-            if m.position_embedding_type == "rope"
+            RotaryEmbedding(
+                m.head_dim,
+                m.rotary_percent,
+                m.rotary_base,
+                Yarn.from_config(m) if m.position_embedding_type == "yarn" else None,
+            )
+            if m.position_embedding_type in ("rope", "yarn")
             else None
         )
         self.decoder = TransformerBlock(

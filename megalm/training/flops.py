@@ -101,7 +101,7 @@ def num_floating_point_operations(cfg, batch_size: float) -> float:
         vocab,
         num_query_groups=m.num_query_groups if m.group_query_attention else None,
         kv_channels=m.kv_channels,
-        swiglu=m.swiglu,
+        swiglu=m.gated_linear_unit,
         moe_router_topk=topk,
         moe_ffn_hidden_size=moe_ffn,
         num_moe_layers=num_moe_layers,
