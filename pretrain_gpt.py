@@ -22,13 +22,12 @@ import torch.distributed as dist
 
 from megalm.config import ConfigError, MegalmConfig, build_parser
 from megalm.context_parallel.loss import context_parallel_loss
-from megalm.data import get_batch
 from megalm.device import shutdown_distributed
 from megalm.distributed.finalize_model_grads import unwrap_model
 from megalm.errors import MegalmError, TrainingStopped
 from megalm.log import setup_logging
 from megalm.models import GPTModel
-from megalm.training import pretrain
+from megalm.training import get_batch, pretrain
 from megalm.transformer.moe import pop_moe_metrics
 
 
@@ -57,7 +56,8 @@ def loss_func(loss_mask: torch.Tensor, model: torch.nn.Module, output_tensor: to
 
 def forward_step(data_iterator, model):
     """One microbatch: tokens in, per-token losses out (on the last stage)."""
-    batch = get_batch(data_iterator, unwrap_model(model).cfg)
+    gpt = unwrap_model(model)  # its config sizes the batch; its process groups carry it
+    batch = get_batch(data_iterator, gpt.cfg, gpt.process_groups)
     output = model(
         batch["tokens"],
         batch["position_ids"],

@@ -24,7 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from megalm.testing import run_distributed  # noqa: E402
+from megalm.launch.spawn import run_distributed  # noqa: E402
 
 MODEL = [
     "--num-layers",

@@ -39,7 +39,7 @@ import time
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from megalm.testing import run_distributed  # noqa: E402
+from megalm.launch.spawn import run_distributed  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, GROUPS = 2, 128, 8, 4
 MODEL = [

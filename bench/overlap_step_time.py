@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.abspath(os.path.dirname(__file__)))
 
 from comm_bytes import MODEL, one_step, setup_trainer  # noqa: E402
 
-from megalm.testing import run_distributed  # noqa: E402
+from megalm.launch.spawn import run_distributed  # noqa: E402
 
 CONFIGS = [
     ("plain DP", []),

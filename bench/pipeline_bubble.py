@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
-from megalm.testing import run_distributed  # noqa: E402
+from megalm.launch.spawn import run_distributed  # noqa: E402
 
 SHAPE = (16, 2, 64)  # [s, b, h] exchanged between stages
 BUSY = {"seconds": 0.0}

@@ -44,7 +44,7 @@ for _path in (os.path.abspath(os.path.join(HERE, os.path.pardir)), HERE):
 from comm_bytes import MODEL, one_step, setup_trainer  # noqa: E402
 from sharding_memory import EXTRA, sampled_steps  # noqa: E402
 
-from megalm.testing import run_distributed  # noqa: E402
+from megalm.launch.spawn import run_distributed  # noqa: E402
 
 STRATEGY = "--data-parallel-sharding-strategy"
 LADDER = [

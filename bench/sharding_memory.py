@@ -34,7 +34,7 @@ for _path in (os.path.abspath(os.path.join(HERE, os.path.pardir)), HERE):
 
 from comm_bytes import MODEL, one_step, setup_trainer  # noqa: E402
 
-from megalm.testing import run_distributed  # noqa: E402
+from megalm.launch.spawn import run_distributed  # noqa: E402
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 EXTRA = ["--bf16", "--untie-embeddings-and-output-weights", "--ddp-bucket-size", "500000", "--overlap-grad-reduce"]

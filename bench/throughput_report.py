@@ -16,7 +16,7 @@ from reference_models import IMPL_NAMES, PRECISIONS, SHAPES, THREADS
 def flops_per_step(shape: dict) -> float:
     """megalm's model-FLOPs formula for one step of ``micro_batch`` sequences."""
     from megalm.config import ModelConfig
-    from megalm.training.flops import num_floating_point_operations
+    from megalm.flops import num_floating_point_operations
 
     m = ModelConfig(
         num_layers=shape["layers"],
@@ -40,8 +40,8 @@ def measure_peaks(warmup_s: float = 1.0, repeats: int = 3, precisions=("fp32", "
     THREADS threads (only those measured: a CPU without native bf16 takes seconds per bf16 matmul)."""
     import torch
 
-    from megalm.training import flops
-    from megalm.training.flops import device_peak_flops
+    from megalm import flops
+    from megalm.flops import device_peak_flops
 
     torch.set_num_threads(THREADS)
     out = {}
@@ -56,7 +56,7 @@ def measure_peaks(warmup_s: float = 1.0, repeats: int = 3, precisions=("fp32", "
             torch.matmul(a, a)
         best, source = 0.0, ""
         for _ in range(repeats):
-            getattr(flops, "_MEASURED", {}).clear()  # its per-process cache
+            flops.measure_matmul_flops.cache_clear()  # measured once per process otherwise
             peak, source = device_peak_flops(dtype, device=torch.device("cpu"))
             best = max(best, peak)
         out[name] = {"flops": best, "source": source, "measurements": repeats}

@@ -44,7 +44,7 @@ bf16 rows are alternated as two groups (``--alternate``); every ratio is within 
 
 Each row reports the median step time over all its timed steps (and half the interquartile range),
 tokens/s = micro-batch x seq / median, model TFLOP/s and MFU from megalm's own formula and peak
-(:func:`megalm.training.flops.num_floating_point_operations`; :func:`~megalm.training.flops.device_peak_flops`,
+(:func:`megalm.flops.num_floating_point_operations`; :func:`~megalm.flops.device_peak_flops`,
 a measured 1024^3 matmul per precision, here the best of its measurements at the start, after a 1 s
 warm-up, and after every round), speed ratios to the HF row and to the plain-PyTorch row of the
 same precision and shape (> 1: faster), the worker's peak RSS (``ru_maxrss``) and its increase over

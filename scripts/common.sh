@@ -51,7 +51,7 @@ megalm_die() { echo "[megalm] error: $*" >&2; exit 2; }
 megalm_resolve_precision() {
     if [[ "${PRECISION:-}" == auto ]]; then
         PRECISION=$(cd "$MEGALM_REPO_ROOT" && "${PYTHON:-python3}" -c "import torch; \
-from megalm.training.flops import cpu_has_native_bf16; \
+from megalm.flops import cpu_has_native_bf16; \
 print('bf16' if torch.cuda.is_available() or cpu_has_native_bf16() else 'fp32')") \
             || megalm_die "PRECISION=auto: could not ask torch through ${PYTHON:-python3} (is megalm installed?)"
         megalm_warn "PRECISION=auto: $PRECISION"

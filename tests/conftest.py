@@ -11,8 +11,8 @@ The suite is the CPU/gloo suite (what CI runs): on a machine with a GPU it still
 gloo ranks on one machine).  GPU paths are checked by ``bench/cuda_check.sh`` on a GPU machine.
 
 Spawned ranks are reused between tests of the same world size (``MEGALM_TEST_RANK_POOL=1``, read by
-:func:`megalm.testing.run_distributed`; ``0``: every call gets fresh processes).  A reused rank holds no
-process group between calls (a rank that would retires: see :mod:`megalm.testing`), so idle ranks have no
+:func:`tests.distributed_harness.run_distributed`; ``0``: every call gets fresh processes).  A reused rank holds no
+process group between calls (a rank that would retires: see :mod:`tests.distributed_harness`), so idle ranks have no
 gloo threads.
 
 Hangs fail instead of stalling CI:
@@ -78,7 +78,7 @@ def kill_daemonic_children() -> None:
 
 
 def pytest_sessionfinish(session, exitstatus):
-    from megalm.testing import close_rank_pools
+    from tests.distributed_harness import close_rank_pools
 
     close_rank_pools()
     kill_daemonic_children()

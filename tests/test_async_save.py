@@ -12,7 +12,7 @@ import torch
 from megalm.async_save import AsyncCheckpointWriter, AsyncSaveError
 from megalm.checkpointing import TRACKER_FILENAME, stage_to_cpu
 from megalm.dist_checkpointing import ShardedTensorSpec
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 from tests.training_runs import losses, records
 
 # --- the writer -----------------------------------------------------------------------------------

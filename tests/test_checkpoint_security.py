@@ -24,7 +24,7 @@ import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from megalm.safe_unpickle import CheckpointMetadataError, CheckpointSecurityError, SafeFileSystemReader, load_metadata
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 from tests.training_runs import losses as _losses
 from tests.training_runs import run_trainings as _run_trainings
 from tests.training_runs import tiny_flags

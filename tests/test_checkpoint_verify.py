@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megalm import checkpoint_manifest, checkpointing, dist_checkpointing
 from megalm.async_save import AsyncCheckpointWriter, AsyncSaveError
 from megalm.safe_unpickle import load_metadata
-from megalm.testing import run_distributed
 from tests.checkpoint_fixtures import save_random_model, tiny_cfg
+from tests.distributed_harness import run_distributed
 from tests.logs import megalm_logs
 from tests.training_runs import losses, records, run_trainings, tiny_flags
 

@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 from tests.training_runs import losses, records
 
 TINY = [

@@ -216,8 +216,8 @@ def test_round_trip_through_dict():
 def test_use_checkpoint_args(tmp_path, capsys):
     """Architecture and tokenizer flags come from the checkpoint unless given; the result builds a
     model whose parameters load from it and train (one --finetune step)."""
-    from megalm.testing import run_distributed
     from tests.checkpoint_fixtures import LLAMA, save_random_model, tiny_cfg
+    from tests.distributed_harness import run_distributed
     from tests.training_runs import run_trainings
 
     saved = tiny_cfg(300, "NullTokenizer", **LLAMA)  # as a --mock-data run saves it: 299 ids + EOD

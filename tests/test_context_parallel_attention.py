@@ -20,8 +20,8 @@ from megalm.context_parallel.keyed_dropout import KeyedDropout
 from megalm.context_parallel.ring import ring_attention
 from megalm.context_parallel.ulysses import check_heads
 from megalm.parallel_state import group_rank
-from megalm.testing import run_distributed
 from megalm.transformer.rope import RotaryEmbedding, apply_rotary
+from tests.distributed_harness import run_distributed
 from tests.numerics import relative_error
 
 SEQ, BATCH, HEADS, DIM = 40, 2, 8, 8

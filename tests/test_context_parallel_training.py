@@ -27,7 +27,7 @@ import os
 import pytest
 
 from megalm.config import ConfigError, parse_config
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 from tests.training_runs import assert_close, losses, records, run_trainings, tiny_flags
 
 TINY = tiny_flags(

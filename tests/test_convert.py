@@ -237,7 +237,7 @@ def test_export_from_tp2_training_equals_tp1(tmp_path):
     same tensors as the same weights saved from one process (TP 2 x PP 2 and expert parallelism:
     tests/test_convert_mixtral.py)."""
     from megalm.models import GPTModel
-    from megalm.testing import run_distributed
+    from tests.distributed_harness import run_distributed
     from tests.test_training import TINY
 
     argv = TINY + [

@@ -375,7 +375,7 @@ def ranks(hf_mixtral, tmp_path_factory):
     stage's copy is not saved), the Mixtral model under PP 2 x EP 2 (alltoall, grouped GEMM) and
     under TP 2 (SP) x EP 2, and loads a transformers Mixtral imported for TP 2 x EP 2."""
     from megalm.conversion.import_hf import import_from_hf
-    from megalm.testing import run_distributed
+    from tests.distributed_harness import run_distributed
 
     tmp = tmp_path_factory.mktemp("ranks")
     hf_dir, hf_model = hf_mixtral

@@ -5,13 +5,17 @@ import pytest
 import torch
 
 from megalm.config import ConfigError, MegalmConfig
-from megalm.data import build_train_valid_test_data_iterators, get_batch, splits_available
+from megalm.data import build_train_valid_test_data_iterators, splits_available
 from megalm.data.builder import build_train_valid_test_datasets
 from megalm.data.indexed_dataset import IndexedDatasetBuilder
 from megalm.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler, epoch_generator_seed
-from megalm.testing import run_distributed
+from megalm.parallel_state import ProcessGroups
 from megalm.tokenizers import NullTokenizer
+from megalm.training import get_batch
+from tests.distributed_harness import run_distributed
 from tests.test_reset_attention_mask import megatron_mask
+
+ONE = ProcessGroups.single()  # a model of one process
 
 VOCAB = 1000
 
@@ -78,8 +82,8 @@ def test_iterators_single_process_resume_workers_and_cyclic_valid(tmp_path):
     prefix = write_numbered_dataset(tmp_path / "ds")
     tok = NullTokenizer(VOCAB)
     cfg = make_cfg(prefix)
-    train, valid, test = build_train_valid_test_data_iterators(cfg, tok, 0, 0)
-    batches = [get_batch(train) for _ in range(12)]
+    train, valid, test = build_train_valid_test_data_iterators(cfg, tok, 0, 0, groups=ONE)
+    batches = [get_batch(train, None, ONE) for _ in range(12)]
     assert set(batches[0]) == {"tokens", "labels", "loss_mask", "position_ids", "attention_mask"}
     assert batches[0]["attention_mask"] is None  # causal unless --reset-attention-mask
     assert batches[0]["tokens"].shape == (2, 16) and batches[0]["tokens"].dtype == torch.int64
@@ -87,25 +91,25 @@ def test_iterators_single_process_resume_workers_and_cyclic_valid(tmp_path):
     train_ds = build_train_valid_test_datasets(cfg, tok)[0]
     assert torch.equal(batches[5]["tokens"][1], train_ds[11]["tokens"])  # micro-batch 5 = samples 10, 11
     # Resume after 3 global batches (12 samples = 6 micro-batches), with 2 loader workers.
-    resumed, _, _ = build_train_valid_test_data_iterators(make_cfg(prefix, workers=2), tok, 12, 0)
+    resumed, _, _ = build_train_valid_test_data_iterators(make_cfg(prefix, workers=2), tok, 12, 0, groups=ONE)
     for expected in batches[6:]:
-        got = get_batch(resumed)
+        got = get_batch(resumed, None, ONE)
         assert all(torch.equal(got[k], expected[k]) for k in expected if k != "attention_mask")
     # Valid: cyclic; wraps to its start.
     valid_ds = build_train_valid_test_datasets(cfg, tok)[1]
     n_valid = len(valid_ds) // 2
-    first = [get_batch(valid)["tokens"] for _ in range(n_valid)]
-    assert torch.equal(get_batch(valid)["tokens"], first[0])
-    assert test is not None and get_batch(test)["tokens"].shape == (2, 16)
+    first = [get_batch(valid, None, ONE)["tokens"] for _ in range(n_valid)]
+    assert torch.equal(get_batch(valid, None, ONE)["tokens"], first[0])
+    assert test is not None and get_batch(test, None, ONE)["tokens"].shape == (2, 16)
 
 
 def test_mock_data_iterators():
     cfg = make_cfg(None)
     tok = NullTokenizer(64)
-    a = build_train_valid_test_data_iterators(cfg, tok)[0]
-    b = build_train_valid_test_data_iterators(cfg, tok)[0]
+    a = build_train_valid_test_data_iterators(cfg, tok, groups=ONE)[0]
+    b = build_train_valid_test_data_iterators(cfg, tok, groups=ONE)[0]
     for _ in range(3):
-        x, y = get_batch(a), get_batch(b)
+        x, y = get_batch(a, None, ONE), get_batch(b, None, ONE)
         assert torch.equal(x["tokens"], y["tokens"]) and int(x["tokens"].max()) <= 64
 
 
@@ -127,11 +131,12 @@ def _ranks_read_and_broadcast(prefix):
         ps.initialize_model_parallel(tp, pp)
         cfg = make_cfg(prefix)
         cfg.data.reset_attention_mask = name.endswith("docs")  # every stage needs the documents
-        train_ds = build_train_valid_test_datasets(cfg, tok, rank_reads_data(cfg.data.reset_attention_mask))[0]
-        iterators = build_train_valid_test_data_iterators(cfg, tok, consumed_train_samples=8)
+        groups = ps.get_process_groups()
+        train_ds = build_train_valid_test_datasets(cfg, tok, rank_reads_data(groups, cfg.data.reset_attention_mask))[0]
+        iterators = build_train_valid_test_data_iterators(cfg, tok, consumed_train_samples=8, groups=groups)
         train, valid, test = iterators
         dp = ps.get_data_parallel_world_size()
-        micro = [get_batch(train, cfg) for _ in range(2 * 8 // (2 * dp))]
+        micro = [get_batch(train, cfg, groups) for _ in range(2 * 8 // (2 * dp))]
         splits = splits_available(iterators)
         out[name] = {
             "built": None if train_ds is None else bool(train_ds.built_indices),
@@ -201,9 +206,9 @@ def _get_batch_without_cfg_under_model_parallelism():
         batch = {k: torch.zeros(2, 16, dtype=torch.int64) for k in ("tokens", "labels", "position_ids")}
         batch["loss_mask"] = torch.ones(2, 16)
         with pytest.raises(BatchError, match=r"get_batch needs cfg"):
-            get_batch(iter([batch]))
+            get_batch(iter([batch]), None, ps.get_process_groups())
         cfg = make_cfg(None)
-        return get_batch(iter([batch]), cfg)["tokens"].shape
+        return get_batch(iter([batch]), cfg, ps.get_process_groups())["tokens"].shape
     finally:
         ps.destroy_model_parallel()
 
@@ -216,7 +221,7 @@ def test_get_batch_needs_the_config_not_a_remembered_shape():
 def test_splits_available_reports_empty_splits():
     cfg = make_cfg(None)
     cfg.data.split = "100,0,0"
-    iterators = build_train_valid_test_data_iterators(cfg, NullTokenizer(64))
+    iterators = build_train_valid_test_data_iterators(cfg, NullTokenizer(64), groups=ONE)
     train, valid, test = iterators
     assert splits_available(iterators) == (True, False, False)
     assert train is not None and valid is None and test is None
@@ -342,22 +347,24 @@ def test_cyclic_iterators_shuffle_wrap_epochs_and_resume(tmp_path):
     sampler = random_sampler(len(train_ds), 0, 2, 0, 1, seed=5)
     per_epoch = len(sampler)
     expected = [m for _ in range(2) for m in sampler]  # two epochs of sample ids
-    train, valid, test = build_train_valid_test_data_iterators(cfg, tok, 0, 0)
+    train, valid, test = build_train_valid_test_data_iterators(cfg, tok, 0, 0, groups=ONE)
     n = per_epoch + 3  # past the end of the first epoch
-    got = [get_batch(train)["tokens"] for _ in range(n)]
+    got = [get_batch(train, None, ONE)["tokens"] for _ in range(n)]
     for batch, ids in zip(got, expected):
         assert torch.equal(batch, torch.stack([train_ds[i]["tokens"] for i in ids]))
     assert [i for m in expected[:per_epoch] for i in m] != list(range(2 * per_epoch))  # shuffled
     # Resume after 3 global batches (12 samples), with 2 workers, across the epoch boundary.
     cfg.data.num_workers = 2
-    resumed, _, _ = build_train_valid_test_data_iterators(cfg, tok, 12, 0)
+    resumed, _, _ = build_train_valid_test_data_iterators(cfg, tok, 12, 0, groups=ONE)
     for batch in got[6:]:
-        assert torch.equal(get_batch(resumed)["tokens"], batch)
+        assert torch.equal(get_batch(resumed, None, ONE)["tokens"], batch)
     # Valid and test are cyclic too (as Megatron's): valid from its consumed samples, into a new epoch.
     valid_sampler = random_sampler(len(valid_ds), 4, 2, 0, 1, seed=5)
     valid_ids = [m for _ in range(2) for m in valid_sampler][: len(valid_ds) // 2 + 1]
     cfg.data.num_workers = 0
-    valid = build_train_valid_test_data_iterators(cfg, tok, 0, 4)[1]
+    valid = build_train_valid_test_data_iterators(cfg, tok, 0, 4, groups=ONE)[1]
     for ids in valid_ids:
-        assert torch.equal(get_batch(valid)["tokens"], torch.stack([valid_ds[i]["tokens"] for i in ids]))
-    assert all(get_batch(test)["tokens"].shape == (2, 16) for _ in range(20))  # more than the test split holds
+        assert torch.equal(get_batch(valid, None, ONE)["tokens"], torch.stack([valid_ds[i]["tokens"] for i in ids]))
+    assert all(
+        get_batch(test, None, ONE)["tokens"].shape == (2, 16) for _ in range(20)
+    )  # more than the test split holds

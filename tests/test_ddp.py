@@ -16,7 +16,7 @@ from megalm import parallel_state
 from megalm.config import MegalmConfig, ParallelConfig
 from megalm.distributed import DistributedDataParallel, comm, finalize_model_grads
 from megalm.optimizer import build_optimizer
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 
 GLOBAL_BATCH, NUM_MICRO, STEPS = 24, 3, 3
 LR, WD, CLIP = 1e-3, 0.1, 0.05

@@ -8,7 +8,7 @@ import socket
 import pytest
 
 import megalm.device as device
-import megalm.testing as testing
+import tests.distributed_harness as testing
 
 
 def test_one_port_picker_for_library_and_tests(monkeypatch):

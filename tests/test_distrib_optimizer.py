@@ -25,7 +25,7 @@ from megalm.distributed import DistributedDataParallel, comm, finalize_model_gra
 from megalm.optimizer import DistributedOptimizer, build_optimizer
 from megalm.optimizer.grad_scaler import DynamicGradScaler
 from megalm.optimizer.memory_accounting import formula_bytes_per_param, optimizer_memory
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 from tests.test_ddp import GLOBAL_BATCH, NUM_MICRO, STEPS, batch, make_cfg, make_model, reference_run
 
 PRECISIONS = {  # name: (param dtype, accumulate_allreduce_grads_in_fp32)

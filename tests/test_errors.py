@@ -15,10 +15,10 @@ from megalm.data.preprocess import PreprocessError
 from megalm.data.text_sources import InputError
 from megalm.errors import MegalmError, TrainingStopped
 from megalm.fusions.backends import BackendUnavailable
-from megalm.testing import DistributedTestError
 from megalm.timers import TimerError
 from megalm.training.metrics import WandbSetupError
 from megalm.training.profiling import ProfilerUnavailable
+from tests.distributed_harness import DistributedTestError
 
 
 @pytest.mark.parametrize(

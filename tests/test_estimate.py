@@ -28,7 +28,7 @@ from megalm.estimate.parameters import stage_parameters, total_parameters
 from megalm.estimate.planner import PlannerOptions, format_plan, plan
 from megalm.presets import PRESETS, PresetError
 from megalm.tensor_parallel import model_parallel_manual_seed
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 
 LLAMA = dict(
     position_embedding_type="rope",
@@ -324,7 +324,7 @@ def test_in_flight_microbatches_follow_the_schedules():
 
 
 def test_flops_and_step_time():
-    from megalm.training.flops import num_floating_point_operations
+    from megalm.flops import num_floating_point_operations
 
     cfg, options = parse(
         [

@@ -21,7 +21,7 @@ from megalm.config import MegalmConfig, ParallelConfig
 from megalm.distributed import DistributedDataParallel, comm
 from megalm.optimizer import FP32Optimizer, build_optimizer
 from megalm.parallel_state import ProcessGroups
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 
 LR, CLIP = 1.0, 0.05
 

@@ -244,7 +244,7 @@ def _generate_on_ranks(paths, eods, cli_runs):
 
 
 def test_model_parallel_generation_matches_one_process(checkpoints, models, references, tmp_path):
-    from megalm.testing import run_distributed
+    from tests.distributed_harness import run_distributed
 
     tool = runpy.run_path(str(REPO / "tools" / "generate.py"))
     prompt_file = tmp_path / "prompts.txt"

@@ -20,7 +20,7 @@ from megalm.tensor_parallel import (
     gather_tensor_parallel_param,
     model_parallel_manual_seed,
 )
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 
 VOCAB, SEQ, BATCH = 50, 8, 2
 

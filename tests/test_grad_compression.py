@@ -33,7 +33,7 @@ from megalm.distributed.compression.segments import matrix_segments
 from megalm.distributed.local_sgd import OuterSync
 from megalm.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from megalm.parallel_state import ProcessGroups
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 
 K, LOCAL = 4, 2
 BATCH, NUM_MICRO, STEPS, BUCKET, LR = 16, 2, 3, 700, 0.1

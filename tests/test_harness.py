@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalm.testing import DistributedTestError, run_distributed
+from tests.distributed_harness import DistributedTestError, run_distributed
 
 
 def _sum_ranks():
@@ -20,14 +20,14 @@ def _fail_on_rank_one():
 @pytest.fixture(autouse=True)
 def _no_reused_ranks_left():
     """The reused ranks these tests start stop with them (idle ones keep gloo threads busy)."""
-    from megalm import testing
+    from tests import distributed_harness as testing
 
     yield
     testing.close_rank_pools()
 
 
 def test_harness_runs_real_ranks_and_reports_errors(monkeypatch):
-    from megalm import testing
+    from tests import distributed_harness as testing
 
     monkeypatch.setenv(testing.POOL_ENV, "1")
     assert run_distributed(_sum_ranks, 3, timeout=60) == [3.0, 3.0, 3.0]
@@ -67,7 +67,7 @@ def _monkeypatch_megalm():
 
 
 def test_reused_ranks_are_restored_and_retire_after_leftovers(monkeypatch):
-    from megalm import testing
+    from tests import distributed_harness as testing
 
     monkeypatch.setenv(testing.POOL_ENV, "1")
     pids = run_distributed(_dirty_the_process, 2, timeout=60)
@@ -108,7 +108,7 @@ def _keep_a_group():
 def test_reused_ranks_free_process_groups(monkeypatch, tmp_path):
     """A DDP step leaves no process group alive (its gradient hooks hold it weakly): the idle ranks have no
     group threads and serve the next call; a call that keeps a group retires them."""
-    from megalm import testing
+    from tests import distributed_harness as testing
 
     log = tmp_path / "pool.log"
     monkeypatch.setenv(testing.POOL_ENV, "1")

@@ -16,7 +16,7 @@ from megalm import parallel_state
 from megalm.config import MegalmConfig, ParallelConfig
 from megalm.distributed import DistributedDataParallel, comm, finalize_model_grads
 from megalm.parallel_state import NodeLayoutError, ProcessGroups, node_split
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 
 BATCH, NUM_MICRO, STEPS, BUCKET = 16, 2, 3, 100
 LOCAL = 2  # ranks per node

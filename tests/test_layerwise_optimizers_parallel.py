@@ -35,7 +35,7 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 from tests.training_runs import assert_close, records, run_trainings
 
 TINY = [

@@ -9,7 +9,7 @@ import pytest
 
 from megalm.config import ConfigError, build_parser, config_from_args, validate_config
 from megalm.config.megatron_compat import UNSUPPORTED
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 from tests.training_runs import records
 from tests.training_runs import run_trainings as _run_trainings
 

@@ -9,8 +9,9 @@ import time
 import pytest
 import torch
 
+from megalm import flops
 from megalm.config import MegalmConfig, validate_config
-from megalm.training import flops, memory
+from megalm.training import memory
 from megalm.training.metrics import MetricsWriter, WandbSetupError, check_wandb_ready, format_log_line
 
 

@@ -290,7 +290,7 @@ def test_defaults_follow_megatron():
 
 
 def test_flops_count_only_activated_experts():
-    from megalm.training.flops import num_floating_point_operations
+    from megalm.flops import num_floating_point_operations
 
     base = [
         "--moe-layer-freq",

@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 from tests.training_runs import assert_close as _assert_close
 from tests.training_runs import records as _records
 from tests.training_runs import run_trainings as _run_trainings

@@ -14,7 +14,7 @@ import os
 import pytest
 
 from megalm.config import ConfigError
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 from tests.training_runs import records, tiny_flags
 
 TINY = tiny_flags(

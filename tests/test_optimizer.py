@@ -17,7 +17,7 @@ from megalm.optimizer import (
     build_optimizer,
     get_param_groups,
 )
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 
 
 def make_cfg(optimizer="adam", lr=1e-2, clip=1.0, wd=0.1, **training):

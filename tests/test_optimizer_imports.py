@@ -1,8 +1,7 @@
-"""megalm.optimizer has no import cycle: a static graph of every import statement (module level and
-inside functions) between its modules and megalm.checkpointing, and each module imported first
-in a fresh interpreter."""
+"""Each megalm.optimizer module imports first in a fresh interpreter (no import-order dependence).
 
-import ast
+The static import rules (layers, cycles at any depth) are tests/test_layers.py's."""
+
 import json
 import os
 import subprocess
@@ -13,73 +12,6 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "megalm", "optimizer")
 MODULES = sorted(f"megalm.optimizer.{f[:-3]}" for f in os.listdir(PACKAGE) if f.endswith(".py") and f != "__init__.py")
-
-
-def imported_modules(path):
-    """Every ``megalm.*`` module a file imports, at any depth of its code."""
-    out = set()
-    for node in ast.walk(ast.parse(open(path).read())):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            out.add(node.module)
-            out.update(f"{node.module}.{a.name}" for a in node.names)  # "from megalm.optimizer import x"
-    return {m for m in out if m.startswith("megalm.")}
-
-
-def graph():
-    nodes = MODULES + ["megalm.checkpointing"]
-    path = {m: os.path.join(ROOT, *m.split(".")) + ".py" for m in nodes}
-    return {m: sorted(imported_modules(path[m]) & set(nodes) - {m}) for m in nodes}
-
-
-def find_cycle(edges):
-    """One cycle as a list of modules, or None (depth-first search)."""
-    state, stack = {}, []
-
-    def visit(m):
-        state[m] = "open"
-        stack.append(m)
-        for n in edges[m]:
-            if state.get(n) == "open":
-                return stack[stack.index(n) :] + [n]
-            if n not in state:
-                found = visit(n)
-                if found:
-                    return found
-        state[m] = "done"
-        stack.pop()
-        return None
-
-    for m in edges:
-        if m not in state:
-            found = visit(m)
-            if found:
-                return found
-    return None
-
-
-def test_cycle_finder_finds_a_planted_cycle():
-    assert find_cycle({"a": ["b"], "b": ["c"], "c": ["a"]}) == ["a", "b", "c", "a"]
-    assert find_cycle({"a": ["b"], "b": [], "c": ["a", "b"]}) is None
-
-
-def test_optimizer_modules_import_graph_is_acyclic():
-    edges = graph()
-    assert "megalm.optimizer.factory" in edges and "megalm.optimizer.distrib_optimizer" in edges
-    assert find_cycle(edges) is None, edges
-    # the base class knows neither its subclass nor the factory; no optimizer module reads checkpointing
-    leaves = {
-        "megalm.optimizer.clip_grads",
-        "megalm.optimizer.grad_scaler",
-        "megalm.optimizer.cpu_offload",
-        "megalm.optimizer.tensor_norms",
-    }
-    assert set(edges["megalm.optimizer.optimizer"]) <= leaves
-    assert edges["megalm.optimizer.cpu_offload"] == []
-    assert not edges["megalm.optimizer.tensor_norms"]  # a leaf: imports no optimizer module
-    assert "megalm.optimizer.factory" not in edges["megalm.optimizer.distrib_optimizer"]
-    assert not [m for m in MODULES if "megalm.checkpointing" in edges[m]]
 
 
 # Imports each module named on the command line first, in a child forked from an interpreter that has

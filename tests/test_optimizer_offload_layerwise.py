@@ -23,7 +23,7 @@ from megalm.distributed import DistributedDataParallel
 from megalm.optimizer import build_optimizer
 from megalm.parallel_state import ProcessGroups
 from megalm.tensor_parallel.param_info import set_param_info
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 from tests.test_distrib_optimizer import _mlp
 from tests.test_optimizer_offload import _steps as train_steps
 

@@ -19,8 +19,8 @@ from megalm.tensor_parallel import mappings
 from megalm.tensor_parallel.initialization import initialize_weights
 from megalm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalm.tensor_parallel.utils import shard_of_full
-from megalm.testing import run_distributed
 from megalm.transformer.moe import MoELayer
+from tests.distributed_harness import run_distributed
 
 S, B, H, OUT = 4, 2, 8, 6
 TIMEOUT = timedelta(seconds=60)

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from megalm import parallel_state as ps
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 
 
 def test_layout_world8_tp2_pp2_matches_megatron():

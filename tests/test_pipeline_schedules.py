@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 
 H, S, B = 6, 4, 2  # hidden, sequence, micro batch
 NUM_LAYERS = 8

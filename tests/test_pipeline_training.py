@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 from tests.training_runs import assert_close as _assert_close
 from tests.training_runs import inf_at
 from tests.training_runs import losses as _losses

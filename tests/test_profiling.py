@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megalm.testing import run_distributed
 from megalm.training.profiling import ProfilerUnavailable, StepProfiler
+from tests.distributed_harness import run_distributed
 
 
 def _cfg(trace_dir, start, end, ranks=(0,), torch_profiler=True, profile=True):

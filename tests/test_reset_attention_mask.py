@@ -117,9 +117,10 @@ def test_recompute_keeps_the_mask():
 
 
 def test_gpt_dataset_items_carry_documents_and_get_batch_builds_the_mask(tmp_path):
-    from megalm.data import get_batch
     from megalm.data.gpt_dataset import GPTDataset, GPTDatasetConfig
     from megalm.data.mock_dataset import MockIndexedDataset
+    from megalm.parallel_state import ProcessGroups
+    from megalm.training import get_batch
 
     low = MockIndexedDataset(VOCAB, EOD, max_length=20, seed=1)
     config = GPTDatasetConfig(seq_length=32, seed=1, eod=EOD, reset_attention_mask=True, cache_dir=str(tmp_path))
@@ -127,11 +128,14 @@ def test_gpt_dataset_items_carry_documents_and_get_batch_builds_the_mask(tmp_pat
     items = [ds[i] for i in range(2)]
     assert all(torch.equal(it["document_ids"], document_ids(it["tokens"], EOD)) for it in items)
     assert int(items[0]["document_ids"][-1]) > 0  # documents of <= 20 tokens: a sample spans several
-    batch = get_batch(iter([torch.utils.data.default_collate(items)]))
+    batch = get_batch(iter([torch.utils.data.default_collate(items)]), None, ProcessGroups.single())
     tokens = torch.stack([it["tokens"] for it in items])
     assert torch.equal(batch["attention_mask"], megatron_mask(tokens, EOD))
     plain = GPTDataset(low, torch.arange(len(low)).numpy(), 4, "train", GPTDatasetConfig(32, 1, EOD))
-    assert get_batch(iter([torch.utils.data.default_collate([plain[0]])]))["attention_mask"] is None
+    assert (
+        get_batch(iter([torch.utils.data.default_collate([plain[0]])]), None, ProcessGroups.single())["attention_mask"]
+        is None
+    )
 
 
 @pytest.mark.parametrize(

@@ -203,7 +203,7 @@ def test_restart_store_is_prefixed_by_the_attempt(monkeypatch):
     import torch.distributed as dist
 
     from megalm.device import restart_store
-    from megalm.testing import free_port
+    from tests.distributed_harness import free_port
 
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=10))
@@ -339,7 +339,7 @@ def _train_and_compare_replicated(argv):
 
 
 def test_replicated_parameters_equal_across_tp_with_hidden_dropout():
-    from megalm.testing import run_distributed
+    from tests.distributed_harness import run_distributed
 
     # Evaluation too: the validation loader starts (draws its workers' seed) on TP rank 0 only.
     argv = [*TINY, *DROPOUT, "--num-workers", "0", "--train-iters", "10", "--eval-interval", "5", "--eval-iters", "1"]

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from megalm.config import MegalmConfig, build_parser, config_from_args, validate_config
+from megalm.flops import cpu_has_native_bf16
 from megalm.presets import PRESETS, Overrides, get_preset, recipe_flags, resolve
 from megalm.presets.flags import null_tokenizer_flags
-from megalm.training.flops import cpu_has_native_bf16
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS_DIR = REPO / "scripts"

@@ -31,7 +31,7 @@ from megalm.distributed.param_and_grad_buffer import DataParallelError
 from megalm.estimate.planner import state_bytes_per_param, strategy_bytes_per_param
 from megalm.optimizer import build_optimizer
 from megalm.optimizer.memory_accounting import formula_bytes_per_param, optimizer_memory
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 from tests.test_data_parallel_config import _cfg as _parallel_cfg
 from tests.test_ddp import GLOBAL_BATCH, NUM_MICRO, STEPS, batch, make_cfg, make_model, reference_run
 from tests.test_distrib_optimizer import PRECISIONS, _mlp

@@ -36,7 +36,7 @@ import os
 
 import pytest
 
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 from tests.test_distrib_optimizer_training import BF16, OVERLAP, SIX, TEN, TINY, TP2
 from tests.training_runs import assert_close, losses, records, run_trainings
 

@@ -2,17 +2,17 @@
 
 * no ``SystemExit`` and no ``sys.exit`` inside ``megalm/``: library code raises a
   :class:`megalm.errors.MegalmError`; only entry points turn errors into exit codes;
-* no import cycle between megalm modules through module-level imports (an import inside a
-  function runs lazily and is allowed; so is one under ``if TYPE_CHECKING:``);
 * ``tools/`` scripts add the repo root to ``sys.path`` only when absent (the tests run them again
   and again in one process with ``runpy``).
+
+Imports (the layer map, cycles at any depth) are checked by tests/test_layers.py.
 """
 
 from __future__ import annotations
 
 import ast
 import os
-from typing import Dict, List, Set
+from typing import Dict, List
 
 import pytest
 
@@ -61,112 +61,6 @@ def exit_calls(tree: ast.AST) -> List[int]:
     return sorted(lines)
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
-def _module_level_imports(body: List[ast.stmt]):
-    """Import statements run when the module is imported (not inside functions)."""
-    for node in body:
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
-        elif isinstance(node, ast.If):
-            if not _is_type_checking(node):
-                yield from _module_level_imports(node.body)
-            yield from _module_level_imports(node.orelse)
-        elif isinstance(node, ast.Try):
-            for block in (node.body, node.orelse, node.finalbody, *[h.body for h in node.handlers]):
-                yield from _module_level_imports(block)
-        elif isinstance(node, (ast.With, ast.ClassDef)):
-            yield from _module_level_imports(node.body)
-
-
-def imported_modules(module: str, path: str, known: Set[str]) -> Set[str]:
-    """The megalm modules ``module`` imports at module level (``from pkg import sub`` names the
-    submodule when ``sub`` is one, else the package), with the packages each of them runs first."""
-    is_package = path.endswith("__init__.py")
-    out = set()
-    for node in _module_level_imports(_tree(path).body):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name in known)
-            continue
-        base = node.module or ""
-        if node.level:
-            parts = module.split(".") if is_package else module.split(".")[:-1]
-            parts = parts[: len(parts) - (node.level - 1)]
-            base = ".".join(parts + ([node.module] if node.module else []))
-        for alias in node.names:
-            sub = f"{base}.{alias.name}"
-            if sub in known:
-                out.add(sub)
-            elif base in known:
-                out.add(base)
-    # Importing a.b.c first runs the packages a and a.b (other than the importer's own packages).
-    for name in list(out):
-        parts = name.split(".")
-        out.update(
-            p
-            for p in (".".join(parts[:i]) for i in range(1, len(parts)))
-            if p in known and not module.startswith(p + ".")
-        )
-    out.discard(module)
-    return out
-
-
-def import_cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
-    """One cycle (``a -> b -> ... -> a``) per strongly connected component of more than one module."""
-    index, low, stack, on_stack, sccs = {}, {}, [], set(), []
-
-    def visit(v):  # Tarjan
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            scc = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                scc.append(w)
-                if w == v:
-                    break
-            if len(scc) > 1:
-                sccs.append(set(scc))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return [_cycle_in(graph, scc) for scc in sccs]
-
-
-def _cycle_in(graph: Dict[str, Set[str]], scc: Set[str]) -> List[str]:
-    """A shortest cycle through the first module of ``scc`` (breadth-first back to it)."""
-    start = min(scc)
-    parent, frontier = {start: None}, [start]
-    while frontier:
-        nxt = []
-        for v in frontier:
-            for w in sorted(graph[v] & scc):
-                if w == start:
-                    path = [v]
-                    while parent[path[-1]] is not None:
-                        path.append(parent[path[-1]])
-                    return list(reversed(path)) + [start]
-                if w not in parent:
-                    parent[w] = v
-                    nxt.append(w)
-        frontier = nxt
-    raise AssertionError(f"no cycle in {scc}")
-
-
 def test_no_system_exit_in_library_code():
     offenders = {
         f"{os.path.relpath(path, os.path.dirname(ROOT))}:{line}"
@@ -174,14 +68,6 @@ def test_no_system_exit_in_library_code():
         for line in exit_calls(_tree(path))
     }
     assert not offenders, "megalm/ must raise a MegalmError, not exit: " + ", ".join(sorted(offenders))
-
-
-def test_no_import_cycle():
-    known = set(MODULES)
-    graph = {m: imported_modules(m, p, known) for m, p in MODULES.items()}
-    assert "megalm.config.sections" in graph["megalm.config.cli"]  # the graph is really built
-    cycles = import_cycles(graph)
-    assert not cycles, "module-level import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
 @pytest.mark.parametrize(
@@ -197,27 +83,6 @@ def test_no_import_cycle():
 )
 def test_exit_scan_finds_exits(source, lines):
     assert exit_calls(ast.parse(source)) == lines
-
-
-def test_cycle_finder_reports_the_cycle_and_ignores_lazy_imports(tmp_path):
-    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
-    assert import_cycles(graph) == [["a", "b", "c", "a"]]
-    assert import_cycles({"a": {"b"}, "b": set()}) == []
-    pkg = tmp_path / "pkg"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("from . import x\n")
-    (pkg / "x.py").write_text(
-        "from pkg.y import f\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.z\n"
-    )
-    (pkg / "y.py").write_text("def f():\n    from pkg import x\n")
-    (pkg / "z.py").write_text("import pkg.x\n")
-    (tmp_path / "other.py").write_text("import pkg.y\n")  # runs the package pkg, then pkg.y
-    known = {"pkg", "pkg.x", "pkg.y", "pkg.z", "other"}
-    assert imported_modules("other", str(tmp_path / "other.py"), known) == {"pkg", "pkg.y"}
-    assert imported_modules("pkg", str(pkg / "__init__.py"), known) == {"pkg.x"}
-    assert imported_modules("pkg.x", str(pkg / "x.py"), known) == {"pkg.y"}
-    assert imported_modules("pkg.y", str(pkg / "y.py"), known) == set()
-    assert imported_modules("pkg.z", str(pkg / "z.py"), known) == {"pkg.x"}
 
 
 TOOLS = os.path.join(os.path.dirname(ROOT), "tools")

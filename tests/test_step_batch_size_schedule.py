@@ -14,8 +14,8 @@ import re
 import pytest
 
 from megalm.config import ConfigError, MegalmConfig, validate_config
-from megalm.testing import run_distributed
 from megalm.training.microbatches import MicrobatchCalculator, ScheduleError, parse_step_batch_size_schedule
+from tests.distributed_harness import run_distributed
 from tests.training_runs import assert_close, records, tiny_flags
 
 SCHEDULE = "0:4 256:8 512:16"

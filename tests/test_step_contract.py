@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 
 SEQ, MBS, GBS, VOCAB, USED_TOKENS = 16, 2, 8, 128, 40
 MASK_LENGTHS = [16, 1, 3, 16, 2, 9, 16, 5]  # per sample: the first k tokens count

@@ -15,9 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from megalm.testing import run_distributed
 from megalm.timers import Timers
 from megalm.training.stragglers import RankTime, StragglerReport, format_stragglers, slowest_and_fastest
+from tests.distributed_harness import run_distributed
 from tests.test_nan_stop import TINY
 from tests.training_runs import records
 
@@ -55,7 +55,7 @@ def _fresh_world():
     import torch
     import torch.distributed as dist
 
-    from megalm.testing import free_port
+    from tests.distributed_harness import free_port
 
     port = torch.tensor([free_port() if dist.get_rank() == 0 else 0])
     dist.broadcast(port, 0)

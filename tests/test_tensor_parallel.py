@@ -34,8 +34,8 @@ from megalm.tensor_parallel import (
 )
 from megalm.tensor_parallel import linear_cross_entropy as lce
 from megalm.tensor_parallel.utils import assemble_full, shard_of_full
-from megalm.testing import run_distributed
 from megalm.transformer.norm import LayerNorm
+from tests.distributed_harness import run_distributed
 
 S, B, H = 8, 2, 12  # sequence, batch, hidden (divisible by 4)
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from megalm.config import ConfigError, parse_config
-from megalm.testing import run_distributed
 from megalm.timers import (
     ITERATION_TIMERS,
     NULL_TIMER,
@@ -22,6 +21,7 @@ from megalm.timers import (
     format_times,
     timed_iterator,
 )
+from tests.distributed_harness import run_distributed
 from tests.training_runs import losses, records
 
 

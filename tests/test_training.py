@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 from tests.training_runs import assert_close as _assert_close
 from tests.training_runs import losses as _losses
 from tests.training_runs import records as _records

@@ -23,9 +23,9 @@ from megalm.models import GPTModel
 from megalm.optimizer import build_optimizer
 from megalm.parameter_names import canonical_name
 from megalm.tensor_parallel import gather_tensor_parallel_grad, gather_tensor_parallel_param
-from megalm.testing import run_distributed
 from megalm.transformer.fp8 import fp8_recipe
 from tests import te_standin
+from tests.distributed_harness import run_distributed
 from tests.numerics import relative_error
 from tests.test_gpt_model import _run_step as _step
 

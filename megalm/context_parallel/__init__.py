@@ -15,6 +15,12 @@ so the result does not depend on the split.
 """
 
 from megalm.context_parallel.attention import COMM_TYPES, context_parallel_attention
-from megalm.context_parallel.chunks import local_positions, split_sequence
+from megalm.context_parallel.chunks import get_batch_on_this_cp_rank, local_positions, split_sequence
 
-__all__ = ["COMM_TYPES", "context_parallel_attention", "local_positions", "split_sequence"]
+__all__ = [
+    "COMM_TYPES",
+    "context_parallel_attention",
+    "get_batch_on_this_cp_rank",
+    "local_positions",
+    "split_sequence",
+]

@@ -8,11 +8,12 @@ each rank's pair does ``(2 CP) c`` of them: the same work on every rank.  No com
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from megalm.errors import MegalmError
+from megalm.parallel_state import group_rank, group_size
 
 
 class ContextParallelError(MegalmError, ValueError):
@@ -42,6 +43,17 @@ def split_sequence(t: torch.Tensor, dim: int, cp_rank: int, cp: int) -> torch.Te
         return t
     c = chunk_size(t.shape[dim], cp)
     return torch.cat([t.narrow(dim, j * c, c) for j in chunk_ids(cp_rank, cp)], dim=dim)
+
+
+def get_batch_on_this_cp_rank(batch: Dict[str, Optional[torch.Tensor]], cp_group) -> Dict[str, Optional[torch.Tensor]]:
+    """This rank's two chunks of each ``[b, s]`` tensor of ``batch`` over ``cp_group`` (the batch itself at
+    CP 1; None values stay None).  Megatron's ``get_batch_on_this_cp_rank``; the position ids split
+    with the rest are the chunks' global positions."""
+    cp = group_size(cp_group)
+    if cp == 1:
+        return batch
+    rank = group_rank(cp_group)
+    return {k: None if t is None else split_sequence(t, 1, rank, cp) for k, t in batch.items()}
 
 
 def gathered_order(cp: int) -> torch.Tensor:

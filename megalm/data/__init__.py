@@ -18,7 +18,7 @@ _LAZY = {
     "build_pretraining_data_loader": "megalm.data.loaders",
     "build_train_valid_test_data_iterators": "megalm.data.loaders",
     "splits_available": "megalm.data.loaders",
-    "get_batch": "megalm.data.batch",
+    "get_batch_on_this_tp_rank": "megalm.data.batch",
 }
 
 __all__ = ["IndexedDataset", "IndexedDatasetBuilder", "optimal_dtype", *_LAZY]

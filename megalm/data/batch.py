@@ -1,26 +1,20 @@
-"""Deliver one micro-batch to every rank of a tensor-parallel group.
+"""Deliver one micro-batch to every rank of a tensor-parallel group (Megatron's ``get_batch_on_this_tp_rank``).
 
-Only TP rank 0 reads data; :func:`get_batch` broadcasts its micro-batch to the other TP
-ranks (``src = get_tensor_model_parallel_src_rank()`` within the TP group).  As in
-Megatron, the first pipeline stage needs ``tokens`` and ``position_ids``, the last stage
-``labels`` and ``loss_mask``; keys a stage does not need are None (every key on middle
-stages, which read nothing).  The returned dict always has the four keys and ``attention_mask``.  Shapes are
-``[micro_batch_size, seq_length]``, known to every rank from the config passed in (a forward
+Only TP rank 0 reads data; :func:`get_batch_on_this_tp_rank` broadcasts its micro-batch to the
+other TP ranks (``groups.tp``, source: its group rank 0).  As in Megatron, the first pipeline
+stage needs ``tokens`` and ``position_ids``, the last stage ``labels`` and ``loss_mask``; keys a
+stage does not need are None (every key on middle stages, which read nothing).  The returned dict
+always has the four keys and ``document_ids`` (None unless ``--reset-attention-mask``).  Shapes
+are ``[micro_batch_size, seq_length]``, known to every rank from the config passed in (a forward
 step takes it from its model: ``unwrap_model(model).cfg``), so nothing but the data itself is
 communicated.
 
-Under context parallelism every rank of a CP group reads the same micro-batch (the samplers
-follow the data-parallel rank) and keeps its two sequence chunks of each key
-(:func:`megalm.context_parallel.split_sequence`: chunks ``i`` and ``2CP-1-i`` of ``2CP`` for CP
-rank ``i``), so its shapes are ``[micro_batch_size, seq_length / CP]``; the position ids are the
-chunks' global positions.  No communication for the split.
-
 With ``--reset-attention-mask`` every pipeline stage needs the documents (its attention is masked
 by them): the reading rank's ``document_ids`` travel in the same broadcast as the other integer
-keys, middle stages read data too (:func:`megalm.data.loaders.rank_reads_data`), and each rank
-builds ``attention_mask`` (boolean ``[b, 1, s, s]``, True where attention is allowed:
-:func:`megalm.transformer.attention_mask.document_causal_mask`) locally.  Without it
-``attention_mask`` is None (causal attention).  Context parallelism is refused with it.
+keys, and middle stages read data too (:func:`megalm.data.loaders.rank_reads_data`).
+
+The model-side views of the batch (this context-parallel rank's sequence chunks, the document
+attention mask) are made by :func:`megalm.training.batch.get_batch`, which the forward step calls.
 """
 
 from __future__ import annotations
@@ -30,11 +24,9 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megalm import parallel_state as ps
-from megalm.context_parallel import split_sequence
 from megalm.device import get_device
 from megalm.errors import MegalmError
-from megalm.transformer.attention_mask import document_causal_mask
+from megalm.parallel_state import ProcessGroups, group_rank, group_size
 
 KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 DOCUMENT_IDS = "document_ids"  # in a dataset item with --reset-attention-mask
@@ -47,42 +39,39 @@ class BatchError(MegalmError, ValueError):
 def _shape(cfg) -> Tuple[int, int]:
     if cfg is None:
         raise BatchError(
-            "get_batch needs cfg (the micro-batch shape) under model parallelism: get_batch(data_iterator, cfg)"
+            "get_batch needs cfg (the micro-batch shape) under model parallelism: get_batch(data_iterator, cfg, groups)"
         )
     return cfg.training.micro_batch_size, cfg.model.seq_length
 
 
-def _stage_keys(documents: bool) -> Tuple[Tuple[str, ...], bool]:
+def _stage_keys(groups: ProcessGroups, documents: bool) -> Tuple[Tuple[str, ...], bool]:
     """Integer keys this pipeline stage needs, and whether it needs the loss mask; ``documents``:
     every stage needs the document ids (``--reset-attention-mask``)."""
-    first, last = ps.is_pipeline_first_stage(ignore_virtual=True), ps.is_pipeline_last_stage(ignore_virtual=True)
+    pp_rank, pp = group_rank(groups.pp), group_size(groups.pp)
+    first, last = pp_rank == 0, pp_rank == pp - 1
     int_keys = (("tokens", "position_ids") if first else ()) + (("labels",) if last else ())
     return int_keys + ((DOCUMENT_IDS,) if documents else ()), last
 
 
-def _with_attention_mask(batch: Dict[str, Optional[torch.Tensor]], document_ids: Optional[torch.Tensor]):
-    """The batch's ``attention_mask``: document-masked causal from ``document_ids`` ``[b, s]``, else None."""
-    batch["attention_mask"] = None if document_ids is None else document_causal_mask(document_ids)
-    return batch
+def get_batch_on_this_tp_rank(data_iterator, cfg, groups: ProcessGroups) -> Dict[str, Optional[torch.Tensor]]:
+    """Next micro-batch on this rank's device, broadcast within the tensor-parallel group ``groups.tp``
+    (with ``document_ids``: None, or the documents under ``--reset-attention-mask``).
 
-
-def get_batch(data_iterator, cfg=None) -> Dict[str, Optional[torch.Tensor]]:
-    """Next micro-batch on this rank's device, broadcast within the tensor-parallel group (with
-    ``attention_mask``: None, or the document mask under ``--reset-attention-mask``).
-
-    ``cfg`` (a :class:`megalm.config.MegalmConfig`) is needed once model parallelism is
-    initialized: ranks that do not read size their receive buffers from it."""
+    ``cfg`` (a :class:`megalm.config.MegalmConfig`) sizes the receive buffers of ranks that do not
+    read; it may be None for a model of one process without ``torch.distributed``
+    (:meth:`ProcessGroups.single`: ``tp``, ``pp`` and ``cp`` None), whose batches are taken as they come."""
     device = get_device()
-    if not ps.model_parallel_is_initialized():
+    if groups.tp is None and groups.pp is None and groups.cp is None:
         data = next(data_iterator)
-        documents = data[DOCUMENT_IDS].to(device) if DOCUMENT_IDS in data else None
-        return _with_attention_mask({k: data[k].to(device, non_blocking=True) for k in KEYS}, documents)
-    int_keys, need_mask = _stage_keys(cfg is not None and cfg.data.reset_attention_mask)
+        out = {k: data[k].to(device, non_blocking=True) for k in KEYS}
+        out[DOCUMENT_IDS] = data[DOCUMENT_IDS].to(device) if DOCUMENT_IDS in data else None
+        return out
+    int_keys, need_mask = _stage_keys(groups, cfg is not None and cfg.data.reset_attention_mask)
     if not int_keys and not need_mask:
-        return dict.fromkeys(KEYS + ("attention_mask",))  # middle pipeline stage: activations come from before
+        return dict.fromkeys(KEYS + (DOCUMENT_IDS,))  # middle pipeline stage: activations come from before
     mbs, seq = _shape(cfg)
-    src, tp = ps.get_tensor_model_parallel_src_rank(), ps.get_tensor_model_parallel_world_size()
-    if ps.get_tensor_model_parallel_rank() == 0:
+    tp_group = groups.tp
+    if group_rank(tp_group) == 0:
         data = next(data_iterator)
         for k in int_keys + (("loss_mask",) if need_mask else ()):
             if tuple(data[k].shape) != (mbs, seq):
@@ -92,23 +81,13 @@ def get_batch(data_iterator, cfg=None) -> Dict[str, Optional[torch.Tensor]]:
     else:
         ints = torch.empty((len(int_keys), mbs, seq), dtype=torch.int64, device=device) if int_keys else None
         mask = torch.empty((mbs, seq), dtype=torch.float32, device=device) if need_mask else None
-    if tp > 1:
-        group = ps.get_tensor_model_parallel_group()
+    if group_size(tp_group) > 1:
+        src = dist.get_global_rank(tp_group, 0)
         for t in (ints, mask):
             if t is not None:
-                dist.broadcast(t, src, group=group)
-    out: Dict[str, Optional[torch.Tensor]] = dict.fromkeys(KEYS)
+                dist.broadcast(t, src, group=tp_group)
+    out: Dict[str, Optional[torch.Tensor]] = dict.fromkeys(KEYS + (DOCUMENT_IDS,))
     for i, k in enumerate(int_keys):
         out[k] = ints[i]
     out["loss_mask"] = mask
-    documents = out.pop(DOCUMENT_IDS, None)
-    return _with_attention_mask(_context_parallel_chunks(out), documents)
-
-
-def _context_parallel_chunks(batch: Dict[str, Optional[torch.Tensor]]) -> Dict[str, Optional[torch.Tensor]]:
-    """This CP rank's two chunks of each ``[b, s]`` tensor (the batch itself at CP 1)."""
-    cp = ps.get_context_parallel_world_size()
-    if cp == 1:
-        return batch
-    rank = ps.get_context_parallel_rank()
-    return {k: None if t is None else split_sequence(t, 1, rank, cp) for k, t in batch.items()}
+    return out

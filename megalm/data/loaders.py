@@ -4,7 +4,7 @@
 first, cached, then the others), and returns iterators of micro-batch dicts on the ranks
 that read data: tensor-parallel rank 0 of the first and last pipeline stages (of every stage with
 ``--reset-attention-mask``).  Every
-other rank gets ``None`` and receives its batches through :func:`megalm.data.get_batch`.
+other rank gets ``None`` and receives its batches through :func:`megalm.training.get_batch`.
 The returned :class:`DataIterators` also tells every rank which splits have data
 (``.splits``, as Megatron's ``do_train`` / ``do_valid`` / ``do_test`` flags), since only
 reading ranks can see it; :func:`splits_available` reads it.  Nothing is kept at module level.
@@ -29,10 +29,10 @@ from typing import Iterator, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megalm import parallel_state as ps
 from megalm.data.builder import build_train_valid_test_datasets, get_train_valid_test_num_samples
 from megalm.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
 from megalm.device import get_device
+from megalm.parallel_state import ProcessGroups, group_rank, group_size
 
 
 def build_pretraining_data_loader(
@@ -100,23 +100,17 @@ def cyclic_iter(iterable) -> Iterator:
             return
 
 
-def rank_reads_data(every_stage: bool = False) -> bool:
+def rank_reads_data(groups: ProcessGroups, every_stage: bool = False) -> bool:
     """TP rank 0 of the first or last pipeline stage, or of every stage with ``every_stage``
-    (``--reset-attention-mask``: each stage's attention needs the documents); every rank without
-    model parallelism."""
-    if not ps.model_parallel_is_initialized():
-        return True
-    return ps.get_tensor_model_parallel_rank() == 0 and (
-        every_stage or ps.is_pipeline_first_stage(ignore_virtual=True) or ps.is_pipeline_last_stage(ignore_virtual=True)
-    )
+    (``--reset-attention-mask``: each stage's attention needs the documents); every rank of a
+    model of one process (``groups`` of :meth:`ProcessGroups.single`)."""
+    pp_rank, pp = group_rank(groups.pp), group_size(groups.pp)
+    return group_rank(groups.tp) == 0 and (every_stage or pp_rank == 0 or pp_rank == pp - 1)
 
 
-def data_parallel_rank_and_size() -> Tuple[int, int]:
-    if ps.model_parallel_is_initialized():
-        return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+def data_parallel_rank_and_size(groups: ProcessGroups) -> Tuple[int, int]:
+    """This rank's index in ``groups.dp`` and its size (the samplers' shard)."""
+    return group_rank(groups.dp), group_size(groups.dp)
 
 
 def _share_split_flags(local: list) -> Tuple[bool, bool, bool]:
@@ -165,7 +159,7 @@ def splits_available(iterators: DataIterators) -> Tuple[bool, bool, bool]:
 
 
 def build_train_valid_test_data_iterators(
-    cfg, tokenizer, consumed_train_samples: int = 0, consumed_valid_samples: int = 0
+    cfg, tokenizer, consumed_train_samples: int = 0, consumed_valid_samples: int = 0, *, groups: ProcessGroups
 ) -> DataIterators:
     """``(train_iter, valid_iter, test_iter)`` of micro-batch dicts; None on ranks that do not read.
 
@@ -173,14 +167,15 @@ def build_train_valid_test_data_iterators(
     cyclic (each evaluation goes on where the last stopped, and wraps around), the train and
     test ones are not.  ``cyclic`` (as Megatron): all three shuffle and re-iterate endlessly,
     the valid one from ``consumed_valid_samples`` (the sampler derives the epoch from it).
+    ``groups``: this rank's process groups (``tp`` and ``pp`` say whether it reads, ``dp`` its shard).
     """
-    reads = rank_reads_data(every_stage=cfg.data.reset_attention_mask)
+    reads = rank_reads_data(groups, every_stage=cfg.data.reset_attention_mask)
     num_samples = get_train_valid_test_num_samples(cfg)
     train_ds, valid_ds, test_ds = build_train_valid_test_datasets(cfg, tokenizer, reads, num_samples)
     splits = _share_split_flags([ds is not None for ds in (train_ds, valid_ds, test_ds)])
     if not reads:
         return DataIterators(None, None, None, splits)
-    dp_rank, dp_size = data_parallel_rank_and_size()
+    dp_rank, dp_size = data_parallel_rank_and_size(groups)
     mbs, workers, kind = cfg.training.micro_batch_size, cfg.data.num_workers, cfg.data.dataloader_type
 
     def loader(ds, consumed):

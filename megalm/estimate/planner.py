@@ -27,7 +27,7 @@ strategy of that order whose largest rank fits.
 Per rank: parameters of its pipeline stage (:mod:`.parameters`), activations of the
 microbatches in flight (:mod:`.activations`), transient buffers (logits next to the loss, the
 chunk being recomputed), plus ``reserve_gb`` for the CUDA context, communication buffers and
-allocator fragmentation.  FLOPs per iteration are :func:`megalm.training.flops.num_floating_point_operations`
+allocator fragmentation.  FLOPs per iteration are :func:`megalm.flops.num_floating_point_operations`
 of the global batch; time = FLOPs / (world x peak x MFU).
 """
 
@@ -43,7 +43,7 @@ from megalm.parallel_layout import expert_data_parallel_size
 
 GB = 1e9
 
-# Peak dense FLOP/s per device by name (megalm.training.flops' table), and aliases for the flag.
+# Peak dense FLOP/s per device by name (megalm.flops' table), and aliases for the flag.
 DEVICE_ALIASES = {
     "h100": "H100 SXM",
     "h100-sxm": "H100 SXM",
@@ -127,7 +127,7 @@ def data_parallel_sizes(cfg, world_size: int) -> tuple:
 
 
 def device_peak(options: PlannerOptions, precision: str, override: Optional[float]) -> tuple:
-    from megalm.training.flops import DEVICE_PEAK_FLOPS, measure_matmul_flops
+    from megalm.flops import DEVICE_PEAK_FLOPS, measure_matmul_flops
 
     if override:
         return float(override), "override"
@@ -207,7 +207,7 @@ def plan(cfg, options: PlannerOptions) -> dict:
                 **by_strategy,
             }
         )
-    from megalm.training.flops import num_floating_point_operations
+    from megalm.flops import num_floating_point_operations
 
     flops = num_floating_point_operations(cfg, gbs)
     peak, peak_source = device_peak(options, precision, cfg.logging.device_peak_flops)

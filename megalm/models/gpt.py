@@ -225,7 +225,7 @@ class GPTModel(nn.Module):
         continue the cached sequence; positions default to ``cache.offset ..`` and the cache
         advances by ``s`` after the forward.
 
-        ``attention_mask`` (``--reset-attention-mask``, from :func:`megalm.data.get_batch`): boolean
+        ``attention_mask`` (``--reset-attention-mask``, from :func:`megalm.training.get_batch`): boolean
         ``[b, 1, s, s]``, True where a token may attend (causal within its document); every stage of
         the pipeline takes it.  None: causal attention.
         """

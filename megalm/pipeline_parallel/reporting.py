@@ -8,21 +8,19 @@ group must call it, whatever it holds.  Nothing is pickled.
 from __future__ import annotations
 
 import json
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 import torch.distributed as dist
 
-from megalm import parallel_state
 from megalm.device import get_device
-from megalm.parallel_state import ProcessGroups
+from megalm.parallel_state import ProcessGroups, group_size
 
 
-def broadcast_from_last_stage(values: Dict[str, float], groups: Optional[ProcessGroups] = None) -> Dict[str, float]:
+def broadcast_from_last_stage(values: Dict[str, float], groups: ProcessGroups) -> Dict[str, float]:
     """The last pipeline stage's ``values`` on every stage (as they are without pipelining);
-    ``groups``: the rank's process groups (default ``parallel_state.get_process_groups()``)."""
-    groups = groups if groups is not None else parallel_state.get_process_groups()
-    if groups.pp is None or parallel_state.group_size(groups.pp) == 1:
+    ``groups``: the rank's process groups (``pp`` and its ranks are read)."""
+    if groups.pp is None or group_size(groups.pp) == 1:
         return values
     group = groups.pp
     src = groups.ranks["pp"][-1]
@@ -39,3 +37,11 @@ def broadcast_from_last_stage(values: Dict[str, float], groups: Optional[Process
     if int(size.item()) > 0:
         dist.broadcast(data, src, group=group)
     return {k: float(v) for k, v in json.loads(bytes(data.cpu().tolist()).decode() or "{}").items()}
+
+
+def losses_to_floats(losses: Dict[str, torch.Tensor], groups: ProcessGroups) -> Dict[str, float]:
+    """Host values of reduced losses (one device-to-host copy), given to every pipeline stage
+    (two broadcasts over the pipeline group when it has several stages: every rank calls this)."""
+    keys = sorted(losses)
+    floats = dict(zip(keys, torch.stack([losses[k] for k in keys]).tolist())) if keys else {}
+    return broadcast_from_last_stage(floats, groups)

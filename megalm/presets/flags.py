@@ -107,7 +107,7 @@ def resolve_precision(precision: str) -> str:
         return precision
     import torch
 
-    from megalm.training.flops import cpu_has_native_bf16
+    from megalm.flops import cpu_has_native_bf16
 
     resolved = "bf16" if torch.cuda.is_available() or cpu_has_native_bf16() else "fp32"
     logger.warning("PRECISION=auto: %s", resolved)

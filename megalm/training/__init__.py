@@ -1,4 +1,5 @@
-"""Training loop and its pieces; ``pretrain`` is the entry point used by pretrain_gpt.py."""
+"""Training loop and its pieces; ``pretrain`` is the entry point used by pretrain_gpt.py, ``get_batch``
+its forward step's micro-batch (:mod:`megalm.training.batch`)."""
 
 
 def pretrain(*args, **kwargs):
@@ -7,4 +8,10 @@ def pretrain(*args, **kwargs):
     return _pretrain(*args, **kwargs)
 
 
-__all__ = ["pretrain"]
+def get_batch(*args, **kwargs):
+    from megalm.training.batch import get_batch as _get_batch
+
+    return _get_batch(*args, **kwargs)
+
+
+__all__ = ["get_batch", "pretrain"]

@@ -2,7 +2,7 @@
 (:class:`IntervalStats`) and which rank reports them.
 
 Communication: :meth:`IntervalStats.means` is collective over the pipeline group (every stage
-receives the last stage's losses, :func:`megalm.training.step.losses_to_floats`); the other helpers
+receives the last stage's losses, :func:`megalm.pipeline_parallel.reporting.losses_to_floats`); the other helpers
 only read the layout or log.
 """
 
@@ -16,7 +16,8 @@ import torch.distributed as dist
 from megalm import parallel_state
 from megalm.config import MegalmConfig
 from megalm.log import get_logger
-from megalm.training.step import StepResult, losses_to_floats
+from megalm.pipeline_parallel.reporting import losses_to_floats
+from megalm.training.step import StepResult
 
 logger = get_logger(__name__)
 
@@ -84,7 +85,7 @@ class IntervalStats:
 
     def throughput(self, cfg: MegalmConfig, peak_flops: Optional[float]) -> Dict[str, Optional[float]]:
         """The log line's speed fields over the interval: tokens/s, TFLOP/s per rank, MFU, ms per iteration."""
-        from megalm.training.flops import num_floating_point_operations
+        from megalm.flops import num_floating_point_operations
 
         elapsed = self.mean_time()
         samples = self.samples / max(self.iterations, 1)

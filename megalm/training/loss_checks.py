@@ -36,6 +36,7 @@ from megalm.device import get_device
 from megalm.distributed import comm
 from megalm.errors import MegalmError
 from megalm.log import get_logger
+from megalm.pipeline_parallel.reporting import losses_to_floats
 
 logger = get_logger(__name__)
 
@@ -184,8 +185,6 @@ class NumericsChecks:
         )
 
     def _check_spike(self, iteration: int, result) -> None:
-        from megalm.training.step import losses_to_floats
-
         loss = losses_to_floats(result.losses, self.groups).get("lm loss")
         message = self.spiky.spike(iteration, loss) if loss is not None else None
         if message is None:

@@ -43,6 +43,7 @@ from megalm.config import MegalmConfig
 from megalm.device import get_device
 from megalm.parallel_state import ProcessGroups
 from megalm.pipeline_parallel import get_forward_backward_func
+from megalm.pipeline_parallel.reporting import losses_to_floats
 from megalm.timers import NULL_TIMERS, timed_iterator
 from megalm.training.loss_checks import flagged_ranks, launch_loss_flags
 
@@ -256,16 +257,6 @@ def reduce_reported(reported: List[Dict], per_token: bool, groups: ProcessGroups
         dist.all_reduce(totals, group=group)
     values = totals[:, 0] / totals[:, 1]
     return {k: values[i] for i, k in enumerate(keys)}
-
-
-def losses_to_floats(losses: Dict[str, torch.Tensor], groups: Optional[ProcessGroups] = None) -> Dict[str, float]:
-    """Host values of reduced losses (one device-to-host copy), given to every pipeline stage
-    (two broadcasts over the pipeline group when it has several stages: every rank calls this)."""
-    from megalm.pipeline_parallel.reporting import broadcast_from_last_stage
-
-    keys = sorted(losses)
-    floats = dict(zip(keys, torch.stack([losses[k] for k in keys]).tolist())) if keys else {}
-    return broadcast_from_last_stage(floats, groups)
 
 
 # --- evaluation ------------------------------------------------------------------------------

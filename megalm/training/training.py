@@ -36,6 +36,7 @@ from megalm.errors import MegalmError, TrainingStopped
 from megalm.fusions import BackendUnavailable, compile_stats, plan_fusions
 from megalm.log import get_logger
 from megalm.pipeline_parallel import get_forward_backward_func
+from megalm.pipeline_parallel.reporting import losses_to_floats
 from megalm.timers import ITERATION_TIMERS, SETUP_TIMERS, Timers
 from megalm.topology import run_topology_report
 from megalm.training.build import build_model_chunks, count_parameters, wrap_data_parallel
@@ -45,7 +46,7 @@ from megalm.training.loss_checks import NumericsChecks, NumericsStop
 from megalm.training.microbatches import MicrobatchCalculator
 from megalm.training.profiling import ProfilerUnavailable, StepProfiler, check_profiler_available
 from megalm.training.signals import ExitSignalHandler
-from megalm.training.step import StepResult, TrainState, evaluate, losses_to_floats, train_step
+from megalm.training.step import StepResult, TrainState, evaluate, train_step
 
 logger = get_logger(__name__)
 
@@ -166,7 +167,7 @@ class Trainer:
         return StragglerReport(self.cfg.logging, ranks_per_node())
 
     def _device_peak(self):
-        from megalm.training.flops import cpu_has_native_half, device_peak_flops
+        from megalm.flops import cpu_has_native_half, device_peak_flops
 
         t = self.cfg.training
         dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
@@ -275,7 +276,11 @@ class Trainer:
 
         cfg = self.cfg
         iterators = build_train_valid_test_data_iterators(
-            cfg, self.tokenizer, self.state.consumed_train_samples, self.state.consumed_valid_samples
+            cfg,
+            self.tokenizer,
+            self.state.consumed_train_samples,
+            self.state.consumed_valid_samples,
+            groups=self.groups,
         )
         self.data_iterators = iterators
         self.train_iter, self.valid_iter, self.test_iter = iterators

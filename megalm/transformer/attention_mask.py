@@ -6,7 +6,7 @@ where a document ends at (and includes) an end-of-document token: exactly what M
 ``<= i``).  The mask is boolean ``[b, 1, s, s]`` with **True where attention is allowed** (PyTorch
 SDPA's convention; Megatron's tensor is the opposite, True where masked), broadcast over heads.
 Every row allows at least its diagonal, so no softmax row is empty.  No communication: every
-rank builds it from the document ids :func:`megalm.data.get_batch` delivers.
+rank builds it from the document ids :func:`megalm.training.get_batch` delivers.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""Run a function on N real spawned ranks (gloo on CPU) and collect every rank's result.
-
-Used by the test suite and benchmarks::
+"""The test suite's :func:`run_distributed`: :func:`megalm.launch.spawn.run_distributed` with reused ranks.
 
     results = run_distributed(my_fn, world_size=4, args=(cfg,), timeout=120)
-
-``my_fn`` must be importable at module level (spawned processes import it).  Each rank
-runs with ``torch.distributed`` initialized (every collective gets a timeout) and one CPU
-thread unless ``threads`` says otherwise.  If any rank raises, :class:`DistributedTestError`
-carries the traceback of every failing rank; if the ranks do not finish in ``timeout``
-seconds they are killed and the error says which ranks were still running.
 
 Reused ranks (``MEGALM_TEST_RANK_POOL=1``; see ``tests/conftest.py``).  A spawned rank spends about a second
 importing torch and megalm (four ranks on two cores: ~5 s a call), so with the variable set the ranks of a
@@ -48,15 +40,12 @@ import logging
 import multiprocessing.util  # noqa: F401 - its atexit handler must be registered before ours (see _pool)
 import os
 import pickle
-import queue
 import signal
 import sys
 import threading
 import time
-import traceback
 import types
 import warnings
-from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Callable, Dict, Optional, Sequence
 
@@ -64,8 +53,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megalm.device import free_port  # the one port picker (tests import it from here too)
-from megalm.errors import MegalmError
+from megalm.device import free_port  # noqa: F401 - the one port picker (tests import it from here too)
+from megalm.launch.spawn import (
+    DistributedRunError,
+    check_outcome,
+    collective_timeout_s,
+    destroy_groups,
+    run_fresh,
+    run_rank,
+)
+
+DistributedTestError = DistributedRunError  # the name the tests use
 
 POOL_ENV = "MEGALM_TEST_RANK_POOL"
 MAX_POOLED_WORLD = 4  # larger calls are rare in the suite: fresh processes
@@ -73,84 +71,6 @@ MAX_POOLED_RANKS = 7  # processes kept alive over all world sizes (1 + 2 + 4; ea
 _READY_TIMEOUT_S = 30.0
 # Thread names of a live process group's gloo context and of a TCPStore server (torch 2.x on Linux).
 _GROUP_THREAD_PREFIXES = ("pt_gloo", "gloo", "pt_tcpstore")
-
-
-class DistributedTestError(MegalmError, RuntimeError):
-    pass
-
-
-def _run_rank(
-    rank: int,
-    world_size: int,
-    port: int,
-    fn: Callable,
-    args: Sequence,
-    kwargs: Dict,
-    collective_timeout_s: float,
-    threads: int,
-    env: Dict[str, str],
-) -> tuple:
-    """Initialize the process group, run ``fn``; ``(rank, "ok", pickled result)`` or
-    ``(rank, "error", traceback)``."""
-    os.environ.update(env)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        OMP_NUM_THREADS=str(threads),
-        MEGALM_FORCE_CPU="1",
-    )
-    torch.set_num_threads(threads)
-    try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=collective_timeout_s)
-        )
-        out = fn(*args, **kwargs)
-        # Plain pickle (bytes), not torch's fd-sharing reducers: a tensor shared by file descriptor
-        # needs this process alive until the parent fetches it, and the teardown below may not allow it.
-        return (rank, "ok", pickle.dumps(out))
-    except BaseException:  # noqa: BLE001 - report everything to the parent
-        return (rank, "error", traceback.format_exc())
-
-
-def _destroy_groups() -> None:
-    try:
-        from megalm import parallel_state
-
-        parallel_state.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
-        pass
-
-
-def _worker(
-    rank: int,
-    world_size: int,
-    port: int,
-    fn: Callable,
-    args: Sequence,
-    kwargs: Dict,
-    results: "mp.Queue",
-    collective_timeout_s: float,
-    threads: int,
-    env: Dict[str, str],
-) -> None:
-    """A fresh rank: one call, then exit."""
-    message = _run_rank(rank, world_size, port, fn, args, kwargs, collective_timeout_s, threads, env)
-    try:
-        results.put(message)
-        # Flushed before the teardown: destroying a group whose collective timed out can abort the process.
-        results.close()
-        results.join_thread()
-    finally:
-        _destroy_groups()
-
-
-# --- reused ranks ------------------------------------------------------------------------------
 
 
 def group_thread_count(pid: Optional[int] = None) -> int:
@@ -315,16 +235,16 @@ def _pool_worker(rank: int, conn) -> None:
         if task is None:
             return
         world_size, port, fn, args, kwargs, collective_timeout_s, threads = task
-        message = _run_rank(rank, world_size, port, fn, args, kwargs, collective_timeout_s, threads, {})
+        message = run_rank(rank, world_size, port, fn, args, kwargs, collective_timeout_s, threads, {})
         conn.send(message)  # synchronous: written before the teardown, which can abort after a timed-out collective
         if message[1] == "error":
-            _destroy_groups()
+            destroy_groups()
             return  # as a fresh rank: the peers see it leave
         try:  # every rank done with the group (a peer may still be connecting) before it goes
             dist.barrier()
         except Exception:  # noqa: BLE001 - a peer failed: the parent sees its error
             pass
-        _destroy_groups()
+        destroy_groups()
         reason = state.restore()
         conn.send((rank, "ready", reason))
         if reason is not None:
@@ -489,55 +409,6 @@ def _run_pooled(fn, world_size, args, kwargs, timeout, threads, collective_timeo
     return outcome
 
 
-def _run_fresh(fn, world_size, args, kwargs, timeout, threads, env, collective_timeout) -> Dict[int, tuple]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(r, world_size, port, fn, tuple(args), kwargs, results, collective_timeout, threads, dict(env)),
-            daemon=False,
-        )
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    outcome: Dict[int, tuple] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(outcome) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                rank, status, payload = results.get(timeout=min(remaining, 1.0))
-                outcome[rank] = (status, pickle.loads(payload) if status == "ok" else payload)
-            except queue.Empty:
-                if any(
-                    r not in outcome and not p.is_alive() and p.exitcode not in (0, None) for r, p in enumerate(procs)
-                ):
-                    time.sleep(0.5)  # let queued messages arrive
-                    while True:
-                        try:
-                            rank, status, payload = results.get_nowait()
-                            outcome[rank] = (status, pickle.loads(payload) if status == "ok" else payload)
-                        except queue.Empty:
-                            break
-                    for r, p in enumerate(procs):
-                        if r not in outcome and not p.is_alive():
-                            outcome[r] = ("error", f"rank {r} died with exit code {p.exitcode}")
-                    if any(s == "error" for s, _ in outcome.values()):
-                        break
-    finally:
-        for p in procs:
-            p.join(timeout=5 if len(outcome) == world_size else 0.1)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return outcome
-
-
 def run_distributed(
     fn: Callable,
     world_size: int,
@@ -547,17 +418,11 @@ def run_distributed(
     threads: int = 1,
     env: Optional[Dict[str, str]] = None,
 ) -> list:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks; return the results by rank."""
-    collective_timeout = max(30.0, timeout - 10)
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks (reused ones with ``MEGALM_TEST_RANK_POOL=1``);
+    return the results by rank."""
+    collective_timeout = collective_timeout_s(timeout)
     if env or os.environ.get(POOL_ENV, "0") != "1" or world_size > MAX_POOLED_WORLD:
-        outcome = _run_fresh(fn, world_size, args, kwargs or {}, timeout, threads, env or {}, collective_timeout)
+        outcome = run_fresh(fn, world_size, args, kwargs or {}, timeout, threads, env or {}, collective_timeout)
     else:
         outcome = _run_pooled(fn, world_size, args, kwargs or {}, timeout, threads, collective_timeout)
-    errors = {r: payload for r, (status, payload) in sorted(outcome.items()) if status == "error"}
-    missing = [r for r in range(world_size) if r not in outcome]
-    if errors or missing:
-        lines = [f"--- rank {r} ---\n{tb}" for r, tb in errors.items()]
-        if missing:
-            lines.append(f"ranks {missing} did not finish within {timeout:.0f} s (killed)")
-        raise DistributedTestError("distributed run failed:\n" + "\n".join(lines))
-    return [outcome[r][1] for r in range(world_size)]
+    return check_outcome(outcome, world_size, timeout)

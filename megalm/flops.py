@@ -21,6 +21,7 @@ reads them from the model config when such fields exist (``num_experts``, ``moe_
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Optional, Tuple
 
@@ -130,9 +131,6 @@ def _dtype_key(dtype: torch.dtype) -> str:
     return key
 
 
-_MEASURED: dict = {}
-
-
 def cpu_has_native_bf16() -> bool:
     """Whether oneDNN has fast bf16 kernels on this CPU (AVX512-BF16 or AMX); without them a bf16
     matmul ran at ~1 GFLOP/s where fp32 ran at ~190 (an AVX2-only machine)."""
@@ -160,30 +158,41 @@ def measure_matmul_flops(
     dtype: torch.dtype = torch.float32, n: int = 1024, repeats: int = 10, device: Optional[torch.device] = None
 ) -> float:
     """Best FLOP/s of ``repeats`` timed ``n x n @ n x n`` matmuls (after warming up: one matmul, and
-    0.5 s of them on CPU, where a cold thread pool read ~1.6x low); cached."""
+    0.5 s of them on CPU, where a cold thread pool read ~1.6x low).
+
+    Measured once per process for each ``(dtype, n, repeats, device, threads)``: a fact about the
+    hardware, kept for the process's lifetime (as a lazily loaded library is) so that every
+    training run of a process does not pay a second of matmuls; ``measure_matmul_flops.cache_clear()``
+    forgets the measurements (bench/throughput_report.py measures several times)."""
     device = device or torch.device("cpu")
-    key = (dtype, n, str(device), torch.get_num_threads())
-    if key not in _MEASURED:
-        # A generator of its own: drawing from the global one would shift the training's random streams
-        # (dropout) in the first run of a process only, the measurement being cached.
-        gen = torch.Generator(device=device).manual_seed(0)
-        a = torch.randn(n, n, device=device, generator=gen).to(dtype)
-        b = torch.randn(n, n, device=device, generator=gen).to(dtype)
-        warm_until = time.perf_counter() + (0.5 if device.type == "cpu" else 0.0)
+    return _measure(dtype, n, repeats, str(device), torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=None)
+def _measure(dtype: torch.dtype, n: int, repeats: int, device_name: str, threads: int) -> float:
+    device = torch.device(device_name)
+    # A generator of its own: drawing from the global one would shift the training's random streams
+    # (dropout) in the first run of a process only, the measurement being kept.
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, generator=gen).to(dtype)
+    b = torch.randn(n, n, device=device, generator=gen).to(dtype)
+    warm_until = time.perf_counter() + (0.5 if device.type == "cpu" else 0.0)
+    torch.matmul(a, b)
+    while time.perf_counter() < warm_until:  # CPU: thread pool and clocks come up to speed
         torch.matmul(a, b)
-        while time.perf_counter() < warm_until:  # CPU: thread pool and clocks come up to speed
-            torch.matmul(a, b)
-        best = float("inf")
-        for _ in range(repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            torch.matmul(a, b)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t0)
-        _MEASURED[key] = 2.0 * n**3 / best
-    return _MEASURED[key]
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best
+
+
+measure_matmul_flops.cache_clear = _measure.cache_clear
 
 
 def device_peak_flops(

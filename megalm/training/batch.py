@@ -1,0 +1,35 @@
+"""The forward step's micro-batch: read and broadcast over tensor parallelism, split over context
+parallelism, and the document attention mask (Megatron's ``pretrain_gpt.get_batch``).
+
+* :func:`megalm.data.batch.get_batch_on_this_tp_rank`: TP rank 0 reads, the others receive;
+* :func:`megalm.context_parallel.get_batch_on_this_cp_rank`: this CP rank's two sequence chunks;
+* with ``--reset-attention-mask`` each rank builds ``attention_mask`` (boolean ``[b, 1, s, s]``, True where
+  attention is allowed: :func:`megalm.transformer.attention_mask.document_causal_mask`) from the
+  documents; without it ``attention_mask`` is None (causal attention).  Context parallelism is
+  refused with it.
+
+The groups are the model's (``unwrap_model(model).process_groups``), passed in.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+from megalm.context_parallel import get_batch_on_this_cp_rank
+from megalm.data.batch import DOCUMENT_IDS, get_batch_on_this_tp_rank
+from megalm.parallel_state import ProcessGroups
+from megalm.transformer.attention_mask import document_causal_mask
+
+
+def get_batch(data_iterator, cfg, groups: ProcessGroups) -> Dict[str, Optional[torch.Tensor]]:
+    """This rank's micro-batch: ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` (None where this
+    pipeline stage needs none) and ``attention_mask``.  ``cfg`` sizes the receive buffers of ranks that
+    do not read (None only for a model of one process); ``groups``: this rank's
+    :class:`megalm.parallel_state.ProcessGroups` (``tp``, ``pp``, ``cp`` are read)."""
+    batch = get_batch_on_this_tp_rank(data_iterator, cfg, groups)
+    documents = batch.pop(DOCUMENT_IDS)
+    batch = get_batch_on_this_cp_rank(batch, groups.cp)
+    batch["attention_mask"] = None if documents is None else document_causal_mask(documents)
+    return batch
