@@ -42,7 +42,6 @@ UNSUPPORTED = {
     "--fp8-param-gather": "fp8 parameter all-gather is not built (fp8 runs inside Transformer Engine's layers only)",
     "--multi-latent-attention": "multi-latent attention (DeepSeek) is not built",
     "--mtp-num-layers": "multi-token prediction is not built",
-    "--rampup-batch-size": "with --train-iters: refused as in Megatron-LM (a ramp needs --train-samples)",
     "--profile": "without --use-pytorch-profiler on a machine without CUDA (nsys profiles CUDA only)",
 }
 

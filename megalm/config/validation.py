@@ -689,7 +689,6 @@ def _validate_step_schedule(m: ModelConfig, t: TrainingConfig) -> None:
         f"--step-batch-size-schedule sets the global batch size (its largest batch, {largest}); "
         f"do not give --global-batch-size {t.global_batch_size}",
     )
-    _check(t.train_samples is not None, "--step-batch-size-schedule needs --train-samples (not --train-iters)")
     t.global_batch_size = largest
     batches = [b for _, b in schedule]
     if len(set(batches)) > 1 and t.lr_batch_scaling == "none":
@@ -783,12 +782,12 @@ def _validate_optimizer_cpu_offload(t: TrainingConfig) -> None:
 
 
 def _validate_training_length(t: TrainingConfig) -> None:
-    """--train-iters or --train-samples (one of them), and the samples a --rampup-batch-size needs."""
+    """--train-iters or --train-samples (one of them).  A --rampup-batch-size / --step-batch-size-schedule
+    with --train-iters is followed by consumed samples for that many iterations, as in Megatron-LM."""
     _check(
         not (t.train_iters is not None and t.train_samples is not None),
         "give only one of --train-iters and --train-samples",
     )
-    _check(t.rampup_batch_size is None or t.train_samples is not None, "--rampup-batch-size needs --train-samples")
 
 
 def _validate_weight_decay_schedule(t: TrainingConfig) -> None:
@@ -908,6 +907,8 @@ def _validate_data(d: DataConfig, m: ModelConfig, p: ParallelConfig) -> None:
     _check(d.mid_level_dataset_surplus >= 0, "--mid-level-dataset-surplus must be >= 0")
     if d.reset_attention_mask:
         _validate_reset_attention_mask(m, p)
+    if d.tokenizer_type is None and (d.vocab_file or d.merge_file):
+        d.tokenizer_type = "GPT2BPETokenizer"  # Megatron's pretrain_gpt default for --vocab-file / --merge-file
     if d.tokenizer_type is not None:
         missing = missing_tokenizer_flags(
             d.tokenizer_type,
