@@ -51,7 +51,8 @@ def loss_func(loss_mask: torch.Tensor, model: torch.nn.Module, output_tensor: to
     groups = getattr(unwrap_model(model), "process_groups", None)  # None: a model of one process
     cp_group = None if groups is None else groups.cp
     loss, num_tokens, reported = context_parallel_loss(torch.sum(losses * mask), mask.sum().detach(), cp_group)
-    return loss, num_tokens, {"lm loss": reported, **pop_moe_metrics(model)}
+    mtp = getattr(unwrap_model(model), "mtp_metrics", dict)()  # mtp_<k> loss (--mtp-num-layers)
+    return loss, num_tokens, {"lm loss": reported, **pop_moe_metrics(model), **mtp}
 
 
 def forward_step(data_iterator, model):

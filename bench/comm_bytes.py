@@ -89,7 +89,7 @@ def one_step(trainer):
 def measure(configs, steps):
     """On every rank: per config, the collective counters of the last of ``steps`` steps."""
     from megalm import parallel_state
-    from megalm.checkpointing import finish_param_sync
+    from megalm.checkpoint.model_state import finish_param_sync
     from megalm.distributed import comm
 
     out = []

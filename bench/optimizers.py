@@ -29,7 +29,7 @@ model and data order for every run), 98% / 2% train / validation split.  Each ru
 Writes into ``--out``: ``optimizers.json`` (settings, device, every search and full run: learning rate,
 validation curve, ms per iteration, seconds; rewritten after each run, so a cut-short invocation keeps what
 ran), ``optimizers_b<B>.svg`` and ``optimizers_b<8B>.svg`` (validation loss vs tokens),
-``optimizers_lr_search.svg`` and ``optimizers_table.md`` (the README tables).  Training metrics and the
+``optimizers_lr_search.svg`` and ``optimizers_table.md`` (the tables of docs/benchmarks.md).  Training metrics and the
 dataset cache go to a temp dir, never into ``--data-dir``.
 
     python3 bench/optimizers.py --data-dir quickstart_out --out bench/results      # one GPU: ~5 minutes (H100)
@@ -323,7 +323,7 @@ def init_distributed(cpu: bool) -> None:
 
 
 def table(saved: dict) -> str:
-    """The README tables (Markdown): the search, then the full runs (last validation loss, each also as a
+    """The tables of docs/benchmarks.md (Markdown): the search, then the full runs (last validation loss, each also as a
     ratio to AdamW's at the same batch, the 8 B loss over the B loss at equal tokens, time per iteration as
     a ratio to AdamW's at the same batch)."""
     st, runs = saved["settings"], saved["runs"]

@@ -50,7 +50,7 @@ CONFIGS = [
 def measure(common, rounds, steps):
     import torch.distributed as dist
 
-    from megalm.checkpointing import finish_param_sync
+    from megalm.checkpoint.model_state import finish_param_sync
 
     trainers = [setup_trainer(common + extra) for _, extra in CONFIGS]
     for trainer in trainers:  # warm-up step each

@@ -135,7 +135,7 @@ def megalm_preprocess(corpus: str, model: str, workers: int, prefix: str) -> tup
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="preprocessing throughput benchmark")
-    parser.add_argument("--size-mb", type=float, default=60.0, help="Corpus size (at least 50 MB for the README).")
+    parser.add_argument("--size-mb", type=float, default=60.0, help="Corpus size (at least 50 MB: docs/benchmarks.md).")
     parser.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "megalm_bench_preprocess"))
     parser.add_argument("--tokenizer-model", default=None, help="Use this sentencepiece model instead of training.")
     parser.add_argument("--vocab-size", type=int, default=8000)

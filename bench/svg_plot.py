@@ -1,4 +1,4 @@
-"""A line chart as a standalone SVG file, for the loss curves the README shows.
+"""A line chart as a standalone SVG file, for the loss curves docs/benchmarks.md shows.
 
 The benchmarks plot a few series of (x, y) points (validation loss against tokens, say); the chart needs no
 plotting library: a polyline per series inside linear axes, five ticks per axis and a legend. Open the file

@@ -1,8 +1,9 @@
 """Where this rank's piece of a parameter sits in the full (global) tensor: checkpoint blocks.
 
 The model's weights and the optimizers' state are checkpointed as blocks of the full tensors
-(:class:`megalm.dist_checkpointing.ShardedTensorSpec`), so any TP/PP/DP layout can load them.
-This module turns a parameter's layout record (:func:`megalm.tensor_parallel.param_info.param_info`:
+(:class:`ShardedTensorSpec`: local data, global shape, global offsets), so any TP/PP/DP layout
+can load them (:mod:`megalm.checkpoint.dcp_io` writes and reads them with DCP).  This module
+defines those blocks and turns a parameter's layout record (:func:`megalm.tensor_parallel.param_info.param_info`:
 ``tensor_parallel``, ``partition_dim``, ``partition_stride``, ``vocab_unpadded``) and the size and rank of its
 tensor-parallel group into such blocks: for a whole local tensor (:func:`param_spec`) or for a
 flat range of it (:func:`param_range_specs`, the distributed optimizer's shards).  No
@@ -11,15 +12,83 @@ communication; it imports neither the checkpointer nor the optimizers (both use 
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import List, Optional, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from megalm import parallel_state
-from megalm.dist_checkpointing import ShardedTensorSpec, flat_range_blocks
 from megalm.parallel_state import ProcessGroups, group_rank, group_size
 from megalm.tensor_parallel.param_info import ParamLayoutError, param_info
+
+
+@dataclasses.dataclass
+class ShardedTensorSpec:
+    """``local`` is the block ``[offsets, offsets + local.shape)`` of a tensor of ``global_shape``."""
+
+    local: torch.Tensor
+    global_shape: Sequence[int]
+    offsets: Sequence[int]
+
+    def __post_init__(self):
+        if len(self.global_shape) != self.local.dim() or len(self.offsets) != self.local.dim():
+            raise ValueError(
+                f"shard of shape {tuple(self.local.shape)} does not match global shape "
+                f"{tuple(self.global_shape)} / offsets {tuple(self.offsets)}"
+            )
+        for size, off, full in zip(self.local.shape, self.offsets, self.global_shape):
+            if off < 0 or off + size > full:
+                raise ValueError(
+                    f"shard {tuple(self.local.shape)} at {tuple(self.offsets)} lies outside {tuple(self.global_shape)}"
+                )
+
+    @classmethod
+    def replicated(cls, tensor: torch.Tensor) -> "ShardedTensorSpec":
+        return cls(tensor, tuple(tensor.shape), (0,) * tensor.dim())
+
+    def chunk(self) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=torch.Size(self.local.shape))
+
+
+ShardedStateDict = Dict[str, Union[ShardedTensorSpec, List[ShardedTensorSpec]]]
+
+
+def flat_range_blocks(shape: Sequence[int], start: int, end: int) -> List[Tuple[int, Tuple[int, ...], Tuple[int, ...]]]:
+    """Cut the flat (row-major) elements ``[start, end)`` of a tensor of ``shape`` into rectangular blocks.
+
+    Returns ``(flat_start, offsets, sizes)`` per block, in flat order; each block is itself a
+    contiguous flat range, so a 1-D slice ``data[flat_start - start:][:prod(sizes)]`` viewed as
+    ``sizes`` is that block.  Per dimension: a partial first row, the full rows, a partial
+    last row (recursively): at most ``2 (ndim - 1) + 1`` blocks.
+    """
+    shape = tuple(int(n) for n in shape)
+    if start >= end:
+        return []
+    if start < 0 or end > math.prod(shape):
+        raise ValueError(f"flat range [{start}, {end}) outside a tensor of shape {shape}")
+    if len(shape) <= 1:
+        return [(start, (start,) if shape else (), (end - start,) if shape else ())]
+    inner = math.prod(shape[1:])
+
+    def in_row(row: int, lo: int, hi: int):
+        return [(row * inner + fs, (row,) + off, (1,) + size) for fs, off, size in flat_range_blocks(shape[1:], lo, hi)]
+
+    first, last = start // inner, (end - 1) // inner
+    if first == last:
+        return in_row(first, start - first * inner, end - first * inner)
+    blocks = []
+    full_start, full_end = -(-start // inner), end // inner
+    if start % inner:
+        blocks += in_row(first, start % inner, inner)
+    if full_end > full_start:
+        blocks.append(
+            (full_start * inner, (full_start,) + (0,) * (len(shape) - 1), (full_end - full_start,) + shape[1:])
+        )
+    if end % inner:
+        blocks += in_row(full_end, 0, end % inner)
+    return blocks
 
 
 def param_spec(
@@ -99,7 +168,7 @@ def param_range_specs(
     ``data`` is 1-D with ``end - start`` elements (e.g. the distributed optimizer's moments for
     that range).  The range is cut into rectangles of the parameter's checkpoint view (see
     :func:`param_spec`: TP offset, fused-stride view, unpadded vocabulary) by
-    :func:`megalm.dist_checkpointing.flat_range_blocks`; each block is a view of ``data``.
+    :func:`flat_range_blocks`; each block is a view of ``data``.
     """
     if data.dim() != 1 or data.numel() != end - start:
         raise ParamLayoutError(f"range data must be 1-D with {end - start} elements, got {tuple(data.shape)}")

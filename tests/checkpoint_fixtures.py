@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from megalm import checkpointing
+from megalm.checkpoint.save import save_checkpoint
 from megalm.config import MegalmConfig, set_vocab_size, validate_config
 
 # A Llama-style variant (RoPE, RMSNorm, SwiGLU, GQA, untied) with biases, so bias mappings are exercised too.
@@ -51,5 +51,5 @@ def save_random_model(cfg, root, iteration=7):
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if "norm" in name and "weight" in name else 0.0))
-    checkpointing.save_checkpoint(str(root), iteration, [model], config=cfg.to_dict())
+    save_checkpoint(str(root), iteration, [model], config=cfg.to_dict())
     return model.eval()

@@ -9,9 +9,10 @@ import time
 import pytest
 import torch
 
-from megalm.async_save import AsyncCheckpointWriter, AsyncSaveError
-from megalm.checkpointing import TRACKER_FILENAME, stage_to_cpu
-from megalm.dist_checkpointing import ShardedTensorSpec
+from megalm.checkpoint.async_writer import AsyncCheckpointWriter, AsyncSaveError
+from megalm.checkpoint.resume import TRACKER_FILENAME
+from megalm.checkpoint.save import stage_to_cpu
+from megalm.param_layout import ShardedTensorSpec
 from tests.distributed_harness import run_distributed
 from tests.training_runs import losses, records
 
@@ -109,7 +110,7 @@ def _slowed_trainings(runs, delay, fail_common_on_rank=None):
     each delayed write first records what a reader of the checkpoint directory would see."""
     import torch.distributed as dist
 
-    import megalm.checkpointing as ckpt
+    import megalm.checkpoint.save as ckpt
     from tests.training_runs import run_trainings
 
     original_save, original_common = ckpt.save_sharded, ckpt._write_common

@@ -1,5 +1,5 @@
 """bench/optimizers.py's bookkeeping on a saved result (no training): the search's choice, each optimizer's
-learning-rate rule at the large batch, the flags of one run, the README tables and the charts."""
+learning-rate rule at the large batch, the flags of one run, the tables of docs/benchmarks.md and the charts."""
 
 import math
 import sys

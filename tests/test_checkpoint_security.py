@@ -23,7 +23,12 @@ import pytest
 import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-from megalm.safe_unpickle import CheckpointMetadataError, CheckpointSecurityError, SafeFileSystemReader, load_metadata
+from megalm.checkpoint.safe_metadata import (
+    CheckpointMetadataError,
+    CheckpointSecurityError,
+    SafeFileSystemReader,
+    load_metadata,
+)
 from tests.distributed_harness import run_distributed
 from tests.training_runs import losses as _losses
 from tests.training_runs import run_trainings as _run_trainings
@@ -344,7 +349,8 @@ def test_reader_refuses_byte_items_and_has_no_per_rank_fallback(world, tmp_path)
     (d / "__0.metadata").write_bytes(payload("reduce", tmp_path / "m"))
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from megalm.dist_checkpointing import ShardedTensorSpec, load_sharded
+    from megalm.checkpoint.dcp_io import load_sharded
+    from megalm.param_layout import ShardedTensorSpec
 
     with pytest.raises(CheckpointException) as e:
         load_sharded({"model.x": ShardedTensorSpec.replicated(torch.zeros(2))}, str(d))

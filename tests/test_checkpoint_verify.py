@@ -21,9 +21,14 @@ import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megalm import checkpoint_manifest, checkpointing, dist_checkpointing
-from megalm.async_save import AsyncCheckpointWriter, AsyncSaveError
-from megalm.safe_unpickle import load_metadata
+from megalm.checkpoint import dcp_io
+from megalm.checkpoint import manifest as checkpoint_manifest
+from megalm.checkpoint.async_writer import AsyncCheckpointWriter, AsyncSaveError
+from megalm.checkpoint.errors import CheckpointError
+from megalm.checkpoint.load import load_checkpoint
+from megalm.checkpoint.resume import TRACKER_FILENAME, read_tracker, verify_checkpoint
+from megalm.checkpoint.safe_metadata import load_metadata
+from megalm.checkpoint.save import check_save_dir, save_checkpoint
 from tests.checkpoint_fixtures import save_random_model, tiny_cfg
 from tests.distributed_harness import run_distributed
 from tests.logs import megalm_logs
@@ -158,8 +163,8 @@ def test_clean_checkpoints_have_manifests(world):
     assert set(listed) == on_disk, (set(listed), on_disk)
     for name, entry in listed.items():
         assert checkpoint_manifest.file_digest(str(it / name)) == (entry["size"], entry["sha256"]), name
-    assert checkpointing.verify_checkpoint(str(it), 4) is None
-    assert checkpointing.verify_checkpoint(str(it), 2) == "common.json: says iteration 4, the directory is iteration 2"
+    assert verify_checkpoint(str(it), 4) is None
+    assert verify_checkpoint(str(it), 2) == "common.json: says iteration 4, the directory is iteration 2"
 
 
 def test_legacy_checkpoint_with_an_unreadable_rng_file_stops_every_rank(world):
@@ -224,23 +229,19 @@ def test_check_save_dir(tmp_path):
     """A missing --save is fine where it can be created (and is not created yet); a read-only
     directory (a read-only bind mount: root ignores permission bits) is refused."""
     target = tmp_path / "new" / "ckpts"
-    checkpointing.check_save_dir(str(target))
+    check_save_dir(str(target))
     assert not (tmp_path / "new").exists()
-    checkpointing.check_save_dir(str(tmp_path))
+    check_save_dir(str(tmp_path))
     assert list(tmp_path.iterdir()) == []  # the probe file is gone
     ro = tmp_path / "ro"
     ro.mkdir()
     if subprocess.run(["mount", "--bind", "-o", "ro", str(ro), str(ro)], capture_output=True).returncode != 0:
         pytest.skip("cannot make a read-only bind mount here")
     try:
-        with pytest.raises(
-            checkpointing.CheckpointError, match=f"^--save {ro} is not a writable directory: Read-only file system$"
-        ):
-            checkpointing.check_save_dir(str(ro))
-        with pytest.raises(
-            checkpointing.CheckpointError, match=f"^--save {ro}/sub cannot be created: {ro} is not writable$"
-        ):
-            checkpointing.check_save_dir(str(ro / "sub"))
+        with pytest.raises(CheckpointError, match=f"^--save {ro} is not a writable directory: Read-only file system$"):
+            check_save_dir(str(ro))
+        with pytest.raises(CheckpointError, match=f"^--save {ro}/sub cannot be created: {ro} is not writable$"):
+            check_save_dir(str(ro / "sub"))
     finally:
         subprocess.run(["umount", str(ro)], check=True)
 
@@ -258,7 +259,7 @@ def test_checkpoint_without_manifest_loads_with_a_warning(tmp_path, capsys):
     shutil.rmtree(it / "manifest")
     model = GPTModel(cfg)
     with megalm_logs("stderr"):
-        checkpointing.load_checkpoint(str(tmp_path), [model], finetune=True)
+        load_checkpoint(str(tmp_path), [model], finetune=True)
     assert f"warning: checkpoint {it} has no manifest.json" in capsys.readouterr().err
     for (name, a), b in zip(saved.named_parameters(), model.parameters()):
         assert torch.equal(a, b), name
@@ -266,11 +267,11 @@ def test_checkpoint_without_manifest_loads_with_a_warning(tmp_path, capsys):
     saved = save_random_model(cfg, tmp_path, iteration=8)
     (tmp_path / "iter_0000008" / "manifest.json").unlink()
     with pytest.raises(
-        checkpointing.CheckpointError,
+        CheckpointError,
         match=r"iter_0000008 is corrupt: manifest.json: missing "
         r"\(the save never completed\); previous: --ckpt-step 7",
     ):
-        checkpointing.load_checkpoint(str(tmp_path), [model], finetune=True)
+        load_checkpoint(str(tmp_path), [model], finetune=True)
 
 
 def _model():
@@ -281,14 +282,14 @@ def _model():
 
 def test_async_save_writes_the_manifest_before_the_tracker(tmp_path):
     writer = AsyncCheckpointWriter()
-    checkpointing.save_checkpoint(str(tmp_path), 3, [_model()], async_writer=writer)
+    save_checkpoint(str(tmp_path), 3, [_model()], async_writer=writer)
     assert writer.wait() == 3
     it = tmp_path / "iter_0000003"
-    assert (it / "manifest.json").is_file() and checkpointing.read_tracker(str(tmp_path)) == 3
-    assert os.path.getmtime(it / "manifest.json") <= os.path.getmtime(tmp_path / checkpointing.TRACKER_FILENAME)
-    assert checkpointing.verify_checkpoint(str(it), 3) is None
+    assert (it / "manifest.json").is_file() and read_tracker(str(tmp_path)) == 3
+    assert os.path.getmtime(it / "manifest.json") <= os.path.getmtime(tmp_path / TRACKER_FILENAME)
+    assert verify_checkpoint(str(it), 3) is None
     _truncate(it / "rng" / "rank_00000.pt")
-    assert checkpointing.verify_checkpoint(str(it), 3).startswith("rng/rank_00000.pt: truncated to")
+    assert verify_checkpoint(str(it), 3).startswith("rng/rank_00000.pt: truncated to")
 
 
 def _raise_enospc(path):
@@ -305,17 +306,17 @@ def _raise_enospc(path):
 def test_dcp_enospc_becomes_a_checkpoint_error_naming_the_path(tmp_path, monkeypatch, asynchronous):
     """DCP reports a failed write as CheckpointException (a BaseException), wrapping the OSError."""
     path = str(tmp_path / "iter_0000005")
-    monkeypatch.setattr(dist_checkpointing.dcp, "save", _raise_enospc(path))
+    monkeypatch.setattr(dcp_io.dcp, "save", _raise_enospc(path))
     writer = AsyncCheckpointWriter() if asynchronous else None
     expected = f"cannot write checkpoint {path}: No space left on device (OSError: [Errno 28] No space left on device"
     if asynchronous:
-        checkpointing.save_checkpoint(str(tmp_path), 5, [_model()], async_writer=writer)
+        save_checkpoint(str(tmp_path), 5, [_model()], async_writer=writer)
         with pytest.raises(AsyncSaveError, match="CheckpointError: " + _re(expected)):
             writer.wait()
     else:
-        with pytest.raises(checkpointing.CheckpointError, match=_re(expected)):
-            checkpointing.save_checkpoint(str(tmp_path), 5, [_model()])
-    assert checkpointing.read_tracker(str(tmp_path)) is None
+        with pytest.raises(CheckpointError, match=_re(expected)):
+            save_checkpoint(str(tmp_path), 5, [_model()])
+    assert read_tracker(str(tmp_path)) is None
 
 
 def _re(text):
@@ -333,11 +334,11 @@ def test_dcp_load_failure_becomes_a_checkpoint_error(tmp_path, monkeypatch):
         except ValueError as e:
             raise CheckpointException("load", {1: (e, traceback.extract_tb(e.__traceback__))}) from None
 
-    monkeypatch.setattr(dist_checkpointing.dcp, "load", load)
+    monkeypatch.setattr(dcp_io.dcp, "load", load)
     from megalm.models import GPTModel
 
-    with pytest.raises(checkpointing.CheckpointError, match=r"failed to load .*iter_0000002: ValueError: bad chunk$"):
-        checkpointing.load_checkpoint(str(tmp_path), [GPTModel(tiny_cfg(128))], finetune=True)
+    with pytest.raises(CheckpointError, match=r"failed to load .*iter_0000002: ValueError: bad chunk$"):
+        load_checkpoint(str(tmp_path), [GPTModel(tiny_cfg(128))], finetune=True)
 
 
 @pytest.fixture
@@ -360,16 +361,16 @@ def test_full_disk_says_no_space_left_and_names_the_path(tiny_disk, asynchronous
     path = os.path.join(root, "iter_0000001")
     writer = AsyncCheckpointWriter() if asynchronous else None
     if asynchronous:
-        checkpointing.save_checkpoint(root, 1, [_model()], async_writer=writer)
+        save_checkpoint(root, 1, [_model()], async_writer=writer)
         with pytest.raises(AsyncSaveError) as raised:
             writer.wait()
     else:
-        with pytest.raises(checkpointing.CheckpointError) as raised:
-            checkpointing.save_checkpoint(root, 1, [_model()])
+        with pytest.raises(CheckpointError) as raised:
+            save_checkpoint(root, 1, [_model()])
     message = str(raised.value)
     assert f"cannot write checkpoint {path}: No space left on device" in message, message
     assert "\n" not in message, message
-    assert checkpointing.read_tracker(root) is None
+    assert read_tracker(root) is None
 
 
 def test_hostile_metadata_is_refused_by_the_reader_even_with_a_matching_manifest(tmp_path):
@@ -386,13 +387,13 @@ def test_hostile_metadata_is_refused_by_the_reader_even_with_a_matching_manifest
     marker = tmp_path / "marker"
     (it / ".metadata").write_bytes(payload("reduce", marker))
     for fallback in (False, True):
-        with pytest.raises(checkpointing.CheckpointError, match=f"{it}/.metadata.*refusing to unpickle"):
-            checkpointing.load_checkpoint(str(tmp_path), [GPTModel(cfg)], finetune=True, fallback=fallback)
+        with pytest.raises(CheckpointError, match=f"{it}/.metadata.*refusing to unpickle"):
+            load_checkpoint(str(tmp_path), [GPTModel(cfg)], finetune=True, fallback=fallback)
     checkpoint_manifest.write_rank_manifest(str(it), 0)
     checkpoint_manifest.write_index(str(it), 5, 1)
-    assert checkpointing.verify_checkpoint(str(it), 5) is None
-    with pytest.raises(checkpointing.CheckpointError, match=f"{it}/.metadata.*refusing to unpickle"):
-        checkpointing.load_checkpoint(str(tmp_path), [GPTModel(cfg)], finetune=True)
+    assert verify_checkpoint(str(it), 5) is None
+    with pytest.raises(CheckpointError, match=f"{it}/.metadata.*refusing to unpickle"):
+        load_checkpoint(str(tmp_path), [GPTModel(cfg)], finetune=True)
     assert not marker.exists()
 
 
@@ -401,7 +402,8 @@ def test_megatron_lm_checkpoints_are_named_as_such(tmp_path):
     Megatron-LM and its format, not "common.json is missing"."""
     import json as _json
 
-    from megalm.checkpoint_resume import CheckpointError, checkpoint_to_resume
+    from megalm.checkpoint.errors import CheckpointError
+    from megalm.checkpoint.resume import checkpoint_to_resume
 
     for name, make in (
         ("torch_dist", lambda d: (d / "metadata.json").write_text(_json.dumps({"sharded_backend": "torch_dist"}))),

@@ -118,8 +118,8 @@ def test_every_no_op_flag_given_makes_one_warning_line(capsys):
         (["--ckpt-format", "zarr"], "--ckpt-format zarr is not supported"),
         (["--distributed-backend", "nccl"], "--distributed-backend nccl does not match the backend megalm uses"),
         (["--fp8-param-gather"], "--fp8-param-gather is not supported by megalm: fp8 parameter all-gather"),
-        (["--multi-latent-attention"], "--multi-latent-attention is not supported by megalm"),
-        (["--mtp-num-layers", "1"], "--mtp-num-layers is not supported by megalm: multi-token prediction"),
+        (["--multi-latent-attention"], "--multi-latent-attention needs --position-embedding-type rope"),
+        (["--mtp-num-layers", "0"], "--mtp-num-layers must be >= 1"),
         (["--window-size", "4096,2"], "--window-size right must be 0"),
     ],
 )

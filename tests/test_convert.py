@@ -1,7 +1,7 @@
 """Checkpoint conversion megalm <-> Hugging Face transformers, checked by logits (fp32, 1e-4).
 
 Models are tiny and random (init std 0.3 and random norms/biases, so that a wrong mapping moves
-the logits by far more than the tolerance): megalm models saved with megalm.checkpointing,
+the logits by far more than the tolerance): megalm models saved with megalm.checkpoint,
 transformers models built from a config in this process (no downloads).
 """
 
@@ -16,7 +16,10 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is needed to load the exported models")
 
-from megalm import checkpointing  # noqa: E402
+from megalm.checkpoint.common_json import read_common  # noqa: E402
+from megalm.checkpoint.load import load_checkpoint  # noqa: E402
+from megalm.checkpoint.resume import find_checkpoint  # noqa: E402
+from megalm.checkpoint.save import save_checkpoint  # noqa: E402
 from megalm.config import MegalmConfig  # noqa: E402
 from megalm.conversion.errors import ConversionError  # noqa: E402
 from megalm.conversion.export_hf import export_to_hf  # noqa: E402
@@ -202,7 +205,7 @@ def test_mixed_precision_export_reads_fp32_main_params(tmp_path):
     with torch.no_grad():
         for main in optimizer.main_params:
             main.add_(1e-4)  # fp32 values that bf16 cannot hold
-    checkpointing.save_checkpoint(str(tmp_path / "ckpt"), 1, [model], optimizer, config=cfg.to_dict())
+    save_checkpoint(str(tmp_path / "ckpt"), 1, [model], optimizer, config=cfg.to_dict())
     reader = MegalmCheckpointReader(str(tmp_path / "ckpt"))
     name = "decoder.layers.0.self_attention.linear_proj.weight"
     assert reader.dtype(name) == torch.bfloat16
@@ -222,9 +225,9 @@ def _tp2_train_and_logits(argv, ids):
 
     pretrain(pretrain_gpt.model_provider, pretrain_gpt.forward_step, argv=argv)
     save = argv[argv.index("--save") + 1]
-    cfg = MegalmConfig.from_dict(checkpointing.read_common(checkpointing.find_checkpoint(save))["config"])
+    cfg = MegalmConfig.from_dict(read_common(find_checkpoint(save))["config"])
     model = GPTModel(cfg)
-    checkpointing.load_checkpoint(cfg.checkpoint.save, [model], finetune=True)
+    load_checkpoint(cfg.checkpoint.save, [model], finetune=True)
     model.eval()
     with torch.no_grad():
         logits = gather_from_tensor_model_parallel_region(model(ids), parallel_state.get_process_groups().tp)
@@ -276,7 +279,7 @@ def test_export_from_tp2_training_equals_tp1(tmp_path):
     reader = MegalmCheckpointReader(str(tmp_path / "tp2"))
     assert reader.common["layout"]["tensor_model_parallel_size"] == 2
     model = megalm_model_from_tensors(reader.config, reader.load(reader.model_names))
-    checkpointing.save_checkpoint(str(tmp_path / "tp1"), 2, [model], config=reader.common["config"])
+    save_checkpoint(str(tmp_path / "tp1"), 2, [model], config=reader.common["config"])
     export_to_hf(str(tmp_path / "tp1"), str(tmp_path / "hf1"))
     from safetensors.torch import load_file
 

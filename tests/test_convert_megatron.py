@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megalm.checkpoint_resume import TRACKER_FILENAME, checkpoint_dir
+from megalm.checkpoint.resume import TRACKER_FILENAME, checkpoint_dir
 from megalm.conversion.errors import ConversionError
 from megalm.conversion.megalm_checkpoint import MegalmCheckpointReader
 from megalm.conversion.megatron import import_from_megatron
@@ -414,7 +414,7 @@ def test_vocabulary_from_the_saved_tokenizer(tmp_path):
 
 def test_adam_state_imports_and_loads_into_megalms_optimizer(tmp_path):
     """Model-space Adam state (moments, fp32 main weights) maps like the weights and loads with --load."""
-    from megalm import checkpointing
+    from megalm.checkpoint.load import load_checkpoint
     from megalm.config import set_vocab_size
     from megalm.distributed import DistributedDataParallel
     from megalm.optimizer import build_optimizer
@@ -433,7 +433,7 @@ def test_adam_state_imports_and_loads_into_megalms_optimizer(tmp_path):
     target = GPTModel(loaded_cfg, fusion_plan=EAGER).to(torch.bfloat16)
     ddp = DistributedDataParallel(target, loaded_cfg.parallel)
     optimizer = build_optimizer(loaded_cfg, [ddp], report_memory=False)
-    checkpointing.load_checkpoint(str(dst), [ddp], optimizer, load_rng=False)
+    load_checkpoint(str(dst), [ddp], optimizer, load_rng=False)
     state = optimizer.sharded_param_state()
     originals = dict(model.named_parameters())
     for name, p in target.named_parameters():

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from megalm.checkpoint_resume import TRACKER_FILENAME, checkpoint_dir
+from megalm.checkpoint.resume import TRACKER_FILENAME, checkpoint_dir
 from megalm.conversion.errors import ConversionError
 from megalm.conversion.megatron import import_from_megatron
 from megalm.conversion.megatron_layouts import TorchDistCheckpoint

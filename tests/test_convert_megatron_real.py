@@ -15,7 +15,8 @@ import os
 import pytest
 import torch
 
-from megalm.checkpoint_resume import CheckpointError, find_checkpoint
+from megalm.checkpoint.errors import CheckpointError
+from megalm.checkpoint.resume import find_checkpoint
 from megalm.conversion.megalm_checkpoint import MegalmCheckpointReader
 from megalm.conversion.megatron import import_from_megatron
 from megalm.conversion.verify import megalm_model_from_tensors
@@ -66,7 +67,7 @@ def test_distributed_optimizer_state_resumes_as_megatron_core_held_it(layout, tm
     format (``dp_reshardable``) and in ``fully_reshardable`` (model space, ``optimizer.state.param.*``).
     The imported moments, fp32 main weights and step load into megalm's optimizer with ``--load``'s
     ``load_checkpoint`` equal to the values megatron-core's optimizer held (``adam_state.safetensors``)."""
-    from megalm import checkpointing
+    from megalm.checkpoint.load import load_checkpoint
     from megalm.config import set_vocab_size
     from megalm.distributed import DistributedDataParallel
     from megalm.fusions import EAGER
@@ -85,7 +86,7 @@ def test_distributed_optimizer_state_resumes_as_megatron_core_held_it(layout, tm
     model = GPTModel(cfg, fusion_plan=EAGER)
     ddp = DistributedDataParallel(model, cfg.parallel)
     optimizer = build_optimizer(cfg, [ddp], report_memory=False)
-    checkpointing.load_checkpoint(dst, [ddp], optimizer, load_rng=False)
+    load_checkpoint(dst, [ddp], optimizer, load_rng=False)
     state = optimizer.sharded_param_state()
     held = safetensors.load_file(os.path.join(FIXTURES, "adam", "adam_state.safetensors"))
     vocab = cfg.model.vocab_size

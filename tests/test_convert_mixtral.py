@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalm import checkpointing
+from megalm.checkpoint.load import load_checkpoint
+from megalm.checkpoint.save import save_checkpoint
 from megalm.config import MegalmConfig, set_vocab_size, validate_config
 from megalm.conversion.errors import ConversionError
 
@@ -271,7 +272,7 @@ def test_refusals_name_the_field(hf_mixtral, tmp_path):
     refused(lambda c: c.update(num_experts_per_tok=5), "num_experts_per_tok = 5")
     refused(lambda c: c.update(hidden_act="gelu"), "hidden_act")
     refused(lambda c: c.update(model_type="qwen2_moe"), "'qwen2_moe' is a mixture-of-experts model .*mixtral")
-    refused(lambda c: c.update(model_type="deepseek_v3"), "'deepseek_v3' is a mixture-of-experts model")
+    refused(lambda c: c.update(model_type="deepseek_v2"), "'deepseek_v2' is a mixture-of-experts model")
     refused(lambda c: None, "--num-experts 8 disagrees with config.json", ["--num-experts", "8"])
     refused(lambda c: None, "--expert-model-parallel-size 3", ["--expert-model-parallel-size", "3"])
     # A dense model cannot become a mixture of experts on import.
@@ -357,9 +358,9 @@ def _save_and_load_on_ranks(jobs, ids):
         chunks = build_model_chunks(cfg, pretrain_gpt.model_provider)
         if action == "save":
             _perturb_norms(chunks)
-            checkpointing.save_checkpoint(root, 5, chunks, config=cfg.to_dict())
+            save_checkpoint(root, 5, chunks, config=cfg.to_dict())
         else:
-            checkpointing.load_checkpoint(root, chunks, finetune=True)
+            load_checkpoint(root, chunks, finetune=True)
             with torch.no_grad():
                 logits = chunks[0].eval()(ids)
                 out[name] = gather_from_tensor_model_parallel_region(logits, parallel_state.get_process_groups().tp)[
@@ -422,7 +423,7 @@ def _export_equals_one_rank(tmp, saved: str, model: dict):
     cfg = _tc().make_cfg(**model)
     one = GPTModel(cfg)
     _perturb_norms([one])
-    checkpointing.save_checkpoint(str(tmp / f"{saved}_1rank"), 5, [one], config=cfg.to_dict())
+    save_checkpoint(str(tmp / f"{saved}_1rank"), 5, [one], config=cfg.to_dict())
     export_to_hf(str(tmp / saved), str(tmp / f"hf_{saved}"))
     export_to_hf(str(tmp / f"{saved}_1rank"), str(tmp / f"hf_{saved}_1rank"))
     a, b = _safetensors(tmp / f"hf_{saved}"), _safetensors(tmp / f"hf_{saved}_1rank")

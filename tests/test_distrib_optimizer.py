@@ -20,11 +20,11 @@ import torch.nn.functional as F
 
 from megalm import parallel_state
 from megalm.config import ParallelConfig
-from megalm.dist_checkpointing import flat_range_blocks
 from megalm.distributed import DistributedDataParallel, comm, finalize_model_grads
 from megalm.optimizer import DistributedOptimizer, build_optimizer
 from megalm.optimizer.grad_scaler import DynamicGradScaler
 from megalm.optimizer.memory_accounting import formula_bytes_per_param, optimizer_memory
+from megalm.param_layout import flat_range_blocks
 from tests.distributed_harness import run_distributed
 from tests.test_ddp import GLOBAL_BATCH, NUM_MICRO, STEPS, batch, make_cfg, make_model, reference_run
 

@@ -20,7 +20,7 @@ import os
 
 import pytest
 
-from megalm.dist_checkpointing import saved_tensor_shapes
+from megalm.checkpoint.dcp_io import saved_tensor_shapes
 from tests.distributed_harness import run_distributed
 from tests.training_runs import assert_close as _assert_close
 from tests.training_runs import losses, tiny_flags

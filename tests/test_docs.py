@@ -268,3 +268,10 @@ def test_flag_check_catches(tmp_path):
         "docs/page.md: --no-such-flag is accepted by no parser",
         "docs/page.md: --use-mcore-models is ignored or refused: say so in '`--use-mcore-models` is accepted.'",
     ]
+
+
+def test_every_page_is_in_the_site_nav():
+    nav = set(re.findall(r"^\s+- [^:\n]+: (\S+\.md)\s*$", _text(REPO / "mkdocs.yml"), re.M))
+    pages = {str(p.relative_to(REPO / "docs")) for p in (REPO / "docs").rglob("*.md")}
+    assert not pages - nav, f"add to nav in mkdocs.yml: {sorted(pages - nav)}"
+    assert not nav - pages, f"nav names missing pages: {sorted(nav - pages)}"

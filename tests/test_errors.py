@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from megalm.async_save import AsyncSaveError
-from megalm.checkpointing import CheckpointError
+from megalm.checkpoint.async_writer import AsyncSaveError
+from megalm.checkpoint.errors import CheckpointError
 from megalm.config import ConfigError, build_parser
 from megalm.conversion.errors import ConversionError
 from megalm.data.indexed_dataset import IndexedDatasetError

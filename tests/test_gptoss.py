@@ -82,7 +82,7 @@ def test_import_logits_train_step_and_round_trip_match_transformers(tmp_path):
     extra = ["--tokenizer-type", "NullTokenizer", "--moe-aux-loss-coeff", "0", "--seq-length", "32"]
     result = import_from_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), extra_args=extra)
     m = result.config.model
-    assert m.window_size == [4, 0] and m.softmax_type == "learnable" and m.position_embedding_type == "yarn"
+    assert m.window_size == [4, 0] and m.softmax_type == "learnable" and m.rope_type == "yarn"
     assert [layer_window(m, i) for i in range(3)] == [4, None, 4]  # HF layer_types: sliding, full, sliding
     reader = MegalmCheckpointReader(str(tmp_path / "ckpt"))
     tensors = reader.load(reader.model_names)
@@ -191,9 +191,9 @@ def test_gptoss_flags_parse_and_refusals():
     m = _validate("--window-size", "(3,0)", "--window-attn-skip-freq", "[1,0,0,1]", "--num-layers", "4").model
     assert [layer_window(m, i) for i in range(4)] == [3, None, None, 3]
     m = _validate("--enable-gpt-oss", "--position-embedding-type", "rope").model
-    assert m.position_embedding_type == "yarn" and m.rotary_scaling_factor == 32.0
-    assert m.yarn_original_max_position_embeddings == 131072 and m.yarn_correction_range_round_to_int is False
-    assert _validate("--rope-type", "yarn", "--position-embedding-type", "rope").model.position_embedding_type == "yarn"
+    assert m.rope_type == "yarn" and m.rotary_scaling_factor == 32.0
+    assert m.original_max_position_embeddings == 131072 and m.yarn_correction_range_round_to_int is False
+    assert _validate("--position-embedding-type", "yarn").model.rope_type == "yarn"
     m = _validate("--quick-geglu", "--glu-linear-offset", "1.0", "--activation-func-clamp-value", "7.0").model
     assert m.gated_linear_unit and m.ffn_hidden_size == 320  # 8/3 h rounded to 64, as SwiGLU
     for flags, words in (

@@ -617,7 +617,8 @@ def test_checkpoint_reshards_into_other_buckets_and_resets_without_pending(tmp_p
     """Through save_checkpoint / load_checkpoint in one process: residuals saved with buckets of 700
     elements load into one bucket (another signature: resharded, one INFO line) with the same values
     per parameter; a checkpoint saved without compression leaves them at zero, with the warning."""
-    from megalm import checkpointing
+    from megalm.checkpoint.load import load_checkpoint
+    from megalm.checkpoint.save import save_checkpoint
     from tests.logs import megalm_logs
 
     pg = ProcessGroups.single()
@@ -626,13 +627,13 @@ def test_checkpoint_reshards_into_other_buckets_and_resets_without_pending(tmp_p
     for b in src.buffers[0].buckets:  # as if resharded from a larger DP size
         src.compressor.residuals[f"dense0.{b.index}"] = torch.randn(b.numel, generator=gen)
     want = reshard.pending_updates([src])
-    checkpointing.save_checkpoint(str(tmp_path / "int8"), 1, [src])
+    save_checkpoint(str(tmp_path / "int8"), 1, [src])
     plain = DistributedDataParallel(make_model(), config("none"), process_groups=pg)
-    checkpointing.save_checkpoint(str(tmp_path / "plain"), 1, [plain])
+    save_checkpoint(str(tmp_path / "plain"), 1, [plain])
     for name in ("int8", "plain"):
         dst = DistributedDataParallel(make_model(), config("int8", ddp_bucket_size=None), process_groups=pg)
         with megalm_logs("stderr"):
-            checkpointing.load_checkpoint(str(tmp_path / name), [dst], load_rng=False)
+            load_checkpoint(str(tmp_path / name), [dst], load_rng=False)
         err = capsys.readouterr().err
         if name == "int8":
             got = reshard.pending_updates([dst])

@@ -86,9 +86,10 @@ def _ddp_step():
 
     import torch.distributed.checkpoint  # noqa: F401 - first import binds torch.distributed.nn.functional's defaults
 
-    from megalm import parallel_state, testing
+    from megalm import parallel_state
     from megalm.config import ParallelConfig
     from megalm.distributed import DistributedDataParallel
+    from tests import distributed_harness as testing
 
     parallel_state.initialize_model_parallel()
     model = DistributedDataParallel(torch.nn.Linear(4, 3), ParallelConfig())

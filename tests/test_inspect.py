@@ -1,4 +1,4 @@
-"""tools/checkpoint/inspect.py: a checkpoint described from its metadata alone, read by megalm.safe_unpickle
+"""tools/checkpoint/inspect.py: a checkpoint described from its metadata alone, read by megalm.checkpoint.safe_metadata
 (hostile .metadata files: tests/test_checkpoint_security.py)."""
 
 import json
@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from megalm import checkpointing
+from megalm.checkpoint.resume import find_checkpoint
+from megalm.checkpoint.safe_metadata import CheckpointSecurityError, load_metadata
+from megalm.checkpoint.save import save_checkpoint
 from megalm.config import MegalmConfig, set_vocab_size, validate_config
 from megalm.conversion.checkpoint_info import describe, format_description
-from megalm.safe_unpickle import CheckpointSecurityError, load_metadata
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,7 +34,7 @@ def checkpoint(tmp_path_factory):
     optimizer = build_optimizer(cfg, [model])
     root = tmp_path_factory.mktemp("ckpt")
     for iteration in (5, 10):
-        checkpointing.save_checkpoint(
+        save_checkpoint(
             str(root), iteration, [model], optimizer, consumed_train_samples=4 * iteration, config=cfg.to_dict()
         )
     n = sum(p.numel() for p in model.parameters()) - (128 - 100) * 32  # padded vocabulary rows are not saved
@@ -77,7 +78,7 @@ class _Evil:
 
 def test_metadata_reader_refuses_arbitrary_objects(checkpoint, tmp_path):
     root, _ = checkpoint
-    path = checkpointing.find_checkpoint(str(root))
+    path = find_checkpoint(str(root))
     assert load_metadata(path).state_dict_metadata  # the real metadata passes
     bad = tmp_path / "iter"
     bad.mkdir()

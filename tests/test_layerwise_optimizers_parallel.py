@@ -13,7 +13,7 @@ end through pretrain_gpt.py's pieces on real spawned ranks.
   the fused QKV weight into Q, K and V (Megatron-LM's default) in every run here: each part gathered
   over TP, the whole TP-local matrix assembled over DP first with the distributed optimizer (Newton-Schulz
   in fp32: ``--muon-fp32-matmul-prec highest``; under Megatron's default bf16 iterations the layouts
-  agree only to bf16 rounding, README); one
+  agree only to bf16 rounding, docs/optimizers.md); one
   process with ``--muon-no-split-qkv`` (the fused matrix whole) parts from it, so the comparisons above
   see the split;
 * resume: LAMB, LARS, Lion and Muon saved at iteration 3 at TP 2 x DP 2 continue at PP 2 x DP 2
@@ -23,7 +23,7 @@ end through pretrain_gpt.py's pieces on real spawned ranks.
   norms and Muon matrix gather only the ranks holding that expert.  The experts start at different
   scales (``EXPERT_SCALES``: EP rank 1's experts x 4), so their trust ratios differ by ~4x: norms
   summed over the experts of the same local index on different EP ranks (a wrong row offset) give
-  both one ratio, which moves LAMB's and LARS' updates measurably (README: how far).
+  both one ratio, which moves LAMB's and LARS' updates measurably (docs/optimizers.md: how far).
 
 One group of 4 ranks and one of 1 rank (the 4-rank runs go first: the 1-rank group reads nothing).
 """
@@ -148,7 +148,7 @@ def runs(tmp_path_factory):
     four += [run(f"{opt}_tp_offload", opt, *TP2, *DIST, *OFFLOAD) for opt in OFFLOADED]
     # Muon with the plain optimizer (whole TP-local matrices, gathered over TP) too.
     four.append(run("muon_tp_plain", "muon", *TP2))
-    # Blockwise orthogonalizes each TP shard: a different update (the README states it).
+    # Blockwise orthogonalizes each TP shard: a different update (docs/optimizers.md states it).
     four.append(run("muon_blockwise_tp", "muon", *TP2, "--muon-tp-mode", "blockwise"))
     # MoE: EP 2 (expert data parallel 2) against EP 1, both DP 4 with the distributed optimizer; experts
     # at different scales.

@@ -177,7 +177,7 @@ def test_state_dict_round_trip_continues_identically(dtype, fp16):
     for a, b in zip(_train(model2, ddp2, opt2, 3, seed=2), expected):
         assert torch.equal(a, b)
 
-    # the in-place protocol used by megalm.checkpointing (DCP loads into sharded_param_state()'s tensors)
+    # the in-place protocol used by megalm.checkpoint (DCP loads into sharded_param_state()'s tensors)
     model3, ddp3, opt3 = build(saved_model)
     live = opt3.sharded_param_state()
     for name, tensors in saved_sharded.items():

@@ -6,7 +6,7 @@
 * a parameter left out of ``params`` (a tied copy) has no entry;
 * ``load_sharded_state_dict(common, main_params_loaded)``: True keeps the loaded fp32 main
   weights, False rebuilds them from the model weights; the loss scaler comes from ``common``;
-* checkpointing.optimizer_sharded_state uses only the protocol (no duck typing);
+* optimizer_sharded_state uses only the protocol (no duck typing);
 * misuse raises megalm errors (whole-tensor state of the distributed optimizer, chunks without DDP).
 """
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalm import checkpointing
+from megalm.checkpoint.model_state import model_sharded_state, optimizer_sharded_state
 from megalm.config import MegalmConfig, ParallelConfig
 from megalm.distributed import DistributedDataParallel
 from megalm.errors import MegalmError
@@ -99,9 +99,7 @@ def test_params_left_out_have_no_state_entries(distributed):
     specs = opt.sharded_state_dict(params)
     assert not [k for k in specs if k.startswith("optimizer.2.weight.")]
     assert "optimizer.2.bias.exp_avg" in specs
-    assert set(checkpointing.optimizer_sharded_state(opt, [ddp])) == set(
-        opt.sharded_state_dict(dict(model.named_parameters()))
-    )
+    assert set(optimizer_sharded_state(opt, [ddp])) == set(opt.sharded_state_dict(dict(model.named_parameters())))
 
 
 @pytest.mark.parametrize("distributed", [False, True])
@@ -119,7 +117,7 @@ def test_load_sharded_state_dict_main_params_loaded_is_explicit(distributed):
     assert all((b.local == 0.123456789).all() for b in blocks)  # kept
     opt.load_sharded_state_dict({}, main_params_loaded=False)
     assert opt.get_loss_scale() == 32.0
-    model_values = _assemble(checkpointing.model_sharded_state([ddp]))
+    model_values = _assemble(model_sharded_state([ddp]))
     main_values = _assemble({k: v for k, v in specs.items() if k.endswith(".main_param")})
     for key, value in main_values.items():  # rebuilt from the model weights
         name = key[len("optimizer.") : -len(".main_param")]

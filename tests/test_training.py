@@ -535,7 +535,7 @@ def test_weights_only_checkpoint_needs_the_no_load_flags(runs):
     common = json.load(open(os.path.join(d, "common.json")))
     assert common["scheduler"] is None and common["optimizer_common"] is None and common["rng_saved"] is False
     assert os.listdir(os.path.join(d, "rng")) == []
-    from megalm.safe_unpickle import load_metadata
+    from megalm.checkpoint.safe_metadata import load_metadata
 
     keys = load_metadata(d).state_dict_metadata
     assert keys and not [k for k in keys if not k.startswith("model.")]

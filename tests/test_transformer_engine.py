@@ -16,11 +16,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalm import checkpointing, parallel_state
+from megalm import parallel_state
+from megalm.checkpoint.dcp_io import saved_tensor_shapes
+from megalm.checkpoint.load import load_checkpoint
+from megalm.checkpoint.model_state import model_parameters
+from megalm.checkpoint.save import save_checkpoint
 from megalm.config import ConfigError, MegalmConfig, parse_config, validate_config
 from megalm.fusions import BackendUnavailable, plan_fusions
 from megalm.models import GPTModel
 from megalm.optimizer import build_optimizer
+from megalm.param_layout import param_spec
 from megalm.parameter_names import canonical_name
 from megalm.tensor_parallel import gather_tensor_parallel_grad, gather_tensor_parallel_param
 from megalm.transformer.fp8 import fp8_recipe
@@ -178,8 +183,8 @@ def _tensor_parallel_rank(ckpt_root: str):
             errors.update(_compare(f"{name} tp=2 sp={sp}", _snapshot(model, batches[name]), references[name]))
             errors[f"{name} sp={sp} contract"] = float(len(_contract_problems(model, sp)))
             if name == "llama" and sp:
-                checkpointing.save_checkpoint(ckpt_root, 3, [model])  # a TE TP 2 checkpoint, loaded at TP 1 below
-                saved = {n: gather_tensor_parallel_param(p) for n, p in checkpointing.model_parameters([model]).items()}
+                save_checkpoint(ckpt_root, 3, [model])  # a TE TP 2 checkpoint, loaded at TP 1 below
+                saved = {n: gather_tensor_parallel_param(p) for n, p in model_parameters([model]).items()}
 
     # fp8: every TE module's forward inside one fp8_autocast region per forward, amaxes reduced over TP x DP.
     te_fp8.ENTERED.clear()
@@ -202,7 +207,7 @@ def test_te_layers_on_tensor_parallel_ranks_match_local_and_checkpoint_across_la
         _assert_small(errors, minimum_checks=3 * 2 * 20)
     saved = results[0][1]
     local = GPTModel(make_cfg(**CONFIGS["llama"]))  # TP 1, local layers
-    checkpointing.load_checkpoint(str(tmp_path), [local], load_rng=False, finetune=True)
+    load_checkpoint(str(tmp_path), [local], load_rng=False, finetune=True)
     loaded = dict(local.named_parameters())
     assert set(loaded) == set(saved)
     assert all(torch.equal(loaded[n], saved[n]) for n in saved)
@@ -236,17 +241,17 @@ def test_checkpoints_are_interchangeable_between_te_and_local_models(te, tmp_pat
         target_cfg = make_cfg(impl=target_impl, **CONFIGS["gpt2"])
         source = _perturbed(source_cfg, seed=1)
         optimizer = _trained_optimizer(source_cfg, source)
-        path = checkpointing.save_checkpoint(root, 1, [source], optimizer=optimizer, config=source_cfg.to_dict())
-        keys = checkpointing.saved_tensor_shapes(path)
+        path = save_checkpoint(root, 1, [source], optimizer=optimizer, config=source_cfg.to_dict())
+        keys = saved_tensor_shapes(path)
         local_names = {n for n, _ in GPTModel(make_cfg(**CONFIGS["gpt2"])).named_parameters()}
         assert {k[len("model.") :] for k in keys if k.startswith("model.")} == local_names
         assert not any("extra_state" in k or "layer_norm_weight" in k for k in keys)
 
         target = _perturbed(target_cfg, seed=2)
         target_optimizer = _trained_optimizer(target_cfg, target)
-        checkpointing.load_checkpoint(root, [target], optimizer=target_optimizer, load_rng=False)
-        want = {n: checkpointing.param_spec(p).local for n, p in checkpointing.model_parameters([source]).items()}
-        got = {n: checkpointing.param_spec(p).local for n, p in checkpointing.model_parameters([target]).items()}
+        load_checkpoint(root, [target], optimizer=target_optimizer, load_rng=False)
+        want = {n: param_spec(p).local for n, p in model_parameters([source]).items()}
+        got = {n: param_spec(p).local for n, p in model_parameters([target]).items()}
         assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
         want_state = optimizer.sharded_param_state()
         got_state = target_optimizer.sharded_param_state()

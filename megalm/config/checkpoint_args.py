@@ -54,8 +54,9 @@ DATA_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 def apply_checkpoint_args(cfg: MegalmConfig, given: Collection[str]) -> List[str]:
     """Copy the saved fields into ``cfg`` unless their ``section.field`` is in ``given`` (flags on
     the command line); returns the ``section.field`` names copied."""
-    from megalm.checkpoint_resume import CheckpointError, find_checkpoint
-    from megalm.checkpointing import read_common
+    from megalm.checkpoint.common_json import read_common
+    from megalm.checkpoint.errors import CheckpointError
+    from megalm.checkpoint.resume import find_checkpoint
     from megalm.tokenizers.null_tokenizer import NullTokenizer
 
     c = cfg.checkpoint

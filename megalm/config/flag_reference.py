@@ -17,8 +17,9 @@ PAGE = "docs/reference/flags.md"
 
 
 def _cell(text: str) -> str:
-    """Text safe inside a Markdown table cell (one line, no bare pipes)."""
-    return " ".join(str(text).split()).replace("|", "\\|")
+    """Text safe inside a Markdown table cell (one line, no bare pipes, no HTML tags)."""
+    text = " ".join(str(text).split()).replace("|", "\\|")
+    return text.replace("<", "&lt;").replace(">", "&gt;")  # <save> is text, not an HTML tag
 
 
 def _default(action: argparse.Action) -> str:

@@ -8,8 +8,9 @@ gated MLP and YaRN rotary embeddings (Megatron-LM's flag names and meanings).
   softmax denominator.
 - ``--quick-geglu`` / ``--glu-linear-offset`` / ``--activation-func-clamp-value``: the gated MLP
   ``quick_gelu(min(x1, c)) * (clamp(x2, -c, c) + offset)``.
-- YaRN (``--position-embedding-type yarn`` or ``--rope-type yarn``; ``--enable-gpt-oss`` sets Megatron's
-  gpt-oss values): defaults filled here (those of Megatron's ``YarnRotaryEmbedding``).
+- YaRN: ``--position-embedding-type yarn`` (Megatron's non-MLA spelling) becomes ``rope`` with
+  ``--rope-type yarn``, and ``--yarn-original-max-position-embeddings`` / ``--yarn-beta-fast/slow`` fill
+  the YaRN fields (:mod:`megalm.transformer.yarn`); ``--enable-gpt-oss`` sets Megatron's gpt-oss values.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from megalm.config.sections import ConfigError, ModelConfig, ParallelConfig
 # Megatron's ModelOpt builder (megatron/post_training/model_builder.py) under --enable-gpt-oss.
 GPT_OSS_YARN = dict(
     rotary_scaling_factor=32.0,
-    yarn_original_max_position_embeddings=131072,
-    yarn_beta_fast=32.0,
-    yarn_beta_slow=1.0,
+    original_max_position_embeddings=131072,
+    beta_fast=32.0,
+    beta_slow=1.0,
     mscale=1.0,
     mscale_all_dim=0.0,
     yarn_correction_range_round_to_int=False,
@@ -59,25 +60,22 @@ def gated_mlp(m: ModelConfig) -> bool:
 def validate_gptoss(m: ModelConfig, p: ParallelConfig) -> None:
     """Fill YaRN defaults and check the window / sink / GLU flags against each other and the parallel
     layout (what the attention cores cannot run is refused here, before any rank starts)."""
-    if m.rope_type == "yarn":
-        _check(
-            m.position_embedding_type in ("rope", "yarn"),
-            f"--rope-type yarn needs rotary positions, got --position-embedding-type {m.position_embedding_type}",
-        )
-        m.position_embedding_type = "yarn"
+    if m.position_embedding_type == "yarn":  # Megatron's non-MLA spelling: rope with YaRN frequencies
+        m.position_embedding_type, m.rope_type = "rope", "yarn"
     if m.enable_gpt_oss:
-        m.position_embedding_type = "yarn"
+        m.position_embedding_type, m.rope_type = "rope", "yarn"
         for name, value in GPT_OSS_YARN.items():
             setattr(m, name, value)
-    if m.yarn_original_max_position_embeddings is None:
-        m.yarn_original_max_position_embeddings = 4096
-    if m.yarn_beta_fast is None:
-        m.yarn_beta_fast = 32.0
-    if m.yarn_beta_slow is None:
-        m.yarn_beta_slow = 1.0
+    for value, field in (
+        (m.yarn_original_max_position_embeddings, "original_max_position_embeddings"),
+        (m.yarn_beta_fast, "beta_fast"),
+        (m.yarn_beta_slow, "beta_slow"),
+    ):
+        if value is not None:
+            setattr(m, field, value)
     if m.yarn_correction_range_round_to_int is None:
         m.yarn_correction_range_round_to_int = True
-    if m.position_embedding_type == "yarn":
+    if m.rope_type == "yarn" and not m.multi_latent_attention:
         _check(m.rotary_percent == 1.0, f"YaRN rotates whole heads: --rotary-percent must be 1, got {m.rotary_percent}")
     _check(m.rotary_scaling_factor > 0, f"--rotary-scaling-factor must be positive, got {m.rotary_scaling_factor}")
 
@@ -115,6 +113,7 @@ def validate_gptoss(m: ModelConfig, p: ParallelConfig) -> None:
     if not variant:
         return
     what = "--window-size / --softmax-type " + m.softmax_type
+    _check(not m.multi_latent_attention, f"{what} is not built for --multi-latent-attention")
     _check(
         m.transformer_impl == "local",
         f"{what} runs in megalm's attention cores: use --transformer-impl local (TE's core is not wired for it)",

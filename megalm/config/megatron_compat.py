@@ -40,8 +40,6 @@ NO_EFFECT = {
 UNSUPPORTED = {
     "--fp8-format": "fp8 needs Transformer Engine's layers (--transformer-impl transformer_engine on a GPU)",
     "--fp8-param-gather": "fp8 parameter all-gather is not built (fp8 runs inside Transformer Engine's layers only)",
-    "--multi-latent-attention": "multi-latent attention (DeepSeek) is not built",
-    "--mtp-num-layers": "multi-token prediction is not built",
     "--profile": "without --use-pytorch-profiler on a machine without CUDA (nsys profiles CUDA only)",
 }
 
@@ -74,8 +72,6 @@ class MegatronCompatConfig:
     use_megatron_fsdp: bool = _f(False, "No effect: " + NO_EFFECT["--use-megatron-fsdp"] + ".")
     export_force_local_attention: bool = _f(False, "No effect: " + NO_EFFECT["--export-force-local-attention"] + ".")
     fp8_param_gather: bool = _f(False, "Refused: " + UNSUPPORTED["--fp8-param-gather"] + ".")
-    multi_latent_attention: bool = _f(False, "Refused: " + UNSUPPORTED["--multi-latent-attention"] + ".")
-    mtp_num_layers: Optional[int] = _f(None, "Refused: " + UNSUPPORTED["--mtp-num-layers"] + ".")
 
 
 def given_no_effect_flags(c: MegatronCompatConfig) -> list:
@@ -102,11 +98,7 @@ def given_no_effect_flags(c: MegatronCompatConfig) -> list:
 
 def refusal(c: MegatronCompatConfig, backend: str) -> Optional[str]:
     """Why these flags cannot be honoured (None when they can); ``backend``: the one megalm picks."""
-    for flag, given in (
-        ("--fp8-param-gather", c.fp8_param_gather),
-        ("--multi-latent-attention", c.multi_latent_attention),
-        ("--mtp-num-layers", c.mtp_num_layers is not None),
-    ):
+    for flag, given in (("--fp8-param-gather", c.fp8_param_gather),):
         if given:
             return f"{flag} is not supported by megalm: {UNSUPPORTED[flag]}"
     if c.ckpt_format is not None and c.ckpt_format != "torch_dist":

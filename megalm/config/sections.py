@@ -42,7 +42,9 @@ class ModelConfig:
     seq_length: int = _f(128, "Sequence length of training samples.")
     max_position_embeddings: Optional[int] = _f(None, "Size of the learned position table; default --seq-length.")
     position_embedding_type: str = _f(
-        "learned_absolute", "Position embedding.", choices=["learned_absolute", "rope", "yarn", "none"]
+        "learned_absolute",
+        "Position embedding (yarn: Megatron's spelling of rope with --rope-type yarn).",
+        choices=["learned_absolute", "rope", "yarn", "none"],
     )
     add_position_embedding: bool = _f(
         True,
@@ -75,6 +77,43 @@ class ModelConfig:
         False, "Normalize each query and key head (--normalization over the head dimension) before RoPE."
     )
     add_qkv_bias: bool = _f(False, "Give the QKV projection a bias even with --disable-bias-linear (Qwen-style).")
+    multi_latent_attention: bool = _f(
+        False,
+        "Multi-latent attention (DeepSeek-V2/V3): queries and keys/values through low-rank latents "
+        "(--q-lora-rank, --kv-lora-rank), per-head dims --qk-head-dim + --qk-pos-emb-head-dim (RoPE part) "
+        "and --v-head-dim; --qk-layernorm normalizes the latents.",
+    )
+    q_lora_rank: Optional[int] = _f(
+        None, "MLA: rank of the query latent (unset: queries projected directly from the hidden state)."
+    )
+    kv_lora_rank: int = _f(32, "MLA: rank of the key/value latent (what the KV cache stores).")
+    qk_head_dim: int = _f(128, "MLA: per-head query/key dimension without position embedding.")
+    qk_pos_emb_head_dim: int = _f(64, "MLA: per-head query/key dimension carrying RoPE (the key part is shared).")
+    v_head_dim: int = _f(128, "MLA: per-head value dimension.")
+    mtp_num_layers: Optional[int] = _f(
+        None,
+        "Multi-token prediction depths (DeepSeek-V3): depth k predicts the token k+1 ahead from the previous "
+        "depth's hidden state and the embedding of the token k ahead (shared embedding and output layer).",
+    )
+    mtp_loss_scaling_factor: float = _f(
+        0.1, "Weight of the multi-token prediction losses: factor / --mtp-num-layers times their sum is trained."
+    )
+    rope_type: Optional[str] = _f(
+        None,
+        "RoPE variant: rope (plain) or yarn (YaRN frequency scaling, see --rotary-scaling-factor); "
+        "default rope, yarn with --multi-latent-attention (Megatron's MLA default).",
+        choices=["rope", "yarn"],
+    )
+    rotary_scaling_factor: float = _f(1.0, "YaRN: context extension factor (1: no scaling).")
+    original_max_position_embeddings: Optional[int] = _f(
+        None, "YaRN: the context length the model was trained with before extension (default 4096)."
+    )
+    beta_fast: float = _f(32.0, "YaRN: fast rotation count bounding the extrapolated frequencies.")
+    beta_slow: float = _f(1.0, "YaRN: slow rotation count bounding the interpolated frequencies.")
+    mscale: float = _f(1.0, "YaRN: attention temperature multiplier of the rotary tables (cos/sin).")
+    mscale_all_dim: float = _f(
+        0.0, "YaRN: temperature of all dims: divides the tables' mscale and squares into the softmax scale (0: off)."
+    )
     hidden_dropout: float = _f(0.1, "Dropout probability after attention and MLP outputs.")
     attention_dropout: float = _f(0.1, "Dropout probability on attention weights.")
     position_keyed_attention_dropout: bool = _f(
@@ -217,21 +256,11 @@ class ModelConfig:
         None,
         "Clamp of a gated MLP's fc1 output (gpt-oss: 7.0): the gated half to at most c, the linear half to [-c, c].",
     )
-    rope_type: Optional[str] = _f(
-        None,
-        "Rotary variant: rope, or yarn (= --position-embedding-type yarn: YaRN-scaled frequencies).",
-        choices=["rope", "yarn"],
-    )
-    rotary_scaling_factor: float = _f(1.0, "YaRN: context extension factor s (inverse frequencies interpolated by s).")
-    mscale: float = _f(1.0, "YaRN: mscale of the attention (concentration) factor.")
-    mscale_all_dim: float = _f(
-        0.0, "YaRN: mscale_all_dim; cos/sin are scaled by (0.1 mscale ln s + 1) / (0.1 mscale_all_dim ln s + 1)."
-    )
     yarn_original_max_position_embeddings: Optional[int] = _f(
-        None, "YaRN: the pre-extension context length (default 4096)."
+        None, "YaRN (Megatron's non-MLA spelling of --original-max-position-embeddings): the pre-extension context."
     )
-    yarn_beta_fast: Optional[float] = _f(None, "YaRN: rotations bounding the extrapolated dimensions (default 32).")
-    yarn_beta_slow: Optional[float] = _f(None, "YaRN: rotations bounding the interpolated dimensions (default 1).")
+    yarn_beta_fast: Optional[float] = _f(None, "YaRN: Megatron's non-MLA spelling of --beta-fast.")
+    yarn_beta_slow: Optional[float] = _f(None, "YaRN: Megatron's non-MLA spelling of --beta-slow.")
     yarn_correction_range_round_to_int: Optional[bool] = _f(
         None,
         "YaRN: round the correction range to integers (Megatron's default; --no-yarn-correction-range-round-to-int: "
@@ -240,7 +269,7 @@ class ModelConfig:
     )
     enable_gpt_oss: bool = _f(
         False,
-        "gpt-oss's YaRN with Megatron's values: --position-embedding-type yarn, factor 32, original context 131072, "
+        "gpt-oss's YaRN with Megatron's values: --rope-type yarn, factor 32, original context 131072, "
         "beta 32/1, mscale 1/0, no rounding (as Megatron's ModelOpt builder sets them).",
     )
     disable_bf16_reduced_precision_matmul: bool = _f(
@@ -501,8 +530,8 @@ class TrainingConfig:
         None,
         "Global batch size by consumed tokens: '<tokens>:<batch> ...', e.g. '0:16 2.4B:320' (suffixes K M B T; "
         "the first threshold 0; tokens become samples by floor division by --seq-length). Sets the global "
-        "batch size itself (not with --global-batch-size or --rampup-batch-size); with --train-samples or --train-iters. The "
-        "learning rate follows the batch only with --lr-batch-scaling.",
+        "batch size itself (not with --global-batch-size or --rampup-batch-size); with --train-samples or "
+        "--train-iters. The learning rate follows the batch only with --lr-batch-scaling.",
     )
     lr_batch_scaling: str = _f(
         "none",

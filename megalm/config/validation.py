@@ -387,6 +387,8 @@ def _validate_model(m: ModelConfig, p: ParallelConfig) -> None:
         _check(value > 0, f"--{name.replace('_', '-')} must be positive, got {value}")
     _check(tp >= 1 and pp >= 1, f"parallel sizes must be >= 1 (tensor {tp}, pipeline {pp})")
     _validate_heads(m, tp)
+    _validate_mla(m)
+    _validate_mtp(m, p)
     if not m.add_position_embedding and m.position_embedding_type == "learned_absolute":
         m.position_embedding_type = "none"  # Megatron's --no-position-embedding
     if m.recompute_activations:
@@ -407,7 +409,7 @@ def _validate_model(m: ModelConfig, p: ParallelConfig) -> None:
         m.ffn_hidden_size % tp == 0,
         f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}",
     )
-    if m.position_embedding_type in ("rope", "yarn"):
+    if m.position_embedding_type == "rope" and not m.multi_latent_attention:
         rot = int(m.head_dim * m.rotary_percent)
         _check(
             rot % 2 == 0 and rot > 0,
@@ -427,9 +429,56 @@ def _validate_model(m: ModelConfig, p: ParallelConfig) -> None:
     _validate_recompute(m)
 
 
+def _validate_mla(m: ModelConfig) -> None:
+    """--multi-latent-attention's sizes, and --rope-type's default (yarn under MLA, as Megatron's MLA config)."""
+    if m.rope_type is None:
+        m.rope_type = "yarn" if m.multi_latent_attention else "rope"
+    _check(m.rotary_scaling_factor >= 1.0, f"--rotary-scaling-factor must be >= 1, got {m.rotary_scaling_factor}")
+    if not m.multi_latent_attention:
+        return
+    _check(
+        m.position_embedding_type == "rope",
+        f"--multi-latent-attention needs --position-embedding-type rope (got {m.position_embedding_type})",
+    )
+    for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+        value = getattr(m, name)
+        _check(value > 0, f"--{name.replace('_', '-')} must be positive with --multi-latent-attention, got {value}")
+    _check(
+        m.q_lora_rank is None or m.q_lora_rank > 0,
+        f"--q-lora-rank must be positive (or unset) with --multi-latent-attention, got {m.q_lora_rank}",
+    )
+    _check(
+        m.qk_pos_emb_head_dim % 2 == 0,
+        f"--qk-pos-emb-head-dim {m.qk_pos_emb_head_dim} must be even (it carries RoPE)",
+    )
+    _check(
+        not m.group_query_attention,
+        "--group-query-attention does not apply to --multi-latent-attention (keys and values come from one "
+        "latent per position, expanded to every head): drop it",
+    )
+
+
+def _validate_mtp(m: ModelConfig, p: ParallelConfig) -> None:
+    """--mtp-num-layers: positive; not under context parallelism (its roll of the tokens would cross the
+    CP chunks); pipelined only with RoPE (the last stage's embedding copy has no position table)."""
+    if m.mtp_num_layers is None:
+        return
+    _check(m.mtp_num_layers >= 1, f"--mtp-num-layers must be >= 1, got {m.mtp_num_layers}")
+    _check(
+        p.context_parallel_size == 1,
+        f"--mtp-num-layers is not supported with --context-parallel-size {p.context_parallel_size} (the shift "
+        f"of the tokens by one position would cross the context-parallel chunks)",
+    )
+    _check(
+        p.pipeline_model_parallel_size == 1 or m.position_embedding_type != "learned_absolute",
+        "--mtp-num-layers with --pipeline-model-parallel-size > 1 needs --position-embedding-type rope or none "
+        "(the last stage embeds its tokens with a copy of the word embedding only)",
+    )
+
+
 def _validate_heads(m: ModelConfig, tp: int) -> None:
     """Attention heads and query groups split over the tensor-parallel ranks."""
-    if m.kv_channels is None:
+    if m.kv_channels is None and not m.multi_latent_attention:
         _check(
             m.hidden_size % m.num_attention_heads == 0,
             f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads {m.num_attention_heads}",

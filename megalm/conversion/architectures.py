@@ -1,9 +1,10 @@
 """Which architecture mapping applies to a megalm model config or a Hugging Face config.
 
 Dense models map to :class:`~megalm.conversion.llama.Llama` or :class:`~megalm.conversion.gpt2.GPT2`,
-mixture-of-experts models (``--num-experts``) to :class:`~megalm.conversion.mixtral.Mixtral`.
+mixture-of-experts models (``--num-experts``) to :class:`~megalm.conversion.mixtral.Mixtral`, or with
+multi-latent attention to :class:`~megalm.conversion.deepseek_v3.DeepseekV3`.
 A new mapping is one more :class:`Architecture` subclass added to :data:`ARCHITECTURES`.  Other
-Hugging Face MoE families (Qwen-MoE, DeepSeek, OLMoE, DBRX, ...) are refused with a message:
+Hugging Face MoE families (Qwen-MoE, DeepSeek-V2, OLMoE, DBRX, ...) are refused with a message:
 their routers, shared experts or weight layouts differ from Mixtral's.
 """
 
@@ -12,13 +13,14 @@ from __future__ import annotations
 from typing import List
 
 from megalm.conversion.base import Architecture
+from megalm.conversion.deepseek_v3 import DeepseekV3
 from megalm.conversion.errors import ConversionError
 from megalm.conversion.gpt2 import GPT2
 from megalm.conversion.gptoss import GptOss
 from megalm.conversion.llama import Llama
 from megalm.conversion.mixtral import Mixtral
 
-ARCHITECTURES: List[Architecture] = [Llama(), GPT2(), GptOss(), Mixtral()]
+ARCHITECTURES: List[Architecture] = [Llama(), GPT2(), GptOss(), Mixtral(), DeepseekV3()]
 MOE_MODEL_TYPES = (
     "mixtral",
     "qwen2_moe",

@@ -168,6 +168,11 @@ def checkpoint_shapes(m) -> Dict[str, tuple]:
         shapes[POSITION_EMBEDDINGS] = (m.max_position_embeddings, h)
     norm_parts = ("weight", "bias") if m.normalization == "LayerNorm" else ("weight",)
     attention = {"self_attention.linear_qkv": ((n + 2 * groups) * d, h), "self_attention.linear_proj": (h, n * d)}
+    mla_norms = {}
+    if m.multi_latent_attention:
+        from megalm.conversion.deepseek_v3 import mla_attention_shapes, mla_norm_shapes
+
+        attention, mla_norms = mla_attention_shapes(m), mla_norm_shapes(m)
     dense = {"mlp.linear_fc1": (2, f, h) if m.gated_linear_unit else (f, h), "mlp.linear_fc2": (h, f)}
     moe = {}
     if m.num_experts:
@@ -193,7 +198,10 @@ def checkpoint_shapes(m) -> Dict[str, tuple]:
                 shapes[layer(i, name + ".bias")] = shape[:-1]
         if m.softmax_type == "learnable":
             shapes[layer(i, "self_attention.core_attention.softmax_offset")] = (n,)
-        if m.qk_layernorm:
+        for name, shape in mla_norms.items():
+            for part in norm_parts:
+                shapes[layer(i, f"{name}.{part}")] = shape
+        if m.qk_layernorm and not m.multi_latent_attention:
             for norm in ("q_layernorm", "k_layernorm"):
                 for part in norm_parts:
                     shapes[layer(i, f"self_attention.{norm}.{part}")] = (d,)
@@ -202,3 +210,11 @@ def checkpoint_shapes(m) -> Dict[str, tuple]:
     if m.untie_embeddings_and_output_weights:
         shapes[OUTPUT_LAYER] = (m.vocab_size, h)
     return shapes
+
+
+def router_buffer_shapes(m) -> Dict[str, tuple]:
+    """The routers' ``expert_bias`` buffers (``--moe-router-enable-expert-bias``), which checkpoints hold
+    beside the parameters (megatron-core saves them under the same names)."""
+    if not m.moe_router_enable_expert_bias:
+        return {}
+    return {layer(i, "mlp.router.expert_bias"): (m.num_experts,) for i, is_moe in enumerate(moe_layers(m)) if is_moe}

@@ -2,7 +2,7 @@
 
 :func:`describe` gathers the iteration, samples consumed, the layout it was saved with, the
 config, every tensor's global shape and dtype (from DCP's ``.metadata``, read by
-:mod:`megalm.safe_unpickle`) and parameter / byte totals; :func:`format_description` renders it.
+:mod:`megalm.checkpoint.safe_metadata`) and parameter / byte totals; :func:`format_description` renders it.
 """
 
 from __future__ import annotations

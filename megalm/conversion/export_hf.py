@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from megalm.conversion.architectures import for_megalm
-from megalm.conversion.base import WORD_EMBEDDINGS, checkpoint_shapes
+from megalm.conversion.base import WORD_EMBEDDINGS, checkpoint_shapes, router_buffer_shapes
 from megalm.conversion.errors import ConversionError
 from megalm.conversion.hf_files import DEFAULT_MAX_SHARD_BYTES, DTYPE_NAMES, DTYPES, SafetensorsWriter, write_json
 from megalm.conversion.megalm_checkpoint import MegalmCheckpointReader
@@ -35,7 +35,7 @@ class ExportResult:
 
 
 def _check_shapes(reader: MegalmCheckpointReader, m) -> None:
-    expected = checkpoint_shapes(m)
+    expected = {**checkpoint_shapes(m), **router_buffer_shapes(m)}
     missing = [k for k in expected if not reader.has(k)]
     wrong = [f"{k}: {reader.shape(k)} != {v}" for k, v in expected.items() if reader.has(k) and reader.shape(k) != v]
     extra = [k for k in reader.model_names if k not in expected]

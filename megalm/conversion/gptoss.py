@@ -9,8 +9,8 @@ Configuration (HF -> megalm flags)::
     sliding_window W, layer_types      --window-size W-1,0 --window-attn-skip-freq [1 sliding / 0 full per layer]
     sinks (always)                     --softmax-type learnable
     swiglu_limit c (alpha 1.702)       --quick-geglu --glu-linear-offset 1 --activation-func-clamp-value c
-    rope_parameters yarn               --position-embedding-type yarn --rotary-scaling-factor factor
-                                       --yarn-original-max-position-embeddings, --yarn-beta-fast/slow,
+    rope_parameters yarn               --rope-type yarn --rotary-scaling-factor factor
+                                       --original-max-position-embeddings, --beta-fast/slow,
                                        --[no-]yarn-correction-range-round-to-int (= truncate), rope_theta
     attention_bias true                (megalm's default biases; the router and experts have them too)
 
@@ -60,8 +60,8 @@ class GptOss(Mixtral):
             wrong.append("--disable-bias-linear (gpt-oss has biases on attention, router and experts)")
         if not m.quick_geglu or m.glu_linear_offset != 1.0 or m.activation_func_clamp_value is None:
             wrong.append("its MLP (needs --quick-geglu --glu-linear-offset 1 --activation-func-clamp-value c)")
-        if m.position_embedding_type not in ("rope", "yarn"):
-            wrong.append(f"--position-embedding-type {m.position_embedding_type} (needs rope or yarn)")
+        if m.position_embedding_type != "rope" or m.multi_latent_attention:
+            wrong.append(f"--position-embedding-type {m.position_embedding_type} (needs rope, YaRN or not)")
         if m.normalization != "RMSNorm" or m.apply_layernorm_1p or m.qk_layernorm:
             wrong.append("its norms (needs RMSNorm, no --apply-layernorm-1p / --qk-layernorm)")
         windows = {m.window_size[0]} if m.window_size and m.window_size[0] >= 0 else set()
@@ -85,14 +85,14 @@ class GptOss(Mixtral):
 
     def hf_config(self, m, dtype_name: str, special_ids: dict) -> dict:
         groups = m.num_query_groups if m.group_query_attention else m.num_attention_heads
-        if m.position_embedding_type == "yarn":
+        if m.rope_type == "yarn":
             rope = {
                 "rope_type": "yarn",
                 "rope_theta": float(m.rotary_base),
                 "factor": float(m.rotary_scaling_factor),
-                "original_max_position_embeddings": int(m.yarn_original_max_position_embeddings),
-                "beta_fast": float(m.yarn_beta_fast),
-                "beta_slow": float(m.yarn_beta_slow),
+                "original_max_position_embeddings": int(m.original_max_position_embeddings or 4096),
+                "beta_fast": float(m.beta_fast),
+                "beta_slow": float(m.beta_slow),
                 "truncate": bool(m.yarn_correction_range_round_to_int),
             }
             if m.mscale != 1.0 or m.mscale_all_dim != 0.0:
@@ -189,11 +189,12 @@ class GptOss(Mixtral):
         }
         if rope.get("rope_type", "default") == "yarn":
             fields.update(
-                position_embedding_type="yarn",
+                position_embedding_type="rope",
+                rope_type="yarn",
                 rotary_scaling_factor=float(rope["factor"]),
-                yarn_original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-                yarn_beta_fast=float(rope.get("beta_fast") or 32.0),
-                yarn_beta_slow=float(rope.get("beta_slow") or 1.0),
+                original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+                beta_fast=float(rope.get("beta_fast") or 32.0),
+                beta_slow=float(rope.get("beta_slow") or 1.0),
                 yarn_correction_range_round_to_int=bool(rope.get("truncate", True)),
                 mscale=float(rope.get("mscale") or 1.0) if rope.get("mscale_all_dim") else 1.0,
                 mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
@@ -201,7 +202,7 @@ class GptOss(Mixtral):
             if rope.get("attention_factor") is not None:
                 raise ConversionError("config.json rope_parameters.attention_factor: megalm derives it from mscale")
         elif rope.get("rope_type", "default") == "default":
-            fields["position_embedding_type"] = "rope"
+            fields.update(position_embedding_type="rope", rope_type="rope")
         else:
             raise ConversionError(f"config.json rope_type {rope.get('rope_type')!r}: megalm has rope and yarn")
         return fields

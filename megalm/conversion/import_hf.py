@@ -21,7 +21,7 @@ import torch
 
 from megalm.config import ConfigError, MegalmConfig, build_parser, config_from_args, set_vocab_size, validate_config
 from megalm.conversion.architectures import for_hf
-from megalm.conversion.base import VOCAB_ROWS, checkpoint_shapes
+from megalm.conversion.base import VOCAB_ROWS, checkpoint_shapes, router_buffer_shapes
 from megalm.conversion.errors import ConversionError
 from megalm.conversion.hf_files import DTYPES, HFWeights, read_config
 from megalm.conversion.megalm_checkpoint import write_checkpoint
@@ -107,7 +107,7 @@ def import_from_hf(
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     m = cfg.model
-    expected = checkpoint_shapes(m)
+    expected = {**checkpoint_shapes(m), **router_buffer_shapes(m)}
     tensors: Dict[str, torch.Tensor] = {}
     for name, tensor in arch.to_megalm(m, weights.get, weights.keys()):
         if name in VOCAB_ROWS and tensor.shape[0] > m.vocab_size:

@@ -74,6 +74,10 @@ class Llama(Architecture):
         wrong = []
         if m.num_experts and not self.moe:
             wrong.append(f"--num-experts {m.num_experts} ({self.hf_class} is dense)")
+        if m.multi_latent_attention and not getattr(self, "mla", False):
+            wrong.append(f"--multi-latent-attention ({self.hf_class} has grouped-query attention)")
+        if m.rope_type == "yarn" and m.rotary_scaling_factor != 1.0 and not getattr(self, "mla", False):
+            wrong.append(f"--rope-type yarn --rotary-scaling-factor {m.rotary_scaling_factor} (plain RoPE only)")
         if m.position_embedding_type != "rope":
             wrong.append(f"--position-embedding-type {m.position_embedding_type} (needs rope)")
         elif m.rotary_percent != 1.0:

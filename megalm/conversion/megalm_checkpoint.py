@@ -1,17 +1,17 @@
 """Read and write megalm checkpoints as FULL tensors from a single process.
 
-A megalm checkpoint (:mod:`megalm.checkpointing`) stores every model tensor as blocks of its
+A megalm checkpoint (:mod:`megalm.checkpoint`) stores every model tensor as blocks of its
 full tensor keyed ``model.<global parameter name>`` (padded vocabulary rows dropped, a SwiGLU
 ``linear_fc1`` as ``[2, ffn, h]``), so whatever TP/PP layout saved it, one process can read
 each full tensor without any process group.  Mixed-precision runs also hold the fp32 main
 copy ``optimizer.<name>.main_param``: :meth:`MegalmCheckpointReader.load` prefers it.
 
 Nothing from the checkpoint can run code: ``.metadata`` (a pickle written by
-``torch.distributed.checkpoint``) is read by :mod:`megalm.safe_unpickle` (an exact allow-list of
+``torch.distributed.checkpoint``) is read by :mod:`megalm.checkpoint.safe_metadata` (an exact allow-list of
 DCP's metadata classes, ``torch.Size``, dtypes and the layout); tensor data goes through DCP's
 ``torch.load(weights_only=True)``; ``common.json`` is JSON.
 
-:func:`write_checkpoint` writes full tensors with :func:`megalm.dist_checkpointing.save_sharded`
+:func:`write_checkpoint` writes full tensors with :func:`megalm.save_sharded`
 (replicated specs), a ``common.json`` and the tracker file, so any TP/PP layout can load it
 (with ``--finetune`` or ``--no-load-optim``: it has no optimizer state).
 """
@@ -29,12 +29,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
-from megalm import checkpoint_manifest
-from megalm.checkpoint_resume import TRACKER_FILENAME, CheckpointError, checkpoint_dir, find_checkpoint
-from megalm.checkpointing import FORMAT_VERSION, read_common
+from megalm.checkpoint import manifest as checkpoint_manifest
+from megalm.checkpoint.common_json import FORMAT_VERSION, read_common
+from megalm.checkpoint.errors import CheckpointError
+from megalm.checkpoint.resume import TRACKER_FILENAME, checkpoint_dir, find_checkpoint
+from megalm.checkpoint.safe_metadata import SafeFileSystemReader, load_metadata
 from megalm.config import MegalmConfig
 from megalm.conversion.errors import ConversionError
-from megalm.safe_unpickle import SafeFileSystemReader, load_metadata
 
 MODEL_PREFIX = "model."
 MAIN_PARAM_SUFFIX = ".main_param"
@@ -129,7 +130,8 @@ def write_checkpoint(
     ``world_size`` None (so no RNG state is looked for) and ``extra``.  Returns the iteration
     directory; the tracker file is written last.
     """
-    from megalm.dist_checkpointing import ShardedTensorSpec, save_sharded
+    from megalm.checkpoint.dcp_io import save_sharded
+    from megalm.param_layout import ShardedTensorSpec
 
     path = checkpoint_dir(root, iteration)
     if os.path.exists(path):

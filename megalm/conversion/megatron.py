@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megalm.checkpoint_resume import TRACKER_FILENAME, checkpoint_dir
+from megalm.checkpoint.resume import TRACKER_FILENAME, checkpoint_dir
 from megalm.config import (
     ConfigError,
     MegalmConfig,
@@ -41,8 +41,7 @@ from megalm.conversion.base import (
     VOCAB_ROWS,
     WORD_EMBEDDINGS,
     checkpoint_shapes,
-    layer,
-    moe_layers,
+    router_buffer_shapes,
 )
 from megalm.conversion.errors import ConversionError
 from megalm.conversion.hf_files import DTYPES
@@ -201,14 +200,6 @@ def to_megalm_names(
     if missing:
         raise ConversionError(f"{source}: no tensor for {len(missing)} megalm parameters, e.g. {missing[:4]}")
     return out
-
-
-def router_buffer_shapes(m) -> Dict[str, tuple]:
-    """The routers' ``expert_bias`` buffers (``--moe-router-enable-expert-bias``), which checkpoints hold
-    beside the parameters (megatron-core saves them under the same names)."""
-    if not m.moe_router_enable_expert_bias:
-        return {}
-    return {layer(i, "mlp.router.expert_bias"): (m.num_experts,) for i, is_moe in enumerate(moe_layers(m)) if is_moe}
 
 
 def _optimizer_state(ckpt: TorchDistCheckpoint, m, source: str, directory: str, weights: Dict[str, torch.Tensor]):

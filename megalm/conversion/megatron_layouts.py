@@ -5,7 +5,7 @@
 (``decoder.layers.self_attention.linear_qkv.weight`` is ``[num_layers, out, in]``), and a SwiGLU
 ``linear_fc1`` is ``[gate of every TP rank ; up of every TP rank]`` (newer Megatron may save the
 halves as ``linear_fc1.weight_w`` / ``_v``).  ``.metadata`` is read by
-:func:`megalm.safe_unpickle.load_metadata` (its pickled-object entries, such as the RNG state and
+:func:`megalm.checkpoint.safe_metadata.load_metadata` (its pickled-object entries, such as the RNG state and
 ``_extra_state``, are listed but never read); tensors by DCP with ``torch.load(weights_only=True)``.
 Mixture-of-experts layers (megatron-core's ``SequentialMLP`` and ``TEGroupedMLP`` save the same keys)
 stack the experts on an axis of their own: ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` is
@@ -47,11 +47,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from megalm.checkpoint.safe_metadata import SafeFileSystemReader, load_metadata
 from megalm.conversion.errors import ConversionError
 from megalm.conversion.megatron_args import refusals
 from megalm.conversion.megatron_flat_optimizer import flat_buckets
 from megalm.conversion.megatron_pickles import MegatronPickleError, checkpoint_args, load_megatron_pickle
-from megalm.safe_unpickle import SafeFileSystemReader, load_metadata
 
 STACKED_PREFIX = "decoder.layers."
 _NUMBERED = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")

@@ -44,12 +44,13 @@ def _shape(cfg) -> Tuple[int, int]:
     return cfg.training.micro_batch_size, cfg.model.seq_length
 
 
-def _stage_keys(groups: ProcessGroups, documents: bool) -> Tuple[Tuple[str, ...], bool]:
+def _stage_keys(groups: ProcessGroups, documents: bool, mtp: bool = False) -> Tuple[Tuple[str, ...], bool]:
     """Integer keys this pipeline stage needs, and whether it needs the loss mask; ``documents``:
-    every stage needs the document ids (``--reset-attention-mask``)."""
+    every stage needs the document ids (``--reset-attention-mask``); ``mtp``: the last stage embeds
+    the tokens too (``--mtp-num-layers``)."""
     pp_rank, pp = group_rank(groups.pp), group_size(groups.pp)
     first, last = pp_rank == 0, pp_rank == pp - 1
-    int_keys = (("tokens", "position_ids") if first else ()) + (("labels",) if last else ())
+    int_keys = (("tokens", "position_ids") if first or (last and mtp) else ()) + (("labels",) if last else ())
     return int_keys + ((DOCUMENT_IDS,) if documents else ()), last
 
 
@@ -66,7 +67,9 @@ def get_batch_on_this_tp_rank(data_iterator, cfg, groups: ProcessGroups) -> Dict
         out = {k: data[k].to(device, non_blocking=True) for k in KEYS}
         out[DOCUMENT_IDS] = data[DOCUMENT_IDS].to(device) if DOCUMENT_IDS in data else None
         return out
-    int_keys, need_mask = _stage_keys(groups, cfg is not None and cfg.data.reset_attention_mask)
+    int_keys, need_mask = _stage_keys(
+        groups, cfg is not None and cfg.data.reset_attention_mask, cfg is not None and bool(cfg.model.mtp_num_layers)
+    )
     if not int_keys and not need_mask:
         return dict.fromkeys(KEYS + (DOCUMENT_IDS,))  # middle pipeline stage: activations come from before
     mbs, seq = _shape(cfg)

@@ -33,7 +33,7 @@ iteration it applies at: resume is exact.
 
 The inner optimizer's state (moments) stays local.  The outer state (``x_0``, ``m``) is the same on
 every replica; between syncs each replica's parameters and optimizer state differ, so a checkpoint
-keeps them per rank (``local_sgd/rank_*.pt``, see :func:`megalm.checkpointing.save_checkpoint`):
+keeps them per rank (``local_sgd/rank_*.pt``, see :func:`megalm.checkpoint.save.save_checkpoint`):
 resume is exact under the same layout; under another one every replica restarts from the
 checkpoint's (data-parallel rank 0's) parameters and the outer state from them, with a warning.
 """
@@ -46,7 +46,7 @@ from typing import Dict, List, Optional
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from megalm.checkpoint_resume import CheckpointError
+from megalm.checkpoint.errors import CheckpointError
 from megalm.distributed import comm
 from megalm.parallel_state import ProcessGroups, group_rank, group_size
 from megalm.tensor_parallel.param_info import param_info

@@ -320,8 +320,9 @@ def load_model_parallel(load_dir: str, iteration: Optional[int] = None, dtype: t
 
     Collective: every rank of the world calls it.  Returns (model, config, checkpoint reader).
     """
-    from megalm.checkpoint_resume import CheckpointError, checkpoint_dir
-    from megalm.checkpointing import load_checkpoint
+    from megalm.checkpoint.errors import CheckpointError
+    from megalm.checkpoint.load import load_checkpoint
+    from megalm.checkpoint.resume import checkpoint_dir
     from megalm.conversion.megalm_checkpoint import MegalmCheckpointReader
     from megalm.device import get_device
     from megalm.models import GPTModel

@@ -30,14 +30,14 @@ class LayerKVCache:
         return self.owner.offset
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Store ``k``/``v`` ``[s_new, b, groups, d]`` at ``offset``; return all ``offset + s_new`` positions."""
+        """Store ``k``/``v`` ``[s_new, b, ...]`` (``[s_new, b, groups, d]`` for self-attention) at ``offset``;
+        return all ``offset + s_new`` positions."""
         start, end = self.offset, self.offset + k.shape[0]
         if end > self.owner.max_length:
             raise ValueError(f"KV cache holds {self.owner.max_length} positions, asked for {end}")
-        if self.keys is None:
-            shape = (self.owner.max_length,) + tuple(k.shape[1:])
-            self.keys = torch.empty(shape, dtype=k.dtype, device=k.device)
-            self.values = torch.empty(shape, dtype=v.dtype, device=v.device)
+        if self.keys is None:  # k and v may differ in shape (MLA caches its latent and its RoPE key)
+            self.keys = torch.empty((self.owner.max_length,) + tuple(k.shape[1:]), dtype=k.dtype, device=k.device)
+            self.values = torch.empty((self.owner.max_length,) + tuple(v.shape[1:]), dtype=v.dtype, device=v.device)
         self.keys[start:end] = k
         self.values[start:end] = v
         return self.keys[:end], self.values[:end]

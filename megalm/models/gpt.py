@@ -54,7 +54,8 @@ from megalm.tensor_parallel.layers import ColumnParallelLinear
 from megalm.tensor_parallel.linear_cross_entropy import linear_cross_entropy
 from megalm.tensor_parallel.param_info import set_param_info
 from megalm.transformer.moe.state import MoEState
-from megalm.transformer.rope import RotaryEmbedding, Yarn
+from megalm.transformer.mtp import MultiTokenPrediction
+from megalm.transformer.rope import rotary_embedding
 from megalm.transformer.transformer_block import TransformerBlock
 from megalm.transformer.utils import init_std, sequence_parallel_enabled
 
@@ -99,16 +100,7 @@ class GPTModel(nn.Module):
             self.embedding = LanguageModelEmbedding(
                 m, self.padded_vocab_size, self.sequence_parallel, tp_group=self.tp_group
             )
-        self.rotary = (
-            RotaryEmbedding(
-                m.head_dim,
-                m.rotary_percent,
-                m.rotary_base,
-                Yarn.from_config(m) if m.position_embedding_type == "yarn" else None,
-            )
-            if m.position_embedding_type in ("rope", "yarn")
-            else None
-        )
+        self.rotary = rotary_embedding(m)
         self.decoder = TransformerBlock(
             m,
             self.layer_numbers,
@@ -121,6 +113,9 @@ class GPTModel(nn.Module):
         )
         if post_process:
             self.output_layer = self._build_output_layer(m)
+        self.mtp = self.mtp_embedding = None
+        if post_process and m.mtp_num_layers:
+            self._build_mtp(cfg)
         self._mark_shared_embedding()
         initialize_weights(self, cfg.training.seed, tp_group=self.tp_group, etp_group=self.process_groups.etp)
 
@@ -142,16 +137,48 @@ class GPTModel(nn.Module):
             set_param_info(layer.weight, copy_of=WORD_EMBEDDING_NAME)  # saved and loaded as the embedding
         return layer
 
+    def _build_mtp(self, cfg: MegalmConfig) -> None:
+        """The multi-token prediction block (last stage); without the embedding here (pipeline
+        parallelism) it embeds with a copy of the word embedding (the tied output weight itself when
+        embeddings are tied), marked ``tied``: its gradient is summed with the first stage's."""
+        m = cfg.model
+        self.mtp = MultiTokenPrediction(
+            m,
+            self.process_groups,
+            self.sequence_parallel,
+            self.fusion_plan,
+            moe_state=self.moe_state,
+            cp_comm_type=cfg.parallel.cp_comm_type,
+            per_token_loss=cfg.training.calculate_per_token_loss,
+        )
+        if self.pre_process:
+            return
+        self.mtp_embedding = LanguageModelEmbedding(m, self.padded_vocab_size, self.sequence_parallel, self.tp_group)
+        if self.share_embeddings_and_output_weights:
+            self.mtp_embedding.word_embeddings.weight = self.output_layer.weight
+        else:
+            self.mtp_embedding.word_embeddings.weight.init_name = WORD_EMBEDDING_NAME
+            set_param_info(self.mtp_embedding.word_embeddings.weight, copy_of=WORD_EMBEDDING_NAME)
+
     def _mark_shared_embedding(self) -> None:
         if self.share_embeddings_and_output_weights and (self.pre_process or self.post_process):
             set_param_info(self.shared_embedding_or_output_weight(), tied=True)
+        elif self.cfg.model.mtp_num_layers and self.pre_process != self.post_process:
+            # untied, pipelined MTP: the first stage's embedding and the last stage's copy are summed
+            weight = self.embedding.word_embeddings.weight if self.pre_process else None
+            if self.post_process:
+                weight = self.mtp_embedding.word_embeddings.weight
+            set_param_info(weight, tied=True)
 
     def tied_weights(self) -> List[nn.Parameter]:
         """The tied word-embedding / output weights this chunk holds: the word embedding (first
         stage, also the output weight when the last stage is here) or the output layer's copy
         (last stage without embedding); empty when untied or on a middle stage."""
         if not self.share_embeddings_and_output_weights:
-            return []
+            mtp_copy = self.cfg.model.mtp_num_layers and self.pre_process != self.post_process
+            if not mtp_copy:
+                return []
+            return [(self.embedding if self.pre_process else self.mtp_embedding).word_embeddings.weight]
         weight = self.shared_embedding_or_output_weight()
         return [] if weight is None else [weight]
 
@@ -162,6 +189,10 @@ class GPTModel(nn.Module):
         if self.post_process:
             return self.output_layer.weight
         return None
+
+    def mtp_metrics(self) -> Dict[str, torch.Tensor]:
+        """Pop the ``mtp_<k> loss`` values recorded since the last call ({} without MTP or in evaluation)."""
+        return {} if self.mtp is None else self.mtp.pop_metrics()
 
     def moe_metrics(self) -> Dict[str, torch.Tensor]:
         """Pop what this model's MoE routers recorded since the last call ({} for a dense model or
@@ -248,8 +279,31 @@ class GPTModel(nn.Module):
             inference_cache.advance(hidden.shape[0])
         if not self.post_process:
             return hidden
+        if self.mtp is not None and labels is not None and self.training and inference_cache is None:
+            hidden = self.mtp(
+                hidden,
+                tokens,
+                labels,
+                loss_mask,
+                position_ids,
+                self.embedding if self.pre_process else self.mtp_embedding,
+                self._per_token_losses,
+                rotary_cos,
+                rotary_sin,
+                attention_mask,
+            )
+        if labels is not None:
+            return self._per_token_losses(hidden, labels, loss_mask)
         weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
-        if labels is not None and self.fusion_plan.cross_entropy != "unfused":
+        logits = self._mask_padded_vocab(self.output_layer(hidden, weight=weight))  # [s, b, V/tp]
+        return logits.transpose(0, 1).contiguous()
+
+    def _per_token_losses(
+        self, hidden: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """Per-token fp32 cross entropy ``[b, s]`` of the output layer on ``hidden`` ``[s(/tp), b, h]``."""
+        weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
+        if self.fusion_plan.cross_entropy != "unfused":
             losses = linear_cross_entropy(
                 hidden,
                 self.output_layer.weight if weight is None else weight,
@@ -261,7 +315,5 @@ class GPTModel(nn.Module):
             )
             return losses.transpose(0, 1).contiguous()
         logits = self._mask_padded_vocab(self.output_layer(hidden, weight=weight))  # [s, b, V/tp]
-        if labels is None:
-            return logits.transpose(0, 1).contiguous()
         losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), tp_group=self.tp_group)
         return losses.transpose(0, 1).contiguous()

@@ -251,7 +251,7 @@ class DistributedOptimizer(MegatronOptimizer):
     def _whole_params_only(self, *_args, **_kwargs):
         raise OptimizerError(
             "the distributed optimizer holds ranges of parameters, not whole ones: checkpoint it with "
-            "megalm.checkpointing (sharded_state_dict), which any layout can load"
+            "megalm.checkpoint (sharded_state_dict), which any layout can load"
         )
 
     # The plain optimizer's whole-parameter state protocols do not apply to ranges.

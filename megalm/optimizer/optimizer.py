@@ -19,7 +19,7 @@ Communication (groups from the ``ProcessGroups`` given at construction, default
 ``mp`` (all ranks with EP > 1), the norm one SUM all-reduce over ``mp`` (plus ``tp_ep_pp`` for
 expert parameters with EP > 1); see :mod:`megalm.optimizer.clip_grads`.
 
-Checkpoint protocol (what :mod:`megalm.checkpointing` calls, the same for every optimizer):
+Checkpoint protocol (what :mod:`megalm.checkpoint` calls, the same for every optimizer):
 :meth:`MegatronOptimizer.sharded_state_dict` describes each state tensor this rank holds
 (:class:`ParamState`: whole local TP tensors here, flat ranges in the distributed optimizer) as
 blocks of its full tensor, keyed ``optimizer.<global name>.<state>``;
@@ -58,7 +58,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from megalm import parallel_state
-from megalm.dist_checkpointing import ShardedStateDict, ShardedTensorSpec
 from megalm.distributed.finalize_model_grads import grad_of
 from megalm.errors import MegalmError
 from megalm.optimizer.clip_grads import clip_grads_by_total_norm, grad_norm_and_zeros, unscale_and_check_for_inf
@@ -66,7 +65,7 @@ from megalm.optimizer.cpu_offload import CpuOffload
 from megalm.optimizer.grad_scaler import GradScaler
 from megalm.optimizer.tensor_norms import build_tensor_norms
 from megalm.parallel_state import ProcessGroups, group_size
-from megalm.param_layout import param_range_specs, param_spec
+from megalm.param_layout import ShardedStateDict, ShardedTensorSpec, param_range_specs, param_spec
 from megalm.tensor_parallel.param_info import param_info
 from megalm.timers import NULL_TIMERS
 
@@ -368,7 +367,7 @@ class MegatronOptimizer:
                 main.copy_(model.float())
         self._refresh_offload()
 
-    # --- checkpoint protocol (megalm.checkpointing), the same for every optimizer -----------------
+    # --- checkpoint protocol (megalm.checkpoint), the same for every optimizer -----------------
     def init_state(self) -> None:
         """Create the optimizer state (zero moments, step 0) if no step was taken yet, so that a
         checkpoint can be loaded into it in place.  The next step behaves exactly as the lazy init."""

@@ -24,9 +24,13 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megalm import checkpointing, parallel_state
-from megalm.async_save import AsyncCheckpointWriter, AsyncSaveError
-from megalm.checkpoint_resume import newest_load_root, non_persistent_dir
+from megalm import parallel_state
+from megalm.checkpoint.async_writer import AsyncCheckpointWriter, AsyncSaveError
+from megalm.checkpoint.errors import CheckpointError
+from megalm.checkpoint.load import load_checkpoint, load_local_sgd_state, load_rng_state
+from megalm.checkpoint.model_state import finish_param_sync
+from megalm.checkpoint.resume import checkpoint_to_resume, newest_load_root, non_persistent_dir
+from megalm.checkpoint.save import check_save_dir, remove_older_checkpoints, save_checkpoint
 from megalm.config import MegalmConfig, parse_config, set_vocab_size
 from megalm.config.validation import step_schedule
 from megalm.device import get_device
@@ -140,7 +144,7 @@ class Trainer:
             self._build_data()
         if loaded is not None and not (cfg.checkpoint.no_load_rng or cfg.checkpoint.finetune):
             # Last: building data loaders draws from the torch RNG.
-            checkpointing.load_rng_state(loaded["path"], loaded)
+            load_rng_state(loaded["path"], loaded)
         self.signal_handler = ExitSignalHandler() if t.exit_signal_handler else None
         self.memory_reported = False
         self.compile_reported = compile_stats()
@@ -191,19 +195,19 @@ class Trainer:
             raise TrainingSetupError("no training data: give --data-path PREFIX (or --train-data-path, or --mock-data)")
         c = cfg.checkpoint
         if c.save:
-            checkpointing.check_save_dir(c.save)  # a non-directory or unwritable --save fails before any work
+            check_save_dir(c.save)  # a non-directory or unwritable --save fails before any work
         self.load_root = c.load
         if c.load and c.ckpt_step is None:  # a newer non-persistent checkpoint wins
             self.load_root = newest_load_root(c.load, non_persistent_dir(c, c.load))
         try:
-            self.resume = bool(c.load) and checkpointing.checkpoint_to_resume(
+            self.resume = bool(c.load) and checkpoint_to_resume(
                 self.load_root,
                 c.save if self.load_root == c.load else self.load_root,
                 c.ckpt_step,
                 c.exit_on_missing_checkpoint,
                 fallback=c.ckpt_fallback_to_verified,
             )
-        except checkpointing.CheckpointError as e:
+        except CheckpointError as e:
             raise TrainingSetupError(str(e)) from None
         if c.load and not self.resume:
             logger.info(
@@ -291,7 +295,7 @@ class Trainer:
     def _load(self) -> None:
         c = self.cfg.checkpoint
         try:
-            common = checkpointing.load_checkpoint(
+            common = load_checkpoint(
                 self.load_root,
                 self.model,
                 self.optimizer,
@@ -302,10 +306,10 @@ class Trainer:
                 iteration=c.ckpt_step,
                 fallback=c.ckpt_fallback_to_verified,
             )
-        except checkpointing.CheckpointError as e:
+        except CheckpointError as e:
             raise TrainingSetupError(str(e)) from None
         if self.outer_sync is not None and not (c.finetune or c.no_load_optim):
-            checkpointing.load_local_sgd_state(common["path"], common, self.outer_sync)
+            load_local_sgd_state(common["path"], common, self.outer_sync)
         elif self.outer_sync is not None:
             self.outer_sync.reset()
         self.state.iteration = common["iteration"]
@@ -359,7 +363,7 @@ class Trainer:
                 self.watchdog.close()
                 self.watchdog = None
         self.profiler.close()  # a window past the last iteration: keep what was recorded
-        checkpointing.finish_param_sync(self.model)  # the last step's overlapped parameter all-gathers
+        finish_param_sync(self.model)  # the last step's overlapped parameter all-gathers
         if cfg.checkpoint.save and self.saved_at != state.iteration:
             self.save()
         self.complete_async_save()
@@ -450,7 +454,7 @@ class Trainer:
         message = f"exiting at iteration {state.iteration}: {reason}"
         logger.info(message)
         self.profiler.close()
-        checkpointing.finish_param_sync(self.model)  # overlapped parameter all-gathers
+        finish_param_sync(self.model)  # overlapped parameter all-gathers
         self.metrics.close()
         if dist.is_initialized():
             dist.barrier()
@@ -485,7 +489,7 @@ class Trainer:
         root = root or c.save
         self.timers("save-checkpoint").start(barrier=True)
         self.complete_async_save()
-        checkpointing.save_checkpoint(
+        save_checkpoint(
             root,
             state.iteration,
             self.model,
@@ -499,7 +503,7 @@ class Trainer:
             outer_sync=self.outer_sync,
         )
         if root != c.save and (not dist.is_initialized() or dist.get_rank() == 0):
-            checkpointing.remove_older_checkpoints(root)
+            remove_older_checkpoints(root)
         self.timers("save-checkpoint").stop(barrier=True)
         how = "started saving" if self.async_writer is not None else "saved"
         logger.info(
@@ -616,7 +620,7 @@ class Trainer:
         finished first (they would otherwise wait for the next forward)."""
         from megalm.optimizer.clip_grads import params_norm
 
-        checkpointing.finish_param_sync(self.model)
+        finish_param_sync(self.model)
         return params_norm([p for chunk in self.model for p in chunk.parameters()])
 
     def _new_compilations(self) -> dict:

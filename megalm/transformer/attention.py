@@ -62,6 +62,7 @@ from megalm.context_parallel import context_parallel_attention
 from megalm.context_parallel.blocks import BlockDropout, local_attention
 from megalm.context_parallel.chunks import ContextParallelError
 from megalm.context_parallel.keyed_dropout import KeyedDropout
+from megalm.device import get_device
 from megalm.fusions import backends
 from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.fusions.compile import select
@@ -115,14 +116,42 @@ class SelfAttention(nn.Module):
         layer_number: int = 0,
     ):
         super().__init__()
+        m = model_cfg
+        num_groups = m.num_query_groups if m.group_query_attention else m.num_attention_heads
+        self.init_core(m, num_groups, m.head_dim, plan, recompute_core, tp_group, cp_group, cp_comm_type, layer_number)
+        tp = group_size(self.tp_group)
+        qkv_size = (m.num_attention_heads + 2 * num_groups) * self.head_dim
+        self.linear_qkv, self.linear_proj = self.build_projections(m, qkv_size, sequence_parallel, skip_output_bias)
+        # The grouped row layout, for Muon's QKV split (query, key, value rows per query group).
+        qkv_split = (self.queries_per_group * self.head_dim, self.head_dim, self.head_dim)
+        set_param_info(self.linear_qkv.weight, qkv_split_shapes=qkv_split)
+        self.q_layernorm = self.k_layernorm = None
+        if m.qk_layernorm:  # per head over head_dim; each TP rank's heads give partial weight gradients
+            self.q_layernorm, self.k_layernorm = (
+                build_norm(m.normalization, self.head_dim, m.norm_epsilon, tp > 1, plan.norm, m.apply_layernorm_1p)
+                for _ in range(2)
+            )
+
+    def init_core(
+        self,
+        m,
+        num_groups: int,
+        head_dim: int,
+        plan: FusionPlan,
+        recompute_core: bool,
+        tp_group,
+        cp_group,
+        cp_comm_type: str,
+        layer_number: int,
+    ) -> None:
+        """The attention core's settings (shared with :class:`~megalm.transformer.mla.MLASelfAttention`):
+        groups, heads and ``head_dim`` of the q/k the core sees, its backend, dropout and groups."""
         self.tp_group = resolve_group(tp_group, "tp")
         self.cp_group = resolve_group(cp_group, "cp")
         self.cp_size = group_size(self.cp_group)
         self.cp_comm_type = cp_comm_type
         tp = group_size(self.tp_group)
-        m = model_cfg
-        self.head_dim = m.head_dim
-        num_groups = m.num_query_groups if m.group_query_attention else m.num_attention_heads
+        self.head_dim = head_dim
         self.queries_per_group = divide(m.num_attention_heads, num_groups)
         self.groups_per_rank = divide(num_groups, tp)
         self.heads_per_rank = divide(m.num_attention_heads, tp)
@@ -139,23 +168,12 @@ class SelfAttention(nn.Module):
             )
         self.rotary_qk = select(rotary_qk, plan.compiled("rope"))
         self.masked_softmax = select(scaled_causal_softmax, plan.compiled("masked_softmax"))
-        qkv_size = (m.num_attention_heads + 2 * num_groups) * self.head_dim
-        self.linear_qkv, self.linear_proj = self.build_projections(m, qkv_size, sequence_parallel, skip_output_bias)
-        # The grouped row layout, for Muon's QKV split (query, key, value rows per query group).
-        qkv_split = (self.queries_per_group * self.head_dim, self.head_dim, self.head_dim)
-        set_param_info(self.linear_qkv.weight, qkv_split_shapes=qkv_split)
         # gpt-oss: this layer's sliding window (None: full) and softmax sinks (megalm.config.gptoss).
         self.window = layer_window(m, layer_number)
         self.softmax_type = m.softmax_type
         if m.softmax_type == "learnable":
-            self.core_attention = SoftmaxOffset(self.heads_per_rank, self.linear_qkv.weight.device)
+            self.core_attention = SoftmaxOffset(self.heads_per_rank, get_device())
         self.variant = self.window is not None or m.softmax_type != "vanilla"
-        self.q_layernorm = self.k_layernorm = None
-        if m.qk_layernorm:  # per head over head_dim; each TP rank's heads give partial weight gradients
-            self.q_layernorm, self.k_layernorm = (
-                build_norm(m.normalization, self.head_dim, m.norm_epsilon, tp > 1, plan.norm, m.apply_layernorm_1p)
-                for _ in range(2)
-            )
 
     def build_projections(self, m, qkv_size: int, sequence_parallel: bool, skip_output_bias: bool):
         """``(linear_qkv, linear_proj)``: column- and row-parallel linears (TE's in
@@ -210,7 +228,7 @@ class SelfAttention(nn.Module):
         if self.keyed_dropout and p > 0.0:
             if attention_mask is not None:  # the keyed core is causal only (validate_config refuses the pair)
                 raise ConfigError("--reset-attention-mask is not supported with --position-keyed-attention-dropout")
-            return self._keyed_core(q, k, v, p).reshape(s, b, self.heads_per_rank * self.head_dim)
+            return self._keyed_core(q, k, v, p).reshape(s, b, -1)
         if self.cp_size > 1:
             if attention_mask is not None:
                 raise ContextParallelError("--reset-attention-mask is not supported under context parallelism")
@@ -218,7 +236,7 @@ class SelfAttention(nn.Module):
             out = context_parallel_attention(
                 q, k, v, self.cp_group, self.cp_comm_type, self._causal_core, variant=variant
             )
-            return out.reshape(s, b, self.heads_per_rank * self.head_dim)
+            return out.reshape(s, b, -1)
         with dropout_rng(p, model_parallel_rng=True):
             if self.backend == "flash-attn" and attention_mask is None and not self.variant:  # [b, s, n, d]; GQA
                 out = backends.flash_attn_function()(
@@ -227,7 +245,7 @@ class SelfAttention(nn.Module):
             else:
                 heads_first = (t.permute(1, 2, 0, 3) for t in (q, k, v))
                 out = self._core_on_heads(*heads_first, p, attention_mask).permute(2, 0, 1, 3)
-        return out.reshape(s, b, self.heads_per_rank * self.head_dim)
+        return out.reshape(s, b, -1)
 
     def _keyed_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
         """Attention with position-keyed dropout on ``[s, b, n, d]`` tensors -> ``[s, b, n, d]``: the CP
@@ -279,14 +297,14 @@ class SelfAttention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         if self.variant:
             out = variant_attention(q, k, v, self.window, self.sinks(q), query_offset=offset)
-            return out.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
+            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
         mask = None
         if s > 1:
             query_pos = torch.arange(offset, offset + s, device=q.device).unsqueeze(1)
             mask = torch.arange(k.shape[2], device=q.device).unsqueeze(0) <= query_pos  # [s_new, s_all]
         gqa = self.groups_per_rank != self.heads_per_rank
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return out.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
     def forward(
         self,

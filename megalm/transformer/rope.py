@@ -5,84 +5,28 @@ With ``rot = head_dim * rotary_percent`` rotated dimensions and
 ``theta = p * [inv_freq, inv_freq]`` and
 ``x_rot = x * cos(theta) + rotate_half(x) * sin(theta)``, ``rotate_half([x1, x2]) = [-x2, x1]``;
 the remaining ``head_dim - rot`` dimensions pass through (:func:`apply_rotary`, which lives
-with its fused form in :mod:`megalm.fusions.rope`).  No communication.
-
-YaRN (``--position-embedding-type yarn``, Megatron's ``YarnRotaryEmbedding``; arXiv 2309.00071): with
-scaling factor ``s``, original context ``L``, ``beta_fast``/``beta_slow``, dimension ``i`` of ``rot/2``
-takes ``inv_freq[i] = inv_freq[i] / s * (1 - m_i) + inv_freq[i] * m_i`` where ``m = 1 - ramp(low, high)``
-and ``low``/``high`` are the dimensions that turn ``beta_fast``/``beta_slow`` times over ``L`` positions
-(``rot ln(L / (2 pi beta)) / (2 ln base)``, rounded outward when ``round_to_int``); cos and sin are
-multiplied by ``mscale(s, mscale) / mscale(s, mscale_all_dim)``, ``mscale(s, m) = 0.1 m ln s + 1``
-(1 for ``s <= 1``; with ``mscale_all_dim`` 0 the divisor is 1).
+with its fused form in :mod:`megalm.fusions.rope`).  With ``yarn`` (``--rope-type yarn``) the
+frequencies and the tables' scale are YaRN's (:mod:`megalm.transformer.yarn`).  No communication.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 
 from megalm.fusions.rope import apply_rotary
+from megalm.transformer.yarn import YarnScaling
 
-__all__ = ["RotaryEmbedding", "apply_rotary"]
-
-
-@dataclass(frozen=True)
-class Yarn:
-    """YaRN's parameters (Megatron's ``yarn_*`` / ``--rotary-scaling-factor`` / ``--mscale*``)."""
-
-    scaling_factor: float
-    original_max_position_embeddings: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
-    round_to_int: bool = True
-
-    @classmethod
-    def from_config(cls, m) -> "Yarn":
-        return cls(
-            m.rotary_scaling_factor,
-            m.yarn_original_max_position_embeddings,
-            m.yarn_beta_fast,
-            m.yarn_beta_slow,
-            m.mscale,
-            m.mscale_all_dim,
-            bool(m.yarn_correction_range_round_to_int),
-        )
-
-    def correction_range(self, dim: int, base: float) -> Tuple[float, float]:
-        def at(rotations: float) -> float:
-            length = self.original_max_position_embeddings
-            return dim * math.log(length / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-        low, high = at(self.beta_fast), at(self.beta_slow)
-        if self.round_to_int:
-            low, high = math.floor(low), math.ceil(high)
-        return max(low, 0), min(high, dim - 1)
-
-    def concentration(self) -> float:
-        def mscale(m: float) -> float:
-            return 1.0 if self.scaling_factor <= 1 else 0.1 * m * math.log(self.scaling_factor) + 1.0
-
-        return mscale(self.mscale) / mscale(self.mscale_all_dim)
-
-    def inv_freq(self, inv_freq: torch.Tensor, dim: int, base: float) -> torch.Tensor:
-        low, high = self.correction_range(dim, base)
-        if low == high:
-            high += 0.001  # as Megatron / HF: no singular ramp
-        ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low) / (high - low)).clamp(0, 1)
-        extrapolate = 1.0 - ramp
-        return inv_freq / self.scaling_factor * (1 - extrapolate) + inv_freq * extrapolate
+__all__ = ["RotaryEmbedding", "apply_rotary", "rotary_embedding"]
 
 
 class RotaryEmbedding:
-    """Computes the ``cos``/``sin`` tables for given positions (no parameters, no state); ``yarn``: the
-    YaRN-scaled frequencies and concentration factor (see the module docstring)."""
+    """Computes the ``cos``/``sin`` tables for given positions (no parameters, no state)."""
 
-    def __init__(self, head_dim: int, rotary_percent: float = 1.0, base: float = 10000.0, yarn: Optional[Yarn] = None):
+    def __init__(
+        self, head_dim: int, rotary_percent: float = 1.0, base: float = 10000.0, yarn: Optional[YarnScaling] = None
+    ):
         self.rotary_dim = int(head_dim * rotary_percent)
         if self.rotary_dim <= 0 or self.rotary_dim % 2:
             raise ValueError(f"rotary dimension {self.rotary_dim} must be a positive even number")
@@ -90,9 +34,10 @@ class RotaryEmbedding:
         self.yarn = yarn
 
     def inv_freq(self, device) -> torch.Tensor:
+        if self.yarn is not None:
+            return self.yarn.inv_freq(self.rotary_dim, self.base, device)
         exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device=device) / self.rotary_dim
-        inv_freq = 1.0 / (self.base**exponent)
-        return inv_freq if self.yarn is None else self.yarn.inv_freq(inv_freq, self.rotary_dim, self.base)
+        return 1.0 / (self.base**exponent)
 
     def tables(
         self, position_ids: Optional[torch.Tensor], seq_length: int, device
@@ -107,7 +52,19 @@ class RotaryEmbedding:
             positions = position_ids.to(device=device, dtype=torch.float32).t()  # [s, b]
         angles = positions.unsqueeze(-1) * self.inv_freq(device)  # [s, b, rot/2]
         angles = torch.cat([angles, angles], dim=-1).unsqueeze(2)  # [s, b, 1, rot]
-        if self.yarn is not None:
-            scale = self.yarn.concentration()
+        scale = 1.0 if self.yarn is None else self.yarn.table_scale
+        if scale != 1.0:
             return angles.cos() * scale, angles.sin() * scale
         return angles.cos(), angles.sin()
+
+
+def rotary_embedding(m) -> Optional[RotaryEmbedding]:
+    """The model's rotary tables (None without ``--position-embedding-type rope``): over ``head_dim x
+    --rotary-percent``, or ``--qk-pos-emb-head-dim`` with multi-latent attention; YaRN with
+    ``--rope-type yarn`` (the default under ``--multi-latent-attention``, as Megatron's MLA config)."""
+    if m.position_embedding_type != "rope":
+        return None
+    yarn = YarnScaling.from_model_config(m) if m.rope_type == "yarn" else None
+    if m.multi_latent_attention:
+        return RotaryEmbedding(m.qk_pos_emb_head_dim, 1.0, m.rotary_base, yarn)
+    return RotaryEmbedding(m.head_dim, m.rotary_percent, m.rotary_base, yarn)

@@ -36,6 +36,7 @@ from megalm.fusions.dropout_add import bias_dropout_add
 from megalm.parallel_state import ProcessGroups
 from megalm.tensor_parallel.random import dropout_rng
 from megalm.transformer.attention import SelfAttention
+from megalm.transformer.mla import MLASelfAttention
 from megalm.transformer.mlp import MLP
 from megalm.transformer.moe.moe_layer import MoELayer, is_moe_layer
 from megalm.transformer.moe.state import MoEState
@@ -61,6 +62,7 @@ class TransformerLayer(nn.Module):
         self.hidden_dropout = m.hidden_dropout
         self.sequence_parallel = sequence_parallel
         te = plan.uses_te()  # TE's attention / MLP fuse the norm before them: the layer's norm is an identity
+        te_attention = te and not m.multi_latent_attention  # MLA is megalm's own layer
 
         def norm(fused_away: bool) -> nn.Module:
             return (
@@ -71,9 +73,12 @@ class TransformerLayer(nn.Module):
                 )
             )
 
-        self.input_layernorm = norm(te)
+        self.input_layernorm = norm(te_attention)
         pg = process_groups
-        self.self_attention = (TESelfAttention if te else SelfAttention)(
+        attention_class = TESelfAttention if te_attention else SelfAttention
+        if m.multi_latent_attention:
+            attention_class = MLASelfAttention
+        self.self_attention = attention_class(
             m,
             sequence_parallel,
             recompute_core=recompute_core_attention,

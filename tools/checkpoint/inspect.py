@@ -61,20 +61,22 @@ def verify(checkpoint: str, iteration=None) -> int:
     """Print ``verified: ...`` (0), ``corrupt: ...`` (1), or an error (2)."""
     import re
 
-    from megalm import checkpoint_manifest, checkpointing
+    from megalm.checkpoint import manifest as checkpoint_manifest
+    from megalm.checkpoint.errors import CheckpointError
+    from megalm.checkpoint.resume import TRACKER_FILENAME, checkpoint_dir, read_tracker, verify_checkpoint
 
     try:
         m = re.fullmatch(r"iter_(\d{7})", os.path.basename(os.path.normpath(checkpoint)))
         if m:
             path, iteration = checkpoint, int(m.group(1))
         else:
-            iteration = iteration if iteration is not None else checkpointing.read_tracker(checkpoint)
+            iteration = iteration if iteration is not None else read_tracker(checkpoint)
             if iteration is None:
-                tracker = checkpointing.TRACKER_FILENAME
-                raise checkpointing.CheckpointError(f"no checkpoint in {checkpoint} (no {tracker})")
-            path = checkpointing.checkpoint_dir(checkpoint, iteration)
-        error = checkpointing.verify_checkpoint(path, iteration)
-    except checkpointing.CheckpointError as e:
+                tracker = TRACKER_FILENAME
+                raise CheckpointError(f"no checkpoint in {checkpoint} (no {tracker})")
+            path = checkpoint_dir(checkpoint, iteration)
+        error = verify_checkpoint(path, iteration)
+    except CheckpointError as e:
         print(f"[inspect] error: {e}", file=sys.stderr)
         return 2
     if error is not None:

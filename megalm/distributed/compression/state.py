@@ -20,9 +20,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megalm.dist_checkpointing import ShardedTensorSpec
 from megalm.distributed.compression import reshard
-from megalm.param_layout import param_spec
+from megalm.param_layout import ShardedTensorSpec, param_spec
 from megalm.tensor_parallel.param_info import param_info
 
 
@@ -93,7 +92,7 @@ def layout_free_specs(model_chunks: Sequence, params: Dict[str, torch.nn.Paramet
     """Save: ``grad_compression.<name>.pending`` (the pending update ``P`` of every parameter, laid out
     like it) and ``grad_compression.<name>.powersgd_q.rows<a>-<b>.tp<r>of<T>`` (PowerSGD's ``Q`` of
     rows ``[a, b)`` on TP rank ``r`` of ``T``, replicated over the data-parallel group).  ``params``
-    and ``copies``: :func:`megalm.checkpointing.model_parameters` / ``tied_embedding_copies``; ``tp``:
+    and ``copies``: :func:`megalm.checkpoint.model_state.model_parameters` / ``tied_embedding_copies``; ``tp``:
     ``(TP rank, TP size)``.  Collective (:func:`~.reshard.pending_updates`); empty without compression."""
     names = _names(params, copies)
     specs = {}

@@ -78,8 +78,10 @@ def moe_layer_pattern(model_cfg) -> List[bool]:
 
 
 def is_moe_layer(model_cfg, layer_number: int) -> bool:
-    """Whether global layer ``layer_number`` (0-based) has an MoE block instead of a dense MLP."""
-    return moe_layer_pattern(model_cfg)[layer_number]
+    """Whether global layer ``layer_number`` (0-based) has an MoE block instead of a dense MLP.  Numbers
+    past the decoder (``--mtp-num-layers``' layers) take the last decoder layer's kind, as Megatron's MTP spec."""
+    pattern = moe_layer_pattern(model_cfg)
+    return pattern[min(layer_number, len(pattern) - 1)]
 
 
 class MoELayer(nn.Module):

@@ -1,8 +1,8 @@
 """Which checkpoint to resume from, verified: the tracker file and ``iter_NNNNNNN`` directory
 names, finding the checkpoint ``--load`` / ``--ckpt-step`` name, Megatron's auto-resume decision,
 and verification before any load (each rank hashes its share of the files against the manifests
-of :mod:`megalm.checkpoint_manifest`; ``--ckpt-fallback-to-verified`` walks back to the newest
-checkpoint that verifies).  Re-exported by :mod:`megalm.checkpointing`.
+of :mod:`megalm.checkpoint.manifest`; ``--ckpt-fallback-to-verified`` walks back to the newest
+checkpoint that verifies).
 
 Communication: :func:`verify_checkpoint` and :func:`verified_checkpoint` are collective (one
 ``all_gather_object`` over the world per checkpoint checked, :func:`gather_errors`); finding a
@@ -19,32 +19,18 @@ from typing import List, Optional
 
 import torch.distributed as dist
 
-from megalm import checkpoint_manifest
-from megalm.errors import MegalmError
+from megalm.checkpoint import manifest as checkpoint_manifest
+from megalm.checkpoint.errors import CheckpointError, gather_errors
+from megalm.checkpoint.safe_metadata import CheckpointMetadataError, CheckpointSecurityError, load_metadata
 from megalm.log import get_logger
-from megalm.safe_unpickle import CheckpointMetadataError, CheckpointSecurityError, load_metadata
 
 logger = get_logger(__name__)
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 
 
-class CheckpointError(MegalmError, RuntimeError):
-    pass
-
-
 def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def gather_errors(error: Optional[str], group=None) -> List[tuple]:
-    """Collective (one ``all_gather_object`` over ``group``, default the world; none when not
-    initialized): ``[(rank, error), ...]`` of the ranks that report one."""
-    errors = [error]
-    if dist.is_initialized():
-        errors = [None] * dist.get_world_size(group)
-        dist.all_gather_object(errors, error, group=group)
-    return [(r, e) for r, e in enumerate(errors) if e]
 
 
 def rank_is_zero() -> bool:

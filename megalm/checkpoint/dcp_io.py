@@ -1,7 +1,7 @@
 """Layout-independent tensors in torch.distributed.checkpoint (DCP).
 
 Every rank describes each tensor it holds as a block of a global tensor
-(:class:`ShardedTensorSpec`: local data, global shape, global offsets).  DCP stores the
+(:class:`megalm.param_layout.ShardedTensorSpec`: local data, global shape, global offsets).  DCP stores the
 blocks with their offsets; on load each rank asks for the block it needs now, and DCP
 reads the overlapping parts of whatever blocks were saved.  So a checkpoint saved under one
 tensor/pipeline/data-parallel layout loads under any other.
@@ -12,60 +12,28 @@ tensor sits at a non-zero offset of its global tensor; all I/O and resharding is
 
 A key may also map to a *list* of specs: several disjoint blocks of one global tensor held by
 one rank (the distributed optimizer's shard of a flattened bucket covers, for each parameter,
-a contiguous range of its flattened tensor, which :func:`flat_range_blocks` cuts into at most
+a contiguous range of its flattened tensor, which :func:`megalm.param_layout.flat_range_blocks` cuts into at most
 ``2 (ndim - 1) + 1`` rectangular blocks).  Each block is its own DCP chunk (write item) on save
 and its own destination chunk on load.
 
 Loading never uses DCP's plain-pickle metadata reader: ``.metadata`` is read by
-:mod:`megalm.safe_unpickle` (an exact allow-list of DCP's metadata classes), tensors by DCP
+:mod:`megalm.checkpoint.safe_metadata` (an exact allow-list of DCP's metadata classes), tensors by DCP
 with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from typing import Dict, List, Sequence, Tuple, Union
+from typing import Dict, List
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megalm.safe_unpickle import SafeFileSystemReader, load_metadata
-
-
-@dataclasses.dataclass
-class ShardedTensorSpec:
-    """``local`` is the block ``[offsets, offsets + local.shape)`` of a tensor of ``global_shape``."""
-
-    local: torch.Tensor
-    global_shape: Sequence[int]
-    offsets: Sequence[int]
-
-    def __post_init__(self):
-        if len(self.global_shape) != self.local.dim() or len(self.offsets) != self.local.dim():
-            raise ValueError(
-                f"shard of shape {tuple(self.local.shape)} does not match global shape "
-                f"{tuple(self.global_shape)} / offsets {tuple(self.offsets)}"
-            )
-        for size, off, full in zip(self.local.shape, self.offsets, self.global_shape):
-            if off < 0 or off + size > full:
-                raise ValueError(
-                    f"shard {tuple(self.local.shape)} at {tuple(self.offsets)} lies outside {tuple(self.global_shape)}"
-                )
-
-    @classmethod
-    def replicated(cls, tensor: torch.Tensor) -> "ShardedTensorSpec":
-        return cls(tensor, tuple(tensor.shape), (0,) * tensor.dim())
-
-    def chunk(self) -> ChunkStorageMetadata:
-        return ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=torch.Size(self.local.shape))
-
-
-ShardedStateDict = Dict[str, Union[ShardedTensorSpec, List[ShardedTensorSpec]]]
+from megalm.checkpoint.safe_metadata import SafeFileSystemReader, load_metadata
+from megalm.param_layout import ShardedStateDict, ShardedTensorSpec
 
 
 def _as_list(value) -> List[ShardedTensorSpec]:
@@ -74,42 +42,6 @@ def _as_list(value) -> List[ShardedTensorSpec]:
 
 def _locals(specs: ShardedStateDict) -> dict:
     return {k: [s.local for s in v] if isinstance(v, list) else v.local for k, v in specs.items()}
-
-
-def flat_range_blocks(shape: Sequence[int], start: int, end: int) -> List[Tuple[int, Tuple[int, ...], Tuple[int, ...]]]:
-    """Cut the flat (row-major) elements ``[start, end)`` of a tensor of ``shape`` into rectangular blocks.
-
-    Returns ``(flat_start, offsets, sizes)`` per block, in flat order; each block is itself a
-    contiguous flat range, so a 1-D slice ``data[flat_start - start:][:prod(sizes)]`` viewed as
-    ``sizes`` is that block.  Per dimension: a partial first row, the full rows, a partial
-    last row (recursively): at most ``2 (ndim - 1) + 1`` blocks.
-    """
-    shape = tuple(int(n) for n in shape)
-    if start >= end:
-        return []
-    if start < 0 or end > math.prod(shape):
-        raise ValueError(f"flat range [{start}, {end}) outside a tensor of shape {shape}")
-    if len(shape) <= 1:
-        return [(start, (start,) if shape else (), (end - start,) if shape else ())]
-    inner = math.prod(shape[1:])
-
-    def in_row(row: int, lo: int, hi: int):
-        return [(row * inner + fs, (row,) + off, (1,) + size) for fs, off, size in flat_range_blocks(shape[1:], lo, hi)]
-
-    first, last = start // inner, (end - 1) // inner
-    if first == last:
-        return in_row(first, start - first * inner, end - first * inner)
-    blocks = []
-    full_start, full_end = -(-start // inner), end // inner
-    if start % inner:
-        blocks += in_row(first, start % inner, inner)
-    if full_end > full_start:
-        blocks.append(
-            (full_start * inner, (full_start,) + (0,) * (len(shape) - 1), (full_end - full_start,) + shape[1:])
-        )
-    if end % inner:
-        blocks += in_row(full_end, 0, end % inner)
-    return blocks
 
 
 class _ShardSavePlanner(DefaultSavePlanner):
@@ -193,7 +125,7 @@ def save_sharded(specs: ShardedStateDict, path: str, process_group=None) -> None
 
 def load_sharded(specs: ShardedStateDict, path: str, strict: bool = True, process_group=None, metadata=None) -> None:
     """Collective: fill every ``spec.local`` in place from the checkpoint at ``path`` (``metadata``:
-    its ``.metadata`` if the caller already read it with :func:`megalm.safe_unpickle.load_metadata`)."""
+    its ``.metadata`` if the caller already read it with :func:`megalm.checkpoint.safe_metadata.load_metadata`)."""
     for fqn, value in specs.items():
         for spec in _as_list(value):
             if not spec.local.is_contiguous():

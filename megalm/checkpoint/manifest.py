@@ -10,7 +10,7 @@ A rank's own files are its DCP data files (``__<rank>_*.distcp``), its RNG file
 ``--grad-compression``), its replica under local SGD (``local_sgd/rank_<rank>.pt``) and, on rank 0,
 ``.metadata`` and ``common.json``.  Each rank hashes
 what it wrote after the write; rank 0 writes the index once every rank's manifest exists
-(:func:`megalm.checkpointing.save_checkpoint` shares every rank's outcome first), and the tracker file
+(:func:`megalm.checkpoint.save.save_checkpoint` shares every rank's outcome first), and the tracker file
 follows the index.  A checkpoint whose index is missing but ``manifest/`` exists was never
 completed.
 
@@ -19,7 +19,7 @@ sha256 (hashlib, OpenSSL's SHA-NI code): 1.1-1.3 GB/s on one core here, against 
 third of that but detects no deliberate edit, and xxhash would be a new dependency.
 
 Verification (:func:`verify_ranks`) needs no communication: the caller
-(:func:`megalm.checkpoint_resume.verify_checkpoint`) gives each current rank the saved ranks
+(:func:`megalm.checkpoint.resume.verify_checkpoint`) gives each current rank the saved ranks
 ``r`` with ``r % world == rank`` (each rank its own files when the world is unchanged) and
 gathers the results.  Reasons are one line: ``FILE: reason`` with FILE relative to the
 iteration directory.

@@ -1,12 +1,12 @@
 """``--async-save``: checkpoint tensors written by a background thread while training goes on.
 
-:func:`megalm.checkpointing.save_checkpoint` with an :class:`AsyncCheckpointWriter` does the
+:func:`megalm.checkpoint.save.save_checkpoint` with an :class:`AsyncCheckpointWriter` does the
 short part at once (wait for the previous save, prepare the directory, copy every tensor it
 saves to new CPU memory: the staging that makes the checkpoint the state of *this* iteration
 whatever the next optimizer steps change, write the per-rank RNG files) and hands the rest to
 the writer's thread: the DCP write over a gloo group of its own
 (:func:`megalm.parallel_state.get_checkpoint_io_group`), then, on rank 0, ``common.json``; each
-rank hashes its files into its manifest (:mod:`megalm.checkpoint_manifest`) and one
+rank hashes its files into its manifest (:mod:`megalm.checkpoint.manifest`) and one
 ``all_gather_object`` on that group shares every rank's outcome; then rank 0 writes the
 manifest index and the tracker file.  So the tracker is written last, only once every rank's
 files and manifest are on disk, and a checkpoint that was still being written when a job died

@@ -1,4 +1,5 @@
-"""One-line descriptions of checkpoint I/O errors.
+"""Checkpoint errors: :class:`CheckpointError`, sharing every rank's error (:func:`gather_errors`),
+and one-line descriptions of I/O errors.
 
 DCP reports a failed write or read as ``CheckpointException`` (a ``BaseException``) holding each
 failed rank's exception and traceback, and ``torch.save``'s zip writer reports a full disk as
@@ -6,7 +7,8 @@ failed rank's exception and traceback, and ``torch.save``'s zip writer reports a
 :func:`describe_io_error` turns either into one line: the innermost errors' types and first
 lines, prefixed with "No space left on device" when the disk is full (an ``ENOSPC`` in the
 chain, or less than 1 MiB left where the checkpoint was being written).
-:func:`save_dir_problem` says what is wrong with a ``--save`` path before any work.  No communication.
+:func:`save_dir_problem` says what is wrong with a ``--save`` path before any work.  Only
+:func:`gather_errors` communicates.
 """
 
 from __future__ import annotations
@@ -15,7 +17,24 @@ import errno
 import os
 from typing import List, Optional
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+
+from megalm.errors import MegalmError
+
+
+class CheckpointError(MegalmError, RuntimeError):
+    """A checkpoint cannot be written, found, verified or read; the message names the file or directory."""
+
+
+def gather_errors(error: Optional[str], group=None) -> List[tuple]:
+    """Collective (one ``all_gather_object`` over ``group``, default the world; none when not
+    initialized): ``[(rank, error), ...]`` of the ranks that report one."""
+    errors = [error]
+    if dist.is_initialized():
+        errors = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, error, group=group)
+    return [(r, e) for r, e in enumerate(errors) if e]
 
 
 def describe_io_error(e: BaseException, path: str, writing: bool = True) -> str:

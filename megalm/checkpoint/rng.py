@@ -1,0 +1,50 @@
+"""This process's random number generators' states (Python, NumPy, torch CPU and CUDA, the
+tensor-parallel tracker) as a dict of plain values and tensors (saved with ``torch.save``, read
+back with ``weights_only=True``).  No communication."""
+
+from __future__ import annotations
+
+import random
+from typing import Dict
+
+import numpy as np
+import torch
+
+
+def get_rng_state() -> Dict[str, object]:
+    from megalm.tensor_parallel.random import get_rng_tracker
+
+    np_state = np.random.get_state()
+    state = {
+        "python": list(random.getstate()[1]),
+        "python_version": random.getstate()[0],
+        "python_gauss": random.getstate()[2],
+        "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
+        "numpy_pos": int(np_state[2]),
+        "numpy_has_gauss": int(np_state[3]),
+        "numpy_gauss": float(np_state[4]),
+        "torch": torch.get_rng_state(),
+        "tracker": {k: v for k, v in get_rng_tracker().get_states().items()},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: Dict[str, object]) -> None:
+    from megalm.tensor_parallel.random import get_rng_tracker
+
+    random.setstate((state["python_version"], tuple(state["python"]), state["python_gauss"]))
+    np.random.set_state(
+        (
+            "MT19937",
+            state["numpy_keys"].numpy().astype(np.uint32),
+            state["numpy_pos"],
+            state["numpy_has_gauss"],
+            state["numpy_gauss"],
+        )
+    )
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_rng_tracker().set_states(state["tracker"])

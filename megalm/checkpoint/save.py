@@ -1,0 +1,240 @@
+"""Saving a training checkpoint: every rank's blocks through DCP, per-rank files, ``common.json``,
+manifests, then the tracker (the layout is described in :mod:`megalm.checkpoint`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from megalm import parallel_state
+from megalm.checkpoint import manifest as checkpoint_manifest
+from megalm.checkpoint.async_writer import AsyncCheckpointWriter
+from megalm.checkpoint.common_json import FORMAT_VERSION, layout
+from megalm.checkpoint.dcp_io import save_sharded
+from megalm.checkpoint.errors import CheckpointError, describe_io_error, gather_errors, save_dir_problem
+from megalm.checkpoint.model_state import (
+    finish_param_sync,
+    model_parameters,
+    model_sharded_state,
+    optimizer_sharded_state,
+    tied_embedding_copies,
+)
+from megalm.checkpoint.resume import TRACKER_FILENAME, checkpoint_dir, checkpoint_iterations, rank_is_zero, read_tracker
+from megalm.checkpoint.rng import get_rng_state
+from megalm.distributed.compression.state import compression_state, layout_free_specs, signature
+from megalm.param_layout import ShardedStateDict, ShardedTensorSpec
+
+
+def save_checkpoint(
+    root: str,
+    iteration: int,
+    model_chunks,
+    optimizer=None,
+    scheduler=None,
+    consumed_train_samples: int = 0,
+    consumed_valid_samples: int = 0,
+    config: Optional[dict] = None,
+    extra: Optional[dict] = None,
+    async_writer: Optional[AsyncCheckpointWriter] = None,
+    save_rng: bool = True,
+    outer_sync=None,
+) -> str:
+    """Collective over all ranks.  Returns the iteration directory.
+
+    Communication: a barrier once rank 0 has prepared the directory; DCP's save (its plan
+    gather/scatter and the final gather of write results); one ``all_gather_object`` of every
+    rank's outcome once its files and manifest are written, and one after rank 0 wrote the
+    manifest index and the tracker (a failure on any rank raises :class:`CheckpointError` on
+    every rank, the tracker left on the previous checkpoint).  With ``async_writer``
+    (``--async-save``) the tensors are staged to CPU now and all but the first barrier run in
+    the background on the checkpoint-io group (see :mod:`megalm.checkpoint.async_writer`).  ``optimizer`` /
+    ``scheduler`` None (``--no-save-optim``) or ``save_rng`` False (``--no-save-rng``) leave their
+    state out; ``common.json`` says so, and loading it then needs ``--no-load-optim`` / ``--no-load-rng``.
+    ``outer_sync`` (``--local-sgd-interval``, :class:`megalm.distributed.local_sgd.OuterSync`): this rank's
+    replica and the outer state are also written to ``local_sgd/rank_<rank>.pt``."""
+    if async_writer is not None:
+        async_writer.wait()  # one save in flight: the previous one is complete (tracker written) first
+    path = checkpoint_dir(root, iteration)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        if os.path.isdir(path):
+            shutil.rmtree(path)  # a stale, never-completed save of this iteration
+        os.makedirs(os.path.join(path, "rng"), exist_ok=True)
+    _barrier()
+    finish_param_sync(model_chunks)
+    specs = model_sharded_state(model_chunks)
+    if optimizer is not None:
+        specs.update(optimizer_sharded_state(optimizer, model_chunks))
+    specs.update(_compression_specs(model_chunks))  # collective: the pending update, summed over DP
+    with _write_errors(path):
+        if save_rng:
+            torch.save(get_rng_state(), os.path.join(path, "rng", f"rank_{rank:05d}.pt"))
+        _save_compression_state(model_chunks, path, rank)
+        if outer_sync is not None:
+            os.makedirs(os.path.join(path, "local_sgd"), exist_ok=True)
+            torch.save(outer_sync.state_dict(), _local_sgd_file(path, rank))
+    common = None
+    if rank == 0:
+        common = {
+            "format_version": FORMAT_VERSION,
+            "iteration": iteration,
+            "consumed_train_samples": consumed_train_samples,
+            "consumed_valid_samples": consumed_valid_samples,
+            "world_size": world,
+            "layout": layout(),
+            "config": config,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "optimizer_common": optimizer.common_state_dict() if optimizer is not None else None,
+            "extra": extra or {},
+            "rng_saved": save_rng,
+            "saved_at": time.time(),
+        }
+    if async_writer is None:
+        _on_every_rank(lambda: _write_files(specs, path, common, rank), path)
+        _on_every_rank(lambda: _finish_save(root, path, iteration, world), path)
+        return path
+    staged = stage_to_cpu(specs)
+    group = parallel_state.get_checkpoint_io_group() if dist.is_initialized() else None
+
+    def write_in_background():
+        _on_every_rank(lambda: _write_files(staged, path, common, rank, group), path, group)
+        _on_every_rank(lambda: _finish_save(root, path, iteration, world), path, group)
+
+    async_writer.submit(iteration, write_in_background)
+    return path
+
+
+def _write_files(specs: ShardedStateDict, path: str, common: Optional[dict], rank: int, group=None) -> None:
+    """This rank's part of a save after the RNG file: DCP data (DCP's collectives over ``group``),
+    ``common.json`` (rank 0), then its manifest."""
+    save_sharded(specs, path, process_group=group)
+    _write_common(path, common)
+    checkpoint_manifest.write_rank_manifest(path, rank)
+
+
+def _on_every_rank(step, path: str, group=None) -> None:
+    """Run ``step()`` here, then one ``all_gather_object`` over ``group`` (default: the world) of
+    every rank's outcome: every rank raises a :class:`CheckpointError` when any rank failed (no
+    rank is left waiting for one that gave up), and on return every rank's step is complete."""
+    error = None
+    try:
+        with _write_errors(path):
+            step()
+    except CheckpointError as e:
+        error = e
+    failed = gather_errors(str(error) if error else None, group)
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(f"rank {failed[0][0]} failed: {failed[0][1]}")
+
+
+def _finish_save(root: str, path: str, iteration: int, world: int) -> None:
+    """Rank 0, once every rank's manifest is written: the manifest index, then the tracker."""
+    if rank_is_zero():
+        checkpoint_manifest.write_index(path, iteration, world)
+        _write_tracker(root, iteration)
+
+
+@contextmanager
+def _write_errors(path: str):
+    """Turn a failed write (OSError, torch's RuntimeError, DCP's CheckpointException, which is a
+    BaseException) into a one-line :class:`CheckpointError` naming ``path``."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"cannot write checkpoint {path}: {describe_io_error(e, path)}") from e
+
+
+def remove_older_checkpoints(root: str) -> None:
+    """Delete the iteration directories of ``root`` older than its tracker's (the newest complete one);
+    one still being written in the background is newer and stays.  Rank 0 only."""
+    newest = read_tracker(root)
+    if newest is None:
+        return
+    for it in checkpoint_iterations(root):
+        if it < newest:
+            shutil.rmtree(checkpoint_dir(root, it), ignore_errors=True)
+
+
+def check_save_dir(save: str) -> None:
+    """``--save`` is a writable directory or can be created as one: fails at start, naming the path
+    (:func:`megalm.checkpoint.errors.save_dir_problem`; nothing is created)."""
+    problem = save_dir_problem(save)
+    if problem is not None:
+        raise CheckpointError(f"--save {save} {problem}")
+
+
+def stage_to_cpu(specs: ShardedStateDict) -> ShardedStateDict:
+    """A copy of every block in new CPU memory (what an asynchronous save writes)."""
+
+    def copy(spec: ShardedTensorSpec) -> ShardedTensorSpec:
+        local = spec.local.detach().to("cpu", copy=True)
+        return ShardedTensorSpec(local, spec.global_shape, spec.offsets)
+
+    return {k: [copy(s) for s in v] if isinstance(v, list) else copy(v) for k, v in specs.items()}
+
+
+def _write_common(path: str, common: Optional[dict]) -> None:
+    """Rank 0 (the one holding ``common``) writes ``common.json``, after the tensors."""
+    if common is not None:
+        _write_atomic(os.path.join(path, "common.json"), json.dumps(common, indent=1))
+
+
+def _write_tracker(root: str, iteration: int) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        _write_atomic(os.path.join(root, TRACKER_FILENAME), str(iteration))
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _compression_file(path: str, rank: int) -> str:
+    return os.path.join(path, "grad_compression", f"rank_{rank:05d}.pt")
+
+
+def _save_compression_state(model_chunks, path: str, rank: int) -> None:
+    """This rank's ``--grad-compression`` state (residuals, PowerSGD's Q, the rounding generator)."""
+    state = compression_state(model_chunks, layout())
+    if state is not None:
+        os.makedirs(os.path.join(path, "grad_compression"), exist_ok=True)
+        torch.save(state, _compression_file(path, rank))
+
+
+def _tp() -> tuple:
+    groups = parallel_state.get_process_groups()
+    return parallel_state.group_rank(groups.tp), parallel_state.group_size(groups.tp)
+
+
+def _compression_specs(model_chunks) -> dict:
+    """Save: the layout-independent ``--grad-compression`` state (:func:`layout_free_specs`); collective."""
+    if signature(model_chunks, {}) is None:
+        return {}
+    return layout_free_specs(model_chunks, model_parameters(model_chunks), tied_embedding_copies(model_chunks), _tp())
+
+
+def _local_sgd_file(path: str, rank: int) -> str:
+    return os.path.join(path, "local_sgd", f"rank_{rank:05d}.pt")
