@@ -189,3 +189,26 @@ def test_lr_batch_scaling_sqrt_scales_each_iterations_lr(runs):
     assert [r["lr"] for r in plain] == [2e-3] * len(BATCHES)
     assert scaled[0]["lm_loss"] == plain[0]["lm_loss"]  # same start; the smaller lr shows from the first update on
     assert abs(scaled[1]["lm_loss"] - plain[1]["lm_loss"]) > 1e-6
+
+
+def test_megatron_fsdp_gradient_dtypes_set_the_gradient_buffers():
+    """--megatron-fsdp-main-grads-dtype / --megatron-fsdp-grad-comm-dtype choose fp32 or the parameters' dtype for
+    the buffers gradients accumulate and reduce in; conflicting or impossible choices are refused."""
+    from megalm.config import build_parser, config_from_args
+
+    def parse(*argv):
+        return validate_config(config_from_args(build_parser().parse_args(list(argv))), world_size=1).parallel
+
+    assert parse("--bf16").accumulate_allreduce_grads_in_fp32
+    assert not parse("--bf16", "--megatron-fsdp-main-grads-dtype", "bf16").accumulate_allreduce_grads_in_fp32
+    bf16 = parse("--bf16", "--megatron-fsdp-grad-comm-dtype", "bf16", "--megatron-fsdp-main-grads-dtype", "bf16")
+    assert not bf16.accumulate_allreduce_grads_in_fp32
+    assert parse(
+        "--bf16", "--grad-reduce-in-bf16", "--megatron-fsdp-main-grads-dtype", "fp32"
+    ).accumulate_allreduce_grads_in_fp32
+    with pytest.raises(ConfigError, match="must be the same"):
+        parse("--bf16", "--megatron-fsdp-main-grads-dtype", "fp32", "--megatron-fsdp-grad-comm-dtype", "bf16")
+    with pytest.raises(ConfigError, match="needs --fp16 parameters"):
+        parse("--bf16", "--megatron-fsdp-grad-comm-dtype", "fp16")
+    with pytest.raises(ConfigError, match="checkpoint_inspector.py"):
+        parse("--ckpt-format", "fsdp_dtensor")

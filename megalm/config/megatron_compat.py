@@ -32,6 +32,14 @@ NO_EFFECT = {
     "--tiktoken-pattern": "only Megatron's TikTokenizer reads it, and megalm has no TikTokenizer",
     "--export-force-local-attention": "a ModelOpt export switch (local attention instead of Transformer Engine's); "
     "megalm's attention cores are its own, and windows and sinks run in each of them",
+    "--init-model-with-meta-device": "megalm creates every parameter directly on the training device with only "
+    "this rank's tensor/expert-parallel shard and fills it once by the layout-independent initialization (no "
+    "host copy, no second init); under ZeRO-3 the TP-local parameters are allocated before the sharded buffer "
+    "takes them",
+    "--use-nccl-ub": "NCCL user-buffer registration (NCCL only; megalm's buffers are plain PyTorch allocations)",
+    "--fsdp-double-buffer": "Megatron-FSDP's double-buffered all-gather/reduce-scatter buffers for NCCL user "
+    "buffers (NCCL only); megalm's ZeRO-3 gathers into its own per-bucket buffers",
+    "--fsdp-manual-registration": "manual NCCL user-buffer registration with --use-nccl-ub (NCCL only)",
     "--use-megatron-fsdp": "megalm's own sharded data parallelism is chosen by --data-parallel-sharding-strategy "
     "alone (no_shard by default, as in Megatron-LM)",
 }
@@ -40,6 +48,8 @@ NO_EFFECT = {
 UNSUPPORTED = {
     "--fp8-format": "fp8 needs Transformer Engine's layers (--transformer-impl transformer_engine on a GPU)",
     "--fp8-param-gather": "fp8 parameter all-gather is not built (fp8 runs inside Transformer Engine's layers only)",
+    "--ckpt-format": "formats other than torch_dist (torch, zarr, Megatron-FSDP's fsdp_dtensor): megalm reads and "
+    "writes torch_dist; convert with tools/checkpoint/convert.py",
     "--profile": "without --use-pytorch-profiler on a machine without CUDA (nsys profiles CUDA only)",
 }
 
@@ -70,6 +80,10 @@ class MegatronCompatConfig:
     )
     tiktoken_pattern: Optional[str] = _f(None, "No effect: " + NO_EFFECT["--tiktoken-pattern"] + ".")
     use_megatron_fsdp: bool = _f(False, "No effect: " + NO_EFFECT["--use-megatron-fsdp"] + ".")
+    init_model_with_meta_device: bool = _f(False, "No effect: " + NO_EFFECT["--init-model-with-meta-device"] + ".")
+    nccl_ub: bool = _f(False, "No effect: " + NO_EFFECT["--use-nccl-ub"] + ".", flag="--use-nccl-ub")
+    fsdp_double_buffer: bool = _f(False, "No effect: " + NO_EFFECT["--fsdp-double-buffer"] + ".")
+    fsdp_manual_registration: bool = _f(False, "No effect: " + NO_EFFECT["--fsdp-manual-registration"] + ".")
     export_force_local_attention: bool = _f(False, "No effect: " + NO_EFFECT["--export-force-local-attention"] + ".")
     fp8_param_gather: bool = _f(False, "Refused: " + UNSUPPORTED["--fp8-param-gather"] + ".")
 
@@ -92,6 +106,10 @@ def given_no_effect_flags(c: MegatronCompatConfig) -> list:
         "--tiktoken-pattern": c.tiktoken_pattern is not None,
         "--use-megatron-fsdp": c.use_megatron_fsdp,
         "--export-force-local-attention": c.export_force_local_attention,
+        "--init-model-with-meta-device": c.init_model_with_meta_device,
+        "--use-nccl-ub": c.nccl_ub,
+        "--fsdp-double-buffer": c.fsdp_double_buffer,
+        "--fsdp-manual-registration": c.fsdp_manual_registration,
     }
     return [flag for flag, given in values.items() if given]
 
@@ -101,6 +119,12 @@ def refusal(c: MegatronCompatConfig, backend: str) -> Optional[str]:
     for flag, given in (("--fp8-param-gather", c.fp8_param_gather),):
         if given:
             return f"{flag} is not supported by megalm: {UNSUPPORTED[flag]}"
+    if c.ckpt_format == "fsdp_dtensor":
+        return (
+            "--ckpt-format fsdp_dtensor is not supported: megalm reads and writes torch_dist (drop the flag or give "
+            "--ckpt-format torch_dist; Megatron's tools/checkpoint/checkpoint_inspector.py "
+            "convert-torch-dist-to-fsdp-dtensor turns the checkpoints into fsdp_dtensor ones for Megatron-FSDP)"
+        )
     if c.ckpt_format is not None and c.ckpt_format != "torch_dist":
         return (
             f"--ckpt-format {c.ckpt_format} is not supported: megalm reads and writes torch_dist "

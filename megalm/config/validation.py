@@ -8,6 +8,7 @@ import math
 import os
 from typing import List, Optional, Tuple
 
+from megalm.config.fsdp import validate_fsdp_grad_dtypes
 from megalm.config.gptoss import validate_gptoss
 from megalm.config.megatron_compat import NO_EFFECT, given_no_effect_flags, refusal
 from megalm.config.sections import (
@@ -229,10 +230,11 @@ def _validate_activation_offloading(m: ModelConfig, p: ParallelConfig) -> None:
         _check(not given, f"--cpu-offloading with {flag} is not supported: {why}")
 
 
-def _validate_data_parallel(p: ParallelConfig) -> None:
+def _validate_data_parallel(p: ParallelConfig, t: TrainingConfig) -> None:
     """The data-parallel wrapper's flags (megalm.distributed.data_parallel reads them unchecked)."""
     if p.grad_reduce_in_bf16:
         p.accumulate_allreduce_grads_in_fp32 = False  # DDP's buffers take the parameters' dtype: bf16
+    validate_fsdp_grad_dtypes(p, t)
     _check(
         not p.overlap_param_gather or p.use_distributed_optimizer,
         "--overlap-param-gather needs --use-distributed-optimizer (it overlaps the optimizer's parameter all-gather)",
@@ -330,7 +332,7 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
     validate_gptoss(m, p)
     _validate_model(m, p)
     vpp = _validate_pipeline(m, p)
-    _validate_parallel(m, p)
+    _validate_parallel(m, p, t)
     _validate_moe(m, p)
     _validate_expert_tensor_parallel(m, p, t)
     _validate_activation_offloading(m, p)
@@ -571,7 +573,7 @@ def _validate_pipeline(m: ModelConfig, p: ParallelConfig) -> Optional[int]:
     return vpp
 
 
-def _validate_parallel(m: ModelConfig, p: ParallelConfig) -> None:
+def _validate_parallel(m: ModelConfig, p: ParallelConfig, t: TrainingConfig) -> None:
     """Context parallelism, the data-parallel wrapper's flags and sequence parallelism."""
     tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
     _validate_context_parallel(m, p)
@@ -581,7 +583,7 @@ def _validate_parallel(m: ModelConfig, p: ParallelConfig) -> None:
         f"--data-parallel-sharding-strategy {p.data_parallel_sharding_strategy} with --context-parallel-size {cp} "
         "is not tested yet",
     )
-    _validate_data_parallel(p)
+    _validate_data_parallel(p, t)
     if p.sequence_parallel and tp == 1:
         p.sequence_parallel = False  # as Megatron: a no-op without tensor parallelism
     if p.sequence_parallel:
