@@ -31,7 +31,6 @@ def unknown_flags(name: str) -> list:
     return [a for a in script_argv(name, "/tmp") if a.startswith("--") and a not in known]
 
 
-
 def script_argv(name: str, tmp: str) -> list:
     with open(os.path.join(HERE, f"{name}.args")) as f:
         text = " ".join(line for line in f.read().splitlines() if line.strip() and not line.startswith("#"))
