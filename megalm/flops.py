@@ -9,6 +9,10 @@ projection ``n d``), ``g`` key/value groups, MLP width ``f``, padded vocabulary 
                            + f_shared/h c                   # MoE shared experts (0 for dense)
                            + V / (2 L h) ]                  # logits
 
+Sliding-window layers (``--window-size w,0``, gpt-oss) see at most ``w + 1`` keys per query: their
+``s/h`` term becomes ``min(s, w + 1)/h`` (the full-square convention above, applied to the window).
+Softmax sinks add one score per query row and head (``O(B s n)``): not counted.
+
 ``12 = 3 (forward, weight grad, input grad) x 2 (two GEMMs of each size) x 2 (multiply-add)``;
 ``k`` is the number of experts each token is routed to (1 for a dense MLP).  Dense GPT without
 GQA and ``f = 4h`` reduces to ``72 B s L h^2 (1 + s/(6h) + V/(12 L h))``.
@@ -27,6 +31,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from megalm.config.gptoss import layer_window
 from megalm.config.sections import MegalmConfig
 
 # Dense peak FLOP/s per device (no sparsity).  "fp32" is the non-tensor-core rate, "tf32" the
@@ -56,14 +61,18 @@ def transformer_flops(
     moe_ffn_hidden_size: Optional[int] = None,
     num_moe_layers: int = 0,
     shared_expert_ffn_hidden_size: int = 0,
+    window_size: Optional[int] = None,
+    num_window_layers: int = 0,
 ) -> float:
-    """Model FLOPs of one iteration over ``batch_size`` sequences (see the module docstring)."""
+    """Model FLOPs of one iteration over ``batch_size`` sequences (see the module docstring);
+    ``num_window_layers`` of the ``num_layers`` attend within ``window_size`` keys to the left."""
     h, L, s = float(hidden_size), num_layers, float(seq_length)
     heads = num_attention_heads
     groups = num_query_groups or heads
     head_dim = kv_channels or hidden_size // heads
     gated = 1.5 if swiglu else 1.0
-    attention = (1.0 + groups / heads + s / h) * (heads * head_dim / h)
+    keys = s if window_size is None else (s * (L - num_window_layers) + min(s, window_size + 1) * num_window_layers) / L
+    attention = (1.0 + groups / heads + keys / h) * (heads * head_dim / h)
     dense_layers = L - num_moe_layers
     moe_ffn = moe_ffn_hidden_size or ffn_hidden_size
     mlp_total = (
@@ -107,6 +116,8 @@ def num_floating_point_operations(cfg, batch_size: float) -> float:
         moe_ffn_hidden_size=moe_ffn,
         num_moe_layers=num_moe_layers,
         shared_expert_ffn_hidden_size=shared,
+        window_size=m.window_size[0] if m.window_size and m.window_size[0] >= 0 else None,
+        num_window_layers=sum(layer_window(m, i) is not None for i in range(m.num_layers)),
     )
 
 

@@ -209,3 +209,25 @@ def test_gptoss_flags_parse_and_refusals():
         _validate(
             "--softmax-type", "learnable", "--context-parallel-size", "2", "--attention-dropout", "0", world_size=2
         )
+
+
+def test_flops_count_window_layers_keys_and_sink_parameters():
+    """Sliding-window layers count min(s, w + 1) keys per query in QK^T and AV (Megatron's full-square
+    convention otherwise); the sinks are n parameters per layer in the estimate, as in the built model."""
+    from megalm.config import set_vocab_size
+    from megalm.estimate.parameters import total_parameters
+    from megalm.flops import num_floating_point_operations
+    from megalm.models import GPTModel
+
+    base = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"]
+    plain = _validate(*base, "--vocab-size", "128")
+    windowed = _validate(*base, "--vocab-size", "128", "--window-size", "7,0", "--window-attn-skip-freq", "2")
+    for cfg in (plain, windowed):
+        set_vocab_size(cfg, 128)
+    b, s, nd = 3, 32, 64
+    diff = num_floating_point_operations(windowed, b) - num_floating_point_operations(plain, b)
+    assert diff == pytest.approx(12 * b * s * nd * 2 * (8 - 32))  # layers 1 and 3 slide: 8 keys instead of 32
+    sinks = _validate(*base, "--vocab-size", "128", "--softmax-type", "learnable")
+    set_vocab_size(sinks, 128)
+    assert total_parameters(sinks) - total_parameters(plain) == 4 * 4
+    assert total_parameters(sinks) == sum(p.numel() for p in GPTModel(sinks).parameters())
