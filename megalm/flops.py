@@ -14,7 +14,9 @@ Sliding-window layers (``--window-size w,0``, gpt-oss) see at most ``w + 1`` key
 Softmax sinks add one score per query row and head (``O(B s n)``): not counted.
 
 ``12 = 3 (forward, weight grad, input grad) x 2 (two GEMMs of each size) x 2 (multiply-add)``;
-``k`` is the number of experts each token is routed to (1 for a dense MLP).  Dense GPT without
+``k`` is the number of experts each token is routed to (1 for a dense MLP).  Multi-latent attention
+replaces the attention term by :func:`mla_flops_per_token`; ``--mtp-num-layers D`` adds D layers like
+the last one, their norms and ``eh_proj``, and D more logits GEMMs (Megatron's accounting).  Dense GPT without
 GQA and ``f = 4h`` reduces to ``72 B s L h^2 (1 + s/(6h) + V/(12 L h))``.
 
 MoE hook: :func:`transformer_flops` takes ``moe_router_topk``, ``moe_ffn_hidden_size``,
@@ -61,11 +63,17 @@ def transformer_flops(
     moe_ffn_hidden_size: Optional[int] = None,
     num_moe_layers: int = 0,
     shared_expert_ffn_hidden_size: int = 0,
+    attention_flops_per_token: Optional[float] = None,
+    mtp_num_layers: int = 0,
     window_size: Optional[int] = None,
     num_window_layers: int = 0,
 ) -> float:
-    """Model FLOPs of one iteration over ``batch_size`` sequences (see the module docstring);
-    ``num_window_layers`` of the ``num_layers`` attend within ``window_size`` keys to the left."""
+    """Model FLOPs of one iteration over ``batch_size`` sequences (see the module docstring).
+    ``attention_flops_per_token``: one layer's attention FLOPs per token (forward and backward) in place of
+    the multi-head formula (multi-latent attention, :func:`mla_flops_per_token`); ``mtp_num_layers``: the
+    multi-token prediction depths, counted in ``num_layers`` / ``num_moe_layers`` by the caller, add their
+    norms, ``eh_proj`` and one more logits GEMM each; ``num_window_layers`` of the ``num_layers`` attend
+    within ``window_size`` keys to the left."""
     h, L, s = float(hidden_size), num_layers, float(seq_length)
     heads = num_attention_heads
     groups = num_query_groups or heads
@@ -73,6 +81,8 @@ def transformer_flops(
     gated = 1.5 if swiglu else 1.0
     keys = s if window_size is None else (s * (L - num_window_layers) + min(s, window_size + 1) * num_window_layers) / L
     attention = (1.0 + groups / heads + keys / h) * (heads * head_dim / h)
+    if attention_flops_per_token is not None:
+        attention = attention_flops_per_token / (12.0 * h * h)
     dense_layers = L - num_moe_layers
     moe_ffn = moe_ffn_hidden_size or ffn_hidden_size
     mlp_total = (
@@ -81,8 +91,26 @@ def transformer_flops(
         / h
     )
     mlp = mlp_total / L  # mean per layer
-    logits = vocab_size / (2.0 * L * h)
-    return 12.0 * batch_size * s * L * h * h * (attention + mlp + logits)
+    logits = vocab_size * (1 + mtp_num_layers) / (2.0 * L * h)
+    mtp = mtp_num_layers * (3 * h + 2 * h * h) / (2.0 * L * h * h)  # 6 (3 norms + eh_proj [h, 2h]) per token
+    return 12.0 * batch_size * s * L * h * h * (attention + mlp + logits + mtp)
+
+
+def mla_flops_per_token(m) -> float:
+    """Forward + backward FLOPs per token of one multi-latent attention layer (Megatron's accounting, the
+    causal core counted fully as in :func:`transformer_flops`): ``6 x`` the weights a token multiplies
+    (query down / up or direct projection, key/value down and up, the RoPE key, output projection; ``+1``
+    per latent norm) plus ``6 s n (d_qk + d_v)`` for ``QK^T`` and ``AV``."""
+    h, n, s = m.hidden_size, m.num_attention_heads, m.seq_length
+    q_head = m.qk_head_dim + m.qk_pos_emb_head_dim
+    if m.q_lora_rank is None:
+        q = h * n * q_head
+    else:
+        q = m.q_lora_rank * (h + n * q_head + 1)
+    kv = m.kv_lora_rank * (h + n * (m.qk_head_dim + m.v_head_dim) + 1) + h * m.qk_pos_emb_head_dim
+    out = n * m.v_head_dim * h
+    core = s * n * (q_head + m.v_head_dim)
+    return 6.0 * (q + kv + out + core)
 
 
 def num_floating_point_operations(cfg, batch_size: float) -> float:
@@ -93,18 +121,18 @@ def num_floating_point_operations(cfg, batch_size: float) -> float:
         raise ValueError("num_floating_point_operations needs the vocabulary size (set_vocab_size first)")
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
     num_moe_layers, topk, moe_ffn, shared = 0, 1, None, 0
+    mtp = getattr(m, "mtp_num_layers", None) or 0
     if m.num_experts:
         freq = m.moe_layer_freq or 1
-        num_moe_layers = (
-            len([i for i in range(m.num_layers) if i % int(freq) == 0]) if isinstance(freq, int) else int(sum(freq))
-        )
+        pattern = [i % int(freq) == 0 for i in range(m.num_layers)] if isinstance(freq, int) else list(freq)
+        num_moe_layers = int(sum(pattern)) + (mtp if pattern[-1] else 0)  # MTP layers are like the last one
         topk = m.moe_router_topk or 1
         moe_ffn = m.moe_ffn_hidden_size
         shared = m.moe_shared_expert_intermediate_size or 0
     return transformer_flops(
         batch_size,
         m.seq_length,
-        m.num_layers,
+        m.num_layers + mtp,
         m.hidden_size,
         m.num_attention_heads,
         ffn,
@@ -118,6 +146,8 @@ def num_floating_point_operations(cfg, batch_size: float) -> float:
         shared_expert_ffn_hidden_size=shared,
         window_size=m.window_size[0] if m.window_size and m.window_size[0] >= 0 else None,
         num_window_layers=sum(layer_window(m, i) is not None for i in range(m.num_layers)),
+        attention_flops_per_token=mla_flops_per_token(m) if getattr(m, "multi_latent_attention", False) else None,
+        mtp_num_layers=mtp,
     )
 
 

@@ -6,7 +6,10 @@ can load them (:mod:`megalm.checkpoint.dcp_io` writes and reads them with DCP). 
 defines those blocks and turns a parameter's layout record (:func:`megalm.tensor_parallel.param_info.param_info`:
 ``tensor_parallel``, ``partition_dim``, ``partition_stride``, ``vocab_unpadded``) and the size and rank of its
 tensor-parallel group into such blocks: for a whole local tensor (:func:`param_spec`) or for a
-flat range of it (:func:`param_range_specs`, the distributed optimizer's shards).  No
+flat range of it (:func:`param_range_specs`, the distributed optimizer's shards).  And a model's
+parameters and persistent buffers under their global names (:func:`model_parameters`,
+:func:`tied_embedding_copies`, :func:`model_buffers`: what a checkpoint saves, and what gradient
+compression keys its layout-free state by).  No
 communication; it imports neither the checkpointer nor the optimizers (both use it).
 """
 
@@ -21,6 +24,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 from megalm import parallel_state
 from megalm.parallel_state import ProcessGroups, group_rank, group_size
+from megalm.parameter_names import canonical_name
 from megalm.tensor_parallel.param_info import ParamLayoutError, param_info
 
 
@@ -183,3 +187,51 @@ def param_range_specs(
         spec = ShardedTensorSpec(block, tuple(where.global_shape), tuple(o + w for o, w in zip(offsets, where.offsets)))
         specs += _merge_stride_axis(spec, info.partition_dim % param.dim()) if merge else [spec]
     return specs
+
+
+def _is_tied_copy(name: str, p: torch.Tensor) -> bool:
+    return param_info(p).copy_of is not None
+
+
+def model_parameters(model_chunks: Sequence[torch.nn.Module]) -> Dict[str, torch.nn.Parameter]:
+    """Global parameter names -> parameters of this rank, skipping duplicate copies of tied weights.
+
+    Names are canonical (:func:`megalm.parameter_names.canonical_name`): a Transformer Engine
+    model's fused norm weights get the local names, so checkpoints are the same for both.
+    """
+    params: Dict[str, torch.nn.Parameter] = {}
+    for chunk in model_chunks:
+        module = getattr(chunk, "module", chunk)
+        for name, p in module.named_parameters():
+            if _is_tied_copy(name, p):
+                continue  # the last stage's copy of a tied embedding: the first stage's is saved
+            params[canonical_name(name)] = p
+    return params
+
+
+def tied_embedding_copies(model_chunks: Sequence[torch.nn.Module]) -> Dict[str, tuple]:
+    """``{copy name: (source name, parameter)}`` for the last pipeline stage's copies of a tied embedding.
+
+    A copy is not saved (the first stage's embedding is) but is loaded from the source's tensors,
+    weights and optimizer state alike: both copies receive the same summed gradient and the
+    same update, so they are equal.  The source is the copy's ``param_info(p).copy_of`` (the word embedding).
+    """
+    out = {}
+    for chunk in model_chunks:
+        module = getattr(chunk, "module", chunk)
+        for name, p in module.named_parameters():
+            if _is_tied_copy(name, p):
+                out[name] = (param_info(p).copy_of, p)
+    return out
+
+
+def model_buffers(model_chunks: Sequence[torch.nn.Module]) -> Dict[str, torch.Tensor]:
+    """Global names -> persistent buffers (training state that is not a parameter, e.g. a router's
+    ``expert_bias``); each is replicated over TP and DP."""
+    out = {}
+    for chunk in model_chunks:
+        for prefix, module in getattr(chunk, "module", chunk).named_modules():
+            for name, b in module._buffers.items():
+                if b is not None and name not in module._non_persistent_buffers_set:
+                    out[canonical_name(f"{prefix}.{name}" if prefix else name)] = b
+    return out

@@ -43,15 +43,17 @@ HANG_S = float(os.environ.get("MEGALM_TEST_HANG_S", "1200"))
 
 
 def pytest_configure(config):
-    """Keep a descriptor of the real stderr (pytest's capture redirects fd 2 during tests) for the dump."""
+    """Keep a descriptor of the real stderr (pytest's capture redirects fd 2 during tests) for the dump.
+
+    ``global_and_fixture_disabled`` is the capture manager's own way to reach the real descriptors;
+    suspending and resuming its global capture by hand here broke pytest's output after a collection
+    error ("I/O operation on closed file" instead of the import error)."""
     capman = config.pluginmanager.getplugin("capturemanager")
-    if capman is not None:
-        capman.suspend_global_capture(in_=False)
-    try:
+    if capman is None:
         config.stash[HANG_FD] = os.dup(2)
-    finally:
-        if capman is not None:
-            capman.resume_global_capture()
+        return
+    with capman.global_and_fixture_disabled():
+        config.stash[HANG_FD] = os.dup(2)
 
 
 @pytest.hookimpl(hookwrapper=True)

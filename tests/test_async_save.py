@@ -1,4 +1,4 @@
-"""--async-save (megalm/async_save.py): the writer thread, staging, and whole trainings on 2
+"""--async-save (megalm/checkpoint/async_writer.py): the writer thread, staging, and whole trainings on 2
 spawned ranks whose background writes are slowed down so that training runs ahead of them."""
 
 import json

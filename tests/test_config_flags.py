@@ -91,6 +91,7 @@ NO_OP_ARGV = {
     "--distributed-backend": ["--distributed-backend", "gloo"],
     "--ckpt-format": ["--ckpt-format", "torch_dist"],
     "--tiktoken-pattern": ["--tiktoken-pattern", "v2"],
+    "--moe-flex-dispatcher-backend": ["--moe-flex-dispatcher-backend", "deepep"],
 }
 
 
@@ -164,8 +165,10 @@ def test_megatron_spellings_of_model_flags():
     assert cfg("--position-embedding-type", "learned_absolute").model.position_embedding_type == "learned_absolute"
     assert cfg("--recompute-activations").model.recompute_granularity == "selective"
     assert cfg("--recompute-activations", "--recompute-modules", "core_attn").model.recompute_modules == ["core_attn"]
-    with pytest.raises(ConfigError, match="--recompute-modules mlp moe is not supported"):
-        cfg("--recompute-activations", "--recompute-modules", "core_attn", "mlp", "moe")
+    modules = cfg("--recompute-activations", "--recompute-modules", "core_attn", "mlp", "moe").model.recompute_modules
+    assert modules == ["core_attn", "mlp", "moe"]
+    with pytest.raises(ConfigError, match="--recompute-modules attn is not a recomputable module"):
+        cfg("--recompute-activations", "--recompute-modules", "core_attn", "attn")
     assert cfg("--bf16", "--grad-reduce-in-bf16").parallel.accumulate_allreduce_grads_in_fp32 is False
     assert cfg("--bf16").parallel.accumulate_allreduce_grads_in_fp32 is True
     with pytest.raises(ConfigError, match="--grad-reduce-in-bf16 needs --bf16"):

@@ -4,6 +4,7 @@ short; the flag reference equals what the parser generates.  Pure Python: no ran
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import unicodedata
 from pathlib import Path
@@ -36,6 +37,7 @@ MEGATRON_ONLY = {
     "--exit-signal",  # a saved arg the importer unpickles
     "--moe-apply-probs-on-input",  # refused by the importer
     "--cpu-offloading-activations",  # megalm offloads activations only
+    "--tp-comm-overlap",  # Megatron-LM's TP communication overlap (Transformer Engine userbuffers), not built
 }
 # Words that say a flag is ignored or refused, looked for in the block (paragraph, list item, table row) naming it.
 MARKERS = ("no effect", "refused", "refuse", "not built", "not supported", "ignored", "changes nothing", "no-op")
@@ -89,10 +91,15 @@ def _parser_flags() -> dict:
 def _repo_flags(repo: Path) -> set:
     """Flags the repository's own tools define or pass (quoted in Python sources, written in shell scripts)."""
     out = set()
-    for path in [*repo.glob("tools/**/*.py"), *repo.glob("bench/*.py"), *repo.glob("examples/*")]:
+    tools = [*repo.glob("tools/**/*.py"), *repo.glob("megalm/cli/*.py"), *repo.glob("megalm/*/cli.py")]  # tools' code
+    for path in [*tools, *repo.glob("bench/*.py"), *repo.glob("examples/*")]:
         out.update(re.findall(r"""["'](--[a-z][a-z0-9_-]*)["']""", path.read_text(encoding="utf-8")))
     for path in [*repo.glob("scripts/**/*.sh"), *repo.glob("scripts/**/*.sbatch"), *repo.glob("bench/*.sh")]:
         out.update(FLAG.findall(path.read_text(encoding="utf-8")))
+    # megalm-plan's own flags are its options dataclass's fields (the model's are pretrain_gpt.py's parser)
+    from megalm.planner.cli import PlanOptions
+
+    out.update("--" + f.name.replace("_", "-") for f in dataclasses.fields(PlanOptions))
     return out
 
 

@@ -617,9 +617,17 @@ def test_checkpoint_reshards_into_other_buckets_and_resets_without_pending(tmp_p
     """Through save_checkpoint / load_checkpoint in one process: residuals saved with buckets of 700
     elements load into one bucket (another signature: resharded, one INFO line) with the same values
     per parameter; a checkpoint saved without compression leaves them at zero, with the warning."""
+    from megalm.checkpoint.common_json import layout
     from megalm.checkpoint.load import load_checkpoint
     from megalm.checkpoint.save import save_checkpoint
+    from megalm.checkpoint.stateful import CheckpointStates
+    from megalm.distributed.compression.checkpoint_state import CompressionCheckpointState
     from tests.logs import megalm_logs
+
+    def registered(model):  # as the trainer registers --grad-compression's state
+        states = CheckpointStates()
+        states.register("grad_compression", CompressionCheckpointState([model], pg, layout()))
+        return states
 
     pg = ProcessGroups.single()
     src = DistributedDataParallel(make_model(), config("int8"), process_groups=pg)
@@ -627,13 +635,13 @@ def test_checkpoint_reshards_into_other_buckets_and_resets_without_pending(tmp_p
     for b in src.buffers[0].buckets:  # as if resharded from a larger DP size
         src.compressor.residuals[f"dense0.{b.index}"] = torch.randn(b.numel, generator=gen)
     want = reshard.pending_updates([src])
-    save_checkpoint(str(tmp_path / "int8"), 1, [src])
+    save_checkpoint(str(tmp_path / "int8"), 1, [src], states=registered(src))
     plain = DistributedDataParallel(make_model(), config("none"), process_groups=pg)
     save_checkpoint(str(tmp_path / "plain"), 1, [plain])
     for name in ("int8", "plain"):
         dst = DistributedDataParallel(make_model(), config("int8", ddp_bucket_size=None), process_groups=pg)
         with megalm_logs("stderr"):
-            load_checkpoint(str(tmp_path / name), [dst], load_rng=False)
+            load_checkpoint(str(tmp_path / name), [dst], load_rng=False, states=registered(dst))
         err = capsys.readouterr().err
         if name == "int8":
             got = reshard.pending_updates([dst])

@@ -28,8 +28,8 @@ ROOT = os.path.join(REPO, "megalm")
 # or several modules that form one idea).  The picture with the reasons: docs/layering.md.
 LAYERS: List[Tuple[str, List[str]]] = [
     ("base", ["errors", "log"]),
-    ("leaves", ["device", "parallel_layout", "parameter_names", "safe_unpickle", "tokenizers"]),
-    ("runtime", ["timers", "host_transfer", "topology", "parallel_state", "fusions", "dist_checkpointing"]),
+    ("leaves", ["device", "parallel_layout", "parameter_names", "tokenizers"]),
+    ("runtime", ["timers", "host_transfer", "topology", "parallel_state", "fusions"]),
     ("parallel primitives", ["tensor_parallel", "pipeline_parallel"]),
     ("parameter layout", ["param_layout"]),
     ("gradient reduction", ["distributed"]),
@@ -43,20 +43,11 @@ LAYERS: List[Tuple[str, List[str]]] = [
     ("tools", ["presets", "conversion"]),
     ("applications", ["estimate", "inference"]),
     ("entry points", ["training", "launch"]),
+    ("layout search", ["planner"]),
 ]
 
-# unit -> the module prefixes it holds (default: the unit's own name).  The checkpoint modules are one
-# unit today as top-level modules and, once moved, as the package megalm/checkpoint/.
-UNITS: Dict[str, List[str]] = {
-    "checkpoint": [
-        "megalm.checkpoint",
-        "megalm.checkpointing",
-        "megalm.checkpoint_resume",
-        "megalm.checkpoint_manifest",
-        "megalm.checkpoint_io_errors",
-        "megalm.async_save",
-    ],
-}
+# unit -> the module prefixes it holds (default: the unit's own name).
+UNITS: Dict[str, List[str]] = {}
 
 # TEMPORARY: imports that break the map and are being removed on other branches of issue #30.  The
 # coordinator deletes each entry when the branch named lands; nothing else belongs here.
@@ -65,8 +56,6 @@ ALLOWED_BREAKS: Dict[Tuple[str, str], str] = {
     # config validates itself per section (branch `config`): no reach into the data and training code
     ("megalm.config.validation", "data"): "config",
     ("megalm.config.validation", "training"): "config",
-    # checkpoint errors and state registered by whoever builds local SGD (branch `ckpt-pkg`)
-    ("megalm.distributed.local_sgd", "checkpoint"): "ckpt-pkg",
 }
 
 # Top-level names of this repository that are not the library.

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from megalm.testing import run_distributed
+from tests.distributed_harness import run_distributed
 from tests.training_runs import assert_close, records, run_trainings, tiny_flags
 
 MLA = tiny_flags(

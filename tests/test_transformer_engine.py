@@ -19,13 +19,12 @@ import torch.distributed as dist
 from megalm import parallel_state
 from megalm.checkpoint.dcp_io import saved_tensor_shapes
 from megalm.checkpoint.load import load_checkpoint
-from megalm.checkpoint.model_state import model_parameters
 from megalm.checkpoint.save import save_checkpoint
 from megalm.config import ConfigError, MegalmConfig, parse_config, validate_config
 from megalm.fusions import BackendUnavailable, plan_fusions
 from megalm.models import GPTModel
 from megalm.optimizer import build_optimizer
-from megalm.param_layout import param_spec
+from megalm.param_layout import model_parameters, param_spec
 from megalm.parameter_names import canonical_name
 from megalm.tensor_parallel import gather_tensor_parallel_grad, gather_tensor_parallel_param
 from megalm.transformer.fp8 import fp8_recipe

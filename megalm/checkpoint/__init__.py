@@ -4,6 +4,7 @@ Modules (import them directly; this package re-exports nothing)::
 
     save.py          save_checkpoint: DCP blocks, per-rank files, common.json, manifests, tracker
     load.py          load_checkpoint: verify, read the blocks, restore what applies to this layout
+    stateful.py      CheckpointStates: the states components register (saved per rank, by name)
     resume.py        which checkpoint: tracker, iter_NNNNNNN names, auto-resume, verification
     model_state.py   the model's and optimizer's tensors as blocks, under global names
     rng.py           the random generators' states as plain values
@@ -14,6 +15,8 @@ Modules (import them directly; this package re-exports nothing)::
     async_writer.py  --async-save: the background writer
     errors.py        CheckpointError, every rank's error shared, one-line I/O errors
 
+The checkpointer names no feature: a component with state of its own registers it
+(:class:`megalm.checkpoint.stateful.CheckpointStates`; docs/checkpoint-internals.md).
 The blocks themselves (:class:`megalm.param_layout.ShardedTensorSpec`, ``param_spec``) live below
 this package, in :mod:`megalm.param_layout`, so that the optimizers and gradient compression can
 describe their tensors without importing the checkpointer.
@@ -25,8 +28,8 @@ Directory layout (Megatron-like)::
         .metadata, __*_*.distcp                # DCP: model weights and optimizer tensors
         common.json                            # iteration, consumed samples, config, scheduler, scaler
         rng/rank_00000.pt ...                  # per-rank RNG states (tensors only; weights_only load)
-        grad_compression/rank_00000.pt ...     # --grad-compression: per-rank residuals (idem)
-        local_sgd/rank_00000.pt ...            # --local-sgd-interval: each replica's weights, optimizer (idem)
+        <name>/rank_00000.pt ...               # each registered state (stateful.py), e.g. grad_compression/
+                                               # (--grad-compression) and local_sgd/ (--local-sgd-interval)
         manifest/rank_00000.json ...           # per rank: size and sha256 of each file it wrote
         manifest.json                          # rank 0, after every rank's manifest, before the tracker
 

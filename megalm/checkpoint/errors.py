@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pickle
 from typing import List, Optional
 
 import torch.distributed as dist
@@ -54,12 +55,16 @@ def describe_io_error(e: BaseException, path: str, writing: bool = True) -> str:
 def leaf_errors(e: BaseException) -> List[BaseException]:
     if isinstance(e, CheckpointException):
         return [x for exc, _ in e.failures.values() for x in leaf_errors(exc)]
-    inner = e.__cause__ or e.__context__
+    inner = e.__cause__ or (None if e.__suppress_context__ else e.__context__)  # `raise ... from None` hides it
     return leaf_errors(inner) + [e] if inner is not None else [e]
 
 
 def first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
+    """The first line of ``e``'s message; for a pickle ``torch.load(weights_only=True)`` refused, the
+    line naming what it refused (its first line would advise loading the file with ``weights_only=False``)."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if isinstance(e, pickle.UnpicklingError) and lines and lines[0].startswith("Weights only load failed"):
+        return "refusing to unpickle: " + (lines[1] if len(lines) > 1 else lines[0])
     return lines[0] if lines else ""
 
 

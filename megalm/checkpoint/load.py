@@ -3,17 +3,13 @@ restore the per-rank files that apply to this layout (the layout is described in
 
 from __future__ import annotations
 
-import os
 from typing import Dict, Optional
 
-import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megalm import parallel_state
 from megalm.checkpoint.common_json import layout, read_common
 from megalm.checkpoint.dcp_io import load_sharded, tensor_shapes
-from megalm.checkpoint.errors import CheckpointError, describe_io_error, first_line, gather_errors
+from megalm.checkpoint.errors import CheckpointError, describe_io_error
 from megalm.checkpoint.model_state import (
     finish_param_sync,
     model_buffers,
@@ -22,10 +18,9 @@ from megalm.checkpoint.model_state import (
     tied_embedding_copies,
 )
 from megalm.checkpoint.resume import verified_checkpoint
-from megalm.checkpoint.rng import set_rng_state
+from megalm.checkpoint.rng import RNGState
 from megalm.checkpoint.safe_metadata import CheckpointMetadataError, load_metadata
-from megalm.checkpoint.save import _compression_file, _local_sgd_file, _tp
-from megalm.distributed.compression.state import LayoutFreeState, restore_compression_state, signature
+from megalm.checkpoint.stateful import CheckpointStates, LoadInfo, load_rank_states, sharded_load_plans
 from megalm.log import get_logger
 from megalm.param_layout import ShardedStateDict, ShardedTensorSpec, param_spec
 
@@ -42,29 +37,29 @@ def load_checkpoint(
     finetune: bool = False,
     iteration: Optional[int] = None,
     fallback: bool = False,
+    states: Optional[CheckpointStates] = None,
 ) -> dict:
     """Collective.  Verifies the checkpoint (:func:`verified_checkpoint`), fills the model (and
-    optimizer/scheduler/RNG) in place; returns common.json's content.
+    optimizer/scheduler/RNG/registered ``states``) in place; returns common.json's content.
 
     ``finetune`` loads the weights only and reports iteration 0.  ``fallback``
     (``--ckpt-fallback-to-verified``): a corrupt checkpoint is skipped for the newest older one
-    that verifies.
+    that verifies.  ``states`` (:mod:`megalm.checkpoint.stateful`) are restored after the
+    optimizer, from this rank's files and their blocks of the DCP checkpoint (not with ``finetune``).
     """
     path = verified_checkpoint(root, iteration, fallback)
     common = read_common(path)
     try:
-        metadata = load_metadata(
-            path
-        )  # read once, by megalm.checkpoint.safe_metadata (refuses anything but DCP metadata)
+        metadata = load_metadata(path)  # read once, safely (refuses anything but DCP metadata)
     except CheckpointMetadataError as e:
         raise CheckpointError(str(e)) from e
     saved = tensor_shapes(metadata)
     finish_param_sync(model_chunks)
     with_optim = optimizer is not None and load_optim and not finetune
     specs, main_params_missing = _load_specs(model_chunks, optimizer if with_optim else None, saved)
-    layout_free = None if finetune else _compression_targets(model_chunks, saved)
-    if layout_free is not None:
-        specs.update(layout_free.specs)
+    info = LoadInfo(path, common, layout(), saved)
+    states = None if finetune else states
+    specs.update(sharded_load_plans(states, info))
     try:
         load_sharded(specs, path, metadata=metadata)
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
@@ -78,8 +73,7 @@ def load_checkpoint(
             scheduler.load_state_dict(common["scheduler"])
     elif optimizer is not None:
         optimizer.reload_model_params()
-    if not finetune:
-        load_compression_state(path, common, model_chunks, layout_free)
+    load_rank_states(info, states)  # collective: one all_gather_object per state
     if load_rng and not finetune:
         load_rng_state(path, common)
     common = dict(common, path=path)
@@ -124,83 +118,11 @@ def _load_specs(model_chunks, optimizer, saved: Dict[str, tuple]):
     return specs, bool(missing)
 
 
-def _compression_targets(model_chunks, saved: Dict[str, tuple]) -> Optional[LayoutFreeState]:
-    """Load: what of the layout-independent ``--grad-compression`` state to read, or None without compression."""
-    if signature(model_chunks, {}) is None:
-        return None
-    params, copies = model_parameters(model_chunks), tied_embedding_copies(model_chunks)
-    pp1 = parallel_state.get_pipeline_model_parallel_world_size() == 1
-    return LayoutFreeState(model_chunks, params, copies, _tp(), saved, absorb_copies=pp1)
-
-
-def load_compression_state(path: str, common: dict, model_chunks, layout_free=None) -> None:
-    """Restore this rank's ``--grad-compression`` state exactly (same layout and settings); else
-    reshard it from the checkpoint's pending updates (``layout_free``, read by the DCP load:
-    :mod:`megalm.distributed.compression.reshard`; one INFO line), or, when the checkpoint has none
-    (saved without compression or before they were saved), warn that it restarts from zero.
-    No communication."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    file = _compression_file(path, rank)
-    saved = None
-    if common.get("layout") == layout() and os.path.isfile(file):
-        try:
-            saved = torch.load(file, weights_only=True)
-        except (OSError, RuntimeError, ValueError) as e:
-            raise CheckpointError(f"cannot read {file}: {first_line(e)}") from None
-    elif common.get("layout") != layout():
-        saved = {"signature": f"layout {common.get('layout')}"}
-    why = restore_compression_state(model_chunks, layout(), saved)
-    if why is not None and layout_free is not None and layout_free.found:
-        done = layout_free.apply(model_chunks)
-        logger.info(f"gradient-compression state resharded from {path} ({why}): {done}")
-    elif why is not None:
-        logger.warning(
-            f"gradient-compression state (error-feedback residuals) not restored from {path}: {why}; "
-            f"it restarts from zero"
-        )
-
-
-def load_local_sgd_state(path: str, common: dict, outer_sync) -> None:
-    """``--local-sgd-interval``: after :func:`load_checkpoint`, put back this rank's replica (weights,
-    inner optimizer state) and the outer state; under another layout, or from a checkpoint without
-    them, every replica keeps the loaded weights and the outer state restarts from them (a warning).
-    No communication."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    file = _local_sgd_file(path, rank)
-    if common.get("layout") == layout() and os.path.isfile(file):
-        try:
-            state = torch.load(file, weights_only=True)
-        except (OSError, RuntimeError, ValueError) as e:
-            raise CheckpointError(f"cannot read {file}: {first_line(e)}") from None
-        outer_sync.load_state_dict(state)
-        return
-    why = "it has none" if common.get("layout") == layout() else f"it was saved with layout {common.get('layout')}"
-    outer_sync.reset()
-    logger.warning(
-        f"local SGD: the replicas' own weights and optimizer states are not restored from {path} ({why}, now "
-        f"{layout()}): every replica starts from the checkpoint's weights, the outer state from them"
-    )
-
-
 def load_rng_state(path: str, common: dict) -> None:
     """Collective (one ``all_gather_object``).  Restore this rank's RNG states (skipped, with a
     message, when the layout changed)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
     if not common.get("rng_saved", True):
         raise CheckpointError(f"{path} was saved with --no-save-rng: load it with --no-load-rng")
-    if common.get("world_size") != world or common.get("layout") != layout():
-        logger.info(
-            f"checkpoint was saved with layout {common.get('layout')}, now {layout()}: RNG states are not restored"
-        )
-        return
-    file = os.path.join(path, "rng", f"rank_{rank:05d}.pt")
-    state, error = None, None
-    try:
-        state = torch.load(file, weights_only=True)
-    except (OSError, RuntimeError, ValueError) as e:
-        error = f"cannot read {file}: {first_line(e)}"
-    failed = gather_errors(error)  # collective: a rank that cannot read its file stops every rank
-    if failed:
-        raise CheckpointError(failed[0][1])
-    set_rng_state(state)
+    states = CheckpointStates()
+    states.register("rng", RNGState())
+    load_rank_states(LoadInfo(path, common, layout(), {}), states, required=True)

@@ -5,10 +5,10 @@ Layout inside an iteration directory::
     manifest/rank_00000.json   # written by each rank: its own files (size, sha256)
     manifest.json              # written by rank 0 after every rank's: the index (size, sha256 of each rank file)
 
-A rank's own files are its DCP data files (``__<rank>_*.distcp``), its RNG file
-(``rng/rank_<rank>.pt``), its gradient-compression state (``grad_compression/rank_<rank>.pt``, with
-``--grad-compression``), its replica under local SGD (``local_sgd/rank_<rank>.pt``) and, on rank 0,
-``.metadata`` and ``common.json``.  Each rank hashes
+A rank's own files are its DCP data files (``__<rank>_*.distcp``), its file of every per-rank
+state (``<name>/rank_<rank>.pt``: its RNG file ``rng/rank_<rank>.pt`` and one per registered state,
+:mod:`megalm.checkpoint.stateful`, e.g. ``grad_compression/`` with ``--grad-compression``) and, on
+rank 0, ``.metadata`` and ``common.json``.  Each rank hashes
 what it wrote after the write; rank 0 writes the index once every rank's manifest exists
 (:func:`megalm.checkpoint.save.save_checkpoint` shares every rank's outcome first), and the tracker file
 follows the index.  A checkpoint whose index is missing but ``manifest/`` exists was never
@@ -61,9 +61,8 @@ def file_digest(path: str) -> Tuple[int, str]:
 def rank_files(path: str, rank: int) -> List[str]:
     """The files of a checkpoint directory that ``rank`` wrote, relative to it."""
     names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, f"__{rank}_*.distcp")))
-    names.append(f"rng/rank_{rank:05d}.pt")
-    names.append(f"grad_compression/rank_{rank:05d}.pt")  # only with --grad-compression
-    names.append(f"local_sgd/rank_{rank:05d}.pt")  # only with --local-sgd-interval
+    # its file of every per-rank state: rng/, and those registered (megalm.checkpoint.stateful)
+    names += sorted(os.path.relpath(p, path) for p in glob.glob(os.path.join(path, "*", f"rank_{rank:05d}.pt")))
     if rank == 0:
         names += [".metadata", "common.json"]
     return [n for n in names if os.path.isfile(os.path.join(path, n))]

@@ -13,13 +13,18 @@ No communication.
 
 from __future__ import annotations
 
-from typing import Dict, Sequence
+from typing import Sequence
 
 import torch
 
-from megalm.param_layout import ShardedStateDict, ShardedTensorSpec, param_spec
-from megalm.parameter_names import canonical_name
-from megalm.tensor_parallel.param_info import param_info
+from megalm.param_layout import (
+    ShardedStateDict,
+    ShardedTensorSpec,
+    model_buffers,
+    model_parameters,
+    param_spec,
+    tied_embedding_copies,
+)
 
 
 def finish_param_sync(model_chunks: Sequence[torch.nn.Module]) -> None:
@@ -32,54 +37,6 @@ def finish_param_sync(model_chunks: Sequence[torch.nn.Module]) -> None:
         gather = getattr(chunk, "gather_params", None)
         if gather is not None:
             gather()
-
-
-def _is_tied_copy(name: str, p: torch.Tensor) -> bool:
-    return param_info(p).copy_of is not None
-
-
-def model_parameters(model_chunks: Sequence[torch.nn.Module]) -> Dict[str, torch.nn.Parameter]:
-    """Global parameter names -> parameters of this rank, skipping duplicate copies of tied weights.
-
-    Names are canonical (:func:`megalm.parameter_names.canonical_name`): a Transformer Engine
-    model's fused norm weights get the local names, so checkpoints are the same for both.
-    """
-    params: Dict[str, torch.nn.Parameter] = {}
-    for chunk in model_chunks:
-        module = getattr(chunk, "module", chunk)
-        for name, p in module.named_parameters():
-            if _is_tied_copy(name, p):
-                continue  # the last stage's copy of a tied embedding: the first stage's is saved
-            params[canonical_name(name)] = p
-    return params
-
-
-def tied_embedding_copies(model_chunks: Sequence[torch.nn.Module]) -> Dict[str, tuple]:
-    """``{copy name: (source name, parameter)}`` for the last pipeline stage's copies of a tied embedding.
-
-    A copy is not saved (the first stage's embedding is) but is loaded from the source's tensors,
-    weights and optimizer state alike: both copies receive the same summed gradient and the
-    same update, so they are equal.  The source is the copy's ``param_info(p).copy_of`` (the word embedding).
-    """
-    out = {}
-    for chunk in model_chunks:
-        module = getattr(chunk, "module", chunk)
-        for name, p in module.named_parameters():
-            if _is_tied_copy(name, p):
-                out[name] = (param_info(p).copy_of, p)
-    return out
-
-
-def model_buffers(model_chunks: Sequence[torch.nn.Module]) -> Dict[str, torch.Tensor]:
-    """Global names -> persistent buffers (training state that is not a parameter, e.g. a router's
-    ``expert_bias``); each is replicated over TP and DP."""
-    out = {}
-    for chunk in model_chunks:
-        for prefix, module in getattr(chunk, "module", chunk).named_modules():
-            for name, b in module._buffers.items():
-                if b is not None and name not in module._non_persistent_buffers_set:
-                    out[canonical_name(f"{prefix}.{name}" if prefix else name)] = b
-    return out
 
 
 def model_sharded_state(model_chunks: Sequence[torch.nn.Module]) -> ShardedStateDict:

@@ -1,6 +1,7 @@
 """This process's random number generators' states (Python, NumPy, torch CPU and CUDA, the
 tensor-parallel tracker) as a dict of plain values and tensors (saved with ``torch.save``, read
-back with ``weights_only=True``).  No communication."""
+back with ``weights_only=True``), and :class:`RNGState`, the same as a checkpoint state (saved
+to ``rng/rank_<rank>.pt`` unless ``--no-save-rng``).  No communication."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from typing import Dict
 
 import numpy as np
 import torch
+
+from megalm.log import get_logger
+
+logger = get_logger(__name__)
 
 
 def get_rng_state() -> Dict[str, object]:
@@ -48,3 +53,19 @@ def set_rng_state(state: Dict[str, object]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     get_rng_tracker().set_states(state["tracker"])
+
+
+class RNGState:
+    """The generators of this process as a checkpoint state (registered as ``"rng"`` by the checkpointer
+    itself: every checkpoint has one per rank unless saved with ``--no-save-rng``)."""
+
+    def state_dict(self) -> Dict[str, object]:
+        return get_rng_state()
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        set_rng_state(state)
+
+    def not_restored(self, info, reason: str) -> None:
+        logger.info(
+            f"checkpoint was saved with layout {info.saved_layout}, now {info.layout}: RNG states are not restored"
+        )

@@ -22,7 +22,8 @@ a crafted ``.metadata`` runs whatever it names.  Every megalm read of a checkpoi
 * :class:`SafeFileSystemReader` is DCP's file reader with that metadata reader, without DCP's
   fall-back to per-rank ``__<rank>.metadata`` files (megalm never writes them), and refusing
   byte (non-tensor) items, which DCP's planners would ``torch.load(weights_only=False)``.
-  Tensor data is read by DCP with ``torch.load(weights_only=True)``.
+  Tensor data is read by DCP with ``torch.load(weights_only=True)``, one data file at a time: a file
+  it cannot read (a refused pickle, a truncated file) raises :class:`CheckpointDataError` naming it.
 
 Any refusal raises :class:`CheckpointSecurityError` naming the file and what was refused;
 a missing or malformed file raises :class:`CheckpointMetadataError`.  No communication: each
@@ -31,6 +32,7 @@ rank that calls these reads the file itself.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pathlib
@@ -44,7 +46,9 @@ from torch.distributed.checkpoint import planner as dcp_planner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType
+from torch.futures import Future
 
+from megalm.checkpoint.errors import first_line
 from megalm.errors import MegalmError
 
 METADATA_FILENAME = ".metadata"
@@ -52,6 +56,10 @@ METADATA_FILENAME = ".metadata"
 
 class CheckpointMetadataError(MegalmError, RuntimeError):
     """A checkpoint's ``.metadata`` is missing, unreadable or not DCP metadata."""
+
+
+class CheckpointDataError(MegalmError, RuntimeError):
+    """A checkpoint data file (``*.distcp``) cannot be read; the message names the file."""
 
 
 class CheckpointSecurityError(CheckpointMetadataError):
@@ -233,10 +241,22 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
     def read_data(self, plan, planner):
+        """DCP's read, one data file at a time, so that a file that cannot be read (a tensor record
+        ``torch.load(weights_only=True)`` refuses, a truncated file) is named: :class:`CheckpointDataError`."""
+        per_file = {}
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
                 raise CheckpointSecurityError(
                     f"{self.path}: refusing to read {item.storage_index.fqn!r} as "
                     f"pickled bytes (megalm checkpoints hold tensors only)"
                 )
-        return super().read_data(plan, planner)
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for relative_path, items in per_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner)
+            except Exception as e:  # noqa: BLE001 - UnpicklingError, OSError, RuntimeError from torch.load
+                file = os.path.join(str(self.path), relative_path)
+                raise CheckpointDataError(f"cannot read {file}: {type(e).__name__}: {first_line(e)}") from None
+        fut = Future()
+        fut.set_result(None)
+        return fut

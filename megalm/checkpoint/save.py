@@ -22,14 +22,12 @@ from megalm.checkpoint.dcp_io import save_sharded
 from megalm.checkpoint.errors import CheckpointError, describe_io_error, gather_errors, save_dir_problem
 from megalm.checkpoint.model_state import (
     finish_param_sync,
-    model_parameters,
     model_sharded_state,
     optimizer_sharded_state,
-    tied_embedding_copies,
 )
 from megalm.checkpoint.resume import TRACKER_FILENAME, checkpoint_dir, checkpoint_iterations, rank_is_zero, read_tracker
-from megalm.checkpoint.rng import get_rng_state
-from megalm.distributed.compression.state import compression_state, layout_free_specs, signature
+from megalm.checkpoint.rng import RNGState
+from megalm.checkpoint.stateful import CheckpointStates, rank_file, save_rank_states, sharded_states
 from megalm.param_layout import ShardedStateDict, ShardedTensorSpec
 
 
@@ -45,7 +43,7 @@ def save_checkpoint(
     extra: Optional[dict] = None,
     async_writer: Optional[AsyncCheckpointWriter] = None,
     save_rng: bool = True,
-    outer_sync=None,
+    states: Optional[CheckpointStates] = None,
 ) -> str:
     """Collective over all ranks.  Returns the iteration directory.
 
@@ -58,8 +56,8 @@ def save_checkpoint(
     the background on the checkpoint-io group (see :mod:`megalm.checkpoint.async_writer`).  ``optimizer`` /
     ``scheduler`` None (``--no-save-optim``) or ``save_rng`` False (``--no-save-rng``) leave their
     state out; ``common.json`` says so, and loading it then needs ``--no-load-optim`` / ``--no-load-rng``.
-    ``outer_sync`` (``--local-sgd-interval``, :class:`megalm.distributed.local_sgd.OuterSync`): this rank's
-    replica and the outer state are also written to ``local_sgd/rank_<rank>.pt``."""
+    ``states``: the registered states (:mod:`megalm.checkpoint.stateful`): each rank writes its
+    ``<name>/rank_<rank>.pt`` and their blocks go into the DCP save (collective per state)."""
     if async_writer is not None:
         async_writer.wait()  # one save in flight: the previous one is complete (tracker written) first
     path = checkpoint_dir(root, iteration)
@@ -75,14 +73,11 @@ def save_checkpoint(
     specs = model_sharded_state(model_chunks)
     if optimizer is not None:
         specs.update(optimizer_sharded_state(optimizer, model_chunks))
-    specs.update(_compression_specs(model_chunks))  # collective: the pending update, summed over DP
+    specs.update(sharded_states(states))  # collective per state (e.g. a sum over data-parallel ranks)
     with _write_errors(path):
         if save_rng:
-            torch.save(get_rng_state(), os.path.join(path, "rng", f"rank_{rank:05d}.pt"))
-        _save_compression_state(model_chunks, path, rank)
-        if outer_sync is not None:
-            os.makedirs(os.path.join(path, "local_sgd"), exist_ok=True)
-            torch.save(outer_sync.state_dict(), _local_sgd_file(path, rank))
+            torch.save(RNGState().state_dict(), rank_file(path, "rng", rank))
+        save_rank_states(path, states)
     common = None
     if rank == 0:
         common = {
@@ -210,31 +205,3 @@ def _write_atomic(path: str, text: str) -> None:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def _compression_file(path: str, rank: int) -> str:
-    return os.path.join(path, "grad_compression", f"rank_{rank:05d}.pt")
-
-
-def _save_compression_state(model_chunks, path: str, rank: int) -> None:
-    """This rank's ``--grad-compression`` state (residuals, PowerSGD's Q, the rounding generator)."""
-    state = compression_state(model_chunks, layout())
-    if state is not None:
-        os.makedirs(os.path.join(path, "grad_compression"), exist_ok=True)
-        torch.save(state, _compression_file(path, rank))
-
-
-def _tp() -> tuple:
-    groups = parallel_state.get_process_groups()
-    return parallel_state.group_rank(groups.tp), parallel_state.group_size(groups.tp)
-
-
-def _compression_specs(model_chunks) -> dict:
-    """Save: the layout-independent ``--grad-compression`` state (:func:`layout_free_specs`); collective."""
-    if signature(model_chunks, {}) is None:
-        return {}
-    return layout_free_specs(model_chunks, model_parameters(model_chunks), tied_embedding_copies(model_chunks), _tp())
-
-
-def _local_sgd_file(path: str, rank: int) -> str:
-    return os.path.join(path, "local_sgd", f"rank_{rank:05d}.pt")

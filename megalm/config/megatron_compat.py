@@ -40,6 +40,13 @@ NO_EFFECT = {
     "--fsdp-double-buffer": "Megatron-FSDP's double-buffered all-gather/reduce-scatter buffers for NCCL user "
     "buffers (NCCL only); megalm's ZeRO-3 gathers into its own per-bucket buffers",
     "--fsdp-manual-registration": "manual NCCL user-buffer registration with --use-nccl-ub (NCCL only)",
+    "--moe-permute-fusion": "megalm permutes tokens to experts with PyTorch index ops (the same order and results); "
+    "Transformer Engine's fused permute kernels are CUDA-only",
+    "--moe-flex-dispatcher-backend": "--moe-token-dispatcher-type flex runs megalm's alltoall dispatcher; the "
+    "DeepEP / HybridEP backends are CUDA kernels",
+    "--auto-detect-ckpt-format": "megalm reads its torch_dist checkpoints only (Megatron's other formats convert with "
+    "tools/checkpoint/convert.py)",
+    "--enable-experimental": "megalm has no experimental-feature gate",
     "--use-megatron-fsdp": "megalm's own sharded data parallelism is chosen by --data-parallel-sharding-strategy "
     "alone (no_shard by default, as in Megatron-LM)",
 }
@@ -85,6 +92,12 @@ class MegatronCompatConfig:
     fsdp_double_buffer: bool = _f(False, "No effect: " + NO_EFFECT["--fsdp-double-buffer"] + ".")
     fsdp_manual_registration: bool = _f(False, "No effect: " + NO_EFFECT["--fsdp-manual-registration"] + ".")
     export_force_local_attention: bool = _f(False, "No effect: " + NO_EFFECT["--export-force-local-attention"] + ".")
+    moe_permute_fusion: bool = _f(False, "No effect: " + NO_EFFECT["--moe-permute-fusion"] + ".")
+    moe_flex_dispatcher_backend: Optional[str] = _f(
+        None, "No effect: " + NO_EFFECT["--moe-flex-dispatcher-backend"] + ".", choices=["deepep", "hybridep"]
+    )
+    auto_detect_ckpt_format: bool = _f(False, "No effect: " + NO_EFFECT["--auto-detect-ckpt-format"] + ".")
+    enable_experimental: bool = _f(False, "No effect: " + NO_EFFECT["--enable-experimental"] + ".")
     fp8_param_gather: bool = _f(False, "Refused: " + UNSUPPORTED["--fp8-param-gather"] + ".")
 
 
@@ -110,6 +123,10 @@ def given_no_effect_flags(c: MegatronCompatConfig) -> list:
         "--use-nccl-ub": c.nccl_ub,
         "--fsdp-double-buffer": c.fsdp_double_buffer,
         "--fsdp-manual-registration": c.fsdp_manual_registration,
+        "--moe-permute-fusion": c.moe_permute_fusion,
+        "--moe-flex-dispatcher-backend": c.moe_flex_dispatcher_backend is not None,
+        "--auto-detect-ckpt-format": c.auto_detect_ckpt_format,
+        "--enable-experimental": c.enable_experimental,
     }
     return [flag for flag, given in values.items() if given]
 

@@ -142,9 +142,9 @@ class ModelConfig:
     recompute_activations: bool = _f(False, "Megatron's spelling of --recompute-granularity selective.")
     recompute_modules: Optional[List[str]] = _f(
         None,
-        "Modules recomputed with --recompute-granularity selective (Megatron's list); megalm recomputes the "
-        "attention core: core_attn is accepted, the others (mlp, moe, moe_act, layernorm, shared_experts, "
-        "mla_up_proj) are refused.",
+        "Modules recomputed in backward with --recompute-granularity selective (Megatron's names): core_attn "
+        "(default), mlp (dense MLPs), moe (whole MoE blocks), moe_act (the experts' activation), layernorm (the "
+        "layers' two norms), shared_experts, mla_up_proj (MLA's up projections and RoPE, keeping only latents).",
         nargs="+",
     )
     recompute_method: Optional[str] = _f(
@@ -328,7 +328,19 @@ class ModelConfig:
         None, "Hidden size of a shared expert every token goes through (unset: none)."
     )
     moe_token_dispatcher_type: str = _f(
-        "allgather", "How tokens reach the experts over the expert-parallel group.", choices=["allgather", "alltoall"]
+        "allgather",
+        "How tokens reach the experts over the expert-parallel group. flex (Megatron's DeepEP / HybridEP fused "
+        "all-to-all, CUDA only) runs megalm's alltoall dispatcher: the same tokens reach the same experts with the "
+        "same weights, moved by two torch.distributed all-to-alls instead of fused kernels.",
+        choices=["allgather", "alltoall", "flex"],
+    )
+    moe_router_force_load_balancing: bool = _f(
+        False,
+        "Benchmark mode (Megatron's): route by random normal logits instead of the router's (straight-through "
+        "gradient), so experts receive balanced loads; the model does not learn to route.",
+    )
+    moe_shared_expert_gate: bool = _f(
+        False, "Scale the shared expert's output by sigmoid(x . g) with a learned gate vector g (Qwen2-MoE style)."
     )
     moe_expert_capacity_factor: Optional[float] = _f(
         None,

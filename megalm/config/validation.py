@@ -460,6 +460,9 @@ def _validate_mla(m: ModelConfig) -> None:
     )
 
 
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "layernorm", "shared_experts", "mla_up_proj")
+
+
 def _validate_mtp(m: ModelConfig, p: ParallelConfig) -> None:
     """--mtp-num-layers: positive; not under context parallelism (its roll of the tokens would cross the
     CP chunks); pipelined only with RoPE (the last stage's embedding copy has no position table)."""
@@ -507,11 +510,11 @@ def _validate_heads(m: ModelConfig, tp: int) -> None:
 
 def _validate_recompute(m: ModelConfig) -> None:
     if m.recompute_modules is not None:
-        other = [x for x in m.recompute_modules if x != "core_attn"]
+        other = [x for x in m.recompute_modules if x not in RECOMPUTE_MODULES]
         _check(
             not other,
-            f"--recompute-modules {' '.join(other)} is not supported: megalm's selective recomputation covers "
-            "core_attn only",
+            f"--recompute-modules {' '.join(other)} is not a recomputable module (choose from "
+            f"{', '.join(RECOMPUTE_MODULES)})",
         )
         _check(
             m.recompute_granularity == "selective",

@@ -31,6 +31,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Tuple
 import torch
 
 from megalm.conversion.errors import ConversionError
+from megalm.conversion.mla_shapes import mla_attention_shapes, mla_norm_shapes
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 POSITION_EMBEDDINGS = "embedding.position_embeddings.weight"
@@ -170,8 +171,6 @@ def checkpoint_shapes(m) -> Dict[str, tuple]:
     attention = {"self_attention.linear_qkv": ((n + 2 * groups) * d, h), "self_attention.linear_proj": (h, n * d)}
     mla_norms = {}
     if m.multi_latent_attention:
-        from megalm.conversion.deepseek_v3 import mla_attention_shapes, mla_norm_shapes
-
         attention, mla_norms = mla_attention_shapes(m), mla_norm_shapes(m)
     dense = {"mlp.linear_fc1": (2, f, h) if m.gated_linear_unit else (f, h), "mlp.linear_fc2": (h, f)}
     moe = {}
@@ -190,8 +189,8 @@ def checkpoint_shapes(m) -> Dict[str, tuple]:
                 shapes[layer(i, f"{norm}.{part}")] = (h,)
         if is_moe:
             shapes[layer(i, ROUTER)] = (m.num_experts, h)
-            if m.add_bias_linear:
-                shapes[layer(i, "mlp.router.bias")] = (m.num_experts,)
+            if m.moe_shared_expert_intermediate_size and m.moe_shared_expert_gate:
+                shapes[layer(i, "mlp.shared_experts.gate_weight")] = (1, h)
         for name, shape in {**attention, **(moe if is_moe else dense)}.items():
             shapes[layer(i, name + ".weight")] = shape
             if m.add_bias_linear or (m.add_qkv_bias and name == "self_attention.linear_qkv"):

@@ -47,35 +47,9 @@ import torch
 from megalm.conversion.base import ROUTER, NamedTensors, expert, get_field, layer, moe_layers
 from megalm.conversion.errors import ConversionError
 from megalm.conversion.llama import Llama
+from megalm.conversion.mla_shapes import ATTN, mla_attention_shapes, mla_norm_shapes
 
-ATTN = "self_attention."
 EXPERT_BIAS = "mlp.router.expert_bias"
-
-
-def mla_attention_shapes(m) -> Dict[str, tuple]:
-    """Layer-relative names and full shapes of an MLA layer's attention weights."""
-    n, h = m.num_attention_heads, m.hidden_size
-    q_head = m.qk_head_dim + m.qk_pos_emb_head_dim
-    shapes = {}
-    if m.q_lora_rank is None:
-        shapes[ATTN + "linear_q_proj"] = (n * q_head, h)
-    else:
-        shapes[ATTN + "linear_q_down_proj"] = (m.q_lora_rank, h)
-        shapes[ATTN + "linear_q_up_proj"] = (n * q_head, m.q_lora_rank)
-    shapes[ATTN + "linear_kv_down_proj"] = (m.kv_lora_rank + m.qk_pos_emb_head_dim, h)
-    shapes[ATTN + "linear_kv_up_proj"] = (n * (m.qk_head_dim + m.v_head_dim), m.kv_lora_rank)
-    shapes[ATTN + "linear_proj"] = (h, n * m.v_head_dim)
-    return shapes
-
-
-def mla_norm_shapes(m) -> Dict[str, tuple]:
-    """Layer-relative names and shapes of an MLA layer's latent norms (``--qk-layernorm``)."""
-    if not m.qk_layernorm:
-        return {}
-    shapes = {ATTN + "kv_layernorm": (m.kv_lora_rank,)}
-    if m.q_lora_rank is not None:
-        shapes[ATTN + "q_layernorm"] = (m.q_lora_rank,)
-    return shapes
 
 
 _HF_ATTENTION = {
@@ -117,6 +91,8 @@ class DeepseekV3(Llama):
             wrong.append("no --moe-shared-expert-intermediate-size (DeepSeek-V3 has a shared expert)")
         elif m.moe_shared_expert_intermediate_size % (m.moe_ffn_hidden_size or m.ffn_hidden_size):
             wrong.append("--moe-shared-expert-intermediate-size not a multiple of --moe-ffn-hidden-size")
+        if m.moe_shared_expert_gate:
+            wrong.append("--moe-shared-expert-gate (DeepSeek-V3's shared expert has no gate)")
         if m.moe_router_group_topk and m.moe_router_topk // m.moe_router_group_topk != 2:
             wrong.append("--moe-router-topk / --moe-router-group-topk != 2 (HF's group score sums 2 experts)")
         pattern = moe_layers(m)

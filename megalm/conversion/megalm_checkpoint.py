@@ -26,12 +26,13 @@ from typing import Dict, Iterable, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
 from megalm.checkpoint import manifest as checkpoint_manifest
 from megalm.checkpoint.common_json import FORMAT_VERSION, read_common
-from megalm.checkpoint.errors import CheckpointError
+from megalm.checkpoint.errors import CheckpointError, describe_io_error
 from megalm.checkpoint.resume import TRACKER_FILENAME, checkpoint_dir, find_checkpoint
 from megalm.checkpoint.safe_metadata import SafeFileSystemReader, load_metadata
 from megalm.config import MegalmConfig
@@ -109,9 +110,14 @@ class MegalmCheckpointReader:
             source[name] = key
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed.*")
-            dcp.load(
-                request, storage_reader=SafeFileSystemReader(self.path), planner=DefaultLoadPlanner(), no_dist=True
-            )
+            try:
+                dcp.load(
+                    request, storage_reader=SafeFileSystemReader(self.path), planner=DefaultLoadPlanner(), no_dist=True
+                )
+            except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+                raise CheckpointError(
+                    f"failed to load {self.path}: {describe_io_error(e, self.path, writing=False)}"
+                ) from None
         return {name: request[key] for name, key in source.items()}
 
 

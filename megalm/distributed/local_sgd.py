@@ -33,8 +33,9 @@ iteration it applies at: resume is exact.
 
 The inner optimizer's state (moments) stays local.  The outer state (``x_0``, ``m``) is the same on
 every replica; between syncs each replica's parameters and optimizer state differ, so a checkpoint
-keeps them per rank (``local_sgd/rank_*.pt``, see :func:`megalm.checkpoint.save.save_checkpoint`):
-resume is exact under the same layout; under another one every replica restarts from the
+keeps them per rank: :class:`OuterSync` is a registered checkpoint state (``"local_sgd"``, saved to
+``local_sgd/rank_*.pt``, see :mod:`megalm.checkpoint.stateful`): resume is exact under the same
+layout; under another one (:meth:`OuterSync.not_restored`) every replica restarts from the
 checkpoint's (data-parallel rank 0's) parameters and the outer state from them, with a warning.
 """
 
@@ -46,10 +47,17 @@ from typing import Dict, List, Optional
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from megalm.checkpoint.errors import CheckpointError
 from megalm.distributed import comm
+from megalm.errors import MegalmError
+from megalm.log import get_logger
 from megalm.parallel_state import ProcessGroups, group_rank, group_size
 from megalm.tensor_parallel.param_info import param_info
+
+logger = get_logger(__name__)
+
+
+class LocalSGDStateError(MegalmError, ValueError):
+    """A checkpoint's local-SGD state does not fit this run's parameters."""
 
 
 def inner_group(pg: ProcessGroups, hierarchical: bool, expert: bool):
@@ -198,7 +206,7 @@ class OuterSync:
         flights = []
         for (outer, intra, params), snap, avg in zip(self.groups, saved["snapshot"], saved["average"]):
             if snap.numel() != sum(p.numel() for p in params) or avg.numel() != snap.numel():
-                raise CheckpointError("the checkpoint's pending local-SGD correction does not fit the parameters")
+                raise LocalSGDStateError("the checkpoint's pending local-SGD correction does not fit the parameters")
             flights.append(_AverageInFlight.done(snap.to(device), avg.to(device)))
         self.pending = _PendingSync(int(saved["apply_at"]), flights)
 
@@ -228,6 +236,15 @@ class OuterSync:
                 if k in saved:
                     mine[k] = saved[k].to(device)
         self._load_pending(state.get("pending", {}))
+
+    def not_restored(self, info, reason: str) -> None:
+        """The checkpoint has no replica for this rank under this layout (``reason``): every replica
+        keeps the loaded weights and the outer state restarts from them (a warning).  No communication."""
+        self.reset()
+        logger.warning(
+            f"local SGD: the replicas' own weights and optimizer states are not restored from {info.path} ({reason}, "
+            f"now {info.layout}): every replica starts from the checkpoint's weights, the outer state from them"
+        )
 
 
 @dataclass

@@ -304,14 +304,12 @@ class ParamAndGradBuffer:
         self.params = list(reversed(list(params)))  # buffer order
         self.param_names = param_names or {}
         self.param_index_map: Dict[torch.nn.Parameter, Tuple[int, int, int]] = {}
-        device = self.device = params[0].device
+        self.device = params[0].device
 
         bucket_spans = self._layout(bucket_size, isolate or (lambda p: False))
         self.numel = bucket_spans[-1][1] if bucket_spans else 0
         self.grad_data = self._allocate_grad_data()
-        self.param_data = None
-        if allocate_param_data:
-            self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=device)
+        self.param_data = self._allocate_param_data() if allocate_param_data else None
         self._attach_views()
         self.buckets = [
             self._make_bucket(i, start, end, members, unpadded)
@@ -352,6 +350,10 @@ class ParamAndGradBuffer:
         """The persistent full-size gradient buffer (None in the sharded-gradient subclass)."""
         return torch.zeros(self.numel, dtype=self.grad_dtype, device=self.device)
 
+    def _allocate_param_data(self) -> Optional[torch.Tensor]:
+        """The persistent full-size parameter buffer (None where each bucket owns its storage)."""
+        return torch.zeros(self.numel, dtype=self.param_dtype, device=self.device)
+
     def _attach_views(self) -> None:
         for p, (start, end, _) in self.param_index_map.items():
             if self.grad_data is not None:
@@ -365,9 +367,13 @@ class ParamAndGradBuffer:
         self, index: int, start: int, end: int, members: List[torch.nn.Parameter], unpadded_end: int
     ) -> Bucket:
         ranges = {p: (self.param_index_map[p][0] - start, self.param_index_map[p][1] - start) for p in members}
-        param_view = self.param_data[start:end] if self.param_data is not None else None
+        param_view = self._bucket_param_data(start, end, members)
         grad_view = self.grad_data[start:end] if self.grad_data is not None else None
         return self.bucket_class(index, members, grad_view, param_view, start, unpadded_end - start, ranges, self)
+
+    def _bucket_param_data(self, start: int, end: int, members: List[torch.nn.Parameter]) -> Optional[torch.Tensor]:
+        """The bucket's parameter storage: a view of ``param_data`` (None without one)."""
+        return self.param_data[start:end] if self.param_data is not None else None
 
     # --- state -------------------------------------------------------------------------
     bucket_class = Bucket

@@ -114,24 +114,42 @@ class ShardedParamBuffer(ShardedGradBuffer):
     bucket_class = ShardedParamBucket
 
     def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        k = self.data_parallel_world_size
-        self.param_shard_data = torch.empty(self.numel // k, dtype=self.param_dtype, device=self.device)
-        for b in self.buckets:  # each bucket gets storage of its own, so that it can be freed alone
-            full = b.param_data.clone()
-            for p, (start, end) in b.param_ranges.items():
-                p.data = full[start:end].view(p.shape)
-            b.param_data = full
-            lo, hi = b.local_shard()
-            b.param_shard.copy_(full[lo:hi])
-            b.pinned = any(param_info(p).tied for p in b.params)
-            b.grads_seen = set()
-        self.param_data = None
+        super().__init__(*args, **kw)  # builds the buckets one at a time (_bucket_param_data)
         self.storage_to_bucket: Dict[int, ShardedParamBucket] = {
             b.param_data.untyped_storage()._cdata: b for b in self.buckets
         }
-        for b in self.buckets:
-            b.free()
+
+    def _allocate_param_data(self) -> None:
+        """No full-size parameter buffer: only this rank's shards (filled bucket by bucket)."""
+        k = self.data_parallel_world_size
+        self.param_shard_data = torch.empty(self.numel // k, dtype=self.param_dtype, device=self.device)
+        return None
+
+    @torch.no_grad()
+    def _bucket_param_data(self, start: int, end: int, members) -> torch.Tensor:
+        """Storage of the bucket's own (so that it can be freed alone): the parameters move into it,
+        its shard is copied into ``param_shard_data`` and it is freed at once (a pinned bucket's is
+        kept).  The parameters' former storage is released as each parameter moves (if nothing else
+        holds it), so building the buffer holds the model, the shards and one bucket at most, never a
+        second copy of the model."""
+        full = torch.zeros(end - start, dtype=self.param_dtype, device=self.device)
+        for p in members:
+            lo, hi, _ = self.param_index_map[p]
+            view = full[lo - start : hi - start].view(p.shape)
+            view.copy_(p.data)
+            p.data = view
+        k, rank = self.data_parallel_world_size, self.data_parallel_rank
+        shard = (end - start) // k
+        self.param_shard_data[start // k : end // k].copy_(full[rank * shard : (rank + 1) * shard])
+        if not any(param_info(p).tied for p in members):  # a pinned bucket stays gathered
+            full.untyped_storage().resize_(0)
+        return full
+
+    def _make_bucket(self, *args) -> ShardedParamBucket:
+        b = super()._make_bucket(*args)
+        b.pinned = b.gathered = any(param_info(p).tied for p in b.params)
+        b.grads_seen = set()
+        return b
 
     def param_view(self, bucket, start: int, end: int) -> torch.Tensor:
         lo, _ = bucket.shard_range(self.data_parallel_rank)

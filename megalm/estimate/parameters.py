@@ -12,6 +12,8 @@ Counts follow the modules exactly (tests compare with the built model):
   whole (not split over TP), or split over ``--expert-tensor-parallel-size`` ETP > 1 ranks, counted
   separately as *expert* parameters because the distributed optimizer shards them over the
   expert-data-parallel group instead;
+* multi-latent attention (:func:`mla_attention`) and the multi-token prediction depths on the last
+  stage (:func:`mtp_parameters`, with the last stage's copy of an untied word embedding under PP);
 * vectors (norm weights, biases: 1-D), counted apart for ``--optimizer muon``, whose AdamW takes
   them (with the embeddings and the output layer) while its momentum takes the other matrices.
 """
@@ -62,6 +64,29 @@ def _qk_norms(m) -> int:
     return 2 * (2 * m.head_dim if m.normalization == "LayerNorm" else m.head_dim) if m.qk_layernorm else 0
 
 
+def _latent_norm(m, size: int) -> int:
+    return (2 * size if m.normalization == "LayerNorm" else size) if m.qk_layernorm else 0
+
+
+def mla_attention(m, tp: int) -> tuple:
+    """``(parameters, vectors)`` of one multi-latent attention on one rank: replicated down projections
+    ``[r_q, h]`` and ``[r_kv + d_r, h]`` and latent norms, column-parallel up projections, row-parallel
+    ``linear_proj`` (:mod:`megalm.transformer.mla`)."""
+    h, n, bias = m.hidden_size, m.num_attention_heads, int(m.add_bias_linear)
+    q_rows = n * (m.qk_head_dim + m.qk_pos_emb_head_dim) // tp
+    kv_down, kv_up = m.kv_lora_rank + m.qk_pos_emb_head_dim, n * (m.qk_head_dim + m.v_head_dim) // tp
+    if m.q_lora_rank is None:
+        params, vectors = (h + bias) * q_rows, bias * q_rows
+    else:
+        r = m.q_lora_rank
+        params = (h + bias) * r + _latent_norm(m, r) + (r + bias) * q_rows
+        vectors = bias * (r + q_rows) + _latent_norm(m, r)
+    params += (h + bias) * kv_down + _latent_norm(m, m.kv_lora_rank) + (m.kv_lora_rank + bias) * kv_up
+    params += h * (n * m.v_head_dim // tp) + bias * h
+    vectors += bias * (kv_down + kv_up + h) + _latent_norm(m, m.kv_lora_rank)
+    return params, vectors
+
+
 def layer_parameters(m, tp: int, ep: int, is_moe: bool, etp: int = 1) -> tuple:
     """``(dense, expert)`` parameters of one transformer layer on one rank (experts split over ``etp``)."""
     h, n, d = m.hidden_size, m.num_attention_heads, m.head_dim
@@ -69,6 +94,8 @@ def layer_parameters(m, tp: int, ep: int, is_moe: bool, etp: int = 1) -> tuple:
     bias, qkv_bias = int(m.add_bias_linear), int(m.add_bias_linear or m.add_qkv_bias)
     qkv = (n + 2 * groups) * d // tp
     attention = qkv * h + qkv_bias * qkv + h * (n * d // tp) + bias * h + _qk_norms(m)
+    if m.multi_latent_attention:
+        attention = mla_attention(m, tp)[0]
     dense = 2 * _norm(m) + attention + (n // tp if m.softmax_type == "learnable" else 0)  # + sinks
     if not is_moe:
         return dense + _mlp(m, m.ffn_hidden_size, tp), 0
@@ -78,7 +105,7 @@ def layer_parameters(m, tp: int, ep: int, is_moe: bool, etp: int = 1) -> tuple:
     dense += m.num_experts * (h + bias)  # the router (its bias as Megatron's: with the linear biases)
     shared = m.moe_shared_expert_intermediate_size
     if shared:
-        dense += _mlp(m, shared, tp)
+        dense += _mlp(m, shared, tp) + (h if m.moe_shared_expert_gate else 0)
     return dense, expert
 
 
@@ -92,6 +119,8 @@ def layer_vectors(m, tp: int, ep: int, is_moe: bool, etp: int = 1) -> tuple:
         return bias * ((2 * ffn if m.gated_linear_unit else ffn) // tp + h)
 
     dense = 2 * _norm(m) + qkv_bias * (n + 2 * groups) * d // tp + bias * h + _qk_norms(m)
+    if m.multi_latent_attention:
+        dense = 2 * _norm(m) + mla_attention(m, tp)[1]
     dense += n // tp if m.softmax_type == "learnable" else 0  # the sink logits, split with the heads
     if not is_moe:
         return dense + mlp_biases(m.ffn_hidden_size, tp), 0
@@ -99,6 +128,16 @@ def layer_vectors(m, tp: int, ep: int, is_moe: bool, etp: int = 1) -> tuple:
     dense += mlp_biases(shared, tp) if shared else 0
     dense += bias * m.num_experts  # the router's bias (replicated)
     return dense, m.num_experts // ep * mlp_biases(m.moe_ffn_hidden_size or m.ffn_hidden_size, etp)
+
+
+def mtp_parameters(m, tp: int, ep: int, etp: int = 1) -> tuple:
+    """``(dense, expert, vectors, expert_vectors)`` of the ``--mtp-num-layers`` depths (last stage): per depth
+    three norms, ``eh_proj`` ``[h / tp, 2h]`` and a transformer layer like the last decoder layer."""
+    is_moe = moe_layers(m)[-1]
+    a, b = layer_parameters(m, tp, ep, is_moe, etp)
+    c, d = layer_vectors(m, tp, ep, is_moe, etp)
+    k = m.mtp_num_layers
+    return k * (a + 3 * _norm(m) + 2 * m.hidden_size * m.hidden_size // tp), k * b, k * (c + 3 * _norm(m)), k * d
 
 
 def stage_parameters(cfg, pp_rank: int) -> StageParameters:
@@ -126,6 +165,11 @@ def stage_parameters(cfg, pp_rank: int) -> StageParameters:
         vectors += _norm(m)
         if m.untie_embeddings_and_output_weights or pp > 1:
             embedding += vocab_rows * m.hidden_size
+        if m.mtp_num_layers:
+            a, b, c, d = mtp_parameters(m, tp, ep, etp)
+            dense, expert, vectors, expert_vectors = dense + a, expert + b, vectors + c, expert_vectors + d
+            if pp > 1 and m.untie_embeddings_and_output_weights:  # the last stage's copy of the word embedding
+                embedding += vocab_rows * m.hidden_size
     return StageParameters(pp_rank, layers, dense + embedding, expert, embedding, vectors, expert_vectors)
 
 
@@ -138,6 +182,8 @@ def total_parameters(cfg) -> int:
     m = cfg.model
     pattern = moe_layers(m)
     total = sum(sum(layer_parameters(m, 1, 1, pattern[i])) for i in range(m.num_layers)) + _norm(m)
+    if m.mtp_num_layers:
+        total += sum(mtp_parameters(m, 1, 1)[:2])
     total += m.padded_vocab_size * m.hidden_size * (2 if m.untie_embeddings_and_output_weights else 1)
     if m.position_embedding_type == "learned_absolute":
         total += m.max_position_embeddings * m.hidden_size

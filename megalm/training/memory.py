@@ -87,3 +87,51 @@ def gather_peak_memory(group=None) -> List[int]:
     out = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=local.device)
     all_gather_flat(out, local, group=group)
     return [int(v) for v in out.cpu()]
+
+
+class TrackedAllocations:
+    """Bytes the CPU allocator reports allocating and freeing inside a ``with`` block.
+
+    Every allocation and free of c10's CPU allocator is reported to the profiler (``profile_memory``);
+    summing them in time order gives the live bytes at every instant.  After the block: ``peak`` (the
+    largest live total above the start), ``end`` (live at the end, above the start), ``allocated``
+    (the sum of all allocations) and ``phases[name]``: the peak inside each ``with tracker.phase(name)``
+    (the last one of that name), on the same scale.  A block allocated before the tracker started is
+    not counted when it is freed, so allocate what is measured inside it.  Deterministic (no RSS, no
+    page cache), but the profiler slows the block down: for tests and benchmarks, not for training.
+    """
+
+    def __init__(self):
+        self.peak = self.end = self.allocated = 0
+        self.phases: Dict[str, int] = {}
+        self._prof = None
+
+    def __enter__(self) -> "TrackedAllocations":
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def phase(self, name: str):
+        """A region whose peak is reported in ``phases[name]``."""
+        return torch.profiler.record_function(f"tracked_phase:{name}")
+
+    def __exit__(self, *exc) -> None:
+        self._prof.__exit__(*exc)
+        events = self._prof.profiler.kineto_results.events()
+        spans = {}
+        for e in events:
+            if e.name().startswith("tracked_phase:"):
+                spans[e.name().split(":", 1)[1]] = (e.start_ns(), e.start_ns() + e.duration_ns())
+        live, timeline = 0, []
+        for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+            live += e.nbytes()
+            self.allocated += max(e.nbytes(), 0)
+            self.peak = max(self.peak, live)
+            timeline.append((e.start_ns(), live))
+        self.end = live
+        for name, (lo, hi) in spans.items():
+            before = [v for t, v in timeline if t < lo]
+            inside = [v for t, v in timeline if lo <= t <= hi]
+            self.phases[name] = max(inside + before[-1:] or [0])

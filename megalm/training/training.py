@@ -26,11 +26,13 @@ import torch.distributed as dist
 
 from megalm import parallel_state
 from megalm.checkpoint.async_writer import AsyncCheckpointWriter, AsyncSaveError
+from megalm.checkpoint.common_json import layout
 from megalm.checkpoint.errors import CheckpointError
-from megalm.checkpoint.load import load_checkpoint, load_local_sgd_state, load_rng_state
+from megalm.checkpoint.load import load_checkpoint, load_rng_state
 from megalm.checkpoint.model_state import finish_param_sync
 from megalm.checkpoint.resume import checkpoint_to_resume, newest_load_root, non_persistent_dir
 from megalm.checkpoint.save import check_save_dir, remove_older_checkpoints, save_checkpoint
+from megalm.checkpoint.stateful import CheckpointStates
 from megalm.config import MegalmConfig, parse_config, set_vocab_size
 from megalm.config.validation import step_schedule
 from megalm.device import get_device
@@ -104,6 +106,7 @@ class Trainer:
         self.stragglers = None  # --log-straggler: built in setup()
         self.watchdog = None  # --hang-watchdog-seconds: running during train()
         self.data_iterators = None  # DataIterators, built in setup(); closed when run() ends
+        self.checkpoint_states = CheckpointStates()  # what components register with the checkpointer, in setup()
 
     # -- set-up --
     def setup(self) -> None:
@@ -133,6 +136,7 @@ class Trainer:
         if cfg.training.train_iters is None:  # --train-samples: the data builders size the splits from it
             cfg.training.train_iters = self.train_iters
         self.outer_sync = build_outer_sync(cfg, self.optimizer, self.groups)  # after train_iters is known
+        self.checkpoint_states = self._checkpoint_states()
         self._validate_data()  # before any output (metrics file, checkpoints) is created
         # Before the RNG state is restored: the CPU peak measurement draws random matrices.
         self.peak_flops, self.peak_source = self._device_peak()
@@ -292,8 +296,24 @@ class Trainer:
         self.do_valid = cfg.training.eval_iters > 0 and has_valid
         self.do_test = cfg.training.eval_iters > 0 and has_test
 
+    def _checkpoint_states(self) -> CheckpointStates:
+        """The states this trainer's components register with the checkpointer (besides the model,
+        optimizer, scheduler and RNG, which every checkpoint has): see :mod:`megalm.checkpoint.stateful`."""
+        from megalm.distributed.compression.checkpoint_state import CompressionCheckpointState
+
+        states = CheckpointStates()
+        if self.cfg.parallel.grad_compression != "none":
+            states.register("grad_compression", CompressionCheckpointState(self.model, self.groups, layout()))
+        if self.outer_sync is not None:
+            states.register("local_sgd", self.outer_sync)  # each replica's weights, optimizer and the outer state
+        return states
+
     def _load(self) -> None:
         c = self.cfg.checkpoint
+        # --no-load-optim / --finetune: the replicas restart from the loaded weights (reset below)
+        states = (
+            self.checkpoint_states.without("local_sgd") if c.finetune or c.no_load_optim else self.checkpoint_states
+        )
         try:
             common = load_checkpoint(
                 self.load_root,
@@ -305,12 +325,11 @@ class Trainer:
                 finetune=c.finetune,
                 iteration=c.ckpt_step,
                 fallback=c.ckpt_fallback_to_verified,
+                states=states,
             )
         except CheckpointError as e:
             raise TrainingSetupError(str(e)) from None
-        if self.outer_sync is not None and not (c.finetune or c.no_load_optim):
-            load_local_sgd_state(common["path"], common, self.outer_sync)
-        elif self.outer_sync is not None:
+        if self.outer_sync is not None and "local_sgd" not in states:
             self.outer_sync.reset()
         self.state.iteration = common["iteration"]
         self.state.consumed_train_samples = common["consumed_train_samples"]
@@ -500,7 +519,7 @@ class Trainer:
             config=self.cfg.to_dict(),
             async_writer=self.async_writer,
             save_rng=not c.no_save_rng,
-            outer_sync=self.outer_sync,
+            states=self.checkpoint_states,
         )
         if root != c.save and (not dist.is_initialized() or dist.get_rank() == 0):
             remove_older_checkpoints(root)

@@ -29,6 +29,9 @@ parallelism, position-keyed dropout); when it needs one head dim (anything but S
 ``v`` is zero-padded to ``d_n + d_r`` and the padding cut from the output.  A softmax scale other
 than ``1/sqrt(d_n + d_r)`` (YaRN's ``mscale_all_dim``) is applied to ``q`` first.
 
+``--recompute-modules mla_up_proj`` keeps only the latents and the RoPE key: the up projections and
+RoPE are recomputed in backward (Megatron's ``mla_up_proj``).
+
 KV-cache generation caches the *compressed* state: per position the normalized latent ``c``
 (``--kv-lora-rank``) and the rotated RoPE key (``d_r``): ``kv_lora_rank + d_r`` numbers per position and
 layer instead of the ``n (d_n + d_r + d_v)`` of the expanded keys and values, which are re-expanded
@@ -58,7 +61,7 @@ from megalm.tensor_parallel.param_info import set_param_info
 from megalm.tensor_parallel.random import checkpoint
 from megalm.transformer.attention import SelfAttention
 from megalm.transformer.norm import build_norm
-from megalm.transformer.utils import init_std, output_init_std
+from megalm.transformer.utils import init_std, output_init_std, recompute_modules
 from megalm.transformer.yarn import YarnScaling
 
 
@@ -119,6 +122,7 @@ class MLASelfAttention(SelfAttention):
             m, m.num_attention_heads, q_head, plan, recompute_core, tp_group, cp_group, cp_comm_type, layer_number
         )
         self.sequence_parallel = sequence_parallel
+        self.recompute_up = "mla_up_proj" in recompute_modules(m)
         self.kv_lora_rank, self.q_lora_rank = m.kv_lora_rank, m.q_lora_rank
         n, h, bias, std = m.num_attention_heads, m.hidden_size, m.add_bias_linear, init_std(m)
 
@@ -155,15 +159,17 @@ class MLASelfAttention(SelfAttention):
 
     # --- projections -----------------------------------------------------------------------------
 
-    def _query(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[s, b, heads_r, d_n + d_r]`` (the full sequence under SP)."""
+    def _query_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The normalized query latent ``[s(/tp), b, q_lora_rank]``, or without ``--q-lora-rank`` the
+        projected queries ``[s, b, heads_r * (d_n + d_r)]``."""
         if self.q_lora_rank is None:
-            q = self.linear_q_proj(hidden)
-        else:
-            latent = self.linear_q_down_proj(hidden)
-            if self.q_layernorm is not None:
-                latent = self.q_layernorm(latent)
-            q = self.linear_q_up_proj(latent)
+            return self.linear_q_proj(hidden)
+        latent = self.linear_q_down_proj(hidden)
+        return latent if self.q_layernorm is None else self.q_layernorm(latent)
+
+    def _query(self, q_input: torch.Tensor) -> torch.Tensor:
+        """``[s, b, heads_r, d_n + d_r]`` (the full sequence under SP)."""
+        q = q_input if self.q_lora_rank is None else self.linear_q_up_proj(q_input)
         return q.view(q.shape[0], q.shape[1], self.heads_per_rank, self.qk_dim + self.pos_dim)
 
     def _compressed_kv(self, hidden: torch.Tensor):
@@ -211,6 +217,13 @@ class MLASelfAttention(SelfAttention):
             return out.view(s, b, self.heads_per_rank, self.head_dim)[..., : self.v_dim].reshape(s, b, -1)
         return self.attention_core(q, k, v, attention_mask)
 
+    def _up(self, q_input, latent, k_pos, rotary_cos, rotary_sin):
+        """Queries, keys and values from the latents: the up projections and RoPE (recomputed in
+        backward with ``--recompute-modules mla_up_proj``)."""
+        q, k_pos = self._rope(self._query(q_input), k_pos, rotary_cos, rotary_sin)
+        k, v = self._expand_kv(latent, k_pos)
+        return q, k, v
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -221,22 +234,24 @@ class MLASelfAttention(SelfAttention):
     ):
         """As :meth:`SelfAttention.forward`; ``kv_cache`` stores the normalized latent and the rotated
         RoPE key of each position (the compressed cache)."""
-        q = self._query(hidden)
+        q_input = self._query_input(hidden)
         latent, k_pos = self._compressed_kv(hidden)
-        q, k_pos = self._rope(q, k_pos, rotary_cos, rotary_sin)
         if kv_cache is not None:
             if self.cp_size > 1:
                 raise ContextParallelError("generation with a KV cache is not supported under context parallelism")
+            q, k_pos = self._rope(self._query(q_input), k_pos, rotary_cos, rotary_sin)
             offset = kv_cache.offset
             latent, k_pos = kv_cache.update(latent, k_pos)
             k, v = self._expand_kv(latent, k_pos)
             if self.q_factor != 1.0:
                 q = q * self.q_factor
-            context = self.cached_attention(q, k, v, offset)
+            return self.linear_proj(self.cached_attention(q, k, v, offset))
+        if self.recompute_up:
+            q, k, v = checkpoint(self._up, q_input, latent, k_pos, rotary_cos, rotary_sin)
         else:
-            k, v = self._expand_kv(latent, k_pos)
-            if self.recompute_core:
-                context = checkpoint(self._core, q, k, v, attention_mask)
-            else:
-                context = self._core(q, k, v, attention_mask)
+            q, k, v = self._up(q_input, latent, k_pos, rotary_cos, rotary_sin)
+        if self.recompute_core:
+            context = checkpoint(self._core, q, k, v, attention_mask)
+        else:
+            context = self._core(q, k, v, attention_mask)
         return self.linear_proj(context)

@@ -44,7 +44,7 @@ from megalm.transformer.moe.state import MoEState
 from megalm.transformer.moe.tracker import MoEMetricsTracker
 from megalm.transformer.norm import build_norm
 from megalm.transformer.transformer_layer import TransformerLayer
-from megalm.transformer.utils import init_std
+from megalm.transformer.utils import init_std, recompute_modules
 
 
 def roll_left(x: torch.Tensor) -> torch.Tensor:
@@ -125,7 +125,7 @@ class MultiTokenPrediction(nn.Module):
         self.per_token_loss = per_token_loss
         self.aux_state = moe_state if moe_state is not None else MoEState()
         self.metrics = MoEMetricsTracker()
-        selective = m.recompute_granularity == "selective"
+        selective = "core_attn" in recompute_modules(m)
         self.layers = nn.ModuleList(
             [
                 MTPLayer(

@@ -10,7 +10,8 @@ Recomputation (``--recompute-granularity``), numerically identical to none:
   consecutive layers; only each group's input is kept and the group is recomputed in backward.
 * ``full`` + ``block``: the first ``recompute_num_layers`` layers of this chunk are each
   recomputed; the others keep their activations.
-* ``selective``: only the attention core (the ``s x s`` part) is recomputed.
+* ``selective``: the modules of ``--recompute-modules`` (by default the attention core, the ``s x s``
+  part) are recomputed: see :class:`~megalm.transformer.transformer_layer.TransformerLayer`.
 
 Activation offloading (``--cpu-offloading``, :mod:`megalm.transformer.activation_offload`): the
 saved tensors of the chunk's first ``--cpu-offloading-num-layers`` layers wait in host memory
@@ -41,6 +42,7 @@ from megalm.transformer.fp8 import fp8_autocast
 from megalm.transformer.moe.state import MoEState
 from megalm.transformer.norm import build_norm
 from megalm.transformer.transformer_layer import TransformerLayer
+from megalm.transformer.utils import recompute_modules
 
 
 class TransformerBlock(nn.Module):
@@ -60,7 +62,7 @@ class TransformerBlock(nn.Module):
         self.recompute_granularity = m.recompute_granularity
         self.recompute_method = m.recompute_method
         self.recompute_num_layers = m.recompute_num_layers
-        selective = m.recompute_granularity == "selective"
+        selective = "core_attn" in recompute_modules(m)
         self.layers = nn.ModuleDict(
             {
                 str(i): TransformerLayer(

@@ -18,6 +18,10 @@ With Transformer Engine layers (``plan.uses_te()``, :mod:`megalm.transformer.te_
 attention and dense MLP are TE's and normalize their own input, so ``input_layernorm`` and a
 dense layer's ``pre_mlp_layernorm`` are identities; MoE layers keep megalm's norm and experts.
 
+Selective recomputation (``--recompute-modules``, Megatron's names): ``layernorm`` recomputes the two
+norms, ``mlp`` a dense MLP, ``moe`` a whole MoE block in backward (``core_attn``, ``mla_up_proj``,
+``moe_act`` and ``shared_experts`` are handled inside the attention and MoE blocks).
+
 Process groups: ``process_groups`` (a :class:`~megalm.parallel_state.ProcessGroups`) gives
 attention and MLP their ``tp`` group (attention also its ``cp`` group, with ``cp_comm_type``)
 and an MoE block its ``tp`` and ``ep`` groups.
@@ -34,7 +38,7 @@ from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.fusions.compile import select
 from megalm.fusions.dropout_add import bias_dropout_add
 from megalm.parallel_state import ProcessGroups
-from megalm.tensor_parallel.random import dropout_rng
+from megalm.tensor_parallel.random import checkpoint, dropout_rng
 from megalm.transformer.attention import SelfAttention
 from megalm.transformer.mla import MLASelfAttention
 from megalm.transformer.mlp import MLP
@@ -42,6 +46,7 @@ from megalm.transformer.moe.moe_layer import MoELayer, is_moe_layer
 from megalm.transformer.moe.state import MoEState
 from megalm.transformer.norm import build_norm
 from megalm.transformer.te_layers import TEMLP, TESelfAttention
+from megalm.transformer.utils import recompute_modules
 
 
 class TransformerLayer(nn.Module):
@@ -108,6 +113,13 @@ class TransformerLayer(nn.Module):
             else (TEMLP if te else MLP)(m, sequence_parallel, plan=plan, skip_output_bias=True, tp_group=pg.tp)
         )
         self.bias_dropout_add = select(bias_dropout_add, plan.compiled("bias_dropout_add"))
+        recompute = recompute_modules(m)
+        self.recompute_norms = "layernorm" in recompute
+        # a dense MLP with "mlp", an MoE block with "moe" (its parts: "moe_act", "shared_experts")
+        self.recompute_mlp = ("moe" if self.is_moe else "mlp") in recompute
+
+    def _run(self, module: nn.Module, recompute: bool, x: torch.Tensor):
+        return checkpoint(module, x) if recompute else module(x)
 
     def _residual_add(
         self, out: Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]], residual: torch.Tensor
@@ -129,13 +141,13 @@ class TransformerLayer(nn.Module):
     ) -> torch.Tensor:
         """``kv_cache``: this layer's inference cache; ``attention_mask``: the document mask of
         ``--reset-attention-mask`` (see :class:`~megalm.transformer.attention.SelfAttention`)."""
+        normed = self._run(self.input_layernorm, self.recompute_norms and kv_cache is None, hidden)
         if kv_cache is None and attention_mask is not None:
-            attention_out = self.self_attention(
-                self.input_layernorm(hidden), rotary_cos, rotary_sin, attention_mask=attention_mask
-            )
+            attention_out = self.self_attention(normed, rotary_cos, rotary_sin, attention_mask=attention_mask)
         elif kv_cache is None:
-            attention_out = self.self_attention(self.input_layernorm(hidden), rotary_cos, rotary_sin)
+            attention_out = self.self_attention(normed, rotary_cos, rotary_sin)
         else:
-            attention_out = self.self_attention(self.input_layernorm(hidden), rotary_cos, rotary_sin, kv_cache=kv_cache)
+            attention_out = self.self_attention(normed, rotary_cos, rotary_sin, kv_cache=kv_cache)
         hidden = self._residual_add(attention_out, hidden)
-        return self._residual_add(self.mlp(self.pre_mlp_layernorm(hidden)), hidden)
+        normed = self._run(self.pre_mlp_layernorm, self.recompute_norms and kv_cache is None, hidden)
+        return self._residual_add(self._run(self.mlp, self.recompute_mlp and kv_cache is None, normed), hidden)

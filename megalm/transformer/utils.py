@@ -13,6 +13,14 @@ def init_std(model_cfg) -> float:
     return model_cfg.init_method_std
 
 
+def recompute_modules(model_cfg) -> frozenset:
+    """What ``--recompute-granularity selective`` recomputes: ``--recompute-modules`` (Megatron's names),
+    by default the attention core; nothing without selective recomputation."""
+    if model_cfg.recompute_granularity != "selective":
+        return frozenset()
+    return frozenset(model_cfg.recompute_modules or ("core_attn",))
+
+
 def output_init_std(model_cfg) -> float:
     """Output projections (attention ``linear_proj``, MLP ``linear_fc2``): ``std / sqrt(2 L)``
     with ``--use-scaled-init-method`` (the default), else ``std``."""
@@ -21,4 +29,4 @@ def output_init_std(model_cfg) -> float:
     return model_cfg.init_method_std
 
 
-__all__ = ["init_std", "output_init_std", "sequence_parallel_enabled"]
+__all__ = ["init_std", "output_init_std", "recompute_modules", "sequence_parallel_enabled"]

@@ -10,8 +10,9 @@ bit-exact) and otherwise says why not.
 
 What any layout can load (:mod:`.reshard`) goes into the DCP checkpoint next to the weights:
 :func:`layout_free_specs` (save) and :class:`LayoutFreeState` (load, then reshard when the per-rank
-state does not match).  The caller warns that the state restarts from zero only when the checkpoint
-has neither (saved without compression, or by a megalm from before the pending updates were saved).
+state does not match).  :class:`.checkpoint_state.CompressionCheckpointState` registers all of it with
+the checkpointer and warns that the state restarts from zero only when the checkpoint has neither
+(saved without compression, or by a megalm from before the pending updates were saved).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def layout_free_specs(model_chunks: Sequence, params: Dict[str, torch.nn.Paramet
     """Save: ``grad_compression.<name>.pending`` (the pending update ``P`` of every parameter, laid out
     like it) and ``grad_compression.<name>.powersgd_q.rows<a>-<b>.tp<r>of<T>`` (PowerSGD's ``Q`` of
     rows ``[a, b)`` on TP rank ``r`` of ``T``, replicated over the data-parallel group).  ``params``
-    and ``copies``: :func:`megalm.checkpoint.model_state.model_parameters` / ``tied_embedding_copies``; ``tp``:
+    and ``copies``: :func:`megalm.param_layout.model_parameters` / ``tied_embedding_copies``; ``tp``:
     ``(TP rank, TP size)``.  Collective (:func:`~.reshard.pending_updates`); empty without compression."""
     names = _names(params, copies)
     specs = {}

@@ -45,6 +45,7 @@ compiles the bias activation).  No communication.
 
 from __future__ import annotations
 
+import functools
 from typing import List, Sequence
 
 import torch
@@ -58,8 +59,9 @@ from megalm.fusions.compile import select
 from megalm.parallel_state import group_size
 from megalm.tensor_parallel.initialization import mark_init
 from megalm.tensor_parallel.param_info import set_param_info
+from megalm.tensor_parallel.random import checkpoint
 from megalm.tensor_parallel.utils import divide, set_tensor_model_parallel_attributes
-from megalm.transformer.utils import init_std, output_init_std
+from megalm.transformer.utils import init_std, output_init_std, recompute_modules
 
 
 def _expert_parameter(
@@ -74,6 +76,14 @@ def _expert_parameter(
 
 
 def bias_activation(m, plan: FusionPlan):
+    """The experts' bias + activation; recomputed in backward with ``--recompute-modules moe_act``."""
+    act = _bias_activation(m, plan)
+    if "moe_act" in recompute_modules(m):
+        return functools.partial(checkpoint, act)
+    return act
+
+
+def _bias_activation(m, plan: FusionPlan):
     """``act(x + bias)`` (GELU, tanh GELU with ``--openai-gelu``, or SwiGLU of a ``[gate, up]`` last
     dimension) for model config ``m``, compiled per the plan."""
     if m.gated_linear_unit:

@@ -3,6 +3,7 @@
     probs, routing_map = router(x)                       # top-k of E experts per token
     y = dispatcher(x, probs, routing_map, local experts) # routed experts, weighted by probs
     y = y + shared_experts(x)                            # with --moe-shared-expert-intermediate-size
+                                                         # (times sigmoid(x . g): --moe-shared-expert-gate)
 
 Input and output ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism, which MoE requires
 when TP > 1).  Parameter names (Megatron's): ``mlp.router.weight``,
@@ -44,20 +45,26 @@ import dataclasses
 from typing import Dict, List, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megalm.config.sections import ConfigError
+from megalm.device import get_device
 from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.parallel_state import CURRENT, group_rank, group_size, resolve_group
+from megalm.tensor_parallel.initialization import mark_init
 from megalm.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from megalm.tensor_parallel.param_info import set_param_info
+from megalm.tensor_parallel.random import checkpoint
 from megalm.transformer.mlp import MLP
 from megalm.transformer.moe.experts import LocalExperts
 from megalm.transformer.moe.router import TopKRouter
 from megalm.transformer.moe.state import MoEState
 from megalm.transformer.moe.token_dispatcher import build_token_dispatcher
+from megalm.transformer.utils import init_std
 
 
 def moe_layer_pattern(model_cfg) -> List[bool]:
@@ -139,13 +146,29 @@ class MoELayer(nn.Module):
             if shared
             else None
         )
+        self.gated_shared_expert = bool(shared and m.moe_shared_expert_gate)
+        if self.gated_shared_expert:  # Megatron's gate_weight [1, h]; partial gradients under SP
+            self.shared_experts.gate_weight = nn.Parameter(
+                torch.empty(1, m.hidden_size, dtype=torch.float32, device=get_device())
+            )
+            mark_init(self.shared_experts.gate_weight, "normal", init_std(m))
+            set_param_info(self.shared_experts.gate_weight, sequence_parallel=sequence_parallel)
+        recompute = set(m.recompute_modules or ()) if m.recompute_granularity == "selective" else set()
+        self.recompute_shared = "shared_experts" in recompute
+
+    def _shared(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``shared_experts(x)``, times ``sigmoid(x . gate_weight)`` with ``--moe-shared-expert-gate``."""
+        out = self.shared_experts(hidden)
+        if self.gated_shared_expert:
+            out = out * torch.sigmoid(F.linear(hidden, self.shared_experts.gate_weight))
+        return out
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         s, b, h = hidden.shape
         probs, routing_map = self.router(hidden)
         out = self._routed_experts(hidden.reshape(s * b, h), probs, routing_map).view(s, b, h)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(hidden)
+            out = out + (checkpoint(self._shared, hidden) if self.recompute_shared else self._shared(hidden))
         return out
 
     def _routed_experts(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:

@@ -133,6 +133,14 @@ def scores_for_aux_loss(logits: torch.Tensor, score_function: str) -> torch.Tens
     return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
 
 
+def random_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``--moe-router-force-load-balancing`` (Megatron's ``RandomSTE``): standard normal logits in the
+    forward, the router's gradient passed straight through in the backward.  Drawn from torch's default
+    generator, whose state activation recomputation restores, so a recomputed forward routes alike."""
+    noise = torch.randn(logits.shape, dtype=torch.float32, device=logits.device).to(logits.dtype)
+    return logits + (noise - logits).detach()
+
+
 def _in_backward() -> bool:
     """True while autograd runs a backward pass (a recomputation under activation checkpointing)."""
     task = getattr(torch._C, "_current_graph_task_id", None)
@@ -185,6 +193,7 @@ class TopKRouter(nn.Module):
             mark_init(self.bias, "zeros")
             set_param_info(self.bias, sequence_parallel=self.sequence_parallel)
         self.num_groups, self.group_topk = m.moe_router_num_groups, m.moe_router_group_topk
+        self.force_load_balancing = m.moe_router_force_load_balancing
         self.scaling_factor = m.moe_router_topk_scaling_factor
         self.bias_update_rate = m.moe_router_bias_update_rate
         if m.moe_router_enable_expert_bias:
@@ -217,6 +226,8 @@ class TopKRouter(nn.Module):
     def forward(self, hidden: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         s, b, h = hidden.shape
         logits = self.gating(hidden.reshape(s * b, h))
+        if self.force_load_balancing:
+            logits = random_logits(logits)
         if not self.training:
             return self._capacity(*self._route(logits), b)
         graph = torch.is_grad_enabled()

@@ -144,9 +144,11 @@ def _group_by_local_expert(received_counts: List[List[int]], device) -> Tuple[to
 
 
 def build_token_dispatcher(kind: str, ep_group):
-    """``--moe-token-dispatcher-type``: ``allgather`` or ``alltoall``, over ``ep_group``."""
+    """``--moe-token-dispatcher-type``: ``allgather`` or ``alltoall``, over ``ep_group``.  ``flex``
+    (Megatron's DeepEP / HybridEP fused all-to-all, CUDA only) is the alltoall dispatcher: the same
+    token-to-expert exchange, by two torch.distributed all-to-alls instead of fused kernels."""
     if kind == "allgather":
         return AllGatherTokenDispatcher(ep_group)
-    if kind == "alltoall":
+    if kind in ("alltoall", "flex"):
         return AlltoAllTokenDispatcher(ep_group)
-    raise ConfigError(f"unknown --moe-token-dispatcher-type {kind!r}; expected allgather or alltoall")
+    raise ConfigError(f"unknown --moe-token-dispatcher-type {kind!r}; expected allgather, alltoall or flex")

@@ -1,0 +1,286 @@
+#!/usr/bin/env python
+"""The planner's predictions against real training runs on the simulated cluster (``tools/cluster/run.py``).
+
+Two steps, each writing JSON under ``bench/results/``:
+
+* ``measure``: every layout of :data:`RUNS` (a dense ~1.9M-parameter GPT and a 4-expert top-2 MoE of it;
+  2 and 4 nodes x 2 processes; 1 Gbit/s and 100 Mbit/s inter-node links) is one short real training run
+  (``pretrain_gpt.py`` on mock data, ``--train-iters ITERS``); kept per run: the median step time of the
+  iterations after the first, the peak RSS of every rank (the trainer's ``memory per rank`` log line), the
+  host's load average before and after;
+* ``calibrate``: ``tools/plan.py --calibrate`` on each simulated cluster of the runs (nodes, link rate) into
+  ``bench/results/planner_sim_<nodes>x2_<rate>.toml``;
+* ``report``: predicts each run's step time and peak memory per rank with :mod:`megalm.planner` on its
+  calibrated cluster from the very flags the run used, and prints predicted vs measured (MAPE, Spearman's rho,
+  whether the
+  planner's first choice among the measured layouts is within 5% of the measured fastest).
+
+    python3 bench/planner_validation.py measure [--iters 6] [--only NAME,...]
+    python3 bench/planner_validation.py calibrate      # bench/results/planner_sim_<nodes>x2_<rate>.toml
+    python3 bench/planner_validation.py report [--json bench/results/planner_validation.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
+sys.path.insert(0, os.path.abspath(os.path.dirname(__file__)))
+sys.path.insert(0, ROOT)
+from cluster_training import MODEL  # noqa: E402
+
+MEASURED = os.path.join(ROOT, "bench", "results", "planner_validation_measured.json")
+MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
+TP = lambda n: ["--tensor-model-parallel-size", str(n)]  # noqa: E731
+PP = lambda n: ["--pipeline-model-parallel-size", str(n)]  # noqa: E731
+EP = lambda n: ["--expert-model-parallel-size", str(n)]  # noqa: E731
+CP = lambda n: ["--context-parallel-size", str(n)]  # noqa: E731
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+
+# (name, model, nodes, inter-node rate, layout flags); processes per node: 2; global batch 4 x nodes.
+RUNS = [
+    ("dp4", "dense", 2, "1gbit", []),
+    ("dp4_hier", "dense", 2, "1gbit", ["--hierarchical-grad-reduce"]),
+    ("dp4_distopt", "dense", 2, "1gbit", ["--use-distributed-optimizer"]),
+    ("dp4_mb1", "dense", 2, "1gbit", ["--micro-batch-size", "1"]),
+    ("tp2_dp2", "dense", 2, "1gbit", TP(2)),
+    ("tp2_dp2_sp", "dense", 2, "1gbit", TP(2) + ["--sequence-parallel"]),
+    ("tp4", "dense", 2, "1gbit", TP(4)),
+    ("pp2_dp2", "dense", 2, "1gbit", PP(2)),
+    ("tp2_pp2", "dense", 2, "1gbit", TP(2) + PP(2)),
+    ("tp2_pp2_recompute", "dense", 2, "1gbit", TP(2) + PP(2) + RECOMPUTE),
+    ("pp4", "dense", 2, "1gbit", PP(4)),
+    ("cp2_dp2", "dense", 2, "1gbit", CP(2)),
+    ("dp4", "dense", 2, "100mbit", []),
+    ("dp4_hier", "dense", 2, "100mbit", ["--hierarchical-grad-reduce"]),
+    ("tp2_dp2", "dense", 2, "100mbit", TP(2)),
+    ("tp4", "dense", 2, "100mbit", TP(4)),
+    ("tp2_pp2", "dense", 2, "100mbit", TP(2) + PP(2)),
+    ("pp2_dp2", "dense", 2, "100mbit", PP(2)),
+    ("dp8", "dense", 4, "1gbit", []),
+    ("tp2_dp4", "dense", 4, "1gbit", TP(2)),
+    ("tp2_pp2_dp2", "dense", 4, "1gbit", TP(2) + PP(2)),
+    ("dp8", "dense", 4, "100mbit", []),
+    ("tp2_pp2_dp2", "dense", 4, "100mbit", TP(2) + PP(2)),
+    ("moe_dp4", "moe", 2, "1gbit", []),
+    ("moe_ep2", "moe", 2, "1gbit", EP(2)),
+    ("moe_ep4", "moe", 2, "1gbit", EP(4)),
+    ("moe_tp2_ep2", "moe", 2, "1gbit", TP(2) + EP(2) + ["--sequence-parallel"]),
+    ("moe_ep4", "moe", 2, "100mbit", EP(4)),
+    ("moe_ep2", "moe", 2, "100mbit", EP(2)),
+    ("moe_dp4", "moe", 2, "100mbit", []),
+]
+
+
+def run_key(name: str, nodes: int, rate: str) -> str:
+    return f"{name}@{nodes}x2@{rate}"
+
+
+def training_flags(model: str, nodes: int, layout: list, iters: int) -> list:
+    """pretrain_gpt.py's flags of one run (the model, the global batch, the layout)."""
+    flags = list(MODEL) + (MOE if model == "moe" else []) + ["--global-batch-size", str(4 * nodes)]
+    return flags + ["--train-iters", str(iters)] + layout
+
+
+def measure_one(key, model, nodes, rate, layout, iters, tmp, timeout) -> dict:
+    metrics = os.path.join(tmp, re.sub(r"[^a-z0-9_]", "_", key) + ".jsonl")
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "cluster", "run.py"), "--nodes", str(nodes)]
+    cmd += ["--procs-per-node", "2", "--name", "mlcplan", "--timeout", str(timeout)]
+    cmd += ["--inter-node-bandwidth", rate, "--", os.path.join(ROOT, "pretrain_gpt.py")]
+    flags = training_flags(model, nodes, layout, iters)
+    load = os.getloadavg()[0]
+    t0 = time.time()
+    done = subprocess.run(cmd + flags + ["--metrics-file", metrics], cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{key}: exit {done.returncode}\n{(done.stdout + done.stderr)[-3000:]}")
+    recs = [json.loads(line) for line in open(metrics) if '"lm_loss"' in line]
+    mem = re.search(r"memory per rank \(peak RSS, MB\): (.*)", done.stdout)
+    peaks = [float(x) * 2**20 for x in re.findall(r"rank \d+: (\d+)", mem.group(1))] if mem else []
+    steps = [r["elapsed_ms"] / 1e3 for r in recs[1:]]
+    return {
+        "key": key,
+        "model": model,
+        "nodes": nodes,
+        "rate": rate,
+        "flags": flags,
+        "step_s": statistics.median(steps),
+        "steps_s": steps,
+        "peak_rss_bytes": peaks,
+        "load_before": load,
+        "load_after": os.getloadavg()[0],
+        "wall_s": time.time() - t0,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def measure(args) -> int:
+    results = {}
+    if os.path.exists(args.out):
+        results = json.load(open(args.out))
+    only = set(args.only.split(",")) if args.only else None
+    with tempfile.TemporaryDirectory(prefix="megalm-planner-val-") as tmp:
+        os.chmod(tmp, 0o777)
+        for name, model, nodes, rate, layout in RUNS:
+            key = run_key(name, nodes, rate)
+            if (only and name not in only and key not in only) or (key in results and not args.redo):
+                continue
+            try:
+                results[key] = measure_one(key, model, nodes, rate, layout, args.iters, tmp, args.timeout)
+            except (RuntimeError, subprocess.SubprocessError, OSError, ValueError) as e:
+                print(f"FAILED {e}", file=sys.stderr, flush=True)
+                continue
+            r = results[key]
+            print(f"{key}: {r['step_s'] * 1e3:.0f} ms, load {r['load_before']:.1f}", file=sys.stderr, flush=True)
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("measure", help="run the layouts on the simulated cluster")
+    m.add_argument("--iters", type=int, default=6)
+    m.add_argument("--only", help="comma-separated run names or keys")
+    m.add_argument("--redo", action="store_true", help="measure again runs already in --out")
+    m.add_argument("--timeout", type=float, default=400.0)
+    m.add_argument("--out", default=MEASURED)
+    c = sub.add_parser("calibrate", help="calibrate every simulated cluster the runs use")
+    c.add_argument("--only", help="comma-separated NODESxRATE, e.g. 2x1gbit")
+    r = sub.add_parser("report", help="predict the measured runs and compare")
+    r.add_argument("--measured", default=MEASURED)
+    r.add_argument("--json", help="write the table here")
+    args = p.parse_args(argv)
+    if args.cmd == "measure":
+        return measure(args)
+    if args.cmd == "calibrate":
+        return calibrate(args)
+    return report(args)
+
+
+def calibrate(args) -> int:
+    only = set(args.only.split(",")) if args.only else None
+    for nodes, rate in sorted({(n, r) for _, _, n, r, _ in RUNS}):
+        if only and f"{nodes}x{rate}" not in only:
+            continue
+        cmd = [sys.executable, os.path.join(ROOT, "tools", "plan.py"), "--cluster", cluster_file(nodes, rate)]
+        cmd += ["--calibrate", "--nodes", str(nodes), "--devices-per-node", "2", "--inter-node-rate", rate]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        line = next(
+            (x for x in done.stdout.splitlines() if "CALIBRATED" in x), done.stdout[-2000:] + done.stderr[-2000:]
+        )
+        print(f"{nodes}x2 {rate} (load {os.getloadavg()[0]:.1f}): {line}", file=sys.stderr, flush=True)
+    return 0
+
+
+def cluster_file(nodes: int, rate: str) -> str:
+    return os.path.join(ROOT, "bench", "results", f"planner_sim_{nodes}x2_{rate}.toml")
+
+
+def predict(flags: list, nodes: int, rate: str) -> dict:
+    """The planner's step time and largest-rank bytes for one run's flags on its calibrated cluster."""
+    from megalm.config import parse_config, set_vocab_size
+    from megalm.planner.cluster import load_cluster
+    from megalm.planner.cost import step_cost
+    from megalm.planner.search import largest_rank_bytes
+
+    cluster = load_cluster(cluster_file(nodes, rate))
+    cfg = parse_config(flags, world_size=nodes * 2)
+    set_vocab_size(cfg, 8192 + 1)  # NullTokenizer: --vocab-size + 1
+    cost = step_cost(cfg, cluster)
+    return {
+        "step_s": cost.step_s,
+        "dominant": cost.dominant,
+        "terms": cost.terms,
+        "memory": largest_rank_bytes(cfg, cluster),
+    }
+
+
+def spearman(a: list, b: list) -> float:
+    def ranks(x):
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        r = [0.0] * len(x)
+        for pos, i in enumerate(order):
+            r[i] = float(pos)
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1)) if n > 1 else float("nan")
+
+
+def report(args) -> int:
+    measured = json.load(open(args.measured))
+    rows = []
+    for key, r in measured.items():
+        p = predict(r["flags"], r["nodes"], r["rate"])
+        mem = max(r["peak_rss_bytes"]) if r["peak_rss_bytes"] else float("nan")
+        rows.append(r | {"pred": p, "mem": mem})
+    print(
+        "| run | model | nodes x procs | link | measured ms | predicted ms | error | dominant | "
+        "peak RSS MB (max rank) | predicted MB | error | load avg |"
+    )
+    print("|" + "---|" * 12)
+    for r in rows:
+        e = r["pred"]["step_s"] / r["step_s"] - 1
+        me = r["pred"]["memory"] / r["mem"] - 1
+        print(
+            f"| {r['key'].split('@')[0]} | {r['model']} | {r['nodes']}x2 | {r['rate']} | {r['step_s'] * 1e3:.0f} | "
+            f"{r['pred']['step_s'] * 1e3:.0f} | {e:+.0%} | {r['pred']['dominant']} | {r['mem'] / 2**20:.0f} | "
+            f"{r['pred']['memory'] / 2**20:.0f} | {me:+.0%} | {r['load_before']:.1f} |"
+        )
+    errors = [abs(r["pred"]["step_s"] / r["step_s"] - 1) for r in rows]
+    mem_errors = [abs(r["pred"]["memory"] / r["mem"] - 1) for r in rows if r["mem"] == r["mem"]]
+    print()
+    print(
+        f"step time: MAPE {statistics.mean(errors):.1%} over {len(rows)} runs; "
+        f"memory: mean error {statistics.mean(mem_errors):.1%}, worst {max(mem_errors):.1%}"
+    )
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["nodes"], r["rate"]), []).append(r)
+    summary = {"mape": statistics.mean(errors), "memory_mean_error": statistics.mean(mem_errors), "groups": []}
+    for (model, nodes, rate), g in sorted(groups.items()):
+        meas = [r["step_s"] for r in g]
+        pred = [r["pred"]["step_s"] for r in g]
+        rho = spearman(meas, pred)
+        pick = min(g, key=lambda r: r["pred"]["step_s"])
+        fastest = min(g, key=lambda r: r["step_s"])
+        gap = pick["step_s"] / fastest["step_s"] - 1
+        print(
+            f"{model} {nodes}x2 {rate}: {len(g)} layouts, Spearman {rho:.2f}, MAPE "
+            f"{statistics.mean(abs(p / m - 1) for p, m in zip(pred, meas)):.0%}, planner's pick "
+            f"{pick['key'].split('@')[0]} measured {gap:+.0%} vs the fastest ({fastest['key'].split('@')[0]})"
+        )
+        summary["groups"].append(
+            {
+                "model": model,
+                "nodes": nodes,
+                "rate": rate,
+                "n": len(g),
+                "spearman": rho,
+                "pick": pick["key"],
+                "fastest": fastest["key"],
+                "pick_gap": gap,
+            }
+        )
+    allm = [r["step_s"] for r in rows]
+    allp = [r["pred"]["step_s"] for r in rows]
+    summary["spearman_all"] = spearman(allm, allp)
+    print(f"all runs: Spearman {summary['spearman_all']:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"summary": summary, "rows": rows}, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""State that registers itself with the checkpointer.
+
+A component with state of its own (besides the model and the optimizer, which every checkpoint
+holds: gradient-compression residuals, local SGD's replicas and outer state, anything later)
+implements torch.distributed.checkpoint's ``Stateful`` protocol, ``state_dict()`` /
+``load_state_dict(state)``, and whoever builds it registers it under a name::
+
+    states = CheckpointStates()
+    states.register("grad_compression", CompressionCheckpointState(model, layout()))
+    save_checkpoint(..., states=states)
+    load_checkpoint(..., states=states)
+
+The checkpointer names no component.  A state registered as ``NAME`` is saved by every rank to
+``<iteration dir>/NAME/rank_<rank>.pt`` (``torch.save`` of ``state_dict()``: tensors and plain
+values only, read back with ``torch.load(weights_only=True)``; a ``state_dict()`` of None writes
+no file), listed in the rank's manifest.  On load each rank reads its own file when the
+checkpoint was saved under this run's parallel layout and world size, and calls
+``load_state_dict``; otherwise (another layout, or no file) it calls the state's
+``not_restored(info, reason)`` if it has one.  A file that cannot be read, or a state that refuses
+what it read, stops every rank with one ``CheckpointError`` naming the file (one
+``all_gather_object`` per state: every rank must register the same names in the same order).
+
+Optional methods, looked up by name:
+
+* ``not_restored(info: LoadInfo, reason: str)``: the checkpoint has nothing for this rank under
+  this layout (``reason`` says why, e.g. ``it was saved with layout {...}``).
+* ``sharded_state_dict() -> ShardedStateDict`` (save; may be collective): blocks of global tensors
+  (:class:`megalm.param_layout.ShardedTensorSpec`) that go into the DCP checkpoint with the model,
+  so that any layout can read them.
+* ``sharded_load_plan(info: LoadInfo) -> ShardedStateDict`` (load): the blocks to fill from the DCP
+  checkpoint; called before ``load_state_dict`` / ``not_restored``, which can then use them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Dict, Iterator, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
+
+from megalm.checkpoint.errors import CheckpointError, first_line, gather_errors
+from megalm.param_layout import ShardedStateDict
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadInfo:
+    """What a registered state may want to know about the checkpoint being loaded."""
+
+    path: str  # the iteration directory
+    common: dict  # its common.json
+    layout: dict  # this run's parallel layout record (common.json's "layout" of a save now)
+    saved_tensors: Dict[str, tuple]  # names and global shapes of its DCP tensors
+
+    @property
+    def saved_layout(self) -> Optional[dict]:
+        return self.common.get("layout")
+
+    @property
+    def same_layout(self) -> bool:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return self.common.get("layout") == self.layout and self.common.get("world_size", world) == world
+
+
+class CheckpointStates:
+    """The states registered with the checkpointer, by name, in registration order."""
+
+    def __init__(self):
+        self._states: Dict[str, Stateful] = {}
+
+    def register(self, name: str, state: Stateful) -> None:
+        if not name.isidentifier():
+            raise ValueError(f"checkpoint state name {name!r} must be an identifier (it names a directory)")
+        if name in self._states:
+            raise ValueError(f"checkpoint state {name!r} is registered twice")
+        if not isinstance(state, Stateful):
+            raise TypeError(f"checkpoint state {name!r} has no state_dict()/load_state_dict()")
+        self._states[name] = state
+
+    def items(self) -> Iterator[Tuple[str, Stateful]]:
+        return iter(self._states.items())
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._states
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def without(self, *names: str) -> "CheckpointStates":
+        """The same registrations less ``names`` (for a load that restores those later, or not at all)."""
+        out = CheckpointStates()
+        out._states = {k: v for k, v in self._states.items() if k not in names}
+        return out
+
+
+def rank_file(path: str, name: str, rank: int) -> str:
+    return os.path.join(path, name, f"rank_{rank:05d}.pt")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def sharded_states(states: Optional[CheckpointStates]) -> ShardedStateDict:
+    """Save: the blocks every registered state puts into the DCP checkpoint (collective per state)."""
+    specs: ShardedStateDict = {}
+    for _, state in states.items() if states is not None else ():
+        hook = getattr(state, "sharded_state_dict", None)
+        if hook is not None:
+            specs.update(hook())
+    return specs
+
+
+def save_rank_states(path: str, states: Optional[CheckpointStates]) -> None:
+    """Save: this rank's file of every registered state that has something to save.  No communication."""
+    rank = _rank()
+    for name, state in states.items() if states is not None else ():
+        value = state.state_dict()
+        if value is not None:
+            os.makedirs(os.path.join(path, name), exist_ok=True)
+            torch.save(value, rank_file(path, name, rank))
+
+
+def sharded_load_plans(states: Optional[CheckpointStates], info: LoadInfo) -> ShardedStateDict:
+    """Load: the blocks registered states read from the DCP checkpoint (filled by the same DCP load as the model)."""
+    specs: ShardedStateDict = {}
+    for _, state in states.items() if states is not None else ():
+        hook = getattr(state, "sharded_load_plan", None)
+        if hook is not None:
+            specs.update(hook(info) or {})
+    return specs
+
+
+def load_rank_states(info: LoadInfo, states: Optional[CheckpointStates], required: bool = False) -> None:
+    """Load: restore every registered state from this rank's file (see the module docstring);
+    ``required``: under the same layout a missing file is an error, not ``not_restored``.
+    Collective: one ``all_gather_object`` per state."""
+    rank = _rank()
+    for name, state in states.items() if states is not None else ():
+        file = rank_file(info.path, name, rank)
+        error = None
+        try:
+            _restore(state, file, info, required)
+        except Exception as e:  # noqa: BLE001 - torch.load's UnpicklingError (a refused pickle), OSError, a bad dict...
+            error = f"cannot read {file}: {first_line(e)}"
+        failed = gather_errors(error)  # a rank that cannot read its file stops every rank
+        if failed:
+            raise CheckpointError(failed[0][1])
+
+
+def _restore(state: Stateful, file: str, info: LoadInfo, required: bool) -> None:
+    if info.same_layout and (required or os.path.isfile(file)):
+        state.load_state_dict(torch.load(file, weights_only=True))
+        return
+    reason = "it has none" if info.same_layout else f"it was saved with layout {info.saved_layout}"
+    hook = getattr(state, "not_restored", None)
+    if hook is not None:
+        hook(info, reason)

@@ -1,0 +1,242 @@
+"""Every layout megalm can run for a model on a cluster, ranked by predicted step time.
+
+A candidate is one choice of TP, PP, virtual stages, CP (and ``--cp-comm-type``), EP / ETP (MoE), sequence
+parallelism, ``--data-parallel-sharding-strategy`` (which implies the distributed optimizer), recompute,
+micro-batch size and ``--hierarchical-grad-reduce``; DP is what is left of the world.  Legality is megalm's
+own: each candidate's config is validated by :func:`megalm.config.validate_config` with the world size, and
+a :class:`ConfigError` leaves it out with its message (numbers blanked, so that reasons count together).
+A legal layout whose largest rank does not fit the device memory (:func:`megalm.estimate.planner.plan`)
+is left out for that reason.  The rest are costed (:func:`megalm.planner.cost.step_cost`) and sorted.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional, Tuple
+
+from megalm.config import ConfigError, validate_config
+from megalm.estimate.planner import PlannerOptions, plan
+from megalm.planner.cost import StepCost, step_cost
+
+RECOMPUTE = {
+    "none": dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None),
+    "selective": dict(recompute_granularity="selective", recompute_method=None, recompute_num_layers=None),
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None  # virtual stages per pipeline rank (None: not interleaved)
+    cp: int = 1
+    cp_comm_type: str = "p2p"
+    ep: int = 1
+    etp: int = 1
+    sp: bool = False
+    strategy: str = "no_shard"
+    recompute: str = "none"
+    micro_batch: int = 1
+    hierarchical: bool = False
+
+    def flags(self) -> List[str]:
+        """pretrain_gpt.py's flags of this layout (every one spelled out, defaults included)."""
+        out = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp)]
+        if self.vpp:
+            out += ["--num-virtual-stages-per-pipeline-rank", str(self.vpp)]
+        if self.cp > 1:
+            out += ["--context-parallel-size", str(self.cp), "--cp-comm-type", self.cp_comm_type]
+        if self.ep > 1:
+            out += ["--expert-model-parallel-size", str(self.ep)]
+        if self.etp > 1:
+            out += ["--expert-tensor-parallel-size", str(self.etp)]
+        if self.sp:
+            out.append("--sequence-parallel")
+        if self.strategy != "no_shard":
+            out += ["--use-distributed-optimizer", "--data-parallel-sharding-strategy", self.strategy]
+            out += ["--overlap-param-gather"] if self.strategy != "optim_grads_params" else []
+        out.append("--overlap-grad-reduce")
+        rc = RECOMPUTE[self.recompute]
+        if rc["recompute_granularity"]:
+            out += ["--recompute-granularity", rc["recompute_granularity"]]
+        if rc["recompute_method"]:
+            out += ["--recompute-method", rc["recompute_method"]]
+            out += ["--recompute-num-layers", str(rc["recompute_num_layers"])]
+        out += ["--micro-batch-size", str(self.micro_batch)]
+        if self.hierarchical:
+            out.append("--hierarchical-grad-reduce")
+        return out
+
+    def short(self) -> str:
+        parts = [f"TP{self.tp}", f"PP{self.pp}" + (f"v{self.vpp}" if self.vpp else "")]
+        parts += [f"CP{self.cp}:{self.cp_comm_type}"] if self.cp > 1 else []
+        parts += [f"EP{self.ep}"] if self.ep > 1 else []
+        parts += [f"ETP{self.etp}"] if self.etp > 1 else []
+        parts += ["SP"] if self.sp else []
+        parts += [self.strategy, f"rc:{self.recompute}", f"mb{self.micro_batch}"]
+        parts += ["hier"] if self.hierarchical else []
+        return " ".join(parts)
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    dp: int
+    cost: StepCost
+    memory_bytes: float  # the largest rank's
+    tokens_per_s: float
+
+
+@dataclass
+class SearchResult:
+    candidates: List[Candidate]  # fitting, fastest first
+    refused: Counter = field(default_factory=Counter)  # megalm's validation message -> count
+    too_big: int = 0  # legal but larger than the device memory
+    smallest_too_big: Optional[Tuple[float, Layout]] = None
+    considered: int = 0
+
+
+@dataclass
+class SearchOptions:
+    max_tp: Optional[int] = None  # default: devices per node
+    max_cp: int = 8
+    max_micro_batch: int = 8
+    max_vpp: int = 8
+    sequence_parallel: str = "both"  # "on": with TP always; "both": also without
+    recompute: Tuple[str, ...] = ("none", "selective", "full")
+    strategies: Tuple[str, ...] = STRATEGIES
+    cp_comm_types: Tuple[str, ...] = ("p2p", "a2a", "allgather")
+
+
+def divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(cfg, cluster, options: SearchOptions) -> Iterator[Layout]:
+    """Every combination of the searched flags for ``cfg``'s model on ``cluster`` (legal or not)."""
+    m, t = cfg.model, cfg.training
+    world = cluster.world_size
+    max_tp = options.max_tp or cluster.devices_per_node
+    moe = bool(m.num_experts)
+    for tp, pp, cp in itertools.product(divisors(world), repeat=3):
+        if tp > max_tp or cp > options.max_cp or world % (tp * pp * cp):
+            continue
+        dp = world // (tp * pp * cp)
+        per_rank = m.num_layers // pp if m.num_layers % pp == 0 else 0
+        vpps = [None] + ([v for v in divisors(per_rank) if 1 < v <= options.max_vpp] if pp > 1 and per_rank else [])
+        cp_types = options.cp_comm_types if cp > 1 else ("p2p",)
+        eps = [e for e in divisors(dp * cp) if not moe or m.num_experts % e == 0] if moe else [1]
+        etps = sorted({1, tp}) if moe else [1]
+        sps = (False, True) if tp > 1 and options.sequence_parallel == "both" else (tp > 1,)
+        gbs = t.global_batch_size
+        mbs = [b for b in divisors(max(1, gbs // dp)) if b <= options.max_micro_batch] if gbs % dp == 0 else [1]
+        hier = (False, True) if dp * cp > 1 and cluster.nodes > 1 else (False,)
+        for vpp, cpt, ep, etp, sp, strat, rc, mb, h in itertools.product(
+            vpps, cp_types, eps, etps, sps, options.strategies, options.recompute, mbs, hier
+        ):
+            yield Layout(tp, pp, vpp, cp, cpt, ep, etp, sp, strat, rc, mb, h)
+
+
+def apply_layout(base, layout: Layout, world: int):
+    """A validated copy of ``base`` (a MegalmConfig, vocabulary set) with ``layout``; raises ConfigError."""
+    cfg = copy.deepcopy(base)
+    p, m, t = cfg.parallel, cfg.model, cfg.training
+    p.tensor_model_parallel_size, p.pipeline_model_parallel_size = layout.tp, layout.pp
+    p.num_virtual_stages_per_pipeline_rank, p.num_layers_per_virtual_pipeline_stage = layout.vpp, None
+    p.virtual_pipeline_model_parallel_size = None
+    p.context_parallel_size, p.cp_comm_type = layout.cp, layout.cp_comm_type
+    p.expert_model_parallel_size = layout.ep
+    p.expert_tensor_parallel_size = layout.etp if layout.etp > 1 else None
+    p.sequence_parallel = layout.sp
+    p.use_distributed_optimizer = layout.strategy != "no_shard"
+    p.data_parallel_sharding_strategy = layout.strategy
+    p.overlap_grad_reduce = True
+    p.overlap_param_gather = layout.strategy in ("optim", "optim_grads")
+    p.hierarchical_grad_reduce = layout.hierarchical
+    p.data_parallel_size, p.world_size = None, None
+    for k, v in RECOMPUTE[layout.recompute].items():
+        setattr(m, k, v)
+    t.micro_batch_size = layout.micro_batch
+    validate_config(cfg, world_size=world)
+    return cfg
+
+
+def reason(message: str) -> str:
+    """A refusal message with its numbers blanked (``N``), so that one rule's refusals count together."""
+    return re.sub(r"\d+(\.\d+)?", "N", message)
+
+
+def search(base, cluster, options: Optional[SearchOptions] = None) -> SearchResult:
+    """Cost every legal, fitting layout of ``base`` (a MegalmConfig with the vocabulary set; its layout
+    flags are replaced) on ``cluster``; see the module docstring."""
+    from megalm.parallel_layout import NodeLayoutError, compute_layout, node_layout
+
+    options = options or SearchOptions()
+    result = SearchResult([])
+    budget = cluster.memory_gb * 1e9
+    world = cluster.world_size
+    for layout in layouts(base, cluster, options):
+        result.considered += 1
+        try:
+            cfg = apply_layout(base, layout, world)
+            if layout.hierarchical:  # the node split the trainer makes at start-up
+                lay = compute_layout(world, layout.tp, layout.pp, layout.cp, layout.ep, layout.etp)
+                node = node_layout(lay, cluster.devices_per_node)
+                if not node["dp_cp_inter"] or len(node["dp_cp_inter"][0]) < 2:
+                    raise ConfigError("--hierarchical-grad-reduce needs a data-parallel group spanning nodes")
+        except (ConfigError, NodeLayoutError) as e:
+            result.refused[reason(str(e))] += 1
+            continue
+        memory = largest_rank_bytes(cfg, cluster)
+        if memory > budget:
+            result.too_big += 1
+            if result.smallest_too_big is None or memory < result.smallest_too_big[0]:
+                result.smallest_too_big = (memory, layout)
+            continue
+        cost = step_cost(cfg, cluster)
+        tokens = cfg.training.global_batch_size * cfg.model.seq_length / cost.step_s
+        result.candidates.append(Candidate(layout, cfg.parallel.data_parallel_size, cost, memory, tokens))
+    result.candidates.sort(key=lambda c: c.cost.step_s)
+    return result
+
+
+def largest_rank_bytes(cfg, cluster) -> float:
+    """The largest rank's bytes (:func:`megalm.estimate.planner.plan`, its configured sharding strategy)."""
+    cfg = copy.copy(cfg)
+    cfg.logging = copy.copy(cfg.logging)
+    cfg.logging.device_peak_flops = 1.0  # the memory plan only: no peak measurement
+    options = PlannerOptions(
+        world_size=cluster.world_size,
+        gpu_memory_gb=cluster.memory_gb,
+        device="cpu" if cluster.device == "cpu" else "h100",
+        reserve_gb=cluster.reserve_gb,
+    )
+    return plan(cfg, options)["largest_rank_bytes"]
+
+
+def explain(result: SearchResult, top: int = 5) -> List[str]:
+    """Why the first choice beats the rest: the best layout of every other (TP, PP, CP, EP) shape, its
+    step time against the winner's and its dominant term."""
+    if not result.candidates:
+        return []
+    best = result.candidates[0]
+    seen: Dict[tuple, Candidate] = {}
+    for c in result.candidates:
+        key = (c.layout.tp, c.layout.pp, c.layout.cp, c.layout.ep)
+        seen.setdefault(key, c)
+    lines = []
+    for key, c in list(seen.items())[1 : top + 1]:
+        terms = c.cost.terms
+        worse = max(terms, key=lambda k: terms[k] - best.cost.terms.get(k, 0.0))
+        lines.append(
+            f"  best TP{key[0]} PP{key[1]} CP{key[2]} EP{key[3]}: {c.cost.step_s * 1e3:.1f} ms "
+            f"(+{(c.cost.step_s / best.cost.step_s - 1) * 100:.0f}%), dominant {c.cost.dominant}, "
+            f"loses most on {worse} (+{(terms[worse] - best.cost.terms.get(worse, 0.0)) * 1e3:.1f} ms)"
+        )
+    return lines

@@ -1,0 +1,129 @@
+"""DeepSeek-V3 script's MoE flags and --recompute-modules, in one process.
+
+* ``--moe-token-dispatcher-type flex`` builds the alltoall dispatcher (Megatron's fused DeepEP /
+  HybridEP kernels are CUDA-only; the exchange and results are alltoall's);
+* ``--moe-router-force-load-balancing`` routes by random logits whatever the router's weights (two
+  routers with different weights choose the same experts), with the router's gradient passed through;
+* ``--moe-shared-expert-gate`` scales the shared expert by ``sigmoid(x . g)``;
+* ``--moe-permute-fusion`` is accepted with the no-effect warning;
+* every ``--recompute-modules`` entry (core_attn, mlp, moe, moe_act, layernorm, shared_experts,
+  mla_up_proj) gives the gradients of no recomputation; an unknown entry is refused.
+"""
+
+import logging
+
+import pytest
+import torch
+
+from megalm.config import ConfigError, MegalmConfig, build_parser, config_from_args, set_vocab_size, validate_config
+from megalm.fusions import EAGER
+from megalm.models import GPTModel
+from megalm.transformer.moe.moe_layer import MoELayer
+from megalm.transformer.moe.token_dispatcher import AlltoAllTokenDispatcher
+
+VOCAB = 64
+
+
+def _cfg(**over):
+    cfg = MegalmConfig()
+    values = dict(
+        num_layers=3,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=48,
+        seq_length=8,
+        vocab_size=VOCAB,
+        make_vocab_size_divisible_by=16,
+        init_method_std=0.2,
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        swiglu=True,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        multi_latent_attention=True,
+        qk_layernorm=True,
+        q_lora_rank=16,
+        kv_lora_rank=12,
+        qk_head_dim=8,
+        qk_pos_emb_head_dim=4,
+        v_head_dim=8,
+        num_experts=4,
+        moe_layer_freq=[0, 1, 1],
+        moe_router_topk=2,
+        moe_ffn_hidden_size=16,
+        moe_shared_expert_intermediate_size=16,
+        moe_aux_loss_coeff=1e-2,
+    )
+    values.update(over)
+    for k, v in values.items():
+        setattr(cfg.model, k, v)
+    validate_config(cfg)
+    set_vocab_size(cfg, VOCAB)
+    return cfg
+
+
+def _grads(cfg, tokens):
+    torch.manual_seed(0)
+    model = GPTModel(cfg, fusion_plan=EAGER).train()
+    model(tokens, labels=tokens).mean().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_every_recompute_module_keeps_the_gradients():
+    tokens = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    ref = _grads(_cfg(), tokens)
+    modules = ["core_attn", "mlp", "moe", "moe_act", "layernorm", "shared_experts", "mla_up_proj"]
+    for chosen in [modules, ["mla_up_proj", "moe_act", "layernorm", "shared_experts"]]:
+        got = _grads(_cfg(recompute_granularity="selective", recompute_modules=chosen), tokens)
+        assert set(got) == set(ref)
+        for name, g in ref.items():
+            assert torch.allclose(got[name], g, rtol=0, atol=1e-6), (chosen, name)
+    with pytest.raises(ConfigError, match="--recompute-modules mlp_act is not a recomputable module"):
+        _cfg(recompute_granularity="selective", recompute_modules=["mlp", "mlp_act"])
+
+
+def test_flex_dispatcher_is_alltoall_and_permute_fusion_has_no_effect(caplog):
+    cfg = _cfg(moe_token_dispatcher_type="flex")
+    layer = next(m for m in GPTModel(cfg, fusion_plan=EAGER).modules() if isinstance(m, MoELayer))
+    assert isinstance(layer.token_dispatcher, AlltoAllTokenDispatcher)
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--moe-permute-fusion"]
+    with caplog.at_level(logging.WARNING):
+        validate_config(config_from_args(build_parser().parse_args(argv)))
+    assert any("--moe-permute-fusion (megalm permutes tokens" in r.getMessage() for r in caplog.records)
+
+
+def test_force_load_balancing_routes_at_random_with_straight_through_gradient():
+    cfg = _cfg(moe_router_force_load_balancing=True)
+    x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(2))
+    routes = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        layer = MoELayer(cfg.model, 1, tp_group=None, ep_group=None, etp_group=None).train()
+        torch.manual_seed(5)  # the random logits' draw
+        probs, routing_map = layer.router(x)
+        routes.append(routing_map)
+        probs.sum().backward()
+        assert layer.router.weight.grad is not None and layer.router.weight.grad.abs().sum() > 0
+    assert torch.equal(routes[0], routes[1])  # different router weights, same random routing
+    torch.manual_seed(5)
+    plain = MoELayer(_cfg().model, 1, tp_group=None, ep_group=None, etp_group=None).train()
+    assert not torch.equal(plain.router(x)[1], routes[0])
+
+
+def test_shared_expert_gate():
+    cfg = _cfg(moe_shared_expert_gate=True)
+    torch.manual_seed(0)
+    layer = MoELayer(cfg.model, 1, tp_group=None, ep_group=None, etp_group=None).eval()
+    with torch.no_grad():
+        layer.shared_experts.gate_weight.normal_(0, 0.5)
+    names = [n for n, _ in layer.named_parameters()]
+    assert "shared_experts.gate_weight" in names  # Megatron's name
+    x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        probs, routing_map = layer.router(x)
+        routed = layer._routed_experts(x.reshape(16, 32), probs, routing_map).view(8, 2, 32)
+        gate = torch.sigmoid(x @ layer.shared_experts.gate_weight.t())
+        shared = layer.shared_experts(x)
+        assert torch.allclose(layer(x), routed + shared * gate, atol=1e-6)
+        assert not torch.allclose(layer(x), routed + shared, atol=1e-3)

@@ -1,0 +1,218 @@
+"""The layout planner (megalm/planner/): cost terms against hand counts, search completeness, refusal
+reasons, the cluster file, and the flags it prints starting a real run on 2 ranks."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megalm.config import ConfigError, parse_config, set_vocab_size
+from megalm.planner.cluster import Cluster, ClusterFileError, dump_cluster, load_cluster
+from megalm.planner.cost import _Step, step_cost
+from megalm.planner.links import layout_links, ring_time
+from megalm.planner.search import Layout, SearchOptions, apply_layout, divisors, layouts, search
+from tests.distributed_harness import run_distributed
+from tests.training_runs import records, run_trainings, tiny_flags
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
+
+# Round numbers, no latency: every term is bytes / rate or FLOPs / rate.
+FLAT = Cluster(
+    name="flat",
+    nodes=2,
+    devices_per_node=2,
+    memory_gb=10.0,
+    peak_tflops=1.0,
+    gemm_efficiency=1.0,
+    attention_efficiency=0.5,
+    memory_bandwidth_gbps=100.0,
+    intra_node_bandwidth_gbps=10.0,
+    intra_node_latency_us=0.0,
+    inter_node_bandwidth_gbps=1.0,
+    inter_node_latency_us=0.0,
+    backend="nccl",
+    reserve_gb=0.0,
+    layer_overhead_us=0.0,
+    step_overhead_ms=0.0,
+    dp_overlap=0.0,
+    device="cpu",
+)
+
+
+def _cfg(world=4, layers=2, **overrides):
+    flags = tiny_flags(num_layers=layers, global_batch_size=8, **overrides)
+    base = parse_config(flags)
+    set_vocab_size(base, 501)
+    return base
+
+
+def _layout_cfg(layout, world=4, cluster=FLAT, **overrides):
+    return apply_layout(_cfg(world, **overrides), layout, world)
+
+
+def test_ring_collectives_against_hand_counts():
+    links = layout_links(4, 2, 1, 1, 1, 1, 1)  # DP 4 over 2 nodes: each node has one hop leaving it
+    dp = links["data_context"]
+    assert (dp.size, dp.crosses, dp.ring_senders) == (4, True, 1)
+    # all-reduce of 8 MB: 2 (K-1)/K x 8e6 bytes at the slower (inter) link, 1 GB/s
+    assert ring_time(FLAT, dp, "all_reduce", 8e6)[0] == pytest.approx(2 * 3 / 4 * 8e6 / 1e9)
+    # gloo's reduce-scatter sends an all-reduce's bytes
+    gloo = dataclasses.replace(FLAT, backend="gloo")
+    cfg = _layout_cfg(Layout(strategy="optim"))
+    assert _Step(cfg, gloo).ring("data_context", "reduce_scatter", 8e6) == pytest.approx(2 * 3 / 4 * 8e6 / 1e9)
+    assert _Step(cfg, FLAT).ring("data_context", "reduce_scatter", 8e6) == pytest.approx(3 / 4 * 8e6 / 1e9)
+    # TP 2 inside a node: 2 groups, intra link only; latency 2 (K-1) steps
+    lat = dataclasses.replace(FLAT, intra_node_latency_us=10.0)
+    tp = layout_links(4, 2, 2, 1, 1, 1, 1)["tensor"]
+    assert not tp.crosses
+    assert ring_time(lat, tp, "all_reduce", 1e6)[0] == pytest.approx(1e6 / 10e9 + 2 * 10e-6)
+    # TP 2 x DP 2: both DP groups cross from each node: the node link is shared by two hops
+    dp2 = layout_links(4, 2, 2, 1, 1, 1, 1)["data_context"]
+    assert dp2.ring_senders == 2
+    assert ring_time(FLAT, dp2, "all_reduce", 1e6)[0] == pytest.approx(1e6 / (1e9 / 2))
+
+
+def test_layer_terms_against_hand_counts():
+    """One layer, one microbatch: GEMM FLOPs, attention FLOPs and the TP all-reduces, counted by hand."""
+    cfg = _layout_cfg(Layout(tp=2, micro_batch=2))  # DP 2: 8 / (2 x 2) = 2 microbatches
+    s = _Step(cfg, FLAT)
+    h, f, T, tp = 64, 256, 2 * 32, 2
+    layer = s.layer(False)
+    gemm = 3 * 2 * T * (3 * h * h + h * h + 2 * h * f) / tp  # QKV, proj, fc1, fc2: forward + 2 backward
+    assert layer["gemm"] == pytest.approx(gemm / 1e12)
+    attention = 3 * 4 * 2 * 32 * 32 * 4 * 16 / tp  # 4 b s s n d / TP, x3
+    assert layer["attention"] == pytest.approx(attention / (0.5 * 1e12))
+    # 4 all-reduces of T h fp32 bytes over the intra link: 2 (K-1)/K = 1 x bytes
+    assert layer["tp_comm"] == pytest.approx(4 * T * h * 4 / 10e9)
+    # sequence parallel: forward AG + RS twice, backward RS + AG twice and the inputs gathered again (2 AG)
+    sp = _Step(_layout_cfg(Layout(tp=2, sp=True, micro_batch=2)), FLAT).layer(False)
+    assert sp["tp_comm"] == pytest.approx((2 * 2 + 2 * 2 + 2) * 0.5 * T * h * 4 / 10e9)
+    # full recompute: the forward's GEMMs and collectives run again
+    full = _Step(_layout_cfg(Layout(tp=2, micro_batch=2, recompute="full")), FLAT).layer(False)
+    assert full["gemm"] == pytest.approx(layer["gemm"] * 4 / 3)
+    assert full["tp_comm"] == pytest.approx(layer["tp_comm"] * 6 / 4)
+
+
+def test_data_parallel_and_pipeline_terms():
+    # DP 4 over 2 nodes, no overlap: one all-reduce of every fp32 gradient over the inter link
+    cfg = _layout_cfg(Layout(micro_batch=2))
+    cost = step_cost(cfg, FLAT)
+    from megalm.estimate.parameters import total_parameters
+
+    grads = total_parameters(cfg) * 4
+    assert cost.terms["dp_comm"] == pytest.approx(2 * 3 / 4 * grads / 1e9)
+    assert cost.dp_inter_node_bytes == pytest.approx(2 * 3 / 4 * grads)  # comm.py's per-node count
+    # distributed optimizer: reduce-scatter of the gradients + all-gather of the (fp32) weights
+    dist = step_cost(_layout_cfg(Layout(micro_batch=2, strategy="optim")), FLAT)
+    assert dist.terms["dp_comm"] == pytest.approx((3 / 4 * grads + 3 / 4 * grads) / 1e9)
+    # PP 2 (DP 2), 4 microbatches of 1: bubble = (p - 1) x the mean stage time plus its two sends
+    pp = _layout_cfg(Layout(pp=2, micro_batch=1))
+    s = _Step(pp, FLAT)
+    stages = [sum(s.stage_micro(r).values()) for r in range(2)]
+    c = step_cost(pp, FLAT)
+    act = 32 * 64 * 4
+    send = act / 1e9  # the stage boundary crosses nodes (ranks 0,1 | 2,3): inter link shared by the 2 pipelines
+    assert c.terms["pp_comm"] == pytest.approx(4 * 2 * act / (1e9 / 2))
+    assert c.terms["bubble"] == pytest.approx(sum(stages) / 2 + 2 * 2 * send)
+    # interleaving (v = 2 chunks of one layer) halves the bubble's stage time
+    v = step_cost(_layout_cfg(Layout(pp=2, vpp=2, micro_batch=1), layers=4), FLAT)
+    nv = step_cost(_layout_cfg(Layout(pp=2, micro_batch=1), layers=4), FLAT)
+    assert v.terms["bubble"] < 0.75 * nv.terms["bubble"]
+
+
+def test_search_is_complete_and_legal():
+    """World 4: every (TP, PP, CP) factorisation megalm accepts appears, each layout once, and every
+    considered layout is ranked, refused with a reason, or too big."""
+    base = _cfg(layers=4)
+    opts = SearchOptions(max_tp=4, recompute=("none",), strategies=("no_shard", "optim"), max_micro_batch=2)
+    result = search(base, FLAT, opts)
+    seen = [c.layout for c in result.candidates]
+    assert len(seen) == len(set(seen))
+    assert result.considered == len(seen) + sum(result.refused.values()) + result.too_big
+    shapes = {(c.layout.tp, c.layout.pp, c.layout.cp) for c in result.candidates}
+    legal = set()
+    for tp in divisors(4):
+        for pp in divisors(4):
+            for cp in divisors(4):
+                if 4 % (tp * pp * cp) == 0:
+                    try:
+                        apply_layout(base, Layout(tp=tp, pp=pp, cp=cp, sp=tp > 1, micro_batch=1), 4)
+                        legal.add((tp, pp, cp))
+                    except ConfigError:
+                        pass
+    assert shapes == legal and (4, 1, 1) in legal and (1, 4, 1) in legal and (1, 1, 4) in legal
+    assert all(c.dp == 4 // (c.layout.tp * c.layout.pp * c.layout.cp) for c in result.candidates)
+    steps = [c.cost.step_s for c in result.candidates]
+    assert steps == sorted(steps)
+    # every generated layout is distinct too
+    all_layouts = list(layouts(base, FLAT, opts))
+    assert len(all_layouts) == len(set(all_layouts)) == result.considered
+
+
+def test_refusal_reasons_are_megalms_own():
+    # 3 layers cannot split over 2 or 4 stages; 4 heads cannot split over TP 8 (world 8)
+    base = _cfg(layers=3)
+    result = search(base, dataclasses.replace(FLAT, nodes=4), SearchOptions(recompute=("none",), max_micro_batch=1))
+    reasons = dict(result.refused)
+    assert reasons["--num-layers N is not divisible by --pipeline-model-parallel-size N"] > 0
+    assert any("optim_grads" in r and "not built yet" in r for r in reasons)
+    assert all(c.layout.pp in (1,) or 3 % c.layout.pp == 0 for c in result.candidates)
+    with pytest.raises(ConfigError, match="not divisible by --pipeline-model-parallel-size 2"):
+        apply_layout(base, Layout(pp=2), 8)
+    # memory: a 100 kB device leaves every legal layout out, and says so
+    tiny = search(_cfg(), dataclasses.replace(FLAT, memory_gb=0.0001), SearchOptions(recompute=("none",)))
+    assert not tiny.candidates and tiny.too_big > 0 and tiny.smallest_too_big[0] > 1e5
+
+
+def test_cluster_file_round_trip_and_errors(tmp_path):
+    c = dataclasses.replace(load_cluster("h100"), nodes=8, gemm_tflops={"1e+06": 10.0, "1e+12": 700.0})
+    path = tmp_path / "c.toml"
+    path.write_text(dump_cluster(c))
+    back = load_cluster(str(path))
+    assert back == c and back.world_size == 64
+    # log-interpolated between the calibrated points, clamped outside
+    assert back.gemm_flops_per_s(1e9) == pytest.approx(355e12)
+    assert back.gemm_flops_per_s(1e3) == pytest.approx(10e12)
+    assert load_cluster("h100", {"nodes": 64}).nodes == 64
+    path.write_text("nodes = 2\nbogus = 1\n")
+    with pytest.raises(ClusterFileError, match="unknown cluster key 'bogus'"):
+        load_cluster(str(path))
+    with pytest.raises(ClusterFileError, match="no cluster preset or file"):
+        load_cluster(str(tmp_path / "missing.toml"))
+    with pytest.raises(ClusterFileError, match="backend must be nccl or gloo"):
+        load_cluster("h100", {"backend": "mpi"})
+
+
+def _train_planned(flags, tmp):
+    return run_trainings([flags + ["--metrics-file", os.path.join(tmp, "plan.jsonl")]])
+
+
+def test_printed_flags_start_a_run(tmp_path):
+    """tools/plan.py on a tiny model for 2 CPU ranks; its first layout's flags train 2 iterations."""
+    model = tiny_flags(global_batch_size=4, train_iters=2)
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "plan.py"), *model, "--cluster", "cpu", "--devices-per-node"]
+        + ["2", "--top-k", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    line = next(x for x in out.stdout.splitlines() if "pretrain_gpt.py" in x)
+    flags = line.split("pretrain_gpt.py ", 1)[1].split()
+    assert "--tensor-model-parallel-size" in flags and "--micro-batch-size" in flags
+    assert " 1 node(s) x 2 devices" in out.stdout and "refused by megalm's validation" in out.stdout
+    codes = run_distributed(_train_planned, 2, args=(flags, str(tmp_path)), timeout=240)
+    assert codes == [[0], [0]]
+    assert len(records(str(tmp_path), "plan")) == 2
+    bad = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "plan.py"), *model, "--cluster", "nope"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "no cluster preset or file 'nope'" in bad.stderr
