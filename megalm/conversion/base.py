@@ -189,6 +189,8 @@ def checkpoint_shapes(m) -> Dict[str, tuple]:
                 shapes[layer(i, f"{norm}.{part}")] = (h,)
         if is_moe:
             shapes[layer(i, ROUTER)] = (m.num_experts, h)
+            if m.add_bias_linear:
+                shapes[layer(i, "mlp.router.bias")] = (m.num_experts,)
             if m.moe_shared_expert_intermediate_size and m.moe_shared_expert_gate:
                 shapes[layer(i, "mlp.shared_experts.gate_weight")] = (1, h)
         for name, shape in {**attention, **(moe if is_moe else dense)}.items():
