@@ -129,7 +129,7 @@ def _reference_moe(layer, x):
     w = layer.router.weight
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
-        logits = x[t] @ w.t()
+        logits = x[t] @ w.t() + (0 if layer.router.bias is None else layer.router.bias)  # Megatron: biased
         top = torch.topk(logits, 2)
         p = torch.softmax(top.values, -1)
         for weight, e in zip(p, top.indices.tolist()):

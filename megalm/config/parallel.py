@@ -147,6 +147,20 @@ class ParallelConfig(Section):
     accumulate_allreduce_grads_in_fp32: bool = _f(
         True, "Accumulate and reduce gradients in fp32 (on unless --grad-reduce-in-bf16)."
     )
+    megatron_fsdp_main_grads_dtype: str = _f(
+        "auto",
+        "Dtype of the gradient buffers (accumulation and the optimizer's main gradients): fp32 = "
+        "--accumulate-allreduce-grads-in-fp32; bf16 / fp16 = the parameters' dtype (needs --bf16 / --fp16); auto: "
+        "as the other flags say.",
+        choices=["fp32", "bf16", "fp16", "auto"],
+    )
+    megatron_fsdp_grad_comm_dtype: str = _f(
+        "auto",
+        "Dtype the gradients are reduced in over data-parallel ranks. megalm reduces in its gradient buffers, so "
+        "this sets their dtype as --megatron-fsdp-main-grads-dtype does (auto: the main-gradient dtype); the two "
+        "must agree when both are given.",
+        choices=["fp32", "bf16", "fp16", "auto"],
+    )
     grad_reduce_in_bf16: bool = _f(
         False,
         "With --bf16: accumulate and reduce gradients in bf16 (half the data-parallel bytes; the optimizer "

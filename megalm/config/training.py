@@ -19,14 +19,17 @@ class TrainingConfig(Section):
     micro_batch_size: int = _f(1, "Samples per microbatch per data-parallel rank.")
     global_batch_size: Optional[int] = _f(None, "Samples per iteration over all ranks; default micro x DP.")
     rampup_batch_size: Optional[List[int]] = _f(
-        None, "Batch size ramp-up: <start> <increment> <ramp-up samples>.", nargs=3
+        None,
+        "Batch size ramp-up: <start> <increment> <ramp-up samples>; with --train-samples or --train-iters (then "
+        "that many iterations, each batch by the samples consumed so far, as Megatron-LM).",
+        nargs=3,
     )
     step_batch_size_schedule: Optional[str] = _f(
         None,
         "Global batch size by consumed tokens: '<tokens>:<batch> ...', e.g. '0:16 2.4B:320' (suffixes K M B T; "
         "the first threshold 0; tokens become samples by floor division by --seq-length). Sets the global "
-        "batch size itself (not with --global-batch-size or --rampup-batch-size); needs --train-samples. The "
-        "learning rate follows the batch only with --lr-batch-scaling.",
+        "batch size itself (not with --global-batch-size or --rampup-batch-size); with --train-samples or "
+        "--train-iters. The learning rate follows the batch only with --lr-batch-scaling.",
     )
     lr_batch_scaling: str = _f(
         "none",
@@ -259,10 +262,6 @@ class TrainingConfig(Section):
         check(
             not (self.train_iters is not None and self.train_samples is not None),
             "give only one of --train-iters and --train-samples",
-        )
-        check(
-            self.rampup_batch_size is None or self.train_samples is not None,
-            "--rampup-batch-size needs --train-samples",
         )
         first = self.first_step_timeout_seconds
         check(first >= 0, f"--first-step-timeout-seconds must be >= 0 (0: off), got {first:g}")

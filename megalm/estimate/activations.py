@@ -155,7 +155,7 @@ def layer_bytes(m, sh: Shape, is_moe: bool = False) -> Dict[str, int]:
     if m.multi_latent_attention:
         del out["qkv"]
         out.update(mla_bytes(m, sh))
-    elif m.position_embedding_type == "rope":
+    elif m.position_embedding_type in ("rope", "yarn"):
         rot = int(d * m.rotary_percent)
         out["rope"] = B * S * (n + g) * d // tp + (4 * sh.local_seq * rot * B if B < 4 else 0)
     context = B * S * n * d // tp
@@ -184,7 +184,7 @@ def layer_bytes(m, sh: Shape, is_moe: bool = False) -> Dict[str, int]:
     if is_moe:
         out["moe"] = moe_bytes(m, sh)
     else:
-        out["mlp"] = B * S * m.ffn_hidden_size // tp * (4 if m.swiglu else 2)
+        out["mlp"] = B * S * m.ffn_hidden_size // tp * (4 if m.gated_linear_unit else 2)
     if m.hidden_dropout > 0:
         out["dropout_masks"] = 2 * sh.local_tokens * h * mask_bytes(sh)
     return out
@@ -299,9 +299,9 @@ def moe_bytes(m, sh: Shape) -> int:
     t = sh.tokens // sh.tp  # each TP rank routes its own slice of the sequence
     f = m.moe_ffn_hidden_size or m.ffn_hidden_size
     router = B * t * h + 3 * 4 * t * E
-    routed = k * t * (2 * B * h + B * f * (4 if m.swiglu else 2))
+    routed = k * t * (2 * B * h + B * f * (4 if m.gated_linear_unit else 2))
     shared = m.moe_shared_expert_intermediate_size or 0
-    return router + routed + B * t * (h + shared * (4 if m.swiglu else 2))
+    return router + routed + B * t * (h + shared * (4 if m.gated_linear_unit else 2))
 
 
 def embedding_bytes(m, sh: Shape) -> int:

@@ -22,6 +22,8 @@ def initialize_megalm(cfg: MegalmConfig) -> None:
         logging.getLogger("megalm").setLevel(cfg.logging.logging_level)
     if cfg.training.deterministic_mode:
         use_deterministic_algorithms()
+    if cfg.model.disable_bf16_reduced_precision_matmul:  # Megatron's flag; CUDA only (CPU GEMMs have no such mode)
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     initialize_distributed(timeout=timeout)
     p = cfg.parallel

@@ -231,12 +231,12 @@ class TESelfAttention(SelfAttention):
         )
         return linear_qkv, linear_proj
 
-    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask=None) -> torch.Tensor:
+    def attention_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask=None) -> torch.Tensor:
         """``[s, b, n, d]`` q/k/v -> ``[s, b, heads_r * d]`` (no ``attention_mask``: refused by validation)."""
         if attention_mask is not None:
             raise ConfigError("--reset-attention-mask is not supported with --transformer-impl transformer_engine")
         if self.te_core_attention is None:
-            return super().core_attention(q, k, v)
+            return super().attention_core(q, k, v)
         p = self.attention_dropout if self.training else 0.0
         with dropout_rng(p, model_parallel_rng=True):
             return self.te_core_attention(q, k, v)

@@ -187,6 +187,12 @@ class TopKRouter(nn.Module):
         set_tensor_model_parallel_attributes(self.weight, False, -1)
         mark_init(self.weight, "normal", init_std(m))
         set_param_info(self.weight, sequence_parallel=self.sequence_parallel)
+        self.bias = None
+        if m.add_bias_linear:  # as Megatron's TopKRouter (gpt-oss's router has one); zero-initialised
+            self.bias = nn.Parameter(torch.zeros(m.num_experts, dtype=torch.float32, device=get_device()))
+            set_tensor_model_parallel_attributes(self.bias, False, -1)
+            mark_init(self.bias, "zeros")
+            set_param_info(self.bias, sequence_parallel=self.sequence_parallel)
         self.num_groups, self.group_topk = m.moe_router_num_groups, m.moe_router_group_topk
         self.force_load_balancing = m.moe_router_force_load_balancing
         self.scaling_factor = m.moe_router_topk_scaling_factor
@@ -204,9 +210,11 @@ class TopKRouter(nn.Module):
 
     def gating(self, x: torch.Tensor) -> torch.Tensor:
         """Router logits ``[T, E]``, computed in ``--moe-router-dtype`` when given."""
+        bias = self.bias
         if self.router_dtype is not None:
-            return F.linear(x.to(self.router_dtype), self.weight.to(self.router_dtype))
-        return F.linear(x, self.weight)
+            bias = None if bias is None else bias.to(self.router_dtype)
+            return F.linear(x.to(self.router_dtype), self.weight.to(self.router_dtype), bias)
+        return F.linear(x, self.weight, bias)
 
     def _split_sum(self, *tensors: torch.Tensor):
         """Sum detached statistics over the TP (x CP) group (one all-reduce); the identity at TP x CP 1."""
