@@ -13,7 +13,8 @@ import torch
 
 from megalm.config import ConfigError, build_parser, config_from_args, validate_config
 from megalm.config.gptoss import layer_window
-from megalm.transformer.attention_variants import variant_attention
+from megalm.fusions.attention_variants import variant_attention
+from megalm.parallel_state import ProcessGroups
 from megalm.transformer.blocked_attention import blocked_causal_attention
 
 needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
@@ -96,7 +97,7 @@ def test_import_logits_train_step_and_round_trip_match_transformers(tmp_path):
         plan = dataclasses.replace(EAGER, attention=backend)
         from megalm.models import GPTModel
 
-        model = GPTModel(reader.config, fusion_plan=plan)
+        model = GPTModel(reader.config, fusion_plan=plan, process_groups=ProcessGroups.single())
         model.load_state_dict(ours.state_dict())
         model.eval()
         with torch.no_grad():
@@ -230,4 +231,6 @@ def test_flops_count_window_layers_keys_and_sink_parameters():
     sinks = _validate(*base, "--vocab-size", "128", "--softmax-type", "learnable")
     set_vocab_size(sinks, 128)
     assert total_parameters(sinks) - total_parameters(plain) == 4 * 4
-    assert total_parameters(sinks) == sum(p.numel() for p in GPTModel(sinks).parameters())
+    assert total_parameters(sinks) == sum(
+        p.numel() for p in GPTModel(sinks, process_groups=ProcessGroups.single()).parameters()
+    )

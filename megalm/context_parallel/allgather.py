@@ -9,7 +9,7 @@ memory per rank is ``O(s)``.
 Communication, forward: two all-gathers (``(CP-1) 2c b g d`` elements received per rank for each
 of k and v); backward two reduce-scatters of the K/V gradients (every rank's queries contribute
 to every key).  gpt-oss's window and sinks (``variant``) enter each chunk's SDPA as its mask and
-a sink column (:mod:`megalm.transformer.attention_variants`); a window also trims the keys a chunk reads.
+a sink column (:mod:`megalm.fusions.attention_variants`); a window also trims the keys a chunk reads.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _chunk_attention(q, k, v, chunk: int, gqa: bool, dropout: Optional[KeyedDrop
     c = q.shape[2]
     end = (chunk + 1) * c
     if variant is not None:
-        from megalm.transformer.attention_variants import variant_attention  # (megalm.transformer imports this)
+        from megalm.fusions.attention_variants import variant_attention
 
         window, sinks = variant
         start = 0 if window is None else max(0, chunk * c - window)  # keys before it are outside every window

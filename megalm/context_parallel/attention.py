@@ -38,7 +38,7 @@ def context_parallel_attention(
     ``allgather`` compute their masked blocks themselves.  ``dropout``: the call's position-keyed
     attention dropout (:mod:`.keyed_dropout`): every type applies the entries of the global
     positions it computes, so the result does not depend on ``CP`` or the type.  ``variant``: gpt-oss's
-    ``(window, sinks)`` (:mod:`megalm.transformer.attention_variants`): ``allgather`` applies them to its
+    ``(window, sinks)`` (:mod:`megalm.fusions.attention_variants`): ``allgather`` applies them to its
     chunks, ``a2a``'s ``causal_core`` applies them itself, ``p2p`` refuses them."""
     if variant is not None and comm_type == "p2p":
         raise ContextParallelError(

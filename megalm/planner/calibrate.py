@@ -169,10 +169,16 @@ def collective_rates(per_node: int) -> Dict[str, float]:
     return out
 
 
-def _tiny_model(cfg, pre_process: bool = True, post_process: bool = True, layer_numbers=None):
+def _tiny_model(cfg, pre_process: bool = True, post_process: bool = True, layer_numbers=None, *, process_groups):
     from megalm.models import GPTModel
 
-    return GPTModel(cfg, pre_process=pre_process, post_process=post_process, layer_numbers=layer_numbers)
+    return GPTModel(
+        cfg,
+        pre_process=pre_process,
+        post_process=post_process,
+        layer_numbers=layer_numbers,
+        process_groups=process_groups,  # the Trainer's (model_provider's contract)
+    )
 
 
 def _tiny_forward_step(data_iterator, model):

@@ -43,7 +43,7 @@ gpt-oss (:mod:`megalm.config.gptoss`): a layer's sliding window (``--window-size
 ``--window-attn-skip-freq``) and softmax sinks (``--softmax-type``; learnable ones are
 ``core_attention.softmax_offset``, split over TP with the heads) run in the blocked core per block, in
 the SDPA, unfused and flash-attn plans as SDPA with the window mask and a sink column
-(:mod:`megalm.transformer.attention_variants`), in KV-cache generation, and under context parallelism
+(:mod:`megalm.fusions.attention_variants`), in KV-cache generation, and under context parallelism
 with ``a2a`` (the local core on a slice of the heads) and ``allgather``; ``p2p``, TE and position-keyed
 dropout are refused by the configuration checks.
 """
@@ -64,6 +64,7 @@ from megalm.context_parallel.chunks import ContextParallelError
 from megalm.context_parallel.keyed_dropout import KeyedDropout
 from megalm.device import get_device
 from megalm.fusions import backends
+from megalm.fusions.attention_variants import variant_attention
 from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.fusions.compile import select
 from megalm.fusions.rope import rotary_qk
@@ -74,7 +75,6 @@ from megalm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinea
 from megalm.tensor_parallel.param_info import set_param_info
 from megalm.tensor_parallel.random import checkpoint, dropout_rng
 from megalm.tensor_parallel.utils import divide, set_tensor_model_parallel_attributes
-from megalm.transformer.attention_variants import variant_attention
 from megalm.transformer.blocked_attention import blocked_causal_attention
 from megalm.transformer.norm import build_norm
 from megalm.transformer.utils import init_std, output_init_std

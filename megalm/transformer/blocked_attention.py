@@ -36,7 +36,7 @@ from typing import List, Optional
 
 import torch
 
-from megalm.transformer.attention_variants import allowed_positions
+from megalm.fusions.attention_variants import allowed_positions
 
 # Query rows per block: 64 ran fastest of 32 / 64 / 128 for head dim 64 at s 256 and 512.
 BLOCK = 64
@@ -138,7 +138,7 @@ def blocked_causal_attention(
     grouped k/v first); with ``allowed`` (boolean ``[b, 1, s, s]``, within the causal triangle) the
     scores outside it are ``-inf`` instead.  ``window``: query ``i`` sees keys ``i - window .. i`` only
     (blocks start at their first visible key); ``sinks`` ``[n]``: per-head sink logits in each row's
-    softmax (gpt-oss, :mod:`megalm.transformer.attention_variants`).  Returns ``[b, n, s, d]`` whose
+    softmax (gpt-oss, :mod:`megalm.fusions.attention_variants`).  Returns ``[b, n, s, d]`` whose
     memory is ``[s, b, n, d]``."""
     if not (q.shape == k.shape == v.shape):
         raise ValueError(f"q, k, v must have one shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
