@@ -368,7 +368,7 @@ def main(argv=None) -> int:
                   command=" ".join([os.path.basename(sys.executable), *sys.argv]), precision=args.precision,
                   peak_flops=peak, peak_source=peak_source, shapes={k: SHAPES[k] for k in args.shapes.split(",")},
                   rows=[], skipped=[], budget_s=args.budget_s)  # fmt: skip
-    print(f"# {result['device']}, torch {result['torch']}, {args.precision}, peak {peak / 1e12:.1f} TFLOP/s "
+    print(f"# {result['device']}, torch {result['torch']}, {args.precision}, peak {peak / 1e12:.3g} TFLOP/s "
           f"({peak_source}), {result['date']}", flush=True)  # fmt: skip
     print("| shape | row | tokens/s | MFU (megalm) | MFU (own) | peak GiB | step ms | params |", flush=True)
     status = 0
