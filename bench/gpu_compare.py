@@ -12,7 +12,7 @@ Transformer Engine does not import is skipped with a one-line message):
   megalm-local        megalm --transformer-impl local, fusions on (its torch.compile'd kernels)
   plain-eager         nanoGPT-style PyTorch, causal SDPA, autocast bf16, fused AdamW
   mcore-local         megatron-core GPTModel, local spec, Megatron's Float16Module/DDP/optimizer
-  titan-eager         torchtitan Llama3Model (SDPA), this loop   (llama shapes only)
+  titan-eager         torchtitan Llama3Model (FlexAttention), this loop   (llama shapes only)
   plain-compile       plain-eager under torch.compile(model)
   titan-compile       titan-eager with each block compiled, as torchtitan does
   megalm-te           megalm --transformer-impl transformer_engine, fusions on   (needs TE)

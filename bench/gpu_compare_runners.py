@@ -14,9 +14,10 @@ so timing decides where to synchronize).  Runners:
   as Megatron-LM trains it (``Float16Module``, ``DistributedDataParallel``, ``get_megatron_optimizer``
   with fp32 main weights); if building that path raises, the model is trained like ``plain``
   (autocast + torch AdamW) and the row says so (``path``).
-* ``titan``: torchtitan's ``Llama3Model`` built from its config classes (untied, SDPA attention),
-  trained by this loop like ``plain`` (torchtitan's own trainer needs torchrun and a TOML job);
-  ``compile``: each transformer block compiled, as torchtitan does.
+* ``titan``: torchtitan's ``Llama3Model`` built from its config classes (untied, FlexAttention with
+  the causal block mask its trainer builds from the positions every step; 0.3 refuses SDPA for
+  language models), trained by this loop like ``plain`` (torchtitan's own trainer needs torchrun and
+  a TOML job); ``compile``: each transformer block compiled, as torchtitan does.
 
 megatron-core 0.19 and torchtitan 0.3 both import triton at import time, so on a CPU-only torch
 they are reported as not importable.
@@ -174,7 +175,7 @@ def build_titan_model(shape: dict):
             n_kv_heads=shape["groups"],
             hidden_dim=shape["ffn"],
             rope=ComplexRoPE.Config(dim=h // n, max_seq_len=shape["seq"], theta=10000, scaling="none"),
-            attn_backend="sdpa",
+            attn_backend="flex",  # torchtitan 0.3 refuses "sdpa" for language models
         ),
     )
     return cfg, cfg.build()
@@ -315,6 +316,8 @@ class Runner:
             self.own_flops_per_step = titan_flops_per_token(cfg, model, self.shape["seq"])
             if self.own_flops_per_step is not None:
                 self.own_flops_per_step *= self.shape["micro_batch"] * self.shape["seq"]
+            self.positions = torch.arange(self.shape["seq"], device=self.device).unsqueeze(0)
+            self.positions = self.positions.expand(self.shape["micro_batch"], -1)
             if self.row["compile"]:  # torchtitan compiles each transformer block
                 for name, block in list(model.layers.named_children()):
                     model.layers.register_module(name, torch.compile(block))
@@ -386,8 +389,9 @@ class Runner:
                 loss = self.model(tokens, labels)
             elif impl == "mcore":
                 loss = self.model(tokens, self.positions, None, labels=labels).float().mean()
-            else:
-                logits = self.model(tokens)
+            else:  # torchtitan: the mask from the positions every step, as its trainer does
+                masks = self.model.get_attention_masks(positions=self.positions)
+                logits = self.model(tokens, self.positions, masks)
                 loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, CLIP_GRAD, foreach=True)
