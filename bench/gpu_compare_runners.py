@@ -195,7 +195,8 @@ def build_mcore(shape: dict, row: dict, device, bf16: bool):
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
     if device.type == "cuda":
         model_parallel_cuda_manual_seed(SEED)
     llama = shape["arch"] == "llama"
