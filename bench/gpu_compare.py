@@ -24,7 +24,8 @@ Each row: tokens/s (micro-batch x seq / median step time), MFU by megalm's formu
 torchtitan's own MFU (its ``get_nparams_and_flops``) for titan rows, peak memory (CUDA
 ``max_memory_allocated``; CPU ``ru_maxrss``), parameters (asserted equal within a shape), first and
 last loss.  Each row is printed when its group finishes and the JSON (``--out DIR``) is rewritten
-after every group; ``--budget-s`` stops starting groups (and rounds) when the time is spent.
+after every group; groups run in priority order (the first group of every shape, then the second...)
+and ``--budget-s`` stops starting groups (and rounds) when the time is spent.
 
     python bench/gpu_compare.py --out bench/results/gpu_compare          # GPU: llama1b, gpt3-1.3b
     python bench/gpu_compare.py --shapes tiny --precision fp32 --out /tmp/g   # CPU smoke run
@@ -343,7 +344,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5 if cuda else 2, help="timed steps per row per round")
     p.add_argument("--live", type=int, default=3 if cuda else 0, help="workers alive at once (0: all rows)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads per worker (0: cores / workers)")
-    p.add_argument("--budget-s", type=float, default=420.0, help="stop starting groups/rounds after this")
+    p.add_argument("--budget-s", type=float, default=330.0, help="seconds after which no group or round starts")
     args = p.parse_args(argv)
     for k in args.shapes.split(","):
         if k not in SHAPES:
@@ -371,7 +372,8 @@ def main(argv=None) -> int:
     print(f"# {result['device']}, torch {result['torch']}, {args.precision}, peak {peak / 1e12:.3g} TFLOP/s "
           f"({peak_source}), {result['date']}", flush=True)  # fmt: skip
     print("| shape | row | tokens/s | MFU (megalm) | MFU (own) | peak GiB | step ms | params |", flush=True)
-    status = 0
+    # Groups in priority order: the first group of every shape, then the second, ... (the budget cuts the last).
+    plan = []
     for shape_name in args.shapes.split(","):
         todo = []
         for name in rows:
@@ -381,20 +383,21 @@ def main(argv=None) -> int:
                 result["skipped"].append({"shape": shape_name, "row": name, "reason": why})
             else:
                 todo.append(name)
-        live = args.live or len(todo)
-        flops = megalm_flops(SHAPES[shape_name])
-        for i in range(0, len(todo), live):
-            group = todo[i : i + live]
-            if time.monotonic() > deadline:
-                print(f"  budget {args.budget_s:.0f} s spent: not run {shape_name} {', '.join(group)}", flush=True)
-                result["skipped"] += [{"shape": shape_name, "row": n, "reason": "budget"} for n in group]
-                continue
-            res = run_group(group, shape_name, args, log_dir, deadline)
-            for name in group:
-                row = make_row(name, shape_name, res[f"{shape_name}-{name}"], peak, flops)
-                result["rows"].append(row)
-                print_row(row)
-            write_outputs(args.out, result)
+        live = args.live or len(todo) or 1
+        plan += [(i // live, shape_name, todo[i : i + live]) for i in range(0, len(todo), live)]
+    for _, shape_name, group in sorted(plan, key=lambda g: g[0]):
+        if time.monotonic() > deadline:
+            print(f"  budget {args.budget_s:.0f} s spent: not run {shape_name} {', '.join(group)}", flush=True)
+            result["skipped"] += [{"shape": shape_name, "row": n, "reason": "budget"} for n in group]
+            continue
+        res = run_group(group, shape_name, args, log_dir, deadline)
+        for name in group:
+            row = make_row(name, shape_name, res[f"{shape_name}-{name}"], peak, megalm_flops(SHAPES[shape_name]))
+            result["rows"].append(row)
+            print_row(row)
+        write_outputs(args.out, result)
+    status = 0
+    for shape_name in args.shapes.split(","):
         counts = {r["row"]: r["params"] for r in result["rows"] if r["shape"] == shape_name and "params" in r}
         if len(set(counts.values())) > 1:
             print(f"ERROR: parameter counts differ at {shape_name}: {counts}", flush=True)

@@ -27,7 +27,7 @@ for m in megatron.core.models.gpt.gpt_model torchtitan.models.llama3 transformer
     python3 -c "import $m" > /dev/null 2>&1 && echo "import $m: ok" \
         || echo "import $m: $(python3 -c "import $m" 2>&1 | tail -1)"
 done
-timeout 560 python3 bench/gpu_compare.py --out "$OUT" --budget-s 420 "$@"
+timeout 470 python3 bench/gpu_compare.py --out "$OUT" --budget-s 330 "$@"
 rc=$?
 echo "gpu_compare rc=$rc; results in $OUT/gpu_compare.json"
 exit $rc

@@ -66,3 +66,15 @@ def test_unknown_row_and_shape_are_rejected(tmp_path, capsys):
     with pytest.raises(SystemExit):
         gpu_compare.main(["--out", str(tmp_path), "--shapes", "llama2b"])
     assert "unknown shape 'llama2b'" in capsys.readouterr().err
+
+
+def test_budget_stops_starting_groups(tmp_path, capsys):
+    import gpu_compare
+
+    args = ["--out", str(tmp_path), "--shapes", "tiny", "--rows", "plain-eager,megalm-local", "--live", "1"]
+    assert gpu_compare.main(args + ["--budget-s", "0"]) == 0
+    result = json.loads((tmp_path / "gpu_compare.json").read_text())
+    assert result["rows"] == []
+    skipped = [(s["row"], s["reason"]) for s in result["skipped"]]
+    assert skipped == [("plain-eager", "budget"), ("megalm-local", "budget")]
+    assert "budget 0 s spent: not run tiny plain-eager" in capsys.readouterr().out
