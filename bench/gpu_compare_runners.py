@@ -310,8 +310,9 @@ class Runner:
                 self.optimizer, self.params = torch_adamw(self.model), list(self.model.parameters())
             return n
         if impl == "titan":
-            cfg, model = build_titan_model(self.shape)
-            model = model.to(self.device)
+            with torch.device("meta"):  # as torchtitan's trainer: meta, to_empty, init_states
+                cfg, model = build_titan_model(self.shape)
+            model = model.to_empty(device=self.device)
             with torch.no_grad():
                 model.init_states(buffer_device=self.device)
             self.own_flops_per_step = titan_flops_per_token(cfg, model, self.shape["seq"])
@@ -324,7 +325,8 @@ class Runner:
                     model.layers.register_module(name, torch.compile(block))
             self.model = model
         else:
-            self.model = build_plain_model(self.shape).to(self.device)
+            with self.device:  # parameters created (and initialized) on the device
+                self.model = build_plain_model(self.shape)
         self.model.train()
         self.params = list(self.model.parameters())
         self.optimizer = torch_adamw(self.model)
