@@ -52,6 +52,7 @@ for _path in (REPO, BENCH):
 
 SHAPES = {
     "tiny": dict(arch="llama", layers=2, hidden=128, heads=4, groups=2, ffn=352, seq=128, vocab=1024, micro_batch=2),
+    "tiny-gpt": dict(arch="gpt", layers=2, hidden=128, heads=4, groups=4, ffn=512, seq=128, vocab=1024, micro_batch=2),
     "llama1b": dict(
         arch="llama", layers=16, hidden=2048, heads=16, groups=8, ffn=8192, seq=2048, vocab=32768, micro_batch=4
     ),

@@ -24,7 +24,7 @@ def _importable(name):
 
 def test_tiny_cpu_run_writes_rows_and_skips_missing_peers(tmp_path):
     rows = "megalm-local-nofuse,plain-eager,mcore-local,titan-eager,megalm-te"
-    cmd = [sys.executable, SCRIPT, "--shapes", "tiny", "--precision", "fp32", "--rows", rows]
+    cmd = [sys.executable, SCRIPT, "--shapes", "tiny,tiny-gpt", "--precision", "fp32", "--rows", rows]
     cmd += ["--warmup", "1", "--rounds", "1", "--steps", "2", "--threads", "1", "--out", str(tmp_path)]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
@@ -34,7 +34,15 @@ def test_tiny_cpu_run_writes_rows_and_skips_missing_peers(tmp_path):
     for key in ("device", "torch", "date", "command", "precision", "peak_flops", "shapes", "rows", "skipped"):
         assert key in result, key
     assert result["device"].startswith("CPU: ") and result["torch"] == __import__("torch").__version__
-    got = {r["row"]: r for r in result["rows"]}
+    # GPT-3 style (LayerNorm, GELU, learned positions, biases, tied): megalm and plain agree too.
+    gpt = {r["row"]: r["params"] for r in result["rows"] if r["shape"] == "tiny-gpt"}
+    h, f, v, s = 128, 512, 1024, 128
+    gpt_layer = 4 * h + 3 * h * h + 3 * h + h * h + h + h * f + f + f * h + h
+    assert gpt == {
+        "megalm-local-nofuse": v * h + s * h + 2 * h + 2 * gpt_layer,
+        "plain-eager": gpt["megalm-local-nofuse"],
+    }
+    got = {r["row"]: r for r in result["rows"] if r["shape"] == "tiny"}
     assert set(got) >= {"megalm-local-nofuse", "plain-eager"}, proc.stdout
     megalm, plain = got["megalm-local-nofuse"], got["plain-eager"]
     # Same model: the tiny Llama with GQA (4 heads, 2 KV groups), counted by hand.
@@ -47,7 +55,10 @@ def test_tiny_cpu_run_writes_rows_and_skips_missing_peers(tmp_path):
         assert 0 < r["mfu"] == pytest.approx(r["tflops"] * 1e12 / result["peak_flops"])
         # Random tokens over 1024 ids: the first loss is near ln(1024).
         assert abs(r["first_loss"] - 6.93) < 0.5, r
-    skipped = {s["row"]: s["reason"] for s in result["skipped"]}
+    skipped = {s["row"]: s["reason"] for s in result["skipped"] if s["shape"] == "tiny"}
+    assert "torchtitan has no GPT-3" in next(
+        s["reason"] for s in result["skipped"] if s["row"] == "titan-eager" and s["shape"] == "tiny-gpt"
+    )
     if not _importable("megatron"):
         assert skipped["mcore-local"].startswith("megatron-core not importable")
         assert "skip tiny mcore-local: megatron-core not importable" in proc.stdout
