@@ -3,10 +3,10 @@
 
 A Llama-style fp32 model (RMSNorm, SwiGLU, RoPE, untied output layer, no biases) trained for two steps
 on ``--ranks`` spawned gloo ranks (pure data parallel, one microbatch, ``--overlap-grad-reduce``,
-``--ddp-bucket-size`` ``--bucket-size``: ZeRO-3 gathers one bucket at a time, so with Megatron's default of
-40M elements a model under ~80M parameters is gathered whole), one fresh group of processes per strategy.
-On every rank, glibc is told to return freed blocks
-(``mallopt``: mmap threshold 64 KiB, trim threshold 0) and three numbers are taken:
+``--ddp-bucket-size`` ``--bucket-size``: ZeRO-3 gathers one bucket at a time, and with Megatron's default
+of 40M elements a 90M model is three buckets), one fresh group of processes per strategy.  On every rank,
+glibc is told to return freed blocks (``mallopt``: mmap threshold 64 KiB, trim threshold 0) and three
+numbers are taken:
 
 * ``tracked``: the CPU allocator's own count (:class:`megalm.training.memory.TrackedAllocations`: every
   allocation and free c10 reports), the peak of live tensor bytes from model construction to the end of

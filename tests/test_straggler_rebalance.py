@@ -41,7 +41,7 @@ def test_plan_shares_follows_speed():
 
 
 def test_share_sampler_covers_each_global_batch_in_order():
-    from megalm.training.rebalance import ShareSampler
+    from megalm.data.samplers import ShareSampler
 
     for shares in ([4, 4], [7, 1], [1, 2, 5]):
         samplers = [ShareSampler(200, 16, 2, r, shares) for r in range(len(shares))]

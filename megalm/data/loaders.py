@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from megalm.data.builder import build_train_valid_test_datasets, get_train_valid_test_num_samples
-from megalm.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
+from megalm.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler, ShareSampler
 from megalm.device import get_device
 from megalm.parallel_state import ProcessGroups, group_rank, group_size
 
@@ -67,8 +67,6 @@ def build_pretraining_data_loader(
     if dataset is None:
         return None
     if shares is not None:  # --straggler-rebalance-interval: uneven micro-batch counts per replica
-        from megalm.training.rebalance import ShareSampler
-
         if dataloader_type != "single":
             raise ValueError("micro-batch shares need dataloader_type 'single'")
         sampler = ShareSampler(len(dataset), consumed_samples, micro_batch_size, data_parallel_rank, shares)

@@ -5,7 +5,7 @@ forward-backward together; the global batch, its samples and the loss stay the s
 *Shares.*  A global batch of ``G`` samples is ``M = G / micro_batch_size`` micro-batch slots.
 Replica ``r`` (all ranks of data-parallel rank ``r``: its TP/PP/CP ranks) reads ``n_r`` of them, the
 contiguous slots ``[o_r, o_r + n_r)`` with ``o_r = n_0 + ... + n_{r-1}`` and ``sum n_r = M``
-(:class:`ShareSampler`).  Global batch ``k`` is always samples ``[k G, (k+1) G)``, whatever the
+(:class:`megalm.data.samplers.ShareSampler`).  Global batch ``k`` is always samples ``[k G, (k+1) G)``, whatever the
 shares, so resuming from ``consumed_samples`` is exact and the shares need not be saved.
 
 *Loss.*  The run must use ``--calculate-per-token-loss``: each rank back-propagates the sum of
@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Iterator, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megalm.data.indexed_dataset import DataError
 from megalm.device import get_device, synchronize
 from megalm.log import get_logger
 
@@ -59,37 +58,6 @@ def plan_shares(seconds_per_microbatch: Sequence[float], total: int) -> List[int
     for r in order[: total - sum(shares)]:
         shares[r] += 1
     return shares
-
-
-class ShareSampler:
-    """Batch sampler: this replica's ``shares[rank]`` micro-batches (contiguous slots) of each
-    global batch of ``micro_batch_size x sum(shares)`` samples, from ``consumed_samples`` on.
-    ``shares`` and ``consumed_samples`` may be changed between iterations of the sampler."""
-
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int, rank: int, shares):
-        if total_samples <= 0:
-            raise DataError(f"no samples to consume: total_samples = {total_samples}")
-        if not 0 <= rank < len(shares) or min(shares) < 1:
-            raise ValueError(f"data-parallel rank {rank} and shares {list(shares)}: every replica needs >= 1")
-        self.total_samples, self.consumed_samples = total_samples, consumed_samples
-        self.micro_batch_size, self.rank, self.shares = micro_batch_size, rank, list(shares)
-
-    def __len__(self) -> int:
-        return (self.total_samples - self.consumed_samples) // self.global_batch * self.shares[self.rank]
-
-    @property
-    def global_batch(self) -> int:
-        return self.micro_batch_size * sum(self.shares)
-
-    def __iter__(self) -> Iterator[List[int]]:
-        mbs, g = self.micro_batch_size, self.global_batch
-        offset = sum(self.shares[: self.rank]) * mbs
-        start = self.consumed_samples
-        while start + g <= self.total_samples:
-            for j in range(self.shares[self.rank]):
-                first = start + offset + j * mbs
-                yield list(range(first, first + mbs))
-            start += g
 
 
 class StragglerRebalancer:
