@@ -9,6 +9,10 @@ projection ``n d``), ``g`` key/value groups, MLP width ``f``, padded vocabulary 
                            + f_shared/h c                   # MoE shared experts (0 for dense)
                            + V / (2 L h) ]                  # logits
 
+Sliding-window layers (``--window-size w,0``, gpt-oss) see at most ``w + 1`` keys per query: their
+``s/h`` term becomes ``min(s, w + 1)/h`` (the full-square convention above, applied to the window).
+Softmax sinks add one score per query row and head (``O(B s n)``): not counted.
+
 ``12 = 3 (forward, weight grad, input grad) x 2 (two GEMMs of each size) x 2 (multiply-add)``;
 ``k`` is the number of experts each token is routed to (1 for a dense MLP).  Multi-latent attention
 replaces the attention term by :func:`mla_flops_per_token`; ``--mtp-num-layers D`` adds D layers like
@@ -29,6 +33,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from megalm.config.gptoss import layer_window
 from megalm.config.sections import MegalmConfig
 
 # Dense peak FLOP/s per device (no sparsity).  "fp32" is the non-tensor-core rate, "tf32" the
@@ -60,18 +65,22 @@ def transformer_flops(
     shared_expert_ffn_hidden_size: int = 0,
     attention_flops_per_token: Optional[float] = None,
     mtp_num_layers: int = 0,
+    window_size: Optional[int] = None,
+    num_window_layers: int = 0,
 ) -> float:
     """Model FLOPs of one iteration over ``batch_size`` sequences (see the module docstring).
     ``attention_flops_per_token``: one layer's attention FLOPs per token (forward and backward) in place of
     the multi-head formula (multi-latent attention, :func:`mla_flops_per_token`); ``mtp_num_layers``: the
     multi-token prediction depths, counted in ``num_layers`` / ``num_moe_layers`` by the caller, add their
-    norms, ``eh_proj`` and one more logits GEMM each."""
+    norms, ``eh_proj`` and one more logits GEMM each; ``num_window_layers`` of the ``num_layers`` attend
+    within ``window_size`` keys to the left."""
     h, L, s = float(hidden_size), num_layers, float(seq_length)
     heads = num_attention_heads
     groups = num_query_groups or heads
     head_dim = kv_channels or hidden_size // heads
     gated = 1.5 if swiglu else 1.0
-    attention = (1.0 + groups / heads + s / h) * (heads * head_dim / h)
+    keys = s if window_size is None else (s * (L - num_window_layers) + min(s, window_size + 1) * num_window_layers) / L
+    attention = (1.0 + groups / heads + keys / h) * (heads * head_dim / h)
     if attention_flops_per_token is not None:
         attention = attention_flops_per_token / (12.0 * h * h)
     dense_layers = L - num_moe_layers
@@ -130,11 +139,13 @@ def num_floating_point_operations(cfg, batch_size: float) -> float:
         vocab,
         num_query_groups=m.num_query_groups if m.group_query_attention else None,
         kv_channels=m.kv_channels,
-        swiglu=m.swiglu,
+        swiglu=m.gated_linear_unit,
         moe_router_topk=topk,
         moe_ffn_hidden_size=moe_ffn,
         num_moe_layers=num_moe_layers,
         shared_expert_ffn_hidden_size=shared,
+        window_size=m.window_size[0] if m.window_size and m.window_size[0] >= 0 else None,
+        num_window_layers=sum(layer_window(m, i) is not None for i in range(m.num_layers)),
         attention_flops_per_token=mla_flops_per_token(m) if getattr(m, "multi_latent_attention", False) else None,
         mtp_num_layers=mtp,
     )

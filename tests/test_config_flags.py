@@ -110,7 +110,7 @@ NO_OP_ARGV = {
     "--distributed-backend": ["--distributed-backend", "gloo"],
     "--ckpt-format": ["--ckpt-format", "torch_dist"],
     "--tiktoken-pattern": ["--tiktoken-pattern", "v2"],
-    "--moe-flex-dispatcher-backend": ["--moe-flex-dispatcher-backend", "deepep"],
+    "--moe-flex-dispatcher-backend": ["--moe-flex-dispatcher-backend", "hybridep"],
 }
 
 
@@ -140,7 +140,7 @@ def test_every_no_op_flag_given_makes_one_warning_line(capsys):
         (["--fp8-param-gather"], "--fp8-param-gather is not supported by megalm: fp8 parameter all-gather"),
         (["--multi-latent-attention"], "--multi-latent-attention needs --position-embedding-type rope"),
         (["--mtp-num-layers", "0"], "--mtp-num-layers must be >= 1"),
-        (["--window-size", "4096,0"], "--window-size is not supported by megalm: sliding-window"),
+        (["--window-size", "4096,2"], "--window-size right must be 0"),
     ],
 )
 def test_megatron_flags_megalm_cannot_honour_are_refused(argv, message):

@@ -1,16 +1,14 @@
 """Megatron-LM's DeepSeek-V3 launch script (examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh, copied to
-tests/megatron_scripts/deepseek_v3.args with sizes scaled as its header says) trains 3 iterations on 4 CPU
-ranks (EP 2 x DP 2) with finite losses: multi-latent attention with YaRN, one MTP depth (its loss logged),
-sigmoid group-limited routing with expert bias and forced load balancing, shared experts, the flex
-dispatcher, ``--recompute-modules mlp moe mla_up_proj layernorm``.
+tests/megatron_scripts/deepseek_v3.args with sizes scaled as its header says) trains 3 iterations on 4 CPU ranks (EP
+2 x DP 2, ZeRO-3: ``--data-parallel-sharding-strategy optim_grads_params``) with finite losses: multi-latent
+attention with YaRN, one MTP depth (its loss logged), sigmoid group-limited routing with expert bias and forced load
+balancing, shared experts, the flex dispatcher, ``--recompute-modules mlp moe mla_up_proj layernorm``.
 
 Flags stripped before the run, each for a stated reason (this list shrinks as they land):
 
 * ``--init-model-with-meta-device``, ``--fsdp-double-buffer``, ``--use-nccl-ub``,
   ``--megatron-fsdp-grad-comm-dtype``, ``--megatron-fsdp-main-grads-dtype``, ``--ckpt-format fsdp_dtensor``:
   Megatron-FSDP's flags, another part of issue #36 (not in megalm's parser yet);
-* ``--data-parallel-sharding-strategy optim_grads_params``: ZeRO-3 with expert parallelism is not built
-  (refused by name; the run uses the distributed optimizer the script also asks for);
 * ``--transformer-impl transformer_engine``, ``--use-flash-attn``: Transformer Engine and flash-attn need CUDA
   (refused by name on CPU).
 """
@@ -31,7 +29,6 @@ STRIPPED = [
     "--megatron-fsdp-grad-comm-dtype",
     "--megatron-fsdp-main-grads-dtype",
     "--ckpt-format",
-    "--data-parallel-sharding-strategy",
     "--transformer-impl",
     "--use-flash-attn",
 ]

@@ -90,7 +90,7 @@ def test_bad_flags_met_outside_validation_raise_megalm_errors():
 
     q = torch.zeros(2, 1, 1, 4)
     with pytest.raises(ConfigError, match="--reset-attention-mask is not supported with --transformer-impl"):
-        TESelfAttention.core_attention(None, q, q, q, attention_mask=torch.ones(1, 1, 2, 2, dtype=torch.bool))
+        TESelfAttention.attention_core(None, q, q, q, attention_mask=torch.ones(1, 1, 2, 2, dtype=torch.bool))
     with pytest.raises(ConfigError, match="--top-p must be in"):
         SamplingParams(top_p=0.0).validate()
     cfg = types.SimpleNamespace(

@@ -27,6 +27,7 @@ from megalm.estimate.cli import main as estimate_main
 from megalm.estimate.cli import parse
 from megalm.estimate.parameters import stage_parameters, total_parameters
 from megalm.estimate.planner import PlannerOptions, format_plan, plan
+from megalm.parallel_state import get_process_groups
 from megalm.presets import PRESETS, PresetError
 from megalm.tensor_parallel import model_parallel_manual_seed
 from tests.distributed_harness import run_distributed
@@ -64,8 +65,10 @@ def measured_state_bytes(cfg):
     from megalm.optimizer import build_optimizer
 
     dtype = torch.bfloat16 if cfg.training.bf16 else torch.float32
-    model = DistributedDataParallel(GPTModel(cfg).to(dtype), cfg.parallel)
-    optimizer = build_optimizer(cfg, [model])
+    model = DistributedDataParallel(
+        GPTModel(cfg, process_groups=get_process_groups()).to(dtype), cfg.parallel, process_groups=get_process_groups()
+    )
+    optimizer = build_optimizer(cfg, [model], process_groups=get_process_groups())
     optimizer.init_state()
     params = {id(p): p for p in model.parameters()}.values()
     grads = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in (p.main_grad for p in params)}
@@ -123,7 +126,7 @@ def test_moe_parameters_equal_built_model(arch):
         moe_shared_expert_intermediate_size=32,
         **arch,
     )
-    model = GPTModel(cfg)
+    model = GPTModel(cfg, process_groups=get_process_groups())
     named = list(model.named_parameters())
     expert = sum(p.numel() for n, p in named if ".experts." in n)
     vectors = [sum(p.numel() for n, p in named if p.ndim == 1 and (".experts." in n) == e) for e in (False, True)]
@@ -131,20 +134,6 @@ def test_moe_parameters_equal_built_model(arch):
     assert (st.total, st.expert) == (sum(p.numel() for p in model.parameters()), expert)
     assert [st.vectors, st.expert_vectors] == vectors
     assert arch or vectors[1] > 0  # the GPT architecture's experts have biases
-
-
-MLA = dict(
-    LLAMA,
-    group_query_attention=False,
-    num_query_groups=None,
-    multi_latent_attention=True,
-    qk_layernorm=True,
-    q_lora_rank=16,
-    kv_lora_rank=12,
-    qk_head_dim=8,
-    qk_pos_emb_head_dim=4,
-    v_head_dim=6,
-)
 
 
 @pytest.mark.parametrize("extra", [{}, dict(q_lora_rank=None, add_bias_linear=True)], ids=["dsv3", "no-q-lora-bias"])
@@ -162,7 +151,7 @@ def test_mla_and_mtp_parameters_equal_built_model(extra):
         mtp_num_layers=2,
         **{**MLA, **extra},
     )
-    model = GPTModel(cfg)
+    model = GPTModel(cfg, process_groups=get_process_groups())
     named = list(model.named_parameters())
     expert = sum(p.numel() for n, p in named if ".experts." in n)
     vectors = [sum(p.numel() for n, p in named if p.ndim == 1 and (".experts." in n) == e) for e in (False, True)]
@@ -189,7 +178,7 @@ def saved_activation_bytes(model, cfg, dtype) -> int:
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length), generator=g)
     labels = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length), generator=g)
-    model_parallel_manual_seed(0)  # the position-keyed dropout draws its key from the tracker
+    model_parallel_manual_seed(0, get_process_groups())  # the position-keyed dropout draws its key from the tracker
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
         model(tokens, None, labels)
     return sum(seen.values())
@@ -208,6 +197,20 @@ def predicted_activation_bytes(cfg) -> int:
         cp_comm_type=p.cp_comm_type,
     )
     return chunk_bytes(m, sh, list(range(m.num_layers)), True, True)["kept"]
+
+
+MLA = dict(
+    LLAMA,
+    group_query_attention=False,
+    num_query_groups=None,
+    multi_latent_attention=True,
+    qk_layernorm=True,
+    q_lora_rank=16,
+    kv_lora_rank=12,
+    qk_head_dim=8,
+    qk_pos_emb_head_dim=4,
+    v_head_dim=6,
+)
 
 
 ACTIVATION_CASES = {
@@ -229,6 +232,11 @@ ACTIVATION_CASES = {
     "llama-bf16-keyed-dropout": dict(bf16=True, attention_dropout=0.1, position_keyed_attention_dropout=True, **LLAMA),
     "gpt-fp32-unfused-attention-dropout": dict(attention_backend="unfused", attention_dropout=0.1),
     "llama-bf16-unfused-attention": dict(bf16=True, attention_backend="unfused", **LLAMA),
+    "mla-fp32": dict(**MLA),
+    "mla-no-q-lora-fp32": dict(**{**MLA, "q_lora_rank": None}),
+    "mla-bf16": dict(bf16=True, **MLA),
+    "mla-selective": dict(recompute_granularity="selective", **MLA),
+    "mla-mtp2": dict(mtp_num_layers=2, **MLA),
 }
 
 
@@ -267,7 +275,7 @@ def test_activation_estimate_matches_saved_tensors(case):
 
     cfg = make_cfg(**ACTIVATION_CASES[case])
     dtype = torch.bfloat16 if cfg.training.bf16 else torch.float32
-    measured = saved_activation_bytes(GPTModel(cfg), cfg, dtype)
+    measured = saved_activation_bytes(GPTModel(cfg, process_groups=get_process_groups()), cfg, dtype)
     predicted = predicted_activation_bytes(cfg)
     assert abs(predicted - measured) / measured < 0.05, (case, predicted, measured)
 
@@ -280,7 +288,7 @@ def _tp2_measurements(cases):
     out = []
     for model_kw, sp in cases:
         cfg = make_cfg(tp=2, sp=sp, **model_kw)
-        model = GPTModel(cfg)
+        model = GPTModel(cfg, process_groups=get_process_groups())
         out.append((sum(p.numel() for p in model.parameters()), saved_activation_bytes(model, cfg, torch.float32)))
     return out
 
@@ -305,12 +313,14 @@ def _cp2_measurements(cases):
     from megalm.models import GPTModel
 
     parallel_state.initialize_model_parallel(context_parallel_size=2)
-    model_parallel_manual_seed(0)  # attention dropout under CP is position-keyed: its key comes from the tracker
+    model_parallel_manual_seed(
+        0, get_process_groups()
+    )  # attention dropout under CP is position-keyed: its key comes from the tracker
     rank = parallel_state.get_context_parallel_rank()
     out = []
     for comm, model_kw in cases:
         cfg = cp2_cfg(comm, **model_kw)
-        model, t, seq = GPTModel(cfg), cfg.training, cfg.model.seq_length
+        model, t, seq = GPTModel(cfg, process_groups=get_process_groups()), cfg.training, cfg.model.seq_length
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         seen = {}
 
@@ -635,7 +645,7 @@ def test_mla_and_mtp_flops_equal_counted(extra):
             **extra,
         },
     )
-    model = GPTModel(cfg, fusion_plan=EAGER).train()
+    model = GPTModel(cfg, fusion_plan=EAGER, process_groups=get_process_groups()).train()
     tokens = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
     with FlopCounterMode(display=False) as counter:
         model(tokens, labels=tokens).mean().backward()

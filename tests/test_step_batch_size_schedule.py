@@ -72,7 +72,6 @@ def _cfg(**training):
     [
         ({"global_batch_size": 8}, 1, "do not give --global-batch-size 8"),
         ({"rampup_batch_size": [4, 4, 16]}, 1, "give only one of --step-batch-size-schedule and --rampup-batch-size"),
-        ({"train_samples": None, "train_iters": 5}, 1, "needs --train-samples"),
         ({"step_batch_size_schedule": "4:4"}, 1, "the first threshold must be 0"),
         ({"step_batch_size_schedule": "0:4 256:6"}, 2, "batch 6 is not divisible by --micro-batch-size 2 x"),
     ],
@@ -80,6 +79,28 @@ def _cfg(**training):
 def test_config_checks(training, world, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate_config(_cfg(**training), world_size=world)
+
+
+def test_schedules_with_train_iters_validate_as_in_megatron():
+    """Megatron follows the schedule (or ramp) by consumed samples for --train-iters iterations."""
+    cfg = validate_config(_cfg(train_samples=None, train_iters=5), world_size=1)
+    assert cfg.training.train_iters == 5 and cfg.training.global_batch_size == 16
+    ramp = _cfg(train_samples=None, train_iters=5, step_batch_size_schedule=None, rampup_batch_size=[4, 4, 16])
+    ramp.training.global_batch_size = 8
+    assert validate_config(ramp, world_size=1).training.rampup_batch_size == [4, 4, 16]
+
+
+def test_vocab_and_merge_files_default_to_gpt2_bpe_at_parse_time(tmp_path):
+    """As Megatron's pretrain_gpt.py: --vocab-file / --merge-file without --tokenizer-type mean GPT2BPETokenizer;
+    a missing merge file is then refused before any rank starts."""
+    from megalm.config import build_parser, config_from_args
+
+    def parse(*argv):
+        return validate_config(config_from_args(build_parser().parse_args(list(argv))), world_size=1)
+
+    assert parse("--vocab-file", "v.json", "--merge-file", "m.txt").data.tokenizer_type == "GPT2BPETokenizer"
+    with pytest.raises(ConfigError, match="--tokenizer-type GPT2BPETokenizer needs --merge-file"):
+        parse("--vocab-file", "v.json")
 
 
 def test_the_global_batch_size_is_the_schedules_largest():
@@ -168,3 +189,26 @@ def test_lr_batch_scaling_sqrt_scales_each_iterations_lr(runs):
     assert [r["lr"] for r in plain] == [2e-3] * len(BATCHES)
     assert scaled[0]["lm_loss"] == plain[0]["lm_loss"]  # same start; the smaller lr shows from the first update on
     assert abs(scaled[1]["lm_loss"] - plain[1]["lm_loss"]) > 1e-6
+
+
+def test_megatron_fsdp_gradient_dtypes_set_the_gradient_buffers():
+    """--megatron-fsdp-main-grads-dtype / --megatron-fsdp-grad-comm-dtype choose fp32 or the parameters' dtype for
+    the buffers gradients accumulate and reduce in; conflicting or impossible choices are refused."""
+    from megalm.config import build_parser, config_from_args
+
+    def parse(*argv):
+        return validate_config(config_from_args(build_parser().parse_args(list(argv))), world_size=1).parallel
+
+    assert parse("--bf16").accumulate_allreduce_grads_in_fp32
+    assert not parse("--bf16", "--megatron-fsdp-main-grads-dtype", "bf16").accumulate_allreduce_grads_in_fp32
+    bf16 = parse("--bf16", "--megatron-fsdp-grad-comm-dtype", "bf16", "--megatron-fsdp-main-grads-dtype", "bf16")
+    assert not bf16.accumulate_allreduce_grads_in_fp32
+    assert parse(
+        "--bf16", "--grad-reduce-in-bf16", "--megatron-fsdp-main-grads-dtype", "fp32"
+    ).accumulate_allreduce_grads_in_fp32
+    with pytest.raises(ConfigError, match="must be the same"):
+        parse("--bf16", "--megatron-fsdp-main-grads-dtype", "fp32", "--megatron-fsdp-grad-comm-dtype", "bf16")
+    with pytest.raises(ConfigError, match="needs --fp16 parameters"):
+        parse("--bf16", "--megatron-fsdp-grad-comm-dtype", "fp16")
+    with pytest.raises(ConfigError, match="checkpoint_inspector.py"):
+        parse("--ckpt-format", "fsdp_dtensor")

@@ -179,7 +179,8 @@ def run(args) -> List[dict]:
     try:
         device = get_device()
         if parallel_state.model_parallel_is_initialized() and _world_size() > 1:
-            model, cfg, reader = load_model_parallel(args.load, args.iteration, dtype=dtype)
+            groups = parallel_state.get_process_groups()  # the tool builds the layout and passes its groups
+            model, cfg, reader = load_model_parallel(args.load, args.iteration, dtype=dtype, groups=groups)
         else:
             model, cfg, reader = load_model(args.load, args.iteration, dtype=dtype)
             model = model.to(device)

@@ -42,8 +42,21 @@ def parse_moe_layer_freq(text) -> Union[int, List[int]]:
     return out
 
 
+def parse_int_pair(text) -> List[int]:
+    """``--window-size``: Megatron's ``left,right`` pair (``"127,0"`` or ``"(127,0)"``) -> ``[127, 0]``."""
+    if isinstance(text, (list, tuple)):
+        return [int(v) for v in text]
+    try:
+        values = [int(v) for v in str(text).strip("()[] ").split(",")]
+    except ValueError:
+        values = []
+    if len(values) != 2:
+        raise argparse.ArgumentTypeError(f"expected two integers such as 127,0, got {text!r}")
+    return values
+
+
 # Flag parsers for fields whose type is not a plain int/float/str (metadata["type"]).
-_FLAG_TYPES = {"moe_layer_freq": parse_moe_layer_freq}
+_FLAG_TYPES = {"moe_layer_freq": parse_moe_layer_freq, "int_pair": parse_int_pair}
 
 
 def _flag(f: dataclasses.Field) -> str:

@@ -14,6 +14,7 @@ from typing import List, Optional, Tuple
 from megalm.config.batch_schedule import ScheduleError, parse_step_batch_size_schedule
 from megalm.config.data import missing_tokenizer_flags
 from megalm.config.fields import ConfigError, check
+from megalm.config.fsdp import validate_fsdp_grad_dtypes
 from megalm.config.lr_schedule import validate_lr_schedule_lengths
 from megalm.log import get_logger
 
@@ -28,11 +29,11 @@ def pad_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int
 def validate_cross(cfg, world_size: Optional[int]) -> None:
     """Every check that reads two sections; sets the derived values that need them."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
+    validate_fsdp_grad_dtypes(p, t)  # Megatron-FSDP's gradient dtypes onto the gradient buffers
     _validate_model_split(m, p)
     _validate_mtp(m, p)
     vpp = _validate_pipeline(m, p)
     _validate_context_parallel(m, p)
-    _check_sharding_with_experts(m, p)
     _validate_sequence_parallel(m, p)
     _validate_moe_layout(m, p)
     _validate_expert_tensor_parallel(m, p, t)
@@ -47,6 +48,21 @@ def validate_cross(cfg, world_size: Optional[int]) -> None:
     if lg.wandb_project and not lg.wandb_save_dir and cfg.checkpoint.save:
         lg.wandb_save_dir = os.path.join(cfg.checkpoint.save, "wandb")  # Megatron's default
     _validate_hang_watchdog(t, p)
+    _validate_rebalance(cfg.data, p, t)
+
+
+def _validate_rebalance(d, p, t) -> None:
+    if not t.straggler_rebalance_interval:
+        return
+    check(
+        d.dataloader_type == "single",
+        "--straggler-rebalance-interval needs --dataloader-type single (shares are slots of each global batch)",
+    )
+    check(
+        not p.num_layers_per_virtual_pipeline_stage,
+        "--straggler-rebalance-interval does not work with the interleaved pipeline schedule (its micro-batch "
+        "count must be a multiple of the pipeline size on every replica)",
+    )
 
 
 def _validate_model_split(m, p) -> None:
@@ -163,14 +179,6 @@ def _validate_context_parallel(m, p) -> None:
             f"--cp-comm-type a2a needs the attention heads ({heads}) and KV groups ({groups}) per "
             f"tensor-parallel rank divisible by --context-parallel-size {cp}",
         )
-
-
-def _check_sharding_with_experts(m, p) -> None:
-    check(
-        p.data_parallel_sharding_strategy != "optim_grads_params" or m.num_experts is None,
-        "--data-parallel-sharding-strategy optim_grads_params with --num-experts is not built yet (ranks whose "
-        "experts get different tokens could gather in different orders)",
-    )
 
 
 def _validate_sequence_parallel(m, p) -> None:
@@ -326,7 +334,6 @@ def _validate_step_schedule(m, t) -> None:
         f"--step-batch-size-schedule sets the global batch size (its largest batch, {largest}); "
         f"do not give --global-batch-size {t.global_batch_size}",
     )
-    check(t.train_samples is not None, "--step-batch-size-schedule needs --train-samples (not --train-iters)")
     t.global_batch_size = largest
     batches = [b for _, b in schedule]
     if len(set(batches)) > 1 and t.lr_batch_scaling == "none":
@@ -414,6 +421,8 @@ def _validate_data(d, m, p) -> None:
             (m.position_keyed_attention_dropout, "--position-keyed-attention-dropout (its core is causal only)"),
         ):
             check(not refused, f"--reset-attention-mask is not supported with {what}")
+    if d.tokenizer_type is None and (d.vocab_file or d.merge_file):
+        d.tokenizer_type = "GPT2BPETokenizer"  # Megatron's pretrain_gpt default for --vocab-file / --merge-file
     if d.tokenizer_type is not None:
         missing = missing_tokenizer_flags(
             d.tokenizer_type,

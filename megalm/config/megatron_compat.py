@@ -31,6 +31,16 @@ NO_EFFECT = {
     "--distributed-backend": "megalm picks the backend itself (nccl with CUDA, gloo without) and checked it matches",
     "--ckpt-format": "megalm writes torch.distributed.checkpoint, which is Megatron's torch_dist",
     "--tiktoken-pattern": "only Megatron's TikTokenizer reads it, and megalm has no TikTokenizer",
+    "--export-force-local-attention": "a ModelOpt export switch (local attention instead of Transformer Engine's); "
+    "megalm's attention cores are its own, and windows and sinks run in each of them",
+    "--init-model-with-meta-device": "megalm creates every parameter directly on the training device with only "
+    "this rank's tensor/expert-parallel shard and fills it once by the layout-independent initialization (no "
+    "host copy, no second init); under ZeRO-3 the TP-local parameters are allocated before the sharded buffer "
+    "takes them",
+    "--use-nccl-ub": "NCCL user-buffer registration (NCCL only; megalm's buffers are plain PyTorch allocations)",
+    "--fsdp-double-buffer": "Megatron-FSDP's double-buffered all-gather/reduce-scatter buffers for NCCL user "
+    "buffers (NCCL only); megalm's ZeRO-3 gathers into its own per-bucket buffers",
+    "--fsdp-manual-registration": "manual NCCL user-buffer registration with --use-nccl-ub (NCCL only)",
     "--moe-permute-fusion": "megalm permutes tokens to experts with PyTorch index ops (the same order and results); "
     "Transformer Engine's fused permute kernels are CUDA-only",
     "--moe-flex-dispatcher-backend": "--moe-token-dispatcher-type flex runs megalm's alltoall dispatcher; the "
@@ -46,8 +56,8 @@ NO_EFFECT = {
 UNSUPPORTED = {
     "--fp8-format": "fp8 needs Transformer Engine's layers (--transformer-impl transformer_engine on a GPU)",
     "--fp8-param-gather": "fp8 parameter all-gather is not built (fp8 runs inside Transformer Engine's layers only)",
-    "--window-size": "sliding-window attention is not built",
-    "--rampup-batch-size": "with --train-iters: refused as in Megatron-LM (a ramp needs --train-samples)",
+    "--ckpt-format": "formats other than torch_dist (torch, zarr, Megatron-FSDP's fsdp_dtensor): megalm reads and "
+    "writes torch_dist; convert with tools/checkpoint/convert.py",
     "--profile": "without --use-pytorch-profiler on a machine without CUDA (nsys profiles CUDA only)",
 }
 
@@ -78,6 +88,11 @@ class MegatronCompatConfig(Section):
     )
     tiktoken_pattern: Optional[str] = _f(None, "No effect: " + NO_EFFECT["--tiktoken-pattern"] + ".")
     use_megatron_fsdp: bool = _f(False, "No effect: " + NO_EFFECT["--use-megatron-fsdp"] + ".")
+    init_model_with_meta_device: bool = _f(False, "No effect: " + NO_EFFECT["--init-model-with-meta-device"] + ".")
+    nccl_ub: bool = _f(False, "No effect: " + NO_EFFECT["--use-nccl-ub"] + ".", flag="--use-nccl-ub")
+    fsdp_double_buffer: bool = _f(False, "No effect: " + NO_EFFECT["--fsdp-double-buffer"] + ".")
+    fsdp_manual_registration: bool = _f(False, "No effect: " + NO_EFFECT["--fsdp-manual-registration"] + ".")
+    export_force_local_attention: bool = _f(False, "No effect: " + NO_EFFECT["--export-force-local-attention"] + ".")
     moe_permute_fusion: bool = _f(False, "No effect: " + NO_EFFECT["--moe-permute-fusion"] + ".")
     moe_flex_dispatcher_backend: Optional[str] = _f(
         None, "No effect: " + NO_EFFECT["--moe-flex-dispatcher-backend"] + ".", choices=["deepep", "hybridep"]
@@ -85,7 +100,6 @@ class MegatronCompatConfig(Section):
     auto_detect_ckpt_format: bool = _f(False, "No effect: " + NO_EFFECT["--auto-detect-ckpt-format"] + ".")
     enable_experimental: bool = _f(False, "No effect: " + NO_EFFECT["--enable-experimental"] + ".")
     fp8_param_gather: bool = _f(False, "Refused: " + UNSUPPORTED["--fp8-param-gather"] + ".")
-    window_size: Optional[str] = _f(None, "Refused: " + UNSUPPORTED["--window-size"] + ".")
 
     def validate(self) -> None:
         """Refuses the flags whose value megalm cannot honour (see :func:`refusal`)."""
@@ -112,6 +126,11 @@ def given_no_effect_flags(c: MegatronCompatConfig) -> list:
         "--ckpt-format": c.ckpt_format is not None,
         "--tiktoken-pattern": c.tiktoken_pattern is not None,
         "--use-megatron-fsdp": c.use_megatron_fsdp,
+        "--export-force-local-attention": c.export_force_local_attention,
+        "--init-model-with-meta-device": c.init_model_with_meta_device,
+        "--use-nccl-ub": c.nccl_ub,
+        "--fsdp-double-buffer": c.fsdp_double_buffer,
+        "--fsdp-manual-registration": c.fsdp_manual_registration,
         "--moe-permute-fusion": c.moe_permute_fusion,
         "--moe-flex-dispatcher-backend": c.moe_flex_dispatcher_backend is not None,
         "--auto-detect-ckpt-format": c.auto_detect_ckpt_format,
@@ -122,12 +141,15 @@ def given_no_effect_flags(c: MegatronCompatConfig) -> list:
 
 def refusal(c: MegatronCompatConfig, backend: str) -> Optional[str]:
     """Why these flags cannot be honoured (None when they can); ``backend``: the one megalm picks."""
-    for flag, given in (
-        ("--fp8-param-gather", c.fp8_param_gather),
-        ("--window-size", c.window_size is not None),
-    ):
+    for flag, given in (("--fp8-param-gather", c.fp8_param_gather),):
         if given:
             return f"{flag} is not supported by megalm: {UNSUPPORTED[flag]}"
+    if c.ckpt_format == "fsdp_dtensor":
+        return (
+            "--ckpt-format fsdp_dtensor is not supported: megalm reads and writes torch_dist (drop the flag or give "
+            "--ckpt-format torch_dist; Megatron's tools/checkpoint/checkpoint_inspector.py "
+            "convert-torch-dist-to-fsdp-dtensor turns the checkpoints into fsdp_dtensor ones for Megatron-FSDP)"
+        )
     if c.ckpt_format is not None and c.ckpt_format != "torch_dist":
         return (
             f"--ckpt-format {c.ckpt_format} is not supported: megalm reads and writes torch_dist "

@@ -30,7 +30,9 @@ class ModelConfig(Section):
     seq_length: int = _f(128, "Sequence length of training samples.")
     max_position_embeddings: Optional[int] = _f(None, "Size of the learned position table; default --seq-length.")
     position_embedding_type: str = _f(
-        "learned_absolute", "Position embedding.", choices=["learned_absolute", "rope", "none"]
+        "learned_absolute",
+        "Position embedding (yarn: Megatron's spelling of rope with --rope-type yarn).",
+        choices=["learned_absolute", "rope", "yarn", "none"],
     )
     add_position_embedding: bool = _f(
         True,
@@ -214,6 +216,56 @@ class ModelConfig(Section):
         "most_recent", "FP8 delayed scaling: the amax used from the history.", choices=["most_recent", "max"]
     )
 
+    # gpt-oss: sliding-window attention, softmax sinks, clamped GLU, YaRN (megalm/config/gptoss.py checks them).
+    window_size: Optional[List[int]] = _f(
+        None,
+        "Sliding-window attention as Megatron's (left,right) pair, e.g. 127,0: query i sees keys i-left..i "
+        "(causal, so right must be 0; -1 as left: unbounded = full attention).",
+        type="int_pair",
+    )
+    window_attn_skip_freq: Optional[Union[int, List[int]]] = _f(
+        None,
+        "With --window-size: which layers keep full attention. An int N: every N-th layer (1-based layer numbers "
+        "divisible by N) is full, the others sliding-window; or a list with one 0/1 entry per layer as a Python "
+        'expression, e.g. "[1,1,1,0]*3" (1: sliding window, 0: full). Unset: every layer slides.',
+        type="moe_layer_freq",
+    )
+    softmax_type: str = _f(
+        "vanilla",
+        "Attention softmax: vanilla; off-by-one (a constant 0 logit in every row's denominator: "
+        "exp(s_j) / (1 + sum exp(s)); learnable (a learned per-head sink logit in the denominator, gpt-oss).",
+        choices=["vanilla", "off-by-one", "learnable"],
+    )
+    quick_geglu: bool = _f(
+        False, "Gated MLP with quick-GELU: x1 * sigmoid(1.702 x1) * (x2 + --glu-linear-offset) for [x1; x2] = fc1(x)."
+    )
+    glu_linear_offset: float = _f(0.0, "Offset added to the linear half of a gated MLP (gpt-oss: 1.0).")
+    activation_func_clamp_value: Optional[float] = _f(
+        None,
+        "Clamp of a gated MLP's fc1 output (gpt-oss: 7.0): the gated half to at most c, the linear half to [-c, c].",
+    )
+    yarn_original_max_position_embeddings: Optional[int] = _f(
+        None, "YaRN (Megatron's non-MLA spelling of --original-max-position-embeddings): the pre-extension context."
+    )
+    yarn_beta_fast: Optional[float] = _f(None, "YaRN: Megatron's non-MLA spelling of --beta-fast.")
+    yarn_beta_slow: Optional[float] = _f(None, "YaRN: Megatron's non-MLA spelling of --beta-slow.")
+    yarn_correction_range_round_to_int: Optional[bool] = _f(
+        None,
+        "YaRN: round the correction range to integers (Megatron's default; --no-yarn-correction-range-round-to-int: "
+        "do not, as gpt-oss).",
+        action=argparse.BooleanOptionalAction,
+    )
+    enable_gpt_oss: bool = _f(
+        False,
+        "gpt-oss's YaRN with Megatron's values: --rope-type yarn, factor 32, original context 131072, "
+        "beta 32/1, mscale 1/0, no rounding (as Megatron's ModelOpt builder sets them).",
+    )
+    disable_bf16_reduced_precision_matmul: bool = _f(
+        False,
+        "On CUDA: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False (bf16 GEMMs accumulate "
+        "at full precision). No effect on a CPU.",
+    )
+
     # Mixture of experts (Megatron-LM's --num-experts / --moe-* flags); see megalm/transformer/moe.
     num_experts: Optional[int] = _f(None, "Number of experts in each MoE layer (unset: dense model).")
     moe_ffn_hidden_size: Optional[int] = _f(None, "Hidden size of each expert's MLP; default --ffn-hidden-size.")
@@ -301,6 +353,11 @@ class ModelConfig(Section):
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
+    def gated_linear_unit(self) -> bool:
+        """fc1 is a fused ``[gate; up]`` pair (SwiGLU or quick-GEGLU)."""
+        return self.swiglu or self.quick_geglu
+
+    @property
     def num_kv_heads(self) -> int:
         return self.num_query_groups if self.group_query_attention else self.num_attention_heads
 
@@ -327,10 +384,11 @@ class ModelConfig(Section):
             )
             self.recompute_granularity = "selective"
         if self.ffn_hidden_size is None:
-            ffn = int((4 * self.hidden_size * 2 / 3) / 64) * 64 if self.swiglu else 4 * self.hidden_size
-            self.ffn_hidden_size = max(ffn, 64 if self.swiglu else ffn)
+            glu = self.swiglu or self.quick_geglu
+            ffn = int((4 * self.hidden_size * 2 / 3) / 64) * 64 if glu else 4 * self.hidden_size
+            self.ffn_hidden_size = max(ffn, 64 if glu else ffn)
         check(
-            not (self.openai_gelu and self.swiglu),
+            not (self.openai_gelu and (self.swiglu or self.quick_geglu)),
             "--openai-gelu selects the GELU of a GELU MLP; with --swiglu the MLP has no GELU: drop one of them",
         )
         if self.position_embedding_type == "rope" and not self.multi_latent_attention:

@@ -147,6 +147,20 @@ class ParallelConfig(Section):
     accumulate_allreduce_grads_in_fp32: bool = _f(
         True, "Accumulate and reduce gradients in fp32 (on unless --grad-reduce-in-bf16)."
     )
+    megatron_fsdp_main_grads_dtype: str = _f(
+        "auto",
+        "Dtype of the gradient buffers (accumulation and the optimizer's main gradients): fp32 = "
+        "--accumulate-allreduce-grads-in-fp32; bf16 / fp16 = the parameters' dtype (needs --bf16 / --fp16); auto: "
+        "as the other flags say.",
+        choices=["fp32", "bf16", "fp16", "auto"],
+    )
+    megatron_fsdp_grad_comm_dtype: str = _f(
+        "auto",
+        "Dtype the gradients are reduced in over data-parallel ranks. megalm reduces in its gradient buffers, so "
+        "this sets their dtype as --megatron-fsdp-main-grads-dtype does (auto: the main-gradient dtype); the two "
+        "must agree when both are given.",
+        choices=["fp32", "bf16", "fp16", "auto"],
+    )
     grad_reduce_in_bf16: bool = _f(
         False,
         "With --bf16: accumulate and reduce gradients in bf16 (half the data-parallel bytes; the optimizer "
@@ -194,7 +208,8 @@ class ParallelConfig(Section):
     def _validate_sharding_strategy(self) -> None:
         """``--data-parallel-sharding-strategy`` and ``--use-distributed-optimizer`` made consistent:
         every strategy but ``no_shard`` turns the distributed optimizer on, and the distributed optimizer
-        alone means ``optim``.  ``optim_grads`` and ``optim_grads_params`` are refused where they are not built."""
+        alone means ``optim``.  ``optim_grads`` and ``optim_grads_params`` are refused where they are not built;
+        with MoE, ZeRO-3 keeps the expert weights gathered (:mod:`megalm.distributed.sharded_param_buffer`)."""
         s = self.data_parallel_sharding_strategy
         if s == "no_shard" and self.use_distributed_optimizer:
             self.data_parallel_sharding_strategy = s = "optim"
@@ -204,7 +219,6 @@ class ParallelConfig(Section):
             return
         for flag, size in (
             ("--pipeline-model-parallel-size", self.pipeline_model_parallel_size),
-            ("--expert-model-parallel-size", self.expert_model_parallel_size),
             ("--expert-tensor-parallel-size", self.expert_tensor_parallel_size or 1),
         ):
             check(size == 1, f"--data-parallel-sharding-strategy {s} with {flag} {size} is not built yet")

@@ -19,14 +19,17 @@ class TrainingConfig(Section):
     micro_batch_size: int = _f(1, "Samples per microbatch per data-parallel rank.")
     global_batch_size: Optional[int] = _f(None, "Samples per iteration over all ranks; default micro x DP.")
     rampup_batch_size: Optional[List[int]] = _f(
-        None, "Batch size ramp-up: <start> <increment> <ramp-up samples>.", nargs=3
+        None,
+        "Batch size ramp-up: <start> <increment> <ramp-up samples>; with --train-samples or --train-iters (then "
+        "that many iterations, each batch by the samples consumed so far, as Megatron-LM).",
+        nargs=3,
     )
     step_batch_size_schedule: Optional[str] = _f(
         None,
         "Global batch size by consumed tokens: '<tokens>:<batch> ...', e.g. '0:16 2.4B:320' (suffixes K M B T; "
         "the first threshold 0; tokens become samples by floor division by --seq-length). Sets the global "
-        "batch size itself (not with --global-batch-size or --rampup-batch-size); needs --train-samples. The "
-        "learning rate follows the batch only with --lr-batch-scaling.",
+        "batch size itself (not with --global-batch-size or --rampup-batch-size); with --train-samples or "
+        "--train-iters. The learning rate follows the batch only with --lr-batch-scaling.",
     )
     lr_batch_scaling: str = _f(
         "none",
@@ -222,6 +225,18 @@ class TrainingConfig(Section):
     hang_watchdog_dir: Optional[str] = _f(
         None, "Where the hang watchdog appends rank_<rank>.txt (default: <--save>/hang_stacks; none: stderr only)."
     )
+    straggler_rebalance_interval: int = _f(
+        0,
+        "Every this many iterations, re-split each global batch's micro-batches between data-parallel replicas "
+        "in proportion to their measured speed, so a slow replica does fewer (needs --calculate-per-token-loss "
+        "and --dataloader-type single; the loss is the balanced run's up to summation order; 0: off; megalm's flag).",
+    )
+    first_step_timeout_seconds: float = _f(
+        300.0,
+        "Fail fast, naming the rank(s) and host(s), when a rank has not finished its first training step this "
+        "many seconds after set-up ended (exit code 75, which torchrun --max-restarts restarts); raise it for "
+        "first steps that compile for minutes (0: off; megalm's flag).",
+    )
 
     def validate(self) -> None:
         """Optimizer offload, precision, numerics checks, optimizer hyper-parameters, batch scaling, the
@@ -248,13 +263,28 @@ class TrainingConfig(Section):
             not (self.train_iters is not None and self.train_samples is not None),
             "give only one of --train-iters and --train-samples",
         )
-        check(
-            self.rampup_batch_size is None or self.train_samples is not None,
-            "--rampup-batch-size needs --train-samples",
-        )
+        first = self.first_step_timeout_seconds
+        check(first >= 0, f"--first-step-timeout-seconds must be >= 0 (0: off), got {first:g}")
+        self._validate_rebalance()
         from megalm.config.lr_schedule import validate_lr_schedule_flags
 
         validate_lr_schedule_flags(self)
+
+    def _validate_rebalance(self) -> None:
+        n = self.straggler_rebalance_interval
+        check(n >= 0, f"--straggler-rebalance-interval must be >= 0 (0: off), got {n}")
+        if not n:
+            return
+        check(
+            self.calculate_per_token_loss,
+            "--straggler-rebalance-interval needs --calculate-per-token-loss: replicas with different micro-batch "
+            "counts are weighted by tokens only then (the mean of per-micro-batch means would weight them unevenly)",
+        )
+        check(
+            not self.rampup_batch_size and not self.step_batch_size_schedule,
+            "--straggler-rebalance-interval needs a constant global batch (no --rampup-batch-size or "
+            "--step-batch-size-schedule)",
+        )
 
     def _validate_numerics_checks(self) -> None:
         """--max-overflows-at-min-loss-scale and --check-for-spiky-loss's options."""

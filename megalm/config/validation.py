@@ -10,6 +10,7 @@ import dataclasses
 from typing import Optional
 
 from megalm.config.cross import pad_vocab_size, step_schedule, validate_cross
+from megalm.config.gptoss import validate_gptoss
 from megalm.config.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES, lr_schedule_samples
 from megalm.config.megatron_compat import NO_EFFECT, given_no_effect_flags
 from megalm.config.model import RECOMPUTE_MODULES
@@ -54,6 +55,7 @@ def validate_config(cfg: MegalmConfig, world_size: Optional[int] = None) -> Mega
     returned.  Raises :class:`ConfigError`."""
     if cfg.frozen or any(getattr(cfg, f.name).frozen for f in dataclasses.fields(cfg)):
         cfg = copy.deepcopy(cfg)  # copies do not carry the freeze
+    validate_gptoss(cfg.model, cfg.parallel)  # yarn spelling -> rope + YaRN, window/sink refusals
     cfg.model.validate()
     cfg.parallel.validate()
     cfg.training.validate()

@@ -8,7 +8,8 @@ memory per rank is ``O(s)``.
 
 Communication, forward: two all-gathers (``(CP-1) 2c b g d`` elements received per rank for each
 of k and v); backward two reduce-scatters of the K/V gradients (every rank's queries contribute
-to every key).
+to every key).  gpt-oss's window and sinks (``variant``) enter each chunk's SDPA as its mask and
+a sink column (:mod:`megalm.transformer.attention_variants`); a window also trims the keys a chunk reads.
 """
 
 from __future__ import annotations
@@ -25,10 +26,18 @@ from megalm.parallel_state import group_rank, group_size
 from megalm.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 
-def _chunk_attention(q, k, v, chunk: int, gqa: bool, dropout: Optional[KeyedDropout]) -> torch.Tensor:
-    """Query chunk ``chunk`` (``[b, n, c, d]``) against full-sequence ``k``/``v`` ``[b, g, s, d]``."""
+def _chunk_attention(q, k, v, chunk: int, gqa: bool, dropout: Optional[KeyedDropout], variant=None) -> torch.Tensor:
+    """Query chunk ``chunk`` (``[b, n, c, d]``) against full-sequence ``k``/``v`` ``[b, g, s, d]``;
+    ``variant``: gpt-oss's ``(window, sinks)`` or None."""
     c = q.shape[2]
     end = (chunk + 1) * c
+    if variant is not None:
+        from megalm.transformer.attention_variants import variant_attention  # (megalm.transformer imports this)
+
+        window, sinks = variant
+        start = 0 if window is None else max(0, chunk * c - window)  # keys before it are outside every window
+        k, v = k[:, :, start:end], v[:, :, start:end]
+        return variant_attention(q, k, v, window, sinks, query_offset=chunk * c - start)
     if dropout is not None:
         keys = torch.arange(end, device=q.device)
         block = BlockDropout(dropout, keys[chunk * c :], keys)
@@ -38,7 +47,12 @@ def _chunk_attention(q, k, v, chunk: int, gqa: bool, dropout: Optional[KeyedDrop
 
 
 def allgather_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, dropout: Optional[KeyedDropout] = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group,
+    dropout: Optional[KeyedDropout] = None,
+    variant=None,
 ) -> torch.Tensor:
     """Causal attention of ``[2c, b, n, d]`` q and ``[2c, b, g, d]`` k/v over ``group``'s sequence;
     returns ``[2c, b, n, d]``.  ``dropout``: the call's position-keyed attention dropout, or None."""
@@ -49,7 +63,7 @@ def allgather_attention(
     half = q.shape[2] // 2
     first, second = chunk_ids(rank, cp)
     outs = [
-        _chunk_attention(q[:, :, :half], k, v, first, gqa, dropout),
-        _chunk_attention(q[:, :, half:], k, v, second, gqa, dropout),
+        _chunk_attention(q[:, :, :half], k, v, first, gqa, dropout, variant),
+        _chunk_attention(q[:, :, half:], k, v, second, gqa, dropout, variant),
     ]
     return torch.cat(outs, dim=2).permute(2, 0, 1, 3)

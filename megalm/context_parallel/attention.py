@@ -8,7 +8,7 @@ the ``cp`` group.  The communication of each type is in its module.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -29,6 +29,7 @@ def context_parallel_attention(
     comm_type: str,
     causal_core: Callable,
     dropout: Optional[KeyedDropout] = None,
+    variant: Optional[Tuple[Optional[int], Optional[torch.Tensor]]] = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's chunks over ``group``'s sequence.
 
@@ -36,12 +37,19 @@ def context_parallel_attention(
     layer's local backend, used by ``a2a`` on the full sequence of its heads; ``p2p`` and
     ``allgather`` compute their masked blocks themselves.  ``dropout``: the call's position-keyed
     attention dropout (:mod:`.keyed_dropout`): every type applies the entries of the global
-    positions it computes, so the result does not depend on ``CP`` or the type."""
+    positions it computes, so the result does not depend on ``CP`` or the type.  ``variant``: gpt-oss's
+    ``(window, sinks)`` (:mod:`megalm.transformer.attention_variants`): ``allgather`` applies them to its
+    chunks, ``a2a``'s ``causal_core`` applies them itself, ``p2p`` refuses them."""
+    if variant is not None and comm_type == "p2p":
+        raise ContextParallelError(
+            "sliding-window attention / softmax sinks are not built in the ring (p2p) core: use --cp-comm-type "
+            "a2a or allgather"
+        )
     if comm_type == "p2p":
         heads_first = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         return ring_attention(*heads_first, group, dropout=dropout).permute(2, 0, 1, 3)
     if comm_type == "a2a":
         return ulysses_attention(q, k, v, group, causal_core, dropout)
     if comm_type == "allgather":
-        return allgather_attention(q, k, v, group, dropout)
+        return allgather_attention(q, k, v, group, dropout, variant)
     raise ContextParallelError(f"--cp-comm-type must be one of {', '.join(COMM_TYPES)}, got {comm_type!r}")

@@ -16,10 +16,11 @@ from megalm.conversion.base import Architecture
 from megalm.conversion.deepseek_v3 import DeepseekV3
 from megalm.conversion.errors import ConversionError
 from megalm.conversion.gpt2 import GPT2
+from megalm.conversion.gptoss import GptOss
 from megalm.conversion.llama import Llama
 from megalm.conversion.mixtral import Mixtral
 
-ARCHITECTURES: List[Architecture] = [Llama(), GPT2(), Mixtral(), DeepseekV3()]
+ARCHITECTURES: List[Architecture] = [Llama(), GPT2(), GptOss(), Mixtral(), DeepseekV3()]
 MOE_MODEL_TYPES = (
     "mixtral",
     "qwen2_moe",

@@ -172,16 +172,16 @@ def checkpoint_shapes(m) -> Dict[str, tuple]:
     mla_norms = {}
     if m.multi_latent_attention:
         attention, mla_norms = mla_attention_shapes(m), mla_norm_shapes(m)
-    dense = {"mlp.linear_fc1": (2, f, h) if m.swiglu else (f, h), "mlp.linear_fc2": (h, f)}
+    dense = {"mlp.linear_fc1": (2, f, h) if m.gated_linear_unit else (f, h), "mlp.linear_fc2": (h, f)}
     moe = {}
     if m.num_experts:
         big_f = m.moe_ffn_hidden_size or f
         for j in range(m.num_experts):
-            moe[expert(j, "linear_fc1")] = (2 * big_f if m.swiglu else big_f, h)
+            moe[expert(j, "linear_fc1")] = (2 * big_f if m.gated_linear_unit else big_f, h)
             moe[expert(j, "linear_fc2")] = (h, big_f)
         shared = m.moe_shared_expert_intermediate_size
         if shared:
-            moe["mlp.shared_experts.linear_fc1"] = (2, shared, h) if m.swiglu else (shared, h)
+            moe["mlp.shared_experts.linear_fc1"] = (2, shared, h) if m.gated_linear_unit else (shared, h)
             moe["mlp.shared_experts.linear_fc2"] = (h, shared)
     for i, is_moe in enumerate(moe_layers(m)):
         for norm in ("input_layernorm", "pre_mlp_layernorm"):
@@ -189,12 +189,16 @@ def checkpoint_shapes(m) -> Dict[str, tuple]:
                 shapes[layer(i, f"{norm}.{part}")] = (h,)
         if is_moe:
             shapes[layer(i, ROUTER)] = (m.num_experts, h)
+            if m.add_bias_linear:
+                shapes[layer(i, "mlp.router.bias")] = (m.num_experts,)
             if m.moe_shared_expert_intermediate_size and m.moe_shared_expert_gate:
                 shapes[layer(i, "mlp.shared_experts.gate_weight")] = (1, h)
         for name, shape in {**attention, **(moe if is_moe else dense)}.items():
             shapes[layer(i, name + ".weight")] = shape
             if m.add_bias_linear or (m.add_qkv_bias and name == "self_attention.linear_qkv"):
                 shapes[layer(i, name + ".bias")] = shape[:-1]
+        if m.softmax_type == "learnable":
+            shapes[layer(i, "self_attention.core_attention.softmax_offset")] = (n,)
         for name, shape in mla_norms.items():
             for part in norm_parts:
                 shapes[layer(i, f"{name}.{part}")] = shape

@@ -74,6 +74,8 @@ class GPT2(Architecture):
             wrong.append("--group-query-attention (GPT-2 has multi-head attention only)")
         if m.head_dim * m.num_attention_heads != m.hidden_size:
             wrong.append(f"--kv-channels {m.kv_channels} (GPT-2's head dim is hidden / heads)")
+        if m.softmax_type != "vanilla" or (m.window_size and m.window_size[0] >= 0) or m.quick_geglu:
+            wrong.append("gpt-oss attention / MLP variants")
         return wrong
 
     def hf_config(self, m, dtype_name: str, special_ids: dict) -> dict:

@@ -92,6 +92,10 @@ class Llama(Architecture):
             wrong.append("--add-qkv-bias (Llama has no bias on the QKV projection alone)")
         if not m.swiglu:
             wrong.append("GELU MLP (needs --swiglu)")
+        if m.glu_linear_offset or m.activation_func_clamp_value is not None:
+            wrong.append("--glu-linear-offset / --activation-func-clamp-value (plain SwiGLU only)")
+        if m.softmax_type != "vanilla" or (m.window_size and m.window_size[0] >= 0):
+            wrong.append("softmax sinks / sliding windows (full causal attention only)")
         return wrong
 
     def hf_config(self, m, dtype_name: str, special_ids: dict) -> dict:

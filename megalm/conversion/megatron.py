@@ -179,11 +179,11 @@ def to_megalm_names(
         if name == OUTPUT_LAYER and not m.untie_embeddings_and_output_weights:
             continue  # a tied output layer's copy (checked below)
         fc1 = name.endswith((".mlp.linear_fc1.weight", ".mlp.linear_fc1.bias"))
-        if fc1 and m.swiglu and t.shape[0] == 2 * m.ffn_hidden_size:
+        if fc1 and m.gated_linear_unit and t.shape[0] == 2 * m.ffn_hidden_size:
             t = t.reshape(2, m.ffn_hidden_size, *t.shape[1:])
         shared_fc1 = name.endswith((".mlp.shared_experts.linear_fc1.weight", ".mlp.shared_experts.linear_fc1.bias"))
         shared = m.moe_shared_expert_intermediate_size
-        if shared_fc1 and m.swiglu and t.shape[0] == 2 * shared:
+        if shared_fc1 and m.gated_linear_unit and t.shape[0] == 2 * shared:
             t = t.reshape(2, shared, *t.shape[1:])
         if name not in expected:
             raise ConversionError(

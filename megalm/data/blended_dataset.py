@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from megalm.data import helpers
-from megalm.data.index_cache import default_cache_dir, description_hash, load_or_build
+from megalm.data.index_cache import PicklesMappedArrays, default_cache_dir, description_hash, load_or_build
 from megalm.data.indexed_dataset import DataError
 
 
@@ -26,7 +26,7 @@ def normalize_weights(weights: Sequence[float]) -> np.ndarray:
     return w / w.sum()
 
 
-class BlendedDataset(torch.utils.data.Dataset):
+class BlendedDataset(PicklesMappedArrays, torch.utils.data.Dataset):
     """``size`` samples drawn from ``datasets`` in proportion to ``weights``."""
 
     def __init__(

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from megalm.data import helpers
-from megalm.data.index_cache import default_cache_dir, load_or_build
+from megalm.data.index_cache import PicklesMappedArrays, default_cache_dir, load_or_build
 from megalm.data.indexed_dataset import DataError
 from megalm.log import get_logger
 
@@ -102,7 +102,7 @@ def document_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
     return ids
 
 
-class GPTDataset(torch.utils.data.Dataset):
+class GPTDataset(PicklesMappedArrays, torch.utils.data.Dataset):
     """Samples of ``seq_length`` tokens from ``documents`` of a low-level dataset.
 
     ``indexed_dataset`` is an :class:`IndexedDataset` (or the mock); ``documents`` the

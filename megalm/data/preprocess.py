@@ -97,6 +97,9 @@ class PreprocessSummary:
 
 # --- worker side -----------------------------------------------------------------------
 
+# What each worker process of the tokenizing pool holds: set once by the pool's initializer in that
+# worker (the tokenizer is built there, never pickled per task); the main process never reads or
+# writes it.  Pool workers have no other place to keep what the initializer built.
 _WORKER: dict = {}
 
 

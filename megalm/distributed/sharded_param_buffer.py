@@ -27,7 +27,10 @@ When buckets are gathered and freed around the forward and backward is decided b
   loaded weights (:meth:`ShardedParamBuffer.refresh_shards`).
 
 A bucket holding a tied embedding weight (used outside its module, by the output layer) is
-pinned: gathered after every step and never freed.
+pinned: gathered after every step and never freed.  So are MoE expert buckets (expert parallelism):
+the ranks of an expert-data-parallel group route different tokens, so per-expert gathers could
+happen in different orders (or not at all) on them, and the grouped GEMM reads the experts' weights
+without running their modules.  Their gradients and optimizer state stay sharded over that group.
 """
 
 from __future__ import annotations
@@ -39,6 +42,12 @@ import torch
 from megalm.distributed import comm
 from megalm.distributed.sharded_grad_buffer import ShardedGradBucket, ShardedGradBuffer
 from megalm.tensor_parallel.param_info import param_info
+
+
+def _pinned(param) -> bool:
+    """Kept gathered: a tied embedding weight, or an MoE expert's (see the module docstring)."""
+    info = param_info(param)
+    return info.tied or info.expert
 
 
 class ShardedParamBucket(ShardedGradBucket):
@@ -141,13 +150,13 @@ class ShardedParamBuffer(ShardedGradBuffer):
         k, rank = self.data_parallel_world_size, self.data_parallel_rank
         shard = (end - start) // k
         self.param_shard_data[start // k : end // k].copy_(full[rank * shard : (rank + 1) * shard])
-        if not any(param_info(p).tied for p in members):  # a pinned bucket stays gathered
+        if not any(_pinned(p) for p in members):  # a pinned bucket stays gathered
             full.untyped_storage().resize_(0)
         return full
 
     def _make_bucket(self, *args) -> ShardedParamBucket:
         b = super()._make_bucket(*args)
-        b.pinned = b.gathered = any(param_info(p).tied for p in b.params)
+        b.pinned = b.gathered = any(_pinned(p) for p in b.params)
         b.grads_seen = set()
         return b
 

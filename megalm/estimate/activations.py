@@ -47,7 +47,8 @@ not add: with ``N`` offloaded layers of ``L`` the layers above have been freed b
 ``N = L - 1``, where the last layer's backward holds itself and the reloaded layer below (the loss's
 tensors, freed by then, usually outweigh that layer).
 MoE layers are estimated (not measured): router scores and the top-k copies of the tokens
-through the experts.
+through the experts.  Multi-latent attention replaces the QKV / RoPE / core rows (:func:`mla_bytes`); the
+multi-token prediction depths add to the last stage (:func:`mtp_bytes`); both measured within 5%.
 
 Context parallelism (``CP > 1``): every count above is per rank, with ``S = s b / CP`` and
 ``s / CP`` positions; the attention core keeps, by ``--cp-comm-type`` (:func:`context_parallel_attention_bytes`):
@@ -67,7 +68,7 @@ chunk-microbatches, i.e. ``L/p (1 + (p-1)/(p v))`` layers' worth on the first st
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
@@ -105,13 +106,40 @@ class Shape:
         return self.tokens // self.tp if self.sequence_parallel else self.tokens
 
 
-def norm_bytes(m, sh: Shape) -> int:
-    h, t = m.hidden_size, sh.local_tokens
+def norm_bytes(m, sh: Shape, size: Optional[int] = None) -> int:
+    h, t = size or m.hidden_size, sh.local_tokens
     half = sh.dtype_bytes < 4
     if m.normalization == "LayerNorm":
         return 4 * t * h + 8 * t + (8 * h if half else 0)
     kept = 4 * t * h + 4 * t + (4 * h if half else 0)
     return kept + (4 * t * h if sh.device == "cpu" else 0)
+
+
+def mla_bytes(m, sh: Shape) -> Dict[str, int]:
+    """Multi-latent attention's saved bytes (:mod:`megalm.transformer.mla`), measured on a CPU: the latents'
+    norms (their fp32 input copy, stats and normalized output, as :func:`norm_bytes` over the latent width;
+    the down projection's output is what the key/value norm keeps), the up projections' inputs in half
+    precision, the cos/sin tables, the concatenated q and k ``2 B S n d_q / TP``, the key/value up
+    projection's output ``B S n (d_n + d_v) / TP`` (v is a view of it), SDPA's math path (the value dim
+    differs) with its fp32 probabilities ``4 b n s^2 / TP``, and the context ``B S n d_v / TP``.  Selective
+    recompute of ``core_attn`` drops the probabilities; ``mla_up_proj`` drops q, k and the up output."""
+    B, S, Sr, tp = sh.dtype_bytes, sh.tokens, sh.local_tokens, sh.tp
+    n, dq, dv = m.num_attention_heads, m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim
+    half = B < 4
+    out = {"latents": 0}
+    for rank in ([m.q_lora_rank] if m.q_lora_rank else []) + [m.kv_lora_rank]:
+        out["latents"] += (norm_bytes(m, sh, rank) if m.qk_layernorm else 0) + (B * Sr * rank if half else 0)
+    if half or not m.qk_layernorm:  # the key/value norm's input is then not the down projection's output
+        out["latents"] += B * Sr * (m.kv_lora_rank + m.qk_pos_emb_head_dim)
+    else:  # its input is a view of that output, which also holds the RoPE key
+        out["latents"] += 4 * Sr * m.qk_pos_emb_head_dim
+    out["rope"] = 2 * 4 * sh.local_seq * m.qk_pos_emb_head_dim
+    recompute = set(m.recompute_modules or ("core_attn",)) if m.recompute_granularity == "selective" else set()
+    if "mla_up_proj" not in recompute:
+        out["qkv"] = B * S * n * (2 * dq + m.qk_head_dim + dv) // tp
+    probs = 0 if "core_attn" in recompute else 4 * sh.micro_batch * n * sh.seq * sh.seq // tp
+    out["attention"] = B * S * n * dv // tp + probs
+    return out
 
 
 def layer_bytes(m, sh: Shape, is_moe: bool = False) -> Dict[str, int]:
@@ -124,11 +152,16 @@ def layer_bytes(m, sh: Shape, is_moe: bool = False) -> Dict[str, int]:
         "linear_inputs": B * sh.local_tokens * h * (1 if is_moe else 2),
         "qkv": B * S * (n + 2 * g) * d // tp,
     }
-    if m.position_embedding_type == "rope":
+    if m.multi_latent_attention:
+        del out["qkv"]
+        out.update(mla_bytes(m, sh))
+    elif m.position_embedding_type in ("rope", "yarn"):
         rot = int(d * m.rotary_percent)
         out["rope"] = B * S * (n + g) * d // tp + (4 * sh.local_seq * rot * B if B < 4 else 0)
     context = B * S * n * d // tp
-    if m.recompute_granularity == "selective":
+    if m.multi_latent_attention:
+        pass  # mla_bytes above
+    elif m.recompute_granularity == "selective":
         out["attention"] = context
     elif sh.cp > 1:
         out.update(context_parallel_attention_bytes(m, sh, out))
@@ -151,7 +184,7 @@ def layer_bytes(m, sh: Shape, is_moe: bool = False) -> Dict[str, int]:
     if is_moe:
         out["moe"] = moe_bytes(m, sh)
     else:
-        out["mlp"] = B * S * m.ffn_hidden_size // tp * (4 if m.swiglu else 2)
+        out["mlp"] = B * S * m.ffn_hidden_size // tp * (4 if m.gated_linear_unit else 2)
     if m.hidden_dropout > 0:
         out["dropout_masks"] = 2 * sh.local_tokens * h * mask_bytes(sh)
     return out
@@ -266,9 +299,9 @@ def moe_bytes(m, sh: Shape) -> int:
     t = sh.tokens // sh.tp  # each TP rank routes its own slice of the sequence
     f = m.moe_ffn_hidden_size or m.ffn_hidden_size
     router = B * t * h + 3 * 4 * t * E
-    routed = k * t * (2 * B * h + B * f * (4 if m.swiglu else 2))
+    routed = k * t * (2 * B * h + B * f * (4 if m.gated_linear_unit else 2))
     shared = m.moe_shared_expert_intermediate_size or 0
-    return router + routed + B * t * (h + shared * (4 if m.swiglu else 2))
+    return router + routed + B * t * (h + shared * (4 if m.gated_linear_unit else 2))
 
 
 def embedding_bytes(m, sh: Shape) -> int:
@@ -322,8 +355,18 @@ def chunk_bytes(m, sh: Shape, layers, pre_process: bool, post_process: bool) -> 
     if pre_process:
         kept += embedding_bytes(m, sh)
     if post_process:
-        kept += output_bytes(m, sh)
+        kept += output_bytes(m, sh) + mtp_bytes(m, sh)
     return {"kept": kept, "recompute_peak": peak}
+
+
+def mtp_bytes(m, sh: Shape) -> int:
+    """``--mtp-num-layers`` depths (last stage): per depth a layer like the last decoder layer, ``enorm`` and
+    ``hnorm``, ``eh_proj``'s input ``2 B S_r h`` and, as :func:`output_bytes`, the final norm, output layer and loss."""
+    if not m.mtp_num_layers:
+        return 0
+    layer = sum(layer_bytes(m, sh, moe_layers(m)[-1]).values())
+    eh_input = 2 * sh.dtype_bytes * sh.local_tokens * m.hidden_size
+    return m.mtp_num_layers * (layer + 2 * norm_bytes(m, sh) + eh_input + output_bytes(m, sh))
 
 
 def in_flight(pp: int, pp_rank: int, num_microbatches: int, vpp: int = 1) -> float:

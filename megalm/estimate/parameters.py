@@ -47,7 +47,7 @@ def _norm(m) -> int:
 
 def _mlp(m, ffn: int, tp: int) -> int:
     h, bias = m.hidden_size, int(m.add_bias_linear)
-    fc1 = (2 * ffn if m.swiglu else ffn) // tp
+    fc1 = (2 * ffn if m.gated_linear_unit else ffn) // tp
     return fc1 * h + bias * fc1 + h * (ffn // tp) + bias * h
 
 
@@ -96,13 +96,13 @@ def layer_parameters(m, tp: int, ep: int, is_moe: bool, etp: int = 1) -> tuple:
     attention = qkv * h + qkv_bias * qkv + h * (n * d // tp) + bias * h + _qk_norms(m)
     if m.multi_latent_attention:
         attention = mla_attention(m, tp)[0]
-    dense = 2 * _norm(m) + attention
+    dense = 2 * _norm(m) + attention + (n // tp if m.softmax_type == "learnable" else 0)  # + sinks
     if not is_moe:
         return dense + _mlp(m, m.ffn_hidden_size, tp), 0
     experts = m.num_experts // ep
     f = m.moe_ffn_hidden_size or m.ffn_hidden_size
     expert = experts * _mlp(m, f, etp)
-    dense += m.num_experts * h
+    dense += m.num_experts * (h + bias)  # the router (its bias as Megatron's: with the linear biases)
     shared = m.moe_shared_expert_intermediate_size
     if shared:
         dense += _mlp(m, shared, tp) + (h if m.moe_shared_expert_gate else 0)
@@ -116,15 +116,17 @@ def layer_vectors(m, tp: int, ep: int, is_moe: bool, etp: int = 1) -> tuple:
     bias, qkv_bias = int(m.add_bias_linear), int(m.add_bias_linear or m.add_qkv_bias)
 
     def mlp_biases(ffn: int, tp: int) -> int:
-        return bias * ((2 * ffn if m.swiglu else ffn) // tp + h)
+        return bias * ((2 * ffn if m.gated_linear_unit else ffn) // tp + h)
 
     dense = 2 * _norm(m) + qkv_bias * (n + 2 * groups) * d // tp + bias * h + _qk_norms(m)
     if m.multi_latent_attention:
         dense = 2 * _norm(m) + mla_attention(m, tp)[1]
+    dense += n // tp if m.softmax_type == "learnable" else 0  # the sink logits, split with the heads
     if not is_moe:
         return dense + mlp_biases(m.ffn_hidden_size, tp), 0
     shared = m.moe_shared_expert_intermediate_size
     dense += mlp_biases(shared, tp) if shared else 0
+    dense += bias * m.num_experts  # the router's bias (replicated)
     return dense, m.num_experts // ep * mlp_biases(m.moe_ffn_hidden_size or m.ffn_hidden_size, etp)
 
 

@@ -42,7 +42,7 @@ def _layer_bucket(cfg, stage, dp: int) -> int:
         return stage.total
     h, n, d = m.hidden_size, m.num_attention_heads, m.head_dim
     groups = m.num_query_groups if m.group_query_attention else n
-    fc1 = (2 if m.swiglu else 1) * (m.ffn_hidden_size or 4 * h) // tp
+    fc1 = (2 if m.gated_linear_unit else 1) * (m.ffn_hidden_size or 4 * h) // tp
     return min(stage.total, size + max((n + 2 * groups) * d // tp * h, fc1 * h))
 
 

@@ -44,6 +44,32 @@ def bias_swiglu(x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+@fusion("bias_gated")
+def bias_gated(x: torch.Tensor, bias: Optional[torch.Tensor], quick: bool, offset: float, clamp) -> torch.Tensor:
+    """Megatron's gated MLP with its gpt-oss options: for ``[gate ; up] = x + bias`` (halves of the last
+    dimension), ``act(gate) * (up + offset)`` with ``act`` quick-GELU ``g sigmoid(1.702 g)`` (``quick``,
+    ``--quick-geglu``) or SiLU; with ``clamp`` c (``--activation-func-clamp-value``) the gate is first
+    clamped to at most c and ``up`` to ``[-c, c]``."""
+    gate, up = torch.chunk(x if bias is None else x + bias, 2, dim=-1)
+    if clamp is not None:
+        gate, up = gate.clamp(max=clamp), up.clamp(-clamp, clamp)
+    act = gate * torch.sigmoid(1.702 * gate) if quick else F.silu(gate)
+    return act * (up + offset) if offset else act * up
+
+
+def glu_activation(m, plan_enabled: bool, expert: bool = False):
+    """``(x, bias) -> activation`` of a gated MLP: the plain SwiGLU fusion, or :func:`bias_gated` with
+    the model's quick-GEGLU / offset / clamp bound (``expert``: the dynamic-shape twin)."""
+    if m.swiglu and not m.glu_linear_offset and m.activation_func_clamp_value is None:
+        base = expert_bias_swiglu if expert else bias_swiglu
+        return base if plan_enabled else base.eager
+    fused = expert_bias_gated if expert else bias_gated
+    fn = fused if plan_enabled else fused.eager
+    quick, offset, clamp = m.quick_geglu, float(m.glu_linear_offset), m.activation_func_clamp_value
+    return lambda x, bias: fn(x, bias, quick, offset, clamp)
+
+
 expert_bias_gelu = Fusion(bias_gelu.eager, "expert_bias_gelu", dynamic=True)
 expert_bias_gelu_tanh = Fusion(bias_gelu_tanh.eager, "expert_bias_gelu_tanh", dynamic=True)
 expert_bias_swiglu = Fusion(bias_swiglu.eager, "expert_bias_swiglu", dynamic=True)
+expert_bias_gated = Fusion(bias_gated.eager, "expert_bias_gated", dynamic=True)

@@ -38,6 +38,14 @@ allowed, already causal: :mod:`megalm.transformer.attention_mask`) replaces the 
 SDPA, blocked and unfused cores; flash-attn takes no mask, so a flash-attn plan runs SDPA with it
 (an explicit ``--attention-backend flash``, TE layers, context parallelism and position-keyed dropout
 are refused with it).
+
+gpt-oss (:mod:`megalm.config.gptoss`): a layer's sliding window (``--window-size`` /
+``--window-attn-skip-freq``) and softmax sinks (``--softmax-type``; learnable ones are
+``core_attention.softmax_offset``, split over TP with the heads) run in the blocked core per block, in
+the SDPA, unfused and flash-attn plans as SDPA with the window mask and a sink column
+(:mod:`megalm.transformer.attention_variants`), in KV-cache generation, and under context parallelism
+with ``a2a`` (the local core on a slice of the heads) and ``allgather``; ``p2p``, TE and position-keyed
+dropout are refused by the configuration checks.
 """
 
 from __future__ import annotations
@@ -48,24 +56,39 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalm.config.gptoss import layer_window
 from megalm.config.sections import ConfigError
 from megalm.context_parallel import context_parallel_attention
 from megalm.context_parallel.blocks import BlockDropout, local_attention
 from megalm.context_parallel.chunks import ContextParallelError
 from megalm.context_parallel.keyed_dropout import KeyedDropout
+from megalm.device import get_device
 from megalm.fusions import backends
 from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.fusions.compile import select
 from megalm.fusions.rope import rotary_qk
 from megalm.fusions.softmax import masked_scaled_softmax, scaled_causal_softmax
-from megalm.parallel_state import CURRENT, group_size, resolve_group
+from megalm.parallel_state import group_rank, group_size
+from megalm.tensor_parallel.initialization import mark_init
 from megalm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalm.tensor_parallel.param_info import set_param_info
 from megalm.tensor_parallel.random import checkpoint, dropout_rng
-from megalm.tensor_parallel.utils import divide
+from megalm.tensor_parallel.utils import divide, set_tensor_model_parallel_attributes
+from megalm.transformer.attention_variants import variant_attention
 from megalm.transformer.blocked_attention import blocked_causal_attention
 from megalm.transformer.norm import build_norm
 from megalm.transformer.utils import init_std, output_init_std
+
+
+class SoftmaxOffset(nn.Module):
+    """``--softmax-type learnable``: one sink logit per attention head of this TP rank (split over TP
+    with the heads; Megatron's ``core_attention.softmax_offset``), initialised to 0."""
+
+    def __init__(self, heads: int, device=None):
+        super().__init__()
+        self.softmax_offset = nn.Parameter(torch.zeros(heads, device=device))
+        set_tensor_model_parallel_attributes(self.softmax_offset, True, 0)
+        mark_init(self.softmax_offset, "zeros")
 
 
 class SelfAttention(nn.Module):
@@ -87,8 +110,9 @@ class SelfAttention(nn.Module):
         recompute_core: bool = False,
         plan: FusionPlan = EAGER,
         skip_output_bias: bool = False,
-        tp_group=CURRENT,
-        cp_group=CURRENT,
+        *,
+        tp_group,
+        cp_group,
         cp_comm_type: str = "p2p",
         layer_number: int = 0,
     ):
@@ -123,8 +147,8 @@ class SelfAttention(nn.Module):
     ) -> None:
         """The attention core's settings (shared with :class:`~megalm.transformer.mla.MLASelfAttention`):
         groups, heads and ``head_dim`` of the q/k the core sees, its backend, dropout and groups."""
-        self.tp_group = resolve_group(tp_group, "tp")
-        self.cp_group = resolve_group(cp_group, "cp")
+        self.tp_group = tp_group
+        self.cp_group = cp_group
         self.cp_size = group_size(self.cp_group)
         self.cp_comm_type = cp_comm_type
         tp = group_size(self.tp_group)
@@ -145,6 +169,12 @@ class SelfAttention(nn.Module):
             )
         self.rotary_qk = select(rotary_qk, plan.compiled("rope"))
         self.masked_softmax = select(scaled_causal_softmax, plan.compiled("masked_softmax"))
+        # gpt-oss: this layer's sliding window (None: full) and softmax sinks (megalm.config.gptoss).
+        self.window = layer_window(m, layer_number)
+        self.softmax_type = m.softmax_type
+        if m.softmax_type == "learnable":
+            self.core_attention = SoftmaxOffset(self.heads_per_rank, get_device())
+        self.variant = self.window is not None or m.softmax_type != "vanilla"
 
     def build_projections(self, m, qkv_size: int, sequence_parallel: bool, skip_output_bias: bool):
         """``(linear_qkv, linear_proj)``: column- and row-parallel linears (TE's in
@@ -168,6 +198,17 @@ class SelfAttention(nn.Module):
         )
         return linear_qkv, linear_proj
 
+    def sinks(self, q: torch.Tensor) -> Optional[torch.Tensor]:
+        """The sink logits of ``q``'s heads (``[heads]``; None with the vanilla softmax).  Under a2a context
+        parallelism the core sees ``heads_r / CP`` heads: this CP rank's slice."""
+        if self.softmax_type == "vanilla":
+            return None
+        heads = q.shape[1]
+        if self.softmax_type == "off-by-one":
+            return torch.zeros(heads, dtype=q.dtype, device=q.device)
+        offset = group_rank(self.cp_group) * heads if heads != self.heads_per_rank else 0
+        return self.core_attention.softmax_offset[offset : offset + heads]
+
     def split_qkv(self, mixed: torch.Tensor):
         """``[s, b, groups_r * (q_per_group + 2) * d]`` -> q ``[s, b, heads_r, d]``, k, v ``[s, b, groups_r, d]``."""
         s, b = mixed.shape[:2]
@@ -176,7 +217,7 @@ class SelfAttention(nn.Module):
         q, k, v = torch.split(grouped, [self.queries_per_group * d, d, d], dim=-1)
         return q.reshape(s, b, self.heads_per_rank, d), k, v
 
-    def core_attention(
+    def attention_core(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
         """Causal attention on ``[s, b, n, d]`` tensors (or masked by ``attention_mask``); returns
@@ -192,10 +233,13 @@ class SelfAttention(nn.Module):
         if self.cp_size > 1:
             if attention_mask is not None:
                 raise ContextParallelError("--reset-attention-mask is not supported under context parallelism")
-            out = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, self._causal_core)
+            variant = (self.window, self.sinks(q.transpose(1, 2))) if self.variant else None
+            out = context_parallel_attention(
+                q, k, v, self.cp_group, self.cp_comm_type, self._causal_core, variant=variant
+            )
             return out.reshape(s, b, -1)
         with dropout_rng(p, model_parallel_rng=True):
-            if self.backend == "flash-attn" and attention_mask is None:  # [b, s, n, d] in and out; GQA natively
+            if self.backend == "flash-attn" and attention_mask is None and not self.variant:  # [b, s, n, d]; GQA
                 out = backends.flash_attn_function()(
                     *(t.transpose(0, 1) for t in (q, k, v)), dropout_p=p, causal=True
                 ).transpose(0, 1)
@@ -220,7 +264,7 @@ class SelfAttention(nn.Module):
     def _causal_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The local core without dropout on heads-first tensors (a2a's core under context parallelism;
         flash-attn / TE plans fall back to SDPA)."""
-        if self.backend in ("sdpa", "blocked", "unfused"):
+        if self.backend in ("sdpa", "blocked", "unfused") or self.variant:
             return self._core_on_heads(q, k, v, 0.0)
         gqa = self.groups_per_rank != self.heads_per_rank
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -231,13 +275,15 @@ class SelfAttention(nn.Module):
         """SDPA, blocked or unfused core: ``[b, n, s, d]`` -> ``[b, heads_r, s, d]``; causal, or ``mask``
         (boolean ``[b, 1, s, s]``, True where allowed) instead.  A flash-attn plan given a mask runs SDPA."""
         gqa = self.groups_per_rank != self.heads_per_rank
+        if self.variant and self.backend != "blocked":  # window / sinks: SDPA with their mask
+            return variant_attention(q, k, v, self.window, self.sinks(q), mask, p)
         if self.backend in ("sdpa", "flash-attn"):
             causal = mask is None
             return F.scaled_dot_product_attention(q, k, v, mask, dropout_p=p, is_causal=causal, enable_gqa=gqa)
         if gqa:
             k, v = (t.repeat_interleave(self.queries_per_group, dim=1) for t in (k, v))
         if self.backend == "blocked":
-            return blocked_causal_attention(q, k, v, mask)
+            return blocked_causal_attention(q, k, v, mask, self.window, self.sinks(q))
         scores = torch.matmul(q, k.transpose(-2, -1))
         if mask is None:
             probs = self.masked_softmax(scores, self.head_dim**-0.5)
@@ -250,6 +296,9 @@ class SelfAttention(nn.Module):
         cached positions; query ``i`` sees keys ``0..offset+i``.  Returns ``[s_new, b, heads_r * d]``."""
         s, b = q.shape[:2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+        if self.variant:
+            out = variant_attention(q, k, v, self.window, self.sinks(q), query_offset=offset)
+            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
         mask = None
         if s > 1:
             query_pos = torch.arange(offset, offset + s, device=q.device).unsqueeze(1)
@@ -281,7 +330,7 @@ class SelfAttention(nn.Module):
             k, v = kv_cache.update(k, v)
             context = self.cached_attention(q, k, v, offset)
         elif self.recompute_core:
-            context = checkpoint(self.core_attention, q, k, v, attention_mask)
+            context = checkpoint(self.attention_core, q, k, v, attention_mask)
         else:
-            context = self.core_attention(q, k, v, attention_mask)
+            context = self.attention_core(q, k, v, attention_mask)
         return self.linear_proj(context)

@@ -50,7 +50,6 @@ from torch import nn
 from megalm.context_parallel.chunks import ContextParallelError
 from megalm.device import get_device
 from megalm.fusions.backends import EAGER, FusionPlan
-from megalm.parallel_state import CURRENT
 from megalm.tensor_parallel.initialization import mark_init
 from megalm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalm.tensor_parallel.mappings import (
@@ -109,8 +108,9 @@ class MLASelfAttention(SelfAttention):
         recompute_core: bool = False,
         plan: FusionPlan = EAGER,
         skip_output_bias: bool = False,
-        tp_group=CURRENT,
-        cp_group=CURRENT,
+        *,
+        tp_group,
+        cp_group,
         cp_comm_type: str = "p2p",
         layer_number: int = 0,
     ):
@@ -201,7 +201,7 @@ class MLASelfAttention(SelfAttention):
     # --- the core ----------------------------------------------------------------------------------
 
     def _core(self, q, k, v, attention_mask):
-        """:meth:`SelfAttention.core_attention` with ``v`` padded to q's head dim where the core needs one."""
+        """:meth:`SelfAttention.attention_core` with ``v`` padded to q's head dim where the core needs one."""
         if self.q_factor != 1.0:
             q = q * self.q_factor
         pad = self.head_dim - self.v_dim
@@ -212,10 +212,10 @@ class MLASelfAttention(SelfAttention):
                     f"--v-head-dim {self.v_dim} larger than --qk-head-dim + --qk-pos-emb-head-dim {self.head_dim} "
                     f"needs the sdpa attention backend without context parallelism"
                 )
-            out = self.core_attention(q, k, F.pad(v, (0, pad)), attention_mask)
+            out = self.attention_core(q, k, F.pad(v, (0, pad)), attention_mask)
             s, b = out.shape[:2]
             return out.view(s, b, self.heads_per_rank, self.head_dim)[..., : self.v_dim].reshape(s, b, -1)
-        return self.core_attention(q, k, v, attention_mask)
+        return self.attention_core(q, k, v, attention_mask)
 
     def _up(self, q_input, latent, k_pos, rotary_cos, rotary_sin):
         """Queries, keys and values from the latents: the up projections and RoPE (recomputed in

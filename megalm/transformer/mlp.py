@@ -20,10 +20,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megalm.fusions.activations import bias_swiglu, gelu_fusion
+from megalm.fusions.activations import gelu_fusion, glu_activation
 from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.fusions.compile import select
-from megalm.parallel_state import CURRENT, resolve_group
 from megalm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalm.transformer.utils import init_std, output_init_std
 
@@ -31,7 +30,7 @@ from megalm.transformer.utils import init_std, output_init_std
 def fc1_layout(m):
     """``(output size, partition stride)`` of ``linear_fc1``: SwiGLU's is ``[gate; up]`` (twice the FFN
     width), split with stride 2 so TP rank ``r`` holds ``[gate_r; up_r]``."""
-    return (2 * m.ffn_hidden_size, 2) if m.swiglu else (m.ffn_hidden_size, 1)
+    return (2 * m.ffn_hidden_size, 2) if m.gated_linear_unit else (m.ffn_hidden_size, 1)
 
 
 class MLP(nn.Module):
@@ -44,14 +43,18 @@ class MLP(nn.Module):
         sequence_parallel: bool = False,
         plan: FusionPlan = EAGER,
         skip_output_bias: bool = False,
-        tp_group=CURRENT,
+        *,
+        tp_group,
     ):
         super().__init__()
         m = model_cfg
-        self.tp_group = resolve_group(tp_group, "tp")
+        self.tp_group = tp_group
         self.linear_fc1, self.linear_fc2 = self.build_linears(m, sequence_parallel, skip_output_bias)
-        activation = bias_swiglu if m.swiglu else gelu_fusion(m.openai_gelu)
-        self.bias_activation = select(activation, plan.compiled("bias_activation"))
+        compiled = plan.compiled("bias_activation")
+        if m.gated_linear_unit:  # SwiGLU or quick-GEGLU, with gpt-oss's offset / clamp
+            self.bias_activation = glu_activation(m, compiled)
+        else:
+            self.bias_activation = select(gelu_fusion(m.openai_gelu), compiled)
 
     def build_linears(self, m, sequence_parallel: bool, skip_output_bias: bool):
         """``(linear_fc1, linear_fc2)``; fc1 returns ``(output, bias)`` for the fused bias + activation

@@ -40,7 +40,7 @@ from megalm.config.sections import ConfigError
 from megalm.device import get_device
 from megalm.fusions import backends
 from megalm.fusions.backends import EAGER, FusionPlan
-from megalm.parallel_state import CURRENT, group_size
+from megalm.parallel_state import group_size
 from megalm.tensor_parallel.initialization import mark_init
 from megalm.tensor_parallel.random import dropout_rng, get_rng_tracker
 from megalm.tensor_parallel.utils import set_tensor_model_parallel_attributes
@@ -178,7 +178,8 @@ class TESelfAttention(SelfAttention):
         recompute_core: bool = False,
         plan: FusionPlan = EAGER,
         skip_output_bias: bool = False,
-        tp_group=CURRENT,
+        *,
+        tp_group,
         cp_group=None,
         cp_comm_type: str = "p2p",
         layer_number: int = 0,
@@ -230,12 +231,12 @@ class TESelfAttention(SelfAttention):
         )
         return linear_qkv, linear_proj
 
-    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask=None) -> torch.Tensor:
+    def attention_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask=None) -> torch.Tensor:
         """``[s, b, n, d]`` q/k/v -> ``[s, b, heads_r * d]`` (no ``attention_mask``: refused by validation)."""
         if attention_mask is not None:
             raise ConfigError("--reset-attention-mask is not supported with --transformer-impl transformer_engine")
         if self.te_core_attention is None:
-            return super().core_attention(q, k, v)
+            return super().attention_core(q, k, v)
         p = self.attention_dropout if self.training else 0.0
         with dropout_rng(p, model_parallel_rng=True):
             return self.te_core_attention(q, k, v)

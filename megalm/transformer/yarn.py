@@ -39,6 +39,7 @@ class YarnScaling:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    round_to_int: bool = True  # Megatron's --[no-]yarn-correction-range-round-to-int (HF's "truncate")
 
     @classmethod
     def from_model_config(cls, m) -> "YarnScaling":
@@ -49,6 +50,7 @@ class YarnScaling:
             beta_slow=float(m.beta_slow),
             mscale=float(m.mscale),
             mscale_all_dim=float(m.mscale_all_dim),
+            round_to_int=getattr(m, "yarn_correction_range_round_to_int", None) is not False,
         )
 
     def _correction_dim(self, rotations: float, dim: int, base: float) -> float:
@@ -59,8 +61,10 @@ class YarnScaling:
         exponent = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
         extrapolated = 1.0 / (base**exponent)
         interpolated = 1.0 / (self.factor * base**exponent)
-        low = max(math.floor(self._correction_dim(self.beta_fast, dim, base)), 0)
-        high = min(math.ceil(self._correction_dim(self.beta_slow, dim, base)), dim - 1)
+        low, high = self._correction_dim(self.beta_fast, dim, base), self._correction_dim(self.beta_slow, dim, base)
+        if self.round_to_int:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
         if low == high:
             high += 0.001  # no division by zero
         ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalm.device import get_device
-from megalm.fusions.activations import expert_bias_gelu, expert_bias_gelu_tanh, expert_bias_swiglu
+from megalm.fusions.activations import expert_bias_gelu, expert_bias_gelu_tanh, glu_activation
 from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.fusions.compile import select
 from megalm.parallel_state import group_size
@@ -86,8 +86,10 @@ def bias_activation(m, plan: FusionPlan):
 def _bias_activation(m, plan: FusionPlan):
     """``act(x + bias)`` (GELU, tanh GELU with ``--openai-gelu``, or SwiGLU of a ``[gate, up]`` last
     dimension) for model config ``m``, compiled per the plan."""
+    if m.gated_linear_unit:
+        return glu_activation(m, plan.compiled("bias_activation"), expert=True)
     gelu = expert_bias_gelu_tanh if m.openai_gelu else expert_bias_gelu
-    return select(expert_bias_swiglu if m.swiglu else gelu, plan.compiled("bias_activation"))
+    return select(gelu, plan.compiled("bias_activation"))
 
 
 class _Linear(nn.Module):
@@ -149,13 +151,13 @@ class ExpertMLP(nn.Module):
         split = etp > 1
         self.linear_fc1 = _Linear(
             m.hidden_size,
-            2 * f if m.swiglu else f,
+            2 * f if m.gated_linear_unit else f,
             m.add_bias_linear,
             init_std(m),
             sequence_parallel,
             split="column" if split else None,
             etp=etp,
-            stride=2 if m.swiglu else 1,
+            stride=2 if m.gated_linear_unit else 1,
         )
         self.linear_fc2 = _Linear(
             f, m.hidden_size, m.add_bias_linear, output_init_std(m), sequence_parallel, "row" if split else None, etp

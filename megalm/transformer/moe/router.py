@@ -44,7 +44,7 @@ from torch import nn
 from megalm.config.sections import ConfigError
 from megalm.context_parallel.chunks import gathered_to_global, split_sequence
 from megalm.device import get_device
-from megalm.parallel_state import CURRENT, group_rank, group_size, resolve_group
+from megalm.parallel_state import group_rank, group_size
 from megalm.tensor_parallel.initialization import mark_init
 from megalm.tensor_parallel.mappings import all_gather_first_dim
 from megalm.tensor_parallel.param_info import set_param_info
@@ -158,7 +158,8 @@ class TopKRouter(nn.Module):
         model_cfg,
         layer_number: int,
         sequence_parallel: bool = False,
-        tp_group=CURRENT,
+        *,
+        tp_group,
         moe_state: Optional[MoEState] = None,
         cp_group=None,
         tp_cp_group=None,
@@ -176,7 +177,7 @@ class TopKRouter(nn.Module):
         self.capacity_factor = m.moe_expert_capacity_factor
         self.drop_policy, self.pad_to_capacity = m.moe_token_drop_policy, m.moe_pad_expert_input_to_capacity
         self.per_layer_logging = m.moe_per_layer_logging
-        self.tp_group = resolve_group(tp_group, "tp")
+        self.tp_group = tp_group
         self.tp_size = group_size(self.tp_group)
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
         # The group the tokens of a sequence are split over, and its size.
@@ -186,6 +187,12 @@ class TopKRouter(nn.Module):
         set_tensor_model_parallel_attributes(self.weight, False, -1)
         mark_init(self.weight, "normal", init_std(m))
         set_param_info(self.weight, sequence_parallel=self.sequence_parallel)
+        self.bias = None
+        if m.add_bias_linear:  # as Megatron's TopKRouter (gpt-oss's router has one); zero-initialised
+            self.bias = nn.Parameter(torch.zeros(m.num_experts, dtype=torch.float32, device=get_device()))
+            set_tensor_model_parallel_attributes(self.bias, False, -1)
+            mark_init(self.bias, "zeros")
+            set_param_info(self.bias, sequence_parallel=self.sequence_parallel)
         self.num_groups, self.group_topk = m.moe_router_num_groups, m.moe_router_group_topk
         self.force_load_balancing = m.moe_router_force_load_balancing
         self.scaling_factor = m.moe_router_topk_scaling_factor
@@ -203,9 +210,11 @@ class TopKRouter(nn.Module):
 
     def gating(self, x: torch.Tensor) -> torch.Tensor:
         """Router logits ``[T, E]``, computed in ``--moe-router-dtype`` when given."""
+        bias = self.bias
         if self.router_dtype is not None:
-            return F.linear(x.to(self.router_dtype), self.weight.to(self.router_dtype))
-        return F.linear(x, self.weight)
+            bias = None if bias is None else bias.to(self.router_dtype)
+            return F.linear(x.to(self.router_dtype), self.weight.to(self.router_dtype), bias)
+        return F.linear(x, self.weight, bias)
 
     def _split_sum(self, *tensors: torch.Tensor):
         """Sum detached statistics over the TP (x CP) group (one all-reduce); the identity at TP x CP 1."""
