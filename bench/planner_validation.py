@@ -191,14 +191,13 @@ def cluster_file(nodes: int, rate: str) -> str:
 
 def predict(flags: list, nodes: int, rate: str) -> dict:
     """The planner's step time and largest-rank bytes for one run's flags on its calibrated cluster."""
-    from megalm.config import parse_config, set_vocab_size
+    from megalm.config import parse_config, with_vocab_size
     from megalm.planner.cluster import load_cluster
     from megalm.planner.cost import step_cost
     from megalm.planner.search import largest_rank_bytes
 
     cluster = load_cluster(cluster_file(nodes, rate))
-    cfg = parse_config(flags, world_size=nodes * 2)
-    set_vocab_size(cfg, 8192 + 1)  # NullTokenizer: --vocab-size + 1
+    cfg = with_vocab_size(parse_config(flags, world_size=nodes * 2), 8192 + 1)  # NullTokenizer: --vocab-size + 1
     cost = step_cost(cfg, cluster)
     return {
         "step_s": cost.step_s,

@@ -323,13 +323,13 @@ def test_convert_cli_with_verify(tmp_path, capsys):
 
 
 def _layout_cfg(model: dict, tp=1, pp=1, ep=1, **parallel) -> MegalmConfig:
-    cfg = _tc().make_cfg(**model)
+    cfg = copy.deepcopy(_tc().make_cfg(**model))  # editable: the validated config is frozen
     p = cfg.parallel
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size = tp, pp, ep
     p.sequence_parallel = tp > 1
     for k, v in parallel.items():
         setattr(p, k, v)
-    validate_config(cfg)
+    cfg = validate_config(cfg)
     set_vocab_size(cfg, cfg.model.vocab_size)
     return cfg
 

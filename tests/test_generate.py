@@ -8,6 +8,7 @@ ranks start quickly and the tests run without it.
 """
 
 import copy
+import dataclasses
 import json
 import runpy
 from datetime import timedelta
@@ -446,7 +447,6 @@ def test_gpt2_bpe_text_prompts_and_tokenizer_overrides(tmp_path):
     assert result["prompt_ids"] == moved_tok.tokenize("alpha beta gamma")
     assert result["text"] == moved_tok.detokenize([i for i in result["generated_ids"] if i != tok.eod])
     assert isinstance(tokenizer_for(cfg, "NullTokenizer", vocab_size=10), NullTokenizer)  # a type override
-    small = tiny_cfg(100)
-    small.data = cfg.data
+    small = dataclasses.replace(tiny_cfg(100), data=cfg.data)  # a new config: validated ones are frozen
     with pytest.raises(ValueError, match="larger than the model's"):
         tokenizer_for(small, vocab_file=str(moved / "vocab.json"), merge_file=str(moved / "merges.txt"))

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megalm.config import ConfigError, parse_config, set_vocab_size
+from megalm.config import ConfigError, parse_config, with_vocab_size
 from megalm.planner.cluster import Cluster, ClusterFileError, dump_cluster, load_cluster
 from megalm.planner.cost import _Step, step_cost
 from megalm.planner.links import layout_links, ring_time
@@ -43,9 +43,7 @@ FLAT = Cluster(
 
 def _cfg(world=4, layers=2, **overrides):
     flags = tiny_flags(num_layers=layers, global_batch_size=8, **overrides)
-    base = parse_config(flags)
-    set_vocab_size(base, 501)
-    return base
+    return with_vocab_size(parse_config(flags), 501)  # a frozen copy with the vocabulary
 
 
 def _layout_cfg(layout, world=4, cluster=FLAT, **overrides):
