@@ -27,15 +27,28 @@ from megalm.distributed.finalize_model_grads import unwrap_model
 from megalm.errors import MegalmError, TrainingStopped
 from megalm.log import setup_logging
 from megalm.models import GPTModel
+from megalm.parallel_state import ProcessGroups
 from megalm.training import get_batch, pretrain
 from megalm.transformer.moe import pop_moe_metrics
 
 
 def model_provider(
-    cfg: MegalmConfig, pre_process: bool = True, post_process: bool = True, layer_numbers=None
+    cfg: MegalmConfig,
+    pre_process: bool = True,
+    post_process: bool = True,
+    layer_numbers=None,
+    *,
+    process_groups: ProcessGroups,
 ) -> GPTModel:
-    """The GPT model chunk for this pipeline stage (its global layer numbers)."""
-    return GPTModel(cfg, pre_process=pre_process, post_process=post_process, layer_numbers=layer_numbers)
+    """The GPT model chunk for this pipeline stage (its global layer numbers), communicating over
+    ``process_groups`` (the Trainer's bundle; Megatron-core's ``pg_collection``)."""
+    return GPTModel(
+        cfg,
+        pre_process=pre_process,
+        post_process=post_process,
+        layer_numbers=layer_numbers,
+        process_groups=process_groups,
+    )
 
 
 def loss_func(loss_mask: torch.Tensor, model: torch.nn.Module, output_tensor: torch.Tensor):

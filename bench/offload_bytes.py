@@ -37,6 +37,7 @@ from megalm.config import MegalmConfig, parse_config  # noqa: E402
 from megalm.estimate.activations import Shape, layer_bytes  # noqa: E402
 from megalm.models import GPTModel  # noqa: E402
 from megalm.optimizer import build_optimizer  # noqa: E402
+from megalm.parallel_state import get_process_groups  # noqa: E402
 
 SEQ, MICRO = 256, 2
 MODEL = f"""--num-layers 4 --hidden-size 256 --num-attention-heads 8 --ffn-hidden-size 1024 --seq-length {SEQ}
@@ -58,7 +59,7 @@ def make_cfg(model_flags: list, bf16: bool, offload_layers: int = 0, extra: tupl
 def activation_bytes(name: str, n: int) -> dict:
     model_flags, bf16 = MODELS[name]
     cfg = make_cfg(model_flags, bf16, n)
-    model = GPTModel(cfg).to(torch.bfloat16 if bf16 else torch.float32).train()
+    model = GPTModel(cfg, process_groups=get_process_groups()).to(torch.bfloat16 if bf16 else torch.float32).train()
     g = torch.Generator().manual_seed(0)
     tokens, labels = (torch.randint(0, 8192, (MICRO, SEQ), generator=g) for _ in range(2))
     model(tokens, None, labels).sum().backward()
@@ -71,8 +72,8 @@ def activation_bytes(name: str, n: int) -> dict:
 def optimizer_bytes(fraction: float, overlap: bool) -> dict:
     extra = ["--optimizer-cpu-offload", "--optimizer-offload-fraction", str(fraction)]
     cfg = make_cfg([], True, extra=extra + (["--overlap-cpu-optimizer-d2h-h2d"] if overlap else []))
-    model = GPTModel(cfg).to(torch.bfloat16)
-    optimizer = build_optimizer(cfg, [model], report_memory=False)
+    model = GPTModel(cfg, process_groups=get_process_groups()).to(torch.bfloat16)
+    optimizer = build_optimizer(cfg, [model], report_memory=False, process_groups=get_process_groups())
     g = torch.Generator().manual_seed(0)
     tokens, labels = (torch.randint(0, 8192, (MICRO, SEQ), generator=g) for _ in range(2))
     F.relu(model(tokens, None, labels)).sum().backward()

@@ -109,8 +109,9 @@ def _one_config(p: int, m: int, v: int, layers_per_rank: int, layer_seconds: flo
         chunks = [
             SleepChunk(per_chunk, layer_seconds, c == 0 and rank == 0, c == v - 1 and rank == p - 1) for c in range(v)
         ]
-        schedule = get_forward_backward_func()
-        comm = P2PCommunicator(SHAPE, torch.float32)
+        groups = ps.get_process_groups()
+        schedule = get_forward_backward_func(groups, v)
+        comm = P2PCommunicator(SHAPE, torch.float32, groups=groups)
         steps, busy = [], []
         for i in range(iters + 1):
             dist.barrier(group=ps.get_pipeline_model_parallel_group())
@@ -122,6 +123,7 @@ def _one_config(p: int, m: int, v: int, layers_per_rank: int, layer_seconds: flo
                 model=chunks,
                 num_microbatches=m,
                 communicator=comm,
+                groups=groups,
             )
             elapsed = torch.tensor([time.perf_counter() - start])
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=ps.get_pipeline_model_parallel_group())

@@ -43,6 +43,7 @@ TP = lambda n: ["--tensor-model-parallel-size", str(n)]  # noqa: E731
 PP = lambda n: ["--pipeline-model-parallel-size", str(n)]  # noqa: E731
 EP = lambda n: ["--expert-model-parallel-size", str(n)]  # noqa: E731
 CP = lambda n: ["--context-parallel-size", str(n)]  # noqa: E731
+DISTOPT = ["--use-distributed-optimizer", "--data-parallel-sharding-strategy", "optim", "--overlap-param-gather"]
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 
 # (name, model, nodes, inter-node rate, layout flags); processes per node: 2; global batch 4 x nodes.
@@ -77,6 +78,9 @@ RUNS = [
     ("moe_ep4", "moe", 2, "100mbit", EP(4)),
     ("moe_ep2", "moe", 2, "100mbit", EP(2)),
     ("moe_dp4", "moe", 2, "100mbit", []),
+    # the planner's first choice of a full search (tools/plan.py on the calibrated cluster file), measured
+    ("plan_top1", "dense", 2, "1gbit", DISTOPT + ["--hierarchical-grad-reduce"]),
+    ("plan_top1", "dense", 2, "100mbit", TP(2) + DISTOPT + ["--hierarchical-grad-reduce"]),
 ]
 
 

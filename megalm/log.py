@@ -1,10 +1,12 @@
 """megalm's one logging channel: Python ``logging`` under the ``megalm`` logger, configured
 once per process by the entry point with :func:`setup_logging`.
 
-Every message carries the rank in its prefix (``[megalm rank 3] ...``).  By default INFO
-messages are shown on one rank only (``log_ranks``: rank 0, or the last rank for the training
-log line, see :func:`get_logger`) and WARNING and above on every rank.  Library modules write
-``logger = get_logger(__name__)`` and never ``print``.
+Every message carries the rank in its prefix (``[megalm rank 3] ...``), and a warning its level
+(``[megalm rank 3] WARNING: ...``; an error's line is the entry point's ``error: ...``).  By
+default INFO messages are shown on one rank only (``log_ranks``: rank 0, or the last rank for the
+training log line, see :func:`get_logger`) and WARNING and above on every rank: a warning is
+logged with ``logger.warning`` by every rank that has it (never as INFO with a "warning:"
+prefix).  Library modules write ``logger = get_logger(__name__)`` and never ``print``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,18 @@ class _RankFilter(logging.Filter):
             return True
         wanted = getattr(record, "on_rank", self.info_rank)
         return wanted is None or wanted == self.rank
+
+
+class _LevelFormatter(logging.Formatter):
+    """``prefix WARNING: message`` for a warning; ``prefix message`` otherwise (an error's line is the
+    entry point's ``error: ...``)."""
+
+    def __init__(self, prefix: str):
+        super().__init__(prefix + "%(message)s")
+        self._leveled = logging.Formatter(prefix + "%(levelname)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        return self._leveled.format(record) if record.levelno == logging.WARNING else super().format(record)
 
 
 class _StdHandler(logging.StreamHandler):
@@ -62,7 +76,7 @@ def setup_logging(
     else:
         handler = logging.StreamHandler(stream)
     prefix = "[megalm rank %(rank)d] " if world_size > 1 else "[megalm] "
-    handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
+    handler.setFormatter(_LevelFormatter(prefix))
     handler.addFilter(_RankFilter(rank, info_rank))
     logger.addHandler(handler)
     logger.setLevel(level)

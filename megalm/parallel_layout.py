@@ -37,6 +37,11 @@ class NodeLayoutError(MegalmError, ValueError):
     """The ranks per node do not fit the world, or a group does not split evenly over nodes."""
 
 
+class LayoutError(MegalmError, ValueError):
+    """Parallel sizes that do not fit the world size (the flags ``--tensor-model-parallel-size`` ...
+    named by their config field)."""
+
+
 def node_split(members: Sequence[int], ranks_per_node: int) -> Tuple[List[List[int]], List[List[int]]]:
     """Split one group (global ranks, sorted) into its intra-node and inter-node groups.
 
@@ -110,30 +115,30 @@ def validate_layout(
         ("expert_tensor_parallel_size", etp),
     ):
         if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+            raise LayoutError(f"{name} must be >= 1, got {value}")
     model_parallel = tp * pp * cp
     if world_size % model_parallel != 0:
-        raise ValueError(
+        raise LayoutError(
             f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) x "
             f"context ({cp}) parallel size = {model_parallel}"
         )
     dp = world_size // model_parallel
     if etp == 1 and (dp * cp) % ep != 0:
-        raise ValueError(
+        raise LayoutError(
             f"expert_model_parallel_size {ep} must divide data ({dp}) x context ({cp}) parallel size "
             f"= {dp * cp} (world size {world_size}, tp {tp}, pp {pp})"
         )
     if etp > 1 and (tp * cp * dp) % (etp * ep) != 0:
-        raise ValueError(
+        raise LayoutError(
             f"expert_tensor_parallel_size {etp} x expert_model_parallel_size {ep} = {etp * ep} must divide the "
             f"ranks of a pipeline stage: tensor ({tp}) x context ({cp}) x data ({dp}) = {tp * cp * dp} "
             f"(world size {world_size}, pp {pp})"
         )
     if virtual_pipeline_model_parallel_size is not None:
         if virtual_pipeline_model_parallel_size < 1:
-            raise ValueError("virtual_pipeline_model_parallel_size must be >= 1")
+            raise LayoutError("virtual_pipeline_model_parallel_size must be >= 1")
         if pp < 2 and virtual_pipeline_model_parallel_size > 1:
-            raise ValueError("virtual pipeline stages need pipeline_model_parallel_size >= 2")
+            raise LayoutError("virtual pipeline stages need pipeline_model_parallel_size >= 2")
     return dp
 
 

@@ -1,8 +1,18 @@
-"""Process-group state: the only module that holds parallel layout globals.
+"""Process-group state: builds the :class:`ProcessGroups` bundle once, and the Megatron-named getters.
 
 Which ranks form each group is computed by :mod:`megalm.parallel_layout` (pure functions,
-re-exported here); this module creates the groups (``dist.new_group``, collective over the
-world, once) and answers the Megatron-named getters from them.
+re-exported here); :func:`initialize_model_parallel` creates the groups (``dist.new_group``,
+collective over the world, once) and :func:`get_process_groups` returns this rank's bundle.
+
+Who reads this module: the entry points only (``pretrain_gpt.py``, ``tools/``, and the
+:class:`megalm.training.Trainer`'s set-up, which builds the bundle and passes it down).  Nothing
+below them looks a group up: every layer, schedule, optimizer, DDP wrapper and data function takes
+the groups it uses as a required argument (Megatron-core's ``pg_collection`` direction).  The
+Megatron-named getters (``get_tensor_model_parallel_rank()``, ``is_pipeline_first_stage()``, ...)
+stay for users and tools that know Megatron-LM; megalm's own code does not call them.  In
+particular megalm never sets the virtual pipeline rank: a model chunk knows whether it is the first
+or last stage (``pre_process`` / ``post_process``), and the interleaved schedule passes each chunk
+its own data iterator.
 """
 
 from __future__ import annotations
@@ -96,23 +106,6 @@ def _ranks_per_node(world: int, ranks_per_node: Optional[int]) -> int:
     if value < 1 or world % value != 0:
         raise NodeLayoutError(f"ranks per node ({value}) must be >= 1 and divide the world size ({world})")
     return value
-
-
-class _CurrentGroup:
-    """Type of :data:`CURRENT`."""
-
-    def __repr__(self) -> str:
-        return "parallel_state.CURRENT"
-
-
-# Default of a public layer's ``tp_group=`` / ``ep_group=`` argument: "this rank's group in
-# get_process_groups()", resolved once by the constructor (``None`` already means "this rank alone").
-CURRENT = _CurrentGroup()
-
-
-def resolve_group(group, name: str):
-    """``group``, or this rank's ``name`` field of :func:`get_process_groups` when ``group`` is :data:`CURRENT`."""
-    return getattr(get_process_groups(), name) if group is CURRENT else group
 
 
 # compute_layout name -> ProcessGroups field

@@ -22,7 +22,6 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-from megalm import parallel_state
 from megalm.parallel_state import ProcessGroups, group_rank, group_size
 from megalm.parameter_names import canonical_name
 from megalm.tensor_parallel.param_info import ParamLayoutError, param_info
@@ -96,13 +95,13 @@ def flat_range_blocks(shape: Sequence[int], start: int, end: int) -> List[Tuple[
 
 
 def param_spec(
-    param: torch.Tensor, data: Optional[torch.Tensor] = None, groups: Optional[ProcessGroups] = None
+    param: torch.Tensor, data: Optional[torch.Tensor] = None, *, groups: ProcessGroups
 ) -> Union[ShardedTensorSpec, List[ShardedTensorSpec]]:
     """Where this rank's piece of ``param`` sits in the full tensor (from its TP attributes).
 
     ``data`` (default ``param`` itself) is any tensor laid out like the parameter, e.g. an
-    Adam moment or an fp32 main copy.  ``groups`` (default
-    :func:`megalm.parallel_state.get_process_groups`): its ``tp`` gives the TP size and rank, its
+    Adam moment or an fp32 main copy.  ``groups`` (this rank's process groups, required): its
+    ``tp`` gives the TP size and rank, its
     ``etp`` those of a split expert parameter (``--expert-tensor-parallel-size``).
 
     A fused ``[gate; up]`` weight is checkpointed in its ``(2, n)`` view along the split dim, except an
@@ -130,14 +129,12 @@ def _merge_stride_axis(spec: ShardedTensorSpec, dim: int) -> List[ShardedTensorS
     return blocks
 
 
-def _view_spec(param: torch.Tensor, data: Optional[torch.Tensor], groups: Optional[ProcessGroups]) -> ShardedTensorSpec:
+def _view_spec(param: torch.Tensor, data: Optional[torch.Tensor], groups: ProcessGroups) -> ShardedTensorSpec:
     """:func:`param_spec` with fused weights always in their ``(stride, n)`` view."""
     data = param.detach() if data is None else data
     info = param_info(param)
     if info.replicated:
         return ShardedTensorSpec.replicated(data)
-    if groups is None:
-        groups = parallel_state.get_process_groups()
     split_group = groups.etp if info.expert else groups.tp
     tp, rank = group_size(split_group), group_rank(split_group)
     dim = info.partition_dim % data.dim()
@@ -165,7 +162,7 @@ def _view_spec(param: torch.Tensor, data: Optional[torch.Tensor], groups: Option
 
 
 def param_range_specs(
-    param: torch.Tensor, data: torch.Tensor, start: int, end: int, groups: Optional[ProcessGroups] = None
+    param: torch.Tensor, data: torch.Tensor, start: int, end: int, *, groups: ProcessGroups
 ) -> List[ShardedTensorSpec]:
     """Blocks of the full tensor covered by the flat range ``[start, end)`` of this rank's ``param``.
 

@@ -7,6 +7,7 @@ import torch
 
 from megalm.checkpoint.save import save_checkpoint
 from megalm.config import MegalmConfig, set_vocab_size, validate_config
+from megalm.parallel_state import get_process_groups
 
 # A Llama-style variant (RoPE, RMSNorm, SwiGLU, GQA, untied) with biases, so bias mappings are exercised too.
 LLAMA = dict(
@@ -45,7 +46,7 @@ def save_random_model(cfg, root, iteration=7):
     checkpoint under ``root``; returns it in eval mode."""
     from megalm.models import GPTModel
 
-    model = GPTModel(cfg)
+    model = GPTModel(cfg, process_groups=get_process_groups())
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -15,6 +15,9 @@ Spawned ranks are reused between tests of the same world size (``MEGALM_TEST_RAN
 process group between calls (a rank that would retires: see :mod:`tests.distributed_harness`), so idle ranks have no
 gloo threads.
 
+Subprocesses (``python tools/<tool>.py``, scripts) import the megalm of this checkout: the repo root
+leads ``PYTHONPATH`` (the tools add nothing to ``sys.path``; outside the tests megalm is installed).
+
 Hangs fail instead of stalling CI:
 
 * a test (setup, call and teardown) that runs longer than ``HANG_S`` seconds (``MEGALM_TEST_HANG_S``,
@@ -35,6 +38,9 @@ import pytest
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("MEGALM_FORCE_CPU", "1")
 os.environ.setdefault("MEGALM_TEST_RANK_POOL", "1")  # see the module docstring
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PATHS = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+os.environ["PYTHONPATH"] = os.pathsep.join([_REPO] + _PATHS)
 
 HANG_FD = pytest.StashKey[int]()
 # The slowest test takes ~60 s on a quiet 2-core machine; a module's spawned groups may each use their

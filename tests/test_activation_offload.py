@@ -19,12 +19,15 @@ host memory after their forward and come back, prefetched one layer ahead, befor
 Training runs (DP 2, TP 2 x DP 2) are in tests/test_sharding_strategy_training.py.
 """
 
+import copy
+
 import pytest
 import torch
 
 from megalm.config import ConfigError, validate_config
 from megalm.estimate.activations import Shape, layer_bytes
 from megalm.models import GPTModel
+from megalm.parallel_state import get_process_groups
 from megalm.tensor_parallel import model_parallel_manual_seed
 from tests.test_estimate import LLAMA, make_cfg
 
@@ -34,11 +37,11 @@ CASES = {"gpt-fp32": (GPT, torch.float32), "llama-bf16": (LLAMA, torch.bfloat16)
 
 
 def _model(model_kw, dtype, offload_layers=0):
-    cfg = make_cfg(num_layers=3, **model_kw)
+    cfg = copy.deepcopy(make_cfg(num_layers=3, **model_kw))  # editable: the validated config is frozen
     cfg.model.cpu_offloading, cfg.model.cpu_offloading_num_layers = offload_layers > 0, offload_layers
     validate_config(cfg, world_size=1)
     torch.manual_seed(0)
-    return cfg, GPTModel(cfg).to(dtype).train()
+    return cfg, GPTModel(cfg, process_groups=get_process_groups()).to(dtype).train()
 
 
 def _batch(seed=0):
@@ -57,7 +60,7 @@ def _losses_and_grads(model, seeds, order, attention_mask=None):
     """Forward every microbatch of ``seeds``, then backward them in ``order`` (indices)."""
     losses = []
     for seed in seeds:
-        model_parallel_manual_seed(7 + seed)
+        model_parallel_manual_seed(7 + seed, get_process_groups())
         tokens, labels = _batch(seed)
         losses.append(model(tokens, None, labels, attention_mask=attention_mask).sum())
     for i in order:
@@ -82,7 +85,7 @@ def _saved_bytes_per_layer(model, seed=0, attention_mask=None):
             seen.setdefault(current[0], {})[s.data_ptr()] = s.nbytes()
         return x
 
-    model_parallel_manual_seed(7 + seed)
+    model_parallel_manual_seed(7 + seed, get_process_groups())
     tokens, labels = _batch(seed)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
         model(tokens, None, labels, attention_mask=attention_mask)
@@ -176,7 +179,7 @@ def test_microbatches_in_flight_keep_their_own_copies_and_eval_moves_nothing():
     ],
 )
 def test_unsupported_combinations_are_refused(settings, message):
-    cfg = make_cfg(num_layers=3)
+    cfg = copy.deepcopy(make_cfg(num_layers=3))  # editable: the validated config is frozen
     cfg.model.cpu_offloading, cfg.model.cpu_offloading_num_layers = True, 1
     for key, value in settings.items():
         section = next(s for s in (cfg.model, cfg.parallel, cfg.training) if hasattr(s, key))

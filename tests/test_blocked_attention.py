@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from megalm.config import MegalmConfig, validate_config
 from megalm.fusions import EAGER, backends, plan_fusions
 from megalm.models import GPTModel
+from megalm.parallel_state import get_process_groups
 from megalm.transformer.attention import SelfAttention
 from megalm.transformer.blocked_attention import BLOCK, block_ranges, blocked_causal_attention
 from tests.numerics import relative_error
@@ -85,7 +86,7 @@ def test_gpt_with_blocked_attention_equals_sdpa():
     results = {}
     for backend in ("blocked", "fused"):
         torch.manual_seed(7)
-        model = GPTModel(_model_cfg(attention_backend=backend))
+        model = GPTModel(_model_cfg(attention_backend=backend), process_groups=get_process_groups())
         assert model.fusion_plan.attention == {"blocked": "blocked", "fused": "sdpa"}[backend]
         loss = model(tokens, None, labels)
         loss.mean().backward()
@@ -114,4 +115,9 @@ def test_attention_built_with_blocked_core_and_dropout_fails_at_construction():
     m = MegalmConfig().model  # not validated: attention dropout 0.1
     m.num_layers, m.hidden_size, m.num_attention_heads = 1, 32, 4
     with pytest.raises(ValueError, match="no attention dropout.*--attention-dropout 0 \\(got 0.1\\)"):
-        SelfAttention(m, plan=dataclasses.replace(EAGER, attention="blocked"))
+        SelfAttention(
+            m,
+            plan=dataclasses.replace(EAGER, attention="blocked"),
+            tp_group=get_process_groups().tp,
+            cp_group=get_process_groups().cp,
+        )

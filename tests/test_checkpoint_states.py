@@ -15,6 +15,7 @@ from megalm.checkpoint.errors import CheckpointError
 from megalm.checkpoint.load import load_checkpoint
 from megalm.checkpoint.save import save_checkpoint
 from megalm.checkpoint.stateful import CheckpointStates
+from megalm.parallel_state import get_process_groups
 from tests.checkpoint_fixtures import tiny_cfg
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megalm" / "checkpoint"
@@ -57,7 +58,7 @@ def test_registry_refuses_bad_registrations():
 def test_a_registered_state_round_trips_and_is_verified(tmp_path):
     from megalm.models import GPTModel
 
-    model = GPTModel(tiny_cfg(64))
+    model = GPTModel(tiny_cfg(64), process_groups=get_process_groups())
     save_checkpoint(str(tmp_path), 3, [model], states=_states(Counter(5)))
     it = tmp_path / "iter_0000003"
     assert (it / "counter" / "rank_00000.pt").is_file()

@@ -29,6 +29,7 @@ from megalm.checkpoint.load import load_checkpoint
 from megalm.checkpoint.resume import TRACKER_FILENAME, read_tracker, verify_checkpoint
 from megalm.checkpoint.safe_metadata import load_metadata
 from megalm.checkpoint.save import check_save_dir, save_checkpoint
+from megalm.parallel_state import get_process_groups
 from tests.checkpoint_fixtures import save_random_model, tiny_cfg
 from tests.distributed_harness import run_distributed
 from tests.logs import megalm_logs
@@ -257,10 +258,10 @@ def test_checkpoint_without_manifest_loads_with_a_warning(tmp_path, capsys):
     it = tmp_path / "iter_0000007"
     (it / "manifest.json").unlink()
     shutil.rmtree(it / "manifest")
-    model = GPTModel(cfg)
+    model = GPTModel(cfg, process_groups=get_process_groups())
     with megalm_logs("stderr"):
         load_checkpoint(str(tmp_path), [model], finetune=True)
-    assert f"warning: checkpoint {it} has no manifest.json" in capsys.readouterr().err
+    assert f"WARNING: checkpoint {it} has no manifest.json" in capsys.readouterr().err
     for (name, a), b in zip(saved.named_parameters(), model.parameters()):
         assert torch.equal(a, b), name
     # Rank manifests without the index: the save never completed.
@@ -277,7 +278,7 @@ def test_checkpoint_without_manifest_loads_with_a_warning(tmp_path, capsys):
 def _model():
     from megalm.models import GPTModel
 
-    return GPTModel(tiny_cfg(20000))  # a 2.5 MB word embedding
+    return GPTModel(tiny_cfg(20000), process_groups=get_process_groups())  # a 2.5 MB word embedding
 
 
 def test_async_save_writes_the_manifest_before_the_tracker(tmp_path):
@@ -338,7 +339,7 @@ def test_dcp_load_failure_becomes_a_checkpoint_error(tmp_path, monkeypatch):
     from megalm.models import GPTModel
 
     with pytest.raises(CheckpointError, match=r"failed to load .*iter_0000002: ValueError: bad chunk$"):
-        load_checkpoint(str(tmp_path), [GPTModel(tiny_cfg(128))], finetune=True)
+        load_checkpoint(str(tmp_path), [GPTModel(tiny_cfg(128), process_groups=get_process_groups())], finetune=True)
 
 
 @pytest.fixture
@@ -388,12 +389,14 @@ def test_hostile_metadata_is_refused_by_the_reader_even_with_a_matching_manifest
     (it / ".metadata").write_bytes(payload("reduce", marker))
     for fallback in (False, True):
         with pytest.raises(CheckpointError, match=f"{it}/.metadata.*refusing to unpickle"):
-            load_checkpoint(str(tmp_path), [GPTModel(cfg)], finetune=True, fallback=fallback)
+            load_checkpoint(
+                str(tmp_path), [GPTModel(cfg, process_groups=get_process_groups())], finetune=True, fallback=fallback
+            )
     checkpoint_manifest.write_rank_manifest(str(it), 0)
     checkpoint_manifest.write_index(str(it), 5, 1)
     assert verify_checkpoint(str(it), 5) is None
     with pytest.raises(CheckpointError, match=f"{it}/.metadata.*refusing to unpickle"):
-        load_checkpoint(str(tmp_path), [GPTModel(cfg)], finetune=True)
+        load_checkpoint(str(tmp_path), [GPTModel(cfg, process_groups=get_process_groups())], finetune=True)
     assert not marker.exists()
 
 

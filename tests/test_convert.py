@@ -5,6 +5,7 @@ the logits by far more than the tolerance): megalm models saved with megalm.chec
 transformers models built from a config in this process (no downloads).
 """
 
+import copy
 import json
 import os
 import runpy
@@ -26,6 +27,7 @@ from megalm.conversion.export_hf import export_to_hf  # noqa: E402
 from megalm.conversion.import_hf import import_from_hf  # noqa: E402
 from megalm.conversion.megalm_checkpoint import MegalmCheckpointReader  # noqa: E402
 from megalm.conversion.verify import megalm_model_from_tensors  # noqa: E402
+from megalm.parallel_state import get_process_groups  # noqa: E402
 from tests.checkpoint_fixtures import LLAMA, save_random_model, tiny_cfg  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -198,10 +200,10 @@ def test_mixed_precision_export_reads_fp32_main_params(tmp_path):
     from megalm.models import GPTModel
     from megalm.optimizer import build_optimizer
 
-    cfg = make_cfg(**LLAMA)
+    cfg = copy.deepcopy(make_cfg(**LLAMA))  # an editable copy: the validated config is frozen
     cfg.training.bf16 = True
-    model = GPTModel(cfg).to(torch.bfloat16)
-    optimizer = build_optimizer(cfg, [model])
+    model = GPTModel(cfg, process_groups=get_process_groups()).to(torch.bfloat16)
+    optimizer = build_optimizer(cfg, [model], process_groups=get_process_groups())
     with torch.no_grad():
         for main in optimizer.main_params:
             main.add_(1e-4)  # fp32 values that bf16 cannot hold
@@ -226,7 +228,7 @@ def _tp2_train_and_logits(argv, ids):
     pretrain(pretrain_gpt.model_provider, pretrain_gpt.forward_step, argv=argv)
     save = argv[argv.index("--save") + 1]
     cfg = MegalmConfig.from_dict(read_common(find_checkpoint(save))["config"])
-    model = GPTModel(cfg)
+    model = GPTModel(cfg, process_groups=get_process_groups())
     load_checkpoint(cfg.checkpoint.save, [model], finetune=True)
     model.eval()
     with torch.no_grad():
@@ -341,7 +343,7 @@ def test_gpt2_bpe_tokenizer_through_both_conversions(tmp_path):
 
     vocab_file, merge_file = make_gpt2_files(tmp_path)
     tok = GPT2BPETokenizer(vocab_file, merge_file)
-    cfg = tiny_cfg(tok.vocab_size, **GPT2)
+    cfg = copy.deepcopy(tiny_cfg(tok.vocab_size, **GPT2))  # an editable copy: the validated config is frozen
     cfg.data.tokenizer_type, cfg.data.vocab_file, cfg.data.merge_file = "GPT2BPETokenizer", vocab_file, merge_file
     save_random_model(cfg, tmp_path / "ckpt")
     convert = runpy.run_path(str(REPO / "tools" / "checkpoint" / "convert.py"))

@@ -9,6 +9,7 @@ stage, numpy RNG state).  The imported checkpoint's model must give the original
 """
 
 import argparse
+import copy
 import enum
 import io
 import json
@@ -31,6 +32,7 @@ from megalm.conversion.megatron_pickles import MegatronPickleError
 from megalm.conversion.verify import megalm_model_from_tensors
 from megalm.fusions import EAGER
 from megalm.models import GPTModel
+from megalm.parallel_state import get_process_groups
 from tests.checkpoint_fixtures import tiny_cfg
 
 VOCAB, PADDED = 100, 128
@@ -71,11 +73,11 @@ def megatron_enum_module(monkeypatch):
 
 
 def random_model(arch: str):
-    cfg = tiny_cfg(VOCAB, **(GPT if arch == "gpt" else LLAMA))
+    cfg = copy.deepcopy(tiny_cfg(VOCAB, **(GPT if arch == "gpt" else LLAMA)))  # editable copy (frozen once validated)
     cfg.model.num_layers = 4
     cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.0
     torch.manual_seed(0)
-    model = GPTModel(cfg, fusion_plan=EAGER)  # plain PyTorch: no compile time
+    model = GPTModel(cfg, fusion_plan=EAGER, process_groups=get_process_groups())  # plain PyTorch: no compile time
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -430,9 +432,9 @@ def test_adam_state_imports_and_loads_into_megalms_optimizer(tmp_path):
     loaded_cfg = MegalmCheckpointReader(str(dst)).config
     loaded_cfg.training.bf16, loaded_cfg.training.optimizer = True, "adam"
     set_vocab_size(loaded_cfg, VOCAB)
-    target = GPTModel(loaded_cfg, fusion_plan=EAGER).to(torch.bfloat16)
-    ddp = DistributedDataParallel(target, loaded_cfg.parallel)
-    optimizer = build_optimizer(loaded_cfg, [ddp], report_memory=False)
+    target = GPTModel(loaded_cfg, fusion_plan=EAGER, process_groups=get_process_groups()).to(torch.bfloat16)
+    ddp = DistributedDataParallel(target, loaded_cfg.parallel, process_groups=get_process_groups())
+    optimizer = build_optimizer(loaded_cfg, [ddp], report_memory=False, process_groups=get_process_groups())
     load_checkpoint(str(dst), [ddp], optimizer, load_rng=False)
     state = optimizer.sharded_param_state()
     originals = dict(model.named_parameters())

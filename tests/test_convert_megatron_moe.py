@@ -10,6 +10,7 @@ holding each EP rank's experts in SequentialMLP's (``local_experts.{j}.``), TEGr
 layers mixed in both.  The imported model must give the original logits.
 """
 
+import copy
 import dataclasses
 import json
 import os
@@ -28,6 +29,7 @@ from megalm.conversion.megatron import import_from_megatron
 from megalm.conversion.megatron_layouts import TorchDistCheckpoint
 from megalm.fusions import EAGER
 from megalm.models import GPTModel
+from megalm.parallel_state import get_process_groups
 from tests.checkpoint_fixtures import tiny_cfg
 from tests.test_convert_megatron import LLAMA, PADDED, VOCAB, imported_logits, megatron_args, megatron_enum_module
 from tests.test_convert_megatron import tp_shard as dense_tp_shard
@@ -50,10 +52,12 @@ MOE = dict(
 
 
 def moe_model(layer_freq):
-    cfg = tiny_cfg(VOCAB, **dict(MOE, moe_layer_freq=layer_freq))
+    cfg = copy.deepcopy(
+        tiny_cfg(VOCAB, **dict(MOE, moe_layer_freq=layer_freq))
+    )  # editable copy (frozen once validated)
     cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.0
     torch.manual_seed(0)
-    model = GPTModel(cfg, fusion_plan=EAGER)
+    model = GPTModel(cfg, fusion_plan=EAGER, process_groups=get_process_groups())
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, p in model.named_parameters():

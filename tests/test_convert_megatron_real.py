@@ -20,6 +20,7 @@ from megalm.checkpoint.resume import find_checkpoint
 from megalm.conversion.megalm_checkpoint import MegalmCheckpointReader
 from megalm.conversion.megatron import import_from_megatron
 from megalm.conversion.verify import megalm_model_from_tensors
+from megalm.parallel_state import get_process_groups
 
 safetensors = pytest.importorskip("safetensors.torch")
 
@@ -83,9 +84,9 @@ def test_distributed_optimizer_state_resumes_as_megatron_core_held_it(layout, tm
     cfg = MegalmCheckpointReader(dst).config
     cfg.training.optimizer = "adam"
     set_vocab_size(cfg, cfg.model.vocab_size)
-    model = GPTModel(cfg, fusion_plan=EAGER)
-    ddp = DistributedDataParallel(model, cfg.parallel)
-    optimizer = build_optimizer(cfg, [ddp], report_memory=False)
+    model = GPTModel(cfg, fusion_plan=EAGER, process_groups=get_process_groups())
+    ddp = DistributedDataParallel(model, cfg.parallel, process_groups=get_process_groups())
+    optimizer = build_optimizer(cfg, [ddp], report_memory=False, process_groups=get_process_groups())
     load_checkpoint(dst, [ddp], optimizer, load_rng=False)
     state = optimizer.sharded_param_state()
     held = safetensors.load_file(os.path.join(FIXTURES, "adam", "adam_state.safetensors"))

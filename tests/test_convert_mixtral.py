@@ -25,6 +25,7 @@ from megalm.checkpoint.load import load_checkpoint
 from megalm.checkpoint.save import save_checkpoint
 from megalm.config import MegalmConfig, set_vocab_size, validate_config
 from megalm.conversion.errors import ConversionError
+from megalm.parallel_state import get_process_groups
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None, reason="transformers is needed to load the exported models"
@@ -355,7 +356,7 @@ def _save_and_load_on_ranks(jobs, ids):
             p.pipeline_model_parallel_size,
             expert_model_parallel_size=p.expert_model_parallel_size,
         )
-        chunks = build_model_chunks(cfg, pretrain_gpt.model_provider)
+        chunks = build_model_chunks(cfg, pretrain_gpt.model_provider, parallel_state.get_process_groups())
         if action == "save":
             _perturb_norms(chunks)
             save_checkpoint(root, 5, chunks, config=cfg.to_dict())
@@ -421,7 +422,7 @@ def _export_equals_one_rank(tmp, saved: str, model: dict):
 
     common = json.loads(next((tmp / saved).glob("iter_*/common.json")).read_text())
     cfg = _tc().make_cfg(**model)
-    one = GPTModel(cfg)
+    one = GPTModel(cfg, process_groups=get_process_groups())
     _perturb_norms([one])
     save_checkpoint(str(tmp / f"{saved}_1rank"), 5, [one], config=cfg.to_dict())
     export_to_hf(str(tmp / saved), str(tmp / f"hf_{saved}"))

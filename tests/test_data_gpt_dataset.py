@@ -203,11 +203,11 @@ def test_dataset_messages_reach_megalm_log_on_rank_zero_only(tmp_path, capsys):
         ds = GPTDataset(ds_file, np.arange(40), 20, "valid", cfg)
     out = capsys.readouterr().out
     assert f"[megalm rank 0] GPTDataset valid: {len(ds)} samples, indices built in" in out
-    assert f"[megalm rank 0] could not cache indices in {tmp_path / 'afile' / 'sub'}" in out
+    assert f"[megalm rank 0] WARNING: could not cache indices in {tmp_path / 'afile' / 'sub'}" in out
     with megalm_logs("stdout", rank=1, world_size=2):
         GPTDataset(ds_file, np.arange(40), 20, "valid", cfg)
     out = capsys.readouterr().out
-    assert "GPTDataset valid" not in out and "[megalm rank 1] could not cache indices" in out
+    assert "GPTDataset valid" not in out and "[megalm rank 1] WARNING: could not cache indices" in out
 
 
 def test_reset_position_ids_restart_after_each_eod():

@@ -16,6 +16,7 @@ from megalm import parallel_state
 from megalm.config import MegalmConfig, ParallelConfig
 from megalm.distributed import DistributedDataParallel, comm, finalize_model_grads
 from megalm.optimizer import build_optimizer
+from megalm.parallel_state import get_process_groups
 from tests.distributed_harness import run_distributed
 
 GLOBAL_BATCH, NUM_MICRO, STEPS = 24, 3, 3
@@ -125,9 +126,13 @@ def _train(dp, overlap, bucket_size, expert_last_layer):
     if expert_last_layer:
         for p in model.out.parameters():
             p.allreduce = False
-    ddp = DistributedDataParallel(model, ParallelConfig(overlap_grad_reduce=overlap, ddp_bucket_size=bucket_size))
+    ddp = DistributedDataParallel(
+        model,
+        ParallelConfig(overlap_grad_reduce=overlap, ddp_bucket_size=bucket_size),
+        process_groups=get_process_groups(),
+    )
     n_buckets = _check_layout(ddp, dp)
-    optimizer = build_optimizer(make_cfg(), [ddp])
+    optimizer = build_optimizer(make_cfg(), [ddp], process_groups=get_process_groups())
     rank, mb = parallel_state.get_data_parallel_rank(), GLOBAL_BATCH // dp // NUM_MICRO
     out = {
         "n_buckets": n_buckets,
@@ -153,7 +158,7 @@ def _train(dp, overlap, bucket_size, expert_last_layer):
             (F.mse_loss(ddp(x[-1]), y[-1]) / NUM_MICRO).backward()
         out["launched_in_backward"].append(counter.calls)
         out["grad_freed"] &= all(p.grad is None for p in model.parameters())
-        finalize_model_grads([ddp])
+        finalize_model_grads([ddp], process_groups=get_process_groups())
         if step == 0:
             out["grads"] = [p.main_grad.numpy().copy() for p in model.parameters()]
         ok, norm, _ = optimizer.step()
@@ -171,10 +176,10 @@ def _finalize_checks():
     m = torch.nn.Sequential(torch.nn.LayerNorm(4), torch.nn.Linear(4, 4))
     for p in m[0].parameters():
         p.sequence_parallel = True
-    ddp = DistributedDataParallel(m, ParallelConfig())
+    ddp = DistributedDataParallel(m, ParallelConfig(), process_groups=get_process_groups())
     for p in m.parameters():
         p.main_grad.fill_(rank + 1.0)
-    finalize_model_grads([ddp])
+    finalize_model_grads([ddp], process_groups=get_process_groups())
     results["sp"] = [p.main_grad.flatten()[0].item() for p in m.parameters()]
 
     parallel_state.destroy_model_parallel()
@@ -187,10 +192,10 @@ def _finalize_checks():
         else:
             stage = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 10, bias=False))
             stage[1].weight.shared_embedding = tied
-        ddp = DistributedDataParallel(stage, ParallelConfig())
+        ddp = DistributedDataParallel(stage, ParallelConfig(), process_groups=get_process_groups())
         for p in stage.parameters():
             p.main_grad.fill_(rank + 1.0)
-        finalize_model_grads([ddp])
+        finalize_model_grads([ddp], process_groups=get_process_groups())
         results[f"tied={tied}"] = [p.main_grad.flatten()[0].item() for p in stage.parameters()]
     return results
 
@@ -250,7 +255,7 @@ def test_ddp_matches_single_process(dp):
 
 def test_buffer_layout_single_process():
     model = make_model()
-    ddp = DistributedDataParallel(model, ParallelConfig(ddp_bucket_size=99))
+    ddp = DistributedDataParallel(model, ParallelConfig(ddp_bucket_size=99), process_groups=get_process_groups())
     names = [[n for n, p in model.named_parameters() if any(p is q for q in b.params)] for b in ddp.buffers[0].buckets]
     assert names == [
         ["out.weight", "out.bias"],
@@ -274,12 +279,16 @@ def test_buffer_layout_single_process():
 def test_param_buffer_for_distributed_optimizer_and_misuse_error():
     model = make_model()
     before = [p.detach().clone() for p in model.parameters()]
-    ddp = DistributedDataParallel(model, ParallelConfig(use_distributed_optimizer=True, ddp_bucket_size=99))
+    ddp = DistributedDataParallel(
+        model, ParallelConfig(use_distributed_optimizer=True, ddp_bucket_size=99), process_groups=get_process_groups()
+    )
     buf = ddp.buffers[0]
     for p, b in zip(model.parameters(), before):
         s, e, _ = buf.param_index_map[p]
         assert torch.equal(p, b) and p.data_ptr() == buf.param_data[s:].data_ptr()  # params live in the buffer
-    ddp = DistributedDataParallel(make_model(), ParallelConfig(overlap_grad_reduce=True, ddp_bucket_size=99))
+    ddp = DistributedDataParallel(
+        make_model(), ParallelConfig(overlap_grad_reduce=True, ddp_bucket_size=99), process_groups=get_process_groups()
+    )
     x = torch.randn(5, 8)
     ddp(x).sum().backward()  # buckets are "reduced" during this backward (DP 1: no communication)
     with pytest.raises(RuntimeError, match="no_sync"):

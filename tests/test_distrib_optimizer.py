@@ -24,6 +24,7 @@ from megalm.distributed import DistributedDataParallel, comm, finalize_model_gra
 from megalm.optimizer import DistributedOptimizer, build_optimizer
 from megalm.optimizer.grad_scaler import DynamicGradScaler
 from megalm.optimizer.memory_accounting import formula_bytes_per_param, optimizer_memory
+from megalm.parallel_state import get_process_groups
 from megalm.param_layout import flat_range_blocks
 from tests.distributed_harness import run_distributed
 from tests.test_ddp import GLOBAL_BATCH, NUM_MICRO, STEPS, batch, make_cfg, make_model, reference_run
@@ -65,11 +66,13 @@ def _memory(precision, distributed):
     dtype, fp32_grads = PRECISIONS[precision]
     model = _mlp(dtype)
     ddp = DistributedDataParallel(
-        model, ParallelConfig(use_distributed_optimizer=distributed, accumulate_allreduce_grads_in_fp32=fp32_grads)
+        model,
+        ParallelConfig(use_distributed_optimizer=distributed, accumulate_allreduce_grads_in_fp32=fp32_grads),
+        process_groups=get_process_groups(),
     )
     cfg = make_cfg()
     cfg.parallel.use_distributed_optimizer = distributed
-    mem = optimizer_memory(build_optimizer(cfg, [ddp], report_memory=False), [ddp])
+    mem = optimizer_memory(build_optimizer(cfg, [ddp], report_memory=False, process_groups=get_process_groups()), [ddp])
     mem.pop("per_param")
     return mem
 
@@ -99,8 +102,8 @@ def _train(dp, overlap, bucket_size, expert_last_layer):
         ddp_bucket_size=bucket_size,
         use_distributed_optimizer=True,
     )
-    ddp = DistributedDataParallel(model, cfg.parallel)
-    optimizer = build_optimizer(cfg, [ddp], report_memory=False)
+    ddp = DistributedDataParallel(model, cfg.parallel, process_groups=get_process_groups())
+    optimizer = build_optimizer(cfg, [ddp], report_memory=False, process_groups=get_process_groups())
     assert isinstance(optimizer, DistributedOptimizer)
     buckets = [b for buf in ddp.all_buffers for b in buf.buckets]
     rank, mb = parallel_state.get_data_parallel_rank(), GLOBAL_BATCH // dp // NUM_MICRO
@@ -127,7 +130,7 @@ def _train(dp, overlap, bucket_size, expert_last_layer):
                 if step > 0:
                     out["pending_after_forward"].append(sum(b.param_handle is not None for b in buckets))
                 loss.backward()
-        finalize_model_grads([ddp])
+        finalize_model_grads([ddp], process_groups=get_process_groups())
         ok, norm, _ = optimizer.step()
         assert ok
         out["pending_after_step"].append(sum(b.param_handle is not None for b in buckets))
@@ -149,10 +152,12 @@ def _memory_distributed(dp):
 def _found_inf_on_one_rank():
     """fp16: an inf in rank 0's gradient shard only must skip the step on every rank."""
     model = _mlp(torch.float16)
-    ddp = DistributedDataParallel(model, ParallelConfig(use_distributed_optimizer=True))
+    ddp = DistributedDataParallel(
+        model, ParallelConfig(use_distributed_optimizer=True), process_groups=get_process_groups()
+    )
     cfg = make_cfg()
     cfg.parallel.use_distributed_optimizer = True
-    optimizer = build_optimizer(cfg, [ddp], report_memory=False)
+    optimizer = build_optimizer(cfg, [ddp], report_memory=False, process_groups=get_process_groups())
     optimizer.grad_scaler = DynamicGradScaler(initial_scale=1024.0, min_scale=1.0, growth_interval=1000, hysteresis=1)
     before = [p.detach().clone() for p in model.parameters()]
     results = []
@@ -160,7 +165,7 @@ def _found_inf_on_one_rank():
         ddp.zero_grad_buffer()
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).half()
         optimizer.scale_loss(ddp(x).float().pow(2).mean()).backward()
-        finalize_model_grads([ddp])
+        finalize_model_grads([ddp], process_groups=get_process_groups())
         if inject and parallel_state.get_data_parallel_rank() == 0:
             optimizer.ranges[0].grad[0] = float("inf")
         ok, norm, _ = optimizer.step()

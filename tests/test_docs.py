@@ -28,7 +28,9 @@ EXTERNAL_FLAGS = set(
     # sbatch / srun
     " --nodes --signal --time --partition --ntasks-per-node --gpus-per-node --cpu-bind --kill-on-bad-exit --export"
     # tensorboard, mkdocs, pytest, nsys
-    " --logdir --strict --site-dir --durations --capture-range".split()
+    " --logdir --strict --site-dir --durations --capture-range"
+    # torchft_lighthouse
+    " --bind --min_replicas".split()
 )
 # Megatron-LM flags megalm does not have, named only to describe Megatron-LM's files or behaviour: the block naming
 # one must say "Megatron".

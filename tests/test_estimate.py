@@ -10,6 +10,7 @@
   passing the preset's flags by hand plans, and an unknown name is an error listing the names.
 """
 
+import copy
 import dataclasses
 import json
 import os
@@ -26,6 +27,7 @@ from megalm.estimate.cli import main as estimate_main
 from megalm.estimate.cli import parse
 from megalm.estimate.parameters import stage_parameters, total_parameters
 from megalm.estimate.planner import PlannerOptions, format_plan, plan
+from megalm.parallel_state import get_process_groups
 from megalm.presets import PRESETS, PresetError
 from megalm.tensor_parallel import model_parallel_manual_seed
 from tests.distributed_harness import run_distributed
@@ -63,8 +65,10 @@ def measured_state_bytes(cfg):
     from megalm.optimizer import build_optimizer
 
     dtype = torch.bfloat16 if cfg.training.bf16 else torch.float32
-    model = DistributedDataParallel(GPTModel(cfg).to(dtype), cfg.parallel)
-    optimizer = build_optimizer(cfg, [model])
+    model = DistributedDataParallel(
+        GPTModel(cfg, process_groups=get_process_groups()).to(dtype), cfg.parallel, process_groups=get_process_groups()
+    )
+    optimizer = build_optimizer(cfg, [model], process_groups=get_process_groups())
     optimizer.init_state()
     params = {id(p): p for p in model.parameters()}.values()
     grads = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in (p.main_grad for p in params)}
@@ -100,7 +104,7 @@ def test_parameter_and_state_bytes_equal_measured(bf16, arch):
 def test_layerwise_optimizer_state_bytes_equal_measured(optimizer, bf16, arch):
     """LAMB: two moments; LARS: a momentum buffer; Lion: one moment; Muon: a momentum buffer for the linear
     layers' matrices, AdamW's two moments for the rest (embeddings, output layer, norms, biases)."""
-    cfg = make_cfg(bf16=bf16, **arch)
+    cfg = copy.deepcopy(make_cfg(bf16=bf16, **arch))  # a copy: the validated config is frozen
     cfg.training.optimizer = optimizer
     predicted = plan(cfg, PlannerOptions(world_size=1))["stages"][0]
     assert predicted["optimizer"] == measured_state_bytes(cfg)["optimizer"]
@@ -122,7 +126,7 @@ def test_moe_parameters_equal_built_model(arch):
         moe_shared_expert_intermediate_size=32,
         **arch,
     )
-    model = GPTModel(cfg)
+    model = GPTModel(cfg, process_groups=get_process_groups())
     named = list(model.named_parameters())
     expert = sum(p.numel() for n, p in named if ".experts." in n)
     vectors = [sum(p.numel() for n, p in named if p.ndim == 1 and (".experts." in n) == e) for e in (False, True)]
@@ -147,7 +151,7 @@ def test_mla_and_mtp_parameters_equal_built_model(extra):
         mtp_num_layers=2,
         **{**MLA, **extra},
     )
-    model = GPTModel(cfg)
+    model = GPTModel(cfg, process_groups=get_process_groups())
     named = list(model.named_parameters())
     expert = sum(p.numel() for n, p in named if ".experts." in n)
     vectors = [sum(p.numel() for n, p in named if p.ndim == 1 and (".experts." in n) == e) for e in (False, True)]
@@ -174,7 +178,7 @@ def saved_activation_bytes(model, cfg, dtype) -> int:
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length), generator=g)
     labels = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length), generator=g)
-    model_parallel_manual_seed(0)  # the position-keyed dropout draws its key from the tracker
+    model_parallel_manual_seed(0, get_process_groups())  # the position-keyed dropout draws its key from the tracker
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
         model(tokens, None, labels)
     return sum(seen.values())
@@ -244,6 +248,7 @@ def test_expert_tensor_parallel_parameters_equal_the_split_experts():
 
     cfg = make_cfg(num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2, **LLAMA)
     whole = stage_parameters(cfg, 0).expert
+    cfg = copy.deepcopy(cfg)  # a copy: the validated config is frozen
     cfg.parallel.expert_tensor_parallel_size, cfg.parallel.data_parallel_size = 2, 4
     shard = sum(p.numel() for p in ExpertMLP(cfg.model, etp=2).parameters())
     assert stage_parameters(cfg, 0).expert == 3 * 4 * shard == whole // 2
@@ -257,7 +262,7 @@ def test_planner_expert_data_parallel_size_equals_the_layout(tp, cp, ep, etp, wo
     from megalm.estimate.planner import data_parallel_sizes
     from megalm.parallel_layout import expert_sizes
 
-    cfg = make_cfg(num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2, **LLAMA)
+    cfg = copy.deepcopy(make_cfg(num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2, **LLAMA))
     p = cfg.parallel
     p.tensor_model_parallel_size, p.context_parallel_size, p.expert_model_parallel_size = tp, cp, ep
     p.expert_tensor_parallel_size, p.data_parallel_size = etp, world // (tp * cp)
@@ -270,7 +275,7 @@ def test_activation_estimate_matches_saved_tensors(case):
 
     cfg = make_cfg(**ACTIVATION_CASES[case])
     dtype = torch.bfloat16 if cfg.training.bf16 else torch.float32
-    measured = saved_activation_bytes(GPTModel(cfg), cfg, dtype)
+    measured = saved_activation_bytes(GPTModel(cfg, process_groups=get_process_groups()), cfg, dtype)
     predicted = predicted_activation_bytes(cfg)
     assert abs(predicted - measured) / measured < 0.05, (case, predicted, measured)
 
@@ -283,7 +288,7 @@ def _tp2_measurements(cases):
     out = []
     for model_kw, sp in cases:
         cfg = make_cfg(tp=2, sp=sp, **model_kw)
-        model = GPTModel(cfg)
+        model = GPTModel(cfg, process_groups=get_process_groups())
         out.append((sum(p.numel() for p in model.parameters()), saved_activation_bytes(model, cfg, torch.float32)))
     return out
 
@@ -308,12 +313,14 @@ def _cp2_measurements(cases):
     from megalm.models import GPTModel
 
     parallel_state.initialize_model_parallel(context_parallel_size=2)
-    model_parallel_manual_seed(0)  # attention dropout under CP is position-keyed: its key comes from the tracker
+    model_parallel_manual_seed(
+        0, get_process_groups()
+    )  # attention dropout under CP is position-keyed: its key comes from the tracker
     rank = parallel_state.get_context_parallel_rank()
     out = []
     for comm, model_kw in cases:
         cfg = cp2_cfg(comm, **model_kw)
-        model, t, seq = GPTModel(cfg), cfg.training, cfg.model.seq_length
+        model, t, seq = GPTModel(cfg, process_groups=get_process_groups()), cfg.training, cfg.model.seq_length
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         seen = {}
 
@@ -333,10 +340,9 @@ def _cp2_measurements(cases):
 
 
 def cp2_cfg(comm, **model):
-    cfg = make_cfg(**{"seq_length": 64, "max_position_embeddings": 64, **model})
+    cfg = copy.deepcopy(make_cfg(**{"seq_length": 64, "max_position_embeddings": 64, **model}))
     cfg.parallel.context_parallel_size, cfg.parallel.cp_comm_type = 2, comm
-    validate_config(cfg, world_size=2)
-    return cfg
+    return validate_config(cfg, world_size=2)
 
 
 CP2_CASES = [(comm, kw) for comm in ("p2p", "a2a", "allgather") for kw in (dict(), LLAMA)]
@@ -639,7 +645,7 @@ def test_mla_and_mtp_flops_equal_counted(extra):
             **extra,
         },
     )
-    model = GPTModel(cfg, fusion_plan=EAGER).train()
+    model = GPTModel(cfg, fusion_plan=EAGER, process_groups=get_process_groups()).train()
     tokens = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
     with FlopCounterMode(display=False) as counter:
         model(tokens, labels=tokens).mean().backward()

@@ -1,11 +1,11 @@
 """DDP, the optimizers and the gradient norm communicate over the groups passed to them
 (:class:`megalm.parallel_state.ProcessGroups`), not over parallel_state's globals.
 
-Two gloo ranks with parallel_state NOT initialized (so every getter, and the default
+Two gloo ranks with parallel_state NOT initialized (so every getter, and
 ``get_process_groups()``, says "this rank alone"); the groups are handed in explicitly:
 
 * DDP over ``dp_cp`` = world: ``main_grad`` is the mean of both ranks' gradients; the same DDP
-  built without groups (the default) does not communicate and keeps the local gradient;
+  built with ``ProcessGroups.single()`` (this rank alone) does not communicate and keeps the local gradient;
 * the distributed optimizer (shards over DDP's ``dp_cp``, norm over the world of the groups):
   after one clipped SGD step the parameters equal the single-process update on the mean gradient;
 * the plain optimizer with ``tp`` = ``mp`` = world: a TP-sharded gradient counts on both ranks,
@@ -55,7 +55,7 @@ def worker():
     )
     x, y = _batch(rank)
     out = {}
-    for name, groups in (("explicit", dp_groups), ("default", None)):
+    for name, groups in (("explicit", dp_groups), ("default", ProcessGroups.single())):
         model = _mlp()
         ddp = DistributedDataParallel(model, ParallelConfig(), process_groups=groups)
         comm.reset_comm_stats()
@@ -84,7 +84,7 @@ def worker():
     W.grad, n.grad = full_W[2 * rank : 2 * rank + 2].clone(), torch.tensor([1.0, 2.0, 3.0])
     groups = [{"name": "all", "params": [W, n], "names": ["W", "n"], "weight_decay": 0.0}]
     norms = []
-    for g in (tp_groups, None):
+    for g in (tp_groups, ProcessGroups.single()):
         opt = FP32Optimizer(groups, lambda gs: torch.optim.SGD(gs, lr=1.0), clip_grad=0.0, process_groups=g)
         W.grad, n.grad = full_W[2 * rank : 2 * rank + 2].clone(), torch.tensor([1.0, 2.0, 3.0])
         norms.append(opt.step()[1])

@@ -14,6 +14,7 @@ from megalm.fusions.dropout_add import bias_dropout_add
 from megalm.fusions.norms import layer_norm, rms_norm
 from megalm.fusions.rope import rotary_qk
 from megalm.fusions.softmax import scaled_causal_softmax
+from megalm.parallel_state import get_process_groups
 from megalm.transformer.rope import RotaryEmbedding
 from tests.numerics import relative_error
 
@@ -129,7 +130,7 @@ def test_moe_expert_activations_compile_once_for_changing_token_counts(grouped):
     experts = {}
     for name, plan in (("compiled", plan_fusions(m)), ("eager", EAGER)):
         experts[name] = LocalExperts(m, first=0, count=3, grouped=grouped, plan=plan)
-        initialize_weights(experts[name], seed=5)
+        initialize_weights(experts[name], seed=5, tp_group=get_process_groups().tp, etp_group=get_process_groups().etp)
     assert experts["compiled"].bias_activation.dynamic
     graphs = []
     for step, counts in enumerate([[5, 0, 9], [7, 1, 4], [3, 6, 8], [9, 2, 12], [4, 10, 5]]):

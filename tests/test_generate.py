@@ -228,13 +228,14 @@ def _generate_on_ranks(paths, eods, cli_runs):
     for tp, pp in LAYOUTS:
         parallel_state.initialize_model_parallel(tp, pp, timeout=timeout)
         for arch, path in paths.items():
-            model = load_model_parallel(path)[0]
+            model = load_model_parallel(path, groups=parallel_state.get_process_groups())[0]
             key = f"tp{tp}pp{pp}/{arch}"
             out[key] = batched(model, eods[arch])
             out[key]["alone"] = generate(model, PROMPTS[3], NEW, SAMPLE, generator=seeded(SEEDS[3:4])[0]).generated_ids
             out[key]["no_cache"] = [o.generated_ids for o in generate_batch(model, PROMPTS[:2], NEW, use_cache=False)]
         if (tp, pp) == (2, 2):
-            model = load_model_parallel(paths["llama"], dtype=torch.float64)[0]
+            groups = parallel_state.get_process_groups()
+            model = load_model_parallel(paths["llama"], dtype=torch.float64, groups=groups)[0]
             logits = [o.step_logits for o in generate_batch(model, PROMPTS, NEW, return_logits=True)]
             out["logits"] = logits if any(logits) else None  # the sampling rank only
         parallel_state.destroy_model_parallel()
@@ -418,7 +419,7 @@ def test_gpt2_bpe_text_prompts_and_tokenizer_overrides(tmp_path):
 
     vocab_file, merge_file = make_gpt2_files(tmp_path)
     tok = GPT2BPETokenizer(vocab_file, merge_file)
-    cfg = tiny_cfg(tok.vocab_size, **LLAMA)
+    cfg = copy.deepcopy(tiny_cfg(tok.vocab_size, **LLAMA))  # editable: the validated config is frozen
     cfg.data.tokenizer_type, cfg.data.vocab_file, cfg.data.merge_file = "GPT2BPETokenizer", vocab_file, merge_file
     save_random_model(cfg, tmp_path / "ckpt")
     moved = tmp_path / "moved"

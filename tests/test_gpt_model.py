@@ -14,6 +14,7 @@ import torch
 from megalm import parallel_state
 from megalm.config import MegalmConfig, validate_config
 from megalm.models import GPTModel, layers_for_stage
+from megalm.parallel_state import get_process_groups
 from megalm.tensor_parallel import (
     allreduce_sequence_parallel_grads,
     gather_tensor_parallel_grad,
@@ -109,20 +110,20 @@ def _run_step(model, batch):
     tokens, positions, labels, weights = batch
     loss = model(tokens, positions, labels)
     (loss * weights).sum().backward()
-    allreduce_sequence_parallel_grads(model)
+    allreduce_sequence_parallel_grads(model, tp_group=get_process_groups().tp)
     return loss.detach()
 
 
 def _snapshot(model, batch):
     """Loss, logits and the full (gathered) weights and grads of one training step."""
     with torch.no_grad():
-        logits = gather_tensor_parallel_param(_vocab_split(model(batch[0], batch[1])))
+        logits = gather_tensor_parallel_param(_vocab_split(model(batch[0], batch[1])), group=get_process_groups().tp)
     padding = logits[..., VOCAB:]
     assert bool(torch.all(padding == float("-inf"))), "padded vocabulary logits must be -inf"
     logits = logits[..., :VOCAB]
     loss = _run_step(model, batch)
-    weights = {n: gather_tensor_parallel_param(p) for n, p in model.named_parameters()}
-    grads = {n: gather_tensor_parallel_grad(p) for n, p in model.named_parameters()}
+    weights = {n: gather_tensor_parallel_param(p, group=get_process_groups().tp) for n, p in model.named_parameters()}
+    grads = {n: gather_tensor_parallel_grad(p, group=get_process_groups().tp) for n, p in model.named_parameters()}
     return {"loss": loss, "logits": logits, "weights": weights, "grads": grads}
 
 
@@ -157,7 +158,7 @@ def _attribute_problems(model, sp: bool, tp: int = 1) -> list:
 
 
 def _parity_errors(name, overrides, tp, sp, reference, batch) -> dict:
-    model = GPTModel(make_cfg(tp, sp, **overrides))
+    model = GPTModel(make_cfg(tp, sp, **overrides), process_groups=get_process_groups())
     got = _snapshot(model, batch)
     tag = f"{name} tp={tp} sp={sp}"
     errors = {
@@ -177,7 +178,10 @@ def _parity_errors(name, overrides, tp, sp, reference, batch) -> dict:
 def _check_parity() -> dict:
     batches = {name: make_batch(i, rope_offsets="rope" in name) for i, name in enumerate(CONFIGS)}
     parallel_state.destroy_model_parallel()
-    references = {name: _snapshot(GPTModel(make_cfg(1, False, **o)), batches[name]) for name, o in CONFIGS.items()}
+    references = {
+        name: _snapshot(GPTModel(make_cfg(1, False, **o), process_groups=get_process_groups()), batches[name])
+        for name, o in CONFIGS.items()
+    }
     errors = {}
     for tp in (1, 2, 4):
         parallel_state.destroy_model_parallel()
@@ -206,9 +210,9 @@ def _dropout_step(tp, sp, recompute: dict, seed=99):
         num_layers=3,
         **recompute,
     )
-    model = GPTModel(make_cfg(tp, sp, **overrides))
+    model = GPTModel(make_cfg(tp, sp, **overrides), process_groups=get_process_groups())
     model.train()
-    model_parallel_manual_seed(seed)
+    model_parallel_manual_seed(seed, get_process_groups())
     loss = _run_step(model, make_batch(5, rope_offsets=True))
     return loss, {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -239,7 +243,11 @@ def _pipeline_chunks(cfg, pp: int, vpp: int):
     order = [(v, r) for v in range(vpp) for r in range(pp)]  # model chunk k = v * pp + r
     return [
         GPTModel(
-            cfg, pre_process=k == 0, post_process=k == len(order) - 1, layer_numbers=layers_for_stage(split_cfg, r, v)
+            cfg,
+            pre_process=k == 0,
+            post_process=k == len(order) - 1,
+            layer_numbers=layers_for_stage(split_cfg, r, v),
+            process_groups=get_process_groups(),
         )
         for k, (v, r) in enumerate(order)
     ]
@@ -248,7 +256,7 @@ def _pipeline_chunks(cfg, pp: int, vpp: int):
 def _pipeline_errors(name, overrides, tp, sp) -> dict:
     cfg = make_cfg(tp, sp, **dict(overrides, num_layers=4))
     batch = make_batch(3, rope_offsets="rope" in name)
-    full = GPTModel(cfg)
+    full = GPTModel(cfg, process_groups=get_process_groups())
     full_loss = _run_step(full, batch)
     full_params = dict(full.named_parameters())
     chunks = _pipeline_chunks(cfg, pp=2, vpp=2)
@@ -268,7 +276,7 @@ def _pipeline_errors(name, overrides, tp, sp) -> dict:
     errors[f"{tag} loss"] = _rel(hidden.detach(), full_loss)
     grads = {}
     for chunk in chunks:
-        allreduce_sequence_parallel_grads(chunk)
+        allreduce_sequence_parallel_grads(chunk, tp_group=get_process_groups().tp)
         for n, p in chunk.named_parameters():
             key = "embedding.word_embeddings.weight" if getattr(p, "init_name", None) else n
             grads[key] = grads[key] + p.grad if key in grads else p.grad.clone()
@@ -295,11 +303,11 @@ def _check_recompute_pipeline_bf16() -> dict:
 def _bf16_errors() -> dict:
     cfg = make_cfg(2, True, **CONFIGS["rope-RMSNorm-SwiGLU-nobias-untied-GQA"])
     batch = make_batch(7, rope_offsets=True)
-    fp32_loss = GPTModel(cfg)(*batch[:3]).detach()
-    model = GPTModel(cfg).to(torch.bfloat16)
+    fp32_loss = GPTModel(cfg, process_groups=get_process_groups())(*batch[:3]).detach()
+    model = GPTModel(cfg, process_groups=get_process_groups()).to(torch.bfloat16)
     loss = _run_step(model, batch)
     finite = all(torch.isfinite(p.grad).all() for p in model.parameters())
-    autocast_model = GPTModel(cfg)
+    autocast_model = GPTModel(cfg, process_groups=get_process_groups())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         autocast_loss = _run_step(autocast_model, batch)
     autocast_ok = all(
@@ -337,7 +345,7 @@ def test_recompute_pipeline_chunks_and_bf16_on_tensor_parallel_ranks():
 
 def test_model_structure_and_tied_weights_single_rank():
     cfg = make_cfg(1, False, **CONFIGS["learned-LayerNorm-GELU-bias-tied-MHA"])
-    model = GPTModel(cfg)
+    model = GPTModel(cfg, process_groups=get_process_groups())
     assert model.output_layer.weight is None  # the output layer uses the embedding Parameter
     weight = model.shared_embedding_or_output_weight()
     assert weight is model.embedding.word_embeddings.weight and weight.shared_embedding
@@ -357,12 +365,14 @@ def test_model_structure_and_tied_weights_single_rank():
     assert loss.shape == (BATCH, SEQ) and loss.dtype == torch.float32
     assert _rel(loss.reshape(-1), ref) < 1e-6
 
-    middle = GPTModel(cfg, pre_process=False, post_process=False, layer_numbers=[1])
+    middle = GPTModel(
+        cfg, pre_process=False, post_process=False, layer_numbers=[1], process_groups=get_process_groups()
+    )
     assert [n.split(".")[2] for n, _ in middle.named_parameters()] == ["1"] * len(list(middle.parameters()))
     hidden = torch.randn(SEQ, BATCH, 32)
     middle.set_input_tensor([hidden])
     assert middle(None, positions).shape == (SEQ, BATCH, 32)
-    last = GPTModel(cfg, pre_process=False, post_process=True, layer_numbers=[1])
+    last = GPTModel(cfg, pre_process=False, post_process=True, layer_numbers=[1], process_groups=get_process_groups())
     assert last.output_layer.weight.shared_embedding and torch.equal(last.output_layer.weight, weight)
 
 
@@ -391,7 +401,7 @@ def test_model_structure_and_tied_weights_single_rank():
     ],
 )
 def test_layers_for_stage(layout, expected):
-    cfg = make_cfg(num_layers=layout["num_layers"])
+    cfg = copy.deepcopy(make_cfg(num_layers=layout["num_layers"]))  # editable: the validated config is frozen
     cfg.parallel.pipeline_model_parallel_size = layout["pp"]
     cfg.parallel.decoder_first_pipeline_num_layers = layout.get("first")
     cfg.parallel.decoder_last_pipeline_num_layers = layout.get("last")
@@ -411,7 +421,7 @@ def test_attention_rope_and_swiglu_match_naive_formulas():
     m = cfg.model
     heads, groups, d, s, b = m.num_attention_heads, m.num_query_groups, m.head_dim, SEQ, BATCH
     g = torch.Generator().manual_seed(0)
-    attention = SelfAttention(m)
+    attention = SelfAttention(m, tp_group=get_process_groups().tp, cp_group=get_process_groups().cp)
     with torch.no_grad():
         for p in attention.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
@@ -437,7 +447,7 @@ def test_attention_rope_and_swiglu_match_naive_formulas():
     assert _rel(rotated[..., :4], torch.cat([z.real, z.imag], -1)) < 1e-6
     assert torch.equal(rotated[..., 4:], t[..., 4:])
 
-    mlp = MLP(m)
+    mlp = MLP(m, tp_group=get_process_groups().tp)
     with torch.no_grad():
         for p in mlp.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
@@ -453,7 +463,9 @@ def test_param_info_records_and_tied_weights():
     when a user module sets them, and an impossible record refused."""
     from megalm.tensor_parallel.param_info import ParamInfo, ParamLayoutError, param_info, set_param_info
 
-    model = GPTModel(make_cfg(1, False, **CONFIGS["learned-LayerNorm-GELU-bias-tied-MHA"]))
+    model = GPTModel(
+        make_cfg(1, False, **CONFIGS["learned-LayerNorm-GELU-bias-tied-MHA"]), process_groups=get_process_groups()
+    )
     word = model.embedding.word_embeddings.weight
     assert model.tied_weights() == [word]
     assert param_info(word) == ParamInfo(tensor_parallel=True, partition_dim=0, tied=True, vocab_unpadded=VOCAB)
@@ -464,7 +476,9 @@ def test_param_info_records_and_tied_weights():
     assert [n for n, p in model.named_parameters() if param_info(p).tied] == ["embedding.word_embeddings.weight"]
     assert word.tensor_model_parallel and word.partition_dim == 0 and word.shared_embedding and word.allreduce
     assert copy.deepcopy(model).process_groups is model.process_groups  # a copied model shares its groups
-    untied = GPTModel(make_cfg(1, False, **CONFIGS["rope-RMSNorm-SwiGLU-nobias-untied-GQA"]))
+    untied = GPTModel(
+        make_cfg(1, False, **CONFIGS["rope-RMSNorm-SwiGLU-nobias-untied-GQA"]), process_groups=get_process_groups()
+    )
     assert untied.tied_weights() == [] and not any(param_info(p).tied for p in untied.parameters())
     assert param_info(untied.decoder.layers["1"].mlp.linear_fc1.weight).partition_stride == 2  # [gate; up]
     last = GPTModel(
@@ -472,6 +486,7 @@ def test_param_info_records_and_tied_weights():
         pre_process=False,
         post_process=True,
         layer_numbers=[1],
+        process_groups=get_process_groups(),
     )
     assert last.tied_weights() == [last.output_layer.weight]
     assert param_info(last.output_layer.weight) == ParamInfo(
@@ -515,7 +530,10 @@ def test_layernorm_1p_scales_by_one_plus_a_zero_initialised_weight(normalization
     torch.testing.assert_close(norm(x), expected, rtol=1e-5, atol=1e-5)
 
     overrides = dict(CONFIGS["rope-RMSNorm-SwiGLU-nobias-untied-GQA"], normalization=normalization)
-    one_p, plain = GPTModel(make_cfg(apply_layernorm_1p=True, **overrides)), GPTModel(make_cfg(**overrides))
+    one_p, plain = (
+        GPTModel(make_cfg(apply_layernorm_1p=True, **overrides), process_groups=get_process_groups()),
+        GPTModel(make_cfg(**overrides), process_groups=get_process_groups()),
+    )
     norm_names = [n for n, _ in one_p.named_parameters() if "layernorm.weight" in n]
     assert len(norm_names) == 5 and all(torch.count_nonzero(one_p.get_parameter(n)) == 0 for n in norm_names)
     with torch.no_grad():
@@ -535,7 +553,7 @@ def test_qk_layernorm_and_qkv_bias_match_naive_formulas():
     m = make_cfg(**overrides).model
     heads, groups, d, s, b = m.num_attention_heads, m.num_query_groups, m.head_dim, SEQ, BATCH
     g = torch.Generator().manual_seed(1)
-    attention = SelfAttention(m)
+    attention = SelfAttention(m, tp_group=get_process_groups().tp, cp_group=get_process_groups().cp)
     assert attention.linear_qkv.bias is not None and attention.linear_proj.bias is None
     names = sorted(n for n, _ in attention.named_parameters())
     assert names == [

@@ -241,7 +241,7 @@ def diloco_run(pg, hierarchical):
     """Two DiLoCo syncs (H = 2) of one parameter; the values after each, and the bytes sent.
     Hierarchical: the ranks of a node hold the same replica (as after exact intra-node steps)."""
     p = torch.nn.Parameter(torch.arange(6, dtype=torch.float32))
-    outer = OuterSync(FakeOptimizer([p]), 2, 0.7, 0.9, pg, hierarchical)
+    outer = OuterSync(FakeOptimizer([p]), 2, 0.7, 0.9, process_groups=pg, hierarchical=hierarchical)
     replica = dist.get_rank() // LOCAL if hierarchical else dist.get_rank()
     out = []
     comm.reset_comm_stats()
@@ -272,7 +272,16 @@ def overlap_run(pg, hierarchical, eta, mu, overlap):
 
     def make():
         p = torch.nn.Parameter(torch.arange(6, dtype=torch.float32))
-        return p, OuterSync(FakeOptimizer([p]), 2, eta, mu, pg, hierarchical, overlap, OVERLAP_ITERS)
+        return p, OuterSync(
+            FakeOptimizer([p]),
+            2,
+            eta,
+            mu,
+            process_groups=pg,
+            hierarchical=hierarchical,
+            overlap_steps=overlap,
+            last_iteration=OVERLAP_ITERS,
+        )
 
     p, outer = make()
     values, restarted = [], None

@@ -2,6 +2,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megalm.parallel_state import get_process_groups
 from tests.distributed_harness import DistributedTestError, run_distributed
 
 
@@ -92,7 +93,7 @@ def _ddp_step():
     from tests import distributed_harness as testing
 
     parallel_state.initialize_model_parallel()
-    model = DistributedDataParallel(torch.nn.Linear(4, 3), ParallelConfig())
+    model = DistributedDataParallel(torch.nn.Linear(4, 3), ParallelConfig(), process_groups=get_process_groups())
     model(torch.ones(2, 4)).sum().backward()
     model.finish_grad_sync()
     return os.getpid(), testing.group_thread_count()

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from megalm import parallel_state
 from megalm.config import MegalmConfig, ParallelConfig
 from megalm.distributed import DistributedDataParallel, comm, finalize_model_grads
-from megalm.parallel_state import NodeLayoutError, ProcessGroups, node_split
+from megalm.parallel_state import NodeLayoutError, ProcessGroups, get_process_groups, node_split
 from tests.distributed_harness import run_distributed
 
 BATCH, NUM_MICRO, STEPS, BUCKET = 16, 2, 3, 100
@@ -240,7 +240,9 @@ def test_node_split_refuses_uneven_layouts():
 def test_single_process_flag_is_a_no_op():
     model = make_model()
     ref = copy.deepcopy(model)
-    ddp = DistributedDataParallel(model, ParallelConfig(hierarchical_grad_reduce=True))
+    ddp = DistributedDataParallel(
+        model, ParallelConfig(hierarchical_grad_reduce=True), process_groups=get_process_groups()
+    )
     x = torch.randn(4, 8)
     ddp(x).sum().backward()
     ref(x).sum().backward()

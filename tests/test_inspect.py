@@ -16,6 +16,7 @@ from megalm.checkpoint.safe_metadata import CheckpointSecurityError, load_metada
 from megalm.checkpoint.save import save_checkpoint
 from megalm.config import MegalmConfig, set_vocab_size, validate_config
 from megalm.conversion.checkpoint_info import describe, format_description
+from megalm.parallel_state import get_process_groups
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,8 +31,8 @@ def checkpoint(tmp_path_factory):
     m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size, m.vocab_size = 2, 32, 4, 64, 100
     validate_config(cfg)
     set_vocab_size(cfg, 100)
-    model = GPTModel(cfg)
-    optimizer = build_optimizer(cfg, [model])
+    model = GPTModel(cfg, process_groups=get_process_groups())
+    optimizer = build_optimizer(cfg, [model], process_groups=get_process_groups())
     root = tmp_path_factory.mktemp("ckpt")
     for iteration in (5, 10):
         save_checkpoint(

@@ -7,6 +7,9 @@ depth: module level, inside functions and classes, under ``if``/``try``; only th
 * a module imports modules of its own unit, or of a unit in a LOWER layer of :data:`LAYERS`
   (never a higher one, never another unit of the same layer);
 * no import cycle between megalm modules (the graph of all those imports, lazy ones included);
+* groups are passed, never looked up: below the entry points no module reads
+  :mod:`megalm.parallel_state`'s state (only its ``ProcessGroups`` type and ``group_size`` /
+  ``group_rank``, which read a group given to them);
 * no megalm module names the repository's other top-level packages (``tests``, ``bench``,
   ``tools``, ``pretrain_gpt``, ...): the library does not know who uses it.
 
@@ -44,6 +47,7 @@ LAYERS: List[Tuple[str, List[str]]] = [
     ("applications", ["estimate", "inference"]),
     ("entry points", ["training", "launch"]),
     ("layout search", ["planner"]),
+    ("commands", ["cli"]),
 ]
 
 # unit -> the module prefixes it holds (default: the unit's own name).
@@ -52,10 +56,28 @@ UNITS: Dict[str, List[str]] = {}
 # TEMPORARY: imports that break the map and are being removed on other branches of issue #30.  The
 # coordinator deletes each entry when the branch named lands; nothing else belongs here.
 # (importing module, imported unit) -> branch removing it
-ALLOWED_BREAKS: Dict[Tuple[str, str], str] = {
-    # config validates itself per section (branch `config`): no reach into the data and training code
-    ("megalm.config.validation", "data"): "config",
-    ("megalm.config.validation", "training"): "config",
+ALLOWED_BREAKS: Dict[Tuple[str, str], str] = {}
+
+# What a module below the entry points may take from megalm.parallel_state: the bundle's type and the two
+# functions that read a group passed to them (pure layout arithmetic, re-exported there, too).
+PARALLEL_STATE_PURE = {"ProcessGroups", "group_size", "group_rank", "compute_layout", "rank_groups", "node_split"}
+# Modules that may read the process-group state: the entry points that build the bundle, and the
+# launcher's teardown.  Still to move (the checkpointer should take its groups from whoever builds it):
+# the checkpoint package's layout record, its I/O group and a plain module's groups.  Not to move: the
+# collective byte counter reads the layout's ranks per node (a fact of the layout, not a group) to count
+# inter-node bytes, and DDP names it in one error message.
+READS_PARALLEL_STATE = {
+    "megalm.parallel_state",
+    "megalm.training.training",  # Trainer.setup builds the bundle
+    "megalm.training.initialize",  # initializes the layout from the config
+    "megalm.launch.spawn",  # destroys a rank's layout after a call
+    "megalm.cli.generate",  # a tool: builds the TP x PP layout it was asked for and passes its groups
+    "megalm.planner.calibrate",  # a worker entry point under torchrun: builds and destroys its layout
+    "megalm.checkpoint.common_json",  # the layout record (sizes of every group); still to move
+    "megalm.checkpoint.save",  # get_checkpoint_io_group; still to move
+    "megalm.checkpoint.model_state",  # a plain module's groups (a model holds its own); still to move
+    "megalm.distributed.comm",  # get_ranks_per_node
+    "megalm.distributed.data_parallel",  # get_ranks_per_node, in an error message
 }
 
 # Top-level names of this repository that are not the library.
@@ -242,6 +264,43 @@ def test_no_import_cycle_at_any_depth(graph):
     assert not cycle, "import cycle: " + " -> ".join(cycle)
 
 
+def parallel_state_reads(source: str, path: str) -> List[Tuple[str, int]]:
+    """``(name, line)`` of everything a module takes from megalm.parallel_state beyond the pure names:
+    ``from megalm.parallel_state import x`` and ``parallel_state.x`` (any depth)."""
+    out = []
+    for node in ast.walk(ast.parse(source, filename=path)):
+        if isinstance(node, ast.ImportFrom) and node.module == "megalm.parallel_state":
+            out.extend((a.name, node.lineno) for a in node.names if a.name not in PARALLEL_STATE_PURE)
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in ("parallel_state", "ps", "mpu")
+            and node.attr not in PARALLEL_STATE_PURE
+        ):
+            out.append((node.attr, node.lineno))
+    return out
+
+
+def test_groups_are_passed_not_looked_up():
+    found = []
+    for m, p in library_modules().items():
+        if m in READS_PARALLEL_STATE:
+            continue
+        with open(p, encoding="utf-8") as f:
+            found.extend(f"{m}:{line} parallel_state.{name}" for name, line in parallel_state_reads(f.read(), p))
+    assert not found, "process groups must be passed in, not looked up:\n" + "\n".join(found)
+    unused = []
+    for m in sorted(READS_PARALLEL_STATE - {"megalm.parallel_state"}):
+        path = library_modules().get(m)
+        if path is None:
+            unused.append(m)
+            continue
+        with open(path, encoding="utf-8") as f:
+            if not parallel_state_reads(f.read(), path):
+                unused.append(m)
+    assert not unused, f"READS_PARALLEL_STATE lists modules that no longer read it: {unused}"
+
+
 def test_the_library_names_no_other_part_of_the_repository():
     found = []
     for m, p in library_modules().items():
@@ -288,3 +347,6 @@ def test_checker_catches_upward_lazy_cyclic_and_outside_imports(tmp_path):
     assert outside_names("import importlib\nimportlib.import_module('bench.x')\n", "x.py") == [("bench.x", 2)]
     assert outside_names("ok = name.split('.')[0] in ('megalm', 'tests')\n", "x.py") == [("tests", 1)]
     assert outside_names("msg = 'see tools/convert.py and the tests'\n", "x.py") == []
+    lookups = "from megalm import parallel_state\nfrom megalm.parallel_state import ProcessGroups, get_process_groups\n"
+    lookups += "def f(g):\n    return parallel_state.group_size(g.tp), parallel_state.get_data_parallel_rank()\n"
+    assert parallel_state_reads(lookups, "x.py") == [("get_process_groups", 2), ("get_data_parallel_rank", 4)]

@@ -11,6 +11,7 @@ import torch
 from megalm.config import ConfigError, MegalmConfig, validate_config
 from megalm.optimizer import build_optimizer
 from megalm.optimizer.lamb import Lamb
+from megalm.parallel_state import get_process_groups
 
 B1, B2, EPS, WD, LR = 0.9, 0.999, 1e-8, 0.1, 1e-2
 
@@ -89,7 +90,7 @@ def test_one_process_step_equals_the_papers_formula(name):
     reference, flags = CASES[name]
     model = mlp()
     ref = [p.detach().clone() for p in model.parameters()]
-    opt = build_optimizer(make_cfg(name, **flags), [model], report_memory=False)
+    opt = build_optimizer(make_cfg(name, **flags), [model], report_memory=False, process_groups=get_process_groups())
     state = {}
     torch.manual_seed(1)
     for t in range(1, 5):
@@ -140,7 +141,9 @@ def test_bf16_keeps_fp32_main_weights_and_fp16_overflow_skips(name):
     _, flags = CASES[name]
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 3)).bfloat16()
-    opt = build_optimizer(make_cfg(name, bf16=True, **flags), [model], report_memory=False)
+    opt = build_optimizer(
+        make_cfg(name, bf16=True, **flags), [model], report_memory=False, process_groups=get_process_groups()
+    )
     model(torch.randn(8, 6, dtype=torch.bfloat16)).float().pow(2).sum().backward()
     assert opt.step()[0]
     for p, main in zip(opt.model_params, opt.main_params):
@@ -148,7 +151,12 @@ def test_bf16_keeps_fp32_main_weights_and_fp16_overflow_skips(name):
         torch.testing.assert_close(p.detach(), main.detach().bfloat16(), rtol=0, atol=0)
     # fp16 with a constant loss scale: an inf gradient skips the step and leaves weights and state alone.
     model = mlp().half()
-    opt = build_optimizer(make_cfg(name, fp16=True, loss_scale=8.0, **flags), [model], report_memory=False)
+    opt = build_optimizer(
+        make_cfg(name, fp16=True, loss_scale=8.0, **flags),
+        [model],
+        report_memory=False,
+        process_groups=get_process_groups(),
+    )
     opt.init_state()
     before = [t.clone() for m in opt.main_params for t in opt.optimizer.state[m].values()]
     weights = [p.detach().clone() for p in model.parameters()]
@@ -170,5 +178,6 @@ def test_a_sharding_wrapper_must_describe_its_shards():
     model = mlp()
     groups = get_param_groups(list(model.named_parameters()), WD)
     with pytest.raises(OptimizerError, match="does not say how"):
-        Sharded(groups, make_torch_optimizer(make_cfg("lamb").training))
-    Sharded(groups, make_torch_optimizer(make_cfg("adam").training))  # AdamW needs no layout
+        Sharded(groups, make_torch_optimizer(make_cfg("lamb").training), process_groups=get_process_groups())
+    # AdamW needs no layout
+    Sharded(groups, make_torch_optimizer(make_cfg("adam").training), process_groups=get_process_groups())

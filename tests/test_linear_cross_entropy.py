@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from megalm import parallel_state
+from megalm.parallel_state import get_process_groups
 from megalm.tensor_parallel import linear_cross_entropy as lce
 from megalm.tensor_parallel.linear_cross_entropy import linear_cross_entropy
 from tests.numerics import relative_error
@@ -50,7 +51,7 @@ def test_matches_linear_then_cross_entropy(dtype, rows, monkeypatch):
     # The loss's usual gradient (scale x mask: saved gradients scaled) and any other one (recomputed).
     for upstream in (0.37 * mask, torch.rand(S, B, generator=g), torch.zeros(S, B)):
         x.grad = w.grad = None
-        loss = linear_cross_entropy(x, w, target, VOCAB, token_weight=mask)
+        loss = linear_cross_entropy(x, w, target, VOCAB, token_weight=mask, tp_group=get_process_groups().tp)
         (loss * upstream).sum().backward()
         ref_loss, ref_dx, ref_dw = _reference(x, w, target, upstream)
         assert loss.dtype == torch.float32 and loss.shape == (S, B)
@@ -62,25 +63,25 @@ def test_matches_linear_then_cross_entropy(dtype, rows, monkeypatch):
             assert not x.grad.any() and not w.grad.any()
         assert not w.grad[VOCAB:].any()  # padded rows get no gradient
     with torch.no_grad():
-        assert torch.equal(linear_cross_entropy(x, w, target, VOCAB), loss.detach())
+        assert torch.equal(linear_cross_entropy(x, w, target, VOCAB, tp_group=get_process_groups().tp), loss.detach())
 
 
 def test_default_weights_and_errors():
     x, w, target, _ = _inputs(torch.float32)
-    loss = linear_cross_entropy(x, w, target, VOCAB)  # token weights default to ones
+    loss = linear_cross_entropy(x, w, target, VOCAB, tp_group=get_process_groups().tp)  # token weights default to ones
     loss.mean().backward()
     _, ref_dx, ref_dw = _reference(x, w, target, torch.full((S, B), 1.0 / (S * B)))
     assert relative_error(x.grad, ref_dx) < 2e-6 and relative_error(w.grad, ref_dw) < 2e-6
-    loss = linear_cross_entropy(x, w, target, VOCAB)
+    loss = linear_cross_entropy(x, w, target, VOCAB, tp_group=get_process_groups().tp)
     loss.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward runs once"):
         loss.sum().backward()
     with pytest.raises(ValueError, match="target"):
-        linear_cross_entropy(x, w, target[:-1], VOCAB)
+        linear_cross_entropy(x, w, target[:-1], VOCAB, tp_group=get_process_groups().tp)
     with pytest.raises(ValueError, match="hidden size"):
-        linear_cross_entropy(x, w[:, :-1], target, VOCAB)
+        linear_cross_entropy(x, w[:, :-1], target, VOCAB, tp_group=get_process_groups().tp)
     with pytest.raises(ValueError, match="token_weight"):
-        linear_cross_entropy(x, w, target, VOCAB, token_weight=torch.ones(S))
+        linear_cross_entropy(x, w, target, VOCAB, token_weight=torch.ones(S), tp_group=get_process_groups().tp)
 
 
 def test_chunk_rows_follow_the_byte_budget():
@@ -101,7 +102,7 @@ def test_gpt_model_fused_equals_unfused(config, dtype):
     results = []
     for fused in (True, False):
         cfg = make_cfg(**CONFIGS[config], cross_entropy_loss_fusion=fused)
-        model = GPTModel(cfg).to(dtype)
+        model = GPTModel(cfg, process_groups=get_process_groups()).to(dtype)
         assert model.fusion_plan.cross_entropy == ("fused linear" if fused else "unfused")
         tokens, positions, labels, weights = make_batch(3)
         mask = (weights > 0.25).float()

@@ -18,6 +18,7 @@ import torch
 from megalm.config import ConfigError, MegalmConfig, build_parser, config_from_args, set_vocab_size, validate_config
 from megalm.fusions import EAGER
 from megalm.models import GPTModel
+from megalm.parallel_state import get_process_groups
 from megalm.tensor_parallel.initialization import initialize_weights
 from megalm.transformer.moe.moe_layer import MoELayer
 from megalm.transformer.moe.token_dispatcher import AlltoAllTokenDispatcher
@@ -66,7 +67,7 @@ def _cfg(**over):
 
 def _grads(cfg, tokens):
     torch.manual_seed(0)
-    model = GPTModel(cfg, fusion_plan=EAGER).train()
+    model = GPTModel(cfg, fusion_plan=EAGER, process_groups=get_process_groups()).train()
     model(tokens, labels=tokens).mean().backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -86,7 +87,11 @@ def test_every_recompute_module_keeps_the_gradients():
 
 def test_flex_dispatcher_is_alltoall_and_permute_fusion_has_no_effect(caplog):
     cfg = _cfg(moe_token_dispatcher_type="flex")
-    layer = next(m for m in GPTModel(cfg, fusion_plan=EAGER).modules() if isinstance(m, MoELayer))
+    layer = next(
+        m
+        for m in GPTModel(cfg, fusion_plan=EAGER, process_groups=get_process_groups()).modules()
+        if isinstance(m, MoELayer)
+    )
     assert isinstance(layer.token_dispatcher, AlltoAllTokenDispatcher)
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--moe-permute-fusion"]
     with caplog.at_level(logging.WARNING):

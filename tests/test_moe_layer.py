@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from megalm.config import ConfigError, build_parser, config_from_args, parse_config, validate_config
+from megalm.parallel_state import get_process_groups
 from megalm.tensor_parallel.initialization import initialize_weights
 from megalm.tensor_parallel.param_info import param_info
 from megalm.tensor_parallel.utils import shard_of_full
@@ -42,7 +43,7 @@ def _cfg(*extra, world_size=None):
 
 def _experts(m, grouped):
     experts = LocalExperts(m, first=0, count=4, grouped=grouped)
-    initialize_weights(experts, seed=5)
+    initialize_weights(experts, seed=5, tp_group=get_process_groups().tp, etp_group=get_process_groups().etp)
     return experts
 
 
@@ -75,7 +76,7 @@ def test_expert_tensor_parallel_shards_sum_to_the_whole_expert(swiglu, bias):
     gets the whole gradient on both ranks."""
     m = _cfg(*(["--swiglu"] if swiglu else []), *([] if bias else ["--disable-bias-linear"])).model
     whole = ExpertMLP(m)
-    initialize_weights(whole, seed=5)
+    initialize_weights(whole, seed=5, tp_group=get_process_groups().tp, etp_group=get_process_groups().etp)
     with torch.no_grad():  # biases start at 0: make them count
         for p in whole.parameters():
             p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
@@ -143,8 +144,14 @@ def _reference_moe(layer, x):
 def test_moe_layer_equals_per_token_reference(dispatcher, grouped):
     extra = ["--moe-token-dispatcher-type", dispatcher, "--moe-router-load-balancing-type", "none"]
     m = _cfg(*extra, *(["--moe-grouped-gemm"] if grouped else [])).model
-    layer = MoELayer(m, layer_number=0)
-    initialize_weights(layer, seed=3)
+    layer = MoELayer(
+        m,
+        layer_number=0,
+        tp_group=get_process_groups().tp,
+        ep_group=get_process_groups().ep,
+        etp_group=get_process_groups().etp,
+    )
+    initialize_weights(layer, seed=3, tp_group=get_process_groups().tp, etp_group=get_process_groups().etp)
     x = torch.randn(6, 2, 16, generator=torch.Generator().manual_seed(4), requires_grad=True)
     out = layer(x)
     ref_x = x.detach().clone().requires_grad_()
@@ -162,7 +169,13 @@ def test_moe_layer_equals_per_token_reference(dispatcher, grouped):
 
 def test_parameter_names_attributes_and_shared_experts():
     m = _cfg("--moe-shared-expert-intermediate-size", "8", "--swiglu", "--disable-bias-linear").model
-    layer = MoELayer(m, layer_number=2)
+    layer = MoELayer(
+        m,
+        layer_number=2,
+        tp_group=get_process_groups().tp,
+        ep_group=get_process_groups().ep,
+        etp_group=get_process_groups().etp,
+    )
     params = dict(layer.named_parameters())
     assert sorted(params) == sorted(
         ["router.weight", "shared_experts.linear_fc1.weight", "shared_experts.linear_fc2.weight"]
@@ -185,8 +198,8 @@ def test_full_recompute_gives_same_gradients_and_logs_once():
         ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
     ):
         cfg = _cfg("--moe-aux-loss-coeff", "0.1", "--moe-z-loss-coeff", "0.01", "--moe-layer-freq", "2", *recompute)
-        model_parallel_manual_seed(1)
-        model = GPTModel(cfg)
+        model_parallel_manual_seed(1, get_process_groups())
+        model = GPTModel(cfg, process_groups=get_process_groups())
         model.train()
         tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
         model(tokens, labels=tokens).mean().backward()
@@ -323,12 +336,18 @@ def test_chunks_of_one_rank_share_one_moe_state():
     from megalm.transformer.moe.moe_layer import moe_states
 
     cfg = _cfg("--moe-aux-loss-coeff", "0.1")
-    model_parallel_manual_seed(1)
-    first = GPTModel(cfg, pre_process=True, post_process=False, layer_numbers=[0, 1])
-    last = GPTModel(cfg, pre_process=False, post_process=True, layer_numbers=[2, 3])
-    whole = GPTModel(cfg)  # the same four MoE layers in one model
+    model_parallel_manual_seed(1, get_process_groups())
+    first = GPTModel(
+        cfg, pre_process=True, post_process=False, layer_numbers=[0, 1], process_groups=get_process_groups()
+    )
+    last = GPTModel(
+        cfg, pre_process=False, post_process=True, layer_numbers=[2, 3], process_groups=get_process_groups()
+    )
+    whole = GPTModel(cfg, process_groups=get_process_groups())  # the same four MoE layers in one model
     for model in (first, last, whole):
-        initialize_weights(model, seed=3)  # by global parameter name: the chunks are the whole model's layers
+        initialize_weights(
+            model, seed=3, tp_group=get_process_groups().tp, etp_group=get_process_groups().etp
+        )  # by global parameter name: the chunks are the whole model's layers
     assert len(moe_states([first, last])) == 2
     share_moe_state([first, last])
     assert moe_states([first, last]) == [first.moe_state] and last.moe_state is first.moe_state

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megalm.config import ModelConfig
+from megalm.parallel_state import get_process_groups
 from megalm.transformer.moe.capacity import apply_capacity, expert_capacity
 from megalm.transformer.moe.router import TopKRouter, topk_routing
 
@@ -82,7 +83,7 @@ def test_topk_selection_and_probabilities(score, pre, k):
 
 def _router_and_input(seed=0, s=5, b=3, **kw):
     torch.manual_seed(seed)
-    router = TopKRouter(_model_cfg(**kw), layer_number=4)
+    router = TopKRouter(_model_cfg(**kw), layer_number=4, tp_group=get_process_groups().tp)
     with torch.no_grad():
         router.weight.normal_(0, 1.0)
     hidden = torch.randn(s, b, H, requires_grad=True)
@@ -272,7 +273,7 @@ def test_routing_recipes_equal_a_per_token_reference(score, groups, group_topk, 
 def test_expert_bias_moves_towards_even_load_and_counts_restart():
     m = _model_cfg(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
     m.moe_router_bias_update_rate = 0.01
-    router = TopKRouter(m, layer_number=1)
+    router = TopKRouter(m, layer_number=1, tp_group=get_process_groups().tp)
     torch.nn.init.normal_(router.weight, std=0.5)
     x = torch.randn(10, 3, H)
     router(x)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from megalm.config import ConfigError, MegalmConfig, set_vocab_size, validate_config
 from megalm.fusions import EAGER
 from megalm.models import GPTModel
+from megalm.parallel_state import get_process_groups
 
 VOCAB = 80
 
@@ -91,7 +92,7 @@ def _reference_loss(model, tokens, labels, mask):
 def test_mtp_matches_hand_reference():
     torch.manual_seed(0)
     cfg = _cfg()
-    model = GPTModel(cfg, fusion_plan=EAGER).train()
+    model = GPTModel(cfg, fusion_plan=EAGER, process_groups=get_process_groups()).train()
     ref_model = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, VOCAB, (2, 12), generator=g)
@@ -129,7 +130,7 @@ def test_mtp_matches_hand_reference():
 
 def test_mtp_is_skipped_in_evaluation_and_refused_under_cp():
     cfg = _cfg()
-    model = GPTModel(cfg, fusion_plan=EAGER).eval()
+    model = GPTModel(cfg, fusion_plan=EAGER, process_groups=get_process_groups()).eval()
     tokens = torch.randint(0, VOCAB, (1, 12))
     with torch.no_grad():
         model(tokens, labels=tokens)

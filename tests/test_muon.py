@@ -16,6 +16,7 @@ from megalm.config import ConfigError, MegalmConfig, build_parser, config_from_a
 from megalm.optimizer import build_optimizer, muon
 from megalm.optimizer.factory import get_param_groups, muon_param_groups
 from megalm.optimizer.muon import MuonError, newton_schulz, split_qkv_rows
+from megalm.parallel_state import get_process_groups
 from megalm.tensor_parallel.param_info import param_info
 from megalm.transformer.attention import SelfAttention
 
@@ -109,7 +110,7 @@ def test_one_process_step_equals_the_reference(nesterov, mode, extra, kind):
     cfg = make_cfg(
         muon_use_nesterov=nesterov, muon_scale_mode=mode, muon_extra_scale_factor=extra, muon_coefficient_type=kind
     )
-    opt = build_optimizer(cfg, [model], report_memory=False)
+    opt = build_optimizer(cfg, [model], report_memory=False, process_groups=get_process_groups())
     state = {}
     torch.manual_seed(1)
     for t in range(1, 4):
@@ -173,7 +174,7 @@ def attention(groups):
     m = cfg.model
     m.num_layers, m.hidden_size, m.num_attention_heads, m.attention_dropout = 1, HIDDEN, HEADS, 0.0
     m.group_query_attention, m.num_query_groups = groups < HEADS, groups
-    layer = SelfAttention(m).double()
+    layer = SelfAttention(m, tp_group=get_process_groups().tp, cp_group=get_process_groups().cp).double()
     torch.manual_seed(0)
     with torch.no_grad():  # the layers leave their values to the model's initialization
         for p in layer.parameters():
@@ -198,7 +199,7 @@ def split_qkv_reference(d, groups, mode):
 
 def attention_steps(layer, cfg, steps=3):
     """``steps`` Muon steps on ``layer`` from fixed inputs: ``[(grads, params after)]``."""
-    opt = build_optimizer(cfg, [layer], report_memory=False)
+    opt = build_optimizer(cfg, [layer], report_memory=False, process_groups=get_process_groups())
     torch.manual_seed(1)
     out = []
     for _ in range(steps):

@@ -7,6 +7,7 @@ and goes on; fp16 stops after --max-overflows-at-min-loss-scale overflows at the
 --check-for-spiky-loss warns (or stops) on an injected spike and stays quiet otherwise.
 """
 
+import copy
 import logging
 import math
 import os
@@ -73,7 +74,7 @@ def _run_all(runs):
 
     class Capture(logging.Handler):
         def emit(self, record):
-            seen.append(record.getMessage())
+            seen.append(f"{record.levelname}: {record.getMessage()}")
 
     logging.getLogger("megalm.training.loss_checks").addHandler(Capture())
     out = []
@@ -227,7 +228,7 @@ def test_spiky_loss_warns_on_the_spike_only(runs):
     assert _codes(runs, "spike") == [0, 0]
     rank0, rank1 = (w for _, w in runs["out"]["spike"])
     assert rank0 == []  # warned once, on the last rank
-    assert len(rank1) == 1 and rank1[0].startswith("warning: spiky loss at iteration 4: lm loss "), rank1
+    assert len(rank1) == 1 and rank1[0].startswith("WARNING: spiky loss at iteration 4: lm loss "), rank1
     assert "> 10 x the running mean" in rank1[0] and "previous 3 iteration(s)" in rank1[0]
     loss = {r["iteration"]: r["lm_loss"] for r in records(runs["tmp"], "spike")}
     assert loss[4] > 10 * (loss[1] + loss[2] + loss[3]) / 3
@@ -275,6 +276,7 @@ def test_bad_values_are_refused(field, value, message):
     from megalm.config.validation import validate_config
 
     cfg = parse_config(TINY + ["--lr", "1e-3", "--train-iters", "4", "--check-for-spiky-loss"], world_size=1)
+    cfg = copy.deepcopy(cfg)  # an editable copy: the validated config is frozen
     setattr(cfg.training, field, value)
     with pytest.raises(ConfigError, match=message):
         validate_config(cfg, world_size=1)

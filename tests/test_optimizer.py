@@ -17,6 +17,7 @@ from megalm.optimizer import (
     build_optimizer,
     get_param_groups,
 )
+from megalm.parallel_state import get_process_groups
 from tests.distributed_harness import run_distributed
 
 
@@ -66,12 +67,13 @@ def test_dynamic_scaler_hysteresis_backoff_growth_and_floor():
 
 def test_fp16_injected_inf_skips_step_and_updates_scale():
     model = mlp(torch.float16)
-    ddp = DistributedDataParallel(model, ParallelConfig())
+    ddp = DistributedDataParallel(model, ParallelConfig(), process_groups=get_process_groups())
     opt = build_optimizer(
         make_cfg(
             "sgd", lr=0.1, clip=0.0, wd=0.0, fp16=True, initial_loss_scale=256.0, loss_scale_window=2, hysteresis=2
         ),
         [ddp],
+        process_groups=get_process_groups(),
     )
     assert isinstance(opt, MixedPrecisionOptimizer) and opt.get_loss_scale() == 256.0
     x, y = torch.randn(4, 6).half(), torch.randn(4, 3).half()
@@ -106,7 +108,7 @@ def test_fp16_injected_inf_skips_step_and_updates_scale():
 
 def test_clipping_matches_torch_and_weight_decay_groups():
     model, ref = mlp(), mlp()
-    opt = build_optimizer(make_cfg("sgd", lr=1.0, clip=0.05, wd=0.0), [model])
+    opt = build_optimizer(make_cfg("sgd", lr=1.0, clip=0.05, wd=0.0), [model], process_groups=get_process_groups())
     assert isinstance(opt, FP32Optimizer)
     opt.log_num_zeros_in_grad = True
     x, y = torch.randn(8, 6), torch.randn(8, 3)
@@ -150,13 +152,14 @@ def test_state_dict_round_trip_continues_identically(dtype, fp16):
         model = mlp(dtype)
         if state is not None:
             model.load_state_dict(state)
-        ddp = DistributedDataParallel(model, ParallelConfig())
+        ddp = DistributedDataParallel(model, ParallelConfig(), process_groups=get_process_groups())
         return (
             model,
             ddp,
             build_optimizer(
                 make_cfg(bf16=dtype == torch.bfloat16, fp16=fp16, initial_loss_scale=2.0**12, loss_scale_window=2),
                 [ddp],
+                process_groups=get_process_groups(),
             ),
         )
 
@@ -203,7 +206,13 @@ def _sgd_opt(params_by_name, scaler=None, clip=0.5):
     groups = [
         {"name": "all", "params": list(params_by_name.values()), "names": list(params_by_name), "weight_decay": 0.0}
     ]
-    return FP32Optimizer(groups, lambda gs: torch.optim.SGD(gs, lr=1.0), clip_grad=clip, grad_scaler=scaler)
+    return FP32Optimizer(
+        groups,
+        lambda gs: torch.optim.SGD(gs, lr=1.0),
+        clip_grad=clip,
+        grad_scaler=scaler,
+        process_groups=get_process_groups(),
+    )
 
 
 def clip_worker():
@@ -274,8 +283,8 @@ def test_decoupled_lr_moves_embedding_and_output_layer_by_their_own_schedule():
     t.optimizer, t.lr, t.min_lr, t.weight_decay, t.clip_grad, t.sgd_momentum = "sgd", 0.1, 0.01, 0.0, 0.0, 0.0
     t.decoupled_lr, t.decoupled_min_lr = 0.5, 0.05
     t.train_iters, t.global_batch_size, t.lr_decay_style = 10, 1, "linear"
-    model = GPTModel(cfg)
-    opt = build_optimizer(cfg, [model], report_memory=False)
+    model = GPTModel(cfg, process_groups=get_process_groups())
+    opt = build_optimizer(cfg, [model], report_memory=False, process_groups=get_process_groups())
     sched = OptimizerParamScheduler.from_config(cfg, opt)
     decoupled = {"embedding.word_embeddings.weight", "output_layer.weight"}
     assert [(g["name"], g["max_lr"], g["min_lr"]) for g in opt.param_groups if "max_lr" in g] == [

@@ -21,6 +21,7 @@ from megalm.errors import MegalmError
 from megalm.optimizer import DistributedOptimizer, MixedPrecisionOptimizer, OptimizerError, build_optimizer
 from megalm.optimizer.factory import get_param_groups, make_torch_optimizer
 from megalm.optimizer.grad_scaler import ConstantGradScaler
+from megalm.parallel_state import get_process_groups
 
 
 def _mlp(dtype):
@@ -31,13 +32,15 @@ def _mlp(dtype):
 def _build(dtype, distributed, bucket_size=50):
     model = _mlp(dtype)
     ddp = DistributedDataParallel(
-        model, ParallelConfig(use_distributed_optimizer=distributed, ddp_bucket_size=bucket_size)
+        model,
+        ParallelConfig(use_distributed_optimizer=distributed, ddp_bucket_size=bucket_size),
+        process_groups=get_process_groups(),
     )
     cfg = MegalmConfig()
     cfg.training.optimizer, cfg.training.lr, cfg.training.clip_grad = "adam", 1e-2, 1.0
     cfg.training.bf16 = dtype == torch.bfloat16
     cfg.parallel.use_distributed_optimizer = distributed
-    return model, ddp, build_optimizer(cfg, [ddp], report_memory=False)
+    return model, ddp, build_optimizer(cfg, [ddp], report_memory=False, process_groups=get_process_groups())
 
 
 def _train(model, ddp, opt, steps=2):
@@ -132,7 +135,7 @@ def test_misuse_raises_megalm_errors():
     cfg = MegalmConfig()
     groups = get_param_groups(list(model.named_parameters()), 0.0)
     with pytest.raises(OptimizerError, match="use_distributed_optimizer=True"):
-        DistributedOptimizer(groups, make_torch_optimizer(cfg.training), [model])
+        DistributedOptimizer(groups, make_torch_optimizer(cfg.training), [model], process_groups=get_process_groups())
 
 
 def test_checkpoint_of_another_optimizer_is_refused():

@@ -23,6 +23,7 @@ from megalm.config import ParallelConfig
 from megalm.distributed import DistributedDataParallel, finalize_model_grads
 from megalm.optimizer import build_optimizer
 from megalm.optimizer.memory_accounting import optimizer_memory
+from megalm.parallel_state import get_process_groups
 from tests.test_ddp import make_cfg
 from tests.test_distrib_optimizer import _mlp
 
@@ -36,8 +37,10 @@ def _build(dtype, strategy, fraction, overlap=False):
     chunk = model
     if strategy is not None:
         cfg.parallel.data_parallel_sharding_strategy = strategy
-        chunk = DistributedDataParallel(model, ParallelConfig(data_parallel_sharding_strategy=strategy))
-    return model, chunk, build_optimizer(cfg, [chunk], report_memory=False)
+        chunk = DistributedDataParallel(
+            model, ParallelConfig(data_parallel_sharding_strategy=strategy), process_groups=get_process_groups()
+        )
+    return model, chunk, build_optimizer(cfg, [chunk], report_memory=False, process_groups=get_process_groups())
 
 
 def _steps(model, chunk, optimizer, steps, seed=0):
@@ -49,7 +52,7 @@ def _steps(model, chunk, optimizer, steps, seed=0):
         optimizer.zero_grad()
         F.mse_loss(chunk(x.to(model[0].weight.dtype)).float(), y).backward()
         if chunk is not model:
-            finalize_model_grads([chunk])
+            finalize_model_grads([chunk], process_groups=get_process_groups())
         ok, _, _ = optimizer.step()
         assert ok
     if chunk is not model:

@@ -21,7 +21,7 @@ import torch
 from megalm.config import MegalmConfig, ParallelConfig, validate_config
 from megalm.distributed import DistributedDataParallel
 from megalm.optimizer import build_optimizer
-from megalm.parallel_state import ProcessGroups
+from megalm.parallel_state import ProcessGroups, get_process_groups
 from megalm.tensor_parallel.param_info import set_param_info
 from tests.distributed_harness import run_distributed
 from tests.test_distrib_optimizer import _mlp
@@ -52,6 +52,8 @@ def make_cfg(opt, fraction=None, overlap=False, distributed=False):
 
 
 def build(opt, fraction=None, overlap=False, distributed=False, dtype=torch.float32, groups=None):
+    """``groups``: the optimizer's and DDP's process groups (default: parallel_state's, as a tool would)."""
+    groups = get_process_groups() if groups is None else groups
     model = _mlp(dtype)
     cfg = make_cfg(opt, fraction, overlap, distributed)
     chunk = model

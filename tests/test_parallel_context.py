@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from megalm import parallel_state
 from megalm.config import build_parser, config_from_args, validate_config
+from megalm.parallel_state import get_process_groups
 from megalm.tensor_parallel import mappings
 from megalm.tensor_parallel.initialization import initialize_weights
 from megalm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -133,10 +134,10 @@ def _check_moe(tp, ep, dispatcher: str) -> dict:
     m = validate_config(
         config_from_args(build_parser().parse_args(MOE + ["--moe-token-dispatcher-type", dispatcher]))
     ).model
-    layer = MoELayer(m, layer_number=0, tp_group=None, ep_group=ep)
-    full = MoELayer(m, layer_number=0, tp_group=None, ep_group=None)
-    initialize_weights(layer, seed=3, tp_group=None)
-    initialize_weights(full, seed=3, tp_group=None)
+    layer = MoELayer(m, layer_number=0, tp_group=None, ep_group=ep, etp_group=get_process_groups().etp)
+    full = MoELayer(m, layer_number=0, tp_group=None, ep_group=None, etp_group=get_process_groups().etp)
+    initialize_weights(layer, seed=3, tp_group=None, etp_group=get_process_groups().etp)
+    initialize_weights(full, seed=3, tp_group=None, etp_group=get_process_groups().etp)
     me, ep_rank = dist.get_rank(), dist.get_rank(ep)
     members = [me - 2 * ep_rank + 2 * k for k in range(2)]  # global ranks of my EP group, by EP rank
     xs = [_rand(S, B, H, seed=10 + g) for g in members]
@@ -268,10 +269,23 @@ def test_layers_on_explicit_groups_and_in_place_reductions():
         assert not bad, f"rank {rank}: {bad}"
 
 
-def test_public_layers_default_to_this_ranks_groups():
-    """Without a group argument a layer takes get_process_groups() (a single process here: TP 1)."""
-    layer = ColumnParallelLinear(H, OUT, tp_group=parallel_state.CURRENT)
+def test_layers_and_models_require_their_groups():
+    """No default group: a layer, a model, DDP and the schedules must be given theirs (``None``: this rank alone)."""
+    import pytest
+
+    from megalm.config import MegalmConfig
+    from megalm.distributed import DistributedDataParallel
+    from megalm.models import GPTModel
+    from megalm.pipeline_parallel import get_forward_backward_func
+
+    with pytest.raises(TypeError, match="tp_group"):
+        ColumnParallelLinear(H, OUT)
+    layer = ColumnParallelLinear(H, OUT, tp_group=None)
     assert layer.tp_group is None and layer.tp_size == 1 and tuple(layer.weight.shape) == (OUT, H)
-    assert parallel_state.resolve_group(parallel_state.CURRENT, "ep") is None
-    sentinel = object()
-    assert parallel_state.resolve_group(sentinel, "tp") is sentinel
+    with pytest.raises(TypeError, match="process_groups"):
+        GPTModel(MegalmConfig())
+    with pytest.raises(TypeError, match="process_groups"):
+        DistributedDataParallel(layer, MegalmConfig().parallel)
+    with pytest.raises(TypeError):
+        get_forward_backward_func()
+    assert not hasattr(parallel_state, "CURRENT") and not hasattr(parallel_state, "resolve_group")

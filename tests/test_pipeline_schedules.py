@@ -114,8 +114,9 @@ def _run_case(pp, vpp, m, forward_only=False, variable=False):
             stage = c * pp + rank
             chunks.append(Stage(range(stage * per_chunk, (stage + 1) * per_chunk), stage == 0, stage == pp * v - 1))
         trace = ScheduleTrace()
-        comm = P2PCommunicator((S, B, H), torch.float32, variable_seq_lengths=variable)
-        schedule = get_forward_backward_func()
+        groups = ps.get_process_groups()
+        comm = P2PCommunicator((S, B, H), torch.float32, variable_seq_lengths=variable, groups=groups)
+        schedule = get_forward_backward_func(groups, vpp)
         ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
         with ctx:
             reported = schedule(
@@ -125,6 +126,7 @@ def _run_case(pp, vpp, m, forward_only=False, variable=False):
                 num_microbatches=m,
                 forward_only=forward_only,
                 communicator=comm,
+                groups=groups,
                 trace=trace,
             )
         grads = {n: p.grad.clone() for c in chunks for n, p in c.named_parameters() if p.grad is not None}

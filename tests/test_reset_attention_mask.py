@@ -4,12 +4,15 @@ each document on its own, the blocked core's backward, the data path and the ref
 TP2 against TP1 on real ranks: tests/test_training.py (``docmask_*`` runs); every pipeline stage
 receiving the documents: tests/test_data_loader.py (layout ``pp4docs``)."""
 
+import copy
+
 import pytest
 import torch
 
 from megalm.config import ConfigError, MegalmConfig, validate_config
 from megalm.data.gpt_dataset import document_ids, positions_restarting_after
 from megalm.models import GPTModel
+from megalm.parallel_state import get_process_groups
 from megalm.transformer.attention_mask import document_causal_mask
 from megalm.transformer.blocked_attention import blocked_causal_attention
 
@@ -63,7 +66,7 @@ def test_masked_model_equals_each_document_run_alone(backend):
     each document run through the same model on its own with plain causal attention (<= 1e-6)."""
     torch.manual_seed(0)
     cfg = make_cfg(attention_backend=backend)
-    model = GPTModel(cfg).eval()
+    model = GPTModel(cfg, process_groups=get_process_groups()).eval()
     tokens = docs_tokens(3, 2, 160, 0.02)  # 160 positions: the blocked core's 64-row blocks cut documents
     tokens[0, [30, 63, 64, 100]] = EOD
     ids = torch.stack([document_ids(t, EOD) for t in tokens])
@@ -104,7 +107,7 @@ def test_recompute_keeps_the_mask():
     labels, mask = torch.roll(tokens, -1, 1), document_causal_mask(ids)
 
     def loss_and_grads(**recompute):
-        model = GPTModel(make_cfg(**recompute)).train()
+        model = GPTModel(make_cfg(**recompute), process_groups=get_process_groups()).train()
         loss = model(tokens, None, labels, attention_mask=mask).sum()
         loss.backward()
         return loss.item(), [p.grad.clone() for p in model.parameters()]
@@ -164,10 +167,10 @@ def test_keyed_dropout_core_refuses_a_mask_it_cannot_apply():
     the causal-only keyed core without the mask."""
     from megalm.tensor_parallel import model_parallel_manual_seed
 
-    cfg = make_cfg()
+    cfg = copy.deepcopy(make_cfg())  # an unvalidated copy (the validated config is frozen)
     cfg.model.position_keyed_attention_dropout, cfg.model.attention_dropout = True, 0.1
-    model_parallel_manual_seed(11)
-    model = GPTModel(cfg).train()
+    model_parallel_manual_seed(11, get_process_groups())
+    model = GPTModel(cfg, process_groups=get_process_groups()).train()
     tokens = docs_tokens(7, 2, 32, 0.1)
     mask = document_causal_mask(torch.stack([document_ids(t, EOD) for t in tokens]))
     with pytest.raises(ConfigError, match="--reset-attention-mask is not supported with --position-keyed"):

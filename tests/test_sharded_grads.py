@@ -31,6 +31,7 @@ from megalm.distributed.param_and_grad_buffer import DataParallelError
 from megalm.estimate.planner import state_bytes_per_param, strategy_bytes_per_param
 from megalm.optimizer import build_optimizer
 from megalm.optimizer.memory_accounting import formula_bytes_per_param, optimizer_memory
+from megalm.parallel_state import get_process_groups
 from tests.distributed_harness import run_distributed
 from tests.test_data_parallel_config import _cfg as _parallel_cfg
 from tests.test_ddp import GLOBAL_BATCH, NUM_MICRO, STEPS, batch, make_cfg, make_model, reference_run
@@ -40,7 +41,9 @@ ZERO2, ZERO3 = "optim_grads", "optim_grads_params"
 
 
 def _ddp(model, strategy, **kw):
-    return DistributedDataParallel(model, ParallelConfig(data_parallel_sharding_strategy=strategy, **kw))
+    return DistributedDataParallel(
+        model, ParallelConfig(data_parallel_sharding_strategy=strategy, **kw), process_groups=get_process_groups()
+    )
 
 
 def _memory(precision, strategy=ZERO2):
@@ -48,7 +51,7 @@ def _memory(precision, strategy=ZERO2):
     ddp = _ddp(_mlp(dtype), strategy, accumulate_allreduce_grads_in_fp32=fp32_grads)
     cfg = make_cfg()
     cfg.parallel.data_parallel_sharding_strategy = strategy
-    mem = optimizer_memory(build_optimizer(cfg, [ddp], report_memory=False), [ddp])
+    mem = optimizer_memory(build_optimizer(cfg, [ddp], report_memory=False, process_groups=get_process_groups()), [ddp])
     return mem["total"], mem["formula"] * mem["params"], mem["grads"], mem["d"], mem["grads_sharded"]
 
 
@@ -145,7 +148,7 @@ def _train(dp, strategy, overlap, bucket_size, expert_last_layer, prefetch=False
     ddp = _ddp(model, strategy, **kw)
     cfg = make_cfg()
     cfg.parallel.data_parallel_sharding_strategy = strategy
-    optimizer = build_optimizer(cfg, [ddp], report_memory=False)
+    optimizer = build_optimizer(cfg, [ddp], report_memory=False, process_groups=get_process_groups())
     buckets = [b for buf in ddp.all_buffers for b in buf.buckets]
     rank, mb = parallel_state.get_data_parallel_rank(), GLOBAL_BATCH // dp // NUM_MICRO
     out = {"n_buckets": len(buckets), "padded_numel": sum(b.numel for b in buckets), "live": [], "grad_bytes": []}
@@ -165,7 +168,7 @@ def _train(dp, strategy, overlap, bucket_size, expert_last_layer, prefetch=False
                     loss.backward()
             else:
                 loss.backward()
-        finalize_model_grads([ddp])
+        finalize_model_grads([ddp], process_groups=get_process_groups())
         out["live"].append(sum(b.grad_data is not None for b in buckets))
         out["grad_bytes"].append(sum(buf.grad_bytes() for buf in ddp.all_buffers))
         ok, norm, _ = optimizer.step()

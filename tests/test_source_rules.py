@@ -2,8 +2,8 @@
 
 * no ``SystemExit`` and no ``sys.exit`` inside ``megalm/``: library code raises a
   :class:`megalm.errors.MegalmError`; only entry points turn errors into exit codes;
-* ``tools/`` scripts add the repo root to ``sys.path`` only when absent (the tests run them again
-  and again in one process with ``runpy``).
+* ``tools/`` scripts add nothing to ``sys.path``: the tools are shims over the installed package's
+  commands (:mod:`megalm.cli`).
 
 Imports (the layer map, cycles at any depth) are checked by tests/test_layers.py.
 """
@@ -88,40 +88,29 @@ def test_exit_scan_finds_exits(source, lines):
 TOOLS = os.path.join(os.path.dirname(ROOT), "tools")
 
 
-def _bare_path_inserts(tree: ast.Module) -> List[int]:
-    """Lines of module-level ``sys.path.insert(...)`` statements not under an ``if`` (run again by runpy,
-    each adds another copy of the path)."""
+def _path_inserts(tree: ast.Module) -> List[int]:
+    """Lines of ``sys.path.insert(...)`` / ``sys.path.append(...)`` calls anywhere in ``tree``."""
     return [
         node.lineno
-        for node in tree.body
-        if isinstance(node, ast.Expr)
-        and isinstance(node.value, ast.Call)
-        and ast.unparse(node.value.func) in ("sys.path.insert", "sys.path.append")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in ("sys.path.insert", "sys.path.append")
     ]
 
 
-def test_tools_add_the_repo_root_to_sys_path_once(monkeypatch):
-    bare = {}
+def test_tools_add_nothing_to_sys_path():
+    """The tools are thin shims over the installed package (megalm/cli/): none adds a path (the repo
+    root) to sys.path (tests/test_cli.py runs each shim)."""
+    inserts = {}
     for folder, _, files in os.walk(TOOLS):
         for name in files:
             if name.endswith(".py"):
                 path = os.path.join(folder, name)
-                lines = _bare_path_inserts(_tree(path))
+                lines = _path_inserts(_tree(path))
                 if lines:
-                    bare[os.path.relpath(path, TOOLS)] = lines
-    assert bare == {}
-    import runpy
-    import sys
-
-    root = os.path.dirname(ROOT)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    start = sys.path.count(root)
-    for _ in range(3):
-        for tool in ("generate.py", os.path.join("checkpoint", "inspect.py")):
-            runpy.run_path(os.path.join(TOOLS, tool))
-    assert sys.path.count(root) == max(start, 1)
+                    inserts[os.path.relpath(path, TOOLS)] = lines
+    assert inserts == {}
 
 
-def test_bare_path_insert_scan_finds_inserts():
-    tree = ast.parse("import sys\nsys.path.insert(0, 'x')\nif 'x' not in sys.path:\n    sys.path.insert(0, 'x')\n")
-    assert _bare_path_inserts(tree) == [2]
+def test_path_insert_scan_finds_inserts():
+    tree = ast.parse("import sys\nsys.path.insert(0, 'x')\nif 'x' not in sys.path:\n    sys.path.append('x')\n")
+    assert _path_inserts(tree) == [2, 4]

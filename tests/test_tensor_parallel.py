@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megalm import parallel_state
+from megalm.parallel_state import get_process_groups
 from megalm.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -129,14 +130,19 @@ def _check_mappings(tp: int) -> dict:
 
 def _grad_errors(prefix, layer, reference_grads) -> dict:
     return {
-        f"{prefix} grad {name}": _rel(gather_tensor_parallel_grad(p), reference_grads[name])
+        f"{prefix} grad {name}": _rel(
+            gather_tensor_parallel_grad(p, group=get_process_groups().tp), reference_grads[name]
+        )
         for name, p in layer.named_parameters()
     }
 
 
 def _reference(layer, fn, x, upstream):
     """Run ``fn(x, full_params)`` in plain PyTorch on the gathered weights; return (out, x grad, param grads)."""
-    full = {n: gather_tensor_parallel_param(p).requires_grad_() for n, p in layer.named_parameters()}
+    full = {
+        n: gather_tensor_parallel_param(p, group=get_process_groups().tp).requires_grad_()
+        for n, p in layer.named_parameters()
+    }
     x = x.detach().clone().requires_grad_(x.dtype.is_floating_point)
     out = fn(x, full)
     (out * upstream).sum().backward()
@@ -147,9 +153,18 @@ def _check_column_linear(tp: int, sp: bool, gather_output: bool, stride: int) ->
     r = parallel_state.get_tensor_model_parallel_rank()
     out_features = 16
     layer = ColumnParallelLinear(
-        H, out_features, bias=True, gather_output=gather_output, stride=stride, sequence_parallel=sp, init_std=0.3
+        H,
+        out_features,
+        bias=True,
+        gather_output=gather_output,
+        stride=stride,
+        sequence_parallel=sp,
+        init_std=0.3,
+        tp_group=get_process_groups().tp,
     )
-    initialize_weights(layer, seed=9)  # parameters start as torch.empty: never compare uninitialized memory
+    initialize_weights(
+        layer, seed=9, tp_group=get_process_groups().tp, etp_group=get_process_groups().etp
+    )  # parameters start as torch.empty: never compare uninitialized memory
     with torch.no_grad():
         layer.bias.normal_(generator=torch.Generator().manual_seed(r))
     x_full = _same_input(S, B, H, seed=2)
@@ -180,9 +195,15 @@ def _check_row_linear(tp: int, sp: bool, input_is_parallel: bool) -> dict:
     r = parallel_state.get_tensor_model_parallel_rank()
     in_features = 16
     layer = RowParallelLinear(
-        in_features, H, bias=True, input_is_parallel=input_is_parallel, sequence_parallel=sp, init_std=0.3
+        in_features,
+        H,
+        bias=True,
+        input_is_parallel=input_is_parallel,
+        sequence_parallel=sp,
+        init_std=0.3,
+        tp_group=get_process_groups().tp,
     )
-    initialize_weights(layer, seed=10)
+    initialize_weights(layer, seed=10, tp_group=get_process_groups().tp, etp_group=get_process_groups().etp)
     with torch.no_grad():
         layer.bias.normal_(generator=torch.Generator().manual_seed(7))
     x_full = _same_input(S, B, in_features, seed=4)
@@ -190,7 +211,7 @@ def _check_row_linear(tp: int, sp: bool, input_is_parallel: bool) -> dict:
     out = layer(x)
     upstream_full = _same_input(S, B, H, seed=5)
     (out * (upstream_full.chunk(tp, 0)[r] if sp else upstream_full)).sum().backward()
-    allreduce_sequence_parallel_grads(layer)
+    allreduce_sequence_parallel_grads(layer, tp_group=get_process_groups().tp)
     ref_out, ref_dx, ref_grads = _reference(
         layer, lambda t, p: F.linear(t, p["weight"], p["bias"]), x_full, upstream_full
     )
@@ -206,9 +227,14 @@ def _check_embedding(tp: int, reduce_scatter: bool) -> dict:
     r = parallel_state.get_tensor_model_parallel_rank()
     vocab, unpadded = 32, 27
     layer = VocabParallelEmbedding(
-        vocab, H, init_std=0.5, vocab_unpadded=unpadded, reduce_scatter_to_sequence=reduce_scatter
+        vocab,
+        H,
+        init_std=0.5,
+        vocab_unpadded=unpadded,
+        reduce_scatter_to_sequence=reduce_scatter,
+        tp_group=get_process_groups().tp,
     )
-    initialize_weights(layer, seed=11)
+    initialize_weights(layer, seed=11, tp_group=get_process_groups().tp, etp_group=get_process_groups().etp)
     tokens = torch.randint(0, unpadded, (B, S), generator=torch.Generator().manual_seed(6))
     out = layer(tokens)
     upstream_full = _same_input(B, S, H, seed=8)
@@ -216,7 +242,7 @@ def _check_embedding(tp: int, reduce_scatter: bool) -> dict:
     (out * local_upstream).sum().backward()
     ref_out, _, ref_grads = _reference(layer, lambda t, p: F.embedding(t, p["weight"]), tokens, upstream_full)
     full_out = torch.cat(_gather_list(out), 0).transpose(0, 1) if reduce_scatter else out
-    full_weight = gather_tensor_parallel_param(layer.weight)
+    full_weight = gather_tensor_parallel_param(layer.weight, group=get_process_groups().tp)
     name = f"embedding reduce_scatter={reduce_scatter}"
     errors = {
         f"{name} out": _rel(full_out, ref_out),
@@ -235,7 +261,7 @@ def _check_cross_entropy(tp: int, dtype: torch.dtype) -> dict:
     logits_full = (_same_input(S, B, vocab, seed=9) * 3).to(dtype)
     target = torch.randint(0, vocab, (S, B), generator=torch.Generator().manual_seed(10))
     shard = logits_full.chunk(tp, -1)[r].clone().requires_grad_()
-    loss = vocab_parallel_cross_entropy(shard, target)
+    loss = vocab_parallel_cross_entropy(shard, target, tp_group=get_process_groups().tp)
     weights = _same_input(S, B, seed=12)
     (loss * weights).sum().backward()
     ref_logits = logits_full.float().requires_grad_()
@@ -270,7 +296,9 @@ def _check_linear_cross_entropy(tp: int, sp: bool) -> dict:
     for kind, upstream in (("scaled", 0.25 * mask), ("recomputed", _same_input(S, B, seed=24))):
         x = (x_full.chunk(tp, 0)[r] if sp else x_full).clone().requires_grad_()
         weight = weight_full.chunk(tp, 0)[r].clone().requires_grad_()
-        loss = lce.linear_cross_entropy(x, weight, target, vocab, token_weight=mask, sequence_parallel=sp)
+        loss = lce.linear_cross_entropy(
+            x, weight, target, vocab, token_weight=mask, sequence_parallel=sp, tp_group=get_process_groups().tp
+        )
         (loss * upstream).sum().backward()
         ref_x, ref_w = x_full.clone().requires_grad_(), weight_full.clone().requires_grad_()
         logits = (ref_x @ ref_w.t()).masked_fill(torch.arange(vocab_padded) >= vocab, float("-inf"))
@@ -291,13 +319,13 @@ def _check_linear_cross_entropy(tp: int, sp: bool) -> dict:
 def _check_sequence_parallel_norm(tp: int) -> dict:
     r = parallel_state.get_tensor_model_parallel_rank()
     norm = LayerNorm(H, sequence_parallel=True)
-    initialize_weights(norm, seed=3)
+    initialize_weights(norm, seed=3, tp_group=get_process_groups().tp, etp_group=get_process_groups().etp)
     x_full = _same_input(S, B, H, seed=13)
     upstream = _same_input(S, B, H, seed=14)
     (norm(x_full.chunk(tp, 0)[r]) * upstream.chunk(tp, 0)[r]).sum().backward()
-    allreduce_sequence_parallel_grads(norm)
+    allreduce_sequence_parallel_grads(norm, tp_group=get_process_groups().tp)
     ref = LayerNorm(H)
-    initialize_weights(ref, seed=3)
+    initialize_weights(ref, seed=3, tp_group=get_process_groups().tp, etp_group=get_process_groups().etp)
     (ref(x_full) * upstream).sum().backward()
     return {
         "sp norm weight grad": _rel(norm.weight.grad, ref.weight.grad),
@@ -310,7 +338,7 @@ def _check_sequence_parallel_norm(tp: int) -> dict:
 
 def _check_rng(tp: int) -> dict:
     r = parallel_state.get_tensor_model_parallel_rank()
-    model_parallel_manual_seed(123)
+    model_parallel_manual_seed(123, get_process_groups())
     default_draw = torch.rand(6)
     with get_rng_tracker().fork():
         tracker_draw = torch.rand(6)
@@ -347,7 +375,7 @@ def _dropout_function(x, w):
 
 
 def _run_dropout_function(use_checkpoint: bool, inside_fork: bool):
-    model_parallel_manual_seed(77)
+    model_parallel_manual_seed(77, get_process_groups())
     x = _same_input(S, B, H, seed=15).requires_grad_()
     w = _same_input(H, seed=16).requires_grad_()
     fn = (lambda a, b: checkpoint(_dropout_function, a, b)) if use_checkpoint else _dropout_function
@@ -409,7 +437,7 @@ def test_tensor_parallel_blocks_match_single_device_reference():
 def test_single_rank_cross_entropy_and_shard_helpers():
     logits = torch.randn(5, 3, 17, requires_grad=True)
     target = torch.randint(0, 17, (5, 3))
-    loss = vocab_parallel_cross_entropy(logits, target)
+    loss = vocab_parallel_cross_entropy(logits, target, tp_group=get_process_groups().tp)
     loss.sum().backward()
     ref_logits = logits.detach().clone().requires_grad_()
     ref = F.cross_entropy(ref_logits.view(-1, 17), target.view(-1), reduction="none").view(5, 3)

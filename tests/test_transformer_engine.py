@@ -24,6 +24,7 @@ from megalm.config import ConfigError, MegalmConfig, parse_config, validate_conf
 from megalm.fusions import BackendUnavailable, plan_fusions
 from megalm.models import GPTModel
 from megalm.optimizer import build_optimizer
+from megalm.parallel_state import get_process_groups
 from megalm.param_layout import model_parameters, param_spec
 from megalm.parameter_names import canonical_name
 from megalm.tensor_parallel import gather_tensor_parallel_grad, gather_tensor_parallel_param
@@ -84,8 +85,8 @@ def _snapshot(model, batch) -> dict:
     named = [(canonical_name(n), p) for n, p in model.named_parameters()]
     return {
         "loss": loss,
-        "weights": {n: gather_tensor_parallel_param(p) for n, p in named},
-        "grads": {n: gather_tensor_parallel_grad(p) for n, p in named},
+        "weights": {n: gather_tensor_parallel_param(p, group=get_process_groups().tp) for n, p in named},
+        "grads": {n: gather_tensor_parallel_grad(p, group=get_process_groups().tp) for n, p in named},
     }
 
 
@@ -135,8 +136,8 @@ def test_te_layers_match_local_layers_in_one_process(te):
     errors = {}
     for i, (name, overrides) in enumerate({**CONFIGS, **ONE_PROCESS_ONLY}.items()):
         batch = make_batch(i)
-        reference = _snapshot(GPTModel(make_cfg(**overrides)), batch)
-        model = GPTModel(make_cfg(impl=TE, **overrides))
+        reference = _snapshot(GPTModel(make_cfg(**overrides), process_groups=get_process_groups()), batch)
+        model = GPTModel(make_cfg(impl=TE, **overrides), process_groups=get_process_groups())
         errors.update(_compare(name, _snapshot(model, batch), reference))
         assert not _contract_problems(model, sp=False), name
         layer = model.decoder.layers["0"]
@@ -173,21 +174,29 @@ def _tensor_parallel_rank(ckpt_root: str):
 
     batches = {name: make_batch(i) for i, name in enumerate(CONFIGS)}
     parallel_state.destroy_model_parallel()
-    references = {name: _snapshot(GPTModel(make_cfg(**o)), batches[name]) for name, o in CONFIGS.items()}
+    references = {
+        name: _snapshot(GPTModel(make_cfg(**o), process_groups=get_process_groups()), batches[name])
+        for name, o in CONFIGS.items()
+    }
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     errors, saved = {}, None
     for name, overrides in CONFIGS.items():
         for sp in (False, True):
-            model = GPTModel(make_cfg(2, sp, TE, **overrides))
+            model = GPTModel(make_cfg(2, sp, TE, **overrides), process_groups=get_process_groups())
             errors.update(_compare(f"{name} tp=2 sp={sp}", _snapshot(model, batches[name]), references[name]))
             errors[f"{name} sp={sp} contract"] = float(len(_contract_problems(model, sp)))
             if name == "llama" and sp:
                 save_checkpoint(ckpt_root, 3, [model])  # a TE TP 2 checkpoint, loaded at TP 1 below
-                saved = {n: gather_tensor_parallel_param(p) for n, p in model_parameters([model]).items()}
+                saved = {
+                    n: gather_tensor_parallel_param(p, group=get_process_groups().tp)
+                    for n, p in model_parameters([model]).items()
+                }
 
     # fp8: every TE module's forward inside one fp8_autocast region per forward, amaxes reduced over TP x DP.
     te_fp8.ENTERED.clear()
-    model = GPTModel(make_cfg(2, True, TE, fp8_format="hybrid", **CONFIGS["llama"]))
+    model = GPTModel(
+        make_cfg(2, True, TE, fp8_format="hybrid", **CONFIGS["llama"]), process_groups=get_process_groups()
+    )
     loss = _step(model, batches["llama"])  # the stand-in computes in fp32: the bf16/fp32 loss
     recipe, group = te_fp8.ENTERED[0]
     errors["fp8 regions entered != 1"] = float(len(te_fp8.ENTERED) != 1)
@@ -205,7 +214,7 @@ def test_te_layers_on_tensor_parallel_ranks_match_local_and_checkpoint_across_la
     for errors, _ in results:
         _assert_small(errors, minimum_checks=3 * 2 * 20)
     saved = results[0][1]
-    local = GPTModel(make_cfg(**CONFIGS["llama"]))  # TP 1, local layers
+    local = GPTModel(make_cfg(**CONFIGS["llama"]), process_groups=get_process_groups())  # TP 1, local layers
     load_checkpoint(str(tmp_path), [local], load_rng=False, finetune=True)
     loaded = dict(local.named_parameters())
     assert set(loaded) == set(saved)
@@ -216,7 +225,7 @@ def test_te_layers_on_tensor_parallel_ranks_match_local_and_checkpoint_across_la
 
 
 def _perturbed(cfg, seed: int):
-    model = GPTModel(cfg)
+    model = GPTModel(cfg, process_groups=get_process_groups())
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -225,7 +234,7 @@ def _perturbed(cfg, seed: int):
 
 
 def _trained_optimizer(cfg, model):
-    optimizer = build_optimizer(cfg, [model], report_memory=False)
+    optimizer = build_optimizer(cfg, [model], report_memory=False, process_groups=get_process_groups())
     _step(model, make_batch(9))
     optimizer.step()
     return optimizer
@@ -242,15 +251,17 @@ def test_checkpoints_are_interchangeable_between_te_and_local_models(te, tmp_pat
         optimizer = _trained_optimizer(source_cfg, source)
         path = save_checkpoint(root, 1, [source], optimizer=optimizer, config=source_cfg.to_dict())
         keys = saved_tensor_shapes(path)
-        local_names = {n for n, _ in GPTModel(make_cfg(**CONFIGS["gpt2"])).named_parameters()}
+        local_names = {
+            n for n, _ in GPTModel(make_cfg(**CONFIGS["gpt2"]), process_groups=get_process_groups()).named_parameters()
+        }
         assert {k[len("model.") :] for k in keys if k.startswith("model.")} == local_names
         assert not any("extra_state" in k or "layer_norm_weight" in k for k in keys)
 
         target = _perturbed(target_cfg, seed=2)
         target_optimizer = _trained_optimizer(target_cfg, target)
         load_checkpoint(root, [target], optimizer=target_optimizer, load_rng=False)
-        want = {n: param_spec(p).local for n, p in model_parameters([source]).items()}
-        got = {n: param_spec(p).local for n, p in model_parameters([target]).items()}
+        want = {n: param_spec(p, groups=get_process_groups()).local for n, p in model_parameters([source]).items()}
+        got = {n: param_spec(p, groups=get_process_groups()).local for n, p in model_parameters([target]).items()}
         assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
         want_state = optimizer.sharded_param_state()
         got_state = target_optimizer.sharded_param_state()
@@ -303,7 +314,7 @@ def test_fp8_recipe_follows_flags_and_autocast_wraps_every_chunk(te):
         fp8_amax_compute_algo="max",
         **CONFIGS["llama"],
     )
-    model = GPTModel(cfg)
+    model = GPTModel(cfg, process_groups=get_process_groups())
     assert "fp8: e4m3, delayed scaling (margin 2, amax history 16, max)" in model.fusion_plan.describe()
     te_fp8.ENTERED.clear()
     batch = make_batch(4)
@@ -313,11 +324,11 @@ def test_fp8_recipe_follows_flags_and_autocast_wraps_every_chunk(te):
         m.fp8_forwards == 1 and m.fp8_meta["recipe"] == fp8_recipe(cfg.model) for m in _te_modules(model)
     )
     assert not te_fp8.is_fp8_enabled()  # left after the layers
-    reference = GPTModel(make_cfg(impl=TE, **CONFIGS["llama"]))(*batch[:3])
+    reference = GPTModel(make_cfg(impl=TE, **CONFIGS["llama"]), process_groups=get_process_groups())(*batch[:3])
     assert relative_error(loss, reference) < 1e-6  # the stand-in does not quantize
 
     # A later pipeline stage (no embedding) opens its own region around its layers.
-    stage = GPTModel(cfg, pre_process=False, post_process=True, layer_numbers=[1])
+    stage = GPTModel(cfg, pre_process=False, post_process=True, layer_numbers=[1], process_groups=get_process_groups())
     stage.set_input_tensor(torch.randn(SEQ, BATCH, 32))
     stage(None, batch[1], batch[2])
     assert len(te_fp8.ENTERED) == 2 and all(m.fp8_forwards == 1 for m in _te_modules(stage))

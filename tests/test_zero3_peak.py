@@ -21,6 +21,7 @@ from megalm import parallel_state
 from megalm.config import ParallelConfig
 from megalm.distributed import DistributedDataParallel, finalize_model_grads
 from megalm.optimizer import build_optimizer
+from megalm.parallel_state import get_process_groups
 from megalm.training.memory import TrackedAllocations
 from tests.distributed_harness import run_distributed
 from tests.test_ddp import make_cfg
@@ -42,14 +43,18 @@ def _run(strategy):
     with TrackedAllocations() as tracked:  # blocks allocated before it started are not counted when freed
         with tracked.phase("build"):
             model = _model()
-            ddp = DistributedDataParallel(model, ParallelConfig(data_parallel_sharding_strategy=strategy, **kw))
-        optimizer = build_optimizer(cfg, [ddp], report_memory=False)
+            ddp = DistributedDataParallel(
+                model,
+                ParallelConfig(data_parallel_sharding_strategy=strategy, **kw),
+                process_groups=get_process_groups(),
+            )
+        optimizer = build_optimizer(cfg, [ddp], report_memory=False, process_groups=get_process_groups())
 
         def step():
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
             F.mse_loss(ddp(x), x).backward()
-            finalize_model_grads([ddp])
+            finalize_model_grads([ddp], process_groups=get_process_groups())
             assert optimizer.step()[0]
 
         step()  # Adam state exists from here on

@@ -9,11 +9,9 @@ import argparse
 import os
 import sys
 
-_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+from megalm.config.flag_reference import COMMAND, PAGE, render
 
-from megalm.config.flag_reference import COMMAND, PAGE, render  # noqa: E402
+_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))  # the page's repository
 
 
 def main(argv=None) -> int:

@@ -32,8 +32,13 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorPropertie
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megalm.checkpoint.errors import CheckpointError
 from megalm.checkpoint.safe_metadata import SafeFileSystemReader, load_metadata
 from megalm.param_layout import ShardedStateDict, ShardedTensorSpec
+
+
+class CheckpointTensorError(CheckpointError, ValueError):
+    """The checkpoint lacks a tensor the model needs, or holds it with another shape or kind."""
 
 
 def _as_list(value) -> List[ShardedTensorSpec]:
@@ -89,14 +94,14 @@ class _ShardLoadPlanner(DefaultLoadPlanner):
         for fqn, specs in self.specs.items():
             if fqn not in md:
                 if self.strict:
-                    raise KeyError(f"checkpoint has no tensor named {fqn!r}")
+                    raise CheckpointTensorError(f"checkpoint has no tensor named {fqn!r}")
                 continue
             saved = md[fqn]
             if not hasattr(saved, "chunks"):
-                raise ValueError(f"checkpoint entry {fqn!r} is not a tensor")
+                raise CheckpointTensorError(f"checkpoint entry {fqn!r} is not a tensor")
             for shape in self._shapes[fqn]:
                 if tuple(saved.size) != shape:
-                    raise ValueError(
+                    raise CheckpointTensorError(
                         f"checkpoint tensor {fqn!r} has shape {tuple(saved.size)}, the model expects {shape}"
                     )
             if specs:
@@ -129,7 +134,7 @@ def load_sharded(specs: ShardedStateDict, path: str, strict: bool = True, proces
     for fqn, value in specs.items():
         for spec in _as_list(value):
             if not spec.local.is_contiguous():
-                raise ValueError(f"load target {fqn!r} must be contiguous")
+                raise ValueError(f"load target {fqn!r} must be contiguous")  # internal: the model's own tensors
     dcp.load(
         _locals(specs),
         storage_reader=SafeFileSystemReader(path, metadata),

@@ -13,6 +13,7 @@ from megalm.checkpoint.errors import CheckpointError, describe_io_error
 from megalm.checkpoint.model_state import (
     finish_param_sync,
     model_buffers,
+    model_groups,
     model_parameters,
     optimizer_sharded_state,
     tied_embedding_copies,
@@ -104,12 +105,13 @@ def _load_specs(model_chunks, optimizer, saved: Dict[str, tuple]):
     for key in missing:
         del opt_specs[key]
     specs: ShardedStateDict = {}
+    groups = model_groups(model_chunks)
     for name, p in params.items():
         main_key = f"optimizer.{name}.main_param"
         if main_key in saved and main_key not in opt_specs:
-            specs[main_key] = param_spec(p)
+            specs[main_key] = param_spec(p, groups=groups)
         else:
-            specs[f"model.{name}"] = param_spec(p)
+            specs[f"model.{name}"] = param_spec(p, groups=groups)
     for name, b in model_buffers(model_chunks).items():
         if f"model.{name}" not in saved:
             raise CheckpointError(f"checkpoint has no {name}: it was saved by a model without it (check the MoE flags)")

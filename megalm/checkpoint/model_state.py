@@ -17,6 +17,8 @@ from typing import Sequence
 
 import torch
 
+from megalm import parallel_state
+from megalm.parallel_state import ProcessGroups
 from megalm.param_layout import (
     ShardedStateDict,
     ShardedTensorSpec,
@@ -39,8 +41,20 @@ def finish_param_sync(model_chunks: Sequence[torch.nn.Module]) -> None:
             gather()
 
 
+def model_groups(model_chunks: Sequence[torch.nn.Module]) -> ProcessGroups:
+    """The process groups the model was built with (a DDP wrapper's or a GPTModel's ``process_groups``);
+    for a plain module that holds none, the layout's (:func:`megalm.parallel_state.get_process_groups`)."""
+    for chunk in model_chunks:
+        for module in (chunk, getattr(chunk, "module", None)):
+            groups = getattr(module, "process_groups", None)
+            if isinstance(groups, ProcessGroups):
+                return groups
+    return parallel_state.get_process_groups()
+
+
 def model_sharded_state(model_chunks: Sequence[torch.nn.Module]) -> ShardedStateDict:
-    specs = {f"model.{name}": param_spec(p) for name, p in model_parameters(model_chunks).items()}
+    groups = model_groups(model_chunks)
+    specs = {f"model.{name}": param_spec(p, groups=groups) for name, p in model_parameters(model_chunks).items()}
     specs.update({f"model.{name}": ShardedTensorSpec.replicated(b) for name, b in model_buffers(model_chunks).items()})
     return specs
 

@@ -181,11 +181,10 @@ def _verify_local(path: str, iteration: int, rank: int, world: int) -> Optional[
     if not checkpoint_manifest.has_manifest(path):
         if os.path.isdir(os.path.join(path, checkpoint_manifest.RANK_DIR)):
             return f"{checkpoint_manifest.INDEX_FILENAME}: missing (the save never completed)"
-        if rank == 0:
-            logger.info(
-                f"warning: checkpoint {path} has no {checkpoint_manifest.INDEX_FILENAME} (written before "
-                f"megalm verified checkpoints): loading it unverified"
-            )
+        logger.warning(  # on every rank: each one loads its part unverified
+            f"checkpoint {path} has no {checkpoint_manifest.INDEX_FILENAME} (written before "
+            f"megalm verified checkpoints): loading it unverified"
+        )
         return None
     index, error = checkpoint_manifest.read_index(path)
     if error is not None:
@@ -245,6 +244,5 @@ def verified_checkpoint(root: str, iteration: Optional[int] = None, fallback: bo
         message = f"checkpoint {path} is corrupt: {error}; {hint}"
         if not fallback:
             raise CheckpointError(message)
-        if rank_is_zero():
-            logger.info(f"warning: {message}: skipped (--ckpt-fallback-to-verified)")
+        logger.warning(f"{message}: skipped (--ckpt-fallback-to-verified)")  # every rank skips it
     raise CheckpointError(f"no checkpoint in {root} verifies (newest: iteration {iteration}; see the warnings above)")

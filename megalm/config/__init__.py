@@ -1,10 +1,13 @@
-"""Typed configuration, the command line built from it, and validation in one place.
+"""Typed configuration, the command line built from it, and its validation.
 
-* :mod:`megalm.config.sections`: the dataclasses (``ModelConfig``, ``ParallelConfig``, ...,
-  ``MegalmConfig``), one field per Megatron-LM flag;
-* :mod:`megalm.config.cli`: the argparse parser built from them and :func:`parse_config`;
-* :mod:`megalm.config.validation`: :func:`validate_config`, the only place where
-  combinations are checked (before any process group or model exists).
+* :mod:`megalm.config.sections`: ``MegalmConfig`` and its sections (``ModelConfig``,
+  ``ParallelConfig``, ...), one module per section, one field per Megatron-LM flag, each section
+  with a ``validate()`` for the checks that need only its own fields;
+* :mod:`megalm.config.cross`: the checks across sections, in one place;
+* :mod:`megalm.config.cli`: the argparse parser built from the sections and :func:`parse_config`;
+* :mod:`megalm.config.validation`: :func:`validate_config` (sections, then cross-section checks,
+  then the freeze: a validated config is read-only), before any process group or model exists.
+See docs/configuration.md.
 """
 
 from megalm.config.cli import add_config_arguments, build_parser, config_from_args, parse_config, parse_moe_layer_freq
@@ -19,7 +22,13 @@ from megalm.config.sections import (
     ParallelConfig,
     TrainingConfig,
 )
-from megalm.config.validation import pad_vocab_size, set_vocab_size, validate_config
+from megalm.config.validation import (
+    pad_vocab_size,
+    replace_config,
+    set_vocab_size,
+    validate_config,
+    with_vocab_size,
+)
 
 __all__ = [
     "SECTIONS",
@@ -37,6 +46,8 @@ __all__ = [
     "pad_vocab_size",
     "parse_config",
     "parse_moe_layer_freq",
+    "replace_config",
     "set_vocab_size",
     "validate_config",
+    "with_vocab_size",
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from megalm.config.fields import Section, check
 from megalm.config.fields import flag_field as _f
 
 # Flag -> why it has no effect in megalm (the text of the warning).
@@ -52,7 +53,7 @@ UNSUPPORTED = {
 
 
 @dataclass
-class MegatronCompatConfig:
+class MegatronCompatConfig(Section):
     """Megatron-LM flags accepted for its launch scripts; they change nothing in megalm (one warning lists them)."""
 
     use_mcore_models: bool = _f(False, "No effect: " + NO_EFFECT["--use-mcore-models"] + ".")
@@ -85,6 +86,13 @@ class MegatronCompatConfig:
     enable_experimental: bool = _f(False, "No effect: " + NO_EFFECT["--enable-experimental"] + ".")
     fp8_param_gather: bool = _f(False, "Refused: " + UNSUPPORTED["--fp8-param-gather"] + ".")
     window_size: Optional[str] = _f(None, "Refused: " + UNSUPPORTED["--window-size"] + ".")
+
+    def validate(self) -> None:
+        """Refuses the flags whose value megalm cannot honour (see :func:`refusal`)."""
+        from megalm.device import get_backend
+
+        why = refusal(self, get_backend())
+        check(why is None, why or "")
 
 
 def given_no_effect_flags(c: MegatronCompatConfig) -> list:

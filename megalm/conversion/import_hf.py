@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from megalm.config import ConfigError, MegalmConfig, build_parser, config_from_args, set_vocab_size, validate_config
+from megalm.config import ConfigError, MegalmConfig, build_parser, config_from_args, replace_config, validate_config
 from megalm.conversion.architectures import for_hf
 from megalm.conversion.base import VOCAB_ROWS, checkpoint_shapes, router_buffer_shapes
 from megalm.conversion.errors import ConversionError
@@ -82,11 +82,9 @@ def build_config(fields: dict, extra_args: Sequence[str], overridable: Sequence[
             )
         cfg.model.vocab_size = vocab_size
     try:
-        validate_config(cfg)
+        return validate_config(cfg)  # sets the padded vocabulary too
     except ConfigError as e:
         raise ConversionError(f"the imported model does not fit the requested layout: {e}") from None
-    set_vocab_size(cfg, cfg.model.vocab_size)
-    return cfg
 
 
 def import_from_hf(
@@ -102,7 +100,7 @@ def import_from_hf(
     notes = arch.import_notes(hf)
     if not cfg.data.tokenizer_type:
         tok_type, tok_path, note = import_tokenizer(hf_dir, save_dir)
-        cfg.data.tokenizer_type, cfg.data.tokenizer_model = tok_type, tok_path
+        cfg = replace_config(cfg, data={"tokenizer_type": tok_type, "tokenizer_model": tok_path})
         notes.append(note)
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")

@@ -33,8 +33,8 @@ from megalm.config import (
     MegalmConfig,
     build_parser,
     config_from_args,
-    set_vocab_size,
     validate_config,
+    with_vocab_size,
 )
 from megalm.conversion.base import (
     OUTPUT_LAYER,
@@ -275,11 +275,10 @@ def config_from_flags(extra_args: List[str], path: str) -> MegalmConfig:
                     f"tokenizer flags"
                 )
             vocab = create_tokenizer(d.tokenizer_type, d.tokenizer_model, None, d.vocab_file, d.merge_file).vocab_size
-        validate_config(cfg)
+        cfg = validate_config(cfg)
     except ConfigError as e:
         raise ConversionError(f"the megalm flags {extra_args}: {e}") from None
-    set_vocab_size(cfg, vocab)
-    return cfg
+    return with_vocab_size(cfg, vocab)
 
 
 def config_notes_from_flags() -> List[str]:

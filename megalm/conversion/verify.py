@@ -25,6 +25,7 @@ def megalm_model_from_tensors(cfg: MegalmConfig, tensors: Dict[str, torch.Tensor
     """A single-process (TP 1, EP 1) GPTModel holding ``tensors`` (full, as a checkpoint stores them), in eval mode."""
     from megalm.fusions import EAGER
     from megalm.models import GPTModel
+    from megalm.parallel_state import ProcessGroups
 
     cfg = copy.deepcopy(cfg)
     p = cfg.parallel
@@ -33,7 +34,8 @@ def megalm_model_from_tensors(cfg: MegalmConfig, tensors: Dict[str, torch.Tensor
     p.num_layers_per_virtual_pipeline_stage = p.num_virtual_stages_per_pipeline_rank = None
     p.virtual_pipeline_model_parallel_size = None
     set_vocab_size(cfg, cfg.model.vocab_size)
-    model = GPTModel(cfg, fusion_plan=EAGER)  # the plain PyTorch reference (and any sequence length)
+    # the plain PyTorch reference (and any sequence length), one process
+    model = GPTModel(cfg, fusion_plan=EAGER, process_groups=ProcessGroups.single())
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name not in tensors:

@@ -15,18 +15,18 @@ import numpy as np
 import torch
 
 from megalm.data import helpers
-from megalm.data.index_cache import default_cache_dir, description_hash, load_or_build
+from megalm.data.index_cache import PicklesMappedArrays, default_cache_dir, description_hash, load_or_build
 from megalm.data.indexed_dataset import DataError
 
 
 def normalize_weights(weights: Sequence[float]) -> np.ndarray:
     w = np.asarray(weights, dtype=np.float64)
     if w.ndim != 1 or len(w) == 0 or (w < 0).any() or w.sum() <= 0:
-        raise ValueError(f"blend weights must be non-negative with a positive sum, got {list(weights)}")
+        raise DataError(f"blend weights (--data-path) must be non-negative with a positive sum, got {list(weights)}")
     return w / w.sum()
 
 
-class BlendedDataset(torch.utils.data.Dataset):
+class BlendedDataset(PicklesMappedArrays, torch.utils.data.Dataset):
     """``size`` samples drawn from ``datasets`` in proportion to ``weights``."""
 
     def __init__(

@@ -72,18 +72,22 @@ def parse_blend(paths: Optional[Sequence[str]]) -> Tuple[List[str], Optional[Lis
     return list(items[1::2]), [float(x) for x in normalize_weights(weights)]
 
 
-def get_train_valid_test_num_samples(cfg) -> Tuple[int, int, int]:
+def get_train_valid_test_num_samples(cfg, train_iters: Optional[int] = None) -> Tuple[int, int, int]:
     """Samples each split must provide, as Megatron computes them.
 
     train = train_iters x global batch (or --train-samples); valid =
     (train_iters // eval_interval + 1) x eval_iters x global batch; test = eval_iters x
-    global batch.
+    global batch.  ``train_iters``: with --train-samples, the iterations the run will make (the
+    trainer counts them through a batch ramp-up; default --train-samples // global batch).
     """
     t = cfg.training
     gbs = t.global_batch_size or t.micro_batch_size * (cfg.parallel.data_parallel_size or 1)
     if t.train_samples is not None:
         train_samples = t.train_samples
-        train_iters = t.train_iters if t.train_iters is not None else t.train_samples // gbs
+        if t.train_iters is not None:
+            train_iters = t.train_iters
+        elif train_iters is None:
+            train_iters = t.train_samples // gbs
     elif t.train_iters is not None:
         train_iters = t.train_iters
         train_samples = train_iters * gbs

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from megalm.data import helpers
-from megalm.data.index_cache import default_cache_dir, load_or_build
+from megalm.data.index_cache import PicklesMappedArrays, default_cache_dir, load_or_build
 from megalm.data.indexed_dataset import DataError
 from megalm.log import get_logger
 
@@ -102,7 +102,7 @@ def document_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
     return ids
 
 
-class GPTDataset(torch.utils.data.Dataset):
+class GPTDataset(PicklesMappedArrays, torch.utils.data.Dataset):
     """Samples of ``seq_length`` tokens from ``documents`` of a low-level dataset.
 
     ``indexed_dataset`` is an :class:`IndexedDataset` (or the mock); ``documents`` the
@@ -116,9 +116,9 @@ class GPTDataset(torch.utils.data.Dataset):
         self, indexed_dataset, documents: np.ndarray, num_samples: Optional[int], split: str, config: GPTDatasetConfig
     ):
         if num_samples is not None and num_samples < 1:
-            raise ValueError(f"GPTDataset ({split}) needs num_samples >= 1 (or None: one epoch), got {num_samples}")
+            raise DataError(f"GPTDataset ({split}) needs num_samples >= 1 (or None: one epoch), got {num_samples}")
         if config.seq_length < 1:
-            raise ValueError(f"seq_length must be >= 1, got {config.seq_length}")
+            raise DataError(f"--seq-length must be >= 1, got {config.seq_length}")
         self.dataset = indexed_dataset
         self.documents = np.asarray(documents, dtype=np.int32)
         if self.documents.size == 0:

@@ -119,6 +119,9 @@ int build_blending_indices(int16_t *dataset_index, int64_t *dataset_sample_index
 }
 """
 
+# The compiled helper library, loaded on first use and kept for the process's lifetime (False: no C
+# compiler here, the Python reference runs).  The one module-level cache of megalm's data code: a
+# library handle, not state of a run.
 _LIB = None
 
 

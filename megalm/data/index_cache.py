@@ -92,3 +92,39 @@ def load_or_build(
     if cache_dir is not None:
         _save(cache_dir, desc_path, array_paths, arrays, description)
     return arrays, True
+
+
+class PicklesMappedArrays:
+    """Mixin: a dataset pickles its memory-mapped index arrays as (file, offset, dtype, shape) and
+    maps them again when unpickled, instead of copying their contents into the pickle.
+
+    DataLoader workers are started by ``forkserver`` (:mod:`megalm.data.loaders`), which pickles
+    the dataset for every worker: without this, each worker would receive a copy of indices that
+    can be gigabytes.  Arrays built in memory (no cache directory) are pickled as they are."""
+
+    def __getstate__(self):
+        return {k: _MappedArray.of(v) or v for k, v in self.__dict__.items()}
+
+    def __setstate__(self, state):
+        self.__dict__.update({k: v.open() if isinstance(v, _MappedArray) else v for k, v in state.items()})
+
+
+class _MappedArray:
+    """How to map a whole-file ``np.memmap`` (what ``np.load(mmap_mode="r")`` returns) again."""
+
+    def __init__(self, filename: str, offset: int, dtype, shape: tuple, order: str):
+        self.filename, self.offset, self.dtype, self.shape, self.order = filename, offset, dtype, shape, order
+
+    @classmethod
+    def of(cls, array) -> Optional["_MappedArray"]:
+        import mmap
+
+        if not isinstance(array, np.memmap) or not isinstance(array.base, mmap.mmap) or array.filename is None:
+            return None  # an in-memory array, or a view into a map: pickled by value
+        order = "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
+        return cls(array.filename, array.offset, array.dtype, array.shape, order)
+
+    def open(self) -> np.memmap:
+        return np.memmap(
+            self.filename, dtype=self.dtype, mode="r", offset=self.offset, shape=self.shape, order=self.order
+        )

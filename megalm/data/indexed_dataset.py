@@ -323,7 +323,7 @@ class IndexedDatasetBuilder:
         """Append a whole existing dataset (used to merge datasets)."""
         other = IndexedDataset(path_prefix)
         if other.dtype != self.dtype:
-            raise ValueError(f"cannot merge {path_prefix} (dtype {other.dtype}) into a {self.dtype} dataset")
+            raise IndexedDatasetError(f"cannot merge {path_prefix} (dtype {other.dtype}) into a {self.dtype} dataset")
         self._flush_pending()
         self._lengths.append(np.array(other.sequence_lengths, dtype=np.int32))
         self._doc_ends.append(self._num_sequences + np.asarray(other.document_indices[1:], dtype=np.int64))

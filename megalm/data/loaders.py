@@ -9,6 +9,16 @@ The returned :class:`DataIterators` also tells every rank which splits have data
 (``.splits``, as Megatron's ``do_train`` / ``do_valid`` / ``do_test`` flags), since only
 reading ranks can see it; :func:`splits_available` reads it.  Nothing is kept at module level.
 
+DataLoader workers are started by a ``forkserver`` (:func:`worker_context`), never forked from the
+trainer: by the time the loaders start, the trainer runs threads (gloo, the watchdogs, the
+profiler), and a child forked while another thread held a lock (logging's, the allocator's) inherits
+it locked and can hang in Python's after-fork code (issue #32: about one launch in 90 hung so with
+``--num-workers 2``).  The forkserver is a fresh single-threaded interpreter that has imported torch;
+each worker receives the dataset pickled (memory-mapped indices as file references:
+:class:`megalm.data.index_cache.PicklesMappedArrays`) and stays alive for the run
+(``persistent_workers``).  Which sample each worker reads is decided by the sampler in the trainer,
+so the batches are the same as with fork or without workers.
+
 Two things keep restarts exact and ``--exit-signal-handler`` working (issue #18):
 
 * every DataLoader draws its workers' base seed from its own generator, never from torch's
@@ -23,6 +33,7 @@ Two things keep restarts exact and ``--exit-signal-handler`` working (issue #18)
 
 from __future__ import annotations
 
+import multiprocessing
 import signal
 from typing import Iterator, Optional, Sequence, Tuple
 
@@ -30,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from megalm.data.builder import build_train_valid_test_datasets, get_train_valid_test_num_samples
-from megalm.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
+from megalm.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler, ShareSampler
 from megalm.device import get_device
 from megalm.parallel_state import ProcessGroups, group_rank, group_size
 
@@ -45,6 +56,7 @@ def build_pretraining_data_loader(
     dataloader_type: str = "single",
     seed: int = 0,
     data_sharding: bool = True,
+    shares: Optional[Sequence[int]] = None,
 ) -> Optional[torch.utils.data.DataLoader]:
     """DataLoader over this rank's micro-batches of ``dataset`` starting at ``consumed_samples``.
 
@@ -54,7 +66,11 @@ def build_pretraining_data_loader(
     """
     if dataset is None:
         return None
-    if dataloader_type == "single":
+    if shares is not None:  # --straggler-rebalance-interval: uneven micro-batch counts per replica
+        if dataloader_type != "single":
+            raise ValueError("micro-batch shares need dataloader_type 'single'")
+        sampler = ShareSampler(len(dataset), consumed_samples, micro_batch_size, data_parallel_rank, shares)
+    elif dataloader_type == "single":
         sampler = MegatronPretrainingSampler(
             len(dataset), consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size
         )
@@ -76,9 +92,25 @@ def build_pretraining_data_loader(
         num_workers=num_workers,
         pin_memory=get_device().type == "cuda",
         persistent_workers=num_workers > 0,
+        multiprocessing_context=worker_context() if num_workers > 0 else None,
         worker_init_fn=ignore_sigterm_in_worker if num_workers > 0 else None,
         generator=torch.Generator().manual_seed(seed),
     )
+
+
+WORKER_PRELOAD = ["torch", "megalm.data.loaders"]
+
+
+def worker_context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context of DataLoader workers: ``forkserver`` (``spawn`` where there is
+    none).  The server process starts once per trainer, from a fresh interpreter that imports
+    :data:`WORKER_PRELOAD` (torch and this module), so each worker is a cheap fork of a
+    single-threaded process rather than of the multi-threaded trainer."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(WORKER_PRELOAD)  # read when the server starts (the first loader)
+    return context
 
 
 def ignore_sigterm_in_worker(worker_id: int) -> None:
@@ -131,6 +163,7 @@ class DataIterators(tuple):
         obj = super().__new__(cls, (train, valid, test))
         obj.splits = splits
         obj.loaders = tuple(dl for dl in loaders if dl is not None)
+        obj.train_loader = loaders[0] if loaders else None
         return obj
 
     def close(self) -> None:
@@ -159,7 +192,14 @@ def splits_available(iterators: DataIterators) -> Tuple[bool, bool, bool]:
 
 
 def build_train_valid_test_data_iterators(
-    cfg, tokenizer, consumed_train_samples: int = 0, consumed_valid_samples: int = 0, *, groups: ProcessGroups
+    cfg,
+    tokenizer,
+    consumed_train_samples: int = 0,
+    consumed_valid_samples: int = 0,
+    *,
+    groups: ProcessGroups,
+    train_iters: Optional[int] = None,
+    train_shares: Optional[Sequence[int]] = None,
 ) -> DataIterators:
     """``(train_iter, valid_iter, test_iter)`` of micro-batch dicts; None on ranks that do not read.
 
@@ -168,9 +208,12 @@ def build_train_valid_test_data_iterators(
     test ones are not.  ``cyclic`` (as Megatron): all three shuffle and re-iterate endlessly,
     the valid one from ``consumed_valid_samples`` (the sampler derives the epoch from it).
     ``groups``: this rank's process groups (``tp`` and ``pp`` say whether it reads, ``dp`` its shard).
+    ``train_iters``: see :func:`megalm.data.builder.get_train_valid_test_num_samples`.
+    ``train_shares``: micro-batches per data-parallel rank of each global batch
+    (``--straggler-rebalance-interval``; see :mod:`megalm.training.rebalance`).
     """
     reads = rank_reads_data(groups, every_stage=cfg.data.reset_attention_mask)
-    num_samples = get_train_valid_test_num_samples(cfg)
+    num_samples = get_train_valid_test_num_samples(cfg, train_iters)
     train_ds, valid_ds, test_ds = build_train_valid_test_datasets(cfg, tokenizer, reads, num_samples)
     splits = _share_split_flags([ds is not None for ds in (train_ds, valid_ds, test_ds)])
     if not reads:
@@ -178,16 +221,16 @@ def build_train_valid_test_data_iterators(
     dp_rank, dp_size = data_parallel_rank_and_size(groups)
     mbs, workers, kind = cfg.training.micro_batch_size, cfg.data.num_workers, cfg.data.dataloader_type
 
-    def loader(ds, consumed):
+    def loader(ds, consumed, shares=None):
         return build_pretraining_data_loader(
-            ds, consumed, mbs, dp_rank, dp_size, workers, kind, cfg.training.seed, cfg.data.data_sharding
+            ds, consumed, mbs, dp_rank, dp_size, workers, kind, cfg.training.seed, cfg.data.data_sharding, shares
         )
 
     def iterate(dl, cyclic):
         return None if dl is None else iter(cyclic_iter(dl)) if cyclic else iter(dl)
 
     cyclic = kind == "cyclic"
-    train = loader(train_ds, consumed_train_samples)
+    train = loader(train_ds, consumed_train_samples, train_shares)
     # single: the valid set is cycled, so a count beyond its size wraps around.
     wrapped_valid = consumed_valid_samples if cyclic or valid_ds is None else consumed_valid_samples % len(valid_ds)
     valid = loader(valid_ds, wrapped_valid)

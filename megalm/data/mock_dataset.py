@@ -11,6 +11,8 @@ from typing import Optional
 
 import numpy as np
 
+from megalm.data.indexed_dataset import DataError
+
 
 class MockIndexedDataset:
     """Same reading interface as :class:`IndexedDataset` (``sequence_lengths``, ``get``)."""
@@ -19,9 +21,9 @@ class MockIndexedDataset:
 
     def __init__(self, vocab_size: int, eod: int, num_documents: int = 16384, max_length: int = 1024, seed: int = 0):
         if vocab_size < 2:
-            raise ValueError(f"mock data needs a vocabulary of at least 2 ids, got {vocab_size}")
+            raise DataError(f"--mock-data needs a vocabulary of at least 2 ids (--vocab-size), got {vocab_size}")
         if not 0 <= eod < vocab_size:
-            raise ValueError(f"end-of-document id {eod} is outside the vocabulary [0, {vocab_size})")
+            raise DataError(f"end-of-document id {eod} is outside the vocabulary [0, {vocab_size})")
         self.vocab_size, self.eod = int(vocab_size), int(eod)
         self.num_documents, self.max_length, self.seed = int(num_documents), int(max_length), int(seed)
         rng = np.random.default_rng(seed)

@@ -97,6 +97,9 @@ class PreprocessSummary:
 
 # --- worker side -----------------------------------------------------------------------
 
+# What each worker process of the tokenizing pool holds: set once by the pool's initializer in that
+# worker (the tokenizer is built there, never pickled per task); the main process never reads or
+# writes it.  Pool workers have no other place to keep what the initializer built.
 _WORKER: dict = {}
 
 
@@ -284,9 +287,9 @@ def _handle_issues(
             raise PreprocessError(f"{where}: {what} (--strict stops at the first bad record)")
         summary.skipped[reason] = summary.skipped.get(reason, 0) + 1
         if summary.skipped_total <= MAX_WARNINGS:
-            progress.warn(f"WARNING: skipping {where}: {what}")
+            progress.warn(f"skipping {where}: {what}")
             if summary.skipped_total == MAX_WARNINGS:
-                progress.warn("WARNING: further skipped records are only counted (see the summary)")
+                progress.warn("further skipped records are only counted (see the summary)")
 
 
 def _worker_pool(opts: PreprocessOptions, dtype: np.dtype):

@@ -181,3 +181,34 @@ def _check_micro_batch_layout(micro_batch_size: int, data_parallel_rank: int, da
         raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
     if not 0 <= data_parallel_rank < data_parallel_size:
         raise ValueError(f"data_parallel_rank {data_parallel_rank} is outside [0, {data_parallel_size})")
+
+
+class ShareSampler:
+    """Batch sampler: this replica's ``shares[rank]`` micro-batches (contiguous slots) of each
+    global batch of ``micro_batch_size x sum(shares)`` samples, from ``consumed_samples`` on.
+    ``shares`` and ``consumed_samples`` may be changed between iterations of the sampler."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int, rank: int, shares):
+        if total_samples <= 0:
+            raise DataError(f"no samples to consume: total_samples = {total_samples}")
+        if not 0 <= rank < len(shares) or min(shares) < 1:
+            raise ValueError(f"data-parallel rank {rank} and shares {list(shares)}: every replica needs >= 1")
+        self.total_samples, self.consumed_samples = total_samples, consumed_samples
+        self.micro_batch_size, self.rank, self.shares = micro_batch_size, rank, list(shares)
+
+    def __len__(self) -> int:
+        return (self.total_samples - self.consumed_samples) // self.global_batch * self.shares[self.rank]
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch_size * sum(self.shares)
+
+    def __iter__(self) -> Iterator[List[int]]:
+        mbs, g = self.micro_batch_size, self.global_batch
+        offset = sum(self.shares[: self.rank]) * mbs
+        start = self.consumed_samples
+        while start + g <= self.total_samples:
+            for j in range(self.shares[self.rank]):
+                first = start + offset + j * mbs
+                yield list(range(first, first + mbs))
+            start += g

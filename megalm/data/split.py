@@ -6,26 +6,18 @@ scripts pass (``--split "'99,1,0'"``) work, and ``/`` separates as well as ``,``
 
 from __future__ import annotations
 
-import re
 from typing import List, Sequence, Tuple
 
 import numpy as np
 
+from megalm.config.data import split_fractions
 from megalm.data.indexed_dataset import DataError
 
 
 def parse_split(split: str) -> List[float]:
-    """``"969,30,1"`` -> normalized ``[train, valid, test]`` fractions (missing ones are 0)."""
-    parts = [x for x in re.split(r"[,/]", (split or "").strip("'\" ")) if x.strip()]
-    try:
-        values = [float(x) for x in parts]
-    except ValueError:
-        raise DataError(f"--split {split!r} must be comma-separated numbers, e.g. 969,30,1") from None
-    if not values or len(values) > 3 or any(v < 0 for v in values) or sum(values) <= 0:
-        raise DataError(f"--split {split!r} needs up to three non-negative proportions with a positive sum")
-    values += [0.0] * (3 - len(values))
-    total = sum(values)
-    return [v / total for v in values]
+    """``"969,30,1"`` -> normalized ``[train, valid, test]`` fractions (missing ones are 0); a bad
+    string raises :class:`DataError` (the parser is the config's, which checks the flag first)."""
+    return split_fractions(split, DataError)
 
 
 def split_document_ranges(num_documents: int, split: Sequence[float]) -> List[Tuple[int, int]]:

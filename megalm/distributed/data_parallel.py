@@ -139,8 +139,8 @@ class DistributedDataParallel(torch.nn.Module):
             ``accumulate_allreduce_grads_in_fp32`` else each parameter's dtype.
         process_groups: a :class:`megalm.parallel_state.ProcessGroups`; dense gradients are
             reduced over ``dp_cp``, expert gradients (``param.allreduce is False``) over
-            ``expt_dp``.  Default :func:`megalm.parallel_state.get_process_groups`, resolved
-            once here.  The configuration is validated by :func:`megalm.config.validate_config`.
+            ``expt_dp`` (required; kept as :attr:`process_groups`).  The configuration is
+            validated by :func:`megalm.config.validate_config`.
 
     Bucket size: ``ddp_bucket_size`` when given; otherwise max(40M, 1M x DP) with
     ``overlap_grad_reduce`` and a single bucket per buffer without it (as Megatron).
@@ -151,11 +151,12 @@ class DistributedDataParallel(torch.nn.Module):
         module: torch.nn.Module,
         parallel_cfg,
         grad_dtype: Optional[torch.dtype] = None,
-        process_groups: Optional[ProcessGroups] = None,
+        *,
+        process_groups: ProcessGroups,
         check_for_nan_in_grad: bool = False,
     ):
         super().__init__()
-        pg = parallel_state.get_process_groups() if process_groups is None else process_groups
+        pg = self.process_groups = process_groups
         self.module = module
         self.overlap_grad_reduce = parallel_cfg.overlap_grad_reduce
         strategy = parallel_cfg.data_parallel_sharding_strategy

@@ -21,8 +21,7 @@ says ``tied`` (``GPTModel.tied_weights()``).  Whether embeddings are tied is agr
 "I know I am tied" over the embedding group: the last stage's tied weight or any chunk's
 ``share_embeddings_and_output_weights`` attribute) and cached on the first chunk.
 
-Process groups: ``process_groups`` (default this rank's
-:func:`~megalm.parallel_state.get_process_groups`, read once per call) gives the TP group of
+Process groups: ``process_groups`` (required: the rank's bundle) gives the TP group of
 step 2 and the embedding / pipeline groups of step 3.
 """
 
@@ -34,7 +33,6 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from megalm import parallel_state
 from megalm.device import get_device
 from megalm.distributed import comm
 from megalm.parallel_state import ProcessGroups, group_size
@@ -137,10 +135,10 @@ def _check_own_bucket(chunk: torch.nn.Module, weight: torch.nn.Parameter) -> Non
 
 
 def allreduce_embedding_grads(
-    model_chunks: Sequence[torch.nn.Module], tied: Optional[bool] = None, process_groups: Optional[ProcessGroups] = None
+    model_chunks: Sequence[torch.nn.Module], tied: Optional[bool] = None, *, process_groups: ProcessGroups
 ) -> None:
     """Sum the tied word-embedding gradient over the embedding group (first + last stage)."""
-    pg = parallel_state.get_process_groups() if process_groups is None else process_groups
+    pg = process_groups
     stage = _embedding_stage(pg)
     if stage is None:
         return
@@ -166,13 +164,14 @@ def finalize_model_grads(
     model_chunks: List[torch.nn.Module],
     tied_embeddings: Optional[bool] = None,
     timers=NULL_TIMERS,
-    process_groups: Optional[ProcessGroups] = None,
+    *,
+    process_groups: ProcessGroups,
 ) -> None:
     """DP sync, then sequence-parallel norm grads over TP, then tied embedding grads over the
     embedding group.  Call once per iteration, after the last backward, before ``optimizer.step()``.
     ``timers``: Megatron's level-1 ``all-grads-sync``, ``layernorm-grads-all-reduce`` and
     ``embedding-grads-all-reduce`` (:mod:`megalm.timers`)."""
-    pg = parallel_state.get_process_groups() if process_groups is None else process_groups
+    pg = process_groups
     with timers("all-grads-sync"):
         for chunk in model_chunks:
             finish = getattr(chunk, "finish_grad_sync", None)
@@ -181,7 +180,7 @@ def finalize_model_grads(
     with timers("layernorm-grads-all-reduce"):
         allreduce_sequence_parallel_grads(model_chunks, pg.tp)
     with timers("embedding-grads-all-reduce"):
-        allreduce_embedding_grads(model_chunks, tied_embeddings, pg)
+        allreduce_embedding_grads(model_chunks, tied_embeddings, process_groups=pg)
     update_router_expert_biases(model_chunks, pg.tp_dp_cp)
 
 

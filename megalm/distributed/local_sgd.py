@@ -88,7 +88,8 @@ class OuterSync:
         interval: int,
         outer_lr: float = 1.0,
         outer_momentum: float = 0.0,
-        process_groups: Optional[ProcessGroups] = None,
+        *,
+        process_groups: ProcessGroups,
         hierarchical: bool = False,
         overlap_steps: int = 0,
         last_iteration: Optional[int] = None,
@@ -315,8 +316,11 @@ def _to_cpu(obj):
     return obj
 
 
-def build_outer_sync(cfg, optimizer, process_groups: ProcessGroups) -> Optional[OuterSync]:
-    """The :class:`OuterSync` ``--local-sgd-interval`` asks for, or None."""
+def build_outer_sync(
+    cfg, optimizer, process_groups: ProcessGroups, last_iteration: Optional[int] = None
+) -> Optional[OuterSync]:
+    """The :class:`OuterSync` ``--local-sgd-interval`` asks for, or None; ``last_iteration``: the
+    run's last iteration (default --train-iters; the trainer's count under --train-samples)."""
     p = cfg.parallel
     if not p.local_sgd_interval:
         return None
@@ -325,8 +329,8 @@ def build_outer_sync(cfg, optimizer, process_groups: ProcessGroups) -> Optional[
         p.local_sgd_interval,
         p.outer_lr,
         p.outer_momentum,
-        process_groups,
-        p.hierarchical_grad_reduce,
+        process_groups=process_groups,
+        hierarchical=p.hierarchical_grad_reduce,
         overlap_steps=p.local_sgd_overlap_steps,
-        last_iteration=cfg.training.train_iters,
+        last_iteration=cfg.training.train_iters if last_iteration is None else last_iteration,
     )

@@ -12,7 +12,7 @@ import json
 import sys
 from typing import List, Optional, Tuple
 
-from megalm.config import ConfigError, MegalmConfig, build_parser, config_from_args, set_vocab_size, validate_config
+from megalm.config import ConfigError, MegalmConfig, build_parser, config_from_args, validate_config, with_vocab_size
 from megalm.estimate.planner import PlannerOptions, format_plan, plan
 from megalm.presets import get_preset, preset_flags
 from megalm.topology import TopologyOptions, topology_report
@@ -72,8 +72,8 @@ def parse_all(argv: Optional[List[str]] = None) -> Tuple[MegalmConfig, PlannerOp
         * p.context_parallel_size
         * p.expert_model_parallel_size
     )
-    validate_config(cfg, world_size=world)  # raises ConfigError (tools/estimate.py: exit 2)
-    set_vocab_size(cfg, _vocab_size(cfg))
+    cfg = validate_config(cfg, world_size=world)  # raises ConfigError (tools/estimate.py: exit 2)
+    cfg = with_vocab_size(cfg, _vocab_size(cfg))
     options.world_size = world
     topology = TopologyOptions(**{f.name: values[f"topology.{f.name}"] for f in dataclasses.fields(TopologyOptions)})
     return cfg, options, topology

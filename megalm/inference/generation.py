@@ -32,11 +32,11 @@ from typing import List, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from megalm import parallel_state
 from megalm.errors import MegalmError
 from megalm.fusions import EAGER
 from megalm.inference.kv_cache import KVCache
 from megalm.inference.sampling import SamplingParams, sample_next
+from megalm.parallel_state import ProcessGroups, group_rank, group_size
 
 Generators = Union[None, torch.Generator, Sequence[Optional[torch.Generator]]]
 
@@ -64,7 +64,7 @@ class _StageRunner:
     """Runs this rank's piece of the model for one step and shares the chosen tokens.
 
     A model with ``pre_process`` and ``post_process`` and TP 1 is the whole model: no
-    communication.  Otherwise the process groups come from :mod:`megalm.parallel_state`.
+    communication.  Otherwise the process groups are the model's (``model.process_groups``).
     """
 
     def __init__(self, model):
@@ -78,16 +78,18 @@ class _StageRunner:
         self.is_sampler = True
         if not self.distributed:
             return
-        if not (dist.is_initialized() and parallel_state.model_parallel_is_initialized()):
+        groups = getattr(model, "process_groups", None)
+        if not dist.is_initialized() or groups is None or groups.mp is None:
             raise RuntimeError(
-                "a tensor/pipeline-parallel model needs torch.distributed and megalm.parallel_state "
-                "initialized (see megalm.inference.load_model_parallel)"
+                "a tensor/pipeline-parallel model needs torch.distributed and its process groups "
+                "(see megalm.inference.load_model_parallel)"
             )
-        if parallel_state.get_context_parallel_world_size() > 1:
+        if group_size(groups.cp) > 1:
             raise GenerationError("generation does not support context parallelism")
-        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.groups = groups
+        self.tp_rank = group_rank(groups.tp)
         self.is_sampler = self.last and self.tp_rank == 0
-        self.group = parallel_state.get_model_parallel_group()
+        self.group = groups.mp
         # The one sampling rank of this model-parallel group, as a global rank (every rank learns it).
         who = torch.tensor([dist.get_rank() if self.is_sampler else -1], dtype=torch.long, device=self.device)
         dist.all_reduce(who, op=dist.ReduceOp.MAX, group=self.group)
@@ -97,12 +99,12 @@ class _StageRunner:
         from megalm.pipeline_parallel.p2p_communication import P2PCommunicator
 
         b, s = tokens.shape
-        return P2PCommunicator((s, b, self.model.cfg.model.hidden_size), self.dtype)
+        return P2PCommunicator((s, b, self.model.cfg.model.hidden_size), self.dtype, groups=self.groups)
 
     def _gather_vocab(self, logits: torch.Tensor) -> Optional[torch.Tensor]:
         """``[b, V/tp]`` on every TP rank of the last stage -> ``[b, V_padded]`` on TP rank 0, else None."""
-        group = parallel_state.get_tensor_model_parallel_group()
-        dst = parallel_state.get_tensor_model_parallel_src_rank()
+        group = self.groups.tp
+        dst = dist.get_global_rank(group, 0)
         local = logits.contiguous()
         parts = [torch.empty_like(local) for _ in range(self.tp)] if self.tp_rank == 0 else None
         dist.gather(local, parts, dst=dst, group=group)
@@ -313,10 +315,12 @@ def generation_config(
     return cfg
 
 
-def load_model_parallel(load_dir: str, iteration: Optional[int] = None, dtype: torch.dtype = torch.float32):
-    """This rank's stage of a GPTModel (eval mode) under the current :mod:`megalm.parallel_state`
-    layout (TP x PP; with data-parallel size > 1 every replica holds the whole model), loaded from
-    a checkpoint saved under any layout.
+def load_model_parallel(
+    load_dir: str, iteration: Optional[int] = None, dtype: torch.dtype = torch.float32, *, groups: ProcessGroups
+):
+    """This rank's stage of a GPTModel (eval mode) under the layout of ``groups`` (this rank's
+    :class:`megalm.parallel_state.ProcessGroups`: TP x PP; with data-parallel size > 1 every replica
+    holds the whole model), loaded from a checkpoint saved under any layout.
 
     Collective: every rank of the world calls it.  Returns (model, config, checkpoint reader).
     """
@@ -328,11 +332,8 @@ def load_model_parallel(load_dir: str, iteration: Optional[int] = None, dtype: t
     from megalm.models import GPTModel
     from megalm.models.layer_split import layers_for_stage
 
-    if not parallel_state.model_parallel_is_initialized():
-        raise RuntimeError("load_model_parallel() needs megalm.parallel_state initialized")
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    if parallel_state.get_context_parallel_world_size() > 1:
+    tp, pp = group_size(groups.tp), group_size(groups.pp)
+    if group_size(groups.cp) > 1:
         raise GenerationError("generation does not support context parallelism")
     reader = MegalmCheckpointReader(load_dir, iteration)
     root = os.path.dirname(os.path.normpath(reader.path))
@@ -341,15 +342,16 @@ def load_model_parallel(load_dir: str, iteration: Optional[int] = None, dtype: t
             f"{reader.path}: give the checkpoint root (the directory holding iter_* "
             f"directories) to load it under a parallel layout"
         )
-    cfg = generation_config(reader.config, tp, pp, parallel_state.get_data_parallel_world_size(), dtype)
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    cfg = generation_config(reader.config, tp, pp, group_size(groups.dp), dtype)
+    pp_rank = group_rank(groups.pp)
     # Eager kernels: prompt lengths and cache sizes change every call, compiled fusions would recompile.
     model = GPTModel(
         cfg,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp - 1,
         layer_numbers=layers_for_stage(cfg, pp_rank),
         fusion_plan=EAGER,
+        process_groups=groups,
     ).to(get_device())
     load_checkpoint(root, [model], optimizer=None, load_rng=False, finetune=True, iteration=reader.iteration)
     return model.to(dtype).eval(), cfg, reader

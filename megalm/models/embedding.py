@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from megalm.device import get_device
-from megalm.parallel_state import CURRENT, resolve_group
 from megalm.tensor_parallel.initialization import mark_init
 from megalm.tensor_parallel.layers import VocabParallelEmbedding
 from megalm.tensor_parallel.mappings import scatter_to_sequence_parallel_region
@@ -29,10 +28,10 @@ from megalm.transformer.utils import init_std
 class LanguageModelEmbedding(nn.Module):
     """See the module docstring; communicates over ``tp_group``."""
 
-    def __init__(self, model_cfg, padded_vocab_size: int, sequence_parallel: bool = False, tp_group=CURRENT):
+    def __init__(self, model_cfg, padded_vocab_size: int, sequence_parallel: bool = False, *, tp_group):
         super().__init__()
         m = model_cfg
-        self.tp_group = resolve_group(tp_group, "tp")
+        self.tp_group = tp_group
         self.learned_positions = m.position_embedding_type == "learned_absolute"
         self.sequence_parallel = sequence_parallel
         self.embedding_dropout = m.hidden_dropout

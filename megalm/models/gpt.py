@@ -24,8 +24,8 @@ both are marked ``tied`` in their :class:`~megalm.tensor_parallel.param_info.Par
 (:meth:`GPTModel.tied_weights` lists them) and their grads are summed by
 :func:`megalm.distributed.finalize_model_grads.allreduce_embedding_grads`.
 
-Process groups: ``process_groups`` (a :class:`~megalm.parallel_state.ProcessGroups`; by default
-this rank's :func:`~megalm.parallel_state.get_process_groups`, read once here) is passed down
+Process groups: ``process_groups`` (a :class:`~megalm.parallel_state.ProcessGroups`, required:
+whoever builds the model passes the bundle it built, :meth:`ProcessGroups.single` for one process) is passed down
 explicitly: every tensor-parallel layer, the losses and the attention / MLP blocks get its
 ``tp`` group, MoE blocks its ``tp`` and ``ep`` groups; no submodule reads parallel_state.
 Sequence parallelism is on when ``cfg.parallel.sequence_parallel`` and the TP size is above one.
@@ -42,7 +42,6 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from megalm import parallel_state
 from megalm.config import MegalmConfig, pad_vocab_size
 from megalm.context_parallel import local_positions
 from megalm.fusions.backends import FusionPlan, plan_fusions
@@ -79,12 +78,13 @@ class GPTModel(nn.Module):
         post_process: bool = True,
         layer_numbers: Optional[Sequence[int]] = None,
         fusion_plan: Optional[FusionPlan] = None,
-        process_groups: Optional[ProcessGroups] = None,
+        *,
+        process_groups: ProcessGroups,
     ):
         super().__init__()
         m = cfg.model
         self.cfg = cfg
-        self.process_groups = parallel_state.get_process_groups() if process_groups is None else process_groups
+        self.process_groups = process_groups
         self.tp_group = self.process_groups.tp
         self.fusion_plan = fusion_plan or plan_fusions(m, half_precision=cfg.training.bf16 or cfg.training.fp16)
         self.pre_process, self.post_process = pre_process, post_process
@@ -153,7 +153,9 @@ class GPTModel(nn.Module):
         )
         if self.pre_process:
             return
-        self.mtp_embedding = LanguageModelEmbedding(m, self.padded_vocab_size, self.sequence_parallel, self.tp_group)
+        self.mtp_embedding = LanguageModelEmbedding(
+            m, self.padded_vocab_size, self.sequence_parallel, tp_group=self.tp_group
+        )
         if self.share_embeddings_and_output_weights:
             self.mtp_embedding.word_embeddings.weight = self.output_layer.weight
         else:

@@ -8,8 +8,8 @@ Which gradients count in the norm (each distinct gradient exactly once over the 
   ``param.shared_embedding`` on a stage other than the first) is not counted: its gradient equals
   the first stage's after the embedding all-reduce.
 
-Communication (the groups come from a :class:`megalm.parallel_state.ProcessGroups` passed in,
-by default :func:`megalm.parallel_state.get_process_groups`): ``||g||^2`` (and the zero count)
+Communication (the groups come from a :class:`megalm.parallel_state.ProcessGroups` passed in):
+``||g||^2`` (and the zero count)
 are summed with one all-reduce over the model-parallel group ``mp`` (TP x PP); with expert
 parallelism (EP > 1) or split experts (ETP > 1) the expert parameters' (``allreduce`` False) part
 is summed over ``tp_ep_pp`` (TP x EP x PP; ETP x EP x PP) by a second all-reduce: each ETP shard of
@@ -37,7 +37,6 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megalm import parallel_state
 from megalm.device import get_device
 from megalm.distributed import comm
 from megalm.parallel_state import ProcessGroups, group_rank, group_size
@@ -107,18 +106,17 @@ def grad_norm_and_zeros(
     grads_with_params: Sequence[Tuple[torch.Tensor, torch.Tensor]],
     count_zeros: bool = False,
     sharded: bool = False,
-    groups: Optional[ProcessGroups] = None,
+    *,
+    groups: ProcessGroups,
 ) -> Tuple[float, Optional[float]]:
     """Global L2 norm of the gradients (and number of zero entries) over model-parallel ranks.
 
     ``grads_with_params``: ``(grad, model_param)`` pairs; the model parameter's attributes
     decide whether the gradient counts (see the module docstring).  ``sharded``: the gradients
     are this rank's data-parallel shards (distributed optimizer): one SUM over the world.
-    ``groups`` (default :func:`megalm.parallel_state.get_process_groups`): ``mp`` and, with
+    ``groups``: ``mp`` and, with
     expert parallelism, ``tp_ep_pp`` carry the sums; ``tp`` and ``pp`` ranks pick what counts.
     """
-    if groups is None:
-        groups = parallel_state.get_process_groups()
     counted = [(g, p) for g, p in grads_with_params if g is not None and param_counts_in_norm(p, groups)]
     if sharded:
         stats = _sum_squares_and_zeros([g for g, _ in counted], count_zeros)
@@ -138,7 +136,7 @@ def grad_norm_and_zeros(
     return norm, (stats[1].item() if count_zeros else None)
 
 
-def params_norm(params: Sequence[torch.nn.Parameter], groups: Optional[ProcessGroups] = None) -> float:
+def params_norm(params: Sequence[torch.nn.Parameter], groups: ProcessGroups) -> float:
     """Global L2 norm of the model parameters, each distinct parameter once (the same
     de-duplication and all-reduces as the gradient norm; parameters are whole on every
     data-parallel rank, so nothing is summed over data parallelism)."""
@@ -154,7 +152,7 @@ def clip_grads_by_total_norm(grads: List[torch.Tensor], max_norm: float, total_n
 
 
 def unscale_and_check_for_inf(
-    grads: List[torch.Tensor], inv_scale: float, sharded: bool = False, groups: Optional[ProcessGroups] = None
+    grads: List[torch.Tensor], inv_scale: float, sharded: bool = False, *, groups: ProcessGroups
 ) -> bool:
     """Multiply ``grads`` by ``inv_scale`` in place; True when any rank saw inf/nan.
 
@@ -162,8 +160,6 @@ def unscale_and_check_for_inf(
     with EP > 1, or with ``sharded`` gradients: each data-parallel rank sees only its shard).
     ``groups``: as :func:`grad_norm_and_zeros`.
     """
-    if groups is None:
-        groups = parallel_state.get_process_groups()
     device = grads[0].device if grads else get_device()
     found_inf = torch.zeros(1, dtype=torch.float32, device=device)
     if grads:

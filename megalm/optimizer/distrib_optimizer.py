@@ -113,7 +113,8 @@ class DistributedOptimizer(MegatronOptimizer):
         clip_grad: float = 0.0,
         grad_scaler: Optional[GradScaler] = None,
         log_num_zeros_in_grad: bool = False,
-        process_groups: Optional[ProcessGroups] = None,
+        *,
+        process_groups: ProcessGroups,
         offload_fraction: float = 0.0,
         offload_overlap: bool = False,
     ):

@@ -18,7 +18,6 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megalm import parallel_state
 from megalm.distributed.finalize_model_grads import unwrap_model
 from megalm.log import get_logger
 from megalm.optimizer.distrib_optimizer import DistributedOptimizer
@@ -175,7 +174,8 @@ def build_optimizer(
     model_chunks: Sequence[torch.nn.Module],
     log_num_zeros_in_grad: Optional[bool] = None,
     report_memory: bool = True,
-    process_groups: Optional[ProcessGroups] = None,
+    *,
+    process_groups: ProcessGroups,
 ) -> MegatronOptimizer:
     """Optimizer over every trainable parameter of ``model_chunks`` (DDP-wrapped or not).
 
@@ -183,16 +183,14 @@ def build_optimizer(
     (or ``--loss-scale`` constant) loss scaler.  ``--use-distributed-optimizer``: a
     :class:`DistributedOptimizer` over the chunks' DDP buffers (built with the same config).
     ``log_num_zeros_in_grad`` defaults to ``training.log_num_zeros_in_grad``.  ``process_groups``
-    (default :func:`megalm.parallel_state.get_process_groups`, resolved once here): the groups
-    of the gradient norm and the overflow check.  ``report_memory``: global rank 0 logs the bytes
-    per parameter of weights, gradients, main weights and optimizer state against the formula
+    (required; the Trainer's bundle): the groups of the gradient norm and the overflow check.
+    ``report_memory``: global rank 0 logs the bytes per parameter of weights, gradients, main
+    weights and optimizer state against the formula
     (:mod:`megalm.optimizer.memory_accounting`).
     """
     t = cfg.training
     if log_num_zeros_in_grad is None:
         log_num_zeros_in_grad = bool(t.log_num_zeros_in_grad)
-    if process_groups is None:
-        process_groups = parallel_state.get_process_groups()
     named = named_parameters_for_optimizer(model_chunks)
     if not named:
         raise OptimizerError("build_optimizer: the model has no trainable parameters")

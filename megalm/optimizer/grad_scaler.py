@@ -26,11 +26,18 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from megalm.errors import MegalmError
+
+
+class LossScaleError(MegalmError, ValueError):
+    """Loss-scaling settings that cannot work (--loss-scale, --initial-loss-scale, --min-loss-scale,
+    --loss-scale-window, --hysteresis)."""
+
 
 class GradScaler(ABC):
     def __init__(self, initial_scale: float):
         if initial_scale <= 0.0:
-            raise ValueError(f"loss scale must be positive, got {initial_scale}")
+            raise LossScaleError(f"loss scale must be positive, got {initial_scale}")
         self._scale = float(initial_scale)
         self.overflows_at_min_scale = 0
 
@@ -83,13 +90,13 @@ class DynamicGradScaler(GradScaler):
     ):
         super().__init__(initial_scale)
         if not 0.0 < min_scale <= initial_scale:
-            raise ValueError(f"min_scale must be in (0, initial_scale={initial_scale}], got {min_scale}")
+            raise LossScaleError(f"min_scale must be in (0, initial_scale={initial_scale}], got {min_scale}")
         if growth_factor <= 1.0 or not 0.0 < backoff_factor < 1.0:
-            raise ValueError(
+            raise LossScaleError(
                 f"need growth_factor > 1 and 0 < backoff_factor < 1, got {growth_factor}, {backoff_factor}"
             )
         if growth_interval < 1 or hysteresis < 1:
-            raise ValueError(f"growth_interval and hysteresis must be >= 1, got {growth_interval}, {hysteresis}")
+            raise LossScaleError(f"growth_interval and hysteresis must be >= 1, got {growth_interval}, {hysteresis}")
         self.min_scale = float(min_scale)
         self.growth_factor = float(growth_factor)
         self.backoff_factor = float(backoff_factor)

@@ -14,8 +14,7 @@
     [_after_update]  (the distributed optimizer: all-gather the updated parameters)
     return (True, norm, num_zeros or None)      [_release_grads] in every case
 
-Communication (groups from the ``ProcessGroups`` given at construction, default
-:func:`megalm.parallel_state.get_process_groups`): found_inf one MAX all-reduce of a flag over
+Communication (groups from the ``ProcessGroups`` given at construction): found_inf one MAX all-reduce of a flag over
 ``mp`` (all ranks with EP > 1), the norm one SUM all-reduce over ``mp`` (plus ``tp_ep_pp`` for
 expert parameters with EP > 1); see :mod:`megalm.optimizer.clip_grads`.
 
@@ -57,7 +56,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from megalm import parallel_state
 from megalm.distributed.finalize_model_grads import grad_of
 from megalm.errors import MegalmError
 from megalm.optimizer.clip_grads import clip_grads_by_total_norm, grad_norm_and_zeros, unscale_and_check_for_inf
@@ -126,8 +124,7 @@ class MegatronOptimizer:
         log_num_zeros_in_grad: also return the number of zero gradient entries.
         process_groups: the groups of the gradient norm (``mp``; ``tp_ep_pp`` for expert
             parameters with EP > 1) and of the overflow flag, and the ``tp`` / ``pp`` ranks that
-            decide which gradients count once; default
-            :func:`megalm.parallel_state.get_process_groups` (resolved here, once).
+            decide which gradients count once (required).
         offload_fraction: > 0: the update of that fraction of the main parameters runs on the host
             (:mod:`megalm.optimizer.cpu_offload`, ``--optimizer-cpu-offload``).
         offload_overlap: pipeline the offloaded update's copies bucket by bucket
@@ -141,11 +138,12 @@ class MegatronOptimizer:
         clip_grad: float = 0.0,
         grad_scaler: Optional[GradScaler] = None,
         log_num_zeros_in_grad: bool = False,
-        process_groups: Optional[ProcessGroups] = None,
+        *,
+        process_groups: ProcessGroups,
         offload_fraction: float = 0.0,
         offload_overlap: bool = False,
     ):
-        self.process_groups = parallel_state.get_process_groups() if process_groups is None else process_groups
+        self.process_groups = process_groups
         self.model_params: List[torch.nn.Parameter] = [p for g in groups for p in g["params"]]
         self.names: List[str] = [n for g in groups for n in g["names"]]
         if len(set(self.names)) != len(self.names):
@@ -415,7 +413,7 @@ class MegatronOptimizer:
                 if t.dim() == 0:
                     specs[fqn] = ShardedTensorSpec.replicated(t.reshape(1))
                 elif piece.flat_range is None:
-                    specs[fqn] = param_spec(piece.param, t, self.process_groups)
+                    specs[fqn] = param_spec(piece.param, t, groups=self.process_groups)
                 else:
                     blocks = param_range_specs(piece.param, t, *piece.flat_range, groups=self.process_groups)
                     if blocks:

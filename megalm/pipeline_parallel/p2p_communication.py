@@ -27,9 +27,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megalm import parallel_state
 from megalm.device import get_device
-from megalm.parallel_state import ProcessGroups
+from megalm.parallel_state import ProcessGroups, group_rank, group_size
 from megalm.timers import NULL_TIMERS
 
 TAG_ACTIVATION = 1
@@ -48,14 +47,14 @@ def pipeline_tensor_shape(
     cfg,
     seq_length: Optional[int] = None,
     micro_batch_size: Optional[int] = None,
-    groups: Optional[ProcessGroups] = None,
+    *,
+    groups: ProcessGroups,
 ) -> Tuple[int, int, int]:
     """``(s / cp [/ tp under SP], b, h)``: the hidden-state shape one stage hands the next."""
-    groups = groups if groups is not None else parallel_state.get_process_groups()
     seq = cfg.model.seq_length if seq_length is None else seq_length
     mbs = cfg.training.micro_batch_size if micro_batch_size is None else micro_batch_size
-    cp = parallel_state.group_size(groups.cp)
-    tp = parallel_state.group_size(groups.tp)
+    cp = group_size(groups.cp)
+    tp = group_size(groups.tp)
     seq //= cp
     if cfg.parallel.sequence_parallel and tp > 1:
         if seq % tp:
@@ -76,7 +75,7 @@ def neighbour_ranks(groups: ProcessGroups) -> Tuple[int, int]:
     if not ranks or groups.pp is None:
         me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         return me, me
-    i = parallel_state.group_rank(groups.pp)
+    i = group_rank(groups.pp)
     return ranks[(i - 1) % len(ranks)], ranks[(i + 1) % len(ranks)]
 
 
@@ -90,7 +89,7 @@ class P2PCommunicator:
         variable_seq_lengths: exchange shapes before each transfer.
         timers: level-2 timers of Megatron's exchange names (:mod:`megalm.timers`).
         groups: the rank's :class:`megalm.parallel_state.ProcessGroups`: the pipeline group
-            ``groups.pp`` and its ranks ``groups.ranks["pp"]`` (default: ``get_process_groups()``).
+            ``groups.pp`` and its ranks ``groups.ranks["pp"]``.
     """
 
     def __init__(
@@ -99,9 +98,9 @@ class P2PCommunicator:
         dtype: torch.dtype,
         variable_seq_lengths: bool = False,
         timers=NULL_TIMERS,
-        groups: Optional[ProcessGroups] = None,
+        *,
+        groups: ProcessGroups,
     ):
-        groups = groups if groups is not None else parallel_state.get_process_groups()
         self.timers = timers
         self.tensor_shape = tuple(int(s) for s in tensor_shape)
         self.dtype = dtype
@@ -117,18 +116,19 @@ class P2PCommunicator:
         seq_length: Optional[int] = None,
         micro_batch_size: Optional[int] = None,
         timers=NULL_TIMERS,
-        groups: Optional[ProcessGroups] = None,
+        *,
+        groups: ProcessGroups,
     ) -> "P2PCommunicator":
         if cfg is None:
             raise ValueError(
                 "a pipelined schedule needs config= (a MegalmConfig: exchanged shape and dtype) or communicator="
             )
         return cls(
-            pipeline_tensor_shape(cfg, seq_length, micro_batch_size, groups),
+            pipeline_tensor_shape(cfg, seq_length, micro_batch_size, groups=groups),
             pipeline_dtype(cfg),
             bool(cfg.parallel.variable_seq_lengths),
             timers,
-            groups,
+            groups=groups,
         )
 
     # --- the one primitive -----------------------------------------------------------------

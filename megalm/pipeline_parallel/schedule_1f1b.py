@@ -21,8 +21,7 @@ from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
-from megalm import parallel_state
-from megalm.parallel_state import ProcessGroups
+from megalm.parallel_state import ProcessGroups, group_rank, group_size
 from megalm.pipeline_parallel.p2p_communication import P2PCommunicator
 from megalm.pipeline_parallel.steps import (
     GradSyncControl,
@@ -68,7 +67,7 @@ class _OneFOneB:
         self.comm = comm
         self.trace = trace
         self.timers = timers
-        self.pp, self.rank = parallel_state.group_size(groups.pp), parallel_state.group_rank(groups.pp)
+        self.pp, self.rank = group_size(groups.pp), group_rank(groups.pp)
         self.first = self.rank == 0
         self.last = self.rank == self.pp - 1
         self.collect = MicrobatchReports()
@@ -203,7 +202,7 @@ def forward_backward_pipelining_without_interleaving(
     seq_length: Optional[int] = None,
     micro_batch_size: Optional[int] = None,
     config=None,
-    groups: Optional[ProcessGroups] = None,
+    groups: ProcessGroups,
     trace: Optional[ScheduleTrace] = None,
     communicator: Optional[P2PCommunicator] = None,
     timers=NULL_TIMERS,
@@ -218,9 +217,8 @@ def forward_backward_pipelining_without_interleaving(
         model = model[0]
     if num_microbatches < 1:
         raise ValueError(f"need at least one microbatch, got {num_microbatches}")
-    groups = groups if groups is not None else parallel_state.get_process_groups()
     iterators, _ = chunk_data_iterators(data_iterator, 1)
-    comm = communicator or P2PCommunicator.from_config(config, seq_length, micro_batch_size, timers, groups)
+    comm = communicator or P2PCommunicator.from_config(config, seq_length, micro_batch_size, timers, groups=groups)
     return _OneFOneB(
         forward_step_func,
         iterators[0],

@@ -26,8 +26,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from megalm import parallel_state
-from megalm.parallel_state import ProcessGroups
+from megalm.parallel_state import ProcessGroups, group_rank, group_size
 from megalm.pipeline_parallel.p2p_communication import P2PCommunicator
 from megalm.pipeline_parallel.steps import (
     GradSyncControl,
@@ -91,8 +90,8 @@ class _Interleaved:
         self.v = len(self.model)
         self.m = num_microbatches
         self.total = self.m * self.v
-        self.p = parallel_state.group_size(groups.pp)
-        self.rank = parallel_state.group_rank(groups.pp)
+        self.p = group_size(groups.pp)
+        self.rank = group_rank(groups.pp)
         self.first_rank = self.rank == 0
         self.last_rank = self.rank == self.p - 1
         self.forward_only = forward_only
@@ -127,7 +126,6 @@ class _Interleaved:
     # --- steps ---
     def forward(self, k: int):
         c, mb = self.chunk(k, True), self.microbatch(k)
-        parallel_state.set_virtual_pipeline_model_parallel_rank(c)
         if self.first_stage(c):
             self.inputs[c].append(None)
         input_tensor = self.inputs[c][-1]
@@ -155,7 +153,6 @@ class _Interleaved:
 
     def backward(self, k: int):
         c = self.chunk(k, False)
-        parallel_state.set_virtual_pipeline_model_parallel_rank(c)
         if self.is_last_microbatch_of_chunk(k):
             self.sync.enable(c)  # this chunk's last backward: let its DP reductions start
         if self.last_stage(c):
@@ -181,7 +178,6 @@ class _Interleaved:
         if not self.forward_only:
             self.sync.disable_all()
         try:
-            parallel_state.set_virtual_pipeline_model_parallel_rank(0)
             if not self.first_rank:
                 self.inputs[0].append(self.comm.recv_forward(requires_grad=not self.forward_only))
             self.warmup(warmup, all_warmup)
@@ -190,7 +186,6 @@ class _Interleaved:
                 self.cooldown(warmup, all_warmup)
         finally:
             self.sync.enable_all()
-            parallel_state.set_virtual_pipeline_model_parallel_rank(0)
         return self.collect
 
     def warmup(self, warmup: int, all_warmup: bool) -> None:
@@ -281,7 +276,7 @@ def forward_backward_pipelining_with_interleaving(
     seq_length: Optional[int] = None,
     micro_batch_size: Optional[int] = None,
     config=None,
-    groups: Optional[ProcessGroups] = None,
+    groups: ProcessGroups,
     trace: Optional[ScheduleTrace] = None,
     communicator: Optional[P2PCommunicator] = None,
     timers=NULL_TIMERS,
@@ -294,10 +289,9 @@ def forward_backward_pipelining_with_interleaving(
     handed to every chunk that reads it), or one per chunk."""
     if not isinstance(model, (list, tuple)):
         raise TypeError("the interleaved schedule takes the list of this rank's model chunks")
-    groups = groups if groups is not None else parallel_state.get_process_groups()
-    check_interleaving(num_microbatches, parallel_state.group_size(groups.pp), len(model))
+    check_interleaving(num_microbatches, group_size(groups.pp), len(model))
     iterators, shared = chunk_data_iterators(data_iterator, len(model))
-    comm = communicator or P2PCommunicator.from_config(config, seq_length, micro_batch_size, timers, groups)
+    comm = communicator or P2PCommunicator.from_config(config, seq_length, micro_batch_size, timers, groups=groups)
     return _Interleaved(
         forward_step_func,
         iterators,

@@ -10,7 +10,7 @@ still on the device, on the stage that computes the loss; empty elsewhere).
 
 Every schedule takes the same keyword arguments (:func:`forward_backward_no_pipelining` lists
 them); ``groups`` is the rank's :class:`megalm.parallel_state.ProcessGroups` (the pipeline group
-and its ranks are read from it; default: ``parallel_state.get_process_groups()``).
+and its ranks are read from it).
 
 :func:`get_forward_backward_func` picks the schedule for this rank's layout:
 
@@ -28,8 +28,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from megalm import parallel_state
-from megalm.parallel_state import ProcessGroups
+from megalm.parallel_state import ProcessGroups, group_size
 from megalm.pipeline_parallel.steps import MicrobatchReports, ScheduleTrace, backward_step, forward_step
 from megalm.timers import NULL_TIMERS
 
@@ -50,7 +49,7 @@ def forward_backward_no_pipelining(
     seq_length: Optional[int] = None,
     micro_batch_size: Optional[int] = None,
     config=None,
-    groups: Optional[ProcessGroups] = None,
+    groups: ProcessGroups,
     trace: Optional[ScheduleTrace] = None,
     communicator=None,
     timers=NULL_TIMERS,
@@ -99,15 +98,14 @@ def forward_backward_no_pipelining(
     return collect
 
 
-def get_forward_backward_func(groups: Optional[ProcessGroups] = None) -> Callable:
-    """The schedule for this rank's layout: no pipelining, 1F1B, or interleaved 1F1B (virtual stages)."""
+def get_forward_backward_func(groups: ProcessGroups, vp_size: Optional[int] = None) -> Callable:
+    """The schedule for this rank's layout: no pipelining (``groups.pp`` of one stage), 1F1B, or
+    interleaved 1F1B (``vp_size`` > 1 virtual stages per rank: ``--num-layers-per-virtual-pipeline-stage``)."""
     from megalm.pipeline_parallel.schedule_1f1b import forward_backward_pipelining_without_interleaving
     from megalm.pipeline_parallel.schedule_interleaved import forward_backward_pipelining_with_interleaving
 
-    groups = groups if groups is not None else parallel_state.get_process_groups()
-    if parallel_state.group_size(groups.pp) == 1:
+    if group_size(groups.pp) == 1:
         return forward_backward_no_pipelining
-    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    if vpp is not None and vpp > 1:
+    if vp_size is not None and vp_size > 1:
         return forward_backward_pipelining_with_interleaving
     return forward_backward_pipelining_without_interleaving

@@ -169,13 +169,53 @@ def collective_rates(per_node: int) -> Dict[str, float]:
     return out
 
 
-def baseline_rss_bytes() -> int:
-    """This process's resident bytes now, after importing what a training process imports (CPU: the part of
-    a rank's peak RSS that is not tensors: interpreter, torch, gloo; the planner's ``reserve_gb``)."""
+def _tiny_model(cfg, pre_process: bool = True, post_process: bool = True, layer_numbers=None):
+    from megalm.models import GPTModel
+
+    return GPTModel(cfg, pre_process=pre_process, post_process=post_process, layer_numbers=layer_numbers)
+
+
+def _tiny_forward_step(data_iterator, model):
+    """pretrain_gpt.py's forward step, reduced to the mean token loss (the calibration trains 2 iterations of a
+    tiny model only to hold what a training process holds)."""
+    from megalm.distributed.finalize_model_grads import unwrap_model
+    from megalm.training import get_batch
+
+    gpt = unwrap_model(model)
+    batch = get_batch(data_iterator, gpt.cfg, gpt.process_groups)
+    out = model(
+        batch["tokens"],
+        batch["position_ids"],
+        labels=batch["labels"],
+        loss_mask=batch["loss_mask"],
+        attention_mask=batch["attention_mask"],
+    )
+
+    def loss(output):
+        total, count = (output.float().reshape(-1) * batch["loss_mask"].reshape(-1)).sum(), batch["loss_mask"].sum()
+        return total, count, {"lm loss": torch.stack([total.detach(), count.float()])}
+
+    return out, loss
+
+
+def baseline_rss_bytes(train: bool = False) -> int:
+    """This process's resident bytes now (CPU: the part of a rank's peak RSS that is not the model's tensors:
+    interpreter, torch, megalm, process groups; the planner's ``reserve_gb``).  With ``train``, after two
+    iterations of a ~30k-parameter GPT through :func:`megalm.training.pretrain` on every rank (its process groups, data
+    pipeline and buffers, whose own tensors are ~1 MB): a training process's baseline, not an idle one's."""
     import gc
 
     import megalm.training.training  # noqa: F401 - what pretrain_gpt.py loads
 
+    if train:
+        from megalm import parallel_state
+        from megalm.training import pretrain
+
+        tiny = "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16"
+        tiny += " --vocab-size 64 --mock-data --num-workers 0 --micro-batch-size 1 --lr 1e-3 --train-iters 2"
+        tiny += " --eval-iters 0 --log-interval 1"
+        pretrain(_tiny_model, _tiny_forward_step, argv=tiny.split())
+        parallel_state.destroy_model_parallel()
     gc.collect()
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -202,7 +242,7 @@ def main(argv=None) -> int:
     world = dist.get_world_size() if distributed else 1
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     links = collective_rates(per_node) if distributed and world > 1 else {}
-    rates["reserve_gb"] = baseline_rss_bytes() / 1e9
+    rates["reserve_gb"] = baseline_rss_bytes(train=distributed and not cuda) / 1e9
     if distributed:
         every = [None] * world
         dist.all_gather_object(every, rates)
@@ -228,4 +268,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()  # errors raise (non-zero exit); the library does not exit itself

@@ -208,9 +208,9 @@ def search(base, cluster, options: Optional[SearchOptions] = None) -> SearchResu
 
 def largest_rank_bytes(cfg, cluster) -> float:
     """The largest rank's bytes (:func:`megalm.estimate.planner.plan`, its configured sharding strategy)."""
-    cfg = copy.copy(cfg)
-    cfg.logging = copy.copy(cfg.logging)
-    cfg.logging.device_peak_flops = 1.0  # the memory plan only: no peak measurement
+    from megalm.config import replace_config
+
+    cfg = replace_config(cfg, logging={"device_peak_flops": 1.0})  # the memory plan only: no peak measurement
     options = PlannerOptions(
         world_size=cluster.world_size,
         gpu_memory_gb=cluster.memory_gb,

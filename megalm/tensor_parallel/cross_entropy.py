@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megalm.parallel_state import CURRENT, group_rank, group_size, resolve_group
+from megalm.parallel_state import group_rank, group_size
 
 
 def all_reduce_over_vocab(x: torch.Tensor, op, group) -> torch.Tensor:
@@ -77,16 +77,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None
 
 
-def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, tp_group=CURRENT) -> torch.Tensor:
+def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, tp_group) -> torch.Tensor:
     """Per-token fp32 loss ``-log softmax(logits)[target]`` from vocabulary-parallel logits.
 
     ``logits_shard``: ``[..., V/tp]`` (any float dtype; computed in fp32), this rank's slice
     of the padded vocabulary in rank order.  ``target``: int64 ``[...]`` full-vocabulary ids
     in ``[0, V)`` (no ignore index: multiply the returned losses by a loss mask instead).
     Forward sends three all-reduces of ``[...]`` (max, target logit, sum of exps) over
-    ``tp_group`` (default: this rank's TP group of :func:`megalm.parallel_state.get_process_groups`);
+    ``tp_group`` (``None``: this rank alone);
     backward sends nothing.
     """
     if logits_shard.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(logits_shard.shape)} and target {tuple(target.shape)} do not match")
-    return _VocabParallelCrossEntropy.apply(logits_shard, target, resolve_group(tp_group, "tp"))
+    return _VocabParallelCrossEntropy.apply(logits_shard, target, tp_group)

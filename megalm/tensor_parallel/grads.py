@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalm.parallel_state import CURRENT, group_size, resolve_group
+from megalm.parallel_state import group_size
 from megalm.tensor_parallel.param_info import param_info
 
 Modules = Union[nn.Module, Iterable[nn.Module]]
@@ -57,10 +57,9 @@ def sequence_parallel_params(model: Modules) -> List[torch.nn.Parameter]:
 
 
 @torch.no_grad()
-def allreduce_sequence_parallel_grads(model: Modules, tp_group=CURRENT) -> None:
-    """Sum over ``tp_group`` (default: this rank's TP group) the grads of parameters marked
+def allreduce_sequence_parallel_grads(model: Modules, tp_group) -> None:
+    """Sum over ``tp_group`` (``None``: this rank alone, nothing to do) the grads of parameters marked
     ``sequence_parallel`` (one all-reduce per dtype)."""
-    tp_group = resolve_group(tp_group, "tp")
     if group_size(tp_group) == 1:
         return
     grads = [g for g in (_grad_of(p) for p in sequence_parallel_params(model)) if g is not None]

@@ -25,7 +25,7 @@ from typing import Iterable, Optional, Union
 import torch
 from torch import nn
 
-from megalm.parallel_state import CURRENT, group_rank, group_size, resolve_group
+from megalm.parallel_state import group_rank, group_size
 from megalm.parameter_names import canonical_name
 from megalm.tensor_parallel.param_info import param_info
 from megalm.tensor_parallel.utils import full_shape, shard_of_full
@@ -79,14 +79,11 @@ def _named_unique_parameters(model: Union[nn.Module, Iterable[nn.Module]]):
 
 
 @torch.no_grad()
-def initialize_weights(
-    model: Union[nn.Module, Iterable[nn.Module]], seed: int, tp_group=CURRENT, etp_group=CURRENT
-) -> None:
+def initialize_weights(model: Union[nn.Module, Iterable[nn.Module]], seed: int, tp_group, etp_group) -> None:
     """Fill every parameter of ``model`` (or of each model chunk) by the layout-independent rule;
-    split parameters get this rank's shard for ``tp_group`` (default: this rank's TP group), split
-    expert parameters for ``etp_group`` (default: this rank's expert-tensor-parallel group).
+    split parameters get this rank's shard for ``tp_group``, split expert parameters for ``etp_group``
+    (the model's ``process_groups.tp`` and ``.etp``; ``None``: this rank alone).
     No communication."""
-    tp_group, etp_group = resolve_group(tp_group, "tp"), resolve_group(etp_group, "etp")
     for name, param in _named_unique_parameters(model):
         info = param_info(param)
         group = etp_group if info.expert else tp_group

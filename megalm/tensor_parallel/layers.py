@@ -6,10 +6,8 @@ contract of :mod:`megalm.tensor_parallel.utils` and an init rule
 ``initialize_weights``.  Activations are ``[s, b, h]``; under sequence parallelism the
 replicated side of a layer is ``[s/tp, b, h]``.
 
-Every layer communicates over the ``tp_group`` it is built with (``None``: this rank alone,
-no communication); the default :data:`megalm.parallel_state.CURRENT` takes this rank's
-tensor-parallel group from :func:`megalm.parallel_state.get_process_groups` once, at
-construction.  Models pass their group explicitly.
+Every layer communicates over the ``tp_group`` it is built with, a required argument (``None``:
+this rank alone, no communication; models pass their ``process_groups.tp``).
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalm.device import get_device
-from megalm.parallel_state import CURRENT, group_rank, group_size, resolve_group
+from megalm.parallel_state import group_rank, group_size
 from megalm.tensor_parallel.initialization import mark_init
 from megalm.tensor_parallel.mappings import (
     all_gather_first_dim,
@@ -115,7 +113,7 @@ class ColumnParallelLinear(nn.Module):
         vocab_unpadded: Optional[int] = None,
         skip_bias_add: bool = False,
         dtype: torch.dtype = torch.float32,
-        tp_group=CURRENT,
+        tp_group,
     ):
         super().__init__()
         if skip_bias_add and gather_output:
@@ -123,7 +121,7 @@ class ColumnParallelLinear(nn.Module):
                 "ColumnParallelLinear: skip_bias_add returns this rank's bias slice; it cannot be "
                 "combined with gather_output"
             )
-        self.tp_group = resolve_group(tp_group, "tp")
+        self.tp_group = tp_group
         self.tp_size = group_size(self.tp_group)
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = divide(output_size, self.tp_size)
@@ -188,10 +186,10 @@ class RowParallelLinear(nn.Module):
         sequence_parallel: bool = False,
         skip_bias_add: bool = False,
         dtype: torch.dtype = torch.float32,
-        tp_group=CURRENT,
+        tp_group,
     ):
         super().__init__()
-        self.tp_group = resolve_group(tp_group, "tp")
+        self.tp_group = tp_group
         self.tp_size = group_size(self.tp_group)
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = divide(input_size, self.tp_size)
@@ -254,10 +252,10 @@ class VocabParallelEmbedding(nn.Module):
         vocab_unpadded: Optional[int] = None,
         reduce_scatter_to_sequence: bool = False,
         dtype: torch.dtype = torch.float32,
-        tp_group=CURRENT,
+        tp_group,
     ):
         super().__init__()
-        self.tp_group = resolve_group(tp_group, "tp")
+        self.tp_group = tp_group
         self.tp_size = group_size(self.tp_group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.per_partition = divide(num_embeddings, self.tp_size)

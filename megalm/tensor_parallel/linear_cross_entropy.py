@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megalm.parallel_state import CURRENT, group_rank, group_size, resolve_group
+from megalm.parallel_state import group_rank, group_size
 from megalm.tensor_parallel.cross_entropy import all_reduce_over_vocab, target_on_rank
 from megalm.tensor_parallel.mappings import all_gather_first_dim, all_reduce, reduce_scatter_first_dim
 
@@ -207,7 +207,8 @@ def linear_cross_entropy(
     vocab_size: int,
     token_weight: Optional[torch.Tensor] = None,
     sequence_parallel: bool = False,
-    tp_group=CURRENT,
+    *,
+    tp_group,
 ) -> torch.Tensor:
     """Per-token fp32 losses ``[s, b]`` of ``hidden`` ``[s, b, h]`` (``[s/tp, b, h]`` under sequence
     parallelism) through this rank's output-weight slice ``weight`` ``[V/tp, h]``.
@@ -219,7 +220,7 @@ def linear_cross_entropy(
     """
     if hidden.shape[-1] != weight.shape[-1]:
         raise ValueError(f"hidden size {hidden.shape[-1]} does not match the output weight {tuple(weight.shape)}")
-    group = resolve_group(tp_group, "tp")
+    group = tp_group
     tokens = hidden.shape[0] * (group_size(group) if sequence_parallel else 1)
     if tuple(target.shape) != (tokens,) + tuple(hidden.shape[1:-1]):
         raise ValueError(f"target {tuple(target.shape)} does not match hidden {tuple(hidden.shape)}")

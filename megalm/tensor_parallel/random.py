@@ -29,8 +29,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from megalm import parallel_state
 from megalm.device import use_cuda
+from megalm.parallel_state import ProcessGroups, group_rank
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 MODEL_PARALLEL_SEED_OFFSET = 2718
@@ -143,17 +143,17 @@ def get_rng_tracker() -> RNGStatesTracker:
     return _TRACKER
 
 
-def model_parallel_manual_seed(seed: int) -> None:
+def model_parallel_manual_seed(seed: int, groups: ProcessGroups) -> None:
     """Seed the default generators with ``seed`` (same on every TP rank) and the tracker's
     ``'model-parallel-rng'`` stream with ``seed + 2718 + tp_rank`` (distinct per TP rank);
-    ``'expert-parallel-rng'`` gets ``seed + 1024 + 100 * ep_rank + tp_rank``.
+    ``'expert-parallel-rng'`` gets ``seed + 1024 + 100 * ep_rank + tp_rank``.  The ranks are this
+    rank's in ``groups.tp`` and ``groups.ep``.
 
     Callers that want different streams per pipeline stage or data-parallel rank offset
     ``seed`` before calling (Megatron adds ``100 * pp_rank``).
     """
     torch.manual_seed(seed)  # CPU and every CUDA device
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    tp_rank, ep_rank = group_rank(groups.tp), group_rank(groups.ep)
     _TRACKER.reset()
     _TRACKER.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank)
     # Dropout inside expert layers (expert tensor parallel = tensor parallel), as Megatron.

@@ -12,7 +12,7 @@ from typing import List, Sequence
 import torch
 import torch.distributed as dist
 
-from megalm.parallel_state import CURRENT, group_size, resolve_group
+from megalm.parallel_state import group_size
 from megalm.tensor_parallel.param_info import ParamInfo, param_info, set_param_info
 
 # torch >= 2.13 renamed the flat collectives; keep the old names for older releases.
@@ -65,14 +65,14 @@ def assemble_full(shards: Sequence[torch.Tensor], dim: int, stride: int = 1) -> 
     return torch.cat([pieces[r][k] for k in range(stride) for r in range(size)], dim=dim)
 
 
-def gather_tensor_parallel_param(param: torch.Tensor, group=CURRENT) -> torch.Tensor:
+def gather_tensor_parallel_param(param: torch.Tensor, group) -> torch.Tensor:
     """Full tensor of a TP-split parameter (or its grad), all-gathered over ``group`` (default:
     this rank's TP group).
 
     Sends this rank's shard to every TP rank (one all-gather); returns a new tensor.  A
     replicated tensor is returned as a copy.  Meant for tests, export and checkpoint tools.
     """
-    return _gather_shards(param.detach(), param_info(param), resolve_group(group, "tp"))
+    return _gather_shards(param.detach(), param_info(param), group)
 
 
 def gather_shards(source: torch.Tensor, info: ParamInfo, group) -> torch.Tensor:
@@ -93,14 +93,14 @@ def _gather_shards(source: torch.Tensor, info: ParamInfo, group) -> torch.Tensor
     return assemble_full(shards, dim, stride)
 
 
-def gather_tensor_parallel_grad(param: torch.Tensor, group=CURRENT) -> torch.Tensor:
+def gather_tensor_parallel_grad(param: torch.Tensor, group) -> torch.Tensor:
     """Full gradient of a parameter (``main_grad`` when present, else ``grad``), gathered over TP."""
     grad = getattr(param, "main_grad", None)
     if grad is None:
         grad = param.grad
     if grad is None:
         raise ValueError("parameter has no gradient")
-    return _gather_shards(grad.detach(), param_info(param), resolve_group(group, "tp"))
+    return _gather_shards(grad.detach(), param_info(param), group)
 
 
 def sequence_parallel_enabled(parallel_cfg, tp_size: int) -> bool:

@@ -10,6 +10,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import List, Sequence
 
+from megalm.errors import MegalmError
+
+
+class TokenizerError(MegalmError, ValueError):
+    """A tokenizer that cannot be built from the flags given (flag missing, file unusable), or text it
+    cannot take."""
+
 
 class Tokenizer(ABC):
     """Abstract tokenizer; subclasses wrap a concrete library."""

@@ -10,7 +10,7 @@ import os
 from typing import Dict, List, Optional, Tuple
 
 from megalm.errors import MegalmError
-from megalm.tokenizers.base import Tokenizer
+from megalm.tokenizers.base import Tokenizer, TokenizerError  # TokenizerError: re-exported
 
 # --tokenizer-type -> the (argument, flag) pairs it needs.
 _NEEDS: Dict[str, Tuple[Tuple[str, str], ...]] = {
@@ -24,10 +24,6 @@ _NEEDS: Dict[str, Tuple[Tuple[str, str], ...]] = {
 TOKENIZER_TYPES = tuple(_NEEDS)
 # Types whose --tokenizer-model is a sentencepiece .model file.
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
-
-
-class TokenizerError(MegalmError, ValueError):
-    """A tokenizer that cannot be built from the flags given (flag missing, file unusable)."""
 
 
 class TokenizerFileError(TokenizerError, FileNotFoundError):
@@ -82,8 +78,11 @@ def create_tokenizer(
     _check_files(tokenizer_type, **given)
     try:
         return _construct(tokenizer_type, tokenizer_model, vocab_size, vocab_file, merge_file)
-    except MegalmError:
-        raise
+    except MegalmError as e:
+        if not isinstance(e, TokenizerError):
+            raise
+        source = tokenizer_model or vocab_file or vocab_size  # the class's refusal, named with the flag
+        raise TokenizerError(f"--tokenizer-type {tokenizer_type} ({source}): {_one_line(e)}") from e
     except (OSError, RuntimeError, ValueError) as e:  # a file that exists but does not load
         source = tokenizer_model or vocab_file or vocab_size
         raise TokenizerError(f"--tokenizer-type {tokenizer_type} ({source}): {_one_line(e)}") from e

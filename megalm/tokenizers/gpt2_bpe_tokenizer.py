@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 
+from megalm.tokenizers.base import TokenizerError
 from megalm.tokenizers.huggingface_tokenizer import HuggingFaceTokenizer
 
 EOD_TOKEN = "<|endoftext|>"
@@ -28,9 +29,9 @@ def _read_vocab(vocab_file: str) -> dict:
         with open(vocab_file, encoding="utf-8") as f:
             vocab = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"--vocab-file {vocab_file}: not a GPT-2 vocab.json ({e})") from None
+        raise TokenizerError(f"--vocab-file {vocab_file}: not a GPT-2 vocab.json ({e})") from None
     if not isinstance(vocab, dict) or not all(isinstance(v, int) for v in vocab.values()):
-        raise ValueError(f"--vocab-file {vocab_file}: expected a JSON object mapping tokens to integer ids")
+        raise TokenizerError(f"--vocab-file {vocab_file}: expected a JSON object mapping tokens to integer ids")
     return vocab
 
 
@@ -46,19 +47,19 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
         self.vocab_file, self.merge_file = vocab_file, merge_file
         vocab = _read_vocab(vocab_file)
         if EOD_TOKEN not in vocab:
-            raise ValueError(
+            raise TokenizerError(
                 f"--vocab-file {vocab_file}: no {EOD_TOKEN} entry (GPT2BPETokenizer's end-of-document token)"
             )
         missing = [c for c in pre_tokenizers.ByteLevel.alphabet() if c not in vocab]
         if missing:
-            raise ValueError(
+            raise TokenizerError(
                 f"--vocab-file {vocab_file}: {len(missing)} of the 256 byte symbols are missing "
                 f"(e.g. {missing[0]!r}); text using those bytes could not be encoded"
             )
         try:
             model = models.BPE.from_file(vocab_file, merge_file)
         except Exception as e:  # the Rust reader names the bad line
-            raise ValueError(f"--merge-file {merge_file}: not a GPT-2 merges file for {vocab_file} ({e})") from None
+            raise TokenizerError(f"--merge-file {merge_file}: not a GPT-2 merges file for {vocab_file} ({e})") from None
         self._tok = _HFTokenizer(model)
         self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         self._tok.decoder = decoders.ByteLevel()

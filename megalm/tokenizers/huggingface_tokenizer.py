@@ -15,7 +15,7 @@ import json
 import os
 from typing import List, Optional, Sequence
 
-from megalm.tokenizers.base import Tokenizer
+from megalm.tokenizers.base import Tokenizer, TokenizerError
 
 # Tried in order when the tokenizer's files name no end-of-sequence token.
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>")
@@ -70,7 +70,7 @@ class HuggingFaceTokenizer(Tokenizer):
         if eos is None:
             eos = next((c for c in _EOS_CANDIDATES if c in vocab), None)
         if eos is None or eos not in vocab:
-            raise ValueError(
+            raise TokenizerError(
                 f"Hugging Face tokenizer {json_file}: no end-of-sequence token found (looked for "
                 f"eos_token in tokenizer_config.json/special_tokens_map.json and {_EOS_CANDIDATES}); "
                 f'add "eos_token" to tokenizer_config.json'
@@ -95,7 +95,7 @@ class HuggingFaceTokenizer(Tokenizer):
         self._hf = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         self._tok = None
         if self._hf.eos_token_id is None:
-            raise ValueError(f"Hugging Face tokenizer {directory} defines no eos_token")
+            raise TokenizerError(f"Hugging Face tokenizer {directory} defines no eos_token")
         self._vocab_size = len(self._hf)
         self._eod = self._hf.eos_token_id
         self._pad = self._hf.pad_token_id if self._hf.pad_token_id is not None else -1

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import List, Sequence
 
-from megalm.tokenizers.base import Tokenizer
+from megalm.tokenizers.base import Tokenizer, TokenizerError
 
 
 class NullTokenizer(Tokenizer):
     def __init__(self, vocab_size: int):
         if vocab_size is None or int(vocab_size) < 1:
-            raise ValueError(f"NullTokenizer needs --vocab-size >= 1, got {vocab_size!r}")
+            raise TokenizerError(f"NullTokenizer needs --vocab-size >= 1, got {vocab_size!r}")
         self._ids = int(vocab_size)
 
     @staticmethod
@@ -35,10 +35,10 @@ class NullTokenizer(Tokenizer):
         try:
             ids = [int(x) for x in text.split()]
         except ValueError:
-            raise ValueError(f"NullTokenizer expects space-separated integers, got {text[:60]!r}") from None
+            raise TokenizerError(f"NullTokenizer expects space-separated integers, got {text[:60]!r}") from None
         for i in ids:
             if not 0 <= i < self.vocab_size:
-                raise ValueError(f"NullTokenizer: id {i} is outside [0, {self.vocab_size})")
+                raise TokenizerError(f"NullTokenizer: id {i} is outside [0, {self.vocab_size})")
         return ids
 
     def detokenize(self, ids: Sequence[int]) -> str:

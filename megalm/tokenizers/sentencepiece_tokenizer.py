@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import List, Sequence
 
-from megalm.tokenizers.base import Tokenizer
+from megalm.tokenizers.base import Tokenizer, TokenizerError
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -28,12 +28,12 @@ class SentencePieceTokenizer(Tokenizer):
         self.num_threads = num_threads
         self._sp = spm.SentencePieceProcessor(model_file=model_file)
         if self._sp.eos_id() < 0:
-            raise ValueError(
+            raise TokenizerError(
                 f"sentencepiece model {model_file} has no end-of-sentence piece (eos_id = -1); "
                 f"megalm uses eos as the end-of-document id: retrain with --eos_id >= 0"
             )
         if self.add_bos and self._sp.bos_id() < 0:
-            raise ValueError(
+            raise TokenizerError(
                 f"sentencepiece model {model_file} has no beginning-of-sentence piece (bos_id = -1), "
                 f"which {type(self).__name__} puts before every text"
             )

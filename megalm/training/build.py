@@ -11,43 +11,49 @@ from typing import Callable, List, Sequence
 
 import torch
 
-from megalm import parallel_state
 from megalm.config import MegalmConfig
 from megalm.device import get_device
+from megalm.parallel_state import ProcessGroups, group_rank, group_size
 
 
-def build_model_chunks(cfg: MegalmConfig, model_provider: Callable) -> List[torch.nn.Module]:
-    """One model chunk per virtual pipeline stage of this rank, cast and moved to the device."""
+def build_model_chunks(cfg: MegalmConfig, model_provider: Callable, groups: ProcessGroups) -> List[torch.nn.Module]:
+    """One model chunk per virtual pipeline stage of this rank, cast and moved to the device.
+
+    Chunk ``v`` of pipeline rank ``r`` (of ``P``, ``V`` chunks each) is virtual stage ``v P + r``: it
+    embeds the tokens when it is the first of all (``r = 0, v = 0``) and computes the loss when it
+    is the last (``r = P - 1, v = V - 1``); the chunk index is passed, no pipeline rank is set."""
     from megalm.models.layer_split import layers_for_stage
     from megalm.transformer.moe import share_moe_state
 
     vpp = cfg.parallel.virtual_pipeline_model_parallel_size or 1
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    pp_rank, pp = group_rank(groups.pp), group_size(groups.pp)
     chunks = []
     for v in range(vpp):
-        if cfg.parallel.virtual_pipeline_model_parallel_size:
-            parallel_state.set_virtual_pipeline_model_parallel_rank(v)
         model = model_provider(
             cfg,
-            pre_process=parallel_state.is_pipeline_first_stage(),
-            post_process=parallel_state.is_pipeline_last_stage(),
+            pre_process=pp_rank == 0 and v == 0,
+            post_process=pp_rank == pp - 1 and v == vpp - 1,
             layer_numbers=layers_for_stage(cfg, pp_rank, v),
+            process_groups=groups,
         )
         chunks.append(model)
-    if cfg.parallel.virtual_pipeline_model_parallel_size:
-        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
     share_moe_state(chunks)  # one MoE metrics/aux-loss state per rank, as for one model
     dtype = torch.bfloat16 if cfg.training.bf16 else torch.float16 if cfg.training.fp16 else torch.float32
     device = get_device()
     return [m.to(device=device, dtype=dtype) for m in chunks]
 
 
-def wrap_data_parallel(cfg: MegalmConfig, chunks: Sequence[torch.nn.Module]) -> List[torch.nn.Module]:
+def wrap_data_parallel(
+    cfg: MegalmConfig, chunks: Sequence[torch.nn.Module], groups: ProcessGroups
+) -> List[torch.nn.Module]:
     from megalm.distributed.data_parallel import DistributedDataParallel
 
     # fp16 finds non-finite gradients through its loss scaler; the per-bucket check serves the NaN stop
     check = cfg.training.check_for_nan_in_loss_and_grad and not cfg.training.fp16
-    return [DistributedDataParallel(chunk, cfg.parallel, check_for_nan_in_grad=check) for chunk in chunks]
+    return [
+        DistributedDataParallel(chunk, cfg.parallel, process_groups=groups, check_for_nan_in_grad=check)
+        for chunk in chunks
+    ]
 
 
 def count_parameters(chunks: Sequence[torch.nn.Module]) -> int:

@@ -35,7 +35,7 @@ def initialize_megalm(cfg: MegalmConfig) -> None:
             expert_tensor_parallel_size=p.expert_tensor_parallel_size or 1,
             timeout=timeout,
         )
-    set_random_seed(cfg.training.seed)
+    set_random_seed(cfg.training.seed, parallel_state.get_process_groups())
 
 
 def use_deterministic_algorithms() -> None:
@@ -45,15 +45,15 @@ def use_deterministic_algorithms() -> None:
     torch.use_deterministic_algorithms(True)
 
 
-def set_random_seed(seed: int) -> None:
+def set_random_seed(seed: int, groups) -> None:
     """Seed python/numpy/torch (offset per pipeline stage, as Megatron) and the TP RNG tracker."""
     from megalm.tensor_parallel.random import model_parallel_manual_seed
 
-    stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    stage_seed = seed + 100 * parallel_state.group_rank(groups.pp)
     random.seed(stage_seed)
     np.random.seed(stage_seed)
     torch.manual_seed(stage_seed)
-    model_parallel_manual_seed(stage_seed)
+    model_parallel_manual_seed(stage_seed, groups)
 
 
 def world_size_from_env() -> int:

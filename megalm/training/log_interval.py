@@ -13,9 +13,9 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from megalm import parallel_state
 from megalm.config import MegalmConfig
 from megalm.log import get_logger
+from megalm.parallel_state import ProcessGroups, group_rank, group_size
 from megalm.pipeline_parallel.reporting import losses_to_floats
 from megalm.training.step import StepResult
 
@@ -34,14 +34,14 @@ def print_timing(block: Optional[str]) -> None:
         log_rank_last(block)
 
 
-def is_logging_rank() -> bool:
+def is_logging_rank(groups: ProcessGroups) -> bool:
     """The rank that reports losses: last pipeline stage, TP rank 0, CP rank 0, DP rank 0 (the world's last
     rank ... or first)."""
     return (
-        parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-        and parallel_state.get_tensor_model_parallel_rank() == 0
-        and parallel_state.get_context_parallel_rank() == 0
-        and parallel_state.get_data_parallel_rank() == 0
+        group_rank(groups.pp) == group_size(groups.pp) - 1
+        and group_rank(groups.tp) == 0
+        and group_rank(groups.cp) == 0
+        and group_rank(groups.dp) == 0
     )
 
 

@@ -193,4 +193,4 @@ class NumericsChecks:
             raise SpikyLossStop(message + "; stopped without saving this iteration (--spiky-loss-action stop)")
         world = dist.get_world_size() if dist.is_initialized() else 1
         if (dist.get_rank() if dist.is_initialized() else 0) == world - 1:
-            logger.warning(f"warning: {message}")
+            logger.warning(message)

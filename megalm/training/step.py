@@ -38,10 +38,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megalm import parallel_state
 from megalm.config import MegalmConfig
 from megalm.device import get_device
-from megalm.parallel_state import ProcessGroups
+from megalm.parallel_state import ProcessGroups, group_size
 from megalm.pipeline_parallel import get_forward_backward_func
 from megalm.pipeline_parallel.reporting import losses_to_floats
 from megalm.timers import NULL_TIMERS, timed_iterator
@@ -103,22 +102,27 @@ def train_step(
     scheduler,
     state: TrainState,
     microbatches,
-    groups: Optional[ProcessGroups] = None,
+    groups: ProcessGroups,
     timers=NULL_TIMERS,
     outer_sync=None,
+    rebalancer=None,
 ) -> StepResult:
     """One iteration on this rank (collective over every rank); advances ``state`` and the
     learning-rate ``scheduler``.  ``microbatches``: the run's
     :class:`megalm.training.microbatches.MicrobatchCalculator`; ``groups``: the rank's process
-    groups (default ``parallel_state.get_process_groups()``); ``outer_sync``: the
+    groups; ``outer_sync``: the
     :class:`megalm.distributed.local_sgd.OuterSync` of ``--local-sgd-interval`` (averages the
-    replicas' parameters after the optimizer step of every H-th iteration), or None."""
+    replicas' parameters after the optimizer step of every H-th iteration), or None;
+    ``rebalancer``: the :class:`megalm.training.rebalance.StragglerRebalancer` of
+    ``--straggler-rebalance-interval`` (this rank runs its replica's share of the micro-batches,
+    timed), or None."""
     from megalm.distributed.finalize_model_grads import finalize_model_grads
     from megalm.transformer.moe import begin_training_step as begin_moe_step
 
-    groups = groups if groups is not None else parallel_state.get_process_groups()
     microbatches.update(state.consumed_train_samples)
     gbs, m = microbatches.current_global_batch_size, microbatches.num_microbatches
+    if rebalancer is not None:  # this replica's share (per-token loss: the gradient is the same)
+        m = rebalancer.local_microbatches
     scheduler.set_global_batch_size(gbs)  # --lr-batch-scaling: this iteration's lr follows its batch
     per_token = cfg.training.calculate_per_token_loss
     for chunk in model:
@@ -126,9 +130,10 @@ def train_step(
     optimizer.zero_grad()
     loss_scale = optimizer.get_loss_scale()
     begin_moe_step(model, loss_scale, 1 if per_token else m)  # aux-loss backward factor (MoE)
-    forward_backward = get_forward_backward_func(groups)
-    with timers("forward-backward"):
-        reported = forward_backward(
+    forward_backward = get_forward_backward_func(groups, cfg.parallel.virtual_pipeline_model_parallel_size)
+
+    def run_schedule():
+        return forward_backward(
             forward_step_func=forward_step_func,
             data_iterator=timed_iterator(data_iterator, timers("batch-generator")),
             model=model,
@@ -142,8 +147,13 @@ def train_step(
             groups=groups,
             timers=timers,
         )
+
+    with timers("forward-backward"):
+        reported = run_schedule() if rebalancer is None else rebalancer.timed(run_schedule)
     check_loss = cfg.training.check_for_nan_in_loss_and_grad and optimizer.grad_scaler is None
-    finalize_model_grads(model, timers=timers)  # every bucket checked its own gradients before reducing them
+    finalize_model_grads(
+        model, timers=timers, process_groups=groups
+    )  # every bucket checked its own gradients before reducing them
     loss_flags = launch_loss_flags(reported, _local_nonfinite_grads(model)) if check_loss else None
     if per_token:
         scale_gradients_by_token_count(model, global_token_count(reported.num_tokens, groups))
@@ -192,9 +202,9 @@ def global_token_count(local: Optional[torch.Tensor], groups: ProcessGroups) -> 
     n = torch.zeros(1, dtype=torch.float64, device=get_device())
     if local is not None:
         n += local.to(n.device, torch.float64)
-    if groups.pp is not None and parallel_state.group_size(groups.pp) > 1:
+    if groups.pp is not None and group_size(groups.pp) > 1:
         dist.broadcast(n, groups.ranks["pp"][-1], group=groups.pp)
-    if groups.dp_cp is not None and parallel_state.group_size(groups.dp_cp) > 1:
+    if groups.dp_cp is not None and group_size(groups.dp_cp) > 1:
         dist.all_reduce(n, group=groups.dp_cp)
     return n
 
@@ -253,7 +263,7 @@ def reduce_reported(reported: List[Dict], per_token: bool, groups: ProcessGroups
         totals.append(pairs.sum(0))
     totals = torch.stack(totals)  # [keys, 2]: numerator, denominator
     group = groups.dp_cp if per_token else groups.dp
-    if group is not None and parallel_state.group_size(group) > 1:
+    if group is not None and group_size(group) > 1:
         dist.all_reduce(totals, group=group)
     values = totals[:, 0] / totals[:, 1]
     return {k: values[i] for i, k in enumerate(keys)}
@@ -269,15 +279,14 @@ def evaluate(
     model: List[torch.nn.Module],
     eval_iters: int,
     num_microbatches: int,
-    groups: Optional[ProcessGroups] = None,
+    groups: ProcessGroups,
 ) -> Dict[str, float]:
     """Forward-only over ``eval_iters`` global batches; mean of each reported value (per-token
     values summed over all batches first under ``--calculate-per-token-loss``)."""
-    groups = groups if groups is not None else parallel_state.get_process_groups()
     per_token = cfg.training.calculate_per_token_loss
     for chunk in model:
         chunk.eval()
-    forward_backward = get_forward_backward_func(groups)
+    forward_backward = get_forward_backward_func(groups, cfg.parallel.virtual_pipeline_model_parallel_size)
     batches: List[Dict] = []
     with torch.no_grad():
         for _ in range(eval_iters):

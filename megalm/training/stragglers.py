@@ -108,7 +108,7 @@ class StragglerReport:
             server.server_bind()
             server.server_activate()
         except OSError as e:
-            logger.warning(f"warning: --straggler-ctrlr-port {port} cannot be opened ({e}): the report stays as set")
+            logger.warning(f"--straggler-ctrlr-port {port} cannot be opened ({e}): the report stays as set")
             return None
         server.report = self
         threading.Thread(target=server.serve_forever, name="straggler-ctrlr", daemon=True).start()

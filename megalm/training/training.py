@@ -16,6 +16,7 @@ log-line bookkeeping (:class:`IntervalStats`, the reporting rank) in :mod:`megal
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -33,7 +34,7 @@ from megalm.checkpoint.model_state import finish_param_sync
 from megalm.checkpoint.resume import checkpoint_to_resume, newest_load_root, non_persistent_dir
 from megalm.checkpoint.save import check_save_dir, remove_older_checkpoints, save_checkpoint
 from megalm.checkpoint.stateful import CheckpointStates
-from megalm.config import MegalmConfig, parse_config, set_vocab_size
+from megalm.config import MegalmConfig, parse_config, with_vocab_size
 from megalm.config.validation import step_schedule
 from megalm.device import get_device
 from megalm.distributed.collective_errors import named_collective_failures
@@ -106,6 +107,7 @@ class Trainer:
         self.stragglers = None  # --log-straggler: built in setup()
         self.watchdog = None  # --hang-watchdog-seconds: running during train()
         self.data_iterators = None  # DataIterators, built in setup(); closed when run() ends
+        self.rebalancer = None  # --straggler-rebalance-interval: built in setup()
         self.checkpoint_states = CheckpointStates()  # what components register with the checkpointer, in setup()
 
     # -- set-up --
@@ -117,33 +119,35 @@ class Trainer:
         cfg = self.cfg
         self._check_before_start()
         initialize_megalm(cfg)
-        self.groups = parallel_state.get_process_groups()
-        get_forward_backward_func(self.groups)  # fail early if the layout's schedule is not available
+        self.groups = parallel_state.get_process_groups()  # the entry point: built once here, passed down
+        # fail early if the layout's schedule is not available
+        get_forward_backward_func(self.groups, cfg.parallel.virtual_pipeline_model_parallel_size)
         self.timers = Timers.from_config(cfg.logging)
         self.stragglers = self._straggler_report()  # collective with --log-straggler
         self.profiler = StepProfiler(cfg.logging, dist.get_rank())
         self.async_writer = AsyncCheckpointWriter() if cfg.checkpoint.async_save else None
         self.tokenizer = self._build_tokenizer()
+        cfg = self.cfg  # with the tokenizer's vocabulary size
         self.timers("model-and-optimizer-setup").start()
-        chunks = build_model_chunks(cfg, self.model_provider)
-        self.model = wrap_data_parallel(cfg, chunks)
-        self.optimizer = build_optimizer(cfg, self.model)
+        chunks = build_model_chunks(cfg, self.model_provider, self.groups)
+        self.model = wrap_data_parallel(cfg, chunks, self.groups)
+        self.optimizer = build_optimizer(cfg, self.model, process_groups=self.groups)
         self.scheduler = OptimizerParamScheduler.from_config(cfg, self.optimizer)
         self.numerics = NumericsChecks(cfg.training, self.optimizer.grad_scaler, self.groups)
         t = cfg.training
         self.microbatches = self._microbatch_calculator()
         self.train_iters = self._train_iters()
-        if cfg.training.train_iters is None:  # --train-samples: the data builders size the splits from it
-            cfg.training.train_iters = self.train_iters
-        self.outer_sync = build_outer_sync(cfg, self.optimizer, self.groups)  # after train_iters is known
+        # After train_iters is known (counted here under --train-samples; the config is not changed).
+        self.outer_sync = build_outer_sync(cfg, self.optimizer, self.groups, last_iteration=self.train_iters)
         self.checkpoint_states = self._checkpoint_states()
         self._validate_data()  # before any output (metrics file, checkpoints) is created
         # Before the RNG state is restored: the CPU peak measurement draws random matrices.
         self.peak_flops, self.peak_source = self._device_peak()
         loaded = self._load() if self.resume else None
         self.microbatches.update(self.state.consumed_train_samples)
+        self.rebalancer = self._straggler_rebalancer()
         self.timers("model-and-optimizer-setup").stop()
-        self.metrics = MetricsWriter(cfg, enabled=is_logging_rank())
+        self.metrics = MetricsWriter(cfg, enabled=is_logging_rank(self.groups))
         with self.timers("train/valid/test-data-iterators-setup"):
             self._build_data()
         if loaded is not None and not (cfg.checkpoint.no_load_rng or cfg.checkpoint.finetune):
@@ -181,8 +185,8 @@ class Trainer:
         dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
         if get_device().type == "cpu" and not cpu_has_native_half(dtype):
             flag = "--bf16" if t.bf16 else "--fp16"
-            logger.info(
-                f"warning: this CPU has no native {flag[2:]} matrix instructions (oneDNN reports "
+            logger.warning(
+                f"this CPU has no native {flag[2:]} matrix instructions (oneDNN reports "
                 f"none): {flag} matmuls run orders of magnitude slower than fp32 here; drop {flag} to train "
                 f"in fp32"
             )
@@ -214,8 +218,8 @@ class Trainer:
         except CheckpointError as e:
             raise TrainingSetupError(str(e)) from None
         if c.load and not self.resume:
-            logger.info(
-                f"warning: no checkpoint in --load {c.load} yet: training starts from scratch "
+            logger.warning(
+                f"no checkpoint in --load {c.load} yet: training starts from scratch "
                 f"(--exit-on-missing-checkpoint makes this an error)"
             )
         try:
@@ -236,15 +240,16 @@ class Trainer:
     def _build_tokenizer(self):
         from megalm.tokenizers import build_tokenizer
 
-        cfg = self.cfg
+        cfg, data_fields = self.cfg, {}
         if cfg.data.tokenizer_type is None:
             if cfg.model.vocab_size is None:
                 raise TrainingSetupError(
                     "give --tokenizer-type (and --tokenizer-model), or --vocab-size for --mock-data"
                 )
-            cfg.data.tokenizer_type = "NullTokenizer"
-        tokenizer = build_tokenizer(cfg.data, cfg.model)
-        set_vocab_size(cfg, tokenizer.vocab_size)
+            data_fields["tokenizer_type"] = "NullTokenizer"
+        tokenizer = build_tokenizer(dataclasses.replace(cfg.data, **data_fields), cfg.model)
+        # The validated config is frozen: the run goes on with a copy holding the tokenizer's vocabulary.
+        self.cfg = with_vocab_size(cfg, tokenizer.vocab_size, **data_fields)
         return tokenizer
 
     def _microbatch_calculator(self) -> MicrobatchCalculator:
@@ -253,7 +258,7 @@ class Trainer:
         return MicrobatchCalculator(
             t.global_batch_size,
             t.micro_batch_size,
-            parallel_state.get_data_parallel_world_size(),
+            parallel_state.group_size(self.groups.dp),
             t.rampup_batch_size,
             step_schedule(t, self.cfg.model.seq_length),
         )
@@ -275,9 +280,9 @@ class Trainer:
 
     def _validate_data(self) -> None:
         """Every data prefix exists, is intact and holds only ids below the vocabulary (collective)."""
-        from megalm.data.builder import validate_data
+        from megalm.data.builder import get_train_valid_test_num_samples, validate_data
 
-        validate_data(self.cfg, self.tokenizer)
+        validate_data(self.cfg, self.tokenizer, get_train_valid_test_num_samples(self.cfg, self.train_iters))
 
     def _build_data(self) -> None:
         from megalm.data import build_train_valid_test_data_iterators
@@ -289,6 +294,8 @@ class Trainer:
             self.state.consumed_train_samples,
             self.state.consumed_valid_samples,
             groups=self.groups,
+            train_iters=self.train_iters,
+            train_shares=self.rebalancer.shares if self.rebalancer is not None else None,
         )
         self.data_iterators = iterators
         self.train_iter, self.valid_iter, self.test_iter = iterators
@@ -372,12 +379,17 @@ class Trainer:
         self.saved_at = None
         note = self.profiler.note_on_resume(state.iteration)
         if note:
-            logger.warning(f"warning: {note}")
+            logger.warning(note)
         self.watchdog = self._hang_watchdog()
+        deadline = self._first_step_deadline()
         try:
+            if deadline is not None and state.iteration < self.train_iters:
+                self._first_step_watched(deadline)
             while state.iteration < self.train_iters:
                 self.train_iteration()
         finally:
+            if deadline is not None:
+                deadline.close()
             if self.watchdog is not None:
                 self.watchdog.close()
                 self.watchdog = None
@@ -396,6 +408,62 @@ class Trainer:
 
         directory = t.hang_watchdog_dir or (os.path.join(c.save, "hang_stacks") if c.save else None)
         return HangWatchdog(t.hang_watchdog_seconds, dist.get_rank() if dist.is_initialized() else 0, directory)
+
+    def _straggler_rebalancer(self):
+        """--straggler-rebalance-interval's :class:`megalm.training.rebalance.StragglerRebalancer`, else None."""
+        n = self.cfg.training.straggler_rebalance_interval
+        if not n:
+            return None
+        from megalm.training.rebalance import StragglerRebalancer
+
+        dp = self.groups.dp
+        rank, size = (dist.get_rank(dp), dist.get_world_size(dp)) if dp is not None else (0, 1)
+        return StragglerRebalancer(n, self.microbatches.num_microbatches, rank, size)
+
+    def _rebalance(self) -> None:
+        """Re-plan the replicas' micro-batch shares (collective); on a change, the reading ranks'
+        train iterator restarts at the consumed samples with the new split."""
+        shares = self.rebalancer.replan()
+        loader = self.data_iterators.train_loader if self.data_iterators is not None else None
+        if shares is None or loader is None:
+            return
+        loader.batch_sampler.shares = list(shares)
+        loader.batch_sampler.consumed_samples = self.state.consumed_train_samples
+        self.train_iter = iter(loader)
+
+    def _first_step_deadline(self):
+        """--first-step-timeout-seconds' :class:`megalm.training.first_step.FirstStepDeadline` (with
+        more than one rank), else None."""
+        seconds = self.cfg.training.first_step_timeout_seconds
+        if not seconds or not dist.is_initialized() or dist.get_world_size() == 1:
+            return None
+        from megalm.training.first_step import FirstStepDeadline, job_store
+
+        return FirstStepDeadline(seconds, job_store(), dist.get_rank(), dist.get_world_size())
+
+    def _first_step_watched(self, deadline) -> None:
+        """The first iteration, telling ``deadline`` when this rank has read its first batch (at
+        once on ranks that read none) and when the step is done."""
+        from megalm.training.first_step import STAGES
+
+        train_iter = self.train_iter
+        if train_iter is None:
+            deadline.reached(STAGES[1])
+        else:
+
+            def first_batch_marked():
+                for batch in train_iter:
+                    deadline.reached(STAGES[1])
+                    yield batch
+                    break
+                yield from train_iter
+
+            self.train_iter = first_batch_marked()
+        try:
+            self.train_iteration()
+        finally:
+            self.train_iter = train_iter
+        deadline.step_done()
 
     def _progress(self, where: str) -> None:
         """Mark progress for the hang watchdog (a clock read; nothing without one)."""
@@ -421,8 +489,11 @@ class Trainer:
             self.groups,
             self.timers,
             self.outer_sync,
+            self.rebalancer,
         )
         self.check_numerics(result)
+        if self.rebalancer is not None and state.iteration % self.rebalancer.interval == 0:
+            self._rebalance()
         self.interval.add(time.perf_counter() - start, result)
         self._progress(f"iteration {state.iteration} step done")
         self.profiler.after_step(state.iteration)
@@ -586,7 +657,7 @@ class Trainer:
             if stragglers is not None:
                 line += format_stragglers(stragglers)
                 record.update(stragglers_record(stragglers))
-        if is_logging_rank():
+        if is_logging_rank(self.groups):
             logger.info(line, extra={"on_rank": None})
         record.update(self._log_timers(log.iterations))
         record.update(self._writer_only_scalars())
@@ -640,7 +711,7 @@ class Trainer:
         from megalm.optimizer.clip_grads import params_norm
 
         finish_param_sync(self.model)
-        return params_norm([p for chunk in self.model for p in chunk.parameters()])
+        return params_norm([p for chunk in self.model for p in chunk.parameters()], self.groups)
 
     def _new_compilations(self) -> dict:
         """Fused graphs compiled since the last log line (all in the first interval when shapes
@@ -680,7 +751,7 @@ class Trainer:
         if loss is None:
             return
         ppl = math.exp(min(20.0, loss))
-        if is_logging_rank():
+        if is_logging_rank(self.groups):
             bar = "-" * 90
             logger.info(
                 f"{bar}\n {split} loss at iteration {self.state.iteration} | lm loss value: {loss:.6E} | "

@@ -58,7 +58,7 @@ from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.fusions.compile import select
 from megalm.fusions.rope import rotary_qk
 from megalm.fusions.softmax import masked_scaled_softmax, scaled_causal_softmax
-from megalm.parallel_state import CURRENT, group_size, resolve_group
+from megalm.parallel_state import group_size
 from megalm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalm.tensor_parallel.param_info import set_param_info
 from megalm.tensor_parallel.random import checkpoint, dropout_rng
@@ -87,8 +87,9 @@ class SelfAttention(nn.Module):
         recompute_core: bool = False,
         plan: FusionPlan = EAGER,
         skip_output_bias: bool = False,
-        tp_group=CURRENT,
-        cp_group=CURRENT,
+        *,
+        tp_group,
+        cp_group,
         cp_comm_type: str = "p2p",
         layer_number: int = 0,
     ):
@@ -123,8 +124,8 @@ class SelfAttention(nn.Module):
     ) -> None:
         """The attention core's settings (shared with :class:`~megalm.transformer.mla.MLASelfAttention`):
         groups, heads and ``head_dim`` of the q/k the core sees, its backend, dropout and groups."""
-        self.tp_group = resolve_group(tp_group, "tp")
-        self.cp_group = resolve_group(cp_group, "cp")
+        self.tp_group = tp_group
+        self.cp_group = cp_group
         self.cp_size = group_size(self.cp_group)
         self.cp_comm_type = cp_comm_type
         tp = group_size(self.tp_group)

@@ -50,7 +50,6 @@ from torch import nn
 from megalm.context_parallel.chunks import ContextParallelError
 from megalm.device import get_device
 from megalm.fusions.backends import EAGER, FusionPlan
-from megalm.parallel_state import CURRENT
 from megalm.tensor_parallel.initialization import mark_init
 from megalm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalm.tensor_parallel.mappings import (
@@ -109,8 +108,9 @@ class MLASelfAttention(SelfAttention):
         recompute_core: bool = False,
         plan: FusionPlan = EAGER,
         skip_output_bias: bool = False,
-        tp_group=CURRENT,
-        cp_group=CURRENT,
+        *,
+        tp_group,
+        cp_group,
         cp_comm_type: str = "p2p",
         layer_number: int = 0,
     ):

@@ -23,7 +23,6 @@ from torch import nn
 from megalm.fusions.activations import bias_swiglu, gelu_fusion
 from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.fusions.compile import select
-from megalm.parallel_state import CURRENT, resolve_group
 from megalm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalm.transformer.utils import init_std, output_init_std
 
@@ -44,11 +43,12 @@ class MLP(nn.Module):
         sequence_parallel: bool = False,
         plan: FusionPlan = EAGER,
         skip_output_bias: bool = False,
-        tp_group=CURRENT,
+        *,
+        tp_group,
     ):
         super().__init__()
         m = model_cfg
-        self.tp_group = resolve_group(tp_group, "tp")
+        self.tp_group = tp_group
         self.linear_fc1, self.linear_fc2 = self.build_linears(m, sequence_parallel, skip_output_bias)
         activation = bias_swiglu if m.swiglu else gelu_fusion(m.openai_gelu)
         self.bias_activation = select(activation, plan.compiled("bias_activation"))

@@ -40,7 +40,7 @@ from megalm.config.sections import ConfigError
 from megalm.device import get_device
 from megalm.fusions import backends
 from megalm.fusions.backends import EAGER, FusionPlan
-from megalm.parallel_state import CURRENT, group_size
+from megalm.parallel_state import group_size
 from megalm.tensor_parallel.initialization import mark_init
 from megalm.tensor_parallel.random import dropout_rng, get_rng_tracker
 from megalm.tensor_parallel.utils import set_tensor_model_parallel_attributes
@@ -178,7 +178,8 @@ class TESelfAttention(SelfAttention):
         recompute_core: bool = False,
         plan: FusionPlan = EAGER,
         skip_output_bias: bool = False,
-        tp_group=CURRENT,
+        *,
+        tp_group,
         cp_group=None,
         cp_comm_type: str = "p2p",
         layer_number: int = 0,

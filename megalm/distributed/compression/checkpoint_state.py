@@ -49,7 +49,7 @@ class CompressionCheckpointState:
         if signature(self.model_chunks, {}) is None:
             return {}
         params, copies = model_parameters(self.model_chunks), tied_embedding_copies(self.model_chunks)
-        return layout_free_specs(self.model_chunks, params, copies, self._tp())
+        return layout_free_specs(self.model_chunks, params, copies, self._tp(), groups=self.groups)
 
     def sharded_load_plan(self, info) -> dict:
         self._path = info.path
@@ -58,7 +58,7 @@ class CompressionCheckpointState:
         params, copies = model_parameters(self.model_chunks), tied_embedding_copies(self.model_chunks)
         pp1 = group_size(self.groups.pp) == 1
         self._layout_free = LayoutFreeState(
-            self.model_chunks, params, copies, self._tp(), info.saved_tensors, absorb_copies=pp1
+            self.model_chunks, params, copies, self._tp(), info.saved_tensors, absorb_copies=pp1, groups=self.groups
         )
         return self._layout_free.specs
 

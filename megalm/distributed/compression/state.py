@@ -89,16 +89,19 @@ def _names(params: Dict[str, torch.nn.Parameter], copies: Dict[str, tuple]) -> D
     return names
 
 
-def layout_free_specs(model_chunks: Sequence, params: Dict[str, torch.nn.Parameter], copies: Dict[str, tuple], tp):
+def layout_free_specs(
+    model_chunks: Sequence, params: Dict[str, torch.nn.Parameter], copies: Dict[str, tuple], tp, *, groups
+):
     """Save: ``grad_compression.<name>.pending`` (the pending update ``P`` of every parameter, laid out
     like it) and ``grad_compression.<name>.powersgd_q.rows<a>-<b>.tp<r>of<T>`` (PowerSGD's ``Q`` of
     rows ``[a, b)`` on TP rank ``r`` of ``T``, replicated over the data-parallel group).  ``params``
     and ``copies``: :func:`megalm.param_layout.model_parameters` / ``tied_embedding_copies``; ``tp``:
-    ``(TP rank, TP size)``.  Collective (:func:`~.reshard.pending_updates`); empty without compression."""
+    ``(TP rank, TP size)``; ``groups``: the rank's process groups (where each parameter's shard
+    sits).  Collective (:func:`~.reshard.pending_updates`); empty without compression."""
     names = _names(params, copies)
     specs = {}
     for p, pending in reshard.pending_updates(model_chunks).items():
-        specs[f"{PREFIX}{names[p]}.pending"] = param_spec(p, pending)
+        specs[f"{PREFIX}{names[p]}.pending"] = param_spec(p, pending, groups=groups)
     for (p, first, end), q in reshard.powersgd_qs(model_chunks).items():
         specs[_q_key(names[p], first, end, tp)] = ShardedTensorSpec.replicated(q.detach().clone())
     return specs
@@ -109,7 +112,7 @@ class LayoutFreeState:
     the compressors.  Only what the checkpoint holds is read (``saved``: its names and shapes); a
     tied embedding's copy saved at PP > 1 and loaded at PP 1 (``absorb_copies``) adds to the source."""
 
-    def __init__(self, model_chunks, params, copies, tp, saved: Dict[str, tuple], absorb_copies: bool):
+    def __init__(self, model_chunks, params, copies, tp, saved: Dict[str, tuple], absorb_copies: bool, *, groups):
         names, copy_ids = _names(params, copies), {id(c) for _, c in copies.values()}
         self.specs: dict = {}
         self.pending: Dict[torch.nn.Parameter, List[torch.Tensor]] = {}
@@ -121,7 +124,7 @@ class LayoutFreeState:
                     keys.append(f"{PREFIX}{names[p]}.copy.pending")
                 for key in (k for k in keys if k in saved):
                     target = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-                    self.specs[key] = param_spec(p, target)
+                    self.specs[key] = param_spec(p, target, groups=groups)
                     self.pending.setdefault(p, []).append(target)
         for (p, first, end), shape in reshard.powersgd_q_shapes(model_chunks).items():
             key = _q_key(names[p], first, end, tp)

@@ -51,7 +51,7 @@ from torch import nn
 from megalm.config.sections import ConfigError
 from megalm.device import get_device
 from megalm.fusions.backends import EAGER, FusionPlan
-from megalm.parallel_state import CURRENT, group_rank, group_size, resolve_group
+from megalm.parallel_state import group_rank, group_size
 from megalm.tensor_parallel.initialization import mark_init
 from megalm.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
@@ -104,17 +104,17 @@ class MoELayer(nn.Module):
         layer_number: int,
         sequence_parallel: bool = False,
         plan: FusionPlan = EAGER,
-        tp_group=CURRENT,
-        ep_group=CURRENT,
+        *,
+        tp_group,
+        ep_group,
         moe_state: Optional[MoEState] = None,
         cp_group=None,
         tp_cp_group=None,
-        etp_group=CURRENT,
+        etp_group,
     ):
         super().__init__()
         m = model_cfg
-        tp_group, ep_group = resolve_group(tp_group, "tp"), resolve_group(ep_group, "ep")
-        self.etp_group = resolve_group(etp_group, "etp")
+        self.etp_group = etp_group
         ep = group_size(ep_group)
         if m.num_experts % ep != 0:
             raise ConfigError(f"--num-experts {m.num_experts} is not divisible by the expert-parallel size {ep}")

@@ -44,7 +44,7 @@ from torch import nn
 from megalm.config.sections import ConfigError
 from megalm.context_parallel.chunks import gathered_to_global, split_sequence
 from megalm.device import get_device
-from megalm.parallel_state import CURRENT, group_rank, group_size, resolve_group
+from megalm.parallel_state import group_rank, group_size
 from megalm.tensor_parallel.initialization import mark_init
 from megalm.tensor_parallel.mappings import all_gather_first_dim
 from megalm.tensor_parallel.param_info import set_param_info
@@ -158,7 +158,8 @@ class TopKRouter(nn.Module):
         model_cfg,
         layer_number: int,
         sequence_parallel: bool = False,
-        tp_group=CURRENT,
+        *,
+        tp_group,
         moe_state: Optional[MoEState] = None,
         cp_group=None,
         tp_cp_group=None,
@@ -176,7 +177,7 @@ class TopKRouter(nn.Module):
         self.capacity_factor = m.moe_expert_capacity_factor
         self.drop_policy, self.pad_to_capacity = m.moe_token_drop_policy, m.moe_pad_expert_input_to_capacity
         self.per_layer_logging = m.moe_per_layer_logging
-        self.tp_group = resolve_group(tp_group, "tp")
+        self.tp_group = tp_group
         self.tp_size = group_size(self.tp_group)
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
         # The group the tokens of a sequence are split over, and its size.

@@ -1,0 +1,212 @@
+#!/usr/bin/env python
+"""Recovery after a lost node (issue #32): steps lost, seconds to resume, final loss vs an
+uninterrupted run, for each recovery path megalm has.
+
+    python3 bench/recovery.py --iters 40 --kill-at 23 --save-interval 10
+
+Two "nodes" are two torchrun agents on loopback (c10d rendezvous, one rank each, the tiny GPT
+with the distributed optimizer); the worker of node B SIGKILLs its agent and itself at its
+``--kill-at``-th forward step (iteration ``kill-at``: one micro-batch per rank and step):
+
+* ``disk``: ``--nnodes 2 --max-restarts 1`` and a replacement node started at once (what a
+  scheduler does today): the job restarts on 2 nodes from the newest disk checkpoint.
+* ``elastic``: ``--nnodes 1:2 --max-restarts 1``: the job restarts on the surviving node alone
+  from the newest checkpoint, resharded to DP 1 with the same global batch.
+
+"steps lost" = iterations finished before the failure minus the iteration resumed from; "seconds
+to resume" = from the SIGKILL to the first iteration logged after the restart (rendezvous, process
+start, imports, checkpoint load, first step).  The machine is shared: the table records the load
+average before and after.  Prints a markdown table (and ``--json`` writes the rows).
+"""
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+ENV = dict(os.environ, PYTHONPATH=REPO, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
+ENV["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # see docs/fault-tolerance.md
+FLAGS = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+    "--mock-data --vocab-size 500 --num-workers 2 --hidden-dropout 0 --attention-dropout 0 --lr 1e-3 "
+    "--log-interval 1 --eval-iters 0 --seed 7 --micro-batch-size 2 --global-batch-size 4 "
+    "--use-distributed-optimizer --log-world-size-to-tensorboard"
+).split()
+
+
+def _agent(port, args, nnodes, host, max_restarts=1):
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "recovery-bench",
+        "--rdzv-conf",
+        f"is_host={int(host)},last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
+        "--max-restarts",
+        str(max_restarts),
+        "--monitor-interval",
+        "0.2",
+        os.path.abspath(__file__),
+        "--worker",
+        *args,
+    ]
+
+
+def _spawn(cmd, log, **env):
+    return subprocess.Popen(
+        cmd, env=dict(ENV, **env), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def _records(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip().endswith("}")]
+
+
+def _watch(metrics, procs, timeout):
+    """Poll the metrics file; return ``[(seen_at, record)]`` once every process has exited."""
+    seen, start = [], time.monotonic()
+    while time.monotonic() - start < timeout:
+        rows = [r for r in _records(metrics) if "lm_loss" in r]
+        now = time.time()
+        seen += [(now, r) for r in rows[len(seen) :]]
+        if all(p.poll() is not None for p in procs):
+            rows = [r for r in _records(metrics) if "lm_loss" in r]
+            seen += [(time.time(), r) for r in rows[len(seen) :]]
+            return seen
+        time.sleep(0.05)
+    raise TimeoutError("the run did not finish")
+
+
+def run(path, args, port, tmp, name):
+    """One scenario; returns its metrics rows with the time each was seen, and the kill time."""
+    metrics, stamp = os.path.join(tmp, f"{name}.jsonl"), os.path.join(tmp, f"{name}.killed")
+    ckpt = os.path.join(tmp, f"{name}-ckpt")
+    train = [*FLAGS, "--train-iters", str(args.iters), "--metrics-file", metrics]
+    if path != "straight":
+        train += ["--save", ckpt, "--load", ckpt, "--save-interval", str(args.save_interval)]
+    log = open(os.path.join(tmp, f"{name}.log"), "w")
+    nnodes = "1:2" if path == "elastic" else "2"
+    kill = {"MEGALM_BENCH_KILL_AT": str(args.kill_at), "MEGALM_BENCH_KILL_STAMP": stamp}
+    a = _spawn(_agent(port, train, nnodes, True), log)
+    b = _spawn(_agent(port, train, nnodes, False), log, **(kill if path != "straight" else {}))
+    procs = [a, b]
+    try:
+        if path == "disk":  # the scheduler replaces the node as soon as it is gone
+            b.wait(timeout=args.timeout)
+            procs.append(_spawn(_agent(port, train, nnodes, False), log))
+        seen = _watch(metrics, [a] + procs[2:], args.timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    killed_at = float(open(stamp).read()) if os.path.exists(stamp) else None
+    if a.returncode != 0:
+        raise RuntimeError(f"{name}: node A exited with {a.returncode}; see {log.name}")
+    return seen, killed_at
+
+
+def summarize(path, seen, killed_at, straight_loss):
+    rows = [r for _, r in seen]
+    if killed_at is None:
+        return {"path": path, "final_loss": rows[-1]["lm_loss"], "loss_diff": 0.0}
+    # The restarted attempt logs again from its checkpoint: the first record whose iteration does not grow.
+    i = next(i for i in range(1, len(rows)) if rows[i]["iteration"] <= rows[i - 1]["iteration"])
+    first_t, first = seen[i]
+    done_before = rows[i - 1]["iteration"]
+    return {
+        "path": path,
+        "steps_lost": done_before - (first["iteration"] - 1),
+        "seconds_to_resume": first_t - killed_at,
+        "world_after": first.get("world-size"),
+        "final_loss": rows[-1]["lm_loss"],
+        "loss_diff": rows[-1]["lm_loss"] - straight_loss,
+    }
+
+
+def worker(argv):
+    import pretrain_gpt
+
+    call = int(os.environ.get("MEGALM_BENCH_KILL_AT", "0"))
+    forward_step = pretrain_gpt.forward_step
+    if call and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        calls = {"n": 0}
+        inner = forward_step
+
+        def forward_step(data_iterator, model):
+            calls["n"] += 1
+            if calls["n"] == call:
+                with open(os.environ["MEGALM_BENCH_KILL_STAMP"], "w") as f:
+                    f.write(repr(time.time()))
+                os.kill(os.getppid(), signal.SIGKILL)  # the node's agent
+                os.kill(os.getpid(), signal.SIGKILL)
+            return inner(data_iterator, model)
+
+    pretrain_gpt.main(argv, forward_step)
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        return worker(sys.argv[2:])
+    from megalm.device import free_port
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--iters", type=int, default=40)
+    p.add_argument("--kill-at", type=int, default=23, help="iteration during which node B dies")
+    p.add_argument("--save-interval", type=int, default=10)
+    p.add_argument("--paths", default="disk,elastic")
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--json", help="write the rows here")
+    args = p.parse_args()
+    load_before = os.getloadavg()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        seen, _ = run("straight", args, free_port(), tmp, "straight")
+        straight_loss = seen[-1][1]["lm_loss"]
+        results.append(summarize("uninterrupted", seen, None, straight_loss))
+        for path in args.paths.split(","):
+            seen, killed_at = run(path, args, free_port(), tmp, path)
+            results.append(summarize(path, seen, killed_at, straight_loss))
+    load_after = os.getloadavg()
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line), "?")
+    print(f"command: python3 {' '.join(sys.argv)}")
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    print(f"machine: {cpu}, {os.cpu_count()} cores, {platform.node()}; {when}")
+    print(f"load average (1/5/15 min) before {load_before}, after {load_after}")
+    print("| path | world after | steps lost | seconds to resume | final loss | vs uninterrupted |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        lost = r.get("steps_lost", 0)
+        secs = f"{r['seconds_to_resume']:.1f}" if "seconds_to_resume" in r else "-"
+        print(
+            f"| {r['path']} | {r.get('world_after', 2)} | {lost} | {secs} | {r['final_loss']:.6f} "
+            f"| {r['loss_diff']:+.2e} |"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": results, "load_before": load_before, "load_after": load_after}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

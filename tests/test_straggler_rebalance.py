@@ -1,0 +1,143 @@
+"""Straggler mitigation by re-splitting micro-batches (issue #32, item 4).
+
+Unit: :func:`plan_shares` splits in proportion to speed; :class:`ShareSampler` gives the replicas
+disjoint slots whose union is each global batch, in order, for any shares.
+
+Real ranks (``torchrun``, 2 ranks, --calculate-per-token-loss, 4 micro-batches each): the same
+training twice, balanced, and with ``--straggler-rebalance-interval 2`` while rank 1 sleeps 0.1 s
+per micro-batch: the split moves micro-batches to rank 0, and every iteration's loss and gradient
+norm equal the balanced run's up to summation order.
+
+Run as a script (``torchrun tests/test_straggler_rebalance.py ARGS``) this file is the training
+entry point: ``pretrain_gpt.main`` with ``MEGALM_TEST_SLOW_RANK=RANK`` (that rank sleeps 0.1 s in
+every forward step).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.training_runs import tiny_flags
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, PYTHONPATH=REPO, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
+ITERS = 8
+
+
+def test_plan_shares_follows_speed():
+    from megalm.training.rebalance import plan_shares
+
+    assert plan_shares([1.0, 1.0], 8) == [4, 4]
+    assert plan_shares([1.0, 3.0], 8) == [6, 2]  # speeds 3:1 of the 6 spare, one each first
+    assert plan_shares([0.01, 10.0], 8) == [7, 1]  # at least one each
+    assert plan_shares([0.0, 2.0, 2.0], 6) == [2, 2, 2]  # unmeasured counts as the fastest
+    assert sum(plan_shares([0.3, 0.7, 1.1, 0.2], 37)) == 37
+    with pytest.raises(ValueError, match="cannot give each"):
+        plan_shares([1.0, 1.0, 1.0], 2)
+
+
+def test_share_sampler_covers_each_global_batch_in_order():
+    from megalm.data.samplers import ShareSampler
+
+    for shares in ([4, 4], [7, 1], [1, 2, 5]):
+        samplers = [ShareSampler(200, 16, 2, r, shares) for r in range(len(shares))]
+        per_rank = [list(s) for s in samplers]
+        g = 2 * sum(shares)
+        for k in range(3):  # global batches after the 16 consumed samples
+            got = []
+            for r, batches in enumerate(per_rank):
+                got += [i for b in batches[k * shares[r] : (k + 1) * shares[r]] for i in b]
+            assert got == list(range(16 + k * g, 16 + (k + 1) * g)), (shares, k)
+        assert [len(s) for s in samplers] == [(200 - 16) // g * n for n in shares]
+
+
+def _torchrun(*args):
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--monitor-interval",
+        "0.2",
+        os.path.abspath(__file__),
+        *args,
+    ]
+
+
+def _rows(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def test_rebalanced_microbatches_give_the_balanced_losses(tmp_path):
+    flags = tiny_flags(
+        hidden_size="32",
+        seq_length="16",
+        vocab_size="128",
+        micro_batch_size="1",
+        global_batch_size="8",
+        calculate_per_token_loss=True,
+        train_iters=str(ITERS),
+    )
+    runs = {}
+    for name, extra, env in (
+        ("balanced", [], {}),
+        ("rebalanced", ["--straggler-rebalance-interval", "2"], {"MEGALM_TEST_SLOW_RANK": "1"}),
+    ):
+        metrics = tmp_path / f"{name}.jsonl"
+        runs[name] = (
+            metrics,
+            subprocess.Popen(
+                _torchrun(*flags, *extra, "--metrics-file", str(metrics)),
+                env=dict(ENV, **env),
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            ),
+        )
+    outs = {}
+    try:
+        for name, (_, proc) in runs.items():
+            outs[name] = proc.communicate(timeout=240)[0]
+    finally:
+        for _, proc in runs.values():
+            proc.kill()
+    for name, (_, proc) in runs.items():
+        assert proc.returncode == 0, outs[name][-3000:]
+    moves = [line for line in outs["rebalanced"].splitlines() if "straggler rebalance" in line]
+    assert moves and "[4, 4] -> [" in moves[0], outs["rebalanced"][-3000:]
+    first = json.loads(moves[0].split("-> ")[1].split(" (")[0])
+    assert first[0] > first[1], moves  # the slow rank 1 got fewer
+    balanced = {r["iteration"]: r for r in _rows(runs["balanced"][0]) if "lm_loss" in r}
+    rebalanced = {r["iteration"]: r for r in _rows(runs["rebalanced"][0]) if "lm_loss" in r}
+    assert sorted(balanced) == sorted(rebalanced) == list(range(1, ITERS + 1))
+    for it in range(1, ITERS + 1):
+        b, r = balanced[it], rebalanced[it]
+        assert r["consumed_samples"] == b["consumed_samples"] == 8 * it
+        assert abs(r["lm_loss"] - b["lm_loss"]) <= 1e-5 * abs(b["lm_loss"]), (it, r["lm_loss"], b["lm_loss"])
+        assert abs(r["grad_norm"] - b["grad_norm"]) <= 1e-4 * abs(b["grad_norm"]), (it, r, b)
+
+
+def _slow_hook(forward_step):
+    slow = os.environ.get("MEGALM_TEST_SLOW_RANK")
+    if slow is None or int(os.environ["RANK"]) != int(slow):
+        return forward_step
+
+    def step(data_iterator, model):
+        time.sleep(0.1)
+        return forward_step(data_iterator, model)
+
+    return step
+
+
+if __name__ == "__main__":
+    import pretrain_gpt
+
+    pretrain_gpt.main(sys.argv[1:], _slow_hook(pretrain_gpt.forward_step))
