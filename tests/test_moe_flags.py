@@ -19,6 +19,7 @@ from megalm.config import ConfigError, MegalmConfig, build_parser, config_from_a
 from megalm.fusions import EAGER
 from megalm.models import GPTModel
 from megalm.parallel_state import get_process_groups
+from megalm.tensor_parallel.initialization import initialize_weights
 from megalm.transformer.moe.moe_layer import MoELayer
 from megalm.transformer.moe.token_dispatcher import AlltoAllTokenDispatcher
 
@@ -105,6 +106,7 @@ def test_force_load_balancing_routes_at_random_with_straight_through_gradient():
     for seed in (0, 1):
         torch.manual_seed(seed)
         layer = MoELayer(cfg.model, 1, tp_group=None, ep_group=None, etp_group=None).train()
+        initialize_weights(layer, seed, tp_group=None, etp_group=None)
         torch.manual_seed(5)  # the random logits' draw
         probs, routing_map = layer.router(x)
         routes.append(routing_map)
@@ -113,6 +115,7 @@ def test_force_load_balancing_routes_at_random_with_straight_through_gradient():
     assert torch.equal(routes[0], routes[1])  # different router weights, same random routing
     torch.manual_seed(5)
     plain = MoELayer(_cfg().model, 1, tp_group=None, ep_group=None, etp_group=None).train()
+    initialize_weights(plain, 0, tp_group=None, etp_group=None)
     assert not torch.equal(plain.router(x)[1], routes[0])
 
 
@@ -120,6 +123,7 @@ def test_shared_expert_gate():
     cfg = _cfg(moe_shared_expert_gate=True)
     torch.manual_seed(0)
     layer = MoELayer(cfg.model, 1, tp_group=None, ep_group=None, etp_group=None).eval()
+    initialize_weights(layer, 0, tp_group=None, etp_group=None)
     with torch.no_grad():
         layer.shared_experts.gate_weight.normal_(0, 0.5)
     names = [n for n, _ in layer.named_parameters()]

@@ -27,7 +27,8 @@ When buckets are gathered and freed around the forward and backward is decided b
   loaded weights (:meth:`ShardedParamBuffer.refresh_shards`).
 
 A bucket holding a tied embedding weight (used outside its module, by the output layer) is
-pinned: gathered after every step and never freed.  So are MoE expert buckets (expert parallelism):
+pinned: gathered after every step and never freed.  So are MoE expert buckets (the experts mark their
+weights with :data:`KEEP_GATHERED`):
 the ranks of an expert-data-parallel group route different tokens, so per-expert gathers could
 happen in different orders (or not at all) on them, and the grouped GEMM reads the experts' weights
 without running their modules.  Their gradients and optimizer state stay sharded over that group.
@@ -43,11 +44,12 @@ from megalm.distributed import comm
 from megalm.distributed.sharded_grad_buffer import ShardedGradBucket, ShardedGradBuffer
 from megalm.tensor_parallel.param_info import param_info
 
+KEEP_GATHERED = "megalm_keep_gathered"  # attribute a module sets on weights ZeRO-3 must not free (MoE experts)
+
 
 def _pinned(param) -> bool:
-    """Kept gathered: a tied embedding weight, or an MoE expert's (see the module docstring)."""
-    info = param_info(param)
-    return info.tied or info.expert
+    """Kept gathered: a tied embedding weight, or one its module marked (MoE experts, see the module docstring)."""
+    return param_info(param).tied or getattr(param, KEEP_GATHERED, False)
 
 
 class ShardedParamBucket(ShardedGradBucket):

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalm.device import get_device
+from megalm.distributed.sharded_param_buffer import KEEP_GATHERED
 from megalm.fusions.activations import expert_bias_gelu, expert_bias_gelu_tanh, glu_activation
 from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.fusions.compile import select
@@ -191,6 +192,10 @@ class LocalExperts(nn.Module):
         self.local_experts = nn.ModuleDict(
             {str(first + j): ExpertMLP(model_cfg, sequence_parallel and etp == 1, plan, etp) for j in range(count)}
         )
+        for p in self.local_experts.parameters():
+            # ZeRO-3 keeps expert weights gathered: the ranks of an expert-data-parallel group route different
+            # tokens, and the grouped GEMM reads the weights without running the experts' modules.
+            setattr(p, KEEP_GATHERED, True)
 
     def experts(self) -> List[ExpertMLP]:
         return list(self.local_experts.values())
