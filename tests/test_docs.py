@@ -29,6 +29,8 @@ EXTERNAL_FLAGS = set(
     " --nodes --signal --time --partition --ntasks-per-node --gpus-per-node --cpu-bind --kill-on-bad-exit --export"
     # tensorboard, mkdocs, pytest, nsys
     " --logdir --strict --site-dir --durations --capture-range"
+    # pip download (wheels for the GPU machine)
+    " --only-binary --platform --python-version --implementation --no-deps --no-index --target --dest"
     # torchft_lighthouse
     " --bind --min_replicas".split()
 )
