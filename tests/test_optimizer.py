@@ -278,8 +278,8 @@ def test_decoupled_lr_moves_embedding_and_output_layer_by_their_own_schedule():
     from tests.test_gpt_model import make_batch
     from tests.test_gpt_model import make_cfg as model_cfg
 
-    cfg = model_cfg(position_embedding_type="rope", untie_embeddings_and_output_weights=True)
-    t = cfg.training
+    cfg = copy.deepcopy(model_cfg(position_embedding_type="rope", untie_embeddings_and_output_weights=True))
+    t = cfg.training  # an editable copy of the validated config
     t.optimizer, t.lr, t.min_lr, t.weight_decay, t.clip_grad, t.sgd_momentum = "sgd", 0.1, 0.01, 0.0, 0.0, 0.0
     t.decoupled_lr, t.decoupled_min_lr = 0.5, 0.05
     t.train_iters, t.global_batch_size, t.lr_decay_style = 10, 1, "linear"
