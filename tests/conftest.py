@@ -62,6 +62,24 @@ def pytest_configure(config):
         config.stash[HANG_FD] = os.dup(2)
 
 
+# What makes a test module start processes (ranks, torchrun, tools run as scripts): its tests get the
+# ``spawns`` marker, so ``pytest -m "not spawns"`` is the in-process unit tier.
+SPAWNING_NAMES = ("run_distributed", "run_trainings", "subprocess", "torchrun", "multiprocessing", "spawn_ranks")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test of a module that names a process starter with ``spawns`` (read from its source once)."""
+    spawning = {}
+    for item in items:
+        path = str(item.path)
+        if path not in spawning:
+            with open(path, encoding="utf-8") as f:
+                source = f.read()
+            spawning[path] = any(name in source for name in SPAWNING_NAMES)
+        if spawning[path]:
+            item.add_marker(pytest.mark.spawns)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     faulthandler.dump_traceback_later(HANG_S, exit=True, file=item.config.stash[HANG_FD])
