@@ -3,19 +3,16 @@ accumulation, reduction and the optimizer's main gradients: fp32, or the paramet
 
 from __future__ import annotations
 
-from megalm.config.sections import ConfigError, ParallelConfig, TrainingConfig
-
-
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
+from megalm.config.fields import check
+from megalm.config.parallel import ParallelConfig
+from megalm.config.training import TrainingConfig
 
 
 def validate_fsdp_grad_dtypes(p: ParallelConfig, t: TrainingConfig) -> None:
     """--megatron-fsdp-main-grads-dtype / --megatron-fsdp-grad-comm-dtype onto the gradient buffers' dtype
     (fp32, or the parameters' bf16/fp16): megalm accumulates and reduces in one buffer."""
     main, comm = p.megatron_fsdp_main_grads_dtype, p.megatron_fsdp_grad_comm_dtype
-    _check(
+    check(
         main == "auto" or comm == "auto" or main == comm,
         f"--megatron-fsdp-main-grads-dtype {main} with --megatron-fsdp-grad-comm-dtype {comm}: megalm reduces the "
         "gradients in their buffers, so the two dtypes must be the same (or one auto)",
@@ -24,7 +21,7 @@ def validate_fsdp_grad_dtypes(p: ParallelConfig, t: TrainingConfig) -> None:
     if want == "auto":
         return
     params = "bf16" if t.bf16 else "fp16" if t.fp16 else "fp32"
-    _check(
+    check(
         want in ("fp32", params),
         f"gradient dtype {want} (--megatron-fsdp-main-grads-dtype / --megatron-fsdp-grad-comm-dtype) needs "
         f"--{want} parameters; these are {params}",

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megalm.config.sections import ConfigError, ModelConfig, ParallelConfig
+from megalm.config.fields import check
+from megalm.config.model import ModelConfig
+from megalm.config.parallel import ParallelConfig
 
 # Megatron's ModelOpt builder (megatron/post_training/model_builder.py) under --enable-gpt-oss.
 GPT_OSS_YARN = dict(
@@ -29,11 +31,6 @@ GPT_OSS_YARN = dict(
     mscale_all_dim=0.0,
     yarn_correction_range_round_to_int=False,
 )
-
-
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
 
 
 def layer_window(m: ModelConfig, layer_number: int) -> Optional[int]:
@@ -76,59 +73,59 @@ def validate_gptoss(m: ModelConfig, p: ParallelConfig) -> None:
     if m.yarn_correction_range_round_to_int is None:
         m.yarn_correction_range_round_to_int = True
     if m.rope_type == "yarn" and not m.multi_latent_attention:
-        _check(m.rotary_percent == 1.0, f"YaRN rotates whole heads: --rotary-percent must be 1, got {m.rotary_percent}")
-    _check(m.rotary_scaling_factor > 0, f"--rotary-scaling-factor must be positive, got {m.rotary_scaling_factor}")
+        check(m.rotary_percent == 1.0, f"YaRN rotates whole heads: --rotary-percent must be 1, got {m.rotary_percent}")
+    check(m.rotary_scaling_factor > 0, f"--rotary-scaling-factor must be positive, got {m.rotary_scaling_factor}")
 
-    _check(not (m.swiglu and m.quick_geglu), "--swiglu and --quick-geglu are two gated MLPs: give one")
+    check(not (m.swiglu and m.quick_geglu), "--swiglu and --quick-geglu are two gated MLPs: give one")
     if m.glu_linear_offset or m.activation_func_clamp_value is not None:
-        _check(
+        check(
             gated_mlp(m),
             "--glu-linear-offset / --activation-func-clamp-value apply to a gated MLP: add --swiglu or --quick-geglu",
         )
     if m.activation_func_clamp_value is not None:
-        _check(
+        check(
             m.activation_func_clamp_value > 0,
             f"--activation-func-clamp-value must be positive, got {m.activation_func_clamp_value}",
         )
 
     if m.window_size is not None:
         left, right = m.window_size
-        _check(left >= -1, f"--window-size left must be >= 0 (or -1: unbounded), got {left}")
-        _check(
+        check(left >= -1, f"--window-size left must be >= 0 (or -1: unbounded), got {left}")
+        check(
             right == 0,
             f"--window-size right must be 0 for a causal GPT (queries see no later keys), got {right}",
         )
     freq = m.window_attn_skip_freq
     if freq is not None:
-        _check(m.window_size is not None, "--window-attn-skip-freq needs --window-size")
+        check(m.window_size is not None, "--window-attn-skip-freq needs --window-size")
         if isinstance(freq, list):
-            _check(
+            check(
                 len(freq) == m.num_layers and set(freq) <= {0, 1},
                 f"--window-attn-skip-freq list needs one 0/1 entry per layer ({m.num_layers}), got {freq}",
             )
         else:
-            _check(freq >= 1, f"--window-attn-skip-freq must be >= 1, got {freq}")
+            check(freq >= 1, f"--window-attn-skip-freq must be >= 1, got {freq}")
 
     variant = (m.window_size is not None and m.window_size[0] >= 0) or uses_sinks(m)
     if not variant:
         return
     what = "--window-size / --softmax-type " + m.softmax_type
-    _check(not m.multi_latent_attention, f"{what} is not built for --multi-latent-attention")
-    _check(
+    check(not m.multi_latent_attention, f"{what} is not built for --multi-latent-attention")
+    check(
         m.transformer_impl == "local",
         f"{what} runs in megalm's attention cores: use --transformer-impl local (TE's core is not wired for it)",
     )
-    _check(
+    check(
         not m.position_keyed_attention_dropout,
         f"{what} is not supported with --position-keyed-attention-dropout (the keyed core has no window or sink)",
     )
     if p.context_parallel_size > 1:
-        _check(
+        check(
             p.cp_comm_type in ("a2a", "allgather"),
             f"{what} under --context-parallel-size > 1 needs --cp-comm-type a2a or allgather: the ring (p2p) "
             "core has no window or sink",
         )
-        _check(
+        check(
             m.attention_dropout == 0.0,
             f"{what} under context parallelism needs --attention-dropout 0 (CP's dropout is the keyed core's, "
             "which has no window or sink)",
