@@ -40,7 +40,6 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import time
 
@@ -49,6 +48,8 @@ REPO = os.path.dirname(BENCH)
 for _path in (REPO, BENCH):
     if _path not in sys.path:
         sys.path.insert(0, _path)
+
+from json_worker import JsonWorker  # noqa: E402
 
 SHAPES = {
     "tiny": dict(arch="llama", layers=2, hidden=128, heads=4, groups=2, ffn=352, seq=128, vocab=1024, micro_batch=2),
@@ -75,53 +76,14 @@ ROWS = {
 LIBRARY = {"megalm": "megalm", "plain": "torch", "mcore": "megatron-core", "titan": "torchtitan"}
 
 
-class Worker:
-    """A worker process speaking JSON lines (commands on stdin, answers on its stdout; log to a file)."""
+class Worker(JsonWorker):
+    """One row's worker process (``--_worker``), its thread count and imports of its own."""
 
     def __init__(self, name: str, spec: dict, log_dir: str):
-        self.name = name
-        self.log_path = os.path.join(log_dir, f"{name}.log")
-        self.log = open(self.log_path, "w")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, BENCH, os.environ.get("PYTHONPATH", "")]))
         for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
             env.pop(k, None)
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--_worker", json.dumps(spec)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            cwd=REPO,
-            env=env,
-        )
-
-    def call(self, **cmd) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait()
-            raise RuntimeError(f"worker exited (code {self.proc.returncode}): {self.tail()}")
-        msg = json.loads(line)
-        if "error" in msg:
-            raise RuntimeError(f"{msg['error']}: {self.tail()}")
-        return msg
-
-    def tail(self, n: int = 1500) -> str:
-        self.log.flush()
-        with open(self.log_path) as f:
-            return f.read()[-n:]
-
-    def close(self) -> None:
-        try:
-            if self.proc.poll() is None:
-                self.call(cmd="exit")
-                self.proc.wait(timeout=60)
-        except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired):
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+        super().__init__(name, __file__, spec, log_dir, env=env, cwd=REPO, close_timeout=60.0)
 
 
 def worker_main(spec_json: str) -> None:

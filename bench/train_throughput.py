@@ -75,7 +75,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Dict, List
@@ -85,6 +84,7 @@ for _path in (REPO, os.path.abspath(os.path.dirname(__file__))):  # megalm; the 
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+from json_worker import JsonWorker  # noqa: E402
 from reference_models import (  # noqa: E402
     IMPL_NAMES,
     PRECISIONS,
@@ -110,13 +110,8 @@ DEFAULT_STEPS = {"tiny": 6, "medium": 2, "toy": 2}
 DEFAULT_ALTERNATE = {"tiny": "all", "medium": "precision", "toy": "all"}
 
 
-class WorkerError(RuntimeError):
-    pass
-
-
-class Worker:
+class Worker(JsonWorker):
     def __init__(self, name: str, spec: dict, log_dir: str):
-        self.name, self.spec = name, spec
         env = dict(
             os.environ,
             OMP_NUM_THREADS=str(THREADS),
@@ -127,48 +122,7 @@ class Worker:
         )
         env.pop("RANK", None)
         env.pop("WORLD_SIZE", None)
-        self.log_path = os.path.join(log_dir, name.replace("/", "_").replace(" ", "_") + ".log")
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--_worker", json.dumps(spec)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            cwd=REPO,
-            env=env,
-        )
-
-    def receive(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait()
-            raise WorkerError(f"worker {self.name} exited (code {self.proc.returncode}); log:\n{self.tail()}")
-        msg = json.loads(line)
-        if "error" in msg:
-            raise WorkerError(f"worker {self.name} failed: {msg['error']}; log:\n{self.tail()}")
-        return msg
-
-    def call(self, **cmd) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self.receive()
-
-    def tail(self, n: int = 4000) -> str:
-        self.log.flush()
-        with open(self.log_path) as f:
-            return f.read()[-n:]
-
-    def close(self) -> None:
-        try:
-            if self.proc.poll() is None:
-                self.call(cmd="exit")
-                self.proc.wait(timeout=30)
-        except (WorkerError, BrokenPipeError, OSError, subprocess.TimeoutExpired, ValueError):
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+        super().__init__(name, __file__, spec, log_dir, env=env, cwd=REPO)
 
 
 def config_list(args) -> List[dict]:
