@@ -73,7 +73,7 @@ def _saved_bytes_per_layer(model, seed=0, attention_mask=None):
     that several layers save: every saved storage stays alive until backward, so one address seen in two
     layers is one tensor, an input every layer gets)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen, current = {}, [None]
+    seen, current, alive = {}, [None], []  # alive: a storage freed mid-forward must not lend its address
     hooks = []
     for layer in model.decoder.layers.values():
         hooks.append(layer.register_forward_pre_hook(lambda m, a: current.__setitem__(0, m.layer_number)))
@@ -83,6 +83,7 @@ def _saved_bytes_per_layer(model, seed=0, attention_mask=None):
         s = x.untyped_storage()
         if current[0] is not None and s.data_ptr() not in params:
             seen.setdefault(current[0], {})[s.data_ptr()] = s.nbytes()
+            alive.append(s)
         return x
 
     model_parallel_manual_seed(7 + seed, get_process_groups())
