@@ -120,6 +120,31 @@ def test_data_parallel_and_pipeline_terms():
     assert v.terms["bubble"] < 0.75 * nv.terms["bubble"]
 
 
+def test_buckets_call_costs_and_optimizer_step_against_hand_counts():
+    """Per-bucket gradient reductions, the per-call cost, the optimizer step per element, sharded and not."""
+    from megalm.estimate.parameters import total_parameters
+    from megalm.planner.data_parallel import bucket_elements, num_buckets
+
+    lat = dataclasses.replace(FLAT, inter_node_latency_us=100.0, collective_call_us=1000.0)
+    one = _layout_cfg(Layout(micro_batch=2))  # --overlap-grad-reduce, default bucket (40M): one bucket
+    n = total_parameters(one)
+    assert bucket_elements(one.parallel) == 40_000_000 and num_buckets(n, 40e6) == 1
+    size = -(-n // 3)  # three buckets
+    three = _layout_cfg(Layout(micro_batch=2), ddp_bucket_size=size)
+    assert num_buckets(n, bucket_elements(three.parallel)) == 3
+    ar = 2 * 3 / 4 * n * 4 / 1e9  # the bytes over the inter link, the same in one call or three
+    steps = 2 * 3 * 100e-6  # all-reduce over 4 ranks: 2 (K-1) latency steps per call
+    assert step_cost(one, lat).terms["dp_comm"] == pytest.approx(ar + steps + 1e-3)
+    assert step_cost(three, lat).terms["dp_comm"] == pytest.approx(ar + 3 * (steps + 1e-3))
+    # the optimizer step: every element on one rank (no_shard), a quarter with the distributed optimizer
+    opt = dataclasses.replace(FLAT, optimizer_ns_per_param=10.0)
+    assert step_cost(one, opt).terms["optimizer"] == pytest.approx(n * 10e-9)
+    sharded = _layout_cfg(Layout(micro_batch=2, strategy="optim"))
+    assert step_cost(sharded, opt).terms["optimizer"] == pytest.approx(n / 4 * 10e-9)
+    # uncalibrated: Adam's 36 bytes per element at memory bandwidth
+    assert step_cost(one, FLAT).terms["optimizer"] == pytest.approx(n * 36 / 100e9)
+
+
 def test_search_is_complete_and_legal():
     """World 4: every (TP, PP, CP) factorisation megalm accepts appears, each layout once, and every
     considered layout is ranked, refused with a reason, or too big."""
