@@ -145,6 +145,63 @@ def test_buckets_call_costs_and_optimizer_step_against_hand_counts():
     assert step_cost(one, FLAT).terms["optimizer"] == pytest.approx(n * 36 / 100e9)
 
 
+def _dp_only(cluster, **kw):
+    """World 2 (one device on each of 2 nodes), DP only: the search's choice is the strategy, offload, compression."""
+    opts = SearchOptions(max_tp=1, max_pp=1, max_cp=1, recompute=("none",), strategies=("no_shard", "optim"), **kw)
+    return search(_cfg(), dataclasses.replace(cluster, devices_per_node=1), opts)
+
+
+def test_compression_picked_on_a_slow_link_with_its_reason():
+    from megalm.estimate.parameters import total_parameters
+    from megalm.planner.cli import compression_methods, format_result
+
+    slow = dataclasses.replace(FLAT, inter_node_bandwidth_gbps=0.01)
+    result = _dp_only(slow, compression=("none", "int8"))
+    best = result.candidates[0]
+    assert best.layout.compression == "int8"
+    n = total_parameters(_cfg())
+    payload = n + 4 * -(-n // 1024)  # int8 values + an fp32 scale per 1024: one bucket (40M default)
+    codec = (13 + 9 * 2) * n / 100e9  # encode + decoding 2 gathered payloads at memory bandwidth
+    if best.layout.strategy == "no_shard":  # all-gather over 2 ranks: each sends its payload once
+        assert best.cost.terms["dp_comm"] == pytest.approx(payload / 0.01e9 + codec)
+    text = format_result(_cfg(), slow, result, [], 1)
+    assert "--grad-compression int8: dp_comm" in text and "the same layout uncompressed is" in text
+    assert "--grad-compression int8" in text.split("terms (ms per step)")[1]  # in the printed command
+    # a fast link: the codec costs more than the bytes it saves, and the output says so
+    fast = dataclasses.replace(FLAT, inter_node_bandwidth_gbps=10.0, memory_bandwidth_gbps=1.0)
+    plain = _dp_only(fast, compression=("none", "int8"))
+    assert plain.candidates[0].layout.compression == "none"
+    assert "the codec costs more than the exposed bytes it saves" in format_result(_cfg(), fast, plain, [], 1)
+    assert compression_methods("int8,fp8") == ("none", "int8", "fp8")
+    with pytest.raises(ConfigError, match="powersgd not searchable"):
+        compression_methods("powersgd")
+
+
+def test_offload_picked_at_a_tiny_memory_budget_with_its_reason():
+    from megalm.estimate.parameters import total_parameters
+
+    roomy = _dp_only(FLAT)
+    assert roomy.dominated > 0 and not any(c.layout.opt_offload or c.layout.act_offload for c in roomy.candidates)
+    smallest = min(roomy.candidates, key=lambda c: c.memory_bytes)
+    n = total_parameters(_cfg())
+    # just below every layout without offload: fp32 Adam keeps 8 bytes of moments per parameter (no_shard)
+    budget = smallest.memory_bytes - 1e3
+    tight = _dp_only(dataclasses.replace(FLAT, memory_gb=budget / 1e9))
+    assert tight.candidates and all(c.layout.opt_offload or c.layout.act_offload for c in tight.candidates)
+    best = tight.candidates[0]
+    assert "without offload" in best.note and best.memory_bytes <= budget
+    by = {c.layout: c for c in tight.candidates}
+    opt = by.get(dataclasses.replace(smallest.layout, opt_offload=True))
+    shards = 2 if smallest.layout.strategy == "optim" else 1
+    assert opt is not None and opt.memory_bytes == pytest.approx(smallest.memory_bytes - 8 * n / shards)
+    # its time: gradients down (4 B) and weights back (4 B) over the host link, the host's Adam step
+    host = n / shards * (8 / 50e9 + 2e-9)
+    assert opt.cost.terms["optimizer"] == pytest.approx(host)
+    act = [c for c in tight.candidates if c.layout.act_offload]
+    assert act and all("--cpu-offloading-num-layers" in c.layout.flags() for c in act)
+    assert all(c.cost.terms["offload"] > 0 for c in act)  # the device is "cpu": synchronous copies
+
+
 def test_search_is_complete_and_legal():
     """World 4: every (TP, PP, CP) factorisation megalm accepts appears, each layout once, and every
     considered layout is ranked, refused with a reason, or too big."""

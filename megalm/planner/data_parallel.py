@@ -23,6 +23,11 @@ per rank's payload gathered: ``9 K n``; all-to-all: ``9 n``).
 host at ``host_optimizer_ns_per_param`` after its gradients (``grads`` bytes each) go down and before its
 updated weights (``weights`` bytes) come back over ``host_link_gbps`` (overlapped with the host step bucket by
 bucket under ``--overlap-cpu-optimizer-d2h-h2d``: the larger of the two).
+
+**Memory** beyond :func:`megalm.estimate.planner.plan` (:func:`memory_change`): ``--optimizer-cpu-offload`` takes
+its fraction of the rank's optimizer state (main weights and moments) off the device; compression keeps an fp32
+residual per element of the rank's buffers and, while a bucket reduces, its compensated fp32 copy and the ``K``
+gathered payloads.
 """
 
 from __future__ import annotations
@@ -157,3 +162,21 @@ def _edp(s) -> int:
     from megalm.parallel_layout import expert_data_parallel_size
 
     return expert_data_parallel_size(s.tp, s.cp, s.p.data_parallel_size, s.ep, s.etp)
+
+
+def memory_change(cfg, stage: dict) -> float:
+    """Bytes to add to :func:`megalm.estimate.planner.plan`'s ``stage`` total for optimizer offload and gradient
+    compression (module docstring)."""
+    p, t = cfg.parallel, cfg.training
+    out = 0.0
+    if t.optimizer_cpu_offload:
+        optim = (
+            stage["optimizer"] if p.data_parallel_sharding_strategy == "no_shard" else stage["optimizer_distributed"]
+        )
+        out -= t.optimizer_offload_fraction * optim
+    k = p.data_parallel_size * p.context_parallel_size
+    if p.grad_compression in COMPRESSED and k > 1:
+        params = stage["parameters"]
+        bucket = min(bucket_elements(p), params)
+        out += 4 * params + 4 * bucket + k * payload_bytes(bucket, _chunk(p))
+    return out
