@@ -265,8 +265,10 @@ def test_cluster_file_round_trip_and_errors(tmp_path):
         load_cluster("h100", {"backend": "mpi"})
 
 
-def _train_planned(flags, tmp):
-    return run_trainings([flags + ["--metrics-file", os.path.join(tmp, "plan.jsonl")]])
+def _train_planned(flags, auto, tmp):
+    """The printed flags, then pretrain_gpt.py --auto-layout: two short runs in one spawned group."""
+    runs = [flags + ["--metrics-file", os.path.join(tmp, "plan.jsonl")]]
+    return run_trainings(runs + [auto + ["--metrics-file", os.path.join(tmp, "auto.jsonl")]])
 
 
 def test_printed_flags_start_a_run(tmp_path):
@@ -285,9 +287,17 @@ def test_printed_flags_start_a_run(tmp_path):
     flags = line.split("pretrain_gpt.py ", 1)[1].split()
     assert "--tensor-model-parallel-size" in flags and "--micro-batch-size" in flags
     assert " 1 node(s) x 2 devices" in out.stdout and "refused by megalm's validation" in out.stdout
-    codes = run_distributed(_train_planned, 2, args=(flags, str(tmp_path)), timeout=240)
-    assert codes == [[0], [0]]
-    assert len(records(str(tmp_path), "plan")) == 2
+    # --auto-layout takes the same first choice for 2 ranks of the cpu cluster; explicit layout flags refused
+    from megalm.planner.auto import auto_layout_argv
+
+    auto = model + ["--auto-layout", "--cluster-config", "cpu"]
+    chosen = auto_layout_argv(auto, 2, 2, log=lambda *_: None)
+    assert chosen == model + flags[flags.index("--tensor-model-parallel-size") :]
+    with pytest.raises(ConfigError, match="--auto-layout chooses the layout: drop --micro-batch-size"):
+        auto_layout_argv(auto + ["--micro-batch-size", "1"], 2, 2)
+    codes = run_distributed(_train_planned, 2, args=(flags, auto, str(tmp_path)), timeout=300)
+    assert codes == [[0, 0], [0, 0]]
+    assert len(records(str(tmp_path), "plan")) == 2 and len(records(str(tmp_path), "auto")) == 2
     bad = subprocess.run(
         [sys.executable, os.path.join(ROOT, "tools", "plan.py"), *model, "--cluster", "nope"],
         cwd=ROOT,

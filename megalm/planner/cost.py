@@ -239,7 +239,8 @@ def step_cost(cfg, cluster) -> StepCost:
     terms["pp_comm"] = n_micro * p2p
     terms["bubble"] = bubble
     s.inter = 0.0  # from here on: the data-parallel collectives' inter-node bytes
-    dp_terms = data_parallel(s, cfg, busiest, n_micro, stages[busiest])
+    backward = (2 / 3) * sum(stages[busiest].get(k, 0.0) for k in COMPUTE_TERMS)
+    dp_terms = data_parallel(s, cfg, busiest, n_micro, backward)
     terms.update(dp_terms)
     terms["overhead"] += cluster.step_overhead_ms * 1e-3
     step = n_micro * slot + bubble + sum(dp_terms.values()) + cluster.step_overhead_ms * 1e-3

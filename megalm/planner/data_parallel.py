@@ -119,11 +119,11 @@ def optimizer_step(s, local: float, per: Dict[str, float]) -> float:
     return device + (max(transfer, host) if t.overlap_cpu_optimizer_d2h_h2d else transfer + host)
 
 
-def data_parallel(s, cfg, pp_rank: int, n_micro: int, stage_terms: Dict[str, float]) -> Dict[str, float]:
+def data_parallel(s, cfg, pp_rank: int, n_micro: int, backward: float) -> Dict[str, float]:
     """Exposed data-parallel seconds (gradient reduction, parameter gathers, embedding sync) and the
-    optimizer step of pipeline rank ``pp_rank`` (``s``: the cost model's per-layout helper)."""
+    optimizer step of pipeline rank ``pp_rank`` (``s``: the cost model's per-layout helper; ``backward``:
+    the compute seconds of one microbatch's backward there, which can hide the reduction)."""
     from megalm.estimate.planner import state_bytes_per_param
-    from megalm.planner.cost import COMPUTE_TERMS
 
     m, p, t = s.m, s.p, s.t
     precision = "bf16" if t.bf16 else "fp16" if t.fp16 else "fp32"
@@ -145,7 +145,6 @@ def data_parallel(s, cfg, pp_rank: int, n_micro: int, stage_terms: Dict[str, flo
             gather += n_b * s.ring(kind, "all_gather", n / n_b * per["weights"]) if n_b else 0.0
     if strategy == "optim_grads_params":
         gather *= 1 + 2 * n_micro  # gathered for every microbatch's forward and backward, and after the step
-    backward = (2 / 3) * sum(stage_terms.get(k, 0.0) for k in COMPUTE_TERMS)
     hidden = s.c.dp_overlap * backward if p.overlap_grad_reduce else 0.0
     exposed_grad = max(grad - hidden, grad * 0.1 if hidden else grad)
     hidden_gather = s.c.dp_overlap * backward / 2 * n_micro if p.overlap_param_gather else 0.0
