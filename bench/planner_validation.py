@@ -19,6 +19,7 @@ Two steps, each writing JSON under ``bench/results/``:
     python3 bench/planner_validation.py calibrate      # bench/results/planner_sim_<nodes>x2_<rate>.toml
     python3 bench/planner_validation.py refit          # bench/results/planner_refit.json
     python3 bench/planner_validation.py report [--fit bench/results/planner_refit.json] [--json ...]
+    python3 bench/planner_validation.py plot --json A.json [B.json ...] --out bench/results/planner_validation.png
 
 * ``refit``: the two cluster keys the calibration does not measure under a training run's load
   (``collective_call_us``: a collective call's fixed cost; ``optimizer_ns_per_param``) fitted to the measured runs
@@ -172,6 +173,10 @@ def main(argv=None) -> int:
     f = sub.add_parser("refit", help="fit the uncalibrated keys to the measured runs")
     f.add_argument("--measured", default=MEASURED)
     f.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "planner_refit.json"))
+    g = sub.add_parser("plot", help="predicted vs measured step time (PNG; needs matplotlib)")
+    g.add_argument("--json", nargs="+", required=True, help="report --json files, one series each")
+    g.add_argument("--label", nargs="+", help="a legend label per --json file")
+    g.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "planner_validation.png"))
     args = p.parse_args(argv)
     if args.cmd == "measure":
         return measure(args)
@@ -179,6 +184,8 @@ def main(argv=None) -> int:
         return calibrate(args)
     if args.cmd == "refit":
         return refit(args)
+    if args.cmd == "plot":
+        return plot(args)
     return report(args)
 
 
@@ -267,6 +274,49 @@ def refit(args) -> int:
     print(json.dumps(out))
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
+    return 0
+
+
+def plot(args) -> int:
+    """Predicted against measured step time, log-log: the diagonal and the +-15% band; one marker per series
+    (a report's JSON), one colour per model and link."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 8.5))
+    colours = {}
+    markers = ["o", "x", "s", "^"]
+    labels = args.label or [os.path.basename(p) for p in args.json]
+    lo, hi = float("inf"), 0.0
+    for i, (path, label) in enumerate(zip(args.json, labels)):
+        data = json.load(open(path))
+        summary = data["summary"]
+        for r in data["rows"]:
+            group = f"{r['model']} {r['nodes']}x2 {r['rate']}"
+            colour = colours.setdefault(group, f"C{len(colours)}")
+            meas, pred = r["step_s"] * 1e3, r["pred"]["step_s"] * 1e3
+            lo, hi = min(lo, meas, pred), max(hi, meas, pred)
+            ax.scatter(meas, pred, color=colour, marker=markers[i % len(markers)], s=36)
+        ax.scatter([], [], color="k", marker=markers[i % len(markers)],
+                   label=f"{label}: MAPE {summary['mape']:.0%}, Spearman {summary['spearman_all']:.2f}")  # fmt: skip
+    for group, colour in colours.items():
+        ax.scatter([], [], color=colour, marker="s", label=group)
+    line = [lo * 0.8, hi * 1.25]
+    ax.plot(line, line, "k-", lw=0.8)
+    ax.fill_between(
+        line, [x * 0.85 for x in line], [x * 1.15 for x in line], color="0.85", label="within 15%", zorder=0
+    )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured step time (ms, median of 5 iterations)")
+    ax.set_ylabel("predicted step time (ms)")
+    ax.set_title("megalm-plan on the simulated cluster (2/4 nodes x 2 processes, gloo)")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110)
+    print(f"wrote {args.out}")
     return 0
 
 
