@@ -175,6 +175,15 @@ def test_compression_picked_on_a_slow_link_with_its_reason():
     assert compression_methods("int8,fp8") == ("none", "int8", "fp8")
     with pytest.raises(ConfigError, match="powersgd not searchable"):
         compression_methods("powersgd")
+    # a --grad-compression in the model flags is kept: every layout with data parallelism uses it
+    assert compression_methods("none", "int8") == ("int8",)
+    with pytest.raises(ConfigError, match="--grad-compression topk: the planner models int8 and fp8 only"):
+        compression_methods("none", "topk")
+    opts = SearchOptions(max_tp=4, recompute=("none",), compression=("int8",), max_micro_batch=1)
+    kept = list(layouts(_cfg(layers=4), FLAT, opts))
+    # int8 wherever there is data parallelism (optim_grads*: not generated); none only where there is none
+    assert kept and all((c.compression == "int8") == (4 // (c.tp * c.pp) > 1) for c in kept)
+    assert all(c.strategy in ("no_shard", "optim") for c in kept if 4 // (c.tp * c.pp) > 1)
 
 
 def test_offload_picked_at_a_tiny_memory_budget_with_its_reason():

@@ -6,7 +6,8 @@ cluster of ``--cluster-config`` (a preset or TOML file; nodes = world / ``LOCAL_
 ``LOCAL_WORLD_SIZE``; default preset ``h100`` with CUDA, else ``cpu``), prints the chosen layout on rank 0, and
 returns the flags with the first choice's layout flags in place of ``--auto-layout`` / ``--cluster-config``.
 Layout flags given with ``--auto-layout`` are refused: the planner chooses them (``--overlap-grad-reduce`` and
-``--overlap-param-gather``, which it sets itself, are allowed).  On a large cluster the search takes a while on
+``--overlap-param-gather``, which it sets itself, are allowed; a given ``--grad-compression int8|fp8`` is kept on
+the layouts with data parallelism).  On a large cluster the search takes a while on
 every rank: run ``megalm-plan`` once and pass its flags instead.
 """
 
@@ -18,7 +19,8 @@ from typing import List, Optional
 from megalm.config import ConfigError, build_parser, config_from_args, set_vocab_size
 
 OWN = {"--auto-layout": 0, "--cluster-config": 1}
-ALLOWED = {"--overlap-grad-reduce", "--overlap-param-gather"}  # the planner sets them itself
+# the planner sets the overlap flags itself; a given --grad-compression (int8, fp8) is kept and searched with
+ALLOWED = {"--overlap-grad-reduce", "--overlap-param-gather", "--grad-compression"}
 
 
 def _strip(argv: List[str], flags: dict) -> List[str]:
@@ -37,8 +39,8 @@ def auto_layout_argv(argv: List[str], world_size: int, local_world_size: Optiona
     """``argv`` (containing ``--auto-layout``) with the planner's first choice's layout flags; raises
     :class:`ConfigError` for explicit layout flags, and when no layout fits (with the planner's reasons)."""
     from megalm.estimate.cli import _vocab_size
-    from megalm.planner.cli import SEARCHED, cluster_of, format_result, model_flags
-    from megalm.planner.search import search
+    from megalm.planner.cli import SEARCHED, cluster_of, compression_methods, format_result, model_flags
+    from megalm.planner.search import SearchOptions, search
 
     given = sorted({a.split("=")[0] for a in argv if a.split("=")[0] in SEARCHED} - ALLOWED)
     if given:
@@ -54,8 +56,8 @@ def auto_layout_argv(argv: List[str], world_size: int, local_world_size: Optiona
     spec = cfg.parallel.cluster_config or _default_cluster()
     plan_options = _PlanOptions(spec, world_size // local, local)
     cluster = cluster_of(plan_options)
-    result = search(cfg, cluster)
-    base = _strip(argv, OWN)
+    result = search(cfg, cluster, SearchOptions(compression=compression_methods("none", cfg.parallel.grad_compression)))
+    base = _strip(argv, OWN | {"--grad-compression": 1})
     if not result.candidates:
         text = format_result(cfg, cluster, result, model_flags(base, parser), 0)
         raise ConfigError(f"--auto-layout: no layout fits on {world_size} ranks of {spec}:\n{text}")

@@ -139,7 +139,7 @@ SEARCHED = {
     "--cpu-offloading-num-layers": 1,
     "--optimizer-cpu-offload": 0,
     "--optimizer-offload-fraction": 1,
-    "--grad-compression": 1,
+    "--grad-compression": 1,  # kept when given (the search uses it), searched with --search-grad-compression
 }
 
 
@@ -279,10 +279,15 @@ def _torchrun_line(base: List[str]) -> str:
     )
 
 
-def compression_methods(text: str) -> tuple:
-    """``--search-grad-compression`` as the search's tuple (``none`` first); an unknown method is a ConfigError."""
+def compression_methods(text: str, given: str = "none") -> tuple:
+    """``--search-grad-compression`` as the search's tuple (``none`` first); an unknown method is a ConfigError.
+    ``given``: the model flags' ``--grad-compression``; without a search asked, that one method is kept."""
     from megalm.config import ConfigError
 
+    if given != "none" and text == "none":
+        if given not in ("int8", "fp8"):
+            raise ConfigError(f"--grad-compression {given}: the planner models int8 and fp8 only")
+        return (given,)
     methods = [x.strip() for x in text.split(",") if x.strip() and x.strip() != "none"]
     bad = [x for x in methods if x not in ("int8", "fp8")]
     if bad:
@@ -304,7 +309,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         sequence_parallel="on" if options.sequence_parallel_always else "both",
         max_pp=options.max_pp,
         offload=not options.no_offload_search,
-        compression=compression_methods(options.search_grad_compression),
+        compression=compression_methods(options.search_grad_compression, cfg.parallel.grad_compression),
     )
     result = search(cfg, cluster, search_options)
     if options.json:

@@ -166,8 +166,19 @@ def layouts(cfg, cluster, options: SearchOptions) -> Iterator[Layout]:
         for vpp, cpt, ep, etp, sp, strat, rc, mb, h in itertools.product(
             vpps, cp_types, eps, etps, sps, options.strategies, options.recompute, mbs, hier
         ):
-            for gc in options.compression if dp * cp > 1 and strat in ("no_shard", "optim") else ("none",):
+            for gc in _compressions(options.compression, dp * cp, strat):
                 yield Layout(tp, pp, vpp, cp, cpt, ep, etp, sp, strat, rc, mb, h, compression=gc)
+
+
+def _compressions(asked: Tuple[str, ...], dp_cp: int, strategy: str) -> Tuple[str, ...]:
+    """The ``--grad-compression`` values of a layout: none without data parallelism (nothing to compress);
+    the strategies compression is not built for only uncompressed, and not at all when it is required
+    (``asked`` without ``none``: the user's ``--grad-compression``)."""
+    if dp_cp == 1:
+        return ("none",)
+    if strategy in ("no_shard", "optim"):
+        return asked
+    return ("none",) if "none" in asked else ()
 
 
 def offloaded(layout: Layout, num_layers: int) -> List[Layout]:
