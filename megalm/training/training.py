@@ -30,7 +30,7 @@ from megalm.checkpoint.model_state import finish_param_sync
 from megalm.checkpoint.resume import non_persistent_dir
 from megalm.checkpoint.save import remove_older_checkpoints, save_checkpoint
 from megalm.checkpoint.stateful import CheckpointStates
-from megalm.config import MegalmConfig, parse_config
+from megalm.config import ConfigError, MegalmConfig, parse_config
 from megalm.device import get_device
 from megalm.distributed.collective_errors import named_collective_failures
 from megalm.errors import MegalmError, TrainingStopped
@@ -68,6 +68,8 @@ def pretrain(
     """
     if cfg is None:
         cfg = parse_config(list(argv) if argv is not None else None, world_size=world_size_from_env())
+    if cfg.parallel.auto_layout:
+        raise ConfigError("--auto-layout is resolved by pretrain_gpt.py (megalm.planner.auto.auto_layout_argv)")
     if extra_validation is not None:
         extra_validation(cfg)
     run = Trainer(cfg, model_provider, forward_step_func)
