@@ -78,13 +78,12 @@ def _assert_grads_close(a, b, tol, what):
         assert (a[name] - b[name]).abs().max().item() <= tol * scale, (what, name)
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "blocked", "unfused"])
-def test_packed_equals_documents_alone_and_the_dense_mask(backend):
+def test_packed_equals_documents_alone_and_the_dense_mask():
     """Loss and gradients of a packed micro-batch equal those of its documents run each alone in a padded
     batch (positions from 0, the padding out of the loss) and those of the dense document mask (1e-5); the
     packed forward and backward make no tensor of ``s x s``, the dense path does."""
     torch.manual_seed(0)
-    model = GPTModel(make_cfg(attention_backend=backend), process_groups=get_process_groups()).train()
+    model = GPTModel(make_cfg(attention_backend="sdpa"), process_groups=get_process_groups()).train()
     tokens, ids = _documents()
     labels, loss_mask = torch.roll(tokens, -1, 1), torch.ones(tokens.shape)
     params = packed_seq_params_from_documents(ids)
@@ -118,9 +117,9 @@ def test_packed_equals_documents_alone_and_the_dense_mask(backend):
     assert causal_loss != pytest.approx(packed_loss, rel=1e-6)  # the documents matter at the tolerance used
 
 
-def test_packed_gpt_oss_and_mla_equal_the_dense_mask():
-    """Sliding windows (every other layer) with learnable sinks (SDPA and blocked cores), and multi-latent
-    attention with YaRN under full recompute: packed equals the dense document mask."""
+def test_packed_cores_gpt_oss_and_mla_equal_the_dense_mask():
+    """The blocked and unfused cores, sliding windows (every other layer) with learnable sinks (SDPA and blocked
+    cores), and multi-latent attention with YaRN under full recompute: packed equals the dense document mask."""
     tokens, ids = _documents()
     labels, loss_mask = torch.roll(tokens, -1, 1), torch.ones(tokens.shape)
     params = packed_seq_params_from_documents(ids)
@@ -137,16 +136,16 @@ def test_packed_gpt_oss_and_mla_equal_the_dense_mask():
         num_query_groups=None,
     )
     recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    for name, extra in (("gpt-oss", gpt_oss), ("mla", {**mla, **recompute})):
-        for backend in ("sdpa", "blocked") if name == "gpt-oss" else ("sdpa",):
-            torch.manual_seed(0)
-            cfg = make_cfg(attention_backend=backend, **extra)
-            model = GPTModel(cfg, process_groups=get_process_groups()).train()
-            mask = document_causal_mask(ids)
-            dense_loss, dense = _loss_and_grads(model, tokens, positions, labels, loss_mask, attention_mask=mask)
-            loss, packed = _loss_and_grads(model, tokens, positions, labels, loss_mask, packed_seq_params=params)
-            assert loss == pytest.approx(dense_loss, rel=1e-6), (name, backend)
-            _assert_grads_close(packed, dense, 1e-5, (name, backend))
+    cases = [("plain", {}, "blocked"), ("plain", {}, "unfused"), ("gpt-oss", gpt_oss, "sdpa")]
+    cases += [("gpt-oss", gpt_oss, "blocked"), ("mla", {**mla, **recompute}, "sdpa")]
+    for name, extra, backend in cases:
+        torch.manual_seed(0)
+        model = GPTModel(make_cfg(attention_backend=backend, **extra), process_groups=get_process_groups()).train()
+        mask = document_causal_mask(ids)
+        dense_loss, dense = _loss_and_grads(model, tokens, positions, labels, loss_mask, attention_mask=mask)
+        loss, packed = _loss_and_grads(model, tokens, positions, labels, loss_mask, packed_seq_params=params)
+        assert loss == pytest.approx(dense_loss, rel=1e-6), (name, backend)
+        _assert_grads_close(packed, dense, 1e-5, (name, backend))
 
 
 def test_flash_varlen_call_layout():
