@@ -13,6 +13,10 @@ Two ways, each on one rank's heads (no communication):
   ``window_size``; grouped keys/values as they are.  Softmax sinks take the loop.
 * otherwise a loop over the segments running the plan's core (SDPA, blocked, unfused; windows and sinks
   included) causally on each ``[1, heads, L_i, d]`` slice; the outputs are concatenated in packed order.
+
+Either way q, k, v are first copied to ``[t, heads, d]`` (packed order) and the output copied back to
+``[s, b, heads, d]``; the loop splits the packed tensors once (the backward concatenates the segments'
+gradients once, instead of adding each segment's into a zero tensor of the whole batch).
 """
 
 from __future__ import annotations
@@ -43,8 +47,8 @@ def varlen_attention(
     window and dropout)."""
     s, b, n, d = q.shape
     params.check(s, b)
+    thd = [t.transpose(0, 1).reshape(b * s, *t.shape[2:]) for t in (q, k, v)]  # [t, heads, d], packed order
     if flash is not None:
-        thd = [t.transpose(0, 1).reshape(b * s, *t.shape[2:]) for t in (q, k, v)]
         out = flash(
             *thd,
             params.cu_seqlens_q,
@@ -55,12 +59,8 @@ def varlen_attention(
             causal=True,
             window_size=(-1, -1) if window is None else (window, 0),
         )
-        return out.view(b, s, n, out.shape[-1]).transpose(0, 1)
-    outs = []
-    for start, end in params.segments():
-        row, first = divmod(start, s)
-        last = end - row * s
-        heads_first = (t[first:last, row].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        outs.append(core(*heads_first)[0].transpose(0, 1))  # [L, n, d]
-    out = torch.cat(outs)  # [b s, n, d] in packed (row-major) order
+    else:  # split once (its backward is one concatenation), one causal core call per segment
+        lengths = [end - start for start, end in params.segments()]
+        segments = zip(*(torch.split(t, lengths) for t in thd))
+        out = torch.cat([core(*(t.transpose(0, 1).unsqueeze(0) for t in qkv))[0].transpose(0, 1) for qkv in segments])
     return out.view(b, s, n, out.shape[-1]).transpose(0, 1)
