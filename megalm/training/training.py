@@ -107,6 +107,7 @@ class Trainer:
         self.stragglers = None  # --log-straggler: built in setup()
         self.watchdog = None  # --hang-watchdog-seconds: running during train()
         self.data_iterators = None  # DataIterators, built in setup(); closed when run() ends
+        self.optimizer = None  # built in setup(); closed when run() ends (NVMe offload: its swap files)
         self.rebalancer = None  # --straggler-rebalance-interval: built in setup()
         self.checkpoint_states = CheckpointStates()  # what components register with the checkpointer, in setup()
 
@@ -144,6 +145,7 @@ class Trainer:
         # Before the RNG state is restored: the CPU peak measurement draws random matrices.
         self.peak_flops, self.peak_source = self._device_peak()
         loaded = self._load() if self.resume else None
+        self.offload_io_logged = self.optimizer.offload_io_bytes()  # swap bytes at the last log line
         self.microbatches.update(self.state.consumed_train_samples)
         self.rebalancer = self._straggler_rebalancer()
         self.timers("model-and-optimizer-setup").stop()
@@ -354,6 +356,8 @@ class Trainer:
         finally:
             if self.data_iterators is not None:
                 self.data_iterators.close()
+            if self.optimizer is not None:
+                self.optimizer.close()
 
     def _train_and_evaluate(self) -> TrainState:
         cfg, state = self.cfg, self.state
@@ -647,6 +651,12 @@ class Trainer:
                 record[key.replace(" ", "_")] = value
         if cfg.logging.log_params_norm:
             record["params_norm"] = self.params_norm()
+        io = self.optimizer.offload_io_bytes()
+        if io != (0, 0):  # --optimizer-offload-device nvme: this rank's swap bytes per iteration
+            (read, written), (read0, written0) = io, self.offload_io_logged
+            record["swap_read_bytes"] = (read - read0) / max(log.iterations, 1)
+            record["swap_written_bytes"] = (written - written0) / max(log.iterations, 1)
+            self.offload_io_logged = io
         record.update(self._new_compilations())
         nodes = inter_node_bytes_per_node()  # collective over the world with several nodes
         if len(nodes) > 1:  # the busiest node's bytes over inter-node links per iteration
