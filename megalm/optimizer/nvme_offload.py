@@ -5,8 +5,9 @@ parameter; 0-dim step counters stay in memory) live in swap files, one per bucke
 (:mod:`megalm.optimizer.swap_files`), not in host memory.
 
 The offloaded main parameters are chosen as the CPU offload does (whole tensors, in order, up to
-``--optimizer-offload-fraction`` of the elements) and cut into up to :data:`OVERLAP_BUCKETS` buckets of about
-equal elements.  A bucket's payload is, per parameter in order, its fp32 copy then each state tensor
+``--optimizer-offload-fraction`` of the elements) and cut into :data:`OVERLAP_BUCKETS` buckets of about
+equal elements, more when that keeps a bucket near :data:`BUCKET_BYTES` (whole tensors: the largest tensor
+is the smallest a bucket can be).  A bucket's payload is, per parameter in order, its fp32 copy then each state tensor
 (``P`` bytes for the bucket).  Host memory holds two staging slots (the largest payload and gradient
 bytes each), never the whole state.  Each step::
 
@@ -43,6 +44,7 @@ from megalm.optimizer.cpu_offload import OVERLAP_BUCKETS, _buckets
 from megalm.optimizer.state_init import init_param_state
 from megalm.optimizer.swap_files import SwapError, SwapFiles
 
+BUCKET_BYTES = 64 * 2**20  # buckets of about this many payload + gradient bytes (at least OVERLAP_BUCKETS)
 Region = Tuple[torch.dtype, int]  # a region of a staging slot: dtype, byte offset
 
 
@@ -72,7 +74,8 @@ class NvmeOffload:
             self.pairs.append((m, host))
             done += m.numel()
         self.shapes = {id(host): m.shape for m, host in self.pairs}
-        self.buckets = _buckets(self.pairs, OVERLAP_BUCKETS)
+        count = max(OVERLAP_BUCKETS, -(-16 * self.numel // BUCKET_BYTES))  # ~16 B per element: Adam + gradient
+        self.buckets = _buckets(self.pairs, count)
         self.files = None
         self.resident = False  # full-size state tensors in the optimizer (materialized or loaded)
 
