@@ -86,6 +86,7 @@ class TrainerSetup:
         # Before the RNG state is restored: the CPU peak measurement draws random matrices.
         self.peak_flops, self.peak_source = self._device_peak()
         loaded = self._load() if self.resume else None
+        self.offload_io_logged = self.optimizer.offload_io_bytes()  # swap bytes at the last log line
         self.microbatches.update(self.state.consumed_train_samples)
         self.rebalancer = self._straggler_rebalancer()
         self.timers("model-and-optimizer-setup").stop()

@@ -94,6 +94,7 @@ class Trainer(TrainerSetup, TrainerReporting):
         self.stragglers = None  # --log-straggler: built in setup()
         self.watchdog = None  # --hang-watchdog-seconds: running during train()
         self.data_iterators = None  # DataIterators, built in setup(); closed when run() ends
+        self.optimizer = None  # built in setup(); closed when run() ends (NVMe offload: its swap files)
         self.rebalancer = None  # --straggler-rebalance-interval: built in setup()
         self.checkpoint_states = CheckpointStates()  # what components register with the checkpointer, in setup()
         self.rng_tracker = None  # the rank's seeded RNG tracker (model chunks, checkpoints), from setup()
@@ -110,6 +111,8 @@ class Trainer(TrainerSetup, TrainerReporting):
         finally:
             if self.data_iterators is not None:
                 self.data_iterators.close()
+            if self.optimizer is not None:
+                self.optimizer.close()
 
     def _train_and_evaluate(self) -> TrainState:
         cfg, state = self.cfg, self.state
