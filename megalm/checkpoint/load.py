@@ -57,7 +57,7 @@ def load_checkpoint(
     saved = tensor_shapes(metadata)
     finish_param_sync(model_chunks)
     with_optim = optimizer is not None and load_optim and not finetune
-    specs, main_params_missing = _load_specs(model_chunks, optimizer if with_optim else None, saved)
+    specs, main_params_missing = load_targets(model_chunks, optimizer if with_optim else None, saved)
     info = LoadInfo(path, common, layout(), saved)
     states = None if finetune else states
     specs.update(sharded_load_plans(states, info))
@@ -83,7 +83,7 @@ def load_checkpoint(
     return common
 
 
-def _load_specs(model_chunks, optimizer, saved: Dict[str, tuple]):
+def load_targets(model_chunks, optimizer, saved: Dict[str, tuple]):
     """What to read into which tensor, given the names in the checkpoint.
 
     Model weights come from the fp32 main copy when the checkpoint has one and nothing else

@@ -31,7 +31,8 @@ from megalm.checkpoint.common_json import layout
 from megalm.checkpoint.errors import CheckpointError
 from megalm.checkpoint.load import load_checkpoint, load_rng_state
 from megalm.checkpoint.model_state import finish_param_sync
-from megalm.checkpoint.resume import checkpoint_to_resume, newest_load_root, non_persistent_dir
+from megalm.checkpoint.resume import checkpoint_to_resume, newest_load_root, non_persistent_dir, read_tracker
+from megalm.checkpoint.rng import set_rng_state
 from megalm.checkpoint.save import check_save_dir, remove_older_checkpoints, save_checkpoint
 from megalm.checkpoint.stateful import CheckpointStates
 from megalm.config import MegalmConfig, parse_config, with_vocab_size
@@ -48,6 +49,7 @@ from megalm.timers import ITERATION_TIMERS, SETUP_TIMERS, Timers
 from megalm.topology import run_topology_report
 from megalm.training.build import build_model_chunks, count_parameters, wrap_data_parallel
 from megalm.training.initialize import initialize_megalm, world_size_from_env
+from megalm.training.local_checkpoint import build_local_checkpoint, describe_save
 from megalm.training.log_interval import IntervalStats, is_logging_rank, print_timing
 from megalm.training.loss_checks import NumericsChecks, NumericsStop
 from megalm.training.microbatches import MicrobatchCalculator
@@ -109,6 +111,7 @@ class Trainer:
         self.data_iterators = None  # DataIterators, built in setup(); closed when run() ends
         self.rebalancer = None  # --straggler-rebalance-interval: built in setup()
         self.checkpoint_states = CheckpointStates()  # what components register with the checkpointer, in setup()
+        self.local_checkpoint = None  # --non-persistent-ckpt-type local: built in setup()
 
     # -- set-up --
     def setup(self) -> None:
@@ -143,7 +146,8 @@ class Trainer:
         self._validate_data()  # before any output (metrics file, checkpoints) is created
         # Before the RNG state is restored: the CPU peak measurement draws random matrices.
         self.peak_flops, self.peak_source = self._device_peak()
-        loaded = self._load() if self.resume else None
+        self.local_checkpoint = build_local_checkpoint(cfg.checkpoint)  # collective
+        loaded = self._restore_local() or (self._load() if self.resume else None)
         self.microbatches.update(self.state.consumed_train_samples)
         self.rebalancer = self._straggler_rebalancer()
         self.timers("model-and-optimizer-setup").stop()
@@ -152,7 +156,10 @@ class Trainer:
             self._build_data()
         if loaded is not None and not (cfg.checkpoint.no_load_rng or cfg.checkpoint.finetune):
             # Last: building data loaders draws from the torch RNG.
-            load_rng_state(loaded["path"], loaded)
+            if "rng" in loaded:  # a local checkpoint's
+                set_rng_state(loaded["rng"])
+            else:
+                load_rng_state(loaded["path"], loaded)
         self.signal_handler = ExitSignalHandler() if t.exit_signal_handler else None
         self.memory_reported = False
         self.compile_reported = compile_stats()
@@ -344,6 +351,41 @@ class Trainer:
         logger.info(f"loaded checkpoint from {self.load_root} at iteration {self.state.iteration}")
         return common
 
+    def _restore_local(self) -> Optional[dict]:
+        """The newest local checkpoint (:mod:`megalm.checkpoint.local`) when it is at least as new as
+        the disk checkpoint to resume from; None otherwise (also with --finetune, --no-load-optim or
+        --ckpt-step, which name what to load).  Collective."""
+        c, local = self.cfg.checkpoint, self.local_checkpoint
+        if local is None or c.finetune or c.no_load_optim or c.ckpt_step is not None:
+            return None
+        disk = read_tracker(self.load_root) if self.resume else None
+        try:
+            common = local.restore(
+                self.model, self.optimizer, self.scheduler, self.cfg.to_dict(), disk, self.checkpoint_states
+            )
+        except CheckpointError as e:
+            raise TrainingSetupError(str(e)) from None
+        if common is not None:
+            self.state.iteration = common["iteration"]
+            self.state.consumed_train_samples = common["consumed_train_samples"]
+            self.state.consumed_valid_samples = common["consumed_valid_samples"]
+        return common
+
+    def save_local(self) -> None:
+        """A local checkpoint of this iteration (collective)."""
+        state = self.state
+        outcome = self.local_checkpoint.save(
+            state.iteration,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            state.consumed_train_samples,
+            state.consumed_valid_samples,
+            self.cfg.to_dict(),
+            self.checkpoint_states,
+        )
+        logger.info(describe_save(self.local_checkpoint, state.iteration, outcome))
+
     # -- the loop --
     def run(self) -> TrainState:
         """Set up, train, evaluate; however it ends, the DataLoader workers are stopped (an exception's
@@ -398,6 +440,8 @@ class Trainer:
         if cfg.checkpoint.save and self.saved_at != state.iteration:
             self.save()
         self.complete_async_save()
+        if self.local_checkpoint is not None:
+            self.local_checkpoint.remove_all()  # the run is over: free the nodes' RAM
 
     def _hang_watchdog(self):
         """--hang-watchdog-seconds' :class:`megalm.training.hang_watchdog.HangWatchdog`, else None."""
@@ -515,9 +559,16 @@ class Trainer:
             self.save()
             self.saved_at = state.iteration
             self._progress(f"iteration {state.iteration} saved")
-        elif c.non_persistent_save_interval and state.iteration % c.non_persistent_save_interval == 0:
+        elif (
+            c.non_persistent_save_interval
+            and c.non_persistent_ckpt_type != "local"
+            and state.iteration % c.non_persistent_save_interval == 0
+        ):
             self.save(non_persistent_dir(c, c.save))
             self._progress(f"iteration {state.iteration} saved (non-persistent)")
+        if self.local_checkpoint is not None and state.iteration % c.non_persistent_save_interval == 0:
+            self.save_local()
+            self._progress(f"iteration {state.iteration} saved (local)")
         reason = self.exit_reason()
         if reason:
             self.stop(reason)
