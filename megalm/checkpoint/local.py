@@ -306,9 +306,9 @@ class LocalCheckpoint:
         holder, nbytes = plan[self.rank]
         from_peer = nbytes if holder != self.rank else 0
         where = f"{nbytes} bytes from rank {holder} (node {self.nodes[holder]!r})" if from_peer else "read on this node"
-        logger.info(
-            f"restored iteration {iteration} from the local checkpoint: {where} in {time.perf_counter() - start:.2f} s"
-        )
+        seconds = time.perf_counter() - start
+        message = f"restored iteration {iteration} from the local checkpoint: {where} in {seconds:.2f} s"
+        logger.info(message, extra={"on_rank": None})  # every rank: where its shard came from
         # The files this rank would have written are removed at the next save (or the end of the run).
         mine = [shard_file_name(r, self.world, iteration) for r in {self.rank, self.source} if r is not None]
         self.written = [n for n in mine if os.path.isfile(os.path.join(self.dir, n))]
