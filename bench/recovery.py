@@ -164,7 +164,8 @@ def run(path, args, port, tmp, name, nodes):
     log = open(os.path.join(tmp, f"{name}.log"), "w")
     nnodes = "1:2" if path in ("elastic", "scaleup") else "2"
     kill = {"MEGALM_BENCH_KILL_AT": str(args.kill_at), "MEGALM_BENCH_KILL_STAMP": stamp}
-    a = _spawn(_agent(nodes, 0, port, train, nnodes), log, **nodes.env(0))
+    alone = {"MEGALM_BENCH_ALONE_SLEEP": str(args.alone_sleep)} if path == "scaleup" else {}
+    a = _spawn(_agent(nodes, 0, port, train, nnodes), log, **nodes.env(0), **alone)
     procs = [a]
     try:
         if path == "scaleup":  # node A trains alone; node B joins once A logged iteration --kill-at
@@ -198,20 +199,21 @@ def run(path, args, port, tmp, name, nodes):
     return seen, killed_at, open(log.name).read()
 
 
-def summarize(path, seen, killed_at, straight_loss, log=""):
+def summarize(path, seen, killed_at, straight_loss, log="", kill_at=0):
     rows = [r for _, r in seen]
     if killed_at is None:
         return {"path": path, "final_loss": rows[-1]["lm_loss"], "loss_diff": 0.0}
     rejoin = re.search(
         r"rank 1\] restored iteration \d+ from the local checkpoint: (\d+) bytes from rank \d+.* in ([\d.]+) s", log
     )
-    # The restarted attempt logs again from its checkpoint: the first record whose iteration does not grow
-    # (or, saved on SIGTERM before a scale-up, the first under another world size).
-    i = next(
-        i
-        for i in range(1, len(rows))
-        if rows[i]["iteration"] <= rows[i - 1]["iteration"] or rows[i]["world-size"] != rows[i - 1]["world-size"]
-    )
+    if path == "scaleup":  # node A alone, then (after its save on SIGTERM) both: the first record at world 2
+        i = next((i for i in range(1, len(rows)) if rows[i]["world-size"] != rows[i - 1]["world-size"]), None)
+        if i is None:
+            return {"path": path, "world_after": 1, "final_loss": rows[-1]["lm_loss"], "loss_diff": float("nan")}
+    else:  # node B died in iteration kill_at: the first attempt logged 1 .. kill_at - 1, the rest is the restart
+        i = kill_at - 1
+        if [r["iteration"] for r in rows[:i]] != list(range(1, kill_at)):
+            raise RuntimeError(f"{path}: the first attempt logged {[r['iteration'] for r in rows[: i + 1]]}")
     first_t, first = seen[i]
     done_before = rows[i - 1]["iteration"]
     return {
@@ -265,6 +267,14 @@ def worker(argv):
                 os.kill(os.getpid(), signal.SIGKILL)
             return inner(data_iterator, model)
 
+    alone = float(os.environ.get("MEGALM_BENCH_ALONE_SLEEP", "0"))
+    if alone and os.environ.get("WORLD_SIZE") == "1":  # scaleup: slow while alone, so that node B can join
+        slow = forward_step
+
+        def forward_step(data_iterator, model):
+            time.sleep(alone)
+            return slow(data_iterator, model)
+
     pretrain_gpt.main(argv, forward_step)
 
 
@@ -281,19 +291,23 @@ def main():
     p.add_argument("--paths", default="disk,elastic,local")
     p.add_argument("--cluster", action="store_true", help="run the nodes in the simulated cluster's namespaces")
     p.add_argument("--inter-node-bandwidth", help="with --cluster: tc rate of each node's link (e.g. 1gbit)")
+    p.add_argument("--alone-sleep", type=float, default=3.0, help="scaleup: node A's sleep per step while alone")
     p.add_argument("--stagger", type=float, default=1.0, help="seconds between starting node A and node B")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--workdir", help="keep the runs' logs, metrics and checkpoints here (default: a temporary one)")
     args = p.parse_args()
     load_before = os.getloadavg()
     results = []
-    with tempfile.TemporaryDirectory() as tmp, _nodes(args) as nodes:
+    workdir = tempfile.TemporaryDirectory() if args.workdir is None else contextlib.nullcontext(args.workdir)
+    with workdir as tmp, _nodes(args) as nodes:
         seen, _, _ = run("straight", args, free_port(), tmp, "straight", nodes)
         straight_loss = seen[-1][1]["lm_loss"]
         results.append(summarize("uninterrupted", seen, None, straight_loss))
         for path in args.paths.split(","):
             seen, killed_at, log = run(path, args, free_port(), tmp, path, nodes)
-            results.append(summarize(path, seen, killed_at, straight_loss, log))
+            results.append(summarize(path, seen, killed_at, straight_loss, log, args.kill_at))
+            print(json.dumps(results[-1]), flush=True)  # each row as soon as it is measured
     load_after = os.getloadavg()
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line), "?")
     print(f"command: python3 {' '.join(sys.argv)}")

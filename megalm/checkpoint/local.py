@@ -296,13 +296,34 @@ class LocalCheckpoint:
             error = _mismatch(json.loads(payload["common_json"]), config, self.world)
         except Exception as e:  # noqa: BLE001 - an unreadable or refused shard: every rank falls back to disk
             error = f"cannot read rank {self.rank}'s shard of iteration {iteration}: {first_line(e)}"
-        failed = gather_errors(error, self.group)
-        if failed:
-            rank, why = failed[0]
-            logger.warning(f"local checkpoint of iteration {iteration} not used (rank {rank}: {why}): loading disk")
+        if self._refused(iteration, error):
             return None
         common = json.loads(payload["common_json"])
-        self._apply(payload, common, model_chunks, optimizer, scheduler, states)
+        blocks = payload["blocks"]
+        saved = {k: tuple(v[0]["global_shape"]) for k, v in blocks.items() if v}
+        info = LoadInfo(f"local:{self.dir}", common, layout(), saved)
+        finish_param_sync(model_chunks)
+        specs, main_params_missing = load_targets(model_chunks, optimizer, saved)
+        specs.update(sharded_load_plans(states, info))
+        try:
+            fill_blocks(specs, blocks)
+            error = None
+        except CheckpointError as e:  # the disk load that follows overwrites what was filled
+            error = str(e)
+        if self._refused(iteration, error):
+            if newer_than is None:  # partly filled, and no disk checkpoint overwrites it: not a fresh start
+                raise CheckpointError(
+                    f"local checkpoint of iteration {iteration} cannot be restored and --load has none"
+                )
+            return None
+        optimizer.load_sharded_state_dict(common.get("optimizer_common") or {}, not main_params_missing)
+        if scheduler is not None and common.get("scheduler") is not None:
+            scheduler.load_state_dict(common["scheduler"])
+        for name, state in states.items() if states is not None else ():
+            if name in payload["states"]:
+                state.load_state_dict(payload["states"][name])
+            elif hasattr(state, "not_restored"):
+                state.not_restored(info, "it has none")
         holder, nbytes = plan[self.rank]
         from_peer = nbytes if holder != self.rank else 0
         where = f"{nbytes} bytes from rank {holder} (node {self.nodes[holder]!r})" if from_peer else "read on this node"
@@ -336,23 +357,13 @@ class LocalCheckpoint:
         with open(path, "rb") as f:
             return torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
 
-    def _apply(self, payload, common, model_chunks, optimizer, scheduler, states) -> None:
-        """As :func:`megalm.checkpoint.load.load_checkpoint` after its DCP read, from the shard's blocks."""
-        blocks = payload["blocks"]
-        saved = {k: tuple(v[0]["global_shape"]) for k, v in blocks.items() if v}
-        finish_param_sync(model_chunks)
-        specs, main_params_missing = load_targets(model_chunks, optimizer, saved)
-        info = LoadInfo(f"local:{self.dir}", common, layout(), saved)
-        specs.update(sharded_load_plans(states, info))
-        fill_blocks(specs, blocks)
-        optimizer.load_sharded_state_dict(common.get("optimizer_common") or {}, not main_params_missing)
-        if scheduler is not None and common.get("scheduler") is not None:
-            scheduler.load_state_dict(common["scheduler"])
-        for name, state in states.items() if states is not None else ():
-            if name in payload["states"]:
-                state.load_state_dict(payload["states"][name])
-            elif hasattr(state, "not_restored"):
-                state.not_restored(info, "it has none")
+    def _refused(self, iteration: int, error: Optional[str]) -> bool:
+        """Collective: whether any rank found ``error``; if so every rank warns and the disk checkpoint loads."""
+        failed = gather_errors(error, self.group)
+        if failed:
+            rank, why = failed[0]
+            logger.warning(f"local checkpoint of iteration {iteration} not used (rank {rank}: {why}): loading disk")
+        return bool(failed)
 
 
 def _mismatch(common: dict, config: Optional[dict], world: int) -> Optional[str]:
