@@ -54,6 +54,7 @@ from megalm.checkpoint.rng import get_rng_state
 from megalm.checkpoint.stateful import CheckpointStates, LoadInfo, sharded_load_plans, sharded_states
 from megalm.log import get_logger
 from megalm.param_layout import ShardedStateDict, ShardedTensorSpec
+from megalm.tensor_parallel.random import RNGStatesTracker
 
 logger = get_logger(__name__)
 
@@ -184,8 +185,10 @@ class LocalCheckpoint:
         consumed_valid_samples: int,
         config: Optional[dict],
         states: Optional[CheckpointStates] = None,
+        rng_tracker: Optional[RNGStatesTracker] = None,
     ) -> dict:
-        """Collective over the world.  Returns ``{"bytes", "sent", "seconds"}`` for the log."""
+        """Collective over the world (``rng_tracker``: the model's, whose streams are saved with the
+        generators).  Returns ``{"bytes", "sent", "seconds"}`` for the log."""
         start = time.perf_counter()
         finish_param_sync(model_chunks)
         specs = model_sharded_state(model_chunks)
@@ -213,7 +216,7 @@ class LocalCheckpoint:
             "common_json": json.dumps(common),  # as common.json: the same values a disk load reads
             "blocks": blocks,
             "states": _state_dicts(states),
-            "rng": get_rng_state(),
+            "rng": get_rng_state(rng_tracker),
         }
         buffer = io.BytesIO()
         torch.save(payload, buffer)

@@ -82,7 +82,7 @@ def pretrain(
 ) -> TrainState:
     """Megatron-LM's ``pretrain``: parse flags, build everything, train, evaluate, save.
 
-    ``model_provider(cfg, pre_process, post_process, layer_numbers) -> nn.Module`` and
+    ``model_provider(cfg, pre_process, post_process, layer_numbers, *, process_groups, rng_tracker) -> nn.Module`` and
     ``forward_step_func(data_iterator, model) -> (output, loss_func)``.
     """
     if cfg is None:
@@ -112,6 +112,7 @@ class Trainer:
         self.rebalancer = None  # --straggler-rebalance-interval: built in setup()
         self.checkpoint_states = CheckpointStates()  # what components register with the checkpointer, in setup()
         self.local_checkpoint = None  # --non-persistent-ckpt-type local: built in setup()
+        self.rng_tracker = None  # the rank's seeded RNG tracker (model chunks, checkpoints), from setup()
 
     # -- set-up --
     def setup(self) -> None:
@@ -121,7 +122,7 @@ class Trainer:
 
         cfg = self.cfg
         self._check_before_start()
-        initialize_megalm(cfg)
+        self.rng_tracker = initialize_megalm(cfg)  # seeded; the model chunks and the checkpoint take it
         self.groups = parallel_state.get_process_groups()  # the entry point: built once here, passed down
         # fail early if the layout's schedule is not available
         get_forward_backward_func(self.groups, cfg.parallel.virtual_pipeline_model_parallel_size)
@@ -132,7 +133,7 @@ class Trainer:
         self.tokenizer = self._build_tokenizer()
         cfg = self.cfg  # with the tokenizer's vocabulary size
         self.timers("model-and-optimizer-setup").start()
-        chunks = build_model_chunks(cfg, self.model_provider, self.groups)
+        chunks = build_model_chunks(cfg, self.model_provider, self.groups, self.rng_tracker)
         self.model = wrap_data_parallel(cfg, chunks, self.groups)
         self.optimizer = build_optimizer(cfg, self.model, process_groups=self.groups)
         self.scheduler = OptimizerParamScheduler.from_config(cfg, self.optimizer)
@@ -157,9 +158,9 @@ class Trainer:
         if loaded is not None and not (cfg.checkpoint.no_load_rng or cfg.checkpoint.finetune):
             # Last: building data loaders draws from the torch RNG.
             if "rng" in loaded:  # a local checkpoint's
-                set_rng_state(loaded["rng"])
+                set_rng_state(loaded["rng"], self.rng_tracker)
             else:
-                load_rng_state(loaded["path"], loaded)
+                load_rng_state(loaded["path"], loaded, self.rng_tracker)
         self.signal_handler = ExitSignalHandler() if t.exit_signal_handler else None
         self.memory_reported = False
         self.compile_reported = compile_stats()
@@ -383,6 +384,7 @@ class Trainer:
             state.consumed_valid_samples,
             self.cfg.to_dict(),
             self.checkpoint_states,
+            self.rng_tracker,
         )
         logger.info(describe_save(self.local_checkpoint, state.iteration, outcome))
 
@@ -642,6 +644,7 @@ class Trainer:
             async_writer=self.async_writer,
             save_rng=not c.no_save_rng,
             states=self.checkpoint_states,
+            rng_tracker=self.rng_tracker,
         )
         if root != c.save and (not dist.is_initialized() or dist.get_rank() == 0):
             remove_older_checkpoints(root)
