@@ -42,7 +42,7 @@ CONSUMED_BY_VALIDATION = {
     "use_flash_attn": "becomes --attention-backend flash",
     "add_position_embedding": "--no-position-embedding becomes --position-embedding-type none",
     "recompute_activations": "becomes --recompute-granularity selective",
-    "non_persistent_ckpt_type": "only global (the default) is built",
+    "replication_factor": "only 2 (the default: a rank's own copy and one replica) is built; others refused",
     "recompute_modules": "core_attn is megalm's selective recompute; the rest refused",
     "cpu_offloading_weights": "refused: weight offloading is not built (--cpu-offloading moves activations)",
     "grad_reduce_in_bf16": "turns --accumulate-allreduce-grads-in-fp32 off (bf16 gradient buffers)",

@@ -60,7 +60,7 @@ def load_checkpoint(
     finish_param_sync(model_chunks)
     groups = model_groups(model_chunks, groups)
     with_optim = optimizer is not None and load_optim and not finetune
-    specs, main_params_missing = _load_specs(model_chunks, optimizer if with_optim else None, saved, groups)
+    specs, main_params_missing = load_targets(model_chunks, optimizer if with_optim else None, saved, groups)
     info = LoadInfo(path, common, layout(groups), saved)
     states = None if finetune else states
     specs.update(sharded_load_plans(states, info))
@@ -82,7 +82,7 @@ def load_checkpoint(
     return common
 
 
-def _load_specs(model_chunks, optimizer, saved: Dict[str, tuple], groups: ProcessGroups):
+def load_targets(model_chunks, optimizer, saved: Dict[str, tuple], groups: ProcessGroups):
     """What to read into which tensor, given the names in the checkpoint.
 
     Model weights come from the fp32 main copy when the checkpoint has one and nothing else

@@ -52,6 +52,12 @@ class TrainerReporting:
                 record[key.replace(" ", "_")] = value
         if cfg.logging.log_params_norm:
             record["params_norm"] = self.params_norm()
+        io = self.optimizer.offload_io_bytes()
+        if io != (0, 0):  # --optimizer-offload-device nvme: this rank's swap bytes per iteration
+            (read, written), (read0, written0) = io, self.offload_io_logged
+            record["swap_read_bytes"] = (read - read0) / max(log.iterations, 1)
+            record["swap_written_bytes"] = (written - written0) / max(log.iterations, 1)
+            self.offload_io_logged = io
         record.update(self._new_compilations())
         nodes = inter_node_bytes_per_node()  # collective over the world with several nodes
         if len(nodes) > 1:  # the busiest node's bytes over inter-node links per iteration

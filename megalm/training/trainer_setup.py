@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,8 @@ from megalm.checkpoint.async_writer import AsyncCheckpointWriter
 from megalm.checkpoint.common_json import layout
 from megalm.checkpoint.errors import CheckpointError
 from megalm.checkpoint.load import load_checkpoint, load_states
-from megalm.checkpoint.resume import checkpoint_to_resume, newest_load_root, non_persistent_dir
+from megalm.checkpoint.resume import checkpoint_to_resume, newest_load_root, non_persistent_dir, read_tracker
+from megalm.checkpoint.rng import set_rng_state
 from megalm.checkpoint.save import check_save_dir
 from megalm.checkpoint.stateful import CheckpointStates
 from megalm.config import with_vocab_size
@@ -35,6 +37,7 @@ from megalm.timers import SETUP_TIMERS, Timers
 from megalm.topology import run_topology_report
 from megalm.training.build import build_model_chunks, count_parameters, wrap_data_parallel
 from megalm.training.initialize import initialize_megalm
+from megalm.training.local_checkpoint import build_local_checkpoint
 from megalm.training.log_interval import is_logging_rank, print_timing
 from megalm.training.loss_checks import NumericsChecks
 from megalm.training.microbatches import MicrobatchCalculator
@@ -85,7 +88,9 @@ class TrainerSetup:
         self._validate_data()  # before any output (metrics file, checkpoints) is created
         # Before the RNG state is restored: the CPU peak measurement draws random matrices.
         self.peak_flops, self.peak_source = self._device_peak()
-        loaded = self._load() if self.resume else None
+        self.local_checkpoint = build_local_checkpoint(cfg.checkpoint)  # collective
+        loaded = self._restore_local() or (self._load() if self.resume else None)
+        self.offload_io_logged = self.optimizer.offload_io_bytes()  # swap bytes at the last log line
         self.microbatches.update(self.state.consumed_train_samples)
         self.rebalancer = self._straggler_rebalancer()
         self.timers("model-and-optimizer-setup").stop()
@@ -94,9 +99,12 @@ class TrainerSetup:
             self._build_data()
         if loaded is not None and not (cfg.checkpoint.no_load_rng or cfg.checkpoint.finetune):
             # Last: building data loaders draws from the torch RNG.
-            rng = CheckpointStates()
-            rng.register("rng", self.checkpoint_states.get("rng"))
-            load_states(loaded["path"], loaded, self.groups, rng)
+            if "rng" in loaded:  # a local checkpoint's
+                set_rng_state(loaded["rng"], self.rng_tracker)
+            else:
+                rng = CheckpointStates()
+                rng.register("rng", self.checkpoint_states.get("rng"))
+                load_states(loaded["path"], loaded, self.groups, rng)
         self.signal_handler = ExitSignalHandler() if t.exit_signal_handler else None
         self.memory_reported = False
         self.compile_reported = compile_stats()
@@ -293,6 +301,26 @@ class TrainerSetup:
             self.outer_sync.reset()
         self.state.iteration = common["iteration"]  # the consumed samples: restored by the "data" state
         logger.info(f"loaded checkpoint from {self.load_root} at iteration {self.state.iteration}")
+        return common
+
+    def _restore_local(self) -> Optional[dict]:
+        """The newest local checkpoint (:mod:`megalm.checkpoint.local`) when it is at least as new as
+        the disk checkpoint to resume from; None otherwise (also with --finetune, --no-load-optim or
+        --ckpt-step, which name what to load).  Collective."""
+        c, local = self.cfg.checkpoint, self.local_checkpoint
+        if local is None or c.finetune or c.no_load_optim or c.ckpt_step is not None:
+            return None
+        disk = read_tracker(self.load_root) if self.resume else None
+        try:
+            # the RNG is set last, in setup() (the local checkpoint holds it apart)
+            states = self.checkpoint_states.without("rng")
+            common = local.restore(self.model, self.optimizer, self.scheduler, self.cfg.to_dict(), disk, states)
+        except CheckpointError as e:
+            raise TrainingSetupError(str(e)) from None
+        if common is not None:
+            self.state.iteration = common["iteration"]
+            self.state.consumed_train_samples = common["consumed_train_samples"]
+            self.state.consumed_valid_samples = common["consumed_valid_samples"]
         return common
 
     def _hang_watchdog(self):

@@ -30,12 +30,13 @@ from megalm.checkpoint.model_state import finish_param_sync
 from megalm.checkpoint.resume import non_persistent_dir
 from megalm.checkpoint.save import remove_older_checkpoints, save_checkpoint
 from megalm.checkpoint.stateful import CheckpointStates
-from megalm.config import MegalmConfig, parse_config
+from megalm.config import ConfigError, MegalmConfig, parse_config
 from megalm.device import get_device
 from megalm.distributed.collective_errors import named_collective_failures
 from megalm.errors import MegalmError, TrainingStopped
 from megalm.log import get_logger
 from megalm.training.initialize import world_size_from_env
+from megalm.training.local_checkpoint import describe_save
 from megalm.training.log_interval import IntervalStats, print_timing
 from megalm.training.loss_checks import NumericsStop
 from megalm.training.step import StepResult, TrainState, train_step
@@ -68,6 +69,8 @@ def pretrain(
     """
     if cfg is None:
         cfg = parse_config(list(argv) if argv is not None else None, world_size=world_size_from_env())
+    if cfg.parallel.auto_layout:
+        raise ConfigError("--auto-layout is resolved by pretrain_gpt.py (megalm.planner.auto.auto_layout_argv)")
     if extra_validation is not None:
         extra_validation(cfg)
     run = Trainer(cfg, model_provider, forward_step_func)
@@ -92,11 +95,29 @@ class Trainer(TrainerSetup, TrainerReporting):
         self.stragglers = None  # --log-straggler: built in setup()
         self.watchdog = None  # --hang-watchdog-seconds: running during train()
         self.data_iterators = None  # DataIterators, built in setup(); closed when run() ends
+        self.optimizer = None  # built in setup(); closed when run() ends (NVMe offload: its swap files)
         self.rebalancer = None  # --straggler-rebalance-interval: built in setup()
         self.checkpoint_states = CheckpointStates()  # what components register with the checkpointer, in setup()
+        self.local_checkpoint = None  # --non-persistent-ckpt-type local: built in setup()
         self.rng_tracker = None  # the rank's seeded RNG tracker (model chunks, checkpoints), from setup()
 
     # -- set-up --
+
+    def save_local(self) -> None:
+        """A local checkpoint of this iteration (collective)."""
+        state = self.state
+        outcome = self.local_checkpoint.save(
+            state.iteration,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            state.consumed_train_samples,
+            state.consumed_valid_samples,
+            self.cfg.to_dict(),
+            self.checkpoint_states.without("rng"),  # the local checkpoint holds the RNG itself
+            self.rng_tracker,
+        )
+        logger.info(describe_save(self.local_checkpoint, state.iteration, outcome))
 
     # -- the loop --
     def run(self) -> TrainState:
@@ -108,6 +129,8 @@ class Trainer(TrainerSetup, TrainerReporting):
         finally:
             if self.data_iterators is not None:
                 self.data_iterators.close()
+            if self.optimizer is not None:
+                self.optimizer.close()
 
     def _train_and_evaluate(self) -> TrainState:
         cfg, state = self.cfg, self.state
@@ -152,6 +175,8 @@ class Trainer(TrainerSetup, TrainerReporting):
         if cfg.checkpoint.save and self.saved_at != state.iteration:
             self.save()
         self.complete_async_save()
+        if self.local_checkpoint is not None:
+            self.local_checkpoint.remove_all()  # the run is over: free the nodes' RAM
 
     def _rebalance(self) -> None:
         """Re-plan the replicas' micro-batch shares (collective); on a change, the reading ranks'
@@ -238,9 +263,16 @@ class Trainer(TrainerSetup, TrainerReporting):
             self.save()
             self.saved_at = state.iteration
             self._progress(f"iteration {state.iteration} saved")
-        elif c.non_persistent_save_interval and state.iteration % c.non_persistent_save_interval == 0:
+        elif (
+            c.non_persistent_save_interval
+            and c.non_persistent_ckpt_type != "local"
+            and state.iteration % c.non_persistent_save_interval == 0
+        ):
             self.save(non_persistent_dir(c, c.save))
             self._progress(f"iteration {state.iteration} saved (non-persistent)")
+        if self.local_checkpoint is not None and state.iteration % c.non_persistent_save_interval == 0:
+            self.save_local()
+            self._progress(f"iteration {state.iteration} saved (local)")
         reason = self.exit_reason()
         if reason:
             self.stop(reason)
