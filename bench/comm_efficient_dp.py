@@ -59,6 +59,7 @@ METHODS = {  # name: (label, flags)
     "plain": ("plain DP (flat all-reduce)", []),
     "hierarchical": ("hierarchical DP (exact)", HIER),
     "int8": ("int8 inter-node, hierarchical", HIER + ["--grad-compression", "int8"]),
+    "int4": ("int4 inter-node, hierarchical", HIER + ["--grad-compression", "int4"]),
     "fp8": ("fp8 e4m3 inter-node, hierarchical", HIER + ["--grad-compression", "fp8"]),
     "powersgd": ("PowerSGD rank 4 inter-node", HIER + ["--grad-compression", "powersgd", "--powersgd-rank", "4"]),
     "powersgd32": ("PowerSGD rank 32 inter-node", HIER + ["--grad-compression", "powersgd", "--powersgd-rank", "32"]),

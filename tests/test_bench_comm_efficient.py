@@ -131,8 +131,8 @@ def test_measure_appends_cells_and_resumes(tmp_path, monkeypatch, capsys):
     assert bench.main(base + ["--seeds", "1,2"]) == 0  # seed 1 is in the file: only seed 2 runs
     assert ran[2:] == [("system", "100mbit", 2, "plain"), ("system", "100mbit", 2, "int8")]
     assert len(bench.load_results([results])) == 4
-    assert bench.main(base[:-1] + ["int4"]) == 2
-    assert "unknown method int4; known: plain, hierarchical" in capsys.readouterr().err
+    assert bench.main(base[:-1] + ["int2"]) == 2
+    assert "unknown method int2; known: plain, hierarchical" in capsys.readouterr().err
     with open(results, "a") as f:
         f.write('{"corpus": "sys')  # a run killed mid-write
     assert bench.main(["--report", results]) == 2
