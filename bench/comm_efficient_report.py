@@ -85,7 +85,28 @@ def report(records, methods: dict) -> str:
                 f"| {mean(c['record']['inter_node_MB_per_step'] for c in cs):.3f} "
                 f"| {_span(valid, '{:.4f}')} | {_span([100 * g for g in gaps], '{:+.2f}%')} | {spread} |"
             )
+        lines += ceiling(records, corpus, link, iters, table)
     return "\n".join(lines)
+
+
+def ceiling(records, corpus: str, link: str, iters: int, table: dict) -> list:
+    """The no-link ceiling: hierarchical DP without a link limit ('unshaped'), against plain DP here.
+
+    No method that trains the same model can be faster than its compute; on a loaded host that
+    bound, not the link, decides how far above plain DP any method can get."""
+    plain = {c["seed"]: c["tps"] for c in table.get("plain", [])}
+    free = [r for r in records if (r["corpus"], r["bandwidth"], r["iters"], r["method"]) ==
+            (corpus, "unshaped", iters, "hierarchical") and r["seed"] in plain]  # fmt: skip
+    if link == "unshaped" or not free:
+        return []
+    x = [r["tokens_per_s"] / plain[r["seed"]] for r in free]
+    loads = [v for r in free for v in (r["load_before"][0], r["load_after"][0])]
+    return [
+        "",
+        f"No link limit (hierarchical DP, unshaped, seeds {sorted(r['seed'] for r in free)}, 1-min load "
+        f"{min(loads):.1f}-{max(loads):.1f}): {mean(r['tokens_per_s'] for r in free):.0f} tokens/s, "
+        f"{_span(x, '{:.2f}')}x plain DP at {link}: the most any method could reach under this load.",
+    ]
 
 
 def judge(records, method: str) -> tuple:

@@ -99,6 +99,8 @@ def test_report_ratios_gaps_and_verdict():
     row = "| int8 inter-node, hierarchical | 2 | 2100 | 3.50 | 2.62 | 1.000 | 5.0050-5.0100 | +0.10%-+0.20% | 0.10 pts"
     assert row in text
     assert "1-min load average 3.0-5.0" in text
+    ceiling = rep.report(cells + [_cell("system", 1, "hierarchical", 2400.0, 5.0, link="unshaped")], bench.METHODS)
+    assert "No link limit (hierarchical DP, unshaped, seeds [1], 1-min load 3.0-5.0): 2400 tokens/s, 4.00x" in ceiling
     holds, x, gap, spread, reasons = rep.judge(cells, "int8")
     assert holds and reasons == [] and (x, gap, spread) == pytest.approx((3.5, 0.002, 0.001))
     assert "best: int8 inter-node, hierarchical, 3.50x plain DP at worst, loss margin 1.80 pts" in rep.verdict(
