@@ -224,7 +224,8 @@ def measure(args) -> None:
 
 
 def plot(records, prefix: str) -> list:
-    """Validation loss against training seconds, one PNG per link (a panel per corpus); the files written."""
+    """Validation loss against training seconds, one PNG per link (a panel per corpus, the longest runs);
+    the files written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -233,6 +234,7 @@ def plot(records, prefix: str) -> list:
     written = []
     for bandwidth in sorted({r["bandwidth"] for r in records}):
         rows = [r for r in records if r["bandwidth"] == bandwidth]
+        rows = [r for r in rows if r["iters"] == max(x["iters"] for x in rows)]  # the longest runs only
         corpora = sorted({r["corpus"] for r in rows})
         fig, axes = plt.subplots(1, len(corpora), figsize=(6.5 * len(corpora), 4.5), squeeze=False)
         for ax, corpus in zip(axes[0], corpora):
