@@ -654,7 +654,7 @@ def test_checkpoint_reshards_into_other_buckets_and_resets_without_pending(tmp_p
 
     def registered(model):  # as the trainer registers --grad-compression's state
         states = CheckpointStates()
-        states.register("grad_compression", CompressionCheckpointState([model], pg, layout()))
+        states.register("grad_compression", CompressionCheckpointState([model], pg, layout(pg)))
         return states
 
     pg = ProcessGroups.single()

@@ -23,6 +23,7 @@ from megalm.checkpoint.rng import RNGState
 from megalm.checkpoint.safe_metadata import CheckpointMetadataError, load_metadata
 from megalm.checkpoint.stateful import CheckpointStates, LoadInfo, load_rank_states, sharded_load_plans
 from megalm.log import get_logger
+from megalm.parallel_state import ProcessGroups
 from megalm.param_layout import ShardedStateDict, ShardedTensorSpec, param_spec
 from megalm.tensor_parallel.random import RNGStatesTracker
 
@@ -41,6 +42,7 @@ def load_checkpoint(
     fallback: bool = False,
     states: Optional[CheckpointStates] = None,
     rng_tracker: Optional[RNGStatesTracker] = None,
+    groups: Optional[ProcessGroups] = None,
 ) -> dict:
     """Collective.  Verifies the checkpoint (:func:`verified_checkpoint`), fills the model (and
     optimizer/scheduler/RNG/registered ``states``) in place; returns common.json's content.
@@ -49,7 +51,8 @@ def load_checkpoint(
     (``--ckpt-fallback-to-verified``): a corrupt checkpoint is skipped for the newest older one
     that verifies.  ``states`` (:mod:`megalm.checkpoint.stateful`) are restored after the
     optimizer, from this rank's files and their blocks of the DCP checkpoint (not with ``finetune``).
-    ``rng_tracker``: the model's RNG tracker, given the saved streams with ``load_rng``.
+    ``rng_tracker``: the model's RNG tracker, given the saved streams with ``load_rng``.  ``groups``: the
+    run's process groups (default: the model's own, :func:`model_groups`).
     """
     path = verified_checkpoint(root, iteration, fallback)
     common = read_common(path)
@@ -59,9 +62,10 @@ def load_checkpoint(
         raise CheckpointError(str(e)) from e
     saved = tensor_shapes(metadata)
     finish_param_sync(model_chunks)
+    groups = model_groups(model_chunks, groups)
     with_optim = optimizer is not None and load_optim and not finetune
-    specs, main_params_missing = _load_specs(model_chunks, optimizer if with_optim else None, saved)
-    info = LoadInfo(path, common, layout(), saved)
+    specs, main_params_missing = load_targets(model_chunks, optimizer if with_optim else None, saved, groups)
+    info = LoadInfo(path, common, layout(groups), saved)
     states = None if finetune else states
     specs.update(sharded_load_plans(states, info))
     try:
@@ -79,14 +83,14 @@ def load_checkpoint(
         optimizer.reload_model_params()
     load_rank_states(info, states)  # collective: one all_gather_object per state
     if load_rng and not finetune:
-        load_rng_state(path, common, rng_tracker)
+        load_rng_state(path, common, groups, rng_tracker)
     common = dict(common, path=path)
     if finetune:
         common = dict(common, iteration=0, consumed_train_samples=0, consumed_valid_samples=0)
     return common
 
 
-def _load_specs(model_chunks, optimizer, saved: Dict[str, tuple]):
+def load_targets(model_chunks, optimizer, saved: Dict[str, tuple], groups: ProcessGroups):
     """What to read into which tensor, given the names in the checkpoint.
 
     Model weights come from the fp32 main copy when the checkpoint has one and nothing else
@@ -108,7 +112,6 @@ def _load_specs(model_chunks, optimizer, saved: Dict[str, tuple]):
     for key in missing:
         del opt_specs[key]
     specs: ShardedStateDict = {}
-    groups = model_groups(model_chunks)
     for name, p in params.items():
         main_key = f"optimizer.{name}.main_param"
         if main_key in saved and main_key not in opt_specs:
@@ -123,11 +126,13 @@ def _load_specs(model_chunks, optimizer, saved: Dict[str, tuple]):
     return specs, bool(missing)
 
 
-def load_rng_state(path: str, common: dict, rng_tracker: Optional[RNGStatesTracker] = None) -> None:
+def load_rng_state(
+    path: str, common: dict, groups: ProcessGroups, rng_tracker: Optional[RNGStatesTracker] = None
+) -> None:
     """Collective (one ``all_gather_object``).  Restore this rank's RNG states, ``rng_tracker``'s streams
-    included (skipped, with a message, when the layout changed)."""
+    included (skipped, with a message, when the layout of ``groups`` is not the saved one)."""
     if not common.get("rng_saved", True):
         raise CheckpointError(f"{path} was saved with --no-save-rng: load it with --no-load-rng")
     states = CheckpointStates()
     states.register("rng", RNGState(rng_tracker))
-    load_rank_states(LoadInfo(path, common, layout(), {}), states, required=True)
+    load_rank_states(LoadInfo(path, common, layout(groups), {}), states, required=True)

@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megalm import parallel_state
 from megalm.checkpoint import manifest as checkpoint_manifest
 from megalm.checkpoint.async_writer import AsyncCheckpointWriter
 from megalm.checkpoint.common_json import FORMAT_VERSION, layout
@@ -22,12 +21,14 @@ from megalm.checkpoint.dcp_io import save_sharded
 from megalm.checkpoint.errors import CheckpointError, describe_io_error, gather_errors, save_dir_problem
 from megalm.checkpoint.model_state import (
     finish_param_sync,
+    model_groups,
     model_sharded_state,
     optimizer_sharded_state,
 )
 from megalm.checkpoint.resume import TRACKER_FILENAME, checkpoint_dir, checkpoint_iterations, rank_is_zero, read_tracker
 from megalm.checkpoint.rng import RNGState
 from megalm.checkpoint.stateful import CheckpointStates, rank_file, save_rank_states, sharded_states
+from megalm.parallel_state import ProcessGroups
 from megalm.param_layout import ShardedStateDict, ShardedTensorSpec
 from megalm.tensor_parallel.random import RNGStatesTracker
 
@@ -46,6 +47,7 @@ def save_checkpoint(
     save_rng: bool = True,
     states: Optional[CheckpointStates] = None,
     rng_tracker: Optional[RNGStatesTracker] = None,
+    groups: Optional[ProcessGroups] = None,
 ) -> str:
     """Collective over all ranks.  Returns the iteration directory.
 
@@ -60,7 +62,9 @@ def save_checkpoint(
     state out; ``common.json`` says so, and loading it then needs ``--no-load-optim`` / ``--no-load-rng``.
     ``states``: the registered states (:mod:`megalm.checkpoint.stateful`): each rank writes its
     ``<name>/rank_<rank>.pt`` and their blocks go into the DCP save (collective per state).
-    ``rng_tracker``: the model's RNG tracker, whose streams the RNG file holds (none without one)."""
+    ``rng_tracker``: the model's RNG tracker, whose streams the RNG file holds (none without one).
+    ``groups``: the run's process groups (default: the model's own, :func:`model_groups`): the layout
+    ``common.json`` records and the blocks of every tensor."""
     if async_writer is not None:
         async_writer.wait()  # one save in flight: the previous one is complete (tracker written) first
     path = checkpoint_dir(root, iteration)
@@ -73,7 +77,8 @@ def save_checkpoint(
         os.makedirs(os.path.join(path, "rng"), exist_ok=True)
     _barrier()
     finish_param_sync(model_chunks)
-    specs = model_sharded_state(model_chunks)
+    groups = model_groups(model_chunks, groups)
+    specs = model_sharded_state(model_chunks, groups)
     if optimizer is not None:
         specs.update(optimizer_sharded_state(optimizer, model_chunks))
     specs.update(sharded_states(states))  # collective per state (e.g. a sum over data-parallel ranks)
@@ -89,7 +94,7 @@ def save_checkpoint(
             "consumed_train_samples": consumed_train_samples,
             "consumed_valid_samples": consumed_valid_samples,
             "world_size": world,
-            "layout": layout(),
+            "layout": layout(groups),
             "config": config,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "optimizer_common": optimizer.common_state_dict() if optimizer is not None else None,
@@ -102,7 +107,7 @@ def save_checkpoint(
         _on_every_rank(lambda: _finish_save(root, path, iteration, world), path)
         return path
     staged = stage_to_cpu(specs)
-    group = parallel_state.get_checkpoint_io_group() if dist.is_initialized() else None
+    group = async_writer.group
 
     def write_in_background():
         _on_every_rank(lambda: _write_files(staged, path, common, rank, group), path, group)

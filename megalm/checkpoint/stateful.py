@@ -6,7 +6,7 @@ implements torch.distributed.checkpoint's ``Stateful`` protocol, ``state_dict()`
 ``load_state_dict(state)``, and whoever builds it registers it under a name::
 
     states = CheckpointStates()
-    states.register("grad_compression", CompressionCheckpointState(model, layout()))
+    states.register("grad_compression", CompressionCheckpointState(model, groups, layout(groups)))
     save_checkpoint(..., states=states)
     load_checkpoint(..., states=states)
 

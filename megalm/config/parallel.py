@@ -171,6 +171,17 @@ class ParallelConfig(Section):
     distributed_timeout_minutes: float = _f(
         10, "Timeout of every collective, in minutes (fractions allowed); a timeout names its group."
     )
+    auto_layout: bool = _f(
+        False,
+        "pretrain_gpt.py (megalm): run the layout planner (megalm-plan, docs/planner.md) for this world size and "
+        "--cluster-config at start-up and train with its first choice's parallel flags (TP, PP, VPP, CP, EP, "
+        "sharding, recompute, micro batch, offload); refused with explicit layout flags.",
+    )
+    cluster_config: Optional[str] = _f(
+        None,
+        "--auto-layout's cluster: a megalm-plan preset (h100, a100, cpu-sim, cpu) or cluster TOML file (nodes and "
+        "devices per node come from the world and LOCAL_WORLD_SIZE); default: h100 with CUDA, else cpu.",
+    )
 
     # Derived.
     world_size: Optional[int] = field(default=None, metadata={"derived": True})
@@ -201,6 +212,7 @@ class ParallelConfig(Section):
             f"--ddp-bucket-size must be positive, got {self.ddp_bucket_size}",
         )
         self._validate_grad_compression()
+        check(self.cluster_config is None or self.auto_layout, "--cluster-config needs --auto-layout")
         self._validate_local_sgd()
         if self.sequence_parallel and tp == 1:
             self.sequence_parallel = False  # as Megatron: a no-op without tensor parallelism
