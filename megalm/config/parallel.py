@@ -89,20 +89,21 @@ class ParallelConfig(Section):
         "not send is added to its next step's gradient): powersgd (rank --powersgd-rank approximation "
         "of every matrix, two all-reduces; vectors and small matrices exact), topk (all-gather of the "
         "--topk-ratio largest-magnitude entries and their indices), int8 (all-gather of 8-bit values "
-        "with one fp32 scale per --int8-chunk-size elements), fp8 (the same with fp8 values, "
+        "with one fp32 scale per --int8-chunk-size elements), int4 (the same with 4-bit values, two per "
+        "byte, --int8-chunk-size and --int8-rounding), fp8 (the same as int8 with fp8 values, "
         "--grad-fp8-format).  Once per step (after gradient accumulation); with --hierarchical-grad-reduce "
         "only the inter-node leg.  With --use-distributed-optimizer each rank keeps its shard of the same "
         "result (int8/fp8: an all-to-all instead of the all-gather); not with the optim_grads / "
         "optim_grads_params strategies.  Checkpoints keep the state; loaded under another layout the "
         "residuals are resharded (each rank gets its share of the pending update).",
-        choices=["none", "powersgd", "topk", "int8", "fp8"],
+        choices=["none", "powersgd", "topk", "int8", "int4", "fp8"],
     )
     powersgd_rank: int = _f(4, "Rank of PowerSGD's low-rank gradient approximation (--grad-compression powersgd).")
     topk_ratio: float = _f(0.01, "Fraction of each bucket's entries sent by --grad-compression topk, in (0, 1].")
-    int8_chunk_size: int = _f(1024, "Elements sharing one fp32 scale under --grad-compression int8.")
+    int8_chunk_size: int = _f(1024, "Elements sharing one fp32 scale under --grad-compression int8 and int4.")
     int8_rounding: str = _f(
         "nearest",
-        "Rounding of --grad-compression int8: nearest, or stochastic (unbiased; a different random "
+        "Rounding of --grad-compression int8 and int4: nearest, or stochastic (unbiased; a different random "
         "stream per rank, saved in checkpoints).",
         choices=["nearest", "stochastic"],
     )
