@@ -108,6 +108,7 @@ class Trainer:
         self.watchdog = None  # --hang-watchdog-seconds: running during train()
         self.data_iterators = None  # DataIterators, built in setup(); closed when run() ends
         self.rebalancer = None  # --straggler-rebalance-interval: built in setup()
+        self.replicas = None  # --ft-replica-group-id: torchft's replica groups, joined at the end of setup()
         self.checkpoint_states = CheckpointStates()  # what components register with the checkpointer, in setup()
 
     # -- set-up --
@@ -120,6 +121,7 @@ class Trainer:
         self._check_before_start()
         initialize_megalm(cfg)
         self.groups = parallel_state.get_process_groups()  # the entry point: built once here, passed down
+        self.replicas = self._join_replica_groups()  # early: other groups wait for one still setting up
         # fail early if the layout's schedule is not available
         get_forward_backward_func(self.groups, cfg.parallel.virtual_pipeline_model_parallel_size)
         self.timers = Timers.from_config(cfg.logging)
@@ -168,6 +170,17 @@ class Trainer:
         )
         logger.info(run_topology_report(cfg.parallel, dist.get_world_size()))
         print_timing(self.timers.log(SETUP_TIMERS))  # collective
+        if self.replicas is not None:
+            self.replicas.attach(self.model, self.optimizer, self.scheduler)
+            if self.state.iteration:  # resumed from a checkpoint: torchft's step follows
+                self.replicas.resume_at(self.state.iteration)
+
+    def _join_replica_groups(self):
+        """--ft-replica-group-id: torchft's manager of this rank, heartbeating to the lighthouse
+        (:mod:`megalm.resilience.torchft_replicas`), else None."""
+        from megalm.resilience.torchft_replicas import build_replica_groups
+
+        return build_replica_groups(self.cfg, self.groups, self.state)
 
     def _straggler_report(self):
         """--log-straggler's :class:`megalm.training.stragglers.StragglerReport` (collective), else None."""
@@ -236,6 +249,10 @@ class Trainer:
             check_wandb_ready(cfg.logging)  # on every rank, before any work
         except WandbSetupError as e:
             raise TrainingSetupError(str(e)) from None
+        if cfg.parallel.ft_replica_group_id is not None:
+            from megalm.resilience.torchft_replicas import require_torchft
+
+            require_torchft()  # the [ft] extra, before any work
 
     def _build_tokenizer(self):
         from megalm.tokenizers import build_tokenizer
@@ -286,8 +303,12 @@ class Trainer:
 
     def _build_data(self) -> None:
         from megalm.data import build_train_valid_test_data_iterators
+        from megalm.resilience.torchft_replicas import full_quorum_shares
 
         cfg = self.cfg
+        shares = full_quorum_shares(cfg, parallel_state.group_size(self.groups.dp))
+        if self.rebalancer is not None:
+            shares = self.rebalancer.shares
         iterators = build_train_valid_test_data_iterators(
             cfg,
             self.tokenizer,
@@ -295,7 +316,7 @@ class Trainer:
             self.state.consumed_valid_samples,
             groups=self.groups,
             train_iters=self.train_iters,
-            train_shares=self.rebalancer.shares if self.rebalancer is not None else None,
+            train_shares=shares,
         )
         self.data_iterators = iterators
         self.train_iter, self.valid_iter, self.test_iter = iterators
@@ -354,6 +375,8 @@ class Trainer:
         finally:
             if self.data_iterators is not None:
                 self.data_iterators.close()
+            if self.replicas is not None:
+                self.replicas.close()
 
     def _train_and_evaluate(self) -> TrainState:
         cfg, state = self.cfg, self.state
@@ -446,7 +469,7 @@ class Trainer:
         once on ranks that read none) and when the step is done."""
         from megalm.training.first_step import STAGES
 
-        train_iter = self.train_iter
+        train_iter, marked = self.train_iter, None
         if train_iter is None:
             deadline.reached(STAGES[1])
         else:
@@ -458,11 +481,12 @@ class Trainer:
                     break
                 yield from train_iter
 
-            self.train_iter = first_batch_marked()
+            self.train_iter = marked = first_batch_marked()
         try:
             self.train_iteration()
         finally:
-            self.train_iter = train_iter
+            if self.train_iter is marked:  # not restarted by the step (torchft restarts it)
+                self.train_iter = train_iter
         deadline.step_done()
 
     def _progress(self, where: str) -> None:
@@ -477,20 +501,29 @@ class Trainer:
         self._progress(f"iteration {state.iteration + 1} started")
         self.profiler.before_step(state.iteration)
         start = time.perf_counter()
-        result = train_step(
-            cfg,
-            self.forward_step_func,
-            self.train_iter,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            state,
-            self.microbatches,
-            self.groups,
-            self.timers,
-            self.outer_sync,
-            self.rebalancer,
-        )
+
+        def step(data_iterator):
+            return train_step(
+                cfg,
+                self.forward_step_func,
+                data_iterator,
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                state,
+                self.microbatches,
+                self.groups,
+                self.timers,
+                self.outer_sync,
+                self.rebalancer,
+                self.replicas,
+            )
+
+        if self.replicas is None:
+            result = step(self.train_iter)
+        else:  # torchft: quorum first (a returning group recovers here), redone until committed
+            loader = self.data_iterators.train_loader if self.data_iterators is not None else None
+            result, self.train_iter = self.replicas.step(step, self.train_iter, loader)
         self.check_numerics(result)
         if self.rebalancer is not None and state.iteration % self.rebalancer.interval == 0:
             self._rebalance()
@@ -652,6 +685,9 @@ class Trainer:
         if len(nodes) > 1:  # the busiest node's bytes over inter-node links per iteration
             record["inter_node_bytes"] = max(nodes) / max(log.iterations, 1)
         line = format_log_line(record, self.train_iters)
+        if self.replicas is not None:  # torchft: the quorum of the last step
+            record.update(self.replicas.metrics())
+            line += f" replica groups: {record['ft_replica_groups']} (this is replica {record['ft_replica_rank']}) |"
         if self.stragglers is not None:  # collective over the world
             stragglers = self.stragglers.gather(log.time, log.iterations, self.timers)
             if stragglers is not None:
