@@ -28,6 +28,7 @@ from megalm.errors import MegalmError, TrainingStopped
 from megalm.log import setup_logging
 from megalm.models import GPTModel
 from megalm.parallel_state import ProcessGroups
+from megalm.tensor_parallel.random import RNGStatesTracker
 from megalm.training import get_batch, pretrain
 from megalm.transformer.moe import pop_moe_metrics
 
@@ -39,15 +40,18 @@ def model_provider(
     layer_numbers=None,
     *,
     process_groups: ProcessGroups,
+    rng_tracker: RNGStatesTracker,
 ) -> GPTModel:
     """The GPT model chunk for this pipeline stage (its global layer numbers), communicating over
-    ``process_groups`` (the Trainer's bundle; Megatron-core's ``pg_collection``)."""
+    ``process_groups`` (the Trainer's bundle; Megatron-core's ``pg_collection``) and drawing dropout
+    masks from ``rng_tracker`` (the rank's, seeded by the Trainer)."""
     return GPTModel(
         cfg,
         pre_process=pre_process,
         post_process=post_process,
         layer_numbers=layer_numbers,
         process_groups=process_groups,
+        rng_tracker=rng_tracker,
     )
 
 

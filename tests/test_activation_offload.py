@@ -60,7 +60,7 @@ def _losses_and_grads(model, seeds, order, attention_mask=None):
     """Forward every microbatch of ``seeds``, then backward them in ``order`` (indices)."""
     losses = []
     for seed in seeds:
-        model_parallel_manual_seed(7 + seed, get_process_groups())
+        model_parallel_manual_seed(7 + seed, get_process_groups(), model.rng_tracker)
         tokens, labels = _batch(seed)
         losses.append(model(tokens, None, labels, attention_mask=attention_mask).sum())
     for i in order:
@@ -86,7 +86,7 @@ def _saved_bytes_per_layer(model, seed=0, attention_mask=None):
             alive.append(s)
         return x
 
-    model_parallel_manual_seed(7 + seed, get_process_groups())
+    model_parallel_manual_seed(7 + seed, get_process_groups(), model.rng_tracker)
     tokens, labels = _batch(seed)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
         model(tokens, None, labels, attention_mask=attention_mask)

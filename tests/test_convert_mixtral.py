@@ -26,6 +26,7 @@ from megalm.checkpoint.save import save_checkpoint
 from megalm.config import MegalmConfig, set_vocab_size, validate_config
 from megalm.conversion.errors import ConversionError
 from megalm.parallel_state import get_process_groups
+from megalm.tensor_parallel.random import RNGStatesTracker
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None, reason="transformers is needed to load the exported models"
@@ -356,7 +357,8 @@ def _save_and_load_on_ranks(jobs, ids):
             p.pipeline_model_parallel_size,
             expert_model_parallel_size=p.expert_model_parallel_size,
         )
-        chunks = build_model_chunks(cfg, pretrain_gpt.model_provider, parallel_state.get_process_groups())
+        groups = parallel_state.get_process_groups()
+        chunks = build_model_chunks(cfg, pretrain_gpt.model_provider, groups, RNGStatesTracker())
         if action == "save":
             _perturb_norms(chunks)
             save_checkpoint(root, 5, chunks, config=cfg.to_dict())

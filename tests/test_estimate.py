@@ -178,7 +178,8 @@ def saved_activation_bytes(model, cfg, dtype) -> int:
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length), generator=g)
     labels = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_length), generator=g)
-    model_parallel_manual_seed(0, get_process_groups())  # the position-keyed dropout draws its key from the tracker
+    # the position-keyed dropout draws its key from the model's tracker
+    model_parallel_manual_seed(0, get_process_groups(), model.rng_tracker)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
         model(tokens, None, labels)
     return sum(seen.values())
@@ -313,14 +314,14 @@ def _cp2_measurements(cases):
     from megalm.models import GPTModel
 
     parallel_state.initialize_model_parallel(context_parallel_size=2)
-    model_parallel_manual_seed(
-        0, get_process_groups()
-    )  # attention dropout under CP is position-keyed: its key comes from the tracker
+    # attention dropout under CP is position-keyed: its key comes from the tracker
+    tracker = model_parallel_manual_seed(0, get_process_groups())
     rank = parallel_state.get_context_parallel_rank()
     out = []
     for comm, model_kw in cases:
         cfg = cp2_cfg(comm, **model_kw)
-        model, t, seq = GPTModel(cfg, process_groups=get_process_groups()), cfg.training, cfg.model.seq_length
+        model = GPTModel(cfg, process_groups=get_process_groups(), rng_tracker=tracker)
+        t, seq = cfg.training, cfg.model.seq_length
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         seen = {}
 

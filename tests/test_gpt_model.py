@@ -212,7 +212,7 @@ def _dropout_step(tp, sp, recompute: dict, seed=99):
     )
     model = GPTModel(make_cfg(tp, sp, **overrides), process_groups=get_process_groups())
     model.train()
-    model_parallel_manual_seed(seed, get_process_groups())
+    model_parallel_manual_seed(seed, get_process_groups(), model.rng_tracker)
     loss = _run_step(model, make_batch(5, rope_offsets=True))
     return loss, {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -580,3 +580,35 @@ def test_qk_layernorm_and_qkv_bias_match_naive_formulas():
     scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
     context = torch.einsum("bgjst,tbgd->sbgjd", scores.softmax(-1), v).reshape(s, b, heads * d)
     assert _rel(attention(x), context @ attention.linear_proj.weight.t()) < 1e-6
+
+
+def test_the_rng_tracker_is_the_models_and_every_layer_forks_it():
+    """The tracker is passed in, not looked up: every module of a model (MTP included) holds
+    the one the model was given; attention dropout forks it (an unseeded tracker refuses, a seeded
+    one's model-parallel stream advances and sets the mask), and recomputation restores it."""
+    from megalm.tensor_parallel import RNGStatesTracker
+
+    overrides = dict(attention_dropout=0.5, mtp_num_layers=1)
+    overrides["recompute_granularity"] = "full"
+    overrides.update(recompute_method="uniform", recompute_num_layers=1)
+    cfg, groups = make_cfg(**overrides), get_process_groups()
+    tracker = RNGStatesTracker()
+    model = GPTModel(cfg, process_groups=groups, rng_tracker=tracker).train()
+    holders = [name for name, module in model.named_modules() if hasattr(module, "rng_tracker")]
+    assert {"", "embedding", "decoder", "decoder.layers.0", "decoder.layers.0.self_attention"} <= set(holders)
+    assert "mtp.layers.0.transformer_layer.self_attention" in holders
+    assert all(model.get_submodule(name).rng_tracker is tracker for name in holders)
+    tokens, positions, labels, _ = make_batch(0)
+    with pytest.raises(RuntimeError, match="not initialized"):
+        model(tokens, positions, labels)
+    model_parallel_manual_seed(5, groups, tracker)
+    before = tracker.get_states()["model-parallel-rng"]
+    first = model(tokens, positions, labels)
+    first.sum().backward()  # recomputation under the restored streams: no error, same masks
+    after = tracker.get_states()["model-parallel-rng"]
+    assert not torch.equal(before, after)  # the forward drew its masks from this tracker
+    model_parallel_manual_seed(5, groups, tracker)
+    assert torch.equal(model(tokens, positions, labels), first)  # same streams, same masks
+    model_parallel_manual_seed(6, groups, tracker)  # another model-parallel seed: other masks
+    torch.manual_seed(5 + 100 * 0)  # the default stream as seed 5 left it
+    assert not torch.equal(model(tokens, positions, labels), first)

@@ -107,10 +107,14 @@ TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 
 
-def scaled_experts_provider(cfg, pre_process=True, post_process=True, layer_numbers=None, *, process_groups):
+def scaled_experts_provider(
+    cfg, pre_process=True, post_process=True, layer_numbers=None, *, process_groups, rng_tracker
+):
     """pretrain_gpt's model with expert ``e``'s weight matrices multiplied by ``EXPERT_SCALES[e]`` (names
     carry the global expert index, so EP 1 and EP 2 build the same model)."""
-    model = pretrain_gpt.model_provider(cfg, pre_process, post_process, layer_numbers, process_groups=process_groups)
+    model = pretrain_gpt.model_provider(
+        cfg, pre_process, post_process, layer_numbers, process_groups=process_groups, rng_tracker=rng_tracker
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             m = re.search(r"local_experts\.(\d+)\.linear_fc\d\.weight$", name)

@@ -198,8 +198,8 @@ def test_full_recompute_gives_same_gradients_and_logs_once():
         ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
     ):
         cfg = _cfg("--moe-aux-loss-coeff", "0.1", "--moe-z-loss-coeff", "0.01", "--moe-layer-freq", "2", *recompute)
-        model_parallel_manual_seed(1, get_process_groups())
-        model = GPTModel(cfg, process_groups=get_process_groups())
+        tracker = model_parallel_manual_seed(1, get_process_groups())
+        model = GPTModel(cfg, process_groups=get_process_groups(), rng_tracker=tracker)
         model.train()
         tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
         model(tokens, labels=tokens).mean().backward()
@@ -336,14 +336,10 @@ def test_chunks_of_one_rank_share_one_moe_state():
     from megalm.transformer.moe.moe_layer import moe_states
 
     cfg = _cfg("--moe-aux-loss-coeff", "0.1")
-    model_parallel_manual_seed(1, get_process_groups())
-    first = GPTModel(
-        cfg, pre_process=True, post_process=False, layer_numbers=[0, 1], process_groups=get_process_groups()
-    )
-    last = GPTModel(
-        cfg, pre_process=False, post_process=True, layer_numbers=[2, 3], process_groups=get_process_groups()
-    )
-    whole = GPTModel(cfg, process_groups=get_process_groups())  # the same four MoE layers in one model
+    groups, tracker = get_process_groups(), model_parallel_manual_seed(1, get_process_groups())
+    first = GPTModel(cfg, True, False, layer_numbers=[0, 1], process_groups=groups, rng_tracker=tracker)
+    last = GPTModel(cfg, False, True, layer_numbers=[2, 3], process_groups=groups, rng_tracker=tracker)
+    whole = GPTModel(cfg, process_groups=groups, rng_tracker=tracker)  # the same four MoE layers in one model
     for model in (first, last, whole):
         initialize_weights(
             model, seed=3, tp_group=get_process_groups().tp, etp_group=get_process_groups().etp

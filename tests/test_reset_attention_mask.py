@@ -169,8 +169,8 @@ def test_keyed_dropout_core_refuses_a_mask_it_cannot_apply():
 
     cfg = copy.deepcopy(make_cfg())  # an unvalidated copy (the validated config is frozen)
     cfg.model.position_keyed_attention_dropout, cfg.model.attention_dropout = True, 0.1
-    model_parallel_manual_seed(11, get_process_groups())
-    model = GPTModel(cfg, process_groups=get_process_groups()).train()
+    tracker = model_parallel_manual_seed(11, get_process_groups())
+    model = GPTModel(cfg, process_groups=get_process_groups(), rng_tracker=tracker).train()
     tokens = docs_tokens(7, 2, 32, 0.1)
     mask = document_causal_mask(torch.stack([document_ids(t, EOD) for t in tokens]))
     with pytest.raises(ConfigError, match="--reset-attention-mask is not supported with --position-keyed"):

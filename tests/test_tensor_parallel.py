@@ -23,7 +23,6 @@ from megalm.tensor_parallel import (
     gather_tensor_parallel_grad,
     gather_tensor_parallel_param,
     get_all_rng_states,
-    get_rng_tracker,
     initialize_weights,
     model_parallel_manual_seed,
     reduce_from_tensor_model_parallel_region,
@@ -338,11 +337,11 @@ def _check_sequence_parallel_norm(tp: int) -> dict:
 
 def _check_rng(tp: int) -> dict:
     r = parallel_state.get_tensor_model_parallel_rank()
-    model_parallel_manual_seed(123, get_process_groups())
+    tracker = model_parallel_manual_seed(123, get_process_groups())
     default_draw = torch.rand(6)
-    with get_rng_tracker().fork():
+    with tracker.fork():
         tracker_draw = torch.rand(6)
-        with get_rng_tracker().fork():  # re-entrant: continues the same stream
+        with tracker.fork():  # re-entrant: continues the same stream
             nested_draw = torch.rand(6)
     after_fork = torch.rand(6)
     expected_tracker = torch.rand(12, generator=torch.Generator().manual_seed(123 + 2718 + r))
@@ -355,37 +354,41 @@ def _check_rng(tp: int) -> dict:
         "default identical over TP": max(_rel(d, every_default[0]) for d in every_default),
         "tracker differs over TP": float(any(torch.equal(every_tracker[0], t) for t in every_tracker[1:])),
     }
-    saved = get_all_rng_states()
-    first = (torch.rand(3), _fork_rand(3))
-    set_all_rng_states(saved)
-    again = (torch.rand(3), _fork_rand(3))
+    saved = get_all_rng_states(tracker)
+    first = (torch.rand(3), _fork_rand(tracker, 3))
+    set_all_rng_states(saved, tracker)
+    again = (torch.rand(3), _fork_rand(tracker, 3))
     errors["rng state round trip"] = _rel(torch.cat(first), torch.cat(again))
     errors.update(_check_checkpoint())
     return errors
 
 
-def _fork_rand(n):
-    with get_rng_tracker().fork():
+def _fork_rand(tracker, n):
+    with tracker.fork():
         return torch.rand(n)
 
 
-def _dropout_function(x, w):
-    y = dropout(torch.tanh(x * w), 0.5, True)  # default stream
-    return dropout(y * w, 0.3, True, model_parallel_rng=True)  # model-parallel stream
+def _dropout_function(tracker):
+    def run(x, w):
+        y = dropout(torch.tanh(x * w), 0.5, True, tracker)  # default stream
+        return dropout(y * w, 0.3, True, tracker, model_parallel_rng=True)  # model-parallel stream
+
+    return run
 
 
 def _run_dropout_function(use_checkpoint: bool, inside_fork: bool):
-    model_parallel_manual_seed(77, get_process_groups())
+    tracker = model_parallel_manual_seed(77, get_process_groups())
     x = _same_input(S, B, H, seed=15).requires_grad_()
     w = _same_input(H, seed=16).requires_grad_()
-    fn = (lambda a, b: checkpoint(_dropout_function, a, b)) if use_checkpoint else _dropout_function
+    run = _dropout_function(tracker)
+    fn = (lambda a, b: checkpoint(run, a, b, rng_tracker=tracker)) if use_checkpoint else run
     if inside_fork:
-        with get_rng_tracker().fork():
+        with tracker.fork():
             out = fn(x, w)
     else:
         out = fn(x, w)
     out.pow(2).sum().backward()
-    return out.detach(), x.grad, w.grad, torch.rand(4), _fork_rand(4)
+    return out.detach(), x.grad, w.grad, torch.rand(4), _fork_rand(tracker, 4)
 
 
 def _check_checkpoint() -> dict:

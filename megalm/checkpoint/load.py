@@ -24,6 +24,7 @@ from megalm.checkpoint.safe_metadata import CheckpointMetadataError, load_metada
 from megalm.checkpoint.stateful import CheckpointStates, LoadInfo, load_rank_states, sharded_load_plans
 from megalm.log import get_logger
 from megalm.param_layout import ShardedStateDict, ShardedTensorSpec, param_spec
+from megalm.tensor_parallel.random import RNGStatesTracker
 
 logger = get_logger(__name__)
 
@@ -39,6 +40,7 @@ def load_checkpoint(
     iteration: Optional[int] = None,
     fallback: bool = False,
     states: Optional[CheckpointStates] = None,
+    rng_tracker: Optional[RNGStatesTracker] = None,
 ) -> dict:
     """Collective.  Verifies the checkpoint (:func:`verified_checkpoint`), fills the model (and
     optimizer/scheduler/RNG/registered ``states``) in place; returns common.json's content.
@@ -47,6 +49,7 @@ def load_checkpoint(
     (``--ckpt-fallback-to-verified``): a corrupt checkpoint is skipped for the newest older one
     that verifies.  ``states`` (:mod:`megalm.checkpoint.stateful`) are restored after the
     optimizer, from this rank's files and their blocks of the DCP checkpoint (not with ``finetune``).
+    ``rng_tracker``: the model's RNG tracker, given the saved streams with ``load_rng``.
     """
     path = verified_checkpoint(root, iteration, fallback)
     common = read_common(path)
@@ -76,7 +79,7 @@ def load_checkpoint(
         optimizer.reload_model_params()
     load_rank_states(info, states)  # collective: one all_gather_object per state
     if load_rng and not finetune:
-        load_rng_state(path, common)
+        load_rng_state(path, common, rng_tracker)
     common = dict(common, path=path)
     if finetune:
         common = dict(common, iteration=0, consumed_train_samples=0, consumed_valid_samples=0)
@@ -120,11 +123,11 @@ def _load_specs(model_chunks, optimizer, saved: Dict[str, tuple]):
     return specs, bool(missing)
 
 
-def load_rng_state(path: str, common: dict) -> None:
-    """Collective (one ``all_gather_object``).  Restore this rank's RNG states (skipped, with a
-    message, when the layout changed)."""
+def load_rng_state(path: str, common: dict, rng_tracker: Optional[RNGStatesTracker] = None) -> None:
+    """Collective (one ``all_gather_object``).  Restore this rank's RNG states, ``rng_tracker``'s streams
+    included (skipped, with a message, when the layout changed)."""
     if not common.get("rng_saved", True):
         raise CheckpointError(f"{path} was saved with --no-save-rng: load it with --no-load-rng")
     states = CheckpointStates()
-    states.register("rng", RNGState())
+    states.register("rng", RNGState(rng_tracker))
     load_rank_states(LoadInfo(path, common, layout(), {}), states, required=True)

@@ -1,24 +1,24 @@
 """This process's random number generators' states (Python, NumPy, torch CPU and CUDA, the
-tensor-parallel tracker) as a dict of plain values and tensors (saved with ``torch.save``, read
-back with ``weights_only=True``), and :class:`RNGState`, the same as a checkpoint state (saved
-to ``rng/rank_<rank>.pt`` unless ``--no-save-rng``).  No communication."""
+tensor-parallel tracker the model was given) as a dict of plain values and tensors (saved with
+``torch.save``, read back with ``weights_only=True``), and :class:`RNGState`, the same as a
+checkpoint state (saved to ``rng/rank_<rank>.pt`` unless ``--no-save-rng``).  No communication."""
 
 from __future__ import annotations
 
 import random
-from typing import Dict
+from typing import Dict, Optional
 
 import numpy as np
 import torch
 
 from megalm.log import get_logger
+from megalm.tensor_parallel.random import RNGStatesTracker
 
 logger = get_logger(__name__)
 
 
-def get_rng_state() -> Dict[str, object]:
-    from megalm.tensor_parallel.random import get_rng_tracker
-
+def get_rng_state(tracker: Optional[RNGStatesTracker]) -> Dict[str, object]:
+    """The generators' states; ``"tracker"``: ``tracker``'s streams ({} without one)."""
     np_state = np.random.get_state()
     state = {
         "python": list(random.getstate()[1]),
@@ -29,16 +29,15 @@ def get_rng_state() -> Dict[str, object]:
         "numpy_has_gauss": int(np_state[3]),
         "numpy_gauss": float(np_state[4]),
         "torch": torch.get_rng_state(),
-        "tracker": {k: v for k, v in get_rng_tracker().get_states().items()},
+        "tracker": tracker.get_states() if tracker is not None else {},
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def set_rng_state(state: Dict[str, object]) -> None:
-    from megalm.tensor_parallel.random import get_rng_tracker
-
+def set_rng_state(state: Dict[str, object], tracker: Optional[RNGStatesTracker]) -> None:
+    """Restore what :func:`get_rng_state` returned; ``tracker``'s streams are replaced (when given)."""
     random.setstate((state["python_version"], tuple(state["python"]), state["python_gauss"]))
     np.random.set_state(
         (
@@ -52,18 +51,23 @@ def set_rng_state(state: Dict[str, object]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-    get_rng_tracker().set_states(state["tracker"])
+    if tracker is not None:
+        tracker.set_states(state["tracker"])
 
 
 class RNGState:
-    """The generators of this process as a checkpoint state (registered as ``"rng"`` by the checkpointer
-    itself: every checkpoint has one per rank unless saved with ``--no-save-rng``)."""
+    """The generators of this process and ``tracker`` (the model's, None: no tracker streams) as a
+    checkpoint state (registered as ``"rng"`` by the checkpointer itself: every checkpoint has one per
+    rank unless saved with ``--no-save-rng``)."""
+
+    def __init__(self, tracker: Optional[RNGStatesTracker] = None):
+        self.tracker = tracker
 
     def state_dict(self) -> Dict[str, object]:
-        return get_rng_state()
+        return get_rng_state(self.tracker)
 
     def load_state_dict(self, state: Dict[str, object]) -> None:
-        set_rng_state(state)
+        set_rng_state(state, self.tracker)
 
     def not_restored(self, info, reason: str) -> None:
         logger.info(

@@ -29,6 +29,7 @@ from megalm.checkpoint.resume import TRACKER_FILENAME, checkpoint_dir, checkpoin
 from megalm.checkpoint.rng import RNGState
 from megalm.checkpoint.stateful import CheckpointStates, rank_file, save_rank_states, sharded_states
 from megalm.param_layout import ShardedStateDict, ShardedTensorSpec
+from megalm.tensor_parallel.random import RNGStatesTracker
 
 
 def save_checkpoint(
@@ -44,6 +45,7 @@ def save_checkpoint(
     async_writer: Optional[AsyncCheckpointWriter] = None,
     save_rng: bool = True,
     states: Optional[CheckpointStates] = None,
+    rng_tracker: Optional[RNGStatesTracker] = None,
 ) -> str:
     """Collective over all ranks.  Returns the iteration directory.
 
@@ -57,7 +59,8 @@ def save_checkpoint(
     ``scheduler`` None (``--no-save-optim``) or ``save_rng`` False (``--no-save-rng``) leave their
     state out; ``common.json`` says so, and loading it then needs ``--no-load-optim`` / ``--no-load-rng``.
     ``states``: the registered states (:mod:`megalm.checkpoint.stateful`): each rank writes its
-    ``<name>/rank_<rank>.pt`` and their blocks go into the DCP save (collective per state)."""
+    ``<name>/rank_<rank>.pt`` and their blocks go into the DCP save (collective per state).
+    ``rng_tracker``: the model's RNG tracker, whose streams the RNG file holds (none without one)."""
     if async_writer is not None:
         async_writer.wait()  # one save in flight: the previous one is complete (tracker written) first
     path = checkpoint_dir(root, iteration)
@@ -76,7 +79,7 @@ def save_checkpoint(
     specs.update(sharded_states(states))  # collective per state (e.g. a sum over data-parallel ranks)
     with _write_errors(path):
         if save_rng:
-            torch.save(RNGState().state_dict(), rank_file(path, "rng", rank))
+            torch.save(RNGState(rng_tracker).state_dict(), rank_file(path, "rng", rank))
         save_rank_states(path, states)
     common = None
     if rank == 0:

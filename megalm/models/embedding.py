@@ -20,18 +20,28 @@ from megalm.device import get_device
 from megalm.tensor_parallel.initialization import mark_init
 from megalm.tensor_parallel.layers import VocabParallelEmbedding
 from megalm.tensor_parallel.mappings import scatter_to_sequence_parallel_region
-from megalm.tensor_parallel.random import dropout
+from megalm.tensor_parallel.random import RNGStatesTracker, dropout
 from megalm.tensor_parallel.utils import set_tensor_model_parallel_attributes
 from megalm.transformer.utils import init_std
 
 
 class LanguageModelEmbedding(nn.Module):
-    """See the module docstring; communicates over ``tp_group``."""
+    """See the module docstring; communicates over ``tp_group``; under sequence parallelism the
+    dropout mask comes from ``rng_tracker``'s model-parallel stream (a new, unseeded tracker when None)."""
 
-    def __init__(self, model_cfg, padded_vocab_size: int, sequence_parallel: bool = False, *, tp_group):
+    def __init__(
+        self,
+        model_cfg,
+        padded_vocab_size: int,
+        sequence_parallel: bool = False,
+        *,
+        tp_group,
+        rng_tracker: Optional[RNGStatesTracker] = None,
+    ):
         super().__init__()
         m = model_cfg
         self.tp_group = tp_group
+        self.rng_tracker = RNGStatesTracker() if rng_tracker is None else rng_tracker
         self.learned_positions = m.position_embedding_type == "learned_absolute"
         self.sequence_parallel = sequence_parallel
         self.embedding_dropout = m.hidden_dropout
@@ -63,4 +73,5 @@ class LanguageModelEmbedding(nn.Module):
             embeddings = words.transpose(0, 1).contiguous()
             if self.sequence_parallel:
                 embeddings = scatter_to_sequence_parallel_region(embeddings, self.tp_group)
-        return dropout(embeddings, self.embedding_dropout, self.training, model_parallel_rng=self.sequence_parallel)
+        p, sp = self.embedding_dropout, self.sequence_parallel
+        return dropout(embeddings, p, self.training, self.rng_tracker, model_parallel_rng=sp)

@@ -30,6 +30,12 @@ explicitly: every tensor-parallel layer, the losses and the attention / MLP bloc
 ``tp`` group, MoE blocks its ``tp`` and ``ep`` groups; no submodule reads parallel_state.
 Sequence parallelism is on when ``cfg.parallel.sequence_parallel`` and the TP size is above one.
 
+RNG: ``rng_tracker`` (a :class:`~megalm.tensor_parallel.random.RNGStatesTracker`, e.g. the one
+:func:`~megalm.tensor_parallel.random.model_parallel_manual_seed` returns) is the tracker every layer forks for
+dropout on tensor-parallel activations and restores for recomputation (:attr:`GPTModel.rng_tracker`); a
+rank's model chunks share the one the trainer seeded.  Without one the model makes a new, unseeded tracker:
+fine without dropout, else seed it (``model_parallel_manual_seed(seed, groups, model.rng_tracker)``).
+
 MoE run-time state (router metrics, auxiliary-loss backward factor) is the model's
 :attr:`GPTModel.moe_state`, reached by the trainer through :meth:`GPTModel.set_aux_loss_scale`
 and by the loss function through :meth:`GPTModel.moe_metrics`.
@@ -52,6 +58,7 @@ from megalm.tensor_parallel.initialization import initialize_weights
 from megalm.tensor_parallel.layers import ColumnParallelLinear
 from megalm.tensor_parallel.linear_cross_entropy import linear_cross_entropy
 from megalm.tensor_parallel.param_info import set_param_info
+from megalm.tensor_parallel.random import RNGStatesTracker
 from megalm.transformer.moe.state import MoEState
 from megalm.transformer.mtp import MultiTokenPrediction
 from megalm.transformer.rope import rotary_embedding
@@ -80,11 +87,13 @@ class GPTModel(nn.Module):
         fusion_plan: Optional[FusionPlan] = None,
         *,
         process_groups: ProcessGroups,
+        rng_tracker: Optional[RNGStatesTracker] = None,
     ):
         super().__init__()
         m = cfg.model
         self.cfg = cfg
         self.process_groups = process_groups
+        self.rng_tracker = RNGStatesTracker() if rng_tracker is None else rng_tracker
         self.tp_group = self.process_groups.tp
         self.fusion_plan = fusion_plan or plan_fusions(m, half_precision=cfg.training.bf16 or cfg.training.fp16)
         self.pre_process, self.post_process = pre_process, post_process
@@ -98,7 +107,7 @@ class GPTModel(nn.Module):
 
         if pre_process:
             self.embedding = LanguageModelEmbedding(
-                m, self.padded_vocab_size, self.sequence_parallel, tp_group=self.tp_group
+                m, self.padded_vocab_size, self.sequence_parallel, tp_group=self.tp_group, rng_tracker=self.rng_tracker
             )
         self.rotary = rotary_embedding(m)
         self.decoder = TransformerBlock(
@@ -110,6 +119,7 @@ class GPTModel(nn.Module):
             self.fusion_plan,
             moe_state=self.moe_state,
             cp_comm_type=cfg.parallel.cp_comm_type,
+            rng_tracker=self.rng_tracker,
         )
         if post_process:
             self.output_layer = self._build_output_layer(m)
@@ -150,11 +160,12 @@ class GPTModel(nn.Module):
             moe_state=self.moe_state,
             cp_comm_type=cfg.parallel.cp_comm_type,
             per_token_loss=cfg.training.calculate_per_token_loss,
+            rng_tracker=self.rng_tracker,
         )
         if self.pre_process:
             return
         self.mtp_embedding = LanguageModelEmbedding(
-            m, self.padded_vocab_size, self.sequence_parallel, tp_group=self.tp_group
+            m, self.padded_vocab_size, self.sequence_parallel, tp_group=self.tp_group, rng_tracker=self.rng_tracker
         )
         if self.share_embeddings_and_output_weights:
             self.mtp_embedding.word_embeddings.weight = self.output_layer.weight

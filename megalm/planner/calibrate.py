@@ -169,7 +169,9 @@ def collective_rates(per_node: int) -> Dict[str, float]:
     return out
 
 
-def _tiny_model(cfg, pre_process: bool = True, post_process: bool = True, layer_numbers=None, *, process_groups):
+def _tiny_model(
+    cfg, pre_process: bool = True, post_process: bool = True, layer_numbers=None, *, process_groups, rng_tracker
+):
     from megalm.models import GPTModel
 
     return GPTModel(
@@ -178,6 +180,7 @@ def _tiny_model(cfg, pre_process: bool = True, post_process: bool = True, layer_
         post_process=post_process,
         layer_numbers=layer_numbers,
         process_groups=process_groups,  # the Trainer's (model_provider's contract)
+        rng_tracker=rng_tracker,
     )
 
 

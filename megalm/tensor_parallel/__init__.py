@@ -17,10 +17,10 @@ from megalm.tensor_parallel.mappings import (
 )
 from megalm.tensor_parallel.param_info import ParamInfo, param_info, set_param_info
 from megalm.tensor_parallel.random import (
+    RNGStatesTracker,
     checkpoint,
     dropout,
     get_all_rng_states,
-    get_rng_tracker,
     model_parallel_manual_seed,
     set_all_rng_states,
 )
@@ -48,7 +48,7 @@ __all__ = [
     "checkpoint",
     "dropout",
     "get_all_rng_states",
-    "get_rng_tracker",
+    "RNGStatesTracker",
     "model_parallel_manual_seed",
     "set_all_rng_states",
     "gather_tensor_parallel_grad",

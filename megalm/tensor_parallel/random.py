@@ -8,8 +8,15 @@ Two streams, as in Megatron-LM's ``model_parallel_cuda_manual_seed``:
   on every rank;
 * the tracker's ``'model-parallel-rng'`` state is seeded with ``seed + 2718 + tp_rank``;
   code that works on TP-split activations (attention dropout on this rank's heads, all
-  dropout under sequence parallelism) runs inside ``get_rng_tracker().fork()`` so every
+  dropout under sequence parallelism) runs inside ``rng_tracker.fork()`` so every
   rank draws independent masks.
+
+The tracker is an object, not a module global (Megatron-core's injectable tracker): whoever builds
+the model creates it (:func:`model_parallel_manual_seed` returns a seeded one; the trainer's
+:func:`megalm.training.initialize.set_random_seed`) and passes it as ``rng_tracker=`` to the model,
+which hands the same one to every layer that forks it (dropout regions, keyed attention dropout,
+recomputation).  One tracker per rank: a rank's model chunks share it, and the checkpoint saves it
+(:class:`megalm.checkpoint.rng.RNGState`).
 
 Pipeline stages are seeded apart (``seed + 100 * pp_rank``, :func:`megalm.training.initialize.set_random_seed`);
 data-parallel ranks share the seed, as in Megatron without ``--data-parallel-random-init``.  On a CPU the
@@ -136,14 +143,9 @@ class RNGStatesTracker:
             self._active = outer_active
 
 
-_TRACKER = RNGStatesTracker()
-
-
-def get_rng_tracker() -> RNGStatesTracker:
-    return _TRACKER
-
-
-def model_parallel_manual_seed(seed: int, groups: ProcessGroups) -> None:
+def model_parallel_manual_seed(
+    seed: int, groups: ProcessGroups, tracker: Optional[RNGStatesTracker] = None
+) -> RNGStatesTracker:
     """Seed the default generators with ``seed`` (same on every TP rank) and the tracker's
     ``'model-parallel-rng'`` stream with ``seed + 2718 + tp_rank`` (distinct per TP rank);
     ``'expert-parallel-rng'`` gets ``seed + 1024 + 100 * ep_rank + tp_rank``.  The ranks are this
@@ -151,43 +153,53 @@ def model_parallel_manual_seed(seed: int, groups: ProcessGroups) -> None:
 
     Callers that want different streams per pipeline stage or data-parallel rank offset
     ``seed`` before calling (Megatron adds ``100 * pp_rank``).
+
+    Returns ``tracker`` (re-seeded: its streams are replaced), or a new one when None: pass it to
+    the model (``rng_tracker=``).
     """
     torch.manual_seed(seed)  # CPU and every CUDA device
     tp_rank, ep_rank = group_rank(groups.tp), group_rank(groups.ep)
-    _TRACKER.reset()
-    _TRACKER.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank)
+    tracker = RNGStatesTracker() if tracker is None else tracker
+    tracker.reset()
+    tracker.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank)
     # Dropout inside expert layers (expert tensor parallel = tensor parallel), as Megatron.
-    _TRACKER.add(EXPERT_PARALLEL_RNG, seed + EXPERT_PARALLEL_SEED_OFFSET + 100 * ep_rank + tp_rank)
+    tracker.add(EXPERT_PARALLEL_RNG, seed + EXPERT_PARALLEL_SEED_OFFSET + 100 * ep_rank + tp_rank)
+    return tracker
 
 
-def get_all_rng_states() -> Dict[str, Any]:
-    """CPU, CUDA (when used) and tracker states: what a checkpoint needs to resume dropout."""
-    states: Dict[str, Any] = {"cpu": torch.get_rng_state(), "tracker": _TRACKER.get_states()}
+def get_all_rng_states(tracker: Optional[RNGStatesTracker]) -> Dict[str, Any]:
+    """CPU, CUDA (when used) and ``tracker``'s states (none without one): what a recomputation needs
+    to draw the same masks."""
+    streams = tracker.get_states() if tracker is not None else {}
+    states: Dict[str, Any] = {"cpu": torch.get_rng_state(), "tracker": streams}
     if use_cuda():
         states["cuda"] = torch.cuda.get_rng_state()
     return states
 
 
-def set_all_rng_states(states: Dict[str, Any]) -> None:
+def set_all_rng_states(states: Dict[str, Any], tracker: Optional[RNGStatesTracker]) -> None:
     torch.set_rng_state(states["cpu"])
     if use_cuda() and states.get("cuda") is not None:
         torch.cuda.set_rng_state(states["cuda"])
-    _TRACKER.set_states(states["tracker"])
+    if tracker is not None:
+        tracker.set_states(states["tracker"])
 
 
-def dropout_rng(p: float, model_parallel_rng: bool):
-    """Context for drawing a dropout mask of probability ``p``: the tracker's model-parallel
+def dropout_rng(tracker: RNGStatesTracker, p: float, model_parallel_rng: bool):
+    """Context for drawing a dropout mask of probability ``p``: ``tracker``'s model-parallel
     stream when ``model_parallel_rng`` (activations that differ per TP rank: sequence-parallel
     slices, TP-split heads) and ``p > 0``, else the default stream (replicated activations:
     identical masks on every TP rank)."""
-    return _TRACKER.fork() if p > 0.0 and model_parallel_rng else contextlib.nullcontext()
+    return tracker.fork() if p > 0.0 and model_parallel_rng else contextlib.nullcontext()
 
 
-def dropout(x: torch.Tensor, p: float, training: bool, model_parallel_rng: bool = False) -> torch.Tensor:
+def dropout(
+    x: torch.Tensor, p: float, training: bool, tracker: RNGStatesTracker, model_parallel_rng: bool = False
+) -> torch.Tensor:
     """``F.dropout`` drawing from the stream :func:`dropout_rng` picks."""
     if not training or p == 0.0:
         return x
-    with dropout_rng(p, model_parallel_rng):
+    with dropout_rng(tracker, p, model_parallel_rng):
         return torch.nn.functional.dropout(x, p, True)
 
 
@@ -203,10 +215,10 @@ class _CheckpointFunction(torch.autograd.Function):
     """Forward without saving activations; backward recomputes them under the saved RNG states."""
 
     @staticmethod
-    def forward(ctx, run_function, *args):
-        ctx.run_function = run_function
-        ctx.rng_states = get_all_rng_states()
-        ctx.active_stream = _TRACKER.active_stream()
+    def forward(ctx, run_function, tracker, *args):
+        ctx.run_function, ctx.tracker = run_function, tracker
+        ctx.rng_states = get_all_rng_states(tracker)
+        ctx.active_stream = tracker.active_stream() if tracker is not None else None
         ctx.autocast = _autocast_state()
         ctx.tensor_positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
         ctx.non_tensor_args = [None if torch.is_tensor(a) else a for a in args]
@@ -219,18 +231,19 @@ class _CheckpointFunction(torch.autograd.Function):
         args = list(ctx.non_tensor_args)
         for position, saved in zip(ctx.tensor_positions, ctx.saved_tensors):
             args[position] = saved.detach().requires_grad_(saved.requires_grad)
-        states_before_recompute = get_all_rng_states()
-        set_all_rng_states(ctx.rng_states)
+        tracker = ctx.tracker
+        states_before_recompute = get_all_rng_states(tracker)
+        set_all_rng_states(ctx.rng_states, tracker)
         device_type, autocast_on, autocast_dtype = ctx.autocast
         try:
             with (
                 torch.enable_grad(),
                 torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on),
-                _TRACKER.resume(ctx.active_stream),
+                tracker.resume(ctx.active_stream) if tracker is not None else contextlib.nullcontext(),
             ):
                 outputs = ctx.run_function(*args)
         finally:
-            set_all_rng_states(states_before_recompute)
+            set_all_rng_states(states_before_recompute, tracker)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         pairs = [
             (o, g) for o, g in zip(outputs, grad_outputs) if torch.is_tensor(o) and o.requires_grad and g is not None
@@ -238,17 +251,19 @@ class _CheckpointFunction(torch.autograd.Function):
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         grads = tuple(a.grad if torch.is_tensor(a) else None for a in args)
-        return (None,) + grads
+        return (None, None) + grads
 
 
-def checkpoint(function, *args):
+def checkpoint(function, *args, rng_tracker: Optional[RNGStatesTracker]):
     """Run ``function(*args)`` without keeping its activations; recompute them in backward.
 
-    The default generator states (CPU, CUDA) and the tracker's streams are saved before the
-    forward and restored for the recomputation, so dropout masks are identical.  Without
+    The default generator states (CPU, CUDA) and ``rng_tracker``'s streams (the one the layers
+    inside ``function`` fork) are saved before the forward and restored for the recomputation, so
+    dropout masks are identical.  ``rng_tracker=None`` (said explicitly) for a function that forks no
+    tracker stream (an activation, an MLP): only the default generators are restored.  Without
     grad mode, or when no tensor argument requires grad (parameters alone would receive no
     gradient through a recomputed region), ``function`` runs normally.
     """
     if not torch.is_grad_enabled() or not any(torch.is_tensor(a) and a.requires_grad for a in args):
         return function(*args)
-    return _CheckpointFunction.apply(function, *args)
+    return _CheckpointFunction.apply(function, rng_tracker, *args)

@@ -14,10 +14,14 @@ import torch
 from megalm.config import MegalmConfig
 from megalm.device import get_device
 from megalm.parallel_state import ProcessGroups, group_rank, group_size
+from megalm.tensor_parallel.random import RNGStatesTracker
 
 
-def build_model_chunks(cfg: MegalmConfig, model_provider: Callable, groups: ProcessGroups) -> List[torch.nn.Module]:
-    """One model chunk per virtual pipeline stage of this rank, cast and moved to the device.
+def build_model_chunks(
+    cfg: MegalmConfig, model_provider: Callable, groups: ProcessGroups, rng_tracker: RNGStatesTracker
+) -> List[torch.nn.Module]:
+    """One model chunk per virtual pipeline stage of this rank, cast and moved to the device; every
+    chunk is given the rank's ``rng_tracker`` (one tracker per rank, as one model has).
 
     Chunk ``v`` of pipeline rank ``r`` (of ``P``, ``V`` chunks each) is virtual stage ``v P + r``: it
     embeds the tokens when it is the first of all (``r = 0, v = 0``) and computes the loss when it
@@ -35,6 +39,7 @@ def build_model_chunks(cfg: MegalmConfig, model_provider: Callable, groups: Proc
             post_process=pp_rank == pp - 1 and v == vpp - 1,
             layer_numbers=layers_for_stage(cfg, pp_rank, v),
             process_groups=groups,
+            rng_tracker=rng_tracker,
         )
         chunks.append(model)
     share_moe_state(chunks)  # one MoE metrics/aux-loss state per rank, as for one model

@@ -14,10 +14,12 @@ import torch.distributed as dist
 from megalm import parallel_state
 from megalm.config import MegalmConfig
 from megalm.device import initialize_distributed
+from megalm.tensor_parallel.random import RNGStatesTracker, model_parallel_manual_seed
 
 
-def initialize_megalm(cfg: MegalmConfig) -> None:
-    """Initialize torch.distributed (from torchrun's env) and the parallel layout, then seed."""
+def initialize_megalm(cfg: MegalmConfig) -> RNGStatesTracker:
+    """Initialize torch.distributed (from torchrun's env) and the parallel layout, then seed; returns
+    the seeded RNG tracker the model takes (``rng_tracker=``)."""
     if cfg.logging.logging_level is not None:
         logging.getLogger("megalm").setLevel(cfg.logging.logging_level)
     if cfg.training.deterministic_mode:
@@ -37,7 +39,7 @@ def initialize_megalm(cfg: MegalmConfig) -> None:
             expert_tensor_parallel_size=p.expert_tensor_parallel_size or 1,
             timeout=timeout,
         )
-    set_random_seed(cfg.training.seed, parallel_state.get_process_groups())
+    return set_random_seed(cfg.training.seed, parallel_state.get_process_groups())
 
 
 def use_deterministic_algorithms() -> None:
@@ -47,15 +49,14 @@ def use_deterministic_algorithms() -> None:
     torch.use_deterministic_algorithms(True)
 
 
-def set_random_seed(seed: int, groups) -> None:
-    """Seed python/numpy/torch (offset per pipeline stage, as Megatron) and the TP RNG tracker."""
-    from megalm.tensor_parallel.random import model_parallel_manual_seed
-
+def set_random_seed(seed: int, groups) -> RNGStatesTracker:
+    """Seed python/numpy/torch (offset per pipeline stage, as Megatron); returns a new TP RNG tracker
+    seeded the same way (:func:`megalm.tensor_parallel.random.model_parallel_manual_seed`)."""
     stage_seed = seed + 100 * parallel_state.group_rank(groups.pp)
     random.seed(stage_seed)
     np.random.seed(stage_seed)
     torch.manual_seed(stage_seed)
-    model_parallel_manual_seed(stage_seed, groups)
+    return model_parallel_manual_seed(stage_seed, groups)
 
 
 def world_size_from_env() -> int:

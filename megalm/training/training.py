@@ -80,7 +80,7 @@ def pretrain(
 ) -> TrainState:
     """Megatron-LM's ``pretrain``: parse flags, build everything, train, evaluate, save.
 
-    ``model_provider(cfg, pre_process, post_process, layer_numbers) -> nn.Module`` and
+    ``model_provider(cfg, pre_process, post_process, layer_numbers, *, process_groups, rng_tracker) -> nn.Module`` and
     ``forward_step_func(data_iterator, model) -> (output, loss_func)``.
     """
     if cfg is None:
@@ -110,6 +110,7 @@ class Trainer:
         self.rebalancer = None  # --straggler-rebalance-interval: built in setup()
         self.replicas = None  # --ft-replica-group-id: torchft's replica groups, joined at the end of setup()
         self.checkpoint_states = CheckpointStates()  # what components register with the checkpointer, in setup()
+        self.rng_tracker = None  # the rank's seeded RNG tracker (model chunks, checkpoints), from setup()
 
     # -- set-up --
     def setup(self) -> None:
@@ -119,7 +120,7 @@ class Trainer:
 
         cfg = self.cfg
         self._check_before_start()
-        initialize_megalm(cfg)
+        self.rng_tracker = initialize_megalm(cfg)  # seeded; the model chunks and the checkpoint take it
         self.groups = parallel_state.get_process_groups()  # the entry point: built once here, passed down
         self.replicas = self._join_replica_groups()  # early: other groups wait for one still setting up
         # fail early if the layout's schedule is not available
@@ -131,7 +132,7 @@ class Trainer:
         self.tokenizer = self._build_tokenizer()
         cfg = self.cfg  # with the tokenizer's vocabulary size
         self.timers("model-and-optimizer-setup").start()
-        chunks = build_model_chunks(cfg, self.model_provider, self.groups)
+        chunks = build_model_chunks(cfg, self.model_provider, self.groups, self.rng_tracker)
         self.model = wrap_data_parallel(cfg, chunks, self.groups)
         self.optimizer = build_optimizer(cfg, self.model, process_groups=self.groups)
         self.scheduler = OptimizerParamScheduler.from_config(cfg, self.optimizer)
@@ -154,7 +155,7 @@ class Trainer:
             self._build_data()
         if loaded is not None and not (cfg.checkpoint.no_load_rng or cfg.checkpoint.finetune):
             # Last: building data loaders draws from the torch RNG.
-            load_rng_state(loaded["path"], loaded)
+            load_rng_state(loaded["path"], loaded, self.rng_tracker)
         self.signal_handler = ExitSignalHandler() if t.exit_signal_handler else None
         self.memory_reported = False
         self.compile_reported = compile_stats()
@@ -624,6 +625,7 @@ class Trainer:
             async_writer=self.async_writer,
             save_rng=not c.no_save_rng,
             states=self.checkpoint_states,
+            rng_tracker=self.rng_tracker,
         )
         if root != c.save and (not dist.is_initialized() or dist.get_rank() == 0):
             remove_older_checkpoints(root)

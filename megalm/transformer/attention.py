@@ -73,7 +73,7 @@ from megalm.parallel_state import group_rank, group_size
 from megalm.tensor_parallel.initialization import mark_init
 from megalm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalm.tensor_parallel.param_info import set_param_info
-from megalm.tensor_parallel.random import checkpoint, dropout_rng
+from megalm.tensor_parallel.random import RNGStatesTracker, checkpoint, dropout_rng
 from megalm.tensor_parallel.utils import divide, set_tensor_model_parallel_attributes
 from megalm.transformer.blocked_attention import blocked_causal_attention
 from megalm.transformer.norm import build_norm
@@ -101,6 +101,8 @@ class SelfAttention(nn.Module):
     ``tp_group``: the tensor-parallel group both projections communicate over; ``cp_group``:
     the context-parallel group the core communicates over (``cp_comm_type``) when it has more
     than one rank.  ``layer_number``: the global layer number (it keys position-keyed dropout).
+    ``rng_tracker``: the model's RNG tracker (the dropout stream and recomputation); a new, unseeded
+    one when None (a layer built alone: seed it with ``model_parallel_manual_seed(.., tracker=)``).
     """
 
     def __init__(
@@ -115,11 +117,14 @@ class SelfAttention(nn.Module):
         cp_group,
         cp_comm_type: str = "p2p",
         layer_number: int = 0,
+        rng_tracker: Optional[RNGStatesTracker] = None,
     ):
         super().__init__()
         m = model_cfg
         num_groups = m.num_query_groups if m.group_query_attention else m.num_attention_heads
-        self.init_core(m, num_groups, m.head_dim, plan, recompute_core, tp_group, cp_group, cp_comm_type, layer_number)
+        self.init_core(
+            m, num_groups, m.head_dim, plan, recompute_core, tp_group, cp_group, cp_comm_type, layer_number, rng_tracker
+        )
         tp = group_size(self.tp_group)
         qkv_size = (m.num_attention_heads + 2 * num_groups) * self.head_dim
         self.linear_qkv, self.linear_proj = self.build_projections(m, qkv_size, sequence_parallel, skip_output_bias)
@@ -144,11 +149,13 @@ class SelfAttention(nn.Module):
         cp_group,
         cp_comm_type: str,
         layer_number: int,
+        rng_tracker: Optional[RNGStatesTracker] = None,
     ) -> None:
         """The attention core's settings (shared with :class:`~megalm.transformer.mla.MLASelfAttention`):
         groups, heads and ``head_dim`` of the q/k the core sees, its backend, dropout and groups."""
         self.tp_group = tp_group
         self.cp_group = cp_group
+        self.rng_tracker = RNGStatesTracker() if rng_tracker is None else rng_tracker
         self.cp_size = group_size(self.cp_group)
         self.cp_comm_type = cp_comm_type
         tp = group_size(self.tp_group)
@@ -238,7 +245,7 @@ class SelfAttention(nn.Module):
                 q, k, v, self.cp_group, self.cp_comm_type, self._causal_core, variant=variant
             )
             return out.reshape(s, b, -1)
-        with dropout_rng(p, model_parallel_rng=True):
+        with dropout_rng(self.rng_tracker, p, model_parallel_rng=True):
             if self.backend == "flash-attn" and attention_mask is None and not self.variant:  # [b, s, n, d]; GQA
                 out = backends.flash_attn_function()(
                     *(t.transpose(0, 1) for t in (q, k, v)), dropout_p=p, causal=True
@@ -253,7 +260,7 @@ class SelfAttention(nn.Module):
         core of ``cp_comm_type``, or without CP :func:`local_attention` over the whole sequence.  One
         draw of the key from the model-parallel stream (the same on every CP rank; recomputation
         restores the stream, so it draws the same key)."""
-        with dropout_rng(p, model_parallel_rng=True):
+        with dropout_rng(self.rng_tracker, p, model_parallel_rng=True):
             dropout = KeyedDropout.draw(p, self.layer_number, q.device)
         if self.cp_size > 1:
             return context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, self._causal_core, dropout)
@@ -330,7 +337,7 @@ class SelfAttention(nn.Module):
             k, v = kv_cache.update(k, v)
             context = self.cached_attention(q, k, v, offset)
         elif self.recompute_core:
-            context = checkpoint(self.attention_core, q, k, v, attention_mask)
+            context = checkpoint(self.attention_core, q, k, v, attention_mask, rng_tracker=self.rng_tracker)
         else:
             context = self.attention_core(q, k, v, attention_mask)
         return self.linear_proj(context)

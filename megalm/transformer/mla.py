@@ -57,7 +57,7 @@ from megalm.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 from megalm.tensor_parallel.param_info import set_param_info
-from megalm.tensor_parallel.random import checkpoint
+from megalm.tensor_parallel.random import RNGStatesTracker, checkpoint
 from megalm.transformer.attention import SelfAttention
 from megalm.transformer.norm import build_norm
 from megalm.transformer.utils import init_std, output_init_std, recompute_modules
@@ -113,13 +113,23 @@ class MLASelfAttention(SelfAttention):
         cp_group,
         cp_comm_type: str = "p2p",
         layer_number: int = 0,
+        rng_tracker: Optional[RNGStatesTracker] = None,
     ):
         nn.Module.__init__(self)
         m = model_cfg
         self.qk_dim, self.pos_dim, self.v_dim = m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim
         q_head = self.qk_dim + self.pos_dim
         self.init_core(
-            m, m.num_attention_heads, q_head, plan, recompute_core, tp_group, cp_group, cp_comm_type, layer_number
+            m,
+            m.num_attention_heads,
+            q_head,
+            plan,
+            recompute_core,
+            tp_group,
+            cp_group,
+            cp_comm_type,
+            layer_number,
+            rng_tracker,
         )
         self.sequence_parallel = sequence_parallel
         self.recompute_up = "mla_up_proj" in recompute_modules(m)
@@ -247,11 +257,11 @@ class MLASelfAttention(SelfAttention):
                 q = q * self.q_factor
             return self.linear_proj(self.cached_attention(q, k, v, offset))
         if self.recompute_up:
-            q, k, v = checkpoint(self._up, q_input, latent, k_pos, rotary_cos, rotary_sin)
+            q, k, v = checkpoint(self._up, q_input, latent, k_pos, rotary_cos, rotary_sin, rng_tracker=self.rng_tracker)
         else:
             q, k, v = self._up(q_input, latent, k_pos, rotary_cos, rotary_sin)
         if self.recompute_core:
-            context = checkpoint(self._core, q, k, v, attention_mask)
+            context = checkpoint(self._core, q, k, v, attention_mask, rng_tracker=self.rng_tracker)
         else:
             context = self._core(q, k, v, attention_mask)
         return self.linear_proj(context)

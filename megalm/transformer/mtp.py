@@ -39,6 +39,7 @@ from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.parallel_state import ProcessGroups
 from megalm.tensor_parallel.layers import ColumnParallelLinear
 from megalm.tensor_parallel.mappings import scatter_to_sequence_parallel_region
+from megalm.tensor_parallel.random import RNGStatesTracker
 from megalm.transformer.moe.aux_losses import attach_aux_loss
 from megalm.transformer.moe.state import MoEState
 from megalm.transformer.moe.tracker import MoEMetricsTracker
@@ -65,6 +66,7 @@ class MTPLayer(nn.Module):
         moe_state: Optional[MoEState],
         cp_comm_type: str,
         recompute_core_attention: bool,
+        rng_tracker: Optional[RNGStatesTracker] = None,
     ):
         super().__init__()
 
@@ -94,6 +96,7 @@ class MTPLayer(nn.Module):
             plan=plan,
             moe_state=moe_state,
             cp_comm_type=cp_comm_type,
+            rng_tracker=rng_tracker,
         )
         self.final_layernorm = norm()
 
@@ -117,6 +120,7 @@ class MultiTokenPrediction(nn.Module):
         moe_state: Optional[MoEState] = None,
         cp_comm_type: str = "p2p",
         per_token_loss: bool = False,
+        rng_tracker: Optional[RNGStatesTracker] = None,
     ):
         super().__init__()
         m = model_cfg
@@ -126,10 +130,19 @@ class MultiTokenPrediction(nn.Module):
         self.aux_state = moe_state if moe_state is not None else MoEState()
         self.metrics = MoEMetricsTracker()
         selective = "core_attn" in recompute_modules(m)
+        rng_tracker = RNGStatesTracker() if rng_tracker is None else rng_tracker  # one for every depth
         self.layers = nn.ModuleList(
             [
                 MTPLayer(
-                    m, m.num_layers + k, process_groups, sequence_parallel, plan, moe_state, cp_comm_type, selective
+                    m,
+                    m.num_layers + k,
+                    process_groups,
+                    sequence_parallel,
+                    plan,
+                    moe_state,
+                    cp_comm_type,
+                    selective,
+                    rng_tracker,
                 )
                 for k in range(self.num_layers)
             ]

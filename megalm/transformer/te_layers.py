@@ -34,6 +34,8 @@ fills every parameter afterwards, seeded by its canonical name (:mod:`megalm.par
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from megalm.config.sections import ConfigError
@@ -42,7 +44,7 @@ from megalm.fusions import backends
 from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.parallel_state import group_size
 from megalm.tensor_parallel.initialization import mark_init
-from megalm.tensor_parallel.random import dropout_rng, get_rng_tracker
+from megalm.tensor_parallel.random import RNGStatesTracker, dropout_rng
 from megalm.tensor_parallel.utils import set_tensor_model_parallel_attributes
 from megalm.transformer.attention import SelfAttention
 from megalm.transformer.mlp import MLP, fc1_layout
@@ -183,6 +185,7 @@ class TESelfAttention(SelfAttention):
         cp_group=None,
         cp_comm_type: str = "p2p",
         layer_number: int = 0,
+        rng_tracker: Optional[RNGStatesTracker] = None,
     ):
         super().__init__(
             model_cfg,
@@ -194,6 +197,7 @@ class TESelfAttention(SelfAttention):
             cp_group=cp_group,
             cp_comm_type=cp_comm_type,
             layer_number=layer_number,
+            rng_tracker=rng_tracker,
         )
         m = model_cfg
         self.te_core_attention = None
@@ -205,7 +209,7 @@ class TESelfAttention(SelfAttention):
                 attention_dropout=m.attention_dropout,
                 qkv_format="sbhd",
                 attn_mask_type="causal",
-                get_rng_state_tracker=get_rng_tracker,
+                get_rng_state_tracker=self._rng_tracker,  # TE forks the model's tracker
                 **_tensor_parallel_kwargs(sequence_parallel, self.tp_group),
             )
 
@@ -238,8 +242,12 @@ class TESelfAttention(SelfAttention):
         if self.te_core_attention is None:
             return super().attention_core(q, k, v)
         p = self.attention_dropout if self.training else 0.0
-        with dropout_rng(p, model_parallel_rng=True):
+        with dropout_rng(self.rng_tracker, p, model_parallel_rng=True):
             return self.te_core_attention(q, k, v)
+
+    def _rng_tracker(self) -> RNGStatesTracker:
+        """TE's ``get_rng_state_tracker``: the tracker this layer was given."""
+        return self.rng_tracker
 
 
 class TEMLP(MLP):

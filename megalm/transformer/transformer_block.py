@@ -36,7 +36,7 @@ from torch import nn
 from megalm.config.sections import ConfigError
 from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.parallel_state import ProcessGroups
-from megalm.tensor_parallel.random import checkpoint
+from megalm.tensor_parallel.random import RNGStatesTracker, checkpoint
 from megalm.transformer.activation_offload import ActivationOffload
 from megalm.transformer.fp8 import fp8_autocast
 from megalm.transformer.moe.state import MoEState
@@ -56,9 +56,11 @@ class TransformerBlock(nn.Module):
         plan: FusionPlan = EAGER,
         moe_state: Optional[MoEState] = None,
         cp_comm_type: str = "p2p",
+        rng_tracker: Optional[RNGStatesTracker] = None,
     ):
         super().__init__()
         m = model_cfg
+        self.rng_tracker = RNGStatesTracker() if rng_tracker is None else rng_tracker  # every layer's
         self.recompute_granularity = m.recompute_granularity
         self.recompute_method = m.recompute_method
         self.recompute_num_layers = m.recompute_num_layers
@@ -74,6 +76,7 @@ class TransformerBlock(nn.Module):
                     plan=plan,
                     moe_state=moe_state,
                     cp_comm_type=cp_comm_type,
+                    rng_tracker=self.rng_tracker,
                 )
                 for i in layer_numbers
             }
@@ -110,12 +113,21 @@ class TransformerBlock(nn.Module):
         layers, n = self._layer_list(), self.recompute_num_layers
         if self.recompute_method == "uniform":
             for start in range(0, len(layers), n):
-                hidden = checkpoint(self._run_layers(layers[start : start + n]), hidden, rotary_cos, rotary_sin, mask)
+                hidden = checkpoint(
+                    self._run_layers(layers[start : start + n]),
+                    hidden,
+                    rotary_cos,
+                    rotary_sin,
+                    mask,
+                    rng_tracker=self.rng_tracker,
+                )
             return hidden
         if self.recompute_method == "block":
             for index, layer in enumerate(layers):
                 if index < n:
-                    hidden = checkpoint(self._run_layers([layer]), hidden, rotary_cos, rotary_sin, mask)
+                    hidden = checkpoint(
+                        self._run_layers([layer]), hidden, rotary_cos, rotary_sin, mask, rng_tracker=self.rng_tracker
+                    )
                 else:
                     hidden = layer(hidden, rotary_cos, rotary_sin, attention_mask=mask)
             return hidden

@@ -38,7 +38,7 @@ from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.fusions.compile import select
 from megalm.fusions.dropout_add import bias_dropout_add
 from megalm.parallel_state import ProcessGroups
-from megalm.tensor_parallel.random import checkpoint, dropout_rng
+from megalm.tensor_parallel.random import RNGStatesTracker, checkpoint, dropout_rng
 from megalm.transformer.attention import SelfAttention
 from megalm.transformer.mla import MLASelfAttention
 from megalm.transformer.mlp import MLP
@@ -60,10 +60,13 @@ class TransformerLayer(nn.Module):
         plan: FusionPlan = EAGER,
         moe_state: Optional[MoEState] = None,
         cp_comm_type: str = "p2p",
+        rng_tracker: Optional[RNGStatesTracker] = None,
     ):
         super().__init__()
         m = model_cfg
         self.layer_number = layer_number  # global, 0-based
+        # the model's (shared with the attention): dropout under SP and recomputation; new when None
+        self.rng_tracker = RNGStatesTracker() if rng_tracker is None else rng_tracker
         self.hidden_dropout = m.hidden_dropout
         self.sequence_parallel = sequence_parallel
         te = plan.uses_te()  # TE's attention / MLP fuse the norm before them: the layer's norm is an identity
@@ -93,6 +96,7 @@ class TransformerLayer(nn.Module):
             cp_group=pg.cp,
             cp_comm_type=cp_comm_type,
             layer_number=layer_number,
+            rng_tracker=self.rng_tracker,
         )
         self.is_moe = is_moe_layer(m, layer_number)
         self.pre_mlp_layernorm = norm(te and not self.is_moe)
@@ -119,7 +123,7 @@ class TransformerLayer(nn.Module):
         self.recompute_mlp = ("moe" if self.is_moe else "mlp") in recompute
 
     def _run(self, module: nn.Module, recompute: bool, x: torch.Tensor):
-        return checkpoint(module, x) if recompute else module(x)
+        return checkpoint(module, x, rng_tracker=self.rng_tracker) if recompute else module(x)
 
     def _residual_add(
         self, out: Union[torch.Tensor, Tuple[torch.Tensor, Optional[torch.Tensor]]], residual: torch.Tensor
@@ -128,7 +132,7 @@ class TransformerLayer(nn.Module):
         tracker's model-parallel stream (each rank holds a different slice of the sequence)."""
         out, bias = out if isinstance(out, tuple) else (out, None)  # the MoE layer has no output bias
         p = self.hidden_dropout if self.training else 0.0
-        with dropout_rng(p, model_parallel_rng=self.sequence_parallel):
+        with dropout_rng(self.rng_tracker, p, model_parallel_rng=self.sequence_parallel):
             return self.bias_dropout_add(out, bias, residual, p, self.training)
 
     def forward(

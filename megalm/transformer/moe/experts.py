@@ -80,7 +80,7 @@ def bias_activation(m, plan: FusionPlan):
     """The experts' bias + activation; recomputed in backward with ``--recompute-modules moe_act``."""
     act = _bias_activation(m, plan)
     if "moe_act" in recompute_modules(m):
-        return functools.partial(checkpoint, act)
+        return functools.partial(checkpoint, act, rng_tracker=None)  # no random draws
     return act
 
 

@@ -168,7 +168,8 @@ class MoELayer(nn.Module):
         probs, routing_map = self.router(hidden)
         out = self._routed_experts(hidden.reshape(s * b, h), probs, routing_map).view(s, b, h)
         if self.shared_experts is not None:
-            out = out + (checkpoint(self._shared, hidden) if self.recompute_shared else self._shared(hidden))
+            recompute = self.recompute_shared  # the shared experts draw no random numbers: no tracker
+            out = out + (checkpoint(self._shared, hidden, rng_tracker=None) if recompute else self._shared(hidden))
         return out
 
     def _routed_experts(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
