@@ -45,6 +45,10 @@ def validate_fault_tolerance(cfg) -> None:
         (p.grad_compression != "none", f"--grad-compression {p.grad_compression}"),
         (p.num_layers_per_virtual_pipeline_stage or p.num_virtual_stages_per_pipeline_rank, "interleaved pipelines"),
         (d.dataloader_type != "single", f"--dataloader-type {d.dataloader_type}"),
+        (
+            p.data_parallel_sharding_strategy not in ("no_shard", "optim"),
+            f"--data-parallel-sharding-strategy {p.data_parallel_sharding_strategy} (sharded gradients / parameters)",
+        ),
     ):
         check(not refused, f"torchft replica groups (--ft-replica-group-id) do not work with {what} yet")
 

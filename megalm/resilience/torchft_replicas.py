@@ -48,7 +48,7 @@ from typing import Callable, Dict, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megalm.checkpoint.model_state import finish_param_sync
+from megalm.checkpoint.model_state import finish_param_sync, optimizer_sharded_state
 from megalm.config.fault_tolerance import ft_enabled
 from megalm.errors import MegalmError
 from megalm.log import get_logger
@@ -75,6 +75,9 @@ class StepNotCommitted(Exception):
 
 def require_torchft():
     """The torchft package, or :class:`TorchftUnavailable` naming the extra to install."""
+    # torchft's Rust side logs every quorum and vote at INFO, several lines per step and rank:
+    # warnings only, unless RUST_LOG says otherwise (read when torchft is first imported).
+    os.environ.setdefault("RUST_LOG", "warn")
     try:
         import torchft
     except ImportError as e:
@@ -247,9 +250,11 @@ class ReplicaGroups:
             for name, t in chunk.state_dict(keep_vars=True).items():
                 if isinstance(t, torch.Tensor):
                     out[f"model.{i}.{name}"] = t.detach()
-        for name, states in self.optimizer.sharded_param_state().items():
-            for key, t in states.items():
-                out[f"optimizer.{name}.{key}"] = t
+        # The optimizer's blocks as a checkpoint has them (live tensors: the distributed optimizer's
+        # ranges too), tied embedding copies included.
+        for key, spec in optimizer_sharded_state(self.optimizer, self.model, tied_copies=True).items():
+            for j, block in enumerate(spec if isinstance(spec, list) else [spec]):
+                out[f"{key}.{j}"] = block.local
         return out
 
     def state_dict(self) -> dict:
@@ -260,7 +265,7 @@ class ReplicaGroups:
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         logger.info(
             f"torchft: sending the state of iteration {self.state.iteration} to a recovering replica group "
-            f"({size / 2**20:.2f} MiB, sha256 {digest})"
+            f"({size} bytes, sha256 {digest})"
         )
         s = self.state
         return {
@@ -312,7 +317,7 @@ class ReplicaGroups:
         size = sum(t.numel() * t.element_size() for t in mine.values())
         logger.info(
             f"torchft: replica group {self.group_id} recovered the state of iteration {self.state.iteration} from a "
-            f"healthy peer ({size / 2**20:.2f} MiB, sha256 {digest}, applied in {time.perf_counter() - start:.2f} s)"
+            f"healthy peer ({size} bytes, sha256 {digest}, applied in {time.perf_counter() - start:.2f} s)"
         )
 
     def close(self) -> None:
