@@ -183,6 +183,32 @@ class ParallelConfig(Section):
         "devices per node come from the world and LOCAL_WORLD_SIZE); default: h100 with CUDA, else cpu.",
     )
 
+    ft_replica_group_id: Optional[int] = _f(
+        None,
+        "torchft fault-tolerant data parallelism across replica groups: this group's id in [0, "
+        "--ft-num-replica-groups); every rank of the group (its own torchrun, TP/PP/DP inside) gives the same id "
+        "(needs the [ft] extra: pip install megalm[ft]; megalm's flag, after torchtitan's "
+        "--fault_tolerance.replica_id).",
+    )
+    ft_num_replica_groups: int = _f(
+        0,
+        "Most replica groups training together under torchft; --global-batch-size is the batch of all of them, and "
+        "every quorum of --ft-min-replicas to this many groups splits it evenly (megalm's flag).",
+    )
+    ft_lighthouse: Optional[str] = _f(
+        None,
+        "Address of the torchft lighthouse (e.g. http://host:29510; started with torchft_lighthouse "
+        "--min_replicas 1); default: the TORCHFT_LIGHTHOUSE environment variable (megalm's flag).",
+    )
+    ft_min_replicas: int = _f(
+        1, "Fewest replica groups that may commit a step under torchft; fewer wait (megalm's flag)."
+    )
+    ft_timeout_seconds: float = _f(
+        60.0,
+        "torchft's timeout for the cross-group collectives, the commit vote and a recovery transfer; a quorum waits "
+        "twice as long (megalm's flag).",
+    )
+
     # Derived.
     world_size: Optional[int] = field(default=None, metadata={"derived": True})
     data_parallel_size: Optional[int] = field(default=None, metadata={"derived": True})
