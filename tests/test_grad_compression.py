@@ -669,7 +669,7 @@ def test_checkpoint_reshards_into_other_buckets_and_resets_without_pending(tmp_p
     for name in ("int8", "plain"):
         dst = DistributedDataParallel(make_model(), config(method, ddp_bucket_size=None), process_groups=pg)
         with megalm_logs("stderr"):
-            load_checkpoint(str(tmp_path / name), [dst], load_rng=False, states=registered(dst))
+            load_checkpoint(str(tmp_path / name), [dst], states=registered(dst))
         err = capsys.readouterr().err
         if name == "int8":
             got = reshard.pending_updates([dst])

@@ -20,7 +20,7 @@ from megalm import parallel_state
 from megalm.checkpoint.async_writer import AsyncCheckpointWriter
 from megalm.checkpoint.common_json import layout
 from megalm.checkpoint.errors import CheckpointError
-from megalm.checkpoint.load import load_checkpoint, load_rng_state
+from megalm.checkpoint.load import load_checkpoint, load_states
 from megalm.checkpoint.resume import checkpoint_to_resume, newest_load_root, non_persistent_dir, read_tracker
 from megalm.checkpoint.rng import set_rng_state
 from megalm.checkpoint.save import check_save_dir
@@ -103,7 +103,9 @@ class TrainerSetup:
             if "rng" in loaded:  # a local checkpoint's
                 set_rng_state(loaded["rng"], self.rng_tracker)
             else:
-                load_rng_state(loaded["path"], loaded, self.groups, self.rng_tracker)
+                rng = CheckpointStates()
+                rng.register("rng", self.checkpoint_states.get("rng"))
+                load_states(loaded["path"], loaded, self.groups, rng)
         self.signal_handler = ExitSignalHandler() if t.exit_signal_handler else None
         self.memory_reported = False
         self.compile_reported = compile_stats()
@@ -274,33 +276,39 @@ class TrainerSetup:
         self.do_test = cfg.training.eval_iters > 0 and has_test
 
     def _checkpoint_states(self) -> CheckpointStates:
-        """The states this trainer's components register with the checkpointer (besides the model,
-        optimizer, scheduler and RNG, which every checkpoint has): see :mod:`megalm.checkpoint.stateful`."""
+        """The states this trainer registers with the checkpointer (besides the model and the optimizer,
+        its arguments): the LR scheduler and data position (``common.json``), its components' (gradient
+        compression, local SGD) and the RNG (``rng/``); see :mod:`megalm.checkpoint.stateful`."""
+        from megalm.checkpoint.rng import RNGState
         from megalm.distributed.compression.checkpoint_state import CompressionCheckpointState
+        from megalm.training.checkpoint_states import DataPosition, SchedulerState
 
+        c = self.cfg.checkpoint
         states = CheckpointStates()
+        states.register("scheduler", SchedulerState(self.scheduler, save=not c.no_save_optim))
+        states.register("data", DataPosition(self.state))
         if self.cfg.parallel.grad_compression != "none":
             states.register(
                 "grad_compression", CompressionCheckpointState(self.model, self.groups, layout(self.groups))
             )
         if self.outer_sync is not None:
             states.register("local_sgd", self.outer_sync)  # each replica's weights, optimizer and the outer state
+        states.register("rng", RNGState(self.rng_tracker, save=not c.no_save_rng))  # restored last (setup)
         return states
 
     def _load(self) -> None:
         c = self.cfg.checkpoint
-        # --no-load-optim / --finetune: the replicas restart from the loaded weights (reset below)
-        states = (
-            self.checkpoint_states.without("local_sgd") if c.finetune or c.no_load_optim else self.checkpoint_states
-        )
+        # the RNG is restored last, in setup(); --no-load-optim / --finetune: no scheduler, and the
+        # replicas restart from the loaded weights (reset below)
+        states = self.checkpoint_states.without("rng")
+        if c.finetune or c.no_load_optim:
+            states = states.without("scheduler", "local_sgd")
         try:
             common = load_checkpoint(
                 self.load_root,
                 self.model,
                 self.optimizer,
-                self.scheduler,
                 load_optim=not c.no_load_optim,
-                load_rng=False,
                 finetune=c.finetune,
                 iteration=c.ckpt_step,
                 fallback=c.ckpt_fallback_to_verified,
@@ -311,9 +319,7 @@ class TrainerSetup:
             raise TrainingSetupError(str(e)) from None
         if self.outer_sync is not None and "local_sgd" not in states:
             self.outer_sync.reset()
-        self.state.iteration = common["iteration"]
-        self.state.consumed_train_samples = common["consumed_train_samples"]
-        self.state.consumed_valid_samples = common["consumed_valid_samples"]
+        self.state.iteration = common["iteration"]  # the consumed samples: restored by the "data" state
         logger.info(f"loaded checkpoint from {self.load_root} at iteration {self.state.iteration}")
         return common
 

@@ -352,14 +352,9 @@ class Trainer(TrainerSetup, TrainerReporting):
             state.iteration,
             self.model,
             None if c.no_save_optim else self.optimizer,
-            None if c.no_save_optim else self.scheduler,
-            state.consumed_train_samples,
-            state.consumed_valid_samples,
             config=self.cfg.to_dict(),
             async_writer=self.async_writer,
-            save_rng=not c.no_save_rng,
-            states=self.checkpoint_states,
-            rng_tracker=self.rng_tracker,
+            states=self.checkpoint_states,  # scheduler, data position, RNG and the features' state
             groups=self.groups,
         )
         if root != c.save and (not dist.is_initialized() or dist.get_rank() == 0):
