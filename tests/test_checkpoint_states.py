@@ -160,10 +160,7 @@ def test_the_checkpointer_names_no_feature():
         for word in _code_words(ast.parse(file.read_text())):
             assert not word.startswith(("megalm.distributed", "megalm.optimizer", "megalm.training")), (file, word)
             for feature in ("compression", "local_sgd", "outer", "diloco", "powersgd", "int8"):
-                assert feature not in word.lower().replace("uint8", "byte"), (
-                    file.name,
-                    word,
-                )  # a dtype, not int8 compression
+                assert feature not in word.lower().replace("uint8", "byte"), (file.name, word)  # a dtype
     # save and load name none of the trainer's states either (scheduler, data position, RNG: registered)
     for file in (PACKAGE / "save.py", PACKAGE / "load.py"):
         for word in _code_words(ast.parse(file.read_text())):

@@ -63,6 +63,9 @@ class TrainerReporting:
         if len(nodes) > 1:  # the busiest node's bytes over inter-node links per iteration
             record["inter_node_bytes"] = max(nodes) / max(log.iterations, 1)
         line = format_log_line(record, self.train_iters)
+        if self.replicas is not None:  # torchft: the quorum of the last step
+            record.update(self.replicas.metrics())
+            line += f" replica groups: {record['ft_replica_groups']} (this is replica {record['ft_replica_rank']}) |"
         if self.stragglers is not None:  # collective over the world
             stragglers = self.stragglers.gather(log.time, log.iterations, self.timers)
             if stragglers is not None:

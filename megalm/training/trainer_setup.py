@@ -63,6 +63,7 @@ class TrainerSetup:
         self._check_before_start()
         self.rng_tracker = initialize_megalm(cfg)  # seeded; the model chunks and the checkpoint take it
         self.groups = parallel_state.get_process_groups()  # the entry point: built once here, passed down
+        self.replicas = self._join_replica_groups()  # early: other groups wait for one still setting up
         # fail early if the layout's schedule is not available
         get_forward_backward_func(self.groups, cfg.parallel.virtual_pipeline_model_parallel_size)
         self.timers = Timers.from_config(cfg.logging)
@@ -120,6 +121,17 @@ class TrainerSetup:
         )
         logger.info(run_topology_report(cfg.parallel, dist.get_world_size()))
         print_timing(self.timers.log(SETUP_TIMERS))  # collective
+        if self.replicas is not None:
+            self.replicas.attach(self.model, self.optimizer, self.scheduler)
+            if self.state.iteration:  # resumed from a checkpoint: torchft's step follows
+                self.replicas.resume_at(self.state.iteration)
+
+    def _join_replica_groups(self):
+        """--ft-replica-group-id: torchft's manager of this rank, heartbeating to the lighthouse
+        (:mod:`megalm.resilience.torchft_replicas`), else None."""
+        from megalm.resilience.torchft_replicas import build_replica_groups
+
+        return build_replica_groups(self.cfg, self.groups, self.state)
 
     def _straggler_report(self):
         """--log-straggler's :class:`megalm.training.stragglers.StragglerReport` (collective), else None."""
@@ -188,6 +200,10 @@ class TrainerSetup:
             check_wandb_ready(cfg.logging)  # on every rank, before any work
         except WandbSetupError as e:
             raise TrainingSetupError(str(e)) from None
+        if cfg.parallel.ft_replica_group_id is not None:
+            from megalm.resilience.torchft_replicas import require_torchft
+
+            require_torchft()  # the [ft] extra, before any work
 
     def _build_tokenizer(self):
         from megalm.tokenizers import build_tokenizer
@@ -238,8 +254,12 @@ class TrainerSetup:
 
     def _build_data(self) -> None:
         from megalm.data import build_train_valid_test_data_iterators
+        from megalm.resilience.torchft_replicas import full_quorum_shares
 
         cfg = self.cfg
+        shares = full_quorum_shares(cfg, parallel_state.group_size(self.groups.dp))
+        if self.rebalancer is not None:
+            shares = self.rebalancer.shares
         iterators = build_train_valid_test_data_iterators(
             cfg,
             self.tokenizer,
@@ -247,7 +267,7 @@ class TrainerSetup:
             self.state.consumed_valid_samples,
             groups=self.groups,
             train_iters=self.train_iters,
-            train_shares=self.rebalancer.shares if self.rebalancer is not None else None,
+            train_shares=shares,
         )
         self.data_iterators = iterators
         self.train_iter, self.valid_iter, self.test_iter = iterators

@@ -97,6 +97,7 @@ class Trainer(TrainerSetup, TrainerReporting):
         self.data_iterators = None  # DataIterators, built in setup(); closed when run() ends
         self.optimizer = None  # built in setup(); closed when run() ends (NVMe offload: its swap files)
         self.rebalancer = None  # --straggler-rebalance-interval: built in setup()
+        self.replicas = None  # --ft-replica-group-id: torchft's replica groups, joined at the end of setup()
         self.checkpoint_states = CheckpointStates()  # what components register with the checkpointer, in setup()
         self.local_checkpoint = None  # --non-persistent-ckpt-type local: built in setup()
         self.rng_tracker = None  # the rank's seeded RNG tracker (model chunks, checkpoints), from setup()
@@ -129,6 +130,8 @@ class Trainer(TrainerSetup, TrainerReporting):
         finally:
             if self.data_iterators is not None:
                 self.data_iterators.close()
+            if self.replicas is not None:
+                self.replicas.close()
             if self.optimizer is not None:
                 self.optimizer.close()
 
@@ -194,7 +197,7 @@ class Trainer(TrainerSetup, TrainerReporting):
         once on ranks that read none) and when the step is done."""
         from megalm.training.first_step import STAGES
 
-        train_iter = self.train_iter
+        train_iter, marked = self.train_iter, None
         if train_iter is None:
             deadline.reached(STAGES[1])
         else:
@@ -206,11 +209,12 @@ class Trainer(TrainerSetup, TrainerReporting):
                     break
                 yield from train_iter
 
-            self.train_iter = first_batch_marked()
+            self.train_iter = marked = first_batch_marked()
         try:
             self.train_iteration()
         finally:
-            self.train_iter = train_iter
+            if self.train_iter is marked:  # not restarted by the step (torchft restarts it)
+                self.train_iter = train_iter
         deadline.step_done()
 
     def _progress(self, where: str) -> None:
@@ -225,20 +229,29 @@ class Trainer(TrainerSetup, TrainerReporting):
         self._progress(f"iteration {state.iteration + 1} started")
         self.profiler.before_step(state.iteration)
         start = time.perf_counter()
-        result = train_step(
-            cfg,
-            self.forward_step_func,
-            self.train_iter,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            state,
-            self.microbatches,
-            self.groups,
-            self.timers,
-            self.outer_sync,
-            self.rebalancer,
-        )
+
+        def step(data_iterator):
+            return train_step(
+                cfg,
+                self.forward_step_func,
+                data_iterator,
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                state,
+                self.microbatches,
+                self.groups,
+                self.timers,
+                self.outer_sync,
+                self.rebalancer,
+                self.replicas,
+            )
+
+        if self.replicas is None:
+            result = step(self.train_iter)
+        else:  # torchft: quorum first (a returning group recovers here), redone until committed
+            loader = self.data_iterators.train_loader if self.data_iterators is not None else None
+            result, self.train_iter = self.replicas.step(step, self.train_iter, loader)
         self.check_numerics(result)
         if self.rebalancer is not None and state.iteration % self.rebalancer.interval == 0:
             self._rebalance()
