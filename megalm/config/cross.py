@@ -13,6 +13,7 @@ from typing import List, Optional, Tuple
 
 from megalm.config.batch_schedule import ScheduleError, parse_step_batch_size_schedule
 from megalm.config.data import missing_tokenizer_flags
+from megalm.config.fault_tolerance import validate_fault_tolerance, validate_ft_batch
 from megalm.config.fields import ConfigError, check
 from megalm.config.fsdp import validate_fsdp_grad_dtypes
 from megalm.config.lr_schedule import validate_lr_schedule_lengths
@@ -40,8 +41,10 @@ def validate_cross(cfg, world_size: Optional[int]) -> None:
     _validate_activation_offloading(m, p)
     _validate_precision(m, p, t)
     _validate_step_schedule(m, t)
+    validate_fault_tolerance(cfg)  # torchft replica groups: before the global batch gets its default
     if world_size is not None:
         _validate_world(p, t, world_size, vpp, m.seq_length)
+        validate_ft_batch(p, t)
     validate_lr_schedule_lengths(t)
     _validate_data(cfg.data, m, p)
     lg = cfg.logging
