@@ -47,4 +47,4 @@ def describe_save(local: LocalCheckpoint, iteration: int, outcome: dict) -> str:
     line = f"local checkpoint at iteration {iteration}: {outcome['bytes']} bytes to {local.dir}"
     if local.peer is not None:
         line += f", {outcome['sent']} bytes sent to rank {local.peer} (node {local.nodes[local.peer]!r})"
-    return line + f" in {outcome['seconds']:.3f} s"
+    return line + f" (serialized in {outcome['seconds']:.3f} s; written and sent in the background)"

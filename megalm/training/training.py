@@ -398,6 +398,8 @@ class Trainer:
         finally:
             if self.data_iterators is not None:
                 self.data_iterators.close()
+            if self.local_checkpoint is not None:
+                self.local_checkpoint.close()  # no copy left running past the run
 
     def _train_and_evaluate(self) -> TrainState:
         cfg, state = self.cfg, self.state
