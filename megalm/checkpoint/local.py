@@ -28,8 +28,9 @@ The byte string is ``torch.save`` of tensors and plain values, read back with
 ``--rdzv-id`` (``TORCHELASTIC_RUN_ID``): another job's copies are never read.
 
 Communication: :meth:`LocalCheckpoint.save`: the registered states' ``sharded_state_dict`` hooks (as
-a disk save); then, in a background thread while training goes on (one copy in flight: the next
-save waits for it), the tmpfs write, one batched send/recv pair and one barrier over ``group``; :meth:`restore`: one
+a disk save); then (in a background thread while training goes on with ``--async-save``, one copy
+in flight: the next save waits for it) the tmpfs write, one batched send/recv pair and one barrier
+over ``group``; :meth:`restore`: one
 ``all_gather_object``, point-to-point sends of the shards not on their rank's node, and one
 ``all_gather_object`` of the outcome.  ``group`` is a gloo group over the world (CPU tensors).
 """
@@ -153,7 +154,16 @@ class LocalCheckpoint:
     (one ``all_gather_object``): a replica on the same node as its owner raises
     :class:`CheckpointError`, since it would not survive the node."""
 
-    def __init__(self, directory: str, run_id: str, node: str, group, replication: bool, jump: Optional[int] = None):
+    def __init__(
+        self,
+        directory: str,
+        run_id: str,
+        node: str,
+        group,
+        replication: bool,
+        jump: Optional[int] = None,
+        background: bool = False,
+    ):
         self.group = group
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.node = node
@@ -174,6 +184,7 @@ class LocalCheckpoint:
                 )
             self.peer, self.source = (self.rank + jump) % self.world, (self.rank - jump) % self.world
         self.written: List[str] = []  # this rank's files of the newest local checkpoint
+        self.background = background  # the copy in a background thread (--async-save)
         self._thread: Optional[threading.Thread] = None  # the copy in flight
         self._error: Optional[BaseException] = None
 
@@ -225,11 +236,15 @@ class LocalCheckpoint:
         torch.save(payload, buffer)
         data = torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8)
         self.wait()  # the previous copy is complete (one in flight)
+        if self.background:
+            self._thread = threading.Thread(
+                target=self._copy, args=(iteration, data), name="megalm-local-ckpt", daemon=True
+            )
+            self._thread.start()
+        else:
+            self._copy(iteration, data)
+            self.wait()  # raises if it failed
         seconds = time.perf_counter() - start
-        self._thread = threading.Thread(
-            target=self._copy, args=(iteration, data), name="megalm-local-ckpt", daemon=True
-        )
-        self._thread.start()
         return {"bytes": data.numel(), "sent": data.numel() if self.peer is not None else 0, "seconds": seconds}
 
     def _copy(self, iteration: int, data: torch.Tensor) -> None:
