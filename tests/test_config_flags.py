@@ -26,6 +26,7 @@ VALIDATION_FILES = {
         "validation",
         "cross",
         "model",
+        "model_checks",
         "moe",
         "parallel",
         "training",

@@ -177,17 +177,16 @@ def test_local_checkpoint_flags_are_checked(flags, message):
         parse_config([*TINY, "--train-iters", "2", *flags], world_size=2)
 
 
-def test_a_shard_of_another_run_or_world_is_refused(monkeypatch):
+def test_a_shard_of_another_run_or_world_is_refused():
     from megalm.checkpoint import local
 
-    monkeypatch.setattr(local, "layout", lambda: {"data_parallel_size": 2})
+    now = {"data_parallel_size": 2}
     config = parse_config([*TINY, "--train-iters", "8"], world_size=2).to_dict()
     common = {"world_size": 2, "layout": {"data_parallel_size": 2}, "config": config}
-    assert local._mismatch(common, config, 2) is None
-    assert local._mismatch(common, config, 1) == "saved by world 2, now 1"
+    assert local._mismatch(common, config, 2, now) is None
+    assert local._mismatch(common, config, 1, now) == "saved by world 2, now 1"
     longer = parse_config([*TINY, "--train-iters", "20", "--save", "/x", "--log-interval", "5"], world_size=2)
-    assert local._mismatch(common, longer.to_dict(), 2) is None  # paths, logging, length may change
+    assert local._mismatch(common, longer.to_dict(), 2, now) is None  # paths, logging, length may change
     other = parse_config([*TINY, "--train-iters", "8", "--seed", "4"], world_size=2).to_dict()
-    assert local._mismatch(common, other, 2) == "saved by another run (training.seed: 3, now 4)"
-    monkeypatch.setattr(local, "layout", lambda: {"data_parallel_size": 1})
-    assert "saved with layout" in local._mismatch(common, config, 2)
+    assert local._mismatch(common, other, 2, now) == "saved by another run (training.seed: 3, now 4)"
+    assert "saved with layout" in local._mismatch(common, config, 2, {"data_parallel_size": 1})

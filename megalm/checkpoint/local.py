@@ -52,7 +52,7 @@ import torch.distributed as dist
 from megalm.checkpoint.common_json import FORMAT_VERSION, layout
 from megalm.checkpoint.errors import CheckpointError, first_line, gather_errors
 from megalm.checkpoint.load import load_targets
-from megalm.checkpoint.model_state import finish_param_sync, model_sharded_state, optimizer_sharded_state
+from megalm.checkpoint.model_state import finish_param_sync, model_groups, model_sharded_state, optimizer_sharded_state
 from megalm.checkpoint.rng import get_rng_state
 from megalm.checkpoint.stateful import CheckpointStates, LoadInfo, sharded_load_plans, sharded_states
 from megalm.log import get_logger
@@ -214,7 +214,7 @@ class LocalCheckpoint:
             "consumed_train_samples": consumed_train_samples,
             "consumed_valid_samples": consumed_valid_samples,
             "world_size": self.world,
-            "layout": layout(),
+            "layout": layout(model_groups(model_chunks)),
             "config": config,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "optimizer_common": optimizer.common_state_dict(),
@@ -343,7 +343,8 @@ class LocalCheckpoint:
         try:
             data = self._fetch(iteration, plan)
             payload = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
-            error = _mismatch(json.loads(payload["common_json"]), config, self.world)
+            now_layout = layout(model_groups(model_chunks))
+            error = _mismatch(json.loads(payload["common_json"]), config, self.world, now_layout)
         except Exception as e:  # noqa: BLE001 - an unreadable or refused shard: every rank falls back to disk
             error = f"cannot read rank {self.rank}'s shard of iteration {iteration}: {first_line(e)}"
         if self._refused(iteration, error):
@@ -351,9 +352,10 @@ class LocalCheckpoint:
         common = json.loads(payload["common_json"])
         blocks = payload["blocks"]
         saved = {k: tuple(v[0]["global_shape"]) for k, v in blocks.items() if v}
-        info = LoadInfo(f"local:{self.dir}", common, layout(), saved)
+        groups = model_groups(model_chunks)
+        info = LoadInfo(f"local:{self.dir}", common, layout(groups), saved)
         finish_param_sync(model_chunks)
-        specs, main_params_missing = load_targets(model_chunks, optimizer, saved)
+        specs, main_params_missing = load_targets(model_chunks, optimizer, saved, groups)
         specs.update(sharded_load_plans(states, info))
         try:
             fill_blocks(specs, blocks)
@@ -416,11 +418,11 @@ class LocalCheckpoint:
         return bool(failed)
 
 
-def _mismatch(common: dict, config: Optional[dict], world: int) -> Optional[str]:
+def _mismatch(common: dict, config: Optional[dict], world: int, now_layout: dict) -> Optional[str]:
     if common.get("world_size") != world:
         return f"saved by world {common.get('world_size')}, now {world}"
-    if common.get("layout") != layout():
-        return f"saved with layout {common.get('layout')}, now {layout()}"
+    if common.get("layout") != now_layout:
+        return f"saved with layout {common.get('layout')}, now {now_layout}"
     if config is not None:
         saved, now = _flat(common.get("config") or {}), _flat(config)
         diff = sorted(k for k in set(saved) | set(now) if _identifies_run(k) and saved.get(k) != now.get(k))
