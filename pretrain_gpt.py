@@ -82,6 +82,7 @@ def forward_step(data_iterator, model):
         labels=batch["labels"],
         loss_mask=batch["loss_mask"],
         attention_mask=batch["attention_mask"],
+        packed_seq_params=batch["packed_seq_params"],
     )
     return output, partial(loss_func, batch["loss_mask"], model)
 
@@ -100,8 +101,14 @@ def main(
     """Train; a :class:`megalm.errors.MegalmError` becomes ``SystemExit("error: <message>")``
     (exit code 1, the message on stderr), a stop on purpose (``TrainingStopped``) its exit code.
     ``model_provider_func`` (default :func:`model_provider`) lets tests build a modified model."""
-    setup_logging(*_rank_and_world())
+    rank, world = _rank_and_world()
+    setup_logging(rank, world)
     try:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        if "--auto-layout" in argv:  # the planner's first choice for this world (megalm/planner/auto.py)
+            from megalm.planner.auto import auto_layout_argv
+
+            argv = auto_layout_argv(argv, world, log=print if rank == 0 else (lambda *_: None))
         pretrain(model_provider_func, forward_step_func, argv=argv)
     except TrainingStopped as e:
         if e.exit_code:

@@ -17,7 +17,14 @@ Two steps, each writing JSON under ``bench/results/``:
 
     python3 bench/planner_validation.py measure [--iters 6] [--only NAME,...]
     python3 bench/planner_validation.py calibrate      # bench/results/planner_sim_<nodes>x2_<rate>.toml
-    python3 bench/planner_validation.py report [--json bench/results/planner_validation.json]
+    python3 bench/planner_validation.py refit          # bench/results/planner_refit.json
+    python3 bench/planner_validation.py report [--fit bench/results/planner_refit.json] [--json ...]
+    python3 bench/planner_validation.py plot --json A.json [B.json ...] --out bench/results/planner_validation.png
+
+* ``refit``: the two cluster keys the calibration does not measure under a training run's load
+  (``collective_call_us``: a collective call's fixed cost; ``optimizer_ns_per_param``) fitted to the measured runs
+  by a grid search for the least MAPE, with the leave-one-out MAPE (each run predicted by the fit of the others:
+  the error to expect on a run the fit has not seen).
 """
 
 from __future__ import annotations
@@ -162,11 +169,23 @@ def main(argv=None) -> int:
     r = sub.add_parser("report", help="predict the measured runs and compare")
     r.add_argument("--measured", default=MEASURED)
     r.add_argument("--json", help="write the table here")
+    r.add_argument("--fit", help="a refit's JSON: its keys override the calibrated cluster files")
+    f = sub.add_parser("refit", help="fit the uncalibrated keys to the measured runs")
+    f.add_argument("--measured", default=MEASURED)
+    f.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "planner_refit.json"))
+    g = sub.add_parser("plot", help="predicted vs measured step time (PNG; needs matplotlib)")
+    g.add_argument("--json", nargs="+", required=True, help="report --json files, one series each")
+    g.add_argument("--label", nargs="+", help="a legend label per --json file")
+    g.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "planner_validation.png"))
     args = p.parse_args(argv)
     if args.cmd == "measure":
         return measure(args)
     if args.cmd == "calibrate":
         return calibrate(args)
+    if args.cmd == "refit":
+        return refit(args)
+    if args.cmd == "plot":
+        return plot(args)
     return report(args)
 
 
@@ -189,15 +208,21 @@ def cluster_file(nodes: int, rate: str) -> str:
     return os.path.join(ROOT, "bench", "results", f"planner_sim_{nodes}x2_{rate}.toml")
 
 
-def predict(flags: list, nodes: int, rate: str) -> dict:
-    """The planner's step time and largest-rank bytes for one run's flags on its calibrated cluster."""
+def run_config(flags: list, nodes: int):
     from megalm.config import parse_config, with_vocab_size
+
+    return with_vocab_size(parse_config(flags, world_size=nodes * 2), 8192 + 1)  # NullTokenizer: --vocab-size + 1
+
+
+def predict(flags: list, nodes: int, rate: str, fit: dict = None) -> dict:
+    """The planner's step time and largest-rank bytes for one run's flags on its calibrated cluster (with the
+    ``fit``'s keys, when given)."""
     from megalm.planner.cluster import load_cluster
     from megalm.planner.cost import step_cost
     from megalm.planner.search import largest_rank_bytes
 
-    cluster = load_cluster(cluster_file(nodes, rate))
-    cfg = with_vocab_size(parse_config(flags, world_size=nodes * 2), 8192 + 1)  # NullTokenizer: --vocab-size + 1
+    cluster = load_cluster(cluster_file(nodes, rate), {k: fit[k] for k in FIT_KEYS} if fit else None)
+    cfg = run_config(flags, nodes)
     cost = step_cost(cfg, cluster)
     return {
         "step_s": cost.step_s,
@@ -205,6 +230,94 @@ def predict(flags: list, nodes: int, rate: str) -> dict:
         "terms": cost.terms,
         "memory": largest_rank_bytes(cfg, cluster),
     }
+
+
+FIT_KEYS = ("collective_call_us", "optimizer_ns_per_param")
+FIT_GRID = {
+    "collective_call_us": [250.0 * i for i in range(21)],
+    "optimizer_ns_per_param": [2.0, 4.0, 8.0, 16.0, 36.0, 72.0, 150.0, 300.0],
+}
+
+
+def refit(args) -> int:
+    """Grid search of :data:`FIT_KEYS` for the least MAPE over the measured runs, and the leave-one-out MAPE."""
+    import dataclasses
+    import itertools
+
+    from megalm.planner.cluster import load_cluster
+    from megalm.planner.cost import step_cost
+
+    measured = json.load(open(args.measured))
+    runs = [
+        (run_config(r["flags"], r["nodes"]), load_cluster(cluster_file(r["nodes"], r["rate"])), r["step_s"])
+        for r in measured.values()
+    ]
+    grid = list(itertools.product(*(FIT_GRID[k] for k in FIT_KEYS)))
+    errors = {}  # grid point -> absolute relative error per run
+    for point in grid:
+        values = dict(zip(FIT_KEYS, point))
+        errors[point] = [abs(step_cost(cfg, dataclasses.replace(c, **values)).step_s / m - 1) for cfg, c, m in runs]
+    best = min(grid, key=lambda g: sum(errors[g]))
+    held_out = []
+    for i in range(len(runs)):  # each run predicted by the fit of the others
+        point = min(grid, key=lambda g: sum(errors[g]) - errors[g][i])
+        held_out.append(errors[point][i])
+    base = [abs(step_cost(cfg, c).step_s / m - 1) for cfg, c, m in runs]
+    out = dict(zip(FIT_KEYS, best)) | {
+        "mape_in_sample": statistics.mean(errors[best]),
+        "mape_leave_one_out": statistics.mean(held_out),
+        "mape_calibrated_only": statistics.mean(base),
+        "runs": len(runs),
+        "grid": FIT_GRID,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    print(json.dumps(out))
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+def plot(args) -> int:
+    """Predicted against measured step time, log-log: the diagonal and the +-15% band; one marker per series
+    (a report's JSON), one colour per model and link."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 8.5))
+    colours = {}
+    markers = ["o", "x", "s", "^"]
+    labels = args.label or [os.path.basename(p) for p in args.json]
+    lo, hi = float("inf"), 0.0
+    for i, (path, label) in enumerate(zip(args.json, labels)):
+        data = json.load(open(path))
+        summary = data["summary"]
+        for r in data["rows"]:
+            group = f"{r['model']} {r['nodes']}x2 {r['rate']}"
+            colour = colours.setdefault(group, f"C{len(colours)}")
+            meas, pred = r["step_s"] * 1e3, r["pred"]["step_s"] * 1e3
+            lo, hi = min(lo, meas, pred), max(hi, meas, pred)
+            ax.scatter(meas, pred, color=colour, marker=markers[i % len(markers)], s=36)
+        ax.scatter([], [], color="k", marker=markers[i % len(markers)],
+                   label=f"{label}: MAPE {summary['mape']:.0%}, Spearman {summary['spearman_all']:.2f}")  # fmt: skip
+    for group, colour in colours.items():
+        ax.scatter([], [], color=colour, marker="s", label=group)
+    line = [lo * 0.8, hi * 1.25]
+    ax.plot(line, line, "k-", lw=0.8)
+    ax.fill_between(
+        line, [x * 0.85 for x in line], [x * 1.15 for x in line], color="0.85", label="within 15%", zorder=0
+    )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured step time (ms, median of 5 iterations)")
+    ax.set_ylabel("predicted step time (ms)")
+    ax.set_title("megalm-plan on the simulated cluster (2/4 nodes x 2 processes, gloo)")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110)
+    print(f"wrote {args.out}")
+    return 0
 
 
 def spearman(a: list, b: list) -> float:
@@ -222,9 +335,10 @@ def spearman(a: list, b: list) -> float:
 
 def report(args) -> int:
     measured = json.load(open(args.measured))
+    fit = json.load(open(args.fit)) if args.fit else None
     rows = []
     for key, r in measured.items():
-        p = predict(r["flags"], r["nodes"], r["rate"])
+        p = predict(r["flags"], r["nodes"], r["rate"], fit)
         mem = max(r["peak_rss_bytes"]) if r["peak_rss_bytes"] else float("nan")
         rows.append(r | {"pred": p, "mem": mem})
     print(

@@ -213,6 +213,7 @@ MLA = dict(
     v_head_dim=6,
 )
 
+GPT_OSS = dict(window_size=(16, 0), window_attn_skip_freq=2)
 
 ACTIVATION_CASES = {
     "gpt-fp32": dict(),
@@ -233,6 +234,17 @@ ACTIVATION_CASES = {
     "llama-bf16-keyed-dropout": dict(bf16=True, attention_dropout=0.1, position_keyed_attention_dropout=True, **LLAMA),
     "gpt-fp32-unfused-attention-dropout": dict(attention_backend="unfused", attention_dropout=0.1),
     "llama-bf16-unfused-attention": dict(bf16=True, attention_backend="unfused", **LLAMA),
+    # gpt-oss: windows on every other layer (the blocked core's shorter blocks; SDPA's mask), sinks (SDPA's math path)
+    "llama-gqa-blocked-window-sinks": dict(
+        attention_backend="blocked",
+        seq_length=160,
+        max_position_embeddings=160,
+        softmax_type="learnable",
+        **GPT_OSS,
+        **LLAMA,
+    ),
+    "gpt-fp32-sdpa-window": dict(**GPT_OSS),
+    "llama-gqa-sdpa-window-sinks": dict(softmax_type="learnable", **GPT_OSS, **LLAMA),
     "mla-fp32": dict(**MLA),
     "mla-no-q-lora-fp32": dict(**{**MLA, "q_lora_rank": None}),
     "mla-bf16": dict(bf16=True, **MLA),

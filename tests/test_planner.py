@@ -120,6 +120,97 @@ def test_data_parallel_and_pipeline_terms():
     assert v.terms["bubble"] < 0.75 * nv.terms["bubble"]
 
 
+def test_buckets_call_costs_and_optimizer_step_against_hand_counts():
+    """Per-bucket gradient reductions, the per-call cost, the optimizer step per element, sharded and not."""
+    from megalm.estimate.parameters import total_parameters
+    from megalm.planner.data_parallel import bucket_elements, num_buckets
+
+    lat = dataclasses.replace(FLAT, inter_node_latency_us=100.0, collective_call_us=1000.0)
+    one = _layout_cfg(Layout(micro_batch=2))  # --overlap-grad-reduce, default bucket (40M): one bucket
+    n = total_parameters(one)
+    assert bucket_elements(one.parallel) == 40_000_000 and num_buckets(n, 40e6) == 1
+    size = -(-n // 3)  # three buckets
+    three = _layout_cfg(Layout(micro_batch=2), ddp_bucket_size=size)
+    assert num_buckets(n, bucket_elements(three.parallel)) == 3
+    ar = 2 * 3 / 4 * n * 4 / 1e9  # the bytes over the inter link, the same in one call or three
+    steps = 2 * 3 * 100e-6  # all-reduce over 4 ranks: 2 (K-1) latency steps per call
+    assert step_cost(one, lat).terms["dp_comm"] == pytest.approx(ar + steps + 1e-3)
+    assert step_cost(three, lat).terms["dp_comm"] == pytest.approx(ar + 3 * (steps + 1e-3))
+    # the optimizer step: every element on one rank (no_shard), a quarter with the distributed optimizer
+    opt = dataclasses.replace(FLAT, optimizer_ns_per_param=10.0)
+    assert step_cost(one, opt).terms["optimizer"] == pytest.approx(n * 10e-9)
+    sharded = _layout_cfg(Layout(micro_batch=2, strategy="optim"))
+    assert step_cost(sharded, opt).terms["optimizer"] == pytest.approx(n / 4 * 10e-9)
+    # uncalibrated: Adam's 36 bytes per element at memory bandwidth
+    assert step_cost(one, FLAT).terms["optimizer"] == pytest.approx(n * 36 / 100e9)
+
+
+def _dp_only(cluster, **kw):
+    """World 2 (one device on each of 2 nodes), DP only: the search's choice is the strategy, offload, compression."""
+    opts = SearchOptions(max_tp=1, max_pp=1, max_cp=1, recompute=("none",), strategies=("no_shard", "optim"), **kw)
+    return search(_cfg(), dataclasses.replace(cluster, devices_per_node=1), opts)
+
+
+def test_compression_picked_on_a_slow_link_with_its_reason():
+    from megalm.estimate.parameters import total_parameters
+    from megalm.planner.cli import compression_methods, format_result
+
+    slow = dataclasses.replace(FLAT, inter_node_bandwidth_gbps=0.01)
+    result = _dp_only(slow, compression=("none", "int8"))
+    best = result.candidates[0]
+    assert best.layout.compression == "int8"
+    n = total_parameters(_cfg())
+    payload = n + 4 * -(-n // 1024)  # int8 values + an fp32 scale per 1024: one bucket (40M default)
+    codec = (13 + 9 * 2) * n / 100e9  # encode + decoding 2 gathered payloads at memory bandwidth
+    if best.layout.strategy == "no_shard":  # all-gather over 2 ranks: each sends its payload once
+        assert best.cost.terms["dp_comm"] == pytest.approx(payload / 0.01e9 + codec)
+    text = format_result(_cfg(), slow, result, [], 1)
+    assert "--grad-compression int8: dp_comm" in text and "the same layout uncompressed is" in text
+    assert "--grad-compression int8" in text.split("terms (ms per step)")[1]  # in the printed command
+    # a fast link: the codec costs more than the bytes it saves, and the output says so
+    fast = dataclasses.replace(FLAT, inter_node_bandwidth_gbps=10.0, memory_bandwidth_gbps=1.0)
+    plain = _dp_only(fast, compression=("none", "int8"))
+    assert plain.candidates[0].layout.compression == "none"
+    assert "the codec costs more than the exposed bytes it saves" in format_result(_cfg(), fast, plain, [], 1)
+    assert compression_methods("int8,fp8") == ("none", "int8", "fp8")
+    with pytest.raises(ConfigError, match="powersgd not searchable"):
+        compression_methods("powersgd")
+    # a --grad-compression in the model flags is kept: every layout with data parallelism uses it
+    assert compression_methods("none", "int8") == ("int8",)
+    with pytest.raises(ConfigError, match="--grad-compression topk: the planner models int8 and fp8 only"):
+        compression_methods("none", "topk")
+    opts = SearchOptions(max_tp=4, recompute=("none",), compression=("int8",), max_micro_batch=1)
+    kept = list(layouts(_cfg(layers=4), FLAT, opts))
+    # int8 wherever there is data parallelism (optim_grads*: not generated); none only where there is none
+    assert kept and all((c.compression == "int8") == (4 // (c.tp * c.pp) > 1) for c in kept)
+    assert all(c.strategy in ("no_shard", "optim") for c in kept if 4 // (c.tp * c.pp) > 1)
+
+
+def test_offload_picked_at_a_tiny_memory_budget_with_its_reason():
+    from megalm.estimate.parameters import total_parameters
+
+    roomy = _dp_only(FLAT)
+    assert roomy.dominated > 0 and not any(c.layout.opt_offload or c.layout.act_offload for c in roomy.candidates)
+    smallest = min(roomy.candidates, key=lambda c: c.memory_bytes)
+    n = total_parameters(_cfg())
+    # just below every layout without offload: fp32 Adam keeps 8 bytes of moments per parameter (no_shard)
+    budget = smallest.memory_bytes - 1e3
+    tight = _dp_only(dataclasses.replace(FLAT, memory_gb=budget / 1e9))
+    assert tight.candidates and all(c.layout.opt_offload or c.layout.act_offload for c in tight.candidates)
+    best = tight.candidates[0]
+    assert "without offload" in best.note and best.memory_bytes <= budget
+    by = {c.layout: c for c in tight.candidates}
+    opt = by.get(dataclasses.replace(smallest.layout, opt_offload=True))
+    shards = 2 if smallest.layout.strategy == "optim" else 1
+    assert opt is not None and opt.memory_bytes == pytest.approx(smallest.memory_bytes - 8 * n / shards)
+    # its time: gradients down (4 B) and weights back (4 B) over the host link, the host's Adam step
+    host = n / shards * (8 / 50e9 + 2e-9)
+    assert opt.cost.terms["optimizer"] == pytest.approx(host)
+    act = [c for c in tight.candidates if c.layout.act_offload]
+    assert act and all("--cpu-offloading-num-layers" in c.layout.flags() for c in act)
+    assert all(c.cost.terms["offload"] > 0 for c in act)  # the device is "cpu": synchronous copies
+
+
 def test_search_is_complete_and_legal():
     """World 4: every (TP, PP, CP) factorisation megalm accepts appears, each layout once, and every
     considered layout is ranked, refused with a reason, or too big."""
@@ -183,8 +274,10 @@ def test_cluster_file_round_trip_and_errors(tmp_path):
         load_cluster("h100", {"backend": "mpi"})
 
 
-def _train_planned(flags, tmp):
-    return run_trainings([flags + ["--metrics-file", os.path.join(tmp, "plan.jsonl")]])
+def _train_planned(flags, auto, tmp):
+    """The printed flags, then pretrain_gpt.py --auto-layout: two short runs in one spawned group."""
+    runs = [flags + ["--metrics-file", os.path.join(tmp, "plan.jsonl")]]
+    return run_trainings(runs + [auto + ["--metrics-file", os.path.join(tmp, "auto.jsonl")]])
 
 
 def test_printed_flags_start_a_run(tmp_path):
@@ -203,9 +296,17 @@ def test_printed_flags_start_a_run(tmp_path):
     flags = line.split("pretrain_gpt.py ", 1)[1].split()
     assert "--tensor-model-parallel-size" in flags and "--micro-batch-size" in flags
     assert " 1 node(s) x 2 devices" in out.stdout and "refused by megalm's validation" in out.stdout
-    codes = run_distributed(_train_planned, 2, args=(flags, str(tmp_path)), timeout=240)
-    assert codes == [[0], [0]]
-    assert len(records(str(tmp_path), "plan")) == 2
+    # --auto-layout takes the same first choice for 2 ranks of the cpu cluster; explicit layout flags refused
+    from megalm.planner.auto import auto_layout_argv
+
+    auto = model + ["--auto-layout", "--cluster-config", "cpu"]
+    chosen = auto_layout_argv(auto, 2, 2, log=lambda *_: None)
+    assert chosen == model + flags[flags.index("--tensor-model-parallel-size") :]
+    with pytest.raises(ConfigError, match="--auto-layout chooses the layout: drop --micro-batch-size"):
+        auto_layout_argv(auto + ["--micro-batch-size", "1"], 2, 2)
+    codes = run_distributed(_train_planned, 2, args=(flags, auto, str(tmp_path)), timeout=300)
+    assert codes == [[0, 0], [0, 0]]
+    assert len(records(str(tmp_path), "plan")) == 2 and len(records(str(tmp_path), "auto")) == 2
     bad = subprocess.run(
         [sys.executable, os.path.join(ROOT, "tools", "plan.py"), *model, "--cluster", "nope"],
         cwd=ROOT,

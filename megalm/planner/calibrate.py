@@ -13,6 +13,10 @@ rank on this host's cores, under its CPU quota) training runs at the shared rate
 * the attention core (causal SDPA, forward + backward, counted as Megatron-LM counts it) against the
   GEMM peak: ``attention_efficiency``;
 * elementwise bandwidth (an add over 64 MB: two reads, one write): ``memory_bandwidth_gbps``;
+* the optimizer step: torch's Adam (multi-tensor, as megalm's optimizer runs it) over 16 tensors of 2^16
+  elements, per element: ``optimizer_ns_per_param``; on CUDA the same on host tensors
+  (``host_optimizer_ns_per_param``, the --optimizer-cpu-offload step) and a pinned host-to-device copy of
+  64 MB (``host_link_gbps``); on a CPU device the host is the device (offload copies run at memory bandwidth);
 * per-layer overhead: one tiny transformer-shaped block (hidden 32, 8 tokens) forward + backward, whose
   arithmetic is negligible: ``layer_overhead_us``;
 * collectives: all-reduce of 4 KB and 8 MB over pairs of ranks on one node (intra) and over one rank of
@@ -100,13 +104,34 @@ def compute_rates(device: torch.device, dtype: torch.dtype) -> Dict[str, object]
     sec = _best(lambda: torch.add(x, y), sync=sync)
     bandwidth = 3 * n * x.element_size() / sec / 1e9
     overhead = layer_overhead_s(device, dtype, sync)
-    return {
+    optimizer = optimizer_s_per_param(device, sync)
+    host = {
+        "optimizer_ns_per_param": optimizer * 1e9,
+        "host_optimizer_ns_per_param": optimizer * 1e9,
+        "host_link_gbps": bandwidth,
+    }
+    if device.type == "cuda":
+        host["host_optimizer_ns_per_param"] = optimizer_s_per_param(torch.device("cpu"), lambda: None) * 1e9
+        src = torch.empty(32 * 2**20, dtype=torch.float16).pin_memory()
+        dst = torch.empty_like(src, device=device)
+        sec = _best(lambda: dst.copy_(src, non_blocking=True), sync=sync)
+        host["host_link_gbps"] = src.numel() * src.element_size() / sec / 1e9
+    return host | {
         "gemm_tflops": gemm,
         "peak_tflops": peak,
         "attention_efficiency": min(1.0, attention_eff),
         "memory_bandwidth_gbps": bandwidth,
         "layer_overhead_us": overhead * 1e6,
     }
+
+
+def optimizer_s_per_param(device: torch.device, sync, tensors: int = 16, numel: int = 2**16) -> float:
+    """Seconds of one Adam step (foreach, fp32 state) per element, over ``tensors`` tensors of ``numel``."""
+    params = [torch.zeros(numel, device=device, requires_grad=True) for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.randn(numel, device=device)
+    opt = torch.optim.Adam(params, lr=1e-4, foreach=True)
+    return _best(opt.step, sync=sync) / (tensors * numel)
 
 
 def layer_overhead_s(device: torch.device, dtype: torch.dtype, sync) -> float:
@@ -198,6 +223,7 @@ def _tiny_forward_step(data_iterator, model):
         labels=batch["labels"],
         loss_mask=batch["loss_mask"],
         attention_mask=batch["attention_mask"],
+        packed_seq_params=batch["packed_seq_params"],
     )
 
     def loss(output):

@@ -54,6 +54,18 @@ class PlanOptions:
     max_cp: int = field(default=8, metadata={"help": "Largest CP searched."})
     max_micro_batch: int = field(default=8, metadata={"help": "Largest micro-batch size searched."})
     max_vpp: int = field(default=8, metadata={"help": "Most virtual stages per pipeline rank searched."})
+    max_pp: Optional[int] = field(default=None, metadata={"help": "Largest PP searched (default: the world size)."})
+    no_offload_search: bool = field(
+        default=False,
+        metadata={"help": "Do not try activation / optimizer offload on layouts that do not fit without it."},
+    )
+    search_grad_compression: str = field(
+        default="none",
+        metadata={
+            "help": "Comma-separated --grad-compression methods to search besides none (int8, fp8): they change "
+            "the numerics, so only when asked.",
+        },
+    )
     sequence_parallel_always: bool = field(
         default=False, metadata={"help": "Search TP > 1 with --sequence-parallel only (halves the search)."}
     )
@@ -123,6 +135,11 @@ SEARCHED = {
     "--recompute-num-layers": 1,
     "--micro-batch-size": 1,
     "--hierarchical-grad-reduce": 0,
+    "--cpu-offloading": 0,
+    "--cpu-offloading-num-layers": 1,
+    "--optimizer-cpu-offload": 0,
+    "--optimizer-offload-fraction": 1,
+    "--grad-compression": 1,  # kept when given (the search uses it), searched with --search-grad-compression
 }
 
 
@@ -163,7 +180,12 @@ def format_result(cfg, cluster, result, base_flags: List[str], top_k: int) -> st
         f"global batch {cfg.training.global_batch_size}"
         + (f", {cfg.model.num_experts} experts top-{cfg.model.moe_router_topk}" if cfg.model.num_experts else ""),
         f"layouts: {result.considered} considered, {sum(result.refused.values())} refused by megalm's validation, "
-        f"{result.too_big} do not fit in memory, {len(result.candidates)} ranked",
+        f"{result.too_big} do not fit in memory, {len(result.candidates)} ranked"
+        + (
+            f" ({result.dominated} offloaded variants of fitting layouts not tried: never faster)"
+            if result.dominated
+            else ""
+        ),
         "",
         f"{'#':>2} {'step ms':>9} {'tokens/s':>11} {'GB/rank':>8}  {'dominant':<11} layout (DP = world / TP PP CP)",
     ]
@@ -178,7 +200,7 @@ def format_result(cfg, cluster, result, base_flags: List[str], top_k: int) -> st
         lines += ["", f"#{i + 1} terms (ms per step): {terms}", "   " + command]
     why = explain(result)
     if why:
-        lines += ["", "why #1 beats the best layout of each other shape:"] + why
+        lines += ["", "why #1 beats the best layout of each other shape (and its offload / compression):"] + why
     if result.refused:
         lines += ["", "left out by megalm's validation (count, reason):"]
         lines += [f"  {n:6d}  {r[:160]}" for r, n in result.refused.most_common(12)]
@@ -200,6 +222,7 @@ def as_json(result) -> dict:
         "considered": result.considered,
         "refused": dict(result.refused),
         "too_big": result.too_big,
+        "dominated": result.dominated,
         "candidates": [
             {
                 "layout": dataclasses.asdict(c.layout),
@@ -210,6 +233,7 @@ def as_json(result) -> dict:
                 "memory_bytes": c.memory_bytes,
                 "dominant": c.cost.dominant,
                 "terms": c.cost.terms,
+                "note": c.note,
             }
             for c in result.candidates
         ],
@@ -255,6 +279,22 @@ def _torchrun_line(base: List[str]) -> str:
     )
 
 
+def compression_methods(text: str, given: str = "none") -> tuple:
+    """``--search-grad-compression`` as the search's tuple (``none`` first); an unknown method is a ConfigError.
+    ``given``: the model flags' ``--grad-compression``; without a search asked, that one method is kept."""
+    from megalm.config import ConfigError
+
+    if given != "none" and text == "none":
+        if given not in ("int8", "fp8"):
+            raise ConfigError(f"--grad-compression {given}: the planner models int8 and fp8 only")
+        return (given,)
+    methods = [x.strip() for x in text.split(",") if x.strip() and x.strip() != "none"]
+    bad = [x for x in methods if x not in ("int8", "fp8")]
+    if bad:
+        raise ConfigError(f"--search-grad-compression: {', '.join(bad)} not searchable (int8, fp8)")
+    return ("none", *dict.fromkeys(methods))
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg, options, flags = parse(argv)
@@ -267,6 +307,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         max_micro_batch=options.max_micro_batch,
         max_vpp=options.max_vpp,
         sequence_parallel="on" if options.sequence_parallel_always else "both",
+        max_pp=options.max_pp,
+        offload=not options.no_offload_search,
+        compression=compression_methods(options.search_grad_compression, cfg.parallel.grad_compression),
     )
     result = search(cfg, cluster, search_options)
     if options.json:

@@ -19,6 +19,10 @@ File format (TOML, every key optional but ``nodes``; units in the key names)::
     layer_overhead_us = 40           # per layer and microbatch, forward + backward (kernel launches, Python)
     step_overhead_ms = 5             # per step (optimizer launch, logging)
     dp_overlap = 1.0                 # share of the backward that can hide data-parallel communication
+    collective_call_us = 0           # per collective call on top of its latency steps (launch, a blocked wait)
+    optimizer_ns_per_param = 0       # the optimizer step per element updated (0: 36 bytes at memory bandwidth)
+    host_link_gbps = 50              # per device, per direction, GB/s: activation / optimizer offload copies
+    host_optimizer_ns_per_param = 2  # --optimizer-cpu-offload: the host's optimizer step per element
     device = "cuda"                  # whose kernels' saved tensors the memory model counts
 
     [gemm_tflops]                    # written by --calibrate: TFLOP/s by GEMM FLOPs (2 m n k), log-interpolated
@@ -64,12 +68,21 @@ class Cluster:
     layer_overhead_us: float = 40.0
     step_overhead_ms: float = 5.0
     dp_overlap: float = 1.0
+    collective_call_us: float = 0.0
+    optimizer_ns_per_param: float = 0.0
+    host_link_gbps: float = 50.0
+    host_optimizer_ns_per_param: float = 2.0
     device: str = "cuda"
     gemm_tflops: Dict[str, float] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.devices_per_node
+
+    def optimizer_s_per_param(self) -> float:
+        """Seconds of the on-device optimizer step per element: calibrated, else Adam's 36 bytes at memory
+        bandwidth (read grad, weight, two moments; write weight, moments; norm; zeroing)."""
+        return self.optimizer_ns_per_param * 1e-9 or 36 / (self.memory_bandwidth_gbps * 1e9)
 
     def gemm_flops_per_s(self, flops: float) -> float:
         """Throughput of one GEMM of ``flops`` (2 m n k): the calibrated table, log-interpolated and
@@ -89,7 +102,16 @@ class Cluster:
         for name in ("nodes", "devices_per_node"):
             if getattr(self, name) < 1:
                 raise ClusterFileError(f"cluster: {name} must be >= 1, got {getattr(self, name)}")
-        for name in ("memory_gb", "peak_tflops", "memory_bandwidth_gbps", "intra_node_bandwidth_gbps"):
+        for name in ("collective_call_us", "optimizer_ns_per_param", "host_optimizer_ns_per_param"):
+            if getattr(self, name) < 0:
+                raise ClusterFileError(f"cluster: {name} must be >= 0, got {getattr(self, name)}")
+        for name in (
+            "memory_gb",
+            "peak_tflops",
+            "memory_bandwidth_gbps",
+            "intra_node_bandwidth_gbps",
+            "host_link_gbps",
+        ):
             if getattr(self, name) <= 0:
                 raise ClusterFileError(f"cluster: {name} must be > 0, got {getattr(self, name)}")
         if self.nodes > 1 and self.inter_node_bandwidth_gbps <= 0:
@@ -112,6 +134,7 @@ PRESETS = {
         intra_node_bandwidth_gbps=300.0,
         inter_node_bandwidth_gbps=200.0,
         layer_overhead_us=60.0,
+        host_link_gbps=25.0,
     ),
     # This CPU host run as the simulated cluster (tools/cluster/run.py, 2 processes per node, gloo): the
     # rates are placeholders until --calibrate measures them.
@@ -133,6 +156,8 @@ PRESETS = {
         layer_overhead_us=3000.0,
         step_overhead_ms=20.0,
         dp_overlap=0.0,
+        host_link_gbps=2.0,
+        host_optimizer_ns_per_param=18.0,
         device="cpu",
     ),
 }

@@ -11,8 +11,7 @@ per microbatch on the busiest pipeline stage, ``T = b s / CP`` tokens, ``B`` the
 * **attention core**: ``4 b (s / CP) s n d / TP`` forward (QK^T and AV, causal counted whole as
   Megatron-LM does), x3 with the backward, at ``attention_efficiency`` x peak.
 * **elementwise** (norms, residuals, activation function, RoPE, dropout; memory-bound): ``~ (14 h + 3 f')``
-  values of ``B`` bytes per token and layer forward, x3 with the backward, at ``memory_bandwidth``; the
-  optimizer step reads and writes ``36`` bytes per (sharded) parameter.
+  values of ``B`` bytes per token and layer forward, x3 with the backward, at ``memory_bandwidth``.
 * **overhead**: ``layer_overhead_us`` per layer and microbatch (kernel launches, Python), ``step_overhead_ms``.
 * **TP** per layer and microbatch: forward two all-reduces of ``T h B`` (attention and MLP outputs),
   backward two (the inputs' gradients); with sequence parallelism each becomes an all-gather + a
@@ -26,12 +25,12 @@ per microbatch on the busiest pipeline stage, ``T = b s / CP`` tokens, ``B`` the
 * **PP**: one send of the stage's output ``T h B`` (``/ TP`` under sequence parallelism) per microbatch and
   chunk forward, one of its gradient backward; the schedule runs ``(m v + p - 1)`` chunk slots, so the
   bubble is ``(p - 1) / v`` microbatch times of the stage: ``(p-1)/(v m + p - 1)`` of the pipelined time.
-* **DP** (over data x context ranks; experts over expert-DP): no_shard all-reduces the gradients (``grads``
-  bytes per parameter, fp32 by default); the distributed optimizer reduce-scatters them and all-gathers the
-  weights; ZeRO-3 gathers the weights again for every microbatch's forward and backward;
-  ``--hierarchical-grad-reduce`` is an intra reduce-scatter, an inter all-reduce of ``1 / L`` of the bucket
-  and an intra all-gather.  ``--overlap-grad-reduce`` hides up to ``dp_overlap`` x the last microbatch's
-  backward; the embedding's gradient all-reduce between the first and last stage (tied, PP > 1) is exposed.
+* **activation offload** (``--cpu-offloading``): the first ``N`` layers of each chunk send what they save
+  (:func:`megalm.estimate.activations.layer_bytes`) to the host in forward and back in backward over
+  ``host_link_gbps``; on CUDA on side streams (exposed: what exceeds the layer's own compute), on a CPU device
+  synchronous (all exposed).  Term ``offload``.
+* **DP and the optimizer step**: :mod:`megalm.planner.data_parallel` (per bucket, compressed or not,
+  hierarchical, overlap with the last microbatch's backward; the optimizer on the device or offloaded).
 
 The result's ``terms`` are seconds per step; ``dominant`` names the largest.
 """
@@ -41,11 +40,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict
 
-from megalm.estimate.parameters import all_stages, moe_layers
+from megalm.estimate.parameters import moe_layers
 from megalm.models.layer_split import layers_for_stage, virtual_stages
+from megalm.planner.data_parallel import data_parallel
 from megalm.planner.links import a2a_time, layout_links, p2p_time, ring_time
-
-OPTIMIZER_BYTES_PER_PARAM = 36  # Adam: read grad, weight, two moments, write weight, moments; norm; zeroing
 
 
 @dataclass
@@ -83,6 +81,7 @@ class _Step:
         self.links = layout_links(self.world, per_node, self.tp, self.pp, self.cp, self.ep, self.etp)
         self.inter = 0.0
         self.gloo = cluster.backend == "gloo"
+        self.bw = cluster.memory_bandwidth_gbps * 1e9  # elementwise bytes/s
 
     # --- collectives (seconds; inter-node bytes accumulated) --------------------------------------------
     def ring(self, kind: str, op: str, nbytes: float) -> float:
@@ -169,17 +168,33 @@ class _Step:
             out["ep_comm"] = 2 * (again + 1) * self.a2a("expert", tokens)
         return out
 
+    def offload(self, is_moe: bool, layer: Dict[str, float]) -> float:
+        """Exposed seconds of one offloaded layer's saved tensors to the host and back (one microbatch)."""
+        from megalm.estimate.activations import Shape, layer_bytes
+
+        t, p = self.t, self.p
+        sh = Shape(
+            self.m.seq_length, t.micro_batch_size, self.tp, self.sp, self.B, self.c.device, self.cp, p.cp_comm_type
+        )
+        copy = 2 * sum(layer_bytes(self.m, sh, is_moe).values()) / (self.c.host_link_gbps * 1e9)
+        if self.c.device == "cpu":
+            return copy
+        return max(0.0, copy - sum(layer.get(k, 0.0) for k in COMPUTE_TERMS))
+
     def stage_micro(self, pp_rank: int) -> Dict[str, float]:
         """Seconds of one microbatch (all chunks) on pipeline rank ``pp_rank``, by term."""
         pattern = moe_layers(self.m)
         totals: Dict[str, float] = {}
         cache: Dict[bool, Dict[str, float]] = {}
+        offloaded = self.m.cpu_offloading_num_layers if self.m.cpu_offloading else 0
         for v in range(self.vpp):
-            for i in layers_for_stage(self.cfg, pp_rank, v):
+            for j, i in enumerate(layers_for_stage(self.cfg, pp_rank, v)):
                 if pattern[i] not in cache:
                     cache[pattern[i]] = self.layer(pattern[i])
                 for k, x in cache[pattern[i]].items():
                     totals[k] = totals.get(k, 0.0) + x
+                if j < offloaded:
+                    totals["offload"] = totals.get("offload", 0.0) + self.offload(pattern[i], cache[pattern[i]])
         m, T, tp, B = self.m, self.T, self.tp, self.B
         vocab = m.padded_vocab_size
         if pp_rank == self.pp - 1:
@@ -219,74 +234,15 @@ def step_cost(cfg, cluster) -> StepCost:
     slot = tau + p2p
     bubble = (s.pp - 1) / s.vpp * (sum(per_micro) / s.pp + p2p) if s.pp > 1 else 0.0
     terms = {k: n_micro * stages[busiest].get(k, 0.0) for k in (*COMPUTE_TERMS, "tp_comm", "cp_comm", "ep_comm")}
+    if "offload" in stages[busiest]:
+        terms["offload"] = n_micro * stages[busiest]["offload"]
     terms["pp_comm"] = n_micro * p2p
     terms["bubble"] = bubble
     s.inter = 0.0  # from here on: the data-parallel collectives' inter-node bytes
-    dp_terms = _data_parallel(s, cfg, busiest, n_micro, stages[busiest])
+    backward = (2 / 3) * sum(stages[busiest].get(k, 0.0) for k in COMPUTE_TERMS)
+    dp_terms = data_parallel(s, cfg, busiest, n_micro, backward)
     terms.update(dp_terms)
     terms["overhead"] += cluster.step_overhead_ms * 1e-3
     step = n_micro * slot + bubble + sum(dp_terms.values()) + cluster.step_overhead_ms * 1e-3
     detail = {"microbatches": n_micro, "per_microbatch_s": tau, "busiest_pp_rank": busiest}
     return StepCost(step, terms, s.inter, detail)
-
-
-def _data_parallel(s: _Step, cfg, pp_rank: int, n_micro: int, stage_terms: Dict[str, float]) -> Dict[str, float]:
-    """Exposed data-parallel seconds (gradient reduction, parameter gathers, embedding sync) and the
-    optimizer step of pipeline rank ``pp_rank``."""
-    from megalm.estimate.planner import state_bytes_per_param
-
-    m, p, t = s.m, s.p, s.t
-    precision = "bf16" if t.bf16 else "fp16" if t.fp16 else "fp32"
-    per = state_bytes_per_param(precision, t.optimizer, t.sgd_momentum, p.accumulate_allreduce_grads_in_fp32)
-    st = all_stages(cfg)[pp_rank]
-    strategy = p.data_parallel_sharding_strategy
-    sharded = strategy != "no_shard"
-    dense_g, expert_g = st.dense * per["grads"], st.expert * per["grads"]
-    red = "reduce_scatter" if sharded else "all_reduce"
-    dp_links = s.links["data_context"]
-    if p.hierarchical_grad_reduce and dp_links.crosses and dp_links.size > dp_links.per_node:
-        grad = _hierarchical(s, red, dense_g, dp_links)
-    else:
-        grad = s.ring("data_context", red, dense_g)
-    grad += s.ring("expert_data", red, expert_g) if st.expert else 0.0
-    gather = 0.0
-    if sharded:
-        gather = s.ring("data_context", "all_gather", st.dense * per["weights"])
-        gather += s.ring("expert_data", "all_gather", st.expert * per["weights"]) if st.expert else 0.0
-    if strategy == "optim_grads_params":
-        gather *= 1 + 2 * n_micro  # gathered for every microbatch's forward and backward, and after the step
-    backward = (2 / 3) * sum(stage_terms.get(k, 0.0) for k in COMPUTE_TERMS)
-    hidden = s.c.dp_overlap * backward if p.overlap_grad_reduce else 0.0
-    exposed_grad = max(grad - hidden, grad * 0.1 if hidden else grad)
-    hidden_gather = s.c.dp_overlap * backward / 2 * n_micro if p.overlap_param_gather else 0.0
-    exposed_gather = max(gather - hidden_gather, 0.0)
-    emb = 0.0
-    if s.pp > 1 and not m.untie_embeddings_and_output_weights:
-        emb = s.ring("embedding", "all_reduce", m.padded_vocab_size // s.tp * m.hidden_size * per["grads"])
-    shards = p.data_parallel_size * s.cp if sharded else 1
-    local = st.dense / shards + st.expert / (max(1, _edp(s)) if sharded else 1)
-    optimizer = local * OPTIMIZER_BYTES_PER_PARAM / (s.c.memory_bandwidth_gbps * 1e9)
-    return {"dp_comm": exposed_grad + exposed_gather + emb, "optimizer": optimizer}
-
-
-def _edp(s: _Step) -> int:
-    from megalm.parallel_layout import expert_data_parallel_size
-
-    return expert_data_parallel_size(s.tp, s.cp, s.p.data_parallel_size, s.ep, s.etp)
-
-
-def _hierarchical(s: _Step, op: str, nbytes: float, links) -> float:
-    """Intra reduce-scatter, inter all-reduce (or reduce-scatter) of ``1 / L``, intra all-gather."""
-    from megalm.planner.links import GroupLinks
-
-    L, n = links.per_node, links.nodes
-    intra = GroupLinks(L, False, 0, 0.0, L, 1)
-    inter = GroupLinks(n, True, L * max(1, links.ring_senders), 0.0, 1, n)
-    wire = 2.0 if s.gloo else 1.0
-    t = ring_time(s.c, intra, "reduce_scatter", nbytes, wire)[0]
-    sec, sent = ring_time(s.c, inter, "all_reduce" if op == "all_reduce" else "reduce_scatter", nbytes / L, 1.0)
-    s.inter += sent
-    t += sec
-    if op == "all_reduce":
-        t += ring_time(s.c, intra, "all_gather", nbytes)[0]
-    return t

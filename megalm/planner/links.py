@@ -9,8 +9,10 @@ Every group of one kind communicates at the same time (all TP groups reduce toge
 shared by every ring hop that leaves the node: a rank whose successor sits on another node sends over it.
 With ``c`` such hops leaving the busiest node, a ring runs at ``min(intra, inter / c)`` bytes/s (the
 slowest hop sets the pace), and pays ``steps x latency`` (``2 (K-1)`` steps for an all-reduce, ``K-1``
-otherwise) at the inter-node latency when it crosses nodes.  An all-to-all's time is the larger of its
-intra-node part over the device link and the busiest node's outgoing bytes over the node link.
+otherwise) at the inter-node latency when it crosses nodes.  Every call (ring, all-to-all, send) also pays
+``collective_call_us`` once: the launch and, on gloo under load, the blocked wait that wakes the process.
+An all-to-all's time is the larger of its intra-node part over the device link and the busiest node's
+outgoing bytes over the node link.
 """
 
 from __future__ import annotations
@@ -73,10 +75,11 @@ def ring_time(cluster, links: GroupLinks, op: str, nbytes: float, wire_factor: f
     sent = RING_FACTOR[op](k) * nbytes * wire_factor
     steps = (2 if op == "all_reduce" else 1) * (k - 1) * (2 if wire_factor > 1 else 1)
     intra = cluster.intra_node_bandwidth_gbps * 1e9
+    call = cluster.collective_call_us * 1e-6
     if not links.crosses:
-        return sent / intra + steps * cluster.intra_node_latency_us * 1e-6, 0.0
+        return sent / intra + steps * cluster.intra_node_latency_us * 1e-6 + call, 0.0
     inter = cluster.inter_node_bandwidth_gbps * 1e9 / max(1, links.ring_senders)
-    return sent / min(intra, inter) + steps * cluster.inter_node_latency_us * 1e-6, sent * links.ring_senders
+    return sent / min(intra, inter) + steps * cluster.inter_node_latency_us * 1e-6 + call, sent * links.ring_senders
 
 
 def a2a_time(cluster, links: GroupLinks, nbytes: float) -> Tuple[float, float]:
@@ -85,11 +88,12 @@ def a2a_time(cluster, links: GroupLinks, nbytes: float) -> Tuple[float, float]:
     if k <= 1 or nbytes <= 0:
         return 0.0, 0.0
     intra = (k - 1) / k * nbytes / (cluster.intra_node_bandwidth_gbps * 1e9)
+    call = cluster.collective_call_us * 1e-6
     if not links.crosses:
-        return intra + (k - 1) * cluster.intra_node_latency_us * 1e-6, 0.0
+        return intra + (k - 1) * cluster.intra_node_latency_us * 1e-6 + call, 0.0
     off_node = links.a2a_share * nbytes
     inter = off_node / (cluster.inter_node_bandwidth_gbps * 1e9)
-    return max(intra, inter) + (k - 1) * cluster.inter_node_latency_us * 1e-6, off_node
+    return max(intra, inter) + (k - 1) * cluster.inter_node_latency_us * 1e-6 + call, off_node
 
 
 def p2p_time(cluster, links: GroupLinks, nbytes: float) -> Tuple[float, float]:
@@ -97,9 +101,10 @@ def p2p_time(cluster, links: GroupLinks, nbytes: float) -> Tuple[float, float]:
     stage boundary that crosses nodes carries every TP/DP rank's send over the node link)."""
     if links.size <= 1 or nbytes <= 0:
         return 0.0, 0.0
+    call = cluster.collective_call_us * 1e-6
     if not links.crosses:
-        return nbytes / (cluster.intra_node_bandwidth_gbps * 1e9) + cluster.intra_node_latency_us * 1e-6, 0.0
+        return nbytes / (cluster.intra_node_bandwidth_gbps * 1e9) + cluster.intra_node_latency_us * 1e-6 + call, 0.0
     senders = max(1, links.ring_senders)
     # A pipeline group's hops leave a node once per boundary; every group crossing there shares the link.
     rate = min(cluster.intra_node_bandwidth_gbps * 1e9, cluster.inter_node_bandwidth_gbps * 1e9 / senders)
-    return nbytes / rate + cluster.inter_node_latency_us * 1e-6, nbytes * senders
+    return nbytes / rate + cluster.inter_node_latency_us * 1e-6 + call, nbytes * senders

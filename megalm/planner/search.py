@@ -2,7 +2,15 @@
 
 A candidate is one choice of TP, PP, virtual stages, CP (and ``--cp-comm-type``), EP / ETP (MoE), sequence
 parallelism, ``--data-parallel-sharding-strategy`` (which implies the distributed optimizer), recompute,
-micro-batch size and ``--hierarchical-grad-reduce``; DP is what is left of the world.  Legality is megalm's
+micro-batch size and ``--hierarchical-grad-reduce``; DP is what is left of the world.  Then, per legal layout:
+
+* **offload** (``--cpu-offloading`` of every layer but the last, ``--optimizer-cpu-offload``, or both) only where
+  the layout does not fit without it: in the cost model offload only adds time (the copies, the host's optimizer
+  step), so an offloaded variant of a layout that fits is never faster (counted as ``dominated``).  Activation
+  offload where megalm runs it (PP, CP, EP 1, no recompute, not ZeRO-3; other combinations are not generated).
+* **gradient compression** (``--grad-compression``, :attr:`SearchOptions.compression`; none by default: it
+  changes the numerics, so the user asks for it) on layouts with data parallelism and the strategies it is
+  built for (no_shard, optim).  Legality is megalm's
 own: each candidate's config is validated by :func:`megalm.config.validate_config` with the world size, and
 a :class:`ConfigError` leaves it out with its message (numbers blanked, so that reasons count together).
 A legal layout whose largest rank does not fit the device memory (:func:`megalm.estimate.planner.plan`)
@@ -12,6 +20,7 @@ is left out for that reason.  The rest are costed (:func:`megalm.planner.cost.st
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import re
 from collections import Counter
@@ -44,6 +53,9 @@ class Layout:
     recompute: str = "none"
     micro_batch: int = 1
     hierarchical: bool = False
+    act_offload: int = 0  # --cpu-offloading-num-layers (0: no activation offload)
+    opt_offload: bool = False  # --optimizer-cpu-offload (all of the optimizer)
+    compression: str = "none"  # --grad-compression
 
     def flags(self) -> List[str]:
         """pretrain_gpt.py's flags of this layout (every one spelled out, defaults included)."""
@@ -71,6 +83,12 @@ class Layout:
         out += ["--micro-batch-size", str(self.micro_batch)]
         if self.hierarchical:
             out.append("--hierarchical-grad-reduce")
+        if self.act_offload:
+            out += ["--cpu-offloading", "--cpu-offloading-num-layers", str(self.act_offload)]
+        if self.opt_offload:
+            out.append("--optimizer-cpu-offload")
+        if self.compression != "none":
+            out += ["--grad-compression", self.compression]
         return out
 
     def short(self) -> str:
@@ -81,6 +99,9 @@ class Layout:
         parts += ["SP"] if self.sp else []
         parts += [self.strategy, f"rc:{self.recompute}", f"mb{self.micro_batch}"]
         parts += ["hier"] if self.hierarchical else []
+        parts += [f"offload:act{self.act_offload}"] if self.act_offload else []
+        parts += ["offload:optim"] if self.opt_offload else []
+        parts += [f"gc:{self.compression}"] if self.compression != "none" else []
         return " ".join(parts)
 
 
@@ -91,6 +112,7 @@ class Candidate:
     cost: StepCost
     memory_bytes: float  # the largest rank's
     tokens_per_s: float
+    note: str = ""  # why an offloaded layout: the memory it needs without
 
 
 @dataclass
@@ -98,6 +120,7 @@ class SearchResult:
     candidates: List[Candidate]  # fitting, fastest first
     refused: Counter = field(default_factory=Counter)  # megalm's validation message -> count
     too_big: int = 0  # legal but larger than the device memory
+    dominated: int = 0  # offloaded variants of layouts that fit without offload (never faster)
     smallest_too_big: Optional[Tuple[float, Layout]] = None
     considered: int = 0
 
@@ -112,6 +135,9 @@ class SearchOptions:
     recompute: Tuple[str, ...] = ("none", "selective", "full")
     strategies: Tuple[str, ...] = STRATEGIES
     cp_comm_types: Tuple[str, ...] = ("p2p", "a2a", "allgather")
+    max_pp: Optional[int] = None  # default: the world
+    offload: bool = True  # try activation / optimizer offload on layouts that do not fit without
+    compression: Tuple[str, ...] = ("none",)  # --grad-compression values tried (int8, fp8)
 
 
 def divisors(n: int) -> List[int]:
@@ -125,7 +151,7 @@ def layouts(cfg, cluster, options: SearchOptions) -> Iterator[Layout]:
     max_tp = options.max_tp or cluster.devices_per_node
     moe = bool(m.num_experts)
     for tp, pp, cp in itertools.product(divisors(world), repeat=3):
-        if tp > max_tp or cp > options.max_cp or world % (tp * pp * cp):
+        if tp > max_tp or cp > options.max_cp or pp > (options.max_pp or world) or world % (tp * pp * cp):
             continue
         dp = world // (tp * pp * cp)
         per_rank = m.num_layers // pp if m.num_layers % pp == 0 else 0
@@ -140,7 +166,30 @@ def layouts(cfg, cluster, options: SearchOptions) -> Iterator[Layout]:
         for vpp, cpt, ep, etp, sp, strat, rc, mb, h in itertools.product(
             vpps, cp_types, eps, etps, sps, options.strategies, options.recompute, mbs, hier
         ):
-            yield Layout(tp, pp, vpp, cp, cpt, ep, etp, sp, strat, rc, mb, h)
+            for gc in _compressions(options.compression, dp * cp, strat):
+                yield Layout(tp, pp, vpp, cp, cpt, ep, etp, sp, strat, rc, mb, h, compression=gc)
+
+
+def _compressions(asked: Tuple[str, ...], dp_cp: int, strategy: str) -> Tuple[str, ...]:
+    """The ``--grad-compression`` values of a layout: none without data parallelism (nothing to compress);
+    the strategies compression is not built for only uncompressed, and not at all when it is required
+    (``asked`` without ``none``: the user's ``--grad-compression``)."""
+    if dp_cp == 1:
+        return ("none",)
+    if strategy in ("no_shard", "optim"):
+        return asked
+    return ("none",) if "none" in asked else ()
+
+
+def offloaded(layout: Layout, num_layers: int) -> List[Layout]:
+    """The offload variants of ``layout``: optimizer offload, and where megalm runs it activation offload of
+    every layer but the last (alone and with the optimizer's)."""
+    out = [dataclasses.replace(layout, opt_offload=True)]
+    act = layout.pp == 1 and layout.cp == 1 and layout.ep == 1 and layout.recompute == "none"
+    if act and layout.strategy != "optim_grads_params" and num_layers > 1:
+        with_act = dataclasses.replace(layout, act_offload=num_layers - 1)
+        out += [with_act, dataclasses.replace(with_act, opt_offload=True)]
+    return out
 
 
 def apply_layout(base, layout: Layout, world: int):
@@ -163,6 +212,9 @@ def apply_layout(base, layout: Layout, world: int):
     for k, v in RECOMPUTE[layout.recompute].items():
         setattr(m, k, v)
     t.micro_batch_size = layout.micro_batch
+    m.cpu_offloading, m.cpu_offloading_num_layers = layout.act_offload > 0, layout.act_offload
+    t.optimizer_cpu_offload, t.optimizer_offload_fraction = layout.opt_offload, 1.0
+    p.grad_compression = layout.compression
     validate_config(cfg, world_size=world)
     return cfg
 
@@ -175,35 +227,61 @@ def reason(message: str) -> str:
 def search(base, cluster, options: Optional[SearchOptions] = None) -> SearchResult:
     """Cost every legal, fitting layout of ``base`` (a MegalmConfig with the vocabulary set; its layout
     flags are replaced) on ``cluster``; see the module docstring."""
-    from megalm.parallel_layout import NodeLayoutError, compute_layout, node_layout
+    from megalm.parallel_layout import NodeLayoutError
 
     options = options or SearchOptions()
     result = SearchResult([])
     budget = cluster.memory_gb * 1e9
-    world = cluster.world_size
     for layout in layouts(base, cluster, options):
         result.considered += 1
         try:
-            cfg = apply_layout(base, layout, world)
-            if layout.hierarchical:  # the node split the trainer makes at start-up
-                lay = compute_layout(world, layout.tp, layout.pp, layout.cp, layout.ep, layout.etp)
-                node = node_layout(lay, cluster.devices_per_node)
-                if not node["dp_cp_inter"] or len(node["dp_cp_inter"][0]) < 2:
-                    raise ConfigError("--hierarchical-grad-reduce needs a data-parallel group spanning nodes")
+            cfg = _legal(base, layout, cluster)
         except (ConfigError, NodeLayoutError) as e:
             result.refused[reason(str(e))] += 1
             continue
         memory = largest_rank_bytes(cfg, cluster)
-        if memory > budget:
-            result.too_big += 1
-            if result.smallest_too_big is None or memory < result.smallest_too_big[0]:
-                result.smallest_too_big = (memory, layout)
+        if memory <= budget:
+            result.candidates.append(_candidate(cfg, layout, cluster, memory))
+            result.dominated += len(offloaded(layout, base.model.num_layers)) if options.offload else 0
             continue
-        cost = step_cost(cfg, cluster)
-        tokens = cfg.training.global_batch_size * cfg.model.seq_length / cost.step_s
-        result.candidates.append(Candidate(layout, cfg.parallel.data_parallel_size, cost, memory, tokens))
+        result.too_big += 1
+        if result.smallest_too_big is None or memory < result.smallest_too_big[0]:
+            result.smallest_too_big = (memory, layout)
+        for variant in offloaded(layout, base.model.num_layers) if options.offload else ():
+            result.considered += 1
+            try:
+                vcfg = _legal(base, variant, cluster)
+            except (ConfigError, NodeLayoutError) as e:
+                result.refused[reason(str(e))] += 1
+                continue
+            vmem = largest_rank_bytes(vcfg, cluster)
+            if vmem > budget:
+                result.too_big += 1
+                continue
+            note = f"without offload {memory / 1e9:.3g} GB > {cluster.memory_gb:g} GB; with it {vmem / 1e9:.3g} GB"
+            result.candidates.append(_candidate(vcfg, variant, cluster, vmem, note))
     result.candidates.sort(key=lambda c: c.cost.step_s)
     return result
+
+
+def _legal(base, layout: Layout, cluster):
+    """The validated config of ``layout`` (raises ConfigError / NodeLayoutError with megalm's reason)."""
+    from megalm.parallel_layout import compute_layout, node_layout
+
+    world = cluster.world_size
+    cfg = apply_layout(base, layout, world)
+    if layout.hierarchical:  # the node split the trainer makes at start-up
+        lay = compute_layout(world, layout.tp, layout.pp, layout.cp, layout.ep, layout.etp)
+        node = node_layout(lay, cluster.devices_per_node)
+        if not node["dp_cp_inter"] or len(node["dp_cp_inter"][0]) < 2:
+            raise ConfigError("--hierarchical-grad-reduce needs a data-parallel group spanning nodes")
+    return cfg
+
+
+def _candidate(cfg, layout: Layout, cluster, memory: float, note: str = "") -> Candidate:
+    cost = step_cost(cfg, cluster)
+    tokens = cfg.training.global_batch_size * cfg.model.seq_length / cost.step_s
+    return Candidate(layout, cfg.parallel.data_parallel_size, cost, memory, tokens, note)
 
 
 def largest_rank_bytes(cfg, cluster) -> float:
@@ -217,7 +295,11 @@ def largest_rank_bytes(cfg, cluster) -> float:
         device="cpu" if cluster.device == "cpu" else "h100",
         reserve_gb=cluster.reserve_gb,
     )
-    return plan(cfg, options)["largest_rank_bytes"]
+    from megalm.planner.data_parallel import memory_change
+
+    r = plan(cfg, options)
+    key = f"total_{cfg.parallel.data_parallel_sharding_strategy}"
+    return max(st[key] + memory_change(cfg, st) for st in r["stages"])
 
 
 def explain(result: SearchResult, top: int = 5) -> List[str]:
@@ -239,4 +321,33 @@ def explain(result: SearchResult, top: int = 5) -> List[str]:
             f"(+{(c.cost.step_s / best.cost.step_s - 1) * 100:.0f}%), dominant {c.cost.dominant}, "
             f"loses most on {worse} (+{(terms[worse] - best.cost.terms.get(worse, 0.0)) * 1e3:.1f} ms)"
         )
+    return lines + choices(result)
+
+
+def choices(result: SearchResult) -> List[str]:
+    """Why the first choice offloads or compresses (or, when compression was searched, does not)."""
+    best = result.candidates[0]
+    lay, lines = best.layout, []
+    if best.note:
+        what = " and ".join(x for x, on in (("activations", lay.act_offload), ("optimizer", lay.opt_offload)) if on)
+        lines.append(f"  offload ({what}): {best.note}; it costs {best.cost.terms.get('offload', 0.0) * 1e3:.1f} ms")
+    by_layout = {c.layout: c for c in result.candidates}
+    plain = by_layout.get(dataclasses.replace(lay, compression="none"))
+    if lay.compression != "none" and plain is not None:
+        t, p = best.cost.terms, plain.cost.terms
+        lines.append(
+            f"  --grad-compression {lay.compression}: dp_comm {p['dp_comm'] * 1e3:.1f} -> {t['dp_comm'] * 1e3:.1f} ms "
+            f"(codec included); the same layout uncompressed is {plain.cost.step_s * 1e3:.1f} ms "
+            f"(+{(plain.cost.step_s / best.cost.step_s - 1) * 100:.0f}%)"
+        )
+    elif lay.compression == "none":
+        twins = [by_layout.get(dataclasses.replace(lay, compression=m)) for m in ("int8", "fp8")]
+        twin = next((c for c in twins if c is not None), None)
+        if twin is not None:
+            t, p = twin.cost.terms, best.cost.terms
+            lines.append(
+                f"  --grad-compression {twin.layout.compression} on #1: {twin.cost.step_s * 1e3:.1f} ms "
+                f"(+{(twin.cost.step_s / best.cost.step_s - 1) * 100:.0f}%), dp_comm {p['dp_comm'] * 1e3:.1f} -> "
+                f"{t['dp_comm'] * 1e3:.1f} ms: the codec costs more than the exposed bytes it saves"
+            )
     return lines
