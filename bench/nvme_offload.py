@@ -8,8 +8,9 @@ CPU-only machine the "device" is host memory too, so it holds more than ``none``
 
 1. The disk's sequential bandwidth under DIR (write with fsync, read after dropping the pages from the
    cache: ``posix_fadvise(DONTNEED)``), so the swap traffic can be read against it.
-2. Each mode uncapped: peak RSS (``wait4``), median step time of the last iterations, swap bytes per
-   iteration from the log's metrics.
+2. Each mode uncapped: peak RSS (``wait4``; glibc told to return freed blocks, so it follows the live
+   bytes), median step time of the iterations after the first, swap bytes per iteration from the log's
+   metrics.
 3. Each mode again inside a memory cgroup whose limit (``memory.max`` on cgroup v2, else
    ``memory.limit_in_bytes`` on v1; created by this script, which needs root) is ``--cap-mib``, by
    default halfway between the nvme and none peaks: a mode whose peak is above the cap is killed by the
@@ -17,7 +18,7 @@ CPU-only machine the "device" is host memory too, so it holds more than ``none``
    reclaimed (written back) under the cap rather than killing the process.
 
     python bench/nvme_offload.py --offload-path /var/tmp/megalm-swap [--hidden 768 --layers 8 --vocab 4096]
-        [--iters 6] [--cap-mib N] [--out bench/results/nvme_offload.json]
+        [--iters 4] [--cap-mib N] [--out bench/results/nvme_offload.json]
 
 Without a writable memory controller (not root, no cgroup mounted) step 3 is skipped with the reason.
 """
@@ -35,6 +36,8 @@ import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.path.pardir))
 MiB = 2**20
+# glibc returns freed blocks at once, so the peak RSS follows the live bytes (as bench/zero3_peak.py)
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 MODES = {
     "none": [],
     "cpu": ["--optimizer-cpu-offload"],
@@ -108,7 +111,7 @@ class MemoryCgroup:
 def train(argv: list, metrics: str, cgroup=None, log=None) -> dict:
     """One ``pretrain_gpt.py`` run; exit status, peak RSS, step times and swap bytes from its metrics."""
     cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *argv, "--metrics-file", metrics]
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=ROOT, **MALLOC)
     with open(log or os.devnull, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                 preexec_fn=cgroup.enter if cgroup else None)  # fmt: skip
@@ -118,7 +121,7 @@ def train(argv: list, metrics: str, cgroup=None, log=None) -> dict:
     if os.path.exists(metrics):
         with open(metrics) as f:
             records = [r for r in map(json.loads, f) if r.get("kind", "train") == "train" and "elapsed_ms" in r]
-    tail = [r["elapsed_ms"] for r in records[2:]] or [r["elapsed_ms"] for r in records]
+    tail = [r["elapsed_ms"] for r in records[1:]] or [r["elapsed_ms"] for r in records]
     return {
         "exit": proc.returncode,
         "iterations": len(records),
@@ -137,7 +140,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--iters", type=int, default=6)
+    ap.add_argument("--iters", type=int, default=4)
     ap.add_argument("--bandwidth-mib", type=int, default=1024)
     ap.add_argument("--cap-mib", type=int, help="the cgroup's limit (default: halfway between nvme's and none's peaks)")
     ap.add_argument("--out")

@@ -159,6 +159,7 @@ def run(path, args, port, tmp, name, nodes):
     if path == "local":
         train += ["--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", shm]
         train += ["--non-persistent-save-interval", str(args.local_interval), "--replication"]
+        train += ["--async-save"] if args.local_async else []
     if path == "scaleup":
         train += ["--exit-signal-handler"]  # the agent's SIGTERM before the new round: save, then exit
     log = open(os.path.join(tmp, f"{name}.log"), "w")
@@ -288,7 +289,8 @@ def main():
     p.add_argument("--kill-at", type=int, default=23, help="iteration during which node B dies")
     p.add_argument("--save-interval", type=int, default=10)
     p.add_argument("--local-interval", type=int, default=2, help="local checkpoint interval of the local path")
-    p.add_argument("--paths", default="disk,elastic,local")
+    p.add_argument("--paths", default="disk,elastic,local,scaleup")
+    p.add_argument("--local-async", action="store_true", help="local path: --async-save (the copies in the background)")
     p.add_argument("--cluster", action="store_true", help="run the nodes in the simulated cluster's namespaces")
     p.add_argument("--inter-node-bandwidth", help="with --cluster: tc rate of each node's link (e.g. 1gbit)")
     p.add_argument("--alone-sleep", type=float, default=3.0, help="scaleup: node A's sleep per step while alone")

@@ -699,3 +699,19 @@ def test_optimizer_offload_bytes_equal_measured(device, distributed, tmp_path):
         assert predicted["offload_disk"] == optimizer.offload.disk_bytes
         assert measured["host"] <= predicted["offload_host"] <= 2 * measured["host"]
         optimizer.close()
+
+
+def test_gloo_collective_copies_count_for_zero1_only():
+    """On gloo (--device cpu) ZeRO-1's reduce-scatters in flight copy up to the stage's gradient bytes; no_shard's
+    all-reduce works in place and ZeRO-2/3 keep two reductions in flight (inside their bucket bounds)."""
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"]
+    base += ["--vocab-size", "200", "--tokenizer-type", "NullTokenizer", "--world-size", "4", "--overlap-grad-reduce"]
+    base += ["--device-peak-flops", "1e12"]
+    cfg, options = parse(base)
+    gpu = plan(cfg, options)
+    cpu = plan(cfg, dataclasses.replace(options, device="cpu"))
+    st = gpu["stages"][0]
+    for s in ("no_shard", "optim_grads", "optim_grads_params"):
+        assert cpu["stages"][0][f"transient_{s}"] == st[f"transient_{s}"], s
+    assert st["transient_optim"] == 0
+    assert cpu["stages"][0]["transient_optim"] == 4 * st["parameters"]  # fp32 gradients of the whole stage

@@ -28,7 +28,9 @@ The byte string is ``torch.save`` of tensors and plain values, read back with
 ``--rdzv-id`` (``TORCHELASTIC_RUN_ID``): another job's copies are never read.
 
 Communication: :meth:`LocalCheckpoint.save`: the registered states' ``sharded_state_dict`` hooks (as
-a disk save), one batched send/recv pair and one barrier over ``group``; :meth:`restore`: one
+a disk save); then (in a background thread while training goes on with ``--async-save``, one copy
+in flight: the next save waits for it) the tmpfs write, one batched send/recv pair and one barrier
+over ``group``; :meth:`restore`: one
 ``all_gather_object``, point-to-point sends of the shards not on their rank's node, and one
 ``all_gather_object`` of the outcome.  ``group`` is a gloo group over the world (CPU tensors).
 """
@@ -39,6 +41,7 @@ import io
 import json
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -151,7 +154,16 @@ class LocalCheckpoint:
     (one ``all_gather_object``): a replica on the same node as its owner raises
     :class:`CheckpointError`, since it would not survive the node."""
 
-    def __init__(self, directory: str, run_id: str, node: str, group, replication: bool, jump: Optional[int] = None):
+    def __init__(
+        self,
+        directory: str,
+        run_id: str,
+        node: str,
+        group,
+        replication: bool,
+        jump: Optional[int] = None,
+        background: bool = False,
+    ):
         self.group = group
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.node = node
@@ -172,7 +184,9 @@ class LocalCheckpoint:
                 )
             self.peer, self.source = (self.rank + jump) % self.world, (self.rank - jump) % self.world
         self.written: List[str] = []  # this rank's files of the newest local checkpoint
-        self.last_bytes = 0
+        self.background = background  # the copy in a background thread (--async-save)
+        self._thread: Optional[threading.Thread] = None  # the copy in flight
+        self._error: Optional[BaseException] = None
 
     # -- save --
     def save(
@@ -221,25 +235,49 @@ class LocalCheckpoint:
         buffer = io.BytesIO()
         torch.save(payload, buffer)
         data = torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8)
-        own = shard_file_name(self.rank, self.world, iteration)
-        written = [own]
-        self._write(own, data)
-        received = None
-        if self.peer is not None:
-            received = self._exchange(data)
-            written.append(shard_file_name(self.source, self.world, iteration))
-            self._write(written[-1], received)
-        dist.barrier(group=self.group)  # every rank's copies are written: the older ones can go
-        for name in self.written:
-            if name not in written:
-                _remove(os.path.join(self.dir, name))
-        self.written = written
-        self.last_bytes = data.numel()
-        return {
-            "bytes": data.numel(),
-            "sent": data.numel() if self.peer is not None else 0,
-            "seconds": time.perf_counter() - start,
-        }
+        self.wait()  # the previous copy is complete (one in flight)
+        if self.background:
+            self._thread = threading.Thread(
+                target=self._copy, args=(iteration, data), name="megalm-local-ckpt", daemon=True
+            )
+            self._thread.start()
+        else:
+            self._copy(iteration, data)
+            self.wait()  # raises if it failed
+        seconds = time.perf_counter() - start
+        return {"bytes": data.numel(), "sent": data.numel() if self.peer is not None else 0, "seconds": seconds}
+
+    def _copy(self, iteration: int, data: torch.Tensor) -> None:
+        """In the background: this rank's file, the exchange with the peers and their file, a barrier, then
+        the older files go (only the newest complete local checkpoint is kept)."""
+        try:
+            start = time.perf_counter()
+            written = [shard_file_name(self.rank, self.world, iteration)]
+            self._write(written[0], data)
+            if self.peer is not None:
+                received = self._exchange(data)
+                written.append(shard_file_name(self.source, self.world, iteration))
+                self._write(written[-1], received)
+            dist.barrier(group=self.group)  # every rank's copies are written: the older ones can go
+            for name in self.written:
+                if name not in written:
+                    _remove(os.path.join(self.dir, name))
+            self.written = written
+            logger.debug(f"local checkpoint at iteration {iteration} copied in {time.perf_counter() - start:.3f} s")
+        except BaseException as e:  # noqa: BLE001 - reported by wait(), in the training thread
+            self._error = e
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Wait for the background copy in flight (at most ``timeout`` seconds); a failed one raises
+        :class:`CheckpointError`."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"local checkpoint copy failed: {first_line(error)}") from error
 
     def _exchange(self, data: torch.Tensor) -> torch.Tensor:
         """Send ``data`` to the peer, receive the source's shard (sizes first)."""
@@ -263,8 +301,17 @@ class LocalCheckpoint:
         except OSError as e:
             raise CheckpointError(f"cannot write local checkpoint {path}: {e}") from e
 
+    def close(self, timeout: float = 60.0) -> None:
+        """However the run ends: let the copy in flight finish (at most ``timeout`` seconds); its failure
+        is logged, not raised (the run is ending with its own outcome)."""
+        try:
+            self.wait(timeout)
+        except CheckpointError as e:
+            logger.warning(str(e))
+
     def remove_all(self) -> None:
         """Remove this rank's files of the newest local checkpoint (the run is over)."""
+        self.wait()
         for name in self.written:
             _remove(os.path.join(self.dir, name))
         self.written = []

@@ -72,7 +72,8 @@ class CheckpointConfig(Section):
     async_save: bool = _f(
         False,
         "Write checkpoint tensors in a background thread after copying them to CPU memory; "
-        "the tracker file follows when every rank's write is complete.",
+        "the tracker file follows when every rank's write is complete.  With --non-persistent-ckpt-type local, "
+        "also the local copies' writes and exchange.",
     )
 
     def validate(self) -> None:

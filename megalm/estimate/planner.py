@@ -233,7 +233,7 @@ def plan(cfg, options: PlannerOptions) -> dict:
         act = stage_activation_bytes(cfg, st.pp_rank, shape, num_micro)
         rest = act["activations"] + act["transient"] + options.reserve_gb * GB
         # ZeRO-2/3: buckets alive in a step.  Every strategy shards dense state over the dp x cp ranks.
-        peaks = transient_bytes(cfg, st, per_param, dense_shards, num_micro)
+        peaks = transient_bytes(cfg, st, per_param, dense_shards, num_micro, gloo=options.device == "cpu")
         by_strategy = {
             f"total_{s}": sum(
                 st.dense * v + st.expert * strategy_bytes_per_param(per_param, edp, expert_strategy(s))[k]

@@ -20,7 +20,12 @@ in elements:
   buckets at its ends), plus ``E`` (a tied embedding's bucket is pinned, an untied output layer's is
   gathered for the whole forward, the embedding's while it runs).
 
-Each is capped by the stage's own bytes.  ``no_shard`` and ``optim`` hold everything all the time: 0.
+Each is capped by the stage's own bytes.  ``no_shard`` and ``optim`` hold everything all the time: 0, except on
+gloo (``gloo``: the CPU), whose reduce-scatter and all-gather copy their whole (unsharded) buffer while they run
+(measured: a temporary of the full buffer's bytes each; its all-reduce works in place): ``optim`` launches
+every bucket's reduce-scatter without waiting for the earlier ones (with ``--overlap-grad-reduce`` during the
+backward, else all at its end), so up to the stage's gradient bytes are copied at once.  ZeRO-2/3 keep at most
+two reductions in flight, inside the bounds above.
 """
 
 from __future__ import annotations
@@ -46,8 +51,11 @@ def _layer_bucket(cfg, stage, dp: int) -> int:
     return min(stage.total, size + max((n + 2 * groups) * d // tp * h, fc1 * h))
 
 
-def transient_bytes(cfg, stage, per_param: Dict[str, float], dp: int, num_micro: int) -> Dict[str, float]:
-    """``{strategy: bytes}`` above the steady formula at the peak of a step on ``stage`` (see the module docstring)."""
+def transient_bytes(
+    cfg, stage, per_param: Dict[str, float], dp: int, num_micro: int, gloo: bool = False
+) -> Dict[str, float]:
+    """``{strategy: bytes}`` above the steady formula at the peak of a step on ``stage`` (see the module
+    docstring; ``gloo``: the collectives' copies of the CPU backend)."""
     m, p = cfg.model, cfg.parallel
     unit, whole = _layer_bucket(cfg, stage, dp), stage.embedding
     one = 0  # E_1: the word embedding with the position table, or the output layer's weight
@@ -62,4 +70,5 @@ def transient_bytes(cfg, stage, per_param: Dict[str, float], dp: int, num_micro:
         region = (m.recompute_num_layers or 1) * layer_parameters(m, p.tensor_model_parallel_size, 1, False)[0]
         gathered = max(gathered, region + 2 * unit)
     weights = per_param["weights"] * min(stage.total, gathered + whole)
-    return {"no_shard": 0.0, "optim": 0.0, "optim_grads": grads, "optim_grads_params": grads + weights}
+    copies = per_param["grads"] * stage.total if gloo and dp > 1 else 0.0
+    return {"no_shard": 0.0, "optim": copies, "optim_grads": grads, "optim_grads_params": grads + weights}

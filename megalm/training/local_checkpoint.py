@@ -33,7 +33,13 @@ def build_local_checkpoint(checkpoint_cfg) -> Optional[LocalCheckpoint]:
     group = dist.new_group(backend="gloo")
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     local = LocalCheckpoint(
-        c.non_persistent_local_ckpt_dir, run_id, node_name(), group, c.replication, c.replication_jump
+        c.non_persistent_local_ckpt_dir,
+        run_id,
+        node_name(),
+        group,
+        c.replication,
+        c.replication_jump,
+        background=c.async_save,
     )
     if not c.replication:
         logger.warning(
@@ -47,4 +53,6 @@ def describe_save(local: LocalCheckpoint, iteration: int, outcome: dict) -> str:
     line = f"local checkpoint at iteration {iteration}: {outcome['bytes']} bytes to {local.dir}"
     if local.peer is not None:
         line += f", {outcome['sent']} bytes sent to rank {local.peer} (node {local.nodes[local.peer]!r})"
+    if local.background:
+        return line + f" (serialized in {outcome['seconds']:.3f} s; written and sent in the background)"
     return line + f" in {outcome['seconds']:.3f} s"

@@ -130,6 +130,8 @@ class Trainer(TrainerSetup, TrainerReporting):
         finally:
             if self.data_iterators is not None:
                 self.data_iterators.close()
+            if self.local_checkpoint is not None:
+                self.local_checkpoint.close()  # no copy left running past the run
             if self.replicas is not None:
                 self.replicas.close()
             if self.optimizer is not None:
