@@ -82,6 +82,7 @@ def forward_step(data_iterator, model):
         labels=batch["labels"],
         loss_mask=batch["loss_mask"],
         attention_mask=batch["attention_mask"],
+        packed_seq_params=batch["packed_seq_params"],
     )
     return output, partial(loss_func, batch["loss_mask"], model)
 

@@ -1,33 +1,39 @@
 #!/usr/bin/env python
 """Communication-efficient data parallelism on the simulated cluster (DP 4 = 2 nodes x 2 ranks).
 
-Each configuration is one real training run through ``tools/cluster/run.py`` (network namespaces,
-inter-node links shaped with ``tc``; needs root or CAP_NET_ADMIN) of ``pretrain_gpt.py``, every
-configuration with ``--hierarchical-grad-reduce`` (exact inside a node; the compression, or the
-local-SGD / DiLoCo outer sync, on the inter-node leg only), ``--log-interval 1`` into a metrics file.
+Every cell is one real training run through ``tools/cluster/run.py`` (network namespaces, inter-node
+links shaped with ``tc``; needs root or CAP_NET_ADMIN) of ``pretrain_gpt.py`` with the quickstart's
+model and training flags (4 layers, hidden 256, sequence 128, global batch 16 = 2048 tokens per
+iteration, vocab 8192, ~5.3M parameters; bf16 with fp32 gradients, AdamW, cosine LR, clip 1.0),
+``--log-interval 1`` into a metrics file, validation every ``--eval-interval`` iterations.
 
-* ``--data-dir DIR`` (the quickstart's output: ``stdlib_text_document.{bin,idx}``, ``tokenizer.model``):
-  the quickstart's model and training flags (4 layers, hidden 256, sequence 128, global batch 16,
-  vocab 8192, ~5.3M parameters; bf16 with fp32 gradients, AdamW, cosine LR, warmup 20 iterations or
-  half the run if shorter) on the quickstart corpus,
-  validation every ``--eval-interval`` iterations;
-* without it: the ~1.9M-parameter GPT of ``bench/hierarchical_reduce.py`` on mock data, one validation
-  at the end.
+Cells: method x corpus x inter-node link x seed (``--seed``: weights and data order).
 
-Reported per configuration, against uncompressed DP measured in the same run: tokens/s (all
-iterations after the first, the steps' wall time, evaluations excluded), its ratio to uncompressed,
-the inter-node bytes per step of the busiest node (mean over the steps: local SGD sends once every
-H), the validation loss after the same number of tokens, and after the same training wall time (the
-fastest configuration's; validation losses interpolated linearly in time between two evaluations),
-and the training loss at that time.  ``--json`` keeps every run's curves; ``--svg PREFIX`` writes
-``PREFIX_tokens.svg`` (validation loss vs tokens) and ``PREFIX_time.svg`` (vs training seconds).
+* methods (:data:`METHODS`): ``plain`` is plain DP (one flat all-reduce over the 4 ranks, overlapped
+  with the backward), ``hierarchical`` adds ``--hierarchical-grad-reduce`` (exact intra-node legs, one
+  inter-node all-reduce); every other method is hierarchical with its compression or local-SGD sync
+  on the inter-node leg only;
+* corpora (:data:`CORPORA`): ``quickstart`` (Python's standard library, ``examples/quickstart.sh``'s
+  corpus) and ``system`` (man pages and license texts, ``bench/system_corpus.py``), each with its own
+  8k sentencepiece tokenizer, built under ``--data-root`` on first use;
+* ``--bandwidths`` (tc units, default ``100mbit,1gbit``), ``--seeds`` (default ``1234,1235``).
 
-    python3 bench/comm_efficient_dp.py [--data-dir quickstart_out] [--bandwidth 100mbit] [--iters 64]
+Every finished cell is appended to ``--results`` (JSON Lines: its curves, tokens/s, inter-node bytes,
+the load average before and after it); cells already there are skipped, so a run that stopped resumes
+and a finished one extends (more seeds, methods, iterations).  ``--report FILE ...`` prints, per
+corpus and link, each method's tokens/s against plain and hierarchical DP of the same seed, its final
+validation loss (equal tokens) against plain DP's, the gap's spread over seeds, and the verdict on
+the goal (>= 3x plain DP at 100 Mbit/s within 2% on every corpus and seed, spread below the margin);
+``--plot PREFIX`` draws validation loss against training time (matplotlib), one PNG per link.
+
+    python3 bench/comm_efficient_dp.py --corpora quickstart --bandwidths 100mbit --results q.jsonl
+    python3 bench/comm_efficient_dp.py --report q.jsonl s.jsonl --plot bench/results/comm_efficient_dp
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import subprocess
@@ -37,181 +43,249 @@ import tempfile
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from svg_plot import write_line_chart  # noqa: E402
+from comm_efficient_report import report, verdict  # noqa: E402
 
-COMMON = ["--num-workers", "0", "--log-interval", "1", "--ddp-bucket-size", "500000", "--overlap-grad-reduce",
-          "--hierarchical-grad-reduce"]  # fmt: skip
-MOCK = [
-    "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "64",
-    "--max-position-embeddings", "64", "--mock-data", "--vocab-size", "8192",
-    "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", "--eval-iters", "4",
-]  # fmt: skip
-QUICKSTART = [  # examples/quickstart.sh's model and optimizer (bf16: its choice on CPUs with native bf16)
+TOKENS_PER_ITER = 16 * 128
+MODEL = [  # examples/quickstart.sh's model and optimizer (bf16: its choice on CPUs with native bf16)
     "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128",
     "--max-position-embeddings", "128", "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
     "--micro-batch-size", "4", "--global-batch-size", "16", "--lr", "1e-3", "--min-lr", "1e-4",
     "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--clip-grad", "1.0",
     "--bf16", "--split", "98,1,1", "--tokenizer-type", "SentencePieceTokenizer",
+    "--num-workers", "0", "--log-interval", "1", "--ddp-bucket-size", "500000", "--overlap-grad-reduce",
 ]  # fmt: skip
-CONFIGS = {
-    "none": [],
-    "powersgd": ["--grad-compression", "powersgd", "--powersgd-rank", "4"],
-    "topk": ["--grad-compression", "topk", "--topk-ratio", "0.01"],
-    "int8": ["--grad-compression", "int8"],
-    "local_sgd_h8": ["--local-sgd-interval", "8"],
-    "diloco_h32": ["--local-sgd-interval", "32", "--outer-lr", "0.7", "--outer-momentum", "0.9"],
-    "fp8": ["--grad-compression", "fp8"],
-    "local_sgd_h8_overlap": ["--local-sgd-interval", "8", "--local-sgd-overlap-steps", "4"],
-    "local_sgd_h4_overlap": ["--local-sgd-interval", "4", "--local-sgd-overlap-steps", "4"],
-    "local_sgd_h8_overlap1": ["--local-sgd-interval", "8", "--local-sgd-overlap-steps", "1"],
-    "local_sgd_h8_overlap2": ["--local-sgd-interval", "8", "--local-sgd-overlap-steps", "2"],
-    "diloco_h8_overlap1": ["--local-sgd-interval", "8", "--local-sgd-overlap-steps", "1"]
-    + ["--outer-lr", "0.7", "--outer-momentum", "0.9"],
-}
-LABELS = {
-    "none": "uncompressed DP",
-    "powersgd": "PowerSGD rank 4",
-    "topk": "top-k 1%",
-    "int8": "int8 (nearest)",
-    "local_sgd_h8": "local SGD H=8",
-    "diloco_h32": "DiLoCo H=32",
-    "fp8": "fp8 e4m3 (nearest)",
-    "local_sgd_h8_overlap": "local SGD H=8, overlapped 4 steps",
-    "local_sgd_h4_overlap": "local SGD H=4, overlapped 4 steps",
-    "local_sgd_h8_overlap1": "local SGD H=8, overlapped 1 step",
-    "local_sgd_h8_overlap2": "local SGD H=8, overlapped 2 steps",
-    "diloco_h8_overlap1": "DiLoCo H=8, overlapped 1 step",
+HIER = ["--hierarchical-grad-reduce"]
+METHODS = {  # name: (label, flags)
+    "plain": ("plain DP (flat all-reduce)", []),
+    "hierarchical": ("hierarchical DP (exact)", HIER),
+    "int8": ("int8 inter-node, hierarchical", HIER + ["--grad-compression", "int8"]),
+    "int4": ("int4 inter-node, hierarchical", HIER + ["--grad-compression", "int4"]),
+    "fp8": ("fp8 e4m3 inter-node, hierarchical", HIER + ["--grad-compression", "fp8"]),
+    "powersgd": ("PowerSGD rank 4 inter-node", HIER + ["--grad-compression", "powersgd", "--powersgd-rank", "4"]),
+    "powersgd32": ("PowerSGD rank 32 inter-node", HIER + ["--grad-compression", "powersgd", "--powersgd-rank", "32"]),
+    "topk": ("top-k 1% inter-node", HIER + ["--grad-compression", "topk", "--topk-ratio", "0.01"]),
+    "local_sgd_h8": ("local SGD H=8", HIER + ["--local-sgd-interval", "8"]),
+    "local_sgd_h8_overlap1": ("local SGD H=8, overlapped 1 step", HIER + ["--local-sgd-interval", "8"]
+                              + ["--local-sgd-overlap-steps", "1"]),
+    "local_sgd_h4_overlap1": ("local SGD H=4, overlapped 1 step", HIER + ["--local-sgd-interval", "4"]
+                              + ["--local-sgd-overlap-steps", "1"]),
+    "diloco_h32": ("DiLoCo H=32 (lr 0.7, mom. 0.9)", HIER + ["--local-sgd-interval", "32", "--outer-lr", "0.7"]
+                   + ["--outer-momentum", "0.9"]),
+}  # fmt: skip
+DEFAULT_METHODS = "plain,hierarchical,int8,local_sgd_h8_overlap1,fp8"
+CORPORA = {  # name: (document prefix, the command that builds its JSON-lines text)
+    "quickstart": ("stdlib_text_document", ["examples/build_stdlib_corpus.py", "--max-mb", "20"]),
+    "system": ("system_text_document", ["bench/system_corpus.py", "--max-mb", "10"]),
 }
 
 
-def model_flags(args) -> tuple:
-    """(flags, tokens per iteration, evaluation interval)."""
-    if not args.data_dir:
-        return COMMON + MOCK, 8 * 64, args.iters
-    d = os.path.abspath(args.data_dir)
-    data = ["--data-path", os.path.join(d, "stdlib_text_document")]
-    data += ["--tokenizer-model", os.path.join(d, "tokenizer.model")]
-    data += ["--eval-iters", str(args.eval_iters), "--lr-warmup-iters", str(min(20, args.iters // 2))]
-    return COMMON + QUICKSTART + data, 16 * 128, args.eval_interval
+class BenchInputError(Exception):
+    """A method, corpus or results file the benchmark cannot use."""
 
 
-def run(name: str, extra, args, tmp: str) -> dict:
-    flags, tokens_per_iter, eval_interval = model_flags(args)
-    metrics = os.path.join(tmp, f"{name}.jsonl")
-    cmd = [sys.executable, os.path.join(ROOT, "tools", "cluster", "run.py"), "--nodes", "2", "--procs-per-node", "2",
-           "--name", args.name, "--timeout", str(args.timeout)]  # fmt: skip
-    if args.bandwidth != "unshaped":
-        cmd += ["--inter-node-bandwidth", args.bandwidth]
-    cmd += ["--", os.path.join(ROOT, "pretrain_gpt.py")] + flags + extra
-    cmd += ["--train-iters", str(args.iters), "--eval-interval", str(eval_interval), "--metrics-file", metrics]
-    done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{name}: the cluster run exited {done.returncode}:\n{done.stdout[-3000:]}")
-    rows = [json.loads(line) for line in open(metrics)]
+def env() -> dict:
+    """This checkout's megalm first (tools/ scripts run by path do not see the repository root)."""
+    e = dict(os.environ)
+    e["PYTHONPATH"] = ROOT + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
+    return e
+
+
+def prepare_corpus(name: str, data_root: str) -> str:
+    """The corpus' directory (``<prefix>.bin/.idx``, ``tokenizer.model``), built on first use."""
+    prefix, builder = CORPORA[name]
+    d = os.path.join(os.path.abspath(data_root), name)
+    if os.path.exists(os.path.join(d, prefix + ".idx")) and os.path.exists(os.path.join(d, "tokenizer.model")):
+        return d
+    os.makedirs(d, exist_ok=True)
+    steps = [
+        [builder[0], "--output", "corpus.jsonl", *builder[1:]],
+        ["tools/train_tokenizer.py", "--input", "corpus.jsonl", "--json-keys", "text", "--model-prefix", "tokenizer",
+         "--vocab-size", "8192", "--model-type", "bpe", "--byte-fallback"],
+        ["tools/preprocess_data.py", "--input", "corpus.jsonl", "--json-keys", "text", "--output-prefix",
+         prefix[: -len("_text_document")], "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+         "tokenizer.model", "--append-eod", "--workers", "1", "--no-progress"],
+    ]  # fmt: skip
+    for step in steps:
+        print(f"[{name}] {' '.join(step)}", flush=True)
+        subprocess.run([sys.executable, os.path.join(ROOT, step[0]), *step[1:]], cwd=d, env=env(), check=True)
+    return d
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
+
+
+def cell_key(r: dict) -> tuple:
+    return (r["corpus"], r["bandwidth"], r["seed"], r["method"], r["iters"])
+
+
+def parse_metrics(rows) -> dict:
+    """Curves and rates of one run's metrics rows (``pretrain_gpt.py --metrics-file``)."""
     train = [r for r in rows if r.get("lm_loss") is not None and "split" not in r]
-    later = train[1:] or train
+    if not train:
+        raise BenchInputError("the run logged no training iteration")
+    later = train[1:] or train  # the first iteration pays start-up
     seconds = sum(r["elapsed_ms"] for r in later) / 1e3
     elapsed, curve, at = 0.0, [], {}
     for r in train:
         elapsed += r["elapsed_ms"] / 1e3
         curve.append((elapsed, r["lm_loss"]))
         at[r["iteration"]] = elapsed
-    valid = [
-        (r["iteration"] * tokens_per_iter, at[r["iteration"]], r["loss"])
-        for r in rows
-        if r.get("split") == "validation"
-    ]
+    valid = [(r["iteration"] * TOKENS_PER_ITER, at[r["iteration"]], r["loss"]) for r in rows
+             if r.get("split") == "validation" and r["iteration"] in at]  # fmt: skip
     return {
-        "name": name,
-        "curve": curve,  # (seconds since the start of training, training loss) per iteration
+        "curve": curve,  # (training seconds, training loss) per iteration
         "valid": valid,  # (tokens, training seconds, validation loss) per evaluation
-        "tokens_per_s": len(later) * tokens_per_iter / seconds,
-        "inter_node_MB_per_step": max(sum(r["inter_node_bytes"] for r in later) / len(later) / 1e6, 0.0),
+        "tokens_per_s": len(later) * TOKENS_PER_ITER / seconds,
+        "inter_node_MB_per_step": max(sum(r.get("inter_node_bytes", 0) for r in later) / len(later) / 1e6, 0.0),
         "train_loss": train[-1]["lm_loss"],
         "valid_loss": valid[-1][2] if valid else None,
     }
 
 
-def valid_at(r: dict, t: float):
-    """Validation loss at training time ``t``, linear between the evaluations around it (None before the first)."""
-    points = [(s, loss) for _, s, loss in r["valid"]]
-    if not points or t < points[0][0]:
-        return None
-    for (s0, l0), (s1, l1) in zip(points, points[1:]):
-        if s0 <= t <= s1:
-            return l0 + (l1 - l0) * (t - s0) / (s1 - s0)
-    return points[-1][1]
+def run_cell(corpus: str, data_dir: str, bandwidth: str, seed: int, method: str, args, tmp: str) -> dict:
+    prefix = CORPORA[corpus][0]
+    metrics = os.path.join(tmp, f"{corpus}_{bandwidth}_{seed}_{method}.jsonl")
+    flags = MODEL + METHODS[method][1] + [
+        "--data-path", os.path.join(data_dir, prefix), "--tokenizer-model", os.path.join(data_dir, "tokenizer.model"),
+        "--seed", str(seed), "--train-iters", str(args.iters), "--lr-warmup-iters", str(min(20, args.iters // 2)),
+        "--eval-interval", str(args.eval_interval), "--eval-iters", str(args.eval_iters), "--metrics-file", metrics,
+    ]  # fmt: skip
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "cluster", "run.py"), "--nodes", "2", "--procs-per-node", "2",
+           "--name", args.name, "--timeout", str(args.timeout)]  # fmt: skip
+    if bandwidth != "unshaped":
+        cmd += ["--inter-node-bandwidth", bandwidth]
+    cmd += ["--", os.path.join(ROOT, "pretrain_gpt.py")] + flags
+    load_before = os.getloadavg()
+    started = datetime.datetime.now(datetime.timezone.utc)
+    done = subprocess.run(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{method}: the cluster run exited {done.returncode}:\n{done.stdout[-3000:]}")
+    with open(metrics) as f:
+        result = parse_metrics([json.loads(line) for line in f])
+    return {
+        "corpus": corpus, "bandwidth": bandwidth, "seed": seed, "method": method, "iters": args.iters,
+        "tokens_per_iter": TOKENS_PER_ITER, "started": started.isoformat(timespec="seconds"),
+        "wall_s": (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(),
+        "load_before": list(load_before), "load_after": list(os.getloadavg()), "cpu": cpu_model(),
+        "nproc": os.cpu_count(), **result,
+    }  # fmt: skip
 
 
-def report(results, args) -> None:
-    base = results[0]
-    t_equal = min(r["curve"][-1][0] for r in results)  # the fastest run's training time
-    print(f"2 nodes x 2 ranks, DP 4 (hierarchical), inter-node link {args.bandwidth}, {args.iters} iterations")
-    print(
-        f"{'method':18s} {'tokens/s':>9s} {'x DP':>6s} {'inter-node MB/step':>19s} {'valid loss':>11s} {'vs DP':>7s} "
-        f"{f'valid loss at {t_equal:.0f} s':>20s} {f'train loss at {t_equal:.0f} s':>20s}"
-    )
-    for r in results:
-        rel = "" if r["valid_loss"] is None else f"{100 * (r['valid_loss'] / base['valid_loss'] - 1):+6.1f}%"
-        valid = "" if r["valid_loss"] is None else f"{r['valid_loss']:.4f}"
-        at_time = valid_at(r, t_equal)
-        at_time = "" if at_time is None else f"{at_time:.4f}"
-        train_at_time = [loss for t, loss in r["curve"] if t <= t_equal][-1:] or [float("nan")]
-        print(
-            f"{LABELS[r['name']]:18s} {r['tokens_per_s']:9.0f} {r['tokens_per_s'] / base['tokens_per_s']:6.2f} "
-            f"{r['inter_node_MB_per_step']:19.3f} {valid:>11s} {rel:>7s} {at_time:>20s} {train_at_time[0]:20.4f}"
-        )
+def load_results(paths) -> list:
+    records = []
+    for path in paths:
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise BenchInputError(f"{path}:{n}: not a JSON line ({e}); a run killed mid-write?") from e
+    return records
 
 
-def plot(results, args) -> None:
-    by_tokens = {LABELS[r["name"]]: [(tok / 1000, loss) for tok, _, loss in r["valid"]] for r in results}
-    by_time = {LABELS[r["name"]]: [(s, loss) for _, s, loss in r["valid"]] for r in results}
-    where = f"DP 4 = 2 nodes x 2, {args.bandwidth} between nodes"
-    write_line_chart(f"{args.svg}_tokens.svg", by_tokens, title="Validation loss at equal tokens (any link)",
-                     xlabel="training tokens (thousands)", ylabel="validation loss")  # fmt: skip
-    write_line_chart(f"{args.svg}_time.svg", by_time, title=f"Validation loss over training time ({where})",
-                     xlabel="training seconds (evaluations excluded)", ylabel="validation loss")  # fmt: skip
+def check_names(given: str, known: dict, what: str) -> list:
+    names = [n for n in given.split(",") if n]
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise BenchInputError(f"unknown {what} {', '.join(bad) or '(none given)'}; known: {', '.join(known)}")
+    return names
+
+
+def measure(args) -> None:
+    """Every cell not yet in ``--results``, seeds outermost (the first seed's full table comes first)."""
+    methods = check_names(args.methods, METHODS, "method")
+    corpora = check_names(args.corpora, CORPORA, "corpus")
+    done = {cell_key(r) for r in load_results([args.results])}
+    dirs = {c: prepare_corpus(c, args.data_root) for c in corpora}
+    with tempfile.TemporaryDirectory(prefix="megalm-comp-bench-") as tmp:
+        os.chmod(tmp, 0o777)
+        for seed in [int(s) for s in args.seeds.split(",")]:
+            for bandwidth in args.bandwidths.split(","):
+                for corpus in corpora:
+                    for method in methods:
+                        key = (corpus, bandwidth, seed, method, args.iters)
+                        if key in done:
+                            continue
+                        r = run_cell(corpus, dirs[corpus], bandwidth, seed, method, args, tmp)
+                        with open(args.results, "a") as f:
+                            f.write(json.dumps(r) + "\n")
+                        print(f"{corpus} {bandwidth} seed {seed} {method}: {r['tokens_per_s']:.0f} tokens/s, "
+                              f"valid {r['valid_loss']}, load {r['load_before'][0]:.1f}-{r['load_after'][0]:.1f}",
+                              flush=True)  # fmt: skip
+
+
+def plot(records, prefix: str) -> list:
+    """Validation loss against training seconds, one PNG per link (a panel per corpus, the longest runs);
+    the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for bandwidth in sorted({r["bandwidth"] for r in records}):
+        rows = [r for r in records if r["bandwidth"] == bandwidth]
+        rows = [r for r in rows if r["iters"] == max(x["iters"] for x in rows)]  # the longest runs only
+        corpora = sorted({r["corpus"] for r in rows})
+        fig, axes = plt.subplots(1, len(corpora), figsize=(6.5 * len(corpora), 4.5), squeeze=False)
+        for ax, corpus in zip(axes[0], corpora):
+            for i, method in enumerate(m for m in METHODS if any(r["method"] == m for r in rows)):
+                for j, r in enumerate(r for r in rows if r["corpus"] == corpus and r["method"] == method):
+                    t = [s - r["curve"][0][0] for _, s, _ in r["valid"]]  # from the end of the first iteration
+                    loss = [v for _, _, v in r["valid"]]
+                    ax.plot(t, loss, color=f"C{i}", linestyle="-" if j == 0 else "--", marker=".",
+                            label=f"{METHODS[method][0]}" if j == 0 else None)  # fmt: skip
+            ax.set_title(f"{corpus} corpus, {bandwidth} between nodes (dashed: 2nd seed)")
+            ax.set_xlabel("training seconds after the first iteration (evaluations excluded)")
+            ax.set_ylabel("validation loss")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = f"{prefix}_{bandwidth}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--data-dir", help="the quickstart's output directory (corpus .bin/.idx, tokenizer.model)")
-    p.add_argument("--bandwidth", default="100mbit", help="inter-node link rate (tc units) or 'unshaped'")
-    p.add_argument("--iters", type=int, default=64, help="training iterations per configuration")
-    p.add_argument("--eval-interval", type=int, default=8, help="iterations between validations (--data-dir)")
-    p.add_argument("--eval-iters", type=int, default=5, help="validation batches per evaluation (--data-dir)")
-    p.add_argument("--only", default=",".join(CONFIGS), help="comma-separated configurations ('none' always runs)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per cluster run")
-    p.add_argument("--name", default="mlccomp", help="cluster name (tools/cluster/run.py --name)")
-    p.add_argument("--json", help="write the results here")
-    p.add_argument("--svg", help="write the validation-loss plots to PREFIX_tokens.svg and PREFIX_time.svg")
-    p.add_argument("--report", help="no runs: print the table (and --svg plots) of this earlier --json file")
+    p.add_argument("--results", default="comm_efficient_dp.jsonl", help="JSON Lines of finished cells (appended)")
+    p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated, of: {', '.join(METHODS)}")
+    p.add_argument("--corpora", default="quickstart,system", help=f"comma-separated, of: {', '.join(CORPORA)}")
+    p.add_argument("--data-root", default="comm_bench_data", help="corpora are built (once) under DIR/<corpus>")
+    p.add_argument("--bandwidths", default="100mbit,1gbit", help="inter-node link rates (tc units) or 'unshaped'")
+    p.add_argument("--seeds", default="1234,1235", help="comma-separated --seed values")
+    p.add_argument("--iters", type=int, default=256, help="training iterations per cell")
+    p.add_argument("--eval-interval", type=int, default=32, help="iterations between validations")
+    p.add_argument("--eval-iters", type=int, default=4, help="validation batches per evaluation")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per cluster run")
+    p.add_argument("--name", default="mlccomp", help="cluster name (tools/cluster/run.py --name; one per process)")
+    p.add_argument("--report", nargs="+", metavar="FILE", help="no runs: the table of these --results files")
+    p.add_argument("--plot", metavar="PREFIX", help="with --report: write PREFIX_<link>.png")
     args = p.parse_args(argv)
-    if args.report:
-        with open(args.report) as f:
-            saved = json.load(f)
-        args.bandwidth, args.iters, results = saved["bandwidth"], saved["iters"], saved["results"]
-    else:
-        results = measure(args)
-    report(results, args)
-    if args.svg:
-        plot(results, args)
+    try:
+        if not args.report:
+            measure(args)
+            return 0
+        records = load_results(args.report)
+        print(report(records, METHODS))
+        print(verdict(records, METHODS))
+        if args.plot:
+            print("plots:", ", ".join(plot(records, args.plot)))
+    except BenchInputError as e:
+        print(f"comm_efficient_dp: {e}", file=sys.stderr)
+        return 2
     return 0
-
-
-def measure(args) -> list:
-    """Every configuration's run, in order ('none' first); written to ``--json`` as they finish."""
-    names = ["none"] + [n for n in args.only.split(",") if n != "none"]
-    results = []
-    with tempfile.TemporaryDirectory(prefix="megalm-comp-bench-") as tmp:
-        os.chmod(tmp, 0o777)
-        for n in names:
-            results.append(run(n, CONFIGS[n], args, tmp))
-            print(f"{n}: {results[-1]['tokens_per_s']:.0f} tokens/s, valid {results[-1]['valid_loss']}", flush=True)
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump({"bandwidth": args.bandwidth, "iters": args.iters, "results": results}, f, indent=1)
-    return results
 
 
 if __name__ == "__main__":

@@ -96,6 +96,15 @@ def restart_store(timeout: timedelta = DEFAULT_TIMEOUT) -> tuple:
     return dist.PrefixStore(f"megalm/restart{attempt}", store), rank, world
 
 
+def fault_tolerant_process_group(timeout: timedelta):
+    """torchft's reconfigurable process group for data parallelism across replica groups
+    (:mod:`megalm.resilience.torchft_replicas`): NCCL on CUDA, gloo otherwise.  torchft must be
+    importable (the caller checks)."""
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    return ProcessGroupNCCL(timeout=timeout) if use_cuda() else ProcessGroupGloo(timeout=timeout)
+
+
 class NoFreePort(MegalmError, OSError):
     """No port in :data:`PORT_RANGE` could be bound for a rendezvous."""
 

@@ -475,7 +475,7 @@ def get_checkpoint_io_group():
     (``--async-save``): its collectives never interleave with the training's on other groups.
 
     Created on the first call, which is collective: every rank calls it at the same point (the
-    first asynchronous save)."""
+    Trainer's set-up, which gives it to its :class:`megalm.checkpoint.async_writer.AsyncCheckpointWriter`)."""
     s = _state()
     if "checkpoint_io" not in s.groups:
         members = list(range(s.world))

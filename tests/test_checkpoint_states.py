@@ -75,7 +75,7 @@ def test_a_registered_state_round_trips_and_is_verified(tmp_path):
     (it / "common.json").write_text(json.dumps(common))
     manifest.write_for_one_process(str(it), 3)
     other = Counter()
-    load_checkpoint(str(tmp_path), [model], load_rng=False, states=_states(other))
+    load_checkpoint(str(tmp_path), [model], states=_states(other))
     assert other.n == 0 and other.why == f"it was saved with layout {common['layout']}"
 
     # a registered name with no file under the same layout: "it has none"
@@ -92,6 +92,45 @@ def test_a_registered_state_round_trips_and_is_verified(tmp_path):
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(str(tmp_path), [model], states=_states(Counter()))
     assert str(e.value).startswith(f"cannot read {it / 'counter' / 'rank_00000.pt'}: ") and "\n" not in str(e.value)
+
+
+class Position:
+    """A state kept in common.json only (as the trainer's scheduler and data position)."""
+
+    def __init__(self, samples=0, key="samples"):
+        self.samples, self.key = samples, key
+
+    def state_dict(self):
+        return None
+
+    def load_state_dict(self, state):
+        raise AssertionError("no file was written")
+
+    def common_state_dict(self):
+        return {self.key: self.samples}
+
+    def load_common_state_dict(self, info):
+        self.samples = info.common[self.key]
+
+
+def test_common_json_entries_of_a_state_round_trip_and_may_not_collide(tmp_path):
+    from megalm.models import GPTModel
+
+    model = GPTModel(tiny_cfg(64), process_groups=get_process_groups())
+    states = CheckpointStates()
+    states.register("position", Position(96))
+    save_checkpoint(str(tmp_path), 2, [model], states=states)
+    it = tmp_path / "iter_0000002"
+    assert json.loads((it / "common.json").read_text())["samples"] == 96 and not (it / "position").exists()
+    restored = CheckpointStates()
+    restored.register("position", Position())
+    load_checkpoint(str(tmp_path), [model], states=restored)
+    assert restored.get("position").samples == 96
+    for key in ("iteration", "layout"):  # the checkpointer's own keys are refused, naming the state
+        taken = CheckpointStates()
+        taken.register("position", Position(1, key))
+        with pytest.raises(CheckpointError, match=f"state 'position' writes common.json's '{key}'"):
+            save_checkpoint(str(tmp_path), 3, [model], states=taken)
 
 
 def _code_words(tree):
@@ -121,4 +160,9 @@ def test_the_checkpointer_names_no_feature():
         for word in _code_words(ast.parse(file.read_text())):
             assert not word.startswith(("megalm.distributed", "megalm.optimizer", "megalm.training")), (file, word)
             for feature in ("compression", "local_sgd", "outer", "diloco", "powersgd", "int8"):
-                assert feature not in word.lower(), (file.name, word)
+                assert feature not in word.lower().replace("uint8", "byte"), (file.name, word)  # a dtype
+    # save and load name none of the trainer's states either (scheduler, data position, RNG: registered)
+    for file in (PACKAGE / "save.py", PACKAGE / "load.py"):
+        for word in _code_words(ast.parse(file.read_text())):
+            for state in ("scheduler", "consumed", "rng"):
+                assert state not in word.lower(), (file.name, word)

@@ -282,8 +282,12 @@ def _model():
 
 
 def test_async_save_writes_the_manifest_before_the_tracker(tmp_path):
-    writer = AsyncCheckpointWriter()
-    save_checkpoint(str(tmp_path), 3, [_model()], async_writer=writer)
+    from megalm.checkpoint.rng import RNGState
+    from megalm.checkpoint.stateful import CheckpointStates
+
+    writer, states = AsyncCheckpointWriter(), CheckpointStates()
+    states.register("rng", RNGState())  # as the trainer registers it: a per-rank file in the manifest
+    save_checkpoint(str(tmp_path), 3, [_model()], async_writer=writer, states=states)
     assert writer.wait() == 3
     it = tmp_path / "iter_0000003"
     assert (it / "manifest.json").is_file() and read_tracker(str(tmp_path)) == 3

@@ -435,7 +435,7 @@ def test_adam_state_imports_and_loads_into_megalms_optimizer(tmp_path):
     target = GPTModel(loaded_cfg, fusion_plan=EAGER, process_groups=get_process_groups()).to(torch.bfloat16)
     ddp = DistributedDataParallel(target, loaded_cfg.parallel, process_groups=get_process_groups())
     optimizer = build_optimizer(loaded_cfg, [ddp], report_memory=False, process_groups=get_process_groups())
-    load_checkpoint(str(dst), [ddp], optimizer, load_rng=False)
+    load_checkpoint(str(dst), [ddp], optimizer)
     state = optimizer.sharded_param_state()
     originals = dict(model.named_parameters())
     for name, p in target.named_parameters():

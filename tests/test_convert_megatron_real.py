@@ -87,7 +87,7 @@ def test_distributed_optimizer_state_resumes_as_megatron_core_held_it(layout, tm
     model = GPTModel(cfg, fusion_plan=EAGER, process_groups=get_process_groups())
     ddp = DistributedDataParallel(model, cfg.parallel, process_groups=get_process_groups())
     optimizer = build_optimizer(cfg, [ddp], report_memory=False, process_groups=get_process_groups())
-    load_checkpoint(dst, [ddp], optimizer, load_rng=False)
+    load_checkpoint(dst, [ddp], optimizer)
     state = optimizer.sharded_param_state()
     held = safetensors.load_file(os.path.join(FIXTURES, "adam", "adam_state.safetensors"))
     vocab = cfg.model.vocab_size

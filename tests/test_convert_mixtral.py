@@ -344,7 +344,7 @@ def _save_and_load_on_ranks(jobs, ids):
     import pretrain_gpt
     from megalm import parallel_state
     from megalm.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
-    from megalm.training.training import build_model_chunks
+    from megalm.training.build import build_model_chunks
 
     out = {}
     for name, cfg_dict, root, action in jobs:

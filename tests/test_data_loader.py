@@ -84,8 +84,9 @@ def test_iterators_single_process_resume_workers_and_cyclic_valid(tmp_path):
     cfg = make_cfg(prefix)
     train, valid, test = build_train_valid_test_data_iterators(cfg, tok, 0, 0, groups=ONE)
     batches = [get_batch(train, None, ONE) for _ in range(12)]
-    assert set(batches[0]) == {"tokens", "labels", "loss_mask", "position_ids", "attention_mask"}
+    assert set(batches[0]) == {"tokens", "labels", "loss_mask", "position_ids", "attention_mask", "packed_seq_params"}
     assert batches[0]["attention_mask"] is None  # causal unless --reset-attention-mask
+    assert batches[0]["packed_seq_params"] is None  # unless --qkv-format thd
     assert batches[0]["tokens"].shape == (2, 16) and batches[0]["tokens"].dtype == torch.int64
     assert torch.equal(batches[0]["tokens"][:, 1:], batches[0]["labels"][:, :-1])
     train_ds = build_train_valid_test_datasets(cfg, tok)[0]
@@ -94,7 +95,7 @@ def test_iterators_single_process_resume_workers_and_cyclic_valid(tmp_path):
     resumed, _, _ = build_train_valid_test_data_iterators(make_cfg(prefix, workers=2), tok, 12, 0, groups=ONE)
     for expected in batches[6:]:
         got = get_batch(resumed, None, ONE)
-        assert all(torch.equal(got[k], expected[k]) for k in expected if k != "attention_mask")
+        assert all(torch.equal(got[k], expected[k]) for k in expected if expected[k] is not None)
     # Valid: cyclic; wraps to its start.
     valid_ds = build_train_valid_test_datasets(cfg, tok)[1]
     n_valid = len(valid_ds) // 2
@@ -179,7 +180,7 @@ def test_real_ranks_dp_independent_batches_and_tp_broadcast(tmp_path):
                 else:
                     assert batch["attention_mask"] is None
                 if not info["first"] and not info["last"]:
-                    assert {k for k, v in batch.items() if v is not None} <= {"attention_mask"} and len(batch) == 5
+                    assert {k for k, v in batch.items() if v is not None} <= {"attention_mask"} and len(batch) == 6
                     continue
                 if info["first"]:
                     assert batch["tokens"] == [expected(i)["tokens"].tolist() for i in ids], (name, rank, m)

@@ -32,7 +32,9 @@ EXTERNAL_FLAGS = set(
     # pip download (wheels for the GPU machine)
     " --only-binary --platform --python-version --implementation --no-deps --no-index --target --dest"
     # torchft_lighthouse
-    " --bind --min_replicas".split()
+    " --bind --min_replicas --join_timeout_ms --heartbeat_timeout_ms"
+    # torchrun (one group per local job)
+    " --master-port".split()
 )
 # Megatron-LM flags megalm does not have, named only to describe Megatron-LM's files or behaviour: the block naming
 # one must say "Megatron".

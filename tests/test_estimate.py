@@ -213,6 +213,7 @@ MLA = dict(
     v_head_dim=6,
 )
 
+GPT_OSS = dict(window_size=(16, 0), window_attn_skip_freq=2)
 
 ACTIVATION_CASES = {
     "gpt-fp32": dict(),
@@ -233,6 +234,17 @@ ACTIVATION_CASES = {
     "llama-bf16-keyed-dropout": dict(bf16=True, attention_dropout=0.1, position_keyed_attention_dropout=True, **LLAMA),
     "gpt-fp32-unfused-attention-dropout": dict(attention_backend="unfused", attention_dropout=0.1),
     "llama-bf16-unfused-attention": dict(bf16=True, attention_backend="unfused", **LLAMA),
+    # gpt-oss: windows on every other layer (the blocked core's shorter blocks; SDPA's mask), sinks (SDPA's math path)
+    "llama-gqa-blocked-window-sinks": dict(
+        attention_backend="blocked",
+        seq_length=160,
+        max_position_embeddings=160,
+        softmax_type="learnable",
+        **GPT_OSS,
+        **LLAMA,
+    ),
+    "gpt-fp32-sdpa-window": dict(**GPT_OSS),
+    "llama-gqa-sdpa-window-sinks": dict(softmax_type="learnable", **GPT_OSS, **LLAMA),
     "mla-fp32": dict(**MLA),
     "mla-no-q-lora-fp32": dict(**{**MLA, "q_lora_rank": None}),
     "mla-bf16": dict(bf16=True, **MLA),
@@ -652,3 +664,38 @@ def test_mla_and_mtp_flops_equal_counted(extra):
         model(tokens, labels=tokens).mean().backward()
     predicted = num_floating_point_operations(cfg, 2)
     assert abs(counter.get_total_flops() / predicted - 1) < 5e-3, (counter.get_total_flops(), predicted)
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+@pytest.mark.parametrize("distributed", [False, True], ids=["plain", "distributed"])
+def test_optimizer_offload_bytes_equal_measured(device, distributed, tmp_path):
+    """The planner's device optimizer bytes, host bytes (CPU offload: copies, gradient buffers, moments; NVMe:
+    the two staging slots, an upper bound) and swap-file bytes against the built optimizer's (fraction 1,
+    whole tensors: exact); bf16 Llama with the distributed optimizer or not, one rank."""
+    from megalm.distributed.data_parallel import DistributedDataParallel
+    from megalm.models import GPTModel
+    from megalm.optimizer import build_optimizer
+
+    cfg = copy.deepcopy(make_cfg(bf16=True, **LLAMA))
+    cfg.parallel.use_distributed_optimizer = distributed
+    if device == "cpu":
+        cfg.training.optimizer_cpu_offload = True
+    else:
+        cfg.training.optimizer_offload_device, cfg.training.offload_path = "nvme", str(tmp_path)
+    predicted = plan(cfg, PlannerOptions(world_size=1))["stages"][0]
+    model = DistributedDataParallel(
+        GPTModel(cfg, process_groups=get_process_groups()).to(torch.bfloat16),
+        cfg.parallel,
+        process_groups=get_process_groups(),
+    )
+    optimizer = build_optimizer(cfg, [model], report_memory=False, process_groups=get_process_groups())
+    measured = optimizer.memory_breakdown()
+    key = "optimizer_distributed" if distributed else "optimizer"
+    assert predicted[key] == measured["main_params"] + measured["main_grads"] + measured["optimizer_state"]
+    assert measured["optimizer_state"] == 0  # every moment is off the device
+    if device == "cpu":
+        assert predicted["offload_host"] == measured["host"] and predicted["offload_disk"] == 0
+    else:
+        assert predicted["offload_disk"] == optimizer.offload.disk_bytes
+        assert measured["host"] <= predicted["offload_host"] <= 2 * measured["host"]
+        optimizer.close()

@@ -19,11 +19,13 @@ from megalm.distributed import DistributedDataParallel, comm
 from megalm.distributed.compression import (
     FP8,
     GradCompressor,
+    Int4,
     Int8,
     PowerSGD,
     Segment,
     TopK,
     fp8,
+    int4,
     int8,
     powersgd,
     reshard,
@@ -39,8 +41,9 @@ K, LOCAL = 4, 2
 BATCH, NUM_MICRO, STEPS, BUCKET, LR = 16, 2, 3, 700, 0.1
 SETTINGS = dict(powersgd_rank=2, topk_ratio=0.3, int8_chunk_size=16, grad_fp8_chunk_size=16)
 ZERO = torch.tensor(0.0)
-METHODS = ("topk", "int8", "fp8", "powersgd")
-DISTOPT_CASES = [("int8", False), ("int8", True), ("fp8", False), ("powersgd", False)]  # (method, hierarchical)
+METHODS = ("topk", "int8", "int4", "fp8", "powersgd")
+# (method, hierarchical)
+DISTOPT_CASES = [("int8", False), ("int8", True), ("fp8", False), ("powersgd", False), ("int4", False)]
 ZERO2_CASES = ("fp8", "powersgd")  # ZeRO-2's sharded gradients: the all-to-all, and an all-reduce then the shard
 E4M3 = fp8.FP8Codec("e4m3")
 
@@ -88,7 +91,8 @@ def accumulate(model, step, dp_rank, no_sync):
 
 
 def method_of(name, chunk=16, ratio=1.0, rank=2):
-    methods = {"topk": lambda: TopK(ratio), "int8": lambda: Int8(chunk, False), "fp8": lambda: FP8(chunk, False)}
+    methods = {"topk": lambda: TopK(ratio), "int8": lambda: Int8(chunk, False), "fp8": lambda: FP8(chunk, False),
+               "int4": lambda: Int4(chunk, False)}  # fmt: skip
     return methods.get(name, lambda: PowerSGD(rank))()
 
 
@@ -116,7 +120,10 @@ def exact_checks(group, me):
     e4m3 = (torch.rand(40, generator=torch.Generator().manual_seed(me)) * 800 - 400).to(torch.float8_e4m3fn).float()
     e4m3[5::16] = 448.0 * (1 - 2 * (me % 2))
     e4m3 = e4m3 / 8
-    cases = {"topk": (ints, []), "int8": (dyadic, []), "fp8": (e4m3, [])}
+    nibble = torch.randint(-7, 8, (40,), generator=torch.Generator().manual_seed(me)).float()
+    nibble[3::16] = 7.0 * (1 - 2 * (me % 2))  # one |k| = 7 per chunk of 16: scale 2^-3 exactly
+    nibble = nibble / 8
+    cases = {"topk": (ints, []), "int8": (dyadic, []), "fp8": (e4m3, []), "int4": (nibble, [])}
     for r in (2, 3):
         cases[f"powersgd{r}"] = (low_rank_input(2, me), [Segment(0, 120, (12, 10))])
     for name, (g, mats) in cases.items():
@@ -394,12 +401,14 @@ def test_lossless_cases_equal_the_exact_all_reduce_and_bytes_are_the_ring_count(
         assert torch.equal(e["topk"]["got"], e["topk"]["exact"])  # ratio 1: every entry sent
         assert torch.equal(e["int8"]["got"], e["int8"]["exact"])  # k 2^-3, |k| <= 127: exact in int8
         assert torch.equal(e["fp8"]["got"], e["fp8"]["exact"])  # e4m3 values x 2^-3, one 448 per chunk
+        assert torch.equal(e["int4"]["got"], e["int4"]["exact"])  # k 2^-3, |k| <= 7, one |k| = 7 per chunk
         for name in ("powersgd2", "powersgd3"):  # rank-2 sum, rank >= 2: the exact sum up to rounding
             torch.testing.assert_close(e[name]["got"], e[name]["exact"], rtol=1e-5, atol=1e-5)
         # ring all-gather of a P-byte payload over K ranks: (K-1) P sent; all-reduce of B: 2 (K-1)/K B
         assert e["topk"]["bytes"] == {"grad_topk_all_gather": (K - 1) * 37 * 8}
         assert e["int8"]["bytes"] == {"grad_int8_all_gather": (K - 1) * (40 + 4 * 3)}
         assert e["fp8"]["bytes"] == {"grad_fp8_all_gather": (K - 1) * (40 + 4 * 3)}  # 1 byte per value + scales
+        assert e["int4"]["bytes"] == {"grad_int4_all_gather": (K - 1) * (20 + 4 * 3)}  # 2 values per byte
         # reduce-scatter: the same sum on the shard; all-to-all of blocks of S = 10 values + M = 2 scales
         # (shards [10, 20) and [30, 40) overlap two chunks of 16): (K-1) (S + 4 M) sent, half to the other node
         for name in ("int8_rs", "fp8_rs"):
@@ -447,6 +456,9 @@ def simulate_method(name, a_list, matrices, key, qs):
         codec = int8.INT8 if name == "int8" else E4M3
         enc = [int8.encode(a, 16, ZERO, None, codec) for a in a_list]
         return int8.decode(torch.stack([p for p, _ in enc]), a_list[0].numel(), 16, codec), [s for _, s in enc]
+    if name == "int4":
+        enc = [int4.encode(a, 16, ZERO) for a in a_list]
+        return int4.decode(torch.stack([p for p, _ in enc]), a_list[0].numel(), 16), [s for _, s in enc]
     out, sents = sum(a_list), [a.clone() for a in a_list]
     for i, s in enumerate(matrices):
         r = powersgd.compressed_rank(s, SETTINGS["powersgd_rank"])
@@ -566,6 +578,12 @@ def test_ddp_bytes_are_the_analytic_count(ranks):
         assert hier["grad_reduce_scatter_intra"][1] == exact_leg
         assert hier["grad_all_gather_intra"][1] == exact_leg
         assert set(hier) == {"grad_inter_int8_all_gather", "grad_reduce_scatter_intra", "grad_all_gather_intra"}
+        # int4 on the inter-node leg: ceil(c/2) bytes of nibbles + 4 per chunk of 16 (c = N/2), fewer than int8's
+        hier4 = r["ddp"][("int4", True)]["stats"]
+        per_step4 = sum(int4.payload_bytes(n // LOCAL, SETTINGS["int8_chunk_size"]) for n in sizes)
+        assert per_step4 == sum((n // LOCAL + 1) // 2 + 4 * -(-(n // LOCAL) // 16) for n in sizes) < per_step
+        assert hier4["grad_inter_int4_all_gather"] == (STEPS * len(sizes), STEPS * per_step4)
+        assert hier4["grad_reduce_scatter_intra"][1] == hier4["grad_all_gather_intra"][1] == exact_leg
 
 
 def module_order(buf, flat):
@@ -622,7 +640,8 @@ def test_residuals_resharded_to_one_rank_are_added_to_its_next_gradient():
     assert ddp.compressor.residuals == {}
 
 
-def test_checkpoint_reshards_into_other_buckets_and_resets_without_pending(tmp_path, capsys):
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_checkpoint_reshards_into_other_buckets_and_resets_without_pending(tmp_path, capsys, method):
     """Through save_checkpoint / load_checkpoint in one process: residuals saved with buckets of 700
     elements load into one bucket (another signature: resharded, one INFO line) with the same values
     per parameter; a checkpoint saved without compression leaves them at zero, with the warning."""
@@ -635,11 +654,11 @@ def test_checkpoint_reshards_into_other_buckets_and_resets_without_pending(tmp_p
 
     def registered(model):  # as the trainer registers --grad-compression's state
         states = CheckpointStates()
-        states.register("grad_compression", CompressionCheckpointState([model], pg, layout()))
+        states.register("grad_compression", CompressionCheckpointState([model], pg, layout(pg)))
         return states
 
     pg = ProcessGroups.single()
-    src = DistributedDataParallel(make_model(), config("int8"), process_groups=pg)
+    src = DistributedDataParallel(make_model(), config(method), process_groups=pg)
     gen = torch.Generator().manual_seed(4)
     for b in src.buffers[0].buckets:  # as if resharded from a larger DP size
         src.compressor.residuals[f"dense0.{b.index}"] = torch.randn(b.numel, generator=gen)
@@ -648,9 +667,9 @@ def test_checkpoint_reshards_into_other_buckets_and_resets_without_pending(tmp_p
     plain = DistributedDataParallel(make_model(), config("none"), process_groups=pg)
     save_checkpoint(str(tmp_path / "plain"), 1, [plain])
     for name in ("int8", "plain"):
-        dst = DistributedDataParallel(make_model(), config("int8", ddp_bucket_size=None), process_groups=pg)
+        dst = DistributedDataParallel(make_model(), config(method, ddp_bucket_size=None), process_groups=pg)
         with megalm_logs("stderr"):
-            load_checkpoint(str(tmp_path / name), [dst], load_rng=False, states=registered(dst))
+            load_checkpoint(str(tmp_path / name), [dst], states=registered(dst))
         err = capsys.readouterr().err
         if name == "int8":
             got = reshard.pending_updates([dst])
@@ -681,6 +700,25 @@ def test_matrix_segments_keep_whole_rows():
     # [5, 47): row 0 of the first matrix is cut (rows 1-2 kept); the second keeps rows 0-1 ([35, 47))
     assert matrix_segments(params, 5, 47) == [Segment(5, 25, (2, 10)), Segment(30, 42, (2, 6))]
     assert matrix_segments(params, 12, 19) == []  # less than a row
+
+
+def test_int4_packs_two_values_per_byte_and_rounds_within_half_a_step():
+    codes = torch.randint(1, 16, (37,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    packed = int4.pack(codes)
+    assert packed.numel() == 19 and torch.equal(int4.unpack(packed, 37), codes)
+    assert int(packed[0]) == int(codes[0]) + 16 * int(codes[1])  # element 2i low nibble, 2i + 1 high
+    a = torch.randn(70, generator=torch.Generator().manual_seed(1))
+    payload, sent = int4.encode(a, 16, ZERO)
+    assert payload.numel() == int4.payload_bytes(70, 16) == 35 + 4 * 5
+    scale = torch.cat([a, a.new_zeros(10)]).view(5, 16).abs().amax(dim=1).repeat_interleave(16)[:70] / 7
+    assert ((sent - a).abs() <= scale / 2 + 1e-7).all() and not torch.equal(sent, a)
+    torch.testing.assert_close(int4.decode(torch.stack([payload, payload]), 70, 16), 2 * sent)
+    mean, gen = torch.zeros(70), torch.Generator().manual_seed(2)
+    for _ in range(2000):
+        mean += int4.encode(a, 16, ZERO, gen)[1] / 2000
+    assert ((mean - a).abs() <= 0.1 * scale).all()  # stochastic rounding: unbiased, far inside one step
+    poisoned = int4.encode(a, 16, torch.tensor(float("nan")))[0]
+    assert not torch.isfinite(int4.decode(poisoned[None], 70, 16)).any()  # a non-finite rank poisons the sum
 
 
 def test_int8_stochastic_rounding_is_unbiased_and_nearest_is_bounded():

@@ -14,9 +14,12 @@ import pytest
 from megalm.checkpoint.resume import find_checkpoint
 from megalm.checkpoint.safe_metadata import CheckpointSecurityError, load_metadata
 from megalm.checkpoint.save import save_checkpoint
+from megalm.checkpoint.stateful import CheckpointStates
 from megalm.config import MegalmConfig, set_vocab_size, validate_config
 from megalm.conversion.checkpoint_info import describe, format_description
 from megalm.parallel_state import get_process_groups
+from megalm.training.checkpoint_states import DataPosition
+from megalm.training.step import TrainState
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,10 +37,10 @@ def checkpoint(tmp_path_factory):
     model = GPTModel(cfg, process_groups=get_process_groups())
     optimizer = build_optimizer(cfg, [model], process_groups=get_process_groups())
     root = tmp_path_factory.mktemp("ckpt")
-    for iteration in (5, 10):
-        save_checkpoint(
-            str(root), iteration, [model], optimizer, consumed_train_samples=4 * iteration, config=cfg.to_dict()
-        )
+    for iteration in (5, 10):  # the data position, as the trainer registers it
+        states = CheckpointStates()
+        states.register("data", DataPosition(TrainState(iteration, consumed_train_samples=4 * iteration)))
+        save_checkpoint(str(root), iteration, [model], optimizer, config=cfg.to_dict(), states=states)
     n = sum(p.numel() for p in model.parameters()) - (128 - 100) * 32  # padded vocabulary rows are not saved
     return root, n
 

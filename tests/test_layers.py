@@ -62,20 +62,17 @@ ALLOWED_BREAKS: Dict[Tuple[str, str], str] = {}
 # functions that read a group passed to them (pure layout arithmetic, re-exported there, too).
 PARALLEL_STATE_PURE = {"ProcessGroups", "group_size", "group_rank", "compute_layout", "rank_groups", "node_split"}
 # Modules that may read the process-group state: the entry points that build the bundle, and the
-# launcher's teardown.  Still to move (the checkpointer should take its groups from whoever builds it):
-# the checkpoint package's layout record, its I/O group and a plain module's groups.  Not to move: the
-# collective byte counter reads the layout's ranks per node (a fact of the layout, not a group) to count
-# inter-node bytes, and DDP names it in one error message.
+# launcher's teardown.  Not to move: the collective byte counter reads the layout's ranks per node (a
+# fact of the layout, not a group) to count inter-node bytes, and DDP names it in one error message.
+# The checkpoint package takes its groups (the model's, or groups=) and its I/O group (the async writer's).
 READS_PARALLEL_STATE = {
     "megalm.parallel_state",
-    "megalm.training.training",  # Trainer.setup builds the bundle
+    "megalm.training.training",  # the Trainer's bundle before setup()
+    "megalm.training.trainer_setup",  # Trainer.setup builds the bundle and the async writer's I/O group
     "megalm.training.initialize",  # initializes the layout from the config
     "megalm.launch.spawn",  # destroys a rank's layout after a call
     "megalm.cli.generate",  # a tool: builds the TP x PP layout it was asked for and passes its groups
     "megalm.planner.calibrate",  # a worker entry point under torchrun: builds and destroys its layout
-    "megalm.checkpoint.common_json",  # the layout record (sizes of every group); still to move
-    "megalm.checkpoint.save",  # get_checkpoint_io_group; still to move
-    "megalm.checkpoint.model_state",  # a plain module's groups (a model holds its own); still to move
     "megalm.distributed.comm",  # get_ranks_per_node
     "megalm.distributed.data_parallel",  # get_ranks_per_node, in an error message
 }

@@ -21,7 +21,9 @@ through pretrain_gpt.py on real ranks.
   equal the uninterrupted ZeRO-2 run's bit for bit;
 * --optimizer-cpu-offload (ZeRO-2, fraction 0.5) gives the same losses and parameter norms bit for
   bit (every strategy and precision: tests/test_optimizer_offload.py), with and without
-  --overlap-cpu-optimizer-d2h-h2d;
+  --overlap-cpu-optimizer-d2h-h2d, and so does --optimizer-offload-device nvme (state in swap files, the
+  log's swap bytes per iteration constant, read = written; a resume with it from a ZeRO-2 checkpoint is
+  exact; the swap files are gone after the runs);
 * --cpu-offloading (activations of the first layer to the host and back) gives the same losses, grad
   norms, parameter norms and validation losses bit for bit at DP 2 and at TP 2 x DP 2 (sequence
   parallel, ZeRO-2, overlapped reduction) (the layer-level checks: tests/test_activation_offload.py);
@@ -62,6 +64,8 @@ def runs(tmp_path_factory):
 
     ck = {k: os.path.join(tmp, f"ckpt_{k}") for k in ("z2", "p2", "z3")}
     save_half = ["--exit-interval", "5", "--save-interval", "100"]
+    os.makedirs(os.path.join(tmp, "swap"))
+    nvme = ["--optimizer-offload-device", "nvme", "--offload-path", os.path.join(tmp, "swap")]
     two = [
         run("p2", *SIX, *EVAL),
         run("z2", *SIX, *ZERO2),
@@ -70,6 +74,8 @@ def runs(tmp_path_factory):
         run("resume_z2_off", *TEN, *ZERO2, *OVERLAP, *OFFLOAD_HALF, "--load", ck["z2"]),
         run("z2_off", *SIX, *ZERO2, *OFFLOAD_HALF),
         run("z2_off_overlap", *SIX, *ZERO2, *OFFLOAD_OVERLAP),
+        run("z2_nvme", *SIX, *ZERO2, *nvme, "--optimizer-offload-fraction", "0.5"),
+        run("resume_z2_nvme", *TEN, *ZERO2, *OVERLAP, *nvme, "--load", ck["z2"]),
         run("p2_act_off", *SIX, *EVAL, *ACT_OFFLOAD),
         run("bf_p2", *SIX, *BF16),
         run("bf_z2", *SIX, *BF16, *ZERO2, *OVERLAP),
@@ -105,7 +111,8 @@ def runs(tmp_path_factory):
 
 def test_all_runs_exit_cleanly(runs):
     codes2, codes4 = runs["codes"]
-    assert codes2 == [[0] * 21] * 2, codes2
+    assert codes2 == [[0] * 23] * 2, codes2
+    assert os.listdir(os.path.join(runs["tmp"], "swap")) == []  # the NVMe runs removed their swap files
     assert codes4 == [[0] * 10] * 4, codes4
 
 
@@ -152,7 +159,7 @@ def test_zero3_prefetch_and_bf16_bit_identical(runs, plain, other):
         assert [r[key] for r in got] == [r[key] for r in ref], key
 
 
-@pytest.mark.parametrize("resumed", ["resume_z2_off", "resume_z3"])
+@pytest.mark.parametrize("resumed", ["resume_z2_off", "resume_z3", "resume_z2_nvme"])
 def test_resume_within_strategy_is_exact(runs, resumed):
     # ZeRO-3 computes ZeRO-2's numbers bit for bit (the same gathered weights, the same reduction)
     straight = losses(runs["tmp"], "straight_z2")
@@ -160,11 +167,15 @@ def test_resume_within_strategy_is_exact(runs, resumed):
     assert losses(runs["tmp"], resumed) == straight[5:]
 
 
-@pytest.mark.parametrize("offloaded", ["z2_off", "z2_off_overlap"])
+@pytest.mark.parametrize("offloaded", ["z2_off", "z2_off_overlap", "z2_nvme"])
 def test_optimizer_cpu_offload_changes_nothing(runs, offloaded):
     ref, got = records(runs["tmp"], "z2"), records(runs["tmp"], offloaded)
     assert [r["lm_loss"] for r in got] == [r["lm_loss"] for r in ref]
     assert [r["params_norm"] for r in got] == [r["params_norm"] for r in ref]
+    if offloaded == "z2_nvme":  # the log's swap bytes: 12 B per offloaded element each way, every iteration
+        read = {r["swap_read_bytes"] for r in got}
+        assert len(read) == 1 and read == {r["swap_written_bytes"] for r in got}
+        assert read.pop() % 12 == 0 and "swap_read_bytes" not in ref[0]
 
 
 @pytest.mark.parametrize("plain, offloaded", [("p2", "p2_act_off"), ("tp_z", "tp_z_act_off")])

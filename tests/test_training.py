@@ -163,8 +163,9 @@ def runs(tmp_path_factory):
             {},
         ),
     ]
-    # --reset-attention-mask: document-masked attention, single process here and TP2 x DP2 below.
-    docmask = ["--train-iters", "4", "--global-batch-size", "8", "--reset-attention-mask"]
+    # --reset-attention-mask: document-masked attention, the dense mask in one process here and packed
+    # (--qkv-format thd) under TP2 x DP2 below; positions restart per document in both.
+    docmask = ["--train-iters", "4", "--global-batch-size", "8", "--reset-attention-mask", "--reset-position-ids"]
     single += [(_argv(tmp, "docmask_ref", *docmask, "--micro-batch-size", "8"), {})]
     codes1 = run_distributed(_run_trainings, 1, args=(single,), timeout=300)
     double = [
@@ -260,7 +261,7 @@ def runs(tmp_path_factory):
             {"sigterm_at_call": 5},
         ),
     ]
-    quad += [(_argv(tmp, "docmask_tp2", *docmask, *tp2), {})]
+    quad += [(_argv(tmp, "docmask_thd_tp2", *docmask, "--qkv-format", "thd", *tp2), {})]
     codes4 = run_distributed(_run_trainings, 4, args=(quad,), timeout=300)
     by_name = {_run_name(argv): code for (argv, _), code in zip(single, codes1[0])}
     return {"tmp": tmp, "codes": (codes1, codes2, codes4), "single": by_name, "ckpt": ck, "ckpt_sig": ck_sig}
@@ -297,11 +298,12 @@ def test_tensor_and_data_parallel_equal_single_process(runs):
 
 
 def test_reset_attention_mask_tensor_parallel_equals_single_process(runs):
-    """--reset-attention-mask: TP2 (sequence parallel) x DP2 trains as one process; the mask is active
-    (the first loss, before any update, differs from the causal run on the same samples)."""
+    """--reset-attention-mask: packed documents (--qkv-format thd) under TP2 (sequence parallel) x DP2 train
+    as the dense document mask in one process; the mask is active (the first loss, before any update,
+    differs from the causal run on the same samples)."""
     docmask = _records(runs["tmp"], "docmask_ref")
-    _assert_close(_losses(runs["tmp"], "docmask_tp2"), [r["lm_loss"] for r in docmask])
-    for a, b in zip(docmask, _records(runs["tmp"], "docmask_tp2")):
+    _assert_close(_losses(runs["tmp"], "docmask_thd_tp2"), [r["lm_loss"] for r in docmask])
+    for a, b in zip(docmask, _records(runs["tmp"], "docmask_thd_tp2")):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
     # Same samples and initial weights; layouts agree to ~1e-6 here, the mask moves the loss by ~1e-3.
     assert abs(docmask[0]["lm_loss"] - _losses(runs["tmp"], "ref")[0]) > 2e-4
@@ -534,7 +536,7 @@ def test_weights_only_checkpoint_needs_the_no_load_flags(runs):
     d = os.path.join(tmp, "ckpt_lean", "iter_0000002")
     common = json.load(open(os.path.join(d, "common.json")))
     assert common["scheduler"] is None and common["optimizer_common"] is None and common["rng_saved"] is False
-    assert os.listdir(os.path.join(d, "rng")) == []
+    assert not os.path.exists(os.path.join(d, "rng"))  # --no-save-rng: no RNG file and no (empty) rng/
     from megalm.checkpoint.safe_metadata import load_metadata
 
     keys = load_metadata(d).state_dict_metadata

@@ -215,7 +215,7 @@ def test_te_layers_on_tensor_parallel_ranks_match_local_and_checkpoint_across_la
         _assert_small(errors, minimum_checks=3 * 2 * 20)
     saved = results[0][1]
     local = GPTModel(make_cfg(**CONFIGS["llama"]), process_groups=get_process_groups())  # TP 1, local layers
-    load_checkpoint(str(tmp_path), [local], load_rng=False, finetune=True)
+    load_checkpoint(str(tmp_path), [local], finetune=True)
     loaded = dict(local.named_parameters())
     assert set(loaded) == set(saved)
     assert all(torch.equal(loaded[n], saved[n]) for n in saved)
@@ -259,7 +259,7 @@ def test_checkpoints_are_interchangeable_between_te_and_local_models(te, tmp_pat
 
         target = _perturbed(target_cfg, seed=2)
         target_optimizer = _trained_optimizer(target_cfg, target)
-        load_checkpoint(root, [target], optimizer=target_optimizer, load_rng=False)
+        load_checkpoint(root, [target], optimizer=target_optimizer)
         want = {n: param_spec(p, groups=get_process_groups()).local for n, p in model_parameters([source]).items()}
         got = {n: param_spec(p, groups=get_process_groups()).local for n, p in model_parameters([target]).items()}
         assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)

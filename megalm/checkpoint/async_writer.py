@@ -4,8 +4,8 @@
 short part at once (wait for the previous save, prepare the directory, copy every tensor it
 saves to new CPU memory: the staging that makes the checkpoint the state of *this* iteration
 whatever the next optimizer steps change, write the per-rank RNG files) and hands the rest to
-the writer's thread: the DCP write over a gloo group of its own
-(:func:`megalm.parallel_state.get_checkpoint_io_group`), then, on rank 0, ``common.json``; each
+the writer's thread: the DCP write over a gloo group of its own (the writer's ``group``, built by
+the entry point: :func:`megalm.parallel_state.get_checkpoint_io_group`), then, on rank 0, ``common.json``; each
 rank hashes its files into its manifest (:mod:`megalm.checkpoint.manifest`) and one
 ``all_gather_object`` on that group shares every rank's outcome; then rank 0 writes the
 manifest index and the tracker file.  So the tracker is written last, only once every rank's
@@ -30,9 +30,12 @@ class AsyncSaveError(MegalmError, RuntimeError):
 
 
 class AsyncCheckpointWriter:
-    """Runs one checkpoint write at a time in a background thread."""
+    """Runs one checkpoint write at a time in a background thread; ``group``: the gloo group over every
+    rank its writes communicate over (one of their own, so that they never interleave with training's
+    collectives; None in a single process)."""
 
-    def __init__(self):
+    def __init__(self, group=None):
+        self.group = group
         self._thread: Optional[threading.Thread] = None
         self._iteration: Optional[int] = None
         self._error: Optional[BaseException] = None

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import os
 
-from megalm import parallel_state
 from megalm.checkpoint.errors import CheckpointError
+from megalm.parallel_state import ProcessGroups, group_size
 
 FORMAT_VERSION = 1
 
@@ -24,14 +24,15 @@ def read_common(path: str) -> dict:
     return common
 
 
-def layout() -> dict:
+def layout(groups: ProcessGroups) -> dict:
     """The layout a checkpoint records (per-rank state such as compression residuals is kept only under an
-    equal one); the expert-tensor-parallel size only when > 1, so earlier checkpoints keep comparing equal."""
+    equal one): the sizes of ``groups``' tensor, pipeline, data (without context) and expert parallel
+    groups; the expert-tensor-parallel size only when > 1, so earlier checkpoints keep comparing equal."""
     layout = {
-        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
-        "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
-        "data_parallel_size": parallel_state.get_data_parallel_world_size(),
-        "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size(),
+        "tensor_model_parallel_size": group_size(groups.tp),
+        "pipeline_model_parallel_size": group_size(groups.pp),
+        "data_parallel_size": group_size(groups.dp),
+        "expert_model_parallel_size": group_size(groups.ep),
     }
-    etp = parallel_state.get_expert_tensor_parallel_world_size()
+    etp = group_size(groups.etp)
     return layout if etp == 1 else {**layout, "expert_tensor_parallel_size": etp}

@@ -19,12 +19,11 @@ from megalm.checkpoint.model_state import (
     tied_embedding_copies,
 )
 from megalm.checkpoint.resume import verified_checkpoint
-from megalm.checkpoint.rng import RNGState
 from megalm.checkpoint.safe_metadata import CheckpointMetadataError, load_metadata
 from megalm.checkpoint.stateful import CheckpointStates, LoadInfo, load_rank_states, sharded_load_plans
 from megalm.log import get_logger
+from megalm.parallel_state import ProcessGroups
 from megalm.param_layout import ShardedStateDict, ShardedTensorSpec, param_spec
-from megalm.tensor_parallel.random import RNGStatesTracker
 
 logger = get_logger(__name__)
 
@@ -33,23 +32,23 @@ def load_checkpoint(
     root: str,
     model_chunks,
     optimizer=None,
-    scheduler=None,
     load_optim: bool = True,
-    load_rng: bool = True,
     finetune: bool = False,
     iteration: Optional[int] = None,
     fallback: bool = False,
     states: Optional[CheckpointStates] = None,
-    rng_tracker: Optional[RNGStatesTracker] = None,
+    groups: Optional[ProcessGroups] = None,
 ) -> dict:
     """Collective.  Verifies the checkpoint (:func:`verified_checkpoint`), fills the model (and
-    optimizer/scheduler/RNG/registered ``states``) in place; returns common.json's content.
+    optimizer, registered ``states``) in place; returns common.json's content.
 
     ``finetune`` loads the weights only and reports iteration 0.  ``fallback``
     (``--ckpt-fallback-to-verified``): a corrupt checkpoint is skipped for the newest older one
     that verifies.  ``states`` (:mod:`megalm.checkpoint.stateful`) are restored after the
-    optimizer, from this rank's files and their blocks of the DCP checkpoint (not with ``finetune``).
-    ``rng_tracker``: the model's RNG tracker, given the saved streams with ``load_rng``.
+    optimizer, from ``common.json``, this rank's files and their blocks of the DCP checkpoint (not with
+    ``finetune``; a state to restore later, e.g. the RNG after the data loaders drew from it, is left out
+    here and given to :func:`load_states`).  ``groups``: the run's process groups (default: the model's
+    own, :func:`model_groups`).
     """
     path = verified_checkpoint(root, iteration, fallback)
     common = read_common(path)
@@ -59,9 +58,10 @@ def load_checkpoint(
         raise CheckpointError(str(e)) from e
     saved = tensor_shapes(metadata)
     finish_param_sync(model_chunks)
+    groups = model_groups(model_chunks, groups)
     with_optim = optimizer is not None and load_optim and not finetune
-    specs, main_params_missing = _load_specs(model_chunks, optimizer if with_optim else None, saved)
-    info = LoadInfo(path, common, layout(), saved)
+    specs, main_params_missing = load_targets(model_chunks, optimizer if with_optim else None, saved, groups)
+    info = LoadInfo(path, common, layout(groups), saved)
     states = None if finetune else states
     specs.update(sharded_load_plans(states, info))
     try:
@@ -73,20 +73,16 @@ def load_checkpoint(
         optimizer.load_sharded_state_dict(
             common.get("optimizer_common") or {}, main_params_loaded=not main_params_missing
         )
-        if scheduler is not None and common.get("scheduler") is not None:
-            scheduler.load_state_dict(common["scheduler"])
     elif optimizer is not None:
         optimizer.reload_model_params()
     load_rank_states(info, states)  # collective: one all_gather_object per state
-    if load_rng and not finetune:
-        load_rng_state(path, common, rng_tracker)
     common = dict(common, path=path)
     if finetune:
         common = dict(common, iteration=0, consumed_train_samples=0, consumed_valid_samples=0)
     return common
 
 
-def _load_specs(model_chunks, optimizer, saved: Dict[str, tuple]):
+def load_targets(model_chunks, optimizer, saved: Dict[str, tuple], groups: ProcessGroups):
     """What to read into which tensor, given the names in the checkpoint.
 
     Model weights come from the fp32 main copy when the checkpoint has one and nothing else
@@ -108,7 +104,6 @@ def _load_specs(model_chunks, optimizer, saved: Dict[str, tuple]):
     for key in missing:
         del opt_specs[key]
     specs: ShardedStateDict = {}
-    groups = model_groups(model_chunks)
     for name, p in params.items():
         main_key = f"optimizer.{name}.main_param"
         if main_key in saved and main_key not in opt_specs:
@@ -123,11 +118,7 @@ def _load_specs(model_chunks, optimizer, saved: Dict[str, tuple]):
     return specs, bool(missing)
 
 
-def load_rng_state(path: str, common: dict, rng_tracker: Optional[RNGStatesTracker] = None) -> None:
-    """Collective (one ``all_gather_object``).  Restore this rank's RNG states, ``rng_tracker``'s streams
-    included (skipped, with a message, when the layout changed)."""
-    if not common.get("rng_saved", True):
-        raise CheckpointError(f"{path} was saved with --no-save-rng: load it with --no-load-rng")
-    states = CheckpointStates()
-    states.register("rng", RNGState(rng_tracker))
-    load_rank_states(LoadInfo(path, common, layout(), {}), states, required=True)
+def load_states(path: str, common: dict, groups: ProcessGroups, states: CheckpointStates) -> None:
+    """Restore registered ``states`` from the checkpoint :func:`load_checkpoint` loaded (``path``, its
+    ``common``), later than the rest (collective: one ``all_gather_object`` per state)."""
+    load_rank_states(LoadInfo(path, common, layout(groups), {}), states)

@@ -13,11 +13,12 @@ No communication.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
-from megalm import parallel_state
+from megalm.checkpoint.errors import CheckpointError
 from megalm.parallel_state import ProcessGroups
 from megalm.param_layout import (
     ShardedStateDict,
@@ -41,19 +42,28 @@ def finish_param_sync(model_chunks: Sequence[torch.nn.Module]) -> None:
             gather()
 
 
-def model_groups(model_chunks: Sequence[torch.nn.Module]) -> ProcessGroups:
-    """The process groups the model was built with (a DDP wrapper's or a GPTModel's ``process_groups``);
-    for a plain module that holds none, the layout's (:func:`megalm.parallel_state.get_process_groups`)."""
+def model_groups(model_chunks: Sequence[torch.nn.Module], groups: Optional[ProcessGroups] = None) -> ProcessGroups:
+    """``groups`` when given, else the process groups the model was built with (a DDP wrapper's or a
+    GPTModel's ``process_groups``); a plain module that holds none is this process alone in a single
+    process, and needs ``groups`` passed in a distributed run (nothing is looked up)."""
+    if groups is not None:
+        return groups
     for chunk in model_chunks:
         for module in (chunk, getattr(chunk, "module", None)):
-            groups = getattr(module, "process_groups", None)
-            if isinstance(groups, ProcessGroups):
-                return groups
-    return parallel_state.get_process_groups()
+            held = getattr(module, "process_groups", None)
+            if isinstance(held, ProcessGroups):
+                return held
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise CheckpointError(
+            "the model holds no process groups (no process_groups attribute): pass groups= to the checkpointer"
+        )
+    return ProcessGroups.single()
 
 
-def model_sharded_state(model_chunks: Sequence[torch.nn.Module]) -> ShardedStateDict:
-    groups = model_groups(model_chunks)
+def model_sharded_state(
+    model_chunks: Sequence[torch.nn.Module], groups: Optional[ProcessGroups] = None
+) -> ShardedStateDict:
+    groups = model_groups(model_chunks, groups)
     specs = {f"model.{name}": param_spec(p, groups=groups) for name, p in model_parameters(model_chunks).items()}
     specs.update({f"model.{name}": ShardedTensorSpec.replicated(b) for name, b in model_buffers(model_chunks).items()})
     return specs

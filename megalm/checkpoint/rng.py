@@ -11,6 +11,7 @@ from typing import Dict, Optional
 import numpy as np
 import torch
 
+from megalm.checkpoint.errors import CheckpointError
 from megalm.log import get_logger
 from megalm.tensor_parallel.random import RNGStatesTracker
 
@@ -57,17 +58,27 @@ def set_rng_state(state: Dict[str, object], tracker: Optional[RNGStatesTracker])
 
 class RNGState:
     """The generators of this process and ``tracker`` (the model's, None: no tracker streams) as a
-    checkpoint state (registered as ``"rng"`` by the checkpointer itself: every checkpoint has one per
-    rank unless saved with ``--no-save-rng``)."""
+    checkpoint state: the trainer registers it as ``"rng"`` (``rng/rank_<rank>.pt``), with ``save``
+    False under ``--no-save-rng`` (no file; ``common.json``'s ``rng_saved`` says so, and loading it
+    needs ``--no-load-rng``).  Under the same layout the file is required."""
 
-    def __init__(self, tracker: Optional[RNGStatesTracker] = None):
-        self.tracker = tracker
+    required = True
 
-    def state_dict(self) -> Dict[str, object]:
-        return get_rng_state(self.tracker)
+    def __init__(self, tracker: Optional[RNGStatesTracker] = None, save: bool = True):
+        self.tracker, self.save = tracker, save
+
+    def state_dict(self) -> Optional[Dict[str, object]]:
+        return get_rng_state(self.tracker) if self.save else None
 
     def load_state_dict(self, state: Dict[str, object]) -> None:
         set_rng_state(state, self.tracker)
+
+    def common_state_dict(self) -> Dict[str, object]:
+        return {"rng_saved": self.save}
+
+    def load_common_state_dict(self, info) -> None:
+        if not info.common.get("rng_saved", True):
+            raise CheckpointError(f"{info.path} was saved with --no-save-rng: load it with --no-load-rng")
 
     def not_restored(self, info, reason: str) -> None:
         logger.info(

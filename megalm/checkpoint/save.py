@@ -10,11 +10,9 @@ import time
 from contextlib import contextmanager
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megalm import parallel_state
 from megalm.checkpoint import manifest as checkpoint_manifest
 from megalm.checkpoint.async_writer import AsyncCheckpointWriter
 from megalm.checkpoint.common_json import FORMAT_VERSION, layout
@@ -22,14 +20,17 @@ from megalm.checkpoint.dcp_io import save_sharded
 from megalm.checkpoint.errors import CheckpointError, describe_io_error, gather_errors, save_dir_problem
 from megalm.checkpoint.model_state import (
     finish_param_sync,
+    model_groups,
     model_sharded_state,
     optimizer_sharded_state,
 )
 from megalm.checkpoint.resume import TRACKER_FILENAME, checkpoint_dir, checkpoint_iterations, rank_is_zero, read_tracker
-from megalm.checkpoint.rng import RNGState
-from megalm.checkpoint.stateful import CheckpointStates, rank_file, save_rank_states, sharded_states
+from megalm.checkpoint.stateful import CheckpointStates, common_states, save_rank_states, sharded_states
+from megalm.parallel_state import ProcessGroups
 from megalm.param_layout import ShardedStateDict, ShardedTensorSpec
-from megalm.tensor_parallel.random import RNGStatesTracker
+
+# common.json's keys the checkpointer writes itself (registered states add theirs: common_state_dict)
+COMMON_KEYS = ("format_version", "iteration", "world_size", "layout", "config", "optimizer_common", "extra", "saved_at")
 
 
 def save_checkpoint(
@@ -37,15 +38,11 @@ def save_checkpoint(
     iteration: int,
     model_chunks,
     optimizer=None,
-    scheduler=None,
-    consumed_train_samples: int = 0,
-    consumed_valid_samples: int = 0,
     config: Optional[dict] = None,
     extra: Optional[dict] = None,
     async_writer: Optional[AsyncCheckpointWriter] = None,
-    save_rng: bool = True,
     states: Optional[CheckpointStates] = None,
-    rng_tracker: Optional[RNGStatesTracker] = None,
+    groups: Optional[ProcessGroups] = None,
 ) -> str:
     """Collective over all ranks.  Returns the iteration directory.
 
@@ -55,12 +52,13 @@ def save_checkpoint(
     manifest index and the tracker (a failure on any rank raises :class:`CheckpointError` on
     every rank, the tracker left on the previous checkpoint).  With ``async_writer``
     (``--async-save``) the tensors are staged to CPU now and all but the first barrier run in
-    the background on the checkpoint-io group (see :mod:`megalm.checkpoint.async_writer`).  ``optimizer`` /
-    ``scheduler`` None (``--no-save-optim``) or ``save_rng`` False (``--no-save-rng``) leave their
-    state out; ``common.json`` says so, and loading it then needs ``--no-load-optim`` / ``--no-load-rng``.
-    ``states``: the registered states (:mod:`megalm.checkpoint.stateful`): each rank writes its
-    ``<name>/rank_<rank>.pt`` and their blocks go into the DCP save (collective per state).
-    ``rng_tracker``: the model's RNG tracker, whose streams the RNG file holds (none without one)."""
+    the background on the writer's group (see :mod:`megalm.checkpoint.async_writer`).  ``optimizer``
+    None (``--no-save-optim``) leaves its state out; loading it then needs ``--no-load-optim``.
+    ``states``: the registered states (:mod:`megalm.checkpoint.stateful`; the trainer's: LR scheduler,
+    data position, RNG and its features'): each rank writes its ``<name>/rank_<rank>.pt``, their blocks
+    go into the DCP save (collective per state) and their ``common.json`` entries into it.
+    ``groups``: the run's process groups (default: the model's own, :func:`model_groups`): the layout
+    ``common.json`` records and the blocks of every tensor."""
     if async_writer is not None:
         async_writer.wait()  # one save in flight: the previous one is complete (tracker written) first
     path = checkpoint_dir(root, iteration)
@@ -70,39 +68,35 @@ def save_checkpoint(
         os.makedirs(root, exist_ok=True)
         if os.path.isdir(path):
             shutil.rmtree(path)  # a stale, never-completed save of this iteration
-        os.makedirs(os.path.join(path, "rng"), exist_ok=True)
     _barrier()
     finish_param_sync(model_chunks)
-    specs = model_sharded_state(model_chunks)
+    groups = model_groups(model_chunks, groups)
+    specs = model_sharded_state(model_chunks, groups)
     if optimizer is not None:
         specs.update(optimizer_sharded_state(optimizer, model_chunks))
     specs.update(sharded_states(states))  # collective per state (e.g. a sum over data-parallel ranks)
     with _write_errors(path):
-        if save_rng:
-            torch.save(RNGState(rng_tracker).state_dict(), rank_file(path, "rng", rank))
         save_rank_states(path, states)
+    entries = common_states(states, taken=COMMON_KEYS)  # on every rank: a refusal stops every rank here
     common = None
     if rank == 0:
         common = {
             "format_version": FORMAT_VERSION,
             "iteration": iteration,
-            "consumed_train_samples": consumed_train_samples,
-            "consumed_valid_samples": consumed_valid_samples,
             "world_size": world,
-            "layout": layout(),
+            "layout": layout(groups),
             "config": config,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "optimizer_common": optimizer.common_state_dict() if optimizer is not None else None,
             "extra": extra or {},
-            "rng_saved": save_rng,
             "saved_at": time.time(),
+            **entries,
         }
     if async_writer is None:
         _on_every_rank(lambda: _write_files(specs, path, common, rank), path)
         _on_every_rank(lambda: _finish_save(root, path, iteration, world), path)
         return path
     staged = stage_to_cpu(specs)
-    group = parallel_state.get_checkpoint_io_group() if dist.is_initialized() else None
+    group = async_writer.group
 
     def write_in_background():
         _on_every_rank(lambda: _write_files(staged, path, common, rank, group), path, group)
@@ -113,7 +107,7 @@ def save_checkpoint(
 
 
 def _write_files(specs: ShardedStateDict, path: str, common: Optional[dict], rank: int, group=None) -> None:
-    """This rank's part of a save after the RNG file: DCP data (DCP's collectives over ``group``),
+    """This rank's part of a save after the per-rank state files: DCP data (DCP's collectives over ``group``),
     ``common.json`` (rank 0), then its manifest."""
     save_sharded(specs, path, process_group=group)
     _write_common(path, common)

@@ -1,12 +1,13 @@
 """State that registers itself with the checkpointer.
 
 A component with state of its own (besides the model and the optimizer, which every checkpoint
-holds: gradient-compression residuals, local SGD's replicas and outer state, anything later)
+holds: the LR scheduler, the data position, the RNG, gradient-compression residuals, local SGD's
+replicas and outer state, anything later)
 implements torch.distributed.checkpoint's ``Stateful`` protocol, ``state_dict()`` /
 ``load_state_dict(state)``, and whoever builds it registers it under a name::
 
     states = CheckpointStates()
-    states.register("grad_compression", CompressionCheckpointState(model, layout()))
+    states.register("grad_compression", CompressionCheckpointState(model, groups, layout(groups)))
     save_checkpoint(..., states=states)
     load_checkpoint(..., states=states)
 
@@ -29,6 +30,12 @@ Optional methods, looked up by name:
   so that any layout can read them.
 * ``sharded_load_plan(info: LoadInfo) -> ShardedStateDict`` (load): the blocks to fill from the DCP
   checkpoint; called before ``load_state_dict`` / ``not_restored``, which can then use them.
+* ``common_state_dict() -> dict`` (save): top-level entries of ``common.json`` (rank 0's values: JSON
+  types only; a key the checkpointer or another state writes is refused), for small values every rank
+  shares (the LR scheduler, the consumed samples).
+* ``load_common_state_dict(info: LoadInfo)`` (load, every rank, any layout): restore them from
+  ``info.common``; called before the per-rank file is read.
+* ``required`` (attribute, True): under the same layout a missing file is an error, not ``not_restored``.
 """
 
 from __future__ import annotations
@@ -82,6 +89,10 @@ class CheckpointStates:
     def items(self) -> Iterator[Tuple[str, Stateful]]:
         return iter(self._states.items())
 
+    def get(self, name: str) -> Stateful:
+        """The state registered as ``name``."""
+        return self._states[name]
+
     def __contains__(self, name: str) -> bool:
         return name in self._states
 
@@ -113,6 +124,18 @@ def sharded_states(states: Optional[CheckpointStates]) -> ShardedStateDict:
     return specs
 
 
+def common_states(states: Optional[CheckpointStates], taken) -> dict:
+    """Save: the ``common.json`` entries of every registered state; ``taken``: the checkpointer's own keys."""
+    entries: dict = {}
+    for name, state in states.items() if states is not None else ():
+        hook = getattr(state, "common_state_dict", None)
+        for key, value in (hook() if hook is not None else {}).items():
+            if key in taken or key in entries:
+                raise CheckpointError(f"checkpoint state {name!r} writes common.json's {key!r}, which is taken")
+            entries[key] = value
+    return entries
+
+
 def save_rank_states(path: str, states: Optional[CheckpointStates]) -> None:
     """Save: this rank's file of every registered state that has something to save.  No communication."""
     rank = _rank()
@@ -133,16 +156,22 @@ def sharded_load_plans(states: Optional[CheckpointStates], info: LoadInfo) -> Sh
     return specs
 
 
-def load_rank_states(info: LoadInfo, states: Optional[CheckpointStates], required: bool = False) -> None:
-    """Load: restore every registered state from this rank's file (see the module docstring);
-    ``required``: under the same layout a missing file is an error, not ``not_restored``.
-    Collective: one ``all_gather_object`` per state."""
+def load_rank_states(info: LoadInfo, states: Optional[CheckpointStates]) -> None:
+    """Load: restore every registered state from ``common.json`` and this rank's file (see the module
+    docstring).  Collective: one ``all_gather_object`` per state."""
     rank = _rank()
     for name, state in states.items() if states is not None else ():
         file = rank_file(info.path, name, rank)
         error = None
+        hook = getattr(state, "load_common_state_dict", None)
+        try:  # the same common.json on every rank: any other error is every rank's, raised as it is
+            if hook is not None:
+                hook(info)
+        except CheckpointError as e:  # a state's own refusal (e.g. what common.json says it lacks)
+            error = str(e)
         try:
-            _restore(state, file, info, required)
+            if error is None:
+                _restore(state, file, info, bool(getattr(state, "required", False)))
         except Exception as e:  # noqa: BLE001 - torch.load's UnpicklingError (a refused pickle), OSError, a bad dict...
             error = f"cannot read {file}: {first_line(e)}"
         failed = gather_errors(error)  # a rank that cannot read its file stops every rank

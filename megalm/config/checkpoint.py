@@ -21,11 +21,30 @@ class CheckpointConfig(Section):
         "(cheap frequent restart points); a resume loads it when it is newer than the newest --load checkpoint.",
     )
     non_persistent_ckpt_type: Optional[str] = _f(
-        None, "Where non-persistent checkpoints go: global (a directory on shared storage).", choices=["global"]
+        None,
+        "Where non-persistent checkpoints go: global (a directory on shared storage), or local (each rank's "
+        "shard in its node's --non-persistent-local-ckpt-dir, a tmpfs such as /dev/shm; with --replication "
+        "also on another node); a restart restores the newest of these and the --load checkpoint.",
+        choices=["global", "local"],
     )
     non_persistent_global_ckpt_dir: Optional[str] = _f(
         None, "Directory of the non-persistent checkpoints (default <save>/non_persistent; read as <load>/...)."
     )
+    non_persistent_local_ckpt_dir: Optional[str] = _f(
+        None,
+        "Directory on each node for --non-persistent-ckpt-type local (RAM: /dev/shm/...; it must outlive the "
+        "worker processes, which torchrun restarts); a subdirectory per torchrun --rdzv-id and node.",
+    )
+    replication: bool = _f(
+        False,
+        "With --non-persistent-ckpt-type local: also send each rank's shard to a rank on another node "
+        "(--replication-jump), so that it survives the loss of its node.",
+    )
+    replication_jump: Optional[int] = _f(
+        None,
+        "Rank n's replica goes to rank n + J (mod world); must land on another node (default: the ranks per node).",
+    )
+    replication_factor: int = _f(2, "Copies of each shard with --replication, the rank's own included (only 2).")
     load: Optional[str] = _f(
         None,
         "Directory to load the latest checkpoint from.  With the same directory as "
@@ -61,14 +80,26 @@ class CheckpointConfig(Section):
         check(not self.async_save or self.save is not None, "--async-save needs --save")
         if self.non_persistent_save_interval is not None:
             check(self.non_persistent_save_interval > 0, "--non-persistent-save-interval must be positive")
-            check(
-                self.non_persistent_ckpt_type in (None, "global"),
-                f"--non-persistent-ckpt-type {self.non_persistent_ckpt_type} is not built (global is)",
-            )
-            check(
-                self.save is not None or self.non_persistent_global_ckpt_dir is not None,
-                "--non-persistent-save-interval needs --save or --non-persistent-global-ckpt-dir",
-            )
+            if self.non_persistent_ckpt_type == "local":
+                check(
+                    self.non_persistent_local_ckpt_dir is not None,
+                    "--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir (e.g. /dev/shm/megalm)",
+                )
+            else:
+                check(
+                    self.save is not None or self.non_persistent_global_ckpt_dir is not None,
+                    "--non-persistent-save-interval needs --save or --non-persistent-global-ckpt-dir",
+                )
+        check(
+            self.non_persistent_ckpt_type != "local" or self.non_persistent_save_interval is not None,
+            "--non-persistent-ckpt-type local needs --non-persistent-save-interval K",
+        )
+        check(
+            not self.replication or self.non_persistent_ckpt_type == "local",
+            "--replication needs --non-persistent-ckpt-type local",
+        )
+        check(self.replication_factor == 2, f"--replication-factor {self.replication_factor}: only 2 is built")
+        check(self.replication_jump is None or self.replication_jump > 0, "--replication-jump must be positive")
         check(
             not self.ckpt_fallback_to_verified or (self.load is not None and self.ckpt_step is None),
             "--ckpt-fallback-to-verified needs --load and no --ckpt-step (an explicit step is loaded or refused)",

@@ -13,6 +13,7 @@ from typing import List, Optional, Tuple
 
 from megalm.config.batch_schedule import ScheduleError, parse_step_batch_size_schedule
 from megalm.config.data import missing_tokenizer_flags
+from megalm.config.fault_tolerance import validate_fault_tolerance, validate_ft_batch
 from megalm.config.fields import ConfigError, check
 from megalm.config.fsdp import validate_fsdp_grad_dtypes
 from megalm.config.lr_schedule import validate_lr_schedule_lengths
@@ -40,8 +41,10 @@ def validate_cross(cfg, world_size: Optional[int]) -> None:
     _validate_activation_offloading(m, p)
     _validate_precision(m, p, t)
     _validate_step_schedule(m, t)
+    validate_fault_tolerance(cfg)  # torchft replica groups: before the global batch gets its default
     if world_size is not None:
         _validate_world(p, t, world_size, vpp, m.seq_length)
+        validate_ft_batch(p, t)
     validate_lr_schedule_lengths(t)
     _validate_data(cfg.data, m, p)
     lg = cfg.logging
@@ -410,17 +413,27 @@ def _validate_world(p, t, world_size: int, vpp: Optional[int], seq_length: int) 
 def _validate_data(d, m, p) -> None:
     """The document mask with the attention core, the tokenizer flags (the vocabulary size is a model
     flag); sets the padded vocabulary size when the vocabulary is known."""
+    thd = d.qkv_format == "thd"
+    check(
+        d.reset_attention_mask or not thd,
+        "--qkv-format thd packs the documents of --reset-attention-mask: give --reset-attention-mask with it",
+    )
     if d.reset_attention_mask:
+        mode = "--reset-attention-mask" + (" --qkv-format thd" if thd else "")
         for refused, what in (
-            (p.context_parallel_size > 1, "--context-parallel-size > 1 (the CP cores are causal only)"),
+            (
+                p.context_parallel_size > 1,
+                "--context-parallel-size > 1 (the CP cores are causal only; Megatron's per-document 2 x CP "
+                "split of packed sequences is not built)",
+            ),
             (m.transformer_impl != "local", "--transformer-impl transformer_engine (TE's core is given no mask here)"),
             (
-                m.attention_backend == "flash" or m.use_flash_attn,
-                "--attention-backend flash (flash-attn takes no mask)",
+                not thd and (m.attention_backend == "flash" or m.use_flash_attn),
+                "--attention-backend flash (flash-attn takes no mask; --qkv-format thd runs its varlen kernel)",
             ),
             (m.position_keyed_attention_dropout, "--position-keyed-attention-dropout (its core is causal only)"),
         ):
-            check(not refused, f"--reset-attention-mask is not supported with {what}")
+            check(not refused, f"{mode} is not supported with {what}")
     if d.tokenizer_type is None and (d.vocab_file or d.merge_file):
         d.tokenizer_type = "GPT2BPETokenizer"  # Megatron's pretrain_gpt default for --vocab-file / --merge-file
     if d.tokenizer_type is not None:

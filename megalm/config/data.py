@@ -70,6 +70,14 @@ class DataConfig(Section):
         "Document-masked causal attention: a token attends only to earlier tokens of its own document "
         "(documents end at the tokenizer's end-of-document token), as Megatron's get_ltor_masks_and_position_ids.",
     )
+    qkv_format: str = _f(
+        "sbhd",
+        "With --reset-attention-mask: 'sbhd' builds the dense [b, 1, s, s] document mask; 'thd' packs the "
+        "micro-batch's documents as cumulative sequence lengths (Megatron-core's PackedSeqParams, qkv_format "
+        "'thd'): attention runs per document without a mask (flash-attn's varlen kernel where it runs) and "
+        "RoPE positions restart in every document.",
+        choices=["sbhd", "thd"],
+    )
 
     def validate(self) -> None:
         """Data sources and split (the tokenizer flags and the document mask: cross-section)."""

@@ -1,6 +1,6 @@
-"""``ModelConfig``: the architecture flags (dense and mixture of experts) and the checks that
-need nothing but them (MoE's own checks: :mod:`megalm.config.moe`; checks against the parallel
-layout: :mod:`megalm.config.cross`)."""
+"""``ModelConfig``: the architecture flags (dense and mixture of experts).  The checks that need
+nothing but them: :mod:`megalm.config.model_checks` (MoE's: :mod:`megalm.config.moe`); against the
+parallel layout: :mod:`megalm.config.cross`."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ import argparse
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
-from megalm.config.fields import Section, check
+from megalm.config.fields import Section
 from megalm.config.fields import flag_field as _f
-
-RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "layernorm", "shared_experts", "mla_up_proj")
+from megalm.config.model_checks import validate_model
 
 
 @dataclass
@@ -363,188 +362,6 @@ class ModelConfig(Section):
 
     def validate(self) -> None:
         """Sizes, heads, FFN width (derived), positions, dropout, recompute, attention core, activation
-        offloading, fp8 settings and the MoE flags, each against this section alone."""
-        for name, value in (
-            ("num_layers", self.num_layers),
-            ("hidden_size", self.hidden_size),
-            ("num_attention_heads", self.num_attention_heads),
-            ("seq_length", self.seq_length),
-        ):
-            check(value > 0, f"--{name.replace('_', '-')} must be positive, got {value}")
-        self._validate_heads()
-        self._validate_mla()
-        if self.mtp_num_layers is not None:
-            check(self.mtp_num_layers >= 1, f"--mtp-num-layers must be >= 1, got {self.mtp_num_layers}")
-        if not self.add_position_embedding and self.position_embedding_type == "learned_absolute":
-            self.position_embedding_type = "none"  # Megatron's --no-position-embedding
-        if self.recompute_activations:
-            check(
-                self.recompute_granularity in (None, "selective"),
-                f"--recompute-activations means --recompute-granularity selective, not {self.recompute_granularity}",
-            )
-            self.recompute_granularity = "selective"
-        if self.ffn_hidden_size is None:
-            glu = self.swiglu or self.quick_geglu
-            ffn = int((4 * self.hidden_size * 2 / 3) / 64) * 64 if glu else 4 * self.hidden_size
-            self.ffn_hidden_size = max(ffn, 64 if glu else ffn)
-        check(
-            not (self.openai_gelu and (self.swiglu or self.quick_geglu)),
-            "--openai-gelu selects the GELU of a GELU MLP; with --swiglu the MLP has no GELU: drop one of them",
-        )
-        if self.position_embedding_type == "rope" and not self.multi_latent_attention:
-            rot = int(self.head_dim * self.rotary_percent)
-            check(
-                rot % 2 == 0 and rot > 0,
-                f"rotary dimension {rot} (head dim {self.head_dim} x --rotary-percent "
-                f"{self.rotary_percent}) must be a positive even number",
-            )
-        if self.max_position_embeddings is None:
-            self.max_position_embeddings = self.seq_length
-        if self.position_embedding_type == "learned_absolute":
-            check(
-                self.seq_length <= self.max_position_embeddings,
-                f"--seq-length {self.seq_length} is longer than --max-position-embeddings "
-                f"{self.max_position_embeddings} with learned absolute positions",
-            )
-        for name, value in (("hidden_dropout", self.hidden_dropout), ("attention_dropout", self.attention_dropout)):
-            check(0.0 <= value < 1.0, f"--{name.replace('_', '-')} must be in [0, 1)")
-        self._validate_recompute()
-        self._validate_attention_core()
-        self._validate_activation_offloading()
-        self._validate_fp8()
-        from megalm.config.moe import validate_moe  # the MoE fields' checks, in their own file
-
-        validate_moe(self)
-
-    def _validate_heads(self) -> None:
-        """Attention heads and query groups (their split over tensor-parallel ranks: cross-section)."""
-        if self.kv_channels is None and not self.multi_latent_attention:
-            check(
-                self.hidden_size % self.num_attention_heads == 0,
-                f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
-                f"{self.num_attention_heads}",
-            )
-        if not self.group_query_attention:
-            self.num_query_groups = None
-            return
-        check(
-            self.num_query_groups is not None and self.num_query_groups > 0,
-            "--group-query-attention needs --num-query-groups",
-        )
-        check(
-            self.num_attention_heads % self.num_query_groups == 0,
-            f"--num-attention-heads {self.num_attention_heads} is not divisible by --num-query-groups "
-            f"{self.num_query_groups}",
-        )
-
-    def _validate_mla(self) -> None:
-        """--multi-latent-attention's sizes, and --rope-type's default (yarn under MLA, as Megatron's MLA config)."""
-        if self.rope_type is None:
-            self.rope_type = "yarn" if self.multi_latent_attention else "rope"
-        check(
-            self.rotary_scaling_factor >= 1.0,
-            f"--rotary-scaling-factor must be >= 1, got {self.rotary_scaling_factor}",
-        )
-        if not self.multi_latent_attention:
-            return
-        check(
-            self.position_embedding_type == "rope",
-            f"--multi-latent-attention needs --position-embedding-type rope (got {self.position_embedding_type})",
-        )
-        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
-            value = getattr(self, name)
-            check(value > 0, f"--{name.replace('_', '-')} must be positive with --multi-latent-attention, got {value}")
-        check(
-            self.q_lora_rank is None or self.q_lora_rank > 0,
-            f"--q-lora-rank must be positive (or unset) with --multi-latent-attention, got {self.q_lora_rank}",
-        )
-        check(
-            self.qk_pos_emb_head_dim % 2 == 0,
-            f"--qk-pos-emb-head-dim {self.qk_pos_emb_head_dim} must be even (it carries RoPE)",
-        )
-        check(
-            not self.group_query_attention,
-            "--group-query-attention does not apply to --multi-latent-attention (keys and values come from one "
-            "latent per position, expanded to every head): drop it",
-        )
-
-    def _validate_recompute(self) -> None:
-        if self.recompute_modules is not None:
-            other = [x for x in self.recompute_modules if x not in RECOMPUTE_MODULES]
-            check(
-                not other,
-                f"--recompute-modules {' '.join(other)} is not a recomputable module (choose from "
-                f"{', '.join(RECOMPUTE_MODULES)})",
-            )
-            check(
-                self.recompute_granularity == "selective",
-                "--recompute-modules needs --recompute-granularity selective (or --recompute-activations)",
-            )
-        if self.recompute_granularity == "full":
-            check(
-                self.recompute_method is not None,
-                "--recompute-granularity full needs --recompute-method {uniform,block}",
-            )
-            check(
-                self.recompute_num_layers is not None and self.recompute_num_layers >= 1,
-                "--recompute-granularity full needs --recompute-num-layers >= 1",
-            )
-        elif self.recompute_method is not None:
-            check(False, f"--recompute-method {self.recompute_method} needs --recompute-granularity full")
-
-    def _validate_attention_core(self) -> None:
-        """--use-flash-attn (Megatron's spelling) and the keyed dropout's core."""
-        if self.use_flash_attn:
-            check(
-                self.attention_backend in ("auto", "flash"),
-                f"--use-flash-attn contradicts --attention-backend {self.attention_backend}: give one of them",
-            )
-            self.attention_backend = "flash"
-        check(
-            not self.position_keyed_attention_dropout
-            or (self.attention_backend != "flash" and not self.use_flash_attn and self.transformer_impl == "local"),
-            "--position-keyed-attention-dropout needs megalm's attention core: not with --attention-backend flash / "
-            "--use-flash-attn or --transformer-impl transformer_engine",
-        )
-
-    def _validate_activation_offloading(self) -> None:
-        """--cpu-offloading (activations): the layer count (what it is not built with: cross-section)."""
-        check(
-            not self.cpu_offloading_weights,
-            "--cpu-offloading-weights is not built: --cpu-offloading moves activations only (weights stay on the "
-            "device)",
-        )
-        if not self.cpu_offloading:
-            check(self.cpu_offloading_num_layers == 0, "--cpu-offloading-num-layers needs --cpu-offloading")
-            return
-        n = self.cpu_offloading_num_layers
-        check(
-            1 <= n < self.num_layers,
-            f"--cpu-offloading-num-layers must be in [1, --num-layers - 1] = [1, {self.num_layers - 1}], got {n} "
-            "(as Megatron-LM: the last layer's backward comes first, its activations would come straight back)",
-        )
-        check(
-            self.recompute_granularity is None,
-            "--cpu-offloading with --recompute-granularity is not supported: recomputed layers keep no activations",
-        )
-
-    def _validate_fp8(self) -> None:
-        """``--fp8-*``: Transformer Engine layers and the delayed-scaling settings (GEMM shapes: cross-section)."""
-        if self.fp8_format is None:
-            return
-        check(
-            self.transformer_impl == "transformer_engine",
-            f"--fp8-format {self.fp8_format} needs --transformer-impl transformer_engine "
-            f"(fp8 runs inside Transformer Engine's layers)",
-        )
-        check(
-            self.fp8_margin >= 0 and self.fp8_amax_history_len >= 1,
-            f"--fp8-margin must be >= 0 and --fp8-amax-history-len >= 1, got {self.fp8_margin} and "
-            f"{self.fp8_amax_history_len}",
-        )
-        check(
-            self.recompute_granularity != "full",
-            "--fp8-format with --recompute-granularity full is not supported "
-            "(megalm's recompute does not replay TE's fp8 scaling state); use "
-            "--recompute-granularity selective or no recompute",
-        )
+        offloading, fp8 settings and the MoE flags, each against this section alone
+        (:func:`megalm.config.model_checks.validate_model`)."""
+        validate_model(self)

@@ -89,20 +89,21 @@ class ParallelConfig(Section):
         "not send is added to its next step's gradient): powersgd (rank --powersgd-rank approximation "
         "of every matrix, two all-reduces; vectors and small matrices exact), topk (all-gather of the "
         "--topk-ratio largest-magnitude entries and their indices), int8 (all-gather of 8-bit values "
-        "with one fp32 scale per --int8-chunk-size elements), fp8 (the same with fp8 values, "
+        "with one fp32 scale per --int8-chunk-size elements), int4 (the same with 4-bit values, two per "
+        "byte, --int8-chunk-size and --int8-rounding), fp8 (the same as int8 with fp8 values, "
         "--grad-fp8-format).  Once per step (after gradient accumulation); with --hierarchical-grad-reduce "
         "only the inter-node leg.  With --use-distributed-optimizer each rank keeps its shard of the same "
         "result (int8/fp8: an all-to-all instead of the all-gather); not with the optim_grads / "
         "optim_grads_params strategies.  Checkpoints keep the state; loaded under another layout the "
         "residuals are resharded (each rank gets its share of the pending update).",
-        choices=["none", "powersgd", "topk", "int8", "fp8"],
+        choices=["none", "powersgd", "topk", "int8", "int4", "fp8"],
     )
     powersgd_rank: int = _f(4, "Rank of PowerSGD's low-rank gradient approximation (--grad-compression powersgd).")
     topk_ratio: float = _f(0.01, "Fraction of each bucket's entries sent by --grad-compression topk, in (0, 1].")
-    int8_chunk_size: int = _f(1024, "Elements sharing one fp32 scale under --grad-compression int8.")
+    int8_chunk_size: int = _f(1024, "Elements sharing one fp32 scale under --grad-compression int8 and int4.")
     int8_rounding: str = _f(
         "nearest",
-        "Rounding of --grad-compression int8: nearest, or stochastic (unbiased; a different random "
+        "Rounding of --grad-compression int8 and int4: nearest, or stochastic (unbiased; a different random "
         "stream per rank, saved in checkpoints).",
         choices=["nearest", "stochastic"],
     )
@@ -180,6 +181,32 @@ class ParallelConfig(Section):
         None,
         "--auto-layout's cluster: a megalm-plan preset (h100, a100, cpu-sim, cpu) or cluster TOML file (nodes and "
         "devices per node come from the world and LOCAL_WORLD_SIZE); default: h100 with CUDA, else cpu.",
+    )
+
+    ft_replica_group_id: Optional[int] = _f(
+        None,
+        "torchft fault-tolerant data parallelism across replica groups: this group's id in [0, "
+        "--ft-num-replica-groups); every rank of the group (its own torchrun, TP/PP/DP inside) gives the same id "
+        "(needs the [ft] extra: pip install megalm[ft]; megalm's flag, after torchtitan's "
+        "--fault_tolerance.replica_id).",
+    )
+    ft_num_replica_groups: int = _f(
+        0,
+        "Most replica groups training together under torchft; --global-batch-size is the batch of all of them, and "
+        "every quorum of --ft-min-replicas to this many groups splits it evenly (megalm's flag).",
+    )
+    ft_lighthouse: Optional[str] = _f(
+        None,
+        "Address of the torchft lighthouse (e.g. http://host:29510; started with torchft_lighthouse "
+        "--min_replicas 1); default: the TORCHFT_LIGHTHOUSE environment variable (megalm's flag).",
+    )
+    ft_min_replicas: int = _f(
+        1, "Fewest replica groups that may commit a step under torchft; fewer wait (megalm's flag)."
+    )
+    ft_timeout_seconds: float = _f(
+        60.0,
+        "torchft's timeout for the cross-group collectives, the commit vote and a recovery transfer; a quorum waits "
+        "twice as long (megalm's flag).",
     )
 
     # Derived.

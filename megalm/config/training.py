@@ -169,6 +169,19 @@ class TrainingConfig(Section):
         "the CPU update of the previous one, and updated weights back as each bucket's update ends (LAMB, LARS, "
         "Muon: every bucket's gradients first, for their full-tensor norms and matrices; then bucket by bucket).",
     )
+    optimizer_offload_device: str = _f(
+        "cpu",
+        "Where the offloaded optimizer state lives: cpu (host memory, with --optimizer-cpu-offload) or nvme (files "
+        "under --offload-path: the fp32 main weights and the moments of the offloaded parameters, read and written "
+        "bucket by bucket in a background thread each step; implies --optimizer-cpu-offload; adam, sgd, lion only; "
+        "megalm's flag, after DeepSpeed's offload_optimizer.device).",
+        choices=["cpu", "nvme"],
+    )
+    offload_path: Optional[str] = _f(
+        None,
+        "--optimizer-offload-device nvme: an existing, writable directory on local disk for the swap files (one per "
+        "rank and bucket; removed at exit; DeepSpeed's nvme_path).",
+    )
     clip_grad: float = _f(1.0, "Clip gradients to this global L2 norm (0 disables).")
     log_num_zeros_in_grad: bool = _f(False, "Count zero gradient entries and log them.")
     calculate_per_token_loss: bool = _f(
@@ -242,9 +255,10 @@ class TrainingConfig(Section):
         """Optimizer offload, precision, numerics checks, optimizer hyper-parameters, batch scaling, the
         training length and the learning-rate schedule's flags."""
         check(
-            not self.overlap_cpu_optimizer_d2h_h2d or self.optimizer_cpu_offload,
+            not self.overlap_cpu_optimizer_d2h_h2d or self.offloads_optimizer,
             "--overlap-cpu-optimizer-d2h-h2d needs --optimizer-cpu-offload",
         )
+        self._validate_nvme_offload()
         f = self.optimizer_offload_fraction
         check(0.0 < f <= 1.0, f"--optimizer-offload-fraction must be in (0, 1], got {f}")
         check(not (self.bf16 and self.fp16), "--bf16 and --fp16 are mutually exclusive")
@@ -300,6 +314,28 @@ class TrainingConfig(Section):
             "--spiky-loss-action rollback (reload the last checkpoint and skip the batch) is not built in megalm; "
             "use warn or stop",
         )
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        """The optimizer update of --optimizer-offload-fraction runs on the host (state in RAM or on disk)."""
+        return self.optimizer_cpu_offload or self.optimizer_offload_device == "nvme"
+
+    def _validate_nvme_offload(self) -> None:
+        """--optimizer-offload-device nvme: a usable --offload-path and an element-wise optimizer."""
+        if self.optimizer_offload_device != "nvme":
+            check(self.offload_path is None, "--offload-path needs --optimizer-offload-device nvme")
+            return
+        check(self.offload_path is not None, "--optimizer-offload-device nvme needs --offload-path DIR")
+        check(
+            self.optimizer in ("adam", "sgd", "lion"),
+            f"--optimizer-offload-device nvme swaps the state bucket by bucket, so it takes element-wise optimizers "
+            f"(adam, sgd, lion); --optimizer {self.optimizer} needs every tensor's state at once for its norms or "
+            "matrices: use --optimizer-offload-device cpu",
+        )
+        from megalm.optimizer.swap_files import check_swap_dir
+
+        problem = check_swap_dir(self.offload_path)
+        check(problem is None, problem)
 
     def _validate_optimizer(self) -> None:
         """--optimizer and its hyper-parameters."""

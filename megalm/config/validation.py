@@ -13,7 +13,7 @@ from megalm.config.cross import pad_vocab_size, step_schedule, validate_cross
 from megalm.config.gptoss import validate_gptoss
 from megalm.config.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES, lr_schedule_samples
 from megalm.config.megatron_compat import NO_EFFECT, given_no_effect_flags
-from megalm.config.model import RECOMPUTE_MODULES
+from megalm.config.model_checks import RECOMPUTE_MODULES
 from megalm.config.moe import validate_moe_routing_recipes as _validate_moe_routing_recipes
 from megalm.config.sections import MegalmConfig
 from megalm.log import get_logger

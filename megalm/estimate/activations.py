@@ -24,6 +24,10 @@ attention core (SDPA with       ``--attention-dropout > 0`` on a CPU: SDPA's mat
 attention dropout, CPU)         and k^T copies, the probabilities, dropout mask and dropped probabilities
                                 (``4 b n s^2 / TP`` each), v (an fp32 copy; fp32 MHA: the QKV output's view)
                                 and the context copy (:func:`sdpa_math_bytes`)
+attention core (gpt-oss)        blocked: a windowed layer's block ``[r0, r1)`` keeps ``r1 - max(0, r0 - w)``
+                                keys' probabilities, plus a sink column (:func:`blocked_probability_bytes`);
+                                other plans run SDPA: a window adds its ``[s, s]`` mask, sinks take the math
+                                path (:func:`variant_core_bytes`)
 attention core (unfused)        fp32 softmax output ``4 b n s^2 / TP`` + bool causal mask, the model-dtype
                                 probabilities (dropout: mask and dropped ones) and the context copy
                                 (:func:`unfused_core_bytes`)
@@ -72,6 +76,7 @@ from typing import Dict, Optional
 
 import torch
 
+from megalm.config.gptoss import layer_window, uses_sinks
 from megalm.estimate.parameters import moe_layers
 from megalm.fusions.backends import uses_blocked_attention
 from megalm.models.layer_split import layers_for_stage, virtual_stages
@@ -142,8 +147,9 @@ def mla_bytes(m, sh: Shape) -> Dict[str, int]:
     return out
 
 
-def layer_bytes(m, sh: Shape, is_moe: bool = False) -> Dict[str, int]:
-    """Saved bytes of one transformer layer for one microbatch, by part."""
+def layer_bytes(m, sh: Shape, is_moe: bool = False, layer_number: int = 0) -> Dict[str, int]:
+    """Saved bytes of one transformer layer (0-based global ``layer_number``: its sliding window) for one
+    microbatch, by part."""
     B, S, tp, h = sh.dtype_bytes, sh.tokens, sh.tp, m.hidden_size
     n, d = m.num_attention_heads, m.head_dim
     g = m.num_query_groups if m.group_query_attention else n
@@ -159,6 +165,9 @@ def layer_bytes(m, sh: Shape, is_moe: bool = False) -> Dict[str, int]:
         rot = int(d * m.rotary_percent)
         out["rope"] = B * S * (n + g) * d // tp + (4 * sh.local_seq * rot * B if B < 4 else 0)
     context = B * S * n * d // tp
+    window, sinks = layer_window(m, layer_number), uses_sinks(m)
+    variant = window is not None or sinks
+    blocked = uses_blocked_attention(m, sh.dtype_bytes < 4, sh.device == "cuda")
     if m.multi_latent_attention:
         pass  # mla_bytes above
     elif m.recompute_granularity == "selective":
@@ -167,12 +176,14 @@ def layer_bytes(m, sh: Shape, is_moe: bool = False) -> Dict[str, int]:
         out.update(context_parallel_attention_bytes(m, sh, out))
     elif m.attention_dropout > 0 and m.position_keyed_attention_dropout:
         out.update(tiled_core_bytes(m, sh, out))  # the position-keyed core (blocks.local_attention)
+    elif variant and not blocked:
+        out.update(variant_core_bytes(m, sh, out, window, sinks))
     elif m.attention_backend == "unfused":
         out.update(unfused_core_bytes(m, sh, out))
     elif m.attention_dropout > 0 and sh.device == "cpu":
         out.update(sdpa_math_bytes(m, sh, out))
-    elif uses_blocked_attention(m, sh.dtype_bytes < 4, sh.device == "cuda"):
-        out["attention"] = context + blocked_probability_bytes(m, sh)
+    elif blocked:
+        out["attention"] = context + blocked_probability_bytes(m, sh, window, sinks)
         if g != n:  # k and v are kept expanded to n heads instead of the projections' own
             out["attention"] += 2 * context
             if "rope" in out:  # q is the rotated copy; the QKV output and the rotated k are let go
@@ -282,10 +293,29 @@ def context_parallel_attention_bytes(m, sh: Shape, parts: Dict[str, int]) -> Dic
     return out
 
 
-def blocked_probability_bytes(m, sh: Shape) -> int:
-    """What the blocked attention keeps per layer: query block ``[r0, r1)`` keeps ``[b, n/tp, r1 - r0, r1]``."""
-    rows = sum((end - start) * end for start, end in block_ranges(sh.seq))
+def blocked_probability_bytes(m, sh: Shape, window: Optional[int] = None, sinks: bool = False) -> int:
+    """What the blocked attention keeps per layer: query block ``[r0, r1)`` keeps ``[b, n/tp, r1 - r0, r1 - k0]``,
+    ``k0`` its first visible key (0, or ``r0 - window`` with a sliding window), plus one sink column."""
+    rows = sum((end - start) * (end - max(0, start - (window or start)) + sinks) for start, end in block_ranges(sh.seq))
     return sh.dtype_bytes * sh.micro_batch * (m.num_attention_heads // sh.tp) * rows
+
+
+def variant_core_bytes(m, sh: Shape, parts: Dict[str, int], window: Optional[int], sinks: bool) -> Dict[str, int]:
+    """gpt-oss's SDPA core (:func:`megalm.fusions.attention_variants.variant_attention`, every plan but the blocked
+    one) on a CPU.  A window alone: SDPA's kernel keeps the ``[s, s]`` mask (as the model dtype), its output and
+    fp32 log-sum-exps as without one.  Sinks: a float mask that needs a gradient sends SDPA down its math path, which
+    keeps fp32 copies of the scaled q, of k^T and v with the sink's zero row (expanded to ``n`` heads), and the
+    fp32 probabilities ``[b, n, s, s + 1]``; the QKV output and the rotated q and k are then not kept."""
+    B, S, tp, b, s = sh.dtype_bytes, sh.tokens, sh.tp, sh.micro_batch, sh.seq
+    n, d = m.num_attention_heads // tp, m.head_dim
+    g = (m.num_query_groups if m.group_query_attention else m.num_attention_heads) // tp
+    context = B * S * n * d
+    if not sinks:
+        return {"attention": context + 4 * b * n * s + B * s * s}
+    out = {"attention": 4 * S * n * d + 2 * 4 * b * n * (s + 1) * d + 4 * b * n * s * (s + 1) + context, "qkv": 0}
+    if "rope" in parts:
+        out["rope"] = parts["rope"] - B * S * (n + g) * d
+    return out
 
 
 def mask_bytes(sh: Shape) -> int:
@@ -338,7 +368,7 @@ def logits_transient_bytes(m, sh: Shape) -> int:
 def chunk_bytes(m, sh: Shape, layers, pre_process: bool, post_process: bool) -> Dict[str, int]:
     """``{"kept", "recompute_peak"}`` for one model chunk and one microbatch, with recompute applied."""
     pattern = moe_layers(m)
-    full = [sum(layer_bytes(m, sh, pattern[i]).values()) for i in layers]
+    full = [sum(layer_bytes(m, sh, pattern[i], i).values()) for i in layers]
     hidden_in = sh.dtype_bytes * sh.local_tokens * m.hidden_size
     kept, peak = sum(full), 0
     if m.recompute_granularity == "full" and layers:
@@ -364,9 +394,11 @@ def mtp_bytes(m, sh: Shape) -> int:
     ``hnorm``, ``eh_proj``'s input ``2 B S_r h`` and, as :func:`output_bytes`, the final norm, output layer and loss."""
     if not m.mtp_num_layers:
         return 0
-    layer = sum(layer_bytes(m, sh, moe_layers(m)[-1]).values())
     eh_input = 2 * sh.dtype_bytes * sh.local_tokens * m.hidden_size
-    return m.mtp_num_layers * (layer + 2 * norm_bytes(m, sh) + eh_input + output_bytes(m, sh))
+    per_depth = 2 * norm_bytes(m, sh) + eh_input + output_bytes(m, sh)
+    # depth k's layer is global layer num_layers + k (its window); MoE or dense as the last decoder layer
+    layers = sum(sum(layer_bytes(m, sh, moe_layers(m)[-1], m.num_layers + k).values()) for k in range(m.mtp_num_layers))
+    return layers + m.mtp_num_layers * per_depth
 
 
 def in_flight(pp: int, pp_rank: int, num_microbatches: int, vpp: int = 1) -> float:

@@ -75,11 +75,48 @@ class PlannerOptions:
     )
 
 
-def state_bytes_per_param(precision: str, optimizer: str, sgd_momentum: float, fp32_grads: bool) -> Dict[str, float]:
-    """``{"weights", "grads", "optimizer"}`` bytes per parameter without the distributed optimizer."""
+def moment_bytes(optimizer: str, sgd_momentum: float) -> int:
+    """Optimizer state bytes per parameter beyond the fp32 main weights."""
     # adam, lamb: two moments; lars: the momentum buffer (as sgd); lion: one moment; muon: one moment
     # (the matrices' momentum; its AdamW's second moment for the others: plan() adds muon_adam_parameters x 4).
-    moments = {"adam": 8, "lamb": 8, "lion": 4, "muon": 4}.get(optimizer, 4 if sgd_momentum else 0)
+    return {"adam": 8, "lamb": 8, "lion": 4, "muon": 4}.get(optimizer, 4 if sgd_momentum else 0)
+
+
+def offload_bytes_per_param(t) -> Dict[str, float]:
+    """Optimizer offload (``--optimizer-cpu-offload``, ``--optimizer-offload-device nvme``), per parameter whose
+    state the rank holds: ``fraction`` offloaded (by elements); ``device`` the state bytes that leave the device
+    (the moments of that fraction ``f``); ``host`` what the CPU offload keeps in host memory
+    (``f x (4 copy + 4 gradient + moments)``); ``disk`` what the NVMe offload keeps in its swap files
+    (``f x (4 copy + moments)``, also read and written once per step; its host memory:
+    :func:`nvme_staging_bytes`)."""
+    nvme = t.optimizer_offload_device == "nvme"
+    f = t.optimizer_offload_fraction if (t.optimizer_cpu_offload or nvme) else 0.0
+    moments = moment_bytes(t.optimizer, t.sgd_momentum)
+    return {
+        "fraction": f,
+        "device": f * moments,
+        "host": 0.0 if nvme else f * (8 + moments),
+        "disk": f * (4 + moments) if nvme else 0.0,
+    }
+
+
+def nvme_staging_bytes(t, offloaded_elements: float, largest_tensor: float) -> float:
+    """Host bytes of the NVMe offload's two staging slots (:mod:`megalm.optimizer.nvme_offload`): its buckets of
+    whole tensors cut at ``n / count`` elements (``count`` at least 8, more to keep ~64 MiB a bucket) hold at
+    most that plus one tensor; a slot holds a bucket's copy, moments and gradients."""
+    from megalm.optimizer.cpu_offload import OVERLAP_BUCKETS
+    from megalm.optimizer.nvme_offload import BUCKET_BYTES
+
+    if t.optimizer_offload_device != "nvme" or offloaded_elements <= 0:
+        return 0.0
+    count = max(OVERLAP_BUCKETS, -(-16 * offloaded_elements // BUCKET_BYTES))
+    bucket = min(offloaded_elements, -(-offloaded_elements // count) + largest_tensor)
+    return 2 * bucket * (8 + moment_bytes(t.optimizer, t.sgd_momentum))
+
+
+def state_bytes_per_param(precision: str, optimizer: str, sgd_momentum: float, fp32_grads: bool) -> Dict[str, float]:
+    """``{"weights", "grads", "optimizer"}`` bytes per parameter without the distributed optimizer."""
+    moments = moment_bytes(optimizer, sgd_momentum)
     if precision == "fp32":
         return {"weights": 4, "grads": 4, "optimizer": moments}
     if fp32_grads:
@@ -157,6 +194,8 @@ def plan(cfg, options: PlannerOptions) -> dict:
     per_param = state_bytes_per_param(
         precision, t.optimizer, t.sgd_momentum, p.accumulate_allreduce_grads_in_fp32 or precision == "fp32"
     )
+    offload = offload_bytes_per_param(t)
+    per_param["optimizer"] -= offload["device"]  # the offloaded moments are on the host or on disk
     gbs = t.global_batch_size or t.micro_batch_size * dp
     num_micro = gbs // (t.micro_batch_size * dp)
     shape = Shape(
@@ -180,7 +219,17 @@ def plan(cfg, options: PlannerOptions) -> dict:
         adam_dense, adam_expert = muon_adam_parameters(st) if t.optimizer == "muon" else (0, 0)
         optim_plain += 4 * (adam_dense + adam_expert)
         optim_dist += 4 * (adam_dense / dense_shards + adam_expert / edp)
-        extra = {"weights": 0, "grads": 0, "optimizer": 4}
+        f = offload["fraction"]
+        extra = {"weights": 0, "grads": 0, "optimizer": 4 * (1 - f)}  # Muon's AdamW second moment, if not offloaded
+        # the parameters whose optimizer state this rank holds (a fraction f of it offloaded)
+        sharded = p.use_distributed_optimizer or p.data_parallel_sharding_strategy != "no_shard"
+        owned = st.dense / dense_shards + st.expert / edp if sharded else st.total
+        largest = max(m.padded_vocab_size, 2 * (m.ffn_hidden_size or 4 * m.hidden_size)) * m.hidden_size
+        offload_stage = {
+            "offload_host": owned * offload["host"]
+            + nvme_staging_bytes(t, owned * f, largest / p.tensor_model_parallel_size),
+            "offload_disk": owned * offload["disk"],
+        }
         act = stage_activation_bytes(cfg, st.pp_rank, shape, num_micro)
         rest = act["activations"] + act["transient"] + options.reserve_gb * GB
         # ZeRO-2/3: buckets alive in a step.  Every strategy shards dense state over the dp x cp ranks.
@@ -211,6 +260,7 @@ def plan(cfg, options: PlannerOptions) -> dict:
                 "total": weights + grads + optim_plain + rest,
                 "total_distributed": weights + grads + optim_dist + rest,
                 **by_strategy,
+                **offload_stage,
             }
         )
     from megalm.flops import num_floating_point_operations

@@ -94,6 +94,12 @@ def flash_attn_function():
     return _import("flash_attn", "flash_attn_func") if use_cuda() else None
 
 
+@functools.lru_cache(maxsize=None)
+def flash_attn_varlen_function():
+    """``flash_attn.flash_attn_varlen_func`` on CUDA (packed sequences, ``--qkv-format thd``), else None."""
+    return _import("flash_attn", "flash_attn_varlen_func") if use_cuda() else None
+
+
 def compile_available() -> bool:
     """False when torch's dynamo is switched off (``TORCHDYNAMO_DISABLE=1``)."""
     return os.environ.get("TORCHDYNAMO_DISABLE", "0") != "1"

@@ -353,7 +353,7 @@ def load_model_parallel(
         fusion_plan=EAGER,
         process_groups=groups,
     ).to(get_device())
-    load_checkpoint(root, [model], optimizer=None, load_rng=False, finetune=True, iteration=reader.iteration)
+    load_checkpoint(root, [model], optimizer=None, finetune=True, iteration=reader.iteration)
     return model.to(dtype).eval(), cfg, reader
 
 

@@ -61,6 +61,7 @@ from megalm.tensor_parallel.param_info import set_param_info
 from megalm.tensor_parallel.random import RNGStatesTracker
 from megalm.transformer.moe.state import MoEState
 from megalm.transformer.mtp import MultiTokenPrediction
+from megalm.transformer.packed_seq import PackedSeqParams, PackedSequenceError, positions_in_segments
 from megalm.transformer.rope import rotary_embedding
 from megalm.transformer.transformer_block import TransformerBlock
 from megalm.transformer.utils import init_std, sequence_parallel_enabled
@@ -257,6 +258,7 @@ class GPTModel(nn.Module):
         inference_cache=None,
         loss_mask: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> torch.Tensor:
         """Per-token fp32 loss ``[b, s]`` (last stage, labels given), vocab-parallel logits
         ``[b, s, V/tp]`` (last stage, no labels), else hidden states ``[s(/tp), b, h]``.
@@ -272,7 +274,17 @@ class GPTModel(nn.Module):
         ``attention_mask`` (``--reset-attention-mask``, from :func:`megalm.training.get_batch`): boolean
         ``[b, 1, s, s]``, True where a token may attend (causal within its document); every stage of
         the pipeline takes it.  None: causal attention.
+
+        ``packed_seq_params`` (``--qkv-format thd``, Megatron-core's argument): the same documents as
+        cumulative sequence lengths over the ``b s`` packed tokens (:mod:`megalm.transformer.packed_seq`);
+        attention runs per document without a mask and RoPE positions restart in every document (on
+        every stage, whatever ``position_ids`` says; those still feed learned absolute position
+        embeddings).  Not with ``attention_mask``.
         """
+        if packed_seq_params is not None:
+            if attention_mask is not None:
+                raise PackedSequenceError("give attention_mask or packed_seq_params, not both")
+            attention_mask = packed_seq_params  # the layers take the documents in either form
         if inference_cache is not None and position_ids is None:
             s = tokens.shape[1] if tokens is not None else self.decoder.input_tensor.shape[0]
             position_ids = torch.arange(
@@ -284,7 +296,8 @@ class GPTModel(nn.Module):
             hidden = self.decoder.input_tensor
             if hidden is None:
                 raise RuntimeError("GPTModel without pre_process needs set_input_tensor() before forward")
-        rotary_cos, rotary_sin = self._rotary_tables(hidden, position_ids)
+        rotary_positions = position_ids if packed_seq_params is None else positions_in_segments(packed_seq_params)
+        rotary_cos, rotary_sin = self._rotary_tables(hidden, rotary_positions)
         if inference_cache is None:
             hidden = self.decoder(hidden, rotary_cos, rotary_sin, attention_mask=attention_mask)
         else:

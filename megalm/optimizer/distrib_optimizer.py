@@ -96,7 +96,8 @@ class DistributedOptimizer(MegatronOptimizer):
         groups: from :func:`megalm.optimizer.get_param_groups` (model parameters, global names).
         make_optimizer: builds the torch optimizer from param-group dicts over main params.
         model_chunks: the DDP-wrapped chunks whose buffers define the shards.
-        clip_grad, grad_scaler, log_num_zeros_in_grad, offload_fraction, offload_overlap: as :class:`MegatronOptimizer`
+        clip_grad, grad_scaler, log_num_zeros_in_grad, offload_fraction, offload_overlap, offload_path: as
+            :class:`MegatronOptimizer`
             (offloading picks among this rank's shard ranges).
         process_groups: as :class:`MegatronOptimizer`; the norm and the overflow flag are reduced
             over all its ranks (data x model parallel).  The shards follow the DDP buffers'
@@ -117,6 +118,7 @@ class DistributedOptimizer(MegatronOptimizer):
         process_groups: ProcessGroups,
         offload_fraction: float = 0.0,
         offload_overlap: bool = False,
+        offload_path: Optional[str] = None,
     ):
         self.model_chunks = _data_parallel_chunks(model_chunks)  # read by _make_main_params
         super().__init__(
@@ -128,6 +130,7 @@ class DistributedOptimizer(MegatronOptimizer):
             process_groups=process_groups,
             offload_fraction=offload_fraction,
             offload_overlap=offload_overlap,
+            offload_path=offload_path,
         )
         self.data_parallel_size = max(
             (b.data_parallel_world_size for c in self.model_chunks for b in c.buffers), default=1

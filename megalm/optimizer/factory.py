@@ -198,13 +198,15 @@ def build_optimizer(
     groups = get_param_groups(named, t.weight_decay, t.decoupled_lr, decoupled_min_lr)
     if t.optimizer == "muon":
         groups = muon_param_groups(groups)
+    offloads = t.optimizer_cpu_offload or t.optimizer_offload_device == "nvme"  # nvme implies the host update
     common = dict(
         clip_grad=t.clip_grad,
         grad_scaler=build_grad_scaler(t),
         log_num_zeros_in_grad=log_num_zeros_in_grad,
         process_groups=process_groups,
-        offload_fraction=t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0,
+        offload_fraction=t.optimizer_offload_fraction if offloads else 0.0,
         offload_overlap=t.overlap_cpu_optimizer_d2h_h2d,
+        offload_path=t.offload_path if t.optimizer_offload_device == "nvme" else None,
     )
     sharded = cfg.parallel.data_parallel_sharding_strategy != "no_shard"
     if cfg.parallel.use_distributed_optimizer or sharded:

@@ -55,12 +55,15 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from megalm.distributed.finalize_model_grads import grad_of
 from megalm.errors import MegalmError
 from megalm.optimizer.clip_grads import clip_grads_by_total_norm, grad_norm_and_zeros, unscale_and_check_for_inf
 from megalm.optimizer.cpu_offload import CpuOffload
 from megalm.optimizer.grad_scaler import GradScaler
+from megalm.optimizer.nvme_offload import NvmeOffload
+from megalm.optimizer.state_init import init_param_state
 from megalm.optimizer.tensor_norms import build_tensor_norms
 from megalm.parallel_state import ProcessGroups, group_size
 from megalm.param_layout import ShardedStateDict, ShardedTensorSpec, param_range_specs, param_spec
@@ -129,6 +132,8 @@ class MegatronOptimizer:
             (:mod:`megalm.optimizer.cpu_offload`, ``--optimizer-cpu-offload``).
         offload_overlap: pipeline the offloaded update's copies bucket by bucket
             (``--overlap-cpu-optimizer-d2h-h2d``).
+        offload_path: a directory: the offloaded parameters' host copies and optimizer state live in swap
+            files there (:mod:`megalm.optimizer.nvme_offload`, ``--optimizer-offload-device nvme``).
     """
 
     def __init__(
@@ -142,6 +147,7 @@ class MegatronOptimizer:
         process_groups: ProcessGroups,
         offload_fraction: float = 0.0,
         offload_overlap: bool = False,
+        offload_path: Optional[str] = None,
     ):
         self.process_groups = process_groups
         self.model_params: List[torch.nn.Parameter] = [p for g in groups for p in g["params"]]
@@ -151,13 +157,20 @@ class MegatronOptimizer:
             raise OptimizerError(f"parameter names must be unique across model chunks, duplicated: {dup[:5]}")
         main_groups = self._make_main_params(groups)
         self.main_params: List[torch.nn.Parameter] = [m for mains in main_groups for m in mains]
-        self.offload = CpuOffload(self.main_params, offload_fraction, offload_overlap) if offload_fraction > 0 else None
+        self.offload = None
+        if offload_fraction > 0 and offload_path is not None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            self.offload = NvmeOffload(self.main_params, offload_fraction, offload_path, rank)
+        elif offload_fraction > 0:
+            self.offload = CpuOffload(self.main_params, offload_fraction, offload_overlap)
         torch_groups = [
             {k: v for k, v in g.items() if k not in ("params", "names")}
             | {"params": [self._torch_param(m) for m in mains]}
             for g, mains in zip(groups, main_groups)
         ]
         self.optimizer = make_optimizer(torch_groups)
+        if isinstance(self.offload, NvmeOffload):
+            self.offload.attach(self.optimizer)  # creates the swap files (errors before training starts)
         self._attach_layout([bool(g.get("muon")) for g in groups for _ in g["params"]])
         self.clip_grad = float(clip_grad)
         self.grad_scaler = grad_scaler
@@ -248,6 +261,22 @@ class MegatronOptimizer:
         if self.offload is not None:
             self.offload.refresh()
 
+    def _materialize_offload(self) -> None:
+        """Swapped-out state into host memory, for a checkpoint (:meth:`NvmeOffload.materialize`)."""
+        if isinstance(self.offload, NvmeOffload):
+            self.offload.materialize()
+
+    def close(self) -> None:
+        """Release what outlives a step: the NVMe offload's I/O thread and swap files (idempotent)."""
+        if isinstance(self.offload, NvmeOffload):
+            self.offload.close()
+
+    def offload_io_bytes(self) -> Tuple[int, int]:
+        """Bytes read from and written to the NVMe offload's swap files so far (0, 0 without)."""
+        if isinstance(self.offload, NvmeOffload) and self.offload.files is not None:
+            return self.offload.files.bytes_read, self.offload.files.bytes_written
+        return 0, 0
+
     # --- public API --------------------------------------------------------------------------
     @property
     def param_groups(self) -> List[dict]:
@@ -304,6 +333,7 @@ class MegatronOptimizer:
     # --- checkpointing -------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Optimizer state keyed by global parameter name (see the module docstring)."""
+        self._materialize_offload()
         inner = self.optimizer.state_dict()
         state = {self.names[i]: s for i, s in inner["state"].items()}
         groups = [
@@ -370,19 +400,8 @@ class MegatronOptimizer:
         """Create the optimizer state (zero moments, step 0) if no step was taken yet, so that a
         checkpoint can be loaded into it in place.  The next step behaves exactly as the lazy init."""
         for group in self.optimizer.param_groups:
-            fused = bool(group.get("fused"))
             for p in group["params"]:
-                state = self.optimizer.state[p]
-                if state:
-                    continue
-                if isinstance(self.optimizer, torch.optim.AdamW):
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu")
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                elif isinstance(self.optimizer, torch.optim.SGD) and group.get("momentum", 0) != 0:
-                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                elif hasattr(self.optimizer, "init_param_state"):  # megalm's LAMB, LARS, Lion, Muon
-                    self.optimizer.init_param_state(p, group)
+                init_param_state(self.optimizer, group, p)
 
     def _param_states(self) -> List[ParamState]:
         """This rank's state tensors, one :class:`ParamState` per parameter (whole local tensors)."""
@@ -403,6 +422,7 @@ class MegatronOptimizer:
         ``step`` (0-dim) is saved replicated as one element; ``main_param`` only where the fp32 main
         weights are a copy (half-precision models).  No communication.
         """
+        self._materialize_offload()
         self.init_state()
         specs: ShardedStateDict = {}
         for piece in self._param_states():
@@ -455,6 +475,7 @@ class MegatronOptimizer:
     def sharded_param_state(self) -> Dict[str, Dict[str, torch.Tensor]]:
         """``{global name: {state key: live tensor}}`` (whole local tensors): moments, ``step``
         (0-dim) and, for mixed precision, ``main_param`` (fp32)."""
+        self._materialize_offload()
         self.init_state()
         return {piece.name: piece.tensors for piece in self._param_states()}
 

@@ -223,6 +223,7 @@ def _tiny_forward_step(data_iterator, model):
         labels=batch["labels"],
         loss_mask=batch["loss_mask"],
         attention_mask=batch["attention_mask"],
+        packed_seq_params=batch["packed_seq_params"],
     )
 
     def loss(output):

@@ -106,6 +106,7 @@ def train_step(
     timers=NULL_TIMERS,
     outer_sync=None,
     rebalancer=None,
+    replicas=None,
 ) -> StepResult:
     """One iteration on this rank (collective over every rank); advances ``state`` and the
     learning-rate ``scheduler``.  ``microbatches``: the run's
@@ -115,7 +116,10 @@ def train_step(
     replicas' parameters after the optimizer step of every H-th iteration), or None;
     ``rebalancer``: the :class:`megalm.training.rebalance.StragglerRebalancer` of
     ``--straggler-rebalance-interval`` (this rank runs its replica's share of the micro-batches,
-    timed), or None."""
+    timed), or None; ``replicas``: the :class:`megalm.resilience.torchft_replicas.ReplicaGroups` of
+    ``--ft-replica-group-id`` (this group's share of the micro-batches; gradients and losses averaged
+    over the replica groups; the step is committed only if they all vote so, else
+    :class:`~megalm.resilience.torchft_replicas.StepNotCommitted` is raised before anything changed), or None."""
     from megalm.distributed.finalize_model_grads import finalize_model_grads
     from megalm.transformer.moe import begin_training_step as begin_moe_step
 
@@ -123,6 +127,8 @@ def train_step(
     gbs, m = microbatches.current_global_batch_size, microbatches.num_microbatches
     if rebalancer is not None:  # this replica's share (per-token loss: the gradient is the same)
         m = rebalancer.local_microbatches
+    if replicas is not None:  # this group's share of the global batch under the current quorum
+        m = replicas.local_microbatches
     scheduler.set_global_batch_size(gbs)  # --lr-batch-scaling: this iteration's lr follows its batch
     per_token = cfg.training.calculate_per_token_loss
     for chunk in model:
@@ -157,6 +163,11 @@ def train_step(
     loss_flags = launch_loss_flags(reported, _local_nonfinite_grads(model)) if check_loss else None
     if per_token:
         scale_gradients_by_token_count(model, global_token_count(reported.num_tokens, groups))
+    losses = None
+    if replicas is not None:  # across replica groups, then their vote (raises when not committed)
+        replicas.reduce_gradients(model)
+        losses = replicas.average_losses(reduce_reported(reported, per_token, groups))
+        replicas.commit()
     with timers("optimizer"):
         update_successful, grad_norm, num_zeros = optimizer.step(timers)
     if update_successful:
@@ -171,7 +182,7 @@ def train_step(
     state.skipped_iterations += 0 if update_successful else 1
     state.nan_iterations += 1 if nan else 0
     return StepResult(
-        losses=reduce_reported(reported, per_token, groups),
+        losses=losses if losses is not None else reduce_reported(reported, per_token, groups),
         grad_norm=grad_norm,
         num_zeros=num_zeros,
         loss_scale=loss_scale,

@@ -142,7 +142,8 @@ class ActivationOffload:
         """The layers' forward, offloading the first ``num_layers`` (training with grad only); the tables and
         the mask every layer gets stay on the device (alive here for the whole forward: their addresses
         cannot be reused by another tensor meanwhile)."""
-        shared = {t.untyped_storage().data_ptr() for t in (rotary_cos, rotary_sin, attention_mask) if t is not None}
+        every = (rotary_cos, rotary_sin, attention_mask)  # the mask: a tensor, or packed-sequence parameters
+        shared = {t.untyped_storage().data_ptr() for t in every if torch.is_tensor(t)}
         below = None
         for index, layer in enumerate(layers):
             if index < self.num_layers:

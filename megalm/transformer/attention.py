@@ -39,6 +39,11 @@ SDPA, blocked and unfused cores; flash-attn takes no mask, so a flash-attn plan 
 (an explicit ``--attention-backend flash``, TE layers, context parallelism and position-keyed dropout
 are refused with it).
 
+``attention_mask`` may instead be a :class:`~megalm.transformer.packed_seq.PackedSeqParams` (``--qkv-format
+thd``): the same documents as cumulative sequence lengths, attended one segment at a time without an
+``s x s`` mask (:mod:`megalm.transformer.varlen_attention`; flash-attn's varlen kernel on a flash-attn
+plan, windows included).  TE layers, context parallelism and position-keyed dropout are refused with it.
+
 gpt-oss (:mod:`megalm.config.gptoss`): a layer's sliding window (``--window-size`` /
 ``--window-attn-skip-freq``) and softmax sinks (``--softmax-type``; learnable ones are
 ``core_attention.softmax_offset``, split over TP with the heads) run in the blocked core per block, in
@@ -50,6 +55,7 @@ dropout are refused by the configuration checks.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import torch
@@ -77,7 +83,9 @@ from megalm.tensor_parallel.random import RNGStatesTracker, checkpoint, dropout_
 from megalm.tensor_parallel.utils import divide, set_tensor_model_parallel_attributes
 from megalm.transformer.blocked_attention import blocked_causal_attention
 from megalm.transformer.norm import build_norm
+from megalm.transformer.packed_seq import PackedSeqParams
 from megalm.transformer.utils import init_std, output_init_std
+from megalm.transformer.varlen_attention import varlen_attention
 
 
 class SoftmaxOffset(nn.Module):
@@ -245,6 +253,8 @@ class SelfAttention(nn.Module):
                 q, k, v, self.cp_group, self.cp_comm_type, self._causal_core, variant=variant
             )
             return out.reshape(s, b, -1)
+        if isinstance(attention_mask, PackedSeqParams):
+            return self._packed_core(q, k, v, attention_mask, p).reshape(s, b, -1)
         with dropout_rng(self.rng_tracker, p, model_parallel_rng=True):
             if self.backend == "flash-attn" and attention_mask is None and not self.variant:  # [b, s, n, d]; GQA
                 out = backends.flash_attn_function()(
@@ -254,6 +264,20 @@ class SelfAttention(nn.Module):
                 heads_first = (t.permute(1, 2, 0, 3) for t in (q, k, v))
                 out = self._core_on_heads(*heads_first, p, attention_mask).permute(2, 0, 1, 3)
         return out.reshape(s, b, -1)
+
+    def _packed_core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: PackedSeqParams, p: float
+    ) -> torch.Tensor:
+        """Attention within each packed segment (THD) on ``[s, b, n, d]`` tensors -> ``[s, b, n, d]``: flash-attn's
+        varlen kernel on a flash-attn plan without sinks, else this plan's causal core per segment
+        (:func:`~megalm.transformer.varlen_attention.varlen_attention`)."""
+        flash = None
+        if self.backend == "flash-attn" and self.softmax_type == "vanilla":
+            flash = backends.flash_attn_varlen_function()
+        # Segment lengths change every batch: the unfused core's softmax runs eagerly (a compiled graph per length).
+        core = partial(self._core_on_heads, p=p, causal_softmax=scaled_causal_softmax.eager)
+        with dropout_rng(self.rng_tracker, p, model_parallel_rng=True):
+            return varlen_attention(q, k, v, params, core, flash, self.window, p)
 
     def _keyed_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
         """Attention with position-keyed dropout on ``[s, b, n, d]`` tensors -> ``[s, b, n, d]``: the CP
@@ -277,10 +301,17 @@ class SelfAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
     def _core_on_heads(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, mask: Optional[torch.Tensor] = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        p: float,
+        mask: Optional[torch.Tensor] = None,
+        causal_softmax=None,
     ) -> torch.Tensor:
         """SDPA, blocked or unfused core: ``[b, n, s, d]`` -> ``[b, heads_r, s, d]``; causal, or ``mask``
-        (boolean ``[b, 1, s, s]``, True where allowed) instead.  A flash-attn plan given a mask runs SDPA."""
+        (boolean ``[b, 1, s, s]``, True where allowed) instead.  A flash-attn plan given a mask runs SDPA.
+        ``causal_softmax``: the unfused core's causal softmax (default: the plan's, compiled or eager)."""
         gqa = self.groups_per_rank != self.heads_per_rank
         if self.variant and self.backend != "blocked":  # window / sinks: SDPA with their mask
             return variant_attention(q, k, v, self.window, self.sinks(q), mask, p)
@@ -293,7 +324,7 @@ class SelfAttention(nn.Module):
             return blocked_causal_attention(q, k, v, mask, self.window, self.sinks(q))
         scores = torch.matmul(q, k.transpose(-2, -1))
         if mask is None:
-            probs = self.masked_softmax(scores, self.head_dim**-0.5)
+            probs = (causal_softmax or self.masked_softmax)(scores, self.head_dim**-0.5)
         else:
             probs = masked_scaled_softmax(scores, mask, self.head_dim**-0.5)
         return torch.matmul(F.dropout(probs, p) if p > 0.0 else probs, v)

@@ -5,7 +5,7 @@
 then reduces through :meth:`GradCompressor.all_reduce` instead of the exact all-reduce (with
 ``--hierarchical-grad-reduce`` only the inter-node leg), or with the distributed optimizer through
 :meth:`GradCompressor.reduce_scatter` (int8: an all-to-all; the others: the all-reduce, then the
-shard).  Methods: :mod:`.powersgd`, :mod:`.topk`, :mod:`.int8`, :mod:`.fp8`; error feedback and the
+shard).  Methods: :mod:`.powersgd`, :mod:`.topk`, :mod:`.int8`, :mod:`.int4`, :mod:`.fp8`; error feedback and the
 stage chain: :mod:`.error_feedback`; carrying it across a change of layout: :mod:`.reshard`.
 """
 
@@ -15,12 +15,13 @@ from typing import Optional
 
 from megalm.distributed.compression.error_feedback import CompressionJob, GradCompressor
 from megalm.distributed.compression.fp8 import FP8
+from megalm.distributed.compression.int4 import Int4
 from megalm.distributed.compression.int8 import Int8
 from megalm.distributed.compression.powersgd import PowerSGD
 from megalm.distributed.compression.segments import Segment, matrix_segments
 from megalm.distributed.compression.topk import TopK
 
-METHODS = ("none", "powersgd", "topk", "int8", "fp8")
+METHODS = ("none", "powersgd", "topk", "int8", "int4", "fp8")
 
 
 def build_compressor(parallel_cfg, device=None, rank: int = 0) -> Optional[GradCompressor]:
@@ -33,9 +34,10 @@ def build_compressor(parallel_cfg, device=None, rank: int = 0) -> Optional[GradC
         method, settings = PowerSGD(parallel_cfg.powersgd_rank), f"rank {parallel_cfg.powersgd_rank}"
     elif name == "topk":
         method, settings = TopK(parallel_cfg.topk_ratio), f"ratio {parallel_cfg.topk_ratio}"
-    elif name == "int8":
+    elif name in ("int8", "int4"):
         stochastic = parallel_cfg.int8_rounding == "stochastic"
-        method = Int8(parallel_cfg.int8_chunk_size, stochastic, seed=1_000_003 + rank, device=device)
+        cls = Int8 if name == "int8" else Int4
+        method = cls(parallel_cfg.int8_chunk_size, stochastic, seed=1_000_003 + rank, device=device)
         settings = f"chunk {parallel_cfg.int8_chunk_size}, {parallel_cfg.int8_rounding} rounding"
     else:
         chunk, rounding, fmt = (parallel_cfg.grad_fp8_chunk_size, parallel_cfg.grad_fp8_rounding,
@@ -49,6 +51,7 @@ __all__ = [
     "CompressionJob",
     "FP8",
     "GradCompressor",
+    "Int4",
     "Int8",
     "METHODS",
     "PowerSGD",

@@ -1,0 +1,436 @@
+"""Local, replicated checkpoints in RAM: ``--non-persistent-ckpt-type local`` (Megatron-LM's flags).
+
+Every ``--non-persistent-save-interval K`` iterations each rank serializes its own shard (the same
+blocks a disk checkpoint writes: model, optimizer, the registered states' blocks and files, the
+scheduler, the RNG, the consumed samples) into one byte string and
+
+* writes it to ``<--non-persistent-local-ckpt-dir>/<run id>/<node>/`` (use a tmpfs: ``/dev/shm``),
+* with ``--replication``, sends it (one gloo send/recv over the network) to rank
+  ``(rank + J) mod world`` (``--replication-jump J``, default the ranks per node: the same local
+  rank on the next node), which writes it to *its* node's directory.
+
+Why files in the node's ``/dev/shm`` and not the trainer's memory: torchrun restarts *every*
+worker of every node after a failure, so a copy kept in a worker process dies with the restart.
+A tmpfs file lives in the node's RAM until the node goes down (or the file is removed), outside
+any process.  After a node is lost, its ranks' shards survive in their peers' ``/dev/shm`` on
+other nodes; the survivors' own shards are in their own ``/dev/shm``.
+
+Restore (:meth:`LocalCheckpoint.restore`, collective at start-up, before the disk load): every
+rank lists its node's directory, one ``all_gather_object`` shares the lists, and the newest
+iteration that every rank's shard has somewhere (under the same world size) is taken when it is
+at least the newest disk checkpoint's.  A rank whose shard is on its node reads it there; otherwise
+the rank holding it sends it (gloo point-to-point).  The shard must have been saved under this
+run's layout and configuration (else every rank falls back to the disk checkpoint, with a warning
+naming why): a different world size (an elastic resize) is a disk (resharding) load.
+
+The byte string is ``torch.save`` of tensors and plain values, read back with
+``torch.load(weights_only=True)``: nothing in it runs code.  The ``<run id>`` is torchrun's
+``--rdzv-id`` (``TORCHELASTIC_RUN_ID``): another job's copies are never read.
+
+Communication: :meth:`LocalCheckpoint.save`: the registered states' ``sharded_state_dict`` hooks (as
+a disk save), one batched send/recv pair and one barrier over ``group``; :meth:`restore`: one
+``all_gather_object``, point-to-point sends of the shards not on their rank's node, and one
+``all_gather_object`` of the outcome.  ``group`` is a gloo group over the world (CPU tensors).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megalm.checkpoint.common_json import FORMAT_VERSION, layout
+from megalm.checkpoint.errors import CheckpointError, first_line, gather_errors
+from megalm.checkpoint.load import load_targets
+from megalm.checkpoint.model_state import finish_param_sync, model_groups, model_sharded_state, optimizer_sharded_state
+from megalm.checkpoint.rng import get_rng_state
+from megalm.checkpoint.stateful import CheckpointStates, LoadInfo, sharded_load_plans, sharded_states
+from megalm.log import get_logger
+from megalm.param_layout import ShardedStateDict, ShardedTensorSpec
+from megalm.tensor_parallel.random import RNGStatesTracker
+
+logger = get_logger(__name__)
+
+_NAME = re.compile(r"rank(\d{5})_of(\d{5})_iter(\d{7})\.pt")
+
+
+def shard_file_name(owner: int, world: int, iteration: int) -> str:
+    return f"rank{owner:05d}_of{world:05d}_iter{iteration:07d}.pt"
+
+
+@dataclass(frozen=True)
+class Held:
+    """A shard file in a node's directory: whose, under which world size, which iteration, how big."""
+
+    owner: int
+    world: int
+    iteration: int
+    nbytes: int
+
+
+def list_held(directory: str) -> List[Held]:
+    """The complete shard files in ``directory`` (a file being written has a temporary name)."""
+    held = []
+    for name in os.listdir(directory) if os.path.isdir(directory) else ():
+        m = _NAME.fullmatch(name)
+        if m:
+            size = os.path.getsize(os.path.join(directory, name))
+            held.append(Held(int(m.group(1)), int(m.group(2)), int(m.group(3)), size))
+    return held
+
+
+def choose_restore(
+    holdings: List[Tuple[str, List[Held]]], world: int, newer_than: Optional[int]
+) -> Optional[Tuple[int, Dict[int, Tuple[int, int]]]]:
+    """Given every rank's ``(node, shards on its node)``: the newest iteration ``>= newer_than`` whose
+    shard every owner ``0..world-1`` has somewhere, and for each owner ``(holder rank, bytes)``: the
+    owner itself when the shard is on its node, else the lowest rank holding it.  None if none."""
+    where: Dict[Tuple[int, int], List[Tuple[int, int]]] = {}
+    for rank, (_, held) in enumerate(holdings):
+        for h in held:
+            if h.world == world and h.owner < world:
+                where.setdefault((h.owner, h.iteration), []).append((rank, h.nbytes))
+    iterations = {it for _, it in where}
+    complete = [it for it in iterations if all((o, it) in where for o in range(world))]
+    complete = [it for it in complete if newer_than is None or it >= newer_than]
+    if not complete:
+        return None
+    it = max(complete)
+    plan = {}
+    for owner in range(world):
+        holders = dict(where[(owner, it)])
+        plan[owner] = (owner, holders[owner]) if owner in holders else min(holders.items())
+    return it, plan
+
+
+def fill_blocks(targets: ShardedStateDict, saved: Dict[str, list]) -> None:
+    """Copy into every target block the overlapping parts of the saved blocks of the same tensor
+    (``saved[key]``: ``{"offsets", "data"}`` dicts).  A target not covered completely raises
+    :class:`CheckpointError` (the shard was saved under another layout)."""
+    for key, value in targets.items():
+        for spec in value if isinstance(value, list) else [value]:
+            covered = 0
+            for block in saved.get(key, ()):
+                if tuple(block["global_shape"]) != tuple(spec.global_shape):
+                    raise CheckpointError(
+                        f"local checkpoint's {key} has shape {tuple(block['global_shape'])}, the model's "
+                        f"{tuple(spec.global_shape)}"
+                    )
+                covered += _copy_overlap(spec, block["offsets"], block["data"])
+            if covered != spec.local.numel():
+                raise CheckpointError(f"local checkpoint holds {covered} of the {spec.local.numel()} values of {key}")
+
+
+def _copy_overlap(spec: ShardedTensorSpec, offsets, data: torch.Tensor) -> int:
+    dst, src = spec.local, data
+    for dim, (t_off, s_off) in enumerate(zip(spec.offsets, offsets)):
+        lo = max(t_off, s_off)
+        hi = min(t_off + spec.local.shape[dim], s_off + data.shape[dim])
+        if hi <= lo:
+            return 0
+        dst, src = dst.narrow(dim, lo - t_off, hi - lo), src.narrow(dim, lo - s_off, hi - lo)
+    with torch.no_grad():
+        dst.copy_(src)
+    return dst.numel()
+
+
+class LocalCheckpoint:
+    """This rank's side of the local checkpoints (see the module docstring).
+
+    ``directory`` (``--non-persistent-local-ckpt-dir``), ``run_id`` (torchrun's ``--rdzv-id``) and
+    ``node`` (this node's name) make this node's directory; ``group``: a gloo group over the world;
+    ``replication``: the replica goes to rank ``(rank + jump) mod world`` (``jump`` None: the ranks
+    per node, counted by node name).  Collective
+    (one ``all_gather_object``): a replica on the same node as its owner raises
+    :class:`CheckpointError`, since it would not survive the node."""
+
+    def __init__(self, directory: str, run_id: str, node: str, group, replication: bool, jump: Optional[int] = None):
+        self.group = group
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.node = node
+        self.dir = os.path.join(directory, run_id, node)
+        os.makedirs(self.dir, exist_ok=True)
+        self.nodes = [None] * self.world
+        dist.all_gather_object(self.nodes, node, group=group)
+        self.peer = self.source = None
+        if replication:
+            jump = jump or self.nodes.count(self.nodes[0])  # default: the ranks per node
+            same = [r for r in range(self.world) if self.nodes[r] == self.nodes[(r + jump) % self.world]]
+            if same:
+                r = same[0]
+                raise CheckpointError(
+                    f"--replication: rank {r}'s replica would go to rank {(r + jump) % self.world} on the same node "
+                    f"{self.nodes[r]!r} and would not survive its loss; give --replication-jump a multiple of the "
+                    f"ranks per node (nodes by rank: {self.nodes})"
+                )
+            self.peer, self.source = (self.rank + jump) % self.world, (self.rank - jump) % self.world
+        self.written: List[str] = []  # this rank's files of the newest local checkpoint
+        self.last_bytes = 0
+
+    # -- save --
+    def save(
+        self,
+        iteration: int,
+        model_chunks,
+        optimizer,
+        scheduler,
+        consumed_train_samples: int,
+        consumed_valid_samples: int,
+        config: Optional[dict],
+        states: Optional[CheckpointStates] = None,
+        rng_tracker: Optional[RNGStatesTracker] = None,
+    ) -> dict:
+        """Collective over the world (``rng_tracker``: the model's, whose streams are saved with the
+        generators).  Returns ``{"bytes", "sent", "seconds"}`` for the log."""
+        start = time.perf_counter()
+        finish_param_sync(model_chunks)
+        specs = model_sharded_state(model_chunks)
+        specs.update(optimizer_sharded_state(optimizer, model_chunks))
+        specs.update(sharded_states(states))  # collective per state, as a disk save
+        common = {
+            "format_version": FORMAT_VERSION,
+            "iteration": iteration,
+            "consumed_train_samples": consumed_train_samples,
+            "consumed_valid_samples": consumed_valid_samples,
+            "world_size": self.world,
+            "layout": layout(model_groups(model_chunks)),
+            "config": config,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "optimizer_common": optimizer.common_state_dict(),
+        }
+        blocks = {
+            k: [
+                {"offsets": list(s.offsets), "global_shape": list(s.global_shape), "data": _cpu_copy(s.local)}
+                for s in _as_list(v)
+            ]
+            for k, v in specs.items()
+        }
+        payload = {
+            "common_json": json.dumps(common),  # as common.json: the same values a disk load reads
+            "blocks": blocks,
+            "states": _state_dicts(states),
+            "rng": get_rng_state(rng_tracker),
+        }
+        buffer = io.BytesIO()
+        torch.save(payload, buffer)
+        data = torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8)
+        own = shard_file_name(self.rank, self.world, iteration)
+        written = [own]
+        self._write(own, data)
+        received = None
+        if self.peer is not None:
+            received = self._exchange(data)
+            written.append(shard_file_name(self.source, self.world, iteration))
+            self._write(written[-1], received)
+        dist.barrier(group=self.group)  # every rank's copies are written: the older ones can go
+        for name in self.written:
+            if name not in written:
+                _remove(os.path.join(self.dir, name))
+        self.written = written
+        self.last_bytes = data.numel()
+        return {
+            "bytes": data.numel(),
+            "sent": data.numel() if self.peer is not None else 0,
+            "seconds": time.perf_counter() - start,
+        }
+
+    def _exchange(self, data: torch.Tensor) -> torch.Tensor:
+        """Send ``data`` to the peer, receive the source's shard (sizes first)."""
+        size, their_size = torch.tensor([data.numel()], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+        self._swap(size, their_size)
+        received = torch.empty(int(their_size.item()), dtype=torch.uint8)
+        self._swap(data, received)
+        return received
+
+    def _swap(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        ops = [dist.P2POp(dist.isend, send, self.peer, self.group)]
+        _p2p(ops + [dist.P2POp(dist.irecv, recv, self.source, self.group)])
+
+    def _write(self, name: str, data: torch.Tensor) -> None:
+        path = os.path.join(self.dir, name)
+        tmp = f"{path}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(memoryview(data.numpy()))
+            os.replace(tmp, path)
+        except OSError as e:
+            raise CheckpointError(f"cannot write local checkpoint {path}: {e}") from e
+
+    def remove_all(self) -> None:
+        """Remove this rank's files of the newest local checkpoint (the run is over)."""
+        for name in self.written:
+            _remove(os.path.join(self.dir, name))
+        self.written = []
+
+    # -- restore --
+    def restore(
+        self,
+        model_chunks,
+        optimizer,
+        scheduler,
+        config: Optional[dict],
+        newer_than: Optional[int],
+        states: Optional[CheckpointStates] = None,
+    ) -> Optional[dict]:
+        """Collective.  Restore the newest local checkpoint of iteration ``>= newer_than`` (the disk
+        checkpoint's, None: any) into the model, optimizer, scheduler and ``states``; returns its common
+        record plus ``path``, ``rng`` (this rank's generators, to set after the data loaders are built)
+        and ``bytes_from_peer``; or None (nothing to restore, or refused: the reason is logged)."""
+        start = time.perf_counter()
+        holdings = [None] * self.world
+        dist.all_gather_object(holdings, (self.node, list_held(self.dir)), group=self.group)
+        choice = choose_restore(holdings, self.world, newer_than)
+        if choice is None:
+            disk = "" if newer_than is None else f" at or after the disk checkpoint's iteration {newer_than}"
+            logger.info(f"no complete local checkpoint for world {self.world}{disk} in {self.dir} and its peers")
+            return None
+        iteration, plan = choice
+        payload, error = None, None
+        try:
+            data = self._fetch(iteration, plan)
+            payload = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+            now_layout = layout(model_groups(model_chunks))
+            error = _mismatch(json.loads(payload["common_json"]), config, self.world, now_layout)
+        except Exception as e:  # noqa: BLE001 - an unreadable or refused shard: every rank falls back to disk
+            error = f"cannot read rank {self.rank}'s shard of iteration {iteration}: {first_line(e)}"
+        if self._refused(iteration, error):
+            return None
+        common = json.loads(payload["common_json"])
+        blocks = payload["blocks"]
+        saved = {k: tuple(v[0]["global_shape"]) for k, v in blocks.items() if v}
+        groups = model_groups(model_chunks)
+        info = LoadInfo(f"local:{self.dir}", common, layout(groups), saved)
+        finish_param_sync(model_chunks)
+        specs, main_params_missing = load_targets(model_chunks, optimizer, saved, groups)
+        specs.update(sharded_load_plans(states, info))
+        try:
+            fill_blocks(specs, blocks)
+            error = None
+        except CheckpointError as e:  # the disk load that follows overwrites what was filled
+            error = str(e)
+        if self._refused(iteration, error):
+            if newer_than is None:  # partly filled, and no disk checkpoint overwrites it: not a fresh start
+                raise CheckpointError(
+                    f"local checkpoint of iteration {iteration} cannot be restored and --load has none"
+                )
+            return None
+        optimizer.load_sharded_state_dict(common.get("optimizer_common") or {}, not main_params_missing)
+        if scheduler is not None and common.get("scheduler") is not None:
+            scheduler.load_state_dict(common["scheduler"])
+        for name, state in states.items() if states is not None else ():
+            if name in payload["states"]:
+                state.load_state_dict(payload["states"][name])
+            elif hasattr(state, "not_restored"):
+                state.not_restored(info, "it has none")
+        holder, nbytes = plan[self.rank]
+        from_peer = nbytes if holder != self.rank else 0
+        where = f"{nbytes} bytes from rank {holder} (node {self.nodes[holder]!r})" if from_peer else "read on this node"
+        seconds = time.perf_counter() - start
+        message = f"restored iteration {iteration} from the local checkpoint: {where} in {seconds:.2f} s"
+        logger.info(message, extra={"on_rank": None})  # every rank: where its shard came from
+        # The files this rank would have written are removed at the next save (or the end of the run).
+        mine = [shard_file_name(r, self.world, iteration) for r in {self.rank, self.source} if r is not None]
+        self.written = [n for n in mine if os.path.isfile(os.path.join(self.dir, n))]
+        return dict(common, path=f"local:{self.dir}", rng=payload["rng"], bytes_from_peer=from_peer)
+
+    def _fetch(self, iteration: int, plan: Dict[int, Tuple[int, int]]) -> torch.Tensor:
+        """This rank's shard: read on this node, or received from its holder; this rank sends the shards it
+        holds for owners on other nodes."""
+        ops, mine = [], None
+        for owner, (holder, nbytes) in sorted(plan.items()):
+            if holder == self.rank and owner != self.rank:
+                ops.append(dist.P2POp(dist.isend, self._read(owner, iteration), owner, self.group))
+        holder, nbytes = plan[self.rank]
+        if holder == self.rank:
+            mine = self._read(self.rank, iteration)
+        else:
+            mine = torch.empty(nbytes, dtype=torch.uint8)
+            ops.append(dist.P2POp(dist.irecv, mine, holder, self.group))
+        if ops:
+            _p2p(ops)
+        return mine
+
+    def _read(self, owner: int, iteration: int) -> torch.Tensor:
+        path = os.path.join(self.dir, shard_file_name(owner, self.world, iteration))
+        with open(path, "rb") as f:
+            return torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
+
+    def _refused(self, iteration: int, error: Optional[str]) -> bool:
+        """Collective: whether any rank found ``error``; if so every rank warns and the disk checkpoint loads."""
+        failed = gather_errors(error, self.group)
+        if failed:
+            rank, why = failed[0]
+            logger.warning(f"local checkpoint of iteration {iteration} not used (rank {rank}: {why}): loading disk")
+        return bool(failed)
+
+
+def _mismatch(common: dict, config: Optional[dict], world: int, now_layout: dict) -> Optional[str]:
+    if common.get("world_size") != world:
+        return f"saved by world {common.get('world_size')}, now {world}"
+    if common.get("layout") != now_layout:
+        return f"saved with layout {common.get('layout')}, now {now_layout}"
+    if config is not None:
+        saved, now = _flat(common.get("config") or {}), _flat(config)
+        diff = sorted(k for k in set(saved) | set(now) if _identifies_run(k) and saved.get(k) != now.get(k))
+        if diff:
+            return f"saved by another run ({', '.join(f'{k}: {saved.get(k)!r}, now {now.get(k)!r}' for k in diff[:3])})"
+    return None
+
+
+# What makes a shard this run's: its model, layout, optimizer, seed, batch and data (paths, intervals,
+# logging and --train-iters may change between two attempts of one job).
+_RUN_IDENTITY = ("model.", "parallel.", "data.data_path", "data.train_data_path", "data.mock_data", "data.split")
+_RUN_IDENTITY_TRAINING = ("seed", "optimizer", "global_batch_size", "micro_batch_size", "rampup_batch_size")
+
+
+def _identifies_run(key: str) -> bool:
+    if key == "parallel.distributed_timeout_minutes":
+        return False
+    return key.startswith(_RUN_IDENTITY) or key in {f"training.{k}" for k in _RUN_IDENTITY_TRAINING}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
+def _state_dicts(states: Optional[CheckpointStates]) -> dict:
+    """The registered states' ``state_dict()`` values, by name (a None one is left out, as on disk)."""
+    out = {}
+    for name, state in states.items() if states is not None else ():
+        value = state.state_dict()
+        if value is not None:
+            out[name] = value
+    return out
+
+
+def _as_list(value) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+def _p2p(ops) -> None:
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,69 @@
+"""Checks of the torchft flags (``--ft-replica-group-id`` and the others, :mod:`megalm.config.parallel`)
+against the batch and the features a replica group cannot combine with them yet
+(:mod:`megalm.resilience.torchft_replicas` runs them)."""
+
+from __future__ import annotations
+
+import os
+
+from megalm.config.fields import check
+
+
+def ft_enabled(p) -> bool:
+    """Whether this run is a torchft replica group."""
+    return p.ft_replica_group_id is not None
+
+
+def validate_fault_tolerance(cfg) -> None:
+    """The flags themselves, before the layout is known (the batch split: :func:`validate_ft_batch`)."""
+    p, t, d = cfg.parallel, cfg.training, cfg.data
+    if not ft_enabled(p):
+        check(
+            p.ft_num_replica_groups == 0 and p.ft_lighthouse is None,
+            "--ft-num-replica-groups / --ft-lighthouse need --ft-replica-group-id (this group's id)",
+        )
+        return
+    groups, gid, least = p.ft_num_replica_groups, p.ft_replica_group_id, p.ft_min_replicas
+    check(groups >= 1, f"--ft-replica-group-id needs --ft-num-replica-groups >= 1 (the most groups), got {groups}")
+    check(0 <= gid < groups, f"--ft-replica-group-id {gid} is outside [0, --ft-num-replica-groups {groups})")
+    check(1 <= least <= groups, f"--ft-min-replicas must be in [1, --ft-num-replica-groups {groups}], got {least}")
+    check(p.ft_timeout_seconds > 0, f"--ft-timeout-seconds must be positive, got {p.ft_timeout_seconds:g}")
+    check(
+        p.ft_lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE"),
+        "--ft-replica-group-id needs the lighthouse's address: --ft-lighthouse http://HOST:PORT "
+        "(or TORCHFT_LIGHTHOUSE)",
+    )
+    check(
+        t.global_batch_size is not None,
+        "--ft-replica-group-id needs --global-batch-size (the batch of all replica groups together)",
+    )
+    for refused, what in (
+        (t.rampup_batch_size or t.step_batch_size_schedule, "--rampup-batch-size / --step-batch-size-schedule"),
+        (t.calculate_per_token_loss, "--calculate-per-token-loss (the groups' token counts are not exchanged)"),
+        (t.straggler_rebalance_interval, "--straggler-rebalance-interval"),
+        (p.local_sgd_interval, "--local-sgd-interval"),
+        (p.grad_compression != "none", f"--grad-compression {p.grad_compression}"),
+        (p.num_layers_per_virtual_pipeline_stage or p.num_virtual_stages_per_pipeline_rank, "interleaved pipelines"),
+        (d.dataloader_type != "single", f"--dataloader-type {d.dataloader_type}"),
+        (
+            p.data_parallel_sharding_strategy not in ("no_shard", "optim"),
+            f"--data-parallel-sharding-strategy {p.data_parallel_sharding_strategy} (sharded gradients / parameters)",
+        ),
+    ):
+        check(not refused, f"torchft replica groups (--ft-replica-group-id) do not work with {what} yet")
+
+
+def validate_ft_batch(p, t) -> None:
+    """Every quorum of ``--ft-min-replicas`` .. ``--ft-num-replica-groups`` groups splits the global
+    batch into whole, equal micro-batch shares (needs the data-parallel size)."""
+    if not ft_enabled(p) or p.data_parallel_size is None:
+        return
+    per_group = t.micro_batch_size * p.data_parallel_size
+    for n in range(p.ft_min_replicas, p.ft_num_replica_groups + 1):
+        check(
+            t.global_batch_size % (per_group * n) == 0,
+            f"--global-batch-size {t.global_batch_size} cannot be split evenly over a quorum of {n} replica groups: "
+            f"it must be a multiple of --micro-batch-size {t.micro_batch_size} x data-parallel size "
+            f"{p.data_parallel_size} x {n} for every quorum size from --ft-min-replicas {p.ft_min_replicas} to "
+            f"--ft-num-replica-groups {p.ft_num_replica_groups}",
+        )

@@ -1,0 +1,1 @@
+"""Keeping training alive when nodes fail, leave or return (issue #32)."""

@@ -1,0 +1,237 @@
+"""torchft replica groups (``--ft-replica-group-id``, issue #32 part A).
+
+The spawned scenario: a torchft lighthouse and two replica groups A and B on loopback, one rank each
+(tiny GPT, hidden 32, 2 layers), global batch 8 of micro-batches of 2.  B SIGKILLs itself in a
+forward pass after two steps with A; A redoes that step alone (4 micro-batches instead of 2) and trains
+on; a new B (a fresh process, as a restarted node would be) joins at a step boundary and receives
+A's weights and optimizer state over torchft's transport; both finish.  Checked, against a plain
+one-process run of the same global batch:
+
+* every iteration's loss and gradient norm equal the plain run's (up to summation order): with the
+  full quorum, alone, and after the rejoin; a skipped or repeated sample, or a rejoined group with
+  other weights, would change them;
+* A logs each iteration once, with ``consumed_samples = iteration x 8``; the quorum went 2 -> 1 -> 2;
+* the state B received equals the state A sent, bit for bit (the sha256 A computed of the tensors it
+  sent is the one B recomputed from its own tensors once loaded).
+
+Run as a script (``python tests/test_torchft.py ARGS``) this file is the training entry point:
+``pretrain_gpt.main`` with fault injection: ``MEGALM_TEST_FT_KILL=1`` SIGKILLs this process in the step
+after its second step with the other group; ``MEGALM_TEST_FT_HOLD=FILE``, after a step this group
+committed alone, waits at the next forward step until FILE exists (the test releases A once the new B
+is up, so that A cannot finish before B returns); ``MEGALM_TEST_FT_START_AFTER=FILE`` waits for FILE
+after the imports (the new B is started early, its imports done while the old one still runs).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megalm.config import ConfigError, build_parser, config_from_args, validate_config
+from megalm.device import free_port
+from tests.training_runs import tiny_flags
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, PYTHONPATH=REPO, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
+GBS, ITERS = 8, 14
+FLAGS = tiny_flags(
+    hidden_size="32",
+    micro_batch_size="2",
+    global_batch_size=str(GBS),
+    vocab_size="128",
+    train_iters=str(ITERS),
+    device_peak_flops="1e12",
+    use_distributed_optimizer=True,  # its state is ranges of parameters: the transfer must carry them
+)
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32"]
+FT = ["--ft-num-replica-groups", "2", "--ft-lighthouse", "http://127.0.0.1:1", "--global-batch-size", "8"]
+
+
+def _cfg(argv, world_size=None):
+    return validate_config(config_from_args(build_parser().parse_args(BASE + argv)), world_size=world_size)
+
+
+@pytest.mark.parametrize(
+    "argv, world, message",
+    [
+        (["--ft-num-replica-groups", "2"], None, "need --ft-replica-group-id"),
+        ([*FT, "--ft-replica-group-id", "2"], None, "2 is outside [0, --ft-num-replica-groups 2)"),
+        ([*FT, "--ft-replica-group-id", "0", "--ft-min-replicas", "3"], None, "--ft-min-replicas must be in [1,"),
+        ([*FT[:4], "--ft-replica-group-id", "0"], None, "needs --global-batch-size"),
+        ([*FT, "--ft-replica-group-id", "0", "--calculate-per-token-loss"], None, "--calculate-per-token-loss"),
+        ([*FT, "--ft-replica-group-id", "0", "--local-sgd-interval", "4"], None, "--local-sgd-interval"),
+        ([*FT, "--ft-replica-group-id", "0", "--data-parallel-sharding-strategy", "optim_grads"], None, "optim_grads"),
+        # 8 samples = 4 micro-batches of 2 over DP 2 x a quorum of 1 or 2 groups: fine; DP 4 x 2 groups: not
+        ([*FT, "--ft-replica-group-id", "0", "--micro-batch-size", "2"], 4, "split evenly over a quorum of 2"),
+    ],
+)
+def test_bad_torchft_flags_fail_before_any_work(argv, world, message, monkeypatch):
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(ConfigError) as e:
+        _cfg(argv, world)
+    assert message in str(e.value), str(e.value)
+
+
+def test_torchft_flags_accept_an_even_split():
+    cfg = _cfg([*FT, "--ft-replica-group-id", "1", "--micro-batch-size", "2"], world_size=2)
+    assert cfg.parallel.ft_replica_group_id == 1 and cfg.parallel.data_parallel_size == 2
+
+
+def test_missing_torchft_names_the_extra(monkeypatch):
+    from megalm.resilience.torchft_replicas import TorchftUnavailable, require_torchft
+
+    monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft -> ImportError
+    with pytest.raises(TorchftUnavailable, match=r"pip install 'megalm\[ft\]'"):
+        require_torchft()
+
+
+def test_state_digest_sees_every_bit():
+    import torch
+
+    from megalm.resilience.torchft_replicas import tensor_digest
+
+    a = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "step": torch.tensor(3.0)}
+    b = {k: v.clone() for k, v in a.items()}
+    assert tensor_digest(a) == tensor_digest(b)
+    b["w"].view(torch.int32)[1, 2] ^= 1  # one bit of one weight
+    assert tensor_digest(a) != tensor_digest(b)
+    assert tensor_digest(a) != tensor_digest({"w": a["w"].reshape(3, 2), "step": a["step"]})  # shape counts
+
+
+# --- the spawned scenario -------------------------------------------------------------------------
+
+
+def _records(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip().endswith("}")]
+
+
+def _train_rows(path):
+    return [r for r in _records(path) if "lm_loss" in r]
+
+
+def _spawn(args, log, **env):
+    out = open(log, "w")
+    return subprocess.Popen(args, env=dict(ENV, **env), cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _group(tmp, gid, port, name, **env):
+    master = str(free_port())
+    args = [sys.executable, os.path.abspath(__file__), *FLAGS, "--metrics-file", str(tmp / f"{name}.jsonl")]
+    args += ["--ft-replica-group-id", str(gid), "--ft-num-replica-groups", "2"]
+    args += ["--ft-lighthouse", f"http://127.0.0.1:{port}", "--ft-timeout-seconds", "30"]
+    rank = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=master, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    return _spawn(args, tmp / f"{name}.log", LOCAL_WORLD_SIZE="1", **rank, **env)
+
+
+def _wait(predicate, seconds, what, procs, tmp):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted(tmp.glob("*.log")))
+    pytest.fail(f"timed out waiting for {what}\n{logs}")
+
+
+def test_a_killed_group_drops_out_and_a_returning_one_recovers_from_its_peer(tmp_path):
+    pytest.importorskip("torchft")
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(
+        bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=10000, quorum_tick_ms=50, heartbeat_timeout_ms=1000
+    )
+    port = int(lighthouse.address().rsplit(":", 1)[1])
+    hold = tmp_path / "release"
+    procs = []
+    try:
+        procs.append(_group(tmp_path, 0, port, "a", MEGALM_TEST_FT_HOLD=str(hold)))
+        procs.append(_group(tmp_path, 1, port, "b", MEGALM_TEST_FT_KILL="1"))
+        plain_run = [sys.executable, os.path.abspath(__file__), *FLAGS, "--metrics-file", str(tmp_path / "ref.jsonl")]
+        ref = _spawn(plain_run, tmp_path / "ref.log")
+        procs.append(ref)
+        back = tmp_path / "b_is_dead"
+        procs.append(_group(tmp_path, 1, port, "b2", MEGALM_TEST_FT_START_AFTER=str(back)))  # the new B
+        _wait(lambda: procs[1].poll() is not None, 180, "B to die", procs, tmp_path)
+        assert procs[1].returncode == -signal.SIGKILL, (tmp_path / "b.log").read_text()[-3000:]
+        back.touch()  # a fresh B (its imports done) starts: the node came back
+        _wait(lambda: "asks for its first quorum" in (tmp_path / "b2.log").read_text(), 180, "B back", procs, tmp_path)
+        hold.touch()  # A, holding after a step alone, goes on: its next quorum has B
+        for p, name in ((procs[0], "a"), (procs[3], "b2"), (ref, "ref")):
+            assert p.wait(timeout=180) == 0, (tmp_path / f"{name}.log").read_text()[-4000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        lighthouse.shutdown()
+    a, b, b2, plain = (_train_rows(tmp_path / f"{n}.jsonl") for n in ("a", "b", "b2", "ref"))
+    # Whoever started first may have trained alone and the other recovered from it: every iteration is
+    # logged by A or the first B, with consumed samples = iteration x global batch, and every group
+    # logging an iteration logs the same loss.
+    seen = {}
+    for r in a + b + b2:
+        assert r["consumed_samples"] == r["iteration"] * GBS and r["global_batch_size"] == GBS, r
+        assert seen.setdefault(r["iteration"], r["lm_loss"]) == r["lm_loss"], (r, seen)
+    assert sorted(seen) == list(range(1, ITERS + 1)), sorted(seen)
+    assert [r["iteration"] for r in a] == list(range(a[0]["iteration"], ITERS + 1)), a  # A: no gap, no repeat
+    # A's quorum went 2 (with B) -> 1 (B killed: A alone, the step in flight redone) -> 2 (the new B).
+    quorum = [r["ft_replica_groups"] for r in a]
+    first_alone = quorum.index(1, quorum.index(2))
+    assert 2 in quorum[first_alone:] and quorum[-1] == 2, quorum
+    assert "not committed" in (tmp_path / "a.log").read_text()
+    # Losses and gradient norms = the plain run of the same global batch, whatever the quorum.
+    expected = {r["iteration"]: r for r in plain}
+    for r in a + b + b2:
+        e = expected[r["iteration"]]
+        assert abs(r["lm_loss"] - e["lm_loss"]) <= 1e-5 * abs(e["lm_loss"]), (r, e)
+        assert abs(r["grad_norm"] - e["grad_norm"]) <= 1e-4 * abs(e["grad_norm"]), (r, e)
+    # The new B started where A was, with A's state bit for bit, and then trained in step with A.
+    sent = [line for line in (tmp_path / "a.log").read_text().splitlines() if "torchft: sending the state" in line]
+    got = [line for line in (tmp_path / "b2.log").read_text().splitlines() if "recovered the state of" in line]
+    assert len(got) == 1, got
+    iteration = int(got[0].split("recovered the state of iteration ")[1].split()[0])
+    digest = got[0].split("sha256 ")[1].split(",")[0]
+    assert any(f"iteration {iteration} " in s and f"sha256 {digest})" in s for s in sent), (sent, got)
+    assert [r["iteration"] for r in b2] == list(range(iteration + 1, ITERS + 1)), b2
+    by_iter = {r["iteration"]: r for r in a}
+    assert all(r["grad_norm"] == by_iter[r["iteration"]]["grad_norm"] for r in b2)
+
+
+def _test_hooks(forward_step, metrics_file):
+    """The scenario's fault injection around ``forward_step`` (see the module docstring): at the
+    first forward step after this group committed two steps with the other group,
+    ``MEGALM_TEST_FT_KILL=1`` SIGKILLs this process; after a step this group committed alone (once it
+    had company), ``MEGALM_TEST_FT_HOLD=FILE`` waits until FILE exists."""
+    kill, hold = os.environ.get("MEGALM_TEST_FT_KILL") == "1", os.environ.get("MEGALM_TEST_FT_HOLD")
+
+    def step(data_iterator, model):
+        if kill or (hold and not os.path.exists(hold)):
+            quorum = [r.get("ft_replica_groups") for r in _train_rows(metrics_file)]
+            if kill and quorum.count(2) >= 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if hold and 2 in quorum and quorum[-1] == 1:
+                deadline = time.monotonic() + 170
+                while not os.path.exists(hold) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        return forward_step(data_iterator, model)
+
+    return step
+
+
+if __name__ == "__main__":
+    import pretrain_gpt
+
+    start_after = os.environ.get("MEGALM_TEST_FT_START_AFTER")  # started early: imports done, then wait
+    deadline = time.monotonic() + 170
+    while start_after and not os.path.exists(start_after) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    argv = sys.argv[1:]
+    metrics = argv[argv.index("--metrics-file") + 1]
+    pretrain_gpt.main(argv, _test_hooks(pretrain_gpt.forward_step, metrics))
