@@ -184,7 +184,7 @@ def main():
         secs = f"{r['seconds_to_resume']:.1f}" if "seconds_to_resume" in r else "-"
         rejoin = f"{r['rejoin_bytes']}, {r['rejoin_s']:.1f}" if r.get("rejoin_bytes") else "-"
         print(
-            f"| {r['path']} | {r.get('world_after', 2)} | {r.get('steps_lost', 0)} | {secs} | {r['final_loss']:.6f} "
+            f"| {r['path']} | {r.get('world_after', '-')} | {r.get('steps_lost', 0)} | {secs} | {r['final_loss']:.6f} "
             f"| {r['loss_diff']:+.2e} | {rejoin} |"
         )
     if args.json:

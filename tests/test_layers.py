@@ -45,6 +45,7 @@ LAYERS: List[Tuple[str, List[str]]] = [
     ("models", ["models", "flops"]),
     ("tools", ["presets", "conversion"]),
     ("applications", ["estimate", "inference"]),
+    ("fault tolerance", ["resilience"]),
     ("entry points", ["training", "launch"]),
     ("layout search", ["planner"]),
     ("commands", ["cli"]),
