@@ -15,7 +15,9 @@ relative, on 4 ranks, at
   one process;
 * CP 2 x DP 2 in bf16 against one process in bf16 (tolerance in the test);
 * CP 2 x EP 2 MoE with --moe-expert-capacity-factor 0.5 (half the routed pairs dropped, decided over the
-  whole sequence), against one process with the same capacity.
+  whole sequence), against one process with the same capacity;
+* CP 2 x DP 2, a2a, packed documents (--reset-attention-mask --qkv-format thd), against the dense document
+  mask in one process.
 
 The first saves at iteration 5; resumed at CP 1 and at CP 4 (chunks of 4 positions) it continues the
 uninterrupted CP 1 run.
@@ -61,6 +63,7 @@ DROPOUT = ["--attention-dropout", "0.1"]
 FLASH = ["--attention-backend", "flash", "--bf16"]
 CAPACITY = ["--moe-expert-capacity-factor", "0.5"]
 FOUR_LAYERS = ["--num-layers", "4"]
+DOCS = ["--reset-attention-mask", "--reset-position-ids"]
 INTERLEAVED = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
 
 
@@ -83,6 +86,7 @@ def runs(tmp_path_factory):
         run("cp2_pp2_interleaved", *FIVE, *CP2, *FOUR_LAYERS, *INTERLEAVED),
         run("cp2_dp2_bf16", *FIVE, *CP2, "--bf16"),
         run("cp2_ep2_moe_capacity", *FIVE, *CP2, *MOE, *CAPACITY, "--expert-model-parallel-size", "2"),
+        run("cp2_dp2_a2a_thd", *FIVE, *CP2, "--cp-comm-type", "a2a", *DOCS, "--qkv-format", "thd"),
     ]
     one = [
         run("cp1", *TEN),
@@ -93,6 +97,7 @@ def runs(tmp_path_factory):
         run("cp1_four_layers", *FIVE, *FOUR_LAYERS),
         run("cp1_bf16", *FIVE, "--bf16"),
         run("cp1_moe_capacity", *FIVE, *MOE, *CAPACITY),
+        run("cp1_docs", *FIVE, *DOCS),
     ]
     codes = (
         run_distributed(run_trainings, 4, args=(four,), timeout=300),
@@ -102,7 +107,7 @@ def runs(tmp_path_factory):
 
 
 def test_all_runs_exit_cleanly(runs):
-    assert runs["codes"] == ([[0] * 10] * 4, [[0] * 8]), runs["codes"]
+    assert runs["codes"] == ([[0] * 11] * 4, [[0] * 9]), runs["codes"]
 
 
 @pytest.mark.parametrize("name", ["cp2_dp2_dist_save", "cp2_tp2_allgather", "cp2_pp2_a2a"])
@@ -113,6 +118,16 @@ def test_losses_equal_one_process(runs, name):
     assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref], rel=1e-5)
     assert min(r["grad_norm"] for r in ref) > 1.0  # clipping is active: the norm must be right
     assert ref[-1]["lm_loss"] < ref[0]["lm_loss"] - 0.05  # it trains
+
+
+def test_packed_documents_equal_one_process(runs):
+    """--qkv-format thd under CP 2 (a2a) x DP 2 trains as the dense document mask in one process; the documents
+    matter (the first loss differs from the causal run's on the same samples)."""
+    ref, got = records(runs["tmp"], "cp1_docs"), records(runs["tmp"], "cp2_dp2_a2a_thd")
+    assert len(got) == 5
+    assert_close([r["lm_loss"] for r in got], [r["lm_loss"] for r in ref], rel=1e-5)
+    assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref], rel=1e-5)
+    assert abs(ref[0]["lm_loss"] - records(runs["tmp"], "cp1")[0]["lm_loss"]) > 1e-4
 
 
 def test_attention_dropout_equals_one_process(runs):

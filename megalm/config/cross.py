@@ -422,9 +422,15 @@ def _validate_data(d, m, p) -> None:
         mode = "--reset-attention-mask" + (" --qkv-format thd" if thd else "")
         for refused, what in (
             (
-                p.context_parallel_size > 1,
-                "--context-parallel-size > 1 (the CP cores are causal only; Megatron's per-document 2 x CP "
-                "split of packed sequences is not built)",
+                p.context_parallel_size > 1 and not thd,
+                "--context-parallel-size > 1 (the CP cores are causal only; --qkv-format thd with --cp-comm-type "
+                "a2a runs the documents)",
+            ),
+            (
+                p.context_parallel_size > 1 and thd and (p.cp_comm_type != "a2a" or m.attention_dropout > 0),
+                "--context-parallel-size > 1 unless --cp-comm-type a2a and --attention-dropout 0 (a2a's core sees "
+                "whole documents; the p2p / allgather cores and CP's position-keyed dropout are causal only, and "
+                "Megatron's per-document 2 x CP split of packed sequences is not built)",
             ),
             (m.transformer_impl != "local", "--transformer-impl transformer_engine (TE's core is given no mask here)"),
             (

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from megalm.config import MegalmConfig, pad_vocab_size
-from megalm.context_parallel import local_positions
+from megalm.context_parallel import local_positions, split_sequence
 from megalm.fusions.backends import FusionPlan, plan_fusions
 from megalm.models.embedding import LanguageModelEmbedding
 from megalm.parallel_state import ProcessGroups, group_rank, group_size
@@ -296,7 +296,12 @@ class GPTModel(nn.Module):
             hidden = self.decoder.input_tensor
             if hidden is None:
                 raise RuntimeError("GPTModel without pre_process needs set_input_tensor() before forward")
-        rotary_positions = position_ids if packed_seq_params is None else positions_in_segments(packed_seq_params)
+        rotary_positions = position_ids
+        if packed_seq_params is not None:  # positions within the documents; this CP rank's chunks of them
+            cp_group = self.process_groups.cp
+            rotary_positions = split_sequence(
+                positions_in_segments(packed_seq_params), 1, group_rank(cp_group), group_size(cp_group)
+            )
         rotary_cos, rotary_sin = self._rotary_tables(hidden, rotary_positions)
         if inference_cache is None:
             hidden = self.decoder(hidden, rotary_cos, rotary_sin, attention_mask=attention_mask)

@@ -6,7 +6,8 @@ parallelism, and the document attention mask (Megatron's ``pretrain_gpt.get_batc
 * with ``--reset-attention-mask`` each rank builds ``attention_mask`` (boolean ``[b, 1, s, s]``, True where
   attention is allowed: :func:`megalm.transformer.attention_mask.document_causal_mask`) from the
   documents; without it ``attention_mask`` is None (causal attention).  Context parallelism is
-  refused with it.
+  refused with it (the packed form below runs under ``--cp-comm-type a2a``: the documents are the whole
+  sequence's, the position ids this rank's chunks of them).
 * with ``--qkv-format thd`` as well, ``packed_seq_params`` instead of the mask (the documents as cumulative
   sequence lengths, :func:`megalm.transformer.packed_seq.packed_seq_params_from_documents`; ``attention_mask``
   None) and ``position_ids`` restart in every document (:func:`~megalm.transformer.packed_seq.positions_in_segments`),
@@ -21,9 +22,9 @@ from typing import Dict, Optional
 
 import torch
 
-from megalm.context_parallel import get_batch_on_this_cp_rank
+from megalm.context_parallel import get_batch_on_this_cp_rank, split_sequence
 from megalm.data.batch import DOCUMENT_IDS, get_batch_on_this_tp_rank
-from megalm.parallel_state import ProcessGroups
+from megalm.parallel_state import ProcessGroups, group_rank, group_size
 from megalm.transformer.attention_mask import document_causal_mask
 from megalm.transformer.packed_seq import packed_seq_params_from_documents, positions_in_segments
 
@@ -40,8 +41,9 @@ def get_batch(data_iterator, cfg, groups: ProcessGroups) -> Dict[str, Optional[t
     if documents is not None and cfg is not None and cfg.data.qkv_format == "thd":
         params = packed_seq_params_from_documents(documents)
         batch["packed_seq_params"] = params
-        if batch["position_ids"] is not None:
-            batch["position_ids"] = positions_in_segments(params)
+        if batch["position_ids"] is not None:  # this CP rank's chunks of the positions within the documents
+            cp = groups.cp
+            batch["position_ids"] = split_sequence(positions_in_segments(params), 1, group_rank(cp), group_size(cp))
     elif documents is not None:
         batch["attention_mask"] = document_causal_mask(documents)
     return batch

@@ -42,7 +42,8 @@ are refused with it).
 ``attention_mask`` may instead be a :class:`~megalm.transformer.packed_seq.PackedSeqParams` (``--qkv-format
 thd``): the same documents as cumulative sequence lengths, attended one segment at a time without an
 ``s x s`` mask (:mod:`megalm.transformer.varlen_attention`; flash-attn's varlen kernel on a flash-attn
-plan, windows included).  TE layers, context parallelism and position-keyed dropout are refused with it.
+plan, windows included); under context parallelism with ``a2a`` (whose core sees the whole sequence of a
+slice of the heads) it is that core.  TE layers, other CP types and position-keyed dropout are refused with it.
 
 gpt-oss (:mod:`megalm.config.gptoss`): a layer's sliding window (``--window-size`` /
 ``--window-attn-skip-freq``) and softmax sinks (``--softmax-type``; learnable ones are
@@ -246,12 +247,15 @@ class SelfAttention(nn.Module):
                 raise ConfigError("--reset-attention-mask is not supported with --position-keyed-attention-dropout")
             return self._keyed_core(q, k, v, p).reshape(s, b, -1)
         if self.cp_size > 1:
-            if attention_mask is not None:
-                raise ContextParallelError("--reset-attention-mask is not supported under context parallelism")
+            core = self._causal_core
+            if isinstance(attention_mask, PackedSeqParams) and self.cp_comm_type == "a2a":
+                core = partial(self._packed_heads_core, params=attention_mask)  # a2a's core sees the whole sequence
+            elif attention_mask is not None:
+                raise ContextParallelError(
+                    "--reset-attention-mask under context parallelism needs --qkv-format thd with --cp-comm-type a2a"
+                )
             variant = (self.window, self.sinks(q.transpose(1, 2))) if self.variant else None
-            out = context_parallel_attention(
-                q, k, v, self.cp_group, self.cp_comm_type, self._causal_core, variant=variant
-            )
+            out = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, core, variant=variant)
             return out.reshape(s, b, -1)
         if isinstance(attention_mask, PackedSeqParams):
             return self._packed_core(q, k, v, attention_mask, p).reshape(s, b, -1)
@@ -278,6 +282,14 @@ class SelfAttention(nn.Module):
         core = partial(self._core_on_heads, p=p, causal_softmax=scaled_causal_softmax.eager)
         with dropout_rng(self.rng_tracker, p, model_parallel_rng=True):
             return varlen_attention(q, k, v, params, core, flash, self.window, p)
+
+    def _packed_heads_core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: PackedSeqParams
+    ) -> torch.Tensor:
+        """:meth:`_packed_core` without dropout on heads-first tensors of the whole sequence (a2a's core under
+        context parallelism; its heads are this CP rank's slice, the segments the whole sequence's)."""
+        out = self._packed_core(*(t.permute(2, 0, 1, 3) for t in (q, k, v)), params, 0.0)
+        return out.permute(1, 2, 0, 3)
 
     def _keyed_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
         """Attention with position-keyed dropout on ``[s, b, n, d]`` tensors -> ``[s, b, n, d]``: the CP
