@@ -51,10 +51,8 @@ def _span(values, fmt: str) -> str:
     values = [v for v in values if v is not None]
     if not values:
         return "-"
-    lo, hi = min(values), max(values)
-    return (
-        fmt.format(lo) if len(values) == 1 or fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}-{fmt.format(hi)}"
-    )
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return lo if lo == hi else f"{lo} to {hi}"
 
 
 def report(records, methods: dict) -> str:
