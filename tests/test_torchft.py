@@ -160,6 +160,10 @@ def test_a_killed_group_drops_out_and_a_returning_one_recovers_from_its_peer(tmp
         procs.append(_group(tmp_path, 1, port, "b2", MEGALM_TEST_FT_START_AFTER=str(back)))  # the new B
         _wait(lambda: procs[1].poll() is not None, 180, "B to die", procs, tmp_path)
         assert procs[1].returncode == -signal.SIGKILL, (tmp_path / "b.log").read_text()[-3000:]
+        # A commits a step alone before the new B comes (on a quiet machine a B released at once joined
+        # A's next quorum within the heartbeat timeout, and A never trained alone).
+        alone = lambda: 1 in [r.get("ft_replica_groups") for r in _train_rows(tmp_path / "a.jsonl")]  # noqa: E731
+        _wait(alone, 180, "A to commit a step alone", procs, tmp_path)
         back.touch()  # a fresh B (its imports done) starts: the node came back
         _wait(lambda: "asks for its first quorum" in (tmp_path / "b2.log").read_text(), 180, "B back", procs, tmp_path)
         hold.touch()  # A, holding after a step alone, goes on: its next quorum has B
