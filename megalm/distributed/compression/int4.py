@@ -24,7 +24,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from megalm.distributed import comm
-from megalm.distributed.compression.int8 import Int8, quantize
+from megalm.distributed.compression.int8 import Int8, quantize, round_to_integers
 
 
 def payload_bytes(numel: int, chunk: int) -> int:
@@ -39,12 +39,7 @@ class Int4Codec:
 
     def round(self, x: torch.Tensor, generator: Optional[torch.Generator]) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(codes uint8 in [1, 15], their values fp32)`` of ``x`` (fp32, ``|x| <= 7``)."""
-        if generator is None:
-            q = torch.round(x)
-        else:
-            u = torch.rand(x.shape, generator=generator, dtype=x.dtype, device=x.device)
-            q = torch.floor(x + u)
-        q = q.clamp_(-7, 7)
+        q = round_to_integers(x, generator, 7)
         return (q + 8).to(torch.uint8), q
 
     def values(self, codes: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,17 @@ def payload_bytes(numel: int, chunk: int) -> int:
     return numel + 4 * (-(-numel // chunk))
 
 
+def round_to_integers(x: torch.Tensor, generator: Optional[torch.Generator], limit: int) -> torch.Tensor:
+    """``x`` rounded to integers in ``[-limit, limit]`` (fp32): nearest without ``generator``, else stochastic
+    (``floor(x + u)``, ``u`` uniform in [0, 1): unbiased)."""
+    if generator is None:
+        q = torch.round(x)
+    else:
+        u = torch.rand(x.shape, generator=generator, dtype=x.dtype, device=x.device)
+        q = torch.floor(x + u)
+    return q.clamp_(-limit, limit)
+
+
 class Int8Codec:
     """Integers in ``[-127, 127]`` as int8 bytes: nearest (``round``) or stochastic (``floor(x + u)``)."""
 
@@ -44,12 +55,7 @@ class Int8Codec:
 
     def round(self, x: torch.Tensor, generator: Optional[torch.Generator]) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(codes uint8, their values fp32)`` of ``x`` (fp32, ``|x| <= max``)."""
-        if generator is None:
-            q = torch.round(x)
-        else:
-            u = torch.rand(x.shape, generator=generator, dtype=x.dtype, device=x.device)
-            q = torch.floor(x + u)
-        q = q.clamp_(-127, 127)
+        q = round_to_integers(x, generator, 127)
         return q.to(torch.int8).view(torch.uint8), q
 
     def values(self, codes: torch.Tensor) -> torch.Tensor:
