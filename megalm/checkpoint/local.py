@@ -343,17 +343,17 @@ class LocalCheckpoint:
         try:
             data = self._fetch(iteration, plan)
             payload = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
-            now_layout = layout(model_groups(model_chunks))
-            error = _mismatch(json.loads(payload["common_json"]), config, self.world, now_layout)
+            groups = model_groups(model_chunks)
+            now_layout = layout(groups)
+            common = json.loads(payload["common_json"])
+            error = _mismatch(common, config, self.world, now_layout)
         except Exception as e:  # noqa: BLE001 - an unreadable or refused shard: every rank falls back to disk
             error = f"cannot read rank {self.rank}'s shard of iteration {iteration}: {first_line(e)}"
         if self._refused(iteration, error):
             return None
-        common = json.loads(payload["common_json"])
         blocks = payload["blocks"]
         saved = {k: tuple(v[0]["global_shape"]) for k, v in blocks.items() if v}
-        groups = model_groups(model_chunks)
-        info = LoadInfo(f"local:{self.dir}", common, layout(groups), saved)
+        info = LoadInfo(f"local:{self.dir}", common, now_layout, saved)
         finish_param_sync(model_chunks)
         specs, main_params_missing = load_targets(model_chunks, optimizer, saved, groups)
         specs.update(sharded_load_plans(states, info))

@@ -257,9 +257,10 @@ class TrainerSetup:
         from megalm.resilience.torchft_replicas import full_quorum_shares
 
         cfg = self.cfg
-        shares = full_quorum_shares(cfg, parallel_state.group_size(self.groups.dp))
         if self.rebalancer is not None:
             shares = self.rebalancer.shares
+        else:  # None without torchft
+            shares = full_quorum_shares(cfg, parallel_state.group_size(self.groups.dp))
         iterators = build_train_valid_test_data_iterators(
             cfg,
             self.tokenizer,
