@@ -22,7 +22,6 @@ from megalm.checkpoint.common_json import layout
 from megalm.checkpoint.errors import CheckpointError
 from megalm.checkpoint.load import load_checkpoint, load_states
 from megalm.checkpoint.resume import checkpoint_to_resume, newest_load_root, non_persistent_dir, read_tracker
-from megalm.checkpoint.rng import set_rng_state
 from megalm.checkpoint.save import check_save_dir
 from megalm.checkpoint.stateful import CheckpointStates
 from megalm.config import with_vocab_size
@@ -100,12 +99,13 @@ class TrainerSetup:
             self._build_data()
         if loaded is not None and not (cfg.checkpoint.no_load_rng or cfg.checkpoint.finetune):
             # Last: building data loaders draws from the torch RNG.
-            if "rng" in loaded:  # a local checkpoint's
-                set_rng_state(loaded["rng"], self.rng_tracker)
+            rng = self.checkpoint_states.get("rng")
+            if "rng" in loaded:  # a local checkpoint's (it holds the generators itself)
+                rng.load_state_dict(loaded["rng"])
             else:
-                rng = CheckpointStates()
-                rng.register("rng", self.checkpoint_states.get("rng"))
-                load_states(loaded["path"], loaded, self.groups, rng)
+                only_rng = CheckpointStates()
+                only_rng.register("rng", rng)
+                load_states(loaded["path"], loaded, self.groups, only_rng)
         self.signal_handler = ExitSignalHandler() if t.exit_signal_handler else None
         self.memory_reported = False
         self.compile_reported = compile_stats()
