@@ -79,6 +79,7 @@ from typing import Dict, List, Optional
 import torch
 
 from megalm import parallel_state
+from megalm.device import get_device
 from megalm.distributed.comm import CommStats
 from megalm.distributed.compression import build_compressor
 from megalm.distributed.hierarchical import NodeGroups
@@ -88,6 +89,7 @@ from megalm.distributed.sharded_param_buffer import ShardedParamBuffer
 from megalm.distributed.unsharder import Unsharder
 from megalm.parallel_layout import NodeLayoutError
 from megalm.parallel_state import ProcessGroups, group_size
+from megalm.tensor_parallel.meta_init import materialize_remaining
 from megalm.tensor_parallel.param_info import param_info
 
 
@@ -176,7 +178,9 @@ class DistributedDataParallel(torch.nn.Module):
         if self.bucket_size is None and self.overlap_grad_reduce:
             self.bucket_size = default_bucket_size(dp)
         names = {p: n for n, p in module.named_parameters()}
-        self.compressor = build_compressor(parallel_cfg, next(module.parameters()).device, _global_rank(), comm_stats)
+        first = next(module.parameters())
+        self.device = get_device() if first.is_meta else first.device  # meta: filled by the buffers
+        self.compressor = build_compressor(parallel_cfg, self.device, _global_rank(), comm_stats)
 
         def pick_grad_dtype(p):
             return grad_dtype or (torch.float32 if fp32_grads else p.dtype)
@@ -214,10 +218,11 @@ class DistributedDataParallel(torch.nn.Module):
                     comm_stats=comm_stats,
                 )
                 (self.expert_buffers if expert else self.buffers).append(buf)
+        materialize_remaining([module], self.device)  # meta parameters no buffer took (requires_grad False)
         # --check-for-nan-in-loss-and-grad: which rank's own gradients were not finite (before reduction)
         self.local_nonfinite_grads: Optional[torch.Tensor] = None
         if check_for_nan_in_grad:
-            self.local_nonfinite_grads = torch.zeros((), dtype=torch.bool, device=next(module.parameters()).device)
+            self.local_nonfinite_grads = torch.zeros((), dtype=torch.bool, device=self.device)
             for buf in self.all_buffers:
                 buf.nonfinite = self.local_nonfinite_grads
         self._param_to_buffer = {p: b for b in self.all_buffers for p in b.param_index_map}
