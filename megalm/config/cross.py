@@ -87,15 +87,9 @@ def _validate_model_split(m, p) -> None:
 
 
 def _validate_mtp(m, p) -> None:
-    """--mtp-num-layers: not under context parallelism (its roll of the tokens would cross the CP chunks);
-    pipelined only with RoPE (the last stage's embedding copy has no position table)."""
+    """--mtp-num-layers: pipelined only with RoPE (the last stage's embedding copy has no position table)."""
     if m.mtp_num_layers is None:
         return
-    check(
-        p.context_parallel_size == 1,
-        f"--mtp-num-layers is not supported with --context-parallel-size {p.context_parallel_size} (the shift "
-        f"of the tokens by one position would cross the context-parallel chunks)",
-    )
     check(
         p.pipeline_model_parallel_size == 1 or m.position_embedding_type != "learned_absolute",
         "--mtp-num-layers with --pipeline-model-parallel-size > 1 needs --position-embedding-type rope or none "
