@@ -8,8 +8,11 @@ later processes reuse the generated kernels.  If compilation fails (no C++ compi
 unsupported op) the fusion warns once and runs eagerly from then on, with the same numbers
 up to rounding.
 
-Compilation is paid on the first call per input signature; :func:`compile_stats` reports
-the number of such calls and the seconds they took, which the trainer logs.
+Compilation is paid on the first call per input signature; each :class:`Fusion` counts such
+calls and the seconds they took (its :attr:`Fusion.stats`, next to the cache of signatures it
+has compiled), and :func:`megalm.fusions.registry.compile_stats` sums them over megalm's fusions
+for the trainer's log line.  A fusion object is a per-process compile cache, as torch.compile's
+own: the one piece of run-time state that lives in a module (tests/test_module_state.py lists it).
 
 A fusion made with ``dynamic=True`` (the MoE experts' activation, whose token counts change
 every step) compiles one graph with symbolic sizes instead; it recompiles only where dynamo
@@ -31,15 +34,6 @@ import torch
 class CompileStats:
     graphs: int = 0  # first calls of a fusion on a new input signature
     seconds: float = 0.0  # wall time of those calls (compilation + one run)
-
-
-_STATS = CompileStats()
-_LOCK = threading.Lock()
-
-
-def compile_stats() -> CompileStats:
-    """Totals over all fusions in this process so far."""
-    return CompileStats(_STATS.graphs, _STATS.seconds)
 
 
 def _signature(args, dynamic: bool) -> Tuple:
@@ -70,7 +64,15 @@ class Fusion:
         self._compiled = None
         self._failed = False
         self._seen: Dict[Tuple, bool] = {}
+        self._lock = threading.Lock()
+        self._stats = CompileStats()
         self.__doc__ = fn.__doc__
+
+    @property
+    def stats(self) -> CompileStats:
+        """This fusion's compilations so far (a copy)."""
+        with self._lock:
+            return CompileStats(self._stats.graphs, self._stats.seconds)
 
     def _compiled_fn(self):
         if self._compiled is None:
@@ -94,10 +96,10 @@ class Fusion:
             )
             return self.eager(*args)
         if not seen:
-            with _LOCK:
+            with self._lock:
                 self._seen[key] = True
-                _STATS.graphs += 1
-                _STATS.seconds += time.perf_counter() - start
+                self._stats.graphs += 1
+                self._stats.seconds += time.perf_counter() - start
         return out
 
 
