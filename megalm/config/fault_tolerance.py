@@ -39,7 +39,6 @@ def validate_fault_tolerance(cfg) -> None:
     )
     for refused, what in (
         (t.rampup_batch_size or t.step_batch_size_schedule, "--rampup-batch-size / --step-batch-size-schedule"),
-        (t.calculate_per_token_loss, "--calculate-per-token-loss (the groups' token counts are not exchanged)"),
         (t.straggler_rebalance_interval, "--straggler-rebalance-interval"),
         (p.local_sgd_interval, "--local-sgd-interval"),
         (p.grad_compression != "none", f"--grad-compression {p.grad_compression}"),
