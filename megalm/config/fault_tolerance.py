@@ -45,8 +45,9 @@ def validate_fault_tolerance(cfg) -> None:
         (p.num_layers_per_virtual_pipeline_stage or p.num_virtual_stages_per_pipeline_rank, "interleaved pipelines"),
         (d.dataloader_type != "single", f"--dataloader-type {d.dataloader_type}"),
         (
-            p.data_parallel_sharding_strategy not in ("no_shard", "optim"),
-            f"--data-parallel-sharding-strategy {p.data_parallel_sharding_strategy} (sharded gradients / parameters)",
+            p.data_parallel_sharding_strategy == "optim_grads_params",
+            "--data-parallel-sharding-strategy optim_grads_params (ZeRO-3: the state a recovering group receives is "
+            "read from whole parameters)",
         ),
     ):
         check(not refused, f"torchft replica groups (--ft-replica-group-id) do not work with {what} yet")
