@@ -67,7 +67,7 @@ def _cfg(argv, world_size=None):
         ([*FT, "--ft-replica-group-id", "0", "--ft-min-replicas", "3"], None, "--ft-min-replicas must be in [1,"),
         ([*FT[:4], "--ft-replica-group-id", "0"], None, "needs --global-batch-size"),
         ([*FT, "--ft-replica-group-id", "0", "--local-sgd-interval", "4"], None, "--local-sgd-interval"),
-        ([*FT, "--ft-replica-group-id", "0", "--data-parallel-sharding-strategy", "optim_grads_params"], None, "ZeRO-3"),
+        ([*FT, "--ft-replica-group-id", "0", "--data-parallel-sharding-strategy", "optim_grads_params"], 1, "ZeRO-3"),
         # 8 samples = 4 micro-batches of 2 over DP 2 x a quorum of 1 or 2 groups: fine; DP 4 x 2 groups: not
         ([*FT, "--ft-replica-group-id", "0", "--micro-batch-size", "2"], 4, "split evenly over a quorum of 2"),
     ],
