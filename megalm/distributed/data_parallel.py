@@ -79,6 +79,7 @@ from typing import Dict, List, Optional
 import torch
 
 from megalm import parallel_state
+from megalm.distributed.comm import CommStats
 from megalm.distributed.compression import build_compressor
 from megalm.distributed.hierarchical import NodeGroups
 from megalm.distributed.param_and_grad_buffer import Bucket, DataParallelError, ParamAndGradBuffer
@@ -154,8 +155,10 @@ class DistributedDataParallel(torch.nn.Module):
         *,
         process_groups: ProcessGroups,
         check_for_nan_in_grad: bool = False,
+        comm_stats: Optional[CommStats] = None,
     ):
         super().__init__()
+        self.comm_stats = comm_stats  # where the gradient / parameter collectives are counted (None: not counted)
         pg = self.process_groups = process_groups
         self.module = module
         self.overlap_grad_reduce = parallel_cfg.overlap_grad_reduce
@@ -173,7 +176,7 @@ class DistributedDataParallel(torch.nn.Module):
         if self.bucket_size is None and self.overlap_grad_reduce:
             self.bucket_size = default_bucket_size(dp)
         names = {p: n for n, p in module.named_parameters()}
-        self.compressor = build_compressor(parallel_cfg, next(module.parameters()).device, _global_rank())
+        self.compressor = build_compressor(parallel_cfg, next(module.parameters()).device, _global_rank(), comm_stats)
 
         def pick_grad_dtype(p):
             return grad_dtype or (torch.float32 if fp32_grads else p.dtype)
@@ -208,6 +211,7 @@ class DistributedDataParallel(torch.nn.Module):
                     node_groups=nodes,
                     compressor=self.compressor,
                     compress_key=f"{'expert' if expert else 'dense'}{bi}",
+                    comm_stats=comm_stats,
                 )
                 (self.expert_buffers if expert else self.buffers).append(buf)
         # --check-for-nan-in-loss-and-grad: which rank's own gradients were not finite (before reduction)

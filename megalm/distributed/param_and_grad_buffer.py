@@ -147,17 +147,26 @@ class Bucket:
         if nodes is not None:
             if self.buffer.use_distributed_optimizer:
                 lo, hi = self.local_shard()
-                self.handle = hierarchical.reduce_scatter(self.grad_data, self.grad_data[lo:hi], nodes)
+                self.handle = hierarchical.reduce_scatter(
+                    self.grad_data, self.grad_data[lo:hi], nodes, stats=self.buffer.comm_stats
+                )
             else:
-                self.handle = hierarchical.all_reduce(self.grad_data, nodes)
+                self.handle = hierarchical.all_reduce(self.grad_data, nodes, stats=self.buffer.comm_stats)
             return
         if self.buffer.use_distributed_optimizer:
             lo, hi = self.local_shard()
             self.handle = comm.reduce_scatter_tensor(
-                self.grad_data[lo:hi], self.grad_data, group=group, async_op=True, kind="grad_reduce_scatter"
+                self.grad_data[lo:hi],
+                self.grad_data,
+                group=group,
+                async_op=True,
+                kind="grad_reduce_scatter",
+                stats=self.buffer.comm_stats,
             )
         else:
-            self.handle = comm.all_reduce(self.grad_data, group=group, async_op=True, kind="grad_all_reduce")
+            self.handle = comm.all_reduce(
+                self.grad_data, group=group, async_op=True, kind="grad_all_reduce", stats=self.buffer.comm_stats
+            )
 
     def compresses(self) -> bool:
         """Whether this bucket's reduction is compressed: a data-parallel group of more than one rank
@@ -199,10 +208,12 @@ class Bucket:
             return
 
         def inter(chunk, lo, hi):
-            job = compression.CompressionJob(key, chunk, self.matrices(lo, hi), nodes.inter, "grad_inter")
+            job = compression.CompressionJob(
+                key, chunk, self.matrices(lo, hi), nodes.inter, "grad_inter", stats=self.buffer.comm_stats
+            )
             return comp.stages(job)
 
-        self.handle = hierarchical.all_reduce(self.grad_data, nodes, inter=inter)
+        self.handle = hierarchical.all_reduce(self.grad_data, nodes, inter=inter, stats=self.buffer.comm_stats)
 
     def advance_grad_sync(self, stage: int) -> None:
         """Hierarchical reduction: launch stages until ``stage`` of them have run (no-op otherwise)."""
@@ -228,13 +239,18 @@ class Bucket:
         lo, hi = self.local_shard()
         if self.buffer.node_groups is not None:
             self.param_handle = hierarchical.all_gather(
-                self.param_data, self.param_data[lo:hi], self.buffer.node_groups
+                self.param_data, self.param_data[lo:hi], self.buffer.node_groups, stats=self.buffer.comm_stats
             )
             if not async_op:
                 self.finish_param_sync()
             return
         self.param_handle = comm.all_gather_into_tensor(
-            self.param_data, self.param_data[lo:hi], group=group, async_op=async_op, kind="param_all_gather"
+            self.param_data,
+            self.param_data[lo:hi],
+            group=group,
+            async_op=async_op,
+            kind="param_all_gather",
+            stats=self.buffer.comm_stats,
         )
         if not async_op:
             self.param_handle = None
@@ -278,6 +294,7 @@ class ParamAndGradBuffer:
         node_groups: Optional[hierarchical.NodeGroups] = None,
         compressor: Optional[compression.GradCompressor] = None,
         compress_key: str = "",
+        comm_stats: Optional[comm.CommStats] = None,
     ):
         if not params:
             raise DataParallelError("ParamAndGradBuffer needs at least one parameter")
@@ -298,6 +315,7 @@ class ParamAndGradBuffer:
         self.use_distributed_optimizer = use_distributed_optimizer
         self.compressor = compressor  # a group of one compresses nothing but applies loaded residuals
         self.compress_key = compress_key
+        self.comm_stats = comm_stats  # where the collectives are counted (None: not counted)
         allocate_param_data = allocate_param_data or use_distributed_optimizer
         self.gradient_scaling_factor = gradient_scaling_factor
         self.pad_multiple = pad_multiple or data_parallel_world_size

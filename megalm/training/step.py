@@ -107,6 +107,7 @@ def train_step(
     outer_sync=None,
     rebalancer=None,
     replicas=None,
+    comm_stats=None,
 ) -> StepResult:
     """One iteration on this rank (collective over every rank); advances ``state`` and the
     learning-rate ``scheduler``.  ``microbatches``: the run's
@@ -119,7 +120,10 @@ def train_step(
     timed), or None; ``replicas``: the :class:`megalm.resilience.torchft_replicas.ReplicaGroups` of
     ``--ft-replica-group-id`` (this group's share of the micro-batches; gradients and losses averaged
     over the replica groups; the step is committed only if they all vote so, else
-    :class:`~megalm.resilience.torchft_replicas.StepNotCommitted` is raised before anything changed), or None."""
+    :class:`~megalm.resilience.torchft_replicas.StepNotCommitted` is raised before anything changed), or None;
+    ``comm_stats``: the
+    :class:`megalm.distributed.comm.CommStats` the collectives of finalizing the gradients and of the loss
+    check are counted in (the Trainer's; None: not counted)."""
     from megalm.distributed.finalize_model_grads import finalize_model_grads
     from megalm.transformer.moe import begin_training_step as begin_moe_step
 
@@ -157,10 +161,9 @@ def train_step(
     with timers("forward-backward"):
         reported = run_schedule() if rebalancer is None else rebalancer.timed(run_schedule)
     check_loss = cfg.training.check_for_nan_in_loss_and_grad and optimizer.grad_scaler is None
-    finalize_model_grads(
-        model, timers=timers, process_groups=groups
-    )  # every bucket checked its own gradients before reducing them
-    loss_flags = launch_loss_flags(reported, _local_nonfinite_grads(model)) if check_loss else None
+    # every bucket checked its own gradients before reducing them
+    finalize_model_grads(model, timers=timers, process_groups=groups, comm_stats=comm_stats)
+    loss_flags = launch_loss_flags(reported, _local_nonfinite_grads(model), comm_stats) if check_loss else None
     if per_token:
         tokens = global_token_count(reported.num_tokens, groups)
         if replicas is not None:  # this group's gradient sums / the groups' mean count, then averaged:

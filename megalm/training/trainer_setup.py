@@ -27,6 +27,7 @@ from megalm.checkpoint.stateful import CheckpointStates
 from megalm.config import with_vocab_size
 from megalm.config.validation import step_schedule
 from megalm.device import get_device
+from megalm.distributed.comm import CommStats
 from megalm.distributed.local_sgd import build_outer_sync
 from megalm.errors import MegalmError
 from megalm.fusions import BackendUnavailable, compile_stats, plan_fusions
@@ -75,15 +76,18 @@ class TrainerSetup:
         cfg = self.cfg  # with the tokenizer's vocabulary size
         self.timers("model-and-optimizer-setup").start()
         chunks = build_model_chunks(cfg, self.model_provider, self.groups, self.rng_tracker)
-        self.model = wrap_data_parallel(cfg, chunks, self.groups)
-        self.optimizer = build_optimizer(cfg, self.model, process_groups=self.groups)
+        self.comm_stats = CommStats()  # counts what DDP, the optimizer, the step and local SGD communicate
+        self.model = wrap_data_parallel(cfg, chunks, self.groups, self.comm_stats)
+        self.optimizer = build_optimizer(cfg, self.model, process_groups=self.groups, comm_stats=self.comm_stats)
         self.scheduler = OptimizerParamScheduler.from_config(cfg, self.optimizer)
         self.numerics = NumericsChecks(cfg.training, self.optimizer.grad_scaler, self.groups)
         t = cfg.training
         self.microbatches = self._microbatch_calculator()
         self.train_iters = self._train_iters()
         # After train_iters is known (counted here under --train-samples; the config is not changed).
-        self.outer_sync = build_outer_sync(cfg, self.optimizer, self.groups, last_iteration=self.train_iters)
+        self.outer_sync = build_outer_sync(
+            cfg, self.optimizer, self.groups, last_iteration=self.train_iters, comm_stats=self.comm_stats
+        )
         self.checkpoint_states = self._checkpoint_states()
         self._validate_data()  # before any output (metrics file, checkpoints) is created
         # Before the RNG state is restored: the CPU peak measurement draws random matrices.

@@ -247,6 +247,7 @@ class Trainer(TrainerSetup, TrainerReporting):
                 self.outer_sync,
                 self.rebalancer,
                 self.replicas,
+                self.comm_stats,
             )
 
         if self.replicas is None:
