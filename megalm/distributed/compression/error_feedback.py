@@ -75,6 +75,7 @@ class GradCompressor:
         self.method = method
         self.signature = signature or method.name  # what its state depends on (checkpoints compare it)
         self.residuals: Dict[str, torch.Tensor] = {}
+        self.exact = False  # --grad-compression-warmup-iters: the buffers reduce exactly (set per step by DDP)
 
     @property
     def name(self) -> str:
