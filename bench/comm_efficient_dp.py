@@ -102,7 +102,7 @@ QUIET_GRID = {  # --quiet-grid: issue 35's cells (the goal's link first, then 1 
     "seeds": "1234,1235",
     "iters": 256,
     "speed_window": 16,
-    "speed_warmup": 8,
+    "speed_warmup": 4,
     "speed_only": "hierarchical",
 }
 
@@ -422,14 +422,14 @@ def main(argv=None) -> int:
     p.add_argument(
         "--quiet-grid",
         action="store_true",
-        help=f"issue 35's grid: {', '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in QUIET_GRID.items())}",
+        help="issue 35's grid (explicit flags override): " + ", ".join(f"{k} {v}" for k, v in QUIET_GRID.items()),
     )
     p.add_argument("--report", nargs="+", metavar="FILE", help="no runs: the table of these --results files")
     p.add_argument("--plot", metavar="PREFIX", help="with --report: write PREFIX_<link>.png")
     args = p.parse_args(argv)
-    if args.quiet_grid:
-        for k, v in QUIET_GRID.items():
-            setattr(args, k, v)
+    if args.quiet_grid:  # the grid's values as defaults: flags given explicitly still win
+        p.set_defaults(**QUIET_GRID)
+        args = p.parse_args(argv)
     try:
         if not args.report:
             measure(args)

@@ -193,3 +193,15 @@ def test_split_measurement_shares_loss_runs_and_checks_the_speed_runs_losses(tmp
     assert "--speed-window 2 must be a multiple of every method's period H (not of local_sgd_h8_overlap1 (H=8))" in (
         capsys.readouterr().err
     )
+    # --quiet-grid: issue 35's cells; flags given explicitly override its values
+    calls.clear()
+    grid = ["--quiet-grid", "--results", str(tmp_path / "g.jsonl"), "--seeds", "1", "--iters", "8"]
+    assert bench.main(grid + ["--corpora", "system", "--bandwidths", "100mbit"]) == 0
+    g = bench.QUIET_GRID
+    speed_iters = g["speed_warmup"] + g["speed_window"] + 1
+    assert calls == [
+        ("unshaped", "plain", 8, "_loss"), ("100mbit", "plain", speed_iters, "_speed"),
+        ("100mbit", "hierarchical", speed_iters, "_speed"), ("unshaped", "int8", 8, "_loss"),
+        ("100mbit", "int8", speed_iters, "_speed"), ("unshaped", "int4", 8, "_loss"),
+        ("100mbit", "int4", speed_iters, "_speed"),
+    ]  # fmt: skip
