@@ -141,7 +141,7 @@ class Bucket:
             self.grad_data.mul_(factor)
         group = self.buffer.data_parallel_group
         nodes = self.buffer.node_groups
-        if self.buffer.compressor is not None:
+        if self.buffer.compressor is not None and not self.buffer.compressor.exact:  # exact: its warm-up
             if self.compresses():
                 self._start_compressed(group, nodes)
                 return
@@ -342,6 +342,18 @@ class ParamAndGradBuffer:
             self._make_bucket(i, start, end, members, unpadded)
             for i, (start, end, members, unpadded) in enumerate(bucket_spans)
         ]
+
+    def set_reduction(self, group, world: int, node_groups, scale: float) -> None:
+        """Reduce over ``group`` of ``world`` ranks (``node_groups``: hierarchically) with gradients
+        pre-scaled by ``scale`` from the next step on (local SGD's warm-up of synchronous steps switches
+        between the replica's group and the data-parallel group; the buffer must be padded for both)."""
+        if self.param_data is not None or self.numel % max(world, 1):
+            raise DataParallelError(f"a buffer of {self.numel} elements (param data: "
+                                    f"{self.param_data is not None}) cannot switch to a group of {world}")  # fmt: skip
+        self.data_parallel_group, self.data_parallel_world_size = group, world
+        self.data_parallel_rank = group_rank(group)
+        self.node_groups = node_groups if group is not None else None
+        self.gradient_scaling_factor = scale
 
     # --- layout ------------------------------------------------------------------------
     def _pad(self, n: int) -> int:
