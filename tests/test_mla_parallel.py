@@ -4,7 +4,8 @@ within 1e-5 relative over 3 steps), on one group of 4 ranks:
 
 * TP 2 with sequence parallelism x DP 2 (replicated down projections, gathered latents and RoPE key),
   with one multi-token prediction depth (its logged ``mtp_1 loss`` too);
-* TP 2 (SP) x CP 2 (p2p ring: v zero-padded to the q/k head dim);
+* TP 2 (SP) x CP 2 (p2p ring: v zero-padded to the q/k head dim), with one MTP depth (its shift of the
+  tokens taken over the whole sequence across the CP chunks, its loss the micro-batch's);
 * PP 2 x EP 2 (alltoall dispatcher) x DP 2 (one MLA layer per stage), with MTP on the last stage (its
   copy of the untied word embedding summed with the first stage's);
 * DP 4 with the blocked CPU attention core and selective recompute.
@@ -29,7 +30,7 @@ TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 MTP = ["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.5"]
 LAYOUTS = {  # name: (flags, single-process reference)
     "tp2_sp_mtp": ([*TP2, *MTP], "one_mtp"),
-    "tp2_cp2": ([*TP2, "--context-parallel-size", "2"], "one"),
+    "tp2_cp2_mtp": ([*TP2, "--context-parallel-size", "2", *MTP], "one_mtp"),
     "pp2_ep2_mtp": (["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", *MTP], "one_mtp"),
     "dp4_blocked": (["--attention-backend", "blocked", "--recompute-granularity", "selective"], "one"),
 }
