@@ -43,7 +43,7 @@ get no loss run.  Then a plain-DP cell at 100 Mbit/s costs ~W+N+1 link-bound ite
 
 The quiet grid (issue 35; see docs/comm-efficient-dp.md for its measured duration)::
 
-    python3 bench/comm_efficient_dp.py --quiet-grid --results bench/results/comm_efficient_dp_quiet.jsonl
+    python3 bench/comm_efficient_dp.py --quiet-grid --results quiet.jsonl
 """
 
 from __future__ import annotations
@@ -324,7 +324,9 @@ def check_names(given: str, known: dict, what: str) -> list:
 
 
 def measure(args) -> None:
-    """Every cell not yet in ``--results``, seeds outermost (the first seed's full table comes first)."""
+    """Every cell not yet in ``--results``: seeds outermost (the first seed's full table comes first);
+    split (``--speed-window``), links outermost (the first link's cells, the goal's, are complete first;
+    the later links add only their speed runs)."""
     methods = check_names(args.methods, METHODS, "method")
     corpora = check_names(args.corpora, CORPORA, "corpus")
     split = args.speed_window > 0
@@ -352,34 +354,33 @@ def measure(args) -> None:
 
     with tempfile.TemporaryDirectory(prefix="megalm-comp-bench-") as tmp:
         os.chmod(tmp, 0o777)
-        for seed in seeds:
-            for bandwidth in args.bandwidths.split(","):
-                for corpus in corpora:
-                    for method in methods:
-                        key = (corpus, bandwidth, seed, method, args.iters)
-                        if key in done:
-                            continue
-                        if not split:
-                            r = run_cell(corpus, dirs[corpus], bandwidth, seed, method, args, tmp)
-                        else:
-                            lkey = (corpus, seed, method, args.iters)
-                            if method not in speed_only and lkey not in losses:
-                                losses[lkey] = run_loss(corpus, dirs[corpus], seed, method, args, tmp)
-                                append(losses[lkey])
-                            skey = (corpus, bandwidth, method, args.iters)
-                            later = args.speed_seeds and seed not in seeds[: args.speed_seeds]
-                            reuse = measured_speed.get(skey) if later else None
-                            loss_run = losses.get(lkey) if method not in speed_only else None
-                            r = run_split_cell(
-                                corpus, dirs[corpus], bandwidth, seed, method, args, tmp, loss_run, reuse
-                            )
-                            measured_speed.setdefault(skey, r)
-                        append(r)
-                        check = r.get("loss_check")
-                        same = "" if check is None else f", losses equal the loss run's: {check['equal']}"
-                        print(f"{corpus} {bandwidth} seed {seed} {method}: {r['tokens_per_s']:.0f} tokens/s, "
-                              f"valid {r['valid_loss']}, load {r['load_before'][0]:.1f}-{r['load_after'][0]:.1f}"
-                              f"{same}", flush=True)  # fmt: skip
+        links = args.bandwidths.split(",")
+        order = [(seed, link) for link in links for seed in seeds] if split else [(s, b) for s in seeds for b in links]
+        for seed, bandwidth in order:
+            for corpus in corpora:
+                for method in methods:
+                    key = (corpus, bandwidth, seed, method, args.iters)
+                    if key in done:
+                        continue
+                    if not split:
+                        r = run_cell(corpus, dirs[corpus], bandwidth, seed, method, args, tmp)
+                    else:
+                        lkey = (corpus, seed, method, args.iters)
+                        if method not in speed_only and lkey not in losses:
+                            losses[lkey] = run_loss(corpus, dirs[corpus], seed, method, args, tmp)
+                            append(losses[lkey])
+                        skey = (corpus, bandwidth, method, args.iters)
+                        later = args.speed_seeds and seed not in seeds[: args.speed_seeds]
+                        reuse = measured_speed.get(skey) if later else None
+                        loss_run = losses.get(lkey) if method not in speed_only else None
+                        r = run_split_cell(corpus, dirs[corpus], bandwidth, seed, method, args, tmp, loss_run, reuse)
+                        measured_speed.setdefault(skey, r)
+                    append(r)
+                    check = r.get("loss_check")
+                    same = "" if check is None else f", losses equal the loss run's: {check['equal']}"
+                    print(f"{corpus} {bandwidth} seed {seed} {method}: {r['tokens_per_s']:.0f} tokens/s, "
+                          f"valid {r['valid_loss']}, load {r['load_before'][0]:.1f}-{r['load_after'][0]:.1f}"
+                          f"{same}", flush=True)  # fmt: skip
 
 
 def plot(records, prefix: str) -> list:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from megalm import parallel_state
 from megalm.config import ConfigError, MegalmConfig, ParallelConfig, validate_config
-from megalm.distributed import DistributedDataParallel, comm
+from megalm.distributed import CommStats, DistributedDataParallel
 from megalm.distributed.compression import (
     FP8,
     GradCompressor,
@@ -97,9 +97,9 @@ def method_of(name, chunk=16, ratio=1.0, rank=2):
 
 
 def reduce_once(comp, key, flat, matrices, group):
-    comm.reset_comm_stats()
+    comp.comm_stats = stats = CommStats()
     comp.all_reduce(key, flat, matrices, group).wait()
-    return {k: v["wire_bytes"] for k, v in comm.get_comm_stats().items()}
+    return {k: v["wire_bytes"] for k, v in stats.get().items()}
 
 
 def low_rank_input(rank_of_sum, me):
@@ -135,9 +135,9 @@ def exact_checks(group, me):
     # int8's / fp8's compressed reduce-scatter (distributed optimizer): shard me of 10 of the exact sum
     for name, g in (("int8", dyadic), ("fp8", e4m3)):
         flat, shard = g.clone(), (10 * me, 10 * me + 10)
-        comm.reset_comm_stats()
-        GradCompressor(method_of(name)).reduce_scatter("x", flat, shard, [], group).wait()
-        stats = comm.get_comm_stats()[f"grad_{name}_all_to_all"]
+        counted = CommStats()
+        GradCompressor(method_of(name), comm_stats=counted).reduce_scatter("x", flat, shard, [], group).wait()
+        stats = counted.get()[f"grad_{name}_all_to_all"]
         exact = out[name]["exact"][10 * me : 10 * me + 10]
         out[f"{name}_rs"] = {"exact": exact, "got": flat[10 * me : 10 * me + 10]}
         out[f"{name}_rs"]["bytes"] = (stats["wire_bytes"], stats["inter_node_bytes"])
@@ -201,12 +201,12 @@ def ddp_run(name, hierarchical, pg, distopt=False, keep=None, strategy="no_shard
     whose reduced shards are then all-gathered (uncounted).  ``keep``: a dict that gets the DDP
     wrapper (by method and hierarchical)."""
     cfg = config(name, hierarchical, distopt, data_parallel_sharding_strategy=strategy)
-    ddp = DistributedDataParallel(make_model(), cfg, process_groups=pg)
+    counted = CommStats()
+    ddp = DistributedDataParallel(make_model(), cfg, process_groups=pg, comm_stats=counted)
     if keep is not None:
         keep[(name, hierarchical)] = ddp
     me = parallel_state.group_rank(pg.dp_cp)
     losses, grads = [], []
-    comm.reset_comm_stats()
     for step in range(STEPS):
         ddp.zero_grad_buffer()
         losses.append(accumulate(ddp, step, me, ddp.no_sync))
@@ -217,7 +217,7 @@ def ddp_run(name, hierarchical, pg, distopt=False, keep=None, strategy="no_shard
             for buf, g in zip(ddp.all_buffers, whole):
                 for p, (s, e, _) in buf.param_index_map.items():
                     p -= LR * g[s:e].view(p.shape)
-    stats = {k: (v["calls"], v["wire_bytes"]) for k, v in comm.get_comm_stats().items()}
+    stats = {k: (v["calls"], v["wire_bytes"]) for k, v in counted.get().items()}
     return {"losses": losses, "grads": grads, "stats": stats}
 
 
@@ -248,17 +248,17 @@ def diloco_run(pg, hierarchical):
     """Two DiLoCo syncs (H = 2) of one parameter; the values after each, and the bytes sent.
     Hierarchical: the ranks of a node hold the same replica (as after exact intra-node steps)."""
     p = torch.nn.Parameter(torch.arange(6, dtype=torch.float32))
-    outer = OuterSync(FakeOptimizer([p]), 2, 0.7, 0.9, process_groups=pg, hierarchical=hierarchical)
+    stats = CommStats()
+    outer = OuterSync(FakeOptimizer([p]), 2, 0.7, 0.9, process_groups=pg, hierarchical=hierarchical, comm_stats=stats)
     replica = dist.get_rank() // LOCAL if hierarchical else dist.get_rank()
     out = []
-    comm.reset_comm_stats()
     for rnd in range(2):
         with torch.no_grad():
             p -= outer_values(replica, rnd)
         assert not outer.step(2 * rnd + 1)
         assert outer.step(2 * rnd + 2)
         out.append(p.detach().clone())
-    return out, {k: v["wire_bytes"] for k, v in comm.get_comm_stats().items()}
+    return out, {k: v["wire_bytes"] for k, v in stats.get().items()}
 
 
 OVERLAP_CASES = {"plain_d2": (1.0, 0.0, 2), "diloco_d1": (0.7, 0.9, 1)}  # (eta, mu, D), H = 2
@@ -277,7 +277,7 @@ def overlap_run(pg, hierarchical, eta, mu, overlap):
     restarted from ``state_dict`` taken then and run to the end: ``(value, restarted value)``."""
     replica = dist.get_rank() // LOCAL if hierarchical else dist.get_rank()
 
-    def make():
+    def make(stats=None):
         p = torch.nn.Parameter(torch.arange(6, dtype=torch.float32))
         return p, OuterSync(
             FakeOptimizer([p]),
@@ -288,11 +288,12 @@ def overlap_run(pg, hierarchical, eta, mu, overlap):
             hierarchical=hierarchical,
             overlap_steps=overlap,
             last_iteration=OVERLAP_ITERS,
+            comm_stats=stats,
         )
 
-    p, outer = make()
+    stats = CommStats()  # the first run's collectives
+    p, outer = make(stats)
     values, restarted = [], None
-    comm.reset_comm_stats()
     for it in range(1, OVERLAP_ITERS + 1):
         with torch.no_grad():
             p -= local_step(replica, it)
@@ -305,7 +306,7 @@ def overlap_run(pg, hierarchical, eta, mu, overlap):
             values[-1] = (values[-1], restarted[0].detach().clone())
         if restarted is None and it >= 3 and outer.pending is not None:  # 3 (D = 2) or 4 (D = 1)
             state = outer.state_dict()  # waits for the pending reduction
-            sent = {k: v["wire_bytes"] for k, v in comm.get_comm_stats().items()}
+            sent = {k: v["wire_bytes"] for k, v in stats.get().items()}
             restarted = make()
             with torch.no_grad():
                 restarted[0].copy_(p)
@@ -318,12 +319,12 @@ def local_grads(pg, hierarchical):
     """DDP under --local-sgd-interval: the gradient each rank holds after one accumulated step."""
     cfg = ParallelConfig(overlap_grad_reduce=True, ddp_bucket_size=BUCKET, hierarchical_grad_reduce=hierarchical,
                          local_sgd_interval=2)  # fmt: skip
-    ddp = DistributedDataParallel(make_model(), cfg, process_groups=pg)
-    comm.reset_comm_stats()
+    stats = CommStats()
+    ddp = DistributedDataParallel(make_model(), cfg, process_groups=pg, comm_stats=stats)
     ddp.zero_grad_buffer()
     accumulate(ddp, 0, parallel_state.group_rank(pg.dp_cp), ddp.no_sync)
     ddp.finish_grad_sync()
-    return torch.cat([p.main_grad.reshape(-1) for p in ddp.module.parameters()]), sorted(comm.get_comm_stats())
+    return torch.cat([p.main_grad.reshape(-1) for p in ddp.module.parameters()]), sorted(stats.get())
 
 
 STREAM_ITERS, STREAM_RESTART = 8, 3  # H = 2, F = 2, D = 1: a fragment starts at every iteration; 8 syncs both
@@ -337,13 +338,13 @@ def stream_step(replica, iteration):
 def streaming_run(pg, hierarchical):
     """Streaming DiLoCo (--local-sgd-fragments 2, H = 2, overlap 1, eta 0.7, mu 0.9) of two parameters
     (one per fragment): the values after each iteration, those of a copy restarted from the state
-    taken after iteration STREAM_RESTART (a correction pending), and the bytes of the whole run."""
+    taken after iteration STREAM_RESTART (a correction pending), and the bytes of the first run."""
     replica = dist.get_rank() // LOCAL if hierarchical else dist.get_rank()
 
-    def make():
+    def make(stats=None):
         p, q = (torch.nn.Parameter(torch.arange(6, dtype=torch.float32) + 6 * i) for i in range(2))
         sync = OuterSync(FakeOptimizer([p, q]), 2, 0.7, 0.9, process_groups=pg, hierarchical=hierarchical,
-                         overlap_steps=1, last_iteration=STREAM_ITERS, fragments=2)  # fmt: skip
+                         overlap_steps=1, last_iteration=STREAM_ITERS, fragments=2, comm_stats=stats)  # fmt: skip
         return (p, q), sync
 
     def train(params, sync, it):
@@ -354,9 +355,9 @@ def streaming_run(pg, hierarchical):
         sync.step(it)
         return torch.cat([x.detach().reshape(-1) for x in params])
 
-    params, sync = make()
+    stats = CommStats()  # the first run's collectives
+    params, sync = make(stats)
     values, restarted = [], None
-    comm.reset_comm_stats()
     for it in range(1, STREAM_ITERS + 1):
         values.append(train(params, sync, it))
         if restarted is not None:
@@ -368,7 +369,7 @@ def streaming_run(pg, hierarchical):
                 for mine, theirs in zip(restarted[0], params):
                     mine.copy_(theirs)
             restarted[1].load_state_dict(state)
-    sent = {k: v["wire_bytes"] for k, v in comm.get_comm_stats().items()}
+    sent = {k: v["wire_bytes"] for k, v in stats.get().items()}
     return values, sent
 
 
@@ -383,16 +384,17 @@ def warmup_grads(pg, hierarchical):
     for name, extra in WARMUPS.items():
         cfg = ParallelConfig(overlap_grad_reduce=True, ddp_bucket_size=BUCKET, hierarchical_grad_reduce=hierarchical,
                              **{**SETTINGS, **extra})  # fmt: skip
-        ddp = DistributedDataParallel(make_model(), cfg, process_groups=pg)
+        stats = CommStats()
+        ddp = DistributedDataParallel(make_model(), cfg, process_groups=pg, comm_stats=stats)
         out[name] = []
         for iteration in (1, 2):
             ddp.begin_step(iteration)
-            comm.reset_comm_stats()
+            stats.reset()
             ddp.zero_grad_buffer()
             accumulate(ddp, 0, me, ddp.no_sync)
             ddp.finish_grad_sync()
-            stats = {k: (v["calls"], v["wire_bytes"]) for k, v in comm.get_comm_stats().items()}
-            out[name].append((torch.cat([p.main_grad.reshape(-1) for p in ddp.module.parameters()]), stats))
+            counted = {k: (v["calls"], v["wire_bytes"]) for k, v in stats.get().items()}
+            out[name].append((torch.cat([p.main_grad.reshape(-1) for p in ddp.module.parameters()]), counted))
     return out
 
 
@@ -1015,10 +1017,8 @@ def test_streaming_diloco_syncs_one_fragment_at_a_time_and_resumes_exactly(ranks
     """--local-sgd-fragments 2 (H = 2, D = 1): each iteration starts the average of one fragment (6 of
     the 12 values), applied the next; the last iteration syncs both; values equal the float64 hand
     computation (flat over 4 replicas, hierarchical over 2 nodes), a copy restarted from the state taken
-    with a fragment's correction pending continues bit for bit, and the bytes are 9 syncs of 6 values
-    (and the restarted copy's 6)."""
+    with a fragment's correction pending continues bit for bit, and the bytes are 9 syncs of 6 values."""
     syncs = STREAM_ITERS - 1 + 2  # one start per iteration but the last, which syncs both
-    syncs += STREAM_ITERS - STREAM_RESTART - 1 + 2  # the restarted copy's, counted with them
     for hierarchical in (False, True):
         replicas = list(range(K // LOCAL)) if hierarchical else list(range(K))
         want = streaming_reference(replicas)

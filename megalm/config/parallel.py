@@ -63,6 +63,14 @@ class ParallelConfig(Section):
         "--overlap-param-gather prefetches the next bucket).",
         choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
     )
+    init_model_with_meta_device: bool = _f(
+        False,
+        "Build the model on the meta device and give parameters storage only when DDP's buffers take them, "
+        "filled bucket by bucket with the same initial values as without the flag: with "
+        "--data-parallel-sharding-strategy optim_grads_params a rank never holds the whole model (its shards and "
+        "one bucket at most); with optim and optim_grads the weights are made in DDP's parameter buffer directly "
+        "(no second copy of them); with no_shard the peak is the same.",
+    )
     overlap_grad_reduce: bool = _f(False, "Reduce gradient buckets during the last microbatch's backward.")
     overlap_param_gather: bool = _f(
         False,

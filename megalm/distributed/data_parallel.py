@@ -79,6 +79,8 @@ from typing import Dict, List, Optional
 import torch
 
 from megalm import parallel_state
+from megalm.device import get_device
+from megalm.distributed.comm import CommStats
 from megalm.distributed.compression import build_compressor
 from megalm.distributed.hierarchical import NodeGroups
 from megalm.distributed.param_and_grad_buffer import Bucket, DataParallelError, ParamAndGradBuffer
@@ -87,6 +89,7 @@ from megalm.distributed.sharded_param_buffer import ShardedParamBuffer
 from megalm.distributed.unsharder import Unsharder
 from megalm.parallel_layout import NodeLayoutError
 from megalm.parallel_state import ProcessGroups, group_size
+from megalm.tensor_parallel.meta_init import materialize_remaining
 from megalm.tensor_parallel.param_info import param_info
 
 
@@ -154,8 +157,10 @@ class DistributedDataParallel(torch.nn.Module):
         *,
         process_groups: ProcessGroups,
         check_for_nan_in_grad: bool = False,
+        comm_stats: Optional[CommStats] = None,
     ):
         super().__init__()
+        self.comm_stats = comm_stats  # where the gradient / parameter collectives are counted (None: not counted)
         pg = self.process_groups = process_groups
         self.module = module
         self.overlap_grad_reduce = parallel_cfg.overlap_grad_reduce
@@ -177,7 +182,9 @@ class DistributedDataParallel(torch.nn.Module):
         if self.bucket_size is None and self.overlap_grad_reduce:
             self.bucket_size = default_bucket_size(dp)
         names = {p: n for n, p in module.named_parameters()}
-        self.compressor = build_compressor(parallel_cfg, next(module.parameters()).device, _global_rank())
+        first = next(module.parameters())
+        self.device = get_device() if first.is_meta else first.device  # meta: filled by the buffers
+        self.compressor = build_compressor(parallel_cfg, self.device, _global_rank(), comm_stats)
 
         def pick_grad_dtype(p):
             return grad_dtype or (torch.float32 if fp32_grads else p.dtype)
@@ -214,15 +221,17 @@ class DistributedDataParallel(torch.nn.Module):
                     node_groups=nodes,
                     compressor=self.compressor,
                     compress_key=f"{'expert' if expert else 'dense'}{bi}",
+                    comm_stats=comm_stats,
                     **warmup,
                 )
                 if warmup:
                     self._reductions[buf] = {True: sync, False: (group if world > 1 else None, world, nodes, scale)}
                 (self.expert_buffers if expert else self.buffers).append(buf)
+        materialize_remaining([module], self.device)  # meta parameters no buffer took (requires_grad False)
         # --check-for-nan-in-loss-and-grad: which rank's own gradients were not finite (before reduction)
         self.local_nonfinite_grads: Optional[torch.Tensor] = None
         if check_for_nan_in_grad:
-            self.local_nonfinite_grads = torch.zeros((), dtype=torch.bool, device=next(module.parameters()).device)
+            self.local_nonfinite_grads = torch.zeros((), dtype=torch.bool, device=self.device)
             for buf in self.all_buffers:
                 buf.nonfinite = self.local_nonfinite_grads
         self._param_to_buffer = {p: b for b in self.all_buffers for p in b.param_index_map}

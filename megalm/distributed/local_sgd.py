@@ -93,7 +93,7 @@ class OuterSync:
     ``main_params``, ``names`` and ``model_params``); ``interval``: H; ``outer_lr``,
     ``outer_momentum``: eta, mu; ``process_groups``, ``hierarchical``: which groups (see
     :func:`outer_group`); ``overlap_steps``: D (see the module); ``last_iteration``: the run's last
-    iteration (its sync is blocking), or None.
+    iteration (its sync is blocking), or None; ``comm_stats``: where its collectives are counted.
     """
 
     def __init__(
@@ -107,10 +107,12 @@ class OuterSync:
         hierarchical: bool = False,
         overlap_steps: int = 0,
         last_iteration: Optional[int] = None,
+        comm_stats: Optional[comm.CommStats] = None,
         warmup_iters: int = 0,
         fragments: int = 1,
     ):
         self.optimizer = optimizer
+        self.comm_stats = comm_stats  # where the averaging collectives are counted (None: not counted)
         self.interval = interval
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
         self.plain = self.outer_lr == 1.0 and self.outer_momentum == 0.0
@@ -188,7 +190,9 @@ class OuterSync:
         (see the module)."""
         for outer, intra, params in self.fragments[fragment]:
             if group_size(outer) > 1:
-                flat = _AverageInFlight(_flatten_dense_tensors([p.data for p in params]), outer, intra).result()
+                flat = _AverageInFlight(
+                    _flatten_dense_tensors([p.data for p in params]), outer, intra, self.comm_stats
+                ).result()
                 for p, avg in zip(params, _unflatten_dense_tensors(flat, [p.data for p in params])):
                     p.data.copy_(avg)
             if not self.plain:
@@ -214,7 +218,7 @@ class OuterSync:
         groups = []
         for outer, intra, params in self.fragments[fragment]:
             snapshot = torch.cat([p.data.reshape(-1) for p in params])  # a copy (flattening one tensor is a view)
-            groups.append(_AverageInFlight(snapshot, outer, intra))
+            groups.append(_AverageInFlight(snapshot, outer, intra, self.comm_stats))
         return _PendingSync(apply_at, groups, fragment)
 
     @torch.no_grad()
@@ -326,7 +330,8 @@ class _AverageInFlight:
     and :meth:`result` all-gathers the chunks over the node: ``1/L`` of the bytes cross nodes per rank.
     ``snapshot`` is not modified."""
 
-    def __init__(self, snapshot: torch.Tensor, outer, intra):
+    def __init__(self, snapshot: torch.Tensor, outer, intra, stats: Optional[comm.CommStats]):
+        self.stats = stats
         self.snapshot, self.outer, self.intra = snapshot, outer, intra
         self._average: Optional[torch.Tensor] = None
         self.n, self.L = group_size(outer), group_size(intra)
@@ -343,7 +348,7 @@ class _AverageInFlight:
             mine = snapshot[i * self.chunk : (i + 1) * self.chunk]
             self.buffer[: mine.numel()] = mine
             kind = "local_sgd_param_all_reduce_inter"
-        self.work = comm.all_reduce(self.buffer, group=outer, async_op=True, kind=kind)
+        self.work = comm.all_reduce(self.buffer, group=outer, async_op=True, kind=kind, stats=stats)
 
     @classmethod
     def done(cls, snapshot: torch.Tensor, average: torch.Tensor) -> "_AverageInFlight":
@@ -362,7 +367,7 @@ class _AverageInFlight:
             else:
                 padded = torch.empty(self.chunk * self.L, dtype=self.buffer.dtype, device=self.buffer.device)
                 comm.all_gather_into_tensor(
-                    padded, self.buffer, group=self.intra, kind="local_sgd_param_all_gather_intra"
+                    padded, self.buffer, group=self.intra, kind="local_sgd_param_all_gather_intra", stats=self.stats
                 )
                 self._average = padded[: self.snapshot.numel()]
         return self._average
@@ -379,7 +384,11 @@ def _to_cpu(obj):
 
 
 def build_outer_sync(
-    cfg, optimizer, process_groups: ProcessGroups, last_iteration: Optional[int] = None
+    cfg,
+    optimizer,
+    process_groups: ProcessGroups,
+    last_iteration: Optional[int] = None,
+    comm_stats: Optional[comm.CommStats] = None,
 ) -> Optional[OuterSync]:
     """The :class:`OuterSync` ``--local-sgd-interval`` asks for, or None; ``last_iteration``: the
     run's last iteration (default --train-iters; the trainer's count under --train-samples)."""
@@ -395,6 +404,7 @@ def build_outer_sync(
         hierarchical=p.hierarchical_grad_reduce,
         overlap_steps=p.local_sgd_overlap_steps,
         last_iteration=cfg.training.train_iters if last_iteration is None else last_iteration,
+        comm_stats=comm_stats,
         warmup_iters=p.local_sgd_warmup_iters,
         fragments=p.local_sgd_fragments,
     )

@@ -116,7 +116,7 @@ class ShardedGradBucket(Bucket):
             self.handle = compressor.reduce_scatter(key, full, self.local_shard(), matrices, group, into=self.shard)
             return
         self.handle = comm.reduce_scatter_tensor(
-            self.shard, full, group=group, async_op=True, kind="grad_reduce_scatter"
+            self.shard, full, group=group, async_op=True, kind="grad_reduce_scatter", stats=self.buffer.comm_stats
         )
 
     def release_if_done(self) -> None:
