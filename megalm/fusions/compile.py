@@ -41,12 +41,13 @@ class CompileStats:
 
 def _signature(args, dynamic: bool) -> Tuple:
     """What selects a compiled graph: shapes (with ``dynamic``, only which sizes are 0, 1 or more),
-    dtypes, whether autograd records, devices, and the non-tensor arguments."""
+    dtypes, whether autograd records (the tensors' flags and the grad mode: evaluation runs under
+    ``no_grad``), devices, and the non-tensor arguments."""
 
     def shape(t: torch.Tensor) -> Tuple[int, ...]:
         return tuple(min(d, 2) for d in t.shape) if dynamic else tuple(t.shape)
 
-    return tuple(
+    return (torch.is_grad_enabled(),) + tuple(
         (shape(a), a.dtype, a.requires_grad, a.device.type) if isinstance(a, torch.Tensor) else a for a in args
     )
 
@@ -85,20 +86,20 @@ class Fusion:
         if self._failed:
             return self.eager(*args)
         key = _signature(args, self.dynamic)
-        if key in self._seen:
-            return self._compiled_fn()(*args)
+        seen = key in self._seen
         start = time.perf_counter()
-        try:
+        try:  # a seen signature can still recompile (a guard outside the key: strides, ...) and fail
             out = self._compiled_fn()(*args)
         except Exception as err:  # noqa: BLE001 - any compiler failure falls back to eager
             self._failed = True
             reason = f"{type(err).__name__}: {err}".strip().splitlines()[0]  # inductor's errors run long
             logger.warning(f"megalm fusion {self.name!r}: torch.compile failed ({reason}); running it eagerly")
             return self.eager(*args)
-        with self._lock:
-            self._seen[key] = True
-            self._stats.graphs += 1
-            self._stats.seconds += time.perf_counter() - start
+        if not seen:
+            with self._lock:
+                self._seen[key] = True
+                self._stats.graphs += 1
+                self._stats.seconds += time.perf_counter() - start
         return out
 
 

@@ -19,6 +19,8 @@ rank on this host's cores, under its CPU quota) training runs at the shared rate
   64 MB (``host_link_gbps``); on a CPU device the host is the device (offload copies run at memory bandwidth);
 * per-layer overhead: one tiny transformer-shaped block (hidden 32, 8 tokens) forward + backward, whose
   arithmetic is negligible: ``layer_overhead_us``;
+* on a CPU device, ``host_cores``: the cores every rank shares (this host's; the pipeline bubble's cores serve
+  the busy stages), and with ``--inter-node-rate`` the shaper's ``inter_node_burst_bytes``;
 * collectives: all-reduce of 4 KB and 8 MB over pairs of ranks on one node (intra) and over one rank of
   each node (inter; all pairs of a node at once, as the data-parallel groups of a layout run):
   latency from the small one, bandwidth from the difference, per direction (a 2-rank all-reduce of ``B``
@@ -267,6 +269,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="cluster TOML to write (its other keys are kept)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
     p.add_argument("--base", default=None, help="cluster preset or file the measurements update (default: --out)")
+    p.add_argument(
+        "--inter-node-burst-bytes",
+        type=float,
+        default=None,
+        help="the node links' token-bucket burst (the simulated cluster's tc tbf; megalm-plan passes it)",
+    )
     args = p.parse_args(argv)
     import torch.distributed as dist
 
@@ -296,6 +304,10 @@ def main(argv=None) -> int:
         merged["nodes"], merged["devices_per_node"] = world // per_node, per_node
         merged["backend"] = "nccl" if cuda else "gloo"
         merged["device"] = "cuda" if cuda else "cpu"
+        if not cuda:  # every rank of a CPU calibration (the simulated cluster) runs on this host's cores
+            merged["host_cores"] = len(os.sched_getaffinity(0))
+        if args.inter_node_burst_bytes is not None:
+            merged["inter_node_burst_bytes"] = args.inter_node_burst_bytes
         base = args.base or (args.out if os.path.exists(args.out) else ("h100" if cuda else "cpu-sim"))
         cluster = load_cluster(base, merged)
         with open(args.out, "w") as f:
