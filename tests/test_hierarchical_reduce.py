@@ -17,6 +17,7 @@ from megalm.config import MegalmConfig, ParallelConfig
 from megalm.distributed import CommStats, DistributedDataParallel, comm, finalize_model_grads
 from megalm.parallel_state import NodeLayoutError, ProcessGroups, get_process_groups, node_split
 from tests.distributed_harness import run_distributed
+from tests.training_runs import tiny_flags
 
 BATCH, NUM_MICRO, STEPS, BUCKET = 16, 2, 3, 100
 LOCAL = 2  # ranks per node
@@ -251,45 +252,19 @@ def test_single_process_flag_is_a_no_op():
 
 # --- through the trainer: the flag, and inter_node_bytes in the metrics file -----------------------
 
-TRAIN = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "16",
-    "--max-position-embeddings",
-    "16",
-    "--mock-data",
-    "--vocab-size",
-    "200",
-    "--num-workers",
-    "0",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--lr",
-    "3e-3",
-    "--eval-iters",
-    "0",
-    "--seed",
-    "5",
-    "--micro-batch-size",
-    "1",
-    "--global-batch-size",
-    "8",
-    "--log-interval",
-    "1",
-    "--train-iters",
-    "3",
-    "--use-distributed-optimizer",
-    "--overlap-grad-reduce",
-    "--ddp-bucket-size",
-    "4000",
-]
+TRAIN = tiny_flags(
+    hidden_size="32",
+    seq_length="16",
+    vocab_size="200",
+    lr="3e-3",
+    seed="5",
+    micro_batch_size="1",
+    global_batch_size="8",
+    train_iters="3",
+    use_distributed_optimizer=True,
+    overlap_grad_reduce=True,
+    ddp_bucket_size="4000",
+)
 
 
 def trainer_worker(tmp):

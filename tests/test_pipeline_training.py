@@ -17,58 +17,24 @@ import torch
 
 from tests.distributed_harness import run_distributed
 from tests.training_runs import assert_close as _assert_close
-from tests.training_runs import inf_at
+from tests.training_runs import inf_at, tiny_flags
 from tests.training_runs import losses as _losses
 from tests.training_runs import records as _records
 
-PIPE = [
-    "--num-layers",
-    "4",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--max-position-embeddings",
-    "32",
-    "--mock-data",
-    "--vocab-size",
-    "500",
-    "--num-workers",
-    "0",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--lr",
-    "2e-3",
-    "--min-lr",
-    "1e-4",
-    "--lr-decay-style",
-    "cosine",
-    "--lr-warmup-iters",
-    "2",
-    "--log-interval",
-    "1",
-    "--eval-iters",
-    "0",
-    "--seed",
-    "7",
-    "--clip-grad",
-    "0.5",
-    "--weight-decay",
-    "0.1",
-    "--split",
-    "90,5,5",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "8",
-    "--train-iters",
-    "6",
-    "--log-params-norm",
-]
+# The tiny GPT (tests/training_runs.py) with 4 layers (one per stage at PP 4), cosine schedule and clipping.
+PIPE = tiny_flags(
+    num_layers="4",
+    min_lr="1e-4",
+    lr_decay_style="cosine",
+    lr_warmup_iters="2",
+    clip_grad="0.5",
+    weight_decay="0.1",
+    split="90,5,5",
+    micro_batch_size="2",
+    global_batch_size="8",
+    train_iters="6",
+    log_params_norm=True,
+)
 EVALS = ["--eval-interval", "3", "--eval-iters", "2"]
 UNTIED = ["--untie-embeddings-and-output-weights"]
 FP16 = ["--fp16", "--initial-loss-scale", "1024", "--hysteresis", "1", "--loss-scale-window", "3"]
