@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from megalm import parallel_state
 from megalm.config import ConfigError, MegalmConfig, ParallelConfig, validate_config
-from megalm.distributed import DistributedDataParallel, comm
+from megalm.distributed import CommStats, DistributedDataParallel
 from megalm.distributed.compression import (
     FP8,
     GradCompressor,
@@ -97,9 +97,9 @@ def method_of(name, chunk=16, ratio=1.0, rank=2):
 
 
 def reduce_once(comp, key, flat, matrices, group):
-    comm.reset_comm_stats()
+    comp.comm_stats = stats = CommStats()
     comp.all_reduce(key, flat, matrices, group).wait()
-    return {k: v["wire_bytes"] for k, v in comm.get_comm_stats().items()}
+    return {k: v["wire_bytes"] for k, v in stats.get().items()}
 
 
 def low_rank_input(rank_of_sum, me):
@@ -135,9 +135,9 @@ def exact_checks(group, me):
     # int8's / fp8's compressed reduce-scatter (distributed optimizer): shard me of 10 of the exact sum
     for name, g in (("int8", dyadic), ("fp8", e4m3)):
         flat, shard = g.clone(), (10 * me, 10 * me + 10)
-        comm.reset_comm_stats()
-        GradCompressor(method_of(name)).reduce_scatter("x", flat, shard, [], group).wait()
-        stats = comm.get_comm_stats()[f"grad_{name}_all_to_all"]
+        counted = CommStats()
+        GradCompressor(method_of(name), comm_stats=counted).reduce_scatter("x", flat, shard, [], group).wait()
+        stats = counted.get()[f"grad_{name}_all_to_all"]
         exact = out[name]["exact"][10 * me : 10 * me + 10]
         out[f"{name}_rs"] = {"exact": exact, "got": flat[10 * me : 10 * me + 10]}
         out[f"{name}_rs"]["bytes"] = (stats["wire_bytes"], stats["inter_node_bytes"])
@@ -201,12 +201,12 @@ def ddp_run(name, hierarchical, pg, distopt=False, keep=None, strategy="no_shard
     whose reduced shards are then all-gathered (uncounted).  ``keep``: a dict that gets the DDP
     wrapper (by method and hierarchical)."""
     cfg = config(name, hierarchical, distopt, data_parallel_sharding_strategy=strategy)
-    ddp = DistributedDataParallel(make_model(), cfg, process_groups=pg)
+    counted = CommStats()
+    ddp = DistributedDataParallel(make_model(), cfg, process_groups=pg, comm_stats=counted)
     if keep is not None:
         keep[(name, hierarchical)] = ddp
     me = parallel_state.group_rank(pg.dp_cp)
     losses, grads = [], []
-    comm.reset_comm_stats()
     for step in range(STEPS):
         ddp.zero_grad_buffer()
         losses.append(accumulate(ddp, step, me, ddp.no_sync))
@@ -217,7 +217,7 @@ def ddp_run(name, hierarchical, pg, distopt=False, keep=None, strategy="no_shard
             for buf, g in zip(ddp.all_buffers, whole):
                 for p, (s, e, _) in buf.param_index_map.items():
                     p -= LR * g[s:e].view(p.shape)
-    stats = {k: (v["calls"], v["wire_bytes"]) for k, v in comm.get_comm_stats().items()}
+    stats = {k: (v["calls"], v["wire_bytes"]) for k, v in counted.get().items()}
     return {"losses": losses, "grads": grads, "stats": stats}
 
 
@@ -248,17 +248,17 @@ def diloco_run(pg, hierarchical):
     """Two DiLoCo syncs (H = 2) of one parameter; the values after each, and the bytes sent.
     Hierarchical: the ranks of a node hold the same replica (as after exact intra-node steps)."""
     p = torch.nn.Parameter(torch.arange(6, dtype=torch.float32))
-    outer = OuterSync(FakeOptimizer([p]), 2, 0.7, 0.9, process_groups=pg, hierarchical=hierarchical)
+    stats = CommStats()
+    outer = OuterSync(FakeOptimizer([p]), 2, 0.7, 0.9, process_groups=pg, hierarchical=hierarchical, comm_stats=stats)
     replica = dist.get_rank() // LOCAL if hierarchical else dist.get_rank()
     out = []
-    comm.reset_comm_stats()
     for rnd in range(2):
         with torch.no_grad():
             p -= outer_values(replica, rnd)
         assert not outer.step(2 * rnd + 1)
         assert outer.step(2 * rnd + 2)
         out.append(p.detach().clone())
-    return out, {k: v["wire_bytes"] for k, v in comm.get_comm_stats().items()}
+    return out, {k: v["wire_bytes"] for k, v in stats.get().items()}
 
 
 OVERLAP_CASES = {"plain_d2": (1.0, 0.0, 2), "diloco_d1": (0.7, 0.9, 1)}  # (eta, mu, D), H = 2
@@ -277,7 +277,7 @@ def overlap_run(pg, hierarchical, eta, mu, overlap):
     restarted from ``state_dict`` taken then and run to the end: ``(value, restarted value)``."""
     replica = dist.get_rank() // LOCAL if hierarchical else dist.get_rank()
 
-    def make():
+    def make(stats=None):
         p = torch.nn.Parameter(torch.arange(6, dtype=torch.float32))
         return p, OuterSync(
             FakeOptimizer([p]),
@@ -288,11 +288,12 @@ def overlap_run(pg, hierarchical, eta, mu, overlap):
             hierarchical=hierarchical,
             overlap_steps=overlap,
             last_iteration=OVERLAP_ITERS,
+            comm_stats=stats,
         )
 
-    p, outer = make()
+    stats = CommStats()  # the first run's collectives
+    p, outer = make(stats)
     values, restarted = [], None
-    comm.reset_comm_stats()
     for it in range(1, OVERLAP_ITERS + 1):
         with torch.no_grad():
             p -= local_step(replica, it)
@@ -305,7 +306,7 @@ def overlap_run(pg, hierarchical, eta, mu, overlap):
             values[-1] = (values[-1], restarted[0].detach().clone())
         if restarted is None and it >= 3 and outer.pending is not None:  # 3 (D = 2) or 4 (D = 1)
             state = outer.state_dict()  # waits for the pending reduction
-            sent = {k: v["wire_bytes"] for k, v in comm.get_comm_stats().items()}
+            sent = {k: v["wire_bytes"] for k, v in stats.get().items()}
             restarted = make()
             with torch.no_grad():
                 restarted[0].copy_(p)
@@ -318,12 +319,37 @@ def local_grads(pg, hierarchical):
     """DDP under --local-sgd-interval: the gradient each rank holds after one accumulated step."""
     cfg = ParallelConfig(overlap_grad_reduce=True, ddp_bucket_size=BUCKET, hierarchical_grad_reduce=hierarchical,
                          local_sgd_interval=2)  # fmt: skip
-    ddp = DistributedDataParallel(make_model(), cfg, process_groups=pg)
-    comm.reset_comm_stats()
+    stats = CommStats()
+    ddp = DistributedDataParallel(make_model(), cfg, process_groups=pg, comm_stats=stats)
     ddp.zero_grad_buffer()
     accumulate(ddp, 0, parallel_state.group_rank(pg.dp_cp), ddp.no_sync)
     ddp.finish_grad_sync()
-    return torch.cat([p.main_grad.reshape(-1) for p in ddp.module.parameters()]), sorted(comm.get_comm_stats())
+    return torch.cat([p.main_grad.reshape(-1) for p in ddp.module.parameters()]), sorted(stats.get())
+
+
+WARMUPS = {"local": {"local_sgd_interval": 2, "local_sgd_warmup_iters": 1},
+           "int8": {"grad_compression": "int8", "grad_compression_warmup_iters": 1}}  # fmt: skip
+
+
+def warmup_grads(pg, hierarchical):
+    """DDP under a warm-up of one iteration (``WARMUPS``): each iteration's reduced gradient (the same
+    microbatches both times) and its collectives ``{kind: (calls, wire bytes)}``."""
+    out, me = {}, parallel_state.group_rank(pg.dp_cp)
+    for name, extra in WARMUPS.items():
+        cfg = ParallelConfig(overlap_grad_reduce=True, ddp_bucket_size=BUCKET, hierarchical_grad_reduce=hierarchical,
+                             **{**SETTINGS, **extra})  # fmt: skip
+        stats = CommStats()
+        ddp = DistributedDataParallel(make_model(), cfg, process_groups=pg, comm_stats=stats)
+        out[name] = []
+        for iteration in (1, 2):
+            ddp.begin_step(iteration)
+            stats.reset()
+            ddp.zero_grad_buffer()
+            accumulate(ddp, 0, me, ddp.no_sync)
+            ddp.finish_grad_sync()
+            counted = {k: (v["calls"], v["wire_bytes"]) for k, v in stats.get().items()}
+            out[name].append((torch.cat([p.main_grad.reshape(-1) for p in ddp.module.parameters()]), counted))
+    return out
 
 
 def by_name(tensors, src, dst):
@@ -370,6 +396,7 @@ def worker():
     out["diloco"] = {h: diloco_run(pg, h) for h in (False, True)}
     out["overlap"] = {(c, h): overlap_run(pg, h, *OVERLAP_CASES[c]) for c in OVERLAP_CASES for h in (False, True)}
     out["local"] = {h: local_grads(pg, h) for h in (False, True)}
+    out["warmup"] = {h: warmup_grads(pg, h) for h in (False, True)}
     trained = {}
     out["ddp"] = {(n, h): ddp_run(n, h, pg, keep=trained) for n in METHODS for h in (False, True)}
     out["distopt"] = {(n, h): ddp_run(n, h, pg, distopt=True) for n, h in DISTOPT_CASES}
@@ -857,3 +884,38 @@ def test_local_sgd_reduces_inside_the_node_only(ranks):
         assert kinds == ["grad_all_reduce"]  # over the 2 ranks of the node
         node = me // LOCAL * LOCAL
         torch.testing.assert_close(grads, (own[node] + own[node + 1]) / 2, rtol=1e-6, atol=1e-7)
+
+
+def test_warmup_iterations_reduce_exactly_over_the_whole_group_then_the_method_starts(ranks):
+    """--local-sgd-warmup-iters 1 and --grad-compression-warmup-iters 1 (int8): iteration 1 is plain
+    data parallelism (the mean over the 4 ranks; exact fp32 bytes: flat ``2 (K-1)/K 4 N``, hierarchical
+    ``(L-1)/L 4 N`` per intra-node leg and ``2 (n-1)/n 4 N/L`` across the n = 2 nodes); iteration 2 is the
+    method's (local SGD: the replica's own gradient, nothing sent; int8: its compressed all-gather)."""
+    model = make_model()
+    own = []
+    for me in range(K):
+        model.zero_grad()
+        accumulate(model, 0, me, contextlib.nullcontext)
+        own.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    mean = sum(own) / K
+    buf = ParamAndGradBuffer(list(make_model().parameters()), torch.float32, BUCKET, None, K, 1.0 / K)
+    sizes = [b.numel for b in buf.buckets]
+    flat_bytes = {"grad_all_reduce": (len(sizes), sum(2 * (K - 1) / K * 4 * n for n in sizes))}
+    leg = (len(sizes), sum((LOCAL - 1) / LOCAL * 4 * n for n in sizes))
+    hier_bytes = {"grad_reduce_scatter_intra": leg, "grad_all_gather_intra": leg,
+                  "grad_all_reduce_inter": (len(sizes), sum(2 * 1 / 2 * 4 * n // LOCAL for n in sizes))}  # fmt: skip
+    for me, r in enumerate(ranks):
+        for h, exact_bytes in ((False, flat_bytes), (True, hier_bytes)):
+            for name in WARMUPS:
+                (warm, warm_stats), (after, after_stats) = r["warmup"][h][name]
+                torch.testing.assert_close(warm, mean, rtol=1e-5, atol=1e-7)
+                assert warm_stats == exact_bytes, (h, name)
+            local, local_stats = r["warmup"][h]["local"][1]
+            node = me // LOCAL * LOCAL
+            torch.testing.assert_close(local, own[me] if not h else (own[node] + own[node + 1]) / 2, rtol=1e-6,
+                                       atol=1e-7)  # fmt: skip
+            assert set(local_stats) == (set() if not h else {"grad_all_reduce"})
+            after, after_stats = r["warmup"][h]["int8"][1]
+            hier_int8 = {"grad_reduce_scatter_intra", "grad_inter_int8_all_gather", "grad_all_gather_intra"}
+            assert set(after_stats) == (hier_int8 if h else {"grad_int8_all_gather"})
+            assert not torch.equal(after, warm)  # compressed: not the exact mean

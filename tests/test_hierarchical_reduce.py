@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from megalm import parallel_state
 from megalm.config import MegalmConfig, ParallelConfig
-from megalm.distributed import DistributedDataParallel, comm, finalize_model_grads
+from megalm.distributed import CommStats, DistributedDataParallel, comm, finalize_model_grads
 from megalm.parallel_state import NodeLayoutError, ProcessGroups, get_process_groups, node_split
 from tests.distributed_harness import run_distributed
 
@@ -73,19 +73,19 @@ def ddp_grads(hierarchical, overlap, expert, pg):
     """main_grads after one step with grad accumulation, and the inter-node bytes per node."""
     cfg = ParallelConfig(overlap_grad_reduce=overlap, ddp_bucket_size=BUCKET, hierarchical_grad_reduce=hierarchical)
     model = make_model(expert)
-    ddp = DistributedDataParallel(model, cfg, process_groups=pg)
+    stats = CommStats()
+    ddp = DistributedDataParallel(model, cfg, process_groups=pg, comm_stats=stats)
     dp, dp_rank = parallel_state.group_size(pg.dp_cp), parallel_state.group_rank(pg.dp_cp)
-    comm.reset_comm_stats()
     ddp.zero_grad_buffer()
     backward_step(ddp, 0, dp_rank, dp)
-    finalize_model_grads([ddp], process_groups=pg)
-    per_node = comm.inter_node_bytes_per_node()
+    finalize_model_grads([ddp], process_groups=pg, comm_stats=stats)
+    per_node = comm.inter_node_bytes_per_node(stats)
     return {
         "grads": [p.main_grad.clone() for p in model.parameters()],
         "per_node": per_node,
         "bucket_bytes": padded_bucket_bytes(ddp),
         "ranges": ddp.bucket_ranges(),
-        "kinds": sorted(comm.get_comm_stats()),
+        "kinds": sorted(stats.get()),
     }
 
 
@@ -99,21 +99,21 @@ def train_distopt(hierarchical, overlap, pg):
     p.use_distributed_optimizer, p.overlap_grad_reduce, p.overlap_param_gather = True, overlap, overlap
     p.ddp_bucket_size, p.hierarchical_grad_reduce = BUCKET, hierarchical
     model = make_model()
-    ddp = DistributedDataParallel(model, p, process_groups=pg)
-    optimizer = build_optimizer(cfg, [ddp], report_memory=False, process_groups=pg)
+    stats = CommStats()
+    ddp = DistributedDataParallel(model, p, process_groups=pg, comm_stats=stats)
+    optimizer = build_optimizer(cfg, [ddp], report_memory=False, process_groups=pg, comm_stats=stats)
     dp, dp_rank = parallel_state.group_size(pg.dp_cp), parallel_state.group_rank(pg.dp_cp)
-    comm.reset_comm_stats()
     losses, grad_shards = [], []
     for step in range(STEPS):
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         losses.append(backward_step(ddp, step, dp_rank, dp))
-        finalize_model_grads([ddp], process_groups=pg)
+        finalize_model_grads([ddp], process_groups=pg, comm_stats=stats)
         grad_shards.append([r.grad.clone() for r in optimizer.ranges])
         ok, _, _ = optimizer.step()
         assert ok
     ddp.finish_param_sync()
-    grad_kinds = {k: v["inter_node_bytes"] for k, v in comm.get_comm_stats().items()}
+    grad_kinds = {k: v["inter_node_bytes"] for k, v in stats.get().items()}
     return {
         "losses": losses,
         "params": [q.detach().clone() for q in model.parameters()],
@@ -308,12 +308,11 @@ def trainer_worker(tmp):
             chunk.setdefault("model", model)
             return pretrain_gpt.forward_step(data_iterator, model)
 
-        comm.reset_comm_stats()
         pretrain_gpt.main(TRAIN + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl")] + extra, forward_step)
         parallel_state.destroy_model_parallel()
         model = chunk["model"]
         seen[name] = {
-            "stats": comm.get_comm_stats(),
+            "stats": model.comm_stats.get(),  # the Trainer's CommStats, held by its DDP wrapper
             "buckets": [(b.numel, b.numel_unpadded) for buf in model.all_buffers for b in buf.buckets],
             "dp": model.data_parallel_world_size,
             "params": sum(p.numel() for p in model.module.parameters() if p.requires_grad),

@@ -315,3 +315,75 @@ def test_printed_flags_start_a_run(tmp_path):
         timeout=120,
     )
     assert bad.returncode == 2 and "no cluster preset or file 'nope'" in bad.stderr
+
+
+def test_token_bucket_link_and_step_floor_against_hand_counts():
+    """A token-bucket node link (the simulated cluster's tc tbf): a call's bytes up to the burst pass at the
+    device link's rate; the step lasts at least the busiest node's bytes of the step at the link's rate."""
+    from megalm.planner.links import node_link_s
+
+    bucket = dataclasses.replace(FLAT, inter_node_bandwidth_gbps=0.001, inter_node_burst_bytes=30000.0)
+    dp = layout_links(4, 2, 1, 1, 1, 1, 1)["data_context"]  # one ring hop leaves each node
+    assert node_link_s(bucket, 80000.0) == pytest.approx(50000.0 / 1e6)
+    # 8 MB all-reduce: 1.5 x 8 MB leave the node, less the burst, at 1 MB/s; 16 kB: all within the burst
+    assert ring_time(bucket, dp, "all_reduce", 8e6)[0] == pytest.approx((1.5 * 8e6 - 3e4) / 1e6)
+    assert ring_time(bucket, dp, "all_reduce", 16384)[0] == pytest.approx(1.5 * 16384 / 10e9)
+    # TP 4 over 2 nodes, 4 microbatches of 2: per microbatch 2 layers x 4 all-reduces + the embedding's and
+    # the output layer's 3, each of T h fp32 bytes (1.5 x 16 kB leave a node, under the burst), and the step's
+    # two small all-reduces over the world (NaN check, gradient norm over TP: 8 x 2 x 4 bytes each)
+    cfg = _layout_cfg(Layout(tp=4, micro_batch=2))
+    cost = step_cost(cfg, bucket)
+    node_bytes = 4 * (2 * 4 + 3) * 1.5 * (64 * 64 * 4) + 2 * 1.5 * 64
+    assert cost.detail["node_bytes"] == pytest.approx(node_bytes)
+    assert cost.terms["node_link"] > 0
+    assert cost.step_s == pytest.approx((node_bytes - 3e4) / 1e6)
+    # without a bucket the per-call times already exceed the floor: no node_link term
+    plain = step_cost(cfg, dataclasses.replace(bucket, inter_node_burst_bytes=0.0))
+    assert plain.terms["node_link"] == 0 and plain.step_s > cost.step_s
+
+
+def test_step_sync_dispatchers_shared_cores_and_hierarchical_sharding_against_hand_counts():
+    from megalm.estimate.parameters import total_parameters
+
+    # the step's small all-reduces, 1 ms per call (no latency, negligible bytes): DP 4 no_shard: NaN check
+    # (world) + losses (DP); the gradient norm's model-parallel group is one rank; sharded: the norm over the world
+    call = dataclasses.replace(FLAT, collective_call_us=1000.0)
+    assert step_cost(_layout_cfg(Layout(micro_batch=2)), call).terms["step_sync"] == pytest.approx(2e-3, rel=1e-3)
+    sharded = _layout_cfg(Layout(micro_batch=2, strategy="optim"))
+    assert step_cost(sharded, call).terms["step_sync"] == pytest.approx(3e-3, rel=1e-3)
+    tp2 = _layout_cfg(Layout(tp=2, micro_batch=2))  # world, TP (the model group), DP
+    assert step_cost(tp2, call).terms["step_sync"] == pytest.approx(3e-3, rel=1e-3)
+
+    # MoE, EP 2 inside a node (10 GB/s), one microbatch of 2 x 32 tokens: T h fp32 = 16 kB
+    T, h, E = 64, 64, 4
+    moe = dict(num_experts=E, moe_router_topk=2)
+    gathered = _Step(_layout_cfg(Layout(ep=2, micro_batch=2), **moe), FLAT).dispatch(1)
+    hidden, routing = 2 * T * h * 4, 2 * T * 2 * E * 4  # [EP T, h] and [EP T, 2E] fp32
+    # forward AG tokens + AG routing + RS output; backward AG output grad + RS tokens' and routing's grads
+    assert gathered == pytest.approx((4 * hidden / 2 + 2 * routing / 2) / 10e9)
+    a2a = _Step(_layout_cfg(Layout(ep=2, micro_batch=2), moe_token_dispatcher_type="alltoall", **moe), FLAT)
+    # the counts' all-gather (EP x E int64), then 4 all-to-alls of k T h bytes, half of each to the peer
+    assert a2a.dispatch(1) == pytest.approx((2 * E * 8 / 2 + 4 * 2 * T * h * 4 / 2) / 10e9)
+
+    # 4 ranks sharing 2 cores: PP 2 with 4 microbatches, an idle stage's core serves the busy one
+    pp = _layout_cfg(Layout(pp=2, micro_batch=1))
+    own = step_cost(pp, FLAT)
+    shared = step_cost(pp, dataclasses.replace(FLAT, host_cores=2))
+    assert own.terms["bubble"] > 0 and shared.terms["bubble"] == 0
+    # PP 4, 2 microbatches of 4: the critical path at a whole core's rate (half the shared one) is longer
+    pp4 = _layout_cfg(Layout(pp=4, micro_batch=4), layers=4)
+    own4, shared4 = step_cost(pp4, FLAT), step_cost(pp4, dataclasses.replace(FLAT, host_cores=2))
+    rest = sum(own4.terms[k] for k in ("dp_comm", "optimizer", "step_sync", "node_link"))
+    piped = own4.step_s - own4.terms["bubble"] - rest  # n x slot
+    assert shared4.terms["bubble"] == pytest.approx((piped + own4.terms["bubble"]) / 2 - piped)
+    assert 0 < shared4.terms["bubble"] < own4.terms["bubble"]
+
+    # distributed optimizer + --hierarchical-grad-reduce on gloo, DP 4 = 2 nodes x 2, one bucket of N bytes:
+    # intra RS (an all-reduce's 1/2 N on gloo's wire), inter RS of N/2 (gloo: 2 x 1/2 x N/2, two ranks
+    # per node share the node link), parameters: inter AG of N/2 (1/2 x N/2 per rank), intra AG of N
+    gloo = dataclasses.replace(FLAT, backend="gloo")
+    hier = _layout_cfg(Layout(micro_batch=2, strategy="optim", hierarchical=True))
+    N = total_parameters(hier) * 4
+    grad = N / 10e9 + (N / 2) / (1e9 / 2)
+    gather = (N / 4) / (1e9 / 2) + (N / 2) / 10e9
+    assert step_cost(hier, gloo).terms["dp_comm"] == pytest.approx(grad + gather)

@@ -31,6 +31,12 @@ the snapshot and the reduction buffer (2 x 4 bytes per local parameter).  A chec
 correction is pending waits for its reduction and stores the snapshot, the average and the
 iteration it applies at: resume is exact.
 
+Warm-up (``--local-sgd-warmup-iters W``): iterations ``1..W`` are synchronous data parallelism (DDP
+all-reduces the gradients over the data-parallel group, :meth:`DistributedDataParallel.begin_step`),
+so every replica holds the same weights and optimizer state after them, bit for bit the run without
+local SGD; after the step of iteration ``W`` the outer state restarts from them (``x_0 <- x``,
+``m <- 0``, no communication) and the syncs fall at iterations ``W + k H``.
+
 The inner optimizer's state (moments) stays local.  The outer state (``x_0``, ``m``) is the same on
 every replica; between syncs each replica's parameters and optimizer state differ, so a checkpoint
 keeps them per rank: :class:`OuterSync` is a registered checkpoint state (``"local_sgd"``, saved to
@@ -79,7 +85,7 @@ class OuterSync:
     ``main_params``, ``names`` and ``model_params``); ``interval``: H; ``outer_lr``,
     ``outer_momentum``: eta, mu; ``process_groups``, ``hierarchical``: which groups (see
     :func:`outer_group`); ``overlap_steps``: D (see the module); ``last_iteration``: the run's last
-    iteration (its sync is blocking), or None.
+    iteration (its sync is blocking), or None; ``comm_stats``: where its collectives are counted.
     """
 
     def __init__(
@@ -93,8 +99,11 @@ class OuterSync:
         hierarchical: bool = False,
         overlap_steps: int = 0,
         last_iteration: Optional[int] = None,
+        comm_stats: Optional[comm.CommStats] = None,
+        warmup_iters: int = 0,
     ):
         self.optimizer = optimizer
+        self.comm_stats = comm_stats  # where the averaging collectives are counted (None: not counted)
         self.interval = interval
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
         self.plain = self.outer_lr == 1.0 and self.outer_momentum == 0.0
@@ -111,6 +120,7 @@ class OuterSync:
         self.momentum: Dict[str, torch.Tensor] = {}
         self.overlap_steps = int(overlap_steps)
         self.last_iteration = last_iteration
+        self.warmup_iters = int(warmup_iters)
         self.pending: Optional[_PendingSync] = None
         self._name_of = {id(m): n for n, m in zip(optimizer.names, optimizer.main_params)}
         self.reset()
@@ -130,11 +140,16 @@ class OuterSync:
             self.momentum = {n: torch.zeros_like(m) for n, m in self._named}
 
     def due(self, iteration: int) -> bool:
-        return iteration % self.interval == 0
+        return iteration > self.warmup_iters and (iteration - self.warmup_iters) % self.interval == 0
 
     def step(self, iteration: int) -> bool:
         """After the optimizer step of ``iteration`` (1-based): apply a pending correction that is due,
-        then synchronise when ``iteration`` is a multiple of H (in the background with overlap)."""
+        then synchronise when ``iteration`` is ``W + k H`` (in the background with overlap); at the end
+        of the warm-up (``iteration == W``) restart the outer state from the (identical) replicas."""
+        if iteration <= self.warmup_iters:
+            if iteration == self.warmup_iters:
+                self.reset()
+            return False
         last = iteration == self.last_iteration
         if self.pending is not None and (iteration >= self.pending.apply_at or last):
             self.apply_pending()
@@ -151,7 +166,9 @@ class OuterSync:
         """Average the main parameters over the outer groups, then the outer update (see the module)."""
         for outer, intra, params in self.groups:
             if group_size(outer) > 1:
-                flat = _AverageInFlight(_flatten_dense_tensors([p.data for p in params]), outer, intra).result()
+                flat = _AverageInFlight(
+                    _flatten_dense_tensors([p.data for p in params]), outer, intra, self.comm_stats
+                ).result()
                 for p, avg in zip(params, _unflatten_dense_tensors(flat, [p.data for p in params])):
                     p.data.copy_(avg)
         if not self.plain:
@@ -176,7 +193,7 @@ class OuterSync:
         groups = []
         for outer, intra, params in self.groups:
             snapshot = torch.cat([p.data.reshape(-1) for p in params])  # a copy (flattening one tensor is a view)
-            groups.append(_AverageInFlight(snapshot, outer, intra))
+            groups.append(_AverageInFlight(snapshot, outer, intra, self.comm_stats))
         return _PendingSync(apply_at, groups)
 
     @torch.no_grad()
@@ -264,7 +281,8 @@ class _AverageInFlight:
     and :meth:`result` all-gathers the chunks over the node: ``1/L`` of the bytes cross nodes per rank.
     ``snapshot`` is not modified."""
 
-    def __init__(self, snapshot: torch.Tensor, outer, intra):
+    def __init__(self, snapshot: torch.Tensor, outer, intra, stats: Optional[comm.CommStats]):
+        self.stats = stats
         self.snapshot, self.outer, self.intra = snapshot, outer, intra
         self._average: Optional[torch.Tensor] = None
         self.n, self.L = group_size(outer), group_size(intra)
@@ -281,7 +299,7 @@ class _AverageInFlight:
             mine = snapshot[i * self.chunk : (i + 1) * self.chunk]
             self.buffer[: mine.numel()] = mine
             kind = "local_sgd_param_all_reduce_inter"
-        self.work = comm.all_reduce(self.buffer, group=outer, async_op=True, kind=kind)
+        self.work = comm.all_reduce(self.buffer, group=outer, async_op=True, kind=kind, stats=stats)
 
     @classmethod
     def done(cls, snapshot: torch.Tensor, average: torch.Tensor) -> "_AverageInFlight":
@@ -300,7 +318,7 @@ class _AverageInFlight:
             else:
                 padded = torch.empty(self.chunk * self.L, dtype=self.buffer.dtype, device=self.buffer.device)
                 comm.all_gather_into_tensor(
-                    padded, self.buffer, group=self.intra, kind="local_sgd_param_all_gather_intra"
+                    padded, self.buffer, group=self.intra, kind="local_sgd_param_all_gather_intra", stats=self.stats
                 )
                 self._average = padded[: self.snapshot.numel()]
         return self._average
@@ -317,7 +335,11 @@ def _to_cpu(obj):
 
 
 def build_outer_sync(
-    cfg, optimizer, process_groups: ProcessGroups, last_iteration: Optional[int] = None
+    cfg,
+    optimizer,
+    process_groups: ProcessGroups,
+    last_iteration: Optional[int] = None,
+    comm_stats: Optional[comm.CommStats] = None,
 ) -> Optional[OuterSync]:
     """The :class:`OuterSync` ``--local-sgd-interval`` asks for, or None; ``last_iteration``: the
     run's last iteration (default --train-iters; the trainer's count under --train-samples)."""
@@ -333,4 +355,6 @@ def build_outer_sync(
         hierarchical=p.hierarchical_grad_reduce,
         overlap_steps=p.local_sgd_overlap_steps,
         last_iteration=cfg.training.train_iters if last_iteration is None else last_iteration,
+        comm_stats=comm_stats,
+        warmup_iters=p.local_sgd_warmup_iters,
     )

@@ -141,7 +141,7 @@ class Bucket:
             self.grad_data.mul_(factor)
         group = self.buffer.data_parallel_group
         nodes = self.buffer.node_groups
-        if self.buffer.compressor is not None:
+        if self.buffer.compressor is not None and not self.buffer.compressor.exact:  # exact: its warm-up
             if self.compresses():
                 self._start_compressed(group, nodes)
                 return
@@ -152,17 +152,26 @@ class Bucket:
         if nodes is not None:
             if self.buffer.use_distributed_optimizer:
                 lo, hi = self.local_shard()
-                self.handle = hierarchical.reduce_scatter(self.grad_data, self.grad_data[lo:hi], nodes)
+                self.handle = hierarchical.reduce_scatter(
+                    self.grad_data, self.grad_data[lo:hi], nodes, stats=self.buffer.comm_stats
+                )
             else:
-                self.handle = hierarchical.all_reduce(self.grad_data, nodes)
+                self.handle = hierarchical.all_reduce(self.grad_data, nodes, stats=self.buffer.comm_stats)
             return
         if self.buffer.use_distributed_optimizer:
             lo, hi = self.local_shard()
             self.handle = comm.reduce_scatter_tensor(
-                self.grad_data[lo:hi], self.grad_data, group=group, async_op=True, kind="grad_reduce_scatter"
+                self.grad_data[lo:hi],
+                self.grad_data,
+                group=group,
+                async_op=True,
+                kind="grad_reduce_scatter",
+                stats=self.buffer.comm_stats,
             )
         else:
-            self.handle = comm.all_reduce(self.grad_data, group=group, async_op=True, kind="grad_all_reduce")
+            self.handle = comm.all_reduce(
+                self.grad_data, group=group, async_op=True, kind="grad_all_reduce", stats=self.buffer.comm_stats
+            )
 
     def compresses(self) -> bool:
         """Whether this bucket's reduction is compressed: a data-parallel group of more than one rank
@@ -204,10 +213,12 @@ class Bucket:
             return
 
         def inter(chunk, lo, hi):
-            job = compression.CompressionJob(key, chunk, self.matrices(lo, hi), nodes.inter, "grad_inter")
+            job = compression.CompressionJob(
+                key, chunk, self.matrices(lo, hi), nodes.inter, "grad_inter", stats=self.buffer.comm_stats
+            )
             return comp.stages(job)
 
-        self.handle = hierarchical.all_reduce(self.grad_data, nodes, inter=inter)
+        self.handle = hierarchical.all_reduce(self.grad_data, nodes, inter=inter, stats=self.buffer.comm_stats)
 
     def advance_grad_sync(self, stage: int) -> None:
         """Hierarchical reduction: launch stages until ``stage`` of them have run (no-op otherwise)."""
@@ -233,13 +244,18 @@ class Bucket:
         lo, hi = self.local_shard()
         if self.buffer.node_groups is not None:
             self.param_handle = hierarchical.all_gather(
-                self.param_data, self.param_data[lo:hi], self.buffer.node_groups
+                self.param_data, self.param_data[lo:hi], self.buffer.node_groups, stats=self.buffer.comm_stats
             )
             if not async_op:
                 self.finish_param_sync()
             return
         self.param_handle = comm.all_gather_into_tensor(
-            self.param_data, self.param_data[lo:hi], group=group, async_op=async_op, kind="param_all_gather"
+            self.param_data,
+            self.param_data[lo:hi],
+            group=group,
+            async_op=async_op,
+            kind="param_all_gather",
+            stats=self.buffer.comm_stats,
         )
         if not async_op:
             self.param_handle = None
@@ -283,6 +299,7 @@ class ParamAndGradBuffer:
         node_groups: Optional[hierarchical.NodeGroups] = None,
         compressor: Optional[compression.GradCompressor] = None,
         compress_key: str = "",
+        comm_stats: Optional[comm.CommStats] = None,
     ):
         if not params:
             raise DataParallelError("ParamAndGradBuffer needs at least one parameter")
@@ -303,6 +320,7 @@ class ParamAndGradBuffer:
         self.use_distributed_optimizer = use_distributed_optimizer
         self.compressor = compressor  # a group of one compresses nothing but applies loaded residuals
         self.compress_key = compress_key
+        self.comm_stats = comm_stats  # where the collectives are counted (None: not counted)
         allocate_param_data = allocate_param_data or use_distributed_optimizer
         self.gradient_scaling_factor = gradient_scaling_factor
         self.pad_multiple = pad_multiple or data_parallel_world_size
@@ -324,6 +342,18 @@ class ParamAndGradBuffer:
             self._make_bucket(i, start, end, members, unpadded)
             for i, (start, end, members, unpadded) in enumerate(bucket_spans)
         ]
+
+    def set_reduction(self, group, world: int, node_groups, scale: float) -> None:
+        """Reduce over ``group`` of ``world`` ranks (``node_groups``: hierarchically) with gradients
+        pre-scaled by ``scale`` from the next step on (local SGD's warm-up of synchronous steps switches
+        between the replica's group and the data-parallel group; the buffer must be padded for both)."""
+        if self.param_data is not None or self.numel % max(world, 1):
+            raise DataParallelError(f"a buffer of {self.numel} elements (param data: "
+                                    f"{self.param_data is not None}) cannot switch to a group of {world}")  # fmt: skip
+        self.data_parallel_group, self.data_parallel_world_size = group, world
+        self.data_parallel_rank = group_rank(group)
+        self.node_groups = node_groups if group is not None else None
+        self.gradient_scaling_factor = scale
 
     # --- layout ------------------------------------------------------------------------
     def _pad(self, n: int) -> int:

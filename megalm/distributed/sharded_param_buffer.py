@@ -91,7 +91,12 @@ class ShardedParamBucket(ShardedGradBucket):
             self.param_data.copy_(self.param_shard)
         else:
             handle = comm.all_gather_into_tensor(
-                self.param_data, self.param_shard, group=group, async_op=async_op, kind="param_all_gather"
+                self.param_data,
+                self.param_shard,
+                group=group,
+                async_op=async_op,
+                kind="param_all_gather",
+                stats=self.buffer.comm_stats,
             )
             self.param_handle = handle if async_op else None
         self.gathered = True

@@ -257,6 +257,10 @@ def calibrate(options: PlanOptions, cluster) -> int:
         return 0
     if cluster.nodes == 1:
         return subprocess.call(worker, cwd=ROOT)
+    if options.inter_node_rate:
+        from megalm.launch.netns import rate_bits, tbf_burst_bytes
+
+        base += ["--inter-node-burst-bytes", str(tbf_burst_bytes(rate_bits(options.inter_node_rate)))]
     from megalm.launch.cluster import ClusterOptions, run_cluster
 
     options_ = ClusterOptions(

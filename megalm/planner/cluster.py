@@ -14,6 +14,7 @@ File format (TOML, every key optional but ``nodes``; units in the key names)::
     intra_node_latency_us = 3
     inter_node_bandwidth_gbps = 400  # per NODE (all its NICs), per direction, GB/s
     inter_node_latency_us = 8
+    inter_node_burst_bytes = 0       # a token-bucket shaped node link's burst (the simulated cluster's tc tbf)
     backend = "nccl"                 # "gloo": reduce-scatter sends what an all-reduce sends
     reserve_gb = 4                   # per device: CUDA context / process baseline, buffers, fragmentation
     layer_overhead_us = 40           # per layer and microbatch, forward + backward (kernel launches, Python)
@@ -24,6 +25,7 @@ File format (TOML, every key optional but ``nodes``; units in the key names)::
     host_link_gbps = 50              # per device, per direction, GB/s: activation / optimizer offload copies
     host_optimizer_ns_per_param = 2  # --optimizer-cpu-offload: the host's optimizer step per element
     device = "cuda"                  # whose kernels' saved tensors the memory model counts
+    host_cores = 0                   # cores every rank shares (the simulated cluster: one host); 0: own devices
 
     [gemm_tflops]                    # written by --calibrate: TFLOP/s by GEMM FLOPs (2 m n k), log-interpolated
     "1e6" = 2.1
@@ -63,6 +65,7 @@ class Cluster:
     intra_node_latency_us: float = 3.0
     inter_node_bandwidth_gbps: float = 400.0
     inter_node_latency_us: float = 8.0
+    inter_node_burst_bytes: float = 0.0
     backend: str = "nccl"
     reserve_gb: float = 4.0
     layer_overhead_us: float = 40.0
@@ -73,6 +76,7 @@ class Cluster:
     host_link_gbps: float = 50.0
     host_optimizer_ns_per_param: float = 2.0
     device: str = "cuda"
+    host_cores: int = 0
     gemm_tflops: Dict[str, float] = field(default_factory=dict)
 
     @property
@@ -102,7 +106,13 @@ class Cluster:
         for name in ("nodes", "devices_per_node"):
             if getattr(self, name) < 1:
                 raise ClusterFileError(f"cluster: {name} must be >= 1, got {getattr(self, name)}")
-        for name in ("collective_call_us", "optimizer_ns_per_param", "host_optimizer_ns_per_param"):
+        for name in (
+            "collective_call_us",
+            "optimizer_ns_per_param",
+            "host_optimizer_ns_per_param",
+            "inter_node_burst_bytes",
+            "host_cores",
+        ):
             if getattr(self, name) < 0:
                 raise ClusterFileError(f"cluster: {name} must be >= 0, got {getattr(self, name)}")
         for name in (

@@ -20,11 +20,17 @@ per microbatch on the busiest pipeline stage, ``T = b s / CP`` tokens, ``B`` the
 * **CP** per layer and microbatch: p2p ring ``CP - 1`` exchanges of the K/V chunk ``2 T g d B / TP`` forward,
   K/V and their gradients backward; a2a four all-to-alls forward (q, k, v in; the output back) and backward;
   allgather: the K/V all-gather forward, their gradients' reduce-scatter backward.
-* **EP** per MoE layer and microbatch: dispatch and combine all-to-alls of ``k T h B / TP``, forward and
-  backward.
+* **EP** per MoE layer and microbatch, by ``--moe-token-dispatcher-type``: ``alltoall`` (and ``flex``)
+  an all-gather of the per-expert counts, then dispatch and combine all-to-alls of ``k T h B / TP``,
+  forward and backward; ``allgather`` (the default) all-gathers the ``EP T / TP`` tokens ``[EP T, h]`` and
+  their routing ``[EP T, 2 E]`` (fp32) and reduce-scatters the experts' sums, forward; all-gathers the
+  output's gradient and reduce-scatters the tokens' and the routing's gradients, backward.
 * **PP**: one send of the stage's output ``T h B`` (``/ TP`` under sequence parallelism) per microbatch and
   chunk forward, one of its gradient backward; the schedule runs ``(m v + p - 1)`` chunk slots, so the
   bubble is ``(p - 1) / v`` microbatch times of the stage: ``(p-1)/(v m + p - 1)`` of the pipelined time.
+  Where the ranks share a host's ``host_cores`` (the simulated cluster), an idle stage lends its core to
+  the busy ones: the pipelined time is the larger of every rank's own work at the shared rate (no bubble)
+  and the whole schedule's critical path at a full core's rate (``host_cores / world`` of it).
 * **activation offload** (``--cpu-offloading``): the first ``N`` layers of each chunk send what they save
   (:func:`megalm.estimate.activations.layer_bytes`) to the host in forward and back in backward over
   ``host_link_gbps``; on CUDA on side streams (exposed: what exceeds the layer's own compute), on a CPU device
@@ -80,19 +86,21 @@ class _Step:
         per_node = min(cluster.devices_per_node, self.world)
         self.links = layout_links(self.world, per_node, self.tp, self.pp, self.cp, self.ep, self.etp)
         self.inter = 0.0
+        self.stage_inter: Dict[int, float] = {}  # inter-node bytes of one microbatch per pipeline rank
         self.gloo = cluster.backend == "gloo"
         self.bw = cluster.memory_bandwidth_gbps * 1e9  # elementwise bytes/s
 
     # --- collectives (seconds; inter-node bytes accumulated) --------------------------------------------
-    def ring(self, kind: str, op: str, nbytes: float) -> float:
+    def ring(self, kind: str, op: str, nbytes: float, calls: float = 1) -> float:
+        """Seconds of one call; the inter-node bytes of ``calls`` of them are accumulated."""
         wire = 2.0 if (op == "reduce_scatter" and self.gloo) else 1.0
         sec, inter = ring_time(self.c, self.links[kind], op, nbytes, wire)
-        self.inter += inter
+        self.inter += calls * inter
         return sec
 
-    def a2a(self, kind: str, nbytes: float) -> float:
+    def a2a(self, kind: str, nbytes: float, calls: float = 1) -> float:
         sec, inter = a2a_time(self.c, self.links[kind], nbytes)
-        self.inter += inter
+        self.inter += calls * inter
         return sec
 
     # --- compute -------------------------------------------------------------------------------------
@@ -144,29 +152,49 @@ class _Step:
         if tp > 1:
             act = T * h * B
             if self.sp:  # forward AG + RS per block; backward RS + AG, and the inputs gathered again
-                ag, rs = self.ring("tensor", "all_gather", act), self.ring("tensor", "reduce_scatter", act)
+                ag = self.ring("tensor", "all_gather", act, calls=2 * again + 4)
+                rs = self.ring("tensor", "reduce_scatter", act, calls=2 * again + 2)
                 out["tp_comm"] = 2 * again * (ag + rs) + 2 * (ag + rs) + 2 * ag
             else:
-                ar = self.ring("tensor", "all_reduce", act)
+                ar = self.ring("tensor", "all_reduce", act, calls=2 * again + 2)
                 out["tp_comm"] = 2 * again * ar + 2 * ar
         if self.cp > 1:
             kv = 2 * T * g * d * B / tp
             if self.p.cp_comm_type == "p2p":
                 one = p2p_time(self.c, self.links["context"], kv)[0]
-                self.inter += 3 * (self.cp - 1) * kv * self.links["context"].crosses
+                self.inter += (again + 2) * (self.cp - 1) * kv * self.links["context"].crosses
                 out["cp_comm"] = (self.cp - 1) * one * (again + 2)
             elif self.p.cp_comm_type == "a2a":
                 qkv = T * (n + 2 * g) * d * B / tp
                 ctx = T * n * d * B / tp
-                out["cp_comm"] = (again + 1) * (self.a2a("context", qkv) + self.a2a("context", ctx))
+                both = self.a2a("context", qkv, again + 1) + self.a2a("context", ctx, again + 1)
+                out["cp_comm"] = (again + 1) * both
             else:  # allgather: gather K/V forward (and recompute), reduce-scatter their gradients
                 full = kv * self.cp
-                ag = self.ring("context", "all_gather", full)
+                ag = self.ring("context", "all_gather", full, calls=again)
                 out["cp_comm"] = again * ag + self.ring("context", "reduce_scatter", full)
         if is_moe and self.ep > 1:
-            tokens = (m.moe_router_topk or 1) * T / tp * h * B
-            out["ep_comm"] = 2 * (again + 1) * self.a2a("expert", tokens)
+            out["ep_comm"] = self.dispatch(again)
         return out
+
+    def dispatch(self, again: int) -> float:
+        """EP seconds of one MoE layer and microbatch, by ``--moe-token-dispatcher-type`` (the module
+        docstring of :mod:`megalm.transformer.moe.token_dispatcher`)."""
+        m, B, ep = self.m, self.B, self.ep
+        tokens = self.T / self.tp  # this rank's tokens (its sequence slice under sequence parallelism)
+        if m.moe_token_dispatcher_type == "allgather":
+            hidden = ep * tokens * m.hidden_size * B  # the gathered [EP T, h]
+            routing = ep * tokens * 2 * m.num_experts * 4  # probabilities + routing map, fp32
+            ag = self.ring("expert", "all_gather", hidden, calls=again + 1)
+            rs = self.ring("expert", "reduce_scatter", hidden, calls=again + 1)
+            ag_r = self.ring("expert", "all_gather", routing, calls=again)
+            rs_r = self.ring("expert", "reduce_scatter", routing)
+            # forward (again under full recompute): AG tokens, AG routing, RS output; backward: AG of the
+            # output's gradient, RS of the tokens' and of the routing's gradients
+            return again * (ag + ag_r + rs) + ag + rs + rs_r
+        pairs = (m.moe_router_topk or 1) * tokens * m.hidden_size * B
+        counts = self.ring("expert", "all_gather", ep * m.num_experts * 8, calls=again)  # split sizes, int64
+        return again * counts + 2 * (again + 1) * self.a2a("expert", pairs, 2 * (again + 1))
 
     def offload(self, is_moe: bool, layer: Dict[str, float]) -> float:
         """Exposed seconds of one offloaded layer's saved tensors to the host and back (one microbatch)."""
@@ -187,10 +215,16 @@ class _Step:
         totals: Dict[str, float] = {}
         cache: Dict[bool, Dict[str, float]] = {}
         offloaded = self.m.cpu_offloading_num_layers if self.m.cpu_offloading else 0
+        sent: Dict[bool, float] = {}  # inter-node bytes of one layer's collectives (busiest node)
+        start = self.inter
         for v in range(self.vpp):
             for j, i in enumerate(layers_for_stage(self.cfg, pp_rank, v)):
                 if pattern[i] not in cache:
+                    before = self.inter
                     cache[pattern[i]] = self.layer(pattern[i])
+                    sent[pattern[i]] = self.inter - before
+                else:
+                    self.inter += sent[pattern[i]]
                 for k, x in cache[pattern[i]].items():
                     totals[k] = totals.get(k, 0.0) + x
                 if j < offloaded:
@@ -204,14 +238,35 @@ class _Step:
             )
             if tp > 1:
                 op = "all_gather" if self.sp else "all_reduce"
-                totals["tp_comm"] += 2 * self.ring("tensor", op, T * m.hidden_size * B)
+                totals["tp_comm"] += 2 * self.ring("tensor", op, T * m.hidden_size * B, calls=2)
         if pp_rank == 0 and tp > 1:
             op = "reduce_scatter" if self.sp else "all_reduce"
             totals["tp_comm"] += self.ring("tensor", op, T * m.hidden_size * B)
+        self.stage_inter[pp_rank] = self.inter - start
         return totals
 
 
 COMPUTE_TERMS = ("gemm", "attention", "elementwise", "overhead")
+
+
+def step_sync(s) -> float:
+    """Seconds of the step's small all-reduces (a few values each: latency, not bandwidth), outside the
+    pipeline: the loss / gradient NaN check over the world (``--check-for-nan-in-loss-and-grad``, not fp16),
+    the gradient norm's sum of squares over the model-parallel group (the world with a sharded optimizer; the
+    expert part over the expert-model group), the token count over data x context parallelism with the
+    per-token loss (and its pipeline broadcast), and the reported losses over data parallelism."""
+    m, p, t = s.m, s.p, s.t
+    tiny = 8 * 2 * s.world  # bytes: a few float64 values per rank, whatever the kind
+    calls = []
+    if t.check_for_nan_in_loss_and_grad and not t.fp16:
+        calls.append("world")
+    calls.append("world" if p.data_parallel_sharding_strategy != "no_shard" else "model")
+    if m.num_experts and s.ep > 1:
+        calls.append("expert_model")
+    if t.calculate_per_token_loss:
+        calls += ["pipeline", "data_context"]
+    calls.append("data_context" if t.calculate_per_token_loss else "data")
+    return sum(s.ring(kind, "all_reduce", tiny) for kind in calls)
 
 
 def step_cost(cfg, cluster) -> StepCost:
@@ -233,16 +288,33 @@ def step_cost(cfg, cluster) -> StepCost:
         s.inter += 2 * s.vpp * n_micro * inter
     slot = tau + p2p
     bubble = (s.pp - 1) / s.vpp * (sum(per_micro) / s.pp + p2p) if s.pp > 1 else 0.0
+    if bubble and 0 < cluster.host_cores < s.world:
+        # Ranks sharing a host's cores (the calibrated rates are each rank's share with every rank busy):
+        # an idle stage's core serves the busy ones, so the schedule takes the larger of two lower bounds,
+        # every rank's own work at the shared rate and the critical path at the whole core's rate.
+        share = cluster.host_cores / s.world
+        bubble = min(bubble, max(0.0, (n_micro * slot + bubble) * share - n_micro * slot))
     terms = {k: n_micro * stages[busiest].get(k, 0.0) for k in (*COMPUTE_TERMS, "tp_comm", "cp_comm", "ep_comm")}
     if "offload" in stages[busiest]:
         terms["offload"] = n_micro * stages[busiest]["offload"]
     terms["pp_comm"] = n_micro * p2p
     terms["bubble"] = bubble
+    sync = step_sync(s)
+    once = s.inter - sum(s.stage_inter.values())  # the p2p sends' and the step's small all-reduces' bytes
     s.inter = 0.0  # from here on: the data-parallel collectives' inter-node bytes
     backward = (2 / 3) * sum(stages[busiest].get(k, 0.0) for k in COMPUTE_TERMS)
     dp_terms = data_parallel(s, cfg, busiest, n_micro, backward)
     terms.update(dp_terms)
     terms["overhead"] += cluster.step_overhead_ms * 1e-3
-    step = n_micro * slot + bubble + sum(dp_terms.values()) + cluster.step_overhead_ms * 1e-3
-    detail = {"microbatches": n_micro, "per_microbatch_s": tau, "busiest_pp_rank": busiest}
+    terms["step_sync"] = sync
+    step = n_micro * slot + bubble + sum(dp_terms.values()) + cluster.step_overhead_ms * 1e-3 + sync
+    # A token-bucket node link (inter_node_burst_bytes > 0) lets each call's burst through at once but
+    # refills at its rate: the step lasts at least the busiest node's bytes of the step at that rate.
+    node_bytes = n_micro * s.stage_inter.get(busiest, 0.0) + once + s.inter
+    floor = 0.0
+    if cluster.nodes > 1 and node_bytes > 0:
+        floor = max(0.0, node_bytes - cluster.inter_node_burst_bytes) / (cluster.inter_node_bandwidth_gbps * 1e9)
+    terms["node_link"] = max(0.0, floor - step)
+    step += terms["node_link"]
+    detail = {"microbatches": n_micro, "per_microbatch_s": tau, "busiest_pp_rank": busiest, "node_bytes": node_bytes}
     return StepCost(step, terms, s.inter, detail)

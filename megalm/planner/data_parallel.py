@@ -8,7 +8,8 @@ per buffer), so a stage of ``N`` parameters issues ``ceil(N / size)`` reductions
 apart; the distributed optimizer gives a tied embedding copy under PP its own bucket).  Every call pays the
 ring's latency steps and ``collective_call_us``; the bytes are the same as one call of the whole buffer.
 ``--hierarchical-grad-reduce`` is three calls per bucket (intra reduce-scatter, inter all-reduce of ``1 / L``,
-intra all-gather).
+intra all-gather); with the distributed optimizer two (intra and inter reduce-scatter), and the parameters'
+all-gather is hierarchical too (inter all-gather of ``1 / L``, intra all-gather).
 
 **Compression** (``--grad-compression int8|fp8``, :mod:`megalm.distributed.compression.int8`): per bucket of
 ``n`` elements the payload is ``P = n + 4 ceil(n / C)`` bytes (one byte per value, an fp32 scale per chunk of
@@ -75,11 +76,11 @@ def reduce_grads(s, kind: str, sharded: bool, params: int, per: Dict[str, float]
     if p.grad_compression in COMPRESSED and k > 1:
         payload = payload_bytes(n, _chunk(p))
         if sharded:
-            one = s.a2a(kind, payload) + 9 * n / s.bw
+            one = s.a2a(kind, payload, n_b) + 9 * n / s.bw
         else:
-            one = s.ring(kind, "all_gather", k * payload) + 9 * k * n / s.bw
+            one = s.ring(kind, "all_gather", k * payload, n_b) + 9 * k * n / s.bw
         return n_b * (one + 13 * n / s.bw)
-    return n_b * s.ring(kind, "reduce_scatter" if sharded else "all_reduce", n * per["grads"])
+    return n_b * s.ring(kind, "reduce_scatter" if sharded else "all_reduce", n * per["grads"], n_b)
 
 
 def hierarchical(s, sharded: bool, params: int, per: Dict[str, float], links: GroupLinks) -> float:
@@ -99,12 +100,29 @@ def hierarchical(s, sharded: bool, params: int, per: Dict[str, float], links: Gr
         sec, sent = ring_time(s.c, inter, "all_gather", nodes * payload_bytes(n, _chunk(s.p)))
         sec += (13 + 9 * nodes) * n / s.bw
     else:
-        sec, sent = ring_time(s.c, inter, "reduce_scatter" if sharded else "all_reduce", nbytes / L, 1.0)
-    s.inter += sent
+        # gloo's reduce-scatter is an all-reduce on the wire, the inter-node one too
+        op = "reduce_scatter" if sharded else "all_reduce"
+        sec, sent = ring_time(s.c, inter, op, nbytes / L, wire if sharded else 1.0)
+    s.inter += n_b * sent
     t += sec
     if not sharded:
         t += ring_time(s.c, intra, "all_gather", nbytes)[0]
     return n_b * t
+
+
+def hierarchical_gather(s, params: int, per: Dict[str, float], links: GroupLinks) -> float:
+    """The distributed optimizer's parameter all-gather under ``--hierarchical-grad-reduce``, per bucket: the
+    inter-node all-gather of the shards into ``N / L``, then the intra-node all-gather into ``N``."""
+    L, nodes = links.per_node, links.nodes
+    n_b = num_buckets(params, bucket_elements(s.p))
+    if not n_b:
+        return 0.0
+    nbytes = params / n_b * per["weights"]
+    intra = GroupLinks(L, False, 0, 0.0, L, 1)
+    inter = GroupLinks(nodes, True, L * max(1, links.ring_senders), 0.0, 1, nodes)
+    sec, sent = ring_time(s.c, inter, "all_gather", nbytes / L)
+    s.inter += n_b * sent
+    return n_b * (sec + ring_time(s.c, intra, "all_gather", nbytes)[0])
 
 
 def optimizer_step(s, local: float, per: Dict[str, float]) -> float:
@@ -132,7 +150,8 @@ def data_parallel(s, cfg, pp_rank: int, n_micro: int, backward: float) -> Dict[s
     strategy = p.data_parallel_sharding_strategy
     sharded = strategy != "no_shard"
     dp_links = s.links["data_context"]
-    if p.hierarchical_grad_reduce and dp_links.crosses and dp_links.size > dp_links.per_node:
+    hier = p.hierarchical_grad_reduce and dp_links.crosses and dp_links.size > dp_links.per_node
+    if hier:
         grad = hierarchical(s, sharded, st.dense, per, dp_links)
     else:
         grad = reduce_grads(s, "data_context", sharded, st.dense, per)
@@ -142,9 +161,12 @@ def data_parallel(s, cfg, pp_rank: int, n_micro: int, backward: float) -> Dict[s
         size = bucket_elements(p)
         for kind, n in (("data_context", st.dense), ("expert_data", st.expert)):
             n_b = num_buckets(n, size)
-            gather += n_b * s.ring(kind, "all_gather", n / n_b * per["weights"]) if n_b else 0.0
-    if strategy == "optim_grads_params":
-        gather *= 1 + 2 * n_micro  # gathered for every microbatch's forward and backward, and after the step
+            # optim_grads_params: gathered for every microbatch's forward and backward, and after the step
+            again = 1 + 2 * n_micro if strategy == "optim_grads_params" else 1
+            if kind == "data_context" and hier:
+                gather += again * hierarchical_gather(s, n, per, dp_links)
+            elif n_b:
+                gather += n_b * again * s.ring(kind, "all_gather", n / n_b * per["weights"], n_b * again)
     hidden = s.c.dp_overlap * backward if p.overlap_grad_reduce else 0.0
     exposed_grad = max(grad - hidden, grad * 0.1 if hidden else grad)
     hidden_gather = s.c.dp_overlap * backward / 2 * n_micro if p.overlap_param_gather else 0.0

@@ -13,6 +13,12 @@ otherwise) at the inter-node latency when it crosses nodes.  Every call (ring, a
 ``collective_call_us`` once: the launch and, on gloo under load, the blocked wait that wakes the process.
 An all-to-all's time is the larger of its intra-node part over the device link and the busiest node's
 outgoing bytes over the node link.
+
+A node link shaped by a token bucket (the simulated cluster's ``tc tbf``: ``inter_node_burst_bytes``, 0 on
+real links) passes the first ``burst`` bytes of a call at the device link's rate when the bucket is full, so a
+call's bytes leaving the node cost ``max(0, bytes - burst) / rate``; the bucket refills at the link's rate
+between calls, which :func:`megalm.planner.cost.step_cost` bounds for the whole step (a step cannot send more
+than ``burst + rate x step`` bytes over the node link).
 """
 
 from __future__ import annotations
@@ -59,10 +65,14 @@ def _links(groups: List[List[int]], per_node: int) -> GroupLinks:
 @lru_cache(maxsize=4096)
 def layout_links(world: int, per_node: int, tp: int, pp: int, cp: int, ep: int, etp: int) -> Dict[str, GroupLinks]:
     """``{kind: GroupLinks}`` for the kinds of :func:`megalm.parallel_layout.compute_layout` the cost model
-    uses (tensor, context, data_context, expert, expert_data, expert_tensor, pipeline, embedding)."""
+    uses (tensor, context, data_context, expert, expert_data, expert_tensor, pipeline, embedding, data, model,
+    expert_model) and ``world`` (one group of every rank)."""
     layout = compute_layout(world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp)
     kinds = ("tensor", "context", "data_context", "expert", "expert_data", "expert_tensor", "pipeline", "embedding")
-    return {kind: _links(layout[kind], min(per_node, world)) for kind in kinds}
+    kinds += ("data", "model", "expert_model")
+    out = {kind: _links(layout[kind], min(per_node, world)) for kind in kinds}
+    out["world"] = _links([list(range(world))], min(per_node, world))
+    return out
 
 
 def ring_time(cluster, links: GroupLinks, op: str, nbytes: float, wire_factor: float = 1.0) -> Tuple[float, float]:
@@ -78,8 +88,15 @@ def ring_time(cluster, links: GroupLinks, op: str, nbytes: float, wire_factor: f
     call = cluster.collective_call_us * 1e-6
     if not links.crosses:
         return sent / intra + steps * cluster.intra_node_latency_us * 1e-6 + call, 0.0
-    inter = cluster.inter_node_bandwidth_gbps * 1e9 / max(1, links.ring_senders)
-    return sent / min(intra, inter) + steps * cluster.inter_node_latency_us * 1e-6 + call, sent * links.ring_senders
+    node_bytes = sent * max(1, links.ring_senders)
+    wire = max(sent / intra, node_link_s(cluster, node_bytes))
+    return wire + steps * cluster.inter_node_latency_us * 1e-6 + call, sent * links.ring_senders
+
+
+def node_link_s(cluster, node_bytes: float) -> float:
+    """Seconds for ``node_bytes`` leaving one node in one call over its link (the token bucket's burst, when
+    the link has one, passes at once)."""
+    return max(0.0, node_bytes - cluster.inter_node_burst_bytes) / (cluster.inter_node_bandwidth_gbps * 1e9)
 
 
 def a2a_time(cluster, links: GroupLinks, nbytes: float) -> Tuple[float, float]:
@@ -92,7 +109,7 @@ def a2a_time(cluster, links: GroupLinks, nbytes: float) -> Tuple[float, float]:
     if not links.crosses:
         return intra + (k - 1) * cluster.intra_node_latency_us * 1e-6 + call, 0.0
     off_node = links.a2a_share * nbytes
-    inter = off_node / (cluster.inter_node_bandwidth_gbps * 1e9)
+    inter = node_link_s(cluster, off_node)
     return max(intra, inter) + (k - 1) * cluster.inter_node_latency_us * 1e-6 + call, off_node
 
 
@@ -106,5 +123,5 @@ def p2p_time(cluster, links: GroupLinks, nbytes: float) -> Tuple[float, float]:
         return nbytes / (cluster.intra_node_bandwidth_gbps * 1e9) + cluster.intra_node_latency_us * 1e-6 + call, 0.0
     senders = max(1, links.ring_senders)
     # A pipeline group's hops leave a node once per boundary; every group crossing there shares the link.
-    rate = min(cluster.intra_node_bandwidth_gbps * 1e9, cluster.inter_node_bandwidth_gbps * 1e9 / senders)
-    return nbytes / rate + cluster.inter_node_latency_us * 1e-6 + call, nbytes * senders
+    wire = max(nbytes / (cluster.intra_node_bandwidth_gbps * 1e9), node_link_s(cluster, nbytes * senders))
+    return wire + cluster.inter_node_latency_us * 1e-6 + call, nbytes * senders

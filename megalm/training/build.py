@@ -60,14 +60,18 @@ def build_model_chunks(
 
 
 def wrap_data_parallel(
-    cfg: MegalmConfig, chunks: Sequence[torch.nn.Module], groups: ProcessGroups
+    cfg: MegalmConfig, chunks: Sequence[torch.nn.Module], groups: ProcessGroups, comm_stats=None
 ) -> List[torch.nn.Module]:
+    """Each chunk in a :class:`megalm.distributed.DistributedDataParallel` over ``groups``, its collectives
+    counted in ``comm_stats`` (a :class:`megalm.distributed.comm.CommStats`; None: not counted)."""
     from megalm.distributed.data_parallel import DistributedDataParallel
 
     # fp16 finds non-finite gradients through its loss scaler; the per-bucket check serves the NaN stop
     check = cfg.training.check_for_nan_in_loss_and_grad and not cfg.training.fp16
     return [
-        DistributedDataParallel(chunk, cfg.parallel, process_groups=groups, check_for_nan_in_grad=check)
+        DistributedDataParallel(
+            chunk, cfg.parallel, process_groups=groups, check_for_nan_in_grad=check, comm_stats=comm_stats
+        )
         for chunk in chunks
     ]
 
