@@ -46,6 +46,10 @@ FLAGS = tiny_flags(
     train_iters=str(ITERS),
     device_peak_flops="1e12",
     use_distributed_optimizer=True,  # its state is ranges of parameters: the transfer must carry them
+    # Per-token loss with the end-of-document tokens masked: the groups' token counts differ, so a
+    # mean of the groups' per-token means (instead of their total sum / total count) would show.
+    calculate_per_token_loss=True,
+    eod_mask_loss=True,
 )
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32"]
 FT = ["--ft-num-replica-groups", "2", "--ft-lighthouse", "http://127.0.0.1:1", "--global-batch-size", "8"]
@@ -62,9 +66,8 @@ def _cfg(argv, world_size=None):
         ([*FT, "--ft-replica-group-id", "2"], None, "2 is outside [0, --ft-num-replica-groups 2)"),
         ([*FT, "--ft-replica-group-id", "0", "--ft-min-replicas", "3"], None, "--ft-min-replicas must be in [1,"),
         ([*FT[:4], "--ft-replica-group-id", "0"], None, "needs --global-batch-size"),
-        ([*FT, "--ft-replica-group-id", "0", "--calculate-per-token-loss"], None, "--calculate-per-token-loss"),
         ([*FT, "--ft-replica-group-id", "0", "--local-sgd-interval", "4"], None, "--local-sgd-interval"),
-        ([*FT, "--ft-replica-group-id", "0", "--data-parallel-sharding-strategy", "optim_grads"], None, "optim_grads"),
+        ([*FT, "--ft-replica-group-id", "0", "--data-parallel-sharding-strategy", "optim_grads_params"], 1, "ZeRO-3"),
         # 8 samples = 4 micro-batches of 2 over DP 2 x a quorum of 1 or 2 groups: fine; DP 4 x 2 groups: not
         ([*FT, "--ft-replica-group-id", "0", "--micro-batch-size", "2"], 4, "split evenly over a quorum of 2"),
     ],
@@ -79,6 +82,20 @@ def test_bad_torchft_flags_fail_before_any_work(argv, world, message, monkeypatc
 def test_torchft_flags_accept_an_even_split():
     cfg = _cfg([*FT, "--ft-replica-group-id", "1", "--micro-batch-size", "2"], world_size=2)
     assert cfg.parallel.ft_replica_group_id == 1 and cfg.parallel.data_parallel_size == 2
+    # per-token loss and ZeRO-2 inside a group are accepted
+    zero2 = ["--use-distributed-optimizer", "--data-parallel-sharding-strategy", "optim_grads"]
+    cfg = _cfg([*FT, "--ft-replica-group-id", "0", "--calculate-per-token-loss", *zero2], world_size=2)
+    assert cfg.parallel.data_parallel_sharding_strategy == "optim_grads" and cfg.training.calculate_per_token_loss
+
+
+def test_advertised_address_is_the_route_to_the_lighthouse():
+    from megalm.resilience.torchft_replicas import ReplicaGroupError, route_address
+
+    assert route_address("http://127.0.0.1:29510") == "127.0.0.1"
+    assert route_address("127.0.0.1:29510") == "127.0.0.1"  # without a scheme
+    assert route_address("http://localhost:1") == "127.0.0.1"
+    with pytest.raises(ReplicaGroupError, match="no route to the lighthouse http://no-such-host.invalid:1"):
+        route_address("http://no-such-host.invalid:1")
 
 
 def test_missing_torchft_names_the_extra(monkeypatch):

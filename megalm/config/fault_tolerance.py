@@ -39,15 +39,15 @@ def validate_fault_tolerance(cfg) -> None:
     )
     for refused, what in (
         (t.rampup_batch_size or t.step_batch_size_schedule, "--rampup-batch-size / --step-batch-size-schedule"),
-        (t.calculate_per_token_loss, "--calculate-per-token-loss (the groups' token counts are not exchanged)"),
         (t.straggler_rebalance_interval, "--straggler-rebalance-interval"),
         (p.local_sgd_interval, "--local-sgd-interval"),
         (p.grad_compression != "none", f"--grad-compression {p.grad_compression}"),
         (p.num_layers_per_virtual_pipeline_stage or p.num_virtual_stages_per_pipeline_rank, "interleaved pipelines"),
         (d.dataloader_type != "single", f"--dataloader-type {d.dataloader_type}"),
         (
-            p.data_parallel_sharding_strategy not in ("no_shard", "optim"),
-            f"--data-parallel-sharding-strategy {p.data_parallel_sharding_strategy} (sharded gradients / parameters)",
+            p.data_parallel_sharding_strategy == "optim_grads_params",
+            "--data-parallel-sharding-strategy optim_grads_params (ZeRO-3: the state a recovering group receives is "
+            "read from whole parameters)",
         ),
     ):
         check(not refused, f"torchft replica groups (--ft-replica-group-id) do not work with {what} yet")

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import time
 from datetime import timedelta
 from typing import Callable, Dict, Optional, Sequence
@@ -123,6 +124,12 @@ class ReplicaGroups:
         self.reset_data = True  # the data iterator must restart at the consumed samples
         self.recoveries = 0
         timeout = timedelta(seconds=p.ft_timeout_seconds)
+        lighthouse = p.ft_lighthouse or os.environ["TORCHFT_LIGHTHOUSE"]
+        # The address the other groups reach this rank at (its manager server, its recovery
+        # transfers): the one of the interface that routes to the lighthouse.  torchft's default,
+        # the host name, may resolve to an address the peers cannot reach (a node's network
+        # namespace, a host whose name resolves to 127.0.1.1).
+        self.address = route_address(lighthouse)
         self.manager = Manager(
             pg=fault_tolerant_process_group(timeout),
             load_state_dict=None,
@@ -136,15 +143,16 @@ class ReplicaGroups:
             world_size=dist.get_world_size(),
             store_addr=os.environ["MASTER_ADDR"],
             store_port=int(os.environ["MASTER_PORT"]),
-            lighthouse_addr=p.ft_lighthouse or os.environ["TORCHFT_LIGHTHOUSE"],
+            lighthouse_addr=lighthouse,
             replica_id=f"megalm_{self.group_id}",
+            hostname=self.address,
+            checkpoint_transport=addressed_http_transport(self.address, timeout),
             init_sync=False,  # every group initializes from the same --seed
         )
         self.manager.register_state_dict_fn("megalm", self.load_state_dict, self.state_dict)
         logger.info(
-            f"torchft: replica group {self.group_id} of up to {self.max_groups} joined the lighthouse "
-            f"{p.ft_lighthouse or os.environ['TORCHFT_LIGHTHOUSE']} (at least {p.ft_min_replicas} group(s) commit "
-            "a step)"
+            f"torchft: replica group {self.group_id} of up to {self.max_groups} joined the lighthouse {lighthouse} as "
+            f"{self.address} (at least {p.ft_min_replicas} group(s) commit a step)"
         )
 
     # -- set-up --
@@ -168,7 +176,7 @@ class ReplicaGroups:
     # -- the step --
     def step(self, run_step: Callable, data_iterator, loader):
         """``run_step(data_iterator)`` (the training step, which calls :meth:`reduce_gradients`,
-        :meth:`average_losses` and :meth:`commit`) until the replica groups commit it; returns
+        :meth:`average` and :meth:`commit`) until the replica groups commit it; returns
         ``(its result, the data iterator to go on with)``.  ``loader``: this rank's training
         DataLoader (None on ranks that read no data)."""
         for _ in range(MAX_DISCARDED_IN_A_ROW):
@@ -189,7 +197,13 @@ class ReplicaGroups:
         finish_param_sync(self.model)  # the weights a recovering peer may read are complete
         if self.quorum is None:
             logger.info(f"torchft: replica group {self.group_id} asks for its first quorum")
+        start, recoveries = time.perf_counter(), self.recoveries
         self.manager.start_quorum()
+        if self.recoveries != recoveries:  # this group was behind: it received a peer's state
+            logger.info(
+                f"torchft: replica group {self.group_id} rejoined at iteration {self.state.iteration + 1}: quorum and "
+                f"recovery in {time.perf_counter() - start:.2f} s"
+            )
         n, r = self.manager.num_participants(), self.manager.participating_rank()
         if r is None or n < 1:
             raise ReplicaGroupError(f"torchft: replica group {self.group_id} is not part of the quorum ({n} groups)")
@@ -221,14 +235,17 @@ class ReplicaGroups:
         for work in works:
             work.wait()
 
-    def average_losses(self, losses: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """The group's reported values averaged over the quorum (equal shares: the global mean)."""
-        if not losses:
-            return losses
-        keys = sorted(losses)
-        values = torch.stack([losses[k].to(torch.float64) for k in keys])
-        self.manager.allreduce(values).wait()
-        return {k: values[i] for i, k in enumerate(keys)}
+    def average(self, values):
+        """A tensor, or a dict of tensors, averaged over the quorum's groups (float64, one
+        all-reduce): the reported values' ``[sum, count]`` pairs, the per-token loss's token count."""
+        if isinstance(values, torch.Tensor):
+            return self.average({"": values})[""]
+        if not values:
+            return values
+        keys = sorted(values)
+        stacked = torch.stack([values[k].to(torch.float64) for k in keys])
+        self.manager.allreduce(stacked).wait()
+        return {k: stacked[i] for i, k in enumerate(keys)}
 
     def commit(self) -> None:
         """The vote: returns when every group may step; :class:`StepNotCommitted` otherwise."""
@@ -322,6 +339,34 @@ class ReplicaGroups:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def route_address(url: str) -> str:
+    """This host's address on the interface that routes to ``url``'s host (no packet is sent: a
+    UDP socket's ``connect`` only picks the route)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url if "//" in url else f"http://{url}")
+    host = parts.hostname or "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host, parts.port or 29510))
+            return s.getsockname()[0]
+    except OSError as e:
+        raise ReplicaGroupError(f"torchft: no route to the lighthouse {url} ({e})") from None
+
+
+def addressed_http_transport(address: str, timeout: timedelta):
+    """torchft's HTTP checkpoint transport, advertising ``address`` instead of the host name."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class Transport(HTTPTransport):
+        def address(self) -> str:
+            host = f"[{address}]" if ":" in address else address
+            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    return Transport(timeout=timeout, num_chunks=0)
 
 
 def _gradient_tensors(model):
