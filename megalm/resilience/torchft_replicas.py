@@ -20,9 +20,11 @@ a ``torchft_lighthouse``.
    :class:`megalm.data.samplers.ShareSampler`).  Survivors of a smaller quorum run more
    micro-batches, so the global batch (and the loss curve) stays that of the full run; global batch
    ``k`` is always samples ``[k G, (k+1) G)``;
-3. forward-backward over the ``s`` micro-batches, the group's own gradient reduction, then one
-   all-reduce (average over the ``n`` groups) of each gradient buffer (the distributed optimizer's
-   shard: rank ``i`` of every group holds the same one) and of the reported losses;
+3. forward-backward over the ``s`` micro-batches, the group's own gradient reduction, then
+   all-reduces (average over the ``n`` groups) of the gradients this rank's optimizer reads (each
+   gradient buffer; with the distributed optimizer or ZeRO-2 this rank's shard of each bucket: rank
+   ``i`` of every group holds the same ones) and of the reported values' sums and counts (with
+   ``--calculate-per-token-loss`` the token counts first: see :func:`megalm.training.step.train_step`);
 4. ``should_commit``: every group's vote.  On yes the optimizer steps and the iteration and
    ``consumed_samples`` advance; on no (a peer died during the step, a collective failed) nothing
    changed and the same global batch is redone with the new quorum: no sample is skipped or
@@ -370,15 +372,25 @@ def addressed_http_transport(address: str, timeout: timedelta):
 
 
 def _gradient_tensors(model):
-    """The tensors holding this rank's reduced gradients: each data-parallel buffer's reduced part
-    (the whole buffer, or the distributed optimizer's shard), else the parameters' ``.grad``."""
+    """The tensors holding the reduced gradients this rank's optimizer reads: the whole buffer
+    without the distributed optimizer; with it, each bucket's shard of this rank (the rest of the
+    buffer was reduce-scattered to the other ranks of the group: the cross-group all-reduce carries
+    ``1/d`` of the gradients); under ZeRO-2 the sharded buffer; without data-parallel wrapping the
+    parameters' ``.grad``."""
     out = []
     for chunk in model:
         buffers = getattr(chunk, "all_buffers", None)
         if buffers is None:
             out.extend(p.grad for p in chunk.parameters() if p.grad is not None)
-        else:
-            out.extend(buf.reduced_grad_data for buf in buffers)
+            continue
+        for buf in buffers:
+            grads = buf.reduced_grad_data
+            if getattr(buf, "use_distributed_optimizer", False) and grads is getattr(buf, "grad_data", None):
+                for bucket in buf.buckets:  # the whole buffer: only this rank's shard of each bucket
+                    start, end = bucket.shard_range(buf.data_parallel_rank)
+                    out.append(grads[start:end])
+            else:
+                out.append(grads)
     return out
 
 
