@@ -121,7 +121,8 @@ class ReplicaGroups:
         self.model = self.optimizer = self.scheduler = None  # attach()
         self.dp_rank, self.dp_size = group_rank(groups.dp), group_size(groups.dp)
         self.micro_batch_size = t.micro_batch_size
-        self.slots = t.global_batch_size // t.micro_batch_size  # micro-batches of one global batch
+        self.slots = t.global_batch_size // t.micro_batch_size  # micro-batches of this step's global batch
+        self.microbatches = None  # attach(): the run's MicrobatchCalculator (--rampup-batch-size)
         self.quorum = None  # (this group's rank, groups taking part) of the last step
         self.reset_data = True  # the data iterator must restart at the consumed samples
         self.recoveries = 0
@@ -158,8 +159,12 @@ class ReplicaGroups:
         )
 
     # -- set-up --
-    def attach(self, model, optimizer, scheduler) -> None:
+    def attach(self, model, optimizer, scheduler, microbatches=None) -> None:
+        """The trainer's state a peer receives, and its
+        :class:`megalm.training.microbatches.MicrobatchCalculator` (each step's global batch, which
+        ``--rampup-batch-size`` grows; None: always ``--global-batch-size``)."""
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.microbatches = microbatches
 
     def resume_at(self, iteration: int) -> None:
         """A run resumed from a checkpoint at ``iteration``: torchft's step follows it (a group
@@ -207,6 +212,10 @@ class ReplicaGroups:
                 f"recovery in {time.perf_counter() - start:.2f} s"
             )
         n, r = self.manager.num_participants(), self.manager.participating_rank()
+        slots = self.slots
+        if self.microbatches is not None:  # this step's global batch (after a recovery: the peer's position)
+            self.microbatches.update(self.state.consumed_train_samples)
+            self.slots = self.microbatches.current_global_batch_size // self.micro_batch_size
         if r is None or n < 1:
             raise ReplicaGroupError(f"torchft: replica group {self.group_id} is not part of the quorum ({n} groups)")
         if n > self.max_groups:
@@ -219,7 +228,12 @@ class ReplicaGroups:
                 f"torchft: quorum of {n} replica group(s) at iteration {self.state.iteration + 1}, this group is "
                 f"replica {r}: {self.slots // (n * self.dp_size)} micro-batch(es) per data-parallel rank"
             )
-        if (r, n) != self.quorum or self.reset_data:
+        if self.slots % (n * self.dp_size):
+            raise ReplicaGroupError(
+                f"torchft: the global batch of {self.slots} micro-batches at iteration {self.state.iteration + 1} "
+                f"cannot be split over {n} replica group(s) of {self.dp_size} data-parallel rank(s)"
+            )
+        if (r, n) != self.quorum or self.reset_data or self.slots != slots:
             self.quorum = (r, n)
             if loader is not None:
                 sampler = loader.batch_sampler
