@@ -93,6 +93,11 @@ def test_torchft_flags_accept_an_even_split():
     assert cfg.parallel.data_parallel_sharding_strategy == "optim_grads" and cfg.training.calculate_per_token_loss
     cfg = _cfg([*FT, "--ft-replica-group-id", "0", "--micro-batch-size", "2", "--rampup-batch-size", "4", "4", "8"], 1)
     assert cfg.training.rampup_batch_size == [4, 4, 8]
+    schedule = ["--step-batch-size-schedule", "0:4 320:8"]  # tokens: batch 8 from sample 10 (seq 32)
+    cfg = _cfg([*FT[:4], "--ft-replica-group-id", "0", "--micro-batch-size", "2", *schedule], 1)
+    assert cfg.training.global_batch_size == 8
+    with pytest.raises(ConfigError, match="its global batch 2 cannot be split evenly over a quorum of 2"):
+        _cfg([*FT[:4], "--ft-replica-group-id", "0", "--micro-batch-size", "2", schedule[0], "0:2 320:8"], 1)
 
 
 def test_advertised_address_is_the_route_to_the_lighthouse():
