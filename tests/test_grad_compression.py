@@ -327,6 +327,31 @@ def local_grads(pg, hierarchical):
     return torch.cat([p.main_grad.reshape(-1) for p in ddp.module.parameters()]), sorted(stats.get())
 
 
+WARMUPS = {"local": {"local_sgd_interval": 2, "local_sgd_warmup_iters": 1},
+           "int8": {"grad_compression": "int8", "grad_compression_warmup_iters": 1}}  # fmt: skip
+
+
+def warmup_grads(pg, hierarchical):
+    """DDP under a warm-up of one iteration (``WARMUPS``): each iteration's reduced gradient (the same
+    microbatches both times) and its collectives ``{kind: (calls, wire bytes)}``."""
+    out, me = {}, parallel_state.group_rank(pg.dp_cp)
+    for name, extra in WARMUPS.items():
+        cfg = ParallelConfig(overlap_grad_reduce=True, ddp_bucket_size=BUCKET, hierarchical_grad_reduce=hierarchical,
+                             **{**SETTINGS, **extra})  # fmt: skip
+        stats = CommStats()
+        ddp = DistributedDataParallel(make_model(), cfg, process_groups=pg, comm_stats=stats)
+        out[name] = []
+        for iteration in (1, 2):
+            ddp.begin_step(iteration)
+            stats.reset()
+            ddp.zero_grad_buffer()
+            accumulate(ddp, 0, me, ddp.no_sync)
+            ddp.finish_grad_sync()
+            counted = {k: (v["calls"], v["wire_bytes"]) for k, v in stats.get().items()}
+            out[name].append((torch.cat([p.main_grad.reshape(-1) for p in ddp.module.parameters()]), counted))
+    return out
+
+
 def by_name(tensors, src, dst):
     """``{parameter of src: x}`` -> ``{parameter of dst with the same name: x}`` (what a checkpoint does by names)."""
     names, params = {p: n for n, p in src.module.named_parameters()}, dict(dst.module.named_parameters())
@@ -371,6 +396,7 @@ def worker():
     out["diloco"] = {h: diloco_run(pg, h) for h in (False, True)}
     out["overlap"] = {(c, h): overlap_run(pg, h, *OVERLAP_CASES[c]) for c in OVERLAP_CASES for h in (False, True)}
     out["local"] = {h: local_grads(pg, h) for h in (False, True)}
+    out["warmup"] = {h: warmup_grads(pg, h) for h in (False, True)}
     trained = {}
     out["ddp"] = {(n, h): ddp_run(n, h, pg, keep=trained) for n in METHODS for h in (False, True)}
     out["distopt"] = {(n, h): ddp_run(n, h, pg, distopt=True) for n, h in DISTOPT_CASES}
@@ -858,3 +884,38 @@ def test_local_sgd_reduces_inside_the_node_only(ranks):
         assert kinds == ["grad_all_reduce"]  # over the 2 ranks of the node
         node = me // LOCAL * LOCAL
         torch.testing.assert_close(grads, (own[node] + own[node + 1]) / 2, rtol=1e-6, atol=1e-7)
+
+
+def test_warmup_iterations_reduce_exactly_over_the_whole_group_then_the_method_starts(ranks):
+    """--local-sgd-warmup-iters 1 and --grad-compression-warmup-iters 1 (int8): iteration 1 is plain
+    data parallelism (the mean over the 4 ranks; exact fp32 bytes: flat ``2 (K-1)/K 4 N``, hierarchical
+    ``(L-1)/L 4 N`` per intra-node leg and ``2 (n-1)/n 4 N/L`` across the n = 2 nodes); iteration 2 is the
+    method's (local SGD: the replica's own gradient, nothing sent; int8: its compressed all-gather)."""
+    model = make_model()
+    own = []
+    for me in range(K):
+        model.zero_grad()
+        accumulate(model, 0, me, contextlib.nullcontext)
+        own.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    mean = sum(own) / K
+    buf = ParamAndGradBuffer(list(make_model().parameters()), torch.float32, BUCKET, None, K, 1.0 / K)
+    sizes = [b.numel for b in buf.buckets]
+    flat_bytes = {"grad_all_reduce": (len(sizes), sum(2 * (K - 1) / K * 4 * n for n in sizes))}
+    leg = (len(sizes), sum((LOCAL - 1) / LOCAL * 4 * n for n in sizes))
+    hier_bytes = {"grad_reduce_scatter_intra": leg, "grad_all_gather_intra": leg,
+                  "grad_all_reduce_inter": (len(sizes), sum(2 * 1 / 2 * 4 * n // LOCAL for n in sizes))}  # fmt: skip
+    for me, r in enumerate(ranks):
+        for h, exact_bytes in ((False, flat_bytes), (True, hier_bytes)):
+            for name in WARMUPS:
+                (warm, warm_stats), (after, after_stats) = r["warmup"][h][name]
+                torch.testing.assert_close(warm, mean, rtol=1e-5, atol=1e-7)
+                assert warm_stats == exact_bytes, (h, name)
+            local, local_stats = r["warmup"][h]["local"][1]
+            node = me // LOCAL * LOCAL
+            torch.testing.assert_close(local, own[me] if not h else (own[node] + own[node + 1]) / 2, rtol=1e-6,
+                                       atol=1e-7)  # fmt: skip
+            assert set(local_stats) == (set() if not h else {"grad_all_reduce"})
+            after, after_stats = r["warmup"][h]["int8"][1]
+            hier_int8 = {"grad_reduce_scatter_intra", "grad_inter_int8_all_gather", "grad_all_gather_intra"}
+            assert set(after_stats) == (hier_int8 if h else {"grad_int8_all_gather"})
+            assert not torch.equal(after, warm)  # compressed: not the exact mean

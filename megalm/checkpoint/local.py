@@ -56,11 +56,9 @@ from megalm.checkpoint.common_json import FORMAT_VERSION, layout
 from megalm.checkpoint.errors import CheckpointError, first_line, gather_errors
 from megalm.checkpoint.load import load_targets
 from megalm.checkpoint.model_state import finish_param_sync, model_groups, model_sharded_state, optimizer_sharded_state
-from megalm.checkpoint.rng import get_rng_state
 from megalm.checkpoint.stateful import CheckpointStates, LoadInfo, sharded_load_plans, sharded_states
 from megalm.log import get_logger
 from megalm.param_layout import ShardedStateDict, ShardedTensorSpec
-from megalm.tensor_parallel.random import RNGStatesTracker
 
 logger = get_logger(__name__)
 
@@ -220,10 +218,10 @@ class LocalCheckpoint:
         consumed_valid_samples: int,
         config: Optional[dict],
         states: Optional[CheckpointStates] = None,
-        rng_tracker: Optional[RNGStatesTracker] = None,
     ) -> dict:
-        """Collective over the world (``rng_tracker``: the model's, whose streams are saved with the
-        generators).  Returns ``{"bytes", "sent", "seconds"}`` for the log."""
+        """Collective over the world.  ``states``: every registered state, each saved through its
+        ``local_state_dict()`` when it has one (the RNG: the generators, also under ``--no-save-rng``),
+        else ``state_dict()``.  Returns ``{"bytes", "sent", "seconds"}`` for the log."""
         start = time.perf_counter()
         finish_param_sync(model_chunks)
         specs = model_sharded_state(model_chunks)
@@ -251,7 +249,6 @@ class LocalCheckpoint:
             "common_json": json.dumps(common),  # as common.json: the same values a disk load reads
             "blocks": blocks,
             "states": _state_dicts(states),
-            "rng": get_rng_state(rng_tracker),
         }
         buffer = io.BytesIO()
         torch.save(payload, buffer)
@@ -349,8 +346,9 @@ class LocalCheckpoint:
     ) -> Optional[dict]:
         """Collective.  Restore the newest local checkpoint of iteration ``>= newer_than`` (the disk
         checkpoint's, None: any) into the model, optimizer, scheduler and ``states``; returns its common
-        record plus ``path``, ``rng`` (this rank's generators, to set after the data loaders are built)
-        and ``bytes_from_peer``; or None (nothing to restore, or refused: the reason is logged)."""
+        record plus ``path``, ``held`` (this rank's state dicts, for the states restored later through
+        :func:`megalm.checkpoint.load.load_states` ``held=``: the RNG, after the data loaders are built) and
+        ``bytes_from_peer``; or None (nothing to restore, or refused: the reason is logged)."""
         start = time.perf_counter()
         holdings = [None] * self.world
         dist.all_gather_object(holdings, (self.node, list_held(self.dir)), group=self.group)
@@ -406,7 +404,7 @@ class LocalCheckpoint:
         # The files this rank would have written are removed at the next save (or the end of the run).
         mine = [shard_file_name(r, self.world, iteration) for r in {self.rank, *self.sources}]
         self.written = [n for n in mine if os.path.isfile(os.path.join(self.dir, n))]
-        return dict(common, path=f"local:{self.dir}", rng=payload["rng"], bytes_from_peer=from_peer)
+        return dict(common, path=f"local:{self.dir}", held=payload["states"], bytes_from_peer=from_peer)
 
     def _fetch(self, iteration: int, plan: Dict[int, Tuple[int, int]]) -> torch.Tensor:
         """This rank's shard: read on this node, or received from its holder; this rank sends the shards it
@@ -479,10 +477,11 @@ def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def _state_dicts(states: Optional[CheckpointStates]) -> dict:
-    """The registered states' ``state_dict()`` values, by name (a None one is left out, as on disk)."""
+    """The registered states' ``local_state_dict()`` (where they have one) or ``state_dict()`` values, by
+    name (a None one is left out, as on disk)."""
     out = {}
     for name, state in states.items() if states is not None else ():
-        value = state.state_dict()
+        value = getattr(state, "local_state_dict", state.state_dict)()
         if value is not None:
             out[name] = value
     return out

@@ -31,6 +31,12 @@ the snapshot and the reduction buffer (2 x 4 bytes per local parameter).  A chec
 correction is pending waits for its reduction and stores the snapshot, the average and the
 iteration it applies at: resume is exact.
 
+Warm-up (``--local-sgd-warmup-iters W``): iterations ``1..W`` are synchronous data parallelism (DDP
+all-reduces the gradients over the data-parallel group, :meth:`DistributedDataParallel.begin_step`),
+so every replica holds the same weights and optimizer state after them, bit for bit the run without
+local SGD; after the step of iteration ``W`` the outer state restarts from them (``x_0 <- x``,
+``m <- 0``, no communication) and the syncs fall at iterations ``W + k H``.
+
 The inner optimizer's state (moments) stays local.  The outer state (``x_0``, ``m``) is the same on
 every replica; between syncs each replica's parameters and optimizer state differ, so a checkpoint
 keeps them per rank: :class:`OuterSync` is a registered checkpoint state (``"local_sgd"``, saved to
@@ -94,6 +100,7 @@ class OuterSync:
         overlap_steps: int = 0,
         last_iteration: Optional[int] = None,
         comm_stats: Optional[comm.CommStats] = None,
+        warmup_iters: int = 0,
     ):
         self.optimizer = optimizer
         self.comm_stats = comm_stats  # where the averaging collectives are counted (None: not counted)
@@ -113,6 +120,7 @@ class OuterSync:
         self.momentum: Dict[str, torch.Tensor] = {}
         self.overlap_steps = int(overlap_steps)
         self.last_iteration = last_iteration
+        self.warmup_iters = int(warmup_iters)
         self.pending: Optional[_PendingSync] = None
         self._name_of = {id(m): n for n, m in zip(optimizer.names, optimizer.main_params)}
         self.reset()
@@ -132,11 +140,16 @@ class OuterSync:
             self.momentum = {n: torch.zeros_like(m) for n, m in self._named}
 
     def due(self, iteration: int) -> bool:
-        return iteration % self.interval == 0
+        return iteration > self.warmup_iters and (iteration - self.warmup_iters) % self.interval == 0
 
     def step(self, iteration: int) -> bool:
         """After the optimizer step of ``iteration`` (1-based): apply a pending correction that is due,
-        then synchronise when ``iteration`` is a multiple of H (in the background with overlap)."""
+        then synchronise when ``iteration`` is ``W + k H`` (in the background with overlap); at the end
+        of the warm-up (``iteration == W``) restart the outer state from the (identical) replicas."""
+        if iteration <= self.warmup_iters:
+            if iteration == self.warmup_iters:
+                self.reset()
+            return False
         last = iteration == self.last_iteration
         if self.pending is not None and (iteration >= self.pending.apply_at or last):
             self.apply_pending()
@@ -343,4 +356,5 @@ def build_outer_sync(
         overlap_steps=p.local_sgd_overlap_steps,
         last_iteration=cfg.training.train_iters if last_iteration is None else last_iteration,
         comm_stats=comm_stats,
+        warmup_iters=p.local_sgd_warmup_iters,
     )

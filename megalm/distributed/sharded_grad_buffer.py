@@ -104,6 +104,7 @@ class ShardedGradBucket(Bucket):
         if factor != 1.0:
             full.mul_(factor)
         group, compressor = self.buffer.data_parallel_group, self.buffer.compressor
+        compressor = None if compressor is not None and compressor.exact else compressor  # its warm-up: exact
         if compressor is not None and group is None:  # a residual resharded from a larger DP size
             compressor.flush(f"{self.buffer.compress_key}.{self.index}", full)
         if group is None:  # this rank alone: its shard is the whole bucket

@@ -5,8 +5,8 @@ When enabled, the first call compiles it with inductor (``dynamic=False``: train
 are fixed, so one graph per shape and no recompiles across microbatches); inductor's
 on-disk cache (``TORCHINDUCTOR_CACHE_DIR``, default under the system temp dir) makes
 later processes reuse the generated kernels.  If compilation fails (no C++ compiler, an
-unsupported op) the fusion warns once and runs eagerly from then on, with the same numbers
-up to rounding.
+unsupported op) the fusion logs a warning once (on every rank that hits it) and runs eagerly
+from then on, with the same numbers up to rounding.
 
 Compilation is paid on the first call per input signature; each :class:`Fusion` counts such
 calls and the seconds they took (its :attr:`Fusion.stats`, next to the cache of signatures it
@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, Tuple
 
 import torch
+
+from megalm.log import get_logger
+
+logger = get_logger(__name__)
 
 
 @dataclass
@@ -89,11 +92,8 @@ class Fusion:
             out = self._compiled_fn()(*args)
         except Exception as err:  # noqa: BLE001 - any compiler failure falls back to eager
             self._failed = True
-            warnings.warn(
-                f"megalm fusion {self.name!r}: torch.compile failed ({type(err).__name__}: {err}); running it eagerly",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            reason = f"{type(err).__name__}: {err}".strip().splitlines()[0]  # inductor's errors run long
+            logger.warning(f"megalm fusion {self.name!r}: torch.compile failed ({reason}); running it eagerly")
             return self.eager(*args)
         if not seen:
             with self._lock:

@@ -137,6 +137,8 @@ def train_step(
     per_token = cfg.training.calculate_per_token_loss
     for chunk in model:
         chunk.zero_grad_buffer()
+        if hasattr(chunk, "begin_step"):  # DDP: the warm-ups of --grad-compression / --local-sgd-interval
+            chunk.begin_step(state.iteration + 1)
     optimizer.zero_grad()
     loss_scale = optimizer.get_loss_scale()
     begin_moe_step(model, loss_scale, 1 if per_token else m)  # aux-loss backward factor (MoE)

@@ -103,13 +103,10 @@ class TrainerSetup:
             self._build_data()
         if loaded is not None and not (cfg.checkpoint.no_load_rng or cfg.checkpoint.finetune):
             # Last: building data loaders draws from the torch RNG.
-            rng = self.checkpoint_states.get("rng")
-            if "rng" in loaded:  # a local checkpoint's (it holds the generators itself)
-                rng.load_state_dict(loaded["rng"])
-            else:
-                only_rng = CheckpointStates()
-                only_rng.register("rng", rng)
-                load_states(loaded["path"], loaded, self.groups, only_rng)
+            only_rng = CheckpointStates()
+            only_rng.register("rng", self.checkpoint_states.get("rng"))
+            # from rng/rank_*.pt, or from the state dicts a local checkpoint holds in memory ("held")
+            load_states(loaded["path"], loaded, self.groups, only_rng, held=loaded.get("held"))
         self.signal_handler = ExitSignalHandler() if t.exit_signal_handler else None
         self.memory_reported = False
         self.compile_reported = compile_stats()
@@ -337,7 +334,7 @@ class TrainerSetup:
             return None
         disk = read_tracker(self.load_root) if self.resume else None
         try:
-            # the RNG is set last, in setup() (the local checkpoint holds it apart)
+            # the RNG is set last, in setup(), from what the restore returns ("held")
             states = self.checkpoint_states.without("rng")
             common = local.restore(self.model, self.optimizer, self.scheduler, self.cfg.to_dict(), disk, states)
         except CheckpointError as e:

@@ -80,6 +80,7 @@ class GradCompressor:
         self.comm_stats = comm_stats  # where its collectives are counted (None: not counted)
         self.signature = signature or method.name  # what its state depends on (checkpoints compare it)
         self.residuals: Dict[str, torch.Tensor] = {}
+        self.exact = False  # --grad-compression-warmup-iters: the buffers reduce exactly (set per step by DDP)
 
     @property
     def name(self) -> str:
