@@ -124,7 +124,7 @@ class TrainerSetup:
         logger.info(run_topology_report(cfg.parallel, dist.get_world_size()))
         print_timing(self.timers.log(SETUP_TIMERS))  # collective
         if self.replicas is not None:
-            self.replicas.attach(self.model, self.optimizer, self.scheduler)
+            self.replicas.attach(self.model, self.optimizer, self.scheduler, self.microbatches)
             if self.state.iteration:  # resumed from a checkpoint: torchft's step follows
                 self.replicas.resume_at(self.state.iteration)
 
