@@ -97,7 +97,7 @@ def method_of(name, chunk=16, ratio=1.0, rank=2):
 
 
 def reduce_once(comp, key, flat, matrices, group):
-    comp.comm_stats = stats = CommStats()
+    comp.comm_stats = stats = CommStats(LOCAL)
     comp.all_reduce(key, flat, matrices, group).wait()
     return {k: v["wire_bytes"] for k, v in stats.get().items()}
 
@@ -135,7 +135,7 @@ def exact_checks(group, me):
     # int8's / fp8's compressed reduce-scatter (distributed optimizer): shard me of 10 of the exact sum
     for name, g in (("int8", dyadic), ("fp8", e4m3)):
         flat, shard = g.clone(), (10 * me, 10 * me + 10)
-        counted = CommStats()
+        counted = CommStats(LOCAL)
         GradCompressor(method_of(name), comm_stats=counted).reduce_scatter("x", flat, shard, [], group).wait()
         stats = counted.get()[f"grad_{name}_all_to_all"]
         exact = out[name]["exact"][10 * me : 10 * me + 10]
@@ -201,7 +201,7 @@ def ddp_run(name, hierarchical, pg, distopt=False, keep=None, strategy="no_shard
     whose reduced shards are then all-gathered (uncounted).  ``keep``: a dict that gets the DDP
     wrapper (by method and hierarchical)."""
     cfg = config(name, hierarchical, distopt, data_parallel_sharding_strategy=strategy)
-    counted = CommStats()
+    counted = CommStats(LOCAL)
     ddp = DistributedDataParallel(make_model(), cfg, process_groups=pg, comm_stats=counted)
     if keep is not None:
         keep[(name, hierarchical)] = ddp
@@ -248,7 +248,7 @@ def diloco_run(pg, hierarchical):
     """Two DiLoCo syncs (H = 2) of one parameter; the values after each, and the bytes sent.
     Hierarchical: the ranks of a node hold the same replica (as after exact intra-node steps)."""
     p = torch.nn.Parameter(torch.arange(6, dtype=torch.float32))
-    stats = CommStats()
+    stats = CommStats(LOCAL)
     outer = OuterSync(FakeOptimizer([p]), 2, 0.7, 0.9, process_groups=pg, hierarchical=hierarchical, comm_stats=stats)
     replica = dist.get_rank() // LOCAL if hierarchical else dist.get_rank()
     out = []
@@ -291,7 +291,7 @@ def overlap_run(pg, hierarchical, eta, mu, overlap):
             comm_stats=stats,
         )
 
-    stats = CommStats()  # the first run's collectives
+    stats = CommStats(LOCAL)  # the first run's collectives
     p, outer = make(stats)
     values, restarted = [], None
     for it in range(1, OVERLAP_ITERS + 1):
@@ -319,7 +319,7 @@ def local_grads(pg, hierarchical):
     """DDP under --local-sgd-interval: the gradient each rank holds after one accumulated step."""
     cfg = ParallelConfig(overlap_grad_reduce=True, ddp_bucket_size=BUCKET, hierarchical_grad_reduce=hierarchical,
                          local_sgd_interval=2)  # fmt: skip
-    stats = CommStats()
+    stats = CommStats(LOCAL)
     ddp = DistributedDataParallel(make_model(), cfg, process_groups=pg, comm_stats=stats)
     ddp.zero_grad_buffer()
     accumulate(ddp, 0, parallel_state.group_rank(pg.dp_cp), ddp.no_sync)
@@ -405,7 +405,7 @@ def warmup_grads(pg, hierarchical):
     for name, extra in WARMUPS.items():
         cfg = ParallelConfig(overlap_grad_reduce=True, ddp_bucket_size=BUCKET, hierarchical_grad_reduce=hierarchical,
                              **{**SETTINGS, **extra})  # fmt: skip
-        stats = CommStats()
+        stats = CommStats(LOCAL)
         ddp = DistributedDataParallel(make_model(), cfg, process_groups=pg, comm_stats=stats)
         out[name] = []
         for iteration in (1, 2):
