@@ -83,6 +83,7 @@ def one_step(trainer):
         trainer.state,
         trainer.microbatches,
         trainer.groups,
+        comm_stats=trainer.comm_stats,
     )
 
 
@@ -90,16 +91,15 @@ def measure(configs, steps):
     """On every rank: per config, the collective counters of the last of ``steps`` steps."""
     from megalm import parallel_state
     from megalm.checkpoint.model_state import finish_param_sync
-    from megalm.distributed import comm
 
     out = []
     for name, argv in configs:
         trainer = setup_trainer(argv)
         for _ in range(steps):
-            comm.reset_comm_stats()
+            trainer.comm_stats.reset()
             one_step(trainer)
             finish_param_sync(trainer.model)
-        stats = comm.get_comm_stats()
+        stats = trainer.comm_stats.get()
         bufs = [b for c in trainer.model for b in c.all_buffers]
         out.append(
             {

@@ -26,8 +26,24 @@ validation loss (equal tokens) against plain DP's, the gap's spread over seeds, 
 the goal (>= 3x plain DP at 100 Mbit/s within 2% on every corpus and seed, spread below the margin);
 ``--plot PREFIX`` draws validation loss against training time (matplotlib), one PNG per link.
 
+Split measurement (``--speed-window N``, what the quiet grid uses): the loss does not depend on the
+link (the same collectives, the same math), only the time does.  So each (corpus, seed, method) trains
+its ``--iters`` iterations ONCE with no link limit (the *loss run*: curves, validation loss at equal
+tokens; shared by every link), and each link gets a short *speed run* through the shaped link of
+``--speed-warmup W`` + ``N`` + 1 iterations with the same learning-rate schedule (``--lr-decay-iters``
+of the loss run), whose tokens/s and inter-node bytes are taken over iterations ``W+1 .. W+N`` (after
+start-up, before the last iteration's blocking sync; ``N`` must be a multiple of every method's
+synchronisation period H).  The equality claim is checked, not assumed: the speed run's training
+losses must equal the loss run's over its iterations (recorded in the cell as ``loss_check``; the
+report flags any difference).  ``--speed-only`` methods (default ``hierarchical``, a speed baseline)
+get no loss run.  Then a plain-DP cell at 100 Mbit/s costs ~W+N+1 link-bound iterations, not 256.
+
     python3 bench/comm_efficient_dp.py --corpora quickstart --bandwidths 100mbit --results q.jsonl
     python3 bench/comm_efficient_dp.py --report q.jsonl s.jsonl --plot bench/results/comm_efficient_dp
+
+The quiet grid (issue 35; see docs/comm-efficient-dp.md for its measured duration)::
+
+    python3 bench/comm_efficient_dp.py --quiet-grid --results quiet.jsonl
 """
 
 from __future__ import annotations
@@ -79,6 +95,19 @@ CORPORA = {  # name: (document prefix, the command that builds its JSON-lines te
 }
 
 
+QUIET_GRID = {  # --quiet-grid: issue 35's cells (the goal's link first, then 1 Gbit/s: its speed runs only)
+    "methods": "plain,hierarchical,int8,int4",
+    "corpora": "quickstart,system",
+    "bandwidths": "100mbit,1gbit",
+    "seeds": "1234,1235",
+    "iters": 256,
+    "speed_window": 16,
+    "speed_warmup": 4,
+    "speed_only": "hierarchical",
+    "speed_seeds": 1,
+}
+
+
 class BenchInputError(Exception):
     """A method, corpus or results file the benchmark cannot use."""
 
@@ -123,12 +152,18 @@ def cell_key(r: dict) -> tuple:
     return (r["corpus"], r["bandwidth"], r["seed"], r["method"], r["iters"])
 
 
-def parse_metrics(rows) -> dict:
-    """Curves and rates of one run's metrics rows (``pretrain_gpt.py --metrics-file``)."""
+def parse_metrics(rows, window=None) -> dict:
+    """Curves and rates of one run's metrics rows (``pretrain_gpt.py --metrics-file``); tokens/s and
+    bytes over every iteration but the first (it pays start-up), or over iterations ``lo < i <= hi``
+    of ``window``."""
     train = [r for r in rows if r.get("lm_loss") is not None and "split" not in r]
     if not train:
         raise BenchInputError("the run logged no training iteration")
     later = train[1:] or train  # the first iteration pays start-up
+    if window is not None:
+        later = [r for r in train if window[0] < r["iteration"] <= window[1]]
+        if len(later) != window[1] - window[0]:
+            raise BenchInputError(f"the run logged {len(later)} of the window's {window[1] - window[0]} iterations")
     seconds = sum(r["elapsed_ms"] for r in later) / 1e3
     elapsed, curve, at = 0.0, [], {}
     for r in train:
@@ -143,37 +178,125 @@ def parse_metrics(rows) -> dict:
         "tokens_per_s": len(later) * TOKENS_PER_ITER / seconds,
         "inter_node_MB_per_step": max(sum(r.get("inter_node_bytes", 0) for r in later) / len(later) / 1e6, 0.0),
         "train_loss": train[-1]["lm_loss"],
+        "losses": {r["iteration"]: r["lm_loss"] for r in train},
         "valid_loss": valid[-1][2] if valid else None,
     }
 
 
-def run_cell(corpus: str, data_dir: str, bandwidth: str, seed: int, method: str, args, tmp: str) -> dict:
+def run_cluster(
+    corpus: str,
+    data_dir: str,
+    bandwidth: str,
+    seed: int,
+    method: str,
+    args,
+    tmp: str,
+    iters: int,
+    tag: str = "",
+    extra=(),
+) -> list:
+    """One training run on the simulated cluster; its metrics rows.  ``iters``: --train-iters (the
+    learning-rate schedule is always the one of ``args.iters`` iterations); ``extra``: more flags."""
     prefix = CORPORA[corpus][0]
-    metrics = os.path.join(tmp, f"{corpus}_{bandwidth}_{seed}_{method}.jsonl")
+    metrics = os.path.join(tmp, f"{corpus}_{bandwidth}_{seed}_{method}{tag}.jsonl")
     flags = MODEL + METHODS[method][1] + [
         "--data-path", os.path.join(data_dir, prefix), "--tokenizer-model", os.path.join(data_dir, "tokenizer.model"),
-        "--seed", str(seed), "--train-iters", str(args.iters), "--lr-warmup-iters", str(min(20, args.iters // 2)),
-        "--eval-interval", str(args.eval_interval), "--eval-iters", str(args.eval_iters), "--metrics-file", metrics,
+        "--seed", str(seed), "--train-iters", str(iters), "--lr-warmup-iters", str(min(20, args.iters // 2)),
+        "--lr-decay-iters", str(args.iters), "--metrics-file", metrics, *extra,
     ]  # fmt: skip
     cmd = [sys.executable, os.path.join(ROOT, "tools", "cluster", "run.py"), "--nodes", "2", "--procs-per-node", "2",
            "--name", args.name, "--timeout", str(args.timeout)]  # fmt: skip
     if bandwidth != "unshaped":
         cmd += ["--inter-node-bandwidth", bandwidth]
     cmd += ["--", os.path.join(ROOT, "pretrain_gpt.py")] + flags
-    load_before = os.getloadavg()
-    started = datetime.datetime.now(datetime.timezone.utc)
     done = subprocess.run(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{method}: the cluster run exited {done.returncode}:\n{done.stdout[-3000:]}")
     with open(metrics) as f:
-        result = parse_metrics([json.loads(line) for line in f])
+        return [json.loads(line) for line in f]
+
+
+def _evals(args) -> list:
+    return ["--eval-interval", str(args.eval_interval), "--eval-iters", str(args.eval_iters)]
+
+
+def _host(started, load_before) -> dict:
     return {
-        "corpus": corpus, "bandwidth": bandwidth, "seed": seed, "method": method, "iters": args.iters,
-        "tokens_per_iter": TOKENS_PER_ITER, "started": started.isoformat(timespec="seconds"),
+        "started": started.isoformat(timespec="seconds"),
         "wall_s": (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(),
         "load_before": list(load_before), "load_after": list(os.getloadavg()), "cpu": cpu_model(),
-        "nproc": os.cpu_count(), **result,
+        "nproc": os.cpu_count(),
     }  # fmt: skip
+
+
+def run_cell(corpus: str, data_dir: str, bandwidth: str, seed: int, method: str, args, tmp: str) -> dict:
+    """A cell measured by one run of ``--iters`` iterations through the shaped link (loss and speed)."""
+    load_before, started = os.getloadavg(), datetime.datetime.now(datetime.timezone.utc)
+    rows = run_cluster(corpus, data_dir, bandwidth, seed, method, args, tmp, args.iters, extra=_evals(args))
+    result = parse_metrics(rows)
+    return {
+        "corpus": corpus, "bandwidth": bandwidth, "seed": seed, "method": method, "iters": args.iters,
+        "tokens_per_iter": TOKENS_PER_ITER, **_host(started, load_before), **result,
+        "measured": f"loss and tokens/s: one run of {args.iters} iterations at {bandwidth}",
+    }  # fmt: skip
+
+
+def run_loss(corpus: str, data_dir: str, seed: int, method: str, args, tmp: str) -> dict:
+    """The loss run of a (corpus, seed, method): ``--iters`` iterations with no link limit."""
+    load_before, started = os.getloadavg(), datetime.datetime.now(datetime.timezone.utc)
+    rows = run_cluster(corpus, data_dir, "unshaped", seed, method, args, tmp, args.iters, "_loss", _evals(args))
+    return {
+        "kind": "loss_run", "corpus": corpus, "seed": seed, "method": method, "iters": args.iters,
+        **_host(started, load_before), **parse_metrics(rows),
+    }  # fmt: skip
+
+
+def period(method: str) -> int:
+    """Iterations between a method's synchronisations (its --local-sgd-interval, else 1)."""
+    flags = METHODS[method][1]
+    return int(flags[flags.index("--local-sgd-interval") + 1]) if "--local-sgd-interval" in flags else 1
+
+
+def loss_check(speed_losses: dict, loss_run: dict) -> dict:
+    """The speed run's training losses against the loss run's, iteration by iteration."""
+    theirs = {int(k): v for k, v in loss_run["losses"].items()}
+    common = sorted(i for i in speed_losses if i in theirs)
+    diff = max((abs(speed_losses[i] - theirs[i]) / max(abs(theirs[i]), 1e-30) for i in common), default=None)
+    return {"iterations": len(common), "max_rel_diff": diff, "equal": bool(common) and diff == 0.0}
+
+
+def run_split_cell(corpus, data_dir, bandwidth, seed, method, args, tmp, loss_run, reuse=None) -> dict:
+    """A cell of the split measurement (see the module): its speed run at ``bandwidth``, its loss
+    from ``loss_run`` (None for a ``--speed-only`` method).  ``reuse``: the cell of an earlier seed
+    (same corpus, link and method) whose speed run this one takes instead of running its own (the
+    same model, batch and collectives: the seed changes the numbers, not the work)."""
+    w, n = args.speed_warmup, args.speed_window
+    load_before, started = os.getloadavg(), datetime.datetime.now(datetime.timezone.utc)
+    if reuse is None:
+        extra = ["--eval-iters", "0"]
+        rows = run_cluster(corpus, data_dir, bandwidth, seed, method, args, tmp, w + n + 1, "_speed", extra)
+        speed = parse_metrics(rows, window=(w, w + n))
+        how = f"tokens/s: iterations {w + 1}-{w + n} of a {w + n + 1}-iteration run at {bandwidth}"
+    else:
+        speed = {k: reuse[k] for k in ("tokens_per_s", "inter_node_MB_per_step", "train_loss", "curve")}
+        how = f"tokens/s: seed {reuse['seed']}'s speed run (iterations {w + 1}-{w + n} at {bandwidth})"
+    cell = {
+        "corpus": corpus, "bandwidth": bandwidth, "seed": seed, "method": method, "iters": args.iters,
+        "tokens_per_iter": TOKENS_PER_ITER, **_host(started, load_before),
+        "tokens_per_s": speed["tokens_per_s"], "inter_node_MB_per_step": speed["inter_node_MB_per_step"],
+        "speed_window": [w + 1, w + n], "speed_of_seed": seed if reuse is None else reuse["seed"],
+        "measured": how + "; " + (f"loss: a {args.iters}-iteration run with no link limit" if loss_run
+                                  else "loss: not measured"),
+    }  # fmt: skip
+    if loss_run is None:
+        return {**cell, "valid": [], "valid_loss": None, "train_loss": speed["train_loss"], "curve": speed["curve"]}
+    out = {
+        **cell, "valid": loss_run["valid"], "valid_loss": loss_run["valid_loss"], "train_loss": loss_run["train_loss"],
+        "curve": loss_run["curve"], "unshaped_tokens_per_s": loss_run["tokens_per_s"],
+    }  # fmt: skip
+    if reuse is None:
+        out["loss_check"] = loss_check(speed["losses"], loss_run)
+    return out
 
 
 def load_results(paths) -> list:
@@ -201,26 +324,63 @@ def check_names(given: str, known: dict, what: str) -> list:
 
 
 def measure(args) -> None:
-    """Every cell not yet in ``--results``, seeds outermost (the first seed's full table comes first)."""
+    """Every cell not yet in ``--results``: seeds outermost (the first seed's full table comes first);
+    split (``--speed-window``), links outermost (the first link's cells, the goal's, are complete first;
+    the later links add only their speed runs)."""
     methods = check_names(args.methods, METHODS, "method")
     corpora = check_names(args.corpora, CORPORA, "corpus")
-    done = {cell_key(r) for r in load_results([args.results])}
+    split = args.speed_window > 0
+    speed_only = set(check_names(args.speed_only, METHODS, "method")) if split and args.speed_only else set()
+    if split:
+        bad = [f"{m} (H={period(m)})" for m in methods if args.speed_window % period(m)]
+        if bad or args.speed_warmup < 1:
+            raise BenchInputError(
+                f"--speed-window {args.speed_window} must be a multiple of every method's period H (not of "
+                f"{', '.join(bad)}) and --speed-warmup >= 1 (got {args.speed_warmup})"
+            )
+    records = load_results([args.results])
+    done = {cell_key(r) for r in records if r.get("kind") != "loss_run"}
+    losses = {(r["corpus"], r["seed"], r["method"], r["iters"]): r for r in records if r.get("kind") == "loss_run"}
+    seeds = [int(s) for s in args.seeds.split(",")]
+    measured_speed = {  # (corpus, link, method, iters): the cell of the seed whose speed run the later ones reuse
+        (r["corpus"], r["bandwidth"], r["method"], r["iters"]): r
+        for r in records if r.get("speed_of_seed") == r["seed"] and r["seed"] in seeds[: args.speed_seeds]
+    }  # fmt: skip
     dirs = {c: prepare_corpus(c, args.data_root) for c in corpora}
+
+    def append(r):
+        with open(args.results, "a") as f:
+            f.write(json.dumps(r) + "\n")
+
     with tempfile.TemporaryDirectory(prefix="megalm-comp-bench-") as tmp:
         os.chmod(tmp, 0o777)
-        for seed in [int(s) for s in args.seeds.split(",")]:
-            for bandwidth in args.bandwidths.split(","):
-                for corpus in corpora:
-                    for method in methods:
-                        key = (corpus, bandwidth, seed, method, args.iters)
-                        if key in done:
-                            continue
+        links = args.bandwidths.split(",")
+        order = [(seed, link) for link in links for seed in seeds] if split else [(s, b) for s in seeds for b in links]
+        for seed, bandwidth in order:
+            for corpus in corpora:
+                for method in methods:
+                    key = (corpus, bandwidth, seed, method, args.iters)
+                    if key in done:
+                        continue
+                    if not split:
                         r = run_cell(corpus, dirs[corpus], bandwidth, seed, method, args, tmp)
-                        with open(args.results, "a") as f:
-                            f.write(json.dumps(r) + "\n")
-                        print(f"{corpus} {bandwidth} seed {seed} {method}: {r['tokens_per_s']:.0f} tokens/s, "
-                              f"valid {r['valid_loss']}, load {r['load_before'][0]:.1f}-{r['load_after'][0]:.1f}",
-                              flush=True)  # fmt: skip
+                    else:
+                        lkey = (corpus, seed, method, args.iters)
+                        if method not in speed_only and lkey not in losses:
+                            losses[lkey] = run_loss(corpus, dirs[corpus], seed, method, args, tmp)
+                            append(losses[lkey])
+                        skey = (corpus, bandwidth, method, args.iters)
+                        later = args.speed_seeds and seed not in seeds[: args.speed_seeds]
+                        reuse = measured_speed.get(skey) if later else None
+                        loss_run = losses.get(lkey) if method not in speed_only else None
+                        r = run_split_cell(corpus, dirs[corpus], bandwidth, seed, method, args, tmp, loss_run, reuse)
+                        measured_speed.setdefault(skey, r)
+                    append(r)
+                    check = r.get("loss_check")
+                    same = "" if check is None else f", losses equal the loss run's: {check['equal']}"
+                    print(f"{corpus} {bandwidth} seed {seed} {method}: {r['tokens_per_s']:.0f} tokens/s, "
+                          f"valid {r['valid_loss']}, load {r['load_before'][0]:.1f}-{r['load_after'][0]:.1f}"
+                          f"{same}", flush=True)  # fmt: skip
 
 
 def plot(records, prefix: str) -> list:
@@ -240,12 +400,15 @@ def plot(records, prefix: str) -> list:
         for ax, corpus in zip(axes[0], corpora):
             for i, method in enumerate(m for m in METHODS if any(r["method"] == m for r in rows)):
                 for j, r in enumerate(r for r in rows if r["corpus"] == corpus and r["method"] == method):
-                    t = [s - r["curve"][0][0] for _, s, _ in r["valid"]]  # from the end of the first iteration
+                    if "speed_window" in r:  # split: the loss run's tokens at the speed run's rate
+                        t = [tokens / r["tokens_per_s"] for tokens, _, _ in r["valid"]]
+                    else:  # from the end of the first iteration
+                        t = [s - r["curve"][0][0] for _, s, _ in r["valid"]]
                     loss = [v for _, _, v in r["valid"]]
                     ax.plot(t, loss, color=f"C{i}", linestyle="-" if j == 0 else "--", marker=".",
                             label=f"{METHODS[method][0]}" if j == 0 else None)  # fmt: skip
             ax.set_title(f"{corpus} corpus, {bandwidth} between nodes (dashed: 2nd seed)")
-            ax.set_xlabel("training seconds after the first iteration (evaluations excluded)")
+            ax.set_xlabel("training seconds (split cells: tokens / the speed run's tokens/s; evaluations excluded)")
             ax.set_ylabel("validation loss")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
@@ -270,9 +433,33 @@ def main(argv=None) -> int:
     p.add_argument("--eval-iters", type=int, default=4, help="validation batches per evaluation")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per cluster run")
     p.add_argument("--name", default="mlccomp", help="cluster name (tools/cluster/run.py --name; one per process)")
+    p.add_argument(
+        "--speed-window",
+        type=int,
+        default=0,
+        help="split measurement: loss from one unshaped run of --iters, tokens/s over this many "
+        "iterations of a short shaped run (0: one shaped run of --iters per cell)",
+    )
+    p.add_argument("--speed-warmup", type=int, default=8, help="speed-run iterations before the window")
+    p.add_argument(
+        "--speed-seeds",
+        type=int,
+        default=0,
+        help="split measurement: speed runs for the first this many --seeds only, later seeds' cells take "
+        "the first seed's tokens/s (the same work); 0: every seed",
+    )
+    p.add_argument("--speed-only", default="hierarchical", help="methods with no loss run (split measurement)")
+    p.add_argument(
+        "--quiet-grid",
+        action="store_true",
+        help="issue 35's grid (explicit flags override): " + ", ".join(f"{k} {v}" for k, v in QUIET_GRID.items()),
+    )
     p.add_argument("--report", nargs="+", metavar="FILE", help="no runs: the table of these --results files")
     p.add_argument("--plot", metavar="PREFIX", help="with --report: write PREFIX_<link>.png")
     args = p.parse_args(argv)
+    if args.quiet_grid:  # the grid's values as defaults: flags given explicitly still win
+        p.set_defaults(**QUIET_GRID)
+        args = p.parse_args(argv)
     try:
         if not args.report:
             measure(args)

@@ -3,7 +3,9 @@
 A cell's ratios are taken against plain DP (and hierarchical DP) of the same corpus, link, seed and
 iteration count, so each ratio compares runs of one session of the benchmark.  Validation loss at
 equal tokens is every run's last evaluation (the same iteration for all); its gap to plain DP is
-taken per seed, and the spread is the largest minus the smallest of those gaps.
+taken per seed, and the spread is the largest minus the smallest of those gaps.  Each table says how
+its numbers were measured (a cell's ``measured``: one shaped run, or the split measurement's loss run
+and speed window) and whether every split cell's speed run reproduced its loss run's losses.
 
 The goal (issue 35): at 100 Mbit/s, >= 3x plain DP's tokens/s with validation loss within 2% of
 plain DP's at equal tokens, on every corpus (both must be measured), over >= 256 iterations, with
@@ -19,10 +21,31 @@ GOAL_CORPORA = ("quickstart", "system")
 BASELINES = ("plain", "hierarchical")
 
 
+def cells_of(records) -> list:
+    """The cells (not the split measurement's loss runs)."""
+    return [r for r in records if r.get("kind") != "loss_run"]
+
+
+def measured(cells) -> list:
+    """How the cells' numbers were measured, and the split cells' equality check, as report lines."""
+    ways = sorted({c.get("measured", "loss and tokens/s: one run through the shaped link") for c in cells})
+    lines = [f"Measured: {w}." for w in ways]
+    checks = [c["loss_check"] for c in cells if c.get("loss_check")]
+    if checks:
+        unequal = [c for c in checks if not c["equal"]]
+        worst = max(c["max_rel_diff"] or 0.0 for c in checks)
+        lines.append(
+            f"Speed runs' training losses equal the loss runs' (first {min(c['iterations'] for c in checks)}+ "
+            f"iterations): {len(checks) - len(unequal)} of {len(checks)} cells bit for bit"
+            + (f"; largest relative difference {worst:.2e}" if unequal else "")
+        )
+    return lines
+
+
 def compared(records) -> dict:
     """{(corpus, link, iters): {method: [per-seed dict(seed, tps, x_plain, x_hier, gap, record)]}}."""
     groups: dict = {}
-    for r in records:
+    for r in cells_of(records):
         groups.setdefault((r["corpus"], r["bandwidth"], r["iters"]), []).append(r)
     out = {}
     for key, rows in groups.items():
@@ -72,6 +95,7 @@ def report(records, methods: dict) -> str:
             "| valid loss | vs plain DP | spread of the gap |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
+        lines[-3:-3] = measured([c["record"] for c in cells]) + [""]
         for m in [m for m in methods if m in table] + [m for m in table if m not in methods]:
             cs = sorted(table[m], key=lambda c: c["seed"])
             gaps = [c["gap"] for c in cs if c["gap"] is not None]
@@ -93,7 +117,7 @@ def ceiling(records, corpus: str, link: str, iters: int, table: dict) -> list:
     No method that trains the same model can be faster than its compute; on a loaded host that
     bound, not the link, decides how far above plain DP any method can get."""
     plain = {c["seed"]: c["tps"] for c in table.get("plain", [])}
-    free = [r for r in records if (r["corpus"], r["bandwidth"], r["iters"], r["method"]) ==
+    free = [r for r in cells_of(records) if (r["corpus"], r["bandwidth"], r["iters"], r["method"]) ==
             (corpus, "unshaped", iters, "hierarchical") and r["seed"] in plain]  # fmt: skip
     if link == "unshaped" or not free:
         return []
@@ -120,6 +144,9 @@ def judge(records, method: str) -> tuple:
             reasons.append(f"{corpus}: {len({c['seed'] for c in cells})} of {GOAL_SEEDS} seeds measured")
         if not cells:
             continue
+        unequal = sorted({c["seed"] for c in cells if not c["record"].get("loss_check", {}).get("equal", True)})
+        if unequal:
+            reasons.append(f"{corpus}: speed runs' losses differ from the loss runs' (seeds {unequal})")
         speedups += [c["x_plain"] for c in cells]
         gaps += [c["gap"] for c in cells]
         spreads.append(max(c["gap"] for c in cells) - min(c["gap"] for c in cells))
@@ -142,7 +169,7 @@ def verdict(records, methods: dict) -> str:
         f">= {GOAL_ITERS} iterations, {GOAL_SEEDS} seeds, corpora {', '.join(GOAL_CORPORA)}"
     )
     lines, holding = ["", goal], []
-    for m in [m for m in methods if m not in BASELINES and any(r["method"] == m for r in records)]:
+    for m in [m for m in methods if m not in BASELINES and any(r["method"] == m for r in cells_of(records))]:
         holds, x, gap, spread, reasons = judge(records, m)
         if x is None:
             lines.append(f"- {methods[m][0]}: not measured on the goal's cells ({'; '.join(reasons)})")

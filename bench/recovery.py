@@ -22,6 +22,11 @@ simulated cluster (:mod:`megalm.launch.netns`, gloo over the nodes' ``uplink``, 
   ``--exit-signal-handler``; once it logged iteration ``--kill-at`` node B starts: A's agent sees a
   node waiting, SIGTERMs its worker (which saves at the end of its step and exits), and the next
   round runs both nodes, from that checkpoint at DP 2.  "seconds to resume" is from B's start.
+* ``torchft`` (no restart): ``bench/recovery_torchft.py``'s run on these nodes: two replica groups
+  (one rank each, ``--ft-replica-group-id``), the lighthouse on node 0; group B SIGKILLs itself in
+  its ``--kill-at``-th step, A trains on alone, a new B started at once rejoins from A's memory.
+  Its own length (``--ft-iters``, ``--ft-step-seconds`` of sleep per step, so that A still trains
+  when the new B is up) and its own uninterrupted one-process reference run.
 
 "steps lost" = iterations finished before the failure minus the iteration resumed from; "seconds
 to resume" = from the SIGKILL to the first iteration logged after the restart (rendezvous, process
@@ -228,6 +233,25 @@ def summarize(path, seen, killed_at, straight_loss, log="", kill_at=0):
     }
 
 
+def torchft_rows(args, tmp, nodes):
+    """The ``torchft`` path (``bench/recovery_torchft.py`` on ``nodes``): its reference row and its row."""
+    from bench.recovery_torchft import measure
+
+    ft = argparse.Namespace(
+        iters=args.ft_iters,
+        kill_at=args.kill_at,
+        step_seconds=args.ft_step_seconds,
+        heartbeat_timeout_ms=args.ft_heartbeat_timeout_ms,
+        timeout=args.timeout,
+    )
+    os.makedirs(os.path.join(tmp, "torchft"), exist_ok=True)
+    reference, row = measure(ft, os.path.join(tmp, "torchft"), nodes)
+    reference["world_after"] = "-"
+    reference["path"] = f"uninterrupted, one process ({args.ft_iters} iterations, for torchft)"
+    row["path"] = "torchft (no restart)"
+    return [reference, row]
+
+
 @contextlib.contextmanager
 def _nodes(args):
     """Loopback, or the simulated cluster (made here, removed however the bench ends)."""
@@ -294,6 +318,9 @@ def main():
     p.add_argument("--cluster", action="store_true", help="run the nodes in the simulated cluster's namespaces")
     p.add_argument("--inter-node-bandwidth", help="with --cluster: tc rate of each node's link (e.g. 1gbit)")
     p.add_argument("--alone-sleep", type=float, default=3.0, help="scaleup: node A's sleep per step while alone")
+    p.add_argument("--ft-iters", type=int, default=300, help="torchft path: iterations")
+    p.add_argument("--ft-step-seconds", type=float, default=0.1, help="torchft path: sleep per forward step")
+    p.add_argument("--ft-heartbeat-timeout-ms", type=int, default=1000, help="torchft path: the lighthouse's")
     p.add_argument("--stagger", type=float, default=1.0, help="seconds between starting node A and node B")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--json", help="write the rows here")
@@ -303,10 +330,16 @@ def main():
     results = []
     workdir = tempfile.TemporaryDirectory() if args.workdir is None else contextlib.nullcontext(args.workdir)
     with workdir as tmp, _nodes(args) as nodes:
-        seen, _, _ = run("straight", args, free_port(), tmp, "straight", nodes)
-        straight_loss = seen[-1][1]["lm_loss"]
-        results.append(summarize("uninterrupted", seen, None, straight_loss))
+        os.makedirs(tmp, exist_ok=True)
+        if args.paths != "torchft":  # the reference of the restart paths (torchft has its own)
+            seen, _, _ = run("straight", args, free_port(), tmp, "straight", nodes)
+            straight_loss = seen[-1][1]["lm_loss"]
+            results.append(summarize("uninterrupted", seen, None, straight_loss))
         for path in args.paths.split(","):
+            if path == "torchft":
+                results += torchft_rows(args, tmp, nodes)
+                print(json.dumps(results[-1]), flush=True)
+                continue
             seen, killed_at, log = run(path, args, free_port(), tmp, path, nodes)
             results.append(summarize(path, seen, killed_at, straight_loss, log, args.kill_at))
             print(json.dumps(results[-1]), flush=True)  # each row as soon as it is measured
@@ -326,7 +359,11 @@ def main():
     for r in results:
         lost = r.get("steps_lost", 0)
         secs = f"{r['seconds_to_resume']:.1f}" if "seconds_to_resume" in r else "-"
-        rejoin = f"{r['rejoin_bytes']}, {r['rejoin_restore_s']:.2f}" if "rejoin_bytes" in r else "-"
+        rejoin = f"{r['rejoin_bytes']}, {r['rejoin_restore_s']:.2f}" if "rejoin_restore_s" in r else "-"
+        if r.get("rejoin_s") is not None:  # torchft: from the new group's start to its first step
+            rejoin = f"{r['rejoin_bytes']}, {r['rejoin_s']:.1f} from its start"
+            if r.get("rejoin_recovery_s") is not None:
+                rejoin += f", of which quorum + transfer {r['rejoin_recovery_s']:.2f}"
         print(
             f"| {r['path']} | {r.get('world_after', 2)} | {lost} | {secs} | {r['final_loss']:.6f} "
             f"| {r['loss_diff']:+.2e} | {rejoin} |"

@@ -82,14 +82,13 @@ def sampled_steps(trainer, steps: int = 1, before_step=None) -> dict:
 
 def measure(configs, steps):
     from megalm import parallel_state
-    from megalm.distributed import comm
 
     out = []
     for name, argv in configs:
         trainer = setup_trainer(argv)
         chunks = trainer.model
-        mem = sampled_steps(trainer, steps, before_step=comm.reset_comm_stats)  # comm stats of the last step
-        stats = comm.get_comm_stats()
+        mem = sampled_steps(trainer, steps, before_step=trainer.comm_stats.reset)  # comm stats of the last step
+        stats = trainer.comm_stats.get()
         bufs = [b for c in chunks for b in c.all_buffers]
         numel = sum(b.numel for b in bufs)
         out.append(

@@ -18,11 +18,12 @@ numbers are taken:
   (:mod:`megalm.estimate.sharding_peaks`: for ZeRO-3 the gathered working set), activations and
   transient buffers.
 
-The table prints the largest rank's numbers (MiB) and ``tracked / formula``.  Bytes do not depend on the
-machine; RSS a little (allocator, thread stacks).
+``--meta`` builds every run with ``--init-model-with-meta-device`` (the build column then holds no full
+model under ZeRO-3).  The table prints the largest rank's numbers (MiB) and ``tracked / formula``.  Bytes
+do not depend on the machine; RSS a little (allocator, thread stacks).
 
     python bench/zero3_peak.py [--ranks 4] [--layers 6 --hidden 768 --ffn 2048 --vocab 32000 --seq 256]
-        [--bucket-size 2000000]
+        [--bucket-size 2000000] [--meta]
         [--strategies no_shard optim optim_grads optim_grads_params] [--out bench/results/zero3_peak.json]
 """
 
@@ -56,6 +57,7 @@ def model_flags(a) -> list:
         *("--mock-data", "--num-workers", "0", "--lr", "3e-4", "--log-interval", "1000", "--eval-iters", "0"),
         *("--no-log-memory", "--micro-batch-size", "1", "--train-iters", "4", "--overlap-grad-reduce"),
         *(["--ddp-bucket-size", str(a.bucket_size)] if a.bucket_size else []),
+        *(["--init-model-with-meta-device"] if a.meta else []),
     ]
 
 
@@ -119,6 +121,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--bucket-size", type=int, default=2_000_000, help="--ddp-bucket-size (0: Megatron's default, 40M)")
+    ap.add_argument("--meta", action="store_true", help="build with --init-model-with-meta-device")
     ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     ap.add_argument("--out")
     a = ap.parse_args()
@@ -132,7 +135,8 @@ def main() -> None:
         rows[s]["formula"] = planned["bytes"][s]
         print(s, {k: round(v / MiB, 1) for k, v in rows[s].items()}, flush=True)
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    print(f"\n{planned['params'] / 1e6:.1f}M parameters, fp32, DP {a.ranks}, bucket {a.bucket_size}; {cpu}\n")
+    meta = ", --init-model-with-meta-device" if a.meta else ""
+    print(f"\n{planned['params'] / 1e6:.1f}M parameters, fp32, DP {a.ranks}, bucket {a.bucket_size}{meta}; {cpu}\n")
     print("| strategy | formula MiB | tracked peak MiB | tracked / formula | build MiB | step MiB | peak RSS MiB |")
     print("|---|---|---|---|---|---|---|")
     for s, r in rows.items():
@@ -142,7 +146,7 @@ def main() -> None:
         )
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"params": planned["params"], "ranks": a.ranks, "rows": rows}, f, indent=1)
+            json.dump({"params": planned["params"], "ranks": a.ranks, "meta": a.meta, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

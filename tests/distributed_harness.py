@@ -2,25 +2,25 @@
 
     results = run_distributed(my_fn, world_size=4, args=(cfg,), timeout=120)
 
-Reused ranks (``MEGALM_TEST_RANK_POOL=1``; see ``tests/conftest.py``).  A spawned rank spends about a second
-importing torch and megalm (four ranks on two cores: ~5 s a call), so with the variable set the ranks of a
-call stay alive for the next call of the same world size (:class:`RankPool`; world sizes up to
-:data:`MAX_POOLED_WORLD`, at most :data:`MAX_POOLED_RANKS` processes kept, the least recently used pool
-stopped first).  Each call gets a fresh process group on a new port; afterwards the ranks meet at a
-barrier, destroy it, and restore what a call may change and a fresh process would not have:
-``os.environ``, the working directory, signal handlers, ``sys.stdout/stderr``, warning filters (and their
-once-only registries), the root and ``megalm`` loggers, torch's default dtype, grad mode, anomaly mode and
-deterministic mode, and it reseeds torch's default generator from the OS, as a fresh process starts.  It
-retires (the next call starts fresh processes) when the call left something it cannot restore: a thread
-or child process still running, a process group still alive (its gloo threads, counted by name in
-``/proc/self/task``, still running after a garbage collection: something kept a reference to it), a
-changed ``sys.path``, a rebound function or class attribute of ``megalm``, ``pretrain_gpt``,
-``torch.distributed`` or a ``tests`` module, or a megalm attribute bound to a function defined in
-``tests`` (a monkeypatch not undone).  A rank that raises leaves after reporting (as a fresh one does);
-any failure or timeout kills the pool's processes.  ``MEGALM_TEST_RANK_POOL_LOG=<file>`` appends to the
-file each pool's start, each call, each retirement's reason and, when a pool closes, its ranks' thread
-counts.  Calls with ``env`` always get fresh processes (some variables are read at import), and so does
-everything when the variable is unset (benchmarks: their memory numbers are per fresh process).
+Reused ranks (``MEGALM_TEST_RANK_POOL=1``; see ``tests/conftest.py``). A spawned rank spends ~4 s of CPU importing
+torch and megalm (four ranks on two cores: ~8 s a call), so with the variable set the ranks are forked from a fork
+server that imported them once (:data:`PRELOAD`; multiprocessing's ``forkserver``), and the ranks of a call stay
+alive for the next call of the same world size (:class:`RankPool`; world sizes up to :data:`MAX_POOLED_WORLD`, at
+most :data:`MAX_POOLED_RANKS` processes kept, the least recently used pool stopped first; a larger call gets forked
+ranks that leave after it). Each call gets a fresh process group on a new port; afterwards the ranks meet at a
+barrier, destroy it, and restore what a call may change and a fresh process would not have: ``os.environ``, the
+working directory, signal handlers, ``sys.stdout/stderr``, warning filters (and their once-only registries), the
+root and ``megalm`` loggers, torch's default dtype, grad mode, anomaly mode and deterministic mode, and it reseeds
+torch's default generator from the OS, as a fresh process starts. It retires (the next call starts fresh processes)
+when the call left something it cannot restore: a thread or child process still running, a process group still
+alive (its gloo threads, counted by name in ``/proc/self/task``, still running after a garbage collection:
+something kept a reference to it), a changed ``sys.path``, a rebound function or class attribute of ``megalm``,
+``pretrain_gpt``, ``torch.distributed`` or a ``tests`` module, or a megalm attribute bound to a function defined in
+``tests`` (a monkeypatch not undone). A rank that raises leaves after reporting (as a fresh one does); any failure
+or timeout kills the pool's processes. ``MEGALM_TEST_RANK_POOL_LOG=<file>`` appends to the file each pool's start,
+each call, each retirement's reason and, when a pool closes, its ranks' thread counts. Calls with ``env`` always
+get fresh processes (some variables are read at import), and so does everything when the variable is unset
+(benchmarks: their memory numbers are per fresh process).
 
 Why a destroyed group can keep threads: ``dist.destroy_process_group()`` only forgets the groups; a gloo
 group's threads (two ``pt_gloo_runloop`` workers and a ``gloo_tcp_loop`` per group, the ``pt_tcpstore_uv``
@@ -67,6 +67,20 @@ DistributedTestError = DistributedRunError  # the name the tests use
 
 POOL_ENV = "MEGALM_TEST_RANK_POOL"
 MAX_POOLED_WORLD = 4  # larger calls are rare in the suite: fresh processes
+# What a reused rank's fork server imports once (a rank forked from it starts with them: ~4 s of CPU each
+# otherwise, most of it torch._dynamo, which torch.optim imports, and torch.distributed.checkpoint).  The server
+# runs no torch operation, so it starts no thread a fork could lose; ``torch.distributed.nn.functional`` is
+# imported while no process group exists (module docstring).
+PRELOAD = [
+    "torch",
+    "torch.distributed.nn.functional",
+    "torch._dynamo",
+    "torch.distributed.checkpoint",
+    "pretrain_gpt",
+    "megalm.training.training",
+    "tests.distributed_harness",
+    "tests.training_runs",
+]
 MAX_POOLED_RANKS = 7  # processes kept alive over all world sizes (1 + 2 + 4; each holds torch + megalm)
 _READY_TIMEOUT_S = 30.0
 # Thread names of a live process group's gloo context and of a TCPStore server (torch 2.x on Linux).
@@ -213,9 +227,15 @@ class _ProcessState:
         return reason
 
 
-def _pool_worker(rank: int, conn) -> None:
+def _pool_worker(rank: int, conn, environ: Dict[str, str]) -> None:
     """A reused rank: runs calls received on ``conn`` until told to stop, the parent is gone, a
-    call fails, or a call left the process in a state it cannot restore."""
+    call fails, or a call left the process in a state it cannot restore.  ``environ``: the test process's
+    environment (a forked rank starts with the fork server's)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    import numpy
+
+    numpy.random.seed()  # from the OS, as a fresh process (Python's random is reseeded at fork; torch starts as one)
     parent = os.getppid()
 
     def leave_with_the_parent():  # a killed parent (pytest stopped mid-call) takes its ranks with it
@@ -255,12 +275,15 @@ class RankPool:
     """``world_size`` spawned ranks reused by :func:`run_distributed` (see the module docstring)."""
 
     def __init__(self, world_size: int):
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (the first pool of the session)
         self.world_size = world_size
         pipes = [ctx.Pipe() for _ in range(world_size)]
         self.conns = [parent for parent, _ in pipes]
+        environ = dict(os.environ)
         self.procs = [
-            ctx.Process(target=_pool_worker, args=(r, child), daemon=False) for r, (_, child) in enumerate(pipes)
+            ctx.Process(target=_pool_worker, args=(r, child, environ), daemon=False)
+            for r, (_, child) in enumerate(pipes)
         ]
         for p in self.procs:
             p.start()
@@ -421,8 +444,18 @@ def run_distributed(
     """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks (reused ones with ``MEGALM_TEST_RANK_POOL=1``);
     return the results by rank."""
     collective_timeout = collective_timeout_s(timeout)
-    if env or os.environ.get(POOL_ENV, "0") != "1" or world_size > MAX_POOLED_WORLD:
+    if env or os.environ.get(POOL_ENV, "0") != "1":
         outcome = run_fresh(fn, world_size, args, kwargs or {}, timeout, threads, env or {}, collective_timeout)
+    elif world_size > MAX_POOLED_WORLD:  # forked from the fork server (its imports done), not kept
+        task = (world_size, free_port(), fn, tuple(args), kwargs or {}, collective_timeout, threads)
+        pool = RankPool(world_size)
+        try:
+            outcome = pool.run(task, timeout)
+            ok = len(outcome) == world_size and all(s == "ok" for s, _ in outcome.values())
+            if ok and pool.wait_ready():
+                pool.close()
+        finally:
+            pool.kill()
     else:
         outcome = _run_pooled(fn, world_size, args, kwargs or {}, timeout, threads, collective_timeout)
     return check_outcome(outcome, world_size, timeout)

@@ -139,3 +139,76 @@ def test_measure_appends_cells_and_resumes(tmp_path, monkeypatch, capsys):
         f.write('{"corpus": "sys')  # a run killed mid-write
     assert bench.main(["--report", results]) == 2
     assert "r.jsonl:5: not a JSON line" in capsys.readouterr().err
+
+
+def test_split_measurement_shares_loss_runs_and_checks_the_speed_runs_losses(tmp_path, monkeypatch, capsys):
+    """--speed-window: one unshaped loss run per (corpus, seed, method) shared by every link (none for
+    --speed-only), a short shaped speed run per link whose window gives tokens/s and whose training
+    losses are compared with the loss run's (a difference is recorded and fails the goal)."""
+    calls = []
+    step_ms = {"unshaped": 100.0, "100mbit": 1000.0, "1gbit": 200.0}
+
+    def fake_cluster(corpus, data_dir, bandwidth, seed, method, args, tmp, iters, tag="", extra=()):
+        calls.append((bandwidth, method, iters, tag))
+        ms = step_ms[bandwidth] / (4 if method == "int8" else 1)
+        drift = 1e-3 if (method, bandwidth) == ("int8", "1gbit") else 0.0  # a speed run that is not the same math
+        rows = [{"iteration": i, "lm_loss": 10.0 - i + (drift if tag else 0), "elapsed_ms": 9e3 if i == 1 else ms}
+                for i in range(1, iters + 1)]  # fmt: skip
+        return rows + ([{"iteration": iters, "split": "validation", "loss": 4.0}] if "--eval-interval" in extra else [])
+
+    monkeypatch.setattr(bench, "run_cluster", fake_cluster)
+    monkeypatch.setattr(bench, "prepare_corpus", lambda name, root: str(tmp_path / name))
+    results = str(tmp_path / "r.jsonl")
+    argv = ["--results", results, "--corpora", "system", "--bandwidths", "100mbit,1gbit", "--seeds", "1", "--iters",
+            "8", "--speed-window", "2", "--speed-warmup", "2", "--methods", "plain,hierarchical,int8"]  # fmt: skip
+    assert bench.main(argv) == 0
+    assert calls == [("unshaped", "plain", 8, "_loss"), ("100mbit", "plain", 5, "_speed"),
+                     ("100mbit", "hierarchical", 5, "_speed"), ("unshaped", "int8", 8, "_loss"),
+                     ("100mbit", "int8", 5, "_speed"), ("1gbit", "plain", 5, "_speed"),
+                     ("1gbit", "hierarchical", 5, "_speed"), ("1gbit", "int8", 5, "_speed")]  # fmt: skip
+    records = bench.load_results([results])
+    assert [r.get("kind") for r in records].count("loss_run") == 2
+    cells = {(r["bandwidth"], r["method"]): r for r in rep.cells_of(records)}
+    plain, int8 = cells[("100mbit", "plain")], cells[("100mbit", "int8")]
+    assert plain["tokens_per_s"] == pytest.approx(2048.0) and int8["tokens_per_s"] == pytest.approx(4 * 2048.0)
+    assert plain["speed_window"] == [3, 4] and plain["valid_loss"] == 4.0 and plain["unshaped_tokens_per_s"] > 0
+    assert plain["loss_check"] == {"iterations": 5, "max_rel_diff": 0.0, "equal": True}
+    assert (
+        cells[("100mbit", "hierarchical")]["valid_loss"] is None
+        and "loss_check" not in cells[("100mbit", "hierarchical")]
+    )
+    bad = cells[("1gbit", "int8")]["loss_check"]
+    assert not bad["equal"] and bad["max_rel_diff"] == pytest.approx(1e-3 / 5.0)
+    text = rep.report(records, bench.METHODS)
+    assert "Measured: tokens/s: iterations 3-4 of a 5-iteration run at 100mbit; loss: a 8-iteration run" in text
+    assert "1 of 2 cells bit for bit; largest relative difference 2.00e-04" in text
+    int8["loss_check"] = bad  # the goal is not judged on a cell whose speed run is not its loss run's math
+    assert (
+        "system: speed runs' losses differ from the loss runs' (seeds [1])"
+        in rep.judge([dict(r, iters=256) for r in records], "int8")[4]
+    )
+    assert bench.main(argv) == 0 and len(calls) == 8  # everything measured: nothing runs again
+    # a window that is not a multiple of a method's period H
+    assert bench.main(argv[:-1] + ["local_sgd_h8_overlap1"]) == 2
+    assert "--speed-window 2 must be a multiple of every method's period H (not of local_sgd_h8_overlap1 (H=8))" in (
+        capsys.readouterr().err
+    )
+    # --quiet-grid: issue 35's cells; flags given explicitly override its values
+    calls.clear()
+    grid = ["--quiet-grid", "--results", str(tmp_path / "g.jsonl"), "--seeds", "1,2", "--iters", "8"]
+    assert bench.main(grid + ["--corpora", "system", "--bandwidths", "100mbit"]) == 0
+    g = bench.QUIET_GRID
+    speed_iters = g["speed_warmup"] + g["speed_window"] + 1
+    assert calls == [
+        ("unshaped", "plain", 8, "_loss"), ("100mbit", "plain", speed_iters, "_speed"),
+        ("100mbit", "hierarchical", speed_iters, "_speed"), ("unshaped", "int8", 8, "_loss"),
+        ("100mbit", "int8", speed_iters, "_speed"), ("unshaped", "int4", 8, "_loss"),
+        ("100mbit", "int4", speed_iters, "_speed"),
+        ("unshaped", "plain", 8, "_loss"), ("unshaped", "int8", 8, "_loss"), ("unshaped", "int4", 8, "_loss"),
+    ]  # fmt: skip
+    # the second seed: its own loss runs, seed 1's speed runs (said so in the cell, no loss check)
+    cells = {(r["seed"], r["method"]): r for r in rep.cells_of(bench.load_results([str(tmp_path / "g.jsonl")]))}
+    again = cells[(2, "int8")]
+    assert again["tokens_per_s"] == cells[(1, "int8")]["tokens_per_s"] and again["speed_of_seed"] == 1
+    assert "tokens/s: seed 1's speed run" in again["measured"] and "loss_check" not in again
+    assert "loss_check" in cells[(1, "int8")] and cells[(1, "int8")]["speed_of_seed"] == 1

@@ -7,6 +7,8 @@ and local SGD / DiLoCo.
   restored); loaded under another layout (DP 2 -> DP 1 x TP 2) the pending update (the sum of the two
   ranks' residuals, saved per parameter and read into the TP 2 shards) is resharded (one INFO line, no
   warning): the one DP rank adds it to its first gradient, so the run leaves the uncompressed one there.
+* Warm-ups (--grad-compression-warmup-iters, --local-sgd-warmup-iters): the first iterations are plain
+  DP's bit for bit, the later ones are not; resumed inside the warm-up, exact.
 * Local SGD with H = 1 and plain averaging equals synchronous data parallelism with SGD; H = 4 does
   not; DiLoCo resumed from a checkpoint taken between two syncs equals the uninterrupted run bit for
   bit (every replica's weights and optimizer state, and the outer state, restored)."""
@@ -74,6 +76,19 @@ def worker(tmp):
         argv("overlap_base", *overlap, "--save", ckpt, "--save-interval", "3", "--train-iters", "6"),
         argv("overlap_resumed", *overlap, "--load", ckpt, "--ckpt-step", "3", "--train-iters", "6"),
     ]
+    # warm-ups of exact / synchronous steps (3 of 6) resumed from iteration 2 (inside the warm-up), and
+    # Streaming DiLoCo resumed at 2 with a fragment's correction in flight
+    variants = {
+        "powersgd_warm": [*METHODS["powersgd"], "--grad-compression-warmup-iters", "3"],
+        "diloco_warm": [*DILOCO, "--local-sgd-warmup-iters", "3"],
+        "streaming": [*DILOCO, "--local-sgd-fragments", "2", "--local-sgd-overlap-steps", "1"],
+    }
+    for name, flags in variants.items():
+        ckpt = os.path.join(tmp, f"ckpt_{name}")
+        runs += [
+            argv(f"{name}_base", *flags, "--save", ckpt, "--save-interval", "2", "--train-iters", "6"),
+            argv(f"{name}_resumed", *flags, "--load", ckpt, "--ckpt-step", "2", "--train-iters", "6"),
+        ]
     zero3 = ["--data-parallel-sharding-strategy", "optim_grads_params", "--train-iters", "6"]
     runs.append(argv("int8_zero3", *METHODS["int8"], *zero3))  # ZeRO-3: the all-to-all into the sharded gradient
     saved, sys.stdout = sys.stdout, io.StringIO()
@@ -94,7 +109,7 @@ def world(tmp_path_factory):
 def test_resume_is_exact_and_a_new_layout_reshards_the_residuals(world):
     tmp, ranks = world
     for codes, _ in ranks:
-        assert codes == [0] * 18, codes
+        assert codes == [0] * 24, codes
     plain = losses(tmp, "plain")
     for method in METHODS:
         base, resumed = losses(tmp, f"{method}_base"), losses(tmp, f"{method}_resumed")
@@ -154,3 +169,26 @@ def test_fp16_overflow_on_one_rank_skips_the_compressed_step_everywhere(world):
     assert [r["skipped_iterations"] for r in rows] == [0, 1, 0, 0]
     assert [r["grad_norm"] is None for r in rows] == [False, True, False, False]
     assert all(r["lm_loss"] is not None and abs(r["lm_loss"]) < 100 for r in rows[2:])
+
+
+def test_warmups_are_the_synchronous_run_bit_for_bit_then_resume_exactly(world):
+    """--grad-compression-warmup-iters 3 (PowerSGD) and --local-sgd-warmup-iters 3 (DiLoCo H = 2): the
+    losses of iterations 1-4 (iteration 4's: the weights after step 3) are plain DP's bit for bit, the
+    next ones are not (compression / local steps started at 4); resumed at 2, inside the warm-up, each
+    run equals its uninterrupted one bit for bit (the phase follows the restored iteration)."""
+    tmp, _ = world
+    plain = losses(tmp, "plain")
+    for name in ("powersgd_warm", "diloco_warm"):
+        base, resumed = losses(tmp, f"{name}_base"), losses(tmp, f"{name}_resumed")
+        assert len(base) == 6 and base[:4] == plain[:4] and base[4] != plain[4], name
+        assert resumed == base[2:], name
+    assert losses(tmp, "diloco_warm_base")[4:] != losses(tmp, "diloco_base")[4:]  # not DiLoCo from iteration 1
+
+
+def test_streaming_diloco_trains_and_resumes_exactly_with_a_fragment_in_flight(world):
+    """--local-sgd-fragments 2 (H = 2, overlap 1): a fragment is in flight after every iteration; the run
+    saved at 2 resumes bit for bit, and it is another run than DiLoCo's (every parameter at once)."""
+    tmp, _ = world
+    base, resumed = losses(tmp, "streaming_base"), losses(tmp, "streaming_resumed")
+    assert len(base) == 6 and resumed == base[2:] and all(abs(x) < 100 for x in base)
+    assert base[:2] == losses(tmp, "diloco_base")[:2] and base[2:] != losses(tmp, "diloco_base")[2:]

@@ -17,7 +17,7 @@ relative, on 4 ranks, at
 * CP 2 x EP 2 MoE with --moe-expert-capacity-factor 0.5 (half the routed pairs dropped, decided over the
   whole sequence), against one process with the same capacity;
 * CP 2 x DP 2, a2a, packed documents (--reset-attention-mask --qkv-format thd), against the dense document
-  mask in one process.
+  mask in one process; the same with allgather (its chunks mask other documents), 3 steps.
 
 The first saves at iteration 5; resumed at CP 1 and at CP 4 (chunks of 4 positions) it continues the
 uninterrupted CP 1 run.
@@ -87,6 +87,17 @@ def runs(tmp_path_factory):
         run("cp2_dp2_bf16", *FIVE, *CP2, "--bf16"),
         run("cp2_ep2_moe_capacity", *FIVE, *CP2, *MOE, *CAPACITY, "--expert-model-parallel-size", "2"),
         run("cp2_dp2_a2a_thd", *FIVE, *CP2, "--cp-comm-type", "a2a", *DOCS, "--qkv-format", "thd"),
+        run(
+            "cp2_dp2_allgather_thd",
+            "--train-iters",
+            "3",
+            *CP2,
+            "--cp-comm-type",
+            "allgather",
+            *DOCS,
+            "--qkv-format",
+            "thd",
+        ),
     ]
     one = [
         run("cp1", *TEN),
@@ -107,7 +118,7 @@ def runs(tmp_path_factory):
 
 
 def test_all_runs_exit_cleanly(runs):
-    assert runs["codes"] == ([[0] * 11] * 4, [[0] * 9]), runs["codes"]
+    assert runs["codes"] == ([[0] * 12] * 4, [[0] * 9]), runs["codes"]
 
 
 @pytest.mark.parametrize("name", ["cp2_dp2_dist_save", "cp2_tp2_allgather", "cp2_pp2_a2a"])
@@ -120,11 +131,13 @@ def test_losses_equal_one_process(runs, name):
     assert ref[-1]["lm_loss"] < ref[0]["lm_loss"] - 0.05  # it trains
 
 
-def test_packed_documents_equal_one_process(runs):
-    """--qkv-format thd under CP 2 (a2a) x DP 2 trains as the dense document mask in one process; the documents
-    matter (the first loss differs from the causal run's on the same samples)."""
-    ref, got = records(runs["tmp"], "cp1_docs"), records(runs["tmp"], "cp2_dp2_a2a_thd")
-    assert len(got) == 5
+@pytest.mark.parametrize("name", ["cp2_dp2_a2a_thd", "cp2_dp2_allgather_thd"])
+def test_packed_documents_equal_one_process(runs, name):
+    """--qkv-format thd under CP 2 (a2a, allgather) x DP 2 trains as the dense document mask in one process; the
+    documents matter (the first loss differs from the causal run's on the same samples)."""
+    got = records(runs["tmp"], name)
+    ref = records(runs["tmp"], "cp1_docs")[: len(got)]
+    assert len(got) == (5 if "a2a" in name else 3)
     assert_close([r["lm_loss"] for r in got], [r["lm_loss"] for r in ref], rel=1e-5)
     assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref], rel=1e-5)
     assert abs(ref[0]["lm_loss"] - records(runs["tmp"], "cp1")[0]["lm_loss"]) > 1e-4

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from megalm import parallel_state
 from megalm.config import MegalmConfig, ParallelConfig
-from megalm.distributed import DistributedDataParallel, comm, finalize_model_grads
+from megalm.distributed import CommStats, DistributedDataParallel, finalize_model_grads
 from megalm.optimizer import build_optimizer
 from megalm.parallel_state import get_process_groups
 from tests.distributed_harness import run_distributed
@@ -121,7 +121,7 @@ def _check_layout(ddp, dp):
     return sum(len(b.buckets) for b in ddp.all_buffers)
 
 
-def _train(dp, overlap, bucket_size, expert_last_layer):
+def _train(dp, overlap, bucket_size, expert_last_layer, stats):
     model = make_model()
     if expert_last_layer:
         for p in model.out.parameters():
@@ -130,9 +130,10 @@ def _train(dp, overlap, bucket_size, expert_last_layer):
         model,
         ParallelConfig(overlap_grad_reduce=overlap, ddp_bucket_size=bucket_size),
         process_groups=get_process_groups(),
+        comm_stats=stats,
     )
     n_buckets = _check_layout(ddp, dp)
-    optimizer = build_optimizer(make_cfg(), [ddp], process_groups=get_process_groups())
+    optimizer = build_optimizer(make_cfg(), [ddp], process_groups=get_process_groups(), comm_stats=stats)
     rank, mb = parallel_state.get_data_parallel_rank(), GLOBAL_BATCH // dp // NUM_MICRO
     out = {
         "n_buckets": n_buckets,
@@ -147,18 +148,18 @@ def _train(dp, overlap, bucket_size, expert_last_layer):
         x, y = x.view(dp, NUM_MICRO, mb, 8)[rank], y.view(dp, NUM_MICRO, mb, 3)[rank]
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        before = comm.total_comm_calls()
+        before = stats.total_calls()
         with CallCounter() as counter:
             for k in range(NUM_MICRO - 1):
                 with ddp.no_sync():
                     (F.mse_loss(ddp(x[k]), y[k]) / NUM_MICRO).backward()
         out["nosync_calls"] += counter.calls
-        out["nosync_megalm_calls"] += comm.total_comm_calls() - before
+        out["nosync_megalm_calls"] += stats.total_calls() - before
         with CallCounter() as counter:
             (F.mse_loss(ddp(x[-1]), y[-1]) / NUM_MICRO).backward()
         out["launched_in_backward"].append(counter.calls)
         out["grad_freed"] &= all(p.grad is None for p in model.parameters())
-        finalize_model_grads([ddp], process_groups=get_process_groups())
+        finalize_model_grads([ddp], process_groups=get_process_groups(), comm_stats=stats)
         if step == 0:
             out["grads"] = [p.main_grad.numpy().copy() for p in model.parameters()]
         ok, norm, _ = optimizer.step()
@@ -204,9 +205,9 @@ def ddp_worker(dp, with_finalize):
     parallel_state.initialize_model_parallel(1, 1)
     results = {}
     for overlap, bucket, expert in ((False, None, False), (False, 100, False), (True, 100, False), (True, 100, True)):
-        comm.reset_comm_stats()
-        results[(overlap, bucket, expert)] = _train(dp, overlap, bucket, expert)
-        results[(overlap, bucket, expert)]["stats"] = comm.get_comm_stats()
+        stats = CommStats()
+        results[(overlap, bucket, expert)] = _train(dp, overlap, bucket, expert, stats)
+        results[(overlap, bucket, expert)]["stats"] = stats.get()
     if with_finalize:
         results["finalize"] = _finalize_checks()
     return results

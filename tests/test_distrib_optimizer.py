@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from megalm import parallel_state
 from megalm.config import ParallelConfig
-from megalm.distributed import DistributedDataParallel, comm, finalize_model_grads
+from megalm.distributed import CommStats, DistributedDataParallel, finalize_model_grads
 from megalm.optimizer import DistributedOptimizer, build_optimizer
 from megalm.optimizer.grad_scaler import DynamicGradScaler
 from megalm.optimizer.memory_accounting import formula_bytes_per_param, optimizer_memory
@@ -102,8 +102,9 @@ def _train(dp, overlap, bucket_size, expert_last_layer):
         ddp_bucket_size=bucket_size,
         use_distributed_optimizer=True,
     )
-    ddp = DistributedDataParallel(model, cfg.parallel, process_groups=get_process_groups())
-    optimizer = build_optimizer(cfg, [ddp], report_memory=False, process_groups=get_process_groups())
+    stats = CommStats()
+    ddp = DistributedDataParallel(model, cfg.parallel, process_groups=get_process_groups(), comm_stats=stats)
+    optimizer = build_optimizer(cfg, [ddp], report_memory=False, process_groups=get_process_groups(), comm_stats=stats)
     assert isinstance(optimizer, DistributedOptimizer)
     buckets = [b for buf in ddp.all_buffers for b in buf.buckets]
     rank, mb = parallel_state.get_data_parallel_rank(), GLOBAL_BATCH // dp // NUM_MICRO
@@ -115,7 +116,6 @@ def _train(dp, overlap, bucket_size, expert_last_layer):
         "padded_numel": sum(b.numel for b in buckets),
         "owned": sum(r.numel for r in optimizer.ranges),
     }
-    comm.reset_comm_stats()
     for step in range(STEPS):
         x, y = batch(step)
         x, y = x.view(dp, NUM_MICRO, mb, 8)[rank], y.view(dp, NUM_MICRO, mb, 3)[rank]
@@ -130,13 +130,13 @@ def _train(dp, overlap, bucket_size, expert_last_layer):
                 if step > 0:
                     out["pending_after_forward"].append(sum(b.param_handle is not None for b in buckets))
                 loss.backward()
-        finalize_model_grads([ddp], process_groups=get_process_groups())
+        finalize_model_grads([ddp], process_groups=get_process_groups(), comm_stats=stats)
         ok, norm, _ = optimizer.step()
         assert ok
         out["pending_after_step"].append(sum(b.param_handle is not None for b in buckets))
         out["norms"].append(norm)
     ddp.finish_param_sync()
-    out["stats"] = comm.get_comm_stats()
+    out["stats"] = stats.get()
     out["params"] = [p.detach().numpy().copy() for p in model.parameters()]
     return out
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from megalm import parallel_state
 from megalm.config import MegalmConfig, ParallelConfig
-from megalm.distributed import DistributedDataParallel, comm
+from megalm.distributed import CommStats, DistributedDataParallel
 from megalm.optimizer import FP32Optimizer, build_optimizer
 from megalm.parallel_state import ProcessGroups
 from tests.distributed_harness import run_distributed
@@ -57,13 +57,13 @@ def worker():
     out = {}
     for name, groups in (("explicit", dp_groups), ("default", ProcessGroups.single())):
         model = _mlp()
-        ddp = DistributedDataParallel(model, ParallelConfig(), process_groups=groups)
-        comm.reset_comm_stats()
+        stats = CommStats()
+        ddp = DistributedDataParallel(model, ParallelConfig(), process_groups=groups, comm_stats=stats)
         F.mse_loss(ddp(x), y).backward()
         ddp.finish_grad_sync()
         out[name] = (
             [p.main_grad.numpy().copy() for p in model.parameters()],
-            comm.get_comm_stats().get("grad_all_reduce", {}).get("calls", 0),
+            stats.get().get("grad_all_reduce", {}).get("calls", 0),
         )
 
     model = _mlp()

@@ -14,9 +14,10 @@ import torch.nn.functional as F
 
 from megalm import parallel_state
 from megalm.config import MegalmConfig, ParallelConfig
-from megalm.distributed import DistributedDataParallel, comm, finalize_model_grads
+from megalm.distributed import CommStats, DistributedDataParallel, comm, finalize_model_grads
 from megalm.parallel_state import NodeLayoutError, ProcessGroups, get_process_groups, node_split
 from tests.distributed_harness import run_distributed
+from tests.training_runs import tiny_flags
 
 BATCH, NUM_MICRO, STEPS, BUCKET = 16, 2, 3, 100
 LOCAL = 2  # ranks per node
@@ -73,19 +74,19 @@ def ddp_grads(hierarchical, overlap, expert, pg):
     """main_grads after one step with grad accumulation, and the inter-node bytes per node."""
     cfg = ParallelConfig(overlap_grad_reduce=overlap, ddp_bucket_size=BUCKET, hierarchical_grad_reduce=hierarchical)
     model = make_model(expert)
-    ddp = DistributedDataParallel(model, cfg, process_groups=pg)
+    stats = CommStats(LOCAL)
+    ddp = DistributedDataParallel(model, cfg, process_groups=pg, comm_stats=stats)
     dp, dp_rank = parallel_state.group_size(pg.dp_cp), parallel_state.group_rank(pg.dp_cp)
-    comm.reset_comm_stats()
     ddp.zero_grad_buffer()
     backward_step(ddp, 0, dp_rank, dp)
-    finalize_model_grads([ddp], process_groups=pg)
-    per_node = comm.inter_node_bytes_per_node()
+    finalize_model_grads([ddp], process_groups=pg, comm_stats=stats)
+    per_node = comm.inter_node_bytes_per_node(stats)
     return {
         "grads": [p.main_grad.clone() for p in model.parameters()],
         "per_node": per_node,
         "bucket_bytes": padded_bucket_bytes(ddp),
         "ranges": ddp.bucket_ranges(),
-        "kinds": sorted(comm.get_comm_stats()),
+        "kinds": sorted(stats.get()),
     }
 
 
@@ -99,21 +100,21 @@ def train_distopt(hierarchical, overlap, pg):
     p.use_distributed_optimizer, p.overlap_grad_reduce, p.overlap_param_gather = True, overlap, overlap
     p.ddp_bucket_size, p.hierarchical_grad_reduce = BUCKET, hierarchical
     model = make_model()
-    ddp = DistributedDataParallel(model, p, process_groups=pg)
-    optimizer = build_optimizer(cfg, [ddp], report_memory=False, process_groups=pg)
+    stats = CommStats(LOCAL)
+    ddp = DistributedDataParallel(model, p, process_groups=pg, comm_stats=stats)
+    optimizer = build_optimizer(cfg, [ddp], report_memory=False, process_groups=pg, comm_stats=stats)
     dp, dp_rank = parallel_state.group_size(pg.dp_cp), parallel_state.group_rank(pg.dp_cp)
-    comm.reset_comm_stats()
     losses, grad_shards = [], []
     for step in range(STEPS):
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         losses.append(backward_step(ddp, step, dp_rank, dp))
-        finalize_model_grads([ddp], process_groups=pg)
+        finalize_model_grads([ddp], process_groups=pg, comm_stats=stats)
         grad_shards.append([r.grad.clone() for r in optimizer.ranges])
         ok, _, _ = optimizer.step()
         assert ok
     ddp.finish_param_sync()
-    grad_kinds = {k: v["inter_node_bytes"] for k, v in comm.get_comm_stats().items()}
+    grad_kinds = {k: v["inter_node_bytes"] for k, v in stats.get().items()}
     return {
         "losses": losses,
         "params": [q.detach().clone() for q in model.parameters()],
@@ -251,45 +252,19 @@ def test_single_process_flag_is_a_no_op():
 
 # --- through the trainer: the flag, and inter_node_bytes in the metrics file -----------------------
 
-TRAIN = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "16",
-    "--max-position-embeddings",
-    "16",
-    "--mock-data",
-    "--vocab-size",
-    "200",
-    "--num-workers",
-    "0",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--lr",
-    "3e-3",
-    "--eval-iters",
-    "0",
-    "--seed",
-    "5",
-    "--micro-batch-size",
-    "1",
-    "--global-batch-size",
-    "8",
-    "--log-interval",
-    "1",
-    "--train-iters",
-    "3",
-    "--use-distributed-optimizer",
-    "--overlap-grad-reduce",
-    "--ddp-bucket-size",
-    "4000",
-]
+TRAIN = tiny_flags(
+    hidden_size="32",
+    seq_length="16",
+    vocab_size="200",
+    lr="3e-3",
+    seed="5",
+    micro_batch_size="1",
+    global_batch_size="8",
+    train_iters="3",
+    use_distributed_optimizer=True,
+    overlap_grad_reduce=True,
+    ddp_bucket_size="4000",
+)
 
 
 def trainer_worker(tmp):
@@ -308,12 +283,11 @@ def trainer_worker(tmp):
             chunk.setdefault("model", model)
             return pretrain_gpt.forward_step(data_iterator, model)
 
-        comm.reset_comm_stats()
         pretrain_gpt.main(TRAIN + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl")] + extra, forward_step)
         parallel_state.destroy_model_parallel()
         model = chunk["model"]
         seen[name] = {
-            "stats": comm.get_comm_stats(),
+            "stats": model.comm_stats.get(),  # the Trainer's CommStats, held by its DDP wrapper
             "buckets": [(b.numel, b.numel_unpadded) for buf in model.all_buffers for b in buf.buckets],
             "dp": model.data_parallel_world_size,
             "params": sum(p.numel() for p in model.module.parameters() if p.requires_grad),

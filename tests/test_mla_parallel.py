@@ -4,7 +4,8 @@ within 1e-5 relative over 3 steps), on one group of 4 ranks:
 
 * TP 2 with sequence parallelism x DP 2 (replicated down projections, gathered latents and RoPE key),
   with one multi-token prediction depth (its logged ``mtp_1 loss`` too);
-* TP 2 (SP) x CP 2 (p2p ring: v zero-padded to the q/k head dim);
+* TP 2 (SP) x CP 2 (p2p ring: v zero-padded to the q/k head dim), with one MTP depth (its shift of the
+  tokens taken over the whole sequence across the CP chunks, its loss the micro-batch's);
 * PP 2 x EP 2 (alltoall dispatcher) x DP 2 (one MLA layer per stage), with MTP on the last stage (its
   copy of the untied word embedding summed with the first stage's);
 * DP 4 with the blocked CPU attention core and selective recompute.
@@ -15,46 +16,21 @@ import os
 import pytest
 
 from tests.distributed_harness import run_distributed
-from tests.training_runs import assert_close, records, run_trainings, tiny_flags
+from tests.training_runs import MLA_MOE_FLAGS, assert_close, records, run_trainings, tiny_flags
 
 MLA = tiny_flags(
-    hidden_size="32",
-    position_embedding_type="rope",
-    normalization="RMSNorm",
-    swiglu=True,
-    disable_bias_linear=True,
-    qk_layernorm=True,
-    vocab_size="200",
-    seq_length="16",
-    clip_grad="1.0",
-    no_log_memory=True,
-    micro_batch_size="1",
-    global_batch_size="4",
-    train_iters="3",
-    multi_latent_attention=True,
-    q_lora_rank="16",
-    kv_lora_rank="12",
-    qk_head_dim="8",
-    qk_pos_emb_head_dim="4",
+    **MLA_MOE_FLAGS,
     v_head_dim="6",
     rotary_scaling_factor="4",
     original_max_position_embeddings="8",
     mscale_all_dim="1.0",
     num_experts="4",
-    moe_layer_freq="[0,1]",
-    moe_router_topk="2",
-    moe_router_score_function="sigmoid",
-    moe_router_enable_expert_bias=True,
-    moe_shared_expert_intermediate_size="16",
-    moe_ffn_hidden_size="8",
-    moe_aux_loss_coeff="1e-2",
-    moe_token_dispatcher_type="alltoall",
 )
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 MTP = ["--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.5"]
 LAYOUTS = {  # name: (flags, single-process reference)
     "tp2_sp_mtp": ([*TP2, *MTP], "one_mtp"),
-    "tp2_cp2": ([*TP2, "--context-parallel-size", "2"], "one"),
+    "tp2_cp2_mtp": ([*TP2, "--context-parallel-size", "2", *MTP], "one_mtp"),
     "pp2_ep2_mtp": (["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", *MTP], "one_mtp"),
     "dp4_blocked": (["--attention-backend", "blocked", "--recompute-granularity", "selective"], "one"),
 }

@@ -13,7 +13,7 @@
 import pytest
 import torch
 
-from megalm.config import ConfigError, MegalmConfig, build_parser, config_from_args, set_vocab_size, validate_config
+from megalm.config import ConfigError, build_parser, config_from_args, validate_config
 from megalm.fusions import EAGER
 from megalm.models import GPTModel
 from megalm.parallel_state import get_process_groups
@@ -21,47 +21,15 @@ from megalm.tensor_parallel.initialization import initialize_weights
 from megalm.transformer.moe.moe_layer import MoELayer
 from megalm.transformer.moe.token_dispatcher import AlltoAllTokenDispatcher
 from tests.logs import megalm_logs
+from tests.training_runs import MLA_MOE, tiny_config
 
 VOCAB = 64
 
 
 def _cfg(**over):
-    cfg = MegalmConfig()
-    values = dict(
-        num_layers=3,
-        hidden_size=32,
-        num_attention_heads=4,
-        ffn_hidden_size=48,
-        seq_length=8,
-        vocab_size=VOCAB,
-        make_vocab_size_divisible_by=16,
-        init_method_std=0.2,
-        position_embedding_type="rope",
-        normalization="RMSNorm",
-        swiglu=True,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        multi_latent_attention=True,
-        qk_layernorm=True,
-        q_lora_rank=16,
-        kv_lora_rank=12,
-        qk_head_dim=8,
-        qk_pos_emb_head_dim=4,
-        v_head_dim=8,
-        num_experts=4,
-        moe_layer_freq=[0, 1, 1],
-        moe_router_topk=2,
-        moe_ffn_hidden_size=16,
-        moe_shared_expert_intermediate_size=16,
-        moe_aux_loss_coeff=1e-2,
-    )
-    values.update(over)
-    for k, v in values.items():
-        setattr(cfg.model, k, v)
-    validate_config(cfg)
-    set_vocab_size(cfg, VOCAB)
-    return cfg
+    model = dict(MLA_MOE, num_layers=3, seq_length=8, moe_layer_freq=[0, 1, 1], moe_aux_loss_coeff=1e-2)
+    model.update(moe_shared_expert_intermediate_size=16)
+    return tiny_config(VOCAB, **{**model, **over})
 
 
 def _grads(cfg, tokens):

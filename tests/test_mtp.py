@@ -9,58 +9,21 @@ rolled one place left per depth, the model's embedding and output layer shared).
 
 import copy
 
-import pytest
 import torch
 import torch.nn.functional as F
 
-from megalm.config import ConfigError, MegalmConfig, set_vocab_size, validate_config
 from megalm.fusions import EAGER
 from megalm.models import GPTModel
 from megalm.parallel_state import get_process_groups
+from tests.training_runs import MLA_MOE, tiny_config
 
 VOCAB = 80
 
 
 def _cfg(**over):
-    cfg = MegalmConfig()
-    m = cfg.model
-    values = dict(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        ffn_hidden_size=48,
-        seq_length=12,
-        vocab_size=VOCAB,
-        make_vocab_size_divisible_by=16,
-        init_method_std=0.2,
-        position_embedding_type="rope",
-        normalization="RMSNorm",
-        swiglu=True,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        untie_embeddings_and_output_weights=True,
-        multi_latent_attention=True,
-        qk_layernorm=True,
-        q_lora_rank=16,
-        kv_lora_rank=12,
-        qk_head_dim=8,
-        qk_pos_emb_head_dim=4,
-        v_head_dim=8,
-        num_experts=4,
-        moe_layer_freq=[0, 1],
-        moe_router_topk=2,
-        moe_ffn_hidden_size=16,
-        moe_aux_loss_coeff=0.0,
-        mtp_num_layers=2,
-        mtp_loss_scaling_factor=0.3,
-    )
-    values.update(over)
-    for k, v in values.items():
-        setattr(m, k, v)
-    validate_config(cfg)
-    set_vocab_size(cfg, VOCAB)
-    return cfg
+    model = dict(MLA_MOE, num_layers=2, seq_length=12, moe_layer_freq=[0, 1], moe_aux_loss_coeff=0.0)
+    model.update(untie_embeddings_and_output_weights=True, mtp_num_layers=2, mtp_loss_scaling_factor=0.3)
+    return tiny_config(VOCAB, **{**model, **over})
 
 
 def _roll(x):
@@ -128,15 +91,10 @@ def test_mtp_matches_hand_reference():
     assert (emb - model.embedding.word_embeddings.weight.grad).abs().max() > 1e-4
 
 
-def test_mtp_is_skipped_in_evaluation_and_refused_under_cp():
+def test_mtp_is_skipped_in_evaluation():
     cfg = _cfg()
     model = GPTModel(cfg, fusion_plan=EAGER, process_groups=get_process_groups()).eval()
     tokens = torch.randint(0, VOCAB, (1, 12))
     with torch.no_grad():
         model(tokens, labels=tokens)
     assert model.mtp_metrics() == {}
-    with pytest.raises(ConfigError, match="--mtp-num-layers is not supported with --context-parallel-size 2"):
-        bad = MegalmConfig()
-        bad.model.mtp_num_layers, bad.parallel.context_parallel_size = 1, 2
-        bad.model.seq_length = 16
-        validate_config(bad, world_size=2)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from megalm import parallel_state
 from megalm.config import ParallelConfig, validate_config
 from megalm.config.sections import ConfigError
-from megalm.distributed import DistributedDataParallel, comm, finalize_model_grads
+from megalm.distributed import CommStats, DistributedDataParallel, finalize_model_grads
 from megalm.distributed.param_and_grad_buffer import DataParallelError
 from megalm.estimate.planner import state_bytes_per_param, strategy_bytes_per_param
 from megalm.optimizer import build_optimizer
@@ -40,9 +40,12 @@ from tests.test_distrib_optimizer import PRECISIONS, _mlp
 ZERO2, ZERO3 = "optim_grads", "optim_grads_params"
 
 
-def _ddp(model, strategy, **kw):
+def _ddp(model, strategy, comm_stats=None, **kw):
     return DistributedDataParallel(
-        model, ParallelConfig(data_parallel_sharding_strategy=strategy, **kw), process_groups=get_process_groups()
+        model,
+        ParallelConfig(data_parallel_sharding_strategy=strategy, **kw),
+        process_groups=get_process_groups(),
+        comm_stats=comm_stats,
     )
 
 
@@ -145,17 +148,17 @@ def _train(dp, strategy, overlap, bucket_size, expert_last_layer, prefetch=False
             p.allreduce = False
     gather = overlap and (strategy != ZERO3 or prefetch)  # ZeRO-3: --overlap-param-gather = prefetch
     kw = dict(overlap_grad_reduce=overlap, overlap_param_gather=gather, ddp_bucket_size=bucket_size)
-    ddp = _ddp(model, strategy, **kw)
+    stats = CommStats()
+    ddp = _ddp(model, strategy, stats, **kw)
     cfg = make_cfg()
     cfg.parallel.data_parallel_sharding_strategy = strategy
-    optimizer = build_optimizer(cfg, [ddp], report_memory=False, process_groups=get_process_groups())
+    optimizer = build_optimizer(cfg, [ddp], report_memory=False, process_groups=get_process_groups(), comm_stats=stats)
     buckets = [b for buf in ddp.all_buffers for b in buf.buckets]
     rank, mb = parallel_state.get_data_parallel_rank(), GLOBAL_BATCH // dp // NUM_MICRO
     out = {"n_buckets": len(buckets), "padded_numel": sum(b.numel for b in buckets), "live": [], "grad_bytes": []}
     out["gathered_after_step"], out["param_bytes_after_step"] = [], []
     out["bucket_bytes"] = sorted(b.numel * b.param_data.element_size() for b in buckets)
     samples = _gathered_sampler(ddp, buckets) if strategy == ZERO3 else None
-    comm.reset_comm_stats()
     for step in range(STEPS):
         x, y = batch(step)
         x, y = x.view(dp, NUM_MICRO, mb, 8)[rank], y.view(dp, NUM_MICRO, mb, 3)[rank]
@@ -168,7 +171,7 @@ def _train(dp, strategy, overlap, bucket_size, expert_last_layer, prefetch=False
                     loss.backward()
             else:
                 loss.backward()
-        finalize_model_grads([ddp], process_groups=get_process_groups())
+        finalize_model_grads([ddp], process_groups=get_process_groups(), comm_stats=stats)
         out["live"].append(sum(b.grad_data is not None for b in buckets))
         out["grad_bytes"].append(sum(buf.grad_bytes() for buf in ddp.all_buffers))
         ok, norm, _ = optimizer.step()
@@ -178,7 +181,7 @@ def _train(dp, strategy, overlap, bucket_size, expert_last_layer, prefetch=False
             out["param_bytes_after_step"].append(sum(buf.param_bytes() for buf in ddp.all_buffers))
     ddp.finish_param_sync()
     ddp.gather_params()
-    out["stats"] = comm.get_comm_stats()
+    out["stats"] = stats.get()
     out["params"] = [p.detach().clone() for p in model.parameters()]
     if samples is not None:
         out["samples"], out["prefetches"] = samples, ddp._unsharder.prefetches

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from tests.test_data_gpt_dataset import write_dataset
-from tests.training_runs import tiny_flags
+from tests.training_runs import sleep_on_rank, tiny_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=REPO, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
@@ -185,20 +185,8 @@ def test_a_rank_stalled_in_its_first_step_fails_the_job_fast(tmp_path):
     assert elapsed < 200, elapsed  # the collective timeout (10 min) was not waited for
 
 
-def _stall_hook(forward_step):
-    """``MEGALM_TEST_STALL=RANK`` (test hook): global rank RANK sleeps in its first forward step."""
-    stalled = os.environ.get("MEGALM_TEST_STALL")
-    if stalled is None or int(os.environ["RANK"]) != int(stalled):
-        return forward_step
-
-    def step(data_iterator, model):
-        time.sleep(3600)
-        return forward_step(data_iterator, model)
-
-    return step
-
-
 if __name__ == "__main__":
     import pretrain_gpt
 
-    pretrain_gpt.main(sys.argv[1:], _stall_hook(pretrain_gpt.forward_step))
+    # Test hook: global rank MEGALM_TEST_STALL stalls in its first forward step.
+    pretrain_gpt.main(sys.argv[1:], sleep_on_rank(pretrain_gpt.forward_step, "MEGALM_TEST_STALL", 3600))

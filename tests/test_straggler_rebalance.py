@@ -17,11 +17,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
-from tests.training_runs import tiny_flags
+from tests.training_runs import sleep_on_rank, tiny_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=REPO, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
@@ -125,19 +124,8 @@ def test_rebalanced_microbatches_give_the_balanced_losses(tmp_path):
         assert abs(r["grad_norm"] - b["grad_norm"]) <= 1e-4 * abs(b["grad_norm"]), (it, r, b)
 
 
-def _slow_hook(forward_step):
-    slow = os.environ.get("MEGALM_TEST_SLOW_RANK")
-    if slow is None or int(os.environ["RANK"]) != int(slow):
-        return forward_step
-
-    def step(data_iterator, model):
-        time.sleep(0.1)
-        return forward_step(data_iterator, model)
-
-    return step
-
-
 if __name__ == "__main__":
     import pretrain_gpt
 
-    pretrain_gpt.main(sys.argv[1:], _slow_hook(pretrain_gpt.forward_step))
+    # Test hook: global rank MEGALM_TEST_SLOW_RANK is 0.1 s slower at each forward step.
+    pretrain_gpt.main(sys.argv[1:], sleep_on_rank(pretrain_gpt.forward_step, "MEGALM_TEST_SLOW_RANK", 0.1))

@@ -9,37 +9,12 @@ import os
 import pytest
 
 from tests.distributed_harness import run_distributed
-from tests.training_runs import assert_close, records, run_trainings, tiny_flags
+from tests.training_runs import MLA_MOE_FLAGS, assert_close, records, run_trainings, tiny_flags
 
 MOE = tiny_flags(
-    hidden_size="32",
-    position_embedding_type="rope",
-    normalization="RMSNorm",
-    swiglu=True,
-    disable_bias_linear=True,
-    vocab_size="200",
-    seq_length="16",
-    clip_grad="1.0",
-    no_log_memory=True,
-    micro_batch_size="1",
-    global_batch_size="4",
-    train_iters="3",
-    multi_latent_attention=True,
-    qk_layernorm=True,
-    q_lora_rank="16",
-    kv_lora_rank="12",
-    qk_head_dim="8",
-    qk_pos_emb_head_dim="4",
+    **MLA_MOE_FLAGS,
     v_head_dim="8",
     num_experts="8",
-    moe_layer_freq="[0,1]",
-    moe_router_topk="2",
-    moe_router_score_function="sigmoid",
-    moe_router_enable_expert_bias=True,
-    moe_shared_expert_intermediate_size="16",
-    moe_ffn_hidden_size="8",
-    moe_aux_loss_coeff="1e-2",
-    moe_token_dispatcher_type="alltoall",
     expert_model_parallel_size="2",
     ddp_bucket_size="2000",
 )

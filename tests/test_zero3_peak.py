@@ -10,17 +10,31 @@ Two gloo ranks, a stack of square fp32 linears, one bucket per layer, one microb
 * the step's peak (steady state ``4 P / K`` plus two gathered buckets, the gradient buckets in flight
   and the activations) is measured by ``bench/zero3_peak.py`` and not asserted here: it moved by whole
   buckets between runs on a loaded host; both strategies must train to the same weights, bit for bit.
+
+``--init-model-with-meta-device`` (a Llama-style GPT, 2 layers, hidden 64, untied, one bucket per layer):
+built on the meta device, ZeRO-3's build never holds the model: peak ``<= 2 P / K + B + M`` (the shards,
+one bucket, one parameter's fp32 initial value ``M`` while it is copied in) against the normal build's
+``P`` more; the gathered weights equal the normal build's bit for bit and so do two training steps' losses
+and weights.
 """
 
+import copy
+import gc
+
+import pytest
 import torch
 import torch.nn.functional as F
 
 from megalm import parallel_state
 from megalm.config import ParallelConfig
 from megalm.distributed import DistributedDataParallel, finalize_model_grads
+from megalm.models import GPTModel
 from megalm.optimizer import build_optimizer
 from megalm.parallel_state import get_process_groups
+from megalm.tensor_parallel.random import RNGStatesTracker
+from megalm.training.build import build_model_chunks, wrap_data_parallel
 from megalm.training.memory import TrackedAllocations
+from tests.checkpoint_fixtures import LLAMA, tiny_cfg
 from tests.distributed_harness import run_distributed
 from tests.test_ddp import make_cfg
 
@@ -70,13 +84,77 @@ def _run(strategy):
     }
 
 
+def _gpt(cfg, pre_process=True, post_process=True, layer_numbers=None, *, process_groups, rng_tracker):
+    return GPTModel(
+        cfg, pre_process, post_process, layer_numbers, process_groups=process_groups, rng_tracker=rng_tracker
+    )
+
+
+def _run_meta(meta):
+    """ZeRO-3 GPT built with or without --init-model-with-meta-device; build peak, weights, two steps."""
+    cfg = copy.deepcopy(
+        tiny_cfg(
+            256,
+            **{
+                **LLAMA,
+                "hidden_size": 64,
+                "ffn_hidden_size": 128,
+                "seq_length": 32,
+                "attention_dropout": 0.0,
+                "hidden_dropout": 0.0,
+            },
+        )
+    )
+    p = cfg.parallel
+    p.data_parallel_sharding_strategy, p.overlap_grad_reduce, p.ddp_bucket_size = "optim_grads_params", True, 20000
+    p.init_model_with_meta_device = meta
+    groups = get_process_groups()
+    g = torch.Generator().manual_seed(parallel_state.get_data_parallel_rank())
+    tokens = torch.randint(0, 256, (2, 33), generator=g)
+    gc.collect()  # an earlier run's cycles (DDP's hooks) freed inside the window would lower the count
+    with TrackedAllocations() as tracked:
+        with tracked.phase("build"):
+            (ddp,) = wrap_data_parallel(cfg, build_model_chunks(cfg, _gpt, groups, RNGStatesTracker()), groups)
+    sizes = [p.numel() * 4 for p in ddp.parameters()]
+    buckets = [b.numel * 4 for buf in ddp.all_buffers for b in buf.buckets]
+    ddp.gather_params()
+    built = [p.detach().clone() for p in ddp.parameters()]
+    optimizer = build_optimizer(cfg, [ddp], report_memory=False, process_groups=groups)
+    losses = []
+    for _ in range(2):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = ddp(tokens[:, :-1], labels=tokens[:, 1:]).mean()
+        loss.backward()
+        finalize_model_grads([ddp], process_groups=groups)
+        assert optimizer.step()[0]
+        losses.append(loss.item())
+    ddp.finish_param_sync()
+    ddp.gather_params()
+    return {
+        "build": tracked.phases["build"],
+        "sizes": sizes,
+        "buckets": buckets,
+        "built": built,
+        "losses": losses,
+        "trained": [p.detach().clone() for p in ddp.parameters()],
+    }
+
+
 def worker():
     parallel_state.initialize_model_parallel(1, 1)
-    return {s: _run(s) for s in ("optim_grads", "optim_grads_params")}
+    out = {s: _run(s) for s in ("optim_grads", "optim_grads_params")}
+    out["meta"] = {m: _run_meta(m) for m in (False, True)}
+    return out
 
 
-def test_zero3_peak_follows_its_formula():
-    for out in run_distributed(worker, K, timeout=240):
+@pytest.fixture(scope="module")
+def outs():
+    return run_distributed(worker, K, timeout=240)
+
+
+def test_zero3_peak_follows_its_formula(outs):
+    for out in outs:
         z2, z3 = out["optim_grads"], out["optim_grads_params"]
         for a, b in zip(z2["params"], z3["params"]):  # same training, bit for bit
             assert torch.equal(a, b)
@@ -89,3 +167,17 @@ def test_zero3_peak_follows_its_formula():
         # on a loaded 2-core host they moved by whole buckets from run to run (a bucket-sized block freed by a
         # gloo thread before or after the window closes), so only the build peak is a stable number here.
         assert z3["build"] < z2["build"], (z3["build"], z2["build"])
+
+
+def test_meta_device_build_holds_shards_and_one_bucket(outs):
+    for out in outs:
+        plain, meta = out["meta"][False], out["meta"][True]
+        for key in ("built", "trained"):  # bit for bit: the same initial values, so the same training
+            assert all(torch.equal(a, b) for a, b in zip(plain[key], meta[key])), key
+        assert plain["losses"] == meta["losses"]
+        p, m, b = sum(meta["buckets"]), max(meta["sizes"]), max(meta["buckets"])
+        assert len(meta["buckets"]) >= 4 and b < p / 2  # several buckets: "one bucket" is a real bound
+        print({"plain": plain["build"], "meta": meta["build"]}, "P", p, "B", b, "M", m)
+        slack = 4096  # DDP's small tensors (flags)
+        assert meta["build"] <= 2 * p // K + b + m + slack, (meta["build"], p, b, m)
+        assert plain["build"] >= meta["build"] + p // 2, (plain["build"], meta["build"], p)  # the model was held

@@ -1,13 +1,14 @@
-"""Shared helpers for tests that run whole trainings on spawned ranks and read back --metrics-file:
-the tiny GPT's flags (:func:`tiny_flags`), running trainings through ``pretrain_gpt.main`` on a rank,
-and reading the metrics back."""
+"""Shared helpers of the tests: the tiny GPT's flags (:func:`tiny_flags`) and in-process configs
+(:func:`tiny_config`, :data:`MLA_MOE`), running trainings through ``pretrain_gpt.main`` on spawned ranks
+and reading their --metrics-file back."""
 
 import json
 import os
 import signal
+import time
 
 # The tiny GPT most training tests run (fp32, no dropout, mock data, in-process data loading, a log line
-# and a metrics record every iteration, no evaluation).  Values are the flags' text.
+# and a metrics record every iteration, no evaluation, no start-up peak measurement).  Values are the flags' text.
 TINY = dict(
     num_layers="2",
     hidden_size="64",
@@ -22,6 +23,42 @@ TINY = dict(
     log_interval="1",
     eval_iters="0",
     seed="7",
+    # A fixed peak for the MFU column: without it every fresh process first times 1024^3 matmuls (~1.5 s of
+    # CPU per rank; the measurement itself is tested in tests/test_metrics.py).
+    device_peak_flops="1e12",
+)
+
+
+# :func:`tiny_flags` overrides of a DeepSeek-style model trained on spawned ranks (MLA with latent norms,
+# RMSNorm, SwiGLU without biases; dense then MoE layer, sigmoid routing with expert bias, a shared expert);
+# the tests add the value head size and the number of experts.
+MLA_MOE_FLAGS = dict(
+    hidden_size="32",
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    swiglu=True,
+    disable_bias_linear=True,
+    qk_layernorm=True,
+    vocab_size="200",
+    seq_length="16",
+    clip_grad="1.0",
+    no_log_memory=True,
+    micro_batch_size="1",
+    global_batch_size="4",
+    train_iters="3",
+    multi_latent_attention=True,
+    q_lora_rank="16",
+    kv_lora_rank="12",
+    qk_head_dim="8",
+    qk_pos_emb_head_dim="4",
+    moe_layer_freq="[0,1]",
+    moe_router_topk="2",
+    moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True,
+    moe_shared_expert_intermediate_size="16",
+    moe_ffn_hidden_size="8",
+    moe_aux_loss_coeff="1e-2",
+    moe_token_dispatcher_type="alltoall",
 )
 
 
@@ -39,6 +76,57 @@ def tiny_flags(**overrides) -> list:
         if value is not True:
             argv.append(str(value))
     return argv
+
+
+# A tiny DeepSeek-style model (MLA, RMSNorm, SwiGLU without biases, 4 routed experts, top-2) for
+# :func:`tiny_config`; the tests add the layer count, sequence length and MoE layer pattern.
+MLA_MOE = dict(
+    hidden_size=32,
+    num_attention_heads=4,
+    ffn_hidden_size=48,
+    make_vocab_size_divisible_by=16,
+    init_method_std=0.2,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    swiglu=True,
+    add_bias_linear=False,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    multi_latent_attention=True,
+    qk_layernorm=True,
+    q_lora_rank=16,
+    kv_lora_rank=12,
+    qk_head_dim=8,
+    qk_pos_emb_head_dim=4,
+    v_head_dim=8,
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=16,
+)
+
+
+def optimizer_config(**training):
+    """A ``MegalmConfig`` (not validated: optimizers read it as it is) with the training-section fields
+    ``training`` (optimizer, learning rate, betas...) set, for tests that build an optimizer by hand."""
+    from megalm.config import MegalmConfig
+
+    cfg = MegalmConfig()
+    for name, value in training.items():
+        setattr(cfg.training, name, value)
+    return cfg
+
+
+def tiny_config(vocab_size: int, **model):
+    """A validated (frozen) ``MegalmConfig`` whose model section has the defaults but ``model`` (field
+    names of ``cfg.model``), with a ``vocab_size``-token vocabulary (padded as the tokenizer's would be)."""
+    from megalm.config import MegalmConfig, set_vocab_size, validate_config
+
+    cfg = MegalmConfig()
+    for name, value in dict(model, vocab_size=vocab_size).items():
+        setattr(cfg.model, name, value)
+    validate_config(cfg)
+    set_vocab_size(cfg, vocab_size)
+    return cfg
 
 
 def run_trainings(runs):
@@ -70,6 +158,20 @@ def run_trainings(runs):
             codes.append(e.code if isinstance(e.code, int) else str(e.code))
         parallel_state.destroy_model_parallel()
     return codes
+
+
+def sleep_on_rank(forward_step, variable: str, seconds: float):
+    """Test hook of the files run as torchrun scripts: ``forward_step``, or on the global rank named by the
+    environment variable ``variable`` (unset: none) one that first sleeps ``seconds`` at every call."""
+    chosen = os.environ.get(variable)
+    if chosen is None or int(os.environ["RANK"]) != int(chosen):
+        return forward_step
+
+    def step(data_iterator, model):
+        time.sleep(seconds)
+        return forward_step(data_iterator, model)
+
+    return step
 
 
 def sigterm_after(forward_step, n):

@@ -118,7 +118,11 @@ def load_targets(model_chunks, optimizer, saved: Dict[str, tuple], groups: Proce
     return specs, bool(missing)
 
 
-def load_states(path: str, common: dict, groups: ProcessGroups, states: CheckpointStates) -> None:
+def load_states(
+    path: str, common: dict, groups: ProcessGroups, states: CheckpointStates, held: Optional[dict] = None
+) -> None:
     """Restore registered ``states`` from the checkpoint :func:`load_checkpoint` loaded (``path``, its
-    ``common``), later than the rest (collective: one ``all_gather_object`` per state)."""
-    load_rank_states(LoadInfo(path, common, layout(groups), {}), states)
+    ``common``), later than the rest (collective: one ``all_gather_object`` per state).  ``held``: a local
+    checkpoint's state dicts of this rank (``"held"`` of what :meth:`LocalCheckpoint.restore` returned), read
+    instead of the per-rank files."""
+    load_rank_states(LoadInfo(path, common, layout(groups), {}, held), states)

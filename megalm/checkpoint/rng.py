@@ -70,6 +70,13 @@ class RNGState:
     def state_dict(self) -> Optional[Dict[str, object]]:
         return get_rng_state(self.tracker) if self.save else None
 
+    def local_state_dict(self) -> Dict[str, object]:
+        """What a local checkpoint keeps: the generators, also under ``--no-save-rng``.  A local checkpoint
+        resumes this same job after a failure, which continues as if uninterrupted; ``--no-save-rng`` is
+        about the disk checkpoints a run leaves.  Restored, as from disk, through
+        :func:`megalm.checkpoint.load.load_states` (``held=``), unless ``--no-load-rng``."""
+        return get_rng_state(self.tracker)
+
     def load_state_dict(self, state: Dict[str, object]) -> None:
         set_rng_state(state, self.tracker)
 

@@ -36,6 +36,12 @@ Optional methods, looked up by name:
 * ``load_common_state_dict(info: LoadInfo)`` (load, every rank, any layout): restore them from
   ``info.common``; called before the per-rank file is read.
 * ``required`` (attribute, True): under the same layout a missing file is an error, not ``not_restored``.
+* ``local_state_dict()`` (a local checkpoint's save, :mod:`megalm.checkpoint.local`): what the in-memory
+  copy keeps when it differs from ``state_dict()`` (the RNG: the generators even under ``--no-save-rng``).
+
+A local checkpoint holds each rank's state dicts in memory instead of ``NAME/rank_*.pt``: a state restored
+from it goes through the same :func:`load_rank_states` (``LoadInfo.held``, or ``held=`` of
+:func:`megalm.checkpoint.load.load_states`), so one path restores a state from either.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ class LoadInfo:
     common: dict  # its common.json
     layout: dict  # this run's parallel layout record (common.json's "layout" of a save now)
     saved_tensors: Dict[str, tuple]  # names and global shapes of its DCP tensors
+    held: Optional[Dict[str, object]] = None  # this rank's state dicts in memory (a local checkpoint's), else files
 
     @property
     def saved_layout(self) -> Optional[dict]:
@@ -171,7 +178,7 @@ def load_rank_states(info: LoadInfo, states: Optional[CheckpointStates]) -> None
             error = str(e)
         try:
             if error is None:
-                _restore(state, file, info, bool(getattr(state, "required", False)))
+                _restore(state, name, file, info, bool(getattr(state, "required", False)))
         except Exception as e:  # noqa: BLE001 - torch.load's UnpicklingError (a refused pickle), OSError, a bad dict...
             error = f"cannot read {file}: {first_line(e)}"
         failed = gather_errors(error)  # a rank that cannot read its file stops every rank
@@ -179,9 +186,10 @@ def load_rank_states(info: LoadInfo, states: Optional[CheckpointStates]) -> None
             raise CheckpointError(failed[0][1])
 
 
-def _restore(state: Stateful, file: str, info: LoadInfo, required: bool) -> None:
-    if info.same_layout and (required or os.path.isfile(file)):
-        state.load_state_dict(torch.load(file, weights_only=True))
+def _restore(state: Stateful, name: str, file: str, info: LoadInfo, required: bool) -> None:
+    held = info.held
+    if info.same_layout and (required or (os.path.isfile(file) if held is None else name in held)):
+        state.load_state_dict(torch.load(file, weights_only=True) if held is None else held[name])
         return
     reason = "it has none" if info.same_layout else f"it was saved with layout {info.saved_layout}"
     hook = getattr(state, "not_restored", None)

@@ -44,7 +44,7 @@ def validate_cross(cfg, world_size: Optional[int]) -> None:
     validate_fault_tolerance(cfg)  # torchft replica groups: before the global batch gets its default
     if world_size is not None:
         _validate_world(p, t, world_size, vpp, m.seq_length)
-        validate_ft_batch(p, t)
+        validate_ft_batch(p, t, step_schedule(t, m.seq_length))
     validate_lr_schedule_lengths(t)
     _validate_data(cfg.data, m, p)
     lg = cfg.logging
@@ -87,15 +87,9 @@ def _validate_model_split(m, p) -> None:
 
 
 def _validate_mtp(m, p) -> None:
-    """--mtp-num-layers: not under context parallelism (its roll of the tokens would cross the CP chunks);
-    pipelined only with RoPE (the last stage's embedding copy has no position table)."""
+    """--mtp-num-layers: pipelined only with RoPE (the last stage's embedding copy has no position table)."""
     if m.mtp_num_layers is None:
         return
-    check(
-        p.context_parallel_size == 1,
-        f"--mtp-num-layers is not supported with --context-parallel-size {p.context_parallel_size} (the shift "
-        f"of the tokens by one position would cross the context-parallel chunks)",
-    )
     check(
         p.pipeline_model_parallel_size == 1 or m.position_embedding_type != "learned_absolute",
         "--mtp-num-layers with --pipeline-model-parallel-size > 1 needs --position-embedding-type rope or none "
@@ -424,13 +418,13 @@ def _validate_data(d, m, p) -> None:
             (
                 p.context_parallel_size > 1 and not thd,
                 "--context-parallel-size > 1 (the CP cores are causal only; --qkv-format thd with --cp-comm-type "
-                "a2a runs the documents)",
+                "a2a or allgather runs the documents)",
             ),
             (
-                p.context_parallel_size > 1 and thd and (p.cp_comm_type != "a2a" or m.attention_dropout > 0),
-                "--context-parallel-size > 1 unless --cp-comm-type a2a and --attention-dropout 0 (a2a's core sees "
-                "whole documents; the p2p / allgather cores and CP's position-keyed dropout are causal only, and "
-                "Megatron's per-document 2 x CP split of packed sequences is not built)",
+                p.context_parallel_size > 1 and thd and (p.cp_comm_type == "p2p" or m.attention_dropout > 0),
+                "--context-parallel-size > 1 unless --cp-comm-type a2a or allgather and --attention-dropout 0 (a2a's "
+                "core sees whole documents, allgather's masks other documents; the p2p ring and CP's position-keyed "
+                "dropout are causal only)",
             ),
             (m.transformer_impl != "local", "--transformer-impl transformer_engine (TE's core is given no mask here)"),
             (

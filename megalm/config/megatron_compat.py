@@ -33,10 +33,6 @@ NO_EFFECT = {
     "--tiktoken-pattern": "only Megatron's TikTokenizer reads it, and megalm has no TikTokenizer",
     "--export-force-local-attention": "a ModelOpt export switch (local attention instead of Transformer Engine's); "
     "megalm's attention cores are its own, and windows and sinks run in each of them",
-    "--init-model-with-meta-device": "megalm creates every parameter directly on the training device with only "
-    "this rank's tensor/expert-parallel shard and fills it once by the layout-independent initialization (no "
-    "host copy, no second init); under ZeRO-3 the TP-local parameters are allocated before the sharded buffer "
-    "takes them",
     "--use-nccl-ub": "NCCL user-buffer registration (NCCL only; megalm's buffers are plain PyTorch allocations)",
     "--fsdp-double-buffer": "Megatron-FSDP's double-buffered all-gather/reduce-scatter buffers for NCCL user "
     "buffers (NCCL only); megalm's ZeRO-3 gathers into its own per-bucket buffers",
@@ -88,7 +84,6 @@ class MegatronCompatConfig(Section):
     )
     tiktoken_pattern: Optional[str] = _f(None, "No effect: " + NO_EFFECT["--tiktoken-pattern"] + ".")
     use_megatron_fsdp: bool = _f(False, "No effect: " + NO_EFFECT["--use-megatron-fsdp"] + ".")
-    init_model_with_meta_device: bool = _f(False, "No effect: " + NO_EFFECT["--init-model-with-meta-device"] + ".")
     nccl_ub: bool = _f(False, "No effect: " + NO_EFFECT["--use-nccl-ub"] + ".", flag="--use-nccl-ub")
     fsdp_double_buffer: bool = _f(False, "No effect: " + NO_EFFECT["--fsdp-double-buffer"] + ".")
     fsdp_manual_registration: bool = _f(False, "No effect: " + NO_EFFECT["--fsdp-manual-registration"] + ".")
@@ -127,7 +122,6 @@ def given_no_effect_flags(c: MegatronCompatConfig) -> list:
         "--tiktoken-pattern": c.tiktoken_pattern is not None,
         "--use-megatron-fsdp": c.use_megatron_fsdp,
         "--export-force-local-attention": c.export_force_local_attention,
-        "--init-model-with-meta-device": c.init_model_with_meta_device,
         "--use-nccl-ub": c.nccl_ub,
         "--fsdp-double-buffer": c.fsdp_double_buffer,
         "--fsdp-manual-registration": c.fsdp_manual_registration,

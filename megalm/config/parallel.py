@@ -63,6 +63,14 @@ class ParallelConfig(Section):
         "--overlap-param-gather prefetches the next bucket).",
         choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
     )
+    init_model_with_meta_device: bool = _f(
+        False,
+        "Build the model on the meta device and give parameters storage only when DDP's buffers take them, "
+        "filled bucket by bucket with the same initial values as without the flag: with "
+        "--data-parallel-sharding-strategy optim_grads_params a rank never holds the whole model (its shards and "
+        "one bucket at most); with optim and optim_grads the weights are made in DDP's parameter buffer directly "
+        "(no second copy of them); with no_shard the peak is the same.",
+    )
     overlap_grad_reduce: bool = _f(False, "Reduce gradient buckets during the last microbatch's backward.")
     overlap_param_gather: bool = _f(
         False,
@@ -98,6 +106,12 @@ class ParallelConfig(Section):
         "residuals are resharded (each rank gets its share of the pending update).",
         choices=["none", "powersgd", "topk", "int8", "int4", "fp8"],
     )
+    grad_compression_warmup_iters: int = _f(
+        0,
+        "Warm-up of exact steps before --grad-compression starts (megalm; PowerSGD's start_powerSGD_iter): the "
+        "first this many iterations reduce gradients exactly (the run is the uncompressed one, bit for bit), "
+        "compression and error feedback start at the next one.",
+    )
     powersgd_rank: int = _f(4, "Rank of PowerSGD's low-rank gradient approximation (--grad-compression powersgd).")
     topk_ratio: float = _f(0.01, "Fraction of each bucket's entries sent by --grad-compression topk, in (0, 1].")
     int8_chunk_size: int = _f(1024, "Elements sharing one fp32 scale under --grad-compression int8 and int4.")
@@ -127,6 +141,20 @@ class ParallelConfig(Section):
         "node only) and their parameters are averaged every this many iterations over the "
         "data-parallel group (hierarchical: across nodes); 0 = synchronous data parallelism.  "
         "Checkpoints keep every replica's weights and optimizer state per rank.",
+    )
+    local_sgd_warmup_iters: int = _f(
+        0,
+        "Local SGD / DiLoCo (megalm): a warm-up phase of synchronous data parallelism (the gradients "
+        "all-reduced over the data-parallel group every step, as without --local-sgd-interval) for the "
+        "first this many iterations; the replicas then start stepping on their own from the same weights "
+        "and optimizer state, and synchronise every --local-sgd-interval iterations after the warm-up.",
+    )
+    local_sgd_fragments: int = _f(
+        1,
+        "Streaming DiLoCo (megalm): split the parameters into this many fragments of contiguous layers, each "
+        "synchronised every --local-sgd-interval iterations but staggered (fragment f at W + k H + (f+1) H / F), "
+        "so each sync sends 1/F of the bytes; with --local-sgd-overlap-steps (at most H / F) it is hidden behind "
+        "the next iterations.  The last iteration synchronises every fragment.  1 = every parameter at once.",
     )
     local_sgd_overlap_steps: int = _f(
         0,
@@ -269,7 +297,15 @@ class ParallelConfig(Section):
     def _validate_grad_compression(self) -> None:
         """``--grad-compression`` and its method's settings."""
         if self.grad_compression == "none":
+            check(
+                not self.grad_compression_warmup_iters,
+                "--grad-compression-warmup-iters needs --grad-compression",
+            )
             return
+        check(
+            self.grad_compression_warmup_iters >= 0,
+            f"--grad-compression-warmup-iters must be >= 0, got {self.grad_compression_warmup_iters}",
+        )
         check(self.powersgd_rank >= 1, f"--powersgd-rank must be >= 1, got {self.powersgd_rank}")
         check(0 < self.topk_ratio <= 1, f"--topk-ratio must be in (0, 1], got {self.topk_ratio}")
         check(self.int8_chunk_size >= 1, f"--int8-chunk-size must be >= 1, got {self.int8_chunk_size}")
@@ -279,9 +315,15 @@ class ParallelConfig(Section):
         """``--local-sgd-interval`` and the outer optimizer; what local SGD is not built for."""
         interval = self.local_sgd_interval
         check(interval >= 0, f"--local-sgd-interval must be >= 0, got {interval}")
+        for flag, value in (
+            ("--local-sgd-overlap-steps", self.local_sgd_overlap_steps),
+            ("--local-sgd-warmup-iters", self.local_sgd_warmup_iters),
+            ("--local-sgd-fragments", self.local_sgd_fragments - 1),
+        ):
+            check(value == 0 or interval > 0, f"{flag} needs --local-sgd-interval")
         check(
-            self.local_sgd_overlap_steps == 0 or interval > 0,
-            "--local-sgd-overlap-steps needs --local-sgd-interval",
+            self.local_sgd_warmup_iters >= 0,
+            f"--local-sgd-warmup-iters must be >= 0, got {self.local_sgd_warmup_iters}",
         )
         if not interval:
             return
@@ -289,6 +331,13 @@ class ParallelConfig(Section):
             0 <= self.local_sgd_overlap_steps <= interval,
             f"--local-sgd-overlap-steps must be in [0, --local-sgd-interval] = [0, {interval}], "
             f"got {self.local_sgd_overlap_steps}",
+        )
+        frags = self.local_sgd_fragments
+        check(
+            frags >= 1 and interval % frags == 0 and self.local_sgd_overlap_steps <= interval // frags,
+            f"--local-sgd-fragments must divide --local-sgd-interval {interval} and --local-sgd-overlap-steps "
+            f"must be at most --local-sgd-interval / --local-sgd-fragments (one fragment in flight), got "
+            f"{frags} fragments, {self.local_sgd_overlap_steps} overlap steps",
         )
         check(self.outer_lr > 0, f"--outer-lr must be positive, got {self.outer_lr}")
         check(0 <= self.outer_momentum < 1, f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")

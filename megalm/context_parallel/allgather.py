@@ -10,6 +10,11 @@ Communication, forward: two all-gathers (``(CP-1) 2c b g d`` elements received p
 of k and v); backward two reduce-scatters of the K/V gradients (every rank's queries contribute
 to every key).  gpt-oss's window and sinks (``variant``) enter each chunk's SDPA as its mask and
 a sink column (:mod:`megalm.fusions.attention_variants`); a window also trims the keys a chunk reads.
+
+Packed documents (``--qkv-format thd``, ``documents``: every position's document id ``[b, s]``): each
+query chunk also masks keys of other documents, a boolean ``[b, 1, c, (j+1)c]`` per chunk (``O(c s)``,
+not the dense ``s x s``).  The sequence keeps the load-balanced split of :mod:`.chunks`, not Megatron's
+per-document ``2 x CP`` split: the same results, less even work when documents are short.
 """
 
 from __future__ import annotations
@@ -20,29 +25,37 @@ import torch
 import torch.nn.functional as F
 
 from megalm.context_parallel.blocks import BlockDropout, local_attention
-from megalm.context_parallel.chunks import chunk_ids, gathered_to_global
+from megalm.context_parallel.chunks import ContextParallelError, chunk_ids, gathered_to_global
 from megalm.context_parallel.keyed_dropout import KeyedDropout
 from megalm.parallel_state import group_rank, group_size
 from megalm.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 
-def _chunk_attention(q, k, v, chunk: int, gqa: bool, dropout: Optional[KeyedDropout], variant=None) -> torch.Tensor:
+def _chunk_attention(
+    q, k, v, chunk: int, gqa: bool, dropout: Optional[KeyedDropout], variant=None, documents=None
+) -> torch.Tensor:
     """Query chunk ``chunk`` (``[b, n, c, d]``) against full-sequence ``k``/``v`` ``[b, g, s, d]``;
-    ``variant``: gpt-oss's ``(window, sinks)`` or None."""
+    ``variant``: gpt-oss's ``(window, sinks)`` or None; ``documents``: ``[b, s]`` document ids or None."""
     c = q.shape[2]
     end = (chunk + 1) * c
+    doc_mask = None
+    if documents is not None:  # [b, 1, c, end]: same document (the causal part is added below)
+        doc_mask = (documents[:, chunk * c : end, None] == documents[:, None, :end]).unsqueeze(1)
     if variant is not None:
         from megalm.fusions.attention_variants import variant_attention
 
         window, sinks = variant
         start = 0 if window is None else max(0, chunk * c - window)  # keys before it are outside every window
         k, v = k[:, :, start:end], v[:, :, start:end]
-        return variant_attention(q, k, v, window, sinks, query_offset=chunk * c - start)
+        doc_mask = None if doc_mask is None else doc_mask[..., start:]
+        return variant_attention(q, k, v, window, sinks, doc_mask=doc_mask, query_offset=chunk * c - start)
     if dropout is not None:
         keys = torch.arange(end, device=q.device)
         block = BlockDropout(dropout, keys[chunk * c :], keys)
         return local_attention(q, k[:, :, :end], v[:, :, :end], diagonal=chunk * c, dropout=block)
     mask = torch.ones(c, end, dtype=torch.bool, device=q.device).tril_(end - c)  # key j <= chunk*c + i
+    if doc_mask is not None:
+        mask = mask & doc_mask
     return F.scaled_dot_product_attention(q, k[:, :, :end], v[:, :, :end], attn_mask=mask, enable_gqa=gqa)
 
 
@@ -53,9 +66,13 @@ def allgather_attention(
     group,
     dropout: Optional[KeyedDropout] = None,
     variant=None,
+    documents: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of ``[2c, b, n, d]`` q and ``[2c, b, g, d]`` k/v over ``group``'s sequence;
-    returns ``[2c, b, n, d]``.  ``dropout``: the call's position-keyed attention dropout, or None."""
+    returns ``[2c, b, n, d]``.  ``dropout``: the call's position-keyed attention dropout, or None;
+    ``documents``: the whole sequence's document ids ``[b, s]`` (packed documents), or None."""
+    if documents is not None and dropout is not None:
+        raise ContextParallelError("packed documents are not supported with position-keyed attention dropout")
     cp, rank = group_size(group), group_rank(group)
     k, v = (gathered_to_global(gather_from_sequence_parallel_region(t, group), cp) for t in (k, v))
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # heads-first
@@ -63,7 +80,7 @@ def allgather_attention(
     half = q.shape[2] // 2
     first, second = chunk_ids(rank, cp)
     outs = [
-        _chunk_attention(q[:, :, :half], k, v, first, gqa, dropout, variant),
-        _chunk_attention(q[:, :, half:], k, v, second, gqa, dropout, variant),
+        _chunk_attention(q[:, :, :half], k, v, first, gqa, dropout, variant, documents),
+        _chunk_attention(q[:, :, half:], k, v, second, gqa, dropout, variant, documents),
     ]
     return torch.cat(outs, dim=2).permute(2, 0, 1, 3)

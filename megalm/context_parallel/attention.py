@@ -30,6 +30,7 @@ def context_parallel_attention(
     causal_core: Callable,
     dropout: Optional[KeyedDropout] = None,
     variant: Optional[Tuple[Optional[int], Optional[torch.Tensor]]] = None,
+    documents: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's chunks over ``group``'s sequence.
 
@@ -39,7 +40,11 @@ def context_parallel_attention(
     attention dropout (:mod:`.keyed_dropout`): every type applies the entries of the global
     positions it computes, so the result does not depend on ``CP`` or the type.  ``variant``: gpt-oss's
     ``(window, sinks)`` (:mod:`megalm.fusions.attention_variants`): ``allgather`` applies them to its
-    chunks, ``a2a``'s ``causal_core`` applies them itself, ``p2p`` refuses them."""
+    chunks, ``a2a``'s ``causal_core`` applies them itself, ``p2p`` refuses them.  ``documents``: packed
+    documents' ids ``[b, s]`` over the whole sequence, for ``allgather`` (``a2a``'s ``causal_core`` takes
+    the documents itself; ``p2p`` refuses them)."""
+    if documents is not None and comm_type != "allgather":
+        raise ContextParallelError(f"packed documents are given to the allgather core only, not to {comm_type!r}")
     if variant is not None and comm_type == "p2p":
         raise ContextParallelError(
             "sliding-window attention / softmax sinks are not built in the ring (p2p) core: use --cp-comm-type "
@@ -51,5 +56,5 @@ def context_parallel_attention(
     if comm_type == "a2a":
         return ulysses_attention(q, k, v, group, causal_core, dropout)
     if comm_type == "allgather":
-        return allgather_attention(q, k, v, group, dropout, variant)
+        return allgather_attention(q, k, v, group, dropout, variant, documents)
     raise ContextParallelError(f"--cp-comm-type must be one of {', '.join(COMM_TYPES)}, got {comm_type!r}")

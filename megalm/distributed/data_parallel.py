@@ -79,6 +79,8 @@ from typing import Dict, List, Optional
 import torch
 
 from megalm import parallel_state
+from megalm.device import get_device
+from megalm.distributed.comm import CommStats
 from megalm.distributed.compression import build_compressor
 from megalm.distributed.hierarchical import NodeGroups
 from megalm.distributed.param_and_grad_buffer import Bucket, DataParallelError, ParamAndGradBuffer
@@ -87,6 +89,7 @@ from megalm.distributed.sharded_param_buffer import ShardedParamBuffer
 from megalm.distributed.unsharder import Unsharder
 from megalm.parallel_layout import NodeLayoutError
 from megalm.parallel_state import ProcessGroups, group_size
+from megalm.tensor_parallel.meta_init import materialize_remaining
 from megalm.tensor_parallel.param_info import param_info
 
 
@@ -154,8 +157,10 @@ class DistributedDataParallel(torch.nn.Module):
         *,
         process_groups: ProcessGroups,
         check_for_nan_in_grad: bool = False,
+        comm_stats: Optional[CommStats] = None,
     ):
         super().__init__()
+        self.comm_stats = comm_stats  # where the gradient / parameter collectives are counted (None: not counted)
         pg = self.process_groups = process_groups
         self.module = module
         self.overlap_grad_reduce = parallel_cfg.overlap_grad_reduce
@@ -166,6 +171,10 @@ class DistributedDataParallel(torch.nn.Module):
         self.overlap_param_gather = parallel_cfg.overlap_param_gather
         self.hierarchical = parallel_cfg.hierarchical_grad_reduce
         self.local_sgd = bool(parallel_cfg.local_sgd_interval)
+        self.local_sgd_warmup = parallel_cfg.local_sgd_warmup_iters if self.local_sgd else 0
+        self.compression_warmup = parallel_cfg.grad_compression_warmup_iters
+        self._reductions: Dict[ParamAndGradBuffer, dict] = {}  # local SGD's warm-up: buffer -> {mode: reduction}
+        self._synchronous: Optional[bool] = None  # the mode the buffers reduce in (local SGD's warm-up)
         fp32_grads = parallel_cfg.accumulate_allreduce_grads_in_fp32
         dp = group_size(pg.dp_cp)
         self.data_parallel_world_size = dp
@@ -173,7 +182,9 @@ class DistributedDataParallel(torch.nn.Module):
         if self.bucket_size is None and self.overlap_grad_reduce:
             self.bucket_size = default_bucket_size(dp)
         names = {p: n for n, p in module.named_parameters()}
-        self.compressor = build_compressor(parallel_cfg, next(module.parameters()).device, _global_rank())
+        first = next(module.parameters())
+        self.device = get_device() if first.is_meta else first.device  # meta: filled by the buffers
+        self.compressor = build_compressor(parallel_cfg, self.device, _global_rank(), comm_stats)
 
         def pick_grad_dtype(p):
             return grad_dtype or (torch.float32 if fp32_grads else p.dtype)
@@ -188,10 +199,12 @@ class DistributedDataParallel(torch.nn.Module):
             group = pg.expt_dp if expert else pg.dp_cp
             nodes = node_groups_of(pg, "expt_dp" if expert else "dp_cp") if self.hierarchical and keyed else None
             scale = 1.0 / dp
+            sync = (group if group_size(group) > 1 else None, group_size(group), nodes, scale)
             if self.local_sgd:  # each replica's own mean: nothing reduced, or inside the node only
                 group, nodes = nodes.intra if nodes is not None else None, None
                 scale = 1.0 / group_size(group)
             world = group_size(group)
+            warmup = {"pad_multiple": sync[1]} if self.local_sgd_warmup else {}  # padded for both groups
             buffer_class = ShardedGradBuffer if self.shard_grads else ParamAndGradBuffer
             buffer_class = ShardedParamBuffer if self.shard_params else buffer_class
             for bi, ((_, gdtype), params) in enumerate(keyed.items()):
@@ -208,12 +221,17 @@ class DistributedDataParallel(torch.nn.Module):
                     node_groups=nodes,
                     compressor=self.compressor,
                     compress_key=f"{'expert' if expert else 'dense'}{bi}",
+                    comm_stats=comm_stats,
+                    **warmup,
                 )
+                if warmup:
+                    self._reductions[buf] = {True: sync, False: (group if world > 1 else None, world, nodes, scale)}
                 (self.expert_buffers if expert else self.buffers).append(buf)
+        materialize_remaining([module], self.device)  # meta parameters no buffer took (requires_grad False)
         # --check-for-nan-in-loss-and-grad: which rank's own gradients were not finite (before reduction)
         self.local_nonfinite_grads: Optional[torch.Tensor] = None
         if check_for_nan_in_grad:
-            self.local_nonfinite_grads = torch.zeros((), dtype=torch.bool, device=next(module.parameters()).device)
+            self.local_nonfinite_grads = torch.zeros((), dtype=torch.bool, device=self.device)
             for buf in self.all_buffers:
                 buf.nonfinite = self.local_nonfinite_grads
         self._param_to_buffer = {p: b for b in self.all_buffers for p in b.param_index_map}
@@ -294,6 +312,21 @@ class DistributedDataParallel(torch.nn.Module):
                     queue[k - lag].advance_grad_sync(lag + 1)
 
     # --- protocol --------------------------------------------------------------------------
+    def begin_step(self, iteration: int) -> None:
+        """Before the forward-backward of ``iteration`` (1-based): the warm-ups.  With
+        ``--grad-compression-warmup-iters W`` iterations ``1..W`` reduce exactly; with
+        ``--local-sgd-warmup-iters W`` they reduce over the whole data-parallel group (synchronous data
+        parallelism, 1/DP pre-scaled) and the later ones over the replica's group only."""
+        if self.compressor is not None:
+            self.compressor.exact = iteration <= self.compression_warmup
+        synchronous = iteration <= self.local_sgd_warmup
+        if not self._reductions or synchronous == self._synchronous:
+            return
+        for buf, modes in self._reductions.items():
+            buf.set_reduction(*modes[synchronous])
+        self._synchronous = synchronous
+        self._build_launch_queues()
+
     @contextlib.contextmanager
     def no_sync(self):
         """Backward inside this context only accumulates into ``main_grad`` (no communication)."""

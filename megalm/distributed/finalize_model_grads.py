@@ -61,7 +61,9 @@ def _zeros(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(p, dtype=torch.float32)
 
 
-def allreduce_sequence_parallel_grads(model_chunks: Sequence[torch.nn.Module], tp_group) -> None:
+def allreduce_sequence_parallel_grads(
+    model_chunks: Sequence[torch.nn.Module], tp_group, comm_stats: Optional[comm.CommStats] = None
+) -> None:
     """Sum gradients of ``sequence_parallel`` params over ``tp_group`` (one coalesced all-reduce)."""
     if group_size(tp_group) == 1:
         return
@@ -80,7 +82,7 @@ def allreduce_sequence_parallel_grads(model_chunks: Sequence[torch.nn.Module], t
     for dtype in sorted(by_dtype, key=str):  # same order on every TP rank
         group_grads = by_dtype[dtype]
         flat = _flatten_dense_tensors(group_grads)
-        comm.all_reduce(flat, group=tp_group, kind="sp_grad_all_reduce")
+        comm.all_reduce(flat, group=tp_group, kind="sp_grad_all_reduce", stats=comm_stats)
         for g, synced in zip(group_grads, _unflatten_dense_tensors(flat, group_grads)):
             g.copy_(synced)
 
@@ -105,7 +107,7 @@ def _embedding_stage(pg: ProcessGroups):
     return None
 
 
-def _tied(model_chunks: Sequence[torch.nn.Module], stage: str, weight, embd_group) -> bool:
+def _tied(model_chunks: Sequence[torch.nn.Module], stage: str, weight, embd_group, comm_stats) -> bool:
     """Agree once over the embedding group whether embeddings are tied (cached on chunk 0)."""
     cached = getattr(model_chunks[0], "_megalm_tied_embeddings", None)
     if cached is not None:
@@ -114,7 +116,7 @@ def _tied(model_chunks: Sequence[torch.nn.Module], stage: str, weight, embd_grou
         getattr(unwrap_model(c), "share_embeddings_and_output_weights", False) for c in model_chunks
     )
     flag = torch.tensor([1.0 if knows else 0.0], device=get_device())
-    comm.all_reduce(flag, op=dist.ReduceOp.MAX, group=embd_group, kind="tie_flag")
+    comm.all_reduce(flag, op=dist.ReduceOp.MAX, group=embd_group, kind="tie_flag", stats=comm_stats)
     tied = bool(flag.item() > 0)
     model_chunks[0]._megalm_tied_embeddings = tied
     return tied
@@ -135,7 +137,11 @@ def _check_own_bucket(chunk: torch.nn.Module, weight: torch.nn.Parameter) -> Non
 
 
 def allreduce_embedding_grads(
-    model_chunks: Sequence[torch.nn.Module], tied: Optional[bool] = None, *, process_groups: ProcessGroups
+    model_chunks: Sequence[torch.nn.Module],
+    tied: Optional[bool] = None,
+    *,
+    process_groups: ProcessGroups,
+    comm_stats: Optional[comm.CommStats] = None,
 ) -> None:
     """Sum the tied word-embedding gradient over the embedding group (first + last stage)."""
     pg = process_groups
@@ -145,7 +151,7 @@ def allreduce_embedding_grads(
     chunk = model_chunks[0] if stage == "first" else model_chunks[-1]
     weight = _find_shared_embedding(chunk)
     if tied is None:
-        tied = _tied(model_chunks, stage, weight, pg.embd)
+        tied = _tied(model_chunks, stage, weight, pg.embd, comm_stats)
     if not tied:
         return
     if weight is None:
@@ -157,7 +163,7 @@ def allreduce_embedding_grads(
     grad = grad_of(weight)
     if grad is None:
         grad = weight.grad = torch.zeros_like(weight)  # unused this iteration: contribute zeros
-    comm.all_reduce(grad, group=pg.embd, kind="embedding_grad_all_reduce")
+    comm.all_reduce(grad, group=pg.embd, kind="embedding_grad_all_reduce", stats=comm_stats)
 
 
 def finalize_model_grads(
@@ -166,11 +172,13 @@ def finalize_model_grads(
     timers=NULL_TIMERS,
     *,
     process_groups: ProcessGroups,
+    comm_stats: Optional[comm.CommStats] = None,
 ) -> None:
     """DP sync, then sequence-parallel norm grads over TP, then tied embedding grads over the
     embedding group.  Call once per iteration, after the last backward, before ``optimizer.step()``.
     ``timers``: Megatron's level-1 ``all-grads-sync``, ``layernorm-grads-all-reduce`` and
-    ``embedding-grads-all-reduce`` (:mod:`megalm.timers`)."""
+    ``embedding-grads-all-reduce`` (:mod:`megalm.timers`).  ``comm_stats``: where the collectives made here are
+    counted (the DP buckets count in their DDP's own); None: not counted."""
     pg = process_groups
     with timers("all-grads-sync"):
         for chunk in model_chunks:
@@ -178,13 +186,15 @@ def finalize_model_grads(
             if finish is not None:
                 finish()
     with timers("layernorm-grads-all-reduce"):
-        allreduce_sequence_parallel_grads(model_chunks, pg.tp)
+        allreduce_sequence_parallel_grads(model_chunks, pg.tp, comm_stats)
     with timers("embedding-grads-all-reduce"):
-        allreduce_embedding_grads(model_chunks, tied_embeddings, process_groups=pg)
-    update_router_expert_biases(model_chunks, pg.tp_dp_cp)
+        allreduce_embedding_grads(model_chunks, tied_embeddings, process_groups=pg, comm_stats=comm_stats)
+    update_router_expert_biases(model_chunks, pg.tp_dp_cp, comm_stats)
 
 
-def update_router_expert_biases(model_chunks: Sequence[torch.nn.Module], group) -> None:
+def update_router_expert_biases(
+    model_chunks: Sequence[torch.nn.Module], group, comm_stats: Optional[comm.CommStats] = None
+) -> None:
     """``--moe-router-enable-expert-bias``: sum every router's token counts of this step over ``group``
     (TP x DP x CP: every rank that routes tokens of this stage; one all-reduce of layers x experts
     floats) and move each router's expert bias (``TopKRouter.update_expert_bias``)."""
@@ -193,6 +203,6 @@ def update_router_expert_biases(model_chunks: Sequence[torch.nn.Module], group) 
         return
     counts = torch.stack([r.local_tokens_per_expert for r in routers])
     if group_size(group) > 1:
-        comm.all_reduce(counts, group=group, kind="expert_bias_counts")
+        comm.all_reduce(counts, group=group, kind="expert_bias_counts", stats=comm_stats)
     for router, n in zip(routers, counts):
         router.update_expert_bias(n)

@@ -124,6 +124,8 @@ def all_reduce(
     nodes: NodeGroups,
     kind: str = "grad",
     inter: Optional[Callable[[torch.Tensor, int, int], List[Callable[[], object]]]] = None,
+    *,
+    stats: Optional[comm.CommStats],
 ) -> CollectiveChain:
     """SUM-all-reduce ``buf`` (numel divisible by L) in place; the first stage is launched.
 
@@ -136,14 +138,18 @@ def all_reduce(
         across = inter(chunk, i * c, (i + 1) * c)
     else:
         across = [
-            (lambda: comm.all_reduce(chunk, group=nodes.inter, async_op=True, kind=f"{kind}_all_reduce_inter"))
+            (
+                lambda: comm.all_reduce(
+                    chunk, group=nodes.inter, async_op=True, kind=f"{kind}_all_reduce_inter", stats=stats
+                )
+            )
             if nodes.inter is not None
             else _skip
         ]
     stages = [
         (
             lambda: comm.reduce_scatter_tensor(
-                chunk, buf, group=nodes.intra, async_op=True, kind=f"{kind}_reduce_scatter_intra"
+                chunk, buf, group=nodes.intra, async_op=True, kind=f"{kind}_reduce_scatter_intra", stats=stats
             )
         )
         if nodes.intra is not None
@@ -151,7 +157,7 @@ def all_reduce(
         *across,
         (
             lambda: comm.all_gather_into_tensor(
-                buf, chunk, group=nodes.intra, async_op=True, kind=f"{kind}_all_gather_intra"
+                buf, chunk, group=nodes.intra, async_op=True, kind=f"{kind}_all_gather_intra", stats=stats
             )
         )
         if nodes.intra is not None
@@ -162,7 +168,9 @@ def all_reduce(
     return chain
 
 
-def reduce_scatter(buf: torch.Tensor, shard: torch.Tensor, nodes: NodeGroups, kind: str = "grad") -> CollectiveChain:
+def reduce_scatter(
+    buf: torch.Tensor, shard: torch.Tensor, nodes: NodeGroups, kind: str = "grad", *, stats: Optional[comm.CommStats]
+) -> CollectiveChain:
     """``shard`` (this rank's flat shard, numel/K) <- the SUM of ``buf`` over the group; first stage launched."""
     n, L, i = nodes.num_nodes, nodes.local_size, nodes.local_rank
     s = shard.numel()
@@ -174,13 +182,18 @@ def reduce_scatter(buf: torch.Tensor, shard: torch.Tensor, nodes: NodeGroups, ki
             shard.copy_(mine)
             return None
         return comm.reduce_scatter_tensor(
-            shard, mine, group=nodes.inter, async_op=True, kind=f"{kind}_reduce_scatter_inter"
+            shard, mine, group=nodes.inter, async_op=True, kind=f"{kind}_reduce_scatter_inter", stats=stats
         )
 
     stages = [
         (
             lambda: comm.reduce_scatter_tensor(
-                mine, scratch.view(-1), group=nodes.intra, async_op=True, kind=f"{kind}_reduce_scatter_intra"
+                mine,
+                scratch.view(-1),
+                group=nodes.intra,
+                async_op=True,
+                kind=f"{kind}_reduce_scatter_intra",
+                stats=stats,
             )
         )
         if nodes.intra is not None
@@ -192,7 +205,9 @@ def reduce_scatter(buf: torch.Tensor, shard: torch.Tensor, nodes: NodeGroups, ki
     return chain
 
 
-def all_gather(buf: torch.Tensor, shard: torch.Tensor, nodes: NodeGroups, kind: str = "param") -> CollectiveChain:
+def all_gather(
+    buf: torch.Tensor, shard: torch.Tensor, nodes: NodeGroups, kind: str = "param", *, stats: Optional[comm.CommStats]
+) -> CollectiveChain:
     """``buf`` <- every rank's flat shard (``shard`` is this rank's, a view into ``buf``); first stage launched."""
     n, L = nodes.num_nodes, nodes.local_size
     s = shard.numel()
@@ -205,14 +220,14 @@ def all_gather(buf: torch.Tensor, shard: torch.Tensor, nodes: NodeGroups, kind: 
     stages = [
         (
             lambda: comm.all_gather_into_tensor(
-                across, shard, group=nodes.inter, async_op=True, kind=f"{kind}_all_gather_inter"
+                across, shard, group=nodes.inter, async_op=True, kind=f"{kind}_all_gather_inter", stats=stats
             )
         )
         if nodes.inter is not None
         else _skip,
         (
             lambda: comm.all_gather_into_tensor(
-                local, across, group=nodes.intra, async_op=True, kind=f"{kind}_all_gather_intra"
+                local, across, group=nodes.intra, async_op=True, kind=f"{kind}_all_gather_intra", stats=stats
             )
         )
         if nodes.intra is not None

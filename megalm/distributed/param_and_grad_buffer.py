@@ -21,6 +21,9 @@ dtype and one reduction group)::
 * With ``allocate_param_data`` (for the distributed optimizer) the parameters' storage is
   moved into a parallel buffer ``param_data`` with the same layout (``param.data`` becomes a
   view), so updated shards can be all-gathered bucket by bucket.
+* Parameters on the meta device (``--init-model-with-meta-device``,
+  :mod:`megalm.tensor_parallel.meta_init`) get their storage here, filled with their initial values
+  one parameter at a time: views of ``param_data``, or storage of their own without it.
 * ``isolate(param)`` True puts that parameter in a bucket of its own (the distributed optimizer
   does this for tied embedding copies, so that the first and the last pipeline stage shard the
   weight identically and the embedding all-reduce after the reduce-scatter stays correct).
@@ -55,9 +58,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from megalm.device import get_device
 from megalm.distributed import comm, compression, hierarchical
 from megalm.errors import MegalmError
 from megalm.parallel_state import group_rank
+from megalm.tensor_parallel.meta_init import initial_value, materialize, set_data
 
 
 class DataParallelError(MegalmError, RuntimeError):
@@ -136,7 +141,7 @@ class Bucket:
             self.grad_data.mul_(factor)
         group = self.buffer.data_parallel_group
         nodes = self.buffer.node_groups
-        if self.buffer.compressor is not None:
+        if self.buffer.compressor is not None and not self.buffer.compressor.exact:  # exact: its warm-up
             if self.compresses():
                 self._start_compressed(group, nodes)
                 return
@@ -147,17 +152,26 @@ class Bucket:
         if nodes is not None:
             if self.buffer.use_distributed_optimizer:
                 lo, hi = self.local_shard()
-                self.handle = hierarchical.reduce_scatter(self.grad_data, self.grad_data[lo:hi], nodes)
+                self.handle = hierarchical.reduce_scatter(
+                    self.grad_data, self.grad_data[lo:hi], nodes, stats=self.buffer.comm_stats
+                )
             else:
-                self.handle = hierarchical.all_reduce(self.grad_data, nodes)
+                self.handle = hierarchical.all_reduce(self.grad_data, nodes, stats=self.buffer.comm_stats)
             return
         if self.buffer.use_distributed_optimizer:
             lo, hi = self.local_shard()
             self.handle = comm.reduce_scatter_tensor(
-                self.grad_data[lo:hi], self.grad_data, group=group, async_op=True, kind="grad_reduce_scatter"
+                self.grad_data[lo:hi],
+                self.grad_data,
+                group=group,
+                async_op=True,
+                kind="grad_reduce_scatter",
+                stats=self.buffer.comm_stats,
             )
         else:
-            self.handle = comm.all_reduce(self.grad_data, group=group, async_op=True, kind="grad_all_reduce")
+            self.handle = comm.all_reduce(
+                self.grad_data, group=group, async_op=True, kind="grad_all_reduce", stats=self.buffer.comm_stats
+            )
 
     def compresses(self) -> bool:
         """Whether this bucket's reduction is compressed: a data-parallel group of more than one rank
@@ -199,10 +213,12 @@ class Bucket:
             return
 
         def inter(chunk, lo, hi):
-            job = compression.CompressionJob(key, chunk, self.matrices(lo, hi), nodes.inter, "grad_inter")
+            job = compression.CompressionJob(
+                key, chunk, self.matrices(lo, hi), nodes.inter, "grad_inter", stats=self.buffer.comm_stats
+            )
             return comp.stages(job)
 
-        self.handle = hierarchical.all_reduce(self.grad_data, nodes, inter=inter)
+        self.handle = hierarchical.all_reduce(self.grad_data, nodes, inter=inter, stats=self.buffer.comm_stats)
 
     def advance_grad_sync(self, stage: int) -> None:
         """Hierarchical reduction: launch stages until ``stage`` of them have run (no-op otherwise)."""
@@ -228,13 +244,18 @@ class Bucket:
         lo, hi = self.local_shard()
         if self.buffer.node_groups is not None:
             self.param_handle = hierarchical.all_gather(
-                self.param_data, self.param_data[lo:hi], self.buffer.node_groups
+                self.param_data, self.param_data[lo:hi], self.buffer.node_groups, stats=self.buffer.comm_stats
             )
             if not async_op:
                 self.finish_param_sync()
             return
         self.param_handle = comm.all_gather_into_tensor(
-            self.param_data, self.param_data[lo:hi], group=group, async_op=async_op, kind="param_all_gather"
+            self.param_data,
+            self.param_data[lo:hi],
+            group=group,
+            async_op=async_op,
+            kind="param_all_gather",
+            stats=self.buffer.comm_stats,
         )
         if not async_op:
             self.param_handle = None
@@ -278,6 +299,7 @@ class ParamAndGradBuffer:
         node_groups: Optional[hierarchical.NodeGroups] = None,
         compressor: Optional[compression.GradCompressor] = None,
         compress_key: str = "",
+        comm_stats: Optional[comm.CommStats] = None,
     ):
         if not params:
             raise DataParallelError("ParamAndGradBuffer needs at least one parameter")
@@ -298,16 +320,21 @@ class ParamAndGradBuffer:
         self.use_distributed_optimizer = use_distributed_optimizer
         self.compressor = compressor  # a group of one compresses nothing but applies loaded residuals
         self.compress_key = compress_key
+        self.comm_stats = comm_stats  # where the collectives are counted (None: not counted)
         allocate_param_data = allocate_param_data or use_distributed_optimizer
         self.gradient_scaling_factor = gradient_scaling_factor
         self.pad_multiple = pad_multiple or data_parallel_world_size
         self.params = list(reversed(list(params)))  # buffer order
         self.param_names = param_names or {}
         self.param_index_map: Dict[torch.nn.Parameter, Tuple[int, int, int]] = {}
-        self.device = params[0].device
+        self.device = get_device() if params[0].is_meta else params[0].device  # meta: --init-model-with-meta-device
 
         bucket_spans = self._layout(bucket_size, isolate or (lambda p: False))
         self.numel = bucket_spans[-1][1] if bucket_spans else 0
+        if not allocate_param_data:  # parameters built on meta keep storage of their own, made one at a time
+            for p in self.params:  # (before the gradient buffer: the transient is one fp32 initial value)
+                if p.is_meta:
+                    materialize(p, self.device)
         self.grad_data = self._allocate_grad_data()
         self.param_data = self._allocate_param_data() if allocate_param_data else None
         self._attach_views()
@@ -315,6 +342,18 @@ class ParamAndGradBuffer:
             self._make_bucket(i, start, end, members, unpadded)
             for i, (start, end, members, unpadded) in enumerate(bucket_spans)
         ]
+
+    def set_reduction(self, group, world: int, node_groups, scale: float) -> None:
+        """Reduce over ``group`` of ``world`` ranks (``node_groups``: hierarchically) with gradients
+        pre-scaled by ``scale`` from the next step on (local SGD's warm-up of synchronous steps switches
+        between the replica's group and the data-parallel group; the buffer must be padded for both)."""
+        if self.param_data is not None or self.numel % max(world, 1):
+            raise DataParallelError(f"a buffer of {self.numel} elements (param data: "
+                                    f"{self.param_data is not None}) cannot switch to a group of {world}")  # fmt: skip
+        self.data_parallel_group, self.data_parallel_world_size = group, world
+        self.data_parallel_rank = group_rank(group)
+        self.node_groups = node_groups if group is not None else None
+        self.gradient_scaling_factor = scale
 
     # --- layout ------------------------------------------------------------------------
     def _pad(self, n: int) -> int:
@@ -360,8 +399,8 @@ class ParamAndGradBuffer:
                 p.main_grad = self.grad_data[start:end].view(p.shape)
             if self.param_data is not None:
                 view = self.param_data[start:end].view(p.shape)
-                view.copy_(p.data)
-                p.data = view
+                view.copy_(initial_value(p) if p.is_meta else p.data)
+                set_data(p, view)
 
     def _make_bucket(
         self, index: int, start: int, end: int, members: List[torch.nn.Parameter], unpadded_end: int

@@ -104,6 +104,7 @@ class ShardedGradBucket(Bucket):
         if factor != 1.0:
             full.mul_(factor)
         group, compressor = self.buffer.data_parallel_group, self.buffer.compressor
+        compressor = None if compressor is not None and compressor.exact else compressor  # its warm-up: exact
         if compressor is not None and group is None:  # a residual resharded from a larger DP size
             compressor.flush(f"{self.buffer.compress_key}.{self.index}", full)
         if group is None:  # this rank alone: its shard is the whole bucket
@@ -115,7 +116,7 @@ class ShardedGradBucket(Bucket):
             self.handle = compressor.reduce_scatter(key, full, self.local_shard(), matrices, group, into=self.shard)
             return
         self.handle = comm.reduce_scatter_tensor(
-            self.shard, full, group=group, async_op=True, kind="grad_reduce_scatter"
+            self.shard, full, group=group, async_op=True, kind="grad_reduce_scatter", stats=self.buffer.comm_stats
         )
 
     def release_if_done(self) -> None:

@@ -42,6 +42,7 @@ import torch
 
 from megalm.distributed import comm
 from megalm.distributed.sharded_grad_buffer import ShardedGradBucket, ShardedGradBuffer
+from megalm.tensor_parallel.meta_init import initial_value, set_data
 from megalm.tensor_parallel.param_info import param_info
 
 KEEP_GATHERED = "megalm_keep_gathered"  # attribute a module sets on weights ZeRO-3 must not free (MoE experts)
@@ -90,7 +91,12 @@ class ShardedParamBucket(ShardedGradBucket):
             self.param_data.copy_(self.param_shard)
         else:
             handle = comm.all_gather_into_tensor(
-                self.param_data, self.param_shard, group=group, async_op=async_op, kind="param_all_gather"
+                self.param_data,
+                self.param_shard,
+                group=group,
+                async_op=async_op,
+                kind="param_all_gather",
+                stats=self.buffer.comm_stats,
             )
             self.param_handle = handle if async_op else None
         self.gathered = True
@@ -147,8 +153,8 @@ class ShardedParamBuffer(ShardedGradBuffer):
         for p in members:
             lo, hi, _ = self.param_index_map[p]
             view = full[lo - start : hi - start].view(p.shape)
-            view.copy_(p.data)
-            p.data = view
+            view.copy_(initial_value(p) if p.is_meta else p.data)  # meta: its initial values, made now
+            set_data(p, view)
         k, rank = self.data_parallel_world_size, self.data_parallel_rank
         shard = (end - start) // k
         self.param_shard_data[start // k : end // k].copy_(full[rank * shard : (rank + 1) * shard])

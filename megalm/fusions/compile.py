@@ -5,11 +5,14 @@ When enabled, the first call compiles it with inductor (``dynamic=False``: train
 are fixed, so one graph per shape and no recompiles across microbatches); inductor's
 on-disk cache (``TORCHINDUCTOR_CACHE_DIR``, default under the system temp dir) makes
 later processes reuse the generated kernels.  If compilation fails (no C++ compiler, an
-unsupported op) the fusion warns once and runs eagerly from then on, with the same numbers
-up to rounding.
+unsupported op) the fusion logs a warning once (on every rank that hits it) and runs eagerly
+from then on, with the same numbers up to rounding.
 
-Compilation is paid on the first call per input signature; :func:`compile_stats` reports
-the number of such calls and the seconds they took, which the trainer logs.
+Compilation is paid on the first call per input signature; each :class:`Fusion` counts such
+calls and the seconds they took (its :attr:`Fusion.stats`, next to the cache of signatures it
+has compiled), and :func:`megalm.fusions.registry.compile_stats` sums them over megalm's fusions
+for the trainer's log line.  A fusion object is a per-process compile cache, as torch.compile's
+own: the one piece of run-time state that lives in a module (tests/test_module_state.py lists it).
 
 A fusion made with ``dynamic=True`` (the MoE experts' activation, whose token counts change
 every step) compiles one graph with symbolic sizes instead; it recompiles only where dynamo
@@ -20,11 +23,14 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, Tuple
 
 import torch
+
+from megalm.log import get_logger
+
+logger = get_logger(__name__)
 
 
 @dataclass
@@ -33,23 +39,15 @@ class CompileStats:
     seconds: float = 0.0  # wall time of those calls (compilation + one run)
 
 
-_STATS = CompileStats()
-_LOCK = threading.Lock()
-
-
-def compile_stats() -> CompileStats:
-    """Totals over all fusions in this process so far."""
-    return CompileStats(_STATS.graphs, _STATS.seconds)
-
-
 def _signature(args, dynamic: bool) -> Tuple:
     """What selects a compiled graph: shapes (with ``dynamic``, only which sizes are 0, 1 or more),
-    dtypes, whether autograd records, devices, and the non-tensor arguments."""
+    dtypes, whether autograd records (the tensors' flags and the grad mode: evaluation runs under
+    ``no_grad``), devices, and the non-tensor arguments."""
 
     def shape(t: torch.Tensor) -> Tuple[int, ...]:
         return tuple(min(d, 2) for d in t.shape) if dynamic else tuple(t.shape)
 
-    return tuple(
+    return (torch.is_grad_enabled(),) + tuple(
         (shape(a), a.dtype, a.requires_grad, a.device.type) if isinstance(a, torch.Tensor) else a for a in args
     )
 
@@ -69,7 +67,15 @@ class Fusion:
         self._compiled = None
         self._failed = False
         self._seen: Dict[Tuple, bool] = {}
+        self._lock = threading.Lock()
+        self._stats = CompileStats()
         self.__doc__ = fn.__doc__
+
+    @property
+    def stats(self) -> CompileStats:
+        """This fusion's compilations so far (a copy)."""
+        with self._lock:
+            return CompileStats(self._stats.graphs, self._stats.seconds)
 
     def _compiled_fn(self):
         if self._compiled is None:
@@ -80,23 +86,20 @@ class Fusion:
         if self._failed:
             return self.eager(*args)
         key = _signature(args, self.dynamic)
-        if key in self._seen:
-            return self._compiled_fn()(*args)
+        seen = key in self._seen
         start = time.perf_counter()
-        try:
+        try:  # a seen signature can still recompile (a guard outside the key: strides, ...) and fail
             out = self._compiled_fn()(*args)
         except Exception as err:  # noqa: BLE001 - any compiler failure falls back to eager
             self._failed = True
-            warnings.warn(
-                f"megalm fusion {self.name!r}: torch.compile failed ({type(err).__name__}: {err}); running it eagerly",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            reason = f"{type(err).__name__}: {err}".strip().splitlines()[0]  # inductor's errors run long
+            logger.warning(f"megalm fusion {self.name!r}: torch.compile failed ({reason}); running it eagerly")
             return self.eager(*args)
-        with _LOCK:
-            self._seen[key] = True
-            _STATS.graphs += 1
-            _STATS.seconds += time.perf_counter() - start
+        if not seen:
+            with self._lock:
+                self._seen[key] = True
+                self._stats.graphs += 1
+                self._stats.seconds += time.perf_counter() - start
         return out
 
 

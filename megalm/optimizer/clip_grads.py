@@ -85,10 +85,10 @@ def world_group(groups: ProcessGroups) -> Optional[object]:
     return dist.group.WORLD if group_size(groups.dp_cp) * group_size(groups.mp) > 1 else None
 
 
-def _all_reduce(t: torch.Tensor, op, group, kind: str) -> None:
+def _all_reduce(t: torch.Tensor, op, group, kind: str, stats: Optional[comm.CommStats]) -> None:
     """All-reduce unless ``group`` is None (no model parallelism: nothing to reduce)."""
     if group is not None:
-        comm.all_reduce(t, op=op, group=group, kind=kind)
+        comm.all_reduce(t, op=op, group=group, kind=kind, stats=stats)
 
 
 def _sum_squares_and_zeros(grads: Sequence[torch.Tensor], count_zeros: bool) -> torch.Tensor:
@@ -108,6 +108,7 @@ def grad_norm_and_zeros(
     sharded: bool = False,
     *,
     groups: ProcessGroups,
+    comm_stats: Optional[comm.CommStats] = None,
 ) -> Tuple[float, Optional[float]]:
     """Global L2 norm of the gradients (and number of zero entries) over model-parallel ranks.
 
@@ -116,31 +117,34 @@ def grad_norm_and_zeros(
     are this rank's data-parallel shards (distributed optimizer): one SUM over the world.
     ``groups``: ``mp`` and, with
     expert parallelism, ``tp_ep_pp`` carry the sums; ``tp`` and ``pp`` ranks pick what counts.
+    ``comm_stats``: where the all-reduces are counted (None: not counted).
     """
     counted = [(g, p) for g, p in grads_with_params if g is not None and param_counts_in_norm(p, groups)]
     if sharded:
         stats = _sum_squares_and_zeros([g for g, _ in counted], count_zeros)
-        _all_reduce(stats, dist.ReduceOp.SUM, world_group(groups), "grad_norm_all_reduce")
+        _all_reduce(stats, dist.ReduceOp.SUM, world_group(groups), "grad_norm_all_reduce", comm_stats)
         norm = math.sqrt(stats[0].item()) if stats[0].item() >= 0 else float("nan")
         return norm, (stats[1].item() if count_zeros else None)
     split_expert = experts_apart(groups)
     dense = [g for g, p in counted if not (split_expert and is_expert_param(p))]
     stats = _sum_squares_and_zeros(dense, count_zeros)
-    _all_reduce(stats, dist.ReduceOp.SUM, _communicating(groups.mp), "grad_norm_all_reduce")
+    _all_reduce(stats, dist.ReduceOp.SUM, _communicating(groups.mp), "grad_norm_all_reduce", comm_stats)
     if split_expert:
         expert = [g for g, p in counted if is_expert_param(p)]
         e_stats = _sum_squares_and_zeros(expert, count_zeros).to(stats.device)
-        _all_reduce(e_stats, dist.ReduceOp.SUM, _communicating(groups.tp_ep_pp), "grad_norm_all_reduce")
+        _all_reduce(e_stats, dist.ReduceOp.SUM, _communicating(groups.tp_ep_pp), "grad_norm_all_reduce", comm_stats)
         stats = stats + e_stats
     norm = math.sqrt(stats[0].item()) if stats[0].item() >= 0 else float("nan")
     return norm, (stats[1].item() if count_zeros else None)
 
 
-def params_norm(params: Sequence[torch.nn.Parameter], groups: ProcessGroups) -> float:
+def params_norm(
+    params: Sequence[torch.nn.Parameter], groups: ProcessGroups, comm_stats: Optional[comm.CommStats] = None
+) -> float:
     """Global L2 norm of the model parameters, each distinct parameter once (the same
     de-duplication and all-reduces as the gradient norm; parameters are whole on every
     data-parallel rank, so nothing is summed over data parallelism)."""
-    return grad_norm_and_zeros([(p.detach(), p) for p in params], groups=groups)[0]
+    return grad_norm_and_zeros([(p.detach(), p) for p in params], groups=groups, comm_stats=comm_stats)[0]
 
 
 def clip_grads_by_total_norm(grads: List[torch.Tensor], max_norm: float, total_norm: float) -> float:
@@ -152,7 +156,12 @@ def clip_grads_by_total_norm(grads: List[torch.Tensor], max_norm: float, total_n
 
 
 def unscale_and_check_for_inf(
-    grads: List[torch.Tensor], inv_scale: float, sharded: bool = False, *, groups: ProcessGroups
+    grads: List[torch.Tensor],
+    inv_scale: float,
+    sharded: bool = False,
+    *,
+    groups: ProcessGroups,
+    comm_stats: Optional[comm.CommStats] = None,
 ) -> bool:
     """Multiply ``grads`` by ``inv_scale`` in place; True when any rank saw inf/nan.
 
@@ -170,5 +179,5 @@ def unscale_and_check_for_inf(
         group = world_group(groups)
     else:
         group = _communicating(groups.mp)
-    _all_reduce(found_inf, dist.ReduceOp.MAX, group, "found_inf_all_reduce")
+    _all_reduce(found_inf, dist.ReduceOp.MAX, group, "found_inf_all_reduce", comm_stats)
     return bool(found_inf.item() > 0)

@@ -119,6 +119,7 @@ class DistributedOptimizer(MegatronOptimizer):
         offload_fraction: float = 0.0,
         offload_overlap: bool = False,
         offload_path: Optional[str] = None,
+        comm_stats=None,
     ):
         self.model_chunks = _data_parallel_chunks(model_chunks)  # read by _make_main_params
         super().__init__(
@@ -131,6 +132,7 @@ class DistributedOptimizer(MegatronOptimizer):
             offload_fraction=offload_fraction,
             offload_overlap=offload_overlap,
             offload_path=offload_path,
+            comm_stats=comm_stats,
         )
         self.data_parallel_size = max(
             (b.data_parallel_world_size for c in self.model_chunks for b in c.buffers), default=1
@@ -207,7 +209,7 @@ class DistributedOptimizer(MegatronOptimizer):
             for r in self.ranges
             if muon[index[id(r.param)]]
         }
-        return MatrixShards(matrices, owned, self.process_groups.dp_cp, self.process_groups.expt_dp)
+        return MatrixShards(matrices, owned, self.process_groups.dp_cp, self.process_groups.expt_dp, self.comm_stats)
 
     # --- step hooks (the template is MegatronOptimizer.step) ------------------------------------
     def _prepare_grads(self) -> List[tuple]:

@@ -176,6 +176,7 @@ def build_optimizer(
     report_memory: bool = True,
     *,
     process_groups: ProcessGroups,
+    comm_stats=None,
 ) -> MegatronOptimizer:
     """Optimizer over every trainable parameter of ``model_chunks`` (DDP-wrapped or not).
 
@@ -184,6 +185,8 @@ def build_optimizer(
     :class:`DistributedOptimizer` over the chunks' DDP buffers (built with the same config).
     ``log_num_zeros_in_grad`` defaults to ``training.log_num_zeros_in_grad``.  ``process_groups``
     (required; the Trainer's bundle): the groups of the gradient norm and the overflow check.
+    ``comm_stats``: the :class:`megalm.distributed.comm.CommStats` its collectives are counted in (the
+    Trainer's; None: not counted).
     ``report_memory``: global rank 0 logs the bytes per parameter of weights, gradients, main
     weights and optimizer state against the formula
     (:mod:`megalm.optimizer.memory_accounting`).
@@ -204,6 +207,7 @@ def build_optimizer(
         grad_scaler=build_grad_scaler(t),
         log_num_zeros_in_grad=log_num_zeros_in_grad,
         process_groups=process_groups,
+        comm_stats=comm_stats,
         offload_fraction=t.optimizer_offload_fraction if offloads else 0.0,
         offload_overlap=t.overlap_cpu_optimizer_d2h_h2d,
         offload_path=t.offload_path if t.optimizer_offload_device == "nvme" else None,

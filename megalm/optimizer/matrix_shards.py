@@ -15,7 +15,7 @@ range back out of a whole update.
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,9 @@ class MatrixShards:
         owned: Dict[int, Tuple[int, int, int]],
         group,
         expert_group=None,
+        comm_stats: Optional[comm.CommStats] = None,
     ):
+        self.comm_stats = comm_stats  # where the all-reduces are counted (None: not counted)
         self.matrices = matrices
         self.owned = owned
         self.groups = (group, expert_group)
@@ -64,7 +66,7 @@ class MatrixShards:
             flats[self.part[index]][at + start : at + end] = piece
         for flat, group, kind in zip(flats, self.groups, ("muon_matrix_all_reduce", "muon_expert_matrix_all_reduce")):
             if flat.numel():
-                comm.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, kind=kind)
+                comm.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, kind=kind, stats=self.comm_stats)
         return {
             index: flats[self.part[index]][self.offset[index] : self.offset[index] + param.numel()].view(param.shape)
             for index, param in self.matrices

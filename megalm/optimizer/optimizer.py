@@ -57,6 +57,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megalm.distributed.comm import CommStats
 from megalm.distributed.finalize_model_grads import grad_of
 from megalm.errors import MegalmError
 from megalm.optimizer.clip_grads import clip_grads_by_total_norm, grad_norm_and_zeros, unscale_and_check_for_inf
@@ -134,6 +135,8 @@ class MegatronOptimizer:
             (``--overlap-cpu-optimizer-d2h-h2d``).
         offload_path: a directory: the offloaded parameters' host copies and optimizer state live in swap
             files there (:mod:`megalm.optimizer.nvme_offload`, ``--optimizer-offload-device nvme``).
+        comm_stats: the :class:`megalm.distributed.comm.CommStats` the norm, overflow and layer-wise
+            collectives are counted in (None: not counted).
     """
 
     def __init__(
@@ -148,8 +151,10 @@ class MegatronOptimizer:
         offload_fraction: float = 0.0,
         offload_overlap: bool = False,
         offload_path: Optional[str] = None,
+        comm_stats: Optional[CommStats] = None,
     ):
         self.process_groups = process_groups
+        self.comm_stats = comm_stats
         self.model_params: List[torch.nn.Parameter] = [p for g in groups for p in g["params"]]
         self.names: List[str] = [n for g in groups for n in g["names"]]
         if len(set(self.names)) != len(self.names):
@@ -220,6 +225,7 @@ class MegatronOptimizer:
                 self._tensor_norm_group(),
                 self.process_groups.tp,
                 self.process_groups.ep,
+                self.comm_stats,
             )
         if hasattr(self.optimizer, "tp_group"):
             self.optimizer.tp_group = self.process_groups.tp
@@ -305,14 +311,22 @@ class MegatronOptimizer:
             if self.grad_scaler is not None:
                 with timers("optimizer-unscale-and-check-inf"):
                     found_inf = unscale_and_check_for_inf(
-                        grads, self.grad_scaler.inv_scale, sharded=self.grads_sharded, groups=self.process_groups
+                        grads,
+                        self.grad_scaler.inv_scale,
+                        sharded=self.grads_sharded,
+                        groups=self.process_groups,
+                        comm_stats=self.comm_stats,
                     )
                 self.grad_scaler.update(found_inf)
                 if found_inf:
                     return False, None, None
             with timers("optimizer-clip-main-grad"):
                 norm, zeros = grad_norm_and_zeros(
-                    pairs, self.log_num_zeros_in_grad, sharded=self.grads_sharded, groups=self.process_groups
+                    pairs,
+                    self.log_num_zeros_in_grad,
+                    sharded=self.grads_sharded,
+                    groups=self.process_groups,
+                    comm_stats=self.comm_stats,
                 )
                 if math.isfinite(norm) and self.clip_grad > 0.0:
                     clip_grads_by_total_norm(grads, self.clip_grad, norm)

@@ -29,7 +29,7 @@ communication).
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -86,8 +86,15 @@ class FullTensorNorms:
     """
 
     def __init__(
-        self, owners: List[Tuple[torch.Tensor, int, torch.Tensor]], num_params: int, group, tp_group, ep_group=None
+        self,
+        owners: List[Tuple[torch.Tensor, int, torch.Tensor]],
+        num_params: int,
+        group,
+        tp_group,
+        ep_group=None,
+        comm_stats: Optional[comm.CommStats] = None,
     ):
+        self.comm_stats = comm_stats
         self.rows = num_params * (1 + group_size(ep_group))  # dense rows, then one block per EP rank
         self.group = group
         keep_duplicates = group_rank(tp_group) == 0
@@ -110,13 +117,16 @@ class FullTensorNorms:
         if params:
             weight = torch.tensor([float(self.counts[id(p)]) for p in params], device=local.device)
             table.index_add_(0, rows, local * weight[:, None])
-        comm.all_reduce(table, op=dist.ReduceOp.SUM, group=self.group, kind="tensor_norms_all_reduce")
+        comm.all_reduce(
+            table, op=dist.ReduceOp.SUM, group=self.group, kind="tensor_norms_all_reduce", stats=self.comm_stats
+        )
         full = table[rows]
         return full[:, 0], full[:, 1]
 
 
-def build_tensor_norms(owners, num_params: int, group, tp_group, ep_group=None):
-    """:class:`FullTensorNorms` when ``group`` holds more than this rank, else :class:`LocalTensorNorms`."""
+def build_tensor_norms(owners, num_params: int, group, tp_group, ep_group=None, comm_stats=None):
+    """:class:`FullTensorNorms` when ``group`` holds more than this rank, else :class:`LocalTensorNorms`;
+    ``comm_stats``: where the all-reduce is counted (None: not counted)."""
     if group_size(group) <= 1:
         return LocalTensorNorms()
-    return FullTensorNorms(owners, num_params, group, tp_group, ep_group)
+    return FullTensorNorms(owners, num_params, group, tp_group, ep_group, comm_stats)

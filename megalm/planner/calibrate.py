@@ -48,9 +48,10 @@ def _best(
     sync: Callable[[], None] = lambda: None,
     budget: float = 1.5,
     reduce=None,
+    start: Callable[[], None] = lambda: None,
 ) -> float:
     """Seconds per call: by default the mean over a continuous window of at least ``budget`` seconds (and
-    ``repeats`` calls) after ``warm`` seconds of warm-up, every rank starting together (:data:`_BARRIER`): a
+    ``repeats`` calls) after ``warm`` seconds of warm-up, every rank starting together (``start``: a barrier): a
     sustained rate, which sees the cores other ranks share and a CPU quota's throttling (a 2-CPU cgroup on a
     larger host runs a short call at full speed and then waits; the best or median call time hides that).
     ``reduce`` (e.g. ``statistics.median``) times calls one by one instead (collectives)."""
@@ -59,7 +60,7 @@ def _best(
     while time.perf_counter() < until:
         fn()
     if reduce is None:
-        _BARRIER[0]()
+        start()
         sync()
         t0, count = time.perf_counter(), 0
         while count < repeats or time.perf_counter() - t0 < budget:
@@ -77,18 +78,19 @@ def _best(
     return reduce(times)
 
 
-_BARRIER = [lambda: None]  # dist.barrier once the process group exists (main() sets it)
-
-
-def compute_rates(device: torch.device, dtype: torch.dtype) -> Dict[str, object]:
-    """GEMM table, attention efficiency, elementwise bandwidth and per-layer overhead on this rank."""
+def compute_rates(
+    device: torch.device, dtype: torch.dtype, start: Callable[[], None] = lambda: None
+) -> Dict[str, object]:
+    """GEMM table, attention efficiency, elementwise bandwidth and per-layer overhead on this rank;
+    ``start``: called before each timed window (``dist.barrier`` under torchrun: every rank starts
+    together)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sizes = [64, 128, 256, 512, 1024, 2048] + ([4096, 8192] if device.type == "cuda" else [])
     gemm = {}
     for n in sizes:
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
-        sec = _best(lambda: torch.matmul(a, b), sync=sync)
+        sec = _best(lambda: torch.matmul(a, b), sync=sync, start=start)
         gemm[f"{2.0 * n**3:.3g}"] = 2.0 * n**3 / sec / 1e12
     peak = max(gemm.values())
     # Attention: b=2, heads 4, s=256, d=64 (CPU), larger on CUDA; forward + backward, causal, counted whole.
@@ -99,24 +101,26 @@ def compute_rates(device: torch.device, dtype: torch.dtype) -> Dict[str, object]
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         out.sum().backward()
 
-    sec = _best(attention, sync=sync)
+    sec = _best(attention, sync=sync, start=start)
     attention_eff = 3 * 4 * bsz * heads * s * s * d / sec / (peak * 1e12)
     n = 16 * 2**20
     x, y = torch.randn(n, device=device, dtype=dtype), torch.randn(n, device=device, dtype=dtype)
-    sec = _best(lambda: torch.add(x, y), sync=sync)
+    sec = _best(lambda: torch.add(x, y), sync=sync, start=start)
     bandwidth = 3 * n * x.element_size() / sec / 1e9
-    overhead = layer_overhead_s(device, dtype, sync)
-    optimizer = optimizer_s_per_param(device, sync)
+    overhead = layer_overhead_s(device, dtype, sync, start)
+    optimizer = optimizer_s_per_param(device, sync, start=start)
     host = {
         "optimizer_ns_per_param": optimizer * 1e9,
         "host_optimizer_ns_per_param": optimizer * 1e9,
         "host_link_gbps": bandwidth,
     }
     if device.type == "cuda":
-        host["host_optimizer_ns_per_param"] = optimizer_s_per_param(torch.device("cpu"), lambda: None) * 1e9
+        host["host_optimizer_ns_per_param"] = (
+            optimizer_s_per_param(torch.device("cpu"), lambda: None, start=start) * 1e9
+        )
         src = torch.empty(32 * 2**20, dtype=torch.float16).pin_memory()
         dst = torch.empty_like(src, device=device)
-        sec = _best(lambda: dst.copy_(src, non_blocking=True), sync=sync)
+        sec = _best(lambda: dst.copy_(src, non_blocking=True), sync=sync, start=start)
         host["host_link_gbps"] = src.numel() * src.element_size() / sec / 1e9
     return host | {
         "gemm_tflops": gemm,
@@ -127,16 +131,18 @@ def compute_rates(device: torch.device, dtype: torch.dtype) -> Dict[str, object]
     }
 
 
-def optimizer_s_per_param(device: torch.device, sync, tensors: int = 16, numel: int = 2**16) -> float:
+def optimizer_s_per_param(
+    device: torch.device, sync, tensors: int = 16, numel: int = 2**16, start: Callable[[], None] = lambda: None
+) -> float:
     """Seconds of one Adam step (foreach, fp32 state) per element, over ``tensors`` tensors of ``numel``."""
     params = [torch.zeros(numel, device=device, requires_grad=True) for _ in range(tensors)]
     for p in params:
         p.grad = torch.randn(numel, device=device)
     opt = torch.optim.Adam(params, lr=1e-4, foreach=True)
-    return _best(opt.step, sync=sync) / (tensors * numel)
+    return _best(opt.step, sync=sync, start=start) / (tensors * numel)
 
 
-def layer_overhead_s(device: torch.device, dtype: torch.dtype, sync) -> float:
+def layer_overhead_s(device: torch.device, dtype: torch.dtype, sync, start: Callable[[], None] = lambda: None) -> float:
     """Forward + backward seconds of one tiny transformer layer (megalm's own), arithmetic negligible."""
     from megalm.config import MegalmConfig
     from megalm.parallel_state import ProcessGroups
@@ -156,7 +162,7 @@ def layer_overhead_s(device: torch.device, dtype: torch.dtype, sync) -> float:
         out = out[0] if isinstance(out, tuple) else out
         out.sum().backward()
 
-    return _best(step, repeats=9, sync=sync)
+    return _best(step, repeats=9, sync=sync, start=start)
 
 
 def collective_rates(per_node: int) -> Dict[str, float]:
@@ -280,8 +286,7 @@ def main(argv=None) -> int:
     distributed = "WORLD_SIZE" in os.environ
     if distributed:
         dist.init_process_group("nccl" if cuda else "gloo")
-        _BARRIER[0] = dist.barrier
-    rates = compute_rates(device, dtype)
+    rates = compute_rates(device, dtype, start=dist.barrier if distributed else (lambda: None))
     world = dist.get_world_size() if distributed else 1
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     links = collective_rates(per_node) if distributed and world > 1 else {}

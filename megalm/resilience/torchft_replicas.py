@@ -20,9 +20,11 @@ a ``torchft_lighthouse``.
    :class:`megalm.data.samplers.ShareSampler`).  Survivors of a smaller quorum run more
    micro-batches, so the global batch (and the loss curve) stays that of the full run; global batch
    ``k`` is always samples ``[k G, (k+1) G)``;
-3. forward-backward over the ``s`` micro-batches, the group's own gradient reduction, then one
-   all-reduce (average over the ``n`` groups) of each gradient buffer (the distributed optimizer's
-   shard: rank ``i`` of every group holds the same one) and of the reported losses;
+3. forward-backward over the ``s`` micro-batches, the group's own gradient reduction, then
+   all-reduces (average over the ``n`` groups) of the gradients this rank's optimizer reads (each
+   gradient buffer; with the distributed optimizer or ZeRO-2 this rank's shard of each bucket: rank
+   ``i`` of every group holds the same ones) and of the reported values' sums and counts (with
+   ``--calculate-per-token-loss`` the token counts first: see :func:`megalm.training.step.train_step`);
 4. ``should_commit``: every group's vote.  On yes the optimizer steps and the iteration and
    ``consumed_samples`` advance; on no (a peer died during the step, a collective failed) nothing
    changed and the same global batch is redone with the new quorum: no sample is skipped or
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import time
 from datetime import timedelta
 from typing import Callable, Dict, Optional, Sequence
@@ -118,11 +121,18 @@ class ReplicaGroups:
         self.model = self.optimizer = self.scheduler = None  # attach()
         self.dp_rank, self.dp_size = group_rank(groups.dp), group_size(groups.dp)
         self.micro_batch_size = t.micro_batch_size
-        self.slots = t.global_batch_size // t.micro_batch_size  # micro-batches of one global batch
+        self.slots = t.global_batch_size // t.micro_batch_size  # micro-batches of this step's global batch
+        self.microbatches = None  # attach(): the run's MicrobatchCalculator (--rampup-batch-size)
         self.quorum = None  # (this group's rank, groups taking part) of the last step
         self.reset_data = True  # the data iterator must restart at the consumed samples
         self.recoveries = 0
         timeout = timedelta(seconds=p.ft_timeout_seconds)
+        lighthouse = p.ft_lighthouse or os.environ["TORCHFT_LIGHTHOUSE"]
+        # The address the other groups reach this rank at (its manager server, its recovery
+        # transfers): the one of the interface that routes to the lighthouse.  torchft's default,
+        # the host name, may resolve to an address the peers cannot reach (a node's network
+        # namespace, a host whose name resolves to 127.0.1.1).
+        self.address = route_address(lighthouse)
         self.manager = Manager(
             pg=fault_tolerant_process_group(timeout),
             load_state_dict=None,
@@ -136,20 +146,25 @@ class ReplicaGroups:
             world_size=dist.get_world_size(),
             store_addr=os.environ["MASTER_ADDR"],
             store_port=int(os.environ["MASTER_PORT"]),
-            lighthouse_addr=p.ft_lighthouse or os.environ["TORCHFT_LIGHTHOUSE"],
+            lighthouse_addr=lighthouse,
             replica_id=f"megalm_{self.group_id}",
+            hostname=self.address,
+            checkpoint_transport=addressed_http_transport(self.address, timeout),
             init_sync=False,  # every group initializes from the same --seed
         )
         self.manager.register_state_dict_fn("megalm", self.load_state_dict, self.state_dict)
         logger.info(
-            f"torchft: replica group {self.group_id} of up to {self.max_groups} joined the lighthouse "
-            f"{p.ft_lighthouse or os.environ['TORCHFT_LIGHTHOUSE']} (at least {p.ft_min_replicas} group(s) commit "
-            "a step)"
+            f"torchft: replica group {self.group_id} of up to {self.max_groups} joined the lighthouse {lighthouse} as "
+            f"{self.address} (at least {p.ft_min_replicas} group(s) commit a step)"
         )
 
     # -- set-up --
-    def attach(self, model, optimizer, scheduler) -> None:
+    def attach(self, model, optimizer, scheduler, microbatches=None) -> None:
+        """The trainer's state a peer receives, and its
+        :class:`megalm.training.microbatches.MicrobatchCalculator` (each step's global batch, which
+        ``--rampup-batch-size`` grows; None: always ``--global-batch-size``)."""
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.microbatches = microbatches
 
     def resume_at(self, iteration: int) -> None:
         """A run resumed from a checkpoint at ``iteration``: torchft's step follows it (a group
@@ -168,7 +183,7 @@ class ReplicaGroups:
     # -- the step --
     def step(self, run_step: Callable, data_iterator, loader):
         """``run_step(data_iterator)`` (the training step, which calls :meth:`reduce_gradients`,
-        :meth:`average_losses` and :meth:`commit`) until the replica groups commit it; returns
+        :meth:`average` and :meth:`commit`) until the replica groups commit it; returns
         ``(its result, the data iterator to go on with)``.  ``loader``: this rank's training
         DataLoader (None on ranks that read no data)."""
         for _ in range(MAX_DISCARDED_IN_A_ROW):
@@ -189,8 +204,18 @@ class ReplicaGroups:
         finish_param_sync(self.model)  # the weights a recovering peer may read are complete
         if self.quorum is None:
             logger.info(f"torchft: replica group {self.group_id} asks for its first quorum")
+        start, recoveries = time.perf_counter(), self.recoveries
         self.manager.start_quorum()
+        if self.recoveries != recoveries:  # this group was behind: it received a peer's state
+            logger.info(
+                f"torchft: replica group {self.group_id} rejoined at iteration {self.state.iteration + 1}: quorum and "
+                f"recovery in {time.perf_counter() - start:.2f} s"
+            )
         n, r = self.manager.num_participants(), self.manager.participating_rank()
+        slots = self.slots
+        if self.microbatches is not None:  # this step's global batch (after a recovery: the peer's position)
+            self.microbatches.update(self.state.consumed_train_samples)
+            self.slots = self.microbatches.current_global_batch_size // self.micro_batch_size
         if r is None or n < 1:
             raise ReplicaGroupError(f"torchft: replica group {self.group_id} is not part of the quorum ({n} groups)")
         if n > self.max_groups:
@@ -203,7 +228,12 @@ class ReplicaGroups:
                 f"torchft: quorum of {n} replica group(s) at iteration {self.state.iteration + 1}, this group is "
                 f"replica {r}: {self.slots // (n * self.dp_size)} micro-batch(es) per data-parallel rank"
             )
-        if (r, n) != self.quorum or self.reset_data:
+        if self.slots % (n * self.dp_size):
+            raise ReplicaGroupError(
+                f"torchft: the global batch of {self.slots} micro-batches at iteration {self.state.iteration + 1} "
+                f"cannot be split over {n} replica group(s) of {self.dp_size} data-parallel rank(s)"
+            )
+        if (r, n) != self.quorum or self.reset_data or self.slots != slots:
             self.quorum = (r, n)
             if loader is not None:
                 sampler = loader.batch_sampler
@@ -221,14 +251,17 @@ class ReplicaGroups:
         for work in works:
             work.wait()
 
-    def average_losses(self, losses: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """The group's reported values averaged over the quorum (equal shares: the global mean)."""
-        if not losses:
-            return losses
-        keys = sorted(losses)
-        values = torch.stack([losses[k].to(torch.float64) for k in keys])
-        self.manager.allreduce(values).wait()
-        return {k: values[i] for i, k in enumerate(keys)}
+    def average(self, values):
+        """A tensor, or a dict of tensors, averaged over the quorum's groups (float64, one
+        all-reduce): the reported values' ``[sum, count]`` pairs, the per-token loss's token count."""
+        if isinstance(values, torch.Tensor):
+            return self.average({"": values})[""]
+        if not values:
+            return values
+        keys = sorted(values)
+        stacked = torch.stack([values[k].to(torch.float64) for k in keys])
+        self.manager.allreduce(stacked).wait()
+        return {k: stacked[i] for i, k in enumerate(keys)}
 
     def commit(self) -> None:
         """The vote: returns when every group may step; :class:`StepNotCommitted` otherwise."""
@@ -324,16 +357,54 @@ class ReplicaGroups:
         self.manager.shutdown(wait=False)
 
 
+def route_address(url: str) -> str:
+    """This host's address on the interface that routes to ``url``'s host (no packet is sent: a
+    UDP socket's ``connect`` only picks the route)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url if "//" in url else f"http://{url}")
+    host = parts.hostname or "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host, parts.port or 29510))
+            return s.getsockname()[0]
+    except OSError as e:
+        raise ReplicaGroupError(f"torchft: no route to the lighthouse {url} ({e})") from None
+
+
+def addressed_http_transport(address: str, timeout: timedelta):
+    """torchft's HTTP checkpoint transport, advertising ``address`` instead of the host name."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class Transport(HTTPTransport):
+        def address(self) -> str:
+            host = f"[{address}]" if ":" in address else address
+            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    return Transport(timeout=timeout, num_chunks=0)
+
+
 def _gradient_tensors(model):
-    """The tensors holding this rank's reduced gradients: each data-parallel buffer's reduced part
-    (the whole buffer, or the distributed optimizer's shard), else the parameters' ``.grad``."""
+    """The tensors holding the reduced gradients this rank's optimizer reads: the whole buffer
+    without the distributed optimizer; with it, each bucket's shard of this rank (the rest of the
+    buffer was reduce-scattered to the other ranks of the group: the cross-group all-reduce carries
+    ``1/d`` of the gradients); under ZeRO-2 the sharded buffer; without data-parallel wrapping the
+    parameters' ``.grad``."""
     out = []
     for chunk in model:
         buffers = getattr(chunk, "all_buffers", None)
         if buffers is None:
             out.extend(p.grad for p in chunk.parameters() if p.grad is not None)
-        else:
-            out.extend(buf.reduced_grad_data for buf in buffers)
+            continue
+        for buf in buffers:
+            grads = buf.reduced_grad_data
+            if getattr(buf, "use_distributed_optimizer", False) and grads is getattr(buf, "grad_data", None):
+                for bucket in buf.buckets:  # the whole buffer: only this rank's shard of each bucket
+                    start, end = bucket.shard_range(buf.data_parallel_rank)
+                    out.append(grads[start:end])
+            else:
+                out.append(grads)
     return out
 
 

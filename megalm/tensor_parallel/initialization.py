@@ -20,6 +20,7 @@ as another parameter (the last stage's copy of a tied word embedding).
 from __future__ import annotations
 
 import zlib
+from functools import partial
 from typing import Iterable, Optional, Union
 
 import torch
@@ -27,6 +28,7 @@ from torch import nn
 
 from megalm.parallel_state import group_rank, group_size
 from megalm.parameter_names import canonical_name
+from megalm.tensor_parallel.meta_init import DEFERRED_INIT, MetaInitError
 from megalm.tensor_parallel.param_info import param_info
 from megalm.tensor_parallel.utils import full_shape, shard_of_full
 
@@ -78,20 +80,31 @@ def _named_unique_parameters(model: Union[nn.Module, Iterable[nn.Module]]):
                 yield name, param
 
 
+def initial_shard(param: torch.Tensor, name: str, seed: int, group) -> torch.Tensor:
+    """This rank's TP shard (over ``group``) of the parameter's full initial fp32 value."""
+    info = param_info(param)
+    size, rank = group_size(group), group_rank(group)
+    full = full_initial_value(param, name, seed, size)
+    if info.tensor_parallel and size > 1:
+        full = shard_of_full(full, info.partition_dim, rank, size, info.partition_stride)
+    if tuple(full.shape) != tuple(param.shape):
+        raise RuntimeError(f"{name}: shard shape {tuple(full.shape)} != parameter shape {tuple(param.shape)}")
+    return full
+
+
 @torch.no_grad()
 def initialize_weights(model: Union[nn.Module, Iterable[nn.Module]], seed: int, tp_group, etp_group) -> None:
     """Fill every parameter of ``model`` (or of each model chunk) by the layout-independent rule;
     split parameters get this rank's shard for ``tp_group``, split expert parameters for ``etp_group``
     (the model's ``process_groups.tp`` and ``.etp``; ``None``: this rank alone).
-    No communication."""
+    No communication.  A parameter on the meta device (``--init-model-with-meta-device``) is not
+    filled: its rule is recorded (:data:`megalm.tensor_parallel.meta_init.DEFERRED_INIT`) and run by
+    whoever gives it storage, one parameter at a time."""
     for name, param in _named_unique_parameters(model):
-        info = param_info(param)
-        group = etp_group if info.expert else tp_group
-        size, rank = group_size(group), group_rank(group)
-        full = full_initial_value(param, canonical_name(name), seed, size)
-        if info.tensor_parallel and size > 1:
-            full = shard_of_full(full, info.partition_dim, rank, size, info.partition_stride)
-        if tuple(full.shape) != tuple(param.shape):
-            raise RuntimeError(f"{name}: shard shape {tuple(full.shape)} != parameter shape {tuple(param.shape)}")
-        param.copy_(full)
-        del full
+        group = etp_group if param_info(param).expert else tp_group
+        if param.is_meta:
+            if getattr(param, "init_kind", None) is None:
+                raise MetaInitError(f"parameter {name} has no init rule (mark_init was not called)")
+            setattr(param, DEFERRED_INIT, partial(initial_shard, param, canonical_name(name), seed, group))
+            continue
+        param.copy_(initial_shard(param, canonical_name(name), seed, group))

@@ -60,11 +60,15 @@ class SpikyLossStop(NumericsStop):
 # --- per-rank loss flags ---------------------------------------------------------------------
 
 
-def launch_loss_flags(reported: List[Dict], local_grads_nonfinite: Optional[torch.Tensor] = None) -> torch.Tensor:
+def launch_loss_flags(
+    reported: List[Dict],
+    local_grads_nonfinite: Optional[torch.Tensor] = None,
+    comm_stats: Optional[comm.CommStats] = None,
+) -> torch.Tensor:
     """``[2, world]`` float32: row 0 is 1 where that rank's own reported values (its microbatches on the
     last pipeline stage, before any reduction) hold a non-finite number, row 1 where its own gradients
     did before the data-parallel reduction (``local_grads_nonfinite``, from DDP); all-reduced (SUM)
-    over the world here, left on the device."""
+    over the world here (counted in ``comm_stats`` unless None), left on the device."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = get_device()
@@ -77,7 +81,7 @@ def launch_loss_flags(reported: List[Dict], local_grads_nonfinite: Optional[torc
     if local_grads_nonfinite is not None:
         flags[1, rank] = local_grads_nonfinite.to(device=device, dtype=torch.float32)
     if world > 1:
-        comm.all_reduce(flags, group=dist.group.WORLD, kind="nan_check")
+        comm.all_reduce(flags, group=dist.group.WORLD, kind="nan_check", stats=comm_stats)
     return flags
 
 

@@ -107,6 +107,7 @@ def train_step(
     outer_sync=None,
     rebalancer=None,
     replicas=None,
+    comm_stats=None,
 ) -> StepResult:
     """One iteration on this rank (collective over every rank); advances ``state`` and the
     learning-rate ``scheduler``.  ``microbatches``: the run's
@@ -119,7 +120,10 @@ def train_step(
     timed), or None; ``replicas``: the :class:`megalm.resilience.torchft_replicas.ReplicaGroups` of
     ``--ft-replica-group-id`` (this group's share of the micro-batches; gradients and losses averaged
     over the replica groups; the step is committed only if they all vote so, else
-    :class:`~megalm.resilience.torchft_replicas.StepNotCommitted` is raised before anything changed), or None."""
+    :class:`~megalm.resilience.torchft_replicas.StepNotCommitted` is raised before anything changed), or None;
+    ``comm_stats``: the
+    :class:`megalm.distributed.comm.CommStats` the collectives of finalizing the gradients and of the loss
+    check are counted in (the Trainer's; None: not counted)."""
     from megalm.distributed.finalize_model_grads import finalize_model_grads
     from megalm.transformer.moe import begin_training_step as begin_moe_step
 
@@ -133,6 +137,8 @@ def train_step(
     per_token = cfg.training.calculate_per_token_loss
     for chunk in model:
         chunk.zero_grad_buffer()
+        if hasattr(chunk, "begin_step"):  # DDP: the warm-ups of --grad-compression / --local-sgd-interval
+            chunk.begin_step(state.iteration + 1)
     optimizer.zero_grad()
     loss_scale = optimizer.get_loss_scale()
     begin_moe_step(model, loss_scale, 1 if per_token else m)  # aux-loss backward factor (MoE)
@@ -157,16 +163,18 @@ def train_step(
     with timers("forward-backward"):
         reported = run_schedule() if rebalancer is None else rebalancer.timed(run_schedule)
     check_loss = cfg.training.check_for_nan_in_loss_and_grad and optimizer.grad_scaler is None
-    finalize_model_grads(
-        model, timers=timers, process_groups=groups
-    )  # every bucket checked its own gradients before reducing them
-    loss_flags = launch_loss_flags(reported, _local_nonfinite_grads(model)) if check_loss else None
+    # every bucket checked its own gradients before reducing them
+    finalize_model_grads(model, timers=timers, process_groups=groups, comm_stats=comm_stats)
+    loss_flags = launch_loss_flags(reported, _local_nonfinite_grads(model), comm_stats) if check_loss else None
     if per_token:
-        scale_gradients_by_token_count(model, global_token_count(reported.num_tokens, groups))
+        tokens = global_token_count(reported.num_tokens, groups)
+        if replicas is not None:  # this group's gradient sums / the groups' mean count, then averaged:
+            tokens = replicas.average(tokens)  # the sum over groups / the sum of their counts
+        scale_gradients_by_token_count(model, tokens)
     losses = None
     if replicas is not None:  # across replica groups, then their vote (raises when not committed)
         replicas.reduce_gradients(model)
-        losses = replicas.average_losses(reduce_reported(reported, per_token, groups))
+        losses = reported_ratios(replicas.average(reported_totals(reported, per_token, groups)))
         replicas.commit()
     with timers("optimizer"):
         update_successful, grad_norm, num_zeros = optimizer.step(timers)
@@ -261,6 +269,13 @@ def reduce_reported(reported: List[Dict], per_token: bool, groups: ProcessGroups
     or ``groups.dp``; no host synchronization.  ``{}`` when nothing was reported (not the last
     pipeline stage).
     """
+    return reported_ratios(reported_totals(reported, per_token, groups))
+
+
+def reported_totals(reported: List[Dict], per_token: bool, groups: ProcessGroups) -> Dict[str, torch.Tensor]:
+    """:func:`reduce_reported` before its division: each key's ``[numerator, denominator]`` summed
+    over the microbatches and data-parallel ranks (torchft replica groups average these, so
+    per-token values divide the groups' total sum by their total count)."""
     if not reported:
         return {}
     device = get_device()
@@ -276,8 +291,12 @@ def reduce_reported(reported: List[Dict], per_token: bool, groups: ProcessGroups
     group = groups.dp_cp if per_token else groups.dp
     if group is not None and group_size(group) > 1:
         dist.all_reduce(totals, group=group)
-    values = totals[:, 0] / totals[:, 1]
-    return {k: values[i] for i, k in enumerate(keys)}
+    return {k: totals[i] for i, k in enumerate(keys)}
+
+
+def reported_ratios(totals: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """``numerator / denominator`` of each of :func:`reported_totals`."""
+    return {k: t[0] / t[1] for k, t in totals.items()}
 
 
 # --- evaluation ------------------------------------------------------------------------------

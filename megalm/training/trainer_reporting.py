@@ -59,7 +59,7 @@ class TrainerReporting:
             record["swap_written_bytes"] = (written - written0) / max(log.iterations, 1)
             self.offload_io_logged = io
         record.update(self._new_compilations())
-        nodes = inter_node_bytes_per_node()  # collective over the world with several nodes
+        nodes = inter_node_bytes_per_node(self.comm_stats)  # collective over the world with several nodes
         if len(nodes) > 1:  # the busiest node's bytes over inter-node links per iteration
             record["inter_node_bytes"] = max(nodes) / max(log.iterations, 1)
         line = format_log_line(record, self.train_iters)
@@ -125,7 +125,7 @@ class TrainerReporting:
         from megalm.optimizer.clip_grads import params_norm
 
         finish_param_sync(self.model)
-        return params_norm([p for chunk in self.model for p in chunk.parameters()], self.groups)
+        return params_norm([p for chunk in self.model for p in chunk.parameters()], self.groups, self.comm_stats)
 
     def _new_compilations(self) -> dict:
         """Fused graphs compiled since the last log line (all in the first interval when shapes

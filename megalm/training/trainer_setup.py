@@ -27,6 +27,7 @@ from megalm.checkpoint.stateful import CheckpointStates
 from megalm.config import with_vocab_size
 from megalm.config.validation import step_schedule
 from megalm.device import get_device
+from megalm.distributed.comm import CommStats
 from megalm.distributed.local_sgd import build_outer_sync
 from megalm.errors import MegalmError
 from megalm.fusions import BackendUnavailable, compile_stats, plan_fusions
@@ -75,15 +76,19 @@ class TrainerSetup:
         cfg = self.cfg  # with the tokenizer's vocabulary size
         self.timers("model-and-optimizer-setup").start()
         chunks = build_model_chunks(cfg, self.model_provider, self.groups, self.rng_tracker)
-        self.model = wrap_data_parallel(cfg, chunks, self.groups)
-        self.optimizer = build_optimizer(cfg, self.model, process_groups=self.groups)
+        # counts what DDP, the optimizer, the step and local SGD communicate; the layout's nodes decide inter-node bytes
+        self.comm_stats = CommStats(parallel_state.get_ranks_per_node())
+        self.model = wrap_data_parallel(cfg, chunks, self.groups, self.comm_stats)
+        self.optimizer = build_optimizer(cfg, self.model, process_groups=self.groups, comm_stats=self.comm_stats)
         self.scheduler = OptimizerParamScheduler.from_config(cfg, self.optimizer)
         self.numerics = NumericsChecks(cfg.training, self.optimizer.grad_scaler, self.groups)
         t = cfg.training
         self.microbatches = self._microbatch_calculator()
         self.train_iters = self._train_iters()
         # After train_iters is known (counted here under --train-samples; the config is not changed).
-        self.outer_sync = build_outer_sync(cfg, self.optimizer, self.groups, last_iteration=self.train_iters)
+        self.outer_sync = build_outer_sync(
+            cfg, self.optimizer, self.groups, last_iteration=self.train_iters, comm_stats=self.comm_stats
+        )
         self.checkpoint_states = self._checkpoint_states()
         self._validate_data()  # before any output (metrics file, checkpoints) is created
         # Before the RNG state is restored: the CPU peak measurement draws random matrices.
@@ -99,13 +104,10 @@ class TrainerSetup:
             self._build_data()
         if loaded is not None and not (cfg.checkpoint.no_load_rng or cfg.checkpoint.finetune):
             # Last: building data loaders draws from the torch RNG.
-            rng = self.checkpoint_states.get("rng")
-            if "rng" in loaded:  # a local checkpoint's (it holds the generators itself)
-                rng.load_state_dict(loaded["rng"])
-            else:
-                only_rng = CheckpointStates()
-                only_rng.register("rng", rng)
-                load_states(loaded["path"], loaded, self.groups, only_rng)
+            only_rng = CheckpointStates()
+            only_rng.register("rng", self.checkpoint_states.get("rng"))
+            # from rng/rank_*.pt, or from the state dicts a local checkpoint holds in memory ("held")
+            load_states(loaded["path"], loaded, self.groups, only_rng, held=loaded.get("held"))
         self.signal_handler = ExitSignalHandler() if t.exit_signal_handler else None
         self.memory_reported = False
         self.compile_reported = compile_stats()
@@ -122,7 +124,7 @@ class TrainerSetup:
         logger.info(run_topology_report(cfg.parallel, dist.get_world_size()))
         print_timing(self.timers.log(SETUP_TIMERS))  # collective
         if self.replicas is not None:
-            self.replicas.attach(self.model, self.optimizer, self.scheduler)
+            self.replicas.attach(self.model, self.optimizer, self.scheduler, self.microbatches)
             if self.state.iteration:  # resumed from a checkpoint: torchft's step follows
                 self.replicas.resume_at(self.state.iteration)
 
@@ -140,7 +142,7 @@ class TrainerSetup:
         from megalm.distributed.comm import ranks_per_node
         from megalm.training.stragglers import StragglerReport
 
-        return StragglerReport(self.cfg.logging, ranks_per_node())
+        return StragglerReport(self.cfg.logging, ranks_per_node(parallel_state.get_ranks_per_node()))
 
     def _device_peak(self):
         from megalm.flops import cpu_has_native_half, device_peak_flops
@@ -333,7 +335,7 @@ class TrainerSetup:
             return None
         disk = read_tracker(self.load_root) if self.resume else None
         try:
-            # the RNG is set last, in setup() (the local checkpoint holds it apart)
+            # the RNG is set last, in setup(), from what the restore returns ("held")
             states = self.checkpoint_states.without("rng")
             common = local.restore(self.model, self.optimizer, self.scheduler, self.cfg.to_dict(), disk, states)
         except CheckpointError as e:

@@ -115,8 +115,7 @@ class Trainer(TrainerSetup, TrainerReporting):
             state.consumed_train_samples,
             state.consumed_valid_samples,
             self.cfg.to_dict(),
-            self.checkpoint_states.without("rng"),  # the local checkpoint holds the RNG itself
-            self.rng_tracker,
+            self.checkpoint_states,  # the RNG's generators too, also under --no-save-rng (RNGState.local_state_dict)
         )
         logger.info(describe_save(self.local_checkpoint, state.iteration, outcome))
 
@@ -247,6 +246,7 @@ class Trainer(TrainerSetup, TrainerReporting):
                 self.outer_sync,
                 self.rebalancer,
                 self.replicas,
+                self.comm_stats,
             )
 
         if self.replicas is None:

@@ -84,7 +84,7 @@ from megalm.tensor_parallel.random import RNGStatesTracker, checkpoint, dropout_
 from megalm.tensor_parallel.utils import divide, set_tensor_model_parallel_attributes
 from megalm.transformer.blocked_attention import blocked_causal_attention
 from megalm.transformer.norm import build_norm
-from megalm.transformer.packed_seq import PackedSeqParams
+from megalm.transformer.packed_seq import PackedSeqParams, document_ids
 from megalm.transformer.utils import init_std, output_init_std
 from megalm.transformer.varlen_attention import varlen_attention
 
@@ -247,15 +247,21 @@ class SelfAttention(nn.Module):
                 raise ConfigError("--reset-attention-mask is not supported with --position-keyed-attention-dropout")
             return self._keyed_core(q, k, v, p).reshape(s, b, -1)
         if self.cp_size > 1:
-            core = self._causal_core
-            if isinstance(attention_mask, PackedSeqParams) and self.cp_comm_type == "a2a":
+            core, documents = self._causal_core, None
+            packed = isinstance(attention_mask, PackedSeqParams)
+            if packed and self.cp_comm_type == "a2a":
                 core = partial(self._packed_heads_core, params=attention_mask)  # a2a's core sees the whole sequence
+            elif packed and self.cp_comm_type == "allgather":
+                documents = document_ids(attention_mask)  # the allgather core masks other documents per chunk
             elif attention_mask is not None:
                 raise ContextParallelError(
-                    "--reset-attention-mask under context parallelism needs --qkv-format thd with --cp-comm-type a2a"
+                    "--reset-attention-mask under context parallelism needs --qkv-format thd with --cp-comm-type a2a "
+                    "or allgather"
                 )
             variant = (self.window, self.sinks(q.transpose(1, 2))) if self.variant else None
-            out = context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, core, variant=variant)
+            out = context_parallel_attention(
+                q, k, v, self.cp_group, self.cp_comm_type, core, variant=variant, documents=documents
+            )
             return out.reshape(s, b, -1)
         if isinstance(attention_mask, PackedSeqParams):
             return self._packed_core(q, k, v, attention_mask, p).reshape(s, b, -1)

@@ -24,7 +24,13 @@ rank; forward all-gather of the last dim, backward split) and, under sequence pa
 input gathered along the sequence and its output scattered back.  With pipeline parallelism the
 block lives on the last stage (Megatron's placement), which then also receives the tokens, and
 holds a copy of the word embedding marked ``tied`` (its gradient summed with the first stage's, as
-a tied output layer's).  Context parallelism is refused (the roll crosses CP chunks).
+a tied output layer's).  Under context parallelism each rank holds two chunks of the sequence
+(:mod:`megalm.context_parallel.chunks`), so the roll is the global sequence's: the tokens, labels and
+mask (``[b, s / CP]`` integers, no gradient) are all-gathered over CP once, rolled in global order and
+split back for each depth; each rank's ``loss_k`` back-propagates ``CP * sum_r / N`` with ``N`` the
+micro-batch's count over CP (as the main loss, :mod:`megalm.context_parallel.loss`: the gradient
+average over data x context ranks divides by CP), and the logged ``loss_k`` is the whole
+micro-batch's (one all-reduce of ``[sum_r, n_r]`` over CP per depth).
 """
 
 from __future__ import annotations
@@ -32,13 +38,15 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megalm.context_parallel.chunks import gathered_to_global, split_sequence
 from megalm.fusions.backends import EAGER, FusionPlan
-from megalm.parallel_state import ProcessGroups
+from megalm.parallel_state import ProcessGroups, group_rank, group_size
 from megalm.tensor_parallel.layers import ColumnParallelLinear
-from megalm.tensor_parallel.mappings import scatter_to_sequence_parallel_region
+from megalm.tensor_parallel.mappings import all_gather_first_dim, scatter_to_sequence_parallel_region
 from megalm.tensor_parallel.random import RNGStatesTracker
 from megalm.transformer.moe.aux_losses import attach_aux_loss
 from megalm.transformer.moe.state import MoEState
@@ -51,6 +59,15 @@ from megalm.transformer.utils import init_std, recompute_modules
 def roll_left(x: torch.Tensor) -> torch.Tensor:
     """``[b, s]`` shifted one place left along the sequence; the last position becomes 0."""
     return F.pad(x[:, 1:], (0, 1))
+
+
+def gather_sequence(x: torch.Tensor, cp_group) -> torch.Tensor:
+    """The whole ``[b, s]`` sequence, in global order, from each CP rank's two chunks ``[b, s / CP]``."""
+    cp = group_size(cp_group)
+    if cp == 1:
+        return x
+    gathered = all_gather_first_dim(x.t(), cp_group)[0]  # [s, b] in rank order: each rank's chunk pair
+    return gathered_to_global(gathered, cp).t()
 
 
 class MTPLayer(nn.Module):
@@ -127,6 +144,7 @@ class MultiTokenPrediction(nn.Module):
         self.num_layers = m.mtp_num_layers
         self.scale = m.mtp_loss_scaling_factor / m.mtp_num_layers
         self.per_token_loss = per_token_loss
+        self.cp_group = process_groups.cp
         self.aux_state = moe_state if moe_state is not None else MoEState()
         self.metrics = MoEMetricsTracker()
         selective = "core_attn" in recompute_modules(m)
@@ -154,14 +172,20 @@ class MultiTokenPrediction(nn.Module):
         main = hidden
         if loss_mask is None:
             loss_mask = torch.ones_like(labels, dtype=torch.float32)
-        loss_mask = loss_mask.float()
+        cp, cp_rank = group_size(self.cp_group), group_rank(self.cp_group)
+        whole = [gather_sequence(t, self.cp_group) for t in (tokens, labels, loss_mask.float())]
         for k, layer in enumerate(self.layers):
-            tokens, labels, loss_mask = roll_left(tokens), roll_left(labels), roll_left(loss_mask)
+            whole = [roll_left(t) for t in whole]
+            tokens, labels, loss_mask = (split_sequence(t, 1, cp_rank, cp) for t in whole)
             hidden = layer(embed(tokens, position_ids), hidden, rotary_cos, rotary_sin, mask)
             total = (loss_of(hidden, labels, loss_mask).float() * loss_mask).sum()
-            count = loss_mask.sum().clamp(min=1.0)
-            self.metrics.record(k, f"mtp_{k + 1} loss", total / count)
-            main = attach_aux_loss(main, self.scale * (total if self.per_token_loss else total / count), self.aux_state)
+            count = whole[2].sum().clamp(min=1.0)  # the micro-batch's, over every CP rank
+            reported = total.detach().clone()
+            if cp > 1:
+                dist.all_reduce(reported, group=self.cp_group)
+            self.metrics.record(k, f"mtp_{k + 1} loss", reported / count)
+            loss = cp * (total if self.per_token_loss else total / count)
+            main = attach_aux_loss(main, self.scale * loss, self.aux_state)
         return main
 
     def pop_metrics(self) -> Dict[str, torch.Tensor]:

@@ -76,3 +76,11 @@ def positions_in_segments(params: PackedSeqParams) -> torch.Tensor:
     lengths = cu[1:] - cu[:-1]
     starts = torch.repeat_interleave(cu[:-1], lengths, output_size=b * s)
     return (torch.arange(b * s, device=cu.device) - starts).view(b, s)
+
+
+def document_ids(params: PackedSeqParams) -> torch.Tensor:
+    """Each token's segment index in packed order, int64 ``[b, s]`` (the allgather CP core's document mask)."""
+    b, s = params.batch_shape
+    cu = params.cu_seqlens_q.to(torch.int64)
+    segments = torch.arange(cu.numel() - 1, device=cu.device)
+    return torch.repeat_interleave(segments, cu[1:] - cu[:-1], output_size=b * s).view(b, s)

@@ -24,9 +24,10 @@ from megalm.distributed.compression.topk import TopK
 METHODS = ("none", "powersgd", "topk", "int8", "int4", "fp8")
 
 
-def build_compressor(parallel_cfg, device=None, rank: int = 0) -> Optional[GradCompressor]:
+def build_compressor(parallel_cfg, device=None, rank: int = 0, comm_stats=None) -> Optional[GradCompressor]:
     """The compressor the flags ask for, or None (``--grad-compression none``).  ``rank``: this
-    process's global rank, seeding stochastic rounding (a different stream per rank)."""
+    process's global rank, seeding stochastic rounding (a different stream per rank); ``comm_stats``:
+    the :class:`megalm.distributed.comm.CommStats` its collectives are counted in (None: not counted)."""
     name = parallel_cfg.grad_compression
     if name == "none":
         return None
@@ -44,7 +45,7 @@ def build_compressor(parallel_cfg, device=None, rank: int = 0) -> Optional[GradC
                                 parallel_cfg.grad_fp8_format)  # fmt: skip
         method = FP8(chunk, rounding == "stochastic", fmt, seed=1_000_003 + rank, device=device)
         settings = f"{fmt}, chunk {chunk}, {rounding} rounding"
-    return GradCompressor(method, f"{name} ({settings})")
+    return GradCompressor(method, f"{name} ({settings})", comm_stats)
 
 
 __all__ = [

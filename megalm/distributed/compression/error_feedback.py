@@ -36,6 +36,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megalm.distributed import comm
 from megalm.distributed.compression.segments import Segment
 from megalm.distributed.hierarchical import CollectiveChain
 from megalm.parallel_state import group_size
@@ -53,7 +54,10 @@ class CompressionJob:
         kind: str,
         shard: Optional[Tuple[int, int]] = None,
         into: Optional[Tuple[torch.Tensor, int, int]] = None,
+        *,
+        stats: Optional[comm.CommStats],
     ):
+        self.stats = stats  # where the method's collectives are counted (None: not counted)
         self.key, self.flat, self.matrices, self.group, self.kind = key, flat, matrices, group, kind
         self.shard = shard  # (lo, hi): a reduce-scatter whose result is flat[lo:hi]; None: all-reduce
         self.into = into  # (tensor, lo, hi): the result's [lo, hi) goes there instead of into flat
@@ -71,10 +75,12 @@ class GradCompressor:
     ``method``: a :class:`~.powersgd.PowerSGD`, :class:`~.topk.TopK` or :class:`~.int8.Int8`.
     """
 
-    def __init__(self, method, signature: str = ""):
+    def __init__(self, method, signature: str = "", comm_stats: Optional[comm.CommStats] = None):
         self.method = method
+        self.comm_stats = comm_stats  # where its collectives are counted (None: not counted)
         self.signature = signature or method.name  # what its state depends on (checkpoints compare it)
         self.residuals: Dict[str, torch.Tensor] = {}
+        self.exact = False  # --grad-compression-warmup-iters: the buffers reduce exactly (set per step by DDP)
 
     @property
     def name(self) -> str:
@@ -83,7 +89,7 @@ class GradCompressor:
     def all_reduce(self, key: str, flat: torch.Tensor, matrices: List[Segment], group, kind: str = "grad"):
         """SUM-all-reduce ``flat`` in place, compressed, over ``group`` (size > 1): a
         :class:`CollectiveChain` with its first stage launched (``wait()`` runs the rest)."""
-        return self._launch(CompressionJob(key, flat, matrices, group, kind))
+        return self._launch(CompressionJob(key, flat, matrices, group, kind, stats=self.comm_stats))
 
     def reduce_scatter(
         self, key: str, flat: torch.Tensor, shard, matrices: List[Segment], group, kind: str = "grad", into=None
@@ -95,7 +101,10 @@ class GradCompressor:
         :class:`CollectiveChain` with its first stage launched."""
         scatter = getattr(self.method, "reduces_scatter", False)
         target = None if into is None else (into, *shard)
-        return self._launch(CompressionJob(key, flat, matrices, group, kind, shard if scatter else None, target))
+        job = CompressionJob(
+            key, flat, matrices, group, kind, shard if scatter else None, target, stats=self.comm_stats
+        )
+        return self._launch(job)
 
     def _launch(self, job: CompressionJob):
         chain = CollectiveChain(self.stages(job))

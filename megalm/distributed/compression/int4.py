@@ -99,7 +99,12 @@ class Int4(Int8):
         def send():
             payload, job.sent = encode(job.a, self.chunk, job.poison, self.generator)
             return comm.all_gather_into_tensor(
-                gathered.view(-1), payload, group=job.group, async_op=True, kind=f"{job.kind}_int4_all_gather"
+                gathered.view(-1),
+                payload,
+                group=job.group,
+                async_op=True,
+                kind=f"{job.kind}_int4_all_gather",
+                stats=job.stats,
             )
 
         def receive():

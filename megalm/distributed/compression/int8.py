@@ -157,7 +157,12 @@ class Int8:
         def send():
             payload, job.sent = encode(job.a, self.chunk, job.poison, self.generator, self.codec)
             return comm.all_gather_into_tensor(
-                gathered.view(-1), payload, group=job.group, async_op=True, kind=f"{job.kind}_{self.name}_all_gather"
+                gathered.view(-1),
+                payload,
+                group=job.group,
+                async_op=True,
+                kind=f"{job.kind}_{self.name}_all_gather",
+                stats=job.stats,
             )
 
         def receive():
@@ -176,7 +181,7 @@ class Int8:
             payload = scatter_payload(q, scale, self.chunk, k)
             kind = f"{job.kind}_{self.name}_all_to_all"
             return comm.all_to_all_single(
-                received.view(-1), payload.view(-1), group=job.group, async_op=True, kind=kind
+                received.view(-1), payload.view(-1), group=job.group, async_op=True, kind=kind, stats=job.stats
             )
 
         def receive():

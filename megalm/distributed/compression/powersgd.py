@@ -87,7 +87,9 @@ class PowerSGD:
                 torch.matmul(mat(s), q, out=first[cursor : cursor + size].view(-1, r))
                 cursor += size
             first.add_(job.poison)
-            return comm.all_reduce(first, group=job.group, async_op=True, kind=f"{job.kind}_powersgd_p_all_reduce")
+            return comm.all_reduce(
+                first, group=job.group, async_op=True, kind=f"{job.kind}_powersgd_p_all_reduce", stats=job.stats
+            )
 
         def send_q():
             cursor = u
@@ -103,7 +105,9 @@ class PowerSGD:
             for (i, s, r), qsize in zip(mats, q_sizes):
                 job.sent[s.start : s.end] = (views[i] @ second[qc : qc + qsize].view(-1, r).t()).view(-1)
                 qc += qsize
-            return comm.all_reduce(second, group=job.group, async_op=True, kind=f"{job.kind}_powersgd_q_all_reduce")
+            return comm.all_reduce(
+                second, group=job.group, async_op=True, kind=f"{job.kind}_powersgd_q_all_reduce", stats=job.stats
+            )
 
         def receive():
             out = torch.empty_like(job.a)

@@ -63,7 +63,9 @@ def pending_updates(model_chunks: Sequence) -> Dict[torch.nn.Parameter, torch.Te
                 lo, hi, _ = bucket.residual_range()
                 placed[bucket.offset + lo : bucket.offset + hi] = residual
         if buf.data_parallel_group is not None:
-            comm.all_reduce(placed, group=buf.data_parallel_group, kind="grad_compression_pending_all_reduce")
+            comm.all_reduce(
+                placed, group=buf.data_parallel_group, kind="grad_compression_pending_all_reduce", stats=buf.comm_stats
+            )
         for p, (start, end, _) in buf.param_index_map.items():
             out[p] = placed[start:end].view(p.shape)
     return out

@@ -56,7 +56,12 @@ class TopK:
         def send():
             payload, job.sent = encode(job.a, self.ratio, job.poison)
             return comm.all_gather_into_tensor(
-                gathered.view(-1), payload, group=job.group, async_op=True, kind=f"{job.kind}_topk_all_gather"
+                gathered.view(-1),
+                payload,
+                group=job.group,
+                async_op=True,
+                kind=f"{job.kind}_topk_all_gather",
+                stats=job.stats,
             )
 
         def receive():
