@@ -37,6 +37,14 @@ so every replica holds the same weights and optimizer state after them, bit for 
 local SGD; after the step of iteration ``W`` the outer state restarts from them (``x_0 <- x``,
 ``m <- 0``, no communication) and the syncs fall at iterations ``W + k H``.
 
+Streaming (``--local-sgd-fragments F``, Streaming DiLoCo, Douillard et al. 2025): the parameters are
+split into ``F`` fragments of contiguous parameters (about equal element counts, in the optimizer's
+order, i.e. by layer), each synchronised every ``H`` iterations as above but staggered: fragment ``f``
+at iterations ``W + k H + (f + 1) H / F``, so each sync sends ``1/F`` of the bytes and, with
+``--local-sgd-overlap-steps D <= H / F``, is hidden behind the next ``D`` iterations (one fragment in
+flight at a time); the run's last iteration synchronises every fragment (blocking), so it ends with
+one model.  The outer state is per parameter, so each fragment's outer step is DiLoCo's.
+
 The inner optimizer's state (moments) stays local.  The outer state (``x_0``, ``m``) is the same on
 every replica; between syncs each replica's parameters and optimizer state differ, so a checkpoint
 keeps them per rank: :class:`OuterSync` is a registered checkpoint state (``"local_sgd"``, saved to
@@ -101,6 +109,7 @@ class OuterSync:
         last_iteration: Optional[int] = None,
         comm_stats: Optional[comm.CommStats] = None,
         warmup_iters: int = 0,
+        fragments: int = 1,
     ):
         self.optimizer = optimizer
         self.comm_stats = comm_stats  # where the averaging collectives are counted (None: not counted)
@@ -116,6 +125,8 @@ class OuterSync:
             if params:
                 groups = (outer_group(pg, hierarchical, expert), inner_group(pg, hierarchical, expert))
                 self.groups.append((*groups, params))
+        self.fragments = [_fragment(self.groups, f, fragments) for f in range(fragments)]
+        self.fragments = [frag for frag in self.fragments if frag] or [self.groups]
         self.anchor: Dict[str, torch.Tensor] = {}
         self.momentum: Dict[str, torch.Tensor] = {}
         self.overlap_steps = int(overlap_steps)
@@ -139,8 +150,15 @@ class OuterSync:
         if self.outer_momentum:
             self.momentum = {n: torch.zeros_like(m) for n, m in self._named}
 
-    def due(self, iteration: int) -> bool:
-        return iteration > self.warmup_iters and (iteration - self.warmup_iters) % self.interval == 0
+    def due(self, iteration: int) -> Optional[int]:
+        """The fragment to synchronise after ``iteration`` (0 without streaming), or None."""
+        if iteration <= self.warmup_iters:
+            return None
+        phase, n = (iteration - self.warmup_iters) % self.interval, len(self.fragments)
+        for f in range(n):
+            if phase == (f + 1) * self.interval // n % self.interval:
+                return f
+        return None
 
     def step(self, iteration: int) -> bool:
         """After the optimizer step of ``iteration`` (1-based): apply a pending correction that is due,
@@ -153,27 +171,33 @@ class OuterSync:
         last = iteration == self.last_iteration
         if self.pending is not None and (iteration >= self.pending.apply_at or last):
             self.apply_pending()
-        if not self.due(iteration):
+        fragment = self.due(iteration)
+        if last and len(self.fragments) > 1:  # streaming: the run ends with one model
+            for f in range(len(self.fragments)):
+                self.sync(f)
+            return True
+        if fragment is None:
             return False
         if self.overlap_steps and not last:
-            self.pending = self._start(iteration + self.overlap_steps)
+            self.pending = self._start(iteration + self.overlap_steps, fragment)
         else:
-            self.sync()
+            self.sync(fragment)
         return True
 
     @torch.no_grad()
-    def sync(self) -> None:
-        """Average the main parameters over the outer groups, then the outer update (see the module)."""
-        for outer, intra, params in self.groups:
+    def sync(self, fragment: int = 0) -> None:
+        """Average the main parameters of ``fragment`` over the outer groups, then the outer update
+        (see the module)."""
+        for outer, intra, params in self.fragments[fragment]:
             if group_size(outer) > 1:
                 flat = _AverageInFlight(
                     _flatten_dense_tensors([p.data for p in params]), outer, intra, self.comm_stats
                 ).result()
                 for p, avg in zip(params, _unflatten_dense_tensors(flat, [p.data for p in params])):
                     p.data.copy_(avg)
-        if not self.plain:
-            for name, p in self._named:
-                p.data.copy_(self._outer_step(name, p.data))
+            if not self.plain:
+                for p in params:
+                    p.data.copy_(self._outer_step(self._name_of[id(p)], p.data))
         self.optimizer._copy_main_to_model()
 
     def _outer_step(self, name: str, average: torch.Tensor) -> torch.Tensor:
@@ -188,19 +212,20 @@ class OuterSync:
 
     # --- overlapped sync (--local-sgd-overlap-steps) --------------------------------------------
     @torch.no_grad()
-    def _start(self, apply_at: int) -> "_PendingSync":
-        """Snapshot every group's main parameters and start averaging the snapshot in the background."""
+    def _start(self, apply_at: int, fragment: int = 0) -> "_PendingSync":
+        """Snapshot the main parameters of ``fragment``'s groups and start averaging the snapshot in the
+        background."""
         groups = []
-        for outer, intra, params in self.groups:
+        for outer, intra, params in self.fragments[fragment]:
             snapshot = torch.cat([p.data.reshape(-1) for p in params])  # a copy (flattening one tensor is a view)
             groups.append(_AverageInFlight(snapshot, outer, intra, self.comm_stats))
-        return _PendingSync(apply_at, groups)
+        return _PendingSync(apply_at, groups, fragment)
 
     @torch.no_grad()
     def apply_pending(self) -> None:
         """Wait for the pending average and apply ``x <- x + (outer(avg(s)) - s)`` (see the module)."""
         pending, self.pending = self.pending, None
-        for (_, _, params), flight in zip(self.groups, pending.groups):
+        for (_, _, params), flight in zip(self.fragments[pending.fragment], pending.groups):
             shapes = [p.data for p in params]
             snaps = _unflatten_dense_tensors(flight.snapshot, shapes)
             for p, s, avg in zip(params, snaps, _unflatten_dense_tensors(flight.result(), shapes)):
@@ -213,6 +238,7 @@ class OuterSync:
             return {}
         return {
             "apply_at": self.pending.apply_at,
+            "fragment": self.pending.fragment,
             "snapshot": [f.snapshot.to("cpu", copy=True) for f in self.pending.groups],
             "average": [f.result().to("cpu", copy=True) for f in self.pending.groups],
         }
@@ -221,12 +247,18 @@ class OuterSync:
         if not saved:
             return
         device = self.optimizer.main_params[0].device
-        flights = []
-        for (outer, intra, params), snap, avg in zip(self.groups, saved["snapshot"], saved["average"]):
+        flights, fragment = [], int(saved.get("fragment", 0))
+        if fragment >= len(self.fragments):
+            raise LocalSGDStateError(f"the checkpoint's pending local-SGD correction is of fragment {fragment}, "
+                                     f"this run has {len(self.fragments)}")  # fmt: skip
+        groups = self.fragments[fragment]
+        if len(groups) != len(saved["snapshot"]):
+            raise LocalSGDStateError("the checkpoint's pending local-SGD correction does not fit the parameters")
+        for (outer, intra, params), snap, avg in zip(groups, saved["snapshot"], saved["average"]):
             if snap.numel() != sum(p.numel() for p in params) or avg.numel() != snap.numel():
                 raise LocalSGDStateError("the checkpoint's pending local-SGD correction does not fit the parameters")
             flights.append(_AverageInFlight.done(snap.to(device), avg.to(device)))
-        self.pending = _PendingSync(int(saved["apply_at"]), flights)
+        self.pending = _PendingSync(int(saved["apply_at"]), flights, fragment)
 
     # --- per-rank checkpoint state --------------------------------------------------------
     def state_dict(self) -> dict:
@@ -270,7 +302,24 @@ class _PendingSync:
     """A sync started in the background: applied after the optimizer step of ``apply_at``."""
 
     apply_at: int
-    groups: list  # one _AverageInFlight per OuterSync.groups entry
+    groups: list  # one _AverageInFlight per entry of the fragment's groups
+    fragment: int = 0
+
+
+def _fragment(groups: List[tuple], f: int, n: int) -> List[tuple]:
+    """Fragment ``f`` of ``n`` of ``groups`` (``(outer, intra, [params])``): of each group, the
+    parameters whose first element falls in its ``f``-th ``1/n`` of the elements (in order; whole
+    parameters, so a fragment can be empty when a group has fewer parameters than fragments)."""
+    out = []
+    for outer, intra, params in groups:
+        total, start, mine = sum(p.numel() for p in params), 0, []
+        for p in params:
+            if f * total <= start * n < (f + 1) * total:
+                mine.append(p)
+            start += p.numel()
+        if mine:
+            out.append((outer, intra, mine))
+    return out
 
 
 class _AverageInFlight:
@@ -357,4 +406,5 @@ def build_outer_sync(
         last_iteration=cfg.training.train_iters if last_iteration is None else last_iteration,
         comm_stats=comm_stats,
         warmup_iters=p.local_sgd_warmup_iters,
+        fragments=p.local_sgd_fragments,
     )
