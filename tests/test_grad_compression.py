@@ -355,7 +355,7 @@ def streaming_run(pg, hierarchical):
         sync.step(it)
         return torch.cat([x.detach().reshape(-1) for x in params])
 
-    stats = CommStats()  # the first run's collectives
+    stats = CommStats(LOCAL)  # the first run's collectives
     params, sync = make(stats)
     values, restarted = [], None
     for it in range(1, STREAM_ITERS + 1):
