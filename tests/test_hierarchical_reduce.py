@@ -74,7 +74,7 @@ def ddp_grads(hierarchical, overlap, expert, pg):
     """main_grads after one step with grad accumulation, and the inter-node bytes per node."""
     cfg = ParallelConfig(overlap_grad_reduce=overlap, ddp_bucket_size=BUCKET, hierarchical_grad_reduce=hierarchical)
     model = make_model(expert)
-    stats = CommStats()
+    stats = CommStats(LOCAL)
     ddp = DistributedDataParallel(model, cfg, process_groups=pg, comm_stats=stats)
     dp, dp_rank = parallel_state.group_size(pg.dp_cp), parallel_state.group_rank(pg.dp_cp)
     ddp.zero_grad_buffer()
@@ -100,7 +100,7 @@ def train_distopt(hierarchical, overlap, pg):
     p.use_distributed_optimizer, p.overlap_grad_reduce, p.overlap_param_gather = True, overlap, overlap
     p.ddp_bucket_size, p.hierarchical_grad_reduce = BUCKET, hierarchical
     model = make_model()
-    stats = CommStats()
+    stats = CommStats(LOCAL)
     ddp = DistributedDataParallel(model, p, process_groups=pg, comm_stats=stats)
     optimizer = build_optimizer(cfg, [ddp], report_memory=False, process_groups=pg, comm_stats=stats)
     dp, dp_rank = parallel_state.group_size(pg.dp_cp), parallel_state.group_rank(pg.dp_cp)

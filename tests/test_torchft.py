@@ -1,16 +1,18 @@
 """torchft replica groups (``--ft-replica-group-id``, issue #32 part A).
 
 The spawned scenario: a torchft lighthouse and two replica groups A and B on loopback, one rank each
-(tiny GPT, hidden 32, 2 layers), global batch 8 of micro-batches of 2.  B SIGKILLs itself in a
-forward pass after two steps with A; A redoes that step alone (4 micro-batches instead of 2) and trains
-on; a new B (a fresh process, as a restarted node would be) joins at a step boundary and receives
-A's weights and optimizer state over torchft's transport; both finish.  Checked, against a plain
+(tiny GPT, hidden 32, 2 layers), micro-batches of 2, ``--rampup-batch-size 4 4 16`` (global batch 4 for
+4 iterations, then 8), per-token loss with ``--eod-mask-loss`` (the groups' token counts differ).  B
+SIGKILLs itself in a forward pass after two steps with A; A redoes that step alone (2 micro-batches
+instead of 1) and trains on; a new B (a fresh process, as a restarted node would be) joins at a step
+boundary and receives A's weights and optimizer state over torchft's transport; both finish.  Checked, against a plain
 one-process run of the same global batch:
 
 * every iteration's loss and gradient norm equal the plain run's (up to summation order): with the
   full quorum, alone, and after the rejoin; a skipped or repeated sample, or a rejoined group with
   other weights, would change them;
-* A logs each iteration once, with ``consumed_samples = iteration x 8``; the quorum went 2 -> 1 -> 2;
+* A logs each iteration once, with the plain run's global batch and consumed samples; the quorum went
+  2 -> 1 -> 2;
 * the state B received equals the state A sent, bit for bit (the sha256 A computed of the tensors it
   sent is the one B recomputed from its own tensors once loaded).
 
@@ -50,8 +52,9 @@ FLAGS = tiny_flags(
     # mean of the groups' per-token means (instead of their total sum / total count) would show.
     calculate_per_token_loss=True,
     eod_mask_loss=True,
-)
+) + ["--rampup-batch-size", "4", "4", "16"]  # global batch 4 for iterations 1-4 (B dies in the ramp), then 8
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32"]
+RAMP_2_2_8 = ["--rampup-batch-size", "2", "2", "8"]
 FT = ["--ft-num-replica-groups", "2", "--ft-lighthouse", "http://127.0.0.1:1", "--global-batch-size", "8"]
 
 
@@ -68,6 +71,8 @@ def _cfg(argv, world_size=None):
         ([*FT[:4], "--ft-replica-group-id", "0"], None, "needs --global-batch-size"),
         ([*FT, "--ft-replica-group-id", "0", "--local-sgd-interval", "4"], None, "--local-sgd-interval"),
         ([*FT, "--ft-replica-group-id", "0", "--data-parallel-sharding-strategy", "optim_grads_params"], 1, "ZeRO-3"),
+        # a ramp batch of 2 samples cannot be split over 2 groups of micro-batches of 2
+        ([*FT, "--ft-replica-group-id", "0", "--micro-batch-size", "2", *RAMP_2_2_8], 1, "2 2 8: with torchft"),
         # 8 samples = 4 micro-batches of 2 over DP 2 x a quorum of 1 or 2 groups: fine; DP 4 x 2 groups: not
         ([*FT, "--ft-replica-group-id", "0", "--micro-batch-size", "2"], 4, "split evenly over a quorum of 2"),
     ],
@@ -86,6 +91,13 @@ def test_torchft_flags_accept_an_even_split():
     zero2 = ["--use-distributed-optimizer", "--data-parallel-sharding-strategy", "optim_grads"]
     cfg = _cfg([*FT, "--ft-replica-group-id", "0", "--calculate-per-token-loss", *zero2], world_size=2)
     assert cfg.parallel.data_parallel_sharding_strategy == "optim_grads" and cfg.training.calculate_per_token_loss
+    cfg = _cfg([*FT, "--ft-replica-group-id", "0", "--micro-batch-size", "2", "--rampup-batch-size", "4", "4", "8"], 1)
+    assert cfg.training.rampup_batch_size == [4, 4, 8]
+    schedule = ["--step-batch-size-schedule", "0:4 320:8"]  # tokens: batch 8 from sample 10 (seq 32)
+    cfg = _cfg([*FT[:4], "--ft-replica-group-id", "0", "--micro-batch-size", "2", *schedule], 1)
+    assert cfg.training.global_batch_size == 8
+    with pytest.raises(ConfigError, match="its global batch 2 cannot be split evenly over a quorum of 2"):
+        _cfg([*FT[:4], "--ft-replica-group-id", "0", "--micro-batch-size", "2", schedule[0], "0:2 320:8"], 1)
 
 
 def test_advertised_address_is_the_route_to_the_lighthouse():
@@ -196,9 +208,12 @@ def test_a_killed_group_drops_out_and_a_returning_one_recovers_from_its_peer(tmp
     # Whoever started first may have trained alone and the other recovered from it: every iteration is
     # logged by A or the first B, with consumed samples = iteration x global batch, and every group
     # logging an iteration logs the same loss.
+    expected = {r["iteration"]: r for r in plain}
+    assert [expected[i]["global_batch_size"] for i in (1, 4, 5, ITERS)] == [4, 4, GBS, GBS], plain  # the ramp
     seen = {}
     for r in a + b + b2:
-        assert r["consumed_samples"] == r["iteration"] * GBS and r["global_batch_size"] == GBS, r
+        e = expected[r["iteration"]]
+        assert (r["consumed_samples"], r["global_batch_size"]) == (e["consumed_samples"], e["global_batch_size"]), r
         assert seen.setdefault(r["iteration"], r["lm_loss"]) == r["lm_loss"], (r, seen)
     assert sorted(seen) == list(range(1, ITERS + 1)), sorted(seen)
     assert [r["iteration"] for r in a] == list(range(a[0]["iteration"], ITERS + 1)), a  # A: no gap, no repeat
@@ -208,7 +223,6 @@ def test_a_killed_group_drops_out_and_a_returning_one_recovers_from_its_peer(tmp
     assert 2 in quorum[first_alone:] and quorum[-1] == 2, quorum
     assert "not committed" in (tmp_path / "a.log").read_text()
     # Losses and gradient norms = the plain run of the same global batch, whatever the quorum.
-    expected = {r["iteration"]: r for r in plain}
     for r in a + b + b2:
         e = expected[r["iteration"]]
         assert abs(r["lm_loss"] - e["lm_loss"]) <= 1e-5 * abs(e["lm_loss"]), (r, e)

@@ -7,7 +7,10 @@ scheduler, the RNG, the consumed samples) into one byte string and
 * writes it to ``<--non-persistent-local-ckpt-dir>/<run id>/<node>/`` (use a tmpfs: ``/dev/shm``),
 * with ``--replication``, sends it (one gloo send/recv over the network) to rank
   ``(rank + J) mod world`` (``--replication-jump J``, default the ranks per node: the same local
-  rank on the next node), which writes it to *its* node's directory.
+  rank on the next node), which writes it to *its* node's directory; with
+  ``--replication-factor K`` (default 2: the rank's own copy and one replica) to the ``K - 1`` ranks
+  ``rank + J, rank + 2J, ... rank + (K-1) J`` (mod world), which must be on ``K - 1`` other nodes,
+  all different: the shard then survives the loss of any ``K - 1`` nodes.
 
 Why files in the node's ``/dev/shm`` and not the trainer's memory: torchrun restarts *every*
 worker of every node after a failure, so a copy kept in a worker process dies with the restart.
@@ -74,6 +77,29 @@ class Held:
     world: int
     iteration: int
     nbytes: int
+
+
+def replica_ranks(nodes: List[str], jump: int, factor: int) -> List[List[int]]:
+    """For every rank ``r`` (``nodes[r]``: its node), the ``factor - 1`` ranks its replicas go to:
+    ``r + j jump`` (mod world) for ``j = 1 .. factor - 1``.  :class:`CheckpointError` unless they are
+    on ``factor - 1`` nodes other than ``r``'s and all different (each copy must survive the
+    others' nodes)."""
+    world = len(nodes)
+    if factor < 2:
+        raise CheckpointError(f"--replication-factor {factor}: at least 2 (the rank's own copy and one replica)")
+    out = []
+    for r in range(world):
+        peers = [(r + j * jump) % world for j in range(1, factor)]
+        where = [nodes[r]] + [nodes[p] for p in peers]
+        if len(set(where)) != len(where):
+            raise CheckpointError(
+                f"--replication: rank {r}'s {factor} copies would go to ranks {[r] + peers} on nodes {where}, "
+                f"not {factor} different nodes, and would not survive the loss of one; give --replication-jump a "
+                f"multiple of the ranks per node and --replication-factor at most the number of nodes "
+                f"({len(set(nodes))}) (nodes by rank: {nodes})"
+            )
+        out.append(peers)
+    return out
 
 
 def list_held(directory: str) -> List[Held]:
@@ -161,6 +187,7 @@ class LocalCheckpoint:
         replication: bool,
         jump: Optional[int] = None,
         background: bool = False,
+        factor: int = 2,
     ):
         self.group = group
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -169,18 +196,12 @@ class LocalCheckpoint:
         os.makedirs(self.dir, exist_ok=True)
         self.nodes = [None] * self.world
         dist.all_gather_object(self.nodes, node, group=group)
-        self.peer = self.source = None
+        self.peers: List[int] = []  # the ranks this rank's replicas go to
+        self.sources: List[int] = []  # the ranks whose replicas this rank keeps (the same order)
         if replication:
             jump = jump or self.nodes.count(self.nodes[0])  # default: the ranks per node
-            same = [r for r in range(self.world) if self.nodes[r] == self.nodes[(r + jump) % self.world]]
-            if same:
-                r = same[0]
-                raise CheckpointError(
-                    f"--replication: rank {r}'s replica would go to rank {(r + jump) % self.world} on the same node "
-                    f"{self.nodes[r]!r} and would not survive its loss; give --replication-jump a multiple of the "
-                    f"ranks per node (nodes by rank: {self.nodes})"
-                )
-            self.peer, self.source = (self.rank + jump) % self.world, (self.rank - jump) % self.world
+            self.peers = replica_ranks(self.nodes, jump, factor)[self.rank]
+            self.sources = [(self.rank - j * jump) % self.world for j in range(1, factor)]
         self.written: List[str] = []  # this rank's files of the newest local checkpoint
         self.background = background  # the copy in a background thread (--async-save)
         self._thread: Optional[threading.Thread] = None  # the copy in flight
@@ -242,7 +263,7 @@ class LocalCheckpoint:
             self._copy(iteration, data)
             self.wait()  # raises if it failed
         seconds = time.perf_counter() - start
-        return {"bytes": data.numel(), "sent": data.numel() if self.peer is not None else 0, "seconds": seconds}
+        return {"bytes": data.numel(), "sent": data.numel() * len(self.peers), "seconds": seconds}
 
     def _copy(self, iteration: int, data: torch.Tensor) -> None:
         """In the background: this rank's file, the exchange with the peers and their file, a barrier, then
@@ -251,9 +272,9 @@ class LocalCheckpoint:
             start = time.perf_counter()
             written = [shard_file_name(self.rank, self.world, iteration)]
             self._write(written[0], data)
-            if self.peer is not None:
-                received = self._exchange(data)
-                written.append(shard_file_name(self.source, self.world, iteration))
+            for peer, source in zip(self.peers, self.sources):  # one ring shift per copy
+                received = self._exchange(data, peer, source)
+                written.append(shard_file_name(source, self.world, iteration))
                 self._write(written[-1], received)
             dist.barrier(group=self.group)  # every rank's copies are written: the older ones can go
             for name in self.written:
@@ -276,17 +297,17 @@ class LocalCheckpoint:
             error, self._error = self._error, None
             raise CheckpointError(f"local checkpoint copy failed: {first_line(error)}") from error
 
-    def _exchange(self, data: torch.Tensor) -> torch.Tensor:
-        """Send ``data`` to the peer, receive the source's shard (sizes first)."""
+    def _exchange(self, data: torch.Tensor, peer: int, source: int) -> torch.Tensor:
+        """Send ``data`` to ``peer``, receive ``source``'s shard (sizes first)."""
         size, their_size = torch.tensor([data.numel()], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-        self._swap(size, their_size)
+        self._swap(size, their_size, peer, source)
         received = torch.empty(int(their_size.item()), dtype=torch.uint8)
-        self._swap(data, received)
+        self._swap(data, received, peer, source)
         return received
 
-    def _swap(self, send: torch.Tensor, recv: torch.Tensor) -> None:
-        ops = [dist.P2POp(dist.isend, send, self.peer, self.group)]
-        _p2p(ops + [dist.P2POp(dist.irecv, recv, self.source, self.group)])
+    def _swap(self, send: torch.Tensor, recv: torch.Tensor, peer: int, source: int) -> None:
+        ops = [dist.P2POp(dist.isend, send, peer, self.group)]
+        _p2p(ops + [dist.P2POp(dist.irecv, recv, source, self.group)])
 
     def _write(self, name: str, data: torch.Tensor) -> None:
         path = os.path.join(self.dir, name)
@@ -381,7 +402,7 @@ class LocalCheckpoint:
         message = f"restored iteration {iteration} from the local checkpoint: {where} in {seconds:.2f} s"
         logger.info(message, extra={"on_rank": None})  # every rank: where its shard came from
         # The files this rank would have written are removed at the next save (or the end of the run).
-        mine = [shard_file_name(r, self.world, iteration) for r in {self.rank, self.source} if r is not None]
+        mine = [shard_file_name(r, self.world, iteration) for r in {self.rank, *self.sources}]
         self.written = [n for n in mine if os.path.isfile(os.path.join(self.dir, n))]
         return dict(common, path=f"local:{self.dir}", held=payload["states"], bytes_from_peer=from_peer)
 

@@ -44,7 +44,11 @@ class CheckpointConfig(Section):
         None,
         "Rank n's replica goes to rank n + J (mod world); must land on another node (default: the ranks per node).",
     )
-    replication_factor: int = _f(2, "Copies of each shard with --replication, the rank's own included (only 2).")
+    replication_factor: int = _f(
+        2,
+        "Copies of each shard with --replication, the rank's own included: replicas go to ranks n + J, n + 2J, ... "
+        "(--replication-jump J), which must be on different nodes; a shard survives the loss of K - 1 nodes.",
+    )
     load: Optional[str] = _f(
         None,
         "Directory to load the latest checkpoint from.  With the same directory as "
@@ -99,7 +103,10 @@ class CheckpointConfig(Section):
             not self.replication or self.non_persistent_ckpt_type == "local",
             "--replication needs --non-persistent-ckpt-type local",
         )
-        check(self.replication_factor == 2, f"--replication-factor {self.replication_factor}: only 2 is built")
+        check(
+            self.replication_factor >= 2,
+            f"--replication-factor {self.replication_factor}: at least 2 (the rank's own copy and one replica)",
+        )
         check(self.replication_jump is None or self.replication_jump > 0, "--replication-jump must be positive")
         check(
             not self.ckpt_fallback_to_verified or (self.load is not None and self.ckpt_step is None),

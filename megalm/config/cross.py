@@ -44,7 +44,7 @@ def validate_cross(cfg, world_size: Optional[int]) -> None:
     validate_fault_tolerance(cfg)  # torchft replica groups: before the global batch gets its default
     if world_size is not None:
         _validate_world(p, t, world_size, vpp, m.seq_length)
-        validate_ft_batch(p, t)
+        validate_ft_batch(p, t, step_schedule(t, m.seq_length))
     validate_lr_schedule_lengths(t)
     _validate_data(cfg.data, m, p)
     lg = cfg.logging

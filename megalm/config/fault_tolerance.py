@@ -38,7 +38,6 @@ def validate_fault_tolerance(cfg) -> None:
         "--ft-replica-group-id needs --global-batch-size (the batch of all replica groups together)",
     )
     for refused, what in (
-        (t.rampup_batch_size or t.step_batch_size_schedule, "--rampup-batch-size / --step-batch-size-schedule"),
         (t.straggler_rebalance_interval, "--straggler-rebalance-interval"),
         (p.local_sgd_interval, "--local-sgd-interval"),
         (p.grad_compression != "none", f"--grad-compression {p.grad_compression}"),
@@ -53,12 +52,33 @@ def validate_fault_tolerance(cfg) -> None:
         check(not refused, f"torchft replica groups (--ft-replica-group-id) do not work with {what} yet")
 
 
-def validate_ft_batch(p, t) -> None:
-    """Every quorum of ``--ft-min-replicas`` .. ``--ft-num-replica-groups`` groups splits the global
-    batch into whole, equal micro-batch shares (needs the data-parallel size)."""
+def validate_ft_batch(p, t, schedule=None) -> None:
+    """Every quorum of ``--ft-min-replicas`` .. ``--ft-num-replica-groups`` groups splits every global
+    batch of the run (``--global-batch-size``, each batch of ``--rampup-batch-size`` and of
+    ``schedule``: ``--step-batch-size-schedule``'s (threshold, batch) pairs) into whole, equal
+    micro-batch shares (needs the data-parallel size)."""
     if not ft_enabled(p) or p.data_parallel_size is None:
         return
     per_group = t.micro_batch_size * p.data_parallel_size
+    if t.rampup_batch_size:  # every batch of the ramp: start + k increment, k = 0, 1, ...
+        start, increment, _ = (int(x) for x in t.rampup_batch_size)
+        for n in range(p.ft_min_replicas, p.ft_num_replica_groups + 1):
+            check(
+                start % (per_group * n) == 0 and increment % (per_group * n) == 0,
+                f"--rampup-batch-size {' '.join(map(str, t.rampup_batch_size))}: with torchft replica groups the "
+                f"start and the increment must be multiples of --micro-batch-size {t.micro_batch_size} x data-parallel "
+                f"size {p.data_parallel_size} x {n} (every batch of the ramp split evenly over every quorum size from "
+                f"--ft-min-replicas {p.ft_min_replicas} to --ft-num-replica-groups {p.ft_num_replica_groups})",
+            )
+    for _, batch in schedule or ():
+        for n in range(p.ft_min_replicas, p.ft_num_replica_groups + 1):
+            check(
+                batch % (per_group * n) == 0,
+                f"--step-batch-size-schedule: its global batch {batch} cannot be split evenly over a quorum of {n} "
+                f"torchft replica groups: every batch must be a multiple of --micro-batch-size {t.micro_batch_size} x "
+                f"data-parallel size {p.data_parallel_size} x {n} for every quorum size from --ft-min-replicas "
+                f"{p.ft_min_replicas} to --ft-num-replica-groups {p.ft_num_replica_groups}",
+            )
     for n in range(p.ft_min_replicas, p.ft_num_replica_groups + 1):
         check(
             t.global_batch_size % (per_group * n) == 0,

@@ -20,9 +20,11 @@ a ``torchft_lighthouse``.
    :class:`megalm.data.samplers.ShareSampler`).  Survivors of a smaller quorum run more
    micro-batches, so the global batch (and the loss curve) stays that of the full run; global batch
    ``k`` is always samples ``[k G, (k+1) G)``;
-3. forward-backward over the ``s`` micro-batches, the group's own gradient reduction, then one
-   all-reduce (average over the ``n`` groups) of each gradient buffer (the distributed optimizer's
-   shard: rank ``i`` of every group holds the same one) and of the reported losses;
+3. forward-backward over the ``s`` micro-batches, the group's own gradient reduction, then
+   all-reduces (average over the ``n`` groups) of the gradients this rank's optimizer reads (each
+   gradient buffer; with the distributed optimizer or ZeRO-2 this rank's shard of each bucket: rank
+   ``i`` of every group holds the same ones) and of the reported values' sums and counts (with
+   ``--calculate-per-token-loss`` the token counts first: see :func:`megalm.training.step.train_step`);
 4. ``should_commit``: every group's vote.  On yes the optimizer steps and the iteration and
    ``consumed_samples`` advance; on no (a peer died during the step, a collective failed) nothing
    changed and the same global batch is redone with the new quorum: no sample is skipped or
@@ -119,7 +121,8 @@ class ReplicaGroups:
         self.model = self.optimizer = self.scheduler = None  # attach()
         self.dp_rank, self.dp_size = group_rank(groups.dp), group_size(groups.dp)
         self.micro_batch_size = t.micro_batch_size
-        self.slots = t.global_batch_size // t.micro_batch_size  # micro-batches of one global batch
+        self.slots = t.global_batch_size // t.micro_batch_size  # micro-batches of this step's global batch
+        self.microbatches = None  # attach(): the run's MicrobatchCalculator (--rampup-batch-size)
         self.quorum = None  # (this group's rank, groups taking part) of the last step
         self.reset_data = True  # the data iterator must restart at the consumed samples
         self.recoveries = 0
@@ -156,8 +159,12 @@ class ReplicaGroups:
         )
 
     # -- set-up --
-    def attach(self, model, optimizer, scheduler) -> None:
+    def attach(self, model, optimizer, scheduler, microbatches=None) -> None:
+        """The trainer's state a peer receives, and its
+        :class:`megalm.training.microbatches.MicrobatchCalculator` (each step's global batch, which
+        ``--rampup-batch-size`` grows; None: always ``--global-batch-size``)."""
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.microbatches = microbatches
 
     def resume_at(self, iteration: int) -> None:
         """A run resumed from a checkpoint at ``iteration``: torchft's step follows it (a group
@@ -205,6 +212,10 @@ class ReplicaGroups:
                 f"recovery in {time.perf_counter() - start:.2f} s"
             )
         n, r = self.manager.num_participants(), self.manager.participating_rank()
+        slots = self.slots
+        if self.microbatches is not None:  # this step's global batch (after a recovery: the peer's position)
+            self.microbatches.update(self.state.consumed_train_samples)
+            self.slots = self.microbatches.current_global_batch_size // self.micro_batch_size
         if r is None or n < 1:
             raise ReplicaGroupError(f"torchft: replica group {self.group_id} is not part of the quorum ({n} groups)")
         if n > self.max_groups:
@@ -217,7 +228,12 @@ class ReplicaGroups:
                 f"torchft: quorum of {n} replica group(s) at iteration {self.state.iteration + 1}, this group is "
                 f"replica {r}: {self.slots // (n * self.dp_size)} micro-batch(es) per data-parallel rank"
             )
-        if (r, n) != self.quorum or self.reset_data:
+        if self.slots % (n * self.dp_size):
+            raise ReplicaGroupError(
+                f"torchft: the global batch of {self.slots} micro-batches at iteration {self.state.iteration + 1} "
+                f"cannot be split over {n} replica group(s) of {self.dp_size} data-parallel rank(s)"
+            )
+        if (r, n) != self.quorum or self.reset_data or self.slots != slots:
             self.quorum = (r, n)
             if loader is not None:
                 sampler = loader.batch_sampler
@@ -370,15 +386,25 @@ def addressed_http_transport(address: str, timeout: timedelta):
 
 
 def _gradient_tensors(model):
-    """The tensors holding this rank's reduced gradients: each data-parallel buffer's reduced part
-    (the whole buffer, or the distributed optimizer's shard), else the parameters' ``.grad``."""
+    """The tensors holding the reduced gradients this rank's optimizer reads: the whole buffer
+    without the distributed optimizer; with it, each bucket's shard of this rank (the rest of the
+    buffer was reduce-scattered to the other ranks of the group: the cross-group all-reduce carries
+    ``1/d`` of the gradients); under ZeRO-2 the sharded buffer; without data-parallel wrapping the
+    parameters' ``.grad``."""
     out = []
     for chunk in model:
         buffers = getattr(chunk, "all_buffers", None)
         if buffers is None:
             out.extend(p.grad for p in chunk.parameters() if p.grad is not None)
-        else:
-            out.extend(buf.reduced_grad_data for buf in buffers)
+            continue
+        for buf in buffers:
+            grads = buf.reduced_grad_data
+            if getattr(buf, "use_distributed_optimizer", False) and grads is getattr(buf, "grad_data", None):
+                for bucket in buf.buckets:  # the whole buffer: only this rank's shard of each bucket
+                    start, end = bucket.shard_range(buf.data_parallel_rank)
+                    out.append(grads[start:end])
+            else:
+                out.append(grads)
     return out
 
 

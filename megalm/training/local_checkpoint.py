@@ -40,6 +40,7 @@ def build_local_checkpoint(checkpoint_cfg) -> Optional[LocalCheckpoint]:
         c.replication,
         c.replication_jump,
         background=c.async_save,
+        factor=c.replication_factor,
     )
     if not c.replication:
         logger.warning(
@@ -51,8 +52,9 @@ def build_local_checkpoint(checkpoint_cfg) -> Optional[LocalCheckpoint]:
 
 def describe_save(local: LocalCheckpoint, iteration: int, outcome: dict) -> str:
     line = f"local checkpoint at iteration {iteration}: {outcome['bytes']} bytes to {local.dir}"
-    if local.peer is not None:
-        line += f", {outcome['sent']} bytes sent to rank {local.peer} (node {local.nodes[local.peer]!r})"
+    if local.peers:
+        to = ", ".join(f"rank {p} (node {local.nodes[p]!r})" for p in local.peers)
+        line += f", {outcome['sent']} bytes sent to {to}"
     if local.background:
         return line + f" (serialized in {outcome['seconds']:.3f} s; written and sent in the background)"
     return line + f" in {outcome['seconds']:.3f} s"
