@@ -43,7 +43,7 @@ get no loss run.  Then a plain-DP cell at 100 Mbit/s costs ~W+N+1 link-bound ite
 
 The quiet grid (issue 35; see docs/comm-efficient-dp.md for its measured duration)::
 
-    python3 bench/comm_efficient_dp.py --quiet-grid --results bench/results/comm_efficient_dp_quiet.jsonl
+    python3 bench/comm_efficient_dp.py --quiet-grid --results quiet.jsonl
 """
 
 from __future__ import annotations
@@ -87,6 +87,15 @@ METHODS = {  # name: (label, flags)
                               + ["--local-sgd-overlap-steps", "1"]),
     "diloco_h32": ("DiLoCo H=32 (lr 0.7, mom. 0.9)", HIER + ["--local-sgd-interval", "32", "--outer-lr", "0.7"]
                    + ["--outer-momentum", "0.9"]),
+    # issue 35's literature variants (warm-ups of 32 exact / synchronous steps; split runs need --speed-warmup >= 32)
+    "powersgd32_warm32": ("PowerSGD rank 32 inter-node, 32 exact steps first", HIER + ["--grad-compression",
+                          "powersgd", "--powersgd-rank", "32", "--grad-compression-warmup-iters", "32"]),
+    "diloco_h8_warm32": ("DiLoCo H=8, 32 synchronous steps first", HIER + ["--local-sgd-interval", "8", "--outer-lr",
+                         "0.7", "--outer-momentum", "0.9", "--local-sgd-warmup-iters", "32"]),
+    "streaming_h8_f4": ("Streaming DiLoCo H=8, 4 fragments, int8 outer grads, 32 sync. steps first", HIER + [
+                        "--local-sgd-interval", "8", "--outer-lr", "0.7", "--outer-momentum", "0.9",
+                        "--local-sgd-warmup-iters", "32", "--local-sgd-fragments", "4", "--local-sgd-overlap-steps",
+                        "2", "--outer-grad-int8-chunk", "1024"]),
 }  # fmt: skip
 DEFAULT_METHODS = "plain,hierarchical,int8,local_sgd_h8_overlap1,fp8"
 CORPORA = {  # name: (document prefix, the command that builds its JSON-lines text)
@@ -104,6 +113,7 @@ QUIET_GRID = {  # --quiet-grid: issue 35's cells (the goal's link first, then 1 
     "speed_window": 16,
     "speed_warmup": 4,
     "speed_only": "hierarchical",
+    "speed_seeds": 1,
 }
 
 
@@ -250,10 +260,19 @@ def run_loss(corpus: str, data_dir: str, seed: int, method: str, args, tmp: str)
     }  # fmt: skip
 
 
+def _flag(method: str, flag: str, default: int) -> int:
+    flags = METHODS[method][1]
+    return int(flags[flags.index(flag) + 1]) if flag in flags else default
+
+
 def period(method: str) -> int:
     """Iterations between a method's synchronisations (its --local-sgd-interval, else 1)."""
-    flags = METHODS[method][1]
-    return int(flags[flags.index("--local-sgd-interval") + 1]) if "--local-sgd-interval" in flags else 1
+    return _flag(method, "--local-sgd-interval", 1)
+
+
+def warmup(method: str) -> int:
+    """A method's warm-up of exact / synchronous iterations (a speed window must start after it)."""
+    return max(_flag(method, "--grad-compression-warmup-iters", 0), _flag(method, "--local-sgd-warmup-iters", 0))
 
 
 def loss_check(speed_losses: dict, loss_run: dict) -> dict:
@@ -264,28 +283,38 @@ def loss_check(speed_losses: dict, loss_run: dict) -> dict:
     return {"iterations": len(common), "max_rel_diff": diff, "equal": bool(common) and diff == 0.0}
 
 
-def run_split_cell(corpus, data_dir, bandwidth, seed, method, args, tmp, loss_run) -> dict:
+def run_split_cell(corpus, data_dir, bandwidth, seed, method, args, tmp, loss_run, reuse=None) -> dict:
     """A cell of the split measurement (see the module): its speed run at ``bandwidth``, its loss
-    from ``loss_run`` (None for a ``--speed-only`` method)."""
+    from ``loss_run`` (None for a ``--speed-only`` method).  ``reuse``: the cell of an earlier seed
+    (same corpus, link and method) whose speed run this one takes instead of running its own (the
+    same model, batch and collectives: the seed changes the numbers, not the work)."""
     w, n = args.speed_warmup, args.speed_window
     load_before, started = os.getloadavg(), datetime.datetime.now(datetime.timezone.utc)
-    rows = run_cluster(corpus, data_dir, bandwidth, seed, method, args, tmp, w + n + 1, "_speed", ["--eval-iters", "0"])
-    speed = parse_metrics(rows, window=(w, w + n))
+    if reuse is None:
+        extra = ["--eval-iters", "0"]
+        rows = run_cluster(corpus, data_dir, bandwidth, seed, method, args, tmp, w + n + 1, "_speed", extra)
+        speed = parse_metrics(rows, window=(w, w + n))
+        how = f"tokens/s: iterations {w + 1}-{w + n} of a {w + n + 1}-iteration run at {bandwidth}"
+    else:
+        speed = {k: reuse[k] for k in ("tokens_per_s", "inter_node_MB_per_step", "train_loss", "curve")}
+        how = f"tokens/s: seed {reuse['seed']}'s speed run (iterations {w + 1}-{w + n} at {bandwidth})"
     cell = {
         "corpus": corpus, "bandwidth": bandwidth, "seed": seed, "method": method, "iters": args.iters,
         "tokens_per_iter": TOKENS_PER_ITER, **_host(started, load_before),
         "tokens_per_s": speed["tokens_per_s"], "inter_node_MB_per_step": speed["inter_node_MB_per_step"],
-        "speed_window": [w + 1, w + n],
-        "measured": f"tokens/s: iterations {w + 1}-{w + n} of a {w + n + 1}-iteration run at {bandwidth}; "
-                    + (f"loss: a {args.iters}-iteration run with no link limit" if loss_run else "loss: not measured"),
+        "speed_window": [w + 1, w + n], "speed_of_seed": seed if reuse is None else reuse["seed"],
+        "measured": how + "; " + (f"loss: a {args.iters}-iteration run with no link limit" if loss_run
+                                  else "loss: not measured"),
     }  # fmt: skip
     if loss_run is None:
         return {**cell, "valid": [], "valid_loss": None, "train_loss": speed["train_loss"], "curve": speed["curve"]}
-    return {
+    out = {
         **cell, "valid": loss_run["valid"], "valid_loss": loss_run["valid_loss"], "train_loss": loss_run["train_loss"],
         "curve": loss_run["curve"], "unshaped_tokens_per_s": loss_run["tokens_per_s"],
-        "loss_check": loss_check(speed["losses"], loss_run),
     }  # fmt: skip
+    if reuse is None:
+        out["loss_check"] = loss_check(speed["losses"], loss_run)
+    return out
 
 
 def load_results(paths) -> list:
@@ -313,7 +342,9 @@ def check_names(given: str, known: dict, what: str) -> list:
 
 
 def measure(args) -> None:
-    """Every cell not yet in ``--results``, seeds outermost (the first seed's full table comes first)."""
+    """Every cell not yet in ``--results``: seeds outermost (the first seed's full table comes first);
+    split (``--speed-window``), links outermost (the first link's cells, the goal's, are complete first;
+    the later links add only their speed runs)."""
     methods = check_names(args.methods, METHODS, "method")
     corpora = check_names(args.corpora, CORPORA, "corpus")
     split = args.speed_window > 0
@@ -325,9 +356,20 @@ def measure(args) -> None:
                 f"--speed-window {args.speed_window} must be a multiple of every method's period H (not of "
                 f"{', '.join(bad)}) and --speed-warmup >= 1 (got {args.speed_warmup})"
             )
+        early = [f"{m} ({warmup(m)})" for m in methods if args.speed_warmup < warmup(m)]
+        if early:
+            raise BenchInputError(
+                f"--speed-warmup {args.speed_warmup} ends inside the warm-up of {', '.join(early)}: the window "
+                "would time the exact steps, not the method"
+            )
     records = load_results([args.results])
     done = {cell_key(r) for r in records if r.get("kind") != "loss_run"}
     losses = {(r["corpus"], r["seed"], r["method"], r["iters"]): r for r in records if r.get("kind") == "loss_run"}
+    seeds = [int(s) for s in args.seeds.split(",")]
+    measured_speed = {  # (corpus, link, method, iters): the cell of the seed whose speed run the later ones reuse
+        (r["corpus"], r["bandwidth"], r["method"], r["iters"]): r
+        for r in records if r.get("speed_of_seed") == r["seed"] and r["seed"] in seeds[: args.speed_seeds]
+    }  # fmt: skip
     dirs = {c: prepare_corpus(c, args.data_root) for c in corpora}
 
     def append(r):
@@ -336,28 +378,33 @@ def measure(args) -> None:
 
     with tempfile.TemporaryDirectory(prefix="megalm-comp-bench-") as tmp:
         os.chmod(tmp, 0o777)
-        for seed in [int(s) for s in args.seeds.split(",")]:
-            for bandwidth in args.bandwidths.split(","):
-                for corpus in corpora:
-                    for method in methods:
-                        key = (corpus, bandwidth, seed, method, args.iters)
-                        if key in done:
-                            continue
-                        if not split:
-                            r = run_cell(corpus, dirs[corpus], bandwidth, seed, method, args, tmp)
-                        else:
-                            lkey = (corpus, seed, method, args.iters)
-                            if method not in speed_only and lkey not in losses:
-                                losses[lkey] = run_loss(corpus, dirs[corpus], seed, method, args, tmp)
-                                append(losses[lkey])
-                            r = run_split_cell(corpus, dirs[corpus], bandwidth, seed, method, args, tmp,
-                                               losses.get(lkey) if method not in speed_only else None)  # fmt: skip
-                        append(r)
-                        check = r.get("loss_check")
-                        same = "" if check is None else f", losses equal the loss run's: {check['equal']}"
-                        print(f"{corpus} {bandwidth} seed {seed} {method}: {r['tokens_per_s']:.0f} tokens/s, "
-                              f"valid {r['valid_loss']}, load {r['load_before'][0]:.1f}-{r['load_after'][0]:.1f}"
-                              f"{same}", flush=True)  # fmt: skip
+        links = args.bandwidths.split(",")
+        order = [(seed, link) for link in links for seed in seeds] if split else [(s, b) for s in seeds for b in links]
+        for seed, bandwidth in order:
+            for corpus in corpora:
+                for method in methods:
+                    key = (corpus, bandwidth, seed, method, args.iters)
+                    if key in done:
+                        continue
+                    if not split:
+                        r = run_cell(corpus, dirs[corpus], bandwidth, seed, method, args, tmp)
+                    else:
+                        lkey = (corpus, seed, method, args.iters)
+                        if method not in speed_only and lkey not in losses:
+                            losses[lkey] = run_loss(corpus, dirs[corpus], seed, method, args, tmp)
+                            append(losses[lkey])
+                        skey = (corpus, bandwidth, method, args.iters)
+                        later = args.speed_seeds and seed not in seeds[: args.speed_seeds]
+                        reuse = measured_speed.get(skey) if later else None
+                        loss_run = losses.get(lkey) if method not in speed_only else None
+                        r = run_split_cell(corpus, dirs[corpus], bandwidth, seed, method, args, tmp, loss_run, reuse)
+                        measured_speed.setdefault(skey, r)
+                    append(r)
+                    check = r.get("loss_check")
+                    same = "" if check is None else f", losses equal the loss run's: {check['equal']}"
+                    print(f"{corpus} {bandwidth} seed {seed} {method}: {r['tokens_per_s']:.0f} tokens/s, "
+                          f"valid {r['valid_loss']}, load {r['load_before'][0]:.1f}-{r['load_after'][0]:.1f}"
+                          f"{same}", flush=True)  # fmt: skip
 
 
 def plot(records, prefix: str) -> list:
@@ -418,6 +465,13 @@ def main(argv=None) -> int:
         "iterations of a short shaped run (0: one shaped run of --iters per cell)",
     )
     p.add_argument("--speed-warmup", type=int, default=8, help="speed-run iterations before the window")
+    p.add_argument(
+        "--speed-seeds",
+        type=int,
+        default=0,
+        help="split measurement: speed runs for the first this many --seeds only, later seeds' cells take "
+        "the first seed's tokens/s (the same work); 0: every seed",
+    )
     p.add_argument("--speed-only", default="hierarchical", help="methods with no loss run (split measurement)")
     p.add_argument(
         "--quiet-grid",

@@ -233,6 +233,9 @@ def _pool_worker(rank: int, conn, environ: Dict[str, str]) -> None:
     environment (a forked rank starts with the fork server's)."""
     os.environ.clear()
     os.environ.update(environ)
+    import numpy
+
+    numpy.random.seed()  # from the OS, as a fresh process (Python's random is reseeded at fork; torch starts as one)
     parent = os.getppid()
 
     def leave_with_the_parent():  # a killed parent (pytest stopped mid-call) takes its ranks with it

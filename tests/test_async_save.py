@@ -14,7 +14,7 @@ from megalm.checkpoint.resume import TRACKER_FILENAME
 from megalm.checkpoint.save import stage_to_cpu
 from megalm.param_layout import ShardedTensorSpec
 from tests.distributed_harness import run_distributed
-from tests.training_runs import losses, records
+from tests.training_runs import losses, records, tiny_flags
 
 # --- the writer -----------------------------------------------------------------------------------
 
@@ -69,40 +69,16 @@ def test_staging_copies_every_block():
 
 # --- whole trainings ------------------------------------------------------------------------------
 
-BASE = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "16",
-    "--max-position-embeddings",
-    "16",
-    "--mock-data",
-    "--vocab-size",
-    "200",
-    "--num-workers",
-    "0",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--lr",
-    "3e-3",
-    "--eval-iters",
-    "0",
-    "--seed",
-    "5",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "8",
-    "--log-interval",
-    "1",
-    "--use-distributed-optimizer",
-]
+BASE = tiny_flags(
+    hidden_size="32",
+    seq_length="16",
+    vocab_size="200",
+    lr="3e-3",
+    seed="5",
+    micro_batch_size="2",
+    global_batch_size="8",
+    use_distributed_optimizer=True,
+)
 
 
 def _slowed_trainings(runs, delay, fail_common_on_rank=None):

@@ -193,9 +193,12 @@ def test_split_measurement_shares_loss_runs_and_checks_the_speed_runs_losses(tmp
     assert "--speed-window 2 must be a multiple of every method's period H (not of local_sgd_h8_overlap1 (H=8))" in (
         capsys.readouterr().err
     )
+    # a window inside a method's warm-up would time its exact steps
+    assert bench.main(argv[:-1] + ["powersgd32_warm32"]) == 2
+    assert "--speed-warmup 2 ends inside the warm-up of powersgd32_warm32 (32)" in capsys.readouterr().err
     # --quiet-grid: issue 35's cells; flags given explicitly override its values
     calls.clear()
-    grid = ["--quiet-grid", "--results", str(tmp_path / "g.jsonl"), "--seeds", "1", "--iters", "8"]
+    grid = ["--quiet-grid", "--results", str(tmp_path / "g.jsonl"), "--seeds", "1,2", "--iters", "8"]
     assert bench.main(grid + ["--corpora", "system", "--bandwidths", "100mbit"]) == 0
     g = bench.QUIET_GRID
     speed_iters = g["speed_warmup"] + g["speed_window"] + 1
@@ -204,4 +207,11 @@ def test_split_measurement_shares_loss_runs_and_checks_the_speed_runs_losses(tmp
         ("100mbit", "hierarchical", speed_iters, "_speed"), ("unshaped", "int8", 8, "_loss"),
         ("100mbit", "int8", speed_iters, "_speed"), ("unshaped", "int4", 8, "_loss"),
         ("100mbit", "int4", speed_iters, "_speed"),
+        ("unshaped", "plain", 8, "_loss"), ("unshaped", "int8", 8, "_loss"), ("unshaped", "int4", 8, "_loss"),
     ]  # fmt: skip
+    # the second seed: its own loss runs, seed 1's speed runs (said so in the cell, no loss check)
+    cells = {(r["seed"], r["method"]): r for r in rep.cells_of(bench.load_results([str(tmp_path / "g.jsonl")]))}
+    again = cells[(2, "int8")]
+    assert again["tokens_per_s"] == cells[(1, "int8")]["tokens_per_s"] and again["speed_of_seed"] == 1
+    assert "tokens/s: seed 1's speed run" in again["measured"] and "loss_check" not in again
+    assert "loss_check" in cells[(1, "int8")] and cells[(1, "int8")]["speed_of_seed"] == 1

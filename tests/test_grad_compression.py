@@ -97,7 +97,7 @@ def method_of(name, chunk=16, ratio=1.0, rank=2):
 
 
 def reduce_once(comp, key, flat, matrices, group):
-    comp.comm_stats = stats = CommStats()
+    comp.comm_stats = stats = CommStats(LOCAL)
     comp.all_reduce(key, flat, matrices, group).wait()
     return {k: v["wire_bytes"] for k, v in stats.get().items()}
 
@@ -135,7 +135,7 @@ def exact_checks(group, me):
     # int8's / fp8's compressed reduce-scatter (distributed optimizer): shard me of 10 of the exact sum
     for name, g in (("int8", dyadic), ("fp8", e4m3)):
         flat, shard = g.clone(), (10 * me, 10 * me + 10)
-        counted = CommStats()
+        counted = CommStats(LOCAL)
         GradCompressor(method_of(name), comm_stats=counted).reduce_scatter("x", flat, shard, [], group).wait()
         stats = counted.get()[f"grad_{name}_all_to_all"]
         exact = out[name]["exact"][10 * me : 10 * me + 10]
@@ -201,7 +201,7 @@ def ddp_run(name, hierarchical, pg, distopt=False, keep=None, strategy="no_shard
     whose reduced shards are then all-gathered (uncounted).  ``keep``: a dict that gets the DDP
     wrapper (by method and hierarchical)."""
     cfg = config(name, hierarchical, distopt, data_parallel_sharding_strategy=strategy)
-    counted = CommStats()
+    counted = CommStats(LOCAL)
     ddp = DistributedDataParallel(make_model(), cfg, process_groups=pg, comm_stats=counted)
     if keep is not None:
         keep[(name, hierarchical)] = ddp
@@ -248,7 +248,7 @@ def diloco_run(pg, hierarchical):
     """Two DiLoCo syncs (H = 2) of one parameter; the values after each, and the bytes sent.
     Hierarchical: the ranks of a node hold the same replica (as after exact intra-node steps)."""
     p = torch.nn.Parameter(torch.arange(6, dtype=torch.float32))
-    stats = CommStats()
+    stats = CommStats(LOCAL)
     outer = OuterSync(FakeOptimizer([p]), 2, 0.7, 0.9, process_groups=pg, hierarchical=hierarchical, comm_stats=stats)
     replica = dist.get_rank() // LOCAL if hierarchical else dist.get_rank()
     out = []
@@ -291,7 +291,7 @@ def overlap_run(pg, hierarchical, eta, mu, overlap):
             comm_stats=stats,
         )
 
-    stats = CommStats()  # the first run's collectives
+    stats = CommStats(LOCAL)  # the first run's collectives
     p, outer = make(stats)
     values, restarted = [], None
     for it in range(1, OVERLAP_ITERS + 1):
@@ -319,12 +319,79 @@ def local_grads(pg, hierarchical):
     """DDP under --local-sgd-interval: the gradient each rank holds after one accumulated step."""
     cfg = ParallelConfig(overlap_grad_reduce=True, ddp_bucket_size=BUCKET, hierarchical_grad_reduce=hierarchical,
                          local_sgd_interval=2)  # fmt: skip
-    stats = CommStats()
+    stats = CommStats(LOCAL)
     ddp = DistributedDataParallel(make_model(), cfg, process_groups=pg, comm_stats=stats)
     ddp.zero_grad_buffer()
     accumulate(ddp, 0, parallel_state.group_rank(pg.dp_cp), ddp.no_sync)
     ddp.finish_grad_sync()
     return torch.cat([p.main_grad.reshape(-1) for p in ddp.module.parameters()]), sorted(stats.get())
+
+
+STREAM_ITERS, STREAM_RESTART = 8, 3  # H = 2, F = 2, D = 1: a fragment starts at every iteration; 8 syncs both
+
+
+def stream_step(replica, iteration):
+    """What one local optimizer step subtracts from the 12 elements of the two parameters."""
+    return torch.cat([local_step(replica, iteration), local_step(replica + 10, iteration)])
+
+
+def streaming_run(pg, hierarchical):
+    """Streaming DiLoCo (--local-sgd-fragments 2, H = 2, overlap 1, eta 0.7, mu 0.9) of two parameters
+    (one per fragment): the values after each iteration, those of a copy restarted from the state
+    taken after iteration STREAM_RESTART (a correction pending), and the bytes of the first run."""
+    replica = dist.get_rank() // LOCAL if hierarchical else dist.get_rank()
+
+    def make(stats=None):
+        p, q = (torch.nn.Parameter(torch.arange(6, dtype=torch.float32) + 6 * i) for i in range(2))
+        sync = OuterSync(FakeOptimizer([p, q]), 2, 0.7, 0.9, process_groups=pg, hierarchical=hierarchical,
+                         overlap_steps=1, last_iteration=STREAM_ITERS, fragments=2, comm_stats=stats)  # fmt: skip
+        return (p, q), sync
+
+    def train(params, sync, it):
+        with torch.no_grad():
+            step = stream_step(replica, it)
+            params[0].sub_(step[:6])
+            params[1].sub_(step[6:])
+        sync.step(it)
+        return torch.cat([x.detach().reshape(-1) for x in params])
+
+    stats = CommStats(LOCAL)  # the first run's collectives
+    params, sync = make(stats)
+    values, restarted = [], None
+    for it in range(1, STREAM_ITERS + 1):
+        values.append(train(params, sync, it))
+        if restarted is not None:
+            values[-1] = (values[-1], train(*restarted, it))
+        if it == STREAM_RESTART:
+            state = sync.state_dict()
+            restarted = make()
+            with torch.no_grad():
+                for mine, theirs in zip(restarted[0], params):
+                    mine.copy_(theirs)
+            restarted[1].load_state_dict(state)
+    sent = {k: v["wire_bytes"] for k, v in stats.get().items()}
+    return values, sent
+
+
+def quantized_outer_run(pg, hierarchical):
+    """One sync (H = 1) of a 12-element parameter from 0 after a local step of integers with a 127 in every
+    chunk of 6 (exactly representable pseudo-gradients), with --outer-grad-int8-chunk 6 and without, plain
+    averaging and DiLoCo: ``{(case, quantized): (value, {kind: wire bytes})}``."""
+    replica = dist.get_rank() // LOCAL if hierarchical else dist.get_rank()
+    g = torch.Generator().manual_seed(7 + replica)
+    step = torch.randint(-126, 127, (12,), generator=g).float()
+    step[[replica, 6 + replica]] = 127.0 * (-1) ** replica
+    out = {}
+    for case, (eta, mu) in {"plain": (1.0, 0.0), "diloco": (0.7, 0.9)}.items():
+        for chunk in (0, 6):
+            p, stats = torch.nn.Parameter(torch.zeros(12)), CommStats()
+            sync = OuterSync(FakeOptimizer([p]), 1, eta, mu, process_groups=pg, hierarchical=hierarchical,
+                             comm_stats=stats, outer_grad_int8_chunk=chunk)  # fmt: skip
+            with torch.no_grad():
+                p -= step
+            sync.step(1)
+            out[case, chunk > 0] = (p.detach().clone(), {k: v["wire_bytes"] for k, v in stats.get().items()})
+    return out
 
 
 WARMUPS = {"local": {"local_sgd_interval": 2, "local_sgd_warmup_iters": 1},
@@ -338,7 +405,7 @@ def warmup_grads(pg, hierarchical):
     for name, extra in WARMUPS.items():
         cfg = ParallelConfig(overlap_grad_reduce=True, ddp_bucket_size=BUCKET, hierarchical_grad_reduce=hierarchical,
                              **{**SETTINGS, **extra})  # fmt: skip
-        stats = CommStats()
+        stats = CommStats(LOCAL)
         ddp = DistributedDataParallel(make_model(), cfg, process_groups=pg, comm_stats=stats)
         out[name] = []
         for iteration in (1, 2):
@@ -397,6 +464,8 @@ def worker():
     out["overlap"] = {(c, h): overlap_run(pg, h, *OVERLAP_CASES[c]) for c in OVERLAP_CASES for h in (False, True)}
     out["local"] = {h: local_grads(pg, h) for h in (False, True)}
     out["warmup"] = {h: warmup_grads(pg, h) for h in (False, True)}
+    out["streaming"] = {h: streaming_run(pg, h) for h in (False, True)}
+    out["quantized_outer"] = {h: quantized_outer_run(pg, h) for h in (False, True)}
     trained = {}
     out["ddp"] = {(n, h): ddp_run(n, h, pg, keep=trained) for n in METHODS for h in (False, True)}
     out["distopt"] = {(n, h): ddp_run(n, h, pg, distopt=True) for n, h in DISTOPT_CASES}
@@ -780,6 +849,17 @@ def test_config_accepts_sharded_gradients_and_refuses_bad_settings():
         check(grad_compression="fp8", grad_fp8_chunk_size=0)
     with pytest.raises(ConfigError, match="--powersgd-rank must be >= 1"):
         check(grad_compression="powersgd", powersgd_rank=0)
+    # the warm-ups and Streaming DiLoCo's fragments
+    check(grad_compression="powersgd", grad_compression_warmup_iters=10)
+    check(local_sgd_interval=4, local_sgd_warmup_iters=10, local_sgd_fragments=2, local_sgd_overlap_steps=2)
+    with pytest.raises(ConfigError, match="--grad-compression-warmup-iters needs --grad-compression"):
+        check(grad_compression_warmup_iters=10)
+    with pytest.raises(ConfigError, match="--local-sgd-warmup-iters needs --local-sgd-interval"):
+        check(local_sgd_warmup_iters=10)
+    with pytest.raises(ConfigError, match="--local-sgd-fragments must divide --local-sgd-interval 4"):
+        check(local_sgd_interval=4, local_sgd_fragments=3)
+    with pytest.raises(ConfigError, match="got 2 fragments, 3 overlap steps"):
+        check(local_sgd_interval=4, local_sgd_fragments=2, local_sgd_overlap_steps=3)
 
 
 # --- local SGD / DiLoCo ---------------------------------------------------------------------------
@@ -919,3 +999,84 @@ def test_warmup_iterations_reduce_exactly_over_the_whole_group_then_the_method_s
             hier_int8 = {"grad_reduce_scatter_intra", "grad_inter_int8_all_gather", "grad_all_gather_intra"}
             assert set(after_stats) == (hier_int8 if h else {"grad_int8_all_gather"})
             assert not torch.equal(after, warm)  # compressed: not the exact mean
+
+
+def streaming_reference(replicas, eta=0.7, mu=0.9):
+    """Hand-computed Streaming DiLoCo (fragments p = [0, 6), q = [6, 12); p starts at odd iterations, q
+    at even ones, each applied 1 iteration later; the last iteration syncs both, blocking), float64."""
+    frags = (slice(0, 6), slice(6, 12))
+    x = {k: torch.arange(12, dtype=torch.float64) for k in replicas}
+    x0, m, pending, out = torch.arange(12, dtype=torch.float64), torch.zeros(12, dtype=torch.float64), None, []
+
+    def outer(avg, sl):
+        d = x0[sl] - avg
+        m[sl] = mu * m[sl] + d
+        x0[sl] = x0[sl] - eta * (d + mu * m[sl])
+        return x0[sl].clone()
+
+    for it in range(1, STREAM_ITERS + 1):
+        for k in replicas:
+            x[k] = x[k] - stream_step(k, it).double()
+        if pending is not None:  # due at every iteration (D = 1)
+            sl, snap = pending
+            new = outer(sum(snap.values()) / len(replicas), sl)
+            for k in replicas:
+                x[k][sl] += new - snap[k]
+            pending = None
+        if it == STREAM_ITERS:
+            for sl in frags:
+                new = outer(sum(x[k][sl] for k in replicas) / len(replicas), sl)
+                for k in replicas:
+                    x[k][sl] = new
+        else:
+            sl = frags[0] if it % 2 == 1 else frags[1]
+            pending = (sl, {k: x[k][sl].clone() for k in replicas})
+        out.append({k: v.clone() for k, v in x.items()})
+    return out
+
+
+def test_streaming_diloco_syncs_one_fragment_at_a_time_and_resumes_exactly(ranks):
+    """--local-sgd-fragments 2 (H = 2, D = 1): each iteration starts the average of one fragment (6 of
+    the 12 values), applied the next; the last iteration syncs both; values equal the float64 hand
+    computation (flat over 4 replicas, hierarchical over 2 nodes), a copy restarted from the state taken
+    with a fragment's correction pending continues bit for bit, and the bytes are 9 syncs of 6 values."""
+    syncs = STREAM_ITERS - 1 + 2  # one start per iteration but the last, which syncs both
+    for hierarchical in (False, True):
+        replicas = list(range(K // LOCAL)) if hierarchical else list(range(K))
+        want = streaming_reference(replicas)
+        for rank, r in enumerate(ranks):
+            got, sent = r["streaming"][hierarchical]
+            replica = rank // LOCAL if hierarchical else rank
+            if hierarchical:
+                assert sent == {"local_sgd_param_all_reduce_inter": syncs * 2 * 1 / 2 * 12,
+                                "local_sgd_param_all_gather_intra": syncs * 1 / 2 * 24}  # fmt: skip
+            else:
+                assert sent == {"local_sgd_param_all_reduce": syncs * 2 * 3 / 4 * 24}
+            assert sum(isinstance(v, tuple) for v in got) == STREAM_ITERS - STREAM_RESTART
+            for it, (value, expected) in enumerate(zip(got, want), start=1):
+                if isinstance(value, tuple):
+                    value, restarted = value
+                    assert torch.equal(restarted, value), (hierarchical, it)
+                torch.testing.assert_close(value.double(), expected[replica], rtol=1e-6, atol=1e-6)
+        ends = [r["streaming"][hierarchical][0][-1][0] for r in ranks]
+        assert all(torch.equal(e, ends[0]) for e in ends)  # one model at the end
+
+
+def test_int8_outer_gradients_are_exact_on_representable_values_with_the_all_gather_bytes(ranks):
+    """--outer-grad-int8-chunk 6: pseudo-gradients that 8 bits represent exactly (integers, a 127 per chunk)
+    give the fp32 average's result bit for bit (plain averaging and DiLoCo, flat over 4 replicas and
+    hierarchical over 2 nodes), and each rank sends one all-gather of ``(n-1) (N + 4 N/C)`` bytes
+    (N = 12 flat; hierarchical, the node's chunk of 6 across n = 2 nodes, then the exact intra-node all-gather)."""
+    for r in ranks:
+        for h in (False, True):
+            for case in ("plain", "diloco"):
+                (exact, _), (quantized, sent) = (
+                    r["quantized_outer"][h][case, False],
+                    r["quantized_outer"][h][case, True],
+                )
+                assert torch.equal(quantized, exact) and exact.abs().sum() > 0, (h, case)
+                if h:
+                    assert sent == {"local_sgd_outer_grad_int8_all_gather_inter": 1 * (6 + 4 * 1),
+                                    "local_sgd_param_all_gather_intra": 1 / 2 * 4 * 12}  # fmt: skip
+                else:
+                    assert sent == {"local_sgd_outer_grad_int8_all_gather": 3 * (12 + 4 * 2)}

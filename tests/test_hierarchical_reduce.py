@@ -17,6 +17,7 @@ from megalm.config import MegalmConfig, ParallelConfig
 from megalm.distributed import CommStats, DistributedDataParallel, comm, finalize_model_grads
 from megalm.parallel_state import NodeLayoutError, ProcessGroups, get_process_groups, node_split
 from tests.distributed_harness import run_distributed
+from tests.training_runs import tiny_flags
 
 BATCH, NUM_MICRO, STEPS, BUCKET = 16, 2, 3, 100
 LOCAL = 2  # ranks per node
@@ -73,7 +74,7 @@ def ddp_grads(hierarchical, overlap, expert, pg):
     """main_grads after one step with grad accumulation, and the inter-node bytes per node."""
     cfg = ParallelConfig(overlap_grad_reduce=overlap, ddp_bucket_size=BUCKET, hierarchical_grad_reduce=hierarchical)
     model = make_model(expert)
-    stats = CommStats()
+    stats = CommStats(LOCAL)
     ddp = DistributedDataParallel(model, cfg, process_groups=pg, comm_stats=stats)
     dp, dp_rank = parallel_state.group_size(pg.dp_cp), parallel_state.group_rank(pg.dp_cp)
     ddp.zero_grad_buffer()
@@ -99,7 +100,7 @@ def train_distopt(hierarchical, overlap, pg):
     p.use_distributed_optimizer, p.overlap_grad_reduce, p.overlap_param_gather = True, overlap, overlap
     p.ddp_bucket_size, p.hierarchical_grad_reduce = BUCKET, hierarchical
     model = make_model()
-    stats = CommStats()
+    stats = CommStats(LOCAL)
     ddp = DistributedDataParallel(model, p, process_groups=pg, comm_stats=stats)
     optimizer = build_optimizer(cfg, [ddp], report_memory=False, process_groups=pg, comm_stats=stats)
     dp, dp_rank = parallel_state.group_size(pg.dp_cp), parallel_state.group_rank(pg.dp_cp)
@@ -251,45 +252,19 @@ def test_single_process_flag_is_a_no_op():
 
 # --- through the trainer: the flag, and inter_node_bytes in the metrics file -----------------------
 
-TRAIN = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "16",
-    "--max-position-embeddings",
-    "16",
-    "--mock-data",
-    "--vocab-size",
-    "200",
-    "--num-workers",
-    "0",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--lr",
-    "3e-3",
-    "--eval-iters",
-    "0",
-    "--seed",
-    "5",
-    "--micro-batch-size",
-    "1",
-    "--global-batch-size",
-    "8",
-    "--log-interval",
-    "1",
-    "--train-iters",
-    "3",
-    "--use-distributed-optimizer",
-    "--overlap-grad-reduce",
-    "--ddp-bucket-size",
-    "4000",
-]
+TRAIN = tiny_flags(
+    hidden_size="32",
+    seq_length="16",
+    vocab_size="200",
+    lr="3e-3",
+    seed="5",
+    micro_batch_size="1",
+    global_batch_size="8",
+    train_iters="3",
+    use_distributed_optimizer=True,
+    overlap_grad_reduce=True,
+    ddp_bucket_size="4000",
+)
 
 
 def trainer_worker(tmp):

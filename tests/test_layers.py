@@ -74,7 +74,6 @@ READS_PARALLEL_STATE = {
     "megalm.launch.spawn",  # destroys a rank's layout after a call
     "megalm.cli.generate",  # a tool: builds the TP x PP layout it was asked for and passes its groups
     "megalm.planner.calibrate",  # a worker entry point under torchrun: builds and destroys its layout
-    "megalm.distributed.comm",  # get_ranks_per_node
     "megalm.distributed.data_parallel",  # get_ranks_per_node, in an error message
 }
 

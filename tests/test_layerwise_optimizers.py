@@ -12,25 +12,14 @@ from megalm.config import ConfigError, MegalmConfig, validate_config
 from megalm.optimizer import build_optimizer
 from megalm.optimizer.lamb import Lamb
 from megalm.parallel_state import get_process_groups
+from tests.training_runs import optimizer_config
 
 B1, B2, EPS, WD, LR = 0.9, 0.999, 1e-8, 0.1, 1e-2
 
 
 def make_cfg(optimizer, **training):
-    cfg = MegalmConfig()
-    t = cfg.training
-    t.optimizer, t.lr, t.clip_grad, t.weight_decay, t.adam_beta1, t.adam_beta2, t.adam_eps = (
-        optimizer,
-        LR,
-        0.0,
-        WD,
-        B1,
-        B2,
-        EPS,
-    )
-    for k, v in training.items():
-        setattr(t, k, v)
-    return cfg
+    base = dict(optimizer=optimizer, lr=LR, clip_grad=0.0, weight_decay=WD, adam_beta1=B1, adam_beta2=B2, adam_eps=EPS)
+    return optimizer_config(**{**base, **training})
 
 
 def mlp():

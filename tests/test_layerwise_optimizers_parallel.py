@@ -16,8 +16,8 @@ end through pretrain_gpt.py's pieces on real spawned ranks.
   agree only to bf16 rounding, docs/optimizers.md); one
   process with ``--muon-no-split-qkv`` (the fused matrix whole) parts from it, so the comparisons above
   see the split;
-* resume: LAMB, LARS, Lion and Muon saved at iteration 3 at TP 2 x DP 2 continue at PP 2 x DP 2
-  (optimizer state resharded) exactly as the uninterrupted run;
+* resume: LAMB, LARS, Lion and Muon saved at iteration 3 of the TP 2 x DP 2 run continue at PP 2 x DP 2
+  (optimizer state resharded) exactly as that uninterrupted run;
 * MoE expert parallelism: LAMB, LARS and Muon at EP 2 x DP 4 (expert data parallel 2) with the
   distributed optimizer equal EP 1 x DP 4 within 1e-5 (losses, grad norms, params norms): an expert's
   norms and Muon matrix gather only the ranks holding that expert.  The experts start at different
@@ -36,55 +36,23 @@ import torch
 
 import pretrain_gpt
 from tests.distributed_harness import run_distributed
-from tests.training_runs import assert_close, records, run_trainings
+from tests.training_runs import assert_close, records, run_trainings, tiny_flags
 
-TINY = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--max-position-embeddings",
-    "32",
-    "--mock-data",
-    "--vocab-size",
-    "500",
-    "--num-workers",
-    "0",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--min-lr",
-    "1e-4",
-    "--lr-decay-style",
-    "cosine",
-    "--lr-warmup-iters",
-    "2",
-    "--log-interval",
-    "1",
-    "--eval-iters",
-    "0",
-    "--seed",
-    "7",
-    "--clip-grad",
-    "1.0",
-    "--weight-decay",
-    "0.1",
-    "--split",
-    "90,5,5",
-    "--no-log-memory",
-    "--log-params-norm",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "8",
-    "--train-iters",
-    "5",
-]
+# The tiny GPT (tests/training_runs.py) with a cosine schedule, clipping and weight decay; each optimizer sets --lr.
+TINY = tiny_flags(
+    lr=None,
+    min_lr="1e-4",
+    lr_decay_style="cosine",
+    lr_warmup_iters="2",
+    clip_grad="1.0",
+    weight_decay="0.1",
+    split="90,5,5",
+    no_log_memory=True,
+    log_params_norm=True,
+    micro_batch_size="2",
+    global_batch_size="8",
+    train_iters="5",
+)
 OPTIMIZERS = {
     "lamb": ["--optimizer", "lamb", "--lr", "5e-3"],
     "lars": ["--optimizer", "lars", "--lr", "2.0", "--lars-trust-coefficient", "0.01"],
@@ -138,14 +106,13 @@ def runs(tmp_path_factory):
     four = []
     for opt in OPTIMIZERS:
         tp, pp = layouts(opt)
-        four += [run(f"{opt}_tp", opt, *tp), run(f"{opt}_pp", opt, *pp)]
+        # The straight TP run saves at iteration 3 (and 5); its iteration 3 continues at PP (optimizer state
+        # resharded), to be compared with the straight run's iterations 4 and 5.
+        save = ["--save", os.path.join(tmp, f"ckpt_{opt}"), "--save-interval", "3"] if opt in RESUMED else []
+        four += [run(f"{opt}_tp", opt, *tp, *save), run(f"{opt}_pp", opt, *pp)]
     for opt in RESUMED:
         tp, pp = layouts(opt)
-        ck = os.path.join(tmp, f"ckpt_{opt}")
-        four += [
-            run(f"{opt}_save", opt, *tp, "--exit-interval", "3", "--save-interval", "100", "--save", ck),
-            run(f"{opt}_resume", opt, *pp, "--load", ck),
-        ]
+        four.append(run(f"{opt}_resume", opt, *pp, "--load", os.path.join(tmp, f"ckpt_{opt}"), "--ckpt-step", "3"))
     # ZeRO-3 (parameters sharded too, several buckets): trust ratios and Muon matrices still of whole tensors.
     four += [run(f"{opt}_tp_zero3", opt, *TP2, *ZERO3) for opt in ("lamb", "muon")]
     # --optimizer-cpu-offload (half of each rank's ranges, overlapped): the numbers of {opt}_tp bit for bit.

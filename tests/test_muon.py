@@ -19,6 +19,7 @@ from megalm.optimizer.muon import MuonError, newton_schulz, split_qkv_rows
 from megalm.parallel_state import get_process_groups
 from megalm.tensor_parallel.param_info import param_info
 from megalm.transformer.attention import SelfAttention
+from tests.training_runs import optimizer_config
 
 B1, B2, EPS, WD, LR, MU = 0.9, 0.999, 1e-8, 0.1, 1e-2, 0.9
 
@@ -63,14 +64,9 @@ def test_newton_schulz_equals_the_reference_and_orthogonalizes(shape, kind):
 
 
 def make_cfg(**training):
-    cfg = MegalmConfig()
-    t = cfg.training
-    t.optimizer, t.lr, t.clip_grad, t.weight_decay = "muon", LR, 0.0, WD
-    t.adam_beta1, t.adam_beta2, t.adam_eps, t.muon_momentum = B1, B2, EPS, MU
-    t.muon_fp32_matmul_prec = "highest"  # fp32 iterations, for the fp64 references (bf16: its own test)
-    for k, v in training.items():
-        setattr(t, k, v)
-    return cfg
+    base = dict(optimizer="muon", lr=LR, clip_grad=0.0, weight_decay=WD, adam_beta1=B1, adam_beta2=B2, adam_eps=EPS)
+    base.update(muon_momentum=MU, muon_fp32_matmul_prec="highest")  # fp32 iterations, for the fp64 references
+    return optimizer_config(**{**base, **training})
 
 
 def mlp():

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from megalm import parallel_state
-from megalm.config import MegalmConfig, ParallelConfig
+from megalm.config import ParallelConfig
 from megalm.distributed import DistributedDataParallel
 from megalm.optimizer import (
     ConstantGradScaler,
@@ -19,15 +19,12 @@ from megalm.optimizer import (
 )
 from megalm.parallel_state import get_process_groups
 from tests.distributed_harness import run_distributed
+from tests.training_runs import optimizer_config
 
 
 def make_cfg(optimizer="adam", lr=1e-2, clip=1.0, wd=0.1, **training):
-    cfg = MegalmConfig()
-    t = cfg.training
-    t.optimizer, t.lr, t.clip_grad, t.weight_decay, t.sgd_momentum = optimizer, lr, clip, wd, 0.0
-    for k, v in training.items():
-        setattr(t, k, v)
-    return cfg
+    base = dict(optimizer=optimizer, lr=lr, clip_grad=clip, weight_decay=wd, sgd_momentum=0.0)
+    return optimizer_config(**{**base, **training})
 
 
 def mlp(dtype=torch.float32, seed=0):

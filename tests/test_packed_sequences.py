@@ -239,3 +239,31 @@ def test_flash_backend_accepted_with_thd():
     m.attention_backend, cfg.training.bf16 = "flash", True
     cfg.data.reset_attention_mask, cfg.data.qkv_format = True, "thd"
     assert validate_config(cfg).data.qkv_format == "thd"
+
+
+def test_allgather_core_masks_other_documents():
+    """The allgather CP core's chunks with packed documents (here one rank: its two chunks) equal the dense
+    document mask over the whole sequence, plain and with gpt-oss's window and sinks."""
+    from megalm.context_parallel.allgather import allgather_attention
+    from megalm.fusions.attention_variants import variant_attention
+    from megalm.transformer.packed_seq import document_ids
+
+    g = torch.Generator().manual_seed(3)
+    s, b, n, kv, d = 16, 2, 4, 2, 8
+    q, k, v = (torch.randn(s, b, h, d, generator=g) for h in (n, kv, kv))
+    docs = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 11 + [1] * 5])
+    ids = document_ids(packed_seq_params_from_documents(docs))
+    assert torch.equal(ids, torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [3] * 11 + [4] * 5]))
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    dense = (causal & (docs[:, :, None] == docs[:, None, :])).unsqueeze(1)  # [b, 1, s, s]
+    heads = [t.permute(1, 2, 0, 3) for t in (q, k, v)]
+    sinks = torch.randn(n, generator=g)
+    refs = {
+        None: torch.nn.functional.scaled_dot_product_attention(*heads, attn_mask=dense, enable_gqa=True),
+        (3, sinks): variant_attention(*heads, 3, sinks, doc_mask=dense),
+    }
+    for variant, ref in refs.items():
+        got = allgather_attention(q, k, v, None, variant=variant, documents=ids).permute(1, 2, 0, 3)
+        assert (got - ref).abs().max() < 1e-6
+    causal_only = allgather_attention(q, k, v, None).permute(1, 2, 0, 3)
+    assert (causal_only - refs[None]).abs().max() > 1e-3  # the documents matter

@@ -17,61 +17,30 @@ import torch
 
 from tests.distributed_harness import run_distributed
 from tests.training_runs import assert_close as _assert_close
-from tests.training_runs import inf_at
+from tests.training_runs import inf_at, tiny_flags
 from tests.training_runs import losses as _losses
 from tests.training_runs import records as _records
 
-PIPE = [
-    "--num-layers",
-    "4",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--max-position-embeddings",
-    "32",
-    "--mock-data",
-    "--vocab-size",
-    "500",
-    "--num-workers",
-    "0",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--lr",
-    "2e-3",
-    "--min-lr",
-    "1e-4",
-    "--lr-decay-style",
-    "cosine",
-    "--lr-warmup-iters",
-    "2",
-    "--log-interval",
-    "1",
-    "--eval-iters",
-    "0",
-    "--seed",
-    "7",
-    "--clip-grad",
-    "0.5",
-    "--weight-decay",
-    "0.1",
-    "--split",
-    "90,5,5",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "8",
-    "--train-iters",
-    "6",
-    "--log-params-norm",
-]
+# The tiny GPT (tests/training_runs.py) with 4 layers (one per stage at PP 4), cosine schedule and clipping.
+PIPE = tiny_flags(
+    num_layers="4",
+    min_lr="1e-4",
+    lr_decay_style="cosine",
+    lr_warmup_iters="2",
+    clip_grad="0.5",
+    weight_decay="0.1",
+    split="90,5,5",
+    micro_batch_size="2",
+    global_batch_size="8",
+    train_iters="6",
+    log_params_norm=True,
+)
 EVALS = ["--eval-interval", "3", "--eval-iters", "2"]
 UNTIED = ["--untie-embeddings-and-output-weights"]
 FP16 = ["--fp16", "--initial-loss-scale", "1024", "--hysteresis", "1", "--loss-scale-window", "3"]
+# RoPE with positions restarting in every mock document: the second stage's rotation needs the batch's
+# positions (without them it rotated by 0..s-1: grad norm off by 3e-4 relative at iteration 4, 1e-3 at 5).
+ROPE_RESET = ["--position-embedding-type", "rope", "--reset-position-ids", "--train-iters", "5"]
 
 
 def _argv(tmp, name, *extra):
@@ -153,13 +122,15 @@ def runs(tmp_path_factory):
             {},
         ),
         (_argv(tmp, "pp2_fp16", *pp2, *FP16), {"inf_at_call": 6}),
-        (_argv(tmp, "load_pp2", *pp2, *load), {"tied": True}),
+        (_argv(tmp, "pp2_rope_reset", *pp2, *ROPE_RESET), {}),
+        (_argv(tmp, "load_pp2", *pp2, *load), {"tied": True}),  # last: test_tied_copies_identical_after_resume
     ]
     res2 = run_distributed(_run_trainings, 2, args=(two,), timeout=300)
     one = [
         (_argv(tmp, "ref", *EVALS), {}),
         (_argv(tmp, "ref_untied", *UNTIED), {}),
         (_argv(tmp, "ref_fp16", *FP16), {"inf_at_call": 6}),
+        (_argv(tmp, "ref_rope_reset", *ROPE_RESET), {}),
         (_argv(tmp, "load_pp1", *load), {}),
     ]
     res1 = run_distributed(_run_trainings, 1, args=(one,), timeout=300)
@@ -204,6 +175,17 @@ def test_tied_embedding_runs_equal_single_process(runs, name):
 @pytest.mark.parametrize("name", ["pp2_untied", "pp2_last1"])
 def test_untied_embedding_runs_equal_single_process(runs, name):
     _assert_close(_losses(runs["tmp"], name), _losses(runs["tmp"], "ref_untied"))
+
+
+def test_reset_position_ids_with_rope_reach_every_stage(runs):
+    """--reset-position-ids --position-embedding-type rope: PP2 equals one process (the last stage rotates
+    by the batch's positions, not 0..s-1), losses and grad norms."""
+    tmp = runs["tmp"]
+    _assert_close(_losses(tmp, "pp2_rope_reset"), _losses(tmp, "ref_rope_reset"))
+    pairs = list(zip(_records(tmp, "pp2_rope_reset"), _records(tmp, "ref_rope_reset")))
+    assert len(pairs) == 5
+    for a, b in pairs:
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
 
 
 def test_clipping_is_active_and_grad_norm_is_global(runs):

@@ -22,7 +22,7 @@ from megalm.timers import (
     timed_iterator,
 )
 from tests.distributed_harness import run_distributed
-from tests.training_runs import losses, records
+from tests.training_runs import losses, records, tiny_flags
 
 
 class FakeClock:
@@ -222,41 +222,18 @@ def test_timing_flags_parse_and_bad_values_fail():
 
 # --- whole trainings ------------------------------------------------------------------------------
 
-BASE = [
-    "--num-layers",
-    "4",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "16",
-    "--max-position-embeddings",
-    "16",
-    "--mock-data",
-    "--vocab-size",
-    "200",
-    "--num-workers",
-    "0",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--lr",
-    "1e-3",
-    "--eval-iters",
-    "0",
-    "--seed",
-    "3",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "8",
-    "--train-iters",
-    "4",
-    "--log-interval",
-    "2",
-]
+BASE = tiny_flags(
+    num_layers="4",
+    hidden_size="32",
+    seq_length="16",
+    vocab_size="200",
+    lr="1e-3",
+    seed="3",
+    micro_batch_size="2",
+    global_batch_size="8",
+    train_iters="4",
+    log_interval="2",
+)
 PP2 = ["--pipeline-model-parallel-size", "2"]
 
 

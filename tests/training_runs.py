@@ -105,6 +105,17 @@ MLA_MOE = dict(
 )
 
 
+def optimizer_config(**training):
+    """A ``MegalmConfig`` (not validated: optimizers read it as it is) with the training-section fields
+    ``training`` (optimizer, learning rate, betas...) set, for tests that build an optimizer by hand."""
+    from megalm.config import MegalmConfig
+
+    cfg = MegalmConfig()
+    for name, value in training.items():
+        setattr(cfg.training, name, value)
+    return cfg
+
+
 def tiny_config(vocab_size: int, **model):
     """A validated (frozen) ``MegalmConfig`` whose model section has the defaults but ``model`` (field
     names of ``cfg.model``), with a ``vocab_size``-token vocabulary (padded as the tokenizer's would be)."""

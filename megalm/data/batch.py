@@ -11,7 +11,10 @@ communicated.
 
 With ``--reset-attention-mask`` every pipeline stage needs the documents (its attention is masked
 by them): the reading rank's ``document_ids`` travel in the same broadcast as the other integer
-keys, and middle stages read data too (:func:`megalm.data.loaders.rank_reads_data`).
+keys, and middle stages read data too (:func:`megalm.data.loaders.rank_reads_data`).  Likewise
+with ``--reset-position-ids`` and RoPE every stage needs ``position_ids`` (each stage's attention
+rotates by them, and they restart in every document, so a stage cannot count them itself):
+:func:`positions_on_every_stage`.
 
 The model-side views of the batch (this context-parallel rank's sequence chunks, the document
 attention mask) are made by :func:`megalm.training.batch.get_batch`, which the forward step calls.
@@ -44,13 +47,27 @@ def _shape(cfg) -> Tuple[int, int]:
     return cfg.training.micro_batch_size, cfg.model.seq_length
 
 
-def _stage_keys(groups: ProcessGroups, documents: bool, mtp: bool = False) -> Tuple[Tuple[str, ...], bool]:
+def positions_on_every_stage(cfg) -> bool:
+    """Whether every pipeline stage needs the batch's ``position_ids``: ``--reset-position-ids`` with
+    RoPE (the rotation of every layer's queries and keys follows positions that restart after each
+    end-of-document token; without the reset a stage's positions are ``0 .. s-1``, which it makes
+    itself)."""
+    return cfg is not None and cfg.data.reset_position_ids and cfg.model.position_embedding_type == "rope"
+
+
+def _stage_keys(
+    groups: ProcessGroups, documents: bool, mtp: bool = False, positions: bool = False
+) -> Tuple[Tuple[str, ...], bool]:
     """Integer keys this pipeline stage needs, and whether it needs the loss mask; ``documents``:
     every stage needs the document ids (``--reset-attention-mask``); ``mtp``: the last stage embeds
-    the tokens too (``--mtp-num-layers``)."""
+    the tokens too (``--mtp-num-layers``); ``positions``: every stage needs the position ids
+    (:func:`positions_on_every_stage`)."""
     pp_rank, pp = group_rank(groups.pp), group_size(groups.pp)
     first, last = pp_rank == 0, pp_rank == pp - 1
-    int_keys = (("tokens", "position_ids") if first or (last and mtp) else ()) + (("labels",) if last else ())
+    embeds = first or (last and mtp)
+    int_keys = (("tokens", "position_ids") if embeds else ("position_ids",) if positions else ()) + (
+        ("labels",) if last else ()
+    )
     return int_keys + ((DOCUMENT_IDS,) if documents else ()), last
 
 
@@ -68,7 +85,10 @@ def get_batch_on_this_tp_rank(data_iterator, cfg, groups: ProcessGroups) -> Dict
         out[DOCUMENT_IDS] = data[DOCUMENT_IDS].to(device) if DOCUMENT_IDS in data else None
         return out
     int_keys, need_mask = _stage_keys(
-        groups, cfg is not None and cfg.data.reset_attention_mask, cfg is not None and bool(cfg.model.mtp_num_layers)
+        groups,
+        cfg is not None and cfg.data.reset_attention_mask,
+        cfg is not None and bool(cfg.model.mtp_num_layers),
+        positions_on_every_stage(cfg),
     )
     if not int_keys and not need_mask:
         return dict.fromkeys(KEYS + (DOCUMENT_IDS,))  # middle pipeline stage: activations come from before

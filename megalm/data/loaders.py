@@ -40,6 +40,7 @@ from typing import Iterator, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megalm.data.batch import positions_on_every_stage
 from megalm.data.builder import build_train_valid_test_datasets, get_train_valid_test_num_samples
 from megalm.data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler, ShareSampler
 from megalm.device import get_device
@@ -134,8 +135,9 @@ def cyclic_iter(iterable) -> Iterator:
 
 def rank_reads_data(groups: ProcessGroups, every_stage: bool = False) -> bool:
     """TP rank 0 of the first or last pipeline stage, or of every stage with ``every_stage``
-    (``--reset-attention-mask``: each stage's attention needs the documents); every rank of a
-    model of one process (``groups`` of :meth:`ProcessGroups.single`)."""
+    (``--reset-attention-mask``: each stage's attention needs the documents; ``--reset-position-ids``
+    with RoPE: each stage's rotation needs the positions); every rank of a model of one process
+    (``groups`` of :meth:`ProcessGroups.single`)."""
     pp_rank, pp = group_rank(groups.pp), group_size(groups.pp)
     return group_rank(groups.tp) == 0 and (every_stage or pp_rank == 0 or pp_rank == pp - 1)
 
@@ -212,7 +214,7 @@ def build_train_valid_test_data_iterators(
     ``train_shares``: micro-batches per data-parallel rank of each global batch
     (``--straggler-rebalance-interval``; see :mod:`megalm.training.rebalance`).
     """
-    reads = rank_reads_data(groups, every_stage=cfg.data.reset_attention_mask)
+    reads = rank_reads_data(groups, every_stage=cfg.data.reset_attention_mask or positions_on_every_stage(cfg))
     num_samples = get_train_valid_test_num_samples(cfg, train_iters)
     train_ds, valid_ds, test_ds = build_train_valid_test_datasets(cfg, tokenizer, reads, num_samples)
     splits = _share_split_flags([ds is not None for ds in (train_ds, valid_ds, test_ds)])

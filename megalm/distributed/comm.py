@@ -20,8 +20,8 @@ Byte counts kept per operation kind:
 * ``inter_node_bytes``: of ``sent_bytes``, those sent over a link between two nodes.  Under the
   ring model a rank sends everything to its successor in the group (group-rank order, wrapping
   around), so the count is ``sent_bytes`` when that successor is on another node and 0 otherwise
-  (node of a global rank: ``rank // ranks_per_node``, from
-  :func:`megalm.parallel_state.get_ranks_per_node`, else torchrun's ``LOCAL_WORLD_SIZE``).  A flat
+  (node of a global rank: ``rank // ranks_per_node``, the layout's value the :class:`CommStats` was
+  built with, else torchrun's ``LOCAL_WORLD_SIZE``).  A flat
   all-reduce of ``B`` bytes over ``n`` nodes of ``L`` consecutive ranks thus sends ``2 (nL-1)/(nL) B``
   per node across nodes; the hierarchical one (:mod:`megalm.distributed.hierarchical`)
   ``2 (n-1)/n B``.  :func:`inter_node_bytes_per_node` sums them per node for the log line.
@@ -45,7 +45,6 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from megalm import parallel_state
 from megalm.tensor_parallel.utils import all_gather_flat, reduce_scatter_flat
 
 
@@ -64,11 +63,12 @@ def _group_size(group) -> int:
     return dist.get_world_size(group)
 
 
-def ranks_per_node() -> int:
-    """Consecutive global ranks per node: the layout's, else ``LOCAL_WORLD_SIZE``, else the world."""
-    value = parallel_state.get_ranks_per_node()
-    if value is not None:
-        return value
+def ranks_per_node(layout_value: Optional[int] = None) -> int:
+    """Consecutive global ranks per node: ``layout_value`` (the layout's,
+    :func:`megalm.parallel_state.get_ranks_per_node`, read by the entry point), else ``LOCAL_WORLD_SIZE``,
+    else the world."""
+    if layout_value is not None:
+        return layout_value
     return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
 
 
@@ -86,9 +86,11 @@ def _members(group) -> list:
 class CommStats:
     """Calls and bytes per collective kind (``{kind: CollectiveStats}``), counted by the wrappers of this
     module that are handed it.  Thread-safe (the bucket hooks of the backward pass record from autograd's
-    threads)."""
+    threads).  ``ranks_per_node``: the layout's consecutive global ranks per node (None: ``LOCAL_WORLD_SIZE``,
+    else the world), which decides the inter-node bytes."""
 
-    def __init__(self):
+    def __init__(self, ranks_per_node: Optional[int] = None):
+        self.layout_ranks_per_node = ranks_per_node
         self._lock = threading.Lock()
         self._kinds: Dict[str, CollectiveStats] = {}
 
@@ -99,7 +101,8 @@ class CommStats:
         the ring model's."""
         sent = wire if sent is None else sent
         if inter is None:
-            inter = float(sent) if sends_across_nodes(_members(group), dist.get_rank(), ranks_per_node()) else 0.0
+            across = sends_across_nodes(_members(group), dist.get_rank(), self.ranks_per_node())
+            inter = float(sent) if across else 0.0
         with self._lock:
             s = self._kinds.setdefault(kind, CollectiveStats())
             s.calls += 1
@@ -107,6 +110,9 @@ class CommStats:
             s.wire_bytes += float(wire)
             s.sent_bytes += float(sent)
             s.inter_node_bytes += float(inter)
+
+    def ranks_per_node(self) -> int:
+        return ranks_per_node(self.layout_ranks_per_node)
 
     def get(self) -> Dict[str, dict]:
         """``{kind: {"calls", "tensor_bytes", "wire_bytes", "sent_bytes", "inter_node_bytes"}}`` since the last
@@ -145,7 +151,7 @@ def inter_node_bytes_per_node(stats: CommStats) -> List[float]:
     mine = stats.take_inter_node_bytes()
     if not dist.is_available() or not dist.is_initialized():
         return [mine]
-    per_node, world = ranks_per_node(), dist.get_world_size()
+    per_node, world = stats.ranks_per_node(), dist.get_world_size()
     if per_node >= world:
         return [mine]
     counts = torch.zeros(world // per_node, dtype=torch.float64)
@@ -255,7 +261,8 @@ def all_to_all_single(
     if k == 1:
         output.copy_(input)
         return None
-    b, per_node, me = _nbytes(input), ranks_per_node(), dist.get_rank()
-    away = sum(1 for r in _members(group) if r // per_node != me // per_node)
-    _record(stats, kind, b, (k - 1) / k * b, group, inter=away / k * b)
+    if stats is not None:
+        b, per_node, me = _nbytes(input), stats.ranks_per_node(), dist.get_rank()
+        away = sum(1 for r in _members(group) if r // per_node != me // per_node)
+        stats.record(kind, b, (k - 1) / k * b, group, inter=away / k * b)
     return dist.all_to_all_single(output, input, group=group, async_op=async_op)

@@ -37,6 +37,22 @@ so every replica holds the same weights and optimizer state after them, bit for 
 local SGD; after the step of iteration ``W`` the outer state restarts from them (``x_0 <- x``,
 ``m <- 0``, no communication) and the syncs fall at iterations ``W + k H``.
 
+Streaming (``--local-sgd-fragments F``, Streaming DiLoCo, Douillard et al. 2025): the parameters are
+split into ``F`` fragments of contiguous parameters (about equal element counts, in the optimizer's
+order, i.e. by layer), each synchronised every ``H`` iterations as above but staggered: fragment ``f``
+at iterations ``W + k H + (f + 1) H / F``, so each sync sends ``1/F`` of the bytes and, with
+``--local-sgd-overlap-steps D <= H / F``, is hidden behind the next ``D`` iterations (one fragment in
+flight at a time); the run's last iteration synchronises every fragment (blocking), so it ends with
+one model.  The outer state is per parameter, so each fragment's outer step is DiLoCo's.
+
+Quantized outer gradients (``--outer-grad-int8-chunk C``, > 0): instead of the fp32 parameters, each
+replica sends its pseudo-gradient ``D_k = x_0 - x_k`` in 8 bits with one fp32 scale per ``C`` elements
+(:mod:`megalm.distributed.compression.int8`, nearest rounding, no error feedback, as Streaming DiLoCo's
+4-bit outer gradients), one all-gather over the outer group: ``(n-1) (N + 4 ceil(N/C))`` bytes per rank
+instead of the all-reduce's ``2 (n-1)/n 4 N`` (kind ``local_sgd_outer_grad_int8_all_gather``, ``_inter``
+hierarchically, where ``N`` is the node's chunk); the average is ``x_0 - mean_k dequant(D_k)``.  Plain
+averaging then keeps ``x_0`` too (the parameters at the last sync of each fragment).
+
 The inner optimizer's state (moments) stays local.  The outer state (``x_0``, ``m``) is the same on
 every replica; between syncs each replica's parameters and optimizer state differ, so a checkpoint
 keeps them per rank: :class:`OuterSync` is a registered checkpoint state (``"local_sgd"``, saved to
@@ -54,6 +70,7 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megalm.distributed import comm
+from megalm.distributed.compression import int8
 from megalm.errors import MegalmError
 from megalm.log import get_logger
 from megalm.parallel_state import ProcessGroups, group_rank, group_size
@@ -101,12 +118,15 @@ class OuterSync:
         last_iteration: Optional[int] = None,
         comm_stats: Optional[comm.CommStats] = None,
         warmup_iters: int = 0,
+        fragments: int = 1,
+        outer_grad_int8_chunk: int = 0,
     ):
         self.optimizer = optimizer
         self.comm_stats = comm_stats  # where the averaging collectives are counted (None: not counted)
         self.interval = interval
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
         self.plain = self.outer_lr == 1.0 and self.outer_momentum == 0.0
+        self.int8_chunk = int(outer_grad_int8_chunk)  # > 0: the pseudo-gradients are sent in 8 bits
         pg = process_groups
         self.groups: List[tuple] = []  # (outer group, intra-node group, [main params]) in a fixed order
         for expert in (False, True):
@@ -116,6 +136,8 @@ class OuterSync:
             if params:
                 groups = (outer_group(pg, hierarchical, expert), inner_group(pg, hierarchical, expert))
                 self.groups.append((*groups, params))
+        self.fragments = [_fragment(self.groups, f, fragments) for f in range(fragments)]
+        self.fragments = [frag for frag in self.fragments if frag] or [self.groups]
         self.anchor: Dict[str, torch.Tensor] = {}
         self.momentum: Dict[str, torch.Tensor] = {}
         self.overlap_steps = int(overlap_steps)
@@ -133,14 +155,21 @@ class OuterSync:
     def reset(self) -> None:
         """Outer state from the current parameters: ``x_0 <- x``, ``m <- 0``; no pending correction."""
         self.pending = None
-        if self.plain:
+        if self.plain and not self.int8_chunk:
             return
         self.anchor = {n: m.detach().clone() for n, m in self._named}
-        if self.outer_momentum:
+        if self.outer_momentum and not self.plain:
             self.momentum = {n: torch.zeros_like(m) for n, m in self._named}
 
-    def due(self, iteration: int) -> bool:
-        return iteration > self.warmup_iters and (iteration - self.warmup_iters) % self.interval == 0
+    def due(self, iteration: int) -> Optional[int]:
+        """The fragment to synchronise after ``iteration`` (0 without streaming), or None."""
+        if iteration <= self.warmup_iters:
+            return None
+        phase, n = (iteration - self.warmup_iters) % self.interval, len(self.fragments)
+        for f in range(n):
+            if phase == (f + 1) * self.interval // n % self.interval:
+                return f
+        return None
 
     def step(self, iteration: int) -> bool:
         """After the optimizer step of ``iteration`` (1-based): apply a pending correction that is due,
@@ -153,32 +182,48 @@ class OuterSync:
         last = iteration == self.last_iteration
         if self.pending is not None and (iteration >= self.pending.apply_at or last):
             self.apply_pending()
-        if not self.due(iteration):
+        fragment = self.due(iteration)
+        if last and len(self.fragments) > 1:  # streaming: the run ends with one model
+            for f in range(len(self.fragments)):
+                self.sync(f)
+            return True
+        if fragment is None:
             return False
         if self.overlap_steps and not last:
-            self.pending = self._start(iteration + self.overlap_steps)
+            self.pending = self._start(iteration + self.overlap_steps, fragment)
         else:
-            self.sync()
+            self.sync(fragment)
         return True
 
     @torch.no_grad()
-    def sync(self) -> None:
-        """Average the main parameters over the outer groups, then the outer update (see the module)."""
-        for outer, intra, params in self.groups:
+    def sync(self, fragment: int = 0) -> None:
+        """Average the main parameters of ``fragment`` over the outer groups, then the outer update
+        (see the module)."""
+        for outer, intra, params in self.fragments[fragment]:
             if group_size(outer) > 1:
-                flat = _AverageInFlight(
-                    _flatten_dense_tensors([p.data for p in params]), outer, intra, self.comm_stats
-                ).result()
+                flat = self._flight(_flatten_dense_tensors([p.data for p in params]), outer, intra, params).result()
                 for p, avg in zip(params, _unflatten_dense_tensors(flat, [p.data for p in params])):
                     p.data.copy_(avg)
-        if not self.plain:
-            for name, p in self._named:
-                p.data.copy_(self._outer_step(name, p.data))
+            for p in params:
+                p.data.copy_(self._outer_step(self._name_of[id(p)], p.data))
         self.optimizer._copy_main_to_model()
+
+    def _flight(self, snapshot: torch.Tensor, outer, intra, params) -> "_AverageInFlight":
+        """The average of ``snapshot`` (the flat ``params``) started: fp32, or the anchors' minus the mean
+        of the 8-bit pseudo-gradients."""
+        anchor = None
+        if self.int8_chunk:
+            anchor = torch.cat([self.anchor[self._name_of[id(p)]].reshape(-1) for p in params])
+        return _AverageInFlight(snapshot, outer, intra, self.comm_stats, anchor, self.int8_chunk)
 
     def _outer_step(self, name: str, average: torch.Tensor) -> torch.Tensor:
         """DiLoCo's outer step of parameter ``name`` from the replicas' ``average``: ``D = x_0 - average``,
-        ``m <- mu m + D``, ``x_0 <- x_0 - eta (D + mu m)``; returns the new ``x_0``."""
+        ``m <- mu m + D``, ``x_0 <- x_0 - eta (D + mu m)``; returns the new ``x_0``.  Plain averaging:
+        ``average`` (kept as ``x_0`` when the pseudo-gradients are quantized)."""
+        if self.plain:
+            if self.int8_chunk:
+                self.anchor[name].copy_(average)
+            return average
         x0, mu = self.anchor[name], self.outer_momentum
         delta = x0 - average
         if mu:
@@ -188,23 +233,24 @@ class OuterSync:
 
     # --- overlapped sync (--local-sgd-overlap-steps) --------------------------------------------
     @torch.no_grad()
-    def _start(self, apply_at: int) -> "_PendingSync":
-        """Snapshot every group's main parameters and start averaging the snapshot in the background."""
+    def _start(self, apply_at: int, fragment: int = 0) -> "_PendingSync":
+        """Snapshot the main parameters of ``fragment``'s groups and start averaging the snapshot in the
+        background."""
         groups = []
-        for outer, intra, params in self.groups:
+        for outer, intra, params in self.fragments[fragment]:
             snapshot = torch.cat([p.data.reshape(-1) for p in params])  # a copy (flattening one tensor is a view)
-            groups.append(_AverageInFlight(snapshot, outer, intra, self.comm_stats))
-        return _PendingSync(apply_at, groups)
+            groups.append(self._flight(snapshot, outer, intra, params))
+        return _PendingSync(apply_at, groups, fragment)
 
     @torch.no_grad()
     def apply_pending(self) -> None:
         """Wait for the pending average and apply ``x <- x + (outer(avg(s)) - s)`` (see the module)."""
         pending, self.pending = self.pending, None
-        for (_, _, params), flight in zip(self.groups, pending.groups):
+        for (_, _, params), flight in zip(self.fragments[pending.fragment], pending.groups):
             shapes = [p.data for p in params]
             snaps = _unflatten_dense_tensors(flight.snapshot, shapes)
             for p, s, avg in zip(params, snaps, _unflatten_dense_tensors(flight.result(), shapes)):
-                new = avg if self.plain else self._outer_step(self._name_of[id(p)], avg)
+                new = self._outer_step(self._name_of[id(p)], avg)
                 p.data.add_(new - s)
         self.optimizer._copy_main_to_model()
 
@@ -213,6 +259,7 @@ class OuterSync:
             return {}
         return {
             "apply_at": self.pending.apply_at,
+            "fragment": self.pending.fragment,
             "snapshot": [f.snapshot.to("cpu", copy=True) for f in self.pending.groups],
             "average": [f.result().to("cpu", copy=True) for f in self.pending.groups],
         }
@@ -221,12 +268,18 @@ class OuterSync:
         if not saved:
             return
         device = self.optimizer.main_params[0].device
-        flights = []
-        for (outer, intra, params), snap, avg in zip(self.groups, saved["snapshot"], saved["average"]):
+        flights, fragment = [], int(saved.get("fragment", 0))
+        if fragment >= len(self.fragments):
+            raise LocalSGDStateError(f"the checkpoint's pending local-SGD correction is of fragment {fragment}, "
+                                     f"this run has {len(self.fragments)}")  # fmt: skip
+        groups = self.fragments[fragment]
+        if len(groups) != len(saved["snapshot"]):
+            raise LocalSGDStateError("the checkpoint's pending local-SGD correction does not fit the parameters")
+        for (outer, intra, params), snap, avg in zip(groups, saved["snapshot"], saved["average"]):
             if snap.numel() != sum(p.numel() for p in params) or avg.numel() != snap.numel():
                 raise LocalSGDStateError("the checkpoint's pending local-SGD correction does not fit the parameters")
             flights.append(_AverageInFlight.done(snap.to(device), avg.to(device)))
-        self.pending = _PendingSync(int(saved["apply_at"]), flights)
+        self.pending = _PendingSync(int(saved["apply_at"]), flights, fragment)
 
     # --- per-rank checkpoint state --------------------------------------------------------
     def state_dict(self) -> dict:
@@ -270,7 +323,24 @@ class _PendingSync:
     """A sync started in the background: applied after the optimizer step of ``apply_at``."""
 
     apply_at: int
-    groups: list  # one _AverageInFlight per OuterSync.groups entry
+    groups: list  # one _AverageInFlight per entry of the fragment's groups
+    fragment: int = 0
+
+
+def _fragment(groups: List[tuple], f: int, n: int) -> List[tuple]:
+    """Fragment ``f`` of ``n`` of ``groups`` (``(outer, intra, [params])``): of each group, the
+    parameters whose first element falls in its ``f``-th ``1/n`` of the elements (in order; whole
+    parameters, so a fragment can be empty when a group has fewer parameters than fragments)."""
+    out = []
+    for outer, intra, params in groups:
+        total, start, mine = sum(p.numel() for p in params), 0, []
+        for p in params:
+            if f * total <= start * n < (f + 1) * total:
+                mine.append(p)
+            start += p.numel()
+        if mine:
+            out.append((outer, intra, mine))
+    return out
 
 
 class _AverageInFlight:
@@ -281,7 +351,7 @@ class _AverageInFlight:
     and :meth:`result` all-gathers the chunks over the node: ``1/L`` of the bytes cross nodes per rank.
     ``snapshot`` is not modified."""
 
-    def __init__(self, snapshot: torch.Tensor, outer, intra, stats: Optional[comm.CommStats]):
+    def __init__(self, snapshot, outer, intra, stats: Optional[comm.CommStats], anchor=None, int8_chunk: int = 0):
         self.stats = stats
         self.snapshot, self.outer, self.intra = snapshot, outer, intra
         self._average: Optional[torch.Tensor] = None
@@ -289,17 +359,32 @@ class _AverageInFlight:
         if self.n == 1:
             self._average = snapshot
             return
+        self.chunk = -(-snapshot.numel() // self.L)
+        i = group_rank(intra) if self.L > 1 else 0
+        self.buffer = self._part(snapshot, i)
+        suffix = "" if self.L == 1 else "_inter"
+        self.anchor, self.int8_chunk = None, int8_chunk
+        if anchor is None:
+            kind = f"local_sgd_param_all_reduce{suffix}"
+            self.work = comm.all_reduce(self.buffer, group=outer, async_op=True, kind=kind, stats=stats)
+            return
+        self.anchor = self._part(anchor, i)  # quantized: all-gather the 8-bit pseudo-gradients D = x_0 - s
+        no_poison = torch.zeros((), dtype=torch.float32, device=snapshot.device)
+        payload, _ = int8.encode(self.anchor - self.buffer, int8_chunk, no_poison)
+        self.gathered = torch.empty(self.n, payload.numel(), dtype=torch.uint8, device=snapshot.device)
+        kind = f"local_sgd_outer_grad_int8_all_gather{suffix}"
+        self.work = comm.all_gather_into_tensor(
+            self.gathered.view(-1), payload, group=outer, async_op=True, kind=kind, stats=stats
+        )
+
+    def _part(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Chunk ``i`` of ``L`` of ``flat`` (zero-padded; the whole of it, copied, when ``L == 1``)."""
         if self.L == 1:
-            self.buffer = snapshot.clone()
-            kind = "local_sgd_param_all_reduce"
-        else:
-            self.chunk = -(-snapshot.numel() // self.L)
-            i = group_rank(intra)
-            self.buffer = torch.zeros(self.chunk, dtype=snapshot.dtype, device=snapshot.device)
-            mine = snapshot[i * self.chunk : (i + 1) * self.chunk]
-            self.buffer[: mine.numel()] = mine
-            kind = "local_sgd_param_all_reduce_inter"
-        self.work = comm.all_reduce(self.buffer, group=outer, async_op=True, kind=kind, stats=stats)
+            return flat.clone()
+        part = torch.zeros(self.chunk, dtype=flat.dtype, device=flat.device)
+        mine = flat[i * self.chunk : (i + 1) * self.chunk]
+        part[: mine.numel()] = mine
+        return part
 
     @classmethod
     def done(cls, snapshot: torch.Tensor, average: torch.Tensor) -> "_AverageInFlight":
@@ -312,7 +397,11 @@ class _AverageInFlight:
         """The mean (waits for the reduction the first time)."""
         if self._average is None:
             self.work.wait()
-            self.buffer.div_(self.n)
+            if self.anchor is None:
+                self.buffer.div_(self.n)
+            else:
+                mean = int8.decode(self.gathered, self.chunk, self.int8_chunk).div_(self.n)
+                self.buffer = self.anchor - mean
             if self.L == 1:
                 self._average = self.buffer
             else:
@@ -357,4 +446,6 @@ def build_outer_sync(
         last_iteration=cfg.training.train_iters if last_iteration is None else last_iteration,
         comm_stats=comm_stats,
         warmup_iters=p.local_sgd_warmup_iters,
+        fragments=p.local_sgd_fragments,
+        outer_grad_int8_chunk=p.outer_grad_int8_chunk,
     )

@@ -64,6 +64,12 @@ log-sum-exps, masks and the context copy (with attention dropout, position-keyed
 contiguous copies of the keys and values it sees, no mask).  Measured on 2 ranks within 2%, with and without
 attention dropout (tests/test_estimate.py).
 
+Packed sequences (``--qkv-format thd``, ``Shape.packed``), with the SDPA / flash-attn core: no ``[b, 1, s, s]``
+mask; the core keeps packed copies of q, k, v instead of the QKV output and rotated q and k, its outputs and
+the context copy (:func:`packed_attention_bytes`), and the RoPE tables are per row (positions restart in every
+document).  Measured equal on a CPU (GPT and Llama-style GQA, fp32 and bf16).  The other cores, selective
+recompute and CP under THD are counted as their causal forms (not measured).
+
 In flight (Megatron's schedules): no pipelining 1 microbatch; 1F1B stage ``r`` of ``p`` holds
 ``min(p - r, m)``; interleaved with ``v`` chunks ``min(2 (p - r - 1) + (v - 1) p + 1, m v)``
 chunk-microbatches, i.e. ``L/p (1 + (p-1)/(p v))`` layers' worth on the first stage.
@@ -96,6 +102,7 @@ class Shape:
     device: str = "cuda"  # "cuda" or "cpu": which kernels' saved tensors to count
     cp: int = 1  # context-parallel size: each rank holds seq / cp positions
     cp_comm_type: str = "p2p"
+    packed: bool = False  # --qkv-format thd: per-document attention on packed copies, no s x s mask
 
     @property
     def local_seq(self) -> int:
@@ -163,7 +170,9 @@ def layer_bytes(m, sh: Shape, is_moe: bool = False, layer_number: int = 0) -> Di
         out.update(mla_bytes(m, sh))
     elif m.position_embedding_type in ("rope", "yarn"):
         rot = int(d * m.rotary_percent)
-        out["rope"] = B * S * (n + g) * d // tp + (4 * sh.local_seq * rot * B if B < 4 else 0)
+        tables = 4 * sh.local_seq * rot * B * (sh.micro_batch if sh.packed else 1) if B < 4 else 0
+        # packed: the core reads packed copies of q, k, v (the qkv row), so the rotated q and k are let go
+        out["rope"] = (0 if sh.packed else B * S * (n + g) * d // tp) + tables
     context = B * S * n * d // tp
     window, sinks = layer_window(m, layer_number), uses_sinks(m)
     variant = window is not None or sinks
@@ -189,6 +198,8 @@ def layer_bytes(m, sh: Shape, is_moe: bool = False, layer_number: int = 0) -> Di
             if "rope" in out:  # q is the rotated copy; the QKV output and the rotated k are let go
                 out["qkv"] = 0
                 out["rope"] -= B * S * g * d // tp
+    elif sh.packed:  # packed_attention_bytes: the per-document outputs and the context copy
+        out.update(packed_attention_bytes(m, sh, out))
     else:
         lse = 4 * sh.micro_batch * sh.seq * n // tp
         out["attention"] = context * (1 if sh.device == "cpu" else 2) + lse
@@ -199,6 +210,18 @@ def layer_bytes(m, sh: Shape, is_moe: bool = False, layer_number: int = 0) -> Di
     if m.hidden_dropout > 0:
         out["dropout_masks"] = 2 * sh.local_tokens * h * mask_bytes(sh)
     return out
+
+
+def packed_attention_bytes(m, sh: Shape, parts: Dict[str, int]) -> Dict[str, int]:
+    """``--qkv-format thd`` (:mod:`megalm.transformer.varlen_attention`) with the SDPA / flash-attn core: q, k
+    and v are copied to packed ``[t, heads, d]`` tensors, which the core keeps (``B S (n + 2g) d / TP``, the
+    ``qkv`` row; the QKV output and the rotated q and k are then let go), its outputs (per document on a CPU,
+    flash-attn's one on CUDA) ``B S n d / TP`` and fp32 log-sum-exps ``4 b n s / TP``, and the ``[s, b, n d]``
+    context copy for ``linear_proj``.  No ``[b, 1, s, s]`` mask: the cost of the documents is nothing
+    beyond the causal core's one extra output copy."""
+    n = m.num_attention_heads
+    context = sh.dtype_bytes * sh.tokens * n * m.head_dim // sh.tp
+    return {"attention": 2 * context + 4 * sh.micro_batch * sh.seq * n // sh.tp}
 
 
 def tiled_core_bytes(m, sh: Shape, parts: Dict[str, int]) -> Dict[str, int]:
@@ -339,8 +362,8 @@ def embedding_bytes(m, sh: Shape) -> int:
     ids = 8 * sh.tokens + (sh.tokens if sh.tp > 1 else 0)
     if m.position_embedding_type == "learned_absolute":
         ids += 8 * sh.local_seq
-    elif m.position_embedding_type == "rope" and sh.dtype_bytes == 4:
-        ids += 2 * 4 * sh.local_seq * int(m.head_dim * m.rotary_percent)  # fp32 cos/sin tables, shared by layers
+    elif m.position_embedding_type == "rope" and sh.dtype_bytes == 4:  # fp32 cos/sin tables, shared by layers
+        ids += 2 * 4 * sh.local_seq * int(m.head_dim * m.rotary_percent) * (sh.micro_batch if sh.packed else 1)
     return ids + (sh.local_tokens * m.hidden_size * mask_bytes(sh) if m.hidden_dropout > 0 else 0)
 
 

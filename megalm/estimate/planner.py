@@ -207,6 +207,7 @@ def plan(cfg, options: PlannerOptions) -> dict:
         "cpu" if options.device == "cpu" else "cuda",
         cp=p.context_parallel_size,
         cp_comm_type=p.cp_comm_type,
+        packed=cfg.data.reset_attention_mask and cfg.data.qkv_format == "thd",
     )
     stages = []
     for st in all_stages(cfg):

@@ -18,7 +18,17 @@ in elements:
 * ``optim_grads_params``, weights: the gathered buckets: one (two with ``--overlap-param-gather``'s
   prefetch), at least a recomputed region's (``--recompute-granularity full``: its layers plus the two
   buckets at its ends), plus ``E`` (a tied embedding's bucket is pinned, an untied output layer's is
-  gathered for the whole forward, the embedding's while it runs).
+  gathered for the whole forward, the embedding's while it runs).  Gathered weights and gradient buckets
+  are not alive at their largest at the same time.  With several microbatches (or without overlap) every
+  gradient bucket lives on into the next forward, which gathers its weights: their sum.  With one
+  microbatch and overlap, the largest of three moments: the forward (the weights above, no gradient
+  yet); the backward's start (the output layer's bucket, gathered and its gradient storage allocated: its
+  weight alone, ``E_1``, when tied (a bucket of its own) or when it fills a bucket alone, else ``U``; a
+  tied embedding is gathered with the last layer's bucket; plus a prefetched bucket); later in the
+  backward (the gathered buckets and a tied embedding, plus the three gradient buckets above; by then the
+  output layer's weight is freed).
+  The activations are counted whole at each (:mod:`megalm.estimate.activations`), which they are only at
+  the backward's start.
 
 Each is capped by the stage's own bytes.  ``no_shard`` and ``optim`` hold everything all the time: 0, except on
 gloo (``gloo``: the CPU), whose reduce-scatter and all-gather copy their whole (unsharded) buffer while they run
@@ -36,13 +46,20 @@ from megalm.distributed.data_parallel import default_bucket_size
 from megalm.estimate.parameters import layer_parameters
 
 
+def _bucket_size(cfg, dp: int):
+    """Elements at which DDP closes a bucket (None: one bucket per buffer)."""
+    p = cfg.parallel
+    size = p.ddp_bucket_size
+    if size is None and p.overlap_grad_reduce:
+        size = default_bucket_size(dp)
+    return size
+
+
 def _layer_bucket(cfg, stage, dp: int) -> int:
     """``U``: elements of a layer bucket (bucket size plus the largest layer parameter), capped by the stage."""
     m, p = cfg.model, cfg.parallel
     tp = p.tensor_model_parallel_size
-    size = p.ddp_bucket_size
-    if size is None and p.overlap_grad_reduce:
-        size = default_bucket_size(dp)
+    size = _bucket_size(cfg, dp)
     if size is None:
         return stage.total
     h, n, d = m.hidden_size, m.num_attention_heads, m.head_dim
@@ -63,12 +80,28 @@ def transient_bytes(
         one = m.padded_vocab_size // p.tensor_model_parallel_size * m.hidden_size
         if stage.pp_rank == 0 and m.position_embedding_type == "learned_absolute":
             one += m.max_position_embeddings * m.hidden_size
-    full = num_micro > 1 or not p.overlap_grad_reduce or stage.total <= 3 * unit + whole
+    several = num_micro > 1 or not p.overlap_grad_reduce
+    full = several or stage.total <= 3 * unit + whole
     grads = per_param["grads"] * (stage.total if full else 3 * unit + one)
-    gathered = (2 if p.overlap_param_gather else 1) * unit
+    prefetch = unit if p.overlap_param_gather else 0
+    gathered = unit + prefetch
     if m.recompute_granularity == "full":
         region = (m.recompute_num_layers or 1) * layer_parameters(m, p.tensor_model_parallel_size, 1, False)[0]
         gathered = max(gathered, region + 2 * unit)
     weights = per_param["weights"] * min(stage.total, gathered + whole)
     copies = per_param["grads"] * stage.total if gloo and dp > 1 else 0.0
-    return {"no_shard": 0.0, "optim": copies, "optim_grads": grads, "optim_grads_params": grads + weights}
+    zero3 = grads + weights  # several microbatches: every gradient bucket is alive in the next forward
+    if not several:  # one microbatch: the largest of three moments, not their sum (see the module docstring)
+        w, g, cap = per_param["weights"], per_param["grads"], stage.total
+        tied = not m.untie_embeddings_and_output_weights
+        pinned = whole if tied else 0
+        # The output weight is first in bucket order: a bucket of its own when tied (isolated) or when it
+        # fills one alone, else the first layer bucket (U) holds it.
+        first = min(cap, one if tied or one >= (_bucket_size(cfg, dp) or cap) else unit)
+        held = (pinned + unit) if tied else first  # tied: the last layer bucket is still gathered from the forward
+        zero3 = max(
+            weights,  # the forward: gathered buckets and E, no gradients yet
+            w * min(cap, held + prefetch) + g * first,  # the backward's first bucket, its gradient storage
+            w * min(cap, gathered + pinned) + grads,  # later: gathered buckets, three gradient buckets
+        )
+    return {"no_shard": 0.0, "optim": copies, "optim_grads": grads, "optim_grads_params": zero3}

@@ -76,7 +76,8 @@ class TrainerSetup:
         cfg = self.cfg  # with the tokenizer's vocabulary size
         self.timers("model-and-optimizer-setup").start()
         chunks = build_model_chunks(cfg, self.model_provider, self.groups, self.rng_tracker)
-        self.comm_stats = CommStats()  # counts what DDP, the optimizer, the step and local SGD communicate
+        # counts what DDP, the optimizer, the step and local SGD communicate; the layout's nodes decide inter-node bytes
+        self.comm_stats = CommStats(parallel_state.get_ranks_per_node())
         self.model = wrap_data_parallel(cfg, chunks, self.groups, self.comm_stats)
         self.optimizer = build_optimizer(cfg, self.model, process_groups=self.groups, comm_stats=self.comm_stats)
         self.scheduler = OptimizerParamScheduler.from_config(cfg, self.optimizer)
@@ -141,7 +142,7 @@ class TrainerSetup:
         from megalm.distributed.comm import ranks_per_node
         from megalm.training.stragglers import StragglerReport
 
-        return StragglerReport(self.cfg.logging, ranks_per_node())
+        return StragglerReport(self.cfg.logging, ranks_per_node(parallel_state.get_ranks_per_node()))
 
     def _device_peak(self):
         from megalm.flops import cpu_has_native_half, device_peak_flops
