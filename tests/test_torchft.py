@@ -93,6 +93,12 @@ def test_torchft_flags_accept_an_even_split():
     assert cfg.parallel.data_parallel_sharding_strategy == "optim_grads" and cfg.training.calculate_per_token_loss
     cfg = _cfg([*FT, "--ft-replica-group-id", "0", "--micro-batch-size", "2", "--rampup-batch-size", "4", "4", "8"], 1)
     assert cfg.training.rampup_batch_size == [4, 4, 8]
+    # interleaved pipeline (PP 2, 2 virtual stages): every group's share a multiple of PP
+    vpp = ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+    cfg = _cfg([*FT, "--ft-replica-group-id", "0", "--micro-batch-size", "2", *vpp], 2)
+    assert cfg.parallel.virtual_pipeline_model_parallel_size == 2
+    with pytest.raises(ConfigError, match=r"x 2 x pipeline size 2 \(the interleaved schedule\)"):
+        _cfg([*FT, "--ft-replica-group-id", "0", "--micro-batch-size", "2", *vpp, "--global-batch-size", "4"], 2)
     schedule = ["--step-batch-size-schedule", "0:4 320:8"]  # tokens: batch 8 from sample 10 (seq 32)
     cfg = _cfg([*FT[:4], "--ft-replica-group-id", "0", "--micro-batch-size", "2", *schedule], 1)
     assert cfg.training.global_batch_size == 8

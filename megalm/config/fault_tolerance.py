@@ -41,7 +41,6 @@ def validate_fault_tolerance(cfg) -> None:
         (t.straggler_rebalance_interval, "--straggler-rebalance-interval"),
         (p.local_sgd_interval, "--local-sgd-interval"),
         (p.grad_compression != "none", f"--grad-compression {p.grad_compression}"),
-        (p.num_layers_per_virtual_pipeline_stage or p.num_virtual_stages_per_pipeline_rank, "interleaved pipelines"),
         (d.dataloader_type != "single", f"--dataloader-type {d.dataloader_type}"),
         (
             p.data_parallel_sharding_strategy == "optim_grads_params",
@@ -60,6 +59,8 @@ def validate_ft_batch(p, t, schedule=None) -> None:
     if not ft_enabled(p) or p.data_parallel_size is None:
         return
     per_group = t.micro_batch_size * p.data_parallel_size
+    if (p.virtual_pipeline_model_parallel_size or 1) > 1:  # the interleaved schedule: a multiple of PP each
+        per_group *= p.pipeline_model_parallel_size
     if t.rampup_batch_size:  # every batch of the ramp: start + k increment, k = 0, 1, ...
         start, increment, _ = (int(x) for x in t.rampup_batch_size)
         for n in range(p.ft_min_replicas, p.ft_num_replica_groups + 1):
@@ -67,8 +68,9 @@ def validate_ft_batch(p, t, schedule=None) -> None:
                 start % (per_group * n) == 0 and increment % (per_group * n) == 0,
                 f"--rampup-batch-size {' '.join(map(str, t.rampup_batch_size))}: with torchft replica groups the "
                 f"start and the increment must be multiples of --micro-batch-size {t.micro_batch_size} x data-parallel "
-                f"size {p.data_parallel_size} x {n} (every batch of the ramp split evenly over every quorum size from "
-                f"--ft-min-replicas {p.ft_min_replicas} to --ft-num-replica-groups {p.ft_num_replica_groups})",
+                f"size {p.data_parallel_size} x {n}{_pp(p)} (every batch of the ramp split evenly over every "
+                f"quorum size from --ft-min-replicas {p.ft_min_replicas} to --ft-num-replica-groups "
+                f"{p.ft_num_replica_groups})",
             )
     for _, batch in schedule or ():
         for n in range(p.ft_min_replicas, p.ft_num_replica_groups + 1):
@@ -76,7 +78,7 @@ def validate_ft_batch(p, t, schedule=None) -> None:
                 batch % (per_group * n) == 0,
                 f"--step-batch-size-schedule: its global batch {batch} cannot be split evenly over a quorum of {n} "
                 f"torchft replica groups: every batch must be a multiple of --micro-batch-size {t.micro_batch_size} x "
-                f"data-parallel size {p.data_parallel_size} x {n} for every quorum size from --ft-min-replicas "
+                f"data-parallel size {p.data_parallel_size} x {n}{_pp(p)} for every quorum size from --ft-min-replicas "
                 f"{p.ft_min_replicas} to --ft-num-replica-groups {p.ft_num_replica_groups}",
             )
     for n in range(p.ft_min_replicas, p.ft_num_replica_groups + 1):
@@ -84,6 +86,13 @@ def validate_ft_batch(p, t, schedule=None) -> None:
             t.global_batch_size % (per_group * n) == 0,
             f"--global-batch-size {t.global_batch_size} cannot be split evenly over a quorum of {n} replica groups: "
             f"it must be a multiple of --micro-batch-size {t.micro_batch_size} x data-parallel size "
-            f"{p.data_parallel_size} x {n} for every quorum size from --ft-min-replicas {p.ft_min_replicas} to "
+            f"{p.data_parallel_size} x {n}{_pp(p)} for every quorum size from --ft-min-replicas {p.ft_min_replicas} to "
             f"--ft-num-replica-groups {p.ft_num_replica_groups}",
         )
+
+
+def _pp(p) -> str:
+    """The interleaved schedule's factor in the batch-split messages ('' without it)."""
+    if (p.virtual_pipeline_model_parallel_size or 1) > 1:
+        return f" x pipeline size {p.pipeline_model_parallel_size} (the interleaved schedule)"
+    return ""
