@@ -87,6 +87,15 @@ METHODS = {  # name: (label, flags)
                               + ["--local-sgd-overlap-steps", "1"]),
     "diloco_h32": ("DiLoCo H=32 (lr 0.7, mom. 0.9)", HIER + ["--local-sgd-interval", "32", "--outer-lr", "0.7"]
                    + ["--outer-momentum", "0.9"]),
+    # issue 35's literature variants (warm-ups of 32 exact / synchronous steps; split runs need --speed-warmup >= 32)
+    "powersgd32_warm32": ("PowerSGD rank 32 inter-node, 32 exact steps first", HIER + ["--grad-compression",
+                          "powersgd", "--powersgd-rank", "32", "--grad-compression-warmup-iters", "32"]),
+    "diloco_h8_warm32": ("DiLoCo H=8, 32 synchronous steps first", HIER + ["--local-sgd-interval", "8", "--outer-lr",
+                         "0.7", "--outer-momentum", "0.9", "--local-sgd-warmup-iters", "32"]),
+    "streaming_h8_f4": ("Streaming DiLoCo H=8, 4 fragments, int8 outer grads, 32 sync. steps first", HIER + [
+                        "--local-sgd-interval", "8", "--outer-lr", "0.7", "--outer-momentum", "0.9",
+                        "--local-sgd-warmup-iters", "32", "--local-sgd-fragments", "4", "--local-sgd-overlap-steps",
+                        "2", "--outer-grad-int8-chunk", "1024"]),
 }  # fmt: skip
 DEFAULT_METHODS = "plain,hierarchical,int8,local_sgd_h8_overlap1,fp8"
 CORPORA = {  # name: (document prefix, the command that builds its JSON-lines text)
@@ -251,10 +260,19 @@ def run_loss(corpus: str, data_dir: str, seed: int, method: str, args, tmp: str)
     }  # fmt: skip
 
 
+def _flag(method: str, flag: str, default: int) -> int:
+    flags = METHODS[method][1]
+    return int(flags[flags.index(flag) + 1]) if flag in flags else default
+
+
 def period(method: str) -> int:
     """Iterations between a method's synchronisations (its --local-sgd-interval, else 1)."""
-    flags = METHODS[method][1]
-    return int(flags[flags.index("--local-sgd-interval") + 1]) if "--local-sgd-interval" in flags else 1
+    return _flag(method, "--local-sgd-interval", 1)
+
+
+def warmup(method: str) -> int:
+    """A method's warm-up of exact / synchronous iterations (a speed window must start after it)."""
+    return max(_flag(method, "--grad-compression-warmup-iters", 0), _flag(method, "--local-sgd-warmup-iters", 0))
 
 
 def loss_check(speed_losses: dict, loss_run: dict) -> dict:
@@ -337,6 +355,12 @@ def measure(args) -> None:
             raise BenchInputError(
                 f"--speed-window {args.speed_window} must be a multiple of every method's period H (not of "
                 f"{', '.join(bad)}) and --speed-warmup >= 1 (got {args.speed_warmup})"
+            )
+        early = [f"{m} ({warmup(m)})" for m in methods if args.speed_warmup < warmup(m)]
+        if early:
+            raise BenchInputError(
+                f"--speed-warmup {args.speed_warmup} ends inside the warm-up of {', '.join(early)}: the window "
+                "would time the exact steps, not the method"
             )
     records = load_results([args.results])
     done = {cell_key(r) for r in records if r.get("kind") != "loss_run"}

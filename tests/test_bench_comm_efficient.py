@@ -193,6 +193,9 @@ def test_split_measurement_shares_loss_runs_and_checks_the_speed_runs_losses(tmp
     assert "--speed-window 2 must be a multiple of every method's period H (not of local_sgd_h8_overlap1 (H=8))" in (
         capsys.readouterr().err
     )
+    # a window inside a method's warm-up would time its exact steps
+    assert bench.main(argv[:-1] + ["powersgd32_warm32"]) == 2
+    assert "--speed-warmup 2 ends inside the warm-up of powersgd32_warm32 (32)" in capsys.readouterr().err
     # --quiet-grid: issue 35's cells; flags given explicitly override its values
     calls.clear()
     grid = ["--quiet-grid", "--results", str(tmp_path / "g.jsonl"), "--seeds", "1,2", "--iters", "8"]

@@ -82,6 +82,15 @@ def worker(tmp):
         "powersgd_warm": [*METHODS["powersgd"], "--grad-compression-warmup-iters", "3"],
         "diloco_warm": [*DILOCO, "--local-sgd-warmup-iters", "3"],
         "streaming": [*DILOCO, "--local-sgd-fragments", "2", "--local-sgd-overlap-steps", "1"],
+        "streaming_int8": [
+            *DILOCO,
+            "--local-sgd-fragments",
+            "2",
+            "--local-sgd-overlap-steps",
+            "1",
+            "--outer-grad-int8-chunk",
+            "64",
+        ],  # fmt: skip
     }
     for name, flags in variants.items():
         ckpt = os.path.join(tmp, f"ckpt_{name}")
@@ -109,7 +118,7 @@ def world(tmp_path_factory):
 def test_resume_is_exact_and_a_new_layout_reshards_the_residuals(world):
     tmp, ranks = world
     for codes, _ in ranks:
-        assert codes == [0] * 24, codes
+        assert codes == [0] * 26, codes
     plain = losses(tmp, "plain")
     for method in METHODS:
         base, resumed = losses(tmp, f"{method}_base"), losses(tmp, f"{method}_resumed")
@@ -187,8 +196,13 @@ def test_warmups_are_the_synchronous_run_bit_for_bit_then_resume_exactly(world):
 
 def test_streaming_diloco_trains_and_resumes_exactly_with_a_fragment_in_flight(world):
     """--local-sgd-fragments 2 (H = 2, overlap 1): a fragment is in flight after every iteration; the run
-    saved at 2 resumes bit for bit, and it is another run than DiLoCo's (every parameter at once)."""
+    saved at 2 resumes bit for bit, and it is another run than DiLoCo's (every parameter at once); with
+    --outer-grad-int8-chunk the same, within 1% of the fp32 outer gradients' losses."""
     tmp, _ = world
     base, resumed = losses(tmp, "streaming_base"), losses(tmp, "streaming_resumed")
     assert len(base) == 6 and resumed == base[2:] and all(abs(x) < 100 for x in base)
     assert base[:2] == losses(tmp, "diloco_base")[:2] and base[2:] != losses(tmp, "diloco_base")[2:]
+    # with 8-bit outer gradients: near the fp32 run (8 bits per value, scale per 64), not it; resumed exactly
+    quantized, resumed = losses(tmp, "streaming_int8_base"), losses(tmp, "streaming_int8_resumed")
+    assert len(quantized) == 6 and resumed == quantized[2:] and quantized[:2] == base[:2]
+    assert quantized[2:] != base[2:] and quantized == pytest.approx(base, rel=1e-2)

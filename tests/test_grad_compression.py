@@ -373,6 +373,27 @@ def streaming_run(pg, hierarchical):
     return values, sent
 
 
+def quantized_outer_run(pg, hierarchical):
+    """One sync (H = 1) of a 12-element parameter from 0 after a local step of integers with a 127 in every
+    chunk of 6 (exactly representable pseudo-gradients), with --outer-grad-int8-chunk 6 and without, plain
+    averaging and DiLoCo: ``{(case, quantized): (value, {kind: wire bytes})}``."""
+    replica = dist.get_rank() // LOCAL if hierarchical else dist.get_rank()
+    g = torch.Generator().manual_seed(7 + replica)
+    step = torch.randint(-126, 127, (12,), generator=g).float()
+    step[[replica, 6 + replica]] = 127.0 * (-1) ** replica
+    out = {}
+    for case, (eta, mu) in {"plain": (1.0, 0.0), "diloco": (0.7, 0.9)}.items():
+        for chunk in (0, 6):
+            p, stats = torch.nn.Parameter(torch.zeros(12)), CommStats()
+            sync = OuterSync(FakeOptimizer([p]), 1, eta, mu, process_groups=pg, hierarchical=hierarchical,
+                             comm_stats=stats, outer_grad_int8_chunk=chunk)  # fmt: skip
+            with torch.no_grad():
+                p -= step
+            sync.step(1)
+            out[case, chunk > 0] = (p.detach().clone(), {k: v["wire_bytes"] for k, v in stats.get().items()})
+    return out
+
+
 WARMUPS = {"local": {"local_sgd_interval": 2, "local_sgd_warmup_iters": 1},
            "int8": {"grad_compression": "int8", "grad_compression_warmup_iters": 1}}  # fmt: skip
 
@@ -444,6 +465,7 @@ def worker():
     out["local"] = {h: local_grads(pg, h) for h in (False, True)}
     out["warmup"] = {h: warmup_grads(pg, h) for h in (False, True)}
     out["streaming"] = {h: streaming_run(pg, h) for h in (False, True)}
+    out["quantized_outer"] = {h: quantized_outer_run(pg, h) for h in (False, True)}
     trained = {}
     out["ddp"] = {(n, h): ddp_run(n, h, pg, keep=trained) for n in METHODS for h in (False, True)}
     out["distopt"] = {(n, h): ddp_run(n, h, pg, distopt=True) for n, h in DISTOPT_CASES}
@@ -1038,3 +1060,23 @@ def test_streaming_diloco_syncs_one_fragment_at_a_time_and_resumes_exactly(ranks
                 torch.testing.assert_close(value.double(), expected[replica], rtol=1e-6, atol=1e-6)
         ends = [r["streaming"][hierarchical][0][-1][0] for r in ranks]
         assert all(torch.equal(e, ends[0]) for e in ends)  # one model at the end
+
+
+def test_int8_outer_gradients_are_exact_on_representable_values_with_the_all_gather_bytes(ranks):
+    """--outer-grad-int8-chunk 6: pseudo-gradients that 8 bits represent exactly (integers, a 127 per chunk)
+    give the fp32 average's result bit for bit (plain averaging and DiLoCo, flat over 4 replicas and
+    hierarchical over 2 nodes), and each rank sends one all-gather of ``(n-1) (N + 4 N/C)`` bytes
+    (N = 12 flat; hierarchical, the node's chunk of 6 across n = 2 nodes, then the exact intra-node all-gather)."""
+    for r in ranks:
+        for h in (False, True):
+            for case in ("plain", "diloco"):
+                (exact, _), (quantized, sent) = (
+                    r["quantized_outer"][h][case, False],
+                    r["quantized_outer"][h][case, True],
+                )
+                assert torch.equal(quantized, exact) and exact.abs().sum() > 0, (h, case)
+                if h:
+                    assert sent == {"local_sgd_outer_grad_int8_all_gather_inter": 1 * (6 + 4 * 1),
+                                    "local_sgd_param_all_gather_intra": 1 / 2 * 4 * 12}  # fmt: skip
+                else:
+                    assert sent == {"local_sgd_outer_grad_int8_all_gather": 3 * (12 + 4 * 2)}

@@ -156,6 +156,13 @@ class ParallelConfig(Section):
         "so each sync sends 1/F of the bytes; with --local-sgd-overlap-steps (at most H / F) it is hidden behind "
         "the next iterations.  The last iteration synchronises every fragment.  1 = every parameter at once.",
     )
+    outer_grad_int8_chunk: int = _f(
+        0,
+        "Local SGD / DiLoCo (megalm; Streaming DiLoCo's quantized outer gradients): send each replica's "
+        "pseudo-gradient x0 - x in 8 bits with one fp32 scale per this many elements (one all-gather, about a "
+        "quarter of the fp32 average's bytes; nearest rounding, no error feedback) instead of its fp32 "
+        "parameters; 0 = fp32.",
+    )
     local_sgd_overlap_steps: int = _f(
         0,
         "Local SGD / DiLoCo (megalm): overlap the parameter average with this many following training "
@@ -319,6 +326,7 @@ class ParallelConfig(Section):
             ("--local-sgd-overlap-steps", self.local_sgd_overlap_steps),
             ("--local-sgd-warmup-iters", self.local_sgd_warmup_iters),
             ("--local-sgd-fragments", self.local_sgd_fragments - 1),
+            ("--outer-grad-int8-chunk", self.outer_grad_int8_chunk),
         ):
             check(value == 0 or interval > 0, f"{flag} needs --local-sgd-interval")
         check(
@@ -331,6 +339,9 @@ class ParallelConfig(Section):
             0 <= self.local_sgd_overlap_steps <= interval,
             f"--local-sgd-overlap-steps must be in [0, --local-sgd-interval] = [0, {interval}], "
             f"got {self.local_sgd_overlap_steps}",
+        )
+        check(
+            self.outer_grad_int8_chunk >= 0, f"--outer-grad-int8-chunk must be >= 0, got {self.outer_grad_int8_chunk}"
         )
         frags = self.local_sgd_fragments
         check(

@@ -45,6 +45,14 @@ at iterations ``W + k H + (f + 1) H / F``, so each sync sends ``1/F`` of the byt
 flight at a time); the run's last iteration synchronises every fragment (blocking), so it ends with
 one model.  The outer state is per parameter, so each fragment's outer step is DiLoCo's.
 
+Quantized outer gradients (``--outer-grad-int8-chunk C``, > 0): instead of the fp32 parameters, each
+replica sends its pseudo-gradient ``D_k = x_0 - x_k`` in 8 bits with one fp32 scale per ``C`` elements
+(:mod:`megalm.distributed.compression.int8`, nearest rounding, no error feedback, as Streaming DiLoCo's
+4-bit outer gradients), one all-gather over the outer group: ``(n-1) (N + 4 ceil(N/C))`` bytes per rank
+instead of the all-reduce's ``2 (n-1)/n 4 N`` (kind ``local_sgd_outer_grad_int8_all_gather``, ``_inter``
+hierarchically, where ``N`` is the node's chunk); the average is ``x_0 - mean_k dequant(D_k)``.  Plain
+averaging then keeps ``x_0`` too (the parameters at the last sync of each fragment).
+
 The inner optimizer's state (moments) stays local.  The outer state (``x_0``, ``m``) is the same on
 every replica; between syncs each replica's parameters and optimizer state differ, so a checkpoint
 keeps them per rank: :class:`OuterSync` is a registered checkpoint state (``"local_sgd"``, saved to
@@ -62,6 +70,7 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megalm.distributed import comm
+from megalm.distributed.compression import int8
 from megalm.errors import MegalmError
 from megalm.log import get_logger
 from megalm.parallel_state import ProcessGroups, group_rank, group_size
@@ -110,12 +119,14 @@ class OuterSync:
         comm_stats: Optional[comm.CommStats] = None,
         warmup_iters: int = 0,
         fragments: int = 1,
+        outer_grad_int8_chunk: int = 0,
     ):
         self.optimizer = optimizer
         self.comm_stats = comm_stats  # where the averaging collectives are counted (None: not counted)
         self.interval = interval
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
         self.plain = self.outer_lr == 1.0 and self.outer_momentum == 0.0
+        self.int8_chunk = int(outer_grad_int8_chunk)  # > 0: the pseudo-gradients are sent in 8 bits
         pg = process_groups
         self.groups: List[tuple] = []  # (outer group, intra-node group, [main params]) in a fixed order
         for expert in (False, True):
@@ -144,10 +155,10 @@ class OuterSync:
     def reset(self) -> None:
         """Outer state from the current parameters: ``x_0 <- x``, ``m <- 0``; no pending correction."""
         self.pending = None
-        if self.plain:
+        if self.plain and not self.int8_chunk:
             return
         self.anchor = {n: m.detach().clone() for n, m in self._named}
-        if self.outer_momentum:
+        if self.outer_momentum and not self.plain:
             self.momentum = {n: torch.zeros_like(m) for n, m in self._named}
 
     def due(self, iteration: int) -> Optional[int]:
@@ -190,19 +201,29 @@ class OuterSync:
         (see the module)."""
         for outer, intra, params in self.fragments[fragment]:
             if group_size(outer) > 1:
-                flat = _AverageInFlight(
-                    _flatten_dense_tensors([p.data for p in params]), outer, intra, self.comm_stats
-                ).result()
+                flat = self._flight(_flatten_dense_tensors([p.data for p in params]), outer, intra, params).result()
                 for p, avg in zip(params, _unflatten_dense_tensors(flat, [p.data for p in params])):
                     p.data.copy_(avg)
-            if not self.plain:
-                for p in params:
-                    p.data.copy_(self._outer_step(self._name_of[id(p)], p.data))
+            for p in params:
+                p.data.copy_(self._outer_step(self._name_of[id(p)], p.data))
         self.optimizer._copy_main_to_model()
+
+    def _flight(self, snapshot: torch.Tensor, outer, intra, params) -> "_AverageInFlight":
+        """The average of ``snapshot`` (the flat ``params``) started: fp32, or the anchors' minus the mean
+        of the 8-bit pseudo-gradients."""
+        anchor = None
+        if self.int8_chunk:
+            anchor = torch.cat([self.anchor[self._name_of[id(p)]].reshape(-1) for p in params])
+        return _AverageInFlight(snapshot, outer, intra, self.comm_stats, anchor, self.int8_chunk)
 
     def _outer_step(self, name: str, average: torch.Tensor) -> torch.Tensor:
         """DiLoCo's outer step of parameter ``name`` from the replicas' ``average``: ``D = x_0 - average``,
-        ``m <- mu m + D``, ``x_0 <- x_0 - eta (D + mu m)``; returns the new ``x_0``."""
+        ``m <- mu m + D``, ``x_0 <- x_0 - eta (D + mu m)``; returns the new ``x_0``.  Plain averaging:
+        ``average`` (kept as ``x_0`` when the pseudo-gradients are quantized)."""
+        if self.plain:
+            if self.int8_chunk:
+                self.anchor[name].copy_(average)
+            return average
         x0, mu = self.anchor[name], self.outer_momentum
         delta = x0 - average
         if mu:
@@ -218,7 +239,7 @@ class OuterSync:
         groups = []
         for outer, intra, params in self.fragments[fragment]:
             snapshot = torch.cat([p.data.reshape(-1) for p in params])  # a copy (flattening one tensor is a view)
-            groups.append(_AverageInFlight(snapshot, outer, intra, self.comm_stats))
+            groups.append(self._flight(snapshot, outer, intra, params))
         return _PendingSync(apply_at, groups, fragment)
 
     @torch.no_grad()
@@ -229,7 +250,7 @@ class OuterSync:
             shapes = [p.data for p in params]
             snaps = _unflatten_dense_tensors(flight.snapshot, shapes)
             for p, s, avg in zip(params, snaps, _unflatten_dense_tensors(flight.result(), shapes)):
-                new = avg if self.plain else self._outer_step(self._name_of[id(p)], avg)
+                new = self._outer_step(self._name_of[id(p)], avg)
                 p.data.add_(new - s)
         self.optimizer._copy_main_to_model()
 
@@ -330,7 +351,7 @@ class _AverageInFlight:
     and :meth:`result` all-gathers the chunks over the node: ``1/L`` of the bytes cross nodes per rank.
     ``snapshot`` is not modified."""
 
-    def __init__(self, snapshot: torch.Tensor, outer, intra, stats: Optional[comm.CommStats]):
+    def __init__(self, snapshot, outer, intra, stats: Optional[comm.CommStats], anchor=None, int8_chunk: int = 0):
         self.stats = stats
         self.snapshot, self.outer, self.intra = snapshot, outer, intra
         self._average: Optional[torch.Tensor] = None
@@ -338,17 +359,32 @@ class _AverageInFlight:
         if self.n == 1:
             self._average = snapshot
             return
+        self.chunk = -(-snapshot.numel() // self.L)
+        i = group_rank(intra) if self.L > 1 else 0
+        self.buffer = self._part(snapshot, i)
+        suffix = "" if self.L == 1 else "_inter"
+        self.anchor, self.int8_chunk = None, int8_chunk
+        if anchor is None:
+            kind = f"local_sgd_param_all_reduce{suffix}"
+            self.work = comm.all_reduce(self.buffer, group=outer, async_op=True, kind=kind, stats=stats)
+            return
+        self.anchor = self._part(anchor, i)  # quantized: all-gather the 8-bit pseudo-gradients D = x_0 - s
+        no_poison = torch.zeros((), dtype=torch.float32, device=snapshot.device)
+        payload, _ = int8.encode(self.anchor - self.buffer, int8_chunk, no_poison)
+        self.gathered = torch.empty(self.n, payload.numel(), dtype=torch.uint8, device=snapshot.device)
+        kind = f"local_sgd_outer_grad_int8_all_gather{suffix}"
+        self.work = comm.all_gather_into_tensor(
+            self.gathered.view(-1), payload, group=outer, async_op=True, kind=kind, stats=stats
+        )
+
+    def _part(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Chunk ``i`` of ``L`` of ``flat`` (zero-padded; the whole of it, copied, when ``L == 1``)."""
         if self.L == 1:
-            self.buffer = snapshot.clone()
-            kind = "local_sgd_param_all_reduce"
-        else:
-            self.chunk = -(-snapshot.numel() // self.L)
-            i = group_rank(intra)
-            self.buffer = torch.zeros(self.chunk, dtype=snapshot.dtype, device=snapshot.device)
-            mine = snapshot[i * self.chunk : (i + 1) * self.chunk]
-            self.buffer[: mine.numel()] = mine
-            kind = "local_sgd_param_all_reduce_inter"
-        self.work = comm.all_reduce(self.buffer, group=outer, async_op=True, kind=kind, stats=stats)
+            return flat.clone()
+        part = torch.zeros(self.chunk, dtype=flat.dtype, device=flat.device)
+        mine = flat[i * self.chunk : (i + 1) * self.chunk]
+        part[: mine.numel()] = mine
+        return part
 
     @classmethod
     def done(cls, snapshot: torch.Tensor, average: torch.Tensor) -> "_AverageInFlight":
@@ -361,7 +397,11 @@ class _AverageInFlight:
         """The mean (waits for the reduction the first time)."""
         if self._average is None:
             self.work.wait()
-            self.buffer.div_(self.n)
+            if self.anchor is None:
+                self.buffer.div_(self.n)
+            else:
+                mean = int8.decode(self.gathered, self.chunk, self.int8_chunk).div_(self.n)
+                self.buffer = self.anchor - mean
             if self.L == 1:
                 self._average = self.buffer
             else:
@@ -407,4 +447,5 @@ def build_outer_sync(
         comm_stats=comm_stats,
         warmup_iters=p.local_sgd_warmup_iters,
         fragments=p.local_sgd_fragments,
+        outer_grad_int8_chunk=p.outer_grad_int8_chunk,
     )
