@@ -12,10 +12,12 @@ import torch
 
 from megalm.checkpoint import manifest
 from megalm.checkpoint.errors import CheckpointError
-from megalm.checkpoint.load import load_checkpoint
-from megalm.checkpoint.save import save_checkpoint
+from megalm.checkpoint.load import load_checkpoint, load_checkpoint_states
+from megalm.checkpoint.model_state import ModelOptimizerState
+from megalm.checkpoint.save import save_checkpoint, save_checkpoint_states
 from megalm.checkpoint.stateful import CheckpointStates
 from megalm.parallel_state import get_process_groups
+from megalm.param_layout import ShardedTensorSpec
 from tests.checkpoint_fixtures import tiny_cfg
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megalm" / "checkpoint"
@@ -166,3 +168,120 @@ def test_the_checkpointer_names_no_feature():
         for word in _code_words(ast.parse(file.read_text())):
             for state in ("scheduler", "consumed", "rng"):
                 assert state not in word.lower(), (file.name, word)
+
+
+class Table:
+    """A state of DCP blocks only (as the model and optimizer): a replicated tensor, no file."""
+
+    def __init__(self, value):
+        self.value = torch.full((4, 2), float(value))
+
+    def state_dict(self):
+        return None
+
+    def load_state_dict(self, state):
+        raise AssertionError("no file was written")
+
+    def sharded_state_dict(self):
+        return {"table.value": ShardedTensorSpec.replicated(self.value)}
+
+    def sharded_load_plan(self, info):
+        assert info.saved_tensors["table.value"] == (4, 2)
+        return {"table.value": ShardedTensorSpec.replicated(self.value)}
+
+
+def test_the_model_is_a_registered_state_like_any_other(tmp_path):
+    """The checkpointer's core saves and loads registered states only: without a model (a state of DCP
+    blocks), and with the model and optimizer registered as one state, which writes the DCP tensors and
+    common.json's optimizer_common exactly as save_checkpoint(model, optimizer) does."""
+    from megalm.models import GPTModel
+
+    groups = get_process_groups()
+    states = CheckpointStates()
+    states.register("table", Table(7))
+    save_checkpoint_states(str(tmp_path / "bare"), 1, states, groups)
+    assert not (tmp_path / "bare" / "iter_0000001" / "table").exists()
+    restored = CheckpointStates()
+    restored.register("table", Table(0))
+    common = load_checkpoint_states(str(tmp_path / "bare"), restored, groups)
+    assert torch.equal(restored.get("table").value, torch.full((4, 2), 7.0)) and "optimizer_common" not in common
+
+    model = GPTModel(tiny_cfg(64), process_groups=groups)
+    registered = CheckpointStates()
+    registered.register("model", ModelOptimizerState([model], None, groups))
+    save_checkpoint_states(str(tmp_path / "registered"), 2, registered, groups)
+    save_checkpoint(str(tmp_path / "wrapper"), 2, [model])
+    saved = [json.loads((tmp_path / r / "iter_0000002" / "common.json").read_text()) for r in ("registered", "wrapper")]
+    assert {k: v for k, v in saved[0].items() if k != "saved_at"} == {
+        k: v for k, v in saved[1].items() if k != "saved_at"
+    }
+    assert saved[0]["optimizer_common"] is None
+    other = GPTModel(tiny_cfg(64), process_groups=groups)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.zero_()
+    again = CheckpointStates()
+    again.register("model", ModelOptimizerState([other], None, groups))
+    load_checkpoint_states(str(tmp_path / "registered"), again, groups)
+    for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_the_checkpointer_core_names_neither_model_nor_optimizer():
+    """Only the compatibility wrappers for callers holding a model (save_checkpoint, load_checkpoint) and
+    the state that is the model and optimizer (model_state.py) name them; the core saves and loads states."""
+    wrappers = {"save_checkpoint", "load_checkpoint"}
+    for name, only in (("save.py", None), ("load.py", None), ("stateful.py", None), ("local.py", "LocalCheckpoint")):
+        tree = ast.parse((PACKAGE / name).read_text())
+        for node in tree.body:
+            if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) or node.name in wrappers:
+                continue
+            if only is not None and node.name != only:
+                continue
+            for word in _code_words(node):
+                assert "optim" not in word.lower() and "model" not in word.lower(), (name, node.name, word)
+
+
+def test_the_trainer_registers_the_model_first_and_a_local_copy_keeps_everything():
+    """--no-save-optim / --no-save-rng leave the optimizer, scheduler and RNG out of disk checkpoints only:
+    the trainer's local-checkpoint states keep them (a local copy resumes the same job); --finetune and
+    --no-load-optim load the weights alone."""
+    from types import SimpleNamespace
+
+    from megalm.models import GPTModel
+    from megalm.training.trainer_setup import TrainerSetup
+
+    class Optimizer:
+        def common_state_dict(self):
+            return {"step": 4}
+
+        def sharded_state_dict(self, params):
+            return {f"optimizer.{name}.exp_avg": ShardedTensorSpec.replicated(p) for name, p in params.items()}
+
+    class Scheduler:
+        def state_dict(self):
+            return {"num_steps": 4}
+
+    groups = get_process_groups()
+    model_cfg = tiny_cfg(64)
+    for no_save, no_load, finetune in ((True, False, False), (False, True, False), (False, False, True)):
+        flags = SimpleNamespace(no_save_optim=no_save, no_save_rng=no_save, no_load_optim=no_load, finetune=finetune)
+        cfg = SimpleNamespace(checkpoint=flags, parallel=model_cfg.parallel)
+        trainer = SimpleNamespace(
+            cfg=cfg,
+            model=[GPTModel(model_cfg, process_groups=groups)],
+            optimizer=Optimizer(),
+            scheduler=Scheduler(),
+            groups=groups,
+            state=SimpleNamespace(consumed_train_samples=12, consumed_valid_samples=0),
+            outer_sync=None,
+            rng_tracker=None,
+        )
+        disk, local = (TrainerSetup._checkpoint_states(trainer, local=flag) for flag in (False, True))
+        assert [name for name, _ in disk.items()] == ["model", "scheduler", "data", "rng"]
+        for states, keeps in ((disk, not no_save), (local, True)):
+            common = {k: v for _, s in states.items() for k, v in s.common_state_dict().items()}
+            assert common["optimizer_common"] == ({"step": 4} if keeps else None), (no_save, common)
+            assert common["scheduler"] == ({"num_steps": 4} if keeps else None) and common["rng_saved"] is keeps
+            assert any(k.startswith("optimizer.") for k in states.get("model").sharded_state_dict()) is keeps
+        assert disk.get("model").load_optim is not (no_load or finetune)

@@ -2,11 +2,11 @@
 
 Modules (import them directly; this package re-exports nothing)::
 
-    save.py          save_checkpoint: DCP blocks, per-rank files, common.json, manifests, tracker
-    load.py          load_checkpoint: verify, read the blocks, restore what applies to this layout
+    save.py          save_checkpoint_states: DCP blocks, per-rank files, common.json, manifests, tracker
+    load.py          load_checkpoint_states: verify, read the blocks, restore what applies to this layout
     stateful.py      CheckpointStates: the states components register (saved per rank, by name)
     resume.py        which checkpoint: tracker, iter_NNNNNNN names, auto-resume, verification
-    model_state.py   the model's and optimizer's tensors as blocks, under global names
+    model_state.py   ModelOptimizerState: the model's and optimizer's tensors as blocks, under global names
     rng.py           the random generators' states as plain values
     common_json.py   common.json: format version, the layout record, reading it
     dcp_io.py        DCP save/load of blocks (planners), tensor names and shapes
@@ -15,8 +15,9 @@ Modules (import them directly; this package re-exports nothing)::
     async_writer.py  --async-save: the background writer
     errors.py        CheckpointError, every rank's error shared, one-line I/O errors
 
-The checkpointer names no feature: a component with state of its own registers it
-(:class:`megalm.checkpoint.stateful.CheckpointStates`; docs/checkpoint-internals.md).
+The checkpointer names no feature: a component with state registers it, the model and optimizer
+included (:class:`megalm.checkpoint.stateful.CheckpointStates`; docs/checkpoint-internals.md).
+``save_checkpoint`` / ``load_checkpoint`` are thin wrappers for callers holding a model (tools, tests).
 The blocks themselves (:class:`megalm.param_layout.ShardedTensorSpec`, ``param_spec``) live below
 this package, in :mod:`megalm.param_layout`, so that the optimizers and gradient compression can
 describe their tensors without importing the checkpointer.

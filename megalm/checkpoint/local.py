@@ -54,10 +54,10 @@ import torch.distributed as dist
 
 from megalm.checkpoint.common_json import FORMAT_VERSION, layout
 from megalm.checkpoint.errors import CheckpointError, first_line, gather_errors
-from megalm.checkpoint.load import load_targets
-from megalm.checkpoint.model_state import finish_param_sync, model_groups, model_sharded_state, optimizer_sharded_state
-from megalm.checkpoint.stateful import CheckpointStates, LoadInfo, sharded_load_plans, sharded_states
+from megalm.checkpoint.save import COMMON_KEYS
+from megalm.checkpoint.stateful import CheckpointStates, LoadInfo, common_states, sharded_load_plans, sharded_states
 from megalm.log import get_logger
+from megalm.parallel_state import ProcessGroups
 from megalm.param_layout import ShardedStateDict, ShardedTensorSpec
 
 logger = get_logger(__name__)
@@ -208,35 +208,20 @@ class LocalCheckpoint:
         self._error: Optional[BaseException] = None
 
     # -- save --
-    def save(
-        self,
-        iteration: int,
-        model_chunks,
-        optimizer,
-        scheduler,
-        consumed_train_samples: int,
-        consumed_valid_samples: int,
-        config: Optional[dict],
-        states: Optional[CheckpointStates] = None,
-    ) -> dict:
-        """Collective over the world.  ``states``: every registered state, each saved through its
-        ``local_state_dict()`` when it has one (the RNG: the generators, also under ``--no-save-rng``),
-        else ``state_dict()``.  Returns ``{"bytes", "sent", "seconds"}`` for the log."""
+    def save(self, iteration: int, config: Optional[dict], states: CheckpointStates, groups: ProcessGroups) -> dict:
+        """Collective over the world.  ``states``: every registered state (the trainer's: the model and
+        optimizer, the scheduler, the data position...): their blocks and ``common.json`` entries as a disk
+        save's, and each one's ``local_state_dict()`` when it has one (the RNG: the generators, also under
+        ``--no-save-rng``), else ``state_dict()``.  Returns ``{"bytes", "sent", "seconds"}`` for the log."""
         start = time.perf_counter()
-        finish_param_sync(model_chunks)
-        specs = model_sharded_state(model_chunks)
-        specs.update(optimizer_sharded_state(optimizer, model_chunks))
-        specs.update(sharded_states(states))  # collective per state, as a disk save
+        specs = sharded_states(states)  # collective per state, as a disk save
         common = {
             "format_version": FORMAT_VERSION,
             "iteration": iteration,
-            "consumed_train_samples": consumed_train_samples,
-            "consumed_valid_samples": consumed_valid_samples,
             "world_size": self.world,
-            "layout": layout(model_groups(model_chunks)),
+            "layout": layout(groups),
             "config": config,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "optimizer_common": optimizer.common_state_dict(),
+            **common_states(states, taken=COMMON_KEYS),
         }
         blocks = {
             k: [
@@ -336,17 +321,12 @@ class LocalCheckpoint:
 
     # -- restore --
     def restore(
-        self,
-        model_chunks,
-        optimizer,
-        scheduler,
-        config: Optional[dict],
-        newer_than: Optional[int],
-        states: Optional[CheckpointStates] = None,
+        self, config: Optional[dict], newer_than: Optional[int], states: CheckpointStates, groups: ProcessGroups
     ) -> Optional[dict]:
         """Collective.  Restore the newest local checkpoint of iteration ``>= newer_than`` (the disk
-        checkpoint's, None: any) into the model, optimizer, scheduler and ``states``; returns its common
-        record plus ``path``, ``held`` (this rank's state dicts, for the states restored later through
+        checkpoint's, None: any) into ``states`` (registration order: each one's blocks, its ``common.json``
+        entries, then its state dict, as a disk load); returns its common record plus ``path``, ``held``
+        (this rank's state dicts, for the states restored later through
         :func:`megalm.checkpoint.load.load_states` ``held=``: the RNG, after the data loaders are built) and
         ``bytes_from_peer``; or None (nothing to restore, or refused: the reason is logged)."""
         start = time.perf_counter()
@@ -362,7 +342,6 @@ class LocalCheckpoint:
         try:
             data = self._fetch(iteration, plan)
             payload = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
-            groups = model_groups(model_chunks)
             now_layout = layout(groups)
             common = json.loads(payload["common_json"])
             error = _mismatch(common, config, self.world, now_layout)
@@ -373,11 +352,8 @@ class LocalCheckpoint:
         blocks = payload["blocks"]
         saved = {k: tuple(v[0]["global_shape"]) for k, v in blocks.items() if v}
         info = LoadInfo(f"local:{self.dir}", common, now_layout, saved)
-        finish_param_sync(model_chunks)
-        specs, main_params_missing = load_targets(model_chunks, optimizer, saved, groups)
-        specs.update(sharded_load_plans(states, info))
         try:
-            fill_blocks(specs, blocks)
+            fill_blocks(sharded_load_plans(states, info), blocks)
             error = None
         except CheckpointError as e:  # the disk load that follows overwrites what was filled
             error = str(e)
@@ -387,10 +363,10 @@ class LocalCheckpoint:
                     f"local checkpoint of iteration {iteration} cannot be restored and --load has none"
                 )
             return None
-        optimizer.load_sharded_state_dict(common.get("optimizer_common") or {}, not main_params_missing)
-        if scheduler is not None and common.get("scheduler") is not None:
-            scheduler.load_state_dict(common["scheduler"])
-        for name, state in states.items() if states is not None else ():
+        for name, state in states.items():
+            hook = getattr(state, "load_common_state_dict", None)
+            if hook is not None:
+                hook(info)
             if name in payload["states"]:
                 state.load_state_dict(payload["states"][name])
             elif hasattr(state, "not_restored"):

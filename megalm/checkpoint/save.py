@@ -18,19 +18,14 @@ from megalm.checkpoint.async_writer import AsyncCheckpointWriter
 from megalm.checkpoint.common_json import FORMAT_VERSION, layout
 from megalm.checkpoint.dcp_io import save_sharded
 from megalm.checkpoint.errors import CheckpointError, describe_io_error, gather_errors, save_dir_problem
-from megalm.checkpoint.model_state import (
-    finish_param_sync,
-    model_groups,
-    model_sharded_state,
-    optimizer_sharded_state,
-)
+from megalm.checkpoint.model_state import ModelOptimizerState, model_groups, with_model
 from megalm.checkpoint.resume import TRACKER_FILENAME, checkpoint_dir, checkpoint_iterations, rank_is_zero, read_tracker
 from megalm.checkpoint.stateful import CheckpointStates, common_states, save_rank_states, sharded_states
 from megalm.parallel_state import ProcessGroups
 from megalm.param_layout import ShardedStateDict, ShardedTensorSpec
 
 # common.json's keys the checkpointer writes itself (registered states add theirs: common_state_dict)
-COMMON_KEYS = ("format_version", "iteration", "world_size", "layout", "config", "optimizer_common", "extra", "saved_at")
+COMMON_KEYS = ("format_version", "iteration", "world_size", "layout", "config", "extra", "saved_at")
 
 
 def save_checkpoint(
@@ -44,7 +39,32 @@ def save_checkpoint(
     states: Optional[CheckpointStates] = None,
     groups: Optional[ProcessGroups] = None,
 ) -> str:
+    """:func:`save_checkpoint_states` of ``model_chunks`` and ``optimizer`` (registered first, as a
+    :class:`megalm.checkpoint.model_state.ModelOptimizerState`) and ``states``, for callers that hold a
+    model rather than registered states (tools, tests).  ``optimizer`` None (``--no-save-optim``) leaves
+    its state out; loading it then needs ``--no-load-optim``.  ``groups``: the run's process groups
+    (default: the model's own, :func:`megalm.checkpoint.model_state.model_groups`)."""
+    groups = model_groups(model_chunks, groups)
+    model = ModelOptimizerState(model_chunks, optimizer, groups)
+    return save_checkpoint_states(root, iteration, with_model(model, states), groups, config, extra, async_writer)
+
+
+def save_checkpoint_states(
+    root: str,
+    iteration: int,
+    states: CheckpointStates,
+    groups: ProcessGroups,
+    config: Optional[dict] = None,
+    extra: Optional[dict] = None,
+    async_writer: Optional[AsyncCheckpointWriter] = None,
+) -> str:
     """Collective over all ranks.  Returns the iteration directory.
+
+    ``states``: the registered states (:mod:`megalm.checkpoint.stateful`; the trainer's: model and
+    optimizer, LR scheduler, data position, RNG and its features'): their blocks go into the DCP save
+    (collective per state), each rank writes its ``<name>/rank_<rank>.pt``, and their ``common.json``
+    entries join the checkpointer's own (:data:`COMMON_KEYS`).  ``groups``: the run's process groups
+    (the layout ``common.json`` records).
 
     Communication: a barrier once rank 0 has prepared the directory; DCP's save (its plan
     gather/scatter and the final gather of write results); one ``all_gather_object`` of every
@@ -52,13 +72,7 @@ def save_checkpoint(
     manifest index and the tracker (a failure on any rank raises :class:`CheckpointError` on
     every rank, the tracker left on the previous checkpoint).  With ``async_writer``
     (``--async-save``) the tensors are staged to CPU now and all but the first barrier run in
-    the background on the writer's group (see :mod:`megalm.checkpoint.async_writer`).  ``optimizer``
-    None (``--no-save-optim``) leaves its state out; loading it then needs ``--no-load-optim``.
-    ``states``: the registered states (:mod:`megalm.checkpoint.stateful`; the trainer's: LR scheduler,
-    data position, RNG and its features'): each rank writes its ``<name>/rank_<rank>.pt``, their blocks
-    go into the DCP save (collective per state) and their ``common.json`` entries into it.
-    ``groups``: the run's process groups (default: the model's own, :func:`model_groups`): the layout
-    ``common.json`` records and the blocks of every tensor."""
+    the background on the writer's group (see :mod:`megalm.checkpoint.async_writer`)."""
     if async_writer is not None:
         async_writer.wait()  # one save in flight: the previous one is complete (tracker written) first
     path = checkpoint_dir(root, iteration)
@@ -69,12 +83,7 @@ def save_checkpoint(
         if os.path.isdir(path):
             shutil.rmtree(path)  # a stale, never-completed save of this iteration
     _barrier()
-    finish_param_sync(model_chunks)
-    groups = model_groups(model_chunks, groups)
-    specs = model_sharded_state(model_chunks, groups)
-    if optimizer is not None:
-        specs.update(optimizer_sharded_state(optimizer, model_chunks))
-    specs.update(sharded_states(states))  # collective per state (e.g. a sum over data-parallel ranks)
+    specs = sharded_states(states)  # collective per state (e.g. a sum over data-parallel ranks)
     with _write_errors(path):
         save_rank_states(path, states)
     entries = common_states(states, taken=COMMON_KEYS)  # on every rank: a refusal stops every rank here
@@ -86,7 +95,6 @@ def save_checkpoint(
             "world_size": world,
             "layout": layout(groups),
             "config": config,
-            "optimizer_common": optimizer.common_state_dict() if optimizer is not None else None,
             "extra": extra or {},
             "saved_at": time.time(),
             **entries,

@@ -1,15 +1,14 @@
 """State that registers itself with the checkpointer.
 
-A component with state of its own (besides the model and the optimizer, which every checkpoint
-holds: the LR scheduler, the data position, the RNG, gradient-compression residuals, local SGD's
-replicas and outer state, anything later)
+A component with state (the model and its optimizer, the LR scheduler, the data position, the RNG,
+gradient-compression residuals, local SGD's replicas and outer state, anything later)
 implements torch.distributed.checkpoint's ``Stateful`` protocol, ``state_dict()`` /
 ``load_state_dict(state)``, and whoever builds it registers it under a name::
 
     states = CheckpointStates()
     states.register("grad_compression", CompressionCheckpointState(model, groups, layout(groups)))
-    save_checkpoint(..., states=states)
-    load_checkpoint(..., states=states)
+    save_checkpoint_states(root, iteration, states, groups)
+    load_checkpoint_states(root, states, groups)
 
 The checkpointer names no component.  A state registered as ``NAME`` is saved by every rank to
 ``<iteration dir>/NAME/rank_<rank>.pt`` (``torch.save`` of ``state_dict()``: tensors and plain
@@ -110,6 +109,13 @@ class CheckpointStates:
         """The same registrations less ``names`` (for a load that restores those later, or not at all)."""
         out = CheckpointStates()
         out._states = {k: v for k, v in self._states.items() if k not in names}
+        return out
+
+    def replaced(self, name: str, state: Stateful) -> "CheckpointStates":
+        """The same registrations with ``name``'s state (registered) swapped for ``state``, in its place."""
+        assert name in self._states, f"checkpoint state {name!r} is not registered"
+        out = CheckpointStates()
+        out._states = {k: (state if k == name else v) for k, v in self._states.items()}
         return out
 
 

@@ -20,7 +20,8 @@ from megalm import parallel_state
 from megalm.checkpoint.async_writer import AsyncCheckpointWriter
 from megalm.checkpoint.common_json import layout
 from megalm.checkpoint.errors import CheckpointError
-from megalm.checkpoint.load import load_checkpoint, load_states
+from megalm.checkpoint.load import load_checkpoint_states, load_states
+from megalm.checkpoint.model_state import ModelOptimizerState
 from megalm.checkpoint.resume import checkpoint_to_resume, newest_load_root, non_persistent_dir, read_tracker
 from megalm.checkpoint.save import check_save_dir
 from megalm.checkpoint.stateful import CheckpointStates
@@ -90,6 +91,7 @@ class TrainerSetup:
             cfg, self.optimizer, self.groups, last_iteration=self.train_iters, comm_stats=self.comm_stats
         )
         self.checkpoint_states = self._checkpoint_states()
+        self.local_checkpoint_states = self._checkpoint_states(local=True)
         self._validate_data()  # before any output (metrics file, checkpoints) is created
         # Before the RNG state is restored: the CPU peak measurement draws random matrices.
         self.peak_flops, self.peak_source = self._device_peak()
@@ -278,17 +280,24 @@ class TrainerSetup:
         self.do_valid = cfg.training.eval_iters > 0 and has_valid
         self.do_test = cfg.training.eval_iters > 0 and has_test
 
-    def _checkpoint_states(self) -> CheckpointStates:
-        """The states this trainer registers with the checkpointer (besides the model and the optimizer,
-        its arguments): the LR scheduler and data position (``common.json``), its components' (gradient
-        compression, local SGD) and the RNG (``rng/``); see :mod:`megalm.checkpoint.stateful`."""
+    def _checkpoint_states(self, local: bool = False) -> CheckpointStates:
+        """The states this trainer registers with the checkpointer: the model and optimizer first (DCP
+        tensors, ``optimizer_common``), the LR scheduler and data position (``common.json``), its
+        components' (gradient compression, local SGD) and the RNG (``rng/``); see
+        :mod:`megalm.checkpoint.stateful`.  ``local``: the same components for a local checkpoint, which
+        keeps everything (--no-save-optim and --no-save-rng are about the disk checkpoints a run leaves; a
+        local one resumes this same job after a failure, as if uninterrupted)."""
         from megalm.checkpoint.rng import RNGState
         from megalm.distributed.compression.checkpoint_state import CompressionCheckpointState
         from megalm.training.checkpoint_states import DataPosition, SchedulerState
 
         c = self.cfg.checkpoint
         states = CheckpointStates()
-        states.register("scheduler", SchedulerState(self.scheduler, save=not c.no_save_optim))
+        load_optim = not (c.no_load_optim or c.finetune)  # --finetune / --no-load-optim: the weights only
+        save_optim, save_rng = local or not c.no_save_optim, local or not c.no_save_rng
+        model = ModelOptimizerState(self.model, self.optimizer, self.groups, save_optim, load_optim)
+        states.register("model", model)  # first: the optimizer is restored before the states that read it
+        states.register("scheduler", SchedulerState(self.scheduler, save=save_optim))
         states.register("data", DataPosition(self.state))
         if self.cfg.parallel.grad_compression != "none":
             states.register(
@@ -296,7 +305,7 @@ class TrainerSetup:
             )
         if self.outer_sync is not None:
             states.register("local_sgd", self.outer_sync)  # each replica's weights, optimizer and the outer state
-        states.register("rng", RNGState(self.rng_tracker, save=not c.no_save_rng))  # restored last (setup)
+        states.register("rng", RNGState(self.rng_tracker, save=save_rng))  # restored last (setup)
         return states
 
     def _load(self) -> None:
@@ -304,22 +313,18 @@ class TrainerSetup:
         # the RNG is restored last, in setup(); --no-load-optim / --finetune: no scheduler, and the
         # replicas restart from the loaded weights (reset below)
         states = self.checkpoint_states.without("rng")
-        if c.finetune or c.no_load_optim:
+        if c.finetune:  # the weights only
+            states = states.without(*(name for name, _ in states.items() if name != "model"))
+        elif c.no_load_optim:
             states = states.without("scheduler", "local_sgd")
         try:
-            common = load_checkpoint(
-                self.load_root,
-                self.model,
-                self.optimizer,
-                load_optim=not c.no_load_optim,
-                finetune=c.finetune,
-                iteration=c.ckpt_step,
-                fallback=c.ckpt_fallback_to_verified,
-                states=states,
-                groups=self.groups,
+            common = load_checkpoint_states(
+                self.load_root, states, self.groups, iteration=c.ckpt_step, fallback=c.ckpt_fallback_to_verified
             )
         except CheckpointError as e:
             raise TrainingSetupError(str(e)) from None
+        if c.finetune:
+            common = dict(common, iteration=0, consumed_train_samples=0, consumed_valid_samples=0)
         if self.outer_sync is not None and "local_sgd" not in states:
             self.outer_sync.reset()
         self.state.iteration = common["iteration"]  # the consumed samples: restored by the "data" state
@@ -336,14 +341,12 @@ class TrainerSetup:
         disk = read_tracker(self.load_root) if self.resume else None
         try:
             # the RNG is set last, in setup(), from what the restore returns ("held")
-            states = self.checkpoint_states.without("rng")
-            common = local.restore(self.model, self.optimizer, self.scheduler, self.cfg.to_dict(), disk, states)
+            states = self.local_checkpoint_states.without("rng")
+            common = local.restore(self.cfg.to_dict(), disk, states, self.groups)
         except CheckpointError as e:
             raise TrainingSetupError(str(e)) from None
-        if common is not None:
+        if common is not None:  # the consumed samples: restored by the "data" state
             self.state.iteration = common["iteration"]
-            self.state.consumed_train_samples = common["consumed_train_samples"]
-            self.state.consumed_valid_samples = common["consumed_valid_samples"]
         return common
 
     def _hang_watchdog(self):

@@ -28,7 +28,7 @@ from megalm import parallel_state
 from megalm.checkpoint.async_writer import AsyncSaveError
 from megalm.checkpoint.model_state import finish_param_sync
 from megalm.checkpoint.resume import non_persistent_dir
-from megalm.checkpoint.save import remove_older_checkpoints, save_checkpoint
+from megalm.checkpoint.save import remove_older_checkpoints, save_checkpoint_states
 from megalm.checkpoint.stateful import CheckpointStates
 from megalm.config import ConfigError, MegalmConfig, parse_config
 from megalm.device import get_device
@@ -99,6 +99,7 @@ class Trainer(TrainerSetup, TrainerReporting):
         self.rebalancer = None  # --straggler-rebalance-interval: built in setup()
         self.replicas = None  # --ft-replica-group-id: torchft's replica groups, joined at the end of setup()
         self.checkpoint_states = CheckpointStates()  # what components register with the checkpointer, in setup()
+        self.local_checkpoint_states = CheckpointStates()  # the same for a local checkpoint: keeps everything
         self.local_checkpoint = None  # --non-persistent-ckpt-type local: built in setup()
         self.rng_tracker = None  # the rank's seeded RNG tracker (model chunks, checkpoints), from setup()
 
@@ -107,16 +108,9 @@ class Trainer(TrainerSetup, TrainerReporting):
     def save_local(self) -> None:
         """A local checkpoint of this iteration (collective)."""
         state = self.state
-        outcome = self.local_checkpoint.save(
-            state.iteration,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            state.consumed_train_samples,
-            state.consumed_valid_samples,
-            self.cfg.to_dict(),
-            self.checkpoint_states,  # the RNG's generators too, also under --no-save-rng (RNGState.local_state_dict)
-        )
+        # every registered state, also under --no-save-optim / --no-save-rng (the local states keep all)
+        states = self.local_checkpoint_states
+        outcome = self.local_checkpoint.save(state.iteration, self.cfg.to_dict(), states, self.groups)
         logger.info(describe_save(self.local_checkpoint, state.iteration, outcome))
 
     # -- the loop --
@@ -349,15 +343,13 @@ class Trainer(TrainerSetup, TrainerReporting):
         root = root or c.save
         self.timers("save-checkpoint").start(barrier=True)
         self.complete_async_save()
-        save_checkpoint(
+        save_checkpoint_states(
             root,
             state.iteration,
-            self.model,
-            None if c.no_save_optim else self.optimizer,
+            self.checkpoint_states,  # model and optimizer, scheduler, data position, RNG and the features' state
+            self.groups,
             config=self.cfg.to_dict(),
             async_writer=self.async_writer,
-            states=self.checkpoint_states,  # scheduler, data position, RNG and the features' state
-            groups=self.groups,
         )
         if root != c.save and (not dist.is_initialized() or dist.get_rank() == 0):
             remove_older_checkpoints(root)
