@@ -416,6 +416,7 @@ def plot(records, prefix: str) -> list:
     import matplotlib.pyplot as plt
 
     written = []
+    records = [r for r in records if r.get("kind") != "loss_run" and r.get("valid")]  # cells with a loss curve
     for bandwidth in sorted({r["bandwidth"] for r in records}):
         rows = [r for r in records if r["bandwidth"] == bandwidth]
         rows = [r for r in rows if r["iters"] == max(x["iters"] for x in rows)]  # the longest runs only
