@@ -83,6 +83,15 @@ def reduce_grads(s, kind: str, sharded: bool, params: int, per: Dict[str, float]
     return n_b * s.ring(kind, "reduce_scatter" if sharded else "all_reduce", n * per["grads"], n_b)
 
 
+def _node_legs(links: GroupLinks):
+    """The two legs of a hierarchical collective over ``links``: the ``L`` ranks of a node (intra-node), and one
+    rank per node across the ``nodes`` (inter-node, sharing the node's link with ``L x ring_senders`` rings)."""
+    L, nodes = links.per_node, links.nodes
+    intra = GroupLinks(L, False, 0, 0.0, L, 1)
+    inter = GroupLinks(nodes, True, L * max(1, links.ring_senders), 0.0, 1, nodes)
+    return intra, inter
+
+
 def hierarchical(s, sharded: bool, params: int, per: Dict[str, float], links: GroupLinks) -> float:
     """Per bucket: intra reduce-scatter, inter all-reduce (distributed optimizer: reduce-scatter) of ``1 / L``
     of it (compressed when asked), intra all-gather (not with the distributed optimizer)."""
@@ -91,8 +100,7 @@ def hierarchical(s, sharded: bool, params: int, per: Dict[str, float], links: Gr
     if not n_b:
         return 0.0
     nbytes = params / n_b * per["grads"]
-    intra = GroupLinks(L, False, 0, 0.0, L, 1)
-    inter = GroupLinks(nodes, True, L * max(1, links.ring_senders), 0.0, 1, nodes)
+    intra, inter = _node_legs(links)
     wire = 2.0 if s.gloo else 1.0
     t = ring_time(s.c, intra, "reduce_scatter", nbytes, wire)[0]
     if s.p.grad_compression in COMPRESSED:
@@ -113,13 +121,12 @@ def hierarchical(s, sharded: bool, params: int, per: Dict[str, float], links: Gr
 def hierarchical_gather(s, params: int, per: Dict[str, float], links: GroupLinks) -> float:
     """The distributed optimizer's parameter all-gather under ``--hierarchical-grad-reduce``, per bucket: the
     inter-node all-gather of the shards into ``N / L``, then the intra-node all-gather into ``N``."""
-    L, nodes = links.per_node, links.nodes
+    L = links.per_node
     n_b = num_buckets(params, bucket_elements(s.p))
     if not n_b:
         return 0.0
     nbytes = params / n_b * per["weights"]
-    intra = GroupLinks(L, False, 0, 0.0, L, 1)
-    inter = GroupLinks(nodes, True, L * max(1, links.ring_senders), 0.0, 1, nodes)
+    intra, inter = _node_legs(links)
     sec, sent = ring_time(s.c, inter, "all_gather", nbytes / L)
     s.inter += n_b * sent
     return n_b * (sec + ring_time(s.c, intra, "all_gather", nbytes)[0])
