@@ -80,7 +80,7 @@ def tiny_config(vocab_size: int, **model) -> MegalmConfig:
     return make_config(model, vocab_size=vocab_size)
 
 
-def optimizer_config(**training) -> MegalmConfig:
-    """An unvalidated config (optimizers read it as it is) with ``training`` (optimizer, learning rate,
-    betas...) set, for tests that build an optimizer by hand."""
-    return make_config(training, validate=False)
+def optimizer_config(*shapes: dict, **training) -> MegalmConfig:
+    """An unvalidated config (optimizers read it as it is) with ``shapes`` and ``training`` (optimizer,
+    learning rate, betas...) set as :func:`make_config` sets them, for tests that build an optimizer by hand."""
+    return make_config(*shapes, validate=False, **training)
