@@ -19,6 +19,17 @@ FIELD_SECTION = {f.name: section for section, cls in SECTIONS.items() for f in d
 # No dropout: forward passes repeat exactly (parity tests compare outputs of two runs).
 NO_DROPOUT = dict(hidden_dropout=0.0, attention_dropout=0.0)
 
+# The 2-layer, hidden-32 GPT without dropout of the model and layer parity tests; they add the sequence
+# length, the vocabulary and their variant (position embedding, normalization, MLP...).
+SMALL_GPT = dict(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    ffn_hidden_size=64,
+    make_vocab_size_divisible_by=16,
+    **NO_DROPOUT,
+)
+
 # The 2-layer, hidden-32 GPT of the conversion, generation and checkpoint tests (init std 0.3, so that a
 # random model's outputs differ visibly between positions); the tests add the vocabulary.
 TINY_GPT = dict(

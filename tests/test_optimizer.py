@@ -18,7 +18,7 @@ from megalm.optimizer import (
     get_param_groups,
 )
 from megalm.parallel_state import get_process_groups
-from tests.configs import optimizer_config
+from tests.configs import make_config, optimizer_config
 from tests.distributed_harness import run_distributed
 
 # The optimizer settings of these tests (the callers change some).
@@ -284,10 +284,9 @@ def test_decoupled_lr_moves_embedding_and_output_layer_by_their_own_schedule():
     schedule (peak --decoupled-lr, end --decoupled-min-lr), everything else with --lr."""
     from megalm.models import GPTModel
     from megalm.training.lr_scheduler import OptimizerParamScheduler
-    from tests.test_gpt_model import make_batch
-    from tests.test_gpt_model import make_cfg as model_cfg
+    from tests.test_gpt_model import MODEL, make_batch
 
-    cfg = copy.deepcopy(model_cfg(position_embedding_type="rope", untie_embeddings_and_output_weights=True))
+    cfg = copy.deepcopy(make_config(MODEL, position_embedding_type="rope", untie_embeddings_and_output_weights=True))
     t = cfg.training  # an editable copy of the validated config
     t.optimizer, t.lr, t.min_lr, t.weight_decay, t.clip_grad, t.sgd_momentum = "sgd", 0.1, 0.01, 0.0, 0.0, 0.0
     t.decoupled_lr, t.decoupled_min_lr = 0.5, 0.05

@@ -41,7 +41,6 @@ PENDING = {
     "test_fusions.py",
     "test_fusions_training.py",
     "test_generate.py",
-    "test_gpt_model.py",
     "test_grad_compression.py",
     "test_hierarchical_reduce.py",
     "test_inspect.py",
@@ -65,7 +64,6 @@ PENDING = {
     "test_timers.py",
     "test_torchft.py",
     "test_training.py",
-    "test_transformer_engine.py",
 }
 
 
