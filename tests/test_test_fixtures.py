@@ -25,7 +25,6 @@ ALLOWED = {
 PENDING = {
     "checkpoint_fixtures.py",
     "test_async_save.py",
-    "test_blocked_attention.py",
     "test_checkpoint_security.py",
     "test_checkpoint_verify.py",
     "test_comm_efficient_runs.py",
@@ -38,7 +37,6 @@ PENDING = {
     "test_data_parallel_config.py",
     "test_data_validation.py",
     "test_estimate.py",
-    "test_fusions.py",
     "test_fusions_training.py",
     "test_generate.py",
     "test_grad_compression.py",
@@ -58,7 +56,6 @@ PENDING = {
     "test_pipeline_training.py",
     "test_planner.py",
     "test_profiling.py",
-    "test_reset_attention_mask.py",
     "test_sharded_grads.py",
     "test_step_batch_size_schedule.py",
     "test_timers.py",
