@@ -36,7 +36,6 @@ PENDING = {
     "test_data_loader.py",
     "test_data_parallel_config.py",
     "test_data_validation.py",
-    "test_estimate.py",
     "test_fusions_training.py",
     "test_generate.py",
     "test_grad_compression.py",
