@@ -35,8 +35,9 @@ from megalm.tensor_parallel.random import RNGStatesTracker
 from megalm.training.build import build_model_chunks, wrap_data_parallel
 from megalm.training.memory import TrackedAllocations
 from tests.checkpoint_fixtures import LLAMA, tiny_cfg
+from tests.configs import optimizer_config
 from tests.distributed_harness import run_distributed
-from tests.test_ddp import make_cfg
+from tests.test_ddp import OPTIMIZER
 
 K, WIDTH, LAYERS, BATCH = 2, 128, 6, 4
 LAYER = WIDTH * WIDTH + WIDTH  # elements of one layer (a multiple of K: no padding)
@@ -49,7 +50,7 @@ def _model():
 
 def _run(strategy):
     kw = dict(overlap_grad_reduce=True, ddp_bucket_size=LAYER)
-    cfg = make_cfg()
+    cfg = optimizer_config(OPTIMIZER)
     cfg.parallel.data_parallel_sharding_strategy = strategy
     x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(parallel_state.get_data_parallel_rank()))
     with TrackedAllocations() as tracked:  # blocks allocated before it started are not counted when freed
