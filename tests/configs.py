@@ -11,7 +11,7 @@ as the entry points parse them: :func:`megalm.config.parse_config`; flags of the
 
 import dataclasses
 
-from megalm.config import SECTIONS, MegalmConfig, ParallelConfig, validate_config
+from megalm.config import SECTIONS, MegalmConfig, ModelConfig, ParallelConfig, validate_config
 
 # Field name -> the section that owns it ("lr" -> "training").
 FIELD_SECTION = {f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
@@ -95,6 +95,12 @@ def optimizer_config(*shapes: dict, **training) -> MegalmConfig:
     """An unvalidated config (optimizers read it as it is) with ``shapes`` and ``training`` (optimizer,
     learning rate, betas...) set as :func:`make_config` sets them, for tests that build an optimizer by hand."""
     return make_config(*shapes, validate=False, **training)
+
+
+def model_config(*shapes: dict, **fields) -> ModelConfig:
+    """The model section of an unvalidated config with ``shapes`` and ``fields`` set as :func:`make_config`
+    sets them, for tests that build a layer or plan fusions from the section as it is."""
+    return make_config(*shapes, validate=False, **fields).model
 
 
 def parallel_config(*shapes: dict, **fields) -> ParallelConfig:

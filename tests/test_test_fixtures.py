@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.configs import make_config, optimizer_config, tiny_config
+from tests.configs import make_config, model_config, optimizer_config, parallel_config, tiny_config
 
 TESTS = Path(__file__).resolve().parent
 SHARED = {"configs.py", "training_runs.py"}  # the shared builders live here
@@ -37,7 +37,6 @@ PENDING = {
     "test_megatron_scripts.py",
     "test_moe_layer.py",
     "test_moe_parallel.py",
-    "test_moe_router.py",
     "test_nan_stop.py",
     "test_optimizer_offload_layerwise.py",
     "test_pipeline_training.py",
@@ -95,6 +94,8 @@ def test_make_config_routes_fields_to_their_sections():
     editable.training.lr = 0.25  # not validated: not frozen
     assert (editable.training.optimizer, editable.training.lr, editable.model.padded_vocab_size) == ("sgd", 0.25, None)
     assert tiny_config(500, hidden_size=32, num_attention_heads=4).model.padded_vocab_size == 512
+    m, p = model_config(dict(num_layers=3), hidden_size=8), parallel_config(ddp_bucket_size=100)
+    assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, p.ddp_bucket_size) == (3, 8, None, 100)  # unvalidated
 
 
 def test_pending_list_is_current():
