@@ -41,7 +41,6 @@ PENDING = {
     "test_optimizer_offload_layerwise.py",
     "test_pipeline_training.py",
     "test_planner.py",
-    "test_profiling.py",
     "test_timers.py",
     "test_torchft.py",
     "test_training.py",
