@@ -36,7 +36,6 @@ PENDING = {
     "test_fusions_training.py",
     "test_generate.py",
     "test_megatron_scripts.py",
-    "test_moe_layer.py",
     "test_moe_parallel.py",
     "test_nan_stop.py",
     "test_optimizer_offload_layerwise.py",
