@@ -29,8 +29,6 @@ PENDING = {
     "test_checkpoint_security.py",
     "test_checkpoint_verify.py",
     "test_comm_efficient_runs.py",
-    "test_config.py",
-    "test_config_flags.py",
     "test_convert.py",
     "test_convert_mixtral.py",
     "test_fusions_training.py",
