@@ -214,11 +214,14 @@ def test_round_trip_through_dict():
 def test_use_checkpoint_args(tmp_path, capsys):
     """Architecture and tokenizer flags come from the checkpoint unless given; the result builds a
     model whose parameters load from it and train (one --finetune step)."""
-    from tests.checkpoint_fixtures import LLAMA, save_random_model, tiny_cfg
+    from tests.checkpoint_fixtures import LLAMA, save_random_model
+    from tests.configs import TINY_GPT, make_config
     from tests.distributed_harness import run_distributed
     from tests.training_runs import run_trainings
 
-    saved = tiny_cfg(300, "NullTokenizer", **LLAMA)  # as a --mock-data run saves it: 299 ids + EOD
+    saved = make_config(
+        TINY_GPT, LLAMA, vocab_size=300, tokenizer_type="NullTokenizer"
+    )  # as a --mock-data run saves it: 299 ids + EOD
     save_random_model(saved, tmp_path / "ckpt")
     run = ["--load", str(tmp_path / "ckpt"), "--use-checkpoint-args", "--mock-data", "--micro-batch-size", "2"]
     cfg = parse_config(run + ["--seq-length", "8", "--hidden-dropout", "0"])

@@ -34,8 +34,8 @@ from megalm.parallel_state import get_process_groups
 from megalm.tensor_parallel.random import RNGStatesTracker
 from megalm.training.build import build_model_chunks, wrap_data_parallel
 from megalm.training.memory import TrackedAllocations
-from tests.checkpoint_fixtures import LLAMA, tiny_cfg
-from tests.configs import optimizer_config
+from tests.checkpoint_fixtures import LLAMA
+from tests.configs import TINY_GPT, make_config, optimizer_config
 from tests.distributed_harness import run_distributed
 from tests.test_ddp import OPTIMIZER
 
@@ -94,16 +94,15 @@ def _gpt(cfg, pre_process=True, post_process=True, layer_numbers=None, *, proces
 def _run_meta(meta):
     """ZeRO-3 GPT built with or without --init-model-with-meta-device; build peak, weights, two steps."""
     cfg = copy.deepcopy(
-        tiny_cfg(
-            256,
-            **{
-                **LLAMA,
-                "hidden_size": 64,
-                "ffn_hidden_size": 128,
-                "seq_length": 32,
-                "attention_dropout": 0.0,
-                "hidden_dropout": 0.0,
-            },
+        make_config(
+            TINY_GPT,
+            LLAMA,
+            vocab_size=256,
+            hidden_size=64,
+            ffn_hidden_size=128,
+            seq_length=32,
+            attention_dropout=0.0,
+            hidden_dropout=0.0,
         )
     )
     p = cfg.parallel
