@@ -11,6 +11,7 @@ import torch
 from megalm.training.profiling import ProfilerUnavailable, StepProfiler
 from tests.configs import make_config
 from tests.distributed_harness import run_distributed
+from tests.training_runs import tiny_flags
 
 
 def _profiler(trace_dir, start, end, ranks=(0,), **logging) -> StepProfiler:
@@ -91,45 +92,11 @@ def _pretrain(argv):
 
 def test_training_traces_the_window_on_the_listed_rank(tmp_path):
     tb = tmp_path / "tb"
-    argv = [
-        "--num-layers",
-        "2",
-        "--hidden-size",
-        "32",
-        "--num-attention-heads",
-        "4",
-        "--seq-length",
-        "16",
-        "--max-position-embeddings",
-        "16",
-        "--mock-data",
-        "--vocab-size",
-        "200",
-        "--num-workers",
-        "0",
-        "--micro-batch-size",
-        "2",
-        "--global-batch-size",
-        "4",
-        "--train-iters",
-        "5",
-        "--log-interval",
-        "5",
-        "--eval-iters",
-        "0",
-        "--profile",
-        "--use-pytorch-profiler",
-        "--profile-step-start",
-        "2",
-        "--profile-step-end",
-        "4",
-        "--profile-ranks",
-        "1",
-        "--tensorboard-dir",
-        str(tb),
-        "--timing-log-level",
-        "2",
-    ]
+    # The tiny GPT at hidden 32 with its dropout defaults, 5 iterations traced on rank 1 only.
+    shape = dict(hidden_size=32, seq_length=16, vocab_size=200, hidden_dropout=None, attention_dropout=None)
+    run = dict(lr=None, seed=None, micro_batch_size=2, global_batch_size=4, train_iters=5, log_interval=5)
+    window = dict(profile=True, use_pytorch_profiler=True, profile_step_start=2, profile_step_end=4, profile_ranks=1)
+    argv = tiny_flags(**shape, **run, **window, tensorboard_dir=tb, timing_log_level=2)
     assert run_distributed(_pretrain, 2, args=(argv,), timeout=240) == [[0], [0]]
     assert glob.glob(str(tb / "rank0.*")) == []
     assert _trace(tb, rank=1)[1] == ["ProfilerStep#1", "ProfilerStep#2"]

@@ -413,25 +413,7 @@ def test_half_written_checkpoint_is_not_overwritten(tmp_path, capsys):
     import pretrain_gpt
 
     (tmp_path / "iter_0000002").mkdir()
-    argv = [
-        "--num-layers",
-        "2",
-        "--hidden-size",
-        "64",
-        "--num-attention-heads",
-        "4",
-        "--seq-length",
-        "32",
-        "--vocab-size",
-        "500",
-        "--train-iters",
-        "4",
-        "--mock-data",
-        "--load",
-        str(tmp_path),
-        "--save",
-        str(tmp_path),
-    ]
+    argv = tiny_flags(train_iters=4, load=tmp_path, save=tmp_path)
     with pytest.raises(SystemExit) as e:
         pretrain_gpt.main(argv)
     assert "it holds iter_* directories" in str(e.value.code)
@@ -522,18 +504,7 @@ def test_bf16_trains(runs):
 def test_bad_flags_fail_before_start(argv, message, capsys):
     import pretrain_gpt
 
-    base = [
-        "--num-layers",
-        "2",
-        "--hidden-size",
-        "64",
-        "--num-attention-heads",
-        "4",
-        "--seq-length",
-        "32",
-        "--vocab-size",
-        "500",
-    ]
+    base = tiny_flags(mock_data=None)  # each case gives its data (or none)
     with pytest.raises(SystemExit) as e:
         pretrain_gpt.main(base + argv)
     text = str(e.value.code) + capsys.readouterr().err
