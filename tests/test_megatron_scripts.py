@@ -32,9 +32,9 @@ REFUSED = {
     "gpt3_175b": set(),
     "llama3_8b_fp8": {"--fp8-format", "--fp8-param-gather", "--profile"},
     "mixtral_8x7b": set(),
-    "llama3_8b_fsdp": {"--ckpt-format", "--fp8-format", "--fp8-param-gather"},
+    "llama3_8b_fsdp": {"--fp8-format", "--fp8-param-gather"},
     "gpt_oss": {"--fp8-format", "--fp8-param-gather"},
-    "deepseek_v3": {"--ckpt-format"},
+    "deepseek_v3": set(),
 }
 # Accepted by the parser, refused when the ranks start on a machine without CUDA (Transformer Engine, flash-attn).
 CUDA_ONLY = {"deepseek_v3": ["--transformer-impl", "--use-flash-attn"]}
