@@ -208,10 +208,12 @@ def megalm_shapes(saved: Dict[str, tuple]) -> Dict[str, tuple]:
 # --- the non-tensor entries ----------------------------------------------------------------------
 
 
-def megatron_entries(iteration: int, config: Optional[dict], scheduler: Optional[dict]) -> Dict[str, bytes]:
+def megatron_entries(iteration: int, config: Optional[dict], common: dict) -> Dict[str, bytes]:
     """The pickled entries Megatron-LM's loader reads first (``iteration``, ``checkpoint_version``,
-    ``args``: a Namespace of megalm's config fields, which carry Megatron's argument names) and the
-    scheduler's state as ``opt_param_scheduler.<field>``.  Written by rank 0; megalm never reads them."""
+    ``args``: a Namespace of megalm's config fields, which carry Megatron's argument names) and the LR
+    scheduler's state (``common``: the registered states' ``common.json`` entries, its ``scheduler``) as
+    ``opt_param_scheduler.<field>``.  Written by rank 0; megalm never reads them."""
+    scheduler = common.get("scheduler")
 
     def pickled(value) -> bytes:
         buffer = io.BytesIO()
@@ -224,6 +226,6 @@ def megatron_entries(iteration: int, config: Optional[dict], scheduler: Optional
         "checkpoint_version": pickled(CHECKPOINT_VERSION),
         "args": pickled(argparse.Namespace(**args)),
     }
-    for field, value in (scheduler or {}).items():
+    for field, value in (scheduler if isinstance(scheduler, dict) else {}).items():
         out[f"opt_param_scheduler.{field}"] = pickled(value)
     return out

@@ -104,7 +104,7 @@ def save_checkpoint_states(
     if ckpt_format == fsdp_dtensor.FSDP_DTENSOR:
         specs = fsdp_dtensor.to_disk(specs, gated_experts=fsdp_dtensor.is_gated(config))
         if rank == 0:
-            objects = fsdp_dtensor.megatron_entries(iteration, config, entries.get("scheduler"))
+            objects = fsdp_dtensor.megatron_entries(iteration, config, entries)
     if rank == 0:
         common = {
             "format_version": FORMAT_VERSION,
