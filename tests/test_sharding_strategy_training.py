@@ -35,8 +35,9 @@ through pretrain_gpt.py on real ranks.
   optim_grads, optim_grads -> optim_grads_params, optim_grads_params -> no_shard, each continuing the
   uninterrupted run within 1e-5 (optim's checkpoints are optim_grads': the same optimizer);
 * --ckpt-format fsdp_dtensor (Megatron-FSDP's layout): ZeRO-3 saved at iteration 5 and resumed with it continues
-  the uninterrupted run bit for bit; loaded at DP 4 (plain DP, --auto-detect-ckpt-format) it gives the losses of
-  the same state's torch_dist checkpoint loaded there, bit for bit.
+  the uninterrupted run bit for bit, in fp32 and in bf16 (the weights on disk are the fp32 main copy); loaded at
+  DP 4 (plain DP, --auto-detect-ckpt-format) it gives the losses of the same state's torch_dist checkpoint loaded
+  there, bit for bit.
 
 Groups are spawned in the order 2, 4 ranks (the DP 4 runs read the DP 2 checkpoints).
 """
@@ -71,7 +72,7 @@ def runs(tmp_path_factory):
     def run(name, *extra):
         return TINY + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl")] + list(extra)
 
-    ck = {k: os.path.join(tmp, f"ckpt_{k}") for k in ("z2", "p2", "z3", "fd")}
+    ck = {k: os.path.join(tmp, f"ckpt_{k}") for k in ("z2", "p2", "z3", "fd", "bf_fd")}
     save_half = ["--exit-interval", "5", "--save-interval", "100"]
     load_z2 = ["--load", ck["z2"], "--ckpt-step", "5"]
     os.makedirs(os.path.join(tmp, "swap"))
@@ -98,6 +99,10 @@ def runs(tmp_path_factory):
         # save_z3 again, in Megatron-FSDP's layout, and resumed from it
         run("save_fd", *TEN, *ZERO3, *BUCKETS, *save_half, "--save", ck["fd"], *FSDP_DTENSOR),
         run("resume_fd", *TEN, *ZERO3, *BUCKETS, "--load", ck["fd"], *FSDP_DTENSOR),
+        # bf16: the weights on disk are the fp32 main copy, whose ranges some ranks do not hold
+        run("bf_straight_z3", *TEN, *BF16, *ZERO3, *BUCKETS),
+        run("bf_save_fd", *TEN, *BF16, *ZERO3, *BUCKETS, *save_half, "--save", ck["bf_fd"], *FSDP_DTENSOR),
+        run("bf_resume_fd", *TEN, *BF16, *ZERO3, *BUCKETS, "--load", ck["bf_fd"], *FSDP_DTENSOR),
         # untied: the fused linear cross entropy reads the output weight outside the output layer's forward
         run("p2_untied", *SIX, UNTIE),
         run("z3_untied", *SIX, *ZERO3, *BUCKETS, UNTIE),
@@ -125,7 +130,7 @@ def runs(tmp_path_factory):
 
 def test_all_runs_exit_cleanly(runs):
     codes2, codes4 = runs["codes"]
-    assert codes2 == [[0] * 24] * 2, codes2
+    assert codes2 == [[0] * 27] * 2, codes2
     assert os.listdir(os.path.join(runs["tmp"], "swap")) == []  # the NVMe runs removed their swap files
     assert codes4 == [[0] * 11] * 4, codes4
 
@@ -201,6 +206,12 @@ def test_activation_offloading_changes_nothing(runs, plain, offloaded):
     if plain == "p2":
         validation = [r["loss"] for r in records(runs["tmp"], offloaded, "validation")]
         assert validation == [r["loss"] for r in records(runs["tmp"], plain, "validation")] and len(validation) == 2
+
+
+def test_bf16_fsdp_dtensor_resume_is_exact(runs):
+    straight = losses(runs["tmp"], "bf_straight_z3")
+    assert [r["iteration"] for r in records(runs["tmp"], "bf_resume_fd")] == list(range(6, 11))
+    assert losses(runs["tmp"], "bf_resume_fd") == straight[5:] and losses(runs["tmp"], "bf_save_fd") == straight[:5]
 
 
 def test_fsdp_dtensor_checkpoint_loads_at_another_dp_size_as_torch_dist_s(runs):

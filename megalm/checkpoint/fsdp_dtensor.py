@@ -33,9 +33,10 @@ from __future__ import annotations
 import argparse
 import io
 import re
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
+import torch.distributed as dist
 
 from megalm.checkpoint.errors import CheckpointError
 from megalm.param_layout import ShardedStateDict, ShardedTensorSpec
@@ -141,21 +142,38 @@ def _split_block(spec: ShardedTensorSpec, mode: str) -> List[Tuple[str, ShardedT
     return out
 
 
-def to_disk(specs: ShardedStateDict, gated_experts: bool, loading: bool = False) -> ShardedStateDict:
+def main_copies(specs: ShardedStateDict) -> Set[str]:
+    """Collective (one ``all_gather_object`` over the world): the parameters with an fp32 main copy on any
+    rank.  A distributed optimizer's rank may hold no range of a parameter, and so no main-copy block, while
+    others do: every rank must agree that the weights come from the main copy, or a rank would write the
+    model's whole tensor over the others' blocks."""
+    mine = sorted(_parse(k)[1] for k in specs if k.startswith("optimizer.") and k.endswith("." + MAIN_PARAM))
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return set(mine)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return {name for names in gathered for name in names}
+
+
+def to_disk(
+    specs: ShardedStateDict, gated_experts: bool, mains: Optional[Set[str]] = None, loading: bool = False
+) -> ShardedStateDict:
     """megalm's blocks (``model.*``, ``optimizer.*``, features' keys) under the on-disk keys.
 
     The model's weights come from the optimizer's fp32 main copy when it has one (as Megatron-FSDP's,
     whose parameters are that copy); otherwise from the model.  ``gated_experts``: the experts' fc1 are gated
-    (:func:`is_gated`).  A split fc1's state of another shape than the weight (Adam's ``step``) goes to both
-    halves, as Megatron-FSDP copies it (a load reads the ``_w`` one).  ``loading``: a load plan, whose
-    weights and main copy both read the same key (its blocks list both's)."""
+    (:func:`is_gated`); ``mains``: the parameters whose weights are saved from the main copy
+    (:func:`main_copies`; None: this rank's).  A split fc1's state of another shape than the weight
+    (Adam's ``step``) goes to both halves, as Megatron-FSDP copies it (a load reads the ``_w`` one).
+    ``loading``: a load plan, whose weights and main copy both read the same key (its blocks list both's)."""
     shapes: Dict[str, tuple] = {}  # parameter name -> global shape of its weight (in megalm's view)
     for key, value in specs.items():
         kind, name, state = _parse(key)
         blocks = value if isinstance(value, list) else [value]
         if blocks and (kind == "model" or state == MAIN_PARAM):
             shapes[name] = tuple(blocks[0].global_shape)
-    mains = {_parse(k)[1] for k in specs if k.startswith("optimizer.") and k.endswith("." + MAIN_PARAM)}
+    if mains is None:
+        mains = {_parse(k)[1] for k in specs if k.startswith("optimizer.") and k.endswith("." + MAIN_PARAM)}
     out: Dict[str, List[ShardedTensorSpec]] = {}
     for key, value in specs.items():
         kind, name, state = _parse(key)
@@ -181,7 +199,7 @@ def to_load(specs: ShardedStateDict, saved: Dict[str, tuple]) -> ShardedStateDic
     """A load plan's blocks (megalm keys) under the on-disk keys of the checkpoint whose tensors are
     ``saved`` (on-disk keys -> shapes): the model's weights and the main copy both read ``model.module.*``."""
     gated_experts = any(_EXPERT_FC1.search(megalm_key(k)[: -len("_w")]) for k in saved if k.endswith("_w"))
-    return to_disk(specs, gated_experts, loading=True)
+    return to_disk(specs, gated_experts, mains=set(), loading=True)
 
 
 def megalm_shapes(saved: Dict[str, tuple]) -> Dict[str, tuple]:

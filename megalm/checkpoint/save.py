@@ -71,7 +71,8 @@ def save_checkpoint_states(
     entries join the checkpointer's own (:data:`COMMON_KEYS`).  ``groups``: the run's process groups
     (the layout ``common.json`` records).
 
-    Communication: a barrier once rank 0 has prepared the directory; DCP's save (its plan
+    Communication: a barrier once rank 0 has prepared the directory; with fsdp_dtensor one
+    ``all_gather_object`` (which parameters have main copies); DCP's save (its plan
     gather/scatter and the final gather of write results); one ``all_gather_object`` of every
     rank's outcome once its files and manifest are written, and one after rank 0 wrote the
     manifest index and the tracker (a failure on any rank raises :class:`CheckpointError` on
@@ -102,7 +103,8 @@ def save_checkpoint_states(
     entries = common_states(states, taken=COMMON_KEYS)  # on every rank: a refusal stops every rank here
     common, objects = None, None
     if ckpt_format == fsdp_dtensor.FSDP_DTENSOR:
-        specs = fsdp_dtensor.to_disk(specs, gated_experts=fsdp_dtensor.is_gated(config))
+        gated = fsdp_dtensor.is_gated(config)
+        specs = fsdp_dtensor.to_disk(specs, gated, mains=fsdp_dtensor.main_copies(specs))  # collective
         if rank == 0:
             objects = fsdp_dtensor.megatron_entries(iteration, config, entries)
     if rank == 0:
