@@ -155,4 +155,24 @@ def test_flags(tmp_path, capsys):
     from megalm.cli.inspect_checkpoint import main as inspect_main
 
     assert inspect_main([str(tmp_path)]) == 2
+    assert "is a --ckpt-format fsdp_dtensor checkpoint" in capsys.readouterr().err
+
+    # one as Megatron-LM writes it (no common.json, no metadata.json): refused by name, by the tools and by --load
+    import shutil
+
+    from megalm.checkpoint.errors import CheckpointError
+    from megalm.checkpoint.resume import find_checkpoint
+    from megalm.conversion.errors import ConversionError
+    from megalm.conversion.megatron import find_iteration_dir
+
+    path = os.path.join(str(tmp_path), "iter_0000001")
+    os.remove(os.path.join(path, "common.json"))
+    shutil.rmtree(os.path.join(path, "manifest"))
+    with pytest.raises(ConversionError, match="fsdp_dtensor .or torch_dcp. format, which is not imported"):
+        find_iteration_dir(str(tmp_path))
+    with pytest.raises(ConversionError, match="fsdp_dtensor"):
+        find_iteration_dir(path)
+    with pytest.raises(CheckpointError, match="Megatron-LM's fsdp_dtensor .or torch_dcp. format.*this one is not read"):
+        find_checkpoint(str(tmp_path))
+    assert inspect_main([str(tmp_path)]) == 2
     assert "fsdp_dtensor" in capsys.readouterr().err
