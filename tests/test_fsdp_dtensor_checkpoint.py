@@ -176,3 +176,39 @@ def test_flags(tmp_path, capsys):
         find_checkpoint(str(tmp_path))
     assert inspect_main([str(tmp_path)]) == 2
     assert "fsdp_dtensor" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layers", ["llama", "moe"])
+def test_transformer_engine_models_keep_their_module_names(tmp_path, monkeypatch, layers):
+    """A Transformer Engine model (tests/te_standin) is saved under its own module tree's names, as
+    Megatron-FSDP's TE model holds them (fused norms as ``linear_qkv.layer_norm_weight`` /
+    ``linear_fc1.layer_norm_weight``; an MoE layer's ``pre_mlp_layernorm`` stays), and a local model loads it."""
+    from megalm.models import GPTModel
+    from tests import te_standin
+    from tests.configs import make_config
+    from tests.test_transformer_engine import CONFIGS, MODEL, ONE_PROCESS_ONLY
+
+    te_standin.install(monkeypatch)
+    try:
+        fields = {**MODEL, **CONFIGS.get(layers, ONE_PROCESS_ONLY.get(layers, {}))}
+        te_cfg = make_config(**dict(fields, transformer_impl="transformer_engine"))
+        torch.manual_seed(0)
+        te_model = GPTModel(te_cfg, process_groups=get_process_groups())
+        path = save_checkpoint(str(tmp_path), 1, [te_model], config=te_cfg.to_dict(), ckpt_format="fsdp_dtensor")
+        raw = [n for n, _ in te_model.named_parameters()]
+    finally:
+        te_standin.uninstall()
+    gated = ("linear_fc1.weight", "linear_fc1.bias")
+    expected = {f"model.module.{n}{h}" for n in raw for h in (("_w", "_v") if n.endswith(gated) else ("",))}
+    saved = {k for k in load_metadata(path, allow_byte_entries=True).state_dict_metadata if k.startswith("model.")}
+    assert saved == expected and any(k.endswith("linear_qkv.layer_norm_weight") for k in saved)
+    if layers == "moe":
+        assert "model.module.decoder.layers.1.pre_mlp_layernorm.weight" in saved
+
+    local = GPTModel(make_config(**fields), process_groups=get_process_groups())
+    load_checkpoint(str(tmp_path), [local], ckpt_format="fsdp_dtensor")
+    from megalm.parameter_names import canonical_name
+
+    te_weights = {canonical_name(n): p for n, p in te_model.named_parameters()}
+    for n, p in local.named_parameters():
+        assert torch.equal(p, te_weights[n]), n

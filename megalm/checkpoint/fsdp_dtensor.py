@@ -25,7 +25,9 @@ What differs from a Megatron-FSDP checkpoint: no ``rng_state`` and ``rerun_state
 (megalm's RNG is in its per-rank files), no ``optimizer.param_to_group_meta`` (megalm keeps the
 hyper-parameters in ``common.json``), a parameter's ``step`` is a 1-element tensor, and experts are named as
 Megatron's SequentialMLP names them (``mlp.experts.local_experts.<global index>``; a grouped-GEMM
-Megatron model names them ``mlp.experts.linear_fc1.weight<index>``).
+Megatron model names them ``mlp.experts.linear_fc1.weight<index>``).  The norms carry the run's
+module-tree names (Transformer Engine's fused ``linear_qkv.layer_norm_weight`` with
+``--transformer-impl transformer_engine``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch.distributed as dist
 
 from megalm.checkpoint.errors import CheckpointError
 from megalm.param_layout import ShardedStateDict, ShardedTensorSpec
+from megalm.parameter_names import TE_ALIASES, canonical_name
 
 TORCH_DIST = "torch_dist"
 FSDP_DTENSOR = "fsdp_dtensor"
@@ -155,8 +158,30 @@ def main_copies(specs: ShardedStateDict) -> Set[str]:
     return {name for names in gathered for name in names}
 
 
+def uses_te_names(config: Optional[dict]) -> bool:
+    """Whether the model is Transformer Engine's (``--transformer-impl transformer_engine``), whose module
+    tree, and so Megatron-FSDP's checkpoint, holds the fused norms under the following linear's name."""
+    return ((config or {}).get("model") or {}).get("transformer_impl") == "transformer_engine"
+
+
+def _te_name(name: str, weights) -> str:
+    """Transformer Engine's module name of parameter ``name`` (canonical): a norm fused into the following
+    ``LayerNormLinear`` (:data:`megalm.parameter_names.TE_ALIASES`) where the layer has that linear (an MoE
+    layer's ``pre_mlp_layernorm`` and MLA's input norm stay separate norms, as in Megatron's TE spec)."""
+    for alias, canonical in TE_ALIASES:
+        if name == canonical or name.endswith("." + canonical):
+            prefix = name[: len(name) - len(canonical)]
+            if prefix + alias.rsplit(".", 1)[0] + ".weight" in weights:
+                return prefix + alias
+    return name
+
+
 def to_disk(
-    specs: ShardedStateDict, gated_experts: bool, mains: Optional[Set[str]] = None, loading: bool = False
+    specs: ShardedStateDict,
+    gated_experts: bool,
+    mains: Optional[Set[str]] = None,
+    loading: bool = False,
+    te_names: bool = False,
 ) -> ShardedStateDict:
     """megalm's blocks (``model.*``, ``optimizer.*``, features' keys) under the on-disk keys.
 
@@ -165,7 +190,8 @@ def to_disk(
     (:func:`is_gated`); ``mains``: the parameters whose weights are saved from the main copy
     (:func:`main_copies`; None: this rank's).  A split fc1's state of another shape than the weight
     (Adam's ``step``) goes to both halves, as Megatron-FSDP copies it (a load reads the ``_w`` one).
-    ``loading``: a load plan, whose weights and main copy both read the same key (its blocks list both's)."""
+    ``loading``: a load plan, whose weights and main copy both read the same key (its blocks list both's).
+    ``te_names``: the norms under Transformer Engine's names (:func:`uses_te_names`, :func:`_te_name`)."""
     shapes: Dict[str, tuple] = {}  # parameter name -> global shape of its weight (in megalm's view)
     for key, value in specs.items():
         kind, name, state = _parse(key)
@@ -183,6 +209,8 @@ def to_disk(
         if not blocks:
             continue
         mode = _split_mode(name, shapes[name], gated_experts) if name in shapes and kind != "other" else None
+        if te_names and kind != "other":
+            name = _te_name(name, shapes)
         if mode is None:
             out.setdefault(_key(kind, name, state), []).extend(blocks)
         elif tuple(blocks[0].global_shape) != shapes[name]:  # a per-parameter value: in both halves
@@ -199,7 +227,8 @@ def to_load(specs: ShardedStateDict, saved: Dict[str, tuple]) -> ShardedStateDic
     """A load plan's blocks (megalm keys) under the on-disk keys of the checkpoint whose tensors are
     ``saved`` (on-disk keys -> shapes): the model's weights and the main copy both read ``model.module.*``."""
     gated_experts = any(_EXPERT_FC1.search(megalm_key(k)[: -len("_w")]) for k in saved if k.endswith("_w"))
-    return to_disk(specs, gated_experts, mains=set(), loading=True)
+    te_names = any(k.endswith((".layer_norm_weight", ".layer_norm_bias")) for k in saved)
+    return to_disk(specs, gated_experts, mains=set(), loading=True, te_names=te_names)
 
 
 def megalm_shapes(saved: Dict[str, tuple]) -> Dict[str, tuple]:
@@ -213,6 +242,8 @@ def megalm_shapes(saved: Dict[str, tuple]) -> Dict[str, tuple]:
             if tuple(shape) == tuple(saved.get(MODEL + name, ())):  # weight-shaped (not Adam's step)
                 shape = (2,) + tuple(shape) if _DENSE_FC1.search(name[:-2]) else (2 * shape[0],) + tuple(shape[1:])
             name = name[:-2]
+        if kind != "other":
+            name = canonical_name(name)  # a Transformer Engine norm name
         if kind == "model":
             out[f"model.{name}"] = tuple(shape)
             out[f"optimizer.{name}.{MAIN_PARAM}"] = tuple(shape)

@@ -104,7 +104,8 @@ def save_checkpoint_states(
     common, objects = None, None
     if ckpt_format == fsdp_dtensor.FSDP_DTENSOR:
         gated = fsdp_dtensor.is_gated(config)
-        specs = fsdp_dtensor.to_disk(specs, gated, mains=fsdp_dtensor.main_copies(specs))  # collective
+        mains = fsdp_dtensor.main_copies(specs)  # collective
+        specs = fsdp_dtensor.to_disk(specs, gated, mains, te_names=fsdp_dtensor.uses_te_names(config))
         if rank == 0:
             objects = fsdp_dtensor.megatron_entries(iteration, config, entries)
     if rank == 0:
