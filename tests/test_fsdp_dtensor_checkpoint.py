@@ -178,37 +178,66 @@ def test_flags(tmp_path, capsys):
     assert "fsdp_dtensor" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("layers", ["llama", "moe"])
+@pytest.mark.parametrize("layers", ["llama", "moe", "moe-grouped"])
 def test_transformer_engine_models_keep_their_module_names(tmp_path, monkeypatch, layers):
     """A Transformer Engine model (tests/te_standin) is saved under its own module tree's names, as
     Megatron-FSDP's TE model holds them (fused norms as ``linear_qkv.layer_norm_weight`` /
-    ``linear_fc1.layer_norm_weight``; an MoE layer's ``pre_mlp_layernorm`` stays), and a local model loads it."""
+    ``linear_fc1.layer_norm_weight``; an MoE layer's ``pre_mlp_layernorm`` stays); with --moe-grouped-gemm the
+    experts as TEGroupedMLP's ``linear_fc1.weight<index>`` (``weight<index>_w`` / ``_v`` split: Megatron-LM's
+    fsdp_dtensor_checkpoint.py handle_experts_in_state_dict); a local model loads it, weights and optimizer."""
     from megalm.models import GPTModel
     from tests import te_standin
     from tests.configs import make_config
-    from tests.test_transformer_engine import CONFIGS, MODEL, ONE_PROCESS_ONLY
+    from tests.test_transformer_engine import CONFIGS, MODEL, ONE_PROCESS_ONLY, make_batch
 
     te_standin.install(monkeypatch)
     try:
-        fields = {**MODEL, **CONFIGS.get(layers, ONE_PROCESS_ONLY.get(layers, {}))}
+        grouped = layers == "moe-grouped"
+        fields = {**MODEL, **CONFIGS.get(layers, ONE_PROCESS_ONLY.get(layers.replace("-grouped", ""), {}))}
+        if grouped:
+            fields["moe_grouped_gemm"] = True
         te_cfg = make_config(**dict(fields, transformer_impl="transformer_engine"))
         torch.manual_seed(0)
         te_model = GPTModel(te_cfg, process_groups=get_process_groups())
-        path = save_checkpoint(str(tmp_path), 1, [te_model], config=te_cfg.to_dict(), ckpt_format="fsdp_dtensor")
+        te_opt = build_optimizer(te_cfg, [te_model], report_memory=False, process_groups=get_process_groups())
+        te_model(*make_batch(0)[:2], labels=make_batch(0)[2]).float().mean().backward()
+        assert te_opt.step()[0]
+        kw = dict(config=te_cfg.to_dict(), ckpt_format="fsdp_dtensor")
+        path = save_checkpoint(str(tmp_path), 1, [te_model], te_opt, **kw)
         raw = [n for n, _ in te_model.named_parameters()]
+        before = _state(te_model, te_opt)
     finally:
         te_standin.uninstall()
     gated = ("linear_fc1.weight", "linear_fc1.bias")
     expected = {f"model.module.{n}{h}" for n in raw for h in (("_w", "_v") if n.endswith(gated) else ("",))}
-    saved = {k for k in load_metadata(path, allow_byte_entries=True).state_dict_metadata if k.startswith("model.")}
+    if grouped:  # Megatron's TEGroupedMLP: mlp.experts.linear_fc1.weight<expert>_w
+        experts = ".mlp.experts.local_experts."
+        expected = {k for k in expected if experts not in k}
+        for e in range(2):
+            layer = "model.module.decoder.layers.1.mlp.experts"
+            expected |= {
+                f"{layer}.linear_fc1.weight{e}_w",
+                f"{layer}.linear_fc1.weight{e}_v",
+                f"{layer}.linear_fc2.weight{e}",
+            }
+    entries = load_metadata(path, allow_byte_entries=True).state_dict_metadata
+    saved = {k for k in entries if k.startswith("model.")}
     assert saved == expected and any(k.endswith("linear_qkv.layer_norm_weight") for k in saved)
-    if layers == "moe":
+    if layers.startswith("moe"):
         assert "model.module.decoder.layers.1.pre_mlp_layernorm.weight" in saved
+    if grouped:
+        opt_key = "optimizer.state.module.module.module.decoder.layers.1.mlp.experts.linear_fc1.weight1_v.exp_avg"
+        assert opt_key in entries
 
-    local = GPTModel(make_config(**fields), process_groups=get_process_groups())
-    load_checkpoint(str(tmp_path), [local], ckpt_format="fsdp_dtensor")
+    local_cfg = make_config(**fields)
+    torch.manual_seed(1)
+    local = GPTModel(local_cfg, process_groups=get_process_groups())
+    local_opt = build_optimizer(local_cfg, [local], report_memory=False, process_groups=get_process_groups())
+    load_checkpoint(str(tmp_path), [local], local_opt, ckpt_format="fsdp_dtensor")
+    after = _state(local, local_opt)
     from megalm.parameter_names import canonical_name
 
-    te_weights = {canonical_name(n): p for n, p in te_model.named_parameters()}
-    for n, p in local.named_parameters():
-        assert torch.equal(p, te_weights[n]), n
+    before = {k.replace(k[6:], canonical_name(k[6:])) if k.startswith("model.") else k: v for k, v in before.items()}
+    assert before.keys() == after.keys()
+    for k in before:
+        assert torch.equal(before[k], after[k]), k

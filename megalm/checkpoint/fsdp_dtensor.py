@@ -23,11 +23,11 @@ ignores files it does not read; its fsdp_dtensor load is partial, so it takes th
 
 What differs from a Megatron-FSDP checkpoint: no ``rng_state`` and ``rerun_state_machine`` entries
 (megalm's RNG is in its per-rank files), no ``optimizer.param_to_group_meta`` (megalm keeps the
-hyper-parameters in ``common.json``), a parameter's ``step`` is a 1-element tensor, and experts are named as
-Megatron's SequentialMLP names them (``mlp.experts.local_experts.<global index>``; a grouped-GEMM
-Megatron model names them ``mlp.experts.linear_fc1.weight<index>``).  The norms carry the run's
-module-tree names (Transformer Engine's fused ``linear_qkv.layer_norm_weight`` with
-``--transformer-impl transformer_engine``).
+hyper-parameters in ``common.json``), and a parameter's ``step`` is a 1-element tensor.  The names are those
+of the module tree Megatron-LM builds for the run's flags: Transformer Engine's fused norms
+(``linear_qkv.layer_norm_weight``) with ``--transformer-impl transformer_engine``, and with ``--moe-grouped-gemm``
+too its grouped experts (``mlp.experts.linear_fc1.weight<global index>``); SequentialMLP's
+``mlp.experts.local_experts.<global index>`` otherwise.
 """
 
 from __future__ import annotations
@@ -98,9 +98,34 @@ def _parse(key: str) -> Tuple[str, str, str]:
     return "other", key, ""
 
 
-def _key(kind: str, name: str, state: str) -> str:
+# An expert's tensors in a SequentialMLP (megalm's names) and in Transformer Engine's grouped experts
+# (TEGroupedMLP, Megatron's --moe-grouped-gemm with TE: one weight<index> per expert of one module).
+_SEQUENTIAL = re.compile(r"(.*\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)(_w|_v)?")
+_GROUPED = re.compile(r"(.*\.mlp\.experts)\.(linear_fc[12])\.(weight|bias)(\d+)(_w|_v)?")
+
+
+def _grouped_name(name: str) -> str:
+    m = _SEQUENTIAL.fullmatch(name)
+    return f"{m[1]}.{m[3]}.{m[4]}{m[2]}{m[5] or ''}" if m else name
+
+
+def _sequential_name(name: str) -> str:
+    m = _GROUPED.fullmatch(name)
+    return f"{m[1]}.local_experts.{m[4]}.{m[2]}.{m[3]}{m[5] or ''}" if m else name
+
+
+def uses_grouped_experts(config: Optional[dict]) -> bool:
+    """Whether Megatron's model of this config holds its experts as TEGroupedMLP (``--moe-grouped-gemm`` with
+    ``--transformer-impl transformer_engine``), named ``mlp.experts.linear_fc1.weight<index>``."""
+    model = (config or {}).get("model") or {}
+    return bool(model.get("moe_grouped_gemm")) and uses_te_names(config)
+
+
+def _key(kind: str, name: str, state: str, grouped: bool = False) -> str:
     """The on-disk key of parameter ``name``'s weights (kind "model", or the optimizer's ``main_param``) or
-    its optimizer ``state``."""
+    its optimizer ``state``; ``grouped``: experts under TEGroupedMLP's names."""
+    if grouped and kind != "other":
+        name = _grouped_name(name)
     if kind == "model" or (kind == "optimizer" and state == MAIN_PARAM):
         return MODEL + name
     if kind == "optimizer":
@@ -182,6 +207,7 @@ def to_disk(
     mains: Optional[Set[str]] = None,
     loading: bool = False,
     te_names: bool = False,
+    grouped: bool = False,
 ) -> ShardedStateDict:
     """megalm's blocks (``model.*``, ``optimizer.*``, features' keys) under the on-disk keys.
 
@@ -191,7 +217,8 @@ def to_disk(
     (:func:`main_copies`; None: this rank's).  A split fc1's state of another shape than the weight
     (Adam's ``step``) goes to both halves, as Megatron-FSDP copies it (a load reads the ``_w`` one).
     ``loading``: a load plan, whose weights and main copy both read the same key (its blocks list both's).
-    ``te_names``: the norms under Transformer Engine's names (:func:`uses_te_names`, :func:`_te_name`)."""
+    ``te_names``: the norms under Transformer Engine's names (:func:`uses_te_names`, :func:`_te_name`);
+    ``grouped``: the experts under TEGroupedMLP's (:func:`uses_grouped_experts`)."""
     shapes: Dict[str, tuple] = {}  # parameter name -> global shape of its weight (in megalm's view)
     for key, value in specs.items():
         kind, name, state = _parse(key)
@@ -212,23 +239,28 @@ def to_disk(
         if te_names and kind != "other":
             name = _te_name(name, shapes)
         if mode is None:
-            out.setdefault(_key(kind, name, state), []).extend(blocks)
+            out.setdefault(_key(kind, name, state, grouped), []).extend(blocks)
         elif tuple(blocks[0].global_shape) != shapes[name]:  # a per-parameter value: in both halves
             for half in ("_w",) if loading else ("_w", "_v"):
-                out.setdefault(_key(kind, name + half, state), []).extend(blocks)
+                out.setdefault(_key(kind, name + half, state, grouped), []).extend(blocks)
         else:
             for spec in blocks:
                 for half, part in _split_block(spec, mode):
-                    out.setdefault(_key(kind, name + half, state), []).append(part)
+                    out.setdefault(_key(kind, name + half, state, grouped), []).append(part)
     return {k: v[0] if len(v) == 1 else v for k, v in out.items()}
 
 
 def to_load(specs: ShardedStateDict, saved: Dict[str, tuple]) -> ShardedStateDict:
     """A load plan's blocks (megalm keys) under the on-disk keys of the checkpoint whose tensors are
     ``saved`` (on-disk keys -> shapes): the model's weights and the main copy both read ``model.module.*``."""
-    gated_experts = any(_EXPERT_FC1.search(megalm_key(k)[: -len("_w")]) for k in saved if k.endswith("_w"))
+    gated_experts = any(
+        _EXPERT_FC1.search(_sequential_name(megalm_key(k)[len("model.") :])[: -len("_w")])
+        for k in saved
+        if k.startswith(MODEL) and k.endswith("_w")
+    )
     te_names = any(k.endswith((".layer_norm_weight", ".layer_norm_bias")) for k in saved)
-    return to_disk(specs, gated_experts, mains=set(), loading=True, te_names=te_names)
+    grouped = any(_GROUPED.fullmatch(_parse(megalm_key(k))[1]) for k in saved if k.startswith(MODEL))
+    return to_disk(specs, gated_experts, mains=set(), loading=True, te_names=te_names, grouped=grouped)
 
 
 def megalm_shapes(saved: Dict[str, tuple]) -> Dict[str, tuple]:
@@ -238,8 +270,11 @@ def megalm_shapes(saved: Dict[str, tuple]) -> Dict[str, tuple]:
     for key, shape in saved.items():
         mk = megalm_key(key)
         kind, name, state = _parse(mk) if key.startswith((MODEL, OPTIMIZER_STATE)) else ("other", mk, "")
+        disk_name = name  # of the weight's own key
+        if kind != "other":
+            name = _sequential_name(name)
         if name.endswith(("_w", "_v")) and (_DENSE_FC1.search(name[:-2]) or _EXPERT_FC1.search(name[:-2])):
-            if tuple(shape) == tuple(saved.get(MODEL + name, ())):  # weight-shaped (not Adam's step)
+            if tuple(shape) == tuple(saved.get(MODEL + disk_name, ())):  # weight-shaped (not Adam's step)
                 shape = (2,) + tuple(shape) if _DENSE_FC1.search(name[:-2]) else (2 * shape[0],) + tuple(shape[1:])
             name = name[:-2]
         if kind != "other":

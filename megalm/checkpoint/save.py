@@ -105,7 +105,8 @@ def save_checkpoint_states(
     if ckpt_format == fsdp_dtensor.FSDP_DTENSOR:
         gated = fsdp_dtensor.is_gated(config)
         mains = fsdp_dtensor.main_copies(specs)  # collective
-        specs = fsdp_dtensor.to_disk(specs, gated, mains, te_names=fsdp_dtensor.uses_te_names(config))
+        te, grouped = fsdp_dtensor.uses_te_names(config), fsdp_dtensor.uses_grouped_experts(config)
+        specs = fsdp_dtensor.to_disk(specs, gated, mains, te_names=te, grouped=grouped)
         if rank == 0:
             objects = fsdp_dtensor.megatron_entries(iteration, config, entries)
     if rank == 0:
