@@ -283,7 +283,8 @@ class ParallelConfig(Section):
         """``--data-parallel-sharding-strategy`` and ``--use-distributed-optimizer`` made consistent:
         every strategy but ``no_shard`` turns the distributed optimizer on, and the distributed optimizer
         alone means ``optim``.  ``optim_grads`` and ``optim_grads_params`` are refused where they are not built;
-        with MoE, ZeRO-3 keeps the expert weights gathered (:mod:`megalm.distributed.sharded_param_buffer`)."""
+        with MoE, expert parameters are sharded over the expert-data-parallel group
+        (:mod:`megalm.distributed.sharded_param_buffer`)."""
         s = self.data_parallel_sharding_strategy
         if s == "no_shard" and self.use_distributed_optimizer:
             self.data_parallel_sharding_strategy = s = "optim"
