@@ -60,7 +60,8 @@ class ParallelConfig(Section):
         "each bucket's full gradient "
         "storage is freed once reduce-scattered), optim_grads_params (ZeRO-3: also the parameters, "
         "all-gathered per bucket before each module's forward and again for backward; "
-        "--overlap-param-gather prefetches the next bucket).",
+        "--overlap-param-gather prefetches the next bucket).  MoE expert parameters are sharded over the "
+        "expert-data-parallel group.",
         choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
     )
     init_model_with_meta_device: bool = _f(
