@@ -1,8 +1,8 @@
 """ZeRO-2 / ZeRO-3 (``--data-parallel-sharding-strategy optim_grads`` / ``optim_grads_params``) with expert
 parallelism: a DeepSeek-style MoE (MLA, sigmoid routing with expert bias, shared expert, 8 experts) at EP 2 on 4
 real ranks (DP 4, expert DP 2) trains to the single-process run's losses and grad norms within 1e-5 relative
-(ZeRO-3 built on the meta device; ZeRO-3 with the grouped experts and prefetch; ZeRO-3 at TP 2 x DP 2 with two
-microbatches, prefetch and the MoE blocks recomputed; ZeRO-2), and with forced load balancing to ZeRO-1's.
+(ZeRO-3 built on the meta device; ZeRO-3 at CP 2 x DP 2 with the grouped experts and prefetch; ZeRO-3 at TP 2 x
+DP 2 with two microbatches, prefetch and the MoE blocks recomputed; ZeRO-2), and with forced load balancing to ZeRO-1's.
 ZeRO-3 shards the expert weights over the expert-data-parallel group: after the build a rank holds
 ``dense / 4 + expert / 2`` weights and gradients (counted on the buffers, against the planner's parameter
 counts), no expert weight whole.  A ZeRO-3 checkpoint saved at EP 2 x DP 4 resumes under ZeRO-3 at EP 1 x DP 4
@@ -25,11 +25,13 @@ MOE = tiny_flags(
 ZERO3 = ["--data-parallel-sharding-strategy", "optim_grads_params"]
 EP1 = ["--expert-model-parallel-size", "1"]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+CP2 = ["--context-parallel-size", "2"]
 RECOMPUTE_MOE = ["--recompute-granularity", "selective", "--recompute-modules", "moe"]
 CKPT = "ckpt_zero3_ep2"
 RUNS = {  # name: (flags, reference); the reference "one" is the single-process run
     "zero3": ([*ZERO3, "--init-model-with-meta-device", "--save", CKPT, "--save-interval", "2"], "one"),
-    "zero3_prefetch_grouped": ([*ZERO3, "--overlap-param-gather", "--moe-grouped-gemm"], "one"),
+    # CP 2 x DP 2 (expert DP 2), the grouped GEMM, prefetch
+    "zero3_cp2_prefetch_grouped": ([*ZERO3, *CP2, "--overlap-param-gather", "--moe-grouped-gemm"], "one"),
     "zero2": (["--data-parallel-sharding-strategy", "optim_grads"], "one"),
     # TP 2 x DP 2 (expert DP 2): two microbatches per step; the MoE blocks recomputed in backward (their replay
     # gathers the experts again)
