@@ -5,7 +5,8 @@ real ranks (DP 4, expert DP 2) trains to the single-process run's losses and gra
 DP 2 with two microbatches, prefetch and the MoE blocks recomputed; ZeRO-2), and with forced load balancing to ZeRO-1's.
 ZeRO-3 shards the expert weights over the expert-data-parallel group: after the build a rank holds
 ``dense / 4 + expert / 2`` weights and gradients (counted on the buffers, against the planner's parameter
-counts), no expert weight whole.  A ZeRO-3 checkpoint saved at EP 2 x DP 4 resumes under ZeRO-3 at EP 1 x DP 4
+counts), no expert weight whole; the start-up log's formula (16/d dense, 16/d_e experts) equals every byte of
+model state, Adam's moments included.  A ZeRO-3 checkpoint saved at EP 2 x DP 4 resumes under ZeRO-3 at EP 1 x DP 4
 (experts sharded over 4 ranks) to the straight run's third iteration."""
 
 import os
@@ -57,6 +58,8 @@ def _model_state(argv):
     from megalm import parallel_state
     from megalm.config import build_parser, config_from_args, validate_config, with_vocab_size
     from megalm.estimate.parameters import stage_parameters
+    from megalm.optimizer import build_optimizer
+    from megalm.optimizer.memory_accounting import optimizer_memory
     from megalm.tensor_parallel.param_info import param_info
     from megalm.training.build import build_model_chunks, wrap_data_parallel
     from megalm.training.initialize import set_random_seed
@@ -70,7 +73,12 @@ def _model_state(argv):
         (ddp,) = wrap_data_parallel(cfg, build_model_chunks(cfg, pretrain_gpt.model_provider, groups, tracker), groups)
         st = stage_parameters(cfg, 0)
         buckets = [b for buf in ddp.all_buffers for b in buf.buckets]
+        mem = optimizer_memory(build_optimizer(cfg, [ddp], report_memory=False, process_groups=groups), [ddp])
         return {
+            "total": mem["total"],
+            "formula_total": mem["formula"] * mem["params"],
+            "d_e": mem["d_e"],
+            "formula_text": mem["formula_text"],
             "weights": sum(buf.param_bytes() for buf in ddp.all_buffers),
             "grads": sum(buf.grad_bytes() for buf in ddp.all_buffers),
             "dense": st.dense,
@@ -144,3 +152,9 @@ def test_zero3_shards_expert_weights_over_the_expert_data_parallel_group(runs):
         assert shards <= mem["grads"] <= shards + pad, (rank, mem, shards)
         held = shards + 4 * sum(mem["pinned"])
         assert held <= mem["weights"] <= held + pad, (rank, mem, held)
+        # the start-up log's formula (fp32 Adam, ZeRO-3: 16/d dense, 16/d_e experts) against every byte of model
+        # state (weights, gradients, Adam moments), the pinned embedding whole
+        assert mem["d_e"] == edp and "d_e=2" in mem["formula_text"], mem
+        state = 16 * (mem["dense"] / dp + mem["expert"] / edp)
+        assert mem["formula_total"] == pytest.approx(state), mem
+        assert state + 4 * sum(mem["pinned"]) <= mem["total"] <= state + 4 * sum(mem["pinned"]) + 4 * pad, mem
