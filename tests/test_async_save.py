@@ -94,7 +94,7 @@ def _slowed_trainings(runs, delay, fail_common_on_rank=None):
     for argv, observations in runs:
         root = argv[argv.index("--save") + 1]
 
-        def slowed_save(specs, path, process_group=None):
+        def slowed_save(specs, path, process_group=None, objects=None):
             if process_group is not None:  # the background thread
                 seen = {
                     "path": os.path.basename(path),
@@ -106,7 +106,7 @@ def _slowed_trainings(runs, delay, fail_common_on_rank=None):
                 with open(f"{observations}.rank{dist.get_rank()}", "a") as f:
                     f.write(json.dumps(seen) + "\n")
                 time.sleep(delay)
-            return original_save(specs, path, process_group=process_group)
+            return original_save(specs, path, process_group=process_group, objects=objects)
 
         def failing_common(path, common):
             if dist.get_rank() == fail_common_on_rank:

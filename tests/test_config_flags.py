@@ -109,7 +109,6 @@ NO_OP_ARGV = {
     "--empty-unused-memory-level": ["--empty-unused-memory-level", "1"],
     "--dist-ckpt-strictness": ["--dist-ckpt-strictness", "log_all"],
     "--distributed-backend": ["--distributed-backend", "gloo"],
-    "--ckpt-format": ["--ckpt-format", "torch_dist"],
     "--tiktoken-pattern": ["--tiktoken-pattern", "v2"],
     "--moe-flex-dispatcher-backend": ["--moe-flex-dispatcher-backend", "hybridep"],
 }

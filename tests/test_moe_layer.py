@@ -64,6 +64,47 @@ def test_grouped_and_looped_experts_are_equal(swiglu):
     assert outs[0][2]["local_experts.1.linear_fc1.weight"].abs().max() == 0  # no tokens, zero grad
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_zero3_gathers_the_local_experts_as_one_unit(grouped):
+    """ZeRO-3 (DP 1, in process) over the experts: their buckets are freed after the build and after each
+    backward; only ``LocalExperts`` is hooked (the grouped GEMM reads its experts' weights without running
+    their modules), its pre-hook gathers every bucket of them; output, input and weight gradients equal the
+    plain experts' bit for bit."""
+    from megalm.config import ParallelConfig
+    from megalm.distributed import DistributedDataParallel
+
+    m = _cfg("--swiglu").model
+    plain = _experts(m, grouped)
+    zero3 = DistributedDataParallel(
+        _experts(m, grouped),  # the same initial values (seeded by name)
+        ParallelConfig(data_parallel_sharding_strategy="optim_grads_params", ddp_bucket_size=600),
+        process_groups=get_process_groups(),
+    )
+    buckets = [b for buf in zero3.expert_buffers for b in buf.buckets]
+    assert len(buckets) > 1 and not zero3.buffers  # several expert buckets, no dense parameter
+    hooked = [mod for mod in zero3.module.modules() if mod._forward_pre_hooks]
+    assert hooked == [zero3.module]  # LocalExperts alone, not its ExpertMLPs or their linears
+    counts = [5, 0, 9, 2]  # an expert without tokens too
+    x = torch.randn(16, 16, generator=torch.Generator().manual_seed(1))
+    grad = torch.randn(16, 16, generator=torch.Generator().manual_seed(2))
+    for step in range(2):
+        assert not any(b.gathered for b in buckets)
+        assert all(p.untyped_storage().nbytes() == 0 for p in zero3.module.parameters()), step
+        zero3.zero_grad_buffer()
+        outs = []
+        for experts in (plain, zero3):
+            xi = x.clone().requires_grad_()
+            out = experts(xi, counts)
+            out.backward(grad)
+            outs.append((out.detach(), xi.grad))
+        zero3.finish_grad_sync()
+        torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+        assert not any(b.gathered for b in buckets)  # freed once every gradient of the bucket was in
+        for (name, p), q in zip(plain.named_parameters(), zero3.module.parameters()):
+            torch.testing.assert_close(zero3.sharded_grad_views([q])[0], p.grad.flatten(), rtol=0, atol=0)
+            p.grad = None
+
+
 @pytest.mark.parametrize("swiglu, bias", [(False, True), (True, False), (True, True)])
 def test_expert_tensor_parallel_shards_sum_to_the_whole_expert(swiglu, bias):
     """ETP 2: fc1 column- ([gate_r; up_r] with SwiGLU, its bias split alike) and fc2 row-parallel shards cut
