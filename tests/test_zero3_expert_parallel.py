@@ -45,8 +45,8 @@ RUNS = {  # name: (flags, reference); the reference "one" is the single-process 
 SINGLE = {"one": EP1}
 
 
-def _under(tmp, flags):
-    """``flags`` with the checkpoint placeholder CKPT made a directory under ``tmp``."""
+def _in(tmp, flags):
+    """``flags`` with the checkpoint placeholder put under ``tmp``."""
     return [os.path.join(tmp, f) if f == CKPT else f for f in flags]
 
 
@@ -103,12 +103,11 @@ def _four_ranks(argvs, memory_argv):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("zero3_ep"))
-    argvs = [metrics_argv(MOE, tmp, n, *_under(tmp, f)) for n, (f, _) in RUNS.items()]
+    argvs = [metrics_argv(MOE, tmp, n, *_in(tmp, f)) for n, (f, _) in RUNS.items()]
     memory_argv = MOE + ZERO3 + ["--init-model-with-meta-device"]
     four = run_distributed(_four_ranks, 4, args=(argvs, memory_argv), timeout=500)
-    one = run_distributed(
-        run_trainings, 1, args=([metrics_argv(MOE, tmp, n, *_under(tmp, f)) for n, f in SINGLE.items()],), timeout=300
-    )
+    single = [metrics_argv(MOE, tmp, n, *_in(tmp, f)) for n, f in SINGLE.items()]
+    one = run_distributed(run_trainings, 1, args=(single,), timeout=300)
     return {"tmp": tmp, "codes": [c for c, _ in four] + one, "memory": [m for _, m in four]}
 
 
