@@ -17,7 +17,8 @@ relative, on 4 ranks, at
 * CP 2 x EP 2 MoE with --moe-expert-capacity-factor 0.5 (half the routed pairs dropped, decided over the
   whole sequence), against one process with the same capacity;
 * CP 2 x DP 2, a2a, packed documents (--reset-attention-mask --qkv-format thd), against the dense document
-  mask in one process; the same with allgather (its chunks mask other documents), 3 steps.
+  mask in one process; the same with allgather (its chunks mask other documents) and with p2p (its ring
+  blocks mask other documents; rows that see no key of a block add nothing), 3 steps each.
 
 The first saves at iteration 5; resumed at CP 1 and at CP 4 (chunks of 4 positions) it continues the
 uninterrupted CP 1 run.
@@ -48,7 +49,7 @@ TINY = tiny_flags(
     micro_batch_size="2",
     global_batch_size="4",
 )
-FIVE, TEN = ["--train-iters", "5"], ["--train-iters", "10"]
+THREE, FIVE, TEN = ["--train-iters", "3"], ["--train-iters", "5"], ["--train-iters", "10"]
 CP2 = ["--context-parallel-size", "2"]
 PER_TOKEN = ["--calculate-per-token-loss", "--eod-mask-loss"]
 DIST = ["--use-distributed-optimizer"]
@@ -64,6 +65,7 @@ FLASH = ["--attention-backend", "flash", "--bf16"]
 CAPACITY = ["--moe-expert-capacity-factor", "0.5"]
 FOUR_LAYERS = ["--num-layers", "4"]
 DOCS = ["--reset-attention-mask", "--reset-position-ids"]
+THD = ["--qkv-format", "thd"]
 INTERLEAVED = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
 
 
@@ -86,18 +88,9 @@ def runs(tmp_path_factory):
         run("cp2_pp2_interleaved", *FIVE, *CP2, *FOUR_LAYERS, *INTERLEAVED),
         run("cp2_dp2_bf16", *FIVE, *CP2, "--bf16"),
         run("cp2_ep2_moe_capacity", *FIVE, *CP2, *MOE, *CAPACITY, "--expert-model-parallel-size", "2"),
-        run("cp2_dp2_a2a_thd", *FIVE, *CP2, "--cp-comm-type", "a2a", *DOCS, "--qkv-format", "thd"),
-        run(
-            "cp2_dp2_allgather_thd",
-            "--train-iters",
-            "3",
-            *CP2,
-            "--cp-comm-type",
-            "allgather",
-            *DOCS,
-            "--qkv-format",
-            "thd",
-        ),
+        run("cp2_dp2_a2a_thd", *FIVE, *CP2, "--cp-comm-type", "a2a", *DOCS, *THD),
+        run("cp2_dp2_allgather_thd", *THREE, *CP2, "--cp-comm-type", "allgather", *DOCS, *THD),
+        run("cp2_dp2_p2p_thd", *THREE, *CP2, "--cp-comm-type", "p2p", *DOCS, *THD),
     ]
     one = [
         run("cp1", *TEN),
@@ -118,7 +111,7 @@ def runs(tmp_path_factory):
 
 
 def test_all_runs_exit_cleanly(runs):
-    assert runs["codes"] == ([[0] * 12] * 4, [[0] * 9]), runs["codes"]
+    assert runs["codes"] == ([[0] * 13] * 4, [[0] * 9]), runs["codes"]
 
 
 @pytest.mark.parametrize("name", ["cp2_dp2_dist_save", "cp2_tp2_allgather", "cp2_pp2_a2a"])
@@ -131,9 +124,9 @@ def test_losses_equal_one_process(runs, name):
     assert ref[-1]["lm_loss"] < ref[0]["lm_loss"] - 0.05  # it trains
 
 
-@pytest.mark.parametrize("name", ["cp2_dp2_a2a_thd", "cp2_dp2_allgather_thd"])
+@pytest.mark.parametrize("name", ["cp2_dp2_a2a_thd", "cp2_dp2_allgather_thd", "cp2_dp2_p2p_thd"])
 def test_packed_documents_equal_one_process(runs, name):
-    """--qkv-format thd under CP 2 (a2a, allgather) x DP 2 trains as the dense document mask in one process; the
+    """--qkv-format thd under CP 2 (a2a, allgather, p2p) x DP 2 trains as the dense document mask in one process; the
     documents matter (the first loss differs from the causal run's on the same samples)."""
     got = records(runs["tmp"], name)
     ref = records(runs["tmp"], "cp1_docs")[: len(got)]

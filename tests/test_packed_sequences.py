@@ -211,9 +211,9 @@ def test_get_batch_packs_the_documents(tmp_path):
     [
         ({"reset_attention_mask": False}, "--qkv-format thd packs the documents of --reset-attention-mask"),
         (
-            {"context_parallel_size": 2},
+            {"context_parallel_size": 2, "attention_dropout": 0.1},
             "--reset-attention-mask --qkv-format thd is not supported with --context-parallel-size > 1 unless "
-            "--cp-comm-type a2a or allgather and --attention-dropout 0",
+            "--attention-dropout 0",
         ),
         ({"transformer_impl": "transformer_engine"}, "thd is not supported with --transformer-impl transformer_engine"),
         ({"position_keyed_attention_dropout": True}, "thd is not supported with --position-keyed-attention-dropout"),

@@ -417,14 +417,12 @@ def _validate_data(d, m, p) -> None:
         for refused, what in (
             (
                 p.context_parallel_size > 1 and not thd,
-                "--context-parallel-size > 1 (the CP cores are causal only; --qkv-format thd with --cp-comm-type "
-                "a2a or allgather runs the documents)",
+                "--context-parallel-size > 1 (the CP cores take the documents packed: add --qkv-format thd)",
             ),
             (
-                p.context_parallel_size > 1 and thd and (p.cp_comm_type == "p2p" or m.attention_dropout > 0),
-                "--context-parallel-size > 1 unless --cp-comm-type a2a or allgather and --attention-dropout 0 (a2a's "
-                "core sees whole documents, allgather's masks other documents; the p2p ring and CP's position-keyed "
-                "dropout are causal only)",
+                p.context_parallel_size > 1 and thd and m.attention_dropout > 0,
+                "--context-parallel-size > 1 unless --attention-dropout 0 (CP's position-keyed dropout has no "
+                "one-process reference with documents)",
             ),
             (m.transformer_impl != "local", "--transformer-impl transformer_engine (TE's core is given no mask here)"),
             (

@@ -43,7 +43,8 @@ are refused with it).
 thd``): the same documents as cumulative sequence lengths, attended one segment at a time without an
 ``s x s`` mask (:mod:`megalm.transformer.varlen_attention`; flash-attn's varlen kernel on a flash-attn
 plan, windows included); under context parallelism with ``a2a`` (whose core sees the whole sequence of a
-slice of the heads) it is that core.  TE layers, other CP types and position-keyed dropout are refused with it.
+slice of the heads) it is that core; ``allgather`` and ``p2p`` take the documents' ids and mask other
+documents' keys per chunk / ring block.  TE layers and position-keyed dropout are refused with it.
 
 gpt-oss (:mod:`megalm.config.gptoss`): a layer's sliding window (``--window-size`` /
 ``--window-attn-skip-freq``) and softmax sinks (``--softmax-type``; learnable ones are
@@ -251,13 +252,10 @@ class SelfAttention(nn.Module):
             packed = isinstance(attention_mask, PackedSeqParams)
             if packed and self.cp_comm_type == "a2a":
                 core = partial(self._packed_heads_core, params=attention_mask)  # a2a's core sees the whole sequence
-            elif packed and self.cp_comm_type == "allgather":
-                documents = document_ids(attention_mask)  # the allgather core masks other documents per chunk
+            elif packed:  # allgather masks other documents per chunk, p2p per ring block
+                documents = document_ids(attention_mask)
             elif attention_mask is not None:
-                raise ContextParallelError(
-                    "--reset-attention-mask under context parallelism needs --qkv-format thd with --cp-comm-type a2a "
-                    "or allgather"
-                )
+                raise ContextParallelError("--reset-attention-mask under context parallelism needs --qkv-format thd")
             variant = (self.window, self.sinks(q.transpose(1, 2))) if self.variant else None
             out = context_parallel_attention(
                 q, k, v, self.cp_group, self.cp_comm_type, core, variant=variant, documents=documents
