@@ -6,8 +6,9 @@ work differs chunk to chunk; MHA (8 heads) and GQA (8 heads, 4 KV groups); with 
 bf16 rounding of the fp32 result.  With position-keyed attention dropout 0.1 (GQA, RoPE) every core
 equals the dense ``(softmax(S) * Z) V`` of one process whose mask ``Z`` is drawn for all positions at
 once, forward and backward; and so does :func:`local_attention`, the core without CP.  With packed
-documents (GQA, RoPE; four documents per row whose edges cut the chunks) ``p2p`` (also in tiles of 3
-rows) and ``allgather`` equal SDPA with the dense causal document mask, forward and backward; at CP 4
+documents (GQA, RoPE; four documents per row whose edges cut the chunks) every core (``p2p`` also in
+tiles of 3 rows) equals SDPA with the dense causal document mask, and with dropout 0.1 the dense
+``(softmax(S + document mask) * Z) V``, forward and backward; at CP 4
 some ring blocks hold no key of a row's document and some none of any row's (skipped).  In one
 process: ring-style blocks with fully masked rows and a fully masked block merge, forward and
 recomputed backward, to the dense masked attention, with no NaN.
@@ -86,14 +87,16 @@ def _dropout(seed: int) -> KeyedDropout:
     return KeyedDropout(0.1, torch.tensor([1000 + seed, 77]), layer=3)
 
 
-def _full_dropped(q, k, v, dropout: KeyedDropout):
-    """``(softmax(S + causal) * Z) V`` in one process, ``Z`` drawn for every position at once."""
+def _full_dropped(q, k, v, dropout: KeyedDropout, documents=None):
+    """``(softmax(S + causal) * Z) V`` in one process, ``Z`` drawn for every position at once; with
+    ``documents`` (``[b, s]`` ids) the causal document mask."""
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
     k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     s = q.shape[2]
-    scores = (q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5).masked_fill(
-        torch.ones(s, s, dtype=torch.bool).triu_(1), float("-inf")
-    )
+    hidden = torch.ones(s, s, dtype=torch.bool).triu_(1)
+    if documents is not None:
+        hidden = (hidden | (documents[:, :, None] != documents[:, None, :])).unsqueeze(1)
+    scores = (q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5).masked_fill(hidden, float("-inf"))
     positions = torch.arange(s)
     probs = scores.softmax(-1) * dropout.scale(q.shape[0], q.shape[1], positions, positions, scores.dtype)
     return (probs @ v).permute(2, 0, 1, 3)
@@ -145,16 +148,24 @@ def _run_all():
             errors[(cp, comm, groups, rope, "bf16")] = max(
                 relative_error(x.float(), split_sequence(ref, 0, cp_rank, cp)) for x, ref in zip(half, reference)
             )
-        if groups != HEADS and rope and comm != "a2a":  # packed documents (a2a's core takes them itself)
+        if groups != HEADS and rope:  # packed documents, without and with attention dropout 0.1
             packed = _attend(q, k, v, weight, positions, _full_documents)
             assert relative_error(packed[0], reference[0]) > 0.05  # the documents are there
-            cores = {"": lambda a, b, c: core(a, b, c, group, comm, documents=DOCUMENTS)}
+            dropout = _dropout(seed)
+            packed_dropped = _attend(
+                q, k, v, weight, positions, lambda a, b, c: _full_dropped(a, b, c, dropout, DOCUMENTS)
+            )
+            assert relative_error(packed_dropped[0], packed[0]) > 0.05
+            cores = {
+                "": (packed, lambda a, b, c: core(a, b, c, group, comm, documents=DOCUMENTS)),
+                " dropout": (packed_dropped, lambda a, b, c: core(a, b, c, group, comm, dropout, DOCUMENTS)),
+            }
             if comm == "p2p":
-                cores[" tiles of 3"] = lambda a, b, c: _tiled_ring(a, b, c, group, DOCUMENTS)
-            for label, fn in cores.items():
+                cores[" tiles of 3"] = (packed, lambda a, b, c: _tiled_ring(a, b, c, group, DOCUMENTS))
+            for label, (expected, fn) in cores.items():
                 got = _attend(*mine, local, fn)
                 errors[(cp, comm, groups, rope, "documents" + label)] = max(
-                    relative_error(x, split_sequence(ref, 0, cp_rank, cp)) for x, ref in zip(got, packed)
+                    relative_error(x, split_sequence(ref, 0, cp_rank, cp)) for x, ref in zip(got, expected)
                 )
     skipped = {}
     for cp, group in groups_of.items():
@@ -180,26 +191,29 @@ def test_cp_attention_equals_full_attention():
     # see no key in it (L = -inf).
     assert [skipped for _, skipped in results] == [{2: 0, 4: 2}, {2: 0, 4: 0}, {2: 0, 4: 0}, {2: 0, 4: 1}]
     for rank, (errors, _) in enumerate(results):
-        assert len(errors) == 24 + 6 + 6 + 2 + 6
+        assert len(errors) == 24 + 6 + 6 + 2 + 6 + 8
         for case, err in errors.items():
             # bf16: observed <= 9.2e-3 (a2a, bf16 SDPA on the whole sequence: <= 7.9e-3); fp32: <= 4e-7
             bound = 1.5e-2 if "bf16" in case else 1e-5
             assert err < bound, f"rank {rank} (cp, comm, kv groups, rope) = {case}: relative error {err:.2e}"
 
 
-def test_local_attention_with_keyed_dropout_equals_dense():
-    """The core without CP (``--position-keyed-attention-dropout``), in uneven tiles of 7 query rows."""
+@pytest.mark.parametrize("documents", [None, DOCUMENTS], ids=["causal", "documents"])
+def test_local_attention_with_keyed_dropout_equals_dense(documents):
+    """The core without CP (``--position-keyed-attention-dropout``), in uneven tiles of 7 query rows; with
+    packed documents (``--qkv-format thd``) as well."""
     q, k, v, weight = _inputs(4, seed=99)
     dropout = _dropout(99)
     positions = torch.arange(SEQ)
     block = BlockDropout(dropout, positions, positions)
+    docs = None if documents is None else BlockDocuments(documents, documents)
 
     def tiled(a, b, c):
         heads_first = (t.permute(1, 2, 0, 3) for t in (a, b, c))
-        return local_attention(*heads_first, dropout=block, tile_rows=7).permute(2, 0, 1, 3)
+        return local_attention(*heads_first, dropout=block, tile_rows=7, documents=docs).permute(2, 0, 1, 3)
 
     got = _attend(q, k, v, weight, positions, tiled)
-    reference = _attend(q, k, v, weight, positions, lambda a, b, c: _full_dropped(a, b, c, dropout))
+    reference = _attend(q, k, v, weight, positions, lambda a, b, c: _full_dropped(a, b, c, dropout, documents))
     for x, ref in zip(got, reference):
         assert relative_error(x, ref) < 1e-5
 

@@ -20,7 +20,9 @@ relative, on 4 ranks, at
   whole sequence), against one process with the same capacity;
 * CP 2 x DP 2, a2a, packed documents (--reset-attention-mask --qkv-format thd), against the dense document
   mask in one process; the same with allgather (its chunks mask other documents) and with p2p (its ring
-  blocks mask other documents; rows that see no key of a block add nothing), 3 steps each.
+  blocks mask other documents; rows that see no key of a block add nothing), 3 steps each;
+* CP 4, p2p, packed documents with attention dropout 0.1, against one process with
+  --position-keyed-attention-dropout and the same documents (its tiled core masks them per tile), 3 steps.
 
 The first saves at iteration 5; resumed at CP 1 and at CP 4 (chunks of 4 positions) it continues the
 uninterrupted CP 1 run.
@@ -98,6 +100,7 @@ def runs(tmp_path_factory):
         run("cp2_dp2_a2a_thd", *FIVE, *CP2, "--cp-comm-type", "a2a", *DOCS, *THD),
         run("cp2_dp2_allgather_thd", *THREE, *CP2, "--cp-comm-type", "allgather", *DOCS, *THD),
         run("cp2_dp2_p2p_thd", *THREE, *CP2, "--cp-comm-type", "p2p", *DOCS, *THD),
+        run("cp4_p2p_thd_dropout", *THREE, "--context-parallel-size", "4", *DOCS, *THD, *DROPOUT),
     ]
     one = [
         run("cp1", *TEN),
@@ -109,6 +112,7 @@ def runs(tmp_path_factory):
         run("cp1_bf16", *FIVE, "--bf16"),
         run("cp1_moe_capacity", *FIVE, *MOE, *CAPACITY),
         run("cp1_docs", *FIVE, *DOCS),
+        run("cp1_thd_dropout", *THREE, *DOCS, *THD, *DROPOUT, "--position-keyed-attention-dropout"),
     ]
     codes = (
         run_distributed(run_trainings, 4, args=(four,), timeout=300),
@@ -118,7 +122,7 @@ def runs(tmp_path_factory):
 
 
 def test_all_runs_exit_cleanly(runs):
-    assert runs["codes"] == ([[0] * 15] * 4, [[0] * 9]), runs["codes"]
+    assert runs["codes"] == ([[0] * 16] * 4, [[0] * 10]), runs["codes"]
 
 
 @pytest.mark.parametrize(
@@ -143,6 +147,17 @@ def test_packed_documents_equal_one_process(runs, name):
     assert_close([r["lm_loss"] for r in got], [r["lm_loss"] for r in ref], rel=1e-5)
     assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref], rel=1e-5)
     assert abs(ref[0]["lm_loss"] - records(runs["tmp"], "cp1")[0]["lm_loss"]) > 1e-4
+
+
+def test_packed_documents_with_dropout_equal_one_process(runs):
+    """CP 4 (p2p) with packed documents and attention dropout 0.1 trains as one process with the keyed core and the
+    same documents; dropout changes the run."""
+    ref, got = records(runs["tmp"], "cp1_thd_dropout"), records(runs["tmp"], "cp4_p2p_thd_dropout")
+    assert len(got) == len(ref) == 3
+    for key in ("lm_loss", "grad_norm"):
+        assert_close([r[key] for r in got], [r[key] for r in ref], rel=1e-5)
+    no_dropout = [r["grad_norm"] for r in records(runs["tmp"], "cp1_docs")[:3]]
+    assert max(abs(r["grad_norm"] - b) / b for r, b in zip(ref, no_dropout)) > 3e-3
 
 
 def test_attention_dropout_equals_one_process(runs):

@@ -211,12 +211,15 @@ def test_get_batch_packs_the_documents(tmp_path):
     [
         ({"reset_attention_mask": False}, "--qkv-format thd packs the documents of --reset-attention-mask"),
         (
-            {"context_parallel_size": 2, "attention_dropout": 0.1},
-            "--reset-attention-mask --qkv-format thd is not supported with --context-parallel-size > 1 unless "
-            "--attention-dropout 0",
+            {"context_parallel_size": 2, "qkv_format": "sbhd"},
+            r"--reset-attention-mask is not supported with --context-parallel-size > 1 \(the CP cores take the "
+            r"documents packed: add --qkv-format thd\)",
         ),
         ({"transformer_impl": "transformer_engine"}, "thd is not supported with --transformer-impl transformer_engine"),
-        ({"position_keyed_attention_dropout": True}, "thd is not supported with --position-keyed-attention-dropout"),
+        (
+            {"position_keyed_attention_dropout": True, "qkv_format": "sbhd"},
+            "--reset-attention-mask is not supported with --position-keyed-attention-dropout",
+        ),
     ],
 )
 def test_refusals(setting, message):
@@ -225,10 +228,24 @@ def test_refusals(setting, message):
     m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size = 2, 32, 4, 32, VOCAB
     m.attention_dropout, cfg.data.reset_attention_mask, cfg.data.qkv_format = 0.0, True, "thd"
     for key, value in setting.items():
-        section = cfg.parallel if key == "context_parallel_size" else cfg.data if key == "reset_attention_mask" else m
-        setattr(section, key, value)
+        section = cfg.parallel if key == "context_parallel_size" else m
+        setattr(cfg.data if key in ("reset_attention_mask", "qkv_format") else section, key, value)
     with pytest.raises(ConfigError, match=message):
         validate_config(cfg)
+
+
+@pytest.mark.parametrize("comm", ["p2p", "a2a", "allgather"])
+def test_context_parallel_and_keyed_dropout_accepted_with_thd(comm):
+    """Packed documents run under every --cp-comm-type with attention dropout (position-keyed under CP), and
+    without CP with --position-keyed-attention-dropout."""
+    for cp, keyed in ((2, False), (1, True)):
+        cfg = MegalmConfig()
+        m = cfg.model
+        m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size = 2, 32, 4, 32, VOCAB
+        m.attention_dropout, m.position_keyed_attention_dropout = 0.1, keyed
+        cfg.parallel.context_parallel_size, cfg.parallel.cp_comm_type = cp, comm
+        cfg.data.reset_attention_mask, cfg.data.qkv_format = True, "thd"
+        assert validate_config(cfg, world_size=cp).parallel.context_parallel_size == cp
 
 
 def test_flash_backend_accepted_with_thd():

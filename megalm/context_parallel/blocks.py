@@ -195,12 +195,12 @@ class _LocalAttention(torch.autograd.Function):
     """One block as a whole core: forward keeps ``(q, k, v, O, L)``, backward recomputes the tiles."""
 
     @staticmethod
-    def forward(ctx, q, k, v, diagonal: Optional[int], dropout, tile_rows: int):
+    def forward(ctx, q, k, v, diagonal: Optional[int], dropout, tile_rows: int, documents):
         qpg, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
-        out, lse = block_forward(q, expand(k, qpg), expand(v, qpg), scale, diagonal, tile_rows, dropout)
+        out, lse = block_forward(q, expand(k, qpg), expand(v, qpg), scale, diagonal, tile_rows, dropout, documents)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.diagonal, ctx.dropout, ctx.tile_rows = diagonal, dropout, tile_rows
+        ctx.diagonal, ctx.dropout, ctx.tile_rows, ctx.documents = diagonal, dropout, tile_rows, documents
         return out
 
     @staticmethod
@@ -209,10 +209,11 @@ class _LocalAttention(torch.autograd.Function):
         qpg, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
         grad_out = grad_out.contiguous()
         delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+        k, v = expand(k, qpg), expand(v, qpg)
         dq, dk, dv = block_backward(
-            q, expand(k, qpg), expand(v, qpg), grad_out, lse, delta, scale, ctx.diagonal, ctx.tile_rows, ctx.dropout
+            q, k, v, grad_out, lse, delta, scale, ctx.diagonal, ctx.tile_rows, ctx.dropout, ctx.documents
         )
-        return dq, fold(dk, qpg), fold(dv, qpg), None, None, None
+        return dq, fold(dk, qpg), fold(dv, qpg), None, None, None, None
 
 
 def local_attention(
@@ -222,8 +223,10 @@ def local_attention(
     diagonal: Optional[int] = 0,
     dropout: Optional[BlockDropout] = None,
     tile_rows: int = TILE_ROWS,
+    documents: Optional[BlockDocuments] = None,
 ) -> torch.Tensor:
     """``(P Z) V`` of heads-first ``q`` ``[b, n, rows, d]`` against ``k``/``v`` ``[b, g, keys, d]`` (``n``
-    a multiple of ``g``): causal with query row ``i`` seeing keys ``0..diagonal + i`` (None: all).
-    Backward recomputes the tiles (memory ``O(rows)`` per head besides one tile)."""
-    return _LocalAttention.apply(q, k.contiguous(), v.contiguous(), diagonal, dropout, tile_rows)
+    a multiple of ``g``): causal with query row ``i`` seeing keys ``0..diagonal + i`` (None: all), and
+    with ``documents`` only keys of its own document.  Backward recomputes the tiles (memory ``O(rows)``
+    per head besides one tile)."""
+    return _LocalAttention.apply(q, k.contiguous(), v.contiguous(), diagonal, dropout, tile_rows, documents)
