@@ -45,7 +45,6 @@ PENDING = {
     "test_nan_stop.py",
     "test_optimizer_checkpoint.py",
     "test_optimizer_offload_layerwise.py",
-    "test_packed_sequences.py",
     "test_parallel_context.py",
     "test_pipeline_training.py",
     "test_planner.py",
