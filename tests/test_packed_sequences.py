@@ -142,8 +142,9 @@ def test_packed_cores_gpt_oss_and_mla_equal_the_dense_mask():
     cases += [("gpt-oss", gpt_oss, "blocked"), ("mla", {**mla, **recompute}, "sdpa")]
     for name, extra, backend in cases:
         torch.manual_seed(0)
-        cfg = make_config(MODEL, attention_backend=backend, **extra)
-        model = GPTModel(cfg, process_groups=get_process_groups()).train()
+        model = GPTModel(
+            make_config(MODEL, extra, attention_backend=backend), process_groups=get_process_groups()
+        ).train()
         mask = document_causal_mask(ids)
         dense_loss, dense = _loss_and_grads(model, tokens, positions, labels, loss_mask, attention_mask=mask)
         loss, packed = _loss_and_grads(model, tokens, positions, labels, loss_mask, packed_seq_params=params)
@@ -207,7 +208,7 @@ def test_get_batch_packs_the_documents(tmp_path):
     assert torch.equal(batch["position_ids"], torch.stack([positions_restarting_after(t, EOD) for t in tokens]))
 
 
-# The default GPT at 2 layers of hidden 32 over 32 tokens, its documents packed.
+# A small model over 32 tokens, its documents packed (--reset-attention-mask --qkv-format thd).
 PACKED = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=VOCAB)
 PACKED.update(reset_attention_mask=True, qkv_format="thd")
 
@@ -230,7 +231,7 @@ PACKED.update(reset_attention_mask=True, qkv_format="thd")
 )
 def test_refusals(setting, message):
     with pytest.raises(ConfigError, match=message):
-        make_config(PACKED, attention_dropout=0.0, **setting)
+        make_config(PACKED, {"attention_dropout": 0.0}, setting)
 
 
 @pytest.mark.parametrize("comm", ["p2p", "a2a", "allgather"])
