@@ -39,7 +39,14 @@ def validate_fault_tolerance(cfg) -> None:
     )
     for refused, what in (
         (t.straggler_rebalance_interval, "--straggler-rebalance-interval"),
-        (p.local_sgd_interval, "--local-sgd-interval"),
+        (
+            p.local_sgd_overlap_steps,
+            "--local-sgd-overlap-steps (an outer average in flight across a quorum change; the sync is blocking)",
+        ),
+        (
+            p.outer_grad_int8_chunk,
+            "--outer-grad-int8-chunk (torchft's fault-tolerant collectives have no all-gather)",
+        ),
         (p.grad_compression != "none", f"--grad-compression {p.grad_compression}"),
         (d.dataloader_type != "single", f"--dataloader-type {d.dataloader_type}"),
         (

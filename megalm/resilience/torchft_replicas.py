@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from megalm.checkpoint.model_state import finish_param_sync, optimizer_sharded_state
 from megalm.config.fault_tolerance import ft_enabled
+from megalm.distributed.local_sgd import FaultTolerantOuter
 from megalm.errors import MegalmError
 from megalm.log import get_logger
 from megalm.parallel_state import ProcessGroups, group_rank, group_size
@@ -118,7 +119,8 @@ class ReplicaGroups:
         p, t = cfg.parallel, cfg.training
         self.group_id, self.max_groups = p.ft_replica_group_id, p.ft_num_replica_groups
         self.state = state
-        self.model = self.optimizer = self.scheduler = None  # attach()
+        self.model = self.optimizer = self.scheduler = self.outer_sync = None  # attach()
+        self.outer = OuterReplicas(self)  # --local-sgd-interval: the outer group of the local-SGD sync
         self.dp_rank, self.dp_size = group_rank(groups.dp), group_size(groups.dp)
         self.micro_batch_size = t.micro_batch_size
         self.slots = t.global_batch_size // t.micro_batch_size  # micro-batches of this step's global batch
@@ -159,12 +161,14 @@ class ReplicaGroups:
         )
 
     # -- set-up --
-    def attach(self, model, optimizer, scheduler, microbatches=None) -> None:
+    def attach(self, model, optimizer, scheduler, microbatches=None, outer_sync=None) -> None:
         """The trainer's state a peer receives, and its
         :class:`megalm.training.microbatches.MicrobatchCalculator` (each step's global batch, which
-        ``--rampup-batch-size`` grows; None: always ``--global-batch-size``)."""
+        ``--rampup-batch-size`` grows; None: always ``--global-batch-size``); ``outer_sync``: the
+        :class:`megalm.distributed.local_sgd.OuterSync` of ``--local-sgd-interval`` (its outer state,
+        the global weights at the last sync and the outer momentum, is sent too), or None."""
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.microbatches = microbatches
+        self.microbatches, self.outer_sync = microbatches, outer_sync
 
     def resume_at(self, iteration: int) -> None:
         """A run resumed from a checkpoint at ``iteration``: torchft's step follows it (a group
@@ -288,6 +292,9 @@ class ReplicaGroups:
         for key, spec in optimizer_sharded_state(self.optimizer, self.model, tied_copies=True).items():
             for j, block in enumerate(spec if isinstance(spec, list) else [spec]):
                 out[f"{key}.{j}"] = block.local
+        if self.outer_sync is not None:  # local SGD / DiLoCo: x_0 (the global weights) and the outer momentum
+            for kind, tensors in (("anchor", self.outer_sync.anchor), ("momentum", self.outer_sync.momentum)):
+                out.update({f"local_sgd.{kind}.{name}": t for name, t in tensors.items()})
         return out
 
     def state_dict(self) -> dict:
@@ -355,6 +362,44 @@ class ReplicaGroups:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+class OuterReplicas(FaultTolerantOuter):
+    """The outer group of ``--local-sgd-interval`` across replica groups: this rank and rank ``i`` of
+    every other group of the current quorum, through torchft's manager."""
+
+    def __init__(self, replicas: ReplicaGroups):
+        self.replicas = replicas
+
+    def size(self) -> int:
+        return self.replicas.manager.num_participants()
+
+    def all_reduce_sum(self, tensor: torch.Tensor):
+        return self.replicas.manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM)
+
+    def commit(self) -> bool:
+        """The groups' vote on the outer sync; on no, a new quorum of the groups still there (none
+        joins, none recovers: ``shrink_only``) for the sync's next attempt."""
+        manager = self.replicas.manager
+        if manager.should_commit():
+            return True
+        error = manager.errored()
+        reason = str(error).splitlines()[0] if error else "fewer groups than --ft-min-replicas"
+        logger.warning(
+            f"torchft: the local-SGD outer sync was not committed ({reason}): redoing it with the groups left"
+        )
+        manager.start_quorum(allow_heal=False, shrink_only=True)
+        return False
+
+    def synced(self, iteration, weights) -> None:
+        """Log the committed sync with a fingerprint of the new weights (float64 sum and sum of squares:
+        groups holding the same weights log the same numbers)."""
+        total = sum(w.detach().double().sum() for w in weights)
+        squares = sum(w.detach().double().square().sum() for w in weights)
+        logger.info(
+            f"torchft: local-SGD outer sync of iteration {iteration} over {self.size()} replica group(s): weights "
+            f"sum {float(total)!r}, sum of squares {float(squares)!r}"
+        )
 
 
 def route_address(url: str) -> str:
