@@ -30,6 +30,13 @@ a ``torchft_lighthouse``.
    changed and the same global batch is redone with the new quorum: no sample is skipped or
    repeated.
 
+*Local SGD / DiLoCo* (``--local-sgd-interval``): the replicas are the groups.  Between syncs step
+3 all-reduces only the reported values (no gradients cross groups); every ``H`` steps
+:class:`megalm.distributed.local_sgd.OuterSync` averages the weights over :class:`OuterReplicas`
+(this rank and rank ``i`` of the quorum's other groups), then the groups vote on the sync; on no the
+survivors form a new quorum (``shrink_only``) and average again.  A recovering group also receives
+the outer state (``x_0`` and the outer momentum).
+
 *Recovery.*  The state a peer sends (:meth:`ReplicaGroups.state_dict`) is this rank's model
 tensors, optimizer tensors (moments, step, fp32 main weights), the loss scaler, the learning-rate
 schedule and the counters (iteration, consumed samples), with a sha256 digest of the tensors; the
