@@ -7,11 +7,13 @@
 Two replica groups of 2 ranks (each its own ``torchrun``, a lighthouse in this process) train the
 tiny GPT (4 layers, hidden 32, global batch 16 of micro-batches of 2, per-token loss with
 ``--eod-mask-loss``) with ``--layout``: ``optim`` (DP 2, the distributed optimizer), ``zero2``
-(DP 2, ``--data-parallel-sharding-strategy optim_grads``) or ``vpp`` (PP 2 with 2 virtual stages,
-the distributed optimizer).  With ``--kill-at N`` group B's ranks SIGKILL themselves at their N-th
-forward call (``bench/recovery_torchft.py``'s worker; every forward call also sleeps
-``--step-seconds``) and a new B is started at once: it rejoins from A.  A one-process run of the same
-global batch is the reference: prints the worst relative difference of every logged loss and
+(DP 2, ``--data-parallel-sharding-strategy optim_grads``), ``vpp`` (PP 2 with 2 virtual stages,
+the distributed optimizer) or ``int8`` (DP 2, the distributed optimizer, ``--grad-compression int8``:
+the cross-group average in 8 bits, so the one-process run is matched only up to the quantization).
+With ``--kill-at N`` group B's ranks SIGKILL themselves at their N-th forward call
+(``bench/recovery_torchft.py``'s worker; every forward call also sleeps ``--step-seconds``) and a
+new B is started at once: it rejoins from A.  A one-process run of the same global batch is the
+reference: prints the worst relative difference of every logged loss and
 gradient norm, whether A logged every iteration once, and the rejoin lines of the logs.
 """
 
@@ -29,6 +31,7 @@ if REPO not in sys.path:
 LAYOUTS = {
     "optim": ["--use-distributed-optimizer"],
     "zero2": ["--use-distributed-optimizer", "--data-parallel-sharding-strategy", "optim_grads"],
+    "int8": ["--use-distributed-optimizer", "--grad-compression", "int8"],  # the groups' average in 8 bits
     "vpp": [
         *("--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"),
         "--use-distributed-optimizer",

@@ -80,6 +80,7 @@ def _cfg(argv, world_size=None):
             "--outer-grad-int8-chunk (torchft's fault-tolerant collectives have no all-gather)",
         ),  # fmt: skip
         ([*FT, "--ft-replica-group-id", "0", "--data-parallel-sharding-strategy", "optim_grads_params"], 1, "ZeRO-3"),
+        ([*FT, "--ft-replica-group-id", "0", "--grad-compression", "topk"], 1, "only int8 is built"),
         # a ramp batch of 2 samples cannot be split over 2 groups of micro-batches of 2
         ([*FT, "--ft-replica-group-id", "0", "--micro-batch-size", "2", *RAMP_2_2_8], 1, "2 2 8: with torchft"),
         # 8 samples = 4 micro-batches of 2 over DP 2 x a quorum of 1 or 2 groups: fine; DP 4 x 2 groups: not
@@ -100,6 +101,11 @@ def test_torchft_flags_accept_an_even_split():
     zero2 = ["--use-distributed-optimizer", "--data-parallel-sharding-strategy", "optim_grads"]
     cfg = _cfg([*FT, "--ft-replica-group-id", "0", "--calculate-per-token-loss", *zero2], world_size=2)
     assert cfg.parallel.data_parallel_sharding_strategy == "optim_grads" and cfg.training.calculate_per_token_loss
+    # int8 across the groups, local SGD / DiLoCo (streaming too)
+    cfg = _cfg([*FT, "--ft-replica-group-id", "0", "--grad-compression", "int8", *zero2], world_size=2)
+    assert cfg.parallel.grad_compression == "int8"
+    diloco = ["--local-sgd-interval", "4", "--local-sgd-fragments", "2", "--outer-momentum", "0.9"]
+    assert _cfg([*FT, "--ft-replica-group-id", "0", *diloco], world_size=2).parallel.local_sgd_fragments == 2
     cfg = _cfg([*FT, "--ft-replica-group-id", "0", "--micro-batch-size", "2", "--rampup-batch-size", "4", "4", "8"], 1)
     assert cfg.training.rampup_batch_size == [4, 4, 8]
     # interleaved pipeline (PP 2, 2 virtual stages): every group's share a multiple of PP

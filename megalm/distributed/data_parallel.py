@@ -186,7 +186,9 @@ class DistributedDataParallel(torch.nn.Module):
         names = {p: n for n, p in module.named_parameters()}
         first = next(module.parameters())
         self.device = get_device() if first.is_meta else first.device  # meta: filled by the buffers
-        self.compressor = build_compressor(parallel_cfg, self.device, _global_rank(), comm_stats)
+        self.compressor = None  # across torchft replica groups the groups' average is compressed instead
+        if parallel_cfg.ft_replica_group_id is None:
+            self.compressor = build_compressor(parallel_cfg, self.device, _global_rank(), comm_stats)
 
         def pick_grad_dtype(p):
             return grad_dtype or (torch.float32 if fp32_grads else p.dtype)

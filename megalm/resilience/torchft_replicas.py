@@ -121,7 +121,8 @@ class ReplicaGroups:
         require_torchft()
         from torchft import Manager
 
-        from megalm.device import fault_tolerant_process_group
+        from megalm.device import fault_tolerant_process_group, get_device
+        from megalm.resilience.torchft_compression import build_cross_group_compressor
 
         p, t = cfg.parallel, cfg.training
         self.group_id, self.max_groups = p.ft_replica_group_id, p.ft_num_replica_groups
@@ -135,6 +136,9 @@ class ReplicaGroups:
         self.quorum = None  # (this group's rank, groups taking part) of the last step
         self.reset_data = True  # the data iterator must restart at the consumed samples
         self.recoveries = 0
+        # --grad-compression int8: the groups' gradient average in 8 bits, after the warm-up
+        self.compressor = build_cross_group_compressor(cfg, dist.get_rank(), get_device())
+        self.compression_warmup = p.grad_compression_warmup_iters
         timeout = timedelta(seconds=p.ft_timeout_seconds)
         lighthouse = p.ft_lighthouse or os.environ["TORCHFT_LIGHTHOUSE"]
         # The address the other groups reach this rank at (its manager server, its recovery
@@ -257,8 +261,14 @@ class ReplicaGroups:
 
     def reduce_gradients(self, model) -> None:
         """Average this rank's reduced gradients (the whole buffers, or the distributed optimizer's
-        shard) with rank ``i`` of every other group in the quorum."""
-        works = [self.manager.allreduce(t) for t in _gradient_tensors(model)]
+        shard) with rank ``i`` of every other group in the quorum; with ``--grad-compression int8``
+        after its warm-up, in 8 bits (:mod:`megalm.resilience.torchft_compression`)."""
+        tensors = _gradient_tensors(model)
+        if self.compressor is not None and self.state.iteration + 1 > self.compression_warmup:
+            n = self.manager.num_participants()
+            self.compressor.average(lambda t, op: self.manager.allreduce(t, reduce_op=op), n, tensors)
+            return
+        works = [self.manager.allreduce(t) for t in tensors]
         for work in works:
             work.wait()
 
@@ -279,6 +289,8 @@ class ReplicaGroups:
         if not self.manager.should_commit():
             error = self.manager.errored()
             raise StepNotCommitted(str(error).splitlines()[0] if error else "fewer groups than --ft-min-replicas")
+        if self.compressor is not None:
+            self.compressor.commit()  # the residual of this step's int8 average
 
     def metrics(self) -> dict:
         """Per log line: the groups of the last step and this group's place."""
@@ -361,6 +373,8 @@ class ReplicaGroups:
             )
         self.recoveries += 1
         self.reset_data = True
+        if self.compressor is not None:  # the peer's residual is what the peer still owes: start from zero
+            self.compressor.reset()
         size = sum(t.numel() * t.element_size() for t in mine.values())
         logger.info(
             f"torchft: replica group {self.group_id} recovered the state of iteration {self.state.iteration} from a "

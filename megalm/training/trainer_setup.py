@@ -304,7 +304,9 @@ class TrainerSetup:
         states.register("model", model)  # first: the optimizer is restored before the states that read it
         states.register("scheduler", SchedulerState(self.scheduler, save=save_optim))
         states.register("data", DataPosition(self.state))
-        if self.cfg.parallel.grad_compression != "none":
+        if self.replicas is not None and self.replicas.compressor is not None:  # torchft: across the groups
+            states.register("ft_grad_compression", self.replicas.compressor)
+        elif self.cfg.parallel.grad_compression != "none":
             states.register(
                 "grad_compression", CompressionCheckpointState(self.model, self.groups, layout(self.groups))
             )
