@@ -71,9 +71,9 @@ def test_int8_average_across_two_groups_with_error_feedback():
             assert (a - e).abs().max() < 0.1 * e.abs().max(), (a - e).abs().max()
         exact_total = [t + e for t, e in zip(exact_total, exact)]
         sent_total = [t + a for t, a in zip(sent_total, grads[0])]
-    # Error feedback: what was averaged plus the groups' mean residual is the exact sum of the means.
-    mean_residual = (comps[0].residual + comps[1].residual) / 2
-    flat = torch.cat([t.reshape(-1) for t in sent_total]) + mean_residual
+    # Error feedback: what was averaged plus the groups' residuals (each its share of the average) is the
+    # exact sum of the averages.
+    flat = torch.cat([t.reshape(-1) for t in sent_total]) + comps[0].residual + comps[1].residual
     torch.testing.assert_close(flat, torch.cat([t.reshape(-1) for t in exact_total]), rtol=0, atol=1e-5)
     # Bytes: per step one fp32 maximum per chunk of the 71 elements and the flag, then one int8 code each.
     assert quorum.sent[:2] == [(torch.float32, 5 + 1), (torch.int8, 71)], quorum.sent[:2]
@@ -113,7 +113,7 @@ def test_a_group_alone_applies_its_residual_exactly():
     owed = comps[0].residual.clone()
     grads = [grads_of(3)]
     expected = torch.cat([t.reshape(-1) for t in grads_of(3)]) + owed
-    alone.run(comps[:1], grads)  # the other group died: no collective, the exact gradient plus what was owed
+    alone.run(comps[:1], grads)  # the other group died: no collective, the exact gradient plus its share owed
     comps[0].commit()
     assert alone.sent == [] and torch.equal(torch.cat([t.reshape(-1) for t in grads[0]]), expected)
     assert not comps[0].residual.any()

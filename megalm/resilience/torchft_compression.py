@@ -11,18 +11,20 @@ One step, over the ``n`` groups of the quorum, of this rank's reduced gradients 
 ``g``, ``N`` elements, chunks of ``C = --int8-chunk-size``), with ``L = floor(127 / G)`` levels for
 ``G = --ft-num-replica-groups``:
 
-1. ``a = g + e`` (``e``: this rank's residual, what it did not send yet);
+1. ``a = g + n r`` (``r``: this rank's residual, what it did not send yet, kept as its share of the
+   average, so that it weighs the same when the quorum's size changes);
 2. the per-chunk maximum ``m_c = max |a_c|`` is all-reduced with MAX (``4 ceil(N/C)`` bytes, plus one
    flag that is set when any group's ``a`` holds a NaN/inf: then every group's result is NaN and the
    residuals stay as they were, so the loss scaler / NaN check sees it on every group);
 3. ``s_c = m_c / L``, ``q = round(a / s_c)`` in ``[-L, L]`` (nearest, or stochastic with
    ``--int8-rounding stochastic``), one int8 code per element, SUM-all-reduced: ``N`` bytes instead of
    ``4 N`` (``|sum_k q_k| <= n L <= 127``);
-4. ``g <- s sum_k q_k / n`` and ``e <- a - s q``.
+4. ``g <- s sum_k q_k / n`` and ``r <- (a - s q) / n``.
 
-A group alone in its quorum (``n = 1``) communicates nothing: ``g <- a``, ``e <- 0``.
+A group alone in its quorum (``n = 1``) communicates nothing: ``g <- a``, ``r <- 0``.
 
-So ``sum_t sent_t + e_T = sum_t g_t`` for each group: nothing is lost, only delayed.  With 2 groups
+So over the steps, what the groups averaged plus the sum of their residuals is the sum of the
+exact averages: nothing is lost, only delayed.  With 2 groups
 each code has 63 levels each side, with 8 groups 15: the more groups, the coarser each group's
 codes (error feedback carries what they miss to the next steps).
 
@@ -74,7 +76,7 @@ class CrossGroupInt8:
         self._next_residual = None
         a = torch.cat([t.detach().reshape(-1).float() for t in tensors])
         if self.residual is not None and self.residual.numel() == a.numel():
-            a += self.residual.to(a.device)
+            a += self.residual.to(a.device) * n  # its share of the average: the same under another quorum
         if n == 1:  # a group alone sends nothing: its gradient and what it still owed, exactly
             self._next_residual = torch.zeros_like(a)
             self._copy(a, tensors)
@@ -93,7 +95,7 @@ class CrossGroupInt8:
         q = round_to_integers(blocks * inverse[:, None], self.generator, self.levels)
         codes = q.reshape(-1)[:numel].to(torch.int8)  # the padding is not sent
         all_reduce(codes, dist.ReduceOp.SUM).wait()
-        self._next_residual = (blocks - q * scale[:, None]).reshape(-1)[:numel]
+        self._next_residual = (blocks - q * scale[:, None]).reshape(-1)[:numel] / n
         self._copy(codes.float() * scale.repeat_interleave(c)[:numel] / n, tensors)
 
     @staticmethod
