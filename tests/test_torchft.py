@@ -135,7 +135,7 @@ class _FakeQuorum:
 
             def all_reduce_sum(_, tensor):
                 self.reduced.append(tensor.clone())
-                tensor += self.peer
+                tensor += self.peer(tensor) if callable(self.peer) else self.peer
                 return self
 
             def commit(_):
@@ -191,6 +191,34 @@ def test_diloco_outer_sync_across_replica_groups_uses_the_survivors(fail_first):
     torch.testing.assert_close(sync.momentum["w"], delta, rtol=0, atol=1e-6)
     assert len(quorum.reduced) == 1 and torch.equal(quorum.reduced[0], local)  # one all-reduce: of 2 groups
     assert [it for it, _ in quorum.synced] == [2] and torch.equal(quorum.synced[0][1][0], w.detach())
+
+
+def test_streaming_diloco_across_replica_groups_syncs_one_fragment_at_a_time():
+    """--local-sgd-fragments 2 across replica groups: each sync averages one fragment over the quorum."""
+    import torch
+
+    from megalm.distributed.local_sgd import OuterSync
+    from megalm.parallel_state import ProcessGroups
+
+    class Opt:
+        names = ["w", "v"]
+
+        def __init__(self, params):
+            self.main_params = self.model_params = params
+
+        def _copy_main_to_model(self):
+            pass
+
+    w, v = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
+    quorum = _FakeQuorum(lambda t: t + 1.0)  # the peer's parameters: this group's + 1
+    sync = OuterSync(Opt([w, v]), 2, process_groups=ProcessGroups(), replicas=quorum.outer, fragments=2)
+    assert sync.step(1) and torch.equal(w.detach(), torch.full((4,), 0.5)) and not v.detach().any()
+    assert (
+        sync.step(2)
+        and torch.equal(v.detach(), torch.full((4,), 0.5))
+        and torch.equal(w.detach(), torch.full((4,), 0.5))
+    )
+    assert [t.numel() for t in quorum.reduced] == [4, 4] and [it for it, _ in quorum.synced] == [1, 2]
 
 
 def test_advertised_address_is_the_route_to_the_lighthouse():
