@@ -304,8 +304,8 @@ class TrainerSetup:
         states.register("model", model)  # first: the optimizer is restored before the states that read it
         states.register("scheduler", SchedulerState(self.scheduler, save=save_optim))
         states.register("data", DataPosition(self.state))
-        if self.replicas is not None and self.replicas.compressor is not None:  # torchft: across the groups
-            states.register("ft_grad_compression", self.replicas.compressor)
+        if self.cfg.parallel.ft_replica_group_id is not None and self.cfg.parallel.grad_compression != "none":
+            states.register("ft_grad_compression", self.replicas.compressor)  # torchft: the groups' average
         elif self.cfg.parallel.grad_compression != "none":
             states.register(
                 "grad_compression", CompressionCheckpointState(self.model, self.groups, layout(self.groups))
