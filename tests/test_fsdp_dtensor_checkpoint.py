@@ -26,17 +26,18 @@ from megalm.checkpoint.save import save_checkpoint
 from megalm.config import ConfigError, build_parser, config_from_args, validate_config
 from megalm.optimizer import build_optimizer
 from megalm.parallel_state import get_process_groups
-from tests.checkpoint_fixtures import LLAMA, tiny_cfg
+from tests.checkpoint_fixtures import LLAMA
+from tests.configs import NO_DROPOUT, TINY_GPT, make_config
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "fsdp_dtensor", "llama_keys.txt")
 MOE = dict(LLAMA, num_experts=2, moe_ffn_hidden_size=8, moe_router_topk=1)
 
 
 def _trained(model_fields, steps=2):
-    """A bf16 GPT (tiny_cfg) with a mixed-precision Adam after ``steps`` steps: (cfg, model, optimizer)."""
+    """A bf16 GPT (TINY_GPT) with a mixed-precision Adam after ``steps`` steps: (cfg, model, optimizer)."""
     from megalm.models import GPTModel
 
-    cfg = copy.deepcopy(tiny_cfg(100, hidden_dropout=0.0, attention_dropout=0.0, **model_fields))
+    cfg = copy.deepcopy(make_config(TINY_GPT, NO_DROPOUT, model_fields, vocab_size=100))
     t = cfg.training
     t.optimizer, t.lr, t.clip_grad, t.bf16 = "adam", 1e-2, 1.0, True
     torch.manual_seed(0)

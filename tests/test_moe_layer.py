@@ -73,7 +73,7 @@ def test_zero3_gathers_the_local_experts_as_one_unit(grouped):
     from megalm.config import ParallelConfig
     from megalm.distributed import DistributedDataParallel
 
-    m = _cfg("--swiglu").model
+    m = parse_config([*BASE, "--swiglu"]).model
     plain = _experts(m, grouped)
     zero3 = DistributedDataParallel(
         _experts(m, grouped),  # the same initial values (seeded by name)

@@ -14,7 +14,7 @@ import os
 import pytest
 
 from tests.distributed_harness import run_distributed
-from tests.training_runs import MLA_MOE_FLAGS, assert_close, records, run_trainings, tiny_flags
+from tests.training_runs import MLA_MOE_FLAGS, assert_close, metrics_argv, records, run_trainings, tiny_flags
 
 MOE = tiny_flags(
     **MLA_MOE_FLAGS,
@@ -45,9 +45,9 @@ RUNS = {  # name: (flags, reference); the reference "one" is the single-process 
 SINGLE = {"one": EP1}
 
 
-def _argv(tmp, name, flags):
-    flags = [os.path.join(tmp, f) if f == CKPT else f for f in flags]
-    return MOE + list(flags) + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl")]
+def _in(tmp, flags):
+    """``flags`` with the checkpoint placeholder put under ``tmp``."""
+    return [os.path.join(tmp, f) if f == CKPT else f for f in flags]
 
 
 def _model_state(argv):
@@ -103,10 +103,11 @@ def _four_ranks(argvs, memory_argv):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("zero3_ep"))
-    argvs = [_argv(tmp, n, f) for n, (f, _) in RUNS.items()]
+    argvs = [metrics_argv(MOE, tmp, n, *_in(tmp, f)) for n, (f, _) in RUNS.items()]
     memory_argv = MOE + ZERO3 + ["--init-model-with-meta-device"]
     four = run_distributed(_four_ranks, 4, args=(argvs, memory_argv), timeout=500)
-    one = run_distributed(run_trainings, 1, args=([_argv(tmp, n, f) for n, f in SINGLE.items()],), timeout=300)
+    single = [metrics_argv(MOE, tmp, n, *_in(tmp, f)) for n, f in SINGLE.items()]
+    one = run_distributed(run_trainings, 1, args=(single,), timeout=300)
     return {"tmp": tmp, "codes": [c for c, _ in four] + one, "memory": [m for _, m in four]}
 
 
