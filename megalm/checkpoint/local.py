@@ -54,11 +54,17 @@ import torch.distributed as dist
 
 from megalm.checkpoint.common_json import FORMAT_VERSION, layout
 from megalm.checkpoint.errors import CheckpointError, first_line, gather_errors
+from megalm.checkpoint.local_reshard import choose_reshard, fill_blocks, restore_resharded
 from megalm.checkpoint.save import COMMON_KEYS
-from megalm.checkpoint.stateful import CheckpointStates, LoadInfo, common_states, sharded_load_plans, sharded_states
+from megalm.checkpoint.stateful import (
+    CheckpointStates,
+    LoadInfo,
+    common_states,
+    sharded_load_plans,
+    sharded_states,
+)
 from megalm.log import get_logger
 from megalm.parallel_state import ProcessGroups
-from megalm.param_layout import ShardedStateDict, ShardedTensorSpec
 
 logger = get_logger(__name__)
 
@@ -135,37 +141,6 @@ def choose_restore(
         holders = dict(where[(owner, it)])
         plan[owner] = (owner, holders[owner]) if owner in holders else min(holders.items())
     return it, plan
-
-
-def fill_blocks(targets: ShardedStateDict, saved: Dict[str, list]) -> None:
-    """Copy into every target block the overlapping parts of the saved blocks of the same tensor
-    (``saved[key]``: ``{"offsets", "data"}`` dicts).  A target not covered completely raises
-    :class:`CheckpointError` (the shard was saved under another layout)."""
-    for key, value in targets.items():
-        for spec in value if isinstance(value, list) else [value]:
-            covered = 0
-            for block in saved.get(key, ()):
-                if tuple(block["global_shape"]) != tuple(spec.global_shape):
-                    raise CheckpointError(
-                        f"local checkpoint's {key} has shape {tuple(block['global_shape'])}, the model's "
-                        f"{tuple(spec.global_shape)}"
-                    )
-                covered += _copy_overlap(spec, block["offsets"], block["data"])
-            if covered != spec.local.numel():
-                raise CheckpointError(f"local checkpoint holds {covered} of the {spec.local.numel()} values of {key}")
-
-
-def _copy_overlap(spec: ShardedTensorSpec, offsets, data: torch.Tensor) -> int:
-    dst, src = spec.local, data
-    for dim, (t_off, s_off) in enumerate(zip(spec.offsets, offsets)):
-        lo = max(t_off, s_off)
-        hi = min(t_off + spec.local.shape[dim], s_off + data.shape[dim])
-        if hi <= lo:
-            return 0
-        dst, src = dst.narrow(dim, lo - t_off, hi - lo), src.narrow(dim, lo - s_off, hi - lo)
-    with torch.no_grad():
-        dst.copy_(src)
-    return dst.numel()
 
 
 class LocalCheckpoint:
@@ -333,9 +308,19 @@ class LocalCheckpoint:
         holdings = [None] * self.world
         dist.all_gather_object(holdings, (self.node, list_held(self.dir)), group=self.group)
         choice = choose_restore(holdings, self.world, newer_than)
+        other, why_not = choose_reshard(holdings, self.world, newer_than)
+        if other is not None and (choice is None or other[1] > choice[0]):  # the newest; equal: no resharding
+            now = layout(groups)
+            check = lambda common: _mismatch(common, config, self.world, now, reshard=True)  # noqa: E731
+            restored = restore_resharded(self, *other, check, newer_than, states, groups, start)
+            if restored is not None:  # the old world's copies on this node go at the next save, once it is complete
+                old = [shard_file_name(o, other[0], other[1]) for o in range(other[0])]
+                self.written = [n for n in old if os.path.isfile(os.path.join(self.dir, n))]
+            return restored
         if choice is None:
             disk = "" if newer_than is None else f" at or after the disk checkpoint's iteration {newer_than}"
-            logger.info(f"no complete local checkpoint for world {self.world}{disk} in {self.dir} and its peers")
+            why = f"; {why_not}" if why_not else ""
+            logger.info(f"no complete local checkpoint for world {self.world}{disk} in {self.dir} and its peers{why}")
             return None
         iteration, plan = choice
         payload, error = None, None
@@ -399,8 +384,8 @@ class LocalCheckpoint:
             _p2p(ops)
         return mine
 
-    def _read(self, owner: int, iteration: int) -> torch.Tensor:
-        path = os.path.join(self.dir, shard_file_name(owner, self.world, iteration))
+    def _read(self, owner: int, iteration: int, world: Optional[int] = None) -> torch.Tensor:
+        path = os.path.join(self.dir, shard_file_name(owner, world or self.world, iteration))
         with open(path, "rb") as f:
             return torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
 
@@ -413,14 +398,19 @@ class LocalCheckpoint:
         return bool(failed)
 
 
-def _mismatch(common: dict, config: Optional[dict], world: int, now_layout: dict) -> Optional[str]:
-    if common.get("world_size") != world:
+def _mismatch(
+    common: dict, config: Optional[dict], world: int, now_layout: dict, reshard: bool = False
+) -> Optional[str]:
+    """Why a copy is not this run's (None: it is).  ``reshard``: another world size and layout are
+    expected (the blocks are resharded); the model, data, seed, optimizer and batch must still match."""
+    if common.get("world_size") != world and not reshard:
         return f"saved by world {common.get('world_size')}, now {world}"
-    if common.get("layout") != now_layout:
+    if common.get("layout") != now_layout and not reshard:
         return f"saved with layout {common.get('layout')}, now {now_layout}"
     if config is not None:
         saved, now = _flat(common.get("config") or {}), _flat(config)
-        diff = sorted(k for k in set(saved) | set(now) if _identifies_run(k) and saved.get(k) != now.get(k))
+        keys = [k for k in set(saved) | set(now) if _identifies_run(k) and not (reshard and k.startswith("parallel."))]
+        diff = sorted(k for k in keys if saved.get(k) != now.get(k))
         if diff:
             return f"saved by another run ({', '.join(f'{k}: {saved.get(k)!r}, now {now.get(k)!r}' for k in diff[:3])})"
     return None
