@@ -13,13 +13,15 @@ One spawned group of 3 ranks, each its own "node" (``MEGALM_NODE_NAME``, a node 
 3. a run loads the disk checkpoint of the same iteration (``--ckpt-step 6``).
 
 The runs of 2 and 3 log iterations 7 and 8 with the same losses and gradient norms, bit for bit
-(dropout on: the RNG is restored too), and the same consumed samples.  A fourth run with both ranks
-on one node and ``--replication`` stops before training, naming the problem.
+(dropout on: the RNG is restored too), and the same consumed samples.  A fourth run with ranks 0 and
+1 on one node and ``--replication-jump 1`` (rank 0's replica on its own node) stops before training,
+naming the problem.
 
 Then an elastic resize (world 3 -> 2): a 2-rank group on nodes 1 and 2, node 1 holding the world-3
 copies of ranks 0 and 1, node 2 rank 2's, restores iteration 6 from them, resharded (the distributed
 optimizer's ranges of 3 ranks cut into 2), and logs iterations 7 and 8 as the disk checkpoint of
-iteration 6 loaded at world 2 does, bit for bit; the old world's copies are gone at the end.
+iteration 6 loaded at world 2 does, bit for bit; the old world's copies are gone at the end.  It asks
+for 3 copies on its 2 nodes (as an elastic job left with fewer nodes would): 2, with a warning.
 """
 
 import logging
@@ -110,8 +112,10 @@ def _scenario(tmp):
     from_disk = [*TINY, "--train-iters", "8", "--load", disk, "--ckpt-step", "6"]
     from_disk += ["--metrics-file", os.path.join(tmp, "disk.jsonl")]
     codes += run_trainings([restored, from_disk])
-    os.environ["MEGALM_NODE_NAME"] = "one-node"  # all ranks on one node: no replica can survive it
-    codes += run_trainings([[*TINY, *local, "--train-iters", "2"]])
+    # Ranks 0 and 1 on one node, replicas to the next rank (--replication-jump 1): rank 0's would not survive it.
+    os.environ["MEGALM_NODE_NAME"] = "node-a" if rank < 2 else "node-b"
+    bad = [*TINY, *local[:-2], "--replication-jump", "1", "--train-iters", "2"]
+    codes += run_trainings([bad])
     dist.barrier()
     left = sorted(os.listdir(os.path.join(shm, RUN_ID, f"node{rank}")))
     return {"codes": codes, "held": held, "lines": lines, "left": left}
@@ -128,10 +132,12 @@ def _resized(tmp):
     lines = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
-    logging.getLogger("megalm.checkpoint.local_reshard").addHandler(handler)
+    for name in ("megalm.checkpoint.local_reshard", "megalm.checkpoint.local"):
+        logging.getLogger(name).addHandler(handler)
     empty = os.path.join(tmp, "empty2")
     restored = [*TINY, "--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", shm]
-    restored += ["--non-persistent-save-interval", "2", "--replication", "--train-iters", "8"]
+    restored += ["--non-persistent-save-interval", "2", "--replication", "--replication-factor", "3"]
+    restored += ["--train-iters", "8"]
     restored += ["--save", empty, "--load", empty, "--metrics-file", os.path.join(tmp, "resized_local.jsonl")]
     from_disk = [*TINY, "--train-iters", "8", "--load", os.path.join(tmp, "disk"), "--ckpt-step", "6"]
     from_disk += ["--metrics-file", os.path.join(tmp, "resized_disk.jsonl")]
@@ -146,7 +152,7 @@ def test_local_checkpoint_restores_from_the_peer_node_as_the_disk_checkpoint(tmp
     resized = run_distributed(_resized, 2, args=(str(tmp_path),), timeout=300)
     for rank, r in enumerate(results):
         assert r["codes"][:3] == [3, 0, 0], r
-        assert "--replication" in str(r["codes"][3]) and "not 3 different nodes" in str(r["codes"][3]), r["codes"]
+        assert "--replication" in str(r["codes"][3]) and "not 2 different nodes" in str(r["codes"][3]), r["codes"]
         # Each node holds its rank's shard and the other ranks' replicas of the newest local checkpoint.
         assert r["held"] == [shard_file_name(o, 3, 6) for o in range(3)], r["held"]
         assert r["left"] == [], r["left"]  # a finished run removes its copies
@@ -176,9 +182,10 @@ def test_local_checkpoint_restores_from_the_peer_node_as_the_disk_checkpoint(tmp
         assert len(line) == 1 and "resharded to world 2" in line[0] and "read by ranks [0, 1]" in line[0], r["lines"]
         received = int(line[0].split(": ")[1].split(" bytes")[0])
         assert (received > 0) == (rank == 1), line
-        assert r["left"] == [], r[
-            "left"
-        ]  # the old world's copies went with the new run's save, the new ones at its end
+        # The old world's copies went at the new run's save, the new ones at its end.
+        assert r["left"] == [], r["left"]
+        if rank == 0:  # 3 copies asked for on 2 nodes (an elastic job that lost one): 2
+            assert "--replication-factor 3 on 2 node(s): 2 copies" in r["lines"], r["lines"]
     local, disk = records(tmp_path, "resized_local"), records(tmp_path, "resized_disk")
     assert [r["iteration"] for r in local] == [r["iteration"] for r in disk] == [7, 8]
     for a, b in zip(local, disk):

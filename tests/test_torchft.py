@@ -258,21 +258,33 @@ def _test_hooks(forward_step, metrics_file):
             if kill and quorum.count(2) >= 2:
                 os.kill(os.getpid(), signal.SIGKILL)
             if hold and 2 in quorum and quorum[-1] == 1:
-                deadline = time.monotonic() + 170
-                while not os.path.exists(hold) and time.monotonic() < deadline:
-                    time.sleep(0.05)
+                _wait_for_file(hold, "MEGALM_TEST_FT_HOLD")
         return forward_step(data_iterator, model)
 
     return step
+
+
+# How long a scenario process waits for the test's go (FILE).  Longer than the test's own waits before it
+# gives it (B's death, then A's step alone: up to 2 x 180 s): on a loaded machine (load ~35 on 2 cores) the
+# new B once gave up waiting after 170 s and joined while the old B still trained, a third group in a job
+# of two, and the scenario failed on an exit code.  A process that times out now exits with an error.
+_GO_TIMEOUT_S = 420
+
+
+def _wait_for_file(path, what):
+    deadline = time.monotonic() + _GO_TIMEOUT_S
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            sys.exit(f"error: {what}: {path} did not appear in {_GO_TIMEOUT_S} s (the test is gone or stuck)")
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":
     import pretrain_gpt
 
     start_after = os.environ.get("MEGALM_TEST_FT_START_AFTER")  # started early: imports done, then wait
-    deadline = time.monotonic() + 170
-    while start_after and not os.path.exists(start_after) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    if start_after:
+        _wait_for_file(start_after, "MEGALM_TEST_FT_START_AFTER")
     argv = sys.argv[1:]
     metrics = argv[argv.index("--metrics-file") + 1]
     pretrain_gpt.main(argv, _test_hooks(pretrain_gpt.forward_step, metrics))

@@ -151,7 +151,8 @@ class LocalCheckpoint:
     ``replication``: the replica goes to rank ``(rank + jump) mod world`` (``jump`` None: the ranks
     per node, counted by node name).  Collective
     (one ``all_gather_object``): a replica on the same node as its owner raises
-    :class:`CheckpointError`, since it would not survive the node."""
+    :class:`CheckpointError`, since it would not survive the node.  On fewer nodes than ``factor`` (an
+    elastic job that lost nodes) each shard gets one copy per node, with a warning (one node: none)."""
 
     def __init__(
         self,
@@ -173,7 +174,12 @@ class LocalCheckpoint:
         dist.all_gather_object(self.nodes, node, group=group)
         self.peers: List[int] = []  # the ranks this rank's replicas go to
         self.sources: List[int] = []  # the ranks whose replicas this rank keeps (the same order)
-        if replication:
+        n_nodes = len(set(self.nodes))
+        if replication and n_nodes < factor:  # an elastic job on fewer nodes than copies: as many as there are
+            kept = "no replica: a shard does not survive its node" if n_nodes == 1 else f"{n_nodes} copies"
+            logger.warning(f"--replication-factor {factor} on {n_nodes} node(s): {kept}")
+            factor = n_nodes
+        if replication and factor >= 2:
             jump = jump or self.nodes.count(self.nodes[0])  # default: the ranks per node
             self.peers = replica_ranks(self.nodes, jump, factor)[self.rank]
             self.sources = [(self.rank - j * jump) % self.world for j in range(1, factor)]
