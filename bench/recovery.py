@@ -219,7 +219,7 @@ def summarize(path, seen, killed_at, straight_loss, log="", kill_at=0):
     rejoin = re.search(
         r"rank 1\] restored iteration \d+ from the local checkpoint: (\d+) bytes from rank \d+.* in ([\d.]+) s", log
     ) or re.search(  # elastic-local: node A alone, the copies of world 2 resharded
-        r"rank 0\] restored iteration \d+ from the local checkpoint saved by world \d+, resharded to world \d+: "
+        r"\] restored iteration \d+ from the local checkpoint saved by world \d+, resharded to world \d+: "
         r"(\d+) bytes .* in ([\d.]+) s",
         log,
     )
