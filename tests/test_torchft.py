@@ -21,7 +21,8 @@ Run as a script (``python tests/test_torchft.py ARGS``) this file is the trainin
 after its second step with the other group; ``MEGALM_TEST_FT_HOLD=FILE``, after a step this group
 committed alone, waits at the next forward step until FILE exists (the test releases A once the new B
 is up, so that A cannot finish before B returns); ``MEGALM_TEST_FT_START_AFTER=FILE`` waits for FILE
-after the imports (the new B is started early, its imports done while the old one still runs).
+after the imports (A and B start their set-up together; the new B is started early, its imports done
+while the old one still runs); ``MEGALM_TEST_FT_READY=FILE`` is created once the imports are done.
 """
 
 import json
@@ -153,7 +154,8 @@ def _train_rows(path):
 
 def _spawn(args, log, **env):
     out = open(log, "w")
-    return subprocess.Popen(args, env=dict(ENV, **env), cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    env = dict(ENV, MEGALM_TEST_FT_READY=f"{log}.ready", **env)
+    return subprocess.Popen(args, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
 
 
 def _group(tmp, gid, port, name, **env):
@@ -180,19 +182,27 @@ def test_a_killed_group_drops_out_and_a_returning_one_recovers_from_its_peer(tmp
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(
-        bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=10000, quorum_tick_ms=50, heartbeat_timeout_ms=1000
+        bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=60000, quorum_tick_ms=50, heartbeat_timeout_ms=1000
     )
     port = int(lighthouse.address().rsplit(":", 1)[1])
     hold = tmp_path / "release"
     procs = []
     try:
-        procs.append(_group(tmp_path, 0, port, "a", MEGALM_TEST_FT_HOLD=str(hold)))
-        procs.append(_group(tmp_path, 1, port, "b", MEGALM_TEST_FT_KILL="1"))
+        # A and B start their set-up together, once both are imported: each joins the lighthouse (heartbeats)
+        # before the other asks for its first quorum, which then waits for it (join timeout 60 s).  Started
+        # apart on a loaded machine, the first one up could train alone: a B up 10 s before A runs all 14
+        # iterations alone and exits 0 instead of dying (the likely cause of a failure on B's exit code).
+        go = {"MEGALM_TEST_FT_START_AFTER": str(tmp_path / "go")}
+        procs.append(_group(tmp_path, 0, port, "a", MEGALM_TEST_FT_HOLD=str(hold), **go))
+        procs.append(_group(tmp_path, 1, port, "b", MEGALM_TEST_FT_KILL="1", **go))
         plain_run = [sys.executable, os.path.abspath(__file__), *FLAGS, "--metrics-file", str(tmp_path / "ref.jsonl")]
         ref = _spawn(plain_run, tmp_path / "ref.log")
         procs.append(ref)
         back = tmp_path / "b_is_dead"
         procs.append(_group(tmp_path, 1, port, "b2", MEGALM_TEST_FT_START_AFTER=str(back)))  # the new B
+        ready = lambda: all((tmp_path / f"{n}.log.ready").exists() for n in ("a", "b"))  # noqa: E731
+        _wait(ready, 180, "A and B imported", procs, tmp_path)
+        (tmp_path / "go").touch()
         _wait(lambda: procs[1].poll() is not None, 180, "B to die", procs, tmp_path)
         assert procs[1].returncode == -signal.SIGKILL, (tmp_path / "b.log").read_text()[-3000:]
         # A commits a step alone before the new B comes (on a quiet machine a B released at once joined
@@ -282,6 +292,7 @@ def _wait_for_file(path, what):
 if __name__ == "__main__":
     import pretrain_gpt
 
+    open(os.environ.get("MEGALM_TEST_FT_READY", os.devnull), "w").close()  # imported
     start_after = os.environ.get("MEGALM_TEST_FT_START_AFTER")  # started early: imports done, then wait
     if start_after:
         _wait_for_file(start_after, "MEGALM_TEST_FT_START_AFTER")
