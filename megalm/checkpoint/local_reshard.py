@@ -180,8 +180,8 @@ def exchange_pieces(outgoing: Dict[int, Dict[str, list]], rank: int, world: int,
 
 def shared_record(gathered) -> Tuple[Optional[dict], Dict[int, Index], Dict[str, tuple], Optional[str]]:
     """From every new rank's ``(error, common_json or None, {old rank: (index, global shapes)})``: the
-    checkpoint's common record, every old rank's block index, the saved tensors' global shapes, and the
-    first error (``"rank R: why"``) or None."""
+    checkpoint's common record (old rank 0's: the holder of its copy sends it), every old rank's block
+    index, the saved tensors' global shapes, and the first error (``"rank R: why"``) or None."""
     common, indexes, shapes = None, {}, {}
     for rank, (error, common_json, copies) in enumerate(gathered):
         if error is not None:
@@ -209,7 +209,8 @@ def restore_resharded(
                 payload = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
                 copies[owner] = payload["blocks"]
                 shapes = {k: tuple(v[0]["global_shape"]) for k, v in payload["blocks"].items() if v}
-                record = (payload["common_json"], {**record[1], owner: (block_index(payload["blocks"]), shapes)})
+                common_json = payload["common_json"] if owner == 0 else record[0]  # old rank 0's, as on disk
+                record = (common_json, {**record[1], owner: (block_index(payload["blocks"]), shapes)})
     except Exception as e:  # noqa: BLE001 - an unreadable copy: every rank falls back to disk
         error = f"cannot read rank {owner}'s copy of iteration {iteration} (world {old_world}): {first_line(e)}"
     gathered = [None] * ckpt.world
