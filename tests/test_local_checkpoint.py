@@ -22,6 +22,8 @@ copies of ranks 0 and 1, node 2 rank 2's, restores iteration 6 from them, reshar
 optimizer's ranges of 3 ranks cut into 2), and logs iterations 7 and 8 as the disk checkpoint of
 iteration 6 loaded at world 2 does, bit for bit; the old world's copies are gone at the end.  It asks
 for 3 copies on its 2 nodes (as an elastic job left with fewer nodes would): 2, with a warning.
+Before it, a run whose nodes hold no copy of rank 2's shard logs why the copies are not used and
+loads the disk checkpoint (its iteration 7 is the disk run's).
 """
 
 import logging
@@ -97,11 +99,12 @@ def _scenario(tmp):
     held = sorted(os.listdir(os.path.join(shm, RUN_ID, f"node{rank}")))
     dist.barrier()
     if rank == 0:  # for the resize: node 1 keeps the copies of ranks 0 and 1, node 2 rank 2's
-        for node, owners in (("node1", (0, 1)), ("node2", (2,))):
-            os.makedirs(os.path.join(tmp, "shm3", RUN_ID, node))
+        # (and for a refusal, "shm3lost": rank 2's copy on no node)
+        for node, owners, where in (("node1", (0, 1), "shm3"), ("node2", (2,), "shm3"), ("node1", (0, 1), "shm3lost")):
+            os.makedirs(os.path.join(tmp, where, RUN_ID, node))
             for o in owners:
                 name = shard_file_name(o, 3, 6)
-                shutil.copy(os.path.join(shm, RUN_ID, "node0", name), os.path.join(tmp, "shm3", RUN_ID, node, name))
+                shutil.copy(os.path.join(shm, RUN_ID, "node0", name), os.path.join(tmp, where, RUN_ID, node, name))
     dist.barrier()
     if rank > 0:
         shutil.rmtree(os.path.join(shm, RUN_ID, f"node{rank}"))  # nodes 1 and 2 are lost with their RAM
@@ -141,7 +144,17 @@ def _resized(tmp):
     restored += ["--save", empty, "--load", empty, "--metrics-file", os.path.join(tmp, "resized_local.jsonl")]
     from_disk = [*TINY, "--train-iters", "8", "--load", os.path.join(tmp, "disk"), "--ckpt-step", "6"]
     from_disk += ["--metrics-file", os.path.join(tmp, "resized_disk.jsonl")]
-    codes = run_trainings([restored, from_disk])
+    lost = [
+        *TINY,
+        "--non-persistent-ckpt-type",
+        "local",
+        "--non-persistent-local-ckpt-dir",
+        os.path.join(tmp, "shm3lost"),
+    ]
+    lost += ["--non-persistent-save-interval", "2", "--load", os.path.join(tmp, "disk"), "--train-iters", "8"]
+    lost += ["--exit-interval", "7"]  # one iteration: the loss of iteration 7
+    lost += ["--metrics-file", os.path.join(tmp, "resized_lost.jsonl")]
+    codes = run_trainings([lost, restored, from_disk])
     dist.barrier()
     left = sorted(os.listdir(os.path.join(shm, RUN_ID, f"node{rank + 1}")))
     return {"codes": codes, "lines": lines, "left": left}
@@ -175,7 +188,7 @@ def test_local_checkpoint_restores_from_the_peer_node_as_the_disk_checkpoint(tmp
     # The resize: both ranks restored iteration 6 from the world-3 copies; rank 1 received its blocks of
     # rank 1's copy (read by rank 0) and the model's (the lowest old rank's, read by rank 0).
     for rank, r in enumerate(resized):
-        assert r["codes"] == [0, 0], r
+        assert r["codes"] == [0, 0, 0], r
         line = [
             x for x in r["lines"] if x.startswith("restored iteration 6 from the local checkpoint saved by world 3")
         ]
@@ -186,6 +199,12 @@ def test_local_checkpoint_restores_from_the_peer_node_as_the_disk_checkpoint(tmp
         assert r["left"] == [], r["left"]
         if rank == 0:  # 3 copies asked for on 2 nodes (an elastic job that lost one): 2
             assert "--replication-factor 3 on 2 node(s): 2 copies" in r["lines"], r["lines"]
+    # Rank 2's copy on no node: not used, the reason logged, and the disk checkpoint loads (iteration 7 as from disk).
+    why = "the copies of iteration 6 saved by world 3 miss rank(s) [2]: no surviving node holds them"
+    lines = resized[0]["lines"]
+    assert any(line.startswith("no complete local checkpoint for world 2") and why in line for line in lines), lines
+    lost, disk = records(tmp_path, "resized_lost"), records(tmp_path, "resized_disk")
+    assert [(r["iteration"], r["lm_loss"]) for r in lost] == [(7, disk[0]["lm_loss"])], lost
     local, disk = records(tmp_path, "resized_local"), records(tmp_path, "resized_disk")
     assert [r["iteration"] for r in local] == [r["iteration"] for r in disk] == [7, 8]
     for a, b in zip(local, disk):
