@@ -22,9 +22,10 @@ Restore (:meth:`LocalCheckpoint.restore`, collective at start-up, before the dis
 rank lists its node's directory, one ``all_gather_object`` shares the lists, and the newest
 iteration that every rank's shard has somewhere (under the same world size) is taken when it is
 at least the newest disk checkpoint's.  A rank whose shard is on its node reads it there; otherwise
-the rank holding it sends it (gloo point-to-point).  The shard must have been saved under this
-run's layout and configuration (else every rank falls back to the disk checkpoint, with a warning
-naming why): a different world size (an elastic resize) is a disk (resharding) load.
+the rank holding it sends it (gloo point-to-point).  The shard must have been saved by this run's
+configuration (else every rank falls back to the disk checkpoint, with a warning naming why).  Copies
+saved under another world size (an elastic resize) are resharded when they are the newest
+(:mod:`megalm.checkpoint.local_reshard`: each new rank receives its blocks of the surviving copies).
 
 The byte string is ``torch.save`` of tensors and plain values, read back with
 ``torch.load(weights_only=True)``: nothing in it runs code.  The ``<run id>`` is torchrun's
