@@ -24,13 +24,14 @@ from megalm.distributed import DistributedDataParallel, finalize_model_grads
 from megalm.optimizer import build_optimizer
 from megalm.optimizer.memory_accounting import optimizer_memory
 from megalm.parallel_state import get_process_groups
-from tests.test_ddp import make_cfg
+from tests.configs import optimizer_config
+from tests.test_ddp import OPTIMIZER
 from tests.test_distrib_optimizer import _mlp
 
 
 def _build(dtype, strategy, fraction, overlap=False):
     model = _mlp(dtype)
-    cfg = make_cfg()
+    cfg = optimizer_config(OPTIMIZER)
     cfg.training.optimizer_cpu_offload = fraction is not None
     cfg.training.optimizer_offload_fraction = fraction or 1.0
     cfg.training.overlap_cpu_optimizer_d2h_h2d = overlap

@@ -26,11 +26,12 @@ def _build_nvme(dtype, strategy, fraction, path, optimizer="adam"):
     from megalm.distributed import DistributedDataParallel
     from megalm.optimizer import build_optimizer
     from megalm.parallel_state import get_process_groups
-    from tests.test_ddp import make_cfg
+    from tests.configs import optimizer_config
+    from tests.test_ddp import OPTIMIZER
     from tests.test_distrib_optimizer import _mlp
 
     model = _mlp(dtype)
-    cfg = make_cfg()
+    cfg = optimizer_config(OPTIMIZER)
     cfg.training.optimizer = optimizer
     cfg.training.optimizer_offload_device = "nvme"
     cfg.training.offload_path = str(path)
@@ -66,11 +67,12 @@ def test_nvme_offload_is_bit_identical_to_cpu_offload(tmp_path, dtype, strategy,
     else:  # Lion: the same layout without offload
         from megalm.optimizer import build_optimizer
         from megalm.parallel_state import get_process_groups
-        from tests.test_ddp import make_cfg
+        from tests.configs import optimizer_config
+        from tests.test_ddp import OPTIMIZER
         from tests.test_distrib_optimizer import _mlp
 
         plain = _mlp(dtype)
-        cfg = make_cfg()
+        cfg = optimizer_config(OPTIMIZER)
         cfg.training.optimizer = "lion"
         plain_opt = build_optimizer(cfg, [plain], report_memory=False, process_groups=get_process_groups())
         for a, b in zip(got, _steps(plain, plain, plain_opt, 3)):
@@ -122,9 +124,10 @@ def test_nvme_checkpoint_round_trip(tmp_path):
 
 
 def _validate(**flags):
-    from tests.test_ddp import make_cfg
+    from tests.configs import optimizer_config
+    from tests.test_ddp import OPTIMIZER
 
-    cfg = make_cfg()
+    cfg = optimizer_config(OPTIMIZER)
     for k, v in flags.items():
         setattr(cfg.training, k, v)
     cfg.training.validate()

@@ -23,7 +23,8 @@ with ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
-from typing import Dict, List
+import io
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -50,9 +51,10 @@ def _locals(specs: ShardedStateDict) -> dict:
 
 
 class _ShardSavePlanner(DefaultSavePlanner):
-    def __init__(self, specs: ShardedStateDict):
+    def __init__(self, specs: ShardedStateDict, objects: Optional[Dict[str, bytes]] = None):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.specs = specs
+        self.objects = objects or {}
         self._by_offsets = {(fqn, tuple(s.offsets)): s for fqn, v in specs.items() for s in _as_list(v)}
 
     def create_local_plan(self) -> SavePlan:
@@ -72,10 +74,14 @@ class _ShardSavePlanner(DefaultSavePlanner):
                         ),
                     )
                 )
+        for fqn in self.objects:
+            items.append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO))
         self.plan = SavePlan(items)
         return self.plan
 
     def resolve_data(self, write_item: WriteItem):
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(self.objects[write_item.index.fqn])
         spec = self._by_offsets[(write_item.index.fqn, tuple(write_item.index.offset))]
         return spec.local.detach().contiguous()
 
@@ -123,9 +129,13 @@ class _ShardLoadPlanner(DefaultLoadPlanner):
         return view
 
 
-def save_sharded(specs: ShardedStateDict, path: str, process_group=None) -> None:
-    """Collective: every rank of ``process_group`` (default world) calls this with its blocks."""
-    dcp.save(_locals(specs), checkpoint_id=path, planner=_ShardSavePlanner(specs), process_group=process_group)
+def save_sharded(
+    specs: ShardedStateDict, path: str, process_group=None, objects: Optional[Dict[str, bytes]] = None
+) -> None:
+    """Collective: every rank of ``process_group`` (default world) calls this with its blocks.  ``objects``:
+    byte entries (already serialized) to write beside the tensors (one rank gives them)."""
+    state = {**_locals(specs), **{k: io.BytesIO(v) for k, v in (objects or {}).items()}}
+    dcp.save(state, checkpoint_id=path, planner=_ShardSavePlanner(specs, objects), process_group=process_group)
 
 
 def load_sharded(specs: ShardedStateDict, path: str, strict: bool = True, process_group=None, metadata=None) -> None:
@@ -149,8 +159,8 @@ def saved_tensor_shapes(path: str) -> Dict[str, tuple]:
 
 
 def tensor_shapes(metadata) -> Dict[str, tuple]:
-    """Names and global shapes of the tensors a checkpoint's ``.metadata`` describes."""
-    return {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()}
+    """Names and global shapes of the tensors a checkpoint's ``.metadata`` describes (byte entries left out)."""
+    return {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
 
 
 def saved_tensor_dtypes(path: str) -> Dict[str, torch.dtype]:
