@@ -163,8 +163,7 @@ def _copy_overlap(spec: ShardedTensorSpec, offsets, data: torch.Tensor) -> int:
         if hi <= lo:
             return 0
         dst, src = dst.narrow(dim, lo - t_off, hi - lo), src.narrow(dim, lo - s_off, hi - lo)
-    with torch.no_grad():
-        dst.copy_(src)
+    spec.fill(dst, src)
     return dst.numel()
 
 
@@ -225,7 +224,7 @@ class LocalCheckpoint:
         }
         blocks = {
             k: [
-                {"offsets": list(s.offsets), "global_shape": list(s.global_shape), "data": _cpu_copy(s.local)}
+                {"offsets": list(s.offsets), "global_shape": list(s.global_shape), "data": _cpu_copy(s.data())}
                 for s in _as_list(v)
             ]
             for k, v in specs.items()
