@@ -80,8 +80,10 @@ def main() -> None:
     params = a.layers * a.hidden**2
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     print(f"python bench/nvme_checkpoint_memory.py --hidden {a.hidden} --layers {a.layers}")
-    print(f"{cpu}, {time.strftime('%Y-%m-%d')}; {params / 1e6:.1f}M fp32 parameters, Adam state "
-          f"{8 * params / MiB:.0f} MiB (largest tensor's moment {4 * a.hidden**2 / MiB:.0f} MiB)\n")
+    print(
+        f"{cpu}, {time.strftime('%Y-%m-%d')}; {params / 1e6:.1f}M fp32 parameters, Adam state "
+        f"{8 * params / MiB:.0f} MiB (largest tensor's moment {4 * a.hidden**2 / MiB:.0f} MiB)\n"
+    )
     print("| run | save: allocator peak MiB | save: RSS peak MiB | load: allocator peak MiB | load: RSS peak MiB |")
     print("|---|---|---|---|---|")
     for mode, sp, sr, lp, lr in rows:
