@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalm.config import MegalmConfig, validate_config
 from megalm.fusions import EAGER, backends, plan_fusions
 from megalm.models import GPTModel
 from megalm.parallel_state import get_process_groups
 from megalm.transformer.attention import SelfAttention
 from megalm.transformer.blocked_attention import BLOCK, block_ranges, blocked_causal_attention
+from tests.configs import SMALL_GPT, make_config
 from tests.numerics import relative_error
 
 
@@ -66,17 +66,9 @@ def test_block_ranges_cover_the_sequence_once():
         blocked_causal_attention(q, q[:, :1], q)
 
 
-def _model_cfg(**overrides) -> MegalmConfig:
-    cfg = MegalmConfig()
-    m = cfg.model
-    m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size = 2, 32, 4, 64
-    m.seq_length, m.vocab_size, m.make_vocab_size_divisible_by = 150, 64, 16
-    m.position_embedding_type, m.normalization, m.swiglu = "rope", "RMSNorm", True
-    m.group_query_attention, m.num_query_groups = True, 2
-    m.hidden_dropout = m.attention_dropout = 0.0
-    for key, value in overrides.items():
-        setattr(m, key, value)
-    return validate_config(cfg)
+# A Llama-style small GPT (RoPE, RMSNorm, SwiGLU, 2 query groups) over 150 tokens.
+MODEL = dict(SMALL_GPT, seq_length=150, vocab_size=64, position_embedding_type="rope", normalization="RMSNorm")
+MODEL.update(swiglu=True, group_query_attention=True, num_query_groups=2)
 
 
 def test_gpt_with_blocked_attention_equals_sdpa():
@@ -86,7 +78,7 @@ def test_gpt_with_blocked_attention_equals_sdpa():
     results = {}
     for backend in ("blocked", "fused"):
         torch.manual_seed(7)
-        model = GPTModel(_model_cfg(attention_backend=backend), process_groups=get_process_groups())
+        model = GPTModel(make_config(MODEL, attention_backend=backend), process_groups=get_process_groups())
         assert model.fusion_plan.attention == {"blocked": "blocked", "fused": "sdpa"}[backend]
         loss = model(tokens, None, labels)
         loss.mean().backward()
@@ -98,22 +90,21 @@ def test_gpt_with_blocked_attention_equals_sdpa():
 
 
 def test_auto_picks_blocked_on_cpu_fp32_without_dropout_in_the_measured_range(monkeypatch):
-    assert plan_fusions(_model_cfg(seq_length=256).model).attention == "blocked"
-    assert plan_fusions(_model_cfg(seq_length=128).model).attention == "blocked"
-    assert plan_fusions(_model_cfg(seq_length=1024).model).attention == "blocked"
-    assert plan_fusions(_model_cfg(seq_length=64).model).attention == "sdpa"
-    assert plan_fusions(_model_cfg(seq_length=2048).model).attention == "sdpa"
-    assert plan_fusions(_model_cfg(seq_length=256, attention_dropout=0.1).model).attention == "sdpa"
-    assert plan_fusions(_model_cfg(seq_length=256).model, half_precision=True).attention == "sdpa"
-    assert plan_fusions(_model_cfg(seq_length=256, attention_backend="fused").model).attention == "sdpa"
-    assert plan_fusions(_model_cfg(seq_length=4096, attention_backend="blocked").model).attention == "blocked"
+    assert plan_fusions(make_config(MODEL, seq_length=256).model).attention == "blocked"
+    assert plan_fusions(make_config(MODEL, seq_length=128).model).attention == "blocked"
+    assert plan_fusions(make_config(MODEL, seq_length=1024).model).attention == "blocked"
+    assert plan_fusions(make_config(MODEL, seq_length=64).model).attention == "sdpa"
+    assert plan_fusions(make_config(MODEL, seq_length=2048).model).attention == "sdpa"
+    assert plan_fusions(make_config(MODEL, seq_length=256, attention_dropout=0.1).model).attention == "sdpa"
+    assert plan_fusions(make_config(MODEL, seq_length=256).model, half_precision=True).attention == "sdpa"
+    assert plan_fusions(make_config(MODEL, seq_length=256, attention_backend="fused").model).attention == "sdpa"
+    assert plan_fusions(make_config(MODEL, seq_length=4096, attention_backend="blocked").model).attention == "blocked"
     monkeypatch.setattr(backends, "use_cuda", lambda: True)
-    assert plan_fusions(_model_cfg(seq_length=256).model).attention == "sdpa"
+    assert plan_fusions(make_config(MODEL, seq_length=256).model).attention == "sdpa"
 
 
 def test_attention_built_with_blocked_core_and_dropout_fails_at_construction():
-    m = MegalmConfig().model  # not validated: attention dropout 0.1
-    m.num_layers, m.hidden_size, m.num_attention_heads = 1, 32, 4
+    m = make_config(num_layers=1, hidden_size=32, num_attention_heads=4, validate=False).model  # attention dropout 0.1
     with pytest.raises(ValueError, match="no attention dropout.*--attention-dropout 0 \\(got 0.1\\)"):
         SelfAttention(
             m,

@@ -4,7 +4,9 @@ A tiny GPT (RoPE, GQA 4 heads / 2 KV groups, sequence 32: chunks of 8 at CP 2) t
 its losses and grad norms (--clip-grad is active) equal the single-process run's within 1e-5
 relative, on 4 ranks, at
 
-* CP 2 x DP 2, p2p, with the distributed optimizer (it shards over dp x cp);
+* CP 2 x DP 2, p2p, with the distributed optimizer (it shards over dp x cp); the same with ZeRO-2
+  (--data-parallel-sharding-strategy optim_grads, gradients reduce-scattered in buckets during the backward) and
+  with ZeRO-3 (optim_grads_params, parameters gathered per bucket with prefetch), each over the 4 ranks of dp x cp;
 * CP 2 x DP 2, p2p, --calculate-per-token-loss with --eod-mask-loss (token counts differ per rank);
 * CP 2 x TP 2 with sequence parallelism, allgather, selective recompute (the CP core recomputed);
 * CP 2 x PP 2, a2a, full recompute;
@@ -52,6 +54,9 @@ FIVE, TEN = ["--train-iters", "5"], ["--train-iters", "10"]
 CP2 = ["--context-parallel-size", "2"]
 PER_TOKEN = ["--calculate-per-token-loss", "--eod-mask-loss"]
 DIST = ["--use-distributed-optimizer"]
+BUCKETS = ["--overlap-grad-reduce", "--ddp-bucket-size", "5000"]
+ZERO2 = ["--data-parallel-sharding-strategy", "optim_grads", *BUCKETS]
+ZERO3 = ["--data-parallel-sharding-strategy", "optim_grads_params", *BUCKETS, "--overlap-param-gather"]
 SELECTIVE = ["--recompute-granularity", "selective"]
 FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 MOE = [
@@ -78,6 +83,8 @@ def runs(tmp_path_factory):
     four = [
         run("cp2_dp2_dist_save", *TEN, *CP2, *DIST, "--exit-interval", "5", "--save-interval", "100", "--save", ckpt),
         run("cp2_dp2_per_token", *FIVE, *CP2, *PER_TOKEN),
+        run("cp2_dp2_zero2", *FIVE, *CP2, *ZERO2),
+        run("cp2_dp2_zero3", *FIVE, *CP2, *ZERO3),
         run("resume_at_cp4", *TEN, "--context-parallel-size", "4", "--load", ckpt),
         run("cp2_tp2_allgather", *FIVE, *CP2, "--cp-comm-type", "allgather", *TP2, *SELECTIVE),
         run("cp2_pp2_a2a", *FIVE, *CP2, "--cp-comm-type", "a2a", "--pipeline-model-parallel-size", "2", *FULL),
@@ -118,10 +125,12 @@ def runs(tmp_path_factory):
 
 
 def test_all_runs_exit_cleanly(runs):
-    assert runs["codes"] == ([[0] * 12] * 4, [[0] * 9]), runs["codes"]
+    assert runs["codes"] == ([[0] * 14] * 4, [[0] * 9]), runs["codes"]
 
 
-@pytest.mark.parametrize("name", ["cp2_dp2_dist_save", "cp2_tp2_allgather", "cp2_pp2_a2a"])
+@pytest.mark.parametrize(
+    "name", ["cp2_dp2_dist_save", "cp2_dp2_zero2", "cp2_dp2_zero3", "cp2_tp2_allgather", "cp2_pp2_a2a"]
+)
 def test_losses_equal_one_process(runs, name):
     ref, got = records(runs["tmp"], "cp1")[:5], records(runs["tmp"], name)
     assert len(got) == 5

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 
-from megalm.config import MegalmConfig
 from megalm.data import helpers
 from megalm.data.blended_dataset import BlendedDataset
 from megalm.data.builder import (
@@ -20,6 +19,7 @@ from megalm.data.builder import (
 )
 from megalm.data.indexed_dataset import DataError, IndexedDatasetBuilder
 from megalm.tokenizers import NullTokenizer
+from tests.configs import make_config
 
 
 def greedy_blend(weights, size):
@@ -91,9 +91,7 @@ def test_split_boundaries_by_documents():
 
 
 def test_sample_counts_per_split_as_megatron():
-    cfg = MegalmConfig()
-    cfg.training.train_iters, cfg.training.global_batch_size = 1000, 32
-    cfg.training.eval_interval, cfg.training.eval_iters = 100, 10
+    cfg = make_config(train_iters=1000, global_batch_size=32, eval_interval=100, eval_iters=10, validate=False)
     assert get_train_valid_test_num_samples(cfg) == (32_000, (1000 // 100 + 1) * 10 * 32, 320)
     cfg.training.train_iters, cfg.training.train_samples = None, 64_000
     assert get_train_valid_test_num_samples(cfg) == (64_000, (2000 // 100 + 1) * 10 * 32, 320)
@@ -111,20 +109,14 @@ def write_tagged(prefix, tag, num_docs, vocab=1000):
     return str(prefix)
 
 
-def make_cfg(seq=8, iters=50, gbs=4, eval_interval=10, eval_iters=2, **data):
-    cfg = MegalmConfig()
-    cfg.model.seq_length = seq
-    cfg.training.train_iters, cfg.training.global_batch_size, cfg.training.micro_batch_size = iters, gbs, 2
-    cfg.training.eval_interval, cfg.training.eval_iters = eval_interval, eval_iters
-    for k, v in data.items():
-        setattr(cfg.data, k, v)
-    return cfg
+# The batch and evaluation settings of these tests (not validated: the dataset builders read the config as is).
+BATCHES = dict(seq_length=8, train_iters=50, global_batch_size=4, micro_batch_size=2, eval_interval=10, eval_iters=2)
 
 
 def test_blended_datasets_from_data_path(tmp_path):
     a = write_tagged(tmp_path / "a", 1, 200)
     b = write_tagged(tmp_path / "b", 2, 300)
-    cfg = make_cfg(data_path=["0.25", a, "0.75", b], split="90,5,5")
+    cfg = make_config(BATCHES, data_path=["0.25", a, "0.75", b], split="90,5,5", validate=False)
     tok = NullTokenizer(1000)
     train, valid, test = build_train_valid_test_datasets(cfg, tok)
     assert isinstance(train, BlendedDataset) and len(train) == 200 and len(valid) == 48 and len(test) == 8
@@ -151,15 +143,19 @@ def test_single_prefix_per_split_paths_and_mock(tmp_path):
     b = write_tagged(tmp_path / "b", 2, 50)
     c = write_tagged(tmp_path / "c", 3, 50)
     tok = NullTokenizer(1000)
-    train, valid, test = build_train_valid_test_datasets(make_cfg(data_path=[a], split="98,2,0"), tok)
+    train, valid, test = build_train_valid_test_datasets(
+        make_config(BATCHES, data_path=[a], split="98,2,0", validate=False), tok
+    )
     assert test is None and len(train) >= 200 and len(valid) >= 48
     assert valid.documents.tolist() == [98, 99]
     train, valid, test = build_train_valid_test_datasets(
-        make_cfg(
+        make_config(
+            BATCHES,
             train_data_path=[a],
             valid_data_path=["1", b, "1", c],
             test_data_path=[c],
             data_cache_path=str(tmp_path / "cache2"),
+            validate=False,
         ),
         tok,
     )
@@ -168,7 +164,7 @@ def test_single_prefix_per_split_paths_and_mock(tmp_path):
     test_tokens = torch.cat([test[i]["tokens"] for i in range(len(test))]).numpy()
     assert 3 in test_tokens and not np.isin(test_tokens, [1, 2]).any()  # only dataset c (tag 3)
     assert len(os.listdir(tmp_path / "cache2")) > 0
-    mock_cfg = make_cfg(mock_data=True)
+    mock_cfg = make_config(BATCHES, mock_data=True, validate=False)
     m1 = build_train_valid_test_datasets(mock_cfg, tok)
     m2 = build_train_valid_test_datasets(mock_cfg, tok)
     assert torch.equal(m1[0][7]["tokens"], m2[0][7]["tokens"]) and m1[0][7]["tokens"].shape == (8,)
@@ -177,13 +173,13 @@ def test_single_prefix_per_split_paths_and_mock(tmp_path):
 def test_errors_name_the_problem(tmp_path):
     tok = NullTokenizer(1000)
     with pytest.raises(ValueError, match="no data"):
-        build_train_valid_test_datasets(make_cfg(), tok)
+        build_train_valid_test_datasets(make_config(BATCHES, validate=False), tok)
     with pytest.raises(ValueError, match="--train-iters or --train-samples"):
-        build_train_valid_test_datasets(make_cfg(iters=None, mock_data=True), tok)
+        build_train_valid_test_datasets(make_config(BATCHES, train_iters=None, mock_data=True, validate=False), tok)
     from megalm.data.indexed_dataset import IndexedDatasetError
 
     with pytest.raises(IndexedDatasetError, match="does not exist"):
-        build_train_valid_test_datasets(make_cfg(data_path=[str(tmp_path / "nope")]), tok)
+        build_train_valid_test_datasets(make_config(BATCHES, data_path=[str(tmp_path / "nope")], validate=False), tok)
 
 
 def megatron_counts(weights, n, surplus=0.005):
@@ -209,7 +205,7 @@ def test_blend_built_with_megatrons_sizes(tmp_path):
     asked for Megatron's count and each blend is Megatron's length, its dataset shares greedy."""
     a = write_tagged(tmp_path / "a", 1, 300)
     b = write_tagged(tmp_path / "b", 2, 300)
-    cfg = make_cfg(data_path=["0.3", a, "0.7", b], split="90,6,4")
+    cfg = make_config(BATCHES, data_path=["0.3", a, "0.7", b], split="90,6,4", validate=False)
     sizes = [10383, 587, 224]
     datasets = build_train_valid_test_datasets(cfg, NullTokenizer(1000), num_samples=sizes)
     for blend, n in zip(datasets, sizes):
@@ -229,7 +225,7 @@ def test_unweighted_data_paths_blend_one_epoch_of_each_by_size(tmp_path):
     proportion to their sizes; a split needing more than that is refused."""
     a = write_tagged(tmp_path / "a", 1, 100)
     b = write_tagged(tmp_path / "b", 2, 300)
-    cfg = make_cfg(data_path=[a, b], split="90,10,0")
+    cfg = make_config(BATCHES, data_path=[a, b], split="90,10,0", validate=False)
     train, valid, _ = build_train_valid_test_datasets(cfg, NullTokenizer(1000), num_samples=[200, 20, 0])
     parts = train.datasets
     assert [p.num_samples for p in parts] == [None, None] and len(train) == 200

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from megalm.config import ConfigError, MegalmConfig
+from megalm.config import ConfigError
 from megalm.data import build_train_valid_test_data_iterators, splits_available
 from megalm.data.builder import build_train_valid_test_datasets
 from megalm.data.indexed_dataset import IndexedDatasetBuilder
@@ -12,6 +12,7 @@ from megalm.data.samplers import MegatronPretrainingRandomSampler, MegatronPretr
 from megalm.parallel_state import ProcessGroups
 from megalm.tokenizers import NullTokenizer
 from megalm.training import get_batch
+from tests.configs import make_config
 from tests.distributed_harness import run_distributed
 from tests.test_reset_attention_mask import megatron_mask
 
@@ -66,22 +67,16 @@ def write_numbered_dataset(prefix, num_docs=300):
     return str(prefix)
 
 
-def make_cfg(prefix, seq=16, mbs=2, gbs=8, iters=20, workers=0):
-    cfg = MegalmConfig()
-    cfg.model.seq_length = seq
-    cfg.training.micro_batch_size, cfg.training.global_batch_size, cfg.training.train_iters = mbs, gbs, iters
-    cfg.training.eval_interval, cfg.training.eval_iters = 10, 3
-    cfg.data.data_path = [prefix] if prefix else None
-    cfg.data.mock_data = prefix is None
-    cfg.data.num_workers = workers
-    cfg.data.split = "90,8,2"
-    return cfg
+# The batch, evaluation and split settings of these tests (not validated: the loaders read the config as is);
+# the tests add a corpus (--data-path) or --mock-data.
+BATCHES = dict(seq_length=16, micro_batch_size=2, global_batch_size=8, train_iters=20, eval_interval=10, eval_iters=3)
+BATCHES.update(num_workers=0, split="90,8,2")
 
 
 def test_iterators_single_process_resume_workers_and_cyclic_valid(tmp_path):
     prefix = write_numbered_dataset(tmp_path / "ds")
     tok = NullTokenizer(VOCAB)
-    cfg = make_cfg(prefix)
+    cfg = make_config(BATCHES, data_path=[prefix], validate=False)
     train, valid, test = build_train_valid_test_data_iterators(cfg, tok, 0, 0, groups=ONE)
     batches = [get_batch(train, None, ONE) for _ in range(12)]
     assert set(batches[0]) == {"tokens", "labels", "loss_mask", "position_ids", "attention_mask", "packed_seq_params"}
@@ -92,7 +87,9 @@ def test_iterators_single_process_resume_workers_and_cyclic_valid(tmp_path):
     train_ds = build_train_valid_test_datasets(cfg, tok)[0]
     assert torch.equal(batches[5]["tokens"][1], train_ds[11]["tokens"])  # micro-batch 5 = samples 10, 11
     # Resume after 3 global batches (12 samples = 6 micro-batches), with 2 loader workers.
-    resumed, _, _ = build_train_valid_test_data_iterators(make_cfg(prefix, workers=2), tok, 12, 0, groups=ONE)
+    resumed, _, _ = build_train_valid_test_data_iterators(
+        make_config(BATCHES, data_path=[prefix], num_workers=2, validate=False), tok, 12, 0, groups=ONE
+    )
     for expected in batches[6:]:
         got = get_batch(resumed, None, ONE)
         assert all(torch.equal(got[k], expected[k]) for k in expected if expected[k] is not None)
@@ -105,7 +102,7 @@ def test_iterators_single_process_resume_workers_and_cyclic_valid(tmp_path):
 
 
 def test_mock_data_iterators():
-    cfg = make_cfg(None)
+    cfg = make_config(BATCHES, mock_data=True, validate=False)
     tok = NullTokenizer(64)
     a = build_train_valid_test_data_iterators(cfg, tok, groups=ONE)[0]
     b = build_train_valid_test_data_iterators(cfg, tok, groups=ONE)[0]
@@ -130,7 +127,7 @@ def _ranks_read_and_broadcast(prefix):
     out = {}
     for name, tp, pp in LAYOUTS:
         ps.initialize_model_parallel(tp, pp)
-        cfg = make_cfg(prefix)
+        cfg = make_config(BATCHES, data_path=[prefix], validate=False)
         cfg.data.reset_attention_mask = name.endswith("docs")  # every stage needs the documents
         groups = ps.get_process_groups()
         train_ds = build_train_valid_test_datasets(cfg, tok, rank_reads_data(groups, cfg.data.reset_attention_mask))[0]
@@ -160,7 +157,7 @@ def test_real_ranks_dp_independent_batches_and_tp_broadcast(tmp_path):
     prefix = write_numbered_dataset(tmp_path / "ds")
     results = run_distributed(_ranks_read_and_broadcast, 4, args=(prefix,), timeout=150)
     tok = NullTokenizer(VOCAB)
-    train_ds = build_train_valid_test_datasets(make_cfg(prefix), tok)[0]
+    train_ds = build_train_valid_test_datasets(make_config(BATCHES, data_path=[prefix], validate=False), tok)[0]
     expected = lambda i: train_ds[i]  # noqa: E731 - sample i of the training set
 
     # DP 4: rank 0 built the indices, the others loaded them after the barrier.
@@ -208,7 +205,7 @@ def _get_batch_without_cfg_under_model_parallelism():
         batch["loss_mask"] = torch.ones(2, 16)
         with pytest.raises(BatchError, match=r"get_batch needs cfg"):
             get_batch(iter([batch]), None, ps.get_process_groups())
-        cfg = make_cfg(None)
+        cfg = make_config(BATCHES, mock_data=True, validate=False)
         return get_batch(iter([batch]), cfg, ps.get_process_groups())["tokens"].shape
     finally:
         ps.destroy_model_parallel()
@@ -220,7 +217,7 @@ def test_get_batch_needs_the_config_not_a_remembered_shape():
 
 
 def test_splits_available_reports_empty_splits():
-    cfg = make_cfg(None)
+    cfg = make_config(BATCHES, mock_data=True, validate=False)
     cfg.data.split = "100,0,0"
     iterators = build_train_valid_test_data_iterators(cfg, NullTokenizer(64), groups=ONE)
     train, valid, test = iterators
@@ -342,7 +339,7 @@ def test_dataloader_type_flag_parses(capsys):
 def test_cyclic_iterators_shuffle_wrap_epochs_and_resume(tmp_path):
     prefix = write_numbered_dataset(tmp_path / "ds")
     tok = NullTokenizer(VOCAB)
-    cfg = make_cfg(prefix)
+    cfg = make_config(BATCHES, data_path=[prefix], validate=False)
     cfg.data.dataloader_type, cfg.training.seed = "cyclic", 5
     train_ds, valid_ds, _ = build_train_valid_test_datasets(cfg, tok)
     sampler = random_sampler(len(train_ds), 0, 2, 0, 1, seed=5)

@@ -2,18 +2,11 @@
 
 import pytest
 
-from megalm.config import MegalmConfig, validate_config
 from megalm.config.sections import ConfigError
+from tests.configs import make_config
 
-
-def _cfg(**parallel):
-    cfg = MegalmConfig()
-    m = cfg.model
-    m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size = 2, 32, 4, 48
-    m.seq_length, m.max_position_embeddings, m.vocab_size = 16, 16, 100
-    for k, v in parallel.items():
-        setattr(cfg.parallel, k, v)
-    return cfg
+MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, vocab_size=100)
+MODEL.update(seq_length=16, max_position_embeddings=16)
 
 
 @pytest.mark.parametrize(
@@ -26,9 +19,9 @@ def _cfg(**parallel):
 )
 def test_bad_data_parallel_flags_are_config_errors(parallel, message):
     with pytest.raises(ConfigError, match=message):
-        validate_config(_cfg(**parallel))
+        make_config(MODEL, parallel)
 
 
 def test_good_data_parallel_flags_pass():
-    cfg = validate_config(_cfg(overlap_param_gather=True, use_distributed_optimizer=True, ddp_bucket_size=1))
+    cfg = make_config(MODEL, overlap_param_gather=True, use_distributed_optimizer=True, ddp_bucket_size=1)
     assert cfg.parallel.ddp_bucket_size == 1 and cfg.parallel.overlap_param_gather

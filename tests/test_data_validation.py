@@ -12,7 +12,6 @@ import sys
 import numpy as np
 import pytest
 
-from megalm.config import MegalmConfig
 from megalm.data.builder import build_train_valid_test_datasets, validate_data
 from megalm.data.gpt_dataset import build_gpt_indices
 from megalm.data.indexed_dataset import DataError, IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError
@@ -20,6 +19,7 @@ from megalm.data.token_ids import TokenIdError, check_token_ids, token_id_range
 from megalm.errors import MegalmError
 from megalm.tokenizers import NullTokenizer, create_tokenizer
 from megalm.tokenizers.build import TokenizerError, TokenizerFileError
+from tests.configs import make_config
 from tests.training_runs import tiny_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,16 +41,10 @@ def write_corpus(prefix, num_docs=60, bad_id=None, bad_doc=17, dtype=np.uint16):
     return str(prefix)
 
 
-def make_cfg(tmp_path, seq=8, iters=20, **data):
-    cfg = MegalmConfig()
-    cfg.model.seq_length = seq
-    cfg.training.train_iters, cfg.training.global_batch_size, cfg.training.micro_batch_size = iters, 4, 2
-    cfg.training.eval_interval, cfg.training.eval_iters = 10, 1
-    cfg.data.split = "90,5,5"
-    cfg.data.data_cache_path = str(tmp_path / "cache")
-    for k, v in data.items():
-        setattr(cfg.data, k, v)
-    return cfg
+# The batch, evaluation and split settings of these tests (not validated: the checks read the config as is);
+# the tests add the data paths and a cache directory.
+BATCHES = dict(seq_length=8, train_iters=20, global_batch_size=4, micro_batch_size=2, eval_interval=10, eval_iters=1)
+BATCHES.update(split="90,5,5")
 
 
 # --- token ids against the vocabulary --------------------------------------------------
@@ -65,7 +59,7 @@ def test_token_id_beyond_vocabulary_names_prefix_id_and_vocab(tmp_path, layout):
         "blend": {"data_path": ["0.5", good, "0.5", bad]},
         "valid_split": {"train_data_path": [good], "valid_data_path": [bad]},
     }[layout]
-    cfg = make_cfg(tmp_path, **data)
+    cfg = make_config(BATCHES, data, data_cache_path=str(tmp_path / "cache"), validate=False)
     with pytest.raises(TokenIdError) as e:
         build_train_valid_test_datasets(cfg, NullTokenizer(VOCAB))
     assert str(e.value) == (
@@ -89,7 +83,13 @@ def test_vocabulary_boundary_and_negative_ids(tmp_path):
 
 def test_tokenizer_is_named_by_its_flags(tmp_path):
     bad = write_corpus(tmp_path / "bad", bad_id=600)
-    cfg = make_cfg(tmp_path, data_path=[bad], tokenizer_type="NullTokenizer")
+    cfg = make_config(
+        BATCHES,
+        data_path=[bad],
+        tokenizer_type="NullTokenizer",
+        data_cache_path=str(tmp_path / "cache"),
+        validate=False,
+    )
     with pytest.raises(TokenIdError, match=r"largest token id 600 >= vocabulary size 501 \(tokenizer NullTokenizer\)"):
         validate_data(cfg, NullTokenizer(VOCAB))
     cfg.data.tokenizer_type, cfg.data.tokenizer_model = "SentencePieceTokenizer", "/models/tok.model"
@@ -147,7 +147,7 @@ def test_default_cache_is_beside_the_data(tmp_path):
 
 def test_good_corpus_builds_the_same_sample_indices(tmp_path):
     a, b = write_corpus(tmp_path / "a"), write_corpus(tmp_path / "b", num_docs=80)
-    cfg = make_cfg(tmp_path, data_path=["0.3", a, "0.7", b])
+    cfg = make_config(BATCHES, data_path=["0.3", a, "0.7", b], data_cache_path=str(tmp_path / "cache"), validate=False)
     train, _, _ = build_train_valid_test_datasets(cfg, NullTokenizer(VOCAB))
     for gpt in train.datasets:
         ref = build_gpt_indices(gpt.dataset.sequence_lengths, gpt.documents, gpt.num_samples, 8, cfg.training.seed)
@@ -163,7 +163,9 @@ def test_good_corpus_builds_the_same_sample_indices(tmp_path):
 
 
 def test_missing_files_name_the_file(tmp_path):
-    cfg = make_cfg(tmp_path, data_path=[str(tmp_path / "nope")])
+    cfg = make_config(
+        BATCHES, data_path=[str(tmp_path / "nope")], data_cache_path=str(tmp_path / "cache"), validate=False
+    )
     with pytest.raises(IndexedDatasetError) as e:
         build_train_valid_test_datasets(cfg, NullTokenizer(VOCAB))
     assert str(e.value) == f"index file {tmp_path}/nope.idx does not exist"
@@ -173,7 +175,10 @@ def test_missing_files_name_the_file(tmp_path):
         IndexedDataset(prefix + ".bin")
     os.remove(prefix + ".bin")
     with pytest.raises(IndexedDatasetError) as e:
-        validate_data(make_cfg(tmp_path, data_path=[prefix]), NullTokenizer(VOCAB))
+        validate_data(
+            make_config(BATCHES, data_path=[prefix], data_cache_path=str(tmp_path / "cache"), validate=False),
+            NullTokenizer(VOCAB),
+        )
     assert str(e.value) == f"data file {prefix}.bin does not exist (its index {prefix}.idx does)"
 
 
@@ -182,7 +187,10 @@ def test_truncated_bin_names_expected_and_actual_bytes(tmp_path):
     with open(prefix + ".bin", "r+b") as f:
         f.truncate(1000)
     with pytest.raises(IndexedDatasetError) as e:
-        validate_data(make_cfg(tmp_path, data_path=[prefix]), NullTokenizer(VOCAB))
+        validate_data(
+            make_config(BATCHES, data_path=[prefix], data_cache_path=str(tmp_path / "cache"), validate=False),
+            NullTokenizer(VOCAB),
+        )
     assert str(e.value) == (
         f"{prefix}.bin: 1000 bytes, but its index {prefix}.idx describes 2520 bytes "
         f"(truncated or mismatched .bin/.idx: truncated .bin)"
@@ -246,7 +254,10 @@ def test_garbled_idx_is_named(tmp_path, where, value, message):
 
     _rewrite_idx(prefix, edit)
     with pytest.raises(IndexedDatasetError) as e:
-        validate_data(make_cfg(tmp_path, data_path=[prefix]), NullTokenizer(VOCAB))
+        validate_data(
+            make_config(BATCHES, data_path=[prefix], data_cache_path=str(tmp_path / "cache"), validate=False),
+            NullTokenizer(VOCAB),
+        )
     assert str(e.value).startswith(f"{prefix}.idx") and message in str(e.value), str(e.value)
     assert "\n" not in str(e.value)
 

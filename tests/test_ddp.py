@@ -13,10 +13,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megalm import parallel_state
-from megalm.config import MegalmConfig, ParallelConfig
+from megalm.config import ParallelConfig
 from megalm.distributed import CommStats, DistributedDataParallel, finalize_model_grads
 from megalm.optimizer import build_optimizer
 from megalm.parallel_state import get_process_groups
+from tests.configs import optimizer_config
 from tests.distributed_harness import run_distributed
 
 GLOBAL_BATCH, NUM_MICRO, STEPS = 24, 3, 3
@@ -45,11 +46,8 @@ def batch(step):
     return torch.randn(GLOBAL_BATCH, 8, generator=g), torch.randn(GLOBAL_BATCH, 3, generator=g)
 
 
-def make_cfg():
-    cfg = MegalmConfig()
-    t = cfg.training
-    t.lr, t.weight_decay, t.clip_grad, t.adam_beta1, t.adam_beta2 = LR, WD, CLIP, 0.9, 0.95
-    return cfg
+# The optimizer settings of the reference run, for build_optimizer.
+OPTIMIZER = dict(lr=LR, weight_decay=WD, clip_grad=CLIP, adam_beta1=0.9, adam_beta2=0.95)
 
 
 # --- single-process reference ----------------------------------------------------------------
@@ -133,7 +131,9 @@ def _train(dp, overlap, bucket_size, expert_last_layer, stats):
         comm_stats=stats,
     )
     n_buckets = _check_layout(ddp, dp)
-    optimizer = build_optimizer(make_cfg(), [ddp], process_groups=get_process_groups(), comm_stats=stats)
+    optimizer = build_optimizer(
+        optimizer_config(OPTIMIZER), [ddp], process_groups=get_process_groups(), comm_stats=stats
+    )
     rank, mb = parallel_state.get_data_parallel_rank(), GLOBAL_BATCH // dp // NUM_MICRO
     out = {
         "n_buckets": n_buckets,

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalm.config import MegalmConfig, set_vocab_size, validate_config
 from megalm.estimate.activations import Shape, chunk_bytes, in_flight
 from megalm.estimate.cli import main as estimate_main
 from megalm.estimate.cli import parse
@@ -30,6 +29,7 @@ from megalm.estimate.planner import PlannerOptions, format_plan, plan
 from megalm.parallel_state import get_process_groups
 from megalm.presets import PRESETS, PresetError
 from megalm.tensor_parallel import model_parallel_manual_seed
+from tests.configs import NO_DROPOUT, make_config
 from tests.distributed_harness import run_distributed
 
 LLAMA = dict(
@@ -43,19 +43,11 @@ LLAMA = dict(
 )
 
 
-def make_cfg(tp=1, sp=False, bf16=False, micro=2, **model) -> MegalmConfig:
-    cfg = MegalmConfig()
-    m = cfg.model
-    m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size = 3, 64, 4, 96
-    m.seq_length, m.vocab_size, m.make_vocab_size_divisible_by = 32, 200, 64
-    m.hidden_dropout = m.attention_dropout = 0.0
-    for k, v in model.items():
-        setattr(m, k, v)
-    cfg.parallel.tensor_model_parallel_size, cfg.parallel.sequence_parallel = tp, sp
-    cfg.training.bf16, cfg.training.micro_batch_size = bf16, micro
-    validate_config(cfg, world_size=tp)
-    set_vocab_size(cfg, m.vocab_size)
-    return cfg
+# The model of these tests: 3 layers, hidden 64, no dropout, micro-batch 2 (the tests add a variant).
+MODEL = dict(num_layers=3, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, seq_length=32, vocab_size=200)
+MODEL.update(make_vocab_size_divisible_by=64, micro_batch_size=2, **NO_DROPOUT)
+# Context parallelism over 2 ranks, 64 tokens unless the case says otherwise.
+CP2 = dict(seq_length=64, max_position_embeddings=64, context_parallel_size=2)
 
 
 def measured_state_bytes(cfg):
@@ -90,7 +82,7 @@ def measured_state_bytes(cfg):
 
 @pytest.mark.parametrize("bf16,arch", [(True, LLAMA), (False, {})], ids=["llama-gqa-bf16", "gpt-tied-fp32"])
 def test_parameter_and_state_bytes_equal_measured(bf16, arch):
-    cfg = make_cfg(bf16=bf16, **arch)
+    cfg = make_config(MODEL, arch, bf16=bf16)
     predicted = plan(cfg, PlannerOptions(world_size=1))["stages"][0]
     measured = measured_state_bytes(cfg)
     for key in ("parameters", "weights", "grads", "optimizer"):
@@ -104,7 +96,7 @@ def test_parameter_and_state_bytes_equal_measured(bf16, arch):
 def test_layerwise_optimizer_state_bytes_equal_measured(optimizer, bf16, arch):
     """LAMB: two moments; LARS: a momentum buffer; Lion: one moment; Muon: a momentum buffer for the linear
     layers' matrices, AdamW's two moments for the rest (embeddings, output layer, norms, biases)."""
-    cfg = copy.deepcopy(make_cfg(bf16=bf16, **arch))  # a copy: the validated config is frozen
+    cfg = copy.deepcopy(make_config(MODEL, arch, bf16=bf16))  # a copy: the validated config is frozen
     cfg.training.optimizer = optimizer
     predicted = plan(cfg, PlannerOptions(world_size=1))["stages"][0]
     assert predicted["optimizer"] == measured_state_bytes(cfg)["optimizer"]
@@ -118,13 +110,14 @@ def test_moe_parameters_equal_built_model(arch):
     """Totals, expert parameters, and the 1-D ones (dense, expert) that Muon's AdamW takes."""
     from megalm.models import GPTModel
 
-    cfg = make_cfg(
+    cfg = make_config(
+        MODEL,
+        arch,
         num_experts=4,
         moe_ffn_hidden_size=48,
         moe_layer_freq=2,
         moe_router_topk=2,
         moe_shared_expert_intermediate_size=32,
-        **arch,
     )
     model = GPTModel(cfg, process_groups=get_process_groups())
     named = list(model.named_parameters())
@@ -142,14 +135,16 @@ def test_mla_and_mtp_parameters_equal_built_model(extra):
     from megalm.estimate.parameters import total_parameters
     from megalm.models import GPTModel
 
-    cfg = make_cfg(
+    cfg = make_config(
+        MODEL,
+        MLA,
+        extra,
         num_experts=4,
         moe_ffn_hidden_size=16,
         moe_layer_freq=[0, 1, 1],
         moe_shared_expert_intermediate_size=16,
         moe_shared_expert_gate=True,
         mtp_num_layers=2,
-        **{**MLA, **extra},
     )
     model = GPTModel(cfg, process_groups=get_process_groups())
     named = list(model.named_parameters())
@@ -261,7 +256,7 @@ def test_expert_tensor_parallel_parameters_equal_the_split_experts():
     from megalm.estimate.planner import data_parallel_sizes
     from megalm.transformer.moe.experts import ExpertMLP
 
-    cfg = make_cfg(num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2, **LLAMA)
+    cfg = make_config(MODEL, LLAMA, num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2)
     whole = stage_parameters(cfg, 0).expert
     cfg = copy.deepcopy(cfg)  # a copy: the validated config is frozen
     cfg.parallel.expert_tensor_parallel_size, cfg.parallel.data_parallel_size = 2, 4
@@ -277,7 +272,7 @@ def test_planner_expert_data_parallel_size_equals_the_layout(tp, cp, ep, etp, wo
     from megalm.estimate.planner import data_parallel_sizes
     from megalm.parallel_layout import expert_sizes
 
-    cfg = copy.deepcopy(make_cfg(num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2, **LLAMA))
+    cfg = copy.deepcopy(make_config(MODEL, LLAMA, num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2))
     p = cfg.parallel
     p.tensor_model_parallel_size, p.context_parallel_size, p.expert_model_parallel_size = tp, cp, ep
     p.expert_tensor_parallel_size, p.data_parallel_size = etp, world // (tp * cp)
@@ -288,7 +283,7 @@ def test_planner_expert_data_parallel_size_equals_the_layout(tp, cp, ep, etp, wo
 def test_activation_estimate_matches_saved_tensors(case):
     from megalm.models import GPTModel
 
-    cfg = make_cfg(**ACTIVATION_CASES[case])
+    cfg = make_config(MODEL, ACTIVATION_CASES[case])
     dtype = torch.bfloat16 if cfg.training.bf16 else torch.float32
     measured = saved_activation_bytes(GPTModel(cfg, process_groups=get_process_groups()), cfg, dtype)
     predicted = predicted_activation_bytes(cfg)
@@ -301,7 +296,7 @@ def test_packed_sequence_activations_equal_saved_tensors(case):
     from megalm.models import GPTModel
     from megalm.transformer.packed_seq import packed_seq_params_from_documents
 
-    cfg = copy.deepcopy(make_cfg(**ACTIVATION_CASES[case]))
+    cfg = copy.deepcopy(make_config(MODEL, ACTIVATION_CASES[case]))
     cfg.data.reset_attention_mask, cfg.data.qkv_format = True, "thd"
     documents = torch.tensor([[0] * 10 + [1] * 14 + [2] * 8, [0] * 20 + [1] * 12])
     dtype = torch.bfloat16 if cfg.training.bf16 else torch.float32
@@ -317,7 +312,7 @@ def _tp2_measurements(cases):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     out = []
     for model_kw, sp in cases:
-        cfg = make_cfg(tp=2, sp=sp, **model_kw)
+        cfg = make_config(MODEL, model_kw, tensor_model_parallel_size=2, sequence_parallel=sp, world_size=2)
         model = GPTModel(cfg, process_groups=get_process_groups())
         out.append((sum(p.numel() for p in model.parameters()), saved_activation_bytes(model, cfg, torch.float32)))
     return out
@@ -329,7 +324,7 @@ TP2_CASES = [(dict(), True), (LLAMA, True), (LLAMA, False)]
 def test_tp2_parameters_and_activations_per_rank():
     results = run_distributed(_tp2_measurements, world_size=2, args=(TP2_CASES,), timeout=120)
     for (model_kw, sp), per_rank in zip(TP2_CASES, zip(*results)):
-        cfg = make_cfg(tp=2, sp=sp, **model_kw)
+        cfg = make_config(MODEL, model_kw, tensor_model_parallel_size=2, sequence_parallel=sp, world_size=2)
         assert all(n == stage_parameters(cfg, 0).total for n, _ in per_rank)
         predicted = predicted_activation_bytes(cfg)
         for _, measured in per_rank:
@@ -348,7 +343,7 @@ def _cp2_measurements(cases):
     rank = parallel_state.get_context_parallel_rank()
     out = []
     for comm, model_kw in cases:
-        cfg = cp2_cfg(comm, **model_kw)
+        cfg = make_config(MODEL, CP2, model_kw, cp_comm_type=comm, world_size=2)
         model = GPTModel(cfg, process_groups=get_process_groups(), rng_tracker=tracker)
         t, seq = cfg.training, cfg.model.seq_length
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -369,12 +364,6 @@ def _cp2_measurements(cases):
     return out
 
 
-def cp2_cfg(comm, **model):
-    cfg = copy.deepcopy(make_cfg(**{"seq_length": 64, "max_position_embeddings": 64, **model}))
-    cfg.parallel.context_parallel_size, cfg.parallel.cp_comm_type = 2, comm
-    return validate_config(cfg, world_size=2)
-
-
 CP2_CASES = [(comm, kw) for comm in ("p2p", "a2a", "allgather") for kw in (dict(), LLAMA)]
 # a2a at a length where the ``auto`` core is the blocked one (fp32 CPU, 128 <= s <= 1024): its probabilities
 CP2_CASES += [("a2a", dict(seq_length=256, max_position_embeddings=256, **kw)) for kw in (dict(), LLAMA)]
@@ -389,7 +378,7 @@ def test_cp2_activations_per_rank():
     estimate counted the blocked core)."""
     results = run_distributed(_cp2_measurements, world_size=2, args=(CP2_CASES,), timeout=120)
     for (comm, model_kw), per_rank in zip(CP2_CASES, zip(*results)):
-        predicted = predicted_activation_bytes(cp2_cfg(comm, **model_kw))
+        predicted = predicted_activation_bytes(make_config(MODEL, CP2, model_kw, cp_comm_type=comm, world_size=2))
         for measured in per_rank:
             assert abs(predicted - measured) / measured < 0.03, (comm, model_kw, predicted, measured)
 
@@ -660,23 +649,9 @@ def test_mla_and_mtp_flops_equal_counted(extra):
     from megalm.fusions import EAGER
     from megalm.models import GPTModel
 
-    cfg = make_cfg(
-        micro=2,
-        **{
-            **MLA,
-            "hidden_size": 128,
-            "num_attention_heads": 8,
-            "ffn_hidden_size": 256,
-            "seq_length": 64,
-            "vocab_size": 512,
-            "q_lora_rank": 64,
-            "kv_lora_rank": 32,
-            "qk_head_dim": 16,
-            "qk_pos_emb_head_dim": 8,
-            "v_head_dim": 16,
-            **extra,
-        },
-    )
+    wide = dict(hidden_size=128, num_attention_heads=8, ffn_hidden_size=256, seq_length=64, vocab_size=512)
+    wide.update(q_lora_rank=64, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16)
+    cfg = make_config(MODEL, MLA, wide, extra, micro_batch_size=2)
     model = GPTModel(cfg, fusion_plan=EAGER, process_groups=get_process_groups()).train()
     tokens = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
     with FlopCounterMode(display=False) as counter:
@@ -695,7 +670,7 @@ def test_optimizer_offload_bytes_equal_measured(device, distributed, tmp_path):
     from megalm.models import GPTModel
     from megalm.optimizer import build_optimizer
 
-    cfg = copy.deepcopy(make_cfg(bf16=True, **LLAMA))
+    cfg = copy.deepcopy(make_config(MODEL, LLAMA, bf16=True))
     cfg.parallel.use_distributed_optimizer = distributed
     if device == "cpu":
         cfg.training.optimizer_cpu_offload = True

@@ -17,10 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from megalm import parallel_state
-from megalm.config import MegalmConfig, ParallelConfig
+from megalm.config import ParallelConfig
 from megalm.distributed import CommStats, DistributedDataParallel
 from megalm.optimizer import FP32Optimizer, build_optimizer
 from megalm.parallel_state import ProcessGroups
+from tests.configs import optimizer_config
 from tests.distributed_harness import run_distributed
 
 LR, CLIP = 1.0, 0.05
@@ -36,13 +37,8 @@ def _batch(rank):
     return torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
 
 
-def _cfg(distributed):
-    cfg = MegalmConfig()
-    cfg.training.optimizer, cfg.training.lr, cfg.training.clip_grad = "sgd", LR, CLIP
-    cfg.training.weight_decay, cfg.training.sgd_momentum = 0.0, 0.0
-    cfg.parallel.use_distributed_optimizer = distributed
-    cfg.parallel.ddp_bucket_size = 100  # several buckets, parameters split between the two shards
-    return cfg
+# Plain SGD; several DDP buckets (bucket size 100), parameters split between the two shards.
+SGD = dict(optimizer="sgd", lr=LR, clip_grad=CLIP, weight_decay=0.0, sgd_momentum=0.0, ddp_bucket_size=100)
 
 
 def worker():
@@ -67,7 +63,7 @@ def worker():
         )
 
     model = _mlp()
-    cfg = _cfg(True)
+    cfg = optimizer_config(SGD, use_distributed_optimizer=True)
     ddp = DistributedDataParallel(model, cfg.parallel, process_groups=dp_groups)
     opt = build_optimizer(cfg, [ddp], report_memory=False, process_groups=dp_groups)
     F.mse_loss(ddp(x), y).backward()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megalm import parallel_state
-from megalm.config import MegalmConfig, validate_config
+from megalm.config import validate_config
 from megalm.models import GPTModel, layers_for_stage
 from megalm.parallel_state import get_process_groups
 from megalm.tensor_parallel import (
@@ -21,6 +21,7 @@ from megalm.tensor_parallel import (
     gather_tensor_parallel_param,
     model_parallel_manual_seed,
 )
+from tests.configs import SMALL_GPT, make_config
 from tests.distributed_harness import run_distributed
 
 VOCAB, SEQ, BATCH = 50, 8, 2
@@ -75,18 +76,8 @@ CONFIGS = {
 }
 
 
-def make_cfg(tp: int = 1, sp: bool = False, pp: int = 1, **model) -> MegalmConfig:
-    cfg = MegalmConfig()
-    m = cfg.model
-    m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size = 2, 32, 4, 64
-    m.seq_length, m.vocab_size, m.make_vocab_size_divisible_by = SEQ, VOCAB, 16
-    m.hidden_dropout = m.attention_dropout = 0.0
-    for key, value in model.items():
-        setattr(m, key, value)
-    cfg.parallel.tensor_model_parallel_size, cfg.parallel.sequence_parallel = tp, sp
-    cfg.parallel.pipeline_model_parallel_size = pp
-    cfg.training.seed = 4321
-    return validate_config(cfg)
+# The model of these tests (2 layers, hidden 32, no dropout); the tests add a CONFIGS variant and TP/SP.
+MODEL = dict(SMALL_GPT, seq_length=SEQ, vocab_size=VOCAB, seed=4321)
 
 
 def make_batch(seed: int = 0, rope_offsets: bool = False):
@@ -158,7 +149,10 @@ def _attribute_problems(model, sp: bool, tp: int = 1) -> list:
 
 
 def _parity_errors(name, overrides, tp, sp, reference, batch) -> dict:
-    model = GPTModel(make_cfg(tp, sp, **overrides), process_groups=get_process_groups())
+    model = GPTModel(
+        make_config(MODEL, overrides, tensor_model_parallel_size=tp, sequence_parallel=sp),
+        process_groups=get_process_groups(),
+    )
     got = _snapshot(model, batch)
     tag = f"{name} tp={tp} sp={sp}"
     errors = {
@@ -179,7 +173,7 @@ def _check_parity() -> dict:
     batches = {name: make_batch(i, rope_offsets="rope" in name) for i, name in enumerate(CONFIGS)}
     parallel_state.destroy_model_parallel()
     references = {
-        name: _snapshot(GPTModel(make_cfg(1, False, **o), process_groups=get_process_groups()), batches[name])
+        name: _snapshot(GPTModel(make_config(MODEL, o), process_groups=get_process_groups()), batches[name])
         for name, o in CONFIGS.items()
     }
     errors = {}
@@ -210,7 +204,10 @@ def _dropout_step(tp, sp, recompute: dict, seed=99):
         num_layers=3,
         **recompute,
     )
-    model = GPTModel(make_cfg(tp, sp, **overrides), process_groups=get_process_groups())
+    model = GPTModel(
+        make_config(MODEL, overrides, tensor_model_parallel_size=tp, sequence_parallel=sp),
+        process_groups=get_process_groups(),
+    )
     model.train()
     model_parallel_manual_seed(seed, get_process_groups(), model.rng_tracker)
     loss = _run_step(model, make_batch(5, rope_offsets=True))
@@ -254,7 +251,7 @@ def _pipeline_chunks(cfg, pp: int, vpp: int):
 
 
 def _pipeline_errors(name, overrides, tp, sp) -> dict:
-    cfg = make_cfg(tp, sp, **dict(overrides, num_layers=4))
+    cfg = make_config(MODEL, overrides, num_layers=4, tensor_model_parallel_size=tp, sequence_parallel=sp)
     batch = make_batch(3, rope_offsets="rope" in name)
     full = GPTModel(cfg, process_groups=get_process_groups())
     full_loss = _run_step(full, batch)
@@ -301,7 +298,9 @@ def _check_recompute_pipeline_bf16() -> dict:
 
 
 def _bf16_errors() -> dict:
-    cfg = make_cfg(2, True, **CONFIGS["rope-RMSNorm-SwiGLU-nobias-untied-GQA"])
+    cfg = make_config(
+        MODEL, CONFIGS["rope-RMSNorm-SwiGLU-nobias-untied-GQA"], tensor_model_parallel_size=2, sequence_parallel=True
+    )
     batch = make_batch(7, rope_offsets=True)
     fp32_loss = GPTModel(cfg, process_groups=get_process_groups())(*batch[:3]).detach()
     model = GPTModel(cfg, process_groups=get_process_groups()).to(torch.bfloat16)
@@ -344,7 +343,7 @@ def test_recompute_pipeline_chunks_and_bf16_on_tensor_parallel_ranks():
 
 
 def test_model_structure_and_tied_weights_single_rank():
-    cfg = make_cfg(1, False, **CONFIGS["learned-LayerNorm-GELU-bias-tied-MHA"])
+    cfg = make_config(MODEL, CONFIGS["learned-LayerNorm-GELU-bias-tied-MHA"])
     model = GPTModel(cfg, process_groups=get_process_groups())
     assert model.output_layer.weight is None  # the output layer uses the embedding Parameter
     weight = model.shared_embedding_or_output_weight()
@@ -401,13 +400,15 @@ def test_model_structure_and_tied_weights_single_rank():
     ],
 )
 def test_layers_for_stage(layout, expected):
-    cfg = copy.deepcopy(make_cfg(num_layers=layout["num_layers"]))  # editable: the validated config is frozen
-    cfg.parallel.pipeline_model_parallel_size = layout["pp"]
-    cfg.parallel.decoder_first_pipeline_num_layers = layout.get("first")
-    cfg.parallel.decoder_last_pipeline_num_layers = layout.get("last")
-    cfg.parallel.num_layers_per_virtual_pipeline_stage = layout.get("layers_per_virtual")
-    cfg.parallel.num_virtual_stages_per_pipeline_rank = layout.get("virtual")
-    cfg = validate_config(cfg)
+    cfg = make_config(
+        MODEL,
+        num_layers=layout["num_layers"],
+        pipeline_model_parallel_size=layout["pp"],
+        decoder_first_pipeline_num_layers=layout.get("first"),
+        decoder_last_pipeline_num_layers=layout.get("last"),
+        num_layers_per_virtual_pipeline_stage=layout.get("layers_per_virtual"),
+        num_virtual_stages_per_pipeline_rank=layout.get("virtual"),
+    )
     got = {key: layers_for_stage(cfg, *key) for key in expected}
     assert got == expected
     assert sorted(i for layers in got.values() for i in layers) == list(range(layout["num_layers"]))
@@ -417,7 +418,7 @@ def test_attention_rope_and_swiglu_match_naive_formulas():
     """The TP=1 building blocks against independent textbook formulas (Megatron conventions)."""
     from megalm.transformer import MLP, RotaryEmbedding, SelfAttention, apply_rotary
 
-    cfg = make_cfg(**dict(CONFIGS["rope-RMSNorm-SwiGLU-nobias-untied-GQA"], add_bias_linear=True))
+    cfg = make_config(MODEL, CONFIGS["rope-RMSNorm-SwiGLU-nobias-untied-GQA"], add_bias_linear=True)
     m = cfg.model
     heads, groups, d, s, b = m.num_attention_heads, m.num_query_groups, m.head_dim, SEQ, BATCH
     g = torch.Generator().manual_seed(0)
@@ -464,7 +465,7 @@ def test_param_info_records_and_tied_weights():
     from megalm.tensor_parallel.param_info import ParamInfo, ParamLayoutError, param_info, set_param_info
 
     model = GPTModel(
-        make_cfg(1, False, **CONFIGS["learned-LayerNorm-GELU-bias-tied-MHA"]), process_groups=get_process_groups()
+        make_config(MODEL, CONFIGS["learned-LayerNorm-GELU-bias-tied-MHA"]), process_groups=get_process_groups()
     )
     word = model.embedding.word_embeddings.weight
     assert model.tied_weights() == [word]
@@ -477,12 +478,12 @@ def test_param_info_records_and_tied_weights():
     assert word.tensor_model_parallel and word.partition_dim == 0 and word.shared_embedding and word.allreduce
     assert copy.deepcopy(model).process_groups is model.process_groups  # a copied model shares its groups
     untied = GPTModel(
-        make_cfg(1, False, **CONFIGS["rope-RMSNorm-SwiGLU-nobias-untied-GQA"]), process_groups=get_process_groups()
+        make_config(MODEL, CONFIGS["rope-RMSNorm-SwiGLU-nobias-untied-GQA"]), process_groups=get_process_groups()
     )
     assert untied.tied_weights() == [] and not any(param_info(p).tied for p in untied.parameters())
     assert param_info(untied.decoder.layers["1"].mlp.linear_fc1.weight).partition_stride == 2  # [gate; up]
     last = GPTModel(
-        make_cfg(1, False, **CONFIGS["learned-LayerNorm-GELU-bias-tied-MHA"]),
+        make_config(MODEL, CONFIGS["learned-LayerNorm-GELU-bias-tied-MHA"]),
         pre_process=False,
         post_process=True,
         layer_numbers=[1],
@@ -531,8 +532,8 @@ def test_layernorm_1p_scales_by_one_plus_a_zero_initialised_weight(normalization
 
     overrides = dict(CONFIGS["rope-RMSNorm-SwiGLU-nobias-untied-GQA"], normalization=normalization)
     one_p, plain = (
-        GPTModel(make_cfg(apply_layernorm_1p=True, **overrides), process_groups=get_process_groups()),
-        GPTModel(make_cfg(**overrides), process_groups=get_process_groups()),
+        GPTModel(make_config(MODEL, overrides, apply_layernorm_1p=True), process_groups=get_process_groups()),
+        GPTModel(make_config(MODEL, overrides), process_groups=get_process_groups()),
     )
     norm_names = [n for n, _ in one_p.named_parameters() if "layernorm.weight" in n]
     assert len(norm_names) == 5 and all(torch.count_nonzero(one_p.get_parameter(n)) == 0 for n in norm_names)
@@ -550,7 +551,7 @@ def test_qk_layernorm_and_qkv_bias_match_naive_formulas():
     from megalm.transformer import SelfAttention
 
     overrides = dict(CONFIGS["rope-RMSNorm-SwiGLU-nobias-untied-GQA"], qk_layernorm=True, add_qkv_bias=True)
-    m = make_cfg(**overrides).model
+    m = make_config(MODEL, overrides).model
     heads, groups, d, s, b = m.num_attention_heads, m.num_query_groups, m.head_dim, SEQ, BATCH
     g = torch.Generator().manual_seed(1)
     attention = SelfAttention(m, tp_group=get_process_groups().tp, cp_group=get_process_groups().cp)
@@ -591,7 +592,7 @@ def test_the_rng_tracker_is_the_models_and_every_layer_forks_it():
     overrides = dict(attention_dropout=0.5, mtp_num_layers=1)
     overrides["recompute_granularity"] = "full"
     overrides.update(recompute_method="uniform", recompute_num_layers=1)
-    cfg, groups = make_cfg(**overrides), get_process_groups()
+    cfg, groups = make_config(MODEL, overrides), get_process_groups()
     tracker = RNGStatesTracker()
     model = GPTModel(cfg, process_groups=groups, rng_tracker=tracker).train()
     holders = [name for name, module in model.named_modules() if hasattr(module, "rng_tracker")]

@@ -8,18 +8,17 @@ import re
 import pytest
 import torch
 
-from megalm.config import ConfigError, MegalmConfig, validate_config
+from megalm.config import ConfigError
 from megalm.optimizer import build_optimizer
 from megalm.optimizer.lamb import Lamb
 from megalm.parallel_state import get_process_groups
-from tests.training_runs import optimizer_config
+from tests.configs import make_config, optimizer_config
 
 B1, B2, EPS, WD, LR = 0.9, 0.999, 1e-8, 0.1, 1e-2
 
 
-def make_cfg(optimizer, **training):
-    base = dict(optimizer=optimizer, lr=LR, clip_grad=0.0, weight_decay=WD, adam_beta1=B1, adam_beta2=B2, adam_eps=EPS)
-    return optimizer_config(**{**base, **training})
+# The settings every optimizer here runs with (the tests add the optimizer and its own flags).
+BASE = dict(lr=LR, clip_grad=0.0, weight_decay=WD, adam_beta1=B1, adam_beta2=B2, adam_eps=EPS)
 
 
 def mlp():
@@ -79,7 +78,9 @@ def test_one_process_step_equals_the_papers_formula(name):
     reference, flags = CASES[name]
     model = mlp()
     ref = [p.detach().clone() for p in model.parameters()]
-    opt = build_optimizer(make_cfg(name, **flags), [model], report_memory=False, process_groups=get_process_groups())
+    opt = build_optimizer(
+        optimizer_config(BASE, flags, optimizer=name), [model], report_memory=False, process_groups=get_process_groups()
+    )
     state = {}
     torch.manual_seed(1)
     for t in range(1, 5):
@@ -117,12 +118,8 @@ def test_lamb_trust_ratio_is_clamped_and_one_for_zero_weights():
     ],
 )
 def test_bad_flags_are_refused(flags, message):
-    cfg = MegalmConfig()
-    cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads = 2, 64, 4
-    for k, v in flags.items():
-        setattr(cfg.training, k, v)
     with pytest.raises(ConfigError, match=re.escape(message)):
-        validate_config(cfg)
+        make_config(flags, num_layers=2, hidden_size=64, num_attention_heads=4)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -131,7 +128,10 @@ def test_bf16_keeps_fp32_main_weights_and_fp16_overflow_skips(name):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 3)).bfloat16()
     opt = build_optimizer(
-        make_cfg(name, bf16=True, **flags), [model], report_memory=False, process_groups=get_process_groups()
+        optimizer_config(BASE, flags, optimizer=name, bf16=True),
+        [model],
+        report_memory=False,
+        process_groups=get_process_groups(),
     )
     model(torch.randn(8, 6, dtype=torch.bfloat16)).float().pow(2).sum().backward()
     assert opt.step()[0]
@@ -141,7 +141,7 @@ def test_bf16_keeps_fp32_main_weights_and_fp16_overflow_skips(name):
     # fp16 with a constant loss scale: an inf gradient skips the step and leaves weights and state alone.
     model = mlp().half()
     opt = build_optimizer(
-        make_cfg(name, fp16=True, loss_scale=8.0, **flags),
+        optimizer_config(BASE, flags, optimizer=name, fp16=True, loss_scale=8.0),
         [model],
         report_memory=False,
         process_groups=get_process_groups(),
@@ -167,6 +167,14 @@ def test_a_sharding_wrapper_must_describe_its_shards():
     model = mlp()
     groups = get_param_groups(list(model.named_parameters()), WD)
     with pytest.raises(OptimizerError, match="does not say how"):
-        Sharded(groups, make_torch_optimizer(make_cfg("lamb").training), process_groups=get_process_groups())
+        Sharded(
+            groups,
+            make_torch_optimizer(optimizer_config(BASE, optimizer="lamb").training),
+            process_groups=get_process_groups(),
+        )
     # AdamW needs no layout
-    Sharded(groups, make_torch_optimizer(make_cfg("adam").training), process_groups=get_process_groups())
+    Sharded(
+        groups,
+        make_torch_optimizer(optimizer_config(BASE, optimizer="adam").training),
+        process_groups=get_process_groups(),
+    )

@@ -10,8 +10,9 @@ from megalm import parallel_state
 from megalm.parallel_state import get_process_groups
 from megalm.tensor_parallel import linear_cross_entropy as lce
 from megalm.tensor_parallel.linear_cross_entropy import linear_cross_entropy
+from tests.configs import make_config
 from tests.numerics import relative_error
-from tests.test_gpt_model import CONFIGS, make_batch, make_cfg
+from tests.test_gpt_model import CONFIGS, MODEL, make_batch
 
 S, B, H, V_PAD, VOCAB = 7, 3, 16, 48, 45  # 21 tokens; columns 45..47 are padding
 TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
@@ -101,7 +102,7 @@ def test_gpt_model_fused_equals_unfused(config, dtype):
 
     results = []
     for fused in (True, False):
-        cfg = make_cfg(**CONFIGS[config], cross_entropy_loss_fusion=fused)
+        cfg = make_config(MODEL, CONFIGS[config], cross_entropy_loss_fusion=fused)
         model = GPTModel(cfg, process_groups=get_process_groups()).to(dtype)
         assert model.fusion_plan.cross_entropy == ("fused linear" if fused else "unfused")
         tokens, positions, labels, weights = make_batch(3)

@@ -5,8 +5,9 @@ import math
 
 import pytest
 
-from megalm.config import ConfigError, MegalmConfig, validate_config
+from megalm.config import ConfigError
 from megalm.training.lr_scheduler import OptimizerParamScheduler
+from tests.configs import make_config
 
 MAX, MIN, INIT, W, D = 3e-4, 3e-5, 1e-6, 100, 1000
 
@@ -125,38 +126,43 @@ def test_no_warmup():
 )
 def test_schedule_is_validated_with_the_config(training, message):
     """The scheduler's checks live in megalm.config.validation (one place), in samples as it runs."""
-    cfg = _cfg(**training)
     with pytest.raises(ConfigError, match=message):
-        validate_config(cfg)
-    assert OptimizerParamScheduler.from_config(_cfg(train_iters=100), FakeOptimizer()).lr_decay_steps == 800
-    validate_config(_cfg(train_iters=100, lr_decay_style="WSD", lr_wsd_decay_iters=100))  # the whole decay: allowed
+        make_config(SCHEDULE, training)
+    assert (
+        OptimizerParamScheduler.from_config(
+            make_config(SCHEDULE, train_iters=100, validate=False), FakeOptimizer()
+        ).lr_decay_steps
+        == 800
+    )
+    make_config(SCHEDULE, train_iters=100, lr_decay_style="WSD", lr_wsd_decay_iters=100)  # the whole decay: allowed
 
 
-def _cfg(**training):
-    cfg = MegalmConfig()
-    cfg.training.global_batch_size = 8
-    cfg.training.lr, cfg.training.min_lr = MAX, MIN
-    for k, v in training.items():
-        setattr(cfg.training, k, v)
-    return cfg
+# The schedule settings of the scheduler tests (global batch 8: one iteration is 8 samples).
+SCHEDULE = dict(global_batch_size=8, lr=MAX, min_lr=MIN)
 
 
 def test_from_config_counts_samples_like_megatron():
-    s = OptimizerParamScheduler.from_config(_cfg(train_iters=100, lr_warmup_iters=10), FakeOptimizer())
+    s = OptimizerParamScheduler.from_config(
+        make_config(SCHEDULE, train_iters=100, lr_warmup_iters=10, validate=False), FakeOptimizer()
+    )
     assert (s.lr_warmup_steps, s.lr_decay_steps) == (80, 800)
     s = OptimizerParamScheduler.from_config(
-        _cfg(train_iters=100, lr_decay_iters=50, lr_warmup_fraction=0.1), FakeOptimizer()
+        make_config(SCHEDULE, train_iters=100, lr_decay_iters=50, lr_warmup_fraction=0.1, validate=False),
+        FakeOptimizer(),
     )
     assert (s.lr_warmup_steps, s.lr_decay_steps) == (pytest.approx(40.0), 400)
     s = OptimizerParamScheduler.from_config(
-        _cfg(train_iters=100, lr_decay_style="WSD", lr_wsd_decay_iters=20), FakeOptimizer()
+        make_config(SCHEDULE, train_iters=100, lr_decay_style="WSD", lr_wsd_decay_iters=20, validate=False),
+        FakeOptimizer(),
     )
     assert s.wsd_decay_steps == 160
-    s = OptimizerParamScheduler.from_config(_cfg(train_samples=4000, lr_warmup_iters=5), FakeOptimizer())
+    s = OptimizerParamScheduler.from_config(
+        make_config(SCHEDULE, train_samples=4000, lr_warmup_iters=5, validate=False), FakeOptimizer()
+    )
     assert (s.lr_warmup_steps, s.lr_decay_steps) == (40, 4000)
     # one iteration of 8 samples is 8 steps of the schedule
     s = OptimizerParamScheduler.from_config(
-        _cfg(train_iters=100, lr_warmup_iters=10, lr_warmup_init=0.0), FakeOptimizer()
+        make_config(SCHEDULE, train_iters=100, lr_warmup_iters=10, lr_warmup_init=0.0, validate=False), FakeOptimizer()
     )
     s.step(increment=8)
     assert s.get_lr() == pytest.approx(MAX / 10)
@@ -232,11 +238,8 @@ def test_weight_decay_schedule_follows_megatrons_formula(style):
 
 
 def test_weight_decay_schedule_from_flags():
-    cfg = MegalmConfig()
-    t = cfg.training
-    t.train_iters, t.global_batch_size, t.micro_batch_size = 50, 8, 8
-    t.weight_decay_incr_style, t.start_weight_decay, t.end_weight_decay = "cosine", 0.0, 0.1
-    validate_config(cfg, world_size=1)
+    wd = dict(weight_decay_incr_style="cosine", start_weight_decay=0.0, end_weight_decay=0.1)
+    cfg = make_config(wd, train_iters=50, global_batch_size=8, micro_batch_size=8, world_size=1)
     s = OptimizerParamScheduler.from_config(cfg, WeightDecayGroups())
     assert (s.start_wd, s.end_wd, s.wd_incr_steps, s.wd_incr_style) == (0.0, 0.1, 400, "cosine")
     assert cfg.training.weight_decay == 0.0  # the starting value
@@ -252,11 +255,8 @@ def test_weight_decay_schedule_from_flags():
         (dict(start_weight_decay=0.1), "need --weight-decay-incr-style linear or cosine"),
         (dict(weight_decay_incr_style="linear", start_weight_decay=0.1), "needs --start-weight-decay and --end"),
     ):
-        cfg = MegalmConfig()
-        for k, v in bad.items():
-            setattr(cfg.training, k, v)
         with pytest.raises(ConfigError, match=message):
-            validate_config(cfg)
+            make_config(bad)
 
 
 @pytest.mark.parametrize("rule, factor", [("linear", lambda r: r), ("sqrt", math.sqrt), ("none", lambda r: 1.0)])
@@ -290,11 +290,8 @@ def test_lr_batch_scaling_follows_the_rule_at_every_step(rule, factor, kind):
 
 
 def test_lr_batch_scaling_needs_a_changing_batch():
-    cfg = MegalmConfig()
-    cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads = 2, 64, 4
-    cfg.training.train_iters, cfg.training.lr_batch_scaling = 10, "sqrt"
+    scaled = dict(num_layers=2, hidden_size=64, num_attention_heads=4, lr_batch_scaling="sqrt")
     with pytest.raises(ConfigError, match="--lr-batch-scaling sqrt needs --rampup-batch-size or --step-batch-size"):
-        validate_config(cfg, world_size=1)
-    cfg.training.rampup_batch_size, cfg.training.global_batch_size = [1, 1, 8], 4
-    cfg.training.train_iters, cfg.training.train_samples = None, 100
-    validate_config(cfg, world_size=1)
+        make_config(scaled, train_iters=10, world_size=1)
+    cfg = make_config(scaled, rampup_batch_size=[1, 1, 8], global_batch_size=4, train_samples=100, world_size=1)
+    assert cfg.training.lr_batch_scaling == "sqrt"

@@ -20,16 +20,15 @@ from megalm.parallel_state import get_process_groups
 from megalm.tensor_parallel.initialization import initialize_weights
 from megalm.transformer.moe.moe_layer import MoELayer
 from megalm.transformer.moe.token_dispatcher import AlltoAllTokenDispatcher
+from tests.configs import MLA_MOE, make_config
 from tests.logs import megalm_logs
-from tests.training_runs import MLA_MOE, tiny_config
 
 VOCAB = 64
 
 
-def _cfg(**over):
-    model = dict(MLA_MOE, num_layers=3, seq_length=8, moe_layer_freq=[0, 1, 1], moe_aux_loss_coeff=1e-2)
-    model.update(moe_shared_expert_intermediate_size=16)
-    return tiny_config(VOCAB, **{**model, **over})
+# Dense, then two MoE layers with a shared expert (the tests add the flag they check).
+MODEL = dict(MLA_MOE, num_layers=3, seq_length=8, moe_layer_freq=[0, 1, 1], moe_aux_loss_coeff=1e-2)
+MODEL.update(moe_shared_expert_intermediate_size=16, vocab_size=VOCAB)
 
 
 def _grads(cfg, tokens):
@@ -41,19 +40,19 @@ def _grads(cfg, tokens):
 
 def test_every_recompute_module_keeps_the_gradients():
     tokens = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
-    ref = _grads(_cfg(), tokens)
+    ref = _grads(make_config(MODEL), tokens)
     modules = ["core_attn", "mlp", "moe", "moe_act", "layernorm", "shared_experts", "mla_up_proj"]
     for chosen in [modules, ["mla_up_proj", "moe_act", "layernorm", "shared_experts"]]:
-        got = _grads(_cfg(recompute_granularity="selective", recompute_modules=chosen), tokens)
+        got = _grads(make_config(MODEL, recompute_granularity="selective", recompute_modules=chosen), tokens)
         assert set(got) == set(ref)
         for name, g in ref.items():
             assert torch.allclose(got[name], g, rtol=0, atol=1e-6), (chosen, name)
     with pytest.raises(ConfigError, match="--recompute-modules mlp_act is not a recomputable module"):
-        _cfg(recompute_granularity="selective", recompute_modules=["mlp", "mlp_act"])
+        make_config(MODEL, recompute_granularity="selective", recompute_modules=["mlp", "mlp_act"])
 
 
 def test_flex_dispatcher_is_alltoall_and_permute_fusion_has_no_effect(capsys):
-    cfg = _cfg(moe_token_dispatcher_type="flex")
+    cfg = make_config(MODEL, moe_token_dispatcher_type="flex")
     layer = next(
         m
         for m in GPTModel(cfg, fusion_plan=EAGER, process_groups=get_process_groups()).modules()
@@ -67,7 +66,7 @@ def test_flex_dispatcher_is_alltoall_and_permute_fusion_has_no_effect(capsys):
 
 
 def test_force_load_balancing_routes_at_random_with_straight_through_gradient():
-    cfg = _cfg(moe_router_force_load_balancing=True)
+    cfg = make_config(MODEL, moe_router_force_load_balancing=True)
     x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(2))
     routes = []
     for seed in (0, 1):
@@ -81,13 +80,13 @@ def test_force_load_balancing_routes_at_random_with_straight_through_gradient():
         assert layer.router.weight.grad is not None and layer.router.weight.grad.abs().sum() > 0
     assert torch.equal(routes[0], routes[1])  # different router weights, same random routing
     torch.manual_seed(5)
-    plain = MoELayer(_cfg().model, 1, tp_group=None, ep_group=None, etp_group=None).train()
+    plain = MoELayer(make_config(MODEL).model, 1, tp_group=None, ep_group=None, etp_group=None).train()
     initialize_weights(plain, 0, tp_group=None, etp_group=None)
     assert not torch.equal(plain.router(x)[1], routes[0])
 
 
 def test_shared_expert_gate():
-    cfg = _cfg(moe_shared_expert_gate=True)
+    cfg = make_config(MODEL, moe_shared_expert_gate=True)
     torch.manual_seed(0)
     layer = MoELayer(cfg.model, 1, tp_group=None, ep_group=None, etp_group=None).eval()
     initialize_weights(layer, 0, tp_group=None, etp_group=None)

@@ -15,15 +15,14 @@ import torch.nn.functional as F
 from megalm.fusions import EAGER
 from megalm.models import GPTModel
 from megalm.parallel_state import get_process_groups
-from tests.training_runs import MLA_MOE, tiny_config
+from tests.configs import MLA_MOE, make_config
 
 VOCAB = 80
 
 
-def _cfg(**over):
-    model = dict(MLA_MOE, num_layers=2, seq_length=12, moe_layer_freq=[0, 1], moe_aux_loss_coeff=0.0)
-    model.update(untie_embeddings_and_output_weights=True, mtp_num_layers=2, mtp_loss_scaling_factor=0.3)
-    return tiny_config(VOCAB, **{**model, **over})
+# A dense then an MoE layer, untied, with two MTP depths.
+MODEL = dict(MLA_MOE, num_layers=2, seq_length=12, moe_layer_freq=[0, 1], moe_aux_loss_coeff=0.0)
+MODEL.update(untie_embeddings_and_output_weights=True, mtp_num_layers=2, mtp_loss_scaling_factor=0.3, vocab_size=VOCAB)
 
 
 def _roll(x):
@@ -54,7 +53,7 @@ def _reference_loss(model, tokens, labels, mask):
 
 def test_mtp_matches_hand_reference():
     torch.manual_seed(0)
-    cfg = _cfg()
+    cfg = make_config(MODEL)
     model = GPTModel(cfg, fusion_plan=EAGER, process_groups=get_process_groups()).train()
     ref_model = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
@@ -92,7 +91,7 @@ def test_mtp_matches_hand_reference():
 
 
 def test_mtp_is_skipped_in_evaluation():
-    cfg = _cfg()
+    cfg = make_config(MODEL)
     model = GPTModel(cfg, fusion_plan=EAGER, process_groups=get_process_groups()).eval()
     tokens = torch.randint(0, VOCAB, (1, 12))
     with torch.no_grad():

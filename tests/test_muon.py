@@ -12,14 +12,14 @@ import re
 import pytest
 import torch
 
-from megalm.config import ConfigError, MegalmConfig, build_parser, config_from_args, validate_config
+from megalm.config import ConfigError, parse_config
 from megalm.optimizer import build_optimizer, muon
 from megalm.optimizer.factory import get_param_groups, muon_param_groups
 from megalm.optimizer.muon import MuonError, newton_schulz, split_qkv_rows
 from megalm.parallel_state import get_process_groups
 from megalm.tensor_parallel.param_info import param_info
 from megalm.transformer.attention import SelfAttention
-from tests.training_runs import optimizer_config
+from tests.configs import make_config, optimizer_config
 
 B1, B2, EPS, WD, LR, MU = 0.9, 0.999, 1e-8, 0.1, 1e-2, 0.9
 
@@ -63,10 +63,9 @@ def test_newton_schulz_equals_the_reference_and_orthogonalizes(shape, kind):
     assert (d - torch.diag(torch.diagonal(d))).abs().max() < 1e-5
 
 
-def make_cfg(**training):
-    base = dict(optimizer="muon", lr=LR, clip_grad=0.0, weight_decay=WD, adam_beta1=B1, adam_beta2=B2, adam_eps=EPS)
-    base.update(muon_momentum=MU, muon_fp32_matmul_prec="highest")  # fp32 iterations, for the fp64 references
-    return optimizer_config(**{**base, **training})
+# The optimizer of these tests; fp32 Newton-Schulz iterations ("highest"), for the fp64 references.
+MUON = dict(optimizer="muon", lr=LR, clip_grad=0.0, weight_decay=WD, adam_beta1=B1, adam_beta2=B2, adam_eps=EPS)
+MUON.update(muon_momentum=MU, muon_fp32_matmul_prec="highest")
 
 
 def mlp():
@@ -103,8 +102,12 @@ def muon_reference(params, grads, state, t, nesterov, mode, extra, kind):
 def test_one_process_step_equals_the_reference(nesterov, mode, extra, kind):
     model = mlp()
     ref = [p.detach().clone() for p in model.parameters()]
-    cfg = make_cfg(
-        muon_use_nesterov=nesterov, muon_scale_mode=mode, muon_extra_scale_factor=extra, muon_coefficient_type=kind
+    cfg = optimizer_config(
+        MUON,
+        muon_use_nesterov=nesterov,
+        muon_scale_mode=mode,
+        muon_extra_scale_factor=extra,
+        muon_coefficient_type=kind,
     )
     opt = build_optimizer(cfg, [model], report_memory=False, process_groups=get_process_groups())
     state = {}
@@ -151,13 +154,8 @@ def test_embeddings_output_layer_biases_and_norms_go_to_adam():
     ],
 )
 def test_bad_flags_are_refused(flags, message):
-    cfg = MegalmConfig()
-    cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads = 2, 64, 4
-    cfg.training.optimizer = "muon"
-    for k, v in flags.items():
-        setattr(cfg.training, k, v)
     with pytest.raises(ConfigError, match=re.escape(message)):
-        validate_config(cfg)
+        make_config(flags, num_layers=2, hidden_size=64, num_attention_heads=4, optimizer="muon")
 
 
 HEADS, HIDDEN, HEAD_DIM = 4, 16, 4
@@ -166,10 +164,8 @@ HEADS, HIDDEN, HEAD_DIM = 4, 16, 4
 def attention(groups):
     """One megalm attention layer (4 heads of 4, ``groups`` query groups) in fp64: its fused QKV weight
     has the grouped row layout and the record the split reads."""
-    cfg = MegalmConfig()
-    m = cfg.model
-    m.num_layers, m.hidden_size, m.num_attention_heads, m.attention_dropout = 1, HIDDEN, HEADS, 0.0
-    m.group_query_attention, m.num_query_groups = groups < HEADS, groups
+    shape = dict(num_layers=1, hidden_size=HIDDEN, num_attention_heads=HEADS, attention_dropout=0.0)
+    m = make_config(shape, group_query_attention=groups < HEADS, num_query_groups=groups, validate=False).model
     layer = SelfAttention(m, tp_group=get_process_groups().tp, cp_group=get_process_groups().cp).double()
     torch.manual_seed(0)
     with torch.no_grad():  # the layers leave their values to the model's initialization
@@ -216,7 +212,7 @@ def test_split_qkv_step_equals_the_reference(groups, mode):
     assert param_info(qkv).qkv_split_shapes == (HEADS // groups * HEAD_DIM, HEAD_DIM, HEAD_DIM)
     w = qkv.detach().clone()
     m = torch.zeros_like(w)
-    cfg = make_cfg(muon_scale_mode=mode)
+    cfg = optimizer_config(MUON, muon_scale_mode=mode)
     for grads, after in attention_steps(layer, cfg):
         m = MU * m + (1 - MU) * grads["linear_qkv.weight"]
         whole = w * (1 - LR * WD) - LR * ns_reference(m, 5, "quintic") * SCALES[mode](*m.shape)
@@ -230,7 +226,9 @@ def test_no_split_flag_orthogonalizes_the_fused_matrix_whole_as_before():
     code before the split: ``NS(D).to(dtype) * scale``), and equals the reference within 1e-6."""
     layer = attention(2)
     w = layer.linear_qkv.weight.detach().clone()
-    cfg = make_cfg(muon_split_qkv=False, muon_coefficient_type="simple")  # megalm's settings before the flags
+    cfg = optimizer_config(
+        MUON, muon_split_qkv=False, muon_coefficient_type="simple"
+    )  # megalm's settings before the flags
     [(grads, after)] = attention_steps(layer, cfg, steps=1)
     d = torch.zeros_like(w).lerp_(grads["linear_qkv.weight"], 1 - MU)
     old = w.clone().mul_(1 - LR * WD).add_(newton_schulz(d, 5).to(d.dtype) * math.sqrt(max(d.shape)), alpha=-LR)
@@ -251,7 +249,7 @@ def test_newton_schulz_runs_at_the_flag_precision_and_restores_it(precision, mon
 
     monkeypatch.setattr(muon, "newton_schulz", recording)
     before = torch.get_float32_matmul_precision()
-    attention_steps(attention(2), make_cfg(muon_fp32_matmul_prec=precision), steps=1)
+    attention_steps(attention(2), optimizer_config(MUON, muon_fp32_matmul_prec=precision), steps=1)
     dtype = torch.bfloat16 if precision == "medium" else torch.float32
     assert seen == [(precision, dtype, "quintic")] * 4  # Q, K, V of linear_qkv, then linear_proj
     assert torch.get_float32_matmul_precision() == before
@@ -271,7 +269,7 @@ def test_bf16_iterations_stay_within_bf16_of_the_reference():
 def test_megatron_spellings_of_the_muon_flags():
     def training(*argv):
         base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--optimizer", "muon"]
-        return validate_config(config_from_args(build_parser().parse_args(base + list(argv)))).training
+        return parse_config(base + list(argv)).training
 
     t = training()
     # Megatron-LM's defaults, except the precision: megalm's fp32 keeps every layout at one process's numbers

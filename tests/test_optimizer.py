@@ -18,13 +18,11 @@ from megalm.optimizer import (
     get_param_groups,
 )
 from megalm.parallel_state import get_process_groups
+from tests.configs import make_config, optimizer_config
 from tests.distributed_harness import run_distributed
-from tests.training_runs import optimizer_config
 
-
-def make_cfg(optimizer="adam", lr=1e-2, clip=1.0, wd=0.1, **training):
-    base = dict(optimizer=optimizer, lr=lr, clip_grad=clip, weight_decay=wd, sgd_momentum=0.0)
-    return optimizer_config(**{**base, **training})
+# The optimizer settings of these tests (the callers change some).
+ADAM = dict(optimizer="adam", lr=1e-2, clip_grad=1.0, weight_decay=0.1, sgd_momentum=0.0)
 
 
 def mlp(dtype=torch.float32, seed=0):
@@ -66,8 +64,16 @@ def test_fp16_injected_inf_skips_step_and_updates_scale():
     model = mlp(torch.float16)
     ddp = DistributedDataParallel(model, ParallelConfig(), process_groups=get_process_groups())
     opt = build_optimizer(
-        make_cfg(
-            "sgd", lr=0.1, clip=0.0, wd=0.0, fp16=True, initial_loss_scale=256.0, loss_scale_window=2, hysteresis=2
+        optimizer_config(
+            ADAM,
+            optimizer="sgd",
+            lr=0.1,
+            clip_grad=0.0,
+            weight_decay=0.0,
+            fp16=True,
+            initial_loss_scale=256.0,
+            loss_scale_window=2,
+            hysteresis=2,
         ),
         [ddp],
         process_groups=get_process_groups(),
@@ -105,7 +111,11 @@ def test_fp16_injected_inf_skips_step_and_updates_scale():
 
 def test_clipping_matches_torch_and_weight_decay_groups():
     model, ref = mlp(), mlp()
-    opt = build_optimizer(make_cfg("sgd", lr=1.0, clip=0.05, wd=0.0), [model], process_groups=get_process_groups())
+    opt = build_optimizer(
+        optimizer_config(ADAM, optimizer="sgd", lr=1.0, clip_grad=0.05, weight_decay=0.0),
+        [model],
+        process_groups=get_process_groups(),
+    )
     assert isinstance(opt, FP32Optimizer)
     opt.log_num_zeros_in_grad = True
     x, y = torch.randn(8, 6), torch.randn(8, 3)
@@ -154,7 +164,9 @@ def test_state_dict_round_trip_continues_identically(dtype, fp16):
             model,
             ddp,
             build_optimizer(
-                make_cfg(bf16=dtype == torch.bfloat16, fp16=fp16, initial_loss_scale=2.0**12, loss_scale_window=2),
+                optimizer_config(
+                    ADAM, bf16=dtype == torch.bfloat16, fp16=fp16, initial_loss_scale=2.0**12, loss_scale_window=2
+                ),
                 [ddp],
                 process_groups=get_process_groups(),
             ),
@@ -272,10 +284,9 @@ def test_decoupled_lr_moves_embedding_and_output_layer_by_their_own_schedule():
     schedule (peak --decoupled-lr, end --decoupled-min-lr), everything else with --lr."""
     from megalm.models import GPTModel
     from megalm.training.lr_scheduler import OptimizerParamScheduler
-    from tests.test_gpt_model import make_batch
-    from tests.test_gpt_model import make_cfg as model_cfg
+    from tests.test_gpt_model import MODEL, make_batch
 
-    cfg = copy.deepcopy(model_cfg(position_embedding_type="rope", untie_embeddings_and_output_weights=True))
+    cfg = copy.deepcopy(make_config(MODEL, position_embedding_type="rope", untie_embeddings_and_output_weights=True))
     t = cfg.training  # an editable copy of the validated config
     t.optimizer, t.lr, t.min_lr, t.weight_decay, t.clip_grad, t.sgd_momentum = "sgd", 0.1, 0.01, 0.0, 0.0, 0.0
     t.decoupled_lr, t.decoupled_min_lr = 0.5, 0.05

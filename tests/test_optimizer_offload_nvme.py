@@ -156,12 +156,10 @@ def test_swap_block_reads_and_writes_views(tmp_path):
 
 
 def _validate(**flags):
-    from tests.test_ddp import make_cfg
+    from tests.configs import optimizer_config
+    from tests.test_ddp import OPTIMIZER
 
-    cfg = make_cfg()
-    for k, v in flags.items():
-        setattr(cfg.training, k, v)
-    cfg.training.validate()
+    optimizer_config(OPTIMIZER, **flags).training.validate()
 
 
 def test_nvme_offload_errors(tmp_path, monkeypatch):

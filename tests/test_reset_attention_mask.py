@@ -9,12 +9,13 @@ import copy
 import pytest
 import torch
 
-from megalm.config import ConfigError, MegalmConfig, validate_config
+from megalm.config import ConfigError
 from megalm.data.gpt_dataset import document_ids, positions_restarting_after
 from megalm.models import GPTModel
 from megalm.parallel_state import get_process_groups
 from megalm.transformer.attention_mask import document_causal_mask
 from megalm.transformer.blocked_attention import blocked_causal_attention
+from tests.configs import SMALL_GPT, make_config
 
 EOD, VOCAB = 0, 50
 
@@ -45,19 +46,11 @@ def test_document_mask_equals_megatrons_loop():
     assert document_ids(torch.tensor([5, 0, 7, 8, 0, 0, 9]), 0).tolist() == [0, 0, 1, 1, 1, 2, 3]
 
 
-def make_cfg(**model) -> MegalmConfig:
-    cfg = MegalmConfig()
-    m = cfg.model
-    m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size = 2, 32, 8, 64
-    m.seq_length, m.vocab_size, m.make_vocab_size_divisible_by = 160, VOCAB, 16
-    m.hidden_dropout = m.attention_dropout = 0.0
-    m.position_embedding_type, m.normalization, m.swiglu = "rope", "RMSNorm", True
-    m.group_query_attention, m.num_query_groups = True, 4
-    for key, value in model.items():
-        setattr(m, key, value)
-    cfg.data.reset_attention_mask = cfg.data.reset_position_ids = True
-    cfg.training.seed = 11
-    return validate_config(cfg)
+# A Llama-style small GPT (8 heads in 4 query groups) over 160 tokens, with --reset-attention-mask and
+# --reset-position-ids.
+MODEL = dict(SMALL_GPT, num_attention_heads=8, seq_length=160, vocab_size=VOCAB, position_embedding_type="rope")
+MODEL.update(normalization="RMSNorm", swiglu=True, group_query_attention=True, num_query_groups=4, seed=11)
+MODEL.update(reset_attention_mask=True, reset_position_ids=True)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "blocked", "unfused"])
@@ -65,7 +58,7 @@ def test_masked_model_equals_each_document_run_alone(backend):
     """Logits of a packed sequence under the document mask (and restarted positions) equal those of
     each document run through the same model on its own with plain causal attention (<= 1e-6)."""
     torch.manual_seed(0)
-    cfg = make_cfg(attention_backend=backend)
+    cfg = make_config(MODEL, attention_backend=backend)
     model = GPTModel(cfg, process_groups=get_process_groups()).eval()
     tokens = docs_tokens(3, 2, 160, 0.02)  # 160 positions: the blocked core's 64-row blocks cut documents
     tokens[0, [30, 63, 64, 100]] = EOD
@@ -107,7 +100,7 @@ def test_recompute_keeps_the_mask():
     labels, mask = torch.roll(tokens, -1, 1), document_causal_mask(ids)
 
     def loss_and_grads(**recompute):
-        model = GPTModel(make_cfg(**recompute), process_groups=get_process_groups()).train()
+        model = GPTModel(make_config(MODEL, recompute), process_groups=get_process_groups()).train()
         loss = model(tokens, None, labels, attention_mask=mask).sum()
         loss.backward()
         return loss.item(), [p.grad.clone() for p in model.parameters()]
@@ -151,15 +144,10 @@ def test_gpt_dataset_items_carry_documents_and_get_batch_builds_the_mask(tmp_pat
     ],
 )
 def test_refused_with_context_parallelism_te_and_flash_attn(setting, message):
-    cfg = MegalmConfig()
-    m = cfg.model
-    m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size = 2, 32, 4, 32, VOCAB
-    m.attention_dropout, cfg.data.reset_attention_mask = 0.0, True
-    cfg.training.bf16 = True  # flash-attn's kernels are half precision
-    for key, value in setting.items():
-        setattr(cfg.parallel if key == "context_parallel_size" else m, key, value)
+    model = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=VOCAB)
+    base = dict(model, attention_dropout=0.0, reset_attention_mask=True, bf16=True)  # bf16: flash-attn's kernels
     with pytest.raises(ConfigError, match=message):
-        validate_config(cfg)
+        make_config(base, setting)
 
 
 def test_keyed_dropout_core_refuses_a_mask_it_cannot_apply():
@@ -167,7 +155,7 @@ def test_keyed_dropout_core_refuses_a_mask_it_cannot_apply():
     the causal-only keyed core without the mask."""
     from megalm.tensor_parallel import model_parallel_manual_seed
 
-    cfg = copy.deepcopy(make_cfg())  # an unvalidated copy (the validated config is frozen)
+    cfg = copy.deepcopy(make_config(MODEL))  # an unvalidated copy (the validated config is frozen)
     cfg.model.position_keyed_attention_dropout, cfg.model.attention_dropout = True, 0.1
     tracker = model_parallel_manual_seed(11, get_process_groups())
     model = GPTModel(cfg, process_groups=get_process_groups(), rng_tracker=tracker).train()

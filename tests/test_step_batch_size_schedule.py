@@ -13,8 +13,9 @@ import re
 
 import pytest
 
-from megalm.config import ConfigError, MegalmConfig, validate_config
+from megalm.config import ConfigError, parse_config, validate_config
 from megalm.training.microbatches import MicrobatchCalculator, ScheduleError, parse_step_batch_size_schedule
+from tests.configs import make_config
 from tests.distributed_harness import run_distributed
 from tests.training_runs import assert_close, records, tiny_flags
 
@@ -58,13 +59,9 @@ def test_calculator_follows_the_schedule_at_dp_1_and_2():
         assert seen == [(b, b // (2 * dp)) for b in BATCHES]
 
 
-def _cfg(**training):
-    cfg = MegalmConfig()
-    cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads, cfg.model.seq_length = 2, 64, 4, 32
-    cfg.training.step_batch_size_schedule, cfg.training.train_samples, cfg.training.micro_batch_size = SCHEDULE, 40, 2
-    for k, v in training.items():
-        setattr(cfg.training, k, v)
-    return cfg
+# A small model trained for 40 samples by SCHEDULE, micro-batch 2.
+SCHEDULED = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, micro_batch_size=2)
+SCHEDULED.update(step_batch_size_schedule=SCHEDULE, train_samples=40)
 
 
 @pytest.mark.parametrize(
@@ -78,25 +75,24 @@ def _cfg(**training):
 )
 def test_config_checks(training, world, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        validate_config(_cfg(**training), world_size=world)
+        make_config(SCHEDULED, training, world_size=world)
 
 
 def test_schedules_with_train_iters_validate_as_in_megatron():
     """Megatron follows the schedule (or ramp) by consumed samples for --train-iters iterations."""
-    cfg = validate_config(_cfg(train_samples=None, train_iters=5), world_size=1)
+    cfg = make_config(SCHEDULED, train_samples=None, train_iters=5, world_size=1)
     assert cfg.training.train_iters == 5 and cfg.training.global_batch_size == 16
-    ramp = _cfg(train_samples=None, train_iters=5, step_batch_size_schedule=None, rampup_batch_size=[4, 4, 16])
-    ramp.training.global_batch_size = 8
-    assert validate_config(ramp, world_size=1).training.rampup_batch_size == [4, 4, 16]
+    ramp = dict(step_batch_size_schedule=None, rampup_batch_size=[4, 4, 16], global_batch_size=8)
+    cfg = make_config(SCHEDULED, ramp, train_samples=None, train_iters=5, world_size=1)
+    assert cfg.training.rampup_batch_size == [4, 4, 16]
 
 
 def test_vocab_and_merge_files_default_to_gpt2_bpe_at_parse_time(tmp_path):
     """As Megatron's pretrain_gpt.py: --vocab-file / --merge-file without --tokenizer-type mean GPT2BPETokenizer;
     a missing merge file is then refused before any rank starts."""
-    from megalm.config import build_parser, config_from_args
 
     def parse(*argv):
-        return validate_config(config_from_args(build_parser().parse_args(list(argv))), world_size=1)
+        return parse_config(list(argv), world_size=1)
 
     assert parse("--vocab-file", "v.json", "--merge-file", "m.txt").data.tokenizer_type == "GPT2BPETokenizer"
     with pytest.raises(ConfigError, match="--tokenizer-type GPT2BPETokenizer needs --merge-file"):
@@ -104,7 +100,7 @@ def test_vocab_and_merge_files_default_to_gpt2_bpe_at_parse_time(tmp_path):
 
 
 def test_the_global_batch_size_is_the_schedules_largest():
-    cfg = validate_config(_cfg(), world_size=2)
+    cfg = make_config(SCHEDULED, world_size=2)
     assert cfg.training.global_batch_size == 16
     assert validate_config(cfg, world_size=2).training.global_batch_size == 16  # validating again is fine
 

@@ -20,7 +20,7 @@ from megalm import parallel_state
 from megalm.checkpoint.dcp_io import saved_tensor_shapes
 from megalm.checkpoint.load import load_checkpoint
 from megalm.checkpoint.save import save_checkpoint
-from megalm.config import ConfigError, MegalmConfig, parse_config, validate_config
+from megalm.config import ConfigError, parse_config
 from megalm.fusions import BackendUnavailable, plan_fusions
 from megalm.models import GPTModel
 from megalm.optimizer import build_optimizer
@@ -30,6 +30,7 @@ from megalm.parameter_names import canonical_name
 from megalm.tensor_parallel import gather_tensor_parallel_grad, gather_tensor_parallel_param
 from megalm.transformer.fp8 import fp8_recipe
 from tests import te_standin
+from tests.configs import SMALL_GPT, make_config
 from tests.distributed_harness import run_distributed
 from tests.numerics import relative_error
 from tests.test_gpt_model import _run_step as _step
@@ -57,18 +58,8 @@ ONE_PROCESS_ONLY = {  # megalm's attention core under TE, selective recompute; M
 }
 
 
-def make_cfg(tp: int = 1, sp: bool = False, impl: str = "local", **model) -> MegalmConfig:
-    cfg = MegalmConfig()
-    m = cfg.model
-    m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size = 2, 32, 4, 64
-    m.seq_length, m.vocab_size, m.make_vocab_size_divisible_by = SEQ, VOCAB, 16
-    m.hidden_dropout = m.attention_dropout = 0.0
-    m.transformer_impl = impl
-    for key, value in model.items():
-        setattr(m, key, value)
-    cfg.parallel.tensor_model_parallel_size, cfg.parallel.sequence_parallel = tp, sp
-    cfg.training.micro_batch_size, cfg.training.seed = BATCH, 4321
-    return validate_config(cfg)
+# The model of these tests (tests/test_gpt_model.py's, local layers unless a test asks for TE's).
+MODEL = dict(SMALL_GPT, seq_length=SEQ, vocab_size=VOCAB, transformer_impl="local", micro_batch_size=BATCH, seed=4321)
 
 
 def make_batch(seed: int):
@@ -136,8 +127,8 @@ def test_te_layers_match_local_layers_in_one_process(te):
     errors = {}
     for i, (name, overrides) in enumerate({**CONFIGS, **ONE_PROCESS_ONLY}.items()):
         batch = make_batch(i)
-        reference = _snapshot(GPTModel(make_cfg(**overrides), process_groups=get_process_groups()), batch)
-        model = GPTModel(make_cfg(impl=TE, **overrides), process_groups=get_process_groups())
+        reference = _snapshot(GPTModel(make_config(MODEL, overrides), process_groups=get_process_groups()), batch)
+        model = GPTModel(make_config(MODEL, overrides, transformer_impl=TE), process_groups=get_process_groups())
         errors.update(_compare(name, _snapshot(model, batch), reference))
         assert not _contract_problems(model, sp=False), name
         layer = model.decoder.layers["0"]
@@ -175,14 +166,17 @@ def _tensor_parallel_rank(ckpt_root: str):
     batches = {name: make_batch(i) for i, name in enumerate(CONFIGS)}
     parallel_state.destroy_model_parallel()
     references = {
-        name: _snapshot(GPTModel(make_cfg(**o), process_groups=get_process_groups()), batches[name])
+        name: _snapshot(GPTModel(make_config(MODEL, o), process_groups=get_process_groups()), batches[name])
         for name, o in CONFIGS.items()
     }
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     errors, saved = {}, None
     for name, overrides in CONFIGS.items():
         for sp in (False, True):
-            model = GPTModel(make_cfg(2, sp, TE, **overrides), process_groups=get_process_groups())
+            model = GPTModel(
+                make_config(MODEL, overrides, tensor_model_parallel_size=2, sequence_parallel=sp, transformer_impl=TE),
+                process_groups=get_process_groups(),
+            )
             errors.update(_compare(f"{name} tp=2 sp={sp}", _snapshot(model, batches[name]), references[name]))
             errors[f"{name} sp={sp} contract"] = float(len(_contract_problems(model, sp)))
             if name == "llama" and sp:
@@ -195,7 +189,15 @@ def _tensor_parallel_rank(ckpt_root: str):
     # fp8: every TE module's forward inside one fp8_autocast region per forward, amaxes reduced over TP x DP.
     te_fp8.ENTERED.clear()
     model = GPTModel(
-        make_cfg(2, True, TE, fp8_format="hybrid", **CONFIGS["llama"]), process_groups=get_process_groups()
+        make_config(
+            MODEL,
+            CONFIGS["llama"],
+            tensor_model_parallel_size=2,
+            sequence_parallel=True,
+            transformer_impl=TE,
+            fp8_format="hybrid",
+        ),
+        process_groups=get_process_groups(),
     )
     loss = _step(model, batches["llama"])  # the stand-in computes in fp32: the bf16/fp32 loss
     recipe, group = te_fp8.ENTERED[0]
@@ -214,7 +216,7 @@ def test_te_layers_on_tensor_parallel_ranks_match_local_and_checkpoint_across_la
     for errors, _ in results:
         _assert_small(errors, minimum_checks=3 * 2 * 20)
     saved = results[0][1]
-    local = GPTModel(make_cfg(**CONFIGS["llama"]), process_groups=get_process_groups())  # TP 1, local layers
+    local = GPTModel(make_config(MODEL, CONFIGS["llama"]), process_groups=get_process_groups())  # TP 1, local layers
     load_checkpoint(str(tmp_path), [local], finetune=True)
     loaded = dict(local.named_parameters())
     assert set(loaded) == set(saved)
@@ -245,14 +247,17 @@ def test_checkpoints_are_interchangeable_between_te_and_local_models(te, tmp_pat
     (pickled) is not saved, so loading stays pickle-free."""
     for source_impl, target_impl in ((TE, "local"), ("local", TE)):
         root = str(tmp_path / f"{source_impl}-to-{target_impl}")
-        source_cfg = make_cfg(impl=source_impl, **CONFIGS["gpt2"])
-        target_cfg = make_cfg(impl=target_impl, **CONFIGS["gpt2"])
+        source_cfg = make_config(MODEL, CONFIGS["gpt2"], transformer_impl=source_impl)
+        target_cfg = make_config(MODEL, CONFIGS["gpt2"], transformer_impl=target_impl)
         source = _perturbed(source_cfg, seed=1)
         optimizer = _trained_optimizer(source_cfg, source)
         path = save_checkpoint(root, 1, [source], optimizer=optimizer, config=source_cfg.to_dict())
         keys = saved_tensor_shapes(path)
         local_names = {
-            n for n, _ in GPTModel(make_cfg(**CONFIGS["gpt2"]), process_groups=get_process_groups()).named_parameters()
+            n
+            for n, _ in GPTModel(
+                make_config(MODEL, CONFIGS["gpt2"]), process_groups=get_process_groups()
+            ).named_parameters()
         }
         assert {k[len("model.") :] for k in keys if k.startswith("model.")} == local_names
         assert not any("extra_state" in k or "layer_norm_weight" in k for k in keys)
@@ -306,13 +311,14 @@ def test_fp8_recipe_follows_flags_and_autocast_wraps_every_chunk(te):
         margin=0, fp8_format=Format.HYBRID, amax_history_len=1, amax_compute_algo="most_recent"
     )
 
-    cfg = make_cfg(
-        impl=TE,
+    cfg = make_config(
+        MODEL,
+        CONFIGS["llama"],
+        transformer_impl=TE,
         fp8_format="e4m3",
         fp8_margin=2,
         fp8_amax_history_len=16,
         fp8_amax_compute_algo="max",
-        **CONFIGS["llama"],
     )
     model = GPTModel(cfg, process_groups=get_process_groups())
     assert "fp8: e4m3, delayed scaling (margin 2, amax history 16, max)" in model.fusion_plan.describe()
@@ -324,7 +330,9 @@ def test_fp8_recipe_follows_flags_and_autocast_wraps_every_chunk(te):
         m.fp8_forwards == 1 and m.fp8_meta["recipe"] == fp8_recipe(cfg.model) for m in _te_modules(model)
     )
     assert not te_fp8.is_fp8_enabled()  # left after the layers
-    reference = GPTModel(make_cfg(impl=TE, **CONFIGS["llama"]), process_groups=get_process_groups())(*batch[:3])
+    reference = GPTModel(
+        make_config(MODEL, CONFIGS["llama"], transformer_impl=TE), process_groups=get_process_groups()
+    )(*batch[:3])
     assert relative_error(loss, reference) < 1e-6  # the stand-in does not quantize
 
     # A later pipeline stage (no embedding) opens its own region around its layers.
@@ -339,31 +347,32 @@ def test_fp8_recipe_follows_flags_and_autocast_wraps_every_chunk(te):
 
 def test_refusals_name_the_problem(monkeypatch):
     with pytest.raises(BackendUnavailable) as missing:  # CPU, no TE
-        plan_fusions(make_cfg(impl=TE).model)
+        plan_fusions(make_config(MODEL, transformer_impl=TE).model)
     message = str(missing.value)
     assert "Transformer Engine is not available without a GPU" in message
     assert "pip install --no-build-isolation 'transformer_engine[pytorch]'" in message and "apex" not in message
 
     with pytest.raises(ConfigError, match="--fp8-format e4m3 needs --transformer-impl transformer_engine"):
-        make_cfg(fp8_format="e4m3")
-    unvalidated = copy.deepcopy(make_cfg().model)
+        make_config(MODEL, fp8_format="e4m3")
+    unvalidated = copy.deepcopy(make_config(MODEL).model)
     unvalidated.fp8_format = "hybrid"
     with pytest.raises(BackendUnavailable, match="--fp8-format hybrid needs --transformer-impl transformer_engine"):
         plan_fusions(unvalidated)
     with pytest.raises(ConfigError, match="recompute-granularity full is not supported"):
-        make_cfg(
-            impl=TE,
+        make_config(
+            MODEL,
+            transformer_impl=TE,
             fp8_format="hybrid",
             recompute_granularity="full",
             recompute_method="uniform",
             recompute_num_layers=1,
         )
     with pytest.raises(ConfigError, match=r"widths divisible by 16, got \{'ffn/tp': 24\}"):
-        make_cfg(impl=TE, fp8_format="hybrid", ffn_hidden_size=24)
+        make_config(MODEL, transformer_impl=TE, fp8_format="hybrid", ffn_hidden_size=24)
     with pytest.raises(ConfigError, match="tokens per rank"):
-        make_cfg(impl=TE, fp8_format="hybrid", seq_length=6)
+        make_config(MODEL, transformer_impl=TE, fp8_format="hybrid", seq_length=6)
     with pytest.raises(ConfigError, match="--fp8-amax-history-len >= 1"):
-        make_cfg(impl=TE, fp8_format="hybrid", fp8_amax_history_len=0)
+        make_config(MODEL, transformer_impl=TE, fp8_format="hybrid", fp8_amax_history_len=0)
 
     te = te_standin.install(monkeypatch)  # TE present, but a GPU without fp8
     try:
@@ -373,7 +382,9 @@ def test_refusals_name_the_problem(monkeypatch):
             lambda: (False, "Device compute capability 8.9 or higher required for FP8 execution."),
         )
         with pytest.raises(BackendUnavailable, match="cannot run fp8 here: Device compute capability 8.9"):
-            plan_fusions(make_cfg(impl=TE, fp8_format="hybrid").model)
-        assert plan_fusions(make_cfg(impl=TE).model).transformer == "te"  # bf16 TE layers still fine
+            plan_fusions(make_config(MODEL, transformer_impl=TE, fp8_format="hybrid").model)
+        assert (
+            plan_fusions(make_config(MODEL, transformer_impl=TE).model).transformer == "te"
+        )  # bf16 TE layers still fine
     finally:
         te_standin.uninstall()

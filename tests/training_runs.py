@@ -1,11 +1,14 @@
-"""Shared helpers of the tests: the tiny GPT's flags (:func:`tiny_flags`) and in-process configs
-(:func:`tiny_config`, :data:`MLA_MOE`), running trainings through ``pretrain_gpt.main`` on spawned ranks
-and reading their --metrics-file back."""
+"""Shared helpers of the tests: the tiny GPT's flags (:func:`tiny_flags`, :func:`metrics_argv`), running
+trainings through ``pretrain_gpt.main`` on spawned ranks and reading their --metrics-file back.  In-process
+configs: :mod:`tests.configs` (its ``tiny_config``, ``optimizer_config`` and ``MLA_MOE`` are importable from
+here too, where tests imported them before)."""
 
 import json
 import os
 import signal
 import time
+
+from tests.configs import MLA_MOE, optimizer_config, tiny_config  # noqa: F401  (see the docstring)
 
 # The tiny GPT most training tests run (fp32, no dropout, mock data, in-process data loading, a log line
 # and a metrics record every iteration, no evaluation, no start-up peak measurement).  Values are the flags' text.
@@ -78,57 +81,24 @@ def tiny_flags(**overrides) -> list:
     return argv
 
 
-# A tiny DeepSeek-style model (MLA, RMSNorm, SwiGLU without biases, 4 routed experts, top-2) for
-# :func:`tiny_config`; the tests add the layer count, sequence length and MoE layer pattern.
-MLA_MOE = dict(
-    hidden_size=32,
-    num_attention_heads=4,
-    ffn_hidden_size=48,
-    make_vocab_size_divisible_by=16,
-    init_method_std=0.2,
-    position_embedding_type="rope",
-    normalization="RMSNorm",
-    swiglu=True,
-    add_bias_linear=False,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-    multi_latent_attention=True,
-    qk_layernorm=True,
-    q_lora_rank=16,
-    kv_lora_rank=12,
-    qk_head_dim=8,
-    qk_pos_emb_head_dim=4,
-    v_head_dim=8,
-    num_experts=4,
-    moe_router_topk=2,
-    moe_ffn_hidden_size=16,
-)
-
-
-def optimizer_config(**training):
-    """A ``MegalmConfig`` (not validated: optimizers read it as it is) with the training-section fields
-    ``training`` (optimizer, learning rate, betas...) set, for tests that build an optimizer by hand."""
-    from megalm.config import MegalmConfig
-
-    cfg = MegalmConfig()
-    for name, value in training.items():
-        setattr(cfg.training, name, value)
-    return cfg
+def metrics_argv(base: list, tmp: str, name: str, *extra: str) -> list:
+    """``base`` (an argv) with ``--metrics-file <tmp>/<name>.jsonl`` (read back by :func:`records`) and ``extra``."""
+    return [*base, "--metrics-file", os.path.join(tmp, f"{name}.jsonl"), *extra]
 
 
 def offload_optimizer(model, strategy=None, *, offload=None, fraction=1.0, path=None, overlap=False, optimizer="adam"):
     """``(model, chunk, optimizer)`` for the optimizer-offload tests: ``chunk`` is ``model`` wrapped in DDP with
     ``--data-parallel-sharding-strategy strategy`` (None: ``model`` itself, the plain optimizer), the optimizer
-    built from tests/test_ddp.py's config with ``--optimizer offload``: None (no offload), ``"cpu"``
+    built with tests/test_ddp.py's settings (``OPTIMIZER``) with ``--optimizer offload``: None (no offload), ``"cpu"``
     (``--optimizer-cpu-offload``, ``overlap``: ``--overlap-cpu-optimizer-d2h-h2d``) or ``"nvme"``
     (``--optimizer-offload-device nvme --offload-path path``), each at ``--optimizer-offload-fraction fraction``."""
     from megalm.config import ParallelConfig
     from megalm.distributed import DistributedDataParallel
     from megalm.optimizer import build_optimizer
     from megalm.parallel_state import get_process_groups
-    from tests.test_ddp import make_cfg
+    from tests.test_ddp import OPTIMIZER
 
-    cfg = make_cfg()
+    cfg = optimizer_config(OPTIMIZER)
     t = cfg.training
     t.optimizer, t.optimizer_offload_fraction = optimizer, fraction
     t.optimizer_cpu_offload, t.overlap_cpu_optimizer_d2h_h2d = offload == "cpu", overlap
@@ -141,19 +111,6 @@ def offload_optimizer(model, strategy=None, *, offload=None, fraction=1.0, path=
             model, ParallelConfig(data_parallel_sharding_strategy=strategy), process_groups=get_process_groups()
         )
     return model, chunk, build_optimizer(cfg, [chunk], report_memory=False, process_groups=get_process_groups())
-
-
-def tiny_config(vocab_size: int, **model):
-    """A validated (frozen) ``MegalmConfig`` whose model section has the defaults but ``model`` (field
-    names of ``cfg.model``), with a ``vocab_size``-token vocabulary (padded as the tokenizer's would be)."""
-    from megalm.config import MegalmConfig, set_vocab_size, validate_config
-
-    cfg = MegalmConfig()
-    for name, value in dict(model, vocab_size=vocab_size).items():
-        setattr(cfg.model, name, value)
-    validate_config(cfg)
-    set_vocab_size(cfg, vocab_size)
-    return cfg
 
 
 def run_trainings(runs):

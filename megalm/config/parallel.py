@@ -256,11 +256,6 @@ class ParallelConfig(Section):
         check(tp >= 1 and pp >= 1, f"parallel sizes must be >= 1 (tensor {tp}, pipeline {pp})")
         check(cp >= 1, f"--context-parallel-size must be >= 1, got {cp}")
         self._validate_sharding_strategy()
-        check(
-            cp == 1 or self.data_parallel_sharding_strategy in ("no_shard", "optim"),
-            f"--data-parallel-sharding-strategy {self.data_parallel_sharding_strategy} with --context-parallel-size "
-            f"{cp} is not tested yet",
-        )
         if self.grad_reduce_in_bf16:
             self.accumulate_allreduce_grads_in_fp32 = False  # DDP's buffers take the parameters' dtype: bf16
         check(

@@ -227,19 +227,14 @@ def reason(message: str) -> str:
 def search(base, cluster, options: Optional[SearchOptions] = None) -> SearchResult:
     """Cost every legal, fitting layout of ``base`` (a MegalmConfig with the vocabulary set; its layout
     flags are replaced) on ``cluster``; see the module docstring."""
-    from megalm.parallel_layout import NodeLayoutError
-
     options = options or SearchOptions()
     result = SearchResult([])
     budget = cluster.memory_gb * 1e9
     for layout in layouts(base, cluster, options):
-        result.considered += 1
-        try:
-            cfg = _legal(base, layout, cluster)
-        except (ConfigError, NodeLayoutError) as e:
-            result.refused[reason(str(e))] += 1
+        sized = _sized(base, layout, cluster, result)
+        if sized is None:
             continue
-        memory = largest_rank_bytes(cfg, cluster)
+        cfg, memory = sized
         if memory <= budget:
             result.candidates.append(_candidate(cfg, layout, cluster, memory))
             result.dominated += len(offloaded(layout, base.model.num_layers)) if options.offload else 0
@@ -248,13 +243,10 @@ def search(base, cluster, options: Optional[SearchOptions] = None) -> SearchResu
         if result.smallest_too_big is None or memory < result.smallest_too_big[0]:
             result.smallest_too_big = (memory, layout)
         for variant in offloaded(layout, base.model.num_layers) if options.offload else ():
-            result.considered += 1
-            try:
-                vcfg = _legal(base, variant, cluster)
-            except (ConfigError, NodeLayoutError) as e:
-                result.refused[reason(str(e))] += 1
+            vsized = _sized(base, variant, cluster, result)
+            if vsized is None:
                 continue
-            vmem = largest_rank_bytes(vcfg, cluster)
+            vcfg, vmem = vsized
             if vmem > budget:
                 result.too_big += 1
                 continue
@@ -262,6 +254,20 @@ def search(base, cluster, options: Optional[SearchOptions] = None) -> SearchResu
             result.candidates.append(_candidate(vcfg, variant, cluster, vmem, note))
     result.candidates.sort(key=lambda c: c.cost.step_s)
     return result
+
+
+def _sized(base, layout: Layout, cluster, result: SearchResult):
+    """``(config, largest rank's bytes)`` of a legal ``layout``; ``None`` for an illegal one, whose refusal is
+    counted in ``result`` (as every layout tried is counted in ``result.considered``)."""
+    from megalm.parallel_layout import NodeLayoutError
+
+    result.considered += 1
+    try:
+        cfg = _legal(base, layout, cluster)
+    except (ConfigError, NodeLayoutError) as e:
+        result.refused[reason(str(e))] += 1
+        return None
+    return cfg, largest_rank_bytes(cfg, cluster)
 
 
 def _legal(base, layout: Layout, cluster):
