@@ -26,8 +26,9 @@ from megalm.optimizer.grad_scaler import DynamicGradScaler
 from megalm.optimizer.memory_accounting import formula_bytes_per_param, optimizer_memory
 from megalm.parallel_state import get_process_groups
 from megalm.param_layout import flat_range_blocks
+from tests.configs import optimizer_config
 from tests.distributed_harness import run_distributed
-from tests.test_ddp import GLOBAL_BATCH, NUM_MICRO, STEPS, batch, make_cfg, make_model, reference_run
+from tests.test_ddp import GLOBAL_BATCH, NUM_MICRO, OPTIMIZER, STEPS, batch, make_model, reference_run
 
 PRECISIONS = {  # name: (param dtype, accumulate_allreduce_grads_in_fp32)
     "fp32": (torch.float32, True),
@@ -70,7 +71,7 @@ def _memory(precision, distributed):
         ParallelConfig(use_distributed_optimizer=distributed, accumulate_allreduce_grads_in_fp32=fp32_grads),
         process_groups=get_process_groups(),
     )
-    cfg = make_cfg()
+    cfg = optimizer_config(OPTIMIZER)
     cfg.parallel.use_distributed_optimizer = distributed
     mem = optimizer_memory(build_optimizer(cfg, [ddp], report_memory=False, process_groups=get_process_groups()), [ddp])
     mem.pop("per_param")
@@ -95,7 +96,7 @@ def _train(dp, overlap, bucket_size, expert_last_layer):
     if expert_last_layer:
         for p in model.out.parameters():
             p.allreduce = False
-    cfg = make_cfg()
+    cfg = optimizer_config(OPTIMIZER)
     cfg.parallel = ParallelConfig(
         overlap_grad_reduce=overlap,
         overlap_param_gather=overlap,
@@ -155,7 +156,7 @@ def _found_inf_on_one_rank():
     ddp = DistributedDataParallel(
         model, ParallelConfig(use_distributed_optimizer=True), process_groups=get_process_groups()
     )
-    cfg = make_cfg()
+    cfg = optimizer_config(OPTIMIZER)
     cfg.parallel.use_distributed_optimizer = True
     optimizer = build_optimizer(cfg, [ddp], report_memory=False, process_groups=get_process_groups())
     optimizer.grad_scaler = DynamicGradScaler(initial_scale=1024.0, min_scale=1.0, growth_interval=1000, hysteresis=1)
