@@ -21,7 +21,7 @@ Counts follow the modules exactly (tests compare with the built model):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional, Tuple
 
 from megalm.models.layer_split import layers_for_stage, virtual_stages
 
@@ -171,6 +171,33 @@ def stage_parameters(cfg, pp_rank: int) -> StageParameters:
             if pp > 1 and m.untie_embeddings_and_output_weights:  # the last stage's copy of the word embedding
                 embedding += vocab_rows * m.hidden_size
     return StageParameters(pp_rank, layers, dense + embedding, expert, embedding, vectors, expert_vectors)
+
+
+def stage_tensors(cfg, pp_rank: int) -> Optional[Tuple[List[int], List[int]]]:
+    """``(matrices, vectors)``: the element counts of the 2-D weights of pipeline rank ``pp_rank`` on one TP rank
+    in the model's order (word and position embeddings, per layer QKV, projection, FC1, FC2, the output layer)
+    and of its 1-D parameters (norms and biases, as tensors of the hidden size).  None where this does not list
+    the tensors (multi-latent attention, MoE, multi-token prediction, learnable softmax sinks)."""
+    m, p = cfg.model, cfg.parallel
+    if m.multi_latent_attention or m.num_experts or m.mtp_num_layers or m.softmax_type == "learnable":
+        return None
+    tp, pp, h = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, m.hidden_size
+    st = stage_parameters(cfg, pp_rank)
+    n, d = m.num_attention_heads, m.head_dim
+    groups = m.num_query_groups if m.group_query_attention else n
+    fc1 = (2 if m.gated_linear_unit else 1) * m.ffn_hidden_size // tp
+    layer = [(n + 2 * groups) * d // tp * h, h * (n * d // tp), fc1 * h, h * (m.ffn_hidden_size // tp)]
+    vocab = m.padded_vocab_size // tp * h
+    matrices = []
+    if pp_rank == 0:
+        matrices.append(vocab)
+        if m.position_embedding_type == "learned_absolute":
+            matrices.append(m.max_position_embeddings * h)
+    matrices += layer * len(st.layers)
+    if pp_rank == pp - 1 and (m.untie_embeddings_and_output_weights or pp > 1):
+        matrices.append(vocab)
+    vectors = [h] * (st.vectors // h) + ([st.vectors % h] if st.vectors % h else [])
+    return matrices, vectors
 
 
 def all_stages(cfg) -> List[StageParameters]:

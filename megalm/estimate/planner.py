@@ -34,10 +34,10 @@ of the global batch; time = FLOPs / (world x peak x MFU).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from megalm.estimate.activations import Shape, stage_activation_bytes
-from megalm.estimate.parameters import all_stages, total_parameters
+from megalm.estimate.parameters import all_stages, stage_tensors, total_parameters
 from megalm.estimate.sharding_peaks import transient_bytes
 from megalm.parallel_layout import expert_data_parallel_size
 
@@ -100,18 +100,50 @@ def offload_bytes_per_param(t) -> Dict[str, float]:
     }
 
 
-def nvme_staging_bytes(t, offloaded_elements: float, largest_tensor: float) -> float:
-    """Host bytes of the NVMe offload's two staging slots (:mod:`megalm.optimizer.nvme_offload`): its buckets of
-    whole tensors cut at ``n / count`` elements (``count`` at least 8, more to keep ~64 MiB a bucket) hold at
-    most that plus one tensor; a slot holds a bucket's copy, moments and gradients."""
-    from megalm.optimizer.cpu_offload import OVERLAP_BUCKETS
+def nvme_staging_bytes(
+    t, offloaded_elements: float, largest_tensor: float, tensors: Optional[List[int]] = None
+) -> float:
+    """Host bytes of the NVMe offload's two staging slots (:mod:`megalm.optimizer.nvme_offload`): a slot holds
+    the largest bucket's copy, moments and gradients.  ``tensors``: the element counts of the rank's main
+    parameters in the optimizer's order, when it holds whole tensors: the offloaded ones are cut into buckets as
+    the optimizer cuts them (exact).  Else an upper bound from ``offloaded_elements`` and ``largest_tensor``:
+    buckets of whole tensors cut at ``n / count`` elements (``count`` at least 8, more to keep ~64 MiB a bucket)
+    hold at most that plus one tensor."""
+    from megalm.optimizer.cpu_offload import OVERLAP_BUCKETS, bucket_starts
     from megalm.optimizer.nvme_offload import BUCKET_BYTES
 
     if t.optimizer_offload_device != "nvme" or offloaded_elements <= 0:
         return 0.0
+    per_element = 8 + moment_bytes(t.optimizer, t.sgd_momentum)
+    if tensors is not None:  # whole tensors in order while fewer than fraction x total went (NvmeOffload)
+        threshold, done, chosen = t.optimizer_offload_fraction * sum(tensors), 0, []
+        for n in tensors:
+            if done >= threshold:
+                break
+            chosen.append(n)
+            done += n
+        count = max(OVERLAP_BUCKETS, -(-16 * done // BUCKET_BYTES))
+        starts = bucket_starts(chosen, count) + [len(chosen)]
+        return 2 * max((sum(chosen[a:b]) for a, b in zip(starts, starts[1:])), default=0) * per_element
     count = max(OVERLAP_BUCKETS, -(-16 * offloaded_elements // BUCKET_BYTES))
     bucket = min(offloaded_elements, -(-offloaded_elements // count) + largest_tensor)
-    return 2 * bucket * (8 + moment_bytes(t.optimizer, t.sgd_momentum))
+    return 2 * bucket * per_element
+
+
+def offloaded_tensor_order(cfg, pp_rank: int, whole: bool) -> Optional[List[int]]:
+    """The element counts of a rank's main parameters in the optimizer's order (see :func:`nvme_staging_bytes`):
+    the 2-D weights (the decay group) then the 1-D ones, the weights in the model's order for the plain
+    optimizer and in the gradient buffer's (reversed) for the distributed optimizer when it holds whole tensors
+    (``whole``: one data-parallel shard).  None when the rank holds pieces of tensors, or the model's tensors are
+    not listed (:func:`megalm.estimate.parameters.stage_tensors`), or other groups reorder them (Muon,
+    ``--decoupled-lr``)."""
+    t, p = cfg.training, cfg.parallel
+    listed = stage_tensors(cfg, pp_rank)
+    if listed is None or not whole or t.optimizer == "muon" or t.decoupled_lr is not None:
+        return None
+    matrices, vectors = listed
+    sharded = p.use_distributed_optimizer or p.data_parallel_sharding_strategy != "no_shard"
+    return (matrices[::-1] + vectors[::-1]) if sharded else matrices + vectors
 
 
 def state_bytes_per_param(precision: str, optimizer: str, sgd_momentum: float, fp32_grads: bool) -> Dict[str, float]:
@@ -226,9 +258,10 @@ def plan(cfg, options: PlannerOptions) -> dict:
         sharded = p.use_distributed_optimizer or p.data_parallel_sharding_strategy != "no_shard"
         owned = st.dense / dense_shards + st.expert / edp if sharded else st.total
         largest = max(m.padded_vocab_size, 2 * (m.ffn_hidden_size or 4 * m.hidden_size)) * m.hidden_size
+        order = offloaded_tensor_order(cfg, st.pp_rank, whole=not sharded or (dense_shards == 1 and edp == 1))
         offload_stage = {
             "offload_host": owned * offload["host"]
-            + nvme_staging_bytes(t, owned * f, largest / p.tensor_model_parallel_size),
+            + nvme_staging_bytes(t, owned * f, largest / p.tensor_model_parallel_size, order),
             "offload_disk": owned * offload["disk"],
         }
         act = stage_activation_bytes(cfg, st.pp_rank, shape, num_micro)
