@@ -173,31 +173,35 @@ def stage_parameters(cfg, pp_rank: int) -> StageParameters:
     return StageParameters(pp_rank, layers, dense + embedding, expert, embedding, vectors, expert_vectors)
 
 
-def stage_tensors(cfg, pp_rank: int) -> Optional[Tuple[List[int], List[int]]]:
-    """``(matrices, vectors)``: the element counts of the 2-D weights of pipeline rank ``pp_rank`` on one TP rank
-    in the model's order (word and position embeddings, per layer QKV, projection, FC1, FC2, the output layer)
-    and of its 1-D parameters (norms and biases, as tensors of the hidden size).  None where this does not list
-    the tensors (multi-latent attention, MoE, multi-token prediction, learnable softmax sinks)."""
+def stage_tensors(cfg, pp_rank: int) -> Optional[List[Tuple[int, bool]]]:
+    """``(elements, is 2-D)`` of the parameters of pipeline rank ``pp_rank`` on one TP rank, in the model's order:
+    word (and position) embeddings; per layer its input norm, QKV weight, QKV bias and q/k norms, projection and
+    its bias, pre-MLP norm, FC1 and its bias, FC2 and its bias (the 1-D parameters of a module as one entry);
+    the final norm and the output layer.  None where this does not list the tensors (multi-latent attention,
+    MoE, multi-token prediction, learnable softmax sinks)."""
     m, p = cfg.model, cfg.parallel
     if m.multi_latent_attention or m.num_experts or m.mtp_num_layers or m.softmax_type == "learnable":
         return None
     tp, pp, h = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, m.hidden_size
-    st = stage_parameters(cfg, pp_rank)
     n, d = m.num_attention_heads, m.head_dim
     groups = m.num_query_groups if m.group_query_attention else n
-    fc1 = (2 if m.gated_linear_unit else 1) * m.ffn_hidden_size // tp
-    layer = [(n + 2 * groups) * d // tp * h, h * (n * d // tp), fc1 * h, h * (m.ffn_hidden_size // tp)]
-    vocab = m.padded_vocab_size // tp * h
-    matrices = []
+    bias, qkv_bias = int(m.add_bias_linear), int(m.add_bias_linear or m.add_qkv_bias)
+    qkv, fc1 = (n + 2 * groups) * d // tp, (2 if m.gated_linear_unit else 1) * m.ffn_hidden_size // tp
+    layer = [(_norm(m), False), (qkv * h, True), (qkv_bias * qkv + _qk_norms(m), False), (h * (n * d // tp), True)]
+    layer += [(bias * h, False), (_norm(m), False), (fc1 * h, True), (bias * fc1, False)]
+    layer += [(h * (m.ffn_hidden_size // tp), True), (bias * h, False)]
+    vocab = (m.padded_vocab_size // tp * h, True)
+    out = []
     if pp_rank == 0:
-        matrices.append(vocab)
+        out.append(vocab)
         if m.position_embedding_type == "learned_absolute":
-            matrices.append(m.max_position_embeddings * h)
-    matrices += layer * len(st.layers)
-    if pp_rank == pp - 1 and (m.untie_embeddings_and_output_weights or pp > 1):
-        matrices.append(vocab)
-    vectors = [h] * (st.vectors // h) + ([st.vectors % h] if st.vectors % h else [])
-    return matrices, vectors
+            out.append((m.max_position_embeddings * h, True))
+    out += layer * len(stage_parameters(cfg, pp_rank).layers)
+    if pp_rank == pp - 1:
+        out.append((_norm(m), False))
+        if m.untie_embeddings_and_output_weights or pp > 1:
+            out.append(vocab)
+    return [t for t in out if t[0]]
 
 
 def all_stages(cfg) -> List[StageParameters]:
