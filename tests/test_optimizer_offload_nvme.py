@@ -8,7 +8,8 @@ state live in swap files (one per bucket), read and written each step by a backg
 * checkpoints stream the swap files (fp32 plain, bf16 distributed optimizer): a save with NVMe offload reads
   each swapped moment once and holds nothing, and writes the in-memory run's checkpoint (same metadata, same
   bytes); it loads without offload, the in-memory one loads with it (written straight into the files), and
-  both continue exactly; on the CPU allocator's count a save holds one swapped tensor at a time (the whole
+  both continue exactly; an --async-save snapshot (stage_to_cpu) reads the in-memory run's values from the
+  files, an in-memory checkpoint's restore (fill_blocks) writes them; on the CPU allocator's count a save holds one swapped tensor at a time (the whole
   state when materialized), a load DCP's own read plus one; a swap block reads and writes any view of its
   tensor (slices, flat ranges, transposes) as memory would;
 * errors before training: a missing, non-directory or unwritable path, too little free space, a swap file
@@ -21,13 +22,15 @@ import pytest
 import torch
 
 from megalm.checkpoint.load import load_checkpoint
+from megalm.checkpoint.local import fill_blocks
+from megalm.checkpoint.model_state import optimizer_sharded_state
 from megalm.checkpoint.safe_metadata import load_metadata
-from megalm.checkpoint.save import save_checkpoint
+from megalm.checkpoint.save import save_checkpoint, stage_to_cpu
 from megalm.config.fields import ConfigError
 from megalm.optimizer.swap_files import HEADER_BYTES, SwapError
 from megalm.training.memory import TrackedAllocations
 from tests.test_distrib_optimizer import _mlp
-from tests.test_optimizer_offload import _build, _steps
+from tests.test_optimizer_offload import _blocks, _build, _steps
 from tests.training_runs import offload_optimizer
 
 
@@ -95,6 +98,24 @@ def test_nvme_checkpoints_stream_the_swap_files(tmp_path, dtype, strategy):
     assert files and files == sorted(f for f in os.listdir(saved["nvme"]) if f.endswith(".distcp"))
     for f in files:
         assert (tmp_path / saved["nvme"] / f).read_bytes() == (tmp_path / saved["plain"] / f).read_bytes()
+    # an --async-save's snapshot reads the blocks from the files; an in-memory checkpoint's restore writes them
+    want = optimizer_sharded_state(plain[2], [plain[1]])
+    blocks = {
+        k: [{"offsets": s.offsets, "global_shape": s.global_shape, "data": s.local.clone()} for s in _blocks(v)]
+        for k, v in want.items()
+    }
+    specs = optimizer_sharded_state(nvme[2], [nvme[1]])
+    assert specs.keys() == want.keys() and any(s.source is not None for v in specs.values() for s in _blocks(v))
+    for key, value in stage_to_cpu(specs).items():
+        assert [b.source for b in _blocks(value)] == [None] * len(blocks[key])
+        assert all(torch.equal(b.local, w["data"]) for b, w in zip(_blocks(value), blocks[key]))
+    (tmp_path / "swap_c").mkdir()
+    local = _build_nvme(dtype, strategy, 1.0, tmp_path / "swap_c")
+    fill_blocks(optimizer_sharded_state(local[2], [local[1]]), blocks)
+    local[2].materialize_offload()
+    for key, value in optimizer_sharded_state(local[2], [local[1]]).items():
+        assert all(torch.equal(b.local, w["data"]) for b, w in zip(_blocks(value), blocks[key]))
+    local[2].close()
 
     ref = _steps(*plain, 1, seed=1)
     nvme[2].close()
