@@ -9,9 +9,9 @@ state live in swap files (one per bucket), read and written each step by a backg
   each swapped moment once and holds nothing, and writes the in-memory run's checkpoint (same metadata, same
   bytes); it loads without offload, the in-memory one loads with it (written straight into the files), and
   both continue exactly; an --async-save snapshot (stage_to_cpu) reads the in-memory run's values from the
-  files, an in-memory checkpoint's restore (fill_blocks) writes them; on the CPU allocator's count a save holds one swapped tensor at a time (the whole
-  state when materialized), a load DCP's own read plus one; a swap block reads and writes any view of its
-  tensor (slices, flat ranges, transposes) as memory would;
+  files, an in-memory checkpoint's restore (fill_blocks) writes them; on the CPU allocator's count a save
+  holds one swapped tensor at a time (the whole state when materialized), a load DCP's own read plus one; a
+  swap block reads and writes any view of its tensor (slices, flat ranges, transposes) as memory would;
 * errors before training: a missing, non-directory or unwritable path, too little free space, a swap file
   of another run (live: named; the files are removed at close), config combinations.
 """

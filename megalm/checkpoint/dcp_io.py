@@ -161,7 +161,8 @@ def save_sharded(specs: ShardedStateDict, path: str, process_group=None) -> None
     When a block has a source (the NVMe offload's swapped optimizer state) the save streams: DCP's serial
     loader (no copy-ahead, which would read many blocks before writing one) and one copy of a block in
     memory at a time (:meth:`_ShardSavePlanner.resolve_data`).  The files hold the same items either way
-    (on CUDA the copy-ahead loader orders them by size: the offsets in ``.metadata`` differ, not the data)."""
+    (on CUDA the copy-ahead loader writes them smallest first, the serial one largest first: the offsets in
+    ``.metadata`` differ, not the data)."""
     streaming = any(s.source is not None for v in specs.values() for s in _as_list(v))
     writer = FileSystemWriter(path, per_thread_copy_ahead=0) if streaming else None
     dcp.save(
