@@ -132,7 +132,8 @@ def test_nvme_checkpoints_stream_the_swap_files(tmp_path, dtype, strategy):
 
 
 def test_nvme_checkpoint_holds_one_block_in_memory(tmp_path):
-    """Save and load counted on the CPU allocator: one swapped tensor at a time, never the state."""
+    """Save and load counted on the CPU allocator: one swapped tensor at a time, never the state; a save without
+    offload copies one weight at a time out of DDP's buffer."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(8)])
     _, _, opt = offload_optimizer(model, offload="nvme", path=tmp_path)
@@ -149,6 +150,12 @@ def test_nvme_checkpoint_holds_one_block_in_memory(tmp_path):
     assert loading.peak <= 3 * block  # DCP's own read of a tensor (2 blocks) and the one on its way to the file
     assert materializing.peak == 16 * block
     opt.close()
+    # without offload, a ZeRO-2 save copies each weight out of DDP's buffer (DCP's writer kept every copy)
+    _, chunk, zero2 = offload_optimizer(model, "optim_grads")
+    zero2.init_state()  # the moments (a save creates them when no step was taken)
+    with TrackedAllocations() as saving:
+        save_checkpoint(str(tmp_path / "zero2"), 1, [chunk], zero2)
+    assert saving.allocated >= 8 * block and saving.peak <= block
 
 
 def test_swap_block_reads_and_writes_views(tmp_path):

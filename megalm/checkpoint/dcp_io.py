@@ -158,12 +158,14 @@ class _ShardLoadPlanner(DefaultLoadPlanner):
 def save_sharded(specs: ShardedStateDict, path: str, process_group=None) -> None:
     """Collective: every rank of ``process_group`` (default world) calls this with its blocks.
 
-    When a block has a source (the NVMe offload's swapped optimizer state) the save streams: DCP's serial
-    loader (no copy-ahead, which would read many blocks before writing one) and one copy of a block in
-    memory at a time (:meth:`_ShardSavePlanner.resolve_data`).  The files hold the same items either way
-    (on CUDA the copy-ahead loader writes them smallest first, the serial one largest first: the offsets in
-    ``.metadata`` differ, not the data)."""
-    streaming = any(s.source is not None for v in specs.values() for s in _as_list(v))
+    The save streams when a block has a source (the NVMe offload's swapped optimizer state) or every block is
+    in host memory: DCP's serial loader (no copy-ahead, which would read many blocks before writing one) and
+    one copy of a block in memory at a time (:meth:`_ShardSavePlanner.resolve_data`; without it DCP's writer
+    keeps every copy it makes, e.g. of each view into a DDP buffer, until the file is written).  The files hold
+    the same items either way (on CUDA the copy-ahead loader writes them smallest first, the serial one largest
+    first: the offsets in ``.metadata`` differ, not the data)."""
+    blocks = [s for v in specs.values() for s in _as_list(v)]
+    streaming = any(s.source is not None for s in blocks) or all(s.local.device.type in ("cpu", "meta") for s in blocks)
     writer = FileSystemWriter(path, per_thread_copy_ahead=0) if streaming else None
     dcp.save(
         _locals(specs),
