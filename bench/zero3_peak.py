@@ -18,12 +18,14 @@ numbers are taken:
   (:mod:`megalm.estimate.sharding_peaks`: for ZeRO-3 the gathered working set), activations and
   transient buffers.
 
-``--meta`` builds every run with ``--init-model-with-meta-device`` (the build column then holds no full
+``--experts E`` makes every layer an MoE layer (``--ep``: expert parallelism; the expert parameters are
+sharded over the expert-data-parallel group, ``ranks / ep``).  ``--meta`` builds every run with
+``--init-model-with-meta-device`` (the build column then holds no full
 model under ZeRO-3).  The table prints the largest rank's numbers (MiB) and ``tracked / formula``.  Bytes
 do not depend on the machine; RSS a little (allocator, thread stacks).
 
     python bench/zero3_peak.py [--ranks 4] [--layers 6 --hidden 768 --ffn 2048 --vocab 32000 --seq 256]
-        [--bucket-size 2000000] [--meta]
+        [--bucket-size 2000000] [--meta] [--experts 8 --moe-ffn 1024 --ep 2]
         [--strategies no_shard optim optim_grads optim_grads_params] [--out bench/results/zero3_peak.json]
 """
 
@@ -58,6 +60,15 @@ def model_flags(a) -> list:
         *("--no-log-memory", "--micro-batch-size", "1", "--train-iters", "4", "--overlap-grad-reduce"),
         *(["--ddp-bucket-size", str(a.bucket_size)] if a.bucket_size else []),
         *(["--init-model-with-meta-device"] if a.meta else []),
+        *(moe_flags(a) if a.experts else []),
+    ]
+
+
+def moe_flags(a) -> list:
+    """``--experts E``: every layer an MoE layer of E SwiGLU experts (``--moe-ffn`` wide, top-2), EP ``--ep``."""
+    return [
+        *("--num-experts", str(a.experts), "--moe-ffn-hidden-size", str(a.moe_ffn), "--moe-router-topk", "2"),
+        *("--expert-model-parallel-size", str(a.ep), "--moe-token-dispatcher-type", "alltoall"),
     ]
 
 
@@ -122,6 +133,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--bucket-size", type=int, default=2_000_000, help="--ddp-bucket-size (0: Megatron's default, 40M)")
     ap.add_argument("--meta", action="store_true", help="build with --init-model-with-meta-device")
+    ap.add_argument("--experts", type=int, default=0, help="MoE: experts per layer (0: dense)")
+    ap.add_argument("--moe-ffn", type=int, default=1024, help="MoE: --moe-ffn-hidden-size")
+    ap.add_argument("--ep", type=int, default=1, help="MoE: --expert-model-parallel-size")
     ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     ap.add_argument("--out")
     a = ap.parse_args()
@@ -136,7 +150,9 @@ def main() -> None:
         print(s, {k: round(v / MiB, 1) for k, v in rows[s].items()}, flush=True)
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     meta = ", --init-model-with-meta-device" if a.meta else ""
-    print(f"\n{planned['params'] / 1e6:.1f}M parameters, fp32, DP {a.ranks}, bucket {a.bucket_size}{meta}; {cpu}\n")
+    moe = f", {a.experts} experts (--moe-ffn {a.moe_ffn}) at EP {a.ep}" if a.experts else ""
+    size = f"{planned['params'] / 1e6:.1f}M parameters, fp32, DP {a.ranks}, bucket {a.bucket_size}"
+    print(f"\n{size}{meta}{moe}; {cpu}\n")
     print("| strategy | formula MiB | tracked peak MiB | tracked / formula | build MiB | step MiB | peak RSS MiB |")
     print("|---|---|---|---|---|---|---|")
     for s, r in rows.items():
@@ -146,7 +162,10 @@ def main() -> None:
         )
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"params": planned["params"], "ranks": a.ranks, "meta": a.meta, "rows": rows}, f, indent=1)
+            out = {"params": planned["params"], "ranks": a.ranks, "meta": a.meta, "rows": rows}
+            if a.experts:
+                out.update(experts=a.experts, moe_ffn=a.moe_ffn, ep=a.ep)
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,9 @@
 """Small random checkpoints shared by the conversion and generation tests (no transformers import,
-so spawned ranks that use them start fast)."""
-
-from typing import Optional
+so spawned ranks that use them start fast); their model: ``tests.configs.TINY_GPT``."""
 
 import torch
 
 from megalm.checkpoint.save import save_checkpoint
-from megalm.config import MegalmConfig, set_vocab_size, validate_config
 from megalm.parallel_state import get_process_groups
 
 # A Llama-style variant (RoPE, RMSNorm, SwiGLU, GQA, untied) with biases, so bias mappings are exercised too.
@@ -22,23 +19,6 @@ LLAMA = dict(
     rotary_base=500.0,
     norm_epsilon=1e-6,
 )
-
-
-def tiny_cfg(
-    vocab: int, tokenizer_type: Optional[str] = None, tokenizer_model: Optional[str] = None, **model
-) -> MegalmConfig:
-    """A validated 2-layer, hidden-32 config (init std 0.3) with vocabulary ``vocab``; ``model``
-    overrides model fields."""
-    cfg = MegalmConfig()
-    m = cfg.model
-    m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size = 2, 32, 4, 48
-    m.seq_length, m.vocab_size, m.make_vocab_size_divisible_by, m.init_method_std = 16, vocab, 64, 0.3
-    for k, v in model.items():
-        setattr(m, k, v)
-    cfg.data.tokenizer_type, cfg.data.tokenizer_model = tokenizer_type, tokenizer_model
-    validate_config(cfg)
-    set_vocab_size(cfg, vocab)
-    return cfg
 
 
 def save_random_model(cfg, root, iteration=7):

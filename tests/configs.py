@@ -11,7 +11,7 @@ as the entry points parse them: :func:`megalm.config.parse_config`; flags of the
 
 import dataclasses
 
-from megalm.config import SECTIONS, MegalmConfig, validate_config
+from megalm.config import SECTIONS, MegalmConfig, ModelConfig, ParallelConfig, validate_config
 
 # Field name -> the section that owns it ("lr" -> "training").
 FIELD_SECTION = {f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
@@ -95,3 +95,26 @@ def optimizer_config(*shapes: dict, **training) -> MegalmConfig:
     """An unvalidated config (optimizers read it as it is) with ``shapes`` and ``training`` (optimizer,
     learning rate, betas...) set as :func:`make_config` sets them, for tests that build an optimizer by hand."""
     return make_config(*shapes, validate=False, **training)
+
+
+def tiny_flags_config(*shapes: dict, tokenizer_vocab=None, world_size=None, **flags) -> MegalmConfig:
+    """The config ``pretrain_gpt`` parses from :func:`tests.training_runs.tiny_flags` of ``shapes`` and
+    ``flags`` (flag names with ``_``; values as tiny_flags takes them), validated for ``world_size`` ranks;
+    ``tokenizer_vocab``: with the vocabulary the tokenizer reports, as the trainer records it."""
+    from megalm.config import parse_config, with_vocab_size
+    from tests.training_runs import tiny_flags
+
+    cfg = parse_config(tiny_flags(**{k: v for shape in (*shapes, flags) for k, v in shape.items()}), world_size)
+    return cfg if tokenizer_vocab is None else with_vocab_size(cfg, tokenizer_vocab)
+
+
+def model_config(*shapes: dict, **fields) -> ModelConfig:
+    """The model section of an unvalidated config with ``shapes`` and ``fields`` set as :func:`make_config`
+    sets them, for tests that build a layer or plan fusions from the section as it is."""
+    return make_config(*shapes, validate=False, **fields).model
+
+
+def parallel_config(*shapes: dict, **fields) -> ParallelConfig:
+    """The parallel section of an unvalidated config with ``shapes`` and ``fields`` set as :func:`make_config`
+    sets them, for tests that wrap a model in ``DistributedDataParallel`` by hand."""
+    return make_config(*shapes, validate=False, **fields).parallel

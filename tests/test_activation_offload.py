@@ -29,7 +29,8 @@ from megalm.estimate.activations import Shape, layer_bytes
 from megalm.models import GPTModel
 from megalm.parallel_state import get_process_groups
 from megalm.tensor_parallel import model_parallel_manual_seed
-from tests.test_estimate import LLAMA, make_cfg
+from tests.configs import make_config
+from tests.test_estimate import LLAMA, MODEL
 
 GPT = dict(hidden_dropout=0.1, attention_dropout=0.1)
 MOE = dict(num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2, **LLAMA)
@@ -37,7 +38,7 @@ CASES = {"gpt-fp32": (GPT, torch.float32), "llama-bf16": (LLAMA, torch.bfloat16)
 
 
 def _model(model_kw, dtype, offload_layers=0):
-    cfg = copy.deepcopy(make_cfg(num_layers=3, **model_kw))  # editable: the validated config is frozen
+    cfg = copy.deepcopy(make_config(MODEL, model_kw, num_layers=3))  # editable: the validated config is frozen
     cfg.model.cpu_offloading, cfg.model.cpu_offloading_num_layers = offload_layers > 0, offload_layers
     validate_config(cfg, world_size=1)
     torch.manual_seed(0)
@@ -180,7 +181,7 @@ def test_microbatches_in_flight_keep_their_own_copies_and_eval_moves_nothing():
     ],
 )
 def test_unsupported_combinations_are_refused(settings, message):
-    cfg = copy.deepcopy(make_cfg(num_layers=3))  # editable: the validated config is frozen
+    cfg = copy.deepcopy(make_config(MODEL, num_layers=3))  # editable: the validated config is frozen
     cfg.model.cpu_offloading, cfg.model.cpu_offloading_num_layers = True, 1
     for key, value in settings.items():
         section = next(s for s in (cfg.model, cfg.parallel, cfg.training) if hasattr(s, key))

@@ -14,7 +14,7 @@ from megalm.checkpoint.resume import TRACKER_FILENAME
 from megalm.checkpoint.save import stage_to_cpu
 from megalm.param_layout import ShardedTensorSpec
 from tests.distributed_harness import run_distributed
-from tests.training_runs import losses, records, tiny_flags
+from tests.training_runs import losses, metrics_argv, records, tiny_flags
 
 # --- the writer -----------------------------------------------------------------------------------
 
@@ -94,7 +94,7 @@ def _slowed_trainings(runs, delay, fail_common_on_rank=None):
     for argv, observations in runs:
         root = argv[argv.index("--save") + 1]
 
-        def slowed_save(specs, path, process_group=None):
+        def slowed_save(specs, path, process_group=None, objects=None):
             if process_group is not None:  # the background thread
                 seen = {
                     "path": os.path.basename(path),
@@ -106,7 +106,7 @@ def _slowed_trainings(runs, delay, fail_common_on_rank=None):
                 with open(f"{observations}.rank{dist.get_rank()}", "a") as f:
                     f.write(json.dumps(seen) + "\n")
                 time.sleep(delay)
-            return original_save(specs, path, process_group=process_group)
+            return original_save(specs, path, process_group=process_group, objects=objects)
 
         def failing_common(path, common):
             if dist.get_rank() == fail_common_on_rank:
@@ -125,17 +125,18 @@ def _slowed_trainings(runs, delay, fail_common_on_rank=None):
 def trained(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("async_save"))
 
-    def argv(name, *extra):
-        return BASE + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl"), *extra]
-
     ck = os.path.join(tmp, "ck")
     runs = [
         (
-            argv("async", "--train-iters", "6", "--save", ck, "--save-interval", "2", "--async-save"),
+            metrics_argv(
+                BASE, tmp, "async", "--train-iters", "6", "--save", ck, "--save-interval", "2", "--async-save"
+            ),
             os.path.join(tmp, "async.seen"),
         ),
         (
-            argv(
+            metrics_argv(
+                BASE,
+                tmp,
                 "resume2",
                 "--train-iters",
                 "6",
@@ -150,11 +151,15 @@ def trained(tmp_path_factory):
             os.path.join(tmp, "resume.seen"),
         ),
         (
-            argv("sync", "--train-iters", "6", "--save", os.path.join(tmp, "ck_sync"), "--save-interval", "2"),
+            metrics_argv(
+                BASE, tmp, "sync", "--train-iters", "6", "--save", os.path.join(tmp, "ck_sync"), "--save-interval", "2"
+            ),
             os.path.join(tmp, "sync.seen"),
         ),
         (
-            argv(
+            metrics_argv(
+                BASE,
+                tmp,
                 "exit",
                 "--train-iters",
                 "6",

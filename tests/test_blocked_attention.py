@@ -15,7 +15,7 @@ from megalm.models import GPTModel
 from megalm.parallel_state import get_process_groups
 from megalm.transformer.attention import SelfAttention
 from megalm.transformer.blocked_attention import BLOCK, block_ranges, blocked_causal_attention
-from tests.configs import SMALL_GPT, make_config
+from tests.configs import SMALL_GPT, make_config, model_config
 from tests.numerics import relative_error
 
 
@@ -104,7 +104,7 @@ def test_auto_picks_blocked_on_cpu_fp32_without_dropout_in_the_measured_range(mo
 
 
 def test_attention_built_with_blocked_core_and_dropout_fails_at_construction():
-    m = make_config(num_layers=1, hidden_size=32, num_attention_heads=4, validate=False).model  # attention dropout 0.1
+    m = model_config(num_layers=1, hidden_size=32, num_attention_heads=4)  # attention dropout 0.1
     with pytest.raises(ValueError, match="no attention dropout.*--attention-dropout 0 \\(got 0.1\\)"):
         SelfAttention(
             m,

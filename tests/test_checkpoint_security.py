@@ -31,8 +31,8 @@ from megalm.checkpoint.safe_metadata import (
 )
 from tests.distributed_harness import run_distributed
 from tests.training_runs import losses as _losses
+from tests.training_runs import metrics_argv, tiny_flags
 from tests.training_runs import run_trainings as _run_trainings
-from tests.training_runs import tiny_flags
 
 REPO = Path(__file__).resolve().parents[1]
 DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
@@ -78,10 +78,6 @@ def payload(kind: str, marker: Path) -> bytes:
     return stack_global_payload(DCP_METADATA_MODULE, name, command)
 
 
-def _argv(tmp, name, *extra):
-    return TINY + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl")] + list(extra)
-
-
 def _iteration_dir(root) -> Path:
     return Path(root) / "iter_0000002"
 
@@ -92,9 +88,9 @@ def world(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sec")
     clean = str(tmp / "clean")
     runs = [
-        _argv(str(tmp), "straight"),
-        _argv(str(tmp), "first_half", "--exit-interval", "2", "--save", clean, "--save-interval", "100"),
-        _argv(str(tmp), "resumed", "--load", clean),
+        metrics_argv(TINY, str(tmp), "straight"),
+        metrics_argv(TINY, str(tmp), "first_half", "--exit-interval", "2", "--save", clean, "--save-interval", "100"),
+        metrics_argv(TINY, str(tmp), "resumed", "--load", clean),
     ]
     codes = run_distributed(_run_trainings, 1, args=(runs,), timeout=240)[0]
     poisoned = {}
@@ -162,7 +158,8 @@ def _load_everything(runs, generate_argvs):
 def test_pretrain_and_parallel_generate_refuse_poisoned_metadata(world, world_size):
     """pretrain() on 1 and 2 ranks (DP 2); generation with --tensor-model-parallel-size 2 on 2 ranks."""
     runs = [
-        _argv(
+        metrics_argv(
+            TINY,
             world["tmp"],
             f"load_{kind}_{world_size}",
             "--load",
@@ -206,7 +203,7 @@ def test_pretrain_gpt_script_exits_nonzero(world):
         [
             sys.executable,
             str(REPO / "pretrain_gpt.py"),
-            *_argv(world["tmp"], "script"),
+            *metrics_argv(TINY, world["tmp"], "script"),
             "--load",
             world["poisoned"][kind][0],
         ],

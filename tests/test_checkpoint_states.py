@@ -18,7 +18,7 @@ from megalm.checkpoint.save import save_checkpoint, save_checkpoint_states
 from megalm.checkpoint.stateful import CheckpointStates
 from megalm.parallel_state import get_process_groups
 from megalm.param_layout import ShardedTensorSpec
-from tests.checkpoint_fixtures import tiny_cfg
+from tests.configs import TINY_GPT, make_config
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megalm" / "checkpoint"
 
@@ -60,7 +60,7 @@ def test_registry_refuses_bad_registrations():
 def test_a_registered_state_round_trips_and_is_verified(tmp_path):
     from megalm.models import GPTModel
 
-    model = GPTModel(tiny_cfg(64), process_groups=get_process_groups())
+    model = GPTModel(make_config(TINY_GPT, vocab_size=64), process_groups=get_process_groups())
     save_checkpoint(str(tmp_path), 3, [model], states=_states(Counter(5)))
     it = tmp_path / "iter_0000003"
     assert (it / "counter" / "rank_00000.pt").is_file()
@@ -118,7 +118,7 @@ class Position:
 def test_common_json_entries_of_a_state_round_trip_and_may_not_collide(tmp_path):
     from megalm.models import GPTModel
 
-    model = GPTModel(tiny_cfg(64), process_groups=get_process_groups())
+    model = GPTModel(make_config(TINY_GPT, vocab_size=64), process_groups=get_process_groups())
     states = CheckpointStates()
     states.register("position", Position(96))
     save_checkpoint(str(tmp_path), 2, [model], states=states)
@@ -206,7 +206,7 @@ def test_the_model_is_a_registered_state_like_any_other(tmp_path):
     common = load_checkpoint_states(str(tmp_path / "bare"), restored, groups)
     assert torch.equal(restored.get("table").value, torch.full((4, 2), 7.0)) and "optimizer_common" not in common
 
-    model = GPTModel(tiny_cfg(64), process_groups=groups)
+    model = GPTModel(make_config(TINY_GPT, vocab_size=64), process_groups=groups)
     registered = CheckpointStates()
     registered.register("model", ModelOptimizerState([model], None, groups))
     save_checkpoint_states(str(tmp_path / "registered"), 2, registered, groups)
@@ -216,7 +216,7 @@ def test_the_model_is_a_registered_state_like_any_other(tmp_path):
         k: v for k, v in saved[1].items() if k != "saved_at"
     }
     assert saved[0]["optimizer_common"] is None
-    other = GPTModel(tiny_cfg(64), process_groups=groups)
+    other = GPTModel(make_config(TINY_GPT, vocab_size=64), process_groups=groups)
     with torch.no_grad():
         for p in other.parameters():
             p.zero_()
@@ -263,7 +263,7 @@ def test_the_trainer_registers_the_model_first_and_a_local_copy_keeps_everything
             return {"num_steps": 4}
 
     groups = get_process_groups()
-    model_cfg = tiny_cfg(64)
+    model_cfg = make_config(TINY_GPT, vocab_size=64)
     for no_save, no_load, finetune in ((True, False, False), (False, True, False), (False, False, True)):
         flags = SimpleNamespace(no_save_optim=no_save, no_save_rng=no_save, no_load_optim=no_load, finetune=finetune)
         cfg = SimpleNamespace(checkpoint=flags, parallel=model_cfg.parallel)

@@ -30,10 +30,11 @@ from megalm.checkpoint.resume import TRACKER_FILENAME, read_tracker, verify_chec
 from megalm.checkpoint.safe_metadata import load_metadata
 from megalm.checkpoint.save import check_save_dir, save_checkpoint
 from megalm.parallel_state import get_process_groups
-from tests.checkpoint_fixtures import save_random_model, tiny_cfg
+from tests.checkpoint_fixtures import save_random_model
+from tests.configs import TINY_GPT, make_config
 from tests.distributed_harness import run_distributed
 from tests.logs import megalm_logs
-from tests.training_runs import losses, records, run_trainings, tiny_flags
+from tests.training_runs import losses, metrics_argv, records, run_trainings, tiny_flags
 
 TINY = tiny_flags(
     num_layers="1",
@@ -86,17 +87,15 @@ CORRUPTIONS = {
 }
 
 
-def _argv(tmp, name, *extra):
-    return TINY + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl")] + list(extra)
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("verify")
     base = str(tmp / "base")
     first = [
-        _argv(str(tmp), "base", "--save", base, "--save-interval", "2", "--train-iters", "6", "--exit-interval", "4"),
-        _argv(str(tmp), "from2", "--load", base, "--ckpt-step", "2", "--train-iters", "6"),
+        metrics_argv(
+            TINY, str(tmp), "base", "--save", base, "--save-interval", "2", "--train-iters", "6", "--exit-interval", "4"
+        ),
+        metrics_argv(TINY, str(tmp), "from2", "--load", base, "--ckpt-step", "2", "--train-iters", "6"),
     ]
     first_codes = run_distributed(run_trainings, 2, args=(first,), timeout=240)[0]
     assert first_codes == [0, 0], first_codes
@@ -120,10 +119,13 @@ def world(tmp_path_factory):
     cases["legacy_truncated_rng"] = str(legacy)
     not_a_dir = tmp / "a_file"
     not_a_dir.write_text("x")
-    runs = [_argv(str(tmp), name, "--load", root, "--train-iters", "6") for name, root in cases.items()]
+    runs = [metrics_argv(TINY, str(tmp), name, "--load", root, "--train-iters", "6") for name, root in cases.items()]
     runs += [
-        _argv(str(tmp), "fallback", "--load", str(fallback), "--train-iters", "6", "--ckpt-fallback-to-verified"),
-        _argv(
+        metrics_argv(
+            TINY, str(tmp), "fallback", "--load", str(fallback), "--train-iters", "6", "--ckpt-fallback-to-verified"
+        ),
+        metrics_argv(
+            TINY,
             str(tmp),
             "fallback_incomplete",
             "--load",
@@ -132,8 +134,8 @@ def world(tmp_path_factory):
             "6",
             "--ckpt-fallback-to-verified",
         ),
-        _argv(str(tmp), "save_file", "--save", str(not_a_dir), "--train-iters", "2"),
-        _argv(str(tmp), "save_under_file", "--save", str(not_a_dir / "sub"), "--train-iters", "2"),
+        metrics_argv(TINY, str(tmp), "save_file", "--save", str(not_a_dir), "--train-iters", "2"),
+        metrics_argv(TINY, str(tmp), "save_under_file", "--save", str(not_a_dir / "sub"), "--train-iters", "2"),
     ]
     codes = run_distributed(run_trainings, 2, args=(runs,), timeout=300)
     names = list(cases) + ["fallback", "fallback_incomplete", "save_file", "save_under_file"]
@@ -253,7 +255,7 @@ def test_check_save_dir(tmp_path):
 def test_checkpoint_without_manifest_loads_with_a_warning(tmp_path, capsys):
     from megalm.models import GPTModel
 
-    cfg = tiny_cfg(128)
+    cfg = make_config(TINY_GPT, vocab_size=128)
     saved = save_random_model(cfg, tmp_path, iteration=7)
     it = tmp_path / "iter_0000007"
     (it / "manifest.json").unlink()
@@ -278,7 +280,9 @@ def test_checkpoint_without_manifest_loads_with_a_warning(tmp_path, capsys):
 def _model():
     from megalm.models import GPTModel
 
-    return GPTModel(tiny_cfg(20000), process_groups=get_process_groups())  # a 2.5 MB word embedding
+    return GPTModel(
+        make_config(TINY_GPT, vocab_size=20000), process_groups=get_process_groups()
+    )  # a 2.5 MB word embedding
 
 
 def test_async_save_writes_the_manifest_before_the_tracker(tmp_path):
@@ -331,7 +335,7 @@ def _re(text):
 
 
 def test_dcp_load_failure_becomes_a_checkpoint_error(tmp_path, monkeypatch):
-    save_random_model(tiny_cfg(128), tmp_path, iteration=2)
+    save_random_model(make_config(TINY_GPT, vocab_size=128), tmp_path, iteration=2)
 
     def load(*args, **kwargs):
         try:
@@ -343,7 +347,11 @@ def test_dcp_load_failure_becomes_a_checkpoint_error(tmp_path, monkeypatch):
     from megalm.models import GPTModel
 
     with pytest.raises(CheckpointError, match=r"failed to load .*iter_0000002: ValueError: bad chunk$"):
-        load_checkpoint(str(tmp_path), [GPTModel(tiny_cfg(128), process_groups=get_process_groups())], finetune=True)
+        load_checkpoint(
+            str(tmp_path),
+            [GPTModel(make_config(TINY_GPT, vocab_size=128), process_groups=get_process_groups())],
+            finetune=True,
+        )
 
 
 @pytest.fixture
@@ -385,7 +393,7 @@ def test_hostile_metadata_is_refused_by_the_reader_even_with_a_matching_manifest
     from megalm.models import GPTModel
     from tests.test_checkpoint_security import payload
 
-    cfg = tiny_cfg(128)
+    cfg = make_config(TINY_GPT, vocab_size=128)
     save_random_model(cfg, tmp_path, iteration=3)
     save_random_model(cfg, tmp_path, iteration=5)
     it = tmp_path / "iter_0000005"

@@ -18,15 +18,24 @@ import os
 import pytest
 
 from tests.distributed_harness import run_distributed
-from tests.training_runs import losses, records
+from tests.training_runs import losses, metrics_argv, records, tiny_flags
 
-TINY = [
-    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-    "--max-position-embeddings", "16", "--mock-data", "--vocab-size", "200", "--num-workers", "0",
-    "--lr", "3e-3", "--eval-iters", "0", "--seed", "5", "--micro-batch-size", "1",
-    "--global-batch-size", "4", "--log-interval", "1", "--overlap-grad-reduce", "--ddp-bucket-size", "3000",
-    "--untie-embeddings-and-output-weights",  # the distributed optimizer's buckets then match DDP's
-]  # fmt: skip
+# The tiny GPT at hidden 32 with dropout (its defaults), overlapped reduction in 3000-element buckets; untied:
+# the distributed optimizer's buckets then match DDP's.
+TINY = tiny_flags(
+    hidden_size=32,
+    seq_length=16,
+    vocab_size=200,
+    lr="3e-3",
+    seed=5,
+    hidden_dropout=None,
+    attention_dropout=None,
+    micro_batch_size=1,
+    global_batch_size=4,
+    overlap_grad_reduce=True,
+    ddp_bucket_size=3000,
+    untie_embeddings_and_output_weights=True,
+)
 METHODS = {
     "powersgd": ["--grad-compression", "powersgd", "--powersgd-rank", "2"],
     "int8": ["--grad-compression", "int8", "--int8-rounding", "stochastic", "--int8-chunk-size", "64"],
@@ -42,39 +51,42 @@ def worker(tmp):
 
     from tests.training_runs import run_trainings
 
-    def argv(name, *extra):
-        return TINY + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl")] + list(extra)
-
     # first: the first training in a process starts from other numbers than the later ones (they all agree)
-    runs = [argv("plain", "--train-iters", "6")]
+    runs = [metrics_argv(TINY, tmp, "plain", "--train-iters", "6")]
     for method, flags in METHODS.items():
         ckpt = os.path.join(tmp, f"ckpt_{method}")
         runs += [
-            argv(f"{method}_base", *flags, "--save", ckpt, "--save-interval", "3", "--train-iters", "6"),
-            argv(f"{method}_resumed", *flags, "--load", ckpt, "--ckpt-step", "3", "--train-iters", "6"),
+            metrics_argv(
+                TINY, tmp, f"{method}_base", *flags, "--save", ckpt, "--save-interval", "3", "--train-iters", "6"
+            ),
+            metrics_argv(
+                TINY, tmp, f"{method}_resumed", *flags, "--load", ckpt, "--ckpt-step", "3", "--train-iters", "6"
+            ),
         ]
     # the distributed optimizer: int8's all-to-all reduce-scatter, PowerSGD's all-reduce then the shard
     for method, flags in METHODS.items():
-        runs.append(argv(f"{method}_distopt", *flags, "--use-distributed-optimizer", "--train-iters", "6"))
+        runs.append(
+            metrics_argv(TINY, tmp, f"{method}_distopt", *flags, "--use-distributed-optimizer", "--train-iters", "6")
+        )
     # TP 2 on the 2 ranks: the DP 2 checkpoint loaded at data-parallel size 1 (another layout), with
     # compression (nothing to compress at DP 1) and without
     tp2 = ["--load", os.path.join(tmp, "ckpt_powersgd"), "--ckpt-step", "3", "--train-iters", "6",
            "--exit-interval", "5", "--tensor-model-parallel-size", "2"]  # fmt: skip
-    runs += [argv("tp2", *METHODS["powersgd"], *tp2), argv("tp2_plain", *tp2)]
+    runs += [metrics_argv(TINY, tmp, "tp2", *METHODS["powersgd"], *tp2), metrics_argv(TINY, tmp, "tp2_plain", *tp2)]
     fp16 = ["--fp16", "--initial-loss-scale", "1024", "--grad-compression", "topk", "--topk-ratio", "0.1"]
-    fp16 = argv("fp16_topk", *fp16, "--train-iters", "4")
+    fp16 = metrics_argv(TINY, tmp, "fp16_topk", *fp16, "--train-iters", "4")
     runs.append((fp16, {"inf_at_call": 3, "inf_rank": 1}))  # iteration 2, rank 1 only
     sgd = ["--optimizer", "sgd", "--clip-grad", "0", "--train-iters", "4"]  # clipping: per replica under local SGD
-    runs += [argv(f"sgd_{name}", *sgd, *extra) for name, extra in LOCAL_SGD.items()]
+    runs += [metrics_argv(TINY, tmp, f"sgd_{name}", *sgd, *extra) for name, extra in LOCAL_SGD.items()]
     ckpt = os.path.join(tmp, "ckpt_diloco")
     runs += [
-        argv("diloco_base", *DILOCO, "--save", ckpt, "--save-interval", "3", "--train-iters", "6"),
-        argv("diloco_resumed", *DILOCO, "--load", ckpt, "--ckpt-step", "3", "--train-iters", "6"),
+        metrics_argv(TINY, tmp, "diloco_base", *DILOCO, "--save", ckpt, "--save-interval", "3", "--train-iters", "6"),
+        metrics_argv(TINY, tmp, "diloco_resumed", *DILOCO, "--load", ckpt, "--ckpt-step", "3", "--train-iters", "6"),
     ]
     ckpt, overlap = os.path.join(tmp, "ckpt_overlap"), [*DILOCO, "--local-sgd-overlap-steps", "2"]
     runs += [  # the sync of 2 is applied at 4: saved at 3 with the correction pending
-        argv("overlap_base", *overlap, "--save", ckpt, "--save-interval", "3", "--train-iters", "6"),
-        argv("overlap_resumed", *overlap, "--load", ckpt, "--ckpt-step", "3", "--train-iters", "6"),
+        metrics_argv(TINY, tmp, "overlap_base", *overlap, "--save", ckpt, "--save-interval", "3", "--train-iters", "6"),
+        metrics_argv(TINY, tmp, "overlap_resumed", *overlap, "--load", ckpt, "--ckpt-step", "3", "--train-iters", "6"),
     ]
     # warm-ups of exact / synchronous steps (3 of 6) resumed from iteration 2 (inside the warm-up), and
     # Streaming DiLoCo resumed at 2 with a fragment's correction in flight
@@ -95,11 +107,17 @@ def worker(tmp):
     for name, flags in variants.items():
         ckpt = os.path.join(tmp, f"ckpt_{name}")
         runs += [
-            argv(f"{name}_base", *flags, "--save", ckpt, "--save-interval", "2", "--train-iters", "6"),
-            argv(f"{name}_resumed", *flags, "--load", ckpt, "--ckpt-step", "2", "--train-iters", "6"),
+            metrics_argv(
+                TINY, tmp, f"{name}_base", *flags, "--save", ckpt, "--save-interval", "2", "--train-iters", "6"
+            ),
+            metrics_argv(
+                TINY, tmp, f"{name}_resumed", *flags, "--load", ckpt, "--ckpt-step", "2", "--train-iters", "6"
+            ),
         ]
     zero3 = ["--data-parallel-sharding-strategy", "optim_grads_params", "--train-iters", "6"]
-    runs.append(argv("int8_zero3", *METHODS["int8"], *zero3))  # ZeRO-3: the all-to-all into the sharded gradient
+    runs.append(
+        metrics_argv(TINY, tmp, "int8_zero3", *METHODS["int8"], *zero3)
+    )  # ZeRO-3: the all-to-all into the sharded gradient
     saved, sys.stdout = sys.stdout, io.StringIO()
     try:
         codes = run_trainings(runs)

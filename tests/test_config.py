@@ -4,12 +4,7 @@ import json
 
 import pytest
 
-from megalm.config import ConfigError, MegalmConfig, build_parser, config_from_args, parse_config, validate_config
-
-
-def _cfg(argv, world_size=None):
-    return validate_config(config_from_args(build_parser().parse_args(argv)), world_size=world_size)
-
+from megalm.config import ConfigError, MegalmConfig, parse_config
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"]
 
@@ -132,7 +127,7 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
 )
 def test_invalid_combinations(argv, world, message):
     with pytest.raises(ConfigError, match=message):
-        _cfg(BASE + argv, world)
+        parse_config(BASE + argv, world_size=world)
 
 
 def test_parse_config_exits_with_message(capsys):
@@ -142,7 +137,7 @@ def test_parse_config_exits_with_message(capsys):
 
 
 def test_derived_values_and_megatron_flags():
-    cfg = _cfg(
+    cfg = parse_config(
         BASE
         + [
             "--swiglu",
@@ -171,12 +166,12 @@ def test_derived_values_and_megatron_flags():
     assert cfg.parallel.data_parallel_size == 4
     assert cfg.training.global_batch_size == 8
     assert cfg.data.data_path == ["0.3", "a", "0.7", "b"]
-    cfg = _cfg(
+    cfg = parse_config(
         BASE
         + ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "gpt2-vocab.json", "--merge-file", "gpt2-merges.txt"]
     )
     assert (cfg.data.vocab_file, cfg.data.merge_file) == ("gpt2-vocab.json", "gpt2-merges.txt")
-    cfg = _cfg(
+    cfg = parse_config(
         BASE
         + [
             "--pipeline-model-parallel-size",
@@ -186,29 +181,32 @@ def test_derived_values_and_megatron_flags():
             "--global-batch-size",
             "2",
         ],
-        2,
+        world_size=2,
     )
     assert cfg.parallel.virtual_pipeline_model_parallel_size == 2
 
 
 def test_fusion_flags_default_on_with_megatron_spelling_accepted():
-    assert _cfg(BASE).model.cross_entropy_loss_fusion is True
-    assert _cfg(BASE + ["--cross-entropy-loss-fusion"]).model.cross_entropy_loss_fusion is True  # Megatron's flag
-    assert _cfg(BASE + ["--no-cross-entropy-loss-fusion"]).model.cross_entropy_loss_fusion is False
-    assert _cfg(BASE + ["--no-bias-swiglu-fusion"]).model.bias_swiglu_fusion is False
+    assert parse_config(BASE).model.cross_entropy_loss_fusion is True
+    assert (
+        parse_config(BASE + ["--cross-entropy-loss-fusion"]).model.cross_entropy_loss_fusion is True
+    )  # Megatron's flag
+    assert parse_config(BASE + ["--no-cross-entropy-loss-fusion"]).model.cross_entropy_loss_fusion is False
+    assert parse_config(BASE + ["--no-bias-swiglu-fusion"]).model.bias_swiglu_fusion is False
 
 
 def test_megatron_spellings_of_flash_attention_and_throughput():
-    cfg = _cfg(BASE + ["--use-flash-attn", "--bf16", "--log-throughput"])
+    cfg = parse_config(BASE + ["--use-flash-attn", "--bf16", "--log-throughput"])
     assert cfg.model.attention_backend == "flash" and cfg.logging.log_throughput
     assert (
-        _cfg(BASE + ["--use-flash-attn", "--attention-backend", "flash", "--fp16"]).model.attention_backend == "flash"
+        parse_config(BASE + ["--use-flash-attn", "--attention-backend", "flash", "--fp16"]).model.attention_backend
+        == "flash"
     )
-    assert _cfg(BASE).model.attention_backend == "auto"
+    assert parse_config(BASE).model.attention_backend == "auto"
 
 
 def test_round_trip_through_dict():
-    cfg = _cfg(BASE + ["--bf16", "--lr", "3e-4"], 1)
+    cfg = parse_config(BASE + ["--bf16", "--lr", "3e-4"], world_size=1)
     again = MegalmConfig.from_dict(cfg.to_dict())
     assert again == cfg
 
@@ -216,11 +214,14 @@ def test_round_trip_through_dict():
 def test_use_checkpoint_args(tmp_path, capsys):
     """Architecture and tokenizer flags come from the checkpoint unless given; the result builds a
     model whose parameters load from it and train (one --finetune step)."""
-    from tests.checkpoint_fixtures import LLAMA, save_random_model, tiny_cfg
+    from tests.checkpoint_fixtures import LLAMA, save_random_model
+    from tests.configs import TINY_GPT, make_config
     from tests.distributed_harness import run_distributed
     from tests.training_runs import run_trainings
 
-    saved = tiny_cfg(300, "NullTokenizer", **LLAMA)  # as a --mock-data run saves it: 299 ids + EOD
+    saved = make_config(
+        TINY_GPT, LLAMA, vocab_size=300, tokenizer_type="NullTokenizer"
+    )  # as a --mock-data run saves it: 299 ids + EOD
     save_random_model(saved, tmp_path / "ckpt")
     run = ["--load", str(tmp_path / "ckpt"), "--use-checkpoint-args", "--mock-data", "--micro-batch-size", "2"]
     cfg = parse_config(run + ["--seq-length", "8", "--hidden-dropout", "0"])

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from megalm.config import ConfigError, build_parser, config_from_args, validate_config
+from megalm.config import ConfigError, build_parser, config_from_args, parse_config, validate_config
 from megalm.config.sections import SECTIONS
 from megalm.config.validation import MEGATRON_NO_OPS
 from tests.logs import megalm_logs
@@ -109,7 +109,6 @@ NO_OP_ARGV = {
     "--empty-unused-memory-level": ["--empty-unused-memory-level", "1"],
     "--dist-ckpt-strictness": ["--dist-ckpt-strictness", "log_all"],
     "--distributed-backend": ["--distributed-backend", "gloo"],
-    "--ckpt-format": ["--ckpt-format", "torch_dist"],
     "--tiktoken-pattern": ["--tiktoken-pattern", "v2"],
     "--moe-flex-dispatcher-backend": ["--moe-flex-dispatcher-backend", "hybridep"],
 }
@@ -177,26 +176,37 @@ def test_no_warning_without_the_no_op_flags(capsys):
 
 
 def test_megatron_spellings_of_model_flags():
-    def cfg(*argv):
-        return validate_config(config_from_args(build_parser().parse_args(BASE + list(argv))))
-
-    assert cfg("--no-position-embedding").model.position_embedding_type == "none"
-    assert cfg("--no-position-embedding", "--position-embedding-type", "rope").model.position_embedding_type == "rope"
-    assert cfg("--position-embedding-type", "learned_absolute").model.position_embedding_type == "learned_absolute"
-    assert cfg("--recompute-activations").model.recompute_granularity == "selective"
-    assert cfg("--recompute-activations", "--recompute-modules", "core_attn").model.recompute_modules == ["core_attn"]
-    modules = cfg("--recompute-activations", "--recompute-modules", "core_attn", "mlp", "moe").model.recompute_modules
+    assert parse_config([*BASE, "--no-position-embedding"]).model.position_embedding_type == "none"
+    assert (
+        parse_config(
+            [*BASE, "--no-position-embedding", "--position-embedding-type", "rope"]
+        ).model.position_embedding_type
+        == "rope"
+    )
+    assert (
+        parse_config([*BASE, "--position-embedding-type", "learned_absolute"]).model.position_embedding_type
+        == "learned_absolute"
+    )
+    assert parse_config([*BASE, "--recompute-activations"]).model.recompute_granularity == "selective"
+    assert parse_config(
+        [*BASE, "--recompute-activations", "--recompute-modules", "core_attn"]
+    ).model.recompute_modules == ["core_attn"]
+    modules = parse_config(
+        [*BASE, "--recompute-activations", "--recompute-modules", "core_attn", "mlp", "moe"]
+    ).model.recompute_modules
     assert modules == ["core_attn", "mlp", "moe"]
     with pytest.raises(ConfigError, match="--recompute-modules attn is not a recomputable module"):
-        cfg("--recompute-activations", "--recompute-modules", "core_attn", "attn")
-    assert cfg("--bf16", "--grad-reduce-in-bf16").parallel.accumulate_allreduce_grads_in_fp32 is False
-    assert cfg("--bf16").parallel.accumulate_allreduce_grads_in_fp32 is True
+        parse_config([*BASE, "--recompute-activations", "--recompute-modules", "core_attn", "attn"])
+    assert parse_config([*BASE, "--bf16", "--grad-reduce-in-bf16"]).parallel.accumulate_allreduce_grads_in_fp32 is False
+    assert parse_config([*BASE, "--bf16"]).parallel.accumulate_allreduce_grads_in_fp32 is True
     with pytest.raises(ConfigError, match="--grad-reduce-in-bf16 needs --bf16"):
-        cfg("--grad-reduce-in-bf16")
+        parse_config([*BASE, "--grad-reduce-in-bf16"])
     moe = ["--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
-    assert cfg(*moe, "--expert-tensor-parallel-size", "1").parallel.expert_tensor_parallel_size == 1
-    assert cfg(*moe, "--expert-tensor-parallel-size", "2").parallel.expert_tensor_parallel_size == 2
+    assert parse_config([*BASE, *moe, "--expert-tensor-parallel-size", "1"]).parallel.expert_tensor_parallel_size == 1
+    assert parse_config([*BASE, *moe, "--expert-tensor-parallel-size", "2"]).parallel.expert_tensor_parallel_size == 2
     with pytest.raises(ConfigError, match="--expert-tensor-parallel-size 2 is not supported with --optimizer muon"):
-        cfg(*moe, "--expert-tensor-parallel-size", "2", "--optimizer", "muon")
+        parse_config([*BASE, *moe, "--expert-tensor-parallel-size", "2", "--optimizer", "muon"])
     with pytest.raises(ConfigError, match="--recompute-activations means --recompute-granularity selective, not full"):
-        cfg("--recompute-activations", "--recompute-granularity", "full", "--recompute-method", "uniform")
+        parse_config(
+            [*BASE, "--recompute-activations", "--recompute-granularity", "full", "--recompute-method", "uniform"]
+        )

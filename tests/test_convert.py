@@ -28,16 +28,16 @@ from megalm.conversion.import_hf import import_from_hf  # noqa: E402
 from megalm.conversion.megalm_checkpoint import MegalmCheckpointReader  # noqa: E402
 from megalm.conversion.verify import megalm_model_from_tensors  # noqa: E402
 from megalm.parallel_state import get_process_groups  # noqa: E402
-from tests.checkpoint_fixtures import LLAMA, save_random_model, tiny_cfg  # noqa: E402
+from tests.checkpoint_fixtures import LLAMA, save_random_model  # noqa: E402
+from tests.configs import TINY_GPT, make_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 120
 GPT2 = dict(position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False)
 
 
-def make_cfg(tokenizer=None, **model) -> MegalmConfig:
-    """The tiny test config; ``tokenizer``: a sentencepiece model file to record in it."""
-    return tiny_cfg(VOCAB, "SentencePieceTokenizer" if tokenizer else None, tokenizer, **model)
+# The tiny GPT of the conversion tests (the tests add the architecture and a tokenizer).
+MODEL = dict(TINY_GPT, vocab_size=VOCAB)
 
 
 def tokens(n=3, s=16, seed=0):
@@ -59,7 +59,12 @@ def sp_model(tmp_path_factory):
 
 @pytest.mark.parametrize("arch", ["llama-gqa-bias-untied", "gpt2-tied"])
 def test_export_logits_match_transformers(arch, tmp_path, sp_model):
-    cfg = make_cfg(tokenizer=sp_model, **(LLAMA if arch.startswith("llama") else GPT2))
+    cfg = make_config(
+        MODEL,
+        LLAMA if arch.startswith("llama") else GPT2,
+        tokenizer_type="SentencePieceTokenizer",
+        tokenizer_model=sp_model,
+    )
     model = save_random_model(cfg, tmp_path / "ckpt")
     result = export_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"), max_shard_bytes=20_000)
     assert result.iteration == 7 and len(result.files) > 1  # sharded, with an index
@@ -189,7 +194,7 @@ def test_export_refusals(tmp_path):
             (dict(LLAMA, num_experts=4), "mixture-of-experts"),
         ]
     ):
-        cfg = make_cfg(**model)
+        cfg = make_config(MODEL, model)
         root = tmp_path / f"c{i}"
         save_random_model(cfg, root)
         with pytest.raises(ConversionError, match=match):
@@ -200,7 +205,7 @@ def test_mixed_precision_export_reads_fp32_main_params(tmp_path):
     from megalm.models import GPTModel
     from megalm.optimizer import build_optimizer
 
-    cfg = copy.deepcopy(make_cfg(**LLAMA))  # an editable copy: the validated config is frozen
+    cfg = copy.deepcopy(make_config(MODEL, LLAMA))  # an editable copy: the validated config is frozen
     cfg.training.bf16 = True
     model = GPTModel(cfg, process_groups=get_process_groups()).to(torch.bfloat16)
     optimizer = build_optimizer(cfg, [model], process_groups=get_process_groups())
@@ -291,7 +296,7 @@ def test_export_from_tp2_training_equals_tp1(tmp_path):
 
 
 def test_convert_cli_with_verify(tmp_path, capsys):
-    cfg = make_cfg(**GPT2)
+    cfg = make_config(MODEL, GPT2)
     save_random_model(cfg, tmp_path / "ckpt")
     convert = runpy.run_path(str(REPO / "tools" / "checkpoint" / "convert.py"))
     assert (
@@ -343,7 +348,9 @@ def test_gpt2_bpe_tokenizer_through_both_conversions(tmp_path):
 
     vocab_file, merge_file = make_gpt2_files(tmp_path)
     tok = GPT2BPETokenizer(vocab_file, merge_file)
-    cfg = copy.deepcopy(tiny_cfg(tok.vocab_size, **GPT2))  # an editable copy: the validated config is frozen
+    cfg = copy.deepcopy(
+        make_config(TINY_GPT, GPT2, vocab_size=tok.vocab_size)
+    )  # an editable copy: the validated config is frozen
     cfg.data.tokenizer_type, cfg.data.vocab_file, cfg.data.merge_file = "GPT2BPETokenizer", vocab_file, merge_file
     save_random_model(cfg, tmp_path / "ckpt")
     convert = runpy.run_path(str(REPO / "tools" / "checkpoint" / "convert.py"))

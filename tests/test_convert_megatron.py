@@ -33,7 +33,7 @@ from megalm.conversion.verify import megalm_model_from_tensors
 from megalm.fusions import EAGER
 from megalm.models import GPTModel
 from megalm.parallel_state import get_process_groups
-from tests.checkpoint_fixtures import tiny_cfg
+from tests.configs import TINY_GPT, make_config
 
 VOCAB, PADDED = 100, 128
 GPT = dict(position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False, openai_gelu=True)
@@ -73,7 +73,9 @@ def megatron_enum_module(monkeypatch):
 
 
 def random_model(arch: str):
-    cfg = copy.deepcopy(tiny_cfg(VOCAB, **(GPT if arch == "gpt" else LLAMA)))  # editable copy (frozen once validated)
+    cfg = copy.deepcopy(
+        make_config(TINY_GPT, GPT if arch == "gpt" else LLAMA, vocab_size=VOCAB)
+    )  # editable copy (frozen once validated)
     cfg.model.num_layers = 4
     cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.0
     torch.manual_seed(0)
@@ -373,7 +375,7 @@ def test_openai_gelu_is_megatrons_fused_bias_gelu():
     megatron = y * 0.5 * (1.0 + torch.tanh(0.79788456 * y * (1 + 0.044715 * y * y)))
     assert (bias_gelu_tanh.eager(x, b) - megatron).abs().max() < 1e-7
     assert (bias_gelu.eager(x, b) - megatron).abs().max() > 1e-4
-    cfg = tiny_cfg(VOCAB, **GPT)
+    cfg = make_config(TINY_GPT, GPT, vocab_size=VOCAB)
     hf = GPT2().hf_config(cfg.model, "float32", {})
     assert hf["activation_function"] == "gelu_new" and GPT2().megalm_fields(hf)["openai_gelu"] is True
 

@@ -30,7 +30,7 @@ from megalm.conversion.megatron_layouts import TorchDistCheckpoint
 from megalm.fusions import EAGER
 from megalm.models import GPTModel
 from megalm.parallel_state import get_process_groups
-from tests.checkpoint_fixtures import tiny_cfg
+from tests.configs import TINY_GPT, make_config
 from tests.test_convert_megatron import LLAMA, PADDED, VOCAB, imported_logits, megatron_args, megatron_enum_module
 from tests.test_convert_megatron import tp_shard as dense_tp_shard
 
@@ -53,7 +53,7 @@ MOE = dict(
 
 def moe_model(layer_freq):
     cfg = copy.deepcopy(
-        tiny_cfg(VOCAB, **dict(MOE, moe_layer_freq=layer_freq))
+        make_config(TINY_GPT, MOE, vocab_size=VOCAB, moe_layer_freq=layer_freq)
     )  # editable copy (frozen once validated)
     cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.0
     torch.manual_seed(0)

@@ -27,6 +27,7 @@ from megalm.config import MegalmConfig, set_vocab_size, validate_config
 from megalm.conversion.errors import ConversionError
 from megalm.parallel_state import get_process_groups
 from megalm.tensor_parallel.random import RNGStatesTracker
+from tests.configs import make_config
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None, reason="transformers is needed to load the exported models"
@@ -116,7 +117,7 @@ def test_export_logits_match_transformers(tmp_path):
     from megalm.conversion.verify import megalm_model_from_tensors
 
     tc = _tc()
-    cfg = tc.make_cfg(**MIXTRAL)
+    cfg = make_config(tc.MODEL, MIXTRAL)
     model = tc.save_random_model(cfg, tmp_path / "ckpt")
     result = export_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"), max_shard_bytes=100_000)
     assert result.architecture == "MixtralForCausalLM" and len(result.files) > 1  # sharded, with an index
@@ -246,10 +247,10 @@ def test_refusals_name_the_field(hf_mixtral, tmp_path):
         (dict(normalization="LayerNorm"), "--normalization LayerNorm"),
     ]:
         with pytest.raises(ConversionError, match="MixtralForCausalLM: .*" + match):
-            for_megalm(tc.make_cfg(**dict(MIXTRAL, **change)).model)
+            for_megalm(make_config(tc.MODEL, MIXTRAL, change).model)
     # With pre-softmax and k = E the k weights are the whole softmax and sum to 1: same as Mixtral.
-    assert for_megalm(tc.make_cfg(**dict(MIXTRAL, moe_router_pre_softmax=True, moe_router_topk=4)).model).moe
-    cfg = tc.make_cfg(**dict(MIXTRAL, moe_router_score_function="sigmoid"))
+    assert for_megalm(make_config(tc.MODEL, MIXTRAL, moe_router_pre_softmax=True, moe_router_topk=4).model).moe
+    cfg = make_config(tc.MODEL, MIXTRAL, moe_router_score_function="sigmoid")
     tc.save_random_model(cfg, tmp_path / "sigmoid")
     with pytest.raises(ConversionError, match="mixture-of-experts model .4 experts.*score-function sigmoid"):
         export_to_hf(str(tmp_path / "sigmoid"), str(tmp_path / "out_sigmoid"))
@@ -288,7 +289,7 @@ def test_refusals_name_the_field(hf_mixtral, tmp_path):
 
 def test_convert_cli_with_verify(tmp_path, capsys):
     tc = _tc()
-    tc.save_random_model(tc.make_cfg(**MIXTRAL), tmp_path / "ckpt")
+    tc.save_random_model(make_config(tc.MODEL, MIXTRAL), tmp_path / "ckpt")
     convert = runpy.run_path(str(REPO / "tools" / "checkpoint" / "convert.py"))
     assert (
         convert["main"](
@@ -321,18 +322,6 @@ def test_convert_cli_with_verify(tmp_path, capsys):
 
 
 # --- checkpoints saved by 4 spawned ranks -------------------------------------------------------
-
-
-def _layout_cfg(model: dict, tp=1, pp=1, ep=1, **parallel) -> MegalmConfig:
-    cfg = copy.deepcopy(_tc().make_cfg(**model))  # editable: the validated config is frozen
-    p = cfg.parallel
-    p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size = tp, pp, ep
-    p.sequence_parallel = tp > 1
-    for k, v in parallel.items():
-        setattr(p, k, v)
-    cfg = validate_config(cfg)
-    set_vocab_size(cfg, cfg.model.vocab_size)
-    return cfg
 
 
 def _save_and_load_on_ranks(jobs, ids):
@@ -398,16 +387,35 @@ def ranks(hf_mixtral, tmp_path_factory):
     )
     dense = dict(_tc().LLAMA, untie_embeddings_and_output_weights=False)
     jobs = [
-        ("dense_tp2pp2", _layout_cfg(dense, tp=2, pp=2).to_dict(), str(tmp / "dense_tp2pp2"), "save"),
+        (
+            "dense_tp2pp2",
+            make_config(
+                _tc().MODEL, dense, tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2
+            ).to_dict(),
+            str(tmp / "dense_tp2pp2"),
+            "save",
+        ),
         (
             "moe_pp2ep2",
-            _layout_cfg(
-                dict(MIXTRAL, moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall"), pp=2, ep=2
+            make_config(
+                _tc().MODEL,
+                MIXTRAL,
+                moe_grouped_gemm=True,
+                moe_token_dispatcher_type="alltoall",
+                pipeline_model_parallel_size=2,
+                expert_model_parallel_size=2,
             ).to_dict(),
             str(tmp / "moe_pp2ep2"),
             "save",
         ),
-        ("moe_tp2ep2", _layout_cfg(MIXTRAL, tp=2, ep=2).to_dict(), str(tmp / "moe_tp2ep2"), "save"),
+        (
+            "moe_tp2ep2",
+            make_config(
+                _tc().MODEL, MIXTRAL, tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2
+            ).to_dict(),
+            str(tmp / "moe_tp2ep2"),
+            "save",
+        ),
         ("imported", imported.config.to_dict(), str(tmp / "imported"), "load"),
     ]  # layout recorded on import
     ids = _tc().tokens(n=2, s=16)
@@ -423,7 +431,7 @@ def _export_equals_one_rank(tmp, saved: str, model: dict):
     from megalm.models import GPTModel
 
     common = json.loads(next((tmp / saved).glob("iter_*/common.json")).read_text())
-    cfg = _tc().make_cfg(**model)
+    cfg = make_config(_tc().MODEL, model)
     one = GPTModel(cfg, process_groups=get_process_groups())
     _perturb_norms([one])
     save_checkpoint(str(tmp / f"{saved}_1rank"), 5, [one], config=cfg.to_dict())

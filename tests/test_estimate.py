@@ -279,6 +279,32 @@ def test_planner_expert_data_parallel_size_equals_the_layout(tp, cp, ep, etp, wo
     assert data_parallel_sizes(cfg, world)[1] == expert_sizes(world, tp=tp, cp=cp, ep=ep, etp=etp)["edp"]
 
 
+def test_zero3_counts_expert_weights_sharded_over_the_expert_data_parallel_group(monkeypatch):
+    """ZeRO-3 with MoE at EP 4 on 8 ranks (DP 8, expert DP 2), bf16: a rank holds 18 B / 8 per dense parameter and
+    18 B / 2 per expert parameter between steps (ZeRO-2: the weights whole, 2 + 16/d for both), and its step adds
+    one gathered expert bucket of bf16 weights, ``U_e`` = ``--ddp-bucket-size`` plus the experts' fc1 (2 x 96 x 64)."""
+    from megalm.estimate import sharding_peaks
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"]
+    base += ["--vocab-size", "200", "--tokenizer-type", "NullTokenizer", "--bf16", "--world-size", "8"]
+    base += ["--num-experts", "8", "--moe-ffn-hidden-size", "96", "--swiglu", "--expert-model-parallel-size", "4"]
+    base += ["--overlap-grad-reduce", "--ddp-bucket-size", "5000", "--reserve-gb", "0"]
+    base += ["--data-parallel-sharding-strategy", "optim_grads_params"]
+    r = plan(*parse(base))
+    st, sp = r["stages"][0], stage_parameters(parse(base)[0], 0)
+    assert (r["data_parallel_size"], r["expert_data_parallel_size"]) == (8, 2)
+    assert sp.expert == 8 // 4 * 2 * (2 * 96 * 64 + 2 * 96 + 64 * 96 + 64)  # 2 local experts x 2 layers, biases
+    rest = st["total"] - 18 * st["parameters"]
+    steady = {"optim_grads": (2 + 16 / 8) * sp.dense + (2 + 16 / 2) * sp.expert}
+    steady["optim_grads_params"] = 18 / 8 * sp.dense + 18 / 2 * sp.expert  # before: experts as ZeRO-2
+    for s, held in steady.items():
+        assert st[f"total_{s}"] == pytest.approx(held + rest + st[f"transient_{s}"]), s
+    monkeypatch.setattr(sharding_peaks, "_expert_bucket", lambda *args: 0)
+    without = plan(*parse(base))["stages"][0]
+    assert st["transient_optim_grads_params"] - without["transient_optim_grads_params"] == 2 * (5000 + 2 * 96 * 64)
+    assert st["transient_optim_grads"] == without["transient_optim_grads"]
+
+
 @pytest.mark.parametrize("case", list(ACTIVATION_CASES))
 def test_activation_estimate_matches_saved_tensors(case):
     from megalm.models import GPTModel

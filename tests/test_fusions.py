@@ -15,7 +15,7 @@ from megalm.fusions.rope import rotary_qk
 from megalm.fusions.softmax import scaled_causal_softmax
 from megalm.parallel_state import get_process_groups
 from megalm.transformer.rope import RotaryEmbedding
-from tests.configs import make_config
+from tests.configs import model_config
 from tests.logs import megalm_logs
 from tests.numerics import relative_error
 
@@ -187,7 +187,7 @@ ROPE_SWIGLU = dict(position_embedding_type="rope", swiglu=True)
 
 
 def test_plan_follows_flags_and_environment(monkeypatch):
-    plan = plan_fusions(make_config(ROPE_SWIGLU, validate=False).model)
+    plan = plan_fusions(model_config(ROPE_SWIGLU))
     assert (plan.attention, plan.norm, plan.bias_activation, plan.rope, plan.bias_dropout_add, plan.cross_entropy) == (
         "sdpa",
         "compiled",
@@ -197,9 +197,8 @@ def test_plan_follows_flags_and_environment(monkeypatch):
         "fused linear",
     )
     off = plan_fusions(
-        make_config(
+        model_config(
             ROPE_SWIGLU,
-            validate=False,
             bias_swiglu_fusion=False,
             apply_rope_fusion=False,
             bias_dropout_fusion=False,
@@ -207,7 +206,7 @@ def test_plan_follows_flags_and_environment(monkeypatch):
             masked_softmax_fusion=False,
             cross_entropy_loss_fusion=False,
             attention_backend="unfused",
-        ).model
+        )
     )
     assert (
         off.attention,
@@ -218,18 +217,10 @@ def test_plan_follows_flags_and_environment(monkeypatch):
         off.bias_dropout_add,
         off.cross_entropy,
     ) == ("unfused", "eager", "eager", "eager", "eager", "eager", "unfused")
-    assert (
-        plan_fusions(
-            make_config(ROPE_SWIGLU, swiglu=False, bias_gelu_fusion=False, validate=False).model
-        ).bias_activation
-        == "eager"
-    )
-    assert (
-        plan_fusions(make_config(ROPE_SWIGLU, position_embedding_type="learned_absolute", validate=False).model).rope
-        == "none"
-    )
+    assert plan_fusions(model_config(ROPE_SWIGLU, swiglu=False, bias_gelu_fusion=False)).bias_activation == "eager"
+    assert plan_fusions(model_config(ROPE_SWIGLU, position_embedding_type="learned_absolute")).rope == "none"
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
-    eager = plan_fusions(make_config(ROPE_SWIGLU, validate=False).model)
+    eager = plan_fusions(model_config(ROPE_SWIGLU))
     assert eager.norm == eager.rope == eager.bias_activation == "eager" and eager.cross_entropy == "fused linear"
     assert "norm: eager" in eager.describe()
     assert EAGER.attention == "sdpa" and not any(EAGER.compiled(f) for f in vars(EAGER))
@@ -241,15 +232,10 @@ def test_missing_accelerator_packages_fail_with_install_hints():
     assert backends.apex_norm_functions() is None
     assert backends.flash_attn_function() is None
     with pytest.raises(BackendUnavailable, match="Transformer Engine.*pip install --no-build-isolation"):
-        plan_fusions(make_config(ROPE_SWIGLU, transformer_impl="transformer_engine", validate=False).model)
+        plan_fusions(model_config(ROPE_SWIGLU, transformer_impl="transformer_engine"))
     with pytest.raises(BackendUnavailable, match="flash-attn.*pip install flash-attn"):
-        plan_fusions(make_config(ROPE_SWIGLU, attention_backend="flash", validate=False).model, half_precision=True)
-    assert (
-        plan_fusions(
-            make_config(ROPE_SWIGLU, attention_backend="auto", validate=False).model, half_precision=True
-        ).attention
-        == "sdpa"
-    )
+        plan_fusions(model_config(ROPE_SWIGLU, attention_backend="flash"), half_precision=True)
+    assert plan_fusions(model_config(ROPE_SWIGLU, attention_backend="auto"), half_precision=True).attention == "sdpa"
     assert "unrelated" in backends.APEX_INSTALL and "github.com/NVIDIA/apex" in backends.APEX_INSTALL
 
 
@@ -277,19 +263,16 @@ def test_optional_packages_are_used_when_importable(monkeypatch):
         monkeypatch.setitem(sys.modules, "apex.normalization", normalization)
         monkeypatch.setitem(sys.modules, "apex.normalization.fused_layer_norm", fused)
         monkeypatch.setitem(sys.modules, "flash_attn", flash)
-        plan = plan_fusions(make_config(ROPE_SWIGLU, validate=False).model, half_precision=True)
+        plan = plan_fusions(model_config(ROPE_SWIGLU), half_precision=True)
         assert plan.norm == "apex" and plan.attention == "flash-attn"
         assert (
-            plan_fusions(
-                make_config(ROPE_SWIGLU, attention_backend="fused", validate=False).model, half_precision=True
-            ).attention
-            == "sdpa"
+            plan_fusions(model_config(ROPE_SWIGLU, attention_backend="fused"), half_precision=True).attention == "sdpa"
         )
-        assert plan_fusions(make_config(ROPE_SWIGLU, validate=False).model, half_precision=False).attention == "sdpa"
+        assert plan_fusions(model_config(ROPE_SWIGLU), half_precision=False).attention == "sdpa"
         monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
         monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", types.ModuleType("transformer_engine.pytorch"))
         te_plan = plan_fusions(
-            make_config(ROPE_SWIGLU, transformer_impl="transformer_engine", validate=False).model
+            model_config(ROPE_SWIGLU, transformer_impl="transformer_engine")
         )  # TE layers: test_transformer_engine.py
         assert te_plan.uses_te() and te_plan.attention == "te" and "transformer: te" in te_plan.describe()
         from megalm.transformer.norm import RMSNorm

@@ -2,12 +2,10 @@
 TP 2 with sequence parallelism, so the fused pieces also run on sequence slices and
 vocabulary shards), compiles once, and reports what it compiled."""
 
-import os
-
 import pytest
 
 from tests.distributed_harness import run_distributed
-from tests.training_runs import assert_close, losses, records, run_trainings, tiny_flags
+from tests.training_runs import assert_close, losses, metrics_argv, records, run_trainings, tiny_flags
 
 TINY = tiny_flags(
     seed="5",
@@ -52,15 +50,14 @@ def _compiled_trainings(runs):
 def runs(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("fusions"))
 
-    def argv(name, *extra):
-        return TINY + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl")] + list(extra)
-
     plan = [
-        argv("llama_off", *LLAMA, *ALL_OFF),
-        argv("llama_on", *LLAMA, *ALL_ON),
-        argv("gpt_off", *GPT, *ALL_OFF),
-        argv("gpt_on", *GPT, *ALL_ON),
-        argv("gpt_on_dropout", *GPT, *ALL_ON, "--hidden-dropout", "0.1", "--attention-dropout", "0.1"),
+        metrics_argv(TINY, tmp, "llama_off", *LLAMA, *ALL_OFF),
+        metrics_argv(TINY, tmp, "llama_on", *LLAMA, *ALL_ON),
+        metrics_argv(TINY, tmp, "gpt_off", *GPT, *ALL_OFF),
+        metrics_argv(TINY, tmp, "gpt_on", *GPT, *ALL_ON),
+        metrics_argv(
+            TINY, tmp, "gpt_on_dropout", *GPT, *ALL_ON, "--hidden-dropout", "0.1", "--attention-dropout", "0.1"
+        ),
     ]
     codes = run_distributed(_compiled_trainings, 2, args=(plan,), timeout=420, env={"TORCHDYNAMO_DISABLE": "0"})
     return tmp, codes

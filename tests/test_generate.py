@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalm.config import MegalmConfig
 from megalm.inference import KVCache, SamplingParams, filter_logits, generate, generate_batch, load_model
-from tests.checkpoint_fixtures import LLAMA, save_random_model, tiny_cfg
+from tests.checkpoint_fixtures import LLAMA, save_random_model
+from tests.configs import TINY_GPT, make_config
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 120  # NullTokenizer ids 0..118, EOD 119
@@ -39,12 +39,8 @@ SAMPLE = SamplingParams(temperature=1.5, top_k=20, top_p=0.9)
 SEEDS = [11 + i for i in range(len(PROMPTS))]
 
 
-def make_cfg(**model) -> MegalmConfig:
-    return tiny_cfg(VOCAB, "NullTokenizer", **model)
-
-
-def null_cfg(arch):
-    return make_cfg(**ARCHS[arch])
+# The tiny GPT of the generation tests, NullTokenizer ids (the tests add the architecture).
+MODEL = dict(TINY_GPT, vocab_size=VOCAB, tokenizer_type="NullTokenizer")
 
 
 def seeded(seeds):
@@ -65,7 +61,7 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("gen")
     out = {}
     for arch in ARCHS:
-        save_random_model(null_cfg(arch), root / arch)
+        save_random_model(make_config(MODEL, ARCHS[arch]), root / arch)
         out[arch] = root / arch
     return out
 
@@ -420,7 +416,9 @@ def test_gpt2_bpe_text_prompts_and_tokenizer_overrides(tmp_path):
 
     vocab_file, merge_file = make_gpt2_files(tmp_path)
     tok = GPT2BPETokenizer(vocab_file, merge_file)
-    cfg = copy.deepcopy(tiny_cfg(tok.vocab_size, **LLAMA))  # editable: the validated config is frozen
+    cfg = copy.deepcopy(
+        make_config(TINY_GPT, LLAMA, vocab_size=tok.vocab_size)
+    )  # editable: the validated config is frozen
     cfg.data.tokenizer_type, cfg.data.vocab_file, cfg.data.merge_file = "GPT2BPETokenizer", vocab_file, merge_file
     save_random_model(cfg, tmp_path / "ckpt")
     moved = tmp_path / "moved"
@@ -447,6 +445,8 @@ def test_gpt2_bpe_text_prompts_and_tokenizer_overrides(tmp_path):
     assert result["prompt_ids"] == moved_tok.tokenize("alpha beta gamma")
     assert result["text"] == moved_tok.detokenize([i for i in result["generated_ids"] if i != tok.eod])
     assert isinstance(tokenizer_for(cfg, "NullTokenizer", vocab_size=10), NullTokenizer)  # a type override
-    small = dataclasses.replace(tiny_cfg(100), data=cfg.data)  # a new config: validated ones are frozen
+    small = dataclasses.replace(
+        make_config(TINY_GPT, vocab_size=100), data=cfg.data
+    )  # a new config: validated ones are frozen
     with pytest.raises(ValueError, match="larger than the model's"):
         tokenizer_for(small, vocab_file=str(moved / "vocab.json"), merge_file=str(moved / "merges.txt"))

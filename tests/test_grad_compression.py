@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megalm import parallel_state
-from megalm.config import ConfigError, MegalmConfig, ParallelConfig, validate_config
+from megalm.config import ConfigError, ParallelConfig
 from megalm.distributed import CommStats, DistributedDataParallel
 from megalm.distributed.compression import (
     FP8,
@@ -35,6 +35,7 @@ from megalm.distributed.compression.segments import matrix_segments
 from megalm.distributed.local_sgd import OuterSync
 from megalm.distributed.param_and_grad_buffer import ParamAndGradBuffer
 from megalm.parallel_state import ProcessGroups
+from tests.configs import make_config, parallel_config
 from tests.distributed_harness import run_distributed
 
 K, LOCAL = 4, 2
@@ -173,10 +174,8 @@ def non_finite(group, me, name):
     return {"finite": bool(torch.isfinite(bad).all()), "kept": torch.equal(before, comp.residuals["x"])}
 
 
-def config(name, hierarchical=False, distopt=False, **override):
-    settings = {**SETTINGS, "ddp_bucket_size": BUCKET, **override}
-    return ParallelConfig(overlap_grad_reduce=True, hierarchical_grad_reduce=hierarchical, grad_compression=name,
-                          use_distributed_optimizer=distopt, **settings)  # fmt: skip
+# The DDP settings of the compressed runs (overlapped reduction, BUCKET-sized buckets); the tests add the method.
+COMPRESSED = dict(SETTINGS, ddp_bucket_size=BUCKET, overlap_grad_reduce=True)
 
 
 def whole_grads(ddp, group, distopt):
@@ -200,7 +199,13 @@ def ddp_run(name, hierarchical, pg, distopt=False, keep=None, strategy="no_shard
     buffers of the distributed optimizer (``strategy`` optim_grads: ZeRO-2's sharded gradients),
     whose reduced shards are then all-gathered (uncounted).  ``keep``: a dict that gets the DDP
     wrapper (by method and hierarchical)."""
-    cfg = config(name, hierarchical, distopt, data_parallel_sharding_strategy=strategy)
+    cfg = parallel_config(
+        COMPRESSED,
+        grad_compression=name,
+        hierarchical_grad_reduce=hierarchical,
+        use_distributed_optimizer=distopt,
+        data_parallel_sharding_strategy=strategy,
+    )
     counted = CommStats(LOCAL)
     ddp = DistributedDataParallel(make_model(), cfg, process_groups=pg, comm_stats=counted)
     if keep is not None:
@@ -434,7 +439,11 @@ def reshard_checks(pg, trained):
     for h in (False, True):
         ddp = trained[("int8", h)]
         pending = reshard.pending_updates([ddp])
-        lossless = DistributedDataParallel(make_model(), config("topk", h, topk_ratio=1.0), process_groups=pg)
+        lossless = DistributedDataParallel(
+            make_model(),
+            parallel_config(COMPRESSED, grad_compression="topk", hierarchical_grad_reduce=h, topk_ratio=1.0),
+            process_groups=pg,
+        )
         reshard.load_pending([lossless], by_name(pending, ddp, lossless))
         lossless.zero_grad_buffer()
         accumulate(lossless, 0, me, lossless.no_sync)
@@ -445,7 +454,9 @@ def reshard_checks(pg, trained):
             "next": torch.cat([p.main_grad.reshape(-1) for p in lossless.module.parameters()]),
         }
     src = trained[("powersgd", False)]
-    one = DistributedDataParallel(make_model(), config("powersgd", ddp_bucket_size=None), process_groups=pg)
+    one = DistributedDataParallel(
+        make_model(), parallel_config(COMPRESSED, grad_compression="powersgd", ddp_bucket_size=None), process_groups=pg
+    )
     copied = reshard.load_powersgd_qs([one], by_name(reshard.powersgd_qs([src]), src, one))
     before, after = reshard.powersgd_qs([src]), by_name(reshard.powersgd_qs([one]), one, src)
     same = set(after) == set(before) and all(torch.equal(q, after[k]) for k, q in before.items())
@@ -721,8 +732,10 @@ def test_residuals_resharded_to_one_rank_are_added_to_its_next_gradient():
     """DP 1 compresses nothing: the pending update loaded (the sum of a DP K run's residuals) is added
     to the first gradient, bit for bit, and none is kept for the second."""
     pg = ProcessGroups.single()
-    ddp = DistributedDataParallel(make_model(), config("int8"), process_groups=pg)
-    plain = DistributedDataParallel(make_model(), config("none"), process_groups=pg)
+    ddp = DistributedDataParallel(make_model(), parallel_config(COMPRESSED, grad_compression="int8"), process_groups=pg)
+    plain = DistributedDataParallel(
+        make_model(), parallel_config(COMPRESSED, grad_compression="none"), process_groups=pg
+    )
     gen = torch.Generator().manual_seed(3)
     pending = {p: torch.randn(p.shape, generator=gen) for p in ddp.module.parameters()}
     reshard.load_pending([ddp], pending)
@@ -754,16 +767,20 @@ def test_checkpoint_reshards_into_other_buckets_and_resets_without_pending(tmp_p
         return states
 
     pg = ProcessGroups.single()
-    src = DistributedDataParallel(make_model(), config(method), process_groups=pg)
+    src = DistributedDataParallel(make_model(), parallel_config(COMPRESSED, grad_compression=method), process_groups=pg)
     gen = torch.Generator().manual_seed(4)
     for b in src.buffers[0].buckets:  # as if resharded from a larger DP size
         src.compressor.residuals[f"dense0.{b.index}"] = torch.randn(b.numel, generator=gen)
     want = reshard.pending_updates([src])
     save_checkpoint(str(tmp_path / "int8"), 1, [src], states=registered(src))
-    plain = DistributedDataParallel(make_model(), config("none"), process_groups=pg)
+    plain = DistributedDataParallel(
+        make_model(), parallel_config(COMPRESSED, grad_compression="none"), process_groups=pg
+    )
     save_checkpoint(str(tmp_path / "plain"), 1, [plain])
     for name in ("int8", "plain"):
-        dst = DistributedDataParallel(make_model(), config(method, ddp_bucket_size=None), process_groups=pg)
+        dst = DistributedDataParallel(
+            make_model(), parallel_config(COMPRESSED, grad_compression=method, ddp_bucket_size=None), process_groups=pg
+        )
         with megalm_logs("stderr"):
             load_checkpoint(str(tmp_path / name), [dst], states=registered(dst))
         err = capsys.readouterr().err
@@ -831,12 +848,8 @@ def test_int8_stochastic_rounding_is_unbiased_and_nearest_is_bounded():
 
 
 def test_config_accepts_sharded_gradients_and_refuses_bad_settings():
-    def check(**kw):
-        cfg = MegalmConfig()
-        cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads = 2, 64, 4
-        for k, v in kw.items():
-            setattr(cfg.parallel, k, v)
-        validate_config(cfg)
+    def check(**parallel):
+        make_config(dict(num_layers=2, hidden_size=64, num_attention_heads=4), parallel)
 
     check(grad_compression="powersgd")
     check(grad_compression="int8", use_distributed_optimizer=True)  # ZeRO-1: built

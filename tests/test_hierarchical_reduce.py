@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from megalm import parallel_state
-from megalm.config import MegalmConfig, ParallelConfig
+from megalm.config import ParallelConfig
 from megalm.distributed import CommStats, DistributedDataParallel, comm, finalize_model_grads
 from megalm.parallel_state import NodeLayoutError, ProcessGroups, get_process_groups, node_split
+from tests.configs import optimizer_config
 from tests.distributed_harness import run_distributed
 from tests.training_runs import tiny_flags
 
@@ -94,11 +95,10 @@ def train_distopt(hierarchical, overlap, pg):
     """STEPS steps of the distributed optimizer; losses, params, shard layout, bytes per node."""
     from megalm.optimizer import build_optimizer
 
-    cfg = MegalmConfig()
-    t, p = cfg.training, cfg.parallel
-    t.lr, t.weight_decay, t.clip_grad = 1e-2, 0.1, 0.05
-    p.use_distributed_optimizer, p.overlap_grad_reduce, p.overlap_param_gather = True, overlap, overlap
-    p.ddp_bucket_size, p.hierarchical_grad_reduce = BUCKET, hierarchical
+    distopt = dict(use_distributed_optimizer=True, ddp_bucket_size=BUCKET, hierarchical_grad_reduce=hierarchical)
+    overlapped = dict(overlap_grad_reduce=overlap, overlap_param_gather=overlap)
+    cfg = optimizer_config(distopt, overlapped, lr=1e-2, weight_decay=0.1, clip_grad=0.05)
+    p = cfg.parallel
     model = make_model()
     stats = CommStats(LOCAL)
     ddp = DistributedDataParallel(model, p, process_groups=pg, comm_stats=stats)

@@ -15,11 +15,11 @@ from megalm.checkpoint.resume import find_checkpoint
 from megalm.checkpoint.safe_metadata import CheckpointSecurityError, load_metadata
 from megalm.checkpoint.save import save_checkpoint
 from megalm.checkpoint.stateful import CheckpointStates
-from megalm.config import MegalmConfig, set_vocab_size, validate_config
 from megalm.conversion.checkpoint_info import describe, format_description
 from megalm.parallel_state import get_process_groups
 from megalm.training.checkpoint_states import DataPosition
 from megalm.training.step import TrainState
+from tests.configs import make_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,11 +29,7 @@ def checkpoint(tmp_path_factory):
     from megalm.models import GPTModel
     from megalm.optimizer import build_optimizer
 
-    cfg = MegalmConfig()
-    m = cfg.model
-    m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size, m.vocab_size = 2, 32, 4, 64, 100
-    validate_config(cfg)
-    set_vocab_size(cfg, 100)
+    cfg = make_config(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=100)
     model = GPTModel(cfg, process_groups=get_process_groups())
     optimizer = build_optimizer(cfg, [model], process_groups=get_process_groups())
     root = tmp_path_factory.mktemp("ckpt")

@@ -32,9 +32,9 @@ REFUSED = {
     "gpt3_175b": set(),
     "llama3_8b_fp8": {"--fp8-format", "--fp8-param-gather", "--profile"},
     "mixtral_8x7b": set(),
-    "llama3_8b_fsdp": {"--ckpt-format", "--fp8-format", "--fp8-param-gather"},
+    "llama3_8b_fsdp": {"--fp8-format", "--fp8-param-gather"},
     "gpt_oss": {"--fp8-format", "--fp8-param-gather"},
-    "deepseek_v3": {"--ckpt-format"},
+    "deepseek_v3": set(),
 }
 # Accepted by the parser, refused when the ranks start on a machine without CUDA (Transformer Engine, flash-attn).
 CUDA_ONLY = {"deepseek_v3": ["--transformer-impl", "--use-flash-attn"]}
@@ -146,6 +146,18 @@ def test_scripts_train_with_falling_losses_on_four_ranks(runs, name):
     if name == "deepseek_v3":  # one MTP depth, its loss logged on its own
         mtp = [r["mtp_1_loss"] for r in rows]
         assert all(math.isfinite(x) for x in mtp) and falls(mtp, noisy=True), mtp
+    if "fsdp_dtensor" in argv:  # saved at the end in Megatron-FSDP's layout (tests/test_fsdp_dtensor_checkpoint.py)
+        from megalm.checkpoint.common_json import read_common
+        from megalm.checkpoint.resume import find_checkpoint
+        from megalm.checkpoint.safe_metadata import load_metadata
+
+        path = find_checkpoint(os.path.join(runs["tmp"], f"{name}_ckpt"))
+        assert read_common(path)["ckpt_format"] == "fsdp_dtensor"
+        keys = set(load_metadata(path, allow_byte_entries=True).state_dict_metadata)
+        assert {"iteration", "checkpoint_version", "args"} <= keys
+        assert "model.module.decoder.layers.0.self_attention.linear_proj.weight" in keys
+        assert any(k.endswith(".linear_fc1.weight_w.exp_avg") for k in keys), sorted(keys)[:20]
+        assert not any(k.startswith(("model.decoder", "optimizer.decoder")) for k in keys)
     evals = records(runs["tmp"], name, "validation")
     if name == "gpt_oss":  # its script asks for --eval-iters 0
         assert evals == []

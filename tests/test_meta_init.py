@@ -18,7 +18,8 @@ from megalm.tensor_parallel.initialization import initialize_weights
 from megalm.tensor_parallel.meta_init import MetaDeviceMode, MetaInitError
 from megalm.tensor_parallel.random import RNGStatesTracker
 from megalm.training.build import build_model_chunks, wrap_data_parallel
-from tests.checkpoint_fixtures import LLAMA, tiny_cfg
+from tests.checkpoint_fixtures import LLAMA
+from tests.configs import TINY_GPT, make_config
 
 
 def _gpt(cfg, pre_process=True, post_process=True, layer_numbers=None, *, process_groups, rng_tracker):
@@ -28,7 +29,7 @@ def _gpt(cfg, pre_process=True, post_process=True, layer_numbers=None, *, proces
 
 
 def _weights(strategy, bf16, meta):
-    cfg = copy.deepcopy(tiny_cfg(100, **LLAMA))
+    cfg = copy.deepcopy(make_config(TINY_GPT, LLAMA, vocab_size=100))
     cfg.parallel.data_parallel_sharding_strategy, cfg.parallel.ddp_bucket_size = strategy, 1000
     cfg.parallel.init_model_with_meta_device, cfg.training.bf16 = meta, bf16
     groups = ProcessGroups.single()

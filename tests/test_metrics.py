@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from megalm import flops
-from megalm.config import MegalmConfig, validate_config
 from megalm.training import memory
 from megalm.training.metrics import MetricsWriter, WandbSetupError, check_wandb_ready, format_log_line
+from tests.configs import make_config
 
 
 def _record(iteration, loss):
@@ -34,9 +34,9 @@ def _record(iteration, loss):
 
 
 def test_metrics_file_and_tensorboard(tmp_path):
-    cfg = MegalmConfig()
-    cfg.logging.metrics_file = str(tmp_path / "out" / "metrics.jsonl")
-    cfg.logging.tensorboard_dir = str(tmp_path / "tb")
+    cfg = make_config(
+        metrics_file=str(tmp_path / "out" / "metrics.jsonl"), tensorboard_dir=str(tmp_path / "tb"), validate=False
+    )
     w = MetricsWriter(cfg, enabled=True)
     w.log_iteration(_record(10, 1.0 / 3))
     with open(cfg.logging.metrics_file) as f:  # flushed at once, before close
@@ -110,11 +110,7 @@ def test_format_log_line():
 # --- W&B -------------------------------------------------------------------------------------------
 
 
-def _wandb_cfg(tmp_path):
-    cfg = MegalmConfig()
-    cfg.logging.wandb_project, cfg.logging.wandb_exp_name = "megalm-test", "unit"
-    cfg.logging.wandb_save_dir = str(tmp_path / "wandb_runs")
-    return cfg
+WANDB = dict(wandb_project="megalm-test", wandb_exp_name="unit")  # the tests add the save directory
 
 
 def test_wandb_online_without_key_fails_at_startup(tmp_path, monkeypatch):
@@ -124,13 +120,15 @@ def test_wandb_online_without_key_fails_at_startup(tmp_path, monkeypatch):
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     start = time.monotonic()
     with pytest.raises(WandbSetupError, match="WANDB_API_KEY.*WANDB_MODE=offline"):
-        MetricsWriter(_wandb_cfg(tmp_path), enabled=True)
+        MetricsWriter(make_config(WANDB, wandb_save_dir=str(tmp_path / "wandb_runs"), validate=False), enabled=True)
     assert time.monotonic() - start < 2.0  # no network attempt
     netrc_file = tmp_path / "netrc"
     netrc_file.write_text("machine api.wandb.ai\n  login user\n  password " + "0" * 40 + "\n")
     netrc_file.chmod(0o600)
     monkeypatch.setenv("NETRC", str(netrc_file))
-    check_wandb_ready(_wandb_cfg(tmp_path).logging)  # credentials found: no error
+    check_wandb_ready(
+        make_config(WANDB, wandb_save_dir=str(tmp_path / "wandb_runs"), validate=False).logging
+    )  # credentials found: no error
 
 
 def test_wandb_offline_writes_run_dir(tmp_path, monkeypatch):
@@ -140,7 +138,7 @@ def test_wandb_offline_writes_run_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_CONSOLE", "off")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    cfg = _wandb_cfg(tmp_path)
+    cfg = make_config(WANDB, wandb_save_dir=str(tmp_path / "wandb_runs"), validate=False)
     w = MetricsWriter(cfg, enabled=True)
     w.log_iteration(_record(10, 1.5))
     w.log_evaluation(10, "validation", 1.4)
@@ -171,13 +169,10 @@ def test_flops_dense_gqa_swiglu_and_moe():
     got = flops.transformer_flops(B, s, L, h, heads, f, V, num_query_groups=groups, swiglu=True)
     assert got == pytest.approx(expected, rel=1e-12)
 
-    cfg = MegalmConfig()
-    m = cfg.model
-    m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size = L, h, heads, s, 1000
-    m.group_query_attention, m.num_query_groups, m.swiglu, m.ffn_hidden_size = True, groups, True, f
-    m.make_vocab_size_divisible_by = 128
-    validate_config(cfg)
-    assert m.padded_vocab_size == V
+    shape = dict(num_layers=L, hidden_size=h, num_attention_heads=heads, seq_length=s, ffn_hidden_size=f, swiglu=True)
+    gqa = dict(group_query_attention=True, num_query_groups=groups)
+    cfg = make_config(shape, gqa, vocab_size=1000, make_vocab_size_divisible_by=128)
+    assert cfg.model.padded_vocab_size == V
     assert flops.num_floating_point_operations(cfg, B) == pytest.approx(expected, rel=1e-12)
 
     # MoE hook: every layer MoE with top-2 routing doubles the MLP GEMMs

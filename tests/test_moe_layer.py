@@ -37,10 +37,6 @@ BASE = [
 ]
 
 
-def _cfg(*extra, world_size=None):
-    return validate_config(config_from_args(build_parser().parse_args(BASE + list(extra))), world_size=world_size)
-
-
 def _experts(m, grouped):
     experts = LocalExperts(m, first=0, count=4, grouped=grouped)
     initialize_weights(experts, seed=5, tp_group=get_process_groups().tp, etp_group=get_process_groups().etp)
@@ -49,7 +45,7 @@ def _experts(m, grouped):
 
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_grouped_and_looped_experts_are_equal(swiglu):
-    m = _cfg(*(["--swiglu"] if swiglu else [])).model
+    m = parse_config([*BASE, *(["--swiglu"] if swiglu else [])]).model
     loop, grouped = _experts(m, False), _experts(m, True)
     counts = [5, 0, 9, 2]  # an expert without tokens too
     x = torch.randn(16, 16, generator=torch.Generator().manual_seed(1))
@@ -68,13 +64,54 @@ def test_grouped_and_looped_experts_are_equal(swiglu):
     assert outs[0][2]["local_experts.1.linear_fc1.weight"].abs().max() == 0  # no tokens, zero grad
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_zero3_gathers_the_local_experts_as_one_unit(grouped):
+    """ZeRO-3 (DP 1, in process) over the experts: their buckets are freed after the build and after each
+    backward; only ``LocalExperts`` is hooked (the grouped GEMM reads its experts' weights without running
+    their modules), its pre-hook gathers every bucket of them; output, input and weight gradients equal the
+    plain experts' bit for bit."""
+    from megalm.config import ParallelConfig
+    from megalm.distributed import DistributedDataParallel
+
+    m = parse_config([*BASE, "--swiglu"]).model
+    plain = _experts(m, grouped)
+    zero3 = DistributedDataParallel(
+        _experts(m, grouped),  # the same initial values (seeded by name)
+        ParallelConfig(data_parallel_sharding_strategy="optim_grads_params", ddp_bucket_size=600),
+        process_groups=get_process_groups(),
+    )
+    buckets = [b for buf in zero3.expert_buffers for b in buf.buckets]
+    assert len(buckets) > 1 and not zero3.buffers  # several expert buckets, no dense parameter
+    hooked = [mod for mod in zero3.module.modules() if mod._forward_pre_hooks]
+    assert hooked == [zero3.module]  # LocalExperts alone, not its ExpertMLPs or their linears
+    counts = [5, 0, 9, 2]  # an expert without tokens too
+    x = torch.randn(16, 16, generator=torch.Generator().manual_seed(1))
+    grad = torch.randn(16, 16, generator=torch.Generator().manual_seed(2))
+    for step in range(2):
+        assert not any(b.gathered for b in buckets)
+        assert all(p.untyped_storage().nbytes() == 0 for p in zero3.module.parameters()), step
+        zero3.zero_grad_buffer()
+        outs = []
+        for experts in (plain, zero3):
+            xi = x.clone().requires_grad_()
+            out = experts(xi, counts)
+            out.backward(grad)
+            outs.append((out.detach(), xi.grad))
+        zero3.finish_grad_sync()
+        torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+        assert not any(b.gathered for b in buckets)  # freed once every gradient of the bucket was in
+        for (name, p), q in zip(plain.named_parameters(), zero3.module.parameters()):
+            torch.testing.assert_close(zero3.sharded_grad_views([q])[0], p.grad.flatten(), rtol=0, atol=0)
+            p.grad = None
+
+
 @pytest.mark.parametrize("swiglu, bias", [(False, True), (True, False), (True, True)])
 def test_expert_tensor_parallel_shards_sum_to_the_whole_expert(swiglu, bias):
     """ETP 2: fc1 column- ([gate_r; up_r] with SwiGLU, its bias split alike) and fc2 row-parallel shards cut
     from the whole expert, fc2's bias whole on both; the two partial outputs sum to the whole expert's output,
     the input gradients too, each shard's gradient is the matching cut of the whole expert's, and fc2's bias
     gets the whole gradient on both ranks."""
-    m = _cfg(*(["--swiglu"] if swiglu else []), *([] if bias else ["--disable-bias-linear"])).model
+    m = parse_config([*BASE, *(["--swiglu"] if swiglu else []), *([] if bias else ["--disable-bias-linear"])]).model
     whole = ExpertMLP(m)
     initialize_weights(whole, seed=5, tp_group=get_process_groups().tp, etp_group=get_process_groups().etp)
     with torch.no_grad():  # biases start at 0: make them count
@@ -114,7 +151,7 @@ def test_expert_tensor_parallel_shards_sum_to_the_whole_expert(swiglu, bias):
 
 def test_experts_without_any_token():
     """An EP rank may receive no token at all: both paths return [0, h] and zero gradients."""
-    m = _cfg().model
+    m = parse_config(BASE).model
     for grouped in (False, True):
         experts = _experts(m, grouped)
         x = torch.zeros(0, 16, requires_grad=True)
@@ -143,7 +180,7 @@ def _reference_moe(layer, x):
 @pytest.mark.parametrize("grouped", [False, True])
 def test_moe_layer_equals_per_token_reference(dispatcher, grouped):
     extra = ["--moe-token-dispatcher-type", dispatcher, "--moe-router-load-balancing-type", "none"]
-    m = _cfg(*extra, *(["--moe-grouped-gemm"] if grouped else [])).model
+    m = parse_config([*BASE, *extra, *(["--moe-grouped-gemm"] if grouped else [])]).model
     layer = MoELayer(
         m,
         layer_number=0,
@@ -168,7 +205,7 @@ def test_moe_layer_equals_per_token_reference(dispatcher, grouped):
 
 
 def test_parameter_names_attributes_and_shared_experts():
-    m = _cfg("--moe-shared-expert-intermediate-size", "8", "--swiglu", "--disable-bias-linear").model
+    m = parse_config([*BASE, "--moe-shared-expert-intermediate-size", "8", "--swiglu", "--disable-bias-linear"]).model
     layer = MoELayer(
         m,
         layer_number=2,
@@ -197,7 +234,9 @@ def test_full_recompute_gives_same_gradients_and_logs_once():
         [],
         ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
     ):
-        cfg = _cfg("--moe-aux-loss-coeff", "0.1", "--moe-z-loss-coeff", "0.01", "--moe-layer-freq", "2", *recompute)
+        cfg = parse_config(
+            [*BASE, "--moe-aux-loss-coeff", "0.1", "--moe-z-loss-coeff", "0.01", "--moe-layer-freq", "2", *recompute]
+        )
         tracker = model_parallel_manual_seed(1, get_process_groups())
         model = GPTModel(cfg, process_groups=get_process_groups(), rng_tracker=tracker)
         model.train()
@@ -215,11 +254,16 @@ def test_full_recompute_gives_same_gradients_and_logs_once():
 
 
 def test_layer_pattern():
-    assert moe_layer_pattern(_cfg().model) == [True] * 4
-    assert moe_layer_pattern(_cfg("--moe-layer-freq", "2").model) == [True, False, True, False]
-    assert moe_layer_pattern(_cfg("--moe-layer-freq", "[0,1,1,1]").model) == [False, True, True, True]
-    assert moe_layer_pattern(_cfg("--moe-layer-freq", "([0]+[1]*1)*2").model) == [False, True, False, True]
-    dense = dataclasses.replace(_cfg().model, num_experts=None)
+    assert moe_layer_pattern(parse_config(BASE).model) == [True] * 4
+    assert moe_layer_pattern(parse_config([*BASE, "--moe-layer-freq", "2"]).model) == [True, False, True, False]
+    assert moe_layer_pattern(parse_config([*BASE, "--moe-layer-freq", "[0,1,1,1]"]).model) == [False, True, True, True]
+    assert moe_layer_pattern(parse_config([*BASE, "--moe-layer-freq", "([0]+[1]*1)*2"]).model) == [
+        False,
+        True,
+        False,
+        True,
+    ]
+    dense = dataclasses.replace(parse_config(BASE).model, num_experts=None)
     assert not any(is_moe_layer(dense, i) for i in range(4))
 
 
@@ -274,7 +318,7 @@ def test_layer_pattern():
 )
 def test_invalid_moe_flags(argv, world, message):
     with pytest.raises(ConfigError, match=message):
-        _cfg(*argv, world_size=world)
+        parse_config([*BASE, *argv], world_size=world)
 
 
 def test_expert_parallel_needs_experts_and_bad_freq_is_rejected(capsys):
@@ -286,7 +330,7 @@ def test_expert_parallel_needs_experts_and_bad_freq_is_rejected(capsys):
 
 
 def test_defaults_follow_megatron():
-    m = _cfg("--ffn-hidden-size", "40").model
+    m = parse_config([*BASE, "--ffn-hidden-size", "40"]).model
     assert (m.moe_router_topk, m.moe_token_dispatcher_type, m.moe_router_load_balancing_type) == (
         2,
         "allgather",
@@ -315,7 +359,7 @@ def test_flops_count_only_activated_experts():
         "--ffn-hidden-size",
         "40",
     ]
-    moe = _cfg(*base)
+    moe = parse_config([*BASE, *base])
     dense = dataclasses.replace(moe.model, num_experts=None)
     h, s, B = 16, 8, 3
     delta = num_floating_point_operations(moe, B) - num_floating_point_operations(dense, B)
@@ -335,7 +379,7 @@ def test_chunks_of_one_rank_share_one_moe_state():
     from megalm.transformer.moe import pop_moe_metrics, share_moe_state
     from megalm.transformer.moe.moe_layer import moe_states
 
-    cfg = _cfg("--moe-aux-loss-coeff", "0.1")
+    cfg = parse_config([*BASE, "--moe-aux-loss-coeff", "0.1"])
     groups, tracker = get_process_groups(), model_parallel_manual_seed(1, get_process_groups())
     first = GPTModel(cfg, True, False, layer_numbers=[0, 1], process_groups=groups, rng_tracker=tracker)
     last = GPTModel(cfg, False, True, layer_numbers=[2, 3], process_groups=groups, rng_tracker=tracker)

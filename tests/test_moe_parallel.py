@@ -18,9 +18,9 @@ import torch
 
 from tests.distributed_harness import run_distributed
 from tests.training_runs import assert_close as _assert_close
+from tests.training_runs import metrics_argv, tiny_flags
 from tests.training_runs import records as _records
 from tests.training_runs import run_trainings as _run_trainings
-from tests.training_runs import tiny_flags
 
 # The tiny GPT (tests/training_runs.py), narrower and shorter, with 4 routed experts and a shared one.
 MOE = tiny_flags(
@@ -63,10 +63,6 @@ RECIPE = [
 ]
 
 
-def _argv(tmp, name, *extra):
-    return MOE + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl")] + list(extra)
-
-
 def _ep(n, dispatcher="allgather"):
     return ["--expert-model-parallel-size", str(n), "--moe-token-dispatcher-type", dispatcher]
 
@@ -87,13 +83,16 @@ def runs(tmp_path_factory):
     ck = os.path.join(tmp, "ckpt_ep2")
     cap = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
     quad = [
-        _argv(tmp, "ep1", *_ep(1)),
-        _argv(tmp, "ep2_allgather", *_ep(2)),
-        _argv(tmp, "ep2_alltoall", *_ep(2, "alltoall"), "--moe-grouped-gemm", "--save", ck, *SAVE3),
-        _argv(tmp, "ep4_allgather", *_ep(4), "--moe-grouped-gemm"),
-        _argv(tmp, "ep4_alltoall", *_ep(4, "alltoall")),
-        _argv(tmp, "tp2ep2_alltoall", *_ep(2, "alltoall"), "--tensor-model-parallel-size", "2", "--sequence-parallel"),
-        _argv(
+        metrics_argv(MOE, tmp, "ep1", *_ep(1)),
+        metrics_argv(MOE, tmp, "ep2_allgather", *_ep(2)),
+        metrics_argv(MOE, tmp, "ep2_alltoall", *_ep(2, "alltoall"), "--moe-grouped-gemm", "--save", ck, *SAVE3),
+        metrics_argv(MOE, tmp, "ep4_allgather", *_ep(4), "--moe-grouped-gemm"),
+        metrics_argv(MOE, tmp, "ep4_alltoall", *_ep(4, "alltoall")),
+        metrics_argv(
+            MOE, tmp, "tp2ep2_alltoall", *_ep(2, "alltoall"), "--tensor-model-parallel-size", "2", "--sequence-parallel"
+        ),
+        metrics_argv(
+            MOE,
             tmp,
             "tp2ep2_allgather",
             *_ep(2),
@@ -102,15 +101,16 @@ def runs(tmp_path_factory):
             "--sequence-parallel",
             "--moe-grouped-gemm",
         ),
-        _argv(tmp, "ep1_capacity", *_ep(1), *cap),
-        _argv(tmp, "ep2_capacity", *_ep(2, "alltoall"), *cap),
+        metrics_argv(MOE, tmp, "ep1_capacity", *_ep(1), *cap),
+        metrics_argv(MOE, tmp, "ep2_capacity", *_ep(2, "alltoall"), *cap),
         # EP 2 ("ep2_alltoall") saved at iteration 3; EP 1 and EP 4 load it and train iterations 4 and 5.
-        _argv(tmp, "ep1_load", *_ep(1), "--load", ck, "--ckpt-step", "3"),
-        _argv(tmp, "ep4_load", *_ep(4, "alltoall"), "--load", ck, "--ckpt-step", "3"),
+        metrics_argv(MOE, tmp, "ep1_load", *_ep(1), "--load", ck, "--ckpt-step", "3"),
+        metrics_argv(MOE, tmp, "ep4_load", *_ep(4, "alltoall"), "--load", ck, "--ckpt-step", "3"),
         # Pipeline 2 x EP 2: the load-balancing gradient of layer 0 enters the first stage's backward.
-        _argv(tmp, "pp2ep2", *_ep(2, "alltoall"), "--pipeline-model-parallel-size", "2"),
+        metrics_argv(MOE, tmp, "pp2ep2", *_ep(2, "alltoall"), "--pipeline-model-parallel-size", "2"),
         # Distributed optimizer: expert shards live on the expert-data-parallel group.
-        _argv(
+        metrics_argv(
+            MOE,
             tmp,
             "ep2_distopt",
             *_ep(2, "alltoall"),
@@ -120,7 +120,7 @@ def runs(tmp_path_factory):
         ),
     ]
     # Megatron's routing recipes: sigmoid scores, group-limited top-k, scaled weights, expert bias.
-    recipe = lambda name, *extra: _argv(tmp, name, *RECIPE, *extra)  # noqa: E731
+    recipe = lambda name, *extra: metrics_argv(MOE, tmp, name, *RECIPE, *extra)  # noqa: E731
     rck = os.path.join(tmp, "ckpt_recipe")
     quad += [
         recipe("recipe_ep1", *_ep(1)),
@@ -132,21 +132,23 @@ def runs(tmp_path_factory):
     # checkpoint is resumed under the other ETP.
     ck_etp1, ck_etp2, ck_etp4 = (os.path.join(tmp, f"ckpt_etp{n}") for n in (1, 2, 4))
     quad += [
-        _argv(tmp, "etp1", *_etp(1), *_ep(1), "--save", ck_etp1, *SAVE3),
-        _argv(tmp, "tp2etp2", *_etp(2, "--moe-grouped-gemm"), *_ep(1, "alltoall"), *TP2, "--save", ck_etp2, *SAVE3),
-        _argv(tmp, "etp2ep2", *_etp(2), *_ep(2)),
-        _argv(tmp, "cp2etp2", *_etp(2), *_ep(1, "alltoall"), "--context-parallel-size", "2"),
-        _argv(tmp, "pp2etp2", *_etp(2), *_ep(1, "alltoall"), "--pipeline-model-parallel-size", "2"),
+        metrics_argv(MOE, tmp, "etp1", *_etp(1), *_ep(1), "--save", ck_etp1, *SAVE3),
+        metrics_argv(
+            MOE, tmp, "tp2etp2", *_etp(2, "--moe-grouped-gemm"), *_ep(1, "alltoall"), *TP2, "--save", ck_etp2, *SAVE3
+        ),
+        metrics_argv(MOE, tmp, "etp2ep2", *_etp(2), *_ep(2)),
+        metrics_argv(MOE, tmp, "cp2etp2", *_etp(2), *_ep(1, "alltoall"), "--context-parallel-size", "2"),
+        metrics_argv(MOE, tmp, "pp2etp2", *_etp(2), *_ep(1, "alltoall"), "--pipeline-model-parallel-size", "2"),
         # GELU experts with biases (fc2's whole on each ETP rank) against "ep1": TP 2 x ETP 2 x EP 2.
-        _argv(tmp, "tp2etp2ep2_bias", *_ep(2, "alltoall"), *TP2, "--expert-tensor-parallel-size", "2"),
-        _argv(tmp, "etp2ep2_capacity", *_ep(2, "alltoall"), "--expert-tensor-parallel-size", "2", *cap),
-        _argv(tmp, "etp4_distopt", *_etp(4), *_ep(1, "alltoall"), *DISTOPT, "--save", ck_etp4, *SAVE3),
-        _argv(tmp, "etp2_loads_etp1", *_etp(2), *_ep(2), "--load", ck_etp1, "--ckpt-step", "3"),
-        _argv(tmp, "etp1_loads_etp2", *_etp(1), *_ep(2, "alltoall"), "--load", ck_etp2, "--ckpt-step", "3"),
-        _argv(tmp, "etp1_loads_etp4", *_etp(1), *_ep(2), *DISTOPT, "--load", ck_etp4, "--ckpt-step", "3"),
+        metrics_argv(MOE, tmp, "tp2etp2ep2_bias", *_ep(2, "alltoall"), *TP2, "--expert-tensor-parallel-size", "2"),
+        metrics_argv(MOE, tmp, "etp2ep2_capacity", *_ep(2, "alltoall"), "--expert-tensor-parallel-size", "2", *cap),
+        metrics_argv(MOE, tmp, "etp4_distopt", *_etp(4), *_ep(1, "alltoall"), *DISTOPT, "--save", ck_etp4, *SAVE3),
+        metrics_argv(MOE, tmp, "etp2_loads_etp1", *_etp(2), *_ep(2), "--load", ck_etp1, "--ckpt-step", "3"),
+        metrics_argv(MOE, tmp, "etp1_loads_etp2", *_etp(1), *_ep(2, "alltoall"), "--load", ck_etp2, "--ckpt-step", "3"),
+        metrics_argv(MOE, tmp, "etp1_loads_etp4", *_etp(1), *_ep(2), *DISTOPT, "--load", ck_etp4, "--ckpt-step", "3"),
     ]
     codes4 = run_distributed(_run_trainings, 4, args=(quad,), timeout=400)
-    singles = [_argv(tmp, "single"), recipe("recipe_single")]
+    singles = [metrics_argv(MOE, tmp, "single"), recipe("recipe_single")]
     codes1 = run_distributed(_run_trainings, 1, args=(singles,), timeout=200)
     pp = [i for i, argv in enumerate(quad) if argv[argv.index("--metrics-file") + 1].endswith("pp2ep2.jsonl")]
     return {"tmp": tmp, "codes": codes4 + codes1, "pp": pp[0]}

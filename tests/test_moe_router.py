@@ -9,29 +9,17 @@ import math
 import pytest
 import torch
 
-from megalm.config import ModelConfig
 from megalm.parallel_state import get_process_groups
 from megalm.transformer.moe.capacity import apply_capacity, expert_capacity
 from megalm.transformer.moe.router import TopKRouter, topk_routing
+from tests.configs import model_config
 
 E, H = 6, 8
 
 
-def _model_cfg(**kw):
-    m = ModelConfig(
-        num_layers=2,
-        hidden_size=H,
-        num_attention_heads=2,
-        num_experts=E,
-        moe_router_topk=2,
-        moe_ffn_hidden_size=16,
-        ffn_hidden_size=32,
-        moe_aux_loss_coeff=0.1,
-        moe_z_loss_coeff=0.01,
-    )
-    for k, v in kw.items():
-        setattr(m, k, v)
-    return m
+# The router's model section: E experts, top-2, auxiliary and z losses on.
+ROUTER = dict(num_layers=2, hidden_size=H, num_attention_heads=2, num_experts=E, moe_router_topk=2)
+ROUTER.update(moe_ffn_hidden_size=16, ffn_hidden_size=32, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
 
 
 def _reference_topk(logits, k, score, pre_softmax):
@@ -83,7 +71,7 @@ def test_topk_selection_and_probabilities(score, pre, k):
 
 def _router_and_input(seed=0, s=5, b=3, **kw):
     torch.manual_seed(seed)
-    router = TopKRouter(_model_cfg(**kw), layer_number=4, tp_group=get_process_groups().tp)
+    router = TopKRouter(model_config(ROUTER, kw), layer_number=4, tp_group=get_process_groups().tp)
     with torch.no_grad():
         router.weight.normal_(0, 1.0)
     hidden = torch.randn(s, b, H, requires_grad=True)
@@ -271,7 +259,7 @@ def test_routing_recipes_equal_a_per_token_reference(score, groups, group_topk, 
 
 
 def test_expert_bias_moves_towards_even_load_and_counts_restart():
-    m = _model_cfg(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+    m = model_config(ROUTER, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
     m.moe_router_bias_update_rate = 0.01
     router = TopKRouter(m, layer_number=1, tp_group=get_process_groups().tp)
     torch.nn.init.normal_(router.weight, std=0.5)
@@ -305,4 +293,4 @@ def test_routing_recipe_flags_are_checked():
     ]
     for overrides, message in cases:
         with pytest.raises(ConfigError, match=message):
-            _validate_moe_routing_recipes(_model_cfg(**overrides))
+            _validate_moe_routing_recipes(model_config(ROUTER, overrides))

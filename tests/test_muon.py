@@ -19,7 +19,7 @@ from megalm.optimizer.muon import MuonError, newton_schulz, split_qkv_rows
 from megalm.parallel_state import get_process_groups
 from megalm.tensor_parallel.param_info import param_info
 from megalm.transformer.attention import SelfAttention
-from tests.configs import make_config, optimizer_config
+from tests.configs import make_config, model_config, optimizer_config
 
 B1, B2, EPS, WD, LR, MU = 0.9, 0.999, 1e-8, 0.1, 1e-2, 0.9
 
@@ -165,7 +165,7 @@ def attention(groups):
     """One megalm attention layer (4 heads of 4, ``groups`` query groups) in fp64: its fused QKV weight
     has the grouped row layout and the record the split reads."""
     shape = dict(num_layers=1, hidden_size=HIDDEN, num_attention_heads=HEADS, attention_dropout=0.0)
-    m = make_config(shape, group_query_attention=groups < HEADS, num_query_groups=groups, validate=False).model
+    m = model_config(shape, group_query_attention=groups < HEADS, num_query_groups=groups)
     layer = SelfAttention(m, tp_group=get_process_groups().tp, cp_group=get_process_groups().cp).double()
     torch.manual_seed(0)
     with torch.no_grad():  # the layers leave their values to the model's initialization

@@ -16,7 +16,7 @@ import pytest
 
 from megalm.config import ConfigError
 from tests.distributed_harness import run_distributed
-from tests.training_runs import records, tiny_flags
+from tests.training_runs import metrics_argv, records, tiny_flags
 
 TINY = tiny_flags(
     lr=None,
@@ -28,6 +28,8 @@ TINY = tiny_flags(
     micro_batch_size="4",
     global_batch_size="8",
 )
+# The runs' learning rate (a run that diverges raises it with a later --lr).
+RUN = TINY + ["--lr", "2e-3"]
 
 
 def scaled_at(forward_step, calls, factor, rank=None):
@@ -100,20 +102,32 @@ def _run_all(runs):
 def runs(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("nanstop"))
 
-    def argv(name, *extra, lr="2e-3"):
-        return TINY + ["--lr", lr, "--metrics-file", os.path.join(tmp, f"{name}.jsonl")] + list(extra)
-
     def ck(name):
         return os.path.join(tmp, f"ckpt_{name}")
 
     inf, every = float("inf"), set(range(3, 100))
     todo = {
-        "lr": (argv("lr", "--train-iters", "6", "--save", ck("lr"), "--save-interval", "1", lr="1e10"), None),
-        "rank1": (argv("rank1", "--train-iters", "6", "--save", ck("rank1"), "--save-interval", "2"), ({3}, inf, 1)),
-        "grads1": (argv("grads1", "--train-iters", "5"), ("nan_grads", {3}, 1)),
-        "nocheck": (argv("nocheck", "--train-iters", "5", "--no-check-for-nan-in-loss-and-grad", lr="1e10"), None),
+        "lr": (
+            metrics_argv(
+                RUN, tmp, "lr", "--lr", "1e10", "--train-iters", "6", "--save", ck("lr"), "--save-interval", "1"
+            ),
+            None,
+        ),
+        "rank1": (
+            metrics_argv(RUN, tmp, "rank1", "--train-iters", "6", "--save", ck("rank1"), "--save-interval", "2"),
+            ({3}, inf, 1),
+        ),
+        "grads1": (metrics_argv(RUN, tmp, "grads1", "--train-iters", "5"), ("nan_grads", {3}, 1)),
+        "nocheck": (
+            metrics_argv(
+                RUN, tmp, "nocheck", "--lr", "1e10", "--train-iters", "5", "--no-check-for-nan-in-loss-and-grad"
+            ),
+            None,
+        ),
         "fp16": (
-            argv(
+            metrics_argv(
+                RUN,
+                tmp,
                 "fp16",
                 "--train-iters",
                 "10",
@@ -133,9 +147,11 @@ def runs(tmp_path_factory):
             ),
             (every, inf, None),
         ),
-        "spike": (argv("spike", "--train-iters", "6", "--check-for-spiky-loss"), ({4}, 1000.0, 0)),
+        "spike": (metrics_argv(RUN, tmp, "spike", "--train-iters", "6", "--check-for-spiky-loss"), ({4}, 1000.0, 0)),
         "spike_stop": (
-            argv(
+            metrics_argv(
+                RUN,
+                tmp,
                 "spike_stop",
                 "--train-iters",
                 "6",
@@ -149,7 +165,7 @@ def runs(tmp_path_factory):
             ),
             ({4}, 1000.0, 0),
         ),
-        "normal": (argv("normal", "--train-iters", "6", "--check-for-spiky-loss"), None),
+        "normal": (metrics_argv(RUN, tmp, "normal", "--train-iters", "6", "--check-for-spiky-loss"), None),
     }
     names = list(todo)
     by_rank = run_distributed(_run_all, 2, args=([todo[n] for n in names],), timeout=400)

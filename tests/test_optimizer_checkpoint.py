@@ -15,13 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from megalm.checkpoint.model_state import model_sharded_state, optimizer_sharded_state
-from megalm.config import MegalmConfig, ParallelConfig
+from megalm.config import ParallelConfig
 from megalm.distributed import DistributedDataParallel
 from megalm.errors import MegalmError
 from megalm.optimizer import DistributedOptimizer, MixedPrecisionOptimizer, OptimizerError, build_optimizer
 from megalm.optimizer.factory import get_param_groups, make_torch_optimizer
 from megalm.optimizer.grad_scaler import ConstantGradScaler
 from megalm.parallel_state import get_process_groups
+from tests.configs import optimizer_config
 
 
 def _mlp(dtype):
@@ -36,10 +37,8 @@ def _build(dtype, distributed, bucket_size=50):
         ParallelConfig(use_distributed_optimizer=distributed, ddp_bucket_size=bucket_size),
         process_groups=get_process_groups(),
     )
-    cfg = MegalmConfig()
-    cfg.training.optimizer, cfg.training.lr, cfg.training.clip_grad = "adam", 1e-2, 1.0
-    cfg.training.bf16 = dtype == torch.bfloat16
-    cfg.parallel.use_distributed_optimizer = distributed
+    adam = dict(optimizer="adam", lr=1e-2, clip_grad=1.0)
+    cfg = optimizer_config(adam, bf16=dtype == torch.bfloat16, use_distributed_optimizer=distributed)
     return model, ddp, build_optimizer(cfg, [ddp], report_memory=False, process_groups=get_process_groups())
 
 
@@ -132,10 +131,10 @@ def test_misuse_raises_megalm_errors():
     for whole_tensor_call in (opt.state_dict, opt.sharded_param_state, lambda: opt.load_state_dict({})):
         with pytest.raises(MegalmError, match="ranges of parameters"):
             whole_tensor_call()
-    cfg = MegalmConfig()
     groups = get_param_groups(list(model.named_parameters()), 0.0)
+    torch_optimizer = make_torch_optimizer(optimizer_config().training)  # the default optimizer
     with pytest.raises(OptimizerError, match="use_distributed_optimizer=True"):
-        DistributedOptimizer(groups, make_torch_optimizer(cfg.training), [model], process_groups=get_process_groups())
+        DistributedOptimizer(groups, torch_optimizer, [model], process_groups=get_process_groups())
 
 
 def test_checkpoint_of_another_optimizer_is_refused():

@@ -18,11 +18,12 @@ CPU copies here, the code path of a GPU; the same arithmetic on the same values)
 import pytest
 import torch
 
-from megalm.config import MegalmConfig, ParallelConfig, validate_config
+from megalm.config import ParallelConfig, validate_config
 from megalm.distributed import DistributedDataParallel
 from megalm.optimizer import build_optimizer
 from megalm.parallel_state import ProcessGroups, get_process_groups
 from megalm.tensor_parallel.param_info import set_param_info
+from tests.configs import optimizer_config
 from tests.distributed_harness import run_distributed
 from tests.test_distrib_optimizer import _mlp
 from tests.test_optimizer_offload import _steps as train_steps
@@ -37,25 +38,21 @@ OPTIMIZERS = {
 OFFLOADS = ((0.5, False), (1.0, True), (0.5, True))  # (fraction, overlap)
 
 
-def make_cfg(opt, fraction=None, overlap=False, distributed=False):
-    cfg = MegalmConfig()
-    t = cfg.training
-    t.weight_decay, t.clip_grad, t.adam_beta1, t.adam_beta2 = 0.1, 0.5, 0.9, 0.95
-    for k, v in OPTIMIZERS[opt].items():
-        setattr(t, k, v)
-    t.optimizer_cpu_offload = fraction is not None
-    t.optimizer_offload_fraction = fraction or 1.0
-    t.overlap_cpu_optimizer_d2h_h2d = overlap
-    cfg.parallel.use_distributed_optimizer = distributed
-    cfg.parallel.ddp_bucket_size = 100  # several buckets; the two DP shards cut tensors
-    return cfg
+# Every optimizer's other settings; several DDP buckets (100 elements): the two DP shards cut tensors.
+SHARED = dict(weight_decay=0.1, clip_grad=0.5, adam_beta1=0.9, adam_beta2=0.95, ddp_bucket_size=100)
+
+
+def _offload(fraction, overlap) -> dict:
+    """The offload flags of ``fraction`` (None: no offload) and overlapped copies or not."""
+    cpu = dict(optimizer_cpu_offload=fraction is not None, optimizer_offload_fraction=fraction or 1.0)
+    return dict(cpu, overlap_cpu_optimizer_d2h_h2d=overlap)
 
 
 def build(opt, fraction=None, overlap=False, distributed=False, dtype=torch.float32, groups=None):
     """``groups``: the optimizer's and DDP's process groups (default: parallel_state's, as a tool would)."""
     groups = get_process_groups() if groups is None else groups
     model = _mlp(dtype)
-    cfg = make_cfg(opt, fraction, overlap, distributed)
+    cfg = optimizer_config(SHARED, OPTIMIZERS[opt], _offload(fraction, overlap), use_distributed_optimizer=distributed)
     chunk = model
     if distributed:
         chunk = DistributedDataParallel(
@@ -129,7 +126,7 @@ def test_checkpoint_saved_with_offload_resumes_exactly(opt):
 
 @pytest.mark.parametrize("opt", ["lamb", "lars", "lion", "muon"])
 def test_offload_is_accepted_with_every_optimizer(opt):
-    cfg = make_cfg(opt, 0.5, overlap=True, distributed=True)
+    cfg = optimizer_config(SHARED, OPTIMIZERS[opt], _offload(0.5, True), use_distributed_optimizer=True)
     cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads = 2, 64, 4
     validate_config(cfg)  # refused for all but adam and sgd before
 
@@ -170,7 +167,12 @@ def shard(full, dim, rank, size):
 def toy_steps(opt, fraction, overlap, groups, rank, size):
     """3 steps of the toy with gradients drawn in full (the same on every rank) and sliced."""
     model = TPToy(rank, size)
-    optimizer = build_optimizer(make_cfg(opt, fraction, overlap), [model], report_memory=False, process_groups=groups)
+    optimizer = build_optimizer(
+        optimizer_config(SHARED, OPTIMIZERS[opt], _offload(fraction, overlap)),
+        [model],
+        report_memory=False,
+        process_groups=groups,
+    )
     g = torch.Generator().manual_seed(5)
     for _ in range(3):
         for name, p in model.named_parameters():

@@ -178,6 +178,15 @@ def test_swap_block_reads_and_writes_views(tmp_path):
                 t.copy_(values)
         assert torch.equal(block.read(stand_in), expected)
         assert torch.equal(block.read(view), values) and block.read(view).is_contiguous()
+    # --ckpt-format fsdp_dtensor cuts a gated fc1's blocks into its two halves: they keep the source
+    from megalm.checkpoint.fsdp_dtensor import _split_block
+    from megalm.param_layout import ShardedTensorSpec
+
+    for mode, local in (("select", stand_in.view(2, 8, 8)), ("halves", stand_in)):
+        whole = expected.view(2, 8, 8) if mode == "select" else expected
+        parts = _split_block(ShardedTensorSpec(local, tuple(local.shape), (0,) * local.dim(), block), mode)
+        assert len(parts) == 2 and all(p.source is block for _, p in parts)
+        assert torch.equal(torch.stack([p.data() for _, p in parts]), whole.reshape(2, 8, 8))
     opt.materialize_offload()
     assert torch.equal(opt.optimizer.state[host]["exp_avg"], expected)
     opt.close()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megalm.config import ConfigError, MegalmConfig, validate_config
+from megalm.config import ConfigError
 from megalm.data.gpt_dataset import document_ids, positions_restarting_after
 from megalm.models import GPTModel
 from megalm.parallel_state import get_process_groups
@@ -21,7 +21,8 @@ from megalm.transformer.packed_seq import (
     positions_in_segments,
 )
 from megalm.transformer.varlen_attention import varlen_attention
-from tests.test_reset_attention_mask import EOD, VOCAB, docs_tokens, make_cfg
+from tests.configs import make_config
+from tests.test_reset_attention_mask import EOD, MODEL, VOCAB, docs_tokens
 
 S = 96
 
@@ -84,7 +85,7 @@ def test_packed_equals_documents_alone_and_the_dense_mask():
     batch (positions from 0, the padding out of the loss) and those of the dense document mask (1e-5); the
     packed forward and backward make no tensor of ``s x s``, the dense path does."""
     torch.manual_seed(0)
-    model = GPTModel(make_cfg(attention_backend="sdpa"), process_groups=get_process_groups()).train()
+    model = GPTModel(make_config(MODEL, attention_backend="sdpa"), process_groups=get_process_groups()).train()
     tokens, ids = _documents()
     labels, loss_mask = torch.roll(tokens, -1, 1), torch.ones(tokens.shape)
     params = packed_seq_params_from_documents(ids)
@@ -141,7 +142,9 @@ def test_packed_cores_gpt_oss_and_mla_equal_the_dense_mask():
     cases += [("gpt-oss", gpt_oss, "blocked"), ("mla", {**mla, **recompute}, "sdpa")]
     for name, extra, backend in cases:
         torch.manual_seed(0)
-        model = GPTModel(make_cfg(attention_backend=backend, **extra), process_groups=get_process_groups()).train()
+        model = GPTModel(
+            make_config(MODEL, extra, attention_backend=backend), process_groups=get_process_groups()
+        ).train()
         mask = document_causal_mask(ids)
         dense_loss, dense = _loss_and_grads(model, tokens, positions, labels, loss_mask, attention_mask=mask)
         loss, packed = _loss_and_grads(model, tokens, positions, labels, loss_mask, packed_seq_params=params)
@@ -195,8 +198,7 @@ def test_get_batch_packs_the_documents(tmp_path):
     config = GPTDatasetConfig(seq_length=32, seed=1, eod=EOD, reset_attention_mask=True, cache_dir=str(tmp_path))
     ds = GPTDataset(low, torch.arange(len(low)).numpy(), 4, "train", config)
     items = [ds[i] for i in range(2)]
-    cfg = MegalmConfig()
-    cfg.data.qkv_format = "thd"  # an unvalidated config: get_batch reads this field only
+    cfg = make_config(qkv_format="thd", validate=False)  # get_batch reads this field only
     batch = get_batch(iter([torch.utils.data.default_collate(items)]), cfg, ProcessGroups.single())
     tokens = torch.stack([it["tokens"] for it in items])
     ids = torch.stack([it["document_ids"] for it in items])
@@ -204,6 +206,11 @@ def test_get_batch_packs_the_documents(tmp_path):
     assert torch.equal(batch["packed_seq_params"].cu_seqlens_q, packed_seq_params_from_documents(ids).cu_seqlens_q)
     assert batch["packed_seq_params"].cu_seqlens_q.numel() > 3  # several documents
     assert torch.equal(batch["position_ids"], torch.stack([positions_restarting_after(t, EOD) for t in tokens]))
+
+
+# A small model over 32 tokens, its documents packed (--reset-attention-mask --qkv-format thd).
+PACKED = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=VOCAB)
+PACKED.update(reset_attention_mask=True, qkv_format="thd")
 
 
 @pytest.mark.parametrize(
@@ -220,25 +227,13 @@ def test_get_batch_packs_the_documents(tmp_path):
     ],
 )
 def test_refusals(setting, message):
-    cfg = MegalmConfig()
-    m = cfg.model
-    m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size = 2, 32, 4, 32, VOCAB
-    m.attention_dropout, cfg.data.reset_attention_mask, cfg.data.qkv_format = 0.0, True, "thd"
-    for key, value in setting.items():
-        section = cfg.parallel if key == "context_parallel_size" else cfg.data if key == "reset_attention_mask" else m
-        setattr(section, key, value)
     with pytest.raises(ConfigError, match=message):
-        validate_config(cfg)
+        make_config(PACKED, {"attention_dropout": 0.0}, setting)
 
 
 def test_flash_backend_accepted_with_thd():
     """The dense mask refuses --attention-backend flash; packed documents run flash-attn's varlen kernel."""
-    cfg = MegalmConfig()
-    m = cfg.model
-    m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size = 2, 32, 4, 32, VOCAB
-    m.attention_backend, cfg.training.bf16 = "flash", True
-    cfg.data.reset_attention_mask, cfg.data.qkv_format = True, "thd"
-    assert validate_config(cfg).data.qkv_format == "thd"
+    assert make_config(PACKED, attention_backend="flash", bf16=True).data.qkv_format == "thd"
 
 
 def test_allgather_core_masks_other_documents():

@@ -14,39 +14,29 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megalm import parallel_state
-from megalm.config import build_parser, config_from_args, validate_config
+from megalm.config import parse_config
 from megalm.parallel_state import get_process_groups
 from megalm.tensor_parallel import mappings
 from megalm.tensor_parallel.initialization import initialize_weights
 from megalm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalm.tensor_parallel.utils import shard_of_full
 from megalm.transformer.moe import MoELayer
+from tests.configs import make_config, parallel_config
 from tests.distributed_harness import run_distributed
+from tests.training_runs import tiny_flags
 
 S, B, H, OUT = 4, 2, 8, 6
 TIMEOUT = timedelta(seconds=60)
-MOE = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    str(H),
-    "--num-attention-heads",
-    "2",
-    "--seq-length",
-    str(S),
-    "--vocab-size",
-    "64",
-    "--num-experts",
-    "4",
-    "--moe-ffn-hidden-size",
-    "12",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--moe-router-load-balancing-type",
-    "none",
-]
+# The tiny GPT's flags with a 4-expert MoE (hidden H, S tokens, no load balancing loss).
+MOE = tiny_flags(
+    hidden_size=H,
+    num_attention_heads=2,
+    seq_length=S,
+    vocab_size=64,
+    num_experts=4,
+    moe_ffn_hidden_size=12,
+    moe_router_load_balancing_type="none",
+)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -131,9 +121,7 @@ def _check_row(tp, sp: bool) -> dict:
 def _check_moe(tp, ep, dispatcher: str) -> dict:
     """EP 2 over explicit groups (experts 0-1 on EP rank 0, 2-3 on EP rank 1; TP ranks hold
     different tokens) against the whole layer in this process on both EP ranks' tokens."""
-    m = validate_config(
-        config_from_args(build_parser().parse_args(MOE + ["--moe-token-dispatcher-type", dispatcher]))
-    ).model
+    m = parse_config(MOE + ["--moe-token-dispatcher-type", dispatcher]).model
     layer = MoELayer(m, layer_number=0, tp_group=None, ep_group=ep, etp_group=get_process_groups().etp)
     full = MoELayer(m, layer_number=0, tp_group=None, ep_group=None, etp_group=get_process_groups().etp)
     initialize_weights(layer, seed=3, tp_group=None, etp_group=get_process_groups().etp)
@@ -273,7 +261,6 @@ def test_layers_and_models_require_their_groups():
     """No default group: a layer, a model, DDP and the schedules must be given theirs (``None``: this rank alone)."""
     import pytest
 
-    from megalm.config import MegalmConfig
     from megalm.distributed import DistributedDataParallel
     from megalm.models import GPTModel
     from megalm.pipeline_parallel import get_forward_backward_func
@@ -283,9 +270,9 @@ def test_layers_and_models_require_their_groups():
     layer = ColumnParallelLinear(H, OUT, tp_group=None)
     assert layer.tp_group is None and layer.tp_size == 1 and tuple(layer.weight.shape) == (OUT, H)
     with pytest.raises(TypeError, match="process_groups"):
-        GPTModel(MegalmConfig())
+        GPTModel(make_config(validate=False))
     with pytest.raises(TypeError, match="process_groups"):
-        DistributedDataParallel(layer, MegalmConfig().parallel)
+        DistributedDataParallel(layer, parallel_config())
     with pytest.raises(TypeError):
         get_forward_backward_func()
     assert not hasattr(parallel_state, "CURRENT") and not hasattr(parallel_state, "resolve_group")

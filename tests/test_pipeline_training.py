@@ -17,7 +17,7 @@ import torch
 
 from tests.distributed_harness import run_distributed
 from tests.training_runs import assert_close as _assert_close
-from tests.training_runs import inf_at, tiny_flags
+from tests.training_runs import inf_at, metrics_argv, tiny_flags
 from tests.training_runs import losses as _losses
 from tests.training_runs import records as _records
 
@@ -41,10 +41,6 @@ FP16 = ["--fp16", "--initial-loss-scale", "1024", "--hysteresis", "1", "--loss-s
 # RoPE with positions restarting in every mock document: the second stage's rotation needs the batch's
 # positions (without them it rotated by 0..s-1: grad norm off by 3e-4 relative at iteration 4, 1e-3 at 5).
 ROPE_RESET = ["--position-embedding-type", "rope", "--reset-position-ids", "--train-iters", "5"]
-
-
-def _argv(tmp, name, *extra):
-    return PIPE + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl")] + list(extra)
 
 
 def _tied_copies(trainer):
@@ -101,13 +97,17 @@ def runs(tmp_path_factory):
     load = ["--load", ck, "--ckpt-step", "3"]
     save_at_3 = ["--save-interval", "3"]
     two = [
-        (_argv(tmp, "pp2", *pp2, *EVALS, "--save", ck, *save_at_3), {"tied": True}),
-        (_argv(tmp, "pp2_untied", *pp2, *UNTIED, "--save", ck_untied, *save_at_3), {}),
-        (_argv(tmp, "pp2_vpp2", *pp2, "--num-layers-per-virtual-pipeline-stage", "1", *EVALS), {"tied": True}),
-        (_argv(tmp, "pp2_first1", *pp2, "--decoder-first-pipeline-num-layers", "1"), {}),
-        (_argv(tmp, "pp2_last1", *pp2, "--decoder-last-pipeline-num-layers", "1", *UNTIED), {}),
+        (metrics_argv(PIPE, tmp, "pp2", *pp2, *EVALS, "--save", ck, *save_at_3), {"tied": True}),
+        (metrics_argv(PIPE, tmp, "pp2_untied", *pp2, *UNTIED, "--save", ck_untied, *save_at_3), {}),
         (
-            _argv(
+            metrics_argv(PIPE, tmp, "pp2_vpp2", *pp2, "--num-layers-per-virtual-pipeline-stage", "1", *EVALS),
+            {"tied": True},
+        ),
+        (metrics_argv(PIPE, tmp, "pp2_first1", *pp2, "--decoder-first-pipeline-num-layers", "1"), {}),
+        (metrics_argv(PIPE, tmp, "pp2_last1", *pp2, "--decoder-last-pipeline-num-layers", "1", *UNTIED), {}),
+        (
+            metrics_argv(
+                PIPE,
                 tmp,
                 "pp2_recompute",
                 *pp2,
@@ -121,24 +121,28 @@ def runs(tmp_path_factory):
             ),
             {},
         ),
-        (_argv(tmp, "pp2_fp16", *pp2, *FP16), {"inf_at_call": 6}),
-        (_argv(tmp, "pp2_rope_reset", *pp2, *ROPE_RESET), {}),
-        (_argv(tmp, "load_pp2", *pp2, *load), {"tied": True}),  # last: test_tied_copies_identical_after_resume
+        (metrics_argv(PIPE, tmp, "pp2_fp16", *pp2, *FP16), {"inf_at_call": 6}),
+        (metrics_argv(PIPE, tmp, "pp2_rope_reset", *pp2, *ROPE_RESET), {}),
+        (
+            metrics_argv(PIPE, tmp, "load_pp2", *pp2, *load),
+            {"tied": True},
+        ),  # last: test_tied_copies_identical_after_resume
     ]
     res2 = run_distributed(_run_trainings, 2, args=(two,), timeout=300)
     one = [
-        (_argv(tmp, "ref", *EVALS), {}),
-        (_argv(tmp, "ref_untied", *UNTIED), {}),
-        (_argv(tmp, "ref_fp16", *FP16), {"inf_at_call": 6}),
-        (_argv(tmp, "ref_rope_reset", *ROPE_RESET), {}),
-        (_argv(tmp, "load_pp1", *load), {}),
+        (metrics_argv(PIPE, tmp, "ref", *EVALS), {}),
+        (metrics_argv(PIPE, tmp, "ref_untied", *UNTIED), {}),
+        (metrics_argv(PIPE, tmp, "ref_fp16", *FP16), {"inf_at_call": 6}),
+        (metrics_argv(PIPE, tmp, "ref_rope_reset", *ROPE_RESET), {}),
+        (metrics_argv(PIPE, tmp, "load_pp1", *load), {}),
     ]
     res1 = run_distributed(_run_trainings, 1, args=(one,), timeout=300)
     four = [
-        (_argv(tmp, "pp4", *pp4), {"tied": True}),
-        (_argv(tmp, "pp2_tp2", *pp2, *tp2, *EVALS), {"tied": True}),
+        (metrics_argv(PIPE, tmp, "pp4", *pp4), {"tied": True}),
+        (metrics_argv(PIPE, tmp, "pp2_tp2", *pp2, *tp2, *EVALS), {"tied": True}),
         (
-            _argv(
+            metrics_argv(
+                PIPE,
                 tmp,
                 "pp2_vpp2_dp2",
                 *pp2,
@@ -150,11 +154,11 @@ def runs(tmp_path_factory):
             ),
             {},
         ),
-        (_argv(tmp, "load_pp4", *pp4, *load), {}),
-        (_argv(tmp, "load_pp4_untied", *pp4, *UNTIED, "--load", ck_untied, "--ckpt-step", "3"), {}),
+        (metrics_argv(PIPE, tmp, "load_pp4", *pp4, *load), {}),
+        (metrics_argv(PIPE, tmp, "load_pp4_untied", *pp4, *UNTIED, "--load", ck_untied, "--ckpt-step", "3"), {}),
     ]
     res4 = run_distributed(_run_trainings, 4, args=(four,), timeout=300)
-    eight = [(_argv(tmp, "pp2_tp2_dp2", *pp2, *tp2), {"tied": True})]
+    eight = [(metrics_argv(PIPE, tmp, "pp2_tp2_dp2", *pp2, *tp2), {"tied": True})]
     res8 = run_distributed(_run_trainings, 8, args=(eight,), timeout=300)
     return {"tmp": tmp, "results": {1: res1, 2: res2, 4: res4, 8: res8}, "ckpt": ck}
 

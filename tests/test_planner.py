@@ -8,11 +8,12 @@ import sys
 
 import pytest
 
-from megalm.config import ConfigError, parse_config, with_vocab_size
+from megalm.config import ConfigError
 from megalm.planner.cluster import Cluster, ClusterFileError, dump_cluster, load_cluster
 from megalm.planner.cost import _Step, step_cost
 from megalm.planner.links import layout_links, ring_time
 from megalm.planner.search import Layout, SearchOptions, apply_layout, divisors, layouts, search
+from tests.configs import tiny_flags_config
 from tests.distributed_harness import run_distributed
 from tests.training_runs import records, run_trainings, tiny_flags
 
@@ -41,13 +42,13 @@ FLAT = Cluster(
 )
 
 
-def _cfg(world=4, layers=2, **overrides):
-    flags = tiny_flags(num_layers=layers, global_batch_size=8, **overrides)
-    return with_vocab_size(parse_config(flags), 501)  # a frozen copy with the vocabulary
+# The tiny GPT of tests.training_runs with a global batch of 8, and mock data's 501 ids as the trainer records them.
+TINY8 = dict(global_batch_size=8)
+VOCAB = 501
 
 
-def _layout_cfg(layout, world=4, cluster=FLAT, **overrides):
-    return apply_layout(_cfg(world, **overrides), layout, world)
+def _layout_cfg(layout, **flags):
+    return apply_layout(tiny_flags_config(TINY8, tokenizer_vocab=VOCAB, **flags), layout, 4)
 
 
 def test_ring_collectives_against_hand_counts():
@@ -115,8 +116,8 @@ def test_data_parallel_and_pipeline_terms():
     assert c.terms["pp_comm"] == pytest.approx(4 * 2 * act / (1e9 / 2))
     assert c.terms["bubble"] == pytest.approx(sum(stages) / 2 + 2 * 2 * send)
     # interleaving (v = 2 chunks of one layer) halves the bubble's stage time
-    v = step_cost(_layout_cfg(Layout(pp=2, vpp=2, micro_batch=1), layers=4), FLAT)
-    nv = step_cost(_layout_cfg(Layout(pp=2, micro_batch=1), layers=4), FLAT)
+    v = step_cost(_layout_cfg(Layout(pp=2, vpp=2, micro_batch=1), num_layers=4), FLAT)
+    nv = step_cost(_layout_cfg(Layout(pp=2, micro_batch=1), num_layers=4), FLAT)
     assert v.terms["bubble"] < 0.75 * nv.terms["bubble"]
 
 
@@ -148,7 +149,9 @@ def test_buckets_call_costs_and_optimizer_step_against_hand_counts():
 def _dp_only(cluster, **kw):
     """World 2 (one device on each of 2 nodes), DP only: the search's choice is the strategy, offload, compression."""
     opts = SearchOptions(max_tp=1, max_pp=1, max_cp=1, recompute=("none",), strategies=("no_shard", "optim"), **kw)
-    return search(_cfg(), dataclasses.replace(cluster, devices_per_node=1), opts)
+    return search(
+        tiny_flags_config(TINY8, tokenizer_vocab=VOCAB), dataclasses.replace(cluster, devices_per_node=1), opts
+    )
 
 
 def test_compression_picked_on_a_slow_link_with_its_reason():
@@ -159,19 +162,21 @@ def test_compression_picked_on_a_slow_link_with_its_reason():
     result = _dp_only(slow, compression=("none", "int8"))
     best = result.candidates[0]
     assert best.layout.compression == "int8"
-    n = total_parameters(_cfg())
+    n = total_parameters(tiny_flags_config(TINY8, tokenizer_vocab=VOCAB))
     payload = n + 4 * -(-n // 1024)  # int8 values + an fp32 scale per 1024: one bucket (40M default)
     codec = (13 + 9 * 2) * n / 100e9  # encode + decoding 2 gathered payloads at memory bandwidth
     if best.layout.strategy == "no_shard":  # all-gather over 2 ranks: each sends its payload once
         assert best.cost.terms["dp_comm"] == pytest.approx(payload / 0.01e9 + codec)
-    text = format_result(_cfg(), slow, result, [], 1)
+    text = format_result(tiny_flags_config(TINY8, tokenizer_vocab=VOCAB), slow, result, [], 1)
     assert "--grad-compression int8: dp_comm" in text and "the same layout uncompressed is" in text
     assert "--grad-compression int8" in text.split("terms (ms per step)")[1]  # in the printed command
     # a fast link: the codec costs more than the bytes it saves, and the output says so
     fast = dataclasses.replace(FLAT, inter_node_bandwidth_gbps=10.0, memory_bandwidth_gbps=1.0)
     plain = _dp_only(fast, compression=("none", "int8"))
     assert plain.candidates[0].layout.compression == "none"
-    assert "the codec costs more than the exposed bytes it saves" in format_result(_cfg(), fast, plain, [], 1)
+    assert "the codec costs more than the exposed bytes it saves" in format_result(
+        tiny_flags_config(TINY8, tokenizer_vocab=VOCAB), fast, plain, [], 1
+    )
     assert compression_methods("int8,fp8") == ("none", "int8", "fp8")
     with pytest.raises(ConfigError, match="powersgd not searchable"):
         compression_methods("powersgd")
@@ -180,7 +185,7 @@ def test_compression_picked_on_a_slow_link_with_its_reason():
     with pytest.raises(ConfigError, match="--grad-compression topk: the planner models int8 and fp8 only"):
         compression_methods("none", "topk")
     opts = SearchOptions(max_tp=4, recompute=("none",), compression=("int8",), max_micro_batch=1)
-    kept = list(layouts(_cfg(layers=4), FLAT, opts))
+    kept = list(layouts(tiny_flags_config(TINY8, tokenizer_vocab=VOCAB, num_layers=4), FLAT, opts))
     # int8 wherever there is data parallelism (optim_grads*: not generated); none only where there is none
     assert kept and all((c.compression == "int8") == (4 // (c.tp * c.pp) > 1) for c in kept)
     assert all(c.strategy in ("no_shard", "optim") for c in kept if 4 // (c.tp * c.pp) > 1)
@@ -192,7 +197,7 @@ def test_offload_picked_at_a_tiny_memory_budget_with_its_reason():
     roomy = _dp_only(FLAT)
     assert roomy.dominated > 0 and not any(c.layout.opt_offload or c.layout.act_offload for c in roomy.candidates)
     smallest = min(roomy.candidates, key=lambda c: c.memory_bytes)
-    n = total_parameters(_cfg())
+    n = total_parameters(tiny_flags_config(TINY8, tokenizer_vocab=VOCAB))
     # just below every layout without offload: fp32 Adam keeps 8 bytes of moments per parameter (no_shard)
     budget = smallest.memory_bytes - 1e3
     tight = _dp_only(dataclasses.replace(FLAT, memory_gb=budget / 1e9))
@@ -214,7 +219,7 @@ def test_offload_picked_at_a_tiny_memory_budget_with_its_reason():
 def test_search_is_complete_and_legal():
     """World 4: every (TP, PP, CP) factorisation megalm accepts appears, each layout once, and every
     considered layout is ranked, refused with a reason, or too big."""
-    base = _cfg(layers=4)
+    base = tiny_flags_config(TINY8, tokenizer_vocab=VOCAB, num_layers=4)
     opts = SearchOptions(max_tp=4, recompute=("none",), strategies=("no_shard", "optim"), max_micro_batch=2)
     result = search(base, FLAT, opts)
     seen = [c.layout for c in result.candidates]
@@ -242,7 +247,7 @@ def test_search_is_complete_and_legal():
 
 def test_refusal_reasons_are_megalms_own():
     # 3 layers cannot split over 2 or 4 stages; 4 heads cannot split over TP 8 (world 8)
-    base = _cfg(layers=3)
+    base = tiny_flags_config(TINY8, tokenizer_vocab=VOCAB, num_layers=3)
     result = search(base, dataclasses.replace(FLAT, nodes=4), SearchOptions(recompute=("none",), max_micro_batch=1))
     reasons = dict(result.refused)
     assert reasons["--num-layers N is not divisible by --pipeline-model-parallel-size N"] > 0
@@ -251,7 +256,11 @@ def test_refusal_reasons_are_megalms_own():
     with pytest.raises(ConfigError, match="not divisible by --pipeline-model-parallel-size 2"):
         apply_layout(base, Layout(pp=2), 8)
     # memory: a 100 kB device leaves every legal layout out, and says so
-    tiny = search(_cfg(), dataclasses.replace(FLAT, memory_gb=0.0001), SearchOptions(recompute=("none",)))
+    tiny = search(
+        tiny_flags_config(TINY8, tokenizer_vocab=VOCAB),
+        dataclasses.replace(FLAT, memory_gb=0.0001),
+        SearchOptions(recompute=("none",)),
+    )
     assert not tiny.candidates and tiny.too_big > 0 and tiny.smallest_too_big[0] > 1e5
 
 
@@ -371,7 +380,7 @@ def test_step_sync_dispatchers_shared_cores_and_hierarchical_sharding_against_ha
     shared = step_cost(pp, dataclasses.replace(FLAT, host_cores=2))
     assert own.terms["bubble"] > 0 and shared.terms["bubble"] == 0
     # PP 4, 2 microbatches of 4: the critical path at a whole core's rate (half the shared one) is longer
-    pp4 = _layout_cfg(Layout(pp=4, micro_batch=4), layers=4)
+    pp4 = _layout_cfg(Layout(pp=4, micro_batch=4), num_layers=4)
     own4, shared4 = step_cost(pp4, FLAT), step_cost(pp4, dataclasses.replace(FLAT, host_cores=2))
     rest = sum(own4.terms[k] for k in ("dp_comm", "optimizer", "step_sync", "node_link"))
     piped = own4.step_s - own4.terms["bubble"] - rest  # n x slot

@@ -4,24 +4,22 @@ which ranks, read back from the trace file; and a real training on 2 spawned ran
 import glob
 import json
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from megalm.training.profiling import ProfilerUnavailable, StepProfiler
+from tests.configs import make_config
 from tests.distributed_harness import run_distributed
+from tests.training_runs import tiny_flags
 
 
-def _cfg(trace_dir, start, end, ranks=(0,), torch_profiler=True, profile=True):
-    return SimpleNamespace(
-        profile=profile,
-        use_pytorch_profiler=torch_profiler,
-        profile_step_start=start,
-        profile_step_end=end,
-        profile_ranks=list(ranks),
-        tensorboard_dir=str(trace_dir),
-    )
+def _profiler(trace_dir, start, end, ranks=(0,), **logging) -> StepProfiler:
+    """Rank 0's profiler of --profile --use-pytorch-profiler over iterations [start, end) on ``ranks``,
+    traces under ``trace_dir``; ``logging``: other fields of the logging section."""
+    window = dict(profile=True, use_pytorch_profiler=True, profile_step_start=start, profile_step_end=end)
+    cfg = make_config(window, logging, profile_ranks=list(ranks), tensorboard_dir=str(trace_dir), validate=False)
+    return StepProfiler(cfg.logging, rank=0)
 
 
 def _trace(trace_dir, rank=0):
@@ -50,40 +48,40 @@ def _train(profiler, iterations, stop_early_at=None):
 
 
 def test_window_records_steps_start_to_end_minus_one(tmp_path):
-    _train(StepProfiler(_cfg(tmp_path, 2, 4), rank=0), 6)
+    _train(_profiler(tmp_path, 2, 4), 6)
     labels, steps = _trace(tmp_path)
     assert labels == ["iteration 2", "iteration 3"]  # iteration 1 was the discarded warm-up
     assert steps == ["ProfilerStep#1", "ProfilerStep#2"]
 
 
 def test_window_from_the_first_step(tmp_path):
-    _train(StepProfiler(_cfg(tmp_path, 0, 2), rank=0), 4)
+    _train(_profiler(tmp_path, 0, 2), 4)
     assert _trace(tmp_path)[0] == ["iteration 0", "iteration 1"]
 
 
 def test_training_that_ends_inside_the_window_keeps_what_was_recorded(tmp_path):
-    _train(StepProfiler(_cfg(tmp_path, 1, 10), rank=0), 10, stop_early_at=4)
+    _train(_profiler(tmp_path, 1, 10), 10, stop_early_at=4)
     assert _trace(tmp_path)[0] == ["iteration 1", "iteration 2", "iteration 3"]
 
 
 def test_ranks_not_listed_and_runs_without_profile_write_nothing(tmp_path):
-    _train(StepProfiler(_cfg(tmp_path, 0, 2, ranks=(1,)), rank=0), 3)
-    _train(StepProfiler(_cfg(tmp_path, 0, 2, profile=False), rank=0), 3)
+    _train(_profiler(tmp_path, 0, 2, ranks=(1,)), 3)
+    _train(_profiler(tmp_path, 0, 2, profile=False), 3)
     assert os.listdir(tmp_path) == []
 
 
 def test_resumed_past_the_window_says_so(tmp_path):
-    profiler = StepProfiler(_cfg(tmp_path, 10, 12), rank=0)
+    profiler = _profiler(tmp_path, 10, 12)
     assert profiler.note_on_resume(9) is None  # step 9 is the warm-up: the window is still ahead
     assert "--profile-step-start 10 is before the resumed iteration 11" in profiler.note_on_resume(11)
-    assert StepProfiler(_cfg(tmp_path, 10, 12, ranks=(1,)), rank=0).note_on_resume(11) is None
+    assert _profiler(tmp_path, 10, 12, ranks=(1,)).note_on_resume(11) is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the nsys path needs no error on a GPU")
 def test_nsys_profiling_without_a_gpu_is_refused():
     with pytest.raises(ProfilerUnavailable, match="add --use-pytorch-profiler"):
-        StepProfiler(_cfg("unused", 0, 2, torch_profiler=False), rank=0)
-    StepProfiler(_cfg("unused", 0, 2, ranks=(1,), torch_profiler=False), rank=0)  # not profiled here: fine
+        _profiler("unused", 0, 2, use_pytorch_profiler=False)
+    _profiler("unused", 0, 2, ranks=(1,), use_pytorch_profiler=False)  # not profiled here: fine
 
 
 def _pretrain(argv):
@@ -94,45 +92,11 @@ def _pretrain(argv):
 
 def test_training_traces_the_window_on_the_listed_rank(tmp_path):
     tb = tmp_path / "tb"
-    argv = [
-        "--num-layers",
-        "2",
-        "--hidden-size",
-        "32",
-        "--num-attention-heads",
-        "4",
-        "--seq-length",
-        "16",
-        "--max-position-embeddings",
-        "16",
-        "--mock-data",
-        "--vocab-size",
-        "200",
-        "--num-workers",
-        "0",
-        "--micro-batch-size",
-        "2",
-        "--global-batch-size",
-        "4",
-        "--train-iters",
-        "5",
-        "--log-interval",
-        "5",
-        "--eval-iters",
-        "0",
-        "--profile",
-        "--use-pytorch-profiler",
-        "--profile-step-start",
-        "2",
-        "--profile-step-end",
-        "4",
-        "--profile-ranks",
-        "1",
-        "--tensorboard-dir",
-        str(tb),
-        "--timing-log-level",
-        "2",
-    ]
+    # The tiny GPT at hidden 32 with its dropout defaults, 5 iterations traced on rank 1 only.
+    shape = dict(hidden_size=32, seq_length=16, vocab_size=200, hidden_dropout=None, attention_dropout=None)
+    run = dict(lr=None, seed=None, micro_batch_size=2, global_batch_size=4, train_iters=5, log_interval=5)
+    window = dict(profile=True, use_pytorch_profiler=True, profile_step_start=2, profile_step_end=4, profile_ranks=1)
+    argv = tiny_flags(**shape, **run, **window, tensorboard_dir=tb, timing_log_level=2)
     assert run_distributed(_pretrain, 2, args=(argv,), timeout=240) == [[0], [0]]
     assert glob.glob(str(tb / "rank0.*")) == []
     assert _trace(tb, rank=1)[1] == ["ProfilerStep#1", "ProfilerStep#2"]

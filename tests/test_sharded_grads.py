@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from megalm import parallel_state
-from megalm.config import ParallelConfig, validate_config
+from megalm.config import ParallelConfig
 from megalm.config.sections import ConfigError
 from megalm.distributed import CommStats, DistributedDataParallel, finalize_model_grads
 from megalm.distributed.param_and_grad_buffer import DataParallelError
@@ -32,9 +32,10 @@ from megalm.estimate.planner import state_bytes_per_param, strategy_bytes_per_pa
 from megalm.optimizer import build_optimizer
 from megalm.optimizer.memory_accounting import formula_bytes_per_param, optimizer_memory
 from megalm.parallel_state import get_process_groups
+from tests.configs import make_config, optimizer_config
 from tests.distributed_harness import run_distributed
-from tests.test_data_parallel_config import _cfg as _parallel_cfg
-from tests.test_ddp import GLOBAL_BATCH, NUM_MICRO, STEPS, batch, make_cfg, make_model, reference_run
+from tests.test_data_parallel_config import MODEL as DP_MODEL
+from tests.test_ddp import GLOBAL_BATCH, NUM_MICRO, OPTIMIZER, STEPS, batch, make_model, reference_run
 from tests.test_distrib_optimizer import PRECISIONS, _mlp
 
 ZERO2, ZERO3 = "optim_grads", "optim_grads_params"
@@ -52,18 +53,9 @@ def _ddp(model, strategy, comm_stats=None, **kw):
 def _memory(precision, strategy=ZERO2):
     dtype, fp32_grads = PRECISIONS[precision]
     ddp = _ddp(_mlp(dtype), strategy, accumulate_allreduce_grads_in_fp32=fp32_grads)
-    cfg = make_cfg()
-    cfg.parallel.data_parallel_sharding_strategy = strategy
+    cfg = optimizer_config(OPTIMIZER, data_parallel_sharding_strategy=strategy)
     mem = optimizer_memory(build_optimizer(cfg, [ddp], report_memory=False, process_groups=get_process_groups()), [ddp])
     return mem["total"], mem["formula"] * mem["params"], mem["grads"], mem["d"], mem["grads_sharded"]
-
-
-def _cfg(**flags):
-    cfg = _parallel_cfg(**{k: v for k, v in flags.items() if hasattr(cfg_fields := ParallelConfig(), k)})
-    for k, v in flags.items():
-        if not hasattr(cfg_fields, k):
-            setattr(cfg.model, k, v)
-    return cfg
 
 
 @pytest.mark.parametrize(
@@ -79,7 +71,7 @@ def _cfg(**flags):
     ],
 )
 def test_strategy_flag(parallel, strategy):
-    p = validate_config(_cfg(**parallel)).parallel
+    p = make_config(DP_MODEL, parallel).parallel
     assert p.data_parallel_sharding_strategy == strategy
     assert p.use_distributed_optimizer == (strategy != "no_shard")
 
@@ -103,7 +95,7 @@ def test_strategy_flag(parallel, strategy):
 )
 def test_strategy_refusals(parallel, message):
     with pytest.raises(ConfigError, match=message):
-        validate_config(_cfg(**parallel))
+        make_config(DP_MODEL, parallel)
 
 
 def test_formula_bytes_per_param():
@@ -150,8 +142,7 @@ def _train(dp, strategy, overlap, bucket_size, expert_last_layer, prefetch=False
     kw = dict(overlap_grad_reduce=overlap, overlap_param_gather=gather, ddp_bucket_size=bucket_size)
     stats = CommStats()
     ddp = _ddp(model, strategy, stats, **kw)
-    cfg = make_cfg()
-    cfg.parallel.data_parallel_sharding_strategy = strategy
+    cfg = optimizer_config(OPTIMIZER, data_parallel_sharding_strategy=strategy)
     optimizer = build_optimizer(cfg, [ddp], report_memory=False, process_groups=get_process_groups(), comm_stats=stats)
     buckets = [b for buf in ddp.all_buffers for b in buf.buckets]
     rank, mb = parallel_state.get_data_parallel_rank(), GLOBAL_BATCH // dp // NUM_MICRO

@@ -35,7 +35,11 @@ through pretrain_gpt.py on real ranks.
   activation offloading: bit for bit; ZeRO-3 at TP 2 x DP 2: within 1e-5 of plain DP);
 * checkpoints load across strategies and DP sizes (saved at DP 2, loaded at DP 4): no_shard ->
   optim_grads, optim_grads -> optim_grads_params, optim_grads_params -> no_shard, each continuing the
-  uninterrupted run within 1e-5 (optim's checkpoints are optim_grads': the same optimizer).
+  uninterrupted run within 1e-5 (optim's checkpoints are optim_grads': the same optimizer);
+* --ckpt-format fsdp_dtensor (Megatron-FSDP's layout): ZeRO-3 saved at iteration 5 and resumed with it continues
+  the uninterrupted run bit for bit, in fp32 and in bf16 (the weights on disk are the fp32 main copy); loaded at
+  DP 4 (plain DP, --auto-detect-ckpt-format) it gives the losses of the same state's torch_dist checkpoint loaded
+  there, bit for bit.
 
 Groups are spawned in the order 2, 4 ranks (the DP 4 runs read the DP 2 checkpoints).
 """
@@ -59,6 +63,7 @@ OFFLOAD = ["--optimizer-cpu-offload"]
 OFFLOAD_HALF = [*OFFLOAD, "--optimizer-offload-fraction", "0.5"]
 OFFLOAD_OVERLAP = [*OFFLOAD_HALF, "--overlap-cpu-optimizer-d2h-h2d"]
 ACT_OFFLOAD = ["--cpu-offloading", "--cpu-offloading-num-layers", "1"]
+FSDP_DTENSOR = ["--ckpt-format", "fsdp_dtensor"]
 META = "--init-model-with-meta-device"  # built on meta, filled by DDP's buffers: the same values
 
 
@@ -69,7 +74,7 @@ def runs(tmp_path_factory):
     def run(name, *extra):
         return TINY + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl")] + list(extra)
 
-    ck = {k: os.path.join(tmp, f"ckpt_{k}") for k in ("z2", "p2", "z3", "z2n")}
+    ck = {k: os.path.join(tmp, f"ckpt_{k}") for k in ("z2", "p2", "z3", "fd", "bf_fd", "z2n")}
     save_half = ["--exit-interval", "5", "--save-interval", "100"]
     load_z2 = ["--load", ck["z2"], "--ckpt-step", "5"]
     os.makedirs(os.path.join(tmp, "swap"))
@@ -96,6 +101,13 @@ def runs(tmp_path_factory):
         run("z3", *SIX, *ZERO3, *EVAL),
         run("save_z3", *TEN, *ZERO3, *BUCKETS, *save_half, "--save", ck["z3"]),
         run("resume_z3", *TEN, *ZERO3, *BUCKETS, "--load", ck["z3"]),
+        # save_z3 again, in Megatron-FSDP's layout, and resumed from it
+        run("save_fd", *TEN, *ZERO3, *BUCKETS, *save_half, "--save", ck["fd"], *FSDP_DTENSOR),
+        run("resume_fd", *TEN, *ZERO3, *BUCKETS, "--load", ck["fd"], *FSDP_DTENSOR),
+        # bf16: the weights on disk are the fp32 main copy, whose ranges some ranks do not hold
+        run("bf_straight_z3", *TEN, *BF16, *ZERO3, *BUCKETS),
+        run("bf_save_fd", *TEN, *BF16, *ZERO3, *BUCKETS, *save_half, "--save", ck["bf_fd"], *FSDP_DTENSOR),
+        run("bf_resume_fd", *TEN, *BF16, *ZERO3, *BUCKETS, "--load", ck["bf_fd"], *FSDP_DTENSOR),
         # untied: the fused linear cross entropy reads the output weight outside the output layer's forward
         run("p2_untied", *SIX, UNTIE),
         run("z3_untied", *SIX, *ZERO3, *BUCKETS, UNTIE),
@@ -115,6 +127,7 @@ def runs(tmp_path_factory):
         run("tp_z3", *SIX, *TP2, *ZERO3, *BUCKETS, META),
         run("z2_at_d4_optim_grads_params", *TEN, *ZERO3, *BUCKETS, *PREFETCH, *load_z2),
         run("z3_at_d4_no_shard", *TEN, "--load", ck["z3"]),
+        run("fd_at_d4_no_shard", *TEN, "--load", ck["fd"], "--auto-detect-ckpt-format"),  # saved as fsdp_dtensor
         run("z2n_at_d4_nvme", *TEN, *ZERO3, *BUCKETS, *nvme, "--load", ck["z2n"]),  # resharded into the files
     ]
     codes4 = run_distributed(run_trainings, 4, args=(four,), timeout=400)
@@ -123,9 +136,9 @@ def runs(tmp_path_factory):
 
 def test_all_runs_exit_cleanly(runs):
     codes2, codes4 = runs["codes"]
-    assert codes2 == [[0] * 24] * 2, codes2
+    assert codes2 == [[0] * 29] * 2, codes2
     assert os.listdir(os.path.join(runs["tmp"], "swap")) == []  # the NVMe runs removed their swap files
-    assert codes4 == [[0] * 11] * 4, codes4
+    assert codes4 == [[0] * 12] * 4, codes4
 
 
 @pytest.mark.parametrize(
@@ -171,7 +184,7 @@ def test_zero3_prefetch_and_bf16_bit_identical(runs, plain, other):
         assert [r[key] for r in got] == [r[key] for r in ref], key
 
 
-@pytest.mark.parametrize("resumed", ["resume_z2_off", "resume_z3", "resume_z2_nvme", "resume_z2n"])
+@pytest.mark.parametrize("resumed", ["resume_z2_off", "resume_z3", "resume_z2_nvme", "resume_fd", "resume_z2n"])
 def test_resume_within_strategy_is_exact(runs, resumed):
     # ZeRO-3 computes ZeRO-2's numbers bit for bit (the same gathered weights, the same reduction)
     straight = losses(runs["tmp"], "straight_z2")
@@ -199,6 +212,20 @@ def test_activation_offloading_changes_nothing(runs, plain, offloaded):
     if plain == "p2":
         validation = [r["loss"] for r in records(runs["tmp"], offloaded, "validation")]
         assert validation == [r["loss"] for r in records(runs["tmp"], plain, "validation")] and len(validation) == 2
+
+
+def test_bf16_fsdp_dtensor_resume_is_exact(runs):
+    straight = losses(runs["tmp"], "bf_straight_z3")
+    assert [r["iteration"] for r in records(runs["tmp"], "bf_resume_fd")] == list(range(6, 11))
+    assert losses(runs["tmp"], "bf_resume_fd") == straight[5:] and losses(runs["tmp"], "bf_save_fd") == straight[:5]
+
+
+def test_fsdp_dtensor_checkpoint_loads_at_another_dp_size_as_torch_dist_s(runs):
+    """Saved at DP 2 in Megatron-FSDP's layout, loaded at DP 4 with --auto-detect-ckpt-format (the default
+    --ckpt-format is torch_dist): the same run as from the torch_dist checkpoint of the same state, bit for bit."""
+    assert [r["iteration"] for r in records(runs["tmp"], "fd_at_d4_no_shard")] == list(range(6, 11))
+    assert losses(runs["tmp"], "fd_at_d4_no_shard") == losses(runs["tmp"], "z3_at_d4_no_shard")
+    assert losses(runs["tmp"], "save_fd") == losses(runs["tmp"], "save_z3")
 
 
 @pytest.mark.parametrize(

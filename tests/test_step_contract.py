@@ -13,61 +13,29 @@ import pytest
 import torch
 
 from tests.distributed_harness import run_distributed
+from tests.training_runs import tiny_flags
 
 SEQ, MBS, GBS, VOCAB, USED_TOKENS = 16, 2, 8, 128, 40
 MASK_LENGTHS = [16, 1, 3, 16, 2, 9, 16, 5]  # per sample: the first k tokens count
-ARGS = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    str(SEQ),
-    "--max-position-embeddings",
-    str(SEQ),
-    "--mock-data",
-    "--vocab-size",
-    str(VOCAB),
-    "--num-workers",
-    "0",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-    "--seed",
-    "5",
-    "--optimizer",
-    "sgd",
-    "--sgd-momentum",
-    "0",
-    "--weight-decay",
-    "0",
-    "--clip-grad",
-    "0",
-    "--lr",
-    "1.0",
-    "--lr-decay-style",
-    "constant",
-    "--train-iters",
-    "1",
-    "--log-interval",
-    "1",
-    "--eval-iters",
-    "0",
-    "--micro-batch-size",
-    str(MBS),
-    "--global-batch-size",
-    str(GBS),
-    "--untie-embeddings-and-output-weights",
-    "--log-num-zeros-in-grad",
-    "--calculate-per-token-loss",
-    "--no-bias-gelu-fusion",
-    "--no-bias-dropout-fusion",
-    "--no-masked-softmax-fusion",
-    "--no-norm-fusion",
-]
+# The tiny GPT at hidden 32, one step of plain SGD (lr 1) on 8 samples, its fusions off.
+SGD = dict(optimizer="sgd", sgd_momentum=0, weight_decay=0, clip_grad=0, lr="1.0", lr_decay_style="constant")
+FUSIONS_OFF = dict(
+    no_bias_gelu_fusion=True, no_bias_dropout_fusion=True, no_masked_softmax_fusion=True, no_norm_fusion=True
+)
+ARGS = tiny_flags(
+    hidden_size=32,
+    seq_length=SEQ,
+    vocab_size=VOCAB,
+    seed=5,
+    train_iters=1,
+    micro_batch_size=MBS,
+    global_batch_size=GBS,
+    untie_embeddings_and_output_weights=True,
+    log_num_zeros_in_grad=True,
+    calculate_per_token_loss=True,
+    **SGD,
+    **FUSIONS_OFF,
+)
 
 
 def _samples():

@@ -22,7 +22,7 @@ from megalm.timers import (
     timed_iterator,
 )
 from tests.distributed_harness import run_distributed
-from tests.training_runs import losses, records, tiny_flags
+from tests.training_runs import losses, metrics_argv, records, tiny_flags
 
 
 class FakeClock:
@@ -255,13 +255,12 @@ def _capturing_trainings(runs, out_dir):
 def trained(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("timers"))
 
-    def argv(name, *extra):
-        return BASE + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl"), *extra]
-
     runs = [
         (
             "pp2_level2",
-            argv(
+            metrics_argv(
+                BASE,
+                tmp,
                 "pp2_level2",
                 *PP2,
                 "--timing-log-level",
@@ -278,10 +277,12 @@ def trained(tmp_path_factory):
                 "4",
             ),
         ),
-        ("pp2_level0", argv("pp2_level0", *PP2)),
+        ("pp2_level0", metrics_argv(BASE, tmp, "pp2_level0", *PP2)),
         (
             "dp2_distopt_max",
-            argv(
+            metrics_argv(
+                BASE,
+                tmp,
                 "dp2_distopt_max",
                 "--use-distributed-optimizer",
                 "--overlap-param-gather",
@@ -294,7 +295,9 @@ def trained(tmp_path_factory):
         ),
         (
             "pp2_all",
-            argv(
+            metrics_argv(
+                BASE,
+                tmp,
                 "pp2_all",
                 *PP2,
                 "--timing-log-level",

@@ -33,7 +33,7 @@ import time
 
 import pytest
 
-from megalm.config import ConfigError, build_parser, config_from_args, validate_config
+from megalm.config import ConfigError, parse_config
 from megalm.device import free_port
 from tests.training_runs import tiny_flags
 
@@ -58,10 +58,6 @@ RAMP_2_2_8 = ["--rampup-batch-size", "2", "2", "8"]
 FT = ["--ft-num-replica-groups", "2", "--ft-lighthouse", "http://127.0.0.1:1", "--global-batch-size", "8"]
 
 
-def _cfg(argv, world_size=None):
-    return validate_config(config_from_args(build_parser().parse_args(BASE + argv)), world_size=world_size)
-
-
 @pytest.mark.parametrize(
     "argv, world, message",
     [
@@ -80,30 +76,36 @@ def _cfg(argv, world_size=None):
 def test_bad_torchft_flags_fail_before_any_work(argv, world, message, monkeypatch):
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     with pytest.raises(ConfigError) as e:
-        _cfg(argv, world)
+        parse_config([*BASE, *argv], world)
     assert message in str(e.value), str(e.value)
 
 
 def test_torchft_flags_accept_an_even_split():
-    cfg = _cfg([*FT, "--ft-replica-group-id", "1", "--micro-batch-size", "2"], world_size=2)
+    cfg = parse_config([*BASE, *FT, "--ft-replica-group-id", "1", "--micro-batch-size", "2"], world_size=2)
     assert cfg.parallel.ft_replica_group_id == 1 and cfg.parallel.data_parallel_size == 2
     # per-token loss and ZeRO-2 inside a group are accepted
     zero2 = ["--use-distributed-optimizer", "--data-parallel-sharding-strategy", "optim_grads"]
-    cfg = _cfg([*FT, "--ft-replica-group-id", "0", "--calculate-per-token-loss", *zero2], world_size=2)
+    cfg = parse_config([*BASE, *FT, "--ft-replica-group-id", "0", "--calculate-per-token-loss", *zero2], world_size=2)
     assert cfg.parallel.data_parallel_sharding_strategy == "optim_grads" and cfg.training.calculate_per_token_loss
-    cfg = _cfg([*FT, "--ft-replica-group-id", "0", "--micro-batch-size", "2", "--rampup-batch-size", "4", "4", "8"], 1)
+    cfg = parse_config(
+        [*BASE, *FT, "--ft-replica-group-id", "0", "--micro-batch-size", "2", "--rampup-batch-size", "4", "4", "8"], 1
+    )
     assert cfg.training.rampup_batch_size == [4, 4, 8]
     # interleaved pipeline (PP 2, 2 virtual stages): every group's share a multiple of PP
     vpp = ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
-    cfg = _cfg([*FT, "--ft-replica-group-id", "0", "--micro-batch-size", "2", *vpp], 2)
+    cfg = parse_config([*BASE, *FT, "--ft-replica-group-id", "0", "--micro-batch-size", "2", *vpp], 2)
     assert cfg.parallel.virtual_pipeline_model_parallel_size == 2
     with pytest.raises(ConfigError, match=r"x 2 x pipeline size 2 \(the interleaved schedule\)"):
-        _cfg([*FT, "--ft-replica-group-id", "0", "--micro-batch-size", "2", *vpp, "--global-batch-size", "4"], 2)
+        parse_config(
+            [*BASE, *FT, "--ft-replica-group-id", "0", "--micro-batch-size", "2", *vpp, "--global-batch-size", "4"], 2
+        )
     schedule = ["--step-batch-size-schedule", "0:4 320:8"]  # tokens: batch 8 from sample 10 (seq 32)
-    cfg = _cfg([*FT[:4], "--ft-replica-group-id", "0", "--micro-batch-size", "2", *schedule], 1)
+    cfg = parse_config([*BASE, *FT[:4], "--ft-replica-group-id", "0", "--micro-batch-size", "2", *schedule], 1)
     assert cfg.training.global_batch_size == 8
     with pytest.raises(ConfigError, match="its global batch 2 cannot be split evenly over a quorum of 2"):
-        _cfg([*FT[:4], "--ft-replica-group-id", "0", "--micro-batch-size", "2", schedule[0], "0:2 320:8"], 1)
+        parse_config(
+            [*BASE, *FT[:4], "--ft-replica-group-id", "0", "--micro-batch-size", "2", schedule[0], "0:2 320:8"], 1
+        )
 
 
 def test_advertised_address_is_the_route_to_the_lighthouse():

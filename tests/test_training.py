@@ -12,9 +12,9 @@ import torch
 from tests.distributed_harness import run_distributed
 from tests.training_runs import assert_close as _assert_close
 from tests.training_runs import losses as _losses
+from tests.training_runs import metrics_argv, tiny_flags
 from tests.training_runs import records as _records
 from tests.training_runs import run_trainings as _run_trainings
-from tests.training_runs import tiny_flags
 
 TINY = tiny_flags(
     min_lr="1e-4",
@@ -27,12 +27,8 @@ TINY = tiny_flags(
 )
 
 
-def _argv(tmp, name, *extra):
-    return TINY + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl")] + list(extra)
-
-
 def _run_name(argv):
-    """The name ``_argv`` gave a run (its metrics file's stem)."""
+    """The name ``metrics_argv`` gave a run (its metrics file's stem)."""
     return os.path.basename(argv[argv.index("--metrics-file") + 1])[: -len(".jsonl")]
 
 
@@ -43,11 +39,12 @@ def runs(tmp_path_factory):
     it = ["--train-iters", "6"]
     evals = ["--eval-interval", "3", "--eval-iters", "2"]
     single = [
-        (_argv(tmp, "ref", *it, *evals, "--micro-batch-size", "8", "--global-batch-size", "8"), {}),
-        (_argv(tmp, "accum", *it, "--micro-batch-size", "2", "--global-batch-size", "8"), {}),
-        (_argv(tmp, "bf16", "--train-iters", "12", "--micro-batch-size", "8", "--bf16"), {}),
+        (metrics_argv(TINY, tmp, "ref", *it, *evals, "--micro-batch-size", "8", "--global-batch-size", "8"), {}),
+        (metrics_argv(TINY, tmp, "accum", *it, "--micro-batch-size", "2", "--global-batch-size", "8"), {}),
+        (metrics_argv(TINY, tmp, "bf16", "--train-iters", "12", "--micro-batch-size", "8", "--bf16"), {}),
         (
-            _argv(
+            metrics_argv(
+                TINY,
                 tmp,
                 "fp16",
                 "--train-iters",
@@ -71,7 +68,8 @@ def runs(tmp_path_factory):
         f.write("7")  # names an iteration that was never written
     single += [
         (
-            _argv(
+            metrics_argv(
+                TINY,
                 tmp,
                 "prec_fp32",
                 "--train-iters",
@@ -85,10 +83,16 @@ def runs(tmp_path_factory):
             ),
             {},
         ),
-        (_argv(tmp, "prec_bf16", "--train-iters", "8", "--micro-batch-size", "8", "--load", ck_prec, "--bf16"), {}),
-        (_argv(tmp, "bad", "--train-iters", "4", "--micro-batch-size", "8", "--load", bad), {}),
         (
-            _argv(
+            metrics_argv(
+                TINY, tmp, "prec_bf16", "--train-iters", "8", "--micro-batch-size", "8", "--load", ck_prec, "--bf16"
+            ),
+            {},
+        ),
+        (metrics_argv(TINY, tmp, "bad", "--train-iters", "4", "--micro-batch-size", "8", "--load", bad), {}),
+        (
+            metrics_argv(
+                TINY,
                 tmp,
                 "duration",
                 "--train-iters",
@@ -116,12 +120,16 @@ def runs(tmp_path_factory):
         "--save-interval",
         "100",
     ]
-    single += [(_argv(tmp, "auto_first", *auto, "--exit-interval", "2"), {}), (_argv(tmp, "auto_second", *auto), {})]
+    single += [
+        (metrics_argv(TINY, tmp, "auto_first", *auto, "--exit-interval", "2"), {}),
+        (metrics_argv(TINY, tmp, "auto_second", *auto), {}),
+    ]
     # --no-save-optim --no-save-rng: weights only; a resume must say which --no-load-* it needs.
     lean = ["--train-iters", "4", "--micro-batch-size", "8", "--load", os.path.join(tmp, "ckpt_lean")]
     single += [
         (
-            _argv(
+            metrics_argv(
+                TINY,
                 tmp,
                 "lean_save",
                 *lean[:4],
@@ -134,9 +142,9 @@ def runs(tmp_path_factory):
             ),
             {},
         ),
-        (_argv(tmp, "lean_load_plain", *lean), {}),
-        (_argv(tmp, "lean_load_no_optim", *lean, "--no-load-optim"), {}),
-        (_argv(tmp, "lean_load", *lean, "--no-load-optim", "--no-load-rng"), {}),
+        (metrics_argv(TINY, tmp, "lean_load_plain", *lean), {}),
+        (metrics_argv(TINY, tmp, "lean_load_no_optim", *lean, "--no-load-optim"), {}),
+        (metrics_argv(TINY, tmp, "lean_load", *lean, "--no-load-optim", "--no-load-rng"), {}),
     ]
     # Non-persistent checkpoints: a NaN stop at iteration 3 leaves the non-persistent one of iteration 2 (and no
     # persistent one); the relaunch resumes from it and trains as the uninterrupted run.
@@ -144,12 +152,13 @@ def runs(tmp_path_factory):
     np_save = ["--save", os.path.join(tmp, "ckpt_np"), "--load", os.path.join(tmp, "ckpt_np")]
     np_save += ["--save-interval", "100", "--non-persistent-save-interval", "1"]
     single += [
-        (_argv(tmp, "np_straight", *npc), {}),
-        (_argv(tmp, "np_crash", *npc, *np_save), {"inf_at_call": 3}),
-        (_argv(tmp, "np_resume", *npc, *np_save), {}),
+        (metrics_argv(TINY, tmp, "np_straight", *npc), {}),
+        (metrics_argv(TINY, tmp, "np_crash", *npc, *np_save), {"inf_at_call": 3}),
+        (metrics_argv(TINY, tmp, "np_resume", *npc, *np_save), {}),
         # --tensorboard-log-interval 1 with log lines every 5: TensorBoard gets every iteration's loss.
         (
-            _argv(
+            metrics_argv(
+                TINY,
                 tmp,
                 "tb",
                 *npc,
@@ -166,13 +175,14 @@ def runs(tmp_path_factory):
     # --reset-attention-mask: document-masked attention, the dense mask in one process here and packed
     # (--qkv-format thd) under TP2 x DP2 below; positions restart per document in both.
     docmask = ["--train-iters", "4", "--global-batch-size", "8", "--reset-attention-mask", "--reset-position-ids"]
-    single += [(_argv(tmp, "docmask_ref", *docmask, "--micro-batch-size", "8"), {})]
+    single += [(metrics_argv(TINY, tmp, "docmask_ref", *docmask, "--micro-batch-size", "8"), {})]
     codes1 = run_distributed(_run_trainings, 1, args=(single,), timeout=300)
     double = [
-        (_argv(tmp, "dp2", *it, "--micro-batch-size", "4", "--global-batch-size", "8"), {}),
-        (_argv(tmp, "dp2_bf16", *it, "--micro-batch-size", "4", "--global-batch-size", "8", "--bf16"), {}),
+        (metrics_argv(TINY, tmp, "dp2", *it, "--micro-batch-size", "4", "--global-batch-size", "8"), {}),
+        (metrics_argv(TINY, tmp, "dp2_bf16", *it, "--micro-batch-size", "4", "--global-batch-size", "8", "--bf16"), {}),
         (
-            _argv(
+            metrics_argv(
+                TINY,
                 tmp,
                 "dp2_bf16_reduce",
                 *it,
@@ -186,7 +196,8 @@ def runs(tmp_path_factory):
             {},
         ),
         (
-            _argv(
+            metrics_argv(
+                TINY,
                 tmp,
                 "dp2_overlap",
                 *it,
@@ -215,11 +226,12 @@ def runs(tmp_path_factory):
     ]
     drop = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     quad = [
-        (_argv(tmp, "tp2dp2", *it, *evals, *tp2), {}),
+        (metrics_argv(TINY, tmp, "tp2dp2", *it, *evals, *tp2), {}),
         # Exact resume with dropout on: 10 straight vs 5 + resume + 5.
-        (_argv(tmp, "straight", "--train-iters", "10", *tp2, *drop), {}),
+        (metrics_argv(TINY, tmp, "straight", "--train-iters", "10", *tp2, *drop), {}),
         (
-            _argv(
+            metrics_argv(
+                TINY,
                 tmp,
                 "first_half",
                 "--train-iters",
@@ -235,10 +247,11 @@ def runs(tmp_path_factory):
             ),
             {},
         ),
-        (_argv(tmp, "second_half", "--train-iters", "10", "--load", ck, "--save", ck, *tp2, *drop), {}),
+        (metrics_argv(TINY, tmp, "second_half", "--train-iters", "10", "--load", ck, "--save", ck, *tp2, *drop), {}),
         # Layout change: the TP2 x DP2 checkpoint at iteration 5 continued as TP1 x DP4.
         (
-            _argv(
+            metrics_argv(
+                TINY,
                 tmp,
                 "relayout",
                 "--train-iters",
@@ -257,11 +270,11 @@ def runs(tmp_path_factory):
         ),
         # SIGTERM during iteration 3 (microbatch call 5 of 2 per iteration): finish, save, exit 0.
         (
-            _argv(tmp, "sigterm", "--train-iters", "10", "--exit-signal-handler", "--save", ck_sig, *tp2),
+            metrics_argv(TINY, tmp, "sigterm", "--train-iters", "10", "--exit-signal-handler", "--save", ck_sig, *tp2),
             {"sigterm_at_call": 5},
         ),
     ]
-    quad += [(_argv(tmp, "docmask_thd_tp2", *docmask, "--qkv-format", "thd", *tp2), {})]
+    quad += [(metrics_argv(TINY, tmp, "docmask_thd_tp2", *docmask, "--qkv-format", "thd", *tp2), {})]
     codes4 = run_distributed(_run_trainings, 4, args=(quad,), timeout=300)
     by_name = {_run_name(argv): code for (argv, _), code in zip(single, codes1[0])}
     return {"tmp": tmp, "codes": (codes1, codes2, codes4), "single": by_name, "ckpt": ck, "ckpt_sig": ck_sig}
@@ -400,25 +413,7 @@ def test_half_written_checkpoint_is_not_overwritten(tmp_path, capsys):
     import pretrain_gpt
 
     (tmp_path / "iter_0000002").mkdir()
-    argv = [
-        "--num-layers",
-        "2",
-        "--hidden-size",
-        "64",
-        "--num-attention-heads",
-        "4",
-        "--seq-length",
-        "32",
-        "--vocab-size",
-        "500",
-        "--train-iters",
-        "4",
-        "--mock-data",
-        "--load",
-        str(tmp_path),
-        "--save",
-        str(tmp_path),
-    ]
+    argv = tiny_flags(train_iters=4, load=tmp_path, save=tmp_path)
     with pytest.raises(SystemExit) as e:
         pretrain_gpt.main(argv)
     assert "it holds iter_* directories" in str(e.value.code)
@@ -509,18 +504,7 @@ def test_bf16_trains(runs):
 def test_bad_flags_fail_before_start(argv, message, capsys):
     import pretrain_gpt
 
-    base = [
-        "--num-layers",
-        "2",
-        "--hidden-size",
-        "64",
-        "--num-attention-heads",
-        "4",
-        "--seq-length",
-        "32",
-        "--vocab-size",
-        "500",
-    ]
+    base = tiny_flags(mock_data=None)  # each case gives its data (or none)
     with pytest.raises(SystemExit) as e:
         pretrain_gpt.main(base + argv)
     text = str(e.value.code) + capsys.readouterr().err

@@ -34,9 +34,10 @@ from megalm.parallel_state import get_process_groups
 from megalm.tensor_parallel.random import RNGStatesTracker
 from megalm.training.build import build_model_chunks, wrap_data_parallel
 from megalm.training.memory import TrackedAllocations
-from tests.checkpoint_fixtures import LLAMA, tiny_cfg
+from tests.checkpoint_fixtures import LLAMA
+from tests.configs import TINY_GPT, make_config, optimizer_config
 from tests.distributed_harness import run_distributed
-from tests.test_ddp import make_cfg
+from tests.test_ddp import OPTIMIZER
 
 K, WIDTH, LAYERS, BATCH = 2, 128, 6, 4
 LAYER = WIDTH * WIDTH + WIDTH  # elements of one layer (a multiple of K: no padding)
@@ -49,7 +50,7 @@ def _model():
 
 def _run(strategy):
     kw = dict(overlap_grad_reduce=True, ddp_bucket_size=LAYER)
-    cfg = make_cfg()
+    cfg = optimizer_config(OPTIMIZER)
     cfg.parallel.data_parallel_sharding_strategy = strategy
     x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(parallel_state.get_data_parallel_rank()))
     with TrackedAllocations() as tracked:  # blocks allocated before it started are not counted when freed
@@ -93,16 +94,15 @@ def _gpt(cfg, pre_process=True, post_process=True, layer_numbers=None, *, proces
 def _run_meta(meta):
     """ZeRO-3 GPT built with or without --init-model-with-meta-device; build peak, weights, two steps."""
     cfg = copy.deepcopy(
-        tiny_cfg(
-            256,
-            **{
-                **LLAMA,
-                "hidden_size": 64,
-                "ffn_hidden_size": 128,
-                "seq_length": 32,
-                "attention_dropout": 0.0,
-                "hidden_dropout": 0.0,
-            },
+        make_config(
+            TINY_GPT,
+            LLAMA,
+            vocab_size=256,
+            hidden_size=64,
+            ffn_hidden_size=128,
+            seq_length=32,
+            attention_dropout=0.0,
+            hidden_dropout=0.0,
         )
     )
     p = cfg.parallel

@@ -10,6 +10,7 @@ Modules (import them directly; this package re-exports nothing)::
     rng.py           the random generators' states as plain values
     common_json.py   common.json: format version, the layout record, reading it
     dcp_io.py        DCP save/load of blocks (planners), tensor names and shapes
+    fsdp_dtensor.py  --ckpt-format fsdp_dtensor: the blocks under Megatron-FSDP's names, Megatron's byte entries
     safe_metadata.py DCP .metadata read without running code (an exact allow-list)
     manifest.py      per-rank sha256 manifests and their index; verification
     async_writer.py  --async-save: the background writer

@@ -23,7 +23,8 @@ with ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
-from typing import Dict, List
+import io
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -57,9 +58,10 @@ def _locals(specs: ShardedStateDict) -> dict:
 
 
 class _ShardSavePlanner(DefaultSavePlanner):
-    def __init__(self, specs: ShardedStateDict, streaming: bool = False):
+    def __init__(self, specs: ShardedStateDict, objects: Optional[Dict[str, bytes]] = None, streaming: bool = False):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.specs = specs
+        self.objects = objects or {}
         self.streaming = streaming  # see resolve_data (with DCP's serial loader only: save_sharded)
         self._previous = None
         self._by_offsets = {(fqn, tuple(s.offsets)): s for fqn, v in specs.items() for s in _as_list(v)}
@@ -81,10 +83,14 @@ class _ShardSavePlanner(DefaultSavePlanner):
                         ),
                     )
                 )
+        for fqn in self.objects:
+            items.append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO))
         self.plan = SavePlan(items)
         return self.plan
 
     def resolve_data(self, write_item: WriteItem):
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(self.objects[write_item.index.fqn])
         spec = self._by_offsets[(write_item.index.fqn, tuple(write_item.index.offset))]
         if not self.streaming:
             return spec.local.detach().contiguous()
@@ -155,8 +161,11 @@ class _ShardLoadPlanner(DefaultLoadPlanner):
         return view if spec.source is None else torch.empty(view.shape, dtype=view.dtype)
 
 
-def save_sharded(specs: ShardedStateDict, path: str, process_group=None) -> None:
-    """Collective: every rank of ``process_group`` (default world) calls this with its blocks.
+def save_sharded(
+    specs: ShardedStateDict, path: str, process_group=None, objects: Optional[Dict[str, bytes]] = None
+) -> None:
+    """Collective: every rank of ``process_group`` (default world) calls this with its blocks.  ``objects``:
+    byte entries (already serialized) to write beside the tensors (one rank gives them).
 
     The save streams when a block has a source (the NVMe offload's swapped optimizer state) or every block is
     in host memory: DCP's serial loader (no copy-ahead, which would read many blocks before writing one) and
@@ -166,12 +175,12 @@ def save_sharded(specs: ShardedStateDict, path: str, process_group=None) -> None
     first: the offsets in ``.metadata`` differ, not the data)."""
     blocks = [s for v in specs.values() for s in _as_list(v)]
     streaming = any(s.source is not None for s in blocks) or all(s.local.device.type in ("cpu", "meta") for s in blocks)
-    writer = FileSystemWriter(path, per_thread_copy_ahead=0) if streaming else None
+    state = {**_locals(specs), **{k: io.BytesIO(v) for k, v in (objects or {}).items()}}
     dcp.save(
-        _locals(specs),
+        state,
         checkpoint_id=path,
-        storage_writer=writer,
-        planner=_ShardSavePlanner(specs, streaming),
+        storage_writer=FileSystemWriter(path, per_thread_copy_ahead=0) if streaming else None,
+        planner=_ShardSavePlanner(specs, objects, streaming),
         process_group=process_group,
     )
 
@@ -197,8 +206,8 @@ def saved_tensor_shapes(path: str) -> Dict[str, tuple]:
 
 
 def tensor_shapes(metadata) -> Dict[str, tuple]:
-    """Names and global shapes of the tensors a checkpoint's ``.metadata`` describes."""
-    return {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()}
+    """Names and global shapes of the tensors a checkpoint's ``.metadata`` describes (byte entries left out)."""
+    return {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks")}
 
 
 def saved_tensor_dtypes(path: str) -> Dict[str, torch.dtype]:

@@ -7,6 +7,7 @@ from typing import Optional
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megalm.checkpoint import fsdp_dtensor
 from megalm.checkpoint.common_json import layout, read_common
 from megalm.checkpoint.dcp_io import load_sharded, tensor_shapes
 from megalm.checkpoint.errors import CheckpointError, describe_io_error
@@ -30,6 +31,7 @@ def load_checkpoint(
     fallback: bool = False,
     states: Optional[CheckpointStates] = None,
     groups: Optional[ProcessGroups] = None,
+    ckpt_format: Optional[str] = None,
 ) -> dict:
     """:func:`load_checkpoint_states` of ``model_chunks`` and ``optimizer`` (registered first, as a
     :class:`megalm.checkpoint.model_state.ModelOptimizerState`) and ``states``, for callers that hold a
@@ -45,7 +47,8 @@ def load_checkpoint(
     """
     groups = model_groups(model_chunks, groups)
     model = ModelOptimizerState(model_chunks, optimizer, groups, load_optim=load_optim and not finetune)
-    common = load_checkpoint_states(root, with_model(model, None if finetune else states), groups, iteration, fallback)
+    states = with_model(model, None if finetune else states)
+    common = load_checkpoint_states(root, states, groups, iteration, fallback, ckpt_format)
     if finetune:
         common = dict(common, iteration=0, consumed_train_samples=0, consumed_valid_samples=0)
     return common
@@ -57,21 +60,33 @@ def load_checkpoint_states(
     groups: ProcessGroups,
     iteration: Optional[int] = None,
     fallback: bool = False,
+    ckpt_format: Optional[str] = None,
+    auto_detect: bool = False,
 ) -> dict:
     """Collective.  Verifies the checkpoint (:func:`verified_checkpoint`; ``iteration`` None: the
     tracker's), reads the blocks every registered state asks for (their ``sharded_load_plan``) in one DCP
     load, then restores each state in registration order from ``common.json`` and this rank's file
     (:func:`megalm.checkpoint.stateful.load_rank_states`).  Returns common.json's content plus ``path``.
     ``fallback`` (``--ckpt-fallback-to-verified``): a corrupt checkpoint is skipped for the newest older
-    one that verifies.  ``groups``: the run's process groups (the layout the per-rank files must match)."""
+    one that verifies.  ``groups``: the run's process groups (the layout the per-rank files must match).
+    ``ckpt_format`` (``--ckpt-format``; None: any): a checkpoint in the other format loads only with
+    ``auto_detect`` (``--auto-detect-ckpt-format``); an fsdp_dtensor one's keys are translated
+    (:mod:`megalm.checkpoint.fsdp_dtensor`), so that the states ask for megalm's keys either way."""
     path = verified_checkpoint(root, iteration, fallback)
     common = read_common(path)
-    try:
-        metadata = load_metadata(path)  # read once, safely (refuses anything but DCP metadata)
+    found = fsdp_dtensor.saved_format(common)
+    fsdp_dtensor.check_format(path, found, ckpt_format, auto_detect)
+    try:  # read once, safely (refuses anything but DCP metadata; fsdp_dtensor's pickled entries are never read)
+        metadata = load_metadata(path, allow_byte_entries=found == fsdp_dtensor.FSDP_DTENSOR)
     except CheckpointMetadataError as e:
         raise CheckpointError(str(e)) from e
-    info = LoadInfo(path, common, layout(groups), tensor_shapes(metadata))
-    specs = sharded_load_plans(states, info)
+    saved = tensor_shapes(metadata)
+    if found == fsdp_dtensor.FSDP_DTENSOR:
+        info = LoadInfo(path, common, layout(groups), fsdp_dtensor.megalm_shapes(saved))
+        specs = fsdp_dtensor.to_load(sharded_load_plans(states, info), saved)
+    else:
+        info = LoadInfo(path, common, layout(groups), saved)
+        specs = sharded_load_plans(states, info)
     try:
         load_sharded(specs, path, metadata=metadata)
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException

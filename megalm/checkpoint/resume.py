@@ -69,7 +69,13 @@ def megatron_lm_format(path: str) -> Optional[str]:
     legacy = sorted(glob.glob(os.path.join(path, "mp_rank_*", "model_optim_rng.pt")))
     if legacy:
         return f"legacy format: {os.path.relpath(legacy[0], path)}"
+    if os.path.isfile(os.path.join(path, ".metadata")) and not os.path.isfile(meta):
+        return PLAIN_DCP
     return None
+
+
+# How megatron_lm_format names a DCP directory with neither megalm's common.json nor Megatron's metadata.json.
+PLAIN_DCP = "a .metadata without common.json or metadata.json: Megatron-LM's fsdp_dtensor (or torch_dcp) format"
 
 
 def find_checkpoint(root: str, iteration: Optional[int] = None) -> Optional[str]:
@@ -82,6 +88,12 @@ def find_checkpoint(root: str, iteration: Optional[int] = None) -> Optional[str]
             return None
     path = checkpoint_dir(root, iteration)
     foreign = megatron_lm_format(path)
+    if foreign == PLAIN_DCP:
+        raise CheckpointError(
+            f"{path} is a Megatron-LM checkpoint ({foreign}), not a megalm one: megalm resumes the fsdp_dtensor "
+            "checkpoints it writes itself (with their common.json), and imports Megatron-LM's torch_dist and legacy "
+            "checkpoints (tools/checkpoint/convert.py --from megatron); this one is not read"
+        )
     if foreign is not None:
         raise CheckpointError(
             f"{path} is a Megatron-LM checkpoint ({foreign}), not a megalm one: megalm cannot load it directly; "

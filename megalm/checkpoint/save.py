@@ -13,11 +13,13 @@ from typing import Optional
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megalm.checkpoint import fsdp_dtensor
 from megalm.checkpoint import manifest as checkpoint_manifest
 from megalm.checkpoint.async_writer import AsyncCheckpointWriter
 from megalm.checkpoint.common_json import FORMAT_VERSION, layout
 from megalm.checkpoint.dcp_io import save_sharded
 from megalm.checkpoint.errors import CheckpointError, describe_io_error, gather_errors, save_dir_problem
+from megalm.checkpoint.fsdp_dtensor import TORCH_DIST
 from megalm.checkpoint.model_state import ModelOptimizerState, model_groups, with_model
 from megalm.checkpoint.resume import TRACKER_FILENAME, checkpoint_dir, checkpoint_iterations, rank_is_zero, read_tracker
 from megalm.checkpoint.stateful import CheckpointStates, common_states, save_rank_states, sharded_states
@@ -25,7 +27,7 @@ from megalm.parallel_state import ProcessGroups
 from megalm.param_layout import ShardedStateDict, ShardedTensorSpec
 
 # common.json's keys the checkpointer writes itself (registered states add theirs: common_state_dict)
-COMMON_KEYS = ("format_version", "iteration", "world_size", "layout", "config", "extra", "saved_at")
+COMMON_KEYS = ("format_version", "iteration", "world_size", "layout", "config", "extra", "saved_at", "ckpt_format")
 
 
 def save_checkpoint(
@@ -38,6 +40,7 @@ def save_checkpoint(
     async_writer: Optional[AsyncCheckpointWriter] = None,
     states: Optional[CheckpointStates] = None,
     groups: Optional[ProcessGroups] = None,
+    ckpt_format: str = TORCH_DIST,
 ) -> str:
     """:func:`save_checkpoint_states` of ``model_chunks`` and ``optimizer`` (registered first, as a
     :class:`megalm.checkpoint.model_state.ModelOptimizerState`) and ``states``, for callers that hold a
@@ -46,7 +49,8 @@ def save_checkpoint(
     (default: the model's own, :func:`megalm.checkpoint.model_state.model_groups`)."""
     groups = model_groups(model_chunks, groups)
     model = ModelOptimizerState(model_chunks, optimizer, groups)
-    return save_checkpoint_states(root, iteration, with_model(model, states), groups, config, extra, async_writer)
+    states = with_model(model, states)
+    return save_checkpoint_states(root, iteration, states, groups, config, extra, async_writer, ckpt_format)
 
 
 def save_checkpoint_states(
@@ -57,6 +61,7 @@ def save_checkpoint_states(
     config: Optional[dict] = None,
     extra: Optional[dict] = None,
     async_writer: Optional[AsyncCheckpointWriter] = None,
+    ckpt_format: str = TORCH_DIST,
 ) -> str:
     """Collective over all ranks.  Returns the iteration directory.
 
@@ -66,13 +71,22 @@ def save_checkpoint_states(
     entries join the checkpointer's own (:data:`COMMON_KEYS`).  ``groups``: the run's process groups
     (the layout ``common.json`` records).
 
-    Communication: a barrier once rank 0 has prepared the directory; DCP's save (its plan
+    Communication: a barrier once rank 0 has prepared the directory; with fsdp_dtensor one
+    ``all_gather_object`` (which parameters have main copies); DCP's save (its plan
     gather/scatter and the final gather of write results); one ``all_gather_object`` of every
     rank's outcome once its files and manifest are written, and one after rank 0 wrote the
     manifest index and the tracker (a failure on any rank raises :class:`CheckpointError` on
     every rank, the tracker left on the previous checkpoint).  With ``async_writer``
     (``--async-save``) the tensors are staged to CPU now and all but the first barrier run in
-    the background on the writer's group (see :mod:`megalm.checkpoint.async_writer`)."""
+    the background on the writer's group (see :mod:`megalm.checkpoint.async_writer`).
+
+    ``ckpt_format`` (``--ckpt-format``): ``torch_dist`` (megalm's keys), or ``fsdp_dtensor``: the same blocks
+    under Megatron-FSDP's keys and Megatron-LM's pickled entries (:mod:`megalm.checkpoint.fsdp_dtensor`;
+    needs ``config``), recorded in ``common.json``'s ``ckpt_format``."""
+    if ckpt_format not in fsdp_dtensor.FORMATS:
+        raise CheckpointError(f"checkpoint format {ckpt_format!r}: megalm writes {' and '.join(fsdp_dtensor.FORMATS)}")
+    if ckpt_format == fsdp_dtensor.FSDP_DTENSOR and config is None:
+        raise CheckpointError("an fsdp_dtensor checkpoint needs the run's config (its args entry)")
     if async_writer is not None:
         async_writer.wait()  # one save in flight: the previous one is complete (tracker written) first
     path = checkpoint_dir(root, iteration)
@@ -87,7 +101,14 @@ def save_checkpoint_states(
     with _write_errors(path):
         save_rank_states(path, states)
     entries = common_states(states, taken=COMMON_KEYS)  # on every rank: a refusal stops every rank here
-    common = None
+    common, objects = None, None
+    if ckpt_format == fsdp_dtensor.FSDP_DTENSOR:
+        gated = fsdp_dtensor.is_gated(config)
+        mains = fsdp_dtensor.main_copies(specs)  # collective
+        te, grouped = fsdp_dtensor.uses_te_names(config), fsdp_dtensor.uses_grouped_experts(config)
+        specs = fsdp_dtensor.to_disk(specs, gated, mains, te_names=te, grouped=grouped)
+        if rank == 0:
+            objects = fsdp_dtensor.megatron_entries(iteration, config, entries)
     if rank == 0:
         common = {
             "format_version": FORMAT_VERSION,
@@ -99,25 +120,29 @@ def save_checkpoint_states(
             "saved_at": time.time(),
             **entries,
         }
+        if ckpt_format != TORCH_DIST:  # torch_dist checkpoints keep the keys they always had
+            common["ckpt_format"] = ckpt_format
     if async_writer is None:
-        _on_every_rank(lambda: _write_files(specs, path, common, rank), path)
+        _on_every_rank(lambda: _write_files(specs, path, common, rank, objects=objects), path)
         _on_every_rank(lambda: _finish_save(root, path, iteration, world), path)
         return path
     staged = stage_to_cpu(specs)
     group = async_writer.group
 
     def write_in_background():
-        _on_every_rank(lambda: _write_files(staged, path, common, rank, group), path, group)
+        _on_every_rank(lambda: _write_files(staged, path, common, rank, group, objects), path, group)
         _on_every_rank(lambda: _finish_save(root, path, iteration, world), path, group)
 
     async_writer.submit(iteration, write_in_background)
     return path
 
 
-def _write_files(specs: ShardedStateDict, path: str, common: Optional[dict], rank: int, group=None) -> None:
-    """This rank's part of a save after the per-rank state files: DCP data (DCP's collectives over ``group``),
-    ``common.json`` (rank 0), then its manifest."""
-    save_sharded(specs, path, process_group=group)
+def _write_files(
+    specs: ShardedStateDict, path: str, common: Optional[dict], rank: int, group=None, objects=None
+) -> None:
+    """This rank's part of a save after the per-rank state files: DCP data (DCP's collectives over ``group``;
+    ``objects``: byte entries beside the tensors), ``common.json`` (rank 0), then its manifest."""
+    save_sharded(specs, path, process_group=group, objects=objects)
     _write_common(path, common)
     checkpoint_manifest.write_rank_manifest(path, rank)
 

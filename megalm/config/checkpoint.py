@@ -73,6 +73,17 @@ class CheckpointConfig(Section):
         "manifest's sizes and sha256 checksums), load the newest older one "
         "that verifies instead of stopping (warning naming each one skipped).",
     )
+    ckpt_format: str = _f(
+        "torch_dist",
+        "Checkpoint format to save (and load): torch_dist (torch.distributed.checkpoint under megalm's names, "
+        "Megatron's default) or fsdp_dtensor (the same blocks under Megatron-FSDP's names: model.module.*, "
+        "optimizer.state.module.module.module.*, a gated fc1 as weight_w / weight_v).  Megatron's torch, zarr and "
+        "torch_dcp are refused.",
+    )
+    auto_detect_ckpt_format: bool = _f(
+        False,
+        "Load a checkpoint in whichever format it was saved (torch_dist or fsdp_dtensor), not only --ckpt-format's.",
+    )
     async_save: bool = _f(
         False,
         "Write checkpoint tensors in a background thread after copying them to CPU memory; "
@@ -81,6 +92,13 @@ class CheckpointConfig(Section):
     )
 
     def validate(self) -> None:
+        from megalm.config.megatron_compat import UNSUPPORTED
+
+        check(
+            self.ckpt_format in ("torch_dist", "fsdp_dtensor"),
+            f"--ckpt-format {self.ckpt_format} is not supported: megalm reads and writes torch_dist and fsdp_dtensor "
+            f"(torch.distributed.checkpoint) only ({UNSUPPORTED['--ckpt-format']})",
+        )
         check(self.save_interval is None or self.save_interval > 0, "--save-interval must be positive")
         check(not self.async_save or self.save is not None, "--async-save needs --save")
         if self.non_persistent_save_interval is not None:

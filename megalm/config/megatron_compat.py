@@ -2,7 +2,7 @@
 
 Each flag here changes nothing in megalm, for the reason given in :data:`NO_EFFECT`; when any
 is given, one warning line lists them.  Flags whose value megalm cannot honour are refused by
-:func:`check_megatron_compat` (e.g. ``--ckpt-format torch``).  Flags that change the model or
+:func:`refusal` (e.g. ``--distributed-backend nccl`` without CUDA).  Flags that change the model or
 the training are never accepted here: they are implemented in their own section or refused.
 """
 
@@ -29,7 +29,6 @@ NO_EFFECT = {
     "--dist-ckpt-strictness": "megalm loads checkpoints strictly: a missing or unexpected key is an error",
     "--use-persistent-ckpt-worker": "--async-save writes from a background thread of each training process",
     "--distributed-backend": "megalm picks the backend itself (nccl with CUDA, gloo without) and checked it matches",
-    "--ckpt-format": "megalm writes torch.distributed.checkpoint, which is Megatron's torch_dist",
     "--tiktoken-pattern": "only Megatron's TikTokenizer reads it, and megalm has no TikTokenizer",
     "--export-force-local-attention": "a ModelOpt export switch (local attention instead of Transformer Engine's); "
     "megalm's attention cores are its own, and windows and sinks run in each of them",
@@ -41,8 +40,6 @@ NO_EFFECT = {
     "Transformer Engine's fused permute kernels are CUDA-only",
     "--moe-flex-dispatcher-backend": "--moe-token-dispatcher-type flex runs megalm's alltoall dispatcher; the "
     "DeepEP / HybridEP backends are CUDA kernels",
-    "--auto-detect-ckpt-format": "megalm reads its torch_dist checkpoints only (Megatron's other formats convert with "
-    "tools/checkpoint/convert.py)",
     "--enable-experimental": "megalm has no experimental-feature gate",
     "--use-megatron-fsdp": "megalm's own sharded data parallelism is chosen by --data-parallel-sharding-strategy "
     "alone (no_shard by default, as in Megatron-LM)",
@@ -52,8 +49,8 @@ NO_EFFECT = {
 UNSUPPORTED = {
     "--fp8-format": "fp8 needs Transformer Engine's layers (--transformer-impl transformer_engine on a GPU)",
     "--fp8-param-gather": "fp8 parameter all-gather is not built (fp8 runs inside Transformer Engine's layers only)",
-    "--ckpt-format": "formats other than torch_dist (torch, zarr, Megatron-FSDP's fsdp_dtensor): megalm reads and "
-    "writes torch_dist; convert with tools/checkpoint/convert.py",
+    "--ckpt-format": "formats other than torch_dist and fsdp_dtensor (torch, zarr, torch_dcp): megalm reads and writes "
+    "those two; convert Megatron-LM's torch_dist and legacy torch checkpoints with tools/checkpoint/convert.py",
     "--profile": "without --use-pytorch-profiler on a machine without CUDA (nsys profiles CUDA only)",
 }
 
@@ -79,9 +76,6 @@ class MegatronCompatConfig(Section):
     distributed_backend: Optional[str] = _f(
         None, "Checked against the backend megalm picks (nccl with CUDA, gloo without).", choices=["nccl", "gloo"]
     )
-    ckpt_format: Optional[str] = _f(
-        None, "Only torch_dist (megalm's torch.distributed.checkpoint format) is accepted; others are refused."
-    )
     tiktoken_pattern: Optional[str] = _f(None, "No effect: " + NO_EFFECT["--tiktoken-pattern"] + ".")
     use_megatron_fsdp: bool = _f(False, "No effect: " + NO_EFFECT["--use-megatron-fsdp"] + ".")
     nccl_ub: bool = _f(False, "No effect: " + NO_EFFECT["--use-nccl-ub"] + ".", flag="--use-nccl-ub")
@@ -92,7 +86,6 @@ class MegatronCompatConfig(Section):
     moe_flex_dispatcher_backend: Optional[str] = _f(
         None, "No effect: " + NO_EFFECT["--moe-flex-dispatcher-backend"] + ".", choices=["deepep", "hybridep"]
     )
-    auto_detect_ckpt_format: bool = _f(False, "No effect: " + NO_EFFECT["--auto-detect-ckpt-format"] + ".")
     enable_experimental: bool = _f(False, "No effect: " + NO_EFFECT["--enable-experimental"] + ".")
     fp8_param_gather: bool = _f(False, "Refused: " + UNSUPPORTED["--fp8-param-gather"] + ".")
 
@@ -118,7 +111,6 @@ def given_no_effect_flags(c: MegatronCompatConfig) -> list:
         "--dist-ckpt-strictness": c.dist_ckpt_strictness is not None,
         "--use-persistent-ckpt-worker": c.use_persistent_ckpt_worker,
         "--distributed-backend": c.distributed_backend is not None,
-        "--ckpt-format": c.ckpt_format is not None,
         "--tiktoken-pattern": c.tiktoken_pattern is not None,
         "--use-megatron-fsdp": c.use_megatron_fsdp,
         "--export-force-local-attention": c.export_force_local_attention,
@@ -127,7 +119,6 @@ def given_no_effect_flags(c: MegatronCompatConfig) -> list:
         "--fsdp-manual-registration": c.fsdp_manual_registration,
         "--moe-permute-fusion": c.moe_permute_fusion,
         "--moe-flex-dispatcher-backend": c.moe_flex_dispatcher_backend is not None,
-        "--auto-detect-ckpt-format": c.auto_detect_ckpt_format,
         "--enable-experimental": c.enable_experimental,
     }
     return [flag for flag, given in values.items() if given]
@@ -138,17 +129,6 @@ def refusal(c: MegatronCompatConfig, backend: str) -> Optional[str]:
     for flag, given in (("--fp8-param-gather", c.fp8_param_gather),):
         if given:
             return f"{flag} is not supported by megalm: {UNSUPPORTED[flag]}"
-    if c.ckpt_format == "fsdp_dtensor":
-        return (
-            "--ckpt-format fsdp_dtensor is not supported: megalm reads and writes torch_dist (drop the flag or give "
-            "--ckpt-format torch_dist; Megatron's tools/checkpoint/checkpoint_inspector.py "
-            "convert-torch-dist-to-fsdp-dtensor turns the checkpoints into fsdp_dtensor ones for Megatron-FSDP)"
-        )
-    if c.ckpt_format is not None and c.ckpt_format != "torch_dist":
-        return (
-            f"--ckpt-format {c.ckpt_format} is not supported: megalm reads and writes torch_dist "
-            "(torch.distributed.checkpoint) only; convert other checkpoints with tools/checkpoint/convert.py"
-        )
     if c.distributed_backend is not None and c.distributed_backend != backend:
         return (
             f"--distributed-backend {c.distributed_backend} does not match the backend megalm uses on this machine "

@@ -60,7 +60,8 @@ class ParallelConfig(Section):
         "each bucket's full gradient "
         "storage is freed once reduce-scattered), optim_grads_params (ZeRO-3: also the parameters, "
         "all-gathered per bucket before each module's forward and again for backward; "
-        "--overlap-param-gather prefetches the next bucket).",
+        "--overlap-param-gather prefetches the next bucket).  MoE expert parameters are sharded over the "
+        "expert-data-parallel group.",
         choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
     )
     init_model_with_meta_device: bool = _f(
@@ -278,7 +279,8 @@ class ParallelConfig(Section):
         """``--data-parallel-sharding-strategy`` and ``--use-distributed-optimizer`` made consistent:
         every strategy but ``no_shard`` turns the distributed optimizer on, and the distributed optimizer
         alone means ``optim``.  ``optim_grads`` and ``optim_grads_params`` are refused where they are not built;
-        with MoE, ZeRO-3 keeps the expert weights gathered (:mod:`megalm.distributed.sharded_param_buffer`)."""
+        with MoE, expert parameters are sharded over the expert-data-parallel group
+        (:mod:`megalm.distributed.sharded_param_buffer`)."""
         s = self.data_parallel_sharding_strategy
         if s == "no_shard" and self.use_distributed_optimizer:
             self.data_parallel_sharding_strategy = s = "optim"

@@ -65,6 +65,12 @@ class MegalmCheckpointReader:
                 raise CheckpointError(f"no checkpoint in {root} (no {TRACKER_FILENAME}; give --iteration N)")
         self.path = path
         self.common = read_common(path)
+        if self.common.get("ckpt_format", "torch_dist") != "torch_dist":
+            raise CheckpointError(
+                f"{path} is a --ckpt-format {self.common['ckpt_format']} checkpoint (Megatron-FSDP's tensor names): "
+                "the convert and inspect tools read torch_dist ones; load it in a run with --auto-detect-ckpt-format "
+                "(or --ckpt-format fsdp_dtensor) and save it with --ckpt-format torch_dist"
+            )
         if not self.common.get("config"):
             raise CheckpointError(f"{path}/common.json has no config: cannot tell the model's architecture")
         self.config = MegalmConfig.from_dict(self.common["config"])

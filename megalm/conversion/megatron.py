@@ -73,8 +73,8 @@ def find_iteration_dir(root: str, iteration: Optional[int] = None) -> str:
     ``iter_<iteration>`` or the tracker's (an iteration number or ``release``)."""
     if not os.path.isdir(root):
         raise ConversionError(f"Megatron-LM checkpoint directory {root} does not exist")
-    if iteration is None and backend_of(root) is not None:
-        return root
+    if iteration is None and (backend_of(root) is not None or os.path.isfile(os.path.join(root, ".metadata"))):
+        return _checked(root)
     if iteration is None:
         tracker = os.path.join(root, TRACKER_FILENAME)
         if not os.path.isfile(tracker):
@@ -87,7 +87,18 @@ def find_iteration_dir(root: str, iteration: Optional[int] = None) -> str:
             iteration = int(text)
         except ValueError:
             raise ConversionError(f"{tracker} should hold an iteration number or 'release', found {text!r}") from None
-    path = checkpoint_dir(root, iteration)
+    return _checked(checkpoint_dir(root, iteration))
+
+
+def _checked(path: str) -> str:
+    """``path`` when it is a Megatron-LM checkpoint megalm imports; else why not (by name)."""
+    plain = os.path.isfile(os.path.join(path, ".metadata")) and not os.path.isfile(os.path.join(path, "common.json"))
+    if backend_of(path) is None and plain:
+        raise ConversionError(
+            f"{path} is a plain torch.distributed.checkpoint (.metadata, no metadata.json): Megatron-LM's "
+            "fsdp_dtensor (or torch_dcp) format, which is not imported (megalm imports torch_dist and legacy "
+            "checkpoints; a megalm run resumes the fsdp_dtensor checkpoints megalm wrote)"
+        )
     if backend_of(path) is None:
         raise ConversionError(
             f"{path} is not a Megatron-LM checkpoint (no metadata.json, no mp_rank_XX/model_optim_rng.pt)"

@@ -27,11 +27,12 @@ When buckets are gathered and freed around the forward and backward is decided b
   loaded weights (:meth:`ShardedParamBuffer.refresh_shards`).
 
 A bucket holding a tied embedding weight (used outside its module, by the output layer) is
-pinned: gathered after every step and never freed.  So are MoE expert buckets (the experts mark their
-weights with :data:`KEEP_GATHERED`):
-the ranks of an expert-data-parallel group route different tokens, so per-expert gathers could
-happen in different orders (or not at all) on them, and the grouped GEMM reads the experts' weights
-without running their modules.  Their gradients and optimizer state stay sharded over that group.
+pinned: gathered after every step and never freed.
+
+MoE expert parameters live in buffers of their own whose group is the expert-data-parallel group
+(``d_e = dp x cp x tp / (ep x etp)`` ranks holding the same experts): their weights, gradients and optimizer
+state are sharded over ``d_e`` ranks, the dense ones over ``dp x cp``, and their buckets are gathered and freed
+as the dense ones (:mod:`megalm.distributed.unsharder`).
 """
 
 from __future__ import annotations
@@ -45,12 +46,10 @@ from megalm.distributed.sharded_grad_buffer import ShardedGradBucket, ShardedGra
 from megalm.tensor_parallel.meta_init import initial_value, set_data
 from megalm.tensor_parallel.param_info import param_info
 
-KEEP_GATHERED = "megalm_keep_gathered"  # attribute a module sets on weights ZeRO-3 must not free (MoE experts)
-
 
 def _pinned(param) -> bool:
-    """Kept gathered: a tied embedding weight, or one its module marked (MoE experts, see the module docstring)."""
-    return param_info(param).tied or getattr(param, KEEP_GATHERED, False)
+    """Kept gathered: a tied embedding weight (the output layer reads it outside the embedding's forward)."""
+    return param_info(param).tied
 
 
 class ShardedParamBucket(ShardedGradBucket):

@@ -3,7 +3,8 @@
 The unit of gathering is the gradient bucket of :class:`~megalm.distributed.sharded_param_buffer.ShardedParamBuffer`
 (``--ddp-bucket-size``).  :class:`Unsharder` hooks the wrapped module:
 
-* forward: a pre-hook on every module owning parameters gathers the buckets holding them and frees
+* forward: a pre-hook on every module owning parameters gathers the buckets holding them (a module marked
+  :data:`GATHER_UNIT`: those holding its own and all its descendants' parameters) and frees
   every gathered bucket that no module still inside its forward needs (a post-hook pops it again),
   so nested modules keep their parents' weights.  The wrapped module's own pre-hook also gathers its
   ``output_layer``'s parameters (a GPT's fused linear cross entropy reads the output weight in the
@@ -11,6 +12,11 @@ The unit of gathering is the gradient bucket of :class:`~megalm.distributed.shar
 * backward: :meth:`Unsharder.forward` installs saved-tensor hooks that note the bucket of every saved
   tensor that is a view of one and gather it again when backward unpacks it; a bucket is freed once
   all its gradients are in (:meth:`~megalm.distributed.sharded_param_buffer.ShardedParamBucket.note_grad`);
+* expert parameters (MoE, their own buffers over the expert-data-parallel group): the same, per bucket.  The
+  ranks of that group route different tokens (an expert may get none on one of them), but each runs every MoE
+  layer's :class:`~megalm.transformer.moe.experts.LocalExperts` (a :data:`GATHER_UNIT`) once per forward and
+  builds the same autograd graph whatever the token counts, so their gathers, in forward and when backward
+  unpacks, come in the same order on every rank of the group;
 * activation recomputation: a pre-hook that runs outside the wrapped forward is the replay of a
   recomputed region inside backward (:func:`megalm.tensor_parallel.random.checkpoint`).  It gathers
   its buckets and frees nothing: the replay's own saved tensors are plain references to the weights,
@@ -44,6 +50,11 @@ import torch
 
 from megalm.distributed.sharded_param_buffer import ShardedParamBucket, ShardedParamBuffer
 
+# Attribute a module sets (True) when its forward reads its descendants' parameters itself, or runs them in a
+# data-dependent way (MoE's local experts: the grouped GEMM stacks the weights without running the experts'
+# modules): its pre-hook gathers the buckets of all of them and none of its descendants is hooked.
+GATHER_UNIT = "megalm_zero3_gather_unit"
+
 
 class Unsharder:
     """The forward / backward / recompute hooks of ``module`` over ``buffers`` (see the module docstring).
@@ -68,9 +79,15 @@ class Unsharder:
         self.handles = []
         bucket_of = {p: buf.bucket_of(p) for buf in buffers for p in buf.param_index_map}
         output_layer = getattr(module, "output_layer", None)
+        inside_unit = set()  # modules under a GATHER_UNIT module: its hook covers their parameters
         for m in module.modules():
+            if id(m) in inside_unit:
+                continue
+            unit = getattr(m, GATHER_UNIT, False)
+            if unit:
+                inside_unit.update(id(sub) for sub in m.modules() if sub is not m)
             mine = []
-            used = list(m.parameters(recurse=False))
+            used = list(m.parameters(recurse=bool(unit)))
             if m is module and isinstance(output_layer, torch.nn.Module):
                 used += list(output_layer.parameters())  # the fused linear cross entropy reads them here
             for p in used:

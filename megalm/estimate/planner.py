@@ -15,10 +15,10 @@ so 16 / 18 / 20 bytes; the distributed optimizer divides the optimizer column by
 (``d_e`` for experts): ``8 + 8/d``, ``6 + 12/d``, ``4 + 16/d``.  SGD keeps 4 bytes of momentum
 instead of Adam's 8 (0 without momentum).  Per ``--data-parallel-sharding-strategy``
 (:func:`strategy_bytes_per_param`): ``no_shard`` divides nothing, ``optim`` the optimizer column, ``optim_grads``
-(ZeRO-2) also the gradients (bf16: ``2 + 16/d``), ``optim_grads_params`` (ZeRO-3) all three (``18/d``; expert
-weights stay whole, :func:`expert_strategy`), steady between steps; the largest rank per strategy adds what ZeRO-2/3
-hold above that during a step (full gradient buckets, gathered weight buckets and the vocabulary weight kept whole:
-:mod:`.sharding_peaks`, upper bounds).  The data-parallel gradient traffic
+(ZeRO-2) also the gradients (bf16: ``2 + 16/d``), ``optim_grads_params`` (ZeRO-3) all three (``18/d``; the
+expert parameters' columns over ``d_e``: ``18/d_e``), steady between steps; the largest rank per strategy adds
+what ZeRO-2/3 hold above that during a step (full gradient buckets, gathered weight buckets, an expert bucket and
+the vocabulary weight kept whole: :mod:`.sharding_peaks`, upper bounds).  The data-parallel gradient traffic
 per step is the same for the first three (all-reduce = reduce-scatter + all-gather, ``2 (d-1)/d`` x
 the gradient bytes) and more for ZeRO-3 (parameters gathered for forward and again for backward,
 each microbatch: 1.5x with one microbatch and one dtype), so the recommendation is the first
@@ -195,12 +195,6 @@ def muon_adam_parameters(st) -> tuple:
     return st.embedding + st.vectors, st.expert_vectors
 
 
-def expert_strategy(strategy: str) -> str:
-    """What ``strategy`` shards of the expert parameters: ZeRO-3 keeps their weights gathered (pinned buckets,
-    :mod:`megalm.distributed.sharded_param_buffer`), so for experts it is ZeRO-2."""
-    return "optim_grads" if strategy == "optim_grads_params" else strategy
-
-
 def strategy_bytes_per_param(per_param: Dict[str, float], d: int, strategy: str) -> Dict[str, float]:
     """``{"weights", "grads", "optimizer"}`` bytes per parameter on a rank when ``strategy`` shards
     its columns over ``d`` data-parallel ranks (``per_param`` from :func:`state_bytes_per_param`)."""
@@ -295,7 +289,7 @@ def plan(cfg, options: PlannerOptions) -> dict:
         peaks = transient_bytes(cfg, st, per_param, dense_shards, num_micro, gloo=options.device == "cpu")
         by_strategy = {
             f"total_{s}": sum(
-                st.dense * v + st.expert * strategy_bytes_per_param(per_param, edp, expert_strategy(s))[k]
+                st.dense * v + st.expert * strategy_bytes_per_param(per_param, edp, s)[k]
                 for k, v in strategy_bytes_per_param(per_param, dense_shards, s).items()
             )
             + peaks[s]

@@ -29,6 +29,10 @@ in elements:
   output layer's weight is freed).
   The activations are counted whole at each (:mod:`megalm.estimate.activations`), which they are only at
   the backward's start.
+  MoE expert weights are sharded too (over the expert-data-parallel group, buckets of their own): while an MoE
+  layer's experts run (forward, and backward where it unpacks their weights) one expert bucket is gathered
+  besides the dense ones, ``U_e`` (``--ddp-bucket-size`` plus the largest expert parameter; the stage's
+  experts when no size is given): added to the forward's and the later backward's weights.
 
 Each is capped by the stage's own bytes.  ``no_shard`` and ``optim`` hold everything all the time: 0, except on
 gloo (``gloo``: the CPU), whose reduce-scatter and all-gather copy their whole (unsharded) buffer while they run
@@ -68,6 +72,18 @@ def _layer_bucket(cfg, stage, dp: int) -> int:
     return min(stage.total, size + max((n + 2 * groups) * d // tp * h, fc1 * h))
 
 
+def _expert_bucket(cfg, stage, dp: int) -> int:
+    """``U_e``: elements of an expert bucket (bucket size plus the largest expert parameter), capped by the
+    stage's expert parameters (0 without experts)."""
+    m, p = cfg.model, cfg.parallel
+    size = _bucket_size(cfg, dp)
+    if not stage.expert or size is None:
+        return stage.expert
+    f = m.moe_ffn_hidden_size or m.ffn_hidden_size
+    fc1 = (2 if m.gated_linear_unit else 1) * f // (p.expert_tensor_parallel_size or 1)
+    return min(stage.expert, size + fc1 * m.hidden_size)
+
+
 def transient_bytes(
     cfg, stage, per_param: Dict[str, float], dp: int, num_micro: int, gloo: bool = False
 ) -> Dict[str, float]:
@@ -88,7 +104,8 @@ def transient_bytes(
     if m.recompute_granularity == "full":
         region = (m.recompute_num_layers or 1) * layer_parameters(m, p.tensor_model_parallel_size, 1, False)[0]
         gathered = max(gathered, region + 2 * unit)
-    weights = per_param["weights"] * min(stage.total, gathered + whole)
+    experts = _expert_bucket(cfg, stage, dp)
+    weights = per_param["weights"] * min(stage.total, gathered + whole + experts)
     copies = per_param["grads"] * stage.total if gloo and dp > 1 else 0.0
     zero3 = grads + weights  # several microbatches: every gradient bucket is alive in the next forward
     if not several:  # one microbatch: the largest of three moments, not their sum (see the module docstring)
@@ -102,6 +119,6 @@ def transient_bytes(
         zero3 = max(
             weights,  # the forward: gathered buckets and E, no gradients yet
             w * min(cap, held + prefetch) + g * first,  # the backward's first bucket, its gradient storage
-            w * min(cap, gathered + pinned) + grads,  # later: gathered buckets, three gradient buckets
+            w * min(cap, gathered + pinned + experts) + grads,  # later: gathered buckets, three gradient buckets
         )
     return {"no_shard": 0.0, "optim": copies, "optim_grads": grads, "optim_grads_params": zero3}

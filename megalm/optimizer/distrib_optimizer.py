@@ -137,6 +137,9 @@ class DistributedOptimizer(MegatronOptimizer):
         self.data_parallel_size = max(
             (b.data_parallel_world_size for c in self.model_chunks for b in c.buffers), default=1
         )
+        self.expert_data_parallel_size = max(
+            (b.data_parallel_world_size for c in self.model_chunks for b in c.expert_buffers), default=1
+        )
 
     def _make_main_params(self, groups: List[dict]) -> List[List[torch.nn.Parameter]]:
         """Main params are this rank's shard ranges (:attr:`ranges`), grouped like their parameters."""

@@ -23,7 +23,9 @@ as this rank's shard plus the buckets gathered now (a tied embedding's bucket al
 megalm accumulates gradients in fp32 by default
 (``--accumulate-allreduce-grads-in-fp32``), so fp16 models are on the ``6 + 12/d`` line unless
 that is turned off.  Bucket padding (< d elements per bucket) makes measured values differ
-slightly from the formula; the formula ignores the few bytes of ``step`` counters.
+slightly from the formula; the formula ignores the few bytes of ``step`` counters.  With MoE expert parameters
+the formula is the parameter-weighted mean of the dense one over ``d`` and the experts' over ``d_e``, the
+expert-data-parallel size (their buffers' group; ``d_e = d`` when they do not differ).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Dict, Sequence
 import torch
 
 from megalm.distributed.finalize_model_grads import unwrap_model
+from megalm.tensor_parallel.param_info import param_info
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -95,7 +98,15 @@ def optimizer_memory(optimizer, model_chunks: Sequence[torch.nn.Module]) -> Dict
     formula, text = formula_bytes_per_param(
         param_dtype, grad_dtype, d, grads_sharded=bool(buffers), params_sharded=params_sharded
     )
-    out.update(d=d, distributed=distributed, grads_sharded=bool(buffers), params_sharded=params_sharded)
+    experts = sum(p.numel() for p in params if param_info(p).expert)
+    d_e = optimizer.expert_data_parallel_size if experts and distributed else d
+    if d_e != d:  # MoE: the expert parameters' shares are over the expert-data-parallel group
+        expert_formula, _ = formula_bytes_per_param(
+            param_dtype, grad_dtype, d_e, grads_sharded=bool(buffers), params_sharded=params_sharded
+        )
+        formula = (formula * (n - experts) + expert_formula * experts) / n
+        text = f"{text} for the dense parameters, d_e={d_e} for the {experts:,} expert ones"
+    out.update(d=d, d_e=d_e, distributed=distributed, grads_sharded=bool(buffers), params_sharded=params_sharded)
     out.update(formula=formula, formula_text=text)
     return out
 

@@ -187,6 +187,7 @@ class MegatronOptimizer:
     # _release_grads (always, last).
     grads_sharded = False  # True: each data-parallel rank holds a disjoint shard of every gradient
     data_parallel_size = 1  # how many ranks the main weights and the optimizer state are sharded over
+    expert_data_parallel_size = 1  # the same for the MoE expert parameters (the expert-data-parallel group)
 
     def _make_main_params(self, groups: List[dict]) -> List[List[torch.nn.Parameter]]:
         """The parameters the torch optimizer updates, one list per entry of ``groups``."""

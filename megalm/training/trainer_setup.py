@@ -319,7 +319,13 @@ class TrainerSetup:
             states = states.without("scheduler", "local_sgd")
         try:
             common = load_checkpoint_states(
-                self.load_root, states, self.groups, iteration=c.ckpt_step, fallback=c.ckpt_fallback_to_verified
+                self.load_root,
+                states,
+                self.groups,
+                iteration=c.ckpt_step,
+                fallback=c.ckpt_fallback_to_verified,
+                ckpt_format=c.ckpt_format,
+                auto_detect=c.auto_detect_ckpt_format,
             )
         except CheckpointError as e:
             raise TrainingSetupError(str(e)) from None

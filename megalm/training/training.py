@@ -350,6 +350,7 @@ class Trainer(TrainerSetup, TrainerReporting):
             self.groups,
             config=self.cfg.to_dict(),
             async_writer=self.async_writer,
+            ckpt_format=c.ckpt_format,
         )
         if root != c.save and (not dist.is_initialized() or dist.get_rank() == 0):
             remove_older_checkpoints(root)

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalm.device import get_device
-from megalm.distributed.sharded_param_buffer import KEEP_GATHERED
+from megalm.distributed.unsharder import GATHER_UNIT
 from megalm.fusions.activations import expert_bias_gelu, expert_bias_gelu_tanh, glu_activation
 from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.fusions.compile import select
@@ -192,10 +192,9 @@ class LocalExperts(nn.Module):
         self.local_experts = nn.ModuleDict(
             {str(first + j): ExpertMLP(model_cfg, sequence_parallel and etp == 1, plan, etp) for j in range(count)}
         )
-        for p in self.local_experts.parameters():
-            # ZeRO-3 keeps expert weights gathered: the ranks of an expert-data-parallel group route different
-            # tokens, and the grouped GEMM reads the weights without running the experts' modules.
-            setattr(p, KEEP_GATHERED, True)
+        # ZeRO-3 gathers the local experts' weights as one unit, in this module's forward pre-hook: the grouped
+        # GEMM reads them without running the experts' modules.
+        setattr(self, GATHER_UNIT, True)
 
     def experts(self) -> List[ExpertMLP]:
         return list(self.local_experts.values())
