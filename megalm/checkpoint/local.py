@@ -207,7 +207,7 @@ class LocalCheckpoint:
         }
         blocks = {
             k: [
-                {"offsets": list(s.offsets), "global_shape": list(s.global_shape), "data": _cpu_copy(s.local)}
+                {"offsets": list(s.offsets), "global_shape": list(s.global_shape), "data": _cpu_copy(s.data())}
                 for s in _as_list(v)
             ]
             for k, v in specs.items()

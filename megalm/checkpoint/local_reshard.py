@@ -19,7 +19,7 @@ for), so resharding is cutting overlaps:
 4. Each holder cuts, for every new rank, the overlaps of its copies' blocks with that rank's targets
    (a block that several old ranks hold, a replicated model tensor, is sent from the lowest old rank
    only) and sends them (one ``all_gather_object`` of the sizes, then gloo point-to-point); the
-   receiver fills its targets (:func:`megalm.checkpoint.local.fill_blocks`: every value covered once).
+   receiver fills its targets (:func:`fill_blocks`: every value covered once).
 5. The per-rank states (RNG, compression residuals...) are not restored, as a disk load under another
    layout does not (``not_restored``): the common record (iteration, consumed samples, scheduler) is.
 
@@ -282,6 +282,5 @@ def _copy_overlap(spec: ShardedTensorSpec, offsets, data: torch.Tensor) -> int:
         if hi <= lo:
             return 0
         dst, src = dst.narrow(dim, lo - t_off, hi - lo), src.narrow(dim, lo - s_off, hi - lo)
-    with torch.no_grad():
-        dst.copy_(src)
+    spec.fill(dst, src)  # in memory, or into the block's source (an NVMe swap file)
     return dst.numel()
