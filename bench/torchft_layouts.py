@@ -4,23 +4,27 @@
     python3 bench/torchft_layouts.py --layout zero2 --kill-at 10
     python3 bench/torchft_layouts.py --layout vpp --kill-at 40
     python3 bench/torchft_layouts.py --layout int8 --kill-at 10
+    python3 bench/torchft_layouts.py --layout powersgd --kill-at 10
     python3 bench/torchft_layouts.py --layout diloco --kill-at 10
 
 Two replica groups of 2 ranks (each its own ``torchrun``, a lighthouse in this process) train the
 tiny GPT (4 layers, hidden 32, global batch 16 of micro-batches of 2, per-token loss with
-``--eod-mask-loss``) with ``--layout``: ``optim`` (DP 2, the distributed optimizer), ``zero2``
-(DP 2, ``--data-parallel-sharding-strategy optim_grads``), ``vpp`` (PP 2 with 2 virtual stages,
-the distributed optimizer) or ``int8`` (DP 2, the distributed optimizer, ``--grad-compression int8``:
-the cross-group average in 8 bits, so the one-process run is matched only up to the quantization)
-or ``diloco`` (DP 2, ``--local-sgd-interval 4 --outer-lr 0.7 --outer-momentum 0.9``, global batch 8,
-no per-token loss; the reference is megalm's DiLoCo over two torchrun "nodes" of 2 ranks with
-``--hierarchical-grad-reduce``, compared up to B's death, and every sync A and B both made must
-print the same weight fingerprint on every rank).
+``--eod-mask-loss``) with ``--layout``: ``optim`` (DP 2, the distributed optimizer), ``zero2`` (DP
+2, ``--data-parallel-sharding-strategy optim_grads``), ``vpp`` (PP 2 with 2 virtual stages, the
+distributed optimizer) or ``int8`` (DP 2, the distributed optimizer, ``--grad-compression int8``:
+the cross-group average in 8 bits, so the one-process run is matched only up to the quantization) or
+``powersgd`` (the same with ``--grad-compression powersgd --powersgd-rank 2``: matched only up to
+the rank-2 approximation) or ``diloco`` (DP 2, ``--local-sgd-interval 4 --outer-lr 0.7
+--outer-momentum 0.9``, global batch 8, no per-token loss; the reference is megalm's DiLoCo over two
+torchrun "nodes" of 2 ranks with ``--hierarchical-grad-reduce``, compared up to B's death, and every
+sync A and B both made must print the same weight fingerprint on every rank).
 With ``--kill-at N`` group B's ranks SIGKILL themselves at their N-th forward call
 (``bench/recovery_torchft.py``'s worker; every forward call also sleeps ``--step-seconds``) and a
 new B is started at once: it rejoins from A.  A one-process run of the same global batch is the
 reference: prints the worst relative difference of every logged loss and
-gradient norm, whether A logged every iteration once, and the rejoin lines of the logs.
+gradient norm, whether A logged every iteration once, and the rejoin lines of the logs.  For
+``int8`` and ``powersgd`` a third run is megalm's own compression of the same method over one job of
+4 data-parallel ranks (no torchft): the final losses of the three are printed.
 """
 
 import argparse
@@ -38,6 +42,8 @@ LAYOUTS = {
     "optim": ["--use-distributed-optimizer"],
     "zero2": ["--use-distributed-optimizer", "--data-parallel-sharding-strategy", "optim_grads"],
     "int8": ["--use-distributed-optimizer", "--grad-compression", "int8"],  # the groups' average in 8 bits
+    # the groups' average as PowerSGD's rank-2 P and Q (each rank: the matrices of its bucket shards)
+    "powersgd": ["--use-distributed-optimizer", "--grad-compression", "powersgd", "--powersgd-rank", "2"],
     # DiLoCo across the groups (DP 2 inside each: rank i averages chunk i of the weights); its reference
     # is the same DiLoCo over 2 data-parallel ranks without torchft up to the kill (per-token loss: off)
     "diloco": ["--local-sgd-interval", "4", "--outer-lr", "0.7", "--outer-momentum", "0.9"],
@@ -89,6 +95,9 @@ def main():
     def ft(g):
         return [*LAYOUTS[args.layout], "--ft-replica-group-id", str(g), "--ft-num-replica-groups", "2"]
 
+    compressed = args.layout in ("int8", "powersgd")
+    if compressed:  # megalm's own compression of the method over DP 4 in one job (no torchft)
+        dp4 = torchrun(4, LAYOUTS[args.layout], "dp4")
     if args.layout != "diloco":
         plain = torchrun(1, [], "plain")
     else:  # megalm's DiLoCo over 2 "nodes" of 2 ranks, exact inside a node (--hierarchical-grad-reduce)
@@ -107,8 +116,10 @@ def main():
     codes = [proc.wait(timeout=args.timeout) for proc in (a, b, plain)]
     if args.layout == "diloco":
         codes.append(plain_node1.wait(timeout=args.timeout))
+    if compressed:
+        codes.append(dp4.wait(timeout=args.timeout))
     server.shutdown()
-    print(f"logs in {out}; exit codes (A, last B, one process): {codes}")
+    print(f"logs in {out}; exit codes (A, last B, one process{', DP 4 compressed' if compressed else ''}): {codes}")
 
     def rows(name):
         with open(os.path.join(out, f"{name}.jsonl")) as f:
@@ -144,6 +155,12 @@ def main():
             lines = [line.strip()[:200] for line in f if "recovered the state" in line or "rejoined" in line]
         for line in lines:
             print(f"{g}: {line}")
+    if compressed:
+        final = {g: rows(g)[-1]["lm_loss"] for g in ("plain", "dp4", "a")}
+        print(
+            f"final loss at iteration {args.iters}: one process {final['plain']:.4f}, {args.layout} over DP 4 in one "
+            f"job {final['dp4']:.4f}, {args.layout} across the groups (A) {final['a']:.4f}"
+        )
     print(
         f"layout {args.layout}: worst relative difference to one process: loss {worst_loss:.1e}, "
         f"gradient norm {worst_norm:.1e}"

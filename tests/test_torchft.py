@@ -77,7 +77,8 @@ FT = ["--ft-num-replica-groups", "2", "--ft-lighthouse", "http://127.0.0.1:1", "
             "--outer-grad-int8-chunk (torchft's fault-tolerant collectives have no all-gather)",
         ),
         ([*FT, "--ft-replica-group-id", "0", "--data-parallel-sharding-strategy", "optim_grads_params"], 1, "ZeRO-3"),
-        ([*FT, "--ft-replica-group-id", "0", "--grad-compression", "topk"], 1, "only int8 is built"),
+        ([*FT, "--ft-replica-group-id", "0", "--grad-compression", "topk"], 1, "int8 and powersgd are built"),
+        ([*FT, "--ft-replica-group-id", "0", "--grad-compression", "int4"], 1, "3 levels a side"),
         # a ramp batch of 2 samples cannot be split over 2 groups of micro-batches of 2
         ([*FT, "--ft-replica-group-id", "0", "--micro-batch-size", "2", *RAMP_2_2_8], 1, "2 2 8: with torchft"),
         # 8 samples = 4 micro-batches of 2 over DP 2 x a quorum of 1 or 2 groups: fine; DP 4 x 2 groups: not
@@ -98,6 +99,8 @@ def test_torchft_flags_accept_an_even_split():
     zero2 = ["--use-distributed-optimizer", "--data-parallel-sharding-strategy", "optim_grads"]
     cfg = parse_config([*BASE, *FT, "--ft-replica-group-id", "0", "--calculate-per-token-loss", *zero2], world_size=2)
     assert cfg.parallel.data_parallel_sharding_strategy == "optim_grads" and cfg.training.calculate_per_token_loss
+    cfg = parse_config([*BASE, *FT, "--ft-replica-group-id", "0", "--grad-compression", "powersgd"], world_size=2)
+    assert cfg.parallel.grad_compression == "powersgd"
     # int8 across the groups, local SGD / DiLoCo (streaming too)
     cfg = parse_config([*BASE, *FT, "--ft-replica-group-id", "0", "--grad-compression", "int8", *zero2], world_size=2)
     assert cfg.parallel.grad_compression == "int8"

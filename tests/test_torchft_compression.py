@@ -129,3 +129,147 @@ def test_a_non_finite_gradient_in_one_group_is_non_finite_in_every_group():
         c.commit()
         assert c.residual is None  # unchanged (none yet)
     assert all(torch.isnan(t).all() for g in grads for t in g)
+
+
+# --- --grad-compression powersgd across groups (megalm/resilience/torchft_powersgd.py) ---------------------------
+SHAPES = [(7,), (12, 10), (6, 5)]  # a vector (sent as it is) and two matrices PowerSGD compresses at rank 2
+
+
+def pieces_of(seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g) * scale for s in SHAPES]
+
+
+def same_qs(a, b):
+    return a.keys() == b.keys() and len(a) > 0 and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def flat(tensors):
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def test_powersgd_across_two_groups_is_megalms_powersgd_over_two_data_parallel_ranks(monkeypatch):
+    from megalm.distributed import comm
+    from megalm.distributed.compression import GradCompressor, PowerSGD, Segment
+    from megalm.resilience.torchft_powersgd import KEY, CrossGroupPowerSGD
+
+    # The reference: megalm's data-parallel PowerSGD (GradCompressor + PowerSGD) on 2 ranks as threads,
+    # its SUM all-reduce being the same in-place sum the fake quorum runs.
+    ranks, local = FakeQuorum(2), threading.local()
+    monkeypatch.setattr(comm, "all_reduce", lambda t, group=None, **kw: ranks.all_reduce(local.i, t, dist.ReduceOp.SUM))
+    matrices = [Segment(7, 127, (12, 10)), Segment(127, 157, (6, 5))]
+    ddp = [GradCompressor(PowerSGD(2)) for _ in range(2)]
+
+    def reference(grads):
+        out = [flat(g) / 2 for g in grads]  # DDP pre-scales by 1/DP: the sum is the mean
+
+        def work(i):
+            local.i = i
+            ddp[i].all_reduce(KEY, out[i], matrices, None).wait()
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        return out
+
+    quorum = FakeQuorum(2)
+    comps = [CrossGroupPowerSGD(2) for _ in range(2)]
+    exact_total, sent_total = torch.zeros(157), torch.zeros(157)
+    for step in range(5):
+        grads = [pieces_of(10 * step + k, scale=k + 1) for k in range(2)]
+        expected = reference(grads)
+        exact_total += (flat(grads[0]) + flat(grads[1])) / 2
+        quorum.run(comps, grads)
+        for c in comps:
+            c.commit()
+        assert torch.equal(flat(grads[0]), flat(grads[1]))  # every group holds the same average
+        # bit for bit: every quantity is twice the data-parallel one (a power of two), P^ the same
+        assert torch.equal(flat(grads[0]), expected[0]), (flat(grads[0]) - expected[0]).abs().max()
+        for k in range(2):  # the residual (this group's share of the average) is the data-parallel rank's
+            assert torch.equal(comps[k].residual, ddp[k].residuals[KEY])
+        sent_total += flat(grads[0])
+    # the warm start is the same on both groups (twice the data-parallel one: the sum of twice the Q's)
+    for name, q in comps[0].qs.items():
+        assert torch.equal(q, comps[1].qs[name])
+        assert torch.equal(q, 2 * ddp[0].method.qs[name])
+    # error feedback: what was averaged plus the groups' residuals is the exact sum of the averages
+    torch.testing.assert_close(sent_total + comps[0].residual + comps[1].residual, exact_total, rtol=0, atol=1e-5)
+    # it compresses: the summed gradients are not rank 2, so the average differs from the exact one
+    assert (flat(grads[0]) - (flat(pieces_of(40)) + flat(pieces_of(41, 2.0))) / 2).abs().max() > 0.1
+    # bytes per step: P (the 7 plain elements, 12 x 2 and 6 x 2) then Q (10 x 2 and 5 x 2), fp32, against 157
+    assert quorum.sent[:2] == [(torch.float32, 7 + 24 + 12), (torch.float32, 20 + 10)], quorum.sent[:2]
+
+
+def test_powersgd_quorum_shrink_redo_and_rejoin_keep_the_residuals_meaning():
+    from megalm.resilience.torchft_powersgd import CrossGroupPowerSGD
+
+    quorum, alone = FakeQuorum(2), FakeQuorum(1)
+    comps = [CrossGroupPowerSGD(2) for _ in range(2)]
+    exact_total, sent_total = torch.zeros(157), torch.zeros(157)
+    for step in range(3):
+        grads = [pieces_of(10 * step + k) for k in range(2)]
+        exact_total += (flat(grads[0]) + flat(grads[1])) / 2
+        quorum.run(comps, grads)
+        for c in comps:
+            c.commit()
+        sent_total += flat(grads[0])
+    committed_q = {k: v.clone() for k, v in comps[0].qs.items()}
+    owed = [c.residual.clone() for c in comps]
+    assert owed[0].abs().sum() > 0 and owed[1].abs().sum() > 0
+    # Group 1 dies in step 4: the vote says no, nothing is committed; the survivor redoes it alone.
+    quorum.run(comps, [pieces_of(30), pieces_of(31)])
+    assert torch.equal(comps[0].residual, owed[0]) and same_qs(committed_q, comps[0].qs)
+    redo = [pieces_of(30)]
+    alone.run(comps[:1], redo)
+    comps[0].commit()
+    # alone it adds its whole share owed (x 1 group), exactly, and owes nothing after; its warm start is unchanged
+    assert alone.sent == [] and torch.equal(flat(redo[0]), flat(pieces_of(30)) + owed[0])
+    assert not comps[0].residual.any() and same_qs(committed_q, comps[0].qs)
+    # Only the dead group's residual is lost: the survivor applied the exact averages minus what group 1 owed.
+    exact_total += flat(pieces_of(30))
+    sent_total += flat(redo[0])
+    torch.testing.assert_close(sent_total + owed[1], exact_total, rtol=0, atol=1e-5)
+    # Group 1 rejoins from group 0: its residual is zero, its warm start group 0's (sent with the weights).
+    rejoined = CrossGroupPowerSGD(2)
+    rejoined.residual = owed[1]  # (whatever it had before it died)
+    rejoined.rejoin(comps[0].peer_state())
+    assert rejoined.residual is None and same_qs(committed_q, rejoined.qs)
+    comps[1] = rejoined
+    grads = [pieces_of(50), pieces_of(51)]
+    exact_total += (flat(grads[0]) + flat(grads[1])) / 2
+    quorum.run(comps, grads)
+    for c in comps:
+        c.commit()
+    sent_total += flat(grads[0])
+    assert torch.equal(flat(grads[0]), flat(grads[1]))
+    assert same_qs(comps[0].qs, comps[1].qs)
+    torch.testing.assert_close(
+        sent_total + owed[1] + comps[0].residual + comps[1].residual, exact_total, rtol=0, atol=1e-5
+    )
+    # the per-rank checkpoint state: residual and warm starts, restored only under the same settings
+    other = CrossGroupPowerSGD(2)
+    other.load_state_dict(comps[1].state_dict())
+    assert torch.equal(other.residual, comps[1].residual) and same_qs(other.qs, comps[1].qs)
+    changed = CrossGroupPowerSGD(4)
+    changed.load_state_dict(comps[1].state_dict())
+    assert changed.residual is None and changed.qs == {}
+
+
+def test_powersgd_non_finite_gradient_in_one_group_is_non_finite_in_every_group():
+    from megalm.resilience.torchft_powersgd import CrossGroupPowerSGD
+
+    quorum = FakeQuorum(2)
+    comps = [CrossGroupPowerSGD(2) for _ in range(2)]
+    quorum.run(comps, [pieces_of(1), pieces_of(2)])
+    for c in comps:
+        c.commit()
+    kept = [(c.residual.clone(), dict(c.qs)) for c in comps]
+    grads = [pieces_of(3), pieces_of(4)]
+    grads[1][1][2, 3] = float("nan")
+    quorum.run(comps, grads)
+    for c, (residual, qs) in zip(comps, kept):
+        c.commit()
+        assert torch.equal(c.residual, residual) and same_qs(c.qs, qs)
+    assert all(torch.isnan(t).all() for g in grads for t in g)

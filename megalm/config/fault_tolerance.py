@@ -53,9 +53,11 @@ def validate_fault_tolerance(cfg) -> None:
             "--outer-grad-int8-chunk (torchft's fault-tolerant collectives have no all-gather)",
         ),
         (
-            p.grad_compression not in ("none", "int8"),
-            f"--grad-compression {p.grad_compression} (across replica groups only int8 is built: torchft's "
-            "fault-tolerant collective is an all-reduce, and int8 codes with a shared scale add up in it)",
+            p.grad_compression not in ("none", "int8", "powersgd"),
+            f"--grad-compression {p.grad_compression} (across replica groups int8 and powersgd are built: torchft's "
+            "fault-tolerant collective is an all-reduce; int8 codes with a shared scale and PowerSGD's P and Q add up "
+            "in it, topk's indices and fp8's codes do not, and int4's shared scale would leave each of 2 groups "
+            "3 levels a side, 1 for 4 groups, 0 for 8: see docs/fault-tolerance.md)",
         ),
         (d.dataloader_type != "single", f"--dataloader-type {d.dataloader_type}"),
         (

@@ -114,6 +114,14 @@ class CrossGroupInt8:
         """A zero residual (a group that rejoins from a peer)."""
         self.residual = self._next_residual = None
 
+    def peer_state(self) -> dict:
+        """What a rejoining group receives from its peer: nothing (no shared state)."""
+        return {}
+
+    def rejoin(self, received: dict) -> None:
+        """A group recovered from a peer: a zero residual."""
+        self.reset()
+
     # --- per-rank checkpoint state ("ft_grad_compression") ------------------------------------
     def state_dict(self) -> dict:
         residual = None if self.residual is None else self.residual.detach().to("cpu", copy=True)
@@ -134,11 +142,18 @@ class CrossGroupInt8:
         logger.warning(f"torchft int8 residuals not restored from {info.path} ({reason}): they restart from zero")
 
 
-def build_cross_group_compressor(cfg, rank: int, device=None) -> Optional[CrossGroupInt8]:
-    """``--grad-compression int8`` with ``--ft-replica-group-id``: the :class:`CrossGroupInt8` of this
-    rank (``rank``: its rank in its group, which with the group id seeds stochastic rounding), else None."""
+def build_cross_group_compressor(cfg, rank: int, device=None):
+    """``--grad-compression int8`` / ``powersgd`` with ``--ft-replica-group-id``: this rank's
+    :class:`CrossGroupInt8` (``rank``: its rank in its group, which with the group id seeds stochastic
+    rounding) or :class:`~megalm.resilience.torchft_powersgd.CrossGroupPowerSGD`, else None."""
     p = cfg.parallel
-    if p.grad_compression != "int8" or p.ft_replica_group_id is None:
+    if p.ft_replica_group_id is None:
+        return None
+    if p.grad_compression == "powersgd":
+        from megalm.resilience.torchft_powersgd import CrossGroupPowerSGD
+
+        return CrossGroupPowerSGD(p.powersgd_rank)
+    if p.grad_compression != "int8":
         return None
     seed = None
     if p.int8_rounding == "stochastic":

@@ -262,11 +262,17 @@ class ReplicaGroups:
     def reduce_gradients(self, model) -> None:
         """Average this rank's reduced gradients (the whole buffers, or the distributed optimizer's
         shard) with rank ``i`` of every other group in the quorum; with ``--grad-compression int8``
-        after its warm-up, in 8 bits (:mod:`megalm.resilience.torchft_compression`)."""
+        after its warm-up, in 8 bits (:mod:`megalm.resilience.torchft_compression`); with
+        ``--grad-compression powersgd``, PowerSGD's two payloads (:mod:`megalm.resilience.torchft_powersgd`)."""
         tensors = _gradient_tensors(model)
         if self.compressor is not None and self.state.iteration + 1 > self.compression_warmup:
             n = self.manager.num_participants()
-            self.compressor.average(lambda t, op: self.manager.allreduce(t, reduce_op=op), n, tensors)
+            reduce = lambda t, op: self.manager.allreduce(t, reduce_op=op)  # noqa: E731
+            if getattr(self.compressor, "wants_matrices", False):  # powersgd: per bucket (shard), with its matrices
+                tensors, matrices = gradient_pieces(model)
+                self.compressor.average(reduce, n, tensors, matrices)
+            else:
+                self.compressor.average(reduce, n, tensors)
             return
         works = [self.manager.allreduce(t) for t in tensors]
         for work in works:
@@ -290,7 +296,7 @@ class ReplicaGroups:
             error = self.manager.errored()
             raise StepNotCommitted(str(error).splitlines()[0] if error else "fewer groups than --ft-min-replicas")
         if self.compressor is not None:
-            self.compressor.commit()  # the residual of this step's int8 average
+            self.compressor.commit()  # the residual (and PowerSGD's warm start) of this step's average
 
     def metrics(self) -> dict:
         """Per log line: the groups of the last step and this group's place."""
@@ -332,6 +338,7 @@ class ReplicaGroups:
             "tensors": tensors,
             "digest": digest,
             "optimizer": self.optimizer.common_state_dict(),
+            "compression": {} if self.compressor is None else self.compressor.peer_state(),
             "scheduler": self.scheduler.state_dict(),
             "counters": {
                 "iteration": s.iteration,
@@ -375,7 +382,7 @@ class ReplicaGroups:
         self.recoveries += 1
         self.reset_data = True
         if self.compressor is not None:  # the peer's residual is what the peer still owes: start from zero
-            self.compressor.reset()
+            self.compressor.rejoin(received.get("compression", {}))  # (powersgd: the peer's warm starts)
         size = sum(t.numel() * t.element_size() for t in mine.values())
         logger.info(
             f"torchft: replica group {self.group_id} recovered the state of iteration {self.state.iteration} from a "
@@ -473,6 +480,29 @@ def _gradient_tensors(model):
             else:
                 out.append(grads)
     return out
+
+
+def gradient_pieces(model):
+    """``(tensors, matrices)``: the reduced gradients of :func:`_gradient_tensors` per bucket (with the
+    distributed optimizer, this rank's shard of it) and, for each, its matrices
+    (:class:`~megalm.distributed.compression.Segment` lists, in the tensor's coordinates; None for a
+    parameter's ``.grad``: a 2-D one is one matrix), what ``--grad-compression powersgd`` compresses."""
+    tensors, matrices = [], []
+    for chunk in model:
+        buffers = getattr(chunk, "all_buffers", None)
+        if buffers is None:
+            grads = [p.grad for p in chunk.parameters() if p.grad is not None]
+            tensors.extend(grads)
+            matrices.extend([None] * len(grads))
+            continue
+        for buf in buffers:
+            grads = buf.reduced_grad_data
+            sharded = grads is not getattr(buf, "grad_data", None) or getattr(buf, "use_distributed_optimizer", False)
+            for bucket in buf.buckets:
+                lo, hi = bucket.local_shard() if sharded else (0, bucket.numel)
+                tensors.append(buf.reduced_grad(bucket, bucket.offset + lo, bucket.offset + hi))
+                matrices.append(bucket.matrices(lo, hi))
+    return tensors, matrices
 
 
 def full_quorum_shares(cfg, dp_size: int) -> Optional[Sequence[int]]:

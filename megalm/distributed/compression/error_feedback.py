@@ -68,6 +68,11 @@ class CompressionJob:
         self.sent: Optional[torch.Tensor] = None  # what this rank's encoding decodes to
         self.out: Optional[torch.Tensor] = None  # the sum over ranks (of the shard when ``shard``)
 
+    def all_reduce(self, tensor: torch.Tensor, what: str):
+        """Asynchronous SUM all-reduce of ``tensor`` in place over the job's group (counted as
+        ``<kind>_<what>``): the work handle, or None for a group of one."""
+        return comm.all_reduce(tensor, group=self.group, async_op=True, kind=f"{self.kind}_{what}", stats=self.stats)
+
 
 class GradCompressor:
     """A compression method with error feedback; one per DDP-wrapped model chunk.

@@ -16,6 +16,9 @@ and the matrix index, the same on every rank):
 Bytes per rank (ring): ``2 (K-1)/K x 4 (u + r sum_i (n_i + m_i))`` for ``u`` uncompressed
 elements, against ``2 (K-1)/K x 4 N``.  When the summed matrix has rank ``<= r``, ``P^`` spans its
 column space and the result equals the exact sum (up to rounding).
+
+Both collectives go through ``job.all_reduce`` (SUM): over the data-parallel group here, over
+torchft's replica groups in :mod:`megalm.resilience.torchft_compression` (the same math).
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from typing import List
 
 import torch
 
-from megalm.distributed import comm
 from megalm.distributed.compression.segments import Segment, remainder_mask_indices
 
 
@@ -87,9 +89,7 @@ class PowerSGD:
                 torch.matmul(mat(s), q, out=first[cursor : cursor + size].view(-1, r))
                 cursor += size
             first.add_(job.poison)
-            return comm.all_reduce(
-                first, group=job.group, async_op=True, kind=f"{job.kind}_powersgd_p_all_reduce", stats=job.stats
-            )
+            return job.all_reduce(first, "powersgd_p_all_reduce")
 
         def send_q():
             cursor = u
@@ -105,9 +105,7 @@ class PowerSGD:
             for (i, s, r), qsize in zip(mats, q_sizes):
                 job.sent[s.start : s.end] = (views[i] @ second[qc : qc + qsize].view(-1, r).t()).view(-1)
                 qc += qsize
-            return comm.all_reduce(
-                second, group=job.group, async_op=True, kind=f"{job.kind}_powersgd_q_all_reduce", stats=job.stats
-            )
+            return job.all_reduce(second, "powersgd_q_all_reduce")
 
         def receive():
             out = torch.empty_like(job.a)
