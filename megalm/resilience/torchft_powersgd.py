@@ -90,8 +90,10 @@ class CrossGroupPowerSGD:
         a 2-D tensor is one matrix, others are sent uncompressed); ``all_reduce(tensor, op)`` runs over
         the groups (torchft's manager; a failed collective is not raised here: the vote says no)."""
         self._next = None
-        self.method.qs = dict(self.qs)  # a step redone starts from the committed warm starts
         a = torch.cat([t.detach().reshape(-1).float() for t in tensors])  # a copy
+        # a step redone starts from the committed warm starts (on the gradients' device: a peer's or a
+        # checkpoint's arrive on the CPU)
+        self.method.qs = {k: v.to(a.device) for k, v in self.qs.items()}
         if self.residual is not None and self.residual.numel() == a.numel():
             a += self.residual.to(a.device) * n
         if n == 1:  # a group alone sends nothing: its gradient and what it still owed, exactly
