@@ -61,8 +61,9 @@ and the context copy; a2a the all-to-all'd q/k/v (the QKV output's size) and, by
 whole sequence of ``n / CP`` heads, SDPA's output, fp32 log-sum-exps and the context copy, or the blocked
 core's probabilities (``1/CP`` of the table's) and context; allgather the gathered k/v ``2 B s b g d / TP``, output,
 log-sum-exps, masks (SDPA keeps them in the model dtype) and the context copy (with attention dropout,
-position-keyed under CP: per chunk contiguous copies of the keys and values it sees, no mask).  Measured on
-2 ranks within 0.1%, with and without attention dropout (tests/test_estimate.py).
+position-keyed under CP: per chunk contiguous copies of the keys and values it sees, no mask); a2a and
+allgather also keep the int64 indices that reorder chunks.  Measured on 2 ranks: equal without attention
+dropout, 0.25% under with it (the keyed dropout's key and position tensors are not counted) (tests/test_estimate.py).
 
 Packed sequences (``--qkv-format thd``, ``Shape.packed``), with the SDPA / flash-attn core: no ``[b, 1, s, s]``
 mask; the core keeps packed copies of q, k, v instead of the QKV output and rotated q and k, its outputs and
@@ -72,8 +73,8 @@ a2a runs that core on the whole sequence of ``n / CP`` heads (the same rows per 
 position-keyed dropout cores (every type's with attention dropout under CP) keep their causal forms' tensors
 plus each layer's int64 ``[b, s]`` document ids (:func:`document_id_bytes`; the ring's per-tile document masks
 are freed within its forward and backward); allgather's per-chunk masks hold one document mask per row
-(``b`` times the causal ones).  Measured on 2 ranks within 0.05%, p2p equal (with attention dropout 0.25%
-under: the keyed dropout's key and position tensors, a few hundred bytes per layer, are not counted).  The
+(``b`` times the causal ones).  Measured on 2 ranks: equal (with attention dropout 0.25% under: the keyed
+dropout's key and position tensors, a few hundred bytes per layer, are not counted).  The
 other cores at CP 1 and selective recompute under THD are counted as their causal forms (not measured).
 
 In flight (Megatron's schedules): no pipelining 1 microbatch; 1F1B stage ``r`` of ``p`` holds
@@ -308,8 +309,13 @@ def context_parallel_attention_bytes(m, sh: Shape, parts: Dict[str, int]) -> Dic
         out = tiled_core_bytes(m, sh, parts)
         out["attention"] += document_id_bytes(sh)
         return out
+    # a2a reorders q, k, v and the output between rank and sequence order, allgather k and v: each indexing
+    # keeps its int64 index of the 2 CP chunks (chunks.gathered_to_global) for backward
+    reorder = (4 if sh.cp_comm_type == "a2a" else 2) * 8 * 2 * sh.cp
     if runs_varlen(m, sh):  # a2a with packed documents: the varlen core on n / CP heads
-        return packed_attention_bytes(m, sh, parts)
+        out = packed_attention_bytes(m, sh, parts)
+        out["attention"] += reorder
+        return out
     out = {}
     if sh.cp_comm_type == "allgather" and "rope" in parts:
         # q is the rotated copy, k and v are gathered: neither the QKV output nor the rotated k is kept.
@@ -344,6 +350,7 @@ def context_parallel_attention_bytes(m, sh: Shape, parts: Dict[str, int]) -> Dic
         c = sh.local_seq // 2
         mask = B * c * c * (2 * sh.cp + 1) * (b if sh.packed else 1)
         out["attention"] = 2 * context + 2 * B * S * sh.cp * g * d + 4 * b * n * sh.local_seq + mask
+    out["attention"] += reorder
     return out
 
 
