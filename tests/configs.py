@@ -19,6 +19,10 @@ FIELD_SECTION = {f.name: section for section, cls in SECTIONS.items() for f in d
 # No dropout: forward passes repeat exactly (parity tests compare outputs of two runs).
 NO_DROPOUT = dict(hidden_dropout=0.0, attention_dropout=0.0)
 
+# The smallest model flags of the tests that parse flags without training (config, estimate, refusals): the
+# other flags at their defaults.
+MODEL_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"]
+
 # The 2-layer, hidden-32 GPT without dropout of the model and layer parity tests; they add the sequence
 # length, the vocabulary and their variant (position embedding, normalization, MLP...).
 SMALL_GPT = dict(

@@ -12,10 +12,11 @@ import pytest
 from megalm.config import ConfigError, build_parser, config_from_args, parse_config, validate_config
 from megalm.config.sections import SECTIONS
 from megalm.config.validation import MEGATRON_NO_OPS
+from tests.configs import MODEL_FLAGS
 from tests.logs import megalm_logs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"]
+BASE = list(MODEL_FLAGS)
 
 # The files that check the config (each section's module with its validate(), the cross-section
 # checks, the order): reading a flag there checks it, it does not act on it.

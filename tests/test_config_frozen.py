@@ -10,8 +10,9 @@ import pickle
 import pytest
 
 from megalm.config import MegalmConfig, parse_config, replace_config, validate_config, with_vocab_size
+from tests.configs import MODEL_FLAGS
 
-ARGV = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"]
+ARGV = list(MODEL_FLAGS)
 
 
 def test_assigning_after_validation_raises():

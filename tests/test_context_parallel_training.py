@@ -19,7 +19,10 @@ relative, on 4 ranks, at
 * CP 2 x EP 2 MoE with --moe-expert-capacity-factor 0.5 (half the routed pairs dropped, decided over the
   whole sequence), against one process with the same capacity;
 * CP 2 x DP 2, a2a, packed documents (--reset-attention-mask --qkv-format thd), against the dense document
-  mask in one process; the same with allgather (its chunks mask other documents), 3 steps.
+  mask in one process; the same with allgather (its chunks mask other documents) and with p2p (its ring
+  blocks mask other documents; rows that see no key of a block add nothing), 3 steps each;
+* CP 4, p2p, packed documents with attention dropout 0.1, against one process with
+  --position-keyed-attention-dropout and the same documents (its tiled core masks them per tile), 3 steps.
 
 The first saves at iteration 5; resumed at CP 1 and at CP 4 (chunks of 4 positions) it continues the
 uninterrupted CP 1 run.
@@ -50,7 +53,7 @@ TINY = tiny_flags(
     micro_batch_size="2",
     global_batch_size="4",
 )
-FIVE, TEN = ["--train-iters", "5"], ["--train-iters", "10"]
+THREE, FIVE, TEN = ["--train-iters", "3"], ["--train-iters", "5"], ["--train-iters", "10"]
 CP2 = ["--context-parallel-size", "2"]
 PER_TOKEN = ["--calculate-per-token-loss", "--eod-mask-loss"]
 DIST = ["--use-distributed-optimizer"]
@@ -69,6 +72,7 @@ FLASH = ["--attention-backend", "flash", "--bf16"]
 CAPACITY = ["--moe-expert-capacity-factor", "0.5"]
 FOUR_LAYERS = ["--num-layers", "4"]
 DOCS = ["--reset-attention-mask", "--reset-position-ids"]
+THD = ["--qkv-format", "thd"]
 INTERLEAVED = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
 
 
@@ -93,18 +97,10 @@ def runs(tmp_path_factory):
         run("cp2_pp2_interleaved", *FIVE, *CP2, *FOUR_LAYERS, *INTERLEAVED),
         run("cp2_dp2_bf16", *FIVE, *CP2, "--bf16"),
         run("cp2_ep2_moe_capacity", *FIVE, *CP2, *MOE, *CAPACITY, "--expert-model-parallel-size", "2"),
-        run("cp2_dp2_a2a_thd", *FIVE, *CP2, "--cp-comm-type", "a2a", *DOCS, "--qkv-format", "thd"),
-        run(
-            "cp2_dp2_allgather_thd",
-            "--train-iters",
-            "3",
-            *CP2,
-            "--cp-comm-type",
-            "allgather",
-            *DOCS,
-            "--qkv-format",
-            "thd",
-        ),
+        run("cp2_dp2_a2a_thd", *FIVE, *CP2, "--cp-comm-type", "a2a", *DOCS, *THD),
+        run("cp2_dp2_allgather_thd", *THREE, *CP2, "--cp-comm-type", "allgather", *DOCS, *THD),
+        run("cp2_dp2_p2p_thd", *THREE, *CP2, "--cp-comm-type", "p2p", *DOCS, *THD),
+        run("cp4_p2p_thd_dropout", *THREE, "--context-parallel-size", "4", *DOCS, *THD, *DROPOUT),
     ]
     one = [
         run("cp1", *TEN),
@@ -116,6 +112,7 @@ def runs(tmp_path_factory):
         run("cp1_bf16", *FIVE, "--bf16"),
         run("cp1_moe_capacity", *FIVE, *MOE, *CAPACITY),
         run("cp1_docs", *FIVE, *DOCS),
+        run("cp1_thd_dropout", *THREE, *DOCS, *THD, *DROPOUT, "--position-keyed-attention-dropout"),
     ]
     codes = (
         run_distributed(run_trainings, 4, args=(four,), timeout=300),
@@ -125,7 +122,7 @@ def runs(tmp_path_factory):
 
 
 def test_all_runs_exit_cleanly(runs):
-    assert runs["codes"] == ([[0] * 14] * 4, [[0] * 9]), runs["codes"]
+    assert runs["codes"] == ([[0] * 16] * 4, [[0] * 10]), runs["codes"]
 
 
 @pytest.mark.parametrize(
@@ -140,9 +137,9 @@ def test_losses_equal_one_process(runs, name):
     assert ref[-1]["lm_loss"] < ref[0]["lm_loss"] - 0.05  # it trains
 
 
-@pytest.mark.parametrize("name", ["cp2_dp2_a2a_thd", "cp2_dp2_allgather_thd"])
+@pytest.mark.parametrize("name", ["cp2_dp2_a2a_thd", "cp2_dp2_allgather_thd", "cp2_dp2_p2p_thd"])
 def test_packed_documents_equal_one_process(runs, name):
-    """--qkv-format thd under CP 2 (a2a, allgather) x DP 2 trains as the dense document mask in one process; the
+    """--qkv-format thd under CP 2 (a2a, allgather, p2p) x DP 2 trains as the dense document mask in one process; the
     documents matter (the first loss differs from the causal run's on the same samples)."""
     got = records(runs["tmp"], name)
     ref = records(runs["tmp"], "cp1_docs")[: len(got)]
@@ -150,6 +147,17 @@ def test_packed_documents_equal_one_process(runs, name):
     assert_close([r["lm_loss"] for r in got], [r["lm_loss"] for r in ref], rel=1e-5)
     assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref], rel=1e-5)
     assert abs(ref[0]["lm_loss"] - records(runs["tmp"], "cp1")[0]["lm_loss"]) > 1e-4
+
+
+def test_packed_documents_with_dropout_equal_one_process(runs):
+    """CP 4 (p2p) with packed documents and attention dropout 0.1 trains as one process with the keyed core and the
+    same documents; dropout changes the run."""
+    ref, got = records(runs["tmp"], "cp1_thd_dropout"), records(runs["tmp"], "cp4_p2p_thd_dropout")
+    assert len(got) == len(ref) == 3
+    for key in ("lm_loss", "grad_norm"):
+        assert_close([r[key] for r in got], [r[key] for r in ref], rel=1e-5)
+    no_dropout = [r["grad_norm"] for r in records(runs["tmp"], "cp1_docs")[:3]]
+    assert max(abs(r["grad_norm"] - b) / b for r, b in zip(ref, no_dropout)) > 3e-3
 
 
 def test_attention_dropout_equals_one_process(runs):

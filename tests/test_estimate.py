@@ -29,7 +29,7 @@ from megalm.estimate.planner import PlannerOptions, format_plan, plan
 from megalm.parallel_state import get_process_groups
 from megalm.presets import PRESETS, PresetError
 from megalm.tensor_parallel import model_parallel_manual_seed
-from tests.configs import NO_DROPOUT, make_config
+from tests.configs import MODEL_FLAGS, NO_DROPOUT, make_config
 from tests.distributed_harness import run_distributed
 
 LLAMA = dict(
@@ -285,7 +285,7 @@ def test_zero3_counts_expert_weights_sharded_over_the_expert_data_parallel_group
     one gathered expert bucket of bf16 weights, ``U_e`` = ``--ddp-bucket-size`` plus the experts' fc1 (2 x 96 x 64)."""
     from megalm.estimate import sharding_peaks
 
-    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"]
+    base = list(MODEL_FLAGS)
     base += ["--vocab-size", "200", "--tokenizer-type", "NullTokenizer", "--bf16", "--world-size", "8"]
     base += ["--num-experts", "8", "--moe-ffn-hidden-size", "96", "--swiglu", "--expert-model-parallel-size", "4"]
     base += ["--overlap-grad-reduce", "--ddp-bucket-size", "5000", "--reserve-gb", "0"]
@@ -724,7 +724,7 @@ def test_optimizer_offload_bytes_equal_measured(device, distributed, tmp_path):
 def test_gloo_collective_copies_count_for_zero1_only():
     """On gloo (--device cpu) ZeRO-1's reduce-scatters in flight copy up to the stage's gradient bytes; no_shard's
     all-reduce works in place and ZeRO-2/3 keep two reductions in flight (inside their bucket bounds)."""
-    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"]
+    base = list(MODEL_FLAGS)
     base += ["--vocab-size", "200", "--tokenizer-type", "NullTokenizer", "--world-size", "4", "--overlap-grad-reduce"]
     base += ["--device-peak-flops", "1e12"]
     cfg, options = parse(base)

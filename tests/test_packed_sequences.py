@@ -218,17 +218,30 @@ PACKED.update(reset_attention_mask=True, qkv_format="thd")
     [
         ({"reset_attention_mask": False}, "--qkv-format thd packs the documents of --reset-attention-mask"),
         (
-            {"context_parallel_size": 2},
-            "--reset-attention-mask --qkv-format thd is not supported with --context-parallel-size > 1 unless "
-            "--cp-comm-type a2a or allgather and --attention-dropout 0",
+            {"context_parallel_size": 2, "qkv_format": "sbhd"},
+            r"--reset-attention-mask is not supported with --context-parallel-size > 1 \(the CP cores take the "
+            r"documents packed: add --qkv-format thd\)",
         ),
         ({"transformer_impl": "transformer_engine"}, "thd is not supported with --transformer-impl transformer_engine"),
-        ({"position_keyed_attention_dropout": True}, "thd is not supported with --position-keyed-attention-dropout"),
+        (
+            {"position_keyed_attention_dropout": True, "qkv_format": "sbhd"},
+            "--reset-attention-mask is not supported with --position-keyed-attention-dropout",
+        ),
     ],
 )
 def test_refusals(setting, message):
     with pytest.raises(ConfigError, match=message):
         make_config(PACKED, {"attention_dropout": 0.0}, setting)
+
+
+@pytest.mark.parametrize("comm", ["p2p", "a2a", "allgather"])
+def test_context_parallel_and_keyed_dropout_accepted_with_thd(comm):
+    """Packed documents run under every --cp-comm-type with attention dropout (position-keyed under CP), and
+    without CP with --position-keyed-attention-dropout."""
+    for cp, keyed in ((2, False), (1, True)):
+        fields = dict(attention_dropout=0.1, position_keyed_attention_dropout=keyed, cp_comm_type=comm)
+        cfg = make_config(PACKED, context_parallel_size=cp, world_size=cp, **fields)
+        assert cfg.parallel.context_parallel_size == cp
 
 
 def test_flash_backend_accepted_with_thd():

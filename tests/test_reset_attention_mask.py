@@ -151,8 +151,8 @@ def test_refused_with_context_parallelism_te_and_flash_attn(setting, message):
 
 
 def test_keyed_dropout_core_refuses_a_mask_it_cannot_apply():
-    """A model built without validation (keyed dropout and a document mask) raises rather than running
-    the causal-only keyed core without the mask."""
+    """A model built without validation (keyed dropout and a dense document mask) raises rather than running
+    the keyed core without the mask (it takes packed documents only)."""
     from megalm.tensor_parallel import model_parallel_manual_seed
 
     cfg = copy.deepcopy(make_config(MODEL))  # an unvalidated copy (the validated config is frozen)
@@ -161,5 +161,5 @@ def test_keyed_dropout_core_refuses_a_mask_it_cannot_apply():
     model = GPTModel(cfg, process_groups=get_process_groups(), rng_tracker=tracker).train()
     tokens = docs_tokens(7, 2, 32, 0.1)
     mask = document_causal_mask(torch.stack([document_ids(t, EOD) for t in tokens]))
-    with pytest.raises(ConfigError, match="--reset-attention-mask is not supported with --position-keyed"):
+    with pytest.raises(ConfigError, match="without --qkv-format thd is not supported with position-keyed"):
         model(tokens, None, torch.roll(tokens, -1, 1), attention_mask=mask)

@@ -17,6 +17,7 @@ import pytest
 
 from megalm.timers import Timers
 from megalm.training.stragglers import RankTime, StragglerReport, format_stragglers, slowest_and_fastest
+from tests.configs import MODEL_FLAGS
 from tests.distributed_harness import run_distributed
 from tests.test_nan_stop import TINY
 from tests.training_runs import records
@@ -225,7 +226,7 @@ def test_report_format_order_and_the_control_port_toggle():
 def test_bad_straggler_flags_are_refused_naming_the_flag():
     from megalm.config import ConfigError, build_parser, config_from_args, validate_config
 
-    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"]
+    base = list(MODEL_FLAGS)
     for extra, message in [
         (["--straggler-minmax-count", "0"], "--straggler-minmax-count must be positive, got 0"),
         (["--straggler-ctrlr-port", "70000"], "--straggler-ctrlr-port must be a TCP port (0-65535), got 70000"),

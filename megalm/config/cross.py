@@ -417,21 +417,17 @@ def _validate_data(d, m, p) -> None:
         for refused, what in (
             (
                 p.context_parallel_size > 1 and not thd,
-                "--context-parallel-size > 1 (the CP cores are causal only; --qkv-format thd with --cp-comm-type "
-                "a2a or allgather runs the documents)",
-            ),
-            (
-                p.context_parallel_size > 1 and thd and (p.cp_comm_type == "p2p" or m.attention_dropout > 0),
-                "--context-parallel-size > 1 unless --cp-comm-type a2a or allgather and --attention-dropout 0 (a2a's "
-                "core sees whole documents, allgather's masks other documents; the p2p ring and CP's position-keyed "
-                "dropout are causal only)",
+                "--context-parallel-size > 1 (the CP cores take the documents packed: add --qkv-format thd)",
             ),
             (m.transformer_impl != "local", "--transformer-impl transformer_engine (TE's core is given no mask here)"),
             (
                 not thd and (m.attention_backend == "flash" or m.use_flash_attn),
                 "--attention-backend flash (flash-attn takes no mask; --qkv-format thd runs its varlen kernel)",
             ),
-            (m.position_keyed_attention_dropout, "--position-keyed-attention-dropout (its core is causal only)"),
+            (
+                m.position_keyed_attention_dropout and not thd,
+                "--position-keyed-attention-dropout (its core takes packed documents: add --qkv-format thd)",
+            ),
         ):
             check(not refused, f"{mode} is not supported with {what}")
     if d.tokenizer_type is None and (d.vocab_file or d.merge_file):

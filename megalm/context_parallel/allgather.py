@@ -13,8 +13,9 @@ a sink column (:mod:`megalm.fusions.attention_variants`); a window also trims th
 
 Packed documents (``--qkv-format thd``, ``documents``: every position's document id ``[b, s]``): each
 query chunk also masks keys of other documents, a boolean ``[b, 1, c, (j+1)c]`` per chunk (``O(c s)``,
-not the dense ``s x s``).  The sequence keeps the load-balanced split of :mod:`.chunks`, not Megatron's
-per-document ``2 x CP`` split: the same results, less even work when documents are short.
+not the dense ``s x s``; with attention dropout the tiled core's per-tile mask instead).  The sequence
+keeps the load-balanced split of :mod:`.chunks`, not Megatron's per-document ``2 x CP`` split: the same
+results, less even work when documents are short.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megalm.context_parallel.blocks import BlockDropout, local_attention
-from megalm.context_parallel.chunks import ContextParallelError, chunk_ids, gathered_to_global
+from megalm.context_parallel.blocks import BlockDocuments, BlockDropout, local_attention
+from megalm.context_parallel.chunks import chunk_ids, gathered_to_global
 from megalm.context_parallel.keyed_dropout import KeyedDropout
 from megalm.parallel_state import group_rank, group_size
 from megalm.tensor_parallel.mappings import gather_from_sequence_parallel_region
@@ -52,7 +53,8 @@ def _chunk_attention(
     if dropout is not None:
         keys = torch.arange(end, device=q.device)
         block = BlockDropout(dropout, keys[chunk * c :], keys)
-        return local_attention(q, k[:, :, :end], v[:, :, :end], diagonal=chunk * c, dropout=block)
+        docs = None if documents is None else BlockDocuments(documents[:, chunk * c : end], documents[:, :end])
+        return local_attention(q, k[:, :, :end], v[:, :, :end], diagonal=chunk * c, dropout=block, documents=docs)
     mask = torch.ones(c, end, dtype=torch.bool, device=q.device).tril_(end - c)  # key j <= chunk*c + i
     if doc_mask is not None:
         mask = mask & doc_mask
@@ -71,8 +73,6 @@ def allgather_attention(
     """Causal attention of ``[2c, b, n, d]`` q and ``[2c, b, g, d]`` k/v over ``group``'s sequence;
     returns ``[2c, b, n, d]``.  ``dropout``: the call's position-keyed attention dropout, or None;
     ``documents``: the whole sequence's document ids ``[b, s]`` (packed documents), or None."""
-    if documents is not None and dropout is not None:
-        raise ContextParallelError("packed documents are not supported with position-keyed attention dropout")
     cp, rank = group_size(group), group_rank(group)
     k, v = (gathered_to_global(gather_from_sequence_parallel_region(t, group), cp) for t in (k, v))
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # heads-first

@@ -41,10 +41,9 @@ def context_parallel_attention(
     positions it computes, so the result does not depend on ``CP`` or the type.  ``variant``: gpt-oss's
     ``(window, sinks)`` (:mod:`megalm.fusions.attention_variants`): ``allgather`` applies them to its
     chunks, ``a2a``'s ``causal_core`` applies them itself, ``p2p`` refuses them.  ``documents``: packed
-    documents' ids ``[b, s]`` over the whole sequence, for ``allgather`` (``a2a``'s ``causal_core`` takes
-    the documents itself; ``p2p`` refuses them)."""
-    if documents is not None and comm_type != "allgather":
-        raise ContextParallelError(f"packed documents are given to the allgather core only, not to {comm_type!r}")
+    documents' ids ``[b, s]`` over the whole sequence: ``allgather`` and ``p2p`` mask other documents' keys per
+    chunk / ring block, ``a2a`` runs megalm's tiled core with the same mask instead of ``causal_core`` (the
+    layer gives a2a a packed ``causal_core`` instead, unless dropout is on)."""
     if variant is not None and comm_type == "p2p":
         raise ContextParallelError(
             "sliding-window attention / softmax sinks are not built in the ring (p2p) core: use --cp-comm-type "
@@ -52,9 +51,9 @@ def context_parallel_attention(
         )
     if comm_type == "p2p":
         heads_first = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        return ring_attention(*heads_first, group, dropout=dropout).permute(2, 0, 1, 3)
+        return ring_attention(*heads_first, group, dropout=dropout, documents=documents).permute(2, 0, 1, 3)
     if comm_type == "a2a":
-        return ulysses_attention(q, k, v, group, causal_core, dropout)
+        return ulysses_attention(q, k, v, group, causal_core, dropout, documents)
     if comm_type == "allgather":
         return allgather_attention(q, k, v, group, dropout, variant, documents)
     raise ContextParallelError(f"--cp-comm-type must be one of {', '.join(COMM_TYPES)}, got {comm_type!r}")

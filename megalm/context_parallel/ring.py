@@ -14,7 +14,19 @@ at their last row's key).  Each block gives ``O_t = softmax(S_t) V_t`` and ``L_t
 row-wise (``S = q k^T / sqrt(d)``); they merge as ``L = log(e^L + e^L_t)``, ``O = e^(L_old - L) O +
 e^(L_t - L) O_t``.  With attention dropout (:mod:`.keyed_dropout`) each block multiplies its
 probabilities by the mask entries of its rows' and keys' global positions, in forward and again
-in backward, so the result equals one process's.  With bf16/fp16 inputs the GEMMs and the blocks
+in backward, so the result equals one process's.
+
+Packed documents (``--qkv-format thd``; ``documents``, every position's document id ``[b, s]`` over the
+whole sequence): each block also masks the keys of other documents (:class:`.blocks.BlockDocuments`,
+from the global positions of its rows and keys).  A block can then hold no key of some rows'
+documents: those rows have ``L_t = -inf`` and add nothing to the merge or the gradients (the guards
+are in :mod:`.blocks`).  A block where no row shares a document with any key is skipped, in forward
+and backward (one host sync per forward decides which; the K/V and dK/dV shifts run all the same).
+The sequence keeps the load-balanced split of :mod:`.chunks`, not Megatron's per-document ``2 x CP``
+split (Transformer Engine's THD ring, each document padded to a multiple of ``2 CP``): no padding and
+the same results, but each block computes its masked ``rows x keys`` scores (cross-document pairs
+included) where TE's kernels compute only within documents, and with short documents the skipped
+blocks make the ranks' work uneven.  With bf16/fp16 inputs the GEMMs and the blocks
 sent run in the input dtype; scores, ``L``, the merge and the dQ accumulator are fp32.
 
 Communication, forward: ``CP - 1`` shifts of the stacked ``[2, b, g, 2c, d]`` K/V (only the
@@ -29,12 +41,21 @@ after the last step.  Bytes sent per rank per layer: ``(CP-1) 2 b g 2c d`` forwa
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from megalm.context_parallel.blocks import TILE_ROWS, BlockDropout, block_backward, block_forward, expand, fold, merge
+from megalm.context_parallel.blocks import (
+    TILE_ROWS,
+    BlockDocuments,
+    BlockDropout,
+    block_backward,
+    block_forward,
+    expand,
+    fold,
+    merge,
+)
 from megalm.context_parallel.chunks import local_positions
 from megalm.context_parallel.keyed_dropout import KeyedDropout
 from megalm.parallel_state import group_rank, group_size
@@ -81,34 +102,53 @@ class _Ring:
         own, held = (local_positions(seq, r, self.size, q.device) for r in (self.rank, src))
         return BlockDropout(dropout, own[rows], held[keys])
 
+    def block_documents(self, documents: Optional[torch.Tensor], step: int, q, rows: slice, keys: slice):
+        """The :class:`.blocks.BlockDocuments` of step ``step``'s block: its rows' and keys' document ids."""
+        if documents is None:
+            return None
+        seq, src = q.shape[2] * self.size, (self.rank - step) % self.size
+        own, held = (local_positions(seq, r, self.size, documents.device) for r in (self.rank, src))
+        return BlockDocuments(documents[:, own[rows]], documents[:, held[keys]])
+
+    def computed_steps(self, documents: Optional[torch.Tensor], q) -> List[bool]:
+        """Per step, whether its block has any unmasked entry (always, without documents); one host sync."""
+        if documents is None:
+            return [True] * self.size
+        half = q.shape[2] // 2
+        blocks = (self.block_documents(documents, t, q, *self.block(t, half)[:2]) for t in range(self.size))
+        return torch.stack([block.any_shared() for block in blocks]).tolist()
+
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale: float, tile_rows: int, dropout: Optional[KeyedDropout]):
+    def forward(ctx, q, k, v, group, scale: float, tile_rows: int, dropout: Optional[KeyedDropout], documents):
         ring = _Ring(group)
         qpg, half = q.shape[1] // k.shape[1], q.shape[2] // 2
+        computed = ring.computed_steps(documents, q)  # step 0 always: every row sees its own key
         kv = torch.stack([k, v])
         out = lse = None
         for step in range(ring.size):
             shift = _Shift(ring, kv, _TAG_KV) if step + 1 < ring.size else None
             rows, keys, diagonal = ring.block(step, half)
-            kk, vv = (expand(t[:, :, keys], qpg) for t in kv)
-            block_drop = ring.block_dropout(dropout, step, q, rows, keys)
-            block = block_forward(q[:, :, rows], kk, vv, scale, diagonal, tile_rows, block_drop)
-            if step == 0:
-                out, lse = block
-            else:
-                merge(out, lse, *block, rows)
+            if step == 0 or computed[step]:
+                kk, vv = (expand(t[:, :, keys], qpg) for t in kv)
+                block_drop = ring.block_dropout(dropout, step, q, rows, keys)
+                block_docs = ring.block_documents(documents, step, q, rows, keys)
+                block = block_forward(q[:, :, rows], kk, vv, scale, diagonal, tile_rows, block_drop, block_docs)
+                if step == 0:
+                    out, lse = block
+                else:
+                    merge(out, lse, *block, rows)
             if shift is not None:
                 kv = shift.wait()
         out = out.to(q.dtype)  # merged in fp32 at least
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.tile_rows, ctx.dropout = group, scale, tile_rows, dropout
+        ctx.save_for_backward(q, k, v, out, lse, documents)
+        ctx.group, ctx.scale, ctx.tile_rows, ctx.dropout, ctx.computed = group, scale, tile_rows, dropout, computed
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, documents = ctx.saved_tensors
         ring, scale, tile = _Ring(ctx.group), ctx.scale, ctx.tile_rows
         qpg, half = q.shape[1] // k.shape[1], q.shape[2] // 2
         grad_out = grad_out.contiguous()
@@ -119,31 +159,31 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             shift = _Shift(ring, kv, _TAG_KV) if step + 1 < ring.size else None
             rows, keys, diagonal = ring.block(step, half)
-            kk, vv = (expand(t[:, :, keys], qpg) for t in kv)
-            block_drop = ring.block_dropout(ctx.dropout, step, q, rows, keys)
-            grads = block_backward(
-                q[:, :, rows],
-                kk,
-                vv,
-                grad_out[:, :, rows],
-                lse[..., rows],
-                delta[..., rows],
-                scale,
-                diagonal,
-                tile,
-                block_drop,
-            )
-            dq, dk, dv = grads
-            grad_q[:, :, rows] += dq
             grad_kv = torch.zeros_like(kv)
-            grad_kv[0, :, :, keys], grad_kv[1, :, :, keys] = fold(dk, qpg), fold(dv, qpg)
+            if step == 0 or ctx.computed[step]:
+                kk, vv = (expand(t[:, :, keys], qpg) for t in kv)
+                dq, dk, dv = block_backward(
+                    q[:, :, rows],
+                    kk,
+                    vv,
+                    grad_out[:, :, rows],
+                    lse[..., rows],
+                    delta[..., rows],
+                    scale,
+                    diagonal,
+                    tile,
+                    ring.block_dropout(ctx.dropout, step, q, rows, keys),
+                    ring.block_documents(documents, step, q, rows, keys),
+                )
+                grad_q[:, :, rows] += dq
+                grad_kv[0, :, :, keys], grad_kv[1, :, :, keys] = fold(dk, qpg), fold(dv, qpg)
             if grad_shift is not None:  # the accumulator of this K/V, from the ranks it visited before
                 grad_kv += grad_shift.wait()
             grad_shift = _Shift(ring, grad_kv, _TAG_DKV)
             if shift is not None:
                 kv = shift.wait()
         grad_kv = grad_shift.wait()  # this rank's own K/V, back from its trip round the ring
-        return grad_q.to(q.dtype), grad_kv[0], grad_kv[1], None, None, None, None
+        return grad_q.to(q.dtype), grad_kv[0], grad_kv[1], None, None, None, None, None
 
 
 def ring_attention(
@@ -153,10 +193,14 @@ def ring_attention(
     group,
     tile_rows: int = TILE_ROWS,
     dropout: Optional[KeyedDropout] = None,
+    documents: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's two chunks over the whole sequence of ``group``.
 
     ``q`` ``[b, n, 2c, d]``, ``k``/``v`` ``[b, g, 2c, d]`` (``n`` a multiple of ``g``), heads-first;
     returns ``[b, n, 2c, d]``.  ``tile_rows``: query rows per tile of each block's computation;
-    ``dropout``: the call's position-keyed attention dropout (each block draws its positions' entries)."""
-    return _RingAttention.apply(q, k.contiguous(), v.contiguous(), group, q.shape[-1] ** -0.5, tile_rows, dropout)
+    ``dropout``: the call's position-keyed attention dropout (each block draws its positions' entries);
+    ``documents``: packed documents' ids ``[b, s]`` over the whole sequence (a query sees only keys of its
+    own document), or None."""
+    scale = q.shape[-1] ** -0.5
+    return _RingAttention.apply(q, k.contiguous(), v.contiguous(), group, scale, tile_rows, dropout, documents)

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megalm.context_parallel.blocks import BlockDropout, local_attention
+from megalm.context_parallel.blocks import BlockDocuments, BlockDropout, local_attention
 from megalm.context_parallel.chunks import ContextParallelError, gathered_to_global, global_to_gathered
 from megalm.context_parallel.keyed_dropout import KeyedDropout
 from megalm.parallel_state import group_rank, group_size
@@ -84,12 +84,15 @@ def check_heads(num_heads: int, num_groups: int, cp: int) -> None:
         )
 
 
-def _keyed_core(dropout: KeyedDropout, head_offset: int) -> Callable:
-    """Causal :func:`.blocks.local_attention` with ``dropout``'s mask from head ``head_offset`` on."""
+def _keyed_core(dropout: Optional[KeyedDropout], head_offset: int, documents: Optional[torch.Tensor]) -> Callable:
+    """Causal :func:`.blocks.local_attention` with ``dropout``'s mask from head ``head_offset`` on (None: no
+    dropout) and, with ``documents`` (``[b, s]`` ids), each query seeing only keys of its document."""
+    docs = None if documents is None else BlockDocuments(documents, documents)
 
     def core(q, k, v):
         positions = torch.arange(q.shape[2], device=q.device)
-        return local_attention(q, k, v, dropout=BlockDropout(dropout.heads_from(head_offset), positions, positions))
+        block = None if dropout is None else BlockDropout(dropout.heads_from(head_offset), positions, positions)
+        return local_attention(q, k, v, dropout=block, documents=docs)
 
     return core
 
@@ -101,16 +104,18 @@ def ulysses_attention(
     group,
     causal_core: Callable,
     dropout: Optional[KeyedDropout] = None,
+    documents: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of ``[2c, b, n, d]`` q and ``[2c, b, g, d]`` k/v over ``group``'s sequence.
 
     ``causal_core``: heads-first ``[b, n', s, d]`` q and ``[b, g', s, d]`` k/v -> ``[b, n', s, d]``
-    (the layer's local backend), replaced by the keyed-dropout core when ``dropout`` is given.
+    (the layer's local backend), replaced by megalm's tiled core when ``dropout`` (position-keyed) or
+    ``documents`` (packed documents' ids ``[b, s]`` over the whole sequence) is given.
     Returns ``[2c, b, n, d]``."""
     cp = group_size(group)
     check_heads(q.shape[2], k.shape[2], cp)
-    if dropout is not None:
-        causal_core = _keyed_core(dropout, group_rank(group) * (q.shape[2] // cp))
+    if dropout is not None or documents is not None:
+        causal_core = _keyed_core(dropout, group_rank(group) * (q.shape[2] // cp), documents)
     q, k, v = (gathered_to_global(_SeqToHeads.apply(t, group), cp) for t in (q, k, v))
     out = causal_core(*(t.permute(1, 2, 0, 3) for t in (q, k, v))).permute(2, 0, 1, 3)
     return _HeadsToSeq.apply(global_to_gathered(out, cp), group)

@@ -6,7 +6,7 @@ parallelism, and the document attention mask (Megatron's ``pretrain_gpt.get_batc
 * with ``--reset-attention-mask`` each rank builds ``attention_mask`` (boolean ``[b, 1, s, s]``, True where
   attention is allowed: :func:`megalm.transformer.attention_mask.document_causal_mask`) from the
   documents; without it ``attention_mask`` is None (causal attention).  Context parallelism is
-  refused with it (the packed form below runs under ``--cp-comm-type a2a`` or ``allgather``: the documents are the whole
+  refused with it (the packed form below runs under every ``--cp-comm-type``: the documents are the whole
   sequence's, the position ids this rank's chunks of them).
 * with ``--qkv-format thd`` as well, ``packed_seq_params`` instead of the mask (the documents as cumulative
   sequence lengths, :func:`megalm.transformer.packed_seq.packed_seq_params_from_documents`; ``attention_mask``

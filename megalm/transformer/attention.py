@@ -43,7 +43,8 @@ are refused with it).
 thd``): the same documents as cumulative sequence lengths, attended one segment at a time without an
 ``s x s`` mask (:mod:`megalm.transformer.varlen_attention`; flash-attn's varlen kernel on a flash-attn
 plan, windows included); under context parallelism with ``a2a`` (whose core sees the whole sequence of a
-slice of the heads) it is that core.  TE layers, other CP types and position-keyed dropout are refused with it.
+slice of the heads) it is that core; ``allgather`` and ``p2p`` take the documents' ids and mask other
+documents' keys per chunk / ring block.  TE layers and position-keyed dropout are refused with it.
 
 gpt-oss (:mod:`megalm.config.gptoss`): a layer's sliding window (``--window-size`` /
 ``--window-attn-skip-freq``) and softmax sinks (``--softmax-type``; learnable ones are
@@ -66,7 +67,7 @@ from torch import nn
 from megalm.config.gptoss import layer_window
 from megalm.config.sections import ConfigError
 from megalm.context_parallel import context_parallel_attention
-from megalm.context_parallel.blocks import BlockDropout, local_attention
+from megalm.context_parallel.blocks import BlockDocuments, BlockDropout, local_attention
 from megalm.context_parallel.chunks import ContextParallelError
 from megalm.context_parallel.keyed_dropout import KeyedDropout
 from megalm.device import get_device
@@ -243,21 +244,22 @@ class SelfAttention(nn.Module):
         s, b = q.shape[:2]
         p = self.attention_dropout if self.training else 0.0
         if self.keyed_dropout and p > 0.0:
-            if attention_mask is not None:  # the keyed core is causal only (validate_config refuses the pair)
-                raise ConfigError("--reset-attention-mask is not supported with --position-keyed-attention-dropout")
-            return self._keyed_core(q, k, v, p).reshape(s, b, -1)
+            packed = attention_mask if isinstance(attention_mask, PackedSeqParams) else None
+            if attention_mask is not None and packed is None:  # the dense mask (validate_config refuses the pair)
+                raise ConfigError(
+                    "--reset-attention-mask without --qkv-format thd is not supported with position-keyed attention "
+                    "dropout"
+                )
+            return self._keyed_core(q, k, v, p, packed).reshape(s, b, -1)
         if self.cp_size > 1:
             core, documents = self._causal_core, None
             packed = isinstance(attention_mask, PackedSeqParams)
             if packed and self.cp_comm_type == "a2a":
                 core = partial(self._packed_heads_core, params=attention_mask)  # a2a's core sees the whole sequence
-            elif packed and self.cp_comm_type == "allgather":
-                documents = document_ids(attention_mask)  # the allgather core masks other documents per chunk
+            elif packed:  # allgather masks other documents per chunk, p2p per ring block
+                documents = document_ids(attention_mask)
             elif attention_mask is not None:
-                raise ContextParallelError(
-                    "--reset-attention-mask under context parallelism needs --qkv-format thd with --cp-comm-type a2a "
-                    "or allgather"
-                )
+                raise ContextParallelError("--reset-attention-mask under context parallelism needs --qkv-format thd")
             variant = (self.window, self.sinks(q.transpose(1, 2))) if self.variant else None
             out = context_parallel_attention(
                 q, k, v, self.cp_group, self.cp_comm_type, core, variant=variant, documents=documents
@@ -297,18 +299,27 @@ class SelfAttention(nn.Module):
         out = self._packed_core(*(t.permute(2, 0, 1, 3) for t in (q, k, v)), params, 0.0)
         return out.permute(1, 2, 0, 3)
 
-    def _keyed_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
+    def _keyed_core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, packed: Optional[PackedSeqParams] = None
+    ) -> torch.Tensor:
         """Attention with position-keyed dropout on ``[s, b, n, d]`` tensors -> ``[s, b, n, d]``: the CP
         core of ``cp_comm_type``, or without CP :func:`local_attention` over the whole sequence.  One
         draw of the key from the model-parallel stream (the same on every CP rank; recomputation
-        restores the stream, so it draws the same key)."""
+        restores the stream, so it draws the same key).  ``packed``: the documents (``--qkv-format thd``),
+        masked per tile by their ids (:class:`~megalm.context_parallel.blocks.BlockDocuments`), or None."""
         with dropout_rng(self.rng_tracker, p, model_parallel_rng=True):
             dropout = KeyedDropout.draw(p, self.layer_number, q.device)
+        documents = None if packed is None else document_ids(packed)
         if self.cp_size > 1:
-            return context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type, self._causal_core, dropout)
+            return context_parallel_attention(
+                q, k, v, self.cp_group, self.cp_comm_type, self._causal_core, dropout, documents=documents
+            )
         positions = torch.arange(q.shape[0], device=q.device)
         heads_first = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        return local_attention(*heads_first, dropout=BlockDropout(dropout, positions, positions)).permute(2, 0, 1, 3)
+        block, docs = BlockDropout(dropout, positions, positions), None
+        if documents is not None:
+            docs = BlockDocuments(documents, documents)
+        return local_attention(*heads_first, dropout=block, documents=docs).permute(2, 0, 1, 3)
 
     def _causal_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The local core without dropout on heads-first tensors (a2a's core under context parallelism;
