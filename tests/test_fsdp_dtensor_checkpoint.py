@@ -249,3 +249,25 @@ def test_transformer_engine_models_keep_their_module_names(tmp_path, monkeypatch
     assert before.keys() == after.keys()
     for k in before:
         assert torch.equal(before[k], after[k]), k
+
+    if grouped:  # as Megatron-LM writes it (no megalm files): convert --from megatron maps TEGroupedMLP's names
+        import shutil
+
+        import torch.distributed.checkpoint as dcp
+
+        from megalm.conversion.megalm_checkpoint import MegalmCheckpointReader
+        from megalm.conversion.megatron import import_from_megatron
+
+        os.remove(os.path.join(path, "common.json"))
+        shutil.rmtree(os.path.join(path, "manifest"))
+        import_from_megatron(str(tmp_path), str(tmp_path / "imported"))
+        reader = MegalmCheckpointReader(str(tmp_path / "imported"))
+        weights = reader.load(reader.model_names)
+        assert len(weights) == len(raw) and any(".mlp.experts.local_experts.1." in n for n in weights)
+        adam = {f"optimizer.{n}.exp_avg": torch.zeros(reader.entries[f"optimizer.{n}.exp_avg"][0]) for n in weights}
+        dcp.load(adam, checkpoint_id=reader.path, no_dist=True)
+        for name, t in weights.items():
+            n = t.numel()  # the vocabulary's padding rows trimmed: a prefix of the row-major elements
+            assert torch.equal(t.reshape(-1), before[f"model.{name}"].reshape(-1)[:n]), name  # an fp32 model
+            exp_avg = before[f"optimizer.{name}.exp_avg"].reshape(-1)[:n]
+            assert torch.equal(adam[f"optimizer.{name}.exp_avg"].reshape(-1), exp_avg), name
