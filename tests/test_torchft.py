@@ -21,7 +21,8 @@ Run as a script (``python tests/test_torchft.py ARGS``) this file is the trainin
 after its ``K``-th step with the other group; ``MEGALM_TEST_FT_HOLD=FILE``, after a step this group
 committed alone, waits at the next forward step until FILE exists (the test releases A once the new B
 is up, so that A cannot finish before B returns); ``MEGALM_TEST_FT_START_AFTER=FILE`` waits for FILE
-after the imports (the new B is started early, its imports done while the old one still runs).
+after the imports (A and B start their set-up together; the new B is started early, its imports done
+while the old one still runs); ``MEGALM_TEST_FT_READY=FILE`` is created once the imports are done.
 """
 
 import json
@@ -271,7 +272,8 @@ def _train_rows(path):
 
 def _spawn(args, log, **env):
     out = open(log, "w")
-    return subprocess.Popen(args, env=dict(ENV, **env), cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    env = dict(ENV, MEGALM_TEST_FT_READY=f"{log}.ready", **env)
+    return subprocess.Popen(args, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
 
 
 def _group(tmp, gid, port, name, flags=FLAGS, **env):
@@ -298,19 +300,27 @@ def test_a_killed_group_drops_out_and_a_returning_one_recovers_from_its_peer(tmp
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(
-        bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=10000, quorum_tick_ms=50, heartbeat_timeout_ms=1000
+        bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=60000, quorum_tick_ms=50, heartbeat_timeout_ms=1000
     )
     port = int(lighthouse.address().rsplit(":", 1)[1])
     hold = tmp_path / "release"
     procs = []
     try:
-        procs.append(_group(tmp_path, 0, port, "a", MEGALM_TEST_FT_HOLD=str(hold)))
-        procs.append(_group(tmp_path, 1, port, "b", MEGALM_TEST_FT_KILL="2"))
+        # A and B start their set-up together, once both are imported: each joins the lighthouse (heartbeats)
+        # before the other asks for its first quorum, which then waits for it (join timeout 60 s).  Started
+        # apart on a loaded machine, the first one up could train alone: a B up 10 s before A runs all 14
+        # iterations alone and exits 0 instead of dying (the likely cause of a failure on B's exit code).
+        go = {"MEGALM_TEST_FT_START_AFTER": str(tmp_path / "go")}
+        procs.append(_group(tmp_path, 0, port, "a", MEGALM_TEST_FT_HOLD=str(hold), **go, **_joined(tmp_path, "a", "b")))
+        procs.append(_group(tmp_path, 1, port, "b", MEGALM_TEST_FT_KILL="2", **go, **_joined(tmp_path, "b", "a")))
         plain_run = [sys.executable, os.path.abspath(__file__), *FLAGS, "--metrics-file", str(tmp_path / "ref.jsonl")]
         ref = _spawn(plain_run, tmp_path / "ref.log")
         procs.append(ref)
         back = tmp_path / "b_is_dead"
         procs.append(_group(tmp_path, 1, port, "b2", MEGALM_TEST_FT_START_AFTER=str(back)))  # the new B
+        ready = lambda: all((tmp_path / f"{n}.log.ready").exists() for n in ("a", "b"))  # noqa: E731
+        _wait(ready, 180, "A and B imported", procs, tmp_path)
+        (tmp_path / "go").touch()
         _wait(lambda: procs[1].poll() is not None, 180, "B to die", procs, tmp_path)
         assert procs[1].returncode == -signal.SIGKILL, (tmp_path / "b.log").read_text()[-3000:]
         # A commits a step alone before the new B comes (on a quiet machine a B released at once joined
@@ -398,14 +408,19 @@ def test_diloco_across_replica_groups_survives_a_kill_between_syncs(tmp_path):
     hold, back = tmp_path / "release", tmp_path / "b_is_dead"
     procs, master = [], str(free_port())
     try:
-        procs.append(_group(tmp_path, 0, port, "a", SGD_FLAGS, MEGALM_TEST_FT_HOLD=str(hold)))
-        procs.append(_group(tmp_path, 1, port, "b", SGD_FLAGS, MEGALM_TEST_FT_KILL="4"))
+        go = {"MEGALM_TEST_FT_START_AFTER": str(tmp_path / "go")}  # A and B start together (see the test above)
+        both = (go, _joined(tmp_path, "a", "b"), _joined(tmp_path, "b", "a"))
+        procs.append(_group(tmp_path, 0, port, "a", SGD_FLAGS, MEGALM_TEST_FT_HOLD=str(hold), **both[0], **both[1]))
+        procs.append(_group(tmp_path, 1, port, "b", SGD_FLAGS, MEGALM_TEST_FT_KILL="4", **both[0], **both[2]))
         procs.append(_group(tmp_path, 1, port, "b2", SGD_FLAGS, MEGALM_TEST_FT_START_AFTER=str(back)))
         ref_metrics = str(tmp_path / "ref.jsonl")
         for rank in range(2):  # the reference: --local-sgd-interval over 2 data-parallel ranks
             args = [sys.executable, os.path.abspath(__file__), *SGD_FLAGS, "--metrics-file", ref_metrics]
             env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=master, RANK=str(rank), WORLD_SIZE="2")
             procs.append(_spawn(args, tmp_path / f"ref{rank}.log", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", **env))
+        ready = lambda: all((tmp_path / f"{n}.log.ready").exists() for n in ("a", "b"))  # noqa: E731
+        _wait(ready, 180, "A and B imported", procs, tmp_path)
+        (tmp_path / "go").touch()
         _wait(lambda: procs[1].poll() is not None, 180, "B to die", procs, tmp_path)
         assert procs[1].returncode == -signal.SIGKILL, (tmp_path / "b.log").read_text()[-3000:]
         alone = lambda: 1 in [r.get("ft_replica_groups") for r in _train_rows(tmp_path / "a.jsonl")]  # noqa: E731
@@ -471,21 +486,63 @@ def _test_hooks(forward_step, metrics_file):
             if kill and quorum.count(2) >= kill:
                 os.kill(os.getpid(), signal.SIGKILL)
             if hold and 2 in quorum and quorum[-1] == 1:
-                deadline = time.monotonic() + 170
-                while not os.path.exists(hold) and time.monotonic() < deadline:
-                    time.sleep(0.05)
+                _wait_for_file(hold, "MEGALM_TEST_FT_HOLD")
         return forward_step(data_iterator, model)
 
     return step
 
 
+# How long a scenario process waits for the test's go (FILE).  Longer than the test's own waits before it
+# gives it (B's death, then A's step alone: up to 2 x 180 s): on a loaded machine (load ~35 on 2 cores) the
+# new B once gave up waiting after 170 s and joined while the old B still trained, a third group in a job
+# of two, and the scenario failed on an exit code.  A process that times out now exits with an error.
+_GO_TIMEOUT_S = 420
+
+
+def _joined(tmp, me, peer):
+    """Environment of a group that, once its torchft manager exists (heartbeating to the lighthouse), waits
+    until the peer's does too before its first quorum: else a group whose set-up ran faster forms its first
+    quorum alone (the lighthouse waits only for groups it has heard of) and may train every step alone."""
+    return {"MEGALM_TEST_FT_JOINED": str(tmp / f"{me}.joined"), "MEGALM_TEST_FT_PEER": str(tmp / f"{peer}.joined")}
+
+
+def _join_together():
+    """``MEGALM_TEST_FT_JOINED`` / ``MEGALM_TEST_FT_PEER`` (:func:`_joined`): wrap the manager's construction."""
+    import torchft  # megalm imports torchft.Manager when it builds a group
+
+    mine, peer, manager_class = (
+        os.environ.get("MEGALM_TEST_FT_JOINED"),
+        os.environ.get("MEGALM_TEST_FT_PEER"),
+        torchft.Manager,
+    )
+    if not mine:
+        return
+
+    def manager(*args, **kwargs):
+        made = manager_class(*args, **kwargs)
+        open(mine, "w").close()
+        _wait_for_file(peer, "MEGALM_TEST_FT_PEER")
+        return made
+
+    torchft.Manager = manager
+
+
+def _wait_for_file(path, what):
+    deadline = time.monotonic() + _GO_TIMEOUT_S
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            sys.exit(f"error: {what}: {path} did not appear in {_GO_TIMEOUT_S} s (the test is gone or stuck)")
+        time.sleep(0.05)
+
+
 if __name__ == "__main__":
     import pretrain_gpt
 
+    open(os.environ.get("MEGALM_TEST_FT_READY", os.devnull), "w").close()  # imported
     start_after = os.environ.get("MEGALM_TEST_FT_START_AFTER")  # started early: imports done, then wait
-    deadline = time.monotonic() + 170
-    while start_after and not os.path.exists(start_after) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    if start_after:
+        _wait_for_file(start_after, "MEGALM_TEST_FT_START_AFTER")
+    _join_together()
     argv = sys.argv[1:]
     metrics = argv[argv.index("--metrics-file") + 1]
     pretrain_gpt.main(argv, _test_hooks(pretrain_gpt.forward_step, metrics))

@@ -307,7 +307,8 @@ class ReplicaGroups:
                 if isinstance(t, torch.Tensor):
                     out[f"model.{i}.{name}"] = t.detach()
         # The optimizer's blocks as a checkpoint has them (live tensors: the distributed optimizer's
-        # ranges too), tied embedding copies included.
+        # ranges too, the NVMe offload's swapped state read into memory), tied embedding copies included.
+        self.optimizer.materialize_offload()
         for key, spec in optimizer_sharded_state(self.optimizer, self.model, tied_copies=True).items():
             for j, block in enumerate(spec if isinstance(spec, list) else [spec]):
                 out[f"{key}.{j}"] = block.local
