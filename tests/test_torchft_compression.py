@@ -273,3 +273,41 @@ def test_powersgd_non_finite_gradient_in_one_group_is_non_finite_in_every_group(
         c.commit()
         assert torch.equal(c.residual, residual) and same_qs(c.qs, qs)
     assert all(torch.isnan(t).all() for g in grads for t in g)
+
+
+def test_gradient_pieces_cover_the_reduced_gradients_with_their_matrices():
+    """What powersgd compresses across groups: the buffer per bucket (the distributed optimizer: this
+    rank's shard of each), every matrix segment whole rows of one 2-D parameter."""
+    from types import SimpleNamespace
+
+    from megalm.distributed.param_and_grad_buffer import ParamAndGradBuffer
+    from megalm.resilience.torchft_replicas import _gradient_tensors, gradient_pieces
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.LayerNorm(6), torch.nn.Linear(6, 10))
+    params = list(model.parameters())
+    for distopt in (False, True):
+        buf = ParamAndGradBuffer(params, torch.float32, 40, None, 2, 0.5, use_distributed_optimizer=distopt)
+        buf.grad_data.copy_(torch.arange(buf.grad_data.numel(), dtype=torch.float32))  # an element's index
+        chunk = SimpleNamespace(all_buffers=[buf])
+        tensors, matrices = gradient_pieces([chunk])
+        assert len(tensors) == len(buf.buckets) > 1
+        covered = torch.cat(tensors)
+        if distopt:  # rank 0's shard of every bucket, as the int8 path sends
+            assert torch.equal(covered, torch.cat(_gradient_tensors([chunk])))
+        else:
+            assert torch.equal(covered, buf.grad_data)
+        for t in tensors:  # views: the average lands in the buffer
+            assert t.untyped_storage().data_ptr() == buf.grad_data.untyped_storage().data_ptr()
+        rows = 0
+        for t, mats in zip(tensors, matrices):
+            for s in mats:
+                first = int(t[s.start])
+                owner = [p for p in params if buf.param_index_map[p][0] <= first < buf.param_index_map[p][1]]
+                assert len(owner) == 1 and owner[0].dim() == 2 and owner[0].shape[1] == s.shape[1]
+                start = buf.param_index_map[owner[0]][0]
+                assert (first - start) % s.shape[1] == 0 and first + s.end - s.start <= buf.param_index_map[owner[0]][1]
+                assert torch.equal(
+                    t[s.start : s.end], torch.arange(first, first + s.end - s.start, dtype=torch.float32)
+                )
+                rows += s.shape[0]
+        assert rows > 0 and (distopt or rows == 6 + 10)  # the whole buffer: every row of both weights
