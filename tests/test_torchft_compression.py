@@ -281,13 +281,24 @@ def test_gradient_pieces_cover_the_reduced_gradients_with_their_matrices():
     from types import SimpleNamespace
 
     from megalm.distributed.param_and_grad_buffer import ParamAndGradBuffer
+    from megalm.distributed.sharded_grad_buffer import ShardedGradBuffer
     from megalm.resilience.torchft_replicas import _gradient_tensors, gradient_pieces
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.LayerNorm(6), torch.nn.Linear(6, 10))
     params = list(model.parameters())
-    for distopt in (False, True):
-        buf = ParamAndGradBuffer(params, torch.float32, 40, None, 2, 0.5, use_distributed_optimizer=distopt)
-        buf.grad_data.copy_(torch.arange(buf.grad_data.numel(), dtype=torch.float32))  # an element's index
+    for layout in ("ddp", "distopt", "zero2"):
+        distopt = layout != "ddp"
+        if layout == "zero2":  # the sharded gradient buffer: rank 0's shards only, in shard_data
+            buf = ShardedGradBuffer(params, torch.float32, 40, None, 2, 0.5, allocate_param_data=True,
+                                    use_distributed_optimizer=True)  # fmt: skip
+            for bucket in buf.buckets:  # each shard element holds its index in the whole buffer
+                lo, hi = bucket.shard_range(0)
+                buf.reduced_grad(bucket, lo, hi).copy_(torch.arange(lo, hi, dtype=torch.float32))
+            storage = buf.shard_data
+        else:
+            buf = ParamAndGradBuffer(params, torch.float32, 40, None, 2, 0.5, use_distributed_optimizer=distopt)
+            buf.grad_data.copy_(torch.arange(buf.grad_data.numel(), dtype=torch.float32))  # an element's index
+            storage = buf.grad_data
         chunk = SimpleNamespace(all_buffers=[buf])
         tensors, matrices = gradient_pieces([chunk])
         assert len(tensors) == len(buf.buckets) > 1
@@ -297,7 +308,7 @@ def test_gradient_pieces_cover_the_reduced_gradients_with_their_matrices():
         else:
             assert torch.equal(covered, buf.grad_data)
         for t in tensors:  # views: the average lands in the buffer
-            assert t.untyped_storage().data_ptr() == buf.grad_data.untyped_storage().data_ptr()
+            assert t.untyped_storage().data_ptr() == storage.untyped_storage().data_ptr()
         rows = 0
         for t, mats in zip(tensors, matrices):
             for s in mats:
