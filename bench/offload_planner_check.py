@@ -8,7 +8,10 @@ payload) bytes: the optimizer bytes left on the device, the host bytes (CPU offl
 moments; NVMe: the two staging slots) and the swap-file bytes (read and written once per step).  Bytes, not
 times.
 
-    python bench/offload_planner_check.py [--offload-path /var/tmp]
+    python bench/offload_planner_check.py [--offload-path /var/tmp] [--dp 1 2]
+
+``--dp 2``: also on two spawned ranks with ZeRO-2 (the distributed optimizer's ranges: pieces of tensors),
+the largest rank's bytes.
 """
 
 from __future__ import annotations
@@ -48,39 +51,57 @@ def _config(layers, hidden, ffn, vocab, device, path):
     return cfg
 
 
-def main() -> None:
+def _measure(shape, device: str, path: str, dp: int):
+    """On each of ``dp`` ranks (one process when 1; ZeRO-2 when more): the planner's stage 0 and the built
+    optimizer's ``(device optimizer, host, swap-file)`` bytes."""
     import torch
 
+    from megalm import parallel_state
     from megalm.distributed.data_parallel import DistributedDataParallel
     from megalm.estimate.planner import PlannerOptions, plan
     from megalm.models import GPTModel
     from megalm.optimizer import build_optimizer
-    from megalm.parallel_state import ProcessGroups
+
+    if dp > 1:
+        parallel_state.initialize_model_parallel()
+    groups = parallel_state.get_process_groups() if dp > 1 else parallel_state.ProcessGroups.single()
+    cfg = _config(*shape, device, path)
+    if dp > 1:
+        cfg.parallel.world_size = cfg.parallel.data_parallel_size = dp
+        cfg.parallel.data_parallel_sharding_strategy = "optim_grads"
+    st = plan(cfg, PlannerOptions(world_size=dp))["stages"][0]
+    model = GPTModel(cfg, process_groups=groups).to(torch.bfloat16)
+    ddp = DistributedDataParallel(model, cfg.parallel, process_groups=groups)
+    optimizer = build_optimizer(cfg, [ddp], report_memory=False, process_groups=groups)
+    built = optimizer.memory_breakdown()
+    on_device = built["main_params"] + built["main_grads"] + built["optimizer_state"]
+    disk = optimizer.offload.disk_bytes if device == "nvme" else 0
+    optimizer.close()
+    key = "optimizer_distributed" if dp > 1 else "optimizer"
+    return (st[key], st["offload_host"], st["offload_disk"]), (on_device, built["host"], disk)
+
+
+def main() -> None:
+    from megalm.launch.spawn import run_distributed
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--offload-path", default=tempfile.gettempdir())
+    ap.add_argument("--dp", type=int, nargs="+", default=[1], help="data-parallel sizes (ZeRO-2 above 1)")
     a = ap.parse_args()
-    groups = ProcessGroups.single()
-    print("| model | offload | device optimizer MiB (planner / built) | host MiB | swap files MiB |")
-    print("|---|---|---|---|---|")
+    print("| model | layout | offload | device optimizer MiB (planner / built) | host MiB | swap files MiB |")
+    print("|---|---|---|---|---|---|")
     for name, shape in MODELS.items():
-        for device in ("cpu", "nvme"):
-            with tempfile.TemporaryDirectory(dir=a.offload_path) as d:
-                cfg = _config(*shape, device, d)
-                st = plan(cfg, PlannerOptions(world_size=1))["stages"][0]
-                model = GPTModel(cfg, process_groups=groups).to(torch.bfloat16)
-                ddp = DistributedDataParallel(model, cfg.parallel, process_groups=groups)
-                optimizer = build_optimizer(cfg, [ddp], report_memory=False, process_groups=groups)
-                built = optimizer.memory_breakdown()
-                on_device = built["main_params"] + built["main_grads"] + built["optimizer_state"]
-                disk = optimizer.offload.disk_bytes if device == "nvme" else 0
-                optimizer.close()
-            print(
-                f"| {name} | {device} | {st['optimizer'] / MiB:.2f} / {on_device / MiB:.2f} | "
-                f"{st['offload_host'] / MiB:.2f} / {built['host'] / MiB:.2f} | "
-                f"{st['offload_disk'] / MiB:.2f} / {disk / MiB:.2f} |",
-                flush=True,
-            )
+        for dp in a.dp:
+            for device in ("cpu", "nvme"):
+                with tempfile.TemporaryDirectory(dir=a.offload_path) as d:
+                    if dp == 1:
+                        planned, built = _measure(shape, device, d, 1)
+                    else:  # the largest rank's bytes
+                        runs = run_distributed(_measure, dp, args=(shape, device, d, dp), timeout=900)
+                        planned, built = max(runs, key=lambda r: r[1][1])
+                layout = "1 rank" if dp == 1 else f"DP {dp}, ZeRO-2"
+                cells = " | ".join(f"{p / MiB:.2f} / {b / MiB:.2f}" for p, b in zip(planned, built))
+                print(f"| {name} | {layout} | {device} | {cells} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,9 @@ simulated cluster (:mod:`megalm.launch.netns`, gloo over the nodes' ``uplink``, 
 * ``local``: as ``disk``, plus local checkpoints every ``--local-interval`` iterations replicated
   to the other node (``--non-persistent-ckpt-type local --replication``); node B's directory (its
   RAM) is removed with it, so the replacement receives its shard from node A over the network.
+* ``elastic-local``: as ``elastic``, plus the local checkpoints of ``local``: node A restarts alone
+  and restores the newest copies of world 2 (its own and node B's replica, both in its RAM),
+  resharded to world 1 (:mod:`megalm.checkpoint.local_reshard`), instead of the disk checkpoint.
 * ``scaleup`` (not a failure): node A starts alone under ``--nnodes 1:2`` with
   ``--exit-signal-handler``; once it logged iteration ``--kill-at`` node B starts: A's agent sees a
   node waiting, SIGTERMs its worker (which saves at the end of its step and exits), and the next
@@ -31,7 +34,8 @@ simulated cluster (:mod:`megalm.launch.netns`, gloo over the nodes' ``uplink``, 
 "steps lost" = iterations finished before the failure minus the iteration resumed from; "seconds
 to resume" = from the SIGKILL to the first iteration logged after the restart (rendezvous, process
 start, imports, checkpoint load, first step).  For ``local`` the rejoining node's log line gives the
-bytes it received from its peer and the seconds of that restore.  The machine is shared: the table records the load
+bytes it received from its peer and the seconds of that restore; for ``elastic-local`` node A's (the
+bytes it received from other ranks: none, it holds both copies).  The machine is shared: the table records the load
 average before and after.  Prints a markdown table (and ``--json`` writes the rows).
 """
 
@@ -161,14 +165,14 @@ def run(path, args, port, tmp, name, nodes):
     if path != "straight":
         train += ["--save", ckpt, "--load", ckpt, "--save-interval", str(args.save_interval)]
     shm = f"/dev/shm/megalm-recovery-{os.getpid()}-{name}"
-    if path == "local":
+    if path in ("local", "elastic-local"):
         train += ["--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", shm]
         train += ["--non-persistent-save-interval", str(args.local_interval), "--replication"]
         train += ["--async-save"] if args.local_async else []
     if path == "scaleup":
         train += ["--exit-signal-handler"]  # the agent's SIGTERM before the new round: save, then exit
     log = open(os.path.join(tmp, f"{name}.log"), "w")
-    nnodes = "1:2" if path in ("elastic", "scaleup") else "2"
+    nnodes = "1:2" if path in ("elastic", "elastic-local", "scaleup") else "2"
     kill = {"MEGALM_BENCH_KILL_AT": str(args.kill_at), "MEGALM_BENCH_KILL_STAMP": stamp}
     alone = {"MEGALM_BENCH_ALONE_SLEEP": str(args.alone_sleep)} if path == "scaleup" else {}
     a = _spawn(_agent(nodes, 0, port, train, nnodes), log, **nodes.env(0), **alone)
@@ -191,6 +195,9 @@ def run(path, args, port, tmp, name, nodes):
             b.wait(timeout=args.timeout)
             shutil.rmtree(os.path.join(shm, RUN_ID, "node1"), ignore_errors=True)  # its RAM is gone with it
             procs.append(_spawn(_agent(nodes, 1, port, train, nnodes), log, **nodes.env(1)))
+        if path == "elastic-local":  # no replacement; node B's RAM is gone with it
+            b.wait(timeout=args.timeout)
+            shutil.rmtree(os.path.join(shm, RUN_ID, "node1"), ignore_errors=True)
         seen = _watch(metrics, [a] + procs[2:] + ([b] if path == "scaleup" else []), args.timeout)
     finally:
         for p in procs:
@@ -211,6 +218,10 @@ def summarize(path, seen, killed_at, straight_loss, log="", kill_at=0):
         return {"path": path, "final_loss": rows[-1]["lm_loss"], "loss_diff": 0.0}
     rejoin = re.search(
         r"rank 1\] restored iteration \d+ from the local checkpoint: (\d+) bytes from rank \d+.* in ([\d.]+) s", log
+    ) or re.search(  # elastic-local: node A alone, the copies of world 2 resharded
+        r"\] restored iteration \d+ from the local checkpoint saved by world \d+, resharded to world \d+: "
+        r"(\d+) bytes .* in ([\d.]+) s",
+        log,
     )
     if path == "scaleup":  # node A alone, then (after its save on SIGTERM) both: the first record at world 2
         i = next((i for i in range(1, len(rows)) if rows[i]["world-size"] != rows[i - 1]["world-size"]), None)
@@ -313,7 +324,7 @@ def main():
     p.add_argument("--kill-at", type=int, default=23, help="iteration during which node B dies")
     p.add_argument("--save-interval", type=int, default=10)
     p.add_argument("--local-interval", type=int, default=2, help="local checkpoint interval of the local path")
-    p.add_argument("--paths", default="disk,elastic,local,scaleup")
+    p.add_argument("--paths", default="disk,elastic,elastic-local,local,scaleup")
     p.add_argument("--local-async", action="store_true", help="local path: --async-save (the copies in the background)")
     p.add_argument("--cluster", action="store_true", help="run the nodes in the simulated cluster's namespaces")
     p.add_argument("--inter-node-bandwidth", help="with --cluster: tc rate of each node's link (e.g. 1gbit)")

@@ -85,13 +85,20 @@ def initialize_distributed(timeout: timedelta = DEFAULT_TIMEOUT) -> None:
 
 
 def restart_store(timeout: timedelta = DEFAULT_TIMEOUT) -> tuple:
-    """``(store, rank, world_size)`` of torchrun's ``env://`` rendezvous (the agent's TCPStore, or
-    rank 0's), its keys prefixed by ``megalm/restart{TORCHELASTIC_RESTART_COUNT}/``: each attempt of an
-    elastic group (``torchrun --max-restarts N``) sees only its own keys.  The store outlives a
-    restart; without the prefix the new attempt reads the dead one's addresses and gloo's
-    ``connectFullMesh`` fails with "Connection refused"."""
+    """``(store, rank, world_size)`` of torchrun's ``env://`` rendezvous.
+
+    The agent's TCPStore (``TORCHELASTIC_USE_AGENT_STORE=True``, torch's default) outlives a restart:
+    its keys are prefixed by ``megalm/restart{TORCHELASTIC_RESTART_COUNT}/``, so each attempt of an
+    elastic group (``torchrun --max-restarts N``) sees only its own (without the prefix the new
+    attempt reads the dead one's addresses and gloo's ``connectFullMesh`` fails with "Connection
+    refused").  With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` rank 0 serves a new store every round:
+    no prefix, and none may be used: when a node joins after a failure its agent's restart count (0)
+    is not the others' (1), and prefixed by it, its ranks and theirs would wait for each other's keys
+    forever."""
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
     store.set_timeout(timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return store, rank, world
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     return dist.PrefixStore(f"megalm/restart{attempt}", store), rank, world
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
@@ -27,13 +27,41 @@ from megalm.parameter_names import canonical_name
 from megalm.tensor_parallel.param_info import ParamLayoutError, param_info
 
 
+class BlockSource(Protocol):
+    """Where the values of a block live when they are not in memory (the NVMe optimizer offload's swap files:
+    :class:`megalm.optimizer.swap_blocks.SwapBlock`).  ``view`` is a meta-device view (any shape, strides and
+    storage offset) of the meta tensor the source stands for."""
+
+    def read(self, view: torch.Tensor) -> torch.Tensor:
+        """A new host tensor holding the values of ``view``."""
+
+    def write(self, view: torch.Tensor, values: torch.Tensor) -> None:
+        """The values of ``view`` <- ``values`` (same shape)."""
+
+
 @dataclasses.dataclass
 class ShardedTensorSpec:
-    """``local`` is the block ``[offsets, offsets + local.shape)`` of a tensor of ``global_shape``."""
+    """``local`` is the block ``[offsets, offsets + local.shape)`` of a tensor of ``global_shape``.
+
+    With a ``source``, ``local`` is a meta-device view and the values live in the source (read on demand by
+    :meth:`data`, written by :meth:`fill`): a checkpoint streams them one block at a time."""
 
     local: torch.Tensor
     global_shape: Sequence[int]
     offsets: Sequence[int]
+    source: Optional[BlockSource] = None
+
+    def data(self) -> torch.Tensor:
+        """The block's values (read from the source, into new memory, when it has one)."""
+        return self.local if self.source is None else self.source.read(self.local)
+
+    def fill(self, view: torch.Tensor, values: torch.Tensor) -> None:
+        """``view`` (of :attr:`local`, e.g. narrowed) <- ``values``, in memory or in the source."""
+        if self.source is None:
+            with torch.no_grad():
+                view.copy_(values)
+        else:
+            self.source.write(view, values)
 
     def __post_init__(self):
         if len(self.global_shape) != self.local.dim() or len(self.offsets) != self.local.dim():

@@ -6,19 +6,24 @@ worker SIGKILLs its agent, then itself): A's worker loses its peer, A's agent re
 (world 1), which loads iteration 3 saved at DP 2, reshards it to DP 1 and keeps the global batch
 (2 micro-batches per step instead of 1) and finishes.
 
-Checked: the world-1 attempt's losses and gradient norms are bit for bit those of a one-rank run
-from the same checkpoint (``--ckpt-step 3``); every iteration's consumed-sample count is
-``iteration x global batch`` (no sample skipped or repeated across the resize).
+Then the job scales back up, live: once A logged iteration 5 alone, a new node C starts its agent.
+A's worker holds its iteration 6 until its agent, seeing a node waiting, SIGTERMs it; with
+``--exit-signal-handler`` it finishes that step, saves iteration 6 and exits, and the next round runs
+A and C (world 2) from that checkpoint to the end, with no step lost or redone.
 
-Scaling back up (a node joins a running job) is not tested here: with torch 2.13 the agents'
-membership-change restart did not complete on loopback (see docs/fault-tolerance.md); a relaunch
-with more nodes resumes from the newest checkpoint at the larger DP size (the same resharding).
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with the shared store, torch's agent caches the rank-0
-address of the first round and a node joining a later round waits for it forever.
+Checked: the world-1 iterations' losses and gradient norms are bit for bit those of a one-rank run
+from the same checkpoint (``--ckpt-step 3``), the world-2 iterations after the scale-up those of the
+same run up to the order of the data-parallel mean (1e-5 and 1e-4 relative); the worlds go 2 -> 1 ->
+2, every iteration is logged once but the one in flight at the loss, and every iteration's
+consumed-sample count is ``iteration x global batch`` (no sample skipped or repeated across either
+resize).  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with the shared store, torch's agent caches the
+rank-0 address of the first round and a node joining a later round waits for it forever.
 
 Run as a script (``torchrun tests/test_elastic.py ARGS``) this file is the training entry point:
 ``pretrain_gpt.main`` with ``MEGALM_TEST_KILL_NODE=CALL``, which SIGKILLs this worker's torchrun
-agent and then the worker at its CALL-th forward step of the first attempt.
+agent and then the worker at its CALL-th forward step of the first attempt, and
+``MEGALM_TEST_HOLD_ALONE=CALL``, which holds a worker of a one-rank world at its CALL-th forward step
+until it receives SIGTERM.
 """
 
 import json
@@ -117,26 +122,35 @@ def _stop(procs):
         p.wait()
 
 
-def test_a_lost_node_resizes_the_job_and_keeps_the_sample_order(tmp_path):
+def test_a_lost_node_resizes_the_job_and_a_new_one_scales_it_back_up(tmp_path):
     ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
     args = [*FLAGS, "--train-iters", str(ITERS), "--save", ckpt, "--load", ckpt, "--save-interval", "3"]
-    args += ["--metrics-file", metrics]
+    args += ["--metrics-file", metrics, "--exit-signal-handler"]
     port = free_port()
-    a = _spawn(_agent(port, *args, host=True))
+    # A's worker alone: 2 micro-batches a step from iteration 4, so its 5th call is iteration 6's first.
+    a = _spawn(_agent(port, *args, host=True), MEGALM_TEST_HOLD_ALONE="5")
     b = _spawn(_agent(port, *args), MEGALM_TEST_KILL_NODE="5")
+    procs = [a, b]
     try:
         b.wait(timeout=240)  # killed in iteration 5
+        alone = lambda: any(r.get("world-size") == 1 and r["iteration"] >= 5 for r in _records(metrics))  # noqa: E731
+        _wait_for(alone, 240, "iteration 5 alone", [a])
+        c = _spawn(_agent(port, *args))  # a new node joins the running job
+        procs.append(c)
         out_a, _ = a.communicate(timeout=300)
+        out_c, _ = c.communicate(timeout=60)
     finally:
-        _stop([a, b])
+        _stop(procs)
     assert b.returncode == -signal.SIGKILL
     assert a.returncode == 0, out_a[-4000:]
+    assert c.returncode == 0, out_c[-4000:]
     rows = [r for r in _records(metrics) if "lm_loss" in r]
-    # 2 ranks for iterations 1..4, then 1 rank from the iteration-3 checkpoint to the end.
+    # 2 ranks for iterations 1..4, 1 rank from the iteration-3 checkpoint to 6 (saved on SIGTERM), 2 ranks from it.
     assert [(r["iteration"], r["world-size"]) for r in rows] == [(i, 2) for i in range(1, 5)] + [
-        (i, 1) for i in range(4, ITERS + 1)
-    ]
+        (i, 1) for i in range(4, 7)
+    ] + [(i, 2) for i in range(7, ITERS + 1)]
     assert "loaded checkpoint from" in out_a and "at iteration 3" in out_a, out_a[-4000:]
+    assert "at iteration 6" in out_a.split("at iteration 3", 1)[1], out_a[-4000:]  # the scale-up's load
     for r in rows:
         assert r["consumed_samples"] == r["iteration"] * GBS and r["global_batch_size"] == GBS, r
     # The world-1 attempt equals a one-rank run from the same checkpoint, bit for bit.
@@ -153,9 +167,12 @@ def test_a_lost_node_resizes_the_job_and_keeps_the_sample_order(tmp_path):
     assert ref.returncode == 0, ref.stderr[-3000:]
     expected = {r["iteration"]: (r["lm_loss"], r["grad_norm"]) for r in _records(reference) if "lm_loss" in r}
     shrunk = {r["iteration"]: (r["lm_loss"], r["grad_norm"]) for r in rows if r["world-size"] == 1}
-    assert sorted(expected) == sorted(shrunk) == list(range(4, ITERS + 1))
+    assert sorted(expected) == list(range(4, ITERS + 1)) and sorted(shrunk) == [4, 5, 6]
     for it in sorted(shrunk):
         assert shrunk[it] == expected[it], (it, shrunk[it], expected[it])
+    for r in rows[7:]:  # scaled back up: the same samples, averaged over 2 ranks
+        loss, norm = expected[r["iteration"]]
+        assert abs(r["lm_loss"] - loss) <= 1e-5 * abs(loss) and abs(r["grad_norm"] - norm) <= 1e-4 * norm, (r, loss)
     # The DP-2 iteration 4 before the loss and its DP-1 redo consumed the same samples: same loss up to
     # the order of the data-parallel mean.
     assert abs(rows[3]["lm_loss"] - rows[4]["lm_loss"]) < 1e-5, (rows[3], rows[4])
@@ -179,7 +196,28 @@ def _kill_node_hook(forward_step):
     return step
 
 
+def _hold_alone_hook(forward_step):
+    """``MEGALM_TEST_HOLD_ALONE=CALL``: in a one-rank world, wait at the CALL-th forward step until this
+    worker received SIGTERM (its agent restarts it for a node that joins; ``--exit-signal-handler``'s
+    handler records the signal, and the step then finishes, saves and exits); at most 200 s."""
+    call = int(os.environ.get("MEGALM_TEST_HOLD_ALONE", "0"))
+    if not call or os.environ.get("WORLD_SIZE") != "1":
+        return forward_step
+    calls = {"n": 0}
+
+    def step(data_iterator, model):
+        calls["n"] += 1
+        if calls["n"] == call:
+            handler = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+            deadline = time.monotonic() + 200
+            while not handler.received() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return forward_step(data_iterator, model)
+
+    return step
+
+
 if __name__ == "__main__":
     import pretrain_gpt
 
-    pretrain_gpt.main(sys.argv[1:], _kill_node_hook(pretrain_gpt.forward_step))
+    pretrain_gpt.main(sys.argv[1:], _hold_alone_hook(_kill_node_hook(pretrain_gpt.forward_step)))

@@ -329,6 +329,7 @@ def test_instance_layout_cuts_each_data_parallel_group():
         ({"data_parallel_sharding_strategy": "optim_grads"}, "2 with --data-parallel-sharding-strategy optim_grads is"),
         ({"hierarchical_grad_reduce": True}, "2 with --hierarchical-grad-reduce is not built yet"),
         ({"grad_compression": "int8"}, "2 with --grad-compression int8 is not built yet"),
+        ({"ft_replica_group_id": 0, "ft_num_replica_groups": 2}, "2 with --ft-replica-group-id is not built yet"),
         ({"num_experts": 4}, "2 with --num-experts is not built yet"),
         ({"optimizer": "muon"}, "2 with --optimizer muon is not built yet"),
         ({"world_size": 3}, "instances 2 must divide the data-parallel \\(x context\\) size 3"),

@@ -19,29 +19,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalm.config import ParallelConfig
-from megalm.distributed import DistributedDataParallel, finalize_model_grads
-from megalm.optimizer import build_optimizer
+from megalm.distributed import finalize_model_grads
 from megalm.optimizer.memory_accounting import optimizer_memory
 from megalm.parallel_state import get_process_groups
-from tests.configs import optimizer_config
-from tests.test_ddp import OPTIMIZER
 from tests.test_distrib_optimizer import _mlp
+from tests.training_runs import offload_optimizer
 
 
 def _build(dtype, strategy, fraction, overlap=False):
-    model = _mlp(dtype)
-    cfg = optimizer_config(OPTIMIZER)
-    cfg.training.optimizer_cpu_offload = fraction is not None
-    cfg.training.optimizer_offload_fraction = fraction or 1.0
-    cfg.training.overlap_cpu_optimizer_d2h_h2d = overlap
-    chunk = model
-    if strategy is not None:
-        cfg.parallel.data_parallel_sharding_strategy = strategy
-        chunk = DistributedDataParallel(
-            model, ParallelConfig(data_parallel_sharding_strategy=strategy), process_groups=get_process_groups()
-        )
-    return model, chunk, build_optimizer(cfg, [chunk], report_memory=False, process_groups=get_process_groups())
+    """The 244-element MLP with ``fraction`` of its update offloaded to the host (None: no offload)."""
+    offload = None if fraction is None else "cpu"
+    return offload_optimizer(_mlp(dtype), strategy, offload=offload, fraction=fraction or 1.0, overlap=overlap)
 
 
 def _steps(model, chunk, optimizer, steps, seed=0):

@@ -222,6 +222,12 @@ def test_restart_store_is_prefixed_by_the_attempt(monkeypatch):
     assert stores[0].get("addr") == b"attempt0" and stores[1].get("addr") == b"attempt1"
     assert server.check(["megalm/restart0/addr", "megalm/restart1/addr"]) and not server.check(["addr"])
     assert server.get("megalm/restart1/addr") == b"attempt1"
+    # A store of this round only (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: rank 0 serves it): no prefix, which
+    # would differ between the agents of one round when a node joins after a restart (its count is 0).
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    store, _, _ = restart_store(timedelta(seconds=10))
+    assert not isinstance(store, dist.PrefixStore)
 
 
 # --- (b) SIGTERM to torchrun with DataLoader workers -------------------------------------

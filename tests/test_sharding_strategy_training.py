@@ -23,7 +23,9 @@ through pretrain_gpt.py on real ranks.
   bit (every strategy and precision: tests/test_optimizer_offload.py), with and without
   --overlap-cpu-optimizer-d2h-h2d, and so does --optimizer-offload-device nvme (state in swap files, the
   log's swap bytes per iteration constant, read = written; a resume with it from a ZeRO-2 checkpoint is
-  exact; the swap files are gone after the runs);
+  exact; its own checkpoint, streamed from the swap files, is the in-memory run's byte for byte (metadata
+  and data files), resumes without offload exactly and loads at DP 4 into ZeRO-3 with NVMe offload (resharded
+  straight into the swap files) within 1e-5; the swap files are gone after the runs);
 * --cpu-offloading (activations of the first layer to the host and back) gives the same losses, grad
   norms, parameter norms and validation losses bit for bit at DP 2 and at TP 2 x DP 2 (sequence
   parallel, ZeRO-2, overlapped reduction) (the layer-level checks: tests/test_activation_offload.py);
@@ -72,7 +74,7 @@ def runs(tmp_path_factory):
     def run(name, *extra):
         return TINY + ["--metrics-file", os.path.join(tmp, f"{name}.jsonl")] + list(extra)
 
-    ck = {k: os.path.join(tmp, f"ckpt_{k}") for k in ("z2", "p2", "z3", "fd", "bf_fd")}
+    ck = {k: os.path.join(tmp, f"ckpt_{k}") for k in ("z2", "p2", "z3", "fd", "bf_fd", "z2n")}
     save_half = ["--exit-interval", "5", "--save-interval", "100"]
     load_z2 = ["--load", ck["z2"], "--ckpt-step", "5"]
     os.makedirs(os.path.join(tmp, "swap"))
@@ -87,6 +89,9 @@ def runs(tmp_path_factory):
         run("z2_off_overlap", *SIX, *ZERO2, *OFFLOAD_OVERLAP, META),
         run("z2_nvme", *SIX, *ZERO2, *nvme, "--optimizer-offload-fraction", "0.5"),
         run("resume_z2_nvme", *TEN, *ZERO2, *OVERLAP, *nvme, *load_z2),
+        # saved with NVMe offload (streamed from the swap files) at iteration 5, resumed without it
+        run("save_z2_nvme", *TEN, *ZERO2, *OVERLAP, *nvme, *save_half, "--save", ck["z2n"]),
+        run("resume_z2n", *TEN, *ZERO2, *OVERLAP, "--load", ck["z2n"]),
         run("p2_act_off", *SIX, *EVAL, *ACT_OFFLOAD, META),
         run("bf_p2", *SIX, *BF16),
         run("bf_z2", *SIX, *BF16, *ZERO2, *OVERLAP),
@@ -123,6 +128,7 @@ def runs(tmp_path_factory):
         run("z2_at_d4_optim_grads_params", *TEN, *ZERO3, *BUCKETS, *PREFETCH, *load_z2),
         run("z3_at_d4_no_shard", *TEN, "--load", ck["z3"]),
         run("fd_at_d4_no_shard", *TEN, "--load", ck["fd"], "--auto-detect-ckpt-format"),  # saved as fsdp_dtensor
+        run("z2n_at_d4_nvme", *TEN, *ZERO3, *BUCKETS, *nvme, "--load", ck["z2n"]),  # resharded into the files
     ]
     codes4 = run_distributed(run_trainings, 4, args=(four,), timeout=400)
     return {"tmp": tmp, "codes": (codes2, codes4)}
@@ -130,9 +136,9 @@ def runs(tmp_path_factory):
 
 def test_all_runs_exit_cleanly(runs):
     codes2, codes4 = runs["codes"]
-    assert codes2 == [[0] * 27] * 2, codes2
+    assert codes2 == [[0] * 29] * 2, codes2
     assert os.listdir(os.path.join(runs["tmp"], "swap")) == []  # the NVMe runs removed their swap files
-    assert codes4 == [[0] * 11] * 4, codes4
+    assert codes4 == [[0] * 12] * 4, codes4
 
 
 @pytest.mark.parametrize(
@@ -178,7 +184,7 @@ def test_zero3_prefetch_and_bf16_bit_identical(runs, plain, other):
         assert [r[key] for r in got] == [r[key] for r in ref], key
 
 
-@pytest.mark.parametrize("resumed", ["resume_z2_off", "resume_z3", "resume_z2_nvme", "resume_fd"])
+@pytest.mark.parametrize("resumed", ["resume_z2_off", "resume_z3", "resume_z2_nvme", "resume_fd", "resume_z2n"])
 def test_resume_within_strategy_is_exact(runs, resumed):
     # ZeRO-3 computes ZeRO-2's numbers bit for bit (the same gathered weights, the same reduction)
     straight = losses(runs["tmp"], "straight_z2")
@@ -222,8 +228,25 @@ def test_fsdp_dtensor_checkpoint_loads_at_another_dp_size_as_torch_dist_s(runs):
     assert losses(runs["tmp"], "save_fd") == losses(runs["tmp"], "save_z3")
 
 
-@pytest.mark.parametrize("resumed", ["p2_at_d4_optim_grads", "z2_at_d4_optim_grads_params", "z3_at_d4_no_shard"])
+@pytest.mark.parametrize(
+    "resumed", ["p2_at_d4_optim_grads", "z2_at_d4_optim_grads_params", "z3_at_d4_no_shard", "z2n_at_d4_nvme"]
+)
 def test_checkpoints_load_across_strategies(runs, resumed):
     straight = losses(runs["tmp"], "straight_z2")
     assert [r["iteration"] for r in records(runs["tmp"], resumed)] == list(range(6, 11))
     assert_close(losses(runs["tmp"], resumed), straight[5:], rel=1e-5)
+
+
+def test_nvme_checkpoint_is_the_in_memory_ones(runs):
+    """Saved at iteration 5 with NVMe offload (the moments read from the swap files as DCP writes them) and
+    without (straight_z2): the same metadata and the same bytes in every rank's data file."""
+    from megalm.checkpoint.safe_metadata import load_metadata
+
+    paths = [os.path.join(runs["tmp"], f"ckpt_{k}", "iter_0000005") for k in ("z2n", "z2")]
+    nvme, plain = (load_metadata(p) for p in paths)
+    assert nvme.state_dict_metadata == plain.state_dict_metadata and nvme.storage_data == plain.storage_data
+    files = sorted(f for f in os.listdir(paths[1]) if f.endswith(".distcp"))
+    assert len(files) == 2 and files == sorted(f for f in os.listdir(paths[0]) if f.endswith(".distcp"))
+    for f in files:
+        with open(os.path.join(paths[0], f), "rb") as a, open(os.path.join(paths[1], f), "rb") as b:
+            assert a.read() == b.read(), f

@@ -86,6 +86,33 @@ def metrics_argv(base: list, tmp: str, name: str, *extra: str) -> list:
     return [*base, "--metrics-file", os.path.join(tmp, f"{name}.jsonl"), *extra]
 
 
+def offload_optimizer(model, strategy=None, *, offload=None, fraction=1.0, path=None, overlap=False, optimizer="adam"):
+    """``(model, chunk, optimizer)`` for the optimizer-offload tests: ``chunk`` is ``model`` wrapped in DDP with
+    ``--data-parallel-sharding-strategy strategy`` (None: ``model`` itself, the plain optimizer), the optimizer
+    built with tests/test_ddp.py's settings (``OPTIMIZER``) with ``--optimizer offload``: None (no offload), ``"cpu"``
+    (``--optimizer-cpu-offload``, ``overlap``: ``--overlap-cpu-optimizer-d2h-h2d``) or ``"nvme"``
+    (``--optimizer-offload-device nvme --offload-path path``), each at ``--optimizer-offload-fraction fraction``."""
+    from megalm.config import ParallelConfig
+    from megalm.distributed import DistributedDataParallel
+    from megalm.optimizer import build_optimizer
+    from megalm.parallel_state import get_process_groups
+    from tests.test_ddp import OPTIMIZER
+
+    cfg = optimizer_config(OPTIMIZER)
+    t = cfg.training
+    t.optimizer, t.optimizer_offload_fraction = optimizer, fraction
+    t.optimizer_cpu_offload, t.overlap_cpu_optimizer_d2h_h2d = offload == "cpu", overlap
+    if offload == "nvme":
+        t.optimizer_offload_device, t.offload_path = "nvme", str(path)
+    chunk = model
+    if strategy is not None:
+        cfg.parallel.data_parallel_sharding_strategy = strategy
+        chunk = DistributedDataParallel(
+            model, ParallelConfig(data_parallel_sharding_strategy=strategy), process_groups=get_process_groups()
+        )
+    return model, chunk, build_optimizer(cfg, [chunk], report_memory=False, process_groups=get_process_groups())
+
+
 def run_trainings(runs):
     """On this rank, run each ``(argv, options)`` (or bare argv list) through ``pretrain_gpt.main()``
     (the entry point: errors become ``SystemExit("error: ...")``) in turn.

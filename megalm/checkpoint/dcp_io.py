@@ -29,6 +29,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -46,15 +47,23 @@ def _as_list(value) -> List[ShardedTensorSpec]:
     return value if isinstance(value, list) else [value]
 
 
+def _local(spec: ShardedTensorSpec) -> torch.Tensor:
+    # The planners below read the specs, never this dict; a block with a source (meta) is an empty stand-in
+    # here, so that DCP's set-up does not allocate it (it gives meta tensors real memory).
+    return spec.local if spec.source is None else torch.empty(0, dtype=spec.local.dtype)
+
+
 def _locals(specs: ShardedStateDict) -> dict:
-    return {k: [s.local for s in v] if isinstance(v, list) else v.local for k, v in specs.items()}
+    return {k: [_local(s) for s in v] if isinstance(v, list) else _local(v) for k, v in specs.items()}
 
 
 class _ShardSavePlanner(DefaultSavePlanner):
-    def __init__(self, specs: ShardedStateDict, objects: Optional[Dict[str, bytes]] = None):
+    def __init__(self, specs: ShardedStateDict, objects: Optional[Dict[str, bytes]] = None, streaming: bool = False):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.specs = specs
         self.objects = objects or {}
+        self.streaming = streaming  # see resolve_data (with DCP's serial loader only: save_sharded)
+        self._previous = None
         self._by_offsets = {(fqn, tuple(s.offsets)): s for fqn, v in specs.items() for s in _as_list(v)}
 
     def create_local_plan(self) -> SavePlan:
@@ -83,7 +92,22 @@ class _ShardSavePlanner(DefaultSavePlanner):
         if write_item.type == WriteItemType.BYTE_IO:
             return io.BytesIO(self.objects[write_item.index.fqn])
         spec = self._by_offsets[(write_item.index.fqn, tuple(write_item.index.offset))]
-        return spec.local.detach().contiguous()
+        if not self.streaming:
+            return spec.local.detach().contiguous()
+        # DCP's serial loader resolves an item only once the one before was written, but its writer keeps
+        # every written tensor referenced until the file is complete: the copy made for the previous item
+        # is freed here (its storage emptied), so one block is in memory at a time.
+        if self._previous is not None:
+            self._previous.untyped_storage().resize_(0)
+            self._previous = None
+        data = spec.data().detach()
+        if spec.source is None and data.is_cpu and data.untyped_storage().nbytes() == data.nbytes:
+            return data.contiguous() if data.is_contiguous() else self._keep(data.contiguous())
+        return self._keep(data.to("cpu", copy=spec.source is None).contiguous())
+
+    def _keep(self, copy: torch.Tensor) -> torch.Tensor:
+        self._previous = copy
+        return copy
 
 
 class _ShardLoadPlanner(DefaultLoadPlanner):
@@ -118,24 +142,47 @@ class _ShardLoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return self.specs[index.fqn][index.index or 0].local
 
-    def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
-        # ``tensor`` is the narrowed view returned by resolve_tensor (already filled in place).
-        pass
-
-    def resolve_tensor(self, read_item):
-        view = self.specs[read_item.dest_index.fqn][read_item.dest_index.index or 0].local
+    def _target(self, read_item):
+        spec = self.specs[read_item.dest_index.fqn][read_item.dest_index.index or 0]
+        view = spec.local
         for dim, (off, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
             view = view.narrow(dim, off, length)
-        return view
+        return spec, view
+
+    def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
+        # ``tensor`` is resolve_tensor's: the narrowed view (already filled in place), or for a block with a
+        # source a new tensor that goes to the source now (one read item's block in memory at a time).
+        spec, view = self._target(read_item)
+        if spec.source is not None:
+            spec.fill(view, tensor)
+
+    def resolve_tensor(self, read_item):
+        spec, view = self._target(read_item)
+        return view if spec.source is None else torch.empty(view.shape, dtype=view.dtype)
 
 
 def save_sharded(
     specs: ShardedStateDict, path: str, process_group=None, objects: Optional[Dict[str, bytes]] = None
 ) -> None:
     """Collective: every rank of ``process_group`` (default world) calls this with its blocks.  ``objects``:
-    byte entries (already serialized) to write beside the tensors (one rank gives them)."""
+    byte entries (already serialized) to write beside the tensors (one rank gives them).
+
+    The save streams when a block has a source (the NVMe offload's swapped optimizer state) or every block is
+    in host memory: DCP's serial loader (no copy-ahead, which would read many blocks before writing one) and
+    one copy of a block in memory at a time (:meth:`_ShardSavePlanner.resolve_data`; without it DCP's writer
+    keeps every copy it makes, e.g. of each view into a DDP buffer, until the file is written).  The files hold
+    the same items either way (on CUDA the copy-ahead loader writes them smallest first, the serial one largest
+    first: the offsets in ``.metadata`` differ, not the data)."""
+    blocks = [s for v in specs.values() for s in _as_list(v)]
+    streaming = any(s.source is not None for s in blocks) or all(s.local.device.type in ("cpu", "meta") for s in blocks)
     state = {**_locals(specs), **{k: io.BytesIO(v) for k, v in (objects or {}).items()}}
-    dcp.save(state, checkpoint_id=path, planner=_ShardSavePlanner(specs, objects), process_group=process_group)
+    dcp.save(
+        state,
+        checkpoint_id=path,
+        storage_writer=FileSystemWriter(path, per_thread_copy_ahead=0) if streaming else None,
+        planner=_ShardSavePlanner(specs, objects, streaming),
+        process_group=process_group,
+    )
 
 
 def load_sharded(specs: ShardedStateDict, path: str, strict: bool = True, process_group=None, metadata=None) -> None:

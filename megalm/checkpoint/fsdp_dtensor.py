@@ -153,20 +153,22 @@ def _split_mode(name: str, global_shape, gated_experts: bool) -> Optional[str]:
 
 
 def _split_block(spec: ShardedTensorSpec, mode: str) -> List[Tuple[str, ShardedTensorSpec]]:
-    """``spec``'s parts in the _w and _v tensors (views of ``spec.local``: a load fills them in place)."""
+    """``spec``'s parts in the _w and _v tensors (views of ``spec.local``: a load fills them in place; with its
+    source, the NVMe offload's swap files, when it has one)."""
     g, off, local = list(spec.global_shape), list(spec.offsets), spec.local
     out = []
     if mode == "select":  # (2, n, ...): index 0 is the gate, 1 the up projection
         for i in range(local.shape[0]):
             half = "_w" if off[0] + i == 0 else "_v"
-            out.append((half, ShardedTensorSpec(local.select(0, i), g[1:], off[1:])))
+            out.append((half, ShardedTensorSpec(local.select(0, i), g[1:], off[1:], spec.source)))
         return out
     n = g[0] // 2  # [2n, ...]: rows [0, n) the gate, [n, 2n) the up projection
     start, end = off[0], off[0] + local.shape[0]
     for half, lo, hi in (("_w", 0, n), ("_v", n, 2 * n)):
         a, b = max(start, lo), min(end, hi)
         if a < b:
-            out.append((half, ShardedTensorSpec(local.narrow(0, a - start, b - a), [n] + g[1:], [a - lo] + off[1:])))
+            part = local.narrow(0, a - start, b - a)
+            out.append((half, ShardedTensorSpec(part, [n] + g[1:], [a - lo] + off[1:], spec.source)))
     return out
 
 

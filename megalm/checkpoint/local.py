@@ -22,9 +22,10 @@ Restore (:meth:`LocalCheckpoint.restore`, collective at start-up, before the dis
 rank lists its node's directory, one ``all_gather_object`` shares the lists, and the newest
 iteration that every rank's shard has somewhere (under the same world size) is taken when it is
 at least the newest disk checkpoint's.  A rank whose shard is on its node reads it there; otherwise
-the rank holding it sends it (gloo point-to-point).  The shard must have been saved under this
-run's layout and configuration (else every rank falls back to the disk checkpoint, with a warning
-naming why): a different world size (an elastic resize) is a disk (resharding) load.
+the rank holding it sends it (gloo point-to-point).  The shard must have been saved by this run's
+configuration (else every rank falls back to the disk checkpoint, with a warning naming why).  Copies
+saved under another world size (an elastic resize) are resharded when they are the newest
+(:mod:`megalm.checkpoint.local_reshard`: each new rank receives its blocks of the surviving copies).
 
 The byte string is ``torch.save`` of tensors and plain values, read back with
 ``torch.load(weights_only=True)``: nothing in it runs code.  The ``<run id>`` is torchrun's
@@ -54,11 +55,17 @@ import torch.distributed as dist
 
 from megalm.checkpoint.common_json import FORMAT_VERSION, layout
 from megalm.checkpoint.errors import CheckpointError, first_line, gather_errors
+from megalm.checkpoint.local_reshard import choose_reshard, fill_blocks, restore_resharded
 from megalm.checkpoint.save import COMMON_KEYS
-from megalm.checkpoint.stateful import CheckpointStates, LoadInfo, common_states, sharded_load_plans, sharded_states
+from megalm.checkpoint.stateful import (
+    CheckpointStates,
+    LoadInfo,
+    common_states,
+    sharded_load_plans,
+    sharded_states,
+)
 from megalm.log import get_logger
 from megalm.parallel_state import ProcessGroups
-from megalm.param_layout import ShardedStateDict, ShardedTensorSpec
 
 logger = get_logger(__name__)
 
@@ -137,37 +144,6 @@ def choose_restore(
     return it, plan
 
 
-def fill_blocks(targets: ShardedStateDict, saved: Dict[str, list]) -> None:
-    """Copy into every target block the overlapping parts of the saved blocks of the same tensor
-    (``saved[key]``: ``{"offsets", "data"}`` dicts).  A target not covered completely raises
-    :class:`CheckpointError` (the shard was saved under another layout)."""
-    for key, value in targets.items():
-        for spec in value if isinstance(value, list) else [value]:
-            covered = 0
-            for block in saved.get(key, ()):
-                if tuple(block["global_shape"]) != tuple(spec.global_shape):
-                    raise CheckpointError(
-                        f"local checkpoint's {key} has shape {tuple(block['global_shape'])}, the model's "
-                        f"{tuple(spec.global_shape)}"
-                    )
-                covered += _copy_overlap(spec, block["offsets"], block["data"])
-            if covered != spec.local.numel():
-                raise CheckpointError(f"local checkpoint holds {covered} of the {spec.local.numel()} values of {key}")
-
-
-def _copy_overlap(spec: ShardedTensorSpec, offsets, data: torch.Tensor) -> int:
-    dst, src = spec.local, data
-    for dim, (t_off, s_off) in enumerate(zip(spec.offsets, offsets)):
-        lo = max(t_off, s_off)
-        hi = min(t_off + spec.local.shape[dim], s_off + data.shape[dim])
-        if hi <= lo:
-            return 0
-        dst, src = dst.narrow(dim, lo - t_off, hi - lo), src.narrow(dim, lo - s_off, hi - lo)
-    with torch.no_grad():
-        dst.copy_(src)
-    return dst.numel()
-
-
 class LocalCheckpoint:
     """This rank's side of the local checkpoints (see the module docstring).
 
@@ -176,7 +152,8 @@ class LocalCheckpoint:
     ``replication``: the replica goes to rank ``(rank + jump) mod world`` (``jump`` None: the ranks
     per node, counted by node name).  Collective
     (one ``all_gather_object``): a replica on the same node as its owner raises
-    :class:`CheckpointError`, since it would not survive the node."""
+    :class:`CheckpointError`, since it would not survive the node.  On fewer nodes than ``factor`` (an
+    elastic job that lost nodes) each shard gets one copy per node, with a warning (one node: none)."""
 
     def __init__(
         self,
@@ -198,7 +175,12 @@ class LocalCheckpoint:
         dist.all_gather_object(self.nodes, node, group=group)
         self.peers: List[int] = []  # the ranks this rank's replicas go to
         self.sources: List[int] = []  # the ranks whose replicas this rank keeps (the same order)
-        if replication:
+        n_nodes = len(set(self.nodes))
+        if replication and n_nodes < factor:  # an elastic job on fewer nodes than copies: as many as there are
+            kept = "no replica: a shard does not survive its node" if n_nodes == 1 else f"{n_nodes} copies"
+            logger.warning(f"--replication-factor {factor} on {n_nodes} node(s): {kept}")
+            factor = n_nodes
+        if replication and factor >= 2:
             jump = jump or self.nodes.count(self.nodes[0])  # default: the ranks per node
             self.peers = replica_ranks(self.nodes, jump, factor)[self.rank]
             self.sources = [(self.rank - j * jump) % self.world for j in range(1, factor)]
@@ -225,7 +207,7 @@ class LocalCheckpoint:
         }
         blocks = {
             k: [
-                {"offsets": list(s.offsets), "global_shape": list(s.global_shape), "data": _cpu_copy(s.local)}
+                {"offsets": list(s.offsets), "global_shape": list(s.global_shape), "data": _cpu_copy(s.data())}
                 for s in _as_list(v)
             ]
             for k, v in specs.items()
@@ -333,9 +315,19 @@ class LocalCheckpoint:
         holdings = [None] * self.world
         dist.all_gather_object(holdings, (self.node, list_held(self.dir)), group=self.group)
         choice = choose_restore(holdings, self.world, newer_than)
+        other, why_not = choose_reshard(holdings, self.world, newer_than)
+        if other is not None and (choice is None or other[1] > choice[0]):  # the newest; equal: no resharding
+            now = layout(groups)
+            check = lambda common: _mismatch(common, config, self.world, now, reshard=True)  # noqa: E731
+            restored = restore_resharded(self, *other, check, newer_than, states, groups, start)
+            if restored is not None:  # the old world's copies on this node go at the next save, once it is complete
+                old = [shard_file_name(o, other[0], other[1]) for o in range(other[0])]
+                self.written = [n for n in old if os.path.isfile(os.path.join(self.dir, n))]
+            return restored
         if choice is None:
             disk = "" if newer_than is None else f" at or after the disk checkpoint's iteration {newer_than}"
-            logger.info(f"no complete local checkpoint for world {self.world}{disk} in {self.dir} and its peers")
+            why = f"; {why_not}" if why_not else ""
+            logger.info(f"no complete local checkpoint for world {self.world}{disk} in {self.dir} and its peers{why}")
             return None
         iteration, plan = choice
         payload, error = None, None
@@ -399,8 +391,8 @@ class LocalCheckpoint:
             _p2p(ops)
         return mine
 
-    def _read(self, owner: int, iteration: int) -> torch.Tensor:
-        path = os.path.join(self.dir, shard_file_name(owner, self.world, iteration))
+    def _read(self, owner: int, iteration: int, world: Optional[int] = None) -> torch.Tensor:
+        path = os.path.join(self.dir, shard_file_name(owner, world or self.world, iteration))
         with open(path, "rb") as f:
             return torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
 
@@ -413,14 +405,19 @@ class LocalCheckpoint:
         return bool(failed)
 
 
-def _mismatch(common: dict, config: Optional[dict], world: int, now_layout: dict) -> Optional[str]:
-    if common.get("world_size") != world:
+def _mismatch(
+    common: dict, config: Optional[dict], world: int, now_layout: dict, reshard: bool = False
+) -> Optional[str]:
+    """Why a copy is not this run's (None: it is).  ``reshard``: another world size and layout are
+    expected (the blocks are resharded); the model, data, seed, optimizer and batch must still match."""
+    if common.get("world_size") != world and not reshard:
         return f"saved by world {common.get('world_size')}, now {world}"
-    if common.get("layout") != now_layout:
+    if common.get("layout") != now_layout and not reshard:
         return f"saved with layout {common.get('layout')}, now {now_layout}"
     if config is not None:
         saved, now = _flat(common.get("config") or {}), _flat(config)
-        diff = sorted(k for k in set(saved) | set(now) if _identifies_run(k) and saved.get(k) != now.get(k))
+        keys = [k for k in set(saved) | set(now) if _identifies_run(k) and not (reshard and k.startswith("parallel."))]
+        diff = sorted(k for k in keys if saved.get(k) != now.get(k))
         if diff:
             return f"saved by another run ({', '.join(f'{k}: {saved.get(k)!r}, now {now.get(k)!r}' for k in diff[:3])})"
     return None

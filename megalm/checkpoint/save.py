@@ -203,10 +203,11 @@ def check_save_dir(save: str) -> None:
 
 
 def stage_to_cpu(specs: ShardedStateDict) -> ShardedStateDict:
-    """A copy of every block in new CPU memory (what an asynchronous save writes)."""
+    """A copy of every block in new CPU memory (what an asynchronous save writes; a block with a source, the
+    NVMe offload's swapped state, is read from it: the background write needs a snapshot)."""
 
     def copy(spec: ShardedTensorSpec) -> ShardedTensorSpec:
-        local = spec.local.detach().to("cpu", copy=True)
+        local = spec.local.detach().to("cpu", copy=True) if spec.source is None else spec.data()
         return ShardedTensorSpec(local, spec.global_shape, spec.offsets)
 
     return {k: [copy(s) for s in v] if isinstance(v, list) else copy(v) for k, v in specs.items()}

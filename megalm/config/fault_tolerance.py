@@ -37,10 +37,26 @@ def validate_fault_tolerance(cfg) -> None:
         t.global_batch_size is not None,
         "--ft-replica-group-id needs --global-batch-size (the batch of all replica groups together)",
     )
+    check(
+        p.grad_compression != "int8" or groups <= 127,
+        f"--grad-compression int8 across {groups} replica groups: each group's codes get 127 // groups levels, "
+        "at most 127 groups",
+    )
     for refused, what in (
         (t.straggler_rebalance_interval, "--straggler-rebalance-interval"),
-        (p.local_sgd_interval, "--local-sgd-interval"),
-        (p.grad_compression != "none", f"--grad-compression {p.grad_compression}"),
+        (
+            p.local_sgd_overlap_steps,
+            "--local-sgd-overlap-steps (an outer average in flight across a quorum change; the sync is blocking)",
+        ),
+        (
+            p.outer_grad_int8_chunk,
+            "--outer-grad-int8-chunk (torchft's fault-tolerant collectives have no all-gather)",
+        ),
+        (
+            p.grad_compression not in ("none", "int8"),
+            f"--grad-compression {p.grad_compression} (across replica groups only int8 is built: torchft's "
+            "fault-tolerant collective is an all-reduce, and int8 codes with a shared scale add up in it)",
+        ),
         (d.dataloader_type != "single", f"--dataloader-type {d.dataloader_type}"),
         (
             p.data_parallel_sharding_strategy == "optim_grads_params",

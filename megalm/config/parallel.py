@@ -113,7 +113,9 @@ class ParallelConfig(Section):
         "only the inter-node leg.  With --use-distributed-optimizer each rank keeps its shard of the same "
         "result (int8/fp8: an all-to-all instead of the all-gather); not with the optim_grads / "
         "optim_grads_params strategies.  Checkpoints keep the state; loaded under another layout the "
-        "residuals are resharded (each rank gets its share of the pending update).",
+        "residuals are resharded (each rank gets its share of the pending update).  Across torchft replica "
+        "groups (--ft-replica-group-id): int8 only, compressing the groups' average (inside a group the "
+        "reduction stays exact).",
         choices=["none", "powersgd", "topk", "int8", "int4", "fp8"],
     )
     grad_compression_warmup_iters: int = _f(
@@ -326,6 +328,7 @@ class ParallelConfig(Section):
             (self.hierarchical_grad_reduce, "--hierarchical-grad-reduce"),
             (self.grad_compression != "none", f"--grad-compression {self.grad_compression}"),
             (self.local_sgd_interval > 0, "--local-sgd-interval"),
+            (self.ft_replica_group_id is not None, "--ft-replica-group-id"),
         ):
             check(not refused, f"{flag} with {what} is not built yet")
 

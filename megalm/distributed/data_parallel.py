@@ -192,7 +192,9 @@ class DistributedDataParallel(torch.nn.Module):
         self.hierarchical = parallel_cfg.hierarchical_grad_reduce
         self.instances = parallel_cfg.num_distributed_optimizer_instances
         self._chained = self.hierarchical or self.instances > 1  # buckets reduced by a CollectiveChain
-        self.local_sgd = bool(parallel_cfg.local_sgd_interval)
+        # local SGD's replicas are the data-parallel ranks; across torchft replica groups they are
+        # the groups, and inside a group the ranks reduce every step
+        self.local_sgd = bool(parallel_cfg.local_sgd_interval) and parallel_cfg.ft_replica_group_id is None
         self.local_sgd_warmup = parallel_cfg.local_sgd_warmup_iters if self.local_sgd else 0
         self.compression_warmup = parallel_cfg.grad_compression_warmup_iters
         self._reductions: Dict[ParamAndGradBuffer, dict] = {}  # local SGD's warm-up: buffer -> {mode: reduction}
@@ -206,7 +208,9 @@ class DistributedDataParallel(torch.nn.Module):
         names = {p: n for n, p in module.named_parameters()}
         first = next(module.parameters())
         self.device = get_device() if first.is_meta else first.device  # meta: filled by the buffers
-        self.compressor = build_compressor(parallel_cfg, self.device, _global_rank(), comm_stats)
+        self.compressor = None  # across torchft replica groups the groups' average is compressed instead
+        if parallel_cfg.ft_replica_group_id is None:
+            self.compressor = build_compressor(parallel_cfg, self.device, _global_rank(), comm_stats)
 
         def pick_grad_dtype(p):
             return grad_dtype or (torch.float32 if fp32_grads else p.dtype)

@@ -53,6 +53,15 @@ instead of the all-reduce's ``2 (n-1)/n 4 N`` (kind ``local_sgd_outer_grad_int8_
 hierarchically, where ``N`` is the node's chunk); the average is ``x_0 - mean_k dequant(D_k)``.  Plain
 averaging then keeps ``x_0`` too (the parameters at the last sync of each fragment).
 
+Across torchft replica groups (``--ft-replica-group-id``, :mod:`megalm.resilience.torchft_replicas`)
+the replicas are the groups, not the data-parallel ranks: inside a group DDP reduces every step
+(synchronous), and the outer group is a :class:`FaultTolerantOuter` (torchft's process group of the
+current quorum): rank ``i`` of the group averages chunk ``i`` of ``d`` of the parameters with rank
+``i`` of the other groups (a SUM all-reduce through torchft's manager) and the group all-gathers the
+chunks.  Then the groups vote: if a group died during the sync, the survivors form a new quorum
+among themselves (no group joins mid-sync) and redo the average without it; the parameters are
+changed only once a sync is committed.
+
 The inner optimizer's state (moments) stays local.  The outer state (``x_0``, ``m``) is the same on
 every replica; between syncs each replica's parameters and optimizer state differ, so a checkpoint
 keeps them per rank: :class:`OuterSync` is a registered checkpoint state (``"local_sgd"``, saved to
@@ -63,6 +72,7 @@ checkpoint's (data-parallel rank 0's) parameters and the outer state from them, 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -81,6 +91,36 @@ logger = get_logger(__name__)
 
 class LocalSGDStateError(MegalmError, ValueError):
     """A checkpoint's local-SGD state does not fit this run's parameters."""
+
+
+class LocalSGDSyncError(MegalmError):
+    """The replica groups' outer sync was not committed after many attempts."""
+
+
+MAX_SYNC_ATTEMPTS = 20  # a torchft outer sync redone this many times in a row stops the run
+
+
+class FaultTolerantOuter(ABC):
+    """The outer group of torchft replica groups (one rank of each group of the quorum), as
+    :class:`OuterSync` uses it instead of a process group."""
+
+    @abstractmethod
+    def size(self) -> int:
+        """Replica groups in the current quorum."""
+
+    @abstractmethod
+    def all_reduce_sum(self, tensor: torch.Tensor):
+        """Start a SUM all-reduce of ``tensor`` in place over the quorum; returns a work with ``wait()``
+        (a failure is not raised: :meth:`commit` says no)."""
+
+    @abstractmethod
+    def commit(self) -> bool:
+        """Every group's vote on the sync just reduced; on no the survivors' new quorum is formed
+        (:meth:`size` then counts them) and the sync is redone."""
+
+    @abstractmethod
+    def synced(self, iteration: int, weights: List[torch.Tensor]) -> None:
+        """A committed sync of ``iteration``, its new parameters ``weights`` (for the log)."""
 
 
 def inner_group(pg: ProcessGroups, hierarchical: bool, expert: bool):
@@ -102,7 +142,9 @@ class OuterSync:
     ``main_params``, ``names`` and ``model_params``); ``interval``: H; ``outer_lr``,
     ``outer_momentum``: eta, mu; ``process_groups``, ``hierarchical``: which groups (see
     :func:`outer_group`); ``overlap_steps``: D (see the module); ``last_iteration``: the run's last
-    iteration (its sync is blocking), or None; ``comm_stats``: where its collectives are counted.
+    iteration (its sync is blocking), or None; ``comm_stats``: where its collectives are counted;
+    ``replicas``: the :class:`FaultTolerantOuter` of torchft replica groups (then the outer group, and
+    the inner one is the group's data-parallel group), or None.
     """
 
     def __init__(
@@ -120,8 +162,10 @@ class OuterSync:
         warmup_iters: int = 0,
         fragments: int = 1,
         outer_grad_int8_chunk: int = 0,
+        replicas: Optional[FaultTolerantOuter] = None,
     ):
         self.optimizer = optimizer
+        self.replicas = replicas
         self.comm_stats = comm_stats  # where the averaging collectives are counted (None: not counted)
         self.interval = interval
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
@@ -135,6 +179,8 @@ class OuterSync:
             ]
             if params:
                 groups = (outer_group(pg, hierarchical, expert), inner_group(pg, hierarchical, expert))
+                if replicas is not None:  # the groups' ranks hold one replica: each averages 1/d of it
+                    groups = (replicas, pg.expt_dp if expert else pg.dp_cp)
                 self.groups.append((*groups, params))
         self.fragments = [_fragment(self.groups, f, fragments) for f in range(fragments)]
         self.fragments = [frag for frag in self.fragments if frag] or [self.groups]
@@ -161,6 +207,10 @@ class OuterSync:
         if self.outer_momentum and not self.plain:
             self.momentum = {n: torch.zeros_like(m) for n, m in self._named}
 
+    def synchronous(self, iteration: int) -> bool:
+        """Whether ``iteration`` is in the warm-up (its gradients are reduced over every replica)."""
+        return iteration <= self.warmup_iters
+
     def due(self, iteration: int) -> Optional[int]:
         """The fragment to synchronise after ``iteration`` (0 without streaming), or None."""
         if iteration <= self.warmup_iters:
@@ -185,28 +235,44 @@ class OuterSync:
         fragment = self.due(iteration)
         if last and len(self.fragments) > 1:  # streaming: the run ends with one model
             for f in range(len(self.fragments)):
-                self.sync(f)
+                self.sync(f, iteration)
             return True
         if fragment is None:
             return False
         if self.overlap_steps and not last:
             self.pending = self._start(iteration + self.overlap_steps, fragment)
         else:
-            self.sync(fragment)
+            self.sync(fragment, iteration)
         return True
 
     @torch.no_grad()
-    def sync(self, fragment: int = 0) -> None:
+    def sync(self, fragment: int = 0, iteration: Optional[int] = None) -> None:
         """Average the main parameters of ``fragment`` over the outer groups, then the outer update
-        (see the module)."""
-        for outer, intra, params in self.fragments[fragment]:
-            if group_size(outer) > 1:
-                flat = self._flight(_flatten_dense_tensors([p.data for p in params]), outer, intra, params).result()
+        (see the module).  Across torchft replica groups the average is redone until the groups
+        commit it (a group that died during it is left out of the next attempt)."""
+        groups = self.fragments[fragment]
+        for _ in range(MAX_SYNC_ATTEMPTS):
+            averages = [
+                self._flight(_flatten_dense_tensors([p.data for p in params]), outer, intra, params).result()
+                if _outer_size(outer) > 1
+                else None
+                for outer, intra, params in groups
+            ]
+            if self.replicas is None or self.replicas.commit():
+                break
+        else:
+            raise LocalSGDSyncError(
+                f"the outer sync of the torchft replica groups was not committed {MAX_SYNC_ATTEMPTS} times in a row"
+            )
+        for (_, _, params), flat in zip(groups, averages):
+            if flat is not None:
                 for p, avg in zip(params, _unflatten_dense_tensors(flat, [p.data for p in params])):
                     p.data.copy_(avg)
             for p in params:
                 p.data.copy_(self._outer_step(self._name_of[id(p)], p.data))
         self.optimizer._copy_main_to_model()
+        if self.replicas is not None:
+            self.replicas.synced(iteration, [p.data for _, _, params in groups for p in params])
 
     def _flight(self, snapshot: torch.Tensor, outer, intra, params) -> "_AverageInFlight":
         """The average of ``snapshot`` (the flat ``params``) started: fp32, or the anchors' minus the mean
@@ -355,7 +421,7 @@ class _AverageInFlight:
         self.stats = stats
         self.snapshot, self.outer, self.intra = snapshot, outer, intra
         self._average: Optional[torch.Tensor] = None
-        self.n, self.L = group_size(outer), group_size(intra)
+        self.n, self.L = _outer_size(outer), group_size(intra)
         if self.n == 1:
             self._average = snapshot
             return
@@ -364,6 +430,9 @@ class _AverageInFlight:
         self.buffer = self._part(snapshot, i)
         suffix = "" if self.L == 1 else "_inter"
         self.anchor, self.int8_chunk = None, int8_chunk
+        if isinstance(outer, FaultTolerantOuter):  # torchft: over the quorum's replica groups
+            self.anchor, self.work = None, outer.all_reduce_sum(self.buffer)
+            return
         if anchor is None:
             kind = f"local_sgd_param_all_reduce{suffix}"
             self.work = comm.all_reduce(self.buffer, group=outer, async_op=True, kind=kind, stats=stats)
@@ -413,6 +482,11 @@ class _AverageInFlight:
         return self._average
 
 
+def _outer_size(outer) -> int:
+    """Replicas in ``outer`` (a process group, None, or a :class:`FaultTolerantOuter`)."""
+    return outer.size() if isinstance(outer, FaultTolerantOuter) else group_size(outer)
+
+
 def _to_cpu(obj):
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
@@ -429,9 +503,11 @@ def build_outer_sync(
     process_groups: ProcessGroups,
     last_iteration: Optional[int] = None,
     comm_stats: Optional[comm.CommStats] = None,
+    replicas: Optional[FaultTolerantOuter] = None,
 ) -> Optional[OuterSync]:
     """The :class:`OuterSync` ``--local-sgd-interval`` asks for, or None; ``last_iteration``: the
-    run's last iteration (default --train-iters; the trainer's count under --train-samples)."""
+    run's last iteration (default --train-iters; the trainer's count under --train-samples);
+    ``replicas``: torchft replica groups' outer group (``--ft-replica-group-id``), or None."""
     p = cfg.parallel
     if not p.local_sgd_interval:
         return None
@@ -448,4 +524,5 @@ def build_outer_sync(
         warmup_iters=p.local_sgd_warmup_iters,
         fragments=p.local_sgd_fragments,
         outer_grad_int8_chunk=p.outer_grad_int8_chunk,
+        replicas=replicas,
     )

@@ -21,7 +21,7 @@ Counts follow the modules exactly (tests compare with the built model):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional, Tuple
 
 from megalm.models.layer_split import layers_for_stage, virtual_stages
 
@@ -171,6 +171,37 @@ def stage_parameters(cfg, pp_rank: int) -> StageParameters:
             if pp > 1 and m.untie_embeddings_and_output_weights:  # the last stage's copy of the word embedding
                 embedding += vocab_rows * m.hidden_size
     return StageParameters(pp_rank, layers, dense + embedding, expert, embedding, vectors, expert_vectors)
+
+
+def stage_tensors(cfg, pp_rank: int) -> Optional[List[Tuple[int, bool]]]:
+    """``(elements, is 2-D)`` of the parameters of pipeline rank ``pp_rank`` on one TP rank, in the model's order:
+    word (and position) embeddings; per layer its input norm, QKV weight, QKV bias and q/k norms, projection and
+    its bias, pre-MLP norm, FC1 and its bias, FC2 and its bias (the 1-D parameters of a module as one entry);
+    the final norm and the output layer.  None where this does not list the tensors (multi-latent attention,
+    MoE, multi-token prediction, learnable softmax sinks)."""
+    m, p = cfg.model, cfg.parallel
+    if m.multi_latent_attention or m.num_experts or m.mtp_num_layers or m.softmax_type == "learnable":
+        return None
+    tp, pp, h = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, m.hidden_size
+    n, d = m.num_attention_heads, m.head_dim
+    groups = m.num_query_groups if m.group_query_attention else n
+    bias, qkv_bias = int(m.add_bias_linear), int(m.add_bias_linear or m.add_qkv_bias)
+    qkv, fc1 = (n + 2 * groups) * d // tp, (2 if m.gated_linear_unit else 1) * m.ffn_hidden_size // tp
+    layer = [(_norm(m), False), (qkv * h, True), (qkv_bias * qkv + _qk_norms(m), False), (h * (n * d // tp), True)]
+    layer += [(bias * h, False), (_norm(m), False), (fc1 * h, True), (bias * fc1, False)]
+    layer += [(h * (m.ffn_hidden_size // tp), True), (bias * h, False)]
+    vocab = (m.padded_vocab_size // tp * h, True)
+    out = []
+    if pp_rank == 0:
+        out.append(vocab)
+        if m.position_embedding_type == "learned_absolute":
+            out.append((m.max_position_embeddings * h, True))
+    out += layer * len(stage_parameters(cfg, pp_rank).layers)
+    if pp_rank == pp - 1:
+        out.append((_norm(m), False))
+        if m.untie_embeddings_and_output_weights or pp > 1:
+            out.append(vocab)
+    return [t for t in out if t[0]]
 
 
 def all_stages(cfg) -> List[StageParameters]:

@@ -34,10 +34,10 @@ of the global batch; time = FLOPs / (world x peak x MFU).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 from megalm.estimate.activations import Shape, stage_activation_bytes
-from megalm.estimate.parameters import all_stages, total_parameters
+from megalm.estimate.parameters import all_stages, stage_tensors, total_parameters
 from megalm.estimate.sharding_peaks import transient_bytes
 from megalm.parallel_layout import expert_data_parallel_size
 
@@ -100,18 +100,74 @@ def offload_bytes_per_param(t) -> Dict[str, float]:
     }
 
 
-def nvme_staging_bytes(t, offloaded_elements: float, largest_tensor: float) -> float:
-    """Host bytes of the NVMe offload's two staging slots (:mod:`megalm.optimizer.nvme_offload`): its buckets of
-    whole tensors cut at ``n / count`` elements (``count`` at least 8, more to keep ~64 MiB a bucket) hold at
-    most that plus one tensor; a slot holds a bucket's copy, moments and gradients."""
-    from megalm.optimizer.cpu_offload import OVERLAP_BUCKETS
+def nvme_staging_bytes(
+    t, offloaded_elements: float, largest_tensor: float, ranks: Optional[List[List[int]]] = None
+) -> float:
+    """Host bytes of the NVMe offload's two staging slots (:mod:`megalm.optimizer.nvme_offload`): a slot holds
+    the largest bucket's copy, moments and gradients.  ``ranks``: per data-parallel rank, the element counts of
+    its main parameters in the optimizer's order (:func:`offloaded_tensor_order`): the offloaded ones are cut
+    into buckets as the optimizer cuts them, the largest rank's counts.  Else an upper bound from
+    ``offloaded_elements`` and ``largest_tensor``: buckets of whole tensors cut at ``n / count`` elements
+    (``count`` at least 8, more to keep ~64 MiB a bucket) hold at most that plus one tensor."""
+    from megalm.optimizer.cpu_offload import OVERLAP_BUCKETS, bucket_starts
     from megalm.optimizer.nvme_offload import BUCKET_BYTES
 
     if t.optimizer_offload_device != "nvme" or offloaded_elements <= 0:
         return 0.0
-    count = max(OVERLAP_BUCKETS, -(-16 * offloaded_elements // BUCKET_BYTES))
-    bucket = min(offloaded_elements, -(-offloaded_elements // count) + largest_tensor)
-    return 2 * bucket * (8 + moment_bytes(t.optimizer, t.sgd_momentum))
+    per_element = 8 + moment_bytes(t.optimizer, t.sgd_momentum)
+    if ranks is None:
+        count = max(OVERLAP_BUCKETS, -(-16 * offloaded_elements // BUCKET_BYTES))
+        return 2 * min(offloaded_elements, -(-offloaded_elements // count) + largest_tensor) * per_element
+    largest = 0
+    for tensors in ranks:  # whole tensors in order while fewer than fraction x total went (NvmeOffload)
+        threshold, done, chosen = t.optimizer_offload_fraction * sum(tensors), 0, []
+        for n in tensors:
+            if done >= threshold:
+                break
+            chosen.append(n)
+            done += n
+        starts = bucket_starts(chosen, max(OVERLAP_BUCKETS, -(-16 * done // BUCKET_BYTES))) + [len(chosen)]
+        largest = max([largest] + [sum(chosen[a:b]) for a, b in zip(starts, starts[1:])])
+    return 2 * largest * per_element
+
+
+def _shard_pieces(order: List[Tuple[int, bool]], bucket_size: Optional[int], shards: int) -> List[list]:
+    """Per rank of ``shards``, its pieces ``(elements, is 2-D)`` of tensors laid out in ``order`` as DDP's buffer
+    lays them for the distributed optimizer (:mod:`megalm.distributed.param_and_grad_buffer`: a bucket closes
+    once it holds ``bucket_size`` elements, is padded to a multiple of ``shards`` and split into equal shards)."""
+    ranks: List[list] = [[] for _ in range(shards)]
+    placed, spans, cursor, start = [], [], 0, 0
+    for n, matrix in order:
+        placed.append((cursor, cursor + n, matrix, len(spans)))
+        cursor += n
+        if bucket_size is not None and cursor - start >= bucket_size:
+            spans.append((start, -(-cursor // shards) * shards))
+            cursor = start = spans[-1][1]
+    if cursor > start:
+        spans.append((start, -(-cursor // shards) * shards))
+    for lo, hi, matrix, k in placed:
+        begin, width = spans[k][0], (spans[k][1] - spans[k][0]) // shards
+        for r in range((lo - begin) // width, (hi - 1 - begin) // width + 1):
+            piece = min(hi, begin + (r + 1) * width) - max(lo, begin + r * width)
+            ranks[r].append((piece, matrix))
+    return ranks
+
+
+def offloaded_tensor_order(cfg, pp_rank: int, shards: int) -> Optional[List[List[int]]]:
+    """Per data-parallel rank, the element counts of its main parameters in the optimizer's order (see
+    :func:`nvme_staging_bytes`): the 2-D weights (the decay group) then the 1-D ones; whole tensors in the model's
+    order for the plain optimizer; for the distributed optimizer (``shards`` ranks) each rank's pieces of the
+    gradient buffer, which holds the tensors in reverse order.  None where the model's tensors are not listed
+    (:func:`megalm.estimate.parameters.stage_tensors`) or other groups reorder them (Muon, ``--decoupled-lr``)."""
+    from megalm.estimate.sharding_peaks import _bucket_size
+
+    t, p = cfg.training, cfg.parallel
+    listed = stage_tensors(cfg, pp_rank)
+    if listed is None or t.optimizer == "muon" or t.decoupled_lr is not None:
+        return None
+    sharded = p.use_distributed_optimizer or p.data_parallel_sharding_strategy != "no_shard"
+    ranks = _shard_pieces(listed[::-1], _bucket_size(cfg, shards), shards) if sharded else [listed]
+    return [[n for n, m in pieces if m] + [n for n, m in pieces if not m] for pieces in ranks]
 
 
 def state_bytes_per_param(precision: str, optimizer: str, sgd_momentum: float, fp32_grads: bool) -> Dict[str, float]:
@@ -226,9 +282,11 @@ def plan(cfg, options: PlannerOptions) -> dict:
         sharded = p.use_distributed_optimizer or p.data_parallel_sharding_strategy != "no_shard"
         owned = st.dense / dense_shards + st.expert / edp if sharded else st.total
         largest = max(m.padded_vocab_size, 2 * (m.ffn_hidden_size or 4 * m.hidden_size)) * m.hidden_size
+        nvme = f > 0 and t.optimizer_offload_device == "nvme" and not st.expert
+        order = offloaded_tensor_order(cfg, st.pp_rank, dense_shards) if nvme else None
         offload_stage = {
             "offload_host": owned * offload["host"]
-            + nvme_staging_bytes(t, owned * f, largest / p.tensor_model_parallel_size),
+            + nvme_staging_bytes(t, owned * f, largest / p.tensor_model_parallel_size, order),
             "offload_disk": owned * offload["disk"],
         }
         act = stage_activation_bytes(cfg, st.pp_rank, shape, num_micro)

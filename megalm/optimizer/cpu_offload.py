@@ -53,7 +53,7 @@ No communication of its own.
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
@@ -176,15 +176,19 @@ class CpuOffload:
         return out
 
 
+def bucket_starts(sizes: Sequence[int], count: int) -> List[int]:
+    """Where each bucket starts when tensors of ``sizes`` elements, in order, are cut into at most ``count``
+    runs of whole tensors of about equal elements (a run closes once it holds ``ceil(total / count)``)."""
+    size, starts, filled = max(1, -(-sum(sizes) // count)), [], None
+    for i, n in enumerate(sizes):
+        if filled is None or filled >= size:
+            starts.append(i)
+            filled = 0
+        filled += n
+    return starts
+
+
 def _buckets(pairs: list, count: int) -> List[list]:
     """``pairs`` in order, cut into at most ``count`` runs of whole tensors of about equal elements."""
-    total = sum(m.numel() for m, _ in pairs)
-    size, out = max(1, -(-total // count)), [[]]
-    filled = 0
-    for pair in pairs:
-        if filled >= size:
-            out.append([])
-            filled = 0
-        out[-1].append(pair)
-        filled += pair[0].numel()
-    return [b for b in out if b]
+    starts = bucket_starts([m.numel() for m, _ in pairs], count)
+    return [pairs[a:b] for a, b in zip(starts, starts[1:] + [len(pairs)])]

@@ -275,7 +275,7 @@ class DistributedOptimizer(MegatronOptimizer):
         """One :class:`ParamState` per owned range: 1-D tensors over ``[start, end)`` of the parameter."""
         out = []
         for r in self.ranges:
-            tensors = dict(self._state_of(r.main))
+            tensors = self._checkpoint_state_of(r.main)
             if not r.main_is_model:
                 tensors["main_param"] = r.main.data
             out.append(ParamState(r.name, r.param, tensors, (r.start, r.end)))

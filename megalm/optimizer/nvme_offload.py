@@ -25,10 +25,15 @@ Bytes per step: ``sum P`` read and ``sum P`` written (Adam, fp32: 12 B per offlo
 counted in ``bytes_read`` / ``bytes_written`` and reported in the training log.  The arithmetic is the CPU
 offload's per-bucket step on the same values, so the results equal the CPU offload and no offload bit for bit.
 
-Checkpoints hold the state, not the swap files: :meth:`NvmeOffload.materialize` reads every bucket's state
-into fresh host tensors that the checkpoint saves (or a load fills in place); state tensors of full size in
-the optimizer are authoritative until :meth:`NvmeOffload.refresh` (after a load, or at the next step) writes
-them back into the files and drops them.  No communication of its own.
+Checkpoints hold the state, not the swap files, under the keys and in the files of a run without offload,
+streamed: :meth:`NvmeOffload.checkpoint_state` hands a checkpoint meta-device stand-ins of the swapped state
+tensors, each with a :class:`~megalm.optimizer.swap_blocks.SwapBlock` that reads a block from its file when
+the save writes it and writes a loaded block straight into the file (at most one block in memory; then
+:meth:`NvmeOffload.refresh` puts the loaded main weights into the files, a bucket at a time).  The
+whole-tensor protocols (``state_dict``, an in-memory copy) use :meth:`NvmeOffload.materialize`, which reads
+every bucket's state into fresh host tensors; those are authoritative until :meth:`NvmeOffload.refresh`
+(after a load, or at the next step) writes them back into the files and drops them.  No communication of
+its own.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import torch
 from megalm.host_transfer import HostTransfer
 from megalm.optimizer.cpu_offload import OVERLAP_BUCKETS, _buckets
 from megalm.optimizer.state_init import init_param_state
+from megalm.optimizer.swap_blocks import SwapBlock, stand_in
 from megalm.optimizer.swap_files import SwapError, SwapFiles
 
 BUCKET_BYTES = 64 * 2**20  # buckets of about this many payload + gradient bytes (at least OVERLAP_BUCKETS)
@@ -116,6 +122,8 @@ class NvmeOffload:
         self.slots = [self.transfer.host_empty(max(payload, default=0), torch.uint8) for _ in range(2)]
         self.grad_slots = [self.transfer.host_empty(max(grads, default=0), torch.uint8) for _ in range(2)]
         self.payload_bytes = payload
+        self._bucket_of = {id(host): k for k, bucket in enumerate(self.buckets) for _, host in bucket}
+        self.blocks: Dict[int, SwapBlock] = {}  # stand-ins handed out by checkpoint_state, until take_blocks
         self.optimizer = optimizer
         self.files = SwapFiles(self.directory, self.rank, payload)
         self._finalizer = weakref.finalize(self, self.files.close)
@@ -208,6 +216,26 @@ class NvmeOffload:
             p.grad = g
 
     # --- checkpoints and reloads ------------------------------------------------------------------
+    def checkpoint_state(self, host: torch.nn.Parameter, state: dict) -> Dict[str, torch.Tensor]:
+        """``state`` (the optimizer's state of ``host``) with each swapped tensor replaced by a meta stand-in
+        whose :class:`SwapBlock` is in :attr:`blocks` (by ``id`` of the stand-in); unchanged when the state
+        is resident (materialized or loaded in memory) or ``host`` is not offloaded."""
+        if self.resident or id(host) not in self.regions:
+            return dict(state)
+        bucket = self._bucket_of[id(host)]
+        out = dict(state)
+        for key, dtype in self._state_regions(host):
+            meta = stand_in(self.shapes[id(host)], dtype)
+            self.blocks[id(meta)] = SwapBlock(self.files, bucket, self.regions[id(host)][key][1], meta)
+            out[key] = meta
+        return out
+
+    def take_blocks(self) -> Dict[int, SwapBlock]:
+        """The :class:`SwapBlock` of every stand-in handed out since the last call, by ``id`` of the stand-in
+        (a view's is its ``_base``'s); forgotten here."""
+        blocks, self.blocks = self.blocks, {}
+        return blocks
+
     @torch.no_grad()
     def materialize(self) -> None:
         """Every offloaded state tensor read into a fresh host tensor in the optimizer (for a checkpoint

@@ -272,8 +272,9 @@ class MegatronOptimizer:
         if self.offload is not None:
             self.offload.refresh()
 
-    def _materialize_offload(self) -> None:
-        """Swapped-out state into host memory, for a checkpoint (:meth:`NvmeOffload.materialize`)."""
+    def materialize_offload(self) -> None:
+        """Swapped-out state into host memory (:meth:`NvmeOffload.materialize`), for a consumer that needs live
+        tensors (the whole-tensor protocols, a torchft peer's recovery); checkpoints stream it instead."""
         if isinstance(self.offload, NvmeOffload):
             self.offload.materialize()
 
@@ -352,7 +353,7 @@ class MegatronOptimizer:
     # --- checkpointing -------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Optimizer state keyed by global parameter name (see the module docstring)."""
-        self._materialize_offload()
+        self.materialize_offload()
         inner = self.optimizer.state_dict()
         state = {self.names[i]: s for i, s in inner["state"].items()}
         groups = [
@@ -422,11 +423,18 @@ class MegatronOptimizer:
             for p in group["params"]:
                 init_param_state(self.optimizer, group, p)
 
+    def _checkpoint_state_of(self, main: torch.nn.Parameter) -> Dict[str, torch.Tensor]:
+        """The state tensors of ``main`` a checkpoint sees: those swapped to disk by the NVMe offload as
+        meta stand-ins (:meth:`NvmeOffload.checkpoint_state`), the others as they are."""
+        if isinstance(self.offload, NvmeOffload):
+            return self.offload.checkpoint_state(self._torch_param(main), self._state_of(main))
+        return dict(self._state_of(main))
+
     def _param_states(self) -> List[ParamState]:
         """This rank's state tensors, one :class:`ParamState` per parameter (whole local tensors)."""
         out = []
         for name, model, main in zip(self.names, self.model_params, self.main_params):
-            tensors = dict(self._state_of(main))
+            tensors = self._checkpoint_state_of(main)
             if main is not model:
                 tensors["main_param"] = main.data
             out.append(ParamState(name, model, tensors))
@@ -438,10 +446,11 @@ class MegatronOptimizer:
         ``params``: the checkpointed parameters by global name (state of a parameter left out there
         is left out here).  Each block wraps the live tensor (the state is created first), so a
         checkpoint load fills the optimizer in place; :meth:`load_sharded_state_dict` follows it.
-        ``step`` (0-dim) is saved replicated as one element; ``main_param`` only where the fp32 main
-        weights are a copy (half-precision models).  No communication.
+        The NVMe offload's swapped state is no live tensor: its blocks are meta views whose ``source``
+        reads and writes the swap files (:mod:`megalm.optimizer.swap_blocks`), so a checkpoint streams
+        it, under the same keys and shapes.  ``step`` (0-dim) is saved replicated as one element;
+        ``main_param`` only where the fp32 main weights are a copy (half-precision models).  No communication.
         """
-        self._materialize_offload()
         self.init_state()
         specs: ShardedStateDict = {}
         for piece in self._param_states():
@@ -457,6 +466,12 @@ class MegatronOptimizer:
                     blocks = param_range_specs(piece.param, t, *piece.flat_range, groups=self.process_groups)
                     if blocks:
                         specs[fqn] = blocks
+        if isinstance(self.offload, NvmeOffload):
+            swapped = self.offload.take_blocks()
+            for value in specs.values():
+                for spec in value if isinstance(value, list) else [value]:
+                    if spec.local.is_meta:
+                        spec.source = swapped[id(spec.local if spec.local._base is None else spec.local._base)]
         return specs
 
     def common_state_dict(self) -> dict:
@@ -494,7 +509,7 @@ class MegatronOptimizer:
     def sharded_param_state(self) -> Dict[str, Dict[str, torch.Tensor]]:
         """``{global name: {state key: live tensor}}`` (whole local tensors): moments, ``step``
         (0-dim) and, for mixed precision, ``main_param`` (fp32)."""
-        self._materialize_offload()
+        self.materialize_offload()
         self.init_state()
         return {piece.name: piece.tensors for piece in self._param_states()}
 

@@ -11,11 +11,14 @@ naming that run, before anything is written.
 Reads and writes go through a single worker thread in submission order (FIFO), so a read into a staging
 slot submitted after the write out of that slot starts only once the write finished; ``pread``/``pwrite``
 release the GIL, so the I/O overlaps the optimizer's CPU work.  ``bytes_read`` / ``bytes_written`` count
-payload bytes.  No communication.
+the payload bytes of the steps' whole-bucket transfers; ``ranges_read`` / ``ranges_written`` those of
+:meth:`SwapFiles.read_range` / :meth:`SwapFiles.write_range` (a checkpoint streaming single tensors to and
+from the files).  No communication.
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import json
 import os
@@ -25,7 +28,6 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, List, Optional, Sequence
 
-import numpy as np
 import torch
 
 from megalm.errors import MegalmError
@@ -78,8 +80,8 @@ class SwapFiles:
             raise SwapError(problem)
         self.paths = [swap_file_name(directory, rank, k) for k in range(len(payload_bytes))]
         self.sizes = list(payload_bytes)
-        self.bytes_read = 0
-        self.bytes_written = 0
+        self.bytes_read = self.bytes_written = 0  # whole buckets (the steps)
+        self.ranges_read = self.ranges_written = 0  # byte ranges (checkpoints)
         self.fds: List[int] = []
         taken = [p for p in self.paths if os.path.exists(p)]
         if taken:
@@ -119,34 +121,49 @@ class SwapFiles:
 
     def read(self, bucket: int, dst: torch.Tensor) -> Future:
         """Queue: ``dst`` (a contiguous uint8 host tensor of the bucket's size) <- the bucket's payload."""
-        return self.pool.submit(self._io, bucket, dst, False, ())
+        return self.pool.submit(self._io, bucket, dst, False, (), 0, self.sizes[bucket], "bytes_read")
 
     def write(self, bucket: int, src: torch.Tensor, before: Sequence[Callable[[], None]] = ()) -> Future:
         """Queue: the bucket's payload <- ``src``, after the calls ``before`` (e.g. waits for copies still
         reading ``src``) ran in the worker."""
-        return self.pool.submit(self._io, bucket, src, True, tuple(before))
+        return self.pool.submit(self._io, bucket, src, True, tuple(before), 0, self.sizes[bucket], "bytes_written")
 
-    def _io(self, bucket: int, buf: torch.Tensor, write: bool, before) -> None:
+    def read_range(self, bucket: int, offset: int, dst: torch.Tensor) -> Future:
+        """Queue: ``dst`` (contiguous, host) <- its size in bytes of the bucket's payload from byte ``offset``
+        (after every transfer queued before it)."""
+        return self.pool.submit(
+            self._io, bucket, dst, False, (), offset, dst.numel() * dst.element_size(), "ranges_read"
+        )
+
+    def write_range(self, bucket: int, offset: int, src: torch.Tensor) -> Future:
+        """Queue: the bucket's payload from byte ``offset`` <- ``src`` (contiguous, host)."""
+        return self.pool.submit(
+            self._io, bucket, src, True, (), offset, src.numel() * src.element_size(), "ranges_written"
+        )
+
+    def _io(self, bucket: int, buf: torch.Tensor, write: bool, before, start: int, size: int, counter: str) -> None:
         for wait in before:
             wait()
-        size = self.sizes[bucket]
-        view = memoryview(np.asarray(buf.numpy()[:size]))
+        if start < 0 or start + size > self.sizes[bucket]:
+            raise SwapError(f"bytes [{start}, {start + size}) lie outside bucket {bucket}'s {self.sizes[bucket]}")
+        if size > buf.numel() * buf.element_size() or not buf.is_contiguous():
+            raise SwapError(f"a swap transfer of {size} bytes needs a contiguous host buffer of at least that size")
+        # A view of the buffer's memory (not .numpy(), which would pin the storage's size: a checkpoint frees
+        # the blocks it streamed by emptying their storage).
+        view = memoryview((ctypes.c_char * size).from_address(buf.data_ptr())).cast("B") if size else memoryview(b"")
         fd, done = self.fds[bucket], 0
         try:
             while done < size:
                 if write:
-                    n = os.pwrite(fd, view[done:], HEADER_BYTES + done)
+                    n = os.pwrite(fd, view[done:], HEADER_BYTES + start + done)
                 else:
-                    n = os.preadv(fd, [view[done:]], HEADER_BYTES + done)
+                    n = os.preadv(fd, [view[done:]], HEADER_BYTES + start + done)
                 if n <= 0:
                     raise OSError(f"short {'write' if write else 'read'} at byte {done} of {size}")
                 done += n
         except OSError as e:
             raise SwapError(f"{'writing' if write else 'reading'} swap file {self.paths[bucket]} failed: {e}") from e
-        if write:
-            self.bytes_written += size
-        else:
-            self.bytes_read += size
+        setattr(self, counter, getattr(self, counter) + size)
 
     def close(self) -> None:
         """Stop the worker, unlock and remove the files (idempotent)."""

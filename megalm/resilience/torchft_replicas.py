@@ -30,6 +30,13 @@ a ``torchft_lighthouse``.
    changed and the same global batch is redone with the new quorum: no sample is skipped or
    repeated.
 
+*Local SGD / DiLoCo* (``--local-sgd-interval``): the replicas are the groups.  Between syncs step
+3 all-reduces only the reported values (no gradients cross groups); every ``H`` steps
+:class:`megalm.distributed.local_sgd.OuterSync` averages the weights over :class:`OuterReplicas`
+(this rank and rank ``i`` of the quorum's other groups), then the groups vote on the sync; on no the
+survivors form a new quorum (``shrink_only``) and average again.  A recovering group also receives
+the outer state (``x_0`` and the outer momentum).
+
 *Recovery.*  The state a peer sends (:meth:`ReplicaGroups.state_dict`) is this rank's model
 tensors, optimizer tensors (moments, step, fp32 main weights), the loss scaler, the learning-rate
 schedule and the counters (iteration, consumed samples), with a sha256 digest of the tensors; the
@@ -53,6 +60,7 @@ import torch.distributed as dist
 
 from megalm.checkpoint.model_state import finish_param_sync, optimizer_sharded_state
 from megalm.config.fault_tolerance import ft_enabled
+from megalm.distributed.local_sgd import FaultTolerantOuter
 from megalm.errors import MegalmError
 from megalm.log import get_logger
 from megalm.parallel_state import ProcessGroups, group_rank, group_size
@@ -113,12 +121,14 @@ class ReplicaGroups:
         require_torchft()
         from torchft import Manager
 
-        from megalm.device import fault_tolerant_process_group
+        from megalm.device import fault_tolerant_process_group, get_device
+        from megalm.resilience.torchft_compression import build_cross_group_compressor
 
         p, t = cfg.parallel, cfg.training
         self.group_id, self.max_groups = p.ft_replica_group_id, p.ft_num_replica_groups
         self.state = state
-        self.model = self.optimizer = self.scheduler = None  # attach()
+        self.model = self.optimizer = self.scheduler = self.outer_sync = None  # attach()
+        self.outer = OuterReplicas(self)  # --local-sgd-interval: the outer group of the local-SGD sync
         self.dp_rank, self.dp_size = group_rank(groups.dp), group_size(groups.dp)
         self.micro_batch_size = t.micro_batch_size
         self.slots = t.global_batch_size // t.micro_batch_size  # micro-batches of this step's global batch
@@ -126,6 +136,9 @@ class ReplicaGroups:
         self.quorum = None  # (this group's rank, groups taking part) of the last step
         self.reset_data = True  # the data iterator must restart at the consumed samples
         self.recoveries = 0
+        # --grad-compression int8: the groups' gradient average in 8 bits, after the warm-up
+        self.compressor = build_cross_group_compressor(cfg, dist.get_rank(), get_device())
+        self.compression_warmup = p.grad_compression_warmup_iters
         timeout = timedelta(seconds=p.ft_timeout_seconds)
         lighthouse = p.ft_lighthouse or os.environ["TORCHFT_LIGHTHOUSE"]
         # The address the other groups reach this rank at (its manager server, its recovery
@@ -159,12 +172,14 @@ class ReplicaGroups:
         )
 
     # -- set-up --
-    def attach(self, model, optimizer, scheduler, microbatches=None) -> None:
+    def attach(self, model, optimizer, scheduler, microbatches=None, outer_sync=None) -> None:
         """The trainer's state a peer receives, and its
         :class:`megalm.training.microbatches.MicrobatchCalculator` (each step's global batch, which
-        ``--rampup-batch-size`` grows; None: always ``--global-batch-size``)."""
+        ``--rampup-batch-size`` grows; None: always ``--global-batch-size``); ``outer_sync``: the
+        :class:`megalm.distributed.local_sgd.OuterSync` of ``--local-sgd-interval`` (its outer state,
+        the global weights at the last sync and the outer momentum, is sent too), or None."""
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.microbatches = microbatches
+        self.microbatches, self.outer_sync = microbatches, outer_sync
 
     def resume_at(self, iteration: int) -> None:
         """A run resumed from a checkpoint at ``iteration``: torchft's step follows it (a group
@@ -246,8 +261,14 @@ class ReplicaGroups:
 
     def reduce_gradients(self, model) -> None:
         """Average this rank's reduced gradients (the whole buffers, or the distributed optimizer's
-        shard) with rank ``i`` of every other group in the quorum."""
-        works = [self.manager.allreduce(t) for t in _gradient_tensors(model)]
+        shard) with rank ``i`` of every other group in the quorum; with ``--grad-compression int8``
+        after its warm-up, in 8 bits (:mod:`megalm.resilience.torchft_compression`)."""
+        tensors = _gradient_tensors(model)
+        if self.compressor is not None and self.state.iteration + 1 > self.compression_warmup:
+            n = self.manager.num_participants()
+            self.compressor.average(lambda t, op: self.manager.allreduce(t, reduce_op=op), n, tensors)
+            return
+        works = [self.manager.allreduce(t) for t in tensors]
         for work in works:
             work.wait()
 
@@ -268,6 +289,8 @@ class ReplicaGroups:
         if not self.manager.should_commit():
             error = self.manager.errored()
             raise StepNotCommitted(str(error).splitlines()[0] if error else "fewer groups than --ft-min-replicas")
+        if self.compressor is not None:
+            self.compressor.commit()  # the residual of this step's int8 average
 
     def metrics(self) -> dict:
         """Per log line: the groups of the last step and this group's place."""
@@ -284,10 +307,14 @@ class ReplicaGroups:
                 if isinstance(t, torch.Tensor):
                     out[f"model.{i}.{name}"] = t.detach()
         # The optimizer's blocks as a checkpoint has them (live tensors: the distributed optimizer's
-        # ranges too), tied embedding copies included.
+        # ranges too, the NVMe offload's swapped state read into memory), tied embedding copies included.
+        self.optimizer.materialize_offload()
         for key, spec in optimizer_sharded_state(self.optimizer, self.model, tied_copies=True).items():
             for j, block in enumerate(spec if isinstance(spec, list) else [spec]):
                 out[f"{key}.{j}"] = block.local
+        if self.outer_sync is not None:  # local SGD / DiLoCo: x_0 (the global weights) and the outer momentum
+            for kind, tensors in (("anchor", self.outer_sync.anchor), ("momentum", self.outer_sync.momentum)):
+                out.update({f"local_sgd.{kind}.{name}": t for name, t in tensors.items()})
         return out
 
     def state_dict(self) -> dict:
@@ -347,6 +374,8 @@ class ReplicaGroups:
             )
         self.recoveries += 1
         self.reset_data = True
+        if self.compressor is not None:  # the peer's residual is what the peer still owes: start from zero
+            self.compressor.reset()
         size = sum(t.numel() * t.element_size() for t in mine.values())
         logger.info(
             f"torchft: replica group {self.group_id} recovered the state of iteration {self.state.iteration} from a "
@@ -355,6 +384,44 @@ class ReplicaGroups:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+class OuterReplicas(FaultTolerantOuter):
+    """The outer group of ``--local-sgd-interval`` across replica groups: this rank and rank ``i`` of
+    every other group of the current quorum, through torchft's manager."""
+
+    def __init__(self, replicas: ReplicaGroups):
+        self.replicas = replicas
+
+    def size(self) -> int:
+        return self.replicas.manager.num_participants()
+
+    def all_reduce_sum(self, tensor: torch.Tensor):
+        return self.replicas.manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM)
+
+    def commit(self) -> bool:
+        """The groups' vote on the outer sync; on no, a new quorum of the groups still there (none
+        joins, none recovers: ``shrink_only``) for the sync's next attempt."""
+        manager = self.replicas.manager
+        if manager.should_commit():
+            return True
+        error = manager.errored()
+        reason = str(error).splitlines()[0] if error else "fewer groups than --ft-min-replicas"
+        logger.warning(
+            f"torchft: the local-SGD outer sync was not committed ({reason}): redoing it with the groups left"
+        )
+        manager.start_quorum(allow_heal=False, shrink_only=True)
+        return False
+
+    def synced(self, iteration, weights) -> None:
+        """Log the committed sync with a fingerprint of the new weights (float64 sum and sum of squares:
+        groups holding the same weights log the same numbers)."""
+        total = sum(w.detach().double().sum() for w in weights)
+        squares = sum(w.detach().double().square().sum() for w in weights)
+        logger.info(
+            f"torchft: local-SGD outer sync of iteration {iteration} over {self.size()} replica group(s): weights "
+            f"sum {float(total)!r}, sum of squares {float(squares)!r}"
+        )
 
 
 def route_address(url: str) -> str:

@@ -173,7 +173,8 @@ def train_step(
         scale_gradients_by_token_count(model, tokens)
     losses = None
     if replicas is not None:  # across replica groups, then their vote (raises when not committed)
-        replicas.reduce_gradients(model)
+        if outer_sync is None or outer_sync.synchronous(state.iteration + 1):  # local SGD: its warm-up only
+            replicas.reduce_gradients(model)
         losses = reported_ratios(replicas.average(reported_totals(reported, per_token, groups)))
         replicas.commit()
     with timers("optimizer"):

@@ -88,7 +88,12 @@ class TrainerSetup:
         self.train_iters = self._train_iters()
         # After train_iters is known (counted here under --train-samples; the config is not changed).
         self.outer_sync = build_outer_sync(
-            cfg, self.optimizer, self.groups, last_iteration=self.train_iters, comm_stats=self.comm_stats
+            cfg,
+            self.optimizer,
+            self.groups,
+            last_iteration=self.train_iters,
+            comm_stats=self.comm_stats,
+            replicas=self.replicas.outer if self.replicas is not None else None,
         )
         self.checkpoint_states = self._checkpoint_states()
         self.local_checkpoint_states = self._checkpoint_states(local=True)
@@ -126,7 +131,7 @@ class TrainerSetup:
         logger.info(run_topology_report(cfg.parallel, dist.get_world_size()))
         print_timing(self.timers.log(SETUP_TIMERS))  # collective
         if self.replicas is not None:
-            self.replicas.attach(self.model, self.optimizer, self.scheduler, self.microbatches)
+            self.replicas.attach(self.model, self.optimizer, self.scheduler, self.microbatches, self.outer_sync)
             if self.state.iteration:  # resumed from a checkpoint: torchft's step follows
                 self.replicas.resume_at(self.state.iteration)
 
@@ -299,7 +304,9 @@ class TrainerSetup:
         states.register("model", model)  # first: the optimizer is restored before the states that read it
         states.register("scheduler", SchedulerState(self.scheduler, save=save_optim))
         states.register("data", DataPosition(self.state))
-        if self.cfg.parallel.grad_compression != "none":
+        if self.cfg.parallel.ft_replica_group_id is not None and self.cfg.parallel.grad_compression != "none":
+            states.register("ft_grad_compression", self.replicas.compressor)  # torchft: the groups' average
+        elif self.cfg.parallel.grad_compression != "none":
             states.register(
                 "grad_compression", CompressionCheckpointState(self.model, self.groups, layout(self.groups))
             )
