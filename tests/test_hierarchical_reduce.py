@@ -326,7 +326,6 @@ def test_instance_layout_cuts_each_data_parallel_group():
     [
         ({"num_distributed_optimizer_instances": 2}, "instances 2 needs --use-distributed-optimizer"),
         ({"num_distributed_optimizer_instances": 0}, "must be >= 1, got 0"),
-        ({"data_parallel_sharding_strategy": "optim_grads"}, "2 with --data-parallel-sharding-strategy optim_grads is"),
         ({"hierarchical_grad_reduce": True}, "2 with --hierarchical-grad-reduce is not built yet"),
         ({"grad_compression": "int8"}, "2 with --grad-compression int8 is not built yet"),
         ({"ft_replica_group_id": 0, "ft_num_replica_groups": 2}, "2 with --ft-replica-group-id is not built yet"),

@@ -99,7 +99,9 @@ class ParallelConfig(Section):
         "optimizer state and main weights are sharded over the DP/N ranks of one instance and replicated across "
         "instances.  Each gradient bucket is reduce-scattered inside the instance, its shard all-reduced across "
         "instances (1/(DP/N) of the bucket per rank crosses), and the parameters all-gathered inside the "
-        "instance.  Needs --use-distributed-optimizer; N must divide the data-parallel (x context) size.",
+        "instance.  With --data-parallel-sharding-strategy optim_grads / optim_grads_params (HSDP, as "
+        "Megatron-FSDP) the reduced gradients and the weights are sharded over the instance too.  Needs "
+        "--use-distributed-optimizer; N must divide the data-parallel (x context) size.",
     )
     grad_compression: str = _f(
         "none",
@@ -311,7 +313,8 @@ class ParallelConfig(Section):
         )
 
     def _validate_instances(self) -> None:
-        """``--num-distributed-optimizer-instances``: positive, with the distributed optimizer (ZeRO-1), and
+        """``--num-distributed-optimizer-instances``: positive, with the distributed optimizer (ZeRO-1, or HSDP with
+        ZeRO-2/3), and
         none of the reductions it is not built with (the data-parallel size is checked against it by
         :func:`megalm.config.cross.validate_cross`)."""
         n = self.num_distributed_optimizer_instances
@@ -321,10 +324,6 @@ class ParallelConfig(Section):
         flag = f"--num-distributed-optimizer-instances {n}"
         check(self.use_distributed_optimizer, f"{flag} needs --use-distributed-optimizer")
         for refused, what in (
-            (
-                self.data_parallel_sharding_strategy != "optim",
-                f"--data-parallel-sharding-strategy {self.data_parallel_sharding_strategy}",
-            ),
             (self.hierarchical_grad_reduce, "--hierarchical-grad-reduce"),
             (self.grad_compression != "none", f"--grad-compression {self.grad_compression}"),
             (self.local_sgd_interval > 0, "--local-sgd-interval"),

@@ -154,7 +154,8 @@ class Bucket:
             key = f"{self.buffer.compress_key}.{self.index}"  # e.g. residuals resharded from a larger DP size
             self.buffer.compressor.flush(key, self.grad_data)
         if self.buffer.across_instances is not None:
-            self.handle = self._start_instance_reduction(group)
+            lo, hi = self.local_shard()
+            self.handle = self.instance_reduction(self.grad_data[lo:hi], self.grad_data, group)
             return
         if group is None:  # a group of one, nothing to reduce
             return
@@ -182,16 +183,15 @@ class Bucket:
                 self.grad_data, group=group, async_op=True, kind="grad_all_reduce", stats=self.buffer.comm_stats
             )
 
-    def _start_instance_reduction(self, group) -> hierarchical.CollectiveChain:
-        """Reduce-scatter inside the instance (``group``; None: an instance of one rank, whose shard is the
-        bucket), then all-reduce the shard across the instances; the first stage is launched."""
-        lo, hi = self.local_shard()
-        shard, stats = self.grad_data[lo:hi], self.buffer.comm_stats
+    def instance_reduction(self, shard: torch.Tensor, full: torch.Tensor, group) -> hierarchical.CollectiveChain:
+        """``shard`` <- the SUM of ``full`` over the instance (``group``; None: an instance of one rank, whose
+        ``shard`` already holds the bucket), then all-reduced across the instances; first stage launched."""
+        stats = self.buffer.comm_stats
         stages = []
         if group is not None:
             stages.append(
                 lambda: comm.reduce_scatter_tensor(
-                    shard, self.grad_data, group=group, async_op=True, kind="grad_reduce_scatter", stats=stats
+                    shard, full, group=group, async_op=True, kind="grad_reduce_scatter", stats=stats
                 )
             )
         stages.append(
