@@ -344,6 +344,12 @@ def test_instances_refusals(fields, message):
         make_config(base, fields, world_size=world)
 
 
+def test_ddp_refuses_a_bundle_without_instance_groups():
+    cfg = ParallelConfig(use_distributed_optimizer=True, num_distributed_optimizer_instances=2)
+    with pytest.raises(NodeLayoutError, match="num_distributed_optimizer_instances=2"):
+        DistributedDataParallel(make_model(), cfg, process_groups=get_process_groups())
+
+
 # --- through the trainer: the flag, and inter_node_bytes in the metrics file -----------------------
 
 TRAIN = tiny_flags(
