@@ -28,6 +28,7 @@ from megalm.checkpoint.resume import TRACKER_FILENAME, checkpoint_dir
 from megalm.conversion.errors import ConversionError
 from megalm.conversion.megalm_checkpoint import MegalmCheckpointReader
 from megalm.conversion.megatron import import_from_megatron
+from megalm.conversion.megatron_args import GPTOSS_FIELDS
 from megalm.conversion.megatron_pickles import MegatronPickleError
 from megalm.conversion.verify import megalm_model_from_tensors
 from megalm.fusions import EAGER
@@ -48,6 +49,25 @@ LLAMA = dict(
     rotary_base=500,
     norm_epsilon=1e-6,
     qk_layernorm=True,
+)
+# gpt-oss's layers (dense here): learnable sinks, sliding windows on every other layer, the clamped quick-GEGLU with
+# biases, YaRN positions.  The clamp is small so that the random weights' fc1 outputs reach it.
+GPTOSS = dict(
+    position_embedding_type="rope",
+    rope_type="yarn",
+    rotary_scaling_factor=4.0,
+    yarn_original_max_position_embeddings=8,
+    yarn_correction_range_round_to_int=False,
+    normalization="RMSNorm",
+    quick_geglu=True,
+    glu_linear_offset=1.0,
+    activation_func_clamp_value=0.5,
+    softmax_type="learnable",
+    window_size=[3, 0],
+    window_attn_skip_freq=2,
+    untie_embeddings_and_output_weights=True,
+    group_query_attention=True,
+    num_query_groups=2,
 )
 TE_NORMS = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -73,9 +93,8 @@ def megatron_enum_module(monkeypatch):
 
 
 def random_model(arch: str):
-    cfg = copy.deepcopy(
-        make_config(TINY_GPT, GPT if arch == "gpt" else LLAMA, vocab_size=VOCAB)
-    )  # editable copy (frozen once validated)
+    fields = {"gpt": GPT, "llama": LLAMA, "gptoss": GPTOSS}[arch]
+    cfg = copy.deepcopy(make_config(TINY_GPT, fields, vocab_size=VOCAB))  # editable copy (frozen once validated)
     cfg.model.num_layers = 4
     cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.0
     torch.manual_seed(0)
@@ -83,7 +102,7 @@ def random_model(arch: str):
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
+            if "norm" in name or name.endswith(("bias", "softmax_offset")):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if "norm" in name and "weight" in name else 0.0))
     return cfg, model.eval()
 
@@ -127,6 +146,9 @@ def megatron_args(cfg, tp=1, pp=1) -> argparse.Namespace:
         params_dtype=torch.float32,
         attention_backend=AttnBackend.auto,
         data_path=["/data/x_text_document"],
+        # gpt-oss's args, under the names Megatron-LM's parser gives them (defaults when not gpt-oss)
+        window_size=None if m.window_size is None else tuple(m.window_size),
+        **{name: getattr(m, name) for name in GPTOSS_FIELDS if name != "window_size"},
     )
 
 
@@ -242,7 +264,7 @@ def imported_logits(save_dir, ids):
         return model(ids)[..., :VOCAB], reader
 
 
-@pytest.mark.parametrize("arch", ["gpt", "llama"])
+@pytest.mark.parametrize("arch", ["gpt", "llama", "gptoss"])
 def test_import_torch_dist_and_legacy_give_the_same_logits(arch, tmp_path):
     cfg, model = random_model(arch)
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -263,6 +285,9 @@ def test_import_torch_dist_and_legacy_give_the_same_logits(arch, tmp_path):
         assert any("optimizer state" in n and "not imported" in n for n in r.notes)
         if arch == "gpt":
             assert any("tanh approximation" in n for n in r.notes)
+        if arch == "gptoss":  # each gpt-oss part recorded (and so in the logits above)
+            assert {k: getattr(m, k) for k in GPTOSS} == {k: getattr(cfg.model, k) for k in GPTOSS}
+            assert (m.window_size, m.softmax_type, m.quick_geglu, m.rope_type) == ([3, 0], "learnable", True, "yarn")
 
     # Megatron's GELU with the fusion off is the exact one: a tanh model's logits then differ.
     args_exact = megatron_args(cfg)

@@ -31,7 +31,15 @@ from megalm.fusions import EAGER
 from megalm.models import GPTModel
 from megalm.parallel_state import get_process_groups
 from tests.configs import TINY_GPT, make_config
-from tests.test_convert_megatron import LLAMA, PADDED, VOCAB, imported_logits, megatron_args, megatron_enum_module
+from tests.test_convert_megatron import (
+    GPTOSS,
+    LLAMA,
+    PADDED,
+    VOCAB,
+    imported_logits,
+    megatron_args,
+    megatron_enum_module,
+)
 from tests.test_convert_megatron import tp_shard as dense_tp_shard
 
 __all__ = ["megatron_enum_module"]  # the autouse fixture, imported so that it applies here
@@ -51,9 +59,13 @@ MOE = dict(
 )
 
 
-def moe_model(layer_freq):
+# gpt-oss's MoE: the clamped quick-GEGLU experts with biases, learnable sinks, sliding windows, YaRN.
+GPTOSS_MOE = dict(MOE, **GPTOSS, swiglu=False, add_bias_linear=True, qk_layernorm=False)
+
+
+def moe_model(layer_freq, fields=MOE):
     cfg = copy.deepcopy(
-        make_config(TINY_GPT, MOE, vocab_size=VOCAB, moe_layer_freq=layer_freq)
+        make_config(TINY_GPT, fields, vocab_size=VOCAB, moe_layer_freq=layer_freq)
     )  # editable copy (frozen once validated)
     cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.0
     torch.manual_seed(0)
@@ -63,6 +75,8 @@ def moe_model(layer_freq):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3 + 1.0)
+            elif name.endswith(("bias", "softmax_offset")):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
         for name, b in model.named_buffers():
             if name.endswith("expert_bias"):
                 b.copy_(torch.randn(b.shape, generator=g))  # changes which experts are chosen
@@ -240,6 +254,31 @@ def test_import_moe_torch_dist_and_legacy_forms_give_the_same_logits(tmp_path):
         assert any("mixture of experts: 4 experts, top-2 sigmoid" in n for n in r.notes)
         if layout == "legacy":
             assert any("TP 2 x PP 2 x EP 2 files merged" in n for n in r.notes)
+
+
+def test_import_gptoss_moe_gives_the_same_logits(tmp_path):
+    """gpt-oss (torch_dist): experts' clamped quick-GEGLU fc1 ``[gate ; up]`` with biases, the sinks
+    (``self_attention.core_attention.softmax_offset``, stacked ``[layers, heads]``), windows and YaRN."""
+    cfg, model = moe_model(1, GPTOSS_MOE)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = model(ids)[..., :VOCAB]
+    src, dst = tmp_path / "megatron", tmp_path / "megalm"
+    src.mkdir()
+    save_torch_dist(cfg, model, src)
+    saved = TorchDistCheckpoint(checkpoint_dir(str(src), 20))
+    assert saved.shapes["decoder.layers.self_attention.core_attention.softmax_offset"] == (4, 4)
+    assert saved.shapes["decoder.layers.mlp.experts.experts.linear_fc1.bias"] == (4, EXPERTS, 2 * EXPERT_FFN)
+    import_from_megatron(str(src), str(dst))
+    logits, reader = imported_logits(dst, ids)
+    assert (logits - reference).abs().max() <= 1e-6
+    m = reader.config.model
+    assert (m.quick_geglu, m.activation_func_clamp_value, m.softmax_type, m.window_size) == (
+        True,
+        0.5,
+        "learnable",
+        [3, 0],
+    )
 
 
 def test_moe_refusals(tmp_path):

@@ -158,25 +158,32 @@ def test_flags(tmp_path, capsys):
     assert inspect_main([str(tmp_path)]) == 2
     assert "is a --ckpt-format fsdp_dtensor checkpoint" in capsys.readouterr().err
 
-    # one as Megatron-LM writes it (no common.json, no metadata.json): refused by name, by the tools and by --load
+    # one as Megatron-LM writes it (no common.json, no metadata.json): --load and the inspector point to
+    # convert --from megatron, which imports it: the weights are the optimizer's fp32 main copy, exactly
     import shutil
 
     from megalm.checkpoint.errors import CheckpointError
     from megalm.checkpoint.resume import find_checkpoint
-    from megalm.conversion.errors import ConversionError
-    from megalm.conversion.megatron import find_iteration_dir
+    from megalm.conversion.megalm_checkpoint import MegalmCheckpointReader
+    from megalm.conversion.megatron import find_iteration_dir, import_from_megatron
 
+    saved = _state(model, opt)
     path = os.path.join(str(tmp_path), "iter_0000001")
     os.remove(os.path.join(path, "common.json"))
     shutil.rmtree(os.path.join(path, "manifest"))
-    with pytest.raises(ConversionError, match="fsdp_dtensor .or torch_dcp. format, which is not imported"):
-        find_iteration_dir(str(tmp_path))
-    with pytest.raises(ConversionError, match="fsdp_dtensor"):
-        find_iteration_dir(path)
-    with pytest.raises(CheckpointError, match="Megatron-LM's fsdp_dtensor .or torch_dcp. format.*this one is not read"):
+    assert find_iteration_dir(str(tmp_path)) == path
+    with pytest.raises(CheckpointError, match="fsdp_dtensor.*import this one first.*convert.py --from megatron"):
         find_checkpoint(str(tmp_path))
     assert inspect_main([str(tmp_path)]) == 2
-    assert "fsdp_dtensor" in capsys.readouterr().err
+    assert "convert.py --from megatron" in capsys.readouterr().err
+    r = import_from_megatron(str(tmp_path), str(tmp_path / "imported"), extra_args=["--vocab-size", "100"])
+    assert any("Adam's optimizer state imported (moments and fp32 main weights, step 1)" in n for n in r.notes)
+    reader = MegalmCheckpointReader(str(tmp_path / "imported"))
+    assert reader.config.model == cfg.model
+    weights = reader.load(reader.model_names)
+    assert len(weights) == len(list(model.parameters()))
+    for name, t in weights.items():
+        assert torch.equal(t.reshape(-1), saved[f"optimizer.{name}.main_param"].reshape(-1)), name
 
 
 @pytest.mark.parametrize("layers", ["llama", "moe", "moe-grouped"])
@@ -242,3 +249,25 @@ def test_transformer_engine_models_keep_their_module_names(tmp_path, monkeypatch
     assert before.keys() == after.keys()
     for k in before:
         assert torch.equal(before[k], after[k]), k
+
+    if grouped:  # as Megatron-LM writes it (no megalm files): convert --from megatron maps TEGroupedMLP's names
+        import shutil
+
+        import torch.distributed.checkpoint as dcp
+
+        from megalm.conversion.megalm_checkpoint import MegalmCheckpointReader
+        from megalm.conversion.megatron import import_from_megatron
+
+        os.remove(os.path.join(path, "common.json"))
+        shutil.rmtree(os.path.join(path, "manifest"))
+        import_from_megatron(str(tmp_path), str(tmp_path / "imported"))
+        reader = MegalmCheckpointReader(str(tmp_path / "imported"))
+        weights = reader.load(reader.model_names)
+        assert len(weights) == len(raw) and any(".mlp.experts.local_experts.1." in n for n in weights)
+        adam = {f"optimizer.{n}.exp_avg": torch.zeros(reader.entries[f"optimizer.{n}.exp_avg"][0]) for n in weights}
+        dcp.load(adam, checkpoint_id=reader.path, no_dist=True)
+        for name, t in weights.items():
+            n = t.numel()  # the vocabulary's padding rows trimmed: a prefix of the row-major elements
+            assert torch.equal(t.reshape(-1), before[f"model.{name}"].reshape(-1)[:n]), name  # an fp32 model
+            exp_avg = before[f"optimizer.{name}.exp_avg"].reshape(-1)[:n]
+            assert torch.equal(adam[f"optimizer.{name}.exp_avg"].reshape(-1), exp_avg), name

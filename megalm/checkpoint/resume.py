@@ -91,8 +91,9 @@ def find_checkpoint(root: str, iteration: Optional[int] = None) -> Optional[str]
     if foreign == PLAIN_DCP:
         raise CheckpointError(
             f"{path} is a Megatron-LM checkpoint ({foreign}), not a megalm one: megalm resumes the fsdp_dtensor "
-            "checkpoints it writes itself (with their common.json), and imports Megatron-LM's torch_dist and legacy "
-            "checkpoints (tools/checkpoint/convert.py --from megatron); this one is not read"
+            "checkpoints it writes itself (with their common.json); import this one first (weights and Adam's "
+            f"state): python tools/checkpoint/convert.py --from megatron --load-dir {os.path.dirname(path)} "
+            "--save-dir NEW_DIR, then train with --load NEW_DIR"
         )
     if foreign is not None:
         raise CheckpointError(

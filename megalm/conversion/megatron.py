@@ -12,7 +12,9 @@ map to megalm's: TE's fused norm names to ``input_layernorm`` / ``pre_mlp_layern
 (:func:`megalm.parameter_names.canonical_name`), ``_extra_state`` dropped, the padded vocabulary
 trimmed to the true one, a SwiGLU ``linear_fc1`` ``[gate ; up]`` reshaped to ``[2, ffn, h]``.
 Written with :func:`megalm.conversion.megalm_checkpoint.write_checkpoint` (full tensors, any
-TP/PP layout loads it).  A ``torch_dist`` checkpoint's Adam state (model space, or the distributed
+TP/PP layout loads it).  A Megatron-FSDP run's ``--ckpt-format fsdp_dtensor`` directory (a plain DCP
+checkpoint, :mod:`megalm.conversion.megatron_fsdp_dtensor`) imports its weights and Adam's per-parameter
+state.  A ``torch_dist`` checkpoint's Adam state (model space, or the distributed
 optimizer's ``dp_reshardable`` flat buffers of a TP 1 x PP 1 run) is imported too
 (:mod:`megalm.conversion.megatron_optimizer`), so ``--load`` resumes the optimizer; otherwise weights
 only, and a note says so.
@@ -27,6 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from megalm.checkpoint.fsdp_dtensor import FSDP_DTENSOR
 from megalm.checkpoint.resume import TRACKER_FILENAME, checkpoint_dir
 from megalm.config import (
     ConfigError,
@@ -49,6 +52,7 @@ from megalm.conversion.import_hf import ImportResult, _explicit_dests, build_con
 from megalm.conversion.megalm_checkpoint import write_checkpoint
 from megalm.conversion.megatron_args import MOE_TRAINING_FIELDS, megalm_fields, true_vocab_size
 from megalm.conversion.megatron_flat_optimizer import place_parameters
+from megalm.conversion.megatron_fsdp_dtensor import FsdpDtensorCheckpoint, is_plain_dcp
 from megalm.conversion.megatron_layouts import (
     FLAT_OPTIMIZER_GROUPS_KEY,
     TorchDistCheckpoint,
@@ -92,23 +96,20 @@ def find_iteration_dir(root: str, iteration: Optional[int] = None) -> str:
 
 def _checked(path: str) -> str:
     """``path`` when it is a Megatron-LM checkpoint megalm imports; else why not (by name)."""
-    plain = os.path.isfile(os.path.join(path, ".metadata")) and not os.path.isfile(os.path.join(path, "common.json"))
-    if backend_of(path) is None and plain:
-        raise ConversionError(
-            f"{path} is a plain torch.distributed.checkpoint (.metadata, no metadata.json): Megatron-LM's "
-            "fsdp_dtensor (or torch_dcp) format, which is not imported (megalm imports torch_dist and legacy "
-            "checkpoints; a megalm run resumes the fsdp_dtensor checkpoints megalm wrote)"
-        )
     if backend_of(path) is None:
         raise ConversionError(
-            f"{path} is not a Megatron-LM checkpoint (no metadata.json, no mp_rank_XX/model_optim_rng.pt)"
+            f"{path} is not a Megatron-LM checkpoint (no metadata.json, no mp_rank_XX/model_optim_rng.pt, no "
+            f"torch.distributed.checkpoint .metadata without megalm's common.json)"
         )
     return path
 
 
 def backend_of(path: str) -> Optional[str]:
     """``metadata.json``'s ``sharded_backend`` (``torch_dist``, ``zarr``...), ``legacy`` for
-    ``mp_rank_XX`` directories, None for neither."""
+    ``mp_rank_XX`` directories, ``fsdp_dtensor`` for a plain DCP directory (no megalm ``common.json``), None
+    for none of them."""
+    if is_plain_dcp(path):
+        return FSDP_DTENSOR
     meta = os.path.join(path, "metadata.json")
     if os.path.isfile(meta):
         try:
@@ -247,6 +248,24 @@ def _optimizer_state(ckpt: TorchDistCheckpoint, m, source: str, directory: str, 
     return (None if entries is None else (entries, optimizer_common)), note
 
 
+def _fsdp_dtensor_optimizer_state(ckpt: FsdpDtensorCheckpoint, m, source: str, weights: Dict[str, torch.Tensor]):
+    """``((entries, optimizer_common) or None, note)``: Adam's per-parameter state of a Megatron-FSDP
+    checkpoint (:meth:`FsdpDtensorCheckpoint.optimizer_states`) in megalm's names."""
+    states = ckpt.optimizer_states(weights)
+    if not states:
+        return None, "the optimizer state was not imported (weights only): the checkpoint holds no Adam moments"
+    params = sorted(p for p in checkpoint_shapes(m) if p != OUTPUT_LAYER or m.untie_embeddings_and_output_weights)
+    entries, optimizer_common, note = optimizer_entries(
+        states, lambda t: to_megalm_names(_parameters(t), m, source, buffers=False), params, ckpt.adam_step()
+    )
+    return (None if entries is None else (entries, optimizer_common)), note
+
+
+def _parameters(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """``tensors`` without the router's ``expert_bias`` buffers (a state of the weights, not of the optimizer)."""
+    return {k: t for k, t in tensors.items() if not k.endswith(".expert_bias")}
+
+
 def config_from_saved_args(args: dict, source: str, extra_args: List[str]) -> Tuple[MegalmConfig, List[str]]:
     """``(config, notes)`` from Megatron's saved ``args`` and the megalm flags (which must agree)."""
     parser = build_parser("megalm import", exit_on_error=False)
@@ -313,9 +332,9 @@ def import_from_megatron(
 
     ``extra_args``: megalm flags recorded in the config (the target TP/PP layout, ``--vocab-size``
     when neither the saved args nor a readable tokenizer give the true vocabulary, ...);
-    architecture flags must agree with the saved args.  ``use_saved_args`` False (``torch_dist`` only,
-    ``--ignore-saved-args``): ``common.pt`` is not opened and the architecture is ``extra_args`` alone,
-    checked against the tensor shapes only.
+    architecture flags must agree with the saved args.  ``use_saved_args`` False (``torch_dist`` and
+    ``fsdp_dtensor``, ``--ignore-saved-args``): ``common.pt`` (the ``args`` entry) is not opened and the
+    architecture is ``extra_args`` alone, checked against the tensor shapes only.
     """
     if dtype is not None and dtype not in DTYPES:
         raise ConversionError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
@@ -327,6 +346,10 @@ def import_from_megatron(
         args, tensors = ckpt.args, None
         source = ckpt.common_source
         notes = ["the optimizer state was not imported (weights only)"] if ckpt.optimizer_keys else []
+    elif backend == FSDP_DTENSOR:
+        ckpt = FsdpDtensorCheckpoint(path, read_args=use_saved_args)
+        args, tensors, source = ckpt.args, ckpt.model_tensors(), ckpt.source
+        notes = []
     elif backend == "legacy":
         if not use_saved_args:
             raise ConversionError(
@@ -355,6 +378,9 @@ def import_from_megatron(
     if backend == "torch_dist" and ckpt.optimizer_keys:
         optimizer, note = _optimizer_state(ckpt, m, source, os.path.basename(path), tensors)
         notes = [n for n in notes if "optimizer state was not imported" not in n] + [note]
+    if backend == FSDP_DTENSOR:
+        optimizer, note = _fsdp_dtensor_optimizer_state(ckpt, m, source, tensors)
+        notes.append(note)
     stored = sorted({str(t.dtype).replace("torch.", "") for t in out.values()})
     main_weights = optimizer is not None and any(k.endswith(".main_param") for k in optimizer[0])
     if stored != ["float32"]:

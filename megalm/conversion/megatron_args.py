@@ -6,7 +6,9 @@ Read from the checkpoint's own ``args`` (``common.pt`` / ``model_optim_rng.pt``,
 qk-layernorm, ``apply_layernorm_1p``), the dropouts, the init std, ``seq_length`` and the padded
 vocabulary; for mixture-of-experts models the expert count, sizes, layer pattern, router (top-k, score
 function, group-limited routing, scaling, expert bias, dtype), shared expert and the training-only
-settings (losses, dispatcher, capacity), which megalm flags may override (:data:`MOE_TRAINING_FIELDS`).
+settings (losses, dispatcher, capacity), which megalm flags may override (:data:`MOE_TRAINING_FIELDS`);
+gpt-oss's sliding windows, softmax sinks, clamped quick-GEGLU and YaRN settings (:data:`GPTOSS_FIELDS`: Megatron's
+argument names are megalm's field names).
 megatron-core 0.19's parser stores ``--norm-epsilon`` as ``layernorm_epsilon`` and
 ``--apply-layernorm-1p`` as ``layernorm_zero_centered_gamma``: either name is read.
 Megatron's default fused bias-GELU (``bias_gelu_fusion`` with biases) and
@@ -34,8 +36,6 @@ _MUST_BE_OFF = (
     ("rotary_seq_len_interpolation_factor", "megalm implements plain RoPE only"),
     ("apply_residual_connection_post_layernorm", "megalm's residual adds the layer input"),
     ("squared_relu", "megalm's MLP is GELU or SwiGLU"),
-    ("quick_geglu", "megalm's MLP is GELU or SwiGLU"),
-    ("window_size", "megalm has no sliding-window attention"),
     ("heterogeneous_layers_config_path", "megalm's layers are all alike"),
     ("qk_l2_norm", "megalm's --qk-layernorm uses --normalization"),
     ("no_rope_freq", "megalm applies RoPE in every layer"),
@@ -66,14 +66,14 @@ def refusals(args: dict) -> List[str]:
         if value not in (None, False, 0, "", []):
             wrong.append(f"--{name.replace('_', '-')} {value} ({why})")
     pos = _get(args, "position_embedding_type", "learned_absolute")
-    if pos not in ("learned_absolute", "rope", "none"):
-        wrong.append(f"--position-embedding-type {pos} (megalm has learned_absolute, rope and none)")
+    if pos not in ("learned_absolute", "rope", "yarn", "none"):
+        wrong.append(f"--position-embedding-type {pos} (megalm has learned_absolute, rope, yarn and none)")
     norm = _get(args, "normalization", "LayerNorm")
     if norm not in ("LayerNorm", "RMSNorm"):
         wrong.append(f"--normalization {norm} (megalm has LayerNorm and RMSNorm)")
     softmax = _get(args, "softmax_type", "vanilla")
-    if softmax != "vanilla":
-        wrong.append(f"--softmax-type {softmax} (megalm's attention softmax is plain)")
+    if softmax not in ("vanilla", "off-by-one", "learnable"):
+        wrong.append(f"--softmax-type {softmax} (megalm has vanilla, off-by-one and learnable)")
     if args.get("num_experts"):
         wrong += _moe_refusals(args)
     if args.get("group_query_attention") and not args.get("num_query_groups"):
@@ -143,6 +143,42 @@ def moe_fields(args: dict) -> dict:
     }
 
 
+# gpt-oss's args (sliding windows, softmax sinks, the clamped quick-GEGLU, YaRN): Megatron's names are megalm's
+# fields (megalm/config/gptoss.py); each is recorded when the saved args set it.
+GPTOSS_FIELDS = (
+    "window_size",
+    "window_attn_skip_freq",
+    "softmax_type",
+    "quick_geglu",
+    "glu_linear_offset",
+    "activation_func_clamp_value",
+    "rope_type",
+    "rotary_scaling_factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "yarn_original_max_position_embeddings",
+    "yarn_beta_fast",
+    "yarn_beta_slow",
+    "yarn_correction_range_round_to_int",
+    "enable_gpt_oss",
+)
+
+
+def gptoss_fields(args: dict) -> dict:
+    """megalm's fields of the gpt-oss args that the saved ``args`` hold (tuples as lists)."""
+    out = {}
+    for name in GPTOSS_FIELDS:
+        value = args.get(name)
+        if value is not None:
+            out[name] = [int(v) for v in value] if isinstance(value, (list, tuple)) else value
+    if out.get("window_attn_skip_freq") is None and "window_size" not in out:
+        out.pop("window_attn_skip_freq", None)
+    return out
+
+
 def megalm_fields(args: dict, source: str, vocab_size: int) -> Tuple[dict, List[str]]:
     """``(megalm ModelConfig fields, notes)`` from Megatron's ``args`` (read from ``source``)."""
     wrong = refusals(args)
@@ -182,6 +218,9 @@ def megalm_fields(args: dict, source: str, vocab_size: int) -> Tuple[dict, List[
         "make_vocab_size_divisible_by": int(_get(args, "make_vocab_size_divisible_by", 128)),
         "vocab_size": vocab_size,
     }
+    fields.update(gptoss_fields(args))
+    if fields.get("quick_geglu"):
+        fields["openai_gelu"] = False  # a gated MLP: Megatron's GELU fusion does not apply
     notes = []
     if args.get("num_experts"):
         fields.update(moe_fields(args))

@@ -90,15 +90,12 @@ SAFE_GLOBALS = tuple(
 )
 
 
-def load_megatron_pickle(path: str, data: Optional[bytes] = None) -> dict:
-    """The dict pickled in ``path`` (``common.pt`` or ``model_optim_rng.pt``; or ``data``, the bytes of a
-    ``common_state`` entry read from ``path``, a ``[dict]``), read on the CPU with
-    ``torch.load(weights_only=True)`` and :data:`SAFE_GLOBALS` only."""
+def load_megatron_object(path: str, data: Optional[bytes] = None):
+    """The object pickled in ``path`` (or ``data``, bytes read from ``path``), read on the CPU with
+    ``torch.load(weights_only=True)`` and :data:`SAFE_GLOBALS` only: nothing from the file runs."""
     try:
         with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
-            obj = torch.load(path if data is None else io.BytesIO(data), map_location="cpu", weights_only=True)
-        if data is not None and isinstance(obj, list) and len(obj) == 1:
-            obj = obj[0]
+            return torch.load(path if data is None else io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
         what = f"the global {found.group(1)}" if found else str(e).splitlines()[0]
@@ -110,6 +107,14 @@ def load_megatron_pickle(path: str, data: Optional[bytes] = None) -> dict:
         ) from None
     except (OSError, RuntimeError, EOFError) as e:
         raise ConversionError(f"cannot read {path}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+
+
+def load_megatron_pickle(path: str, data: Optional[bytes] = None) -> dict:
+    """The dict pickled in ``path`` (``common.pt`` or ``model_optim_rng.pt``; or ``data``, the bytes of a
+    ``common_state`` entry read from ``path``, a ``[dict]``), read by :func:`load_megatron_object`."""
+    obj = load_megatron_object(path, data)
+    if data is not None and isinstance(obj, list) and len(obj) == 1:
+        obj = obj[0]
     if not isinstance(obj, dict):
         raise ConversionError(f"{path} holds a {type(obj).__name__}, not Megatron-LM's checkpoint dict")
     return obj
