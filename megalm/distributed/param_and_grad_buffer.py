@@ -184,28 +184,10 @@ class Bucket:
             )
 
     def instance_reduction(self, shard: torch.Tensor, full: torch.Tensor, group) -> hierarchical.CollectiveChain:
-        """``shard`` <- the SUM of ``full`` over the instance (``group``; None: an instance of one rank, whose
-        ``shard`` already holds the bucket), then all-reduced across the instances; first stage launched."""
-        stats = self.buffer.comm_stats
-        stages = []
-        if group is not None:
-            stages.append(
-                lambda: comm.reduce_scatter_tensor(
-                    shard, full, group=group, async_op=True, kind="grad_reduce_scatter", stats=stats
-                )
-            )
-        stages.append(
-            lambda: comm.all_reduce(
-                shard,
-                group=self.buffer.across_instances,
-                async_op=True,
-                kind="grad_all_reduce_across_instances",
-                stats=stats,
-            )
-        )
-        chain = hierarchical.CollectiveChain(stages)
-        chain.advance()
-        return chain
+        """:func:`~megalm.distributed.hierarchical.instance_reduce` over ``group`` (this instance; None: a
+        rank alone) and the buffer's ``across_instances``."""
+        across, stats = self.buffer.across_instances, self.buffer.comm_stats
+        return hierarchical.instance_reduce(shard, full, group, across, stats=stats)
 
     def compresses(self) -> bool:
         """Whether this bucket's reduction is compressed: a data-parallel group of more than one rank
