@@ -144,6 +144,17 @@ def train_distopt(hierarchical, overlap, pg, instances=1):
     }
 
 
+def instance_state_bf16(pg):
+    """bf16 weights, distributed optimizer over 2 instances: the state bytes of this rank, built (no step)."""
+    from megalm.optimizer import build_optimizer
+
+    distopt = dict(use_distributed_optimizer=True, ddp_bucket_size=BUCKET, num_distributed_optimizer_instances=2)
+    cfg = optimizer_config(distopt, bf16=True, lr=1e-2)
+    ddp = DistributedDataParallel(make_model().to(torch.bfloat16), cfg.parallel, process_groups=pg)
+    optimizer = build_optimizer(cfg, [ddp], report_memory=False, process_groups=pg)
+    return {"owned": sum(r.numel for r in optimizer.ranges), "memory": optimizer.memory_breakdown()}
+
+
 def dp4_worker():
     parallel_state.initialize_model_parallel(ranks_per_node=LOCAL, num_distributed_optimizer_instances=2)
     pg = parallel_state.get_process_groups()
@@ -154,6 +165,7 @@ def dp4_worker():
         out[("distopt", overlap)] = {h: train_distopt(h, overlap, pg) for h in (False, True)}
         out[("instances", overlap)] = train_distopt(False, overlap, pg, instances=2)
     out["ranks"].update({k: pg.ranks[k] for k in ("dp_cp_instance", "dp_cp_across_instances")})
+    out["instances_bf16"] = instance_state_bf16(pg)
     # A bundle without the node halves (built by hand) is refused, naming the flag.
     bare = ProcessGroups(dp_cp=pg.dp_cp, expt_dp=pg.expt_dp, ranks={"dp_cp": pg.ranks["dp_cp"]})
     try:
@@ -266,11 +278,17 @@ def test_distributed_optimizer_instances_equal_flat_and_count_bytes(dp4):
                 "grad_all_reduce_across_instances": pytest.approx(0.5 * b * STEPS),
                 "grad_norm_all_reduce": inter["grad_norm_all_reduce"],
             }
-        # each instance's two ranks own every parameter element once: 8 P bytes per instance (12 P / 2 per
-        # rank with bf16's fp32 main weights), twice the flat DP 4 rank's share
+        # each instance's two ranks own every parameter element once: 8 P bytes per instance, twice the flat DP 4
+        # rank's share
         for instance in ((0, 1), (2, 3)):
             assert sum(dp4[i][key]["owned"] for i in instance) == params
         assert sum(r[("distopt", overlap)][False]["owned"] for r in dp4) == params
+    # bf16 weights: fp32 main weight + two fp32 moments, 12 B x P / (DP/N) per instance rank (up to the shard cut)
+    for instance in ((0, 1), (2, 3)):
+        bf = [dp4[i]["instances_bf16"] for i in instance]
+        state = [b["memory"]["main_params"] + b["memory"]["optimizer_state"] for b in bf]
+        assert state == [12 * b["owned"] for b in bf]
+        assert sum(b["owned"] for b in bf) == params
 
 
 def test_tp2_dp2_across_nodes():
