@@ -157,6 +157,29 @@ def test_mla_and_mtp_parameters_equal_built_model(extra):
     assert any(n.startswith("mtp.layers.1.") for n, _ in named)
 
 
+def add_context_attributes(output: torch.Tensor, seen: dict) -> None:
+    """Add to ``seen`` (storage pointer -> bytes) the tensors that autograd Functions keep as context attributes
+    (``ctx.documents = ...``, not ``save_for_backward``: the hooks miss them), also inside dataclasses, by walking
+    ``output``'s graph."""
+
+    def add(value):
+        if torch.is_tensor(value):
+            seen[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for field in dataclasses.fields(value):
+                add(getattr(value, field.name))
+
+    stack, visited = [output.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        for value in getattr(node, "__dict__", {}).values():
+            add(value)
+        stack.extend(n for n, _ in node.next_functions)
+
+
 def saved_activation_bytes(model, cfg, dtype, packed_seq_params=None) -> int:
     """Bytes of the unique storages autograd saves during one training forward (parameters excluded);
     ``packed_seq_params``: the micro-batch's documents (``--qkv-format thd``)."""
@@ -177,7 +200,8 @@ def saved_activation_bytes(model, cfg, dtype, packed_seq_params=None) -> int:
     # the position-keyed dropout draws its key from the model's tracker
     model_parallel_manual_seed(0, get_process_groups(), model.rng_tracker)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        model(tokens, None, labels, packed_seq_params=packed_seq_params)
+        loss = model(tokens, None, labels, packed_seq_params=packed_seq_params)
+    add_context_attributes(loss, seen)
     return sum(seen.values())
 
 
@@ -316,9 +340,11 @@ def test_activation_estimate_matches_saved_tensors(case):
     assert abs(predicted - measured) / measured < 0.05, (case, predicted, measured)
 
 
-@pytest.mark.parametrize("case", ["llama-gqa-fp32", "llama-gqa-bf16"])
+@pytest.mark.parametrize("case", ["llama-gqa-fp32", "llama-gqa-bf16", "llama-bf16-keyed-dropout"])
 def test_packed_sequence_activations_equal_saved_tensors(case):
-    """--qkv-format thd (5 documents in 2 rows of 32): the estimate equals the bytes saved, and has no s x s mask."""
+    """--qkv-format thd (5 documents in 2 rows of 32): the estimate equals the bytes saved, and has no s x s mask.
+    With position-keyed dropout (the tiled core, which keeps the document ids; RoPE's rotated q kept): within
+    0.5% (observed 0.13% under: the dropout's key and positions; 6.1% under before the core was told apart)."""
     from megalm.models import GPTModel
     from megalm.transformer.packed_seq import packed_seq_params_from_documents
 
@@ -328,7 +354,11 @@ def test_packed_sequence_activations_equal_saved_tensors(case):
     dtype = torch.bfloat16 if cfg.training.bf16 else torch.float32
     model = GPTModel(cfg, process_groups=get_process_groups())
     measured = saved_activation_bytes(model, cfg, dtype, packed_seq_params_from_documents(documents))
-    assert predicted_activation_bytes(cfg) == measured, (case, predicted_activation_bytes(cfg), measured)
+    predicted = predicted_activation_bytes(cfg)
+    if cfg.model.attention_dropout > 0:
+        assert abs(predicted - measured) / measured < 0.005, (case, predicted, measured)
+    else:
+        assert predicted == measured, (case, predicted, measured)
 
 
 def _tp2_measurements(cases):
@@ -357,11 +387,19 @@ def test_tp2_parameters_and_activations_per_rank():
             assert abs(predicted - measured) / measured < 0.05, (model_kw, sp, predicted, measured)
 
 
+def cp_documents(rows: int, seq: int) -> torch.Tensor:
+    """Document ids ``[rows, seq]`` of uneven documents (row ``r`` ends documents at ``seq/5 + r``, ``seq/2``)."""
+    bounds = [(seq // 5 + r, seq // 2) for r in range(rows)]
+    return torch.stack([sum((torch.arange(seq) >= e).long() for e in ends) for ends in bounds])
+
+
 def _cp2_measurements(cases):
-    """Saved bytes of one training forward on this CP rank (its two chunks), per case."""
+    """Saved bytes of one training forward on this CP rank (its two chunks), per case (THD: the documents of
+    :func:`cp_documents`)."""
     from megalm import parallel_state
     from megalm.context_parallel import split_sequence
     from megalm.models import GPTModel
+    from megalm.transformer.packed_seq import packed_seq_params_from_documents
 
     parallel_state.initialize_model_parallel(context_parallel_size=2)
     # attention dropout under CP is position-keyed: its key comes from the tracker
@@ -370,7 +408,8 @@ def _cp2_measurements(cases):
     out = []
     for comm, model_kw in cases:
         cfg = make_config(MODEL, CP2, model_kw, cp_comm_type=comm, world_size=2)
-        model = GPTModel(cfg, process_groups=get_process_groups(), rng_tracker=tracker)
+        dtype = torch.bfloat16 if cfg.training.bf16 else torch.float32
+        model = GPTModel(cfg, process_groups=get_process_groups(), rng_tracker=tracker).to(dtype)
         t, seq = cfg.training, cfg.model.seq_length
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         seen = {}
@@ -384,8 +423,12 @@ def _cp2_measurements(cases):
         tokens, labels = (torch.randint(0, 200, (t.micro_batch_size, seq), generator=g) for _ in range(2))
         positions = torch.arange(seq).unsqueeze(0)
         tokens, labels, positions = (split_sequence(x, 1, rank, 2) for x in (tokens, labels, positions))
+        packed = None  # --qkv-format thd: uneven documents over both ranks' chunks (the params cover the sequence)
+        if cfg.data.qkv_format == "thd":
+            packed = packed_seq_params_from_documents(cp_documents(t.micro_batch_size, seq))
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-            model.train()(tokens, positions, labels)
+            loss = model.train()(tokens, positions, labels, packed_seq_params=packed)
+        add_context_attributes(loss, seen)
         out.append(sum(seen.values()))
     return out
 
@@ -395,18 +438,27 @@ CP2_CASES = [(comm, kw) for comm in ("p2p", "a2a", "allgather") for kw in (dict(
 CP2_CASES += [("a2a", dict(seq_length=256, max_position_embeddings=256, **kw)) for kw in (dict(), LLAMA)]
 # attention dropout (Megatron's default 0.1): position-keyed under CP, each type's core with the keyed mask
 CP2_CASES += [(c, dict(attention_dropout=0.1, **kw)) for c, kw in (("p2p", {}), ("a2a", LLAMA), ("allgather", {}))]
+# packed documents (--qkv-format thd, cp_documents): each type's core as it runs them, with and without dropout
+THD = dict(reset_attention_mask=True, qkv_format="thd")
+CP2_CASES += [(c, dict(THD, **LLAMA)) for c in ("p2p", "a2a", "allgather")]
+CP2_CASES += [("p2p", THD), ("allgather", dict(THD, bf16=True, **LLAMA))]
+CP2_CASES += [(c, dict(THD, attention_dropout=0.1, **kw)) for c, kw in (("a2a", LLAMA), ("allgather", {}))]
 
 
 def test_cp2_activations_per_rank():
     """Each --cp-comm-type's saved tensors at CP 2 (sequence 64: 32 positions per rank; a2a also with the
-    blocked core at 256) against the prediction (observed: p2p and a2a exact to 0.1%, allgather 1.3%
-    under; a2a + blocked at 256 predicted 2.65 MB (GQA 3.51) against 4.41 (4.71) measured before the
-    estimate counted the blocked core)."""
+    blocked core at 256), also with packed documents (THD), against the prediction (observed: equal, with
+    attention dropout 0.25% under: the keyed dropout's key and position tensors, a few hundred bytes per
+    layer, are not counted; before THD under CP was counted, THD + GQA was predicted 8-10% under, and before
+    allgather's masks were counted in the model dtype it was 1.3-2.5% under; a2a + blocked at 256 predicted
+    2.65 MB (GQA 3.51) against 4.41 (4.71) measured before the estimate counted the blocked core)."""
     results = run_distributed(_cp2_measurements, world_size=2, args=(CP2_CASES,), timeout=120)
     for (comm, model_kw), per_rank in zip(CP2_CASES, zip(*results)):
         predicted = predicted_activation_bytes(make_config(MODEL, CP2, model_kw, cp_comm_type=comm, world_size=2))
         for measured in per_rank:
-            assert abs(predicted - measured) / measured < 0.03, (comm, model_kw, predicted, measured)
+            assert abs(predicted - measured) / measured < 0.005, (comm, model_kw, predicted, measured)
+            exact = not model_kw.get("attention_dropout")  # without dropout: equal
+            assert not exact or predicted == measured, (comm, model_kw, predicted, measured)
 
 
 def test_in_flight_microbatches_follow_the_schedules():

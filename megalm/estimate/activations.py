@@ -60,15 +60,22 @@ p2p the ring's q, contiguous k/v copies ``2 B S g d / TP``, output, log-sum-exps
 and the context copy; a2a the all-to-all'd q/k/v (the QKV output's size) and, by the layer's core on the
 whole sequence of ``n / CP`` heads, SDPA's output, fp32 log-sum-exps and the context copy, or the blocked
 core's probabilities (``1/CP`` of the table's) and context; allgather the gathered k/v ``2 B s b g d / TP``, output,
-log-sum-exps, masks and the context copy (with attention dropout, position-keyed under CP: per chunk
-contiguous copies of the keys and values it sees, no mask).  Measured on 2 ranks within 2%, with and without
-attention dropout (tests/test_estimate.py).
+log-sum-exps, masks (SDPA keeps them in the model dtype) and the context copy (with attention dropout,
+position-keyed under CP: per chunk contiguous copies of the keys and values it sees, no mask); a2a and
+allgather also keep the int64 indices that reorder chunks.  Measured on 2 ranks: equal without attention
+dropout, 0.25% under with it (the keyed dropout's key and position tensors are not counted) (tests/test_estimate.py).
 
 Packed sequences (``--qkv-format thd``, ``Shape.packed``), with the SDPA / flash-attn core: no ``[b, 1, s, s]``
 mask; the core keeps packed copies of q, k, v instead of the QKV output and rotated q and k, its outputs and
 the context copy (:func:`packed_attention_bytes`), and the RoPE tables are per row (positions restart in every
-document).  Measured equal on a CPU (GPT and Llama-style GQA, fp32 and bf16).  The other cores, selective
-recompute and CP under THD are counted as their causal forms (not measured).
+document).  Measured equal on a CPU (GPT and Llama-style GQA, fp32 and bf16).  Under CP (:func:`runs_varlen`):
+a2a runs that core on the whole sequence of ``n / CP`` heads (the same rows per rank); p2p's ring and the
+position-keyed dropout cores (every type's with attention dropout under CP) keep their causal forms' tensors
+plus each layer's int64 ``[b, s]`` document ids (:func:`document_id_bytes`; the ring's per-tile document masks
+are freed within its forward and backward); allgather's per-chunk masks hold one document mask per row
+(``b`` times the causal ones).  Measured on 2 ranks: equal (with attention dropout 0.25% under: the keyed
+dropout's key and position tensors, a few hundred bytes per layer, are not counted).  The
+other cores at CP 1 and selective recompute under THD are counted as their causal forms (not measured).
 
 In flight (Megatron's schedules): no pipelining 1 microbatch; 1F1B stage ``r`` of ``p`` holds
 ``min(p - r, m)``; interleaved with ``v`` chunks ``min(2 (p - r - 1) + (v - 1) p + 1, m v)``
@@ -171,8 +178,8 @@ def layer_bytes(m, sh: Shape, is_moe: bool = False, layer_number: int = 0) -> Di
     elif m.position_embedding_type in ("rope", "yarn"):
         rot = int(d * m.rotary_percent)
         tables = 4 * sh.local_seq * rot * B * (sh.micro_batch if sh.packed else 1) if B < 4 else 0
-        # packed: the core reads packed copies of q, k, v (the qkv row), so the rotated q and k are let go
-        out["rope"] = (0 if sh.packed else B * S * (n + g) * d // tp) + tables
+        # the varlen core reads packed copies of q, k, v (the qkv row), so the rotated q and k are let go
+        out["rope"] = (0 if runs_varlen(m, sh) else B * S * (n + g) * d // tp) + tables
     context = B * S * n * d // tp
     window, sinks = layer_window(m, layer_number), uses_sinks(m)
     variant = window is not None or sinks
@@ -185,6 +192,7 @@ def layer_bytes(m, sh: Shape, is_moe: bool = False, layer_number: int = 0) -> Di
         out.update(context_parallel_attention_bytes(m, sh, out))
     elif m.attention_dropout > 0 and m.position_keyed_attention_dropout:
         out.update(tiled_core_bytes(m, sh, out))  # the position-keyed core (blocks.local_attention)
+        out["attention"] += document_id_bytes(sh)
     elif variant and not blocked:
         out.update(variant_core_bytes(m, sh, out, window, sinks))
     elif m.attention_backend == "unfused":
@@ -212,16 +220,32 @@ def layer_bytes(m, sh: Shape, is_moe: bool = False, layer_number: int = 0) -> Di
     return out
 
 
+def runs_varlen(m, sh: Shape) -> bool:
+    """Whether ``--qkv-format thd`` attention runs the varlen core (:mod:`megalm.transformer.varlen_attention`,
+    on packed copies of q, k, v): in one process, and as a2a's core on the whole sequence, unless the
+    position-keyed dropout core (always the one under CP) runs instead."""
+    keyed = m.attention_dropout > 0 and (m.position_keyed_attention_dropout or sh.cp > 1)
+    return sh.packed and not keyed and (sh.cp == 1 or sh.cp_comm_type == "a2a")
+
+
+def document_id_bytes(sh: Shape) -> int:
+    """``--qkv-format thd`` with a core that masks documents by id (the p2p ring, the position-keyed dropout
+    cores): each layer's int64 ``[b, s]`` document ids of the whole sequence
+    (:func:`~megalm.transformer.packed_seq.document_ids`), which its core keeps for backward (0 unpacked)."""
+    return 8 * sh.micro_batch * sh.seq if sh.packed else 0
+
+
 def packed_attention_bytes(m, sh: Shape, parts: Dict[str, int]) -> Dict[str, int]:
     """``--qkv-format thd`` (:mod:`megalm.transformer.varlen_attention`) with the SDPA / flash-attn core: q, k
     and v are copied to packed ``[t, heads, d]`` tensors, which the core keeps (``B S (n + 2g) d / TP``, the
     ``qkv`` row; the QKV output and the rotated q and k are then let go), its outputs (per document on a CPU,
     flash-attn's one on CUDA) ``B S n d / TP`` and fp32 log-sum-exps ``4 b n s / TP``, and the ``[s, b, n d]``
     context copy for ``linear_proj``.  No ``[b, 1, s, s]`` mask: the cost of the documents is nothing
-    beyond the causal core's one extra output copy."""
+    beyond the causal core's one extra output copy.  Under a2a context parallelism the same core runs on the
+    whole sequence of ``n / CP`` heads: the same bytes per rank, with ``S = s b / CP``."""
     n = m.num_attention_heads
     context = sh.dtype_bytes * sh.tokens * n * m.head_dim // sh.tp
-    return {"attention": 2 * context + 4 * sh.micro_batch * sh.seq * n // sh.tp}
+    return {"attention": 2 * context + 4 * sh.micro_batch * sh.local_seq * n // sh.tp}
 
 
 def tiled_core_bytes(m, sh: Shape, parts: Dict[str, int]) -> Dict[str, int]:
@@ -281,8 +305,17 @@ def context_parallel_attention_bytes(m, sh: Shape, parts: Dict[str, int]) -> Dic
     n, d = m.num_attention_heads // tp, m.head_dim
     g = (m.num_query_groups if m.group_query_attention else m.num_attention_heads) // tp
     context = B * S * n * d
-    if sh.cp_comm_type == "p2p":
-        return tiled_core_bytes(m, sh, parts)
+    if sh.cp_comm_type == "p2p":  # the ring also keeps the documents' ids (its blocks' masks are per tile, freed)
+        out = tiled_core_bytes(m, sh, parts)
+        out["attention"] += document_id_bytes(sh)
+        return out
+    # a2a reorders q, k, v and the output between rank and sequence order, allgather k and v: each indexing
+    # keeps its int64 index of the 2 CP chunks (chunks.gathered_to_global) for backward
+    reorder = (4 if sh.cp_comm_type == "a2a" else 2) * 8 * 2 * sh.cp
+    if runs_varlen(m, sh):  # a2a with packed documents: the varlen core on n / CP heads
+        out = packed_attention_bytes(m, sh, parts)
+        out["attention"] += reorder
+        return out
     out = {}
     if sh.cp_comm_type == "allgather" and "rope" in parts:
         # q is the rotated copy, k and v are gathered: neither the QKV output nor the rotated k is kept.
@@ -298,21 +331,26 @@ def context_parallel_attention_bytes(m, sh: Shape, parts: Dict[str, int]) -> Dic
             if g != n:
                 out["attention"] += 2 * context
                 out["qkv"] = parts["qkv"] - 2 * B * S * g * d
-        else:
-            out["attention"] = 2 * context + 4 * b * n * sh.local_seq
+        else:  # the keyed core with packed documents also keeps their ids
+            out["attention"] = 2 * context + 4 * b * n * sh.local_seq + document_id_bytes(sh)
         if "rope" in parts:
             out["rope"] = parts["rope"] - B * S * (m.num_attention_heads + g * tp) * d // tp
     elif m.attention_dropout > 0:
         # The keyed core (blocks.local_attention) per query chunk j: contiguous copies of the ``(j + 1) c``
         # keys and values it sees (``(2 CP + 1) c`` for the rank's pair), its output and log-sum-exps; no mask.
+        # With packed documents the chunks' cores also keep (views of) the documents' ids.
         c = sh.local_seq // 2
         out["attention"] = 2 * context + 2 * B * b * (2 * sh.cp + 1) * c * g * d + 4 * b * n * sh.local_seq
+        out["attention"] += document_id_bytes(sh)
     else:
         # Gathered k and v of the whole sequence, each query chunk's output, log-sum-exps and causal
-        # mask (bool, ``c x (j + 1) c`` for chunk j: ``c^2 (2 CP + 1)`` for the rank's pair).
+        # mask (``c x (j + 1) c`` for chunk j: ``c^2 (2 CP + 1)`` for the rank's pair), which SDPA keeps
+        # converted from bool to the model dtype; with packed documents the mask also holds the document
+        # mask, one per row: ``b`` times that.
         c = sh.local_seq // 2
-        mask = c * c * (2 * sh.cp + 1)
+        mask = B * c * c * (2 * sh.cp + 1) * (b if sh.packed else 1)
         out["attention"] = 2 * context + 2 * B * S * sh.cp * g * d + 4 * b * n * sh.local_seq + mask
+    out["attention"] += reorder
     return out
 
 
