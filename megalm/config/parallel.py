@@ -99,8 +99,8 @@ class ParallelConfig(Section):
         "optimizer state and main weights are sharded over the DP/N ranks of one instance and replicated across "
         "instances.  Each gradient bucket is reduce-scattered inside the instance, each rank's shard (1/(DP/N) of "
         "the bucket) all-reduced across the instances (the only collective between them), and the parameters "
-        "all-gathered inside the instance.  With --data-parallel-sharding-strategy optim_grads / optim_grads_params (HSDP, as "
-        "Megatron-FSDP) the reduced gradients and the weights are sharded over the instance too.  Needs "
+        "all-gathered inside the instance.  With --data-parallel-sharding-strategy optim_grads / optim_grads_params "
+        "(HSDP, as Megatron-FSDP) the reduced gradients and the weights are sharded over the instance too.  Needs "
         "--use-distributed-optimizer; N must divide the data-parallel (x context) size.",
     )
     grad_compression: str = _f(
