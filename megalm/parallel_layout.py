@@ -207,3 +207,30 @@ def node_layout(layout: Dict[str, List[List[int]]], ranks_per_node: int) -> Dict
             inter_all += inter
         out[f"{fld}_intra"], out[f"{fld}_inter"] = intra_all, inter_all
     return out
+
+
+# ProcessGroups fields of --num-distributed-optimizer-instances (Megatron-core's intra / inter distributed
+# optimizer instance groups)
+INSTANCE_FIELDS = ("dp_cp_instance", "dp_cp_across_instances")
+
+
+def instance_layout(layout: Dict[str, List[List[int]]], instances: int) -> Dict[str, List[List[int]]]:
+    """``{"dp_cp_instance": [...], "dp_cp_across_instances": [...]}`` for ``--num-distributed-optimizer-instances
+    N``: each data (x context) parallel group of ``K`` ranks (in group-rank order) cut into ``N`` instances of
+    ``K / N`` consecutive members (a node when ``K / N`` is the ranks per node), and the ``N`` members with the
+    same index in every instance.  A member of instance ``j`` at index ``i`` has group rank ``j K/N + i``.
+    Empty for ``N == 1``.  Raises :class:`NodeLayoutError` when ``N`` does not divide ``K``."""
+    if instances == 1:
+        return {}
+    within, across = [], []
+    for members in layout["data_context"]:
+        k = len(members)
+        if instances < 1 or k % instances:
+            raise NodeLayoutError(
+                f"--num-distributed-optimizer-instances {instances} must divide the data-parallel (x context) size {k}"
+            )
+        per = k // instances
+        chunks = [list(members[j * per : (j + 1) * per]) for j in range(instances)]
+        within += chunks
+        across += [[c[i] for c in chunks] for i in range(per)]
+    return {"dp_cp_instance": within, "dp_cp_across_instances": across}

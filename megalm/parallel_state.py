@@ -26,9 +26,11 @@ from typing import Dict, List, Mapping, Optional, Tuple
 import torch.distributed as dist
 
 from megalm.parallel_layout import (  # noqa: F401  (re-exported: parallel_state.compute_layout etc.)
+    INSTANCE_FIELDS,
     NODE_FIELDS,
     NodeLayoutError,
     compute_layout,
+    instance_layout,
     node_layout,
     node_split,
     rank_groups,
@@ -75,6 +77,12 @@ class ProcessGroups:
     dp_cp_inter: Optional[object] = None
     expt_dp_intra: Optional[object] = None
     expt_dp_inter: Optional[object] = None
+    # --num-distributed-optimizer-instances N > 1 (parallel_layout.instance_layout): the DP x CP / N consecutive
+    # ranks of dp_cp the distributed optimizer shards over (one instance), and the N ranks holding the same shard
+    # (one per instance), over which the reduce-scattered gradient shard is all-reduced.  Absent from ``ranks``
+    # when N is 1.
+    dp_cp_instance: Optional[object] = None
+    dp_cp_across_instances: Optional[object] = None
     ranks: Mapping[str, Tuple[int, ...]] = field(default_factory=lambda: MappingProxyType({}))
 
     @classmethod
@@ -129,7 +137,7 @@ _FIELD_OF_LAYOUT = {
 
 
 # Kinds whose single-rank groups are None (this rank alone) rather than a process group of one.
-_SINGLE_AS_NONE = frozenset(NODE_FIELDS) | {"expert_tensor"}
+_SINGLE_AS_NONE = frozenset(NODE_FIELDS) | frozenset(INSTANCE_FIELDS) | {"expert_tensor"}
 
 
 @dataclass
@@ -162,6 +170,7 @@ def initialize_model_parallel(
     timeout: timedelta = DEFAULT_TIMEOUT,
     ranks_per_node: Optional[int] = None,
     expert_tensor_parallel_size: int = 1,
+    num_distributed_optimizer_instances: int = 1,
 ) -> None:
     """Create every process group of the layout.  ``torch.distributed`` must be initialized.
 
@@ -170,7 +179,10 @@ def initialize_model_parallel(
 
     ``ranks_per_node``: consecutive global ranks per node (default torchrun's ``LOCAL_WORLD_SIZE``,
     else one node); it places the intra-/inter-node halves of the data-parallel groups
-    (:func:`node_split`) and the inter-node byte count of :mod:`megalm.distributed.comm`."""
+    (:func:`node_split`) and the inter-node byte count of :mod:`megalm.distributed.comm`.
+
+    ``num_distributed_optimizer_instances`` N > 1: also the instance groups of the distributed optimizer
+    (:func:`instance_layout`: ``dp_cp_instance``, ``dp_cp_across_instances``)."""
     global _STATE
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized; call megalm.initialize.initialize_distributed first")
@@ -188,6 +200,7 @@ def initialize_model_parallel(
     per_node = _ranks_per_node(world, ranks_per_node)
     layout = compute_layout(world, tp, pp, cp, ep, etp)
     layout.update(node_layout(layout, per_node))
+    layout.update(instance_layout(layout, num_distributed_optimizer_instances))
     groups, ranks = {}, {}
     for name, group_list in layout.items():
         for members in group_list:
@@ -199,7 +212,7 @@ def initialize_model_parallel(
             if rank in members:
                 groups[name], ranks[name] = pg, members
     vpp = virtual_pipeline_model_parallel_size
-    field_of = {**_FIELD_OF_LAYOUT, **{n: n for n in NODE_FIELDS}}
+    field_of = {**_FIELD_OF_LAYOUT, **{n: n for n in NODE_FIELDS + INSTANCE_FIELDS}}
     bundle = ProcessGroups(
         **{field_of[name]: pg for name, pg in groups.items()},
         ranks=MappingProxyType({field_of[name]: tuple(members) for name, members in ranks.items()}),

@@ -829,3 +829,18 @@ def test_gloo_collective_copies_count_for_zero1_only():
         assert cpu["stages"][0][f"transient_{s}"] == st[f"transient_{s}"], s
     assert st["transient_optim"] == 0
     assert cpu["stages"][0]["transient_optim"] == 4 * st["parameters"]  # fp32 gradients of the whole stage
+
+
+def test_distributed_optimizer_instances_shard_over_one_instance():
+    """--num-distributed-optimizer-instances 2 at DP 8, bf16 Adam: the optimizer's 12 B per parameter (fp32 main
+    weight and two moments) over DP / 2 = 4 ranks, twice DP 8's share; weights and gradients unchanged."""
+    base = list(MODEL_FLAGS) + ["--vocab-size", "200", "--tokenizer-type", "NullTokenizer", "--bf16"]
+    base += ["--world-size", "8", "--use-distributed-optimizer", "--reserve-gb", "0"]
+    with_two = parse(base + ["--num-distributed-optimizer-instances", "2"])
+    flat, two = plan(*parse(base)), plan(*with_two)
+    (f,), (t,) = flat["stages"], two["stages"]
+    assert t["optimizer_distributed"] == pytest.approx(12 * t["parameters"] / 4)
+    assert f["optimizer_distributed"] == pytest.approx(12 * f["parameters"] / 8)
+    assert (t["weights"], t["grads"]) == (f["weights"], f["grads"])
+    assert two["bytes_per_param_by_strategy"]["optim"] == 6 + 12 / 4
+    assert "(d = DP / 2 distributed-optimizer instances = 4)" in format_plan(with_two[0], two)

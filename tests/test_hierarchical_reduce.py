@@ -4,6 +4,10 @@ and the inter-node byte count against the ring formulas, on 4 real gloo ranks gr
 
 Layout DP 4: dp_cp [0, 1, 2, 3], intra-node [0, 1] / [2, 3], inter-node [0, 2] / [1, 3].  Layout
 TP 2 x DP 2: dp_cp [0, 2] / [1, 3] cross nodes, so the intra-node half is this rank alone.
+
+The DP 4 group also builds --num-distributed-optimizer-instances 2 (instances [0, 1] / [2, 3], one per
+node; across instances [0, 2] / [1, 3]): the distributed optimizer over an instance against the flat one,
+its optimizer-state bytes and its collectives' bytes against the formulas.
 """
 
 import copy
@@ -14,9 +18,17 @@ import torch.nn.functional as F
 
 from megalm import parallel_state
 from megalm.config import ParallelConfig
+from megalm.config.sections import ConfigError
 from megalm.distributed import CommStats, DistributedDataParallel, comm, finalize_model_grads
-from megalm.parallel_state import NodeLayoutError, ProcessGroups, get_process_groups, node_split
-from tests.configs import optimizer_config
+from megalm.parallel_state import (
+    NodeLayoutError,
+    ProcessGroups,
+    compute_layout,
+    get_process_groups,
+    instance_layout,
+    node_split,
+)
+from tests.configs import make_config, optimizer_config
 from tests.distributed_harness import run_distributed
 from tests.training_runs import tiny_flags
 
@@ -91,11 +103,12 @@ def ddp_grads(hierarchical, overlap, expert, pg):
     }
 
 
-def train_distopt(hierarchical, overlap, pg):
+def train_distopt(hierarchical, overlap, pg, instances=1):
     """STEPS steps of the distributed optimizer; losses, params, shard layout, bytes per node."""
     from megalm.optimizer import build_optimizer
 
     distopt = dict(use_distributed_optimizer=True, ddp_bucket_size=BUCKET, hierarchical_grad_reduce=hierarchical)
+    distopt["num_distributed_optimizer_instances"] = instances
     overlapped = dict(overlap_grad_reduce=overlap, overlap_param_gather=overlap)
     cfg = optimizer_config(distopt, overlapped, lr=1e-2, weight_decay=0.1, clip_grad=0.05)
     p = cfg.parallel
@@ -104,17 +117,19 @@ def train_distopt(hierarchical, overlap, pg):
     ddp = DistributedDataParallel(model, p, process_groups=pg, comm_stats=stats)
     optimizer = build_optimizer(cfg, [ddp], report_memory=False, process_groups=pg, comm_stats=stats)
     dp, dp_rank = parallel_state.group_size(pg.dp_cp), parallel_state.group_rank(pg.dp_cp)
-    losses, grad_shards = [], []
+    losses, grad_shards, norms = [], [], []
     for step in range(STEPS):
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         losses.append(backward_step(ddp, step, dp_rank, dp))
         finalize_model_grads([ddp], process_groups=pg, comm_stats=stats)
         grad_shards.append([r.grad.clone() for r in optimizer.ranges])
-        ok, _, _ = optimizer.step()
+        ok, norm, _ = optimizer.step()
         assert ok
+        norms.append(norm)
     ddp.finish_param_sync()
     grad_kinds = {k: v["inter_node_bytes"] for k, v in stats.get().items()}
+    owned = sum(r.numel for r in optimizer.ranges)
     return {
         "losses": losses,
         "params": [q.detach().clone() for q in model.parameters()],
@@ -122,17 +137,35 @@ def train_distopt(hierarchical, overlap, pg):
         "layout": optimizer.describe(),
         "inter": grad_kinds,
         "bucket_bytes": padded_bucket_bytes(ddp),
+        "norms": norms,
+        "wire": {k: v["wire_bytes"] for k, v in stats.get().items()},
+        "owned": owned,
+        "memory": optimizer.memory_breakdown(),
     }
 
 
+def instance_state_bf16(pg):
+    """bf16 weights, distributed optimizer over 2 instances: the state bytes of this rank, built (no step)."""
+    from megalm.optimizer import build_optimizer
+
+    distopt = dict(use_distributed_optimizer=True, ddp_bucket_size=BUCKET, num_distributed_optimizer_instances=2)
+    cfg = optimizer_config(distopt, bf16=True, lr=1e-2)
+    ddp = DistributedDataParallel(make_model().to(torch.bfloat16), cfg.parallel, process_groups=pg)
+    optimizer = build_optimizer(cfg, [ddp], report_memory=False, process_groups=pg)
+    return {"owned": sum(r.numel for r in optimizer.ranges), "memory": optimizer.memory_breakdown()}
+
+
 def dp4_worker():
-    parallel_state.initialize_model_parallel(ranks_per_node=LOCAL)
+    parallel_state.initialize_model_parallel(ranks_per_node=LOCAL, num_distributed_optimizer_instances=2)
     pg = parallel_state.get_process_groups()
     out = {"ranks": {k: pg.ranks[k] for k in ("dp_cp", "dp_cp_intra", "dp_cp_inter", "expt_dp_inter")}}
     for overlap, expert in ((False, False), (True, False), (True, True)):
         out[("ddp", overlap, expert)] = {h: ddp_grads(h, overlap, expert, pg) for h in (False, True)}
     for overlap in (False, True):
         out[("distopt", overlap)] = {h: train_distopt(h, overlap, pg) for h in (False, True)}
+        out[("instances", overlap)] = train_distopt(False, overlap, pg, instances=2)
+    out["ranks"].update({k: pg.ranks[k] for k in ("dp_cp_instance", "dp_cp_across_instances")})
+    out["instances_bf16"] = instance_state_bf16(pg)
     # A bundle without the node halves (built by hand) is refused, naming the flag.
     bare = ProcessGroups(dp_cp=pg.dp_cp, expt_dp=pg.expt_dp, ranks={"dp_cp": pg.ranks["dp_cp"]})
     try:
@@ -214,6 +247,50 @@ def test_distributed_optimizer_hierarchical_equals_flat(dp4):
             assert hier["inter"]["grad_reduce_scatter_intra"] == 0.0
 
 
+def test_distributed_optimizer_instances_equal_flat_and_count_bytes(dp4):
+    """--num-distributed-optimizer-instances 2 at DP 4: the same training as the flat distributed
+    optimizer (losses, grad norms, weights), the optimizer state sharded over 2 ranks, and the bytes:
+    reduce-scatter and all-gather inside the node, only the shard's all-reduce across nodes."""
+    params = sum(p.numel() for p in make_model().parameters())
+    for rank, r in enumerate(dp4):
+        assert r["ranks"]["dp_cp_instance"] == ((0, 1) if rank < 2 else (2, 3))
+        assert r["ranks"]["dp_cp_across_instances"] == ((0, 2) if rank % 2 == 0 else (1, 3))
+    for overlap in (False, True):
+        key = ("instances", overlap)
+        for rank, r in enumerate(dp4):
+            flat, inst = r[("distopt", overlap)][False], r[key]
+            assert inst["losses"] == pytest.approx(flat["losses"], rel=1e-6)
+            assert inst["norms"] == pytest.approx(flat["norms"], rel=1e-6)
+            assert min(flat["norms"]) > 0.05  # --clip-grad 0.05 acts in every step
+            _close(inst["params"], flat["params"], f"params {key}")
+            assert inst["layout"] == dp4[rank % 2][key]["layout"]  # the other instance holds the same shard
+            # fp32 AdamW: exp_avg + exp_avg_sq, 8 B per element of this rank's shard; no fp32 copy
+            assert inst["memory"]["optimizer_state"] == 8 * inst["owned"]
+            assert inst["memory"]["main_params"] == 0
+            b = inst["bucket_bytes"]  # padded to a multiple of the instance's 2 ranks
+            wire, inter = inst["wire"], inst["inter"]
+            assert wire["grad_reduce_scatter"] == pytest.approx(0.5 * b * STEPS)  # (2-1)/2 B inside the node
+            assert wire["param_all_gather"] == pytest.approx(0.5 * b * STEPS)
+            assert wire["grad_all_reduce_across_instances"] == pytest.approx(0.5 * b * STEPS)  # 2 (2-1)/2 x B/2
+            assert inter == {
+                "grad_reduce_scatter": 0.0,
+                "param_all_gather": 0.0,
+                "grad_all_reduce_across_instances": pytest.approx(0.5 * b * STEPS),
+                "grad_norm_all_reduce": inter["grad_norm_all_reduce"],
+            }
+        # each instance's two ranks own every parameter element once: 8 P bytes per instance, twice the flat DP 4
+        # rank's share
+        for instance in ((0, 1), (2, 3)):
+            assert sum(dp4[i][key]["owned"] for i in instance) == params
+        assert sum(r[("distopt", overlap)][False]["owned"] for r in dp4) == params
+    # bf16 weights: fp32 main weight + two fp32 moments, 12 B x P / (DP/N) per instance rank (up to the shard cut)
+    for instance in ((0, 1), (2, 3)):
+        bf = [dp4[i]["instances_bf16"] for i in instance]
+        state = [b["memory"]["main_params"] + b["memory"]["optimizer_state"] for b in bf]
+        assert state == [12 * b["owned"] for b in bf]
+        assert sum(b["owned"] for b in bf) == params
+
+
 def test_tp2_dp2_across_nodes():
     ranks = run_distributed(tp2_worker, 4, timeout=180)
     for rank, r in enumerate(ranks):
@@ -248,6 +325,47 @@ def test_single_process_flag_is_a_no_op():
     ddp(x).sum().backward()
     ref(x).sum().backward()
     _close([p.main_grad for p in model.parameters()], [p.grad for p in ref.parameters()], "dp 1")
+
+
+def test_instance_layout_cuts_each_data_parallel_group():
+    # TP 2 x DP 4: dp_cp [0, 2, 4, 6] / [1, 3, 5, 7]; 2 instances of 2 consecutive members each
+    layout = compute_layout(8, tp=2)
+    got = instance_layout(layout, 2)
+    assert got["dp_cp_instance"] == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert got["dp_cp_across_instances"] == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    assert instance_layout(layout, 4)["dp_cp_instance"] == [[0], [2], [4], [6], [1], [3], [5], [7]]
+    assert instance_layout(layout, 1) == {}
+    with pytest.raises(NodeLayoutError, match="--num-distributed-optimizer-instances 3 must divide"):
+        instance_layout(layout, 3)
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"num_distributed_optimizer_instances": 2}, "instances 2 needs --use-distributed-optimizer"),
+        ({"num_distributed_optimizer_instances": 0}, "must be >= 1, got 0"),
+        ({"hierarchical_grad_reduce": True}, "2 with --hierarchical-grad-reduce is not built yet"),
+        ({"grad_compression": "int8"}, "2 with --grad-compression int8 is not built yet"),
+        ({"ft_replica_group_id": 0, "ft_num_replica_groups": 2}, "2 with --ft-replica-group-id is not built yet"),
+        ({"num_experts": 4}, "2 with --num-experts is not built yet"),
+        ({"optimizer": "muon"}, "2 with --optimizer muon is not built yet"),
+        ({"world_size": 3}, "instances 2 must divide the data-parallel \\(x context\\) size 3"),
+    ],
+)
+def test_instances_refusals(fields, message):
+    base = {"num_distributed_optimizer_instances": 2, "use_distributed_optimizer": True}
+    if "num_distributed_optimizer_instances" in fields:
+        base = {}
+    fields = dict(fields)
+    world = fields.pop("world_size", 4)
+    with pytest.raises(ConfigError, match=message):
+        make_config(base, fields, world_size=world)
+
+
+def test_ddp_refuses_a_bundle_without_instance_groups():
+    cfg = ParallelConfig(use_distributed_optimizer=True, num_distributed_optimizer_instances=2)
+    with pytest.raises(NodeLayoutError, match="num_distributed_optimizer_instances=2"):
+        DistributedDataParallel(make_model(), cfg, process_groups=get_process_groups())
 
 
 # --- through the trainer: the flag, and inter_node_bytes in the metrics file -----------------------

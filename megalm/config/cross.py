@@ -40,6 +40,7 @@ def validate_cross(cfg, world_size: Optional[int]) -> None:
     _validate_expert_tensor_parallel(m, p, t)
     _validate_activation_offloading(m, p)
     _validate_precision(m, p, t)
+    _validate_instances(m, p, t)
     _validate_step_schedule(m, t)
     validate_fault_tolerance(cfg)  # torchft replica groups: before the global batch gets its default
     if world_size is not None:
@@ -308,6 +309,19 @@ def _validate_precision(m, p, t) -> None:
     )
 
 
+def _validate_instances(m, p, t) -> None:
+    """What --num-distributed-optimizer-instances is not built with: MoE (expert buffers shard over
+    expt_dp) and the optimizers that read whole tensors from the shards (their groups span the instances)."""
+    n = p.num_distributed_optimizer_instances
+    if n == 1:
+        return
+    check(m.num_experts is None, f"--num-distributed-optimizer-instances {n} with --num-experts is not built yet")
+    check(
+        t.optimizer not in ("lamb", "lars", "muon"),
+        f"--num-distributed-optimizer-instances {n} with --optimizer {t.optimizer} is not built yet",
+    )
+
+
 def step_schedule(t, seq_length: int) -> Optional[List[Tuple[int, int]]]:
     """``--step-batch-size-schedule`` as (threshold in samples, global batch) pairs, or None."""
     if t.step_batch_size_schedule is None:
@@ -363,6 +377,12 @@ def _validate_world(p, t, world_size: int, vpp: Optional[int], seq_length: int) 
         raise ConfigError(str(e)) from None
     p.world_size = world_size
     dp = p.data_parallel_size
+    n = p.num_distributed_optimizer_instances
+    check(
+        (dp * p.context_parallel_size) % n == 0,
+        f"--num-distributed-optimizer-instances {n} must divide the data-parallel (x context) size "
+        f"{dp * p.context_parallel_size}",
+    )
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * dp
     check(t.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {t.micro_batch_size}")

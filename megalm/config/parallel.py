@@ -92,6 +92,17 @@ class ParallelConfig(Section):
         "LOCAL_WORLD_SIZE ranks, and the data-parallel group must have the "
         "same number of ranks on every node.",
     )
+    num_distributed_optimizer_instances: int = _f(
+        1,
+        "Partial distributed optimizer (Megatron-core's num_distributed_optimizer_instances): the data-parallel "
+        "(x context) ranks are cut into this many instances of consecutive ranks (give a node's worth each); the "
+        "optimizer state and main weights are sharded over the DP/N ranks of one instance and replicated across "
+        "instances.  Each gradient bucket is reduce-scattered inside the instance, each rank's shard (1/(DP/N) of "
+        "the bucket) all-reduced across the instances (the only collective between them), and the parameters "
+        "all-gathered inside the instance.  With --data-parallel-sharding-strategy optim_grads / optim_grads_params "
+        "(HSDP, as Megatron-FSDP) the reduced gradients and the weights are sharded over the instance too.  Needs "
+        "--use-distributed-optimizer; N must divide the data-parallel (x context) size.",
+    )
     grad_compression: str = _f(
         "none",
         "Compress the data-parallel gradient reduction (megalm), with error feedback (what a rank did "
@@ -273,6 +284,7 @@ class ParallelConfig(Section):
         self._validate_grad_compression()
         check(self.cluster_config is None or self.auto_layout, "--cluster-config needs --auto-layout")
         self._validate_local_sgd()
+        self._validate_instances()
         if self.sequence_parallel and tp == 1:
             self.sequence_parallel = False  # as Megatron: a no-op without tensor parallelism
         check(self.distributed_timeout_minutes > 0, "--distributed-timeout-minutes must be positive")
@@ -299,6 +311,25 @@ class ParallelConfig(Section):
             not self.hierarchical_grad_reduce,
             f"--data-parallel-sharding-strategy {s} with --hierarchical-grad-reduce is not built yet",
         )
+
+    def _validate_instances(self) -> None:
+        """``--num-distributed-optimizer-instances``: positive, with the distributed optimizer (ZeRO-1, or HSDP with
+        ZeRO-2/3), and
+        none of the reductions it is not built with (the data-parallel size is checked against it by
+        :func:`megalm.config.cross.validate_cross`)."""
+        n = self.num_distributed_optimizer_instances
+        check(n >= 1, f"--num-distributed-optimizer-instances must be >= 1, got {n}")
+        if n == 1:
+            return
+        flag = f"--num-distributed-optimizer-instances {n}"
+        check(self.use_distributed_optimizer, f"{flag} needs --use-distributed-optimizer")
+        for refused, what in (
+            (self.hierarchical_grad_reduce, "--hierarchical-grad-reduce"),
+            (self.grad_compression != "none", f"--grad-compression {self.grad_compression}"),
+            (self.local_sgd_interval > 0, "--local-sgd-interval"),
+            (self.ft_replica_group_id is not None, "--ft-replica-group-id"),
+        ):
+            check(not refused, f"{flag} with {what} is not built yet")
 
     def _validate_grad_compression(self) -> None:
         """``--grad-compression`` and its method's settings."""

@@ -70,6 +70,8 @@ GROUP_LABELS = {
     "dp_cp_inter": "inter-node data-parallel",
     "expt_dp_intra": "intra-node expert-data-parallel",
     "expt_dp_inter": "inter-node expert-data-parallel",
+    "dp_cp_instance": "distributed-optimizer instance (data-parallel shard group)",
+    "dp_cp_across_instances": "across distributed-optimizer instances",
 }
 _GROUP_ARGS = ("group", "pg", "process_group")
 _STORE_PREFIX = "megalm/collective-failed"

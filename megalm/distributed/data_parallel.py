@@ -23,6 +23,12 @@ bucket ``k`` of a queue is launched, bucket ``k-2`` then bucket ``k-1`` are adva
 third and second stage, so the inter-node stage of a bucket overlaps the backward of the next
 ones; the sequence depends only on ``k``, hence is the same on every rank.
 
+With ``num_distributed_optimizer_instances`` N > 1 (``--num-distributed-optimizer-instances``, distributed
+optimizer only) the dense buffers are sharded over ``dp_cp_instance`` (DP/N consecutive ranks) instead of
+``dp_cp``: each bucket is reduce-scattered inside the instance (pre-scaled by 1/DP) and its shard all-reduced
+over ``dp_cp_across_instances`` (a two-stage chain advanced like the hierarchical one); the parameters are
+all-gathered inside the instance.
+
 With ``grad_compression`` (``--grad-compression powersgd|topk|int8|fp8``) each bucket of every buffer
 (dense and expert: both are data-parallel) is reduced by :class:`~megalm.distributed.compression.GradCompressor`
 with error feedback instead of the exact all-reduce; hierarchically, only the inter-node all-reduce
@@ -117,6 +123,20 @@ def node_groups_of(pg: ProcessGroups, name: str) -> Optional[NodeGroups]:
     return NodeGroups(getattr(pg, f"{name}_intra"), getattr(pg, f"{name}_inter"))
 
 
+def _instance_groups(pg: ProcessGroups, instances: int, expert: bool):
+    """``--num-distributed-optimizer-instances``: the group across instances (the buffer's own group is
+    ``pg.dp_cp_instance``); raises where the bundle has none or the buffers are the experts'."""
+    if expert:
+        raise DataParallelError(f"--num-distributed-optimizer-instances {instances} with MoE experts is not built yet")
+    if "dp_cp_across_instances" not in pg.ranks or len(pg.ranks["dp_cp_across_instances"]) != instances:
+        raise NodeLayoutError(
+            f"--num-distributed-optimizer-instances {instances}: the process groups have no such instance groups "
+            f"(build them with parallel_state.initialize_model_parallel(num_distributed_optimizer_instances="
+            f"{instances}))"
+        )
+    return pg.dp_cp_across_instances
+
+
 def _global_rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
@@ -170,6 +190,8 @@ class DistributedDataParallel(torch.nn.Module):
         self.use_distributed_optimizer = parallel_cfg.use_distributed_optimizer or strategy != "no_shard"
         self.overlap_param_gather = parallel_cfg.overlap_param_gather
         self.hierarchical = parallel_cfg.hierarchical_grad_reduce
+        self.instances = parallel_cfg.num_distributed_optimizer_instances
+        self._chained = self.hierarchical or self.instances > 1  # buckets reduced by a CollectiveChain
         # local SGD's replicas are the data-parallel ranks; across torchft replica groups they are
         # the groups, and inside a group the ranks reduce every step
         self.local_sgd = bool(parallel_cfg.local_sgd_interval) and parallel_cfg.ft_replica_group_id is None
@@ -203,6 +225,9 @@ class DistributedDataParallel(torch.nn.Module):
             group = pg.expt_dp if expert else pg.dp_cp
             nodes = node_groups_of(pg, "expt_dp" if expert else "dp_cp") if self.hierarchical and keyed else None
             scale = 1.0 / dp
+            across = _instance_groups(pg, self.instances, expert) if keyed and self.instances > 1 else None
+            if across is not None:
+                group = pg.dp_cp_instance
             sync = (group if group_size(group) > 1 else None, group_size(group), nodes, scale)
             if self.local_sgd:  # each replica's own mean: nothing reduced, or inside the node only
                 group, nodes = nodes.intra if nodes is not None else None, None
@@ -226,6 +251,7 @@ class DistributedDataParallel(torch.nn.Module):
                     compressor=self.compressor,
                     compress_key=f"{'expert' if expert else 'dense'}{bi}",
                     comm_stats=comm_stats,
+                    across_instances=across,
                     **warmup,
                 )
                 if warmup:
@@ -310,7 +336,7 @@ class DistributedDataParallel(torch.nn.Module):
     def _launch(self, queue: List[Bucket], k: int) -> None:
         """Launch bucket ``k``; hierarchical: advance buckets ``k-2`` and ``k-1`` one stage each."""
         queue[k].start_grad_sync()
-        if self.hierarchical:
+        if self._chained:
             for lag in (2, 1):
                 if k >= lag:
                     queue[k - lag].advance_grad_sync(lag + 1)

@@ -25,6 +25,10 @@ All-gather from the flat shard (parameters), :func:`all_gather`: the inverse, (1
 of the shard into ``[n, s]``, (2) intra all-gather into ``[L, n, s]``, (3) copy back transposed.
 
 Results equal the flat collectives up to the order of floating-point additions.
+
+Distributed-optimizer instances (``--num-distributed-optimizer-instances``), :func:`instance_reduce`: the
+bucket reduce-scattered inside the instance into this rank's shard, then the shard all-reduced across the
+instances (the ranks holding the same shard); a chain of two stages as above.
 """
 
 from __future__ import annotations
@@ -234,6 +238,28 @@ def all_gather(
         else _skip,
         copy_back,
     ]
+    chain = CollectiveChain(stages)
+    chain.advance()
+    return chain
+
+
+def instance_reduce(
+    shard: torch.Tensor, full: torch.Tensor, group, across, *, stats: Optional[comm.CommStats]
+) -> CollectiveChain:
+    """``shard`` <- the SUM of ``full`` over ``group`` (one instance; None: a rank alone, whose ``shard``
+    already holds its bucket), then SUM-all-reduced over ``across`` (the other instances); first stage launched."""
+    stages = []
+    if group is not None:
+        stages.append(
+            lambda: comm.reduce_scatter_tensor(
+                shard, full, group=group, async_op=True, kind="grad_reduce_scatter", stats=stats
+            )
+        )
+    stages.append(
+        lambda: comm.all_reduce(
+            shard, group=across, async_op=True, kind="grad_all_reduce_across_instances", stats=stats
+        )
+    )
     chain = CollectiveChain(stages)
     chain.advance()
     return chain

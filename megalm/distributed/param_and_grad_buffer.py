@@ -49,6 +49,12 @@ of ``K`` ranks; :meth:`Bucket.finish_grad_sync` waits:
   results; only ``1/L`` of the bucket crosses nodes per rank).  The handle is then a
   :class:`~megalm.distributed.hierarchical.CollectiveChain`; :meth:`Bucket.advance_grad_sync`
   launches its next stage (DDP calls it as later buckets launch), the finish methods run the rest.
+* ``across_instances`` (``--num-distributed-optimizer-instances N``): the buffer's group is one instance of
+  ``K = DP/N`` ranks (its shards are ``1/K`` of a bucket) and, after the reduce-scatter inside it, the
+  shard is SUM-all-reduced over the ``N`` ranks holding the same shard in the other instances (``2 (N-1)/N
+  x B/K`` per rank, kind ``grad_all_reduce_across_instances``); a chain of the two, as hierarchical.  The
+  gradients are pre-scaled by ``1/DP`` (the mean over every data-parallel rank); the parameters are
+  all-gathered inside the instance only.
 """
 
 from __future__ import annotations
@@ -147,6 +153,10 @@ class Bucket:
                 return
             key = f"{self.buffer.compress_key}.{self.index}"  # e.g. residuals resharded from a larger DP size
             self.buffer.compressor.flush(key, self.grad_data)
+        if self.buffer.across_instances is not None:
+            lo, hi = self.local_shard()
+            self.handle = self.instance_reduction(self.grad_data[lo:hi], self.grad_data, group)
+            return
         if group is None:  # a group of one, nothing to reduce
             return
         if nodes is not None:
@@ -172,6 +182,12 @@ class Bucket:
             self.handle = comm.all_reduce(
                 self.grad_data, group=group, async_op=True, kind="grad_all_reduce", stats=self.buffer.comm_stats
             )
+
+    def instance_reduction(self, shard: torch.Tensor, full: torch.Tensor, group) -> hierarchical.CollectiveChain:
+        """:func:`~megalm.distributed.hierarchical.instance_reduce` over ``group`` (this instance; None: a
+        rank alone) and the buffer's ``across_instances``."""
+        across, stats = self.buffer.across_instances, self.buffer.comm_stats
+        return hierarchical.instance_reduce(shard, full, group, across, stats=stats)
 
     def compresses(self) -> bool:
         """Whether this bucket's reduction is compressed: a data-parallel group of more than one rank
@@ -279,8 +295,10 @@ class ParamAndGradBuffer:
     rank alone (no communication).  ``use_distributed_optimizer`` reduce-scatters instead of
     all-reducing and implies ``allocate_param_data``.  ``node_groups``: a
     :class:`~megalm.distributed.hierarchical.NodeGroups` factoring ``data_parallel_group`` for the
-    hierarchical collectives (checked against it here), or None for the flat ones.  See the module
-    docstring for the layout.
+    hierarchical collectives (checked against it here), or None for the flat ones.  ``across_instances``
+    (distributed optimizer only): the group of the ranks holding this rank's shard in the other
+    distributed-optimizer instances (``data_parallel_group`` is then this rank's instance), or None.  See
+    the module docstring for the layout.
     """
 
     def __init__(
@@ -300,6 +318,7 @@ class ParamAndGradBuffer:
         compressor: Optional[compression.GradCompressor] = None,
         compress_key: str = "",
         comm_stats: Optional[comm.CommStats] = None,
+        across_instances=None,
     ):
         if not params:
             raise DataParallelError("ParamAndGradBuffer needs at least one parameter")
@@ -318,6 +337,12 @@ class ParamAndGradBuffer:
             node_groups.check_factors(data_parallel_group, "ParamAndGradBuffer")
         self.node_groups = node_groups if data_parallel_group is not None else None
         self.use_distributed_optimizer = use_distributed_optimizer
+        if across_instances is not None and (not use_distributed_optimizer or node_groups or compressor):
+            raise DataParallelError(
+                "distributed-optimizer instances (across_instances) need use_distributed_optimizer and neither "
+                "hierarchical reduction nor gradient compression"
+            )
+        self.across_instances = across_instances
         self.compressor = compressor  # a group of one compresses nothing but applies loaded residuals
         self.compress_key = compress_key
         self.comm_stats = comm_stats  # where the collectives are counted (None: not counted)

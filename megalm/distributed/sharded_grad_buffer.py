@@ -20,7 +20,10 @@ of every bucket), but no persistent full-size ``grad_data``:
 Communication per bucket and iteration (unchanged from ZeRO-1): it is scaled by
 ``gradient_scaling_factor`` and reduce-scattered (SUM) over the buffer's group of ``K`` ranks,
 with the bucket as input and its slice of ``shard_data`` as output: ``(K-1)/K`` x bucket bytes per
-rank, launched by DDP exactly as the ZeRO-1 reduce-scatter (same order, same overlap).
+rank, launched by DDP exactly as the ZeRO-1 reduce-scatter (same order, same overlap).  With
+``--num-distributed-optimizer-instances`` (HSDP) the group is one instance and the shard is then
+all-reduced across the instances (:meth:`~megalm.distributed.param_and_grad_buffer.Bucket.instance_reduction`);
+ZeRO-3's parameters are sharded over, and gathered inside, the instance.
 
 With ``compressor`` (``--grad-compression``) the reduce-scatter is the compressor's
 (:meth:`~megalm.distributed.compression.GradCompressor.reduce_scatter` with ``into`` = the bucket's
@@ -110,6 +113,11 @@ class ShardedGradBucket(Bucket):
         if group is None:  # this rank alone: its shard is the whole bucket
             self.shard.copy_(full)
             self.release()
+            if self.buffer.across_instances is not None:
+                self.handle = self.instance_reduction(self.shard, full, None)
+            return
+        if self.buffer.across_instances is not None:  # inside the instance, then the shard across instances
+            self.handle = self.instance_reduction(self.shard, full, group)
             return
         if compressor is not None:  # error feedback over the whole bucket; the shard lands in shard_data
             key, matrices = f"{self.buffer.compress_key}.{self.index}", self.matrices(0, self.numel)

@@ -235,6 +235,13 @@ def device_peak(options: PlannerOptions, precision: str, override: Optional[floa
     return table[key], f"{name} {key} dense peak"
 
 
+def optimizer_shards(cfg, dp: int) -> int:
+    """The ranks the distributed optimizer shards dense state over: data x context parallel, divided by
+    ``--num-distributed-optimizer-instances`` (each instance holds a whole copy)."""
+    p = cfg.parallel
+    return dp * p.context_parallel_size // p.num_distributed_optimizer_instances
+
+
 def plan(cfg, options: PlannerOptions) -> dict:
     """Everything the report prints, as numbers (bytes, FLOPs, seconds)."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
@@ -264,8 +271,7 @@ def plan(cfg, options: PlannerOptions) -> dict:
         weights = st.total * per_param["weights"]
         grads = st.total * per_param["grads"]
         optim_plain = st.total * per_param["optimizer"]
-        # The distributed optimizer shards dense state over data x context parallel ranks.
-        dense_shards = dp * p.context_parallel_size
+        dense_shards = optimizer_shards(cfg, dp)
         optim_dist = st.dense * per_param["optimizer"] / dense_shards + st.expert * per_param["optimizer"] / edp
         adam_dense, adam_expert = muon_adam_parameters(st) if t.optimizer == "muon" else (0, 0)
         optim_plain += 4 * (adam_dense + adam_expert)
@@ -349,7 +355,7 @@ def plan(cfg, options: PlannerOptions) -> dict:
         "fits": worst[key] <= budget,
         "sharding_strategy": p.data_parallel_sharding_strategy,
         "bytes_per_param_by_strategy": {
-            s: sum(strategy_bytes_per_param(per_param, dp * p.context_parallel_size, s).values()) for s in STRATEGIES
+            s: sum(strategy_bytes_per_param(per_param, optimizer_shards(cfg, dp), s).values()) for s in STRATEGIES
         },
         "largest_rank_bytes_by_strategy": {s: max(st[f"total_{s}"] for st in stages) for s in STRATEGIES},
         "recommended_strategy": fitting[0] if fitting else None,
@@ -377,7 +383,9 @@ def format_plan(cfg, r: dict) -> str:
     g = lambda x: f"{x / GB:8.2f}"  # noqa: E731
     virtual = f" (virtual {p.virtual_pipeline_model_parallel_size})" if p.virtual_pipeline_model_parallel_size else ""
     cp = f" x CP {p.context_parallel_size}" if p.context_parallel_size > 1 else ""
-    shards = r["data_parallel_size"] * p.context_parallel_size  # what the distributed optimizer shards over
+    shards = optimizer_shards(cfg, r["data_parallel_size"])  # what the distributed optimizer shards over
+    n = p.num_distributed_optimizer_instances
+    instances = f" / {n} distributed-optimizer instances" if n > 1 else ""
     experts = (
         f" | EP {p.expert_model_parallel_size}, expert DP {r['expert_data_parallel_size']}"
         if p.expert_model_parallel_size > 1
@@ -413,8 +421,8 @@ def format_plan(cfg, r: dict) -> str:
         f"largest rank ({which} the distributed optimizer, as configured): pp rank {r['largest_pp_rank']}, "
         f"{r['largest_rank_bytes'] / GB:.1f} GB of {r['gpu_memory_bytes'] / GB:.0f} GB -> "
         f"{'fits' if r['fits'] else 'DOES NOT FIT'}",
-        f"bytes per parameter by --data-parallel-sharding-strategy (d = {'DP x CP' if cp else 'DP'} = {shards}): "
-        + " | ".join(f"{s} {v:g}" for s, v in r["bytes_per_param_by_strategy"].items()),
+        f"bytes per parameter by --data-parallel-sharding-strategy (d = {'DP x CP' if cp else 'DP'}{instances} = "
+        f"{shards}): " + " | ".join(f"{s} {v:g}" for s, v in r["bytes_per_param_by_strategy"].items()),
         _recommendation(r),
         f"FLOPs per iteration: {r['flops_per_iteration']:.4e} | peak {r['peak_flops'] / 1e12:.1f} TFLOP/s "
         f"({r['peak_source']}) | at MFU {r['mfu']:.0%}: {r['step_time_s']:.3f} s per iteration, "

@@ -32,6 +32,11 @@ main weights + fp32 main gradients + 8 B Adam state) / d, i.e. bf16 params with 
 fp32 copy of the gradient shard is a persistent buffer of this class).  See
 :mod:`megalm.optimizer.memory_accounting`.
 
+With ``--num-distributed-optimizer-instances N`` the buffers shard over one instance of ``K = DP/N``
+ranks (:mod:`megalm.distributed.data_parallel`); the ``N`` ranks holding the same shard hold the same
+gradients (all-reduced across instances), main weights and state, so only the first instance counts in
+the gradient norm, and a checkpoint holds each block ``N`` times, written once (DCP's planner).
+
 Checkpoints: for each range, every state tensor is saved as the rectangular blocks of the full
 tensor it covers (:func:`megalm.param_layout.param_range_specs`, through the checkpoint protocol
 of the base class, :meth:`MegatronOptimizer.sharded_state_dict`), under the plain optimizer's
@@ -51,7 +56,7 @@ from megalm.distributed.param_and_grad_buffer import Bucket
 from megalm.optimizer.grad_scaler import GradScaler
 from megalm.optimizer.matrix_shards import MatrixShards
 from megalm.optimizer.optimizer import MegatronOptimizer, OptimizerError, ParamState
-from megalm.parallel_state import ProcessGroups
+from megalm.parallel_state import ProcessGroups, group_rank, group_size
 
 
 @dataclass
@@ -122,6 +127,11 @@ class DistributedOptimizer(MegatronOptimizer):
         comm_stats=None,
     ):
         self.model_chunks = _data_parallel_chunks(model_chunks)  # read by _make_main_params
+        # --num-distributed-optimizer-instances: the ranks holding copies of this rank's shards (None: none)
+        self.across_instances = next(
+            (b.across_instances for c in self.model_chunks for b in c.all_buffers if b.across_instances is not None),
+            None,
+        )
         super().__init__(
             groups,
             make_optimizer,
@@ -187,6 +197,20 @@ class DistributedOptimizer(MegatronOptimizer):
             grad = buf.reduced_grad(bucket, s, e)  # ZeRO-2: a view of the shard-sized buffer
             ranges.append(ShardRange(name_of[id(p)], p, start, end, model, grad, main, main_grad, bucket))
         return ranges
+
+    def _norm_pairs(self, pairs: List[tuple]) -> List[tuple]:
+        """The other instances hold copies of the first one's shards: they add nothing to the norm."""
+        return pairs if group_rank(self.across_instances) == 0 else []
+
+    def _attach_layout(self, muon: List[bool]) -> None:
+        """As the base class; refused across distributed-optimizer instances (the norm and matrix groups would
+        hold every instance's copy of a range)."""
+        needs = hasattr(self.optimizer, "tensor_norms") or hasattr(self.optimizer, "tp_group")
+        if needs and group_size(self.across_instances) > 1:
+            raise OptimizerError(
+                f"{type(self.optimizer).__name__} with --num-distributed-optimizer-instances > 1 is not built yet"
+            )
+        super()._attach_layout(muon)
 
     def describe(self) -> str:
         """One line per owned range: name, flat range, numel."""

@@ -244,6 +244,10 @@ class MegatronOptimizer:
             pairs.append((main.grad, model))
         return pairs
 
+    def _norm_pairs(self, pairs: List[Tuple[Optional[torch.Tensor], torch.nn.Parameter]]) -> list:
+        """The pairs of :meth:`_prepare_grads` that count in the gradient norm (all of them here)."""
+        return pairs
+
     def _copy_main_to_model(self) -> None:
         """Model weights <- updated main weights (nothing when they are the same tensors)."""
 
@@ -324,7 +328,7 @@ class MegatronOptimizer:
                     return False, None, None
             with timers("optimizer-clip-main-grad"):
                 norm, zeros = grad_norm_and_zeros(
-                    pairs,
+                    self._norm_pairs(pairs),
                     self.log_num_zeros_in_grad,
                     sharded=self.grads_sharded,
                     groups=self.process_groups,

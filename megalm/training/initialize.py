@@ -38,6 +38,7 @@ def initialize_megalm(cfg: MegalmConfig) -> RNGStatesTracker:
             expert_model_parallel_size=p.expert_model_parallel_size,
             expert_tensor_parallel_size=p.expert_tensor_parallel_size or 1,
             timeout=timeout,
+            num_distributed_optimizer_instances=p.num_distributed_optimizer_instances,
         )
     return set_random_seed(cfg.training.seed, parallel_state.get_process_groups())
 
