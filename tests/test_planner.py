@@ -243,6 +243,19 @@ def test_search_is_complete_and_legal():
     # every generated layout is distinct too
     all_layouts = list(layouts(base, FLAT, opts))
     assert len(all_layouts) == len(set(all_layouts)) == result.considered
+    # one distributed-optimizer instance per node (2) where legal: sharded, flat, DP x CP a multiple of 2; its
+    # memory from the estimate (the optimizer sharded over 2 ranks, not 4); TP 4 (DP 1) refused with the reason
+    inst = [c for c in result.candidates if c.layout.instances == 2]
+    assert inst and {c.layout.strategy for c in inst} == {"optim"} and not any(c.layout.hierarchical for c in inst)
+    assert all((c.dp * c.layout.cp) % 2 == 0 for c in inst)
+    assert any(x.instances == 2 and x.tp == 4 for x in all_layouts)
+    assert result.refused["--num-distributed-optimizer-instances N must divide the data-parallel (x context) size N"]
+    by_layout = {c.layout: c for c in result.candidates}
+    for c in inst:
+        one = by_layout[dataclasses.replace(c.layout, instances=1)]
+        assert c.memory_bytes > one.memory_bytes if c.dp * c.layout.cp == 4 else c.memory_bytes >= one.memory_bytes
+        i = c.layout.flags().index("--num-distributed-optimizer-instances")
+        assert c.layout.flags()[i + 1] == "2" and "inst2" in c.layout.short()
 
 
 def test_refusal_reasons_are_megalms_own():
@@ -396,3 +409,38 @@ def test_step_sync_dispatchers_shared_cores_and_hierarchical_sharding_against_ha
     grad = N / 10e9 + (N / 2) / (1e9 / 2)
     gather = (N / 4) / (1e9 / 2) + (N / 2) / 10e9
     assert step_cost(hier, gloo).terms["dp_comm"] == pytest.approx(grad + gather)
+
+
+def test_distributed_optimizer_instances_against_hand_counts():
+    """--num-distributed-optimizer-instances 2 at DP 4 = 2 nodes x 2, one bucket of N bytes: reduce-scatter and
+    parameter all-gather inside the node (the instance), the shard's all-reduce across the instances, the
+    optimizer step on a half; the bytes the real run counts (tests/test_hierarchical_reduce.py
+    test_distributed_optimizer_instances_equal_flat_and_count_bytes: 2 (2-1)/2 x N/2 per rank across nodes)."""
+    from megalm.estimate.parameters import total_parameters
+
+    inst = _layout_cfg(Layout(micro_batch=2, strategy="optim", instances=2))
+    assert inst.parallel.num_distributed_optimizer_instances == 2
+    links = _Step(inst, FLAT).links
+    assert (links["instance"].size, links["instance"].crosses) == (2, False)
+    assert (links["across_instances"].size, links["across_instances"].ring_senders) == (2, 2)
+    N = total_parameters(inst) * 4  # fp32 gradients and weights
+    opt = dataclasses.replace(FLAT, optimizer_ns_per_param=10.0)
+    cost = step_cost(inst, opt)
+    # RS inside: 1/2 N at 10 GB/s; across: 2 x 1/2 x N/2 per rank, both ranks of a node over its 1 GB/s link;
+    # AG inside: 1/2 N at 10 GB/s
+    assert cost.terms["dp_comm"] == pytest.approx(N / 2 / 10e9 + N / 1e9 + N / 2 / 10e9)
+    assert cost.dp_inter_node_bytes == pytest.approx(2 * N / 2)
+    assert cost.terms["optimizer"] == pytest.approx(N / 4 / 2 * 10e-9)
+    # the flat distributed optimizer over the 4 ranks: RS and AG of 3/4 N across nodes (one hop per node)
+    flat = step_cost(_layout_cfg(Layout(micro_batch=2, strategy="optim")), opt)
+    assert flat.terms["dp_comm"] == pytest.approx(2 * 3 / 4 * N / 1e9)
+    assert flat.terms["optimizer"] == pytest.approx(N / 4 / 4 * 10e-9)
+    # gloo: the reduce-scatter inside is an all-reduce on the wire; ZeRO-3 (one microbatch): gathered 3 times
+    gloo = dataclasses.replace(FLAT, backend="gloo")
+    assert step_cost(inst, gloo).terms["dp_comm"] == pytest.approx(N / 10e9 + N / 1e9 + N / 2 / 10e9)
+    z3 = _layout_cfg(Layout(micro_batch=2, strategy="optim_grads_params", instances=2))
+    assert step_cost(z3, FLAT).terms["dp_comm"] == pytest.approx(N / 2 / 10e9 + N / 1e9 + 3 * N / 2 / 10e9)
+    # two buckets: the same bytes, each call pays the across-instance ring's 2 (2-1) latency steps
+    lat = dataclasses.replace(FLAT, inter_node_latency_us=100.0)
+    two = _layout_cfg(Layout(micro_batch=2, strategy="optim", instances=2), ddp_bucket_size=-(-N // 4 // 2))
+    assert step_cost(two, lat).terms["dp_comm"] == pytest.approx(N / 10e9 + N / 1e9 + 2 * 2 * 100e-6)

@@ -135,6 +135,7 @@ SEARCHED = {
     "--recompute-num-layers": 1,
     "--micro-batch-size": 1,
     "--hierarchical-grad-reduce": 0,
+    "--num-distributed-optimizer-instances": 1,
     "--cpu-offloading": 0,
     "--cpu-offloading-num-layers": 1,
     "--optimizer-cpu-offload": 0,

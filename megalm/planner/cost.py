@@ -36,7 +36,8 @@ per microbatch on the busiest pipeline stage, ``T = b s / CP`` tokens, ``B`` the
   ``host_link_gbps``; on CUDA on side streams (exposed: what exceeds the layer's own compute), on a CPU device
   synchronous (all exposed).  Term ``offload``.
 * **DP and the optimizer step**: :mod:`megalm.planner.data_parallel` (per bucket, compressed or not,
-  hierarchical, overlap with the last microbatch's backward; the optimizer on the device or offloaded).
+  hierarchical or across distributed-optimizer instances, overlap with the last microbatch's backward; the
+  optimizer on the device or offloaded).
 
 The result's ``terms`` are seconds per step; ``dominant`` names the largest.
 """
@@ -84,7 +85,9 @@ class _Step:
         self.sp = p.sequence_parallel and self.tp > 1
         self.world = p.world_size
         per_node = min(cluster.devices_per_node, self.world)
-        self.links = layout_links(self.world, per_node, self.tp, self.pp, self.cp, self.ep, self.etp)
+        self.instances = p.num_distributed_optimizer_instances
+        links = (self.world, per_node, self.tp, self.pp, self.cp, self.ep, self.etp, self.instances)
+        self.links = layout_links(*links)
         self.inter = 0.0
         self.stage_inter: Dict[int, float] = {}  # inter-node bytes of one microbatch per pipeline rank
         self.gloo = cluster.backend == "gloo"

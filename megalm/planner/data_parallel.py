@@ -11,6 +11,15 @@ ring's latency steps and ``collective_call_us``; the bytes are the same as one c
 intra all-gather); with the distributed optimizer two (intra and inter reduce-scatter), and the parameters'
 all-gather is hierarchical too (inter all-gather of ``1 / L``, intra all-gather).
 
+**Distributed-optimizer instances** (``--num-distributed-optimizer-instances N``, dense buffers only: MoE is
+refused): the distributed optimizer shards over one instance of ``K = DP x CP / N`` consecutive ranks (a node
+when ``K`` is the ranks per node).  Per bucket of ``n`` elements: a reduce-scatter inside the instance (group
+``instance``: intra-node when the instance fits a node), then the SUM all-reduce of the rank's shard ``n / K``
+across the ``N`` instances (group ``across_instances``: the only traffic between them, ``2 (N-1)/N x n / K``
+elements per rank; all ``K`` ranks of a node send at once over its link); the parameters are all-gathered
+inside the instance (every microbatch's forward and backward too with ``optim_grads_params``); the optimizer
+step updates ``1 / K`` of the elements.
+
 **Compression** (``--grad-compression int8|fp8``, :mod:`megalm.distributed.compression.int8`): per bucket of
 ``n`` elements the payload is ``P = n + 4 ceil(n / C)`` bytes (one byte per value, an fp32 scale per chunk of
 ``C``); without the distributed optimizer an all-gather of every rank's ``P``, with it an all-to-all of the
@@ -118,6 +127,18 @@ def hierarchical(s, sharded: bool, params: int, per: Dict[str, float], links: Gr
     return n_b * t
 
 
+def instance_reduce(s, params: int, per: Dict[str, float]) -> float:
+    """``--num-distributed-optimizer-instances``: per bucket, the reduce-scatter inside the instance and the
+    all-reduce of the rank's ``1 / K`` shard across the instances (module docstring)."""
+    n_b = num_buckets(params, bucket_elements(s.p))
+    if not n_b:
+        return 0.0
+    nbytes = params / n_b * per["grads"]
+    k = s.links["instance"].size
+    inside = s.ring("instance", "reduce_scatter", nbytes, n_b)
+    return n_b * (inside + s.ring("across_instances", "all_reduce", nbytes / k, n_b))
+
+
 def hierarchical_gather(s, params: int, per: Dict[str, float], links: GroupLinks) -> float:
     """The distributed optimizer's parameter all-gather under ``--hierarchical-grad-reduce``, per bucket: the
     inter-node all-gather of the shards into ``N / L``, then the intra-node all-gather into ``N``."""
@@ -158,7 +179,10 @@ def data_parallel(s, cfg, pp_rank: int, n_micro: int, backward: float) -> Dict[s
     sharded = strategy != "no_shard"
     dp_links = s.links["data_context"]
     hier = p.hierarchical_grad_reduce and dp_links.crosses and dp_links.size > dp_links.per_node
-    if hier:
+    instances = sharded and s.instances > 1
+    if instances:
+        grad = instance_reduce(s, st.dense, per)
+    elif hier:
         grad = hierarchical(s, sharded, st.dense, per, dp_links)
     else:
         grad = reduce_grads(s, "data_context", sharded, st.dense, per)
@@ -173,7 +197,8 @@ def data_parallel(s, cfg, pp_rank: int, n_micro: int, backward: float) -> Dict[s
             if kind == "data_context" and hier:
                 gather += again * hierarchical_gather(s, n, per, dp_links)
             elif n_b:
-                gather += n_b * again * s.ring(kind, "all_gather", n / n_b * per["weights"], n_b * again)
+                group = "instance" if kind == "data_context" and instances else kind
+                gather += n_b * again * s.ring(group, "all_gather", n / n_b * per["weights"], n_b * again)
     hidden = s.c.dp_overlap * backward if p.overlap_grad_reduce else 0.0
     exposed_grad = max(grad - hidden, grad * 0.1 if hidden else grad)
     hidden_gather = s.c.dp_overlap * backward / 2 * n_micro if p.overlap_param_gather else 0.0
@@ -181,7 +206,7 @@ def data_parallel(s, cfg, pp_rank: int, n_micro: int, backward: float) -> Dict[s
     emb = 0.0
     if s.pp > 1 and not m.untie_embeddings_and_output_weights:
         emb = s.ring("embedding", "all_reduce", m.padded_vocab_size // s.tp * m.hidden_size * per["grads"])
-    shards = p.data_parallel_size * s.cp if sharded else 1
+    shards = p.data_parallel_size * s.cp // (s.instances if instances else 1) if sharded else 1
     local = st.dense / shards + st.expert / (max(1, _edp(s)) if sharded else 1)
     return {"dp_comm": exposed_grad + exposed_gather + emb, "optimizer": optimizer_step(s, local, per)}
 

@@ -63,15 +63,26 @@ def _links(groups: List[List[int]], per_node: int) -> GroupLinks:
 
 
 @lru_cache(maxsize=4096)
-def layout_links(world: int, per_node: int, tp: int, pp: int, cp: int, ep: int, etp: int) -> Dict[str, GroupLinks]:
+def layout_links(
+    world: int, per_node: int, tp: int, pp: int, cp: int, ep: int, etp: int, instances: int = 1
+) -> Dict[str, GroupLinks]:
     """``{kind: GroupLinks}`` for the kinds of :func:`megalm.parallel_layout.compute_layout` the cost model
     uses (tensor, context, data_context, expert, expert_data, expert_tensor, pipeline, embedding, data, model,
-    expert_model) and ``world`` (one group of every rank)."""
+    expert_model) and ``world`` (one group of every rank); with ``instances`` N > 1
+    (``--num-distributed-optimizer-instances``) also ``instance`` (the DP x CP / N consecutive ranks the
+    distributed optimizer shards over) and ``across_instances`` (the N ranks holding the same shard), as
+    :func:`megalm.parallel_layout.instance_layout` builds them."""
+    from megalm.parallel_layout import instance_layout
+
     layout = compute_layout(world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp)
     kinds = ("tensor", "context", "data_context", "expert", "expert_data", "expert_tensor", "pipeline", "embedding")
     kinds += ("data", "model", "expert_model")
     out = {kind: _links(layout[kind], min(per_node, world)) for kind in kinds}
     out["world"] = _links([list(range(world))], min(per_node, world))
+    split = instance_layout(layout, instances)
+    for kind, key in (("instance", "dp_cp_instance"), ("across_instances", "dp_cp_across_instances")):
+        if key in split:
+            out[kind] = _links(split[key], min(per_node, world))
     return out
 
 

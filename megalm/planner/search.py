@@ -2,7 +2,9 @@
 
 A candidate is one choice of TP, PP, virtual stages, CP (and ``--cp-comm-type``), EP / ETP (MoE), sequence
 parallelism, ``--data-parallel-sharding-strategy`` (which implies the distributed optimizer), recompute,
-micro-batch size and ``--hierarchical-grad-reduce``; DP is what is left of the world.  Then, per legal layout:
+micro-batch size, ``--hierarchical-grad-reduce`` and, with the distributed optimizer on more than one node,
+``--num-distributed-optimizer-instances`` 1 or one per node (HSDP); DP is what is left of the world.  Then,
+per legal layout:
 
 * **offload** (``--cpu-offloading`` of every layer but the last, ``--optimizer-cpu-offload``, or both) only where
   the layout does not fit without it: in the cost model offload only adds time (the copies, the host's optimizer
@@ -56,6 +58,7 @@ class Layout:
     act_offload: int = 0  # --cpu-offloading-num-layers (0: no activation offload)
     opt_offload: bool = False  # --optimizer-cpu-offload (all of the optimizer)
     compression: str = "none"  # --grad-compression
+    instances: int = 1  # --num-distributed-optimizer-instances (1: the distributed optimizer over all of DP x CP)
 
     def flags(self) -> List[str]:
         """pretrain_gpt.py's flags of this layout (every one spelled out, defaults included)."""
@@ -73,6 +76,8 @@ class Layout:
         if self.strategy != "no_shard":
             out += ["--use-distributed-optimizer", "--data-parallel-sharding-strategy", self.strategy]
             out += ["--overlap-param-gather"] if self.strategy != "optim_grads_params" else []
+        if self.instances > 1:
+            out += ["--num-distributed-optimizer-instances", str(self.instances)]
         out.append("--overlap-grad-reduce")
         rc = RECOMPUTE[self.recompute]
         if rc["recompute_granularity"]:
@@ -97,7 +102,8 @@ class Layout:
         parts += [f"EP{self.ep}"] if self.ep > 1 else []
         parts += [f"ETP{self.etp}"] if self.etp > 1 else []
         parts += ["SP"] if self.sp else []
-        parts += [self.strategy, f"rc:{self.recompute}", f"mb{self.micro_batch}"]
+        parts += [self.strategy] + ([f"inst{self.instances}"] if self.instances > 1 else [])
+        parts += [f"rc:{self.recompute}", f"mb{self.micro_batch}"]
         parts += ["hier"] if self.hierarchical else []
         parts += [f"offload:act{self.act_offload}"] if self.act_offload else []
         parts += ["offload:optim"] if self.opt_offload else []
@@ -167,7 +173,17 @@ def layouts(cfg, cluster, options: SearchOptions) -> Iterator[Layout]:
             vpps, cp_types, eps, etps, sps, options.strategies, options.recompute, mbs, hier
         ):
             for gc in _compressions(options.compression, dp * cp, strat):
-                yield Layout(tp, pp, vpp, cp, cpt, ep, etp, sp, strat, rc, mb, h, compression=gc)
+                for n in _instances(cluster.nodes, strat, h, gc):
+                    yield Layout(tp, pp, vpp, cp, cpt, ep, etp, sp, strat, rc, mb, h, compression=gc, instances=n)
+
+
+def _instances(nodes: int, strategy: str, hierarchical: bool, compression: str) -> Tuple[int, ...]:
+    """The ``--num-distributed-optimizer-instances`` values of a layout: 1, and one instance per node on more
+    than one node with the distributed optimizer; not with ``--hierarchical-grad-reduce`` or compression (the
+    other two ways of keeping traffic inside the node, which megalm does not combine with instances).  Whether
+    ``nodes`` divides DP x CP, MoE and the optimizer are megalm's validation's to refuse (counted)."""
+    several = nodes > 1 and strategy != "no_shard" and not hierarchical and compression == "none"
+    return (1, nodes) if several else (1,)
 
 
 def _compressions(asked: Tuple[str, ...], dp_cp: int, strategy: str) -> Tuple[str, ...]:
@@ -208,6 +224,7 @@ def apply_layout(base, layout: Layout, world: int):
     p.overlap_grad_reduce = True
     p.overlap_param_gather = layout.strategy in ("optim", "optim_grads")
     p.hierarchical_grad_reduce = layout.hierarchical
+    p.num_distributed_optimizer_instances = layout.instances
     p.data_parallel_size, p.world_size = None, None
     for k, v in RECOMPUTE[layout.recompute].items():
         setattr(m, k, v)
