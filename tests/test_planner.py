@@ -444,3 +444,14 @@ def test_distributed_optimizer_instances_against_hand_counts():
     lat = dataclasses.replace(FLAT, inter_node_latency_us=100.0)
     two = _layout_cfg(Layout(micro_batch=2, strategy="optim", instances=2), ddp_bucket_size=-(-N // 4 // 2))
     assert step_cost(two, lat).terms["dp_comm"] == pytest.approx(N / 10e9 + N / 1e9 + 2 * 2 * 100e-6)
+    # the printed flags are the trainer's; --auto-layout chooses them (given, they are refused)
+    from megalm.config import parse_config
+    from megalm.planner.auto import auto_layout_argv
+
+    model = tiny_flags(global_batch_size=8)
+    flags = Layout(micro_batch=2, strategy="optim_grads", instances=2).flags()
+    parsed = parse_config(model + flags, world_size=4).parallel
+    assert (parsed.num_distributed_optimizer_instances, parsed.data_parallel_sharding_strategy) == (2, "optim_grads")
+    auto = model + ["--auto-layout", "--cluster-config", "cpu", "--num-distributed-optimizer-instances", "2"]
+    with pytest.raises(ConfigError, match="drop --num-distributed-optimizer-instances"):
+        auto_layout_argv(auto, 4, 2)
