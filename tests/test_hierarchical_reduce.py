@@ -424,6 +424,7 @@ RUNS = (
     ("pp_hier", PP2 + ["--hierarchical-grad-reduce"]),
     ("tp_int8", TP2 + INT8),
     ("pp_int8", PP2 + INT8),
+    ("inst", ["--num-distributed-optimizer-instances", "2"]),
 )
 
 
@@ -442,6 +443,21 @@ def test_trainer_logs_inter_node_bytes(tmp_path):
     # node (the norm's few bytes aside).
     for f, h in zip(flat, hier):
         assert h["inter_node_bytes"] / f["inter_node_bytes"] == pytest.approx(2 / 3, rel=1e-3)
+    # --num-distributed-optimizer-instances 2 (one per node): the same training; only the shard's all-reduce
+    # across the instances leaves the node, 2 (2-1)/2 x B/2 from each of its 2 ranks = B per node (flat: 2.25 B);
+    # the planner's count of the data-parallel bytes (megalm.planner) is the run's, for both
+    inst = [json.loads(line) for line in open(tmp_path / "inst.jsonl")]
+    assert [r["lm_loss"] for r in inst] == pytest.approx([r["lm_loss"] for r in flat], rel=1e-5)
+    for f, i in zip(flat, inst):
+        assert i["inter_node_bytes"] / f["inter_node_bytes"] == pytest.approx(1 / 2.25, rel=2e-3)
+    from megalm.config import parse_config, with_vocab_size
+    from megalm.planner.cluster import load_cluster
+    from megalm.planner.cost import step_cost
+
+    cluster = load_cluster("cpu", {"nodes": 2, "devices_per_node": 2, "backend": "gloo"})
+    for name, rows in (("flat", flat), ("inst", inst)):
+        cfg = with_vocab_size(parse_config(TRAIN + dict(RUNS)[name], world_size=4), 201)  # mock data: 200 + 1
+        assert step_cost(cfg, cluster).dp_inter_node_bytes == pytest.approx(rows[-1]["inter_node_bytes"], rel=2e-3)
     # PP 2 (tied embeddings over the stages, distributed optimizer) with DP inside the node: same losses
     pp_flat, pp_hier = (
         [json.loads(line) for line in open(tmp_path / f"{name}.jsonl")] for name in ("pp_flat", "pp_hier")
