@@ -460,10 +460,6 @@ def test_vocabulary_from_the_saved_tokenizer(tmp_path):
 
 def test_adam_state_imports_and_loads_into_megalms_optimizer(tmp_path):
     """Model-space Adam state (moments, fp32 main weights) maps like the weights and loads with --load."""
-    from megalm.checkpoint.load import load_checkpoint
-    from megalm.config import set_vocab_size
-    from megalm.distributed import DistributedDataParallel
-    from megalm.optimizer import build_optimizer
 
     cfg, model = random_model("llama")
     src, dst = tmp_path / "megatron", tmp_path / "megalm"
@@ -473,8 +469,20 @@ def test_adam_state_imports_and_loads_into_megalms_optimizer(tmp_path):
     assert any("Adam's optimizer state imported (moments and fp32 main weights, step 7)" in n for n in r.notes)
     assert any("fp32 main copies in Megatron's optimizer state are imported" in n for n in r.notes)
 
-    loaded_cfg = MegalmCheckpointReader(str(dst)).config
-    loaded_cfg.training.bf16, loaded_cfg.training.optimizer = True, "adam"
+    assert_imported_adam_state(dst, MegalmCheckpointReader(str(dst)).config, model, step=7)
+
+
+def assert_imported_adam_state(dst, loaded_cfg, model, step):
+    """The megalm checkpoint at ``dst`` (config ``loaded_cfg``, edited) loads with --load into a bf16 model with
+    megalm's Adam: its fp32 main weights and moments equal :func:`adam_state` of ``model``'s weights exactly (not
+    rounded to bf16), its step is ``step``, and the bf16 weights are ``model``'s rounded."""
+    from megalm.checkpoint.load import load_checkpoint
+    from megalm.config import set_vocab_size
+    from megalm.distributed import DistributedDataParallel
+    from megalm.optimizer import build_optimizer
+
+    loaded_cfg.training.bf16, loaded_cfg.training.optimizer = True, "adam"  # a --bf16 run: fp32 main weights
+    loaded_cfg.parallel.tensor_model_parallel_size = 1
     set_vocab_size(loaded_cfg, VOCAB)
     target = GPTModel(loaded_cfg, fusion_plan=EAGER, process_groups=get_process_groups()).to(torch.bfloat16)
     ddp = DistributedDataParallel(target, loaded_cfg.parallel, process_groups=get_process_groups())
@@ -484,7 +492,8 @@ def test_adam_state_imports_and_loads_into_megalms_optimizer(tmp_path):
     originals = dict(model.named_parameters())
     for name, p in target.named_parameters():
         full = originals[name].detach()
+        assert torch.equal(p.detach(), full.to(torch.bfloat16)), name
         for key in ("exp_avg", "exp_avg_sq", "main_param"):
             expected = adam_state({"main_param": "fp32_param"}.get(key, key), full).reshape(state[name][key].shape)
             assert torch.equal(state[name][key], expected), (name, key)  # fp32 masters: exact, not bf16
-        assert int(state[name]["step"]) == 7
+        assert int(state[name]["step"]) == step

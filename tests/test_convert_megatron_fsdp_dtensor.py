@@ -26,13 +26,11 @@ from megalm.checkpoint.resume import TRACKER_FILENAME, checkpoint_dir
 from megalm.conversion.errors import ConversionError
 from megalm.conversion.megatron import import_from_megatron
 from megalm.conversion.megatron_pickles import MegatronPickleError
-from megalm.fusions import EAGER
-from megalm.models import GPTModel
-from megalm.parallel_state import get_process_groups
 from tests.test_convert_megatron import (  # noqa: F401 (megatron_enum_module: the autouse fixture)
     TE_NORMS,
     VOCAB,
     adam_state,
+    assert_imported_adam_state,
     imported_logits,
     megatron_args,
     megatron_enum_module,
@@ -95,10 +93,6 @@ def save_megatron_fsdp_dtensor(cfg, model, root, adam=True):
 def test_fsdp_dtensor_imports_weights_and_adam_state_and_resumes(tmp_path):
     """Logits equal the saved model's; Adam's moments, main weights and the group's step load into megalm's
     optimizer; the checkpoint's rng / rerun / scheduler / _extra_state entries are skipped."""
-    from megalm.checkpoint.load import load_checkpoint
-    from megalm.config import set_vocab_size
-    from megalm.distributed import DistributedDataParallel
-    from megalm.optimizer import build_optimizer
 
     cfg, model = random_model("llama")
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -123,23 +117,7 @@ def test_fsdp_dtensor_imports_weights_and_adam_state_and_resumes(tmp_path):
     imported = f"Adam's optimizer state imported (moments and fp32 main weights, step {GROUP_STEP})"
     assert any(imported in n for n in r.notes)
 
-    loaded_cfg = reader.config
-    loaded_cfg.training.bf16, loaded_cfg.training.optimizer = True, "adam"  # a --bf16 run: fp32 main weights
-    loaded_cfg.parallel.tensor_model_parallel_size = 1
-    set_vocab_size(loaded_cfg, VOCAB)
-    target = GPTModel(loaded_cfg, fusion_plan=EAGER, process_groups=get_process_groups()).to(torch.bfloat16)
-    ddp = DistributedDataParallel(target, loaded_cfg.parallel, process_groups=get_process_groups())
-    optimizer = build_optimizer(loaded_cfg, [ddp], report_memory=False, process_groups=get_process_groups())
-    load_checkpoint(str(dst), [ddp], optimizer)
-    state = optimizer.sharded_param_state()
-    originals = dict(model.named_parameters())
-    for name, p in target.named_parameters():
-        full = originals[name].detach()
-        assert torch.equal(p.detach(), full.to(torch.bfloat16)), name
-        for key in ("exp_avg", "exp_avg_sq", "main_param"):
-            expected = adam_state({"main_param": "fp32_param"}.get(key, key), full).reshape(state[name][key].shape)
-            assert torch.equal(state[name][key], expected), (name, key)  # fp32 masters: exact, not bf16
-        assert int(state[name]["step"]) == GROUP_STEP
+    assert_imported_adam_state(dst, reader.config, model, step=GROUP_STEP)
 
 
 def test_fsdp_dtensor_weights_only_and_refusals(tmp_path):

@@ -31,7 +31,7 @@ ROOT = os.path.join(REPO, "megalm")
 # or several modules that form one idea).  The picture with the reasons: docs/layering.md.
 LAYERS: List[Tuple[str, List[str]]] = [
     ("base", ["errors", "log"]),
-    ("leaves", ["device", "parallel_layout", "parameter_names", "tokenizers"]),
+    ("leaves", ["device", "parallel_layout", "process_groups", "parameter_names", "tokenizers"]),
     ("runtime", ["timers", "host_transfer", "topology", "parallel_state", "fusions"]),
     ("parallel primitives", ["tensor_parallel", "pipeline_parallel"]),
     ("parameter layout", ["param_layout"]),

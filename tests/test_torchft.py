@@ -298,29 +298,38 @@ def _wait(predicate, seconds, what, procs, tmp):
     pytest.fail(f"timed out waiting for {what}\n{logs}")
 
 
-def test_a_killed_group_drops_out_and_a_returning_one_recovers_from_its_peer(tmp_path):
+def _kill_and_rejoin(tmp_path, flags, kill_after, references):
+    """The scenario of the tests below, with a lighthouse of its own: groups A and B (``flags``) start their
+    set-up together once both are imported, and each group's manager waits for the other's before the first
+    quorum (:func:`_joined`: started apart on a loaded machine, the first one up could train every step alone);
+    B is SIGKILLed in the step after its ``kill_after``-th step with A; once A committed a step alone (A then
+    holds at its next step) a fresh B, its imports done, starts and recovers from A, and A goes on; A, the new B
+    and the ``references`` (``(argv, log name, environment)`` processes started beside them) all exit 0."""
     pytest.importorskip("torchft")
     from torchft._torchft import LighthouseServer
 
+    # The first quorum waits up to a minute for a group still setting up; a dead group leaves the quorum after
+    # the 1 s heartbeat timeout.
     lighthouse = LighthouseServer(
         bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=60000, quorum_tick_ms=50, heartbeat_timeout_ms=1000
     )
     port = int(lighthouse.address().rsplit(":", 1)[1])
-    hold = tmp_path / "release"
-    procs = []
+    hold, back = tmp_path / "release", tmp_path / "b_is_dead"
+    go = {"MEGALM_TEST_FT_START_AFTER": str(tmp_path / "go")}
+    procs, names = [], ["a", "b2"]
     try:
-        # A and B start their set-up together, once both are imported: each joins the lighthouse (heartbeats)
-        # before the other asks for its first quorum, which then waits for it (join timeout 60 s).  Started
-        # apart on a loaded machine, the first one up could train alone: a B up 10 s before A runs all 14
-        # iterations alone and exits 0 instead of dying (the likely cause of a failure on B's exit code).
-        go = {"MEGALM_TEST_FT_START_AFTER": str(tmp_path / "go")}
-        procs.append(_group(tmp_path, 0, port, "a", MEGALM_TEST_FT_HOLD=str(hold), **go, **_joined(tmp_path, "a", "b")))
-        procs.append(_group(tmp_path, 1, port, "b", MEGALM_TEST_FT_KILL="2", **go, **_joined(tmp_path, "b", "a")))
-        plain_run = [sys.executable, os.path.abspath(__file__), *FLAGS, "--metrics-file", str(tmp_path / "ref.jsonl")]
-        ref = _spawn(plain_run, tmp_path / "ref.log")
-        procs.append(ref)
-        back = tmp_path / "b_is_dead"
-        procs.append(_group(tmp_path, 1, port, "b2", MEGALM_TEST_FT_START_AFTER=str(back)))  # the new B
+        procs.append(
+            _group(tmp_path, 0, port, "a", flags, MEGALM_TEST_FT_HOLD=str(hold), **go, **_joined(tmp_path, "a", "b"))
+        )
+        procs.append(
+            _group(
+                tmp_path, 1, port, "b", flags, MEGALM_TEST_FT_KILL=str(kill_after), **go, **_joined(tmp_path, "b", "a")
+            )
+        )
+        procs.append(_group(tmp_path, 1, port, "b2", flags, MEGALM_TEST_FT_START_AFTER=str(back)))  # the new B
+        for args, name, env in references:
+            procs.append(_spawn(args, tmp_path / f"{name}.log", **env))
+            names.append(name)
         ready = lambda: all((tmp_path / f"{n}.log.ready").exists() for n in ("a", "b"))  # noqa: E731
         _wait(ready, 180, "A and B imported", procs, tmp_path)
         (tmp_path / "go").touch()
@@ -333,7 +342,7 @@ def test_a_killed_group_drops_out_and_a_returning_one_recovers_from_its_peer(tmp
         back.touch()  # a fresh B (its imports done) starts: the node came back
         _wait(lambda: "asks for its first quorum" in (tmp_path / "b2.log").read_text(), 180, "B back", procs, tmp_path)
         hold.touch()  # A, holding after a step alone, goes on: its next quorum has B
-        for p, name in ((procs[0], "a"), (procs[3], "b2"), (ref, "ref")):
+        for p, name in zip([procs[0], *procs[2:]], names):
             assert p.wait(timeout=180) == 0, (tmp_path / f"{name}.log").read_text()[-4000:]
     finally:
         for p in procs:
@@ -341,6 +350,11 @@ def test_a_killed_group_drops_out_and_a_returning_one_recovers_from_its_peer(tmp
                 p.kill()
             p.wait()
         lighthouse.shutdown()
+
+
+def test_a_killed_group_drops_out_and_a_returning_one_recovers_from_its_peer(tmp_path):
+    plain_run = [sys.executable, os.path.abspath(__file__), *FLAGS, "--metrics-file", str(tmp_path / "ref.jsonl")]
+    _kill_and_rejoin(tmp_path, FLAGS, 2, [(plain_run, "ref", {})])
     a, b, b2, plain = (_train_rows(tmp_path / f"{n}.jsonl") for n in ("a", "b", "b2", "ref"))
     # Whoever started first may have trained alone and the other recovered from it: every iteration is
     # logged by A or the first B, with consumed samples = iteration x global batch, and every group
@@ -399,46 +413,12 @@ def test_diloco_across_replica_groups_survives_a_kill_between_syncs(tmp_path):
     batch, its outer steps use A alone; a new B receives A's weights, inner and outer optimizer state
     and rejoins; both end with one model.  The iterations before the kill equal megalm's own DiLoCo
     over 2 data-parallel ranks (no torchft): the outer all-reduce through torchft is the same math."""
-    pytest.importorskip("torchft")
-    from torchft._torchft import LighthouseServer
-
-    # The first quorum waits up to a minute for the group still setting up (the reference has both from
-    # iteration 1); a dead group leaves the quorum after the 1 s heartbeat timeout.
-    lighthouse = LighthouseServer(
-        bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=60000, quorum_tick_ms=50, heartbeat_timeout_ms=1000
-    )
-    port = int(lighthouse.address().rsplit(":", 1)[1])
-    hold, back = tmp_path / "release", tmp_path / "b_is_dead"
-    procs, master = [], str(free_port())
-    try:
-        go = {"MEGALM_TEST_FT_START_AFTER": str(tmp_path / "go")}  # A and B start together (see the test above)
-        both = (go, _joined(tmp_path, "a", "b"), _joined(tmp_path, "b", "a"))
-        procs.append(_group(tmp_path, 0, port, "a", SGD_FLAGS, MEGALM_TEST_FT_HOLD=str(hold), **both[0], **both[1]))
-        procs.append(_group(tmp_path, 1, port, "b", SGD_FLAGS, MEGALM_TEST_FT_KILL="4", **both[0], **both[2]))
-        procs.append(_group(tmp_path, 1, port, "b2", SGD_FLAGS, MEGALM_TEST_FT_START_AFTER=str(back)))
-        ref_metrics = str(tmp_path / "ref.jsonl")
-        for rank in range(2):  # the reference: --local-sgd-interval over 2 data-parallel ranks
-            args = [sys.executable, os.path.abspath(__file__), *SGD_FLAGS, "--metrics-file", ref_metrics]
-            env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=master, RANK=str(rank), WORLD_SIZE="2")
-            procs.append(_spawn(args, tmp_path / f"ref{rank}.log", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", **env))
-        ready = lambda: all((tmp_path / f"{n}.log.ready").exists() for n in ("a", "b"))  # noqa: E731
-        _wait(ready, 180, "A and B imported", procs, tmp_path)
-        (tmp_path / "go").touch()
-        _wait(lambda: procs[1].poll() is not None, 180, "B to die", procs, tmp_path)
-        assert procs[1].returncode == -signal.SIGKILL, (tmp_path / "b.log").read_text()[-3000:]
-        alone = lambda: 1 in [r.get("ft_replica_groups") for r in _train_rows(tmp_path / "a.jsonl")]  # noqa: E731
-        _wait(alone, 180, "A to commit a step alone", procs, tmp_path)
-        back.touch()
-        _wait(lambda: "asks for its first quorum" in (tmp_path / "b2.log").read_text(), 180, "B back", procs, tmp_path)
-        hold.touch()
-        for p, name in zip([procs[0], *procs[2:]], ("a", "b2", "ref0", "ref1")):
-            assert p.wait(timeout=180) == 0, (tmp_path / f"{name}.log").read_text()[-4000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        lighthouse.shutdown()
+    master, ref_metrics, refs = str(free_port()), str(tmp_path / "ref.jsonl"), []
+    for rank in range(2):  # the reference: --local-sgd-interval over 2 data-parallel ranks
+        args = [sys.executable, os.path.abspath(__file__), *SGD_FLAGS, "--metrics-file", ref_metrics]
+        env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=master, RANK=str(rank), WORLD_SIZE="2")
+        refs.append((args, f"ref{rank}", dict(env, LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")))
+    _kill_and_rejoin(tmp_path, SGD_FLAGS, 4, refs)
     a, b, b2, ref = (_train_rows(tmp_path / f"{n}.jsonl") for n in ("a", "b", "b2", "ref"))
     # Sample accounting: A logs every iteration once, global batch k = samples [4k, 4k + 4).
     assert [(r["iteration"], r["consumed_samples"]) for r in a] == [(i, 4 * i) for i in range(1, SGD_ITERS + 1)], a

@@ -30,18 +30,15 @@ from __future__ import annotations
 import argparse
 import io
 import os
-import warnings
 from typing import Dict, List, Optional
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from megalm.checkpoint.fsdp_dtensor import MODEL, OPTIMIZER_STATE, _sequential_name
-from megalm.checkpoint.safe_metadata import SafeFileSystemReader, load_metadata
+from megalm.checkpoint.safe_metadata import load_metadata
 from megalm.conversion.errors import ConversionError
-from megalm.conversion.megatron_layouts import _join_swiglu_halves, is_extra_state
+from megalm.conversion.megatron_layouts import _join_swiglu_halves, is_extra_state, load_tensors
 from megalm.conversion.megatron_pickles import load_megatron_object
 
 GROUP_META = "optimizer.param_to_group_meta.module.module.module."
@@ -104,16 +101,7 @@ class FsdpDtensorCheckpoint:
         return load_megatron_object(source, obj.getvalue()) if isinstance(obj, io.BytesIO) else obj
 
     def load(self, keys: List[str]) -> Dict[str, torch.Tensor]:
-        request = {k: torch.zeros(self.shapes[k], dtype=self.dtypes[k]) for k in keys}
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed.*")
-            dcp.load(
-                request,
-                storage_reader=SafeFileSystemReader(self.path, self.metadata),
-                planner=DefaultLoadPlanner(),
-                no_dist=True,
-            )
-        return request
+        return load_tensors(self.path, self.metadata, {k: (self.shapes[k], self.dtypes[k]) for k in keys})
 
     def model_tensors(self) -> Dict[str, torch.Tensor]:
         """The model's tensors under Megatron-core's per-layer names (SwiGLU halves joined ``[gate ; up]``)."""

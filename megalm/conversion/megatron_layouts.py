@@ -75,6 +75,21 @@ COMMON_STATE_KEY = "common_state/shard_0_1"  # megatron-core >= 0.17: the common
 FLAT_OPTIMIZER_GROUPS_KEY = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
 
 
+def load_tensors(path: str, metadata, wanted: Dict[str, Tuple[torch.Size, torch.dtype]]) -> Dict[str, torch.Tensor]:
+    """The whole tensors ``wanted`` (key -> (shape, dtype)) of the DCP checkpoint at ``path``, read in one process
+    through megalm's restricted reader (nothing in the checkpoint runs)."""
+    request = {k: torch.zeros(shape, dtype=dtype) for k, (shape, dtype) in wanted.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed.*")
+        dcp.load(
+            request,
+            storage_reader=SafeFileSystemReader(path, metadata),
+            planner=DefaultLoadPlanner(),
+            no_dist=True,
+        )
+    return request
+
+
 def read_byte_entry(path: str, metadata, key: str) -> Optional[Tuple[object, str]]:
     """``(object, where it was read)`` of the DCP byte entry ``key`` (megatron-core's ``ShardedObject``:
     a ``torch.save`` of ``[object]``), unpickled like ``common.pt``; None when there is no such entry."""
@@ -130,16 +145,7 @@ class TorchDistCheckpoint:
         return sorted(covered)
 
     def load(self, keys: List[str]) -> Dict[str, torch.Tensor]:
-        request = {k: torch.zeros(self.shapes[k], dtype=self.dtypes[k]) for k in keys}
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed.*")
-            dcp.load(
-                request,
-                storage_reader=SafeFileSystemReader(self.path, self.metadata),
-                planner=DefaultLoadPlanner(),
-                no_dist=True,
-            )
-        return request
+        return load_tensors(self.path, self.metadata, {k: (self.shapes[k], self.dtypes[k]) for k in keys})
 
     def layer_tensors(self, num_layers: int) -> Dict[str, torch.Tensor]:
         """Every model tensor, the stacked layer tensors unstacked into ``decoder.layers.{i}.*``."""
