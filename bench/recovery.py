@@ -287,6 +287,7 @@ def _nodes(args):
 
 def worker(argv):
     import pretrain_gpt
+    from megalm.device import shutdown_distributed
 
     call = int(os.environ.get("MEGALM_BENCH_KILL_AT", "0"))
     forward_step = pretrain_gpt.forward_step
@@ -312,6 +313,7 @@ def worker(argv):
             return slow(data_iterator, model)
 
     pretrain_gpt.main(argv, forward_step)
+    shutdown_distributed()  # as pretrain_gpt's own entry: gloo's teardown at exit may abort a finished rank
 
 
 def main():

@@ -168,6 +168,7 @@ def worker(argv):
     """One replica group's rank: ``pretrain_gpt.main``; ``MEGALM_BENCH_KILL_AT=N``: SIGKILL at the N-th
     forward step (the time goes to ``MEGALM_BENCH_STAMP``); every metrics record gets its wall time."""
     import pretrain_gpt
+    from megalm.device import shutdown_distributed
     from megalm.training import metrics
 
     log_iteration = metrics.MetricsWriter.log_iteration
@@ -189,6 +190,7 @@ def worker(argv):
         return pretrain_gpt.forward_step(data_iterator, model)
 
     pretrain_gpt.main(argv, forward_step)
+    shutdown_distributed()  # as pretrain_gpt's own entry: gloo's teardown at exit may abort a finished rank
 
 
 def lighthouse(bind, heartbeat_timeout_ms):

@@ -53,6 +53,7 @@ def _enter_cgroup(quota: float) -> None:
 
 def worker(argv):
     import pretrain_gpt
+    from megalm.device import shutdown_distributed
 
     rank = int(os.environ["RANK"])
     forward_step = pretrain_gpt.forward_step
@@ -67,6 +68,7 @@ def worker(argv):
             return inner(data_iterator, model)
 
     pretrain_gpt.main(argv, forward_step)
+    shutdown_distributed()  # as pretrain_gpt's own entry: gloo's teardown at exit may abort a finished rank
 
 
 def run(name, slow, extra, args, tmp, per_microbatch=0.0):

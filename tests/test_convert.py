@@ -57,11 +57,12 @@ def sp_model(tmp_path_factory):
     return make_sp_model(tmp_path_factory.mktemp("tok"), vocab_size=VOCAB)
 
 
-@pytest.mark.parametrize("arch", ["llama-gqa-bias-untied", "gpt2-tied"])
+@pytest.mark.parametrize("arch", ["llama-gqa-bias-untied", "gpt2-tied", "gpt2-squared-relu"])
 def test_export_logits_match_transformers(arch, tmp_path, sp_model):
     cfg = make_config(
         MODEL,
         LLAMA if arch.startswith("llama") else GPT2,
+        dict(squared_relu=True) if arch.endswith("squared-relu") else {},
         tokenizer_type="SentencePieceTokenizer",
         tokenizer_model=sp_model,
     )
@@ -71,6 +72,8 @@ def test_export_logits_match_transformers(arch, tmp_path, sp_model):
     assert os.path.isfile(tmp_path / "hf" / "model.safetensors.index.json")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["architectures"] == [result.architecture]
+    if arch.startswith("gpt2"):  # --squared-relu is transformers' ReLUSquaredActivation
+        assert config["activation_function"] == ("relu2" if arch.endswith("squared-relu") else "gelu")
     ids = tokens()
     with torch.no_grad():
         ours = model(ids)[..., :VOCAB]
@@ -192,6 +195,7 @@ def test_export_refusals(tmp_path):
             (dict(position_embedding_type="rope"), "no Hugging Face architecture"),
             (dict(LLAMA, rotary_percent=0.5), "rotary-percent"),
             (dict(LLAMA, num_experts=4), "mixture-of-experts"),
+            (dict(LLAMA, swiglu=False, squared_relu=True), "--squared-relu MLP \\(needs --swiglu\\)"),
         ]
     ):
         cfg = make_config(MODEL, model)

@@ -38,6 +38,7 @@ from tests.configs import TINY_GPT, make_config
 
 VOCAB, PADDED = 100, 128
 GPT = dict(position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False, openai_gelu=True)
+SQRELU = dict(GPT, openai_gelu=False, squared_relu=True)  # Megatron's --squared-relu (--no-bias-gelu-fusion)
 LLAMA = dict(
     position_embedding_type="rope",
     normalization="RMSNorm",
@@ -93,7 +94,7 @@ def megatron_enum_module(monkeypatch):
 
 
 def random_model(arch: str):
-    fields = {"gpt": GPT, "llama": LLAMA, "gptoss": GPTOSS}[arch]
+    fields = {"gpt": GPT, "llama": LLAMA, "gptoss": GPTOSS, "sqrelu": SQRELU}[arch]
     cfg = copy.deepcopy(make_config(TINY_GPT, fields, vocab_size=VOCAB))  # editable copy (frozen once validated)
     cfg.model.num_layers = 4
     cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.0
@@ -128,7 +129,9 @@ def megatron_args(cfg, tp=1, pp=1) -> argparse.Namespace:
         apply_layernorm_1p=False,
         qk_layernorm=m.qk_layernorm,
         swiglu=m.swiglu,
-        bias_gelu_fusion=m.add_bias_linear,  # Megatron turns the fusion off without biases
+        squared_relu=m.squared_relu,
+        # Megatron turns the fusion off without biases; it refuses it with --squared-relu
+        bias_gelu_fusion=m.add_bias_linear and not m.squared_relu,
         openai_gelu=False,
         add_bias_linear=m.add_bias_linear,
         add_qkv_bias=False,
@@ -264,7 +267,7 @@ def imported_logits(save_dir, ids):
         return model(ids)[..., :VOCAB], reader
 
 
-@pytest.mark.parametrize("arch", ["gpt", "llama", "gptoss"])
+@pytest.mark.parametrize("arch", ["gpt", "llama", "gptoss", "sqrelu"])
 def test_import_torch_dist_and_legacy_give_the_same_logits(arch, tmp_path):
     cfg, model = random_model(arch)
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -280,6 +283,7 @@ def test_import_torch_dist_and_legacy_give_the_same_logits(arch, tmp_path):
         assert (logits - reference).abs().max() <= 1e-6, (arch, layout)
         m = reader.config.model
         assert m.vocab_size == VOCAB and m.openai_gelu == (arch == "gpt") and m.num_layers == 4
+        assert m.squared_relu == (arch == "sqrelu")
         assert reader.config.parallel.tensor_model_parallel_size == 2  # the recorded target layout
         assert reader.shape("embedding.word_embeddings.weight") == (VOCAB, 32)
         assert any("optimizer state" in n and "not imported" in n for n in r.notes)
@@ -297,6 +301,13 @@ def test_import_torch_dist_and_legacy_give_the_same_logits(arch, tmp_path):
 
         fields, _ = megalm_fields(vars(args_exact), "x", VOCAB)
         assert fields["openai_gelu"] is False
+    if arch == "sqrelu":  # squared ReLU is never a GELU, whatever the saved fusion flag says
+        from megalm.conversion.megatron_args import megalm_fields
+
+        args_fused = megatron_args(cfg)
+        args_fused.bias_gelu_fusion = True
+        fields, notes = megalm_fields(vars(args_fused), "x", VOCAB)
+        assert fields["squared_relu"] is True and fields["openai_gelu"] is False and not notes
 
 
 def test_refusals_name_the_file_and_run_nothing(tmp_path):
@@ -403,6 +414,12 @@ def test_openai_gelu_is_megatrons_fused_bias_gelu():
     cfg = make_config(TINY_GPT, GPT, vocab_size=VOCAB)
     hf = GPT2().hf_config(cfg.model, "float32", {})
     assert hf["activation_function"] == "gelu_new" and GPT2().megalm_fields(hf)["openai_gelu"] is True
+    hf = GPT2().hf_config(make_config(TINY_GPT, SQRELU, vocab_size=VOCAB).model, "float32", {})
+    fields = GPT2().megalm_fields(hf)  # transformers' "relu2" reads back as --squared-relu
+    assert hf["activation_function"] == "relu2" and fields["squared_relu"] and not fields["openai_gelu"]
+    hf["activation_function"] = "relu"
+    with pytest.raises(ConversionError, match="activation_function = 'relu'.*'relu2', --squared-relu"):
+        GPT2().megalm_fields(hf)
 
 
 def test_true_vocabulary_size():

@@ -219,5 +219,7 @@ def _hold_alone_hook(forward_step):
 
 if __name__ == "__main__":
     import pretrain_gpt
+    from megalm.device import shutdown_distributed
 
     pretrain_gpt.main(sys.argv[1:], _hold_alone_hook(_kill_node_hook(pretrain_gpt.forward_step)))
+    shutdown_distributed()  # as pretrain_gpt's own entry: gloo's teardown at exit may abort a finished rank

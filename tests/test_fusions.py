@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megalm.fusions import EAGER, BackendUnavailable, backends, compile_stats, plan_fusions
-from megalm.fusions.activations import bias_gelu, bias_swiglu
+from megalm.fusions.activations import bias_gelu, bias_squared_relu, bias_swiglu
 from megalm.fusions.dropout_add import bias_dropout_add
 from megalm.fusions.norms import layer_norm, rms_norm
 from megalm.fusions.rope import rotary_qk
@@ -80,6 +80,8 @@ def test_elementwise_fusions_match_eager(dtype):
     _check(bias_swiglu, (x, None), dtype)
     _check(bias_gelu, (x, bias), dtype)
     _check(bias_gelu, (x, None), dtype)
+    _check(bias_squared_relu, (x, bias), dtype)
+    _check(bias_squared_relu, (x, None), dtype)
 
     out, bias_h, residual = _leaves((s, b, h), (h,), (s, b, h), dtype=dtype, seed=1)
     _check(bias_dropout_add, (out, bias_h, residual, 0.0, True), dtype)
@@ -155,6 +157,7 @@ def test_fusion_references_are_the_textbook_formulas():
     gate, up = (x + bias).chunk(2, -1)
     assert torch.allclose(bias_swiglu.eager(x, bias), gate * torch.sigmoid(gate) * up, atol=1e-6)
     assert torch.allclose(bias_gelu.eager(x, bias), 0.5 * (x + bias) * (1 + torch.erf((x + bias) / 2**0.5)), atol=1e-6)
+    assert torch.equal(bias_squared_relu.eager(x, bias), torch.where(x + bias > 0, (x + bias) ** 2, 0.0))
     w = torch.randn(12, generator=g)
     assert torch.allclose(
         rms_norm.eager(x, w, 1e-5), x / (x.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt() * w, atol=1e-5

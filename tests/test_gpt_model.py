@@ -61,6 +61,7 @@ CONFIGS = {
     "none-LayerNorm-GELU-bias-untied-MHA": dict(
         position_embedding_type="none", untie_embeddings_and_output_weights=True
     ),
+    "learned-LayerNorm-SquaredReLU-bias-tied-MHA": dict(squared_relu=True),  # Megatron's --squared-relu
     # Megatron recipe flags: per-head q/k norms (partial TP gradients), a QKV-only bias, 1 + w norms.
     "rope-qk-layernorm-qkv-bias-1p-GQA": dict(
         position_embedding_type="rope",
@@ -456,6 +457,48 @@ def test_attention_rope_and_swiglu_match_naive_formulas():
     gate_b, up_b = mlp.linear_fc1.bias.chunk(2, 0)
     hidden = torch.nn.functional.silu(x @ gate_w.t() + gate_b) * (x @ up_w.t() + up_b)
     assert _rel(mlp(x), hidden @ mlp.linear_fc2.weight.t() + mlp.linear_fc2.bias) < 1e-6
+
+
+def test_squared_relu_mlp_matches_the_formula_forward_and_backward():
+    """``--squared-relu``: ``fc2(relu(fc1 x + b1)^2) + b2``, its output and every gradient against plain
+    autograd on that formula, eager and compiled-plan activations alike; the default FFN is 4h (not gated)."""
+    from megalm.fusions.activations import bias_squared_relu
+    from megalm.transformer import MLP
+
+    default = make_config(MODEL, squared_relu=True, ffn_hidden_size=None).model
+    assert default.ffn_hidden_size == 4 * default.hidden_size and not default.gated_linear_unit
+    m = make_config(MODEL, squared_relu=True).model
+    g = torch.Generator().manual_seed(5)
+    mlp = MLP(m, tp_group=get_process_groups().tp)
+    assert mlp.bias_activation in (bias_squared_relu, bias_squared_relu.eager)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    x = torch.randn(SEQ, BATCH, m.hidden_size, generator=g)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = mlp(x1)
+    ref_params = [p.detach().clone().requires_grad_() for p in mlp.parameters()]
+    w1, b1, w2, b2 = (
+        dict(zip([n for n, _ in mlp.named_parameters()], ref_params))[k]
+        for k in ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")
+    )
+    ref = torch.relu(x2 @ w1.t() + b1) ** 2 @ w2.t() + b2
+    assert (ref > 0).any() and _rel(out, ref) < 1e-6
+    grad = torch.randn(ref.shape, generator=g)
+    out.backward(grad)
+    ref.backward(grad)
+    assert _rel(x1.grad, x2.grad) < 1e-6
+    for p, r in zip(mlp.parameters(), ref_params):
+        assert _rel(p.grad, r.grad) < 1e-6
+    assert bias_squared_relu.eager(torch.tensor([-2.0, 0.5, 3.0]), None).tolist() == [0.0, 0.25, 9.0]
+
+
+@pytest.mark.parametrize("other", ["swiglu", "quick_geglu", "openai_gelu"])
+def test_squared_relu_refuses_another_activation(other):
+    from megalm.config.sections import ConfigError
+
+    with pytest.raises(ConfigError, match=f"--squared-relu and --{other.replace('_', '-')} each choose"):
+        make_config(MODEL, squared_relu=True, **{other: True})
 
 
 def test_param_info_records_and_tied_weights():

@@ -161,8 +161,10 @@ def test_experts_without_any_token():
         assert all(p.grad is not None and p.grad.abs().max() == 0 for p in experts.parameters())
 
 
-def _reference_moe(layer, x):
-    """out[t] = sum over the token's top-2 experts of p * fc2(act(fc1(x_t))), token by token."""
+def _reference_moe(layer, x, squared_relu=False):
+    """out[t] = sum over the token's top-2 experts of p * fc2(act(fc1(x_t))), token by token; act is GELU, or
+    relu(y)^2 with --squared-relu."""
+    act = (lambda y: F.relu(y) ** 2) if squared_relu else F.gelu
     w = layer.router.weight
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
@@ -171,15 +173,19 @@ def _reference_moe(layer, x):
         p = torch.softmax(top.values, -1)
         for weight, e in zip(p, top.indices.tolist()):
             expert = layer.experts.local_experts[str(e)]
-            hid = F.gelu(expert.linear_fc1(x[t]))
+            hid = act(expert.linear_fc1(x[t]))
             out[t] += weight * expert.linear_fc2(hid)
     return out
 
 
-@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
-@pytest.mark.parametrize("grouped", [False, True])
-def test_moe_layer_equals_per_token_reference(dispatcher, grouped):
+@pytest.mark.parametrize(
+    "dispatcher, grouped, squared_relu",
+    [("allgather", False, False), ("allgather", True, False), ("alltoall", False, False), ("alltoall", True, False)]
+    + [("alltoall", True, True)],  # the experts' dynamic-shape bias + squared ReLU
+)
+def test_moe_layer_equals_per_token_reference(dispatcher, grouped, squared_relu):
     extra = ["--moe-token-dispatcher-type", dispatcher, "--moe-router-load-balancing-type", "none"]
+    extra += ["--squared-relu"] if squared_relu else []
     m = parse_config([*BASE, *extra, *(["--moe-grouped-gemm"] if grouped else [])]).model
     layer = MoELayer(
         m,
@@ -192,7 +198,7 @@ def test_moe_layer_equals_per_token_reference(dispatcher, grouped):
     x = torch.randn(6, 2, 16, generator=torch.Generator().manual_seed(4), requires_grad=True)
     out = layer(x)
     ref_x = x.detach().clone().requires_grad_()
-    ref = _reference_moe(layer, ref_x.reshape(-1, 16)).view(6, 2, 16)
+    ref = _reference_moe(layer, ref_x.reshape(-1, 16), squared_relu).view(6, 2, 16)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     grad = torch.randn_like(out)
     out.backward(grad)

@@ -90,8 +90,10 @@ def _raise_hook(forward_step):
 
 def _main(argv):
     import pretrain_gpt
+    from megalm.device import shutdown_distributed
 
     pretrain_gpt.main(argv, _raise_hook(_sigkill_hook(pretrain_gpt.forward_step)))
+    shutdown_distributed()  # as pretrain_gpt's own entry: gloo's teardown at exit may abort a finished rank
 
 
 # --- helpers -----------------------------------------------------------------------------

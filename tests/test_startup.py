@@ -187,6 +187,8 @@ def test_a_rank_stalled_in_its_first_step_fails_the_job_fast(tmp_path):
 
 if __name__ == "__main__":
     import pretrain_gpt
+    from megalm.device import shutdown_distributed
 
     # Test hook: global rank MEGALM_TEST_STALL stalls in its first forward step.
     pretrain_gpt.main(sys.argv[1:], sleep_on_rank(pretrain_gpt.forward_step, "MEGALM_TEST_STALL", 3600))
+    shutdown_distributed()  # as pretrain_gpt's own entry: gloo's teardown at exit may abort a finished rank

@@ -126,6 +126,8 @@ def test_rebalanced_microbatches_give_the_balanced_losses(tmp_path):
 
 if __name__ == "__main__":
     import pretrain_gpt
+    from megalm.device import shutdown_distributed
 
     # Test hook: global rank MEGALM_TEST_SLOW_RANK is 0.1 s slower at each forward step.
     pretrain_gpt.main(sys.argv[1:], sleep_on_rank(pretrain_gpt.forward_step, "MEGALM_TEST_SLOW_RANK", 0.1))
+    shutdown_distributed()  # as pretrain_gpt's own entry: gloo's teardown at exit may abort a finished rank

@@ -520,6 +520,7 @@ def _wait_for_file(path, what):
 
 if __name__ == "__main__":
     import pretrain_gpt
+    from megalm.device import shutdown_distributed
 
     open(os.environ.get("MEGALM_TEST_FT_READY", os.devnull), "w").close()  # imported
     start_after = os.environ.get("MEGALM_TEST_FT_START_AFTER")  # started early: imports done, then wait
@@ -529,3 +530,4 @@ if __name__ == "__main__":
     argv = sys.argv[1:]
     metrics = argv[argv.index("--metrics-file") + 1]
     pretrain_gpt.main(argv, _test_hooks(pretrain_gpt.forward_step, metrics))
+    shutdown_distributed()  # as pretrain_gpt's own entry: gloo's teardown at exit may abort a finished rank

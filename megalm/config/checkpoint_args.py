@@ -31,6 +31,7 @@ MODEL_FIELDS = (
     "norm_epsilon",
     "apply_layernorm_1p",
     "swiglu",
+    "squared_relu",
     "add_bias_linear",
     "add_qkv_bias",
     "qk_layernorm",

@@ -56,6 +56,11 @@ class ModelConfig(Section):
         "form (Megatron-LM's --openai-gelu; Megatron's default fused bias-GELU computes this form too, so "
         "tools/checkpoint/convert.py --from megatron sets it for such checkpoints).",
     )
+    squared_relu: bool = _f(
+        False,
+        "Use squared ReLU relu(x)^2 in the MLP instead of GELU (Megatron-LM's --squared-relu, Nemotron recipes); "
+        "not with --swiglu, --quick-geglu or --openai-gelu.",
+    )
     add_bias_linear: bool = _f(
         True, "Disable biases in all linear layers.", flag="--disable-bias-linear", action="store_false"
     )
@@ -158,7 +163,10 @@ class ModelConfig(Section):
         False, "Megatron-LM's fp16 guard; a no-op here (warns): attention scales by 1/sqrt(head dim)."
     )
     bias_gelu_fusion: bool = _f(
-        True, "Disable the fused bias + GeLU.", flag="--no-bias-gelu-fusion", action="store_false"
+        True,
+        "Disable the fused bias + GeLU (bias + squared ReLU with --squared-relu).",
+        flag="--no-bias-gelu-fusion",
+        action="store_false",
     )
     bias_swiglu_fusion: bool = _f(
         True, "Disable the fused bias + SwiGLU.", flag="--no-bias-swiglu-fusion", action="store_false"

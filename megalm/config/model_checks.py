@@ -41,6 +41,10 @@ def validate_model(m) -> None:
         not (m.openai_gelu and (m.swiglu or m.quick_geglu)),
         "--openai-gelu selects the GELU of a GELU MLP; with --swiglu the MLP has no GELU: drop one of them",
     )
+    if m.squared_relu:
+        others = (("--swiglu", m.swiglu), ("--quick-geglu", m.quick_geglu), ("--openai-gelu", m.openai_gelu))
+        given = [flag for flag, on in others if on]
+        check(not given, f"--squared-relu and {' / '.join(given)} each choose the MLP's activation: give one")
     if m.position_embedding_type == "rope" and not m.multi_latent_attention:
         rot = int(m.head_dim * m.rotary_percent)
         check(

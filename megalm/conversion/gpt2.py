@@ -16,7 +16,8 @@ whereas megalm's fused QKV interleaves them per head (``[q_h ; k_h ; v_h]``)::
     lm_head.weight                        <-> output_layer.weight (untied only)
 
 ``activation_function``: ``"gelu"`` (exact) <-> megalm's default GELU; ``"gelu_new"`` (the tanh
-approximation of the original GPT-2 weights) <-> ``--openai-gelu``.
+approximation of the original GPT-2 weights) <-> ``--openai-gelu``; ``"relu2"`` (transformers'
+``ReLUSquaredActivation``, ``relu(x)^2``) <-> ``--squared-relu``.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class GPT2(Architecture):
         if m.add_qkv_bias and not m.add_bias_linear:
             wrong.append("--add-qkv-bias (GPT-2 has no bias on the QKV projection alone)")
         if m.swiglu:
-            wrong.append("--swiglu (needs GELU)")
+            wrong.append("--swiglu (needs GELU or squared ReLU)")
         if not m.add_bias_linear:
             wrong.append("--disable-bias-linear (needs biases)")
         if m.group_query_attention:
@@ -88,7 +89,7 @@ class GPT2(Architecture):
             "n_head": m.num_attention_heads,
             "n_inner": m.ffn_hidden_size,
             "n_positions": m.max_position_embeddings,
-            "activation_function": "gelu_new" if m.openai_gelu else "gelu",
+            "activation_function": "relu2" if m.squared_relu else "gelu_new" if m.openai_gelu else "gelu",
             "layer_norm_epsilon": m.norm_epsilon,
             "resid_pdrop": m.hidden_dropout,
             "embd_pdrop": m.hidden_dropout,
@@ -109,10 +110,10 @@ class GPT2(Architecture):
 
     def megalm_fields(self, hf: dict) -> dict:
         act = hf.get("activation_function", "gelu_new")
-        if act not in ("gelu", "gelu_new"):
+        if act not in ("gelu", "gelu_new", "relu2"):
             raise ConversionError(
-                f"config.json activation_function = {act!r}: megalm has the exact (erf) GELU ('gelu') and its "
-                f"tanh approximation ('gelu_new', --openai-gelu) only"
+                f"config.json activation_function = {act!r}: megalm has the exact (erf) GELU ('gelu'), its "
+                f"tanh approximation ('gelu_new', --openai-gelu) and squared ReLU ('relu2', --squared-relu) only"
             )
         if not hf.get("scale_attn_weights", True):
             raise ConversionError("config.json scale_attn_weights = false: megalm always scales attention by 1/sqrt(d)")
@@ -135,6 +136,7 @@ class GPT2(Architecture):
             "max_position_embeddings": int(get_field(hf, "n_positions", get_field(hf, "n_ctx", 1024))),
             "position_embedding_type": "learned_absolute",
             "openai_gelu": act == "gelu_new",
+            "squared_relu": act == "relu2",
             "normalization": "LayerNorm",
             "norm_epsilon": float(get_field(hf, "layer_norm_epsilon", 1e-5)),
             "swiglu": False,

@@ -91,7 +91,7 @@ class Llama(Architecture):
         if m.add_qkv_bias and not m.add_bias_linear:
             wrong.append("--add-qkv-bias (Llama has no bias on the QKV projection alone)")
         if not m.swiglu:
-            wrong.append("GELU MLP (needs --swiglu)")
+            wrong.append(f"{'--squared-relu' if m.squared_relu else 'GELU'} MLP (needs --swiglu)")
         if m.glu_linear_offset or m.activation_func_clamp_value is not None:
             wrong.append("--glu-linear-offset / --activation-func-clamp-value (plain SwiGLU only)")
         if m.softmax_type != "vanilla" or (m.window_size and m.window_size[0] >= 0):

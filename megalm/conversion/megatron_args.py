@@ -2,7 +2,7 @@
 
 Read from the checkpoint's own ``args`` (``common.pt`` / ``model_optim_rng.pt``, see
 :mod:`megalm.conversion.megatron_pickles`): the architecture (layers, sizes, heads, query groups,
-``kv_channels``, norm, SwiGLU, biases, tied or untied output, positions and RoPE base/percent,
+``kv_channels``, norm, SwiGLU or squared ReLU, biases, tied or untied output, positions and RoPE base/percent,
 qk-layernorm, ``apply_layernorm_1p``), the dropouts, the init std, ``seq_length`` and the padded
 vocabulary; for mixture-of-experts models the expert count, sizes, layer pattern, router (top-k, score
 function, group-limited routing, scaling, expert bias, dtype), shared expert and the training-only
@@ -35,7 +35,6 @@ _MUST_BE_OFF = (
     ("use_rope_scaling", "megalm implements plain RoPE only"),
     ("rotary_seq_len_interpolation_factor", "megalm implements plain RoPE only"),
     ("apply_residual_connection_post_layernorm", "megalm's residual adds the layer input"),
-    ("squared_relu", "megalm's MLP is GELU or SwiGLU"),
     ("heterogeneous_layers_config_path", "megalm's layers are all alike"),
     ("qk_l2_norm", "megalm's --qk-layernorm uses --normalization"),
     ("no_rope_freq", "megalm applies RoPE in every layer"),
@@ -52,7 +51,7 @@ def _get(args: dict, name: str, default=None):
 def tanh_gelu(args: dict) -> bool:
     """Whether Megatron's GELU MLP computed the tanh approximation (``--openai-gelu``, or the default
     fused bias-GELU ``bias_gelu_impl``, which Megatron turns off without biases)."""
-    if args.get("swiglu"):
+    if args.get("swiglu") or args.get("squared_relu") or args.get("quick_geglu"):
         return False
     fused = bool(_get(args, "bias_gelu_fusion", True)) and bool(_get(args, "add_bias_linear", True))
     return bool(args.get("openai_gelu")) or fused
@@ -207,6 +206,7 @@ def megalm_fields(args: dict, source: str, vocab_size: int) -> Tuple[dict, List[
         "norm_epsilon": float(_get(args, "norm_epsilon", _get(args, "layernorm_epsilon", 1e-5))),
         "apply_layernorm_1p": bool(args.get("apply_layernorm_1p") or args.get("layernorm_zero_centered_gamma")),
         "swiglu": bool(args.get("swiglu")),
+        "squared_relu": bool(args.get("squared_relu")),
         "openai_gelu": tanh_gelu(args),
         "add_bias_linear": bool(_get(args, "add_bias_linear", True)),
         "add_qkv_bias": bool(args.get("add_qkv_bias")),

@@ -1,5 +1,5 @@
-"""Bias + activation fusions of the MLP: ``gelu(x + b)`` (exact, or tanh with ``--openai-gelu``) and
-``silu(gate + b_g) * (up + b_u)``.
+"""Bias + activation fusions of the MLP: ``gelu(x + b)`` (exact, or tanh with ``--openai-gelu``),
+``relu(x + b)^2`` (``--squared-relu``) and ``silu(gate + b_g) * (up + b_u)``.
 
 Without fusion each is two to four elementwise kernels forward and more backward, each a
 full pass over the ``[s, b, ffn/tp]`` activation; compiled, each direction is one pass and
@@ -32,9 +32,26 @@ def bias_gelu_tanh(x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tenso
     return F.gelu(x if bias is None else x + bias, approximate="tanh")
 
 
+@fusion("bias_squared_relu")
+def bias_squared_relu(x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``relu(x + bias)^2`` (``--squared-relu``: Megatron-LM's ``squared_relu``); ``bias`` may be None.
+    Autograd saves the input, as for GELU: the gradient is ``2 relu(y)``."""
+    return torch.square(F.relu(x if bias is None else x + bias))
+
+
 def gelu_fusion(openai_gelu: bool) -> Fusion:
     """The bias + GELU of ``--openai-gelu`` (tanh) or the default (exact erf)."""
     return bias_gelu_tanh if openai_gelu else bias_gelu
+
+
+def pointwise_fusion(m, expert: bool = False) -> Fusion:
+    """The bias + activation of a non-gated MLP of model config ``m``: squared ReLU (``--squared-relu``),
+    tanh GELU (``--openai-gelu``) or exact GELU (``expert``: the dynamic-shape twin)."""
+    if m.squared_relu:
+        return expert_bias_squared_relu if expert else bias_squared_relu
+    if expert:
+        return expert_bias_gelu_tanh if m.openai_gelu else expert_bias_gelu
+    return gelu_fusion(m.openai_gelu)
 
 
 @fusion("bias_swiglu")
@@ -71,5 +88,6 @@ def glu_activation(m, plan_enabled: bool, expert: bool = False):
 
 expert_bias_gelu = Fusion(bias_gelu.eager, "expert_bias_gelu", dynamic=True)
 expert_bias_gelu_tanh = Fusion(bias_gelu_tanh.eager, "expert_bias_gelu_tanh", dynamic=True)
+expert_bias_squared_relu = Fusion(bias_squared_relu.eager, "expert_bias_squared_relu", dynamic=True)
 expert_bias_swiglu = Fusion(bias_swiglu.eager, "expert_bias_swiglu", dynamic=True)
 expert_bias_gated = Fusion(bias_gated.eager, "expert_bias_gated", dynamic=True)

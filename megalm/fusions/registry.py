@@ -13,10 +13,12 @@ from megalm.fusions.activations import (
     bias_gated,
     bias_gelu,
     bias_gelu_tanh,
+    bias_squared_relu,
     bias_swiglu,
     expert_bias_gated,
     expert_bias_gelu,
     expert_bias_gelu_tanh,
+    expert_bias_squared_relu,
     expert_bias_swiglu,
 )
 from megalm.fusions.compile import CompileStats, Fusion
@@ -28,10 +30,12 @@ from megalm.fusions.softmax import scaled_causal_softmax
 FUSIONS = (
     bias_gelu,
     bias_gelu_tanh,
+    bias_squared_relu,
     bias_swiglu,
     bias_gated,
     expert_bias_gelu,
     expert_bias_gelu_tanh,
+    expert_bias_squared_relu,
     expert_bias_swiglu,
     expert_bias_gated,
     bias_dropout_add,

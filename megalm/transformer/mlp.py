@@ -1,4 +1,4 @@
-"""Feed-forward block: ``linear_fc2(act(linear_fc1(x)))`` with GELU or SwiGLU.
+"""Feed-forward block: ``linear_fc2(act(linear_fc1(x)))`` with GELU, squared ReLU or SwiGLU.
 
 ``linear_fc1`` is column parallel (each rank computes ``ffn/tp`` features), ``linear_fc2``
 row parallel.  With SwiGLU ``linear_fc1`` is a fused ``[gate; up]`` weight of
@@ -6,7 +6,8 @@ row parallel.  With SwiGLU ``linear_fc1`` is a fused ``[gate; up]`` weight of
 activation ``silu(gate_r) * up_r`` is local.
 
 The bias of ``linear_fc1`` is added inside the activation (``bias_gelu``, ``bias_gelu_tanh`` with
-``--openai-gelu``, ``bias_swiglu`` of :mod:`megalm.fusions.activations`, compiled when the plan says so).  With
+``--openai-gelu``, ``bias_squared_relu`` with ``--squared-relu``, ``bias_swiglu`` of
+:mod:`megalm.fusions.activations`, compiled when the plan says so).  With
 ``skip_output_bias`` :meth:`MLP.forward` returns ``(output, fc2 bias)`` so the layer can fuse
 the bias into its bias + dropout + residual add.
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megalm.fusions.activations import gelu_fusion, glu_activation
+from megalm.fusions.activations import glu_activation, pointwise_fusion
 from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.fusions.compile import select
 from megalm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -54,7 +55,7 @@ class MLP(nn.Module):
         if m.gated_linear_unit:  # SwiGLU or quick-GEGLU, with gpt-oss's offset / clamp
             self.bias_activation = glu_activation(m, compiled)
         else:
-            self.bias_activation = select(gelu_fusion(m.openai_gelu), compiled)
+            self.bias_activation = select(pointwise_fusion(m), compiled)
 
     def build_linears(self, m, sequence_parallel: bool, skip_output_bias: bool):
         """``(linear_fc1, linear_fc2)``; fc1 returns ``(output, bias)`` for the fused bias + activation

@@ -54,7 +54,7 @@ from torch import nn
 
 from megalm.device import get_device
 from megalm.distributed.unsharder import GATHER_UNIT
-from megalm.fusions.activations import expert_bias_gelu, expert_bias_gelu_tanh, glu_activation
+from megalm.fusions.activations import glu_activation, pointwise_fusion
 from megalm.fusions.backends import EAGER, FusionPlan
 from megalm.fusions.compile import select
 from megalm.parallel_state import group_size
@@ -85,12 +85,11 @@ def bias_activation(m, plan: FusionPlan):
 
 
 def _bias_activation(m, plan: FusionPlan):
-    """``act(x + bias)`` (GELU, tanh GELU with ``--openai-gelu``, or SwiGLU of a ``[gate, up]`` last
-    dimension) for model config ``m``, compiled per the plan."""
+    """``act(x + bias)`` (GELU, tanh GELU with ``--openai-gelu``, squared ReLU with ``--squared-relu``, or
+    SwiGLU of a ``[gate, up]`` last dimension) for model config ``m``, compiled per the plan."""
     if m.gated_linear_unit:
         return glu_activation(m, plan.compiled("bias_activation"), expert=True)
-    gelu = expert_bias_gelu_tanh if m.openai_gelu else expert_bias_gelu
-    return select(gelu, plan.compiled("bias_activation"))
+    return select(pointwise_fusion(m, expert=True), plan.compiled("bias_activation"))
 
 
 class _Linear(nn.Module):
