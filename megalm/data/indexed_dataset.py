@@ -362,7 +362,15 @@ class IndexedDatasetBuilder:
         """Delete the temporary files; nothing is left at the final paths."""
         if not self._bin.closed:
             self._bin.close()
-        for path in (self._tmp_bin, self._tmp_idx):
+        self.remove_temporary(self.path_prefix)
+
+    @staticmethod
+    def remove_temporary(path_prefix: str) -> None:
+        """Delete this process's temporary files of ``path_prefix`` if any: also those of a builder whose
+        construction was interrupted (a ``KeyboardInterrupt`` after it opened its ``.bin.tmp-<pid>`` but
+        before a ``with`` or ``ExitStack`` could register its :meth:`abort`)."""
+        suffix = f".tmp-{os.getpid()}"
+        for path in (data_file_path(path_prefix) + suffix, index_file_path(path_prefix) + suffix):
             if os.path.exists(path):
                 os.remove(path)
 

@@ -342,6 +342,10 @@ def preprocess(opts: PreprocessOptions) -> PreprocessSummary:
                 )
             for builder in builders:
                 builder.finalize()
+    except BaseException:
+        for prefix in prefixes:  # a builder interrupted while being built was never registered to abort
+            IndexedDatasetBuilder.remove_temporary(prefix)
+        raise
     finally:
         progress.close()
         pool.terminate()
