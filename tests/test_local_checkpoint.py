@@ -160,6 +160,20 @@ def _resized(tmp):
     return {"codes": codes, "lines": lines, "left": left}
 
 
+def _same_iterations_7_and_8(tmp_path, restored, from_disk):
+    """Run ``restored`` trained iterations 7 and 8 with the losses, grad norms and consumed samples of run
+    ``from_disk``, bit for bit; returns its records."""
+    local, disk = records(tmp_path, restored), records(tmp_path, from_disk)
+    assert [r["iteration"] for r in local] == [r["iteration"] for r in disk] == [7, 8]
+    for a, b in zip(local, disk):
+        assert (a["lm_loss"], a["grad_norm"], a["consumed_samples"]) == (
+            b["lm_loss"],
+            b["grad_norm"],
+            b["consumed_samples"],
+        )
+    return local
+
+
 def test_local_checkpoint_restores_from_the_peer_node_as_the_disk_checkpoint(tmp_path):
     results = run_distributed(_scenario, 3, args=(str(tmp_path),), timeout=400)
     resized = run_distributed(_resized, 2, args=(str(tmp_path),), timeout=300)
@@ -176,15 +190,8 @@ def test_local_checkpoint_restores_from_the_peer_node_as_the_disk_checkpoint(tmp
     assert sent and "sent to rank 2 (node 'node2'), rank 0 (node 'node0')" in sent[0], results[1]["lines"]
     mine = [line for line in results[0]["lines"] if line.startswith("restored iteration 6")]
     assert mine and "read on this node" in mine[0], results[0]["lines"]
-    local, disk = records(tmp_path, "local"), records(tmp_path, "disk")
-    assert [r["iteration"] for r in local] == [r["iteration"] for r in disk] == [7, 8]
-    for a, b in zip(local, disk):
-        assert (a["lm_loss"], a["grad_norm"], a["consumed_samples"]) == (
-            b["lm_loss"],
-            b["grad_norm"],
-            b["consumed_samples"],
-        )
-        assert a["consumed_samples"] == a["iteration"] * 6
+    local = _same_iterations_7_and_8(tmp_path, "local", "disk")
+    assert all(a["consumed_samples"] == a["iteration"] * 6 for a in local)
     # The resize: both ranks restored iteration 6 from the world-3 copies; rank 1 received its blocks of
     # rank 1's copy (read by rank 0) and the model's (the lowest old rank's, read by rank 0).
     for rank, r in enumerate(resized):
@@ -205,14 +212,7 @@ def test_local_checkpoint_restores_from_the_peer_node_as_the_disk_checkpoint(tmp
     assert any(line.startswith("no complete local checkpoint for world 2") and why in line for line in lines), lines
     lost, disk = records(tmp_path, "resized_lost"), records(tmp_path, "resized_disk")
     assert [(r["iteration"], r["lm_loss"]) for r in lost] == [(7, disk[0]["lm_loss"])], lost
-    local, disk = records(tmp_path, "resized_local"), records(tmp_path, "resized_disk")
-    assert [r["iteration"] for r in local] == [r["iteration"] for r in disk] == [7, 8]
-    for a, b in zip(local, disk):
-        assert (a["lm_loss"], a["grad_norm"], a["consumed_samples"]) == (
-            b["lm_loss"],
-            b["grad_norm"],
-            b["consumed_samples"],
-        )
+    _same_iterations_7_and_8(tmp_path, "resized_local", "resized_disk")
 
 
 def test_replicas_go_to_as_many_other_nodes():

@@ -352,6 +352,18 @@ def _kill_and_rejoin(tmp_path, flags, kill_after, references):
         lighthouse.shutdown()
 
 
+def _assert_recovered_from_a(tmp_path, b2, iterations):
+    """The new B recovered once, the state A sent (same iteration, same sha256), and logged every iteration
+    after it up to ``iterations``."""
+    sent = [line for line in (tmp_path / "a.log").read_text().splitlines() if "torchft: sending the state" in line]
+    got = [line for line in (tmp_path / "b2.log").read_text().splitlines() if "recovered the state of" in line]
+    assert len(got) == 1, got
+    iteration = int(got[0].split("recovered the state of iteration ")[1].split()[0])
+    digest = got[0].split("sha256 ")[1].split(",")[0]
+    assert any(f"iteration {iteration} " in s and f"sha256 {digest})" in s for s in sent), (sent, got)
+    assert [r["iteration"] for r in b2] == list(range(iteration + 1, iterations + 1)), b2
+
+
 def test_a_killed_group_drops_out_and_a_returning_one_recovers_from_its_peer(tmp_path):
     plain_run = [sys.executable, os.path.abspath(__file__), *FLAGS, "--metrics-file", str(tmp_path / "ref.jsonl")]
     _kill_and_rejoin(tmp_path, FLAGS, 2, [(plain_run, "ref", {})])
@@ -379,13 +391,7 @@ def test_a_killed_group_drops_out_and_a_returning_one_recovers_from_its_peer(tmp
         assert abs(r["lm_loss"] - e["lm_loss"]) <= 1e-5 * abs(e["lm_loss"]), (r, e)
         assert abs(r["grad_norm"] - e["grad_norm"]) <= 1e-4 * abs(e["grad_norm"]), (r, e)
     # The new B started where A was, with A's state bit for bit, and then trained in step with A.
-    sent = [line for line in (tmp_path / "a.log").read_text().splitlines() if "torchft: sending the state" in line]
-    got = [line for line in (tmp_path / "b2.log").read_text().splitlines() if "recovered the state of" in line]
-    assert len(got) == 1, got
-    iteration = int(got[0].split("recovered the state of iteration ")[1].split()[0])
-    digest = got[0].split("sha256 ")[1].split(",")[0]
-    assert any(f"iteration {iteration} " in s and f"sha256 {digest})" in s for s in sent), (sent, got)
-    assert [r["iteration"] for r in b2] == list(range(iteration + 1, ITERS + 1)), b2
+    _assert_recovered_from_a(tmp_path, b2, ITERS)
     by_iter = {r["iteration"]: r for r in a}
     assert all(r["grad_norm"] == by_iter[r["iteration"]]["grad_norm"] for r in b2)
 
@@ -447,13 +453,7 @@ def test_diloco_across_replica_groups_survives_a_kill_between_syncs(tmp_path):
     assert {k: sa[k] for k in (2, 4)} == sb, (sa, sb)
     assert sb2 and all(sa[k] == v for k, v in sb2.items()) and SGD_ITERS in sb2, (sa, sb2)
     # The new B received A's state bit for bit (weights, Adam moments, x_0 and the outer momentum).
-    sent = [line for line in (tmp_path / "a.log").read_text().splitlines() if "torchft: sending the state" in line]
-    got = [line for line in (tmp_path / "b2.log").read_text().splitlines() if "recovered the state of" in line]
-    assert len(got) == 1, got
-    iteration = int(got[0].split("recovered the state of iteration ")[1].split()[0])
-    digest = got[0].split("sha256 ")[1].split(",")[0]
-    assert any(f"iteration {iteration} " in s and f"sha256 {digest})" in s for s in sent), (sent, got)
-    assert [r["iteration"] for r in b2] == list(range(iteration + 1, SGD_ITERS + 1)), b2
+    _assert_recovered_from_a(tmp_path, b2, SGD_ITERS)
 
 
 def _test_hooks(forward_step, metrics_file):
