@@ -40,6 +40,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch._utils import _unflatten_dense_tensors
 
 from megalm.distributed.compression.int8 import round_to_integers
 from megalm.log import get_logger
@@ -47,6 +48,12 @@ from megalm.log import get_logger
 logger = get_logger(__name__)
 
 AllReduce = Callable[[torch.Tensor, "dist.ReduceOp"], object]  # (tensor, op) -> a work with wait()
+
+
+def copy_flat(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """``tensors`` <- the consecutive pieces of ``flat`` (their concatenation, in ``flat``'s dtype)."""
+    for t, piece in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+        t.copy_(piece)
 
 
 class CrossGroupInt8:
@@ -79,7 +86,7 @@ class CrossGroupInt8:
             a += self.residual.to(a.device) * n  # its share of the average: the same under another quorum
         if n == 1:  # a group alone sends nothing: its gradient and what it still owed, exactly
             self._next_residual = torch.zeros_like(a)
-            self._copy(a, tensors)
+            copy_flat(a, tensors)
             return
         numel, c = a.numel(), self.chunk
         blocks = torch.nn.functional.pad(a, (0, -numel % c)).view(-1, c)
@@ -96,14 +103,7 @@ class CrossGroupInt8:
         codes = q.reshape(-1)[:numel].to(torch.int8)  # the padding is not sent
         all_reduce(codes, dist.ReduceOp.SUM).wait()
         self._next_residual = (blocks - q * scale[:, None]).reshape(-1)[:numel] / n
-        self._copy(codes.float() * scale.repeat_interleave(c)[:numel] / n, tensors)
-
-    @staticmethod
-    def _copy(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+        copy_flat(codes.float() * scale.repeat_interleave(c)[:numel] / n, tensors)
 
     def commit(self) -> None:
         """The step the last :meth:`average` belongs to was committed: its residual becomes the one."""

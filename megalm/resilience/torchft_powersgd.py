@@ -37,6 +37,7 @@ from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch._utils import _unflatten_dense_tensors
 
 from megalm.distributed.compression.powersgd import PowerSGD
 from megalm.distributed.compression.segments import Segment
@@ -98,7 +99,7 @@ class CrossGroupPowerSGD:
             a += self.residual.to(a.device) * n
         if n == 1:  # a group alone sends nothing: its gradient and what it still owed, exactly
             self._next = (torch.zeros_like(a), self.qs)
-            _copy(a, tensors)
+            _copy_flat(a, tensors)
             return
         job = _CrossGroupJob(a, _concatenated(tensors, matrices), all_reduce)
         for stage in self.method.stages(job):
@@ -110,7 +111,7 @@ class CrossGroupPowerSGD:
                 t.fill_(float("nan"))
             return
         self._next = ((a - job.sent) / n, self.method.qs)
-        _copy(job.out / n, tensors)
+        _copy_flat(job.out / n, tensors)
 
     def commit(self) -> None:
         """The step of the last :meth:`average` was committed: its residual and warm starts become the ones."""
@@ -167,8 +168,7 @@ def _concatenated(tensors: Sequence[torch.Tensor], matrices) -> List[Segment]:
     return out
 
 
-def _copy(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
+def _copy_flat(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """``tensors`` <- the consecutive pieces of ``flat`` (torch's unflatten, as local SGD uses it)."""
+    for t, piece in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+        t.copy_(piece)
